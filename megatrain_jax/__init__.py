@@ -1,0 +1,1 @@
+"""megatrain_jax: train LMs larger than GPU memory on one GPU."""

@@ -1,0 +1,86 @@
+"""A training batch and the host-side checks every batch passes before it reaches a device."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Token ids and next-token targets, shape [B, T].
+
+    ``loss_mask`` (1 = counts) defaults to all ones. ``positions`` default to 0..T-1 per row.
+    ``segment_ids`` (packed documents) restrict attention to tokens of the same segment.
+    """
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    loss_mask: np.ndarray | None = None
+    positions: np.ndarray | None = None
+    segment_ids: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.inputs.shape)
+
+    @property
+    def tokens(self) -> int:
+        return int(np.prod(self.inputs.shape))
+
+    @classmethod
+    def from_windows(cls, windows_BT1: np.ndarray) -> "Batch":
+        """Split [B, T+1] token windows into inputs and shifted targets."""
+        windows_BT1 = np.asarray(windows_BT1)
+        if windows_BT1.ndim != 2 or windows_BT1.shape[1] < 2:
+            raise ValueError(f"token windows must be [batch, seq_len + 1] with seq_len >= 1, "
+                             f"got shape {windows_BT1.shape}")
+        return cls(inputs=windows_BT1[:, :-1], targets=windows_BT1[:, 1:])
+
+    def filled(self) -> "Batch":
+        """The same batch with int32 tokens and explicit mask and positions (all arrays numpy)."""
+        B, T = self.shape
+        mask = np.ones((B, T), np.float32) if self.loss_mask is None else np.asarray(self.loss_mask, np.float32)
+        positions = (np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)) if self.positions is None
+                     else np.asarray(self.positions, np.int32))
+        seg = None if self.segment_ids is None else np.asarray(self.segment_ids, np.int32)
+        return Batch(np.asarray(self.inputs, np.int32), np.asarray(self.targets, np.int32), mask,
+                     np.ascontiguousarray(positions), seg)
+
+    def split(self, n: int) -> list["Batch"]:
+        """``n`` micro-batches of B/n rows each."""
+        B = self.shape[0]
+        if n < 1 or B % n:
+            raise ValueError(f"batch of {B} rows cannot be split into {n} micro-batches; choose a "
+                             f"micro-batch count that divides {B}")
+        rows = B // n
+        return [jax.tree.map(lambda a: a[i * rows:(i + 1) * rows], self) for i in range(n)]
+
+
+def check_batch(batch: Batch, vocab_size: int, max_positions: int | None = None) -> None:
+    """Raise ValueError with what to fix if the batch does not fit the model."""
+    if not isinstance(batch, Batch):
+        raise TypeError(f"expected a megatrain_jax.Batch, got {type(batch).__name__}; build one with "
+                        f"Batch(inputs, targets) or Batch.from_windows(tokens[B, T+1])")
+    inputs, targets = np.asarray(batch.inputs), np.asarray(batch.targets)
+    if inputs.ndim != 2:
+        raise ValueError(f"batch inputs must be [batch, seq_len], got shape {inputs.shape}")
+    for name in ("targets", "loss_mask", "positions", "segment_ids"):
+        arr = getattr(batch, name)
+        if arr is not None and np.shape(arr) != inputs.shape:
+            raise ValueError(f"batch {name} has shape {np.shape(arr)} but inputs have {inputs.shape}")
+    for name, arr in (("inputs", inputs), ("targets", targets)):
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"batch {name} must hold integer token ids, got dtype {arr.dtype}")
+        if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+            bad = int(arr.max()) if arr.max() >= vocab_size else int(arr.min())
+            raise ValueError(f"token id {bad} in batch {name} is outside the model's vocabulary "
+                             f"[0, {vocab_size}); check the tokenizer matches the model's vocab_size")
+    if max_positions is not None:
+        top = int(np.max(batch.positions)) + 1 if batch.positions is not None else inputs.shape[1]
+        if top > max_positions:
+            raise ValueError(f"positions reach {top} but the model allows max_positions={max_positions}; "
+                             f"shorten seq_len or raise max_positions in the model config")

@@ -1,0 +1,89 @@
+"""The decoder-only language model, written as the layered contract the engine drives.
+
+``Decoder.io`` holds the token embedding, the final norm and the (possibly tied) output projection;
+``Decoder.blocks`` holds N identical ``Block`` modules that share one graphdef. Nothing here knows
+where parameters live or how they move.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megatrain_jax.models.config import DecoderConfig
+from megatrain_jax.models.layers import MLP, Attention, RMSNorm, _init_normal
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array,
+                 segment_ids_BT: jax.Array | None = None) -> jax.Array:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+
+class InputOutput(nnx.Module):
+    """The embedding and the head: ``embed`` maps tokens to hidden states, ``final_hidden`` applies the
+    final norm, ``unembed`` maps normalized hidden states to float32 logits."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = nnx.Param(_init_normal(rngs.params(), (cfg.vocab_size, cfg.hidden), jnp.float32))
+        self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nnx.Param(
+            _init_normal(rngs.params(), (cfg.hidden, cfg.vocab_size), jnp.float32))
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.cfg.dtype)
+
+    def embed(self, tokens_BT: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.compute_dtype)
+
+    def final_hidden(self, x_BTD: jax.Array) -> jax.Array:
+        return self.final_norm(x_BTD.astype(jnp.float32))
+
+    def unembed(self, h_TD: jax.Array) -> jax.Array:
+        w_DV = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
+        dt = self.compute_dtype
+        return jnp.matmul(h_TD.astype(dt), w_DV.astype(dt), preferred_element_type=jnp.float32)
+
+
+def part_rngs(key: jax.Array, part: int) -> nnx.Rngs:
+    """Independent RNG stream of one part (0 for the io part, i + 1 for block i): any part can be
+    initialized alone, in any order, and equals the part of a model built whole."""
+    return nnx.Rngs(params=jax.random.fold_in(key, part))
+
+
+class Decoder(nnx.Module):
+    """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3 by config)."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        key = rngs.params()
+        self.io = self.new_io(key)
+        self.blocks = nnx.List([self.new_block(i, key) for i in range(cfg.layers)])
+
+    def new_io(self, key: jax.Array) -> InputOutput:
+        return InputOutput(self.cfg, rngs=part_rngs(key, 0))
+
+    def new_block(self, index: int, key: jax.Array) -> Block:
+        return Block(self.cfg, rngs=part_rngs(key, index + 1))
+
+    def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
+                 segment_ids_BT: jax.Array | None = None) -> jax.Array:
+        """Float32 logits [B, T, V] (materialized whole: for tests and small models)."""
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+        x_BTD = self.io.embed(tokens_BT)
+        for block in self.blocks:
+            x_BTD = block(x_BTD, positions_BT, segment_ids_BT)
+        return self.io.unembed(self.io.final_hidden(x_BTD))

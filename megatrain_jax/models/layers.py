@@ -1,0 +1,126 @@
+"""Building blocks of the decoder: linear, RMSNorm, RoPE, attention, SwiGLU MLP.
+
+Parameters are float32 (the master copy); each module casts them to the compute dtype of its input.
+Shape suffixes: B batch, T tokens, D hidden, N query heads, K kv heads, H head dim, F ffn.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from megatrain_jax.models.config import DecoderConfig, RopeScaling
+
+_init_normal = nnx.initializers.normal(stddev=0.02)
+
+
+class Linear(nnx.Module):
+    """``y = x @ W (+ b)`` with W stored [in, out] in float32."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_init_normal(rngs.params(), (d_in, d_out), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...].astype(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(x.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm computed in float32; the output has the input's dtype (as in Hugging Face Llama)."""
+
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.scale[...] * y).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+    """RoPE inverse frequencies [H/2], with Llama 3.1+ frequency scaling when given."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv.astype(np.float32)
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    scaled = np.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
+    return scaled.astype(np.float32)
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face convention), computed in float32."""
+    angles_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    cos = jnp.concatenate([jnp.cos(angles_BTh)] * 2, axis=-1)[:, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles_BTh)] * 2, axis=-1)[:, :, None, :]
+    x32 = x_BTNH.astype(jnp.float32)
+    half = x32.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x_BTNH.dtype)
+
+
+def attention_implementation(cfg: DecoderConfig, dtype, has_mask: bool) -> str | None:
+    """cuDNN flash attention on GPU for 16-bit inputs without a custom mask, XLA otherwise."""
+    if cfg.attention_impl != "auto":
+        return cfg.attention_impl
+    on_gpu = jax.default_backend() == "gpu"
+    return "cudnn" if on_gpu and dtype in (jnp.bfloat16, jnp.float16) and not has_mask else "xla"
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal self-attention with RoPE; optional q/k/v bias, q/k norm and sliding window."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        hd = cfg.dim_per_head
+        self.cfg = cfg
+        self.q = Linear(cfg.hidden, cfg.heads * hd, bias=cfg.qkv_bias, rngs=rngs)
+        self.k = Linear(cfg.hidden, cfg.kv_heads * hd, bias=cfg.qkv_bias, rngs=rngs)
+        self.v = Linear(cfg.hidden, cfg.kv_heads * hd, bias=cfg.qkv_bias, rngs=rngs)
+        self.o = Linear(cfg.heads * hd, cfg.hidden, rngs=rngs)
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
+        cfg, hd = self.cfg, self.cfg.dim_per_head
+        B, T, _ = x_BTD.shape
+        q_BTNH = self.q(x_BTD).reshape(B, T, cfg.heads, hd)
+        k_BTKH = self.k(x_BTD).reshape(B, T, cfg.kv_heads, hd)
+        v_BTKH = self.v(x_BTD).reshape(B, T, cfg.kv_heads, hd)
+        if self.q_norm is not None:
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+        inv_freq = rope_inv_freq(hd, cfg.rope_theta, cfg.rope_scaling)
+        q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
+        k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
+        mask = None
+        if segment_ids_BT is not None:  # packed documents attend only within their own segment
+            mask = (segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :])
+        window = None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0)
+        out_BTNH = jax.nn.dot_product_attention(
+            q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, local_window_size=window,
+            implementation=attention_implementation(cfg, x_BTD.dtype, mask is not None))
+        return self.o(out_BTNH.reshape(B, T, cfg.heads * hd))
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        self.gate = Linear(cfg.hidden, cfg.ffn, rngs=rngs)
+        self.up = Linear(cfg.hidden, cfg.ffn, rngs=rngs)
+        self.down = Linear(cfg.ffn, cfg.hidden, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x_BTD)) * self.up(x_BTD))

@@ -1,0 +1,61 @@
+"""The in-memory reference trainer: plain ``jax.grad`` + optax over the whole model on one device.
+
+It is the ground truth for every engine test, and the path for models that fit on the device anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from megatrain_jax.batch import Batch, check_batch
+from megatrain_jax.layered import check_contract
+from megatrain_jax.loss import causal_lm_loss
+
+
+def model_loss(model: nnx.Module, batch: Batch) -> jax.Array:
+    """Mean masked next-token loss of the whole model, logits materialized in full."""
+    logits = model(batch.inputs, batch.positions, batch.segment_ids)
+    return causal_lm_loss(logits, batch.targets, batch.loss_mask)
+
+
+class ReferenceTrainer:
+    """Whole-model training: ``step(batches)`` averages the gradients of ``accumulate`` batches, clips
+    them by global norm (when ``clip_norm`` is set) and applies ``optimizer``."""
+
+    def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
+                 clip_norm: float | None = None):
+        check_contract(model)
+        self.model = model
+        self.vocab_size = model.cfg.vocab_size
+        self.max_positions = getattr(model.cfg, "max_positions", None)
+        self.tx = optax.chain(optax.clip_by_global_norm(clip_norm) if clip_norm else optax.identity(), optimizer)
+        self.graphdef, params = nnx.split(model, nnx.Param)
+        self.params = params
+        self.opt_state = self.tx.init(params)
+        self._grad = jax.jit(jax.value_and_grad(self._loss))
+        self._apply = jax.jit(self._update)
+
+    def _loss(self, params, batch: Batch) -> jax.Array:
+        return model_loss(nnx.merge(self.graphdef, params), batch)
+
+    def _update(self, params, opt_state, grads):
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+
+    def step(self, batches: Batch | Sequence[Batch]) -> dict[str, float]:
+        batches = [batches] if isinstance(batches, Batch) else list(batches)
+        losses, grads = [], None
+        for batch in batches:
+            check_batch(batch, self.vocab_size, self.max_positions)
+            loss, g = self._grad(self.params, batch.filled())
+            losses.append(loss)
+            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+        grads = jax.tree.map(lambda g: g / len(batches), grads)
+        self.params, self.opt_state, gnorm = self._apply(self.params, self.opt_state, grads)
+        nnx.update(self.model, self.params)
+        return {"loss": float(sum(losses) / len(losses)), "grad_norm": float(gnorm)}
