@@ -1,1 +1,17 @@
-"""megatrain_jax: train LMs larger than GPU memory on one GPU."""
+"""megatrain_jax: train language models larger than GPU memory on one GPU.
+
+All persistent state lives in pinned host memory; a scan-free scheduler streams each layer's parameters
+to the GPU ahead of use and the optimizer runs on the host. See README.md.
+"""
+
+from megatrain_jax.batch import Batch
+from megatrain_jax.engine import Engine, EngineConfig, StepOutput
+from megatrain_jax.fit import History, Hook, decay_mask, default_optimizer, fit
+from megatrain_jax.layered import ContractError, LayeredModel, layered
+from megatrain_jax.models import Decoder, DecoderConfig, preset
+from megatrain_jax.reference import ReferenceTrainer
+
+__all__ = ["Batch", "ContractError", "Decoder", "DecoderConfig", "Engine", "EngineConfig", "History", "Hook",
+           "LayeredModel", "ReferenceTrainer", "StepOutput", "decay_mask", "default_optimizer", "fit",
+           "layered", "preset"]
+__version__ = "0.1.0"

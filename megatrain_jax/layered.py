@@ -111,12 +111,11 @@ def block_params(model: nnx.Module) -> list[Params]:
     return [nnx.state(block, nnx.Param) for block in model.blocks]
 
 
-def write_back(model: nnx.Module, io: Params, blocks: list[Params]) -> None:
-    """Copy parameters (any memory) into the user's model as ordinary device arrays."""
-    to_default = lambda t: jax.tree.map(lambda a: jax.device_put(a, jax.devices()[0]), t)
-    nnx.update(model.io, to_default(io))
+def write_back(model: nnx.Module, io: Params, blocks: list[Params], to_device) -> None:
+    """Copy parameters into the user's model, each part moved by ``to_device``."""
+    nnx.update(model.io, to_device(io))
     for block, params in zip(model.blocks, blocks):
-        nnx.update(block, to_default(params))
+        nnx.update(block, to_device(params))
 
 
 def is_abstract(model: nnx.Module) -> bool:

@@ -1,0 +1,314 @@
+"""Deterministic, resumable batches of [batch_size, seq_len] from a token stream.
+
+A ``TokenDataset`` cuts one split of a ``TokenFile`` into *units*, each a run of tokens that becomes
+(part of) a row:
+
+- ``mode="windows"``: non-overlapping windows of ``seq_len + 1`` tokens, stride ``seq_len`` (inputs and
+  the shifted targets); each window is one row. No segment ids, so attention stays plain causal.
+- ``mode="packed"``: whole documents, each contributing its ``L - 1`` (input, target) pairs, so no target
+  ever comes from another document. Documents with more than ``seq_len + 1`` tokens are cut into pieces
+  of at most ``seq_len + 1`` tokens sharing one boundary token (every pair is trained on exactly once).
+  Pieces are packed next-fit into rows: ``segment_ids`` 1..k per row (0 = padding), ``positions``
+  restarting at 0 for each piece, ``loss_mask`` 1 on real pairs and 0 on padding.
+
+Splits: the last ``eval_fraction`` of the *tokens* (windows) or of the *documents* (packed) is held out
+as ``split="eval"``; the two never share a token.
+
+``TokenBatches`` walks a permutation of the units per epoch (seeded by ``(seed, epoch)``). Its state is
+just ``(epoch, cursor)`` plus the settings that must not change across a resume, so ``state()`` is a
+tiny JSON dict and a restored iterator yields exactly the batches an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+from typing import Any, Iterator
+
+import numpy as np
+
+from megatrain_jax.batch import Batch
+from megatrain_jax.data.demo import demo_dataset
+from megatrain_jax.data.tokens import TokenFile
+
+MODES = ("windows", "packed")
+SPLITS = ("train", "eval")
+
+
+def split_point(n: int, eval_fraction: float) -> int:
+    """Index where the held-out tail of ``n`` items begins (at least one item once the fraction is > 0)."""
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must lie in [0, 1), got {eval_fraction}")
+    return n if eval_fraction == 0.0 else n - max(1, int(round(eval_fraction * n)))
+
+
+class TokenDataset:
+    """One split of a token stream, as units: token offsets ``starts`` and lengths ``lengths`` (>= 2)."""
+
+    def __init__(self, source: TokenFile | str | os.PathLike, seq_len: int, *, mode: str = "windows",
+                 split: str = "train", eval_fraction: float = 0.0):
+        if mode not in MODES or split not in SPLITS:
+            raise ValueError(f"mode must be one of {MODES} and split one of {SPLITS}, got {mode!r}, {split!r}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.file = source if isinstance(source, TokenFile) else TokenFile.open(source)
+        self.seq_len, self.mode, self.split = int(seq_len), mode, split
+        n, T = len(self.file), self.seq_len
+        if mode == "windows":
+            cut = split_point(n, eval_fraction)
+            lo, hi = (0, cut) if split == "train" else (cut, n)
+            count = max(0, (hi - lo - 1) // T)
+            self.starts = lo + np.arange(count, dtype=np.int64) * T
+            self.lengths = np.full(count, T + 1, np.int64)
+        else:
+            if self.file.doc_starts is None:
+                raise ValueError(f"mode='packed' needs document boundaries but {self.file.path or 'the tokens'} "
+                                 f"has none; write them with doc_starts (prepare_data.py does) or use "
+                                 f"mode='windows'")
+            bounds = np.append(np.asarray(self.file.doc_starts, np.int64), n)
+            cut = split_point(len(bounds) - 1, eval_fraction)
+            docs = slice(0, cut) if split == "train" else slice(cut, len(bounds) - 1)
+            a, L = bounds[:-1][docs], np.diff(bounds)[docs]
+            a, L = a[L >= 2], L[L >= 2]  # a one-token document has no (input, target) pair
+            pieces = (L - 2) // T + 1  # ceil((L - 1) / T)
+            doc = np.repeat(np.arange(len(L)), pieces)
+            k = np.arange(len(doc)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+            self.starts = a[doc] + k * T
+            self.lengths = np.minimum(T + 1, L[doc] - k * T)
+        if len(self.starts) == 0:
+            raise ValueError(f"the {split} split of {self.file.path or 'the tokens'} ({n} tokens) holds no "
+                             f"{'window' if mode == 'windows' else 'document'} of seq_len={T}; use more data, "
+                             f"a shorter seq_len or a larger eval_fraction")
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def batches(self, batch_size: int, *, seed: int = 0, shuffle: bool | None = None, loop: bool | None = None,
+                state: dict | None = None) -> "TokenBatches":
+        """Batches of this split; by default the train split shuffles and loops, eval runs once in order."""
+        train = self.split == "train"
+        return TokenBatches(self, batch_size, seed=seed, shuffle=train if shuffle is None else shuffle,
+                            loop=train if loop is None else loop, state=state)
+
+
+class TokenBatches:
+    """Iterator of numpy ``Batch``es (int32 tokens, explicit float32 ``loss_mask`` and int32 ``positions``).
+
+    Looping iterators drop an epoch's last incomplete batch; a one-pass iterator pads it with rows whose
+    ``loss_mask`` is 0, so evaluation sees every unit with a fixed batch shape.
+    """
+
+    def __init__(self, dataset: TokenDataset, batch_size: int, *, seed: int = 0, shuffle: bool = True,
+                 loop: bool = True, state: dict | None = None):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if loop and len(dataset) < batch_size:
+            raise ValueError(f"the {dataset.split} split has {len(dataset)} units, fewer than batch_size="
+                             f"{batch_size}; use more data or a smaller batch")
+        self.dataset, self.batch_size, self.seed = dataset, int(batch_size), int(seed)
+        self.shuffle, self.loop = bool(shuffle), bool(loop)
+        self.epoch = self.cursor = self.batches_done = 0
+        self._order_epoch, self._order = -1, np.zeros(0, np.int64)
+        if state is not None:
+            self.restore(state)
+
+    def _settings(self) -> dict[str, Any]:
+        d = self.dataset
+        return {"mode": d.mode, "split": d.split, "seq_len": d.seq_len, "num_units": len(d),
+                "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle, "loop": self.loop}
+
+    def state(self) -> dict[str, Any]:
+        """Where the stream stands after the last batch returned: small and JSON-serializable."""
+        return {**self._settings(), "epoch": self.epoch, "cursor": self.cursor, "batches": self.batches_done}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue exactly after the batch at which ``state`` was taken."""
+        changed = {k: (state.get(k), v) for k, v in self._settings().items() if state.get(k) != v}
+        if changed:
+            raise ValueError(f"data state does not match this data pipeline (saved, now): {changed}; resume "
+                             f"with the same data file, mode, seq_len, batch_size, seed and eval_fraction")
+        self.epoch, self.cursor, self.batches_done = int(state["epoch"]), int(state["cursor"]), int(state["batches"])
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The unit order of ``epoch``: a permutation seeded by ``(seed, epoch)``, or identity."""
+        if epoch != self._order_epoch:
+            n = len(self.dataset)
+            self._order = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
+                           else np.arange(n))
+            self._order_epoch = epoch
+        return self._order
+
+    def __iter__(self) -> "TokenBatches":
+        return self
+
+    def __next__(self) -> Batch:
+        for attempt in range(2):
+            rows, cursor = self._take(self.order(self.epoch), self.cursor)
+            if len(rows) == self.batch_size or (not self.loop and rows):
+                self.cursor = cursor
+                self.batches_done += 1
+                return self._assemble(rows)
+            if not self.loop:
+                raise StopIteration
+            self.epoch, self.cursor = self.epoch + 1, 0  # drop the incomplete tail, reshuffle
+        raise ValueError(f"one epoch of the {self.dataset.split} split packs into fewer than batch_size="
+                         f"{self.batch_size} rows; use more data or a smaller batch")
+
+    def _take(self, order: np.ndarray, cursor: int) -> tuple[list[list[int]], int]:
+        """Unit indices for each row of the next batch (fewer rows when the epoch runs out)."""
+        d, rows = self.dataset, []
+        while len(rows) < self.batch_size and cursor < len(order):
+            if d.mode == "windows":
+                rows.append([int(order[cursor])])
+                cursor += 1
+                continue
+            row, used = [], 0  # next-fit: pieces in order while their pairs fit the row
+            while cursor < len(order) and used + d.lengths[order[cursor]] - 1 <= d.seq_len:
+                row.append(int(order[cursor]))
+                used += int(d.lengths[order[cursor]]) - 1
+                cursor += 1
+            rows.append(row)
+        return rows, cursor
+
+    def _assemble(self, rows: list[list[int]]) -> Batch:
+        d, B, T = self.dataset, self.batch_size, self.dataset.seq_len
+        tokens = d.file.tokens
+        inputs, targets = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+        mask, positions, seg = np.zeros((B, T), np.float32), np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+        for r, units in enumerate(rows):
+            at = 0
+            for k, u in enumerate(units, start=1):
+                s, L = int(d.starts[u]), int(d.lengths[u])
+                piece = np.asarray(tokens[s:s + L], np.int32)
+                inputs[r, at:at + L - 1], targets[r, at:at + L - 1] = piece[:-1], piece[1:]
+                mask[r, at:at + L - 1], seg[r, at:at + L - 1] = 1.0, k
+                positions[r, at:at + L - 1] = np.arange(L - 1)
+                at += L - 1
+        if d.mode == "windows":
+            positions[:] = np.arange(T)  # padded rows too: positions stay a plain 0..T-1 ramp
+        return Batch(inputs, targets, mask, positions, seg if d.mode == "packed" else None)
+
+
+class Prefetcher:
+    """Produces the next ``n`` items of ``iterator`` on a daemon thread while the consumer works.
+
+    Exceptions raised by the producer re-raise in the consumer at the point they occurred in the stream.
+    ``state()`` (when the wrapped iterator has one) is the state after the last item the *consumer*
+    received, not after what the thread has read ahead, so checkpoints resume at the right batch.
+    """
+
+    _END = object()
+
+    def __init__(self, iterator: Iterator, n: int = 2):
+        if n < 1:
+            raise ValueError(f"prefetch depth must be >= 1, got {n}")
+        self._source, self._it = iterator, iter(iterator)
+        self._has_state = callable(getattr(iterator, "state", None))
+        self._state = iterator.state() if self._has_state else None
+        self._queue: queue.Queue = queue.Queue(maxsize=n)
+        self._stop, self._done = threading.Event(), False
+        self._thread = threading.Thread(target=self._produce, name="megatrain-data-prefetch", daemon=True)
+        self._thread.start()
+
+    def _produce(self) -> None:
+        try:
+            for item in self._it:
+                if not self._put((item, self._source.state() if self._has_state else None)):
+                    return
+            self._put(self._END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, who decides
+            self._put(e)
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        while True:  # poll, so a close() from another thread cannot leave this call blocked forever
+            try:
+                item = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if self._done or (not self._thread.is_alive() and self._queue.empty()):
+                    self._done = True
+                    raise StopIteration from None
+        if item is self._END or isinstance(item, BaseException):
+            self.close()
+            if item is self._END:
+                raise StopIteration
+            raise item
+        value, self._state = item
+        return value
+
+    def state(self) -> dict | None:
+        return None if self._state is None else dict(self._state)
+
+    def close(self) -> None:
+        """Stop the producer thread; safe to call twice."""
+        self._done = True
+        self._stop.set()
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._thread.join(timeout=5.0)
+
+    def __enter__(self) -> "Prefetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def prefetch(iterator: Iterator, n: int = 2) -> Prefetcher:
+    """Wrap ``iterator`` so its next ``n`` items are produced on a background thread."""
+    return Prefetcher(iterator, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where training and evaluation batches come from. ``path=None`` uses the synthetic demo corpus."""
+
+    path: str | None = None
+    seq_len: int = 128
+    batch_size: int = 8
+    mode: str = "windows"
+    seed: int = 0
+    eval_fraction: float = 0.0
+    prefetch: int = 2
+    demo_tokens: int = 1 << 20
+
+    def open(self, model_vocab: int | None = None) -> TokenFile:
+        """The token stream, checked against the model's vocabulary when given."""
+        if self.path is None:
+            return demo_dataset(vocab_size=model_vocab or 256, num_tokens=self.demo_tokens)  # corpus fixed; seed shuffles
+        file = TokenFile.open(self.path)
+        if model_vocab is not None:
+            file.check_vocab(model_vocab)
+        return file
+
+    def dataset(self, split: str = "train", model_vocab: int | None = None) -> TokenDataset:
+        return TokenDataset(self.open(model_vocab), self.seq_len, mode=self.mode, split=split,
+                            eval_fraction=self.eval_fraction)
+
+    def build(self, model_vocab: int | None = None,
+              state: dict | None = None) -> Prefetcher | TokenBatches:
+        """The endless, shuffled training stream (prefetched when ``prefetch > 0``), resumed from ``state``."""
+        it = self.dataset("train", model_vocab).batches(self.batch_size, seed=self.seed, state=state)
+        return prefetch(it, self.prefetch) if self.prefetch > 0 else it
+
+    def build_eval(self, model_vocab: int | None = None) -> TokenBatches:
+        """One ordered pass over the held-out split (needs ``eval_fraction > 0``)."""
+        if self.eval_fraction <= 0:
+            raise ValueError("evaluation needs a held-out split: set eval_fraction > 0 in the data config")
+        return self.dataset("eval", model_vocab).batches(self.batch_size, seed=self.seed)

@@ -1,0 +1,242 @@
+"""Token files on disk: a flat stream of token ids, memory-mapped, plus optional document boundaries.
+
+Two formats are read, neither ever loaded whole into RAM:
+
+- ``name.bin``: raw little-endian ``uint16`` or ``uint32`` tokens, described by a JSON sidecar
+  ``name.bin.json``::
+
+      {"dtype": "uint16", "vocab_size": 32000, "num_tokens": 123456,
+       "num_docs": 512,          # optional: document boundaries are in name.bin.idx.npy
+       "eos_id": 2,              # optional: the id appended after each document, if any
+       "tokenizer": "..."}       # optional: free-form provenance
+
+  Unknown keys are an error, so a typo cannot silently drop a setting.
+- ``name.npy``: a 1-D integer array (``np.load(mmap_mode='r')``); no sidecar needed.
+
+Document boundaries, when present, live in a companion ``<path>.idx.npy``: the int64 start offset of
+every document (first 0, strictly increasing). A separate memory-mapped file scales to billions of
+documents, which a JSON list would not. ``TokenWriter`` / ``write_tokens`` produce all of this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}  # little-endian on disk
+REQUIRED_KEYS = {"dtype", "vocab_size", "num_tokens"}
+OPTIONAL_KEYS = {"num_docs", "eos_id", "tokenizer"}
+HOW_TO_CREATE = ("create it with `python scripts/prepare_data.py --tokenizer tokenizer.json --out {path} "
+                 "corpus.jsonl` (or `--demo` for the synthetic demo corpus), or "
+                 "megatrain_jax.data.write_tokens(path, tokens, vocab_size)")
+
+
+def sidecar_path(path: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(path)}.json")
+
+
+def index_path(path: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(path)}.idx.npy")
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """The smallest on-disk dtype whose range holds every id in [0, vocab_size)."""
+    if vocab_size <= 1 << 16:
+        return "uint16"
+    if vocab_size <= 1 << 32:
+        return "uint32"
+    raise ValueError(f"vocab_size {vocab_size} does not fit in uint32")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFile:
+    """A validated, read-only token stream: ``tokens`` is 1-D (a memmap for files on disk).
+
+    ``vocab_size`` is the tokenizer's vocabulary (``None`` for a bare ``.npy`` until scanned by
+    ``check_vocab``). ``doc_starts`` holds document start offsets or is ``None``.
+    """
+
+    path: Path | None
+    tokens: np.ndarray
+    vocab_size: int | None = None
+    doc_starts: np.ndarray | None = None
+    eos_id: int | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "TokenFile":
+        """Memory-map ``path`` (``.bin`` with sidecar, or ``.npy``); raise with what to fix if it is bad."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"token file {path} does not exist; " + HOW_TO_CREATE.format(path=path))
+        if path.suffix == ".npy":
+            tokens = np.load(path, mmap_mode="r")
+            if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+                raise ValueError(f"{path} must hold a 1-D integer array of token ids, got shape "
+                                 f"{tokens.shape} dtype {tokens.dtype}")
+            meta: dict = {}
+        else:
+            meta = _read_sidecar(path)
+            itemsize = DTYPES[meta["dtype"]].itemsize
+            expected, actual = meta["num_tokens"] * itemsize, path.stat().st_size
+            if actual != expected:
+                raise ValueError(f"{path} is {actual} bytes but its sidecar says {meta['num_tokens']} "
+                                 f"{meta['dtype']} tokens = {expected} bytes; the file is truncated or the "
+                                 f"sidecar is stale: re-run scripts/prepare_data.py")
+            tokens = (np.memmap(path, dtype=DTYPES[meta["dtype"]], mode="r") if expected
+                      else np.zeros(0, DTYPES[meta["dtype"]]))
+        doc_starts = _read_index(path, len(tokens), meta.get("num_docs"))
+        return cls(path, tokens, meta.get("vocab_size"), doc_starts, meta.get("eos_id"))
+
+    @classmethod
+    def from_array(cls, tokens: np.ndarray, vocab_size: int | None = None,
+                   doc_starts: Iterable[int] | None = None, eos_id: int | None = None) -> "TokenFile":
+        """An in-memory token stream (demo data, tests) with the same checks as a file."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"tokens must be a 1-D integer array, got shape {tokens.shape} dtype {tokens.dtype}")
+        starts = None if doc_starts is None else np.asarray(list(doc_starts) if not isinstance(
+            doc_starts, np.ndarray) else doc_starts, np.int64)
+        if starts is not None:
+            _check_starts(starts, len(tokens), "doc_starts")
+        return cls(None, tokens, vocab_size, starts, eos_id)
+
+    def check_vocab(self, model_vocab: int) -> None:
+        """Raise if any token id could fall outside a model with ``model_vocab`` embeddings."""
+        where = self.path or "in-memory tokens"
+        if self.vocab_size is None:  # bare .npy: scan in chunks, it is memory-mapped
+            top = max((int(self.tokens[i:i + (1 << 24)].max()) for i in range(0, len(self), 1 << 24)), default=-1)
+            if top >= model_vocab:
+                raise ValueError(f"{where} contains token id {top} but the model's vocab_size is {model_vocab}; "
+                                 f"tokenize with the model's own tokenizer or pick a model with a larger vocab")
+            return
+        if self.vocab_size > model_vocab:
+            raise ValueError(f"{where} was tokenized with a vocabulary of {self.vocab_size} but the model's "
+                             f"vocab_size is {model_vocab}; tokenize with the model's own tokenizer or pick "
+                             f"a model whose vocab_size is at least {self.vocab_size}")
+
+
+def _read_sidecar(path: Path) -> dict:
+    side = sidecar_path(path)
+    if not side.exists():
+        raise FileNotFoundError(f"token file {path} has no sidecar {side} (it says the dtype, vocab_size "
+                                f"and num_tokens); " + HOW_TO_CREATE.format(path=path))
+    try:
+        meta = json.loads(side.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"sidecar {side} is not valid JSON ({e}); re-run scripts/prepare_data.py") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"sidecar {side} must hold a JSON object, got {type(meta).__name__}")
+    missing, unknown = REQUIRED_KEYS - meta.keys(), meta.keys() - REQUIRED_KEYS - OPTIONAL_KEYS
+    if missing or unknown:
+        raise ValueError(f"sidecar {side}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; "
+                         f"allowed: {sorted(REQUIRED_KEYS | OPTIONAL_KEYS)}")
+    if meta["dtype"] not in DTYPES:
+        raise ValueError(f"sidecar {side}: dtype must be one of {sorted(DTYPES)}, got {meta['dtype']!r}")
+    for key in ("vocab_size", "num_tokens", "num_docs", "eos_id"):
+        if key in meta and (not isinstance(meta[key], int) or meta[key] < 0):
+            raise ValueError(f"sidecar {side}: {key} must be a non-negative integer, got {meta[key]!r}")
+    limit = np.iinfo(DTYPES[meta["dtype"]]).max + 1
+    if meta["vocab_size"] > limit:
+        raise ValueError(f"sidecar {side}: dtype {meta['dtype']} holds ids below {limit} but vocab_size is "
+                         f"{meta['vocab_size']}; write the tokens as {dtype_for_vocab(meta['vocab_size'])}")
+    return meta
+
+
+def _read_index(path: Path, num_tokens: int, num_docs: int | None) -> np.ndarray | None:
+    idx = index_path(path)
+    if num_docs is None and not idx.exists():
+        return None
+    if not idx.exists():
+        raise FileNotFoundError(f"sidecar of {path} says num_docs={num_docs} but the document index {idx} "
+                                f"is missing; re-run scripts/prepare_data.py")
+    starts = np.load(idx, mmap_mode="r")
+    if num_docs is not None and len(starts) != num_docs:
+        raise ValueError(f"{idx} holds {len(starts)} document starts but the sidecar says num_docs={num_docs}")
+    _check_starts(starts, num_tokens, str(idx))
+    return starts
+
+
+def _check_starts(starts: np.ndarray, num_tokens: int, where: str) -> None:
+    if starts.ndim != 1 or not np.issubdtype(starts.dtype, np.integer):
+        raise ValueError(f"{where} must be a 1-D integer array of document start offsets")
+    if len(starts) and (starts[0] != 0 or starts[-1] >= num_tokens or np.any(np.diff(starts) <= 0)):
+        raise ValueError(f"{where}: document starts must begin at 0, strictly increase and stay below "
+                         f"num_tokens={num_tokens}")
+
+
+class TokenWriter:
+    """Streams documents into ``path`` (+ sidecar, + index); the sidecar is written last, on ``close``,
+    so an interrupted run leaves a file that ``TokenFile.open`` refuses instead of a silently short one."""
+
+    def __init__(self, path: str | os.PathLike, vocab_size: int, *, dtype: str | None = None,
+                 eos_id: int | None = None, tokenizer: str | None = None, track_docs: bool = True):
+        self.path, self.vocab_size = Path(path), int(vocab_size)
+        self.dtype = dtype or dtype_for_vocab(self.vocab_size)
+        if self.dtype not in DTYPES or self.vocab_size > np.iinfo(DTYPES[self.dtype]).max + 1:
+            raise ValueError(f"dtype {self.dtype!r} cannot hold vocab_size {self.vocab_size}; "
+                             f"use {dtype_for_vocab(self.vocab_size)}")
+        self.eos_id, self.tokenizer, self.track_docs = eos_id, tokenizer, track_docs
+        self.num_tokens, self.doc_starts = 0, []
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        sidecar_path(self.path).unlink(missing_ok=True)
+        self._f = open(self.path, "wb")
+
+    def append(self, tokens: np.ndarray | Iterable[int]) -> None:
+        """Append one document (empty documents are skipped)."""
+        arr = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), np.int64)
+        if arr.size == 0:
+            return
+        if arr.min() < 0 or arr.max() >= self.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}); got [{arr.min()}, {arr.max()}]")
+        self.doc_starts.append(self.num_tokens)
+        self._f.write(arr.astype(DTYPES[self.dtype]).tobytes())
+        self.num_tokens += int(arr.size)
+
+    def close(self) -> Path:
+        self._f.close()
+        meta = {"dtype": self.dtype, "vocab_size": self.vocab_size, "num_tokens": self.num_tokens}
+        if self.track_docs:
+            np.save(index_path(self.path), np.asarray(self.doc_starts, np.int64))
+            meta["num_docs"] = len(self.doc_starts)
+        else:
+            index_path(self.path).unlink(missing_ok=True)
+        if self.eos_id is not None:
+            meta["eos_id"] = int(self.eos_id)
+        if self.tokenizer is not None:
+            meta["tokenizer"] = self.tokenizer
+        sidecar_path(self.path).write_text(json.dumps(meta, indent=1) + "\n")
+        return self.path
+
+    def __enter__(self) -> "TokenWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self._f.close()
+
+
+def write_tokens(path: str | os.PathLike, tokens: np.ndarray, vocab_size: int,
+                 doc_starts: Iterable[int] | None = None, *, dtype: str | None = None,
+                 eos_id: int | None = None) -> Path:
+    """Write a flat token array (and optional document starts) as ``path`` + sidecar (+ index)."""
+    tokens = np.asarray(tokens)
+    if doc_starts is not None:
+        starts = np.asarray(list(doc_starts) if not isinstance(doc_starts, np.ndarray) else doc_starts, np.int64)
+        _check_starts(starts, len(tokens), "doc_starts")
+        bounds = np.append(starts, len(tokens))
+    else:
+        bounds = np.array([0, len(tokens)])
+    with TokenWriter(path, vocab_size, dtype=dtype, eos_id=eos_id, track_docs=doc_starts is not None) as w:
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            w.append(tokens[a:b])
+    return Path(path)

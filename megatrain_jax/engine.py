@@ -1,0 +1,267 @@
+"""The streamed engine: walks the schedule, moving parts between host and device and running the
+per-part jitted functions. Host memory holds all persistent state; the device holds only the layers
+in flight, the io part, gradients being accumulated and layer-boundary activations."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from megatrain_jax.batch import Batch, check_batch
+from megatrain_jax.device_fns import device_fns
+from megatrain_jax.host_optimizer import HostOptimizer, clip_scale
+from megatrain_jax.host_state import HostState, master_params
+from megatrain_jax.layered import layered, write_back
+from megatrain_jax.schedule import Op, step_ops
+from megatrain_jax.transfer import Placement
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How a step is run. ``micro_batches`` bounds transient activation memory only: weights cross
+    PCIe twice per step whatever it is. ``accumulate_steps`` batches make one optimizer step.
+    ``stream_dtype`` is the dtype of the weights sent to the device (None: the model's compute dtype)."""
+
+    micro_batches: int = 1
+    prefetch_depth: int = 1
+    clip_norm: float | None = 1.0
+    accumulate_steps: int = 1
+    stream_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batches", "prefetch_depth", "accumulate_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"EngineConfig.clip_norm must be positive or None, got {self.clip_norm!r}")
+        if self.stream_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"EngineConfig.stream_dtype must be None, 'float32' or 'bfloat16', "
+                             f"got {self.stream_dtype!r}")
+
+
+# What each op is, for the time breakdown.
+_CATEGORY = {"fetch_io": "h2d", "fetch": "h2d", "embed": "compute", "forward": "compute", "head": "compute",
+             "backward": "compute", "embed_backward": "compute", "grad_norm": "compute",
+             "send_grads": "d2h", "send_io_grads": "d2h", "update_io": "optimizer", "update": "optimizer"}
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """One optimizer step's results, still on the device: read them after the next step is launched."""
+
+    step: int
+    loss: jax.Array
+    grad_norm: jax.Array
+    tokens: int
+    dispatch_s: float  # host time spent issuing the step's work
+
+    def resolve(self) -> dict[str, float]:
+        return {"step": self.step, "loss": float(self.loss), "grad_norm": float(self.grad_norm),
+                "tokens": self.tokens, "dispatch_s": self.dispatch_s}
+
+
+@dataclasses.dataclass
+class _Pass:
+    """Device-side values of one forward+backward pass."""
+
+    micro: list[Batch]
+    device_batches: list[Any]
+    io: Any = None
+    resident: dict[int, Any] = dataclasses.field(default_factory=dict)
+    acts: dict[int, list] = dataclasses.field(default_factory=dict)  # layer -> inputs per micro-batch
+    dy: list = dataclasses.field(default_factory=list)
+    grads: Any = None
+    io_grads: Any = None
+    losses: list = dataclasses.field(default_factory=list)
+
+
+class Engine:
+    """Streams a layered model through one device, with all persistent state in pinned host memory.
+
+    ``step(batches)`` runs one optimizer step on ``accumulate_steps`` batches and returns a ``StepOutput``
+    without waiting for the device; ``steps(data)`` is the public iterator that yields each step's
+    metrics one step late, so the host never waits on the device to log.
+    """
+
+    def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
+                 config: EngineConfig = EngineConfig(), *, seed: int = 0, placement: Placement | None = None):
+        self.lm = layered(model)
+        self.cfg = config
+        self.placement = placement or Placement()
+        compute_dtype = getattr(model.cfg, "dtype", "float32")
+        stream_dtype = jnp.dtype(config.stream_dtype or compute_dtype)
+        self.opt = HostOptimizer(optimizer, self.placement, stream_dtype)
+        self.fns = device_fns(self.lm)
+        io, blocks = master_params(model, self.placement, nnx.Rngs(seed).params())
+        self.state = HostState(
+            io=io, blocks=blocks, io_opt=self.opt.init(io), blocks_opt=[self.opt.init(b) for b in blocks],
+            stream_io=self.opt.cast(io), stream_blocks=None if self.opt.stream_dtype is None
+            else [self.opt.cast(b) for b in blocks], step=0)
+        self._clip = jax.jit(lambda sq: clip_scale(sq, config.clip_norm, config.accumulate_steps))
+        self._host_grads: list[Any] = [None] * (self.lm.n_blocks + 1)  # index -1 is the io part
+        self._sq_norms: list[Any] = [None] * (self.lm.n_blocks + 1)
+        self.last_seq_len = 0
+        self.profile: dict[str, float] | None = None  # set to {} to time each op category (syncs!)
+
+    # ------------------------------------------------------------------ public API
+    def check(self, batches: Sequence[Batch]) -> None:
+        """Every check that can fail, before anything is sent to the device."""
+        if len(batches) != self.cfg.accumulate_steps:
+            raise ValueError(f"one optimizer step takes accumulate_steps={self.cfg.accumulate_steps} "
+                             f"batches, got {len(batches)}")
+        for batch in batches:
+            check_batch(batch, self.lm.vocab_size, self.lm.max_positions)
+            if batch.shape[0] % self.cfg.micro_batches:
+                raise ValueError(f"batch of {batch.shape[0]} rows cannot be split into micro_batches="
+                                 f"{self.cfg.micro_batches}; use a batch size divisible by it")
+
+    def step(self, batches: Batch | Sequence[Batch]) -> StepOutput:
+        batches = [batches] if isinstance(batches, Batch) else list(batches)
+        self.check(batches)
+        self.last_seq_len = batches[0].shape[1]
+        t0 = time.perf_counter()
+        losses = []
+        for j, batch in enumerate(batches):
+            losses.append(self._run_pass(batch.filled(), sub_step=j, last=j == len(batches) - 1))
+        loss = sum(losses) / len(losses)
+        self.state.step += 1
+        return StepOutput(self.state.step, loss, self._norm, sum(b.tokens for b in batches),
+                          time.perf_counter() - t0)
+
+    def steps(self, data: Iterable[Batch]) -> Iterator[dict[str, float]]:
+        """Run a step per ``accumulate_steps`` batches of ``data``; yield metrics one step late."""
+        pending, t_last = None, time.perf_counter()
+        group: list[Batch] = []
+        for batch in data:
+            group.append(batch)
+            if len(group) < self.cfg.accumulate_steps:
+                continue
+            out, group = self.step(group), []
+            if pending is not None:
+                yield self._metrics(pending, t_last)
+                t_last = time.perf_counter()
+            pending = out
+        if pending is not None:
+            yield self._metrics(pending, t_last)
+
+    def write_back(self, model: nnx.Module) -> None:
+        """Copy the float32 master parameters into the user's model."""
+        write_back(model, self.state.io, self.state.blocks, self.placement.to_device)
+
+    # ------------------------------------------------------------------ one pass
+    def _metrics(self, out: StepOutput, t_prev: float) -> dict[str, float]:
+        m = out.resolve()
+        m["step_time_s"] = time.perf_counter() - t_prev
+        m["tokens_per_s"] = m["tokens"] / m["step_time_s"]
+        return m
+
+    def _run_pass(self, batch: Batch, sub_step: int, last: bool) -> jax.Array:
+        micro = batch.split(self.cfg.micro_batches)
+        p = _Pass(micro=micro, device_batches=[self.placement.to_device(m) for m in micro])
+        self._sub_step, self._last = sub_step, last
+        for op in step_ops(self.lm.n_blocks, len(micro), self.cfg.prefetch_depth, update=last):
+            t = time.perf_counter() if self.profile is not None else 0.0
+            out = getattr(self, f"_op_{op.kind}")(p, op)
+            if self.profile is not None and op.kind in _CATEGORY:
+                jax.block_until_ready(out)
+                key = _CATEGORY[op.kind]
+                self.profile[key] = self.profile.get(key, 0.0) + time.perf_counter() - t
+        return sum(p.losses)
+
+    def _op_fetch_io(self, p: _Pass, op: Op):
+        p.io = self.placement.to_device(self.state.params_for_stream(None))
+        return p.io
+
+    def _op_release_io(self, p: _Pass, op: Op):
+        p.io = None
+
+    def _op_fetch(self, p: _Pass, op: Op):
+        p.resident[op.layer] = self.placement.to_device(self.state.params_for_stream(op.layer))
+        return p.resident[op.layer]
+
+    def _op_release(self, p: _Pass, op: Op):
+        del p.resident[op.layer]
+
+    def _op_embed(self, p: _Pass, op: Op):
+        x = self.fns.embed(p.io, p.device_batches[op.micro].inputs)
+        p.acts.setdefault(0, []).append(x)
+        return x
+
+    def _op_forward(self, p: _Pass, op: Op):
+        b = p.device_batches[op.micro]
+        y = self.fns.forward(p.resident[op.layer], p.acts[op.layer][op.micro], b.positions, b.segment_ids)
+        p.acts.setdefault(op.layer + 1, []).append(y)
+        return y
+
+    def _op_head(self, p: _Pass, op: Op):
+        b, m = p.device_batches[op.micro], p.micro[op.micro]
+        if op.micro == 0:
+            self._inv_count = 1.0 / max(float(sum(np.sum(mb.loss_mask) for mb in p.micro)), 1.0)
+        loss, dx, p.io_grads = self.fns.head(p.io, p.acts[self.lm.n_blocks][op.micro], b.targets, b.loss_mask,
+                                             np.float32(self._inv_count), p.io_grads)
+        p.losses.append(loss)
+        p.dy.append(dx)
+        if op.micro == len(p.micro) - 1:
+            del p.acts[self.lm.n_blocks]
+        return dx
+
+    def _op_backward(self, p: _Pass, op: Op):
+        b = p.device_batches[op.micro]
+        x = p.acts[op.layer][op.micro]
+        p.dy[op.micro], p.grads = self.fns.backward(p.resident[op.layer], x, b.positions, b.segment_ids,
+                                                    p.dy[op.micro], p.grads)
+        if op.layer > 0 and op.micro == len(p.micro) - 1:
+            del p.acts[op.layer]  # layer 0's inputs are the embeddings, still needed by embed_backward
+        return p.dy[op.micro]
+
+    def _send(self, index: int, grads: Any):
+        """Gradients of one part to host memory, summed with earlier sub-steps' when accumulating."""
+        if self._sub_step > 0:
+            grads = self.fns.add(grads, self.placement.to_device(self._host_grads[index]))
+        if self._last:
+            self._sq_norms[index] = self.fns.sq_norm(grads)
+        self._host_grads[index] = self.placement.to_host(grads)
+        return self._host_grads[index]
+
+    def _op_send_grads(self, p: _Pass, op: Op):
+        out, p.grads = self._send(op.layer, p.grads), None
+        return out
+
+    def _op_embed_backward(self, p: _Pass, op: Op):
+        b = p.device_batches[op.micro]
+        p.io_grads = self.fns.embed_backward(p.io, b.inputs, p.dy[op.micro], p.io_grads)
+        if op.micro == len(p.micro) - 1:
+            p.acts.clear()
+            p.dy = []
+        return p.io_grads
+
+    def _op_send_io_grads(self, p: _Pass, op: Op):
+        out, p.io_grads = self._send(-1, p.io_grads), None
+        return out
+
+    def _op_grad_norm(self, p: _Pass, op: Op):
+        self._norm, scale = self._clip(self._sq_norms)
+        self._scale_host = self.placement.to_host(scale)
+        return self._scale_host
+
+    def _op_update_io(self, p: _Pass, op: Op):
+        s = self.state
+        s.io, s.io_opt, s.stream_io = self.opt.update(s.io, s.io_opt, self._host_grads[-1], self._scale_host)
+        self._host_grads[-1] = None
+        return s.io
+
+    def _op_update(self, p: _Pass, op: Op):
+        s, i = self.state, op.layer
+        s.blocks[i], s.blocks_opt[i], stream = self.opt.update(s.blocks[i], s.blocks_opt[i],
+                                                                self._host_grads[i], self._scale_host)
+        if s.stream_blocks is not None:
+            s.stream_blocks[i] = stream
+        self._host_grads[i] = None
+        return s.blocks[i]

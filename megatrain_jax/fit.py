@@ -1,0 +1,108 @@
+"""``fit``: assembles the engine and drains its step iterator. Logging, evaluation and checkpointing are
+hooks, so none of them touch the step."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import optax
+from flax import nnx
+
+from megatrain_jax.batch import Batch
+from megatrain_jax.engine import Engine, EngineConfig
+from megatrain_jax.flops import model_flops_per_token
+from megatrain_jax.layered import is_abstract
+
+Schedule = Callable[[int], Any]
+
+
+@dataclasses.dataclass
+class Hook:
+    """Calls ``fn(metrics, engine)`` every ``every`` steps (and after the last step when ``at_end``)."""
+
+    fn: Callable[[dict, Engine], None]
+    every: int = 1
+    at_end: bool = False
+
+
+@dataclasses.dataclass
+class History:
+    """Per-step metrics, in order. ``history['loss']`` is the list of losses."""
+
+    records: list[dict] = dataclasses.field(default_factory=list)
+    engine: Engine | None = None
+
+    def __getitem__(self, key: str) -> list:
+        return [r[key] for r in self.records if key in r]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+def decay_mask(params: Any) -> Any:
+    """Weight decay on matrices only (not on norms' scales or biases)."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def default_optimizer(learning_rate: float | Schedule, weight_decay: float = 0.1) -> optax.GradientTransformation:
+    """AdamW with decoupled weight decay on matrices, the usual LM pre-training betas."""
+    return optax.adamw(learning_rate, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay, mask=decay_mask)
+
+
+def print_logger(every: int = 10, stream=sys.stdout) -> Hook:
+    def log(m: dict, engine: Engine) -> None:
+        lr = f" lr {m['lr']:.2e}" if "lr" in m else ""
+        print(f"step {m['step']:>6d}  loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}{lr}  "
+              f"{m['tokens_per_s']:,.0f} tok/s  {m['model_tflops']:.1f} TFLOP/s  {m['step_time_s']:.3f} s",
+              file=stream, flush=True)
+    return Hook(log, every=every, at_end=True)
+
+
+def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTransformation | None = None, *,
+        steps: int | None = None, config: EngineConfig = EngineConfig(), learning_rate: float | Schedule = 3e-4,
+        lr_schedule: Schedule | None = None, seed: int = 0, hooks: Sequence[Hook] = (), log_every: int | None = 10,
+        peak_tflops: float | None = None, write_back: bool = True) -> History:
+    """Train ``model`` (concrete, or abstract from ``nnx.eval_shape`` and initialized from ``seed``) on
+    ``data``, an iterable of ``Batch``, for ``steps`` optimizer steps (or until the data ends).
+
+    The default optimizer is AdamW (``default_optimizer(learning_rate)``); clipping and micro-batching are
+    in ``config``. Returns the metrics history; the trained parameters are written into ``model`` at the
+    end unless ``write_back`` is False or the model is abstract (then read them from ``history.engine``).
+    ``peak_tflops`` (e.g. 989 for an H100's dense bf16) adds an ``mfu`` metric.
+    """
+    if optimizer is None:
+        optimizer = default_optimizer(learning_rate)
+        lr_schedule = lr_schedule or (learning_rate if callable(learning_rate) else (lambda _: learning_rate))
+    engine = Engine(model, optimizer, config, seed=seed)
+    history = History(engine=engine)
+    hooks = list(hooks) + ([print_logger(log_every)] if log_every else [])
+    if steps is not None:
+        data = itertools.islice(iter(data), steps * config.accumulate_steps)
+    params = sum(x.size for x in jax.tree.leaves((engine.state.io, engine.state.blocks)))
+    cfg = model.cfg
+    last: dict | None = None
+    for m in engine.steps(data):
+        fpt = model_flops_per_token(params, getattr(cfg, "layers", 0), getattr(cfg, "hidden", 0),
+                                    engine.last_seq_len)
+        m["model_tflops"] = m["tokens_per_s"] * fpt / 1e12
+        if peak_tflops:
+            m["mfu"] = m["model_tflops"] / peak_tflops
+        if lr_schedule is not None:
+            m["lr"] = float(lr_schedule(m["step"] - 1))
+        history.records.append(m)
+        for hook in hooks:
+            if m["step"] % hook.every == 0:
+                hook.fn(m, engine)
+        last = m
+    if last is not None:
+        for hook in hooks:
+            if hook.at_end and last["step"] % hook.every:
+                hook.fn(last, engine)
+    if write_back and not is_abstract(model):
+        engine.write_back(model)
+    return history
+

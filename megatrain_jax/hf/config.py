@@ -1,0 +1,177 @@
+"""Hugging Face ``config.json`` <-> DecoderConfig, for Llama, Mistral, Qwen2 and Qwen3.
+
+Both the transformers 4.x spelling (``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and the 5.x one
+(``rope_parameters``, ``dtype``) are read; we write the 4.x spelling, which 5.x still reads. Anything
+our decoder cannot reproduce exactly is an error naming the offending value, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatrain_jax.models.config import DecoderConfig, RopeScaling
+
+# model_type -> (our family, the causal-LM class transformers builds)
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+_FAMILY_TO_TYPE = {family: mt for mt, (family, _) in ARCHITECTURES.items()}
+_DEFAULT_HEAD_DIM = {"qwen3": 128}  # transformers' default when config.json omits head_dim
+_SUPPORTED_ROPE = ("default", "llama3")
+
+
+class UnsupportedConfig(ValueError):
+    """The checkpoint uses a model type or feature our decoder does not implement."""
+
+
+def _model_type(c: dict[str, Any]) -> str:
+    mt = c.get("model_type")
+    archs = c.get("architectures") or []
+    if mt is None and archs:  # derive from the class name, e.g. LlamaForCausalLM
+        mt = next((t for t, (_, cls) in ARCHITECTURES.items() if cls in archs), None)
+    if mt not in ARCHITECTURES:
+        raise UnsupportedConfig(f"model_type {mt!r} (architectures {archs}) is not supported; supported "
+                                f"model types: {sorted(ARCHITECTURES)}")
+    expected = ARCHITECTURES[mt][1]
+    bad = [a for a in archs if a != expected]
+    if bad:
+        raise UnsupportedConfig(f"architectures {bad} not supported for model_type {mt!r}; only "
+                                f"{expected!r} (a causal LM with an lm_head) is")
+    return mt
+
+
+def _rope(c: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
+    params = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise UnsupportedConfig(f"rope parameters {params!r} are not a dict")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise UnsupportedConfig(f"per-layer-type rope parameters {sorted(params)} are not supported")
+    theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in _SUPPORTED_ROPE:
+        raise UnsupportedConfig(f"rope_scaling type {kind!r} is not supported; supported: "
+                                f"{list(_SUPPORTED_ROPE)}")
+    if float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise UnsupportedConfig(f"partial_rotary_factor {params.get('partial_rotary_factor')!r} "
+                                f"is not supported (RoPE on the whole head only)")
+    if kind == "default":
+        return theta, None
+    return theta, RopeScaling(
+        factor=float(params["factor"]), low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings",
+                                             c.get("original_max_position_embeddings", max_pos))))
+
+
+def _sliding_window(c: dict[str, Any], mt: str, layers: int) -> int | None:
+    if mt == "mistral":
+        return c.get("sliding_window")
+    if mt == "llama":
+        return None
+    # Qwen2/3: a window only when use_sliding_window, and then only on layers >= max_window_layers
+    window = c.get("sliding_window") if c.get("use_sliding_window", False) else None
+    types = c.get("layer_types")
+    if types is None:
+        mwl = c.get("max_window_layers", 28)
+        types = ["sliding_attention" if window is not None and i >= mwl else "full_attention"
+                 for i in range(layers)]
+    kinds = set(types)
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"} and window is not None:
+        return int(window)
+    raise UnsupportedConfig(f"layer_types {types} (use_sliding_window={c.get('use_sliding_window')}, "
+                            f"sliding_window={window}, max_window_layers={c.get('max_window_layers')}) "
+                            f"mix full and sliding attention; only all-full or all-sliding is supported")
+
+
+def _check_unsupported(c: dict[str, Any], mt: str) -> None:
+    act = c.get("hidden_act", c.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        raise UnsupportedConfig(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
+    if c.get("mlp_bias", False):
+        raise UnsupportedConfig("mlp_bias=True is not supported (the MLP has no biases)")
+    if mt in ("llama", "mistral", "qwen3") and c.get("attention_bias", False):
+        raise UnsupportedConfig(f"attention_bias=True for model_type {mt!r} is not supported (it also "
+                                f"puts a bias on o_proj; only Qwen2-style q/k/v biases are)")
+
+
+def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
+    """The DecoderConfig of a Hugging Face ``config.json`` (as a dict). ``overrides`` replace fields
+    that config.json does not determine (``dtype``, ``attention_impl``, ``loss_chunk_tokens``, ...)."""
+    c = config_json
+    mt = _model_type(c)
+    _check_unsupported(c, mt)
+    try:
+        hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        layers = int(c["num_hidden_layers"])
+        fields: dict[str, Any] = dict(
+            vocab_size=int(c["vocab_size"]), hidden=hidden, ffn=int(c["intermediate_size"]),
+            layers=layers, heads=heads, kv_heads=int(c.get("num_key_value_heads") or heads))
+    except KeyError as e:
+        raise UnsupportedConfig(f"config.json lacks the required field {e.args[0]!r}") from None
+    head_dim = c.get("head_dim") or _DEFAULT_HEAD_DIM.get(mt)
+    max_pos = int(c.get("max_position_embeddings", 4096))
+    theta, scaling = _rope(c, max_pos)
+    fields.update(
+        family=ARCHITECTURES[mt][0],
+        head_dim=None if head_dim is None or (hidden % heads == 0 and head_dim == hidden // heads)
+        else int(head_dim),
+        rope_theta=theta, rope_scaling=scaling, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3",
+        sliding_window=_sliding_window(c, mt, layers), max_positions=max_pos)
+    fields.update(overrides)
+    return DecoderConfig(**fields)
+
+
+def check_exportable(cfg: DecoderConfig) -> None:
+    """Raise if transformers' class for ``cfg.family`` cannot express ``cfg`` exactly."""
+    want = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
+    bias, norm = want[cfg.family]
+    problems = []
+    if cfg.qkv_bias != bias:
+        problems.append(f"qkv_bias={cfg.qkv_bias} (the {cfg.family} architecture has {bias})")
+    if cfg.qk_norm != norm:
+        problems.append(f"qk_norm={cfg.qk_norm} (the {cfg.family} architecture has {norm})")
+    if cfg.family == "llama" and cfg.sliding_window is not None:
+        problems.append(f"sliding_window={cfg.sliding_window} (Llama has none; use family='mistral')")
+    if problems:
+        raise UnsupportedConfig(f"family {cfg.family!r} cannot be exported as "
+                                f"{ARCHITECTURES[_FAMILY_TO_TYPE[cfg.family]][1]}: {'; '.join(problems)}")
+
+
+def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A ``config.json`` dict that transformers loads into the matching ``*ForCausalLM``."""
+    check_exportable(cfg)
+    mt = _FAMILY_TO_TYPE[cfg.family]
+    rope = None
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        rope = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[mt][1]], "model_type": mt,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn,
+        "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_per_head, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": rope,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "use_cache": True, "torch_dtype": dtype,
+    }
+    if mt in ("llama", "qwen3"):
+        out["attention_bias"] = False
+    if mt == "llama":
+        out["mlp_bias"] = False
+    if mt == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    if mt in ("qwen2", "qwen3"):
+        sliding = cfg.sliding_window is not None
+        out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window,
+                   max_window_layers=0 if sliding else cfg.layers,
+                   layer_types=[("sliding_attention" if sliding else "full_attention")] * cfg.layers)
+    return out

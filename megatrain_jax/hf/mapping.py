@@ -1,0 +1,250 @@
+"""Hugging Face tensor names <-> our per-part parameter trees; ``load_hf`` / ``save_hf``.
+
+Our parameters are pure nested dicts of float32 numpy arrays, one tree for ``model.io`` and one per
+block (the layout of ``nnx.to_pure_dict(nnx.state(part, nnx.Param))``). HF ``nn.Linear`` weights are
+[out, in] and our kernels [in, out], so every projection is transposed. HF Llama checkpoints are
+already in rotate-half RoPE layout, which our attention uses, so q/k need no permutation.
+Loading goes tensor by tensor from memory-mapped files, so peak extra memory is about one tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatrain_jax.hf.config import config_from_hf, config_to_hf
+from megatrain_jax.hf.safetensors_io import (INDEX_FILE, Checkpoint, SafetensorsError, plan_shards,
+                                             shard_names, stale_files, write_entries)
+from megatrain_jax.models.config import DecoderConfig
+
+PureTree = dict[str, Any]  # nested dict of arrays, as nnx.to_pure_dict gives
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # transformers' own default shard size
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint's tensors do not match what the config says the model has."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One HF tensor: where it goes in our tree, and its shape on each side."""
+
+    hf_name: str
+    path: tuple[str, ...]  # key path in our part's pure dict
+    hf_shape: tuple[int, ...]
+    transpose: bool
+
+    @property
+    def our_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.hf_shape)) if self.transpose else self.hf_shape
+
+
+def io_specs(cfg: DecoderConfig) -> list[Spec]:
+    V, D = cfg.vocab_size, cfg.hidden
+    specs = [Spec("model.embed_tokens.weight", ("embedding",), (V, D), False),
+             Spec("model.norm.weight", ("final_norm", "scale"), (D,), False)]
+    if not cfg.tie_embeddings:
+        specs.append(Spec("lm_head.weight", ("lm_head",), (V, D), True))
+    return specs
+
+
+def block_specs(cfg: DecoderConfig, i: int) -> list[Spec]:
+    D, F, hd = cfg.hidden, cfg.ffn, cfg.dim_per_head
+    q, kv = cfg.heads * hd, cfg.kv_heads * hd
+    p = f"model.layers.{i}."
+    specs = [Spec(p + "input_layernorm.weight", ("attn_norm", "scale"), (D,), False),
+             Spec(p + "post_attention_layernorm.weight", ("mlp_norm", "scale"), (D,), False)]
+    for ours, out_dim in (("q", q), ("k", kv), ("v", kv)):
+        specs.append(Spec(p + f"self_attn.{ours}_proj.weight", ("attn", ours, "kernel"), (out_dim, D), True))
+        if cfg.qkv_bias:
+            specs.append(Spec(p + f"self_attn.{ours}_proj.bias", ("attn", ours, "bias"), (out_dim,), False))
+    specs.append(Spec(p + "self_attn.o_proj.weight", ("attn", "o", "kernel"), (D, q), True))
+    if cfg.qk_norm:
+        specs += [Spec(p + "self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (hd,), False),
+                  Spec(p + "self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (hd,), False)]
+    for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+        specs.append(Spec(p + f"mlp.{name}_proj.weight", ("mlp", name, "kernel"), shape, True))
+    return specs
+
+
+def check_checkpoint(ckpt: Checkpoint, cfg: DecoderConfig) -> None:
+    """Raise CheckpointMismatch listing every missing, unexpected or wrongly shaped tensor, from the
+    headers alone (before any tensor data is read)."""
+    expected = {s.hf_name: s.hf_shape for s in io_specs(cfg)}
+    for i in range(cfg.layers):
+        expected.update((s.hf_name, s.hf_shape) for s in block_specs(cfg, i))
+    found = ckpt.shapes()
+    allowed_extra = {"lm_head.weight"} if cfg.tie_embeddings else set()  # some tied saves keep a copy
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected) - allowed_extra
+                        - {n for n in found if n.endswith("rotary_emb.inv_freq")})
+    wrong = sorted(n for n in set(expected) & set(found) if tuple(found[n]) != tuple(expected[n]))
+    if cfg.tie_embeddings and "lm_head.weight" in found and tuple(found["lm_head.weight"]) != (
+            cfg.vocab_size, cfg.hidden):
+        wrong.append("lm_head.weight")
+        expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden)
+    if not (missing or unexpected or wrong):
+        return
+    lines = [f"checkpoint {ckpt.dir} does not match its config ({cfg.family}, {cfg.layers} layers, hidden "
+             f"{cfg.hidden}, vocab {cfg.vocab_size}, tied={cfg.tie_embeddings}):"]
+    lines += [f"  missing: {n} (expected shape {list(expected[n])})" for n in missing]
+    lines += [f"  unexpected: {n} (shape {list(found[n])})" for n in unexpected]
+    lines += [f"  shape mismatch: {n}: expected {list(expected[n])}, found {list(found[n])}" for n in wrong]
+    raise CheckpointMismatch("\n".join(lines))
+
+
+def _read_part(ckpt: Checkpoint, specs: Sequence[Spec]) -> PureTree:
+    tree: PureTree = {}
+    for s in specs:
+        src = ckpt.get(s.hf_name)  # a memory-mapped view: only this tensor is materialized, once
+        node = tree
+        for key in s.path[:-1]:
+            node = node.setdefault(key, {})
+        node[s.path[-1]] = np.array(src.T if s.transpose else src, dtype=np.float32, order="C")
+    return tree
+
+
+def read_config(model_dir: str | os.PathLike, **overrides) -> DecoderConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    return config_from_hf(json.loads(path.read_text()), **overrides)
+
+
+def open_checkpoint(model_dir: str | os.PathLike, cfg: DecoderConfig) -> Checkpoint:
+    """Open and check the checkpoint's headers against ``cfg``; no tensor data is read yet."""
+    ckpt = Checkpoint(model_dir)
+    check_checkpoint(ckpt, cfg)
+    return ckpt
+
+
+def read_io(ckpt: Checkpoint, cfg: DecoderConfig) -> PureTree:
+    return _read_part(ckpt, io_specs(cfg))
+
+
+def iter_blocks(ckpt: Checkpoint, cfg: DecoderConfig) -> Iterator[PureTree]:
+    """Block parameter trees one layer at a time (for streaming straight into host or device memory)."""
+    for i in range(cfg.layers):
+        yield _read_part(ckpt, block_specs(cfg, i))
+
+
+def load_hf(model_dir: str | os.PathLike, dtype: str = "bfloat16",
+            **overrides) -> tuple[DecoderConfig, PureTree, list[PureTree]]:
+    """``(cfg, io_params, [block_params])`` from an HF folder (config.json + safetensors). Parameters
+    are float32 numpy; ``dtype`` is the compute dtype put in ``cfg``; ``overrides`` set other fields."""
+    cfg = read_config(model_dir, dtype=dtype, **overrides)
+    ckpt = open_checkpoint(model_dir, cfg)
+    return cfg, read_io(ckpt, cfg), list(iter_blocks(ckpt, cfg))
+
+
+_MATCHING_FIELDS = ("family", "vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads", "dim_per_head",
+                    "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm",
+                    "sliding_window")
+
+
+def check_same_model(ours: DecoderConfig, theirs: DecoderConfig, where: str) -> None:
+    diffs = [f"{f}: model has {getattr(ours, f)!r}, {where} has {getattr(theirs, f)!r}"
+             for f in _MATCHING_FIELDS if getattr(ours, f) != getattr(theirs, f)]
+    if diffs:
+        raise CheckpointMismatch(f"model config differs from {where}:\n  " + "\n  ".join(diffs))
+
+
+def load_hf_into(model: Any, model_dir: str | os.PathLike) -> None:
+    """Fill a Decoder (concrete or from ``nnx.eval_shape``) with an HF checkpoint, part by part.
+
+    A concrete model's arrays keep their placement (sharding / memory kind); an abstract model's
+    parameters become host numpy arrays, so nothing is put on a GPU here."""
+    import jax
+    from flax import nnx
+
+    ckpt_cfg = read_config(model_dir)
+    check_same_model(model.cfg, ckpt_cfg, f"{model_dir}/config.json")
+    ckpt = open_checkpoint(model_dir, ckpt_cfg)
+
+    def fill(part: Any, tree: PureTree) -> None:
+        state = nnx.state(part, nnx.Param)
+        old = nnx.to_pure_dict(state)
+        if jax.tree.structure(old) != jax.tree.structure(tree):
+            raise CheckpointMismatch(f"parameter tree {jax.tree.structure(tree)} from {model_dir} does not "
+                                     f"fit the model's {jax.tree.structure(old)}")
+        placed = jax.tree.map(lambda o, n: n if isinstance(o, jax.ShapeDtypeStruct)
+                              else jax.device_put(n.astype(o.dtype), o.sharding), old, tree)
+        nnx.replace_by_pure_dict(state, placed)
+        nnx.update(part, state)
+
+    fill(model.io, read_io(ckpt, ckpt_cfg))
+    for block, tree in zip(model.blocks, iter_blocks(ckpt, ckpt_cfg)):
+        fill(block, tree)
+
+
+def _pure(tree: Any) -> PureTree:
+    if isinstance(tree, Mapping) and not hasattr(tree, "flat_state"):
+        return dict(tree)
+    from flax import nnx
+    return nnx.to_pure_dict(tree)
+
+
+def _lookup(tree: PureTree, path: tuple[str, ...], part: str) -> Any:
+    node: Any = tree
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            raise CheckpointMismatch(f"{part} parameters lack {'.'.join(path)}")
+        node = node[key]
+    return node
+
+
+def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, block_params: Sequence[Any],
+            dtype: str = "bfloat16", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
+    """Write ``config.json`` + safetensors (sharded with an index past ``max_shard_bytes``) that
+    transformers' ``AutoModelForCausalLM.from_pretrained`` loads. Parameters may be pure dicts or
+    ``nnx.State``, numpy or JAX arrays (any memory kind); each tensor is converted only as it is
+    written. Earlier ``model*.safetensors`` files in the folder are removed. Returns the files."""
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype {dtype!r} not supported for export; use 'bfloat16' or 'float32'")
+    if len(block_params) != cfg.layers:
+        raise CheckpointMismatch(f"{len(block_params)} block parameter trees for a {cfg.layers}-layer config")
+    hf_config = config_to_hf(cfg, dtype)
+    parts = [("io", _pure(io_params), io_specs(cfg))]
+    parts += [(f"block {i}", _pure(p), block_specs(cfg, i)) for i, p in enumerate(block_params)]
+    entries, wrong = {}, []
+    for part, tree, specs in parts:
+        for s in specs:
+            value = _lookup(tree, s.path, part)
+            if tuple(np.shape(value)) != s.our_shape:
+                wrong.append(f"  {part} {'.'.join(s.path)} ({s.hf_name}): expected {list(s.our_shape)}, "
+                             f"found {list(np.shape(value))}")
+            produce = (lambda v=value, t=s.transpose: np.asarray(v, np.float32).T if t else np.asarray(v))
+            entries[s.hf_name] = (s.hf_name, s.hf_shape, produce)
+    if wrong:
+        raise CheckpointMismatch("parameters do not match the config:\n" + "\n".join(wrong))
+
+    out = Path(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in stale_files(out):
+        stale.unlink()
+    itemsize = np.dtype(np.float32).itemsize if dtype == "float32" else 2
+    shards = plan_shards(((n, math.prod(e[1]) * itemsize) for n, e in entries.items()), max_shard_bytes)
+    files = [out / name for name in shard_names(len(shards))]
+    np_dtype = _np_dtype(dtype)
+    total = sum(write_entries(f, [entries[n] for n in names], np_dtype) for f, names in zip(files, shards))
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: f.name for f, names in zip(files, shards) for n in names}}
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        files.append(out / INDEX_FILE)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    return files + [out / "config.json"]
+
+
+def _np_dtype(name: str) -> np.dtype:
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(np.float32)
+
+

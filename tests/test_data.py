@@ -1,0 +1,326 @@
+"""Data pipeline: token file checks, deterministic resumable batches, packing masks, prefetch, prepare_data."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatrain_jax.batch import check_batch
+from megatrain_jax.data import (DataConfig, TokenDataset, TokenFile, demo_dataset, demo_tokens, prefetch,
+                                write_tokens)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def docs_file(lengths=(5, 1, 9, 30, 3, 12, 17, 2, 8, 26, 4, 11), vocab=50, seed=0) -> TokenFile:
+    """Documents of the given lengths with random tokens, in memory."""
+    tokens = np.random.default_rng(seed).integers(0, vocab, sum(lengths)).astype(np.uint16)
+    return TokenFile.from_array(tokens, vocab, np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+
+
+def take(it, k):
+    return [next(it) for _ in range(k)]
+
+
+def same(a, b) -> bool:
+    return all(np.array_equal(getattr(a, f), getattr(b, f)) for f in
+               ("inputs", "targets", "loss_mask", "positions", "segment_ids"))
+
+
+# --- token files -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("vocab,dtype", [(300, np.uint16), (70000, np.uint32)])
+def test_write_open_roundtrip(tmp_path, vocab, dtype):
+    tokens = np.random.default_rng(0).integers(0, vocab, 1000)
+    path = write_tokens(tmp_path / "t.bin", tokens, vocab, doc_starts=[0, 10, 500])
+    f = TokenFile.open(path)
+    assert isinstance(f.tokens, np.memmap) and f.tokens.dtype == dtype
+    np.testing.assert_array_equal(f.tokens, tokens)
+    np.testing.assert_array_equal(f.doc_starts, [0, 10, 500])
+    assert f.vocab_size == vocab and json.loads((tmp_path / "t.bin.json").read_text())["num_docs"] == 3
+    f.check_vocab(vocab)
+
+
+def test_npy_and_no_docs(tmp_path):
+    np.save(tmp_path / "t.npy", np.arange(100, dtype=np.int32))
+    f = TokenFile.open(tmp_path / "t.npy")
+    assert f.vocab_size is None and f.doc_starts is None and len(f) == 100
+    f.check_vocab(100)
+    with pytest.raises(ValueError, match="token id 99.*vocab_size is 50"):
+        f.check_vocab(50)
+    np.save(tmp_path / "f.npy", np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="integer"):
+        TokenFile.open(tmp_path / "f.npy")
+    assert TokenFile.open(write_tokens(tmp_path / "n.bin", np.arange(9), 9)).doc_starts is None
+
+
+def test_missing_file_says_how_to_create(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.bin.*prepare_data\.py"):
+        TokenFile.open(tmp_path / "nope.bin")
+
+
+def test_truncated_file(tmp_path):
+    path = write_tokens(tmp_path / "t.bin", np.arange(100), 100)
+    path.write_bytes(path.read_bytes()[:150])
+    with pytest.raises(ValueError, match="150 bytes.*100 uint16 tokens = 200 bytes.*truncated"):
+        TokenFile.open(path)
+
+
+def test_dtype_too_small_for_vocab(tmp_path):
+    path = write_tokens(tmp_path / "t.bin", np.arange(10), 10)
+    (tmp_path / "t.bin.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 70000, "num_tokens": 10}))
+    with pytest.raises(ValueError, match="uint16.*70000.*uint32"):
+        TokenFile.open(path)
+    with pytest.raises(ValueError, match="cannot hold"):
+        write_tokens(tmp_path / "u.bin", np.arange(10), 70000, dtype="uint16")
+
+
+def test_vocab_exceeds_model(tmp_path):
+    f = TokenFile.open(write_tokens(tmp_path / "t.bin", np.arange(10), 32000))
+    with pytest.raises(ValueError, match="32000.*vocab_size is 256.*tokenizer"):
+        f.check_vocab(256)
+
+
+@pytest.mark.parametrize("sidecar,match", [
+    (None, "no sidecar"),
+    ("{not json", "not valid JSON"),
+    ({"dtype": "uint16", "vocab_size": 10, "num_tokens": 10, "vocab": 3}, r"unknown keys \['vocab'\]"),
+    ({"dtype": "uint16", "num_tokens": 10}, r"missing keys \['vocab_size'\]"),
+    ({"dtype": "int8", "vocab_size": 10, "num_tokens": 10}, "dtype must be one of"),
+    ({"dtype": "uint16", "vocab_size": 10, "num_tokens": 10, "num_docs": 2}, "index .* is missing"),
+])
+def test_bad_sidecar(tmp_path, sidecar, match):
+    path = write_tokens(tmp_path / "t.bin", np.arange(10), 10)
+    side = tmp_path / "t.bin.json"
+    if sidecar is None:
+        side.unlink()
+    else:
+        side.write_text(sidecar if isinstance(sidecar, str) else json.dumps(sidecar))
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        TokenFile.open(path)
+
+
+def test_bad_doc_starts():
+    with pytest.raises(ValueError, match="strictly increase"):
+        TokenFile.from_array(np.arange(10), 10, [0, 5, 5])
+
+
+# --- windows ------------------------------------------------------------------------------------------
+
+def test_windows_are_shifted_contiguous_and_cover_an_epoch():
+    f = TokenFile.from_array(np.arange(1001), 1001)  # token value = its offset
+    ds = TokenDataset(f, seq_len=10)
+    assert len(ds) == 100
+    it = ds.batches(4, seed=3)
+    starts = []
+    for b in take(it, 25):
+        check_batch(b, 1001)
+        assert b.segment_ids is None and b.loss_mask.min() == 1
+        np.testing.assert_array_equal(b.targets, b.inputs + 1)
+        np.testing.assert_array_equal(b.inputs - b.inputs[:, :1], np.broadcast_to(np.arange(10), (4, 10)))
+        starts += list(b.inputs[:, 0])
+    assert sorted(starts) == list(range(0, 1000, 10)) and it.state()["epoch"] == 0
+    second = [s for b in take(it, 25) for s in b.inputs[:, 0]]
+    assert sorted(second) == sorted(starts) and second != starts  # reshuffled per epoch
+
+
+def test_order_is_seeded():
+    ds = TokenDataset(demo_dataset(num_tokens=20000), seq_len=16)
+    a, b, c = (take(ds.batches(4, seed=s), 5) for s in (0, 0, 1))
+    assert all(same(x, y) for x, y in zip(a, b))
+    assert not all(same(x, y) for x, y in zip(a, c))
+
+
+@pytest.mark.parametrize("mode", ["windows", "packed"])
+def test_exact_resume_across_epochs(mode):
+    ds = TokenDataset(docs_file(), seq_len=8, mode=mode)
+    full = take(ds.batches(3, seed=7), 30)
+    it = ds.batches(3, seed=7)
+    take(it, 11)
+    state = json.loads(json.dumps(it.state()))
+    resumed = ds.batches(3, seed=7, state=state)
+    assert resumed.state() == state
+    assert all(same(x, y) for x, y in zip(full[11:], take(resumed, 19)))
+    assert state["epoch"] < resumed.state()["epoch"]  # the comparison crossed an epoch boundary
+    with pytest.raises(ValueError, match="does not match"):
+        ds.batches(3, seed=8, state=state)
+
+
+# --- packing ------------------------------------------------------------------------------------------
+
+def test_packing_masks_and_segments():
+    lengths = (5, 1, 9, 30, 3, 12, 17, 2, 8, 26, 4, 11)
+    n, T = sum(lengths), 8
+    f = TokenFile.from_array(np.arange(n), n, np.concatenate([[0], np.cumsum(lengths)[:-1]]))  # token = offset
+    doc_of = np.repeat(np.arange(len(lengths)), lengths)
+    ds = TokenDataset(f, seq_len=T, mode="packed")
+    assert len(ds) == sum((L - 2) // T + 1 for L in lengths if L >= 2)  # long documents split into pieces
+    seen = []
+    for b in ds.batches(2, seed=1, shuffle=True, loop=False):
+        check_batch(b, n)
+        for r in range(2):
+            seg, pos, mask = b.segment_ids[r], b.positions[r], b.loss_mask[r]
+            real = seg > 0
+            assert np.all(mask == real) and np.all(real[:real.sum()])  # loss 0 on padding, padding at the end
+            assert np.all(pos[~real] == 0) and np.all(b.inputs[r, ~real] == 0)
+            assert np.array_equal(np.unique(seg[real]), np.arange(1, seg.max() + 1))
+            assert np.all(np.diff(seg[real]) >= 0)
+            for k in range(1, seg.max() + 1):
+                at = np.flatnonzero(seg == k)
+                np.testing.assert_array_equal(pos[at], np.arange(len(at)))  # positions restart per piece
+                first = b.inputs[r, at[0]]
+                np.testing.assert_array_equal(b.inputs[r, at], first + np.arange(len(at)))
+                np.testing.assert_array_equal(b.targets[r, at], b.inputs[r, at] + 1)
+                assert doc_of[first] == doc_of[b.targets[r, at[-1]]]  # no target from another document
+                seen += list(b.inputs[r, at])
+    # one pass trains on every (input, target) pair of every document exactly once
+    want = [i for i in range(n - 1) if doc_of[i] == doc_of[i + 1]]
+    assert sorted(seen) == want
+
+
+def test_segment_mask_keeps_attention_inside_documents():
+    ds = TokenDataset(docs_file(), seq_len=16, mode="packed")
+    b = next(ds.batches(4, seed=0))
+    seg = b.segment_ids
+    T = seg.shape[1]
+    # the model's mask: same segment AND causal (see models/layers.py Attention)
+    allowed = (seg[:, :, None] == seg[:, None, :]) & np.tril(np.ones((T, T), bool))
+    for r in range(seg.shape[0]):
+        for q in np.flatnonzero(seg[r]):
+            keys = np.flatnonzero(allowed[r, q])
+            assert np.all(seg[r, keys] == seg[r, q]) and keys.min() == q - b.positions[r, q]
+            assert np.all(keys <= q)
+        assert allowed[r].any(axis=1).all()  # every query (padding too) sees at least itself: no NaN rows
+
+
+def test_packed_needs_documents():
+    with pytest.raises(ValueError, match="document boundaries"):
+        TokenDataset(TokenFile.from_array(np.arange(100), 100), 8, mode="packed")
+
+
+# --- held-out split ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["windows", "packed"])
+def test_eval_split_disjoint_and_complete(mode):
+    f = TokenFile.from_array(np.arange(5000) % 60000, 60000, np.arange(0, 5000, 37))  # token = offset
+    train = TokenDataset(f, 16, mode=mode, split="train", eval_fraction=0.1)
+    evals = TokenDataset(f, 16, mode=mode, split="eval", eval_fraction=0.1)
+
+    def used(ds):
+        return {int(t) for s, L in zip(ds.starts, ds.lengths) for t in range(s, s + L)}
+
+    assert not used(train) & used(evals) and max(used(train)) < min(used(evals))
+    batches = list(evals.batches(3))  # one ordered pass, last batch padded with loss_mask 0
+    got = {int(t) for b in batches for t in b.inputs[b.loss_mask > 0]}
+    want = {int(s + i) for s, L in zip(evals.starts, evals.lengths) for i in range(L - 1)}
+    assert got == want and all(b.shape == (3, 16) for b in batches)
+    assert [b.inputs.tolist() for b in batches] == [b.inputs.tolist() for b in evals.batches(3)]
+
+
+# --- prefetch ------------------------------------------------------------------------------------------
+
+def test_prefetch_same_sequence_and_state():
+    ds = TokenDataset(docs_file(), seq_len=8, mode="packed")
+    plain = take(ds.batches(2, seed=4), 12)
+    with prefetch(ds.batches(2, seed=4), 3) as it:
+        got = take(it, 5)
+        state = it.state()  # the consumer's position, not the producer's read-ahead
+        got += take(it, 7)
+    assert all(same(x, y) for x, y in zip(plain, got))
+    assert state["batches"] == 5
+    assert all(same(x, y) for x, y in zip(plain[5:], take(ds.batches(2, seed=4, state=state), 7)))
+    assert list(prefetch(iter(range(5)), 2)) == list(range(5))
+
+
+def test_prefetch_propagates_exception_and_closes():
+    def gen():
+        yield 1
+        yield 2
+        raise RuntimeError("bad shard")
+
+    it = prefetch(gen(), 4)
+    assert next(it) == 1 and next(it) == 2
+    with pytest.raises(RuntimeError, match="bad shard"):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    endless = prefetch(iter(lambda: 0, 1), 2)
+    next(endless)
+    endless.close()
+    endless.close()
+    assert not endless._thread.is_alive()
+
+
+# --- demo data and config ------------------------------------------------------------------------------
+
+def test_demo_corpus_is_deterministic_and_learnable():
+    a, starts = demo_tokens(256, 50000, seed=0)
+    b, _ = demo_tokens(256, 50000, seed=0)
+    assert len(a) == 50000 and a.dtype == np.uint16 and a.max() < 256 and np.array_equal(a, b)
+    assert not np.array_equal(a, demo_tokens(256, 50000, seed=1)[0])
+    assert np.all(a[starts[1:] - 1] == 0)  # every document ends with id 0
+    counts = np.bincount(a[:-1].astype(np.int64) * 256 + a[1:], minlength=256 * 256).reshape(256, 256)
+    top4 = np.sort(counts, axis=1)[:, -4:].sum()
+    assert top4 > 0.95 * counts.sum()  # 4 successors per token: a bigram model already does well
+    pickle.dumps(demo_dataset(num_tokens=1000))
+
+
+def test_data_config_build_and_resume(tmp_path):
+    tokens, starts = demo_tokens(256, 20000)
+    path = write_tokens(tmp_path / "d.bin", tokens, 256, starts)
+    cfg = DataConfig(path=str(path), seq_len=32, batch_size=4, mode="packed", eval_fraction=0.05, prefetch=2)
+    it = cfg.build(model_vocab=256)
+    first = take(it, 6)
+    state = it.state()
+    it.close()
+    resumed = cfg.build(model_vocab=256, state=state)
+    assert same(next(resumed), take(cfg.build(model_vocab=256), 7)[6])
+    assert sum(1 for _ in cfg.build_eval(256)) > 0 and first[0].shape == (4, 32)
+    with pytest.raises(ValueError, match="vocab"):
+        cfg.build(model_vocab=100)
+    assert next(DataConfig(batch_size=2, seq_len=8, demo_tokens=5000).build(256)).shape == (2, 8)
+
+
+# --- prepare_data ------------------------------------------------------------------------------------
+
+def _prepare_data_module():
+    spec = importlib.util.spec_from_file_location("prepare_data", REPO / "scripts" / "prepare_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prepare_data_roundtrip(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers
+
+    words = "the cat sat on a mat dog ran far".split()
+    tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", "</s>"] + words)},
+                                                unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    docs = ["the cat sat", "on a mat", "dog ran far far"]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"body": d}) for d in docs[:2]) + "\n\n")
+    (tmp_path / "b.txt").write_text(f"{docs[2]}\n\n\n")
+    out = _prepare_data_module().main(["--tokenizer", str(tmp_path / "tokenizer.json"), "--text-field", "body",
+                                       "--out", str(tmp_path / "out" / "c.bin"),
+                                       str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt")])
+    f = TokenFile.open(out)
+    assert f.vocab_size == 11 and f.eos_id == 1 and len(f.doc_starts) == 3
+    expected = [tok.encode(d).ids + [1] for d in docs]
+    np.testing.assert_array_equal(f.tokens, np.concatenate(expected))
+    np.testing.assert_array_equal(f.doc_starts, [0, 4, 8])
+    assert next(TokenDataset(f, 4, mode="packed").batches(2, seed=0)).shape == (2, 4)
+
+
+def test_prepare_data_demo_and_cli_errors(tmp_path):
+    module = _prepare_data_module()
+    f = TokenFile.open(module.main(["--demo", "--demo-tokens", "3000", "--out", str(tmp_path / "demo.bin")]))
+    assert np.array_equal(f.tokens, demo_tokens(256, 3000)[0]) and f.eos_id == 0
+    with pytest.raises(SystemExit):
+        module.main(["--out", str(tmp_path / "x.bin")])  # neither inputs nor --demo
