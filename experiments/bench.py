@@ -1,0 +1,151 @@
+"""Benchmark the streamed engine on named configurations and write a results JSON (../shared/RESULTS.md).
+
+    PYTHONPATH=. python experiments/bench.py --configs 3p5b_32k --out $OUT/bench.json
+
+Each configuration trains a randomly initialized model (built part by part from an abstract model, never
+whole on the GPU) on the demo Markov corpus at the model's vocabulary, times steps after warm-up, then runs
+one profiled step (synchronizing after every op) for the breakdown of where step time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatrain_jax import Decoder, Engine, EngineConfig, default_optimizer, preset  # noqa: E402
+from megatrain_jax.data import TokenDataset, TokenFile  # noqa: E402
+from megatrain_jax.data.demo import demo_tokens  # noqa: E402
+from megatrain_jax.flops import model_flops_per_token  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    preset: str
+    layers: int | None
+    seq_len: int
+    rows: int  # sequences per step: tokens per step = rows * seq_len
+    engine: EngineConfig
+
+
+CONFIGS: dict[str, BenchConfig] = {
+    "tiny_cpu": BenchConfig("tiny", None, 128, 8, EngineConfig(micro_batches=2)),
+    "3p5b_32k": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, clip_norm=1.0)),
+    "3p5b_98k": BenchConfig("7b", 16, 2048, 48, EngineConfig(micro_batches=6, clip_norm=1.0)),
+    "7b_32k": BenchConfig("7b", 32, 2048, 16, EngineConfig(micro_batches=2, clip_norm=1.0)),
+}
+
+
+def device_info() -> dict:
+    dev = jax.devices()[0]
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return {"name": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+            "host_ram_gib": round(pages / 2**30, 1), "cpu_cores": os.cpu_count()}
+
+
+def gpu_peak_gib() -> float | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return round(stats["peak_bytes_in_use"] / 2**30, 2) if "peak_bytes_in_use" in stats else None
+
+
+def host_peak_gib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+
+
+def run_config(name: str, bc: BenchConfig, warmup: int, timed: int) -> dict:
+    cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
+    tokens_per_step = bc.rows * bc.seq_len
+    run = {"system": "megatrain_jax", "config": name,
+           "model": {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "heads": cfg.heads,
+                     "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size, "params": cfg.param_count()},
+           "seq_len": bc.seq_len, "tokens_per_step": tokens_per_step, "steps_timed": timed,
+           "engine": dataclasses.asdict(bc.engine), "optimizer": "adamw(lr 3e-4, wd 0.1, b2 0.95)",
+           "compute_dtype": cfg.dtype}
+    try:
+        t0 = time.perf_counter()
+        abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+        engine = Engine(abstract, default_optimizer(3e-4), bc.engine, seed=0)
+        jax.block_until_ready(engine.state)
+        run["init_s"] = round(time.perf_counter() - t0, 2)
+        n_steps = warmup + timed + 1
+        toks, starts = demo_tokens(cfg.vocab_size, n_steps * tokens_per_step * 2 + bc.seq_len + 1, seed=0)
+        data = iter(TokenDataset(TokenFile.from_array(toks, cfg.vocab_size, starts), bc.seq_len).batches(bc.rows))
+        records = []
+        for m in engine.steps(next(data) for _ in range(warmup + timed)):
+            records.append(m)
+            print(f"[{name}] step {m['step']} loss {m['loss']:.4f} gnorm {m['grad_norm']:.3f} "
+                  f"{m['step_time_s']:.3f}s dispatch {m['dispatch_s']:.3f}s", flush=True)
+        timed_recs = records[warmup:]
+        step_time = statistics.median(r["step_time_s"] for r in timed_recs)
+        fpt = model_flops_per_token(cfg.param_count(), cfg.layers, cfg.hidden, bc.seq_len)
+        run.update(step_time_s=round(step_time, 4), tokens_per_s=round(tokens_per_step / step_time, 1),
+                   model_tflops=round(tokens_per_step / step_time * fpt / 1e12, 1),
+                   loss_first=timed_recs[0]["loss"], loss_last=timed_recs[-1]["loss"],
+                   losses=[round(r["loss"], 4) for r in records], grad_norms=[round(r["grad_norm"], 4) for r in records],
+                   step_times=[round(r["step_time_s"], 4) for r in records],
+                   dispatch_s=round(statistics.median(r["dispatch_s"] for r in timed_recs), 4))
+        # Breakdown: one step with a sync after every op, so each category's time is its own.
+        engine.profile = {}
+        t = time.perf_counter()
+        engine.step(next(data)).resolve()
+        serial = time.perf_counter() - t
+        prof = {k: round(v, 4) for k, v in engine.profile.items()}
+        compute = prof.get("compute", 0.0)
+        run["breakdown"] = {"serialized_step_s": round(serial, 4), **{f"{k}_s": v for k, v in prof.items()},
+                            "gpu_busy_fraction_est": round(min(compute / step_time, 1.0), 3),
+                            "gpu_idle_fraction_est": round(max(1 - compute / step_time, 0.0), 3),
+                            "note": "per-category times from a step synchronized after every op; idle = "
+                                    "1 - compute / overlapped median step time"}
+        run.update(gpu_peak_gib=gpu_peak_gib(), host_peak_gib=host_peak_gib(), status="ok")
+        finite = all(np.isfinite(r["loss"]) for r in records)
+        run["loss_finite_and_decreasing"] = bool(finite and records[-1]["loss"] < records[0]["loss"])
+    except Exception as e:  # recorded, not hidden: the JSON says what failed
+        import traceback
+        traceback.print_exc()
+        run.update(status=f"error: {type(e).__name__}: {str(e)[:500]}", gpu_peak_gib=gpu_peak_gib(),
+                   host_peak_gib=host_peak_gib())
+    return run
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="3p5b_32k", help=f"comma-separated names from {sorted(CONFIGS)}")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--name", default=None, help="results name (default: device + configs)")
+    ap.add_argument("--out", required=True, help="path of the results JSON")
+    args = ap.parse_args(argv)
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    result = {"name": args.name or f"{jax.devices()[0].platform}_{'_'.join(names)}",
+              "command": "PYTHONPATH=. python " + " ".join(["experiments/bench.py"] + (argv or sys.argv[1:])),
+              "git_commit": commit, "device": device_info(), "date": datetime.date.today().isoformat(),
+              "jax_version": jax.__version__, "runs": []}
+    for n in names:
+        result["runs"].append(run_config(n, CONFIGS[n], args.warmup, args.steps))
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    for r in result["runs"]:
+        print(f"{r['config']}: {r['status']} tokens/s {r.get('tokens_per_s')} TFLOP/s {r.get('model_tflops')} "
+              f"step {r.get('step_time_s')} s gpu {r.get('gpu_peak_gib')} GiB host {r.get('host_peak_gib')} GiB "
+              f"breakdown {r.get('breakdown')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Host AdamW throughput (params/s): the engine's HostOptimizer on pinned-host arrays, the same update jitted
+on the CPU backend, and torch's fused CPU AdamW (the bar issue 4 sets), all in one process.
+
+    PYTHONPATH=. python experiments/host_adam_bench.py --params 256 --out $OUT/host_adam.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatrain_jax.host_optimizer import HostOptimizer  # noqa: E402
+from megatrain_jax.transfer import Placement  # noqa: E402
+
+
+def timeit(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_jax_host(n: int, reps: int, stream: bool) -> float:
+    pl = Placement()
+    opt = HostOptimizer(optax.adamw(1e-4, weight_decay=0.1), pl, jnp.bfloat16 if stream else None)
+    shapes = [(n // 4,)] * 4
+    params = pl.to_host([jnp.full(s, 0.5, jnp.float32) for s in shapes])
+    state = {"p": params, "o": opt.init(params)}
+    grads = pl.to_host([jnp.full(s, 0.01, jnp.float32) for s in shapes])
+    scale = pl.to_host(jnp.float32(1.0))
+
+    def step():
+        g = jax.tree.map(lambda x: x + 0, grads) if pl.on_gpu else grads  # donated each call on GPU
+        g = pl.to_host(g) if pl.on_gpu else g
+        state["p"], state["o"], _ = opt.update(state["p"], state["o"], g, scale)
+        jax.block_until_ready(state["p"])
+    return n / timeit(step, reps)
+
+
+def bench_jax_cpu_backend(n: int, reps: int) -> float:
+    cpu = jax.devices("cpu")[0]
+    tx = optax.adamw(1e-4, weight_decay=0.1)
+    p = [jax.device_put(np.full(n // 4, 0.5, np.float32), cpu) for _ in range(4)]
+    g = [jax.device_put(np.full(n // 4, 0.01, np.float32), cpu) for _ in range(4)]
+    o = jax.jit(tx.init)(p)
+    upd = jax.jit(lambda p, o, g: (lambda u, o2: (optax.apply_updates(p, u), o2))(*tx.update(g, o, p)),
+                  donate_argnums=(0, 1))
+    st = {"p": p, "o": o}
+
+    def step():
+        st["p"], st["o"] = upd(st["p"], st["o"], g)
+        jax.block_until_ready(st["p"])
+    return n / timeit(step, reps)
+
+
+def bench_torch(n: int, reps: int) -> float | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    p = [torch.nn.Parameter(torch.full((n // 4,), 0.5)) for _ in range(4)]
+    for x in p:
+        x.grad = torch.full_like(x, 0.01)
+    opt = torch.optim.AdamW(p, lr=1e-4, weight_decay=0.1, fused=True)
+    return n / timeit(opt.step, reps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--params", type=int, default=256, help="millions of fp32 parameters")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    n = args.params * 2**20
+    runs = {}
+    for name, fn in [("megatrain_jax_host_fp32", lambda: bench_jax_host(n, args.reps, False)),
+                     ("megatrain_jax_host_with_bf16_copy", lambda: bench_jax_host(n, args.reps, True)),
+                     ("jax_cpu_backend", lambda: bench_jax_cpu_backend(n, args.reps)),
+                     ("torch_fused_cpu_adamw", lambda: bench_torch(n, args.reps))]:
+        try:
+            runs[name] = fn()
+        except Exception as e:
+            runs[name] = f"error: {type(e).__name__}: {str(e)[:300]}"
+        print(name, runs[name], flush=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dev = jax.devices()[0]
+    out = {"name": "host_adamw_throughput", "command": "PYTHONPATH=. python experiments/host_adam_bench.py "
+           + " ".join(sys.argv[1:]), "git_commit": commit,
+           "device": {"name": getattr(dev, "device_kind", str(dev)), "cpu_cores": os.cpu_count()},
+           "date": datetime.date.today().isoformat(), "params": n,
+           "runs": [{"system": k, "params_per_s": v} for k, v in runs.items()]}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
