@@ -59,6 +59,8 @@ def _rope(c: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
                                 f"is not supported (RoPE on the whole head only)")
     if kind == "default":
         return theta, None
+    if "factor" not in params:
+        raise UnsupportedConfig(f"rope_scaling {params!r} of type 'llama3' lacks 'factor'")
     return theta, RopeScaling(
         factor=float(params["factor"]), low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from megatrain_jax.hf.config import config_from_hf, config_to_hf
-from megatrain_jax.hf.safetensors_io import (INDEX_FILE, Checkpoint, SafetensorsError, plan_shards,
-                                             shard_names, stale_files, write_entries)
+from megatrain_jax.hf.safetensors_io import (INDEX_FILE, Checkpoint, plan_shards, shard_names, stale_files,
+                                             write_entries)
 from megatrain_jax.models.config import DecoderConfig
 
 PureTree = dict[str, Any]  # nested dict of arrays, as nnx.to_pure_dict gives
@@ -144,7 +144,8 @@ def load_hf(model_dir: str | os.PathLike, dtype: str = "bfloat16",
     return cfg, read_io(ckpt, cfg), list(iter_blocks(ckpt, cfg))
 
 
-_MATCHING_FIELDS = ("family", "vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads", "dim_per_head",
+# what decides the parameter shapes and the function computed (not the export family or compute dtype)
+_MATCHING_FIELDS = ("vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads", "dim_per_head",
                     "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm",
                     "sliding_window")
 
@@ -220,8 +221,7 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
             if tuple(np.shape(value)) != s.our_shape:
                 wrong.append(f"  {part} {'.'.join(s.path)} ({s.hf_name}): expected {list(s.our_shape)}, "
                              f"found {list(np.shape(value))}")
-            produce = (lambda v=value, t=s.transpose: np.asarray(v, np.float32).T if t else np.asarray(v))
-            entries[s.hf_name] = (s.hf_name, s.hf_shape, produce)
+            entries[s.hf_name] = (s.hf_name, s.hf_shape, _producer(value, s.transpose))
     if wrong:
         raise CheckpointMismatch("parameters do not match the config:\n" + "\n".join(wrong))
 
@@ -241,6 +241,13 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
         files.append(out / INDEX_FILE)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return files + [out / "config.json"]
+
+
+def _producer(value: Any, transpose: bool):
+    """Deferred host conversion of one parameter (a JAX array is fetched only when written)."""
+    def produce() -> np.ndarray:
+        return np.asarray(value, np.float32).T if transpose else np.asarray(value)
+    return produce
 
 
 def _np_dtype(name: str) -> np.dtype:

@@ -1,0 +1,125 @@
+"""Generate the tiny Hugging Face parity fixtures under tests/fixtures/hf/ (needs torch + transformers).
+
+Each fixture is a random fp32 ``*ForCausalLM`` saved with ``save_pretrained(safe_serialization=True)``,
+plus ``tokens.npy`` and the logits transformers computes for them (``logits.npy``). Weights are drawn
+larger than transformers' init (and norms/biases non-trivial) so that attention is sharp and a wrong
+mapping, RoPE or window changes the logits visibly. The JAX venv has no torch, so use a separate one:
+
+    PYENV_VERSION=3.11.7 python3.11 -m venv /work/venv-hf
+    /work/venv-hf/bin/pip install torch==2.13.0          # the CPU wheel on disk; install it first
+    /work/venv-hf/bin/pip install transformers safetensors numpy
+    /work/venv-hf/bin/python scripts/make_hf_fixtures.py
+
+Check that folders written by ``megatrain_jax.hf.save_hf`` load in transformers
+(``AutoModelForCausalLM.from_pretrained``) and give the fixture's logits: export with the JAX venv,
+then load with this one (``--against`` gives the folders whose tokens.npy / logits.npy to compare with):
+
+    /work/venv/bin/python -c "from megatrain_jax.hf import load_hf, save_hf
+    for n in ['llama', 'llama_tied_rope3', 'mistral', 'qwen2', 'qwen3']:
+        save_hf(f'/tmp/hf_export/{n}', *load_hf(f'tests/fixtures/hf/{n}'), dtype='float32')"
+    /work/venv-hf/bin/python scripts/make_hf_fixtures.py --check-export /tmp/hf_export/* \
+        --against tests/fixtures/hf/{llama,llama_tied_rope3,mistral,qwen2,qwen3}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "hf"
+SEQ, BATCH, VOCAB = 16, 2, 96
+MAX_BYTES = 300 * 1024
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
+              bos_token_id=1, eos_token_id=2)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+FIXTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
+    "llama_tied_rope3": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True,
+                                                                  rope_parameters=LLAMA3_ROPE)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5, rope_theta=10000.0)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0, use_sliding_window=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=20, rope_theta=1000000.0,
+                                                      tie_word_embeddings=True)),
+}
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Draw every parameter: matrices N(0, 0.15), norm scales 1 + N(0, 0.1), biases N(0, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if p.ndim == 2:
+                p.copy_(0.15 * noise)
+            elif name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_(0.1 * noise)
+
+
+def logits_of(model: torch.nn.Module, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
+
+
+def make(name: str, seed: int) -> None:
+    cfg_cls, model_cls, extra = FIXTURES[name]
+    cfg = getattr(transformers, cfg_cls)(**COMMON, **extra)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    randomize(model, seed)
+    if cfg.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    tokens = np.random.default_rng(seed).integers(0, VOCAB, size=(BATCH, SEQ), dtype=np.int32)
+    out = OUT / name
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out, safe_serialization=True)
+    np.save(out / "tokens.npy", tokens)
+    np.save(out / "logits.npy", logits_of(model, tokens))
+    size = sum(p.stat().st_size for p in out.iterdir())
+    assert size < MAX_BYTES, f"{name}: {size} bytes"
+    print(f"{name}: {size / 1024:.1f} KiB, logits max |x| {np.abs(np.load(out / 'logits.npy')).max():.3f}")
+
+
+def check_export(folder: Path, reference: Path, tolerance: float = 1e-4) -> None:
+    """Load an exported folder with AutoModelForCausalLM; compare with the reference's logits.npy."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    got = logits_of(model, np.load(reference / "tokens.npy"))
+    err = float(np.abs(got - np.load(reference / "logits.npy")).max() / np.abs(got).max())
+    print(f"{folder}: {type(model).__name__} loaded; max relative logits error vs {reference}: {err:.2e}")
+    assert err < tolerance, err
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check-export", type=Path, nargs="*", help="exported folders to load and check")
+    ap.add_argument("--against", type=Path, nargs="*", help="folders with tokens.npy + logits.npy, one per "
+                    "exported folder (default: the exported folder itself)")
+    ap.add_argument("--tolerance", type=float, default=1e-4, help="max relative logits error")
+    args = ap.parse_args()
+    if args.check_export:
+        against = args.against or args.check_export
+        assert len(against) == len(args.check_export), "give one --against folder per exported folder"
+        for folder, reference in zip(args.check_export, against):
+            check_export(folder, reference, args.tolerance)
+        return
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    for seed, name in enumerate(FIXTURES):
+        make(name, seed)
+    (OUT / "VERSIONS.json").write_text(json.dumps(
+        {"torch": torch.__version__, "transformers": transformers.__version__}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,407 @@
+"""Hugging Face interop: logits parity with transformers, safetensors I/O, round trips, clear errors.
+
+The fixtures under tests/fixtures/hf were written by scripts/make_hf_fixtures.py with torch +
+transformers; the tests here need neither (the live ones skip when they are missing).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from megatrain_jax.hf import (Checkpoint, CheckpointMismatch, SafetensorsError, UnsupportedConfig,
+                              config_from_hf, config_to_hf, load_hf, load_hf_into, read_safetensors, save_hf,
+                              write_safetensors)
+from megatrain_jax.models import Decoder, preset
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+NAMES = ["llama", "llama_tied_rope3", "mistral", "qwen2", "qwen3"]
+HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+
+
+def rel_err(got, want) -> float:
+    return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, tokens):
+    return nnx.merge(graphdef, state)(tokens)
+
+
+def logits_of(model: Decoder, folder: Path) -> np.ndarray:
+    """One compiled forward (eager dispatch of every op costs seconds of compiles), at full fp32
+    matmul precision so that the parity also holds on a GPU (whose default for fp32 is TF32)."""
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(jnp.asarray, state)
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(_forward(graphdef, state, jnp.asarray(np.load(folder / "tokens.npy"))))
+
+
+def model_from(cfg, io, blocks) -> Decoder:
+    """A Decoder holding given pure-dict parameters."""
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    for part, tree in [(model.io, io)] + list(zip(model.blocks, blocks)):
+        state = nnx.state(part, nnx.Param)
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, tree))
+        nnx.update(part, state)
+    return model
+
+
+def concrete_zeros(cfg) -> Decoder:
+    """A concrete Decoder (JAX arrays) without paying for eager random init."""
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+
+    def zeros(part):
+        return jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), nnx.to_pure_dict(nnx.state(part, nnx.Param)))
+
+    return model_from(cfg, zeros(abstract.io), [zeros(b) for b in abstract.blocks])
+
+
+def assert_trees_equal(a, b) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture
+def fixture_copy(tmp_path):
+    def copy(name: str) -> Path:
+        return Path(shutil.copytree(FIXTURES / name, tmp_path / name))
+    return copy
+
+
+# --- parity with transformers' logits -------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_transformers(name):
+    folder = FIXTURES / name
+    cfg, io, blocks = load_hf(folder, dtype="float32")
+    assert all(a.dtype == np.float32 and isinstance(a, np.ndarray) for a in jax.tree.leaves((io, blocks)))
+    err = rel_err(logits_of(model_from(cfg, io, blocks), folder), np.load(folder / "logits.npy"))
+    assert err < 1e-4, f"{name}: relative error {err:.2e} on {jax.default_backend()}"
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_load_hf_into_concrete_and_abstract(name):
+    folder = FIXTURES / name
+    cfg, _, _ = load_hf(folder, dtype="float32")
+    want = np.load(folder / "logits.npy")
+    concrete = concrete_zeros(cfg)
+    load_hf_into(concrete, folder)
+    assert isinstance(concrete.io.embedding[...], jax.Array)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    load_hf_into(abstract, folder)
+    assert isinstance(abstract.io.embedding[...], np.ndarray)  # host memory, never a GPU
+    for model in (concrete, abstract):
+        assert rel_err(logits_of(model, folder), want) < 1e-4
+
+
+def test_fixtures_are_discriminative():
+    """Dropping the sliding window or the llama3 RoPE scaling changes the logits: parity means something."""
+    for name, change in (("mistral", dict(sliding_window=None)), ("llama_tied_rope3", dict(rope_scaling=None))):
+        folder = FIXTURES / name
+        cfg, io, blocks = load_hf(folder, dtype="float32", **change)
+        assert rel_err(logits_of(model_from(cfg, io, blocks), folder), np.load(folder / "logits.npy")) > 1e-3
+
+
+def test_tied_embeddings():
+    folder = FIXTURES / "llama_tied_rope3"
+    assert "lm_head.weight" not in Checkpoint(folder).names()
+    cfg, io, _ = load_hf(folder)
+    assert cfg.tie_embeddings and cfg.rope_scaling is not None and cfg.rope_scaling.original_max_position == 64
+    assert set(io) == {"embedding", "final_norm"}
+    model = concrete_zeros(cfg)
+    load_hf_into(model, folder)
+    assert model.io.lm_head is None and isinstance(model.io.embedding[...], jax.Array)
+
+
+def test_tied_checkpoint_with_redundant_lm_head_is_accepted(fixture_copy):
+    folder = fixture_copy("qwen3")
+    tensors = {k: np.array(v) for k, v in read_safetensors(folder / "model.safetensors").items()}
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    write_safetensors(folder / "model.safetensors", tensors)
+    cfg, io, blocks = load_hf(folder, dtype="float32")
+    assert rel_err(logits_of(model_from(cfg, io, blocks), folder), np.load(folder / "logits.npy")) < 1e-4
+
+
+# --- safetensors I/O -----------------------------------------------------------------------------
+
+def test_sharded_checkpoint_round_trip(tmp_path):
+    cfg, io, blocks = load_hf(FIXTURES / "qwen2", dtype="float32")
+    files = save_hf(tmp_path, cfg, io, blocks, dtype="float32", max_shard_bytes=40_000)
+    shards = sorted(tmp_path.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and not (tmp_path / "model.safetensors").exists()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {p.name for p in shards}
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in jax.tree.leaves((io, blocks)))
+    assert set(files) >= set(shards)
+    cfg2, io2, blocks2 = load_hf(tmp_path, dtype="float32")
+    assert cfg2 == cfg
+    assert_trees_equal((io, blocks), (io2, blocks2))
+    shards[1].unlink()
+    with pytest.raises(SafetensorsError, match=f"shard '{shards[1].name}' .* is missing"):
+        Checkpoint(tmp_path)
+    # a later unsharded save replaces the shards rather than mixing with them
+    save_hf(tmp_path, cfg, io, blocks, dtype="float32")
+    assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
+
+
+def test_bf16_read_via_memmap_equals_rounding(tmp_path):
+    cfg, io, blocks = load_hf(FIXTURES / "llama", dtype="float32")
+    save_hf(tmp_path, cfg, io, blocks, dtype="bfloat16")
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    raw = Checkpoint(tmp_path).get("model.layers.1.mlp.down_proj.weight")
+    assert raw.dtype == ml_dtypes.bfloat16 and isinstance(raw.base, np.memmap) and not raw.flags.writeable
+    _, io2, blocks2 = load_hf(tmp_path)
+    rounded = jax.tree.map(lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32), (io, blocks))
+    assert_trees_equal(rounded, (io2, blocks2))
+    assert not np.array_equal(io2["embedding"], io["embedding"])  # it really is bf16 on disk
+
+
+def test_f32_output_readable_by_safetensors_package(tmp_path):
+    from safetensors.numpy import load_file
+    tensors = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b.c": np.ones((5,), np.float32),
+               "empty": np.zeros((0, 3), np.float32)}
+    write_safetensors(tmp_path / "x.safetensors", tensors)
+    assert_trees_equal(load_file(tmp_path / "x.safetensors"), tensors)
+    cfg, io, blocks = load_hf(FIXTURES / "llama", dtype="float32")
+    save_hf(tmp_path / "m", cfg, io, blocks, dtype="float32")
+    theirs = load_file(tmp_path / "m" / "model.safetensors")
+    np.testing.assert_array_equal(theirs["lm_head.weight"], io["lm_head"].T)
+    np.testing.assert_array_equal(theirs["model.layers.0.self_attn.q_proj.weight"],
+                                  blocks[0]["attn"]["q"]["kernel"].T)
+
+
+def test_reader_reads_files_written_by_safetensors_package(tmp_path):
+    from safetensors.numpy import save_file
+    tensors = {"x": np.random.default_rng(0).normal(size=(3, 5)).astype(np.float16),
+               "y": np.arange(7, dtype=np.int64)}
+    save_file(tensors, tmp_path / "t.safetensors")
+    assert_trees_equal(read_safetensors(tmp_path / "t.safetensors"), tensors)
+
+
+def test_truncated_file_error(fixture_copy):
+    folder = fixture_copy("llama")
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SafetensorsError, match="truncated: tensor"):
+        load_hf(folder)
+    path.write_bytes(data[:100])  # cut inside the header
+    with pytest.raises(SafetensorsError, match="truncated: header claims"):
+        Checkpoint(folder)
+    path.write_bytes(data[:5])
+    with pytest.raises(SafetensorsError, match="truncated"):
+        Checkpoint(folder)
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00" + b"not json at all!")
+    with pytest.raises(SafetensorsError, match="not valid JSON"):
+        Checkpoint(folder)
+
+
+def test_missing_weights_and_pickle_only_folder(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(SafetensorsError, match="never unpickle"):
+        Checkpoint(tmp_path)
+
+
+def test_reader_never_imports_torch_or_unpickles(tmp_path):
+    src = Path(__file__).parent.parent / "megatrain_jax" / "hf"
+    for path in src.glob("*.py"):
+        text = path.read_text()
+        assert "import pickle" not in text and "import torch" not in text, path
+    code = f"""
+import pickle, sys
+def refuse(*a, **k): raise AssertionError("pickle used")
+pickle.load = pickle.loads = refuse
+pickle.Unpickler = refuse
+from megatrain_jax.hf import load_hf, save_hf
+for name in {NAMES!r}:
+    cfg, io, blocks = load_hf({str(FIXTURES)!r} + "/" + name)
+save_hf({str(tmp_path)!r}, cfg, io, blocks)
+load_hf({str(tmp_path)!r})
+assert "torch" not in sys.modules and "safetensors" not in sys.modules, "torch/safetensors imported"
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+# --- round trip and errors --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_hf_round_trip(name, tmp_path):
+    cfg, io, blocks = load_hf(FIXTURES / name, dtype="float32")
+    save_hf(tmp_path, cfg, io, blocks, dtype="float32")
+    cfg2, io2, blocks2 = load_hf(tmp_path, dtype="float32")
+    assert cfg2 == cfg
+    assert_trees_equal((io, blocks), (io2, blocks2))
+    a, b = Checkpoint(FIXTURES / name), Checkpoint(tmp_path)
+    assert sorted(a.names()) == sorted(b.names())
+    for n in a.names():
+        np.testing.assert_array_equal(a.get(n), b.get(n))
+
+
+def test_save_from_model_state_and_jax_arrays(tmp_path):
+    """save_hf takes what a model holds: nnx.State of JAX arrays."""
+    cfg, io, blocks = load_hf(FIXTURES / "qwen3", dtype="float32")
+    model = model_from(cfg, io, blocks)
+    io_state = nnx.state(model.io, nnx.Param)
+    block_states = [nnx.state(b, nnx.Param) for b in model.blocks]
+    assert isinstance(jax.tree.leaves(io_state)[0], jax.Array)
+    save_hf(tmp_path, cfg, io_state, block_states, dtype="float32")
+    cfg2, io2, blocks2 = load_hf(tmp_path, dtype="float32")
+    assert cfg2 == cfg
+    assert_trees_equal((io, blocks), (io2, blocks2))
+
+
+def _rewrite(folder: Path, edit) -> None:
+    tensors = {k: np.array(v) for k, v in read_safetensors(folder / "model.safetensors").items()}
+    edit(tensors)
+    write_safetensors(folder / "model.safetensors", tensors)
+
+
+def test_renamed_and_removed_tensors_are_listed(fixture_copy):
+    folder = fixture_copy("llama")
+    def edit(t):
+        t["model.layers.1.mlp.up_proj.weight_renamed"] = t.pop("model.layers.1.mlp.up_proj.weight")
+        del t["model.norm.weight"]
+    _rewrite(folder, edit)
+    with pytest.raises(CheckpointMismatch) as e:
+        load_hf(folder)
+    msg = str(e.value)
+    assert "missing: model.layers.1.mlp.up_proj.weight (expected shape [80, 64])" in msg
+    assert "missing: model.norm.weight (expected shape [64])" in msg
+    assert "unexpected: model.layers.1.mlp.up_proj.weight_renamed (shape [80, 64])" in msg
+
+
+def test_wrong_shapes_are_listed(fixture_copy):
+    folder = fixture_copy("qwen2")
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointMismatch) as e:
+        load_hf(folder)
+    msg = str(e.value)
+    for i in range(2):
+        assert f"shape mismatch: model.layers.{i}.mlp.gate_proj.weight: expected [96, 64], found [80, 64]" in msg
+        assert f"shape mismatch: model.layers.{i}.mlp.down_proj.weight: expected [64, 96], found [64, 80]" in msg
+    assert msg.count("shape mismatch") == 6
+
+
+def test_load_into_a_different_model_is_refused():
+    model = nnx.eval_shape(lambda: Decoder(preset("tiny"), rngs=nnx.Rngs(0)))
+    with pytest.raises(CheckpointMismatch, match="vocab_size: model has 256, .* has 96"):
+        load_hf_into(model, FIXTURES / "llama")
+
+
+def test_save_checks_shapes_and_family(tmp_path):
+    cfg, io, blocks = load_hf(FIXTURES / "llama", dtype="float32")
+    bad = dict(blocks[1], mlp=dict(blocks[1]["mlp"], down={"kernel": np.zeros((64, 80), np.float32)}))
+    with pytest.raises(CheckpointMismatch, match=r"block 1 mlp.down.kernel .*expected \[80, 64\], found \[64, 80\]"):
+        save_hf(tmp_path, cfg, io, [blocks[0], bad])
+    with pytest.raises(UnsupportedConfig, match="sliding_window=8.*family='mistral'"):
+        save_hf(tmp_path, cfg.replace(sliding_window=8), io, blocks)
+    with pytest.raises(UnsupportedConfig, match="qkv_bias=False"):
+        config_to_hf(cfg.replace(family="qwen2"))
+
+
+# --- config.json mapping ----------------------------------------------------------------------------
+
+LLAMA31 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+           "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "hidden_act": "silu", "max_position_embeddings": 131072,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+           "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+           "torch_dtype": "bfloat16"}
+
+
+def test_config_from_hf_matches_presets():
+    assert config_from_hf(LLAMA31) == preset("llama3.1-8b", norm_eps=1e-5)
+    v5 = {k: v for k, v in LLAMA31.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = dict(LLAMA31["rope_scaling"], rope_theta=500000.0)
+    assert config_from_hf(v5) == config_from_hf(LLAMA31)
+    mistral = {"model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+               "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "sliding_window": 4096, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5}
+    assert config_from_hf(mistral) == preset("mistral-7b")
+    qwen2 = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824,
+             "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+             "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+             "use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 48}
+    assert config_from_hf(qwen2) == preset("qwen2.5-14b")
+    qwen3 = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+             "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0}
+    assert config_from_hf(qwen3).replace(head_dim=128) == preset("qwen3-8b")
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama3.2-1b", "llama3.1-8b", "mistral-7b", "qwen2.5-14b", "qwen3-8b"])
+def test_config_round_trip(name):
+    cfg = preset(name)
+    back = config_from_hf(json.loads(json.dumps(config_to_hf(cfg))), dtype=cfg.dtype,
+                          loss_chunk_tokens=cfg.loss_chunk_tokens)
+    assert back.replace(head_dim=cfg.head_dim) == cfg and back.dim_per_head == cfg.dim_per_head
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(model_type="gemma", architectures=["GemmaForCausalLM"]), "model_type 'gemma'"),
+    (dict(architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn'"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling type 'linear'"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(attention_bias=True), "attention_bias=True"),
+    (dict(mlp_bias=True), "mlp_bias=True"),
+    (dict(hidden_size=None), "hidden_size"),
+])
+def test_unsupported_configs_name_the_value(change, match):
+    config = dict(LLAMA31, **change)
+    config = {k: v for k, v in config.items() if v is not None}
+    with pytest.raises(UnsupportedConfig, match=match):
+        config_from_hf(config)
+
+
+def test_qwen_sliding_window_layers():
+    base = {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "sliding_window": 16}
+    assert config_from_hf(dict(base, use_sliding_window=False)).sliding_window is None
+    assert config_from_hf(dict(base, use_sliding_window=True, max_window_layers=0)).sliding_window == 16
+    with pytest.raises(UnsupportedConfig, match="mix full and sliding"):
+        config_from_hf(dict(base, use_sliding_window=True, max_window_layers=2))
+
+
+# --- live checks against transformers (only where torch + transformers are installed) -------------
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch and transformers not installed")
+@pytest.mark.parametrize("name", NAMES)
+def test_live_transformers_parity_and_export(name, tmp_path):
+    import torch
+    import transformers
+
+    def hf_logits(folder: Path, tokens: np.ndarray) -> np.ndarray:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager").eval()
+        with torch.no_grad():
+            return model(input_ids=torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
+
+    folder = FIXTURES / name
+    tokens = np.load(folder / "tokens.npy")
+    assert rel_err(hf_logits(folder, tokens), np.load(folder / "logits.npy")) < 1e-4
+    cfg, io, blocks = load_hf(folder, dtype="float32")
+    save_hf(tmp_path, cfg, io, blocks, dtype="float32")
+    ours = logits_of(model_from(cfg, io, blocks), folder)
+    assert rel_err(hf_logits(tmp_path, tokens), ours) < 1e-4
