@@ -24,7 +24,8 @@ def model_loss(model: nnx.Module, batch: Batch) -> jax.Array:
 
 
 class ReferenceTrainer:
-    """Whole-model training: ``step(batches)`` averages the gradients of ``accumulate`` batches, clips
+    """Whole-model training: ``step(batches)`` averages the gradients of the batches given (the mean of
+    per-batch mean losses, which the engine's ``accumulate_steps`` matches), clips
     them by global norm (when ``clip_norm`` is set) and applies ``optimizer``."""
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
@@ -45,7 +46,7 @@ class ReferenceTrainer:
 
     def _update(self, params, opt_state, grads):
         updates, opt_state = self.tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
     def step(self, batches: Batch | Sequence[Batch]) -> dict[str, float]:
         batches = [batches] if isinstance(batches, Batch) else list(batches)

@@ -1,0 +1,84 @@
+"""Shared fixtures: a tiny float32 config and models whose parameters are randomized to O(1) scale.
+
+The default initializer (std 0.02) makes attention nearly uniform and norms near identity, which would
+let a wrong mask or a missing scale slip past a numerical test. ``build_model`` therefore redraws every
+parameter at a scale where each part of the block visibly changes the output.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from megatrain_jax.models import Decoder, DecoderConfig
+
+# XLA compilation dominates CPU test time, and many tests compile identical programs (the engine's per-part
+# functions for the same model shape): a persistent cache lets every repeat load the first compile.
+jax.config.update("jax_compilation_cache_dir", os.environ.get("MEGATRAIN_TEST_JAX_CACHE", 
+                  os.path.join(tempfile.gettempdir(), "megatrain_jax_test_cache")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+TINY = dict(family="llama", vocab_size=97, hidden=32, ffn=48, layers=2, heads=4, kv_heads=2,
+            max_positions=128, dtype="float32", loss_chunk_tokens=16)
+
+
+def _random_leaf(path, shape: tuple[int, ...], rng: np.random.Generator) -> jax.Array:
+    name = str(getattr(path[-1], "key", path[-1]))
+    z = rng.standard_normal(shape).astype(np.float32)
+    if name in ("kernel", "lm_head"):
+        z = z / np.sqrt(shape[0])  # unit-variance activations, attention far from uniform
+    elif name == "bias":
+        z = 0.3 * z
+    elif name == "scale":
+        z = 1.0 + 0.2 * z
+    elif name != "embedding":
+        raise AssertionError(f"unexpected parameter {jax.tree_util.keystr(path)}; extend _random_leaf")
+    return jnp.asarray(z)
+
+
+def randomize(model: nnx.Module, seed: int = 0) -> nnx.Module:
+    """Redraw every nnx.Param of ``model`` in place (deterministic in ``seed``; works on an abstract
+    model from ``nnx.eval_shape`` too). Numpy draws: no per-shape XLA compilation, which dominates the
+    run time of tiny-model tests on CPU."""
+    state = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
+    rng = np.random.default_rng(seed)
+    new = [_random_leaf(path, tuple(leaf.shape), rng) for path, leaf in leaves]
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_unflatten(treedef, new))
+    nnx.update(model, state)
+    return model
+
+
+@pytest.fixture
+def make_cfg():
+    """Factory of tiny float32 configs: ``make_cfg(family='qwen3', qk_norm=True)``."""
+    return lambda **overrides: DecoderConfig(**{**TINY, **overrides})
+
+
+@pytest.fixture
+def tiny_cfg(make_cfg) -> DecoderConfig:
+    return make_cfg()
+
+
+@pytest.fixture
+def build_model():
+    """Factory of tiny decoders with O(1)-scale random parameters: ``build_model(cfg, seed=0)``;
+    ``random_params=False`` keeps the model's own initialization."""
+    def build(cfg: DecoderConfig, seed: int = 0, random_params: bool = True) -> Decoder:
+        if not random_params:  # the model's own initializers
+            return Decoder(cfg, rngs=nnx.Rngs(seed))
+        return randomize(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed))), seed)
+    return build
+
+
+@pytest.fixture
+def tokens():
+    """Factory of reproducible random token ids: ``tokens(B, T, vocab, seed=0)`` -> int32 numpy [B, T]."""
+    return lambda B, T, vocab, seed=0: np.random.default_rng(seed).integers(0, vocab, (B, T)).astype(np.int32)
