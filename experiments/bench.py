@@ -80,6 +80,7 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int) -> dict:
         engine = Engine(abstract, default_optimizer(3e-4), bc.engine, seed=0)
         jax.block_until_ready(engine.state)
         run["init_s"] = round(time.perf_counter() - t0, 2)
+        run["host_optimizer"] = "fused C++ AdamW kernel" if engine.opt.fused else "JAX host computation"
         n_steps = warmup + timed + 1
         toks, starts = demo_tokens(cfg.vocab_size, n_steps * tokens_per_step * 2 + bc.seq_len + 1, seed=0)
         data = iter(TokenDataset(TokenFile.from_array(toks, cfg.vocab_size, starts), bc.seq_len).batches(bc.rows))

@@ -23,6 +23,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatrain_jax.host_optimizer import HostOptimizer  # noqa: E402
+from megatrain_jax.optim import adamw  # noqa: E402
 from megatrain_jax.transfer import Placement  # noqa: E402
 
 
@@ -36,19 +37,24 @@ def timeit(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def bench_jax_host(n: int, reps: int, stream: bool) -> float:
+def bench_jax_host(n: int, reps: int, stream: bool, fused: bool = False) -> float:
     pl = Placement()
-    opt = HostOptimizer(optax.adamw(1e-4, weight_decay=0.1), pl, jnp.bfloat16 if stream else None)
+    tx = adamw(1e-4, weight_decay=0.1, mask=None) if fused else optax.adamw(1e-4, weight_decay=0.1)
+    opt = HostOptimizer(tx, pl, jnp.bfloat16 if stream else None)
+    assert opt.fused == fused, "fused kernel requested but unavailable"
+    stream_copy = opt.cast(pl.copy_to_host([jnp.full((n // 4,), 0.5, jnp.float32)] * 4)) if fused else None
     shapes = [(n // 4,)] * 4
-    params = pl.to_host([jnp.full(s, 0.5, jnp.float32) for s in shapes])
+    params = pl.copy_to_host([jnp.full(s, 0.5, jnp.float32) for s in shapes])
     state = {"p": params, "o": opt.init(params)}
-    grads = pl.to_host([jnp.full(s, 0.01, jnp.float32) for s in shapes])
+    grads = pl.copy_to_host([jnp.full(s, 0.01, jnp.float32) for s in shapes])
     scale = pl.to_host(jnp.float32(1.0))
 
     def step():
-        g = jax.tree.map(lambda x: x + 0, grads) if pl.on_gpu else grads  # donated each call on GPU
-        g = pl.to_host(g) if pl.on_gpu else g
-        state["p"], state["o"], _ = opt.update(state["p"], state["o"], g, scale)
+        g = grads
+        if pl.on_gpu and not fused:  # the JAX path donates its inputs: give it fresh gradients
+            g = pl.to_host(jax.tree.map(lambda x: x + 0, grads))
+            jax.block_until_ready(g)
+        state["p"], state["o"], _ = opt.update(state["p"], state["o"], g, stream_copy, scale)
         jax.block_until_ready(state["p"])
     return n / timeit(step, reps)
 
@@ -89,7 +95,9 @@ def main() -> None:
     args = ap.parse_args()
     n = args.params * 2**20
     runs = {}
-    for name, fn in [("megatrain_jax_host_fp32", lambda: bench_jax_host(n, args.reps, False)),
+    for name, fn in [("megatrain_jax_fused_kernel_with_bf16_copy", lambda: bench_jax_host(n, args.reps, True, True)),
+                     ("megatrain_jax_fused_kernel_fp32", lambda: bench_jax_host(n, args.reps, False, True)),
+                     ("megatrain_jax_host_fp32", lambda: bench_jax_host(n, args.reps, False)),
                      ("megatrain_jax_host_with_bf16_copy", lambda: bench_jax_host(n, args.reps, True)),
                      ("jax_cpu_backend", lambda: bench_jax_cpu_backend(n, args.reps)),
                      ("torch_fused_cpu_adamw", lambda: bench_torch(n, args.reps))]:

@@ -6,12 +6,13 @@ to the GPU ahead of use and the optimizer runs on the host. See README.md.
 
 from megatrain_jax.batch import Batch
 from megatrain_jax.engine import Engine, EngineConfig, StepOutput
-from megatrain_jax.fit import History, Hook, decay_mask, default_optimizer, fit
+from megatrain_jax.fit import History, Hook, default_optimizer, fit
+from megatrain_jax.optim import adamw, decay_mask
 from megatrain_jax.layered import ContractError, LayeredModel, layered
 from megatrain_jax.models import Decoder, DecoderConfig, preset
 from megatrain_jax.reference import ReferenceTrainer
 
 __all__ = ["Batch", "ContractError", "Decoder", "DecoderConfig", "Engine", "EngineConfig", "History", "Hook",
-           "LayeredModel", "ReferenceTrainer", "StepOutput", "decay_mask", "default_optimizer", "fit",
+           "LayeredModel", "ReferenceTrainer", "StepOutput", "adamw", "decay_mask", "default_optimizer", "fit",
            "layered", "preset"]
 __version__ = "0.1.0"

@@ -5,6 +5,7 @@ in flight, the io part, gradients being accumulated and layer-boundary activatio
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -17,6 +18,7 @@ from flax import nnx
 from megatrain_jax.batch import Batch, check_batch
 from megatrain_jax.device_fns import device_fns
 from megatrain_jax.host_optimizer import HostOptimizer, clip_scale
+from megatrain_jax.host_updater import HostUpdater
 from megatrain_jax.host_state import HostState, master_params
 from megatrain_jax.layered import layered, write_back
 from megatrain_jax.schedule import Op, step_ops
@@ -27,16 +29,21 @@ from megatrain_jax.transfer import Placement
 class EngineConfig:
     """How a step is run. ``micro_batches`` bounds transient activation memory only: weights cross
     PCIe twice per step whatever it is. ``accumulate_steps`` batches make one optimizer step.
-    ``stream_dtype`` is the dtype of the weights sent to the device (None: the model's compute dtype)."""
+    ``stream_dtype`` is the dtype of the weights sent to the device (None: the model's compute dtype).
+    A step whose loss or gradient norm is not finite is skipped (state unchanged); more than
+    ``max_nonfinite_steps`` in a row stop training with ``NonFiniteError``. ``host_kernel=False`` forces
+    the JAX host optimizer even for ``megatrain_jax.adamw``."""
 
     micro_batches: int = 1
     prefetch_depth: int = 1
     clip_norm: float | None = 1.0
     accumulate_steps: int = 1
     stream_dtype: str | None = None
+    max_nonfinite_steps: int = 10
+    host_kernel: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("micro_batches", "prefetch_depth", "accumulate_steps"):
+        for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.clip_norm is not None and not self.clip_norm > 0:
@@ -52,6 +59,10 @@ _CATEGORY = {"fetch_io": "h2d", "fetch": "h2d", "embed": "compute", "forward": "
              "send_grads": "d2h", "send_io_grads": "d2h", "update_io": "optimizer", "update": "optimizer"}
 
 
+class NonFiniteError(FloatingPointError):
+    """Too many consecutive steps with a non-finite loss or gradient norm; host state is the last good one."""
+
+
 @dataclasses.dataclass
 class StepOutput:
     """One optimizer step's results, still on the device: read them after the next step is launched."""
@@ -63,8 +74,9 @@ class StepOutput:
     dispatch_s: float  # host time spent issuing the step's work
 
     def resolve(self) -> dict[str, float]:
-        return {"step": self.step, "loss": float(self.loss), "grad_norm": float(self.grad_norm),
-                "tokens": self.tokens, "dispatch_s": self.dispatch_s}
+        loss, norm = float(self.loss), float(self.grad_norm)
+        return {"step": self.step, "loss": loss, "grad_norm": norm, "tokens": self.tokens,
+                "dispatch_s": self.dispatch_s, "skipped": not (math.isfinite(loss) and math.isfinite(norm))}
 
 
 @dataclasses.dataclass
@@ -97,7 +109,10 @@ class Engine:
         self.placement = placement or Placement()
         compute_dtype = getattr(model.cfg, "dtype", "float32")
         stream_dtype = jnp.dtype(config.stream_dtype or compute_dtype)
-        self.opt = HostOptimizer(optimizer, self.placement, stream_dtype)
+        self.opt = HostOptimizer(optimizer, self.placement, stream_dtype, use_kernel=config.host_kernel)
+        self.updater = HostUpdater()
+        self.skipped_steps = 0
+        self._nonfinite_in_row = 0
         self.fns = device_fns(self.lm)
         io, blocks = master_params(model, self.placement, nnx.Rngs(seed).params())
         self.state = HostState(
@@ -149,10 +164,16 @@ class Engine:
                 t_last = time.perf_counter()
             pending = out
         if pending is not None:
+            self.sync()
             yield self._metrics(pending, t_last)
+
+    def sync(self) -> None:
+        """Wait for every pending host update (re-raising NonFiniteError); host state is then current."""
+        self.updater.wait_all()
 
     def write_back(self, model: nnx.Module) -> None:
         """Copy the float32 master parameters into the user's model."""
+        self.sync()
         write_back(model, self.state.io, self.state.blocks, self.placement.to_device)
 
     # ------------------------------------------------------------------ one pass
@@ -170,12 +191,16 @@ class Engine:
             t = time.perf_counter() if self.profile is not None else 0.0
             out = getattr(self, f"_op_{op.kind}")(p, op)
             if self.profile is not None and op.kind in _CATEGORY:
-                jax.block_until_ready(out)
+                if op.kind.startswith("update"):
+                    self.updater.wait(op.layer)  # op.layer is -1 for the io part
+                else:
+                    jax.block_until_ready(out)
                 key = _CATEGORY[op.kind]
                 self.profile[key] = self.profile.get(key, 0.0) + time.perf_counter() - t
         return sum(p.losses)
 
     def _op_fetch_io(self, p: _Pass, op: Op):
+        self.updater.wait(-1)
         p.io = self.placement.to_device(self.state.params_for_stream(None))
         return p.io
 
@@ -183,6 +208,7 @@ class Engine:
         p.io = None
 
     def _op_fetch(self, p: _Pass, op: Op):
+        self.updater.wait(op.layer)
         p.resident[op.layer] = self.placement.to_device(self.state.params_for_stream(op.layer))
         return p.resident[op.layer]
 
@@ -247,21 +273,43 @@ class Engine:
         return out
 
     def _op_grad_norm(self, p: _Pass, op: Op):
-        self._norm, scale = self._clip(self._sq_norms)
-        self._scale_host = self.placement.to_host(scale)
-        return self._scale_host
+        self._norm, self._scale = self._clip(self._sq_norms)
+        self._loss_of_step = sum(p.losses)
+        return self._scale
+
+    def _finite(self, norm: jax.Array, loss: jax.Array, first_part: bool) -> bool:
+        """Runs on the update thread: should this step's updates apply? The io part (always first) counts."""
+        ok = math.isfinite(float(norm)) and math.isfinite(float(loss))
+        if first_part:
+            self._nonfinite_in_row = 0 if ok else self._nonfinite_in_row + 1
+            self.skipped_steps += not ok
+            if self._nonfinite_in_row > self.cfg.max_nonfinite_steps:
+                raise NonFiniteError(f"{self._nonfinite_in_row} consecutive steps had a non-finite loss or "
+                                     f"gradient norm (limit max_nonfinite_steps={self.cfg.max_nonfinite_steps}); "
+                                     f"host state is the last good step's. Lower the learning rate or check "
+                                     f"the data")
+        return ok
+
+    def _submit_update(self, part: int, grads: Any) -> None:
+        norm, scale, loss, s = self._norm, self._scale, self._loss_of_step, self.state
+
+        def update() -> None:
+            if not self._finite(norm, loss, first_part=part == -1):
+                return
+            if part == -1:
+                s.io, s.io_opt, s.stream_io = self.opt.update(s.io, s.io_opt, grads, s.stream_io, scale)
+                return
+            stream = None if s.stream_blocks is None else s.stream_blocks[part]
+            s.blocks[part], s.blocks_opt[part], stream = self.opt.update(
+                s.blocks[part], s.blocks_opt[part], grads, stream, scale)
+            if s.stream_blocks is not None:
+                s.stream_blocks[part] = stream
+        self.updater.submit(part, update)
 
     def _op_update_io(self, p: _Pass, op: Op):
-        s = self.state
-        s.io, s.io_opt, s.stream_io = self.opt.update(s.io, s.io_opt, self._host_grads[-1], self._scale_host)
+        self._submit_update(-1, self._host_grads[-1])
         self._host_grads[-1] = None
-        return s.io
 
     def _op_update(self, p: _Pass, op: Op):
-        s, i = self.state, op.layer
-        s.blocks[i], s.blocks_opt[i], stream = self.opt.update(s.blocks[i], s.blocks_opt[i],
-                                                                self._host_grads[i], self._scale_host)
-        if s.stream_blocks is not None:
-            s.stream_blocks[i] = stream
-        self._host_grads[i] = None
-        return s.blocks[i]
+        self._submit_update(op.layer, self._host_grads[op.layer])
+        self._host_grads[op.layer] = None

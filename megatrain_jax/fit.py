@@ -16,6 +16,7 @@ from megatrain_jax.batch import Batch
 from megatrain_jax.engine import Engine, EngineConfig
 from megatrain_jax.flops import model_flops_per_token
 from megatrain_jax.layered import is_abstract
+from megatrain_jax.optim import adamw, decay_mask
 
 Schedule = Callable[[int], Any]
 
@@ -43,14 +44,10 @@ class History:
         return len(self.records)
 
 
-def decay_mask(params: Any) -> Any:
-    """Weight decay on matrices only (not on norms' scales or biases)."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
-
-
 def default_optimizer(learning_rate: float | Schedule, weight_decay: float = 0.1) -> optax.GradientTransformation:
-    """AdamW with decoupled weight decay on matrices, the usual LM pre-training betas."""
-    return optax.adamw(learning_rate, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay, mask=decay_mask)
+    """AdamW with decoupled weight decay on matrices and the usual LM pre-training betas; the engine runs
+    it as a fused in-place host kernel."""
+    return adamw(learning_rate, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay, mask=decay_mask)
 
 
 def print_logger(every: int = 10, stream=sys.stdout) -> Hook:

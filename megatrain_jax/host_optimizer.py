@@ -1,20 +1,31 @@
 """The optimizer update, applied part by part to host-memory arrays.
 
-Any optax ``GradientTransformation`` that acts leaf by leaf works (AdamW, SGD, Lion, schedules, weight
-decay masks given as callables of the params tree). Transforms that look across the whole tree, like
-``clip_by_global_norm``, must not be part of it: clipping is done by the engine, exactly, from the norm
-of the whole gradient, and handed to every part's update as a scale factor.
+Two paths:
+- **fused**: for ``megatrain_jax.adamw`` the C++ kernel (``kernels/host_adamw``) updates the pinned-host
+  parameters and moments in place and writes the bfloat16 stream copy in the same pass;
+- **generic**: any optax ``GradientTransformation`` that acts leaf by leaf (SGD, Lion, schedules,
+  callable weight-decay masks) runs as a jitted computation whose inputs and outputs are pinned-host
+  arrays, which XLA executes on the host.
+
+Transforms that look across the whole tree, like ``clip_by_global_norm``, must not be part of the
+optimizer: the engine clips exactly, from the norm of the whole gradient, and hands each part's update
+the resulting scale factor.
 """
 
 from __future__ import annotations
 
+import ctypes
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from kernels import host_adamw
 from megatrain_jax.layered import Params
+from megatrain_jax.optim import AdamWState, fused_spec
 from megatrain_jax.transfer import Placement
 
 
@@ -28,11 +39,19 @@ def clip_scale(sq_norms: list[jax.Array], clip_norm: float | None, accumulate: i
     return norm, scale
 
 
-class HostOptimizer:
-    """Jitted init and update whose inputs and outputs are all pinned-host arrays, so XLA runs them as host
-    computation. One compilation serves every block (identical shapes); the io part has its own."""
+def _pointers_writable(placement: Placement) -> bool:
+    """Whether a write through a pinned-host array's buffer address is what the array then holds."""
+    x = placement.copy_to_host(jnp.zeros((4,), jnp.float32))
+    jax.block_until_ready(x)
+    ctypes.memmove(x.unsafe_buffer_pointer(), np.arange(1, 5, dtype=np.float32).ctypes.data, 16)
+    return bool(np.array_equal(np.asarray(jax.device_get(x)), np.arange(1, 5, dtype=np.float32)))
 
-    def __init__(self, tx: optax.GradientTransformation, placement: Placement, stream_dtype: Any | None):
+
+class HostOptimizer:
+    """Init and update of one part's optimizer state, all in pinned host memory."""
+
+    def __init__(self, tx: optax.GradientTransformation, placement: Placement, stream_dtype: Any | None,
+                 use_kernel: bool = True):
         self.tx = tx
         self.placement = placement
         self.stream_dtype = None if stream_dtype in (None, jnp.float32) else jnp.dtype(stream_dtype)
@@ -42,6 +61,17 @@ class HostOptimizer:
         donate = (0, 1, 2) if placement.on_gpu else ()
         self._update = jax.jit(self._update_fn, out_shardings=host, donate_argnums=donate)
         self._cast = jax.jit(self.stream_copy, out_shardings=host)
+        self.spec = fused_spec(tx)
+        self.kernel = None
+        if use_kernel and self.spec is not None and self.stream_dtype in (None, jnp.bfloat16):
+            self.kernel = host_adamw.load()
+            if self.kernel is not None and not _pointers_writable(placement):
+                warnings.warn("pinned-host buffers are not writable in place here; using the JAX host optimizer")
+                self.kernel = None
+
+    @property
+    def fused(self) -> bool:
+        return self.kernel is not None
 
     def init(self, params: Params) -> Any:
         return self._init(params)
@@ -60,6 +90,26 @@ class HostOptimizer:
         params = optax.apply_updates(params, updates)
         return params, opt_state, self.stream_copy(params)
 
-    def update(self, params: Params, opt_state: Any, grads: Params, scale: jax.Array):
-        """Returns (new params, new optimizer state, new stream copy or None); all in host memory."""
-        return self._update(params, opt_state, grads, scale)
+    def update(self, params: Params, opt_state: Any, grads: Params, stream: Params | None, scale: jax.Array):
+        """New (params, optimizer state, stream copy), all in host memory. The fused path writes into
+        ``params``, the moments and ``stream`` in place and returns them."""
+        if self.kernel is None:
+            return self._update(params, opt_state, grads, self.placement.to_host(scale))
+        return self._update_fused(params, opt_state, grads, stream, float(scale))
+
+    def _update_fused(self, params: Params, state: AdamWState, grads: Params, stream: Params | None, scale: float):
+        spec = self.spec
+        t = int(np.asarray(jax.device_get(state.count))) + 1
+        bc1, bc2 = spec.bias_corrections(float(t))
+        lr = float(spec.lr_at(t - 1))
+        jax.block_until_ready(grads)
+        streams = jax.tree.leaves(stream) if stream is not None else [None] * len(jax.tree.leaves(params))
+        for p, m, v, g, s, decay in zip(jax.tree.leaves(params), jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
+                                        jax.tree.leaves(grads), streams, jax.tree.leaves(spec.decays(params))):
+            host_adamw.adamw_inplace(
+                self.kernel, p.unsafe_buffer_pointer(), m.unsafe_buffer_pointer(), v.unsafe_buffer_pointer(),
+                g.unsafe_buffer_pointer(), None if s is None else s.unsafe_buffer_pointer(), p.size,
+                lr=lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, wd=spec.weight_decay if decay else 0.0,
+                grad_scale=scale, bc1=bc1, bc2=bc2)
+        count = self.placement.to_host(jnp.asarray(t, jnp.int32))
+        return params, AdamWState(count, state.mu, state.nu), stream

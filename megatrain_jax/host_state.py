@@ -52,7 +52,7 @@ def master_params(model: nnx.Module, placement: Placement, key: jax.Array | None
     device). A concrete model is copied; an abstract one (``nnx.eval_shape``) is initialized part by
     part with its own initializers, each part built on the device and written to host memory."""
     if not is_abstract(model):
-        to_host = lambda t: placement.to_host(cast_tree(t, jnp.float32))
+        to_host = lambda t: placement.copy_to_host(cast_tree(t, jnp.float32))
         return to_host(io_params(model)), [to_host(p) for p in block_params(model)]
     if key is None:
         raise ValueError("an abstract model needs an RNG seed to be initialized")

@@ -34,6 +34,10 @@ class Placement:
         """Asynchronous copy to the accelerator (returns at once; users of the result wait on it)."""
         return jax.device_put(tree, self.device)
 
+    def copy_to_host(self, tree: Any) -> Any:
+        """A copy in pinned host memory that never aliases the source (the engine updates it in place)."""
+        return jax.device_put(tree, self.host, may_alias=False)
+
     def to_host(self, tree: Any) -> Any:
         """Asynchronous copy into pinned host memory."""
         return jax.device_put(tree, self.host)

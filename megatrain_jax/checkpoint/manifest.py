@@ -1,0 +1,67 @@
+"""A checkpoint's manifest: the size and CRC-32 of every file of its array data, written *last*.
+
+Orbax commits a checkpoint by renaming its temporary directory once every item is written, so a save
+killed midway leaves no step directory at all. The manifest adds what a rename cannot: a later
+truncation, deletion or bit flip of any array file is found before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+MANIFEST = "MANIFEST.json"
+_CHUNK = 16 << 20
+
+
+def crc32_file(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)  # releases the GIL on large buffers: training threads keep running
+    return crc
+
+
+def file_entries(directory: Path, checksum: bool = True) -> dict[str, dict[str, int]]:
+    """``{relative path: {"size": n, "crc32": c}}`` of every file under ``directory`` (sorted)."""
+    out = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
+        entry = {"size": path.stat().st_size}
+        if checksum:
+            entry["crc32"] = crc32_file(path)
+        out[path.relative_to(directory).as_posix()] = entry
+    return out
+
+
+def write_manifest(directory: Path, entries: dict[str, dict[str, int]], **extra) -> None:
+    """Atomically (temporary file, fsync, rename) write ``MANIFEST.json`` into ``directory``."""
+    tmp = directory / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": 1, **extra, "files": entries}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST)
+
+
+def verify_manifest(directory: Path, checksum: bool = True) -> str | None:
+    """None when every file listed in the manifest is present with its size (and CRC-32 when
+    ``checksum``); otherwise what is wrong, for the warning that names the checkpoint."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        return f"no {MANIFEST} in {directory} (the save did not finish)"
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return f"unreadable {path}: {e}"
+    for rel, want in files.items():
+        f = directory / rel
+        if not f.is_file():
+            return f"missing file {f}"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{f} has {size} bytes, the manifest says {want['size']} (truncated or overwritten)"
+        if checksum and "crc32" in want and crc32_file(f) != want["crc32"]:
+            return f"{f} fails its CRC-32 check (corrupted)"
+    return None

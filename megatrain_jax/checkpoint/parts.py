@@ -1,0 +1,153 @@
+"""The host state as checkpoint *parts*: ``io`` and one ``block_NNNNN`` per block, each holding that part's
+float32 master parameters and optimizer state as a nested dict of plain string keys.
+
+Parts are what the writer snapshots, writes and releases one at a time (so a save holds at most about one
+part of extra memory), and what a restore reads back one at a time. Names come from the pytree paths
+(``params.attn.q.kernel.value``, ``opt.mu.attn.q.kernel.value``, ``opt.count``), so the files do not depend
+on Python classes: a restore rebuilds the optimizer's structure from the engine's own state and only
+takes the leaves, by name, from the checkpoint. The bf16 stream copies are not saved; a restore
+recomputes them from the masters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+from megatrain_jax.host_state import HostState
+
+IO = "io"
+
+
+def part_names(n_blocks: int) -> list[str]:
+    """In the order the optimizer updates them (io first, then blocks 0..N-1), which the writer follows."""
+    return [IO] + [block_name(i) for i in range(n_blocks)]
+
+
+def block_name(i: int) -> str:
+    return f"block_{i:05d}"
+
+
+def _segment(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    raise TypeError(f"unsupported pytree key {key!r}")
+
+
+def named_leaves(tree: Any) -> dict[str, Any]:
+    """``{"params.attn.q.kernel.value": leaf, ...}`` in flattening order."""
+    out: dict[str, Any] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = ".".join(_segment(k) for k in path)
+        if name in out:
+            raise ValueError(f"two state leaves share the checkpoint name {name!r}")
+        out[name] = leaf
+    return out
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"a.b": x}`` -> ``{"a": {"b": x}}``: the tree orbax writes (one array file per leaf)."""
+    root: dict[str, Any] = {}
+    for name, leaf in flat.items():
+        *outer, last = name.split(".")
+        node = root
+        for k in outer:
+            node = node.setdefault(k, {})
+        node[last] = leaf
+    return root
+
+
+def flatten_nested(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Inverse of ``nest``; works on orbax metadata trees too."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        name = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            out.update(flatten_nested(v, name))
+        else:
+            out[name] = v
+    return out
+
+
+def part_trees(state: HostState) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(name, {"params": ..., "opt": ...})`` for every part, as the engine holds them now."""
+    yield IO, {"params": state.io, "opt": state.io_opt}
+    for i, (p, o) in enumerate(zip(state.blocks, state.blocks_opt)):
+        yield block_name(i), {"params": p, "opt": o}
+
+
+def part_params(state: HostState, name: str) -> Any:
+    """The parameter tree of part ``name``: the object the optimizer update receives."""
+    return state.io if name == IO else state.blocks[int(name.split("_")[1])]
+
+
+def expected_layout(state: HostState) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
+    """``{part: {leaf name: (shape, dtype)}}`` of an engine's state: what a checkpoint must hold."""
+    return {name: {k: (tuple(v.shape), str(np.dtype(v.dtype))) for k, v in named_leaves(tree).items()}
+            for name, tree in part_trees(state)}
+
+
+class ShapeMismatchError(ValueError):
+    """The checkpoint was written for a model (or optimizer) of other shapes."""
+
+
+def check_layout(expected: dict[str, dict], found: dict[str, dict], where: str) -> None:
+    """Raise ShapeMismatchError listing *every* difference: missing or extra parts and tensors, and each
+    tensor whose shape or dtype differs, as ``path: expected ..., found ...``."""
+    problems = []
+    for part in expected.keys() | found.keys():
+        if part not in found:
+            problems.append(f"{part}: missing from the checkpoint")
+            continue
+        if part not in expected:
+            problems.append(f"{part}: in the checkpoint but not in this model")
+            continue
+        e, f = expected[part], found[part]
+        for leaf in sorted(e.keys() | f.keys()):
+            if leaf not in f:
+                problems.append(f"{part}/{leaf}: missing from the checkpoint (expected shape {e[leaf][0]})")
+            elif leaf not in e:
+                problems.append(f"{part}/{leaf}: in the checkpoint (shape {f[leaf][0]}) but not in this model")
+            elif e[leaf] != f[leaf]:
+                problems.append(f"{part}/{leaf}: expected shape {e[leaf][0]} {e[leaf][1]}, "
+                                f"found shape {f[leaf][0]} {f[leaf][1]}")
+    if problems:
+        problems.sort(key=_natural)
+        raise ShapeMismatchError(f"checkpoint {where} does not fit this model and optimizer "
+                                 f"({len(problems)} mismatches):\n  " + "\n  ".join(problems))
+
+
+def _natural(s: str):
+    return [int(t) if t.isdigit() else t for t in s.replace("_", " ").replace("/", " ").split()]
+
+
+def abstract_part(layout: dict[str, tuple[tuple[int, ...], str]], sharding) -> dict[str, Any]:
+    """The nested restore target of one part: shapes and dtypes placed by ``sharding`` (pinned host)."""
+    return nest({k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
+                 for k, (shape, dtype) in layout.items()})
+
+
+def install_part(state: HostState, name: str, restored: dict[str, Any], cast) -> None:
+    """Put one restored part into ``state``: the leaves are matched by name into the engine's own trees
+    (so optimizer structure comes from the engine), and the stream copy is recomputed with ``cast``."""
+    flat = flatten_nested(restored)
+    current = dict(part_trees(state))[name]
+
+    def rebuild(tree: Any, prefix: str) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        names = [f"{prefix}.{k}" for k in named_leaves(tree)]
+        assert len(names) == len(leaves)
+        return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in names])
+
+    params, opt = rebuild(current["params"], "params"), rebuild(current["opt"], "opt")
+    if name == IO:
+        state.io, state.io_opt = params, opt
+        state.stream_io = cast(params)
+    else:
+        i = int(name.split("_")[1])
+        state.blocks[i], state.blocks_opt[i] = params, opt
+        if state.stream_blocks is not None:
+            state.stream_blocks[i] = cast(params)

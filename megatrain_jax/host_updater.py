@@ -1,0 +1,34 @@
+"""Optimizer updates run on one worker thread, part by part, in submission order (forward order).
+
+The main thread only waits before *fetching* a part whose update is still pending, so the next step's
+forward on layer i proceeds while layer i+1 is being updated, and nothing in the layer loop waits on
+the GPU.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+
+class HostUpdater:
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host-update")
+        self._pending: dict[int, Future] = {}
+
+    def submit(self, part: int, fn: Callable[[], None]) -> None:
+        """Queue ``fn`` (the update of ``part``: -1 for the io part, i for block i)."""
+        self._pending[part] = self._pool.submit(fn)
+
+    def wait(self, part: int) -> None:
+        """Block until ``part``'s latest update is done; re-raises its exception."""
+        fut = self._pending.pop(part, None)
+        if fut is not None:
+            fut.result()
+
+    def wait_all(self) -> None:
+        for part in list(self._pending):
+            self.wait(part)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
