@@ -60,7 +60,7 @@ class HostOptimizer:
         # Donating host buffers lets XLA update in place on the GPU client; the CPU client cannot use it.
         donate = (0, 1, 2) if placement.on_gpu else ()
         self._update = jax.jit(self._update_fn, out_shardings=host, donate_argnums=donate)
-        self._cast = jax.jit(self.stream_copy, out_shardings=host)
+        self._cast = jax.jit(self.stream_copy, out_shardings=placement.device)
         self.spec = fused_spec(tx)
         self.kernel = None
         if use_kernel and self.spec is not None and self.stream_dtype in (None, jnp.bfloat16):
@@ -74,6 +74,10 @@ class HostOptimizer:
         return self.kernel is not None
 
     def init(self, params: Params) -> Any:
+        if self.spec is not None:  # zeros written straight to pinned memory; XLA host compute is slow
+            zeros = lambda p: self.placement.copy_to_host(np.zeros(p.shape, np.float32))
+            return AdamWState(self.placement.copy_to_host(np.zeros((), np.int32)),
+                              jax.tree.map(zeros, params), jax.tree.map(zeros, params))
         return self._init(params)
 
     def stream_copy(self, params: Params) -> Params | None:
@@ -82,7 +86,10 @@ class HostOptimizer:
         return jax.tree.map(lambda p: p.astype(self.stream_dtype), params)
 
     def cast(self, params: Params) -> Params | None:
-        return None if self.stream_dtype is None else self._cast(params)
+        """A fresh stream copy of host ``params``, cast on the device (fast) and written back to host."""
+        if self.stream_dtype is None:
+            return None
+        return self.placement.copy_to_host(self._cast(self.placement.to_device(params)))
 
     def _update_fn(self, params: Params, opt_state: Any, grads: Params, scale: jax.Array):
         grads = jax.tree.map(lambda g: g * scale, grads)

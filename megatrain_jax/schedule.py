@@ -52,8 +52,10 @@ def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True) -
         fetch(i)
     keep_for_backward = set(range(max(0, n_layers - depth), n_layers))
     for i in range(n_layers):
-        fetch(i + depth)
+        # Dispatch layer i's compute before asking for layer i + depth: fetching may wait on the host
+        # optimizer, and the GPU should be busy with layer i meanwhile.
         ops += [Op("forward", i, m) for m in range(n_micro)]
+        fetch(i + depth)
         if i not in keep_for_backward:
             resident.discard(i)
             ops.append(Op("release", i))

@@ -1,0 +1,209 @@
+"""``Checkpointer``: asynchronous Orbax checkpoints of an ``Engine``'s host state, the newest ``keep`` kept.
+
+A checkpoint is one Orbax ``CheckpointManager`` step with three items (composite args):
+
+- ``state``: every part's master parameters and optimizer state (``PartsSave``: one ``PyTreeSave`` per
+  part, written part by part in the background, then ``MANIFEST.json`` with each file's size and CRC-32);
+- ``meta``: ``JsonSave`` of the step, the data iterator's state, the seed and the part names;
+- ``config``: ``JsonSave`` of the run configuration.
+
+A checkpoint is *complete* when Orbax has committed it (renamed its temporary directory) and every file
+matches the manifest; ``latest_complete`` skips others with a ``CheckpointWarning`` that names them.
+Loading reads JSON and TensorStore arrays only: nothing is unpickled and no code runs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from megatrain_jax.checkpoint.parts import expected_layout, install_part
+from megatrain_jax.checkpoint.store import PartsHandler, PartsRestore, PartsSave, Snapshot, verify_state_item
+
+TMP_MARK = ".orbax-checkpoint-tmp"
+_ITEMS = {"meta": "meta.json", "config": "config.json"}
+
+
+class CheckpointWarning(UserWarning):
+    """An incomplete or corrupt checkpoint was found and skipped."""
+
+
+class CorruptCheckpointError(RuntimeError):
+    """The checkpoint asked for is incomplete or fails its manifest."""
+
+
+def _handlers() -> dict[str, ocp.CheckpointHandler]:
+    return {"state": PartsHandler(), **{k: ocp.JsonCheckpointHandler(filename=f) for k, f in _ITEMS.items()}}
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps Orbax has committed under ``root`` (directories named by the step), newest first."""
+    if not root.is_dir():
+        return []
+    return sorted((int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()), reverse=True)
+
+
+def unfinished_saves(root: Path) -> list[Path]:
+    """Temporary directories of saves that never committed (the process died while writing)."""
+    return sorted(p for p in root.iterdir() if TMP_MARK in p.name) if root.is_dir() else []
+
+
+def check_step(step_dir: Path, checksum: bool = True) -> str | None:
+    """None when ``step_dir`` is a complete checkpoint; otherwise why it is not."""
+    if not step_dir.is_dir():
+        return f"{step_dir} does not exist"
+    if not ocp.utils.is_checkpoint_finalized(step_dir):
+        return f"{step_dir} was never committed by Orbax"
+    problem = verify_state_item(step_dir, checksum)
+    if problem:
+        return problem
+    for item, filename in _ITEMS.items():
+        path = step_dir / item / filename
+        try:
+            json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            return f"unreadable {path}: {e}"
+    return None
+
+
+def split_step_dir(path: str | Path) -> tuple[Path, int | None]:
+    """``root/<step>`` -> (root, step); a checkpoint root -> (root, None)."""
+    path = Path(path).absolute()
+    return (path.parent, int(path.name)) if path.name.isdigit() else (path, None)
+
+
+class Checkpointer:
+    """Saves an engine's host state asynchronously and restores it into pinned host memory.
+
+    ``save`` returns once the snapshot is taken; parts are written in the background while training
+    continues. The engine is held before updating a part that is not yet written (see ``store``), so
+    a save costs about one part of extra host memory, never a copy of the state.
+    """
+
+    def __init__(self, directory: str | Path, *, keep: int | None = 3, checksum: bool = True,
+                 read_only: bool = False):
+        self.root = Path(directory).absolute()
+        self.checksum = checksum
+        if not read_only:
+            for tmp in unfinished_saves(self.root):
+                warnings.warn(f"skipping incomplete checkpoint {tmp} (its save never finished); removing it",
+                              CheckpointWarning, stacklevel=2)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if read_only else keep, create=not read_only, read_only=read_only,
+            cleanup_tmp_directories=not read_only, enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(timeout_secs=7 * 24 * 3600))  # a save may take long: never time out
+        self._manager = ocp.CheckpointManager(self.root, item_handlers=_handlers(), options=options)
+        self._snapshot: Snapshot | None = None
+        self.last_step: int | None = None
+
+    # ------------------------------------------------------------------ saving
+    def save(self, engine, *, meta: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
+             wait: bool = False) -> int:
+        """Checkpoint ``engine.state`` at its current step; returns the step. ``meta`` (e.g. the data
+        iterator's state) and ``config`` (the run configuration) are stored as JSON."""
+        self.wait()  # one save at a time: the previous snapshot must be released before the next is gated
+        snapshot = Snapshot(engine.state)
+        _gate(engine, snapshot)
+        self._snapshot = snapshot
+        meta = {"format": 1, "step": snapshot.step, "parts": snapshot.names, "saved_at": time.time(), **(meta or {})}
+        try:
+            self._manager.save(snapshot.step, force=True, args=ocp.args.Composite(
+                state=PartsSave(snapshot, self.checksum), meta=ocp.args.JsonSave(meta),
+                config=ocp.args.JsonSave(config or {})))
+        except BaseException:
+            snapshot.release_all()
+            raise
+        self.last_step = snapshot.step
+        if wait:
+            self.wait()
+        return snapshot.step
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; re-raises its error."""
+        self._manager.wait_until_finished()
+
+    @property
+    def engine_wait_s(self) -> float:
+        """Seconds the engine was held by the last save (writer slower than training)."""
+        return 0.0 if self._snapshot is None else self._snapshot.wait_s
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+
+    # ------------------------------------------------------------------ finding
+    def latest_complete(self, *, quarantine: bool = False) -> int | None:
+        """The newest complete step, warning about (and with ``quarantine`` renaming aside, so that the
+        step can be written again) every newer one that is incomplete or corrupt."""
+        for step in committed_steps(self.root):
+            step_dir = self.root / str(step)
+            problem = check_step(step_dir, self.checksum)
+            if problem is None:
+                return step
+            note = ""
+            if quarantine:
+                aside = _free_name(step_dir.with_name(f"{step}.corrupt"))
+                step_dir.rename(aside)
+                note = f"; moved aside to {aside.name}"
+            warnings.warn(f"skipping corrupt checkpoint {step_dir}: {problem}{note}", CheckpointWarning,
+                          stacklevel=2)
+        if quarantine:
+            self._manager.reload()
+        return None
+
+    # ------------------------------------------------------------------ restoring
+    def restore(self, engine, step: int | None = None, *, verified: bool = False) -> tuple[dict, dict]:
+        """Load checkpoint ``step`` (default: the newest complete one) into ``engine.state``, part by
+        part, into ``engine.placement.host`` memory, recomputing the stream copies. Returns the
+        ``(meta, config)`` JSON. Raises ``ShapeMismatchError`` listing every tensor that does not fit."""
+        if step is None:
+            step = self.latest_complete()
+            if step is None:
+                raise FileNotFoundError(f"no complete checkpoint in {self.root}")
+        elif not verified:
+            problem = check_step(self.root / str(step), self.checksum)
+            if problem:
+                raise CorruptCheckpointError(f"cannot restore {self.root / str(step)}: {problem}")
+        state = engine.state
+        layout = expected_layout(state)
+        sink = lambda name, tree: install_part(state, name, tree, engine.opt.cast)
+        out = self._manager.restore(step, args=ocp.args.Composite(
+            state=PartsRestore(layout, engine.placement.host, sink), meta=ocp.args.JsonRestore(),
+            config=ocp.args.JsonRestore()))
+        state.step = int(out.meta["step"])
+        return dict(out.meta), dict(out.config)
+
+
+def _free_name(path: Path) -> Path:
+    n, candidate = 1, path
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}{n}")
+    return candidate
+
+
+def _gate(engine, snapshot: Snapshot) -> None:
+    """Make the engine wait for ``snapshot`` before it updates (replaces or donates) a part's arrays.
+
+    The engine has no update hook yet, so this wraps ``engine.opt.update`` (the call that receives a
+    part's current parameter tree and returns its replacement) and finds the part by identity.
+    """
+    opt = engine.opt
+    if not getattr(opt, "_checkpoint_gated", False):
+        update = opt.update
+
+        def gated_update(params, *args, **kwargs):
+            snap = opt._checkpoint_snapshot
+            if snap is not None:
+                snap.wait_params(params)
+            return update(params, *args, **kwargs)
+
+        opt.update, opt._checkpoint_gated = gated_update, True
+    opt._checkpoint_snapshot = snapshot

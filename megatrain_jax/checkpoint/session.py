@@ -1,0 +1,189 @@
+"""Checkpointing as ``fit`` uses it: resume (engine state and data position), periodic and final saves,
+and save-then-exit on SIGTERM/SIGINT. ``fit`` only calls ``start``, ``after_step``, ``finish`` and
+``running``; a researcher driving ``Engine.steps`` directly can call them the same way.
+
+Steps: ``engine.steps`` reports step k after step k+1 is launched, so when a hook runs the engine state
+(and the data consumed) are at step k+1. Saves therefore use ``engine.state.step``, never the metric's
+step, and a save at ``engine.state.step`` is consistent with the data iterator's state at that moment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import signal
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from megatrain_jax.checkpoint.manager import (Checkpointer, CheckpointWarning, committed_steps,
+                                              split_step_dir)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class CheckpointedExit(SystemExit):
+    """Raised by ``fit`` after a SIGTERM/SIGINT once the checkpoint is committed (exit status 0)."""
+
+    def __init__(self, signal_name: str, step: int, path: Path):
+        super().__init__(0)
+        self.signal_name, self.step, self.path = signal_name, step, path
+
+
+def jsonable(x: Any) -> Any:
+    """Dataclasses, dicts and sequences of plain values as JSON values; anything else by its repr."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: jsonable(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return repr(x)
+
+
+def position_data(data: Iterable, meta: dict) -> Iterable:
+    """``data`` continuing right after the last batch the checkpointed run consumed: through its
+    ``restore(state)`` when it has one, else by skipping the ``batches`` already consumed."""
+    from megatrain_jax.data.sampler import Prefetcher
+
+    state = meta.get("data")
+    if state is not None and callable(getattr(data, "restore", None)):
+        data.restore(state)
+        return data
+    if state is not None and isinstance(data, Prefetcher):
+        source = data._source  # Prefetcher has no restore(): restart it on the restored source
+        if callable(getattr(source, "restore", None)):
+            depth = data._queue.maxsize
+            data.close()
+            source.restore(state)
+            return Prefetcher(source, depth)
+    return itertools.islice(iter(data), int(meta.get("batches", 0)), None)
+
+
+class CheckpointSession:
+    """Resume, periodic saves every ``every`` steps (of ``engine.state.step``), a final save, and on
+    SIGTERM/SIGINT: finish the step, save, wait for the write, raise ``CheckpointedExit``.
+
+    ``resume``: None (a fresh run: ``directory`` must hold no checkpoint), ``"auto"`` (the newest
+    complete checkpoint of ``directory``, or a fresh start when there is none), or a path to a step
+    directory or a checkpoint root.
+    """
+
+    def __init__(self, directory: str | Path | None, *, every: int | None = None, keep: int | None = 3,
+                 resume: str | Path | None = None, config: dict | None = None, accumulate: int = 1):
+        if every is not None and every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1 or None, got {every}")
+        if resume == "auto" and directory is None:
+            raise ValueError("resume='auto' needs a checkpoint_dir to look in")
+        self.every, self.resume, self.config, self.accumulate = every, resume, config or {}, accumulate
+        self.ckpt = Checkpointer(directory, keep=keep) if directory is not None else None
+        if self.ckpt is not None and resume is None and committed_steps(self.ckpt.root):
+            raise ValueError(f"checkpoint_dir {self.ckpt.root} already holds checkpoints (steps "
+                             f"{committed_steps(self.ckpt.root)}); pass resume='auto' to continue that run, "
+                             f"or use another directory")
+        self.data: Iterable | None = None
+        self.start_step = 0
+        self.stop_signal: str | None = None
+
+    # ------------------------------------------------------------------ resume
+    def start(self, engine, data: Iterable) -> Iterable:
+        """Restore the engine and position ``data`` when resuming; returns the data to train on."""
+        self.data = data
+        step_dir = self._resume_dir()
+        if step_dir is not None:
+            reader = self.ckpt if self.ckpt is not None and step_dir.parent == self.ckpt.root else \
+                Checkpointer(step_dir.parent, read_only=True)
+            meta, saved_config = reader.restore(engine, int(step_dir.name), verified=self.resume == "auto")
+            if reader is not self.ckpt:
+                reader.close()
+            self._compare_config(saved_config, step_dir)
+            self.data = position_data(data, meta)
+            print(f"resumed from {step_dir} at step {engine.state.step}", file=sys.stderr, flush=True)
+        self.start_step = int(engine.state.step)
+        return self.data
+
+    def _resume_dir(self) -> Path | None:
+        if self.resume is None:
+            return None
+        if self.resume == "auto":
+            step = self.ckpt.latest_complete(quarantine=True)
+            if step is None:
+                print(f"no complete checkpoint in {self.ckpt.root}: starting from scratch", file=sys.stderr)
+                return None
+            return self.ckpt.root / str(step)
+        root, step = split_step_dir(self.resume)
+        if step is None:
+            found = Checkpointer(root, read_only=True)
+            step = found.latest_complete()
+            found.close()
+            if step is None:
+                raise FileNotFoundError(f"no complete checkpoint in {root}")
+        return root / str(step)
+
+    def _compare_config(self, saved: dict, where: Path) -> None:
+        saved_model, now_model = saved.get("model"), self.config.get("model")
+        if saved_model and now_model and saved_model != now_model:
+            diff = {k: (saved_model.get(k), now_model.get(k)) for k in saved_model.keys() | now_model.keys()
+                    if saved_model.get(k) != now_model.get(k)}
+            warnings.warn(f"model config differs from the one recorded with {where} (saved, now): {diff}",
+                          CheckpointWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------ saving
+    def save(self, engine, wait: bool = False) -> int | None:
+        if self.ckpt is None:
+            return None
+        data_state = self.data.state() if callable(getattr(self.data, "state", None)) else None
+        meta = {"data": data_state, "batches": int(engine.state.step) * self.accumulate,
+                "seed": self.config.get("seed")}
+        return self.ckpt.save(engine, meta=meta, config=self.config, wait=wait)
+
+    def after_step(self, metrics: dict, engine) -> None:
+        """A ``Hook`` function (every step): periodic save, and save-then-exit after a stop signal."""
+        step = int(engine.state.step)
+        if self.every and step % self.every == 0 and step != self._last_saved():
+            self.save(engine)
+        if self.stop_signal is not None and self.ckpt is not None:
+            if step != self._last_saved():
+                self.save(engine)
+            self.ckpt.wait()
+            path = self.ckpt.root / str(step)
+            print(f"{self.stop_signal}: saved checkpoint {path}; exiting", file=sys.stderr, flush=True)
+            raise CheckpointedExit(self.stop_signal, step, path)
+
+    def finish(self, engine) -> None:
+        """The final save (when the run trained past its start), waited for."""
+        step = int(engine.state.step)
+        if self.ckpt is not None and step > self.start_step and step != self._last_saved():
+            self.save(engine)
+        if self.ckpt is not None:
+            self.ckpt.wait()
+
+    def _last_saved(self) -> int | None:
+        return None if self.ckpt is None else self.ckpt.last_step
+
+    # ------------------------------------------------------------------ signals
+    @contextlib.contextmanager
+    def running(self) -> Iterator["CheckpointSession"]:
+        """Install the SIGTERM/SIGINT handlers (main thread only) and, on the way out, wait for the save
+        in flight and close the manager. A second signal gets the previous handler (e.g. Ctrl-C twice)."""
+        previous = {}
+        if self.ckpt is not None and threading.current_thread() is threading.main_thread():
+            def on_signal(signum, frame):
+                self.stop_signal = signal.Signals(signum).name
+                for s, h in previous.items():
+                    signal.signal(s, h)
+            previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+            for s in STOP_SIGNALS:
+                signal.signal(s, on_signal)
+        try:
+            yield self
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+            if self.ckpt is not None:
+                self.ckpt.close()

@@ -1,0 +1,181 @@
+"""Writing and reading the host state part by part, as one Orbax item.
+
+Why not hand Orbax the whole state? An async Orbax save first makes every array host-resident numpy
+(``replica_slices.transfer_arrays_to_host``: for a ``pinned_host`` array on a GPU that is a copy; for
+numpy input the ``NumpyHandler`` deep-copies unless ``deepcopy_host_arrays=False``) and keeps all of it
+until the write ends, so host memory doubles while an offloaded state is saved; and it holds the old
+arrays of a state that the engine replaces (or donates) every step.
+
+So ``PartsHandler`` is an Orbax ``AsyncCheckpointHandler`` whose background commit writes the parts in
+turn (io, block 0, block 1, ...), each with an ordinary ``PyTreeCheckpointHandler`` into its own
+subdirectory, and then the manifest. The snapshot it writes is a ``Snapshot``: *references* to one
+step's arrays, taken in O(1) on the training thread. The engine replaces a part's arrays when it updates
+them (and on a GPU donates the old buffers), so before it updates a part it calls ``Snapshot.wait_part``,
+which holds it until that part is written and released. Extra memory is thus at most about one part
+(the numpy view or copy being written), and training overlaps the write until the next step's update
+catches up with the writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import future as ocp_future
+
+from megatrain_jax.checkpoint.manifest import file_entries, verify_manifest, write_manifest
+from megatrain_jax.checkpoint.parts import (ShapeMismatchError, abstract_part, check_layout, flatten_nested,
+                                            named_leaves, nest, part_trees)
+from megatrain_jax.host_state import HostState
+
+# Testing knob for crash-safety tests: seconds the writer sleeps after each part (scripts/kill_during_save.py).
+PART_DELAY_ENV = "MEGATRAIN_CHECKPOINT_PART_DELAY_S"
+
+
+class Snapshot:
+    """One step's host state, held by reference part by part until the writer has written each part."""
+
+    def __init__(self, state: HostState):
+        self.step = int(state.step)
+        self._lock = threading.Lock()
+        self._parts: dict[str, dict[str, Any]] = {name: named_leaves(tree) for name, tree in part_trees(state)}
+        self._ids = {id(tree["params"]): name for name, tree in part_trees(state)}
+        self._done = {name: threading.Event() for name in self._parts}
+        self.names = list(self._parts)
+        self.wait_s = 0.0  # time the engine spent held by this snapshot
+
+    def take(self, name: str) -> dict[str, Any]:
+        """The nested tree of part ``name`` for the writer."""
+        with self._lock:
+            leaves = self._parts[name]
+        deleted = [k for k, v in leaves.items() if getattr(v, "is_deleted", lambda: False)()]
+        if deleted:
+            raise RuntimeError(f"part {name} of step {self.step} was overwritten during its save ({deleted[0]} "
+                               f"was donated): the engine updated it without calling Snapshot.wait_part")
+        return nest(leaves)
+
+    def release(self, name: str) -> None:
+        """Drop the references of a written part and let the engine update it."""
+        with self._lock:
+            self._parts.pop(name, None)
+        self._done[name].set()
+
+    def release_all(self) -> None:
+        for name in list(self._done):
+            self.release(name)
+
+    def pending(self) -> bool:
+        return not all(e.is_set() for e in self._done.values())
+
+    def wait_part(self, name: str) -> None:
+        """Block until part ``name`` is written (no-op for an unknown or written part)."""
+        event = self._done.get(name)
+        if event is not None and not event.is_set():
+            t = time.perf_counter()
+            event.wait()
+            self.wait_s += time.perf_counter() - t
+
+    def wait_params(self, params: Any) -> None:
+        """``wait_part`` for the part whose parameter tree is ``params`` (identity: what the update gets)."""
+        name = self._ids.get(id(params))
+        if name is not None:
+            self.wait_part(name)
+
+
+@dataclasses.dataclass
+class PartsSave(ocp.args.CheckpointArgs):
+    """What to write: a ``Snapshot``; ``checksum`` adds a CRC-32 of every file to the manifest."""
+
+    snapshot: Snapshot
+    checksum: bool = True
+
+
+@dataclasses.dataclass
+class PartsRestore(ocp.args.CheckpointArgs):
+    """``layout``: ``{part: {leaf: (shape, dtype)}}`` expected; ``sharding`` where arrays go (pinned host);
+    ``sink(name, tree)`` receives each part as soon as it is read, so the state is never held twice."""
+
+    layout: dict[str, dict[str, tuple]]
+    sharding: Any
+    sink: Callable[[str, dict[str, Any]], None]
+
+
+class PartsHandler(ocp.AsyncCheckpointHandler):
+    """Orbax handler of the ``state`` item: one PyTree subdirectory per part, then ``MANIFEST.json``."""
+
+    def __init__(self):
+        # Arrays are already in host memory: no staging through another pinned buffer.
+        self._tree = ocp.PyTreeCheckpointHandler(use_ocdbt=True, enable_pinned_host_transfer=False)
+
+    async def async_save(self, directory, args: PartsSave):
+        return [ocp_future.CommitFutureAwaitingContractedSignals(self._commit(directory, args),
+                                                                 name="megatrain_parts")]
+
+    async def _commit(self, directory, args: PartsSave) -> None:
+        await asyncio.to_thread(self._write_parts, Path(directory), args)
+
+    def _write_parts(self, directory: Path, args: PartsSave) -> None:
+        snap, delay = args.snapshot, float(os.environ.get(PART_DELAY_ENV, "0") or 0)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            for name in snap.names:
+                path = epath.Path(directory / name)
+                self._tree.save(path, args=ocp.args.PyTreeSave(snap.take(name)))
+                self._tree.finalize(path)  # merges the per-process OCDBT database into the part's root
+                snap.release(name)
+                if delay:
+                    time.sleep(delay)
+            write_manifest(directory, file_entries(directory, args.checksum), step=snap.step, parts=snap.names)
+        finally:
+            snap.release_all()  # a failed save must never leave the engine waiting
+
+    def save(self, directory, args: PartsSave) -> None:
+        self._write_parts(Path(directory), args)
+
+    def restore(self, directory, args: PartsRestore) -> None:
+        directory = Path(directory)
+        check_layout(args.layout, self.layout(directory), str(directory.parent))
+        for name, layout in args.layout.items():
+            target = abstract_part(layout, args.sharding)
+            restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+            tree = self._tree.restore(epath.Path(directory / name),
+                                      args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+            args.sink(name, tree)
+
+    def layout(self, directory: Path) -> dict[str, dict[str, tuple]]:
+        """``{part: {leaf: (shape, dtype)}}`` as written, from the array metadata (no array is read)."""
+        out = {}
+        for sub in sorted(p for p in Path(directory).iterdir() if p.is_dir()):
+            meta = self._tree.metadata(epath.Path(sub))
+            tree = getattr(meta, "tree", meta)
+            out[sub.name] = {k: (tuple(v.shape), str(v.dtype)) for k, v in flatten_nested(tree).items()}
+        return out
+
+    def metadata(self, directory) -> dict[str, dict[str, tuple]]:
+        return self.layout(Path(directory))
+
+    def finalize(self, directory) -> None:
+        pass
+
+    def close(self) -> None:
+        self._tree.close()
+
+
+ocp.args.register_with_handler(PartsHandler, for_save=True)(PartsSave)
+ocp.args.register_with_handler(PartsHandler, for_restore=True)(PartsRestore)
+
+
+def verify_state_item(step_dir: Path, checksum: bool = True) -> str | None:
+    """None if the ``state`` item of a committed step directory matches its manifest."""
+    return verify_manifest(step_dir / "state", checksum)
+
+
+__all__ = ["PART_DELAY_ENV", "PartsHandler", "PartsRestore", "PartsSave", "ShapeMismatchError", "Snapshot",
+           "verify_state_item"]

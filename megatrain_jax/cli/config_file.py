@@ -1,0 +1,348 @@
+"""Run configs: a TOML file (plus ``section.key=value`` overrides) -> typed dataclasses.
+
+Sections and the dataclass each fills:
+
+- ``[model]``: ``preset`` (a name from ``megatrain_jax.models.PRESETS``) or ``hf_checkpoint`` (a Hugging
+  Face folder whose config.json and weights are loaded), plus any ``DecoderConfig`` field to override;
+- ``[data]``: ``DataConfig``; ``[engine]``: ``EngineConfig``;
+- ``[optimizer]``: ``OptimizerConfig`` (AdamW and its learning-rate schedule);
+- ``[train]``: ``TrainConfig`` (steps, evaluation, run folder, checkpoints);
+- ``[log]``: ``LogConfig`` (progress display, TensorBoard, Weights & Biases).
+
+Every key is checked against the field's type hint; an unknown key or section is an error naming the
+closest valid one. TOML has no null: write ``"none"`` for a field that may be None (``clip_norm = "none"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import optax
+
+from megatrain_jax.data import DataConfig
+from megatrain_jax.engine import EngineConfig
+from megatrain_jax.fit import decay_mask
+from megatrain_jax.models.config import DecoderConfig, preset
+
+
+class ConfigError(ValueError):
+    """A run config is malformed: the message names the file, section and key, and what is allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which model: a named ``preset`` with ``overrides`` of DecoderConfig fields, or an HF checkpoint."""
+
+    preset: str = "tiny"
+    hf_checkpoint: str | None = None  # a folder with config.json + safetensors; weights are loaded from it
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def build(self) -> DecoderConfig:
+        if self.hf_checkpoint is not None:
+            from megatrain_jax.hf import read_config
+            return read_config(self.hf_checkpoint, **self.overrides)
+        return preset(self.preset, **self.overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW (weight decay on matrices only) with linear warm-up, then cosine decay to
+    ``min_lr_ratio * lr`` over the run, or a constant rate."""
+
+    lr: float = 3e-4
+    warmup_steps: int = 0
+    decay: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"need lr > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1; got lr={self.lr}, "
+                             f"warmup_steps={self.warmup_steps}, min_lr_ratio={self.min_lr_ratio}")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1 and self.eps > 0 and self.weight_decay >= 0):
+            raise ValueError(f"need 0 <= b1, b2 < 1, eps > 0 and weight_decay >= 0; got b1={self.b1}, "
+                             f"b2={self.b2}, eps={self.eps}, weight_decay={self.weight_decay}")
+
+    def schedule(self, total_steps: int) -> optax.Schedule:
+        warm = min(self.warmup_steps, max(total_steps - 1, 0))
+        if self.decay == "constant":
+            if warm == 0:
+                return optax.constant_schedule(self.lr)
+            return optax.join_schedules([optax.linear_schedule(0.0, self.lr, warm),
+                                         optax.constant_schedule(self.lr)], [warm])
+        return optax.warmup_cosine_decay_schedule(0.0, self.lr, warm, max(total_steps, warm + 1),
+                                                  self.lr * self.min_lr_ratio)
+
+    def build(self, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+        """The optimizer and its schedule (clipping is the engine's: ``engine.clip_norm``)."""
+        sched = self.schedule(total_steps)
+        return optax.adamw(sched, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay,
+                           mask=decay_mask), sched
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The run: how long, what to report and where. ``eval_every = 0`` turns evaluation off.
+    ``checkpoint_*`` and ``resume`` are used when ``megatrain_jax.checkpoint`` is available."""
+
+    steps: int = 100
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0
+    eval_batches: int = 8
+    run_dir: str = "runs/default"
+    peak_tflops: float | None = None  # the accelerator's dense bf16 peak (H100 SXM: 989), adds MFU
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 3
+    resume: bool = False
+    export_hf: str | None = None  # write the trained model here as a Hugging Face folder at the end
+    memory_check: bool = True  # refuse to start when the memory plan does not fit
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "log_every", "eval_batches", "checkpoint_keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """What reports progress. metrics.jsonl in the run folder is always written."""
+
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"  # auto: a bar on a terminal, lines otherwise
+    tensorboard: bool = True  # event files in the run folder, when tensorboardX or tensorboard is installed
+    wandb: bool = False  # Weights & Biases, when installed and asked for here
+    wandb_project: str = "megatrain-jax"
+    wandb_name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One training run, a section per component."""
+
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(RunConfig)  # section name -> its dataclass
+_MODEL_KEYS = ("preset", "hf_checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+def _closest(name: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.5)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def _describe(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join("none" if a is type(None) else _describe(a) for a in typing.get_args(hint))
+    if dataclasses.is_dataclass(hint):
+        return f"a table of {hint.__name__} fields"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        hint, getattr(hint, "__name__", str(hint)))
+
+
+def coerce(value: Any, hint: Any, where: str) -> Any:
+    """``value`` (from TOML) checked against, and converted to, the type ``hint``."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, where)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where} must be {_describe(hint)}, got {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            hint_text = _closest(str(value), [str(a) for a in allowed])
+            raise ConfigError(f"{where} must be {_describe(hint)}, got {value!r}; {hint_text}".rstrip("; "))
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be {_describe(hint)}, got {value!r}")
+        return _build(hint, value, where)
+    raise ConfigError(f"{where}: fields of type {hint} cannot be set from a config file")
+
+
+def _fields(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _check_keys(table: dict, valid: Sequence[str], where: str) -> None:
+    for key in table:
+        if key not in valid:
+            raise ConfigError(f"unknown key {key!r} in {where}; {_closest(key, valid)}"
+                              f"valid keys: {', '.join(sorted(valid))}")
+
+
+def _build(cls: type, table: dict, where: str) -> Any:
+    fields = _fields(cls)
+    _check_keys(table, list(fields), where)
+    kwargs = {k: coerce(v, fields[k], f"{where} {k}") for k, v in table.items()}
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _model(table: dict, where: str) -> ModelSection:
+    fields = _fields(DecoderConfig)
+    _check_keys(table, list(_MODEL_KEYS) + list(fields), where)
+    overrides = {k: coerce(v, fields[k], f"{where} {k}") for k, v in table.items() if k not in _MODEL_KEYS}
+    section = ModelSection(preset=coerce(table.get("preset", "tiny"), str, f"{where} preset"),
+                           hf_checkpoint=coerce(table.get("hf_checkpoint"), str | None, f"{where} hf_checkpoint"),
+                           overrides=overrides)
+    if section.hf_checkpoint is not None and "preset" in table:
+        raise ConfigError(f"{where}: give either preset or hf_checkpoint, not both (hf_checkpoint's config.json "
+                          f"decides the shape)")
+    try:
+        section.build()  # every DecoderConfig check, now rather than after data is loaded
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return section
+
+
+def parse_config(raw: dict, source: str = "config") -> RunConfig:
+    """A RunConfig from a dict shaped like the TOML file (sections of keys)."""
+    for name, table in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"{source}: unknown section [{name}]; {_closest(name, list(SECTIONS))}"
+                              f"valid sections: {', '.join(f'[{s}]' for s in SECTIONS)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: [{name}] must be a table of keys, got {table!r}")
+    parts = {}
+    for name, cls in SECTIONS.items():
+        where = f"{source} [{name}]"
+        table = raw.get(name, {})
+        parts[name] = _model(table, where) if cls is ModelSection else _build(cls, table, where)
+    return RunConfig(**parts)
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value as TOML reads it (``4``, ``1e-3``, ``true``, ``"x"``), else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
+    """``raw`` with each ``section.key=value`` (or ``section.table.key=value``) set."""
+    raw = json.loads(json.dumps(raw))  # a deep copy of plain TOML data
+    for item in overrides:
+        path, sep, text = item.partition("=")
+        keys = path.strip().split(".")
+        if not sep or len(keys) < 2 or not all(keys):
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. model.layers=4 "
+                              f"or train.steps=20")
+        node = raw
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {key!r} is a value, not a table")
+        node[keys[-1]] = parse_value(text.strip())
+    return raw
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a TOML run config (``None``: all defaults) and apply command-line overrides."""
+    raw: dict = {}
+    source = "command line"
+    if path is not None:
+        source = str(path)
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    return parse_config(apply_overrides(raw, overrides), source)
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def to_dict(cfg: RunConfig) -> dict[str, dict]:
+    """The sections as a dict that ``parse_config`` reads back to an equal RunConfig."""
+    out = {}
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        if isinstance(section, ModelSection):
+            table = {"hf_checkpoint": section.hf_checkpoint} if section.hf_checkpoint else {"preset": section.preset}
+            table.update({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                          for k, v in section.overrides.items()})
+        else:
+            table = dataclasses.asdict(section)
+        out[name] = table
+    return out
+
+
+def _toml_value(v: Any) -> str:
+    if v is None:
+        return '"none"'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The fully resolved config as TOML (saved in the run folder, so a run can be repeated exactly)."""
+    lines = []
+    for name, table in to_dict(cfg).items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+        lines.append("")
+    return "\n".join(lines)
