@@ -4,6 +4,7 @@ All persistent state lives in pinned host memory; a scan-free scheduler streams 
 to the GPU ahead of use and the optimizer runs on the host. See README.md.
 """
 
+from megatrain_jax import _environment  # noqa: F401  (first: sets XLA's pinned-host pool size)
 from megatrain_jax.batch import Batch
 from megatrain_jax.engine import Engine, EngineConfig, StepOutput
 from megatrain_jax.fit import History, Hook, default_optimizer, fit
