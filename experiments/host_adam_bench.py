@@ -75,6 +75,14 @@ def bench_jax_cpu_backend(n: int, reps: int) -> float:
     return n / timeit(step, reps)
 
 
+def bench_kernel_numpy(n: int, reps: int) -> float:
+    """The same kernel on ordinary (pageable) numpy memory: separates kernel speed from pinned memory."""
+    from kernels.host_adamw import adamw_numpy
+    p, m, v, g = (np.full(n, x, np.float32) for x in (0.5, 0.0, 0.0, 0.01))
+    hp = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1=0.1, bc2=0.05)
+    return n / timeit(lambda: adamw_numpy(p, m, v, g, None, **hp), reps)
+
+
 def bench_torch(n: int, reps: int) -> float | None:
     try:
         import torch
@@ -97,6 +105,7 @@ def main() -> None:
     runs = {}
     for name, fn in [("megatrain_jax_fused_kernel_with_bf16_copy", lambda: bench_jax_host(n, args.reps, True, True)),
                      ("megatrain_jax_fused_kernel_fp32", lambda: bench_jax_host(n, args.reps, False, True)),
+                     ("fused_kernel_on_numpy_fp32", lambda: bench_kernel_numpy(n, args.reps)),
                      ("megatrain_jax_host_fp32", lambda: bench_jax_host(n, args.reps, False)),
                      ("megatrain_jax_host_with_bf16_copy", lambda: bench_jax_host(n, args.reps, True)),
                      ("jax_cpu_backend", lambda: bench_jax_cpu_backend(n, args.reps)),
