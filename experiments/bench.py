@@ -22,6 +22,7 @@ import time
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,9 +44,12 @@ class BenchConfig:
 
 CONFIGS: dict[str, BenchConfig] = {
     "tiny_cpu": BenchConfig("tiny", None, 128, 8, EngineConfig(micro_batches=2)),
-    "3p5b_32k": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, clip_norm=1.0)),
-    "3p5b_98k": BenchConfig("7b", 16, 2048, 48, EngineConfig(micro_batches=6, clip_norm=1.0)),
-    "7b_32k": BenchConfig("7b", 32, 2048, 16, EngineConfig(micro_batches=2, clip_norm=1.0)),
+    # Everything streamed (nothing resident): the issue-3 configuration, GPU memory well under 25 GiB.
+    "3p5b_32k_streamed": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2)),
+    # io + first blocks resident on the GPU with their optimizer state (see megatrain_jax/resident.py).
+    "3p5b_32k": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=6, resident_io=True)),
+    "3p5b_98k": BenchConfig("7b", 16, 2048, 48, EngineConfig(micro_batches=6, resident_layers=6, resident_io=True)),
+    "7b_32k": BenchConfig("7b", 32, 2048, 16, EngineConfig(micro_batches=2, resident_layers=12, resident_io=True)),
 }
 
 
@@ -65,19 +69,20 @@ def host_peak_gib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
 
-def run_config(name: str, bc: BenchConfig, warmup: int, timed: int) -> dict:
+def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: int = 0) -> dict:
     cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
     tokens_per_step = bc.rows * bc.seq_len
     run = {"system": "megatrain_jax", "config": name,
            "model": {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "heads": cfg.heads,
                      "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size, "params": cfg.param_count()},
            "seq_len": bc.seq_len, "tokens_per_step": tokens_per_step, "steps_timed": timed,
-           "engine": dataclasses.asdict(bc.engine), "optimizer": "adamw(lr 3e-4, wd 0.1, b2 0.95)",
+           "engine": dataclasses.asdict(bc.engine), "optimizer": f"adamw(lr 3e-4{f' after {lr_warmup} warm-up steps' if lr_warmup else ''}, wd 0.1, b2 0.95), clip 1.0",
            "compute_dtype": cfg.dtype}
     try:
         t0 = time.perf_counter()
         abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-        engine = Engine(abstract, default_optimizer(3e-4), bc.engine, seed=0)
+        lr = optax.linear_schedule(3e-5, 3e-4, lr_warmup) if lr_warmup else 3e-4
+        engine = Engine(abstract, default_optimizer(lr), bc.engine, seed=0)
         jax.block_until_ready(engine.state)
         run["init_s"] = round(time.perf_counter() - t0, 2)
         run["host_optimizer"] = "fused C++ AdamW kernel" if engine.opt.fused else "JAX host computation"
@@ -126,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--configs", default="3p5b_32k", help=f"comma-separated names from {sorted(CONFIGS)}")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--lr-warmup", type=int, default=0, help="linear LR warm-up steps (0: constant 3e-4)")
     ap.add_argument("--name", default=None, help="results name (default: device + configs)")
     ap.add_argument("--out", required=True, help="path of the results JSON")
     args = ap.parse_args(argv)
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
               "git_commit": commit, "device": device_info(), "date": datetime.date.today().isoformat(),
               "jax_version": jax.__version__, "runs": []}
     for n in names:
-        result["runs"].append(run_config(n, CONFIGS[n], args.warmup, args.steps))
+        result["runs"].append(run_config(n, CONFIGS[n], args.warmup, args.steps, args.lr_warmup))
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     for r in result["runs"]:

@@ -17,13 +17,20 @@ class HostUpdater:
         self._pending: dict[int, Future] = {}
 
     def submit(self, part: int, fn: Callable[[], None]) -> None:
-        """Queue ``fn`` (the update of ``part``: -1 for the io part, i for block i)."""
+        """Queue ``fn`` (the update of ``part``: -1 for the io part, i for block i; -2 the step's check)."""
         self._pending[part] = self._pool.submit(fn)
 
     def wait(self, part: int) -> None:
         """Block until ``part``'s latest update is done; re-raises its exception."""
         fut = self._pending.pop(part, None)
         if fut is not None:
+            fut.result()
+
+    def poll(self, part: int) -> None:
+        """Re-raise ``part``'s exception if its task has already failed; never blocks."""
+        fut = self._pending.get(part)
+        if fut is not None and fut.done():
+            del self._pending[part]
             fut.result()
 
     def wait_all(self) -> None:

@@ -242,3 +242,30 @@ def test_megatrain_adamw_matches_optax_adamw():
         p1, p2 = optax.apply_updates(p1, u1), optax.apply_updates(p2, u2)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("tx", [FUSED, SGD], ids=["fused-adamw", "sgd"])
+def test_gpu_resident_parts_equal_reference(tx):
+    """The io part and the first blocks updated on the device, the rest on the host: same training."""
+    engine = run_both(TINY3, tx, EngineConfig(micro_batches=2, clip_norm=0.05, resident_layers=2, resident_io=True))
+    assert sorted(engine.resident) == [-1, 0, 1]
+
+
+def test_gpu_resident_parts_with_accumulation():
+    run_both(TINY3, FUSED, EngineConfig(accumulate_steps=2, resident_layers=1))
+
+
+def test_nonfinite_step_skipped_on_resident_parts_too():
+    import jax
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(resident_layers=1))
+    good, = make_batches(1)
+    engine.step(good).resolve()
+    engine.sync()
+    io = jax.tree.map(lambda a: a, engine.state.io)
+    io["final_norm"]["scale"] = engine.placement.to_host(np.full((TINY3.hidden,), np.nan, np.float32))
+    engine.state.io = io
+    before = [np.asarray(x).copy() for x in jax.tree.leaves((engine.state.blocks, engine.state.blocks_opt))]
+    assert engine.step(good).resolve()["skipped"]
+    engine.sync()
+    after = [np.asarray(x) for x in jax.tree.leaves((engine.state.blocks, engine.state.blocks_opt))]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
