@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -118,6 +118,9 @@ class Engine:
         stream_dtype = jnp.dtype(config.stream_dtype or compute_dtype)
         self.opt = HostOptimizer(optimizer, self.placement, stream_dtype, use_kernel=config.host_kernel)
         self.updater = HostUpdater()
+        # Called with the part index (-1: io) on the update thread just before a host part is updated in
+        # place; a checkpoint writer uses it to hold updates until it has written that part.
+        self.update_guards: list[Callable[[int], None]] = []
         self.skipped_steps = 0
         self._nonfinite_in_row = 0
         self.fns = device_fns(self.lm)
@@ -175,8 +178,9 @@ class Engine:
                 continue
             out, group = self.step(group), []
             if pending is not None:
-                yield self._metrics(pending, t_last)
+                m = self._metrics(pending, t_last)
                 t_last = time.perf_counter()
+                yield m
             pending = out
         if pending is not None:
             self.sync()
@@ -344,6 +348,8 @@ class Engine:
         def update() -> None:
             if not self._step_ok:
                 return
+            for guard in self.update_guards:
+                guard(part)
             if part == -1:
                 s.io, s.io_opt, s.stream_io = self.opt.update(s.io, s.io_opt, grads, s.stream_io, scale)
                 return

@@ -39,6 +39,8 @@ def evaluate(engine: Engine, batches: Iterable[Batch]) -> dict[str, float]:
     if not micro:
         raise ValueError("evaluate() got no batches; is the held-out split empty?")
     count = sum(float(np.sum(m.loss_mask)) for m in micro)
+    if callable(getattr(engine, "sync", None)):
+        engine.sync()  # host updates may run in place on a worker thread: read the parameters once they are done
     dev = [place.to_device(m) for m in micro]
     io = place.to_device(state.params_for_stream(None))
     xs = [engine.fns.embed(io, b.inputs) for b in dev]

@@ -81,7 +81,8 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
     keeping the newest ``keep_checkpoints``; SIGTERM/SIGINT finish the step, save, and exit
     (``CheckpointedExit``, status 0). ``resume='auto'`` continues from the newest complete checkpoint of
     ``checkpoint_dir`` (a path resumes from that checkpoint); ``steps`` counts from step 0, so a resumed
-    run ends where the uninterrupted one would, bit for bit.
+    run ends where the uninterrupted one would, bit for bit. Saves happen when the engine's step is a
+    multiple of ``checkpoint_every`` (the engine runs one step ahead of the metrics, so never at step 1).
     """
     optimizer_name = "default_optimizer" if optimizer is None else type(optimizer).__name__
     if optimizer is None:

@@ -27,7 +27,7 @@ class HostState:
     blocks_opt: list[Any]
     stream_io: Params | None
     stream_blocks: list[Params] | None
-    step: jax.Array  # int32 scalar: optimizer steps taken
+    step: int  # optimizer steps taken
 
     @property
     def n_blocks(self) -> int:

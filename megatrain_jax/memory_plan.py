@@ -73,6 +73,7 @@ class MemoryPlan:
     seq_len: int
     stream_dtype: str
     packed: bool = False
+    loaded_copy: bool = False
 
     @property
     def params(self) -> int:
@@ -102,7 +103,8 @@ class MemoryPlan:
         """The plan of the same run with ``model_cfg``, ``engine_cfg``, ``batch_rows`` ... changed."""
         args = dict(model_cfg=self.model_cfg, engine_cfg=self.engine_cfg, batch_rows=self.batch_rows,
                     seq_len=self.seq_len, stream_dtype=self.stream_dtype, host_ram_bytes=self.host_available,
-                    gpu_bytes=self.gpu_available, packed=self.packed, detect=False)
+                    gpu_bytes=self.gpu_available, packed=self.packed, loaded_copy=self.loaded_copy,
+                    detect=False)
         args.update(changes)
         return plan(**args)
 
@@ -173,13 +175,14 @@ class MemoryPlan:
 
 def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
          stream_dtype: str | None = None, host_ram_bytes: int | None = None, gpu_bytes: int | None = None,
-         *, packed: bool = False, detect: bool = True) -> MemoryPlan:
+         *, packed: bool = False, loaded_copy: bool = False, detect: bool = True) -> MemoryPlan:
     """The memory needed to train ``model_cfg`` on batches of ``batch_rows`` x ``seq_len`` tokens.
 
     ``stream_dtype`` is the dtype of the weights sent to the GPU (default: ``engine_cfg.stream_dtype``, else
     the model's compute dtype). Limits not given are read from this machine when ``detect`` (host:
     MemAvailable; GPU: the allocator's bytes_limit). ``packed`` rows have segment masks, which take
-    attention off the cuDNN flash path and materialize the score matrix.
+    attention off the cuDNN flash path and materialize the score matrix. ``loaded_copy``: the model
+    object holds float32 weights loaded from a checkpoint for the whole run (``fit`` keeps the model).
     """
     c, e = model_cfg, engine_cfg
     if batch_rows < 1 or seq_len < 1 or batch_rows % e.micro_batches:
@@ -198,6 +201,8 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     }
     if sb == 2:
         host["16-bit stream copy of the weights (2 B/param)"] = 2 * P
+    if loaded_copy:
+        host["float32 weights loaded into the model object (4 B/param)"] = 4 * P
     # XLA may not update a part in place (no donation on the CPU client), so allow a second copy of the
     # largest part's weights, moments and stream copy, plus its scaled gradient (measured: 3.5B on an H100
     # peaks at 69 GiB of host RSS, about 4 GiB above the persistent arrays)
@@ -220,6 +225,9 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         f"chunked logits ({min(c.loss_chunk_tokens, micro_tokens)} tokens x {c.vocab_size} x 4 B x 3)":
             min(c.loss_chunk_tokens, micro_tokens) * c.vocab_size * 4 * 3,
     }
+    resident = getattr(e, "resident_layers", 0) * Pl + (Pio if getattr(e, "resident_io", False) else 0)
+    if resident:  # weights, Adam state and gradients kept on the GPU (megatrain_jax.resident): ~18 B/param
+        gpu[f"GPU-resident parts with optimizer state ({resident / 1e6:.0f} M params x 18 B)"] = 18 * resident
     if not flash:
         gpu[f"attention scores, not flash ({micro_rows} x {c.heads} heads x {seq_len}^2 x 4 B x 3)"] = (
             micro_rows * c.heads * seq_len * seq_len * 4 * 3)
@@ -227,5 +235,6 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     if detect:
         host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
         gpu_bytes = available_gpu_bytes() if gpu_bytes is None else gpu_bytes
-    return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed)
+    return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed,
+                      loaded_copy)
 

@@ -340,7 +340,7 @@ def test_config_from_hf_matches_presets():
     assert config_from_hf(mistral) == preset("mistral-7b")
     qwen2 = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 5120, "intermediate_size": 13824,
              "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
-             "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+             "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
              "use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 48}
     assert config_from_hf(qwen2) == preset("qwen2.5-14b")
     qwen3 = {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,

@@ -1,9 +1,12 @@
-"""Orbax checkpoints of the whole host state with exact resume, asynchronous part-by-part writes of
-bounded memory, completeness checks, and save-then-exit on SIGTERM/SIGINT. See ``manager`` and ``store``."""
+"""Orbax checkpoints of the whole host state: exact resume, asynchronous part-by-part writes that add no
+copy of the state, completeness checks (Orbax commit + a manifest of sizes and CRC-32s), keep-last-N,
+and save-then-exit on SIGTERM/SIGINT. ``Checkpointer`` saves and restores an ``Engine``;
+``CheckpointSession`` is what ``fit`` uses. Layout and memory design: ``store``."""
 
 from megatrain_jax.checkpoint.manager import (Checkpointer, CheckpointWarning, CorruptCheckpointError,
                                               check_step, committed_steps)
 from megatrain_jax.checkpoint.parts import ShapeMismatchError
+from megatrain_jax.checkpoint.session import CheckpointedExit, CheckpointSession
 
-__all__ = ["CheckpointWarning", "Checkpointer", "CorruptCheckpointError", "ShapeMismatchError", "check_step",
-           "committed_steps"]
+__all__ = ["CheckpointSession", "CheckpointWarning", "CheckpointedExit", "Checkpointer", "CorruptCheckpointError",
+           "ShapeMismatchError", "check_step", "committed_steps"]

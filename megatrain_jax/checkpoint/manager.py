@@ -15,6 +15,7 @@ Loading reads JSON and TensorStore arrays only: nothing is unpickled and no code
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-from megatrain_jax.checkpoint.parts import expected_layout, install_part
+from megatrain_jax.checkpoint.parts import block_name, expected_layout, install_part
 from megatrain_jax.checkpoint.store import PartsHandler, PartsRestore, PartsSave, Snapshot, verify_state_item
 
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -81,21 +82,25 @@ class Checkpointer:
     """Saves an engine's host state asynchronously and restores it into pinned host memory.
 
     ``save`` returns once the snapshot is taken; parts are written in the background while training
-    continues. The engine is held before updating a part that is not yet written (see ``store``), so
-    a save costs about one part of extra host memory, never a copy of the state.
+    continues. Arrays go to Orbax as zero-copy views of their pinned buffers, and the engine is held
+    before updating a part that is not yet written (see ``store``), so a save adds no copy of the state
+    (at most one part where buffers cannot be viewed). ``checksum=False`` checks file sizes only, which
+    spares reading a large checkpoint once more before resuming from it.
     """
 
     def __init__(self, directory: str | Path, *, keep: int | None = 3, checksum: bool = True,
                  read_only: bool = False):
         self.root = Path(directory).absolute()
         self.checksum = checksum
-        if not read_only:
+        if not read_only:  # a writer owns the directory: what a killed save left behind goes
             for tmp in unfinished_saves(self.root):
                 warnings.warn(f"skipping incomplete checkpoint {tmp} (its save never finished); removing it",
                               CheckpointWarning, stacklevel=2)
+                shutil.rmtree(tmp)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep, create=not read_only, read_only=read_only,
-            cleanup_tmp_directories=not read_only, enable_async_checkpointing=True,
+            save_interval_steps=0 if read_only else 1,
+            enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(timeout_secs=7 * 24 * 3600))  # a save may take long: never time out
         self._manager = ocp.CheckpointManager(self.root, item_handlers=_handlers(), options=options)
         self._snapshot: Snapshot | None = None
@@ -107,6 +112,7 @@ class Checkpointer:
         """Checkpoint ``engine.state`` at its current step; returns the step. ``meta`` (e.g. the data
         iterator's state) and ``config`` (the run configuration) are stored as JSON."""
         self.wait()  # one save at a time: the previous snapshot must be released before the next is gated
+        engine.sync()  # the step's host updates run on a worker thread: let them land first
         snapshot = Snapshot(engine.state)
         _gate(engine, snapshot)
         self._snapshot = snapshot
@@ -151,11 +157,10 @@ class Checkpointer:
             if quarantine:
                 aside = _free_name(step_dir.with_name(f"{step}.corrupt"))
                 step_dir.rename(aside)
+                self._manager.reload()  # forget the step, so that it can be saved again
                 note = f"; moved aside to {aside.name}"
             warnings.warn(f"skipping corrupt checkpoint {step_dir}: {problem}{note}", CheckpointWarning,
                           stacklevel=2)
-        if quarantine:
-            self._manager.reload()
         return None
 
     # ------------------------------------------------------------------ restoring
@@ -171,6 +176,7 @@ class Checkpointer:
             problem = check_step(self.root / str(step), self.checksum)
             if problem:
                 raise CorruptCheckpointError(f"cannot restore {self.root / str(step)}: {problem}")
+        engine.sync()
         state = engine.state
         layout = expected_layout(state)
         sink = lambda name, tree: install_part(state, name, tree, engine.opt.cast)
@@ -178,6 +184,7 @@ class Checkpointer:
             state=PartsRestore(layout, engine.placement.host, sink), meta=ocp.args.JsonRestore(),
             config=ocp.args.JsonRestore()))
         state.step = int(out.meta["step"])
+        engine.load_state(state)  # GPU-resident parts reload from the restored host arrays
         return dict(out.meta), dict(out.config)
 
 
@@ -190,20 +197,15 @@ def _free_name(path: Path) -> Path:
 
 
 def _gate(engine, snapshot: Snapshot) -> None:
-    """Make the engine wait for ``snapshot`` before it updates (replaces or donates) a part's arrays.
-
-    The engine has no update hook yet, so this wraps ``engine.opt.update`` (the call that receives a
-    part's current parameter tree and returns its replacement) and finds the part by identity.
-    """
-    opt = engine.opt
-    if not getattr(opt, "_checkpoint_gated", False):
-        update = opt.update
-
-        def gated_update(params, *args, **kwargs):
-            snap = opt._checkpoint_snapshot
+    """Make the engine wait for ``snapshot`` to be written before it updates a part's host arrays (in
+    place, or by replacing and donating them), in whichever thread runs the update. GPU-resident parts
+    are updated on the device and were copied to fresh host arrays by ``engine.sync()``: no wait needed."""
+    guard = getattr(engine, "_checkpoint_guard", None)
+    if guard is None:
+        def guard(part: int) -> None:
+            snap = engine._checkpoint_snapshot
             if snap is not None:
-                snap.wait_params(params)
-            return update(params, *args, **kwargs)
-
-        opt.update, opt._checkpoint_gated = gated_update, True
-    opt._checkpoint_snapshot = snapshot
+                snap.wait_part("io" if part == -1 else block_name(part))
+        engine._checkpoint_guard = guard
+        engine.update_guards.append(guard)
+    engine._checkpoint_snapshot = snapshot

@@ -115,19 +115,9 @@ def check_layout(expected: dict[str, dict], found: dict[str, dict], where: str) 
                 problems.append(f"{part}/{leaf}: expected shape {e[leaf][0]} {e[leaf][1]}, "
                                 f"found shape {f[leaf][0]} {f[leaf][1]}")
     if problems:
-        problems.sort(key=_natural)
+        problems.sort()  # part names are zero-padded: blocks in order
         raise ShapeMismatchError(f"checkpoint {where} does not fit this model and optimizer "
                                  f"({len(problems)} mismatches):\n  " + "\n  ".join(problems))
-
-
-def _natural(s: str):
-    return [int(t) if t.isdigit() else t for t in s.replace("_", " ").replace("/", " ").split()]
-
-
-def abstract_part(layout: dict[str, tuple[tuple[int, ...], str]], sharding) -> dict[str, Any]:
-    """The nested restore target of one part: shapes and dtypes placed by ``sharding`` (pinned host)."""
-    return nest({k: jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding)
-                 for k, (shape, dtype) in layout.items()})
 
 
 def install_part(state: HostState, name: str, restored: dict[str, Any], cast) -> None:

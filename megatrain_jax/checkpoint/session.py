@@ -94,36 +94,45 @@ class CheckpointSession:
     def start(self, engine, data: Iterable) -> Iterable:
         """Restore the engine and position ``data`` when resuming; returns the data to train on."""
         self.data = data
-        step_dir = self._resume_dir()
-        if step_dir is not None:
-            reader = self.ckpt if self.ckpt is not None and step_dir.parent == self.ckpt.root else \
-                Checkpointer(step_dir.parent, read_only=True)
-            meta, saved_config = reader.restore(engine, int(step_dir.name), verified=self.resume == "auto")
-            if reader is not self.ckpt:
-                reader.close()
-            self._compare_config(saved_config, step_dir)
-            self.data = position_data(data, meta)
-            print(f"resumed from {step_dir} at step {engine.state.step}", file=sys.stderr, flush=True)
+        try:
+            step_dir, verified = self._resume_dir()
+            if step_dir is not None:
+                own = self.ckpt is not None and step_dir.parent == self.ckpt.root
+                reader = self.ckpt if own else Checkpointer(step_dir.parent, read_only=True)
+                try:
+                    meta, saved_config = reader.restore(engine, int(step_dir.name), verified=verified)
+                finally:
+                    if not own:
+                        reader.close()
+                self._compare_config(saved_config, step_dir)
+                self.data = position_data(data, meta)
+                print(f"resumed from {step_dir} at step {engine.state.step}", file=sys.stderr, flush=True)
+        except BaseException:
+            if self.ckpt is not None:
+                self.ckpt.close()
+            raise
         self.start_step = int(engine.state.step)
         return self.data
 
-    def _resume_dir(self) -> Path | None:
+    def _resume_dir(self) -> tuple[Path | None, bool]:
+        """The step directory to resume from (None: a fresh start), and whether it was just verified."""
         if self.resume is None:
-            return None
+            return None, False
         if self.resume == "auto":
             step = self.ckpt.latest_complete(quarantine=True)
             if step is None:
                 print(f"no complete checkpoint in {self.ckpt.root}: starting from scratch", file=sys.stderr)
-                return None
-            return self.ckpt.root / str(step)
+                return None, False
+            return self.ckpt.root / str(step), True
         root, step = split_step_dir(self.resume)
+        if step is not None:
+            return root / str(step), False
+        found = Checkpointer(root, read_only=True)
+        step = found.latest_complete()
+        found.close()
         if step is None:
-            found = Checkpointer(root, read_only=True)
-            step = found.latest_complete()
-            found.close()
-            if step is None:
-                raise FileNotFoundError(f"no complete checkpoint in {root}")
-        return root / str(step)
+            raise FileNotFoundError(f"no complete checkpoint in {root}")
+        return root / str(step), True
 
     def _compare_config(self, saved: dict, where: Path) -> None:
         saved_model, now_model = saved.get("model"), self.config.get("model")

@@ -1,42 +1,75 @@
 """Writing and reading the host state part by part, as one Orbax item.
 
-Why not hand Orbax the whole state? An async Orbax save first makes every array host-resident numpy
-(``replica_slices.transfer_arrays_to_host``: for a ``pinned_host`` array on a GPU that is a copy; for
-numpy input the ``NumpyHandler`` deep-copies unless ``deepcopy_host_arrays=False``) and keeps all of it
-until the write ends, so host memory doubles while an offloaded state is saved; and it holds the old
-arrays of a state that the engine replaces (or donates) every step.
+Why not hand Orbax the whole state? Its async save first makes every array host-resident numpy and
+keeps all of it until the write ends: ``NumpyHandler`` deep-copies numpy input (unless
+``deepcopy_host_arrays=False``), and ``ArrayHandler`` turns a ``pinned_host`` array into a numpy copy on
+a GPU (``replica_slices.transfer_arrays_to_host``). Host memory would double while an offloaded state is
+saved. And the engine updates host arrays in place (fused AdamW) or replaces and donates them, so a
+reference alone is no snapshot.
 
 So ``PartsHandler`` is an Orbax ``AsyncCheckpointHandler`` whose background commit writes the parts in
 turn (io, block 0, block 1, ...), each with an ordinary ``PyTreeCheckpointHandler`` into its own
-subdirectory, and then the manifest. The snapshot it writes is a ``Snapshot``: *references* to one
-step's arrays, taken in O(1) on the training thread. The engine replaces a part's arrays when it updates
-them (and on a GPU donates the old buffers), so before it updates a part it calls ``Snapshot.wait_part``,
-which holds it until that part is written and released. Extra memory is thus at most about one part
-(the numpy view or copy being written), and training overlaps the write until the next step's update
-catches up with the writer.
+subdirectory, then the manifest. Each array is handed to Orbax as a zero-copy numpy view of its pinned
+host buffer, through a ``NumpyHandler`` that does not deep-copy. The snapshot is a ``Snapshot``: the
+engine's part trees, taken after its pending updates finish. Before the engine updates a part it calls
+``Snapshot.wait_params``, which holds it until that part is written and released. So a save needs no
+extra copy of the state (at most one part, where pinned buffers cannot be viewed), and training
+overlaps the write until the next step's updates catch up with the writer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
+import functools
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import future as ocp_future
 
 from megatrain_jax.checkpoint.manifest import file_entries, verify_manifest, write_manifest
-from megatrain_jax.checkpoint.parts import (ShapeMismatchError, abstract_part, check_layout, flatten_nested,
-                                            named_leaves, nest, part_trees)
+from megatrain_jax.checkpoint.parts import (ShapeMismatchError, check_layout, flatten_nested, named_leaves, nest,
+                                            part_trees)
 from megatrain_jax.host_state import HostState
 
 # Testing knob for crash-safety tests: seconds the writer sleeps after each part (scripts/kill_during_save.py).
 PART_DELAY_ENV = "MEGATRAIN_CHECKPOINT_PART_DELAY_S"
+
+
+@functools.cache
+def _pointers_readable(sharding) -> bool:
+    """Whether a host array's buffer address can be read as what the array holds (pinned host memory is
+    host-addressable on CPU and GPU clients; checked once per sharding)."""
+    try:
+        x = jax.device_put(jnp.arange(1, 5, dtype=jnp.float32), sharding, may_alias=False)
+        x.block_until_ready()
+        view = np.frombuffer((ctypes.c_char * 16).from_address(x.unsafe_buffer_pointer()), np.float32)
+        return bool(np.array_equal(view, np.arange(1, 5, dtype=np.float32)))
+    except Exception:  # noqa: BLE001 - no buffer address here: take the copying path
+        return False
+
+
+def host_view(x: Any) -> np.ndarray:
+    """A numpy view of a host-memory jax array without copying it (nor caching a copy on it: ``np.asarray``
+    on a GPU client keeps one in the array, which in-place updates would then make stale)."""
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    x.block_until_ready()
+    host = getattr(x.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host") or \
+        next(iter(x.sharding.device_set)).platform == "cpu"
+    if x.nbytes and host and len(x.sharding.device_set) == 1 and _pointers_readable(x.sharding):
+        buffer = (ctypes.c_char * x.nbytes).from_address(x.unsafe_buffer_pointer())
+        return np.frombuffer(buffer, dtype=x.dtype).reshape(x.shape)
+    return np.asarray(jax.device_put(x, x.sharding, may_alias=False))  # a temporary copy, freed after the write
 
 
 class Snapshot:
@@ -59,7 +92,7 @@ class Snapshot:
         if deleted:
             raise RuntimeError(f"part {name} of step {self.step} was overwritten during its save ({deleted[0]} "
                                f"was donated): the engine updated it without calling Snapshot.wait_part")
-        return nest(leaves)
+        return nest({k: host_view(v) for k, v in leaves.items()})
 
     def release(self, name: str) -> None:
         """Drop the references of a written part and let the engine update it."""
@@ -70,9 +103,6 @@ class Snapshot:
     def release_all(self) -> None:
         for name in list(self._done):
             self.release(name)
-
-    def pending(self) -> bool:
-        return not all(e.is_set() for e in self._done.values())
 
     def wait_part(self, name: str) -> None:
         """Block until part ``name`` is written (no-op for an unknown or written part)."""
@@ -111,8 +141,11 @@ class PartsHandler(ocp.AsyncCheckpointHandler):
     """Orbax handler of the ``state`` item: one PyTree subdirectory per part, then ``MANIFEST.json``."""
 
     def __init__(self):
-        # Arrays are already in host memory: no staging through another pinned buffer.
-        self._tree = ocp.PyTreeCheckpointHandler(use_ocdbt=True, enable_pinned_host_transfer=False)
+        registry = ocp.type_handlers.create_type_handler_registry(
+            (np.ndarray, _numpy_handler_without_copy()), (jax.Array, ocp.type_handlers.ArrayHandler()))
+        # Uncompressed: float32 weights and moments hardly compress, and zstd buffers would cost memory and time.
+        self._tree = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_compression=False,
+                                                 type_handler_registry=registry)
 
     async def async_save(self, directory, args: PartsSave):
         return [ocp_future.CommitFutureAwaitingContractedSignals(self._commit(directory, args),
@@ -143,11 +176,13 @@ class PartsHandler(ocp.AsyncCheckpointHandler):
         directory = Path(directory)
         check_layout(args.layout, self.layout(directory), str(directory.parent))
         for name, layout in args.layout.items():
-            target = abstract_part(layout, args.sharding)
-            restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+            restore_args = nest({k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.dtype(dtype))
+                                 for k, (_, dtype) in layout.items()})
             tree = self._tree.restore(epath.Path(directory / name),
-                                      args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
-            args.sink(name, tree)
+                                      args=ocp.args.PyTreeRestore(restore_args=restore_args))
+            # A fresh pinned-host buffer per array, never aliasing the numpy one: the engine updates in place.
+            args.sink(name, jax.device_put(tree, args.sharding, may_alias=False))
+            del tree
 
     def layout(self, directory: Path) -> dict[str, dict[str, tuple]]:
         """``{part: {leaf: (shape, dtype)}}`` as written, from the array metadata (no array is read)."""
@@ -166,6 +201,22 @@ class PartsHandler(ocp.AsyncCheckpointHandler):
 
     def close(self) -> None:
         self._tree.close()
+
+
+def _numpy_handler_without_copy() -> ocp.type_handlers.NumpyHandler:
+    """Orbax's numpy handler minus its defensive deep copy (the snapshot already guarantees that nothing
+    writes an array before its part is written)."""
+    try:
+        return ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)
+    except TypeError:  # orbax 0.12.4 (the GPU image) always copies: the same serialize, without the copy
+        return _NoCopyNumpyHandler()
+
+
+class _NoCopyNumpyHandler(ocp.type_handlers.NumpyHandler):
+    async def serialize(self, values, infos, args=None):
+        args = args or [ocp.SaveArgs()] * len(values)
+        return [ocp_future.CommitFutureAwaitingContractedSignals(self._background_serialize(values, infos, args),
+                                                                 name="np_type_handler")]
 
 
 ocp.args.register_with_handler(PartsHandler, for_save=True)(PartsSave)

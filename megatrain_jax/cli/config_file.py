@@ -15,6 +15,7 @@ closest valid one. TOML has no null: write ``"none"`` for a field that may be No
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -29,8 +30,8 @@ import optax
 
 from megatrain_jax.data import DataConfig
 from megatrain_jax.engine import EngineConfig
-from megatrain_jax.fit import decay_mask
 from megatrain_jax.models.config import DecoderConfig, preset
+from megatrain_jax.optim import adamw
 
 
 class ConfigError(ValueError):
@@ -39,7 +40,9 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-    """Which model: a named ``preset`` with ``overrides`` of DecoderConfig fields, or an HF checkpoint."""
+    """Which model: a named ``preset`` with ``overrides`` of DecoderConfig fields, or a Hugging Face
+    checkpoint (its config.json decides the shape and ``preset`` is ignored; overrides may still set
+    fields such as ``dtype`` or ``loss_chunk_tokens``)."""
 
     preset: str = "tiny"
     hf_checkpoint: str | None = None  # a folder with config.json + safetensors; weights are loaded from it
@@ -54,7 +57,7 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW (weight decay on matrices only) with linear warm-up, then cosine decay to
+    """AdamW (weight decay on matrices only, decoupled) with linear warm-up, then cosine decay to
     ``min_lr_ratio * lr`` over the run, or a constant rate."""
 
     lr: float = 3e-4
@@ -85,16 +88,20 @@ class OptimizerConfig:
                                                   self.lr * self.min_lr_ratio)
 
     def build(self, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-        """The optimizer and its schedule (clipping is the engine's: ``engine.clip_norm``)."""
+        """The optimizer (``megatrain_jax.adamw``: the engine runs it as a fused in-place host kernel) and
+        its schedule. Clipping is the engine's (``engine.clip_norm``)."""
         sched = self.schedule(total_steps)
-        return optax.adamw(sched, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay,
-                           mask=decay_mask), sched
+        return adamw(sched, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay), sched
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The run: how long, what to report and where. ``eval_every = 0`` turns evaluation off.
-    ``checkpoint_*`` and ``resume`` are used when ``megatrain_jax.checkpoint`` is available."""
+
+    Checkpoints (Orbax, whole host state and data position) go to ``checkpoint_dir`` (default
+    ``run_dir/checkpoints``) every ``checkpoint_every`` steps and at the end, when ``checkpoint_every > 0``
+    or ``resume`` is set. ``resume = true`` continues from the newest complete checkpoint there (or starts
+    fresh when there is none); a string names a checkpoint folder to start from."""
 
     steps: int = 100
     seed: int = 0
@@ -105,7 +112,8 @@ class TrainConfig:
     peak_tflops: float | None = None  # the accelerator's dense bf16 peak (H100 SXM: 989), adds MFU
     checkpoint_every: int = 0
     checkpoint_keep: int = 3
-    resume: bool = False
+    checkpoint_dir: str | None = None
+    resume: bool | str = False
     export_hf: str | None = None  # write the trained model here as a Hugging Face folder at the end
     memory_check: bool = True  # refuse to start when the memory plan does not fit
 
@@ -206,7 +214,7 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be {_describe(hint)}, got {value!r}")
-        return _build(hint, value, where)
+        return build_dataclass(hint, value, where)
     raise ConfigError(f"{where}: fields of type {hint} cannot be set from a config file")
 
 
@@ -222,7 +230,8 @@ def _check_keys(table: dict, valid: Sequence[str], where: str) -> None:
                               f"valid keys: {', '.join(sorted(valid))}")
 
 
-def _build(cls: type, table: dict, where: str) -> Any:
+def build_dataclass(cls: type, table: dict, where: str) -> Any:
+    """``cls(**table)`` with every key checked and every value coerced to its field's type."""
     fields = _fields(cls)
     _check_keys(table, list(fields), where)
     kwargs = {k: coerce(v, fields[k], f"{where} {k}") for k, v in table.items()}
@@ -239,9 +248,6 @@ def _model(table: dict, where: str) -> ModelSection:
     section = ModelSection(preset=coerce(table.get("preset", "tiny"), str, f"{where} preset"),
                            hf_checkpoint=coerce(table.get("hf_checkpoint"), str | None, f"{where} hf_checkpoint"),
                            overrides=overrides)
-    if section.hf_checkpoint is not None and "preset" in table:
-        raise ConfigError(f"{where}: give either preset or hf_checkpoint, not both (hf_checkpoint's config.json "
-                          f"decides the shape)")
     try:
         section.build()  # every DecoderConfig check, now rather than after data is loaded
     except (ValueError, TypeError, FileNotFoundError) as e:
@@ -261,8 +267,15 @@ def parse_config(raw: dict, source: str = "config") -> RunConfig:
     for name, cls in SECTIONS.items():
         where = f"{source} [{name}]"
         table = raw.get(name, {})
-        parts[name] = _model(table, where) if cls is ModelSection else _build(cls, table, where)
-    return RunConfig(**parts)
+        parts[name] = _model(table, where) if cls is ModelSection else build_dataclass(cls, table, where)
+    cfg = RunConfig(**parts)
+    if cfg.train.eval_every and cfg.data.eval_fraction <= 0:
+        raise ConfigError(f"{source}: [train] eval_every = {cfg.train.eval_every} needs held-out data: set "
+                          f"[data] eval_fraction > 0 (e.g. 0.01), or eval_every = 0")
+    if cfg.data.batch_size % cfg.engine.micro_batches:
+        raise ConfigError(f"{source}: [data] batch_size = {cfg.data.batch_size} cannot be split into [engine] "
+                          f"micro_batches = {cfg.engine.micro_batches}; use a batch_size divisible by it")
+    return cfg
 
 
 def parse_value(text: str) -> Any:
@@ -275,7 +288,7 @@ def parse_value(text: str) -> Any:
 
 def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
     """``raw`` with each ``section.key=value`` (or ``section.table.key=value``) set."""
-    raw = json.loads(json.dumps(raw))  # a deep copy of plain TOML data
+    raw = copy.deepcopy(raw)
     for item in overrides:
         path, sep, text = item.partition("=")
         keys = path.strip().split(".")

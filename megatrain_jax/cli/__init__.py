@@ -1,0 +1,8 @@
+"""The ``megatrain-jax`` command line: TOML run configs, ``train``, ``plan``, ``convert``, ``bench``, ``plot``."""
+
+from megatrain_jax.cli.commands import main
+from megatrain_jax.cli.config_file import (ConfigError, LogConfig, ModelSection, OptimizerConfig, RunConfig,
+                                           TrainConfig, load_config, parse_config, to_toml)
+
+__all__ = ["ConfigError", "LogConfig", "ModelSection", "OptimizerConfig", "RunConfig", "TrainConfig",
+           "load_config", "main", "parse_config", "to_toml"]

@@ -1,0 +1,153 @@
+"""The ``megatrain-jax`` command line. It only parses arguments and calls the library.
+
+    megatrain-jax                                   # the demo: tiny model, demo data, ~1 minute on a CPU
+    megatrain-jax train --config FILE.toml [section.key=value ...]
+    megatrain-jax plan --config FILE.toml [section.key=value ...] [--host-gib N] [--gpu-gib N]
+    megatrain-jax convert SRC DST [--to hf|npz|orbax] [--dtype bfloat16|float32]
+    megatrain-jax bench [experiments/bench.py arguments]
+    megatrain-jax plot RUN_DIR [--out FILE.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from megatrain_jax.cli.config_file import ConfigError, load_config, parse_config
+from megatrain_jax.memory_plan import GiB, MemoryPlanError
+
+EXAMPLES = """examples:
+  megatrain-jax train --config experiments/configs/demo_tiny.toml train.steps=50 model.layers=4
+  megatrain-jax plan --config experiments/configs/h100_7b_32k.toml --host-gib 125 --gpu-gib 80
+  megatrain-jax convert ./Llama-3.2-1B ./llama1b_f32 --dtype float32
+  megatrain-jax plot runs/demo
+"""
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", help="a TOML run config (see experiments/configs/)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="override config values, e.g. model.layers=4 train.steps=20 engine.clip_norm=none")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="megatrain-jax", description="Train language models larger than GPU "
+                                 "memory on one GPU. With no command, runs the demo.",
+                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("train", help="train from a TOML config")
+    _add_config_args(p)
+    p = sub.add_parser("demo", help="the demo (what no command runs): tiny model on the synthetic corpus")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p = sub.add_parser("plan", help="print the host and GPU memory plan of a config")
+    _add_config_args(p)
+    p.add_argument("--host-gib", type=float, help="host RAM to plan for (default: this machine's MemAvailable)")
+    p.add_argument("--gpu-gib", type=float, help="GPU memory to plan for (default: this GPU's, if any)")
+    p = sub.add_parser("convert", help="convert checkpoints: Hugging Face <-> npz (<-> Orbax)")
+    p.add_argument("src", help="a Hugging Face folder (config.json + safetensors) or a .npz")
+    p.add_argument("dst", help="output: a folder (Hugging Face) or a .npz file")
+    p.add_argument("--to", choices=("hf", "npz", "orbax"), help="output format (default: from dst)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="tensor dtype of a Hugging Face output (default bfloat16)")
+    p = sub.add_parser("bench", help="engine benchmark (experiments/bench.py; source checkouts only)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for experiments/bench.py")
+    p = sub.add_parser("plot", help="PNG of loss, eval loss and throughput of a run")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
+    return ap
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from megatrain_jax.cli.run import train
+    if args.config is None and not args.overrides:
+        raise ConfigError("train needs --config FILE.toml (or section.key=value overrides of the defaults); "
+                          "see experiments/configs/, or run the demo with no arguments")
+    train(load_config(args.config, args.overrides))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from megatrain_jax.cli.config_file import apply_overrides
+    from megatrain_jax.cli.run import DEMO, train
+    train(parse_config(apply_overrides(DEMO, args.overrides), "the built-in demo config"))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megatrain_jax.memory_plan import plan
+    cfg = load_config(args.config, args.overrides)
+    gib = lambda x: None if x is None else int(x * GiB)  # noqa: E731
+    p = plan(cfg.model.build(), cfg.engine, cfg.data.batch_size, cfg.data.seq_len,
+             host_ram_bytes=gib(args.host_gib), gpu_bytes=gib(args.gpu_gib), packed=cfg.data.mode == "packed",
+             loaded_copy=cfg.model.hf_checkpoint is not None)
+    print(p.table())
+    if not p.fits:
+        opts = p.options()
+        print("does not fit." + ("\noptions that fit:\n" + "\n".join(f"  - {o}" for o in opts) if opts else ""))
+        return 1
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from megatrain_jax.cli.convert import convert
+    out = convert(args.src, args.dst, args.to, args.dtype)
+    print(f"wrote {out}")
+    return 0
+
+
+def find_bench() -> Path:
+    """experiments/bench.py of the source checkout this package runs from, or of the working directory."""
+    here = Path(__file__).resolve().parents[2] / "experiments" / "bench.py"
+    for path in (here, Path.cwd() / "experiments" / "bench.py"):
+        if path.exists():
+            return path
+    raise FileNotFoundError("bench runs experiments/bench.py, which is in the source repository, not the "
+                            "installed package: run it from a checkout")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    path = find_bench()
+    spec = importlib.util.spec_from_file_location("megatrain_jax_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "main", None)):
+        raise FileNotFoundError(f"{path} has no main(argv)")
+    module.main(list(args.args))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from megatrain_jax.observe.plot import plot_run
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "demo": cmd_demo, "plan": cmd_plan, "convert": cmd_convert,
+            "bench": cmd_bench, "plot": cmd_plot}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``megatrain-jax`` and ``python -m megatrain_jax``; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # everything after it belongs to bench.py's own parser
+        args = argparse.Namespace(command="bench", args=argv[1:])
+    else:
+        args = build_parser().parse_args(argv)
+    if args.command is None:
+        args.command, args.overrides = "demo", []
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, MemoryPlanError, FileNotFoundError, ImportError, NotImplementedError) as e:
+        if os.environ.get("MEGATRAIN_DEBUG"):
+            raise
+        print(f"megatrain-jax {args.command}: error: {e}\n(MEGATRAIN_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\nmegatrain-jax {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,124 @@
+"""``convert``: between Hugging Face folders and our formats.
+
+- ``hf`` -> ``hf``: rewrite a checkpoint in another dtype / shard size (bfloat16 <-> float32);
+- ``hf`` <-> ``npz``: our per-part float32 parameter trees in one ``.npz`` (keys ``io/embedding``,
+  ``blocks/3/attn/q/kernel``, ...; the DecoderConfig as JSON under ``__config__``);
+- ``hf`` -> ``orbax``: through ``megatrain_jax.checkpoint.save_params`` when that module provides it.
+
+The whole model passes through host RAM once as float32 (4 bytes per parameter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatrain_jax.cli.config_file import build_dataclass
+from megatrain_jax.models.config import DecoderConfig
+
+FORMATS = ("hf", "npz", "orbax")
+CONFIG_KEY = "__config__"
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    p = Path(path)
+    if p.suffix == ".npz":
+        return "npz"
+    if (p / "config.json").exists():
+        return "hf"
+    if p.is_dir() and any(p.iterdir()):
+        return "orbax"
+    raise ValueError(f"cannot tell the format of {path}: expected a Hugging Face folder (with config.json) "
+                     f"or a .npz file")
+
+
+def _flatten(tree: dict, prefix: str, out: dict[str, np.ndarray]) -> None:
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            _flatten(v, f"{prefix}{k}/", out)
+        else:
+            out[f"{prefix}{k}"] = np.asarray(v, np.float32)
+
+
+def _unflatten(flat: dict[str, np.ndarray]) -> dict:
+    tree: dict = {}
+    for key, v in flat.items():
+        *path, leaf = key.split("/")
+        node = tree
+        for k in path:
+            node = node.setdefault(k, {})
+        node[leaf] = v
+    return tree
+
+
+def _pure_dict(tree: Any) -> dict:
+    if isinstance(tree, dict):
+        return tree
+    from flax import nnx
+    return nnx.to_pure_dict(tree)
+
+
+def save_npz(path: str | os.PathLike, cfg: DecoderConfig, io: Any, blocks: list[Any]) -> Path:
+    """Our parameters (pure dicts or nnx.State) as one float32 .npz with the config inside."""
+    flat: dict[str, np.ndarray] = {}
+    _flatten(_pure_dict(io), "io/", flat)
+    for i, b in enumerate(blocks):
+        _flatten(_pure_dict(b), f"blocks/{i}/", flat)
+    flat[CONFIG_KEY] = np.array(json.dumps(dataclasses.asdict(cfg)))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **flat)
+    return path
+
+
+def load_npz(path: str | os.PathLike) -> tuple[DecoderConfig, dict, list[dict]]:
+    """``(cfg, io_params, [block_params])`` from ``save_npz``'s file, as float32 numpy trees."""
+    with np.load(path) as z:
+        if CONFIG_KEY not in z:
+            raise ValueError(f"{path} has no {CONFIG_KEY}: not written by megatrain-jax convert")
+        cfg = build_dataclass(DecoderConfig, json.loads(str(z[CONFIG_KEY])), f"{path} {CONFIG_KEY}")
+        tree = _unflatten({k: z[k] for k in z.files if k != CONFIG_KEY})
+    blocks = [tree["blocks"][str(i)] for i in range(cfg.layers)]
+    return cfg, tree["io"], blocks
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None,
+            dtype: str = "bfloat16") -> Path:
+    """Convert ``src`` to ``dst`` (format ``to``, else from ``dst``'s suffix: ``.npz`` or an HF folder).
+    ``dtype`` is the tensor dtype of an HF output."""
+    src_fmt = detect_format(src)
+    to = to or ("npz" if str(dst).endswith(".npz") else "hf")
+    if to not in FORMATS:
+        raise ValueError(f"unknown output format {to!r}; choose from {FORMATS}")
+    if src_fmt == "orbax":
+        raise ValueError(f"{src} looks like an Orbax checkpoint; reading those needs megatrain_jax.checkpoint "
+                         f"(convert from Hugging Face folders or .npz files)")
+    if src_fmt == "hf":
+        from megatrain_jax.hf import load_hf
+        cfg, io, blocks = load_hf(src, dtype=dtype)
+    else:
+        cfg, io, blocks = load_npz(src)
+    if to == "hf":
+        from megatrain_jax.hf import save_hf
+        save_hf(dst, cfg, io, blocks, dtype=dtype)
+        return Path(dst)
+    if to == "npz":
+        return save_npz(dst, cfg, io, blocks)
+    save_params = _orbax_saver()
+    save_params(dst, cfg, io, blocks)
+    return Path(dst)
+
+
+def _orbax_saver():
+    if importlib.util.find_spec("megatrain_jax.checkpoint") is not None:
+        import megatrain_jax.checkpoint as ckpt
+        if callable(getattr(ckpt, "save_params", None)):
+            return ckpt.save_params
+    raise NotImplementedError("converting to Orbax needs megatrain_jax.checkpoint.save_params, which this "
+                              "installation lacks; convert to 'hf' or 'npz' instead")

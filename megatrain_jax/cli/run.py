@@ -1,0 +1,129 @@
+"""``train``: a RunConfig in, a trained model and a run folder out.
+
+Assembles the model (abstract, initialized part by part by the engine, or filled from a Hugging Face
+checkpoint), the data, the optimizer and the hooks (evaluation, memory stats, metrics.jsonl, TensorBoard,
+W&B, progress), then calls ``fit``. The run folder gets the resolved ``config.toml`` and ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import jax
+from flax import nnx
+
+from megatrain_jax.cli.config_file import RunConfig, TrainConfig, to_dict, to_toml
+from megatrain_jax.evaluate import eval_hook
+from megatrain_jax.fit import History, Hook, fit
+from megatrain_jax.memory_plan import plan
+from megatrain_jax.models import Decoder
+from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
+
+# The README demo: the tiny preset learns the synthetic Markov + induction corpus (megatrain_jax.data.demo)
+# from ln 256 = 5.5 nats to about 1.3 in a few hundred steps, about a minute on a 2-core CPU.
+# experiments/configs/demo_tiny.toml holds the same settings (a test keeps them equal).
+DEMO: dict = {
+    "model": {"preset": "tiny"},
+    "data": {"seq_len": 128, "batch_size": 16, "eval_fraction": 0.02},
+    "engine": {"micro_batches": 1, "clip_norm": 1.0},
+    "optimizer": {"lr": 3e-3, "warmup_steps": 20, "decay": "cosine", "min_lr_ratio": 0.1, "weight_decay": 0.1},
+    "train": {"steps": 300, "log_every": 25, "eval_every": 100, "eval_batches": 4, "run_dir": "runs/demo"},
+}
+
+
+def _device_line() -> str:
+    dev = jax.devices()[0]
+    return f"{dev.platform} ({getattr(dev, 'device_kind', dev)}), {jax.device_count()} device(s)"
+
+
+def checkpoint_args(t: TrainConfig, run_dir: Path) -> dict:
+    """fit's checkpoint arguments for the [train] section (none when checkpointing is off)."""
+    if not (t.checkpoint_every or t.resume):
+        return {}
+    resume = "auto" if t.resume is True else (t.resume or None)
+    return {"checkpoint_dir": t.checkpoint_dir or run_dir / "checkpoints",
+            "checkpoint_every": t.checkpoint_every or None, "keep_checkpoints": t.checkpoint_keep,
+            "resume": resume}
+
+
+def _first_step(fn) -> Hook:
+    """A hook calling ``fn()`` once, at the first step."""
+    done: list[bool] = []
+
+    def call(m: dict, engine) -> None:
+        if not done:
+            done.append(True)
+            fn()
+    return Hook(call)
+
+
+def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
+    """Run ``cfg``: returns fit's History (``history.engine`` holds the trained host state)."""
+    out = stream or sys.stdout
+    say = lambda text: print(text, file=out, flush=True)  # noqa: E731
+    t, d = cfg.train, cfg.data
+    run_dir = Path(t.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_cfg = cfg.model.build()
+
+    memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, packed=d.mode == "packed",
+                  loaded_copy=cfg.model.hf_checkpoint is not None)
+    if t.memory_check:
+        memory.check()
+    say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
+        f"{model_cfg.hidden}), {d.batch_size} x {d.seq_len} tokens per batch, {t.steps} steps on "
+        f"{_device_line()}; run folder {run_dir}")
+    say(f"  planned memory: host {memory.host_total / 2**30:.1f} GiB, GPU {memory.gpu_total / 2**30:.1f} GiB "
+        f"(megatrain-jax plan shows the breakdown)")
+
+    model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(t.seed)))
+    if cfg.model.hf_checkpoint is not None:
+        from megatrain_jax.hf import load_hf_into
+        say(f"  loading weights from {cfg.model.hf_checkpoint}")
+        load_hf_into(model, cfg.model.hf_checkpoint)
+    optimizer, schedule = cfg.optimizer.build(t.steps)
+    data = d.build(model_cfg.vocab_size)
+
+    # written at the first step, so a run refused at start (e.g. by the checkpoint folder) leaves the folder as is
+    hooks, writers = [_first_step(lambda: (run_dir / "config.toml").write_text(to_toml(cfg)))], []
+    if t.eval_every:
+        eval_batches = list(itertools.islice(d.build_eval(model_cfg.vocab_size), t.eval_batches))
+        hooks.append(eval_hook(eval_batches, t.eval_every, t.steps))
+    hooks.append(memory_hook())
+    writers.append(JsonlWriter(run_dir / "metrics.jsonl", append=bool(t.resume)))
+    if cfg.log.tensorboard and TensorBoardWriter.available():
+        writers.append(TensorBoardWriter(run_dir))
+    if cfg.log.wandb:
+        if WandbLogger.available():
+            writers.append(WandbLogger(cfg.log.wandb_project, cfg.log.wandb_name, to_dict(cfg), run_dir))
+        else:
+            say("  note: [log] wandb = true but wandb is not installed (pip install wandb); not logging to W&B")
+    progress = Progress(t.steps, t.log_every, cfg.log.progress, out)
+    writers.append(progress)
+    hooks += [w.hook() for w in writers]
+
+    try:
+        history = fit(model, data, optimizer, steps=t.steps, config=cfg.engine, lr_schedule=schedule,
+                      seed=t.seed, hooks=hooks, log_every=None, peak_tflops=t.peak_tflops, write_back=False,
+                      **checkpoint_args(t, run_dir))
+    finally:
+        for w in writers:
+            w.close()
+        if hasattr(data, "close"):
+            data.close()
+
+    if t.export_hf:
+        from megatrain_jax.hf import save_hf
+        state = history.engine.state
+        save_hf(t.export_hf, model_cfg, state.io, state.blocks)
+        say(f"  exported the trained model to {t.export_hf} (Hugging Face format, bfloat16)")
+    if len(history):
+        first, last = history.records[0], history.records[-1]
+        evals = history["eval_loss"]
+        say(f"done: loss {first['loss']:.4f} -> {last['loss']:.4f}"
+            + (f", eval loss {evals[-1]:.4f}" if evals else "")
+            + f"; metrics in {run_dir / 'metrics.jsonl'} (megatrain-jax plot {run_dir} draws them)")
+    return history

@@ -1,0 +1,123 @@
+"""Metrics to disk: one JSON object per step in ``run_dir/metrics.jsonl``, and memory high-water marks.
+
+Every key of the step's metrics dict is written (loss, grad_norm, lr, tokens_per_s, model_tflops, mfu,
+step_time_s, any transfer rates the engine reports, eval_loss / eval_ppl on evaluation steps), plus
+``time`` (Unix seconds) and ``elapsed_s`` since the first record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from megatrain_jax.fit import Hook
+
+GiB = 1024**3
+
+
+def host_peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def gpu_memory_stats() -> dict[str, int]:
+    """``peak_bytes_in_use`` / ``bytes_in_use`` / ``bytes_limit`` of the first device, when it reports them
+    (GPUs do; the CPU backend does not)."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory stats is not an error
+        return {}
+    return {k: int(stats[k]) for k in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit") if k in stats}
+
+
+def system_stats() -> dict[str, float]:
+    """Host and GPU memory high-water marks in GiB, under the names the metrics file uses."""
+    out = {"host_peak_rss_gib": host_peak_rss_bytes() / GiB}
+    gpu = gpu_memory_stats()
+    if "peak_bytes_in_use" in gpu:
+        out["gpu_peak_gib"] = gpu["peak_bytes_in_use"] / GiB
+    if "bytes_in_use" in gpu:
+        out["gpu_in_use_gib"] = gpu["bytes_in_use"] / GiB
+    return out
+
+
+def memory_hook(every: int = 1) -> Hook:
+    """Adds ``system_stats()`` to the step's metrics (put it before the writers)."""
+    return Hook(lambda m, engine: m.update(system_stats()), every=every)
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready scalar; None for what JSON cannot hold."""
+    if isinstance(value, (bool, str)) or value is None:
+        return value
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)) or (hasattr(value, "shape") and np.shape(value) == ()):
+        v = float(value)
+        return v if math.isfinite(v) else str(v)  # "nan" / "inf": still visible, still valid JSON
+    return None
+
+
+class JsonlWriter:
+    """Writes each step's metrics as a line of JSON; flushed per line so ``tail -f`` follows a run.
+
+    ``append`` (a resumed run) keeps the file's earlier records, except those of steps at or after the
+    first step written now: the interrupted run's steps past its last checkpoint are trained again.
+    """
+
+    def __init__(self, path: str | os.PathLike, append: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.append = append
+        self._f = None  # opened at the first record: a run that fails to start leaves the old file alone
+        self._t0: float | None = None
+
+    def _open(self, first_step: int) -> None:
+        kept = ([r for r in read_metrics(self.path) if r.get("step", 0) < first_step]
+                if self.append and self.path.exists() else [])
+        self._f = open(self.path, "w")
+        self._f.writelines(json.dumps(r) + "\n" for r in kept)
+
+    def write(self, metrics: dict) -> None:
+        if self._f is None:
+            self._open(int(metrics["step"]))
+        now = time.time()
+        self._t0 = now if self._t0 is None else self._t0
+        record = {k: _plain(v) for k, v in metrics.items()}
+        record = {k: v for k, v in record.items() if v is not None}
+        record.update(time=round(now, 3), elapsed_s=round(now - self._t0, 3))
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def hook(self) -> Hook:
+        return Hook(lambda m, engine: self.write(m), every=1)
+
+    def close(self) -> None:
+        if self._f is not None and not self._f.closed:
+            self._f.close()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a metrics.jsonl (or of ``path/metrics.jsonl`` for a run folder)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"no metrics file at {path}; a training run writes run_dir/metrics.jsonl")
+    lines, records = path.read_text().splitlines(), []
+    for n, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                if n < len(lines):  # only the last line may be cut short (a run still writing)
+                    raise ValueError(f"{path}:{n} is not valid JSON") from None
+    return records

@@ -1,0 +1,87 @@
+"""TensorBoard event files, through tensorboardX or else the ``tensorboard`` package's own event writer
+(neither TensorFlow nor torch is needed). Without either, ``TensorBoardWriter.available()`` is False and
+the run goes on with metrics.jsonl alone."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from pathlib import Path
+
+from megatrain_jax.fit import Hook
+
+# metric -> TensorBoard tag; anything else numeric goes under train/
+_GROUPS = {"tokens_per_s": "perf", "model_tflops": "perf", "mfu": "perf", "step_time_s": "perf",
+           "dispatch_s": "perf", "host_peak_rss_gib": "memory", "gpu_peak_gib": "memory",
+           "gpu_in_use_gib": "memory"}
+_SKIP = {"step", "tokens", "time", "elapsed_s", "eval_tokens"}
+
+
+def tag(key: str) -> str:
+    if key.startswith("eval_"):
+        return f"eval/{key[len('eval_'):]}"
+    if key.startswith(("h2d", "d2h")):
+        return f"perf/{key}"
+    return f"{_GROUPS.get(key, 'train')}/{key}"
+
+
+class _EventFileScalars:
+    """Scalars through ``tensorboard.summary.writer.event_file_writer`` (the writer torch uses)."""
+
+    def __init__(self, logdir: str):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+        self._writer = EventFileWriter(logdir)
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        summary = self._summary_pb2.Summary(value=[self._summary_pb2.Summary.Value(tag=name, simple_value=value)])
+        self._writer.add_event(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class TensorBoardWriter:
+    """Writes every numeric metric of each step as a scalar, tagged ``train/``, ``eval/``, ``perf/`` or
+    ``memory/``, into event files in ``logdir`` (view with ``tensorboard --logdir runs``)."""
+
+    def __init__(self, logdir: str | os.PathLike, flush_every: int = 50):
+        self.logdir = Path(logdir)
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        if importlib.util.find_spec("tensorboardX") is not None:
+            from tensorboardX import SummaryWriter
+            self._writer = SummaryWriter(logdir=str(self.logdir))
+            self.backend = "tensorboardX"
+        elif importlib.util.find_spec("tensorboard") is not None:
+            self._writer = _EventFileScalars(str(self.logdir))
+            self.backend = "tensorboard"
+        else:
+            raise ImportError("TensorBoard logging needs tensorboardX or tensorboard: pip install tensorboardX")
+        self.flush_every = flush_every
+        self._n = 0
+
+    @staticmethod
+    def available() -> bool:
+        return any(importlib.util.find_spec(m) is not None for m in ("tensorboardX", "tensorboard"))
+
+    def write(self, metrics: dict) -> None:
+        step = int(metrics["step"])
+        for key, value in metrics.items():
+            if key in _SKIP or isinstance(value, (bool, str)) or not isinstance(value, (int, float)):
+                continue
+            self._writer.add_scalar(tag(key), float(value), step)
+        self._n += 1
+        if self._n % self.flush_every == 0 or "eval_loss" in metrics:
+            self._writer.flush()
+
+    def hook(self) -> Hook:
+        return Hook(lambda m, engine: self.write(m), every=1)
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()

@@ -1,0 +1,52 @@
+"""A real training process for the crash-safety test (tests/test_checkpoint.py): a tiny model trained by
+``fit`` on the demo corpus, checkpointing every ``--every`` steps into ``--dir``.
+
+The test runs it three times: once straight through (the reference), once with
+``MEGATRAIN_CHECKPOINT_PART_DELAY_S`` set so that the writer sleeps after each part and is SIGKILLed in
+the middle of a save, and once with ``--resume`` to finish from the last complete checkpoint. At the end
+the final float32 parameters are written to ``--out`` (``.npz``, arrays only) and the losses next to it
+(``.json``), so the test can compare the runs bit for bit.
+
+    python scripts/kill_during_save.py --dir /tmp/ck --steps 8 --every 2 --out /tmp/final.npz [--resume]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+from flax import nnx
+from flax.nnx import traversals
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", required=True, help="checkpoint directory")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--every", type=int, default=2)
+    p.add_argument("--out", required=True, help="where to write the final parameters (.npz)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    args = p.parse_args(argv)
+
+    from megatrain_jax import Decoder, EngineConfig, Hook, fit, preset
+    from megatrain_jax.data import DataConfig
+
+    cfg = preset("tiny", layers=2, vocab_size=128, hidden=32, ffn=64, heads=2, kv_heads=1)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    data = DataConfig(seq_len=16, batch_size=2, seed=3, prefetch=2, demo_tokens=1 << 14).build(cfg.vocab_size)
+    progress = Hook(lambda m, e: print(f"STEP {m['step']}", flush=True))
+    history = fit(model, data, steps=args.steps, config=EngineConfig(micro_batches=2), learning_rate=1e-3,
+                  log_every=None, hooks=[progress], checkpoint_dir=args.dir, checkpoint_every=args.every,
+                  resume="auto" if args.resume else None)
+    flat = traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    np.savez(args.out, **{"/".join(map(str, k)): np.asarray(v) for k, v in flat.items()})
+    with open(args.out.removesuffix(".npz") + ".json", "w") as f:
+        json.dump({"steps": history["step"], "loss": history["loss"]}, f)
+    print("DONE", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""Checkpoints: exact resume, asynchronous part-by-part snapshots, keep-last-N, corrupt and unfinished
+checkpoints skipped, shape mismatches reported, save-then-exit on SIGTERM, and a SIGKILL during a save."""
+
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.nnx import traversals
+
+from megatrain_jax import Decoder, Engine, EngineConfig, Hook, default_optimizer, fit, preset
+from megatrain_jax.checkpoint import (Checkpointer, CheckpointWarning, CorruptCheckpointError, ShapeMismatchError,
+                                      check_step, committed_steps)
+from megatrain_jax.checkpoint.session import CheckpointedExit
+from megatrain_jax.checkpoint.store import PART_DELAY_ENV
+from megatrain_jax.data import DataConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = preset("tiny", layers=2, vocab_size=128, hidden=32, ffn=64, heads=2, kv_heads=1)  # as scripts/kill_during_save.py
+
+
+def data(prefetch=0, batch_size=2):
+    return DataConfig(seq_len=16, batch_size=batch_size, seed=3, prefetch=prefetch,
+                      demo_tokens=1 << 14).build(CFG.vocab_size)
+
+
+def params_of(model) -> dict:
+    return {k: np.asarray(v) for k, v in
+            traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
+
+
+def run(steps, ckpt=None, *, prefetch=0, config=EngineConfig(micro_batches=2), optimizer=None, **kw):
+    """A fresh model and data stream trained by ``fit``: returns (params, history)."""
+    model = Decoder(CFG, rngs=nnx.Rngs(0))
+    h = fit(model, data(prefetch), optimizer, steps=steps, config=config, learning_rate=1e-3, log_every=None,
+            checkpoint_dir=ckpt, **kw)
+    return params_of(model), h
+
+
+def assert_same_params(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), f"{k} differs"
+
+
+def engine_arrays(engine) -> dict:
+    engine.sync()
+    s = engine.state
+    return {jax.tree_util.keystr(p): np.array(v) for p, v in
+            jax.tree_util.tree_flatten_with_path((s.io, s.blocks, s.io_opt, s.blocks_opt))[0]}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The uninterrupted 6-step runs every resumed run must reproduce bit for bit."""
+    return {"adamw": run(6), "sgd": run(6, optimizer=optax.sgd(0.1, momentum=0.9)),
+            "accum": run(6, config=EngineConfig(micro_batches=2, accumulate_steps=2)),
+            "bf16": run(6, config=EngineConfig(micro_batches=2, stream_dtype="bfloat16"))}
+
+
+# ---------------------------------------------------------------------------------------- exact resume
+@pytest.mark.parametrize("kind,prefetch", [("adamw", 0), ("adamw", 2), ("sgd", 0), ("accum", 2), ("bf16", 0)])
+def test_resume_is_bit_exact(tmp_path, reference, kind, prefetch):
+    """Stop at step 3, resume with a fresh model and data stream: every parameter and loss is identical.
+    (``bf16``: the fused kernel's bfloat16 stream copies are not saved; the restore recomputes them.)"""
+    kw = {"optimizer": optax.sgd(0.1, momentum=0.9)} if kind == "sgd" else {}
+    if kind == "accum":
+        kw["config"] = EngineConfig(micro_batches=2, accumulate_steps=2)
+    if kind == "bf16":
+        kw["config"] = EngineConfig(micro_batches=2, stream_dtype="bfloat16")
+    run(3, tmp_path, checkpoint_every=2, prefetch=prefetch, **kw)
+    assert committed_steps(tmp_path) == [3, 2]
+    params, h = run(6, tmp_path, resume="auto", prefetch=prefetch, **kw)
+    ref_params, ref_h = reference[kind]
+    assert_same_params(params, ref_params)
+    assert h["step"] == [4, 5, 6] and h["loss"] == ref_h["loss"][3:]
+    config = json.loads((tmp_path / "6" / "config" / "config.json").read_text())
+    assert config["model"]["hidden"] == CFG.hidden and config["engine"]["micro_batches"] == 2
+    meta = json.loads((tmp_path / "6" / "meta" / "meta.json").read_text())
+    assert meta["step"] == 6 and meta["data"]["seed"] == 3 and meta["seed"] == 0
+
+
+def test_sigterm_saves_then_exits_and_resumes_exactly(tmp_path, reference):
+    before = signal.getsignal(signal.SIGTERM)
+    kill_at_3 = Hook(lambda m, e: os.kill(os.getpid(), signal.SIGTERM) if m["step"] == 3 else None)
+    with pytest.raises(CheckpointedExit) as exit_info:
+        run(6, tmp_path, checkpoint_every=100, hooks=[kill_at_3])
+    assert exit_info.value.code == 0 and exit_info.value.signal_name == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) == before  # fit put the previous handler back
+    # Metrics come one step late: when step 3 is reported, step 4 has run, and that is what is saved.
+    assert committed_steps(tmp_path) == [4] and check_step(tmp_path / "4") is None
+    params, h = run(6, tmp_path, resume="auto")
+    assert_same_params(params, reference["adamw"][0])
+    assert h["loss"] == reference["adamw"][1]["loss"][4:]
+
+
+def test_resume_from_an_explicit_checkpoint_path(tmp_path, reference):
+    run(4, tmp_path / "a", checkpoint_every=2)
+    params, _ = run(6, None, resume=str(tmp_path / "a" / "2"))  # restore only: no checkpoint_dir
+    assert_same_params(params, reference["adamw"][0])
+
+
+def test_resume_skips_consumed_batches_of_data_without_state(tmp_path, reference):
+    """A plain list of batches has no state(): the resumed run skips the batches already consumed."""
+    batches = list(itertools.islice(data(), 6))
+    fit(Decoder(CFG, rngs=nnx.Rngs(0)), batches, steps=3, config=EngineConfig(micro_batches=2), learning_rate=1e-3,
+        log_every=None, checkpoint_dir=tmp_path)
+    model = Decoder(CFG, rngs=nnx.Rngs(0))
+    fit(model, batches, steps=6, config=EngineConfig(micro_batches=2), learning_rate=1e-3, log_every=None,
+        checkpoint_dir=tmp_path, resume="auto")
+    assert_same_params(params_of(model), reference["adamw"][0])
+
+
+def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
+    run(2, tmp_path, checkpoint_every=2)
+    with pytest.raises(ValueError, match="resume='auto'"):
+        run(2, tmp_path)
+
+
+def test_keeps_the_newest_n(tmp_path):
+    run(5, tmp_path, checkpoint_every=1, keep_checkpoints=2)
+    assert committed_steps(tmp_path) == [5, 4]
+
+
+# ---------------------------------------------------------------------------------------- async snapshot
+def test_async_save_is_a_snapshot_while_training_goes_on(tmp_path, monkeypatch):
+    """Training continues during a slow save; the engine (in-place fused AdamW on its update thread) is held
+    before updating a part the writer has not written, so the checkpoint is exactly the state at save."""
+    monkeypatch.setenv(PART_DELAY_ENV, "0.3")
+    batches = list(itertools.islice(data(), 4))
+    engine = Engine(Decoder(CFG, rngs=nnx.Rngs(0)), default_optimizer(1e-3))
+    for b in batches[:2]:
+        engine.step(b)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(engine)
+    assert not (tmp_path / "2").exists()  # save() returned before the parts (0.3 s each) were written
+    at_save = engine_arrays(engine)  # after save(): engine.sync() has run, no update is pending
+    for b in batches[2:]:
+        engine.step(b).resolve()
+    after = engine_arrays(engine)
+    assert engine.opt.fused and ckpt.engine_wait_s > 0  # the update thread was held by the writer
+    ckpt.close()
+    assert any(not np.array_equal(at_save[k], after[k]) for k in at_save)  # training did move on
+    fresh = Engine(Decoder(CFG, rngs=nnx.Rngs(1)), default_optimizer(1e-3))
+    meta, _ = Checkpointer(tmp_path, read_only=True).restore(fresh)
+    got = engine_arrays(fresh)
+    assert meta["step"] == 2 and fresh.state.step == 2
+    for k in at_save:
+        assert np.array_equal(got[k], at_save[k]), k
+
+
+def test_restore_places_arrays_in_pinned_host_and_recomputes_stream_copies(tmp_path):
+    cfg = EngineConfig(stream_dtype="bfloat16")
+    batches = list(itertools.islice(data(), 3))
+    a = Engine(Decoder(CFG, rngs=nnx.Rngs(0)), optax.adamw(1e-3), cfg)
+    for b in batches[:2]:
+        a.step(b)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(a, wait=True)
+    b_ = Engine(Decoder(CFG, rngs=nnx.Rngs(5)), optax.adamw(1e-3), cfg)
+    ckpt.restore(b_)
+    ckpt.close()
+    s = b_.state
+    for leaf in jax.tree.leaves((s.io, s.blocks, s.io_opt, s.blocks_opt, s.stream_io, s.stream_blocks)):
+        assert leaf.sharding == b_.placement.host
+    for master, stream in zip(s.blocks, s.stream_blocks):
+        for m, x in zip(jax.tree.leaves(master), jax.tree.leaves(stream)):
+            assert x.dtype == np.dtype("bfloat16") and np.array_equal(np.asarray(m).astype(x.dtype), np.asarray(x))
+    assert float(b_.step(batches[2]).loss) == float(a.step(batches[2]).loss)
+
+
+# ---------------------------------------------------------------------------------------- failure safety
+def _corrupt(step_dir: Path, how: str) -> None:
+    files = sorted(p for p in (step_dir / "state").rglob("*") if p.is_file() and "/d/" in p.as_posix())
+    big = max(files, key=lambda p: p.stat().st_size)
+    if how == "truncate":
+        big.write_bytes(big.read_bytes()[: big.stat().st_size // 2])
+    elif how == "delete":
+        big.unlink()
+    elif how == "flip":
+        raw = bytearray(big.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        big.write_bytes(bytes(raw))
+    elif how == "manifest":
+        (step_dir / "state" / "MANIFEST.json").unlink()
+    elif how == "meta":
+        (step_dir / "meta" / "meta.json").write_text('{"step": ')
+
+
+@pytest.mark.parametrize("how", ["truncate", "delete", "flip", "manifest", "meta"])
+def test_corrupt_checkpoint_is_detected(tmp_path, how):
+    run(3, tmp_path, checkpoint_every=1)
+    _corrupt(tmp_path / "3", how)
+    assert check_step(tmp_path / "3") is not None and check_step(tmp_path / "2") is None
+    with pytest.warns(CheckpointWarning, match=f"{tmp_path / '3'}"):
+        assert Checkpointer(tmp_path, read_only=True).latest_complete() == 2
+    engine = Engine(Decoder(CFG, rngs=nnx.Rngs(0)), optax.adamw(1e-3))
+    with pytest.raises(CorruptCheckpointError, match="cannot restore"):
+        Checkpointer(tmp_path, read_only=True).restore(engine, 3)
+
+
+def test_auto_resume_skips_a_corrupt_newest_checkpoint(tmp_path, reference):
+    run(4, tmp_path, checkpoint_every=2)
+    _corrupt(tmp_path / "4", "truncate")
+    with pytest.warns(CheckpointWarning, match=f"skipping corrupt checkpoint {tmp_path / '4'}"):
+        params, h = run(6, tmp_path, resume="auto", checkpoint_every=2)
+    assert h["step"] == [3, 4, 5, 6]  # resumed from step 2
+    assert_same_params(params, reference["adamw"][0])
+    # The corrupt one was moved aside, so step 4 could be written again.
+    assert (tmp_path / "4.corrupt").is_dir() and committed_steps(tmp_path) == [6, 4, 2]
+
+
+def test_unfinished_save_is_warned_about_and_removed(tmp_path):
+    run(2, tmp_path, checkpoint_every=2)
+    leftover = tmp_path / "3.orbax-checkpoint-tmp-1234567"
+    (leftover / "state" / "io").mkdir(parents=True)
+    with pytest.warns(CheckpointWarning, match=f"incomplete checkpoint {leftover}"):
+        ckpt = Checkpointer(tmp_path)
+    assert ckpt.latest_complete() == 2
+    ckpt.close()
+    assert not leftover.exists()
+
+
+def test_shape_mismatch_lists_every_tensor(tmp_path):
+    run(1, tmp_path, checkpoint_every=1)
+    other = CFG.replace(hidden=48, layers=3)
+    engine = Engine(Decoder(other, rngs=nnx.Rngs(0)), default_optimizer(1e-3))
+    with pytest.raises(ShapeMismatchError) as err:
+        Checkpointer(tmp_path, read_only=True).restore(engine)
+    msg = str(err.value)
+    assert "io/params.embedding.value: expected shape (128, 48) float32, found shape (128, 32) float32" in msg
+    assert "io/opt.mu.embedding.value: expected shape (128, 48)" in msg
+    assert "block_00000/params.attn.q.kernel.value: expected shape (48, " in msg
+    assert "block_00002: missing from the checkpoint" in msg
+    assert int(engine.state.step) == 0  # nothing was loaded
+
+
+def test_loading_runs_no_pickle():
+    """Checkpoints are JSON and TensorStore (zarr/OCDBT) only: no pickle anywhere in the code that reads them."""
+    for path in (ROOT / "megatrain_jax" / "checkpoint").glob("*.py"):
+        text = path.read_text()
+        assert "pickle" not in text.replace("no pickle", "").replace("unpickled", ""), path
+
+
+# ---------------------------------------------------------------------------------------- a real crash
+def _script(ckdir: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    cache = os.environ.get("MEGATRAIN_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "megatrain_jax_test_cache"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": cache,
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1", **(env or {})}
+    cmd = [sys.executable, str(ROOT / "scripts" / "kill_during_save.py"), "--dir", str(ckdir), "--steps", "6",
+           "--every", "2", "--out", str(out), *extra]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, reference):
+    """A real training process is SIGKILLed while it writes step 4 (its writer sleeps after each part);
+    the resumed process skips the unfinished save, restarts from step 2 and ends bit-exact."""
+    victim = _script(tmp_path / "ck", tmp_path / "victim.npz", env={PART_DELAY_ENV: "0.5"})
+    deadline = time.time() + 120
+    while time.time() < deadline and not (committed_steps(tmp_path / "ck") and
+                                          glob.glob(str(tmp_path / "ck" / "4.orbax-checkpoint-tmp*" / "**" / "io"),
+                                                    recursive=True)):
+        assert victim.poll() is None, victim.communicate()
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert committed_steps(tmp_path / "ck") == [2], "the kill was not during the save of step 4"
+    assert glob.glob(str(tmp_path / "ck" / "4.orbax-checkpoint-tmp*"))
+    resumed = _script(tmp_path / "ck", tmp_path / "resumed.npz", "--resume")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert "incomplete checkpoint" in err and "4.orbax-checkpoint-tmp" in err
+    assert f"resumed from {tmp_path / 'ck' / '2'}" in err
+    ref_params, ref_history = reference["adamw"]  # the same run, uninterrupted, in this process
+    got = np.load(tmp_path / "resumed.npz", allow_pickle=False)
+    assert sorted(got.files) == sorted("/".join(map(str, k)) for k in ref_params)
+    for k, v in ref_params.items():
+        assert np.array_equal(got["/".join(map(str, k))], v), k
+    assert json.loads((tmp_path / "resumed.json").read_text())["loss"] == ref_history["loss"][2:]
+    assert committed_steps(tmp_path / "ck") == [6, 4, 2]

@@ -1,0 +1,256 @@
+"""The command line: TOML configs to typed dataclasses, and train / plan / convert / plot end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatrain_jax.cli import ConfigError, load_config, main, parse_config, to_toml
+from megatrain_jax.cli.config_file import RunConfig, apply_overrides
+from megatrain_jax.cli.run import DEMO
+from megatrain_jax.engine import EngineConfig
+from megatrain_jax.models.config import RopeScaling
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "experiments" / "configs"
+HF_LLAMA = REPO / "tests" / "fixtures" / "hf" / "llama"
+
+# A run small enough for seconds on a CPU: the tiny preset (hidden 64) with 2 layers, 32-token rows.
+TINY_RUN = ["model.layers=2", "data.seq_len=32", "data.batch_size=4", "data.demo_tokens=20000",
+            "data.eval_fraction=0.05", "train.eval_batches=1", "log.progress=lines", "log.tensorboard=false"]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ config files
+def test_sections_become_typed_dataclasses(tmp_path):
+    path = write(tmp_path, """
+[model]
+preset = "tiny"
+layers = 3
+rope_scaling = { factor = 4.0, original_max_position = 256 }
+[data]
+seq_len = 64
+[engine]
+micro_batches = 2
+stream_dtype = "bfloat16"
+[optimizer]
+lr = 1          # an integer where a float is expected is fine
+decay = "constant"
+[train]
+steps = 7
+peak_tflops = 989
+""")
+    cfg = load_config(path)
+    assert cfg.model.overrides["layers"] == 3
+    assert cfg.model.build().layers == 3 and cfg.model.build().rope_scaling == RopeScaling(
+        factor=4.0, original_max_position=256)
+    assert cfg.data.seq_len == 64 and cfg.data.batch_size == 8  # default kept
+    assert cfg.engine == EngineConfig(micro_batches=2, stream_dtype="bfloat16")
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.train.steps == 7 and cfg.train.peak_tflops == 989.0
+
+
+def test_dotted_overrides(tmp_path):
+    path = write(tmp_path, "[model]\npreset = 'tiny'\n[train]\nsteps = 100\n")
+    cfg = load_config(path, ["model.layers=4", "train.steps=20", "engine.clip_norm=none", "optimizer.lr=1e-3",
+                             "data.mode=packed", "log.wandb=true", "model.rope_scaling.factor=2.0"])
+    assert cfg.model.build().layers == 4
+    assert cfg.train.steps == 20 and cfg.engine.clip_norm is None and cfg.optimizer.lr == 1e-3
+    assert cfg.data.mode == "packed" and cfg.log.wandb is True
+    assert cfg.model.build().rope_scaling == RopeScaling(factor=2.0)
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(path, ["steps=3"])
+
+
+@pytest.mark.parametrize("text, override, expected", [
+    ("[model]\nlyers = 2\n", (), "'layers'"),
+    ("[trian]\nsteps = 2\n", (), r"\[train\]"),
+    ("", ("train.stpes=3",), "'steps'"),
+    ("", ("engine.microbatches=2",), "'micro_batches'"),
+    ("", ("optimizer.warmup=10",), "'warmup_steps'"),
+])
+def test_unknown_key_names_the_closest(tmp_path, text, override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(write(tmp_path, text), override)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.steps=ten", r"\[train\] steps must be an integer, got 'ten'"),
+    ("train.steps=2.5", "must be an integer"),
+    ("engine.clip_norm=true", "must be a number or none"),
+    ("optimizer.decay=cosin", r"one of 'cosine', 'constant'.*did you mean 'cosine'"),
+    ("engine.micro_batches=0", "micro_batches must be an integer >= 1"),
+    ("model.preset=llama9", "unknown preset 'llama9'"),
+    ("model.family=gpt", "must be one of 'llama'"),
+    ("train.resume=3", "must be true or false or a string"),
+    ("train.eval_every=10", "needs held-out data"),
+    ("engine.micro_batches=3", "cannot be split into"),
+])
+def test_wrong_values_say_what_is_allowed(override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, [override])
+
+
+def test_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[model\n"))
+    with pytest.raises(ConfigError, match="must be a table"):
+        parse_config({"model": 3})
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config(None, ["model.preset=7b", "model.layers=4", "engine.clip_norm=none", "train.export_hf=out",
+                             "model.rope_scaling.factor=8.0", "train.resume=true"])
+    again = load_config(write(tmp_path, to_toml(cfg)))
+    assert again == cfg
+
+
+def test_example_configs_parse_and_demo_file_matches_the_builtin_demo():
+    names = sorted(p.name for p in CONFIGS.glob("*.toml"))
+    for required in ("demo_tiny.toml", "h100_3p5b_32k.toml", "h100_3p5b_98k.toml", "h100_7b_32k.toml",
+                     "h200_7b_32k.toml"):
+        assert required in names
+    assert any(n.startswith("gh200") for n in names)
+    for name in names:
+        load_config(CONFIGS / name)
+    assert load_config(CONFIGS / "demo_tiny.toml") == parse_config(DEMO)
+
+
+def test_defaults_without_a_file():
+    assert load_config(None) == RunConfig()
+    assert apply_overrides({}, ["a.b.c=1"]) == {"a": {"b": {"c": 1}}}
+
+
+# ------------------------------------------------------------------------------------------ commands
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """One short training run shared by the tests that read its folder."""
+    run_dir = tmp_path_factory.mktemp("run")
+    status = main(["train", "--config", str(CONFIGS / "demo_tiny.toml"), *TINY_RUN, "train.steps=5",
+                   "train.eval_every=2", "train.log_every=2", f"train.run_dir={run_dir}"])
+    assert status == 0
+    return run_dir
+
+
+def test_train_end_to_end_writes_metrics(trained_run):
+    records = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for r in records:
+        for key in ("loss", "grad_norm", "lr", "tokens_per_s", "model_tflops", "host_peak_rss_gib", "elapsed_s"):
+            assert key in r and np.isfinite(r[key])
+    # evaluation after steps 2 and 4 (every 2) and after the last step
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4, 5]
+    assert all(np.isclose(r["eval_ppl"], np.exp(r["eval_loss"])) for r in records if "eval_loss" in r)
+    assert records[0]["lr"] == 0.0 and records[-1]["lr"] > 0  # warm-up from 0
+    # the resolved config is saved and reproduces the run's config
+    saved = load_config(trained_run / "config.toml")
+    assert saved.train.steps == 5 and saved.model.build().layers == 2
+
+
+def test_train_progress_lines(tmp_path, capsys):
+    assert main(["train", *TINY_RUN, "train.steps=3", "train.log_every=1", "train.eval_every=3",
+                 f"train.run_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "step      1/3  loss" in out and "step      3/3" in out and "tok/s" in out
+    assert "eval      3  eval_loss" in out and "done: loss" in out
+
+
+def test_train_from_hf_checkpoint_and_export(tmp_path):
+    from megatrain_jax.hf import load_hf
+    export = tmp_path / "export"
+    assert main(["train", f"model.hf_checkpoint={HF_LLAMA}", "model.dtype=float32", *TINY_RUN[1:],
+                 "train.steps=2", "optimizer.lr=1e-12", "optimizer.weight_decay=0.0", f"train.run_dir={tmp_path}",
+                 f"train.export_hf={export}"]) == 0
+    _, io, blocks = load_hf(HF_LLAMA, dtype="float32")
+    _, io2, blocks2 = load_hf(export, dtype="float32")  # trained with a negligible lr: the loaded weights
+    np.testing.assert_allclose(io2["embedding"], io["embedding"], rtol=1e-2, atol=1e-6)
+    np.testing.assert_allclose(blocks2[0]["attn"]["q"]["kernel"], blocks[0]["attn"]["q"]["kernel"],
+                               rtol=1e-2, atol=1e-6)
+
+
+def test_checkpoint_and_resume(tmp_path):
+    run = [*TINY_RUN, "train.checkpoint_every=2", f"train.run_dir={tmp_path}"]
+    assert main(["train", *run, "train.steps=4"]) == 0
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+    assert main(["train", *run, "train.steps=6"]) == 2  # a fresh run refuses to overwrite checkpoints
+    assert main(["train", *run, "train.steps=6", "train.resume=true"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+
+
+def test_config_errors_exit_cleanly(capsys):
+    assert main(["train", "model.lyers=2"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'layers'" in err and "Traceback" not in err
+
+
+def test_plan_prints_the_table(capsys):
+    assert main(["plan", "model.preset=7b", "data.seq_len=2048", "data.batch_size=16", "engine.micro_batches=2",
+                 "--host-gib", "1000", "--gpu-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "master weights, float32" in out and "Adam moments" in out and "boundary activations" in out
+    assert "fits" in out and "OVER" not in out
+    assert main(["plan", "model.preset=7b", "--host-gib", "16", "--gpu-gib", "8"]) == 1
+    out = capsys.readouterr().out
+    assert "OVER by" in out and "options that fit" in out
+
+
+def test_plot_writes_a_png(trained_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(trained_run), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_convert_hf_npz_hf_round_trip(tmp_path):
+    pytest.importorskip("ml_dtypes")
+    from megatrain_jax.hf import load_hf
+    cfg, io, blocks = load_hf(HF_LLAMA, dtype="float32")
+    npz = tmp_path / "llama.npz"
+    assert main(["convert", str(HF_LLAMA), str(npz)]) == 0
+    assert main(["convert", str(npz), str(tmp_path / "hf32"), "--dtype", "float32"]) == 0
+    cfg2, io2, blocks2 = load_hf(tmp_path / "hf32", dtype="float32")
+    assert dataclasses.replace(cfg2, max_positions=cfg.max_positions) == cfg
+    np.testing.assert_array_equal(io2["embedding"], io["embedding"])
+    np.testing.assert_array_equal(blocks2[1]["mlp"]["down"]["kernel"], blocks[1]["mlp"]["down"]["kernel"])
+    # HF -> HF in bfloat16: same names, values rounded to bf16
+    assert main(["convert", str(HF_LLAMA), str(tmp_path / "hf16")]) == 0
+    _, io3, _ = load_hf(tmp_path / "hf16", dtype="float32")
+    np.testing.assert_allclose(io3["embedding"], io["embedding"], rtol=1e-2, atol=1e-3)
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_convert_to_orbax_says_what_is_missing(tmp_path, capsys):
+    from megatrain_jax.cli.convert import _orbax_saver
+    try:
+        _orbax_saver()
+    except NotImplementedError:
+        assert main(["convert", str(HF_LLAMA), str(tmp_path / "o"), "--to", "orbax"]) == 2
+        assert "megatrain_jax.checkpoint.save_params" in capsys.readouterr().err
+
+
+def test_bench_delegates_to_the_experiment_script(capsys):
+    from megatrain_jax.cli.commands import find_bench
+    assert find_bench() == REPO / "experiments" / "bench.py"
+    with pytest.raises(SystemExit) as e:  # its own argparse answers --help
+        main(["bench", "--help"])
+    assert e.value.code == 0 and "--configs" in capsys.readouterr().out
+
+
+def test_module_entry_point():
+    out = subprocess.run([sys.executable, "-m", "megatrain_jax", "--help"], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert out.returncode == 0 and "train" in out.stdout and "plan" in out.stdout and "convert" in out.stdout
