@@ -68,11 +68,17 @@ def reference():
     """The uninterrupted 6-step runs every resumed run must reproduce bit for bit."""
     return {"adamw": run(6), "sgd": run(6, optimizer=optax.sgd(0.1, momentum=0.9)),
             "accum": run(6, config=EngineConfig(micro_batches=2, accumulate_steps=2)),
-            "bf16": run(6, config=EngineConfig(micro_batches=2, stream_dtype="bfloat16"))}
+            "bf16": run(6, config=EngineConfig(micro_batches=2, stream_dtype="bfloat16")),
+            "resident": run(6, config=RESIDENT)}
+
+
+# The io part and block 0 live on the device between saves: sync copies them to host, restore reloads them.
+RESIDENT = EngineConfig(micro_batches=2, resident_layers=1, resident_io=True)
 
 
 # ---------------------------------------------------------------------------------------- exact resume
-@pytest.mark.parametrize("kind,prefetch", [("adamw", 0), ("adamw", 2), ("sgd", 0), ("accum", 2), ("bf16", 0)])
+@pytest.mark.parametrize("kind,prefetch", [("adamw", 0), ("adamw", 2), ("sgd", 0), ("accum", 2), ("bf16", 0),
+                                           ("resident", 0)])
 def test_resume_is_bit_exact(tmp_path, reference, kind, prefetch):
     """Stop at step 3, resume with a fresh model and data stream: every parameter and loss is identical.
     (``bf16``: the fused kernel's bfloat16 stream copies are not saved; the restore recomputes them.)"""
@@ -81,6 +87,8 @@ def test_resume_is_bit_exact(tmp_path, reference, kind, prefetch):
         kw["config"] = EngineConfig(micro_batches=2, accumulate_steps=2)
     if kind == "bf16":
         kw["config"] = EngineConfig(micro_batches=2, stream_dtype="bfloat16")
+    if kind == "resident":
+        kw["config"] = RESIDENT
     run(3, tmp_path, checkpoint_every=2, prefetch=prefetch, **kw)
     assert committed_steps(tmp_path) == [3, 2]
     params, h = run(6, tmp_path, resume="auto", prefetch=prefetch, **kw)
