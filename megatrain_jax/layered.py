@@ -125,4 +125,4 @@ def is_abstract(model: nnx.Module) -> bool:
 
 
 def tree_bytes(tree: Any) -> int:
-    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
