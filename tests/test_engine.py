@@ -187,24 +187,30 @@ def test_fused_bf16_stream_copy_tracks_masters():
         np.testing.assert_array_equal(np.asarray(master.astype("bfloat16")), np.asarray(stream))
 
 
-def test_nonfinite_step_is_skipped_and_too_many_stop_training():
-    """A NaN loss skips the step with host state untouched; more than max_nonfinite_steps in a row raise."""
+def poison_and_step(engine):
+    """Make the loss NaN (final norm scale, an io part master) and run a step: returns (metrics, whether the
+    blocks' parameters and optimizer state stayed exactly as they were)."""
     import jax
-    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(max_nonfinite_steps=1))
     good, = make_batches(1)
     engine.step(good).resolve()
     engine.sync()
-    # Poison the final norm (fp32 model: the streamed io part is the master itself) so the loss is NaN.
     io = jax.tree.map(lambda a: a, engine.state.io)
     io["final_norm"]["scale"] = engine.placement.to_host(np.full((TINY3.hidden,), np.nan, np.float32))
-    engine.state.io = io
+    engine.state.io = io  # fp32 model: the streamed io part is the master itself
     before = [np.asarray(x).copy() for x in jax.tree.leaves((engine.state.blocks, engine.state.blocks_opt))]
     m = engine.step(good).resolve()
     engine.sync()
-    assert m["skipped"] and engine.skipped_steps == 1
     after = [np.asarray(x) for x in jax.tree.leaves((engine.state.blocks, engine.state.blocks_opt))]
-    assert all(np.array_equal(a, b) for a, b in zip(before, after)), "a skipped step must not change state"
-    engine.step(good)
+    return m, all(np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_nonfinite_step_is_skipped_and_too_many_stop_training():
+    """A NaN loss skips the step with host state untouched; more than max_nonfinite_steps in a row raise."""
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(max_nonfinite_steps=1))
+    m, unchanged = poison_and_step(engine)
+    assert m["skipped"] and engine.skipped_steps == 1
+    assert unchanged, "a skipped step must not change state"
+    engine.step(make_batches(1)[0])
     with pytest.raises(NonFiniteError, match="max_nonfinite_steps=1"):
         engine.sync()
 
@@ -256,16 +262,6 @@ def test_gpu_resident_parts_with_accumulation():
 
 
 def test_nonfinite_step_skipped_on_resident_parts_too():
-    import jax
     engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(resident_layers=1))
-    good, = make_batches(1)
-    engine.step(good).resolve()
-    engine.sync()
-    io = jax.tree.map(lambda a: a, engine.state.io)
-    io["final_norm"]["scale"] = engine.placement.to_host(np.full((TINY3.hidden,), np.nan, np.float32))
-    engine.state.io = io
-    before = [np.asarray(x).copy() for x in jax.tree.leaves((engine.state.blocks, engine.state.blocks_opt))]
-    assert engine.step(good).resolve()["skipped"]
-    engine.sync()
-    after = [np.asarray(x) for x in jax.tree.leaves((engine.state.blocks, engine.state.blocks_opt))]
-    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    m, unchanged = poison_and_step(engine)
+    assert m["skipped"] and unchanged

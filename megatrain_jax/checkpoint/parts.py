@@ -48,11 +48,11 @@ def named_leaves(tree: Any) -> dict[str, Any]:
     return out
 
 
-def nest(flat: dict[str, Any]) -> dict[str, Any]:
+def nest(flat: dict[str, Any], sep: str = ".") -> dict[str, Any]:
     """``{"a.b": x}`` -> ``{"a": {"b": x}}``: the tree orbax writes (one array file per leaf)."""
     root: dict[str, Any] = {}
     for name, leaf in flat.items():
-        *outer, last = name.split(".")
+        *outer, last = name.split(sep)
         node = root
         for k in outer:
             node = node.setdefault(k, {})

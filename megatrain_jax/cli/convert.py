@@ -21,6 +21,7 @@ import numpy as np
 
 from megatrain_jax.cli.config_file import build_dataclass
 from megatrain_jax.models.config import DecoderConfig
+from megatrain_jax.checkpoint.parts import nest
 
 FORMATS = ("hf", "npz", "orbax")
 CONFIG_KEY = "__config__"
@@ -47,14 +48,7 @@ def _flatten(tree: dict, prefix: str, out: dict[str, np.ndarray]) -> None:
 
 
 def _unflatten(flat: dict[str, np.ndarray]) -> dict:
-    tree: dict = {}
-    for key, v in flat.items():
-        *path, leaf = key.split("/")
-        node = tree
-        for k in path:
-            node = node.setdefault(k, {})
-        node[leaf] = v
-    return tree
+    return nest(flat, sep="/")
 
 
 def _pure_dict(tree: Any) -> dict:
