@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -233,13 +234,33 @@ def test_convert_hf_npz_hf_round_trip(tmp_path):
     assert json.loads((tmp_path / "hf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 
-def test_convert_to_orbax_says_what_is_missing(tmp_path, capsys):
-    from megatrain_jax.cli.convert import _orbax_saver
-    try:
-        _orbax_saver()
-    except NotImplementedError:
-        assert main(["convert", str(HF_LLAMA), str(tmp_path / "o"), "--to", "orbax"]) == 2
-        assert "megatrain_jax.checkpoint.save_params" in capsys.readouterr().err
+def test_convert_hf_orbax_hf_round_trip(tmp_path):
+    """HF -> parameters-only Orbax -> HF keeps every tensor and the config."""
+    from megatrain_jax.hf import load_hf
+    cfg, io, blocks = load_hf(HF_LLAMA, dtype="float32")
+    assert main(["convert", str(HF_LLAMA), str(tmp_path / "orbax"), "--to", "orbax"]) == 0
+    assert main(["convert", str(tmp_path / "orbax"), str(tmp_path / "hf"), "--to", "hf", "--dtype", "float32"]) == 0
+    cfg2, io2, blocks2 = load_hf(tmp_path / "hf", dtype="float32")
+    assert dataclasses.replace(cfg2, max_positions=cfg.max_positions) == cfg
+    for a, b in zip(jax.tree.leaves((io, blocks)), jax.tree.leaves((io2, blocks2))):
+        np.testing.assert_array_equal(a, b)
+    assert main(["convert", str(HF_LLAMA), str(tmp_path / "orbax"), "--to", "orbax"]) == 2  # never overwrites
+
+
+def test_convert_training_checkpoint_to_hf(tmp_path):
+    """The parameters of a fit checkpoint export to an HF folder equal to the trained model's."""
+    from flax import nnx
+    from megatrain_jax import Batch, Decoder, EngineConfig, fit, preset
+    from megatrain_jax.hf import load_hf
+    cfg = preset("tiny", layers=2)
+    rng = np.random.default_rng(0)
+    batches = [Batch.from_windows(rng.integers(0, cfg.vocab_size, (2, 17))) for _ in range(3)]
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    fit(model, batches, config=EngineConfig(), log_every=None, checkpoint_dir=tmp_path / "ckpt")
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--to", "hf", "--dtype", "float32"]) == 0
+    _, io, blocks = load_hf(tmp_path / "hf", dtype="float32")
+    np.testing.assert_array_equal(io["embedding"], np.asarray(model.io.embedding[...]))
+    np.testing.assert_array_equal(blocks[1]["mlp"]["up"]["kernel"], np.asarray(model.blocks[1].mlp.up.kernel[...]))
 
 
 def test_bench_delegates_to_the_experiment_script(capsys):

@@ -10,3 +10,4 @@ from megatrain_jax.checkpoint.session import CheckpointedExit, CheckpointSession
 
 __all__ = ["CheckpointSession", "CheckpointWarning", "CheckpointedExit", "Checkpointer", "CorruptCheckpointError",
            "ShapeMismatchError", "check_step", "committed_steps"]
+from megatrain_jax.checkpoint.params import load_params, save_params  # noqa: E402

@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.command, args.overrides = "demo", []
     try:
         return COMMANDS[args.command](args)
-    except (ValueError, MemoryPlanError, FileNotFoundError, ImportError, NotImplementedError) as e:
+    except (ValueError, MemoryPlanError, FileNotFoundError, FileExistsError, ImportError, NotImplementedError) as e:
         if os.environ.get("MEGATRAIN_DEBUG"):
             raise
         print(f"megatrain-jax {args.command}: error: {e}\n(MEGATRAIN_DEBUG=1 shows the traceback)",

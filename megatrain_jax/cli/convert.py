@@ -3,7 +3,9 @@
 - ``hf`` -> ``hf``: rewrite a checkpoint in another dtype / shard size (bfloat16 <-> float32);
 - ``hf`` <-> ``npz``: our per-part float32 parameter trees in one ``.npz`` (keys ``io/embedding``,
   ``blocks/3/attn/q/kernel``, ...; the DecoderConfig as JSON under ``__config__``);
-- ``hf`` -> ``orbax``: through ``megatrain_jax.checkpoint.save_params`` when that module provides it.
+- ``hf``/``npz`` -> ``orbax``: a parameters-only Orbax checkpoint (``megatrain_jax.checkpoint.save_params``);
+- ``orbax`` -> ``hf``/``npz``: from such a checkpoint, or the parameters of a training checkpoint
+  (``fit(checkpoint_dir=...)``: its newest complete step, or the step directory given).
 
 The whole model passes through host RAM once as float32 (4 bytes per parameter).
 """
@@ -11,7 +13,6 @@ The whole model passes through host RAM once as float32 (4 bytes per parameter).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -35,8 +36,8 @@ def detect_format(path: str | os.PathLike) -> str:
         return "hf"
     if p.is_dir() and any(p.iterdir()):
         return "orbax"
-    raise ValueError(f"cannot tell the format of {path}: expected a Hugging Face folder (with config.json) "
-                     f"or a .npz file")
+    raise ValueError(f"cannot tell the format of {path}: expected a Hugging Face folder (with config.json), "
+                     f"a .npz file or an Orbax checkpoint directory")
 
 
 def _flatten(tree: dict, prefix: str, out: dict[str, np.ndarray]) -> None:
@@ -91,9 +92,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
     if to not in FORMATS:
         raise ValueError(f"unknown output format {to!r}; choose from {FORMATS}")
     if src_fmt == "orbax":
-        raise ValueError(f"{src} looks like an Orbax checkpoint; reading those needs megatrain_jax.checkpoint "
-                         f"(convert from Hugging Face folders or .npz files)")
-    if src_fmt == "hf":
+        from megatrain_jax.checkpoint import load_params
+        cfg, io, blocks = load_params(src)
+    elif src_fmt == "hf":
         from megatrain_jax.hf import load_hf
         cfg, io, blocks = load_hf(src, dtype=dtype)
     else:
@@ -104,15 +105,6 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
         return Path(dst)
     if to == "npz":
         return save_npz(dst, cfg, io, blocks)
-    save_params = _orbax_saver()
+    from megatrain_jax.checkpoint import save_params
     save_params(dst, cfg, io, blocks)
     return Path(dst)
-
-
-def _orbax_saver():
-    if importlib.util.find_spec("megatrain_jax.checkpoint") is not None:
-        import megatrain_jax.checkpoint as ckpt
-        if callable(getattr(ckpt, "save_params", None)):
-            return ckpt.save_params
-    raise NotImplementedError("converting to Orbax needs megatrain_jax.checkpoint.save_params, which this "
-                              "installation lacks; convert to 'hf' or 'npz' instead")

@@ -64,6 +64,18 @@ class DecoderConfig:
                              f"{[f.name for f in dataclasses.fields(self)]}")
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecoderConfig":
+        """Inverse of ``dataclasses.asdict`` (as stored in checkpoints); unknown keys are errors."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown DecoderConfig field(s) {unknown} in a stored config")
+        d = dict(d)
+        if isinstance(d.get("rope_scaling"), dict):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
     def param_count(self) -> int:
         """Trainable parameters, counted from the shapes (matches the published model for presets)."""
         d, hd = self.hidden, self.dim_per_head
