@@ -27,7 +27,6 @@ Without a CUDA GPU the script falls back to DeepSpeed's CPU accelerator: only a 
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import json
 import os

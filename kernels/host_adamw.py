@@ -75,12 +75,9 @@ def load() -> ctypes.CDLL | None:
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
-    f32p, u16p, i64, f32 = (ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_uint16), ctypes.c_int64,
-                           ctypes.c_float)
-    lib.megatrain_adamw.argtypes = [ctypes.c_void_p] * 5 + [i64] + [f32] * 8
+    lib.megatrain_adamw.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 8
     lib.megatrain_adamw.restype = None
     lib.megatrain_omp_threads.restype = ctypes.c_int
-    del f32p, u16p
     return lib
 
 

@@ -275,7 +275,7 @@ class Engine:
         return y
 
     def _op_head(self, p: _Pass, op: Op):
-        b, m = p.device_batches[op.micro], p.micro[op.micro]
+        b = p.device_batches[op.micro]
         if op.micro == 0:
             self._inv_count = 1.0 / max(float(sum(np.sum(mb.loss_mask) for mb in p.micro)), 1.0)
         loss, dx, p.io_grads = self.fns.head(p.io, p.acts[self.lm.n_blocks][op.micro], b.targets, b.loss_mask,

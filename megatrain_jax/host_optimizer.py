@@ -39,6 +39,14 @@ def clip_scale(sq_norms: list[jax.Array], clip_norm: float | None, accumulate: i
     return norm, scale
 
 
+def apply_scaled_update(tx: optax.GradientTransformation, params: Params, opt_state: Any, grads: Params,
+                        scale: jax.Array) -> tuple[Params, Any]:
+    """One optimizer update of a part with its gradient scaled (clipping and accumulation averaging)."""
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
 def _pointers_writable(placement: Placement) -> bool:
     """Whether a write through a pinned-host array's buffer address is what the array then holds."""
     x = placement.copy_to_host(jnp.zeros((4,), jnp.float32))
@@ -92,9 +100,7 @@ class HostOptimizer:
         return self.placement.copy_to_host(self._cast(self.placement.to_device(params)))
 
     def _update_fn(self, params: Params, opt_state: Any, grads: Params, scale: jax.Array):
-        grads = jax.tree.map(lambda g: g * scale, grads)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = apply_scaled_update(self.tx, params, opt_state, grads, scale)
         return params, opt_state, self.stream_copy(params)
 
     def update(self, params: Params, opt_state: Any, grads: Params, stream: Params | None, scale: jax.Array):

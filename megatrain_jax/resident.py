@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from megatrain_jax.host_optimizer import apply_scaled_update
 from megatrain_jax.layered import Params
 from megatrain_jax.transfer import Placement
 
@@ -38,6 +39,7 @@ class ResidentUpdater:
         self.placement = placement
         self.stream_dtype = stream_dtype
         self._update = jax.jit(self._update_fn, donate_argnums=(0,))
+        self._cast_jit = jax.jit(self._cast)  # one compilation per part shape, not one per load
 
     def _cast(self, params: Params) -> Params:
         if self.stream_dtype is None:
@@ -46,12 +48,10 @@ class ResidentUpdater:
 
     def load(self, params: Params, opt: Any) -> ResidentPart:
         params, opt = self.placement.to_device((params, opt))
-        return ResidentPart(params, opt, jax.jit(self._cast)(params))
+        return ResidentPart(params, opt, self._cast_jit(params))
 
     def _update_fn(self, part: ResidentPart, grads: Params, scale: jax.Array, ok: jax.Array) -> ResidentPart:
-        grads = jax.tree.map(lambda g: g * scale, grads)
-        updates, opt = self.tx.update(grads, part.opt, part.params)
-        params = optax.apply_updates(part.params, updates)
+        params, opt = apply_scaled_update(self.tx, part.params, part.opt, grads, scale)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # skipped step
         params, opt = keep(params, part.params), keep(opt, part.opt)
         return ResidentPart(params, opt, self._cast(params))
