@@ -134,16 +134,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr-warmup", type=int, default=0, help="linear LR warm-up steps (0: constant 3e-4)")
     ap.add_argument("--name", default=None, help="results name (default: device + configs)")
     ap.add_argument("--out", required=True, help="path of the results JSON")
+    ap.add_argument("--append", action="store_true",
+                    help="add the runs to the results file at --out when it exists (one file per script run)")
     args = ap.parse_args(argv)
     names = args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     result = {"name": args.name or f"{jax.devices()[0].platform}_{'_'.join(names)}",
               "command": "PYTHONPATH=. python " + " ".join(["experiments/bench.py"] + (argv or sys.argv[1:])),
               "git_commit": commit, "device": device_info(), "date": datetime.date.today().isoformat(),
               "jax_version": jax.__version__, "runs": []}
+    if args.append and os.path.exists(args.out):
+        with open(args.out) as f:
+            result = json.load(f)
     for n in names:
         result["runs"].append(run_config(n, CONFIGS[n], args.warmup, args.steps, args.lr_warmup))
         with open(args.out, "w") as f:

@@ -82,7 +82,7 @@ def main() -> None:
     restore_s = time.perf_counter() - t
     after = fingerprint(engine)
     dev = jax.devices()[0]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     out = {"name": f"checkpoint_{args.preset}_{cfg.layers}l", "command": "PYTHONPATH=. python experiments/checkpoint_bench.py "
            + " ".join(sys.argv[1:]), "git_commit": commit,
            "device": {"name": getattr(dev, "device_kind", str(dev)), "cpu_cores": os.cpu_count(),

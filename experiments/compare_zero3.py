@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     prepare_environment()
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     header = {"name": args.name or f"deepspeed_zero3_{run['config']}", "command": run["command"],
               "git_commit": commit or None, "device": host_info(), "date": datetime.date.today().isoformat()}
     slot: list = []

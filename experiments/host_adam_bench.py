@@ -1,5 +1,6 @@
 """Host AdamW throughput (params/s): the engine's HostOptimizer on pinned-host arrays, the same update jitted
-on the CPU backend, and torch's fused CPU AdamW (the bar issue 4 sets), all in one process.
+on the CPU backend, and torch's fused CPU AdamW (the bar issue 4 sets), all in one process, timed in
+alternating rounds.
 
     PYTHONPATH=. python experiments/host_adam_bench.py --params 256 --out $OUT/host_adam.json
 """
@@ -27,22 +28,13 @@ from megatrain_jax.optim import adamw  # noqa: E402
 from megatrain_jax.transfer import Placement  # noqa: E402
 
 
-def timeit(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def bench_jax_host(n: int, reps: int, stream: bool, fused: bool = False) -> float:
+def make_jax_host(n: int, stream: bool, fused: bool = False, first_half: bool = False):
+    """A step of the engine's HostOptimizer on pinned-host arrays (4 leaves of n/4 parameters)."""
     pl = Placement()
     tx = adamw(1e-4, weight_decay=0.1, mask=None) if fused else optax.adamw(1e-4, weight_decay=0.1)
     opt = HostOptimizer(tx, pl, jnp.bfloat16 if stream else None)
     assert opt.fused == fused, "fused kernel requested but unavailable"
-    stream_copy = opt.cast(pl.copy_to_host([jnp.full((n // 4,), 0.5, jnp.float32)] * 4)) if fused else None
+    stream_copy = opt.cast(pl.copy_to_host([jnp.full((n // 4,), 0.5, jnp.float32)] * 4)) if stream else None
     shapes = [(n // 4,)] * 4
     params = pl.copy_to_host([jnp.full(s, 0.5, jnp.float32) for s in shapes])
     state = {"p": params, "o": opt.init(params)}
@@ -50,16 +42,19 @@ def bench_jax_host(n: int, reps: int, stream: bool, fused: bool = False) -> floa
     scale = pl.to_host(jnp.float32(1.0))
 
     def step():
+        if first_half:  # what the next forward waits on under EngineConfig.split_update
+            opt.update_stream(state["p"], state["o"], grads, stream_copy, scale)
+            return
         g = grads
         if pl.on_gpu and not fused:  # the JAX path donates its inputs: give it fresh gradients
             g = pl.to_host(jax.tree.map(lambda x: x + 0, grads))
             jax.block_until_ready(g)
         state["p"], state["o"], _ = opt.update(state["p"], state["o"], g, stream_copy, scale)
         jax.block_until_ready(state["p"])
-    return n / timeit(step, reps)
+    return step
 
 
-def bench_jax_cpu_backend(n: int, reps: int) -> float:
+def make_jax_cpu_backend(n: int):
     cpu = jax.devices("cpu")[0]
     tx = optax.adamw(1e-4, weight_decay=0.1)
     p = [jax.device_put(np.full(n // 4, 0.5, np.float32), cpu) for _ in range(4)]
@@ -72,56 +67,82 @@ def bench_jax_cpu_backend(n: int, reps: int) -> float:
     def step():
         st["p"], st["o"] = upd(st["p"], st["o"], g)
         jax.block_until_ready(st["p"])
-    return n / timeit(step, reps)
+    return step
 
 
-def bench_kernel_numpy(n: int, reps: int) -> float:
+def make_kernel_numpy(n: int):
     """The same kernel on ordinary (pageable) numpy memory: separates kernel speed from pinned memory."""
     from kernels.host_adamw import adamw_numpy
     p, m, v, g = (np.full(n, x, np.float32) for x in (0.5, 0.0, 0.0, 0.01))
     hp = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1=0.1, bc2=0.05)
-    return n / timeit(lambda: adamw_numpy(p, m, v, g, None, **hp), reps)
+    return lambda: adamw_numpy(p, m, v, g, None, **hp)
 
 
-def bench_torch(n: int, reps: int) -> float | None:
-    try:
-        import torch
-    except ImportError:
-        return None
+def make_torch(n: int):
+    import torch
     p = [torch.nn.Parameter(torch.full((n // 4,), 0.5)) for _ in range(4)]
     for x in p:
         x.grad = torch.full_like(x, 0.01)
-    opt = torch.optim.AdamW(p, lr=1e-4, weight_decay=0.1, fused=True)
-    return n / timeit(opt.step, reps)
+    return torch.optim.AdamW(p, lr=1e-4, weight_decay=0.1, fused=True).step
+
+
+SYSTEMS = {
+    "megatrain_jax_fused_kernel_fp32": lambda n: make_jax_host(n, False, True),
+    "megatrain_jax_fused_kernel_with_bf16_copy": lambda n: make_jax_host(n, True, True),
+    "megatrain_jax_fused_kernel_first_half": lambda n: make_jax_host(n, True, True, first_half=True),
+    "fused_kernel_on_numpy_fp32": make_kernel_numpy,
+    "megatrain_jax_host_fp32": lambda n: make_jax_host(n, False),
+    "megatrain_jax_host_with_bf16_copy": lambda n: make_jax_host(n, True),
+    "jax_cpu_backend": make_jax_cpu_backend,
+    "torch_fused_cpu_adamw": make_torch,
+}
+
+
+def interleaved(steps: dict, reps: int) -> dict:
+    """Median seconds per step of each system, timed in rounds (A, B, C, A, B, C, ...) so that drift in
+    the machine's memory bandwidth hits every system alike."""
+    for fn in steps.values():
+        fn()  # warm-up: first touch, compilation
+    times = {k: [] for k in steps}
+    for _ in range(reps):
+        for k, fn in steps.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--params", type=int, default=256, help="millions of fp32 parameters")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="timed rounds (systems alternate within a round)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from: " + ", ".join(SYSTEMS))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     n = args.params * 2**20
-    runs = {}
-    for name, fn in [("megatrain_jax_fused_kernel_with_bf16_copy", lambda: bench_jax_host(n, args.reps, True, True)),
-                     ("megatrain_jax_fused_kernel_fp32", lambda: bench_jax_host(n, args.reps, False, True)),
-                     ("fused_kernel_on_numpy_fp32", lambda: bench_kernel_numpy(n, args.reps)),
-                     ("megatrain_jax_host_fp32", lambda: bench_jax_host(n, args.reps, False)),
-                     ("megatrain_jax_host_with_bf16_copy", lambda: bench_jax_host(n, args.reps, True)),
-                     ("jax_cpu_backend", lambda: bench_jax_cpu_backend(n, args.reps)),
-                     ("torch_fused_cpu_adamw", lambda: bench_torch(n, args.reps))]:
+    names = args.systems.split(",")
+    unknown = [x for x in names if x not in SYSTEMS]
+    if unknown:
+        ap.error(f"unknown system(s) {unknown}; choose from {sorted(SYSTEMS)}")
+    steps, runs = {}, {}
+    for name in names:
         try:
-            runs[name] = fn()
-        except Exception as e:
+            steps[name] = SYSTEMS[name](n)
+        except Exception as e:  # e.g. torch missing: recorded, not hidden
             runs[name] = f"error: {type(e).__name__}: {str(e)[:300]}"
+    for name, sec in interleaved(steps, args.reps).items():
+        runs[name] = n / sec
+    for name in names:
         print(name, runs[name], flush=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     dev = jax.devices()[0]
     out = {"name": "host_adamw_throughput", "command": "PYTHONPATH=. python experiments/host_adam_bench.py "
            + " ".join(sys.argv[1:]), "git_commit": commit,
            "device": {"name": getattr(dev, "device_kind", str(dev)), "cpu_cores": os.cpu_count()},
            "date": datetime.date.today().isoformat(), "params": n,
-           "runs": [{"system": k, "params_per_s": v} for k, v in runs.items()]}
+           "runs": [{"system": k, "params_per_s": v if isinstance(v, float) else None,
+                     "status": "ok" if isinstance(v, float) else v}
+                    for k, v in runs.items()]}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
 

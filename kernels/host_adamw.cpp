@@ -6,11 +6,23 @@
 //   u   = (m / bc1) / (sqrt(v / bc2) + eps) + wd p
 //   p   = p - lr u
 // where bc1 = 1 - b1^t and bc2 = 1 - b2^t are computed by the caller.
+//
+// Two entry points share one element function, so their results agree bit for bit (the build turns off
+// floating-point contraction, so no call site can fuse a multiply-add differently):
+// - megatrain_adamw: the whole update, in place (p, m, v; bf16 copy optional);
+// - megatrain_adamw_stream: only the bf16 copy of the new p (reads p, m, v, g; writes 2 bytes per
+//   parameter instead of 12). The engine runs it first, on the step's critical path, and the whole update
+//   later, off it.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+
+#ifndef MEGATRAIN_PREFETCH
+#define MEGATRAIN_PREFETCH 0  // elements ahead to prefetch in software (0: leave it to the hardware)
 #endif
 
 // Round-to-nearest-even float -> bfloat16, NaN kept quiet. Branch-free so the loop vectorizes.
@@ -21,24 +33,84 @@ static inline uint16_t to_bf16(float x) {
   return static_cast<uint16_t>(((u & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : rounded);
 }
 
-extern "C" void megatrain_adamw(float* __restrict p, float* __restrict m, float* __restrict v,
-                                const float* __restrict g, uint16_t* __restrict p_bf16, int64_t n,
+namespace {
+
+struct Hyper {
+  float lr, b1, b2, eps, wd, grad_scale, one_b1, one_b2, inv_bc1, inv_bc2;
+};
+
+template <bool kState, bool kBf16>
+void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
+                 uint16_t* __restrict p_bf16, int64_t lo, int64_t hi, const Hyper h) {
+#if MEGATRAIN_PREFETCH > 0
+  // One cache line of each stream per 16 elements, prefetched (into L2) MEGATRAIN_PREFETCH elements ahead.
+  constexpr int64_t kStep = 16;
+#else
+  constexpr int64_t kStep = 2048;
+#endif
+  for (int64_t b = lo; b < hi; b += kStep) {
+    const int64_t e = std::min(b + kStep, hi);
+#if MEGATRAIN_PREFETCH > 0
+    if (b + MEGATRAIN_PREFETCH < hi) {
+      __builtin_prefetch(p + b + MEGATRAIN_PREFETCH, 1, 2);
+      __builtin_prefetch(m + b + MEGATRAIN_PREFETCH, 1, 2);
+      __builtin_prefetch(v + b + MEGATRAIN_PREFETCH, 1, 2);
+      __builtin_prefetch(g + b + MEGATRAIN_PREFETCH, 0, 2);
+    }
+#endif
+#pragma omp simd
+    for (int64_t i = b; i < e; ++i) {
+      const float gi = g[i] * h.grad_scale;
+      const float mi = h.b1 * m[i] + h.one_b1 * gi;
+      const float vi = h.b2 * v[i] + h.one_b2 * gi * gi;
+      const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p[i];
+      const float pi = p[i] - h.lr * u;
+      if (kState) {
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+      }
+      if (kBf16) p_bf16[i] = to_bf16(pi);
+    }
+  }
+}
+
+template <bool kState, bool kBf16>
+void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
+#pragma omp parallel
+  {
+#ifdef _OPENMP
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int64_t t = 0, nt = 1;
+#endif
+    // Contiguous, 64-byte aligned slices: each thread streams its own range.
+    const int64_t per = ((n + nt - 1) / nt + 15) / 16 * 16;
+    const int64_t lo = std::min(n, t * per), hi = std::min(n, lo + per);
+    if (lo < hi) adamw_range<kState, kBf16>(p, m, v, g, p_bf16, lo, hi, h);
+  }
+}
+
+Hyper make_hyper(float lr, float b1, float b2, float eps, float wd, float grad_scale, float bc1, float bc2) {
+  return Hyper{lr, b1, b2, eps, wd, grad_scale, 1.0f - b1, 1.0f - b2, 1.0f / bc1, 1.0f / bc2};
+}
+
+}  // namespace
+
+extern "C" void megatrain_adamw(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n,
                                 float lr, float b1, float b2, float eps, float wd, float grad_scale,
                                 float bc1, float bc2) {
-  const float one_b1 = 1.0f - b1, one_b2 = 1.0f - b2;
-  const float inv_bc1 = 1.0f / bc1, inv_bc2 = 1.0f / bc2;
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i] * grad_scale;
-    const float mi = b1 * m[i] + one_b1 * gi;
-    const float vi = b2 * v[i] + one_b2 * gi * gi;
-    const float u = (mi * inv_bc1) / (std::sqrt(vi * inv_bc2) + eps) + wd * p[i];
-    const float pi = p[i] - lr * u;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = pi;
-    if (p_bf16) p_bf16[i] = to_bf16(pi);
-  }
+  const Hyper h = make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2);
+  if (p_bf16)
+    adamw_parallel<true, true>(p, m, v, g, p_bf16, n, h);
+  else
+    adamw_parallel<true, false>(p, m, v, g, nullptr, n, h);
+}
+
+extern "C" void megatrain_adamw_stream(float* p, float* m, float* v, const float* g, uint16_t* p_bf16,
+                                       int64_t n, float lr, float b1, float b2, float eps, float wd,
+                                       float grad_scale, float bc1, float bc2) {
+  adamw_parallel<false, true>(p, m, v, g, p_bf16, n, make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2));
 }
 
 extern "C" int megatrain_omp_threads() {

@@ -40,20 +40,27 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
-def build(verbose: bool = False) -> Path | None:
-    """Compile the kernel into the cache (keyed by source hash and machine); None without a compiler."""
+# No contraction into fused multiply-adds: both entry points must round identically wherever inlined.
+_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
+
+
+def build(verbose: bool = False, defines: tuple[str, ...] = ()) -> Path | None:
+    """Compile the kernel into the cache (keyed by source, flags and machine); None without a compiler.
+    ``defines`` are for experiments: ``"MEGATRAIN_PREFETCH=256"`` becomes ``-DMEGATRAIN_PREFETCH=256``, and
+    an entry starting with ``-`` is passed as a compiler flag."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         return None
     src = SOURCE.read_bytes()
-    tag = hashlib.sha256(src + os.uname().machine.encode() + cxx.encode()).hexdigest()[:16]
+    flags_id = " ".join(_FLAGS + defines).encode()
+    tag = hashlib.sha256(src + os.uname().machine.encode() + cxx.encode() + flags_id).hexdigest()[:16]
     out = _cache_dir() / f"host_adamw_{tag}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_out = Path(tmp) / out.name
-        base = [cxx, "-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", str(SOURCE), "-o", str(tmp_out)]
+        base = [cxx, *_FLAGS, *(d if d.startswith("-") else f"-D{d}" for d in defines), str(SOURCE), "-o", str(tmp_out)]
         for flags in (["-march=native", "-fopenmp"], ["-fopenmp"], []):  # best first, then portable
             r = subprocess.run(base[:2] + flags + base[2:], capture_output=True, text=True)
             if r.returncode == 0:
@@ -67,16 +74,17 @@ def build(verbose: bool = False) -> Path | None:
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def load() -> ctypes.CDLL | None:
+@functools.lru_cache(maxsize=None)
+def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     if os.environ.get("MEGATRAIN_NO_KERNELS") == "1":
         return None
-    path = build()
+    path = build(defines=defines)
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
-    lib.megatrain_adamw.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 8
-    lib.megatrain_adamw.restype = None
+    for fn in (lib.megatrain_adamw, lib.megatrain_adamw_stream):
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 8
+        fn.restype = None
     lib.megatrain_omp_threads.restype = ctypes.c_int
     return lib
 
@@ -87,15 +95,29 @@ def adamw_inplace(lib: ctypes.CDLL, p: int, m: int, v: int, g: int, p_bf16: int 
     lib.megatrain_adamw(p, m, v, g, p_bf16, n, lr, b1, b2, eps, wd, grad_scale, bc1, bc2)
 
 
-def adamw_numpy(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, p_bf16: np.ndarray | None, **hp) -> None:
-    """The kernel on numpy arrays (contiguous float32; bf16 out as uint16 or ml_dtypes.bfloat16), in place."""
-    lib = load()
+def adamw_stream_inplace(lib: ctypes.CDLL, p: int, m: int, v: int, g: int, p_bf16: int, n: int, *, lr: float,
+                         b1: float, b2: float, eps: float, wd: float, grad_scale: float, bc1: float,
+                         bc2: float) -> None:
+    """Only the bfloat16 copy of the updated parameters: ``p``, ``m`` and ``v`` are read, not written. The
+    values equal, bit for bit, the copy ``adamw_inplace`` writes with the same arguments."""
+    lib.megatrain_adamw_stream(p, m, v, g, p_bf16, n, lr, b1, b2, eps, wd, grad_scale, bc1, bc2)
+
+
+def adamw_numpy(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, p_bf16: np.ndarray | None,
+                stream_only: bool = False, lib: ctypes.CDLL | None = None, **hp) -> None:
+    """The kernel on numpy arrays (contiguous float32; bf16 out as uint16 or ml_dtypes.bfloat16), in place.
+    ``stream_only`` writes just ``p_bf16`` (see ``adamw_stream_inplace``)."""
+    lib = lib or load()
     if lib is None:
         raise RuntimeError("host AdamW kernel unavailable (no C++ compiler, or MEGATRAIN_NO_KERNELS=1)")
     for a in (p, m, v, g):
         assert a.dtype == np.float32 and a.flags.c_contiguous and a.size == p.size
     out = None if p_bf16 is None else p_bf16.ctypes.data
-    adamw_inplace(lib, p.ctypes.data, m.ctypes.data, v.ctypes.data, g.ctypes.data, out, p.size, **hp)
+    if stream_only:
+        assert out is not None, "stream_only needs a bfloat16 output"
+        adamw_stream_inplace(lib, p.ctypes.data, m.ctypes.data, v.ctypes.data, g.ctypes.data, out, p.size, **hp)
+    else:
+        adamw_inplace(lib, p.ctypes.data, m.ctypes.data, v.ctypes.data, g.ctypes.data, out, p.size, **hp)
 
 
 if __name__ == "__main__":

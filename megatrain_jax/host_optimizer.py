@@ -108,21 +108,48 @@ class HostOptimizer:
         ``params``, the moments and ``stream`` in place and returns them."""
         if self.kernel is None:
             return self._update(params, opt_state, grads, self.placement.to_host(scale))
-        return self._update_fused(params, opt_state, grads, stream, float(scale))
+        t = self._next_count(opt_state)
+        self._run_kernel(host_adamw.adamw_inplace, params, opt_state, grads, stream, float(scale), t)
+        return params, self._counted(opt_state, t), stream
 
-    def _update_fused(self, params: Params, state: AdamWState, grads: Params, stream: Params | None, scale: float):
+    @property
+    def splits(self) -> bool:
+        """Whether ``update_stream`` + ``commit`` can stand in for ``update`` (fused kernel, bf16 stream copy)."""
+        return self.kernel is not None and self.stream_dtype == jnp.bfloat16
+
+    def update_stream(self, params: Params, opt_state: AdamWState, grads: Params, stream: Params,
+                      scale: jax.Array) -> int:
+        """First half of a split update: only the stream copy of the new parameters (2 of the 14 bytes per
+        parameter an update writes), the part the next forward needs. Returns the step count for ``commit``."""
+        assert self.splits, "split updates need the fused kernel and a bfloat16 stream copy"
+        t = self._next_count(opt_state)
+        self._run_kernel(host_adamw.adamw_stream_inplace, params, opt_state, grads, stream, float(scale), t)
+        return t
+
+    def commit(self, params: Params, opt_state: AdamWState, grads: Params, scale: jax.Array,
+               t: int) -> tuple[Params, AdamWState]:
+        """Second half: the master parameters and moments, in place, bit for bit what ``update`` writes (the
+        stream copy ``update_stream`` wrote already holds their bfloat16 rounding)."""
+        self._run_kernel(host_adamw.adamw_inplace, params, opt_state, grads, None, float(scale), t)
+        return params, self._counted(opt_state, t)
+
+    @staticmethod
+    def _next_count(state: AdamWState) -> int:
+        return int(np.asarray(jax.device_get(state.count))) + 1
+
+    def _counted(self, state: AdamWState, t: int) -> AdamWState:
+        return AdamWState(self.placement.to_host(jnp.asarray(t, jnp.int32)), state.mu, state.nu)
+
+    def _run_kernel(self, kernel_fn, params: Params, state: AdamWState, grads: Params, stream: Params | None,
+                    scale: float, t: int) -> None:
         spec = self.spec
-        t = int(np.asarray(jax.device_get(state.count))) + 1
         bc1, bc2 = spec.bias_corrections(float(t))
         lr = float(spec.lr_at(t - 1))
         jax.block_until_ready(grads)
         streams = jax.tree.leaves(stream) if stream is not None else [None] * len(jax.tree.leaves(params))
         for p, m, v, g, s, decay in zip(jax.tree.leaves(params), jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
                                         jax.tree.leaves(grads), streams, jax.tree.leaves(spec.decays(params))):
-            host_adamw.adamw_inplace(
-                self.kernel, p.unsafe_buffer_pointer(), m.unsafe_buffer_pointer(), v.unsafe_buffer_pointer(),
-                g.unsafe_buffer_pointer(), None if s is None else s.unsafe_buffer_pointer(), p.size,
-                lr=lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, wd=spec.weight_decay if decay else 0.0,
-                grad_scale=scale, bc1=bc1, bc2=bc2)
-        count = self.placement.to_host(jnp.asarray(t, jnp.int32))
-        return params, AdamWState(count, state.mu, state.nu), stream
+            kernel_fn(self.kernel, p.unsafe_buffer_pointer(), m.unsafe_buffer_pointer(), v.unsafe_buffer_pointer(),
+                      g.unsafe_buffer_pointer(), None if s is None else s.unsafe_buffer_pointer(), p.size,
+                      lr=lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, wd=spec.weight_decay if decay else 0.0,
+                      grad_scale=scale, bc1=bc1, bc2=bc2)

@@ -8,25 +8,26 @@ the GPU.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Hashable
 
 
 class HostUpdater:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host-update")
-        self._pending: dict[int, Future] = {}
+        self._pending: dict[Hashable, Future] = {}
 
-    def submit(self, part: int, fn: Callable[[], None]) -> None:
-        """Queue ``fn`` (the update of ``part``: -1 for the io part, i for block i; -2 the step's check)."""
+    def submit(self, part: Hashable, fn: Callable[[], None]) -> None:
+        """Queue ``fn`` under a key: ``part`` for what the next forward waits on (-1 the io part, i block i,
+        -2 the step's check), ``("commit", part)`` for the second half of a split update."""
         self._pending[part] = self._pool.submit(fn)
 
-    def wait(self, part: int) -> None:
+    def wait(self, part: Hashable) -> None:
         """Block until ``part``'s latest update is done; re-raises its exception."""
         fut = self._pending.pop(part, None)
         if fut is not None:
             fut.result()
 
-    def poll(self, part: int) -> None:
+    def poll(self, part: Hashable) -> None:
         """Re-raise ``part``'s exception if its task has already failed; never blocks."""
         fut = self._pending.get(part)
         if fut is not None and fut.done():

@@ -10,7 +10,9 @@ The engine walks this list and maps each op to a transfer or a jitted call. One 
    gradients accumulated on the device, then sent to host memory;
 5. the embedding's backward; the io gradients go to host;
 6. (last sub-step of an optimizer step only) the global gradient norm, then the host optimizer updates
-   parts in forward order (io, block 0, block 1, ...), so the next step's forward can begin early.
+   parts in forward order (io, block 0, block 1, ...), so the next step's forward can begin early;
+7. ``commit``: where the optimizer splits its update in two (see ``Engine``), the second halves, which
+   only need to finish before the part's next update, are queued after every part's first half.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import dataclasses
 from typing import Literal
 
 OpKind = Literal["fetch_io", "fetch", "release", "embed", "forward", "head", "backward", "send_grads",
-                 "embed_backward", "send_io_grads", "release_io", "grad_norm", "update_io", "update"]
+                 "embed_backward", "send_io_grads", "release_io", "grad_norm", "update_io", "update", "commit"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,7 @@ def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True) -
         ops.append(Op("grad_norm"))
         ops.append(Op("update_io"))
         ops += [Op("update", i) for i in range(n_layers)]
+        ops.append(Op("commit"))
     return ops
 
 

@@ -265,3 +265,38 @@ def test_nonfinite_step_skipped_on_resident_parts_too():
     engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(resident_layers=1))
     m, unchanged = poison_and_step(engine)
     assert m["skipped"] and unchanged
+
+
+def _trained_state(engine_cfg, steps=3, **batch_kw):
+    import jax
+    model = Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0))
+    engine = Engine(model, FUSED(), engine_cfg)
+    k = engine_cfg.accumulate_steps
+    batches = make_batches(steps * k, **batch_kw)
+    losses = [engine.step(batches[s * k:(s + 1) * k]).resolve()["loss"] for s in range(steps)]
+    engine.sync()
+    s = engine.state
+    leaves = jax.tree.leaves((s.io, s.blocks, s.io_opt, s.blocks_opt, s.stream_io, s.stream_blocks))
+    return engine, losses, [np.asarray(x) for x in leaves]
+
+
+@pytest.mark.parametrize("extra", [{}, {"micro_batches": 2, "accumulate_steps": 2},
+                                   {"resident_layers": 1, "resident_io": True}],
+                         ids=["plain", "accumulate", "resident"])
+def test_split_update_is_bitwise_the_single_pass_update(extra):
+    """The stream copy first and the masters and moments later give exactly the one-pass update's state."""
+    split, l1, a = _trained_state(EngineConfig(clip_norm=0.05, split_update=True, **extra))
+    whole, l2, b = _trained_state(EngineConfig(clip_norm=0.05, split_update=False, **extra))
+    assert split._split and not whole._split
+    assert l1 == l2
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_split_update_keeps_stream_copy_equal_to_masters():
+    import jax
+    engine, _, _ = _trained_state(EngineConfig(split_update=True))
+    for master, stream in zip(jax.tree.leaves((engine.state.io, engine.state.blocks)),
+                              jax.tree.leaves((engine.state.stream_io, engine.state.stream_blocks))):
+        np.testing.assert_array_equal(np.asarray(master.astype("bfloat16")), np.asarray(stream))

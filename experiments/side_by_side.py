@@ -1,0 +1,135 @@
+"""Issue 4's whole comparison in one script run: every target measured on the same machine, one results file.
+
+    PYTHONPATH=/tmp/site:. python experiments/side_by_side.py --out $OUT/side_by_side.json
+
+In order, each in its own process (so each starts with the host memory to itself):
+1. host AdamW throughput: the engine's fused kernel on pinned-host arrays vs torch's fused CPU AdamW;
+2. 3.5B at 32,768 tokens/step: megatrain_jax (bench.py ``3p5b_32k``), then DeepSpeed ZeRO-3 offload;
+3. 3.5B at 98,304 tokens/step: the same pair (``3p5b_98k``);
+4. 7B at 32,768 tokens/step: megatrain_jax alone (ZeRO-3 cannot hold 7B on a 125 GiB host).
+
+All runs go into ``runs`` of the one file; ``targets`` then says, for each target of the issue, the
+measured value, the bar, and whether it is met. ``--only`` runs a subset (e.g. ``--only 32k,host``).
+Progress goes to stdout and to ``<out>.log``; the file is rewritten after every stage, so a run cut short
+still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+
+# The issue's bars.
+BARS = {"3p5b_32k": 2.0, "3p5b_98k": 1.5, "7b_tflops": 400.0, "host_optimizer": 1.0, "gpu_idle": 0.10}
+
+
+def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
+    bench = [PY, "experiments/bench.py", "--append", "--out", args.out, "--warmup", str(args.warmup)]
+    ds = [PY, "experiments/compare_zero3.py", "--micro", "16", "--warmup", "2", "--steps", str(args.ds_steps),
+          "--out", args.out]
+    return [
+        ("host", [PY, "experiments/host_adam_bench.py", "--params", str(args.host_params), "--reps", "7", "--systems",
+                  "megatrain_jax_fused_kernel_fp32,megatrain_jax_fused_kernel_with_bf16_copy,torch_fused_cpu_adamw",
+                  "--out", tmp_host]),
+        ("32k", bench + ["--configs", "3p5b_32k", "--steps", str(args.steps)]),
+        ("32k", ds + ["--layers", "16", "--rows", "16"]),
+        ("98k", bench + ["--configs", "3p5b_98k", "--steps", str(args.steps_98k)]),
+        ("98k", ds + ["--layers", "16", "--rows", "48"]),
+        ("7b", bench + ["--configs", "7b_32k", "--steps", str(args.steps)]),
+    ]
+
+
+def _run(config: str, system: str, runs: list[dict]) -> dict | None:
+    return next((r for r in runs if r.get("config") == config and r.get("system") == system), None)
+
+
+def targets(result: dict) -> dict:
+    """Each target of issue 4: measured value, bar, met (None where a run is missing or failed)."""
+    runs = result["runs"]
+    out = {}
+    for config in ("3p5b_32k", "3p5b_98k"):
+        ours, ds = _run(config, "megatrain_jax", runs), _run(config, "deepspeed_zero3", runs)
+        if ours and ds and ours.get("tokens_per_s") and ds.get("tokens_per_s"):
+            ratio = ours["tokens_per_s"] / ds["tokens_per_s"]
+            out[f"{config}_vs_zero3"] = {"ours_tokens_per_s": ours["tokens_per_s"],
+                                         "zero3_tokens_per_s": ds["tokens_per_s"], "ratio": round(ratio, 3),
+                                         "bar": BARS[config], "met": ratio >= BARS[config]}
+    seven = _run("7b_32k", "megatrain_jax", runs)
+    if seven and seven.get("model_tflops"):
+        out["7b_32k_model_tflops"] = {"value": seven["model_tflops"], "bar": BARS["7b_tflops"],
+                                      "met": seven["model_tflops"] >= BARS["7b_tflops"]}
+    host = {r["system"]: r.get("params_per_s") for r in runs if r.get("config") == "host_adamw"}
+    ours, torch = host.get("megatrain_jax_fused_kernel_fp32"), host.get("torch_fused_cpu_adamw")
+    if isinstance(ours, float) and isinstance(torch, float):
+        out["host_optimizer_vs_torch"] = {"ours_params_per_s": ours, "torch_params_per_s": torch,
+                                          "ratio": round(ours / torch, 3), "bar": BARS["host_optimizer"],
+                                          "met": ours / torch >= BARS["host_optimizer"]}
+    idle = {r["config"]: r["breakdown"]["gpu_idle_fraction_est"] for r in runs
+            if r.get("system") == "megatrain_jax" and "breakdown" in r}
+    if idle:
+        out["gpu_idle_fraction"] = {"per_config": idle, "bar": BARS["gpu_idle"],
+                                    "met": all(v <= BARS["gpu_idle"] for v in idle.values())}
+    out["all_met"] = bool(out) and all(v.get("met") for v in out.values() if isinstance(v, dict))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="host,32k,98k,7b")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps of megatrain_jax at 32K")
+    ap.add_argument("--steps-98k", type=int, default=4)
+    ap.add_argument("--ds-steps", type=int, default=4)
+    ap.add_argument("--host-params", type=int, default=256, help="millions of parameters in the host AdamW run")
+    args = ap.parse_args()
+    wanted = set(args.only.split(","))
+    if os.path.exists(args.out):
+        os.remove(args.out)
+    commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
+        ["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    env = dict(os.environ, MEGATRAIN_GIT_COMMIT=commit or "", PYTHONPATH=os.pathsep.join(
+        p for p in (os.environ.get("PYTHONPATH"), REPO) if p))
+    log = open(args.out + ".log", "w")
+    tmp_host = args.out + ".host.json"
+    host_runs: list[dict] = []
+    t_start = time.perf_counter()
+    for stage, cmd in stages(args, tmp_host):
+        if stage not in wanted:
+            continue
+        t = time.perf_counter()
+        print(f"== [{time.perf_counter() - t_start:6.0f}s] {' '.join(cmd[1:])}", file=log, flush=True)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        print(f"== exit {proc.returncode} after {time.perf_counter() - t:.0f}s", file=log, flush=True)
+        if stage == "host" and os.path.exists(tmp_host):
+            with open(tmp_host) as f:
+                host = json.load(f)
+            host_runs = [dict(r, config="host_adamw", params=host["params"]) for r in host["runs"]]
+        if os.path.exists(args.out):
+            with open(args.out) as f:
+                result = json.load(f)
+        elif host_runs:
+            with open(tmp_host) as f:
+                result = {"device": json.load(f)["device"], "runs": []}
+        else:
+            continue
+        result["runs"] = [r for r in result["runs"] if r.get("config") != "host_adamw"] + host_runs
+        result.update(name=os.path.splitext(os.path.basename(args.out))[0], git_commit=commit,
+                      command="PYTHONPATH=/tmp/site:. python experiments/side_by_side.py " + " ".join(sys.argv[1:]),
+                      date=datetime.date.today().isoformat(), wall_s=round(time.perf_counter() - t_start, 1))
+        result["targets"] = targets(result)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps(json.load(open(args.out))["targets"] if os.path.exists(args.out) else {}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
