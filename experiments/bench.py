@@ -48,6 +48,10 @@ CONFIGS: dict[str, BenchConfig] = {
     "3p5b_32k_streamed": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2)),
     # io + first blocks resident on the GPU with their optimizer state (see megatrain_jax/resident.py).
     "3p5b_32k": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=6, resident_io=True)),
+    # A/B variants of 3p5b_32k for experiments/NOTES.md.
+    "3p5b_32k_nosplit": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=6,
+                                                                     resident_io=True, split_update=False)),
+    "3p5b_32k_r9": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=9, resident_io=True)),
     "3p5b_98k": BenchConfig("7b", 16, 2048, 48, EngineConfig(micro_batches=6, resident_layers=6, resident_io=True)),
     "7b_32k": BenchConfig("7b", 32, 2048, 16, EngineConfig(micro_batches=2, resident_layers=12, resident_io=True)),
 }
@@ -69,7 +73,35 @@ def host_peak_gib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
 
-def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: int = 0) -> dict:
+def record_timeline(engine: Engine, data, steps: int) -> dict:
+    """Events of the last of ``steps`` steps run with a Timeline (see megatrain_jax/timeline.py), times in
+    seconds from that step's start, plus the whole step's span until its last device op was ready."""
+    from megatrain_jax.timeline import Timeline
+    timeline = Timeline()
+    engine.set_timeline(timeline)
+    outs = []
+    for k in range(steps):
+        timeline.mark(f"step {k}")
+        outs.append(engine.step(next(data)))
+    engine.sync()
+    for o in outs:
+        o.resolve()
+    engine.set_timeline(None)
+    events = timeline.close()
+    start = max(e["at"] for e in events if e["ev"] == "mark")
+    last = [dict(e) for e in events if e.get("start", e.get("at", 0.0)) >= start and e["ev"] != "mark"]
+    for e in last:
+        for key in ("start", "end", "at"):
+            if key in e:
+                e[key] = round(e[key] - start, 4)
+    span = max(e.get("end", e.get("at", 0.0)) for e in last)
+    return {"step_span_s": round(span, 4), "events": last,
+            "note": "host: main-thread time in each op; ready: device output ready (watcher threads); "
+                    "task: host-optimizer task on the update thread"}
+
+
+def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: int = 0,
+               timeline_steps: int = 0) -> dict:
     cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
     tokens_per_step = bc.rows * bc.seq_len
     run = {"system": "megatrain_jax", "config": name,
@@ -86,7 +118,7 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
         jax.block_until_ready(engine.state)
         run["init_s"] = round(time.perf_counter() - t0, 2)
         run["host_optimizer"] = "fused C++ AdamW kernel" if engine.opt.fused else "JAX host computation"
-        n_steps = warmup + timed + 1
+        n_steps = warmup + timed + 1 + timeline_steps
         toks, starts = demo_tokens(cfg.vocab_size, n_steps * tokens_per_step * 2 + bc.seq_len + 1, seed=0)
         data = iter(TokenDataset(TokenFile.from_array(toks, cfg.vocab_size, starts), bc.seq_len).batches(bc.rows))
         records = []
@@ -115,6 +147,9 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
                             "gpu_idle_fraction_est": round(max(1 - compute / step_time, 0.0), 3),
                             "note": "per-category times from a step synchronized after every op; idle = "
                                     "1 - compute / overlapped median step time"}
+        engine.profile = None
+        if timeline_steps:
+            run["timeline"] = record_timeline(engine, data, timeline_steps)
         run.update(gpu_peak_gib=gpu_peak_gib(), host_peak_gib=host_peak_gib(), status="ok")
         finite = all(np.isfinite(r["loss"]) for r in records)
         run["loss_finite_and_decreasing"] = bool(finite and records[-1]["loss"] < records[0]["loss"])
@@ -131,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--configs", default="3p5b_32k", help=f"comma-separated names from {sorted(CONFIGS)}")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--timeline-steps", type=int, default=0,
+                    help="after the breakdown, run this many steps with a Timeline and keep the last one's events")
     ap.add_argument("--lr-warmup", type=int, default=0, help="linear LR warm-up steps (0: constant 3e-4)")
     ap.add_argument("--name", default=None, help="results name (default: device + configs)")
     ap.add_argument("--out", required=True, help="path of the results JSON")
@@ -150,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.out) as f:
             result = json.load(f)
     for n in names:
-        result["runs"].append(run_config(n, CONFIGS[n], args.warmup, args.steps, args.lr_warmup))
+        result["runs"].append(run_config(n, CONFIGS[n], args.warmup, args.steps, args.lr_warmup,
+                                         args.timeline_steps))
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     for r in result["runs"]:

@@ -149,6 +149,7 @@ class Engine:
         self._sq_norms: list[Any] = [None] * (self.lm.n_blocks + 1)
         self.last_seq_len = 0
         self.profile: dict[str, float] | None = None  # set to {} to time each op category (syncs!)
+        self.timeline = None  # set_timeline(Timeline()) records when ops ran (no syncs; diagnosis)
 
     # ------------------------------------------------------------------ public API
     def check(self, batches: Sequence[Batch]) -> None:
@@ -223,6 +224,11 @@ class Engine:
         self.sync()
         write_back(model, self.state.io, self.state.blocks, self.placement.to_device)
 
+    def set_timeline(self, timeline) -> None:
+        """Record host ops, device readiness and host-update tasks into ``timeline`` (None: stop)."""
+        self.timeline = timeline
+        self.updater.timeline = timeline
+
     # ------------------------------------------------------------------ one pass
     def _metrics(self, out: StepOutput, t_prev: float) -> dict[str, float]:
         m = out.resolve()
@@ -236,7 +242,10 @@ class Engine:
         self._sub_step, self._last = sub_step, last
         for op in step_ops(self.lm.n_blocks, len(micro), self.cfg.prefetch_depth, update=last):
             t = time.perf_counter() if self.profile is not None else 0.0
+            t_op = time.perf_counter() if self.timeline is not None else 0.0
             out = getattr(self, f"_op_{op.kind}")(p, op)
+            if self.timeline is not None:
+                self.timeline.op(op.kind, op.layer, op.micro, t_op, time.perf_counter(), out)
             if self.profile is not None and op.kind in _CATEGORY:
                 if op.kind == "commit":
                     self.updater.wait_all()
@@ -349,10 +358,11 @@ class Engine:
                                  f"gradient norm (limit max_nonfinite_steps={self.cfg.max_nonfinite_steps}); "
                                  f"host state is the last good step's. Lower the learning rate or check the data")
 
-    def _submit_update(self, part: int, grads: Any) -> None:
+    def _submit_update(self, part: int, grads: Any) -> Any:
+        """Returns the updated part for GPU-resident parts (None for host ones: they update on the thread)."""
         if part in self.resident:  # on the device, right away; a skipped step keeps the old values there
             self.resident[part] = self._res.update(self.resident[part], grads, self._scale, self._ok)
-            return
+            return self.resident[part]
         scale, s = self._scale, self.state
         stream_of = lambda: s.stream_io if part == -1 else s.stream_blocks[part]
 
@@ -405,9 +415,9 @@ class Engine:
         self._commits = []
 
     def _op_update_io(self, p: _Pass, op: Op):
-        self._submit_update(-1, self._host_grads[-1])
-        self._host_grads[-1] = None
+        out, self._host_grads[-1] = self._submit_update(-1, self._host_grads[-1]), None
+        return out
 
     def _op_update(self, p: _Pass, op: Op):
-        self._submit_update(op.layer, self._host_grads[op.layer])
-        self._host_grads[op.layer] = None
+        out, self._host_grads[op.layer] = self._submit_update(op.layer, self._host_grads[op.layer]), None
+        return out

@@ -7,6 +7,7 @@ the GPU.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Hashable
 
@@ -15,10 +16,21 @@ class HostUpdater:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host-update")
         self._pending: dict[Hashable, Future] = {}
+        self.timeline = None  # a megatrain_jax.timeline.Timeline records each task's start and end
 
     def submit(self, part: Hashable, fn: Callable[[], None]) -> None:
         """Queue ``fn`` under a key: ``part`` for what the next forward waits on (-1 the io part, i block i,
         -2 the step's check), ``("commit", part)`` for the second half of a split update."""
+        timeline = self.timeline
+        if timeline is not None:
+            inner = fn
+
+            def fn() -> None:
+                start = time.perf_counter()
+                try:
+                    inner()
+                finally:
+                    timeline.task(part, start, time.perf_counter())
         self._pending[part] = self._pool.submit(fn)
 
     def wait(self, part: Hashable) -> None:
