@@ -32,12 +32,14 @@ BARS = {"3p5b_32k": 2.0, "3p5b_98k": 1.5, "7b_tflops": 400.0, "host_optimizer": 
 
 
 def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
-    bench = [PY, "experiments/bench.py", "--append", "--out", args.out, "--warmup", str(args.warmup)]
+    bench = [PY, "experiments/bench.py", "--append", "--out", args.out, "--warmup", str(args.warmup),
+             "--timeline-steps", "2"]
     ds = [PY, "experiments/compare_zero3.py", "--micro", "16", "--warmup", "2", "--steps", str(args.ds_steps),
           "--out", args.out]
     return [
-        ("host", [PY, "experiments/host_adam_bench.py", "--params", str(args.host_params), "--reps", "7", "--systems",
-                  "megatrain_jax_fused_kernel_fp32,megatrain_jax_fused_kernel_with_bf16_copy,torch_fused_cpu_adamw",
+        ("host", [PY, "experiments/host_adam_bench.py", "--params", str(args.host_params), "--reps", "15", "--systems",
+                  "megatrain_jax_fused_kernel_fp32,megatrain_jax_fused_kernel_with_bf16_copy,"
+                  "megatrain_jax_fused_kernel_first_half,torch_fused_cpu_adamw",
                   "--out", tmp_host]),
         ("32k", bench + ["--configs", "3p5b_32k", "--steps", str(args.steps)]),
         ("32k", ds + ["--layers", "16", "--rows", "16"]),
