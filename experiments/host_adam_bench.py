@@ -28,12 +28,17 @@ from megatrain_jax.optim import adamw  # noqa: E402
 from megatrain_jax.transfer import Placement  # noqa: E402
 
 
-def make_jax_host(n: int, stream: bool, fused: bool = False, first_half: bool = False):
-    """A step of the engine's HostOptimizer on pinned-host arrays (4 leaves of n/4 parameters)."""
+def make_jax_host(n: int, stream: bool, fused: bool = False, first_half: bool = False,
+                  kernel_defines: tuple[str, ...] | None = None):
+    """A step of the engine's HostOptimizer on pinned-host arrays (4 leaves of n/4 parameters);
+    ``kernel_defines`` swaps in a kernel built with those defines/flags (see kernels.host_adamw.build)."""
     pl = Placement()
     tx = adamw(1e-4, weight_decay=0.1, mask=None) if fused else optax.adamw(1e-4, weight_decay=0.1)
     opt = HostOptimizer(tx, pl, jnp.bfloat16 if stream else None)
     assert opt.fused == fused, "fused kernel requested but unavailable"
+    if kernel_defines is not None:
+        from kernels.host_adamw import load
+        opt.kernel = load(kernel_defines)
     stream_copy = opt.cast(pl.copy_to_host([jnp.full((n // 4,), 0.5, jnp.float32)] * 4)) if stream else None
     shapes = [(n // 4,)] * 4
     params = pl.copy_to_host([jnp.full(s, 0.5, jnp.float32) for s in shapes])
@@ -117,9 +122,17 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=256, help="millions of fp32 parameters")
     ap.add_argument("--reps", type=int, default=5, help="timed rounds (systems alternate within a round)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from: " + ", ".join(SYSTEMS))
+    ap.add_argument("--kernel-variants", default="",
+                    help="extra kernel builds on pinned memory, NAME:DEFINE,... separated by | "
+                         "(e.g. 'v512:-mprefer-vector-width=512')")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     n = args.params * 2**20
+    for spec in filter(None, args.kernel_variants.split("|")):
+        vname, _, defs = spec.partition(":")
+        defines = tuple(d for d in defs.split(",") if d)
+        SYSTEMS[f"kernel_variant_{vname}_fp32"] = lambda n, d=defines: make_jax_host(n, False, True, kernel_defines=d)
+        args.systems += f",kernel_variant_{vname}_fp32"
     names = args.systems.split(",")
     unknown = [x for x in names if x not in SYSTEMS]
     if unknown:
