@@ -38,7 +38,11 @@ def make_jax_host(n: int, stream: bool, fused: bool = False, first_half: bool = 
     assert opt.fused == fused, "fused kernel requested but unavailable"
     if kernel_defines is not None:
         from kernels.host_adamw import load
-        opt.kernel = load(kernel_defines)
+        threads = [d for d in kernel_defines if d.startswith("threads=")]
+        opt.kernel = load(tuple(d for d in kernel_defines if not d.startswith("threads=")) + tuple(
+            f"MEGATRAIN_THREADS_VARIANT={t[8:]}" for t in threads))  # a separate build: its own thread count
+        if threads:
+            opt.kernel.megatrain_set_threads(int(threads[0][8:]))
     stream_copy = opt.cast(pl.copy_to_host([jnp.full((n // 4,), 0.5, jnp.float32)] * 4)) if stream else None
     shapes = [(n // 4,)] * 4
     params = pl.copy_to_host([jnp.full(s, 0.5, jnp.float32) for s in shapes])
@@ -124,7 +128,7 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from: " + ", ".join(SYSTEMS))
     ap.add_argument("--kernel-variants", default="",
                     help="extra kernel builds on pinned memory, NAME:DEFINE,... separated by | "
-                         "(e.g. 'v512:-mprefer-vector-width=512')")
+                         "(e.g. 'v512:-mprefer-vector-width=512'; 'threads=N' sets that build's OpenMP threads)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     n = args.params * 2**20

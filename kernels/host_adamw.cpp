@@ -24,12 +24,6 @@
 #ifndef MEGATRAIN_PREFETCH
 #define MEGATRAIN_PREFETCH 0  // elements ahead to prefetch in software (0: leave it to the hardware)
 #endif
-#ifndef MEGATRAIN_EXPLICIT_SIMD
-#define MEGATRAIN_EXPLICIT_SIMD 0  // 1: intrinsics (AVX-512 or AVX2) instead of the compiler's vectorizer;
-#endif                             // 2: the same with non-temporal stores
-#if MEGATRAIN_EXPLICIT_SIMD
-#include <immintrin.h>
-#endif
 
 // Round-to-nearest-even float -> bfloat16, NaN kept quiet. Branch-free so the loop vectorizes.
 static inline uint16_t to_bf16(float x) {
@@ -45,118 +39,6 @@ struct Hyper {
   float lr, b1, b2, eps, wd, grad_scale, one_b1, one_b2, inv_bc1, inv_bc2;
 };
 
-template <bool kState, bool kBf16>
-inline void adamw_scalar(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
-                         uint16_t* __restrict p_bf16, int64_t i, const Hyper& h) {
-  const float gi = g[i] * h.grad_scale;
-  const float mi = h.b1 * m[i] + h.one_b1 * gi;
-  const float vi = h.b2 * v[i] + h.one_b2 * gi * gi;
-  const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p[i];
-  const float pi = p[i] - h.lr * u;
-  if (kState) {
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = pi;
-  }
-  if (kBf16) p_bf16[i] = to_bf16(pi);
-}
-
-#if MEGATRAIN_EXPLICIT_SIMD && (defined(__AVX512F__) || defined(__AVX2__))
-// Hand-vectorized loop: the same operations in the same order as adamw_scalar (no contraction), so every
-// lane rounds exactly as the scalar code; MEGATRAIN_EXPLICIT_SIMD=2 writes with non-temporal stores when
-// every array is vector-aligned (the lines were just read, so this saves the later dirty evictions).
-#if defined(__AVX512F__)
-using VF = __m512;
-using VI = __m512i;
-constexpr int64_t kW = 16;
-static inline VF vset(float x) { return _mm512_set1_ps(x); }
-static inline VF vload(const float* a) { return _mm512_loadu_ps(a); }
-static inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
-static inline VF vsub(VF a, VF b) { return _mm512_sub_ps(a, b); }
-static inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
-static inline VF vdiv(VF a, VF b) { return _mm512_div_ps(a, b); }
-static inline VF vsqrt(VF a) { return _mm512_sqrt_ps(a); }
-template <bool kNT> static inline void vstore(float* a, VF x) {
-  if (kNT) _mm512_stream_ps(a, x); else _mm512_storeu_ps(a, x);
-}
-template <bool kNT> static inline void vstore_bf16(uint16_t* a, VF x) {
-  const VI u = _mm512_castps_si512(x);
-  const VI lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  VI r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-  const __m256i out = _mm512_cvtepi32_epi16(r);
-  if (kNT) _mm256_stream_si256(reinterpret_cast<__m256i*>(a), out);
-  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), out);
-}
-#else
-using VF = __m256;
-using VI = __m256i;
-constexpr int64_t kW = 8;
-static inline VF vset(float x) { return _mm256_set1_ps(x); }
-static inline VF vload(const float* a) { return _mm256_loadu_ps(a); }
-static inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
-static inline VF vsub(VF a, VF b) { return _mm256_sub_ps(a, b); }
-static inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
-static inline VF vdiv(VF a, VF b) { return _mm256_div_ps(a, b); }
-static inline VF vsqrt(VF a) { return _mm256_sqrt_ps(a); }
-template <bool kNT> static inline void vstore(float* a, VF x) {
-  if (kNT) _mm256_stream_ps(a, x); else _mm256_storeu_ps(a, x);
-}
-template <bool kNT> static inline void vstore_bf16(uint16_t* a, VF x) {
-  const VI u = _mm256_castps_si256(x);
-  const VI lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  VI r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  const VI nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                    _mm256_set1_epi32(0x7f800000));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-  const __m128i out = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
-  if (kNT) _mm_stream_si128(reinterpret_cast<__m128i*>(a), out);
-  else _mm_storeu_si128(reinterpret_cast<__m128i*>(a), out);
-}
-#endif
-
-template <bool kState, bool kBf16, bool kNT>
-void adamw_simd(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
-                uint16_t* __restrict p_bf16, int64_t lo, int64_t hi, const Hyper& h) {
-  const VF b1 = vset(h.b1), b2 = vset(h.b2), one_b1 = vset(h.one_b1), one_b2 = vset(h.one_b2);
-  const VF scale = vset(h.grad_scale), inv_bc1 = vset(h.inv_bc1), inv_bc2 = vset(h.inv_bc2);
-  const VF eps = vset(h.eps), wd = vset(h.wd), lr = vset(h.lr);
-  int64_t i = lo;
-  for (; i + kW <= hi; i += kW) {
-    const VF gi = vmul(vload(g + i), scale);
-    const VF mi = vadd(vmul(b1, vload(m + i)), vmul(one_b1, gi));
-    const VF vi = vadd(vmul(b2, vload(v + i)), vmul(vmul(one_b2, gi), gi));
-    const VF pv = vload(p + i);
-    const VF u = vadd(vdiv(vmul(mi, inv_bc1), vadd(vsqrt(vmul(vi, inv_bc2)), eps)), vmul(wd, pv));
-    const VF pi = vsub(pv, vmul(lr, u));
-    if (kState) {
-      vstore<kNT>(m + i, mi);
-      vstore<kNT>(v + i, vi);
-      vstore<kNT>(p + i, pi);
-    }
-    if (kBf16) vstore_bf16<kNT>(p_bf16 + i, pi);
-  }
-  for (; i < hi; ++i) adamw_scalar<kState, kBf16>(p, m, v, g, p_bf16, i, h);
-  if (kNT) _mm_sfence();
-}
-
-template <bool kState, bool kBf16>
-void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
-                 uint16_t* __restrict p_bf16, int64_t lo, int64_t hi, const Hyper h) {
-#if MEGATRAIN_EXPLICIT_SIMD == 2
-  const auto aligned = [](const void* a) { return reinterpret_cast<uintptr_t>(a) % (kW * 4) == 0; };
-  if (aligned(p + lo) && aligned(m + lo) && aligned(v + lo) && aligned(g + lo) &&
-      (!kBf16 || reinterpret_cast<uintptr_t>(p_bf16 + lo) % (kW * 2) == 0)) {
-    adamw_simd<kState, kBf16, true>(p, m, v, g, p_bf16, lo, hi, h);
-    return;
-  }
-#endif
-  adamw_simd<kState, kBf16, false>(p, m, v, g, p_bf16, lo, hi, h);
-}
-
-#else
 template <bool kState, bool kBf16>
 void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
                  uint16_t* __restrict p_bf16, int64_t lo, int64_t hi, const Hyper h) {
@@ -177,14 +59,30 @@ void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, 
     }
 #endif
 #pragma omp simd
-    for (int64_t i = b; i < e; ++i) adamw_scalar<kState, kBf16>(p, m, v, g, p_bf16, i, h);
+    for (int64_t i = b; i < e; ++i) {
+      const float gi = g[i] * h.grad_scale;
+      const float mi = h.b1 * m[i] + h.one_b1 * gi;
+      const float vi = h.b2 * v[i] + h.one_b2 * gi * gi;
+      const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p[i];
+      const float pi = p[i] - h.lr * u;
+      if (kState) {
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+      }
+      if (kBf16) p_bf16[i] = to_bf16(pi);
+    }
   }
 }
-#endif
+
+int g_threads = 0;  // 0: OpenMP's default (all cores); set by megatrain_set_threads
 
 template <bool kState, bool kBf16>
 void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
-#pragma omp parallel
+#ifdef _OPENMP
+  const int threads = g_threads > 0 ? g_threads : omp_get_max_threads();
+#endif
+#pragma omp parallel num_threads(threads)
   {
 #ifdef _OPENMP
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -219,6 +117,8 @@ extern "C" void megatrain_adamw_stream(float* p, float* m, float* v, const float
                                        float grad_scale, float bc1, float bc2) {
   adamw_parallel<false, true>(p, m, v, g, p_bf16, n, make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2));
 }
+
+extern "C" void megatrain_set_threads(int n) { g_threads = n > 0 ? n : 0; }
 
 extern "C" int megatrain_omp_threads() {
 #ifdef _OPENMP

@@ -86,6 +86,8 @@ def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 8
         fn.restype = None
     lib.megatrain_omp_threads.restype = ctypes.c_int
+    lib.megatrain_set_threads.argtypes = [ctypes.c_int]
+    lib.megatrain_set_threads.restype = None
     return lib
 
 
