@@ -25,7 +25,7 @@
 #define MEGATRAIN_EARLY_STORES 0  // experiment: store m and v before the division (torch's order)
 #endif
 #ifndef MEGATRAIN_PREFETCH
-#define MEGATRAIN_PREFETCH 0  // elements ahead to prefetch in software (0: leave it to the hardware)
+#define MEGATRAIN_PREFETCH 1024  // elements ahead to prefetch into L2 (0: leave it to the hardware)
 #endif
 
 // Round-to-nearest-even float -> bfloat16, NaN kept quiet. Branch-free so the loop vectorizes.
