@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                                          args.timeline_steps))
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    for r in result["runs"]:
+    for r in result["runs"][-len(names):]:  # this invocation's runs (--append keeps earlier ones)
         print(f"{r['config']}: {r['status']} tokens/s {r.get('tokens_per_s')} TFLOP/s {r.get('model_tflops')} "
               f"step {r.get('step_time_s')} s gpu {r.get('gpu_peak_gib')} GiB host {r.get('host_peak_gib')} GiB "
               f"breakdown {r.get('breakdown')}")

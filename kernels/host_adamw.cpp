@@ -21,9 +21,6 @@
 #include <omp.h>
 #endif
 
-#ifndef MEGATRAIN_EARLY_STORES
-#define MEGATRAIN_EARLY_STORES 0  // experiment: store m and v before the division (torch's order)
-#endif
 #ifndef MEGATRAIN_PREFETCH
 #define MEGATRAIN_PREFETCH 1024  // elements ahead to prefetch into L2 (0: leave it to the hardware)
 #endif
@@ -66,19 +63,11 @@ void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, 
       const float gi = g[i] * h.grad_scale;
       const float mi = h.b1 * m[i] + h.one_b1 * gi;
       const float vi = h.b2 * v[i] + h.one_b2 * gi * gi;
-#if MEGATRAIN_EARLY_STORES
-      if (kState) {
-        m[i] = mi;
-        v[i] = vi;
-      }
-#endif
       const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p[i];
       const float pi = p[i] - h.lr * u;
       if (kState) {
-#if !MEGATRAIN_EARLY_STORES
         m[i] = mi;
         v[i] = vi;
-#endif
         p[i] = pi;
       }
       if (kBf16) p_bf16[i] = to_bf16(pi);
