@@ -240,7 +240,17 @@ class Engine:
         micro = batch.split(self.cfg.micro_batches)
         p = _Pass(micro=micro, device_batches=[self.placement.to_device(m) for m in micro])
         self._sub_step, self._last = sub_step, last
-        for op in step_ops(self.lm.n_blocks, len(micro), self.cfg.prefetch_depth, update=last):
+        try:
+            self._walk(p, step_ops(self.lm.n_blocks, len(micro), self.cfg.prefetch_depth, update=last))
+        finally:
+            # A step cut short after some first halves were queued still queues their second halves, so
+            # masters, moments and stream copies never disagree (and no stale task joins a later step).
+            if self._commits:
+                self._op_commit(p, None)
+        return sum(p.losses)
+
+    def _walk(self, p: _Pass, ops: list[Op]) -> None:
+        for op in ops:
             t = time.perf_counter() if self.profile is not None else 0.0
             t_op = time.perf_counter() if self.timeline is not None else 0.0
             out = getattr(self, f"_op_{op.kind}")(p, op)
@@ -258,13 +268,13 @@ class Engine:
                     jax.block_until_ready(out)
                 key = _CATEGORY[op.kind]
                 self.profile[key] = self.profile.get(key, 0.0) + time.perf_counter() - t
-        return sum(p.losses)
 
     def _op_fetch_io(self, p: _Pass, op: Op):
         if -1 in self.resident:
             p.io = self.resident[-1].stream
             return p.io
         self.updater.wait(-1)
+        self.updater.poll(("commit", -1))
         p.io = self.placement.to_device(self.state.params_for_stream(None))
         return p.io
 
@@ -276,6 +286,7 @@ class Engine:
             p.resident[op.layer] = self.resident[op.layer].stream
             return p.resident[op.layer]
         self.updater.wait(op.layer)
+        self.updater.poll(("commit", op.layer))  # a failed second half stops training here, not later
         p.resident[op.layer] = self.placement.to_device(self.state.params_for_stream(op.layer))
         return p.resident[op.layer]
 
@@ -397,7 +408,7 @@ class Engine:
                                                     stream_of(), scale))
 
         def second_half() -> None:
-            if not guarded():
+            if not count or not guarded():  # first half skipped (non-finite step) or failed (raised there)
                 return
             if part == -1:
                 s.io, s.io_opt = self.opt.commit(s.io, s.io_opt, grads, scale, count[0])

@@ -15,7 +15,7 @@ from typing import Callable, Hashable
 class HostUpdater:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host-update")
-        self._pending: dict[Hashable, Future] = {}
+        self._pending: dict[Hashable, list[Future]] = {}  # every unwaited task per key: none is forgotten
         self.timeline = None  # a megatrain_jax.timeline.Timeline records each task's start and end
 
     def submit(self, part: Hashable, fn: Callable[[], None]) -> None:
@@ -31,20 +31,25 @@ class HostUpdater:
                     inner()
                 finally:
                     timeline.task(part, start, time.perf_counter())
-        self._pending[part] = self._pool.submit(fn)
+        futures = [f for f in self._pending.get(part, []) if not f.done() or f.exception() is not None]
+        futures.append(self._pool.submit(fn))
+        self._pending[part] = futures
 
     def wait(self, part: Hashable) -> None:
-        """Block until ``part``'s latest update is done; re-raises its exception."""
-        fut = self._pending.pop(part, None)
-        if fut is not None:
+        """Block until every task under ``part`` is done; re-raises the first exception."""
+        for fut in self._pending.pop(part, []):
             fut.result()
 
     def poll(self, part: Hashable) -> None:
-        """Re-raise ``part``'s exception if its task has already failed; never blocks."""
-        fut = self._pending.get(part)
-        if fut is not None and fut.done():
+        """Re-raise the exception of a finished task under ``part``; never blocks."""
+        futures = self._pending.get(part, [])
+        for fut in futures:
+            if fut.done() and fut.exception() is not None:
+                del self._pending[part]
+                fut.result()
+        self._pending[part] = [f for f in futures if not f.done()]
+        if not self._pending[part]:
             del self._pending[part]
-            fut.result()
 
     def wait_all(self) -> None:
         for part in list(self._pending):

@@ -65,9 +65,10 @@ class Timeline:
             kind, layer, micro, out = item
             try:
                 jax.block_until_ready(out)
+                self._add(ev="ready", kind=kind, layer=layer, micro=micro, at=self._now())
             except Exception:  # donated to a later op before we looked (an accumulator): no event
-                continue
-            self._add(ev="ready", kind=kind, layer=layer, micro=micro, at=self._now())
+                pass
+            del item, out  # hold no device buffer past its release
 
     def close(self) -> list[dict[str, Any]]:
         """Wait for the watcher to see every output; return the events sorted by time."""

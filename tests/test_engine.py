@@ -300,3 +300,47 @@ def test_split_update_keeps_stream_copy_equal_to_masters():
     for master, stream in zip(jax.tree.leaves((engine.state.io, engine.state.blocks)),
                               jax.tree.leaves((engine.state.stream_io, engine.state.stream_blocks))):
         np.testing.assert_array_equal(np.asarray(master.astype("bfloat16")), np.asarray(stream))
+
+
+def test_split_update_second_half_failure_is_not_lost():
+    """An error in a second half (a guard, the kernel) stops training instead of being dropped when the
+    next step queues its own second halves."""
+    engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED())
+    assert engine._split
+    calls = []
+
+    def flaky_guard(part):
+        calls.append(part)
+        if part == 1 and calls.count(1) == 1:
+            raise RuntimeError("guard failed once")
+    engine.update_guards.append(flaky_guard)
+    batches = make_batches(4)
+    with pytest.raises(RuntimeError, match="guard failed once"):
+        for b in batches:
+            engine.step(b)
+        engine.sync()
+
+
+def test_split_update_step_cut_short_still_commits_what_it_started():
+    """A step interrupted between the first halves leaves masters, moments and bf16 copies consistent."""
+    import jax
+    engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED())
+    good, bad = make_batches(2)
+    engine.step(good)
+    original = engine._op_update
+
+    def interrupted(p, op):
+        if op.layer == 1:
+            raise KeyboardInterrupt
+        return original(p, op)
+    engine._op_update = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.step(bad)
+    engine._op_update = original
+    assert engine._commits == []
+    engine.sync()
+    s = engine.state
+    for master, stream in zip(jax.tree.leaves((s.io, s.blocks)), jax.tree.leaves((s.stream_io, s.stream_blocks))):
+        np.testing.assert_array_equal(np.asarray(master.astype("bfloat16")), np.asarray(stream))
+    counts = [int(np.asarray(o.count)) for o in [s.io_opt] + list(s.blocks_opt)]
+    assert counts == [2, 2, 1, 1], counts  # io and block 0 took the second step; blocks 1, 2 did not
