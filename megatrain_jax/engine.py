@@ -375,7 +375,6 @@ class Engine:
             self.resident[part] = self._res.update(self.resident[part], grads, self._scale, self._ok)
             return self.resident[part]
         scale, s = self._scale, self.state
-        stream_of = lambda: s.stream_io if part == -1 else s.stream_blocks[part]
 
         def guarded() -> bool:
             if not self._step_ok:
@@ -403,9 +402,9 @@ class Engine:
 
         def first_half() -> None:  # the next forward waits on this one only
             if self._step_ok:
-                opt = s.io_opt if part == -1 else s.blocks_opt[part]
-                count.append(self.opt.update_stream(s.io if part == -1 else s.blocks[part], opt, grads,
-                                                    stream_of(), scale))
+                params, opt, stream = ((s.io, s.io_opt, s.stream_io) if part == -1
+                                       else (s.blocks[part], s.blocks_opt[part], s.stream_blocks[part]))
+                count.append(self.opt.update_stream(params, opt, grads, stream, scale))
 
         def second_half() -> None:
             if not count or not guarded():  # first half skipped (non-finite step) or failed (raised there)
