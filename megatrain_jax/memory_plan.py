@@ -198,7 +198,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         "master weights, float32 (4 B/param)": 4 * P,
         "Adam moments m and v, float32 (8 B/param)": 8 * P,
         # Counted for every parameter, though GPU-resident parts keep theirs on the device: measured host
-        # peaks (7B, 14 of 32 blocks + io resident: 120.1 GiB, this plan 120.3) carry about as much again in
+        # peaks (7B, 14 of 32 blocks + io resident: 120.1 GiB, this plan 120.4) carry about as much again in
         # init temporaries and pinned-pool chunks XLA keeps, which nothing else here counts.
         "gradients of one step, float32 (4 B/param)": 4 * P,
     }
