@@ -24,6 +24,22 @@
 #ifndef MEGATRAIN_PREFETCH
 #define MEGATRAIN_PREFETCH 1024  // elements ahead to prefetch into L2 (0: leave it to the hardware)
 #endif
+#ifndef MEGATRAIN_PREFETCH_HINT
+#define MEGATRAIN_PREFETCH_HINT 2  // __builtin_prefetch locality: 3 = into L1, 2 = into L2
+#endif
+#ifndef MEGATRAIN_CHUNK
+#define MEGATRAIN_CHUNK 0  // > 0: threads take chunks of this many elements in turn; 0: one slice per thread
+#endif
+#ifndef MEGATRAIN_BIND
+#define MEGATRAIN_BIND 0  // 1: pin each worker thread (not the caller) to one CPU of the process, on first use
+#endif
+#ifndef MEGATRAIN_SPLIT
+#define MEGATRAIN_SPLIT 1  // sub-ranges each thread walks side by side (more streams in flight per core)
+#endif
+#if MEGATRAIN_BIND
+#include <sched.h>
+#include <vector>
+#endif
 
 // Round-to-nearest-even float -> bfloat16, NaN kept quiet. Branch-free so the loop vectorizes.
 static inline uint16_t to_bf16(float x) {
@@ -40,42 +56,76 @@ struct Hyper {
 };
 
 template <bool kState, bool kBf16>
-void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
-                 uint16_t* __restrict p_bf16, int64_t lo, int64_t hi, const Hyper h) {
+inline void adamw_block(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
+                        uint16_t* __restrict p_bf16, int64_t b, int64_t e, int64_t hi, const Hyper& h) {
 #if MEGATRAIN_PREFETCH > 0
-  // One cache line of each stream per 16 elements, prefetched (into L2) MEGATRAIN_PREFETCH elements ahead.
-  constexpr int64_t kStep = 16;
-#else
-  constexpr int64_t kStep = 2048;
-#endif
-  for (int64_t b = lo; b < hi; b += kStep) {
-    const int64_t e = std::min(b + kStep, hi);
-#if MEGATRAIN_PREFETCH > 0
-    if (b + MEGATRAIN_PREFETCH < hi) {
-      __builtin_prefetch(p + b + MEGATRAIN_PREFETCH, 1, 2);
-      __builtin_prefetch(m + b + MEGATRAIN_PREFETCH, 1, 2);
-      __builtin_prefetch(v + b + MEGATRAIN_PREFETCH, 1, 2);
-      __builtin_prefetch(g + b + MEGATRAIN_PREFETCH, 0, 2);
-    }
+  if (b + MEGATRAIN_PREFETCH < hi) {
+    __builtin_prefetch(p + b + MEGATRAIN_PREFETCH, 1, MEGATRAIN_PREFETCH_HINT);
+    __builtin_prefetch(m + b + MEGATRAIN_PREFETCH, 1, MEGATRAIN_PREFETCH_HINT);
+    __builtin_prefetch(v + b + MEGATRAIN_PREFETCH, 1, MEGATRAIN_PREFETCH_HINT);
+    __builtin_prefetch(g + b + MEGATRAIN_PREFETCH, 0, MEGATRAIN_PREFETCH_HINT);
+  }
 #endif
 #pragma omp simd
-    for (int64_t i = b; i < e; ++i) {
-      const float gi = g[i] * h.grad_scale;
-      const float mi = h.b1 * m[i] + h.one_b1 * gi;
-      const float vi = h.b2 * v[i] + h.one_b2 * gi * gi;
-      const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p[i];
-      const float pi = p[i] - h.lr * u;
-      if (kState) {
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = pi;
-      }
-      if (kBf16) p_bf16[i] = to_bf16(pi);
+  for (int64_t i = b; i < e; ++i) {
+    const float gi = g[i] * h.grad_scale;
+    const float mi = h.b1 * m[i] + h.one_b1 * gi;
+    const float vi = h.b2 * v[i] + h.one_b2 * gi * gi;
+    const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p[i];
+    const float pi = p[i] - h.lr * u;
+    if (kState) {
+      m[i] = mi;
+      v[i] = vi;
+      p[i] = pi;
     }
+    if (kBf16) p_bf16[i] = to_bf16(pi);
   }
 }
 
+#if MEGATRAIN_PREFETCH > 0
+constexpr int64_t kStep = 16;  // one cache line of each stream per block, prefetched MEGATRAIN_PREFETCH ahead
+#else
+constexpr int64_t kStep = 2048;
+#endif
+
+template <bool kState, bool kBf16>
+void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
+                 uint16_t* __restrict p_bf16, int64_t lo, int64_t hi, const Hyper h) {
+  constexpr int64_t kSplit = MEGATRAIN_SPLIT;
+  // kSplit sub-ranges of whole blocks, walked side by side; the last one also takes the remainder.
+  const int64_t sub = (hi - lo) / kSplit / kStep * kStep;
+  for (int64_t off = 0; off < sub; off += kStep)
+    for (int64_t k = 0; k < kSplit; ++k) {
+      const int64_t b = lo + k * sub + off, end = k + 1 < kSplit ? lo + (k + 1) * sub : hi;
+      adamw_block<kState, kBf16>(p, m, v, g, p_bf16, b, b + kStep, end, h);
+    }
+  for (int64_t b = lo + kSplit * sub; b < hi; b += kStep)
+    adamw_block<kState, kBf16>(p, m, v, g, p_bf16, b, std::min(b + kStep, hi), hi, h);
+}
+
 int g_threads = 0;  // 0: OpenMP's default (all cores); set by megatrain_set_threads
+
+#if MEGATRAIN_BIND
+// Pins the calling worker thread to the t-th CPU this process may run on (once per thread). The caller
+// (thread 0) is left free: it is the engine's update thread, which runs other work between updates.
+void bind_worker(int64_t t) {
+  static const std::vector<int> cpus = [] {
+    std::vector<int> out;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0)
+      for (int c = 0; c < CPU_SETSIZE; ++c)
+        if (CPU_ISSET(c, &set)) out.push_back(c);
+    return out;
+  }();
+  thread_local bool bound = false;
+  if (bound || t == 0 || cpus.empty()) return;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpus[t % cpus.size()], &one);
+  sched_setaffinity(0, sizeof one, &one);
+  bound = true;
+}
+#endif
 
 template <bool kState, bool kBf16>
 void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
@@ -89,10 +139,24 @@ void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf
 #else
     const int64_t t = 0, nt = 1;
 #endif
+#if MEGATRAIN_BIND
+    bind_worker(t);
+#endif
+#if MEGATRAIN_CHUNK > 0
+    // 64-byte aligned chunks handed out in turn: a thread slowed by other work simply takes fewer.
+    (void)t;
+    (void)nt;
+    constexpr int64_t kChunk = (MEGATRAIN_CHUNK + 15) / 16 * 16;
+    const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t c = 0; c < chunks; ++c)
+      adamw_range<kState, kBf16>(p, m, v, g, p_bf16, c * kChunk, std::min(n, (c + 1) * kChunk), h);
+#else
     // Contiguous, 64-byte aligned slices: each thread streams its own range.
     const int64_t per = ((n + nt - 1) / nt + 15) / 16 * 16;
     const int64_t lo = std::min(n, t * per), hi = std::min(n, lo + per);
     if (lo < hi) adamw_range<kState, kBf16>(p, m, v, g, p_bf16, lo, hi, h);
+#endif
   }
 }
 
