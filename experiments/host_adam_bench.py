@@ -128,15 +128,21 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from: " + ", ".join(SYSTEMS))
     ap.add_argument("--kernel-variants", default="",
                     help="extra kernel builds on pinned memory, NAME:DEFINE,... separated by | "
-                         "(e.g. 'v512:-mprefer-vector-width=512'; 'threads=N' sets that build's OpenMP threads)")
+                         "(e.g. 'v512:-mprefer-vector-width=512'; 'threads=N' sets that build's OpenMP threads; "
+                         "'first_half' times the split update's first pass instead of the whole update)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     n = args.params * 2**20
     for spec in filter(None, args.kernel_variants.split("|")):
         vname, _, defs = spec.partition(":")
-        defines = tuple(d for d in defs.split(",") if d)
-        SYSTEMS[f"kernel_variant_{vname}_fp32"] = lambda n, d=defines: make_jax_host(n, False, True, kernel_defines=d)
-        args.systems += f",kernel_variant_{vname}_fp32"
+        defines = tuple(d for d in defs.split(",") if d and d != "first_half")
+        if "first_half" in defs.split(","):  # the split update's first pass (bf16 copy only)
+            key = f"kernel_variant_{vname}_first_half"
+            SYSTEMS[key] = lambda n, d=defines: make_jax_host(n, True, True, first_half=True, kernel_defines=d)
+        else:
+            key = f"kernel_variant_{vname}_fp32"
+            SYSTEMS[key] = lambda n, d=defines: make_jax_host(n, False, True, kernel_defines=d)
+        args.systems += f",{key}"
     names = args.systems.split(",")
     unknown = [x for x in names if x not in SYSTEMS]
     if unknown:

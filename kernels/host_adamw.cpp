@@ -30,15 +30,8 @@
 #ifndef MEGATRAIN_CHUNK
 #define MEGATRAIN_CHUNK 0  // > 0: threads take chunks of this many elements in turn; 0: one slice per thread
 #endif
-#ifndef MEGATRAIN_BIND
-#define MEGATRAIN_BIND 0  // 1: pin each worker thread (not the caller) to one CPU of the process, on first use
-#endif
 #ifndef MEGATRAIN_SPLIT
 #define MEGATRAIN_SPLIT 1  // sub-ranges each thread walks side by side (more streams in flight per core)
-#endif
-#if MEGATRAIN_BIND
-#include <sched.h>
-#include <vector>
 #endif
 
 // Round-to-nearest-even float -> bfloat16, NaN kept quiet. Branch-free so the loop vectorizes.
@@ -105,28 +98,6 @@ void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, 
 
 int g_threads = 0;  // 0: OpenMP's default (all cores); set by megatrain_set_threads
 
-#if MEGATRAIN_BIND
-// Pins the calling worker thread to the t-th CPU this process may run on (once per thread). The caller
-// (thread 0) is left free: it is the engine's update thread, which runs other work between updates.
-void bind_worker(int64_t t) {
-  static const std::vector<int> cpus = [] {
-    std::vector<int> out;
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0)
-      for (int c = 0; c < CPU_SETSIZE; ++c)
-        if (CPU_ISSET(c, &set)) out.push_back(c);
-    return out;
-  }();
-  thread_local bool bound = false;
-  if (bound || t == 0 || cpus.empty()) return;
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(cpus[t % cpus.size()], &one);
-  sched_setaffinity(0, sizeof one, &one);
-  bound = true;
-}
-#endif
-
 template <bool kState, bool kBf16>
 void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
 #ifdef _OPENMP
@@ -138,9 +109,6 @@ void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
 #else
     const int64_t t = 0, nt = 1;
-#endif
-#if MEGATRAIN_BIND
-    bind_worker(t);
 #endif
 #if MEGATRAIN_CHUNK > 0
     // 64-byte aligned chunks handed out in turn: a thread slowed by other work simply takes fewer.
