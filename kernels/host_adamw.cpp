@@ -1,5 +1,10 @@
 // Fused AdamW for host (CPU) memory: one pass over p, m, v, g updates all three in place and, optionally,
 // writes a bfloat16 copy of the new parameters. Multi-threaded with OpenMP, vectorizable inner loop.
+// The pass is limited by how many cache misses each core keeps in flight, so the work is laid out for that:
+// threads take 64K-element chunks in turn (a thread slowed by other work takes fewer), each chunk is walked
+// as two halves side by side (eight read streams per core instead of four), and each stream is prefetched
+// into L2 ahead of use. Measured on the H100 machine: +10-18% over one static slice per thread
+// (experiments/NOTES.md, v7).
 // The math is optax.adamw's (scale_by_adam -> add_decayed_weights -> scale_by_learning_rate):
 //   g'  = g * grad_scale
 //   m   = b1 m + (1 - b1) g'          v = b2 v + (1 - b2) g'^2
@@ -28,10 +33,10 @@
 #define MEGATRAIN_PREFETCH_HINT 2  // __builtin_prefetch locality: 3 = into L1, 2 = into L2
 #endif
 #ifndef MEGATRAIN_CHUNK
-#define MEGATRAIN_CHUNK 0  // > 0: threads take chunks of this many elements in turn; 0: one slice per thread
+#define MEGATRAIN_CHUNK 65536  // > 0: threads take chunks of this many elements in turn; 0: one slice per thread
 #endif
 #ifndef MEGATRAIN_SPLIT
-#define MEGATRAIN_SPLIT 1  // sub-ranges each thread walks side by side (more streams in flight per core)
+#define MEGATRAIN_SPLIT 2  // sub-ranges each thread walks side by side (more streams in flight per core)
 #endif
 
 // Round-to-nearest-even float -> bfloat16, NaN kept quiet. Branch-free so the loop vectorizes.
