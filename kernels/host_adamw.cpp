@@ -1,10 +1,11 @@
 // Fused AdamW for host (CPU) memory: one pass over p, m, v, g updates all three in place and, optionally,
 // writes a bfloat16 copy of the new parameters. Multi-threaded with OpenMP, vectorizable inner loop.
 // The pass is limited by how many cache misses each core keeps in flight, so the work is laid out for that:
-// threads take 64K-element chunks in turn (a thread slowed by other work takes fewer), each chunk is walked
-// as two halves side by side (eight read streams per core instead of four), and each stream is prefetched
-// into L2 ahead of use. Measured on the H100 machine: +10-18% over one static slice per thread
-// (experiments/NOTES.md, v7).
+// - threads take 64K-element chunks first come, first served (a thread slowed by other work takes fewer);
+// - each chunk is walked as two sub-ranges side by side (eight float streams per core instead of four);
+// - each float stream is prefetched ahead of use (with -march=native GCC turns the prefetches of the
+//   streams written back, p, m and v, into prefetchw; only g's hint selects a cache level).
+// Measured on the H100 machine: 1.13-1.18x one static slice per thread (experiments/NOTES.md, v7).
 // The math is optax.adamw's (scale_by_adam -> add_decayed_weights -> scale_by_learning_rate):
 //   g'  = g * grad_scale
 //   m   = b1 m + (1 - b1) g'          v = b2 v + (1 - b2) g'^2
@@ -19,6 +20,7 @@
 //   parameter instead of 12). The engine runs it first, on the step's critical path, and the whole update
 //   later, off it.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -27,17 +29,20 @@
 #endif
 
 #ifndef MEGATRAIN_PREFETCH
-#define MEGATRAIN_PREFETCH 1024  // elements ahead to prefetch into L2 (0: leave it to the hardware)
+#define MEGATRAIN_PREFETCH 1024  // elements ahead to prefetch (0: leave it to the hardware)
 #endif
 #ifndef MEGATRAIN_PREFETCH_HINT
-#define MEGATRAIN_PREFETCH_HINT 2  // __builtin_prefetch locality: 3 = into L1, 2 = into L2
+#define MEGATRAIN_PREFETCH_HINT 2  // __builtin_prefetch locality of read-only streams: 3 = L1, 2 = L2
 #endif
 #ifndef MEGATRAIN_CHUNK
-#define MEGATRAIN_CHUNK 65536  // > 0: threads take chunks of this many elements in turn; 0: one slice per thread
+#define MEGATRAIN_CHUNK 65536  // > 0: threads take chunks of up to this many elements; 0: one slice per thread
 #endif
 #ifndef MEGATRAIN_SPLIT
 #define MEGATRAIN_SPLIT 2  // sub-ranges each thread walks side by side (more streams in flight per core)
 #endif
+static_assert(MEGATRAIN_SPLIT >= 1, "MEGATRAIN_SPLIT must be at least 1");
+static_assert(MEGATRAIN_CHUNK >= 0 && MEGATRAIN_PREFETCH >= 0, "MEGATRAIN_CHUNK and MEGATRAIN_PREFETCH must be >= 0");
+static_assert(MEGATRAIN_PREFETCH_HINT >= 0 && MEGATRAIN_PREFETCH_HINT <= 3, "MEGATRAIN_PREFETCH_HINT is 0 to 3");
 
 // Round-to-nearest-even float -> bfloat16, NaN kept quiet. Branch-free so the loop vectorizes.
 static inline uint16_t to_bf16(float x) {
@@ -81,7 +86,7 @@ inline void adamw_block(float* __restrict p, float* __restrict m, float* __restr
 }
 
 #if MEGATRAIN_PREFETCH > 0
-constexpr int64_t kStep = 16;  // one cache line of each stream per block, prefetched MEGATRAIN_PREFETCH ahead
+constexpr int64_t kStep = 16;  // one cache line of each float stream per block, prefetched MEGATRAIN_PREFETCH ahead
 #else
 constexpr int64_t kStep = 2048;
 #endif
@@ -90,7 +95,7 @@ template <bool kState, bool kBf16>
 void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
                  uint16_t* __restrict p_bf16, int64_t lo, int64_t hi, const Hyper h) {
   constexpr int64_t kSplit = MEGATRAIN_SPLIT;
-  // kSplit sub-ranges of whole blocks, walked side by side; the last one also takes the remainder.
+  // kSplit sub-ranges of whole blocks, walked side by side, then the remainder (under kSplit blocks) alone.
   const int64_t sub = (hi - lo) / kSplit / kStep * kStep;
   for (int64_t off = 0; off < sub; off += kStep)
     for (int64_t k = 0; k < kSplit; ++k) {
@@ -101,12 +106,13 @@ void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, 
     adamw_block<kState, kBf16>(p, m, v, g, p_bf16, b, std::min(b + kStep, hi), hi, h);
 }
 
-int g_threads = 0;  // 0: OpenMP's default (all cores); set by megatrain_set_threads
+std::atomic<int> g_threads{0};  // 0: OpenMP's default (all cores); set by megatrain_set_threads
 
 template <bool kState, bool kBf16>
 void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
 #ifdef _OPENMP
-  const int threads = g_threads > 0 ? g_threads : omp_get_max_threads();
+  const int set = g_threads.load(std::memory_order_relaxed);
+  const int threads = set > 0 ? set : omp_get_max_threads();
 #endif
 #pragma omp parallel num_threads(threads)
   {
@@ -116,16 +122,18 @@ void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf
     const int64_t t = 0, nt = 1;
 #endif
 #if MEGATRAIN_CHUNK > 0
-    // 64-byte aligned chunks handed out in turn: a thread slowed by other work simply takes fewer.
+    // Chunks first come, first served: a thread slowed by other work simply takes fewer. They start at
+    // multiples of 32 elements from the buffers' start (whole cache lines of the bf16 copy, too), and are
+    // shrunk for arrays under nt full chunks so that every thread still gets work.
     (void)t;
-    (void)nt;
-    constexpr int64_t kChunk = (MEGATRAIN_CHUNK + 15) / 16 * 16;
-    const int64_t chunks = (n + kChunk - 1) / kChunk;
+    constexpr int64_t kChunk = (MEGATRAIN_CHUNK + 31) / 32 * 32;
+    const int64_t chunk = std::min(kChunk, std::max<int64_t>(32, ((n + nt - 1) / nt + 31) / 32 * 32));
+    const int64_t chunks = (n + chunk - 1) / chunk;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t c = 0; c < chunks; ++c)
-      adamw_range<kState, kBf16>(p, m, v, g, p_bf16, c * kChunk, std::min(n, (c + 1) * kChunk), h);
+      adamw_range<kState, kBf16>(p, m, v, g, p_bf16, c * chunk, std::min(n, (c + 1) * chunk), h);
 #else
-    // Contiguous, 64-byte aligned slices: each thread streams its own range.
+    // Contiguous slices, starting at multiples of 16 elements from the buffers' start: one per thread.
     const int64_t per = ((n + nt - 1) / nt + 15) / 16 * 16;
     const int64_t lo = std::min(n, t * per), hi = std::min(n, lo + per);
     if (lo < hi) adamw_range<kState, kBf16>(p, m, v, g, p_bf16, lo, hi, h);
@@ -155,7 +163,7 @@ extern "C" void megatrain_adamw_stream(float* p, float* m, float* v, const float
   adamw_parallel<false, true>(p, m, v, g, p_bf16, n, make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2));
 }
 
-extern "C" void megatrain_set_threads(int n) { g_threads = n > 0 ? n : 0; }
+extern "C" void megatrain_set_threads(int n) { g_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
 
 extern "C" int megatrain_omp_threads() {
 #ifdef _OPENMP

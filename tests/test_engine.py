@@ -233,30 +233,41 @@ def test_host_kernel_matches_reference_math():
 
 
 def test_host_kernel_work_layouts_agree_bit_for_bit():
-    """Chunked and side-by-side layouts (the default) against one static slice per thread, over sizes that end
-    mid-chunk, mid-block and below one block: every element is updated exactly once, with the same bits."""
-    from kernels.host_adamw import adamw_numpy, load
-    layouts = {"default": (), "static": ("MEGATRAIN_CHUNK=0", "MEGATRAIN_SPLIT=1"),
-               "small_chunks_split3": ("MEGATRAIN_CHUNK=1000", "MEGATRAIN_SPLIT=3")}
-    libs = {k: load(d) for k, d in layouts.items()}
-    if any(lib is None for lib in libs.values()):
+    """Chunked and side-by-side layouts (the default) against one static slice per thread, and that against
+    the jnp reference, over sizes that end mid-chunk, mid-block, on a chunk boundary and below one block:
+    every element is updated exactly once, with the same bits in every layout."""
+    from kernels.host_adamw import adamw_numpy, adamw_reference, load
+    if load() is None:
         pytest.skip("no C++ compiler")
+    layouts = {"default": (), "static": ("MEGATRAIN_CHUNK=0", "MEGATRAIN_SPLIT=1"),
+               "small_chunks_split3": ("MEGATRAIN_CHUNK=1000", "MEGATRAIN_SPLIT=3"),
+               "no_prefetch_split4": ("MEGATRAIN_PREFETCH=0", "MEGATRAIN_SPLIT=4", "MEGATRAIN_CHUNK=4096")}
+    libs = {k: load(d) for k, d in layouts.items()}
+    assert all(lib is not None for lib in libs.values()), "a layout variant failed to build"
+    for k in ("static", "small_chunks_split3", "no_prefetch_split4"):  # several threads even on a 1-core runner
+        libs[k].megatrain_set_threads(4)
     rng = np.random.default_rng(3)
     hp = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=0.7, bc1=0.1, bc2=0.05)
-    for n in (7, 33, 65_536 * 2 + 37, 300_017):
+    for n in (7, 33, 65_536 * 2, 65_536 * 2 + 37, 300_017):
         src = [rng.standard_normal(n).astype(np.float32) for _ in range(4)]
         src[2] = np.abs(src[2])
         results = {}
         for k, lib in libs.items():
-            state, bf16, first_half = [x.copy() for x in src], np.zeros(n, np.uint16), np.zeros(n, np.uint16)
+            state = [x.copy() for x in src]
+            bf16, first_half = np.full(n, 0xFFFF, np.uint16), np.full(n, 0xFFFE, np.uint16)
             adamw_numpy(*state, bf16, lib=lib, **hp)
             adamw_numpy(*[x.copy() for x in src], first_half, stream_only=True, lib=lib, **hp)
-            np.testing.assert_array_equal(first_half, bf16)
-            assert not np.array_equal(state[0], src[0]), "the update must change the parameters"
-            results[k] = [x.view(np.uint32) for x in state[:3]] + [bf16]
-        for k in ("default", "small_chunks_split3"):
+            np.testing.assert_array_equal(first_half, bf16, err_msg=f"{k}, n={n}")
+            results[k] = state[:3] + [bf16]
+        ref = [np.asarray(x) for x in adamw_reference(*src, **hp)]
+        for got, want in zip(results["static"][:3], ref[:3]):
+            np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7, err_msg=f"n={n}")
+        np.testing.assert_array_equal(results["static"][3], ref[3].view(np.uint16))
+        for k in ("default", "small_chunks_split3", "no_prefetch_split4"):
             for got, want in zip(results[k], results["static"]):
-                np.testing.assert_array_equal(got, want, err_msg=f"{k}, n={n}")
+                np.testing.assert_array_equal(got.view(np.uint32) if got.dtype == np.float32 else got,
+                                              want.view(np.uint32) if want.dtype == np.float32 else want,
+                                              err_msg=f"{k}, n={n}")
 
 
 def test_megatrain_adamw_matches_optax_adamw():
