@@ -34,6 +34,9 @@
 #ifndef MEGATRAIN_PREFETCH_HINT
 #define MEGATRAIN_PREFETCH_HINT 2  // __builtin_prefetch locality of read-only streams: 3 = L1, 2 = L2
 #endif
+#ifndef MEGATRAIN_PREFETCH_WRITE
+#define MEGATRAIN_PREFETCH_WRITE 1  // 1: prefetch p, m, v for writing (prefetchw where the CPU has it); 0: for reading
+#endif
 #ifndef MEGATRAIN_CHUNK
 #define MEGATRAIN_CHUNK 65536  // > 0: threads take chunks of up to this many elements; 0: one slice per thread
 #endif
@@ -63,9 +66,9 @@ inline void adamw_block(float* __restrict p, float* __restrict m, float* __restr
                         uint16_t* __restrict p_bf16, int64_t b, int64_t e, int64_t hi, const Hyper& h) {
 #if MEGATRAIN_PREFETCH > 0
   if (b + MEGATRAIN_PREFETCH < hi) {
-    __builtin_prefetch(p + b + MEGATRAIN_PREFETCH, 1, MEGATRAIN_PREFETCH_HINT);
-    __builtin_prefetch(m + b + MEGATRAIN_PREFETCH, 1, MEGATRAIN_PREFETCH_HINT);
-    __builtin_prefetch(v + b + MEGATRAIN_PREFETCH, 1, MEGATRAIN_PREFETCH_HINT);
+    __builtin_prefetch(p + b + MEGATRAIN_PREFETCH, MEGATRAIN_PREFETCH_WRITE, MEGATRAIN_PREFETCH_HINT);
+    __builtin_prefetch(m + b + MEGATRAIN_PREFETCH, MEGATRAIN_PREFETCH_WRITE, MEGATRAIN_PREFETCH_HINT);
+    __builtin_prefetch(v + b + MEGATRAIN_PREFETCH, MEGATRAIN_PREFETCH_WRITE, MEGATRAIN_PREFETCH_HINT);
     __builtin_prefetch(g + b + MEGATRAIN_PREFETCH, 0, MEGATRAIN_PREFETCH_HINT);
   }
 #endif
