@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatrain_jax.host_optimizer import HostOptimizer  # noqa: E402
 from megatrain_jax.optim import adamw  # noqa: E402
 from megatrain_jax.transfer import Placement  # noqa: E402
+from experiments.host_memory_probe import system_info  # noqa: E402
 
 
 def make_jax_host(n: int, stream: bool, fused: bool = False, first_half: bool = False,
@@ -162,7 +163,7 @@ def main() -> None:
     out = {"name": "host_adamw_throughput", "command": "PYTHONPATH=. python experiments/host_adam_bench.py "
            + " ".join(sys.argv[1:]), "git_commit": commit,
            "device": {"name": getattr(dev, "device_kind", str(dev)), "cpu_cores": os.cpu_count()},
-           "date": datetime.date.today().isoformat(), "params": n,
+           "date": datetime.date.today().isoformat(), "params": n, "system_info": system_info(),
            "runs": [{"system": k, "params_per_s": v if isinstance(v, float) else None,
                      "status": "ok" if isinstance(v, float) else v}
                     for k, v in runs.items()]}

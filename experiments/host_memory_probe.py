@@ -75,8 +75,11 @@ def system_info() -> dict:
         except OSError as e:
             return f"unreadable: {e}"
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    keep = ("Model name", "NUMA", "Thread", "Core", "Socket", "L3", "CPU(s)")
-    return {"thp_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+    keep = ("Model", "CPU family", "Stepping", "BogoMIPS", "Hypervisor", "NUMA", "Thread", "Core", "Socket",
+            "L1d", "L2", "L3", "CPU(s)")
+    flags = next((ln.split(":", 1)[1].split() for ln in lscpu.splitlines() if ln.startswith("Flags")), [])
+    return {"cpu_vector_flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2", "prefetchw"))),
+            "thp_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
             "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"),
             "lscpu": [ln for ln in lscpu.splitlines() if ln.strip().startswith(keep)],
             "meminfo": [ln for ln in read("/proc/meminfo").splitlines() if "Huge" in ln or "Mem" in ln],
