@@ -136,8 +136,9 @@ def main() -> None:
     n = args.params * 2**20
     for spec in filter(None, args.kernel_variants.split("|")):
         vname, _, defs = spec.partition(":")
-        defines = tuple(d for d in defs.split(",") if d and d != "first_half")
-        if "first_half" in defs.split(","):  # the split update's first pass (bf16 copy only)
+        words = [d for d in defs.split(",") if d]
+        defines = tuple(d for d in words if d != "first_half")
+        if "first_half" in words:  # the split update's first pass (bf16 copy only)
             key = f"kernel_variant_{vname}_first_half"
             SYSTEMS[key] = lambda n, d=defines: make_jax_host(n, True, True, first_half=True, kernel_defines=d)
         else:

@@ -5,7 +5,7 @@
 // - each chunk is walked as two sub-ranges side by side (eight float streams per core instead of four);
 // - each float stream is prefetched ahead of use (with -march=native GCC turns the prefetches of the
 //   streams written back, p, m and v, into prefetchw; only g's hint selects a cache level).
-// Measured on the H100 machine: 1.13-1.18x one static slice per thread (experiments/NOTES.md, v7).
+// Measured on H100 machines: 1.07-1.23x one static slice per thread (experiments/NOTES.md, v7 and v8).
 // The math is optax.adamw's (scale_by_adam -> add_decayed_weights -> scale_by_learning_rate):
 //   g'  = g * grad_scale
 //   m   = b1 m + (1 - b1) g'          v = b2 v + (1 - b2) g'^2
