@@ -1,4 +1,4 @@
-"""Benchmark the streamed engine on named configurations and write a results JSON (../shared/RESULTS.md).
+"""Benchmark the streamed engine on named configurations and write a results JSON (docs/results.md).
 
     PYTHONPATH=. python experiments/bench.py --configs 3p5b_32k --out $OUT/bench.json
 
@@ -34,6 +34,7 @@ from megatrain_jax import Decoder, Engine, EngineConfig, default_optimizer, pres
 from megatrain_jax.data import TokenDataset, TokenFile  # noqa: E402
 from megatrain_jax.data.demo import demo_tokens  # noqa: E402
 from megatrain_jax.flops import model_flops_per_token  # noqa: E402
+from megatrain_jax.observers import Profile  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +54,7 @@ CONFIGS: dict[str, BenchConfig] = {
     # 8 of 16 blocks resident: enough that the host's first-half updates of the other 8 (~40 ms each) stay
     # ahead of the next forward (~22 ms per block at 32K); see experiments/NOTES.md, v5.
     "3p5b_32k": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True)),
-    # A/B variants of 3p5b_32k for experiments/NOTES.md.
-    "3p5b_32k_nosplit": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=6,
-                                                                     resident_io=True, split_update=False)),
+    # A/B variant of 3p5b_32k for experiments/NOTES.md.
     "3p5b_32k_r9": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=9, resident_io=True)),
     "3p5b_98k": BenchConfig("7b", 16, 2048, 48, EngineConfig(micro_batches=6, resident_layers=8, resident_io=True)),
     # 14 of 32 blocks resident (~64 GiB of GPU memory: needs XLA_PYTHON_CLIENT_MEM_FRACTION above JAX's 0.75,
@@ -85,7 +84,7 @@ def record_timeline(engine: Engine, data, steps: int) -> dict:
     seconds from that step's start, plus the whole step's span until its last device op was ready."""
     from megatrain_jax.timeline import Timeline
     timeline = Timeline()
-    engine.set_timeline(timeline)
+    engine.observe(timeline)
     outs = []
     for k in range(steps):
         timeline.mark(f"step {k}")
@@ -93,7 +92,7 @@ def record_timeline(engine: Engine, data, steps: int) -> dict:
     engine.sync()
     for o in outs:
         o.resolve()
-    engine.set_timeline(None)
+    engine.stop_observing(timeline)
     events = timeline.close()
     start = max(e["at"] for e in events if e["ev"] == "mark")
     last = [dict(e) for e in events if e.get("start", e.get("at", 0.0)) >= start and e["ev"] != "mark"]
@@ -124,7 +123,9 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
         engine = Engine(abstract, default_optimizer(lr), bc.engine, seed=0)
         jax.block_until_ready(engine.state)
         run["init_s"] = round(time.perf_counter() - t0, 2)
-        run["host_optimizer"] = "fused C++ AdamW kernel" if engine.opt.fused else "JAX host computation"
+        run["host_optimizer"] = {"fused": "fused C++ AdamW kernel", "host": "JAX host computation",
+                                 "device": "JAX on the GPU (state sent there and back)"}.get(engine.update_route,
+                                                                                             engine.update_route)
         n_steps = warmup + timed + 1 + timeline_steps
         toks, starts = demo_tokens(cfg.vocab_size, n_steps * tokens_per_step * 2 + bc.seq_len + 1, seed=0)
         data = iter(TokenDataset(TokenFile.from_array(toks, cfg.vocab_size, starts), bc.seq_len).batches(bc.rows))
@@ -143,18 +144,20 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
                    step_times=[round(r["step_time_s"], 4) for r in records],
                    dispatch_s=round(statistics.median(r["dispatch_s"] for r in timed_recs), 4))
         # Breakdown: one step with a sync after every op, so each category's time is its own.
-        engine.profile = {}
+        profile = Profile()
+        engine.observe(profile)
         t = time.perf_counter()
         engine.step(next(data)).resolve()
+        engine.sync()
         serial = time.perf_counter() - t
-        prof = {k: round(v, 4) for k, v in engine.profile.items()}
+        engine.stop_observing(profile)
+        prof = {k: round(v, 4) for k, v in profile.seconds.items()}
         compute = prof.get("compute", 0.0)
         run["breakdown"] = {"serialized_step_s": round(serial, 4), **{f"{k}_s": v for k, v in prof.items()},
                             "gpu_busy_fraction_est": round(min(compute / step_time, 1.0), 3),
                             "gpu_idle_fraction_est": round(max(1 - compute / step_time, 0.0), 3),
                             "note": "per-category times from a step synchronized after every op; idle = "
                                     "1 - compute / overlapped median step time"}
-        engine.profile = None
         if timeline_steps:
             run["timeline"] = record_timeline(engine, data, timeline_steps)
         run.update(gpu_peak_gib=gpu_peak_gib(), host_peak_gib=host_peak_gib(), status="ok")

@@ -39,8 +39,8 @@ def fingerprint(engine: Engine, full_parts: int = 2, sample: int = 1 << 20) -> i
     engine.sync()
     s = engine.state
     crc = 0
-    for i, part in enumerate([(s.io, s.io_opt)] + list(zip(s.blocks, s.blocks_opt))):
-        for leaf in jax.tree.leaves(part):
+    for i, part in enumerate(s.parts):
+        for leaf in jax.tree.leaves((part.params, part.opt)):
             if not hasattr(leaf, "dtype"):
                 continue
             raw = np.ascontiguousarray(np.asarray(leaf)).view(np.uint8).reshape(-1)

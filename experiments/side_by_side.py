@@ -1,4 +1,5 @@
-"""Issue 4's whole comparison in one script run: every target measured on the same machine, one results file.
+"""The whole comparison with the peers in one script run: every target measured on the same machine, one
+results file (issue 4's targets; issue 12 raised the 7B bar to 450 model TFLOP/s).
 
     PYTHONPATH=/tmp/site:. python experiments/side_by_side.py --out $OUT/side_by_side.json
 
@@ -27,8 +28,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 
-# The issue's bars.
-BARS = {"3p5b_32k": 2.0, "3p5b_98k": 1.5, "7b_tflops": 400.0, "host_optimizer": 1.0, "gpu_idle": 0.10}
+# The bars.
+BARS = {"3p5b_32k": 2.0, "3p5b_98k": 1.5, "7b_tflops": 450.0, "host_optimizer": 1.0, "gpu_idle": 0.10}
 
 
 def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:

@@ -28,25 +28,6 @@
 #include <omp.h>
 #endif
 
-#ifndef MEGATRAIN_PREFETCH
-#define MEGATRAIN_PREFETCH 1024  // elements ahead to prefetch (0: leave it to the hardware)
-#endif
-#ifndef MEGATRAIN_PREFETCH_HINT
-#define MEGATRAIN_PREFETCH_HINT 2  // __builtin_prefetch locality of read-only streams: 3 = L1, 2 = L2
-#endif
-#ifndef MEGATRAIN_PREFETCH_WRITE
-#define MEGATRAIN_PREFETCH_WRITE 1  // 1: prefetch p, m, v for writing (prefetchw where the CPU has it); 0: for reading
-#endif
-#ifndef MEGATRAIN_CHUNK
-#define MEGATRAIN_CHUNK 65536  // > 0: threads take chunks of up to this many elements; 0: one slice per thread
-#endif
-#ifndef MEGATRAIN_SPLIT
-#define MEGATRAIN_SPLIT 2  // sub-ranges each thread walks side by side (more streams in flight per core)
-#endif
-static_assert(MEGATRAIN_SPLIT >= 1, "MEGATRAIN_SPLIT must be at least 1");
-static_assert(MEGATRAIN_CHUNK >= 0 && MEGATRAIN_PREFETCH >= 0, "MEGATRAIN_CHUNK and MEGATRAIN_PREFETCH must be >= 0");
-static_assert(MEGATRAIN_PREFETCH_HINT >= 0 && MEGATRAIN_PREFETCH_HINT <= 3, "MEGATRAIN_PREFETCH_HINT is 0 to 3");
-
 // Round-to-nearest-even float -> bfloat16, NaN kept quiet. Branch-free so the loop vectorizes.
 static inline uint16_t to_bf16(float x) {
   uint32_t u;
@@ -57,6 +38,15 @@ static inline uint16_t to_bf16(float x) {
 
 namespace {
 
+// The measured layout (see above; experiments/NOTES.md v7 and v8 compare it with the alternatives).
+constexpr int64_t kChunk = 65536;    // elements per chunk that threads take first come, first served
+constexpr int64_t kSplit = 2;        // sub-ranges of a chunk walked side by side
+constexpr int64_t kStep = 16;        // elements per block: one cache line of each float stream
+constexpr int64_t kPrefetch = 1024;  // elements ahead of use that each float stream is prefetched
+constexpr int kPrefetchWrite = 1;    // p, m and v are prefetched for writing (prefetchw where the CPU has it)
+constexpr int kPrefetchHint = 2;     // __builtin_prefetch locality of g: 2 = L2
+static_assert(kChunk % 32 == 0, "chunks start on whole cache lines of the bfloat16 copy");
+
 struct Hyper {
   float lr, b1, b2, eps, wd, grad_scale, one_b1, one_b2, inv_bc1, inv_bc2;
 };
@@ -64,14 +54,12 @@ struct Hyper {
 template <bool kState, bool kBf16>
 inline void adamw_block(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
                         uint16_t* __restrict p_bf16, int64_t b, int64_t e, int64_t hi, const Hyper& h) {
-#if MEGATRAIN_PREFETCH > 0
-  if (b + MEGATRAIN_PREFETCH < hi) {
-    __builtin_prefetch(p + b + MEGATRAIN_PREFETCH, MEGATRAIN_PREFETCH_WRITE, MEGATRAIN_PREFETCH_HINT);
-    __builtin_prefetch(m + b + MEGATRAIN_PREFETCH, MEGATRAIN_PREFETCH_WRITE, MEGATRAIN_PREFETCH_HINT);
-    __builtin_prefetch(v + b + MEGATRAIN_PREFETCH, MEGATRAIN_PREFETCH_WRITE, MEGATRAIN_PREFETCH_HINT);
-    __builtin_prefetch(g + b + MEGATRAIN_PREFETCH, 0, MEGATRAIN_PREFETCH_HINT);
+  if (b + kPrefetch < hi) {
+    __builtin_prefetch(p + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
+    __builtin_prefetch(m + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
+    __builtin_prefetch(v + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
+    __builtin_prefetch(g + b + kPrefetch, 0, kPrefetchHint);
   }
-#endif
 #pragma omp simd
   for (int64_t i = b; i < e; ++i) {
     const float gi = g[i] * h.grad_scale;
@@ -88,16 +76,9 @@ inline void adamw_block(float* __restrict p, float* __restrict m, float* __restr
   }
 }
 
-#if MEGATRAIN_PREFETCH > 0
-constexpr int64_t kStep = 16;  // one cache line of each float stream per block, prefetched MEGATRAIN_PREFETCH ahead
-#else
-constexpr int64_t kStep = 2048;
-#endif
-
 template <bool kState, bool kBf16>
 void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
                  uint16_t* __restrict p_bf16, int64_t lo, int64_t hi, const Hyper h) {
-  constexpr int64_t kSplit = MEGATRAIN_SPLIT;
   // kSplit sub-ranges of whole blocks, walked side by side, then the remainder (under kSplit blocks) alone.
   const int64_t sub = (hi - lo) / kSplit / kStep * kStep;
   for (int64_t off = 0; off < sub; off += kStep)
@@ -120,27 +101,18 @@ void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf
 #pragma omp parallel num_threads(threads)
   {
 #ifdef _OPENMP
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t nt = omp_get_num_threads();
 #else
-    const int64_t t = 0, nt = 1;
+    const int64_t nt = 1;
 #endif
-#if MEGATRAIN_CHUNK > 0
     // Chunks first come, first served: a thread slowed by other work simply takes fewer. They start at
     // multiples of 32 elements from the buffers' start (whole cache lines of the bf16 copy, too), and are
     // shrunk for arrays under nt full chunks so that every thread still gets work.
-    (void)t;
-    constexpr int64_t kChunk = (MEGATRAIN_CHUNK + 31) / 32 * 32;
     const int64_t chunk = std::min(kChunk, std::max<int64_t>(32, ((n + nt - 1) / nt + 31) / 32 * 32));
     const int64_t chunks = (n + chunk - 1) / chunk;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t c = 0; c < chunks; ++c)
       adamw_range<kState, kBf16>(p, m, v, g, p_bf16, c * chunk, std::min(n, (c + 1) * chunk), h);
-#else
-    // Contiguous slices, starting at multiples of 16 elements from the buffers' start: one per thread.
-    const int64_t per = ((n + nt - 1) / nt + 15) / 16 * 16;
-    const int64_t lo = std::min(n, t * per), hi = std::min(n, lo + per);
-    if (lo < hi) adamw_range<kState, kBf16>(p, m, v, g, p_bf16, lo, hi, h);
-#endif
   }
 }
 

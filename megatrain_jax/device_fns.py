@@ -9,7 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from megatrain_jax.layered import LayeredModel, Params
+from megatrain_jax.layered import LayeredModel
+from megatrain_jax.parts import Params
 
 
 def _accumulate(acc: Params | None, grads: Params) -> Params:
@@ -23,7 +24,8 @@ def _sq_norm(tree: Params) -> jax.Array:
 
 
 class DeviceFns:
-    """``embed``, ``forward``, ``head``, ``backward``, ``embed_backward`` and small helpers."""
+    """``embed``, ``forward``, ``head``, ``backward``, ``embed_backward``, ``nll_sum`` (evaluation) and small
+    helpers."""
 
     def __init__(self, lm: LayeredModel):
         self.lm = lm
@@ -31,7 +33,8 @@ class DeviceFns:
         self.forward = jax.jit(lm.block)
         self.head = jax.jit(self._head, donate_argnums=(5,))
         self.backward = jax.jit(self._backward, donate_argnums=(5,))
-        self.embed_backward = jax.jit(self._embed_backward, donate_argnums=(3,))
+        self.embed_backward = jax.jit(self._embed_backward, donate_argnums=(5,))
+        self.nll_sum = jax.jit(lm.head_nll_sum)
         self.sq_norm = jax.jit(_sq_norm)
         self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
 
@@ -50,8 +53,9 @@ class DeviceFns:
         g_params, dx_BTD = pullback(dy_BTD)
         return dx_BTD, _accumulate(acc, g_params)
 
-    def _embed_backward(self, io: Params, tokens_BT: jax.Array, dx_BTD: jax.Array, io_acc: Params) -> Params:
-        _, pullback = jax.vjp(lambda p: self.lm.embed(p, tokens_BT), io)
+    def _embed_backward(self, io: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
+                        segment_ids_BT: jax.Array | None, dx_BTD: jax.Array, io_acc: Params) -> Params:
+        _, pullback = jax.vjp(lambda p: self.lm.embed(p, tokens_BT, positions_BT, segment_ids_BT), io)
         (g_io,) = pullback(dx_BTD)
         return _accumulate(io_acc, g_io)
 

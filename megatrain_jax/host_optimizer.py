@@ -1,50 +1,42 @@
-"""The optimizer update, applied part by part to host-memory arrays.
+"""The optimizer update of one part whose state lives in pinned host memory. Three routes, chosen per
+part structure when the engine is built:
 
-Two paths:
-- **fused**: for ``megatrain_jax.adamw`` the C++ kernel (``kernels/host_adamw``) updates the pinned-host
-  parameters and moments in place and writes the bfloat16 stream copy in the same pass;
-- **generic**: any optax ``GradientTransformation`` that acts leaf by leaf (SGD, Lion, schedules,
-  callable weight-decay masks) runs as a jitted computation whose inputs and outputs are pinned-host
-  arrays, which XLA executes on the host.
+- **fused**: ``megatrain_jax.adamw`` runs as the C++ kernel (``kernels/host_adamw.cpp``), in place on the
+  pinned-host parameters and moments, writing the bfloat16 stream copy in the same pass. With a bfloat16
+  stream copy it runs in two halves (``update_stream`` then ``commit``): the update policy puts the first
+  on the next forward's critical path and the second after it;
+- **host**: any other optax transformation that XLA can run on pinned-host operands (SGD, Lion,
+  optax.adamw, schedules, callable weight-decay masks) runs as one jitted computation whose inputs and
+  outputs are pinned-host arrays, which XLA executes on the host;
+- **device**: transformations XLA cannot run on host operands (adafactor, lamb, lars, adagrad,
+  apply_if_finite, MultiSteps: their ``select``/``cond`` mix host operands with device constants) run in
+  one jitted computation that moves the part's state to the accelerator, updates it there and writes it
+  back to pinned host memory. It costs PCIe traffic (about 16 bytes per parameter each way for Adam-like
+  state) but runs anything the reference trainer runs.
 
-Transforms that look across the whole tree, like ``clip_by_global_norm``, must not be part of the
-optimizer: the engine clips exactly, from the norm of the whole gradient, and hands each part's update
-the resulting scale factor.
+Transformations that look across parameters (``clip_by_global_norm``) are refused at engine build by
+``megatrain_jax.optim.check_partwise``: the engine clips exactly, from the norm of the whole gradient,
+and hands each part's update the resulting scale factor.
 """
 
 from __future__ import annotations
 
 import ctypes
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kernels import host_adamw
-from megatrain_jax.layered import Params
+from megatrain_jax import host_kernel
 from megatrain_jax.optim import AdamWState, fused_spec
+from megatrain_jax.parts import Params, Part
+from megatrain_jax.resident import apply_scaled_update, stream_copy
 from megatrain_jax.transfer import Placement
 
-
-def clip_scale(sq_norms: list[jax.Array], clip_norm: float | None, accumulate: int) -> tuple[jax.Array, jax.Array]:
-    """Global norm of the mean gradient (the host holds the sum of ``accumulate`` gradients) and the factor
-    that turns the summed gradient into the clipped mean: ``min(1, clip / norm) / accumulate``."""
-    norm = jnp.sqrt(sum(jnp.asarray(s, jnp.float32) for s in sq_norms)) / accumulate
-    scale = jnp.float32(1.0 / accumulate)
-    if clip_norm is not None:
-        scale = jnp.where(norm < clip_norm, scale, scale * clip_norm / norm)
-    return norm, scale
-
-
-def apply_scaled_update(tx: optax.GradientTransformation, params: Params, opt_state: Any, grads: Params,
-                        scale: jax.Array) -> tuple[Params, Any]:
-    """One optimizer update of a part with its gradient scaled (clipping and accumulation averaging)."""
-    grads = jax.tree.map(lambda g: g * scale, grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+Route = Literal["fused", "host", "device"]
 
 
 def _pointers_writable(placement: Placement) -> bool:
@@ -64,15 +56,17 @@ class HostOptimizer:
         self.placement = placement
         self.stream_dtype = None if stream_dtype in (None, jnp.float32) else jnp.dtype(stream_dtype)
         host = placement.host
-        self._init = jax.jit(tx.init, out_shardings=host)
         # Donating host buffers lets XLA update in place on the GPU client; the CPU client cannot use it.
         donate = (0, 1, 2) if placement.on_gpu else ()
-        self._update = jax.jit(self._update_fn, out_shardings=host, donate_argnums=donate)
-        self._cast = jax.jit(self.stream_copy, out_shardings=placement.device)
+        self._host_update = jax.jit(self._update_fn, out_shardings=host, donate_argnums=donate)
+        self._device_update = jax.jit(lambda *args: self._update_fn(*placement.to_device(args)), out_shardings=host)
+        self._cast = jax.jit(lambda p: stream_copy(p, self.stream_dtype), out_shardings=placement.device)
+        self._init = jax.jit(tx.init)
+        self._routes: dict[Any, Route] = {}
         self.spec = fused_spec(tx)
         self.kernel = None
         if use_kernel and self.spec is not None and self.stream_dtype in (None, jnp.bfloat16):
-            self.kernel = host_adamw.load()
+            self.kernel = host_kernel.load()
             if self.kernel is not None and not _pointers_writable(placement):
                 warnings.warn("pinned-host buffers are not writable in place here; using the JAX host optimizer")
                 self.kernel = None
@@ -81,17 +75,20 @@ class HostOptimizer:
     def fused(self) -> bool:
         return self.kernel is not None
 
-    def init(self, params: Params) -> Any:
+    @property
+    def splits(self) -> bool:
+        """Whether updates run as ``update_stream`` + ``commit`` (fused kernel, bfloat16 stream copy)."""
+        return self.kernel is not None and self.stream_dtype == jnp.bfloat16
+
+    def init(self, params: Params) -> Part:
+        """A part's record at step 0: its masters, fresh optimizer state and stream copy."""
         if self.spec is not None:  # zeros written straight to pinned memory; XLA host compute is slow
             zeros = lambda p: self.placement.copy_to_host(np.zeros(p.shape, np.float32))
-            return AdamWState(self.placement.copy_to_host(np.zeros((), np.int32)),
-                              jax.tree.map(zeros, params), jax.tree.map(zeros, params))
-        return self._init(params)
-
-    def stream_copy(self, params: Params) -> Params | None:
-        if self.stream_dtype is None:
-            return None
-        return jax.tree.map(lambda p: p.astype(self.stream_dtype), params)
+            opt = AdamWState(self.placement.copy_to_host(np.zeros((), np.int32)),
+                             jax.tree.map(zeros, params), jax.tree.map(zeros, params))
+        else:  # on the device, like the reference trainer: init of any transformation works there
+            opt = self.placement.copy_to_host(self._init(self.placement.to_device(params)))
+        return Part(params, opt, self.cast(params))
 
     def cast(self, params: Params) -> Params | None:
         """A fresh stream copy of host ``params``, cast on the device (fast) and written back to host."""
@@ -99,39 +96,55 @@ class HostOptimizer:
             return None
         return self.placement.copy_to_host(self._cast(self.placement.to_device(params)))
 
+    def route(self, part: Part) -> Route:
+        """How this part's update runs (decided once per part structure, by lowering the host route)."""
+        if self.kernel is not None:
+            return "fused"
+        key = jax.tree.structure(part), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(part))
+        if key not in self._routes:
+            spec = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.placement.host), t)
+            grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=self.placement.host),
+                                 part.params)
+            scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.placement.host)
+            try:
+                self._host_update.lower(spec(part.params), spec(part.opt), grads, scale).compile()
+                self._routes[key] = "host"
+            except (ValueError, TypeError):  # host and device operands meet inside the transformation
+                self._routes[key] = "device"
+        return self._routes[key]
+
+    def compilations(self) -> dict[str, int]:
+        """Compiled programs per route (one per distinct part structure; tests assert this)."""
+        return {"host": self._host_update._cache_size(), "device": self._device_update._cache_size()}
+
     def _update_fn(self, params: Params, opt_state: Any, grads: Params, scale: jax.Array):
         params, opt_state = apply_scaled_update(self.tx, params, opt_state, grads, scale)
-        return params, opt_state, self.stream_copy(params)
+        return params, opt_state, stream_copy(params, self.stream_dtype)
 
-    def update(self, params: Params, opt_state: Any, grads: Params, stream: Params | None, scale: jax.Array):
-        """New (params, optimizer state, stream copy), all in host memory. The fused path writes into
-        ``params``, the moments and ``stream`` in place and returns them."""
-        if self.kernel is None:
-            return self._update(params, opt_state, grads, self.placement.to_host(scale))
-        t = self._next_count(opt_state)
-        self._run_kernel(host_adamw.adamw_inplace, params, opt_state, grads, stream, float(scale), t)
-        return params, self._counted(opt_state, t), stream
+    def update(self, part: Part, grads: Params, scale: jax.Array) -> Part:
+        """The whole update: the new part, all in host memory. The fused route writes the masters, the
+        moments and the stream copy in place."""
+        route = self.route(part)
+        if route == "fused":
+            t = self._next_count(part.opt)
+            self._run_kernel(host_kernel.adamw_inplace, part, grads, part.stream, float(scale), t)
+            return Part(part.params, self._counted(part.opt, t), part.stream)
+        update = self._host_update if route == "host" else self._device_update
+        return Part(*update(part.params, part.opt, grads, self.placement.to_host(scale)))
 
-    @property
-    def splits(self) -> bool:
-        """Whether ``update_stream`` + ``commit`` can stand in for ``update`` (fused kernel, bf16 stream copy)."""
-        return self.kernel is not None and self.stream_dtype == jnp.bfloat16
-
-    def update_stream(self, params: Params, opt_state: AdamWState, grads: Params, stream: Params,
-                      scale: jax.Array) -> int:
+    def update_stream(self, part: Part, grads: Params, scale: jax.Array) -> int:
         """First half of a split update: only the stream copy of the new parameters (2 of the 14 bytes per
         parameter an update writes), the part the next forward needs. Returns the step count for ``commit``."""
         assert self.splits, "split updates need the fused kernel and a bfloat16 stream copy"
-        t = self._next_count(opt_state)
-        self._run_kernel(host_adamw.adamw_stream_inplace, params, opt_state, grads, stream, float(scale), t)
+        t = self._next_count(part.opt)
+        self._run_kernel(host_kernel.adamw_stream_inplace, part, grads, part.stream, float(scale), t)
         return t
 
-    def commit(self, params: Params, opt_state: AdamWState, grads: Params, scale: jax.Array,
-               t: int) -> tuple[Params, AdamWState]:
+    def commit(self, part: Part, grads: Params, scale: jax.Array, t: int) -> Part:
         """Second half: the master parameters and moments, in place, bit for bit what ``update`` writes (the
         stream copy ``update_stream`` wrote already holds their bfloat16 rounding)."""
-        self._run_kernel(host_adamw.adamw_inplace, params, opt_state, grads, None, float(scale), t)
-        return params, self._counted(opt_state, t)
+        self._run_kernel(host_kernel.adamw_inplace, part, grads, None, float(scale), t)
+        return Part(part.params, self._counted(part.opt, t), part.stream)
 
     @staticmethod
     def _next_count(state: AdamWState) -> int:
@@ -141,15 +154,15 @@ class HostOptimizer:
         # From numpy straight into pinned memory: no accelerator round trip per part and step.
         return AdamWState(self.placement.to_host(np.asarray(t, np.int32)), state.mu, state.nu)
 
-    def _run_kernel(self, kernel_fn, params: Params, state: AdamWState, grads: Params, stream: Params | None,
-                    scale: float, t: int) -> None:
-        spec = self.spec
+    def _run_kernel(self, kernel_fn, part: Part, grads: Params, stream: Params | None, scale: float, t: int) -> None:
+        spec, state = self.spec, part.opt
         bc1, bc2 = spec.bias_corrections(float(t))
         lr = float(spec.lr_at(t - 1))
         jax.block_until_ready(grads)
-        streams = jax.tree.leaves(stream) if stream is not None else [None] * len(jax.tree.leaves(params))
-        for p, m, v, g, s, decay in zip(jax.tree.leaves(params), jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
-                                        jax.tree.leaves(grads), streams, jax.tree.leaves(spec.decays(params))):
+        leaves = jax.tree.leaves(part.params)
+        streams = jax.tree.leaves(stream) if stream is not None else [None] * len(leaves)
+        for p, m, v, g, s, decay in zip(leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
+                                        jax.tree.leaves(grads), streams, jax.tree.leaves(spec.decays(part.params))):
             kernel_fn(self.kernel, p.unsafe_buffer_pointer(), m.unsafe_buffer_pointer(), v.unsafe_buffer_pointer(),
                       g.unsafe_buffer_pointer(), None if s is None else s.unsafe_buffer_pointer(), p.size,
                       lr=lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, wd=spec.weight_decay if decay else 0.0,

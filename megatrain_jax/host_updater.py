@@ -1,59 +1,64 @@
-"""Optimizer updates run on one worker thread, part by part, in submission order (forward order).
+"""The host worker: optimizer updates run on one thread, one task at a time, in submission order.
 
-The main thread only waits before *fetching* a part whose update is still pending, so the next step's
-forward on layer i proceeds while layer i+1 is being updated, and nothing in the layer loop waits on
-the GPU.
+That first-in-first-out order is what the update policy (``megatrain_jax.update_policy``) builds on; it
+is a property of this class, not an accident of scheduling. The main thread only waits before *fetching*
+a part whose update is still pending, so the next step's forward on layer i proceeds while layer i+1 is
+being updated, and nothing in the layer loop waits on the GPU.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Sequence
 
 
 class HostUpdater:
-    def __init__(self) -> None:
+    """One worker thread; tasks are queued under a key that callers wait on or poll for errors.
+    ``observers`` (shared with the engine) get ``on_task(key, start, end)`` for each task."""
+
+    def __init__(self, observers: Sequence = ()) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-host-update")
         self._pending: dict[Hashable, list[Future]] = {}  # every unwaited task per key: none is forgotten
-        self.timeline = None  # a megatrain_jax.timeline.Timeline records each task's start and end
+        self._observers = observers
 
-    def submit(self, part: Hashable, fn: Callable[[], None]) -> None:
-        """Queue ``fn`` under a key: ``part`` for what the next forward waits on (-1 the io part, i block i,
-        -2 the step's check), ``("commit", part)`` for the second half of a split update."""
-        timeline = self.timeline
-        if timeline is not None:
+    def submit(self, key: Hashable, fn: Callable[[], object]) -> Future:
+        """Queue ``fn`` after every task submitted before it."""
+        observers = list(self._observers)
+        if observers:
             inner = fn
 
-            def fn() -> None:
+            def fn() -> object:
                 start = time.perf_counter()
                 try:
-                    inner()
+                    return inner()
                 finally:
-                    timeline.task(part, start, time.perf_counter())
-        futures = [f for f in self._pending.get(part, []) if not f.done() or f.exception() is not None]
-        futures.append(self._pool.submit(fn))
-        self._pending[part] = futures
+                    for o in observers:
+                        o.on_task(key, start, time.perf_counter())
+        future = self._pool.submit(fn)
+        futures = [f for f in self._pending.get(key, []) if not f.done() or f.exception() is not None]
+        self._pending[key] = futures + [future]
+        return future
 
-    def wait(self, part: Hashable) -> None:
-        """Block until every task under ``part`` is done; re-raises the first exception."""
-        for fut in self._pending.pop(part, []):
+    def wait(self, key: Hashable) -> None:
+        """Block until every task under ``key`` is done; re-raises the first exception."""
+        for fut in self._pending.pop(key, []):
             fut.result()
 
-    def poll(self, part: Hashable) -> None:
-        """Re-raise the exception of a finished task under ``part``; never blocks."""
-        futures = self._pending.get(part, [])
-        for fut in futures:
-            if fut.done() and fut.exception() is not None:
-                del self._pending[part]
-                fut.result()
-        self._pending[part] = [f for f in futures if not f.done()]
-        if not self._pending[part]:
-            del self._pending[part]
+    def poll(self, key: Hashable) -> None:
+        """Re-raise the exception of a finished task under ``key``; never blocks. Other tasks under the key
+        stay pending (a second failure is raised by a later poll or wait)."""
+        futures = self._pending.pop(key, [])
+        failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+        rest = [f for f in futures if f is not failed and not (f.done() and f.exception() is None)]
+        if rest:
+            self._pending[key] = rest
+        if failed is not None:
+            failed.result()
 
     def wait_all(self) -> None:
-        for part in list(self._pending):
-            self.wait(part)
+        for key in list(self._pending):
+            self.wait(key)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

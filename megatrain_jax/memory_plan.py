@@ -1,6 +1,6 @@
 """How much host and GPU memory a run needs, before anything is allocated.
 
-Host RAM holds every persistent array (DESIGN.md): float32 master weights, Adam's two moments, the
+Host RAM holds every persistent array (docs/design.md): float32 master weights, Adam's two moments, the
 float32 gradients of one step, and a 16-bit copy of the weights when the stream dtype is 16-bit. The GPU
 holds only what is in flight: ``prefetch_depth + 1`` layers of streamed weights, the float32 gradient
 accumulator of the layer in backward (and of the one draining to host), the io part (embedding, head)
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatrain_jax.engine import EngineConfig
+from megatrain_jax.engine_config import EngineConfig
 from megatrain_jax.models.config import DecoderConfig
 
 GiB = 1024**3

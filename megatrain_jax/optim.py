@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 Schedule = Callable[[Any], Any]
@@ -81,3 +82,107 @@ def fused_spec(tx: optax.GradientTransformation) -> AdamWSpec | None:
     """The spec behind a transformation made by ``adamw``, else None."""
     owner = getattr(tx.init, "__self__", None)
     return owner if isinstance(owner, AdamWSpec) else None
+
+
+def learning_rate_of(tx: optax.GradientTransformation) -> Schedule | None:
+    """The learning-rate schedule of a transformation made by ``adamw`` (for logging), else None."""
+    spec = fused_spec(tx)
+    if spec is None:
+        return None
+    lr = spec.learning_rate
+    return lr if callable(lr) else (lambda _: lr)
+
+
+# ------------------------------------------------------------------------------------ part-wise check
+class UnsupportedOptimizerError(ValueError):
+    """The optimizer cannot run part by part; the message names the transformation and what to use."""
+
+
+def check_partwise(tx: optax.GradientTransformation) -> None:
+    """Raise ``UnsupportedOptimizerError`` unless ``tx`` updates each array from that array alone.
+
+    The engine updates the model part by part (the io part, then each block), each as its own tree, so a
+    transformation that looks across arrays, like ``clip_by_global_norm``, would see one part at a time
+    and compute something else than on the whole model. This is checked on a probe of two arrays: two
+    steps updating them together must equal two steps updating each alone. A transformation that cannot
+    run on the probe at all is not judged here (its own error, if any, comes at the first step)."""
+    if fused_spec(tx) is not None:
+        return
+    names = [_name(fn) for fn in _update_fns(tx.update)]
+    if "clip_by_global_norm" not in names and _acts_per_array(tx) is not False:
+        return
+    if "clip_by_global_norm" in names:
+        raise UnsupportedOptimizerError(
+            "optax.clip_by_global_norm inside the optimizer would clip each part of the model by its own "
+            "norm: remove it from the optimizer and set EngineConfig(clip_norm=...) instead (the engine clips "
+            "by the exact norm of the whole gradient)")
+    raise UnsupportedOptimizerError(
+        f"{names[0]} looks across parameter arrays (its update of one array depends on the others), but the "
+        f"engine updates the model part by part, so it would compute something else than on the whole "
+        f"model. Use a per-array transformation instead (optax.adamw, megatrain_jax.adamw, lamb, lion, "
+        f"adafactor, ...); for global-norm clipping use EngineConfig(clip_norm=...)")
+
+
+# shape, gradient size, seed. One array's gradient dwarfs the other's, so that a global norm (which scale-
+# invariant optimizers such as Adam would otherwise hide) pushes the small one below Adam's eps.
+_PROBE = {"kernel": ((8, 4), 1e6, 1), "scale": ((4,), 0.03, 2)}
+
+
+def _probe(tx: optax.GradientTransformation, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Two steps of ``tx`` on the probe arrays ``keys``; each array's values do not depend on the others."""
+    draw = lambda k, i: np.random.default_rng(10 * _PROBE[k][2] + i).standard_normal(_PROBE[k][0])
+    params = {k: jnp.asarray(draw(k, 0), jnp.float32) for k in keys}
+    state = tx.init(params)
+    for step in (1, 2):  # large gradients on one array: any cross-array scaling shows
+        grads = {k: jnp.asarray(draw(k, step) * _PROBE[k][1], jnp.float32) for k in keys}
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return {k: np.asarray(v) for k, v in params.items()}
+
+
+def _acts_per_array(tx: optax.GradientTransformation) -> bool | None:
+    """Whether ``tx`` updates each array from that array alone (None: the probe could not run)."""
+    try:
+        with jax.default_device(jax.devices("cpu")[0]):
+            both = _probe(tx, ("kernel", "scale"))
+            alone = {k: _probe(tx, (k,))[k] for k in both}
+    except Exception:  # noqa: BLE001 - e.g. a mask tree shaped like some other model: not judged here
+        return None
+    return all(np.allclose(both[k], alone[k], rtol=1e-5, atol=1e-7) for k in both)
+
+
+def _update_fns(fn: Any, seen: set[int] | None = None) -> list[Any]:
+    """``fn`` (an update function) and every update function it wraps (chain members, inner optimizers)."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    found = [fn]
+
+    def visit(x: Any) -> None:
+        if isinstance(x, (tuple, list)):
+            for y in x:
+                visit(y)
+        elif callable(getattr(x, "update", None)) and callable(getattr(x, "init", None)):
+            found.extend(_update_fns(x.update, seen))
+        elif callable(x) and hasattr(x, "__code__"):
+            found.extend(_update_fns(x, seen))
+
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            visit(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    owner = getattr(fn, "__self__", None)  # class-based transformations such as optax.MultiSteps
+    if owner is not None:
+        for value in vars(owner).values():
+            visit(value)
+    return found
+
+
+def _name(update: Any) -> str:
+    owner = getattr(update, "__self__", None)
+    if owner is not None:
+        return f"optax.{type(owner).__name__}"
+    name = getattr(update, "__qualname__", repr(update)).split(".<locals>")[0]
+    return name if name == "clip_by_global_norm" else f"optax.{name}"

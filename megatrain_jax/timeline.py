@@ -8,6 +8,8 @@ Three kinds of events, in seconds since the timeline started:
   on one in-order stream the gaps between consecutive ``ready`` times bound each op's device time plus
   any wait before it;
 - ``task``: start and end of each host-optimizer task on the update thread.
+
+It is an engine observer (``megatrain_jax.observers``): ``engine.observe(Timeline())``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from typing import Any, Hashable
 
 import jax
 
-# Ops whose outputs are watched, by stream: each watcher blocks in issue order within its own kind.
-STREAMS = {"compute": {"embed", "forward", "head", "backward", "embed_backward", "grad_norm", "update", "update_io"},
-           "h2d": {"fetch", "fetch_io"}, "d2h": {"send_grads", "send_io_grads"}}
+from megatrain_jax.passes import CATEGORY
+from megatrain_jax.schedule import Op
+
+# Outputs are watched by category: each watcher blocks in issue order within its own. Host-worker
+# updates are recorded as tasks instead.
+STREAMS = ("compute", "h2d", "d2h", "optimizer")
 
 
 class Timeline:
@@ -42,16 +47,15 @@ class Timeline:
     def _now(self) -> float:
         return round(time.perf_counter() - self.t0, 5)
 
-    def op(self, kind: str, layer: int, micro: int, start: float, end: float, out: Any) -> None:
-        self._add(ev="host", kind=kind, layer=layer, micro=micro, start=round(start - self.t0, 5),
+    def on_op(self, op: Op, start: float, end: float, out: Any) -> None:
+        part = None if op.part is None else str(op.part)
+        self._add(ev="host", kind=op.kind, part=part, micro=op.micro, start=round(start - self.t0, 5),
                   end=round(end - self.t0, 5))
-        if out is None:
-            return
-        for name, kinds in STREAMS.items():
-            if kind in kinds:
-                self._queues[name].put((kind, layer, micro, out))
+        stream = CATEGORY[op.kind]
+        if out is not None and stream in self._queues and not hasattr(out, "result"):
+            self._queues[stream].put((op.kind, part, op.micro, out))
 
-    def task(self, key: Hashable, start: float, end: float) -> None:
+    def on_task(self, key: Hashable, start: float, end: float) -> None:
         self._add(ev="task", key=str(key), start=round(start - self.t0, 5), end=round(end - self.t0, 5))
 
     def mark(self, name: str) -> None:
@@ -62,10 +66,10 @@ class Timeline:
             item = outputs.get()
             if item is None:
                 return
-            kind, layer, micro, out = item
+            kind, part, micro, out = item
             try:
                 jax.block_until_ready(out)
-                self._add(ev="ready", kind=kind, layer=layer, micro=micro, at=self._now())
+                self._add(ev="ready", kind=kind, part=part, micro=micro, at=self._now())
             except Exception:  # donated to a later op before we looked (an accumulator): no event
                 pass
             del item, out  # hold no device buffer past its release

@@ -66,8 +66,7 @@ def run_scenario(name: str, args) -> dict:
     data = DataConfig(seq_len=16, batch_size=1, prefetch=0, demo_tokens=1 << 14).build(cfg.vocab_size)
     batches = iter(list(itertools.islice(data, 8)))
     state = engine.state
-    part_bytes = [sum(x.nbytes for x in jax.tree.leaves(t)) for t in
-                  [(state.io, state.io_opt)] + list(zip(state.blocks, state.blocks_opt))]
+    part_bytes = [sum(x.nbytes for x in jax.tree.leaves((p.params, p.opt))) for p in state.parts]
     root = Path(tempfile.mkdtemp(prefix="ckpt_mem_"))
 
     def train(n):
@@ -85,7 +84,7 @@ def run_scenario(name: str, args) -> dict:
     elif name == "training_alone":
         fn = lambda: train(2)
     else:
-        tree = (state.io, state.blocks, state.io_opt, state.blocks_opt)
+        tree = [(p.params, p.opt) for p in state.parts]
         if name == "orbax_whole_state_numpy":
             tree = jax.tree.map(np.asarray, tree)  # zero-copy views on CPU
         checkpointer = ocp.StandardCheckpointer()

@@ -21,11 +21,11 @@ import pytest
 from flax import nnx
 from flax.nnx import traversals
 
-from megatrain_jax import Decoder, Engine, EngineConfig, Hook, default_optimizer, fit, preset
+from megatrain_jax import Decoder, Engine, EngineConfig, Hook, TrainConfig, default_optimizer, fit, preset
 from megatrain_jax.checkpoint import (Checkpointer, CheckpointWarning, CorruptCheckpointError, ShapeMismatchError,
                                       check_step, committed_steps)
 from megatrain_jax.checkpoint.session import CheckpointedExit
-from megatrain_jax.checkpoint.store import PART_DELAY_ENV
+from megatrain_jax.checkpoint.store import Snapshot
 from megatrain_jax.data import DataConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,11 +42,11 @@ def params_of(model) -> dict:
             traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
 
 
-def run(steps, ckpt=None, *, prefetch=0, config=EngineConfig(micro_batches=2), optimizer=None, **kw):
+def run(steps, ckpt=None, *, prefetch=0, config=EngineConfig(micro_batches=2), optimizer=None, hooks=(), **train):
     """A fresh model and data stream trained by ``fit``: returns (params, history)."""
     model = Decoder(CFG, rngs=nnx.Rngs(0))
-    h = fit(model, data(prefetch), optimizer, steps=steps, config=config, learning_rate=1e-3, log_every=None,
-            checkpoint_dir=ckpt, **kw)
+    train = TrainConfig(steps=steps, log_every=0, checkpoint_dir=None if ckpt is None else str(ckpt), **train)
+    h = fit(model, data(prefetch), optimizer or default_optimizer(1e-3), train=train, engine=config, hooks=hooks)
     return params_of(model), h
 
 
@@ -60,7 +60,7 @@ def engine_arrays(engine) -> dict:
     engine.sync()
     s = engine.state
     return {jax.tree_util.keystr(p): np.array(v) for p, v in
-            jax.tree_util.tree_flatten_with_path((s.io, s.blocks, s.io_opt, s.blocks_opt))[0]}
+            jax.tree_util.tree_flatten_with_path([(p.params, p.opt) for p in s.parts])[0]}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_resume_is_bit_exact(tmp_path, reference, kind, prefetch):
         kw["config"] = RESIDENT
     run(3, tmp_path, checkpoint_every=2, prefetch=prefetch, **kw)
     assert committed_steps(tmp_path) == [3, 2]
-    params, h = run(6, tmp_path, resume="auto", prefetch=prefetch, **kw)
+    params, h = run(6, tmp_path, resume=True, prefetch=prefetch, **kw)
     ref_params, ref_h = reference[kind]
     assert_same_params(params, ref_params)
     assert h["step"] == [4, 5, 6] and h["loss"] == ref_h["loss"][3:]
@@ -110,7 +110,7 @@ def test_sigterm_saves_then_exits_and_resumes_exactly(tmp_path, reference):
     assert signal.getsignal(signal.SIGTERM) == before  # fit put the previous handler back
     # Metrics come one step late: when step 3 is reported, step 4 has run, and that is what is saved.
     assert committed_steps(tmp_path) == [4] and check_step(tmp_path / "4") is None
-    params, h = run(6, tmp_path, resume="auto")
+    params, h = run(6, tmp_path, resume=True)
     assert_same_params(params, reference["adamw"][0])
     assert h["loss"] == reference["adamw"][1]["loss"][4:]
 
@@ -124,30 +124,40 @@ def test_resume_from_an_explicit_checkpoint_path(tmp_path, reference):
 def test_resume_skips_consumed_batches_of_data_without_state(tmp_path, reference):
     """A plain list of batches has no state(): the resumed run skips the batches already consumed."""
     batches = list(itertools.islice(data(), 6))
-    fit(Decoder(CFG, rngs=nnx.Rngs(0)), batches, steps=3, config=EngineConfig(micro_batches=2), learning_rate=1e-3,
-        log_every=None, checkpoint_dir=tmp_path)
+    fit(Decoder(CFG, rngs=nnx.Rngs(0)), batches, default_optimizer(1e-3), engine=EngineConfig(micro_batches=2),
+        train=TrainConfig(steps=3, log_every=0, checkpoint_dir=str(tmp_path)))
     model = Decoder(CFG, rngs=nnx.Rngs(0))
-    fit(model, batches, steps=6, config=EngineConfig(micro_batches=2), learning_rate=1e-3, log_every=None,
-        checkpoint_dir=tmp_path, resume="auto")
+    fit(model, batches, default_optimizer(1e-3), engine=EngineConfig(micro_batches=2),
+        train=TrainConfig(steps=6, log_every=0, checkpoint_dir=str(tmp_path), resume=True))
     assert_same_params(params_of(model), reference["adamw"][0])
 
 
 def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     run(2, tmp_path, checkpoint_every=2)
-    with pytest.raises(ValueError, match="resume='auto'"):
+    with pytest.raises(ValueError, match="pass resume=True"):
         run(2, tmp_path)
 
 
 def test_keeps_the_newest_n(tmp_path):
-    run(5, tmp_path, checkpoint_every=1, keep_checkpoints=2)
+    run(5, tmp_path, checkpoint_every=1, checkpoint_keep=2)
     assert committed_steps(tmp_path) == [5, 4]
 
 
 # ---------------------------------------------------------------------------------------- async snapshot
+def slow_writer(monkeypatch, seconds):
+    """The checkpoint writer sleeps ``seconds`` after each part it writes (a test-only delay)."""
+    release = Snapshot.release
+
+    def slow_release(self, name):
+        release(self, name)
+        time.sleep(seconds)
+    monkeypatch.setattr(Snapshot, "release", slow_release)
+
+
 def test_async_save_is_a_snapshot_while_training_goes_on(tmp_path, monkeypatch):
     """Training continues during a slow save; the engine (in-place fused AdamW on its update thread) is held
     before updating a part the writer has not written, so the checkpoint is exactly the state at save."""
-    monkeypatch.setenv(PART_DELAY_ENV, "0.3")
+    slow_writer(monkeypatch, 0.3)
     batches = list(itertools.islice(data(), 4))
     engine = Engine(Decoder(CFG, rngs=nnx.Rngs(0)), default_optimizer(1e-3))
     for b in batches[:2]:
@@ -159,7 +169,7 @@ def test_async_save_is_a_snapshot_while_training_goes_on(tmp_path, monkeypatch):
     for b in batches[2:]:
         engine.step(b).resolve()
     after = engine_arrays(engine)
-    assert engine.opt.fused and ckpt.engine_wait_s > 0  # the update thread was held by the writer
+    assert engine.update_route == "fused" and ckpt.engine_wait_s > 0  # the update thread was held by the writer
     ckpt.close()
     assert any(not np.array_equal(at_save[k], after[k]) for k in at_save)  # training did move on
     fresh = Engine(Decoder(CFG, rngs=nnx.Rngs(1)), default_optimizer(1e-3))
@@ -182,10 +192,11 @@ def test_restore_places_arrays_in_pinned_host_and_recomputes_stream_copies(tmp_p
     ckpt.restore(b_)
     ckpt.close()
     s = b_.state
-    for leaf in jax.tree.leaves((s.io, s.blocks, s.io_opt, s.blocks_opt, s.stream_io, s.stream_blocks)):
+    for leaf in jax.tree.leaves(s.parts):
         assert leaf.sharding == b_.placement.host
-    for master, stream in zip(s.blocks, s.stream_blocks):
-        for m, x in zip(jax.tree.leaves(master), jax.tree.leaves(stream)):
+    for part in s.parts:
+        assert part.stream is not None
+        for m, x in zip(jax.tree.leaves(part.params), jax.tree.leaves(part.stream)):
             assert x.dtype == np.dtype("bfloat16") and np.array_equal(np.asarray(m).astype(x.dtype), np.asarray(x))
     assert float(b_.step(batches[2]).loss) == float(a.step(batches[2]).loss)
 
@@ -224,7 +235,7 @@ def test_auto_resume_skips_a_corrupt_newest_checkpoint(tmp_path, reference):
     run(4, tmp_path, checkpoint_every=2)
     _corrupt(tmp_path / "4", "truncate")
     with pytest.warns(CheckpointWarning, match=f"skipping corrupt checkpoint {tmp_path / '4'}"):
-        params, h = run(6, tmp_path, resume="auto", checkpoint_every=2)
+        params, h = run(6, tmp_path, resume=True, checkpoint_every=2)
     assert h["step"] == [3, 4, 5, 6]  # resumed from step 2
     assert_same_params(params, reference["adamw"][0])
     # The corrupt one was moved aside, so step 4 could be written again.
@@ -277,7 +288,7 @@ def _script(ckdir: Path, out: Path, *extra: str, env: dict | None = None) -> sub
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, reference):
     """A real training process is SIGKILLed while it writes step 4 (its writer sleeps after each part);
     the resumed process skips the unfinished save, restarts from step 2 and ends bit-exact."""
-    victim = _script(tmp_path / "ck", tmp_path / "victim.npz", env={PART_DELAY_ENV: "0.5"})
+    victim = _script(tmp_path / "ck", tmp_path / "victim.npz", "--part-delay", "0.5")
     deadline = time.time() + 120
     while time.time() < deadline and not (committed_steps(tmp_path / "ck") and
                                           glob.glob(str(tmp_path / "ck" / "4.orbax-checkpoint-tmp*" / "**" / "io"),

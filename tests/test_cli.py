@@ -15,7 +15,7 @@ import pytest
 from megatrain_jax.cli import ConfigError, load_config, main, parse_config, to_toml
 from megatrain_jax.cli.config_file import RunConfig, apply_overrides
 from megatrain_jax.cli.run import DEMO
-from megatrain_jax.engine import EngineConfig
+from megatrain_jax.engine_config import EngineConfig
 from megatrain_jax.models.config import RopeScaling
 
 REPO = Path(__file__).resolve().parents[1]
@@ -250,13 +250,13 @@ def test_convert_hf_orbax_hf_round_trip(tmp_path):
 def test_convert_training_checkpoint_to_hf(tmp_path):
     """The parameters of a fit checkpoint export to an HF folder equal to the trained model's."""
     from flax import nnx
-    from megatrain_jax import Batch, Decoder, EngineConfig, fit, preset
+    from megatrain_jax import Batch, Decoder, TrainConfig, fit, preset
     from megatrain_jax.hf import load_hf
     cfg = preset("tiny", layers=2)
     rng = np.random.default_rng(0)
     batches = [Batch.from_windows(rng.integers(0, cfg.vocab_size, (2, 17))) for _ in range(3)]
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    fit(model, batches, config=EngineConfig(), log_every=None, checkpoint_dir=tmp_path / "ckpt")
+    fit(model, batches, train=TrainConfig(log_every=0, checkpoint_dir=str(tmp_path / "ckpt")))
     assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--to", "hf", "--dtype", "float32"]) == 0
     _, io, blocks = load_hf(tmp_path / "hf", dtype="float32")
     np.testing.assert_array_equal(io["embedding"], np.asarray(model.io.embedding[...]))

@@ -253,7 +253,7 @@ def test_prefetch_propagates_exception_and_closes():
     next(endless)
     endless.close()
     endless.close()
-    assert not endless._thread.is_alive()
+    assert not endless.producing
 
 
 # --- demo data and config ------------------------------------------------------------------------------

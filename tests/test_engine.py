@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 from flax.nnx import traversals
 
-from megatrain_jax import Batch, Decoder, Engine, EngineConfig, ReferenceTrainer, adamw, preset
-from megatrain_jax.engine import NonFiniteError
+from megatrain_jax import Batch, Decoder, Engine, EngineConfig, NonFiniteError, ReferenceTrainer, adamw, preset
 from megatrain_jax.layered import ContractError
+from megatrain_jax.parts import IO, PartId
 
 TOL = 1e-5
 
@@ -124,16 +124,17 @@ def test_per_layer_functions_compile_once():
     # embed/forward/embed_backward: one shape each. head/backward: one entry for the first micro-batch
     # (no accumulator yet) and one for the rest.
     assert sizes == {"embed": 1, "forward": 1, "head": 2, "backward": 2, "embed_backward": 1}, sizes
-    assert engine.opt._update._cache_size() == 2  # blocks share one compilation; the io part has its own
+    assert engine.policy.opt.compilations() == {"host": 2, "device": 0}  # blocks share one; the io part has its own
 
 
 def test_state_lives_in_pinned_host_memory():
     engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), ADAMW())
     engine.step(make_batches(1)[0]).resolve()
     import jax
-    for leaf in jax.tree.leaves((engine.state.io, engine.state.blocks, engine.state.io_opt, engine.state.blocks_opt)):
-        if hasattr(leaf, "sharding"):
-            assert leaf.sharding.memory_kind == "pinned_host"
+    leaves = jax.tree.leaves(engine.state.parts)
+    assert leaves
+    for leaf in leaves:
+        assert leaf.sharding.memory_kind == "pinned_host"
 
 
 def test_abstract_model_initializes_part_by_part_like_concrete():
@@ -173,18 +174,23 @@ def test_fused_host_adamw_engine_equals_reference():
     """megatrain_jax.adamw runs as the in-place C++ kernel in the engine (bf16 stream copy written in the
     same pass) and matches the reference trainer running the same transformation through optax."""
     engine = run_both(TINY3, FUSED, EngineConfig(micro_batches=2, clip_norm=0.05))
-    assert engine.opt.fused, "the C++ kernel should be built and used on this machine"
+    assert engine.update_route == "fused", "the C++ kernel should be built and used on this machine"
 
 
 def test_fused_bf16_stream_copy_tracks_masters():
     engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED())
-    assert engine.opt.fused
+    assert engine.update_route == "fused"
     for b in make_batches(2):
         engine.step(b)
     engine.sync()
+    assert_stream_copies_track_masters(engine)
+
+
+def assert_stream_copies_track_masters(engine):
     import jax
-    for master, stream in zip(jax.tree.leaves(engine.state.blocks), jax.tree.leaves(engine.state.stream_blocks)):
-        np.testing.assert_array_equal(np.asarray(master.astype("bfloat16")), np.asarray(stream))
+    for part in engine.state.parts:
+        for master, stream in zip(jax.tree.leaves(part.params), jax.tree.leaves(part.stream)):
+            np.testing.assert_array_equal(np.asarray(master.astype("bfloat16")), np.asarray(stream))
 
 
 def poison_and_step(engine):
@@ -194,13 +200,16 @@ def poison_and_step(engine):
     good, = make_batches(1)
     engine.step(good).resolve()
     engine.sync()
-    io = jax.tree.map(lambda a: a, engine.state.io)
-    io["final_norm"]["scale"] = engine.placement.to_host(np.full((TINY3.hidden,), np.nan, np.float32))
-    engine.state.io = io  # fp32 model: the streamed io part is the master itself
-    before = [np.asarray(x).copy() for x in jax.tree.leaves((engine.state.blocks, engine.state.blocks_opt))]
+    io = engine.state[IO]
+    params = jax.tree.map(lambda a: a, io.params)
+    params["final_norm"]["scale"] = engine.placement.to_host(np.full((TINY3.hidden,), np.nan, np.float32))
+    engine.restore_part(IO, params, io.opt)
+    engine.restored(engine.state.step)
+    blocks = lambda: [(p.params, p.opt) for p in engine.state.parts[1:]]
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(blocks())]
     m = engine.step(good).resolve()
     engine.sync()
-    after = [np.asarray(x) for x in jax.tree.leaves((engine.state.blocks, engine.state.blocks_opt))]
+    after = [np.asarray(x) for x in jax.tree.leaves(blocks())]
     return m, all(np.array_equal(a, b) for a, b in zip(before, after))
 
 
@@ -213,61 +222,6 @@ def test_nonfinite_step_is_skipped_and_too_many_stop_training():
     engine.step(make_batches(1)[0])
     with pytest.raises(NonFiniteError, match="max_nonfinite_steps=1"):
         engine.sync()
-
-
-def test_host_kernel_matches_reference_math():
-    from kernels.host_adamw import adamw_numpy, adamw_reference, load
-    if load() is None:
-        pytest.skip("no C++ compiler")
-    rng = np.random.default_rng(0)
-    n = 10_001
-    p, m, g = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
-    v = np.abs(rng.standard_normal(n)).astype(np.float32)
-    hp = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=0.5, bc1=1 - 0.9 ** 3, bc2=1 - 0.95 ** 3)
-    ref = [np.asarray(x) for x in adamw_reference(p, m, v, g, **hp)]
-    out = np.empty(n, np.uint16)
-    adamw_numpy(p, m, v, g, out, **hp)
-    for got, want in zip((p, m, v), ref[:3]):
-        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
-    np.testing.assert_array_equal(out, ref[3].view(np.uint16))
-
-
-def test_host_kernel_work_layouts_agree_bit_for_bit():
-    """Chunked and side-by-side layouts (the default) against one static slice per thread, and that against
-    the jnp reference, over sizes that end mid-chunk, mid-block, on a chunk boundary and below one block:
-    every element is updated exactly once, with the same bits in every layout."""
-    from kernels.host_adamw import adamw_numpy, adamw_reference, load
-    if load() is None:
-        pytest.skip("no C++ compiler")
-    layouts = {"default": (), "static": ("MEGATRAIN_CHUNK=0", "MEGATRAIN_SPLIT=1"),
-               "small_chunks_split3": ("MEGATRAIN_CHUNK=1000", "MEGATRAIN_SPLIT=3"),
-               "no_prefetch_split4": ("MEGATRAIN_PREFETCH=0", "MEGATRAIN_SPLIT=4", "MEGATRAIN_CHUNK=4096")}
-    libs = {k: load(d) for k, d in layouts.items()}
-    assert all(lib is not None for lib in libs.values()), "a layout variant failed to build"
-    for k in ("static", "small_chunks_split3", "no_prefetch_split4"):  # several threads even on a 1-core runner
-        libs[k].megatrain_set_threads(4)
-    rng = np.random.default_rng(3)
-    hp = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=0.7, bc1=0.1, bc2=0.05)
-    for n in (7, 33, 65_536 * 2, 65_536 * 2 + 37, 300_017):
-        src = [rng.standard_normal(n).astype(np.float32) for _ in range(4)]
-        src[2] = np.abs(src[2])
-        results = {}
-        for k, lib in libs.items():
-            state = [x.copy() for x in src]
-            bf16, first_half = np.full(n, 0xFFFF, np.uint16), np.full(n, 0xFFFE, np.uint16)
-            adamw_numpy(*state, bf16, lib=lib, **hp)
-            adamw_numpy(*[x.copy() for x in src], first_half, stream_only=True, lib=lib, **hp)
-            np.testing.assert_array_equal(first_half, bf16, err_msg=f"{k}, n={n}")
-            results[k] = state[:3] + [bf16]
-        ref = [np.asarray(x) for x in adamw_reference(*src, **hp)]
-        for got, want in zip(results["static"][:3], ref[:3]):
-            np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7, err_msg=f"n={n}")
-        np.testing.assert_array_equal(results["static"][3], ref[3].view(np.uint16))
-        for k in ("default", "small_chunks_split3", "no_prefetch_split4"):
-            for got, want in zip(results[k], results["static"]):
-                np.testing.assert_array_equal(got.view(np.uint32) if got.dtype == np.float32 else got,
-                                              want.view(np.uint32) if want.dtype == np.float32 else want,
-                                              err_msg=f"{k}, n={n}")
 
 
 def test_megatrain_adamw_matches_optax_adamw():
@@ -292,7 +246,7 @@ def test_megatrain_adamw_matches_optax_adamw():
 def test_gpu_resident_parts_equal_reference(tx):
     """The io part and the first blocks updated on the device, the rest on the host: same training."""
     engine = run_both(TINY3, tx, EngineConfig(micro_batches=2, clip_norm=0.05, resident_layers=2, resident_io=True))
-    assert sorted(engine.resident) == [-1, 0, 1]
+    assert engine.resident_parts == [IO, PartId.block(0), PartId.block(1)]
 
 
 def test_gpu_resident_parts_with_accumulation():
@@ -305,80 +259,97 @@ def test_nonfinite_step_skipped_on_resident_parts_too():
     assert m["skipped"] and unchanged
 
 
-def _trained_state(engine_cfg, steps=3, **batch_kw):
-    import jax
+def _trained(engine_cfg, steps=3, **batch_kw):
     model = Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0))
     engine = Engine(model, FUSED(), engine_cfg)
     k = engine_cfg.accumulate_steps
     batches = make_batches(steps * k, **batch_kw)
-    losses = [engine.step(batches[s * k:(s + 1) * k]).resolve()["loss"] for s in range(steps)]
+    for s in range(steps):
+        engine.step(batches[s * k:(s + 1) * k]).resolve()
     engine.sync()
-    s = engine.state
-    leaves = jax.tree.leaves((s.io, s.blocks, s.io_opt, s.blocks_opt, s.stream_io, s.stream_blocks))
-    return engine, losses, [np.asarray(x) for x in leaves]
+    return engine
+
+
+def test_split_update_halves_are_bitwise_the_single_pass_update():
+    """The fused update runs in two halves (the bf16 stream copy first, the fp32 masters and moments later):
+    over several steps with real gradients they give exactly the one-pass update's part."""
+    import jax
+    from megatrain_jax.host_optimizer import HostOptimizer
+    engine = _trained(EngineConfig())
+    opt = engine.policy.opt
+    assert opt.splits
+    copy = lambda part: engine.placement.copy_to_host(part)
+    split, whole = copy(engine.state[PartId.block(1)]), copy(engine.state[PartId.block(1)])
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        grads = engine.placement.to_host(jax.tree.map(
+            lambda x: np.asarray(rng.standard_normal(x.shape), np.float32), split.params))
+        scale = np.float32(0.3 + step)
+        t = opt.update_stream(split, grads, scale)
+        split = opt.commit(split, grads, scale, t)
+        whole = opt.update(whole, grads, scale)
+    for x, y in zip(jax.tree.leaves(split), jax.tree.leaves(whole)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert isinstance(opt, HostOptimizer)
 
 
 @pytest.mark.parametrize("extra", [{}, {"micro_batches": 2, "accumulate_steps": 2},
                                    {"resident_layers": 1, "resident_io": True}],
                          ids=["plain", "accumulate", "resident"])
-def test_split_update_is_bitwise_the_single_pass_update(extra):
-    """The stream copy first and the masters and moments later give exactly the one-pass update's state."""
-    split, l1, a = _trained_state(EngineConfig(clip_norm=0.05, split_update=True, **extra))
-    whole, l2, b = _trained_state(EngineConfig(clip_norm=0.05, split_update=False, **extra))
-    assert split._split and not whole._split
-    assert l1 == l2
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(x, y)
-
-
-def test_split_update_keeps_stream_copy_equal_to_masters():
-    import jax
-    engine, _, _ = _trained_state(EngineConfig(split_update=True))
-    for master, stream in zip(jax.tree.leaves((engine.state.io, engine.state.blocks)),
-                              jax.tree.leaves((engine.state.stream_io, engine.state.stream_blocks))):
-        np.testing.assert_array_equal(np.asarray(master.astype("bfloat16")), np.asarray(stream))
+def test_split_update_keeps_stream_copy_equal_to_masters(extra):
+    engine = _trained(EngineConfig(clip_norm=0.05, **extra))
+    assert engine.policy.opt.splits
+    assert_stream_copies_track_masters(engine)
+    counts = [int(np.asarray(p.opt.count)) for p in engine.state.parts]
+    assert counts == [3] * len(counts), counts
 
 
 def test_split_update_second_half_failure_is_not_lost():
-    """An error in a second half (a guard, the kernel) stops training instead of being dropped when the
+    """An error in a second half (a gate, the kernel) stops training instead of being dropped when the
     next step queues its own second halves."""
     engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED())
-    assert engine._split
+    assert engine.policy.opt.splits
     calls = []
 
-    def flaky_guard(part):
+    def flaky_gate(part):
         calls.append(part)
-        if part == 1 and calls.count(1) == 1:
-            raise RuntimeError("guard failed once")
-    engine.update_guards.append(flaky_guard)
+        if part == PartId.block(1) and calls.count(part) == 1:
+            raise RuntimeError("gate failed once")
+    engine.hold_updates(flaky_gate)
     batches = make_batches(4)
-    with pytest.raises(RuntimeError, match="guard failed once"):
+    with pytest.raises(RuntimeError, match="gate failed once"):
         for b in batches:
             engine.step(b)
         engine.sync()
 
 
+class _InterruptAfter:
+    """An observer that raises KeyboardInterrupt once ``op`` has been dispatched (as Ctrl-C would)."""
+
+    def __init__(self, op):
+        self.op = op
+
+    def on_op(self, op, start, end, out):
+        if op == self.op:
+            raise KeyboardInterrupt
+
+    def on_task(self, key, start, end):
+        pass
+
+
 def test_split_update_step_cut_short_still_commits_what_it_started():
     """A step interrupted between the first halves leaves masters, moments and bf16 copies consistent."""
-    import jax
+    from megatrain_jax.schedule import Op
     engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED())
     good, bad = make_batches(2)
     engine.step(good)
-    original = engine._op_update
-
-    def interrupted(p, op):
-        if op.layer == 1:
-            raise KeyboardInterrupt
-        return original(p, op)
-    engine._op_update = interrupted
+    stop = _InterruptAfter(Op("update", PartId.block(0)))
+    engine.observe(stop)
     with pytest.raises(KeyboardInterrupt):
         engine.step(bad)
-    engine._op_update = original
-    assert engine._commits == []
+    engine.stop_observing(stop)
+    assert not engine.policy.commits_pending
     engine.sync()
-    s = engine.state
-    for master, stream in zip(jax.tree.leaves((s.io, s.blocks)), jax.tree.leaves((s.stream_io, s.stream_blocks))):
-        np.testing.assert_array_equal(np.asarray(master.astype("bfloat16")), np.asarray(stream))
-    counts = [int(np.asarray(o.count)) for o in [s.io_opt] + list(s.blocks_opt)]
+    assert_stream_copies_track_masters(engine)
+    counts = [int(np.asarray(p.opt.count)) for p in engine.state.parts]
     assert counts == [2, 2, 1, 1], counts  # io and block 0 took the second step; blocks 1, 2 did not

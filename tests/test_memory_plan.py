@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from megatrain_jax.engine import EngineConfig
+from megatrain_jax.engine_config import EngineConfig
 from megatrain_jax.memory_plan import GiB, MemoryPlanError, layer_param_count, plan
 from megatrain_jax.models.config import preset
 

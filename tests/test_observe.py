@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from megatrain_jax import Batch, Engine, EngineConfig, adamw, fit
+from megatrain_jax import Batch, Engine, EngineConfig, TrainConfig, adamw, fit
 from megatrain_jax.evaluate import eval_hook, evaluate
 from megatrain_jax.observe import (JsonlWriter, Progress, TensorBoardWriter, WandbLogger, plot_run, read_metrics,
                                    system_stats)
@@ -71,11 +71,11 @@ def test_evaluate_needs_batches(tiny_cfg, build_model):
 def test_eval_hook_evaluates_the_parameters_of_its_step(tiny_cfg, build_model, tokens):
     train_b = batches_of(tokens, 5, 4, tiny_cfg.vocab_size)
     eval_b = batches_of(tokens, 1, 4, tiny_cfg.vocab_size, seed=50)
-    h5 = fit(build_model(tiny_cfg), train_b, adamw(1e-2), steps=5, hooks=[eval_hook(eval_b, 2, 5)],
-             log_every=None, write_back=False)
+    h5 = fit(build_model(tiny_cfg), train_b, adamw(1e-2), train=TrainConfig(steps=5, log_every=0),
+             hooks=[eval_hook(eval_b, 2, 5)], write_back=False)
     evals = {r["step"]: r["eval_loss"] for r in h5.records if "eval_loss" in r}
     assert sorted(evals) == [2, 4, 5]
-    h2 = fit(build_model(tiny_cfg), train_b[:2], adamw(1e-2), steps=2, log_every=None, write_back=False)
+    h2 = fit(build_model(tiny_cfg), train_b[:2], adamw(1e-2), train=TrainConfig(steps=2, log_every=0), write_back=False)
     assert evaluate(h2.engine, eval_b)["eval_loss"] == pytest.approx(evals[2], rel=1e-6)
     assert evaluate(h5.engine, eval_b)["eval_loss"] == pytest.approx(evals[5], rel=1e-6)
 

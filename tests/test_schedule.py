@@ -1,50 +1,84 @@
-"""The step's operation list, checked as data (no device involved)."""
+"""The step's operation list, checked as data (no device involved), and the table that runs it."""
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 
-from megatrain_jax.schedule import Op, max_resident_layers, step_ops
+from megatrain_jax.parts import IO, PartId
+from megatrain_jax.passes import CATEGORY, HANDLERS
+from megatrain_jax.schedule import Op, OpKind, eval_ops, max_resident_layers, step_ops
+
+B = PartId.block
 
 
 @pytest.mark.parametrize("layers,micro,depth", [(1, 1, 1), (4, 2, 1), (5, 3, 2), (3, 1, 3)])
-def test_every_layer_is_fetched_before_use_and_released_after(layers, micro, depth):
-    ops = step_ops(layers, micro, depth)
-    live: set[int] = set()
+@pytest.mark.parametrize("ops_of", [step_ops, eval_ops], ids=["step", "eval"])
+def test_every_part_is_fetched_before_use_and_released_after(layers, micro, depth, ops_of):
+    ops = ops_of(layers, micro, depth)
+    live: set[PartId] = set()
     for op in ops:
         if op.kind == "fetch":
-            assert op.layer not in live, f"{op} fetched twice while on the device"
-            live.add(op.layer)
+            assert op.part not in live, f"{op} fetched twice while on the device"
+            live.add(op.part)
         elif op.kind == "release":
-            live.remove(op.layer)
+            live.remove(op.part)
         elif op.kind in ("forward", "backward"):
-            assert op.layer in live, f"{op} before its fetch"
+            assert op.part in live, f"{op} before its fetch"
+        elif op.kind in ("embed", "head", "embed_backward", "loss"):
+            assert IO in live, f"{op} without the io part"
     assert not live
     assert max_resident_layers(ops) <= depth + 1
 
 
 def test_forward_then_backward_order_and_all_micro_batches():
     ops = step_ops(3, 2, 1)
-    fwd = [(o.layer, o.micro) for o in ops if o.kind == "forward"]
-    bwd = [(o.layer, o.micro) for o in ops if o.kind == "backward"]
+    fwd = [(o.part.layer, o.micro) for o in ops if o.kind == "forward"]
+    bwd = [(o.part.layer, o.micro) for o in ops if o.kind == "backward"]
     assert fwd == [(i, m) for i in range(3) for m in range(2)]
     assert bwd == [(i, m) for i in reversed(range(3)) for m in range(2)]
-    assert ops.index(Op("head", micro=0)) > ops.index(Op("forward", 2, 1))
+    assert ops.index(Op("head", micro=0)) > ops.index(Op("forward", B(2), 1))
 
 
 def test_prefetch_is_dispatched_after_the_current_layers_compute():
-    """Fetching may wait on the host optimizer: layer i's forward must be issued before fetch(i + depth)."""
+    """Fetching may wait on the host optimizer: block i's forward must be issued before fetch(i + depth)."""
     ops = step_ops(4, 1, 1)
     for i in range(3):
-        assert ops.index(Op("forward", i, 0)) < ops.index(Op("fetch", i + 1))
+        assert ops.index(Op("forward", B(i), 0)) < ops.index(Op("fetch", B(i + 1)))
 
 
 def test_updates_follow_the_norm_in_forward_order_then_commit():
     ops = step_ops(3, 1, 1)
     tail = [repr(o) for o in ops[ops.index(Op("grad_norm")):]]
-    assert tail == ["grad_norm()", "update_io()", "update(0)", "update(1)", "update(2)", "commit()"]
+    assert tail == ["grad_norm()", "update(io)", "update(block_00000)", "update(block_00001)",
+                    "update(block_00002)", "commit()"]
     no_update = step_ops(3, 1, 1, update=False)
-    assert not any(o.kind in ("grad_norm", "update", "update_io", "commit") for o in no_update)
+    assert not any(o.kind in ("grad_norm", "update", "commit") for o in no_update)
+
+
+def test_eval_is_the_forward_then_the_loss_and_nothing_else():
+    ops = eval_ops(3, 2, 1)
+    assert {o.kind for o in ops} == {"fetch", "release", "embed", "forward", "loss"}
+    assert [(o.part.layer, o.micro) for o in ops if o.kind == "forward"] == [(i, m) for i in range(3) for m in range(2)]
+    assert [o.micro for o in ops if o.kind == "loss"] == [0, 1]
+    assert max_resident_layers(ops) == 2  # the block computing and the one fetched ahead
+
+
+def test_every_op_kind_has_one_handler_and_a_category():
+    kinds = set(typing.get_args(OpKind))
+    assert set(HANDLERS) == kinds and set(CATEGORY) == kinds
+    assert {o.kind for o in step_ops(2, 2, 1) + eval_ops(2, 2, 1)} == kinds
+
+
+def test_part_ids_name_themselves_and_order_like_updates():
+    assert [str(p) for p in (IO, B(0), B(12))] == ["io", "block_00000", "block_00012"]
+    assert PartId.from_name("block_00012") == B(12) and PartId.from_name("io") == IO
+    assert sorted([B(1), IO, B(0)]) == [IO, B(0), B(1)]
+    with pytest.raises(ValueError, match="not a block"):
+        IO.layer
+    with pytest.raises(ValueError, match="not a part name"):
+        PartId.from_name("block_x")
 
 
 def test_bad_arguments_are_rejected():

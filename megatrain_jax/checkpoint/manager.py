@@ -19,11 +19,12 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import orbax.checkpoint as ocp
 
-from megatrain_jax.checkpoint.parts import block_name, expected_layout, install_part
+from megatrain_jax.checkpoint.parts import expected_layout, rebuild_part
+from megatrain_jax.parts import PartId
 from megatrain_jax.checkpoint.store import PartsHandler, PartsRestore, PartsSave, Snapshot, verify_state_item
 
 TMP_MARK = ".orbax-checkpoint-tmp"
@@ -104,6 +105,7 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(timeout_secs=7 * 24 * 3600))  # a save may take long: never time out
         self._manager = ocp.CheckpointManager(self.root, item_handlers=_handlers(), options=options)
         self._snapshot: Snapshot | None = None
+        self._release_gate: Callable[[], None] | None = None
         self.last_step: int | None = None
 
     # ------------------------------------------------------------------ saving
@@ -114,7 +116,12 @@ class Checkpointer:
         self.wait()  # one save at a time: the previous snapshot must be released before the next is gated
         engine.sync()  # the step's host updates run on a worker thread: let them land first
         snapshot = Snapshot(engine.state)
-        _gate(engine, snapshot)
+        if self._release_gate is not None:  # the previous save is committed: its gate has nothing left to hold
+            self._release_gate()
+        # The engine waits for a part to be written before it updates that part's host arrays (in place,
+        # or by replacing and donating them). GPU-resident parts are updated on the device and were copied
+        # to fresh host arrays by engine.sync(): the gate never sees them.
+        self._release_gate = engine.hold_updates(snapshot.wait_part)
         self._snapshot = snapshot
         meta = {"format": 1, "step": snapshot.step, "parts": snapshot.names, "saved_at": time.time(), **(meta or {})}
         try:
@@ -178,13 +185,15 @@ class Checkpointer:
                 raise CorruptCheckpointError(f"cannot restore {self.root / str(step)}: {problem}")
         engine.sync()
         state = engine.state
-        layout = expected_layout(state)
-        sink = lambda name, tree: install_part(state, name, tree, engine.opt.cast)
+
+        def sink(name: str, tree: dict[str, Any]) -> None:
+            part = PartId.from_name(name)
+            engine.restore_part(part, *rebuild_part(state, part, tree))
+
         out = self._manager.restore(step, args=ocp.args.Composite(
-            state=PartsRestore(layout, engine.placement.host, sink), meta=ocp.args.JsonRestore(),
+            state=PartsRestore(expected_layout(state), engine.placement.host, sink), meta=ocp.args.JsonRestore(),
             config=ocp.args.JsonRestore()))
-        state.step = int(out.meta["step"])
-        engine.load_state(state)  # GPU-resident parts reload from the restored host arrays
+        engine.restored(int(out.meta["step"]))  # GPU-resident parts reload from the restored host arrays
         return dict(out.meta), dict(out.config)
 
 
@@ -194,18 +203,3 @@ def _free_name(path: Path) -> Path:
         n += 1
         candidate = path.with_name(f"{path.name}{n}")
     return candidate
-
-
-def _gate(engine, snapshot: Snapshot) -> None:
-    """Make the engine wait for ``snapshot`` to be written before it updates a part's host arrays (in
-    place, or by replacing and donating them), in whichever thread runs the update. GPU-resident parts
-    are updated on the device and were copied to fresh host arrays by ``engine.sync()``: no wait needed."""
-    guard = getattr(engine, "_checkpoint_guard", None)
-    if guard is None:
-        def guard(part: int) -> None:
-            snap = engine._checkpoint_snapshot
-            if snap is not None:
-                snap.wait_part("io" if part == -1 else block_name(part))
-        engine._checkpoint_guard = guard
-        engine.update_guards.append(guard)
-    engine._checkpoint_snapshot = snapshot

@@ -19,8 +19,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError, check_step, committed_steps
-from megatrain_jax.checkpoint.parts import IO, block_name
 from megatrain_jax.models.config import DecoderConfig
+from megatrain_jax.parts import IO, PartId
 
 MARKER = "megatrain_params.json"
 
@@ -84,6 +84,6 @@ def load_params(path: str | Path) -> tuple[DecoderConfig, dict, list[dict]]:
     if not isinstance(config.get("model"), dict):
         raise ValueError(f"{step_dir} records no model config; it cannot be converted")
     cfg = DecoderConfig.from_dict(config["model"])
-    io = _pure(_restore_numpy(step_dir / "state" / IO)["params"])
-    blocks = [_pure(_restore_numpy(step_dir / "state" / block_name(i))["params"]) for i in range(cfg.layers)]
+    io = _pure(_restore_numpy(step_dir / "state" / IO.name)["params"])
+    blocks = [_pure(_restore_numpy(step_dir / "state" / PartId.block(i).name)["params"]) for i in range(cfg.layers)]
     return cfg, io, blocks

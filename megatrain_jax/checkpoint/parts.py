@@ -1,5 +1,5 @@
-"""The host state as checkpoint *parts*: ``io`` and one ``block_NNNNN`` per block, each holding that part's
-float32 master parameters and optimizer state as a nested dict of plain string keys.
+"""The host state as checkpoint *parts*: ``io`` and one ``block_NNNNN`` per block (``PartId.name``), each
+holding that part's float32 master parameters and optimizer state as a nested dict of plain string keys.
 
 Parts are what the writer snapshots, writes and releases one at a time (so a save holds at most about one
 part of extra memory), and what a restore reads back one at a time. Names come from the pytree paths
@@ -17,17 +17,7 @@ import jax
 import numpy as np
 
 from megatrain_jax.host_state import HostState
-
-IO = "io"
-
-
-def part_names(n_blocks: int) -> list[str]:
-    """In the order the optimizer updates them (io first, then blocks 0..N-1), which the writer follows."""
-    return [IO] + [block_name(i) for i in range(n_blocks)]
-
-
-def block_name(i: int) -> str:
-    return f"block_{i:05d}"
+from megatrain_jax.parts import PartId
 
 
 def _segment(key: Any) -> str:
@@ -72,22 +62,16 @@ def flatten_nested(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def part_trees(state: HostState) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(name, {"params": ..., "opt": ...})`` for every part, as the engine holds them now."""
-    yield IO, {"params": state.io, "opt": state.io_opt}
-    for i, (p, o) in enumerate(zip(state.blocks, state.blocks_opt)):
-        yield block_name(i), {"params": p, "opt": o}
-
-
-def part_params(state: HostState, name: str) -> Any:
-    """The parameter tree of part ``name``: the object the optimizer update receives."""
-    return state.io if name == IO else state.blocks[int(name.split("_")[1])]
+def part_trees(state: HostState) -> Iterator[tuple[PartId, dict[str, Any]]]:
+    """``(part, {"params": ..., "opt": ...})`` for every part, in update order, as the state holds them now."""
+    for part in state.ids():
+        yield part, {"params": state[part].params, "opt": state[part].opt}
 
 
 def expected_layout(state: HostState) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
     """``{part: {leaf name: (shape, dtype)}}`` of an engine's state: what a checkpoint must hold."""
-    return {name: {k: (tuple(v.shape), str(np.dtype(v.dtype))) for k, v in named_leaves(tree).items()}
-            for name, tree in part_trees(state)}
+    return {part.name: {k: (tuple(v.shape), str(np.dtype(v.dtype))) for k, v in named_leaves(tree).items()}
+            for part, tree in part_trees(state)}
 
 
 class ShapeMismatchError(ValueError):
@@ -120,11 +104,11 @@ def check_layout(expected: dict[str, dict], found: dict[str, dict], where: str) 
                                  f"({len(problems)} mismatches):\n  " + "\n  ".join(problems))
 
 
-def install_part(state: HostState, name: str, restored: dict[str, Any], cast) -> None:
-    """Put one restored part into ``state``: the leaves are matched by name into the engine's own trees
-    (so optimizer structure comes from the engine), and the stream copy is recomputed with ``cast``."""
+def rebuild_part(state: HostState, part: PartId, restored: dict[str, Any]) -> tuple[Any, Any]:
+    """A restored part's ``(params, opt)``: the leaves are matched by name into the state's own trees, so
+    the optimizer's structure comes from the engine, not from the files."""
     flat = flatten_nested(restored)
-    current = dict(part_trees(state))[name]
+    current = state[part]
 
     def rebuild(tree: Any, prefix: str) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -132,12 +116,4 @@ def install_part(state: HostState, name: str, restored: dict[str, Any], cast) ->
         assert len(names) == len(leaves)
         return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in names])
 
-    params, opt = rebuild(current["params"], "params"), rebuild(current["opt"], "opt")
-    if name == IO:
-        state.io, state.io_opt = params, opt
-        state.stream_io = cast(params)
-    else:
-        i = int(name.split("_")[1])
-        state.blocks[i], state.blocks_opt[i] = params, opt
-        if state.stream_blocks is not None:
-            state.stream_blocks[i] = cast(params)
+    return rebuild(current.params, "params"), rebuild(current.opt, "opt")

@@ -3,8 +3,8 @@ and save-then-exit on SIGTERM/SIGINT. ``fit`` only calls ``start``, ``after_step
 ``running``; a researcher driving ``Engine.steps`` directly can call them the same way.
 
 Steps: ``engine.steps`` reports step k after step k+1 is launched, so when a hook runs the engine state
-(and the data consumed) are at step k+1. Saves therefore use ``engine.state.step``, never the metric's
-step, and a save at ``engine.state.step`` is consistent with the data iterator's state at that moment.
+(and the data consumed) are at step k+1 (``StepInfo.params_step``). Saves therefore use that step, never
+the metric's, and a save there is consistent with the data iterator's state at that moment.
 """
 
 from __future__ import annotations
@@ -49,19 +49,10 @@ def jsonable(x: Any) -> Any:
 def position_data(data: Iterable, meta: dict) -> Iterable:
     """``data`` continuing right after the last batch the checkpointed run consumed: through its
     ``restore(state)`` when it has one, else by skipping the ``batches`` already consumed."""
-    from megatrain_jax.data.sampler import Prefetcher
-
     state = meta.get("data")
-    if state is not None and callable(getattr(data, "restore", None)):
+    if state is not None and callable(getattr(data, "restore", None)) and getattr(data, "restorable", True):
         data.restore(state)
         return data
-    if state is not None and isinstance(data, Prefetcher):
-        source = data._source  # Prefetcher has no restore(): restart it on the restored source
-        if callable(getattr(source, "restore", None)):
-            depth = data._queue.maxsize
-            data.close()
-            source.restore(state)
-            return Prefetcher(source, depth)
     return itertools.islice(iter(data), int(meta.get("batches", 0)), None)
 
 
@@ -84,8 +75,8 @@ class CheckpointSession:
         self.ckpt = Checkpointer(directory, keep=keep) if directory is not None else None
         if self.ckpt is not None and resume is None and committed_steps(self.ckpt.root):
             raise ValueError(f"checkpoint_dir {self.ckpt.root} already holds checkpoints (steps "
-                             f"{committed_steps(self.ckpt.root)}); pass resume='auto' to continue that run, "
-                             f"or use another directory")
+                             f"{committed_steps(self.ckpt.root)}); pass resume=True (train.resume = true in a run "
+                             f"config) to continue that run, or use another directory")
         self.data: Iterable | None = None
         self.start_step = 0
         self.stop_signal: str | None = None
@@ -151,9 +142,10 @@ class CheckpointSession:
                 "seed": self.config.get("seed")}
         return self.ckpt.save(engine, meta=meta, config=self.config, wait=wait)
 
-    def after_step(self, metrics: dict, engine) -> None:
-        """A ``Hook`` function (every step): periodic save, and save-then-exit after a stop signal."""
-        step = int(engine.state.step)
+    def after_step(self, metrics: dict, info) -> None:
+        """A ``Hook`` function (every step; ``info`` a ``fit.StepInfo``): periodic save, and save-then-exit
+        after a stop signal."""
+        engine, step = info.engine, info.params_step
         if self.every and step % self.every == 0 and step != self._last_saved():
             self.save(engine)
         if self.stop_signal is not None and self.ckpt is not None:

@@ -11,8 +11,9 @@ So ``PartsHandler`` is an Orbax ``AsyncCheckpointHandler`` whose background comm
 turn (io, block 0, block 1, ...), each with an ordinary ``PyTreeCheckpointHandler`` into its own
 subdirectory, then the manifest. Each array is handed to Orbax as a zero-copy numpy view of its pinned
 host buffer, through a ``NumpyHandler`` that does not deep-copy. The snapshot is a ``Snapshot``: the
-engine's part trees, taken after its pending updates finish. Before the engine updates a part it calls
-``Snapshot.wait_params``, which holds it until that part is written and released. So a save needs no
+engine's part trees, taken after its pending updates finish. Before the engine updates a part in place
+it calls the gate the checkpointer installed (``Engine.hold_updates(snapshot.wait_part)``), which holds
+it until that part is written and released. So a save needs no
 extra copy of the state (at most one part, where pinned buffers cannot be viewed), and training
 overlaps the write until the next step's updates catch up with the writer.
 """
@@ -23,7 +24,6 @@ import asyncio
 import ctypes
 import dataclasses
 import functools
-import os
 import threading
 import time
 from pathlib import Path
@@ -40,9 +40,7 @@ from megatrain_jax.checkpoint.manifest import file_entries, verify_manifest, wri
 from megatrain_jax.checkpoint.parts import (ShapeMismatchError, check_layout, flatten_nested, named_leaves, nest,
                                             part_trees)
 from megatrain_jax.host_state import HostState
-
-# Testing knob for crash-safety tests: seconds the writer sleeps after each part (scripts/kill_during_save.py).
-PART_DELAY_ENV = "MEGATRAIN_CHECKPOINT_PART_DELAY_S"
+from megatrain_jax.parts import PartId
 
 
 @functools.cache
@@ -78,8 +76,7 @@ class Snapshot:
     def __init__(self, state: HostState):
         self.step = int(state.step)
         self._lock = threading.Lock()
-        self._parts: dict[str, dict[str, Any]] = {name: named_leaves(tree) for name, tree in part_trees(state)}
-        self._ids = {id(tree["params"]): name for name, tree in part_trees(state)}
+        self._parts: dict[str, dict[str, Any]] = {part.name: named_leaves(tree) for part, tree in part_trees(state)}
         self._done = {name: threading.Event() for name in self._parts}
         self.names = list(self._parts)
         self.wait_s = 0.0  # time the engine spent held by this snapshot
@@ -91,7 +88,7 @@ class Snapshot:
         deleted = [k for k, v in leaves.items() if getattr(v, "is_deleted", lambda: False)()]
         if deleted:
             raise RuntimeError(f"part {name} of step {self.step} was overwritten during its save ({deleted[0]} "
-                               f"was donated): the engine updated it without calling Snapshot.wait_part")
+                               f"was donated): the engine updated it without passing its update gate")
         return nest({k: host_view(v) for k, v in leaves.items()})
 
     def release(self, name: str) -> None:
@@ -104,19 +101,13 @@ class Snapshot:
         for name in list(self._done):
             self.release(name)
 
-    def wait_part(self, name: str) -> None:
-        """Block until part ``name`` is written (no-op for an unknown or written part)."""
-        event = self._done.get(name)
+    def wait_part(self, part: PartId) -> None:
+        """Block until ``part`` is written (no-op for a part already written): the engine's update gate."""
+        event = self._done.get(part.name)
         if event is not None and not event.is_set():
             t = time.perf_counter()
             event.wait()
             self.wait_s += time.perf_counter() - t
-
-    def wait_params(self, params: Any) -> None:
-        """``wait_part`` for the part whose parameter tree is ``params`` (identity: what the update gets)."""
-        name = self._ids.get(id(params))
-        if name is not None:
-            self.wait_part(name)
 
 
 @dataclasses.dataclass
@@ -155,7 +146,7 @@ class PartsHandler(ocp.AsyncCheckpointHandler):
         await asyncio.to_thread(self._write_parts, Path(directory), args)
 
     def _write_parts(self, directory: Path, args: PartsSave) -> None:
-        snap, delay = args.snapshot, float(os.environ.get(PART_DELAY_ENV, "0") or 0)
+        snap = args.snapshot
         try:
             directory.mkdir(parents=True, exist_ok=True)
             for name in snap.names:
@@ -163,8 +154,6 @@ class PartsHandler(ocp.AsyncCheckpointHandler):
                 self._tree.save(path, args=ocp.args.PyTreeSave(snap.take(name)))
                 self._tree.finalize(path)  # merges the per-process OCDBT database into the part's root
                 snap.release(name)
-                if delay:
-                    time.sleep(delay)
             write_manifest(directory, file_entries(directory, args.checksum), step=snap.step, parts=snap.names)
         finally:
             snap.release_all()  # a failed save must never leave the engine waiting
@@ -228,5 +217,5 @@ def verify_state_item(step_dir: Path, checksum: bool = True) -> str | None:
     return verify_manifest(step_dir / "state", checksum)
 
 
-__all__ = ["PART_DELAY_ENV", "PartsHandler", "PartsRestore", "PartsSave", "ShapeMismatchError", "Snapshot",
+__all__ = ["PartsHandler", "PartsRestore", "PartsSave", "ShapeMismatchError", "Snapshot",
            "verify_state_item"]

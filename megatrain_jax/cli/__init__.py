@@ -2,7 +2,7 @@
 
 from megatrain_jax.cli.commands import main
 from megatrain_jax.cli.config_file import (ConfigError, LogConfig, ModelSection, OptimizerConfig, RunConfig,
-                                           TrainConfig, load_config, parse_config, to_toml)
+                                           TrainSection, load_config, parse_config, to_toml)
 
-__all__ = ["ConfigError", "LogConfig", "ModelSection", "OptimizerConfig", "RunConfig", "TrainConfig",
+__all__ = ["ConfigError", "LogConfig", "ModelSection", "OptimizerConfig", "RunConfig", "TrainSection",
            "load_config", "main", "parse_config", "to_toml"]

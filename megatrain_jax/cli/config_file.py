@@ -6,7 +6,8 @@ Sections and the dataclass each fills:
   Face folder whose config.json and weights are loaded), plus any ``DecoderConfig`` field to override;
 - ``[data]``: ``DataConfig``; ``[engine]``: ``EngineConfig``;
 - ``[optimizer]``: ``OptimizerConfig`` (AdamW and its learning-rate schedule);
-- ``[train]``: ``TrainConfig`` (steps, evaluation, run folder, checkpoints);
+- ``[train]``: ``TrainSection`` (the library's ``TrainConfig``: steps, checkpoints; plus evaluation and
+  the run folder);
 - ``[log]``: ``LogConfig`` (progress display, TensorBoard, Weights & Biases).
 
 Every key is checked against the field's type hint; an unknown key or section is an error naming the
@@ -29,9 +30,10 @@ from typing import Any, Literal, Sequence
 import optax
 
 from megatrain_jax.data import DataConfig
-from megatrain_jax.engine import EngineConfig
+from megatrain_jax.engine_config import EngineConfig
 from megatrain_jax.models.config import DecoderConfig, preset
 from megatrain_jax.optim import adamw
+from megatrain_jax.train_config import TrainConfig
 
 
 class ConfigError(ValueError):
@@ -95,37 +97,37 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """The run: how long, what to report and where. ``eval_every = 0`` turns evaluation off.
+class TrainSection(TrainConfig):
+    """The ``[train]`` section: the library's ``TrainConfig`` (what ``fit`` runs) plus the run folder's
+    settings. ``eval_every = 0`` turns evaluation off.
 
-    Checkpoints (Orbax, whole host state and data position) go to ``checkpoint_dir`` (default
-    ``run_dir/checkpoints``) every ``checkpoint_every`` steps and at the end, when ``checkpoint_every > 0``
-    or ``resume`` is set. ``resume = true`` continues from the newest complete checkpoint there (or starts
-    fresh when there is none); a string names a checkpoint folder to start from."""
+    Checkpoints go to ``checkpoint_dir`` (default ``run_dir/checkpoints``) every ``checkpoint_every`` steps
+    and at the end, when ``checkpoint_every > 0``, ``resume`` or ``checkpoint_dir`` is set. ``resume =
+    true`` continues from the newest complete checkpoint there (or starts fresh when there is none); a
+    string names a checkpoint folder to start from."""
 
     steps: int = 100
-    seed: int = 0
-    log_every: int = 10
     eval_every: int = 0
     eval_batches: int = 8
     run_dir: str = "runs/default"
-    peak_tflops: float | None = None  # the accelerator's dense bf16 peak (H100 SXM: 989), adds MFU
-    checkpoint_every: int = 0
-    checkpoint_keep: int = 3
-    checkpoint_dir: str | None = None
-    resume: bool | str = False
     export_hf: str | None = None  # write the trained model here as a Hugging Face folder at the end
     memory_check: bool = True  # refuse to start when the memory plan does not fit
 
     def __post_init__(self) -> None:
-        for name in ("steps", "log_every", "eval_batches", "checkpoint_keep"):
-            if getattr(self, name) < 1:
+        for name in ("steps", "log_every", "eval_batches"):
+            if getattr(self, name) is None or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("eval_every", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (0 = off), got {self.eval_every}")
+        self.for_fit()  # every TrainConfig check, with the run folder's checkpoint default
+
+    def for_fit(self) -> TrainConfig:
+        """The ``TrainConfig`` ``fit`` gets: checkpoints under the run folder unless placed elsewhere."""
+        checkpoint_dir = self.checkpoint_dir
+        if checkpoint_dir is None and (self.checkpoint_every or self.resume):
+            checkpoint_dir = str(Path(self.run_dir) / "checkpoints")
+        return TrainConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainConfig)}
+                           | {"checkpoint_dir": checkpoint_dir, "log_every": 0})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +149,7 @@ class RunConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
 
 

@@ -15,7 +15,7 @@ from typing import TextIO
 import jax
 from flax import nnx
 
-from megatrain_jax.cli.config_file import RunConfig, TrainConfig, to_dict, to_toml
+from megatrain_jax.cli.config_file import RunConfig, to_dict, to_toml
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.fit import History, Hook, fit
 from megatrain_jax.memory_plan import plan
@@ -39,21 +39,11 @@ def _device_line() -> str:
     return f"{dev.platform} ({getattr(dev, 'device_kind', dev)}), {jax.device_count()} device(s)"
 
 
-def checkpoint_args(t: TrainConfig, run_dir: Path) -> dict:
-    """fit's checkpoint arguments for the [train] section (none when checkpointing is off)."""
-    if not (t.checkpoint_every or t.resume):
-        return {}
-    resume = "auto" if t.resume is True else (t.resume or None)
-    return {"checkpoint_dir": t.checkpoint_dir or run_dir / "checkpoints",
-            "checkpoint_every": t.checkpoint_every or None, "keep_checkpoints": t.checkpoint_keep,
-            "resume": resume}
-
-
 def _first_step(fn) -> Hook:
     """A hook calling ``fn()`` once, at the first step."""
     done: list[bool] = []
 
-    def call(m: dict, engine) -> None:
+    def call(m: dict, info) -> None:
         if not done:
             done.append(True)
             fn()
@@ -84,7 +74,7 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
         from megatrain_jax.hf import load_hf_into
         say(f"  loading weights from {cfg.model.hf_checkpoint}")
         load_hf_into(model, cfg.model.hf_checkpoint)
-    optimizer, schedule = cfg.optimizer.build(t.steps)
+    optimizer, _ = cfg.optimizer.build(t.steps)
     data = d.build(model_cfg.vocab_size)
 
     # written at the first step, so a run refused at start (e.g. by the checkpoint folder) leaves the folder as is
@@ -106,9 +96,7 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     hooks += [w.hook() for w in writers]
 
     try:
-        history = fit(model, data, optimizer, steps=t.steps, config=cfg.engine, lr_schedule=schedule,
-                      seed=t.seed, hooks=hooks, log_every=None, peak_tflops=t.peak_tflops, write_back=False,
-                      **checkpoint_args(t, run_dir))
+        history = fit(model, data, optimizer, train=t.for_fit(), engine=cfg.engine, hooks=hooks, write_back=False)
     finally:
         for w in writers:
             w.close()
@@ -117,8 +105,7 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
 
     if t.export_hf:
         from megatrain_jax.hf import save_hf
-        state = history.engine.state
-        save_hf(t.export_hf, model_cfg, state.io, state.blocks)
+        save_hf(t.export_hf, model_cfg, *history.engine.state.params())
         say(f"  exported the trained model to {t.export_hf} (Hugging Face format, bfloat16)")
     if len(history):
         first, last = history.records[0], history.records[-1]

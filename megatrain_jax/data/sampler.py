@@ -204,13 +204,36 @@ class Prefetcher:
     def __init__(self, iterator: Iterator, n: int = 2):
         if n < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {n}")
-        self._source, self._it = iterator, iter(iterator)
+        self._source, self._depth = iterator, n
         self._has_state = callable(getattr(iterator, "state", None))
-        self._state = iterator.state() if self._has_state else None
-        self._queue: queue.Queue = queue.Queue(maxsize=n)
+        self._start()
+
+    def _start(self) -> None:
+        self._it = iter(self._source)
+        self._state = self._source.state() if self._has_state else None
+        self._queue: queue.Queue = queue.Queue(maxsize=self._depth)
         self._stop, self._done = threading.Event(), False
         self._thread = threading.Thread(target=self._produce, name="megatrain-data-prefetch", daemon=True)
         self._thread.start()
+
+    @property
+    def producing(self) -> bool:
+        """Whether the read-ahead thread is running (False once the stream ended or was closed)."""
+        return self._thread.is_alive()
+
+    @property
+    def restorable(self) -> bool:
+        """Whether ``restore`` works: the wrapped iterator has ``restore(state)``."""
+        return callable(getattr(self._source, "restore", None))
+
+    def restore(self, state: dict) -> None:
+        """Continue from ``state`` (a ``state()`` of this stream): the read-ahead is dropped, the wrapped
+        iterator restored, and production restarts from there."""
+        if not self.restorable:
+            raise TypeError(f"{type(self._source).__name__} has no restore(state): this stream cannot be resumed")
+        self.close()
+        self._source.restore(state)
+        self._start()
 
     def _produce(self) -> None:
         try:

@@ -32,7 +32,8 @@ class Block(nnx.Module):
 
 class InputOutput(nnx.Module):
     """The embedding and the head: ``embed`` maps tokens to hidden states, ``final_hidden`` applies the
-    final norm, ``unembed`` maps normalized hidden states to float32 logits."""
+    final norm, ``unembed`` maps normalized hidden states to float32 logits. ``embed`` takes positions and
+    segment ids as the contract requires, and ignores them: RoPE is applied inside the blocks."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -45,7 +46,9 @@ class InputOutput(nnx.Module):
     def compute_dtype(self):
         return jnp.dtype(self.cfg.dtype)
 
-    def embed(self, tokens_BT: jax.Array) -> jax.Array:
+    def embed(self, tokens_BT: jax.Array, positions_BT: jax.Array,
+              segment_ids_BT: jax.Array | None) -> jax.Array:
+        del positions_BT, segment_ids_BT  # positions enter through RoPE in the attention of each block
         return jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.compute_dtype)
 
     def final_hidden(self, x_BTD: jax.Array) -> jax.Array:
@@ -83,7 +86,7 @@ class Decoder(nnx.Module):
         """Float32 logits [B, T, V] (materialized whole: for tests and small models)."""
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-        x_BTD = self.io.embed(tokens_BT)
+        x_BTD = self.io.embed(tokens_BT, positions_BT, segment_ids_BT)
         for block in self.blocks:
             x_BTD = block(x_BTD, positions_BT, segment_ids_BT)
         return self.io.unembed(self.io.final_hidden(x_BTD))

@@ -51,7 +51,7 @@ def system_stats() -> dict[str, float]:
 
 def memory_hook(every: int = 1) -> Hook:
     """Adds ``system_stats()`` to the step's metrics (put it before the writers)."""
-    return Hook(lambda m, engine: m.update(system_stats()), every=every)
+    return Hook(lambda m, info: m.update(system_stats()), every=every)
 
 
 def _plain(value: Any) -> Any:
@@ -98,7 +98,7 @@ class JsonlWriter:
         self._f.flush()
 
     def hook(self) -> Hook:
-        return Hook(lambda m, engine: self.write(m), every=1)
+        return Hook(lambda m, info: self.write(m), every=1)
 
     def close(self) -> None:
         if self._f is not None and not self._f.closed:

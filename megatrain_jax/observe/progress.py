@@ -109,7 +109,7 @@ class Progress:
         self._clear_bar()
         self._write(text + "\n")
 
-    def __call__(self, m: dict, engine=None) -> None:
+    def __call__(self, m: dict, info=None) -> None:
         now = time.perf_counter()
         if self._start is None:
             self._start = (now, m["step"])

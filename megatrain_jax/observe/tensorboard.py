@@ -80,7 +80,7 @@ class TensorBoardWriter:
             self._writer.flush()
 
     def hook(self) -> Hook:
-        return Hook(lambda m, engine: self.write(m), every=1)
+        return Hook(lambda m, info: self.write(m), every=1)
 
     def close(self) -> None:
         self._writer.flush()

@@ -36,7 +36,7 @@ class WandbLogger:
         self.run.log(data, step=int(metrics["step"]))
 
     def hook(self) -> Hook:
-        return Hook(lambda m, engine: self.write(m), every=1)
+        return Hook(lambda m, info: self.write(m), every=1)
 
     def close(self) -> None:
         self.run.finish()

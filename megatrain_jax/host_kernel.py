@@ -1,8 +1,11 @@
-"""Fused host AdamW: the C++ kernel (built on first use where a C++ compiler exists) and its pure-jnp
-reference. ``load()`` returns None when no compiler is found or ``MEGATRAIN_NO_KERNELS=1``; callers
-then fall back to the JAX path.
+"""Fused host AdamW: the C++ kernel (``kernels/host_adamw.cpp``, built on first use where a C++ compiler
+exists) and its pure-jnp reference. ``load()`` returns None when no compiler is found or the build fails;
+callers then use the JAX path (``EngineConfig.host_kernel`` turns the kernel off on purpose).
 
-Build ahead of time (e.g. in an image): ``python -m kernels.host_adamw``.
+The source ships in the wheel as ``megatrain_jax/kernels/host_adamw.cpp``; in the repository (and an
+editable install) it is the top-level ``kernels/`` folder, which pyproject maps onto ``megatrain_jax.kernels``.
+
+Build ahead of time (e.g. in an image): ``python -m megatrain_jax.host_kernel``.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from importlib import resources
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = Path(__file__).with_name("host_adamw.cpp")
+SOURCE = resources.files("megatrain_jax.kernels") / "host_adamw.cpp"
 
 
 def adamw_reference(p, m, v, g, *, lr, b1, b2, eps, wd, grad_scale, bc1, bc2):
@@ -44,44 +48,45 @@ def _cache_dir() -> Path:
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
 
 
-def build(verbose: bool = False, defines: tuple[str, ...] = ()) -> Path | None:
-    """Compile the kernel into the cache (keyed by source, flags and machine); None without a compiler.
-    ``defines`` are for experiments: ``"MEGATRAIN_PREFETCH=256"`` becomes ``-DMEGATRAIN_PREFETCH=256``, and
-    an entry starting with ``-`` is passed as a compiler flag."""
+def build(verbose: bool = False) -> Path | None:
+    """Compile the kernel into the cache (keyed by source, flags, compiler and machine); None without a
+    compiler or when every build attempt fails."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         return None
     src = SOURCE.read_bytes()
-    flags_id = " ".join(_FLAGS + defines).encode()
-    tag = hashlib.sha256(src + os.uname().machine.encode() + cxx.encode() + flags_id).hexdigest()[:16]
-    out = _cache_dir() / f"host_adamw_{tag}.so"
+    tag = hashlib.sha256(src + os.uname().machine.encode() + cxx.encode() + " ".join(_FLAGS).encode())
+    out = _cache_dir() / f"host_adamw_{tag.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, resources.as_file(SOURCE) as src_path:
         tmp_out = Path(tmp) / out.name
-        base = [cxx, *_FLAGS, *(d if d.startswith("-") else f"-D{d}" for d in defines), str(SOURCE), "-o", str(tmp_out)]
-        for flags in (["-march=native", "-fopenmp"], ["-fopenmp"], []):  # best first, then portable
-            r = subprocess.run(base[:2] + flags + base[2:], capture_output=True, text=True)
+        for extra in (["-march=native", "-fopenmp"], ["-fopenmp"], []):  # best first, then portable
+            r = subprocess.run([cxx, *_FLAGS, *extra, str(src_path), "-o", str(tmp_out)], capture_output=True,
+                               text=True)
             if r.returncode == 0:
                 break
             if verbose:
                 print(r.stderr, file=sys.stderr)
         else:
-            warnings.warn(f"could not compile {SOURCE.name} with {cxx}; using the JAX host optimizer")
+            warnings.warn(f"could not compile {src_path.name} with {cxx}; using the JAX host optimizer")
             return None
         os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
     return out
 
 
 @functools.lru_cache(maxsize=None)
-def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    if os.environ.get("MEGATRAIN_NO_KERNELS") == "1":
-        return None
-    path = build(defines=defines)
+def load() -> ctypes.CDLL | None:
+    """The built kernel (compiled on first call), or None where it cannot be built or loaded."""
+    path = build()
     if path is None:
         return None
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        warnings.warn(f"could not load {path}: {e}; using the JAX host optimizer")
+        return None
     for fn in (lib.megatrain_adamw, lib.megatrain_adamw_stream):
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 8
         fn.restype = None
@@ -89,6 +94,18 @@ def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     lib.megatrain_set_threads.argtypes = [ctypes.c_int]
     lib.megatrain_set_threads.restype = None
     return lib
+
+
+def _require(lib: ctypes.CDLL | None) -> ctypes.CDLL:
+    lib = lib or load()
+    if lib is None:
+        raise RuntimeError("host AdamW kernel unavailable (no C++ compiler, or it failed to build)")
+    return lib
+
+
+def set_threads(n: int, lib: ctypes.CDLL | None = None) -> None:
+    """Threads the kernel uses from now on, process-wide (n <= 0: OpenMP's default, all cores)."""
+    _require(lib).megatrain_set_threads(int(n))
 
 
 def adamw_inplace(lib: ctypes.CDLL, p: int, m: int, v: int, g: int, p_bf16: int | None, n: int, *, lr: float,
@@ -109,11 +126,11 @@ def adamw_numpy(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, p_bf
                 stream_only: bool = False, lib: ctypes.CDLL | None = None, **hp) -> None:
     """The kernel on numpy arrays (contiguous float32; bf16 out as uint16 or ml_dtypes.bfloat16), in place.
     ``stream_only`` writes just ``p_bf16`` (see ``adamw_stream_inplace``)."""
-    lib = lib or load()
-    if lib is None:
-        raise RuntimeError("host AdamW kernel unavailable (no C++ compiler, or MEGATRAIN_NO_KERNELS=1)")
+    lib = _require(lib)
     for a in (p, m, v, g):
         assert a.dtype == np.float32 and a.flags.c_contiguous and a.size == p.size
+    if p_bf16 is not None:
+        assert p_bf16.itemsize == 2 and p_bf16.flags.c_contiguous and p_bf16.size == p.size
     out = None if p_bf16 is None else p_bf16.ctypes.data
     if stream_only:
         assert out is not None, "stream_only needs a bfloat16 output"
@@ -124,6 +141,6 @@ def adamw_numpy(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, p_bf
 
 if __name__ == "__main__":
     path = build(verbose=True)
-    print(path or "no C++ compiler found: the JAX host optimizer will be used")
+    print(path or "no C++ compiler (or the build failed): the JAX host optimizer will be used")
     if path:
         print("OpenMP threads:", load().megatrain_omp_threads())

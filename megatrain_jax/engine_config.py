@@ -1,0 +1,48 @@
+"""``EngineConfig``: how the engine runs a step. Its own module, so that planning memory or parsing a
+config file does not import the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How a step is run.
+
+    - ``micro_batches`` bounds transient activation memory only: weights cross PCIe twice per step
+      whatever it is.
+    - ``prefetch_depth``: layers fetched ahead of the one computing.
+    - ``clip_norm``: exact global-norm clipping (the norm of the whole gradient); None turns it off.
+    - ``accumulate_steps`` batches make one optimizer step.
+    - ``stream_dtype`` is the dtype of the weights sent to the device (None: the model's compute dtype);
+      a 16-bit one keeps a copy in host memory, written by the optimizer.
+    - A step whose loss or gradient norm is not finite is skipped (state unchanged); more than
+      ``max_nonfinite_steps`` in a row stop training with ``NonFiniteError``.
+    - ``host_kernel=False`` runs ``megatrain_jax.adamw`` through JAX instead of the fused C++ kernel.
+    - ``resident_layers`` (the first blocks) and ``resident_io`` keep parts on the GPU with their
+      optimizer state (``megatrain_jax.resident``): faster when GPU memory allows, about 18 bytes per
+      parameter.
+    """
+
+    micro_batches: int = 1
+    prefetch_depth: int = 1
+    clip_norm: float | None = 1.0
+    accumulate_steps: int = 1
+    stream_dtype: str | None = None
+    max_nonfinite_steps: int = 10
+    host_kernel: bool = True
+    resident_layers: int = 0
+    resident_io: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"EngineConfig.clip_norm must be positive or None, got {self.clip_norm!r}")
+        if not isinstance(self.resident_layers, int) or self.resident_layers < 0:
+            raise ValueError(f"EngineConfig.resident_layers must be an integer >= 0, got {self.resident_layers!r}")
+        if self.stream_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"EngineConfig.stream_dtype must be None, 'float32' or 'bfloat16', "
+                             f"got {self.stream_dtype!r}")

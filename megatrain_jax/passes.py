@@ -1,0 +1,205 @@
+"""How each op of the schedule runs: one handler per op kind, in one table (``HANDLERS``).
+
+A ``PassRunner`` walks a list of ops (``megatrain_jax.schedule``) over one batch's micro-batches: it moves
+parts with ``Placement``, runs the jitted per-part functions (``DeviceFns``), sends gradients to host
+memory and hands the updates to the ``UpdatePolicy``. The values of one pass live in a ``Pass``; what
+outlives a pass (GPU-resident parts, gradients being accumulated over sub-steps) lives in the runner.
+
+Each handler returns what the op produced (device arrays, or the futures of host-worker tasks), which is
+what observers (``megatrain_jax.observers``) may wait on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from megatrain_jax.batch import Batch
+from megatrain_jax.device_fns import DeviceFns
+from megatrain_jax.host_state import HostState
+from megatrain_jax.parts import IO, Part, PartId
+from megatrain_jax.schedule import Op, OpKind
+from megatrain_jax.transfer import Placement
+from megatrain_jax.update_policy import StepDecision, UpdatePolicy
+
+
+@dataclasses.dataclass
+class Pass:
+    """Device-side values of one pass over a batch."""
+
+    batches: list[Batch]  # micro-batches, on the device
+    inv_count: float = 1.0  # 1 / the loss tokens of the whole batch
+    accumulate: bool = False  # add the gradients to those of earlier sub-steps
+    last: bool = True  # the last sub-step of an optimizer step: norms and updates follow
+    keep_inputs: bool = True  # keep each block's inputs for the backward (False: evaluation)
+    params: dict[PartId, Any] = dataclasses.field(default_factory=dict)  # parts on the device
+    acts: dict[int, list] = dataclasses.field(default_factory=dict)  # block -> its input per micro-batch
+    dy: list = dataclasses.field(default_factory=list)
+    grads: Any = None  # the accumulator of the block in backward
+    io_grads: Any = None
+    losses: list = dataclasses.field(default_factory=list)
+    decision: StepDecision | None = None
+
+
+class PassRunner:
+    """Runs ops against the host state, the GPU-resident parts and the update policy."""
+
+    def __init__(self, fns: DeviceFns, placement: Placement, state: HostState, policy: UpdatePolicy,
+                 resident: dict[PartId, Part], observers: Sequence):
+        self.fns, self.placement, self.state, self.policy = fns, placement, state, policy
+        self.resident = resident  # GPU-resident parts, updated on the device
+        self.observers = observers
+        self.n_blocks = len(state.parts) - 1
+        self._grads: dict[PartId, Any] = {}  # each part's gradient of this optimizer step so far
+        self._sq_norms: dict[PartId, Any] = {}
+        self.decision: StepDecision | None = None  # of the last optimizer step
+
+    def run(self, p: Pass, ops: Sequence[Op]) -> None:
+        try:
+            if not self.observers:
+                for op in ops:
+                    HANDLERS[op.kind](self, p, op)
+                return
+            for op in ops:
+                start = time.perf_counter()
+                out = HANDLERS[op.kind](self, p, op)
+                end = time.perf_counter()
+                for o in self.observers:
+                    o.on_op(op, start, end, out)
+        finally:
+            # A step cut short after some first halves were queued still queues their second halves, so
+            # masters, moments and stream copies never disagree (and no stale task joins a later step).
+            if self.policy.commits_pending:
+                self.policy.commit(self.state)
+
+    # ------------------------------------------------------------------ moving parts
+    def fetch(self, p: Pass, op: Op):
+        if op.part in self.resident:
+            p.params[op.part] = self.resident[op.part].stream
+        else:
+            self.policy.ready(op.part)
+            p.params[op.part] = self.placement.to_device(self.state[op.part].streamed())
+        return p.params[op.part]
+
+    def release(self, p: Pass, op: Op):
+        del p.params[op.part]
+
+    # ------------------------------------------------------------------ compute
+    def embed(self, p: Pass, op: Op):
+        b = p.batches[op.micro]
+        x = self.fns.embed(p.params[IO], b.inputs, b.positions, b.segment_ids)
+        p.acts.setdefault(0, []).append(x)
+        return x
+
+    def forward(self, p: Pass, op: Op):
+        b, layer = p.batches[op.micro], op.part.layer
+        y = self.fns.forward(p.params[op.part], p.acts[layer][op.micro], b.positions, b.segment_ids)
+        p.acts.setdefault(layer + 1, []).append(y)
+        if not p.keep_inputs and op.micro == len(p.batches) - 1:
+            del p.acts[layer]  # evaluation: no backward reads them
+        return y
+
+    def head(self, p: Pass, op: Op):
+        b = p.batches[op.micro]
+        loss, dx, p.io_grads = self.fns.head(p.params[IO], p.acts[self.n_blocks][op.micro], b.targets,
+                                             b.loss_mask, np.float32(p.inv_count), p.io_grads)
+        p.losses.append(loss)
+        p.dy.append(dx)
+        if op.micro == len(p.batches) - 1:
+            del p.acts[self.n_blocks]
+        return dx
+
+    def backward(self, p: Pass, op: Op):
+        b, layer = p.batches[op.micro], op.part.layer
+        p.dy[op.micro], p.grads = self.fns.backward(p.params[op.part], p.acts[layer][op.micro], b.positions,
+                                                    b.segment_ids, p.dy[op.micro], p.grads)
+        if layer > 0 and op.micro == len(p.batches) - 1:
+            del p.acts[layer]  # block 0's inputs are the embeddings, still needed by embed_backward
+        return p.dy[op.micro]
+
+    def embed_backward(self, p: Pass, op: Op):
+        b = p.batches[op.micro]
+        p.io_grads = self.fns.embed_backward(p.params[IO], b.inputs, b.positions, b.segment_ids,
+                                             p.dy[op.micro], p.io_grads)
+        if op.micro == len(p.batches) - 1:
+            p.acts.clear()
+            p.dy = []
+        return p.io_grads
+
+    def loss(self, p: Pass, op: Op):
+        """Evaluation: the summed masked NLL of one micro-batch."""
+        b = p.batches[op.micro]
+        out = self.fns.nll_sum(p.params[IO], p.acts[self.n_blocks][op.micro], b.targets, b.loss_mask)
+        p.losses.append(out)
+        return out
+
+    # ------------------------------------------------------------------ gradients and updates
+    def send_grads(self, p: Pass, op: Op):
+        """A part's gradient to host memory (GPU-resident parts keep it on the device), summed with earlier
+        sub-steps' when accumulating; its squared norm once the optimizer step's gradient is complete."""
+        part, resident = op.part, op.part in self.resident
+        if part.is_io:
+            grads, p.io_grads = p.io_grads, None
+        else:
+            grads, p.grads = p.grads, None
+        if p.accumulate:
+            earlier = self._grads[part]
+            grads = self.fns.add(grads, earlier if resident else self.placement.to_device(earlier))
+        if p.last:
+            self._sq_norms[part] = self.fns.sq_norm(grads)
+        self._grads[part] = grads if resident else self.placement.to_host(grads)
+        return self._grads[part]
+
+    def grad_norm(self, p: Pass, op: Op):
+        norms = [self._sq_norms.pop(part) for part in self.state.ids()]
+        p.decision = self.decision = self.policy.decide(norms, sum(p.losses))
+        return p.decision.scale
+
+    def update(self, p: Pass, op: Op):
+        grads = self._grads.pop(op.part)
+        if op.part in self.resident:
+            self.resident[op.part] = self.policy.update_device(self.resident[op.part], grads, p.decision)
+            return self.resident[op.part]
+        return self.policy.update_host(self.state, op.part, grads, p.decision)
+
+    def commit(self, p: Pass, op: Op):
+        return self.policy.commit(self.state)
+
+
+# Every op kind and its handler: a new kind of op is added here and in ``schedule.OpKind``.
+HANDLERS: dict[OpKind, Callable[[PassRunner, Pass, Op], Any]] = {
+    "fetch": PassRunner.fetch, "release": PassRunner.release, "embed": PassRunner.embed,
+    "forward": PassRunner.forward, "head": PassRunner.head, "backward": PassRunner.backward,
+    "send_grads": PassRunner.send_grads, "embed_backward": PassRunner.embed_backward,
+    "grad_norm": PassRunner.grad_norm, "update": PassRunner.update, "commit": PassRunner.commit,
+    "loss": PassRunner.loss,
+}
+
+# What each op kind is, for time breakdowns and timelines.
+CATEGORY: dict[OpKind, str] = {
+    "fetch": "h2d", "release": "none", "embed": "compute", "forward": "compute", "head": "compute",
+    "backward": "compute", "send_grads": "d2h", "embed_backward": "compute", "grad_norm": "compute",
+    "update": "optimizer", "commit": "optimizer", "loss": "compute",
+}
+
+
+def device_batches(placement: Placement, batch: Batch, n_micro: int) -> list[Batch]:
+    return [placement.to_device(m) for m in batch.split(n_micro)]
+
+
+def loss_tokens(batch: Batch) -> float:
+    return max(float(np.sum(batch.loss_mask)), 1.0)
+
+
+def block_until_done(out: Any) -> None:
+    """Wait for what a handler returned: device arrays, or futures of host-worker tasks."""
+    futures = out if isinstance(out, list) else [out]
+    if futures and all(hasattr(f, "result") for f in futures):
+        for f in futures:
+            f.result()
+    elif out is not None:
+        jax.block_until_ready(out)

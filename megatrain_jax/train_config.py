@@ -1,0 +1,50 @@
+"""``TrainConfig``: what ``fit`` runs (how long, what it reports, where checkpoints go). The command line's
+``[train]`` section is this config plus the run folder's settings (``megatrain_jax.cli.config_file``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The run.
+
+    - ``steps``: optimizer steps, counted from step 0 (a resumed run ends where the uninterrupted one
+      would); None trains until the data ends.
+    - ``seed`` initializes an abstract model (``nnx.eval_shape``).
+    - ``log_every``: print a line every so many steps (0: no printing).
+    - ``peak_tflops`` (the accelerator's dense bf16 peak, e.g. 989 for an H100 SXM) adds an ``mfu`` metric.
+    - Checkpoints: with ``checkpoint_dir``, the whole host state, the data position and the run config are
+      saved asynchronously every ``checkpoint_every`` steps (0: only at the end) and at the end, keeping the
+      newest ``checkpoint_keep``; SIGTERM/SIGINT finish the step, save and exit. ``resume = True``
+      continues from the newest complete checkpoint of ``checkpoint_dir`` (a fresh start when there is
+      none); a string names a checkpoint (a root or one step's folder) to start from.
+    """
+
+    steps: int | None = None
+    seed: int = 0
+    log_every: int = 10
+    peak_tflops: float | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 3
+    resume: bool | str = False
+
+    def __post_init__(self) -> None:
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1 (or None: until the data ends), got {self.steps}")
+        for name in ("log_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if self.checkpoint_keep < 1:
+            raise ValueError(f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
+        if self.resume is True and self.checkpoint_dir is None:
+            raise ValueError("resume=True continues from checkpoint_dir: set checkpoint_dir too "
+                             "(or give resume the path of a checkpoint)")
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.checkpoint_dir is not None or bool(self.resume)
