@@ -29,38 +29,27 @@ from megatrain_jax.transfer import Placement  # noqa: E402
 from experiments.host_memory_probe import system_info  # noqa: E402
 
 
-def make_jax_host(n: int, stream: bool, fused: bool = False, first_half: bool = False,
-                  kernel_defines: tuple[str, ...] | None = None):
-    """A step of the engine's HostOptimizer on pinned-host arrays (4 leaves of n/4 parameters);
-    ``kernel_defines`` swaps in a kernel built with those defines/flags (see kernels.host_adamw.build)."""
+def make_jax_host(n: int, stream: bool, fused: bool = False, first_half: bool = False):
+    """A step of the engine's HostOptimizer on pinned-host arrays (4 leaves of n/4 parameters)."""
     pl = Placement()
     tx = adamw(1e-4, weight_decay=0.1, mask=None) if fused else optax.adamw(1e-4, weight_decay=0.1)
     opt = HostOptimizer(tx, pl, jnp.bfloat16 if stream else None)
     assert opt.fused == fused, "fused kernel requested but unavailable"
-    if kernel_defines is not None:
-        from kernels.host_adamw import load
-        threads = [d for d in kernel_defines if d.startswith("threads=")]
-        opt.kernel = load(tuple(d for d in kernel_defines if not d.startswith("threads=")) + tuple(
-            f"MEGATRAIN_THREADS_VARIANT={t[8:]}" for t in threads))  # a separate build: its own thread count
-        if threads:
-            opt.kernel.megatrain_set_threads(int(threads[0][8:]))
-    stream_copy = opt.cast(pl.copy_to_host([jnp.full((n // 4,), 0.5, jnp.float32)] * 4)) if stream else None
     shapes = [(n // 4,)] * 4
-    params = pl.copy_to_host([jnp.full(s, 0.5, jnp.float32) for s in shapes])
-    state = {"p": params, "o": opt.init(params)}
+    state = {"part": opt.init(pl.copy_to_host([jnp.full(s, 0.5, jnp.float32) for s in shapes]))}
     grads = pl.copy_to_host([jnp.full(s, 0.01, jnp.float32) for s in shapes])
     scale = pl.to_host(jnp.float32(1.0))
 
     def step():
-        if first_half:  # what the next forward waits on under EngineConfig.split_update
-            opt.update_stream(state["p"], state["o"], grads, stream_copy, scale)
+        if first_half:  # what the next forward waits on: the stream copy of the split update
+            opt.update_stream(state["part"], grads, scale)
             return
         g = grads
-        if pl.on_gpu and not fused:  # the JAX path donates its inputs: give it fresh gradients
+        if pl.on_gpu and opt.route(state["part"]) == "host":  # the JAX path donates its inputs: fresh gradients
             g = pl.to_host(jax.tree.map(lambda x: x + 0, grads))
             jax.block_until_ready(g)
-        state["p"], state["o"], _ = opt.update(state["p"], state["o"], g, stream_copy, scale)
-        jax.block_until_ready(state["p"])
+        state["part"] = opt.update(state["part"], g, scale)
+        jax.block_until_ready(state["part"].params)
     return step
 
 
@@ -82,7 +71,7 @@ def make_jax_cpu_backend(n: int):
 
 def make_kernel_numpy(n: int):
     """The same kernel on ordinary (pageable) numpy memory: separates kernel speed from pinned memory."""
-    from kernels.host_adamw import adamw_numpy
+    from megatrain_jax.host_kernel import adamw_numpy
     p, m, v, g = (np.full(n, x, np.float32) for x in (0.5, 0.0, 0.0, 0.01))
     hp = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1=0.1, bc2=0.05)
     return lambda: adamw_numpy(p, m, v, g, None, **hp)
@@ -127,24 +116,9 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=256, help="millions of fp32 parameters")
     ap.add_argument("--reps", type=int, default=5, help="timed rounds (systems alternate within a round)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from: " + ", ".join(SYSTEMS))
-    ap.add_argument("--kernel-variants", default="",
-                    help="extra kernel builds on pinned memory, NAME:DEFINE,... separated by | "
-                         "(e.g. 'v512:-mprefer-vector-width=512'; 'threads=N' sets that build's OpenMP threads; "
-                         "'first_half' times the split update's first pass instead of the whole update)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     n = args.params * 2**20
-    for spec in filter(None, args.kernel_variants.split("|")):
-        vname, _, defs = spec.partition(":")
-        words = [d for d in defs.split(",") if d]
-        defines = tuple(d for d in words if d != "first_half")
-        if "first_half" in words:  # the split update's first pass (bf16 copy only)
-            key = f"kernel_variant_{vname}_first_half"
-            SYSTEMS[key] = lambda n, d=defines: make_jax_host(n, True, True, first_half=True, kernel_defines=d)
-        else:
-            key = f"kernel_variant_{vname}_fp32"
-            SYSTEMS[key] = lambda n, d=defines: make_jax_host(n, False, True, kernel_defines=d)
-        args.systems += f",{key}"
     names = args.systems.split(",")
     unknown = [x for x in names if x not in SYSTEMS]
     if unknown:

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.host_adamw import adamw_inplace, adamw_stream_inplace, load  # noqa: E402
+from megatrain_jax.host_kernel import adamw_inplace, adamw_stream_inplace, load  # noqa: E402
 
 HP = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1=0.1, bc2=0.05)
 
@@ -168,15 +168,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kinds", default="numpy,mmap_4k,mmap_huge,torch_default,torch_pinned,xla_pinned,"
                                        "mmap_huge_registered")
-    ap.add_argument("--variants", default="base|pf256:MEGATRAIN_PREFETCH=256|pf1024:MEGATRAIN_PREFETCH=1024",
-                    help="kernel builds: NAME[:DEFINE,...] separated by |; a define starting with - is a flag")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     n = args.params * 2**20
-    libs = {}
-    for spec in args.variants.split("|"):
-        name, _, defs = spec.partition(":")
-        libs[name] = load(tuple(d for d in defs.split(",") if d))
+    # One kernel build (its layout switches, once measured here as variants, are fixed: experiments/NOTES.md).
+    libs = {"base": load()}
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
