@@ -4,6 +4,8 @@ callers then use the JAX path (``EngineConfig.host_kernel`` turns the kernel off
 
 The source ships in the wheel as ``megatrain_jax/kernels/host_adamw.cpp``; in the repository (and an
 editable install) it is the top-level ``kernels/`` folder, which pyproject maps onto ``megatrain_jax.kernels``.
+Run from a checkout without installing (``PYTHONPATH=.``), that mapping does not exist, and the source is
+read from the checkout's ``kernels/`` folder beside the package.
 
 Build ahead of time (e.g. in an image): ``python -m megatrain_jax.host_kernel``.
 """
@@ -25,7 +27,15 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-SOURCE = resources.files("megatrain_jax.kernels") / "host_adamw.cpp"
+def source_path():
+    """Where the C++ source is: the installed package data, or a source checkout's kernels/ folder."""
+    try:
+        return resources.files("megatrain_jax.kernels") / "host_adamw.cpp"
+    except ModuleNotFoundError:  # a source checkout on sys.path, not installed
+        return Path(__file__).resolve().parents[1] / "kernels" / "host_adamw.cpp"
+
+
+SOURCE = source_path()
 
 
 def adamw_reference(p, m, v, g, *, lr, b1, b2, eps, wd, grad_scale, bc1, bc2):

@@ -75,3 +75,15 @@ def test_wheel_ships_kernel_source_inside_megatrain_jax(tmp_path):
                     tmp_path, pythonpath=site)
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip()).resolve() == (site / "megatrain_jax/kernels/host_adamw.cpp").resolve()
+
+
+def test_loader_finds_source_in_an_uninstalled_checkout(monkeypatch):
+    """Run from the tree (``PYTHONPATH=.``, as on the GPU image) the package mapping does not exist; the
+    loader reads the checkout's kernels/ folder."""
+    from megatrain_jax import host_kernel
+
+    def not_installed(name):
+        raise ModuleNotFoundError(f"No module named {name!r}")
+    monkeypatch.setattr(host_kernel.resources, "files", not_installed)
+    path = host_kernel.source_path()
+    assert path == ROOT / "kernels" / "host_adamw.cpp" and path.is_file()
