@@ -6,6 +6,7 @@ to the GPU ahead of use and the optimizer runs on the host. See README.md.
 
 from megatrain_jax import _environment  # noqa: F401  (first: sets XLA's pinned-host pool size)
 from megatrain_jax.batch import Batch
+from megatrain_jax.check import ModelCheck, check_model
 from megatrain_jax.engine import Engine, StepOutput
 from megatrain_jax.engine_config import EngineConfig
 from megatrain_jax.evaluate import eval_hook, evaluate
@@ -18,7 +19,7 @@ from megatrain_jax.train_config import TrainConfig
 from megatrain_jax.update_policy import NonFiniteError
 
 __all__ = ["Batch", "ContractError", "Decoder", "DecoderConfig", "Engine", "EngineConfig", "History", "Hook",
-           "LayeredModel", "NonFiniteError", "ReferenceTrainer", "StepInfo", "StepOutput", "TrainConfig",
-           "UnsupportedOptimizerError", "adamw", "decay_mask", "default_optimizer", "eval_hook", "evaluate", "fit",
+           "LayeredModel", "ModelCheck", "NonFiniteError", "ReferenceTrainer", "StepInfo", "StepOutput", "TrainConfig",
+           "UnsupportedOptimizerError", "adamw", "check_model", "decay_mask", "default_optimizer", "eval_hook", "evaluate", "fit",
            "layered", "preset"]
 __version__ = "0.1.0"

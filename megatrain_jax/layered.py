@@ -180,9 +180,9 @@ def _describe_difference(block: nnx.Module, first: nnx.Module) -> str:
     sa, sb = _static_attrs(block), _static_attrs(first)
     for path in list(sa) + [p for p in sb if p not in sa]:
         if path not in sb:
-            return f"it has attribute {name(path)} = {sa[path]!r}, which model.blocks[0] lacks"
+            return f"it has attribute {name(path)} = {_short(sa[path])}, which model.blocks[0] lacks"
         if path not in sa:
-            return f"it lacks attribute {name(path)} (= {sb[path]!r} in model.blocks[0])"
+            return f"it lacks attribute {name(path)} (= {_short(sb[path])} in model.blocks[0])"
         if not _same(sa[path], sb[path]):
             sub, va, vb = _first_field_difference(sa[path], sb[path])
             return f"{name(path + sub)} = {_short(va)} vs {_short(vb)}"

@@ -317,3 +317,14 @@ def test_block_template_compiles_once_for_all_layers(make_cfg, build_model):
     other = build_model(cfg.replace(ffn=64, layers=1))
     block_fn(nnx.state(other.blocks[0], nnx.Param), x, pos)
     assert block_fn._cache_size() == 2
+
+
+def test_io_embed_takes_positions_and_segment_ids_and_ignores_them(make_cfg, build_model, tokens):
+    """The contract hands io.embed the positions and segment ids; the decoder's positions enter through
+    RoPE in every block instead, so its embedding is the same whatever they are."""
+    model = build_model(make_cfg())
+    tok = jnp.asarray(tokens(2, 6, model.cfg.vocab_size))
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    plain = model.io.embed(tok, pos, None)
+    np.testing.assert_array_equal(plain, model.io.embed(tok, pos[:, ::-1], jnp.ones((2, 6), jnp.int32)))
+    np.testing.assert_array_equal(plain, np.asarray(pure_params(model)["io"]["embedding"])[np.asarray(tok)])
