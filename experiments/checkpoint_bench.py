@@ -1,5 +1,5 @@
 """Checkpoint save and restore of a large engine state: seconds, peak host RSS during the save, and a check
-that the restored state equals the saved one. Writes a results JSON (../shared/RESULTS.md).
+that the restored state equals the saved one. Writes a results JSON (docs/results.md).
 
     PYTHONPATH=. python experiments/checkpoint_bench.py --preset 7b --layers 16 --dir /tmp/ckpt --out $OUT/ckpt.json
 """

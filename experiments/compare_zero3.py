@@ -3,7 +3,7 @@
     PYTHONPATH=/tmp/site:. python experiments/compare_zero3.py --layers 16 --rows 16 --micro 4 \
         --warmup 2 --steps 4 --out $OUT/bench.json
 
-The peer that ../shared/DESIGN.md ("Peers measured") compares against: an HF ``LlamaForCausalLM`` of the
+The peer that docs/design.md ("Peers measured") compares against: an HF ``LlamaForCausalLM`` of the
 preset's 7B layer shape (hidden 4096, ffn 11008, 32 heads, vocab 32000, untied embeddings, sdpa attention),
 random-initialized under ``deepspeed.zero.Init`` (through ``HfDeepSpeedConfig``, as the HF Trainer does,
 so the whole model never sits on the GPU), bf16, DeepSpeedCPUAdam in AdamW mode (lr 3e-4, betas
@@ -15,7 +15,7 @@ shuffled with ``default_rng([0, 0])``, ``rows`` windows per step, split in order
 ``micro`` rows (gradient accumulation ``rows / micro``).
 
 One process, one GPU, no launcher: the script sets MASTER_ADDR/MASTER_PORT/RANK/LOCAL_RANK/WORLD_SIZE when
-unset and calls ``deepspeed.init_distributed()``. The run is one entry of ``runs`` (../shared/RESULTS.md);
+unset and calls ``deepspeed.init_distributed()``. The run is one entry of ``runs`` (docs/results.md);
 when ``--out`` already holds a results file, the entry is appended to its ``runs``, so one file can hold
 megatrain_jax's and DeepSpeed's runs of the same session. An entry saying the process ended early is
 written before training starts, so a host OOM kill still leaves a record.
@@ -61,7 +61,7 @@ def model_shape(args) -> dict:
 
 
 def flops_per_token(params: int, layers: int, hidden: int, seq_len: int) -> float:
-    """RESULTS.md's count, as megatrain_jax/flops.py: 6 N + 6 L h s (recomputation not counted)."""
+    """docs/results.md's count, as megatrain_jax/flops.py: 6 N + 6 L h s (recomputation not counted)."""
     return 6.0 * params + 6.0 * layers * hidden * seq_len
 
 

@@ -1,4 +1,4 @@
-"""Model FLOPs as RESULTS.md counts them: ``6 N + 6 L h s`` per token (causal attention counts half the
+"""Model FLOPs as docs/results.md counts them: ``6 N + 6 L h s`` per token (causal attention counts half the
 score matrix; recomputation is not counted)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How things move: memory-kind shardings and the only ``device_put`` calls of the engine.
 
 Shardings are ``NamedSharding`` on a one-device mesh: a ``SingleDeviceSharding`` with a host memory kind
-yields device-typed avals that break later jits mixing them with host arrays (DESIGN.md).
+yields device-typed avals that break later jits mixing them with host arrays (docs/design.md).
 """
 
 from __future__ import annotations

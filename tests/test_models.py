@@ -257,7 +257,7 @@ def test_preset_param_count(name):
 
 
 def test_3_5b_is_16_layers_of_7b():
-    """The DESIGN.md benchmark shape '3.5b' is llama2-7b cut to 16 layers, nothing else changed."""
+    """The docs/design.md benchmark shape '3.5b' is llama2-7b cut to 16 layers, nothing else changed."""
     assert PRESETS["3.5b"] == PRESETS["7b"].replace(layers=16)
     assert PRESETS["7b"] == PRESETS["llama2-7b"]
 

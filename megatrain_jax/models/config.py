@@ -128,7 +128,7 @@ PRESETS: dict[str, DecoderConfig] = {
     "llama3.2-3b": DecoderConfig(vocab_size=128256, hidden=3072, ffn=8192, layers=28, heads=24, kv_heads=8,
                                  rope_theta=500000.0, rope_scaling=_LLAMA32_SCALING, tie_embeddings=True,
                                  max_positions=131072),
-    # The 7B layer shape every benchmark in DESIGN.md uses; "3.5b" is its first 16 layers.
+    # The 7B layer shape every benchmark in docs/design.md uses; "3.5b" is its first 16 layers.
     "llama2-7b": DecoderConfig(vocab_size=32000, hidden=4096, ffn=11008, layers=32, heads=32, kv_heads=32),
     "llama3-8b": DecoderConfig(vocab_size=128256, hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8,
                                rope_theta=500000.0, max_positions=8192),
