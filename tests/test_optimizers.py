@@ -56,4 +56,4 @@ def test_clip_by_global_norm_in_the_optimizer_points_at_clip_norm(tx):
 def test_a_transformation_that_looks_across_arrays_is_refused_by_name():
     """Noise drawn per number of leaves differs part by part from the whole model's: refused, named."""
     with pytest.raises(UnsupportedOptimizerError, match="optax.chain.*looks across parameter arrays"):
-        Engine(Decoder(TINY, rngs=nnx.Rngs(0)), optax.noisy_sgd(0.1))
+        Engine(Decoder(TINY, rngs=nnx.Rngs(0)), optax.noisy_sgd(0.1, key=0))
