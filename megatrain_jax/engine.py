@@ -22,7 +22,7 @@ from flax import nnx
 from megatrain_jax.batch import Batch, check_batch
 from megatrain_jax.device_fns import device_fns
 from megatrain_jax.engine_config import EngineConfig
-from megatrain_jax.host_state import HostState, master_params, new_state
+from megatrain_jax.host_state import master_params, new_state
 from megatrain_jax.layered import layered, write_back
 from megatrain_jax.optim import check_partwise
 from megatrain_jax.parts import IO, Params, Part, PartId

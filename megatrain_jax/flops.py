@@ -7,6 +7,3 @@ from __future__ import annotations
 def model_flops_per_token(params: int, layers: int, hidden: int, seq_len: int) -> float:
     return 6.0 * params + 6.0 * layers * hidden * seq_len
 
-
-def model_tflops(tokens_per_s: float, params: int, layers: int, hidden: int, seq_len: int) -> float:
-    return tokens_per_s * model_flops_per_token(params, layers, hidden, seq_len) / 1e12

@@ -26,8 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megatrain_jax.loss import chunked_nll_sum
-
-Params = Any  # an nnx.State of one part's parameters
+from megatrain_jax.parts import Params
 
 class ContractError(TypeError):
     """The model does not follow the layered contract."""

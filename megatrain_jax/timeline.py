@@ -15,6 +15,7 @@ It is an engine observer (``megatrain_jax.observers``): ``engine.observe(Timelin
 from __future__ import annotations
 
 import queue
+from concurrent.futures import Future
 import threading
 import time
 from typing import Any, Hashable
@@ -52,7 +53,7 @@ class Timeline:
         self._add(ev="host", kind=op.kind, part=part, micro=op.micro, start=round(start - self.t0, 5),
                   end=round(end - self.t0, 5))
         stream = CATEGORY[op.kind]
-        if out is not None and stream in self._queues and not hasattr(out, "result"):
+        if out is not None and stream in self._queues and not isinstance(out, (Future, list)):  # host tasks: on_task
             self._queues[stream].put((op.kind, part, op.micro, out))
 
     def on_task(self, key: Hashable, start: float, end: float) -> None:
