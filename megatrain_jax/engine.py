@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from megatrain_jax._environment import enable_compilation_cache
 from megatrain_jax.batch import Batch, check_batch
 from megatrain_jax.device_fns import device_fns
 from megatrain_jax.engine_config import EngineConfig
-from megatrain_jax.host_state import master_params, new_state
+from megatrain_jax.host_state import initial_state
 from megatrain_jax.layered import layered, write_back
 from megatrain_jax.optim import check_partwise
 from megatrain_jax.parts import IO, Params, Part, PartId
@@ -60,6 +61,7 @@ class Engine:
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                  config: EngineConfig = EngineConfig(), *, seed: int = 0, placement: Placement | None = None):
+        enable_compilation_cache()  # per-user persistent cache, unless configured otherwise (_environment)
         self.lm = layered(model)
         self.cfg = config
         if config.resident_layers > self.lm.n_blocks:
@@ -70,8 +72,7 @@ class Engine:
         self._observers: list = []
         self.policy = UpdatePolicy(optimizer, self.placement, stream_dtype, config, self._observers)
         self.fns = device_fns(self.lm)
-        masters = master_params(model, self.placement, nnx.Rngs(seed).params())
-        self.state = new_state(masters, self.policy.opt.init)
+        self.state = initial_state(model, self.placement, nnx.Rngs(seed).params(), self.policy.opt.fresh)
         for part in self.state.ids():
             self.policy.opt.route(self.state[part])  # decide each part's update route now, not mid-step
         self.resident_parts = ([IO] if config.resident_io else []) + [PartId.block(i) for i in range(config.resident_layers)]
@@ -87,10 +88,14 @@ class Engine:
             raise ValueError(f"one optimizer step takes accumulate_steps={self.cfg.accumulate_steps} "
                              f"batches, got {len(batches)}")
         for batch in batches:
-            check_batch(batch, self.lm.vocab_size, self.lm.max_positions)
-            if batch.shape[0] % self.cfg.micro_batches:
-                raise ValueError(f"batch of {batch.shape[0]} rows cannot be split into micro_batches="
-                                 f"{self.cfg.micro_batches}; use a batch size divisible by it")
+            self.check_batch(batch)
+
+    def check_batch(self, batch: Batch) -> None:
+        """Raise ValueError saying what to fix unless ``batch`` fits the model and the micro-batching."""
+        check_batch(batch, self.lm.vocab_size, self.lm.max_positions)
+        if batch.shape[0] % self.cfg.micro_batches:
+            raise ValueError(f"batch of {batch.shape[0]} rows cannot be split into micro_batches="
+                             f"{self.cfg.micro_batches}; use a batch size divisible by it")
 
     def step(self, batches: Batch | Sequence[Batch]) -> StepOutput:
         batches = [batches] if isinstance(batches, Batch) else list(batches)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import operator
 import sys
 from typing import Any, Callable, Iterable, Sequence
 
@@ -14,10 +15,10 @@ import optax
 from flax import nnx
 
 from megatrain_jax.batch import Batch
-from megatrain_jax.checkpoint.session import CheckpointSession, jsonable
+from megatrain_jax.checkpoint.session import CheckpointedExit, CheckpointSession, jsonable
 from megatrain_jax.engine import Engine
 from megatrain_jax.engine_config import EngineConfig
-from megatrain_jax.flops import model_flops_per_token
+from megatrain_jax.flops import format_flops, model_flops_per_token
 from megatrain_jax.layered import is_abstract
 from megatrain_jax.optim import adamw, decay_mask, learning_rate_of
 from megatrain_jax.train_config import TrainConfig
@@ -29,11 +30,16 @@ Schedule = Callable[[int], Any]
 class StepInfo:
     """What a hook is told besides the metrics. ``step`` is the step the metrics belong to;
     ``params_step`` the optimizer steps the engine's parameters hold now. Metrics arrive one step late, so
-    ``params_step`` is usually ``step + 1`` (equal after the last step)."""
+    ``params_step`` is usually ``step + 1`` (equal after the last step).
+
+    ``stop(reason)`` ends training cleanly: no new step starts, the step in flight finishes and its
+    metrics reach every hook, the final checkpoint is saved, and ``fit`` returns a history whose
+    ``stopped`` is ``reason`` (early stopping, a target loss, a time budget)."""
 
     step: int
     params_step: int
     engine: Engine
+    stop: Callable[[str], None] = lambda reason="stopped by a hook": None
 
 
 @dataclasses.dataclass
@@ -48,16 +54,75 @@ class Hook:
 
 @dataclasses.dataclass
 class History:
-    """Per-step metrics, in order. ``history['loss']`` is the list of losses."""
+    """Per-step metrics, in order. ``history['loss']`` is the list of losses. ``stopped`` is the reason a
+    hook or a signal gave for ending early (None when the run ran its steps or its data out)."""
 
     records: list[dict] = dataclasses.field(default_factory=list)
     engine: Engine | None = None
+    stopped: str | None = None
 
     def __getitem__(self, key: str) -> list:
         return [r[key] for r in self.records if key in r]
 
     def __len__(self) -> int:
         return len(self.records)
+
+
+class Feed:
+    """The data as ``fit`` hands it to the engine: whole optimizer steps of ``accumulate`` batches, at most
+    ``limit`` batches, each passed through ``check`` (bad token ids are the data's failure, found before
+    the engine starts the step), ending at the next step boundary once ``stop(reason)`` is called. ``state()`` is
+    the data's own state (when it has one) at the last step boundary, which is what a checkpoint of the
+    engine's state must record, even when a failure interrupts the data in the middle of a step."""
+
+    def __init__(self, data: Iterable[Batch], accumulate: int = 1, limit: int | None = None,
+                 check: Callable[[Batch], None] = lambda batch: None):
+        self._data, self._it, self._check = data, iter(data), check
+        self.accumulate, self.limit = accumulate, limit
+        self.batches = 0
+        self.stopped: str | None = None
+        self.failed = False  # the data (or a batch's check) raised: the failure is the data's
+        self._boundary = self._data_state()
+
+    def _data_state(self) -> Any:
+        state = getattr(self._data, "state", None)
+        return state() if callable(state) else None
+
+    def state(self) -> Any:
+        return self._boundary
+
+    def stop(self, reason: str = "stopped") -> None:
+        self.stopped = self.stopped or reason
+
+    def __iter__(self) -> "Feed":
+        return self
+
+    def __next__(self) -> Batch:
+        at_boundary = self.batches % self.accumulate == 0
+        if at_boundary and (self.stopped is not None or (self.limit is not None and self.batches >= self.limit)):
+            raise StopIteration
+        try:
+            batch = next(self._it)
+            self._check(batch)
+        except StopIteration:
+            raise
+        except BaseException:
+            self.failed = True
+            raise
+        self.batches += 1
+        if self.batches % self.accumulate == 0:
+            self._boundary = self._data_state()
+        return batch
+
+
+def endless(data: Any) -> bool:
+    """Whether ``data`` is known never to end: it says so (``data.endless``, as looping token batches do),
+    or it is an unbounded ``itertools.cycle``/``count``/``repeat``. A plain generator cannot tell."""
+    if getattr(data, "endless", False):
+        return True
+    if isinstance(data, (itertools.cycle, itertools.count)):
+        return True
+    return isinstance(data, itertools.repeat) and operator.length_hint(data, -1) < 0
 
 
 def default_optimizer(learning_rate: float | Schedule = 3e-4, weight_decay: float = 0.1) -> optax.GradientTransformation:
@@ -70,7 +135,7 @@ def print_logger(every: int = 10, stream=sys.stdout) -> Hook:
     def log(m: dict, info: StepInfo) -> None:
         lr = f" lr {m['lr']:.2e}" if "lr" in m else ""
         print(f"step {m['step']:>6d}  loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}{lr}  "
-              f"{m['tokens_per_s']:,.0f} tok/s  {m['model_tflops']:.1f} TFLOP/s  {m['step_time_s']:.3f} s",
+              f"{m['tokens_per_s']:,.0f} tok/s  {format_flops(m['model_tflops'])}  {m['step_time_s']:.3f} s",
               file=stream, flush=True)
     return Hook(log, every=every, at_end=True)
 
@@ -95,7 +160,16 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
     is abstract (then read them from ``history.engine``). With checkpoints, saves happen when the engine's
     step is a multiple of ``checkpoint_every`` (the engine runs one step ahead of the metrics, so never at
     step 1), and a resumed run ends where the uninterrupted one would, bit for bit.
+
+    A hook ends training early with ``info.stop(reason)``. If anything raises, the exception carries the
+    history (``err.history``); when the failure came from a hook or the data (the engine's state is then
+    whole), the trained parameters are written back and, with checkpoints, saved first; a note on the
+    exception says what was kept. SIGTERM/SIGINT with checkpoints: the step in flight finishes and is
+    reported, the checkpoint is saved, and ``CheckpointedExit`` (exit status 128 + the signal) is raised.
     """
+    if train.steps is None and endless(data):
+        raise ValueError(f"{type(data).__name__} never ends, so fit would never return: give the run a "
+                         f"length (TrainConfig(steps=N))")
     optimizer_name = "default_optimizer" if optimizer is None else type(optimizer).__name__
     optimizer = optimizer if optimizer is not None else default_optimizer()
     lr_schedule = learning_rate_of(optimizer)
@@ -105,34 +179,80 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
     session = _session(model, train, engine, optimizer_name) if train.checkpointing else None
     if session is not None:
         data = session.start(eng, data)
-        hooks.append(Hook(session.after_step))
-    if train.steps is not None:
-        data = itertools.islice(iter(data), max(0, train.steps - eng.state.step) * engine.accumulate_steps)
+    limit = None if train.steps is None else max(0, train.steps - eng.state.step) * engine.accumulate_steps
+    feed = Feed(data, engine.accumulate_steps, limit, eng.check_batch)
+    if session is not None:
+        session.follow(feed.state, feed.stop)
     params = sum(x.size for x in jax.tree.leaves(eng.state.params()))
     cfg = model.cfg
-    last: dict | None = None
+    phase = "engine"
     with session.running() if session else contextlib.nullcontext():  # waits for the save in flight on exit
-        for m in eng.steps(data):
-            fpt = model_flops_per_token(params, getattr(cfg, "layers", 0), getattr(cfg, "hidden", 0), eng.last_seq_len)
-            m["model_tflops"] = m["tokens_per_s"] * fpt / 1e12
-            if train.peak_tflops:
-                m["mfu"] = m["model_tflops"] / train.peak_tflops
-            if lr_schedule is not None:
-                m["lr"] = float(lr_schedule(m["step"] - 1))
-            history.records.append(m)
-            info = StepInfo(m["step"], int(eng.state.step), eng)
-            for hook in hooks:
-                if m["step"] % hook.every == 0:
-                    hook.fn(m, info)
-            last = m
-        if last is not None:
-            info = StepInfo(last["step"], int(eng.state.step), eng)
-            for hook in hooks:
-                if hook.at_end and last["step"] % hook.every:
-                    hook.fn(last, info)
-        if session:
-            session.finish(eng)
+        try:
+            last: dict | None = None
+            for m in eng.steps(feed):
+                fpt = model_flops_per_token(params, getattr(cfg, "layers", 0), getattr(cfg, "hidden", 0),
+                                            eng.last_seq_len)
+                m["model_tflops"] = m["tokens_per_s"] * fpt / 1e12
+                if train.peak_tflops:
+                    m["mfu"] = m["model_tflops"] / train.peak_tflops
+                if lr_schedule is not None:
+                    m["lr"] = float(lr_schedule(m["step"] - 1))
+                history.records.append(m)
+                info = StepInfo(m["step"], int(eng.state.step), eng, feed.stop)
+                phase = "hook"
+                for hook in hooks:
+                    if m["step"] % hook.every == 0:
+                        hook.fn(m, info)
+                phase = "checkpoint"
+                if session:
+                    session.after_step(m, info)
+                phase, last = "engine", m
+            phase = "hook"
+            if last is not None:
+                info = StepInfo(last["step"], int(eng.state.step), eng, feed.stop)
+                for hook in hooks:
+                    if hook.at_end and last["step"] % hook.every:
+                        hook.fn(last, info)
+            history.stopped = feed.stopped
+            phase = "checkpoint"
+            if session:
+                session.finish(eng)  # after a signal: raises CheckpointedExit once the save is committed
+        except BaseException as err:
+            _keep_what_was_trained(err, "data" if feed.failed else phase, history, model, write_back, session)
+            raise
     if write_back and not is_abstract(model):
         eng.write_back(model)
     return history
 
+
+def _keep_what_was_trained(err: BaseException, phase: str, history: History, model: nnx.Module, write_back: bool,
+                           session: CheckpointSession | None) -> None:
+    """On the way out of a failed ``fit``: attach the history and, when the engine's state is whole (the
+    failure came from a hook, the data or the checkpoint writer, or is a checkpointed stop), write the
+    parameters back and save them; say on the exception what was kept."""
+    eng, trained = history.engine, len(history)
+    try:
+        err.history = history
+    except AttributeError:  # an exception type that takes no attributes
+        pass
+    if isinstance(err, CheckpointedExit):
+        if write_back and not is_abstract(model):
+            eng.write_back(model)
+        return
+    notes = [f"fit: {trained} step(s) reported before the failure; their metrics are in err.history"]
+    if phase == "engine":
+        notes.append("the failure came from inside a training step, so the host state may be half-updated: "
+                     "nothing was written back or saved; resume from the last committed checkpoint")
+    else:
+        try:
+            if write_back and not is_abstract(model):
+                eng.write_back(model)
+                notes.append(f"the parameters after step {eng.state.step} were written back to the model")
+            if session is not None and phase != "checkpoint":
+                path = session.rescue(eng)
+                if path is not None:
+                    notes.append(f"the state after step {eng.state.step} was saved to {path}; resume from it")
+        except Exception as again:  # noqa: BLE001 - report the original failure, with this one noted
+            notes.append(f"keeping the trained state failed too: {type(again).__name__}: {again}")
+    for note in notes:
+        err.add_note(note)

@@ -61,7 +61,7 @@ class HostOptimizer:
         self._host_update = jax.jit(self._update_fn, out_shardings=host, donate_argnums=donate)
         self._device_update = jax.jit(lambda *args: self._update_fn(*placement.to_device(args)), out_shardings=host)
         self._cast = jax.jit(lambda p: stream_copy(p, self.stream_dtype), out_shardings=placement.device)
-        self._init = jax.jit(tx.init)
+        self._fresh = jax.jit(lambda p: (tx.init(p), stream_copy(p, self.stream_dtype)), out_shardings=host)
         self._routes: dict[Any, Route] = {}
         self.spec = fused_spec(tx)
         self.kernel = None
@@ -80,15 +80,18 @@ class HostOptimizer:
         """Whether updates run as ``update_stream`` + ``commit`` (fused kernel, bfloat16 stream copy)."""
         return self.kernel is not None and self.stream_dtype == jnp.bfloat16
 
+    def fresh(self, params: Params) -> Part:
+        """A part's record at step 0 from its float32 masters: fresh optimizer state (``tx.init``, zeros for
+        AdamW) and the stream copy. Traceable: the state builder (``host_state.initial_state``) runs it
+        inside the one jitted program per part kind that writes the whole record to pinned host memory."""
+        return Part(params, self.tx.init(params), stream_copy(params, self.stream_dtype))
+
     def init(self, params: Params) -> Part:
-        """A part's record at step 0: its masters, fresh optimizer state and stream copy."""
-        if self.spec is not None:  # zeros written straight to pinned memory; XLA host compute is slow
-            zeros = lambda p: self.placement.copy_to_host(np.zeros(p.shape, np.float32))
-            opt = AdamWState(self.placement.copy_to_host(np.zeros((), np.int32)),
-                             jax.tree.map(zeros, params), jax.tree.map(zeros, params))
-        else:  # on the device, like the reference trainer: init of any transformation works there
-            opt = self.placement.copy_to_host(self._init(self.placement.to_device(params)))
-        return Part(params, opt, self.cast(params))
+        """A part's record at step 0 around host ``params`` (kept as the masters): the optimizer state and
+        stream copy are made on the device in one program and written to pinned host memory (no numpy
+        temporary, no host compute)."""
+        opt, stream = self._fresh(self.placement.to_device(params))
+        return Part(params, opt, stream)
 
     def cast(self, params: Params) -> Params | None:
         """A fresh stream copy of host ``params``, cast on the device (fast) and written back to host."""

@@ -7,10 +7,12 @@ host memory, one ``Part`` per part of the model (the io part, then one per block
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from megatrain_jax.layered import block_params, io_params, is_abstract, tree_bytes
@@ -45,24 +47,51 @@ def cast_tree(tree: Params, dtype) -> Params:
     return jax.tree.map(lambda a: a.astype(dtype), tree)
 
 
-def master_params(model: nnx.Module, placement: Placement, key: jax.Array | None) -> list[Params]:
-    """Float32 master parameters in host memory, one part at a time in update order (the whole model is
-    never on the device). A concrete model is copied; an abstract one (``nnx.eval_shape``) is initialized
-    part by part with its own initializers, each part built on the device and written to host memory."""
-    if not is_abstract(model):
-        to_host = lambda t: placement.copy_to_host(cast_tree(t, jnp.float32))
-        return [to_host(io_params(model))] + [to_host(p) for p in block_params(model)]
-    if key is None:
-        raise ValueError("an abstract model needs an RNG seed to be initialized")
-    for method in ("new_io", "new_block"):
-        if not callable(getattr(model, method, None)):
-            raise TypeError(f"an abstract model must provide {method}(...) to be initialized part by part; "
-                            f"pass a concrete model instead, or see docs/model_contract.md")
-    make_io = jax.jit(lambda k: nnx.state(model.new_io(k), nnx.Param), out_shardings=placement.host)
-    make_block = jax.jit(lambda k, i: nnx.state(model.new_block(i, k), nnx.Param), out_shardings=placement.host)
-    return [make_io(key)] + [make_block(key, jnp.int32(i)) for i in range(len(model.blocks))]
+def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None,
+                  fresh: Callable[[Params], Part], workers: int | None = None) -> HostState:
+    """The state at step 0, written straight to pinned host memory, one part at a time (the whole model is
+    never on the device). ``fresh`` makes a part's record from its float32 masters (optimizer state and
+    stream copy; ``HostOptimizer.fresh``).
 
+    Each part is one jitted program whose outputs (masters, optimizer state, stream copy) all land in pinned
+    host memory: no numpy temporaries, no second trip through the device for the cast. There is one program
+    for the io part and one shared by every block, so the number of compilations does not depend on the
+    number of blocks. Parts are built by ``workers`` threads (default 4 on a GPU), so that one part's pinned
+    allocations overlap another's device work and copies; returns once every part is in host memory. On the
+    CPU backend the default is 1: there the programs run on the host, and parts side by side would multiply
+    their temporaries in host memory.
 
-def new_state(masters: list[Params], init: Callable[[Params], Part]) -> HostState:
-    """The state at step 0: ``init`` makes each part's record from its masters."""
-    return HostState([init(p) for p in masters], step=0)
+    On a GPU the time goes to pinning: XLA's pinned pool grows (by doubling regions, under one lock) at
+    about 1.7 GiB/s on the H100 machines, the floor of this build (experiments/NOTES.md, issue 13).
+
+    A concrete model's parameters are copied (as float32). An abstract one (``nnx.eval_shape``) is
+    initialized part by part with its own initializers (``new_io``/``new_block``), from ``key``."""
+    if is_abstract(model):
+        if key is None:
+            raise ValueError("an abstract model needs an RNG seed to be initialized")
+        for method in ("new_io", "new_block"):
+            if not callable(getattr(model, method, None)):
+                raise TypeError(f"an abstract model must provide {method}(...) to be initialized part by part; "
+                                f"pass a concrete model instead, or see docs/model_contract.md")
+        make_io = jax.jit(lambda k: fresh(nnx.state(model.new_io(k), nnx.Param)), out_shardings=placement.host)
+        make_block = jax.jit(lambda k, i: fresh(nnx.state(model.new_block(i, k), nnx.Param)),
+                             out_shardings=placement.host)
+        io_args = (key,)
+        block_args = [(key, np.int32(i)) for i in range(len(model.blocks))]
+    else:
+        make_io = make_block = jax.jit(lambda p: fresh(cast_tree(p, jnp.float32)), out_shardings=placement.host)
+        io_args = (io_params(model),)
+        block_args = [(p,) for p in block_params(model)]
+    if workers is None:
+        workers = 4 if placement.on_gpu else 1
+    # Each worker waits for its part to be in host memory before taking the next: at most ``workers`` parts
+    # hold device temporaries at once (a 7B block's program ≈ 4 GB), whatever the number of blocks.
+    build_io = lambda: jax.block_until_ready(make_io(*io_args))
+    build_block = lambda args: jax.block_until_ready(make_block(*args))
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        # The first call of each program compiles it; the io part and block 0 compile side by side, and
+        # the other blocks start once block 0's program exists (no thread compiles a program twice).
+        io = pool.submit(build_io)
+        first = pool.submit(build_block, block_args[0])
+        blocks = [first.result()] + list(pool.map(build_block, block_args[1:]))
+        return HostState([io.result()] + blocks, step=0)

@@ -8,7 +8,9 @@ A model follows the contract when it has:
   the embedding, final norm and output projection; a tied head simply reads the embedding inside
   ``unembed``;
 - ``model.blocks``: an ``nnx.List`` of identical blocks, ``block(x_BTD, positions_BT, segment_ids_BT)``;
-- only ``nnx.Param`` variables.
+- only ``nnx.Param`` variables;
+- no active dropout: an ``nnx.Dropout`` must have rate 0 or ``deterministic=True`` and hold no RNG stream
+  (the engine calls each part as a pure function of its parameters, with no random key).
 
 For initialization off the GPU (``fit`` given an abstract model from ``nnx.eval_shape``) the model also
 provides ``new_io(key)`` and ``new_block(index, key)``, building one part with its own initializers.
@@ -86,6 +88,35 @@ def _check_only_params(module: nnx.Module, where: str) -> None:
                             f"{_NEED}")
 
 
+def _names(paths: list[tuple]) -> str:
+    shown = ", ".join(path_name("model", p) for p in paths[:3])
+    return shown + (f" (and {len(paths) - 3} more)" if len(paths) > 3 else "")
+
+
+def _check_no_dropout(model: nnx.Module) -> None:
+    """Refuse ``nnx.Dropout`` that would drop anything, or that stores an RNG stream: the engine runs every
+    part as a pure function of its parameters, with no per-step random key and no train/eval switch."""
+    active, with_rngs = [], []
+    for path, module in nnx.iter_graph(model):
+        if not isinstance(module, nnx.Dropout):
+            continue
+        if module.rate > 0 and module.deterministic is not True:
+            active.append(tuple(path))
+        elif getattr(module, "rngs", None) is not None:
+            with_rngs.append(tuple(path))
+    if active:
+        raise ContractError(
+            f"dropout is not supported: nnx.Dropout with rate > 0 that may drop (deterministic is not True) "
+            f"at {_names(active)}. The engine and the reference trainer give a model no per-step random key "
+            f"and no train/eval switch. Set the rate to 0 (nnx.Dropout(0.0)) or make it deterministic "
+            f"(nnx.Dropout(rate, deterministic=True)), and create it without rngs; {_NEED}")
+    if with_rngs:
+        raise ContractError(
+            f"nnx.Dropout at {_names(with_rngs)} stores an RNG stream (it was created with rngs=...), but the "
+            f"model may hold only nnx.Param variables. Create it without rngs, e.g. nnx.Dropout(0.0): it never "
+            f"drops, so it needs no key; {_NEED}")
+
+
 def _takes_positional(fn: Any, n: int) -> bool | None:
     """Whether ``fn`` can be called with ``n`` positional arguments (None: signature unknown)."""
     try:
@@ -124,6 +155,7 @@ def check_contract(model: Any) -> None:
                             f"(segment_ids_BT may be None); {_NEED}")
     if not isinstance(model, nnx.Module):
         raise ContractError(f"the model must be a flax.nnx.Module, got {type(model).__name__}; {_NEED}")
+    _check_no_dropout(model)  # before _check_only_params: a Dropout's RNG stream gets its own message
     _check_only_params(model, "model")
     for path, _ in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if path[0] not in ("io", "blocks"):

@@ -85,12 +85,48 @@ def fused_spec(tx: optax.GradientTransformation) -> AdamWSpec | None:
 
 
 def learning_rate_of(tx: optax.GradientTransformation) -> Schedule | None:
-    """The learning-rate schedule of a transformation made by ``adamw`` (for logging), else None."""
+    """The learning-rate schedule of ``tx`` (for logging): step -> rate, or None when it has none to find.
+
+    Found in what builds it: ``megatrain_jax.adamw``'s spec; the ``learning_rate`` optax's
+    ``scale_by_learning_rate`` wraps (every optax optimizer given a schedule: ``adamw``, ``sgd``, ``lion``,
+    ``adafactor``, ... in chains too); the ``learning_rate`` hyperparameter of ``optax.inject_hyperparams``;
+    a constant rate as the single negative ``optax.scale`` of the chain, or in ``inject_hyperparams``' state."""
     spec = fused_spec(tx)
-    if spec is None:
+    if spec is not None:
+        lr = spec.learning_rate
+        return lr if callable(lr) else (lambda _: lr)
+    scales = []
+    for fn in _update_fns(tx.update):
+        cells = dict(zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), fn.__closure__ or ()))
+        value = _cell(cells.get("learning_rate"))
+        if callable(value) and "scale_by_learning_rate" in getattr(fn, "__qualname__", ""):
+            return value
+        for name in ("sched_hps", "other_hps"):  # optax.inject_hyperparams
+            hps = _cell(cells.get(name))
+            if isinstance(hps, dict) and "learning_rate" in hps:
+                lr = hps["learning_rate"]
+                lr = getattr(lr, "schedule_fn", lr)  # optax wraps schedules to read the count from its state
+                return lr if callable(lr) else (lambda _: lr)
+        step = _cell(cells.get("step_size"))
+        if getattr(fn, "__qualname__", "").startswith("scale.") and isinstance(step, (int, float)) and step < 0:
+            scales.append(-float(step))
+    if len(scales) == 1:
+        return lambda _: scales[0]
+    try:  # inject_hyperparams keeps a numeric rate in its state
+        hps = getattr(tx.init({"probe": jnp.zeros((1,), jnp.float32)}), "hyperparams", {})
+    except Exception:  # noqa: BLE001 - a transformation that cannot init on the probe has no rate to show
+        hps = {}
+    if "learning_rate" in hps:
+        lr = float(hps["learning_rate"])
+        return lambda _: lr
+    return None
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return None if cell is None else cell.cell_contents
+    except ValueError:  # an empty cell
         return None
-    lr = spec.learning_rate
-    return lr if callable(lr) else (lambda _: lr)
 
 
 # ------------------------------------------------------------------------------------ part-wise check

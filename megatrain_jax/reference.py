@@ -24,17 +24,23 @@ def model_loss(model: nnx.Module, batch: Batch) -> jax.Array:
 
 
 class ReferenceTrainer:
-    """Whole-model training: ``step(batches)`` averages the gradients of the batches given (the mean of
-    per-batch mean losses, which the engine's ``accumulate_steps`` matches), clips
-    them by global norm (when ``clip_norm`` is set) and applies ``optimizer``."""
+    """Whole-model training: ``step(batches)`` averages the gradients of the batches given (the gradient
+    of the mean of per-batch mean losses, which the engine's ``accumulate_steps`` matches), clips them by
+    global norm and applies ``optimizer``.
+
+    ``clip_norm`` defaults to 1.0, like ``EngineConfig.clip_norm``, so that the two trainers built with
+    their defaults do the same thing; None turns clipping off."""
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
-                 clip_norm: float | None = None):
+                 clip_norm: float | None = 1.0):
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"ReferenceTrainer clip_norm must be positive or None (no clipping), got {clip_norm!r}")
         check_contract(model)
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         self.max_positions = getattr(model.cfg, "max_positions", None)
-        self.tx = optax.chain(optax.clip_by_global_norm(clip_norm) if clip_norm else optax.identity(), optimizer)
+        clip = optax.clip_by_global_norm(clip_norm) if clip_norm is not None else optax.identity()
+        self.tx = optax.chain(clip, optimizer)
         self.graphdef, params = nnx.split(model, nnx.Param)
         self.params = params
         self.opt_state = self.tx.init(params)

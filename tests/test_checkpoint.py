@@ -106,13 +106,15 @@ def test_sigterm_saves_then_exits_and_resumes_exactly(tmp_path, reference):
     kill_at_3 = Hook(lambda m, e: os.kill(os.getpid(), signal.SIGTERM) if m["step"] == 3 else None)
     with pytest.raises(CheckpointedExit) as exit_info:
         run(6, tmp_path, checkpoint_every=100, hooks=[kill_at_3])
-    assert exit_info.value.code == 0 and exit_info.value.signal_name == "SIGTERM"
+    assert exit_info.value.code == 143 and exit_info.value.signal_name == "SIGTERM"  # 128 + SIGTERM
     assert signal.getsignal(signal.SIGTERM) == before  # fit put the previous handler back
-    # Metrics come one step late: when step 3 is reported, step 4 has run, and that is what is saved.
+    # Metrics come one step late: when step 3 is reported, step 4 has run; it is reported too, then saved.
     assert committed_steps(tmp_path) == [4] and check_step(tmp_path / "4") is None
+    assert exit_info.value.history["step"] == [1, 2, 3, 4]
+    assert exit_info.value.history["loss"] == reference["adamw"][1]["loss"][:4]
     params, h = run(6, tmp_path, resume=True)
     assert_same_params(params, reference["adamw"][0])
-    assert h["loss"] == reference["adamw"][1]["loss"][4:]
+    assert h["step"] == [5, 6] and h["loss"] == reference["adamw"][1]["loss"][4:]
 
 
 def test_resume_from_an_explicit_checkpoint_path(tmp_path, reference):
@@ -134,7 +136,7 @@ def test_resume_skips_consumed_batches_of_data_without_state(tmp_path, reference
 
 def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     run(2, tmp_path, checkpoint_every=2)
-    with pytest.raises(ValueError, match="pass resume=True"):
+    with pytest.raises(ValueError, match="resume to continue that run"):
         run(2, tmp_path)
 
 

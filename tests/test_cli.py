@@ -275,3 +275,58 @@ def test_module_entry_point():
     out = subprocess.run([sys.executable, "-m", "megatrain_jax", "--help"], capture_output=True, text=True,
                          cwd=REPO, timeout=120)
     assert out.returncode == 0 and "train" in out.stdout and "plan" in out.stdout and "convert" in out.stdout
+
+
+# ------------------------------------------------------------------------------------------ issue 13
+@pytest.mark.parametrize("override, expected", [
+    ("data.mode=pakced", r"\[data\] mode must be one of 'windows', 'packed', got 'pakced'; did you mean 'packed'\?"),
+    ("engine.stream_dtype=bfloat61", r"stream_dtype must be one of 'float32', 'bfloat16' or none.*"
+                                     r"did you mean 'bfloat16'\?"),
+    ("model.dtype=flaot32", r"did you mean 'float32'\?"),
+    ("model.attention_impl=cudn", r"did you mean 'cudnn'\?"),
+    ("model.family=lama", r"did you mean 'llama'\?"),
+    ("log.progress=bars", r"did you mean 'bar'\?"),
+])
+def test_enumerated_value_typos_say_did_you_mean(override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, [override])
+
+
+def test_enumerated_value_typo_in_a_file_says_did_you_mean(tmp_path):
+    with pytest.raises(ConfigError, match=r"run\.toml \[data\] mode must be one of .*did you mean 'packed'\?"):
+        load_config(write(tmp_path, "[data]\nmode = 'pakced'\n"))
+
+
+def test_errors_name_the_override_or_the_file_the_value_came_from(tmp_path):
+    path = write(tmp_path, "[model]\npreset = 'tiny'\nlayers = 3\n[engine]\nmicro_batches = 2\n")
+    cases = [  # (overrides, the start of the message)
+        (["model.layers=abc"], "command-line override model.layers=abc: [model] layers must be an integer"),
+        (["model.rope_scaling.factor=x"],
+         "command-line override model.rope_scaling.factor=x: [model] rope_scaling factor must be a number"),
+        (["train.stpes=3"], "unknown key 'stpes' in command-line override train.stpes=3; did you mean 'steps'?"),
+        (["trian.steps=3"], "command-line override trian.steps=3: unknown section [trian]"),
+        (["engine.micro_batches=0"], "command-line override engine.micro_batches=0: EngineConfig.micro_batches"),
+        # a check across keys that the file and an override both fed
+        (["data.batch_size=3"], f"{path} with command-line override data.batch_size=3: [data] batch_size = 3"),
+        (["model.preset=llama9"], f"{path} [model] with command-line override model.preset=llama9: unknown preset"),
+    ]
+    for overrides, start in cases:
+        with pytest.raises(ConfigError) as err:
+            load_config(path, overrides)
+        assert str(err.value).startswith(start), (overrides, str(err.value))
+    # A value from the file keeps the file's name, even when other keys were overridden.
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nlayers = 'abc'\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad, ["model.preset=tiny", "train.steps=3"])
+    assert str(err.value).startswith(f"{bad} [model] layers must be an integer"), str(err.value)
+    # The last override of a key is the one named (it is the one applied).
+    with pytest.raises(ConfigError, match=r"^command-line override train\.steps=x: "):
+        load_config(path, ["train.steps=2", "train.steps=x"])
+
+
+def test_command_line_errors_name_the_override(capsys):
+    assert main(["train", "model.layers=abc"]) == 2
+    err = capsys.readouterr().err
+    assert "command-line override model.layers=abc: [model] layers must be an integer" in err
+    assert "Traceback" not in err

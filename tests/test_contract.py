@@ -290,3 +290,67 @@ def test_layered_parts_compose_to_the_model_call():
         got = lm.head_nll_sum(io, x, batch.targets, batch.loss_mask) / batch.loss_mask.sum()
         want = causal_lm_loss(model(batch.inputs, batch.positions, batch.segment_ids), batch.targets, batch.loss_mask)
         np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dropout: refused unless it can never drop (the engine has no per-step key and no train/eval switch).
+# ---------------------------------------------------------------------------------------------------
+
+class DropoutBlock(nnx.Module):
+    """A GPT-2 block followed by a dropout module."""
+
+    def __init__(self, inner: nnx.Module, drop: nnx.Dropout):
+        self.inner, self.drop = inner, drop
+
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT):
+        return self.drop(self.inner(x_BTD, positions_BT, segment_ids_BT))
+
+
+def dropout_model(make_dropout) -> nnx.Module:
+    model = randomize(gpt2.GPT2(CFG, rngs=nnx.Rngs(0)))
+    model.blocks = nnx.List([DropoutBlock(block, make_dropout()) for block in model.blocks])
+    return model
+
+
+def contract_checks():
+    """Every entry point that checks the contract: layering, the engine, the reference and check_model."""
+    from megatrain_jax import Engine, EngineConfig
+    from megatrain_jax.check import check_model
+    return {"layered": layered, "check_contract": check_contract, "check_model": check_model,
+            "engine": lambda m: Engine(m, optax.sgd(0.1), EngineConfig(host_kernel=False)),
+            "reference": lambda m: ReferenceTrainer(m, optax.sgd(0.1))}
+
+
+@pytest.mark.parametrize("check", sorted(contract_checks()))
+def test_active_dropout_is_refused_naming_the_modules(check):
+    model = dropout_model(lambda: nnx.Dropout(0.1))
+    with pytest.raises(ContractError) as err:
+        contract_checks()[check](model)
+    msg = str(err.value)
+    assert msg.startswith("dropout is not supported"), msg
+    assert "model.blocks[0].drop, model.blocks[1].drop" in msg and "Set the rate to 0" in msg, msg
+
+
+def test_dropout_holding_an_rng_stream_is_refused_with_our_message():
+    model = dropout_model(lambda: nnx.Dropout(0.0, rngs=nnx.Rngs(0)))
+    with pytest.raises(ContractError, match=r"nnx\.Dropout at model\.blocks\[0\]\.drop, model\.blocks\[1\]\.drop "
+                                            r"stores an RNG stream.*Create it without rngs"):
+        layered(model)
+
+
+@pytest.mark.parametrize("make_dropout", [lambda: nnx.Dropout(0.0), lambda: nnx.Dropout(0.3, deterministic=True)],
+                         ids=["rate-0", "deterministic"])
+def test_dropout_that_never_drops_is_accepted(make_dropout):
+    from megatrain_jax.check import check_model
+    result = check_model(dropout_model(make_dropout))
+    assert result.ok, str(result)
+
+
+def test_dropout_switched_to_eval_is_accepted():
+    """model.eval() makes every Dropout deterministic: the model then trains as if it had none."""
+    from megatrain_jax.check import check_model
+    model = dropout_model(lambda: nnx.Dropout(0.3))
+    with pytest.raises(ContractError, match="dropout is not supported"):
+        layered(model)
+    model.eval()
+    assert check_model(model).ok

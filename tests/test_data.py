@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,8 @@ def test_npy_and_no_docs(tmp_path):
     f = TokenFile.open(tmp_path / "t.npy")
     assert f.vocab_size is None and f.doc_starts is None and len(f) == 100
     f.check_vocab(100)
-    with pytest.raises(ValueError, match="token id 99.*vocab_size is 50"):
+    with pytest.raises(ValueError, match=r"token id 50 at position 50 .*vocab_size is 50; the largest id in the "
+                                         r"file is 99"):
         f.check_vocab(50)
     np.save(tmp_path / "f.npy", np.zeros(4, np.float32))
     with pytest.raises(ValueError, match="integer"):
@@ -324,3 +326,93 @@ def test_prepare_data_demo_and_cli_errors(tmp_path):
     assert np.array_equal(f.tokens, demo_tokens(256, 3000)[0]) and f.eos_id == 0
     with pytest.raises(SystemExit):
         module.main(["--out", str(tmp_path / "x.bin")])  # neither inputs nor --demo
+
+
+# --- issue 13: broken token files and out-of-range ids say which file, what is wrong, what to do ----
+
+def _truncated_npy(path: Path) -> None:
+    np.save(path, np.arange(1000, dtype=np.int32))
+    path.write_bytes(path.read_bytes()[:300])
+
+
+def _header_cut_npy(path: Path) -> None:
+    np.save(path, np.arange(10, dtype=np.int32))
+    path.write_bytes(path.read_bytes()[:20])
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda p: p.write_bytes(b""), r"is empty \(0 bytes\)"),
+    (lambda p: p.write_bytes(b"this is not numpy" * 10), r"is not a \.npy file"),
+    (_truncated_npy, r"is a truncated or corrupt \.npy file"),
+    (_header_cut_npy, r"is a truncated or corrupt \.npy file"),
+], ids=["empty", "garbage", "truncated-data", "truncated-header"])
+def test_broken_npy_token_file_is_a_clear_error(tmp_path, make, problem):
+    path = tmp_path / "train.npy"
+    make(path)
+    with pytest.raises(ValueError) as err:  # never numpy's bare EOFError, nor its advice to unpickle
+        DataConfig(path=str(path)).open(256)
+    msg = str(err.value)
+    assert re.search(rf"^{re.escape(str(path))} {problem}", msg), msg
+    assert "np.save" in msg and "prepare_data.py" in msg and "allow_pickle" not in msg, msg
+
+
+def test_broken_document_index_is_a_clear_error(tmp_path):
+    path = write_tokens(tmp_path / "t.bin", np.arange(100), 100, doc_starts=[0, 10, 50])
+    Path(f"{path}.idx.npy").write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}\.idx\.npy is empty.*prepare_data\.py"):
+        TokenFile.open(path)
+
+
+def test_bin_of_the_wrong_size_names_the_file_and_the_fix(tmp_path):
+    path = write_tokens(tmp_path / "t.bin", np.arange(100), 100)
+    for size in (0, 151, 400):
+        path.write_bytes(b"\0" * size)
+        with pytest.raises(ValueError, match=rf"{re.escape(str(path))} is {size} bytes but its sidecar says 100 "
+                                             r"uint16 tokens = 200 bytes.*re-run scripts/prepare_data\.py"):
+            TokenFile.open(path)
+
+
+@pytest.mark.parametrize("bad_id, match", [
+    (-3, r"token id -3 at position 1234 .* is negative"),
+    (300, r"token id 300 at position 1234 .* outside \[0, 256\) \(the model's vocab_size is 256; the largest id "
+          r"in the file is 300\)"),
+])
+def test_npy_ids_out_of_range_name_the_file_and_the_first_position(tmp_path, bad_id, match):
+    tokens = np.arange(5000, dtype=np.int64) % 256
+    tokens[[1234, 4000]] = bad_id
+    path = tmp_path / "t.npy"
+    np.save(path, tokens)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: {match}"):
+        DataConfig(path=str(path), seq_len=16, batch_size=2).build(256)
+
+
+def test_bin_ids_beyond_its_sidecar_vocab_are_caught_when_read(tmp_path):
+    """A .bin is not scanned when opened (its sidecar says its vocabulary); a corrupt id is caught in the
+    batch that reads it, naming the file and its position."""
+    tokens = np.arange(200) % 100
+    path = write_tokens(tmp_path / "t.bin", tokens, 100)
+    raw = np.fromfile(path, np.uint16)
+    raw[150] = 4000
+    raw.tofile(path)
+    batches = DataConfig(path=str(path), seq_len=10, batch_size=2, prefetch=0).dataset("train", 256).batches(
+        2, shuffle=False)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: token id 4000 at position 150 .*outside "
+                                         r"\[0, 100\) \(the vocab_size in its sidecar is 100\)"):
+        for _ in range(10):
+            next(batches)
+
+
+def test_in_memory_negative_ids_are_caught_when_read():
+    tokens = np.arange(100, dtype=np.int32)
+    tokens[42] = -1
+    batches = TokenDataset(TokenFile.from_array(tokens), 10).batches(2, shuffle=False)
+    with pytest.raises(ValueError, match=r"^in-memory tokens: token id -1 at position 42 .* is negative"):
+        take(batches, 5)
+
+
+@pytest.mark.parametrize("make", [lambda: DataConfig(mode="pakced"),
+                                  lambda: TokenDataset(docs_file(), 8, mode="pakced")])
+def test_mode_typo_says_did_you_mean(make):
+    with pytest.raises(ValueError, match=r"mode must be one of 'windows', 'packed', got 'pakced'; "
+                                         r"did you mean 'packed'\?"):
+        make()

@@ -78,3 +78,27 @@ def test_timeline_records_host_ops_device_readiness_and_update_tasks():
     assert all(0 <= t["start"] <= t["end"] for t in tasks)
     ready = [e["at"] for e in events if e["ev"] == "ready" and e["kind"] == "forward"]
     assert len(ready) == 2 * 2 and all(t >= 0 for t in ready)
+
+
+def test_startup_script_times_cold_then_warm_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("MEGATRAIN_GIT_COMMIT", "abc123")
+    out = tmp_path / "startup.json"
+    result = load_script("startup").main(["--configs", "tiny_cpu", "--out", str(out),
+                                          "--cache-root", str(tmp_path / "caches")])
+    import json
+    assert json.loads(out.read_text()) == result
+    cold, warm = result["runs"]
+    assert (cold["cache"], warm["cache"]) == ("cold", "warm")
+    for run in (cold, warm):
+        assert run["status"] == "ok", run["status"]
+        assert set(run["phases_s"]) == {"interpreter", "imports", "backend", "state", "first_step"}
+        assert run["time_to_first_step_s"] >= sum(run["phases_s"].values()) - 0.01
+        assert np.isfinite(run["loss_first"])
+    assert cold["loss_first"] == warm["loss_first"]  # the same model and batch, from cached programs
+    first = lambda run: run["compilation"]["during_first_step"]
+    assert first(cold)["cache_writes"] > 0 and first(cold)["cache_hits"] == 0
+    assert first(warm)["cache_hits"] == first(cold)["cache_writes"] and first(warm)["cache_writes"] == 0
+    assert result["device"]["platform"] == "cpu" and result["git_commit"] == "abc123"
+    touched = load_script("startup").pretouch(0.5, processes=2)  # throwaway processes that write, then exit
+    assert touched["gib"] == 0.5 and touched["s"] > 0

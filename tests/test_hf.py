@@ -365,6 +365,7 @@ def test_config_round_trip(name):
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(attention_bias=True), "attention_bias=True"),
     (dict(mlp_bias=True), "mlp_bias=True"),
+    (dict(attention_dropout=0.1), r"attention_dropout=0.1 .*set it to 0.0 in config.json"),
     (dict(hidden_size=None), "hidden_size"),
 ])
 def test_unsupported_configs_name_the_value(change, match):
@@ -405,3 +406,82 @@ def test_live_transformers_parity_and_export(name, tmp_path):
     save_hf(tmp_path, cfg, io, blocks, dtype="float32")
     ours = logits_of(model_from(cfg, io, blocks), folder)
     assert rel_err(hf_logits(tmp_path, tokens), ours) < 1e-4
+
+
+# --- a crafted index may not reach outside its folder ---------------------------------------------
+
+def _sharded(tmp_path: Path) -> tuple[Path, dict]:
+    """A sharded copy of the qwen2 fixture in tmp_path/ckpt, and its index."""
+    cfg, io, blocks = load_hf(FIXTURES / "qwen2", dtype="float32")
+    folder = tmp_path / "ckpt"
+    save_hf(folder, cfg, io, blocks, dtype="float32", max_shard_bytes=40_000)
+    return folder, json.loads((folder / "model.safetensors.index.json").read_text())
+
+
+@pytest.mark.parametrize("bad", ["../outside.safetensors", "/etc/passwd", "sub/model-00001-of-00009.safetensors",
+                                 "..", "", "..\\outside.safetensors", 7])
+def test_index_shard_entries_must_be_plain_names_in_the_folder(tmp_path, bad):
+    folder, index = _sharded(tmp_path)
+    first = sorted(index["weight_map"].values())[0]
+    (tmp_path / "outside.safetensors").write_bytes((folder / first).read_bytes())  # a valid file to lure to
+    (folder / "sub").mkdir()
+    shutil.copy(folder / first, folder / "sub" / "model-00001-of-00009.safetensors")
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = bad
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(SafetensorsError) as err:
+        Checkpoint(folder)
+    msg = str(err.value)
+    assert "model.safetensors.index.json" in msg and f"refused shard entry {bad!r}" in msg and name in msg, msg
+    assert "plain name of a file" in msg
+
+
+def test_shard_symlinks_out_of_the_folder_are_refused(tmp_path):
+    folder, index = _sharded(tmp_path)
+    shard = folder / sorted(index["weight_map"].values())[0]
+    outside = tmp_path / "elsewhere.safetensors"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    with pytest.raises(SafetensorsError, match=rf"shard entry '{shard.name}'.*symlink to .*elsewhere\.safetensors, "
+                                               rf"outside the checkpoint folder"):
+        Checkpoint(folder)
+    # a link to a file inside the folder is fine
+    shard.unlink()
+    inside = folder / "renamed.bin"
+    outside.rename(inside)
+    shard.symlink_to(inside.name)
+    Checkpoint(folder)
+
+
+def test_hugging_face_cache_snapshots_link_to_their_blobs(tmp_path):
+    """The HF hub cache keeps files in <repo>/blobs and links them from <repo>/snapshots/<rev>: allowed."""
+    folder, index = _sharded(tmp_path)
+    repo = tmp_path / "models--org--name"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(folder.iterdir())):
+        blob = repo / "blobs" / f"{i:040x}"
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    _, io, _ = load_hf(snapshot, dtype="float32")
+    _, io2, _ = load_hf(folder, dtype="float32")
+    assert_trees_equal(io, io2)
+    # a blob store of another repo is outside
+    other = tmp_path / "models--other--x" / "blobs"
+    other.mkdir(parents=True)
+    shard = sorted(index["weight_map"].values())[0]
+    shutil.copy(folder / shard, other / "x")
+    (snapshot / shard).unlink()
+    (snapshot / shard).symlink_to(other / "x")
+    with pytest.raises(SafetensorsError, match="outside the checkpoint folder"):
+        Checkpoint(snapshot)
+
+
+def test_single_file_symlinked_out_of_the_folder_is_refused(fixture_copy, tmp_path):
+    folder = fixture_copy("llama")
+    outside = tmp_path / "elsewhere.safetensors"
+    (folder / "model.safetensors").rename(outside)
+    (folder / "model.safetensors").symlink_to(outside)
+    with pytest.raises(SafetensorsError, match="symlink to .*outside the checkpoint folder"):
+        Checkpoint(folder)

@@ -277,6 +277,13 @@ def test_unknown_family(make_cfg):
         make_cfg(family="gpt2")
 
 
+@pytest.mark.parametrize("field, typo, meant", [("family", "lama", "llama"), ("dtype", "bfloat61", "bfloat16"),
+                                                ("attention_impl", "cudn", "cudnn")])
+def test_enumerated_field_typo_says_did_you_mean(make_cfg, field, typo, meant):
+    with pytest.raises(ValueError, match=rf"{typo!r}.*allowed.*did you mean {meant!r}\?"):
+        make_cfg(**{field: typo})
+
+
 def test_heads_must_divide_hidden(make_cfg):
     with pytest.raises(ValueError, match=r"heads=5 does not divide hidden=32"):
         make_cfg(heads=5, kv_heads=5)

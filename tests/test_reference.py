@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import pytest
 from flax import nnx
 
 from megatrain_jax.batch import Batch
+from megatrain_jax.engine_config import EngineConfig
 from megatrain_jax.loss import chunked_nll_sum, token_nll
 from megatrain_jax.reference import ReferenceTrainer
 
@@ -47,8 +49,8 @@ def test_accumulation_equals_one_step_on_the_concatenated_batch(tiny_cfg, build_
     halves = [Batch.from_windows(windows[:2]), Batch.from_windows(windows[2:])]
     # SGD: the update is proportional to the gradient, so any error in averaging shows in the weights.
     # No clipping: it is scale-invariant and would hide a sum-instead-of-mean error in the weights.
-    accumulated = ReferenceTrainer(build_model(tiny_cfg, seed=7), optax.sgd(0.1))
-    single = ReferenceTrainer(build_model(tiny_cfg, seed=7), optax.sgd(0.1))
+    accumulated = ReferenceTrainer(build_model(tiny_cfg, seed=7), optax.sgd(0.1), clip_norm=None)
+    single = ReferenceTrainer(build_model(tiny_cfg, seed=7), optax.sgd(0.1), clip_norm=None)
     before = params_of(single)
     for _ in range(2):
         logs_acc, logs_one = accumulated.step(halves), single.step(whole)
@@ -57,6 +59,29 @@ def test_accumulation_equals_one_step_on_the_concatenated_batch(tiny_cfg, build_
     for a, b, b0 in zip(params_of(accumulated), params_of(single), before):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert any(not np.allclose(b, b0) for b, b0 in zip(params_of(single), before))  # it did train
+
+
+def test_default_clipping_matches_the_engine(tiny_cfg, build_model, tokens):
+    """Both trainers clip at 1.0 by default (issue 13): with the defaults, a step whose gradient norm is
+    above 1 moves the weights as explicit clip_norm=1.0 does, and not as no clipping does."""
+    default = inspect.signature(ReferenceTrainer).parameters["clip_norm"].default
+    assert default == EngineConfig().clip_norm == 1.0
+    batch = Batch.from_windows(tokens(4, 13, tiny_cfg.vocab_size, seed=5))
+    runs = {}
+    for name, kw in {"default": {}, "clip 1.0": {"clip_norm": 1.0}, "no clip": {"clip_norm": None}}.items():
+        trainer = ReferenceTrainer(build_model(tiny_cfg, seed=7), optax.sgd(1.0), **kw)
+        logs = trainer.step(batch)
+        runs[name] = params_of(trainer)
+    assert logs["grad_norm"] > 1.0  # so that clipping at 1.0 changes the update
+    for a, b in zip(runs["default"], runs["clip 1.0"]):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.allclose(a, b) for a, b in zip(runs["default"], runs["no clip"]))
+
+
+@pytest.mark.parametrize("clip_norm", [0.0, -1.0])
+def test_clip_norm_must_be_positive_or_none(clip_norm, tiny_cfg, build_model):
+    with pytest.raises(ValueError, match="clip_norm must be positive or None"):
+        ReferenceTrainer(build_model(tiny_cfg), optax.sgd(0.1), clip_norm=clip_norm)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,5 +9,6 @@ from megatrain_jax.checkpoint.parts import ShapeMismatchError
 from megatrain_jax.checkpoint.session import CheckpointedExit, CheckpointSession
 
 __all__ = ["CheckpointSession", "CheckpointWarning", "CheckpointedExit", "Checkpointer", "CorruptCheckpointError",
-           "ShapeMismatchError", "check_step", "committed_steps"]
-from megatrain_jax.checkpoint.params import load_params, save_params  # noqa: E402
+           "ShapeMismatchError", "check_step", "committed_steps", "load_model", "load_params", "save_model",
+           "save_params"]
+from megatrain_jax.checkpoint.params import load_model, load_params, save_model, save_params  # noqa: E402

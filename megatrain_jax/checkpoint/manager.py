@@ -152,23 +152,28 @@ class Checkpointer:
             self._manager.close()
 
     # ------------------------------------------------------------------ finding
+    def scan(self) -> list[tuple[int, str | None]]:
+        """Every committed step, newest first, with what is wrong with it (None: complete)."""
+        return [(step, check_step(self.root / str(step), self.checksum)) for step in committed_steps(self.root)]
+
     def latest_complete(self, *, quarantine: bool = False) -> int | None:
-        """The newest complete step, warning about (and with ``quarantine`` renaming aside, so that the
-        step can be written again) every newer one that is incomplete or corrupt."""
-        for step in committed_steps(self.root):
-            step_dir = self.root / str(step)
-            problem = check_step(step_dir, self.checksum)
+        """The newest complete step, warning about every newer one that is incomplete or corrupt. With
+        ``quarantine`` those are renamed aside (``N.corrupt``), so that step N can be written again; only
+        when an older complete step exists, so a run never moves its last checkpoints out of sight."""
+        found = self.scan()
+        good = next((step for step, problem in found if problem is None), None)
+        for step, problem in found:
             if problem is None:
-                return step
-            note = ""
-            if quarantine:
+                break
+            step_dir, note = self.root / str(step), ""
+            if quarantine and good is not None:
                 aside = _free_name(step_dir.with_name(f"{step}.corrupt"))
                 step_dir.rename(aside)
                 self._manager.reload()  # forget the step, so that it can be saved again
                 note = f"; moved aside to {aside.name}"
             warnings.warn(f"skipping corrupt checkpoint {step_dir}: {problem}{note}", CheckpointWarning,
                           stacklevel=2)
-        return None
+        return good
 
     # ------------------------------------------------------------------ restoring
     def restore(self, engine, step: int | None = None, *, verified: bool = False) -> tuple[dict, dict]:

@@ -1,26 +1,34 @@
-"""Parameters only, in Orbax: what ``megatrain-jax convert`` writes and reads.
+"""Parameters only, in Orbax: what ``megatrain-jax convert`` writes and reads, for any model that
+follows the layered contract (docs/model_contract.md), not only the built-in ``Decoder``.
 
 - ``save_params(dir, cfg, io, blocks)`` writes one Orbax PyTree (``params/``) of float32 numpy trees
-  (``{"io": ..., "blocks": {"0": ..., ...}}``) and ``megatrain_params.json`` with the model config.
+  (``{"io": ..., "blocks": {"0": ..., ...}}``) and ``megatrain_params.json`` with the model config (any
+  dataclass, or None) and the number of blocks.
 - ``load_params(dir)`` reads such a directory, or the parameters of a *training* checkpoint (a
   ``Checkpointer`` root, whose newest complete step is used, or one step directory), part by part.
+- ``save_model(dir, model)`` and ``load_model(dir, model)`` do the same from and into a model object,
+  checking every shape.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from flax import nnx
 
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError, check_step, committed_steps
+from megatrain_jax.checkpoint.parts import ShapeMismatchError
+from megatrain_jax.checkpoint.session import jsonable
+from megatrain_jax.layered import block_params, io_params
 from megatrain_jax.models.config import DecoderConfig
-from megatrain_jax.parts import IO, PartId
+from megatrain_jax.parts import IO
 
 MARKER = "megatrain_params.json"
 
@@ -48,14 +56,17 @@ def _pure(tree: Any) -> Any:
     return tree
 
 
-def save_params(path: str | Path, cfg: DecoderConfig, io: Any, blocks: list[Any]) -> Path:
+def save_params(path: str | Path, cfg: Any, io: Any, blocks: list[Any]) -> Path:
+    """Write parameters (``cfg``: the model's config, a dataclass or None) to a new directory ``path``."""
     path = Path(path).absolute()
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} is not empty; choose a new directory (nothing was written)")
     tree = {"io": _numpy(io), "blocks": {str(i): _numpy(b) for i, b in enumerate(blocks)}}
     with ocp.PyTreeCheckpointer() as ckptr:
         ckptr.save(path / "params", tree)
-    (path / MARKER).write_text(json.dumps({"format": 1, "model": dataclasses.asdict(cfg)}, indent=1))
+    record = {"format": 1, "model": jsonable(cfg), "model_class": type(cfg).__name__ if cfg is not None else None,
+              "blocks": len(blocks)}
+    (path / MARKER).write_text(json.dumps(record, indent=1))
     return path
 
 
@@ -72,18 +83,79 @@ def _training_step_dir(path: Path) -> Path:
                             f"training checkpoint with a state/ item)")
 
 
-def load_params(path: str | Path) -> tuple[DecoderConfig, dict, list[dict]]:
-    """``(cfg, io_params, [block_params])`` as float32 numpy pure dicts."""
+def _config(record: Any) -> Any:
+    """The stored model config: a ``DecoderConfig`` when it is one, else the JSON dict (or None)."""
+    if isinstance(record, dict):
+        try:
+            return DecoderConfig.from_dict(record)
+        except (TypeError, ValueError):
+            return record
+    return None
+
+
+def load_params(path: str | Path) -> tuple[Any, dict, list[dict]]:
+    """``(cfg, io_params, [block_params])`` as float32 numpy pure dicts; ``cfg`` is a ``DecoderConfig`` for
+    the built-in decoder, else the stored config as a dict (None when none was stored)."""
     path = Path(path).absolute()
     if (path / MARKER).exists():
-        cfg = DecoderConfig.from_dict(json.loads((path / MARKER).read_text())["model"])
+        record = json.loads((path / MARKER).read_text())
+        cfg = _config(record.get("model"))
         tree = _restore_numpy(path / "params")
-        return cfg, tree["io"], [tree["blocks"][str(i)] for i in range(cfg.layers)]
+        n = record.get("blocks", len(tree["blocks"]))
+        return cfg, tree["io"], [tree["blocks"][str(i)] for i in range(n)]
     step_dir = _training_step_dir(path)
     config = json.loads((step_dir / "config" / "config.json").read_text())
-    if not isinstance(config.get("model"), dict):
-        raise ValueError(f"{step_dir} records no model config; it cannot be converted")
-    cfg = DecoderConfig.from_dict(config["model"])
+    meta = json.loads((step_dir / "meta" / "meta.json").read_text())
+    names = [n for n in meta.get("parts", []) if n != IO.name] or sorted(
+        p.name for p in (step_dir / "state").iterdir() if p.is_dir() and p.name.startswith("block_"))
     io = _pure(_restore_numpy(step_dir / "state" / IO.name)["params"])
-    blocks = [_pure(_restore_numpy(step_dir / "state" / PartId.block(i).name)["params"]) for i in range(cfg.layers)]
-    return cfg, io, blocks
+    blocks = [_pure(_restore_numpy(step_dir / "state" / name)["params"]) for name in names]
+    return _config(config.get("model")), io, blocks
+
+
+def save_model(path: str | Path, model: nnx.Module) -> Path:
+    """The parameters of ``model`` (any layered-contract model) as float32, with ``model.cfg`` when it has one."""
+    return save_params(path, getattr(model, "cfg", None), io_params(model), block_params(model))
+
+
+def load_model(path: str | Path, model: nnx.Module) -> nnx.Module:
+    """Fill ``model`` (concrete) with the parameters stored at ``path`` (``save_model``/``save_params``
+    output or a training checkpoint). Raises ``ShapeMismatchError`` listing every parameter that does not
+    fit, before anything is changed."""
+    _, io, blocks = load_params(path)
+    problems = _mismatches("io", io_params(model), io)
+    if len(blocks) != len(model.blocks):
+        problems.append(f"blocks: the model has {len(model.blocks)}, {path} holds {len(blocks)}")
+    for i, (block, stored) in enumerate(zip(model.blocks, blocks)):
+        problems += _mismatches(f"blocks/{i}", nnx.state(block, nnx.Param), stored)
+    if problems:
+        raise ShapeMismatchError(f"{path} does not fit this model ({len(problems)} difference(s)); nothing was "
+                                 f"loaded:\n" + "\n".join(f"  {p}" for p in problems))
+    as_state = lambda target, tree: jax.tree.map(lambda t, a: jnp.asarray(a, t.dtype), target, _nested(target, tree))
+    nnx.update(model.io, as_state(nnx.to_pure_dict(io_params(model)), io))
+    for block, stored in zip(model.blocks, blocks):
+        nnx.update(block, as_state(nnx.to_pure_dict(nnx.state(block, nnx.Param)), stored))
+    return model
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    if hasattr(tree, "to_pure_dict"):
+        tree = tree.to_pure_dict()
+    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _nested(target: dict, stored: dict) -> dict:
+    """``stored`` keyed like ``target`` (stored trees have string keys where nnx may use ints)."""
+    flat = _flat(stored)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: flat["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)], target)
+
+
+def _mismatches(where: str, expected: Any, stored: Any) -> list[str]:
+    want, got = _flat(expected), _flat(stored)
+    out = [f"{where}/{k}: expected shape {tuple(want[k].shape)}, found {tuple(np.shape(got[k]))}"
+           for k in want if k in got and tuple(want[k].shape) != tuple(np.shape(got[k]))]
+    out += [f"{where}/{k}: missing from the checkpoint" for k in want if k not in got]
+    out += [f"{where}/{k}: in the checkpoint but not in the model" for k in got if k not in want]
+    return out

@@ -12,25 +12,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import signal
 import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
-from megatrain_jax.checkpoint.manager import (Checkpointer, CheckpointWarning, committed_steps,
-                                              split_step_dir)
+from megatrain_jax.checkpoint.manager import (Checkpointer, CheckpointWarning, CorruptCheckpointError,
+                                              committed_steps, split_step_dir)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class CheckpointedExit(SystemExit):
-    """Raised by ``fit`` after a SIGTERM/SIGINT once the checkpoint is committed (exit status 0)."""
+    """Raised by ``fit`` after a SIGTERM/SIGINT once the stopped step's checkpoint is committed. Its exit
+    status is the shell's for the signal, 128 + its number (143 for SIGTERM, 130 for SIGINT), so that a
+    scheduler can tell a preempted run from a finished one (0)."""
 
     def __init__(self, signal_name: str, step: int, path: Path):
-        super().__init__(0)
+        super().__init__(128 + signal.Signals[signal_name].value)
         self.signal_name, self.step, self.path = signal_name, step, path
+        self.history = None  # set by fit: the metrics of the steps trained in this process
 
 
 def jsonable(x: Any) -> Any:
@@ -58,7 +62,8 @@ def position_data(data: Iterable, meta: dict) -> Iterable:
 
 class CheckpointSession:
     """Resume, periodic saves every ``every`` steps (of ``engine.state.step``), a final save, and on
-    SIGTERM/SIGINT: finish the step, save, wait for the write, raise ``CheckpointedExit``.
+    SIGTERM/SIGINT: stop the data at the next step boundary (``follow``), let the last step finish and
+    report, save, wait for the write, raise ``CheckpointedExit``.
 
     ``resume``: None (a fresh run: ``directory`` must hold no checkpoint), ``"auto"`` (the newest
     complete checkpoint of ``directory``, or a fresh start when there is none), or a path to a step
@@ -74,12 +79,15 @@ class CheckpointSession:
         self.every, self.resume, self.config, self.accumulate = every, resume, config or {}, accumulate
         self.ckpt = Checkpointer(directory, keep=keep) if directory is not None else None
         if self.ckpt is not None and resume is None and committed_steps(self.ckpt.root):
-            raise ValueError(f"checkpoint_dir {self.ckpt.root} already holds checkpoints (steps "
-                             f"{committed_steps(self.ckpt.root)}); pass resume=True (train.resume = true in a run "
-                             f"config) to continue that run, or use another directory")
+            raise ValueError(f"checkpoint directory {self.ckpt.root} already holds checkpoints (steps "
+                             f"{committed_steps(self.ckpt.root)}); resume to continue that run (TrainConfig(resume="
+                             f"True), or train.resume=true in a run config), or use another directory")
         self.data: Iterable | None = None
         self.start_step = 0
         self.stop_signal: str | None = None
+        self._stop: Callable[[str], None] = lambda reason: None
+        self._data_state: Callable[[], Any] = lambda: (
+            self.data.state() if callable(getattr(self.data, "state", None)) else None)
 
     # ------------------------------------------------------------------ resume
     def start(self, engine, data: Iterable) -> Iterable:
@@ -90,12 +98,16 @@ class CheckpointSession:
             if step_dir is not None:
                 own = self.ckpt is not None and step_dir.parent == self.ckpt.root
                 reader = self.ckpt if own else Checkpointer(step_dir.parent, read_only=True)
+                recorded = step_dir / "config" / "config.json"
+                try:  # before the restore, whose shape errors this explains; a broken file fails the restore
+                    self._compare_config(json.loads(recorded.read_text()), step_dir)
+                except (OSError, ValueError):
+                    pass
                 try:
-                    meta, saved_config = reader.restore(engine, int(step_dir.name), verified=verified)
+                    meta, _ = reader.restore(engine, int(step_dir.name), verified=verified)
                 finally:
                     if not own:
                         reader.close()
-                self._compare_config(saved_config, step_dir)
                 self.data = position_data(data, meta)
                 print(f"resumed from {step_dir} at step {engine.state.step}", file=sys.stderr, flush=True)
         except BaseException:
@@ -112,7 +124,14 @@ class CheckpointSession:
         if self.resume == "auto":
             step = self.ckpt.latest_complete(quarantine=True)
             if step is None:
-                print(f"no complete checkpoint in {self.ckpt.root}: starting from scratch", file=sys.stderr)
+                found = self.ckpt.scan()
+                if found:  # checkpoints exist but none can be used: never silently start over
+                    raise CorruptCheckpointError(
+                        f"no usable checkpoint in {self.ckpt.root}: every one is incomplete or corrupt:\n"
+                        + "\n".join(f"  {self.ckpt.root / str(n)}: {problem}" for n, problem in found)
+                        + f"\nNothing was changed. To start from scratch, move {self.ckpt.root} aside (its "
+                          f"checkpoints stay there), or use another checkpoint directory")
+                print(f"no checkpoint in {self.ckpt.root} yet: starting from scratch", file=sys.stderr)
                 return None, False
             return self.ckpt.root / str(step), True
         root, step = split_step_dir(self.resume)
@@ -134,35 +153,53 @@ class CheckpointSession:
                           CheckpointWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ saving
+    def follow(self, data_state: Callable[[], Any], stop: Callable[[str], None]) -> None:
+        """Take the data's state from ``data_state()`` (the state at the last step boundary) and stop the
+        data with ``stop(reason)`` when a signal arrives; ``fit`` passes its ``Feed``'s methods."""
+        self._data_state, self._stop = data_state, stop
+
     def save(self, engine, wait: bool = False) -> int | None:
         if self.ckpt is None:
             return None
-        data_state = self.data.state() if callable(getattr(self.data, "state", None)) else None
-        meta = {"data": data_state, "batches": int(engine.state.step) * self.accumulate,
+        meta = {"data": self._data_state(), "batches": int(engine.state.step) * self.accumulate,
                 "seed": self.config.get("seed")}
         return self.ckpt.save(engine, meta=meta, config=self.config, wait=wait)
 
     def after_step(self, metrics: dict, info) -> None:
-        """A ``Hook`` function (every step; ``info`` a ``fit.StepInfo``): periodic save, and save-then-exit
-        after a stop signal."""
-        engine, step = info.engine, info.params_step
+        """A ``Hook`` function (every step; ``info`` a ``fit.StepInfo``): the periodic save."""
+        step = info.params_step
         if self.every and step % self.every == 0 and step != self._last_saved():
-            self.save(engine)
-        if self.stop_signal is not None and self.ckpt is not None:
-            if step != self._last_saved():
-                self.save(engine)
-            self.ckpt.wait()
-            path = self.ckpt.root / str(step)
-            print(f"{self.stop_signal}: saved checkpoint {path}; exiting", file=sys.stderr, flush=True)
-            raise CheckpointedExit(self.stop_signal, step, path)
+            self.save(info.engine)
 
     def finish(self, engine) -> None:
-        """The final save (when the run trained past its start), waited for."""
+        """The final save (when the run trained past its start), waited for; after a stop signal, then
+        raise ``CheckpointedExit``."""
         step = int(engine.state.step)
         if self.ckpt is not None and step > self.start_step and step != self._last_saved():
             self.save(engine)
         if self.ckpt is not None:
             self.ckpt.wait()
+        if self.stop_signal is not None and self.ckpt is not None:
+            saved = self._last_saved()
+            if saved is None:  # stopped before a step finished: what there is to resume from is where it began
+                saved = self.start_step
+                print(f"{self.stop_signal}: no step finished since step {saved}; nothing new to save; exiting",
+                      file=sys.stderr, flush=True)
+            else:
+                print(f"{self.stop_signal}: saved checkpoint {self.ckpt.root / str(saved)}; exiting",
+                      file=sys.stderr, flush=True)
+            raise CheckpointedExit(self.stop_signal, saved, self.ckpt.root / str(saved))
+
+    def rescue(self, engine) -> Path | None:
+        """After a failure outside the engine (a hook, the data): save the consistent state the engine holds,
+        wait for it, and return its path (None without a checkpoint directory)."""
+        if self.ckpt is None:
+            return None
+        step = int(engine.state.step)
+        if step != self._last_saved():
+            self.save(engine)
+        self.ckpt.wait()
+        return self.ckpt.root / str(step)
 
     def _last_saved(self) -> int | None:
         return None if self.ckpt is None else self.ckpt.last_step
@@ -171,11 +208,13 @@ class CheckpointSession:
     @contextlib.contextmanager
     def running(self) -> Iterator["CheckpointSession"]:
         """Install the SIGTERM/SIGINT handlers (main thread only) and, on the way out, wait for the save
-        in flight and close the manager. A second signal gets the previous handler (e.g. Ctrl-C twice)."""
+        in flight and close the manager. A signal stops the data at the next step boundary (see ``follow``);
+        a second signal gets the previous handler (e.g. Ctrl-C twice)."""
         previous = {}
         if self.ckpt is not None and threading.current_thread() is threading.main_thread():
             def on_signal(signum, frame):
                 self.stop_signal = signal.Signals(signum).name
+                self._stop(self.stop_signal)
                 for s, h in previous.items():
                     signal.signal(s, h)
             previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}

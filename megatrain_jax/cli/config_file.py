@@ -10,8 +10,10 @@ Sections and the dataclass each fills:
   the run folder);
 - ``[log]``: ``LogConfig`` (progress display, TensorBoard, Weights & Biases).
 
-Every key is checked against the field's type hint; an unknown key or section is an error naming the
-closest valid one. TOML has no null: write ``"none"`` for a field that may be None (``clip_norm = "none"``).
+Every key is checked against the field's type hint; an unknown key or section, or a value outside a
+field's few allowed ones, is an error naming the closest valid one. An error names the file for a value
+the file set, and the command-line override for a value an override set. TOML has no null: write
+``"none"`` for a field that may be None (``clip_norm = "none"``).
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import optax
 
 from megatrain_jax.data import DataConfig
+from megatrain_jax.data.sampler import MODES
 from megatrain_jax.engine_config import EngineConfig
-from megatrain_jax.models.config import DecoderConfig, preset
+from megatrain_jax.models.config import ATTENTION_IMPLS, DTYPES, DecoderConfig, preset
 from megatrain_jax.optim import adamw
 from megatrain_jax.train_config import TrainConfig
 
@@ -156,6 +159,57 @@ class RunConfig:
 SECTIONS: dict[str, type] = typing.get_type_hints(RunConfig)  # section name -> its dataclass
 _MODEL_KEYS = ("preset", "hf_checkpoint")
 
+# Plain-string fields that take one of a few values (their classes check them too). A config file reads
+# them as Literal fields, so a typo gets the same "did you mean" as any Literal.
+CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
+    (DataConfig, "mode"): MODES,
+    (EngineConfig, "stream_dtype"): DTYPES,
+    (DecoderConfig, "dtype"): DTYPES,
+    (DecoderConfig, "attention_impl"): ATTENTION_IMPLS,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Where a config value came from, for error messages. ``text`` names it in the file (``run.toml
+    [model] layers``); a value that a command-line override set is named by that override instead
+    (``command-line override model.layers=abc``)."""
+
+    text: str
+    path: tuple[str, ...] = ()  # the section, then the keys
+    overrides: Mapping[tuple[str, ...], str] = dataclasses.field(default_factory=dict)  # path -> "a.b=c"
+    base: frozenset[tuple[str, ...]] = frozenset()  # the paths the file (not an override) set
+
+    def key(self, key: str) -> "Where":
+        return dataclasses.replace(self, text=f"{self.text} {key}", path=self.path + (key,))
+
+    def override(self, path: tuple[str, ...] | None = None) -> str | None:
+        """The override that set the value at ``path`` (default: this one), or a table holding it."""
+        path = self.path if path is None else path
+        return next((self.overrides[path[:n]] for n in range(len(path), 0, -1) if path[:n] in self.overrides),
+                    None)
+
+    def __str__(self) -> str:
+        item = self.override()
+        if item is None:
+            return self.text
+        return f"command-line override {item}: [{self.path[0]}] {' '.join(self.path[1:])}"
+
+    def blame(self, paths: Iterable[tuple[str, ...]]) -> str:
+        """Where the values at ``paths`` came from, for an error that none of them causes alone: ``text``,
+        the command-line overrides among them, or ``text`` with those overrides."""
+        paths = list(paths)
+        items = list(dict.fromkeys(o for p in paths if (o := self.override(p)) is not None))
+        if not items:
+            return self.text
+        named = f"command-line override{'s' if len(items) > 1 else ''} {', '.join(items)}"
+        from_base = any(p in self.base for p in paths if self.override(p) is None)
+        return f"{self.text} with {named}" if from_base else named
+
+    def in_table(self, table: Mapping) -> str:
+        """``blame`` for the keys of ``table``, which sits at this place."""
+        return self.blame(self.path + (k,) for k in table)
+
 
 # ---------------------------------------------------------------------------------------------- parsing
 def _closest(name: str, valid: Sequence[str]) -> str:
@@ -174,7 +228,7 @@ def _describe(hint: Any) -> str:
         hint, getattr(hint, "__name__", str(hint)))
 
 
-def coerce(value: Any, hint: Any, where: str) -> Any:
+def coerce(value: Any, hint: Any, where: str | Where) -> Any:
     """``value`` (from TOML) checked against, and converted to, the type ``hint``."""
     origin = typing.get_origin(hint)
     if hint is Any:
@@ -184,13 +238,18 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
         if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
             return None
         for arg in args:
+            if isinstance(value, dict) and dataclasses.is_dataclass(arg):
+                return coerce(value, arg, where)  # a table: its own errors name the key that is wrong
+        for arg in args:
             if arg is type(None):
                 continue
             try:
                 return coerce(value, arg, where)
             except ConfigError:
                 pass
-        raise ConfigError(f"{where} must be {_describe(hint)}, got {value!r}")
+        literals = [str(a) for arg in args if typing.get_origin(arg) is Literal for a in typing.get_args(arg)]
+        hint_text = _closest(str(value), literals) if literals else ""
+        raise ConfigError(f"{where} must be {_describe(hint)}, got {value!r}; {hint_text}".rstrip("; "))
     if origin is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
@@ -216,66 +275,95 @@ def coerce(value: Any, hint: Any, where: str) -> Any:
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be {_describe(hint)}, got {value!r}")
-        return build_dataclass(hint, value, where)
+        return build_dataclass(hint, value, where if isinstance(where, Where) else Where(where))
     raise ConfigError(f"{where}: fields of type {hint} cannot be set from a config file")
 
 
 def _fields(cls: type) -> dict[str, Any]:
+    """Each init field's type hint; an enumerated plain-string field (``CHOICES``) reads as a Literal."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    for (owner, name), allowed in CHOICES.items():
+        if owner is cls:
+            optional = type(None) in typing.get_args(fields[name])
+            fields[name] = Literal[allowed] | None if optional else Literal[allowed]
+    return fields
 
 
-def _check_keys(table: dict, valid: Sequence[str], where: str) -> None:
+def _check_keys(table: dict, valid: Sequence[str], where: Where) -> None:
     for key in table:
         if key not in valid:
-            raise ConfigError(f"unknown key {key!r} in {where}; {_closest(key, valid)}"
+            item = where.key(key).override()
+            place = where.text if item is None else f"command-line override {item}"
+            raise ConfigError(f"unknown key {key!r} in {place}; {_closest(key, valid)}"
                               f"valid keys: {', '.join(sorted(valid))}")
 
 
-def build_dataclass(cls: type, table: dict, where: str) -> Any:
+def build_dataclass(cls: type, table: dict, where: str | Where) -> Any:
     """``cls(**table)`` with every key checked and every value coerced to its field's type."""
+    where = where if isinstance(where, Where) else Where(where)
     fields = _fields(cls)
     _check_keys(table, list(fields), where)
-    kwargs = {k: coerce(v, fields[k], f"{where} {k}") for k, v in table.items()}
+    kwargs = {k: coerce(v, fields[k], where.key(k)) for k, v in table.items()}
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"{where}: {e}") from None
+        raise ConfigError(f"{where.in_table(table)}: {e}") from None
 
 
-def _model(table: dict, where: str) -> ModelSection:
+def _model(table: dict, where: Where) -> ModelSection:
     fields = _fields(DecoderConfig)
     _check_keys(table, list(_MODEL_KEYS) + list(fields), where)
-    overrides = {k: coerce(v, fields[k], f"{where} {k}") for k, v in table.items() if k not in _MODEL_KEYS}
-    section = ModelSection(preset=coerce(table.get("preset", "tiny"), str, f"{where} preset"),
-                           hf_checkpoint=coerce(table.get("hf_checkpoint"), str | None, f"{where} hf_checkpoint"),
+    overrides = {k: coerce(v, fields[k], where.key(k)) for k, v in table.items() if k not in _MODEL_KEYS}
+    section = ModelSection(preset=coerce(table.get("preset", "tiny"), str, where.key("preset")),
+                           hf_checkpoint=coerce(table.get("hf_checkpoint"), str | None, where.key("hf_checkpoint")),
                            overrides=overrides)
     try:
         section.build()  # every DecoderConfig check, now rather than after data is loaded
     except (ValueError, TypeError, FileNotFoundError) as e:
-        raise ConfigError(f"{where}: {e}") from None
+        raise ConfigError(f"{where.in_table(table)}: {e}") from None
     return section
 
 
-def parse_config(raw: dict, source: str = "config") -> RunConfig:
-    """A RunConfig from a dict shaped like the TOML file (sections of keys)."""
+def _paths(raw: Mapping, prefix: tuple[str, ...] = ()) -> Iterable[tuple[str, ...]]:
+    """Every key path of a nested dict: ``("model",)``, ``("model", "layers")``, ..."""
+    for key, value in raw.items():
+        yield prefix + (key,)
+        if isinstance(value, Mapping):
+            yield from _paths(value, prefix + (key,))
+
+
+def _override_paths(overrides: Sequence[str]) -> dict[tuple[str, ...], str]:
+    """The key path each ``section.key=value`` override sets (the last one wins, as when applied)."""
+    return {tuple(k.strip() for k in item.partition("=")[0].split(".")): item for item in overrides}
+
+
+def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = ()) -> RunConfig:
+    """A RunConfig from a dict shaped like the TOML file (sections of keys) read from ``source``, with
+    the command-line ``overrides`` (``section.key=value``) applied. An error names the file for a value
+    from ``raw`` and the override for a value an override set."""
+    root = Where(source, (), _override_paths(overrides), frozenset(_paths(raw)))
+    raw = apply_overrides(raw, overrides)
     for name, table in raw.items():
         if name not in SECTIONS:
-            raise ConfigError(f"{source}: unknown section [{name}]; {_closest(name, list(SECTIONS))}"
+            blame = dataclasses.replace(root, path=(name,)).in_table(table) if isinstance(table, dict) else source
+            raise ConfigError(f"{blame}: unknown section [{name}]; {_closest(name, list(SECTIONS))}"
                               f"valid sections: {', '.join(f'[{s}]' for s in SECTIONS)}")
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: [{name}] must be a table of keys, got {table!r}")
     parts = {}
     for name, cls in SECTIONS.items():
-        where = f"{source} [{name}]"
+        where = dataclasses.replace(root, text=f"{source} [{name}]", path=(name,))
         table = raw.get(name, {})
         parts[name] = _model(table, where) if cls is ModelSection else build_dataclass(cls, table, where)
     cfg = RunConfig(**parts)
     if cfg.train.eval_every and cfg.data.eval_fraction <= 0:
-        raise ConfigError(f"{source}: [train] eval_every = {cfg.train.eval_every} needs held-out data: set "
+        blame = root.blame([("train", "eval_every"), ("data", "eval_fraction")])
+        raise ConfigError(f"{blame}: [train] eval_every = {cfg.train.eval_every} needs held-out data: set "
                           f"[data] eval_fraction > 0 (e.g. 0.01), or eval_every = 0")
     if cfg.data.batch_size % cfg.engine.micro_batches:
-        raise ConfigError(f"{source}: [data] batch_size = {cfg.data.batch_size} cannot be split into [engine] "
+        blame = root.blame([("data", "batch_size"), ("engine", "micro_batches")])
+        raise ConfigError(f"{blame}: [data] batch_size = {cfg.data.batch_size} cannot be split into [engine] "
                           f"micro_batches = {cfg.engine.micro_batches}; use a batch_size divisible by it")
     return cfg
 
@@ -318,7 +406,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
-    return parse_config(apply_overrides(raw, overrides), source)
+    return parse_config(raw, source, overrides)
 
 
 # ---------------------------------------------------------------------------------------------- writing

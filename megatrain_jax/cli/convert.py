@@ -99,6 +99,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
         cfg, io, blocks = load_hf(src, dtype=dtype)
     else:
         cfg, io, blocks = load_npz(src)
+    if to in ("hf", "npz") and not isinstance(cfg, DecoderConfig):
+        raise ValueError(f"{src} holds the parameters of a model that is not megatrain_jax's Decoder (its config: "
+                         f"{cfg!r:.200}); Hugging Face and npz output need the Decoder's config. Read them in "
+                         f"Python with megatrain_jax.checkpoint.load_model(path, model) instead")
     if to == "hf":
         from megatrain_jax.hf import save_hf
         save_hf(dst, cfg, io, blocks, dtype=dtype)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import itertools
 import sys
+import tomllib
 from pathlib import Path
 from typing import TextIO
 
 import jax
 from flax import nnx
 
+from megatrain_jax.checkpoint import committed_steps
 from megatrain_jax.cli.config_file import RunConfig, to_dict, to_toml
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.fit import History, Hook, fit
@@ -50,13 +52,71 @@ def _first_step(fn) -> Hook:
     return Hook(call)
 
 
+class RunFolderError(FileExistsError):
+    """The run folder (or its checkpoint directory) already holds a run that this one would overwrite."""
+
+
+def _aside(path: Path) -> Path:
+    """``metrics.jsonl`` -> the first free ``metrics.1.jsonl``, ``metrics.2.jsonl``, ..."""
+    n = 1
+    while (candidate := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    return candidate
+
+
+def prepare_run_folder(cfg: RunConfig, say) -> None:
+    """Refuse to start a fresh run where one exists; when resuming, keep what the earlier run wrote.
+
+    A folder holds a run when it has ``metrics.jsonl``, ``config.toml`` or committed checkpoints. Without
+    ``train.resume`` that is an error naming both ways on; with it, the run continues from the newest
+    checkpoint, and files that would be replaced rather than continued are moved aside, never overwritten:
+    ``metrics.jsonl`` when there is no checkpoint to continue from (the run starts over), ``config.toml``
+    when the configuration changed (the new one is written next to it as ``config.N.toml``)."""
+    t = cfg.train
+    run_dir, ckpt_dir = Path(t.run_dir), Path(t.for_fit().checkpoint_dir or Path(t.run_dir) / "checkpoints")
+    steps = committed_steps(ckpt_dir) if ckpt_dir.is_dir() else []
+    held = [name for name in ("metrics.jsonl", "config.toml") if (run_dir / name).exists()]
+    held += [f"checkpoints of steps {steps} in {ckpt_dir}"] if steps else []
+    if held and not t.resume:
+        raise RunFolderError(
+            f"run folder {run_dir} already holds a run ({', '.join(held)}); nothing was changed. To continue "
+            f"it, add train.resume=true; to start a new run, set train.run_dir to a new folder")
+    metrics = run_dir / "metrics.jsonl"
+    if t.resume and not steps and metrics.exists():
+        aside = _aside(metrics)
+        metrics.rename(aside)
+        say(f"  no checkpoint to resume from in {ckpt_dir}: starting over; the earlier metrics are kept in {aside}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _write_config(cfg: RunConfig, run_dir: Path) -> None:
+    """``config.toml``, or ``config.N.toml`` next to it when a resumed run's configuration differs."""
+    path, text = run_dir / "config.toml", to_toml(cfg)
+    if path.exists() and _without_resume(tomllib.loads(path.read_text())) != _without_resume(tomllib.loads(text)):
+        path = _aside(path)
+    if not path.exists():
+        path.write_text(text)
+
+
+def _without_resume(raw: dict) -> dict:
+    raw.get("train", {}).pop("resume", None)  # resuming is how the run goes on, not a change of the run
+    return raw
+
+
+def _memory_line(memory) -> str:
+    if jax.devices()[0].platform == "cpu":
+        return (f"  planned memory: {memory.host_total / 2**30:.1f} GiB of host RAM (no GPU: the model's layers "
+                f"run on the CPU, in host memory)")
+    return (f"  planned memory: host {memory.host_total / 2**30:.1f} GiB, GPU {memory.gpu_total / 2**30:.1f} GiB "
+            f"(megatrain-jax plan shows the breakdown)")
+
+
 def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     """Run ``cfg``: returns fit's History (``history.engine`` holds the trained host state)."""
     out = stream or sys.stdout
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     t, d = cfg.train, cfg.data
     run_dir = Path(t.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     model_cfg = cfg.model.build()
 
     memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, packed=d.mode == "packed",
@@ -66,8 +126,8 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
         f"{model_cfg.hidden}), {d.batch_size} x {d.seq_len} tokens per batch, {t.steps} steps on "
         f"{_device_line()}; run folder {run_dir}")
-    say(f"  planned memory: host {memory.host_total / 2**30:.1f} GiB, GPU {memory.gpu_total / 2**30:.1f} GiB "
-        f"(megatrain-jax plan shows the breakdown)")
+    say(_memory_line(memory))
+    prepare_run_folder(cfg, say)
 
     model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(t.seed)))
     if cfg.model.hf_checkpoint is not None:
@@ -78,7 +138,7 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     data = d.build(model_cfg.vocab_size)
 
     # written at the first step, so a run refused at start (e.g. by the checkpoint folder) leaves the folder as is
-    hooks, writers = [_first_step(lambda: (run_dir / "config.toml").write_text(to_toml(cfg)))], []
+    hooks, writers = [_first_step(lambda: _write_config(cfg, run_dir))], []
     if t.eval_every:
         eval_batches = list(itertools.islice(d.build_eval(model_cfg.vocab_size), t.eval_batches))
         hooks.append(eval_hook(eval_batches, t.eval_every, t.steps))

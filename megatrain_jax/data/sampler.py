@@ -22,6 +22,7 @@ tiny JSON dict and a restored iterator yields exactly the batches an uninterrupt
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import queue
 import threading
@@ -37,6 +38,15 @@ MODES = ("windows", "packed")
 SPLITS = ("train", "eval")
 
 
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    """Raise ValueError when ``value`` is not one of ``allowed``, suggesting the closest."""
+    if value in allowed:
+        return
+    close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}{hint}")
+
+
 def split_point(n: int, eval_fraction: float) -> int:
     """Index where the held-out tail of ``n`` items begins (at least one item once the fraction is > 0)."""
     if not 0.0 <= eval_fraction < 1.0:
@@ -49,8 +59,8 @@ class TokenDataset:
 
     def __init__(self, source: TokenFile | str | os.PathLike, seq_len: int, *, mode: str = "windows",
                  split: str = "train", eval_fraction: float = 0.0):
-        if mode not in MODES or split not in SPLITS:
-            raise ValueError(f"mode must be one of {MODES} and split one of {SPLITS}, got {mode!r}, {split!r}")
+        check_choice("mode", mode, MODES)
+        check_choice("split", split, SPLITS)
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.file = source if isinstance(source, TokenFile) else TokenFile.open(source)
@@ -113,6 +123,11 @@ class TokenBatches:
         self._order_epoch, self._order = -1, np.zeros(0, np.int64)
         if state is not None:
             self.restore(state)
+
+    @property
+    def endless(self) -> bool:
+        """A looping iterator never ends (``fit`` then needs ``TrainConfig.steps``)."""
+        return self.loop
 
     def _settings(self) -> dict[str, Any]:
         d = self.dataset
@@ -186,9 +201,28 @@ class TokenBatches:
                 mask[r, at:at + L - 1], seg[r, at:at + L - 1] = 1.0, k
                 positions[r, at:at + L - 1] = np.arange(L - 1)
                 at += L - 1
+        self._check_ids(rows, inputs, targets)
         if d.mode == "windows":
             positions[:] = np.arange(T)  # padded rows too: positions stay a plain 0..T-1 ramp
         return Batch(inputs, targets, mask, positions, seg if d.mode == "packed" else None)
+
+
+    def _check_ids(self, rows: list[list[int]], inputs: np.ndarray, targets: np.ndarray) -> None:
+        """Token ids outside the file's vocabulary (its sidecar's vocab_size; only negative ids when it has
+        none) raise an error naming the file and the first bad position. One cheap check per batch; the
+        file is searched only when it fails."""
+        file = self.dataset.file
+        vocab = file.vocab_size
+        low = min(int(inputs.min()), int(targets.min()))
+        high = max(int(inputs.max()), int(targets.max()))
+        if low >= 0 and (vocab is None or high < vocab):
+            return
+        why = f"the vocab_size in its sidecar is {vocab}" if file.path is not None else f"vocab_size is {vocab}"
+        for u in (u for units in rows for u in units):
+            s, L = int(self.dataset.starts[u]), int(self.dataset.lengths[u])
+            bad = file.first_bad_id(vocab, s, s + L)
+            if bad is not None:
+                raise file.bad_id_error(*bad, vocab, why)
 
 
 class Prefetcher:
@@ -215,6 +249,11 @@ class Prefetcher:
         self._stop, self._done = threading.Event(), False
         self._thread = threading.Thread(target=self._produce, name="megatrain-data-prefetch", daemon=True)
         self._thread.start()
+
+    @property
+    def endless(self) -> bool:
+        """Whether the wrapped iterator says it never ends."""
+        return bool(getattr(self._source, "endless", False))
 
     @property
     def producing(self) -> bool:
@@ -310,6 +349,9 @@ class DataConfig:
     eval_fraction: float = 0.0
     prefetch: int = 2
     demo_tokens: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        check_choice("mode", self.mode, MODES)
 
     def open(self, model_vocab: int | None = None) -> TokenFile:
         """The token stream, checked against the model's vocabulary when given."""

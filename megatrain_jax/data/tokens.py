@@ -31,6 +31,9 @@ import numpy as np
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}  # little-endian on disk
 REQUIRED_KEYS = {"dtype", "vocab_size", "num_tokens"}
 OPTIONAL_KEYS = {"num_docs", "eos_id", "tokenizer"}
+NPY_MAGIC = b"\x93NUMPY"
+_INT32_LIMIT = 1 << 31  # batches hold int32 token ids
+_SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a memory-mapped file
 HOW_TO_CREATE = ("create it with `python scripts/prepare_data.py --tokenizer tokenizer.json --out {path} "
                  "corpus.jsonl` (or `--demo` for the synthetic demo corpus), or "
                  "megatrain_jax.data.write_tokens(path, tokens, vocab_size)")
@@ -77,7 +80,8 @@ class TokenFile:
         if not path.exists():
             raise FileNotFoundError(f"token file {path} does not exist; " + HOW_TO_CREATE.format(path=path))
         if path.suffix == ".npy":
-            tokens = np.load(path, mmap_mode="r")
+            tokens = _load_npy(path, "re-create it with np.save(path, tokens) from a 1-D integer array, or "
+                               + HOW_TO_CREATE.format(path=path))
             if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
                 raise ValueError(f"{path} must hold a 1-D integer array of token ids, got shape "
                                  f"{tokens.shape} dtype {tokens.dtype}")
@@ -108,14 +112,42 @@ class TokenFile:
             _check_starts(starts, len(tokens), "doc_starts")
         return cls(None, tokens, vocab_size, starts, eos_id)
 
+    def first_bad_id(self, vocab_size: int | None, lo: int = 0, hi: int | None = None) -> tuple[int, int] | None:
+        """``(position, id)`` of the first token in ``[lo, hi)`` outside ``[0, vocab_size)`` (outside the
+        int32 range of a batch when ``vocab_size`` is None), or None. Scans in chunks: a memory-mapped
+        file is never loaded whole."""
+        limit = _INT32_LIMIT if vocab_size is None else min(vocab_size, _INT32_LIMIT)
+        hi = len(self) if hi is None else hi
+        for start in range(lo, hi, _SCAN_CHUNK):
+            chunk = self.tokens[start:min(hi, start + _SCAN_CHUNK)]
+            bad = (chunk < 0) | (chunk >= limit)
+            if bad.any():
+                at = int(np.argmax(bad))
+                return start + at, int(chunk[at])
+        return None
+
+    def bad_id_error(self, position: int, token: int, vocab_size: int | None, why: str) -> ValueError:
+        """The error for ``token`` at ``position``, outside ``[0, vocab_size)`` for the reason ``why``."""
+        where = f"{self.path or 'in-memory tokens'}: token id {token} at position {position} (counted from 0)"
+        if token < 0:
+            return ValueError(f"{where} is negative; the file is corrupt or was written from the wrong array: "
+                              f"re-create it")
+        if vocab_size is None:
+            vocab_size, why = _INT32_LIMIT, "a batch holds int32 token ids"
+        return ValueError(f"{where} is outside [0, {vocab_size}) ({why}); tokenize with the model's own "
+                          f"tokenizer, pick a model with a larger vocab_size, or re-create the file if it is corrupt")
+
     def check_vocab(self, model_vocab: int) -> None:
-        """Raise if any token id could fall outside a model with ``model_vocab`` embeddings."""
+        """Raise if any token id could fall outside a model with ``model_vocab`` embeddings. A bare ``.npy``
+        (no recorded vocabulary) is scanned; a ``.bin``'s sidecar vocab_size is compared, and its ids are
+        checked batch by batch as they are read (``TokenBatches``)."""
         where = self.path or "in-memory tokens"
-        if self.vocab_size is None:  # bare .npy: scan in chunks, it is memory-mapped
-            top = max((int(self.tokens[i:i + (1 << 24)].max()) for i in range(0, len(self), 1 << 24)), default=-1)
-            if top >= model_vocab:
-                raise ValueError(f"{where} contains token id {top} but the model's vocab_size is {model_vocab}; "
-                                 f"tokenize with the model's own tokenizer or pick a model with a larger vocab")
+        if self.vocab_size is None:
+            bad = self.first_bad_id(model_vocab)
+            if bad is not None:
+                top = max(int(self.tokens[i:i + _SCAN_CHUNK].max()) for i in range(0, len(self), _SCAN_CHUNK))
+                raise self.bad_id_error(*bad, model_vocab, f"the model's vocab_size is {model_vocab}; the largest "
+                                                           f"id in the file is {top}")
             return
         if self.vocab_size > model_vocab:
             raise ValueError(f"{where} was tokenized with a vocabulary of {self.vocab_size} but the model's "
@@ -157,11 +189,29 @@ def _read_index(path: Path, num_tokens: int, num_docs: int | None) -> np.ndarray
     if not idx.exists():
         raise FileNotFoundError(f"sidecar of {path} says num_docs={num_docs} but the document index {idx} "
                                 f"is missing; re-run scripts/prepare_data.py")
-    starts = np.load(idx, mmap_mode="r")
+    starts = _load_npy(idx, "re-run scripts/prepare_data.py (it writes the tokens, the sidecar and this index)")
     if num_docs is not None and len(starts) != num_docs:
         raise ValueError(f"{idx} holds {len(starts)} document starts but the sidecar says num_docs={num_docs}")
     _check_starts(starts, num_tokens, str(idx))
     return starts
+
+
+def _load_npy(path: Path, fix: str) -> np.ndarray:
+    """``np.load(path, mmap_mode='r')``, or a ValueError naming the file, what is wrong with it and ``fix``
+    (numpy's own errors for an empty or cut-off file are a bare EOFError or an advice to unpickle)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(len(NPY_MAGIC))
+    if size == 0:
+        problem = "is empty (0 bytes), not a .npy file: it was probably not written to the end"
+    elif magic != NPY_MAGIC:
+        problem = f"is not a .npy file (it does not start with the .npy magic bytes {NPY_MAGIC!r})"
+    else:
+        try:
+            return np.load(path, mmap_mode="r")
+        except (EOFError, ValueError, OSError) as e:
+            problem = f"is a truncated or corrupt .npy file ({size} bytes; numpy says: {e})"
+    raise ValueError(f"{path} {problem}; {fix}")
 
 
 def _check_starts(starts: np.ndarray, num_tokens: int, where: str) -> None:

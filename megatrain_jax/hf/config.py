@@ -96,6 +96,11 @@ def _check_unsupported(c: dict[str, Any], mt: str) -> None:
         raise UnsupportedConfig(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
     if c.get("mlp_bias", False):
         raise UnsupportedConfig("mlp_bias=True is not supported (the MLP has no biases)")
+    dropout = c.get("attention_dropout") or 0.0
+    if dropout != 0.0:
+        raise UnsupportedConfig(f"attention_dropout={dropout!r} is not supported (the engine trains without "
+                                f"dropout: docs/model_contract.md); set it to 0.0 in config.json to train "
+                                f"without dropout (the model's outputs at inference are unchanged)")
     if mt in ("llama", "mistral", "qwen3") and c.get("attention_bias", False):
         raise UnsupportedConfig(f"attention_bias=True for model_type {mt!r} is not supported (it also "
                                 f"puts a bias on o_proj; only Qwen2-style q/k/v biases are)")

@@ -126,15 +126,40 @@ def _tensor_info(path: Path, name: str, entry, data_size: int) -> TensorInfo:
     return TensorInfo(code, shape, begin, end)
 
 
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` (a symlink is followed) lies in ``folder``, or in the blob store of a Hugging Face
+    cache when ``folder`` is one of its snapshots (``<repo>/snapshots/<revision>``, whose files are links to
+    ``<repo>/blobs/<hash>``)."""
+    target, home = path.resolve(), folder.resolve()
+    if target.parent == home:
+        return True
+    return home.parent.name == "snapshots" and target.parent == (home.parent.parent / "blobs").resolve()
+
+
+def _check_shard_name(index: Path, fname: object, tensor: str) -> str:
+    """A shard entry of the index must be the plain name of a file in the index's folder: no path."""
+    if (not isinstance(fname, str) or fname in ("", ".", "..") or any(c in fname for c in "/\\\0")
+            or Path(fname).is_absolute()):
+        raise SafetensorsError(f"{index}: refused shard entry {fname!r} (for tensor {tensor!r}): a shard must "
+                               f"be the plain name of a file in {index.parent}, with no folder, '..' or absolute "
+                               f"path; fix the index's weight_map (e.g. \"model-00001-of-00002.safetensors\")")
+    return fname
+
+
 class Checkpoint:
     """All tensors of a Hugging Face checkpoint folder: ``model.safetensors``, or shards listed in
-    ``model.safetensors.index.json``. Each tensor is read only when asked for."""
+    ``model.safetensors.index.json``. Each tensor is read only when asked for.
+
+    The index is data from elsewhere: its shard entries must be plain file names in the folder, and no
+    weights file may be a symlink leading out of the folder (except, in a Hugging Face cache snapshot, to
+    the cache's own blobs). Anything else is refused before it is opened."""
 
     def __init__(self, model_dir: str | os.PathLike):
         self.dir = Path(model_dir)
         self._where: dict[str, SafetensorsFile] = {}
         single, index = self.dir / SINGLE_FILE, self.dir / INDEX_FILE
         if single.exists():
+            self._check_inside(single, single)
             f = SafetensorsFile(single)
             self._where = {name: f for name in f.tensors}
         elif index.exists():
@@ -148,17 +173,28 @@ class Checkpoint:
             raise SafetensorsError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.dir} "
                                    f"(found: {found if found is not None else 'no such folder'}).{hint}")
 
+    def _check_inside(self, path: Path, what: Path | str) -> None:
+        if not _inside(path, self.dir):
+            raise SafetensorsError(f"{what}: refused {path.name!r}: it is a symlink to {path.resolve()}, outside "
+                                   f"the checkpoint folder {self.dir}; copy the file into the folder instead")
+
     def _open_index(self, index: Path) -> None:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise SafetensorsError(f"{index}: not a valid index ({e!r}); expected a 'weight_map'") from None
+        if not isinstance(weight_map, dict):
+            raise SafetensorsError(f"{index}: 'weight_map' must map tensor names to shard file names, got "
+                                   f"{type(weight_map).__name__}")
+        for name, fname in weight_map.items():  # every entry, before any file is opened
+            _check_shard_name(index, fname, name)
         files: dict[str, SafetensorsFile] = {}
         for name, fname in weight_map.items():
             if fname not in files:
                 shard = self.dir / fname
-                if not shard.exists():
-                    raise SafetensorsError(f"{index}: shard {fname!r} (holding {name!r}) is missing")
+                if not shard.is_file():
+                    raise SafetensorsError(f"{index}: shard {fname!r} (holding {name!r}) is missing or not a file")
+                self._check_inside(shard, f"{index}: shard entry {fname!r} (holding {name!r})")
                 files[fname] = SafetensorsFile(shard)
             if name not in files[fname].tensors:
                 raise SafetensorsError(f"{index}: says {name!r} is in {fname!r}, but that shard lacks it")

@@ -90,10 +90,16 @@ class DecoderConfig:
         return self.layers * block + io
 
 
+def _did_you_mean(value: object, allowed: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def validate(cfg: DecoderConfig) -> None:
     """Raise ValueError naming the offending value and what is allowed."""
     if cfg.family not in FAMILIES:
-        raise ValueError(f"unknown model family {cfg.family!r}; allowed: {list(FAMILIES)}")
+        raise ValueError(f"unknown model family {cfg.family!r}; allowed: {list(FAMILIES)}"
+                         f"{_did_you_mean(cfg.family, FAMILIES)}")
     for name in ("vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads", "max_positions",
                  "loss_chunk_tokens"):
         value = getattr(cfg, name)
@@ -108,9 +114,11 @@ def validate(cfg: DecoderConfig) -> None:
     if cfg.dim_per_head % 2:
         raise ValueError(f"head dimension {cfg.dim_per_head} must be even for RoPE")
     if cfg.dtype not in DTYPES:
-        raise ValueError(f"dtype {cfg.dtype!r} not supported; allowed: {list(DTYPES)}")
+        raise ValueError(f"dtype {cfg.dtype!r} not supported; allowed: {list(DTYPES)}"
+                         f"{_did_you_mean(cfg.dtype, DTYPES)}")
     if cfg.attention_impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl {cfg.attention_impl!r} not supported; allowed: {list(ATTENTION_IMPLS)}")
+        raise ValueError(f"attention_impl {cfg.attention_impl!r} not supported; allowed: {list(ATTENTION_IMPLS)}"
+                         f"{_did_you_mean(cfg.attention_impl, ATTENTION_IMPLS)}")
     if cfg.sliding_window is not None and cfg.sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {cfg.sliding_window}")
 

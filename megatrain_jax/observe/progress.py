@@ -15,6 +15,7 @@ import time
 from typing import TextIO
 
 from megatrain_jax.fit import Hook
+from megatrain_jax.flops import format_flops
 
 _REDRAW_S = 0.1
 
@@ -65,7 +66,7 @@ class Progress:
         parts.append(f"{tps:,.0f} tok/s")
         per_token = m["model_tflops"] / m["tokens_per_s"] if m.get("tokens_per_s") and "model_tflops" in m else None
         if per_token is not None:  # FLOP/s and MFU at the median rate, like tok/s
-            parts.append(f"{tps * per_token:.1f} TFLOP/s")
+            parts.append(format_flops(tps * per_token))
             if "mfu" in m:
                 parts.append(f"MFU {100 * m['mfu'] * tps / m['tokens_per_s']:.1f}%")
         parts += [f"{k} {v:.1f}" for k, v in m.items() if k.startswith(("h2d", "d2h")) and isinstance(v, float)]
