@@ -1,27 +1,58 @@
 """How much host and GPU memory a run needs, before anything is allocated.
 
-Host RAM holds every persistent array (docs/design.md): float32 master weights, Adam's two moments, the
-float32 gradients of one step, and a 16-bit copy of the weights when the stream dtype is 16-bit. The GPU
-holds only what is in flight: ``prefetch_depth + 1`` layers of streamed weights, the float32 gradient
-accumulator of the layer in backward (and of the one draining to host), the io part (embedding, head)
-with its float32 gradient, the activations at every layer boundary, one layer's recompute activations
-per micro-batch and the chunked logits of the loss.
+**GPU.** The plan walks the engine's own schedule (``schedule.step_ops``, the ops ``passes.py`` runs),
+with a ledger of the device buffers each op creates and frees: the GPU-resident parts (fp32 master, Adam
+moments, compute copy), streamed weights between ``fetch`` and ``release``, the boundary activation of
+every layer and micro-batch until its backward, d(loss)/d(hidden) per micro-batch, the float32 gradient
+accumulator of the part in backward, and the gradients of GPU-resident parts until their update. Two
+effects come on top of what the host program holds:
 
-The numbers are estimates from shapes (the transient terms are rules of thumb), good to some 10-20%:
-enough to tell a plan that fits from one that will be OOM-killed an hour in.
+- *run-ahead*: JAX dispatches asynchronously, and XLA's GPU client admits 32 operations ahead of the GPU
+  (``max_inflight_computations``). A buffer the host has dropped stays allocated until the GPU has used
+  it: streamed weights after ``release``, gradients whose copy to host memory is queued. The plan assumes
+  the GPU trails by the whole window and counts transfers as operations too: so counted, the plan lands
+  between -10% and +14% of the peaks measured on the H100 box; counting computations alone would put the
+  streamed 3.5B run 30% over;
+- *transients*: the scratch memory of the compiled function that is running (block forward, recompute +
+  VJP, head, the embedding's VJP). These are rules of thumb (``_transient``), each written from the
+  tensors that function keeps and compared with XLA's compiled memory analysis.
+
+The GPU total is the ledger's peak over one optimizer step, plus the running op's transient.
+
+**Host.** Every persistent array lives in pinned host memory (docs/design.md): float32 masters, Adam's
+moments and the 16-bit stream copy of *every* part (GPU-resident ones too: host memory is the source of
+truth), and the float32 gradients of the host-updated parts. XLA serves pinned memory from a pool whose
+regions double in size (2 MiB, 4 MiB, ...) up to ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, which importing
+megatrain_jax sets to 90% of RAM; the process keeps the whole pool, so the host total is the pool, not
+the arrays in it, plus an allowance for the Python/JAX/CUDA runtime. (A CPU backend has no such pool;
+the plan counts it anyway.)
+
+tests/test_memory_plan.py compares this plan with the peaks measured in experiments/results/.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from collections import deque
+from typing import Any, Callable, Iterator
 
 from megatrain_jax.engine_config import EngineConfig
 from megatrain_jax.models.config import DecoderConfig
+from megatrain_jax.schedule import step_ops
 
 GiB = 1024**3
-HOST_RUNTIME_BYTES = 3 * GiB  # Python, JAX/XLA runtime, compiled programs
-GPU_RUNTIME_BYTES = 1 * GiB  # XLA workspaces and allocator fragmentation
+MiB = 1024**2
+# The one allowance besides the transients: Python, JAX/XLA, CUDA libraries, compiled programs (3.0-3.7 GiB
+# of resident memory outside the pinned pool, measured on the H100 box).
+HOST_RUNTIME_BYTES = int(3.5 * GiB)
+# Constants of the software stack (jax 0.11.2, CUDA driver 580; measured on the H100 box):
+INFLIGHT_OPS = 32  # XLA's GPU client admits 32 operations ahead of the device (max_inflight_computations)
+PINNED_RSS_OVERHEAD = 0.031  # a pinned pool region of 32 GiB adds 33.0 GiB of resident memory
+HOST_POOL_FRACTION = 0.9  # megatrain_jax._environment caps XLA's pinned pool at 90% of RAM
+JAX_GPU_FRACTION = 0.75  # JAX lets XLA take 75% of GPU memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise
+BATCH_BYTES_PER_TOKEN = 16  # a filled Batch: int32 inputs, targets, positions and float32 loss mask
 
 
 class MemoryPlanError(RuntimeError):
@@ -59,6 +90,180 @@ def available_gpu_bytes() -> int | None:
     return stats.get("bytes_limit")
 
 
+def gpu_fraction() -> float:
+    """The share of GPU memory XLA may allocate in this environment."""
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_FRACTION))
+
+
+def pinned_pool_bytes(arrays: int, limit: int | None) -> int:
+    """What XLA's pinned-host allocator reserves to hold ``arrays`` bytes: its regions double from 2 MiB,
+    and the last one is cut to what ``limit`` leaves."""
+    total, region = 0, 2 * MiB
+    while total < arrays:
+        total, region = total + region, 2 * region
+    return total if limit is None else min(total, limit)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+def _transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: int, flash: bool) -> tuple[int, str]:
+    """Scratch memory of the compiled function behind an op, a rule of thumb from the tensors it keeps per
+    token. In brackets, XLA's memory analysis on the H100 (per micro-batch: 7B layer at 16K tokens / 3B at
+    128K; it depends on the tokens, not on how they split into rows)."""
+    ab = 2 if c.dtype in ("bfloat16", "float16") else 4
+    q, kv, D, F, V = c.heads * c.dim_per_head, c.kv_heads * c.dim_per_head, c.hidden, c.ffn, c.vocab_size
+    mt = micro_rows * seq_len
+    scores = 0 if flash else micro_rows * c.heads * seq_len * seq_len * (4 + ab)  # no flash: T x T scores
+    if kind == "forward":  # [1.01 / 6.0 GiB, and 8B's 1.31 at 16K; this rule the same]
+        return mt * 3 * F * ab + scores, "MLP gate, up and product"
+    if kind == "backward":  # [7B: 1.85, 4.19, 8.38 GiB at 16K, 32K, 64K tokens; 3B: 2.88, 11.56 at 32K, 128K;
+        #                        this rule 2.08, 4.17, 8.33; 2.94, 11.75; float32 weights add ~0.57 at 7B]
+        weights = layer_param_count(c) * 4 if sb == 4 else 0  # their bf16 cast; the gradient in float32
+        return (max(mt * (5 * D + 2 * q + 2 * kv + 3 * F) * ab, layer_param_count(c) * sb) + weights + 2 * scores,
+                "what the recompute keeps for the VJP: norm outputs, residual, q, k, v, attention output, MLP "
+                "gate, up and product, and the residual's float32 gradient")
+    if kind == "head":  # [2.6 / 11.6 GiB; this rule 2.8 / 10.8]
+        chunk = min(c.loss_chunk_tokens, mt)
+        return (2 * chunk * V * 4 + io_param_count(c) * sb + mt * D * (ab + 4),
+                f"one {chunk}-token chunk of float32 logits and their gradient, the io gradient, the final hidden "
+                f"state and its float32 gradient")
+    if kind == "embed_backward":  # [0.24 / 0.73 GiB; exact]
+        return V * D * sb, "the dense embedding gradient"
+    return 0, ""
+
+
+@dataclasses.dataclass
+class _Ledger:
+    """Device bytes per category as the schedule runs, and buffers the host dropped but the GPU still uses."""
+
+    live: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # category -> [bytes, buffers]
+    held: deque = dataclasses.field(default_factory=deque)  # (ops issued when dropped, category, bytes)
+    issued: int = 0  # device operations the host has issued
+
+    def add(self, cat: str, nbytes: int, n: int = 1) -> None:
+        entry = self.live.setdefault(cat, [0, 0])
+        entry[0] += nbytes
+        entry[1] += n
+
+    def drop(self, cat: str, nbytes: int, n: int = 1, hold: bool = False) -> None:
+        self.add(cat, -nbytes, -n)
+        if hold:  # freed once the GPU has run every op issued so far
+            self.held.append((self.issued, cat, nbytes))
+
+    def advance(self, ops: int) -> None:
+        self.issued += ops
+        while self.held and self.held[0][0] <= self.issued - INFLIGHT_OPS:
+            self.held.popleft()
+
+    def total(self) -> int:
+        return sum(b for b, _ in self.live.values()) + sum(h[2] for h in self.held)
+
+    def breakdown(self) -> dict[str, int]:
+        held: dict[str, list[int]] = {}
+        for _, cat, b in self.held:
+            entry = held.setdefault(f"{cat}: dropped by the host, still used by queued GPU work", [0, 0])
+            entry[0] += b
+            entry[1] += 1
+        return {f"{cat} ({n} buffers)" if n > 1 else cat: b for cat, (b, n) in {**self.live, **held}.items() if b}
+
+
+def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int,
+              flash: bool) -> tuple[dict[str, int], str]:
+    """Walk one optimizer step of the engine's schedule: the peak's items (bytes) and the op it happens in."""
+    from megatrain_jax.parts import IO, PartId
+    ab = 2 if c.dtype in ("bfloat16", "float16") else 4
+    Pl, Pio, M = layer_param_count(c), io_param_count(c), e.micro_batches
+    act = rows // M * seq_len * c.hidden * ab  # one boundary activation of one micro-batch
+    on_gpu = {IO} if e.resident_io else set()
+    on_gpu |= {PartId.block(i) for i in range(e.resident_layers)}
+    # fp32 master + Adam moments + the compute copy (a second fp32 copy when float32 is streamed)
+    resident = (e.resident_layers * Pl + (Pio if e.resident_io else 0)) * (12 + sb)
+    batches = rows * seq_len * (BATCH_BYTES_PER_TOKEN + (0 if flash else 4))
+    W, A, G = "streamed weights of the io part and blocks", "boundary activations", "gradient accumulators, float32"
+    R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
+    led, acts = _Ledger(), {}  # acts: layer -> micro-batch activations held
+    best: tuple[int, dict[str, int], str] = (-1, {}, "")
+    passes = min(e.accumulate_steps, 2)  # later accumulating passes repeat the second
+    for j in range(passes):
+        accumulate, last = j > 0, j == passes - 1
+        led.add(B, batches)
+        for op in step_ops(c.layers, M, e.prefetch_depth, update=last):
+            part, kind = op.part, op.kind
+            kept = part in on_gpu
+            io = kind == "head" or (part is not None and part.is_io)  # the head accumulates the io gradient
+            weights, grad = (Pio * sb, Pio * 4) if io else (Pl * sb, Pl * 4)
+            temp, why = _transient(c, kind, rows // M, seq_len, sb, flash)
+            out, ops = 0, 1  # bytes the op allocates; device operations it issues (transfers count)
+            if kind == "fetch":
+                out, ops = (0, 0) if kept else (weights, 1)
+            elif kind in ("embed", "forward", "backward", "head"):
+                out = act + (grad if kind in ("backward", "head") and op.micro == 0 else 0)
+            elif kind == "send_grads":  # squared norm; D2H copy; when accumulating, the earlier sum added
+                ops = int(last) + (0 if kept else 1) + (1 if kept else 2) * accumulate
+                temp = grad if accumulate and not kept else 0
+            elif kind in ("release", "commit") or (kind == "update" and not kept):
+                ops = 0
+            total = resident + led.total() + temp + out
+            if total > best[0]:
+                items = {f"GPU-resident parts with their optimizer state ({len(on_gpu)} parts)": resident,
+                         **led.breakdown()}
+                items[f"transient of {op!r} (rule of thumb: {why})"] = temp
+                items[f"outputs of {op!r}"] = out
+                best = (total, {k: v for k, v in items.items() if v}, repr(op))
+            led.advance(ops)
+            if kind == "fetch" and not kept:  # what the host program holds after the op
+                led.add(W, weights)
+            elif kind == "release" and not kept:
+                led.drop(W, weights, hold=True)
+            elif kind in ("embed", "forward"):
+                layer = 0 if kind == "embed" else part.layer + 1
+                acts[layer] = acts.get(layer, 0) + 1
+                led.add(A, act)
+            elif kind in ("head", "backward") and op.micro == 0:
+                led.add(G, grad)
+            elif kind == "send_grads":
+                led.drop(G, grad, hold=not kept)
+                if kept and not accumulate:
+                    led.add(R, grad)
+            elif kind == "update" and kept:
+                led.drop(R, grad)
+            if kind == "head":
+                led.add(DY, act)
+            last_micro = op.micro == M - 1
+            if last_micro and (kind == "head" or (kind == "backward" and part.layer > 0)):
+                layer = c.layers if kind == "head" else part.layer
+                led.drop(A, act * acts[layer], acts.pop(layer))
+            elif last_micro and kind == "embed_backward":
+                led.drop(A, act * sum(acts.values()), sum(acts.values()))
+                led.drop(DY, act * M, M)
+                acts.clear()
+        led.drop(B, batches)
+    return best[1], best[2]
+
+
+# ---------------------------------------------------------------------------------------------- options
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """A change to the run's config that was re-planned and fits: ``changes`` as (``section.key``, value)
+    pairs, ``why`` says what it changes and what it costs in speed."""
+
+    changes: tuple[tuple[str, Any], ...]
+    why: str
+
+    @property
+    def overrides(self) -> list[str]:
+        """The changes as command-line overrides (``megatrain-jax train ... engine.micro_batches=4``)."""
+        text = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+        return [f"{key}={text(value)}" for key, value in self.changes]
+
+    def __str__(self) -> str:
+        return f"{' '.join(self.overrides)}: {self.why}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---------------------------------------------------------------------------------------------- the plan
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Bytes per item in host and GPU memory, the limits they are compared with, and the inputs."""
@@ -74,6 +279,9 @@ class MemoryPlan:
     stream_dtype: str
     packed: bool = False
     loaded_copy: bool = False
+    host_pinned: int = 0  # bytes of the pinned arrays (what XLA's pool must hold)
+    host_pool_limit: int | None = None  # XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB in bytes
+    gpu_peak_at: str = ""  # the op during which the GPU peaks
 
     @property
     def params(self) -> int:
@@ -89,7 +297,8 @@ class MemoryPlan:
 
     @property
     def host_fits(self) -> bool:
-        return self.host_available is None or self.host_total <= self.host_available
+        pool_ok = self.host_pool_limit is None or self.host_pinned <= self.host_pool_limit
+        return pool_ok and (self.host_available is None or self.host_total <= self.host_available)
 
     @property
     def gpu_fits(self) -> bool:
@@ -104,140 +313,223 @@ class MemoryPlan:
         args = dict(model_cfg=self.model_cfg, engine_cfg=self.engine_cfg, batch_rows=self.batch_rows,
                     seq_len=self.seq_len, stream_dtype=self.stream_dtype, host_ram_bytes=self.host_available,
                     gpu_bytes=self.gpu_available, packed=self.packed, loaded_copy=self.loaded_copy,
-                    detect=False)
+                    host_pool_limit=self.host_pool_limit, detect=False)
         args.update(changes)
         return plan(**args)
+
+    def applied(self, changes: tuple[tuple[str, Any], ...]) -> "MemoryPlan":
+        """The plan with config changes (``("engine.micro_batches", 4), ...``) applied."""
+        model, engine, rows, seq = {}, {}, self.batch_rows, self.seq_len
+        stream = self.stream_dtype
+        for key, value in changes:
+            section, name = key.split(".", 1)
+            if key == "data.batch_size":
+                rows = value
+            elif key == "data.seq_len":
+                seq = value
+            elif section == "engine":
+                engine[name] = value
+                stream = value if name == "stream_dtype" else stream
+            elif section == "model":
+                model[name] = value
+            else:
+                raise ValueError(f"the memory plan cannot apply {key}")
+        return self.replace(model_cfg=self.model_cfg.replace(**model),
+                            engine_cfg=dataclasses.replace(self.engine_cfg, **engine), batch_rows=rows,
+                            seq_len=seq, stream_dtype=stream)
 
     def table(self) -> str:
         c, e = self.model_cfg, self.engine_cfg
         lines = [f"memory plan: {self.params / 1e9:.2f} B params ({c.layers} layers, hidden {c.hidden}, vocab "
                  f"{c.vocab_size}); {self.batch_rows} x {self.seq_len} tokens per pass in {e.micro_batches} "
-                 f"micro-batch(es); prefetch_depth {e.prefetch_depth}; weights streamed as {self.stream_dtype}"]
-        for name, items, avail in (("host RAM", self.host, self.host_available),
-                                   ("GPU", self.gpu, self.gpu_available)):
-            lines.append(f"  {name:<60s} {'GiB':>9s}")
-            lines += [f"    {k:<58s} {v / GiB:9.2f}" for k, v in items.items()]
+                 f"micro-batch(es); prefetch_depth {e.prefetch_depth}; weights streamed as {self.stream_dtype}; "
+                 f"{e.resident_layers} blocks{' + io' if e.resident_io else ''} GPU-resident"]
+        gpu_name = f"GPU, at its peak (during {self.gpu_peak_at}, 1st step)"
+        sides = (("host RAM", self.host, self.host_available), (gpu_name, self.gpu, self.gpu_available))
+        for name, items, avail in sides:
+            lines.append(f"  {name:<96s} {'GiB':>8s}")
+            lines += [f"    {k:<94s} {v / GiB:8.2f}" for k, v in items.items()]
             total = sum(items.values())
             verdict = ("(no limit known)" if avail is None else
                        f"of {avail / GiB:.2f} available: " + ("fits" if total <= avail
                                                                else f"OVER by {(total - avail) / GiB:.2f} GiB"))
-            lines.append(f"    {'total':<58s} {total / GiB:9.2f}  {verdict}")
-        lines.append(f"  host bytes per parameter: {self.host_total / self.params:.1f}")
+            lines.append(f"    {'total':<94s} {total / GiB:8.2f}  {verdict}")
+            if items is self.host and self.host_pool_limit is not None and self.host_pinned > self.host_pool_limit:
+                lines.append(f"    OVER by {(self.host_pinned - self.host_pool_limit) / GiB:.2f} GiB: "
+                             f"{self.host_pinned / GiB:.2f} GiB of pinned arrays, XLA's pinned pool is capped at "
+                             f"{self.host_pool_limit / GiB:.0f} GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, 90% of RAM)")
+        lines.append(f"  host bytes per parameter: {self.host_pinned / self.params:.1f} in pinned arrays, "
+                     f"{self.host_total / self.params:.1f} in all")
         return "\n".join(lines)
 
-    def options(self) -> list[str]:
-        """Changes to the run (as config keys) that would make it fit, each checked by re-planning."""
-        out: list[str] = []
-        e, rows = self.engine_cfg, self.batch_rows
-        if not self.gpu_fits:
-            for m in range(e.micro_batches + 1, rows + 1):
-                if rows % m == 0 and self.replace(engine_cfg=dataclasses.replace(e, micro_batches=m)).gpu_fits:
-                    out.append(f"smaller micro-batches: engine.micro_batches = {m} ({rows // m} rows each)")
-                    break
-            if self.stream_dtype == "float32" and self.replace(stream_dtype="bfloat16").gpu_fits:
-                out.append("stream 16-bit weights: engine.stream_dtype = 'bfloat16' (host keeps a bf16 copy, "
-                           "+2 B/param)")
-            if e.prefetch_depth > 1 and self.replace(engine_cfg=dataclasses.replace(e, prefetch_depth=1)).gpu_fits:
-                out.append("prefetch fewer layers: engine.prefetch_depth = 1")
-            r = rows // 2
-            while r >= 1:
-                fit_m = next((m for m in range(1, r + 1) if r % m == 0 and self.replace(
-                    batch_rows=r, engine_cfg=dataclasses.replace(e, micro_batches=m)).gpu_fits), None)
-                if fit_m is not None:
-                    out.append(f"fewer rows per step: data.batch_size = {r} with engine.micro_batches = {fit_m} "
-                               f"(engine.accumulate_steps = {max(1, rows // r)} keeps the tokens per step)")
-                    break
-                r //= 2
-        if not self.host_fits and self.stream_dtype != "float32":
-            if self.replace(stream_dtype="float32").host_fits:
-                out.append("no 16-bit host copy: engine.stream_dtype = 'float32' (saves 2 B/param of host RAM, "
-                           "doubles the bytes sent per layer)")
-        if not self.fits:
-            layers = next((n for n in range(self.model_cfg.layers - 1, 0, -1)
-                           if self.replace(model_cfg=self.model_cfg.replace(layers=n)).fits), None)
-            if layers is not None:
-                out.append(f"a smaller model: model.layers = {layers} fits as configured otherwise")
-        if not self.host_fits:
-            out.append(f"a machine with at least {math.ceil(self.host_total / GiB)} GiB of free host RAM")
+    # ------------------------------------------------------------------ what would fit
+    def _levers(self) -> Iterator[tuple[str, list[tuple[tuple[str, Any], ...]], Callable]]:
+        """Each lever: its name, candidate changes fastest first, and the words for a chosen change."""
+        e, c, rows, seq = self.engine_cfg, self.model_cfg, self.batch_rows, self.seq_len
+        resident = [(("engine.resident_layers", r),) for r in range(c.layers, -1, -1) if r != e.resident_layers]
+        yield ("resident", resident,
+               lambda ch: (f"{ch[0][1]} GPU-resident blocks instead of {e.resident_layers}: " +
+                           ("fewer blocks update on the GPU, so the next forward may wait on the host optimizer "
+                            "(slower)" if ch[0][1] < e.resident_layers else
+                            "their gradients stay on the GPU (4 B/param less host RAM) and they update there "
+                            "(faster)")))
+        yield ("resident_io", [(("engine.resident_io", not e.resident_io),)],
+               lambda ch: "io part (embedding, head) " + ("kept on the GPU (faster)" if ch[0][1] else
+                                                          "streamed instead of GPU-resident (slower first block)"))
+        other = "float32" if self.stream_dtype in ("bfloat16", "float16") else "bfloat16"
+        yield ("stream", [(("engine.stream_dtype", other),)],
+               lambda ch: ("stream the float32 masters: no 16-bit host copy (2 B/param less host RAM), twice the "
+                           "bytes per layer over PCIe (hidden behind compute from about 16K tokens per layer visit "
+                           "on an H100)") if other == "float32" else
+               ("stream bfloat16 weights: half the PCIe bytes (faster); the host keeps a 16-bit copy (+2 B/param)"))
+        yield ("micro", [(("engine.micro_batches", m),) for m in _divisors(rows) if m > e.micro_batches],
+               lambda ch: (f"{ch[0][1]} micro-batches of {rows // ch[0][1] * seq} tokens: smaller transients; "
+                           f"below about 8K tokens per layer visit the weight transfers stop hiding behind compute"))
+        yield ("prefetch", [(("engine.prefetch_depth", d),) for d in range(e.prefetch_depth - 1, 0, -1)],
+               lambda ch: f"prefetch {ch[0][1]} block(s) ahead: fewer weights in flight; a slow host update "
+                          f"or transfer is hidden less")
+        fewer = []
+        for k in (2, 4, 8, 16, 32):
+            if rows % k == 0:
+                r = rows // k
+                m = max(d for d in _divisors(r) if d <= e.micro_batches)
+                fewer.append((("data.batch_size", r), ("engine.accumulate_steps", e.accumulate_steps * k),
+                              ("engine.micro_batches", m)))
+        yield ("rows", fewer,
+               lambda ch: (f"{ch[0][1]} rows per pass, {ch[1][1]} passes per optimizer step (the same tokens per "
+                           f"step): fewer boundary activations; the weights cross PCIe twice per pass, "
+                           f"{ch[1][1] // e.accumulate_steps}x the transfers per step"))
+        shorter = [(("data.seq_len", seq // k),) for k in (2, 4, 8, 16) if seq % k == 0 and seq // k >= 128]
+        yield ("seq", shorter, lambda ch: f"sequences of {ch[0][1]} tokens: shorter context (changes what the model "
+                                          f"learns) and fewer tokens per step")
+
+    def _first_fit(self, candidates: list) -> tuple[tuple[str, Any], ...] | None:
+        """The first candidate that fits. More resident blocks need more GPU and less host memory, so that
+        lever is bisected for the most blocks that fit the GPU; the others have few candidates."""
+        if candidates and candidates[0][0][0] == "engine.resident_layers":
+            values = sorted(ch[0][1] for ch in candidates)
+            lo, hi = 0, len(values)
+            while lo < hi:  # lo: how many values fit the GPU
+                mid = (lo + hi) // 2
+                ok = self.applied((("engine.resident_layers", values[mid]),)).gpu_fits
+                lo, hi = (mid + 1, hi) if ok else (lo, mid)
+            best = (("engine.resident_layers", values[lo - 1]),) if lo else None
+            return best if best is not None and self.applied(best).fits else None
+        return next((ch for ch in candidates if self.applied(ch).fits), None)
+
+    def options(self) -> list[Option]:
+        """Changes that make the run fit in both host and GPU memory, each re-planned: one lever at a time,
+        else pairs of levers; a smaller model last. Empty when nothing of that kind fits."""
+        if self.fits:
+            return []
+        levers = sorted(self._levers(), key=lambda lever: lever[0] == "resident")  # resident last: bisected
+        out = []
+        for _, candidates, words in levers:
+            ch = self._first_fit(candidates)
+            if ch is not None:
+                out.append(Option(ch, words(ch)))
+        if not out:
+            for i, (_, first, words1) in enumerate(levers):
+                for _, second, words2 in levers[i + 1:]:
+                    for ch1 in first[:6]:
+                        p = self.applied(ch1)
+                        ch2 = p._first_fit([c for c in second if not any(k in dict(ch1) for k, _ in c)])
+                        if ch2 is not None:
+                            out.append(Option(ch1 + ch2, f"{words1(ch1)}; and {words2(ch2)}"))
+                            break
+        layers = next((n for n in range(self.model_cfg.layers - 1, 0, -1)
+                       if self.applied(self._smaller(n)).fits), None)
+        if layers is not None:
+            out.append(Option(self._smaller(layers), f"a smaller model of {layers} layers (the rest as configured)"))
         return out
+
+    def _smaller(self, layers: int) -> tuple[tuple[str, Any], ...]:
+        changes: tuple[tuple[str, Any], ...] = (("model.layers", layers),)
+        if self.engine_cfg.resident_layers > layers:
+            changes += (("engine.resident_layers", layers),)
+        return changes
+
+    def machine_needed(self) -> str:
+        """The host RAM and GPU memory on which this run fits as configured."""
+        ram = math.ceil(max(self.host_pinned / HOST_POOL_FRACTION, self.host_total) / GiB)
+        while not self.replace(host_ram_bytes=ram * GiB, host_pool_limit=None, gpu_bytes=None).host_fits:
+            ram += 1
+        gpu = math.ceil(self.gpu_total / GiB)
+        return (f"a machine with at least {ram} GiB of host RAM and a GPU whose allocator may use {gpu} GiB "
+                f"({math.ceil(gpu / gpu_fraction())} GiB at XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_fraction():g})")
+
+    def advice(self) -> str:
+        """What fits instead, as printed by ``check`` and ``megatrain-jax plan``."""
+        opts = self.options()
+        same_model = [o for o in opts if not any(key.startswith("model.") for key, _ in o.changes)]
+        if same_model:
+            text = "options that fit (each re-planned on the same host and GPU):"
+        else:
+            text = "nothing that keeps this model fits this host and GPU (one change, or two together)."
+            text += "\noptions that fit, with a smaller model:" if opts else ""
+        lines = [text] + [f"  - {o}" for o in opts] + [f"as configured, it needs {self.machine_needed()}"]
+        return "\n".join(lines)
 
     def check(self) -> None:
         """Raise MemoryPlanError with the table and the options that fit, unless the run fits."""
         if self.fits:
             return
         where = " and ".join(n for n, ok in (("host RAM", self.host_fits), ("GPU memory", self.gpu_fits)) if not ok)
-        opts = self.options()
-        advice = ("options that fit:\n" + "\n".join(f"  - {o}" for o in opts)) if opts else \
-            "no single change found that fits; reduce the model or the tokens per step"
-        raise MemoryPlanError(f"this run does not fit in {where}.\n{self.table()}\n{advice}\n"
+        raise MemoryPlanError(f"this run does not fit in {where}.\n{self.table()}\n{self.advice()}\n"
                               f"(set train.memory_check = false to start anyway)")
 
 
 def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
          stream_dtype: str | None = None, host_ram_bytes: int | None = None, gpu_bytes: int | None = None,
-         *, packed: bool = False, loaded_copy: bool = False, detect: bool = True) -> MemoryPlan:
+         *, packed: bool = False, loaded_copy: bool = False, detect: bool = True,
+         host_pool_limit: int | None = None) -> MemoryPlan:
     """The memory needed to train ``model_cfg`` on batches of ``batch_rows`` x ``seq_len`` tokens.
 
     ``stream_dtype`` is the dtype of the weights sent to the GPU (default: ``engine_cfg.stream_dtype``, else
-    the model's compute dtype). Limits not given are read from this machine when ``detect`` (host:
-    MemAvailable; GPU: the allocator's bytes_limit). ``packed`` rows have segment masks, which take
-    attention off the cuDNN flash path and materialize the score matrix. ``loaded_copy``: the model
-    object holds float32 weights loaded from a checkpoint for the whole run (``fit`` keeps the model).
+    the model's compute dtype). ``gpu_bytes`` is what XLA's allocator may use (``bytes_limit``, a fraction of
+    the card: see ``gpu_fraction``). Limits not given are read from this machine when ``detect`` (host:
+    MemAvailable; GPU: the allocator's bytes_limit). XLA's pinned pool is capped at ``host_pool_limit``
+    (default: 90% of ``host_ram_bytes``, as importing megatrain_jax sets it). ``packed`` rows have segment
+    masks, which take attention off the cuDNN flash path and materialize the score matrix. ``loaded_copy``:
+    the model object holds float32 weights loaded from a checkpoint for the whole run.
     """
     c, e = model_cfg, engine_cfg
     if batch_rows < 1 or seq_len < 1 or batch_rows % e.micro_batches:
         raise ValueError(f"batch_rows={batch_rows} must be >= 1 and divisible by micro_batches={e.micro_batches}; "
                          f"seq_len={seq_len} must be >= 1")
-    stream_dtype = stream_dtype or e.stream_dtype or c.dtype
-    P, Pl, Pio = c.param_count(), layer_param_count(c), io_param_count(c)
-    sb = 2 if stream_dtype in ("bfloat16", "float16") else 4
-    ab = 2 if c.dtype in ("bfloat16", "float16") else 4  # activations in the compute dtype
-    tokens, micro_rows = batch_rows * seq_len, batch_rows // e.micro_batches
-    micro_tokens = micro_rows * seq_len
-    host = {
-        "master weights, float32 (4 B/param)": 4 * P,
-        "Adam moments m and v, float32 (8 B/param)": 8 * P,
-        # Counted for every parameter, though GPU-resident parts keep theirs on the device: measured host
-        # peaks (7B, 14 of 32 blocks + io resident: 120.1 GiB, this plan 120.4) carry about as much again in
-        # init temporaries and pinned-pool chunks XLA keeps, which nothing else here counts.
-        "gradients of one step, float32 (4 B/param)": 4 * P,
-    }
-    if sb == 2:
-        host["16-bit stream copy of the weights (2 B/param)"] = 2 * P
-    if loaded_copy:
-        host["float32 weights loaded into the model object (4 B/param)"] = 4 * P
-    # XLA may not update a part in place (no donation on the CPU client), so allow a second copy of the
-    # largest part's weights, moments and stream copy, plus its scaled gradient (measured: 3.5B on an H100
-    # peaks at 69 GiB of host RSS, about 4 GiB above the persistent arrays)
-    host[f"optimizer update temporaries of the largest part ({max(Pio, Pl) / 1e6:.0f} M params)"] = (
-        max(Pio, Pl) * (4 + 8 + 4 + (sb if sb == 2 else 0)))
-    host[f"batches in flight ({e.accumulate_steps + 2} x {batch_rows} x {seq_len} x 5 int32 arrays)"] = (
-        (e.accumulate_steps + 2) * tokens * 5 * 4)
-    host["runtime: Python, JAX, compiled programs (allowance)"] = HOST_RUNTIME_BYTES
-    flash = c.attention_impl == "cudnn" or (c.attention_impl == "auto" and ab == 2 and not packed)
-    gpu = {
-        f"streamed layer weights ({e.prefetch_depth + 1} layers x {Pl / 1e6:.0f} M x {sb} B)":
-            (e.prefetch_depth + 1) * Pl * sb,
-        "layer gradient accumulators, float32 (2 layers: accumulating, draining)": 2 * Pl * 4,
-        f"io part: weights ({sb} B) + float32 gradient, {Pio / 1e6:.0f} M params": Pio * (sb + 4),
-        f"boundary activations ({c.layers + 1} x {tokens} tokens x {c.hidden} x {ab} B)":
-            (c.layers + 1) * tokens * c.hidden * ab,
-        "gradient w.r.t. the last hidden state, all micro-batches": tokens * c.hidden * ab,
-        f"one layer's recompute activations ({micro_tokens} tokens per micro-batch)":
-            micro_tokens * (c.hidden * 10 + c.ffn * 4) * ab,
-        f"chunked logits ({min(c.loss_chunk_tokens, micro_tokens)} tokens x {c.vocab_size} x 4 B x 3)":
-            min(c.loss_chunk_tokens, micro_tokens) * c.vocab_size * 4 * 3,
-    }
-    resident = getattr(e, "resident_layers", 0) * Pl + (Pio if getattr(e, "resident_io", False) else 0)
-    if resident:  # weights, Adam state and gradients kept on the GPU (megatrain_jax.resident): ~18 B/param
-        gpu[f"GPU-resident parts with optimizer state ({resident / 1e6:.0f} M params x 18 B)"] = 18 * resident
-    if not flash:
-        gpu[f"attention scores, not flash ({micro_rows} x {c.heads} heads x {seq_len}^2 x 4 B x 3)"] = (
-            micro_rows * c.heads * seq_len * seq_len * 4 * 3)
-    gpu["XLA workspace and fragmentation (allowance)"] = GPU_RUNTIME_BYTES
+    if e.resident_layers > c.layers:
+        raise ValueError(f"resident_layers={e.resident_layers} exceeds the model's {c.layers} blocks")
     if detect:
         host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
         gpu_bytes = available_gpu_bytes() if gpu_bytes is None else gpu_bytes
-    return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed,
-                      loaded_copy)
+    if host_pool_limit is None and host_ram_bytes is not None:
+        host_pool_limit = int(HOST_POOL_FRACTION * host_ram_bytes / GiB) * GiB
+    stream_dtype = stream_dtype or e.stream_dtype or c.dtype
+    sb = 2 if stream_dtype in ("bfloat16", "float16") else 4
+    P = c.param_count()
+    on_host_grads = P - e.resident_layers * layer_param_count(c) - (io_param_count(c) if e.resident_io else 0)
 
+    pinned = {"master weights, float32 (4 B/param)": 4 * P, "Adam moments m and v, float32 (8 B/param)": 8 * P}
+    if sb == 2:
+        pinned["16-bit stream copy of the weights (2 B/param)"] = 2 * P
+    pinned[f"gradients of one step, float32 (4 B/param of the {on_host_grads / 1e9:.2f} B host-updated params)"] = (
+        4 * on_host_grads)
+    arrays = sum(pinned.values())
+    pool = pinned_pool_bytes(arrays, host_pool_limit)
+    host = dict(pinned)
+    cap = "" if host_pool_limit is None else f" of at most {host_pool_limit / GiB:.0f}"
+    host[f"XLA's pinned pool rounds up: regions double from 2 MiB (pool {pool / GiB:.1f}{cap} GiB)"] = (
+        max(pool - arrays, 0))
+    host["CUDA driver's bookkeeping of pinned memory (3.1% of the pool, measured)"] = int(pool * PINNED_RSS_OVERHEAD)
+    if loaded_copy:
+        host["float32 weights loaded into the model object (4 B/param)"] = 4 * P
+    tokens = batch_rows * seq_len
+    host[f"token batches in flight ({e.accumulate_steps + 2} x {tokens} tokens x {BATCH_BYTES_PER_TOKEN} B)"] = (
+        (e.accumulate_steps + 2) * tokens * BATCH_BYTES_PER_TOKEN)
+    host["runtime: Python, JAX, CUDA libraries, compiled programs (allowance)"] = HOST_RUNTIME_BYTES
+
+    ab = 2 if c.dtype in ("bfloat16", "float16") else 4
+    flash = c.attention_impl == "cudnn" or (c.attention_impl == "auto" and ab == 2 and not packed)
+    gpu, at = _gpu_peak(c, e, batch_rows, seq_len, sb, flash)
+    return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed,
+                      loaded_copy, arrays, host_pool_limit, at)

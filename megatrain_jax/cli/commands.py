@@ -6,6 +6,10 @@
     megatrain-jax convert SRC DST [--to hf|npz|orbax] [--dtype bfloat16|float32]
     megatrain-jax bench [experiments/bench.py arguments]
     megatrain-jax plot RUN_DIR [--out FILE.png]
+
+Exit statuses: 0 done; 1 an unexpected error (with its traceback); 2 bad input (config, data, checkpoint,
+model), with a message saying what to change; 3 training diverged (too many non-finite steps in a row);
+130 / 143 stopped by SIGINT / SIGTERM after saving the checkpoint to resume from.
 """
 
 from __future__ import annotations
@@ -17,8 +21,15 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from megatrain_jax.checkpoint.manager import CorruptCheckpointError
 from megatrain_jax.cli.config_file import ConfigError, load_config, parse_config
+from megatrain_jax.layered import ContractError
 from megatrain_jax.memory_plan import GiB, MemoryPlanError
+from megatrain_jax.update_policy import NonFiniteError
+
+# Exit statuses (README, "Exit statuses"). A run stopped by SIGTERM/SIGINT after saving its checkpoint exits
+# with the shell's status for the signal, 128 + its number: 143 and 130 (CheckpointedExit).
+EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED = 0, 2, 3
 
 EXAMPLES = """examples:
   megatrain-jax train --config experiments/configs/demo_tiny.toml train.steps=50 model.layers=4
@@ -71,23 +82,24 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from megatrain_jax.cli.config_file import apply_overrides
     from megatrain_jax.cli.run import DEMO, train
-    train(parse_config(apply_overrides(DEMO, args.overrides), "the built-in demo config"))
+    train(parse_config(DEMO, "the built-in demo config", args.overrides))
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from megatrain_jax.memory_plan import plan
+    from megatrain_jax.memory_plan import gpu_fraction, plan
     cfg = load_config(args.config, args.overrides)
-    gib = lambda x: None if x is None else int(x * GiB)  # noqa: E731
-    p = plan(cfg.model.build(), cfg.engine, cfg.data.batch_size, cfg.data.seq_len,
-             host_ram_bytes=gib(args.host_gib), gpu_bytes=gib(args.gpu_gib), packed=cfg.data.mode == "packed",
-             loaded_copy=cfg.model.hf_checkpoint is not None)
+    host = None if args.host_gib is None else int(args.host_gib * GiB)
+    gpu = None if args.gpu_gib is None else int(args.gpu_gib * GiB * gpu_fraction())
+    if gpu is not None:
+        print(f"GPU of {args.gpu_gib:g} GiB: XLA may allocate {gpu_fraction():.0%} of it, {gpu / GiB:.2f} GiB "
+              f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    p = plan(cfg.model.build(), cfg.engine, cfg.data.batch_size, cfg.data.seq_len, host_ram_bytes=host,
+             gpu_bytes=gpu, packed=cfg.data.mode == "packed", loaded_copy=cfg.model.hf_checkpoint is not None)
     print(p.table())
     if not p.fits:
-        opts = p.options()
-        print("does not fit." + ("\noptions that fit:\n" + "\n".join(f"  - {o}" for o in opts) if opts else ""))
+        print(f"does not fit.\n{p.advice()}")
         return 1
     return 0
 
@@ -142,12 +154,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.command, args.overrides = "demo", []
     try:
         return COMMANDS[args.command](args)
-    except (ValueError, MemoryPlanError, FileNotFoundError, FileExistsError, ImportError, NotImplementedError) as e:
-        if os.environ.get("MEGATRAIN_DEBUG"):
-            raise
-        print(f"megatrain-jax {args.command}: error: {e}\n(MEGATRAIN_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
-        return 2
+    except (ValueError, MemoryPlanError, FileNotFoundError, FileExistsError, ImportError, NotImplementedError,
+            CorruptCheckpointError, ContractError) as e:
+        return _failed(args.command, e, EXIT_BAD_INPUT)
+    except NonFiniteError as e:
+        return _failed(args.command, e, EXIT_DIVERGED)
     except KeyboardInterrupt:
         print(f"\nmegatrain-jax {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _failed(command: str, e: BaseException, status: int) -> int:
+    if os.environ.get("MEGATRAIN_DEBUG"):
+        raise e
+    notes = "".join(f"\n{note}" for note in getattr(e, "__notes__", ()))
+    print(f"megatrain-jax {command}: error: {e}{notes}\n(MEGATRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
+    return status
