@@ -104,3 +104,10 @@ def test_the_demo_lines_make_sense_on_a_cpu(tmp_path, capsys):
 def test_flops_are_shown_in_a_unit_with_digits(tflops, text):
     from megatrain_jax.flops import format_flops
     assert format_flops(tflops) == text
+
+
+def test_the_demo_run_again_goes_to_a_new_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    small = ["train.steps=2", "train.eval_every=0", "model.layers=1", "data.batch_size=2", "log.progress=off"]
+    assert main(["demo", *small]) == 0 and main(["demo", *small]) == 0
+    assert steps_in(tmp_path / "runs" / "demo") == [1, 2] and steps_in(tmp_path / "runs" / "demo-2") == [1, 2]

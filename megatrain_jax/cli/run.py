@@ -64,6 +64,13 @@ def _aside(path: Path) -> Path:
     return candidate
 
 
+def holds_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run's files (metrics, config or checkpoints in the default place)."""
+    ckpt = run_dir / "checkpoints"
+    return (any((run_dir / name).exists() for name in ("metrics.jsonl", "config.toml"))
+            or (ckpt.is_dir() and bool(committed_steps(ckpt))))
+
+
 def prepare_run_folder(cfg: RunConfig, say) -> None:
     """Refuse to start a fresh run where one exists; when resuming, keep what the earlier run wrote.
 
