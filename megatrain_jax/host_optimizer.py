@@ -61,7 +61,6 @@ class HostOptimizer:
         self._host_update = jax.jit(self._update_fn, out_shardings=host, donate_argnums=donate)
         self._device_update = jax.jit(lambda *args: self._update_fn(*placement.to_device(args)), out_shardings=host)
         self._cast = jax.jit(lambda p: stream_copy(p, self.stream_dtype), out_shardings=placement.device)
-        self._fresh = jax.jit(lambda p: (tx.init(p), stream_copy(p, self.stream_dtype)), out_shardings=host)
         self._routes: dict[Any, Route] = {}
         self.spec = fused_spec(tx)
         self.kernel = None
@@ -85,13 +84,6 @@ class HostOptimizer:
         AdamW) and the stream copy. Traceable: the state builder (``host_state.initial_state``) runs it
         inside the one jitted program per part kind that writes the whole record to pinned host memory."""
         return Part(params, self.tx.init(params), stream_copy(params, self.stream_dtype))
-
-    def init(self, params: Params) -> Part:
-        """A part's record at step 0 around host ``params`` (kept as the masters): the optimizer state and
-        stream copy are made on the device in one program and written to pinned host memory (no numpy
-        temporary, no host compute)."""
-        opt, stream = self._fresh(self.placement.to_device(params))
-        return Part(params, opt, stream)
 
     def cast(self, params: Params) -> Params | None:
         """A fresh stream copy of host ``params``, cast on the device (fast) and written back to host."""

@@ -24,7 +24,7 @@ from etils import epath
 from flax import nnx
 
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError, check_step, committed_steps
-from megatrain_jax.checkpoint.parts import ShapeMismatchError
+from megatrain_jax.checkpoint.parts import ShapeMismatchError, named_leaves
 from megatrain_jax.checkpoint.session import jsonable
 from megatrain_jax.layered import block_params, io_params
 from megatrain_jax.models.config import DecoderConfig
@@ -123,37 +123,23 @@ def load_model(path: str | Path, model: nnx.Module) -> nnx.Module:
     output or a training checkpoint). Raises ``ShapeMismatchError`` listing every parameter that does not
     fit, before anything is changed."""
     _, io, blocks = load_params(path)
-    problems = _mismatches("io", io_params(model), io)
-    if len(blocks) != len(model.blocks):
-        problems.append(f"blocks: the model has {len(model.blocks)}, {path} holds {len(blocks)}")
-    for i, (block, stored) in enumerate(zip(model.blocks, blocks)):
-        problems += _mismatches(f"blocks/{i}", nnx.state(block, nnx.Param), stored)
+    modules = [model.io, *model.blocks]
+    targets = [nnx.to_pure_dict(nnx.state(m, nnx.Param)) for m in modules]
+    problems = [f"blocks: the model has {len(model.blocks)}, {path} holds {len(blocks)}"] \
+        if len(blocks) != len(model.blocks) else []
+    for where, target, stored in zip(["io"] + [f"blocks/{i}" for i in range(len(blocks))], targets, [io, *blocks]):
+        problems += _mismatches(where, named_leaves(target), named_leaves(stored))
     if problems:
         raise ShapeMismatchError(f"{path} does not fit this model ({len(problems)} difference(s)); nothing was "
                                  f"loaded:\n" + "\n".join(f"  {p}" for p in problems))
-    as_state = lambda target, tree: jax.tree.map(lambda t, a: jnp.asarray(a, t.dtype), target, _nested(target, tree))
-    nnx.update(model.io, as_state(nnx.to_pure_dict(io_params(model)), io))
-    for block, stored in zip(model.blocks, blocks):
-        nnx.update(block, as_state(nnx.to_pure_dict(nnx.state(block, nnx.Param)), stored))
+    for module, target, stored in zip(modules, targets, [io, *blocks]):
+        got = named_leaves(stored)  # same names as the target's, in its flattening order
+        leaves = [jnp.asarray(got[name], want.dtype) for name, want in named_leaves(target).items()]
+        nnx.update(module, jax.tree.unflatten(jax.tree.structure(target), leaves))
     return model
 
 
-def _flat(tree: Any) -> dict[str, Any]:
-    if hasattr(tree, "to_pure_dict"):
-        tree = tree.to_pure_dict()
-    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _nested(target: dict, stored: dict) -> dict:
-    """``stored`` keyed like ``target`` (stored trees have string keys where nnx may use ints)."""
-    flat = _flat(stored)
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: flat["/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)], target)
-
-
-def _mismatches(where: str, expected: Any, stored: Any) -> list[str]:
-    want, got = _flat(expected), _flat(stored)
+def _mismatches(where: str, want: dict[str, Any], got: dict[str, Any]) -> list[str]:
     out = [f"{where}/{k}: expected shape {tuple(want[k].shape)}, found {tuple(np.shape(got[k]))}"
            for k in want if k in got and tuple(want[k].shape) != tuple(np.shape(got[k]))]
     out += [f"{where}/{k}: missing from the checkpoint" for k in want if k not in got]

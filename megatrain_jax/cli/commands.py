@@ -82,12 +82,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from megatrain_jax.cli.run import DEMO, holds_run, train
+    from megatrain_jax.cli.run import DEMO, run_files, train
     overrides = list(args.overrides)
     if not any(o.strip().startswith("train.run_dir=") for o in overrides):  # run again: a new folder, not an error
         base, n = DEMO["train"]["run_dir"], 1
         run_dir = base
-        while holds_run(Path(run_dir)):
+        while run_files(Path(run_dir)):
             n += 1
             run_dir = f"{base}-{n}"
         overrides.append(f"train.run_dir={run_dir}")

@@ -64,11 +64,13 @@ def _aside(path: Path) -> Path:
     return candidate
 
 
-def holds_run(run_dir: Path) -> bool:
-    """Whether ``run_dir`` holds a run's files (metrics, config or checkpoints in the default place)."""
-    ckpt = run_dir / "checkpoints"
-    return (any((run_dir / name).exists() for name in ("metrics.jsonl", "config.toml"))
-            or (ckpt.is_dir() and bool(committed_steps(ckpt))))
+def run_files(run_dir: Path, ckpt_dir: Path | None = None) -> list[str]:
+    """What in ``run_dir`` belongs to a run: ``metrics.jsonl``, ``config.toml``, and the committed checkpoints
+    of ``ckpt_dir`` (default ``run_dir/checkpoints``). Empty when the folder holds no run."""
+    ckpt_dir = run_dir / "checkpoints" if ckpt_dir is None else ckpt_dir
+    steps = committed_steps(ckpt_dir) if ckpt_dir.is_dir() else []
+    held = [name for name in ("metrics.jsonl", "config.toml") if (run_dir / name).exists()]
+    return held + ([f"checkpoints of steps {steps} in {ckpt_dir}"] if steps else [])
 
 
 def prepare_run_folder(cfg: RunConfig, say) -> None:
@@ -81,13 +83,12 @@ def prepare_run_folder(cfg: RunConfig, say) -> None:
     when the configuration changed (the new one is written next to it as ``config.N.toml``)."""
     t = cfg.train
     run_dir, ckpt_dir = Path(t.run_dir), Path(t.for_fit().checkpoint_dir or Path(t.run_dir) / "checkpoints")
-    steps = committed_steps(ckpt_dir) if ckpt_dir.is_dir() else []
-    held = [name for name in ("metrics.jsonl", "config.toml") if (run_dir / name).exists()]
-    held += [f"checkpoints of steps {steps} in {ckpt_dir}"] if steps else []
+    held = run_files(run_dir, ckpt_dir)
     if held and not t.resume:
         raise RunFolderError(
             f"run folder {run_dir} already holds a run ({', '.join(held)}); nothing was changed. To continue "
             f"it, add train.resume=true; to start a new run, set train.run_dir to a new folder")
+    steps = committed_steps(ckpt_dir) if ckpt_dir.is_dir() else []
     metrics = run_dir / "metrics.jsonl"
     if t.resume and not steps and metrics.exists():
         aside = _aside(metrics)
