@@ -51,9 +51,10 @@ def measure(name: str, bc: BenchConfig, steps: int) -> dict:
     from megatrain_jax import Decoder, Engine, default_optimizer, preset
     from megatrain_jax.data import TokenDataset, TokenFile
     from megatrain_jax.data.demo import demo_tokens
-    from megatrain_jax.memory_plan import GiB, plan
+    from megatrain_jax.memory_plan import GiB, fit_host_pool, plan
 
     cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
+    fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)  # as megatrain-jax train does, before the GPU starts
     run = {"system": "megatrain_jax", "config": name, "preset": bc.preset, "layers": cfg.layers,
            "model": {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "heads": cfg.heads,
                      "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size, "params": cfg.param_count()},

@@ -9,8 +9,9 @@ seed 0) and runs one step. Its phases, in seconds:
 
 - ``interpreter``: from this script starting the process to the process's first line;
 - ``imports``: jax, flax, optax, megatrain_jax (from before ``import jax``);
-- ``backend``: ``jax.devices()``, which starts the GPU client;
-- ``state``: the abstract model and ``Engine(...)`` until the host state is in pinned memory;
+- ``backend``: the pinned pool's cap from the memory plan (as ``megatrain-jax train`` sets it), then
+  ``jax.devices()``, which starts the GPU client;
+- ``state``: the abstract model and ``Engine(...)`` until the host state is in host memory;
 - ``first_step``: the first batch, the step (compiling its programs, or loading them from the cache),
   its loss read on the host and its host updates done.
 
@@ -69,6 +70,7 @@ def measure(config: str, spawned_at: float) -> dict:
     from megatrain_jax import Decoder, Engine, default_optimizer, preset
     from megatrain_jax.data import TokenDataset, TokenFile
     from megatrain_jax.data.demo import demo_tokens
+    from megatrain_jax.memory_plan import fit_host_pool
     t["imports"] = time.time()
 
     counts = {"compiles": 0, "compile_s": 0.0, "cache_hits": 0, "cache_writes": 0}
@@ -85,17 +87,18 @@ def measure(config: str, spawned_at: float) -> dict:
     monitoring.register_event_duration_secs_listener(on_duration)
     monitoring.register_event_listener(on_event)
 
+    bc = bench.CONFIGS[config]
+    cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
+    fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)  # as megatrain-jax train does, before the GPU starts
     device = bench.device_info()
     t["backend"] = time.time()
 
-    bc = bench.CONFIGS[config]
-    cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     engine = Engine(abstract, default_optimizer(3e-4), bc.engine, seed=0)
     jax.block_until_ready(engine.state)
     t["state"] = time.time()
     compiles_state = dict(counts)
-    rss_state = host_rss_gib()  # XLA's pinned pool grows by doubling regions: compare with state_gib
+    rss_state = host_rss_gib()  # pinned pool (by doubling regions, capped) + pageable arrays: compare with state_gib
 
     tokens_per_step = bc.rows * bc.seq_len
     toks, starts = demo_tokens(cfg.vocab_size, 2 * tokens_per_step + bc.seq_len + 1, seed=0)
@@ -113,6 +116,7 @@ def measure(config: str, spawned_at: float) -> dict:
             "seq_len": bc.seq_len, "tokens_per_step": tokens_per_step,
             "engine": dataclasses.asdict(bc.engine), "host_optimizer": engine.update_route,
             "state_gib": round(engine.state.nbytes() / 2**30, 2), "host_rss_after_state_gib": rss_state,
+            "pinned_pool_limit_gib": os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"),
             "phases_s": {k: round(v, 3) for k, v in phases.items()},
             "time_to_first_step_s": round(t["first_step"] - spawned_at, 3),
             "compilation": {"during_state": compiles_state,

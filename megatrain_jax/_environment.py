@@ -3,7 +3,10 @@ compilation cache (when the engine starts).
 
 XLA's GPU client allocates pinned host memory from a pool capped at 64 GB by default
 (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``). Host memory is where all of megatrain_jax's state lives, so the
-default here is 90% of physical RAM. An explicit setting in the environment always wins.
+default here is 90% of physical RAM. The pool grows by doubling regions and keeps them, so it can end up
+near twice the pinned arrays; ``megatrain-jax train`` knows from its memory plan what will be pinned and
+caps the pool there (``limit_host_pool``) before JAX starts. An explicit setting in the environment always
+wins.
 
 Compiling the per-part programs is a large share of the time to the first step (seconds per program on
 a GPU). ``enable_compilation_cache`` turns on JAX's persistent compilation cache in a per-user folder, so
@@ -26,9 +29,50 @@ def physical_ram_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# The value megatrain_jax itself put in HOST_LIMIT_VAR, so that a child process (which inherits both)
+# does not take it for the user's.
+_OURS_VAR = "MEGATRAIN_HOST_LIMIT_SET"
+_USER_LIMIT = os.environ.get(HOST_LIMIT_VAR)  # as the process started, before this module set anything
+if _USER_LIMIT is not None and _USER_LIMIT == os.environ.get(_OURS_VAR):
+    _USER_LIMIT = None
+
+
+def _set_limit(gib: int) -> None:
+    os.environ[HOST_LIMIT_VAR] = os.environ[_OURS_VAR] = str(max(1, gib))
+
+
 def set_host_memory_limit(fraction: float = 0.9) -> None:
-    if HOST_LIMIT_VAR not in os.environ:
-        os.environ[HOST_LIMIT_VAR] = str(max(1, int(physical_ram_bytes() * fraction / 2**30)))
+    if _USER_LIMIT is None:
+        _set_limit(int(physical_ram_bytes() * fraction / 2**30))
+
+
+def user_host_pool_limit() -> int | None:
+    """The pinned pool's cap in bytes if the user set ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, else None."""
+    try:
+        return None if _USER_LIMIT is None else int(float(_USER_LIMIT) * 2**30)
+    except ValueError:
+        return None
+
+
+def host_pool_limit() -> int | None:
+    """The pinned pool's cap in bytes as set now (by the user, ``set_host_memory_limit`` or
+    ``limit_host_pool``)."""
+    try:
+        return int(float(os.environ[HOST_LIMIT_VAR]) * 2**30)
+    except (KeyError, ValueError):
+        return None
+
+
+def limit_host_pool(nbytes: int | None) -> bool:
+    """Cap XLA's pinned pool at ``nbytes`` (rounded up to whole GiB) for the GPU backend that JAX will start.
+    Does nothing, and returns False, where the user set the cap, where JAX's backends already started (the
+    setting is read once, at start), or for ``None``."""
+    from jax._src import xla_bridge
+
+    if nbytes is None or _USER_LIMIT is not None or xla_bridge.backends_are_initialized():
+        return False
+    _set_limit(-(-int(nbytes) // 2**30))
+    return True
 
 
 def default_cache_dir() -> Path:

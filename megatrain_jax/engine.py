@@ -1,4 +1,4 @@
-"""The streamed engine: one device, all persistent state in pinned host memory.
+"""The streamed engine: one device, all persistent state in host memory.
 
 ``Engine`` assembles the pieces and offers the public API: ``step``/``steps`` for training, ``evaluate``
 for held-out loss, ``sync``/``write_back`` to read the trained state, ``observe`` for profiling and
@@ -52,7 +52,7 @@ class StepOutput:
 
 
 class Engine:
-    """Streams a layered model through one device, with all persistent state in pinned host memory.
+    """Streams a layered model through one device, with all persistent state in host memory.
 
     ``step(batches)`` runs one optimizer step on ``accumulate_steps`` batches and returns a ``StepOutput``
     without waiting for the device; ``steps(data)`` is the public iterator that yields each step's
@@ -72,7 +72,8 @@ class Engine:
         self._observers: list = []
         self.policy = UpdatePolicy(optimizer, self.placement, stream_dtype, config, self._observers)
         self.fns = device_fns(self.lm)
-        self.state = initial_state(model, self.placement, nnx.Rngs(seed).params(), self.policy.opt.fresh)
+        self.state = initial_state(model, self.placement, nnx.Rngs(seed).params(), self.policy.opt.fresh,
+                                   self.policy.opt.home)
         for part in self.state.ids():
             self.policy.opt.route(self.state[part])  # decide each part's update route now, not mid-step
         self.resident_parts = ([IO] if config.resident_io else []) + [PartId.block(i) for i in range(config.resident_layers)]
@@ -160,7 +161,7 @@ class Engine:
         host state is then current."""
         self.policy.drain()
         for part, on_device in self._resident.items():
-            self.state[part] = self.policy.device.to_host(on_device)
+            self.state[part] = self.policy.opt.home(on_device)
 
     def write_back(self, model: nnx.Module) -> None:
         """Copy the float32 master parameters into the user's model."""
@@ -175,10 +176,11 @@ class Engine:
         return self.policy.hold(gate)
 
     def restore_part(self, part: PartId, params: Params, opt: Any) -> None:
-        """Install a part's masters and optimizer state (pinned host arrays, e.g. read from a checkpoint);
-        its stream copy is recomputed from the masters."""
+        """Install a part's masters and optimizer state, e.g. read from a checkpoint; its stream copy is
+        recomputed from the masters. Numpy arrays given here become the engine's own (do not change them
+        afterwards); each array is placed in pinned or pageable host memory (``HostOptimizer.home``)."""
         self.policy.drain()
-        self.state[part] = Part(params, opt, self.policy.opt.cast(params))
+        self.state[part] = self.policy.opt.home(Part(params, opt, self.policy.opt.cast(params)), adopt=True)
 
     def restored(self, step: int) -> None:
         """Finish a restore: the state is at optimizer step ``step``; GPU-resident parts reload from it."""

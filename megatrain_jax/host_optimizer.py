@@ -2,9 +2,11 @@
 part structure when the engine is built:
 
 - **fused**: ``megatrain_jax.adamw`` runs as the C++ kernel (``kernels/host_adamw.cpp``), in place on the
-  pinned-host parameters and moments, writing the bfloat16 stream copy in the same pass. With a bfloat16
+  host parameters and moments, writing the bfloat16 stream copy in the same pass. With a bfloat16
   stream copy it runs in two halves (``update_stream`` then ``commit``): the update policy puts the first
-  on the next forward's critical path and the second after it;
+  on the next forward's critical path and the second after it. Only the kernel ever touches the moments,
+  and the masters when a stream copy is what crosses PCIe, so these live in pageable memory (numpy
+  arrays: ``home``); the gradients, the stream copy (or the masters, when they are streamed) stay pinned;
 - **host**: any other optax transformation that XLA can run on pinned-host operands (SGD, Lion,
   optax.adamw, schedules, callable weight-decay masks) runs as one jitted computation whose inputs and
   outputs are pinned-host arrays, which XLA executes on the host;
@@ -34,7 +36,7 @@ from megatrain_jax import host_kernel
 from megatrain_jax.optim import AdamWState, fused_spec
 from megatrain_jax.parts import Params, Part
 from megatrain_jax.resident import apply_scaled_update, stream_copy
-from megatrain_jax.transfer import Placement
+from megatrain_jax.transfer import Placement, address, pageable_zeros
 
 Route = Literal["fused", "host", "device"]
 
@@ -82,8 +84,33 @@ class HostOptimizer:
     def fresh(self, params: Params) -> Part:
         """A part's record at step 0 from its float32 masters: fresh optimizer state (``tx.init``, zeros for
         AdamW) and the stream copy. Traceable: the state builder (``host_state.initial_state``) runs it
-        inside the one jitted program per part kind that writes the whole record to pinned host memory."""
-        return Part(params, self.tx.init(params), stream_copy(params, self.stream_dtype))
+        inside the one jitted program per part kind, whose outputs land in pinned host memory, and then
+        calls ``home``. On the fused route the moments are left out (``None``): ``home`` makes them as
+        zeros in pageable memory, which costs nothing until the first update writes them."""
+        opt = self.tx.init(params)
+        if self.fused:
+            opt = AdamWState(opt.count, None, None)
+        return Part(params, opt, stream_copy(params, self.stream_dtype))
+
+    def home(self, part: Part, adopt: bool = False) -> Part:
+        """``part`` with each array where it lives between steps, from wherever it is now (device, pinned
+        or pageable host memory): pinned host memory for what crosses PCIe, pageable for what only the
+        fused kernel touches (its moments, and its masters when a stream copy is sent). Pinned arrays
+        already in place are kept. Numpy arrays are copied, unless ``adopt``: then the caller hands them
+        over (a restore's freshly read arrays), and those that are writable and C-contiguous become the
+        state's own.
+
+        ``fresh`` leaves the fused route's moments as ``None``: here they become zeros."""
+        pinned = self.placement.to_pinned
+        pageable = lambda tree: self.placement.to_pageable(tree, adopt=adopt)
+        stream = None if self.stream_dtype is None else pinned(part.stream)  # a device part may carry its params
+        if not self.fused:
+            return Part(pinned(part.params), pinned(part.opt), stream)
+        opt = part.opt
+        mu = pageable_zeros(part.params) if opt.mu is None else pageable(opt.mu)
+        nu = pageable_zeros(part.params) if opt.nu is None else pageable(opt.nu)
+        params = pinned(part.params) if stream is None else pageable(part.params)  # pinned if streamed
+        return Part(params, AdamWState(pinned(opt.count), mu, nu), stream)
 
     def cast(self, params: Params) -> Params | None:
         """A fresh stream copy of host ``params``, cast on the device (fast) and written back to host."""
@@ -158,7 +185,7 @@ class HostOptimizer:
         streams = jax.tree.leaves(stream) if stream is not None else [None] * len(leaves)
         for p, m, v, g, s, decay in zip(leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
                                         jax.tree.leaves(grads), streams, jax.tree.leaves(spec.decays(part.params))):
-            kernel_fn(self.kernel, p.unsafe_buffer_pointer(), m.unsafe_buffer_pointer(), v.unsafe_buffer_pointer(),
-                      g.unsafe_buffer_pointer(), None if s is None else s.unsafe_buffer_pointer(), p.size,
+            kernel_fn(self.kernel, address(p), address(m), address(v), address(g), None if s is None else address(s),
+                      p.size,
                       lr=lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, wd=spec.weight_decay if decay else 0.0,
                       grad_scale=scale, bc1=bc1, bc2=bc2)

@@ -1,7 +1,8 @@
 """Host memory is the source of truth: the one state pytree that holds every persistent array.
 
-Master parameters (float32), optimizer state and the optional compute-dtype stream copy live in pinned
-host memory, one ``Part`` per part of the model (the io part, then one per block).
+Master parameters (float32), optimizer state and the optional compute-dtype stream copy live in host
+memory, one ``Part`` per part of the model (the io part, then one per block): pinned where they cross
+PCIe, pageable where only the host optimizer touches them (``HostOptimizer.home``).
 """
 
 from __future__ import annotations
@@ -48,21 +49,23 @@ def cast_tree(tree: Params, dtype) -> Params:
 
 
 def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None,
-                  fresh: Callable[[Params], Part], workers: int | None = None) -> HostState:
-    """The state at step 0, written straight to pinned host memory, one part at a time (the whole model is
-    never on the device). ``fresh`` makes a part's record from its float32 masters (optimizer state and
-    stream copy; ``HostOptimizer.fresh``).
+                  fresh: Callable[[Params], Part], home: Callable[[Part], Part],
+                  workers: int | None = None) -> HostState:
+    """The state at step 0, built in host memory one part at a time (the whole model is never on the
+    device). ``fresh`` makes a part's record from its float32 masters (optimizer state and stream copy;
+    ``HostOptimizer.fresh``), and ``home`` moves each of its arrays where it lives (``HostOptimizer.home``:
+    what only the host optimizer touches goes to pageable memory).
 
-    Each part is one jitted program whose outputs (masters, optimizer state, stream copy) all land in pinned
-    host memory: no numpy temporaries, no second trip through the device for the cast. There is one program
-    for the io part and one shared by every block, so the number of compilations does not depend on the
-    number of blocks. Parts are built by ``workers`` threads (default 4 on a GPU), so that one part's pinned
-    allocations overlap another's device work and copies; returns once every part is in host memory. On the
-    CPU backend the default is 1: there the programs run on the host, and parts side by side would multiply
-    their temporaries in host memory.
+    Each part is one jitted program whose outputs (masters, optimizer state, stream copy) land in pinned
+    host memory: no second trip through the device for the cast. There is one program for the io part and
+    one shared by every block, so the number of compilations does not depend on the number of blocks.
+    Parts are built by ``workers`` threads (default 4 on a GPU), so that one part's host copies overlap
+    another's device work; returns once every part is in host memory. On the CPU backend the default is 1:
+    there the programs run on the host, and parts side by side would multiply their temporaries.
 
     On a GPU the time goes to pinning: XLA's pinned pool grows (by doubling regions, under one lock) at
-    about 1.7 GiB/s on the H100 machines, the floor of this build (experiments/NOTES.md, issue 13).
+    about 1.7 GiB/s on the H100 machines. Pageable memory costs nothing to create, so the less of the state
+    is pinned, the faster this is (experiments/NOTES.md, issue 13).
 
     A concrete model's parameters are copied (as float32). An abstract one (``nnx.eval_shape``) is
     initialized part by part with its own initializers (``new_io``/``new_block``), from ``key``."""
@@ -86,8 +89,8 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
         workers = 4 if placement.on_gpu else 1
     # Each worker waits for its part to be in host memory before taking the next: at most ``workers`` parts
     # hold device temporaries at once (a 7B block's program ≈ 4 GB), whatever the number of blocks.
-    build_io = lambda: jax.block_until_ready(make_io(*io_args))
-    build_block = lambda args: jax.block_until_ready(make_block(*args))
+    build_io = lambda: home(jax.block_until_ready(make_io(*io_args)))
+    build_block = lambda args: home(jax.block_until_ready(make_block(*args)))
     with ThreadPoolExecutor(max(1, workers)) as pool:
         # The first call of each program compiles it; the io part and block 0 compile side by side, and
         # the other blocks start once block 0's program exists (no thread compiles a program twice).

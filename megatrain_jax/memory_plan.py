@@ -19,13 +19,15 @@ effects come on top of what the host program holds:
 
 The GPU total is the ledger's peak over one optimizer step, plus the running op's transient.
 
-**Host.** Every persistent array lives in pinned host memory (docs/design.md): float32 masters, Adam's
-moments and the 16-bit stream copy of *every* part (GPU-resident ones too: host memory is the source of
-truth), and the float32 gradients of the host-updated parts. XLA serves pinned memory from a pool whose
-regions double in size (2 MiB, 4 MiB, ...) up to ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, which importing
-megatrain_jax sets to 90% of RAM; the process keeps the whole pool, so the host total is the pool, not
-the arrays in it, plus an allowance for the Python/JAX/CUDA runtime. (A CPU backend has no such pool;
-the plan counts it anyway.)
+**Host.** Every persistent array lives in host memory (docs/design.md): float32 masters, Adam's moments
+and the 16-bit stream copy of *every* part (GPU-resident ones too: host memory is the source of truth),
+and the float32 gradients of the host-updated parts. What crosses PCIe is pinned: the gradients, the
+stream copy (or the masters, when they are streamed). With the fused AdamW the moments, and the masters of
+parts that stream a 16-bit copy, are pageable (only the kernel touches them); another optimizer keeps all
+of it pinned. XLA serves pinned memory from a pool whose regions double in size (2 MiB, 4 MiB, ...) up to
+``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, which ``megatrain-jax train`` fits to the pinned arrays
+(``fitted_pool_limit``; importing megatrain_jax sets 90% of RAM otherwise); the process keeps the whole pool, so the host total is the pool (not the pinned arrays in it), the pageable arrays, and an
+allowance for the Python/JAX/CUDA runtime. (A CPU backend has no such pool; the plan counts it anyway.)
 
 tests/test_memory_plan.py compares this plan with the peaks measured in experiments/results/.
 """
@@ -51,6 +53,7 @@ HOST_RUNTIME_BYTES = int(3.5 * GiB)
 INFLIGHT_OPS = 32  # XLA's GPU client admits 32 operations ahead of the device (max_inflight_computations)
 PINNED_RSS_OVERHEAD = 0.031  # a pinned pool region of 32 GiB adds 33.0 GiB of resident memory
 HOST_POOL_FRACTION = 0.9  # megatrain_jax._environment caps XLA's pinned pool at 90% of RAM
+POOL_HEADROOM = (0.10, 4 * GiB)  # what the fitted pool cap adds to the pinned arrays: a share and a constant
 JAX_GPU_FRACTION = 0.75  # JAX lets XLA take 75% of GPU memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise
 BATCH_BYTES_PER_TOKEN = 16  # a filled Batch: int32 inputs, targets, positions and float32 loss mask
 
@@ -93,6 +96,32 @@ def available_gpu_bytes() -> int | None:
 def gpu_fraction() -> float:
     """The share of GPU memory XLA may allocate in this environment."""
     return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_FRACTION))
+
+
+def fitted_pool_limit(pinned: int, host_ram_bytes: int | None) -> int | None:
+    """The cap on XLA's pinned pool for ``pinned`` bytes of pinned arrays, as ``megatrain-jax train`` sets
+    it before JAX starts (``_environment.limit_host_pool``): the arrays plus 10% and 4 GiB of headroom, in
+    whole GiB, at most 90% of RAM. The pool then stops growing where the arrays end instead of doubling
+    past them (up to twice their size, in memory nothing else can use). None where neither is known; an
+    explicit ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` set by the user wins."""
+    from megatrain_jax._environment import user_host_pool_limit
+    user = user_host_pool_limit()
+    if user is not None:
+        return user
+    cap = None if host_ram_bytes is None else int(HOST_POOL_FRACTION * host_ram_bytes / GiB) * GiB
+    fitted = math.ceil((pinned * (1 + POOL_HEADROOM[0]) + POOL_HEADROOM[1]) / GiB) * GiB
+    return fitted if cap is None else min(fitted, cap)
+
+
+def fit_host_pool(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
+                  **plan_kw) -> bool:
+    """Before JAX starts its GPU backend: cap XLA's pinned pool at what this run pins
+    (``fitted_pool_limit``), as ``megatrain-jax train`` does. Returns whether the cap was set (not where the
+    user set one, nor once JAX's backends have started)."""
+    from megatrain_jax._environment import limit_host_pool, physical_ram_bytes
+    p = plan(model_cfg, engine_cfg, batch_rows, seq_len, host_ram_bytes=physical_ram_bytes(), detect=False,
+             **plan_kw)
+    return limit_host_pool(p.host_pool_limit)
 
 
 def pinned_pool_bytes(arrays: int, limit: int | None) -> int:
@@ -281,6 +310,7 @@ class MemoryPlan:
     loaded_copy: bool = False
     host_pinned: int = 0  # bytes of the pinned arrays (what XLA's pool must hold)
     host_pool_limit: int | None = None  # XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB in bytes
+    host_pool_fitted: bool = True  # the cap is fitted to this plan's pinned arrays (not given)
     gpu_peak_at: str = ""  # the op during which the GPU peaks
 
     @property
@@ -313,7 +343,7 @@ class MemoryPlan:
         args = dict(model_cfg=self.model_cfg, engine_cfg=self.engine_cfg, batch_rows=self.batch_rows,
                     seq_len=self.seq_len, stream_dtype=self.stream_dtype, host_ram_bytes=self.host_available,
                     gpu_bytes=self.gpu_available, packed=self.packed, loaded_copy=self.loaded_copy,
-                    host_pool_limit=self.host_pool_limit, detect=False)
+                    host_pool_limit=None if self.host_pool_fitted else self.host_pool_limit, detect=False)
         args.update(changes)
         return plan(**args)
 
@@ -357,7 +387,7 @@ class MemoryPlan:
             if items is self.host and self.host_pool_limit is not None and self.host_pinned > self.host_pool_limit:
                 lines.append(f"    OVER by {(self.host_pinned - self.host_pool_limit) / GiB:.2f} GiB: "
                              f"{self.host_pinned / GiB:.2f} GiB of pinned arrays, XLA's pinned pool is capped at "
-                             f"{self.host_pool_limit / GiB:.0f} GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, 90% of RAM)")
+                             f"{self.host_pool_limit / GiB:.0f} GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)")
         lines.append(f"  host bytes per parameter: {self.host_pinned / self.params:.1f} in pinned arrays, "
                      f"{self.host_total / self.params:.1f} in all")
         return "\n".join(lines)
@@ -489,7 +519,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     the model's compute dtype). ``gpu_bytes`` is what XLA's allocator may use (``bytes_limit``, a fraction of
     the card: see ``gpu_fraction``). Limits not given are read from this machine when ``detect`` (host:
     MemAvailable; GPU: the allocator's bytes_limit). XLA's pinned pool is capped at ``host_pool_limit``
-    (default: 90% of ``host_ram_bytes``, as importing megatrain_jax sets it). ``packed`` rows have segment
+    (default: ``fitted_pool_limit``, as ``megatrain-jax train`` sets it). ``packed`` rows have segment
     masks, which take attention off the cuDNN flash path and materialize the score matrix. ``loaded_copy``:
     the model object holds float32 weights loaded from a checkpoint for the whole run.
     """
@@ -502,25 +532,36 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     if detect:
         host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
         gpu_bytes = available_gpu_bytes() if gpu_bytes is None else gpu_bytes
-    if host_pool_limit is None and host_ram_bytes is not None:
-        host_pool_limit = int(HOST_POOL_FRACTION * host_ram_bytes / GiB) * GiB
     stream_dtype = stream_dtype or e.stream_dtype or c.dtype
     sb = 2 if stream_dtype in ("bfloat16", "float16") else 4
     P = c.param_count()
     on_host_grads = P - e.resident_layers * layer_param_count(c) - (io_param_count(c) if e.resident_io else 0)
 
-    pinned = {"master weights, float32 (4 B/param)": 4 * P, "Adam moments m and v, float32 (8 B/param)": 8 * P}
+    # The fused C++ AdamW (megatrain_jax.adamw, the CLI's optimizer) keeps what only it touches in pageable
+    # memory; it runs with float32 or bfloat16 streaming, where a C++ compiler exists (else the engine warns).
+    fused = e.host_kernel and stream_dtype in ("float32", "bfloat16")
+    pinned, pageable = {}, {}
+    (pageable if fused and sb == 2 else pinned)["master weights, float32 (4 B/param)"] = 4 * P
+    (pageable if fused else pinned)["Adam moments m and v, float32 (8 B/param)"] = 8 * P
     if sb == 2:
         pinned["16-bit stream copy of the weights (2 B/param)"] = 2 * P
+    grads = 4 * on_host_grads
+    # Building the state, each of up to 4 parts at once passes its masters through pinned memory on its way
+    # to pageable memory; the gradients later reuse that room.
+    build = 4 * 4 * max(layer_param_count(c), io_param_count(c)) if fused and sb == 2 else 0
     pinned[f"gradients of one step, float32 (4 B/param of the {on_host_grads / 1e9:.2f} B host-updated params)"] = (
-        4 * on_host_grads)
+        max(grads, build))
     arrays = sum(pinned.values())
+    fitted = host_pool_limit is None
+    if fitted:
+        host_pool_limit = fitted_pool_limit(arrays, host_ram_bytes)
     pool = pinned_pool_bytes(arrays, host_pool_limit)
-    host = dict(pinned)
+    host = {f"pinned: {k}": v for k, v in pinned.items()}
     cap = "" if host_pool_limit is None else f" of at most {host_pool_limit / GiB:.0f}"
     host[f"XLA's pinned pool rounds up: regions double from 2 MiB (pool {pool / GiB:.1f}{cap} GiB)"] = (
         max(pool - arrays, 0))
     host["CUDA driver's bookkeeping of pinned memory (3.1% of the pool, measured)"] = int(pool * PINNED_RSS_OVERHEAD)
+    host.update({f"pageable: {k}": v for k, v in pageable.items()})
     if loaded_copy:
         host["float32 weights loaded into the model object (4 B/param)"] = 4 * P
     tokens = batch_rows * seq_len
@@ -532,4 +573,4 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     flash = c.attention_impl == "cudnn" or (c.attention_impl == "auto" and ab == 2 and not packed)
     gpu, at = _gpu_peak(c, e, batch_rows, seq_len, sb, flash)
     return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed,
-                      loaded_copy, arrays, host_pool_limit, at)
+                      loaded_copy, arrays, host_pool_limit, fitted, at)

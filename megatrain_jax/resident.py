@@ -5,8 +5,8 @@ next forward needs each layer updated before it runs. Keeping the io part and th
 (fp32 master, optimizer state and compute copy on the GPU, in the same ``Part`` record as host parts) lets
 their update run on the GPU right after the norm, so the next forward starts at once while the host
 optimizer updates the later blocks ahead of the GPU. Their gradients never leave the device. Host memory
-stays the source of truth: ``to_host`` refreshes the host copies (the engine does so in ``sync``, before
-anything reads host state).
+stays the source of truth: the engine's ``sync`` refreshes the host copies (``HostOptimizer.home``) before
+anything reads host state.
 """
 
 from __future__ import annotations
@@ -61,8 +61,3 @@ class DeviceUpdater:
     def update(self, part: Part, grads: Params, scale: jax.Array, ok: jax.Array) -> Part:
         """The updated part; where ``ok`` is false (a skipped step) the old values."""
         return self._update(part, grads, scale, ok)
-
-    def to_host(self, part: Part) -> Part:
-        """Host copies of the master, the optimizer state and (when kept) the stream copy."""
-        stream = None if self.stream_dtype is None else self.placement.copy_to_host(part.stream)
-        return Part(self.placement.copy_to_host(part.params), self.placement.copy_to_host(part.opt), stream)

@@ -127,14 +127,22 @@ def test_per_layer_functions_compile_once():
     assert engine.policy.opt.compilations() == {"host": 2, "device": 0}  # blocks share one; the io part has its own
 
 
-def test_state_lives_in_pinned_host_memory():
-    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), ADAMW())
-    engine.step(make_batches(1)[0]).resolve()
-    import jax
-    leaves = jax.tree.leaves(engine.state.parts)
-    assert leaves
-    for leaf in leaves:
-        assert leaf.sharding.memory_kind == "pinned_host"
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "optax"])
+@pytest.mark.parametrize("resident", [0, 1])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_state_lives_in_pinned_or_pageable_host_memory(fused, resident, dtype):
+    """What crosses PCIe is pinned, what only the fused kernel touches is pageable: after the build,
+    after steps, and after ``sync`` has brought GPU-resident parts back."""
+    from test_startup import assert_homes
+    tx = adamw(1e-3) if fused else ADAMW()
+    model = Decoder(preset("tiny", layers=3, dtype=dtype), rngs=nnx.Rngs(0))
+    engine = Engine(model, tx, EngineConfig(resident_layers=resident))
+    assert engine.update_route == ("fused" if fused else "host")
+    for _ in range(2):
+        for part in engine.state.parts:
+            assert_homes(part, engine.placement, fused)
+        engine.step(make_batches(1)[0]).resolve()
+        engine.sync()
 
 
 def test_abstract_model_initializes_part_by_part_like_concrete():

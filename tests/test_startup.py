@@ -18,7 +18,8 @@ from megatrain_jax import _environment
 from megatrain_jax.host_optimizer import HostOptimizer
 from megatrain_jax.host_state import initial_state
 from megatrain_jax.optim import AdamWState
-from megatrain_jax.transfer import Placement
+from megatrain_jax.parts import Part
+from megatrain_jax.transfer import Placement, address
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -71,28 +72,45 @@ def test_initial_state_is_bitwise_the_per_part_path():
     model = nnx.eval_shape(lambda: Decoder(bf16_cfg(3), rngs=nnx.Rngs(5)))
     opt = HostOptimizer(adamw(1e-3), placement, jnp.bfloat16)
     key = nnx.Rngs(5).params()
-    state = initial_state(model, placement, key, opt.fresh, workers=3)
+    state = initial_state(model, placement, key, opt.fresh, opt.home, workers=3)
     old = _old_state(model, placement, opt, key)
     assert len(state.parts) == len(old) == 4 and state.step == 0
     for part, (params, moments, stream) in zip(state.parts, old):
         assert jax.tree.structure(part.opt) == jax.tree.structure(moments)
         for new, ref in [(part.params, params), (part.opt, moments), (part.stream, stream)]:
             assert _host_bits(new) == _host_bits(ref)
-        for leaf in jax.tree.leaves(part):
-            assert leaf.sharding.memory_kind == "pinned_host"
+        assert_homes(part, placement, fused=True)
+
+
+def assert_homes(part, placement, fused: bool):
+    """Where each array of a host part lives: pinned what crosses PCIe (the stream copy, or the masters
+    when they are streamed; the step count), pageable numpy what only the fused kernel touches."""
+    pinned = lambda tree: all(isinstance(x, jax.Array) and x.sharding == placement.host for x in jax.tree.leaves(tree))
+    pageable = lambda tree: all(isinstance(x, np.ndarray) and x.flags.writeable and x.flags.c_contiguous
+                                for x in jax.tree.leaves(tree))
+    if not fused:
+        assert pinned(part)
+        return
+    assert pinned(part.opt.count) and pageable(part.opt.mu) and pageable(part.opt.nu)
+    if part.stream is None:
+        assert pinned(part.params)
+    else:
+        assert pageable(part.params) and pinned(part.stream)
 
 
 def test_initial_state_of_a_concrete_model_copies_its_parameters():
     placement = Placement()
     model = Decoder(bf16_cfg(2), rngs=nnx.Rngs(1))
     opt = HostOptimizer(optax.adamw(1e-3), placement, jnp.bfloat16)
-    state = initial_state(model, placement, None, opt.fresh)
+    state = initial_state(model, placement, None, opt.fresh, opt.home)
     io, blocks = state.params()
     for new, ref in zip(jax.tree.leaves([io] + blocks),
                         jax.tree.leaves([nnx.state(model.io, nnx.Param)] + [nnx.state(b, nnx.Param) for b in model.blocks])):
         np.testing.assert_array_equal(np.asarray(jax.device_get(new)), np.asarray(ref))
     ref_opt = optax.adamw(1e-3).init(nnx.state(model.blocks[0], nnx.Param))
     assert _host_bits(state.parts[1].opt) == _host_bits(ref_opt)
+    for part in state.parts:
+        assert_homes(part, placement, fused=False)  # XLA runs optax on the host: all of it pinned
 
 
 def test_initial_state_buffers_never_alias():
@@ -100,8 +118,9 @@ def test_initial_state_buffers_never_alias():
     could hand one zero-filled buffer out twice), and none may alias a concrete model's arrays."""
     placement = Placement()
     model = Decoder(bf16_cfg(2), rngs=nnx.Rngs(0))
-    state = initial_state(model, placement, None, HostOptimizer(adamw(1e-3), placement, jnp.bfloat16).fresh)
-    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state.parts)]
+    opt = HostOptimizer(adamw(1e-3), placement, jnp.bfloat16)
+    state = initial_state(model, placement, None, opt.fresh, opt.home)
+    pointers = [address(x) for x in jax.tree.leaves(state.parts)]
     pointers += [x.unsafe_buffer_pointer() for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
     assert len(pointers) == len(set(pointers))
 
@@ -111,12 +130,34 @@ def test_host_optimizer_fresh_keeps_the_masters_and_zeroes_moments():
     opt = HostOptimizer(adamw(1e-3), placement, jnp.bfloat16)
     params = {"w": jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)}
     part = jax.jit(opt.fresh, out_shardings=placement.host)(params)  # as initial_state runs it
+    assert opt.fused and part.opt.mu is None and part.opt.nu is None  # the program computes no zeros
+    part = opt.home(part)
     np.testing.assert_array_equal(np.asarray(jax.device_get(part.params["w"])), np.arange(6.0).reshape(2, 3))
     assert np.asarray(jax.device_get(part.opt.count)) == 0
-    assert not np.asarray(jax.device_get(part.opt.mu["w"])).any() and not np.asarray(jax.device_get(part.opt.nu["w"])).any()
+    assert not part.opt.mu["w"].any() and not part.opt.nu["w"].any() and part.opt.mu["w"].shape == (2, 3)
     np.testing.assert_array_equal(np.asarray(jax.device_get(part.stream["w"])).astype(np.float32),
                                   np.arange(6.0).reshape(2, 3))
-    assert all(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(part))
+    assert_homes(part, placement, fused=True)
+
+
+@pytest.mark.parametrize("source", ["device", "pinned", "numpy"])
+def test_home_copies_numpy_unless_adopted_and_keeps_pinned_arrays(source):
+    placement = Placement()
+    opt = HostOptimizer(adamw(1e-3), placement, jnp.bfloat16)
+    w = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+    put = {"device": placement.to_device, "pinned": placement.copy_to_host, "numpy": lambda x: x}[source]
+    part = opt.home(jax.jit(opt.fresh, out_shardings=placement.host)({"w": jnp.asarray(w)}))
+    given = Part(put(w), AdamWState(put(np.int32(3)), put(w + 1), put(w + 2)), put(w.astype(jnp.bfloat16)))
+    for adopt in (False, True):
+        homed = opt.home(given, adopt=adopt)
+        assert_homes(homed, placement, fused=True)
+        assert int(np.asarray(jax.device_get(homed.opt.count))) == 3
+        np.testing.assert_array_equal(homed.opt.nu, w + 2)
+        taken = homed.opt.mu is given.opt.mu
+        assert taken == (adopt and source == "numpy"), (adopt, source)
+        if source == "pinned":
+            assert homed.stream is given.stream  # already where it lives: not copied
+    assert part.opt.count.sharding == placement.host
 
 
 # ---------------------------------------------------------------- the persistent compilation cache

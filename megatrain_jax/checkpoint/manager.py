@@ -80,10 +80,10 @@ def split_step_dir(path: str | Path) -> tuple[Path, int | None]:
 
 
 class Checkpointer:
-    """Saves an engine's host state asynchronously and restores it into pinned host memory.
+    """Saves an engine's host state asynchronously and restores it into host memory.
 
     ``save`` returns once the snapshot is taken; parts are written in the background while training
-    continues. Arrays go to Orbax as zero-copy views of their pinned buffers, and the engine is held
+    continues. Arrays go to Orbax as zero-copy views of their host buffers, and the engine is held
     before updating a part that is not yet written (see ``store``), so a save adds no copy of the state
     (at most one part where buffers cannot be viewed). ``checksum=False`` checks file sizes only, which
     spares reading a large checkpoint once more before resuming from it.
@@ -178,7 +178,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ restoring
     def restore(self, engine, step: int | None = None, *, verified: bool = False) -> tuple[dict, dict]:
         """Load checkpoint ``step`` (default: the newest complete one) into ``engine.state``, part by
-        part, into ``engine.placement.host`` memory, recomputing the stream copies. Returns the
+        part (``Engine.restore_part`` places each array and recomputes the stream copy). Returns the
         ``(meta, config)`` JSON. Raises ``ShapeMismatchError`` listing every tensor that does not fit."""
         if step is None:
             step = self.latest_complete()
@@ -196,7 +196,7 @@ class Checkpointer:
             engine.restore_part(part, *rebuild_part(state, part, tree))
 
         out = self._manager.restore(step, args=ocp.args.Composite(
-            state=PartsRestore(expected_layout(state), engine.placement.host, sink), meta=ocp.args.JsonRestore(),
+            state=PartsRestore(expected_layout(state), sink), meta=ocp.args.JsonRestore(),
             config=ocp.args.JsonRestore()))
         engine.restored(int(out.meta["step"]))  # GPU-resident parts reload from the restored host arrays
         return dict(out.meta), dict(out.config)

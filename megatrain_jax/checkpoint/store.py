@@ -9,8 +9,8 @@ reference alone is no snapshot.
 
 So ``PartsHandler`` is an Orbax ``AsyncCheckpointHandler`` whose background commit writes the parts in
 turn (io, block 0, block 1, ...), each with an ordinary ``PyTreeCheckpointHandler`` into its own
-subdirectory, then the manifest. Each array is handed to Orbax as a zero-copy numpy view of its pinned
-host buffer, through a ``NumpyHandler`` that does not deep-copy. The snapshot is a ``Snapshot``: the
+subdirectory, then the manifest. Each array is handed to Orbax as a zero-copy numpy view of its host
+buffer (pinned or pageable), through a ``NumpyHandler`` that does not deep-copy. The snapshot is a ``Snapshot``: the
 engine's part trees, taken after its pending updates finish. Before the engine updates a part in place
 it calls the gate the checkpointer installed (``Engine.hold_updates(snapshot.wait_part)``), which holds
 it until that part is written and released. So a save needs no
@@ -21,16 +21,13 @@ overlaps the write until the next step's updates catch up with the writer.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
-import functools
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -41,33 +38,7 @@ from megatrain_jax.checkpoint.parts import (ShapeMismatchError, check_layout, fl
                                             part_trees)
 from megatrain_jax.host_state import HostState
 from megatrain_jax.parts import PartId
-
-
-@functools.cache
-def _pointers_readable(sharding) -> bool:
-    """Whether a host array's buffer address can be read as what the array holds (pinned host memory is
-    host-addressable on CPU and GPU clients; checked once per sharding)."""
-    try:
-        x = jax.device_put(jnp.arange(1, 5, dtype=jnp.float32), sharding, may_alias=False)
-        x.block_until_ready()
-        view = np.frombuffer((ctypes.c_char * 16).from_address(x.unsafe_buffer_pointer()), np.float32)
-        return bool(np.array_equal(view, np.arange(1, 5, dtype=np.float32)))
-    except Exception:  # noqa: BLE001 - no buffer address here: take the copying path
-        return False
-
-
-def host_view(x: Any) -> np.ndarray:
-    """A numpy view of a host-memory jax array without copying it (nor caching a copy on it: ``np.asarray``
-    on a GPU client keeps one in the array, which in-place updates would then make stale)."""
-    if not isinstance(x, jax.Array):
-        return np.asarray(x)
-    x.block_until_ready()
-    host = getattr(x.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host") or \
-        next(iter(x.sharding.device_set)).platform == "cpu"
-    if x.nbytes and host and len(x.sharding.device_set) == 1 and _pointers_readable(x.sharding):
-        buffer = (ctypes.c_char * x.nbytes).from_address(x.unsafe_buffer_pointer())
-        return np.frombuffer(buffer, dtype=x.dtype).reshape(x.shape)
-    return np.asarray(jax.device_put(x, x.sharding, may_alias=False))  # a temporary copy, freed after the write
+from megatrain_jax.transfer import host_view
 
 
 class Snapshot:
@@ -120,11 +91,11 @@ class PartsSave(ocp.args.CheckpointArgs):
 
 @dataclasses.dataclass
 class PartsRestore(ocp.args.CheckpointArgs):
-    """``layout``: ``{part: {leaf: (shape, dtype)}}`` expected; ``sharding`` where arrays go (pinned host);
-    ``sink(name, tree)`` receives each part as soon as it is read, so the state is never held twice."""
+    """``layout``: ``{part: {leaf: (shape, dtype)}}`` expected; ``sink(name, tree)`` receives each part as
+    soon as it is read, as new numpy arrays that become the sink's own (the engine places each in pinned
+    or pageable memory), so the state is never held twice."""
 
     layout: dict[str, dict[str, tuple]]
-    sharding: Any
     sink: Callable[[str, dict[str, Any]], None]
 
 
@@ -169,8 +140,7 @@ class PartsHandler(ocp.AsyncCheckpointHandler):
                                  for k, (_, dtype) in layout.items()})
             tree = self._tree.restore(epath.Path(directory / name),
                                       args=ocp.args.PyTreeRestore(restore_args=restore_args))
-            # A fresh pinned-host buffer per array, never aliasing the numpy one: the engine updates in place.
-            args.sink(name, jax.device_put(tree, args.sharding, may_alias=False))
+            args.sink(name, tree)
             del tree
 
     def layout(self, directory: Path) -> dict[str, dict[str, tuple]]:

@@ -16,11 +16,12 @@ from typing import TextIO
 import jax
 from flax import nnx
 
+from megatrain_jax._environment import host_pool_limit
 from megatrain_jax.checkpoint import committed_steps
 from megatrain_jax.cli.config_file import RunConfig, to_dict, to_toml
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.fit import History, Hook, fit
-from megatrain_jax.memory_plan import plan
+from megatrain_jax.memory_plan import fit_host_pool, plan
 from megatrain_jax.models import Decoder
 from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
 
@@ -127,8 +128,9 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     run_dir = Path(t.run_dir)
     model_cfg = cfg.model.build()
 
-    memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, packed=d.mode == "packed",
-                  loaded_copy=cfg.model.hf_checkpoint is not None)
+    kw = dict(packed=d.mode == "packed", loaded_copy=cfg.model.hf_checkpoint is not None)
+    fit_host_pool(model_cfg, cfg.engine, d.batch_size, d.seq_len, **kw)  # before JAX starts its GPU backend
+    memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_pool_limit=host_pool_limit(), **kw)
     if t.memory_check:
         memory.check()
     say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
