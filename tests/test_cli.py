@@ -204,7 +204,7 @@ def test_plan_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "master weights, float32" in out and "Adam moments" in out and "boundary activations" in out
     assert "fits" in out and "OVER" not in out
-    assert main(["plan", "model.preset=7b", "--host-gib", "16", "--gpu-gib", "8"]) == 1
+    assert main(["plan", "model.preset=7b", "--host-gib", "32", "--gpu-gib", "8"]) == 1
     out = capsys.readouterr().out
     assert "OVER by" in out and "options that fit" in out
 
