@@ -26,8 +26,9 @@ stream copy (or the masters, when they are streamed). With the fused AdamW the m
 parts that stream a 16-bit copy, are pageable (only the kernel touches them); another optimizer keeps all
 of it pinned. XLA serves pinned memory from a pool whose regions double in size (2 MiB, 4 MiB, ...) up to
 ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, which ``megatrain-jax train`` fits to the pinned arrays
-(``fitted_pool_limit``; importing megatrain_jax sets 90% of RAM otherwise); the process keeps the whole pool, so the host total is the pool (not the pinned arrays in it), the pageable arrays, and an
-allowance for the Python/JAX/CUDA runtime. (A CPU backend has no such pool; the plan counts it anyway.)
+(``fitted_pool_limit``; importing megatrain_jax sets 90% of RAM otherwise). The process keeps the whole
+pool, so the host total is the pool (not the pinned arrays in it), the pageable arrays, and an allowance
+for the Python/JAX/CUDA runtime. (A CPU backend has no such pool; the plan counts it anyway.)
 
 tests/test_memory_plan.py compares this plan with the peaks measured in experiments/results/.
 """
