@@ -48,10 +48,8 @@ class DeviceUpdater:
         self._cast = jax.jit(lambda p: p if stream_dtype is None else stream_copy(p, stream_dtype))
 
     def load(self, part: Part) -> Part:
-        """A device copy of a host part; its ``stream`` is what the per-part functions consume. Pageable
-        arrays go through pinned memory first: XLA would otherwise stage them through pinned buffers of
-        its own, outside the pool's cap, and keep those (15 GiB at 7B, experiments/NOTES.md)."""
-        params, opt = self.placement.to_device(self.placement.to_pinned((part.params, part.opt)))
+        """A device copy of a host part; its ``stream`` is what the per-part functions consume."""
+        params, opt = self.placement.to_device((part.params, part.opt))
         return Part(params, opt, self._cast(params))
 
     def _update_fn(self, part: Part, grads: Params, scale: jax.Array, ok: jax.Array) -> Part:

@@ -41,7 +41,12 @@ class Placement:
         return self.device_obj.platform == "gpu"
 
     def to_device(self, tree: Any) -> Any:
-        """Asynchronous copy to the accelerator (returns at once; users of the result wait on it)."""
+        """Asynchronous copy to the accelerator (returns at once; users of the result wait on it). On a GPU,
+        numpy (pageable) leaves go through pinned memory first: XLA would otherwise stage them through pinned
+        buffers of its own, outside the pool's cap, and keep those (15 GiB when 7B's GPU-resident parts
+        loaded, experiments/NOTES.md)."""
+        if self.on_gpu:
+            tree = jax.tree.map(lambda x: self.copy_to_host(x) if isinstance(x, np.ndarray) else x, tree)
         return jax.device_put(tree, self.device)
 
     def copy_to_host(self, tree: Any) -> Any:
