@@ -1,4 +1,4 @@
-"""The streamed engine: one device, all persistent state in host memory.
+"""The streamed engine: one or more devices, all persistent state in host memory.
 
 ``Engine`` assembles the pieces and offers the public API: ``step``/``steps`` for training, ``evaluate``
 for held-out loss, ``sync``/``write_back`` to read the trained state, ``observe`` for profiling and
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from megatrain_jax._environment import enable_compilation_cache
 from megatrain_jax.batch import Batch, check_batch
@@ -27,7 +28,7 @@ from megatrain_jax.host_state import initial_state
 from megatrain_jax.layered import layered, write_back
 from megatrain_jax.optim import check_partwise
 from megatrain_jax.parts import IO, Params, Part, PartId
-from megatrain_jax.passes import Pass, PassRunner, device_batches, loss_tokens
+from megatrain_jax.passes import Pass, PassRunner, device_batches
 from megatrain_jax.schedule import eval_ops, step_ops
 from megatrain_jax.transfer import Placement
 from megatrain_jax.update_policy import NonFiniteError, UpdatePolicy
@@ -52,7 +53,13 @@ class StepOutput:
 
 
 class Engine:
-    """Streams a layered model through one device, with all persistent state in host memory.
+    """Streams a layered model through one or more devices, with all persistent state in host memory.
+
+    ``devices`` (a list of devices, or a ``jax.sharding.Mesh`` with the one axis ``data``) defaults to every
+    local GPU (``transfer.default_devices``; every process's devices under ``jax.distributed``). Over
+    several devices the host state is spread over them (``transfer.Placement``), each micro-batch's rows
+    are split between them, and each device computes on its rows with the layer's weights all-gathered
+    and its gradients reduce-scattered (``device_fns``): data parallelism with one copy of the state.
 
     ``step(batches)`` runs one optimizer step on ``accumulate_steps`` batches and returns a ``StepOutput``
     without waiting for the device; ``steps(data)`` is the public iterator that yields each step's
@@ -60,18 +67,21 @@ class Engine:
     """
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
-                 config: EngineConfig = EngineConfig(), *, seed: int = 0, placement: Placement | None = None):
+                 config: EngineConfig = EngineConfig(), *, seed: int = 0,
+                 devices: Sequence[jax.Device] | Mesh | None = None, placement: Placement | None = None):
         enable_compilation_cache()  # per-user persistent cache, unless configured otherwise (_environment)
         self.lm = layered(model)
         self.cfg = config
         if config.resident_layers > self.lm.n_blocks:
             raise ValueError(f"resident_layers={config.resident_layers} exceeds the model's {self.lm.n_blocks} blocks")
         check_partwise(optimizer)
-        self.placement = placement or Placement()
+        if placement is None:
+            placement = Placement(mesh=devices) if isinstance(devices, Mesh) else Placement(devices)
+        self.placement = placement
         stream_dtype = jnp.dtype(config.stream_dtype or getattr(model.cfg, "dtype", "float32"))
         self._observers: list = []
         self.policy = UpdatePolicy(optimizer, self.placement, stream_dtype, config, self._observers)
-        self.fns = device_fns(self.lm)
+        self.fns = device_fns(self.lm, self.placement)
         self.state = initial_state(model, self.placement, nnx.Rngs(seed).params(), self.policy.opt.fresh,
                                    self.policy.opt.home)
         for part in self.state.ids():
@@ -94,9 +104,12 @@ class Engine:
     def check_batch(self, batch: Batch) -> None:
         """Raise ValueError saying what to fix unless ``batch`` fits the model and the micro-batching."""
         check_batch(batch, self.lm.vocab_size, self.lm.max_positions)
-        if batch.shape[0] % self.cfg.micro_batches:
+        devices = len(self.placement.local_devices)
+        if batch.shape[0] % (self.cfg.micro_batches * devices):
+            per = f" times the {devices} devices of this process" if devices > 1 else ""
             raise ValueError(f"batch of {batch.shape[0]} rows cannot be split into micro_batches="
-                             f"{self.cfg.micro_batches}; use a batch size divisible by it")
+                             f"{self.cfg.micro_batches}{per}; use a batch size divisible by "
+                             f"{self.cfg.micro_batches * devices}")
 
     def step(self, batches: Batch | Sequence[Batch]) -> StepOutput:
         batches = [batches] if isinstance(batches, Batch) else list(batches)
@@ -106,15 +119,16 @@ class Engine:
         t0 = time.perf_counter()
         losses = []
         for j, batch in enumerate(batches):
-            batch = batch.filled()
-            p = Pass(device_batches(self.placement, batch, self.cfg.micro_batches), 1.0 / loss_tokens(batch),
-                     accumulate=j > 0, last=j == len(batches) - 1)
+            micro = device_batches(self.placement, batch.filled(), self.cfg.micro_batches)
+            p = Pass(micro, self.fns.inv_count([m.loss_mask for m in micro]), accumulate=j > 0,
+                     last=j == len(batches) - 1)
             self._runner.run(p, step_ops(self.lm.n_blocks, self.cfg.micro_batches, self.cfg.prefetch_depth,
                                          update=p.last))
             losses.append(sum(p.losses))
         self.state.step += 1
-        return StepOutput(self.state.step, sum(losses) / len(losses), self._runner.decision.norm,
-                          sum(b.tokens for b in batches), time.perf_counter() - t0)
+        tokens = sum(b.tokens for b in batches) * self.placement.processes  # each process feeds its own rows
+        return StepOutput(self.state.step, sum(losses) / len(losses), self._runner.decision.norm, tokens,
+                          time.perf_counter() - t0)
 
     def steps(self, data: Iterable[Batch]) -> Iterator[dict[str, float]]:
         """Run a step per ``accumulate_steps`` batches of ``data``; yield metrics one step late."""
@@ -145,14 +159,18 @@ class Engine:
         tokens it counts, streamed like training's forward (no gradients, no update)."""
         self.sync()  # host updates may run in place on the worker: read the parameters once they are done
         nll = count = 0.0
+        devices = len(self.placement.local_devices)
         for batch in batches:
             check_batch(batch, self.lm.vocab_size, self.lm.max_positions)
-            batch = batch.filled()
-            micro = self.cfg.micro_batches if batch.shape[0] % self.cfg.micro_batches == 0 else 1
-            p = Pass(device_batches(self.placement, batch, micro), keep_inputs=False)
-            self._runner.run(p, eval_ops(self.lm.n_blocks, micro, self.cfg.prefetch_depth))
+            if batch.shape[0] % devices:
+                raise ValueError(f"an evaluation batch of {batch.shape[0]} rows cannot be split over the {devices} "
+                                 f"devices of this process; use a batch size divisible by {devices}")
+            n_micro = self.cfg.micro_batches if batch.shape[0] % (self.cfg.micro_batches * devices) == 0 else 1
+            micro = device_batches(self.placement, batch.filled(), n_micro)
+            p = Pass(micro, keep_inputs=False)
+            self._runner.run(p, eval_ops(self.lm.n_blocks, n_micro, self.cfg.prefetch_depth))
             nll += float(sum(p.losses))
-            count += float(batch.loss_mask.sum())
+            count += float(self.fns.mask_sum([m.loss_mask for m in micro]))
         return nll, count
 
     # ------------------------------------------------------------------ reading and restoring state

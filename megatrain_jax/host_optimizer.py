@@ -36,17 +36,17 @@ from megatrain_jax import host_kernel
 from megatrain_jax.optim import AdamWState, fused_spec
 from megatrain_jax.parts import Params, Part
 from megatrain_jax.resident import apply_scaled_update, stream_copy
-from megatrain_jax.transfer import Placement, address, pageable_zeros
+from megatrain_jax.transfer import Placement, pageable_zeros
 
 Route = Literal["fused", "host", "device"]
 
 
 def _pointers_writable(placement: Placement) -> bool:
     """Whether a write through a pinned-host array's buffer address is what the array then holds."""
-    x = placement.copy_to_host(jnp.zeros((4,), jnp.float32))
+    x = placement.copy_to_host(np.zeros((), np.float32))
     jax.block_until_ready(x)
-    ctypes.memmove(x.unsafe_buffer_pointer(), np.arange(1, 5, dtype=np.float32).ctypes.data, 16)
-    return bool(np.array_equal(np.asarray(jax.device_get(x)), np.arange(1, 5, dtype=np.float32)))
+    ctypes.memmove(x.addressable_shards[0].data.unsafe_buffer_pointer(), np.float32(7).tobytes(), 4)
+    return float(placement.scalar(x)) == 7.0
 
 
 class HostOptimizer:
@@ -57,12 +57,11 @@ class HostOptimizer:
         self.tx = tx
         self.placement = placement
         self.stream_dtype = None if stream_dtype in (None, jnp.float32) else jnp.dtype(stream_dtype)
-        host = placement.host
         # Donating host buffers lets XLA update in place on the GPU client; the CPU client cannot use it.
         donate = (0, 1, 2) if placement.on_gpu else ()
-        self._host_update = jax.jit(self._update_fn, out_shardings=host, donate_argnums=donate)
-        self._device_update = jax.jit(lambda *args: self._update_fn(*placement.to_device(args)), out_shardings=host)
-        self._cast = jax.jit(lambda p: stream_copy(p, self.stream_dtype), out_shardings=placement.device)
+        self._host_update = placement.jit_into(self._update_fn, "pinned_host", donate)
+        self._device_update = placement.jit_into(lambda *args: self._update_fn(*placement.to_device(args)))
+        self._cast = placement.jit_into(lambda p: stream_copy(p, self.stream_dtype), "device")
         self._routes: dict[Any, Route] = {}
         self.spec = fused_spec(tx)
         self.kernel = None
@@ -124,9 +123,9 @@ class HostOptimizer:
             return "fused"
         key = jax.tree.structure(part), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(part))
         if key not in self._routes:
-            spec = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.placement.host), t)
-            grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=self.placement.host),
-                                 part.params)
+            host = self.placement.host_for
+            spec = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host(x)), t)
+            grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=host(x)), part.params)
             scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.placement.host)
             try:
                 self._host_update.lower(spec(part.params), spec(part.opt), grads, scale).compile()
@@ -137,7 +136,7 @@ class HostOptimizer:
 
     def compilations(self) -> dict[str, int]:
         """Compiled programs per route (one per distinct part structure; tests assert this)."""
-        return {"host": self._host_update._cache_size(), "device": self._device_update._cache_size()}
+        return {"host": self._host_update.cache_size(), "device": self._device_update.cache_size()}
 
     def _update_fn(self, params: Params, opt_state: Any, grads: Params, scale: jax.Array):
         params, opt_state = apply_scaled_update(self.tx, params, opt_state, grads, scale)
@@ -168,24 +167,32 @@ class HostOptimizer:
         self._run_kernel(host_kernel.adamw_inplace, part, grads, None, float(scale), t)
         return Part(part.params, self._counted(part.opt, t), part.stream)
 
-    @staticmethod
-    def _next_count(state: AdamWState) -> int:
-        return int(np.asarray(jax.device_get(state.count))) + 1
+    def _next_count(self, state: AdamWState) -> int:
+        return int(self.placement.scalar(state.count)) + 1
 
     def _counted(self, state: AdamWState, t: int) -> AdamWState:
         # From numpy straight into pinned memory: no accelerator round trip per part and step.
         return AdamWState(self.placement.to_host(np.asarray(t, np.int32)), state.mu, state.nu)
 
     def _run_kernel(self, kernel_fn, part: Part, grads: Params, stream: Params | None, scale: float, t: int) -> None:
+        """The kernel over each leaf, piece by piece (``Placement.pieces``: a device's shard, or the whole
+        leaf where it is replicated). A piece held by several devices (a replicated leaf) is updated once,
+        from its first copy, and the values written are then copied to the others."""
         spec, state = self.spec, part.opt
         bc1, bc2 = spec.bias_corrections(float(t))
         lr = float(spec.lr_at(t - 1))
         jax.block_until_ready(grads)
+        pieces = self.placement.pieces
         leaves = jax.tree.leaves(part.params)
         streams = jax.tree.leaves(stream) if stream is not None else [None] * len(leaves)
         for p, m, v, g, s, decay in zip(leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
                                         jax.tree.leaves(grads), streams, jax.tree.leaves(spec.decays(part.params))):
-            kernel_fn(self.kernel, address(p), address(m), address(v), address(g), None if s is None else address(s),
-                      p.size,
-                      lr=lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, wd=spec.weight_decay if decay else 0.0,
-                      grad_scale=scale, bc1=bc1, bc2=bc2)
+            ps, ms, vs, ss = pieces(p), pieces(m), pieces(v), None if s is None else pieces(s)
+            for key, g_at in pieces(g).items():
+                n = int(np.prod([b - a for a, b in key]))
+                kernel_fn(self.kernel, ps[key][0], ms[key][0], vs[key][0], g_at[0], None if ss is None else ss[key][0],
+                          n, lr=lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, wd=spec.weight_decay if decay else 0.0,
+                          grad_scale=scale, bc1=bc1, bc2=bc2)
+                for copies, itemsize in ((ps[key], 4), (ss[key] if ss is not None else [], 2)):
+                    for other in copies[1:]:
+                        ctypes.memmove(other, copies[0], n * itemsize)

@@ -57,7 +57,8 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
     what only the host optimizer touches goes to pageable memory).
 
     Each part is one jitted program whose outputs (masters, optimizer state, stream copy) land in pinned
-    host memory: no second trip through the device for the cast. There is one program for the io part and
+    host memory, each leaf spread over the devices as ``Placement.spec`` says: no second trip through the
+    device for the cast. There is one program for the io part and
     one shared by every block, so the number of compilations does not depend on the number of blocks.
     Parts are built by ``workers`` threads (default 4 on a GPU), so that one part's host copies overlap
     another's device work; returns once every part is in host memory. On the CPU backend the default is 1:
@@ -76,15 +77,16 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
             if not callable(getattr(model, method, None)):
                 raise TypeError(f"an abstract model must provide {method}(...) to be initialized part by part; "
                                 f"pass a concrete model instead, or see docs/model_contract.md")
-        make_io = jax.jit(lambda k: fresh(nnx.state(model.new_io(k), nnx.Param)), out_shardings=placement.host)
-        make_block = jax.jit(lambda k, i: fresh(nnx.state(model.new_block(i, k), nnx.Param)),
-                             out_shardings=placement.host)
+        make_io = placement.jit_into(lambda k: fresh(nnx.state(model.new_io(k), nnx.Param)))
+        make_block = placement.jit_into(lambda k, i: fresh(nnx.state(model.new_block(i, k), nnx.Param)))
         io_args = (key,)
         block_args = [(key, np.int32(i)) for i in range(len(model.blocks))]
     else:
-        make_io = make_block = jax.jit(lambda p: fresh(cast_tree(p, jnp.float32)), out_shardings=placement.host)
-        io_args = (io_params(model),)
-        block_args = [(p,) for p in block_params(model)]
+        make_io = make_block = placement.jit_into(lambda p: fresh(cast_tree(p, jnp.float32)))
+        # Over several devices the model's arrays (on one device) enter the program as host values.
+        local = (lambda p: p) if placement.size == 1 else jax.device_get
+        io_args = (local(io_params(model)),)
+        block_args = [(local(p),) for p in block_params(model)]
     if workers is None:
         workers = 4 if placement.on_gpu else 1
     # Each worker waits for its part to be in host memory before taking the next: at most ``workers`` parts

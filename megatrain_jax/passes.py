@@ -31,8 +31,8 @@ from megatrain_jax.update_policy import StepDecision, UpdatePolicy
 class Pass:
     """Device-side values of one pass over a batch."""
 
-    batches: list[Batch]  # micro-batches, on the device
-    inv_count: float = 1.0  # 1 / the loss tokens of the whole batch
+    batches: list[Batch]  # micro-batches, on the devices (spread by row)
+    inv_count: Any = 1.0  # 1 / the loss tokens of the whole batch (a device scalar)
     accumulate: bool = False  # add the gradients to those of earlier sub-steps
     last: bool = True  # the last sub-step of an optimizer step: norms and updates follow
     keep_inputs: bool = True  # keep each block's inputs for the backward (False: evaluation)
@@ -106,7 +106,7 @@ class PassRunner:
     def head(self, p: Pass, op: Op):
         b = p.batches[op.micro]
         loss, dx, p.io_grads = self.fns.head(p.params[IO], p.acts[self.n_blocks][op.micro], b.targets,
-                                             b.loss_mask, np.float32(p.inv_count), p.io_grads)
+                                             b.loss_mask, p.inv_count, p.io_grads)
         p.losses.append(loss)
         p.dy.append(dx)
         if op.micro == len(p.batches) - 1:
@@ -188,11 +188,8 @@ CATEGORY: dict[OpKind, str] = {
 
 
 def device_batches(placement: Placement, batch: Batch, n_micro: int) -> list[Batch]:
-    return [placement.to_device(m) for m in batch.split(n_micro)]
-
-
-def loss_tokens(batch: Batch) -> float:
-    return max(float(np.sum(batch.loss_mask)), 1.0)
+    """This process's rows of ``batch``, as ``n_micro`` micro-batches spread by row over the devices."""
+    return [placement.rows_to_device(m) for m in batch.split(n_micro)]
 
 
 def block_until_done(out: Any) -> None:

@@ -10,6 +10,11 @@ from __future__ import annotations
 import os
 import tempfile
 
+# Four CPU devices for the several-device tests (tests/test_mesh.py); everything else runs on the first
+# (transfer.default_devices uses one device on CPU unless given more). Set before JAX starts its backend.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
 import jax
 import jax.numpy as jnp
 import numpy as np
