@@ -48,6 +48,8 @@ class BenchConfig:
 
 CONFIGS: dict[str, BenchConfig] = {
     "tiny_cpu": BenchConfig("tiny", None, 128, 8, EngineConfig(micro_batches=2)),
+    # A quick GPU smoke test (4 blocks of 7B's width, ~1.2B parameters): scaling.py's first check on a machine.
+    "7b_w4_8k": BenchConfig("7b", 4, 2048, 4, EngineConfig(micro_batches=2, resident_layers=1, resident_io=True)),
     # Everything streamed (nothing resident): the issue-3 configuration, GPU memory well under 25 GiB.
     "3p5b_32k_streamed": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2)),
     # io + first blocks resident on the GPU with their optimizer state (see megatrain_jax/resident.py).
@@ -106,8 +108,27 @@ def record_timeline(engine: Engine, data, steps: int) -> dict:
                     "task: host-optimizer task on the update thread"}
 
 
+def breakdown(engine: Engine, data, step_time: float) -> dict:
+    profile = Profile()
+    engine.observe(profile)
+    t = time.perf_counter()
+    engine.step(next(data)).resolve()
+    engine.sync()
+    serial = time.perf_counter() - t
+    engine.stop_observing(profile)
+    prof = {k: round(v, 4) for k, v in profile.seconds.items()}
+    compute = prof.get("compute", 0.0)
+    return {"serialized_step_s": round(serial, 4), **{f"{k}_s": v for k, v in prof.items()},
+            "gpu_busy_fraction_est": round(min(compute / step_time, 1.0), 3),
+            "gpu_idle_fraction_est": round(max(1 - compute / step_time, 0.0), 3),
+            "note": "per-category times from a step synchronized after every op; idle = "
+                    "1 - compute / overlapped median step time"}
+
+
 def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: int = 0,
-               timeline_steps: int = 0) -> dict:
+               timeline_steps: int = 0, on_engine=None, profile: bool = True) -> dict:
+    """One configuration's record. ``on_engine(engine)`` is called once the engine is built (scaling.py
+    reads its shard sizes); ``profile=False`` skips the synchronized breakdown step."""
     cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
     tokens_per_step = bc.rows * bc.seq_len
     run = {"system": "megatrain_jax", "config": name,
@@ -123,10 +144,13 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
         engine = Engine(abstract, default_optimizer(lr), bc.engine, seed=0)
         jax.block_until_ready(engine.state)
         run["init_s"] = round(time.perf_counter() - t0, 2)
+        run["num_gpus"] = engine.placement.size
+        if on_engine is not None:
+            on_engine(engine)
         run["host_optimizer"] = {"fused": "fused C++ AdamW kernel", "host": "JAX host computation",
                                  "device": "JAX on the GPU (state sent there and back)"}.get(engine.update_route,
                                                                                              engine.update_route)
-        n_steps = warmup + timed + 1 + timeline_steps
+        n_steps = warmup + timed + int(profile) + timeline_steps
         toks, starts = demo_tokens(cfg.vocab_size, n_steps * tokens_per_step * 2 + bc.seq_len + 1, seed=0)
         data = iter(TokenDataset(TokenFile.from_array(toks, cfg.vocab_size, starts), bc.seq_len).batches(bc.rows))
         records = []
@@ -143,21 +167,8 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
                    losses=[round(r["loss"], 4) for r in records], grad_norms=[round(r["grad_norm"], 4) for r in records],
                    step_times=[round(r["step_time_s"], 4) for r in records],
                    dispatch_s=round(statistics.median(r["dispatch_s"] for r in timed_recs), 4))
-        # Breakdown: one step with a sync after every op, so each category's time is its own.
-        profile = Profile()
-        engine.observe(profile)
-        t = time.perf_counter()
-        engine.step(next(data)).resolve()
-        engine.sync()
-        serial = time.perf_counter() - t
-        engine.stop_observing(profile)
-        prof = {k: round(v, 4) for k, v in profile.seconds.items()}
-        compute = prof.get("compute", 0.0)
-        run["breakdown"] = {"serialized_step_s": round(serial, 4), **{f"{k}_s": v for k, v in prof.items()},
-                            "gpu_busy_fraction_est": round(min(compute / step_time, 1.0), 3),
-                            "gpu_idle_fraction_est": round(max(1 - compute / step_time, 0.0), 3),
-                            "note": "per-category times from a step synchronized after every op; idle = "
-                                    "1 - compute / overlapped median step time"}
+        if profile:  # one step with a sync after every op, so each category's time is its own
+            run["breakdown"] = breakdown(engine, data, step_time)
         if timeline_steps:
             run["timeline"] = record_timeline(engine, data, timeline_steps)
         run.update(gpu_peak_gib=gpu_peak_gib(), host_peak_gib=host_peak_gib(), status="ok")

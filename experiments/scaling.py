@@ -1,0 +1,152 @@
+"""Scaling over the GPUs of one machine: 1 GPU and N GPUs in one call, one results JSON (docs/results.md).
+
+    PYTHONPATH=. python experiments/scaling.py --config 7b_32k --gpus 2 --out $OUT/scaling.json
+
+Three runs, each in its own process (so that each has its own host-memory peak and pinned pool), each
+training the ``bench.py`` configuration from a random initialization on the demo corpus:
+
+- ``1 GPU``: the configuration as it is (its rows per step);
+- ``weak``: N GPUs, N times the rows: the same tokens per GPU per step;
+- ``strong``: N GPUs, the same rows as the 1-GPU run (the same global batch).
+
+Each run records ``num_gpus``, tokens/s, the host and per-GPU memory peaks, and the bytes each GPU moves
+over PCIe per step, counted from the step's schedule and the size of each GPU's shard of every part it
+fetches (weights, host to GPU) or sends (float32 gradients, GPU to host); GPU-resident parts move
+nothing. The parent prints the speed-ups against the 1-GPU run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
+    """Bytes one GPU (the mesh's first) moves over PCIe in one optimizer step without accumulation."""
+    import jax
+    import numpy as np
+
+    from megatrain_jax.schedule import step_ops
+
+    ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth)
+    resident = set(engine.resident_parts)
+    placement = engine.placement
+
+    def shard_bytes(tree, itemsize=None) -> int:
+        total = 0
+        for x in jax.tree.leaves(tree):
+            shape = list(x.shape)
+            if placement.spec(x) != jax.sharding.PartitionSpec():
+                shape[0] //= placement.size
+            total += int(np.prod(shape)) * (itemsize or np.dtype(x.dtype).itemsize)
+        return total
+
+    h2d = sum(shard_bytes(engine.state[op.part].streamed()) for op in ops
+              if op.kind == "fetch" and op.part not in resident)
+    d2h = sum(shard_bytes(engine.state[op.part].params, 4) for op in ops
+              if op.kind == "send_grads" and op.part not in resident)
+    return {"h2d_bytes": h2d, "d2h_bytes": d2h, "total_bytes": h2d + d2h}
+
+
+def worker(args) -> None:
+    """One run, on the GPUs CUDA_VISIBLE_DEVICES leaves; writes its record to ``args.worker_out``."""
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    from bench import CONFIGS, gpu_peak_gib, host_peak_gib, run_config  # noqa: E402 (sets the memory fraction)
+
+    from megatrain_jax import preset
+    from megatrain_jax.memory_plan import fit_host_pool
+
+    bc = CONFIGS[args.config]
+    bc = dataclasses.replace(bc, rows=args.rows)
+    cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
+    fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)  # before JAX starts, as megatrain-jax train does
+    import jax
+
+    captured = {}
+
+    def keep_engine(engine):
+        captured["pcie"] = pcie_bytes_per_gpu(engine, bc.engine.micro_batches)
+
+    run = run_config(args.config, bc, args.warmup, args.steps, on_engine=keep_engine, profile=False)
+    run["num_gpus"] = len(jax.devices())
+    run["rows_per_gpu"] = bc.rows // len(jax.devices())
+    run["tokens_per_gpu_per_step"] = bc.rows * bc.seq_len // len(jax.devices())
+    run["pcie_per_gpu_per_step"] = captured.get("pcie")
+    run["gpu_peak_gib_per_device"] = [round((d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2)
+                                      for d in jax.devices()]
+    run.update(host_peak_gib=host_peak_gib(), gpu_peak_gib=gpu_peak_gib())
+    with open(args.worker_out, "w") as f:
+        json.dump(run, f)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="7b_32k", help="a configuration of experiments/bench.py")
+    ap.add_argument("--gpus", type=int, default=2, help="N: the GPUs of the scaled runs")
+    ap.add_argument("--runs", default="1gpu,weak,strong", help="which of 1gpu, weak, strong to run")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    ap.add_argument("--out", help="path of the results JSON")
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    ap.add_argument("--rows", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker_out:
+        return worker(args)
+    if not args.out:
+        ap.error("--out is required")
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    from bench import CONFIGS, device_info  # noqa: E402
+
+    base_rows = CONFIGS[args.config].rows
+    plans = {"1gpu": (1, base_rows), "weak": (args.gpus, base_rows * args.gpus), "strong": (args.gpus, base_rows)}
+    commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip() or None
+    result = {"name": f"scaling_{args.config}_{args.gpus}gpu",
+              "command": "PYTHONPATH=. python " + " ".join(["experiments/scaling.py"] + (argv or sys.argv[1:])),
+              "git_commit": commit, "date": datetime.date.today().isoformat(), "device": None, "runs": []}
+    for kind in args.runs.split(","):
+        gpus, rows = plans[kind]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(gpus))), PYTHONPATH=ROOT)
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+            path = tmp.name
+        cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--warmup", str(args.warmup),
+               "--steps", str(args.steps), "--rows", str(rows), "--worker-out", path]
+        code = subprocess.run(cmd, env=env).returncode
+        try:
+            with open(path) as f:
+                run = json.load(f)
+        except (OSError, ValueError):
+            run = {"config": args.config, "status": f"error: worker exited with {code} and no record"}
+        run["scaling"] = kind
+        result["runs"].append(run)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if result["device"] is None:
+        import jax
+        result["device"] = dict(device_info(), gpus=len(jax.devices()))
+    one = next((r for r in result["runs"] if r["scaling"] == "1gpu" and r.get("status") == "ok"), None)
+    summary = {}
+    for r in result["runs"]:
+        if one and r.get("status") == "ok":
+            r["speedup_vs_1gpu"] = round(r["tokens_per_s"] / one["tokens_per_s"], 3)
+            r["host_peak_vs_1gpu"] = round(r["host_peak_gib"] / one["host_peak_gib"], 3)
+        summary[r["scaling"]] = {k: r.get(k) for k in ("num_gpus", "status", "tokens_per_s", "speedup_vs_1gpu",
+                                                       "host_peak_gib", "host_peak_vs_1gpu", "gpu_peak_gib",
+                                                       "pcie_per_gpu_per_step")}
+    result["summary"] = summary
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
