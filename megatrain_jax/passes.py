@@ -78,11 +78,13 @@ class PassRunner:
 
     # ------------------------------------------------------------------ moving parts
     def fetch(self, p: Pass, op: Op):
+        """A part onto the devices (each its shard, over its own PCIe link), then whole on each of them."""
         if op.part in self.resident:
-            p.params[op.part] = self.resident[op.part].stream
+            shards = self.resident[op.part].stream
         else:
             self.policy.ready(op.part)
-            p.params[op.part] = self.placement.to_device(self.state[op.part].streamed())
+            shards = self.placement.to_device(self.state[op.part].streamed())
+        p.params[op.part] = self.fns.gather(shards)
         return p.params[op.part]
 
     def release(self, p: Pass, op: Op):
@@ -146,6 +148,7 @@ class PassRunner:
             grads, p.io_grads = p.io_grads, None
         else:
             grads, p.grads = p.grads, None
+        grads = self.fns.reduce(grads)  # each device's gradient summed over the devices, as shards
         if p.accumulate:
             earlier = self._grads[part]
             grads = self.fns.add(grads, earlier if resident else self.placement.to_device(earlier))

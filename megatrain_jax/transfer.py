@@ -75,7 +75,8 @@ class Placement:
         self.processes = len({d.process_index for d in self.devices})
         self.device = NamedSharding(mesh, PartitionSpec(), memory_kind="device")  # replicated
         self.host = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
-        self.rows = NamedSharding(mesh, PartitionSpec(DATA), memory_kind="device")  # batches: by row
+        # Batches: by row (on one device the replicated spec, which is what single-device programs produce).
+        self.rows = NamedSharding(mesh, PartitionSpec(DATA) if self.size > 1 else PartitionSpec(), memory_kind="device")
 
     @property
     def on_gpu(self) -> bool:
