@@ -75,6 +75,18 @@ def limit_host_pool(nbytes: int | None) -> bool:
     return True
 
 
+def visible_gpus() -> int:
+    """How many GPUs this process will see, read without starting JAX (``CUDA_VISIBLE_DEVICES``, else the
+    NVIDIA driver's list); 1 where neither says."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return max(1, len([d for d in listed.split(",") if d.strip() and d.strip() != "-1"]))
+    try:
+        return max(1, len(os.listdir("/proc/driver/nvidia/gpus")))
+    except OSError:
+        return 1
+
+
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/megatrain_jax/jax_cache`` (``~/.cache/...`` when XDG_CACHE_HOME is unset)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -99,18 +99,22 @@ def gpu_fraction() -> float:
     return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_FRACTION))
 
 
-def fitted_pool_limit(pinned: int, host_ram_bytes: int | None) -> int | None:
+def fitted_pool_limit(pinned: int, host_ram_bytes: int | None, devices: int = 1) -> int | None:
     """The cap on XLA's pinned pool for ``pinned`` bytes of pinned arrays, as ``megatrain-jax train`` sets
     it before JAX starts (``_environment.limit_host_pool``): the arrays plus 10% and 4 GiB of headroom, in
     whole GiB, at most 90% of RAM. The pool then stops growing where the arrays end instead of doubling
     past them (up to twice their size, in memory nothing else can use). None where neither is known; an
-    explicit ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` set by the user wins."""
+    explicit ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` set by the user wins.
+
+    XLA keeps one pinned pool per GPU, each under that cap, and the state is spread over the GPUs: with
+    several, each pool gets its share of the arrays plus 10%, and a share of the headroom (at least 2 GiB)."""
     from megatrain_jax._environment import user_host_pool_limit
     user = user_host_pool_limit()
     if user is not None:
         return user
-    cap = None if host_ram_bytes is None else int(HOST_POOL_FRACTION * host_ram_bytes / GiB) * GiB
-    fitted = math.ceil((pinned * (1 + POOL_HEADROOM[0]) + POOL_HEADROOM[1]) / GiB) * GiB
+    cap = None if host_ram_bytes is None else int(HOST_POOL_FRACTION * host_ram_bytes / GiB / devices) * GiB
+    headroom = POOL_HEADROOM[1] if devices == 1 else max(POOL_HEADROOM[1] / devices, 2 * GiB)
+    fitted = math.ceil((pinned / devices * (1 + POOL_HEADROOM[0]) + headroom) / GiB) * GiB
     return fitted if cap is None else min(fitted, cap)
 
 
@@ -118,8 +122,10 @@ def fit_host_pool(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows
                   **plan_kw) -> bool:
     """Before JAX starts its GPU backend: cap XLA's pinned pool at what this run pins
     (``fitted_pool_limit``), as ``megatrain-jax train`` does. Returns whether the cap was set (not where the
-    user set one, nor once JAX's backends have started)."""
-    from megatrain_jax._environment import limit_host_pool, physical_ram_bytes
+    user set one, nor once JAX's backends have started). ``devices`` (in ``plan_kw``) defaults to the GPUs
+    this process will see: the engine spreads over all of them by default."""
+    from megatrain_jax._environment import limit_host_pool, physical_ram_bytes, visible_gpus
+    plan_kw.setdefault("devices", visible_gpus())
     p = plan(model_cfg, engine_cfg, batch_rows, seq_len, host_ram_bytes=physical_ram_bytes(), detect=False,
              **plan_kw)
     return limit_host_pool(p.host_pool_limit)
@@ -197,16 +203,20 @@ class _Ledger:
 
 
 def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int,
-              flash: bool) -> tuple[dict[str, int], str]:
-    """Walk one optimizer step of the engine's schedule: the peak's items (bytes) and the op it happens in."""
+              flash: bool, devices: int = 1) -> tuple[dict[str, int], str]:
+    """Walk one optimizer step of the engine's schedule: the peak's items (bytes) and the op it happens in,
+    on one GPU of ``devices``: each holds its rows, its shard of the resident parts and of each fetched
+    part, and each fetched part whole once gathered."""
     from megatrain_jax.parts import IO, PartId
     ab = 2 if c.dtype in ("bfloat16", "float16") else 4
     Pl, Pio, M = layer_param_count(c), io_param_count(c), e.micro_batches
+    rows = rows // devices
+    fetched = 1 if devices == 1 else 1 + 1 / devices  # the shard, and the part whole once gathered
     act = rows // M * seq_len * c.hidden * ab  # one boundary activation of one micro-batch
     on_gpu = {IO} if e.resident_io else set()
     on_gpu |= {PartId.block(i) for i in range(e.resident_layers)}
     # fp32 master + Adam moments + the compute copy (a second fp32 copy when float32 is streamed)
-    resident = (e.resident_layers * Pl + (Pio if e.resident_io else 0)) * (12 + sb)
+    resident = (e.resident_layers * Pl + (Pio if e.resident_io else 0)) * (12 + sb) // devices
     batches = rows * seq_len * (BATCH_BYTES_PER_TOKEN + (0 if flash else 4))
     W, A, G = "streamed weights of the io part and blocks", "boundary activations", "gradient accumulators, float32"
     R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
@@ -221,6 +231,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
             kept = part in on_gpu
             io = kind == "head" or (part is not None and part.is_io)  # the head accumulates the io gradient
             weights, grad = (Pio * sb, Pio * 4) if io else (Pl * sb, Pl * 4)
+            weights = int(weights * fetched)
             temp, why = _transient(c, kind, rows // M, seq_len, sb, flash)
             out, ops = 0, 1  # bytes the op allocates; device operations it issues (transfers count)
             if kind == "fetch":
@@ -313,6 +324,12 @@ class MemoryPlan:
     host_pool_limit: int | None = None  # XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB in bytes
     host_pool_fitted: bool = True  # the cap is fitted to this plan's pinned arrays (not given)
     gpu_peak_at: str = ""  # the op during which the GPU peaks
+    devices: int = 1  # GPUs the run spreads over: ``gpu`` is one GPU's, ``host`` the whole host's
+
+    @property
+    def pinned_per_pool(self) -> int:
+        """Pinned bytes in each GPU's pool (the state is spread over the GPUs)."""
+        return -(-self.host_pinned // self.devices)
 
     @property
     def params(self) -> int:
@@ -328,7 +345,7 @@ class MemoryPlan:
 
     @property
     def host_fits(self) -> bool:
-        pool_ok = self.host_pool_limit is None or self.host_pinned <= self.host_pool_limit
+        pool_ok = self.host_pool_limit is None or self.pinned_per_pool <= self.host_pool_limit
         return pool_ok and (self.host_available is None or self.host_total <= self.host_available)
 
     @property
@@ -344,7 +361,8 @@ class MemoryPlan:
         args = dict(model_cfg=self.model_cfg, engine_cfg=self.engine_cfg, batch_rows=self.batch_rows,
                     seq_len=self.seq_len, stream_dtype=self.stream_dtype, host_ram_bytes=self.host_available,
                     gpu_bytes=self.gpu_available, packed=self.packed, loaded_copy=self.loaded_copy,
-                    host_pool_limit=None if self.host_pool_fitted else self.host_pool_limit, detect=False)
+                    host_pool_limit=None if self.host_pool_fitted else self.host_pool_limit, detect=False,
+                    devices=self.devices)
         args.update(changes)
         return plan(**args)
 
@@ -385,7 +403,7 @@ class MemoryPlan:
                        f"of {avail / GiB:.2f} available: " + ("fits" if total <= avail
                                                                else f"OVER by {(total - avail) / GiB:.2f} GiB"))
             lines.append(f"    {'total':<94s} {total / GiB:8.2f}  {verdict}")
-            if items is self.host and self.host_pool_limit is not None and self.host_pinned > self.host_pool_limit:
+            if items is self.host and self.host_pool_limit is not None and self.pinned_per_pool > self.host_pool_limit:
                 lines.append(f"    OVER by {(self.host_pinned - self.host_pool_limit) / GiB:.2f} GiB: "
                              f"{self.host_pinned / GiB:.2f} GiB of pinned arrays, XLA's pinned pool is capped at "
                              f"{self.host_pool_limit / GiB:.0f} GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)")
@@ -513,7 +531,7 @@ class MemoryPlan:
 def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
          stream_dtype: str | None = None, host_ram_bytes: int | None = None, gpu_bytes: int | None = None,
          *, packed: bool = False, loaded_copy: bool = False, detect: bool = True,
-         host_pool_limit: int | None = None) -> MemoryPlan:
+         host_pool_limit: int | None = None, devices: int = 1) -> MemoryPlan:
     """The memory needed to train ``model_cfg`` on batches of ``batch_rows`` x ``seq_len`` tokens.
 
     ``stream_dtype`` is the dtype of the weights sent to the GPU (default: ``engine_cfg.stream_dtype``, else
@@ -522,9 +540,14 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     MemAvailable; GPU: the allocator's bytes_limit). XLA's pinned pool is capped at ``host_pool_limit``
     (default: ``fitted_pool_limit``, as ``megatrain-jax train`` sets it). ``packed`` rows have segment
     masks, which take attention off the cuDNN flash path and materialize the score matrix. ``loaded_copy``:
-    the model object holds float32 weights loaded from a checkpoint for the whole run.
+    the model object holds float32 weights loaded from a checkpoint for the whole run. ``devices``: the GPUs
+    the run spreads over (per-GPU figures are one GPU's; host figures the whole host's, with one pinned
+    pool per GPU).
     """
     c, e = model_cfg, engine_cfg
+    if devices < 1 or batch_rows % (e.micro_batches * devices):
+        raise ValueError(f"batch_rows={batch_rows} must be divisible by micro_batches x devices = "
+                         f"{e.micro_batches} x {devices}")
     if batch_rows < 1 or seq_len < 1 or batch_rows % e.micro_batches:
         raise ValueError(f"batch_rows={batch_rows} must be >= 1 and divisible by micro_batches={e.micro_batches}; "
                          f"seq_len={seq_len} must be >= 1")
@@ -555,11 +578,12 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     arrays = sum(pinned.values())
     fitted = host_pool_limit is None
     if fitted:
-        host_pool_limit = fitted_pool_limit(arrays, host_ram_bytes)
-    pool = pinned_pool_bytes(arrays, host_pool_limit)
+        host_pool_limit = fitted_pool_limit(arrays, host_ram_bytes, devices)
+    pool = devices * pinned_pool_bytes(-(-arrays // devices), host_pool_limit)
     host = {f"pinned: {k}": v for k, v in pinned.items()}
     cap = "" if host_pool_limit is None else f" of at most {host_pool_limit / GiB:.0f}"
-    host[f"XLA's pinned pool rounds up: regions double from 2 MiB (pool {pool / GiB:.1f}{cap} GiB)"] = (
+    pools = "" if devices == 1 else f"{devices} pools, one per GPU, each"
+    host[f"XLA's pinned pool rounds up: regions double from 2 MiB ({pools}pool {pool / GiB:.1f}{cap} GiB)"] = (
         max(pool - arrays, 0))
     host["CUDA driver's bookkeeping of pinned memory (3.1% of the pool, measured)"] = int(pool * PINNED_RSS_OVERHEAD)
     host.update({f"pageable: {k}": v for k, v in pageable.items()})
@@ -572,6 +596,6 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
 
     ab = 2 if c.dtype in ("bfloat16", "float16") else 4
     flash = c.attention_impl == "cudnn" or (c.attention_impl == "auto" and ab == 2 and not packed)
-    gpu, at = _gpu_peak(c, e, batch_rows, seq_len, sb, flash)
+    gpu, at = _gpu_peak(c, e, batch_rows, seq_len, sb, flash, devices)
     return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed,
-                      loaded_copy, arrays, host_pool_limit, fitted, at)
+                      loaded_copy, arrays, host_pool_limit, fitted, at, devices)

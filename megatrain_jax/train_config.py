@@ -20,6 +20,8 @@ class TrainConfig:
       newest ``checkpoint_keep``; SIGTERM/SIGINT finish the step, save and exit. ``resume = True``
       continues from the newest complete checkpoint of ``checkpoint_dir`` (a fresh start when there is
       none); a string names a checkpoint (a root or one step's folder) to start from.
+    - ``devices``: how many GPUs to train on, the first of this process's (None: all of them; under
+      ``jax.distributed``, all devices of all processes). The state is spread over them, held once.
     """
 
     steps: int | None = None
@@ -30,6 +32,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     checkpoint_keep: int = 3
     resume: bool | str = False
+    devices: int | None = None
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 1:
@@ -41,6 +44,8 @@ class TrainConfig:
             raise ValueError(f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
+        if self.devices is not None and (not isinstance(self.devices, int) or self.devices < 1):
+            raise ValueError(f"devices must be an integer >= 1 (or None: every GPU), got {self.devices!r}")
         if self.resume is True and self.checkpoint_dir is None:
             raise ValueError("resume=True continues from checkpoint_dir: set checkpoint_dir too "
                              "(or give resume the path of a checkpoint)")

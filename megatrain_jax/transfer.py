@@ -37,6 +37,17 @@ def default_devices() -> list:
     return devices if devices[0].platform == "gpu" else devices[:1]
 
 
+def select_devices(count: int | None) -> list:
+    """The first ``count`` of ``default_devices()`` (all of them for None), or a ValueError saying what there is."""
+    devices = default_devices()
+    if count is None:
+        return devices
+    if count > len(devices):
+        raise ValueError(f"devices={count} asks for more devices than there are: {len(devices)} "
+                         f"({devices[0].platform}); lower devices, or leave it unset to use all of them")
+    return devices[:count]
+
+
 class Placement:
     """Where arrays live: the accelerators' memory and pinned host memory, over a one-axis mesh (``data``)
     of one or more devices, possibly of several processes.

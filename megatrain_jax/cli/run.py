@@ -16,7 +16,7 @@ from typing import TextIO
 import jax
 from flax import nnx
 
-from megatrain_jax._environment import host_pool_limit
+from megatrain_jax._environment import host_pool_limit, visible_gpus
 from megatrain_jax.checkpoint import committed_steps
 from megatrain_jax.cli.config_file import RunConfig, to_dict, to_toml
 from megatrain_jax.evaluate import eval_hook
@@ -128,7 +128,9 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     run_dir = Path(t.run_dir)
     model_cfg = cfg.model.build()
 
-    kw = dict(packed=d.mode == "packed", loaded_copy=cfg.model.hf_checkpoint is not None)
+    gpus = visible_gpus()
+    kw = dict(packed=d.mode == "packed", loaded_copy=cfg.model.hf_checkpoint is not None,
+              devices=min(t.devices or gpus, gpus))
     fit_host_pool(model_cfg, cfg.engine, d.batch_size, d.seq_len, **kw)  # before JAX starts its GPU backend
     memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_pool_limit=host_pool_limit(), **kw)
     if t.memory_check:
