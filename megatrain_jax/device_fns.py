@@ -114,7 +114,7 @@ class DeviceFns:
                                     if s == ROWS else jax.lax.psum(g[0], DATA), t, specs)
             per_device = jax.shard_map(total, mesh=self.mesh, in_specs=STACKED, out_specs=specs, check_vma=False)
             named = jax.tree.map(lambda s: NamedSharding(self.mesh, s, memory_kind="device"), specs)
-            return jax.jit(per_device, out_shardings=named, donate_argnums=(0,))
+            return jax.jit(per_device, out_shardings=named)
         return self._per_structure(self._reduces, stacked, build, shape=lambda x: x.shape[1:])(stacked)
 
     # ------------------------------------------------------------------ per-device bodies

@@ -30,7 +30,7 @@ from megatrain_jax.optim import check_partwise
 from megatrain_jax.parts import IO, Params, Part, PartId
 from megatrain_jax.passes import Pass, PassRunner, device_batches
 from megatrain_jax.schedule import eval_ops, step_ops
-from megatrain_jax.transfer import Placement
+from megatrain_jax.transfer import Placement, local_value
 from megatrain_jax.update_policy import NonFiniteError, UpdatePolicy
 
 __all__ = ["Engine", "EngineConfig", "NonFiniteError", "StepOutput"]
@@ -47,7 +47,7 @@ class StepOutput:
     dispatch_s: float  # host time spent issuing the step's work
 
     def resolve(self) -> dict[str, float]:
-        loss, norm = float(self.loss), float(self.grad_norm)
+        loss, norm = float(local_value(self.loss)), float(local_value(self.grad_norm))
         return {"step": self.step, "loss": loss, "grad_norm": norm, "tokens": self.tokens,
                 "dispatch_s": self.dispatch_s, "skipped": not (math.isfinite(loss) and math.isfinite(norm))}
 
@@ -169,8 +169,8 @@ class Engine:
             micro = device_batches(self.placement, batch.filled(), n_micro)
             p = Pass(micro, keep_inputs=False)
             self._runner.run(p, eval_ops(self.lm.n_blocks, n_micro, self.cfg.prefetch_depth))
-            nll += float(sum(p.losses))
-            count += float(self.fns.mask_sum([m.loss_mask for m in micro]))
+            nll += float(local_value(sum(p.losses)))
+            count += float(local_value(self.fns.mask_sum([m.loss_mask for m in micro])))
         return nll, count
 
     # ------------------------------------------------------------------ reading and restoring state

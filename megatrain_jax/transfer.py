@@ -145,8 +145,11 @@ class Placement:
         return jax.tree.map(one, tree)
 
     def to_host(self, tree: Any) -> Any:
-        """Asynchronous copy into pinned host memory, each leaf spread by ``spec``."""
-        return jax.tree.map(lambda x: jax.device_put(x, self.host_for(x)), tree)
+        """Asynchronous copy into pinned host memory, each leaf spread by ``spec``. Host values go through
+        ``copy_to_host``: a ``device_put`` of a numpy value onto several processes' devices first checks,
+        with a collective, that every process passed the same value (a deadlock on the update thread)."""
+        return jax.tree.map(lambda x: jax.device_put(x, self.host_for(x)) if isinstance(x, jax.Array)
+                            else self.copy_to_host(np.asarray(x)), tree)
 
     def to_pinned(self, tree: Any) -> Any:
         """Each leaf in pinned host memory: pinned jax arrays as they are, anything else copied there (a
@@ -187,10 +190,15 @@ class Placement:
         return out
 
     def scalar(self, x: Any) -> np.ndarray:
-        """A replicated (or numpy) scalar's value, read from this process's copy."""
-        if isinstance(x, jax.Array):
-            x = x.addressable_shards[0].data
-        return np.asarray(jax.device_get(x))
+        return local_value(x)
+
+
+def local_value(x: Any) -> np.ndarray:
+    """A replicated array's (or numpy or Python value's) value, read from this process's copy: with several
+    processes a global array cannot be read whole, but each process holds a replicated one entirely."""
+    if isinstance(x, jax.Array):
+        x = x.addressable_shards[0].data
+    return np.asarray(jax.device_get(x))
 
 
 def _index_key(index: tuple, shape: tuple) -> tuple:

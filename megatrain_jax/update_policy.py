@@ -46,7 +46,7 @@ from megatrain_jax.host_state import HostState
 from megatrain_jax.host_updater import HostUpdater
 from megatrain_jax.parts import Params, Part, PartId
 from megatrain_jax.resident import DeviceUpdater
-from megatrain_jax.transfer import Placement
+from megatrain_jax.transfer import Placement, local_value
 
 
 class NonFiniteError(FloatingPointError):
@@ -91,7 +91,7 @@ class StepDecision:
         """Read the decision on the host (waits for the norm); idempotent."""
         with self._lock:
             if self._applies is None:
-                self._applies = bool(self.ok)
+                self._applies = bool(local_value(self.ok))
             return self._applies
 
     @property

@@ -4,6 +4,8 @@ checkpoint across device counts. tests/conftest.py forces 4 CPU devices."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 import optax
@@ -153,3 +155,42 @@ def test_placement_refuses_a_mesh_with_other_axes():
     mesh = jax.sharding.Mesh(np.array(devices(4)).reshape(2, 2), ("data", "model"))
     with pytest.raises(ValueError, match="one axis 'data'"):
         Placement(mesh=mesh)
+
+
+def test_two_processes_with_jax_distributed_equal_one_device(tmp_path):
+    """Two processes on this machine (jax.distributed, gloo, 2 CPU devices each), each feeding its own
+    rows: the same losses and parameters as one device trained on the whole batches."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mesh_case import ADAMW as TX, ENGINE, MODEL, batches
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).with_name("multiprocess_worker.py")
+    out = tmp_path / "params.npz"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, str(worker), f"127.0.0.1:{port}", str(i), str(out)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+
+    model = Decoder(MODEL, rngs=nnx.Rngs(0))
+    engine = Engine(model, TX(), ENGINE, devices=devices(1))
+    losses = [float(engine.step(b).loss) for b in batches()]
+    engine.sync()
+    ref = [np.asarray(x) for x in jax.tree.leaves(engine.state.params())]
+    got = [np.full(r.shape, np.nan, np.float32) for r in ref]
+    for i in range(2):
+        saved = np.load(f"{out}.{i}.npz")
+        np.testing.assert_allclose(saved["losses"], losses, rtol=TOL)
+        for name in saved.files:
+            if name != "losses":
+                n, start = map(int, name.split("_"))
+                piece = saved[name]
+                got[n][start:start + len(piece)] = piece if got[n].ndim else piece
+    for n, (x, r) in enumerate(zip(got, ref)):
+        assert np.linalg.norm(x - r) <= TOL * max(np.linalg.norm(r), 1e-30), n  # NaN: a piece no process had

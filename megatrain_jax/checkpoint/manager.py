@@ -91,6 +91,12 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, keep: int | None = 3, checksum: bool = True,
                  read_only: bool = False):
+        import jax
+        if jax.process_count() > 1:
+            raise NotImplementedError(
+                "checkpoints are not supported yet when training runs in several processes (jax.distributed): "
+                "each process holds only its devices' rows of the state. Checkpoints work in one process (one "
+                "host, with any number of its GPUs); or train without checkpoint_dir/resume")
         self.root = Path(directory).absolute()
         self.checksum = checksum
         if not read_only:  # a writer owns the directory: what a killed save left behind goes

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from megatrain_jax import distributed
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError
 from megatrain_jax.cli.config_file import ConfigError, load_config, parse_config
 from megatrain_jax.layered import ContractError
@@ -161,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         args.command, args.overrides = "demo", []
     try:
+        if args.command == "train" and distributed.requested():  # several processes: before JAX starts
+            distributed.initialize()
         return COMMANDS[args.command](args)
     except (ValueError, MemoryPlanError, FileNotFoundError, FileExistsError, ImportError, NotImplementedError,
             CorruptCheckpointError, ContractError) as e:

@@ -96,11 +96,12 @@ class TokenDataset:
         return len(self.starts)
 
     def batches(self, batch_size: int, *, seed: int = 0, shuffle: bool | None = None, loop: bool | None = None,
-                state: dict | None = None) -> "TokenBatches":
-        """Batches of this split; by default the train split shuffles and loops, eval runs once in order."""
+                state: dict | None = None, process: tuple[int, int] = (0, 1)) -> "TokenBatches":
+        """Batches of this split; by default the train split shuffles and loops, eval runs once in order.
+        ``process=(index, count)``: this process's rows of each batch (see ``TokenBatches``)."""
         train = self.split == "train"
         return TokenBatches(self, batch_size, seed=seed, shuffle=train if shuffle is None else shuffle,
-                            loop=train if loop is None else loop, state=state)
+                            loop=train if loop is None else loop, state=state, process=process)
 
 
 class TokenBatches:
@@ -108,12 +109,21 @@ class TokenBatches:
 
     Looping iterators drop an epoch's last incomplete batch; a one-pass iterator pads it with rows whose
     ``loss_mask`` is 0, so evaluation sees every unit with a fixed batch shape.
+
+    ``process=(index, count)``: with several processes (``jax.distributed``) each yields only its own
+    ``batch_size / count`` rows of every global batch (process ``index``'s contiguous share). The state is
+    the global position, the same in every process, so a run resumes under any number of processes.
     """
 
     def __init__(self, dataset: TokenDataset, batch_size: int, *, seed: int = 0, shuffle: bool = True,
-                 loop: bool = True, state: dict | None = None):
+                 loop: bool = True, state: dict | None = None, process: tuple[int, int] = (0, 1)):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        index, count = process
+        if not 0 <= index < count or batch_size % count:
+            raise ValueError(f"batch_size={batch_size} must split evenly over {count} processes (process "
+                             f"{index}): use a batch size divisible by the number of processes")
+        self.process = (int(index), int(count))
         if loop and len(dataset) < batch_size:
             raise ValueError(f"the {dataset.split} split has {len(dataset)} units, fewer than batch_size="
                              f"{batch_size}; use more data or a smaller batch")
@@ -164,7 +174,9 @@ class TokenBatches:
             if len(rows) == self.batch_size or (not self.loop and rows):
                 self.cursor = cursor
                 self.batches_done += 1
-                return self._assemble(rows)
+                index, count = self.process
+                share = self.batch_size // count
+                return self._assemble(rows[index * share:(index + 1) * share])
             if not self.loop:
                 raise StopIteration
             self.epoch, self.cursor = self.epoch + 1, 0  # drop the incomplete tail, reshuffle
@@ -188,7 +200,7 @@ class TokenBatches:
         return rows, cursor
 
     def _assemble(self, rows: list[list[int]]) -> Batch:
-        d, B, T = self.dataset, self.batch_size, self.dataset.seq_len
+        d, B, T = self.dataset, self.batch_size // self.process[1], self.dataset.seq_len
         tokens = d.file.tokens
         inputs, targets = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
         mask, positions, seg = np.zeros((B, T), np.float32), np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
@@ -369,11 +381,18 @@ class DataConfig:
     def build(self, model_vocab: int | None = None,
               state: dict | None = None) -> Prefetcher | TokenBatches:
         """The endless, shuffled training stream (prefetched when ``prefetch > 0``), resumed from ``state``."""
-        it = self.dataset("train", model_vocab).batches(self.batch_size, seed=self.seed, state=state)
+        it = self.dataset("train", model_vocab).batches(self.batch_size, seed=self.seed, state=state,
+                                                        process=_this_process())
         return prefetch(it, self.prefetch) if self.prefetch > 0 else it
 
     def build_eval(self, model_vocab: int | None = None) -> TokenBatches:
         """One ordered pass over the held-out split (needs ``eval_fraction > 0``)."""
         if self.eval_fraction <= 0:
             raise ValueError("evaluation needs a held-out split: set eval_fraction > 0 in the data config")
-        return self.dataset("eval", model_vocab).batches(self.batch_size, seed=self.seed)
+        return self.dataset("eval", model_vocab).batches(self.batch_size, seed=self.seed, process=_this_process())
+
+
+def _this_process() -> tuple[int, int]:
+    """``(index, count)`` of this process among JAX's (``jax.distributed``); ``(0, 1)`` alone."""
+    import jax
+    return jax.process_index(), jax.process_count()
