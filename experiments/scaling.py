@@ -60,7 +60,7 @@ def worker(args) -> None:
     """One run, on the GPUs CUDA_VISIBLE_DEVICES leaves; writes its record to ``args.worker_out``."""
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    from bench import CONFIGS, gpu_peak_gib, host_peak_gib, run_config  # noqa: E402 (sets the memory fraction)
+    from bench import CONFIGS, run_config  # noqa: E402 (sets the memory fraction)
 
     from megatrain_jax import preset
     from megatrain_jax.memory_plan import fit_host_pool
@@ -77,13 +77,11 @@ def worker(args) -> None:
         captured["pcie"] = pcie_bytes_per_gpu(engine, bc.engine.micro_batches)
 
     run = run_config(args.config, bc, args.warmup, args.steps, on_engine=keep_engine, profile=False)
-    run["num_gpus"] = len(jax.devices())
     run["rows_per_gpu"] = bc.rows // len(jax.devices())
     run["tokens_per_gpu_per_step"] = bc.rows * bc.seq_len // len(jax.devices())
     run["pcie_per_gpu_per_step"] = captured.get("pcie")
     run["gpu_peak_gib_per_device"] = [round((d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2)
                                       for d in jax.devices()]
-    run.update(host_peak_gib=host_peak_gib(), gpu_peak_gib=gpu_peak_gib())
     with open(args.worker_out, "w") as f:
         json.dump(run, f)
 

@@ -20,7 +20,6 @@ Losses are summed over the mesh. On one device there is nothing to gather, stack
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -37,6 +36,10 @@ from megatrain_jax.transfer import DATA, Placement
 ROWS = PartitionSpec(DATA)
 WHOLE = PartitionSpec()
 STACKED = PartitionSpec(DATA)
+
+
+def _mask_sum(masks: list) -> jax.Array:
+    return sum(jnp.sum(m) for m in masks)
 
 
 def _sq_norm(tree: Params) -> jax.Array:
@@ -65,8 +68,8 @@ class DeviceFns:
         self._reduces: dict[Any, Any] = {}
         self.sq_norm = jax.jit(_sq_norm)
         self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
-        self.mask_sum = jax.jit(lambda masks: sum(jnp.sum(m) for m in masks))  # the loss tokens of a batch
-        self.inv_count = jax.jit(lambda masks: 1.0 / jnp.maximum(sum(jnp.sum(m) for m in masks), 1.0))
+        self.mask_sum = jax.jit(_mask_sum)  # the loss tokens of a batch
+        self.inv_count = jax.jit(lambda masks: 1.0 / jnp.maximum(_mask_sum(masks), 1.0))
 
     # ------------------------------------------------------------------ programs
     def _spmd(self, body: Callable, in_specs: tuple, out_specs: Any, donate_argnums: tuple = ()):

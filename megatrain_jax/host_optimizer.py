@@ -36,7 +36,7 @@ from megatrain_jax import host_kernel
 from megatrain_jax.optim import AdamWState, fused_spec
 from megatrain_jax.parts import Params, Part
 from megatrain_jax.resident import apply_scaled_update, stream_copy
-from megatrain_jax.transfer import Placement, pageable_zeros
+from megatrain_jax.transfer import Placement, local_value, pageable_zeros
 
 Route = Literal["fused", "host", "device"]
 
@@ -46,7 +46,7 @@ def _pointers_writable(placement: Placement) -> bool:
     x = placement.copy_to_host(np.zeros((), np.float32))
     jax.block_until_ready(x)
     ctypes.memmove(x.addressable_shards[0].data.unsafe_buffer_pointer(), np.float32(7).tobytes(), 4)
-    return float(placement.scalar(x)) == 7.0
+    return float(local_value(x)) == 7.0
 
 
 class HostOptimizer:
@@ -168,7 +168,7 @@ class HostOptimizer:
         return Part(part.params, self._counted(part.opt, t), part.stream)
 
     def _next_count(self, state: AdamWState) -> int:
-        return int(self.placement.scalar(state.count)) + 1
+        return int(local_value(state.count)) + 1
 
     def _counted(self, state: AdamWState, t: int) -> AdamWState:
         # From numpy straight into pinned memory: no accelerator round trip per part and step.

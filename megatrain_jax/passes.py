@@ -16,7 +16,6 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 
 from megatrain_jax.batch import Batch
 from megatrain_jax.device_fns import DeviceFns

@@ -189,9 +189,6 @@ class Placement:
             out.setdefault(_index_key(shard.index, x.shape), []).append(shard.data.unsafe_buffer_pointer())
         return out
 
-    def scalar(self, x: Any) -> np.ndarray:
-        return local_value(x)
-
 
 def local_value(x: Any) -> np.ndarray:
     """A replicated array's (or numpy or Python value's) value, read from this process's copy: with several

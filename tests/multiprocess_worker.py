@@ -23,7 +23,7 @@ from flax import nnx  # noqa: E402
 
 from megatrain_jax import Decoder, Engine  # noqa: E402
 from megatrain_jax.transfer import host_view  # noqa: E402
-from mesh_case import ADAMW, ENGINE, MODEL, STEPS, batches  # noqa: E402
+from mesh_case import ADAMW, ENGINE, MODEL, batches  # noqa: E402
 
 engine = Engine(Decoder(MODEL, rngs=nnx.Rngs(0)), ADAMW(), ENGINE)
 assert engine.placement.size == 4 and engine.placement.processes == 2, engine.placement.devices
