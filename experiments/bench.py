@@ -126,9 +126,10 @@ def breakdown(engine: Engine, data, step_time: float) -> dict:
 
 
 def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: int = 0,
-               timeline_steps: int = 0, on_engine=None, profile: bool = True) -> dict:
+               timeline_steps: int = 0, on_engine=None, profile: bool = True, trace_dir: str | None = None) -> dict:
     """One configuration's record. ``on_engine(engine)`` is called once the engine is built (scaling.py
-    reads its shard sizes); ``profile=False`` skips the synchronized breakdown step."""
+    reads its shard sizes); ``profile=False`` skips the synchronized breakdown step; ``trace_dir`` adds one
+    step under ``jax.profiler.trace`` (not timed) and its per-GPU summary (``trace_summary.py``)."""
     cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
     tokens_per_step = bc.rows * bc.seq_len
     run = {"system": "megatrain_jax", "config": name,
@@ -150,7 +151,7 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
         run["host_optimizer"] = {"fused": "fused C++ AdamW kernel", "host": "JAX host computation",
                                  "device": "JAX on the GPU (state sent there and back)"}.get(engine.update_route,
                                                                                              engine.update_route)
-        n_steps = warmup + timed + int(profile) + timeline_steps
+        n_steps = warmup + timed + int(profile) + timeline_steps + int(trace_dir is not None)
         toks, starts = demo_tokens(cfg.vocab_size, n_steps * tokens_per_step * 2 + bc.seq_len + 1, seed=0)
         data = iter(TokenDataset(TokenFile.from_array(toks, cfg.vocab_size, starts), bc.seq_len).batches(bc.rows))
         records = []
@@ -167,6 +168,12 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
                    losses=[round(r["loss"], 4) for r in records], grad_norms=[round(r["grad_norm"], 4) for r in records],
                    step_times=[round(r["step_time_s"], 4) for r in records],
                    dispatch_s=round(statistics.median(r["dispatch_s"] for r in timed_recs), 4))
+        if trace_dir is not None:
+            from trace_summary import summarize
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                engine.step(next(data)).resolve()
+                engine.sync()
+            run["trace"] = summarize(trace_dir)
         if profile:  # one step with a sync after every op, so each category's time is its own
             run["breakdown"] = breakdown(engine, data, step_time)
         if timeline_steps:

@@ -22,9 +22,11 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,7 +78,8 @@ def worker(args) -> None:
     def keep_engine(engine):
         captured["pcie"] = pcie_bytes_per_gpu(engine, bc.engine.micro_batches)
 
-    run = run_config(args.config, bc, args.warmup, args.steps, on_engine=keep_engine, profile=False)
+    run = run_config(args.config, bc, args.warmup, args.steps, on_engine=keep_engine, profile=False,
+                     trace_dir=args.trace_dir and os.path.join(args.trace_dir, args.kind))
     run["rows_per_gpu"] = bc.rows // len(jax.devices())
     run["tokens_per_gpu_per_step"] = bc.rows * bc.seq_len // len(jax.devices())
     run["pcie_per_gpu_per_step"] = captured.get("pcie")
@@ -94,7 +97,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per run")
     ap.add_argument("--out", help="path of the results JSON")
+    ap.add_argument("--trace-dir", help="also trace one step per run (jax.profiler) under DIR/<run>, and record "
+                                        "each GPU's compute, collective and idle time (trace_summary.py)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    ap.add_argument("--kind", help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker_out:
@@ -117,7 +123,9 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
             path = tmp.name
         cmd = [sys.executable, os.path.abspath(__file__), "--config", args.config, "--warmup", str(args.warmup),
-               "--steps", str(args.steps), "--rows", str(rows), "--worker-out", path]
+               "--steps", str(args.steps), "--rows", str(rows), "--worker-out", path, "--kind", kind]
+        if args.trace_dir:
+            cmd += ["--trace-dir", args.trace_dir]
         code = subprocess.run(cmd, env=env).returncode
         try:
             with open(path) as f:
@@ -125,6 +133,10 @@ def main(argv: list[str] | None = None) -> None:
         except (OSError, ValueError):
             run = {"config": args.config, "status": f"error: worker exited with {code} and no record"}
         run["scaling"] = kind
+        if args.trace_dir:  # the perfetto file, where a caller fetching a shallow folder finds it
+            traces = sorted(Path(args.trace_dir, kind).rglob("perfetto_trace.json.gz"))
+            if traces:
+                shutil.copy(traces[-1], Path(args.trace_dir, f"{kind}_perfetto.json.gz"))
         result["runs"].append(run)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

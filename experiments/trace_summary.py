@@ -1,0 +1,118 @@
+"""Where each GPU's time goes in a JAX profiler trace: compute kernels, collectives (NCCL), copies and idle.
+
+    python experiments/trace_summary.py TRACE_DIR        # a jax.profiler.trace(..., create_perfetto_trace=True) dir
+
+Reads the newest ``perfetto_trace.json.gz`` under the directory. For each GPU it takes the events of its
+stream lines (threads whose name holds "Stream"), classifies each as a collective (``nccl`` in its name),
+a copy (``memcpy``/``memset``) or compute (every other kernel), and reports, in milliseconds over the span
+from the device's first to its last event:
+
+- ``compute_ms``, ``collective_ms``, ``copy_ms``: the union of each class's intervals (overlaps counted once);
+- ``collective_exposed_ms``: collective time during which no compute kernel runs;
+- ``idle_ms``: time with neither compute nor a collective running (copies alone count as idle: the compute
+  engine is not working);
+- ``modules_ms``: total time per XLA program (the "XLA Modules" line), largest first;
+- ``top_collectives``: the collective kernels taking most time.
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import sys
+from pathlib import Path
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the union ``a`` not covered by the union ``b`` (both sorted, disjoint)."""
+    total, j = 0.0, 0
+    for start, end in a:
+        cursor = start
+        while j < len(b) and b[j][1] <= cursor:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cursor:
+                total += b[k][0] - cursor
+            cursor = max(cursor, b[k][1])
+            k += 1
+        if cursor < end:
+            total += end - cursor
+    return total
+
+
+def classify(name: str) -> str:
+    low = name.lower()
+    if "nccl" in low:
+        return "collective"
+    if "memcpy" in low or "memset" in low:
+        return "copy"
+    return "compute"
+
+
+def summarize(trace_dir: str | Path) -> dict:
+    files = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        return {"error": f"no perfetto_trace.json.gz under {trace_dir}"}
+    with gzip.open(files[-1]) as f:
+        events = json.load(f)["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpus = {pid: name for pid, name in processes.items() if "GPU" in name or "gpu" in name}
+    out = {"file": files[-1].name, "devices": {}}
+    for pid, gpu in sorted(gpus.items(), key=lambda kv: kv[1]):
+        spans: dict[str, list] = collections.defaultdict(list)
+        modules: collections.Counter = collections.Counter()
+        collectives: collections.Counter = collections.Counter()
+        lines = collections.Counter()
+        for e in events:
+            if e.get("pid") != pid or e.get("ph") != "X":
+                continue
+            line = threads.get((pid, e.get("tid")), "")
+            start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+            if "Module" in line:
+                modules[e["name"]] += end - start
+            if "Stream" not in line:
+                continue
+            lines[line] += end - start
+            kind = classify(e["name"])
+            spans[kind].append((start, end))
+            if kind == "collective":
+                collectives[e["name"][:80]] += end - start
+        everything = [iv for ivs in spans.values() for iv in ivs]
+        if not everything:
+            out["devices"][gpu] = {"lines": sorted(set(threads.get((pid, t), "") for (p, t) in threads if p == pid))}
+            continue
+        span = max(b for _, b in everything) - min(a for a, _ in everything)
+        compute, coll, copy = (_union(spans[k]) for k in ("compute", "collective", "copy"))
+        busy = _union(compute + coll)
+        ms = lambda us: round(us / 1e3, 2)
+        out["devices"][gpu] = {
+            "span_ms": ms(span), "compute_ms": ms(_length(compute)), "collective_ms": ms(_length(coll)),
+            "copy_ms": ms(_length(copy)), "collective_exposed_ms": ms(_minus(coll, compute)),
+            "idle_ms": ms(span - _length(busy)),
+            "stream_lines_ms": {k: ms(v) for k, v in lines.most_common(8)},
+            "modules_ms": {k[:80]: ms(v) for k, v in modules.most_common(12)},
+            "top_collectives": {k: ms(v) for k, v in collectives.most_common(6)},
+        }
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(summarize(sys.argv[1]), indent=1))
