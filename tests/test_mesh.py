@@ -155,40 +155,75 @@ def test_placement_refuses_a_mesh_with_other_axes():
         Placement(mesh=mesh)
 
 
-def test_two_processes_with_jax_distributed_equal_one_device(tmp_path):
-    """Two processes on this machine (jax.distributed, gloo, 2 CPU devices each), each feeding its own
-    rows: the same losses and parameters as one device trained on the whole batches."""
+def _launch_two_processes(out, *mode):
+    """Start tests/multiprocess_worker.py as two jax.distributed processes; returns the Popen objects."""
     import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    from mesh_case import ADAMW as TX, ENGINE, MODEL, batches
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     worker = Path(__file__).with_name("multiprocess_worker.py")
-    out = tmp_path / "params.npz"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, str(worker), f"127.0.0.1:{port}", str(i), str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    return [subprocess.Popen([sys.executable, str(worker), f"127.0.0.1:{port}", str(i), str(out), *map(str, mode)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+
+
+def _pieces_of_two_processes(procs, out, like):
+    """Wait for both processes; their losses and the parameters put together from each one's pieces."""
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
-
-    model = Decoder(MODEL, rngs=nnx.Rngs(0))
-    engine = Engine(model, TX(), ENGINE, devices=devices(1))
-    losses = [float(engine.step(b).loss) for b in batches()]
-    engine.sync()
-    ref = [np.asarray(x) for x in jax.tree.leaves(engine.state.params())]
-    got = [np.full(r.shape, np.nan, np.float32) for r in ref]
+    got = [np.full(r.shape, np.nan, np.float32) for r in like]
+    losses = []
     for i in range(2):
         saved = np.load(f"{out}.{i}.npz")
-        np.testing.assert_allclose(saved["losses"], losses, rtol=TOL)
+        losses.append(saved["losses"])
         for name in saved.files:
             if name != "losses":
                 n, start = map(int, name.split("_"))
                 piece = saved[name]
                 got[n][start:start + len(piece)] = piece if got[n].ndim else piece
-    for n, (x, r) in enumerate(zip(got, ref)):
-        assert np.linalg.norm(x - r) <= TOL * max(np.linalg.norm(r), 1e-30), n  # NaN: a piece no process had
+    np.testing.assert_array_equal(losses[0], losses[1])  # the loss is global: both processes report it
+    return losses[0], got
+
+
+def test_two_processes_with_jax_distributed_equal_one_device_and_checkpoint_across_layouts(tmp_path):
+    """Two processes on this machine (jax.distributed, gloo, 2 CPU devices each), each feeding its own rows:
+    the same losses and parameters as one device trained on the whole batches. Checkpoints cross process
+    layouts: the two processes save step 3 (each writing its own pieces) and one device resumes it; one
+    device saves step 3 and the two processes resume it. Both give the uninterrupted run's parameters."""
+    from mesh_case import ADAMW as TX, ENGINE, MODEL, batches
+
+    # One device: five steps straight, and its step-3 checkpoint for the two processes to resume.
+    engine = Engine(Decoder(MODEL, rngs=nnx.Rngs(0)), TX(), ENGINE, devices=devices(1))
+    ckpt = Checkpointer(tmp_path / "one")
+    losses = []
+    for b in batches():
+        losses.append(float(engine.step(b).loss))
+        if engine.state.step == 3:
+            ckpt.save(engine, wait=True)
+    ckpt.close()
+    engine.sync()
+    ref = [np.asarray(x) for x in jax.tree.leaves(engine.state.params())]
+
+    fresh = _launch_two_processes(tmp_path / "fresh", "save", tmp_path / "two")
+    resumed = _launch_two_processes(tmp_path / "resumed", "resume", tmp_path / "one")
+    for out, procs, want in ((tmp_path / "fresh", fresh, losses), (tmp_path / "resumed", resumed, losses[3:])):
+        got_losses, got = _pieces_of_two_processes(procs, out, ref)
+        np.testing.assert_allclose(got_losses, want, rtol=TOL)
+        for n, (x, r) in enumerate(zip(got, ref)):
+            assert np.linalg.norm(x - r) <= TOL * max(np.linalg.norm(r), 1e-30), n  # NaN: a piece no process had
+
+    # The two processes' checkpoint, resumed on one device.
+    model = Decoder(MODEL, rngs=nnx.Rngs(7))
+    one = Engine(model, TX(), ENGINE, devices=devices(1))
+    reader = Checkpointer(tmp_path / "two", read_only=True)
+    reader.restore(one, 3)
+    reader.close()
+    for b in batches()[3:]:
+        one.step(b)
+    one.sync()
+    for n, (x, r) in enumerate(zip(jax.tree.leaves(one.state.params()), ref)):
+        assert np.linalg.norm(np.asarray(x) - r) <= TOL * np.linalg.norm(r), n

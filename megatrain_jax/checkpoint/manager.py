@@ -21,11 +21,12 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import orbax.checkpoint as ocp
 
 from megatrain_jax.checkpoint.parts import expected_layout, rebuild_part
 from megatrain_jax.parts import PartId
-from megatrain_jax.checkpoint.store import PartsHandler, PartsRestore, PartsSave, Snapshot, verify_state_item
+from megatrain_jax.checkpoint.store import PartsHandler, PartsRestore, PartsSave, Snapshot, barrier, verify_state_item
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 _ITEMS = {"meta": "meta.json", "config": "config.json"}
@@ -91,19 +92,15 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, keep: int | None = 3, checksum: bool = True,
                  read_only: bool = False):
-        import jax
-        if jax.process_count() > 1:
-            raise NotImplementedError(
-                "checkpoints are not supported yet when training runs in several processes (jax.distributed): "
-                "each process holds only its devices' rows of the state. Checkpoints work in one process (one "
-                "host, with any number of its GPUs); or train without checkpoint_dir/resume")
         self.root = Path(directory).absolute()
         self.checksum = checksum
         if not read_only:  # a writer owns the directory: what a killed save left behind goes
             for tmp in unfinished_saves(self.root):
                 warnings.warn(f"skipping incomplete checkpoint {tmp} (its save never finished); removing it",
                               CheckpointWarning, stacklevel=2)
-                shutil.rmtree(tmp)
+                if jax.process_index() == 0:
+                    shutil.rmtree(tmp)
+            barrier("megatrain_cleaned")
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep, create=not read_only, read_only=read_only,
             save_interval_steps=0 if read_only else 1,
@@ -121,7 +118,9 @@ class Checkpointer:
         iterator's state) and ``config`` (the run configuration) are stored as JSON."""
         self.wait()  # one save at a time: the previous snapshot must be released before the next is gated
         engine.sync()  # the step's host updates run on a worker thread: let them land first
-        snapshot = Snapshot(engine.state)
+        # With several processes each holds only its devices' rows of the pageable arrays: Orbax writes
+        # global arrays, each process its own pieces (see store.Snapshot).
+        snapshot = Snapshot(engine.state, engine.placement.copy_to_host if jax.process_count() > 1 else None)
         if self._release_gate is not None:  # the previous save is committed: its gate has nothing left to hold
             self._release_gate()
         # The engine waits for a part to be written before it updates that part's host arrays (in place,
@@ -167,14 +166,19 @@ class Checkpointer:
         ``quarantine`` those are renamed aside (``N.corrupt``), so that step N can be written again; only
         when an older complete step exists, so a run never moves its last checkpoints out of sight."""
         found = self.scan()
+        if quarantine:
+            barrier("megatrain_scanned")  # every process has looked before any moves a step aside
         good = next((step for step, problem in found if problem is None), None)
         for step, problem in found:
             if problem is None:
                 break
             step_dir, note = self.root / str(step), ""
             if quarantine and good is not None:
+                # Every process found the same (the directory is shared); the first moves it.
                 aside = _free_name(step_dir.with_name(f"{step}.corrupt"))
-                step_dir.rename(aside)
+                if jax.process_index() == 0:
+                    step_dir.rename(aside)
+                barrier("megatrain_quarantined")
                 self._manager.reload()  # forget the step, so that it can be saved again
                 note = f"; moved aside to {aside.name}"
             warnings.warn(f"skipping corrupt checkpoint {step_dir}: {problem}{note}", CheckpointWarning,

@@ -16,11 +16,20 @@ it calls the gate the checkpointer installed (``Engine.hold_updates(snapshot.wai
 it until that part is written and released. So a save needs no
 extra copy of the state (at most one part, where pinned buffers cannot be viewed), and training
 overlaps the write until the next step's updates catch up with the writer.
+
+With several processes (``jax.distributed``) each holds only its devices' rows of the state. Each leaf is
+then written as one global array: pinned leaves already are global ``jax.Array``s, and numpy leaves are
+copied, one part at a time, into global pinned arrays (``Snapshot``'s ``to_global``). Orbax's array handler
+writes each process's own pieces into a per-process OCDBT database; after a barrier (the distributed
+runtime's key-value service, not a device collective: the writer runs beside training) the first process
+merges them and, at the end, writes the manifest. The files are the same as from one process, so a
+checkpoint restores under any process layout: a restore reads each part whole and keeps this process's rows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import threading
 import time
@@ -42,10 +51,15 @@ from megatrain_jax.transfer import host_view
 
 
 class Snapshot:
-    """One step's host state, held by reference part by part until the writer has written each part."""
+    """One step's host state, held by reference part by part until the writer has written each part.
 
-    def __init__(self, state: HostState):
+    ``to_global``: with several processes, what turns a numpy leaf (of which this process holds only its
+    devices' rows) into a global array in pinned memory, a copy of one part at a time; pinned leaves
+    already are global arrays. Orbax then writes each process's own pieces of every leaf."""
+
+    def __init__(self, state: HostState, to_global: Callable[[np.ndarray], jax.Array] | None = None):
         self.step = int(state.step)
+        self._to_global = to_global
         self._lock = threading.Lock()
         self._parts: dict[str, dict[str, Any]] = {part.name: named_leaves(tree) for part, tree in part_trees(state)}
         self._done = {name: threading.Event() for name in self._parts}
@@ -60,6 +74,8 @@ class Snapshot:
         if deleted:
             raise RuntimeError(f"part {name} of step {self.step} was overwritten during its save ({deleted[0]} "
                                f"was donated): the engine updated it without passing its update gate")
+        if self._to_global is not None:
+            return nest({k: v if isinstance(v, jax.Array) else self._to_global(v) for k, v in leaves.items()})
         return nest({k: host_view(v) for k, v in leaves.items()})
 
     def release(self, name: str) -> None:
@@ -123,9 +139,13 @@ class PartsHandler(ocp.AsyncCheckpointHandler):
             for name in snap.names:
                 path = epath.Path(directory / name)
                 self._tree.save(path, args=ocp.args.PyTreeSave(snap.take(name)))
-                self._tree.finalize(path)  # merges the per-process OCDBT database into the part's root
+                # With several processes each has written its own pieces into its own OCDBT database;
+                # the first merges them into the part's root once all are done.
+                barrier("megatrain_part_written")
+                self._tree.finalize(path)
                 snap.release(name)
-            write_manifest(directory, file_entries(directory, args.checksum), step=snap.step, parts=snap.names)
+            if jax.process_index() == 0:
+                write_manifest(directory, file_entries(directory, args.checksum), step=snap.step, parts=snap.names)
         finally:
             snap.release_all()  # a failed save must never leave the engine waiting
 
@@ -160,6 +180,19 @@ class PartsHandler(ocp.AsyncCheckpointHandler):
 
     def close(self) -> None:
         self._tree.close()
+
+
+_barriers: collections.Counter = collections.Counter()
+
+
+def barrier(name: str, timeout_s: int = 24 * 3600) -> None:
+    """Wait until every process reaches barrier ``name`` (a no-op in one process). Every process passes
+    the same barriers in the same order, so the n-th passage of a name is one barrier everywhere. It goes
+    through the distributed runtime's key-value service, never a device collective, so it is safe on the
+    writer thread while the main thread runs training programs."""
+    if jax.process_count() > 1:
+        _barriers[name] += 1
+        ocp.multihost.get_barrier_sync_fn()(key=f"{name}.{_barriers[name]}", timeout_ms=timeout_s * 1000)
 
 
 def _numpy_handler_without_copy() -> ocp.type_handlers.NumpyHandler:
