@@ -5,17 +5,20 @@ Over several devices (a mesh with a ``data`` axis, ``megatrain_jax.transfer.Plac
 state is spread over the devices (the first axis of each leaf, where it divides evenly:
 ``Placement.spec``), and each device fetches only its shard over its own PCIe link. Then, per part:
 
-- ``gather`` all-gathers the fetched shards over the mesh (NVLink on GPUs): every device holds the whole
-  part, once per fetch, whatever the number of micro-batches;
-- the per-micro-batch functions (``embed``, ``forward``, ``head``, ``backward``, ...) are per-device
-  programs (``shard_map``) on the device's rows of the micro-batch; their gradients are each device's
-  own, accumulated in float32 over the micro-batches, and stacked over the mesh (a leading axis of one
-  entry per device);
-- ``reduce`` sums them over the mesh once per part and step, in float32: reduce-scattered to each
-  device's shard, or all-reduced for replicated leaves. That shard is what goes back to host memory.
+- a fetched part is ``Shards`` until its first use: the first micro-batch's program (``embed``, ``forward``,
+  a ``backward``) all-gathers it inside itself over the mesh (NVLink on GPUs) and also returns it whole for
+  the other micro-batches: once per fetch, whatever the number of micro-batches;
+- the per-micro-batch programs are per-device programs (``shard_map``) on the device's rows of the
+  micro-batch; their gradients are each device's own, accumulated in float32 over the micro-batches, and
+  stacked over the mesh (a leading axis of one entry per device);
+- the last micro-batch's ``backward`` (or ``embed_backward``, for the io part) sums them over the mesh
+  inside itself, in float32: reduce-scattered to each device's shard, or all-reduced for replicated
+  leaves. That shard is what goes back to host memory.
 
-Losses are summed over the mesh. On one device there is nothing to gather, stack or sum: ``gather`` and
-``reduce`` return their input and the programs are the plain ones.
+Inside one program XLA's latency-hiding scheduler overlaps the collectives with the compute that does not
+need them: the MLP weights' gather with the attention, the MLP gradients' reduce-scatter with the
+attention's backward (experiments/NOTES.md, issue 14). Losses are summed over the mesh. On one device
+there is nothing to gather, stack or sum: the programs are the plain ones.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ WHOLE = PartitionSpec()
 STACKED = PartitionSpec(DATA)
 
 
+# XLA's latency-hiding scheduler (off by default on GPUs) is what moves a collective's start before, and its
+# end after, the compute that does not need it; without it the gathers and reduce-scatters run exposed.
+_OVERLAP = {"xla_gpu_enable_latency_hiding_scheduler": True}
+
+
 def _mask_sum(masks: list) -> jax.Array:
     return sum(jnp.sum(m) for m in masks)
 
@@ -46,79 +54,121 @@ def _sq_norm(tree: Params) -> jax.Array:
     return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree))
 
 
-class DeviceFns:
-    """``gather``, ``embed``, ``forward``, ``head``, ``backward``, ``embed_backward``, ``reduce``, ``nll_sum``
-    (evaluation) and small helpers (``sq_norm``, ``add``, ``mask_sum``, ``inv_count``)."""
+class Shards:
+    """A part as fetched onto several devices: each holds its shard (``Placement.spec``); the first program
+    that uses it gathers it."""
 
+    def __init__(self, tree: Params):
+        self.tree = tree
+
+
+class DeviceFns:
+    """The per-micro-batch programs ``embed``, ``forward``, ``head``, ``backward``, ``embed_backward`` and
+    ``nll_sum`` (evaluation), each taking a part's parameters first and returning ``(result, params)``:
+    ``params`` whole on every device, gathered by this call when they came as ``Shards``. ``backward`` and
+    ``embed_backward`` with ``last=True`` return the part's gradient summed over the mesh, spread like its
+    host state. Small helpers: ``fetched``, ``sq_norm``, ``add``, ``mask_sum``, ``inv_count``."""
+
+    # name: (per-device body, kinds of the arguments after the params, kinds of the outputs, donated
+    # arguments, which output is the gradient accumulator that ``last`` sums over the mesh).
     def __init__(self, lm: LayeredModel, placement: Placement):
         self.lm = lm
         self.mesh: Mesh = placement.mesh
         self.size = placement.size
         self._spec = placement.spec
-        self.embed = self._spmd(lm.embed, (WHOLE, ROWS, ROWS, ROWS), ROWS)
-        self.forward = self._spmd(lm.block, (WHOLE, ROWS, ROWS, ROWS), ROWS)
-        self.head = self._spmd(self._head, (WHOLE, ROWS, ROWS, ROWS, WHOLE, STACKED), (WHOLE, ROWS, STACKED),
-                               donate_argnums=(5,))
-        self.backward = self._spmd(self._backward, (WHOLE, ROWS, ROWS, ROWS, ROWS, STACKED), (ROWS, STACKED),
-                                   donate_argnums=(5,))
-        self.embed_backward = self._spmd(self._embed_backward, (WHOLE, ROWS, ROWS, ROWS, ROWS, STACKED), STACKED,
-                                         donate_argnums=(5,))
-        self.nll_sum = self._spmd(self._nll_sum, (WHOLE, ROWS, ROWS, ROWS), WHOLE)
-        self._gathers: dict[Any, Any] = {}
-        self._reduces: dict[Any, Any] = {}
+        self._kinds = {
+            "embed": (lm.embed, (ROWS, ROWS, ROWS), ROWS, (), None),
+            "forward": (lm.block, (ROWS, ROWS, ROWS), ROWS, (), None),
+            "head": (self._head, (ROWS, ROWS, ROWS, WHOLE, STACKED), (WHOLE, ROWS, STACKED), (5,), None),
+            "backward": (self._backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (ROWS, STACKED), (5,), 1),
+            "embed_backward": (self._embed_backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (STACKED,), (5,), 0),
+            "nll_sum": (self._nll_sum, (ROWS, ROWS, ROWS), WHOLE, (), None),
+        }
+        self._programs: dict[tuple[str, bool, bool], Callable] = {}
         self.sq_norm = jax.jit(_sq_norm)
         self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
         self.mask_sum = jax.jit(_mask_sum)  # the loss tokens of a batch
         self.inv_count = jax.jit(lambda masks: 1.0 / jnp.maximum(_mask_sum(masks), 1.0))
 
-    # ------------------------------------------------------------------ programs
-    def _spmd(self, body: Callable, in_specs: tuple, out_specs: Any, donate_argnums: tuple = ()):
-        """``jit(shard_map(body))`` with every argument and output of the given kind; on one device, plain
-        ``jit(body)``."""
-        if self.size == 1:
-            return jax.jit(body, donate_argnums=donate_argnums)
+    # ------------------------------------------------------------------ calls
+    def fetched(self, shards: Params) -> Params | Shards:
+        """A part just fetched as each device's shard: ``Shards`` for the first program to gather (on one
+        device the part itself)."""
+        return Shards(shards) if self.size > 1 else shards
 
-        def program(*args):
+    def embed(self, io, tokens_BT, positions_BT, segment_ids_BT):
+        return self._call("embed", io, tokens_BT, positions_BT, segment_ids_BT)
+
+    def forward(self, params, x_BTD, positions_BT, segment_ids_BT):
+        return self._call("forward", params, x_BTD, positions_BT, segment_ids_BT)
+
+    def head(self, io, x_BTD, targets_BT, mask_BT, inv_count, io_acc):
+        """((loss, d(loss)/dx, io_acc), io)."""
+        return self._call("head", io, x_BTD, targets_BT, mask_BT, inv_count, io_acc)
+
+    def backward(self, params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, acc, last: bool = False):
+        """((dx, acc), params); with ``last`` the accumulated gradient comes back summed over the mesh."""
+        return self._call("backward", params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, acc, last=last)
+
+    def embed_backward(self, io, tokens_BT, positions_BT, segment_ids_BT, dx_BTD, io_acc, last: bool = False):
+        (acc,), io = self._call("embed_backward", io, tokens_BT, positions_BT, segment_ids_BT, dx_BTD, io_acc,
+                                last=last)
+        return acc, io
+
+    def nll_sum(self, io, x_BTD, targets_BT, mask_BT):
+        return self._call("nll_sum", io, x_BTD, targets_BT, mask_BT)
+
+    def _call(self, name: str, params, *args, last: bool = False):
+        gather = isinstance(params, Shards)
+        program = self._program(name, gather, last and self.size > 1)
+        out = program(params.tree if gather else params, *args)
+        return (out[0], out[1]) if gather else (out, params)
+
+    # ------------------------------------------------------------------ programs
+    def _program(self, name: str, gather: bool, reduce: bool) -> Callable:
+        """``jit(shard_map(body))`` for one kind of call: its parameters gathered first when ``gather``, and
+        its accumulator summed over the mesh last when ``reduce``; on one device, plain ``jit(body)``."""
+        key = name, gather, reduce
+        if key in self._programs:
+            return self._programs[key]
+        body, in_specs, out_specs, donate, acc_out = self._kinds[name]
+        if self.size == 1:
+            self._programs[key] = jax.jit(body, donate_argnums=donate)
+            return self._programs[key]
+
+        def program(params, *args):
+            pspecs = jax.tree.map(self._spec, params)  # how the part's state is spread (global shapes)
+
+            def per_device(params, *args):
+                if gather:
+                    params = jax.tree.map(lambda x, s: jax.lax.all_gather(x, DATA, axis=0, tiled=True)
+                                          if s == ROWS else x, params, pspecs)
+                out = body(params, *args)
+                if reduce:
+                    out = list(out) if isinstance(out, tuple) else [out]
+                    out[acc_out] = self._reduce(out[acc_out], pspecs)
+                    out = tuple(out)
+                return (out, params) if gather else out
+
             # None (no accumulator yet) has no arrays: any spec fits it. No varying-axis checks: model code
             # (a scan's carry, say) need not know it runs per device; gradients are summed explicitly.
             specs = tuple(WHOLE if a is None else s for a, s in zip(args, in_specs))
-            return jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
+            outs = out_specs
+            if reduce:
+                outs = tuple(pspecs if i == acc_out else o for i, o in enumerate(outs))
+            if gather:
+                outs = (outs, WHOLE)
+            return jax.shard_map(per_device, mesh=self.mesh, in_specs=(pspecs if gather else WHOLE, *specs),
+                                 out_specs=outs, check_vma=False)(params, *args)
 
-        named = lambda spec: NamedSharding(self.mesh, spec, memory_kind="device")
-        return jax.jit(program, out_shardings=jax.tree.map(named, out_specs), donate_argnums=donate_argnums)
+        self._programs[key] = jax.jit(program, donate_argnums=donate, compiler_options=_OVERLAP)
+        return self._programs[key]
 
-    def _per_structure(self, cache: dict, tree: Params, build: Callable[[Params], Callable], shape=lambda x: x.shape):
-        key = jax.tree.structure(tree), tuple(x.shape for x in jax.tree.leaves(tree))
-        if key not in cache:
-            cache[key] = build(jax.tree.map(lambda x: self._spec(jax.ShapeDtypeStruct(shape(x), x.dtype)), tree))
-        return cache[key]
-
-    def gather(self, part: Params) -> Params:
-        """A part fetched as shards (``Placement.spec``), whole on every device."""
-        if self.size == 1:
-            return part
-
-        def build(specs):
-            gather = lambda t: jax.tree.map(
-                lambda x, s: jax.lax.all_gather(x, DATA, axis=0, tiled=True) if s == ROWS else x, t, specs)
-            per_device = jax.shard_map(gather, mesh=self.mesh, in_specs=(specs,), out_specs=WHOLE, check_vma=False)
-            return jax.jit(per_device, out_shardings=NamedSharding(self.mesh, WHOLE, memory_kind="device"))
-        return self._per_structure(self._gathers, part, build)(part)
-
-    def reduce(self, stacked: Params) -> Params:
-        """Each device's gradient of a part, summed over the mesh in float32 and spread like the part's
-        state: reduce-scattered to each device's shard, all-reduced where a leaf is replicated."""
-        if self.size == 1:
-            return stacked
-
-        def build(specs):
-            def total(t):
-                return jax.tree.map(lambda g, s: jax.lax.psum_scatter(g[0], DATA, scatter_dimension=0, tiled=True)
-                                    if s == ROWS else jax.lax.psum(g[0], DATA), t, specs)
-            per_device = jax.shard_map(total, mesh=self.mesh, in_specs=STACKED, out_specs=specs, check_vma=False)
-            named = jax.tree.map(lambda s: NamedSharding(self.mesh, s, memory_kind="device"), specs)
-            return jax.jit(per_device, out_shardings=named)
-        return self._per_structure(self._reduces, stacked, build, shape=lambda x: x.shape[1:])(stacked)
+    def _reduce(self, stacked: Params, specs: Params) -> Params:
+        """Per device, inside a program: each device's gradient (stacked), summed over the mesh in float32
+        and spread like the part's state (reduce-scattered, or all-reduced where a leaf is replicated)."""
+        return jax.tree.map(lambda g, s: jax.lax.psum_scatter(g[0], DATA, scatter_dimension=0, tiled=True)
+                            if s == ROWS else jax.lax.psum(g[0], DATA), stacked, specs)
 
     # ------------------------------------------------------------------ per-device bodies
     def _accumulate(self, acc: Params | None, grads: Params) -> Params:
@@ -145,10 +195,10 @@ class DeviceFns:
         return dx_BTD, self._accumulate(acc, g_params)
 
     def _embed_backward(self, io: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
-                        segment_ids_BT: jax.Array | None, dx_BTD: jax.Array, io_acc: Params) -> Params:
+                        segment_ids_BT: jax.Array | None, dx_BTD: jax.Array, io_acc: Params) -> tuple[Params]:
         _, pullback = jax.vjp(lambda p: self.lm.embed(p, tokens_BT, positions_BT, segment_ids_BT), io)
         (g_io,) = pullback(dx_BTD)
-        return self._accumulate(io_acc, g_io)
+        return (self._accumulate(io_acc, g_io),)
 
     def _nll_sum(self, io: Params, x_BTD, targets_BT, mask_BT) -> jax.Array:
         return self._sum(self.lm.head_nll_sum(io, x_BTD, targets_BT, mask_BT))
@@ -157,9 +207,13 @@ class DeviceFns:
         return x if self.size == 1 else jax.lax.psum(x, DATA)
 
     def cache_sizes(self) -> dict[str, Any]:
-        """How many compilations each function holds (1 per distinct shape; tests assert this)."""
-        return {name: getattr(self, name)._cache_size()
-                for name in ("embed", "forward", "head", "backward", "embed_backward")}
+        """How many compilations each per-micro-batch function holds (1 per distinct shape and variant;
+        tests assert this)."""
+        sizes = dict.fromkeys(("embed", "forward", "head", "backward", "embed_backward"), 0)
+        for (name, _, _), program in self._programs.items():
+            if name in sizes:
+                sizes[name] += program._cache_size()
+        return sizes
 
 
 _CACHE: dict[tuple, DeviceFns] = {}

@@ -83,8 +83,8 @@ class PassRunner:
         else:
             self.policy.ready(op.part)
             shards = self.placement.to_device(self.state[op.part].streamed())
-        p.params[op.part] = self.fns.gather(shards)
-        return p.params[op.part]
+        p.params[op.part] = self.fns.fetched(shards)  # gathered by the first program that uses it
+        return shards
 
     def release(self, p: Pass, op: Op):
         del p.params[op.part]
@@ -92,13 +92,14 @@ class PassRunner:
     # ------------------------------------------------------------------ compute
     def embed(self, p: Pass, op: Op):
         b = p.batches[op.micro]
-        x = self.fns.embed(p.params[IO], b.inputs, b.positions, b.segment_ids)
+        x, p.params[IO] = self.fns.embed(p.params[IO], b.inputs, b.positions, b.segment_ids)
         p.acts.setdefault(0, []).append(x)
         return x
 
     def forward(self, p: Pass, op: Op):
         b, layer = p.batches[op.micro], op.part.layer
-        y = self.fns.forward(p.params[op.part], p.acts[layer][op.micro], b.positions, b.segment_ids)
+        y, p.params[op.part] = self.fns.forward(p.params[op.part], p.acts[layer][op.micro], b.positions,
+                                                b.segment_ids)
         p.acts.setdefault(layer + 1, []).append(y)
         if not p.keep_inputs and op.micro == len(p.batches) - 1:
             del p.acts[layer]  # evaluation: no backward reads them
@@ -106,8 +107,8 @@ class PassRunner:
 
     def head(self, p: Pass, op: Op):
         b = p.batches[op.micro]
-        loss, dx, p.io_grads = self.fns.head(p.params[IO], p.acts[self.n_blocks][op.micro], b.targets,
-                                             b.loss_mask, p.inv_count, p.io_grads)
+        (loss, dx, p.io_grads), p.params[IO] = self.fns.head(p.params[IO], p.acts[self.n_blocks][op.micro],
+                                                             b.targets, b.loss_mask, p.inv_count, p.io_grads)
         p.losses.append(loss)
         p.dy.append(dx)
         if op.micro == len(p.batches) - 1:
@@ -116,17 +117,20 @@ class PassRunner:
 
     def backward(self, p: Pass, op: Op):
         b, layer = p.batches[op.micro], op.part.layer
-        p.dy[op.micro], p.grads = self.fns.backward(p.params[op.part], p.acts[layer][op.micro], b.positions,
-                                                    b.segment_ids, p.dy[op.micro], p.grads)
-        if layer > 0 and op.micro == len(p.batches) - 1:
+        last = op.micro == len(p.batches) - 1  # the gradient comes back summed over the devices
+        (p.dy[op.micro], p.grads), p.params[op.part] = self.fns.backward(
+            p.params[op.part], p.acts[layer][op.micro], b.positions, b.segment_ids, p.dy[op.micro], p.grads,
+            last=last)
+        if layer > 0 and last:
             del p.acts[layer]  # block 0's inputs are the embeddings, still needed by embed_backward
         return p.dy[op.micro]
 
     def embed_backward(self, p: Pass, op: Op):
         b = p.batches[op.micro]
-        p.io_grads = self.fns.embed_backward(p.params[IO], b.inputs, b.positions, b.segment_ids,
-                                             p.dy[op.micro], p.io_grads)
-        if op.micro == len(p.batches) - 1:
+        last = op.micro == len(p.batches) - 1
+        p.io_grads, p.params[IO] = self.fns.embed_backward(p.params[IO], b.inputs, b.positions, b.segment_ids,
+                                                           p.dy[op.micro], p.io_grads, last=last)
+        if last:
             p.acts.clear()
             p.dy = []
         return p.io_grads
@@ -134,20 +138,21 @@ class PassRunner:
     def loss(self, p: Pass, op: Op):
         """Evaluation: the summed masked NLL of one micro-batch."""
         b = p.batches[op.micro]
-        out = self.fns.nll_sum(p.params[IO], p.acts[self.n_blocks][op.micro], b.targets, b.loss_mask)
+        out, p.params[IO] = self.fns.nll_sum(p.params[IO], p.acts[self.n_blocks][op.micro], b.targets,
+                                             b.loss_mask)
         p.losses.append(out)
         return out
 
     # ------------------------------------------------------------------ gradients and updates
     def send_grads(self, p: Pass, op: Op):
         """A part's gradient to host memory (GPU-resident parts keep it on the device), summed with earlier
-        sub-steps' when accumulating; its squared norm once the optimizer step's gradient is complete."""
+        sub-steps' when accumulating; its squared norm once the optimizer step's gradient is complete. The
+        last backward program has summed it over the devices: each device holds its shard."""
         part, resident = op.part, op.part in self.resident
         if part.is_io:
             grads, p.io_grads = p.io_grads, None
         else:
             grads, p.grads = p.grads, None
-        grads = self.fns.reduce(grads)  # each device's gradient summed over the devices, as shards
         if p.accumulate:
             earlier = self._grads[part]
             grads = self.fns.add(grads, earlier if resident else self.placement.to_device(earlier))
