@@ -172,7 +172,6 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
             from trace_summary import summarize
             with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
                 engine.step(next(data)).resolve()
-                engine.sync()
             run["trace"] = summarize(trace_dir)
         if profile:  # one step with a sync after every op, so each category's time is its own
             run["breakdown"] = breakdown(engine, data, step_time)

@@ -5,13 +5,13 @@
 Reads the newest ``perfetto_trace.json.gz`` under the directory. For each GPU it takes the events of its
 stream lines (threads whose name holds "Stream"), classifies each as a collective (``nccl`` in its name),
 a copy (``memcpy``/``memset``) or compute (every other kernel), and reports, in milliseconds over the span
-from the device's first to its last event:
+from the device's first to its last compute or collective kernel (copies outside it, e.g. a state copied
+home after the step, do not count):
 
 - ``compute_ms``, ``collective_ms``, ``copy_ms``: the union of each class's intervals (overlaps counted once);
 - ``collective_exposed_ms``: collective time during which no compute kernel runs;
 - ``idle_ms``: time with neither compute nor a collective running (copies alone count as idle: the compute
   engine is not working);
-- ``modules_ms``: total time per XLA program (the "XLA Modules" line), largest first;
 - ``top_collectives``: the collective kernels taking most time.
 """
 
@@ -78,7 +78,6 @@ def summarize(trace_dir: str | Path) -> dict:
     out = {"file": files[-1].name, "devices": {}}
     for pid, gpu in sorted(gpus.items(), key=lambda kv: kv[1]):
         spans: dict[str, list] = collections.defaultdict(list)
-        modules: collections.Counter = collections.Counter()
         collectives: collections.Counter = collections.Counter()
         lines = collections.Counter()
         for e in events:
@@ -86,8 +85,6 @@ def summarize(trace_dir: str | Path) -> dict:
                 continue
             line = threads.get((pid, e.get("tid")), "")
             start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
-            if "Module" in line:
-                modules[e["name"]] += end - start
             if "Stream" not in line:
                 continue
             lines[line] += end - start
@@ -95,12 +92,14 @@ def summarize(trace_dir: str | Path) -> dict:
             spans[kind].append((start, end))
             if kind == "collective":
                 collectives[e["name"][:80]] += end - start
-        everything = [iv for ivs in spans.values() for iv in ivs]
-        if not everything:
+        kernels = spans["compute"] + spans["collective"]
+        if not kernels:
             out["devices"][gpu] = {"lines": sorted(set(threads.get((pid, t), "") for (p, t) in threads if p == pid))}
             continue
-        span = max(b for _, b in everything) - min(a for a, _ in everything)
-        compute, coll, copy = (_union(spans[k]) for k in ("compute", "collective", "copy"))
+        first, last = min(a for a, _ in kernels), max(b for _, b in kernels)
+        span = last - first
+        clip = lambda ivs: [(max(a, first), min(b, last)) for a, b in ivs if b > first and a < last]
+        compute, coll, copy = (_union(clip(spans[k])) for k in ("compute", "collective", "copy"))
         busy = _union(compute + coll)
         ms = lambda us: round(us / 1e3, 2)
         out["devices"][gpu] = {
@@ -108,7 +107,6 @@ def summarize(trace_dir: str | Path) -> dict:
             "copy_ms": ms(_length(copy)), "collective_exposed_ms": ms(_minus(coll, compute)),
             "idle_ms": ms(span - _length(busy)),
             "stream_lines_ms": {k: ms(v) for k, v in lines.most_common(8)},
-            "modules_ms": {k[:80]: ms(v) for k, v in modules.most_common(12)},
             "top_collectives": {k: ms(v) for k, v in collectives.most_common(6)},
         }
     return out
