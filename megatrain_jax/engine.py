@@ -87,9 +87,16 @@ class Engine:
         for part in self.state.ids():
             self.policy.opt.route(self.state[part])  # decide each part's update route now, not mid-step
         self.resident_parts = ([IO] if config.resident_io else []) + [PartId.block(i) for i in range(config.resident_layers)]
+        host_updated = [part for part in self.state.ids() if part not in self.resident_parts]
+        if config.grads_on_gpu > len(host_updated):
+            raise ValueError(f"grads_on_gpu={config.grads_on_gpu} exceeds the {len(host_updated)} parts updated on "
+                             f"the host (the blocks that are not GPU-resident, and the io part unless it is)")
+        held = [part for part in host_updated if not part.is_io] + [part for part in host_updated if part.is_io]
+        self.grads_on_gpu_parts = held[:config.grads_on_gpu]  # their gradients wait on the GPU
         self._resident: dict[PartId, Part] = {}
         self._load_resident()
-        self._runner = PassRunner(self.fns, self.placement, self.state, self.policy, self._resident, self._observers)
+        self._runner = PassRunner(self.fns, self.placement, self.state, self.policy, self._resident, self._observers,
+                                  grads_on_gpu=self.grads_on_gpu_parts)
         self.last_seq_len = 0
 
     # ------------------------------------------------------------------ training

@@ -23,6 +23,12 @@ class EngineConfig:
     - ``resident_layers`` (the first blocks) and ``resident_io`` keep parts on the GPU with their
       optimizer state (``megatrain_jax.resident``): faster when GPU memory allows, about 18 bytes per
       parameter.
+    - ``grads_on_gpu``: this many host-updated parts (the blocks that are not GPU-resident in forward order,
+      then the io part) keep their float32 gradient on the GPU while the step waits for the global norm,
+      instead of in pinned host memory: 4 bytes per parameter less host RAM, as much more GPU memory from
+      the part's backward until its update copies the gradient home early in the next step (one part at a
+      time, so host memory holds one such gradient). ``megatrain-jax train`` picks it when host RAM is short
+      (``memory_plan.lean_engine``).
     """
 
     micro_batches: int = 1
@@ -34,6 +40,7 @@ class EngineConfig:
     host_kernel: bool = True
     resident_layers: int = 0
     resident_io: bool = False
+    grads_on_gpu: int = 0
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
@@ -41,6 +48,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"EngineConfig.clip_norm must be positive or None, got {self.clip_norm!r}")
+        if not isinstance(self.grads_on_gpu, int) or self.grads_on_gpu < 0:
+            raise ValueError(f"EngineConfig.grads_on_gpu must be an integer >= 0, got {self.grads_on_gpu!r}")
         if not isinstance(self.resident_layers, int) or self.resident_layers < 0:
             raise ValueError(f"EngineConfig.resident_layers must be an integer >= 0, got {self.resident_layers!r}")
         if self.stream_dtype not in (None, "float32", "bfloat16"):

@@ -55,6 +55,9 @@ INFLIGHT_OPS = 32  # XLA's GPU client admits 32 operations ahead of the device (
 PINNED_RSS_OVERHEAD = 0.031  # a pinned pool region of 32 GiB adds 33.0 GiB of resident memory
 HOST_POOL_FRACTION = 0.9  # megatrain_jax._environment caps XLA's pinned pool at 90% of RAM
 POOL_HEADROOM = (0.10, 4 * GiB)  # what the fitted pool cap adds to the pinned arrays: a share and a constant
+# What the lean full-precision pick leaves free of the host's available memory where it can: the plan's host
+# total has come out 0-4% under the measured peaks (experiments/results/h100_plan_check.json).
+LEAN_HOST_MARGIN = 0.03
 JAX_GPU_FRACTION = 0.75  # JAX lets XLA take 75% of GPU memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise
 BATCH_BYTES_PER_TOKEN = 16  # a filled Batch: int32 inputs, targets, positions and float32 loss mask
 
@@ -70,6 +73,26 @@ def io_param_count(cfg: DecoderConfig) -> int:
 
 def layer_param_count(cfg: DecoderConfig) -> int:
     return (cfg.param_count() - io_param_count(cfg)) // cfg.layers
+
+
+def host_updated_parts(cfg: DecoderConfig, e: EngineConfig) -> list:
+    """The parts updated on the host, in the order the engine picks those whose gradients wait on the GPU
+    (``EngineConfig.grads_on_gpu``): the blocks that are not GPU-resident in forward order, then the io part
+    unless it is GPU-resident."""
+    from megatrain_jax.parts import IO, PartId
+    return [PartId.block(i) for i in range(e.resident_layers, cfg.layers)] + ([] if e.resident_io else [IO])
+
+
+def grads_on_gpu_parts(cfg: DecoderConfig, e: EngineConfig) -> list:
+    """The parts whose float32 gradients wait on the GPU (``EngineConfig.grads_on_gpu``)."""
+    host_updated = host_updated_parts(cfg, e)
+    if e.grads_on_gpu > len(host_updated):
+        raise ValueError(f"grads_on_gpu={e.grads_on_gpu} exceeds the {len(host_updated)} parts updated on the host")
+    return host_updated[:e.grads_on_gpu]
+
+
+def part_param_count(cfg: DecoderConfig, part) -> int:
+    return io_param_count(cfg) if part.is_io else layer_param_count(cfg)
 
 
 def available_host_bytes() -> int | None:
@@ -206,7 +229,9 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
               flash: bool, devices: int = 1) -> tuple[dict[str, int], str]:
     """Walk one optimizer step of the engine's schedule: the peak's items (bytes) and the op it happens in,
     on one GPU of ``devices``: each holds its rows, its shard of the resident parts and of each fetched
-    part, and each fetched part whole once gathered."""
+    part, and each fetched part whole once gathered. The step is a steady-state one: the gradients that
+    wait on the GPU (``grads_on_gpu``) from the step before are there when it starts, each until its part's
+    fetch (which waits for the part's update, which copies the gradient home)."""
     from megatrain_jax.parts import IO, PartId
     ab = 2 if c.dtype in ("bfloat16", "float16") else 4
     Pl, Pio, M = layer_param_count(c), io_param_count(c), e.micro_batches
@@ -220,7 +245,11 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
     batches = rows * seq_len * (BATCH_BYTES_PER_TOKEN + (0 if flash else 4))
     W, A, G = "streamed weights of the io part and blocks", "boundary activations", "gradient accumulators, float32"
     R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
+    H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
+    held = set(grads_on_gpu_parts(c, e))
     led, acts = _Ledger(), {}  # acts: layer -> micro-batch activations held
+    for part in held:  # the step before's, copied home by each part's update before its fetch
+        led.add(H, part_param_count(c, part) * 4 // devices)
     best: tuple[int, dict[str, int], str] = (-1, {}, "")
     passes = min(e.accumulate_steps, 2)  # later accumulating passes repeat the second
     for j in range(passes):
@@ -229,6 +258,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
         for op in step_ops(c.layers, M, e.prefetch_depth, update=last):
             part, kind = op.part, op.kind
             kept = part in on_gpu
+            waits = part in held  # its gradient stays on the GPU until its update (not GPU-resident)
             io = kind == "head" or (part is not None and part.is_io)  # the head accumulates the io gradient
             weights, grad = (Pio * sb, Pio * 4) if io else (Pl * sb, Pl * 4)
             weights = int(weights * fetched)
@@ -239,8 +269,9 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
             elif kind in ("embed", "forward", "backward", "head"):
                 out = act + (grad if kind in ("backward", "head") and op.micro == 0 else 0)
             elif kind == "send_grads":  # squared norm; D2H copy; when accumulating, the earlier sum added
-                ops = int(last) + (0 if kept else 1) + (1 if kept else 2) * accumulate
-                temp = grad if accumulate and not kept else 0
+                on_device = kept or waits
+                ops = int(last) + (0 if on_device else 1) + (1 if on_device else 2) * accumulate
+                temp = grad if accumulate and not on_device else 0
             elif kind in ("release", "commit") or (kind == "update" and not kept):
                 ops = 0
             total = resident + led.total() + temp + out
@@ -251,6 +282,8 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
                 items[f"outputs of {op!r}"] = out
                 best = (total, {k: v for k, v in items.items() if v}, repr(op))
             led.advance(ops)
+            if kind == "fetch" and waits and j == 0:  # the step before's gradient went home with the update
+                led.drop(H, grad // devices)
             if kind == "fetch" and not kept:  # what the host program holds after the op
                 led.add(W, weights)
             elif kind == "release" and not kept:
@@ -262,9 +295,11 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
             elif kind in ("head", "backward") and op.micro == 0:
                 led.add(G, grad)
             elif kind == "send_grads":
-                led.drop(G, grad, hold=not kept)
+                led.drop(G, grad, hold=not (kept or waits))
                 if kept and not accumulate:
                     led.add(R, grad)
+                elif waits and not accumulate:
+                    led.add(H, grad // devices)
             elif kind == "update" and kept:
                 led.drop(R, grad)
             if kind == "head":
@@ -392,7 +427,8 @@ class MemoryPlan:
         lines = [f"memory plan: {self.params / 1e9:.2f} B params ({c.layers} layers, hidden {c.hidden}, vocab "
                  f"{c.vocab_size}); {self.batch_rows} x {self.seq_len} tokens per pass in {e.micro_batches} "
                  f"micro-batch(es); prefetch_depth {e.prefetch_depth}; weights streamed as {self.stream_dtype}; "
-                 f"{e.resident_layers} blocks{' + io' if e.resident_io else ''} GPU-resident"]
+                 f"{e.resident_layers} blocks{' + io' if e.resident_io else ''} GPU-resident; gradients of {e.grads_on_gpu} "
+                 f"parts wait on the GPU"]
         gpu_name = f"GPU, at its peak (during {self.gpu_peak_at}, 1st step)"
         sides = (("host RAM", self.host, self.host_available), (gpu_name, self.gpu, self.gpu_available))
         for name, items, avail in sides:
@@ -408,21 +444,25 @@ class MemoryPlan:
                              f"{self.host_pinned / GiB:.2f} GiB of pinned arrays, XLA's pinned pool is capped at "
                              f"{self.host_pool_limit / GiB:.0f} GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)")
         lines.append(f"  host bytes per parameter: {self.host_pinned / self.params:.1f} in pinned arrays, "
-                     f"{self.host_total / self.params:.1f} in all")
+                     f"{self.host_total / self.params:.1f} in all; by mode:")
+        lines += [f"    {name:<94s} {b:8.1f}" for name, b in self.host_bytes_per_param().items()]
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ what would fit
     def _levers(self) -> Iterator[tuple[str, list[tuple[tuple[str, Any], ...]], Callable]]:
         """Each lever: its name, candidate changes fastest first, and the words for a chosen change."""
         e, c, rows, seq = self.engine_cfg, self.model_cfg, self.batch_rows, self.seq_len
-        resident = [(("engine.resident_layers", r),) for r in range(c.layers, -1, -1) if r != e.resident_layers]
+        n_updated = lambda r, io: c.layers - r + (0 if io else 1)  # noqa: E731  (host-updated parts)
+        resident = [(("engine.resident_layers", r),) for r in range(c.layers, -1, -1)
+                    if r != e.resident_layers and n_updated(r, e.resident_io) >= e.grads_on_gpu]
         yield ("resident", resident,
                lambda ch: (f"{ch[0][1]} GPU-resident blocks instead of {e.resident_layers}: " +
                            ("fewer blocks update on the GPU, so the next forward may wait on the host optimizer "
                             "(slower)" if ch[0][1] < e.resident_layers else
                             "their gradients stay on the GPU (4 B/param less host RAM) and they update there "
                             "(faster)")))
-        yield ("resident_io", [(("engine.resident_io", not e.resident_io),)],
+        io = [(("engine.resident_io", not e.resident_io),)]
+        yield ("resident_io", io if n_updated(e.resident_layers, not e.resident_io) >= e.grads_on_gpu else [],
                lambda ch: "io part (embedding, head) " + ("kept on the GPU (faster)" if ch[0][1] else
                                                           "streamed instead of GPU-resident (slower first block)"))
         other = "float32" if self.stream_dtype in ("bfloat16", "float16") else "bfloat16"
@@ -431,6 +471,11 @@ class MemoryPlan:
                            "bytes per layer over PCIe (hidden behind compute from about 16K tokens per layer visit "
                            "on an H100)") if other == "float32" else
                ("stream bfloat16 weights: half the PCIe bytes (faster); the host keeps a 16-bit copy (+2 B/param)"))
+        n_host = len(host_updated_parts(c, e))
+        yield ("grads_on_gpu", [(("engine.grads_on_gpu", n),) for n in range(1, n_host + 1) if n != e.grads_on_gpu],
+               lambda ch: (f"the float32 gradients of {ch[0][1]} parts wait on the GPU for the global norm instead of "
+                           f"in host memory (4 B/param less host RAM for them, as much more GPU memory); each "
+                           f"comes home when its update runs"))
         yield ("micro", [(("engine.micro_batches", m),) for m in _divisors(rows) if m > e.micro_batches],
                lambda ch: (f"{ch[0][1]} micro-batches of {rows // ch[0][1] * seq} tokens: smaller transients; "
                            f"below about 8K tokens per layer visit the weight transfers stop hiding behind compute"))
@@ -454,7 +499,10 @@ class MemoryPlan:
 
     def _first_fit(self, candidates: list) -> tuple[tuple[str, Any], ...] | None:
         """The first candidate that fits. More resident blocks need more GPU and less host memory, so that
-        lever is bisected for the most blocks that fit the GPU; the others have few candidates."""
+        lever is bisected for the most blocks that fit the GPU; more gradients on the GPU need less host
+        memory, so that one for the fewest that fit the host; the others have few candidates."""
+        if candidates and candidates[0][0][0] == "engine.grads_on_gpu":
+            return self._fewest_grads_on_gpu(sorted(ch[0][1] for ch in candidates))
         if candidates and candidates[0][0][0] == "engine.resident_layers":
             values = sorted(ch[0][1] for ch in candidates)
             lo, hi = 0, len(values)
@@ -465,6 +513,47 @@ class MemoryPlan:
             best = (("engine.resident_layers", values[lo - 1]),) if lo else None
             return best if best is not None and self.applied(best).fits else None
         return next((ch for ch in candidates if self.applied(ch).fits), None)
+
+    def _fewest_grads_on_gpu(self, values: list[int]) -> tuple[tuple[str, Any], ...] | None:
+        lo, hi = 0, len(values)
+        while lo < hi:  # lo: the first value whose plan fits the host
+            mid = (lo + hi) // 2
+            ok = self.applied((("engine.grads_on_gpu", values[mid]),)).host_fits
+            lo, hi = (lo, mid) if ok else (mid + 1, hi)
+        best = (("engine.grads_on_gpu", values[lo]),) if lo < len(values) else None
+        return best if best is not None and self.applied(best).fits else None
+
+    def lean(self) -> tuple[tuple[str, Any], ...] | None:
+        """Full precision in less host RAM, for a run that does not fit the host: the float32 masters are
+        streamed (no 16-bit host copy), and if that is not enough, the fewest parts' gradients wait on the
+        GPU, with ``LEAN_HOST_MARGIN`` of the host left over where the GPU has room for that. The changes,
+        or None where the run fits already or even this does not fit."""
+        if self.host_fits:
+            return None
+        if self.host_available is not None:
+            margin = self.replace(host_ram_bytes=int(self.host_available * (1 - LEAN_HOST_MARGIN)))
+            changes = margin._leanest()
+            if changes is not None:
+                return changes
+        return self._leanest()
+
+    def _leanest(self) -> tuple[tuple[str, Any], ...] | None:
+        stream = () if self.stream_dtype == "float32" else (("engine.stream_dtype", "float32"),)
+        p = self.applied(stream)
+        if p.host_fits:
+            return stream if p.fits else None
+        n_host = len(host_updated_parts(self.model_cfg, self.engine_cfg))
+        grads = p._fewest_grads_on_gpu(list(range(1, n_host + 1)))
+        return None if grads is None else stream + grads
+
+    def host_bytes_per_param(self) -> dict[str, float]:
+        """Host bytes per parameter of this run in each full-precision mode (float32 masters and moments)."""
+        e, n_host = self.engine_cfg, len(host_updated_parts(self.model_cfg, self.engine_cfg))
+        modes = {"16-bit stream copy, gradients in host memory": ("bfloat16", 0),
+                 "float32 streamed, gradients in host memory": ("float32", 0),
+                 "float32 streamed, every host-updated part's gradient waiting on the GPU": ("float32", n_host)}
+        return {name: self.replace(engine_cfg=dataclasses.replace(e, stream_dtype=dt, grads_on_gpu=n),
+                                   stream_dtype=dt).host_total / self.params for name, (dt, n) in modes.items()}
 
     def options(self) -> list[Option]:
         """Changes that make the run fit in both host and GPU memory, each re-planned: one lever at a time,
@@ -479,9 +568,10 @@ class MemoryPlan:
                 out.append(Option(ch, words(ch)))
         if not out:
             for i, (_, first, words1) in enumerate(levers):
-                for _, second, words2 in levers[i + 1:]:
+                for name2, _, _ in levers[i + 1:]:
                     for ch1 in first[:6]:
-                        p = self.applied(ch1)
+                        p = self.applied(ch1)  # the second lever's candidates are those valid after the first
+                        _, second, words2 = next(lever for lever in p._levers() if lever[0] == name2)
                         ch2 = p._first_fit([c for c in second if not any(k in dict(ch1) for k, _ in c)])
                         if ch2 is not None:
                             out.append(Option(ch1 + ch2, f"{words1(ch1)}; and {words2(ch2)}"))
@@ -494,8 +584,12 @@ class MemoryPlan:
 
     def _smaller(self, layers: int) -> tuple[tuple[str, Any], ...]:
         changes: tuple[tuple[str, Any], ...] = (("model.layers", layers),)
-        if self.engine_cfg.resident_layers > layers:
+        e = self.engine_cfg
+        if e.resident_layers > layers:
             changes += (("engine.resident_layers", layers),)
+        n_updated = layers - min(e.resident_layers, layers) + (0 if e.resident_io else 1)
+        if e.grads_on_gpu > n_updated:
+            changes += (("engine.grads_on_gpu", n_updated),)
         return changes
 
     def machine_needed(self) -> str:
@@ -526,6 +620,27 @@ class MemoryPlan:
         where = " and ".join(n for n, ok in (("host RAM", self.host_fits), ("GPU memory", self.gpu_fits)) if not ok)
         raise MemoryPlanError(f"this run does not fit in {where}.\n{self.table()}\n{self.advice()}\n"
                               f"(set train.memory_check = false to start anyway)")
+
+
+def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
+                host_ram_bytes: int | None = None, **plan_kw) -> tuple[EngineConfig, str | None]:
+    """The engine config ``megatrain-jax train`` runs: as given, unless host RAM (default: this machine's
+    MemAvailable) is short and the config leaves the stream dtype unset and no gradients on the GPU; then
+    the lean full-precision mode that fits (``MemoryPlan.lean``), with a sentence saying what was picked.
+    Reads nothing from JAX, so it can run before JAX starts its GPU backend."""
+    if engine_cfg.stream_dtype is not None or engine_cfg.grads_on_gpu:
+        return engine_cfg, None
+    host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
+    p = plan(model_cfg, engine_cfg, batch_rows, seq_len, host_ram_bytes=host_ram_bytes, detect=False, **plan_kw)
+    changes = p.lean()
+    if changes is None:
+        return engine_cfg, None
+    lean = p.applied(changes)
+    said = " ".join(f"{k}={v}" for k, v in changes)
+    return lean.engine_cfg, (f"host RAM is short ({p.host_total / GiB:.1f} GiB needed, "
+                             f"{p.host_available / GiB:.1f} available): running in the lean full-precision mode "
+                             f"{said}, {lean.host_total / lean.params:.1f} host bytes per parameter instead of "
+                             f"{p.host_total / p.params:.1f} ({lean.host_total / GiB:.1f} GiB)")
 
 
 def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
@@ -560,6 +675,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     sb = 2 if stream_dtype in ("bfloat16", "float16") else 4
     P = c.param_count()
     on_host_grads = P - e.resident_layers * layer_param_count(c) - (io_param_count(c) if e.resident_io else 0)
+    waiting = [part_param_count(c, part) for part in grads_on_gpu_parts(c, e)]  # gradients kept on the GPU
 
     # The fused C++ AdamW (megatrain_jax.adamw, the CLI's optimizer) keeps what only it touches in pageable
     # memory; it runs with float32 or bfloat16 streaming, where a C++ compiler exists (else the engine warns).
@@ -569,12 +685,16 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     (pageable if fused else pinned)["Adam moments m and v, float32 (8 B/param)"] = 8 * P
     if sb == 2:
         pinned["16-bit stream copy of the weights (2 B/param)"] = 2 * P
-    grads = 4 * on_host_grads
+    # The gradients of the host-updated parts, but for those waiting on the GPU: of these, one part's at a
+    # time comes home, when its update runs.
+    grads = 4 * (on_host_grads - sum(waiting)) + 4 * max(waiting, default=0)
     # Building the state, each of up to 4 parts at once passes its masters through pinned memory on its way
     # to pageable memory; the gradients later reuse that room.
     build = 4 * 4 * max(layer_param_count(c), io_param_count(c)) if fused and sb == 2 else 0
-    pinned[f"gradients of one step, float32 (4 B/param of the {on_host_grads / 1e9:.2f} B host-updated params)"] = (
-        max(grads, build))
+    what = f"4 B/param of the {(on_host_grads - sum(waiting)) / 1e9:.2f} B host-updated params"
+    if waiting:
+        what += f", and one of the {len(waiting)} parts whose gradients wait on the GPU"
+    pinned[f"gradients of one step, float32 ({what})"] = max(grads, build)
     arrays = sum(pinned.values())
     fitted = host_pool_limit is None
     if fitted:

@@ -48,9 +48,10 @@ class PassRunner:
     """Runs ops against the host state, the GPU-resident parts and the update policy."""
 
     def __init__(self, fns: DeviceFns, placement: Placement, state: HostState, policy: UpdatePolicy,
-                 resident: dict[PartId, Part], observers: Sequence):
+                 resident: dict[PartId, Part], observers: Sequence, grads_on_gpu: Sequence[PartId] = ()):
         self.fns, self.placement, self.state, self.policy = fns, placement, state, policy
         self.resident = resident  # GPU-resident parts, updated on the device
+        self.grads_on_gpu = set(grads_on_gpu)  # host-updated parts whose gradients wait on the device
         self.observers = observers
         self.n_blocks = len(state.parts) - 1
         self._grads: dict[PartId, Any] = {}  # each part's gradient of this optimizer step so far
@@ -147,8 +148,10 @@ class PassRunner:
     def send_grads(self, p: Pass, op: Op):
         """A part's gradient to host memory (GPU-resident parts keep it on the device), summed with earlier
         sub-steps' when accumulating; its squared norm once the optimizer step's gradient is complete. The
-        last backward program has summed it over the devices: each device holds its shard."""
-        part, resident = op.part, op.part in self.resident
+        last backward program has summed it over the devices: each device holds its shard. The parts of
+        ``grads_on_gpu`` keep it on the device too, until their update copies it home."""
+        part = op.part
+        resident = part in self.resident or part in self.grads_on_gpu  # the gradient stays on the device
         if part.is_io:
             grads, p.io_grads = p.io_grads, None
         else:
@@ -171,7 +174,8 @@ class PassRunner:
         if op.part in self.resident:
             self.resident[op.part] = self.policy.update_device(self.resident[op.part], grads, p.decision)
             return self.resident[op.part]
-        return self.policy.update_host(self.state, op.part, grads, p.decision)
+        return self.policy.update_host(self.state, op.part, grads, p.decision,
+                                       on_device=op.part in self.grads_on_gpu)
 
     def commit(self, p: Pass, op: Op):
         return self.policy.commit(self.state)

@@ -116,6 +116,7 @@ class UpdatePolicy:
 
     def __init__(self, tx: optax.GradientTransformation, placement: Placement, stream_dtype: Any,
                  config: EngineConfig, observers: Sequence = ()):
+        self.placement = placement
         self.opt = HostOptimizer(tx, placement, stream_dtype, use_kernel=config.host_kernel)
         self.device = DeviceUpdater(tx, placement, self.opt.stream_dtype)
         self.worker = HostUpdater(observers)
@@ -151,10 +152,13 @@ class UpdatePolicy:
         """A GPU-resident part's update, dispatched at once."""
         return self.device.update(part, grads, decision.scale, decision.ok)
 
-    def update_host(self, state: HostState, part: PartId, grads: Params, decision: StepDecision) -> Future:
+    def update_host(self, state: HostState, part: PartId, grads: Params, decision: StepDecision,
+                    on_device: bool = False) -> Future:
         """Queue a host part's update (its first half when split); the future is done when the next
-        forward may fetch the part."""
-        split = self.opt.splits
+        forward may fetch the part. Gradients ``on_device`` (``EngineConfig.grads_on_gpu``) are copied to
+        pinned memory by the task itself, so that one such part's gradient at a time is in host memory, and
+        their update is never split (a second half would keep the host copy until the step's commit)."""
+        split = self.opt.splits and not on_device
 
         def first() -> int | None:
             if not decision.applies:
@@ -162,7 +166,8 @@ class UpdatePolicy:
             if split:
                 return self.opt.update_stream(state[part], grads, decision.scale)
             self._pass_gates(part)
-            state[part] = self.opt.update(state[part], grads, decision.scale)
+            home = self.placement.to_host(grads) if on_device else grads
+            state[part] = self.opt.update(state[part], home, decision.scale)
             return None
 
         done = self.worker.submit(Task("update", part), first)

@@ -330,3 +330,21 @@ def test_command_line_errors_name_the_override(capsys):
     err = capsys.readouterr().err
     assert "command-line override model.layers=abc: [model] layers must be an integer" in err
     assert "Traceback" not in err
+
+
+def test_train_picks_the_lean_mode_when_host_ram_is_short(tmp_path, capsys, monkeypatch):
+    """With less host RAM than the run needs as configured (but enough for its lean mode), ``train`` keeps
+    gradients on the device, says so, trains, and records what ran in config.toml."""
+    from megatrain_jax import memory_plan
+    wide = [*TINY_RUN, "model.hidden=512", "model.ffn=1024"]  # megabytes of gradients
+    cfg = load_config(None, wide)
+    args = (cfg.model.build(), cfg.engine, cfg.data.batch_size, cfg.data.seq_len)
+    full = memory_plan.plan(*args, host_ram_bytes=1000 * 2**30, detect=False)
+    lean = memory_plan.plan(*args[:1], dataclasses.replace(cfg.engine, grads_on_gpu=3), *args[2:],
+                            host_ram_bytes=1000 * 2**30, detect=False)
+    assert lean.host_total < full.host_total
+    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: (lean.host_total + full.host_total) // 2)
+    assert main(["train", *wide, "train.steps=2", "train.memory_check=false", f"train.run_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "host RAM is short" in out and "engine.grads_on_gpu=" in out and "done: loss" in out
+    assert load_config(tmp_path / "config.toml").engine.grads_on_gpu > 0

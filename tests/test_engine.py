@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -265,6 +266,34 @@ def test_nonfinite_step_skipped_on_resident_parts_too():
     engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(resident_layers=1))
     m, unchanged = poison_and_step(engine)
     assert m["skipped"] and unchanged
+
+
+@pytest.mark.parametrize("engine_cfg", [
+    EngineConfig(micro_batches=2, clip_norm=0.05, grads_on_gpu=2),
+    EngineConfig(accumulate_steps=2, grads_on_gpu=4),  # every part: the 3 blocks and io
+    EngineConfig(resident_layers=1, grads_on_gpu=2, stream_dtype="float32"),  # blocks 1 and 2 (0 is resident)
+], ids=["clip", "accumulate-all", "after-resident"])
+@pytest.mark.parametrize("tx", [FUSED, SGD], ids=["fused-adamw", "sgd"])
+def test_gradients_waiting_on_the_gpu_equal_reference(tx, engine_cfg):
+    """Gradients kept on the device until the update (``grads_on_gpu``) give the same training, whatever
+    the optimizer route, clipping, accumulation and GPU-resident parts."""
+    engine = run_both(TINY3, tx, engine_cfg)
+    expected = [p for p in [PartId.block(i) for i in range(3)] + [IO] if p not in engine.resident_parts]
+    assert engine.grads_on_gpu_parts == expected[:engine_cfg.grads_on_gpu]
+
+
+def test_gradients_waiting_on_the_gpu_with_a_bfloat16_stream_copy():
+    """With a 16-bit stream copy the fused update is split in two halves, except for the parts whose
+    gradient waits on the GPU: these update in one pass. Masters and moments equal the all-split run's."""
+    split = _trained(EngineConfig())
+    held = _trained(EngineConfig(grads_on_gpu=2))
+    for a, b in zip(jax.tree.leaves(split.state), jax.tree.leaves(held.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_more_gradients_on_the_gpu_than_host_updated_parts_is_refused():
+    with pytest.raises(ValueError, match="grads_on_gpu=4 exceeds the 3 parts updated on the host"):
+        Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(resident_io=True, grads_on_gpu=4))
 
 
 def _trained(engine_cfg, steps=3, **batch_kw):

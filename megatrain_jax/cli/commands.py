@@ -97,15 +97,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from megatrain_jax.memory_plan import gpu_fraction, plan
+    from megatrain_jax.memory_plan import gpu_fraction, lean_engine, plan
     cfg = load_config(args.config, args.overrides)
     host = None if args.host_gib is None else int(args.host_gib * GiB)
     gpu = None if args.gpu_gib is None else int(args.gpu_gib * GiB * gpu_fraction())
     if gpu is not None:
         print(f"GPU of {args.gpu_gib:g} GiB: XLA may allocate {gpu_fraction():.0%} of it, {gpu / GiB:.2f} GiB "
               f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
-    p = plan(cfg.model.build(), cfg.engine, cfg.data.batch_size, cfg.data.seq_len, host_ram_bytes=host,
-             gpu_bytes=gpu, packed=cfg.data.mode == "packed", loaded_copy=cfg.model.hf_checkpoint is not None)
+    model_cfg, d = cfg.model.build(), cfg.data
+    kw = dict(packed=d.mode == "packed", loaded_copy=cfg.model.hf_checkpoint is not None)
+    engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_ram_bytes=host, **kw)
+    if lean is not None:
+        print(f"as `megatrain-jax train` would: {lean}")
+    p = plan(model_cfg, engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu, **kw)
     print(p.table())
     if not p.fits:
         print(f"does not fit.\n{p.advice()}")

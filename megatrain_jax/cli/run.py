@@ -7,6 +7,7 @@ W&B, progress), then calls ``fit``. The run folder gets the resolved ``config.to
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import tomllib
@@ -21,7 +22,7 @@ from megatrain_jax.checkpoint import committed_steps
 from megatrain_jax.cli.config_file import RunConfig, to_dict, to_toml
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.fit import History, Hook, fit
-from megatrain_jax.memory_plan import fit_host_pool, plan
+from megatrain_jax.memory_plan import fit_host_pool, lean_engine, plan
 from megatrain_jax.models import Decoder
 from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
 
@@ -131,6 +132,10 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     gpus = visible_gpus()
     kw = dict(packed=d.mode == "packed", loaded_copy=cfg.model.hf_checkpoint is not None,
               devices=min(t.devices or gpus, gpus))
+    engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len, **kw)
+    if lean is not None:  # host RAM is short: float32 streamed, gradients waiting on the GPU
+        say(f"megatrain_jax: {lean}")
+        cfg = dataclasses.replace(cfg, engine=engine_cfg)
     fit_host_pool(model_cfg, cfg.engine, d.batch_size, d.seq_len, **kw)  # before JAX starts its GPU backend
     memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_pool_limit=host_pool_limit(), **kw)
     if t.memory_check:

@@ -1,0 +1,166 @@
+"""Capacity: the largest models that train on this machine with float32 masters and Adam moments (issue 15).
+
+    PYTHONPATH=. python experiments/capacity.py --configs 8b_fp32,largest_fp32 --out $OUT/h100_capacity.json
+
+Each configuration runs in a fresh process, so that its host peak (ru_maxrss) is its own, and goes through
+the memory plan as ``megatrain-jax train`` does: ``lean_engine`` on this machine's MemAvailable (float32
+streamed, the fewest parts' gradients waiting on the GPU), then ``fit_host_pool`` before JAX starts. Then
+experiments/bench.py's ``run_config`` trains a randomly initialized model on the demo corpus and times it.
+
+``largest_*`` configurations search the most layers of their shape whose lean plan fits this host
+(MemAvailable) and GPU (``nvidia-smi``'s memory times XLA_PYTHON_CLIENT_MEM_FRACTION), and train that.
+Each run records master_dtype, the machine's host_ram_gib and MemAvailable, the engine config that ran, the
+plan's host and GPU totals next to the measured peaks, tokens/s, model TFLOP/s and the losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import BenchConfig  # noqa: E402  (sets XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 by default)
+
+from megatrain_jax import EngineConfig  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityConfig:
+    bench: BenchConfig
+    search_layers: tuple[int, int] | None = None  # (fewest, most): train the most that the plan fits
+
+
+CONFIGS: dict[str, CapacityConfig] = {
+    # Llama-3-8B (8.03 B) at 32K tokens per step; 8 blocks GPU-resident (updated there, faster), the rest
+    # as the plan picks on this host.
+    "8b_fp32": CapacityConfig(BenchConfig("8b", None, 2048, 16, EngineConfig(micro_batches=2, resident_layers=8))),
+    # Llama-3-8B's shape with as many layers as fit: io GPU-resident, so that the gradient that comes home
+    # last is one block's, not the 1 B-parameter io part's.
+    "largest_fp32": CapacityConfig(BenchConfig("8b", None, 2048, 16, EngineConfig(micro_batches=4, resident_io=True)),
+                                   search_layers=(32, 48)),
+}
+
+
+def mem_available_bytes() -> int:
+    from megatrain_jax.memory_plan import available_host_bytes
+    return available_host_bytes()
+
+
+def gpu_bytes_estimate() -> int | None:
+    """What XLA's allocator will get, read before JAX starts: nvidia-smi's total times the memory fraction."""
+    from megatrain_jax.memory_plan import gpu_fraction
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True).stdout.split()
+        return int(int(out[0]) * 2**20 * gpu_fraction())
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+        return None
+
+
+def choose(cc: CapacityConfig, host: int, gpu: int | None) -> tuple[BenchConfig, str | None, dict]:
+    """The configuration to train: the lean engine config the plan picks, and for a search the most layers
+    whose lean plan fits; with the plan's numbers."""
+    from megatrain_jax import preset
+    from megatrain_jax.memory_plan import LEAN_HOST_MARGIN, GiB, lean_engine, plan
+
+    bc = cc.bench
+    candidates = [bc.layers] if cc.search_layers is None else range(cc.search_layers[1], cc.search_layers[0] - 1, -1)
+    for layers in candidates:
+        cfg = preset(bc.preset, **({"layers": layers} if layers else {}))
+        engine, lean = lean_engine(cfg, bc.engine, bc.rows, bc.seq_len, host_ram_bytes=host)
+        p = plan(cfg, engine, bc.rows, bc.seq_len, host_ram_bytes=host, gpu_bytes=gpu, detect=False)
+        with_margin = p.replace(host_ram_bytes=int(host * (1 - LEAN_HOST_MARGIN))).fits  # as the lean pick leaves
+        if with_margin or cc.search_layers is None:
+            searched = {} if cc.search_layers is None else {"layers_searched": list(cc.search_layers),
+                                                            "layers_chosen": layers}
+            return dataclasses.replace(bc, layers=layers, engine=engine), lean, {
+                "fits": p.fits, "host_gib": round(p.host_total / GiB, 2), "gpu_gib": round(p.gpu_total / GiB, 2),
+                "gpu_peak_at": p.gpu_peak_at, "host_bytes_per_param": round(p.host_total / p.params, 2),
+                "host_bytes_per_param_by_mode": {k: round(v, 2) for k, v in p.host_bytes_per_param().items()},
+                "host": {k: round(v / GiB, 3) for k, v in p.host.items()}, **searched}
+    raise SystemExit(f"no layer count in {cc.search_layers} fits")
+
+
+def measure(name: str, cc: CapacityConfig, warmup: int, steps: int) -> dict:
+    """Plan, then train ``name`` in this process (JAX starts after the host pool is fitted)."""
+    from megatrain_jax.memory_plan import GiB, fit_host_pool
+
+    host, gpu = mem_available_bytes(), gpu_bytes_estimate()
+    bc, lean, planned = choose(cc, host, gpu)
+    from megatrain_jax import preset
+    cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
+    fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)
+
+    from bench import device_info, run_config
+    run = run_config(name, bc, warmup, steps, profile=False)
+    run.update(preset=bc.preset, master_dtype="float32", adam_moments_dtype="float32", device=device_info(),
+               mem_available_gib_at_start=round(host / GiB, 2), gpu_bytes_planned_for_gib=gpu and round(gpu / GiB, 2),
+               lean_mode=lean, plan=planned, pinned_pool_limit_gib=os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"))
+    for k in ("gpu", "host"):
+        if run.get(f"{k}_peak_gib"):
+            run.setdefault("plan_error", {})[k] = round((planned[f"{k}_gib"] - run[f"{k}_peak_gib"]) /
+                                                        run[f"{k}_peak_gib"], 4)
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="path of the results JSON")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated names from {sorted(CONFIGS)}")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps")
+    ap.add_argument("--timeout", type=int, default=400, help="seconds per configuration")
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # run one configuration in this process
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, CONFIGS[args.child], args.warmup, args.steps)))
+        return
+    if not args.out:
+        ap.error("--out is required")
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    import jax  # the version only: this process never starts the GPU backend, the children do
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
+        ["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    result = {"name": os.path.splitext(os.path.basename(args.out))[0],
+              "command": "PYTHONPATH=. python experiments/capacity.py " + " ".join(sys.argv[1:]),
+              "git_commit": commit, "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
+              "device": None, "runs": []}
+    for name in names:
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--warmup", str(args.warmup),
+               "--steps", str(args.steps)]
+        t = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=repo, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
+            lines = proc.stdout.strip().splitlines()
+            run = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
+                "config": name, "status": f"error: exit {proc.returncode} (a negative code is the signal: "
+                                          f"-9 is the kernel's OOM killer)"}
+        except subprocess.TimeoutExpired:
+            run = {"config": name, "status": f"error: no result within {args.timeout} s"}
+        run["wall_s"] = round(time.perf_counter() - t, 1)
+        result["device"] = result["device"] or run.pop("device", None)
+        run.pop("device", None)
+        result["runs"].append(run)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"{name}: {run.get('status')} layers {run.get('model', {}).get('layers')} params "
+              f"{run.get('model', {}).get('params')} tokens/s {run.get('tokens_per_s')} TFLOP/s "
+              f"{run.get('model_tflops')} host {run.get('host_peak_gib')} GiB (plan {run.get('plan', {}).get('host_gib')}) "
+              f"gpu {run.get('gpu_peak_gib')} GiB (plan {run.get('plan', {}).get('gpu_gib')}) "
+              f"losses {run.get('losses')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
