@@ -247,7 +247,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
     R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
     H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
     held = set(grads_on_gpu_parts(c, e))
-    led, acts = _Ledger(), {}  # acts: layer -> micro-batch activations held
+    led, acts, home = _Ledger(), {}, set()  # acts: layer -> micro-batch activations held
     for part in held:  # the step before's, copied home by each part's update before its fetch
         led.add(H, part_param_count(c, part) * 4 // devices)
     best: tuple[int, dict[str, int], str] = (-1, {}, "")
@@ -282,7 +282,8 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
                 items[f"outputs of {op!r}"] = out
                 best = (total, {k: v for k, v in items.items() if v}, repr(op))
             led.advance(ops)
-            if kind == "fetch" and waits and j == 0:  # the step before's gradient went home with the update
+            if kind == "fetch" and waits and part not in home:  # the forward's fetch waited for the update,
+                home.add(part)                                   # which took the step before's gradient home
                 led.drop(H, grad // devices)
             if kind == "fetch" and not kept:  # what the host program holds after the op
                 led.add(W, weights)
