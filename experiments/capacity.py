@@ -1,10 +1,11 @@
-"""Capacity: the largest models that train on this machine with float32 masters and Adam moments (issue 15).
+"""Capacity: the largest models that train on this machine, with float32 masters and Adam moments, and in
+capacity mode (bfloat16 masters and moments, stochastically rounded) (issue 15).
 
     PYTHONPATH=. python experiments/capacity.py --configs 8b_fp32,largest_fp32 --out $OUT/h100_capacity.json
 
 Each configuration runs in a fresh process, so that its host peak (ru_maxrss) is its own, and goes through
 the memory plan as ``megatrain-jax train`` does: ``lean_engine`` on this machine's MemAvailable (float32
-streamed, the fewest parts' gradients waiting on the GPU), then ``fit_host_pool`` before JAX starts. Then
+streamed at full precision, and the fewest parts' gradients waiting on the GPU), then ``fit_host_pool`` before JAX starts. Then
 experiments/bench.py's ``run_config`` trains a randomly initialized model on the demo corpus and times it.
 
 ``largest_*`` configurations search the most layers of their shape whose lean plan fits this host
@@ -46,6 +47,13 @@ CONFIGS: dict[str, CapacityConfig] = {
     # last is one block's, not the 1 B-parameter io part's.
     "largest_fp32": CapacityConfig(BenchConfig("8b", None, 2048, 16, EngineConfig(micro_batches=4, resident_io=True)),
                                    search_layers=(32, 48)),
+    # Capacity mode (bfloat16 masters and moments, stochastic rounding): Qwen2.5-14B (14.8 B) at 32K tokens.
+    "14b_capacity": CapacityConfig(BenchConfig("14b", None, 2048, 16,
+                                               EngineConfig(micro_batches=2, master_dtype="bfloat16"))),
+    # Qwen2.5-14B's shape with as many layers as fit in capacity mode.
+    "largest_capacity": CapacityConfig(BenchConfig("14b", None, 2048, 16,
+                                                   EngineConfig(micro_batches=4, master_dtype="bfloat16")),
+                                       search_layers=(48, 96)),
 }
 
 
@@ -77,7 +85,9 @@ def choose(cc: CapacityConfig, host: int, gpu: int | None) -> tuple[BenchConfig,
         cfg = preset(bc.preset, **({"layers": layers} if layers else {}))
         engine, lean = lean_engine(cfg, bc.engine, bc.rows, bc.seq_len, host_ram_bytes=host)
         p = plan(cfg, engine, bc.rows, bc.seq_len, host_ram_bytes=host, gpu_bytes=gpu, detect=False)
-        with_margin = p.replace(host_ram_bytes=int(host * (1 - LEAN_HOST_MARGIN))).fits  # as the lean pick leaves
+        # the host margin the lean pick leaves, and 5% of the GPU (the plan has come out up to 5% over or under)
+        with_margin = p.replace(host_ram_bytes=int(host * (1 - LEAN_HOST_MARGIN)),
+                                gpu_bytes=None if gpu is None else int(gpu * 0.95)).fits
         if with_margin or cc.search_layers is None:
             searched = {} if cc.search_layers is None else {"layers_searched": list(cc.search_layers),
                                                             "layers_chosen": layers}
@@ -101,7 +111,8 @@ def measure(name: str, cc: CapacityConfig, warmup: int, steps: int) -> dict:
 
     from bench import device_info, run_config
     run = run_config(name, bc, warmup, steps, profile=False)
-    run.update(preset=bc.preset, master_dtype="float32", adam_moments_dtype="float32", device=device_info(),
+    run.update(preset=bc.preset, master_dtype=bc.engine.master_dtype, adam_moments_dtype=bc.engine.master_dtype,
+               device=device_info(),
                mem_available_gib_at_start=round(host / GiB, 2), gpu_bytes_planned_for_gib=gpu and round(gpu / GiB, 2),
                lean_mode=lean, plan=planned, pinned_pool_limit_gib=os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"))
     for k in ("gpu", "host"):

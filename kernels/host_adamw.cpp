@@ -19,6 +19,15 @@
 // - megatrain_adamw_stream: only the bf16 copy of the new p (reads p, m, v, g; writes 2 bytes per
 //   parameter instead of 12). The engine runs it first, on the step's critical path, and the whole update
 //   later, off it.
+//
+// A third entry point is for capacity mode, where p, m and v themselves are stored as bfloat16 (uint16 bit
+// patterns; g stays float32):
+// - megatrain_adamw_bf16_sr: loads p, m, v as float32, does the same math in the same order, and writes each
+//   back rounded stochastically to bfloat16 (see to_bf16_sr), so that updates smaller than half a bfloat16
+//   step still move p on average. The random bits are a hash of (seed, stream, offset + i): they do not
+//   depend on threads or chunking, and a call on a piece of an array, with offset = the piece's start, writes
+//   what one call on the whole array writes there. Same chunk layout; blocks are one cache line of each
+//   bfloat16 stream (32 elements).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -34,6 +43,36 @@ static inline uint16_t to_bf16(float x) {
   std::memcpy(&u, &x, 4);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   return static_cast<uint16_t>(((u & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : rounded);
+}
+
+// lowbias32 (Chris Wellons' integer hash): a bijection of uint32 with good avalanche.
+static inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// Stochastic float -> bfloat16 rounding with random bits r (the low 16 are used): adding them to the 16
+// bits that truncation drops rounds the magnitude up with probability (dropped bits) / 2^16, so the mean over
+// r is x exactly (for finite x whose rounding up does not overflow to inf). NaN becomes a quiet NaN with its
+// sign kept; inf stays inf. Branch-free so the loop vectorizes.
+static inline uint16_t to_bf16_sr(float x, uint32_t r) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t rounded = (u + (r & 0xffffu)) >> 16;
+  const uint32_t nan = 0x7fc0u | ((u >> 16) & 0x8000u);
+  const uint32_t special = ((u & 0x7fffffffu) > 0x7f800000u) ? nan : u >> 16;
+  return static_cast<uint16_t>(((u & 0x7f800000u) == 0x7f800000u) ? special : rounded);
+}
+
+static inline float from_bf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
 }
 
 namespace {
@@ -76,24 +115,73 @@ inline void adamw_block(float* __restrict p, float* __restrict m, float* __restr
   }
 }
 
+// Capacity mode: p, m and v are bfloat16 bits, written back with stochastic rounding. Same math, same order
+// as adamw_block. Element i draws from counter offset + i (uint32, wrapping) under one key per stream.
+struct Keys {
+  uint32_t p, m, v, offset;
+};
+
+inline void adamw_sr_block(uint16_t* __restrict p, uint16_t* __restrict m, uint16_t* __restrict v,
+                           const float* __restrict g, int64_t b, int64_t e, int64_t hi, const Hyper& h,
+                           const Keys& k) {
+  if (b + kPrefetch < hi) {
+    __builtin_prefetch(p + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
+    __builtin_prefetch(m + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
+    __builtin_prefetch(v + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
+    __builtin_prefetch(g + b + kPrefetch, 0, kPrefetchHint);
+  }
+#pragma omp simd
+  for (int64_t i = b; i < e; ++i) {
+    const float p0 = from_bf16(p[i]);
+    const float gi = g[i] * h.grad_scale;
+    const float mi = h.b1 * from_bf16(m[i]) + h.one_b1 * gi;
+    const float vi = h.b2 * from_bf16(v[i]) + h.one_b2 * gi * gi;
+    const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p0;
+    const float pi = p0 - h.lr * u;
+    const uint32_t j = k.offset + static_cast<uint32_t>(i);
+    p[i] = to_bf16_sr(pi, mix32(j ^ k.p));
+    m[i] = to_bf16_sr(mi, mix32(j ^ k.m));
+    v[i] = to_bf16_sr(vi, mix32(j ^ k.v));
+  }
+}
+
+// kSplit sub-ranges of whole blocks (kBlock elements) of [lo, hi), walked side by side, then the remainder
+// (under kSplit blocks) alone; block(b, e, end) does elements [b, e) of a sub-range that ends at end.
+template <int64_t kBlock, class Block>
+inline void split_range(int64_t lo, int64_t hi, const Block& block) {
+  const int64_t sub = (hi - lo) / kSplit / kBlock * kBlock;
+  for (int64_t off = 0; off < sub; off += kBlock)
+    for (int64_t k = 0; k < kSplit; ++k) {
+      const int64_t b = lo + k * sub + off, end = k + 1 < kSplit ? lo + (k + 1) * sub : hi;
+      block(b, b + kBlock, end);
+    }
+  for (int64_t b = lo + kSplit * sub; b < hi; b += kBlock) block(b, std::min(b + kBlock, hi), hi);
+}
+
 template <bool kState, bool kBf16>
 void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
                  uint16_t* __restrict p_bf16, int64_t lo, int64_t hi, const Hyper h) {
-  // kSplit sub-ranges of whole blocks, walked side by side, then the remainder (under kSplit blocks) alone.
-  const int64_t sub = (hi - lo) / kSplit / kStep * kStep;
-  for (int64_t off = 0; off < sub; off += kStep)
-    for (int64_t k = 0; k < kSplit; ++k) {
-      const int64_t b = lo + k * sub + off, end = k + 1 < kSplit ? lo + (k + 1) * sub : hi;
-      adamw_block<kState, kBf16>(p, m, v, g, p_bf16, b, b + kStep, end, h);
-    }
-  for (int64_t b = lo + kSplit * sub; b < hi; b += kStep)
-    adamw_block<kState, kBf16>(p, m, v, g, p_bf16, b, std::min(b + kStep, hi), hi, h);
+  split_range<kStep>(lo, hi, [&](int64_t b, int64_t e, int64_t end) {
+    adamw_block<kState, kBf16>(p, m, v, g, p_bf16, b, e, end, h);
+  });
+}
+
+// One cache line of each bfloat16 stream per block (two of g's).
+constexpr int64_t kStepBf16 = 32;
+static_assert(kChunk % kStepBf16 == 0, "bf16 blocks start on whole cache lines");
+
+void adamw_sr_range(uint16_t* __restrict p, uint16_t* __restrict m, uint16_t* __restrict v,
+                    const float* __restrict g, int64_t lo, int64_t hi, const Hyper h, const Keys k) {
+  split_range<kStepBf16>(lo, hi, [&](int64_t b, int64_t e, int64_t end) {
+    adamw_sr_block(p, m, v, g, b, e, end, h, k);
+  });
 }
 
 std::atomic<int> g_threads{0};  // 0: OpenMP's default (all cores); set by megatrain_set_threads
 
-template <bool kState, bool kBf16>
-void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
+// range(lo, hi) over the chunks of [0, n), on all threads.
+template <class Range>
+void parallel_chunks(int64_t n, const Range& range) {
 #ifdef _OPENMP
   const int set = g_threads.load(std::memory_order_relaxed);
   const int threads = set > 0 ? set : omp_get_max_threads();
@@ -111,9 +199,13 @@ void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf
     const int64_t chunk = std::min(kChunk, std::max<int64_t>(32, ((n + nt - 1) / nt + 31) / 32 * 32));
     const int64_t chunks = (n + chunk - 1) / chunk;
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t c = 0; c < chunks; ++c)
-      adamw_range<kState, kBf16>(p, m, v, g, p_bf16, c * chunk, std::min(n, (c + 1) * chunk), h);
+    for (int64_t c = 0; c < chunks; ++c) range(c * chunk, std::min(n, (c + 1) * chunk));
   }
+}
+
+template <bool kState, bool kBf16>
+void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
+  parallel_chunks(n, [&](int64_t lo, int64_t hi) { adamw_range<kState, kBf16>(p, m, v, g, p_bf16, lo, hi, h); });
 }
 
 Hyper make_hyper(float lr, float b1, float b2, float eps, float wd, float grad_scale, float bc1, float bc2) {
@@ -136,6 +228,18 @@ extern "C" void megatrain_adamw_stream(float* p, float* m, float* v, const float
                                        int64_t n, float lr, float b1, float b2, float eps, float wd,
                                        float grad_scale, float bc1, float bc2) {
   adamw_parallel<false, true>(p, m, v, g, p_bf16, n, make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2));
+}
+
+// Capacity mode (see the header): p, m, v bfloat16 bits, g float32, all three written back with stochastic
+// rounding. Stream k (0: p, 1: m, 2: v) uses key mix32(seed ^ 0x9E3779B9 * (k + 1)); element i uses random
+// bits mix32((uint32)(offset + i) ^ key). Counters wrap past 2^32: callers keep offset + n <= 2^32.
+extern "C" void megatrain_adamw_bf16_sr(uint16_t* p, uint16_t* m, uint16_t* v, const float* g, int64_t n,
+                                        float lr, float b1, float b2, float eps, float wd, float grad_scale,
+                                        float bc1, float bc2, uint32_t seed, int64_t offset) {
+  const Hyper h = make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2);
+  const Keys k{mix32(seed ^ 0x9E3779B9u * 1u), mix32(seed ^ 0x9E3779B9u * 2u), mix32(seed ^ 0x9E3779B9u * 3u),
+               static_cast<uint32_t>(offset)};
+  parallel_chunks(n, [&](int64_t lo, int64_t hi) { adamw_sr_range(p, m, v, g, lo, hi, h, k); });
 }
 
 extern "C" void megatrain_set_threads(int n) { g_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }

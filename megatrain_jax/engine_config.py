@@ -29,6 +29,11 @@ class EngineConfig:
       the part's backward until its update copies the gradient home early in the next step (one part at a
       time, so host memory holds one such gradient). ``megatrain-jax train`` picks it when host RAM is short
       (``memory_plan.lean_engine``).
+    - ``master_dtype="bfloat16"`` is capacity mode (opt-in): master weights and both Adam moments are
+      stored in bfloat16 and every update writes them with stochastic rounding (unbiased: the expected
+      stored value is the float32 result), 6 bytes per parameter instead of 12, and the masters are what
+      crosses PCIe (no separate stream copy). It needs ``megatrain_jax.adamw`` run by the fused host kernel,
+      and updates every part on the host (no GPU-resident parts). Quality: docs/capacity.md.
     """
 
     micro_batches: int = 1
@@ -41,6 +46,7 @@ class EngineConfig:
     resident_layers: int = 0
     resident_io: bool = False
     grads_on_gpu: int = 0
+    master_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
@@ -55,3 +61,21 @@ class EngineConfig:
         if self.stream_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"EngineConfig.stream_dtype must be None, 'float32' or 'bfloat16', "
                              f"got {self.stream_dtype!r}")
+        if self.master_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"EngineConfig.master_dtype must be 'float32' or 'bfloat16' (capacity mode), "
+                             f"got {self.master_dtype!r}")
+        if self.capacity:
+            if self.stream_dtype not in (None, "bfloat16"):
+                raise ValueError(f"capacity mode (master_dtype='bfloat16') streams the bfloat16 masters: leave "
+                                 f"stream_dtype unset or 'bfloat16', not {self.stream_dtype!r}")
+            if self.resident_layers or self.resident_io:
+                raise ValueError("capacity mode (master_dtype='bfloat16') updates every part on the host with "
+                                 "stochastic rounding: set resident_layers = 0 and resident_io = false")
+            if not self.host_kernel:
+                raise ValueError("capacity mode (master_dtype='bfloat16') runs in the fused host kernel: "
+                                 "leave host_kernel = true")
+
+    @property
+    def capacity(self) -> bool:
+        """Capacity mode: bfloat16 masters and moments, stochastically rounded (``master_dtype``)."""
+        return self.master_dtype == "bfloat16"

@@ -16,6 +16,12 @@ part structure when the engine is built:
   back to pinned host memory. It costs PCIe traffic (about 16 bytes per parameter each way for Adam-like
   state) but runs anything the reference trainer runs.
 
+**Capacity mode** (``EngineConfig.master_dtype="bfloat16"``) is the fused route with bfloat16 masters and
+moments: the kernel updates them in float32 arithmetic and writes each back with stochastic rounding, from
+random bits that depend only on the step, the part, the leaf and the element's index (so a run is
+reproducible, a resume continues it bit for bit, and a part spread over several devices rounds as it
+would on one). The masters are pinned (they cross PCIe: no stream copy); the moments pageable.
+
 Transformations that look across parameters (``clip_by_global_norm``) are refused at engine build by
 ``megatrain_jax.optim.check_partwise``: the engine clips exactly, from the norm of the whole gradient,
 and hands each part's update the resulting scale factor.
@@ -53,10 +59,13 @@ class HostOptimizer:
     """Init and update of one part's optimizer state, all in pinned host memory."""
 
     def __init__(self, tx: optax.GradientTransformation, placement: Placement, stream_dtype: Any | None,
-                 use_kernel: bool = True):
+                 use_kernel: bool = True, master_dtype: Any = jnp.float32):
         self.tx = tx
         self.placement = placement
-        self.stream_dtype = None if stream_dtype in (None, jnp.float32) else jnp.dtype(stream_dtype)
+        self.master_dtype = jnp.dtype(master_dtype)
+        self.capacity = self.master_dtype == jnp.bfloat16  # the bfloat16 masters are streamed themselves
+        self.stream_dtype = (None if self.capacity or stream_dtype in (None, jnp.float32)
+                             else jnp.dtype(stream_dtype))
         # Donating host buffers lets XLA update in place on the GPU client; the CPU client cannot use it.
         donate = (0, 1, 2) if placement.on_gpu else ()
         self._host_update = placement.jit_into(self._update_fn, "pinned_host", donate)
@@ -70,6 +79,12 @@ class HostOptimizer:
             if self.kernel is not None and not _pointers_writable(placement):
                 warnings.warn("pinned-host buffers are not writable in place here; using the JAX host optimizer")
                 self.kernel = None
+        if self.capacity and self.kernel is None:
+            why = ("the optimizer is not megatrain_jax.adamw" if self.spec is None else
+                   "the C++ host kernel is unavailable here (no compiler, the build failed, or pinned buffers are "
+                   "not writable in place)")
+            raise ValueError(f"capacity mode (master_dtype='bfloat16') runs megatrain_jax.adamw in the fused host "
+                             f"kernel, and {why}; use master_dtype='float32'")
 
     @property
     def fused(self) -> bool:
@@ -89,6 +104,8 @@ class HostOptimizer:
         opt = self.tx.init(params)
         if self.fused:
             opt = AdamWState(opt.count, None, None)
+        if self.capacity:  # the initial masters rounded to nearest; from then on, stochastically
+            params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
         return Part(params, opt, stream_copy(params, self.stream_dtype))
 
     def home(self, part: Part, adopt: bool = False) -> Part:
@@ -106,8 +123,9 @@ class HostOptimizer:
         if not self.fused:
             return Part(pinned(part.params), pinned(part.opt), stream)
         opt = part.opt
-        mu = pageable_zeros(part.params) if opt.mu is None else pageable(opt.mu)
-        nu = pageable_zeros(part.params) if opt.nu is None else pageable(opt.nu)
+        moments = self.master_dtype  # float32, or bfloat16 in capacity mode
+        mu = pageable_zeros(part.params, moments) if opt.mu is None else pageable(opt.mu)
+        nu = pageable_zeros(part.params, moments) if opt.nu is None else pageable(opt.nu)
         params = pinned(part.params) if stream is None else pageable(part.params)  # pinned if streamed
         return Part(params, AdamWState(pinned(opt.count), mu, nu), stream)
 
@@ -142,13 +160,16 @@ class HostOptimizer:
         params, opt_state = apply_scaled_update(self.tx, params, opt_state, grads, scale)
         return params, opt_state, stream_copy(params, self.stream_dtype)
 
-    def update(self, part: Part, grads: Params, scale: jax.Array) -> Part:
+    def update(self, part: Part, grads: Params, scale: jax.Array, salt: int = 0) -> Part:
         """The whole update: the new part, all in host memory. The fused route writes the masters, the
-        moments and the stream copy in place."""
+        moments and the stream copy in place. ``salt`` (the part's index) keys capacity mode's rounding bits."""
         route = self.route(part)
         if route == "fused":
             t = self._next_count(part.opt)
-            self._run_kernel(host_kernel.adamw_inplace, part, grads, part.stream, float(scale), t)
+            if self.capacity:
+                self._run_kernel(host_kernel.adamw_sr_inplace, part, grads, None, float(scale), t, salt=salt)
+            else:
+                self._run_kernel(host_kernel.adamw_inplace, part, grads, part.stream, float(scale), t)
             return Part(part.params, self._counted(part.opt, t), part.stream)
         update = self._host_update if route == "host" else self._device_update
         return Part(*update(part.params, part.opt, grads, self.placement.to_host(scale)))
@@ -174,10 +195,13 @@ class HostOptimizer:
         # From numpy straight into pinned memory: no accelerator round trip per part and step.
         return AdamWState(self.placement.to_host(np.asarray(t, np.int32)), state.mu, state.nu)
 
-    def _run_kernel(self, kernel_fn, part: Part, grads: Params, stream: Params | None, scale: float, t: int) -> None:
+    def _run_kernel(self, kernel_fn, part: Part, grads: Params, stream: Params | None, scale: float, t: int,
+                    salt: int | None = None) -> None:
         """The kernel over each leaf, piece by piece (``Placement.pieces``: a device's shard, or the whole
         leaf where it is replicated). A piece held by several devices (a replicated leaf) is updated once,
-        from its first copy, and the values written are then copied to the others."""
+        from its first copy, and the values written are then copied to the others. With a ``salt``, the
+        stochastic-rounding kernel runs: each leaf's bits are keyed by (step, salt, leaf), each piece's by
+        its offset in the leaf."""
         spec, state = self.spec, part.opt
         bc1, bc2 = spec.bias_corrections(float(t))
         lr = float(spec.lr_at(t - 1))
@@ -185,14 +209,34 @@ class HostOptimizer:
         pieces = self.placement.pieces
         leaves = jax.tree.leaves(part.params)
         streams = jax.tree.leaves(stream) if stream is not None else [None] * len(leaves)
-        for p, m, v, g, s, decay in zip(leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu),
-                                        jax.tree.leaves(grads), streams, jax.tree.leaves(spec.decays(part.params))):
+        for leaf, (p, m, v, g, s, decay) in enumerate(zip(
+                leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), jax.tree.leaves(grads), streams,
+                jax.tree.leaves(spec.decays(part.params)))):
             ps, ms, vs, ss = pieces(p), pieces(m), pieces(v), None if s is None else pieces(s)
+            hyper = dict(lr=lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, wd=spec.weight_decay if decay else 0.0,
+                         grad_scale=scale, bc1=bc1, bc2=bc2)
             for key, g_at in pieces(g).items():
                 n = int(np.prod([b - a for a, b in key]))
-                kernel_fn(self.kernel, ps[key][0], ms[key][0], vs[key][0], g_at[0], None if ss is None else ss[key][0],
-                          n, lr=lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, wd=spec.weight_decay if decay else 0.0,
-                          grad_scale=scale, bc1=bc1, bc2=bc2)
-                for copies, itemsize in ((ps[key], 4), (ss[key] if ss is not None else [], 2)):
+                if salt is None:
+                    kernel_fn(self.kernel, ps[key][0], ms[key][0], vs[key][0], g_at[0],
+                              None if ss is None else ss[key][0], n, **hyper)
+                else:
+                    kernel_fn(self.kernel, ps[key][0], ms[key][0], vs[key][0], g_at[0], n,
+                              seed=rounding_seed(t, salt, leaf), offset=_flat_offset(key, p.shape), **hyper)
+                for copies, itemsize in ((ps[key], p.dtype.itemsize), (ss[key] if ss is not None else [], 2)):
                     for other in copies[1:]:
                         ctypes.memmove(other, copies[0], n * itemsize)
+
+
+def rounding_seed(step: int, part: int, leaf: int) -> int:
+    """The 32-bit key of capacity mode's rounding bits for one leaf's update at optimizer step ``step``."""
+    return (step * 0x9E3779B1 ^ part * 0x85EBCA77 ^ leaf * 0xC2B2AE3D) & 0xFFFFFFFF
+
+
+def _flat_offset(key: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> int:
+    """Where a piece (its start and stop per axis) begins in its leaf's flat order. Pieces split the first
+    axis only (``Placement.spec``), so a piece is a contiguous run of rows."""
+    if not key:
+        return 0
+    assert all((a, b) == (0, d) for (a, b), d in zip(key[1:], shape[1:])), "pieces split the first axis only"
+    return key[0][0] * int(np.prod(shape[1:], dtype=np.int64))

@@ -455,7 +455,7 @@ class MemoryPlan:
         e, c, rows, seq = self.engine_cfg, self.model_cfg, self.batch_rows, self.seq_len
         n_updated = lambda r, io: c.layers - r + (0 if io else 1)  # noqa: E731  (host-updated parts)
         resident = [(("engine.resident_layers", r),) for r in range(c.layers, -1, -1)
-                    if r != e.resident_layers and n_updated(r, e.resident_io) >= e.grads_on_gpu]
+                    if r != e.resident_layers and n_updated(r, e.resident_io) >= e.grads_on_gpu and not e.capacity]
         yield ("resident", resident,
                lambda ch: (f"{ch[0][1]} GPU-resident blocks instead of {e.resident_layers}: " +
                            ("fewer blocks update on the GPU, so the next forward may wait on the host optimizer "
@@ -463,11 +463,12 @@ class MemoryPlan:
                             "their gradients stay on the GPU (4 B/param less host RAM) and they update there "
                             "(faster)")))
         io = [(("engine.resident_io", not e.resident_io),)]
-        yield ("resident_io", io if n_updated(e.resident_layers, not e.resident_io) >= e.grads_on_gpu else [],
+        ok = n_updated(e.resident_layers, not e.resident_io) >= e.grads_on_gpu and not e.capacity
+        yield ("resident_io", io if ok else [],
                lambda ch: "io part (embedding, head) " + ("kept on the GPU (faster)" if ch[0][1] else
                                                           "streamed instead of GPU-resident (slower first block)"))
         other = "float32" if self.stream_dtype in ("bfloat16", "float16") else "bfloat16"
-        yield ("stream", [(("engine.stream_dtype", other),)],
+        yield ("stream", [] if e.capacity else [(("engine.stream_dtype", other),)],
                lambda ch: ("stream the float32 masters: no 16-bit host copy (2 B/param less host RAM), twice the "
                            "bytes per layer over PCIe (hidden behind compute from about 16K tokens per layer visit "
                            "on an H100)") if other == "float32" else
@@ -477,6 +478,15 @@ class MemoryPlan:
                lambda ch: (f"the float32 gradients of {ch[0][1]} parts wait on the GPU for the global norm instead of "
                            f"in host memory (4 B/param less host RAM for them, as much more GPU memory); each "
                            f"comes home when its update runs"))
+        if not e.capacity:
+            to = {"engine.master_dtype": "bfloat16", "engine.stream_dtype": "bfloat16", "engine.resident_layers": 0,
+                  "engine.resident_io": False}
+            now = {"engine.stream_dtype": self.stream_dtype, "engine.resident_layers": e.resident_layers,
+                   "engine.resident_io": e.resident_io}
+            yield ("capacity", [tuple((k, v) for k, v in to.items() if now.get(k) != v)],
+                   lambda ch: ("capacity mode: bfloat16 masters and Adam moments, stochastically rounded (6 B/param "
+                               "instead of 12, no 16-bit copy; quality: docs/capacity.md)" +
+                               ("; every part updates on the host" if e.resident_layers or e.resident_io else "")))
         yield ("micro", [(("engine.micro_batches", m),) for m in _divisors(rows) if m > e.micro_batches],
                lambda ch: (f"{ch[0][1]} micro-batches of {rows // ch[0][1] * seq} tokens: smaller transients; "
                            f"below about 8K tokens per layer visit the weight transfers stop hiding behind compute"))
@@ -539,7 +549,8 @@ class MemoryPlan:
         return self._leanest()
 
     def _leanest(self) -> tuple[tuple[str, Any], ...] | None:
-        stream = () if self.stream_dtype == "float32" else (("engine.stream_dtype", "float32"),)
+        stream = () if self.stream_dtype == "float32" or self.engine_cfg.capacity else (
+            ("engine.stream_dtype", "float32"),)
         p = self.applied(stream)
         if p.host_fits:
             return stream if p.fits else None
@@ -548,26 +559,40 @@ class MemoryPlan:
         return None if grads is None else stream + grads
 
     def host_bytes_per_param(self) -> dict[str, float]:
-        """Host bytes per parameter of this run in each full-precision mode (float32 masters and moments)."""
-        e, n_host = self.engine_cfg, len(host_updated_parts(self.model_cfg, self.engine_cfg))
-        modes = {"16-bit stream copy, gradients in host memory": ("bfloat16", 0),
-                 "float32 streamed, gradients in host memory": ("float32", 0),
-                 "float32 streamed, every host-updated part's gradient waiting on the GPU": ("float32", n_host)}
-        return {name: self.replace(engine_cfg=dataclasses.replace(e, stream_dtype=dt, grads_on_gpu=n),
-                                   stream_dtype=dt).host_total / self.params for name, (dt, n) in modes.items()}
+        """Host bytes per parameter of this run in each mode: full precision (float32 masters and moments,
+        GPU-resident parts as configured) and capacity mode (no GPU-resident parts)."""
+        e = self.engine_cfg
+        full = dataclasses.replace(e, master_dtype="float32", stream_dtype=None, grads_on_gpu=0)
+        capacity = dataclasses.replace(full, master_dtype="bfloat16", resident_layers=0, resident_io=False)
+        every = lambda cfg: len(host_updated_parts(self.model_cfg, cfg))  # noqa: E731
+        modes = {
+            "full precision, 16-bit stream copy, gradients in host memory": dataclasses.replace(
+                full, stream_dtype="bfloat16"),
+            "full precision, float32 streamed, gradients in host memory": dataclasses.replace(
+                full, stream_dtype="float32"),
+            "full precision, float32 streamed, every host-updated gradient waiting on the GPU": dataclasses.replace(
+                full, stream_dtype="float32", grads_on_gpu=every(full)),
+            "capacity mode (bfloat16 masters and moments), gradients in host memory": capacity,
+            "capacity mode, every gradient waiting on the GPU": dataclasses.replace(
+                capacity, grads_on_gpu=every(capacity)),
+        }
+        return {name: self.replace(engine_cfg=cfg, stream_dtype=cfg.stream_dtype or "bfloat16").host_total / self.params
+                for name, cfg in modes.items()}
 
     def options(self) -> list[Option]:
         """Changes that make the run fit in both host and GPU memory, each re-planned: one lever at a time,
-        else pairs of levers; a smaller model last. Empty when nothing of that kind fits."""
+        and where none of those keeps full precision (capacity mode may fit alone), pairs of the other
+        levers; a smaller model last. Empty when nothing of that kind fits."""
         if self.fits:
             return []
         levers = sorted(self._levers(), key=lambda lever: lever[0] == "resident")  # resident last: bisected
         out = []
-        for _, candidates, words in levers:
+        for name, candidates, words in levers:
             ch = self._first_fit(candidates)
             if ch is not None:
-                out.append(Option(ch, words(ch)))
-        if not out:
+                out.append((name, Option(ch, words(ch))))
+        if all(name == "capacity" for name, _ in out):  # nothing at full precision yet: pairs of levers
+            levers = [lever for lever in levers if lever[0] != "capacity"]
             for i, (_, first, words1) in enumerate(levers):
                 for name2, _, _ in levers[i + 1:]:
                     for ch1 in first[:6]:
@@ -575,13 +600,14 @@ class MemoryPlan:
                         _, second, words2 = next(lever for lever in p._levers() if lever[0] == name2)
                         ch2 = p._first_fit([c for c in second if not any(k in dict(ch1) for k, _ in c)])
                         if ch2 is not None:
-                            out.append(Option(ch1 + ch2, f"{words1(ch1)}; and {words2(ch2)}"))
+                            out.append(("pair", Option(ch1 + ch2, f"{words1(ch1)}; and {words2(ch2)}")))
                             break
         layers = next((n for n in range(self.model_cfg.layers - 1, 0, -1)
                        if self.applied(self._smaller(n)).fits), None)
         if layers is not None:
-            out.append(Option(self._smaller(layers), f"a smaller model of {layers} layers (the rest as configured)"))
-        return out
+            out.append(("smaller", Option(self._smaller(layers), f"a smaller model of {layers} layers (the rest as "
+                                                                 f"configured)")))
+        return [option for _, option in out]
 
     def _smaller(self, layers: int) -> tuple[tuple[str, Any], ...]:
         changes: tuple[tuple[str, Any], ...] = (("model.layers", layers),)
@@ -627,8 +653,8 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
                 host_ram_bytes: int | None = None, **plan_kw) -> tuple[EngineConfig, str | None]:
     """The engine config ``megatrain-jax train`` runs: as given, unless host RAM (default: this machine's
     MemAvailable) is short and the config leaves the stream dtype unset and no gradients on the GPU; then
-    the lean full-precision mode that fits (``MemoryPlan.lean``), with a sentence saying what was picked.
-    Reads nothing from JAX, so it can run before JAX starts its GPU backend."""
+    the lean full-precision mode that fits (``MemoryPlan.lean``; in capacity mode, gradients waiting on the
+    GPU alone), with a sentence saying what was picked. Reads nothing from JAX, so it can run before JAX starts its GPU backend."""
     if engine_cfg.stream_dtype is not None or engine_cfg.grads_on_gpu:
         return engine_cfg, None
     host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
@@ -639,7 +665,8 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
     lean = p.applied(changes)
     said = " ".join(f"{k}={v}" for k, v in changes)
     return lean.engine_cfg, (f"host RAM is short ({p.host_total / GiB:.1f} GiB needed, "
-                             f"{p.host_available / GiB:.1f} available): running in the lean full-precision mode "
+                             f"{p.host_available / GiB:.1f} available): running "
+                             f"{'capacity mode with' if engine_cfg.capacity else 'in the lean full-precision mode'} "
                              f"{said}, {lean.host_total / lean.params:.1f} host bytes per parameter instead of "
                              f"{p.host_total / p.params:.1f} ({lean.host_total / GiB:.1f} GiB)")
 
@@ -672,7 +699,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     if detect:
         host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
         gpu_bytes = available_gpu_bytes() if gpu_bytes is None else gpu_bytes
-    stream_dtype = stream_dtype or e.stream_dtype or c.dtype
+    stream_dtype = "bfloat16" if e.capacity else (stream_dtype or e.stream_dtype or c.dtype)
     sb = 2 if stream_dtype in ("bfloat16", "float16") else 4
     P = c.param_count()
     on_host_grads = P - e.resident_layers * layer_param_count(c) - (io_param_count(c) if e.resident_io else 0)
@@ -682,16 +709,20 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     # memory; it runs with float32 or bfloat16 streaming, where a C++ compiler exists (else the engine warns).
     fused = e.host_kernel and stream_dtype in ("float32", "bfloat16")
     pinned, pageable = {}, {}
-    (pageable if fused and sb == 2 else pinned)["master weights, float32 (4 B/param)"] = 4 * P
-    (pageable if fused else pinned)["Adam moments m and v, float32 (8 B/param)"] = 8 * P
-    if sb == 2:
+    if e.capacity:  # bfloat16 masters (streamed themselves) and moments, stochastically rounded
+        pinned["master weights, bfloat16, streamed (2 B/param; capacity mode)"] = 2 * P
+        pageable["Adam moments m and v, bfloat16 (4 B/param; capacity mode)"] = 4 * P
+    else:
+        (pageable if fused and sb == 2 else pinned)["master weights, float32 (4 B/param)"] = 4 * P
+        (pageable if fused else pinned)["Adam moments m and v, float32 (8 B/param)"] = 8 * P
+    if sb == 2 and not e.capacity:
         pinned["16-bit stream copy of the weights (2 B/param)"] = 2 * P
     # The gradients of the host-updated parts, but for those waiting on the GPU: of these, one part's at a
     # time comes home, when its update runs.
     grads = 4 * (on_host_grads - sum(waiting)) + 4 * max(waiting, default=0)
     # Building the state, each of up to 4 parts at once passes its masters through pinned memory on its way
     # to pageable memory; the gradients later reuse that room.
-    build = 4 * 4 * max(layer_param_count(c), io_param_count(c)) if fused and sb == 2 else 0
+    build = 4 * 4 * max(layer_param_count(c), io_param_count(c)) if fused and sb == 2 and not e.capacity else 0
     what = f"4 B/param of the {(on_host_grads - sum(waiting)) / 1e9:.2f} B host-updated params"
     if waiting:
         what += f", and one of the {len(waiting)} parts whose gradients wait on the GPU"

@@ -230,11 +230,11 @@ class JitInto:
         return sum(f._cache_size() for f in self._jits.values())
 
 
-def pageable_zeros(like: Any) -> Any:
-    """Float32 zeros shaped like each leaf of ``like`` (its global shape), in pageable memory. ``np.zeros``
-    takes fresh pages from the kernel, already zero: nothing is written (or even mapped) until first used,
-    so rows that another process updates cost nothing here."""
-    return jax.tree.map(lambda x: np.zeros(x.shape, np.float32), like)
+def pageable_zeros(like: Any, dtype: Any = np.float32) -> Any:
+    """Zeros (float32 by default) shaped like each leaf of ``like`` (its global shape), in pageable memory.
+    ``np.zeros`` takes fresh pages from the kernel, already zero: nothing is written (or even mapped) until
+    first used, so rows that another process updates cost nothing here."""
+    return jax.tree.map(lambda x: np.zeros(x.shape, dtype), like)
 
 
 def pageable_copy(x: Any, placement: Placement) -> np.ndarray:

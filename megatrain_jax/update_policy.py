@@ -117,7 +117,8 @@ class UpdatePolicy:
     def __init__(self, tx: optax.GradientTransformation, placement: Placement, stream_dtype: Any,
                  config: EngineConfig, observers: Sequence = ()):
         self.placement = placement
-        self.opt = HostOptimizer(tx, placement, stream_dtype, use_kernel=config.host_kernel)
+        self.opt = HostOptimizer(tx, placement, stream_dtype, use_kernel=config.host_kernel,
+                                 master_dtype=config.master_dtype)
         self.device = DeviceUpdater(tx, placement, self.opt.stream_dtype)
         self.worker = HostUpdater(observers)
         self.max_nonfinite = config.max_nonfinite_steps
@@ -167,7 +168,7 @@ class UpdatePolicy:
                 return self.opt.update_stream(state[part], grads, decision.scale)
             self._pass_gates(part)
             home = self.placement.to_host(grads) if on_device else grads
-            state[part] = self.opt.update(state[part], home, decision.scale)
+            state[part] = self.opt.update(state[part], home, decision.scale, salt=part.index)
             return None
 
         done = self.worker.submit(Task("update", part), first)

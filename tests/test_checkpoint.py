@@ -69,16 +69,19 @@ def reference():
     return {"adamw": run(6), "sgd": run(6, optimizer=optax.sgd(0.1, momentum=0.9)),
             "accum": run(6, config=EngineConfig(micro_batches=2, accumulate_steps=2)),
             "bf16": run(6, config=EngineConfig(micro_batches=2, stream_dtype="bfloat16")),
-            "resident": run(6, config=RESIDENT)}
+            "resident": run(6, config=RESIDENT), "capacity": run(6, config=CAPACITY)}
 
 
 # The io part and block 0 live on the device between saves: sync copies them to host, restore reloads them.
 RESIDENT = EngineConfig(micro_batches=2, resident_layers=1, resident_io=True)
+# Capacity mode: bfloat16 masters and moments, stochastically rounded from bits keyed by the step (no RNG
+# state to save).
+CAPACITY = EngineConfig(micro_batches=2, master_dtype="bfloat16")
 
 
 # ---------------------------------------------------------------------------------------- exact resume
 @pytest.mark.parametrize("kind,prefetch", [("adamw", 0), ("adamw", 2), ("sgd", 0), ("accum", 2), ("bf16", 0),
-                                           ("resident", 0)])
+                                           ("resident", 0), ("capacity", 0)])
 def test_resume_is_bit_exact(tmp_path, reference, kind, prefetch):
     """Stop at step 3, resume with a fresh model and data stream: every parameter and loss is identical.
     (``bf16``: the fused kernel's bfloat16 stream copies are not saved; the restore recomputes them.)"""
@@ -89,6 +92,8 @@ def test_resume_is_bit_exact(tmp_path, reference, kind, prefetch):
         kw["config"] = EngineConfig(micro_batches=2, stream_dtype="bfloat16")
     if kind == "resident":
         kw["config"] = RESIDENT
+    if kind == "capacity":
+        kw["config"] = CAPACITY
     run(3, tmp_path, checkpoint_every=2, prefetch=prefetch, **kw)
     assert committed_steps(tmp_path) == [3, 2]
     params, h = run(6, tmp_path, resume=True, prefetch=prefetch, **kw)
@@ -253,6 +258,14 @@ def test_unfinished_save_is_warned_about_and_removed(tmp_path):
     assert ckpt.latest_complete() == 2
     ckpt.close()
     assert not leftover.exists()
+
+
+def test_resuming_a_full_precision_checkpoint_in_capacity_mode_says_why_it_cannot(tmp_path):
+    run(1, tmp_path, checkpoint_every=1)
+    engine = Engine(Decoder(CFG, rngs=nnx.Rngs(0)), default_optimizer(1e-3), CAPACITY)
+    with pytest.raises(ShapeMismatchError, match="another engine.master_dtype") as err:
+        Checkpointer(tmp_path, read_only=True).restore(engine)
+    assert "expected shape (128, 32) bfloat16, found shape (128, 32) float32" in str(err.value)
 
 
 def test_shape_mismatch_lists_every_tensor(tmp_path):

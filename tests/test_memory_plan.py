@@ -351,3 +351,19 @@ def test_lean_mode_is_picked_when_host_ram_is_short():
     assert lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=1000 * GiB) == (e, None)
     # a host that even the leanest mode does not fit: nothing is picked (the plan's check says what fits)
     assert lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=90 * GiB) == (e, None)
+
+
+def test_capacity_mode_holds_six_bytes_per_parameter_plus_gradients():
+    P = SEVEN_B.param_count()
+    p = plan(SEVEN_B, EngineConfig(micro_batches=2, master_dtype="bfloat16"), 16, 2048, **BIG)
+    assert p.stream_dtype == "bfloat16" and not any("stream copy" in k for k in p.host)
+    assert p.host["pinned: master weights, bfloat16, streamed (2 B/param; capacity mode)"] == 2 * P
+    assert p.host["pageable: Adam moments m and v, bfloat16 (4 B/param; capacity mode)"] == 4 * P
+    assert p.host_pinned == 6 * P  # the masters and the gradients
+    modes = p.host_bytes_per_param()
+    assert modes["capacity mode, every gradient waiting on the GPU"] < 8 < modes[
+        "full precision, float32 streamed, every host-updated gradient waiting on the GPU"]
+    # 8B as configured does not fit the H100 box: capacity mode is one of the options, and it fits
+    full = plan(EIGHT_B, EngineConfig(micro_batches=2), 16, 2048, host_ram_bytes=124 * GiB, gpu_bytes=71 * GiB)
+    option = next(o for o in full.options() if ("engine.master_dtype", "bfloat16") in o.changes)
+    assert full.applied(option.changes).fits and "stochastically rounded" in option.why

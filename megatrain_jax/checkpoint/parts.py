@@ -100,8 +100,14 @@ def check_layout(expected: dict[str, dict], found: dict[str, dict], where: str) 
                                 f"found shape {f[leaf][0]} {f[leaf][1]}")
     if problems:
         problems.sort()  # part names are zero-padded: blocks in order
+        dtypes = {(expected[p][leaf][1], found[p][leaf][1]) for p in expected.keys() & found.keys()
+                  for leaf in expected[p].keys() & found[p].keys() if expected[p][leaf][1] != found[p][leaf][1]}
+        hint = ""
+        if ("bfloat16", "float32") in dtypes or ("float32", "bfloat16") in dtypes:
+            hint = ("\n(float32 against bfloat16 state: the checkpoint was written with another "
+                    "engine.master_dtype; resume with the one it was written with)")
         raise ShapeMismatchError(f"checkpoint {where} does not fit this model and optimizer "
-                                 f"({len(problems)} mismatches):\n  " + "\n  ".join(problems))
+                                 f"({len(problems)} mismatches):\n  " + "\n  ".join(problems) + hint)
 
 
 def rebuild_part(state: HostState, part: PartId, restored: dict[str, Any]) -> tuple[Any, Any]:

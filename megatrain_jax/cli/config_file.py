@@ -164,6 +164,7 @@ _MODEL_KEYS = ("preset", "hf_checkpoint")
 CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (DataConfig, "mode"): MODES,
     (EngineConfig, "stream_dtype"): DTYPES,
+    (EngineConfig, "master_dtype"): ("float32", "bfloat16"),
     (DecoderConfig, "dtype"): DTYPES,
     (DecoderConfig, "attention_impl"): ATTENTION_IMPLS,
 }
