@@ -134,7 +134,7 @@ def project(name: str, small: dict, big: dict, target: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="path of the results JSON")
     ap.add_argument("--models", default="70b,120b")
     ap.add_argument("--layers", default="2,4", help="the two layer counts measured")
     ap.add_argument("--warmup", type=int, default=1)
@@ -147,6 +147,8 @@ def main() -> None:
         name, layers = args.child.split(":")
         print(json.dumps(measure(name, int(layers), args.warmup, args.steps)))
         return
+    if not args.out:
+        ap.error("--out is required")
     import jax  # the version only; the children start the GPU
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
