@@ -74,11 +74,12 @@ def measure(name: str, layers: int, warmup: int, steps: int) -> dict:
     cfg = preset(name, layers=layers)
     engine, lean = lean_engine(cfg, MODELS[name], ROWS, SEQ, host_ram_bytes=available_host_bytes())
     fit_host_pool(cfg, engine, ROWS, SEQ)
+    # planned before the run: MemAvailable afterwards leaves out what this process holds
+    p = plan(cfg, engine, ROWS, SEQ, host_ram_bytes=available_host_bytes(), detect=False)
     bc = BenchConfig(name, layers, SEQ, ROWS, engine)
     from bench import device_info, run_config
     run = run_config(f"{name}_{layers}l", bc, warmup, steps, profile=True)
     run["device"] = device_info()
-    p = plan(cfg, engine, ROWS, SEQ, host_ram_bytes=available_host_bytes(), detect=False)
     from megatrain_jax.memory_plan import part_param_count
     from megatrain_jax.schedule import step_ops
     sb = 2 if p.stream_dtype == "bfloat16" else 4
