@@ -140,9 +140,12 @@ class PartsHandler(ocp.AsyncCheckpointHandler):
                 path = epath.Path(directory / name)
                 self._tree.save(path, args=ocp.args.PyTreeSave(snap.take(name)))
                 # With several processes each has written its own pieces into its own OCDBT database;
-                # the first merges them into the part's root once all are done.
+                # the first merges them into the part's root once all are done. Only the first: Orbax's
+                # finalize merges on every process that calls it, and two merges into one root race (the
+                # manifest would list a root file another process then rewrites).
                 barrier("megatrain_part_written")
-                self._tree.finalize(path)
+                if jax.process_index() == 0:
+                    self._tree.finalize(path)
                 snap.release(name)
             if jax.process_index() == 0:
                 write_manifest(directory, file_entries(directory, args.checksum), step=snap.step, parts=snap.names)
