@@ -62,6 +62,11 @@ CONFIGS: dict[str, BenchConfig] = {
     # 14 of 32 blocks resident (~64 GiB of GPU memory: needs XLA_PYTHON_CLIENT_MEM_FRACTION above JAX's 0.75,
     # which this script sets to 0.9 unless the environment says otherwise).
     "7b_32k": BenchConfig("7b", 32, 2048, 16, EngineConfig(micro_batches=2, resident_layers=14, resident_io=True)),
+    # 3p5b_98k with the Adam moments of its 8 host-updated blocks in the disk tier (issue 15), in
+    # $MEGATRAIN_DISK_DIR (default /tmp/megatrain_disk_tier): 12.9 GB read and written per step.
+    "3p5b_98k_disk": BenchConfig("7b", 16, 2048, 48, EngineConfig(
+        micro_batches=6, resident_layers=8, resident_io=True, disk_parts=8,
+        disk_dir=os.environ.get("MEGATRAIN_DISK_DIR", "/tmp/megatrain_disk_tier"))),
 }
 
 
@@ -168,6 +173,17 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
                    losses=[round(r["loss"], 4) for r in records], grad_norms=[round(r["grad_norm"], 4) for r in records],
                    step_times=[round(r["step_time_s"], 4) for r in records],
                    dispatch_s=round(statistics.median(r["dispatch_s"] for r in timed_recs), 4))
+        tier = engine.disk_tier
+        if tier is not None:  # what the disk did: per step over the whole run, and while it was busy
+            n = len(records)
+            run["disk_tier"] = {"dir": tier.root.as_posix(), "parts": [p.name for p in tier.parts],
+                                "read_bytes_per_step": tier.bytes_read // n,
+                                "written_bytes_per_step": tier.bytes_written // n,
+                                "read_gb_s_while_reading": round(tier.bytes_read / max(tier.read_s, 1e-9) / 1e9, 4),
+                                "write_gb_s_while_writing": round(tier.bytes_written / max(tier.write_s, 1e-9) / 1e9, 4),
+                                "read_gb_s_needed": round(tier.bytes_read / n / 1e9 / step_time, 4),
+                                "note": "bytes over all steps run (warm-up included) divided by the steps; "
+                                        "'while' rates are bytes over the I/O thread's busy seconds"}
         if trace_dir is not None:
             from trace_summary import summarize
             with jax.profiler.trace(trace_dir, create_perfetto_trace=True):

@@ -9,7 +9,7 @@ streamed at full precision, and the fewest parts' gradients waiting on the GPU),
 experiments/bench.py's ``run_config`` trains a randomly initialized model on the demo corpus and times it.
 
 ``largest_*`` configurations search the most layers of their shape whose lean plan fits this host
-(MemAvailable) and GPU (``nvidia-smi``'s memory times XLA_PYTHON_CLIENT_MEM_FRACTION), and train that.
+(MemAvailable) and GPU (``memory_plan.gpu_bytes_before_jax``: nvidia-smi's memory times the XLA fraction), and train that.
 Each run records master_dtype, the machine's host_ram_gib and MemAvailable, the engine config that ran, the
 plan's host and GPU totals next to the measured peaks, tokens/s, model TFLOP/s and the losses.
 """
@@ -62,17 +62,6 @@ def mem_available_bytes() -> int:
     return available_host_bytes()
 
 
-def gpu_bytes_estimate() -> int | None:
-    """What XLA's allocator will get, read before JAX starts: nvidia-smi's total times the memory fraction."""
-    from megatrain_jax.memory_plan import gpu_fraction
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, check=True).stdout.split()
-        return int(int(out[0]) * 2**20 * gpu_fraction())
-    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
-        return None
-
-
 def choose(cc: CapacityConfig, host: int, gpu: int | None) -> tuple[BenchConfig, str | None, dict]:
     """The configuration to train: the lean engine config the plan picks, and for a search the most layers
     whose lean plan fits; with the plan's numbers."""
@@ -101,9 +90,9 @@ def choose(cc: CapacityConfig, host: int, gpu: int | None) -> tuple[BenchConfig,
 
 def measure(name: str, cc: CapacityConfig, warmup: int, steps: int) -> dict:
     """Plan, then train ``name`` in this process (JAX starts after the host pool is fitted)."""
-    from megatrain_jax.memory_plan import GiB, fit_host_pool
+    from megatrain_jax.memory_plan import GiB, fit_host_pool, gpu_bytes_before_jax
 
-    host, gpu = mem_available_bytes(), gpu_bytes_estimate()
+    host, gpu = mem_available_bytes(), gpu_bytes_before_jax()
     bc, lean, planned = choose(cc, host, gpu)
     from megatrain_jax import preset
     cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))

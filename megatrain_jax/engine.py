@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from megatrain_jax._environment import enable_compilation_cache
 from megatrain_jax.batch import Batch, check_batch
 from megatrain_jax.device_fns import device_fns
+from megatrain_jax.disk_tier import DiskTier
 from megatrain_jax.engine_config import EngineConfig
 from megatrain_jax.host_state import initial_state
 from megatrain_jax.layered import layered, write_back
@@ -93,6 +94,18 @@ class Engine:
                              f"the host (the blocks that are not GPU-resident, and the io part unless it is)")
         held = [part for part in host_updated if not part.is_io] + [part for part in host_updated if part.is_io]
         self.grads_on_gpu_parts = held[:config.grads_on_gpu]  # their gradients wait on the GPU
+        blocks = [part for part in host_updated if not part.is_io]
+        if config.disk_parts > len(blocks):
+            raise ValueError(f"disk_parts={config.disk_parts} exceeds the {len(blocks)} blocks updated on the host")
+        self.disk_tier = None
+        if config.disk_parts:
+            if not self.policy.opt.fused:
+                raise ValueError("the disk tier (disk_parts) holds the moments of megatrain_jax.adamw run by the "
+                                 "fused host kernel; this optimizer or machine runs another route")
+            self.disk_tier = DiskTier(config.disk_dir, blocks[len(blocks) - config.disk_parts:])
+            for part in self.disk_tier.parts:  # a fresh state's moments are zeros: files created empty
+                self.state[part] = self.disk_tier.spill(part, self.state[part], fresh=True)
+            self.policy.use_disk_tier(self.disk_tier)
         self._resident: dict[PartId, Part] = {}
         self._load_resident()
         self._runner = PassRunner(self.fns, self.placement, self.state, self.policy, self._resident, self._observers,
@@ -185,6 +198,8 @@ class Engine:
         """Wait for every pending host update (re-raising NonFiniteError) and copy GPU-resident parts back:
         host state is then current."""
         self.policy.drain()
+        if self.disk_tier is not None:
+            self.disk_tier.flush()
         for part, on_device in self._resident.items():
             self.state[part] = self.policy.opt.home(on_device)
 
@@ -206,6 +221,8 @@ class Engine:
         afterwards); each array is placed in pinned or pageable host memory (``HostOptimizer.home``)."""
         self.policy.drain()
         self.state[part] = self.policy.opt.home(Part(params, opt, self.policy.opt.cast(params)), adopt=True)
+        if self.disk_tier is not None and part in self.disk_tier.parts:
+            self.state[part] = self.disk_tier.spill(part, self.state[part])
 
     def restored(self, step: int) -> None:
         """Finish a restore: the state is at optimizer step ``step``; GPU-resident parts reload from it."""

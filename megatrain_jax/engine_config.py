@@ -34,6 +34,11 @@ class EngineConfig:
       stored value is the float32 result), 6 bytes per parameter instead of 12, and the masters are what
       crosses PCIe (no separate stream copy). It needs ``megatrain_jax.adamw`` run by the fused host kernel,
       and updates every part on the host (no GPU-resident parts). Quality: docs/capacity.md.
+    - ``disk_parts``: the Adam moments of this many blocks (the last ones that are not GPU-resident) live in
+      files under ``disk_dir`` on local disk (``megatrain_jax.disk_tier``), read ahead of each block's
+      update and written behind it: 8 bytes per parameter (4 in capacity mode) less host RAM for them, at
+      the price of reading and writing that much per step. Needs ``megatrain_jax.adamw`` in the fused
+      kernel, and one process.
     """
 
     micro_batches: int = 1
@@ -47,6 +52,8 @@ class EngineConfig:
     resident_io: bool = False
     grads_on_gpu: int = 0
     master_dtype: str = "float32"
+    disk_parts: int = 0
+    disk_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
@@ -61,6 +68,13 @@ class EngineConfig:
         if self.stream_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"EngineConfig.stream_dtype must be None, 'float32' or 'bfloat16', "
                              f"got {self.stream_dtype!r}")
+        if not isinstance(self.disk_parts, int) or self.disk_parts < 0:
+            raise ValueError(f"EngineConfig.disk_parts must be an integer >= 0, got {self.disk_parts!r}")
+        if self.disk_parts and not self.disk_dir:
+            raise ValueError(f"disk_parts={self.disk_parts} keeps moments in files: set disk_dir to a folder on "
+                             f"local disk (NVMe), with room for 8 bytes per parameter of those blocks")
+        if self.disk_parts and not self.host_kernel:
+            raise ValueError("the disk tier (disk_parts) runs with the fused host kernel: leave host_kernel = true")
         if self.master_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"EngineConfig.master_dtype must be 'float32' or 'bfloat16' (capacity mode), "
                              f"got {self.master_dtype!r}")

@@ -107,6 +107,20 @@ def available_host_bytes() -> int | None:
     return None
 
 
+def available_disk_bytes(folder: str | os.PathLike | None) -> int | None:
+    """Free bytes on the file system that holds ``folder`` (or its nearest existing parent), None without one."""
+    if not folder:
+        return None
+    path = os.path.abspath(folder)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def available_gpu_bytes() -> int | None:
     """The accelerator allocator's limit (``memory_stats()['bytes_limit']``), None on CPU."""
     import jax
@@ -115,6 +129,18 @@ def available_gpu_bytes() -> int | None:
         return None
     stats = dev.memory_stats() or {}
     return stats.get("bytes_limit")
+
+
+def gpu_bytes_before_jax() -> int | None:
+    """What XLA's allocator will get on the first GPU, read without starting JAX: ``nvidia-smi``'s total
+    memory times ``gpu_fraction()``; None without nvidia-smi (a CPU machine)."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True, timeout=30).stdout.split()
+        return int(int(out[0]) * MiB * gpu_fraction())
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def gpu_fraction() -> float:
@@ -361,6 +387,8 @@ class MemoryPlan:
     host_pool_fitted: bool = True  # the cap is fitted to this plan's pinned arrays (not given)
     gpu_peak_at: str = ""  # the op during which the GPU peaks
     devices: int = 1  # GPUs the run spreads over: ``gpu`` is one GPU's, ``host`` the whole host's
+    disk: int = 0  # bytes of the disk tier's files (``EngineConfig.disk_parts``)
+    disk_available: int | None = None  # free bytes where they go
 
     @property
     def pinned_per_pool(self) -> int:
@@ -389,8 +417,12 @@ class MemoryPlan:
         return self.gpu_available is None or self.gpu_total <= self.gpu_available
 
     @property
+    def disk_fits(self) -> bool:
+        return self.disk_available is None or self.disk <= self.disk_available
+
+    @property
     def fits(self) -> bool:
-        return self.host_fits and self.gpu_fits
+        return self.host_fits and self.gpu_fits and self.disk_fits
 
     def replace(self, **changes) -> "MemoryPlan":
         """The plan of the same run with ``model_cfg``, ``engine_cfg``, ``batch_rows`` ... changed."""
@@ -398,7 +430,7 @@ class MemoryPlan:
                     seq_len=self.seq_len, stream_dtype=self.stream_dtype, host_ram_bytes=self.host_available,
                     gpu_bytes=self.gpu_available, packed=self.packed, loaded_copy=self.loaded_copy,
                     host_pool_limit=None if self.host_pool_fitted else self.host_pool_limit, detect=False,
-                    devices=self.devices)
+                    devices=self.devices, disk_bytes=self.disk_available)
         args.update(changes)
         return plan(**args)
 
@@ -444,6 +476,11 @@ class MemoryPlan:
                 lines.append(f"    OVER by {(self.host_pinned - self.host_pool_limit) / GiB:.2f} GiB: "
                              f"{self.host_pinned / GiB:.2f} GiB of pinned arrays, XLA's pinned pool is capped at "
                              f"{self.host_pool_limit / GiB:.0f} GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)")
+        if self.disk:
+            where = "" if self.disk_available is None else f" of {self.disk_available / GiB:.2f} free: " + (
+                "fits" if self.disk_fits else f"OVER by {(self.disk - self.disk_available) / GiB:.2f} GiB")
+            lines.append(f"  disk tier ({self.engine_cfg.disk_parts} blocks' Adam moments in {self.engine_cfg.disk_dir}): "
+                         f"{self.disk / GiB:.2f} GiB{where}; each step reads and writes it once")
         lines.append(f"  host bytes per parameter: {self.host_pinned / self.params:.1f} in pinned arrays, "
                      f"{self.host_total / self.params:.1f} in all; by mode:")
         lines += [f"    {name:<94s} {b:8.1f}" for name, b in self.host_bytes_per_param().items()]
@@ -473,6 +510,13 @@ class MemoryPlan:
                            "bytes per layer over PCIe (hidden behind compute from about 16K tokens per layer visit "
                            "on an H100)") if other == "float32" else
                ("stream bfloat16 weights: half the PCIe bytes (faster); the host keeps a 16-bit copy (+2 B/param)"))
+        if e.disk_dir:
+            blocks = c.layers - e.resident_layers
+            gib = lambda n: n * layer_param_count(c) * (4 if e.capacity else 8) / GiB  # noqa: E731
+            yield ("disk", [(("engine.disk_parts", n),) for n in range(1, blocks + 1) if n != e.disk_parts],
+                   lambda ch: (f"the Adam moments of the last {ch[0][1]} blocks in files under {e.disk_dir} "
+                               f"({gib(ch[0][1]):.1f} GiB, read and written once per step: slower unless the disk "
+                               f"keeps up with the host optimizer)"))
         n_host = len(host_updated_parts(c, e))
         yield ("grads_on_gpu", [(("engine.grads_on_gpu", n),) for n in range(1, n_host + 1) if n != e.grads_on_gpu],
                lambda ch: (f"the float32 gradients of {ch[0][1]} parts wait on the GPU for the global norm instead of "
@@ -512,8 +556,8 @@ class MemoryPlan:
         """The first candidate that fits. More resident blocks need more GPU and less host memory, so that
         lever is bisected for the most blocks that fit the GPU; more gradients on the GPU need less host
         memory, so that one for the fewest that fit the host; the others have few candidates."""
-        if candidates and candidates[0][0][0] == "engine.grads_on_gpu":
-            return self._fewest_grads_on_gpu(sorted(ch[0][1] for ch in candidates))
+        if candidates and candidates[0][0][0] in ("engine.grads_on_gpu", "engine.disk_parts"):
+            return self._fewest(candidates[0][0][0], sorted(ch[0][1] for ch in candidates))
         if candidates and candidates[0][0][0] == "engine.resident_layers":
             values = sorted(ch[0][1] for ch in candidates)
             lo, hi = 0, len(values)
@@ -525,20 +569,23 @@ class MemoryPlan:
             return best if best is not None and self.applied(best).fits else None
         return next((ch for ch in candidates if self.applied(ch).fits), None)
 
-    def _fewest_grads_on_gpu(self, values: list[int]) -> tuple[tuple[str, Any], ...] | None:
+    def _fewest(self, key: str, values: list[int]) -> tuple[tuple[str, Any], ...] | None:
+        """The smallest of ``values`` for ``key`` whose plan fits the host (more of it, less host memory),
+        if that plan fits everything."""
         lo, hi = 0, len(values)
         while lo < hi:  # lo: the first value whose plan fits the host
             mid = (lo + hi) // 2
-            ok = self.applied((("engine.grads_on_gpu", values[mid]),)).host_fits
+            ok = self.applied(((key, values[mid]),)).host_fits
             lo, hi = (lo, mid) if ok else (mid + 1, hi)
-        best = (("engine.grads_on_gpu", values[lo]),) if lo < len(values) else None
+        best = ((key, values[lo]),) if lo < len(values) else None
         return best if best is not None and self.applied(best).fits else None
 
     def lean(self) -> tuple[tuple[str, Any], ...] | None:
         """Full precision in less host RAM, for a run that does not fit the host: the float32 masters are
         streamed (no 16-bit host copy), and if that is not enough, the fewest parts' gradients wait on the
-        GPU, with ``LEAN_HOST_MARGIN`` of the host left over where the GPU has room for that. The changes,
-        or None where the run fits already or even this does not fit."""
+        GPU, or else (with a ``disk_dir``) the fewest blocks' moments go to the disk tier; with
+        ``LEAN_HOST_MARGIN`` of the host left over where possible. The changes, or None where the run fits
+        already or even this does not fit."""
         if self.host_fits:
             return None
         if self.host_available is not None:
@@ -555,14 +602,20 @@ class MemoryPlan:
         if p.host_fits:
             return stream if p.fits else None
         n_host = len(host_updated_parts(self.model_cfg, self.engine_cfg))
-        grads = p._fewest_grads_on_gpu(list(range(1, n_host + 1)))
-        return None if grads is None else stream + grads
+        grads = p._fewest("engine.grads_on_gpu", list(range(1, n_host + 1)))
+        if grads is not None:
+            return stream + grads
+        if self.engine_cfg.disk_dir and not self.engine_cfg.disk_parts:  # moments of the last blocks on disk
+            blocks = self.model_cfg.layers - self.engine_cfg.resident_layers
+            disk = p._fewest("engine.disk_parts", list(range(1, blocks + 1)))
+            return None if disk is None else stream + disk
+        return None
 
     def host_bytes_per_param(self) -> dict[str, float]:
         """Host bytes per parameter of this run in each mode: full precision (float32 masters and moments,
         GPU-resident parts as configured) and capacity mode (no GPU-resident parts)."""
         e = self.engine_cfg
-        full = dataclasses.replace(e, master_dtype="float32", stream_dtype=None, grads_on_gpu=0)
+        full = dataclasses.replace(e, master_dtype="float32", stream_dtype=None, grads_on_gpu=0, disk_parts=0)
         capacity = dataclasses.replace(full, master_dtype="bfloat16", resident_layers=0, resident_io=False)
         every = lambda cfg: len(host_updated_parts(self.model_cfg, cfg))  # noqa: E731
         modes = {
@@ -576,6 +629,9 @@ class MemoryPlan:
             "capacity mode, every gradient waiting on the GPU": dataclasses.replace(
                 capacity, grads_on_gpu=every(capacity)),
         }
+        if e.disk_dir:
+            modes["full precision, float32 streamed, every non-resident block's moments in the disk tier"] = (
+                dataclasses.replace(full, stream_dtype="float32", disk_parts=self.model_cfg.layers - e.resident_layers))
         return {name: self.replace(engine_cfg=cfg, stream_dtype=cfg.stream_dtype or "bfloat16").host_total / self.params
                 for name, cfg in modes.items()}
 
@@ -650,20 +706,34 @@ class MemoryPlan:
 
 
 def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
-                host_ram_bytes: int | None = None, **plan_kw) -> tuple[EngineConfig, str | None]:
+                host_ram_bytes: int | None = None, disk_dir: str | None = None, gpu_bytes: int | None = None,
+                **plan_kw) -> tuple[EngineConfig, str | None]:
     """The engine config ``megatrain-jax train`` runs: as given, unless host RAM (default: this machine's
     MemAvailable) is short and the config leaves the stream dtype unset and no gradients on the GPU; then
     the lean full-precision mode that fits (``MemoryPlan.lean``; in capacity mode, gradients waiting on the
-    GPU alone), with a sentence saying what was picked. Reads nothing from JAX, so it can run before JAX starts its GPU backend."""
-    if engine_cfg.stream_dtype is not None or engine_cfg.grads_on_gpu:
+    GPU alone), with a sentence saying what was picked. ``disk_dir`` (where the config sets none) is where
+    the disk tier may go when nothing else fits. ``gpu_bytes`` defaults to ``gpu_bytes_before_jax()``.
+    Reads nothing from JAX, so it can run before JAX starts its GPU backend."""
+    if engine_cfg.stream_dtype is not None or engine_cfg.grads_on_gpu or engine_cfg.disk_parts:
         return engine_cfg, None
+    given = engine_cfg
+    if disk_dir is not None and engine_cfg.disk_dir is None:
+        engine_cfg = dataclasses.replace(engine_cfg, disk_dir=str(disk_dir))
     host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
-    p = plan(model_cfg, engine_cfg, batch_rows, seq_len, host_ram_bytes=host_ram_bytes, detect=False, **plan_kw)
+    plan_kw.setdefault("disk_bytes", available_disk_bytes(engine_cfg.disk_dir))
+    gpu_bytes = gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes
+    p = plan(model_cfg, engine_cfg, batch_rows, seq_len, host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes,
+             detect=False, **plan_kw)
     changes = p.lean()
     if changes is None:
-        return engine_cfg, None
+        return given, None
     lean = p.applied(changes)
+    if not lean.engine_cfg.disk_parts:  # the disk folder is the config's only where the tier is used
+        lean = lean.replace(engine_cfg=dataclasses.replace(lean.engine_cfg, disk_dir=given.disk_dir))
     said = " ".join(f"{k}={v}" for k, v in changes)
+    if lean.engine_cfg.disk_parts:
+        said += (f" (engine.disk_dir={lean.engine_cfg.disk_dir}: {lean.disk / GiB:.1f} GiB of Adam moments in "
+                 f"files, read and written once per step)")
     return lean.engine_cfg, (f"host RAM is short ({p.host_total / GiB:.1f} GiB needed, "
                              f"{p.host_available / GiB:.1f} available): running "
                              f"{'capacity mode with' if engine_cfg.capacity else 'in the lean full-precision mode'} "
@@ -674,7 +744,7 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
 def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
          stream_dtype: str | None = None, host_ram_bytes: int | None = None, gpu_bytes: int | None = None,
          *, packed: bool = False, loaded_copy: bool = False, detect: bool = True,
-         host_pool_limit: int | None = None, devices: int = 1) -> MemoryPlan:
+         host_pool_limit: int | None = None, devices: int = 1, disk_bytes: int | None = None) -> MemoryPlan:
     """The memory needed to train ``model_cfg`` on batches of ``batch_rows`` x ``seq_len`` tokens.
 
     ``stream_dtype`` is the dtype of the weights sent to the GPU (default: ``engine_cfg.stream_dtype``, else
@@ -685,7 +755,8 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     masks, which take attention off the cuDNN flash path and materialize the score matrix. ``loaded_copy``:
     the model object holds float32 weights loaded from a checkpoint for the whole run. ``devices``: the GPUs
     the run spreads over (per-GPU figures are one GPU's; host figures the whole host's, with one pinned
-    pool per GPU).
+    pool per GPU). ``disk_bytes``: free space for the disk tier's files (default, when ``detect``: that of
+    ``engine_cfg.disk_dir``).
     """
     c, e = model_cfg, engine_cfg
     if devices < 1 or batch_rows % (e.micro_batches * devices):
@@ -699,6 +770,10 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     if detect:
         host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
         gpu_bytes = available_gpu_bytes() if gpu_bytes is None else gpu_bytes
+        disk_bytes = available_disk_bytes(e.disk_dir) if disk_bytes is None else disk_bytes
+    non_resident_blocks = c.layers - e.resident_layers
+    if e.disk_parts > non_resident_blocks:
+        raise ValueError(f"disk_parts={e.disk_parts} exceeds the {non_resident_blocks} blocks updated on the host")
     stream_dtype = "bfloat16" if e.capacity else (stream_dtype or e.stream_dtype or c.dtype)
     sb = 2 if stream_dtype in ("bfloat16", "float16") else 4
     P = c.param_count()
@@ -709,12 +784,21 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     # memory; it runs with float32 or bfloat16 streaming, where a C++ compiler exists (else the engine warns).
     fused = e.host_kernel and stream_dtype in ("float32", "bfloat16")
     pinned, pageable = {}, {}
+    mb = 4 if e.capacity else 8  # bytes of Adam moments per parameter
+    on_disk = e.disk_parts * layer_param_count(c)  # params whose moments live in the disk tier's files
+    moments = "Adam moments m and v, " + ("bfloat16 (4 B/param; capacity mode)" if e.capacity else
+                                          "float32 (8 B/param)")
+    if on_disk:
+        moments += f" of the {(P - on_disk) / 1e9:.2f} B params not in the disk tier"
     if e.capacity:  # bfloat16 masters (streamed themselves) and moments, stochastically rounded
         pinned["master weights, bfloat16, streamed (2 B/param; capacity mode)"] = 2 * P
-        pageable["Adam moments m and v, bfloat16 (4 B/param; capacity mode)"] = 4 * P
+        pageable[moments] = mb * (P - on_disk)
     else:
         (pageable if fused and sb == 2 else pinned)["master weights, float32 (4 B/param)"] = 4 * P
-        (pageable if fused else pinned)["Adam moments m and v, float32 (8 B/param)"] = 8 * P
+        (pageable if fused else pinned)[moments] = mb * (P - on_disk)
+    if on_disk:  # the one updating, two read ahead, one being written behind
+        pageable[f"disk tier: moments of up to {min(4, e.disk_parts)} blocks in memory (updating, read ahead, "
+                 f"written behind)"] = mb * layer_param_count(c) * min(4, e.disk_parts)
     if sb == 2 and not e.capacity:
         pinned["16-bit stream copy of the weights (2 B/param)"] = 2 * P
     # The gradients of the host-updated parts, but for those waiting on the GPU: of these, one part's at a
@@ -750,4 +834,4 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     flash = c.attention_impl == "cudnn" or (c.attention_impl == "auto" and ab == 2 and not packed)
     gpu, at = _gpu_peak(c, e, batch_rows, seq_len, sb, flash, devices)
     return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed,
-                      loaded_copy, arrays, host_pool_limit, fitted, at, devices)
+                      loaded_copy, arrays, host_pool_limit, fitted, at, devices, mb * on_disk, disk_bytes)

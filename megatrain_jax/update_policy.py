@@ -125,6 +125,7 @@ class UpdatePolicy:
         self.skipped_steps = 0
         self._nonfinite_in_row = 0  # written by the worker only
         self._gates: list[Callable[[PartId], None]] = []
+        self.disk_tier = None  # megatrain_jax.disk_tier.DiskTier, when some parts' moments live on disk
         self._first_halves: list[_FirstHalf] = []
         clip, accumulate = config.clip_norm, config.accumulate_steps
         self._decide = jax.jit(lambda sq, loss: clip_scale(sq, clip, accumulate)
@@ -153,13 +154,19 @@ class UpdatePolicy:
         """A GPU-resident part's update, dispatched at once."""
         return self.device.update(part, grads, decision.scale, decision.ok)
 
+    def use_disk_tier(self, tier) -> None:
+        """Updates of ``tier.parts`` take their moments from the disk tier and give them back."""
+        self.disk_tier = tier
+
     def update_host(self, state: HostState, part: PartId, grads: Params, decision: StepDecision,
                     on_device: bool = False) -> Future:
         """Queue a host part's update (its first half when split); the future is done when the next
         forward may fetch the part. Gradients ``on_device`` (``EngineConfig.grads_on_gpu``) are copied to
         pinned memory by the task itself, so that one such part's gradient at a time is in host memory, and
-        their update is never split (a second half would keep the host copy until the step's commit)."""
-        split = self.opt.splits and not on_device
+        their update is never split (a second half would keep the host copy until the step's commit). Nor
+        is a disk-tier part's: its moments are in memory for one update, not until the commit."""
+        on_disk = self.disk_tier is not None and part in self.disk_tier.parts
+        split = self.opt.splits and not on_device and not on_disk
 
         def first() -> int | None:
             if not decision.applies:
@@ -168,7 +175,9 @@ class UpdatePolicy:
                 return self.opt.update_stream(state[part], grads, decision.scale)
             self._pass_gates(part)
             home = self.placement.to_host(grads) if on_device else grads
-            state[part] = self.opt.update(state[part], home, decision.scale, salt=part.index)
+            record = self.disk_tier.load(part, state[part]) if on_disk else state[part]
+            record = self.opt.update(record, home, decision.scale, salt=part.index)
+            state[part] = self.disk_tier.store(part, record) if on_disk else record
             return None
 
         done = self.worker.submit(Task("update", part), first)

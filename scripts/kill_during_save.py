@@ -9,6 +9,7 @@ the final float32 parameters are written to ``--out`` (``.npz``, arrays only) an
 (``.json``), so the test can compare the runs bit for bit.
 
     python scripts/kill_during_save.py --dir /tmp/ck --steps 8 --every 2 --out /tmp/final.npz [--resume] [--part-delay 0.5]
+        [--disk-dir /tmp/tier]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="where to write the final parameters (.npz)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.add_argument("--part-delay", type=float, default=0.0, help="seconds the writer sleeps after each part")
+    p.add_argument("--disk-dir", help="keep the last block's Adam moments in files there (the disk tier)")
     args = p.parse_args(argv)
 
     from megatrain_jax import Decoder, EngineConfig, Hook, TrainConfig, default_optimizer, fit, preset
@@ -51,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     progress = Hook(lambda m, info: print(f"STEP {m['step']}", flush=True))
     train = TrainConfig(steps=args.steps, log_every=0, checkpoint_dir=args.dir, checkpoint_every=args.every,
                         resume=args.resume)
-    history = fit(model, data, default_optimizer(1e-3), train=train, engine=EngineConfig(micro_batches=2), hooks=[progress])
+    engine = EngineConfig(micro_batches=2, **({"disk_parts": 1, "disk_dir": args.disk_dir} if args.disk_dir else {}))
+    history = fit(model, data, default_optimizer(1e-3), train=train, engine=engine, hooks=[progress])
     flat = traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     np.savez(args.out, **{"/".join(map(str, k)): np.asarray(v) for k, v in flat.items()})
     with open(args.out.removesuffix(".npz") + ".json", "w") as f:

@@ -300,10 +300,13 @@ def _script(ckdir: Path, out: Path, *extra: str, env: dict | None = None) -> sub
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, reference):
+@pytest.mark.parametrize("disk", [False, True], ids=["in-ram", "disk-tier"])
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, reference, disk):
     """A real training process is SIGKILLed while it writes step 4 (its writer sleeps after each part);
-    the resumed process skips the unfinished save, restarts from step 2 and ends bit-exact."""
-    victim = _script(tmp_path / "ck", tmp_path / "victim.npz", "--part-delay", "0.5")
+    the resumed process skips the unfinished save, restarts from step 2 and ends bit-exact. With the disk
+    tier the killed run's moment files are left wherever it was; the resume rewrites them from step 2."""
+    tier = ("--disk-dir", str(tmp_path / "tier")) if disk else ()
+    victim = _script(tmp_path / "ck", tmp_path / "victim.npz", "--part-delay", "0.5", *tier)
     deadline = time.time() + 120
     while time.time() < deadline and not (committed_steps(tmp_path / "ck") and
                                           glob.glob(str(tmp_path / "ck" / "4.orbax-checkpoint-tmp*" / "**" / "io"),
@@ -314,7 +317,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, r
     victim.wait()
     assert committed_steps(tmp_path / "ck") == [2], "the kill was not during the save of step 4"
     assert glob.glob(str(tmp_path / "ck" / "4.orbax-checkpoint-tmp*"))
-    resumed = _script(tmp_path / "ck", tmp_path / "resumed.npz", "--resume")
+    resumed = _script(tmp_path / "ck", tmp_path / "resumed.npz", "--resume", *tier)
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err
     assert "incomplete checkpoint" in err and "4.orbax-checkpoint-tmp" in err

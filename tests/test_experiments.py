@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 def load_script(name: str):
     spec = importlib.util.spec_from_file_location(name, REPO / "experiments" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    return module
+    return sys.modules[name]
 
 
 def _runs(ours_32k=21000.0, ds_32k=10000.0, tflops_7b=450.0, host=(5.0e9, 4.8e9), idle=0.05):
@@ -102,3 +104,13 @@ def test_startup_script_times_cold_then_warm_cache(tmp_path, monkeypatch):
     assert result["device"]["platform"] == "cpu" and result["git_commit"] == "abc123"
     touched = load_script("startup").pretouch(0.5, processes=2)  # throwaway processes that write, then exit
     assert touched["gib"] == 0.5 and touched["s"] > 0
+
+
+def test_bench_records_what_the_disk_tier_read_and_wrote(tmp_path):
+    bench = load_script("bench")
+    bc = bench.BenchConfig("tiny", None, 32, 4, EngineConfig(micro_batches=2, disk_parts=1, disk_dir=str(tmp_path)))
+    run = bench.run_config("tiny_disk", bc, warmup=1, timed=2, profile=False)
+    assert run["status"] == "ok", run["status"]
+    tier = run["disk_tier"]
+    assert tier["parts"] == ["block_00001"] and tier["read_bytes_per_step"] > 0 and tier["written_bytes_per_step"] > 0
+    assert tier["read_gb_s_while_reading"] > 0 and tier["write_gb_s_while_writing"] > 0

@@ -367,3 +367,41 @@ def test_capacity_mode_holds_six_bytes_per_parameter_plus_gradients():
     full = plan(EIGHT_B, EngineConfig(micro_batches=2), 16, 2048, host_ram_bytes=124 * GiB, gpu_bytes=71 * GiB)
     option = next(o for o in full.options() if ("engine.master_dtype", "bfloat16") in o.changes)
     assert full.applied(option.changes).fits and "stochastically rounded" in option.why
+
+
+def test_disk_tier_moves_moments_from_host_to_disk():
+    Pl = layer_param_count(EIGHT_B)
+    e = EngineConfig(micro_batches=2, stream_dtype="float32")
+    base = plan(EIGHT_B, e, 16, 2048, **BIG)
+    tier = plan(EIGHT_B, dataclasses.replace(e, disk_parts=10, disk_dir="/nonexistent/tier"), 16, 2048,
+                disk_bytes=1000 * GiB, **BIG)
+    # 10 blocks' moments leave host memory; 4 blocks' worth are in flight (updating, read ahead, written back)
+    assert base.host_total - tier.host_total == 8 * Pl * (10 - 4)
+    assert tier.disk == 8 * Pl * 10 and tier.fits and tier.gpu_total == base.gpu_total
+    assert "disk tier (10 blocks' Adam moments in /nonexistent/tier)" in tier.table()
+    full_disk = tier.replace(disk_bytes=8 * Pl * 10 - 1)
+    assert not full_disk.fits and "OVER by" in full_disk.table()
+    capacity = plan(EIGHT_B, EngineConfig(master_dtype="bfloat16", disk_parts=10, disk_dir="/x"), 16, 2048, **BIG)
+    assert capacity.disk == 4 * Pl * 10  # bfloat16 moments
+    with pytest.raises(ValueError, match="disk_parts=33 exceeds the 32 blocks"):
+        plan(EIGHT_B, dataclasses.replace(e, disk_parts=33, disk_dir="/x"), 16, 2048, **BIG)
+
+
+def test_lean_pick_uses_the_disk_tier_when_gradients_on_the_gpu_are_not_enough():
+    """The 8B shape at 44 layers with io GPU-resident needs 190 GiB: float32 streaming and gradients on the
+    GPU do not fit 125 GiB and a 71 GiB GPU together; the moments of the fewest last blocks on disk do."""
+    from megatrain_jax.memory_plan import lean_engine
+    big = preset("llama3-8b", layers=44)
+    e = EngineConfig(micro_batches=4, resident_io=True)
+    kw = dict(host_ram_bytes=125 * GiB, disk_bytes=500 * GiB, gpu_bytes=71 * GiB)
+    assert lean_engine(big, e, 16, 2048, **kw) == (e, None)  # no folder for the tier: nothing fits
+    picked, why = lean_engine(big, e, 16, 2048, disk_dir="/data/tier", **kw)
+    assert picked.disk_parts > 0 and picked.disk_dir == "/data/tier" and picked.stream_dtype == "float32"
+    assert "engine.disk_parts=" in why and "read and written once per step" in why
+    assert plan(big, picked, 16, 2048, detect=False, **kw).fits
+    fewer = dataclasses.replace(picked, disk_parts=picked.disk_parts - 1)
+    assert not plan(big, fewer, 16, 2048, detect=False, host_ram_bytes=int(125 * GiB * (1 - LEAN_HOST_MARGIN)),
+                    disk_bytes=500 * GiB).host_fits
+    # a run that fits without the tier keeps its config (no disk folder added)
+    small, _ = lean_engine(EIGHT_B, EngineConfig(micro_batches=2), 16, 2048, disk_dir="/data/tier", **kw)
+    assert small.disk_parts == 0 and small.disk_dir is None

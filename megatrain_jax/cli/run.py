@@ -132,7 +132,8 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     gpus = visible_gpus()
     kw = dict(packed=d.mode == "packed", loaded_copy=cfg.model.hf_checkpoint is not None,
               devices=min(t.devices or gpus, gpus))
-    engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len, **kw)
+    engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len,
+                                   disk_dir=str(run_dir / "disk_tier"), **kw)
     if lean is not None:  # host RAM is short: float32 streamed, gradients waiting on the GPU
         say(f"megatrain_jax: {lean}")
         cfg = dataclasses.replace(cfg, engine=engine_cfg)

@@ -1,0 +1,210 @@
+"""The disk tier: the Adam moments of some blocks in files on local disk (``EngineConfig.disk_parts``).
+
+Each leaf of a tier part's moments is one zarr3 array (uncompressed, chunked by rows) under
+``EngineConfig.disk_dir``, read and written through tensorstore. Between updates the host state holds an
+``OnDisk`` record in its place: shape, dtype, and where the array lives. A part's update on the host
+worker:
+
+1. takes the part's moments, read ahead: when one tier part's moments are taken, the reads of the next
+   ``read_ahead`` tier parts in update order start (after any write of theirs still in flight);
+2. runs the fused kernel on them in place (``HostOptimizer.update``);
+3. starts writing them back (write-behind) and puts ``OnDisk`` records back in the state.
+
+So host memory holds the moments of a few parts at a time, and disk reads and writes overlap the other
+parts' updates and the GPU's work.
+
+The files are the live state, rewritten every step. A checkpoint copies them (``np.asarray`` of an
+``OnDisk`` reads it, after its pending write), so a run killed mid-step resumes from its last committed
+checkpoint with nothing committed lost. A new engine, and a restore, write the files anew. A fresh state's
+moments are zero: its arrays are created empty (tensorstore reads unwritten chunks as the fill value, 0),
+so nothing is written before the first update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from megatrain_jax.optim import AdamWState
+from megatrain_jax.parts import Part, PartId
+
+CHUNK_BYTES = 64 * 2**20  # rows per zarr chunk: about this many bytes
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OnDisk:
+    """A leaf of the host state kept in a file of the disk tier. ``np.asarray`` reads it (after its pending
+    write); ``block_until_ready`` waits for that write."""
+
+    tier: "DiskTier"
+    key: str  # the array's path under the tier's folder
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self.tier.read(self)
+        return out if dtype is None else out.astype(dtype)
+
+    def block_until_ready(self) -> "OnDisk":
+        self.tier.wait_written(self.key)
+        return self
+
+    def __repr__(self) -> str:
+        return f"OnDisk({self.key!r}, shape={self.shape}, dtype={np.dtype(self.dtype).name})"
+
+
+class DiskTier:
+    """The files of the tier parts' moments, and the reads and writes in flight."""
+
+    def __init__(self, root: str | os.PathLike, parts: Sequence[PartId], read_ahead: int = 2):
+        if jax.process_count() > 1:
+            raise ValueError("the disk tier (engine.disk_parts) runs in one process (it reads and writes whole "
+                             "arrays); with several processes keep the moments in host memory")
+        self.root = Path(root)
+        self.parts = list(parts)  # in update order
+        self.read_ahead = read_ahead
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-disk")
+        self._lock = threading.Lock()
+        self._stores: dict[str, ts.TensorStore] = {}
+        self._writes: dict[str, Future] = {}  # key -> the write in flight
+        self._reads: dict[PartId, Future] = {}  # part -> its moments (mu, nu), read ahead
+        self._markers: dict[PartId, tuple[Any, Any]] = {}  # part -> its OnDisk trees (mu, nu)
+        self.bytes_read = self.bytes_written = 0  # totals since the tier was made
+        self.read_s = self.write_s = 0.0  # seconds the I/O thread spent reading and writing
+
+    # ------------------------------------------------------------------ moving a part's moments
+    def spill(self, part: PartId, record: Part, fresh: bool = False) -> Part:
+        """``record`` with its moments in files (written from it, or created empty when ``fresh``: zero
+        moments, as a new optimizer state has) and ``OnDisk`` records in their place."""
+        self._check(record)
+        stale = self._reads.pop(part, None)  # a read ahead of the old contents
+        if stale is not None:
+            stale.cancel()
+        markers = []
+        for name, tree in (("mu", record.opt.mu), ("nu", record.opt.nu)):
+            on_disk = []
+            for i, leaf in enumerate(jax.tree.leaves(tree)):
+                key = f"{part.name}/{name}_{i:03d}"
+                self.wait_written(key)
+                dtype = np.dtype(leaf.dtype)
+                self._open(key, tuple(leaf.shape), dtype)
+                if not fresh:
+                    self._write(key, np.asarray(leaf))
+                on_disk.append(OnDisk(self, key, tuple(leaf.shape), dtype))
+            markers.append(jax.tree.unflatten(jax.tree.structure(tree), on_disk))
+        self._markers[part] = tuple(markers)
+        return self._with_moments(record, *markers)
+
+    def load(self, part: PartId, record: Part) -> Part:
+        """``record`` with its moments in host memory (read ahead when possible); the reads of the next
+        ``read_ahead`` tier parts in update order start."""
+        future = self._reads.pop(part, None) or self._read_part(part)
+        i = self.parts.index(part)
+        for j in range(1, self.read_ahead + 1):
+            nxt = self.parts[(i + j) % len(self.parts)]
+            if nxt != part and nxt not in self._reads:
+                self._reads[nxt] = self._read_part(nxt)
+        return self._with_moments(record, *future.result())
+
+    def store(self, part: PartId, record: Part) -> Part:
+        """Start writing ``record``'s moments back (write-behind); the state gets ``OnDisk`` records again."""
+        markers = self._markers[part]
+        for tree, on_disk in zip((record.opt.mu, record.opt.nu), markers):
+            for leaf, marker in zip(jax.tree.leaves(tree), jax.tree.leaves(on_disk)):
+                self._write(marker.key, leaf)
+        return self._with_moments(record, *markers)
+
+    @staticmethod
+    def _with_moments(record: Part, mu: Any, nu: Any) -> Part:
+        return Part(record.params, AdamWState(record.opt.count, mu, nu), record.stream)
+
+    # ------------------------------------------------------------------ whole arrays
+    def read(self, leaf: OnDisk) -> np.ndarray:
+        """The array's current contents (after its pending write), as a new numpy array. Not on the I/O
+        thread, where the queue order already puts each read after the writes before it."""
+        self.wait_written(leaf.key)
+        return self._read_now(leaf)
+
+    def _read_now(self, leaf: OnDisk) -> np.ndarray:
+        start = time.perf_counter()
+        out = self._stores[leaf.key].read().result()
+        with self._lock:
+            self.bytes_read += out.nbytes
+            self.read_s += time.perf_counter() - start
+        return out
+
+    def wait_written(self, key: str) -> None:
+        with self._lock:
+            pending = self._writes.get(key)
+        if pending is not None:
+            pending.result()
+
+    def flush(self) -> None:
+        """Wait for every write in flight (re-raising a failure)."""
+        with self._lock:
+            pending = list(self._writes.values())
+        for f in pending:
+            f.result()
+
+    def close(self) -> None:
+        self.flush()
+        self._io.shutdown(wait=True)
+
+    def remove(self) -> None:
+        """Delete the tier's files (they are the live state of this engine only)."""
+        self.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # ------------------------------------------------------------------ internals
+    def _check(self, record: Part) -> None:
+        if not isinstance(record.opt, AdamWState) or record.opt.mu is None:
+            raise ValueError("the disk tier holds the moments of megatrain_jax.adamw run by the fused host kernel "
+                             "(engine.disk_parts needs that optimizer and host_kernel = true)")
+
+    def _open(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
+        """Create the array ``key`` (replacing any earlier one): uncompressed, in chunks of whole rows."""
+        row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if len(shape) > 1 else dtype.itemsize
+        rows = max(1, min(shape[0], CHUNK_BYTES // max(row, 1))) if shape else 1
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(self.root / key)},
+                "metadata": {"shape": list(shape), "data_type": dtype.name,
+                             "chunk_grid": {"name": "regular",
+                                            "configuration": {"chunk_shape": [rows, *shape[1:]] if shape else []}},
+                             "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+                             "fill_value": 0}}
+        self._stores[key] = ts.open(spec, create=True, delete_existing=True).result()
+
+    def _write(self, key: str, array: np.ndarray) -> None:
+        store, array = self._stores[key], np.asarray(array)
+
+        def run() -> None:
+            start = time.perf_counter()
+            store.write(array).result()
+            with self._lock:
+                self.bytes_written += array.nbytes
+                self.write_s += time.perf_counter() - start
+
+        with self._lock:
+            self._writes[key] = self._io.submit(run)
+
+    def _read_part(self, part: PartId) -> Future:
+        """The part's moments read, after its writes in flight (queued before it on the one I/O thread)."""
+        markers = self._markers[part]
+        return self._io.submit(lambda: tuple(jax.tree.map(self._read_now, tree) for tree in markers))
