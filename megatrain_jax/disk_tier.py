@@ -107,7 +107,7 @@ class DiskTier:
                 dtype = np.dtype(leaf.dtype)
                 self._open(key, tuple(leaf.shape), dtype)
                 if not fresh:
-                    self._write(key, np.asarray(leaf))
+                    self._write([key], [np.asarray(leaf)])
                 on_disk.append(OnDisk(self, key, tuple(leaf.shape), dtype))
             markers.append(jax.tree.unflatten(jax.tree.structure(tree), on_disk))
         self._markers[part] = tuple(markers)
@@ -127,9 +127,8 @@ class DiskTier:
     def store(self, part: PartId, record: Part) -> Part:
         """Start writing ``record``'s moments back (write-behind); the state gets ``OnDisk`` records again."""
         markers = self._markers[part]
-        for tree, on_disk in zip((record.opt.mu, record.opt.nu), markers):
-            for leaf, marker in zip(jax.tree.leaves(tree), jax.tree.leaves(on_disk)):
-                self._write(marker.key, leaf)
+        keys = [m.key for m in jax.tree.leaves(markers)]
+        self._write(keys, jax.tree.leaves((record.opt.mu, record.opt.nu)))
         return self._with_moments(record, *markers)
 
     @staticmethod
@@ -191,20 +190,36 @@ class DiskTier:
                              "fill_value": 0}}
         self._stores[key] = ts.open(spec, create=True, delete_existing=True).result()
 
-    def _write(self, key: str, array: np.ndarray) -> None:
-        store, array = self._stores[key], np.asarray(array)
+    def _write(self, keys: list[str], arrays: list[np.ndarray]) -> None:
+        """Write ``arrays`` to the arrays ``keys``, all at once (tensorstore spreads the chunks over its
+        threads), as one task of the I/O thread."""
+        arrays = [np.asarray(a) for a in arrays]
 
         def run() -> None:
             start = time.perf_counter()
-            store.write(array).result()
+            for f in [self._stores[key].write(a) for key, a in zip(keys, arrays)]:
+                f.result()
             with self._lock:
-                self.bytes_written += array.nbytes
+                self.bytes_written += sum(a.nbytes for a in arrays)
                 self.write_s += time.perf_counter() - start
 
         with self._lock:
-            self._writes[key] = self._io.submit(run)
+            task = self._io.submit(run)
+            self._writes.update({key: task for key in keys})
 
     def _read_part(self, part: PartId) -> Future:
-        """The part's moments read, after its writes in flight (queued before it on the one I/O thread)."""
+        """The part's moments, every array read at once, after its writes in flight (queued before this on
+        the one I/O thread)."""
         markers = self._markers[part]
-        return self._io.submit(lambda: tuple(jax.tree.map(self._read_now, tree) for tree in markers))
+
+        def run() -> tuple[Any, Any]:
+            start = time.perf_counter()
+            leaves = jax.tree.leaves(markers)
+            reads = [self._stores[m.key].read() for m in leaves]
+            arrays = [r.result() for r in reads]
+            with self._lock:
+                self.bytes_read += sum(a.nbytes for a in arrays)
+                self.read_s += time.perf_counter() - start
+            return jax.tree.unflatten(jax.tree.structure(markers), arrays)
+
+        return self._io.submit(run)
