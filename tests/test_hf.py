@@ -360,8 +360,9 @@ def test_config_round_trip(name):
 @pytest.mark.parametrize("change, match", [
     (dict(model_type="gemma", architectures=["GemmaForCausalLM"]), "model_type 'gemma'"),
     (dict(architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn'"),
-    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling type 'linear'"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope_scaling type 'dynamic'"),
+    (dict(rope_scaling={"type": "longrope", "factor": 2.0}), "rope_scaling type 'longrope'"),
+    (dict(rope_scaling={"type": "linear"}), "of type 'linear' lacks 'factor'"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(attention_bias=True), "attention_bias=True"),
     (dict(mlp_bias=True), "mlp_bias=True"),
@@ -485,3 +486,26 @@ def test_single_file_symlinked_out_of_the_folder_is_refused(fixture_copy, tmp_pa
     (folder / "model.safetensors").symlink_to(outside)
     with pytest.raises(SafetensorsError, match="symlink to .*outside the checkpoint folder"):
         Checkpoint(folder)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen2.5's long-context
+    {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2,
+     "mscale": 0.707, "mscale_all_dim": 0.707, "truncate": False},
+    {"rope_type": "yarn", "attention_factor": 1.2, "original_max_position_embeddings": 8192},  # no factor
+])
+def test_linear_and_yarn_rope_scaling_read_and_written_as_transformers_does(rope):
+    from megatrain_jax.hf.config import rope_to_hf
+    base = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 32768, "rope_theta": 10000.0, "rope_scaling": rope}
+    cfg = config_from_hf(base)
+    s = cfg.rope_scaling
+    assert s.kind == rope.get("rope_type", rope.get("type"))
+    if "factor" not in rope:  # transformers: max_position_embeddings / original_max_position_embeddings
+        assert s.factor == 32768 / 8192 and s.cos_sin_scale == 1.2
+    if rope.get("mscale"):
+        assert s.cos_sin_scale == pytest.approx(1.0)  # equal mscales cancel
+    again = config_from_hf({**base, "rope_scaling": rope_to_hf(s)})
+    assert again == cfg

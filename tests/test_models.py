@@ -335,3 +335,45 @@ def test_io_embed_takes_positions_and_segment_ids_and_ignores_them(make_cfg, bui
     plain = model.io.embed(tok, pos, None)
     np.testing.assert_array_equal(plain, model.io.embed(tok, pos[:, ::-1], jnp.ones((2, 6), jnp.int32)))
     np.testing.assert_array_equal(plain, np.asarray(pure_params(model)["io"]["embedding"])[np.asarray(tok)])
+
+
+def _hf_yarn(head_dim, base, factor, original, beta_fast=32, beta_slow=1, truncate=True):
+    """transformers' _compute_yarn_parameters, transcribed: (inv_freq, attention_factor)."""
+    def correction_dim(rot):
+        return (head_dim * math.log(original / (rot * 2 * math.pi))) / (2 * math.log(base))
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    extra, inter = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extra_factor = 1 - ramp
+    attention = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+    return inter * (1 - extra_factor) + extra * extra_factor, attention
+
+
+@pytest.mark.parametrize("head_dim,base,factor,original,truncate", [
+    (128, 10000.0, 4.0, 4096, True), (128, 1000000.0, 4.0, 32768, True), (64, 500000.0, 16.0, 8192, False)])
+def test_yarn_frequencies_and_attention_factor_match_transformers(head_dim, base, factor, original, truncate):
+    s = RopeScaling(kind="yarn", factor=factor, original_max_position=original, truncate=truncate)
+    want, attention = _hf_yarn(head_dim, base, factor, original, truncate=truncate)
+    np.testing.assert_allclose(rope_inv_freq(head_dim, base, s), want, rtol=1e-6)
+    assert s.cos_sin_scale == pytest.approx(attention)
+    inv = rope_inv_freq(head_dim, base, None)
+    got = rope_inv_freq(head_dim, base, s)
+    assert got[0] == pytest.approx(inv[0]) and got[-1] == pytest.approx(inv[-1] / factor)  # fast kept, slow scaled
+    # the attention factor multiplies cos and sin: the rotated vector's norm grows by it
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 1, 1, head_dim)), jnp.float32)
+    scaled = apply_rope(q, jnp.array([[77]]), got, s.cos_sin_scale)
+    assert float(jnp.linalg.norm(scaled)) == pytest.approx(float(jnp.linalg.norm(q)) * attention, rel=1e-5)
+
+
+def test_linear_scaling_divides_every_frequency():
+    s = RopeScaling(kind="linear", factor=4.0)
+    np.testing.assert_allclose(rope_inv_freq(64, 10000.0, s), rope_inv_freq(64, 10000.0, None) / 4, rtol=1e-6)
+    assert s.cos_sin_scale == 1.0
+    with pytest.raises(ValueError, match="kind 'ntk' is not supported"):
+        RopeScaling(kind="ntk")

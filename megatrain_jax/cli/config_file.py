@@ -34,7 +34,7 @@ import optax
 from megatrain_jax.data import DataConfig
 from megatrain_jax.data.sampler import MODES
 from megatrain_jax.engine_config import EngineConfig
-from megatrain_jax.models.config import ATTENTION_IMPLS, DTYPES, DecoderConfig, preset
+from megatrain_jax.models.config import ATTENTION_IMPLS, DTYPES, ROPE_KINDS, DecoderConfig, RopeScaling, preset
 from megatrain_jax.optim import adamw
 from megatrain_jax.train_config import TrainConfig
 
@@ -167,6 +167,7 @@ CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (EngineConfig, "master_dtype"): ("float32", "bfloat16"),
     (DecoderConfig, "dtype"): DTYPES,
     (DecoderConfig, "attention_impl"): ATTENTION_IMPLS,
+    (RopeScaling, "kind"): ROPE_KINDS,
 }
 
 

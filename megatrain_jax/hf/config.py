@@ -20,7 +20,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
 }
 _FAMILY_TO_TYPE = {family: mt for mt, (family, _) in ARCHITECTURES.items()}
 _DEFAULT_HEAD_DIM = {"qwen3": 128}  # transformers' default when config.json omits head_dim
-_SUPPORTED_ROPE = ("default", "llama3")
+_SUPPORTED_ROPE = ("default", "llama3", "linear", "yarn")
 
 
 class UnsupportedConfig(ValueError):
@@ -59,13 +59,23 @@ def _rope(c: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
                                 f"is not supported (RoPE on the whole head only)")
     if kind == "default":
         return theta, None
-    if "factor" not in params:
-        raise UnsupportedConfig(f"rope_scaling {params!r} of type 'llama3' lacks 'factor'")
-    return theta, RopeScaling(
-        factor=float(params["factor"]), low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position=int(params.get("original_max_position_embeddings",
-                                             c.get("original_max_position_embeddings", max_pos))))
+    original = int(params.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
+                   or max_pos)
+    factor = params.get("factor")
+    if factor is None and kind == "yarn":  # transformers: the ratio of the two lengths
+        factor = max_pos / original
+    if factor is None:
+        raise UnsupportedConfig(f"rope_scaling {params!r} of type {kind!r} lacks 'factor'")
+    optional = lambda key: None if params.get(key) is None else float(params[key])  # noqa: E731
+    try:
+        return theta, RopeScaling(
+            factor=float(factor), low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)), original_max_position=original, kind=kind,
+            beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+            attention_factor=optional("attention_factor"), mscale=optional("mscale"),
+            mscale_all_dim=optional("mscale_all_dim"), truncate=bool(params.get("truncate", True)))
+    except ValueError as e:
+        raise UnsupportedConfig(f"rope_scaling {params!r}: {e}") from None
 
 
 def _sliding_window(c: dict[str, Any], mt: str, layers: int) -> int | None:
@@ -151,15 +161,27 @@ def check_exportable(cfg: DecoderConfig) -> None:
                                 f"{ARCHITECTURES[_FAMILY_TO_TYPE[cfg.family]][1]}: {'; '.join(problems)}")
 
 
+def rope_to_hf(s: RopeScaling) -> dict[str, Any]:
+    """The ``rope_scaling`` dict transformers reads for ``s``."""
+    if s.kind == "linear":
+        return {"rope_type": "linear", "factor": s.factor}
+    if s.kind == "yarn":
+        out = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_position,
+               "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "truncate": s.truncate}
+        out.update({k: getattr(s, k) for k in ("attention_factor", "mscale", "mscale_all_dim")
+                    if getattr(s, k) is not None})
+        return out
+    return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
+
+
 def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """A ``config.json`` dict that transformers loads into the matching ``*ForCausalLM``."""
     check_exportable(cfg)
     mt = _FAMILY_TO_TYPE[cfg.family]
     rope = None
     if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        rope = {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
+        rope = rope_to_hf(cfg.rope_scaling)
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURES[mt][1]], "model_type": mt,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 from typing import Literal
 
@@ -12,14 +13,55 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn")
 
 
+ROPE_KINDS: tuple[str, ...] = ("llama3", "linear", "yarn")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1+ ('llama3') RoPE frequency scaling."""
+    """RoPE frequency scaling for positions past the pre-training length, as Hugging Face computes it
+    (``transformers.modeling_rope_utils``):
+
+    - ``llama3`` (Llama 3.1+): low frequencies divided by ``factor``, high ones kept, a smooth blend
+      between (``low_freq_factor``, ``high_freq_factor``);
+    - ``linear``: every frequency divided by ``factor`` (position interpolation);
+    - ``yarn``: per-dimension blend of interpolation and extrapolation between the dimensions that turn
+      ``beta_fast`` and ``beta_slow`` times over ``original_max_position`` (rounded outwards unless not
+      ``truncate``), and cos/sin scaled by ``attention_factor`` (default ``0.1 ln(factor) + 1``, or the
+      ratio of the ``mscale`` / ``mscale_all_dim`` ones when both are given).
+    """
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    kind: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"rope_scaling kind {self.kind!r} is not supported; supported: {list(ROPE_KINDS)}")
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling factor must be positive, got {self.factor!r}")
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim)
+        return mscale(self.factor)
 
 
 @dataclasses.dataclass(frozen=True)

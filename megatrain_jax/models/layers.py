@@ -46,10 +46,16 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """RoPE inverse frequencies [H/2], with Llama 3.1+ frequency scaling when given."""
-    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    """RoPE inverse frequencies [H/2], scaled as ``scaling`` says (``RopeScaling``: llama3, linear, yarn),
+    computed as Hugging Face does."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    inv = 1.0 / theta ** exponents
     if scaling is None:
         return inv.astype(np.float32)
+    if scaling.kind == "linear":
+        return (inv / scaling.factor).astype(np.float32)
+    if scaling.kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, inv)
     low_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -61,11 +67,32 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     return scaled.astype(np.float32)
 
 
-def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE (the Hugging Face convention), computed in float32."""
+def _yarn_inv_freq(head_dim: int, theta: float, s: RopeScaling, extrapolated: np.ndarray) -> np.ndarray:
+    """YaRN: dimensions turning fewer than ``beta_slow`` times over the original length are interpolated
+    (divided by ``factor``), more than ``beta_fast`` times kept, with a linear ramp between."""
+    def dim_for(rotations: float) -> float:  # the dimension that turns ``rotations`` times
+        return head_dim * math.log(s.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_for(s.beta_fast), dim_for(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+    inv = extrapolated / s.factor * (1 - keep) + extrapolated * keep
+    return inv.astype(np.float32)
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face convention), computed in float32; cos and sin are multiplied by
+    ``scale`` (YaRN's attention factor)."""
     angles_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     cos = jnp.concatenate([jnp.cos(angles_BTh)] * 2, axis=-1)[:, :, None, :]
     sin = jnp.concatenate([jnp.sin(angles_BTh)] * 2, axis=-1)[:, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * jnp.float32(scale), sin * jnp.float32(scale)
     x32 = x_BTNH.astype(jnp.float32)
     half = x32.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
@@ -102,8 +129,9 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         inv_freq = rope_inv_freq(hd, cfg.rope_theta, cfg.rope_scaling)
-        q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
-        k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
+        scale = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.cos_sin_scale
+        q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq, scale)
+        k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, scale)
         mask = None
         if segment_ids_BT is not None:  # packed documents attend only within their own segment
             mask = (segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :])
