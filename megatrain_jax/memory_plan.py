@@ -197,13 +197,15 @@ def _transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: i
     ab = 2 if c.dtype in ("bfloat16", "float16") else 4
     q, kv, D, F, V = c.heads * c.dim_per_head, c.kv_heads * c.dim_per_head, c.hidden, c.ffn, c.vocab_size
     mt = micro_rows * seq_len
+    mlp_t = mt if c.mlp_chunk_tokens is None else min(mt, c.mlp_chunk_tokens)  # tokens the MLP holds at once
     scores = 0 if flash else micro_rows * c.heads * seq_len * seq_len * (4 + ab)  # no flash: T x T scores
     if kind == "forward":  # [1.01 / 6.0 GiB, and 8B's 1.31 at 16K; this rule the same]
-        return mt * 3 * F * ab + scores, "MLP gate, up and product"
+        return mlp_t * 3 * F * ab + scores, "MLP gate, up and product"
     if kind == "backward":  # [7B: 1.85, 4.19, 8.38 GiB at 16K, 32K, 64K tokens; 3B: 2.88, 11.56 at 32K, 128K;
         #                        this rule 2.08, 4.17, 8.33; 2.94, 11.75; float32 weights add ~0.57 at 7B]
         weights = layer_param_count(c) * 4 if sb == 4 else 0  # their bf16 cast; the gradient in float32
-        return (max(mt * (5 * D + 2 * q + 2 * kv + 3 * F) * ab, layer_param_count(c) * sb) + weights + 2 * scores,
+        return (max((mt * (5 * D + 2 * q + 2 * kv) + mlp_t * 3 * F) * ab, layer_param_count(c) * sb) + weights
+                + 2 * scores,
                 "what the recompute keeps for the VJP: norm outputs, residual, q, k, v, attention output, MLP "
                 "gate, up and product, and the residual's float32 gradient")
     if kind == "head":  # [2.6 / 11.6 GiB; this rule 2.8 / 10.8]

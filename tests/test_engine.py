@@ -388,3 +388,8 @@ def test_split_update_step_cut_short_still_commits_what_it_started():
     assert_stream_copies_track_masters(engine)
     counts = [int(np.asarray(p.opt.count)) for p in engine.state.parts]
     assert counts == [2, 2, 1, 1], counts  # io and block 0 took the second step; blocks 1, 2 did not
+
+
+def test_engine_with_a_chunked_mlp_equals_reference():
+    """The model's sequence-chunked MLP (rematerialized per chunk) streams like any block."""
+    run_both(TINY3.replace(mlp_chunk_tokens=24), ADAMW, EngineConfig(micro_batches=2))

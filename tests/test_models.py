@@ -377,3 +377,41 @@ def test_linear_scaling_divides_every_frequency():
     assert s.cos_sin_scale == 1.0
     with pytest.raises(ValueError, match="kind 'ntk' is not supported"):
         RopeScaling(kind="ntk")
+
+
+@pytest.mark.parametrize("chunk", [8, 24, 1000])  # divides B*T, does not (padding), larger than B*T
+def test_chunked_mlp_equals_whole_mlp_loss_and_gradients(chunk):
+    """The MLP over token chunks (rematerialized per chunk) computes the same loss and gradients."""
+    from megatrain_jax import Batch
+    from megatrain_jax.reference import model_loss
+    cfg = preset("tiny", layers=2)
+    rng = np.random.default_rng(0)
+    batch = Batch.from_windows(rng.integers(0, cfg.vocab_size, (2, 33))).filled()  # B*T = 64 tokens
+    whole = Decoder(cfg, rngs=nnx.Rngs(0))
+    chunked = Decoder(cfg.replace(mlp_chunk_tokens=chunk), rngs=nnx.Rngs(0))
+    results = []
+    for model in (whole, chunked):
+        graphdef, params = nnx.split(model, nnx.Param)
+        loss, grads = jax.jit(jax.value_and_grad(lambda p: model_loss(nnx.merge(graphdef, p), batch)))(params)
+        results.append((loss, jax.tree.leaves(grads)))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-6)
+    for a, b in zip(results[0][1], results[1][1]):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_chunked_mlp_keeps_only_chunk_sized_activations_for_the_backward():
+    """What the backward keeps: with chunks, no [tokens, ffn] residual of the whole sequence is saved."""
+    cfg = preset("tiny", layers=1, ffn=512, hidden=64)
+    x = jnp.ones((1, 256, cfg.hidden), jnp.float32)
+    pos = jnp.arange(256)[None]
+    sizes = {}
+    for chunk in (None, 32):
+        block = Decoder(cfg.replace(mlp_chunk_tokens=chunk), rngs=nnx.Rngs(0)).blocks[0]
+        graphdef, params = nnx.split(block, nnx.Param)
+        f = lambda p, x: nnx.merge(graphdef, p)(x, pos).sum()  # noqa: E731
+        _, vjp_fn = jax.vjp(f, params, x)
+        res = [leaf for leaf in jax.tree.leaves(vjp_fn) if hasattr(leaf, "shape")]
+        sizes[chunk] = max(int(np.prod(leaf.shape)) for leaf in res if cfg.ffn in leaf.shape) if any(
+            cfg.ffn in leaf.shape for leaf in res) else 0
+    assert sizes[None] >= 256 * cfg.ffn  # the whole sequence's gate/up activations
+    assert sizes[32] < 256 * cfg.ffn  # at most the weights and a chunk's worth

@@ -91,6 +91,9 @@ class DecoderConfig:
     dtype: str = "bfloat16"
     attention_impl: str = "auto"
     loss_chunk_tokens: int = 8192  # logits of at most this many tokens exist at once
+    # The MLP (with its norm and residual) over at most this many tokens at a time, each chunk recomputed
+    # in the backward pass: its [tokens, ffn] temporaries scale with the chunk, not the sequence. None: whole.
+    mlp_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         validate(self)
@@ -147,6 +150,8 @@ def validate(cfg: DecoderConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if cfg.mlp_chunk_tokens is not None and (not isinstance(cfg.mlp_chunk_tokens, int) or cfg.mlp_chunk_tokens <= 0):
+        raise ValueError(f"mlp_chunk_tokens must be a positive integer or None, got {cfg.mlp_chunk_tokens!r}")
     if cfg.head_dim is None and cfg.hidden % cfg.heads:
         raise ValueError(f"heads={cfg.heads} does not divide hidden={cfg.hidden}; choose heads dividing "
                          f"hidden or set head_dim explicitly")

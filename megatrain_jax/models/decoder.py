@@ -19,6 +19,7 @@ class Block(nnx.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+        self.mlp_chunk_tokens = cfg.mlp_chunk_tokens
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
@@ -27,7 +28,27 @@ class Block(nnx.Module):
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array,
                  segment_ids_BT: jax.Array | None = None) -> jax.Array:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+        return self._mlp_residual(x_BTD)
+
+    def _mlp_residual(self, x_BTD: jax.Array) -> jax.Array:
+        """``x + mlp(norm(x))``, over ``mlp_chunk_tokens`` tokens at a time when set: a ``lax.map`` over
+        token chunks whose body is rematerialized, so the backward pass keeps each chunk's input only and
+        recomputes its [chunk, ffn] activations. Padding tokens (zeros) fill the last chunk and are cut."""
+        chunk = self.mlp_chunk_tokens
+        B, T, D = x_BTD.shape
+        if chunk is None or B * T <= chunk:
+            return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+        graphdef, state = nnx.split((self.mlp_norm, self.mlp))
+
+        @jax.checkpoint
+        def one(state, x_CD):
+            norm, mlp = nnx.merge(graphdef, state)
+            return x_CD + mlp(norm(x_CD))
+
+        n = -(-(B * T) // chunk)
+        x_ND = jnp.pad(x_BTD.reshape(B * T, D), ((0, n * chunk - B * T), (0, 0)))
+        y = jax.lax.map(lambda x_CD: one(state, x_CD), x_ND.reshape(n, chunk, D))
+        return y.reshape(n * chunk, D)[:B * T].reshape(B, T, D)
 
 
 class InputOutput(nnx.Module):
