@@ -27,6 +27,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
@@ -81,6 +82,7 @@ class DiskTier:
         self.root = Path(root)
         self.parts = list(parts)  # in update order
         self.read_ahead = read_ahead
+        self._lock_file = _claim(self.root)  # one engine per folder: the files are its live state
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-disk")
         self._lock = threading.Lock()
         self._stores: dict[str, ts.TensorStore] = {}
@@ -89,6 +91,8 @@ class DiskTier:
         self._markers: dict[PartId, tuple[Any, Any]] = {}  # part -> its OnDisk trees (mu, nu)
         self.bytes_read = self.bytes_written = 0  # totals since the tier was made
         self.read_s = self.write_s = 0.0  # seconds the I/O thread spent reading and writing
+        self._failed: dict[str, BaseException] = {}  # key -> the first failed write: its file is stale
+        weakref.finalize(self, _release, self._io, self._lock_file)
 
     # ------------------------------------------------------------------ moving a part's moments
     def spill(self, part: PartId, record: Part, fresh: bool = False) -> Part:
@@ -106,21 +110,29 @@ class DiskTier:
                 self.wait_written(key)
                 dtype = np.dtype(leaf.dtype)
                 self._open(key, tuple(leaf.shape), dtype)
-                if not fresh:
+                if not fresh:  # written before the next part arrives: a restore holds one part at a time
                     self._write([key], [np.asarray(leaf)])
+                    self.wait_written(key)
                 on_disk.append(OnDisk(self, key, tuple(leaf.shape), dtype))
             markers.append(jax.tree.unflatten(jax.tree.structure(tree), on_disk))
         self._markers[part] = tuple(markers)
         return self._with_moments(record, *markers)
+
+    def start_step(self) -> None:
+        """The optimizer step's updates are about to run: start reading the first tier parts' moments, so
+        that they overlap the updates of the parts before them. (Reads ahead never wrap into the next step:
+        between update phases no tier part's moments are in host memory.)"""
+        for part in self.parts[:self.read_ahead]:
+            if part not in self._reads:
+                self._reads[part] = self._read_part(part)
 
     def load(self, part: PartId, record: Part) -> Part:
         """``record`` with its moments in host memory (read ahead when possible); the reads of the next
         ``read_ahead`` tier parts in update order start."""
         future = self._reads.pop(part, None) or self._read_part(part)
         i = self.parts.index(part)
-        for j in range(1, self.read_ahead + 1):
-            nxt = self.parts[(i + j) % len(self.parts)]
-            if nxt != part and nxt not in self._reads:
+        for nxt in self.parts[i + 1:i + 1 + self.read_ahead]:
+            if nxt not in self._reads:
                 self._reads[nxt] = self._read_part(nxt)
         return self._with_moments(record, *future.result())
 
@@ -155,17 +167,33 @@ class DiskTier:
             pending = self._writes.get(key)
         if pending is not None:
             pending.result()
+        self._raise_if_failed([key])
 
     def flush(self) -> None:
-        """Wait for every write in flight (re-raising a failure)."""
+        """Wait for every write in flight; raise if any write has failed."""
         with self._lock:
             pending = list(self._writes.values())
         for f in pending:
             f.result()
+        self._raise_if_failed(list(self._failed))
+
+    def _raise_if_failed(self, keys: Sequence[str]) -> None:
+        """A failed write leaves its file older than the state: training cannot go on from it (a later
+        write of the same array replacing the failure in ``_writes`` must not hide it)."""
+        with self._lock:
+            failed = [(k, self._failed[k]) for k in keys if k in self._failed]
+        if failed:
+            key, error = failed[0]
+            raise DiskTierError(f"writing {self.root / key} failed ({type(error).__name__}: {error}); the disk tier's "
+                                f"copy of those moments is stale, so training stops here. Free space or fix the "
+                                f"disk under {self.root}, then resume from the last checkpoint") from error
 
     def close(self) -> None:
-        self.flush()
-        self._io.shutdown(wait=True)
+        """Wait for the writes in flight, stop the I/O thread and give the folder up."""
+        try:
+            self.flush()
+        finally:
+            _release(self._io, self._lock_file)
 
     def remove(self) -> None:
         """Delete the tier's files (they are the live state of this engine only)."""
@@ -197,8 +225,14 @@ class DiskTier:
 
         def run() -> None:
             start = time.perf_counter()
-            for f in [self._stores[key].write(a) for key, a in zip(keys, arrays)]:
-                f.result()
+            try:
+                for f in [self._stores[key].write(a) for key, a in zip(keys, arrays)]:
+                    f.result()
+            except BaseException as e:
+                with self._lock:
+                    for key in keys:
+                        self._failed.setdefault(key, e)
+                raise
             with self._lock:
                 self.bytes_written += sum(a.nbytes for a in arrays)
                 self.write_s += time.perf_counter() - start
@@ -215,6 +249,7 @@ class DiskTier:
         def run() -> tuple[Any, Any]:
             start = time.perf_counter()
             leaves = jax.tree.leaves(markers)
+            self._raise_if_failed([m.key for m in leaves])
             reads = [self._stores[m.key].read() for m in leaves]
             arrays = [r.result() for r in reads]
             with self._lock:
@@ -223,3 +258,32 @@ class DiskTier:
             return jax.tree.unflatten(jax.tree.structure(markers), arrays)
 
         return self._io.submit(run)
+
+
+class DiskTierError(RuntimeError):
+    """A read or write of the disk tier failed: its files no longer hold the state."""
+
+
+def _claim(root: Path):
+    """Lock ``root`` for this tier (an exclusive ``flock`` on ``root/.lock``, held until the tier is
+    closed or collected): two engines on one folder would overwrite each other's live state."""
+    import fcntl
+    import gc
+    root.mkdir(parents=True, exist_ok=True)
+    f = open(root / ".lock", "a+")
+    for attempt in range(2):
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return f
+        except OSError:
+            if attempt == 0:  # an engine of this process that is garbage but not yet collected holds it
+                gc.collect()
+    f.close()
+    raise ValueError(f"disk_dir {root} is in use by another engine (its files are that engine's live state); give "
+                     f"each run its own disk_dir, or close the other engine first (Engine.close())")
+
+
+def _release(io: ThreadPoolExecutor, lock_file) -> None:
+    io.shutdown(wait=True)
+    if not lock_file.closed:
+        lock_file.close()  # closing the file drops the flock

@@ -28,7 +28,7 @@ from megatrain_jax.engine_config import EngineConfig
 from megatrain_jax.host_state import initial_state
 from megatrain_jax.layered import layered, write_back
 from megatrain_jax.optim import check_partwise
-from megatrain_jax.parts import IO, Params, Part, PartId
+from megatrain_jax.parts import IO, HostRoles, Params, Part, PartId
 from megatrain_jax.passes import Pass, PassRunner, device_batches
 from megatrain_jax.schedule import eval_ops, step_ops
 from megatrain_jax.transfer import Placement, local_value
@@ -76,6 +76,8 @@ class Engine:
         if config.resident_layers > self.lm.n_blocks:
             raise ValueError(f"resident_layers={config.resident_layers} exceeds the model's {self.lm.n_blocks} blocks")
         check_partwise(optimizer)
+        roles = HostRoles.of(self.lm.n_blocks, config.resident_layers, config.resident_io, config.grads_on_gpu,
+                             config.disk_parts)  # checked before the state is built
         if placement is None:
             placement = Placement(mesh=devices) if isinstance(devices, Mesh) else Placement(devices)
         self.placement = placement
@@ -88,21 +90,13 @@ class Engine:
         for part in self.state.ids():
             self.policy.opt.route(self.state[part])  # decide each part's update route now, not mid-step
         self.resident_parts = ([IO] if config.resident_io else []) + [PartId.block(i) for i in range(config.resident_layers)]
-        host_updated = [part for part in self.state.ids() if part not in self.resident_parts]
-        if config.grads_on_gpu > len(host_updated):
-            raise ValueError(f"grads_on_gpu={config.grads_on_gpu} exceeds the {len(host_updated)} parts updated on "
-                             f"the host (the blocks that are not GPU-resident, and the io part unless it is)")
-        held = [part for part in host_updated if not part.is_io] + [part for part in host_updated if part.is_io]
-        self.grads_on_gpu_parts = held[:config.grads_on_gpu]  # their gradients wait on the GPU
-        blocks = [part for part in host_updated if not part.is_io]
-        if config.disk_parts > len(blocks):
-            raise ValueError(f"disk_parts={config.disk_parts} exceeds the {len(blocks)} blocks updated on the host")
+        self.grads_on_gpu_parts = list(roles.grads_on_gpu)  # their gradients wait on the GPU
         self.disk_tier = None
-        if config.disk_parts:
+        if roles.disk:
             if not self.policy.opt.fused:
                 raise ValueError("the disk tier (disk_parts) holds the moments of megatrain_jax.adamw run by the "
                                  "fused host kernel; this optimizer or machine runs another route")
-            self.disk_tier = DiskTier(config.disk_dir, blocks[len(blocks) - config.disk_parts:])
+            self.disk_tier = DiskTier(config.disk_dir, roles.disk)
             for part in self.disk_tier.parts:  # a fresh state's moments are zeros: files created empty
                 self.state[part] = self.disk_tier.spill(part, self.state[part], fresh=True)
             self.policy.use_disk_tier(self.disk_tier)
@@ -203,10 +197,17 @@ class Engine:
         for part, on_device in self._resident.items():
             self.state[part] = self.policy.opt.home(on_device)
 
+    def close(self) -> None:
+        """Finish pending work and release what outlives a step: the disk tier's files are deleted (they are
+        this engine's live state; checkpoints hold copies). The engine cannot train afterwards."""
+        self.policy.drain()
+        if self.disk_tier is not None:
+            self.disk_tier.remove()
+
     def write_back(self, model: nnx.Module) -> None:
-        """Copy the float32 master parameters into the user's model."""
+        """Copy the master parameters into the user's model, as float32 (capacity mode's are bfloat16)."""
         self.sync()
-        io, blocks = self.state.params()
+        io, blocks = jax.tree.map(lambda x: x.astype(jnp.float32), self.state.params())
         write_back(model, io, blocks, self.placement.to_device)
 
     def hold_updates(self, gate: Callable[[PartId], None]) -> Callable[[], None]:

@@ -36,9 +36,10 @@ class EngineConfig:
       and updates every part on the host (no GPU-resident parts). Quality: docs/capacity.md.
     - ``disk_parts``: the Adam moments of this many blocks (the last ones that are not GPU-resident) live in
       files under ``disk_dir`` on local disk (``megatrain_jax.disk_tier``), read ahead of each block's
-      update and written behind it: 8 bytes per parameter (4 in capacity mode) less host RAM for them, at
-      the price of reading and writing that much per step. Needs ``megatrain_jax.adamw`` in the fused
-      kernel, and one process.
+      update and written behind it: 8 bytes per parameter (4 in capacity mode) less host RAM for them,
+      beyond the four blocks' worth in flight during the updates (so it pays from five blocks on), at the
+      price of reading and writing that much per step. Needs ``megatrain_jax.adamw`` in the fused kernel,
+      and one process; one engine per folder (``Engine.close()`` deletes the files).
     """
 
     micro_batches: int = 1

@@ -75,20 +75,18 @@ def layer_param_count(cfg: DecoderConfig) -> int:
     return (cfg.param_count() - io_param_count(cfg)) // cfg.layers
 
 
+def host_roles(cfg: DecoderConfig, e: EngineConfig):
+    """Which parts update on the host, wait on the GPU, keep moments on disk (``parts.HostRoles``)."""
+    from megatrain_jax.parts import HostRoles
+    return HostRoles.of(cfg.layers, e.resident_layers, e.resident_io, e.grads_on_gpu, e.disk_parts)
+
+
 def host_updated_parts(cfg: DecoderConfig, e: EngineConfig) -> list:
-    """The parts updated on the host, in the order the engine picks those whose gradients wait on the GPU
-    (``EngineConfig.grads_on_gpu``): the blocks that are not GPU-resident in forward order, then the io part
-    unless it is GPU-resident."""
-    from megatrain_jax.parts import IO, PartId
-    return [PartId.block(i) for i in range(e.resident_layers, cfg.layers)] + ([] if e.resident_io else [IO])
+    return list(host_roles(cfg, e).host_updated)
 
 
 def grads_on_gpu_parts(cfg: DecoderConfig, e: EngineConfig) -> list:
-    """The parts whose float32 gradients wait on the GPU (``EngineConfig.grads_on_gpu``)."""
-    host_updated = host_updated_parts(cfg, e)
-    if e.grads_on_gpu > len(host_updated):
-        raise ValueError(f"grads_on_gpu={e.grads_on_gpu} exceeds the {len(host_updated)} parts updated on the host")
-    return host_updated[:e.grads_on_gpu]
+    return list(host_roles(cfg, e).grads_on_gpu)
 
 
 def part_param_count(cfg: DecoderConfig, part) -> int:
@@ -494,7 +492,8 @@ class MemoryPlan:
         e, c, rows, seq = self.engine_cfg, self.model_cfg, self.batch_rows, self.seq_len
         n_updated = lambda r, io: c.layers - r + (0 if io else 1)  # noqa: E731  (host-updated parts)
         resident = [(("engine.resident_layers", r),) for r in range(c.layers, -1, -1)
-                    if r != e.resident_layers and n_updated(r, e.resident_io) >= e.grads_on_gpu and not e.capacity]
+                    if r != e.resident_layers and n_updated(r, e.resident_io) >= e.grads_on_gpu and not e.capacity
+                    and c.layers - r >= e.disk_parts]
         yield ("resident", resident,
                lambda ch: (f"{ch[0][1]} GPU-resident blocks instead of {e.resident_layers}: " +
                            ("fewer blocks update on the GPU, so the next forward may wait on the host optimizer "
@@ -512,7 +511,7 @@ class MemoryPlan:
                            "bytes per layer over PCIe (hidden behind compute from about 16K tokens per layer visit "
                            "on an H100)") if other == "float32" else
                ("stream bfloat16 weights: half the PCIe bytes (faster); the host keeps a 16-bit copy (+2 B/param)"))
-        if e.disk_dir:
+        if e.disk_dir and e.host_kernel:  # the tier runs with the fused kernel only
             blocks = c.layers - e.resident_layers
             gib = lambda n: n * layer_param_count(c) * (4 if e.capacity else 8) / GiB  # noqa: E731
             yield ("disk", [(("engine.disk_parts", n),) for n in range(1, blocks + 1) if n != e.disk_parts],
@@ -524,7 +523,7 @@ class MemoryPlan:
                lambda ch: (f"the float32 gradients of {ch[0][1]} parts wait on the GPU for the global norm instead of "
                            f"in host memory (4 B/param less host RAM for them, as much more GPU memory); each "
                            f"comes home when its update runs"))
-        if not e.capacity:
+        if not e.capacity and e.host_kernel:  # capacity mode runs in the fused kernel
             to = {"engine.master_dtype": "bfloat16", "engine.stream_dtype": "bfloat16", "engine.resident_layers": 0,
                   "engine.resident_io": False}
             now = {"engine.stream_dtype": self.stream_dtype, "engine.resident_layers": e.resident_layers,
@@ -569,7 +568,14 @@ class MemoryPlan:
                 lo, hi = (mid + 1, hi) if ok else (lo, mid)
             best = (("engine.resident_layers", values[lo - 1]),) if lo else None
             return best if best is not None and self.applied(best).fits else None
-        return next((ch for ch in candidates if self.applied(ch).fits), None)
+        return next((ch for ch in candidates if self._fits(ch)), None)
+
+    def _fits(self, changes: tuple[tuple[str, Any], ...]) -> bool:
+        """Whether the plan with ``changes`` fits; a combination the engine refuses does not."""
+        try:
+            return self.applied(changes).fits
+        except ValueError:
+            return False
 
     def _fewest(self, key: str, values: list[int]) -> tuple[tuple[str, Any], ...] | None:
         """The smallest of ``values`` for ``key`` whose plan fits the host (more of it, less host memory),
@@ -607,7 +613,8 @@ class MemoryPlan:
         grads = p._fewest("engine.grads_on_gpu", list(range(1, n_host + 1)))
         if grads is not None:
             return stream + grads
-        if self.engine_cfg.disk_dir and not self.engine_cfg.disk_parts:  # moments of the last blocks on disk
+        e = self.engine_cfg
+        if e.disk_dir and not e.disk_parts and e.host_kernel:  # moments of the last blocks on disk
             blocks = self.model_cfg.layers - self.engine_cfg.resident_layers
             disk = p._fewest("engine.disk_parts", list(range(1, blocks + 1)))
             return None if disk is None else stream + disk
@@ -675,6 +682,8 @@ class MemoryPlan:
         n_updated = layers - min(e.resident_layers, layers) + (0 if e.resident_io else 1)
         if e.grads_on_gpu > n_updated:
             changes += (("engine.grads_on_gpu", n_updated),)
+        if e.disk_parts > layers - min(e.resident_layers, layers):
+            changes += (("engine.disk_parts", layers - min(e.resident_layers, layers)),)
         return changes
 
     def machine_needed(self) -> str:

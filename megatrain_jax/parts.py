@@ -64,6 +64,30 @@ def part_ids(n_blocks: int) -> list[PartId]:
     return [PartId(i) for i in range(n_blocks + 1)]
 
 
+@dataclasses.dataclass(frozen=True)
+class HostRoles:
+    """Where each part's gradient waits and where its moments live, from ``EngineConfig``'s counts: the
+    parts updated on the host are the blocks that are not GPU-resident, then the io part unless it is.
+    ``grads_on_gpu``: the first of them in that order keep their gradients on the GPU. ``disk``: the last
+    ``disk_parts`` blocks keep their Adam moments in the disk tier."""
+
+    host_updated: tuple[PartId, ...]
+    grads_on_gpu: tuple[PartId, ...]
+    disk: tuple[PartId, ...]
+
+    @classmethod
+    def of(cls, n_blocks: int, resident_layers: int, resident_io: bool, grads_on_gpu: int = 0,
+           disk_parts: int = 0) -> "HostRoles":
+        blocks = [PartId.block(i) for i in range(resident_layers, n_blocks)]
+        host = tuple(blocks + ([] if resident_io else [IO]))
+        if grads_on_gpu > len(host):
+            raise ValueError(f"grads_on_gpu={grads_on_gpu} exceeds the {len(host)} parts updated on the host (the "
+                             f"blocks that are not GPU-resident, and the io part unless it is)")
+        if disk_parts > len(blocks):
+            raise ValueError(f"disk_parts={disk_parts} exceeds the {len(blocks)} blocks updated on the host")
+        return cls(host, host[:grads_on_gpu], tuple(blocks[len(blocks) - disk_parts:]))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Part:

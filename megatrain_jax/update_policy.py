@@ -139,6 +139,8 @@ class UpdatePolicy:
     def decide(self, sq_norms: Sequence[jax.Array], loss: jax.Array) -> StepDecision:
         decision = StepDecision(*self._decide(list(sq_norms), loss))
         self.worker.submit(DECIDE, lambda: self._count(decision))
+        if self.disk_tier is not None:  # the updates follow: the first tier parts' moments start loading
+            self.disk_tier.start_step()
         return decision
 
     def _count(self, decision: StepDecision) -> None:

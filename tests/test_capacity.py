@@ -200,3 +200,11 @@ def test_capacity_mode_needs_the_fused_adamw():
     import optax
     with pytest.raises(ValueError, match="not megatrain_jax.adamw"):
         Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), optax.sgd(0.1), CAPACITY)
+
+
+def test_write_back_gives_the_model_float32_parameters():
+    model = Decoder(TINY3, rngs=nnx.Rngs(0))
+    engine = Engine(model, TX(), CAPACITY)
+    engine.step(make_batches(1, vocab=TINY3.vocab_size)).resolve()
+    engine.write_back(model)
+    assert {str(x.dtype) for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {"float32"}

@@ -60,7 +60,7 @@ def test_round_trip_and_fresh_files_are_zeros_without_writing(tmp_path):
     leaf = jax.tree.leaves(engine.state[part].opt.mu)[0]
     assert np.array_equal(np.asarray(leaf), np.zeros(leaf.shape, leaf.dtype))
     assert tier.bytes_written == 0  # created empty: the fill value is 0, no chunk written
-    assert {p.name for p in tmp_path.rglob("*") if p.is_file()} == {"zarr.json"}
+    assert {p.name for p in tmp_path.rglob("*") if p.is_file()} == {"zarr.json", ".lock"}
     record = tier.load(part, engine.state[part])
     rng = np.random.default_rng(0)
     for x in jax.tree.leaves((record.opt.mu, record.opt.nu)):
@@ -114,3 +114,64 @@ def test_checkpoints_copy_the_files_and_a_resume_is_bit_exact(tmp_path):
     engine = Engine(Decoder(CFG, rngs=nnx.Rngs(0)), TX())
     Checkpointer(tmp_path / "ckpt", read_only=True).restore(engine)
     assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(engine.state[PartId.block(2)].opt.mu))
+
+
+def test_a_failed_write_stops_training_instead_of_reading_stale_moments(tmp_path, monkeypatch):
+    """A write that fails (a full disk, say) is not hidden by the next write of the same array: the next
+    read of that part, and sync, raise DiskTierError naming the file."""
+    from megatrain_jax.disk_tier import DiskTierError
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), TX(), EngineConfig(disk_parts=1, disk_dir=str(tmp_path)))
+    batches = make_batches(4, vocab=TINY3.vocab_size)
+    engine.step([batches[0]]).resolve()
+    engine.sync()
+    tier = engine.disk_tier
+    store = tier._stores["block_00002/nu_000"]
+
+    class Full:  # the tensorstore array, whose writes fail
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def write(self, array):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setitem(tier._stores, "block_00002/nu_000", Full())
+    with pytest.raises(DiskTierError, match="block_00002/.* failed .*No space left on device.*resume from"):
+        for b in batches[1:]:
+            engine.step([b]).resolve()
+        engine.sync()
+
+
+def test_between_updates_no_tier_moments_stay_in_memory(tmp_path):
+    """Reads ahead stay within a step's updates: after the step, nothing is held for the next one."""
+    engine = _trained(EngineConfig(disk_parts=2, disk_dir=str(tmp_path)), steps=2)
+    assert engine.disk_tier._reads == {}
+
+
+def test_a_folder_serves_one_engine_at_a_time(tmp_path):
+    cfg = EngineConfig(disk_parts=1, disk_dir=str(tmp_path))
+    first = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), TX(), cfg)
+    with pytest.raises(ValueError, match="is in use by another engine"):
+        Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), TX(), cfg)
+    first.close()  # deletes the files and frees the folder
+    assert not tmp_path.exists()
+    Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), TX(), cfg).close()
+
+
+def test_a_restore_writes_each_part_before_taking_the_next(tmp_path, monkeypatch):
+    """Restoring into a tier engine writes each part's moments before the next part arrives, so host
+    memory holds one part's moments, not all of them queued."""
+    import time
+    _fit(2, tmp_path / "ckpt", tmp_path / "disk_a")
+    engine = Engine(Decoder(CFG, rngs=nnx.Rngs(0)), TX(), EngineConfig(disk_parts=2, disk_dir=str(tmp_path / "b")))
+    tier = engine.disk_tier
+    write = tier._write
+    queued = []
+
+    def slow_write(keys, arrays):
+        write(keys, arrays)
+        queued.append(sum(1 for f in tier._writes.values() if not f.done()))
+        time.sleep(0.05)
+
+    monkeypatch.setattr(tier, "_write", slow_write)
+    Checkpointer(tmp_path / "ckpt", read_only=True).restore(engine)
+    assert queued and max(queued) <= 1

@@ -405,3 +405,23 @@ def test_lean_pick_uses_the_disk_tier_when_gradients_on_the_gpu_are_not_enough()
     # a run that fits without the tier keeps its config (no disk folder added)
     small, _ = lean_engine(EIGHT_B, EngineConfig(micro_batches=2), 16, 2048, disk_dir="/data/tier", **kw)
     assert small.disk_parts == 0 and small.disk_dir is None
+
+
+def test_options_respect_the_disk_tier_and_the_kernel_switch():
+    """Options never propose a combination the engine refuses: no more resident blocks than leave room for
+    the disk tier's, no disk tier or capacity mode without the fused kernel (they run in it)."""
+    from megatrain_jax.memory_plan import lean_engine
+    tiered = plan(EIGHT_B, EngineConfig(micro_batches=2, disk_parts=20, disk_dir="/x"), 16, 2048,
+                  host_ram_bytes=20 * GiB, gpu_bytes=1000 * GiB, disk_bytes=1000 * GiB)
+    for option in tiered.options():  # raised "disk_parts=20 exceeds the ... blocks" before
+        changes = dict(option.changes)
+        assert EIGHT_B.layers - changes.get("engine.resident_layers", 0) >= changes.get("engine.disk_parts", 20)
+    assert "as configured, it needs" in tiered.advice()
+    no_kernel = plan(EIGHT_B, EngineConfig(micro_batches=2, host_kernel=False, disk_dir="/x"), 16, 2048,
+                     host_ram_bytes=120 * GiB, gpu_bytes=71 * GiB, disk_bytes=1000 * GiB)
+    keys = {k for o in no_kernel.options() for k, _ in o.changes}
+    assert "engine.disk_parts" not in keys and "engine.master_dtype" not in keys
+    e = EngineConfig(micro_batches=2, host_kernel=False)
+    picked, _ = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=100 * GiB, disk_dir="/d", gpu_bytes=71 * GiB,
+                            disk_bytes=1000 * GiB)
+    assert picked.disk_parts == 0

@@ -107,7 +107,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model_cfg, d = cfg.model.build(), cfg.data
     kw = dict(packed=d.mode == "packed", loaded_copy=cfg.model.hf_checkpoint is not None)
     engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_ram_bytes=host,
-                                   disk_dir=str(Path(cfg.train.run_dir) / "disk_tier"), **kw)
+                                   disk_dir=str(Path(cfg.train.run_dir) / "disk_tier"), gpu_bytes=gpu, **kw)
     if lean is not None:
         print(f"as `megatrain-jax train` would: {lean}")
     p = plan(model_cfg, engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu, **kw)

@@ -17,6 +17,7 @@ from typing import TextIO
 import jax
 from flax import nnx
 
+from megatrain_jax import distributed
 from megatrain_jax._environment import host_pool_limit, visible_gpus
 from megatrain_jax.checkpoint import committed_steps
 from megatrain_jax.cli.config_file import RunConfig, to_dict, to_toml
@@ -132,8 +133,10 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     gpus = visible_gpus()
     kw = dict(packed=d.mode == "packed", loaded_copy=cfg.model.hf_checkpoint is not None,
               devices=min(t.devices or gpus, gpus))
-    engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len,
-                                   disk_dir=str(run_dir / "disk_tier"), **kw)
+    lean = None
+    if not distributed.requested():  # several processes would each pick from their own host: not done
+        engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len,
+                                       disk_dir=str(run_dir / "disk_tier"), **kw)
     if lean is not None:  # host RAM is short: float32 streamed, gradients waiting on the GPU
         say(f"megatrain_jax: {lean}")
         cfg = dataclasses.replace(cfg, engine=engine_cfg)
