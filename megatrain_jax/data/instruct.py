@@ -1,0 +1,257 @@
+"""Instruction data for fine-tuning: JSONL conversations or prompt/completion pairs, rendered with a
+checkpoint's own chat template and tokenized with its own ``tokenizer.json``, with the loss on the
+assistant's (or completion's) tokens only.
+
+Two line formats, one JSON object per line:
+
+- ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}``: rendered with the
+  chat template from ``tokenizer_config.json`` (or ``chat_template.jinja``), as transformers'
+  ``apply_chat_template`` renders it (jinja2, sandboxed, ``trim_blocks`` and ``lstrip_blocks``, the
+  special tokens as variables, ``raise_exception``, ``tojson`` and ``strftime_now``);
+- ``{"prompt": "...", "completion": "..."}``: the prompt then the completion and the end-of-sequence
+  token, without a template.
+
+Which tokens carry loss is found from text offsets. For each assistant turn, the template renders the
+conversation up to the turn with the generation prompt (where the turn's text starts) and up to the end
+of the turn (where it ends). Tokens whose characters fall inside such a span carry loss: the assistant's
+words and the template's end-of-turn marker, so the model learns to stop. A template that does not render
+a conversation's prefixes as prefixes of the whole cannot be split this way and is refused.
+
+Every problem names the file and line: malformed JSON, a missing or mistyped field, an unknown role, a
+template error, an example longer than ``seq_len`` (truncated or skipped, as configured, and counted), an
+example left without a token to learn, and a file with no examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import numpy as np
+
+ROLES = ("system", "user", "assistant")
+TooLong = Literal["truncate", "skip"]
+
+
+class InstructDataError(ValueError):
+    """Instruction data or a tokenizer folder that cannot be used; the message names the file and line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One tokenized example: ``ids`` [n] and ``loss_mask`` [n - 1], where ``loss_mask[j]`` says whether
+    predicting ``ids[j + 1]`` from ``ids[:j + 1]`` counts in the loss."""
+
+    ids: np.ndarray
+    loss_mask: np.ndarray
+    line: int  # where it came from
+
+
+@dataclasses.dataclass
+class Stats:
+    """What tokenizing a file did: examples kept, truncated to ``seq_len + 1`` tokens, skipped as too long,
+    skipped for having no token to learn after truncation."""
+
+    kept: int = 0
+    truncated: int = 0
+    skipped_too_long: int = 0
+    skipped_no_loss: int = 0
+
+
+def _special(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string, or an AddedToken dict with its content."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class ChatTokenizer:
+    """A checkpoint's tokenizer (``tokenizers``) and chat template (jinja2), from its folder."""
+
+    def __init__(self, tokenizer, template: str | None, special: dict[str, str | None], where: str = "tokenizer"):
+        self.tokenizer = tokenizer
+        self.template_source = template
+        self.special = special
+        self.where = where
+        self._template = None if template is None else _compile(template)
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike) -> "ChatTokenizer":
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:  # pragma: no cover - the sft extra installs it
+            raise InstructDataError("instruction data needs the tokenizers package: pip install "
+                                    "'megatrain-jax[sft]'") from e
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise InstructDataError(f"{path} does not exist: the checkpoint folder needs its tokenizer.json "
+                                    f"(the fast tokenizer file transformers saves)")
+        tokenizer = Tokenizer.from_file(str(path))
+        config: dict[str, Any] = {}
+        config_path = folder / "tokenizer_config.json"
+        if config_path.exists():
+            try:
+                config = json.loads(config_path.read_text())
+            except json.JSONDecodeError as e:
+                raise InstructDataError(f"{config_path}: not valid JSON ({e})") from None
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        jinja_file = folder / "chat_template.jinja"
+        if template is None and jinja_file.exists():
+            template = jinja_file.read_text()
+        special = {k: _special(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        return cls(tokenizer, template, special, where=str(folder))
+
+    # ------------------------------------------------------------------ rendering
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        if self._template is None:
+            raise InstructDataError(f"{self.where} has no chat template (tokenizer_config.json 'chat_template' "
+                                    f"or chat_template.jinja): use prompt/completion lines, or add a template")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                     documents=None, **self.special)
+
+    # ------------------------------------------------------------------ one example
+    def encode(self, example: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and the per-target loss mask of a validated example (see ``parse_line``)."""
+        if "messages" in example:
+            text, spans = self._conversation(example["messages"])
+        else:
+            eos = self.special.get("eos_token") or ""
+            text = example["prompt"] + example["completion"] + eos
+            spans = [(len(example["prompt"]), len(text))]
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = np.asarray(enc.ids, np.int32)
+        offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)  # each token's characters [start, end)
+        learn = np.zeros(len(ids), bool)
+        for start, end in spans:  # a token is learned if any of its characters is in a learned span
+            learn |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
+        return ids, learn[1:].astype(np.float32)
+
+    def _conversation(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+        full = self.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start = self.render(messages[:i], add_generation_prompt=True)
+            end = self.render(messages[:i + 1])
+            if not (full.startswith(end) and end.startswith(start)):
+                raise InstructDataError("the chat template does not render a conversation's beginning as the "
+                                        "beginning of the whole, so the assistant's turns cannot be found; "
+                                        "use prompt/completion lines or another template")
+            spans.append((len(start), len(end)))
+        return full, spans
+
+
+def _compile(source: str):
+    """The template compiled as transformers compiles chat templates."""
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:  # pragma: no cover - the sft extra installs it
+        raise InstructDataError("chat templates need the jinja2 package: pip install 'megatrain-jax[sft]'") from e
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise InstructDataError(f"the chat template does not parse: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------- files
+def parse_line(text: str, where: str) -> dict[str, Any]:
+    """One JSONL line checked: a ``messages`` list of known roles with string contents and at least one
+    assistant turn, or a ``prompt`` and a ``completion`` string. ``where`` is ``file:line`` for errors."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InstructDataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise InstructDataError(f"{where}: each line must be a JSON object, got {type(obj).__name__}")
+    if "messages" in obj:
+        messages = obj["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise InstructDataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        for k, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise InstructDataError(f"{where}: messages[{k}] needs a 'role' and a 'content'")
+            if m["role"] not in ROLES:
+                raise InstructDataError(f"{where}: messages[{k}] has the unknown role {m['role']!r}; roles are "
+                                        f"{list(ROLES)}")
+            if not isinstance(m["content"], str):
+                raise InstructDataError(f"{where}: messages[{k}].content must be a string")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise InstructDataError(f"{where}: the conversation has no assistant turn, so nothing to learn")
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+    if "prompt" in obj or "completion" in obj:
+        for key in ("prompt", "completion"):
+            if not isinstance(obj.get(key), str):
+                raise InstructDataError(f"{where}: a prompt/completion line needs a string {key!r}")
+        return {"prompt": obj["prompt"], "completion": obj["completion"]}
+    raise InstructDataError(f"{where}: a line needs 'messages' (a conversation) or 'prompt' and 'completion'; "
+                            f"found keys {sorted(obj)}")
+
+
+def read_examples(path: str | os.PathLike, tokenizer: ChatTokenizer, seq_len: int,
+                  too_long: TooLong = "truncate") -> tuple[list[Example], Stats]:
+    """Every line of ``path`` checked and tokenized. Examples longer than ``seq_len + 1`` tokens are cut to
+    that length (``truncate``) or left out (``skip``); either way they are counted in the stats, as are
+    examples left without a token to learn. Raises InstructDataError naming the line for anything else,
+    and when no example is left."""
+    if too_long not in ("truncate", "skip"):
+        raise ValueError(f"too_long must be 'truncate' or 'skip', got {too_long!r}")
+    path = Path(path)
+    if not path.exists():
+        raise InstructDataError(f"{path} does not exist")
+    import jinja2
+
+    examples, stats = [], Stats()
+    for line_no, text in _lines(path):
+        where = f"{path}:{line_no}"
+        example = parse_line(text, where)
+        try:
+            ids, mask = tokenizer.encode(example)
+        except jinja2.exceptions.TemplateError as e:
+            raise InstructDataError(f"{where}: the chat template failed on this example: {e}") from None
+        except InstructDataError as e:
+            raise InstructDataError(f"{where}: {e}") from None
+        if len(ids) > seq_len + 1:
+            if too_long == "skip":
+                stats.skipped_too_long += 1
+                continue
+            ids, mask = ids[:seq_len + 1], mask[:seq_len]
+            stats.truncated += 1
+        if not mask.any():
+            stats.skipped_no_loss += 1
+            continue
+        examples.append(Example(ids, mask, line_no))
+        stats.kept += 1
+    if not examples:
+        raise InstructDataError(f"{path}: no usable example (lines read: {stats.skipped_too_long} too long and "
+                                f"skipped, {stats.skipped_no_loss} with no assistant token left after truncation)"
+                                if stats.skipped_too_long or stats.skipped_no_loss else f"{path} has no examples")
+    return examples, stats
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    with open(path, encoding="utf-8") as f:
+        for line_no, text in enumerate(f, start=1):
+            if text.strip():
+                yield line_no, text

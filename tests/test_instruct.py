@@ -1,0 +1,152 @@
+"""Instruction data: conversations and prompt/completion pairs through a checkpoint's own tokenizer and
+chat template, the loss on the assistant's tokens only, and an error naming the line for each bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+
+from megatrain_jax.data.instruct import ChatTokenizer, InstructDataError, read_examples  # noqa: E402
+
+# A ChatML template, as Qwen's checkpoints carry it.
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
+# A Llama-2-style template that raises on a misplaced system message.
+STRICT = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' and not loop.first %}"
+          "{{ raise_exception('a system message must come first') }}{% endif %}"
+          "{% if message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+          "{% else %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% endif %}{% endfor %}")
+
+
+def make_tokenizer_folder(folder: Path, template: str | None = CHATML) -> Path:
+    """A tiny byte-level BPE trained here, with ChatML's special tokens, saved as a checkpoint would."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|im_start|>", "<|im_end|>", "<s>", "</s>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["the quick brown fox jumps over the lazy dog", "what is two plus two? four.",
+              "user assistant system hello world", "translate to french: cheese -> fromage"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}}
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory):
+    return ChatTokenizer.from_folder(make_tokenizer_folder(tmp_path_factory.mktemp("tok")))
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+CONVERSATION = {"messages": [{"role": "system", "content": "be brief"},
+                             {"role": "user", "content": "what is two plus two?"},
+                             {"role": "assistant", "content": "four."},
+                             {"role": "user", "content": "and the fox?"},
+                             {"role": "assistant", "content": "it jumps."}]}
+
+
+def _learned_text(tok: ChatTokenizer, ids, mask) -> str:
+    return tok.tokenizer.decode([int(t) for t, m in zip(ids[1:], mask) if m], skip_special_tokens=False)
+
+
+def test_only_the_assistant_turns_and_their_end_markers_carry_loss(chatml, tmp_path):
+    examples, stats = read_examples(write_jsonl(tmp_path / "d.jsonl", [CONVERSATION]), chatml, seq_len=512)
+    ex = examples[0]
+    assert stats.kept == 1 and ex.line == 1 and len(ex.loss_mask) == len(ex.ids) - 1
+    rendered = chatml.render(CONVERSATION["messages"])
+    assert chatml.tokenizer.decode(ex.ids.tolist(), skip_special_tokens=False) == rendered
+    learned = _learned_text(chatml, ex.ids, ex.loss_mask)
+    assert learned == "four.<|im_end|>\nit jumps.<|im_end|>\n"
+    for prompt_word in ("be brief", "two plus", "fox", "user", "system"):
+        assert prompt_word not in learned
+
+
+def test_prompt_completion_lines_learn_the_completion_and_the_end_of_sequence(chatml, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "translate to french: cheese -> ",
+                                               "completion": "fromage"}])
+    (ex,), _ = read_examples(path, chatml, seq_len=512)
+    assert _learned_text(chatml, ex.ids, ex.loss_mask).endswith("fromage</s>")
+    assert "translate" not in _learned_text(chatml, ex.ids, ex.loss_mask)
+
+
+def test_the_template_renders_as_transformers_renders_it(tmp_path):
+    """Where transformers is installed, apply_chat_template gives the same text, for two templates."""
+    transformers = pytest.importorskip("transformers")
+    for name, template in (("chatml", CHATML), ("strict", STRICT)):
+        folder = make_tokenizer_folder(tmp_path / name, template)
+        ours = ChatTokenizer.from_folder(folder)
+        theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
+                                                      bos_token="<s>", eos_token="</s>", chat_template=template)
+        messages = CONVERSATION["messages"][1:]
+        for gen in (False, True):
+            assert ours.render(messages, gen) == theirs.apply_chat_template(messages, tokenize=False,
+                                                                            add_generation_prompt=gen)
+
+
+def test_strict_template_renders_special_tokens_and_its_errors_name_the_line(tmp_path):
+    tok = ChatTokenizer.from_folder(make_tokenizer_folder(tmp_path / "tok", STRICT))
+    ok = {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]}
+    assert tok.render(ok["messages"]) == "<s>[INST] hello [/INST]world</s>"
+    bad = {"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "late"},
+                        {"role": "assistant", "content": "y"}]}
+    with pytest.raises(InstructDataError, match=r"d.jsonl:2: the chat template failed .*system message must"):
+        read_examples(write_jsonl(tmp_path / "d.jsonl", [ok, bad]), tok, seq_len=64)
+
+
+@pytest.mark.parametrize("line,match", [
+    ('{"messages": [', r"d.jsonl:2: not valid JSON"),
+    ('[1, 2]', r"d.jsonl:2: each line must be a JSON object"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, r"d.jsonl:2: messages\[0\] has the unknown role 'robot'"),
+    ({"messages": [{"role": "user"}]}, r"d.jsonl:2: messages\[0\] needs a 'role' and a 'content'"),
+    ({"messages": [{"role": "user", "content": "x"}]}, r"d.jsonl:2: the conversation has no assistant turn"),
+    ({"prompt": "x"}, r"d.jsonl:2: a prompt/completion line needs a string 'completion'"),
+    ({"text": "x"}, r"d.jsonl:2: a line needs 'messages' .* found keys \['text'\]"),
+])
+def test_bad_lines_name_the_line(chatml, tmp_path, line, match):
+    with pytest.raises(InstructDataError, match=match):
+        read_examples(write_jsonl(tmp_path / "d.jsonl", [CONVERSATION, line]), chatml, seq_len=512)
+
+
+def test_too_long_examples_are_truncated_or_skipped_and_counted(chatml, tmp_path):
+    short = {"prompt": "hi ", "completion": "four."}
+    long = {"prompt": "hi ", "completion": "the quick brown fox " * 40}
+    path = write_jsonl(tmp_path / "d.jsonl", [short, CONVERSATION, long])
+    examples, stats = read_examples(path, chatml, seq_len=32, too_long="truncate")
+    assert (stats.truncated, stats.kept) == (2, 3) and [len(e.ids) for e in examples[1:]] == [33, 33]
+    examples, stats = read_examples(path, chatml, seq_len=32, too_long="skip")
+    assert (stats.skipped_too_long, stats.kept) == (2, 1) and examples[0].line == 1
+    # a prompt longer than seq_len leaves no token to learn: skipped and counted
+    prompt_heavy = {"prompt": "the lazy dog " * 40, "completion": "fromage"}
+    path = write_jsonl(tmp_path / "e.jsonl", [CONVERSATION, prompt_heavy])
+    examples, stats = read_examples(path, chatml, seq_len=64)
+    assert stats.skipped_no_loss == 1 and stats.kept == 1
+
+
+def test_empty_data_and_missing_template_are_clear(chatml, tmp_path):
+    with pytest.raises(InstructDataError, match="has no examples"):
+        read_examples(write_jsonl(tmp_path / "d.jsonl", [""]), chatml, seq_len=64)
+    with pytest.raises(InstructDataError, match="no usable example .* 1 too long and skipped"):
+        read_examples(write_jsonl(tmp_path / "e.jsonl", [CONVERSATION]), chatml, seq_len=4, too_long="skip")
+    plain = ChatTokenizer.from_folder(make_tokenizer_folder(tmp_path / "plain", template=None))
+    with pytest.raises(InstructDataError, match="f.jsonl:1: .* has no chat template"):
+        read_examples(write_jsonl(tmp_path / "f.jsonl", [CONVERSATION]), plain, seq_len=64)
+    with pytest.raises(InstructDataError, match="tokenizer.json does not exist"):
+        ChatTokenizer.from_folder(tmp_path / "nothing")
