@@ -279,7 +279,8 @@ def test_module_entry_point():
 
 # ------------------------------------------------------------------------------------------ issue 13
 @pytest.mark.parametrize("override, expected", [
-    ("data.mode=pakced", r"\[data\] mode must be one of 'windows', 'packed', got 'pakced'; did you mean 'packed'\?"),
+    ("data.mode=pakced", r"\[data\] mode must be one of 'windows', 'packed', 'padded', got 'pakced'; did you mean "
+                         r"'packed'\?"),
     ("engine.stream_dtype=bfloat61", r"stream_dtype must be one of 'float32', 'bfloat16' or none.*"
                                      r"did you mean 'bfloat16'\?"),
     ("model.dtype=flaot32", r"did you mean 'float32'\?"),

@@ -413,7 +413,7 @@ def test_in_memory_negative_ids_are_caught_when_read():
 @pytest.mark.parametrize("make", [lambda: DataConfig(mode="pakced"),
                                   lambda: TokenDataset(docs_file(), 8, mode="pakced")])
 def test_mode_typo_says_did_you_mean(make):
-    with pytest.raises(ValueError, match=r"mode must be one of 'windows', 'packed', got 'pakced'; "
+    with pytest.raises(ValueError, match=r"mode must be one of 'windows', 'packed', 'padded', got 'pakced'; "
                                          r"did you mean 'packed'\?"):
         make()
 

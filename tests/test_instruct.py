@@ -150,3 +150,97 @@ def test_empty_data_and_missing_template_are_clear(chatml, tmp_path):
         read_examples(write_jsonl(tmp_path / "f.jsonl", [CONVERSATION]), plain, seq_len=64)
     with pytest.raises(InstructDataError, match="tokenizer.json does not exist"):
         ChatTokenizer.from_folder(tmp_path / "nothing")
+
+
+# ---------------------------------------------------------------------------------------------- batches
+def test_prepared_once_then_read_from_the_cache(chatml, tmp_path, monkeypatch):
+    from megatrain_jax.data import instruct
+    from megatrain_jax.data.tokens import TokenFile
+    folder = Path(chatml.where)
+    data = write_jsonl(tmp_path / "d.jsonl", [CONVERSATION, {"prompt": "hi ", "completion": "four."}])
+    out, stats = instruct.prepare(data, folder, seq_len=64, cache_dir=tmp_path / "cache")
+    assert stats.kept == 2
+    file = TokenFile.open(out)
+    assert len(file.doc_starts) == 2 and file.loss is not None and file.loss[0] == 0
+    examples, _ = read_examples(data, chatml, seq_len=64)
+    np.testing.assert_array_equal(file.tokens[:len(examples[0].ids)], examples[0].ids)
+    np.testing.assert_array_equal(file.loss[1:len(examples[0].ids)], examples[0].loss_mask)
+    monkeypatch.setattr(instruct, "read_examples", lambda *a, **k: pytest.fail("tokenized again"))
+    assert instruct.prepare(data, folder, seq_len=64, cache_dir=tmp_path / "cache") == (out, stats)
+    # another seq_len, or changed data, is another cache entry
+    monkeypatch.undo()
+    assert instruct.prepare(data, folder, seq_len=32, cache_dir=tmp_path / "cache")[0] != out
+    write_jsonl(data, [CONVERSATION])
+    assert instruct.prepare(data, folder, seq_len=64, cache_dir=tmp_path / "cache")[0] != out
+
+
+@pytest.mark.parametrize("mode", ["packed", "padded"])
+def test_batches_carry_the_loss_flags_and_resume_exactly(chatml, tmp_path, mode):
+    """Packed rows hold several examples (segment ids, positions restarting); padded rows one each. The
+    loss mask is the examples' own; the stream resumes exactly from its state, across epochs."""
+    from megatrain_jax.data import DataConfig
+    lines = [CONVERSATION] + [{"prompt": f"what is {i}? ", "completion": "four."} for i in range(9)]
+    data = write_jsonl(tmp_path / "d.jsonl", lines)
+    cfg = DataConfig(path=str(data), format="chat", tokenizer=chatml.where, seq_len=64, batch_size=2, mode=mode,
+                     prefetch=0, cache_dir=str(tmp_path / "cache"))
+    stream = cfg.build()
+    first = [next(stream) for _ in range(7)]  # more than an epoch
+    for b in first:
+        assert b.loss_mask.sum() > 0 and b.loss_mask.sum() < (b.positions > 0).sum() + b.shape[0]
+        if mode == "packed":
+            assert b.segment_ids is not None and b.segment_ids.max() > 1
+        else:
+            assert b.segment_ids is None and (b.positions == np.arange(64)).all()
+    state = cfg.build()
+    for _ in range(3):
+        next(state)
+    resumed = cfg.build(state=state.state())
+    for want in first[3:]:
+        got = next(resumed)
+        np.testing.assert_array_equal(got.inputs, want.inputs)
+        np.testing.assert_array_equal(got.loss_mask, want.loss_mask)
+
+
+def test_chat_format_needs_a_jsonl_path_whole_examples_and_a_tokenizer(tmp_path):
+    from megatrain_jax.data import DataConfig
+    with pytest.raises(ValueError, match="set path to a JSONL file"):
+        DataConfig(format="chat")
+    with pytest.raises(ValueError, match="set mode to 'packed' or 'padded'"):
+        DataConfig(path="x.jsonl", format="chat")
+    with pytest.raises(ValueError, match="needs the tokenizer folder"):
+        DataConfig(path="x.jsonl", format="chat", mode="packed").build()
+
+
+def small_vocab_tokenizer(folder: Path, vocab: int) -> None:
+    """A word-piece BPE over the corpus's own characters, at most ``vocab`` ids (a tiny model's)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>", "</s>"])
+    tok.train_from_iterator(["what is two plus two four the fox jumps user assistant system be brief and it"] * 10,
+                            trainer)
+    assert tok.get_vocab_size() <= vocab
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": CHATML}))
+
+
+def test_sft_end_to_end_from_an_hf_folder_to_an_hf_folder(tmp_path):
+    """megatrain-jax train with [model] hf_checkpoint and [data] format = "chat": the checkpoint's own
+    tokenizer and template, the loss on the answers, an exported folder with weights and tokenizer."""
+    import shutil
+
+    from megatrain_jax.cli import main
+    from megatrain_jax.hf import load_hf
+    fixture = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama"
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fixture, ckpt)
+    small_vocab_tokenizer(ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"])
+    data = write_jsonl(tmp_path / "chat.jsonl", [CONVERSATION] * 12)
+    export = tmp_path / "export"
+    assert main(["train", f"model.hf_checkpoint={ckpt}", "model.dtype=float32", f"data.path={data}",
+                 "data.format=chat", "data.mode=packed", "data.seq_len=48", "data.batch_size=2", "data.prefetch=0",
+                 f"data.cache_dir={tmp_path / 'cache'}", "train.steps=3",
+                 "log.tensorboard=false", f"train.run_dir={tmp_path / 'run'}", f"train.export_hf={export}"]) == 0
+    cfg, io, blocks = load_hf(export, dtype="float32")
+    assert len(blocks) == cfg.layers and (export / "tokenizer.json").exists()
+    assert json.loads((export / "tokenizer_config.json").read_text())["chat_template"] == CHATML

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Literal, Mapping, Sequence
 import optax
 
 from megatrain_jax.data import DataConfig
-from megatrain_jax.data.sampler import MODES
+from megatrain_jax.data.sampler import FORMATS, MODES
 from megatrain_jax.engine_config import EngineConfig
 from megatrain_jax.models.config import ATTENTION_IMPLS, DTYPES, ROPE_KINDS, DecoderConfig, RopeScaling, preset
 from megatrain_jax.optim import adamw
@@ -163,6 +163,8 @@ _MODEL_KEYS = ("preset", "hf_checkpoint")
 # them as Literal fields, so a typo gets the same "did you mean" as any Literal.
 CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (DataConfig, "mode"): MODES,
+    (DataConfig, "format"): FORMATS,
+    (DataConfig, "too_long"): ("truncate", "skip"),
     (EngineConfig, "stream_dtype"): DTYPES,
     (EngineConfig, "master_dtype"): ("float32", "bfloat16"),
     (DecoderConfig, "dtype"): DTYPES,

@@ -114,6 +114,24 @@ def _without_resume(raw: dict) -> dict:
     return raw
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def _copy_tokenizer(source: str | None, export: Path) -> list[str]:
+    """The tokenizer files of the folder the run's tokenizer came from, copied next to the exported weights
+    (transformers then loads model and tokenizer from one folder); the names copied."""
+    import shutil
+    if source is None:
+        return []
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(source) / name).exists() and not (export / name).exists():
+            shutil.copy2(Path(source) / name, export / name)
+            copied.append(name)
+    return copied
+
+
 def _memory_line(memory) -> str:
     if jax.devices()[0].platform == "cpu":
         return (f"  planned memory: {memory.host_total / 2**30:.1f} GiB of host RAM (no GPU: the model's layers "
@@ -127,6 +145,9 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     out = stream or sys.stdout
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     t, d = cfg.train, cfg.data
+    if d.format == "chat" and d.tokenizer is None and cfg.model.hf_checkpoint is not None:
+        d = dataclasses.replace(d, tokenizer=cfg.model.hf_checkpoint)  # the checkpoint's own tokenizer
+        cfg = dataclasses.replace(cfg, data=d)
     run_dir = Path(t.run_dir)
     model_cfg = cfg.model.build()
 
@@ -187,7 +208,9 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     if t.export_hf:
         from megatrain_jax.hf import save_hf
         save_hf(t.export_hf, model_cfg, *history.engine.state.params())
-        say(f"  exported the trained model to {t.export_hf} (Hugging Face format, bfloat16)")
+        copied = _copy_tokenizer(d.tokenizer or cfg.model.hf_checkpoint, Path(t.export_hf))
+        say(f"  exported the trained model to {t.export_hf} (Hugging Face format, bfloat16"
+            + (f"; with {', '.join(copied)}" if copied else "") + ")")
     if len(history):
         first, last = history.records[0], history.records[-1]
         evals = history["eval_loss"]

@@ -255,3 +255,54 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
         for line_no, text in enumerate(f, start=1):
             if text.strip():
                 yield line_no, text
+
+
+# ---------------------------------------------------------------------------------------------- cache
+FORMAT_VERSION = 1  # bump when what prepare() writes changes
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "megatrain_jax" / "instruct"
+
+
+def cache_key(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, seq_len: int, too_long: str) -> str:
+    """A digest of everything the tokenized data depends on: the data file's bytes, the tokenizer's files,
+    ``seq_len``, ``too_long`` and this module's format version."""
+    import hashlib
+    h = hashlib.sha256(f"v{FORMAT_VERSION}|{seq_len}|{too_long}|".encode())
+    files = [Path(path)] + [Path(tokenizer_dir) / n for n in ("tokenizer.json", "tokenizer_config.json",
+                                                              "chat_template.jinja")]
+    for f in files:
+        h.update(f.name.encode() + b"|")
+        if f.exists():
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(block)
+        h.update(b"|")
+    return h.hexdigest()[:32]
+
+
+def prepare(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, seq_len: int, too_long: TooLong = "truncate",
+            cache_dir: str | os.PathLike | None = None) -> tuple[Path, Stats]:
+    """Tokenize ``path`` once: its examples as a token file (``data.tokens``) with per-token loss flags and
+    one document per example, in ``cache_dir`` under a key of everything it depends on (``cache_key``).
+    A later call with the same inputs reads the cached file. Returns the token file and the stats."""
+    from megatrain_jax.data.tokens import TokenWriter, index_path, loss_path, sidecar_path
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    out = cache / f"{cache_key(path, tokenizer_dir, seq_len, too_long)}.bin"
+    stats_file = Path(f"{out}.stats.json")
+    if sidecar_path(out).exists() and stats_file.exists():
+        return out, Stats(**json.loads(stats_file.read_text()))
+    tokenizer = ChatTokenizer.from_folder(tokenizer_dir)
+    examples, stats = read_examples(path, tokenizer, seq_len, too_long)
+    vocab = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+    tmp = cache / f".{out.name}.{os.getpid()}.tmp"
+    with TokenWriter(tmp, vocab, track_loss=True, tokenizer=str(tokenizer_dir)) as w:
+        for ex in examples:  # the first token is never a target
+            w.append(ex.ids, loss=np.concatenate([[0], ex.loss_mask]).astype(np.uint8))
+    for name in (index_path, loss_path, lambda p: Path(p)):  # the sidecar last: until then the file is refused
+        os.replace(name(tmp), name(out))
+    stats_file.write_text(json.dumps(dataclasses.asdict(stats)))
+    os.replace(sidecar_path(tmp), sidecar_path(out))
+    return out, stats

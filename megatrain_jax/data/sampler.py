@@ -9,7 +9,12 @@ A ``TokenDataset`` cuts one split of a ``TokenFile`` into *units*, each a run of
   ever comes from another document. Documents with more than ``seq_len + 1`` tokens are cut into pieces
   of at most ``seq_len + 1`` tokens sharing one boundary token (every pair is trained on exactly once).
   Pieces are packed next-fit into rows: ``segment_ids`` 1..k per row (0 = padding), ``positions``
-  restarting at 0 for each piece, ``loss_mask`` 1 on real pairs and 0 on padding.
+  restarting at 0 for each piece, ``loss_mask`` 1 on real pairs and 0 on padding;
+- ``mode="padded"``: documents (or pieces) as in ``packed``, one per row, the rest of the row padding with
+  ``loss_mask`` 0. No segment ids: attention stays plain causal (and flash), at the price of padding.
+
+A file with per-token loss flags (``TokenFile.loss``: instruction data) sets ``loss_mask`` from them
+instead of 1, so only the tokens meant to be learned count.
 
 Splits: the last ``eval_fraction`` of the *tokens* (windows) or of the *documents* (packed) is held out
 as ``split="eval"``; the two never share a token.
@@ -34,7 +39,8 @@ from megatrain_jax.batch import Batch
 from megatrain_jax.data.demo import demo_dataset
 from megatrain_jax.data.tokens import TokenFile
 
-MODES = ("windows", "packed")
+MODES = ("windows", "packed", "padded")
+FORMATS = ("tokens", "chat")  # what ``DataConfig.path`` holds: token ids, or instruction data (JSONL)  # padded: one document per row, the rest masked out
 SPLITS = ("train", "eval")
 
 
@@ -74,7 +80,7 @@ class TokenDataset:
             self.lengths = np.full(count, T + 1, np.int64)
         else:
             if self.file.doc_starts is None:
-                raise ValueError(f"mode='packed' needs document boundaries but {self.file.path or 'the tokens'} "
+                raise ValueError(f"mode={mode!r} needs document boundaries but {self.file.path or 'the tokens'} "
                                  f"has none; write them with doc_starts (prepare_data.py does) or use "
                                  f"mode='windows'")
             bounds = np.append(np.asarray(self.file.doc_starts, np.int64), n)
@@ -187,7 +193,7 @@ class TokenBatches:
         """Unit indices for each row of the next batch (fewer rows when the epoch runs out)."""
         d, rows = self.dataset, []
         while len(rows) < self.batch_size and cursor < len(order):
-            if d.mode == "windows":
+            if d.mode in ("windows", "padded"):
                 rows.append([int(order[cursor])])
                 cursor += 1
                 continue
@@ -201,7 +207,7 @@ class TokenBatches:
 
     def _assemble(self, rows: list[list[int]]) -> Batch:
         d, B, T = self.dataset, self.batch_size // self.process[1], self.dataset.seq_len
-        tokens = d.file.tokens
+        tokens, loss = d.file.tokens, d.file.loss
         inputs, targets = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
         mask, positions, seg = np.zeros((B, T), np.float32), np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
         for r, units in enumerate(rows):
@@ -210,12 +216,13 @@ class TokenBatches:
                 s, L = int(d.starts[u]), int(d.lengths[u])
                 piece = np.asarray(tokens[s:s + L], np.int32)
                 inputs[r, at:at + L - 1], targets[r, at:at + L - 1] = piece[:-1], piece[1:]
-                mask[r, at:at + L - 1], seg[r, at:at + L - 1] = 1.0, k
+                mask[r, at:at + L - 1] = 1.0 if loss is None else loss[s + 1:s + L]  # flags of the targets
+                seg[r, at:at + L - 1] = k
                 positions[r, at:at + L - 1] = np.arange(L - 1)
                 at += L - 1
         self._check_ids(rows, inputs, targets)
-        if d.mode == "windows":
-            positions[:] = np.arange(T)  # padded rows too: positions stay a plain 0..T-1 ramp
+        if d.mode in ("windows", "padded"):
+            positions[:] = np.arange(T)  # one piece from position 0: a plain 0..T-1 ramp, padding included
         return Batch(inputs, targets, mask, positions, seg if d.mode == "packed" else None)
 
 
@@ -351,7 +358,14 @@ def prefetch(iterator: Iterator, n: int = 2) -> Prefetcher:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """Where training and evaluation batches come from. ``path=None`` uses the synthetic demo corpus."""
+    """Where training and evaluation batches come from. ``path=None`` uses the synthetic demo corpus.
+
+    ``format="chat"``: ``path`` is instruction data (JSONL conversations or prompt/completion pairs,
+    ``megatrain_jax.data.instruct``), tokenized with the tokenizer and chat template in the folder
+    ``tokenizer`` (``megatrain-jax train`` uses the model's ``hf_checkpoint``), the loss on the assistant's
+    tokens; examples longer than ``seq_len`` are truncated or skipped (``too_long``). It is tokenized once
+    into ``cache_dir`` (default ``~/.cache/megatrain_jax/instruct``) and batched in ``mode`` ``packed``
+    (several examples per row, attention within each) or ``padded`` (one per row)."""
 
     path: str | None = None
     seq_len: int = 128
@@ -361,15 +375,34 @@ class DataConfig:
     eval_fraction: float = 0.0
     prefetch: int = 2
     demo_tokens: int = 1 << 20
+    format: str = "tokens"
+    tokenizer: str | None = None
+    too_long: str = "truncate"
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, MODES)
+        check_choice("format", self.format, FORMATS)
+        check_choice("too_long", self.too_long, ("truncate", "skip"))
+        if self.format == "chat":
+            if self.path is None:
+                raise ValueError("format='chat' reads instruction data: set path to a JSONL file")
+            if self.mode == "windows":
+                raise ValueError("format='chat' batches whole examples: set mode to 'packed' or 'padded'")
 
     def open(self, model_vocab: int | None = None) -> TokenFile:
         """The token stream, checked against the model's vocabulary when given."""
         if self.path is None:
             return demo_dataset(vocab_size=model_vocab or 256, num_tokens=self.demo_tokens)  # corpus fixed; seed shuffles
-        file = TokenFile.open(self.path)
+        if self.format == "chat":
+            from megatrain_jax.data.instruct import prepare
+            if self.tokenizer is None:
+                raise ValueError("format='chat' needs the tokenizer folder (tokenizer.json, tokenizer_config.json): "
+                                 "set [data] tokenizer, or [model] hf_checkpoint")
+            path, _ = prepare(self.path, self.tokenizer, self.seq_len, self.too_long, self.cache_dir)
+            file = TokenFile.open(path)
+        else:
+            file = TokenFile.open(self.path)
         if model_vocab is not None:
             file.check_vocab(model_vocab)
         return file

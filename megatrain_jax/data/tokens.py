@@ -8,10 +8,14 @@ Two formats are read, neither ever loaded whole into RAM:
       {"dtype": "uint16", "vocab_size": 32000, "num_tokens": 123456,
        "num_docs": 512,          # optional: document boundaries are in name.bin.idx.npy
        "eos_id": 2,              # optional: the id appended after each document, if any
-       "tokenizer": "..."}       # optional: free-form provenance
+       "tokenizer": "...",       # optional: free-form provenance
+       "loss": true}             # optional: per-token loss flags are in name.bin.loss
 
   Unknown keys are an error, so a typo cannot silently drop a setting.
 - ``name.npy``: a 1-D integer array (``np.load(mmap_mode='r')``); no sidecar needed.
+
+Per-token loss flags, when present (instruction data: 1 where a token is one the model learns to
+predict), live in ``<path>.loss``: raw ``uint8``, one byte per token.
 
 Document boundaries, when present, live in a companion ``<path>.idx.npy``: the int64 start offset of
 every document (first 0, strictly increasing). A separate memory-mapped file scales to billions of
@@ -30,7 +34,7 @@ import numpy as np
 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}  # little-endian on disk
 REQUIRED_KEYS = {"dtype", "vocab_size", "num_tokens"}
-OPTIONAL_KEYS = {"num_docs", "eos_id", "tokenizer"}
+OPTIONAL_KEYS = {"num_docs", "eos_id", "tokenizer", "loss"}
 NPY_MAGIC = b"\x93NUMPY"
 _INT32_LIMIT = 1 << 31  # batches hold int32 token ids
 _SCAN_CHUNK = 1 << 24  # tokens per chunk when scanning a memory-mapped file
@@ -47,6 +51,10 @@ def index_path(path: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(path)}.idx.npy")
 
 
+def loss_path(path: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(path)}.loss")
+
+
 def dtype_for_vocab(vocab_size: int) -> str:
     """The smallest on-disk dtype whose range holds every id in [0, vocab_size)."""
     if vocab_size <= 1 << 16:
@@ -61,7 +69,8 @@ class TokenFile:
     """A validated, read-only token stream: ``tokens`` is 1-D (a memmap for files on disk).
 
     ``vocab_size`` is the tokenizer's vocabulary (``None`` for a bare ``.npy`` until scanned by
-    ``check_vocab``). ``doc_starts`` holds document start offsets or is ``None``.
+    ``check_vocab``). ``doc_starts`` holds document start offsets or is ``None``. ``loss``, when given, has
+    one flag per token: whether predicting that token counts in the loss (instruction data).
     """
 
     path: Path | None
@@ -69,6 +78,7 @@ class TokenFile:
     vocab_size: int | None = None
     doc_starts: np.ndarray | None = None
     eos_id: int | None = None
+    loss: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -97,7 +107,15 @@ class TokenFile:
             tokens = (np.memmap(path, dtype=DTYPES[meta["dtype"]], mode="r") if expected
                       else np.zeros(0, DTYPES[meta["dtype"]]))
         doc_starts = _read_index(path, len(tokens), meta.get("num_docs"))
-        return cls(path, tokens, meta.get("vocab_size"), doc_starts, meta.get("eos_id"))
+        loss = None
+        if meta.get("loss"):
+            lp = loss_path(path)
+            if not lp.exists() or lp.stat().st_size != len(tokens):
+                raise ValueError(f"sidecar of {path} says it has loss flags, but {lp} is "
+                                 f"{'missing' if not lp.exists() else f'{lp.stat().st_size} bytes, not {len(tokens)}'}"
+                                 f"; re-create the file")
+            loss = np.memmap(lp, dtype=np.uint8, mode="r") if len(tokens) else np.zeros(0, np.uint8)
+        return cls(path, tokens, meta.get("vocab_size"), doc_starts, meta.get("eos_id"), loss)
 
     @classmethod
     def from_array(cls, tokens: np.ndarray, vocab_size: int | None = None,
@@ -227,7 +245,8 @@ class TokenWriter:
     so an interrupted run leaves a file that ``TokenFile.open`` refuses instead of a silently short one."""
 
     def __init__(self, path: str | os.PathLike, vocab_size: int, *, dtype: str | None = None,
-                 eos_id: int | None = None, tokenizer: str | None = None, track_docs: bool = True):
+                 eos_id: int | None = None, tokenizer: str | None = None, track_docs: bool = True,
+                 track_loss: bool = False):
         self.path, self.vocab_size = Path(path), int(vocab_size)
         self.dtype = dtype or dtype_for_vocab(self.vocab_size)
         if self.dtype not in DTYPES or self.vocab_size > np.iinfo(DTYPES[self.dtype]).max + 1:
@@ -238,20 +257,29 @@ class TokenWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         sidecar_path(self.path).unlink(missing_ok=True)
         self._f = open(self.path, "wb")
+        self._loss = open(loss_path(self.path), "wb") if track_loss else None
 
-    def append(self, tokens: np.ndarray | Iterable[int]) -> None:
-        """Append one document (empty documents are skipped)."""
+    def append(self, tokens: np.ndarray | Iterable[int], loss: np.ndarray | None = None) -> None:
+        """Append one document (empty documents are skipped); with ``track_loss``, its per-token loss
+        flags (1: predicting this token counts), as many as tokens."""
         arr = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens), np.int64)
         if arr.size == 0:
             return
         if arr.min() < 0 or arr.max() >= self.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.vocab_size}); got [{arr.min()}, {arr.max()}]")
+        if (self._loss is None) != (loss is None) or (loss is not None and len(loss) != arr.size):
+            raise ValueError("loss flags go with track_loss=True, one per token" if loss is None or self._loss is None
+                             else f"{len(loss)} loss flags for {arr.size} tokens")
         self.doc_starts.append(self.num_tokens)
         self._f.write(arr.astype(DTYPES[self.dtype]).tobytes())
+        if self._loss is not None:
+            self._loss.write(np.asarray(loss, np.uint8).tobytes())
         self.num_tokens += int(arr.size)
 
     def close(self) -> Path:
         self._f.close()
+        if self._loss is not None:
+            self._loss.close()
         meta = {"dtype": self.dtype, "vocab_size": self.vocab_size, "num_tokens": self.num_tokens}
         if self.track_docs:
             np.save(index_path(self.path), np.asarray(self.doc_starts, np.int64))
@@ -262,6 +290,8 @@ class TokenWriter:
             meta["eos_id"] = int(self.eos_id)
         if self.tokenizer is not None:
             meta["tokenizer"] = self.tokenizer
+        if self._loss is not None:
+            meta["loss"] = True
         sidecar_path(self.path).write_text(json.dumps(meta, indent=1) + "\n")
         return self.path
 
@@ -273,6 +303,8 @@ class TokenWriter:
             self.close()
         else:
             self._f.close()
+            if self._loss is not None:
+                self._loss.close()
 
 
 def write_tokens(path: str | os.PathLike, tokens: np.ndarray, vocab_size: int,
