@@ -69,7 +69,8 @@ class Engine:
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                  config: EngineConfig = EngineConfig(), *, seed: int = 0,
-                 devices: Sequence[jax.Device] | Mesh | None = None, placement: Placement | None = None):
+                 devices: Sequence[jax.Device] | Mesh | None = None, placement: Placement | None = None,
+                 init_from=None):
         enable_compilation_cache()  # per-user persistent cache, unless configured otherwise (_environment)
         self.lm = layered(model)
         self.cfg = config
@@ -86,7 +87,7 @@ class Engine:
         self.policy = UpdatePolicy(optimizer, self.placement, stream_dtype, config, self._observers)
         self.fns = device_fns(self.lm, self.placement)
         self.state = initial_state(model, self.placement, nnx.Rngs(seed).params(), self.policy.opt.fresh,
-                                   self.policy.opt.home)
+                                   self.policy.opt.home, init_from=init_from)
         for part in self.state.ids():
             self.policy.opt.route(self.state[part])  # decide each part's update route now, not mid-step
         self.resident_parts = ([IO] if config.resident_io else []) + [PartId.block(i) for i in range(config.resident_layers)]

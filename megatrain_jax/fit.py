@@ -152,14 +152,16 @@ def _session(model: nnx.Module, train: TrainConfig, engine_cfg: EngineConfig, op
 
 def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTransformation | None = None, *,
         train: TrainConfig = TrainConfig(), engine: EngineConfig = EngineConfig(), hooks: Sequence[Hook] = (),
-        write_back: bool = True, devices: Sequence[jax.Device] | Mesh | None = None) -> History:
+        write_back: bool = True, devices: Sequence[jax.Device] | Mesh | None = None, init_from=None) -> History:
     """Train ``model`` (concrete, or abstract from ``nnx.eval_shape`` and initialized from ``train.seed``) on
     ``data``, an iterable of ``Batch``, for ``train.steps`` optimizer steps (or until the data ends).
 
     ``optimizer`` defaults to ``default_optimizer()`` (AdamW, lr 3e-4); clipping and micro-batching are
     in ``engine``, the run's length, logging and checkpoints in ``train``. ``devices`` (a list of devices or
     a one-axis ``data`` mesh) overrides ``train.devices``; by default every local GPU is used, and each
-    batch's rows are split between them (see ``Engine``). Returns the metrics history; the
+    batch's rows are split between them (see ``Engine``). ``init_from`` (e.g. ``megatrain_jax.hf.HFParts``)
+    gives an abstract model's initial weights part by part, straight into the engine's state. Returns the
+    metrics history; the
     trained parameters are written into ``model`` at the end unless ``write_back`` is False or the model
     is abstract (then read them from ``history.engine``). With checkpoints, saves happen when the engine's
     step is a multiple of ``checkpoint_every`` (the engine runs one step ahead of the metrics, so never at
@@ -178,7 +180,7 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
     optimizer = optimizer if optimizer is not None else default_optimizer()
     lr_schedule = learning_rate_of(optimizer)
     eng = Engine(model, optimizer, engine, seed=train.seed,
-                 devices=devices if devices is not None else select_devices(train.devices))
+                 devices=devices if devices is not None else select_devices(train.devices), init_from=init_from)
     history = History(engine=eng)
     hooks = list(hooks) + ([print_logger(train.log_every)] if train.log_every else [])
     session = _session(model, train, engine, optimizer_name) if train.checkpointing else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +50,7 @@ def cast_tree(tree: Params, dtype) -> Params:
 
 def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None,
                   fresh: Callable[[Params], Part], home: Callable[[Part], Part],
-                  workers: int | None = None) -> HostState:
+                  workers: int | None = None, init_from=None) -> HostState:
     """The state at step 0, built in host memory one part at a time (the whole model is never on the
     device). ``fresh`` makes a part's record from its float32 masters (optimizer state and stream copy;
     ``HostOptimizer.fresh``), and ``home`` moves each of its arrays where it lives (``HostOptimizer.home``:
@@ -69,8 +69,20 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
     is pinned, the faster this is (experiments/NOTES.md, issue 13).
 
     A concrete model's parameters are copied (as float32). An abstract one (``nnx.eval_shape``) is
-    initialized part by part with its own initializers (``new_io``/``new_block``), from ``key``."""
-    if is_abstract(model):
+    initialized part by part with its own initializers (``new_io``/``new_block``), from ``key``, or read
+    part by part from ``init_from`` (an object with ``io()`` and ``block(i)`` returning each part's pure
+    dict, e.g. ``megatrain_jax.hf.HFParts``): each worker reads its part when it builds it."""
+    if init_from is not None:
+        def as_state(part: nnx.Module, tree: Any) -> Params:
+            state = nnx.state(part, nnx.Param)
+            nnx.replace_by_pure_dict(state, tree)
+            return state
+
+        make_io = make_block = placement.jit_into(lambda p: fresh(cast_tree(p, jnp.float32)))
+        io_args = _Lazy(lambda: (as_state(model.io, init_from.io()),))
+        block_args = [_Lazy(lambda i=i: (as_state(model.blocks[i], init_from.block(i)),))
+                      for i in range(len(model.blocks))]
+    elif is_abstract(model):
         if key is None:
             raise ValueError("an abstract model needs an RNG seed to be initialized")
         for method in ("new_io", "new_block"):
@@ -91,8 +103,8 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
         workers = 4 if placement.on_gpu else 1
     # Each worker waits for its part to be in host memory before taking the next: at most ``workers`` parts
     # hold device temporaries at once (a 7B block's program ≈ 4 GB), whatever the number of blocks.
-    build_io = lambda: home(jax.block_until_ready(make_io(*io_args)))
-    build_block = lambda args: home(jax.block_until_ready(make_block(*args)))
+    build_io = lambda: home(jax.block_until_ready(make_io(*_resolved(io_args))))
+    build_block = lambda args: home(jax.block_until_ready(make_block(*_resolved(args))))
     with ThreadPoolExecutor(max(1, workers)) as pool:
         # The first call of each program compiles it; the io part and block 0 compile side by side, and
         # the other blocks start once block 0's program exists (no thread compiles a program twice).
@@ -100,3 +112,14 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
         first = pool.submit(build_block, block_args[0])
         blocks = [first.result()] + list(pool.map(build_block, block_args[1:]))
         return HostState([io.result()] + blocks, step=0)
+
+
+class _Lazy:
+    """Arguments read only when a worker builds the part (one part's weights in memory per worker)."""
+
+    def __init__(self, read: Callable[[], tuple]):
+        self.read = read
+
+
+def _resolved(args: Any) -> tuple:
+    return args.read() if isinstance(args, _Lazy) else args

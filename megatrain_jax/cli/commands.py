@@ -105,7 +105,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"GPU of {args.gpu_gib:g} GiB: XLA may allocate {gpu_fraction():.0%} of it, {gpu / GiB:.2f} GiB "
               f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
     model_cfg, d = cfg.model.build(), cfg.data
-    kw = dict(packed=d.mode == "packed", loaded_copy=cfg.model.hf_checkpoint is not None)
+    kw = dict(packed=d.mode == "packed")  # HF weights go part by part into the state (no model copy)
     engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_ram_bytes=host,
                                    disk_dir=str(Path(cfg.train.run_dir) / "disk_tier"), gpu_bytes=gpu, **kw)
     if lean is not None:

@@ -152,7 +152,7 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     model_cfg = cfg.model.build()
 
     gpus = visible_gpus()
-    kw = dict(packed=d.mode == "packed", loaded_copy=cfg.model.hf_checkpoint is not None,
+    kw = dict(packed=d.mode == "packed",
               devices=min(t.devices or gpus, gpus))
     lean = None
     if not distributed.requested():  # several processes would each pick from their own host: not done
@@ -172,10 +172,11 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     prepare_run_folder(cfg, say)
 
     model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(t.seed)))
-    if cfg.model.hf_checkpoint is not None:
-        from megatrain_jax.hf import load_hf_into
+    init_from = None
+    if cfg.model.hf_checkpoint is not None:  # read part by part into the engine's state: no model copy
+        from megatrain_jax.hf import HFParts
         say(f"  loading weights from {cfg.model.hf_checkpoint}")
-        load_hf_into(model, cfg.model.hf_checkpoint)
+        init_from = HFParts(cfg.model.hf_checkpoint, model_cfg)
     optimizer, _ = cfg.optimizer.build(t.steps)
     data = d.build(model_cfg.vocab_size)
 
@@ -198,7 +199,8 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     hooks += [w.hook() for w in writers]
 
     try:
-        history = fit(model, data, optimizer, train=t.for_fit(), engine=cfg.engine, hooks=hooks, write_back=False)
+        history = fit(model, data, optimizer, train=t.for_fit(), engine=cfg.engine, hooks=hooks, write_back=False,
+                      init_from=init_from)
     finally:
         for w in writers:
             w.close()

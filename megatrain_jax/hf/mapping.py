@@ -135,6 +135,25 @@ def iter_blocks(ckpt: Checkpoint, cfg: DecoderConfig) -> Iterator[PureTree]:
         yield _read_part(ckpt, block_specs(cfg, i))
 
 
+class HFParts:
+    """An HF checkpoint as a source of the engine's initial parameters, one part at a time
+    (``Engine(..., init_from=HFParts(dir, cfg))``): the weights go from the safetensors files straight into
+    the host state, and no model object holds a second copy. ``io()`` and ``block(i)`` read one part as a
+    float32 pure dict shaped like the model's (``nnx.to_pure_dict`` of its ``nnx.Param`` state)."""
+
+    def __init__(self, model_dir: str | os.PathLike, cfg: DecoderConfig):
+        ckpt_cfg = read_config(model_dir)
+        check_same_model(cfg, ckpt_cfg, f"{model_dir}/config.json")
+        self.model_dir, self.cfg = Path(model_dir), ckpt_cfg
+        self._ckpt = open_checkpoint(model_dir, ckpt_cfg)
+
+    def io(self) -> PureTree:
+        return read_io(self._ckpt, self.cfg)
+
+    def block(self, i: int) -> PureTree:
+        return _read_part(self._ckpt, block_specs(self.cfg, i))
+
+
 def load_hf(model_dir: str | os.PathLike, dtype: str = "bfloat16",
             **overrides) -> tuple[DecoderConfig, PureTree, list[PureTree]]:
     """``(cfg, io_params, [block_params])`` from an HF folder (config.json + safetensors). Parameters
