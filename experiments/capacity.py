@@ -21,14 +21,13 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import BenchConfig  # noqa: E402  (sets XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 by default)
+from child import git_commit, run_child  # noqa: E402
 
 from megatrain_jax import EngineConfig  # noqa: E402
 
@@ -130,9 +129,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
     import jax  # the version only: this process never starts the GPU backend, the children do
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
-        ["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    commit = git_commit()
     result = {"name": os.path.splitext(os.path.basename(args.out))[0],
               "command": "PYTHONPATH=. python experiments/capacity.py " + " ".join(sys.argv[1:]),
               "git_commit": commit, "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
@@ -140,16 +137,7 @@ def main() -> None:
     for name in names:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--warmup", str(args.warmup),
                "--steps", str(args.steps)]
-        t = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=repo, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
-            lines = proc.stdout.strip().splitlines()
-            run = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
-                "config": name, "status": f"error: exit {proc.returncode} (a negative code is the signal: "
-                                          f"-9 is the kernel's OOM killer)"}
-        except subprocess.TimeoutExpired:
-            run = {"config": name, "status": f"error: no result within {args.timeout} s"}
-        run["wall_s"] = round(time.perf_counter() - t, 1)
+        run = run_child(cmd, args.timeout, config=name)
         result["device"] = result["device"] or run.pop("device", None)
         run.pop("device", None)
         result["runs"].append(run)

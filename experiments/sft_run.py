@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -205,25 +204,20 @@ def main() -> None:
         return
     if not args.out:
         ap.error("--out is required")
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
-        ["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    from child import git_commit, run_child
+    commit = git_commit()
     result = {"name": Path(args.out).stem, "command": "PYTHONPATH=. python experiments/sft_run.py " + " ".join(sys.argv[1:]),
               "git_commit": commit, "date": datetime.date.today().isoformat(), "preset": args.preset,
               "examples": args.examples, "stages": {}}
     stages = ["data", "checkpoint", "train"] + ([] if args.no_compare else ["compare"])
     for stage in stages:
         cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--stage", stage]
-        t = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=repo, stdout=subprocess.PIPE, text=True)
-        lines = proc.stdout.strip().splitlines()
-        out = json.loads(lines[-1]) if proc.returncode == 0 and lines else {"status": f"error: exit {proc.returncode}"}
-        out["wall_s"] = round(time.perf_counter() - t, 1)
+        out = run_child(cmd)
         result["stages"][stage] = out
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         print(f"{stage}: {out}", flush=True)
-        if proc.returncode != 0:
+        if str(out.get("status", "")).startswith("error"):
             break
 
 

@@ -1,0 +1,34 @@
+"""What the experiment scripts share for running one measurement per process: the commit being measured,
+and a child process whose result is the JSON object on its last line of output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit() -> str | None:
+    """``MEGATRAIN_GIT_COMMIT`` (set where the tree is a copy without .git), else the checkout's HEAD."""
+    return os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
+        ["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+
+
+def run_child(cmd: list[str], timeout: float | None = None, **fields) -> dict:
+    """Run ``cmd`` in the repository; its result is the JSON object its last output line holds. A failure
+    is a result too: ``status`` says how it ended (a negative exit code is the signal: -9 is usually the
+    kernel's OOM killer). ``fields`` go into the result of a failure; ``wall_s`` into every result."""
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True, timeout=timeout)
+        lines = proc.stdout.strip().splitlines()
+        out = (json.loads(lines[-1]) if proc.returncode == 0 and lines else
+               {**fields, "status": f"error: exit {proc.returncode} (a negative code is the signal: -9 is "
+                                    f"usually the OOM killer)"})
+    except subprocess.TimeoutExpired:
+        out = {**fields, "status": f"error: no result within {timeout} s"}
+    out["wall_s"] = round(time.perf_counter() - t, 1)
+    return out
