@@ -686,6 +686,20 @@ class MemoryPlan:
             changes += (("engine.disk_parts", layers - min(e.resident_layers, layers)),)
         return changes
 
+    def longest_seq_len(self, multiple: int = 1024) -> int | None:
+        """The longest ``seq_len`` (a multiple of ``multiple``, up to the model's ``max_positions``) at which
+        this run, with its rows and engine settings, fits host and GPU; None when not even ``multiple``
+        does. Memory grows with the length, so the fitting lengths are a prefix: bisected."""
+        top = self.model_cfg.max_positions // multiple
+        fits = lambda k: self.replace(seq_len=k * multiple).fits  # noqa: E731
+        if top < 1 or not fits(1):
+            return None
+        lo, hi = 1, top  # fits(lo) holds
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo * multiple
+
     def machine_needed(self) -> str:
         """The host RAM and GPU memory on which this run fits as configured."""
         ram = math.ceil(max(self.host_pinned / HOST_POOL_FRACTION, self.host_total) / GiB)

@@ -425,3 +425,20 @@ def test_options_respect_the_disk_tier_and_the_kernel_switch():
     picked, _ = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=100 * GiB, disk_dir="/d", gpu_bytes=71 * GiB,
                             disk_bytes=1000 * GiB)
     assert picked.disk_parts == 0
+
+
+def test_longest_sequence_that_fits_is_the_boundary():
+    """The plan names the longest length that fits (long context, issue 16): it fits, one step more does
+    not; a sequence-chunked MLP makes it longer; the model's max_positions caps it."""
+    three_b = preset("llama3.2-3b", max_positions=1 << 20)
+    p = plan(three_b, EngineConfig(), 1, 8192, host_ram_bytes=125 * GiB, gpu_bytes=60 * GiB)
+    n = p.longest_seq_len()
+    assert n and n % 1024 == 0
+    assert p.replace(seq_len=n).fits and not p.replace(seq_len=n + 1024).fits
+    chunked = plan(three_b.replace(mlp_chunk_tokens=8192), EngineConfig(), 1, 8192, host_ram_bytes=125 * GiB,
+                   gpu_bytes=60 * GiB)
+    assert chunked.longest_seq_len() > n
+    capped = plan(preset("llama3.2-3b"), EngineConfig(), 1, 8192, host_ram_bytes=125 * GiB, gpu_bytes=60 * GiB)
+    assert capped.longest_seq_len() == 131072
+    assert plan(three_b, EngineConfig(), 1, 8192, host_ram_bytes=125 * GiB,
+                gpu_bytes=1 * GiB).longest_seq_len() is None

@@ -112,6 +112,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"as `megatrain-jax train` would: {lean}")
     p = plan(model_cfg, engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu, **kw)
     print(p.table())
+    longest = p.longest_seq_len()
+    print(f"longest sequence that fits with {d.batch_size} rows per batch as configured: "
+          + (f"{longest:,} tokens (of max_positions {model_cfg.max_positions:,})" if longest else "none"))
     if not p.fits:
         print(f"does not fit.\n{p.advice()}")
         return 1
