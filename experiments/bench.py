@@ -142,7 +142,7 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
                      "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size, "params": cfg.param_count()},
            "seq_len": bc.seq_len, "tokens_per_step": tokens_per_step, "steps_timed": timed,
            "engine": dataclasses.asdict(bc.engine), "optimizer": f"adamw(lr 3e-4{f' after {lr_warmup} warm-up steps' if lr_warmup else ''}, wd 0.1, b2 0.95), clip 1.0",
-           "compute_dtype": cfg.dtype}
+           "compute_dtype": cfg.dtype, "master_dtype": bc.engine.master_dtype}
     try:
         t0 = time.perf_counter()
         abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))

@@ -45,7 +45,7 @@ def train(mode: str, steps: int, rows: int, seq_len: int, lr: float) -> dict:
                   engine=MODES[mode], write_back=False)
     wall = time.perf_counter() - t
     losses = [round(float(x), 5) for x in history["loss"]]
-    return {"mode": mode, "engine": dataclasses.asdict(MODES[mode]), "wall_s": round(wall, 1),
+    return {"system": "megatrain_jax", "mode": mode, "engine": dataclasses.asdict(MODES[mode]), "wall_s": round(wall, 1),
             "tokens_per_s": round(steps * rows * seq_len / wall, 1), "losses": losses,
             "finite": bool(np.all(np.isfinite(losses)))}
 

@@ -21,7 +21,6 @@ import dataclasses
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -29,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import CONFIGS, BenchConfig  # noqa: E402  (sets XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 by default)
+from child import git_commit, run_child  # noqa: E402
 
 from megatrain_jax import EngineConfig  # noqa: E402
 
@@ -117,9 +117,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown config(s) {unknown}; choose from {sorted(KNOWN)}")
     import jax  # the version only: this process never starts the GPU backend, the children do
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
-        ["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    commit = git_commit()
     result = {"name": os.path.splitext(os.path.basename(args.out))[0],
               "command": "PYTHONPATH=. python experiments/plan_check.py " + " ".join(sys.argv[1:]),
               "git_commit": commit, "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
@@ -127,15 +125,7 @@ def main() -> None:
     t_start = time.perf_counter()
     for name in names:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--steps", str(args.steps)]
-        t = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=repo, stdout=subprocess.PIPE, text=True, timeout=args.timeout)
-            lines = proc.stdout.strip().splitlines()
-            run = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
-                "config": name, "status": f"error: exit {proc.returncode}"}
-        except subprocess.TimeoutExpired:
-            run = {"config": name, "status": f"error: no result within {args.timeout} s"}
-        run["wall_s"] = round(time.perf_counter() - t, 1)
+        run = run_child(cmd, args.timeout, config=name)
         result["device"] = result["device"] or run.pop("device", None)
         run.pop("device", None)
         result["runs"].append(run)

@@ -156,7 +156,7 @@ def main() -> None:
               "git_commit": commit, "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
               "kind": "projection from measured per-layer inputs; not a measurement of the full models",
               "targets": TARGETS, "tokens_per_step": ROWS * SEQ, "seq_len": SEQ, "device": None,
-              "measured": [], "projection": {}}
+              "runs": [], "projection": {}}
 
     def save() -> None:
         with open(args.out, "w") as f:
@@ -170,7 +170,7 @@ def main() -> None:
             run = run_child(cmd, args.timeout, config=f"{name}_{layers}l")
             result["device"] = result["device"] or run.pop("device", None)
             run.pop("device", None)
-            result["measured"].append(run)
+            result["runs"].append(run)
             runs.append(run)
             save()
             print(f"{run['config']}: {run.get('status')} step {run.get('step_time_s')} s breakdown "

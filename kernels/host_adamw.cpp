@@ -90,15 +90,21 @@ struct Hyper {
   float lr, b1, b2, eps, wd, grad_scale, one_b1, one_b2, inv_bc1, inv_bc2;
 };
 
-template <bool kState, bool kBf16>
-inline void adamw_block(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
-                        uint16_t* __restrict p_bf16, int64_t b, int64_t e, int64_t hi, const Hyper& h) {
+// Prefetch each stream kPrefetch elements ahead of block start b (p, m and v for writing, g for reading).
+template <class T>
+inline void prefetch_streams(const T* p, const T* m, const T* v, const float* g, int64_t b, int64_t hi) {
   if (b + kPrefetch < hi) {
     __builtin_prefetch(p + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
     __builtin_prefetch(m + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
     __builtin_prefetch(v + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
     __builtin_prefetch(g + b + kPrefetch, 0, kPrefetchHint);
   }
+}
+
+template <bool kState, bool kBf16>
+inline void adamw_block(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
+                        uint16_t* __restrict p_bf16, int64_t b, int64_t e, int64_t hi, const Hyper& h) {
+  prefetch_streams(p, m, v, g, b, hi);
 #pragma omp simd
   for (int64_t i = b; i < e; ++i) {
     const float gi = g[i] * h.grad_scale;
@@ -124,12 +130,7 @@ struct Keys {
 inline void adamw_sr_block(uint16_t* __restrict p, uint16_t* __restrict m, uint16_t* __restrict v,
                            const float* __restrict g, int64_t b, int64_t e, int64_t hi, const Hyper& h,
                            const Keys& k) {
-  if (b + kPrefetch < hi) {
-    __builtin_prefetch(p + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
-    __builtin_prefetch(m + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
-    __builtin_prefetch(v + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
-    __builtin_prefetch(g + b + kPrefetch, 0, kPrefetchHint);
-  }
+  prefetch_streams(p, m, v, g, b, hi);
 #pragma omp simd
   for (int64_t i = b; i < e; ++i) {
     const float p0 = from_bf16(p[i]);

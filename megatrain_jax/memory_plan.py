@@ -81,14 +81,6 @@ def host_roles(cfg: DecoderConfig, e: EngineConfig):
     return HostRoles.of(cfg.layers, e.resident_layers, e.resident_io, e.grads_on_gpu, e.disk_parts)
 
 
-def host_updated_parts(cfg: DecoderConfig, e: EngineConfig) -> list:
-    return list(host_roles(cfg, e).host_updated)
-
-
-def grads_on_gpu_parts(cfg: DecoderConfig, e: EngineConfig) -> list:
-    return list(host_roles(cfg, e).grads_on_gpu)
-
-
 def part_param_count(cfg: DecoderConfig, part) -> int:
     return io_param_count(cfg) if part.is_io else layer_param_count(cfg)
 
@@ -272,7 +264,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
     W, A, G = "streamed weights of the io part and blocks", "boundary activations", "gradient accumulators, float32"
     R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
     H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
-    held = set(grads_on_gpu_parts(c, e))
+    held = set(host_roles(c, e).grads_on_gpu)
     led, acts, home = _Ledger(), {}, set()  # acts: layer -> micro-batch activations held
     for part in held:  # the step before's, copied home by each part's update before its fetch
         led.add(H, part_param_count(c, part) * 4 // devices)
@@ -518,7 +510,7 @@ class MemoryPlan:
                    lambda ch: (f"the Adam moments of the last {ch[0][1]} blocks in files under {e.disk_dir} "
                                f"({gib(ch[0][1]):.1f} GiB, read and written once per step: slower unless the disk "
                                f"keeps up with the host optimizer)"))
-        n_host = len(host_updated_parts(c, e))
+        n_host = len(host_roles(c, e).host_updated)
         yield ("grads_on_gpu", [(("engine.grads_on_gpu", n),) for n in range(1, n_host + 1) if n != e.grads_on_gpu],
                lambda ch: (f"the float32 gradients of {ch[0][1]} parts wait on the GPU for the global norm instead of "
                            f"in host memory (4 B/param less host RAM for them, as much more GPU memory); each "
@@ -609,7 +601,7 @@ class MemoryPlan:
         p = self.applied(stream)
         if p.host_fits:
             return stream if p.fits else None
-        n_host = len(host_updated_parts(self.model_cfg, self.engine_cfg))
+        n_host = len(host_roles(self.model_cfg, self.engine_cfg).host_updated)
         grads = p._fewest("engine.grads_on_gpu", list(range(1, n_host + 1)))
         if grads is not None:
             return stream + grads
@@ -626,7 +618,7 @@ class MemoryPlan:
         e = self.engine_cfg
         full = dataclasses.replace(e, master_dtype="float32", stream_dtype=None, grads_on_gpu=0, disk_parts=0)
         capacity = dataclasses.replace(full, master_dtype="bfloat16", resident_layers=0, resident_io=False)
-        every = lambda cfg: len(host_updated_parts(self.model_cfg, cfg))  # noqa: E731
+        every = lambda cfg: len(host_roles(self.model_cfg, cfg).host_updated)  # noqa: E731
         modes = {
             "full precision, 16-bit stream copy, gradients in host memory": dataclasses.replace(
                 full, stream_dtype="bfloat16"),
@@ -796,14 +788,12 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
         gpu_bytes = available_gpu_bytes() if gpu_bytes is None else gpu_bytes
         disk_bytes = available_disk_bytes(e.disk_dir) if disk_bytes is None else disk_bytes
-    non_resident_blocks = c.layers - e.resident_layers
-    if e.disk_parts > non_resident_blocks:
-        raise ValueError(f"disk_parts={e.disk_parts} exceeds the {non_resident_blocks} blocks updated on the host")
+    roles = host_roles(c, e)  # raises where grads_on_gpu or disk_parts ask for more parts than there are
     stream_dtype = "bfloat16" if e.capacity else (stream_dtype or e.stream_dtype or c.dtype)
     sb = 2 if stream_dtype in ("bfloat16", "float16") else 4
     P = c.param_count()
     on_host_grads = P - e.resident_layers * layer_param_count(c) - (io_param_count(c) if e.resident_io else 0)
-    waiting = [part_param_count(c, part) for part in grads_on_gpu_parts(c, e)]  # gradients kept on the GPU
+    waiting = [part_param_count(c, part) for part in roles.grads_on_gpu]  # gradients kept on the GPU
 
     # The fused C++ AdamW (megatrain_jax.adamw, the CLI's optimizer) keeps what only it touches in pageable
     # memory; it runs with float32 or bfloat16 streaming, where a C++ compiler exists (else the engine warns).

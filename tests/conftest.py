@@ -87,3 +87,13 @@ def build_model():
 def tokens():
     """Factory of reproducible random token ids: ``tokens(B, T, vocab, seed=0)`` -> int32 numpy [B, T]."""
     return lambda B, T, vocab, seed=0: np.random.default_rng(seed).integers(0, vocab, (B, T)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def lib():
+    """The fused host AdamW kernel (built on first use); tests that need it skip without a C++ compiler."""
+    from megatrain_jax.host_kernel import load
+    built = load()
+    if built is None:
+        pytest.skip("no C++ compiler")
+    return built

@@ -10,19 +10,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from megatrain_jax.host_kernel import (adamw_sr_numpy, adamw_sr_reference, load, set_threads, sr_bits,
+from megatrain_jax.host_kernel import (adamw_sr_numpy, adamw_sr_reference, set_threads, sr_bits,
                                        stochastic_round_bf16)
 
 BF16 = ml_dtypes.bfloat16
 HP = dict(lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=0.37, bc1=1 - 0.9 ** 7, bc2=1 - 0.95 ** 7)
-
-
-@pytest.fixture(scope="module")
-def lib():
-    lib = load()
-    if lib is None:
-        pytest.skip("no C++ compiler")
-    return lib
 
 
 def _state(n: int, seed: int):

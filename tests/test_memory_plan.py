@@ -150,8 +150,8 @@ def _measured_runs() -> list:
                               check["device"]["host_ram_gib"], run["gpu_peak_gib"],
                               run["host_peak_gib"] if _pageable_layout(run) else None))
     for path in sorted(RESULTS.glob("h100_capacity*.json")) + sorted(RESULTS.glob("h100_scale_projection*.json")):
-        check = json.loads(path.read_text())  # experiments/capacity.py and scale_projection.py (its "measured")
-        for run in check.get("runs", check.get("measured", [])):
+        check = json.loads(path.read_text())  # experiments/capacity.py and scale_projection.py
+        for run in check["runs"]:
             if run.get("status") == "ok":
                 cases.append((f"{path.stem}:{run['config']}", preset(run["preset"], layers=run["model"]["layers"]),
                               EngineConfig(**run["engine"]), run["tokens_per_step"] // run["seq_len"],
