@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatrain_jax.disk_tier import DiskTier, OnDisk  # noqa: E402
@@ -69,17 +70,22 @@ def main() -> None:
     tier.remove()
     dev = subprocess.run(["df", "--output=source", args.dir if os.path.exists(args.dir) else "/"],
                          capture_output=True, text=True).stdout.split()[-1:]
+    from child import git_commit
+    run = {"system": "megatrain_jax.disk_tier", "config": f"{n} parts of two {shape} float32 arrays",
+           "dir": args.dir, "disk": dev, "free_gib": round(free / 2**30, 1), "bytes": total,
+           "write_s": round(write_s, 3), "read_s": round(read_s, 3), "write_gb_s": round(total / write_s / 1e9, 3),
+           "read_gb_s": round(total / read_s / 1e9, 3), "page_cache_dropped": args.drop_cache, "status": "ok",
+           "note": "one I/O thread (the tier's), tensorstore's own parallelism within each array; without "
+                   "--drop-cache the reads may come from the page cache"}
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     result = {"name": os.path.splitext(os.path.basename(args.out))[0],
               "command": "PYTHONPATH=. python experiments/disk_bench.py " + " ".join(sys.argv[1:]),
-              "date": datetime.date.today().isoformat(), "dir": args.dir, "device": dev,
-              "free_gib": round(free / 2**30, 1), "bytes": total, "write_s": round(write_s, 3),
-              "read_s": round(read_s, 3), "write_gb_s": round(total / write_s / 1e9, 3),
-              "read_gb_s": round(total / read_s / 1e9, 3), "page_cache_dropped": args.drop_cache,
-              "cpu_cores": os.cpu_count(), "note": f"{n} parts of two {shape} float32 arrays, one I/O thread "
-                                                   "(the tier's), tensorstore's own parallelism within each array"}
+              "git_commit": git_commit(), "date": datetime.date.today().isoformat(),
+              "device": {"name": "host (no GPU used)", "host_ram_gib": round(pages / 2**30, 1),
+                         "cpu_cores": os.cpu_count()}, "runs": [run]}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({k: result[k] for k in ("write_gb_s", "read_gb_s", "bytes", "device")}))
+    print(json.dumps({k: run[k] for k in ("write_gb_s", "read_gb_s", "bytes", "disk")}))
 
 
 if __name__ == "__main__":
