@@ -141,6 +141,9 @@ def train(work: Path, args) -> dict:
             "seq_len": args.seq_len, "tokens_per_step": tokens, "steps": args.steps, "tokenize_s": round(tokenize_s, 2),
             "hf_load_s": round(load_s, 2), "export_s": round(export_s, 2), "step_time_s": round(step, 4),
             "tokens_per_s": round(tokens / step, 1), "model_tflops": round(tokens / step * fpt / 1e12, 1),
+            "steps_timed": len(timed), "loss_first": losses[0], "loss_last": losses[-1],
+            "model": {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "heads": cfg.heads,
+                      "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size, "params": cfg.param_count()},
             "losses": losses, "loss_finite_and_falling": bool(np.all(np.isfinite(losses)) and
                                                                np.mean(losses[-3:]) < np.mean(losses[:3])),
             "gpu_peak_gib": gpu_peak_gib(), "host_peak_gib": host_peak_gib(),
@@ -205,21 +208,29 @@ def main() -> None:
     if not args.out:
         ap.error("--out is required")
     from child import git_commit, run_child
-    commit = git_commit()
     result = {"name": Path(args.out).stem, "command": "PYTHONPATH=. python experiments/sft_run.py " + " ".join(sys.argv[1:]),
-              "git_commit": commit, "date": datetime.date.today().isoformat(), "preset": args.preset,
-              "examples": args.examples, "stages": {}}
+              "git_commit": git_commit(), "date": datetime.date.today().isoformat(), "device": None, "runs": []}
+    run = {"system": "megatrain_jax", "task": "SFT of an HF checkpoint on chat JSONL", "preset": args.preset,
+           "examples": args.examples, "master_dtype": "float32", "status": "ok"}
     stages = ["data", "checkpoint", "train"] + ([] if args.no_compare else ["compare"])
     for stage in stages:
         cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--stage", stage]
         out = run_child(cmd)
-        result["stages"][stage] = out
+        print(f"{stage}: {out}", flush=True)
+        if stage == "train" and "device" in out:
+            result["device"] = out.pop("device")
+        if stage == "train":  # the timed steps' fields at the run's top level, as in every results file
+            run.update(out)
+        else:
+            run[stage] = out
+        failed = str(out.get("status", "")).startswith("error")
+        if failed:
+            run["status"] = f"error in stage {stage}: {out['status']}"
+        result["runs"] = [run]
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-        print(f"{stage}: {out}", flush=True)
-        if str(out.get("status", "")).startswith("error"):
+        if failed:
             break
-
 
 if __name__ == "__main__":
     main()
