@@ -6,10 +6,13 @@
    (a BPE trained on the generated data, with a ChatML chat template), in ``--work``; and ``--examples``
    generated conversations (arithmetic and word questions with their answers) as JSONL. Each in a child
    process, so that their memory is gone before training.
-2. Trains: the engine's state is read from the safetensors part by part (``HFParts``; the time to the
-   state in host memory is ``hf_load_s``), then ``--steps`` steps on the conversations (packed, loss on the
+2. Loads: the engine's state is read from the safetensors part by part (``HFParts``), the page cache
+   dropped first where allowed (root), in a process of its own with the compilation cache cold
+   (``load.hf_load_s``), then again in the training process, warm (``hf_load_s``): the time to the state
+   in host memory.
+3. Trains: ``--steps`` steps on the conversations (packed, loss on the
    answers), timed as bench.py times steps.
-3. Exports the trained weights with the tokenizer (``export_s``), then compares logits on a few prompts:
+4. Exports the trained weights with the tokenizer (``export_s``), then compares logits on a few prompts:
    the exported folder loaded in transformers on the GPU against our model loaded from the same folder,
    both in float32 (max abs difference). ``--no-compare`` skips it (no transformers or torch).
 """
@@ -86,9 +89,11 @@ def make_checkpoint(work: Path, preset_name: str) -> dict:
             node = out
             for k in s.path[:-1]:
                 node = node.setdefault(k, {})
-            value = ((rng.random(s.our_shape, dtype=np.float32) - 0.5) * 0.04 if len(s.our_shape) > 1
-                     else np.ones(s.our_shape, np.float32))  # norm scales at 1
-            node[s.path[-1]] = value.astype(ml_dtypes.bfloat16)
+            if len(s.our_shape) > 1:  # random sign and mantissa, magnitudes in [1/64, 1/32): fast to make
+                bits = rng.integers(0, 2**16, s.our_shape, dtype=np.uint16) & np.uint16(0x807F) | np.uint16(0x3C80)
+                node[s.path[-1]] = bits.view(ml_dtypes.bfloat16)
+            else:
+                node[s.path[-1]] = np.ones(s.our_shape, ml_dtypes.bfloat16)  # norm scales at 1
         return out
 
     t = time.perf_counter()
@@ -96,34 +101,63 @@ def make_checkpoint(work: Path, preset_name: str) -> dict:
     return {"make_checkpoint_s": round(time.perf_counter() - t, 1), "params": cfg.param_count()}
 
 
-def train(work: Path, args) -> dict:
+def drop_page_cache() -> bool:
+    """Empty the page cache (root only), so that the checkpoint is read from the disk, as on a first load."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def load(work: Path, args):
+    """The engine with its state read from the checkpoint (``HFParts``), and the seconds that took."""
     import jax
     from flax import nnx
 
-    from bench import device_info, gpu_peak_gib, host_peak_gib
     from megatrain_jax import Decoder, Engine, EngineConfig
     from megatrain_jax.cli.config_file import OptimizerConfig
-    from megatrain_jax.data import DataConfig
-    from megatrain_jax.flops import model_flops_per_token
-    from megatrain_jax.hf import HFParts, read_config, save_hf
+    from megatrain_jax.hf import HFParts, read_config
     from megatrain_jax.memory_plan import fit_host_pool
 
     ckpt = work / "checkpoint"
     cfg = read_config(ckpt, dtype="bfloat16")
     engine_cfg = EngineConfig(micro_batches=args.micro, resident_layers=args.resident, resident_io=args.resident > 0)
     fit_host_pool(cfg, engine_cfg, args.rows, args.seq_len)
+    optimizer, _ = OptimizerConfig(lr=args.lr, warmup_steps=2, decay="constant").build(args.steps)
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    cache_dropped = drop_page_cache()
+    t = time.perf_counter()
+    engine = Engine(abstract, optimizer, engine_cfg, init_from=HFParts(ckpt, cfg))
+    jax.block_until_ready(engine.state)
+    return engine, cfg, engine_cfg, {"hf_load_s": round(time.perf_counter() - t, 2),
+                                     "page_cache_dropped_before_load": cache_dropped}
+
+
+def first_load(work: Path, args) -> dict:
+    """A load in a process of its own, before the training run's: the compilation cache is cold here (the
+    programs that build the state are compiled), warm in the training run."""
+    _, _, _, timing = load(work, args)
+    return {**timing, "note": "the first load on this machine: the state builder's programs compiled, not cached"}
+
+
+def train(work: Path, args) -> dict:
+    from bench import device_info, gpu_peak_gib, host_peak_gib
+    from megatrain_jax.data import DataConfig
+    from megatrain_jax.flops import model_flops_per_token
+    from megatrain_jax.hf import save_hf
+
+    ckpt = work / "checkpoint"
+    engine, cfg, engine_cfg, timing = load(work, args)
+    load_s = timing["hf_load_s"]
     data = DataConfig(path=str(work / "chat.jsonl"), format="chat", tokenizer=str(ckpt), seq_len=args.seq_len,
                       batch_size=args.rows, mode="packed", prefetch=2, cache_dir=str(work / "cache"),
                       eval_fraction=0.02)
     t = time.perf_counter()
     stream = data.build(cfg.vocab_size)
     tokenize_s = time.perf_counter() - t
-    optimizer, _ = OptimizerConfig(lr=args.lr, warmup_steps=2, decay="constant").build(args.steps)
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-    t = time.perf_counter()
-    engine = Engine(abstract, optimizer, engine_cfg, init_from=HFParts(ckpt, cfg))
-    jax.block_until_ready(engine.state)
-    load_s = time.perf_counter() - t
     records = [m for m in engine.steps(next(stream) for _ in range(args.steps))]
     timed = records[2:]
     step = float(np.median([r["step_time_s"] for r in timed]))
@@ -139,7 +173,8 @@ def train(work: Path, args) -> dict:
     losses = [round(r["loss"], 4) for r in records]
     return {"device": device_info(), "params": cfg.param_count(), "engine": engine_cfg.__dict__,
             "seq_len": args.seq_len, "tokens_per_step": tokens, "steps": args.steps, "tokenize_s": round(tokenize_s, 2),
-            "hf_load_s": round(load_s, 2), "export_s": round(export_s, 2), "step_time_s": round(step, 4),
+            "hf_load_s": load_s, "hf_load_note": "compilation cache warm (the 'load' stage ran first)",
+            "page_cache_dropped_before_load": timing["page_cache_dropped_before_load"], "export_s": round(export_s, 2), "step_time_s": round(step, 4),
             "tokens_per_s": round(tokens / step, 1), "model_tflops": round(tokens / step * fpt / 1e12, 1),
             "steps_timed": len(timed), "loss_first": losses[0], "loss_last": losses[-1],
             "model": {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "heads": cfg.heads,
@@ -165,6 +200,12 @@ def compare(work: Path) -> dict:
     tok = ChatTokenizer.from_folder(export)
     prompts = [tok.render(ex["messages"][:-1], add_generation_prompt=True) for ex in conversations(4, seed=1)]
     ids = [tok.tokenizer.encode(p, add_special_tokens=False).ids for p in prompts]
+    # transformers first, then its GPU memory handed back: JAX takes most of the GPU when it starts
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        theirs = [hf(torch.tensor([x]).cuda()).logits[0].float().cpu().numpy() for x in ids]
+    del hf
+    torch.cuda.empty_cache()
     cfg = read_config(export, dtype="float32")
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     load_hf_into(model, export)
@@ -172,10 +213,6 @@ def compare(work: Path) -> dict:
     params = jax.device_put(params)  # the weights on the GPU once, not as constants of the program
     forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, jnp.arange(x.shape[1])[None], None))
     ours = [np.asarray(forward(params, jnp.asarray([x])))[0] for x in ids]
-    del params
-    hf = transformers.AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32).cuda().eval()
-    with torch.no_grad():
-        theirs = [hf(torch.tensor([x]).cuda()).logits[0].float().cpu().numpy() for x in ids]
     diffs = [float(np.max(np.abs(a - b))) for a, b in zip(ours, theirs)]
     return {"prompts": len(ids), "max_abs_logit_diff": max(diffs), "per_prompt": diffs,
             "logit_scale": float(max(np.max(np.abs(b)) for b in theirs)), "transformers": transformers.__version__}
@@ -191,17 +228,20 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--micro", type=int, default=2)
-    ap.add_argument("--resident", type=int, default=8, help="GPU-resident blocks (and io when > 0)")
+    ap.add_argument("--resident", type=int, default=14,
+                    help="GPU-resident blocks (and io when > 0); 14 at 7B as bench.py's 7b_32k, which needs "
+                         "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--no-compare", action="store_true")
-    ap.add_argument("--stage", choices=["data", "checkpoint", "train", "compare"], help=argparse.SUPPRESS)
+    ap.add_argument("--stage", choices=["data", "checkpoint", "load", "train", "compare"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if args.stage:  # one stage in this process; its result on the last line
         from megatrain_jax import preset
         result = {"data": lambda: make_data(work, args.examples, preset(args.preset).vocab_size) or {},
-                  "checkpoint": lambda: make_checkpoint(work, args.preset), "train": lambda: train(work, args),
+                  "checkpoint": lambda: make_checkpoint(work, args.preset), "load": lambda: first_load(work, args),
+                  "train": lambda: train(work, args),
                   "compare": lambda: compare(work)}[args.stage]()
         print(json.dumps(result))
         return
@@ -212,7 +252,7 @@ def main() -> None:
               "git_commit": git_commit(), "date": datetime.date.today().isoformat(), "device": None, "runs": []}
     run = {"system": "megatrain_jax", "task": "SFT of an HF checkpoint on chat JSONL", "preset": args.preset,
            "examples": args.examples, "master_dtype": "float32", "status": "ok"}
-    stages = ["data", "checkpoint", "train"] + ([] if args.no_compare else ["compare"])
+    stages = ["data", "checkpoint", "load", "train"] + ([] if args.no_compare else ["compare"])
     for stage in stages:
         cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--stage", stage]
         out = run_child(cmd)

@@ -70,18 +70,22 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
 
     A concrete model's parameters are copied (as float32). An abstract one (``nnx.eval_shape``) is
     initialized part by part with its own initializers (``new_io``/``new_block``), from ``key``, or read
-    part by part from ``init_from`` (an object with ``io()`` and ``block(i)`` returning each part's pure
-    dict, e.g. ``megatrain_jax.hf.HFParts``): each worker reads its part when it builds it."""
+    part by part from ``init_from`` (e.g. ``megatrain_jax.hf.HFParts``): an object whose ``io()`` and
+    ``block(i)`` return a part's arrays as stored, and whose ``to_params(tree)`` (traceable) turns them into
+    that part's pure dict of parameters inside the builder's program. Each worker reads its part when it
+    builds it."""
     if init_from is not None:
-        def as_state(part: nnx.Module, tree: Any) -> Params:
-            state = nnx.state(part, nnx.Param)
-            nnx.replace_by_pure_dict(state, tree)
-            return state
+        def from_stored(template: nnx.Module):
+            def make(tree: Any) -> Any:
+                state = nnx.state(template, nnx.Param)
+                nnx.replace_by_pure_dict(state, init_from.to_params(tree))
+                return fresh(cast_tree(state, jnp.float32))
+            return placement.jit_into(make)
 
-        make_io = make_block = placement.jit_into(lambda p: fresh(cast_tree(p, jnp.float32)))
-        io_args = _Lazy(lambda: (as_state(model.io, init_from.io()),))
-        block_args = [_Lazy(lambda i=i: (as_state(model.blocks[i], init_from.block(i)),))
-                      for i in range(len(model.blocks))]
+        # every block has the same structure: one program for all of them, as below
+        make_io, make_block = from_stored(model.io), from_stored(model.blocks[0])
+        io_args = _Lazy(lambda: (init_from.io(),))
+        block_args = [_Lazy(lambda i=i: (init_from.block(i),)) for i in range(len(model.blocks))]
     elif is_abstract(model):
         if key is None:
             raise ValueError("an abstract model needs an RNG seed to be initialized")

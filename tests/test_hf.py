@@ -527,3 +527,27 @@ def test_engine_state_read_part_by_part_from_the_checkpoint_equals_a_filled_mode
     for x, y in zip(jax.tree.leaves([p.params for p in a.parts]), jax.tree.leaves([p.params for p in b.parts])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+def test_engine_state_from_a_bfloat16_checkpoint_is_widened_and_transposed_on_the_device(tmp_path):
+    """A bf16 checkpoint (what releases ship): ``HFParts`` hands the stored bf16 tensors over untouched
+    (memory-mapped, HF layout) and the builder's program transposes and widens them; the masters equal
+    the host conversion exactly, sharded over several files or not."""
+    import ml_dtypes
+    from flax import nnx
+
+    from megatrain_jax import Decoder, Engine, adamw
+    from megatrain_jax.hf import HFParts, load_hf, read_config, save_hf
+    cfg, io, blocks = load_hf(FIXTURES / "llama", dtype="float32")
+    save_hf(tmp_path, cfg, io, blocks, dtype="bfloat16", max_shard_bytes=20_000)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    parts = HFParts(tmp_path, cfg)
+    stored = jax.tree.leaves(parts.block(0))
+    assert all(x.dtype == ml_dtypes.bfloat16 and not x.flags.owndata for x in stored)  # views of the files
+    _, io16, blocks16 = load_hf(tmp_path, dtype="float32")  # the host conversion: bf16 -> float32, transposed
+    abstract = nnx.eval_shape(lambda: Decoder(read_config(tmp_path, dtype="float32"), rngs=nnx.Rngs(0)))
+    state = Engine(abstract, adamw(1e-3), init_from=parts).state
+    want = [io16] + blocks16
+    for part, ref in zip(state.parts, want):
+        jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x, np.float32), y),
+                     nnx.to_pure_dict(part.params), ref)

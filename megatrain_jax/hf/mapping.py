@@ -138,20 +138,51 @@ def iter_blocks(ckpt: Checkpoint, cfg: DecoderConfig) -> Iterator[PureTree]:
 class HFParts:
     """An HF checkpoint as a source of the engine's initial parameters, one part at a time
     (``Engine(..., init_from=HFParts(dir, cfg))``): the weights go from the safetensors files straight into
-    the host state, and no model object holds a second copy. ``io()`` and ``block(i)`` read one part as a
-    float32 pure dict shaped like the model's (``nnx.to_pure_dict`` of its ``nnx.Param`` state)."""
+    the host state, and no model object holds a second copy.
+
+    ``io()`` and ``block(i)`` give one part's tensors as stored: memory-mapped views of the files, in the
+    checkpoint's dtype and HF layout, arranged in the tree of the part's ``nnx.to_pure_dict``. The engine's
+    state builder sends them to the device as they are and calls ``to_params`` inside its program, which
+    transposes the projections and casts to float32 there. So the host neither transposes nor widens a
+    bf16 checkpoint (a strided copy that took most of a 7B load), and half the bytes cross PCIe."""
 
     def __init__(self, model_dir: str | os.PathLike, cfg: DecoderConfig):
         ckpt_cfg = read_config(model_dir)
         check_same_model(cfg, ckpt_cfg, f"{model_dir}/config.json")
         self.model_dir, self.cfg = Path(model_dir), ckpt_cfg
         self._ckpt = open_checkpoint(model_dir, ckpt_cfg)
+        # every block has the same key paths, and none of them is an io part's
+        self._transposed = {s.path for s in io_specs(ckpt_cfg) + block_specs(ckpt_cfg, 0) if s.transpose}
 
     def io(self) -> PureTree:
-        return read_io(self._ckpt, self.cfg)
+        return _stored_part(self._ckpt, io_specs(self.cfg))
 
     def block(self, i: int) -> PureTree:
-        return _read_part(self._ckpt, block_specs(self.cfg, i))
+        return _stored_part(self._ckpt, block_specs(self.cfg, i))
+
+    def to_params(self, tree: PureTree) -> PureTree:
+        """A part's tensors as ``io()``/``block(i)`` give them -> its float32 parameters in our layout.
+        Traceable (jnp), so it runs inside the state builder's program."""
+        import jax
+        import jax.numpy as jnp
+
+        def one(path, x):
+            key = tuple(k.key for k in path)
+            x = jnp.asarray(x, jnp.float32)
+            return x.T if key in self._transposed else x
+
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _stored_part(ckpt: Checkpoint, specs: Sequence[Spec]) -> PureTree:
+    """The part's tensors as the files hold them (memory-mapped, not copied), in our tree."""
+    tree: PureTree = {}
+    for s in specs:
+        node = tree
+        for key in s.path[:-1]:
+            node = node.setdefault(key, {})
+        node[s.path[-1]] = ckpt.get(s.hf_name)
+    return tree
 
 
 def load_hf(model_dir: str | os.PathLike, dtype: str = "bfloat16",
