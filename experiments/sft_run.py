@@ -195,7 +195,7 @@ def compare(work: Path) -> dict:
 
     from megatrain_jax import Decoder
     from megatrain_jax.data.instruct import ChatTokenizer
-    from megatrain_jax.hf import load_hf_into, read_config
+    from megatrain_jax.hf import HFParts, read_config
     export = work / "export"
     tok = ChatTokenizer.from_folder(export)
     prompts = [tok.render(ex["messages"][:-1], add_generation_prompt=True) for ex in conversations(4, seed=1)]
@@ -208,9 +208,14 @@ def compare(work: Path) -> dict:
     torch.cuda.empty_cache()
     cfg = read_config(export, dtype="float32")
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-    load_hf_into(model, export)
+    # the weights on the GPU once (not constants of the program), transposed and widened there
+    parts = HFParts(export, cfg)
+    arrange = jax.jit(parts.to_params)
+    for module, stored in [(model.io, parts.io())] + [(b, parts.block(i)) for i, b in enumerate(model.blocks)]:
+        state = nnx.state(module, nnx.Param)
+        nnx.replace_by_pure_dict(state, arrange(stored))
+        nnx.update(module, state)
     graphdef, params = nnx.split(model, nnx.Param)
-    params = jax.device_put(params)  # the weights on the GPU once, not as constants of the program
     forward = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, jnp.arange(x.shape[1])[None], None))
     ours = [np.asarray(forward(params, jnp.asarray([x])))[0] for x in ids]
     diffs = [float(np.max(np.abs(a - b))) for a, b in zip(ours, theirs)]

@@ -154,11 +154,21 @@ class HFParts:
         # every block has the same key paths, and none of them is an io part's
         self._transposed = {s.path for s in io_specs(ckpt_cfg) + block_specs(ckpt_cfg, 0) if s.transpose}
 
+    READ_AHEAD = 8  # blocks whose bytes the disk reads ahead of the one asked for
+
     def io(self) -> PureTree:
+        self._read_ahead(io_specs(self.cfg), *(block_specs(self.cfg, i) for i in range(min(self.READ_AHEAD, self.cfg.layers))))
         return _stored_part(self._ckpt, io_specs(self.cfg))
 
     def block(self, i: int) -> PureTree:
+        if i + self.READ_AHEAD < self.cfg.layers:  # io() asked for the first ones
+            self._read_ahead(block_specs(self.cfg, i + self.READ_AHEAD))
         return _stored_part(self._ckpt, block_specs(self.cfg, i))
+
+    def _read_ahead(self, *parts: Sequence[Spec]) -> None:
+        """The state builder takes parts in order, a few at once: keep the disk reading the next ones in
+        the meantime (the page faults of memory-mapped reads alone fetch a little at a time)."""
+        self._ckpt.will_need([s.hf_name for specs in parts for s in specs])
 
     def to_params(self, tree: PureTree) -> PureTree:
         """A part's tensors as ``io()``/``block(i)`` give them -> its float32 parameters in our layout.
