@@ -7,6 +7,10 @@ prints (tests/test_memory_plan.py checks that they agree).
 A config names its machine in the line itself, ``# plan (host 125 GiB, GPU 80 GiB): host X GiB, GPU Y GiB``;
 X and Y are the plan's totals for that host RAM (``megatrain-jax plan --config FILE --host-gib 125
 --gpu-gib 80`` prints the breakdown).
+
+A fine-tuning config names a Hugging Face folder (``[model] hf_checkpoint``) that is not in the repository;
+its line ``# plan shape: PRESET`` names the preset of the same shape, which the plan uses while the folder
+is absent.
 """
 
 from __future__ import annotations
@@ -14,23 +18,39 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatrain_jax.cli.config_file import load_config  # noqa: E402
+from megatrain_jax.cli.config_file import RunConfig, parse_config  # noqa: E402
 from megatrain_jax.memory_plan import GiB, plan  # noqa: E402
 
 LINE = re.compile(r"^# plan \(host (?P<host>\d+) GiB, GPU (?P<gpu>\d+) GiB\): .*$", re.MULTILINE)
+SHAPE = re.compile(r"^# plan shape: (?P<preset>\S+)$", re.MULTILINE)
+
+
+def load_example(path: Path) -> RunConfig:
+    """The example config at ``path``; one naming an HF folder that is not here gets the preset of its
+    ``# plan shape:`` line instead (the weights are loaded part by part, so the plan is the same)."""
+    text = path.read_text()
+    raw = tomllib.loads(text)
+    folder = raw.get("model", {}).get("hf_checkpoint")
+    if folder is not None and not (REPO / folder / "config.json").exists():
+        shape = SHAPE.search(text)
+        if shape is None:
+            raise ValueError(f"{path.name} names hf_checkpoint {folder!r}, which is not here: add a "
+                             f"'# plan shape: PRESET' line naming a preset of the same shape")
+        raw["model"] = {k: v for k, v in raw["model"].items() if k != "hf_checkpoint"} | {"preset": shape["preset"]}
+    return parse_config(raw, str(path))
 
 
 def comment_line(path: Path, host_gib: int, gpu_gib: int) -> str:
     """The memory line of the config at ``path`` planned for that machine."""
-    cfg = load_config(path)
+    cfg = load_example(path)
     p = plan(cfg.model.build(), cfg.engine, cfg.data.batch_size, cfg.data.seq_len, host_ram_bytes=host_gib * GiB,
-             gpu_bytes=gpu_gib * GiB, packed=cfg.data.mode == "packed",
-             loaded_copy=cfg.model.hf_checkpoint is not None, detect=False)
+             gpu_bytes=gpu_gib * GiB, packed=cfg.data.mode == "packed", detect=False)
     return (f"# plan (host {host_gib} GiB, GPU {gpu_gib} GiB): host {p.host_total / GiB:.1f} GiB, "
             f"GPU {p.gpu_total / GiB:.1f} GiB")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import subprocess
 import sys
@@ -125,8 +126,18 @@ def test_example_configs_parse_and_demo_file_matches_the_builtin_demo():
                      "h200_7b_32k.toml"):
         assert required in names
     assert any(n.startswith("gh200") for n in names)
+    assert {"h100_sft_8b.toml", "h200_sft_8b.toml"} <= set(names)
+    spec = importlib.util.spec_from_file_location("plan_comments", REPO / "scripts" / "plan_comments.py")
+    plan_comments = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_comments)
     for name in names:
-        load_config(CONFIGS / name)
+        if "hf_checkpoint" in (CONFIGS / name).read_text():  # a Hugging Face folder the user downloads first
+            with pytest.raises(ConfigError, match="config.json"):
+                load_config(CONFIGS / name)
+            cfg = plan_comments.load_example(CONFIGS / name)  # the shape its '# plan shape:' line names
+            assert cfg.data.format == "chat" and cfg.train.export_hf
+        else:
+            load_config(CONFIGS / name)
     assert load_config(CONFIGS / "demo_tiny.toml") == parse_config(DEMO)
 
 

@@ -224,9 +224,12 @@ def small_vocab_tokenizer(folder: Path, vocab: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": CHATML}))
 
 
-def test_sft_end_to_end_from_an_hf_folder_to_an_hf_folder(tmp_path):
+def test_sft_end_to_end_from_an_hf_folder_to_an_hf_folder_and_resumes_bit_exactly(tmp_path):
     """megatrain-jax train with [model] hf_checkpoint and [data] format = "chat": the checkpoint's own
-    tokenizer and template, the loss on the answers, an exported folder with weights and tokenizer."""
+    tokenizer and template, the loss on the answers, 20 steps over several epochs, an exported folder with
+    weights and tokenizer that reloads. A run stopped mid-epoch at step 9 and resumed gives the same losses
+    and the same exported weights, bit for bit (a constant rate: a cosine schedule depends on the total
+    steps, which the first part's run does not share)."""
     import shutil
 
     from megatrain_jax.cli import main
@@ -235,12 +238,34 @@ def test_sft_end_to_end_from_an_hf_folder_to_an_hf_folder(tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(fixture, ckpt)
     small_vocab_tokenizer(ckpt, json.loads((ckpt / "config.json").read_text())["vocab_size"])
-    data = write_jsonl(tmp_path / "chat.jsonl", [CONVERSATION] * 12)
-    export = tmp_path / "export"
-    assert main(["train", f"model.hf_checkpoint={ckpt}", "model.dtype=float32", f"data.path={data}",
-                 "data.format=chat", "data.mode=packed", "data.seq_len=48", "data.batch_size=2", "data.prefetch=0",
-                 f"data.cache_dir={tmp_path / 'cache'}", "train.steps=3",
-                 "log.tensorboard=false", f"train.run_dir={tmp_path / 'run'}", f"train.export_hf={export}"]) == 0
-    cfg, io, blocks = load_hf(export, dtype="float32")
-    assert len(blocks) == cfg.layers and (export / "tokenizer.json").exists()
-    assert json.loads((export / "tokenizer_config.json").read_text())["chat_template"] == CHATML
+    lines = [CONVERSATION] + [{"messages": [{"role": "user", "content": "what is two plus two"},
+                                           {"role": "assistant", "content": "four " * (1 + i % 3)}]}
+                              for i in range(10)]
+    data = write_jsonl(tmp_path / "chat.jsonl", lines)
+
+    def train(name: str, steps: int, *extra: str) -> Path:
+        run = tmp_path / name
+        assert main(["train", f"model.hf_checkpoint={ckpt}", "model.dtype=float32", f"data.path={data}",
+                     "data.format=chat", "data.mode=packed", "data.seq_len=48", "data.batch_size=2",
+                     "data.prefetch=0", f"data.cache_dir={tmp_path / 'cache'}", f"train.steps={steps}",
+                     "optimizer.lr=1e-3", "optimizer.decay=constant", "log.tensorboard=false", f"train.run_dir={run}",
+                     f"train.export_hf={run / 'hf'}", *extra]) == 0
+        return run
+
+    def losses(run: Path) -> dict[int, float]:
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+    whole = train("whole", 20)
+    cfg, io, blocks = load_hf(whole / "hf", dtype="float32")
+    assert len(blocks) == cfg.layers and (whole / "hf" / "tokenizer.json").exists()
+    assert json.loads((whole / "hf" / "tokenizer_config.json").read_text())["chat_template"] == CHATML
+    first = losses(whole)
+    assert sorted(first) == list(range(1, 21)) and all(np.isfinite(list(first.values())))
+    assert np.mean([first[s] for s in range(16, 21)]) < np.mean([first[s] for s in range(1, 6)])
+
+    parted = train("parted", 9, "train.checkpoint_every=9")
+    train("parted", 20, "train.checkpoint_every=9", "train.resume=true")
+    assert losses(parted) == first
+    for a, b in zip(sorted((whole / "hf").glob("*.safetensors")), sorted((parted / "hf").glob("*.safetensors"))):
+        assert a.read_bytes() == b.read_bytes()
