@@ -7,8 +7,8 @@ import math
 import difflib
 from typing import Literal
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3"]
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn")
 
@@ -65,11 +65,62 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP in every block (``DecoderConfig.moe``): a router picks ``top_k`` of
+    ``experts`` SwiGLU experts (each of width ``expert_ffn``) per token.
+
+    - Routing probabilities are a softmax over all experts, in float32. ``norm_topk_prob`` renormalizes
+      the chosen ``top_k`` to sum to 1 (Mixtral, which takes a softmax over the top-k logits: the same
+      numbers; Qwen3-MoE's ``norm_topk_prob``); otherwise they are used as they are (Qwen2-MoE).
+    - ``shared_expert_ffn``: a SwiGLU expert every token goes through, scaled by ``sigmoid`` of its own
+      one-unit gate (Qwen2-MoE).
+    - ``aux_loss_coef``: the load-balancing loss (Switch Transformer, as transformers computes it over all
+      layers' router outputs together) enters the training loss with this weight.
+    - ``capacity_factor``: None is dropless (every routed token is computed). A number caps each expert at
+      ``ceil(capacity_factor * tokens * top_k / experts)`` tokens per batch; the assignments past it (in
+      token order) are dropped and contribute nothing.
+    """
+
+    experts: int = 8
+    top_k: int = 2
+    expert_ffn: int = 14336
+    norm_topk_prob: bool = True
+    shared_expert_ffn: int | None = None
+    aux_loss_coef: float = 0.0
+    capacity_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("experts", "top_k", "expert_ffn"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"moe.{name} must be a positive integer, got {value!r}")
+        if self.top_k > self.experts:
+            raise ValueError(f"moe.top_k={self.top_k} exceeds moe.experts={self.experts}: a token cannot go to "
+                             f"more experts than there are")
+        if self.shared_expert_ffn is not None and (not isinstance(self.shared_expert_ffn, int)
+                                                   or self.shared_expert_ffn <= 0):
+            raise ValueError(f"moe.shared_expert_ffn must be a positive integer or None, got {self.shared_expert_ffn!r}")
+        if not self.aux_loss_coef >= 0:
+            raise ValueError(f"moe.aux_loss_coef must be >= 0, got {self.aux_loss_coef!r}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"moe.capacity_factor must be positive or None (dropless), got {self.capacity_factor!r}")
+
+    def mlp_params(self, hidden: int) -> tuple[int, int]:
+        """(all, active per token) parameters of one block's MoE MLP: router, experts, shared expert."""
+        expert = 3 * hidden * self.expert_ffn
+        shared = 0 if self.shared_expert_ffn is None else 3 * hidden * self.shared_expert_ffn + hidden
+        router = hidden * self.experts
+        return router + self.experts * expert + shared, router + self.top_k * expert + shared
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """Shape and numerics of a decoder-only transformer.
 
-    Family switches: Mistral uses ``sliding_window``; Qwen2 sets ``qkv_bias``; Qwen3 sets ``qk_norm``.
-    ``dtype`` is the compute dtype; parameters are always created in float32 (the master copy).
+    Family switches: Mistral uses ``sliding_window``; Qwen2 sets ``qkv_bias``; Qwen3 sets ``qk_norm``;
+    ``moe`` (a ``MoEConfig``) replaces every block's MLP by a mixture of experts (Mixtral, Qwen2-MoE,
+    Qwen3-MoE), and ``ffn`` is then unused. ``dtype`` is the compute dtype; parameters are always created
+    in float32 (the master copy).
     """
 
     family: Family = "llama"
@@ -94,6 +145,7 @@ class DecoderConfig:
     # The MLP (with its norm and residual) over at most this many tokens at a time, each chunk recomputed
     # in the backward pass: its [tokens, ffn] temporaries scale with the chunk, not the sequence. None: whole.
     mlp_chunk_tokens: int | None = None
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         validate(self)
@@ -119,10 +171,20 @@ class DecoderConfig:
         d = dict(d)
         if isinstance(d.get("rope_scaling"), dict):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        if isinstance(d.get("moe"), dict):
+            d["moe"] = MoEConfig(**d["moe"])
         return cls(**d)
 
     def param_count(self) -> int:
         """Trainable parameters, counted from the shapes (matches the published model for presets)."""
+        return self._count(active=False)
+
+    def active_param_count(self) -> int:
+        """Parameters one token's forward pass uses: all of them for a dense model; for an MoE, the router,
+        ``top_k`` experts and the shared expert of each block (what model FLOPs count)."""
+        return self._count(active=True)
+
+    def _count(self, active: bool) -> int:
         d, hd = self.hidden, self.dim_per_head
         q, kv = self.heads * hd, self.kv_heads * hd
         attn = d * q + 2 * d * kv + q * d
@@ -130,7 +192,8 @@ class DecoderConfig:
             attn += q + 2 * kv
         if self.qk_norm:
             attn += 2 * hd
-        block = attn + 3 * d * self.ffn + 2 * d
+        mlp = 3 * d * self.ffn if self.moe is None else self.moe.mlp_params(d)[int(active)]
+        block = attn + mlp + 2 * d
         io = self.vocab_size * d + d + (0 if self.tie_embeddings else d * self.vocab_size)
         return self.layers * block + io
 
@@ -168,6 +231,13 @@ def validate(cfg: DecoderConfig) -> None:
                          f"{_did_you_mean(cfg.attention_impl, ATTENTION_IMPLS)}")
     if cfg.sliding_window is not None and cfg.sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {cfg.sliding_window}")
+    if cfg.moe is not None and not isinstance(cfg.moe, MoEConfig):
+        raise ValueError(f"moe must be a MoEConfig or None, got {type(cfg.moe).__name__}")
+    if cfg.moe is not None and cfg.mlp_chunk_tokens is not None:
+        raise ValueError("mlp_chunk_tokens chunks a dense MLP; a mixture of experts (moe) routes the whole batch "
+                         "at once: leave mlp_chunk_tokens unset")
+    if cfg.family in ("mixtral", "qwen2_moe", "qwen3_moe") and cfg.moe is None:
+        raise ValueError(f"family {cfg.family!r} is a mixture of experts: set moe (a MoEConfig)")
 
 
 _LLAMA3_SCALING = RopeScaling(factor=8.0, original_max_position=8192)
@@ -206,6 +276,23 @@ PRESETS: dict[str, DecoderConfig] = {
     "dense-120b": DecoderConfig(vocab_size=128256, hidden=12288, ffn=32768, layers=78, heads=96, kv_heads=8,
                                 rope_theta=500000.0, max_positions=8192),
 }
+# Mixtures of experts. Published sizes: Mixtral-8x7B 46.7B (12.9B active), Qwen3-30B-A3B 30.5B (3.3B
+# active), Qwen2-57B-A14B 57.4B (14.2B active); tests/test_moe.py checks the counts.
+PRESETS["tiny-moe"] = PRESETS["tiny"].replace(
+    family="mixtral", moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, aux_loss_coef=0.02))
+PRESETS["mixtral-8x7b"] = DecoderConfig(
+    family="mixtral", vocab_size=32000, hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8,
+    rope_theta=1000000.0, max_positions=32768,
+    moe=MoEConfig(experts=8, top_k=2, expert_ffn=14336, norm_topk_prob=True, aux_loss_coef=0.02))
+PRESETS["qwen3-30b-a3b"] = DecoderConfig(
+    family="qwen3_moe", vocab_size=151936, hidden=2048, ffn=6144, layers=48, heads=32, kv_heads=4, head_dim=128,
+    rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, max_positions=40960,
+    moe=MoEConfig(experts=128, top_k=8, expert_ffn=768, norm_topk_prob=True, aux_loss_coef=0.001))
+PRESETS["qwen2-57b-a14b"] = DecoderConfig(
+    family="qwen2_moe", vocab_size=151936, hidden=3584, ffn=18944, layers=28, heads=28, kv_heads=4,
+    rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True, max_positions=32768,
+    moe=MoEConfig(experts=64, top_k=8, expert_ffn=2560, norm_topk_prob=False, shared_expert_ffn=20480,
+                  aux_loss_coef=0.001))
 PRESETS["7b"] = PRESETS["llama2-7b"]
 PRESETS["3.5b"] = PRESETS["llama2-7b"].replace(layers=16)
 PRESETS["1b"] = PRESETS["llama3.2-1b"]

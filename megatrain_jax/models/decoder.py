@@ -13,22 +13,38 @@ from flax import nnx
 
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.models.layers import MLP, Attention, RMSNorm, _init_normal
+from megatrain_jax.models.moe import MoE, RouterStats, load_balancing_loss
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the MLP is a mixture
+    of experts when ``cfg.moe`` is set."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.mlp_chunk_tokens = cfg.mlp_chunk_tokens
+        self.aux_loss_coef = cfg.moe.aux_loss_coef if cfg.moe is not None else 0.0
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MLP(cfg.hidden, cfg.ffn, rngs=rngs) if cfg.moe is None else MoE(cfg.hidden, cfg.moe, rngs=rngs)
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array,
                  segment_ids_BT: jax.Array | None = None) -> jax.Array:
+        if self.aux_loss_coef:
+            raise ValueError("this block is a mixture of experts with a load-balancing loss (moe.aux_loss_coef = "
+                             f"{self.aux_loss_coef}), which the layered contract's block(x) -> x cannot carry "
+                             "yet: the engine would train without it. Set moe.aux_loss_coef = 0 to train without "
+                             "the loss knowingly, or use Decoder.forward for the logits and the loss")
+        return self.routed(x_BTD, positions_BT, segment_ids_BT)[0]
+
+    def routed(self, x_BTD: jax.Array, positions_BT: jax.Array,
+               segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, RouterStats | None]:
+        """The block's output, and its router's statistics (None for a dense block)."""
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
-        return self._mlp_residual(x_BTD)
+        if isinstance(self.mlp, MoE):
+            y_BTD, stats = self.mlp(self.mlp_norm(x_BTD))
+            return x_BTD + y_BTD, stats
+        return self._mlp_residual(x_BTD), None
 
     def _mlp_residual(self, x_BTD: jax.Array) -> jax.Array:
         """``x + mlp(norm(x))``, over ``mlp_chunk_tokens`` tokens at a time when set: a ``lax.map`` over
@@ -105,9 +121,19 @@ class Decoder(nnx.Module):
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  segment_ids_BT: jax.Array | None = None) -> jax.Array:
         """Float32 logits [B, T, V] (materialized whole: for tests and small models)."""
+        return self.forward(tokens_BT, positions_BT, segment_ids_BT)[0]
+
+    def forward(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
+                segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Float32 logits [B, T, V] and the load-balancing loss of a mixture of experts, weighted by its
+        coefficient (0 for a dense model): what a training loss adds to the cross-entropy."""
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
         x_BTD = self.io.embed(tokens_BT, positions_BT, segment_ids_BT)
+        stats = []
         for block in self.blocks:
-            x_BTD = block(x_BTD, positions_BT, segment_ids_BT)
-        return self.io.unembed(self.io.final_hidden(x_BTD))
+            x_BTD, s = block.routed(x_BTD, positions_BT, segment_ids_BT)
+            stats += [s] if s is not None else []
+        moe = self.cfg.moe
+        aux = load_balancing_loss(stats, moe.aux_loss_coef, moe.experts) if stats else jnp.zeros((), jnp.float32)
+        return self.io.unembed(self.io.final_hidden(x_BTD)), aux

@@ -145,10 +145,10 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
-        self.gate = Linear(cfg.hidden, cfg.ffn, rngs=rngs)
-        self.up = Linear(cfg.hidden, cfg.ffn, rngs=rngs)
-        self.down = Linear(cfg.ffn, cfg.hidden, rngs=rngs)
+    def __init__(self, hidden: int, ffn: int, *, rngs: nnx.Rngs):
+        self.gate = Linear(hidden, ffn, rngs=rngs)
+        self.up = Linear(hidden, ffn, rngs=rngs)
+        self.down = Linear(ffn, hidden, rngs=rngs)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         return self.down(jax.nn.silu(self.gate(x_BTD)) * self.up(x_BTD))

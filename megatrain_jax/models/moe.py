@@ -1,0 +1,106 @@
+"""Mixture-of-experts MLP: a top-k router over SwiGLU experts, dispatched without dropping tokens.
+
+Shape suffixes as in layers.py, plus E experts, K chosen per token (``top_k``), A = T * K assignments,
+F the expert width. Parameters are float32 (the master copy) and cast to the input's dtype.
+
+Dispatch: the A (token, expert) assignments are sorted by expert, so each expert's tokens are one
+contiguous group, and ``jax.lax.ragged_dot`` multiplies every group by its expert's weights in one call.
+Nothing is padded to a capacity and no token is dropped, unless ``capacity_factor`` asks for it. The work
+is the active experts' only; the shapes are static (A rows), so the program compiles once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megatrain_jax.models.config import MoEConfig
+from megatrain_jax.models.layers import MLP, Linear, _init_normal
+
+
+class RouterStats(NamedTuple):
+    """What the load-balancing loss needs from one block, over the tokens it routed: ``counts_E`` how many
+    assignments each expert got (no gradient), ``prob_sums_E`` the sum over tokens of each expert's routing
+    probability (differentiable), and ``tokens`` how many tokens were routed."""
+
+    counts_E: jax.Array
+    prob_sums_E: jax.Array
+    tokens: int
+
+
+def load_balancing_loss(stats: list[RouterStats] | RouterStats, coef: float, experts: int) -> jax.Array:
+    """The Switch-Transformer auxiliary loss as transformers computes it (``load_balancing_loss_func``
+    without an attention mask) over all blocks' routed tokens together:
+    ``coef * E * sum_e (assignments to e / N) * (sum of e's probability / N)``, N the tokens of all
+    blocks. It is not a sum of per-block losses: both factors are totals over the blocks."""
+    stats = [stats] if isinstance(stats, RouterStats) else list(stats)
+    n = sum(s.tokens for s in stats)
+    counts = sum(s.counts_E for s in stats)
+    probs = sum(s.prob_sums_E for s in stats)
+    return coef * experts * jnp.sum(jax.lax.stop_gradient(counts) * probs) / (n * n)
+
+
+class Experts(nnx.Module):
+    """``E`` SwiGLU experts stored stacked: ``gate``/``up`` [E, D, F], ``down`` [E, F, D]."""
+
+    def __init__(self, experts: int, hidden: int, ffn: int, *, rngs: nnx.Rngs):
+        self.gate = nnx.Param(_init_normal(rngs.params(), (experts, hidden, ffn), jnp.float32))
+        self.up = nnx.Param(_init_normal(rngs.params(), (experts, hidden, ffn), jnp.float32))
+        self.down = nnx.Param(_init_normal(rngs.params(), (experts, ffn, hidden), jnp.float32))
+
+    def __call__(self, x_AD: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+        """Rows of ``x_AD`` sorted by expert, ``group_sizes_E`` rows each -> each row through its expert."""
+        dt = x_AD.dtype
+        dot = lambda x, w: jax.lax.ragged_dot(x, w[...].astype(dt), group_sizes_E)  # noqa: E731
+        return dot(jax.nn.silu(dot(x_AD, self.gate)) * dot(x_AD, self.up), self.down)
+
+
+class MoE(nnx.Module):
+    """The MoE MLP of one block: ``(y_BTD, RouterStats)`` for ``x_BTD``."""
+
+    def __init__(self, hidden: int, moe: MoEConfig, *, rngs: nnx.Rngs):
+        self.cfg = moe
+        self.router = Linear(hidden, moe.experts, rngs=rngs)
+        self.experts = Experts(moe.experts, hidden, moe.expert_ffn, rngs=rngs)
+        if moe.shared_expert_ffn is not None:
+            self.shared = MLP(hidden, moe.shared_expert_ffn, rngs=rngs)
+            self.shared_gate = Linear(hidden, 1, rngs=rngs)
+        else:
+            self.shared = self.shared_gate = None
+
+    def route(self, x_TD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Routing probabilities [T, E] (float32), and the chosen experts [T, K] with their weights [T, K]."""
+        probs_TE = jax.nn.softmax(self.router(x_TD).astype(jnp.float32), axis=-1)
+        weights_TK, experts_TK = jax.lax.top_k(probs_TE, self.cfg.top_k)
+        if self.cfg.norm_topk_prob:
+            weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
+        return probs_TE, experts_TK, weights_TK
+
+    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, RouterStats]:
+        B, T, D = x_BTD.shape
+        E, K = self.cfg.experts, self.cfg.top_k
+        x_TD = x_BTD.reshape(B * T, D)
+        probs_TE, experts_TK, weights_TK = self.route(x_TD)
+        expert_A = experts_TK.reshape(-1)
+        order_A = jnp.argsort(expert_A, stable=True)  # each expert's assignments together, in token order
+        token_A = order_A // K
+        sizes_E = jnp.bincount(expert_A, length=E).astype(jnp.int32)
+        y_AD = self.experts(x_TD[token_A], sizes_E)
+        weight_A = weights_TK.reshape(-1)[order_A]
+        if self.cfg.capacity_factor is not None:  # drop the assignments past each expert's capacity
+            capacity = math.ceil(self.cfg.capacity_factor * B * T * K / E)
+            starts_E = jnp.cumsum(sizes_E) - sizes_E
+            rank_A = jnp.arange(B * T * K) - starts_E[expert_A[order_A]]
+            weight_A = jnp.where(rank_A < capacity, weight_A, 0.0)
+        y_AD = y_AD * weight_A[:, None].astype(y_AD.dtype)
+        y_TD = jnp.zeros_like(x_TD).at[token_A].add(y_AD)
+        if self.shared is not None:
+            gate_T1 = jax.nn.sigmoid(self.shared_gate(x_TD).astype(jnp.float32)).astype(x_TD.dtype)
+            y_TD = y_TD + gate_T1 * self.shared(x_TD)
+        stats = RouterStats(counts_E=jnp.bincount(expert_A, length=E).astype(jnp.float32),
+                            prob_sums_E=jnp.sum(probs_TE, axis=0), tokens=B * T)
+        return y_TD.reshape(B, T, D), stats

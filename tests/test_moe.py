@@ -1,0 +1,134 @@
+"""Mixture-of-experts blocks (issue 18, first part): the presets' sizes, the dropless dispatch against a
+dense computation of every expert, the capacity cut, the load-balancing loss against transformers'
+formula, and the streamed engine against the whole-model reference (without the auxiliary loss, which
+the layered contract does not carry yet: the block refuses to run with it)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from megatrain_jax import EngineConfig
+from megatrain_jax.models import Decoder, MoE, MoEConfig, RouterStats, load_balancing_loss, preset
+
+
+@pytest.mark.parametrize("name,total,active", [("mixtral-8x7b", 46.7e9, 12.9e9), ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+                                               ("qwen2-57b-a14b", 57.4e9, 14.2e9)])
+def test_presets_have_the_published_sizes(name, total, active):
+    cfg = preset(name)
+    assert cfg.param_count() == pytest.approx(total, rel=0.01)
+    assert cfg.active_param_count() == pytest.approx(active, rel=0.02)
+    assert preset("7b").active_param_count() == preset("7b").param_count()
+
+
+def dense_moe(moe: MoE, x_TD: jax.Array, capacity: int | None = None) -> jax.Array:
+    """Every expert on every token, then each token's chosen experts weighted (and, with ``capacity``,
+    each expert's assignments past the first ``capacity`` in token order dropped)."""
+    cfg = moe.cfg
+    probs = jax.nn.softmax(x_TD @ moe.router.kernel[...], axis=-1)
+    w, idx = jax.lax.top_k(probs, cfg.top_k)
+    if cfg.norm_topk_prob:
+        w = w / w.sum(-1, keepdims=True)
+    e = moe.experts
+    h = jax.nn.silu(jnp.einsum("td,edf->etf", x_TD, e.gate[...])) * jnp.einsum("td,edf->etf", x_TD, e.up[...])
+    all_ETD = jnp.einsum("etf,efd->etd", h, e.down[...])
+    mask_TKE = jax.nn.one_hot(idx, cfg.experts)
+    if capacity is not None:  # rank of each assignment within its expert, in (token, slot) order
+        flat = mask_TKE.reshape(-1, cfg.experts)
+        rank = (jnp.cumsum(flat, axis=0) - flat).reshape(mask_TKE.shape)
+        mask_TKE = mask_TKE * (rank < capacity)
+    y = jnp.einsum("tke,tk,etd->td", mask_TKE, w, all_ETD)
+    if moe.shared is not None:
+        y = y + jax.nn.sigmoid(x_TD @ moe.shared_gate.kernel[...]) * moe.shared(x_TD)
+    return y
+
+
+@pytest.mark.parametrize("moe", [MoEConfig(experts=4, top_k=2, expert_ffn=24),
+                                 MoEConfig(experts=6, top_k=3, expert_ffn=16, norm_topk_prob=False,
+                                           shared_expert_ffn=40)], ids=["mixtral-like", "qwen2-moe-like"])
+def test_dropless_dispatch_equals_every_expert_computed_densely(moe):
+    layer = MoE(32, moe, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (3, 7, 32))
+    y, stats = layer(x)
+    np.testing.assert_allclose(y.reshape(21, 32), dense_moe(layer, x.reshape(21, 32)), rtol=2e-5, atol=2e-6)
+    assert stats.tokens == 21 and float(stats.counts_E.sum()) == 21 * moe.top_k
+    np.testing.assert_allclose(stats.prob_sums_E.sum(), 21.0, rtol=1e-5)
+
+
+def test_capacity_factor_drops_the_assignments_past_each_experts_capacity():
+    cfg = MoEConfig(experts=4, top_k=2, expert_ffn=24, capacity_factor=0.5)
+    layer = MoE(32, cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(2), (1, 40, 32))
+    y, _ = layer(x)
+    capacity = math.ceil(0.5 * 40 * 2 / 4)
+    want = dense_moe(layer, x[0], capacity)
+    np.testing.assert_allclose(y[0], want, rtol=2e-5, atol=2e-6)
+    assert not np.allclose(want, dense_moe(layer, x[0]))  # something was dropped
+
+
+def hf_load_balancing_loss(logits_per_layer, top_k, experts, coef):
+    """transformers' ``load_balancing_loss_func`` (no attention mask), written out: the layers' router
+    logits concatenated, softmax, top-k one-hot, the mean over tokens of both, times E."""
+    logits = jnp.concatenate(logits_per_layer, axis=0)
+    probs = jax.nn.softmax(logits, axis=-1)
+    _, selected = jax.lax.top_k(probs, top_k)
+    mask = jax.nn.one_hot(selected, experts)  # [N, K, E]
+    tokens_per_expert = jnp.mean(mask, axis=0)
+    prob_per_expert = jnp.mean(probs, axis=0)
+    return coef * experts * jnp.sum(tokens_per_expert * prob_per_expert[None, :])
+
+
+def test_load_balancing_loss_and_its_gradient_equal_transformers_formula():
+    E, K, coef = 6, 2, 0.02
+    logits = [jax.random.normal(jax.random.key(i), (13, E)) * 2 for i in range(3)]
+
+    def ours(logits):
+        stats = []
+        for lg in logits:
+            probs = jax.nn.softmax(lg, axis=-1)
+            idx = jax.lax.top_k(probs, K)[1].reshape(-1)
+            stats.append(RouterStats(jnp.bincount(idx, length=E).astype(jnp.float32), probs.sum(0), lg.shape[0]))
+        return load_balancing_loss(stats, coef, E)
+
+    theirs = lambda logits: hf_load_balancing_loss(logits, K, E, coef)  # noqa: E731
+    np.testing.assert_allclose(ours(logits), theirs(logits), rtol=1e-6)
+    for a, b in zip(jax.grad(ours)(logits), jax.grad(theirs)(logits)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
+
+
+def test_decoder_forward_adds_the_weighted_loss_and_blocks_refuse_to_drop_it():
+    cfg = preset("tiny-moe")
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.arange(48).reshape(2, 24) % cfg.vocab_size
+    logits, aux = model.forward(tokens)
+    assert logits.shape == (2, 24, cfg.vocab_size) and 0 < float(aux) < 1
+    # balanced routing gives coef * top_k; this is near it
+    assert float(aux) == pytest.approx(cfg.moe.aux_loss_coef * cfg.moe.top_k, rel=0.5)
+    with pytest.raises(ValueError, match="aux_loss_coef"):
+        model.blocks[0](jnp.zeros((1, 4, cfg.hidden)), jnp.arange(4)[None])
+    quiet = Decoder(cfg.replace(moe=MoEConfig(experts=4, top_k=2, expert_ffn=48)), rngs=nnx.Rngs(0))
+    _, zero = quiet.forward(tokens)
+    assert float(zero) == 0.0
+
+
+def test_moe_config_errors_say_what_to_do():
+    with pytest.raises(ValueError, match="top_k=3 exceeds moe.experts=2"):
+        MoEConfig(experts=2, top_k=3)
+    with pytest.raises(ValueError, match="set moe"):
+        preset("tiny", family="mixtral")
+    with pytest.raises(ValueError, match="leave mlp_chunk_tokens unset"):
+        preset("tiny-moe", mlp_chunk_tokens=16)
+
+
+@pytest.mark.parametrize("engine_cfg", [EngineConfig(), EngineConfig(micro_batches=2, accumulate_steps=2, clip_norm=0.05)],
+                         ids=["plain", "micro-accum-clip"])
+def test_engine_equals_reference_on_the_tiny_moe_without_its_auxiliary_loss(engine_cfg):
+    """Dropless routing is per token, so micro-batches route exactly as the whole batch does."""
+    from test_engine import ADAMW, run_both
+    cfg = preset("tiny-moe").replace(moe=MoEConfig(experts=4, top_k=2, expert_ffn=48), layers=3)
+    run_both(cfg, ADAMW, engine_cfg)
