@@ -167,7 +167,7 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
                   f"{m['step_time_s']:.3f}s dispatch {m['dispatch_s']:.3f}s", flush=True)
         timed_recs = records[warmup:]
         step_time = statistics.median(r["step_time_s"] for r in timed_recs)
-        fpt = model_flops_per_token(cfg.param_count(), cfg.layers, cfg.hidden, bc.seq_len)
+        fpt = model_flops_per_token(cfg.active_param_count(), cfg.layers, cfg.hidden, bc.seq_len)
         run.update(step_time_s=round(step_time, 4), tokens_per_s=round(tokens_per_step / step_time, 1),
                    model_tflops=round(tokens_per_step / step_time * fpt / 1e12, 1),
                    loss_first=timed_recs[0]["loss"], loss_last=timed_recs[-1]["loss"],

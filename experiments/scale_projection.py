@@ -115,7 +115,7 @@ def project(name: str, small: dict, big: dict, target: dict) -> dict:
     efficiency = here / big["step_time_s"]  # how close the overlapped step came to its largest component here
     step = max(compute, transfer, optimizer) / efficiency
     tokens = ROWS * SEQ
-    fpt = model_flops_per_token(full.param_count(), full.layers, full.hidden, SEQ)
+    fpt = model_flops_per_token(full.active_param_count(), full.layers, full.hidden, SEQ)
     engine, lean = lean_engine(full, MODELS[name], ROWS, SEQ, host_ram_bytes=target["host_ram_gib"] * GiB)
     p = plan(full, engine, ROWS, SEQ, host_ram_bytes=target["host_ram_gib"] * GiB, detect=False)
     return {"params": full.param_count(), "layers": L, "mode": engine.master_dtype, "engine": dataclasses.asdict(engine),

@@ -162,7 +162,7 @@ def train(work: Path, args) -> dict:
     timed = records[2:]
     step = float(np.median([r["step_time_s"] for r in timed]))
     tokens = args.rows * args.seq_len
-    fpt = model_flops_per_token(cfg.param_count(), cfg.layers, cfg.hidden, args.seq_len)
+    fpt = model_flops_per_token(cfg.active_param_count(), cfg.layers, cfg.hidden, args.seq_len)
     engine.sync()
     export = work / "export"
     t = time.perf_counter()

@@ -190,8 +190,10 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
     feed = Feed(data, engine.accumulate_steps, limit, eng.check_batch)
     if session is not None:
         session.follow(feed.state, feed.stop)
-    params = sum(x.size for x in jax.tree.leaves(eng.state.params()))
     cfg = model.cfg
+    # model FLOPs count the parameters a token uses: a mixture of experts' active ones (docs/results.md)
+    active = getattr(cfg, "active_param_count", None)
+    params = active() if callable(active) else sum(x.size for x in jax.tree.leaves(eng.state.params()))
     phase = "engine"
     with session.running() if session else contextlib.nullcontext():  # waits for the save in flight on exit
         try:

@@ -185,8 +185,13 @@ def _transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: i
     token. In brackets, XLA's memory analysis on the H100 (per micro-batch: 7B layer at 16K tokens / 3B at
     128K; it depends on the tokens, not on how they split into rows)."""
     ab = 2 if c.dtype in ("bfloat16", "float16") else 4
-    q, kv, D, F, V = c.heads * c.dim_per_head, c.kv_heads * c.dim_per_head, c.hidden, c.ffn, c.vocab_size
+    q, kv, D, V = c.heads * c.dim_per_head, c.kv_heads * c.dim_per_head, c.hidden, c.vocab_size
     mt = micro_rows * seq_len
+    # The MLP's width per token: a mixture of experts computes top_k experts' rows (and the shared
+    # expert's), and also holds each routed copy of the token's input and output [tokens * top_k, D].
+    # (A rule from the shapes; no MoE run has checked it yet.)
+    F = c.ffn if c.moe is None else c.moe.top_k * c.moe.expert_ffn + (c.moe.shared_expert_ffn or 0) \
+        + 2 * c.moe.top_k * D // 3
     mlp_t = mt if c.mlp_chunk_tokens is None else min(mt, c.mlp_chunk_tokens)  # tokens the MLP holds at once
     scores = 0 if flash else micro_rows * c.heads * seq_len * seq_len * (4 + ab)  # no flash: T x T scores
     if kind == "forward":  # [1.01 / 6.0 GiB, and 8B's 1.31 at 16K; this rule the same]

@@ -132,3 +132,17 @@ def test_engine_equals_reference_on_the_tiny_moe_without_its_auxiliary_loss(engi
     from test_engine import ADAMW, run_both
     cfg = preset("tiny-moe").replace(moe=MoEConfig(experts=4, top_k=2, expert_ffn=48), layers=3)
     run_both(cfg, ADAMW, engine_cfg)
+
+
+def test_a_run_config_amends_the_presets_moe_table_and_trains_it(tmp_path, capsys):
+    """``model.moe.aux_loss_coef=0`` changes that field of the preset's MoE and keeps the rest; the CLI
+    trains the tiny MoE; with the auxiliary loss on, it stops with the block's message."""
+    from megatrain_jax.cli import load_config, main
+    cfg = load_config(None, ["model.preset=tiny-moe", "model.moe.aux_loss_coef=0.0"]).model.build()
+    assert cfg.moe == preset("tiny-moe").moe.__class__(experts=4, top_k=2, expert_ffn=48, aux_loss_coef=0.0)
+    run = ["model.preset=tiny-moe", "data.seq_len=32", "data.batch_size=4", "data.demo_tokens=20000",
+           "log.progress=lines", "log.tensorboard=false", "train.steps=3", f"train.run_dir={tmp_path / 'a'}"]
+    assert main(["train", *run, "model.moe.aux_loss_coef=0.0"]) == 0
+    assert "loss" in capsys.readouterr().out
+    assert main(["train", *run[:-1], f"train.run_dir={tmp_path / 'b'}"]) != 0
+    assert "Set moe.aux_loss_coef = 0 to train without the loss knowingly" in capsys.readouterr().err

@@ -318,10 +318,21 @@ def build_dataclass(cls: type, table: dict, where: str | Where) -> Any:
 def _model(table: dict, where: Where) -> ModelSection:
     fields = _fields(DecoderConfig)
     _check_keys(table, list(_MODEL_KEYS) + list(fields), where)
-    overrides = {k: coerce(v, fields[k], where.key(k)) for k, v in table.items() if k not in _MODEL_KEYS}
-    section = ModelSection(preset=coerce(table.get("preset", "tiny"), str, where.key("preset")),
-                           hf_checkpoint=coerce(table.get("hf_checkpoint"), str | None, where.key("hf_checkpoint")),
-                           overrides=overrides)
+    hf_checkpoint = coerce(table.get("hf_checkpoint"), str | None, where.key("hf_checkpoint"))
+    name = coerce(table.get("preset", "tiny"), str, where.key("preset"))
+    overrides = {}
+    for k, v in table.items():
+        if k in _MODEL_KEYS:
+            continue
+        if isinstance(v, dict) and hf_checkpoint is None:  # a table (moe, rope_scaling) amends the preset's
+            try:
+                base = getattr(preset(name), k)
+            except ValueError:
+                base = None  # an unknown preset: section.build() below says so
+            if dataclasses.is_dataclass(base):
+                v = {**dataclasses.asdict(base), **v}
+        overrides[k] = coerce(v, fields[k], where.key(k))
+    section = ModelSection(preset=name, hf_checkpoint=hf_checkpoint, overrides=overrides)
     try:
         section.build()  # every DecoderConfig check, now rather than after data is loaded
     except (ValueError, TypeError, FileNotFoundError) as e:
