@@ -76,11 +76,14 @@ class DeviceFns:
         self.mesh: Mesh = placement.mesh
         self.size = placement.size
         self._spec = placement.spec
+        self.routed = lm.aux_loss is not None  # blocks also return statistics for the auxiliary loss
         self._kinds = {
             "embed": (lm.embed, (ROWS, ROWS, ROWS), ROWS, (), None),
-            "forward": (lm.block, (ROWS, ROWS, ROWS), ROWS, (), None),
+            "forward": ((self._forward_routed, (ROWS, ROWS, ROWS), (ROWS, WHOLE), (), None) if self.routed
+                        else (lm.block, (ROWS, ROWS, ROWS), ROWS, (), None)),
             "head": (self._head, (ROWS, ROWS, ROWS, WHOLE, STACKED), (WHOLE, ROWS, STACKED), (5,), None),
-            "backward": (self._backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (ROWS, STACKED), (5,), 1),
+            "backward": ((self._backward_routed, (ROWS, ROWS, ROWS, ROWS, WHOLE, STACKED), (ROWS, STACKED), (6,), 1)
+                         if self.routed else (self._backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (ROWS, STACKED), (5,), 1)),
             "embed_backward": (self._embed_backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (STACKED,), (5,), 0),
             "nll_sum": (self._nll_sum, (ROWS, ROWS, ROWS), WHOLE, (), None),
         }
@@ -89,6 +92,8 @@ class DeviceFns:
         self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
         self.mask_sum = jax.jit(_mask_sum)  # the loss tokens of a batch
         self.inv_count = jax.jit(lambda masks: 1.0 / jnp.maximum(_mask_sum(masks), 1.0))
+        # the auxiliary loss of the batch's summed block statistics, and its gradient with respect to them
+        self.aux = jax.jit(jax.value_and_grad(lm.aux_loss)) if self.routed else None
 
     # ------------------------------------------------------------------ calls
     def fetched(self, shards: Params) -> Params | Shards:
@@ -100,15 +105,18 @@ class DeviceFns:
         return self._call("embed", io, tokens_BT, positions_BT, segment_ids_BT)
 
     def forward(self, params, x_BTD, positions_BT, segment_ids_BT):
+        """(y, params); with ``routed`` ((y, the block's statistics summed over the mesh), params)."""
         return self._call("forward", params, x_BTD, positions_BT, segment_ids_BT)
 
     def head(self, io, x_BTD, targets_BT, mask_BT, inv_count, io_acc):
         """((loss, d(loss)/dx, io_acc), io)."""
         return self._call("head", io, x_BTD, targets_BT, mask_BT, inv_count, io_acc)
 
-    def backward(self, params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, acc, last: bool = False):
-        """((dx, acc), params); with ``last`` the accumulated gradient comes back summed over the mesh."""
-        return self._call("backward", params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, acc, last=last)
+    def backward(self, params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, acc, d_stats=None, last: bool = False):
+        """((dx, acc), params); with ``last`` the accumulated gradient comes back summed over the mesh. With
+        ``routed``, ``d_stats`` is the auxiliary loss's gradient with respect to the block's statistics."""
+        extra = (d_stats,) if self.routed else ()
+        return self._call("backward", params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, *extra, acc, last=last)
 
     def embed_backward(self, io, tokens_BT, positions_BT, segment_ids_BT, dx_BTD, io_acc, last: bool = False):
         (acc,), io = self._call("embed_backward", io, tokens_BT, positions_BT, segment_ids_BT, dx_BTD, io_acc,
@@ -192,6 +200,19 @@ class DeviceFns:
         """Recompute the block from its saved input and pull ``dy`` back: (dx, accumulated grads)."""
         _, pullback = jax.vjp(lambda p, x: self.lm.block(p, x, positions_BT, segment_ids_BT), params, x_BTD)
         g_params, dx_BTD = pullback(dy_BTD)
+        return dx_BTD, self._accumulate(acc, g_params)
+
+    def _forward_routed(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
+                        segment_ids_BT: jax.Array | None):
+        y_BTD, stats = self.lm.block_routed(params, x_BTD, positions_BT, segment_ids_BT)
+        return y_BTD, jax.tree.map(self._sum, stats)
+
+    def _backward_routed(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
+                         segment_ids_BT: jax.Array | None, dy_BTD: jax.Array, d_stats: Any, acc: Params | None):
+        """As ``_backward``, the block's statistics pulling back ``d_stats`` too: every device's share of the
+        summed statistics has the same gradient as the sum."""
+        _, pullback = jax.vjp(lambda p, x: self.lm.block_routed(p, x, positions_BT, segment_ids_BT), params, x_BTD)
+        g_params, dx_BTD = pullback((dy_BTD, d_stats))
         return dx_BTD, self._accumulate(acc, g_params)
 
     def _embed_backward(self, io: Params, tokens_BT: jax.Array, positions_BT: jax.Array,

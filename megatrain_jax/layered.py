@@ -10,7 +10,11 @@ A model follows the contract when it has:
 - ``model.blocks``: an ``nnx.List`` of identical blocks, ``block(x_BTD, positions_BT, segment_ids_BT)``;
 - only ``nnx.Param`` variables;
 - no active dropout: an ``nnx.Dropout`` must have rate 0 or ``deterministic=True`` and hold no RNG stream
-  (the engine calls each part as a pure function of its parameters, with no random key).
+  (the engine calls each part as a pure function of its parameters, with no random key);
+- optionally an auxiliary loss (a mixture of experts' load balancing): ``model.aux_loss``, a hashable
+  callable of the blocks' summed statistics, and ``block.routed(x_BTD, positions_BT, segment_ids_BT) ->
+  (x_BTD, stats)`` with ``stats`` a pytree of sums over tokens. The training loss is the cross-entropy
+  plus ``aux_loss(sum of every block's stats over the batch)``.
 
 For initialization off the GPU (``fit`` given an abstract model from ``nnx.eval_shape``) the model also
 provides ``new_io(key)`` and ``new_block(index, key)``, building one part with its own initializers.
@@ -44,6 +48,7 @@ class LayeredModel:
     vocab_size: int
     max_positions: int | None
     loss_chunk_tokens: int
+    aux_loss: Any = None  # the model's auxiliary loss of the blocks' summed statistics, or None
 
     def embed(self, io_params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
               segment_ids_BT: jax.Array | None) -> jax.Array:
@@ -52,6 +57,11 @@ class LayeredModel:
     def block(self, block_params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
               segment_ids_BT: jax.Array | None) -> jax.Array:
         return nnx.merge(self.block_graphdef, block_params)(x_BTD, positions_BT, segment_ids_BT)
+
+    def block_routed(self, block_params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
+                     segment_ids_BT: jax.Array | None) -> tuple[jax.Array, Any]:
+        """The block's output and the statistics its ``aux_loss`` share is computed from."""
+        return nnx.merge(self.block_graphdef, block_params).routed(x_BTD, positions_BT, segment_ids_BT)
 
     def head_nll_sum(self, io_params: Params, x_BTD: jax.Array, targets_BT: jax.Array,
                      mask_BT: jax.Array) -> jax.Array:
@@ -256,8 +266,12 @@ def layered(model: nnx.Module, check_blocks: bool = True) -> LayeredModel:
                     f"All blocks must be identical in structure, parameter shapes and attributes (one "
                     f"stateless template serves every layer); {_NEED}")
     cfg = model.cfg
+    aux = getattr(model, "aux_loss", None)
+    if aux is not None and not callable(getattr(model.blocks[0], "routed", None)):
+        raise ContractError(f"the model has an aux_loss, but its blocks have no routed(x, positions, segment_ids) "
+                            f"-> (x, stats) to feed it; {_NEED}")
     return LayeredModel(io_gd, block_gd, len(model.blocks), cfg.vocab_size,
-                        getattr(cfg, "max_positions", None), getattr(cfg, "loss_chunk_tokens", 8192))
+                        getattr(cfg, "max_positions", None), getattr(cfg, "loss_chunk_tokens", 8192), aux)
 
 
 def io_params(model: nnx.Module) -> Params:

@@ -42,6 +42,8 @@ class Pass:
     io_grads: Any = None
     losses: list = dataclasses.field(default_factory=list)
     decision: StepDecision | None = None
+    stats: Any = None  # the blocks' statistics summed over blocks and micro-batches (an auxiliary loss's input)
+    d_stats: Any = None  # the auxiliary loss's gradient with respect to them
 
 
 class PassRunner:
@@ -101,6 +103,10 @@ class PassRunner:
         b, layer = p.batches[op.micro], op.part.layer
         y, p.params[op.part] = self.fns.forward(p.params[op.part], p.acts[layer][op.micro], b.positions,
                                                 b.segment_ids)
+        if self.fns.routed:
+            y, stats = y
+            if p.keep_inputs:  # training: the auxiliary loss is over every block of every micro-batch
+                p.stats = stats if p.stats is None else self.fns.add(p.stats, stats)
         p.acts.setdefault(layer + 1, []).append(y)
         if not p.keep_inputs and op.micro == len(p.batches) - 1:
             del p.acts[layer]  # evaluation: no backward reads them
@@ -108,6 +114,9 @@ class PassRunner:
 
     def head(self, p: Pass, op: Op):
         b = p.batches[op.micro]
+        if self.fns.routed and op.micro == 0:  # every forward has run (layer-major): the auxiliary loss
+            aux, p.d_stats = self.fns.aux(p.stats)
+            p.losses.append(aux)
         (loss, dx, p.io_grads), p.params[IO] = self.fns.head(p.params[IO], p.acts[self.n_blocks][op.micro],
                                                              b.targets, b.loss_mask, p.inv_count, p.io_grads)
         p.losses.append(loss)
@@ -121,7 +130,7 @@ class PassRunner:
         last = op.micro == len(p.batches) - 1  # the gradient comes back summed over the devices
         (p.dy[op.micro], p.grads), p.params[op.part] = self.fns.backward(
             p.params[op.part], p.acts[layer][op.micro], b.positions, b.segment_ids, p.dy[op.micro], p.grads,
-            last=last)
+            p.d_stats, last=last)
         if layer > 0 and last:
             del p.acts[layer]  # block 0's inputs are the embeddings, still needed by embed_backward
         return p.dy[op.micro]

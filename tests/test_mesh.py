@@ -14,6 +14,7 @@ from flax import nnx
 
 from megatrain_jax import Decoder, Engine, EngineConfig, ReferenceTrainer, adamw, preset
 from megatrain_jax.checkpoint.manager import Checkpointer
+from megatrain_jax.models import MoEConfig
 from megatrain_jax.transfer import Placement
 from test_engine import assert_models_close, make_batches
 
@@ -52,6 +53,9 @@ CASES = {
     "fused-bf16-stream": (TINY, EngineConfig(micro_batches=2, stream_dtype="bfloat16"), {}),
     "resident-accumulate": (TINY, EngineConfig(resident_io=True, resident_layers=1, accumulate_steps=2), {"mask": True}),
     "odd-shapes-packed": (ODD, EngineConfig(micro_batches=1, clip_norm=0.5), {"packed": True}),
+    # a mixture of experts with its load-balancing loss: the routers' statistics summed over the devices
+    "moe-aux-loss": (preset("tiny-moe").replace(moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, aux_loss_coef=0.5)),
+                     EngineConfig(micro_batches=2), {}),
 }
 
 

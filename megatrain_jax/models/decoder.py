@@ -13,7 +13,7 @@ from flax import nnx
 
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.models.layers import MLP, Attention, RMSNorm, _init_normal
-from megatrain_jax.models.moe import MoE, RouterStats, load_balancing_loss
+from megatrain_jax.models.moe import MoE, RouterStats, SwitchLoss
 
 
 class Block(nnx.Module):
@@ -22,7 +22,6 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.mlp_chunk_tokens = cfg.mlp_chunk_tokens
-        self.aux_loss_coef = cfg.moe.aux_loss_coef if cfg.moe is not None else 0.0
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
@@ -30,16 +29,13 @@ class Block(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array,
                  segment_ids_BT: jax.Array | None = None) -> jax.Array:
-        if self.aux_loss_coef:
-            raise ValueError("this block is a mixture of experts with a load-balancing loss (moe.aux_loss_coef = "
-                             f"{self.aux_loss_coef}), which the layered contract's block(x) -> x cannot carry "
-                             "yet: the engine would train without it. Set moe.aux_loss_coef = 0 to train without "
-                             "the loss knowingly, or use Decoder.forward for the logits and the loss")
+        """The block's output alone (its router's statistics dropped: see ``routed``)."""
         return self.routed(x_BTD, positions_BT, segment_ids_BT)[0]
 
     def routed(self, x_BTD: jax.Array, positions_BT: jax.Array,
                segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, RouterStats | None]:
-        """The block's output, and its router's statistics (None for a dense block)."""
+        """The block's output, and its router's statistics (None for a dense block): what the model's
+        ``aux_loss`` takes, summed over the blocks (docs/model_contract.md)."""
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
         if isinstance(self.mlp, MoE):
             y_BTD, stats = self.mlp(self.mlp_norm(x_BTD))
@@ -108,6 +104,9 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
+        # the load-balancing loss of the blocks' summed router statistics (the contract's aux_loss)
+        self.aux_loss = (SwitchLoss(cfg.moe.aux_loss_coef, cfg.moe.experts)
+                         if cfg.moe is not None and cfg.moe.aux_loss_coef > 0 else None)
         key = rngs.params()
         self.io = self.new_io(key)
         self.blocks = nnx.List([self.new_block(i, key) for i in range(cfg.layers)])
@@ -133,7 +132,8 @@ class Decoder(nnx.Module):
         stats = []
         for block in self.blocks:
             x_BTD, s = block.routed(x_BTD, positions_BT, segment_ids_BT)
-            stats += [s] if s is not None else []
-        moe = self.cfg.moe
-        aux = load_balancing_loss(stats, moe.aux_loss_coef, moe.experts) if stats else jnp.zeros((), jnp.float32)
-        return self.io.unembed(self.io.final_hidden(x_BTD)), aux
+            stats.append(s)
+        logits = self.io.unembed(self.io.final_hidden(x_BTD))
+        if self.aux_loss is None:
+            return logits, jnp.zeros((), jnp.float32)
+        return logits, self.aux_loss(jax.tree.map(lambda *xs: sum(xs), *stats))

@@ -11,6 +11,7 @@ is the active experts' only; the shapes are static (A rows), so the program comp
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -25,11 +26,12 @@ from megatrain_jax.models.layers import MLP, Linear, _init_normal
 class RouterStats(NamedTuple):
     """What the load-balancing loss needs from one block, over the tokens it routed: ``counts_E`` how many
     assignments each expert got (no gradient), ``prob_sums_E`` the sum over tokens of each expert's routing
-    probability (differentiable), and ``tokens`` how many tokens were routed."""
+    probability (differentiable), and ``tokens`` how many tokens were routed (float32). Every field is a
+    sum over tokens, so the statistics of several blocks, micro-batches or devices add up."""
 
     counts_E: jax.Array
     prob_sums_E: jax.Array
-    tokens: int
+    tokens: jax.Array
 
 
 def load_balancing_loss(stats: list[RouterStats] | RouterStats, coef: float, experts: int) -> jax.Array:
@@ -38,10 +40,22 @@ def load_balancing_loss(stats: list[RouterStats] | RouterStats, coef: float, exp
     ``coef * E * sum_e (assignments to e / N) * (sum of e's probability / N)``, N the tokens of all
     blocks. It is not a sum of per-block losses: both factors are totals over the blocks."""
     stats = [stats] if isinstance(stats, RouterStats) else list(stats)
-    n = sum(s.tokens for s in stats)
+    n = jax.lax.stop_gradient(sum(s.tokens for s in stats))
     counts = sum(s.counts_E for s in stats)
     probs = sum(s.prob_sums_E for s in stats)
     return coef * experts * jnp.sum(jax.lax.stop_gradient(counts) * probs) / (n * n)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchLoss:
+    """A model's ``aux_loss`` (docs/model_contract.md): the load-balancing loss of the summed
+    ``RouterStats`` of all its blocks. Compared by value, so engines of equal models share programs."""
+
+    coef: float
+    experts: int
+
+    def __call__(self, stats: RouterStats) -> jax.Array:
+        return load_balancing_loss(stats, self.coef, self.experts)
 
 
 class Experts(nnx.Module):
@@ -102,5 +116,5 @@ class MoE(nnx.Module):
             gate_T1 = jax.nn.sigmoid(self.shared_gate(x_TD).astype(jnp.float32)).astype(x_TD.dtype)
             y_TD = y_TD + gate_T1 * self.shared(x_TD)
         stats = RouterStats(counts_E=jnp.bincount(expert_A, length=E).astype(jnp.float32),
-                            prob_sums_E=jnp.sum(probs_TE, axis=0), tokens=B * T)
+                            prob_sums_E=jnp.sum(probs_TE, axis=0), tokens=jnp.float32(B * T))
         return y_TD.reshape(B, T, D), stats
