@@ -56,8 +56,16 @@ class ModelSection:
     def build(self) -> DecoderConfig:
         if self.hf_checkpoint is not None:
             from megatrain_jax.hf import read_config
-            return read_config(self.hf_checkpoint, **self.overrides)
-        return preset(self.preset, **self.overrides)
+            base = read_config(self.hf_checkpoint)
+        else:
+            base = preset(self.preset)
+        changes = {}
+        for k, v in self.overrides.items():
+            if isinstance(v, dict):  # a table amends the model's own (moe, rope_scaling), or makes one
+                own = getattr(base, k)
+                v = dataclasses.replace(own, **v) if own is not None else _table_type(_fields(DecoderConfig)[k])(**v)
+            changes[k] = v
+        return base.replace(**changes) if changes else base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +323,13 @@ def build_dataclass(cls: type, table: dict, where: str | Where) -> Any:
         raise ConfigError(f"{where.in_table(table)}: {e}") from None
 
 
+def _table_type(hint: Any) -> type | None:
+    """The dataclass a field holds (``MoEConfig | None`` -> MoEConfig), or None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    return next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), None)
+
+
 def _model(table: dict, where: Where) -> ModelSection:
     fields = _fields(DecoderConfig)
     _check_keys(table, list(_MODEL_KEYS) + list(fields), where)
@@ -324,14 +339,13 @@ def _model(table: dict, where: Where) -> ModelSection:
     for k, v in table.items():
         if k in _MODEL_KEYS:
             continue
-        if isinstance(v, dict) and hf_checkpoint is None:  # a table (moe, rope_scaling) amends the preset's
-            try:
-                base = getattr(preset(name), k)
-            except ValueError:
-                base = None  # an unknown preset: section.build() below says so
-            if dataclasses.is_dataclass(base):
-                v = {**dataclasses.asdict(base), **v}
-        overrides[k] = coerce(v, fields[k], where.key(k))
+        table_of = _table_type(fields[k])
+        if isinstance(v, dict) and table_of is not None:  # a table (moe, rope_scaling): amends the model's own
+            sub = _fields(table_of)
+            _check_keys(v, list(sub), where.key(k))
+            overrides[k] = {kk: coerce(vv, sub[kk], where.key(k).key(kk)) for kk, vv in v.items()}
+        else:
+            overrides[k] = coerce(v, fields[k], where.key(k))
     section = ModelSection(preset=name, hf_checkpoint=hf_checkpoint, overrides=overrides)
     try:
         section.build()  # every DecoderConfig check, now rather than after data is loaded
