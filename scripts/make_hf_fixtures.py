@@ -49,6 +49,20 @@ FIXTURES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0, use_sliding_window=False)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=20, rope_theta=1000000.0,
                                                       tie_word_embeddings=True)),
+    # mixtures of experts (issue 18): 4 experts, 2 per token
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                            rope_theta=1000000.0, sliding_window=None,
+                                                            router_aux_loss_coef=0.02)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                                moe_intermediate_size=40, norm_topk_prob=True,
+                                                                decoder_sparse_step=1, mlp_only_layers=[],
+                                                                rope_theta=1000000.0)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
+                                                                moe_intermediate_size=40,
+                                                                shared_expert_intermediate_size=56,
+                                                                norm_topk_prob=False, decoder_sparse_step=1,
+                                                                mlp_only_layers=[], use_sliding_window=False,
+                                                                rope_theta=1000000.0)),
 }
 
 
@@ -58,7 +72,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-            if p.ndim == 2:
+            if p.ndim >= 2:  # matrices, and experts' stacked ones
                 p.copy_(0.15 * noise)
             elif name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.1 * noise)
@@ -107,6 +121,7 @@ def main() -> None:
     ap.add_argument("--against", type=Path, nargs="*", help="folders with tokens.npy + logits.npy, one per "
                     "exported folder (default: the exported folder itself)")
     ap.add_argument("--tolerance", type=float, default=1e-4, help="max relative logits error")
+    ap.add_argument("--only", nargs="*", help="make only these fixtures (default: all)")
     args = ap.parse_args()
     if args.check_export:
         against = args.against or args.check_export
@@ -115,8 +130,9 @@ def main() -> None:
             check_export(folder, reference, args.tolerance)
         return
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
-    for seed, name in enumerate(FIXTURES):
-        make(name, seed)
+    for seed, name in enumerate(FIXTURES):  # a fixture's seed is its place in FIXTURES: add new ones last
+        if not args.only or name in args.only:
+            make(name, seed)
     (OUT / "VERSIONS.json").write_text(json.dumps(
         {"torch": torch.__version__, "transformers": transformers.__version__}, indent=2) + "\n")
 

@@ -170,3 +170,52 @@ def test_a_run_config_amends_the_presets_moe_table_and_trains_it(tmp_path, capsy
            "log.progress=lines", "log.tensorboard=false", "train.steps=3", f"train.run_dir={tmp_path}"]
     assert main(["train", *run, "model.moe.aux_loss_coef=0.1"]) == 0
     assert "loss" in capsys.readouterr().out
+
+
+MOE_FAMILIES = {
+    "mixtral": preset("tiny-moe"),
+    "qwen3_moe": preset("tiny-moe", family="qwen3_moe", qk_norm=True, head_dim=16),
+    "qwen2_moe": preset("tiny-moe", family="qwen2_moe", qkv_bias=True,
+                        moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, norm_topk_prob=False, shared_expert_ffn=40,
+                                      aux_loss_coef=0.001)),
+}
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_hf_export_and_import_round_trip_per_expert_tensors(tmp_path, family):
+    """save_hf writes each expert's matrices as released checkpoints hold them; load_hf, and HFParts into
+    an engine's state, read back the same float32 parameters; the config comes back with its MoE."""
+    from megatrain_jax.hf import HFParts, load_hf, read_config, save_hf
+    from megatrain_jax.hf.safetensors_io import Checkpoint
+    from megatrain_jax.layered import block_params, io_params
+    from megatrain_jax import Engine, adamw
+    cfg = MOE_FAMILIES[family]
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    ref = [nnx.to_pure_dict(io_params(model))] + [nnx.to_pure_dict(b) for b in block_params(model)]
+    save_hf(tmp_path, cfg, ref[0], ref[1:], dtype="float32", max_shard_bytes=100_000)
+    names = Checkpoint(tmp_path).names()
+    moe = "block_sparse_moe" if family == "mixtral" else "mlp"
+    expert = "w1" if family == "mixtral" else "gate_proj"
+    assert f"model.layers.1.{moe}.experts.3.{expert}.weight" in names and f"model.layers.0.{moe}.gate.weight" in names
+    assert (f"model.layers.0.{moe}.shared_expert_gate.weight" in names) == (family == "qwen2_moe")
+    back = read_config(tmp_path, dtype="float32")
+    assert back.moe == cfg.moe and back.family == family
+    _, io, blocks = load_hf(tmp_path, dtype="float32")
+    jax.tree.map(np.testing.assert_array_equal, [io] + blocks, ref)
+    abstract = nnx.eval_shape(lambda: Decoder(back, rngs=nnx.Rngs(0)))
+    state = Engine(abstract, adamw(1e-3), init_from=HFParts(tmp_path, cfg)).state
+    for part, want in zip(state.parts, ref):
+        jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), y), nnx.to_pure_dict(part.params), want)
+
+
+def test_hf_moe_configs_that_cannot_be_reproduced_are_refused():
+    from megatrain_jax.hf import config_from_hf, config_to_hf
+    from megatrain_jax.hf.config import UnsupportedConfig
+    good = config_to_hf(MOE_FAMILIES["qwen3_moe"])
+    assert config_from_hf(good).moe == MOE_FAMILIES["qwen3_moe"].moe
+    with pytest.raises(UnsupportedConfig, match="decoder_sparse_step"):
+        config_from_hf({**good, "decoder_sparse_step": 2})
+    with pytest.raises(UnsupportedConfig, match="router_jitter_noise"):
+        config_from_hf({**config_to_hf(MOE_FAMILIES["mixtral"]), "router_jitter_noise": 0.1})
+    with pytest.raises(UnsupportedConfig, match="capacity_factor"):
+        config_to_hf(preset("tiny-moe", moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, capacity_factor=1.0)))

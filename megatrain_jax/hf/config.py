@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` <-> DecoderConfig, for Llama, Mistral, Qwen2 and Qwen3.
+"""Hugging Face ``config.json`` <-> DecoderConfig, for Llama, Mistral, Qwen2, Qwen3 and the mixtures of
+experts Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Both the transformers 4.x spelling (``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and the 5.x one
 (``rope_parameters``, ``dtype``) are read; we write the 4.x spelling, which 5.x still reads. Anything
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatrain_jax.models.config import DecoderConfig, RopeScaling
+from megatrain_jax.models.config import DecoderConfig, MoEConfig, RopeScaling
 
 # model_type -> (our family, the causal-LM class transformers builds)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -17,9 +18,13 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _FAMILY_TO_TYPE = {family: mt for mt, (family, _) in ARCHITECTURES.items()}
-_DEFAULT_HEAD_DIM = {"qwen3": 128}  # transformers' default when config.json omits head_dim
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_moe": 128}  # transformers' default when config.json omits head_dim
 _SUPPORTED_ROPE = ("default", "llama3", "linear", "yarn")
 
 
@@ -79,7 +84,7 @@ def _rope(c: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
 
 
 def _sliding_window(c: dict[str, Any], mt: str, layers: int) -> int | None:
-    if mt == "mistral":
+    if mt in ("mistral", "mixtral"):
         return c.get("sliding_window")
     if mt == "llama":
         return None
@@ -111,7 +116,15 @@ def _check_unsupported(c: dict[str, Any], mt: str) -> None:
         raise UnsupportedConfig(f"attention_dropout={dropout!r} is not supported (the engine trains without "
                                 f"dropout: docs/model_contract.md); set it to 0.0 in config.json to train "
                                 f"without dropout (the model's outputs at inference are unchanged)")
-    if mt in ("llama", "mistral", "qwen3") and c.get("attention_bias", False):
+    if mt in _MOE_TYPES:
+        if float(c.get("router_jitter_noise") or 0.0) != 0.0:
+            raise UnsupportedConfig(f"router_jitter_noise={c['router_jitter_noise']!r} is not supported (routing is "
+                                    f"deterministic); set it to 0.0 in config.json")
+        if int(c.get("decoder_sparse_step", 1)) != 1 or c.get("mlp_only_layers"):
+            raise UnsupportedConfig(f"decoder_sparse_step={c.get('decoder_sparse_step')!r}, mlp_only_layers="
+                                    f"{c.get('mlp_only_layers')!r}: only models whose every layer is a mixture of "
+                                    f"experts are supported (one block template serves every layer)")
+    if mt in ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe") and c.get("attention_bias", False):
         raise UnsupportedConfig(f"attention_bias=True for model_type {mt!r} is not supported (it also "
                                 f"puts a bias on o_proj; only Qwen2-style q/k/v biases are)")
 
@@ -139,17 +152,52 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
         else int(head_dim),
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3",
-        sliding_window=_sliding_window(c, mt, layers), max_positions=max_pos)
+        qkv_bias=mt in ("qwen2", "qwen2_moe"), qk_norm=mt in ("qwen3", "qwen3_moe"),
+        sliding_window=_sliding_window(c, mt, layers), max_positions=max_pos, moe=_moe(c, mt))
     fields.update(overrides)
     return DecoderConfig(**fields)
 
 
+def _moe(c: dict[str, Any], mt: str) -> MoEConfig | None:
+    """The mixture of experts of a Mixtral / Qwen2-MoE / Qwen3-MoE config. The load-balancing coefficient
+    is ``router_aux_loss_coef``, used in training whatever ``output_router_logits`` says (set
+    ``model.moe.aux_loss_coef = 0`` to train without it)."""
+    if mt not in _MOE_TYPES:
+        return None
+    try:
+        if mt == "mixtral":
+            return MoEConfig(experts=int(c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
+                             expert_ffn=int(c["intermediate_size"]), norm_topk_prob=True,
+                             aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)))
+        shared = c.get("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
+        return MoEConfig(experts=int(c["num_experts"]), top_k=int(c["num_experts_per_tok"]),
+                         expert_ffn=int(c["moe_intermediate_size"]),
+                         norm_topk_prob=bool(c.get("norm_topk_prob", mt == "qwen3_moe")),
+                         shared_expert_ffn=int(shared) if shared else None,
+                         aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)))
+    except KeyError as e:
+        raise UnsupportedConfig(f"config.json of model_type {mt!r} lacks the required field {e.args[0]!r}") from None
+
+
 def check_exportable(cfg: DecoderConfig) -> None:
     """Raise if transformers' class for ``cfg.family`` cannot express ``cfg`` exactly."""
-    want = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
+    want = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False), "qwen3": (False, True),
+            "mixtral": (False, False), "qwen2_moe": (True, False), "qwen3_moe": (False, True)}
     bias, norm = want[cfg.family]
     problems = []
+    if (cfg.moe is not None) != (cfg.family in _MOE_TYPES):
+        problems.append(f"moe={'set' if cfg.moe is not None else 'None'} (a {cfg.family} model "
+                        f"{'is' if cfg.family in _MOE_TYPES else 'is not'} a mixture of experts)")
+    elif cfg.moe is not None:
+        m = cfg.moe
+        if m.capacity_factor is not None:
+            problems.append(f"moe.capacity_factor={m.capacity_factor} (transformers' MoE is dropless)")
+        if cfg.family == "mixtral" and (not m.norm_topk_prob or m.shared_expert_ffn is not None):
+            problems.append("Mixtral renormalizes its top-k and has no shared expert")
+        if cfg.family == "qwen3_moe" and m.shared_expert_ffn is not None:
+            problems.append("Qwen3-MoE has no shared expert")
+        if cfg.family == "qwen2_moe" and m.shared_expert_ffn is None:
+            problems.append("Qwen2-MoE has a shared expert (moe.shared_expert_ffn)")
     if cfg.qkv_bias != bias:
         problems.append(f"qkv_bias={cfg.qkv_bias} (the {cfg.family} architecture has {bias})")
     if cfg.qk_norm != norm:
@@ -196,9 +244,21 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         out["attention_bias"] = False
     if mt == "llama":
         out["mlp_bias"] = False
-    if mt == "mistral":
+    if mt in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window
-    if mt in ("qwen2", "qwen3"):
+    if cfg.moe is not None:
+        m = cfg.moe
+        out.update(num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
+        if mt == "mixtral":
+            out.update(num_local_experts=m.experts, intermediate_size=m.expert_ffn, router_jitter_noise=0.0)
+        else:
+            out.update(num_experts=m.experts, moe_intermediate_size=m.expert_ffn, norm_topk_prob=m.norm_topk_prob,
+                       decoder_sparse_step=1, mlp_only_layers=[])
+        if mt == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = m.shared_expert_ffn
+        if mt == "qwen3_moe":
+            out["attention_bias"] = False
+    if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         sliding = cfg.sliding_window is not None
         out.update(use_sliding_window=sliding, sliding_window=cfg.sliding_window,
                    max_window_layers=0 if sliding else cfg.layers,

@@ -40,6 +40,7 @@ class Spec:
     path: tuple[str, ...]  # key path in our part's pure dict
     hf_shape: tuple[int, ...]
     transpose: bool
+    expert: int | None = None  # one expert's slice [expert] of a leaf stacked over experts
 
     @property
     def our_shape(self) -> tuple[int, ...]:
@@ -69,9 +70,44 @@ def block_specs(cfg: DecoderConfig, i: int) -> list[Spec]:
     if cfg.qk_norm:
         specs += [Spec(p + "self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (hd,), False),
                   Spec(p + "self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (hd,), False)]
+    if cfg.moe is not None:
+        return specs + _moe_specs(cfg, p)
     for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
         specs.append(Spec(p + f"mlp.{name}_proj.weight", ("mlp", name, "kernel"), shape, True))
     return specs
+
+
+def _moe_specs(cfg: DecoderConfig, p: str) -> list[Spec]:
+    """A mixture of experts' tensors as released checkpoints store them: one [out, in] matrix per expert
+    (Mixtral's ``block_sparse_moe.experts.j.w1/w3/w2``, Qwen-MoE's ``mlp.experts.j.gate/up/down_proj``), our
+    leaves stacked over the experts."""
+    m, D = cfg.moe, cfg.hidden
+    F, E = m.expert_ffn, m.experts
+    mixtral = cfg.family == "mixtral"
+    moe = p + ("block_sparse_moe." if mixtral else "mlp.")
+    names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {n: f"{n}_proj" for n in ("gate", "up", "down")}
+    specs = [Spec(moe + "gate.weight", ("mlp", "router", "kernel"), (E, D), True)]
+    for j in range(E):
+        for ours, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+            specs.append(Spec(f"{moe}experts.{j}.{names[ours]}.weight", ("mlp", "experts", ours), shape, True, j))
+    if m.shared_expert_ffn is not None:
+        S = m.shared_expert_ffn
+        for ours, shape in (("gate", (S, D)), ("up", (S, D)), ("down", (D, S))):
+            specs.append(Spec(f"{moe}shared_expert.{ours}_proj.weight", ("mlp", "shared", ours, "kernel"), shape, True))
+        specs.append(Spec(f"{moe}shared_expert_gate.weight", ("mlp", "shared_gate", "kernel"), (1, D), True))
+    return specs
+
+
+def _place(tree: PureTree, s: Spec, value: Any, experts: int | None) -> None:
+    """Put one HF tensor's value at its place in our tree: the leaf itself, or (an expert's) the
+    ``s.expert``-th entry of a list of ``experts`` that becomes the stacked leaf."""
+    node = tree
+    for key in s.path[:-1]:
+        node = node.setdefault(key, {})
+    if s.expert is None:
+        node[s.path[-1]] = value
+    else:
+        node.setdefault(s.path[-1], [None] * experts)[s.expert] = value
 
 
 def check_checkpoint(ckpt: Checkpoint, cfg: DecoderConfig) -> None:
@@ -102,13 +138,18 @@ def check_checkpoint(ckpt: Checkpoint, cfg: DecoderConfig) -> None:
 
 def _read_part(ckpt: Checkpoint, specs: Sequence[Spec]) -> PureTree:
     tree: PureTree = {}
+    experts = 1 + max((s.expert for s in specs if s.expert is not None), default=-1)
     for s in specs:
         src = ckpt.get(s.hf_name)  # a memory-mapped view: only this tensor is materialized, once
-        node = tree
-        for key in s.path[:-1]:
-            node = node.setdefault(key, {})
-        node[s.path[-1]] = np.array(src.T if s.transpose else src, dtype=np.float32, order="C")
-    return tree
+        _place(tree, s, np.array(src.T if s.transpose else src, dtype=np.float32, order="C"), experts)
+    return _stacked(tree)
+
+
+def _stacked(tree: Any, stack=np.stack) -> Any:
+    """The lists ``_place`` made (one entry per expert) as stacked arrays."""
+    if isinstance(tree, dict):
+        return {k: _stacked(v, stack) for k, v in tree.items()}
+    return stack(tree) if isinstance(tree, list) else tree
 
 
 def read_config(model_dir: str | os.PathLike, **overrides) -> DecoderConfig:
@@ -173,25 +214,24 @@ class HFParts:
     def to_params(self, tree: PureTree) -> PureTree:
         """A part's tensors as ``io()``/``block(i)`` give them -> its float32 parameters in our layout.
         Traceable (jnp), so it runs inside the state builder's program."""
-        import jax
         import jax.numpy as jnp
 
-        def one(path, x):
-            key = tuple(k.key for k in path)
-            x = jnp.asarray(x, jnp.float32)
-            return x.T if key in self._transposed else x
+        def arrange(node: Any, path: tuple[str, ...]) -> Any:
+            if isinstance(node, dict):
+                return {k: arrange(v, path + (k,)) for k, v in node.items()}
+            one = lambda x: jnp.asarray(x, jnp.float32).T if path in self._transposed else jnp.asarray(x, jnp.float32)  # noqa: E731
+            return jnp.stack([one(x) for x in node]) if isinstance(node, list) else one(node)
 
-        return jax.tree_util.tree_map_with_path(one, tree)
+        return arrange(tree, ())
 
 
 def _stored_part(ckpt: Checkpoint, specs: Sequence[Spec]) -> PureTree:
-    """The part's tensors as the files hold them (memory-mapped, not copied), in our tree."""
+    """The part's tensors as the files hold them (memory-mapped, not copied), in our tree; a leaf stacked
+    over experts is a list of its experts' tensors (``to_params`` stacks them)."""
     tree: PureTree = {}
+    experts = 1 + max((s.expert for s in specs if s.expert is not None), default=-1)
     for s in specs:
-        node = tree
-        for key in s.path[:-1]:
-            node = node.setdefault(key, {})
-        node[s.path[-1]] = ckpt.get(s.hf_name)
+        _place(tree, s, ckpt.get(s.hf_name), experts)
     return tree
 
 
@@ -207,12 +247,19 @@ def load_hf(model_dir: str | os.PathLike, dtype: str = "bfloat16",
 # what decides the parameter shapes and the function computed (not the export family or compute dtype)
 _MATCHING_FIELDS = ("vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads", "dim_per_head",
                     "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm",
-                    "sliding_window")
+                    "sliding_window", "moe")
 
 
 def check_same_model(ours: DecoderConfig, theirs: DecoderConfig, where: str) -> None:
+    def value(cfg: DecoderConfig, f: str) -> Any:
+        if f == "ffn" and cfg.moe is not None:
+            return None  # unused by a mixture of experts: its experts' width is moe.expert_ffn
+        if f == "moe" and cfg.moe is not None:  # the training loss's weight does not change the model
+            return dataclasses.replace(cfg.moe, aux_loss_coef=0.0)
+        return getattr(cfg, f)
+
     diffs = [f"{f}: model has {getattr(ours, f)!r}, {where} has {getattr(theirs, f)!r}"
-             for f in _MATCHING_FIELDS if getattr(ours, f) != getattr(theirs, f)]
+             for f in _MATCHING_FIELDS if value(ours, f) != value(theirs, f)]
     if diffs:
         raise CheckpointMismatch(f"model config differs from {where}:\n  " + "\n  ".join(diffs))
 
@@ -278,10 +325,13 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
     for part, tree, specs in parts:
         for s in specs:
             value = _lookup(tree, s.path, part)
-            if tuple(np.shape(value)) != s.our_shape:
-                wrong.append(f"  {part} {'.'.join(s.path)} ({s.hf_name}): expected {list(s.our_shape)}, "
-                             f"found {list(np.shape(value))}")
-            entries[s.hf_name] = (s.hf_name, s.hf_shape, _producer(value, s.transpose))
+            shape = tuple(np.shape(value))
+            want = s.our_shape if s.expert is None else (cfg.moe.experts, *s.our_shape)  # stacked over experts
+            if shape != want:
+                if s.expert is None or s.expert == 0:  # a stacked leaf is reported once
+                    wrong.append(f"  {part} {'.'.join(s.path)} ({s.hf_name}): expected {list(want)}, found {list(shape)}")
+                continue
+            entries[s.hf_name] = (s.hf_name, s.hf_shape, _producer(value, s.transpose, s.expert))
     if wrong:
         raise CheckpointMismatch("parameters do not match the config:\n" + "\n".join(wrong))
 
@@ -303,10 +353,12 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
     return files + [out / "config.json"]
 
 
-def _producer(value: Any, transpose: bool):
-    """Deferred host conversion of one parameter (a JAX array is fetched only when written)."""
+def _producer(value: Any, transpose: bool, expert: int | None = None):
+    """Deferred host conversion of one parameter, or of one expert's slice of it (a JAX array is fetched
+    only when written)."""
     def produce() -> np.ndarray:
-        return np.asarray(value, np.float32).T if transpose else np.asarray(value)
+        x = np.asarray(value) if expert is None else np.asarray(value)[expert]
+        return np.asarray(x, np.float32).T if transpose else x
     return produce
 
 
