@@ -50,16 +50,16 @@ FIXTURES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=20, rope_theta=1000000.0,
                                                       tie_word_embeddings=True)),
     # mixtures of experts (issue 18): 4 experts, 2 per token
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
                                                             rope_theta=1000000.0, sliding_window=None,
                                                             router_aux_loss_coef=0.02)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                                                moe_intermediate_size=40, norm_topk_prob=True,
+                                                                moe_intermediate_size=16, norm_topk_prob=True,
                                                                 decoder_sparse_step=1, mlp_only_layers=[],
                                                                 rope_theta=1000000.0)),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
-                                                                moe_intermediate_size=40,
-                                                                shared_expert_intermediate_size=56,
+                                                                moe_intermediate_size=16,
+                                                                shared_expert_intermediate_size=16,
                                                                 norm_topk_prob=False, decoder_sparse_step=1,
                                                                 mlp_only_layers=[], use_sliding_window=False,
                                                                 rope_theta=1000000.0)),
@@ -87,7 +87,7 @@ def logits_of(model: torch.nn.Module, tokens: np.ndarray) -> np.ndarray:
 
 def make(name: str, seed: int) -> None:
     cfg_cls, model_cls, extra = FIXTURES[name]
-    cfg = getattr(transformers, cfg_cls)(**COMMON, **extra)
+    cfg = getattr(transformers, cfg_cls)(**{**COMMON, **extra})
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()

@@ -170,7 +170,10 @@ def _moe(c: dict[str, Any], mt: str) -> MoEConfig | None:
                              expert_ffn=int(c["intermediate_size"]), norm_topk_prob=True,
                              aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)))
         shared = c.get("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
-        return MoEConfig(experts=int(c["num_experts"]), top_k=int(c["num_experts_per_tok"]),
+        experts = c.get("num_experts", c.get("num_local_experts"))  # transformers 5 writes the latter for Qwen3-MoE
+        if experts is None:
+            raise KeyError("num_experts")
+        return MoEConfig(experts=int(experts), top_k=int(c["num_experts_per_tok"]),
                          expert_ffn=int(c["moe_intermediate_size"]),
                          norm_topk_prob=bool(c.get("norm_topk_prob", mt == "qwen3_moe")),
                          shared_expert_ffn=int(shared) if shared else None,
