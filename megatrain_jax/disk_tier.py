@@ -6,7 +6,8 @@ Each leaf of a tier part's moments is one zarr3 array (uncompressed, chunked by 
 worker:
 
 1. takes the part's moments, read ahead: when one tier part's moments are taken, the reads of the next
-   ``read_ahead`` tier parts in update order start (after any write of theirs still in flight);
+   ``read_ahead`` tier parts in update order start (after any write of theirs still in flight); the
+   first ``read_ahead`` parts of the next step are read as soon as this step's last write is queued;
 2. runs the fused kernel on them in place (``HostOptimizer.update``);
 3. starts writing them back (write-behind) and puts ``OnDisk`` records back in the state.
 
@@ -127,9 +128,9 @@ class DiskTier:
         return self._with_moments(record, *markers)
 
     def start_step(self) -> None:
-        """The optimizer step's updates are about to run: start reading the first tier parts' moments, so
-        that they overlap the updates of the parts before them. (Reads ahead never wrap into the next step:
-        between update phases no tier part's moments are in host memory.)"""
+        """Start reading the first ``read_ahead`` tier parts' moments for the next updates, unless already
+        under way: called when a step's last tier part has been stored (its reads queue behind the writes)
+        and again when the next updates are decided (a fresh or restored tier)."""
         for part in self.parts[:self.read_ahead]:
             if part not in self._reads:
                 self._reads[part] = self._read_part(part)
@@ -145,10 +146,15 @@ class DiskTier:
         return self._with_moments(record, *future.result())
 
     def store(self, part: PartId, record: Part) -> Part:
-        """Start writing ``record``'s moments back (write-behind); the state gets ``OnDisk`` records again."""
+        """Start writing ``record``'s moments back (write-behind); the state gets ``OnDisk`` records again.
+        After the step's last tier part, the next step's first ``read_ahead`` reads are queued behind the
+        writes, so that the disk works through the backward pass instead of waiting for the next step's
+        updates (the same number of parts' moments in memory as reading ahead within a step)."""
         markers = self._markers[part]
         keys = [m.key for m in jax.tree.leaves(markers)]
         self._write(keys, jax.tree.leaves((record.opt.mu, record.opt.nu)))
+        if part == self.parts[-1]:
+            self.start_step()
         return self._with_moments(record, *markers)
 
     @staticmethod

@@ -141,10 +141,12 @@ def test_a_failed_write_stops_training_instead_of_reading_stale_moments(tmp_path
         engine.sync()
 
 
-def test_between_updates_no_tier_moments_stay_in_memory(tmp_path):
-    """Reads ahead stay within a step's updates: after the step, nothing is held for the next one."""
-    engine = _trained(EngineConfig(disk_parts=2, disk_dir=str(tmp_path)), steps=2)
-    assert engine.disk_tier._reads == {}
+def test_between_updates_only_the_next_steps_first_parts_are_read_ahead(tmp_path):
+    """After a step's last write, the next step's first ``read_ahead`` tier parts are read (behind the
+    writes, during the backward pass): no more moments in memory between steps than during the updates."""
+    engine = _trained(EngineConfig(disk_parts=3, disk_dir=str(tmp_path)), steps=2)
+    tier = engine.disk_tier
+    assert list(tier._reads) == tier.parts[:tier.read_ahead] and tier.read_ahead < len(tier.parts)
 
 
 def test_a_folder_serves_one_engine_at_a_time(tmp_path):
