@@ -203,7 +203,11 @@ class DiskTier:
                                 f"disk under {self.root}, then resume from the last checkpoint") from error
 
     def close(self) -> None:
-        """Wait for the writes in flight, stop the I/O thread and give the folder up."""
+        """Wait for the writes in flight, stop the I/O thread and give the folder up (reads queued ahead for
+        a next step are cancelled)."""
+        for future in self._reads.values():
+            future.cancel()
+        self._reads.clear()
         try:
             self.flush()
         finally:

@@ -82,6 +82,13 @@ class Engine:
         if placement is None:
             placement = Placement(mesh=devices) if isinstance(devices, Mesh) else Placement(devices)
         self.placement = placement
+        moe = getattr(getattr(model, "cfg", None), "moe", None)
+        if moe is not None and moe.capacity_factor is not None and config.micro_batches * placement.size > 1:
+            raise ValueError(f"moe.capacity_factor={moe.capacity_factor} caps each expert per call of a block, which "
+                             f"here sees 1/{config.micro_batches * placement.size} of the batch "
+                             f"(micro_batches={config.micro_batches} x {placement.size} device(s)), so it would drop "
+                             f"other tokens than the whole-batch model does. Use micro_batches = 1 on one device "
+                             f"with a capacity factor, or leave capacity_factor unset (dropless)")
         stream_dtype = jnp.dtype(config.stream_dtype or getattr(model.cfg, "dtype", "float32"))
         self._observers: list = []
         self.policy = UpdatePolicy(optimizer, self.placement, stream_dtype, config, self._observers)

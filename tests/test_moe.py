@@ -217,5 +217,27 @@ def test_hf_moe_configs_that_cannot_be_reproduced_are_refused():
         config_from_hf({**good, "decoder_sparse_step": 2})
     with pytest.raises(UnsupportedConfig, match="router_jitter_noise"):
         config_from_hf({**config_to_hf(MOE_FAMILIES["mixtral"]), "router_jitter_noise": 0.1})
-    with pytest.raises(UnsupportedConfig, match="capacity_factor"):
-        config_to_hf(preset("tiny-moe", moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, capacity_factor=1.0)))
+    capped = preset("tiny-moe", moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, capacity_factor=1.0))
+    assert "capacity" not in str(config_to_hf(capped))  # a training choice: the export is the dropless model
+    with pytest.raises(UnsupportedConfig, match="shared_expert_intermediate_size"):
+        config_from_hf({k: v for k, v in config_to_hf(MOE_FAMILIES["qwen2_moe"]).items()
+                        if k != "shared_expert_intermediate_size"})
+    no_norm = {k: v for k, v in good.items() if k != "norm_topk_prob"}
+    assert config_from_hf(no_norm).moe.norm_topk_prob is False  # transformers' default
+
+
+def test_capacity_factor_is_refused_where_a_block_would_see_part_of_the_batch():
+    from megatrain_jax import Engine, adamw
+    cfg = preset("tiny-moe", moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, capacity_factor=1.0))
+    with pytest.raises(ValueError, match="micro_batches = 1 on one device"):
+        Engine(Decoder(cfg, rngs=nnx.Rngs(0)), adamw(1e-3), EngineConfig(micro_batches=2))
+    Engine(Decoder(cfg, rngs=nnx.Rngs(0)), adamw(1e-3), EngineConfig(), devices=jax.devices()[:1])
+
+
+def test_engine_equals_reference_with_a_capacity_factor_on_one_routed_group():
+    """With micro_batches = 1 on one device a block routes the whole batch, as the reference does, so the
+    same assignments are dropped."""
+    from test_engine import ADAMW, run_both
+    cfg = preset("tiny-moe", layers=2, moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, capacity_factor=0.5,
+                                                      aux_loss_coef=0.1))
+    run_both(cfg, ADAMW, EngineConfig(clip_norm=0.05))

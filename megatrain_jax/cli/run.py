@@ -150,6 +150,9 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
         cfg = dataclasses.replace(cfg, data=d)
     run_dir = Path(t.run_dir)
     model_cfg = cfg.model.build()
+    if t.export_hf:  # before training, not after: the model must be one transformers can hold
+        from megatrain_jax.hf.config import check_exportable
+        check_exportable(model_cfg)
 
     gpus = visible_gpus()
     kw = dict(packed=d.mode == "packed",

@@ -161,7 +161,8 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
 def _moe(c: dict[str, Any], mt: str) -> MoEConfig | None:
     """The mixture of experts of a Mixtral / Qwen2-MoE / Qwen3-MoE config. The load-balancing coefficient
     is ``router_aux_loss_coef``, used in training whatever ``output_router_logits`` says (set
-    ``model.moe.aux_loss_coef = 0`` to train without it)."""
+    ``model.moe.aux_loss_coef = 0`` to train without it). A capacity factor is a training choice: an export
+    writes the dropless model transformers runs."""
     if mt not in _MOE_TYPES:
         return None
     try:
@@ -169,13 +170,13 @@ def _moe(c: dict[str, Any], mt: str) -> MoEConfig | None:
             return MoEConfig(experts=int(c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
                              expert_ffn=int(c["intermediate_size"]), norm_topk_prob=True,
                              aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)))
-        shared = c.get("shared_expert_intermediate_size") if mt == "qwen2_moe" else None
+        shared = c["shared_expert_intermediate_size"] if mt == "qwen2_moe" else None
         experts = c.get("num_experts", c.get("num_local_experts"))  # transformers 5 writes the latter for Qwen3-MoE
         if experts is None:
             raise KeyError("num_experts")
         return MoEConfig(experts=int(experts), top_k=int(c["num_experts_per_tok"]),
                          expert_ffn=int(c["moe_intermediate_size"]),
-                         norm_topk_prob=bool(c.get("norm_topk_prob", mt == "qwen3_moe")),
+                         norm_topk_prob=bool(c.get("norm_topk_prob", False)),  # transformers' default
                          shared_expert_ffn=int(shared) if shared else None,
                          aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)))
     except KeyError as e:
@@ -193,8 +194,6 @@ def check_exportable(cfg: DecoderConfig) -> None:
                         f"{'is' if cfg.family in _MOE_TYPES else 'is not'} a mixture of experts)")
     elif cfg.moe is not None:
         m = cfg.moe
-        if m.capacity_factor is not None:
-            problems.append(f"moe.capacity_factor={m.capacity_factor} (transformers' MoE is dropless)")
         if cfg.family == "mixtral" and (not m.norm_topk_prob or m.shared_expert_ffn is not None):
             problems.append("Mixtral renormalizes its top-k and has no shared expert")
         if cfg.family == "qwen3_moe" and m.shared_expert_ffn is not None:

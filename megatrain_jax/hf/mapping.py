@@ -254,8 +254,8 @@ def check_same_model(ours: DecoderConfig, theirs: DecoderConfig, where: str) -> 
     def value(cfg: DecoderConfig, f: str) -> Any:
         if f == "ffn" and cfg.moe is not None:
             return None  # unused by a mixture of experts: its experts' width is moe.expert_ffn
-        if f == "moe" and cfg.moe is not None:  # the training loss's weight does not change the model
-            return dataclasses.replace(cfg.moe, aux_loss_coef=0.0)
+        if f == "moe" and cfg.moe is not None:  # training choices (loss weight, token dropping), not the model
+            return dataclasses.replace(cfg.moe, aux_loss_coef=0.0, capacity_factor=None)
         return getattr(cfg, f)
 
     diffs = [f"{f}: model has {getattr(ours, f)!r}, {where} has {getattr(theirs, f)!r}"
