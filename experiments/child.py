@@ -1,5 +1,5 @@
 """What the experiment scripts share for running one measurement per process: the commit being measured,
-and a child process whose result is the JSON object on its last line of output."""
+a child process whose result is the JSON object on its last line of output, and an empty page cache."""
 
 from __future__ import annotations
 
@@ -9,6 +9,18 @@ import subprocess
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def drop_page_cache() -> bool:
+    """Write dirty pages out and empty the page cache (root only), so that the next reads come from the
+    disk; False where not allowed."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
 
 
 def git_commit() -> str | None:

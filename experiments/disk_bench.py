@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from child import drop_page_cache, git_commit  # noqa: E402
 from megatrain_jax.disk_tier import IO_CONTEXT, DiskTier, OnDisk  # noqa: E402
 from megatrain_jax.optim import AdamWState  # noqa: E402
 from megatrain_jax.parts import Part, PartId  # noqa: E402
@@ -85,13 +86,8 @@ def main() -> None:
         tier.store(part, Part({}, AdamWState(np.int32(0), data, data), None))
     tier.flush()
     write_s = time.perf_counter() - t
-    if args.drop_cache:
-        subprocess.run(["sync"], check=False)
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-        except OSError as e:
-            print(f"could not drop the page cache ({e}); reads may come from memory", file=sys.stderr)
+    if args.drop_cache and not drop_page_cache():
+        print("could not drop the page cache (not root?); reads may come from memory", file=sys.stderr)
     t = time.perf_counter()
     loaded = [tier.load(part, records[part]) for part in parts]
     read_s = time.perf_counter() - t
@@ -102,7 +98,6 @@ def main() -> None:
     tier.remove()
     dev = subprocess.run(["df", "--output=source", args.dir if os.path.exists(args.dir) else "/"],
                          capture_output=True, text=True).stdout.split()[-1:]
-    from child import git_commit
     run = {"system": "megatrain_jax.disk_tier", "config": f"{n} parts of two {shape} float32 arrays",
            "dir": args.dir, "disk": dev, "free_gib": round(free / 2**30, 1), "bytes": total,
            "write_s": round(write_s, 3), "read_s": round(read_s, 3), "write_gb_s": round(total / write_s / 1e9, 3),

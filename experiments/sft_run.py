@@ -101,17 +101,6 @@ def make_checkpoint(work: Path, preset_name: str) -> dict:
     return {"make_checkpoint_s": round(time.perf_counter() - t, 1), "params": cfg.param_count()}
 
 
-def drop_page_cache() -> bool:
-    """Empty the page cache (root only), so that the checkpoint is read from the disk, as on a first load."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def load(work: Path, args):
     """The engine with its state read from the checkpoint (``HFParts``), and the seconds that took."""
     import jax
@@ -121,6 +110,7 @@ def load(work: Path, args):
     from megatrain_jax.cli.config_file import OptimizerConfig
     from megatrain_jax.hf import HFParts, read_config
     from megatrain_jax.memory_plan import fit_host_pool
+    from child import drop_page_cache
 
     ckpt = work / "checkpoint"
     cfg = read_config(ckpt, dtype="bfloat16")

@@ -100,17 +100,22 @@ def test_load_balancing_loss_and_its_gradient_equal_transformers_formula():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
 
 
-def test_decoder_forward_adds_the_weighted_loss():
+def test_the_training_loss_adds_the_weighted_load_balancing_loss():
+    from megatrain_jax.loss import causal_lm_loss
+    from megatrain_jax.reference import model_loss
+    from test_engine import make_batches
     cfg = preset("tiny-moe")
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    tokens = jnp.arange(48).reshape(2, 24) % cfg.vocab_size
-    logits, aux = model.forward(tokens)
+    batch = make_batches(1, rows=2, seq=24, vocab=cfg.vocab_size)[0].filled()
+    logits = model(batch.inputs, batch.positions)
+    aux = model_loss(model, batch) - causal_lm_loss(logits, batch.targets, batch.loss_mask)
     assert logits.shape == (2, 24, cfg.vocab_size)
     # balanced routing gives coef * top_k; this is near it
     assert float(aux) == pytest.approx(cfg.moe.aux_loss_coef * cfg.moe.top_k, rel=0.5)
-    np.testing.assert_array_equal(model(tokens), logits)
     quiet = Decoder(cfg.replace(moe=MoEConfig(experts=4, top_k=2, expert_ffn=48)), rngs=nnx.Rngs(0))
-    assert quiet.aux_loss is None and float(quiet.forward(tokens)[1]) == 0.0
+    assert quiet.aux_loss is None
+    quiet_logits = quiet(batch.inputs, batch.positions)
+    assert float(model_loss(quiet, batch)) == float(causal_lm_loss(quiet_logits, batch.targets, batch.loss_mask))
 
 
 def test_moe_config_errors_say_what_to_do():

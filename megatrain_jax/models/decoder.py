@@ -119,21 +119,11 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  segment_ids_BT: jax.Array | None = None) -> jax.Array:
-        """Float32 logits [B, T, V] (materialized whole: for tests and small models)."""
-        return self.forward(tokens_BT, positions_BT, segment_ids_BT)[0]
-
-    def forward(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
-                segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-        """Float32 logits [B, T, V] and the load-balancing loss of a mixture of experts, weighted by its
-        coefficient (0 for a dense model): what a training loss adds to the cross-entropy."""
+        """Float32 logits [B, T, V] (materialized whole: for tests and small models). The training loss
+        adds ``aux_loss`` of the blocks' router statistics (``megatrain_jax.reference.model_loss``)."""
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
         x_BTD = self.io.embed(tokens_BT, positions_BT, segment_ids_BT)
-        stats = []
         for block in self.blocks:
-            x_BTD, s = block.routed(x_BTD, positions_BT, segment_ids_BT)
-            stats.append(s)
-        logits = self.io.unembed(self.io.final_hidden(x_BTD))
-        if self.aux_loss is None:
-            return logits, jnp.zeros((), jnp.float32)
-        return logits, self.aux_loss(jax.tree.map(lambda *xs: sum(xs), *stats))
+            x_BTD = block(x_BTD, positions_BT, segment_ids_BT)
+        return self.io.unembed(self.io.final_hidden(x_BTD))

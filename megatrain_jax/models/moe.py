@@ -115,6 +115,6 @@ class MoE(nnx.Module):
         if self.shared is not None:
             gate_T1 = jax.nn.sigmoid(self.shared_gate(x_TD).astype(jnp.float32)).astype(x_TD.dtype)
             y_TD = y_TD + gate_T1 * self.shared(x_TD)
-        stats = RouterStats(counts_E=jnp.bincount(expert_A, length=E).astype(jnp.float32),
+        stats = RouterStats(counts_E=sizes_E.astype(jnp.float32),
                             prob_sums_E=jnp.sum(probs_TE, axis=0), tokens=jnp.float32(B * T))
         return y_TD.reshape(B, T, D), stats
