@@ -34,6 +34,7 @@ from megatrain_jax import Decoder, Engine, EngineConfig, default_optimizer, pres
 from megatrain_jax.data import TokenDataset, TokenFile  # noqa: E402
 from megatrain_jax.data.demo import demo_tokens  # noqa: E402
 from megatrain_jax.flops import model_flops_per_token  # noqa: E402
+from megatrain_jax.memory_plan import fit_host_pool  # noqa: E402
 from megatrain_jax.observers import Profile  # noqa: E402
 
 
@@ -62,6 +63,10 @@ CONFIGS: dict[str, BenchConfig] = {
     # 14 of 32 blocks resident (~64 GiB of GPU memory: needs XLA_PYTHON_CLIENT_MEM_FRACTION above JAX's 0.75,
     # which this script sets to 0.9 unless the environment says otherwise).
     "7b_32k": BenchConfig("7b", 32, 2048, 16, EngineConfig(micro_batches=2, resident_layers=14, resident_io=True)),
+    # Issue 18: a few layers of the MoE presets at 32 x 2,048 tokens (every expert gets tokens), model FLOPs over
+    # active parameters. Mixtral's 1.41 B-parameter blocks all stream (a resident one would take ~23 GB).
+    "mixtral_l4_64k": BenchConfig("mixtral-8x7b", 4, 2048, 32, EngineConfig(micro_batches=4, resident_io=True)),
+    "qwen3moe_l8_64k": BenchConfig("qwen3-30b-a3b", 8, 2048, 32, EngineConfig(micro_batches=4, resident_io=True)),
 }
 # 3p5b_98k with the Adam moments of its last N host-updated blocks (of 8) in the disk tier (issue 15), in
 # $MEGATRAIN_DISK_DIR (default /tmp/megatrain_disk_tier): N x 1.62 GB read and written per step.
@@ -131,10 +136,33 @@ def breakdown(engine: Engine, data, step_time: float) -> dict:
                     "1 - compute / overlapped median step time"}
 
 
+def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
+    """Bytes one GPU (the mesh's first) moves over PCIe in one optimizer step without accumulation."""
+    from megatrain_jax.schedule import step_ops
+
+    ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth)
+    resident = set(engine.resident_parts)
+    placement = engine.placement
+
+    def shard_bytes(tree, itemsize=None) -> int:
+        total = 0
+        for x in jax.tree.leaves(tree):
+            shape = list(x.shape)
+            if placement.spec(x) != jax.sharding.PartitionSpec():
+                shape[0] //= placement.size
+            total += int(np.prod(shape)) * (itemsize or np.dtype(x.dtype).itemsize)
+        return total
+
+    h2d = sum(shard_bytes(engine.state[op.part].streamed()) for op in ops
+              if op.kind == "fetch" and op.part not in resident)
+    d2h = sum(shard_bytes(engine.state[op.part].params, 4) for op in ops
+              if op.kind == "send_grads" and op.part not in resident)
+    return {"h2d_bytes": h2d, "d2h_bytes": d2h, "total_bytes": h2d + d2h}
+
+
 def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: int = 0,
-               timeline_steps: int = 0, on_engine=None, profile: bool = True, trace_dir: str | None = None) -> dict:
-    """One configuration's record. ``on_engine(engine)`` is called once the engine is built (scaling.py
-    reads its shard sizes); ``profile=False`` skips the synchronized breakdown step; ``trace_dir`` adds one
+               timeline_steps: int = 0, profile: bool = True, trace_dir: str | None = None) -> dict:
+    """One configuration's record. ``profile=False`` skips the synchronized breakdown step; ``trace_dir`` adds one
     step under ``jax.profiler.trace`` (not timed) and its per-GPU summary (``trace_summary.py``)."""
     cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
     tokens_per_step = bc.rows * bc.seq_len
@@ -152,8 +180,7 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
         jax.block_until_ready(engine.state)
         run["init_s"] = round(time.perf_counter() - t0, 2)
         run["num_gpus"] = engine.placement.size
-        if on_engine is not None:
-            on_engine(engine)
+        run["pcie_per_gpu_per_step"] = pcie_bytes_per_gpu(engine, bc.engine.micro_batches)
         run["host_optimizer"] = {"fused": "fused C++ AdamW kernel", "host": "JAX host computation",
                                  "device": "JAX on the GPU (state sent there and back)"}.get(engine.update_route,
                                                                                              engine.update_route)
@@ -224,6 +251,9 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    if len(names) == 1:  # cap XLA's pinned pool at what the run pins, as megatrain-jax train does
+        bc = CONFIGS[names[0]]
+        fit_host_pool(preset(bc.preset, **({"layers": bc.layers} if bc.layers else {})), bc.engine, bc.rows, bc.seq_len)
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     result = {"name": args.name or f"{jax.devices()[0].platform}_{'_'.join(names)}",
               "command": "PYTHONPATH=. python " + " ".join(["experiments/bench.py"] + (argv or sys.argv[1:])),

@@ -31,33 +31,6 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
-    """Bytes one GPU (the mesh's first) moves over PCIe in one optimizer step without accumulation."""
-    import jax
-    import numpy as np
-
-    from megatrain_jax.schedule import step_ops
-
-    ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth)
-    resident = set(engine.resident_parts)
-    placement = engine.placement
-
-    def shard_bytes(tree, itemsize=None) -> int:
-        total = 0
-        for x in jax.tree.leaves(tree):
-            shape = list(x.shape)
-            if placement.spec(x) != jax.sharding.PartitionSpec():
-                shape[0] //= placement.size
-            total += int(np.prod(shape)) * (itemsize or np.dtype(x.dtype).itemsize)
-        return total
-
-    h2d = sum(shard_bytes(engine.state[op.part].streamed()) for op in ops
-              if op.kind == "fetch" and op.part not in resident)
-    d2h = sum(shard_bytes(engine.state[op.part].params, 4) for op in ops
-              if op.kind == "send_grads" and op.part not in resident)
-    return {"h2d_bytes": h2d, "d2h_bytes": d2h, "total_bytes": h2d + d2h}
-
-
 def worker(args) -> None:
     """One run, on the GPUs CUDA_VISIBLE_DEVICES leaves; writes its record to ``args.worker_out``."""
     sys.path.insert(0, ROOT)
@@ -73,16 +46,10 @@ def worker(args) -> None:
     fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)  # before JAX starts, as megatrain-jax train does
     import jax
 
-    captured = {}
-
-    def keep_engine(engine):
-        captured["pcie"] = pcie_bytes_per_gpu(engine, bc.engine.micro_batches)
-
-    run = run_config(args.config, bc, args.warmup, args.steps, on_engine=keep_engine, profile=False,
+    run = run_config(args.config, bc, args.warmup, args.steps, profile=False,
                      trace_dir=args.trace_dir and os.path.join(args.trace_dir, args.kind))
     run["rows_per_gpu"] = bc.rows // len(jax.devices())
     run["tokens_per_gpu_per_step"] = bc.rows * bc.seq_len // len(jax.devices())
-    run["pcie_per_gpu_per_step"] = captured.get("pcie")
     run["gpu_peak_gib_per_device"] = [round((d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2)
                                       for d in jax.devices()]
     with open(args.worker_out, "w") as f:

@@ -60,7 +60,8 @@ class Batch:
         return [jax.tree.map(lambda a: a[i * rows:(i + 1) * rows], self) for i in range(n)]
 
 
-def check_batch(batch: Batch, vocab_size: int, max_positions: int | None = None) -> None:
+def check_batch(batch: Batch, vocab_size: int, max_positions: int | None = None,
+                max_segments: int | None = None) -> None:
     """Raise ValueError with what to fix if the batch does not fit the model."""
     if not isinstance(batch, Batch):
         raise TypeError(f"expected a megatrain_jax.Batch, got {type(batch).__name__}; build one with "
@@ -84,3 +85,24 @@ def check_batch(batch: Batch, vocab_size: int, max_positions: int | None = None)
         if top > max_positions:
             raise ValueError(f"positions reach {top} but the model allows max_positions={max_positions}; "
                              f"shorten seq_len or raise max_positions in the model config")
+    if batch.segment_ids is not None:
+        check_segments(np.asarray(batch.segment_ids), max_segments)
+
+
+def check_segments(segment_ids_BT: np.ndarray, max_segments: int | None) -> None:
+    """Packed documents are contiguous: each segment id covers one run of a row (padding included), and a
+    row holds at most ``max_segments`` runs (the flash attention's static bound; None: no bound)."""
+    seg = segment_ids_BT
+    runs_B = 1 + np.count_nonzero(seg[:, 1:] != seg[:, :-1], axis=1)
+    distinct_B = np.array([np.unique(row).size for row in seg])
+    split = np.flatnonzero(runs_B != distinct_B)
+    if split.size:
+        r = int(split[0])
+        raise ValueError(f"row {r} of the batch's segment_ids has a segment id in more than one place "
+                         f"({int(runs_B[r])} runs of {int(distinct_B[r])} distinct ids): each packed document "
+                         f"(and the padding) must be one contiguous run of its id")
+    if max_segments is not None and runs_B.size and runs_B.max() > max_segments:
+        r = int(runs_B.argmax())
+        raise ValueError(f"row {r} of the batch packs {int(runs_B[r])} segments (documents and padding), more "
+                         f"than the model's max_segments={max_segments}; raise model.max_segments to at least "
+                         f"{int(runs_B[r])} or pack fewer, longer documents per row")

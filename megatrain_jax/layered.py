@@ -2,7 +2,8 @@
 
 A model follows the contract when it has:
 
-- ``model.cfg`` with ``vocab_size`` (and optionally ``max_positions``, ``loss_chunk_tokens``, ``dtype``);
+- ``model.cfg`` with ``vocab_size`` (and optionally ``max_positions``, ``max_segments``, ``loss_chunk_tokens``,
+  ``dtype``);
 - ``model.io``: a module with ``embed(tokens_BT, positions_BT, segment_ids_BT) -> x_BTD`` (segment ids
   may be None), ``final_hidden(x_BTD) -> h_BTD`` and ``unembed(h_TD) -> logits_TV`` (float32). It owns
   the embedding, final norm and output projection; a tied head simply reads the embedding inside
@@ -49,6 +50,7 @@ class LayeredModel:
     max_positions: int | None
     loss_chunk_tokens: int
     aux_loss: Any = None  # the model's auxiliary loss of the blocks' summed statistics, or None
+    max_segments: int | None = None  # most packed documents per row the model's attention takes
 
     def embed(self, io_params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
               segment_ids_BT: jax.Array | None) -> jax.Array:
@@ -271,7 +273,8 @@ def layered(model: nnx.Module, check_blocks: bool = True) -> LayeredModel:
         raise ContractError(f"the model has an aux_loss, but its blocks have no routed(x, positions, segment_ids) "
                             f"-> (x, stats) to feed it; {_NEED}")
     return LayeredModel(io_gd, block_gd, len(model.blocks), cfg.vocab_size,
-                        getattr(cfg, "max_positions", None), getattr(cfg, "loss_chunk_tokens", 8192), aux)
+                        getattr(cfg, "max_positions", None), getattr(cfg, "loss_chunk_tokens", 8192), aux,
+                        getattr(cfg, "max_segments", None))
 
 
 def io_params(model: nnx.Module) -> Params:

@@ -851,7 +851,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     host["runtime: Python, JAX, CUDA libraries, compiled programs (allowance)"] = HOST_RUNTIME_BYTES
 
     ab = 2 if c.dtype in ("bfloat16", "float16") else 4
-    flash = c.attention_impl == "cudnn" or (c.attention_impl == "auto" and ab == 2 and not packed)
+    flash = c.attention_impl == "cudnn" or (c.attention_impl == "auto" and ab == 2)  # packed rows too (cuDNN packed layout)
     gpu, at = _gpu_peak(c, e, batch_rows, seq_len, sb, flash, devices)
     return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed,
                       loaded_copy, arrays, host_pool_limit, fitted, at, devices, mb * on_disk, disk_bytes)

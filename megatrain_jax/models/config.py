@@ -141,6 +141,9 @@ class DecoderConfig:
     max_positions: int = 4096
     dtype: str = "bfloat16"
     attention_impl: str = "auto"
+    # Packed rows (segment ids): the most documents (runs of equal segment ids) one row may hold on cuDNN's
+    # packed flash attention, a static bound of its layout. A batch with more is refused before it runs.
+    max_segments: int = 64
     loss_chunk_tokens: int = 8192  # logits of at most this many tokens exist at once
     # The MLP (with its norm and residual) over at most this many tokens at a time, each chunk recomputed
     # in the backward pass: its [tokens, ffn] temporaries scale with the chunk, not the sequence. None: whole.
@@ -209,7 +212,7 @@ def validate(cfg: DecoderConfig) -> None:
         raise ValueError(f"unknown model family {cfg.family!r}; allowed: {list(FAMILIES)}"
                          f"{_did_you_mean(cfg.family, FAMILIES)}")
     for name in ("vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads", "max_positions",
-                 "loss_chunk_tokens"):
+                 "loss_chunk_tokens", "max_segments"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -99,12 +99,43 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray,
     return (x32 * cos + rotated * sin).astype(x_BTNH.dtype)
 
 
-def attention_implementation(cfg: DecoderConfig, dtype, has_mask: bool) -> str | None:
-    """cuDNN flash attention on GPU for 16-bit inputs without a custom mask, XLA otherwise."""
+def attention_implementation(cfg: DecoderConfig, dtype) -> str:
+    """cuDNN flash attention on GPU for 16-bit inputs (packed documents through its packed layout), XLA
+    otherwise."""
     if cfg.attention_impl != "auto":
         return cfg.attention_impl
     on_gpu = jax.default_backend() == "gpu"
-    return "cudnn" if on_gpu and dtype in (jnp.bfloat16, jnp.float16) and not has_mask else "xla"
+    return "cudnn" if on_gpu and dtype in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+def segment_layout(segment_ids_BT: jax.Array, max_segments: int) -> dict[str, jax.Array]:
+    """The packed layout cuDNN takes, from segment ids: each row's runs of equal ids are its documents.
+
+    ``lengths`` [B, M] and ``offsets`` [B, M + 1] (M = ``max_segments``) hold each run's length and first
+    token, -1 past the row's last run. A row with more than M runs has its excess merged into its M-th
+    (wrong attention): ``megatrain_jax.batch.check_segments`` refuses such batches before they run."""
+    B, T = segment_ids_BT.shape
+    starts_BT = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    starts_BM = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments, fill_value=T)[0])(starts_BT).astype(jnp.int32)
+    ends_BM = jnp.concatenate([starts_BM[:, 1:], jnp.full((B, 1), T, jnp.int32)], axis=1)
+    real_BM = starts_BM < T
+    lengths = jnp.where(real_BM, ends_BM - starts_BM, -1)
+    offsets = jnp.concatenate([jnp.where(real_BM, starts_BM, -1), jnp.full((B, 1), -1, jnp.int32)], axis=1)
+    return {"lengths": lengths, "offsets": offsets}
+
+
+def packed_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, segment_ids_BT: jax.Array,
+                     max_segments: int, sliding_window: int | None = None) -> jax.Array:
+    """Causal attention within each packed document, by cuDNN's flash kernel on its packed layout: each
+    document costs its own causal attention and no [T, T] mask exists. GPU (Hopper or later) only; the XLA
+    path with a segment mask is its reference."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    lay = segment_layout(segment_ids_BT, max_segments)
+    return dot_product_attention(
+        q_BTNH, k_BTKH, v_BTKH, q_seqlen=lay["lengths"], kv_seqlen=lay["lengths"], q_offsets=lay["offsets"],
+        kv_offsets=lay["offsets"], scale=1.0 / math.sqrt(q_BTNH.shape[-1]), mask_type=MaskType.PADDING_CAUSAL,
+        sliding_window_length=sliding_window)
 
 
 class Attention(nnx.Module):
@@ -132,13 +163,16 @@ class Attention(nnx.Module):
         scale = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.cos_sin_scale
         q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq, scale)
         k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, scale)
-        mask = None
-        if segment_ids_BT is not None:  # packed documents attend only within their own segment
-            mask = (segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :])
-        window = None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0)
-        out_BTNH = jax.nn.dot_product_attention(
-            q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True, local_window_size=window,
-            implementation=attention_implementation(cfg, x_BTD.dtype, mask is not None))
+        impl = attention_implementation(cfg, x_BTD.dtype)
+        if segment_ids_BT is not None and impl == "cudnn":  # packed documents: per-document flash attention
+            out_BTNH = packed_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cfg.max_segments, cfg.sliding_window)
+        else:
+            mask = None
+            if segment_ids_BT is not None:  # packed documents attend only within their own segment
+                mask = (segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :])
+            window = None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0)
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True,
+                                                    local_window_size=window, implementation=impl)
         return self.o(out_BTNH.reshape(B, T, cfg.heads * hd))
 
 
