@@ -63,77 +63,124 @@ def masked_xla(q, k, v, seg):
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
 
 
+def guarded(out: list, fn, **case):
+    """Run one case, recording its result or its error (the other cases still run)."""
+    try:
+        rec = {**case, **fn(**case)}
+    except Exception as e:  # recorded, not hidden
+        rec = {**case, "status": f"error: {type(e).__name__}: {str(e)[:600]}"}
+    print(json.dumps(rec), flush=True)
+    out.append(rec)
+
+
+def rel(a, b) -> float:
+    b = jnp.asarray(b, jnp.float32)
+    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - b)) / jnp.max(jnp.abs(b)))
+
+
+def packed_check(B, T, docs, pad, M):
+    """Packed cuDNN against XLA's masked attention in float32: values and gradients (and bf16 XLA's error)."""
+    q, k, v = qkv(B, T, 32, 8, 128, seed=T)
+    seg = jnp.asarray(segment_ids(B, T, docs, pad, seed=T))
+    dy = jax.random.normal(jax.random.key(1), q.shape, jnp.bfloat16)
+    y, g = jax.jit(lambda q, k, v, dy: (lambda o: (o[0], o[1](dy)))(
+        jax.vjp(lambda *a: packed_attention(*a, seg, M), q, k, v)))(q, k, v, dy)
+    y_ref, pb_ref = jax.vjp(lambda *a: masked_xla(*(x.astype(jnp.float32) for x in a), seg), q, k, v)
+    g_ref = pb_ref(dy.astype(jnp.float32))
+    y_bf, pb_bf = jax.vjp(lambda *a: masked_xla(*a, seg), q, k, v)
+    return {"out_rel_err": rel(y, y_ref), "dq_rel_err": rel(g[0], g_ref[0]), "dk_rel_err": rel(g[1], g_ref[1]),
+            "dv_rel_err": rel(g[2], g_ref[2]), "xla_bf16_out_rel_err": rel(y_bf, y_ref),
+            "xla_bf16_dq_rel_err": rel(pb_bf(dy)[0], g_ref[0])}
+
+
+def packed_speed(T, docs, M, N=24, K=8, H=128):
+    """Forward + backward of one 3B-like layer's attention: unpacked cuDNN causal (M=0) or packed."""
+    q, k, v = qkv(1, T, N, K, H)
+    dy = jax.random.normal(jax.random.key(1), q.shape, jnp.bfloat16)
+    seg = jnp.asarray(segment_ids(1, T, docs, seed=1))
+    if M == 0:
+        attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")  # noqa: E731
+        lens = [T]
+    else:
+        attn = lambda q, k, v: packed_attention(q, k, v, seg, M)  # noqa: E731
+        lens = np.diff(np.flatnonzero(np.diff(np.concatenate([[-1], np.asarray(seg[0]), [-2]]))))
+    t = timed(jax.jit(lambda q, k, v, dy: jax.vjp(attn, q, k, v)[1](dy)), q, k, v, dy)
+    flops = sum(4 * L * L * N * H / 2 * 3.5 for L in lens)  # causal half; forward 2 matmuls, backward 5
+    return {"s": t, "tflops_on_attended_flops": flops / t / 1e12, "gpu_peak_gib": gpu_peak_gib()}
+
+
+def gpu_peak_gib():
+    return round((jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2)
+
+
 def bench_packed() -> dict:
     out = {"check": [], "speed": []}
-    # Correctness: values and gradients against XLA's masked attention, float32 reference.
     for B, T, docs, pad, M in ((2, 2048, 5, 100, 8), (1, 4096, 8, 0, 64), (2, 1024, 1, 0, 4)):
-        q, k, v = qkv(B, T, 32, 8, 128, seed=T)
-        seg = jnp.asarray(segment_ids(B, T, docs, pad, seed=T))
-        dy = jax.random.normal(jax.random.key(1), q.shape, jnp.bfloat16)
-        f_packed = jax.jit(lambda q, k, v: jax.vjp(lambda *a: packed_attention(*a, seg, M), q, k, v))
-        y, pb = f_packed(q, k, v)
-        g = pb(dy)
-        y_ref, pb_ref = jax.vjp(lambda *a: masked_xla(*(x.astype(jnp.float32) for x in a), seg), q, k, v)
-        g_ref = pb_ref(dy.astype(jnp.float32))
-        rel = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))  # noqa: E731
-        rec = {"B": B, "T": T, "docs": docs, "pad": pad, "max_segments": M, "out_rel_err": rel(y, y_ref),
-               "dq_rel_err": rel(g[0], g_ref[0]), "dk_rel_err": rel(g[1], g_ref[1]), "dv_rel_err": rel(g[2], g_ref[2])}
-        # The same, through the bf16 XLA path: the error bf16 itself makes.
-        y_bf, pb_bf = jax.vjp(lambda *a: masked_xla(*a, seg), q, k, v)
-        rec["xla_bf16_out_rel_err"] = rel(y_bf, y_ref)
-        rec["xla_bf16_dq_rel_err"] = rel(pb_bf(dy)[0], g_ref[0])
-        print("check", rec, flush=True)
-        out["check"].append(rec)
-    # Speed: forward + backward of one 3B-like layer's attention (24 heads of 128, 8 kv heads).
-    for T, docs, Ms in ((32768, 8, (8, 64, 512)), (131072, 8, (8, 64)), (8192, 8, (8, 64))):
-        N, K, H = 24, 8, 128
-        q, k, v = qkv(1, T, N, K, H)
-        dy = jax.random.normal(jax.random.key(1), q.shape, jnp.bfloat16)
-
-        def fb(attn):
-            return jax.jit(lambda q, k, v, dy: jax.vjp(attn, q, k, v)[1](dy))
-        causal_flops = 4 * T * T * N * H / 2 * 3.5  # fwd 2 matmuls + bwd 5, causal half
-        t_full = timed(fb(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")),
-                       q, k, v, dy)
-        seg = jnp.asarray(segment_ids(1, T, docs, seed=1))
-        rec = {"T": T, "heads": N, "kv_heads": K, "docs": docs, "unpacked_causal_s": t_full,
-               "unpacked_causal_tflops": causal_flops / t_full / 1e12, "packed": []}
-        lens = np.diff(np.flatnonzero(np.diff(np.concatenate([[-1], np.asarray(seg[0]), [-2]]))))
-        doc_flops = sum(4 * L * L * N * H / 2 * 3.5 for L in lens)
+        guarded(out["check"], packed_check, B=B, T=T, docs=docs, pad=pad, M=M)
+    for T, docs, Ms in ((8192, 8, (0, 8, 64)), (32768, 8, (0, 8, 16, 64, 256)), (131072, 8, (0, 8, 64))):
         for M in Ms:
-            t = timed(fb(lambda q, k, v, M=M: packed_attention(q, k, v, seg, M)), q, k, v, dy)
-            rec["packed"].append({"max_segments": M, "s": t, "time_vs_unpacked": t / t_full,
-                                  "tflops_on_document_flops": doc_flops / t / 1e12})
-        print("speed", rec, flush=True)
-        out["speed"].append(rec)
+            guarded(out["speed"], packed_speed, T=T, docs=docs, M=M)
     lay = segment_layout(jnp.asarray(segment_ids(1, 64, 3, 4, seed=2)), 4)
     out["layout_example"] = {k: np.asarray(v).tolist() for k, v in lay.items()}
     return out
 
 
+RAGGED_SHAPES = {  # tokens per micro-batch, hidden, expert ffn, experts, top-k
+    "mixtral-8x7b": (16384, 4096, 14336, 8, 2), "qwen3-30b-a3b": (16384, 2048, 768, 128, 8)}
+TILES = [(128, 128, 64, 4, 1), (128, 256, 64, 3, 1), (128, 128, 64, 4, 4), (128, 256, 64, 4, 4),
+         (64, 128, 64, 4, 1), (128, 192, 64, 4, 1), (128, 128, 128, 3, 1)]
+
+
+def ragged_inputs(shape, rows=None, empty_group=False):
+    T, D, F, E, k = RAGGED_SHAPES[shape]
+    A = rows or T * k
+    x = jax.random.normal(jax.random.key(0), (A, D), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (E, D, F), jnp.bfloat16) * 0.02
+    choice = np.random.default_rng(0).integers(1 if empty_group else 0, E, A)  # random routing, near balanced
+    sizes = jnp.asarray(np.bincount(choice, minlength=E).astype(np.int32))
+    return x, w, sizes
+
+
+def ragged_check(shape):
+    """grouped_matmul (Mosaic GPU) against XLA's ragged_dot: values and both gradients, one expert empty."""
+    from megatrain_jax.models.moe import grouped_matmul
+    x, w, sizes = ragged_inputs(shape, rows=4096, empty_group=True)
+    dy = jax.random.normal(jax.random.key(2), (x.shape[0], w.shape[2]), jnp.bfloat16)
+    f = lambda fn: jax.jit(lambda x, w, dy: (lambda o: (o[0], o[1](dy)))(jax.vjp(fn, x, w)))  # noqa: E731
+    y, (dx, dw) = f(lambda x, w: grouped_matmul(x, w, sizes))(x, w, dy)
+    x32, w32, dy32 = (a.astype(jnp.float32) for a in (x, w, dy))
+    y_r, (dx_r, dw_r) = f(lambda x, w: jax.lax.ragged_dot(x, w, sizes))(x32, w32, dy32)
+    return {"y_rel_err": rel(y, y_r), "dx_rel_err": rel(dx, dx_r), "dw_rel_err": rel(dw, dw_r),
+            "empty_group_dw_max": float(jnp.max(jnp.abs(dw[0].astype(jnp.float32))))}
+
+
+def ragged_speed(shape, kernel, tiles):
+    from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
+    from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
+    x, w, sizes = ragged_inputs(shape)
+    A, D, F = x.shape[0], w.shape[1], w.shape[2]
+    kw = dict(zip(("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n"), tiles or ()))
+    dy = jax.random.normal(jax.random.key(2), (A, F), jnp.bfloat16)
+    fns = {"xla_ragged_dot": lambda x, w, sizes, dy: jax.lax.ragged_dot(x, w, sizes),
+           "dense_same_flops": lambda x, w, sizes, dy: x @ w[0],
+           "mosaic_fwd": lambda x, w, sizes, dy: ragged_dot(x, w, group_sizes=sizes, **kw),
+           "mosaic_dx": lambda x, w, sizes, dy: ragged_dot(dy, w, group_sizes=sizes, transpose_rhs=True, **kw),
+           "mosaic_dw": lambda x, w, sizes, dy: transposed_ragged_dot(x, dy, group_sizes=sizes, **kw)}
+    t = timed(jax.jit(fns[kernel]), x, w, sizes, dy)
+    return {"s": t, "tflops": 2 * A * D * F / t / 1e12}
+
+
 def bench_ragged() -> dict:
-    out = []
-    # (name, tokens per micro-batch, hidden, expert ffn, experts, top-k)
-    for name, T, D, F, E, k in (("mixtral-8x7b", 16384, 4096, 14336, 8, 2), ("qwen3-30b-a3b", 16384, 2048, 768, 128, 8)):
-        A = T * k
-        x = jax.random.normal(jax.random.key(0), (A, D), jnp.bfloat16)
-        w = jax.random.normal(jax.random.key(1), (E, D, F), jnp.bfloat16) * 0.02
-        rng = np.random.default_rng(0)
-        sizes = np.bincount(rng.integers(0, E, A), minlength=E).astype(np.int32)  # random routing, near balanced
-        gs = jnp.asarray(sizes)
-        flops = 2 * A * D * F
-        fwd = jax.jit(lambda x, w, gs: jax.lax.ragged_dot(x, w, gs))
-        fb = jax.jit(lambda x, w, gs, dy: jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, gs), x, w)[1](dy))
-        dy = jnp.ones((A, F), jnp.bfloat16)
-        t_f, t_fb = timed(fwd, x, w, gs), timed(fb, x, w, gs, dy)
-        dense = jax.jit(lambda x, w: x @ w)
-        t_d = timed(dense, x, w[0])
-        rec = {"shape": name, "rows": A, "hidden": D, "expert_ffn": F, "experts": E, "top_k": k,
-               "fwd_s": t_f, "fwd_tflops": flops / t_f / 1e12, "bwd_only_s": t_fb,
-               "bwd_tflops": 2 * flops / t_fb / 1e12,
-               "dense_same_flops_s": t_d, "dense_tflops": flops / t_d / 1e12}
-        print("ragged", rec, flush=True)
-        out.append(rec)
+    out = {"check": [], "speed": []}
+    for shape in RAGGED_SHAPES:
+        guarded(out["check"], ragged_check, shape=shape)
+    for shape in RAGGED_SHAPES:
+        guarded(out["speed"], ragged_speed, shape=shape, kernel="dense_same_flops", tiles=None)
+        if shape == "mixtral-8x7b":  # XLA's ragged_dot masks every row for every expert: 128 experts run out of memory
+            guarded(out["speed"], ragged_speed, shape=shape, kernel="xla_ragged_dot", tiles=None)
+        for kernel in ("mosaic_fwd", "mosaic_dx", "mosaic_dw"):
+            for tiles in TILES:
+                guarded(out["speed"], ragged_speed, shape=shape, kernel=kernel, tiles=tiles)
     return out
 
 

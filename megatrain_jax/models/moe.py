@@ -4,7 +4,9 @@ Shape suffixes as in layers.py, plus E experts, K chosen per token (``top_k``), 
 F the expert width. Parameters are float32 (the master copy) and cast to the input's dtype.
 
 Dispatch: the A (token, expert) assignments are sorted by expert, so each expert's tokens are one
-contiguous group, and ``jax.lax.ragged_dot`` multiplies every group by its expert's weights in one call.
+contiguous group, and one grouped matmul multiplies every group by its expert's weights: on Hopper GPUs
+JAX's Pallas Mosaic-GPU kernels (XLA's own ``ragged_dot`` there computes every row against every expert and
+masks), ``jax.lax.ragged_dot`` elsewhere.
 Nothing is padded to a capacity and no token is dropped, unless ``capacity_factor`` asks for it. The work
 is the active experts' only; the shapes are static (A rows), so the program compiles once.
 """
@@ -58,6 +60,51 @@ class SwitchLoss:
         return load_balancing_loss(stats, self.coef, self.experts)
 
 
+# Tiles of the Mosaic-GPU grouped matmuls (rows, columns, contraction), tuned on the H100
+# (experiments/kernel_bench.py --only ragged).
+_GROUPED_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+_GROUPED_TILES_T = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+
+
+def _use_mosaic_grouped(x_AD: jax.Array, w_EDF: jax.Array) -> bool:
+    """The Mosaic-GPU kernels take 16-bit operands on Hopper (sm_90) with both widths multiples of 128."""
+    if jax.default_backend() != "gpu" or x_AD.dtype not in (jnp.bfloat16, jnp.float16):
+        return False
+    if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
+        return False
+    return all(n % 128 == 0 for n in w_EDF.shape[1:])
+
+
+@jax.custom_vjp
+def _grouped_mosaic(x_AD: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array) -> jax.Array:
+    from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
+    return ragged_dot(x_AD, w_EDF, group_sizes=sizes_E, **_GROUPED_TILES)
+
+
+def _grouped_mosaic_fwd(x_AD, w_EDF, sizes_E):
+    return _grouped_mosaic(x_AD, w_EDF, sizes_E), (x_AD, w_EDF, sizes_E)
+
+
+def _grouped_mosaic_bwd(res, dy_AF):
+    from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
+    from jax.experimental.pallas.ops.gpu.transposed_ragged_dot_mgpu import transposed_ragged_dot
+    x_AD, w_EDF, sizes_E = res
+    dx_AD = ragged_dot(dy_AF, w_EDF, group_sizes=sizes_E, transpose_rhs=True, **_GROUPED_TILES)
+    dw_EDF = transposed_ragged_dot(x_AD, dy_AF, group_sizes=sizes_E, **_GROUPED_TILES_T)
+    return dx_AD, dw_EDF, None
+
+
+_grouped_mosaic.defvjp(_grouped_mosaic_fwd, _grouped_mosaic_bwd)
+
+
+def grouped_matmul(x_AD: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot``: rows of ``x_AD`` in consecutive groups of ``sizes_E`` (summing to A), each
+    times its group's [D, F] matrix. Mosaic-GPU kernels where they apply, XLA's ragged_dot otherwise."""
+    if _use_mosaic_grouped(x_AD, w_EDF):
+        return _grouped_mosaic(x_AD, w_EDF, sizes_E)
+    return jax.lax.ragged_dot(x_AD, w_EDF, sizes_E)
+
+
 class Experts(nnx.Module):
     """``E`` SwiGLU experts stored stacked: ``gate``/``up`` [E, D, F], ``down`` [E, F, D]."""
 
@@ -69,7 +116,7 @@ class Experts(nnx.Module):
     def __call__(self, x_AD: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
         """Rows of ``x_AD`` sorted by expert, ``group_sizes_E`` rows each -> each row through its expert."""
         dt = x_AD.dtype
-        dot = lambda x, w: jax.lax.ragged_dot(x, w[...].astype(dt), group_sizes_E)  # noqa: E731
+        dot = lambda x, w: grouped_matmul(x, w[...].astype(dt), group_sizes_E)  # noqa: E731
         return dot(jax.nn.silu(dot(x_AD, self.gate)) * dot(x_AD, self.up), self.down)
 
 
