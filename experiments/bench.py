@@ -30,7 +30,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatrain_jax import Decoder, Engine, EngineConfig, default_optimizer, preset  # noqa: E402
+from megatrain_jax import Batch, Decoder, Engine, EngineConfig, default_optimizer, preset  # noqa: E402
 from megatrain_jax.data import TokenDataset, TokenFile  # noqa: E402
 from megatrain_jax.data.demo import demo_tokens  # noqa: E402
 from megatrain_jax.flops import model_flops_per_token  # noqa: E402
@@ -45,6 +45,21 @@ class BenchConfig:
     seq_len: int
     rows: int  # sequences per step: tokens per step = rows * seq_len
     engine: EngineConfig
+    packed_docs: int = 0  # > 0: each row is that many packed documents (segment ids, positions restarting)
+
+
+def pack_rows(batch: Batch, docs: int, seed: int) -> Batch:
+    """``batch`` with each row cut into ``docs`` documents of random lengths (seeded): segment ids 1..docs
+    and positions restarting at 0 in each, as the packed data mode makes them."""
+    B, T = batch.shape
+    rng = np.random.default_rng(seed)
+    seg, pos = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+    for r in range(B):
+        bounds = np.concatenate([[0], np.sort(rng.choice(np.arange(1, T), docs - 1, replace=False)), [T]])
+        for d in range(docs):
+            seg[r, bounds[d]:bounds[d + 1]] = d + 1
+            pos[r, bounds[d]:bounds[d + 1]] = np.arange(bounds[d + 1] - bounds[d])
+    return dataclasses.replace(batch, positions=pos, segment_ids=seg)
 
 
 CONFIGS: dict[str, BenchConfig] = {
@@ -67,6 +82,10 @@ CONFIGS: dict[str, BenchConfig] = {
     # active parameters. Mixtral's 1.41 B-parameter blocks all stream (a resident one would take ~23 GB).
     "mixtral_l4_64k": BenchConfig("mixtral-8x7b", 4, 2048, 32, EngineConfig(micro_batches=4, resident_io=True)),
     "qwen3moe_l8_64k": BenchConfig("qwen3-30b-a3b", 8, 2048, 32, EngineConfig(micro_batches=4, resident_io=True)),
+    # Issue 16: packed documents against plain causal rows, 3B at 32K tokens in one row.
+    "3b_32k": BenchConfig("llama3.2-3b", None, 32768, 1, EngineConfig(resident_layers=8, resident_io=True)),
+    "3b_32k_packed8": BenchConfig("llama3.2-3b", None, 32768, 1, EngineConfig(resident_layers=8, resident_io=True),
+                                  packed_docs=8),
 }
 # 3p5b_98k with the Adam moments of its last N host-updated blocks (of 8) in the disk tier (issue 15), in
 # $MEGATRAIN_DISK_DIR (default /tmp/megatrain_disk_tier): N x 1.62 GB read and written per step.
@@ -187,6 +206,9 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
         n_steps = warmup + timed + int(profile) + timeline_steps + int(trace_dir is not None)
         toks, starts = demo_tokens(cfg.vocab_size, n_steps * tokens_per_step * 2 + bc.seq_len + 1, seed=0)
         data = iter(TokenDataset(TokenFile.from_array(toks, cfg.vocab_size, starts), bc.seq_len).batches(bc.rows))
+        if bc.packed_docs:
+            data = (pack_rows(b, bc.packed_docs, seed=i) for i, b in enumerate(data))
+            run["packed_docs_per_row"] = bc.packed_docs
         records = []
         for m in engine.steps(next(data) for _ in range(warmup + timed)):
             records.append(m)

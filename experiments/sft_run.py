@@ -146,7 +146,7 @@ def train(work: Path, args) -> dict:
                       batch_size=args.rows, mode="packed", prefetch=2, cache_dir=str(work / "cache"),
                       eval_fraction=0.02)
     t = time.perf_counter()
-    stream = data.build(cfg.vocab_size)
+    stream = data.build(cfg.vocab_size, max_pieces=cfg.segments_per_row(args.seq_len) - 1)
     tokenize_s = time.perf_counter() - t
     records = [m for m in engine.steps(next(stream) for _ in range(args.steps))]
     timed = records[2:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import numpy as np
@@ -61,7 +62,7 @@ class Batch:
 
 
 def check_batch(batch: Batch, vocab_size: int, max_positions: int | None = None,
-                max_segments: int | None = None) -> None:
+                segments_per_row: Callable[[int], int] | None = None) -> None:
     """Raise ValueError with what to fix if the batch does not fit the model."""
     if not isinstance(batch, Batch):
         raise TypeError(f"expected a megatrain_jax.Batch, got {type(batch).__name__}; build one with "
@@ -86,7 +87,8 @@ def check_batch(batch: Batch, vocab_size: int, max_positions: int | None = None,
             raise ValueError(f"positions reach {top} but the model allows max_positions={max_positions}; "
                              f"shorten seq_len or raise max_positions in the model config")
     if batch.segment_ids is not None:
-        check_segments(np.asarray(batch.segment_ids), max_segments)
+        seg = np.asarray(batch.segment_ids)
+        check_segments(seg, None if segments_per_row is None else segments_per_row(seg.shape[1]))
 
 
 def check_segments(segment_ids_BT: np.ndarray, max_segments: int | None) -> None:
@@ -104,5 +106,6 @@ def check_segments(segment_ids_BT: np.ndarray, max_segments: int | None) -> None
     if max_segments is not None and runs_B.size and runs_B.max() > max_segments:
         r = int(runs_B.argmax())
         raise ValueError(f"row {r} of the batch packs {int(runs_B[r])} segments (documents and padding), more "
-                         f"than the model's max_segments={max_segments}; raise model.max_segments to at least "
-                         f"{int(runs_B[r])} or pack fewer, longer documents per row")
+                         f"than the {max_segments} a row of {seg.shape[1]} tokens may hold (the model's max_segments); set "
+                         f"model.max_segments to at least {int(runs_B[r])} (it costs GPU memory in the attention's "
+                         f"backward) or pack fewer, longer documents per row")

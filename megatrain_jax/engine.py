@@ -125,7 +125,7 @@ class Engine:
 
     def check_batch(self, batch: Batch) -> None:
         """Raise ValueError saying what to fix unless ``batch`` fits the model and the micro-batching."""
-        check_batch(batch, self.lm.vocab_size, self.lm.max_positions, self.lm.max_segments)
+        check_batch(batch, self.lm.vocab_size, self.lm.max_positions, self.lm.segments_per_row)
         devices = len(self.placement.local_devices)
         if batch.shape[0] % (self.cfg.micro_batches * devices):
             per = f" times the {devices} devices of this process" if devices > 1 else ""
@@ -183,7 +183,7 @@ class Engine:
         nll = count = 0.0
         devices = len(self.placement.local_devices)
         for batch in batches:
-            check_batch(batch, self.lm.vocab_size, self.lm.max_positions, self.lm.max_segments)
+            check_batch(batch, self.lm.vocab_size, self.lm.max_positions, self.lm.segments_per_row)
             if batch.shape[0] % devices:
                 raise ValueError(f"an evaluation batch of {batch.shape[0]} rows cannot be split over the {devices} "
                                  f"devices of this process; use a batch size divisible by {devices}")

@@ -2,8 +2,8 @@
 
 A model follows the contract when it has:
 
-- ``model.cfg`` with ``vocab_size`` (and optionally ``max_positions``, ``max_segments``, ``loss_chunk_tokens``,
-  ``dtype``);
+- ``model.cfg`` with ``vocab_size`` (and optionally ``max_positions``, ``segments_per_row(seq_len)``,
+  ``loss_chunk_tokens``, ``dtype``);
 - ``model.io``: a module with ``embed(tokens_BT, positions_BT, segment_ids_BT) -> x_BTD`` (segment ids
   may be None), ``final_hidden(x_BTD) -> h_BTD`` and ``unembed(h_TD) -> logits_TV`` (float32). It owns
   the embedding, final norm and output projection; a tied head simply reads the embedding inside
@@ -50,7 +50,7 @@ class LayeredModel:
     max_positions: int | None
     loss_chunk_tokens: int
     aux_loss: Any = None  # the model's auxiliary loss of the blocks' summed statistics, or None
-    max_segments: int | None = None  # most packed documents per row the model's attention takes
+    segments_per_row: Any = None  # seq_len -> the most packed documents a row may hold, or None (no bound)
 
     def embed(self, io_params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
               segment_ids_BT: jax.Array | None) -> jax.Array:
@@ -274,7 +274,7 @@ def layered(model: nnx.Module, check_blocks: bool = True) -> LayeredModel:
                             f"-> (x, stats) to feed it; {_NEED}")
     return LayeredModel(io_gd, block_gd, len(model.blocks), cfg.vocab_size,
                         getattr(cfg, "max_positions", None), getattr(cfg, "loss_chunk_tokens", 8192), aux,
-                        getattr(cfg, "max_segments", None))
+                        getattr(cfg, "segments_per_row", None))
 
 
 def io_params(model: nnx.Module) -> Params:

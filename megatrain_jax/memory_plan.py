@@ -180,7 +180,8 @@ def pinned_pool_bytes(arrays: int, limit: int | None) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- GPU
-def _transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: int, flash: bool) -> tuple[int, str]:
+def _transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: int, flash: bool,
+               packed: bool = False) -> tuple[int, str]:
     """Scratch memory of the compiled function behind an op, a rule of thumb from the tensors it keeps per
     token. In brackets, XLA's memory analysis on the H100 (per micro-batch: 7B layer at 16K tokens / 3B at
     128K; it depends on the tokens, not on how they split into rows)."""
@@ -199,8 +200,12 @@ def _transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: i
     if kind == "backward":  # [7B: 1.85, 4.19, 8.38 GiB at 16K, 32K, 64K tokens; 3B: 2.88, 11.56 at 32K, 128K;
         #                        this rule 2.08, 4.17, 8.33; 2.94, 11.75; float32 weights add ~0.57 at 7B]
         weights = layer_param_count(c) * 4 if sb == 4 else 0  # their bf16 cast; the gradient in float32
+        # cuDNN's packed layout: a float32 dQ workspace per possible document [rows x segments, N, T, H]
+        # (one row of 32K tokens, 24 heads of 128, 64 segments: this rule 24 GiB, +29 GiB measured;
+        # experiments/results/h100_kernels.json)
+        packed_ws = c.segments_per_row(seq_len) * mt * q * 4 if packed and flash else 0
         return (max((mt * (5 * D + 2 * q + 2 * kv) + mlp_t * 3 * F) * ab, layer_param_count(c) * sb) + weights
-                + 2 * scores,
+                + 2 * scores + packed_ws,
                 "what the recompute keeps for the VJP: norm outputs, residual, q, k, v, attention output, MLP "
                 "gate, up and product, and the residual's float32 gradient")
     if kind == "head":  # [2.6 / 11.6 GiB; this rule 2.8 / 10.8]
@@ -249,7 +254,7 @@ class _Ledger:
 
 
 def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int,
-              flash: bool, devices: int = 1) -> tuple[dict[str, int], str]:
+              flash: bool, devices: int = 1, packed: bool = False) -> tuple[dict[str, int], str]:
     """Walk one optimizer step of the engine's schedule: the peak's items (bytes) and the op it happens in,
     on one GPU of ``devices``: each holds its rows, its shard of the resident parts and of each fetched
     part, and each fetched part whole once gathered. The step is a steady-state one: the gradients that
@@ -285,7 +290,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
             io = kind == "head" or (part is not None and part.is_io)  # the head accumulates the io gradient
             weights, grad = (Pio * sb, Pio * 4) if io else (Pl * sb, Pl * 4)
             weights = int(weights * fetched)
-            temp, why = _transient(c, kind, rows // M, seq_len, sb, flash)
+            temp, why = _transient(c, kind, rows // M, seq_len, sb, flash, packed)
             out, ops = 0, 1  # bytes the op allocates; device operations it issues (transfers count)
             if kind == "fetch":
                 out, ops = (0, 0) if kept else (weights, 1)
@@ -852,6 +857,6 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
 
     ab = 2 if c.dtype in ("bfloat16", "float16") else 4
     flash = c.attention_impl == "cudnn" or (c.attention_impl == "auto" and ab == 2)  # packed rows too (cuDNN packed layout)
-    gpu, at = _gpu_peak(c, e, batch_rows, seq_len, sb, flash, devices)
+    gpu, at = _gpu_peak(c, e, batch_rows, seq_len, sb, flash, devices, packed)
     return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed,
                       loaded_copy, arrays, host_pool_limit, fitted, at, devices, mb * on_disk, disk_bytes)

@@ -49,7 +49,7 @@ class ReferenceTrainer:
         self.model = model
         self.vocab_size = model.cfg.vocab_size
         self.max_positions = getattr(model.cfg, "max_positions", None)
-        self.max_segments = getattr(model.cfg, "max_segments", None)
+        self.segments_per_row = getattr(model.cfg, "segments_per_row", None)
         clip = optax.clip_by_global_norm(clip_norm) if clip_norm is not None else optax.identity()
         self.tx = optax.chain(clip, optimizer)
         self.graphdef, params = nnx.split(model, nnx.Param)
@@ -69,7 +69,7 @@ class ReferenceTrainer:
         batches = [batches] if isinstance(batches, Batch) else list(batches)
         losses, grads = [], None
         for batch in batches:
-            check_batch(batch, self.vocab_size, self.max_positions, self.max_segments)
+            check_batch(batch, self.vocab_size, self.max_positions, self.segments_per_row)
             loss, g = self._grad(self.params, batch.filled())
             losses.append(loss)
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)

@@ -181,12 +181,14 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
         say(f"  loading weights from {cfg.model.hf_checkpoint}")
         init_from = HFParts(cfg.model.hf_checkpoint, model_cfg)
     optimizer, _ = cfg.optimizer.build(t.steps)
-    data = d.build(model_cfg.vocab_size)
+    # a packed row's documents plus its padding stay within what the model's attention takes per row
+    pieces = model_cfg.segments_per_row(d.seq_len) - 1 if d.mode == "packed" else None
+    data = d.build(model_cfg.vocab_size, max_pieces=pieces)
 
     # written at the first step, so a run refused at start (e.g. by the checkpoint folder) leaves the folder as is
     hooks, writers = [_first_step(lambda: _write_config(cfg, run_dir))], []
     if t.eval_every:
-        eval_batches = list(itertools.islice(d.build_eval(model_cfg.vocab_size), t.eval_batches))
+        eval_batches = list(itertools.islice(d.build_eval(model_cfg.vocab_size, pieces), t.eval_batches))
         hooks.append(eval_hook(eval_batches, t.eval_every, t.steps))
     hooks.append(memory_hook())
     writers.append(JsonlWriter(run_dir / "metrics.jsonl", append=bool(t.resume)))

@@ -9,7 +9,8 @@ A ``TokenDataset`` cuts one split of a ``TokenFile`` into *units*, each a run of
   ever comes from another document. Documents with more than ``seq_len + 1`` tokens are cut into pieces
   of at most ``seq_len + 1`` tokens sharing one boundary token (every pair is trained on exactly once).
   Pieces are packed next-fit into rows: ``segment_ids`` 1..k per row (0 = padding), ``positions``
-  restarting at 0 for each piece, ``loss_mask`` 1 on real pairs and 0 on padding;
+  restarting at 0 for each piece, ``loss_mask`` 1 on real pairs and 0 on padding. ``max_pieces`` caps k
+  (the model's attention bounds the documents per row: ``DecoderConfig.segments_per_row``);
 - ``mode="padded"``: documents (or pieces) as in ``packed``, one per row, the rest of the row padding with
   ``loss_mask`` 0. No segment ids: attention stays plain causal (and flash), at the price of padding.
 
@@ -64,8 +65,11 @@ class TokenDataset:
     """One split of a token stream, as units: token offsets ``starts`` and lengths ``lengths`` (>= 2)."""
 
     def __init__(self, source: TokenFile | str | os.PathLike, seq_len: int, *, mode: str = "windows",
-                 split: str = "train", eval_fraction: float = 0.0):
+                 split: str = "train", eval_fraction: float = 0.0, max_pieces: int | None = None):
         check_choice("mode", mode, MODES)
+        if max_pieces is not None and max_pieces < 1:
+            raise ValueError(f"max_pieces must be >= 1 or None, got {max_pieces}")
+        self.max_pieces = None if max_pieces is None else int(max_pieces)
         check_choice("split", split, SPLITS)
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -148,7 +152,8 @@ class TokenBatches:
     def _settings(self) -> dict[str, Any]:
         d = self.dataset
         return {"mode": d.mode, "split": d.split, "seq_len": d.seq_len, "num_units": len(d),
-                "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle, "loop": self.loop}
+                "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle, "loop": self.loop,
+                "max_pieces": d.max_pieces}
 
     def state(self) -> dict[str, Any]:
         """Where the stream stands after the last batch returned: small and JSON-serializable."""
@@ -156,7 +161,8 @@ class TokenBatches:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue exactly after the batch at which ``state`` was taken."""
-        changed = {k: (state.get(k), v) for k, v in self._settings().items() if state.get(k) != v}
+        saved = {"max_pieces": None, **state}  # states from before the cap: none
+        changed = {k: (saved.get(k), v) for k, v in self._settings().items() if saved.get(k) != v}
         if changed:
             raise ValueError(f"data state does not match this data pipeline (saved, now): {changed}; resume "
                              f"with the same data file, mode, seq_len, batch_size, seed and eval_fraction")
@@ -198,7 +204,8 @@ class TokenBatches:
                 cursor += 1
                 continue
             row, used = [], 0  # next-fit: pieces in order while their pairs fit the row
-            while cursor < len(order) and used + d.lengths[order[cursor]] - 1 <= d.seq_len:
+            while (cursor < len(order) and used + d.lengths[order[cursor]] - 1 <= d.seq_len
+                   and (d.max_pieces is None or len(row) < d.max_pieces)):
                 row.append(int(order[cursor]))
                 used += int(d.lengths[order[cursor]]) - 1
                 cursor += 1
@@ -407,22 +414,24 @@ class DataConfig:
             file.check_vocab(model_vocab)
         return file
 
-    def dataset(self, split: str = "train", model_vocab: int | None = None) -> TokenDataset:
+    def dataset(self, split: str = "train", model_vocab: int | None = None,
+                max_pieces: int | None = None) -> TokenDataset:
+        """``max_pieces``: at most this many documents per packed row (``TokenDataset``)."""
         return TokenDataset(self.open(model_vocab), self.seq_len, mode=self.mode, split=split,
-                            eval_fraction=self.eval_fraction)
+                            eval_fraction=self.eval_fraction, max_pieces=max_pieces)
 
-    def build(self, model_vocab: int | None = None,
-              state: dict | None = None) -> Prefetcher | TokenBatches:
+    def build(self, model_vocab: int | None = None, state: dict | None = None,
+              max_pieces: int | None = None) -> Prefetcher | TokenBatches:
         """The endless, shuffled training stream (prefetched when ``prefetch > 0``), resumed from ``state``."""
-        it = self.dataset("train", model_vocab).batches(self.batch_size, seed=self.seed, state=state,
+        it = self.dataset("train", model_vocab, max_pieces).batches(self.batch_size, seed=self.seed, state=state,
                                                         process=_this_process())
         return prefetch(it, self.prefetch) if self.prefetch > 0 else it
 
-    def build_eval(self, model_vocab: int | None = None) -> TokenBatches:
+    def build_eval(self, model_vocab: int | None = None, max_pieces: int | None = None) -> TokenBatches:
         """One ordered pass over the held-out split (needs ``eval_fraction > 0``)."""
         if self.eval_fraction <= 0:
             raise ValueError("evaluation needs a held-out split: set eval_fraction > 0 in the data config")
-        return self.dataset("eval", model_vocab).batches(self.batch_size, seed=self.seed, process=_this_process())
+        return self.dataset("eval", model_vocab, max_pieces).batches(self.batch_size, seed=self.seed, process=_this_process())
 
 
 def _this_process() -> tuple[int, int]:

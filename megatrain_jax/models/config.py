@@ -11,6 +11,8 @@ Family = Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn")
+# Default bound on packed documents per row times the row's tokens (DecoderConfig.max_segments).
+SEGMENT_TOKENS = 2**16
 
 
 ROPE_KINDS: tuple[str, ...] = ("llama3", "linear", "yarn")
@@ -141,9 +143,12 @@ class DecoderConfig:
     max_positions: int = 4096
     dtype: str = "bfloat16"
     attention_impl: str = "auto"
-    # Packed rows (segment ids): the most documents (runs of equal segment ids) one row may hold on cuDNN's
-    # packed flash attention, a static bound of its layout. A batch with more is refused before it runs.
-    max_segments: int = 64
+    # Packed rows (segment ids): the most documents (runs of equal segment ids, padding included) one row
+    # may hold, a static bound of cuDNN's packed flash attention: its backward keeps a float32 [rows x
+    # max_segments, heads, seq_len, head_dim] workspace, and its time grows with the bound. None:
+    # SEGMENT_TOKENS // seq_len, at least 8 (32 at 2,048 tokens, 8 from 8,192 on). Batches with more are
+    # refused before they run; the packed data mode closes rows at the bound.
+    max_segments: int | None = None
     loss_chunk_tokens: int = 8192  # logits of at most this many tokens exist at once
     # The MLP (with its norm and residual) over at most this many tokens at a time, each chunk recomputed
     # in the backward pass: its [tokens, ffn] temporaries scale with the chunk, not the sequence. None: whole.
@@ -156,6 +161,12 @@ class DecoderConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    def segments_per_row(self, seq_len: int) -> int:
+        """The most packed documents a row of ``seq_len`` tokens may hold (``max_segments``)."""
+        if self.max_segments is not None:
+            return self.max_segments
+        return max(8, SEGMENT_TOKENS // seq_len)
 
     def replace(self, **changes) -> "DecoderConfig":
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
@@ -212,10 +223,12 @@ def validate(cfg: DecoderConfig) -> None:
         raise ValueError(f"unknown model family {cfg.family!r}; allowed: {list(FAMILIES)}"
                          f"{_did_you_mean(cfg.family, FAMILIES)}")
     for name in ("vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads", "max_positions",
-                 "loss_chunk_tokens", "max_segments"):
+                 "loss_chunk_tokens"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if cfg.max_segments is not None and (not isinstance(cfg.max_segments, int) or cfg.max_segments <= 0):
+        raise ValueError(f"max_segments must be a positive integer or None, got {cfg.max_segments!r}")
     if cfg.mlp_chunk_tokens is not None and (not isinstance(cfg.mlp_chunk_tokens, int) or cfg.mlp_chunk_tokens <= 0):
         raise ValueError(f"mlp_chunk_tokens must be a positive integer or None, got {cfg.mlp_chunk_tokens!r}")
     if cfg.head_dim is None and cfg.hidden % cfg.heads:

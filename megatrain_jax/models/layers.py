@@ -165,7 +165,8 @@ class Attention(nnx.Module):
         k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, scale)
         impl = attention_implementation(cfg, x_BTD.dtype)
         if segment_ids_BT is not None and impl == "cudnn":  # packed documents: per-document flash attention
-            out_BTNH = packed_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cfg.max_segments, cfg.sliding_window)
+            out_BTNH = packed_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cfg.segments_per_row(T),
+                                        cfg.sliding_window)
         else:
             mask = None
             if segment_ids_BT is not None:  # packed documents attend only within their own segment

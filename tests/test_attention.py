@@ -1,0 +1,183 @@
+"""Packed-document attention (cuDNN's packed layout from segment ids) and the MoE grouped matmul.
+
+On CPU: the layout cuDNN is given describes exactly the documents the XLA path masks, the bound on
+documents per row is checked before a batch runs, and the implementation choice. On a Hopper GPU (the
+GPU tests, skipped elsewhere): the kernels against XLA's float32 results.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from megatrain_jax import Batch, DecoderConfig, EngineConfig
+from megatrain_jax.batch import check_batch, check_segments
+from megatrain_jax.data import TokenDataset
+from megatrain_jax.memory_plan import plan
+from megatrain_jax.models import layers
+from megatrain_jax.models.config import SEGMENT_TOKENS
+from megatrain_jax.models.layers import attention_implementation, packed_attention, segment_layout
+from tests.test_data import docs_file
+
+on_hopper = pytest.mark.skipif(
+    jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != "9.0",
+    reason="cuDNN's packed layout and the Mosaic-GPU kernels need a Hopper GPU")
+
+
+def random_segments(rng, B, T, max_docs, pad_max=0):
+    seg = np.zeros((B, T), np.int32)
+    for b in range(B):
+        pad = int(rng.integers(0, pad_max + 1))
+        docs = int(rng.integers(1, max_docs + 1))
+        cuts = np.sort(rng.choice(np.arange(1, T - pad), min(docs - 1, T - pad - 1), replace=False))
+        bounds = np.concatenate([[0], cuts, [T - pad]])
+        for d in range(len(bounds) - 1):
+            seg[b, bounds[d]:bounds[d + 1]] = d + 1
+    return seg
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_layout_describes_exactly_the_masked_documents(seed):
+    rng = np.random.default_rng(seed)
+    B, T, M = 3, 64, 12
+    seg = random_segments(rng, B, T, max_docs=8, pad_max=10)
+    lay = jax.tree.map(np.asarray, segment_layout(jnp.asarray(seg), M))
+    assert lay["lengths"].shape == (B, M) and lay["offsets"].shape == (B, M + 1)
+    for b in range(B):
+        real = lay["lengths"][b] >= 0
+        n = int(real.sum())
+        assert np.all(real[:n]) and np.all(lay["lengths"][b, n:] == -1) and np.all(lay["offsets"][b, n:] == -1)
+        assert lay["lengths"][b, :n].sum() == T  # every token (padding too) is in one document
+        doc = np.full(T, -1)
+        for d in range(n):
+            o, L = lay["offsets"][b, d], lay["lengths"][b, d]
+            assert np.all(doc[o:o + L] == -1)
+            doc[o:o + L] = d
+        np.testing.assert_array_equal(doc[:, None] == doc[None, :], seg[b][:, None] == seg[b][None, :])
+
+
+def test_layout_of_one_document_is_the_whole_row():
+    lay = segment_layout(jnp.ones((2, 16), jnp.int32), 4)
+    np.testing.assert_array_equal(lay["lengths"], [[16, -1, -1, -1]] * 2)
+    np.testing.assert_array_equal(lay["offsets"], [[0, -1, -1, -1, -1]] * 2)
+
+
+def test_a_segment_id_in_two_places_is_refused():
+    seg = np.array([[1, 1, 2, 2, 1, 1, 0, 0]])
+    with pytest.raises(ValueError, match=r"row 0 .* more than one place .* contiguous run"):
+        check_segments(seg, None)
+
+
+def test_more_documents_than_the_bound_are_refused_with_the_number_to_set():
+    seg = np.repeat(np.arange(1, 11), 4)[None]  # 10 documents of 4 tokens
+    check_segments(seg, 10)
+    with pytest.raises(ValueError, match=r"packs 10 segments .* more than the 9 a row of 40 tokens may hold .* "
+                                         r"model.max_segments to at least 10"):
+        check_segments(seg, 9)
+
+
+def test_check_batch_applies_the_models_bound_for_the_rows_length():
+    cfg = DecoderConfig(vocab_size=64, hidden=16, ffn=32, layers=1, heads=2, kv_heads=2, max_segments=3)
+    tokens = np.zeros((1, 8), np.int32)
+    ok = Batch(tokens, tokens, segment_ids=np.array([[1, 1, 2, 2, 3, 3, 3, 3]]))
+    check_batch(ok, 64, None, cfg.segments_per_row)
+    bad = Batch(tokens, tokens, segment_ids=np.array([[1, 1, 2, 2, 3, 3, 0, 0]]))
+    with pytest.raises(ValueError, match="packs 4 segments"):
+        check_batch(bad, 64, None, cfg.segments_per_row)
+
+
+def test_default_bound_shrinks_with_the_row_and_is_validated():
+    cfg = DecoderConfig(vocab_size=64, hidden=16, ffn=32, layers=1, heads=2, kv_heads=2)
+    assert cfg.segments_per_row(2048) == SEGMENT_TOKENS // 2048 == 32
+    assert cfg.segments_per_row(8192) == 8 and cfg.segments_per_row(524288) == 8
+    assert cfg.replace(max_segments=100).segments_per_row(32768) == 100
+    with pytest.raises(ValueError, match="max_segments must be a positive integer or None"):
+        cfg.replace(max_segments=0)
+
+
+def test_packed_rows_close_at_the_bound_and_resume_from_states_without_it():
+    ds = TokenDataset(docs_file(lengths=(3,) * 40), seq_len=32, mode="packed", max_pieces=4)
+    it = ds.batches(2, seed=0)
+    b = next(it)
+    assert (b.segment_ids.max(axis=1) == 4).all()  # 15 documents would fit 32 tokens; 4 are taken
+    check_segments(b.segment_ids, 5)  # 4 documents and the padding
+    state = it.state()
+    assert state["max_pieces"] == 4
+    old = {k: v for k, v in state.items() if k != "max_pieces"}  # saved before the bound existed
+    TokenDataset(docs_file(lengths=(3,) * 40), seq_len=32, mode="packed").batches(2, seed=0, state=old)
+    with pytest.raises(ValueError, match="max_pieces"):
+        TokenDataset(docs_file(lengths=(3,) * 40), seq_len=32, mode="packed").batches(2, seed=0, state=state)
+
+
+def test_implementation_choice(monkeypatch):
+    cfg = DecoderConfig(vocab_size=64, hidden=16, ffn=32, layers=1, heads=2, kv_heads=2)
+    assert attention_implementation(cfg, jnp.bfloat16) == "xla"  # off the GPU
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    assert attention_implementation(cfg, jnp.bfloat16) == "cudnn"  # packed rows included: no mask any more
+    assert attention_implementation(cfg, jnp.float32) == "xla"
+    assert attention_implementation(cfg.replace(attention_impl="xla"), jnp.bfloat16) == "xla"
+
+
+def test_plan_counts_the_packed_workspace_by_the_bound():
+    cfg = DecoderConfig(vocab_size=1024, hidden=512, ffn=1024, layers=4, heads=8, kv_heads=8, attention_impl="cudnn")
+    e = EngineConfig()
+    gpu = lambda c, packed: plan(c, e, 2, 4096, host_ram_bytes=2**40, gpu_bytes=2**40, packed=packed,  # noqa: E731
+                                 detect=False).gpu_total
+    base = gpu(cfg, False)
+    grows = [gpu(cfg.replace(max_segments=m), True) - base for m in (8, 16)]
+    q = cfg.heads * cfg.dim_per_head
+    assert grows[1] - grows[0] == 8 * 2 * 4096 * q * 4  # 8 more documents: their float32 dQ workspace
+
+
+@on_hopper
+@pytest.mark.parametrize("B,T,docs,pad", [(2, 2048, 5, 100), (1, 4096, 8, 0), (2, 1024, 1, 0)])
+def test_packed_attention_equals_masked_reference_on_gpu(B, T, docs, pad):
+    rng = np.random.default_rng(T)
+    seg = jnp.asarray(random_segments(rng, B, T, docs, pad))
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (B, T, 8, 128), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (B, T, 2, 128), jnp.bfloat16) for kk in ks[1:3])
+    dy = jax.random.normal(ks[3], q.shape, jnp.bfloat16)
+
+    def masked(q, k, v):
+        mask = seg[:, None, :, None] == seg[:, None, None, :]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
+
+    y, pb = jax.vjp(lambda *a: packed_attention(*a, seg, 16), q, k, v)
+    y_ref, pb_ref = jax.vjp(lambda *a: masked(*(x.astype(jnp.float32) for x in a)), q, k, v)
+    for got, want in zip((y, *pb(dy)), (y_ref, *pb_ref(dy.astype(jnp.float32)))):
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+        assert err < 1e-2, err  # bf16 inputs (XLA in bf16 is 4.6e-3 off the same reference)
+
+
+@on_hopper
+@pytest.mark.parametrize("experts,hidden,ffn", [(8, 512, 1024), (32, 256, 384)])
+def test_grouped_matmul_equals_ragged_dot_on_gpu(experts, hidden, ffn):
+    from megatrain_jax.models.moe import grouped_matmul
+    A = 2048
+    x = jax.random.normal(jax.random.key(0), (A, hidden), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (experts, hidden, ffn), jnp.bfloat16) * 0.05
+    dy = jax.random.normal(jax.random.key(2), (A, ffn), jnp.bfloat16)
+    choice = np.random.default_rng(0).integers(1, experts, A)  # expert 0 gets nothing
+    sizes = jnp.asarray(np.bincount(choice, minlength=experts).astype(np.int32))
+    y, pb = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes), x, w)
+    y_ref, pb_ref = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x.astype(jnp.float32), w.astype(jnp.float32))
+    dx, dw = pb(dy)
+    for got, want in zip((y, dx, dw), (y_ref, *pb_ref(dy.astype(jnp.float32)))):
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+        assert err < 1e-2, err
+    assert float(jnp.max(jnp.abs(dw[0]))) == 0.0  # an expert without tokens gets no gradient
+
+
+def test_kernel_results_file_shows_the_kernels_matched_on_the_gpu():
+    """The committed H100 run (experiments/kernel_bench.py): both kernels equal their references."""
+    import pathlib
+    path = pathlib.Path(__file__).parent.parent / "experiments" / "results" / "h100_kernels.json"
+    r = json.loads(path.read_text())
+    for rec in r["packed"]["check"] + r["ragged"]["check"]:
+        errs = [v for k, v in rec.items() if k.endswith("rel_err") and not k.startswith("xla")]
+        assert errs and max(errs) < 1e-2, rec
