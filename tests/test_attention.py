@@ -115,6 +115,7 @@ def test_packed_rows_close_at_the_bound_and_resume_from_states_without_it():
 
 def test_implementation_choice(monkeypatch):
     cfg = DecoderConfig(vocab_size=64, hidden=16, ffn=32, layers=1, heads=2, kv_heads=2)
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "cpu")
     assert attention_implementation(cfg, jnp.bfloat16) == "xla"  # off the GPU
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
     assert attention_implementation(cfg, jnp.bfloat16) == "cudnn"  # packed rows included: no mask any more
