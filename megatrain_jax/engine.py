@@ -76,6 +76,9 @@ class Engine:
         self.cfg = config
         if config.resident_layers > self.lm.n_blocks:
             raise ValueError(f"resident_layers={config.resident_layers} exceeds the model's {self.lm.n_blocks} blocks")
+        if config.offload_activations > self.lm.n_blocks:
+            raise ValueError(f"offload_activations={config.offload_activations} exceeds the model's "
+                             f"{self.lm.n_blocks} blocks")
         check_partwise(optimizer)
         roles = HostRoles.of(self.lm.n_blocks, config.resident_layers, config.resident_io, config.grads_on_gpu,
                              config.disk_parts)  # checked before the state is built
@@ -145,7 +148,7 @@ class Engine:
             p = Pass(micro, self.fns.inv_count([m.loss_mask for m in micro]), accumulate=j > 0,
                      last=j == len(batches) - 1)
             self._runner.run(p, step_ops(self.lm.n_blocks, self.cfg.micro_batches, self.cfg.prefetch_depth,
-                                         update=p.last))
+                                         update=p.last, offload=self.cfg.offload_activations))
             losses.append(sum(p.losses))
         self.state.step += 1
         tokens = sum(b.tokens for b in batches) * self.placement.processes  # each process feeds its own rows

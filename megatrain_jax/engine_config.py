@@ -40,6 +40,12 @@ class EngineConfig:
       beyond the four blocks' worth in flight during the updates (so it pays from five blocks on), at the
       price of reading and writing that much per step. Needs ``megatrain_jax.adamw`` in the fused kernel,
       and one process; one engine per folder (``Engine.close()`` deletes the files).
+    - ``offload_activations``: the inputs of this many blocks (the first ones; never the last
+      ``prefetch_depth``, whose backward follows at once) wait in pinned host memory from their forward to
+      their backward, copied out behind the forward and back one block ahead of the backward: long
+      sequences whose layer-boundary activations would not fit on the GPU. Host RAM holds rows x seq_len x
+      hidden x 2 bytes per offloaded block. ``megatrain-jax train`` picks it when the GPU is short
+      (``memory_plan.lean_engine``).
     """
 
     micro_batches: int = 1
@@ -55,6 +61,7 @@ class EngineConfig:
     master_dtype: str = "float32"
     disk_parts: int = 0
     disk_dir: str | None = None
+    offload_activations: int = 0
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
@@ -69,6 +76,9 @@ class EngineConfig:
         if self.stream_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"EngineConfig.stream_dtype must be None, 'float32' or 'bfloat16', "
                              f"got {self.stream_dtype!r}")
+        if not isinstance(self.offload_activations, int) or self.offload_activations < 0:
+            raise ValueError(f"EngineConfig.offload_activations must be an integer >= 0, got "
+                             f"{self.offload_activations!r}")
         if not isinstance(self.disk_parts, int) or self.disk_parts < 0:
             raise ValueError(f"EngineConfig.disk_parts must be an integer >= 0, got {self.disk_parts!r}")
         if self.disk_parts and not self.disk_dir:

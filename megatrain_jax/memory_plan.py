@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator
 
 from megatrain_jax.engine_config import EngineConfig
 from megatrain_jax.models.config import DecoderConfig
-from megatrain_jax.schedule import step_ops
+from megatrain_jax.schedule import STORES_AHEAD, offloaded_blocks, step_ops
 
 GiB = 1024**3
 MiB = 1024**2
@@ -241,6 +241,12 @@ class _Ledger:
         while self.held and self.held[0][0] <= self.issued - INFLIGHT_OPS:
             self.held.popleft()
 
+    def settle(self, cat: str, keep: int) -> None:
+        """The host waited for all but the newest ``keep`` of ``cat``'s dropped buffers: the rest are free."""
+        mine = [h for h in self.held if h[1] == cat]
+        gone = set(map(id, mine[:max(len(mine) - keep, 0)]))
+        self.held = deque(h for h in self.held if id(h) not in gone)
+
     def total(self) -> int:
         return sum(b for b, _ in self.live.values()) + sum(h[2] for h in self.held)
 
@@ -276,6 +282,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
     H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
     held = set(host_roles(c, e).grads_on_gpu)
     led, acts, home = _Ledger(), {}, set()  # acts: layer -> micro-batch activations held
+    away: dict[int, int] = {}  # layer -> micro-batch activations in host memory (offload_activations)
     for part in held:  # the step before's, copied home by each part's update before its fetch
         led.add(H, part_param_count(c, part) * 4 // devices)
     best: tuple[int, dict[str, int], str] = (-1, {}, "")
@@ -283,7 +290,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
     for j in range(passes):
         accumulate, last = j > 0, j == passes - 1
         led.add(B, batches)
-        for op in step_ops(c.layers, M, e.prefetch_depth, update=last):
+        for op in step_ops(c.layers, M, e.prefetch_depth, update=last, offload=e.offload_activations):
             part, kind = op.part, op.kind
             kept = part in on_gpu
             waits = part in held  # its gradient stays on the GPU until its update (not GPU-resident)
@@ -296,6 +303,8 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
                 out, ops = (0, 0) if kept else (weights, 1)
             elif kind in ("embed", "forward", "backward", "head"):
                 out = act + (grad if kind in ("backward", "head") and op.micro == 0 else 0)
+            elif kind in ("store_acts", "load_acts"):  # one copy per micro-batch
+                out, ops = (act * M if kind == "load_acts" else 0), M
             elif kind == "send_grads":  # squared norm; D2H copy; when accumulating, the earlier sum added
                 on_device = kept or waits
                 ops = int(last) + (0 if on_device else 1) + (1 if on_device else 2) * accumulate
@@ -321,6 +330,14 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
                 layer = 0 if kind == "embed" else part.layer + 1
                 acts[layer] = acts.get(layer, 0) + 1
                 led.add(A, act)
+            elif kind == "store_acts":  # freed once the queued copies have read them; the host waits for
+                n = acts.pop(part.layer)  # all but the last STORES_AHEAD blocks' copies
+                led.drop(A, act * n, n, hold=True)
+                led.settle(A, keep=STORES_AHEAD * n)
+                away[part.layer] = n
+            elif kind == "load_acts":
+                acts[part.layer] = away.pop(part.layer)
+                led.add(A, act * acts[part.layer], acts[part.layer])
             elif kind in ("head", "backward") and op.micro == 0:
                 led.add(G, grad)
             elif kind == "send_grads":
@@ -534,6 +551,13 @@ class MemoryPlan:
                    lambda ch: ("capacity mode: bfloat16 masters and Adam moments, stochastically rounded (6 B/param "
                                "instead of 12, no 16-bit copy; quality: docs/capacity.md)" +
                                ("; every part updates on the host" if e.resident_layers or e.resident_io else "")))
+        most = c.layers - e.prefetch_depth  # blocks whose inputs can wait on the host
+        act_gib = rows * seq * c.hidden * (2 if c.dtype in ("bfloat16", "float16") else 4) / GiB
+        yield ("offload", [(("engine.offload_activations", n),) for n in range(1, most + 1)
+                           if n > e.offload_activations],
+               lambda ch: (f"the inputs of the first {ch[0][1]} blocks wait in pinned host memory between forward and "
+                           f"backward ({ch[0][1] * act_gib:.1f} GiB of host RAM), copied out and back behind the "
+                           f"compute"))
         yield ("micro", [(("engine.micro_batches", m),) for m in _divisors(rows) if m > e.micro_batches],
                lambda ch: (f"{ch[0][1]} micro-batches of {rows // ch[0][1] * seq} tokens: smaller transients; "
                            f"below about 8K tokens per layer visit the weight transfers stop hiding behind compute"))
@@ -561,6 +585,8 @@ class MemoryPlan:
         memory, so that one for the fewest that fit the host; the others have few candidates."""
         if candidates and candidates[0][0][0] in ("engine.grads_on_gpu", "engine.disk_parts"):
             return self._fewest(candidates[0][0][0], sorted(ch[0][1] for ch in candidates))
+        if candidates and candidates[0][0][0] == "engine.offload_activations":
+            return self._fewest(candidates[0][0][0], sorted(ch[0][1] for ch in candidates), gpu=True)
         if candidates and candidates[0][0][0] == "engine.resident_layers":
             values = sorted(ch[0][1] for ch in candidates)
             lo, hi = 0, len(values)
@@ -579,13 +605,14 @@ class MemoryPlan:
         except ValueError:
             return False
 
-    def _fewest(self, key: str, values: list[int]) -> tuple[tuple[str, Any], ...] | None:
-        """The smallest of ``values`` for ``key`` whose plan fits the host (more of it, less host memory),
-        if that plan fits everything."""
+    def _fewest(self, key: str, values: list[int], gpu: bool = False) -> tuple[tuple[str, Any], ...] | None:
+        """The smallest of ``values`` for ``key`` whose plan fits the host (more of it, less host memory), or
+        with ``gpu`` the GPU (more of it, less GPU memory), if that plan fits everything."""
         lo, hi = 0, len(values)
-        while lo < hi:  # lo: the first value whose plan fits the host
+        while lo < hi:  # lo: the first value whose plan fits the host (the GPU)
             mid = (lo + hi) // 2
-            ok = self.applied(((key, values[mid]),)).host_fits
+            p = self.applied(((key, values[mid]),))
+            ok = p.gpu_fits if gpu else p.host_fits
             lo, hi = (lo, mid) if ok else (mid + 1, hi)
         best = ((key, values[lo]),) if lo < len(values) else None
         return best if best is not None and self.applied(best).fits else None
@@ -604,6 +631,20 @@ class MemoryPlan:
             if changes is not None:
                 return changes
         return self._leanest()
+
+    def offload(self) -> tuple[tuple[str, Any], ...] | None:
+        """For a run that does not fit the GPU: the fewest blocks whose inputs wait in host memory
+        (``engine.offload_activations``) that make the GPU fit, whether or not the host then fits (more
+        host RAM: ``lean_engine`` then makes the host lean where it can); None where the GPU fits already or
+        no count makes it fit."""
+        if self.gpu_fits or self.gpu_available is None:
+            return None
+        values = list(range(self.engine_cfg.offload_activations + 1, self.model_cfg.layers - self.engine_cfg.prefetch_depth + 1))
+        lo, hi = 0, len(values)
+        while lo < hi:  # lo: the first count whose plan fits the GPU
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.applied((("engine.offload_activations", values[mid]),)).gpu_fits else (mid + 1, hi)
+        return (("engine.offload_activations", values[lo]),) if lo < len(values) else None
 
     def _leanest(self) -> tuple[tuple[str, Any], ...] | None:
         stream = () if self.stream_dtype == "float32" or self.engine_cfg.capacity else (
@@ -735,20 +776,53 @@ class MemoryPlan:
 def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
                 host_ram_bytes: int | None = None, disk_dir: str | None = None, gpu_bytes: int | None = None,
                 **plan_kw) -> tuple[EngineConfig, str | None]:
-    """The engine config ``megatrain-jax train`` runs: as given, unless host RAM (default: this machine's
-    MemAvailable) is short and the config leaves the stream dtype unset and no gradients on the GPU; then
-    the lean full-precision mode that fits (``MemoryPlan.lean``; in capacity mode, gradients waiting on the
-    GPU alone), with a sentence saying what was picked. ``disk_dir`` (where the config sets none) is where
-    the disk tier may go when nothing else fits. ``gpu_bytes`` defaults to ``gpu_bytes_before_jax()``.
-    Reads nothing from JAX, so it can run before JAX starts its GPU backend."""
-    if engine_cfg.stream_dtype is not None or engine_cfg.grads_on_gpu or engine_cfg.disk_parts:
-        return engine_cfg, None
+    """The engine config ``megatrain-jax train`` runs: as given, unless memory is short.
+
+    - Host RAM (default: this machine's MemAvailable) short, and the config leaves the stream dtype unset
+      and no gradients on the GPU: the lean full-precision mode that fits (``MemoryPlan.lean``; in capacity
+      mode, gradients waiting on the GPU alone). ``disk_dir`` (where the config sets none) is where the
+      disk tier may go when nothing else fits.
+    - The GPU short, and no activation offload configured: the fewest blocks whose inputs wait in host
+      memory that make the run fit (``MemoryPlan.offload``).
+
+    Returns the config and a sentence saying what was picked (None: as given). ``gpu_bytes`` defaults to
+    ``gpu_bytes_before_jax()``. Reads nothing from JAX, so it can run before JAX starts its GPU backend."""
+    host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
+    gpu_bytes = gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes
+    user_host = engine_cfg.stream_dtype is not None or engine_cfg.grads_on_gpu or engine_cfg.disk_parts
+    kw = dict(host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes, **plan_kw)
+    said = []
+    if not engine_cfg.offload_activations:
+        p = plan(model_cfg, engine_cfg, batch_rows, seq_len, detect=False, **kw)
+        changes = p.offload()
+        # the fewest offloaded blocks for the GPU; their host RAM may call for the lean host layout, whose
+        # gradients on the GPU may in turn call for a few blocks more
+        start = None if changes is None else changes[0][1]
+        for n in ([] if start is None else range(start, model_cfg.layers - engine_cfg.prefetch_depth + 1)):
+            offloaded, words = dataclasses.replace(engine_cfg, offload_activations=n), None
+            if not user_host:
+                offloaded, words = _lean_host(model_cfg, offloaded, batch_rows, seq_len, disk_dir=disk_dir, **kw)
+            after = plan(model_cfg, offloaded, batch_rows, seq_len, detect=False, **kw)
+            if after.fits:
+                engine_cfg = offloaded
+                said.append(f"GPU memory is short ({p.gpu_total / GiB:.1f} GiB needed, {p.gpu_available / GiB:.1f} "
+                            f"available): the inputs of the first {n} blocks wait in host memory between forward "
+                            f"and backward (engine.offload_activations={n}; GPU {after.gpu_total / GiB:.1f} GiB)")
+                said += [words] if words else []
+                break
+    if not user_host:
+        engine_cfg, words = _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir=disk_dir, **kw)
+        said += [words] if words else []
+    return engine_cfg, ("; ".join(said) or None)
+
+
+def _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, *, host_ram_bytes, gpu_bytes, disk_dir=None,
+               **plan_kw) -> tuple[EngineConfig, str | None]:
+    """``lean_engine``'s host part: the lean layout that fits the host (``MemoryPlan.lean``), and the words."""
     given = engine_cfg
     if disk_dir is not None and engine_cfg.disk_dir is None:
         engine_cfg = dataclasses.replace(engine_cfg, disk_dir=str(disk_dir))
-    host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
     plan_kw.setdefault("disk_bytes", available_disk_bytes(engine_cfg.disk_dir))
-    gpu_bytes = gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes
     p = plan(model_cfg, engine_cfg, batch_rows, seq_len, host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes,
              detect=False, **plan_kw)
     changes = p.lean()
@@ -778,8 +852,9 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     the model's compute dtype). ``gpu_bytes`` is what XLA's allocator may use (``bytes_limit``, a fraction of
     the card: see ``gpu_fraction``). Limits not given are read from this machine when ``detect`` (host:
     MemAvailable; GPU: the allocator's bytes_limit). XLA's pinned pool is capped at ``host_pool_limit``
-    (default: ``fitted_pool_limit``, as ``megatrain-jax train`` sets it). ``packed`` rows have segment
-    masks, which take attention off the cuDNN flash path and materialize the score matrix. ``loaded_copy``:
+    (default: ``fitted_pool_limit``, as ``megatrain-jax train`` sets it). ``packed`` rows carry segment
+    ids: cuDNN's packed attention and its per-document workspace (``DecoderConfig.segments_per_row``).
+    ``loaded_copy``:
     the model object holds float32 weights loaded from a checkpoint for the whole run. ``devices``: the GPUs
     the run spreads over (per-GPU figures are one GPU's; host figures the whole host's, with one pinned
     pool per GPU). ``disk_bytes``: free space for the disk tier's files (default, when ``detect``: that of
@@ -794,6 +869,8 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
                          f"seq_len={seq_len} must be >= 1")
     if e.resident_layers > c.layers:
         raise ValueError(f"resident_layers={e.resident_layers} exceeds the model's {c.layers} blocks")
+    if e.offload_activations > c.layers:
+        raise ValueError(f"offload_activations={e.offload_activations} exceeds the model's {c.layers} blocks")
     if detect:
         host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
         gpu_bytes = available_gpu_bytes() if gpu_bytes is None else gpu_bytes
@@ -836,6 +913,11 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     if waiting:
         what += f", and one of the {len(waiting)} parts whose gradients wait on the GPU"
     pinned[f"gradients of one step, float32 ({what})"] = max(grads, build)
+    ab = 2 if c.dtype in ("bfloat16", "float16") else 4
+    offloaded = offloaded_blocks(c.layers, e.prefetch_depth, e.offload_activations)
+    if offloaded:
+        pinned[f"offloaded activations: the inputs of {offloaded} blocks ({batch_rows} x {seq_len} tokens x "
+               f"{c.hidden} x {ab} B each)"] = offloaded * batch_rows * seq_len * c.hidden * ab
     arrays = sum(pinned.values())
     fitted = host_pool_limit is None
     if fitted:
@@ -855,7 +937,6 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         (e.accumulate_steps + 2) * tokens * BATCH_BYTES_PER_TOKEN)
     host["runtime: Python, JAX, CUDA libraries, compiled programs (allowance)"] = HOST_RUNTIME_BYTES
 
-    ab = 2 if c.dtype in ("bfloat16", "float16") else 4
     flash = c.attention_impl == "cudnn" or (c.attention_impl == "auto" and ab == 2)  # packed rows too (cuDNN packed layout)
     gpu, at = _gpu_peak(c, e, batch_rows, seq_len, sb, flash, devices, packed)
     return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed,

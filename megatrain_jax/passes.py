@@ -21,7 +21,7 @@ from megatrain_jax.batch import Batch
 from megatrain_jax.device_fns import DeviceFns
 from megatrain_jax.host_state import HostState
 from megatrain_jax.parts import IO, Part, PartId
-from megatrain_jax.schedule import Op, OpKind
+from megatrain_jax.schedule import STORES_AHEAD, Op, OpKind
 from megatrain_jax.transfer import Placement
 from megatrain_jax.update_policy import StepDecision, UpdatePolicy
 
@@ -44,6 +44,7 @@ class Pass:
     decision: StepDecision | None = None
     stats: Any = None  # the blocks' statistics summed over blocks and micro-batches (an auxiliary loss's input)
     d_stats: Any = None  # the auxiliary loss's gradient with respect to them
+    stores: list = dataclasses.field(default_factory=list)  # offloaded activations whose copies may be queued
 
 
 class PassRunner:
@@ -135,6 +136,24 @@ class PassRunner:
             del p.acts[layer]  # block 0's inputs are the embeddings, still needed by embed_backward
         return p.dy[op.micro]
 
+    def store_acts(self, p: Pass, op: Op):
+        """A block's inputs (every micro-batch's) to pinned host memory until its backward: the device
+        copies are freed once the copy has read them. The host waits for the copies of the block
+        ``STORES_AHEAD`` before: it may otherwise run so far ahead of the GPU that the activations of
+        many blocks wait on the GPU for their copies at once."""
+        layer = op.part.layer
+        p.acts[layer] = [self.placement.to_host(x) for x in p.acts[layer]]
+        p.stores.append(p.acts[layer])
+        if len(p.stores) > STORES_AHEAD:
+            jax.block_until_ready(p.stores.pop(0))
+        return p.acts[layer]
+
+    def load_acts(self, p: Pass, op: Op):
+        """An offloaded block's inputs back onto the devices, ahead of its backward."""
+        layer = op.part.layer
+        p.acts[layer] = [self.placement.to_device(x) for x in p.acts[layer]]
+        return p.acts[layer]
+
     def embed_backward(self, p: Pass, op: Op):
         b = p.batches[op.micro]
         last = op.micro == len(p.batches) - 1
@@ -196,14 +215,14 @@ HANDLERS: dict[OpKind, Callable[[PassRunner, Pass, Op], Any]] = {
     "forward": PassRunner.forward, "head": PassRunner.head, "backward": PassRunner.backward,
     "send_grads": PassRunner.send_grads, "embed_backward": PassRunner.embed_backward,
     "grad_norm": PassRunner.grad_norm, "update": PassRunner.update, "commit": PassRunner.commit,
-    "loss": PassRunner.loss,
+    "loss": PassRunner.loss, "store_acts": PassRunner.store_acts, "load_acts": PassRunner.load_acts,
 }
 
 # What each op kind is, for time breakdowns and timelines.
 CATEGORY: dict[OpKind, str] = {
     "fetch": "h2d", "release": "none", "embed": "compute", "forward": "compute", "head": "compute",
     "backward": "compute", "send_grads": "d2h", "embed_backward": "compute", "grad_norm": "compute",
-    "update": "optimizer", "commit": "optimizer", "loss": "compute",
+    "update": "optimizer", "commit": "optimizer", "loss": "compute", "store_acts": "d2h", "load_acts": "h2d",
 }
 
 

@@ -5,10 +5,12 @@ holds the table from op kind to handler). One training step is:
 
 1. fetch the io part; embed every micro-batch;
 2. forward, layer-major: block i is fetched ``depth`` blocks ahead, every micro-batch passes through it,
-   then it is released (the last ``depth`` blocks stay for the backward pass);
+   then it is released (the last ``depth`` blocks stay for the backward pass); with activation offload,
+   the inputs of the first ``offload`` blocks then go to pinned host memory (``store_acts``);
 3. the head (final norm, chunked logits, loss) per micro-batch, giving d(loss)/d(last hidden);
-4. backward, blocks in reverse, prefetched ``depth`` ahead: recompute + VJP per micro-batch, gradients
-   accumulated on the device, then sent to host memory;
+4. backward, blocks in reverse, prefetched ``depth`` ahead (an offloaded block's inputs come back with its
+   parameters, ``load_acts``): recompute + VJP per micro-batch, gradients accumulated on the device, then
+   sent to host memory;
 5. the embedding's backward; the io gradients go to host;
 6. (last sub-step of an optimizer step only) the global gradient norm, then the parts' updates in forward
    order (io, block 0, block 1, ...), so the next step's forward can begin early;
@@ -24,14 +26,18 @@ from typing import Literal
 
 from megatrain_jax.parts import IO, PartId
 
+# Offloaded activations: the blocks whose copies to host memory may be queued at once; the host waits for
+# older ones (``passes.PassRunner.store_acts``), so the GPU never holds more blocks' inputs waiting to leave.
+STORES_AHEAD = 2
+
 OpKind = Literal["fetch", "release", "embed", "forward", "head", "backward", "send_grads", "embed_backward",
-                 "grad_norm", "update", "commit", "loss"]
+                 "grad_norm", "update", "commit", "loss", "store_acts", "load_acts"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
     kind: OpKind
-    part: PartId | None = None  # fetch, release, forward, backward, send_grads, update
+    part: PartId | None = None  # fetch, release, forward, backward, send_grads, update, store/load_acts
     micro: int = -1  # embed, forward, head, backward, embed_backward, loss
 
     def __repr__(self) -> str:
@@ -46,9 +52,10 @@ def _check(n_layers: int, n_micro: int, depth: int) -> None:
         raise ValueError(f"prefetch depth must be >= 1, got {depth}")
 
 
-def _forward(n_layers: int, n_micro: int, depth: int, keep: int) -> tuple[list[Op], set[int]]:
-    """Fetch io, embed, then every block layer-major; the last ``keep`` blocks stay fetched. Returns the
-    ops and the blocks still on the device."""
+def _forward(n_layers: int, n_micro: int, depth: int, keep: int, offload: int = 0) -> tuple[list[Op], set[int]]:
+    """Fetch io, embed, then every block layer-major; the last ``keep`` blocks stay fetched, and the inputs
+    of the first ``offload`` released blocks go to host memory. Returns the ops and the blocks still on the
+    device."""
     ops: list[Op] = [Op("fetch", IO)] + [Op("embed", micro=m) for m in range(n_micro)]
     resident: set[int] = set()
 
@@ -67,19 +74,28 @@ def _forward(n_layers: int, n_micro: int, depth: int, keep: int) -> tuple[list[O
         if i < n_layers - keep:
             resident.discard(i)
             ops.append(Op("release", PartId.block(i)))
+            if i < offload:
+                ops.append(Op("store_acts", PartId.block(i)))
     return ops, resident
 
 
-def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True) -> list[Op]:
-    """The ops of one forward+backward pass (plus the optimizer update when ``update``)."""
+def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True, offload: int = 0) -> list[Op]:
+    """The ops of one forward+backward pass (plus the optimizer update when ``update``). ``offload``: the
+    inputs of the first this many blocks wait in host memory between their forward and backward (the last
+    ``depth`` blocks' never leave: their backward follows at once)."""
     _check(n_layers, n_micro, depth)
-    ops, resident = _forward(n_layers, n_micro, depth, keep=depth)
+    if offload < 0:
+        raise ValueError(f"activation offload must be >= 0 blocks, got {offload}")
+    offload = offloaded_blocks(n_layers, depth, offload)
+    ops, resident = _forward(n_layers, n_micro, depth, keep=depth, offload=offload)
     ops += [Op("head", micro=m) for m in range(n_micro)]
     for i in reversed(range(n_layers)):
         for j in range(i, i - depth - 1, -1):  # keep `depth` blocks in flight ahead of the compute
             if 0 <= j and j not in resident:
                 resident.add(j)
                 ops.append(Op("fetch", PartId.block(j)))
+                if j < offload:
+                    ops.append(Op("load_acts", PartId.block(j)))
         ops += [Op("backward", PartId.block(i), m) for m in range(n_micro)]
         ops += [Op("send_grads", PartId.block(i)), Op("release", PartId.block(i))]
         resident.discard(i)
@@ -97,6 +113,11 @@ def eval_ops(n_layers: int, n_micro: int, depth: int = 1) -> list[Op]:
     _check(n_layers, n_micro, depth)
     ops, _ = _forward(n_layers, n_micro, depth, keep=0)
     return ops + [Op("loss", micro=m) for m in range(n_micro)] + [Op("release", IO)]
+
+
+def offloaded_blocks(n_layers: int, depth: int, offload: int) -> int:
+    """How many blocks' inputs ``step_ops`` sends to host memory for an ``offload`` setting."""
+    return max(0, min(offload, n_layers - depth))
 
 
 def max_resident_layers(ops: list[Op]) -> int:

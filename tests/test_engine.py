@@ -393,3 +393,32 @@ def test_split_update_step_cut_short_still_commits_what_it_started():
 def test_engine_with_a_chunked_mlp_equals_reference():
     """The model's sequence-chunked MLP (rematerialized per chunk) streams like any block."""
     run_both(TINY3.replace(mlp_chunk_tokens=24), ADAMW, EngineConfig(micro_batches=2))
+
+
+@pytest.mark.parametrize("offload,depth", [(2, 1), (3, 1), (1, 2)])
+def test_offloaded_activations_equal_reference(offload, depth):
+    """Block inputs through pinned host memory between forward and backward: the same training."""
+    run_both(TINY3, ADAMW, EngineConfig(micro_batches=2, clip_norm=0.05, prefetch_depth=depth,
+                                        offload_activations=offload), batch_kw=dict(packed=True))
+
+
+def test_offload_of_more_blocks_than_the_model_has_is_refused():
+    with pytest.raises(ValueError, match="offload_activations=4 exceeds the model's 3 blocks"):
+        Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), ADAMW(), EngineConfig(offload_activations=4))
+
+
+def test_offloaded_activations_wait_in_pinned_host_memory():
+    seen = {}
+
+    class Watch:
+        def on_op(self, op, start, end, out):
+            if op.kind in ("store_acts", "load_acts"):
+                seen.setdefault(op.kind, []).extend(x.sharding.memory_kind for x in out)
+
+        def on_task(self, *a, **k):
+            pass
+
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), ADAMW(), EngineConfig(micro_batches=2, offload_activations=2))
+    engine.observe(Watch())
+    engine.step(make_batches(1, vocab=TINY3.vocab_size)).resolve()
+    assert seen == {"store_acts": ["pinned_host"] * 4, "load_acts": ["device"] * 4}  # 2 blocks x 2 micro-batches

@@ -442,3 +442,37 @@ def test_longest_sequence_that_fits_is_the_boundary():
     assert capped.longest_seq_len() == 131072
     assert plan(three_b, EngineConfig(), 1, 8192, host_ram_bytes=125 * GiB,
                 gpu_bytes=1 * GiB).longest_seq_len() is None
+
+
+def test_activation_offload_moves_boundary_activations_to_the_host_and_is_picked_when_the_gpu_is_short():
+    """3B at 512K tokens in one row: the layer-boundary activations (3 GiB a block) do not fit an H100
+    with the block's own working set; offloading the first blocks' inputs does, at their size in host RAM."""
+    from megatrain_jax.memory_plan import lean_engine
+    c = preset("llama3.2-3b", max_positions=524288, mlp_chunk_tokens=16384)
+    e = EngineConfig(stream_dtype="float32", grads_on_gpu=29)
+    act = 524288 * c.hidden * 2
+    base = plan(c, e, 1, 524288, host_ram_bytes=1000 * GiB, gpu_bytes=71 * GiB)
+    assert not base.gpu_fits
+    n = dict(base.offload())["engine.offload_activations"]
+    picked = base.applied(base.offload())
+    assert picked.fits and not base.applied((("engine.offload_activations", n - 1),)).gpu_fits
+    key = next(k for k in picked.host if "offloaded activations" in k)
+    assert picked.host[key] == n * act and f"inputs of {n} blocks" in key
+    assert base.gpu_total - picked.gpu_total >= (n - 2) * act  # at most 2 wait on the GPU for their copies
+    cfg, why = lean_engine(c, e, 1, 524288, host_ram_bytes=1000 * GiB, gpu_bytes=71 * GiB)
+    assert cfg.offload_activations == n and "GPU memory is short" in why
+    assert any("pinned host memory between" in o.why for o in base.options())
+    # the schedule offloads at most the blocks whose backward is not next
+    full = plan(c, dataclasses.replace(e, offload_activations=28), 1, 524288, **BIG)
+    assert any("inputs of 27 blocks" in k and v == 27 * act for k, v in full.host.items())
+
+
+def test_offload_and_the_lean_host_layout_are_picked_together_on_the_h100_box():
+    """Default settings on 125 GiB / 71 GiB: the offloaded activations need host RAM, which the lean layout
+    frees, whose gradients on the GPU need a few more blocks offloaded; the run then fits both."""
+    from megatrain_jax.memory_plan import lean_engine
+    c = preset("llama3.2-3b", max_positions=524288, mlp_chunk_tokens=16384)
+    cfg, why = lean_engine(c, EngineConfig(), 1, 524288, host_ram_bytes=125 * GiB, gpu_bytes=71 * GiB)
+    assert cfg.offload_activations > 0 and cfg.stream_dtype == "float32" and cfg.grads_on_gpu > 0
+    assert "GPU memory is short" in why and "host RAM is short" in why
+    assert plan(c, cfg, 1, 524288, host_ram_bytes=125 * GiB, gpu_bytes=71 * GiB).fits

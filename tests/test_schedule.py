@@ -68,7 +68,7 @@ def test_eval_is_the_forward_then_the_loss_and_nothing_else():
 def test_every_op_kind_has_one_handler_and_a_category():
     kinds = set(typing.get_args(OpKind))
     assert set(HANDLERS) == kinds and set(CATEGORY) == kinds
-    assert {o.kind for o in step_ops(2, 2, 1) + eval_ops(2, 2, 1)} == kinds
+    assert {o.kind for o in step_ops(2, 2, 1, offload=1) + eval_ops(2, 2, 1)} == kinds
 
 
 def test_part_ids_name_themselves_and_order_like_updates():
@@ -86,3 +86,25 @@ def test_bad_arguments_are_rejected():
         step_ops(0, 1)
     with pytest.raises(ValueError, match="prefetch depth"):
         step_ops(2, 1, 0)
+
+
+@pytest.mark.parametrize("layers,micro,depth,offload", [(4, 2, 1, 2), (5, 3, 2, 5), (3, 1, 1, 1), (4, 1, 3, 4)])
+def test_offloaded_inputs_leave_after_their_forward_and_return_with_their_block(layers, micro, depth, offload):
+    ops = step_ops(layers, micro, depth, offload=offload)
+    stored = [op.part.layer for op in ops if op.kind == "store_acts"]
+    loaded = [op.part.layer for op in ops if op.kind == "load_acts"]
+    n = min(offload, layers - depth)  # the last `depth` blocks' inputs never leave
+    assert stored == list(range(n)) and loaded == list(reversed(range(n)))
+    at = {repr(op): k for k, op in enumerate(ops)}
+    for i in range(n):
+        assert at[f"store_acts({B(i)})"] > max(at[f"forward({B(i)}, {m})"] for m in range(micro))
+        assert at[f"load_acts({B(i)})"] == at[f"fetch({B(i)})"] + 1  # with its backward fetch (the later one)
+        assert at[f"load_acts({B(i)})"] < min(at[f"backward({B(i)}, {m})"] for m in range(micro))
+        if i + 1 < layers:  # back one block ahead: before the block above it starts its backward
+            assert at[f"load_acts({B(i)})"] < min(at[f"backward({B(i + 1)}, {m})"] for m in range(micro))
+    assert step_ops(layers, micro, depth, offload=0) == [op for op in ops if op.kind not in ("store_acts", "load_acts")]
+
+
+def test_negative_offload_is_rejected():
+    with pytest.raises(ValueError, match="activation offload must be >= 0"):
+        step_ops(3, 1, offload=-1)

@@ -161,7 +161,7 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     if not distributed.requested():  # several processes would each pick from their own host: not done
         engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len,
                                        disk_dir=str(run_dir / "disk_tier"), **kw)
-    if lean is not None:  # host RAM is short: float32 streamed, gradients waiting on the GPU
+    if lean is not None:  # memory is short: a lean host layout, or activations offloaded (the sentence says)
         say(f"megatrain_jax: {lean}")
         cfg = dataclasses.replace(cfg, engine=engine_cfg)
     fit_host_pool(model_cfg, cfg.engine, d.batch_size, d.seq_len, **kw)  # before JAX starts its GPU backend
