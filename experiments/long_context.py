@@ -1,0 +1,152 @@
+"""Long context on one GPU: batch 1 at growing lengths, with the memory plan's prediction next to each run
+(issue 16). One results file.
+
+    PYTHONPATH=. python experiments/long_context.py --configs 3b_8k,3b_32k,3b_128k --out $OUT/long.json
+
+Each configuration runs in a fresh process, as ``megatrain-jax train`` would: the engine config is what
+``memory_plan.lean_engine`` picks on this machine from the defaults (activation offload and the lean host
+layout when GPU or host memory is short), the pinned pool is fitted before JAX starts, then a randomly
+initialized model trains on the demo corpus (one row of ``seq_len`` tokens per step). The record holds the
+step times (the first includes compiling the per-layer programs), tokens/s and model TFLOP/s of the
+later steps (of the first where only one ran), the GPU and host peaks, and the plan's predicted peaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from child import git_commit, run_child  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class LongConfig:
+    preset: str
+    seq_len: int
+    steps: int  # the first compiles: timed figures come from the others where there are any
+    mlp_chunk_tokens: int | None = None
+    master_dtype: str = "float32"
+
+
+K = 1024
+CONFIGS = {
+    "tiny_cpu": LongConfig("tiny", 256, 2),  # a smoke test (tests/test_experiments.py)
+    "3b_8k": LongConfig("llama3.2-3b", 8 * K, 3),
+    "3b_32k": LongConfig("llama3.2-3b", 32 * K, 3),
+    "3b_128k": LongConfig("llama3.2-3b", 128 * K, 3),
+    "3b_256k": LongConfig("llama3.2-3b", 256 * K, 2, mlp_chunk_tokens=32 * K),
+    "3b_512k": LongConfig("llama3.2-3b", 512 * K, 1, mlp_chunk_tokens=32 * K),
+    "7b_256k": LongConfig("7b", 256 * K, 2, mlp_chunk_tokens=32 * K),
+    "7b_256k_capacity": LongConfig("7b", 256 * K, 2, mlp_chunk_tokens=32 * K, master_dtype="bfloat16"),
+}
+
+
+def measure(name: str, lc: LongConfig) -> dict:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    from megatrain_jax import EngineConfig, preset
+    from megatrain_jax._environment import physical_ram_bytes
+    from megatrain_jax.memory_plan import GiB, fit_host_pool, gpu_bytes_before_jax, lean_engine, plan
+
+    cfg = preset(lc.preset, max_positions=max(lc.seq_len, 4096), mlp_chunk_tokens=lc.mlp_chunk_tokens)
+    engine_cfg, why = lean_engine(cfg, EngineConfig(master_dtype=lc.master_dtype), 1, lc.seq_len)
+    fit_host_pool(cfg, engine_cfg, 1, lc.seq_len)
+    import jax
+    from bench import device_info, gpu_peak_gib, host_peak_gib
+    from flax import nnx
+
+    from megatrain_jax import Decoder, Engine, default_optimizer
+    from megatrain_jax.data import TokenDataset, TokenFile
+    from megatrain_jax.data.demo import demo_tokens
+    from megatrain_jax.flops import model_flops_per_token
+
+    run = {"system": "megatrain_jax", "config": name, "preset": lc.preset, "seq_len": lc.seq_len, "rows": 1,
+           "model": {"layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
+                     "params": cfg.param_count(), "mlp_chunk_tokens": cfg.mlp_chunk_tokens},
+           "engine": dataclasses.asdict(engine_cfg), "engine_picked_by_plan": why, "master_dtype": lc.master_dtype,
+           "device": device_info()}
+    stats = jax.devices()[0].memory_stats() or {}
+    try:
+        t0 = time.perf_counter()
+        abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+        engine = Engine(abstract, default_optimizer(3e-4), engine_cfg, seed=0)
+        jax.block_until_ready(engine.state)
+        run["init_s"] = round(time.perf_counter() - t0, 1)
+        toks, starts = demo_tokens(cfg.vocab_size, (lc.steps + 1) * lc.seq_len * 2 + lc.seq_len + 1, seed=0)
+        data = TokenDataset(TokenFile.from_array(toks, cfg.vocab_size, starts), lc.seq_len).batches(1)
+        records = []
+        for m in engine.steps(b for b, _ in zip(data, range(lc.steps))):
+            records.append(m)
+            print(f"[{name}] step {m['step']} loss {m['loss']:.4f} {m['step_time_s']:.2f}s gpu peak "
+                  f"{gpu_peak_gib()} GiB host peak {host_peak_gib()} GiB", file=sys.stderr, flush=True)
+        timed = records[1:] or records
+        step = sum(r["step_time_s"] for r in timed) / len(timed)
+        fpt = model_flops_per_token(cfg.active_param_count(), cfg.layers, cfg.hidden, lc.seq_len)
+        run.update(step_times=[round(r["step_time_s"], 2) for r in records], losses=[round(r["loss"], 4) for r in records],
+                   timed_steps=len(timed), step_time_s=round(step, 2), first_step_includes_compile=len(records) == 1,
+                   tokens_per_s=round(lc.seq_len / step, 1), model_tflops=round(lc.seq_len / step * fpt / 1e12, 1),
+                   loss_finite=bool(all(r["loss"] == r["loss"] and abs(r["loss"]) < float("inf") for r in records)),
+                   status="ok")
+    except Exception as e:  # recorded, not hidden
+        import traceback
+        traceback.print_exc()
+        run["status"] = f"error: {type(e).__name__}: {str(e)[:500]}"
+    run.update(gpu_peak_gib=gpu_peak_gib(), host_peak_gib=host_peak_gib())
+    p = plan(cfg, engine_cfg, 1, lc.seq_len, host_ram_bytes=physical_ram_bytes(), gpu_bytes=stats.get("bytes_limit"),
+             detect=False)
+    run["plan"] = {"gpu_gib": round(p.gpu_total / GiB, 2), "host_gib": round(p.host_total / GiB, 2),
+                   "gpu_peak_at": p.gpu_peak_at, "fits": p.fits, "gpu_bytes_before_jax_gib": round(
+                       (gpu_bytes_before_jax() or 0) / GiB, 2),
+                   "longest_seq_len": p.longest_seq_len(multiple=8 * K),
+                   "gpu": {k: round(v / GiB, 3) for k, v in p.gpu.items()},
+                   "host": {k: round(v / GiB, 3) for k, v in p.host.items()}}
+    run["plan_error"] = {k: round((run["plan"][f"{k}_gib"] - run[f"{k}_peak_gib"]) / run[f"{k}_peak_gib"], 4)
+                         for k in ("gpu", "host") if run.get(f"{k}_peak_gib")}
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="path of the results JSON (runs are added to it when it exists)")
+    ap.add_argument("--configs", default="3b_8k,3b_32k,3b_128k", help=f"comma-separated names from {sorted(CONFIGS)}")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per configuration")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, CONFIGS[args.child])))
+        return
+    if not args.out:
+        ap.error("--out is required")
+    names = args.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    import jax  # the version only: the children start the GPU
+    result = {"name": os.path.splitext(os.path.basename(args.out))[0], "command": [], "git_commit": git_commit(),
+              "date": datetime.date.today().isoformat(), "jax_version": jax.__version__, "device": None, "runs": []}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            result = json.load(f)
+    result["command"].append("PYTHONPATH=. python experiments/long_context.py " + " ".join(sys.argv[1:]))
+    for name in names:
+        run = run_child([sys.executable, os.path.abspath(__file__), "--child", name], args.timeout, config=name)
+        result["device"] = result["device"] or run.pop("device", None)
+        run.pop("device", None)
+        result["runs"].append(run)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"{name}: {run['status']} step {run.get('step_time_s')} s, {run.get('model_tflops')} TFLOP/s, GPU "
+              f"{run.get('gpu_peak_gib')} GiB (plan {run.get('plan', {}).get('gpu_gib')}), host "
+              f"{run.get('host_peak_gib')} GiB (plan {run.get('plan', {}).get('host_gib')}), engine "
+              f"{run.get('engine_picked_by_plan')}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
