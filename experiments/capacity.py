@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import BenchConfig  # noqa: E402  (sets XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 by default)
-from child import git_commit, run_child  # noqa: E402
+from child import git_commit, run_configs  # noqa: E402
 
 from megatrain_jax import EngineConfig  # noqa: E402
 
@@ -134,20 +134,13 @@ def main() -> None:
               "command": "PYTHONPATH=. python experiments/capacity.py " + " ".join(sys.argv[1:]),
               "git_commit": commit, "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
               "device": None, "runs": []}
-    for name in names:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--warmup", str(args.warmup),
-               "--steps", str(args.steps)]
-        run = run_child(cmd, args.timeout, config=name)
-        result["device"] = result["device"] or run.pop("device", None)
-        run.pop("device", None)
-        result["runs"].append(run)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"{name}: {run.get('status')} layers {run.get('model', {}).get('layers')} params "
-              f"{run.get('model', {}).get('params')} tokens/s {run.get('tokens_per_s')} TFLOP/s "
-              f"{run.get('model_tflops')} host {run.get('host_peak_gib')} GiB (plan {run.get('plan', {}).get('host_gib')}) "
-              f"gpu {run.get('gpu_peak_gib')} GiB (plan {run.get('plan', {}).get('gpu_gib')}) "
-              f"losses {run.get('losses')}", flush=True)
+    run_configs(__file__, names, ["--warmup", str(args.warmup), "--steps", str(args.steps)], args.timeout, result,
+                args.out, lambda name, run: (
+                    f"{name}: {run.get('status')} layers {run.get('model', {}).get('layers')} params "
+                    f"{run.get('model', {}).get('params')} tokens/s {run.get('tokens_per_s')} TFLOP/s "
+                    f"{run.get('model_tflops')} host {run.get('host_peak_gib')} GiB (plan "
+                    f"{run.get('plan', {}).get('host_gib')}) gpu {run.get('gpu_peak_gib')} GiB (plan "
+                    f"{run.get('plan', {}).get('gpu_gib')}) losses {run.get('losses')}"))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,3 +45,18 @@ def run_child(cmd: list[str], timeout: float | None = None, **fields) -> dict:
         out = {**fields, "status": f"error: no result within {timeout} s"}
     out["wall_s"] = round(time.perf_counter() - t, 1)
     return out
+
+
+def run_configs(script: str, names: list[str], extra: list[str], timeout: float | None, result: dict, out: str,
+                line) -> None:
+    """Each configuration of ``script`` in its own process (``script --child NAME *extra``): its record is
+    added to ``result["runs"]`` (the first record's ``device`` goes to ``result``), the file ``out`` is
+    rewritten after each, and ``line(name, run)`` is printed."""
+    for name in names:
+        run = run_child([sys.executable, os.path.abspath(script), "--child", name, *extra], timeout, config=name)
+        result["device"] = result.get("device") or run.pop("device", None)
+        run.pop("device", None)
+        result["runs"].append(run)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(line(name, run), flush=True)

@@ -25,7 +25,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from child import git_commit, run_child  # noqa: E402
+from child import git_commit, run_configs  # noqa: E402
+from plan_check import record_plan  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +108,8 @@ def measure(name: str, lc: LongConfig) -> dict:
     run.update(gpu_peak_gib=gpu_peak_gib(), host_peak_gib=host_peak_gib())
     p = plan(cfg, engine_cfg, 1, lc.seq_len, host_ram_bytes=physical_ram_bytes(), gpu_bytes=stats.get("bytes_limit"),
              detect=False)
-    run["plan"] = {"gpu_gib": round(p.gpu_total / GiB, 2), "host_gib": round(p.host_total / GiB, 2),
-                   "gpu_peak_at": p.gpu_peak_at, "fits": p.fits, "gpu_bytes_before_jax_gib": round(
-                       (gpu_bytes_before_jax() or 0) / GiB, 2),
-                   "longest_seq_len": p.longest_seq_len(multiple=8 * K),
-                   "gpu": {k: round(v / GiB, 3) for k, v in p.gpu.items()},
-                   "host": {k: round(v / GiB, 3) for k, v in p.host.items()}}
-    run["plan_error"] = {k: round((run["plan"][f"{k}_gib"] - run[f"{k}_peak_gib"]) / run[f"{k}_peak_gib"], 4)
-                         for k in ("gpu", "host") if run.get(f"{k}_peak_gib")}
+    record_plan(run, p, gpu_bytes_before_jax_gib=round((gpu_bytes_before_jax() or 0) / GiB, 2),
+                longest_seq_len=p.longest_seq_len(multiple=8 * K))
     return run
 
 
@@ -141,18 +136,11 @@ def main() -> None:
         with open(args.out) as f:
             result = json.load(f)
     result["command"].append("PYTHONPATH=. python experiments/long_context.py " + " ".join(sys.argv[1:]))
-    for name in names:
-        run = run_child([sys.executable, os.path.abspath(__file__), "--child", name], args.timeout, config=name)
-        result["device"] = result["device"] or run.pop("device", None)
-        run.pop("device", None)
-        result["runs"].append(run)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"{name}: {run['status']} step {run.get('step_time_s')} s, {run.get('model_tflops')} TFLOP/s, GPU "
-              f"{run.get('gpu_peak_gib')} GiB (plan {run.get('plan', {}).get('gpu_gib')}), host "
-              f"{run.get('host_peak_gib')} GiB (plan {run.get('plan', {}).get('host_gib')}), engine "
-              f"{run.get('engine_picked_by_plan')}", flush=True)
-
+    run_configs(__file__, names, [], args.timeout, result, args.out, lambda name, run: (
+        f"{name}: {run['status']} step {run.get('step_time_s')} s, {run.get('model_tflops')} TFLOP/s, GPU "
+        f"{run.get('gpu_peak_gib')} GiB (plan {run.get('plan', {}).get('gpu_gib')}), host "
+        f"{run.get('host_peak_gib')} GiB (plan {run.get('plan', {}).get('host_gib')}), engine "
+        f"{run.get('engine_picked_by_plan')}"))
 
 if __name__ == "__main__":
     main()

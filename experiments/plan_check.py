@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import CONFIGS, BenchConfig  # noqa: E402  (sets XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 by default)
-from child import git_commit, run_child  # noqa: E402
+from child import git_commit, run_configs  # noqa: E402
 
 from megatrain_jax import EngineConfig  # noqa: E402
 
@@ -40,6 +40,16 @@ CHECKS: dict[str, BenchConfig] = {
     "3b_128k": BenchConfig("llama3.2-3b", None, 131072, 1, EngineConfig(micro_batches=1)),
 }
 KNOWN = {**CONFIGS, **CHECKS}  # any of bench.py's configurations may be checked too
+
+
+def record_plan(run: dict, p, **extra) -> None:
+    """The plan's predicted peaks and breakdown next to the run's measured ones (``plan``, ``plan_error``)."""
+    from megatrain_jax.memory_plan import GiB
+    run["plan"] = {"gpu_gib": round(p.gpu_total / GiB, 2), "host_gib": round(p.host_total / GiB, 2), **extra,
+                   "gpu_peak_at": p.gpu_peak_at, "fits": p.fits, "gpu": {k: round(v / GiB, 3) for k, v in p.gpu.items()},
+                   "host": {k: round(v / GiB, 3) for k, v in p.host.items()}}
+    run["plan_error"] = {k: round((run["plan"][f"{k}_gib"] - run[f"{k}_peak_gib"]) / run[f"{k}_peak_gib"], 4)
+                         for k in ("gpu", "host") if run.get(f"{k}_peak_gib")}
 
 
 def measure(name: str, bc: BenchConfig, steps: int) -> dict:
@@ -89,12 +99,7 @@ def measure(name: str, bc: BenchConfig, steps: int) -> dict:
     run.update(gpu_peak_gib=gpu_peak_gib(), host_peak_gib=host_peak_gib())
     p = plan(cfg, bc.engine, bc.rows, bc.seq_len, host_ram_bytes=int(run["device"]["host_ram_gib"] * GiB),
              gpu_bytes=stats.get("bytes_limit"), detect=False)
-    run["plan"] = {"gpu_gib": round(p.gpu_total / GiB, 2), "host_gib": round(p.host_total / GiB, 2),
-                   "host_pinned_arrays_gib": round(p.host_pinned / GiB, 2), "gpu_peak_at": p.gpu_peak_at,
-                   "fits": p.fits, "gpu": {k: round(v / GiB, 3) for k, v in p.gpu.items()},
-                   "host": {k: round(v / GiB, 3) for k, v in p.host.items()}}
-    run["plan_error"] = {k: round((run["plan"][f"{k}_gib"] - run[f"{k}_peak_gib"]) / run[f"{k}_peak_gib"], 4)
-                         for k in ("gpu", "host") if run.get(f"{k}_peak_gib")}
+    record_plan(run, p, host_pinned_arrays_gib=round(p.host_pinned / GiB, 2))
     return run
 
 
@@ -123,19 +128,13 @@ def main() -> None:
               "git_commit": commit, "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
               "device": None, "runs": []}
     t_start = time.perf_counter()
-    for name in names:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--steps", str(args.steps)]
-        run = run_child(cmd, args.timeout, config=name)
-        result["device"] = result["device"] or run.pop("device", None)
-        run.pop("device", None)
-        result["runs"].append(run)
-        result["wall_s"] = round(time.perf_counter() - t_start, 1)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"{name}: {run['status']} in {run['wall_s']} s: GPU {run.get('gpu_peak_gib')} GiB (plan "
-              f"{run.get('plan', {}).get('gpu_gib')}), host {run.get('host_peak_gib')} GiB (plan "
-              f"{run.get('plan', {}).get('host_gib')})", flush=True)
-
+    run_configs(__file__, names, ["--steps", str(args.steps)], args.timeout, result, args.out, lambda name, run: (
+        f"{name}: {run['status']} in {run['wall_s']} s: GPU {run.get('gpu_peak_gib')} GiB (plan "
+        f"{run.get('plan', {}).get('gpu_gib')}), host {run.get('host_peak_gib')} GiB (plan "
+        f"{run.get('plan', {}).get('host_gib')})"))
+    result["wall_s"] = round(time.perf_counter() - t_start, 1)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
 
 if __name__ == "__main__":
     main()

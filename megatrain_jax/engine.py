@@ -78,7 +78,8 @@ class Engine:
             raise ValueError(f"resident_layers={config.resident_layers} exceeds the model's {self.lm.n_blocks} blocks")
         if config.offload_activations > self.lm.n_blocks:
             raise ValueError(f"offload_activations={config.offload_activations} exceeds the model's "
-                             f"{self.lm.n_blocks} blocks")
+                             f"{self.lm.n_blocks} blocks; use at most {max(self.lm.n_blocks - config.prefetch_depth, 0)} "
+                             f"(the last prefetch_depth blocks' inputs go straight to their backward)")
         check_partwise(optimizer)
         roles = HostRoles.of(self.lm.n_blocks, config.resident_layers, config.resident_io, config.grads_on_gpu,
                              config.disk_parts)  # checked before the state is built

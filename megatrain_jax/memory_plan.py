@@ -333,7 +333,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
             elif kind == "store_acts":  # freed once the queued copies have read them; the host waits for
                 n = acts.pop(part.layer)  # all but the last STORES_AHEAD blocks' copies
                 led.drop(A, act * n, n, hold=True)
-                led.settle(A, keep=STORES_AHEAD * n)
+                led.settle(A, keep=STORES_AHEAD)  # one held entry per block
                 away[part.layer] = n
             elif kind == "load_acts":
                 acts[part.layer] = away.pop(part.layer)
@@ -853,7 +853,8 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     the card: see ``gpu_fraction``). Limits not given are read from this machine when ``detect`` (host:
     MemAvailable; GPU: the allocator's bytes_limit). XLA's pinned pool is capped at ``host_pool_limit``
     (default: ``fitted_pool_limit``, as ``megatrain-jax train`` sets it). ``packed`` rows carry segment
-    ids: cuDNN's packed attention and its per-document workspace (``DecoderConfig.segments_per_row``).
+    ids: cuDNN's packed attention and its per-document workspace (``DecoderConfig.segments_per_row``; a
+    Hopper GPU is assumed: older ones take XLA's masked attention, whose scores the plan does not count).
     ``loaded_copy``:
     the model object holds float32 weights loaded from a checkpoint for the whole run. ``devices``: the GPUs
     the run spreads over (per-GPU figures are one GPU's; host figures the whole host's, with one pinned

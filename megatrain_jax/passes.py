@@ -151,7 +151,9 @@ class PassRunner:
     def load_acts(self, p: Pass, op: Op):
         """An offloaded block's inputs back onto the devices, ahead of its backward."""
         layer = op.part.layer
-        p.acts[layer] = [self.placement.to_device(x) for x in p.acts[layer]]
+        stored = p.acts[layer]
+        p.stores = [s for s in p.stores if s is not stored]  # its host copies go with it
+        p.acts[layer] = [self.placement.to_device(x) for x in stored]
         return p.acts[layer]
 
     def embed_backward(self, p: Pass, op: Op):

@@ -99,28 +99,35 @@ def test_default_bound_shrinks_with_the_row_and_is_validated():
         cfg.replace(max_segments=0)
 
 
-def test_packed_rows_close_at_the_bound_and_resume_from_states_without_it():
+def test_packed_rows_close_at_the_bound_and_resume_under_another_bound():
     ds = TokenDataset(docs_file(lengths=(3,) * 40), seq_len=32, mode="packed", max_pieces=4)
     it = ds.batches(2, seed=0)
     b = next(it)
     assert (b.segment_ids.max(axis=1) == 4).all()  # 15 documents would fit 32 tokens; 4 are taken
     check_segments(b.segment_ids, 5)  # 4 documents and the padding
     state = it.state()
-    assert state["max_pieces"] == 4
-    old = {k: v for k, v in state.items() if k != "max_pieces"}  # saved before the bound existed
-    TokenDataset(docs_file(lengths=(3,) * 40), seq_len=32, mode="packed").batches(2, seed=0, state=old)
-    with pytest.raises(ValueError, match="max_pieces"):
-        TokenDataset(docs_file(lengths=(3,) * 40), seq_len=32, mode="packed").batches(2, seed=0, state=state)
+    assert state["max_pieces"] == 4 and state["cursor"] == 8
+    # a state from before the bound, or under another one (a new model.max_segments), resumes at its cursor
+    old = {k: v for k, v in state.items() if k != "max_pieces"}
+    for cap, saved in ((None, old), (6, state)):
+        again = TokenDataset(docs_file(lengths=(3,) * 40), seq_len=32, mode="packed", max_pieces=cap)
+        resumed = again.batches(2, seed=0, state=saved)
+        fresh = again.batches(2, seed=0)
+        assert resumed.state()["cursor"] == 8 and fresh.state()["cursor"] == 0
+        np.testing.assert_array_equal(next(resumed).inputs[0, :3], next(ds.batches(2, seed=0, state=state)).inputs[0, :3])
 
 
-def test_implementation_choice(monkeypatch):
+@pytest.mark.parametrize("cc,packed_impl", [("9.0", "cudnn"), ("10.0", "cudnn"), ("8.0", "xla")])
+def test_implementation_choice(monkeypatch, cc, packed_impl):
     cfg = DecoderConfig(vocab_size=64, hidden=16, ffn=32, layers=1, heads=2, kv_heads=2)
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "cpu")
     assert attention_implementation(cfg, jnp.bfloat16) == "xla"  # off the GPU
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
-    assert attention_implementation(cfg, jnp.bfloat16) == "cudnn"  # packed rows included: no mask any more
+    monkeypatch.setattr(layers.jax, "devices", lambda: [type("GPU", (), {"compute_capability": cc})()])
+    assert attention_implementation(cfg, jnp.bfloat16) == "cudnn"
+    assert attention_implementation(cfg, jnp.bfloat16, packed=True) == packed_impl  # packed layout: Hopper on
     assert attention_implementation(cfg, jnp.float32) == "xla"
-    assert attention_implementation(cfg.replace(attention_impl="xla"), jnp.bfloat16) == "xla"
+    assert attention_implementation(cfg.replace(attention_impl="xla"), jnp.bfloat16, packed=True) == "xla"
 
 
 def test_plan_counts_the_packed_workspace_by_the_bound():

@@ -183,6 +183,9 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     optimizer, _ = cfg.optimizer.build(t.steps)
     # a packed row's documents plus its padding stay within what the model's attention takes per row
     pieces = model_cfg.segments_per_row(d.seq_len) - 1 if d.mode == "packed" else None
+    if pieces is not None and pieces < 1:
+        raise ValueError(f"data.mode = 'packed' needs model.max_segments >= 2 (a row's padding counts as one "
+                         f"segment), got {model_cfg.max_segments}")
     data = d.build(model_cfg.vocab_size, max_pieces=pieces)
 
     # written at the first step, so a run refused at start (e.g. by the checkpoint folder) leaves the folder as is

@@ -152,17 +152,18 @@ class TokenBatches:
     def _settings(self) -> dict[str, Any]:
         d = self.dataset
         return {"mode": d.mode, "split": d.split, "seq_len": d.seq_len, "num_units": len(d),
-                "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle, "loop": self.loop,
-                "max_pieces": d.max_pieces}
+                "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle, "loop": self.loop}
 
     def state(self) -> dict[str, Any]:
         """Where the stream stands after the last batch returned: small and JSON-serializable."""
-        return {**self._settings(), "epoch": self.epoch, "cursor": self.cursor, "batches": self.batches_done}
+        # max_pieces is recorded, not checked on restore: the cursor walks the same unit order whatever the
+        # cap, which only changes how the rows to come are packed (a new model.max_segments may resume)
+        return {**self._settings(), "max_pieces": self.dataset.max_pieces, "epoch": self.epoch,
+                "cursor": self.cursor, "batches": self.batches_done}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue exactly after the batch at which ``state`` was taken."""
-        saved = {"max_pieces": None, **state}  # states from before the cap: none
-        changed = {k: (saved.get(k), v) for k, v in self._settings().items() if saved.get(k) != v}
+        changed = {k: (state.get(k), v) for k, v in self._settings().items() if state.get(k) != v}
         if changed:
             raise ValueError(f"data state does not match this data pipeline (saved, now): {changed}; resume "
                              f"with the same data file, mode, seq_len, batch_size, seed and eval_fraction")

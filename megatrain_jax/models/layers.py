@@ -99,13 +99,18 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray,
     return (x32 * cos + rotated * sin).astype(x_BTNH.dtype)
 
 
-def attention_implementation(cfg: DecoderConfig, dtype) -> str:
-    """cuDNN flash attention on GPU for 16-bit inputs (packed documents through its packed layout), XLA
-    otherwise."""
+def attention_implementation(cfg: DecoderConfig, dtype, packed: bool = False) -> str:
+    """cuDNN flash attention on GPU for 16-bit inputs, XLA otherwise. Packed rows (segment ids) take
+    cuDNN's packed layout, which needs a Hopper GPU or later: on older ones they take XLA's masked path."""
     if cfg.attention_impl != "auto":
         return cfg.attention_impl
-    on_gpu = jax.default_backend() == "gpu"
-    return "cudnn" if on_gpu and dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    if jax.default_backend() != "gpu" or dtype not in (jnp.bfloat16, jnp.float16):
+        return "xla"
+    if packed:
+        cc = getattr(jax.devices()[0], "compute_capability", None)
+        if cc is None or tuple(int(v) for v in str(cc).split(".")) < (9, 0):
+            return "xla"
+    return "cudnn"
 
 
 def segment_layout(segment_ids_BT: jax.Array, max_segments: int) -> dict[str, jax.Array]:
@@ -163,7 +168,7 @@ class Attention(nnx.Module):
         scale = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.cos_sin_scale
         q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq, scale)
         k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, scale)
-        impl = attention_implementation(cfg, x_BTD.dtype)
+        impl = attention_implementation(cfg, x_BTD.dtype, packed=segment_ids_BT is not None)
         if segment_ids_BT is not None and impl == "cudnn":  # packed documents: per-document flash attention
             out_BTNH = packed_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cfg.segments_per_row(T),
                                         cfg.sliding_window)
