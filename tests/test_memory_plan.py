@@ -157,6 +157,18 @@ def _measured_runs() -> list:
                               EngineConfig(**run["engine"]), run["tokens_per_step"] // run["seq_len"],
                               run["seq_len"], check["device"]["host_ram_gib"], run["gpu_peak_gib"],
                               run["host_peak_gib"]))
+    for path in sorted(RESULTS.glob("h100_long_context*.json")):  # experiments/long_context.py
+        check = json.loads(path.read_text())
+        for run in check["runs"]:
+            if run.get("status") == "ok":
+                cfg = preset(run["preset"], max_positions=1 << 20, mlp_chunk_tokens=run["model"]["mlp_chunk_tokens"])
+                name = f"{path.stem}:{run['config']}"
+                case = (name, cfg, EngineConfig(**run["engine"]), 1, run["seq_len"],
+                        check["device"]["host_ram_gib"], run["gpu_peak_gib"], run["host_peak_gib"])
+                known = {"h100_long_context:3b_8k": "the plan's GPU peak is 32% over at 8K tokens (the loss head's "
+                                                   "logits rule and the weights held in flight): issue 16"}
+                cases.append(pytest.param(case, marks=pytest.mark.xfail(reason=known[name], strict=True))
+                             if name in known else case)
     return cases
 
 
@@ -167,7 +179,7 @@ def _pageable_layout(run: dict) -> bool:
     return any(k.startswith("pinned: ") for k in run.get("plan", {}).get("host", {}))
 
 
-@pytest.mark.parametrize("case", _measured_runs(), ids=lambda c: c[0])
+@pytest.mark.parametrize("case", _measured_runs(), ids=lambda c: c[0] if isinstance(c, tuple) else None)
 def test_plan_within_15_percent_of_measured_peaks(case):
     _, cfg, engine, rows, seq_len, host_gib, gpu_peak, host_peak = case
     p = plan(cfg, engine, rows, seq_len, host_ram_bytes=int(host_gib * GiB), gpu_bytes=None, detect=False)
