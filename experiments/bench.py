@@ -156,7 +156,9 @@ def breakdown(engine: Engine, data, step_time: float) -> dict:
 
 
 def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
-    """Bytes one GPU (the mesh's first) moves over PCIe in one optimizer step without accumulation."""
+    """Bytes one GPU (the mesh's first) moves over PCIe in one optimizer step without accumulation: the
+    weights fetched and the gradients sent home (not offloaded activations, which no configuration here
+    uses)."""
     from megatrain_jax.schedule import step_ops
 
     ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth)
@@ -275,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
     if len(names) == 1:  # cap XLA's pinned pool at what the run pins, as megatrain-jax train does
         bc = CONFIGS[names[0]]
-        fit_host_pool(preset(bc.preset, **({"layers": bc.layers} if bc.layers else {})), bc.engine, bc.rows, bc.seq_len)
+        fit_host_pool(preset(bc.preset, **({"layers": bc.layers} if bc.layers else {})), bc.engine, bc.rows, bc.seq_len,
+                      packed=bc.packed_docs > 0)
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     result = {"name": args.name or f"{jax.devices()[0].platform}_{'_'.join(names)}",
               "command": "PYTHONPATH=. python " + " ".join(["experiments/bench.py"] + (argv or sys.argv[1:])),

@@ -360,3 +360,10 @@ def test_train_picks_the_lean_mode_when_host_ram_is_short(tmp_path, capsys, monk
     out = capsys.readouterr().out
     assert "host RAM is short" in out and "engine.grads_on_gpu=" in out and "done: loss" in out
     assert load_config(tmp_path / "config.toml").engine.grads_on_gpu > 0
+
+
+def test_packed_mode_with_a_bound_of_one_segment_is_refused_with_what_to_set(tmp_path, capsys):
+    args = ["train", "--config", str(CONFIGS / "demo_tiny.toml"), *TINY_RUN, "train.steps=1", "data.mode=packed",
+            "model.max_segments=1", f"train.run_dir={tmp_path / 'run'}"]
+    assert main(args) == 2
+    assert "needs model.max_segments >= 2 (a row's padding counts as one segment), got 1" in capsys.readouterr().err
