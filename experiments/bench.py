@@ -271,10 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--append", action="store_true",
                     help="add the runs to the results file at --out when it exists (one file per script run)")
     args = ap.parse_args(argv)
-    names = args.configs.split(",")
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    from child import pick_configs
+    names = pick_configs(ap, args.configs, CONFIGS)
     if len(names) == 1:  # cap XLA's pinned pool at what the run pins, as megatrain-jax train does
         bc = CONFIGS[names[0]]
         fit_host_pool(preset(bc.preset, **({"layers": bc.layers} if bc.layers else {})), bc.engine, bc.rows, bc.seq_len,

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import BenchConfig  # noqa: E402  (sets XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 by default)
-from child import git_commit, run_configs  # noqa: E402
+from child import git_commit, pick_configs, run_configs  # noqa: E402
 
 from megatrain_jax import EngineConfig  # noqa: E402
 
@@ -124,10 +124,7 @@ def main() -> None:
         return
     if not args.out:
         ap.error("--out is required")
-    names = args.configs.split(",")
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    names = pick_configs(ap, args.configs, CONFIGS)
     import jax  # the version only: this process never starts the GPU backend, the children do
     commit = git_commit()
     result = {"name": os.path.splitext(os.path.basename(args.out))[0],

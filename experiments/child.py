@@ -30,6 +30,15 @@ def git_commit() -> str | None:
         ["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
 
 
+def pick_configs(ap, value: str, known) -> list[str]:
+    """The comma-separated configuration names of ``value``; an argparse error names the unknown ones."""
+    names = value.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        ap.error(f"unknown config(s) {unknown}; choose from {sorted(known)}")
+    return names
+
+
 def run_child(cmd: list[str], timeout: float | None = None, **fields) -> dict:
     """Run ``cmd`` in the repository; its result is the JSON object its last output line holds. A failure
     is a result too: ``status`` says how it ended (a negative exit code is the signal: -9 is usually the

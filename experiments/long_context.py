@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from child import git_commit, run_configs  # noqa: E402
+from child import git_commit, pick_configs, run_configs  # noqa: E402
 from plan_check import record_plan  # noqa: E402
 
 
@@ -125,10 +125,7 @@ def main() -> None:
         return
     if not args.out:
         ap.error("--out is required")
-    names = args.configs.split(",")
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    names = pick_configs(ap, args.configs, CONFIGS)
     import jax  # the version only: the children start the GPU
     result = {"name": os.path.splitext(os.path.basename(args.out))[0], "command": [], "git_commit": git_commit(),
               "date": datetime.date.today().isoformat(), "jax_version": jax.__version__, "device": None, "runs": []}

@@ -203,12 +203,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         return None
     if not args.out:
         ap.error("--out is required")
-    names = args.configs.split(",")
     sys.path.insert(0, HERE)
     from bench import CONFIGS  # imports jax, which starts no GPU client: the measured processes own the GPU
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        ap.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    from child import pick_configs
+    names = pick_configs(ap, args.configs, CONFIGS)
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip() or None
     result = {"name": args.name or f"startup_{'_'.join(names)}",

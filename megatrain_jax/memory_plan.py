@@ -551,10 +551,8 @@ class MemoryPlan:
                    lambda ch: ("capacity mode: bfloat16 masters and Adam moments, stochastically rounded (6 B/param "
                                "instead of 12, no 16-bit copy; quality: docs/capacity.md)" +
                                ("; every part updates on the host" if e.resident_layers or e.resident_io else "")))
-        most = c.layers - e.prefetch_depth  # blocks whose inputs can wait on the host
         act_gib = rows * seq * c.hidden * (2 if c.dtype in ("bfloat16", "float16") else 4) / GiB
-        yield ("offload", [(("engine.offload_activations", n),) for n in range(1, most + 1)
-                           if n > e.offload_activations],
+        yield ("offload", [(("engine.offload_activations", n),) for n in self.offload_counts()],
                lambda ch: (f"the inputs of the first {ch[0][1]} blocks wait in pinned host memory between forward and "
                            f"backward ({ch[0][1] * act_gib:.1f} GiB of host RAM), copied out and back behind the "
                            f"compute"))
@@ -608,14 +606,18 @@ class MemoryPlan:
     def _fewest(self, key: str, values: list[int], gpu: bool = False) -> tuple[tuple[str, Any], ...] | None:
         """The smallest of ``values`` for ``key`` whose plan fits the host (more of it, less host memory), or
         with ``gpu`` the GPU (more of it, less GPU memory), if that plan fits everything."""
+        best = self._first_fitting(key, values, gpu)
+        return best if best is not None and self.applied(best).fits else None
+
+    def _first_fitting(self, key: str, values: list[int], gpu: bool) -> tuple[tuple[str, Any], ...] | None:
+        """The smallest of ``values`` for ``key`` whose plan fits the host (with ``gpu``: the GPU), bisected:
+        more of it takes less of that memory."""
         lo, hi = 0, len(values)
-        while lo < hi:  # lo: the first value whose plan fits the host (the GPU)
+        while lo < hi:  # lo: the first value whose plan fits
             mid = (lo + hi) // 2
             p = self.applied(((key, values[mid]),))
-            ok = p.gpu_fits if gpu else p.host_fits
-            lo, hi = (lo, mid) if ok else (mid + 1, hi)
-        best = ((key, values[lo]),) if lo < len(values) else None
-        return best if best is not None and self.applied(best).fits else None
+            lo, hi = (lo, mid) if (p.gpu_fits if gpu else p.host_fits) else (mid + 1, hi)
+        return ((key, values[lo]),) if lo < len(values) else None
 
     def lean(self) -> tuple[tuple[str, Any], ...] | None:
         """Full precision in less host RAM, for a run that does not fit the host: the float32 masters are
@@ -639,12 +641,13 @@ class MemoryPlan:
         no count makes it fit."""
         if self.gpu_fits or self.gpu_available is None:
             return None
-        values = list(range(self.engine_cfg.offload_activations + 1, self.model_cfg.layers - self.engine_cfg.prefetch_depth + 1))
-        lo, hi = 0, len(values)
-        while lo < hi:  # lo: the first count whose plan fits the GPU
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if self.applied((("engine.offload_activations", values[mid]),)).gpu_fits else (mid + 1, hi)
-        return (("engine.offload_activations", values[lo]),) if lo < len(values) else None
+        return self._first_fitting("engine.offload_activations", self.offload_counts(), gpu=True)
+
+    def offload_counts(self) -> list[int]:
+        """The ``engine.offload_activations`` values above this run's that offload more blocks."""
+        e = self.engine_cfg
+        return list(range(e.offload_activations + 1, offloaded_blocks(self.model_cfg.layers, e.prefetch_depth,
+                                                                       self.model_cfg.layers) + 1))
 
     def _leanest(self) -> tuple[tuple[str, Any], ...] | None:
         stream = () if self.stream_dtype == "float32" or self.engine_cfg.capacity else (
@@ -797,8 +800,7 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
         changes = p.offload()
         # the fewest offloaded blocks for the GPU; their host RAM may call for the lean host layout, whose
         # gradients on the GPU may in turn call for a few blocks more
-        start = None if changes is None else changes[0][1]
-        for n in ([] if start is None else range(start, model_cfg.layers - engine_cfg.prefetch_depth + 1)):
+        for n in ([] if changes is None else [n for n in p.offload_counts() if n >= changes[0][1]]):
             offloaded, words = dataclasses.replace(engine_cfg, offload_activations=n), None
             if not user_host:
                 offloaded, words = _lean_host(model_cfg, offloaded, batch_rows, seq_len, disk_dir=disk_dir, **kw)

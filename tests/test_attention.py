@@ -23,9 +23,8 @@ from megatrain_jax.models.config import SEGMENT_TOKENS
 from megatrain_jax.models.layers import attention_implementation, packed_attention, segment_layout
 from tests.test_data import docs_file
 
-on_hopper = pytest.mark.skipif(
-    jax.default_backend() != "gpu" or getattr(jax.devices()[0], "compute_capability", None) != "9.0",
-    reason="cuDNN's packed layout and the Mosaic-GPU kernels need a Hopper GPU")
+on_hopper = pytest.mark.skipif(layers.gpu_compute_capability() != (9, 0),
+                               reason="cuDNN's packed layout and the Mosaic-GPU kernels need a Hopper GPU")
 
 
 def random_segments(rng, B, T, max_docs, pad_max=0):

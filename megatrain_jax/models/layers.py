@@ -99,17 +99,22 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray,
     return (x32 * cos + rotated * sin).astype(x_BTNH.dtype)
 
 
+def gpu_compute_capability() -> tuple[int, int] | None:
+    """The default device's CUDA compute capability, e.g. (9, 0) for Hopper; None off NVIDIA GPUs."""
+    if jax.default_backend() != "gpu":
+        return None
+    cc = getattr(jax.devices()[0], "compute_capability", None)
+    return None if cc is None else tuple(int(v) for v in str(cc).split("."))[:2]
+
+
 def attention_implementation(cfg: DecoderConfig, dtype, packed: bool = False) -> str:
     """cuDNN flash attention on GPU for 16-bit inputs, XLA otherwise. Packed rows (segment ids) take
     cuDNN's packed layout, which needs a Hopper GPU or later: on older ones they take XLA's masked path."""
     if cfg.attention_impl != "auto":
         return cfg.attention_impl
-    if jax.default_backend() != "gpu" or dtype not in (jnp.bfloat16, jnp.float16):
+    cc = gpu_compute_capability()
+    if cc is None or dtype not in (jnp.bfloat16, jnp.float16) or (packed and cc < (9, 0)):
         return "xla"
-    if packed:
-        cc = getattr(jax.devices()[0], "compute_capability", None)
-        if cc is None or tuple(int(v) for v in str(cc).split(".")) < (9, 0):
-            return "xla"
     return "cudnn"
 
 

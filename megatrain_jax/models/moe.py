@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megatrain_jax.models.config import MoEConfig
-from megatrain_jax.models.layers import MLP, Linear, _init_normal
+from megatrain_jax.models.layers import MLP, Linear, _init_normal, gpu_compute_capability
 
 
 class RouterStats(NamedTuple):
@@ -69,11 +69,8 @@ _GROUPED_TILES_T = dict(block_m=128, block_n=128, block_k=64, max_concurrent_ste
 
 def _use_mosaic_grouped(x_AD: jax.Array, w_EDF: jax.Array) -> bool:
     """The Mosaic-GPU kernels take 16-bit operands on Hopper (sm_90) with both widths multiples of 128."""
-    if jax.default_backend() != "gpu" or x_AD.dtype not in (jnp.bfloat16, jnp.float16):
-        return False
-    if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
-        return False
-    return all(n % 128 == 0 for n in w_EDF.shape[1:])
+    return (gpu_compute_capability() == (9, 0) and x_AD.dtype in (jnp.bfloat16, jnp.float16)
+            and all(n % 128 == 0 for n in w_EDF.shape[1:]))
 
 
 @jax.custom_vjp
