@@ -189,7 +189,8 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
     tokens_per_step = bc.rows * bc.seq_len
     run = {"system": "megatrain_jax", "config": name,
            "model": {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "heads": cfg.heads,
-                     "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size, "params": cfg.param_count()},
+                     "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size, "params": cfg.param_count(),
+                     **({"active_params": cfg.active_param_count()} if cfg.moe is not None else {})},
            "seq_len": bc.seq_len, "tokens_per_step": tokens_per_step, "steps_timed": timed,
            "engine": dataclasses.asdict(bc.engine), "optimizer": f"adamw(lr 3e-4{f' after {lr_warmup} warm-up steps' if lr_warmup else ''}, wd 0.1, b2 0.95), clip 1.0",
            "compute_dtype": cfg.dtype, "master_dtype": bc.engine.master_dtype}

@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -189,12 +188,11 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="packed,ragged")
     args = ap.parse_args()
-    dev = jax.devices()[0]
-    result = {"name": f"{dev.platform}_kernels", "command": "PYTHONPATH=. python " + " ".join(sys.argv),
-              "git_commit": os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None,
-              "device": {"kind": dev.device_kind, "platform": dev.platform}, "date": datetime.date.today().isoformat(),
-              "jax_version": jax.__version__}
+    from bench import device_info
+    from child import git_commit
+    result = {"name": os.path.splitext(os.path.basename(args.out))[0],
+              "command": "PYTHONPATH=. python " + " ".join(sys.argv), "git_commit": git_commit(),
+              "device": device_info(), "date": datetime.date.today().isoformat(), "jax_version": jax.__version__}
     for part in args.only.split(","):
         try:
             result[part] = {"packed": bench_packed, "ragged": bench_ragged}[part]()
@@ -203,7 +201,42 @@ def main():
             traceback.print_exc()
             result[part] = {"status": f"error: {type(e).__name__}: {str(e)[:800]}"}
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(as_runs(result), f, indent=1)
+
+
+def as_runs(result: dict) -> dict:
+    """The results-file layout (docs/results.md): every case of the ``packed`` and ``ragged`` sections as
+    one entry of ``runs``, with the kernel it timed or checked as ``system``, its section as ``part`` and
+    ``check`` or ``speed`` as ``kind``; a section that failed as a whole is a run with its status."""
+    out = {k: v for k, v in result.items() if k not in SECTIONS}
+    runs = list(result.get("runs", []))
+    for part in SECTIONS:
+        section = result.get(part)
+        if section is None:
+            continue
+        if "status" in section:
+            runs.append({"system": part, "part": part, "status": section["status"]})
+            continue
+        for kind in ("check", "speed"):
+            for case in section.get(kind, []):
+                runs.append({"system": _system(part, kind, case), "part": part, "kind": kind, **case,
+                             "status": case.get("status", "ok")})
+        if "layout_example" in section:
+            out["packed_layout_example"] = section["layout_example"]
+    out["runs"] = runs
+    return out
+
+
+SECTIONS = ("packed", "ragged")
+
+
+def _system(part: str, kind: str, case: dict) -> str:
+    if part == "packed":
+        return "cudnn_causal_attention" if case.get("M") == 0 else "cudnn_packed_attention"
+    if kind == "check":
+        return "mosaic_grouped_matmul"
+    return {"xla_ragged_dot": "xla_ragged_dot", "dense_same_flops": "xla_dense_matmul"}.get(
+        case.get("kernel"), "mosaic_ragged_dot")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ Each configuration runs in a fresh process, as ``megatrain-jax train`` would: th
 layout when GPU or host memory is short), the pinned pool is fitted before JAX starts, then a randomly
 initialized model trains on the demo corpus (one row of ``seq_len`` tokens per step). The record holds the
 step times (each step synchronized: the loss read and the host updates done; the first includes
-compiling the per-layer programs), tokens/s and model TFLOP/s of the
+compiling the per-layer programs), tokens/s and model TFLOP/s of the median of the
 later steps (of the first where only one ran), the GPU and host peaks, and the plan's predicted peaks.
 """
 
@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -71,8 +72,9 @@ def measure(name: str, lc: LongConfig) -> dict:
     from megatrain_jax.flops import model_flops_per_token
 
     run = {"system": "megatrain_jax", "config": name, "preset": lc.preset, "seq_len": lc.seq_len, "rows": 1,
-           "model": {"layers": cfg.layers, "hidden": cfg.hidden, "heads": cfg.heads, "kv_heads": cfg.kv_heads,
-                     "params": cfg.param_count(), "mlp_chunk_tokens": cfg.mlp_chunk_tokens},
+           "model": {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "heads": cfg.heads,
+                     "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size, "params": cfg.param_count(),
+                     "mlp_chunk_tokens": cfg.mlp_chunk_tokens},
            "engine": dataclasses.asdict(engine_cfg), "engine_picked_by_plan": why, "master_dtype": lc.master_dtype,
            "device": device_info()}
     stats = jax.devices()[0].memory_stats() or {}
@@ -94,10 +96,12 @@ def measure(name: str, lc: LongConfig) -> dict:
             print(f"[{name}] step {m['step']} loss {m['loss']:.4f} {m['step_time_s']:.2f}s gpu peak "
                   f"{gpu_peak_gib()} GiB host peak {host_peak_gib()} GiB", file=sys.stderr, flush=True)
         timed = records[1:] or records
-        step = sum(r["step_time_s"] for r in timed) / len(timed)
+        step = statistics.median(r["step_time_s"] for r in timed)
         fpt = model_flops_per_token(cfg.active_param_count(), cfg.layers, cfg.hidden, lc.seq_len)
         run.update(step_times=[round(r["step_time_s"], 2) for r in records], losses=[round(r["loss"], 4) for r in records],
-                   timed_steps=len(timed), step_time_s=round(step, 2), first_step_includes_compile=len(records) == 1,
+                   steps_timed=len(timed), step_time_s=round(step, 2), first_step_includes_compile=len(records) == 1,
+                   tokens_per_step=lc.seq_len, loss_first=timed[0]["loss"], loss_last=timed[-1]["loss"],
+                   num_gpus=engine.placement.size,
                    tokens_per_s=round(lc.seq_len / step, 1), model_tflops=round(lc.seq_len / step * fpt / 1e12, 1),
                    loss_finite=bool(all(r["loss"] == r["loss"] and abs(r["loss"]) < float("inf") for r in records)),
                    status="ok")

@@ -119,6 +119,6 @@ def test_bench_records_what_the_disk_tier_read_and_wrote(tmp_path):
 def test_long_context_records_speed_peaks_and_the_plan():
     run = load_script("long_context").measure("tiny_cpu", load_script("long_context").CONFIGS["tiny_cpu"])
     assert run["status"] == "ok", run["status"]
-    assert run["timed_steps"] == 1 and run["tokens_per_s"] > 0 and run["loss_finite"]
+    assert run["steps_timed"] == 1 and run["tokens_per_s"] > 0 and run["loss_finite"]
     assert run["plan"]["host_gib"] > 0 and set(run["plan_error"]) >= {"host"}
     assert run["engine"]["offload_activations"] == 0  # nothing is short here
