@@ -37,6 +37,7 @@ class LongConfig:
     steps: int  # the first compiles: timed figures come from the others where there are any
     mlp_chunk_tokens: int | None = None
     master_dtype: str = "float32"
+    keep_residuals: bool = False  # keep attention's output and statistics for the backward (EngineConfig)
 
 
 K = 1024
@@ -46,6 +47,10 @@ CONFIGS = {
     "3b_8k": LongConfig("llama3.2-3b", 8 * K, 3),
     "3b_32k": LongConfig("llama3.2-3b", 32 * K, 3),
     "3b_128k": LongConfig("llama3.2-3b", 128 * K, 2),
+    "3b_8k_kept": LongConfig("llama3.2-3b", 8 * K, 3, keep_residuals=True),
+    "3b_32k_kept": LongConfig("llama3.2-3b", 32 * K, 3, keep_residuals=True),
+    "3b_128k_kept": LongConfig("llama3.2-3b", 128 * K, 3, keep_residuals=True),
+    "3b_256k_kept": LongConfig("llama3.2-3b", 256 * K, 2, mlp_chunk_tokens=32 * K, keep_residuals=True),
     "3b_256k": LongConfig("llama3.2-3b", 256 * K, 2, mlp_chunk_tokens=32 * K),
     "3b_512k": LongConfig("llama3.2-3b", 512 * K, 1, mlp_chunk_tokens=32 * K),
     "7b_256k": LongConfig("7b", 256 * K, 2, mlp_chunk_tokens=32 * K),
@@ -60,7 +65,8 @@ def measure(name: str, lc: LongConfig) -> dict:
     from megatrain_jax.memory_plan import GiB, fit_host_pool, gpu_bytes_before_jax, lean_engine, plan
 
     cfg = preset(lc.preset, max_positions=MAX_POSITIONS, mlp_chunk_tokens=lc.mlp_chunk_tokens)
-    engine_cfg, why = lean_engine(cfg, EngineConfig(master_dtype=lc.master_dtype), 1, lc.seq_len)
+    engine_cfg, why = lean_engine(cfg, EngineConfig(master_dtype=lc.master_dtype, keep_residuals=lc.keep_residuals),
+                                  1, lc.seq_len)
     fit_host_pool(cfg, engine_cfg, 1, lc.seq_len)
     import jax
     from bench import device_info, gpu_peak_gib, host_peak_gib

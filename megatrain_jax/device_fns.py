@@ -19,6 +19,11 @@ Inside one program XLA's latency-hiding scheduler overlaps the collectives with 
 need them: the MLP weights' gather with the attention, the MLP gradients' reduce-scatter with the
 attention's backward (experiments/NOTES.md, issue 14). Losses are summed over the mesh. On one device
 there is nothing to gather, stack or sum: the programs are the plain ones.
+
+Training's forward can also return each block's kept residuals (``megatrain_jax.remat``: what the model
+marked with ``keep_residuals``, e.g. flash attention's output and statistics), which its backward then
+takes instead of recomputing them (``forward(..., keep=True)``, ``backward(..., kept=...)``). Over several
+devices they are per-device values, stacked over the mesh like the gradients.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from megatrain_jax.layered import LayeredModel
 from megatrain_jax.parts import Params
+from megatrain_jax.remat import KEEP_POLICY, SplitVJP
 from megatrain_jax.transfer import DATA, Placement
 
 # Argument and output kinds of the per-device programs (each covers a whole pytree): the device's rows of
@@ -64,7 +70,8 @@ class Shards:
 
 class DeviceFns:
     """The per-micro-batch programs ``embed``, ``forward``, ``head``, ``backward``, ``embed_backward`` and
-    ``nll_sum`` (evaluation), each taking a part's parameters first and returning ``(result, params)``:
+    ``nll_sum`` (evaluation), each taking a part's parameters first and returning ``(result, params)``
+    (``forward_keep`` and ``backward_kept`` are the variants with kept residuals):
     ``params`` whole on every device, gathered by this call when they came as ``Shards``. ``backward`` and
     ``embed_backward`` with ``last=True`` return the part's gradient summed over the mesh, spread like its
     host state. Small helpers: ``fetched``, ``sq_norm``, ``add``, ``mask_sum``, ``inv_count``."""
@@ -84,10 +91,16 @@ class DeviceFns:
             "head": (self._head, (ROWS, ROWS, ROWS, WHOLE, STACKED), (WHOLE, ROWS, STACKED), (5,), None),
             "backward": ((self._backward_routed, (ROWS, ROWS, ROWS, ROWS, WHOLE, STACKED), (ROWS, STACKED), (6,), 1)
                          if self.routed else (self._backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (ROWS, STACKED), (5,), 1)),
+            "forward_keep": (self._forward_keep, (ROWS, ROWS, ROWS), ((ROWS, WHOLE) if self.routed else ROWS, STACKED),
+                             (), None),
+            "backward_kept": ((self._backward_kept, (ROWS, ROWS, ROWS, STACKED, ROWS, WHOLE, STACKED), (ROWS, STACKED),
+                               (7,), 1) if self.routed else
+                              (self._backward_kept, (ROWS, ROWS, ROWS, STACKED, ROWS, STACKED), (ROWS, STACKED), (6,), 1)),
             "embed_backward": (self._embed_backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (STACKED,), (5,), 0),
             "nll_sum": (self._nll_sum, (ROWS, ROWS, ROWS), WHOLE, (), None),
         }
         self._programs: dict[tuple[str, bool, bool], Callable] = {}
+        self._split = SplitVJP()  # the block's VJP closure between forward_keep and backward_kept
         self.sq_norm = jax.jit(_sq_norm)
         self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
         self.mask_sum = jax.jit(_mask_sum)  # the loss tokens of a batch
@@ -104,18 +117,25 @@ class DeviceFns:
     def embed(self, io, tokens_BT, positions_BT, segment_ids_BT):
         return self._call("embed", io, tokens_BT, positions_BT, segment_ids_BT)
 
-    def forward(self, params, x_BTD, positions_BT, segment_ids_BT):
-        """(y, params); with ``routed`` ((y, the block's statistics summed over the mesh), params)."""
-        return self._call("forward", params, x_BTD, positions_BT, segment_ids_BT)
+    def forward(self, params, x_BTD, positions_BT, segment_ids_BT, keep: bool = False):
+        """(y, params); with ``routed`` ((y, the block's statistics summed over the mesh), params). With
+        ``keep``, ((that, the block's kept residuals), params): a tuple of arrays for ``backward``'s ``kept``
+        (empty when the model marks nothing, or marks nothing on this backend)."""
+        return self._call("forward_keep" if keep else "forward", params, x_BTD, positions_BT, segment_ids_BT)
 
     def head(self, io, x_BTD, targets_BT, mask_BT, inv_count, io_acc):
         """((loss, d(loss)/dx, io_acc), io)."""
         return self._call("head", io, x_BTD, targets_BT, mask_BT, inv_count, io_acc)
 
-    def backward(self, params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, acc, d_stats=None, last: bool = False):
+    def backward(self, params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, acc, d_stats=None, last: bool = False,
+                 kept: tuple | None = None):
         """((dx, acc), params); with ``last`` the accumulated gradient comes back summed over the mesh. With
-        ``routed``, ``d_stats`` is the auxiliary loss's gradient with respect to the block's statistics."""
+        ``routed``, ``d_stats`` is the auxiliary loss's gradient with respect to the block's statistics.
+        ``kept``: what ``forward(..., keep=True)`` returned for this block and micro-batch."""
         extra = (d_stats,) if self.routed else ()
+        if kept is not None:
+            return self._call("backward_kept", params, x_BTD, positions_BT, segment_ids_BT, kept, dy_BTD, *extra, acc,
+                              last=last)
         return self._call("backward", params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, *extra, acc, last=last)
 
     def embed_backward(self, io, tokens_BT, positions_BT, segment_ids_BT, dx_BTD, io_acc, last: bool = False):
@@ -215,6 +235,43 @@ class DeviceFns:
         g_params, dx_BTD = pullback((dy_BTD, d_stats))
         return dx_BTD, self._accumulate(acc, g_params)
 
+    def _block_fn(self, positions_BT: jax.Array, segment_ids_BT: jax.Array | None) -> Callable:
+        """The block as a function of (params, x): its output, and with ``routed`` its statistics too."""
+        block = self.lm.block_routed if self.routed else self.lm.block
+        return lambda p, x: block(p, x, positions_BT, segment_ids_BT)
+
+    def _kept_key(self, params: Params, *args) -> tuple:
+        """What identifies a block program's shapes, the same in its forward and its backward."""
+        return tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves((params, args)))
+
+    def _forward_keep(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
+                      segment_ids_BT: jax.Array | None):
+        """The block's output (and statistics), and the residuals the model marked to keep: the block is
+        rematerialized under ``KEEP_POLICY``, and its VJP closure split into this program's inputs and the
+        rest (``SplitVJP``), which is returned."""
+        block = jax.checkpoint(self._block_fn(positions_BT, segment_ids_BT), policy=KEEP_POLICY)
+        out, pullback = jax.vjp(block, params, x_BTD)
+        kept = self._split.split(self._kept_key(params, x_BTD, positions_BT, segment_ids_BT), pullback,
+                                 (params, x_BTD, positions_BT, segment_ids_BT))
+        if self.routed:
+            out = out[0], jax.tree.map(self._sum, out[1])
+        if self.size > 1:  # per-device values: stacked over the mesh
+            kept = tuple(k[None] for k in kept)
+        return out, kept
+
+    def _backward_kept(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
+                       segment_ids_BT: jax.Array | None, kept: tuple, dy_BTD: jax.Array, *rest):
+        """As ``_backward`` (``rest``: with ``routed`` ``d_stats``, then the accumulator), through the VJP
+        closure ``_forward_keep`` split: rebuilt from this program's inputs and the kept residuals, it
+        recomputes only what was not kept."""
+        if self.size > 1:
+            kept = tuple(k[0] for k in kept)
+        pullback = self._split.join(self._kept_key(params, x_BTD, positions_BT, segment_ids_BT), kept,
+                                    (params, x_BTD, positions_BT, segment_ids_BT))
+        cotangent = (dy_BTD, rest[0]) if self.routed else dy_BTD
+        g_params, dx_BTD = pullback(cotangent)
+        return dx_BTD, self._accumulate(rest[-1], g_params)
+
     def _embed_backward(self, io: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
                         segment_ids_BT: jax.Array | None, dx_BTD: jax.Array, io_acc: Params) -> tuple[Params]:
         _, pullback = jax.vjp(lambda p: self.lm.embed(p, tokens_BT, positions_BT, segment_ids_BT), io)
@@ -232,6 +289,7 @@ class DeviceFns:
         tests assert this)."""
         sizes = dict.fromkeys(("embed", "forward", "head", "backward", "embed_backward"), 0)
         for (name, _, _), program in self._programs.items():
+            name = {"forward_keep": "forward", "backward_kept": "backward"}.get(name, name)
             if name in sizes:
                 sizes[name] += program._cache_size()
         return sizes

@@ -147,7 +147,7 @@ class Engine:
         for j, batch in enumerate(batches):
             micro = device_batches(self.placement, batch.filled(), self.cfg.micro_batches)
             p = Pass(micro, self.fns.inv_count([m.loss_mask for m in micro]), accumulate=j > 0,
-                     last=j == len(batches) - 1)
+                     last=j == len(batches) - 1, keep_residuals=self.cfg.keep_residuals)
             self._runner.run(p, step_ops(self.lm.n_blocks, self.cfg.micro_batches, self.cfg.prefetch_depth,
                                          update=p.last, offload=self.cfg.offload_activations))
             losses.append(sum(p.losses))

@@ -46,6 +46,15 @@ class EngineConfig:
       sequences whose layer-boundary activations would not fit on the GPU. Host RAM holds rows x seq_len x
       hidden x 2 bytes per offloaded block. ``megatrain-jax train`` picks it when the GPU is short
       (``memory_plan.lean_engine``).
+    - ``keep_residuals`` (opt-in; for long sequences): what the model marks with
+      ``megatrain_jax.remat.keep_residuals`` (the Decoder: cuDNN flash attention's output and softmax
+      statistics) is kept from each block's forward to its backward, which then does not recompute it:
+      attention runs forward once per step instead of twice, the larger part of a long-context block's
+      time. It costs about one more activation per block (rows x seq_len x heads x head_dim x 2 bytes, plus
+      4 bytes per head and token), offloaded with the block's input under ``offload_activations``.
+      ``megatrain-jax train`` turns it off, and says so, when even the most offload leaves the GPU or host
+      short with it (``memory_plan.lean_engine``). Nothing is marked on XLA's attention (its residuals
+      are T x T), so it changes nothing there.
     """
 
     micro_batches: int = 1
@@ -62,6 +71,7 @@ class EngineConfig:
     disk_parts: int = 0
     disk_dir: str | None = None
     offload_activations: int = 0
+    keep_residuals: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
@@ -79,6 +89,8 @@ class EngineConfig:
         if not isinstance(self.offload_activations, int) or self.offload_activations < 0:
             raise ValueError(f"EngineConfig.offload_activations must be an integer >= 0, got "
                              f"{self.offload_activations!r}")
+        if not isinstance(self.keep_residuals, bool):
+            raise ValueError(f"EngineConfig.keep_residuals must be true or false, got {self.keep_residuals!r}")
         if not isinstance(self.disk_parts, int) or self.disk_parts < 0:
             raise ValueError(f"EngineConfig.disk_parts must be an integer >= 0, got {self.disk_parts!r}")
         if self.disk_parts and not self.disk_dir:

@@ -181,7 +181,7 @@ def pinned_pool_bytes(arrays: int, limit: int | None) -> int:
 
 # ---------------------------------------------------------------------------------------------- GPU
 def _transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: int, flash: bool,
-               packed: bool = False) -> tuple[int, str]:
+               packed: bool = False, kept: bool = False) -> tuple[int, str]:
     """Scratch memory of the compiled function behind an op, a rule of thumb from the tensors it keeps per
     token. In brackets, XLA's memory analysis on the H100 (per micro-batch: 7B layer at 16K tokens / 3B at
     128K; it depends on the tokens, not on how they split into rows)."""
@@ -204,10 +204,12 @@ def _transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: i
         # (one row of 32K tokens, 24 heads of 128, 64 segments: this rule 24 GiB, +29 GiB measured;
         # experiments/results/h100_kernels.json)
         packed_ws = c.segments_per_row(seq_len) * mt * q * 4 if packed and flash else 0
-        return (max((mt * (5 * D + 2 * q + 2 * kv) + mlp_t * 3 * F) * ab, layer_param_count(c) * sb) + weights
+        qs = 1 if kept else 2  # q, and the attention output unless it was kept (counted with the activations)
+        return (max((mt * (5 * D + qs * q + 2 * kv) + mlp_t * 3 * F) * ab, layer_param_count(c) * sb) + weights
                 + 2 * scores + packed_ws,
-                "what the recompute keeps for the VJP: norm outputs, residual, q, k, v, attention output, MLP "
-                "gate, up and product, and the residual's float32 gradient")
+                "what the recompute keeps for the VJP: norm outputs, residual, q, k, v, " +
+                ("" if kept else "attention output, ") + "MLP gate, up and product, and the residual's float32 "
+                "gradient")
     if kind == "head":  # [2.6 / 11.6 GiB; this rule 2.8 / 10.8]
         chunk = min(c.loss_chunk_tokens, mt)
         return (2 * chunk * V * 4 + io_param_count(c) * sb + mt * D * (ab + 4),
@@ -216,6 +218,22 @@ def _transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: i
     if kind == "embed_backward":  # [0.24 / 0.73 GiB; exact]
         return V * D * sb, "the dense embedding gradient"
     return 0, ""
+
+
+def _flash(c: DecoderConfig) -> bool:
+    """Whether the plan assumes cuDNN's flash attention (a 16-bit model on a GPU; packed rows too, in cuDNN's
+    packed layout, which needs a Hopper GPU)."""
+    return c.attention_impl == "cudnn" or (c.attention_impl == "auto" and c.dtype in ("bfloat16", "float16"))
+
+
+def kept_bytes(c: DecoderConfig, e: EngineConfig, micro_rows: int, seq_len: int, flash: bool) -> int:
+    """The residuals one block keeps from its forward to its backward per micro-batch
+    (``EngineConfig.keep_residuals``): cuDNN flash attention's output [rows, T, heads, head_dim] in the
+    compute dtype and its softmax statistics [rows, heads, T] in float32. Nothing on XLA's attention."""
+    if not (flash and e.keep_residuals):
+        return 0
+    ab = 2 if c.dtype in ("bfloat16", "float16") else 4
+    return micro_rows * seq_len * c.heads * (c.dim_per_head * ab + 4)
 
 
 @dataclasses.dataclass
@@ -272,16 +290,19 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
     rows = rows // devices
     fetched = 1 if devices == 1 else 1 + 1 / devices  # the shard, and the part whole once gathered
     act = rows // M * seq_len * c.hidden * ab  # one boundary activation of one micro-batch
+    res = kept_bytes(c, e, rows // M, seq_len, flash)  # one block's kept residuals (one micro-batch)
     on_gpu = {IO} if e.resident_io else set()
     on_gpu |= {PartId.block(i) for i in range(e.resident_layers)}
     # fp32 master + Adam moments + the compute copy (a second fp32 copy when float32 is streamed)
     resident = (e.resident_layers * Pl + (Pio if e.resident_io else 0)) * (12 + sb) // devices
     batches = rows * seq_len * (BATCH_BYTES_PER_TOKEN + (0 if flash else 4))
     W, A, G = "streamed weights of the io part and blocks", "boundary activations", "gradient accumulators, float32"
+    K = "kept residuals: attention output and softmax statistics (keep_residuals)"
     R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
     H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
     held = set(host_roles(c, e).grads_on_gpu)
     led, acts, home = _Ledger(), {}, set()  # acts: layer -> micro-batch activations held
+    keeps: dict[int, int] = {}  # block -> micro-batch kept residuals held
     away: dict[int, int] = {}  # layer -> micro-batch activations in host memory (offload_activations)
     for part in held:  # the step before's, copied home by each part's update before its fetch
         led.add(H, part_param_count(c, part) * 4 // devices)
@@ -297,14 +318,15 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
             io = kind == "head" or (part is not None and part.is_io)  # the head accumulates the io gradient
             weights, grad = (Pio * sb, Pio * 4) if io else (Pl * sb, Pl * 4)
             weights = int(weights * fetched)
-            temp, why = _transient(c, kind, rows // M, seq_len, sb, flash, packed)
+            temp, why = _transient(c, kind, rows // M, seq_len, sb, flash, packed, res > 0)
             out, ops = 0, 1  # bytes the op allocates; device operations it issues (transfers count)
             if kind == "fetch":
                 out, ops = (0, 0) if kept else (weights, 1)
             elif kind in ("embed", "forward", "backward", "head"):
                 out = act + (grad if kind in ("backward", "head") and op.micro == 0 else 0)
-            elif kind in ("store_acts", "load_acts"):  # one copy per micro-batch
-                out, ops = (act * M if kind == "load_acts" else 0), M
+                out += res if kind == "forward" else 0
+            elif kind in ("store_acts", "load_acts"):  # one copy per micro-batch (and one of its kept residuals)
+                out, ops = ((act + res) * M if kind == "load_acts" else 0), M * (2 if res else 1)
             elif kind == "send_grads":  # squared norm; D2H copy; when accumulating, the earlier sum added
                 on_device = kept or waits
                 ops = int(last) + (0 if on_device else 1) + (1 if on_device else 2) * accumulate
@@ -330,14 +352,23 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
                 layer = 0 if kind == "embed" else part.layer + 1
                 acts[layer] = acts.get(layer, 0) + 1
                 led.add(A, act)
+                if kind == "forward" and res:
+                    keeps[part.layer] = keeps.get(part.layer, 0) + 1
+                    led.add(K, res)
             elif kind == "store_acts":  # freed once the queued copies have read them; the host waits for
                 n = acts.pop(part.layer)  # all but the last STORES_AHEAD blocks' copies
-                led.drop(A, act * n, n, hold=True)
+                nk = keeps.pop(part.layer, 0)  # the block's kept residuals go with its inputs
+                led.add(K, -res * nk, -nk)
+                led.add(A, res * nk, 0)
+                led.drop(A, (act + res) * n, n, hold=True)
                 led.settle(A, keep=STORES_AHEAD)  # one held entry per block
                 away[part.layer] = n
             elif kind == "load_acts":
-                acts[part.layer] = away.pop(part.layer)
-                led.add(A, act * acts[part.layer], acts[part.layer])
+                acts[part.layer] = n = away.pop(part.layer)
+                led.add(A, act * n, n)
+                if res:
+                    keeps[part.layer] = n
+                    led.add(K, res * n, n)
             elif kind in ("head", "backward") and op.micro == 0:
                 led.add(G, grad)
             elif kind == "send_grads":
@@ -351,6 +382,9 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
             if kind == "head":
                 led.add(DY, act)
             last_micro = op.micro == M - 1
+            if last_micro and kind == "backward" and part.layer in keeps:
+                n = keeps.pop(part.layer)
+                led.drop(K, res * n, n)
             if last_micro and (kind == "head" or (kind == "backward" and part.layer > 0)):
                 layer = c.layers if kind == "head" else part.layer
                 led.drop(A, act * acts[layer], acts.pop(layer))
@@ -551,7 +585,13 @@ class MemoryPlan:
                    lambda ch: ("capacity mode: bfloat16 masters and Adam moments, stochastically rounded (6 B/param "
                                "instead of 12, no 16-bit copy; quality: docs/capacity.md)" +
                                ("; every part updates on the host" if e.resident_layers or e.resident_io else "")))
-        act_gib = rows * seq * c.hidden * (2 if c.dtype in ("bfloat16", "float16") else 4) / GiB
+        if e.keep_residuals and kept_bytes(c, e, 1, 1, _flash(c)):
+            yield ("keep", [(("engine.keep_residuals", False),)],
+                   lambda ch: ("attention is recomputed in the backward instead of kept from the forward: one "
+                               "activation per block less, attention's forward twice per step (slower at long "
+                               "sequences)"))
+        act_gib = (rows * seq * c.hidden * (2 if c.dtype in ("bfloat16", "float16") else 4)
+                   + kept_bytes(c, e, rows, seq, _flash(c))) / GiB
         yield ("offload", [(("engine.offload_activations", n),) for n in self.offload_counts()],
                lambda ch: (f"the inputs of the first {ch[0][1]} blocks wait in pinned host memory between forward and "
                            f"backward ({ch[0][1] * act_gib:.1f} GiB of host RAM), copied out and back behind the "
@@ -787,13 +827,29 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
       disk tier may go when nothing else fits.
     - The GPU short, and no activation offload configured: the fewest blocks whose inputs wait in host
       memory that make the run fit (``MemoryPlan.offload``).
+    - Nothing of that fits while each block keeps its attention residuals (``keep_residuals``): the same
+      search without them, if that fits.
 
     Returns the config and a sentence saying what was picked (None: as given). ``gpu_bytes`` defaults to
     ``gpu_bytes_before_jax()``. Reads nothing from JAX, so it can run before JAX starts its GPU backend."""
     host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
     gpu_bytes = gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes
-    user_host = engine_cfg.stream_dtype is not None or engine_cfg.grads_on_gpu or engine_cfg.disk_parts
     kw = dict(host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes, **plan_kw)
+    picked, said = _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw)
+    if engine_cfg.keep_residuals and not plan(model_cfg, picked, batch_rows, seq_len, detect=False, **kw).fits:
+        # the kept attention residuals are one more activation per block: without them attention is
+        # recomputed in the backward (slower), and the blocks' inputs may fit where both do not
+        recompute = dataclasses.replace(engine_cfg, keep_residuals=False)
+        plain, plain_said = _fit_engine(model_cfg, recompute, batch_rows, seq_len, disk_dir, kw)
+        if plan(model_cfg, plain, batch_rows, seq_len, detect=False, **kw).fits:
+            return plain, "; ".join(["keeping attention's output for the backward does not fit: attention is "
+                                     "recomputed in the backward (engine.keep_residuals=false)"] + plain_said)
+    return picked, ("; ".join(said) or None)
+
+
+def _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw) -> tuple[EngineConfig, list[str]]:
+    """``lean_engine`` for one setting of ``keep_residuals``: the config, and what was picked in words."""
+    user_host = engine_cfg.stream_dtype is not None or engine_cfg.grads_on_gpu or engine_cfg.disk_parts
     said = []
     if not engine_cfg.offload_activations:
         p = plan(model_cfg, engine_cfg, batch_rows, seq_len, detect=False, **kw)
@@ -815,7 +871,7 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
     if not user_host:
         engine_cfg, words = _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir=disk_dir, **kw)
         said += [words] if words else []
-    return engine_cfg, ("; ".join(said) or None)
+    return engine_cfg, said
 
 
 def _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, *, host_ram_bytes, gpu_bytes, disk_dir=None,
@@ -918,9 +974,12 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     pinned[f"gradients of one step, float32 ({what})"] = max(grads, build)
     ab = 2 if c.dtype in ("bfloat16", "float16") else 4
     offloaded = offloaded_blocks(c.layers, e.prefetch_depth, e.offload_activations)
+    flash = _flash(c)
     if offloaded:
+        per_block = batch_rows * seq_len * c.hidden * ab + kept_bytes(c, e, batch_rows, seq_len, flash)
         pinned[f"offloaded activations: the inputs of {offloaded} blocks ({batch_rows} x {seq_len} tokens x "
-               f"{c.hidden} x {ab} B each)"] = offloaded * batch_rows * seq_len * c.hidden * ab
+               f"{c.hidden} x {ab} B each" + (", and their kept attention residuals" if kept_bytes(
+                   c, e, 1, 1, flash) else "") + ")"] = offloaded * per_block
     arrays = sum(pinned.values())
     fitted = host_pool_limit is None
     if fitted:
@@ -940,7 +999,6 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         (e.accumulate_steps + 2) * tokens * BATCH_BYTES_PER_TOKEN)
     host["runtime: Python, JAX, CUDA libraries, compiled programs (allowance)"] = HOST_RUNTIME_BYTES
 
-    flash = c.attention_impl == "cudnn" or (c.attention_impl == "auto" and ab == 2)  # packed rows too (cuDNN packed layout)
     gpu, at = _gpu_peak(c, e, batch_rows, seq_len, sb, flash, devices, packed)
     return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed,
                       loaded_copy, arrays, host_pool_limit, fitted, at, devices, mb * on_disk, disk_bytes)

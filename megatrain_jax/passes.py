@@ -35,8 +35,10 @@ class Pass:
     accumulate: bool = False  # add the gradients to those of earlier sub-steps
     last: bool = True  # the last sub-step of an optimizer step: norms and updates follow
     keep_inputs: bool = True  # keep each block's inputs for the backward (False: evaluation)
+    keep_residuals: bool = False  # and the residuals the model marked to keep (``megatrain_jax.remat``)
     params: dict[PartId, Any] = dataclasses.field(default_factory=dict)  # parts on the device
     acts: dict[int, list] = dataclasses.field(default_factory=dict)  # block -> its input per micro-batch
+    kept: dict[int, list] = dataclasses.field(default_factory=dict)  # block -> its kept residuals per micro-batch
     dy: list = dataclasses.field(default_factory=list)
     grads: Any = None  # the accumulator of the block in backward
     io_grads: Any = None
@@ -102,8 +104,12 @@ class PassRunner:
 
     def forward(self, p: Pass, op: Op):
         b, layer = p.batches[op.micro], op.part.layer
+        keep = p.keep_residuals and p.keep_inputs
         y, p.params[op.part] = self.fns.forward(p.params[op.part], p.acts[layer][op.micro], b.positions,
-                                                b.segment_ids)
+                                                b.segment_ids, keep=keep)
+        if keep:
+            y, kept = y
+            p.kept.setdefault(layer, []).append(kept)
         if self.fns.routed:
             y, stats = y
             if p.keep_inputs:  # training: the auxiliary loss is over every block of every micro-batch
@@ -129,32 +135,41 @@ class PassRunner:
     def backward(self, p: Pass, op: Op):
         b, layer = p.batches[op.micro], op.part.layer
         last = op.micro == len(p.batches) - 1  # the gradient comes back summed over the devices
+        kept = p.kept[layer][op.micro] if p.keep_residuals else None
         (p.dy[op.micro], p.grads), p.params[op.part] = self.fns.backward(
             p.params[op.part], p.acts[layer][op.micro], b.positions, b.segment_ids, p.dy[op.micro], p.grads,
-            p.d_stats, last=last)
+            p.d_stats, last=last, kept=kept)
+        if kept is not None:
+            p.kept[layer][op.micro] = None  # used once
+            if last:
+                del p.kept[layer]
         if layer > 0 and last:
             del p.acts[layer]  # block 0's inputs are the embeddings, still needed by embed_backward
         return p.dy[op.micro]
 
     def store_acts(self, p: Pass, op: Op):
-        """A block's inputs (every micro-batch's) to pinned host memory until its backward: the device
-        copies are freed once the copy has read them. The host waits for the copies of the block
-        ``STORES_AHEAD`` before: it may otherwise run so far ahead of the GPU that the activations of
-        many blocks wait on the GPU for their copies at once."""
+        """A block's inputs and kept residuals (every micro-batch's) to pinned host memory until its
+        backward: the device copies are freed once the copy has read them. The host waits for the copies
+        of the block ``STORES_AHEAD`` before: it may otherwise run so far ahead of the GPU that the
+        activations of many blocks wait on the GPU for their copies at once."""
         layer = op.part.layer
         p.acts[layer] = [self.placement.to_host(x) for x in p.acts[layer]]
-        p.stores.append(p.acts[layer])
+        if layer in p.kept:
+            p.kept[layer] = [self.placement.to_host(k) for k in p.kept[layer]]
+        stored = (p.acts[layer], p.kept.get(layer))
+        p.stores.append(stored)
         if len(p.stores) > STORES_AHEAD:
             jax.block_until_ready(p.stores.pop(0))
-        return p.acts[layer]
+        return stored
 
     def load_acts(self, p: Pass, op: Op):
-        """An offloaded block's inputs back onto the devices, ahead of its backward."""
+        """An offloaded block's inputs and kept residuals back onto the devices, ahead of its backward."""
         layer = op.part.layer
-        stored = p.acts[layer]
-        p.stores = [s for s in p.stores if s is not stored]  # its host copies go with it
-        p.acts[layer] = [self.placement.to_device(x) for x in stored]
-        return p.acts[layer]
+        p.stores = [s for s in p.stores if s[0] is not p.acts[layer]]  # its host copies go with it
+        p.acts[layer] = [self.placement.to_device(x) for x in p.acts[layer]]
+        if layer in p.kept:
+            p.kept[layer] = [self.placement.to_device(k) for k in p.kept[layer]]
+        return p.acts[layer], p.kept.get(layer)
 
     def embed_backward(self, p: Pass, op: Op):
         b = p.batches[op.micro]
@@ -163,6 +178,7 @@ class PassRunner:
                                                            p.dy[op.micro], p.io_grads, last=last)
         if last:
             p.acts.clear()
+            p.kept.clear()
             p.dy = []
         return p.io_grads
 

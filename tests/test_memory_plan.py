@@ -126,6 +126,11 @@ def test_more_micro_batches_less_gpu_memory_same_host():
     assert deeper.gpu_total > one.gpu_total
 
 
+def _recorded_engine(engine: dict) -> EngineConfig:
+    """A results file's engine config; runs recorded before ``keep_residuals`` existed recomputed attention."""
+    return EngineConfig(**{"keep_residuals": False, **engine})
+
+
 def _measured_runs() -> list:
     """(id, model, engine, rows, seq_len, host GiB, measured GPU GiB, measured host GiB or None) of every finished
     megatrain_jax run whose full config is recorded: the side-by-side file (model from the recorded dims)
@@ -139,14 +144,14 @@ def _measured_runs() -> list:
         name = next(n for n, c in PRESETS.items() if (c.hidden, c.ffn, c.heads, c.kv_heads, c.vocab_size) ==
                     (m["hidden"], m["ffn"], m["heads"], m["kv_heads"], m["vocab"]))
         cases.append((f"{SIDE_BY_SIDE.stem}:{run['config']}", preset(name, layers=m["layers"]),
-                      EngineConfig(**run["engine"]), run["tokens_per_step"] // run["seq_len"], run["seq_len"],
+                      _recorded_engine(run["engine"]), run["tokens_per_step"] // run["seq_len"], run["seq_len"],
                       side["device"].get("host_ram_gib", H100_HOST_GIB), run["gpu_peak_gib"], None))
     if PLAN_CHECK.exists():
         check = json.loads(PLAN_CHECK.read_text())
         for run in check["runs"]:
             if run.get("status") == "ok":
                 cases.append((f"{PLAN_CHECK.stem}:{run['config']}", preset(run["preset"], layers=run["layers"]),
-                              EngineConfig(**run["engine"]), run["rows"], run["seq_len"],
+                              _recorded_engine(run["engine"]), run["rows"], run["seq_len"],
                               check["device"]["host_ram_gib"], run["gpu_peak_gib"],
                               run["host_peak_gib"] if _pageable_layout(run) else None))
     for path in sorted(RESULTS.glob("h100_capacity*.json")) + sorted(RESULTS.glob("h100_scale_projection*.json")):
@@ -154,7 +159,7 @@ def _measured_runs() -> list:
         for run in check["runs"]:
             if run.get("status") == "ok":
                 cases.append((f"{path.stem}:{run['config']}", preset(run["preset"], layers=run["model"]["layers"]),
-                              EngineConfig(**run["engine"]), run["tokens_per_step"] // run["seq_len"],
+                              _recorded_engine(run["engine"]), run["tokens_per_step"] // run["seq_len"],
                               run["seq_len"], check["device"]["host_ram_gib"], run["gpu_peak_gib"],
                               run["host_peak_gib"]))
     for path in sorted(RESULTS.glob("h100_long_context*.json")):  # experiments/long_context.py
@@ -163,7 +168,7 @@ def _measured_runs() -> list:
             if run.get("status") == "ok":
                 cfg = preset(run["preset"], max_positions=1 << 20, mlp_chunk_tokens=run["model"]["mlp_chunk_tokens"])
                 name = f"{path.stem}:{run['config']}"
-                case = (name, cfg, EngineConfig(**run["engine"]), 1, run["seq_len"],
+                case = (name, cfg, _recorded_engine(run["engine"]), 1, run["seq_len"],
                         check["device"]["host_ram_gib"], run["gpu_peak_gib"], run["host_peak_gib"])
                 known = {"h100_long_context:3b_8k": "the plan's GPU peak is 32% over at 8K tokens (the loss head's "
                                                    "logits rule and the weights held in flight): issue 16"}
@@ -488,3 +493,37 @@ def test_offload_and_the_lean_host_layout_are_picked_together_on_the_h100_box():
     assert cfg.offload_activations > 0 and cfg.stream_dtype == "float32" and cfg.grads_on_gpu > 0
     assert "GPU memory is short" in why and "host RAM is short" in why
     assert plan(c, cfg, 1, 524288, host_ram_bytes=125 * GiB, gpu_bytes=71 * GiB).fits
+
+
+def test_kept_attention_residuals_are_planned_offloaded_with_the_inputs_and_dropped_when_they_do_not_fit():
+    """keep_residuals: each block holds its attention output and softmax statistics from forward to
+    backward (one more activation's worth), offloaded with its inputs; lean_engine turns it off where
+    nothing fits with it."""
+    from megatrain_jax.memory_plan import lean_engine
+    c = preset("llama3.2-3b", max_positions=1 << 20)
+    T, act = 131072, 131072 * c.hidden * 2
+    kept = T * c.heads * (c.dim_per_head * 2 + 4)
+    plain = plan(c, EngineConfig(), 1, T, **BIG)
+    keep = plan(c, EngineConfig(keep_residuals=True), 1, T, **BIG)
+    items = {k: v for k, v in keep.gpu.items() if k.startswith("kept residuals")}
+    assert sum(items.values()) >= (c.layers - 2) * kept  # every block's, held until its backward
+    # the backward's recompute no longer holds a second attention output; the blocks hold theirs instead
+    assert keep.gpu_total - plain.gpu_total >= (c.layers - 4) * kept
+    off = plan(c, EngineConfig(keep_residuals=True, offload_activations=20), 1, T, **BIG)
+    key = next(k for k in off.host if "offloaded activations" in k)
+    assert off.host[key] == 20 * (act + kept) and "kept attention residuals" in key
+    assert keep.gpu_total - off.gpu_total >= 18 * (act + kept)  # at most 2 blocks wait for their copies
+    # 3B at 512K on the H100 box: its inputs and residuals together do not fit the host; inputs alone do
+    long = preset("llama3.2-3b", max_positions=524288, mlp_chunk_tokens=16384)
+    cfg, why = lean_engine(long, EngineConfig(keep_residuals=True), 1, 524288, host_ram_bytes=125 * GiB,
+                           gpu_bytes=71 * GiB)
+    assert not cfg.keep_residuals and "engine.keep_residuals=false" in why and cfg.offload_activations > 0
+    assert plan(long, cfg, 1, 524288, host_ram_bytes=125 * GiB, gpu_bytes=71 * GiB).fits
+    # at 32K it fits as asked
+    cfg, why = lean_engine(c, EngineConfig(keep_residuals=True), 1, 32768, host_ram_bytes=125 * GiB,
+                           gpu_bytes=71 * GiB)
+    assert cfg.keep_residuals and why is None
+    # XLA's attention (float32 compute) keeps nothing
+    f32 = c.replace(dtype="float32")
+    assert plan(f32, EngineConfig(keep_residuals=True), 1, 8192, **BIG).gpu_total == plan(
+        f32, EngineConfig(), 1, 8192, **BIG).gpu_total

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from megatrain_jax.models.config import DecoderConfig, RopeScaling
+from megatrain_jax.remat import keep_residuals
 
 _init_normal = nnx.initializers.normal(stddev=0.02)
 
@@ -174,9 +175,16 @@ class Attention(nnx.Module):
         q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq, scale)
         k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, scale)
         impl = attention_implementation(cfg, x_BTD.dtype, packed=segment_ids_BT is not None)
+        # cuDNN's flash attention: its output and softmax statistics, one activation's worth, are marked to
+        # keep for the backward (``megatrain_jax.remat``), which then skips a second attention forward.
         if segment_ids_BT is not None and impl == "cudnn":  # packed documents: per-document flash attention
-            out_BTNH = packed_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, cfg.segments_per_row(T),
-                                        cfg.sliding_window)
+            window, max_segments = cfg.sliding_window, cfg.segments_per_row(T)
+            out_BTNH = keep_residuals(lambda q, k, v, s: packed_attention(q, k, v, s, max_segments, window))(
+                q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+        elif impl == "cudnn":
+            window = None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0)
+            out_BTNH = keep_residuals(lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, local_window_size=window, implementation="cudnn"))(q_BTNH, k_BTKH, v_BTKH)
         else:
             mask = None
             if segment_ids_BT is not None:  # packed documents attend only within their own segment

@@ -1,0 +1,180 @@
+"""Kept residuals (megatrain_jax.remat): what a model marks with ``keep_residuals`` goes from the engine's
+forward program to its backward program instead of being recomputed, and training is unchanged.
+
+On a CPU there is no cuDNN: these tests run the Decoder's flash-attention branch with XLA's attention
+standing in for cuDNN's (its residuals are T x T there, which a real run would never keep, but the
+mechanism is the same). tests/test_attention.py checks the real kernel on a Hopper GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import megatrain_jax.device_fns as device_fns_module
+import megatrain_jax.models.layers as layers
+from megatrain_jax import Decoder, EngineConfig, preset
+from megatrain_jax.device_fns import device_fns
+from megatrain_jax.layered import block_params, layered
+from megatrain_jax.remat import KEEP_POLICY, SplitVJP, keep_residuals
+from megatrain_jax.transfer import Placement
+from test_engine import ADAMW, TINY3, run_both
+from test_mesh import reference, train
+
+XLA_ATTENTION = jax.nn.dot_product_attention
+
+
+def _masked(q, k, v, segment_ids, max_segments, window):
+    mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    return XLA_ATTENTION(q, k, v, mask=mask, is_causal=True, implementation="xla",
+                         local_window_size=None if window is None else (window - 1, 0))
+
+
+@pytest.fixture
+def cudnn_stand_in(monkeypatch):
+    """The Decoder takes its cuDNN branch (marking attention's residuals), with XLA computing it."""
+    monkeypatch.setattr(layers, "attention_implementation", lambda cfg, dtype, packed=False: "cudnn")
+    monkeypatch.setattr(layers, "packed_attention", _masked)
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, implementation=None, **kw: XLA_ATTENTION(*a, implementation="xla", **kw))
+    monkeypatch.setattr(device_fns_module, "_CACHE", {})  # no programs traced without the stand-in
+
+
+def _attention(q, k, v, segment_ids):
+    s = jnp.einsum("btnh,bsnh->bnts", q, k)
+    T = q.shape[1]
+    allowed = jnp.tril(jnp.ones((T, T), bool))[None, None] & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(jnp.where(allowed, s, -1e9), -1), v)
+
+
+def test_keep_residuals_changes_neither_value_nor_gradient():
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v, dy = (jax.random.normal(key, (2, 6, 2, 4)) for key in keys)
+    seg = jnp.array([[0, 0, 1, 1, 1, 1], [0] * 6])  # an integer argument: its cotangent is float0
+    out, pull = jax.vjp(_attention, q, k, v, seg)
+    kept_out, kept_pull = jax.vjp(keep_residuals(_attention), q, k, v, seg)
+    np.testing.assert_array_equal(out, kept_out)
+    for a, b in zip(pull(dy)[:3], kept_pull(dy)[:3]):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_split_vjp_joins_in_another_program_without_recomputing_what_was_kept():
+    """The forward program returns only the marked residuals (not its inputs); the backward program, given
+    the inputs again, computes the same gradients as a plain VJP, with no softmax of its own."""
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    w = {"q": jax.random.normal(keys[0], (8, 8)) * 0.3, "o": jax.random.normal(keys[1], (8, 8)) * 0.3}
+    x, dy = jax.random.normal(keys[2], (2, 6, 8)), jax.random.normal(keys[3], (2, 6, 8))
+    seg = jnp.array([[0, 0, 1, 1, 1, 1], [0] * 6])
+
+    def block(w, x, seg, attention):
+        q = (x @ w["q"]).reshape(2, 6, 2, 4)
+        return x + attention(q, q, q, seg).reshape(x.shape) @ w["o"]
+
+    split = SplitVJP()
+
+    @jax.jit
+    def forward(w, x, seg):
+        y, pullback = jax.vjp(jax.checkpoint(lambda w, x: block(w, x, seg, keep_residuals(_attention)),
+                                             policy=KEEP_POLICY), w, x)
+        return y, split.split("block", pullback, (w, x, seg))
+
+    @jax.jit
+    def backward(w, x, seg, kept, dy):
+        return split.join("block", kept, (w, x, seg))(dy)
+
+    y, kept = forward(w, x, seg)
+    assert not any(k is x or k.shape == x.shape for k in kept)  # neither the input nor the weights
+    assert any(k.shape == (2, 2, 6, 6) for k in kept)  # the softmax probabilities (XLA's residual)
+    grads = backward(w, x, seg, kept, dy)
+    ref_y, ref_pull = jax.vjp(lambda w, x: block(w, x, seg, _attention), w, x)
+    np.testing.assert_allclose(y, ref_y, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_pull(dy))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # the compiled backward has no softmax left (the lowered text may hold dead code that XLA removes)
+    assert "exponential" not in backward.lower(w, x, seg, kept, dy).compile().as_text()
+    recompute = jax.jit(lambda w, x, dy: jax.vjp(lambda w, x: block(w, x, seg, _attention), w, x)[1](dy))
+    assert "exponential" in recompute.lower(w, x, dy).compile().as_text()
+    forward(w, x * 2, seg), backward(w, x * 2, seg, kept, dy)
+    assert forward._cache_size() == backward._cache_size() == 1
+
+
+def test_a_backward_before_its_forward_is_refused():
+    with pytest.raises(RuntimeError, match="must follow the forward"):
+        SplitVJP().join("block", (), ())
+
+
+def test_decoder_marks_attention_residuals_on_its_flash_branch(cudnn_stand_in):
+    cfg = preset("tiny", layers=2)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    fns = device_fns(layered(model), Placement(None))
+    x = jnp.ones((2, 16, cfg.hidden), jnp.float32)
+    pos = jnp.arange(16)[None].repeat(2, 0)
+    (y, kept), _ = fns.forward(block_params(model)[0], x, pos, None, keep=True)
+    shapes = [k.shape for k in kept]
+    assert (2, 16, cfg.heads, cfg.dim_per_head) in shapes  # the attention output (the o-projection's input)
+    # XLA's probabilities [..., T, T] (per kv head and group): what cuDNN keeps instead is [B, N, T, 1]
+    assert any(s[-2:] == (16, 16) for s in shapes), shapes
+
+
+@pytest.mark.parametrize("engine_cfg,batch_kw", [
+    (EngineConfig(micro_batches=2, keep_residuals=True), {}),
+    (EngineConfig(micro_batches=2, keep_residuals=True), {"packed": True}),
+    (EngineConfig(micro_batches=2, keep_residuals=True, offload_activations=2, clip_norm=0.05), {"packed": True}),
+    (EngineConfig(accumulate_steps=2, prefetch_depth=2, keep_residuals=True), {"mask": True}),
+    (EngineConfig(micro_batches=2), {}),
+], ids=["plain", "packed", "offloaded", "accumulate-depth2", "not-kept"])
+def test_engine_with_kept_residuals_equals_reference(cudnn_stand_in, engine_cfg, batch_kw):
+    engine = run_both(TINY3, ADAMW, engine_cfg, batch_kw=batch_kw)
+    sizes = engine.fns.cache_sizes()
+    # compiled once (the backward once without an accumulator and, with several micro-batches, once with)
+    assert sizes["forward"] == 1 and sizes["backward"] == min(engine_cfg.micro_batches, 2), sizes
+
+
+def test_kept_residuals_over_two_devices_equal_one_device_and_reference(cudnn_stand_in):
+    cfg, engine_cfg = preset("tiny", layers=3), EngineConfig(micro_batches=2, keep_residuals=True)
+    _, one_model, one_outs = train(1, cfg, engine_cfg, steps=3, batch_kw={"packed": True})
+    _, two_model, two_outs = train(2, cfg, engine_cfg, steps=3, batch_kw={"packed": True})
+    ref_model, ref_outs = reference(cfg, engine_cfg, steps=3, batch_kw={"packed": True})
+    for a, b, r in zip(one_outs, two_outs, ref_outs):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"])
+        assert abs(r["loss"] - b["loss"]) <= 1e-5 * abs(r["loss"])
+    from test_engine import assert_models_close
+    assert_models_close(one_model, two_model)
+    assert_models_close(ref_model, two_model)
+
+
+on_hopper = pytest.mark.skipif(layers.gpu_compute_capability() != (9, 0),
+                               reason="cuDNN's flash attention with its packed layout needs a Hopper GPU")
+
+
+@on_hopper
+@pytest.mark.parametrize("packed", [False, True])
+def test_kept_cudnn_residuals_give_the_same_gradients_without_a_second_attention_forward_on_gpu(packed):
+    """On cuDNN: the forward keeps attention's output and softmax statistics (about B x T x N x (2H + 4)
+    bytes), and the backward program, given them, computes the same gradients as the recomputing one with
+    no cuDNN forward call of its own."""
+    cfg = preset("tiny", layers=2, hidden=512, heads=4, kv_heads=2, ffn=1024, dtype="bfloat16", max_positions=4096)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    fns = device_fns(layered(model), Placement(None))
+    B, T = 2, 2048
+    ks = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(ks[0], (B, T, cfg.hidden), jnp.bfloat16)
+    dy = jax.random.normal(ks[1], (B, T, cfg.hidden), jnp.bfloat16)
+    pos = jnp.arange(T)[None].repeat(B, 0)
+    seg = jnp.asarray(np.repeat(np.arange(4), T // 4)[None].repeat(B, 0)) if packed else None
+    params = block_params(model)[0]
+    (y, kept), _ = fns.forward(params, x, pos, seg, keep=True)
+    (dx, g), _ = fns.backward(params, x, pos, seg, dy, None, kept=kept)
+    (dx_ref, g_ref), _ = fns.backward(params, x, pos, seg, dy, None)
+    for a, b in zip(jax.tree.leaves((dx, g)), jax.tree.leaves((dx_ref, g_ref))):
+        err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(b)))
+        assert err < 1e-2, err
+    expected = B * T * cfg.heads * (cfg.dim_per_head * 2 + 4)
+    nbytes = sum(k.nbytes for k in kept)
+    assert expected <= nbytes <= 1.1 * expected + 4096, (nbytes, expected, [(k.shape, k.dtype) for k in kept])
+    program = fns._programs[("backward_kept", False, False)]  # the compiled backward, for its kernels
+    hlo = program.lower(params, x, pos, seg, kept, dy, None).compile().as_text()
+    calls = [line for line in hlo.splitlines() if "custom_call_target=\"__cudnn$fmha" in line]
+    assert calls and all("Backward" in line for line in calls), calls
