@@ -45,7 +45,8 @@ def keep_residuals(fn: Callable) -> Callable:
         named = {id(o): checkpoint_name(o, KEPT) for o in jax.tree.leaves(out)}
         inputs = {id(a) for a in jax.tree.leaves(args)}
         leaves, tree = jax.tree.flatten(pullback)
-        leaves = [x if id(x) in inputs else named.get(id(x)) or checkpoint_name(x, KEPT) for x in leaves]
+        leaves = [x if id(x) in inputs else named[id(x)] if id(x) in named else checkpoint_name(x, KEPT)
+                  for x in leaves]
         return jax.tree.map(lambda o: named[id(o)], out), jax.tree.unflatten(tree, leaves)
 
     def backward(pullback, cotangent):

@@ -100,6 +100,23 @@ def test_a_split_vjp_joins_in_another_program_without_recomputing_what_was_kept(
     assert forward._cache_size() == backward._cache_size() == 1
 
 
+def test_a_residual_that_is_the_output_is_kept_once():
+    """exp's backward needs its own output (as cuDNN's needs its output): one kept value, not two."""
+    x = jnp.linspace(-1.0, 1.0, 8)
+    split = SplitVJP()
+
+    @jax.jit
+    def forward(x):
+        y, pullback = jax.vjp(jax.checkpoint(lambda x: keep_residuals(jnp.exp)(x) * 2, policy=KEEP_POLICY), x)
+        return y, split.split("exp", pullback, (x,))
+
+    y, kept = forward(x)
+    assert len(kept) == 1 and kept[0].shape == (8,)
+    np.testing.assert_allclose(kept[0], jnp.exp(x), rtol=1e-6)
+    grad = jax.jit(lambda x, kept: split.join("exp", kept, (x,))(jnp.ones(8)))(x, kept)[0]
+    np.testing.assert_allclose(grad, 2 * jnp.exp(x), rtol=1e-6)
+
+
 def test_a_backward_before_its_forward_is_refused():
     with pytest.raises(RuntimeError, match="must follow the forward"):
         SplitVJP().join("block", (), ())
