@@ -226,14 +226,18 @@ def _flash(c: DecoderConfig) -> bool:
     return c.attention_impl == "cudnn" or (c.attention_impl == "auto" and c.dtype in ("bfloat16", "float16"))
 
 
-def kept_bytes(c: DecoderConfig, e: EngineConfig, micro_rows: int, seq_len: int, flash: bool) -> int:
+def kept_bytes(c: DecoderConfig, e: EngineConfig, micro_rows: int, seq_len: int, flash: bool,
+               packed: bool = False) -> int:
     """The residuals one block keeps from its forward to its backward per micro-batch
     (``EngineConfig.keep_residuals``): cuDNN flash attention's output [rows, T, heads, head_dim] in the
-    compute dtype and its softmax statistics [rows, heads, T] in float32. Nothing on XLA's attention."""
+    compute dtype and its softmax statistics [rows, heads, T] in float32, in cuDNN's packed layout one
+    such row of statistics per possible document (``segments_per_row``; measured on the H100,
+    tests/test_remat.py). Nothing on XLA's attention."""
     if not (flash and e.keep_residuals):
         return 0
     ab = 2 if c.dtype in ("bfloat16", "float16") else 4
-    return micro_rows * seq_len * c.heads * (c.dim_per_head * ab + 4)
+    stats = c.segments_per_row(seq_len) if packed else 1
+    return micro_rows * seq_len * c.heads * (c.dim_per_head * ab + 4 * stats)
 
 
 @dataclasses.dataclass
@@ -290,7 +294,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
     rows = rows // devices
     fetched = 1 if devices == 1 else 1 + 1 / devices  # the shard, and the part whole once gathered
     act = rows // M * seq_len * c.hidden * ab  # one boundary activation of one micro-batch
-    res = kept_bytes(c, e, rows // M, seq_len, flash)  # one block's kept residuals (one micro-batch)
+    res = kept_bytes(c, e, rows // M, seq_len, flash, packed)  # one block's kept residuals (one micro-batch)
     on_gpu = {IO} if e.resident_io else set()
     on_gpu |= {PartId.block(i) for i in range(e.resident_layers)}
     # fp32 master + Adam moments + the compute copy (a second fp32 copy when float32 is streamed)
@@ -591,7 +595,7 @@ class MemoryPlan:
                                "activation per block less, attention's forward twice per step (slower at long "
                                "sequences)"))
         act_gib = (rows * seq * c.hidden * (2 if c.dtype in ("bfloat16", "float16") else 4)
-                   + kept_bytes(c, e, rows, seq, _flash(c))) / GiB
+                   + kept_bytes(c, e, rows, seq, _flash(c), self.packed)) / GiB
         yield ("offload", [(("engine.offload_activations", n),) for n in self.offload_counts()],
                lambda ch: (f"the inputs of the first {ch[0][1]} blocks wait in pinned host memory between forward and "
                            f"backward ({ch[0][1] * act_gib:.1f} GiB of host RAM), copied out and back behind the "
@@ -976,7 +980,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     offloaded = offloaded_blocks(c.layers, e.prefetch_depth, e.offload_activations)
     flash = _flash(c)
     if offloaded:
-        per_block = batch_rows * seq_len * c.hidden * ab + kept_bytes(c, e, batch_rows, seq_len, flash)
+        per_block = batch_rows * seq_len * c.hidden * ab + kept_bytes(c, e, batch_rows, seq_len, flash, packed)
         pinned[f"offloaded activations: the inputs of {offloaded} blocks ({batch_rows} x {seq_len} tokens x "
                f"{c.hidden} x {ab} B each" + (", and their kept attention residuals" if kept_bytes(
                    c, e, 1, 1, flash) else "") + ")"] = offloaded * per_block

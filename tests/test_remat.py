@@ -18,6 +18,7 @@ import megatrain_jax.models.layers as layers
 from megatrain_jax import Decoder, EngineConfig, preset
 from megatrain_jax.device_fns import device_fns
 from megatrain_jax.layered import block_params, layered
+from megatrain_jax.memory_plan import kept_bytes
 from megatrain_jax.remat import KEEP_POLICY, SplitVJP, keep_residuals
 from megatrain_jax.transfer import Placement
 from test_engine import ADAMW, TINY3, run_both
@@ -169,8 +170,8 @@ on_hopper = pytest.mark.skipif(layers.gpu_compute_capability() != (9, 0),
 @on_hopper
 @pytest.mark.parametrize("packed", [False, True])
 def test_kept_cudnn_residuals_give_the_same_gradients_without_a_second_attention_forward_on_gpu(packed):
-    """On cuDNN: the forward keeps attention's output and softmax statistics (about B x T x N x (2H + 4)
-    bytes), and the backward program, given them, computes the same gradients as the recomputing one with
+    """On cuDNN: the forward keeps attention's output and softmax statistics (B x T x N x (2H + 4) bytes,
+    the statistics once per possible document in the packed layout, as the plan counts), and the backward program, given them, computes the same gradients as the recomputing one with
     no cuDNN forward call of its own."""
     cfg = preset("tiny", layers=2, hidden=512, heads=4, kv_heads=2, ffn=1024, dtype="bfloat16", max_positions=4096)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
@@ -188,7 +189,9 @@ def test_kept_cudnn_residuals_give_the_same_gradients_without_a_second_attention
     for a, b in zip(jax.tree.leaves((dx, g)), jax.tree.leaves((dx_ref, g_ref))):
         err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(b)))
         assert err < 1e-2, err
-    expected = B * T * cfg.heads * (cfg.dim_per_head * 2 + 4)
+    # cuDNN's packed layout keeps a row of statistics per possible document (segments_per_row)
+    expected = kept_bytes(cfg, EngineConfig(keep_residuals=True), B, T, True, packed)
+    assert expected == B * T * cfg.heads * (cfg.dim_per_head * 2 + 4 * (cfg.segments_per_row(T) if packed else 1))
     nbytes = sum(k.nbytes for k in kept)
     assert expected <= nbytes <= 1.1 * expected + 4096, (nbytes, expected, [(k.shape, k.dtype) for k in kept])
     program = fns._programs[("backward_kept", False, False)]  # the compiled backward, for its kernels
