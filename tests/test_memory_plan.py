@@ -170,8 +170,9 @@ def _measured_runs() -> list:
                 name = f"{path.stem}:{run['config']}"
                 case = (name, cfg, _recorded_engine(run["engine"]), 1, run["seq_len"],
                         check["device"]["host_ram_gib"], run["gpu_peak_gib"], run["host_peak_gib"])
-                known = {"h100_long_context:3b_8k": "the plan's GPU peak is 32% over at 8K tokens (the loss head's "
-                                                   "logits rule and the weights held in flight): issue 16"}
+                over_8k = ("the plan's GPU peak is over by more than 15% at 8K tokens (the loss head's logits rule and "
+                           "the weights held in flight): issue 16")
+                known = {"h100_long_context:3b_8k": over_8k, "h100_long_context_kept_32k:3b_8k_kept": over_8k}
                 cases.append(pytest.param(case, marks=pytest.mark.xfail(reason=known[name], strict=True))
                              if name in known else case)
     return cases
