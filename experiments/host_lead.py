@@ -56,20 +56,30 @@ class Lead:
             with self._lock:
                 now, still = time.perf_counter(), []
                 for i, arrays in self._pending:
-                    if all(x.is_ready() for x in arrays):
+                    if all(_ready(x) for x in arrays):
                         self.ops[i]["ready"] = now
                     else:
                         still.append((i, arrays))
                 self._pending = still
             time.sleep(0.0002)
 
-    def close(self):
-        while True:
+    def close(self, timeout: float = 60.0):
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
             with self._lock:
                 if not self._pending:
                     break
             time.sleep(0.01)
         self._stop = True
+
+
+def _ready(x) -> bool:
+    """Whether a device array is computed; one deleted since (donated to a later program, or freed) counts as
+    ready when first seen so: an approximation, late by at most the polling interval after its consumer ran."""
+    try:
+        return x.is_ready()
+    except Exception:  # deleted
+        return True
 
 
 def summarize(ops: list[dict]) -> dict:
