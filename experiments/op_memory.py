@@ -28,15 +28,21 @@ def main() -> None:
     ap.add_argument("--preset", default="llama3.2-3b")
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--keep-residuals", action="store_true")
+    ap.add_argument("--layers", type=int, help="blocks (default: the preset's)")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--resident-layers", type=int, default=0)
+    ap.add_argument("--resident-io", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     from megatrain_jax import EngineConfig, preset
     from megatrain_jax.memory_plan import GiB, fit_host_pool, plan
 
-    cfg = preset(args.preset, max_positions=1 << 20)
-    engine_cfg = EngineConfig(keep_residuals=args.keep_residuals)
-    fit_host_pool(cfg, engine_cfg, 1, args.seq_len)
+    cfg = preset(args.preset, max_positions=1 << 20, **({"layers": args.layers} if args.layers else {}))
+    engine_cfg = EngineConfig(keep_residuals=args.keep_residuals, micro_batches=args.micro_batches,
+                              resident_layers=args.resident_layers, resident_io=args.resident_io)
+    fit_host_pool(cfg, engine_cfg, args.rows, args.seq_len)
     import jax
     from flax import nnx
 
@@ -61,8 +67,8 @@ def main() -> None:
             pass
 
     engine = Engine(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), default_optimizer(3e-4), engine_cfg)
-    toks, starts = demo_tokens(cfg.vocab_size, 8 * args.seq_len + 1, seed=0)
-    data = iter(TokenDataset(TokenFile.from_array(toks, cfg.vocab_size, starts), args.seq_len).batches(1))
+    toks, starts = demo_tokens(cfg.vocab_size, 8 * args.rows * args.seq_len + 1, seed=0)
+    data = iter(TokenDataset(TokenFile.from_array(toks, cfg.vocab_size, starts), args.seq_len).batches(args.rows))
     synced = Synced()
     engine.observe(synced)
     engine.step(next(data)).resolve()
@@ -77,12 +83,13 @@ def main() -> None:
         if rec["peak_gib"] > prev_peak + 0.01:
             live_before = ops[i - 1]["in_use_gib"] if i else 0.0
             rises.append({**rec, "live_before_gib": live_before, "transient_gib": round(rec["peak_gib"] - live_before, 3)})
-    p = plan(cfg, engine_cfg, 1, args.seq_len, gpu_bytes=stats().get("bytes_limit"))
+    p = plan(cfg, engine_cfg, args.rows, args.seq_len, gpu_bytes=stats().get("bytes_limit"))
     result = {"name": os.path.splitext(os.path.basename(args.out))[0],
               "command": "PYTHONPATH=. python experiments/op_memory.py " + " ".join(sys.argv[1:]),
               "git_commit": git_commit(), "jax_version": jax.__version__,
               "device": {"name": getattr(dev, "device_kind", str(dev))},
-              "runs": [{"system": "megatrain_jax", "preset": args.preset, "seq_len": args.seq_len, "rows": 1,
+              "runs": [{"system": "megatrain_jax", "preset": args.preset, "layers": cfg.layers, "seq_len": args.seq_len,
+                        "rows": args.rows,
                         "engine": dataclasses.asdict(engine_cfg),
                         "synced_step_peak_gib": max(r["peak_gib"] for r in ops),
                         "run_peak_gib": round(stats().get("peak_bytes_in_use", 0) / GiB, 3),
