@@ -51,10 +51,11 @@ class EngineConfig:
       statistics) is kept from each block's forward to its backward, which then does not recompute it:
       attention runs forward once per step instead of twice, the larger part of a long-context block's
       time. It costs about one more activation per block (rows x seq_len x heads x head_dim x 2 bytes, plus
-      4 bytes per head and token), offloaded with the block's input under ``offload_activations``.
-      ``megatrain-jax train`` turns it off, and says so, when even the most offload leaves the GPU or host
-      short with it (``memory_plan.lean_engine``). Nothing is marked on XLA's attention (its residuals
-      are T x T), so it changes nothing there.
+      4 bytes per head and token of softmax statistics, times ``segments_per_row`` for packed rows),
+      offloaded with the block's input under ``offload_activations``. ``megatrain-jax train`` turns it off,
+      and says so, when nothing it would pick (offload, the lean host layout) fits with it
+      (``memory_plan.lean_engine``). Nothing is marked on XLA's attention (its residuals are T x T), so
+      there it only changes which compiled programs run, not what they compute or keep.
     """
 
     micro_batches: int = 1

@@ -330,7 +330,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
                 out = act + (grad if kind in ("backward", "head") and op.micro == 0 else 0)
                 out += res if kind == "forward" else 0
             elif kind in ("store_acts", "load_acts"):  # one copy per micro-batch (and one of its kept residuals)
-                out, ops = ((act + res) * M if kind == "load_acts" else 0), M * (2 if res else 1)
+                out, ops = ((act + res) * M if kind == "load_acts" else 0), M * (3 if res else 1)  # input, output, stats
             elif kind == "send_grads":  # squared norm; D2H copy; when accumulating, the earlier sum added
                 on_device = kept or waits
                 ops = int(last) + (0 if on_device else 1) + (1 if on_device else 2) * accumulate
@@ -840,7 +840,8 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
     gpu_bytes = gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes
     kw = dict(host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes, **plan_kw)
     picked, said = _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw)
-    if engine_cfg.keep_residuals and not plan(model_cfg, picked, batch_rows, seq_len, detect=False, **kw).fits:
+    keeps = engine_cfg.keep_residuals and kept_bytes(model_cfg, engine_cfg, 1, 1, _flash(model_cfg)) > 0
+    if keeps and not plan(model_cfg, picked, batch_rows, seq_len, detect=False, **kw).fits:
         # the kept attention residuals are one more activation per block: without them attention is
         # recomputed in the backward (slower), and the blocks' inputs may fit where both do not
         recompute = dataclasses.replace(engine_cfg, keep_residuals=False)
@@ -867,8 +868,10 @@ def _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw) -> tup
             after = plan(model_cfg, offloaded, batch_rows, seq_len, detect=False, **kw)
             if after.fits:
                 engine_cfg = offloaded
+                what = "inputs" if not kept_bytes(model_cfg, offloaded, 1, 1, _flash(model_cfg)) else \
+                    "inputs and kept attention residuals"
                 said.append(f"GPU memory is short ({p.gpu_total / GiB:.1f} GiB needed, {p.gpu_available / GiB:.1f} "
-                            f"available): the inputs of the first {n} blocks wait in host memory between forward "
+                            f"available): the {what} of the first {n} blocks wait in host memory between forward "
                             f"and backward (engine.offload_activations={n}; GPU {after.gpu_total / GiB:.1f} GiB)")
                 said += [words] if words else []
                 break

@@ -156,11 +156,10 @@ class PassRunner:
         p.acts[layer] = [self.placement.to_host(x) for x in p.acts[layer]]
         if layer in p.kept:
             p.kept[layer] = [self.placement.to_host(k) for k in p.kept[layer]]
-        stored = (p.acts[layer], p.kept.get(layer))
-        p.stores.append(stored)
+        p.stores.append((p.acts[layer], p.kept.get(layer)))
         if len(p.stores) > STORES_AHEAD:
             jax.block_until_ready(p.stores.pop(0))
-        return stored
+        return [*p.acts[layer], *p.kept.get(layer, [])]
 
     def load_acts(self, p: Pass, op: Op):
         """An offloaded block's inputs and kept residuals back onto the devices, ahead of its backward."""
@@ -169,7 +168,7 @@ class PassRunner:
         p.acts[layer] = [self.placement.to_device(x) for x in p.acts[layer]]
         if layer in p.kept:
             p.kept[layer] = [self.placement.to_device(k) for k in p.kept[layer]]
-        return p.acts[layer], p.kept.get(layer)
+        return [*p.acts[layer], *p.kept.get(layer, [])]
 
     def embed_backward(self, p: Pass, op: Op):
         b = p.batches[op.micro]

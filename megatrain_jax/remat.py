@@ -61,23 +61,39 @@ class SplitVJP:
 
     ``split`` runs while the forward program is traced: it records, under ``key`` (whatever identifies the
     program's shapes), the closure's structure and which of its leaves are which of the program's inputs
-    (by identity: the closure holds the very input arrays it was built from), and returns the other leaves.
-    ``join`` runs while the backward program is traced, after a ``split`` under the same key."""
+    (by identity: the closure holds the very input arrays it was built from) or constants of the trace,
+    and returns the other leaves. ``join`` runs while the backward program is traced, after a ``split``
+    under the same key. A key whose layout changes between traces, or kept values that do not match it,
+    are refused: they would pair residuals with the wrong slots."""
 
     def __init__(self):
-        self._layouts: dict[Hashable, tuple[Any, tuple[int | None, ...]]] = {}
+        self._layouts: dict[Hashable, tuple[Any, tuple, tuple]] = {}
 
     def split(self, key: Hashable, pullback: Callable, inputs: Any) -> tuple[jax.Array, ...]:
         where = {id(x): i for i, x in enumerate(jax.tree.leaves(inputs))}
         leaves, tree = jax.tree.flatten(pullback)
-        layout = tuple(where.get(id(x)) for x in leaves)
-        self._layouts[key] = tree, layout
-        return tuple(x for x, w in zip(leaves, layout) if w is None)
+        # each leaf: ("in", index of the input), ("const", value) for a constant of the trace, or ("kept",)
+        layout = tuple(("in", where[id(x)]) if id(x) in where else
+                       ("kept",) if isinstance(x, jax.core.Tracer) else ("const", x) for x in leaves)
+        kept = tuple(x for x, w in zip(leaves, layout) if w[0] == "kept")
+        avals = tuple((x.shape, str(x.dtype)) for x in kept)
+        if key in self._layouts:
+            _, known, known_avals = self._layouts[key]
+            if [w[:1] if w[0] == "const" else w for w in known] != [w[:1] if w[0] == "const" else w for w in layout] \
+                    or known_avals != avals:
+                raise RuntimeError(f"the VJP closure under {key} changed between traces: kept residuals would "
+                                   f"be paired with the wrong slots")
+        self._layouts[key] = tree, layout, avals
+        return kept
 
     def join(self, key: Hashable, kept: tuple[jax.Array, ...], inputs: Any) -> Callable:
         if key not in self._layouts:
             raise RuntimeError(f"no forward program was traced for {key}: the backward that uses kept residuals "
                                f"must follow the forward that made them")
-        tree, layout = self._layouts[key]
+        tree, layout, avals = self._layouts[key]
+        if tuple((x.shape, str(x.dtype)) for x in kept) != avals:
+            raise RuntimeError(f"kept residuals {[(x.shape, str(x.dtype)) for x in kept]} do not match what the "
+                               f"forward under {key} kept: {list(avals)}")
         ins, rest = jax.tree.leaves(inputs), iter(kept)
-        return jax.tree.unflatten(tree, [next(rest) if w is None else ins[w] for w in layout])
+        return jax.tree.unflatten(tree, [next(rest) if w[0] == "kept" else ins[w[1]] if w[0] == "in" else w[1]
+                                         for w in layout])

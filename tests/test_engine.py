@@ -421,6 +421,4 @@ def test_offloaded_activations_wait_in_pinned_host_memory():
     engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), ADAMW(), EngineConfig(micro_batches=2, offload_activations=2))
     engine.observe(Watch())
     engine.step(make_batches(1, vocab=TINY3.vocab_size)).resolve()
-    # 2 blocks x 2 micro-batches: their inputs, and any kept residuals (on XLA's attention only constants)
-    assert len(seen["store_acts"]) == len(seen["load_acts"]) >= 4
-    assert set(seen["store_acts"]) == {"pinned_host"} and set(seen["load_acts"]) == {"device"}, seen
+    assert seen == {"store_acts": ["pinned_host"] * 4, "load_acts": ["device"] * 4}  # 2 blocks x 2 micro-batches

@@ -86,7 +86,7 @@ def test_a_split_vjp_joins_in_another_program_without_recomputing_what_was_kept(
         return split.join("block", kept, (w, x, seg))(dy)
 
     y, kept = forward(w, x, seg)
-    assert not any(k is x or k.shape == x.shape for k in kept)  # neither the input nor the weights
+    assert not any(k.shape in (x.shape, (8, 8)) for k in kept)  # neither the input nor the weights
     assert any(k.shape == (2, 2, 6, 6) for k in kept)  # the softmax probabilities (XLA's residual)
     grads = backward(w, x, seg, kept, dy)
     ref_y, ref_pull = jax.vjp(lambda w, x: block(w, x, seg, _attention), w, x)
@@ -118,12 +118,19 @@ def test_a_residual_that_is_the_output_is_kept_once():
     np.testing.assert_allclose(grad, 2 * jnp.exp(x), rtol=1e-6)
 
 
-def test_a_backward_before_its_forward_is_refused():
+def test_a_backward_before_its_forward_or_with_other_residuals_is_refused():
     with pytest.raises(RuntimeError, match="must follow the forward"):
         SplitVJP().join("block", (), ())
+    split, x = SplitVJP(), jnp.ones(4)
+    jax.jit(lambda x: split.split("exp", jax.vjp(keep_residuals(jnp.exp), x)[1], (x,)))(x)
+    with pytest.raises(RuntimeError, match="do not match"):
+        jax.jit(lambda x: split.join("exp", (x, x), (x,)))(x)
+    with pytest.raises(RuntimeError, match="changed between traces"):  # another closure under the same key
+        jax.jit(lambda x: split.split("exp", jax.vjp(keep_residuals(lambda x: jnp.exp(x) * jnp.sin(x)), x)[1],
+                                      (x,)))(x)
 
 
-def test_decoder_marks_attention_residuals_on_its_flash_branch(cudnn_stand_in):
+def test_decoder_marks_attention_residuals_on_its_flash_branch(cudnn_stand_in, monkeypatch):
     cfg = preset("tiny", layers=2)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     fns = device_fns(layered(model), Placement(None))
@@ -132,6 +139,15 @@ def test_decoder_marks_attention_residuals_on_its_flash_branch(cudnn_stand_in):
     (y, kept), _ = fns.forward(block_params(model)[0], x, pos, None, keep=True)
     shapes = [k.shape for k in kept]
     assert (2, 16, cfg.heads, cfg.dim_per_head) in shapes  # the attention output (the o-projection's input)
+    # nothing the backward is given anyway, nor q/k/v (recomputed from the input), nor RoPE's constants
+    params = {p.shape for p in jax.tree.leaves(block_params(model)[0])}
+    assert not any(s == x.shape or s in params or s == (cfg.dim_per_head // 2,) for s in shapes), shapes
+    # on XLA's own branch nothing at all is kept
+    monkeypatch.setattr(layers, "attention_implementation", lambda cfg, dtype, packed=False: "xla")
+    monkeypatch.setattr(device_fns_module, "_CACHE", {})
+    fns = device_fns(layered(model), Placement(None))
+    (_, kept), _ = fns.forward(block_params(model)[0], x, pos, None, keep=True)
+    assert kept == ()
     # XLA's probabilities [..., T, T] (per kv head and group): what cuDNN keeps instead is [B, N, T, 1]
     assert any(s[-2:] == (16, 16) for s in shapes), shapes
 
@@ -145,6 +161,8 @@ def test_decoder_marks_attention_residuals_on_its_flash_branch(cudnn_stand_in):
 ], ids=["plain", "packed", "offloaded", "accumulate-depth2", "not-kept"])
 def test_engine_with_kept_residuals_equals_reference(cudnn_stand_in, engine_cfg, batch_kw):
     engine = run_both(TINY3, ADAMW, engine_cfg, batch_kw=batch_kw)
+    programs = {name for name, _, _ in engine.fns._programs}  # which programs ran
+    assert ("forward_keep" in programs) == engine_cfg.keep_residuals != ("forward" in programs), programs
     sizes = engine.fns.cache_sizes()
     # compiled once (the backward once without an accumulator and, with several micro-batches, once with)
     assert sizes["forward"] == 1 and sizes["backward"] == min(engine_cfg.micro_batches, 2), sizes
