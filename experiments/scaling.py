@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", default="1gpu,weak,strong", help="which of 1gpu, weak, strong to run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4, help="timed steps per run")
-    ap.add_argument("--out", help="path of the results JSON")
+    ap.add_argument("--out", help="path of the results JSON (runs are added to it when it exists)")
     ap.add_argument("--trace-dir", help="also trace one step per run (jax.profiler) under DIR/<run>, and record "
                                         "each GPU's compute, collective and idle time (trace_summary.py)")
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -84,6 +84,14 @@ def main(argv: list[str] | None = None) -> None:
     result = {"name": f"scaling_{args.config}_{args.gpus}gpu",
               "command": "PYTHONPATH=. python " + " ".join(["experiments/scaling.py"] + (argv or sys.argv[1:])),
               "git_commit": commit, "date": datetime.date.today().isoformat(), "device": None, "runs": []}
+    if args.out and os.path.exists(args.out):  # more runs of the same session: added to the file
+        with open(args.out) as f:
+            earlier = json.load(f)
+        earlier["command"] = [c for c in ([earlier["command"]] if isinstance(earlier["command"], str)
+                                          else earlier["command"])] + [result["command"]]
+        if earlier.get("git_commit") != commit:
+            earlier["git_commit_added_runs"] = commit
+        result = earlier
     for kind in args.runs.split(","):
         gpus, rows = plans[kind]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(gpus))), PYTHONPATH=ROOT)
