@@ -30,6 +30,22 @@ def git_commit() -> str | None:
         ["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
 
 
+def results_header(out: str, script: str) -> dict:
+    """The fields every results file starts with (docs/results.md): its name (from ``out``), the command
+    that wrote it (``script`` and this process's arguments), the commit, the date, JAX's version and the
+    device. Call it once the measurement is done: it starts JAX's backend."""
+    import datetime
+
+    import jax
+    dev = jax.devices()[0]
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return {"name": os.path.splitext(os.path.basename(out))[0],
+            "command": f"PYTHONPATH=. python experiments/{os.path.basename(script)} " + " ".join(sys.argv[1:]),
+            "git_commit": git_commit(), "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
+            "device": {"name": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+                       "host_ram_gib": round(pages / 2**30, 1)}}
+
+
 def pick_configs(ap, value: str, known) -> list[str]:
     """The comma-separated configuration names of ``value``; an argparse error names the unknown ones."""
     names = value.split(",")

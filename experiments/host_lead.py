@@ -118,10 +118,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
-    import jax
     from flax import nnx
 
-    from child import git_commit
+    from child import results_header
     from megatrain_jax import Decoder, Engine, EngineConfig, default_optimizer, preset
     from megatrain_jax.data import TokenDataset, TokenFile
     from megatrain_jax.data.demo import demo_tokens
@@ -150,12 +149,8 @@ def main() -> None:
         print(json.dumps({k: run[k] for k in ("config", "steps_summarized")}), flush=True)
         runs.append(run)
         del engine
-    dev = jax.devices()[0]
     with open(args.out, "w") as f:
-        json.dump({"name": os.path.splitext(os.path.basename(args.out))[0],
-                   "command": "PYTHONPATH=. python experiments/host_lead.py " + " ".join(sys.argv[1:]),
-                   "git_commit": git_commit(), "jax_version": jax.__version__,
-                   "device": {"name": getattr(dev, "device_kind", str(dev))}, "runs": runs}, f, indent=1)
+        json.dump({**results_header(args.out, __file__), "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def main() -> None:
     import jax.numpy as jnp
     from flax import nnx
 
-    from child import git_commit
+    from child import results_header
     from megatrain_jax import Decoder, preset
     from megatrain_jax.device_fns import device_fns
     from megatrain_jax.layered import block_params, layered
@@ -66,12 +66,8 @@ def main() -> None:
         print(json.dumps(run), flush=True)
         runs.append(run)
         del kept
-    dev = jax.devices()[0]
     with open(args.out, "w") as f:
-        json.dump({"name": os.path.splitext(os.path.basename(args.out))[0],
-                   "command": "PYTHONPATH=. python experiments/kept_block_bench.py " + " ".join(sys.argv[1:]),
-                   "git_commit": git_commit(), "jax_version": jax.__version__,
-                   "device": {"name": getattr(dev, "device_kind", str(dev))}, "runs": runs}, f, indent=1)
+        json.dump({**results_header(args.out, __file__), "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def main() -> None:
     import jax
     from flax import nnx
 
-    from child import git_commit
+    from child import results_header
     from megatrain_jax import Decoder, Engine, default_optimizer
     from megatrain_jax.data import TokenDataset, TokenFile
     from megatrain_jax.data.demo import demo_tokens
@@ -84,10 +84,7 @@ def main() -> None:
             live_before = ops[i - 1]["in_use_gib"] if i else 0.0
             rises.append({**rec, "live_before_gib": live_before, "transient_gib": round(rec["peak_gib"] - live_before, 3)})
     p = plan(cfg, engine_cfg, args.rows, args.seq_len, gpu_bytes=stats().get("bytes_limit"))
-    result = {"name": os.path.splitext(os.path.basename(args.out))[0],
-              "command": "PYTHONPATH=. python experiments/op_memory.py " + " ".join(sys.argv[1:]),
-              "git_commit": git_commit(), "jax_version": jax.__version__,
-              "device": {"name": getattr(dev, "device_kind", str(dev))},
+    result = {**results_header(args.out, __file__),
               "runs": [{"system": "megatrain_jax", "preset": args.preset, "layers": cfg.layers, "seq_len": args.seq_len,
                         "rows": args.rows,
                         "engine": dataclasses.asdict(engine_cfg),
