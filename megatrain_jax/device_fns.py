@@ -89,7 +89,7 @@ class DeviceFns:
             "forward": ((self._forward_routed, (ROWS, ROWS, ROWS), (ROWS, WHOLE), (), None) if self.routed
                         else (lm.block, (ROWS, ROWS, ROWS), ROWS, (), None)),
             "head": (self._head, (ROWS, ROWS, ROWS, WHOLE, STACKED), (WHOLE, ROWS, STACKED), (5,), None),
-            "backward": ((self._backward_routed, (ROWS, ROWS, ROWS, ROWS, WHOLE, STACKED), (ROWS, STACKED), (6,), 1)
+            "backward": ((self._backward, (ROWS, ROWS, ROWS, ROWS, WHOLE, STACKED), (ROWS, STACKED), (6,), 1)
                          if self.routed else (self._backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (ROWS, STACKED), (5,), 1)),
             "forward_keep": (self._forward_keep, (ROWS, ROWS, ROWS), ((ROWS, WHOLE) if self.routed else ROWS, STACKED),
                              (), None),
@@ -216,24 +216,23 @@ class DeviceFns:
         return self._sum(loss), dx_BTD, self._accumulate(io_acc, g_io)
 
     def _backward(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
-                  segment_ids_BT: jax.Array | None, dy_BTD: jax.Array, acc: Params | None):
-        """Recompute the block from its saved input and pull ``dy`` back: (dx, accumulated grads)."""
-        _, pullback = jax.vjp(lambda p, x: self.lm.block(p, x, positions_BT, segment_ids_BT), params, x_BTD)
-        g_params, dx_BTD = pullback(dy_BTD)
-        return dx_BTD, self._accumulate(acc, g_params)
+                  segment_ids_BT: jax.Array | None, dy_BTD: jax.Array, *rest):
+        """Recompute the block from its saved input and pull ``dy`` back: (dx, accumulated grads). ``rest``:
+        with ``routed`` ``d_stats``, then the accumulator."""
+        _, pullback = jax.vjp(self._block_fn(positions_BT, segment_ids_BT), params, x_BTD)
+        return self._pull(pullback, dy_BTD, rest)
+
+    def _pull(self, pullback: Callable, dy_BTD: jax.Array, rest: tuple):
+        """A block's VJP applied: ``dy`` (and with ``routed`` the auxiliary loss's gradient ``rest[0]`` with
+        respect to the block's statistics: every device's share of the summed statistics has the same
+        gradient as the sum); the parameters' gradient added to the accumulator ``rest[-1]``."""
+        g_params, dx_BTD = pullback((dy_BTD, rest[0]) if self.routed else dy_BTD)
+        return dx_BTD, self._accumulate(rest[-1], g_params)
 
     def _forward_routed(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
                         segment_ids_BT: jax.Array | None):
         y_BTD, stats = self.lm.block_routed(params, x_BTD, positions_BT, segment_ids_BT)
         return y_BTD, jax.tree.map(self._sum, stats)
-
-    def _backward_routed(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
-                         segment_ids_BT: jax.Array | None, dy_BTD: jax.Array, d_stats: Any, acc: Params | None):
-        """As ``_backward``, the block's statistics pulling back ``d_stats`` too: every device's share of the
-        summed statistics has the same gradient as the sum."""
-        _, pullback = jax.vjp(lambda p, x: self.lm.block_routed(p, x, positions_BT, segment_ids_BT), params, x_BTD)
-        g_params, dx_BTD = pullback((dy_BTD, d_stats))
-        return dx_BTD, self._accumulate(acc, g_params)
 
     def _block_fn(self, positions_BT: jax.Array, segment_ids_BT: jax.Array | None) -> Callable:
         """The block as a function of (params, x): its output, and with ``routed`` its statistics too."""
@@ -261,16 +260,13 @@ class DeviceFns:
 
     def _backward_kept(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
                        segment_ids_BT: jax.Array | None, kept: tuple, dy_BTD: jax.Array, *rest):
-        """As ``_backward`` (``rest``: with ``routed`` ``d_stats``, then the accumulator), through the VJP
-        closure ``_forward_keep`` split: rebuilt from this program's inputs and the kept residuals, it
-        recomputes only what was not kept."""
+        """As ``_backward``, through the VJP closure ``_forward_keep`` split: rebuilt from this program's
+        inputs and the kept residuals, it recomputes only what was not kept."""
         if self.size > 1:
             kept = tuple(k[0] for k in kept)
         pullback = self._split.join(self._kept_key(params, x_BTD, positions_BT, segment_ids_BT), kept,
                                     (params, x_BTD, positions_BT, segment_ids_BT))
-        cotangent = (dy_BTD, rest[0]) if self.routed else dy_BTD
-        g_params, dx_BTD = pullback(cotangent)
-        return dx_BTD, self._accumulate(rest[-1], g_params)
+        return self._pull(pullback, dy_BTD, rest)
 
     def _embed_backward(self, io: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
                         segment_ids_BT: jax.Array | None, dx_BTD: jax.Array, io_acc: Params) -> tuple[Params]:
