@@ -39,7 +39,16 @@ CHECKS: dict[str, BenchConfig] = {
     "7b_32k": CONFIGS["7b_32k"],
     "3b_128k": BenchConfig("llama3.2-3b", None, 131072, 1, EngineConfig(micro_batches=1)),
 }
-KNOWN = {**CONFIGS, **CHECKS}  # any of bench.py's configurations may be checked too
+# Shapes no earlier plan check measured, chosen after the plan's queue rule (``QUEUED_BLOCKS``) was set from
+# the runs above, to test it out of sample (issue 16): other sequence lengths, row splits, model widths.
+HELD_OUT: dict[str, BenchConfig] = {
+    "3b_16k": BenchConfig("llama3.2-3b", None, 16384, 1, EngineConfig(micro_batches=1)),
+    "3b_8k_4x2k": BenchConfig("llama3.2-3b", None, 2048, 4, EngineConfig(micro_batches=2)),
+    "1b_8k": BenchConfig("llama3.2-1b", None, 8192, 1, EngineConfig(micro_batches=1)),
+    "3b_64k_kept": BenchConfig("llama3.2-3b", None, 65536, 1, EngineConfig(micro_batches=1, keep_residuals=True)),
+    "3p5b_8k_streamed": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1)),
+}
+KNOWN = {**CONFIGS, **CHECKS, **HELD_OUT}  # any of bench.py's configurations may be checked too
 
 
 def record_plan(run: dict, p, **extra) -> None:

@@ -7,12 +7,14 @@ every layer and micro-batch until its backward, d(loss)/d(hidden) per micro-batc
 accumulator of the part in backward, and the gradients of GPU-resident parts until their update. Two
 effects come on top of what the host program holds:
 
-- *run-ahead*: JAX dispatches asynchronously, and XLA's GPU client admits 32 operations ahead of the GPU
-  (``max_inflight_computations``). A buffer the host has dropped stays allocated until the GPU has used
-  it: streamed weights after ``release``, gradients whose copy to host memory is queued. The plan assumes
-  the GPU trails by the whole window and counts transfers as operations too: so counted, the plan lands
-  between -10% and +14% of the peaks measured on the H100 box; counting computations alone would put the
-  streamed 3.5B run 30% over;
+- *run-ahead*: JAX dispatches asynchronously, so a buffer the host has dropped stays allocated until the
+  GPU has run the work queued on it: streamed weights after ``release``, gradients whose copy to host
+  memory is queued. XLA's GPU client would admit 32 computations ahead of the GPU
+  (``max_inflight_computations``), but the host does not get that far: measured on the H100 box
+  (experiments/host_lead.py, op_memory.py) it ran 10-17 ops ahead and 2-6 released blocks' buffers of a kind
+  were still in use. The plan counts the newest ``QUEUED_BLOCKS`` dropped buffers of each kind as still
+  allocated (experiments/plan_queue_sensitivity.py shows the error against every measured run for other
+  values);
 - *transients*: the scratch memory of the compiled function that is running (block forward, recompute +
   VJP, head, the embedding's VJP). These are rules of thumb (``_transient``), each written from the
   tensors that function keeps and compared with XLA's compiled memory analysis.
@@ -51,7 +53,7 @@ MiB = 1024**2
 # of resident memory outside the pinned pool, measured on the H100 box).
 HOST_RUNTIME_BYTES = int(3.5 * GiB)
 # Constants of the software stack (jax 0.11.2, CUDA driver 580; measured on the H100 box):
-INFLIGHT_OPS = 32  # XLA's GPU client admits 32 operations ahead of the device (max_inflight_computations)
+QUEUED_BLOCKS = 4  # dropped buffers of one kind (weights, gradients) that queued GPU work still uses
 PINNED_RSS_OVERHEAD = 0.031  # a pinned pool region of 32 GiB adds 33.0 GiB of resident memory
 HOST_POOL_FRACTION = 0.9  # megatrain_jax._environment caps XLA's pinned pool at 90% of RAM
 POOL_HEADROOM = (0.10, 4 * GiB)  # what the fitted pool cap adds to the pinned arrays: a share and a constant
@@ -245,8 +247,7 @@ class _Ledger:
     """Device bytes per category as the schedule runs, and buffers the host dropped but the GPU still uses."""
 
     live: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # category -> [bytes, buffers]
-    held: deque = dataclasses.field(default_factory=deque)  # (ops issued when dropped, category, bytes)
-    issued: int = 0  # device operations the host has issued
+    held: deque = dataclasses.field(default_factory=deque)  # (category, bytes), oldest first
 
     def add(self, cat: str, nbytes: int, n: int = 1) -> None:
         entry = self.live.setdefault(cat, [0, 0])
@@ -255,26 +256,22 @@ class _Ledger:
 
     def drop(self, cat: str, nbytes: int, n: int = 1, hold: bool = False) -> None:
         self.add(cat, -nbytes, -n)
-        if hold:  # freed once the GPU has run every op issued so far
-            self.held.append((self.issued, cat, nbytes))
-
-    def advance(self, ops: int) -> None:
-        self.issued += ops
-        while self.held and self.held[0][0] <= self.issued - INFLIGHT_OPS:
-            self.held.popleft()
+        if hold:  # still used by queued GPU work: freed once newer ones of its kind have queued up behind it
+            self.held.append((cat, nbytes))
+            self.settle(cat, keep=QUEUED_BLOCKS)
 
     def settle(self, cat: str, keep: int) -> None:
         """The host waited for all but the newest ``keep`` of ``cat``'s dropped buffers: the rest are free."""
-        mine = [h for h in self.held if h[1] == cat]
+        mine = [h for h in self.held if h[0] == cat]
         gone = set(map(id, mine[:max(len(mine) - keep, 0)]))
         self.held = deque(h for h in self.held if id(h) not in gone)
 
     def total(self) -> int:
-        return sum(b for b, _ in self.live.values()) + sum(h[2] for h in self.held)
+        return sum(b for b, _ in self.live.values()) + sum(b for _, b in self.held)
 
     def breakdown(self) -> dict[str, int]:
         held: dict[str, list[int]] = {}
-        for _, cat, b in self.held:
+        for cat, b in self.held:
             entry = held.setdefault(f"{cat}: dropped by the host, still used by queued GPU work", [0, 0])
             entry[0] += b
             entry[1] += 1
@@ -323,20 +320,16 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
             weights, grad = (Pio * sb, Pio * 4) if io else (Pl * sb, Pl * 4)
             weights = int(weights * fetched)
             temp, why = _transient(c, kind, rows // M, seq_len, sb, flash, packed, res > 0)
-            out, ops = 0, 1  # bytes the op allocates; device operations it issues (transfers count)
+            out = 0  # bytes the op allocates
             if kind == "fetch":
-                out, ops = (0, 0) if kept else (weights, 1)
+                out = 0 if kept else weights
             elif kind in ("embed", "forward", "backward", "head"):
                 out = act + (grad if kind in ("backward", "head") and op.micro == 0 else 0)
                 out += res if kind == "forward" else 0
-            elif kind in ("store_acts", "load_acts"):  # one copy per micro-batch (and one of its kept residuals)
-                out, ops = ((act + res) * M if kind == "load_acts" else 0), M * (3 if res else 1)  # input, output, stats
-            elif kind == "send_grads":  # squared norm; D2H copy; when accumulating, the earlier sum added
-                on_device = kept or waits
-                ops = int(last) + (0 if on_device else 1) + (1 if on_device else 2) * accumulate
-                temp = grad if accumulate and not on_device else 0
-            elif kind in ("release", "commit") or (kind == "update" and not kept):
-                ops = 0
+            elif kind == "load_acts":  # one copy per micro-batch (and one of its kept residuals)
+                out = (act + res) * M
+            elif kind == "send_grads":  # when accumulating, the earlier sum comes back to be added
+                temp = grad if accumulate and not (kept or waits) else 0
             total = resident + led.total() + temp + out
             if total > best[0]:
                 items = {f"GPU-resident parts with their optimizer state ({len(on_gpu)} parts)": resident,
@@ -344,7 +337,6 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
                 items[f"transient of {op!r} (rule of thumb: {why})"] = temp
                 items[f"outputs of {op!r}"] = out
                 best = (total, {k: v for k, v in items.items() if v}, repr(op))
-            led.advance(ops)
             if kind == "fetch" and waits and part not in home:  # the forward's fetch waited for the update,
                 home.add(part)                                   # which took the step before's gradient home
                 led.drop(H, grad // devices)
