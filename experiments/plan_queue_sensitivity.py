@@ -1,8 +1,9 @@
-"""How the memory plan's GPU error against every measured run moves with its assumption of how far the
-host runs ahead of the GPU (``memory_plan.INFLIGHT_OPS``, device operations). CPU only: the measured
-peaks are those tests/test_memory_plan.py checks the plan against (issue 16, the 8K overshoot).
+"""How the memory plan's GPU error against every measured run moves with its assumption of how much queued
+GPU work keeps alive after the host dropped it: the newest ``memory_plan.QUEUED_WEIGHTS`` released blocks'
+weights and ``QUEUED_GRADIENTS`` gradients sent home. CPU only: the measured peaks are those
+tests/test_memory_plan.py checks the plan against (issue 16, the 8K overshoot).
 
-    PYTHONPATH=. python experiments/plan_queue_sensitivity.py --out experiments/results/cpu_plan_queue_sensitivity.json
+    PYTHONPATH=. python experiments/plan_queue_sensitivity.py --out experiments/results/cpu_plan_queue_depths.json
 """
 
 from __future__ import annotations
@@ -20,32 +21,34 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ops", default="32,16,12,8,4", help="INFLIGHT_OPS values to plan with")
+    ap.add_argument("--depths", default="2/2,3/3,4/3,4/4,5/3,6/6,8/8",
+                    help="queued weights/queued gradients pairs to plan with")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import megatrain_jax.memory_plan as mp
     from child import results_header
     from test_memory_plan import _measured_runs  # the measured runs the plan is tested against
 
-    values = [int(v) for v in args.ops.split(",")]
+    product = f"{mp.QUEUED_WEIGHTS}/{mp.QUEUED_GRADIENTS}"
+    depths = args.depths.split(",")
     runs = []
     for case in _measured_runs():
         case = getattr(case, "values", [case])[0]  # pytest.param(case, marks=...) or the case itself
         name, cfg, engine, rows, seq_len, host_gib, gpu_peak, _ = case
         errors = {}
-        for n in values:
-            mp.INFLIGHT_OPS = n
+        for d in depths:
+            mp.QUEUED_WEIGHTS, mp.QUEUED_GRADIENTS = map(int, d.split("/"))
             p = mp.plan(cfg, engine, rows, seq_len, host_ram_bytes=int(host_gib * mp.GiB), gpu_bytes=None,
                         detect=False)
-            errors[str(n)] = round((p.gpu_total / mp.GiB - gpu_peak) / gpu_peak, 4)
+            errors[d] = round((p.gpu_total / mp.GiB - gpu_peak) / gpu_peak, 4)
         runs.append({"system": "megatrain_jax", "config": name, "measured_gpu_peak_gib": gpu_peak,
-                     "plan_gpu_error_by_inflight_ops": errors})
-        print(f"{name:<52}" + "".join(f"{errors[str(n)]:+8.1%}" for n in values), flush=True)
-    worst = {str(n): {"over": max(r["plan_gpu_error_by_inflight_ops"][str(n)] for r in runs),
-                      "under": min(r["plan_gpu_error_by_inflight_ops"][str(n)] for r in runs)} for n in values}
+                     "plan_gpu_error_by_queued_weights_and_gradients": errors})
+        print(f"{name:<52}" + "".join(f"{errors[d]:+8.1%}" for d in depths), flush=True)
+    key = "plan_gpu_error_by_queued_weights_and_gradients"
+    worst = {d: {"over": max(r[key][d] for r in runs), "under": min(r[key][d] for r in runs)} for d in depths}
     with open(args.out, "w") as f:
-        json.dump({**results_header(args.out, __file__), "inflight_ops_in_product": 32, "worst": worst,
-                   "runs": runs}, f, indent=1)
+        json.dump({**results_header(args.out, __file__), "queued_weights_and_gradients_in_product": product,
+                   "worst": worst, "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ effects come on top of what the host program holds:
   memory is queued. XLA's GPU client would admit 32 computations ahead of the GPU
   (``max_inflight_computations``), but the host does not get that far: measured on the H100 box
   (experiments/host_lead.py, op_memory.py) it ran 10-17 ops ahead and 2-6 released blocks' buffers of a kind
-  were still in use. The plan counts the newest ``QUEUED_BLOCKS`` dropped buffers of each kind as still
-  allocated (experiments/plan_queue_sensitivity.py shows the error against every measured run for other
-  values);
+  were still in use. The plan counts the newest ``QUEUED_WEIGHTS`` released blocks' weights and the newest
+  ``QUEUED_GRADIENTS`` gradients sent home as still allocated (experiments/plan_queue_sensitivity.py has the
+  error against every measured run for other depths);
 - *transients*: the scratch memory of the compiled function that is running (block forward, recompute +
   VJP, head, the embedding's VJP). These are rules of thumb (``_transient``), each written from the
   tensors that function keeps and compared with XLA's compiled memory analysis.
@@ -53,7 +53,8 @@ MiB = 1024**2
 # of resident memory outside the pinned pool, measured on the H100 box).
 HOST_RUNTIME_BYTES = int(3.5 * GiB)
 # Constants of the software stack (jax 0.11.2, CUDA driver 580; measured on the H100 box):
-QUEUED_BLOCKS = 4  # dropped buffers of one kind (weights, gradients) that queued GPU work still uses
+QUEUED_WEIGHTS = 4  # released blocks' streamed weights still read by queued GPU work (measured 3-6)
+QUEUED_GRADIENTS = 3  # gradients whose queued copies to host memory have not run yet (measured ~3)
 PINNED_RSS_OVERHEAD = 0.031  # a pinned pool region of 32 GiB adds 33.0 GiB of resident memory
 HOST_POOL_FRACTION = 0.9  # megatrain_jax._environment caps XLA's pinned pool at 90% of RAM
 POOL_HEADROOM = (0.10, 4 * GiB)  # what the fitted pool cap adds to the pinned arrays: a share and a constant
@@ -254,11 +255,13 @@ class _Ledger:
         entry[0] += nbytes
         entry[1] += n
 
-    def drop(self, cat: str, nbytes: int, n: int = 1, hold: bool = False) -> None:
+    def drop(self, cat: str, nbytes: int, n: int = 1, queued: int = 0) -> None:
+        """``cat``'s buffers the host no longer holds; the newest ``queued`` dropped ones of ``cat`` are still
+        used by queued GPU work (freed once newer ones have queued up behind them)."""
         self.add(cat, -nbytes, -n)
-        if hold:  # still used by queued GPU work: freed once newer ones of its kind have queued up behind it
+        if queued:
             self.held.append((cat, nbytes))
-            self.settle(cat, keep=QUEUED_BLOCKS)
+            self.settle(cat, keep=queued)
 
     def settle(self, cat: str, keep: int) -> None:
         """The host waited for all but the newest ``keep`` of ``cat``'s dropped buffers: the rest are free."""
@@ -343,7 +346,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
             if kind == "fetch" and not kept:  # what the host program holds after the op
                 led.add(W, weights)
             elif kind == "release" and not kept:
-                led.drop(W, weights, hold=True)
+                led.drop(W, weights, queued=QUEUED_WEIGHTS)
             elif kind in ("embed", "forward"):
                 layer = 0 if kind == "embed" else part.layer + 1
                 acts[layer] = acts.get(layer, 0) + 1
@@ -356,8 +359,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
                 nk = keeps.pop(part.layer, 0)  # the block's kept residuals go with its inputs
                 led.add(K, -res * nk, -nk)
                 led.add(A, res * nk, 0)
-                led.drop(A, (act + res) * n, n, hold=True)
-                led.settle(A, keep=STORES_AHEAD)  # one held entry per block
+                led.drop(A, (act + res) * n, n, queued=STORES_AHEAD)  # one held entry per block
                 away[part.layer] = n
             elif kind == "load_acts":
                 acts[part.layer] = n = away.pop(part.layer)
@@ -368,7 +370,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
             elif kind in ("head", "backward") and op.micro == 0:
                 led.add(G, grad)
             elif kind == "send_grads":
-                led.drop(G, grad, hold=not (kept or waits))
+                led.drop(G, grad, queued=0 if kept or waits else QUEUED_GRADIENTS)
                 if kept and not accumulate:
                     led.add(R, grad)
                 elif waits and not accumulate:

@@ -16,7 +16,7 @@ from megatrain_jax.cli.commands import main
 from megatrain_jax.cli.config_file import load_config
 from megatrain_jax.engine_config import EngineConfig
 from megatrain_jax import _environment
-from megatrain_jax.memory_plan import (LEAN_HOST_MARGIN, QUEUED_BLOCKS, GiB, MemoryPlanError, fitted_pool_limit, io_param_count, layer_param_count,
+from megatrain_jax.memory_plan import (LEAN_HOST_MARGIN, QUEUED_GRADIENTS, QUEUED_WEIGHTS, GiB, MemoryPlanError, fitted_pool_limit, io_param_count, layer_param_count,
                                        pinned_pool_bytes, plan)
 from megatrain_jax.models.config import PRESETS, preset
 from megatrain_jax.schedule import max_resident_layers, step_ops
@@ -107,13 +107,13 @@ def test_gpu_walks_the_engine_schedule():
     act = 8 * 2048 * 4096 * 2  # one micro-batch's boundary activation, bf16
     acts = next(v for k, v in p.gpu.items() if k.startswith("boundary activations"))
     assert acts % act == 0 and act * 2 <= acts <= act * 2 * 17
-    # queued GPU work keeps the newest QUEUED_BLOCKS dropped weights and gradients alive
+    # queued GPU work keeps the newest dropped weights and gradients alive
     queued = {k: v for k, v in p.gpu.items() if "still used by queued GPU work" in k}
     assert queued == {
         f"streamed weights of the io part and blocks: dropped by the host, still used by queued GPU work "
-        f"({QUEUED_BLOCKS} buffers)": QUEUED_BLOCKS * 2 * layer_param_count(cfg),
+        f"({QUEUED_WEIGHTS} buffers)": QUEUED_WEIGHTS * 2 * layer_param_count(cfg),
         f"gradient accumulators, float32: dropped by the host, still used by queued GPU work "
-        f"({QUEUED_BLOCKS} buffers)": QUEUED_BLOCKS * 4 * layer_param_count(cfg)}
+        f"({QUEUED_GRADIENTS} buffers)": QUEUED_GRADIENTS * 4 * layer_param_count(cfg)}
     # resident parts: fp32 master + moments + bf16 copy on the GPU, 14 B/param
     res = plan(cfg, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True), 16, 2048, **BIG)
     n = 8 * layer_param_count(cfg) + io_param_count(cfg)
@@ -137,12 +137,13 @@ def _recorded_engine(engine: dict) -> EngineConfig:
 
 def _measured_runs() -> list:
     """(id, model, engine, rows, seq_len, host GiB, measured GPU GiB, measured host GiB or None) of every finished
-    megatrain_jax run whose full config is recorded: the side-by-side file (model from the recorded dims)
-    and experiments/plan_check.py's file when present."""
+    megatrain_jax run whose full config is recorded: the side-by-side file's runs whose peak is their training
+    steps' (model from the recorded dims; ``_training_peak``), experiments/plan_check.py's files, and the
+    capacity, scale-projection and long-context files."""
     cases = []
     side = json.loads(SIDE_BY_SIDE.read_text())
     for run in side["runs"]:
-        if run.get("system") != "megatrain_jax" or run.get("status") != "ok":
+        if run.get("system") != "megatrain_jax" or run.get("status") != "ok" or not _training_peak(run):
             continue
         m = run["model"]
         name = next(n for n, c in PRESETS.items() if (c.hidden, c.ffn, c.heads, c.kv_heads, c.vocab_size) ==
@@ -150,11 +151,11 @@ def _measured_runs() -> list:
         cases.append((f"{SIDE_BY_SIDE.stem}:{run['config']}", preset(name, layers=m["layers"]),
                       _recorded_engine(run["engine"]), run["tokens_per_step"] // run["seq_len"], run["seq_len"],
                       side["device"].get("host_ram_gib", H100_HOST_GIB), run["gpu_peak_gib"], None))
-    if PLAN_CHECK.exists():
-        check = json.loads(PLAN_CHECK.read_text())
+    for path in sorted(RESULTS.glob(f"{PLAN_CHECK.stem}*.json")):  # plan_check.py's, held-out shapes too
+        check = json.loads(path.read_text())
         for run in check["runs"]:
             if run.get("status") == "ok":
-                cases.append((f"{PLAN_CHECK.stem}:{run['config']}", preset(run["preset"], layers=run["layers"]),
+                cases.append((f"{path.stem}:{run['config']}", preset(run["preset"], layers=run["layers"]),
                               _recorded_engine(run["engine"]), run["rows"], run["seq_len"],
                               check["device"]["host_ram_gib"], run["gpu_peak_gib"],
                               run["host_peak_gib"] if _pageable_layout(run) else None))
@@ -174,6 +175,16 @@ def _measured_runs() -> list:
                 cases.append((f"{path.stem}:{run['config']}", cfg, _recorded_engine(run["engine"]), 1, run["seq_len"],
                               check["device"]["host_ram_gib"], run["gpu_peak_gib"], run["host_peak_gib"]))
     return cases
+
+
+def _training_peak(run: dict) -> bool:
+    """Whether a bench.py run's ``gpu_peak_gib`` is that of its training steps alone. Before bench.py recorded
+    it apart, it was read after the instrumented steps too (the synchronized breakdown, the Timeline's
+    watcher threads, which hold each op's outputs): 3p5b_32k measured 38.31 GiB without them and 41.54 with
+    (experiments/results/h100_bench_instrumented_peak.json). plan_check.py measures the same configurations
+    without instrumentation."""
+    instrumented = any(k in run for k in ("breakdown", "timeline", "trace"))
+    return not instrumented or "gpu_peak_gib_with_instrumented_steps" in run
 
 
 def _pageable_layout(run: dict) -> bool:
