@@ -152,6 +152,24 @@ def test_decoder_marks_attention_residuals_on_its_flash_branch(cudnn_stand_in, m
     assert any(s[-2:] == (16, 16) for s in shapes), shapes
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_decoders_gradients_are_the_same_with_and_without_the_wrapper(cudnn_stand_in, monkeypatch, packed):
+    """The reference trainer of the engine tests goes through ``keep_residuals`` too (the Decoder marks its
+    cuDNN branch): the wrapper itself must not change the model's gradients, bit for bit."""
+    from megatrain_jax.reference import model_loss
+    from test_engine import make_batches
+    model = Decoder(preset("tiny", layers=2), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    batch = make_batches(1, packed=packed)[0].filled()
+    grad = lambda: jax.jit(jax.grad(lambda p: model_loss(nnx.merge(graphdef, p), batch)))(params)  # noqa: E731
+    wrapped = grad()
+    monkeypatch.setattr(layers, "keep_residuals", lambda fn: fn)
+    plain = grad()
+    leaves = jax.tree.leaves(wrapped)
+    assert leaves and any(np.any(np.asarray(g) != 0) for g in leaves)
+    jax.tree.map(np.testing.assert_array_equal, wrapped, plain)
+
+
 @pytest.mark.parametrize("engine_cfg,batch_kw", [
     (EngineConfig(micro_batches=2, keep_residuals=True), {}),
     (EngineConfig(micro_batches=2, keep_residuals=True), {"packed": True}),
