@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=1)
     ap.add_argument("--resident-layers", type=int, default=0)
     ap.add_argument("--resident-io", action="store_true")
+    ap.add_argument("--offload-activations", type=int, default=0, help="blocks whose inputs wait in host memory")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
@@ -41,7 +42,8 @@ def main() -> None:
 
     cfg = preset(args.preset, max_positions=1 << 20, **({"layers": args.layers} if args.layers else {}))
     engine_cfg = EngineConfig(keep_residuals=args.keep_residuals, micro_batches=args.micro_batches,
-                              resident_layers=args.resident_layers, resident_io=args.resident_io)
+                              resident_layers=args.resident_layers, resident_io=args.resident_io,
+                              offload_activations=args.offload_activations)
     fit_host_pool(cfg, engine_cfg, args.rows, args.seq_len)
     import jax
     from flax import nnx
