@@ -34,13 +34,15 @@ def main() -> None:
     ap.add_argument("--resident-layers", type=int, default=0)
     ap.add_argument("--resident-io", action="store_true")
     ap.add_argument("--offload-activations", type=int, default=0, help="blocks whose inputs wait in host memory")
+    ap.add_argument("--mlp-chunk-tokens", type=int, help="the model's MLP chunk (long_context.py's runs: 32768)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     from megatrain_jax import EngineConfig, preset
     from megatrain_jax.memory_plan import GiB, fit_host_pool, plan
 
-    cfg = preset(args.preset, max_positions=1 << 20, **({"layers": args.layers} if args.layers else {}))
+    cfg = preset(args.preset, max_positions=1 << 20, mlp_chunk_tokens=args.mlp_chunk_tokens,
+                 **({"layers": args.layers} if args.layers else {}))
     engine_cfg = EngineConfig(keep_residuals=args.keep_residuals, micro_batches=args.micro_batches,
                               resident_layers=args.resident_layers, resident_io=args.resident_io,
                               offload_activations=args.offload_activations)
@@ -88,6 +90,7 @@ def main() -> None:
     p = plan(cfg, engine_cfg, args.rows, args.seq_len, gpu_bytes=stats().get("bytes_limit"))
     result = {**results_header(args.out, __file__),
               "runs": [{"system": "megatrain_jax", "preset": args.preset, "layers": cfg.layers, "seq_len": args.seq_len,
+                        "mlp_chunk_tokens": cfg.mlp_chunk_tokens,
                         "rows": args.rows,
                         "engine": dataclasses.asdict(engine_cfg),
                         "synced_step_peak_gib": max(r["peak_gib"] for r in ops),
