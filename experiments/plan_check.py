@@ -40,9 +40,9 @@ CHECKS: dict[str, BenchConfig] = {
     "3b_128k": BenchConfig("llama3.2-3b", None, 131072, 1, EngineConfig(micro_batches=1)),
 }
 # Shapes no earlier plan check measured, to test the plan's queue rule out of sample (issue 16): other
-# sequence lengths, row splits, model widths. They were chosen with 4 queued weights and 4 queued gradients
-# in the plan; 3p5b_8k_streamed measured 15.7% under that plan, and QUEUED_GRADIENTS became 3 (what
-# experiments/op_memory.py had measured directly).
+# sequence lengths, row splits, model widths. They were chosen while the plan counted 4 queued weights and 4
+# queued gradients; the plan came out 15.7% over 3p5b_8k_streamed's peak, and now counts 3 queued blocks
+# (memory_plan.QUEUED_BLOCKS; experiments/NOTES.md has the story).
 HELD_OUT: dict[str, BenchConfig] = {
     "3b_16k": BenchConfig("llama3.2-3b", None, 16384, 1, EngineConfig(micro_batches=1)),
     "3b_8k_4x2k": BenchConfig("llama3.2-3b", None, 2048, 4, EngineConfig(micro_batches=2)),

@@ -1,7 +1,7 @@
-"""How the memory plan's GPU error against every measured run moves with its assumption of how much queued
-GPU work keeps alive after the host dropped it: the newest ``memory_plan.QUEUED_WEIGHTS`` released blocks'
-weights and ``QUEUED_GRADIENTS`` gradients sent home. CPU only: the measured peaks are those
-tests/test_memory_plan.py checks the plan against (issue 16, the 8K overshoot).
+"""How the memory plan's GPU error against every measured run moves with its assumption of how far the GPU
+trails the host: what the host dropped for its newest ``memory_plan.QUEUED_BLOCKS`` blocks is still
+allocated. CPU only: the measured peaks are those tests/test_memory_plan.py checks the plan against
+(issue 16, the 8K overshoot).
 
     PYTHONPATH=. python experiments/plan_queue_sensitivity.py --out experiments/results/cpu_plan_queue_depths.json
 """
@@ -21,15 +21,14 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--depths", default="2/2,3/3,4/3,4/4,5/3,6/6,8/8",
-                    help="queued weights/queued gradients pairs to plan with")
+    ap.add_argument("--depths", default="1,2,3,4,5,6,8", help="QUEUED_BLOCKS values to plan with")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import megatrain_jax.memory_plan as mp
     from child import results_header
     from test_memory_plan import _measured_runs  # the measured runs the plan is tested against
 
-    product = f"{mp.QUEUED_WEIGHTS}/{mp.QUEUED_GRADIENTS}"
+    product = mp.QUEUED_BLOCKS
     depths = args.depths.split(",")
     runs = []
     for case in _measured_runs():
@@ -37,17 +36,17 @@ def main() -> None:
         name, cfg, engine, rows, seq_len, host_gib, gpu_peak, _ = case
         errors = {}
         for d in depths:
-            mp.QUEUED_WEIGHTS, mp.QUEUED_GRADIENTS = map(int, d.split("/"))
+            mp.QUEUED_BLOCKS = int(d)
             p = mp.plan(cfg, engine, rows, seq_len, host_ram_bytes=int(host_gib * mp.GiB), gpu_bytes=None,
                         detect=False)
             errors[d] = round((p.gpu_total / mp.GiB - gpu_peak) / gpu_peak, 4)
         runs.append({"system": "megatrain_jax", "config": name, "measured_gpu_peak_gib": gpu_peak,
-                     "plan_gpu_error_by_queued_weights_and_gradients": errors})
+                     "plan_gpu_error_by_queued_blocks": errors})
         print(f"{name:<52}" + "".join(f"{errors[d]:+8.1%}" for d in depths), flush=True)
-    key = "plan_gpu_error_by_queued_weights_and_gradients"
+    key = "plan_gpu_error_by_queued_blocks"
     worst = {d: {"over": max(r[key][d] for r in runs), "under": min(r[key][d] for r in runs)} for d in depths}
     with open(args.out, "w") as f:
-        json.dump({**results_header(args.out, __file__), "queued_weights_and_gradients_in_product": product,
+        json.dump({**results_header(args.out, __file__), "queued_blocks_in_product": product,
                    "worst": worst, "runs": runs}, f, indent=1)
 
 

@@ -9,12 +9,12 @@ effects come on top of what the host program holds:
 
 - *run-ahead*: JAX dispatches asynchronously, so a buffer the host has dropped stays allocated until the
   GPU has run the work queued on it: streamed weights after ``release``, gradients whose copy to host
-  memory is queued. XLA's GPU client would admit 32 computations ahead of the GPU
-  (``max_inflight_computations``), but the host does not get that far: measured on the H100 box
-  (experiments/host_lead.py, op_memory.py) it ran 10-17 ops ahead and 2-6 released blocks' buffers of a kind
-  were still in use. The plan counts the newest ``QUEUED_WEIGHTS`` released blocks' weights and the newest
-  ``QUEUED_GRADIENTS`` gradients sent home as still allocated (experiments/plan_queue_sensitivity.py has the
-  error against every measured run for other depths);
+  memory is queued, offloaded activations whose copy is queued. XLA's GPU client would admit 32
+  computations ahead of the GPU (``max_inflight_computations``), but the host does not get that far:
+  measured on the H100 box (experiments/host_lead.py, op_memory.py) it ran 10-17 ops ahead, with 2-6
+  released blocks' buffers still in use. The plan counts what the host dropped for its newest
+  ``QUEUED_BLOCKS`` blocks (a block: one part in one pass's forward or backward) as still allocated
+  (experiments/plan_queue_sensitivity.py has the error against every measured run for other depths);
 - *transients*: the scratch memory of the compiled function that is running (block forward, recompute +
   VJP, head, the embedding's VJP). These are rules of thumb (``_transient``), each written from the
   tensors that function keeps and compared with XLA's compiled memory analysis.
@@ -53,8 +53,7 @@ MiB = 1024**2
 # of resident memory outside the pinned pool, measured on the H100 box).
 HOST_RUNTIME_BYTES = int(3.5 * GiB)
 # Constants of the software stack (jax 0.11.2, CUDA driver 580; measured on the H100 box):
-QUEUED_WEIGHTS = 4  # released blocks' streamed weights still read by queued GPU work (measured 3-6)
-QUEUED_GRADIENTS = 3  # gradients whose queued copies to host memory have not run yet (measured ~3)
+QUEUED_BLOCKS = 3  # blocks of work the GPU trails the host by (measured: 2-6 released blocks still in use)
 PINNED_RSS_OVERHEAD = 0.031  # a pinned pool region of 32 GiB adds 33.0 GiB of resident memory
 HOST_POOL_FRACTION = 0.9  # megatrain_jax._environment caps XLA's pinned pool at 90% of RAM
 POOL_HEADROOM = (0.10, 4 * GiB)  # what the fitted pool cap adds to the pinned arrays: a share and a constant
@@ -198,7 +197,15 @@ def _transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: i
         + 2 * c.moe.top_k * D // 3
     mlp_t = mt if c.mlp_chunk_tokens is None else min(mt, c.mlp_chunk_tokens)  # tokens the MLP holds at once
     scores = 0 if flash else micro_rows * c.heads * seq_len * seq_len * (4 + ab)  # no flash: T x T scores
+    # A chunked MLP leaves the attention's tensors the larger part at long lengths; its lax.map also copies
+    # the block's [T, D] input padded into chunks and stacks the chunks' gradients in the backward.
+    # [Measured with experiments/op_memory.py, one block, 32K-token chunks, above its outputs: forward 3B 512K
+    # 6.0 GiB (this rule 5.0), 7B 256K 6.1 (6.0); backward 3B 256K 15.7 (16.0), 3B 512K 31.4 (30.5), 7B 128K
+    # 11.2 (13.0), 7B 256K 22.2 (24.0)]
+    chunked = mlp_t < mt
     if kind == "forward":  # [1.01 / 6.0 GiB, and 8B's 1.31 at 16K; this rule the same]
+        if chunked and mt * (q + 2 * kv) > mlp_t * 3 * F:
+            return mt * (q + 2 * kv) * ab + scores, "q, k and v (the MLP is chunked)"
         return mlp_t * 3 * F * ab + scores, "MLP gate, up and product"
     if kind == "backward":  # [7B: 1.85, 4.19, 8.38 GiB at 16K, 32K, 64K tokens; 3B: 2.88, 11.56 at 32K, 128K;
         #                        this rule 2.08, 4.17, 8.33; 2.94, 11.75; float32 weights add ~0.57 at 7B]
@@ -208,11 +215,12 @@ def _transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: i
         # experiments/results/h100_kernels.json)
         packed_ws = c.segments_per_row(seq_len) * mt * q * 4 if packed and flash else 0
         qs = 1 if kept else 2  # q, and the attention output unless it was kept (counted with the activations)
-        return (max((mt * (5 * D + qs * q + 2 * kv) + mlp_t * 3 * F) * ab, layer_param_count(c) * sb) + weights
-                + 2 * scores + packed_ws,
+        copies = 2 * mt * D if chunked else 0  # the chunked MLP's padded input and stacked gradient
+        return (max((mt * (5 * D + qs * q + 2 * kv) + mlp_t * 3 * F + copies) * ab, layer_param_count(c) * sb)
+                + weights + 2 * scores + packed_ws,
                 "what the recompute keeps for the VJP: norm outputs, residual, q, k, v, " +
-                ("" if kept else "attention output, ") + "MLP gate, up and product, and the residual's float32 "
-                "gradient")
+                ("" if kept else "attention output, ") + "MLP gate, up and product, the residual's float32 "
+                "gradient" + (", and the chunked MLP's padded input and stacked gradient" if chunked else ""))
     if kind == "head":  # [2.6 / 11.6 GiB; this rule 2.8 / 10.8]
         chunk = min(c.loss_chunk_tokens, mt)
         return (2 * chunk * V * 4 + io_param_count(c) * sb + mt * D * (ab + 4),
@@ -248,33 +256,44 @@ class _Ledger:
     """Device bytes per category as the schedule runs, and buffers the host dropped but the GPU still uses."""
 
     live: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # category -> [bytes, buffers]
-    held: deque = dataclasses.field(default_factory=deque)  # (category, bytes), oldest first
+    held: list = dataclasses.field(default_factory=list)  # (block, category, bytes) queued GPU work still uses
+    queue: deque = dataclasses.field(default_factory=deque)  # the blocks the host has moved through, newest last
 
     def add(self, cat: str, nbytes: int, n: int = 1) -> None:
         entry = self.live.setdefault(cat, [0, 0])
         entry[0] += nbytes
         entry[1] += n
 
-    def drop(self, cat: str, nbytes: int, n: int = 1, queued: int = 0) -> None:
-        """``cat``'s buffers the host no longer holds; the newest ``queued`` dropped ones of ``cat`` are still
-        used by queued GPU work (freed once newer ones have queued up behind them)."""
+    def drop(self, cat: str, nbytes: int, n: int = 1, block: Any = None) -> None:
+        """``cat``'s buffers the host no longer holds; with ``block``, work queued for that block (a part in
+        one pass and phase) still uses them until the host is ``QUEUED_BLOCKS`` blocks further."""
         self.add(cat, -nbytes, -n)
-        if queued:
-            self.held.append((cat, nbytes))
-            self.settle(cat, keep=queued)
+        if block is not None:
+            self.reach(block)
+            self.held.append((block, cat, nbytes))
+
+    def reach(self, block: Any) -> None:
+        """The host has issued ``block``'s work: what the GPU still uses for older blocks than the newest
+        ``QUEUED_BLOCKS`` is free."""
+        if block in self.queue:
+            return
+        self.queue.append(block)
+        while len(self.queue) > QUEUED_BLOCKS:
+            done = self.queue.popleft()
+            self.held = [h for h in self.held if h[0] != done]
 
     def settle(self, cat: str, keep: int) -> None:
         """The host waited for all but the newest ``keep`` of ``cat``'s dropped buffers: the rest are free."""
-        mine = [h for h in self.held if h[0] == cat]
+        mine = [h for h in self.held if h[1] == cat]
         gone = set(map(id, mine[:max(len(mine) - keep, 0)]))
-        self.held = deque(h for h in self.held if id(h) not in gone)
+        self.held = [h for h in self.held if id(h) not in gone]
 
     def total(self) -> int:
-        return sum(b for b, _ in self.live.values()) + sum(b for _, b in self.held)
+        return sum(b for b, _ in self.live.values()) + sum(b for _, _, b in self.held)
 
     def breakdown(self) -> dict[str, int]:
         held: dict[str, list[int]] = {}
-        for cat, b in self.held:
+        for _, cat, b in self.held:
             entry = held.setdefault(f"{cat}: dropped by the host, still used by queued GPU work", [0, 0])
             entry[0] += b
             entry[1] += 1
@@ -313,10 +332,12 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
     best: tuple[int, dict[str, int], str] = (-1, {}, "")
     passes = min(e.accumulate_steps, 2)  # later accumulating passes repeat the second
     for j in range(passes):
-        accumulate, last = j > 0, j == passes - 1
+        accumulate, last, backward = j > 0, j == passes - 1, False
         led.add(B, batches)
         for op in step_ops(c.layers, M, e.prefetch_depth, update=last, offload=e.offload_activations):
             part, kind = op.part, op.kind
+            backward |= kind == "head"
+            here = (j, backward, part)  # the block whose work this op queues
             kept = part in on_gpu
             waits = part in held  # its gradient stays on the GPU until its update (not GPU-resident)
             io = kind == "head" or (part is not None and part.is_io)  # the head accumulates the io gradient
@@ -346,7 +367,9 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
             if kind == "fetch" and not kept:  # what the host program holds after the op
                 led.add(W, weights)
             elif kind == "release" and not kept:
-                led.drop(W, weights, queued=QUEUED_WEIGHTS)
+                led.drop(W, weights, block=here)
+            if kind == "release":
+                led.reach(here)  # a GPU-resident block's work is queued too
             elif kind in ("embed", "forward"):
                 layer = 0 if kind == "embed" else part.layer + 1
                 acts[layer] = acts.get(layer, 0) + 1
@@ -359,7 +382,8 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
                 nk = keeps.pop(part.layer, 0)  # the block's kept residuals go with its inputs
                 led.add(K, -res * nk, -nk)
                 led.add(A, res * nk, 0)
-                led.drop(A, (act + res) * n, n, queued=STORES_AHEAD)  # one held entry per block
+                led.drop(A, (act + res) * n, n, block=here)
+                led.settle(A, keep=STORES_AHEAD)  # the host waits for the older blocks' copies
                 away[part.layer] = n
             elif kind == "load_acts":
                 acts[part.layer] = n = away.pop(part.layer)
@@ -370,7 +394,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
             elif kind in ("head", "backward") and op.micro == 0:
                 led.add(G, grad)
             elif kind == "send_grads":
-                led.drop(G, grad, queued=0 if kept or waits else QUEUED_GRADIENTS)
+                led.drop(G, grad, block=None if kept or waits else here)
                 if kept and not accumulate:
                     led.add(R, grad)
                 elif waits and not accumulate:

@@ -16,7 +16,7 @@ from megatrain_jax.cli.commands import main
 from megatrain_jax.cli.config_file import load_config
 from megatrain_jax.engine_config import EngineConfig
 from megatrain_jax import _environment
-from megatrain_jax.memory_plan import (LEAN_HOST_MARGIN, QUEUED_GRADIENTS, QUEUED_WEIGHTS, GiB, MemoryPlanError, fitted_pool_limit, io_param_count, layer_param_count,
+from megatrain_jax.memory_plan import (LEAN_HOST_MARGIN, QUEUED_BLOCKS, GiB, MemoryPlanError, fitted_pool_limit, io_param_count, layer_param_count,
                                        pinned_pool_bytes, plan)
 from megatrain_jax.models.config import PRESETS, preset
 from megatrain_jax.schedule import max_resident_layers, step_ops
@@ -111,9 +111,9 @@ def test_gpu_walks_the_engine_schedule():
     queued = {k: v for k, v in p.gpu.items() if "still used by queued GPU work" in k}
     assert queued == {
         f"streamed weights of the io part and blocks: dropped by the host, still used by queued GPU work "
-        f"({QUEUED_WEIGHTS} buffers)": QUEUED_WEIGHTS * 2 * layer_param_count(cfg),
+        f"({QUEUED_BLOCKS} buffers)": QUEUED_BLOCKS * 2 * layer_param_count(cfg),
         f"gradient accumulators, float32: dropped by the host, still used by queued GPU work "
-        f"({QUEUED_GRADIENTS} buffers)": QUEUED_GRADIENTS * 4 * layer_param_count(cfg)}
+        f"({QUEUED_BLOCKS} buffers)": QUEUED_BLOCKS * 4 * layer_param_count(cfg)}
     # resident parts: fp32 master + moments + bf16 copy on the GPU, 14 B/param
     res = plan(cfg, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True), 16, 2048, **BIG)
     n = 8 * layer_param_count(cfg) + io_param_count(cfg)
@@ -138,8 +138,8 @@ def _recorded_engine(engine: dict) -> EngineConfig:
 def _measured_runs() -> list:
     """(id, model, engine, rows, seq_len, host GiB, measured GPU GiB, measured host GiB or None) of every finished
     megatrain_jax run whose full config is recorded: the side-by-side file's runs whose peak is their training
-    steps' (model from the recorded dims; ``_training_peak``), experiments/plan_check.py's files, and the
-    capacity, scale-projection and long-context files."""
+    steps' (model from the recorded dims; ``_training_peak``), experiments/plan_check.py's files, op_memory.py's
+    runs, and the capacity, scale-projection and long-context files."""
     cases = []
     side = json.loads(SIDE_BY_SIDE.read_text())
     for run in side["runs"]:
@@ -167,6 +167,12 @@ def _measured_runs() -> list:
                               _recorded_engine(run["engine"]), run["tokens_per_step"] // run["seq_len"],
                               run["seq_len"], check["device"]["host_ram_gib"], run["gpu_peak_gib"],
                               run["host_peak_gib"]))
+    for path in sorted(RESULTS.glob("h100_op_memory_*.json")):  # experiments/op_memory.py: the run's peak
+        for run in json.loads(path.read_text())["runs"]:
+            cfg = preset(run["preset"], max_positions=1 << 20, mlp_chunk_tokens=run.get("mlp_chunk_tokens"),
+                         **({"layers": run["layers"]} if run.get("layers") else {}))
+            cases.append((f"{path.stem}:{run['preset']}", cfg, _recorded_engine(run["engine"]), run["rows"],
+                          run["seq_len"], H100_HOST_GIB, run["run_peak_gib"], None))
     for path in sorted(RESULTS.glob("h100_long_context*.json")):  # experiments/long_context.py
         check = json.loads(path.read_text())
         for run in check["runs"]:
