@@ -50,7 +50,14 @@ HELD_OUT: dict[str, BenchConfig] = {
     "3b_64k_kept": BenchConfig("llama3.2-3b", None, 65536, 1, EngineConfig(micro_batches=1, keep_residuals=True)),
     "3p5b_8k_streamed": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1)),
 }
-KNOWN = {**CONFIGS, **CHECKS, **HELD_OUT}  # any of bench.py's configurations may be checked too
+# And shapes chosen after the queue rule became 3 blocks and the chunked-MLP rules were added, to test those.
+HELD_OUT_2: dict[str, BenchConfig] = {
+    "3b_96k_kept": BenchConfig("llama3.2-3b", None, 98304, 1, EngineConfig(micro_batches=1, keep_residuals=True)),
+    "1b_64k": BenchConfig("llama3.2-1b", None, 65536, 1, EngineConfig(micro_batches=1)),
+    "3p5b_16k_streamed": BenchConfig("7b", 16, 2048, 8, EngineConfig(micro_batches=1)),
+    "3b_24k_2rows": BenchConfig("llama3.2-3b", None, 12288, 2, EngineConfig(micro_batches=1)),
+}
+KNOWN = {**CONFIGS, **CHECKS, **HELD_OUT, **HELD_OUT_2}  # any of bench.py's configurations may be checked too
 
 
 def record_plan(run: dict, p, **extra) -> None:
