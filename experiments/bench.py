@@ -217,9 +217,9 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
             records.append(m)
             print(f"[{name}] step {m['step']} loss {m['loss']:.4f} gnorm {m['grad_norm']:.3f} "
                   f"{m['step_time_s']:.3f}s dispatch {m['dispatch_s']:.3f}s", flush=True)
-        # The peak of the training steps as users run them: the instrumented steps below (the profiler's
+        # The peaks of the training steps as users run them: the instrumented steps below (the profiler's
         # trace, the synchronized breakdown, the Timeline's watcher threads) change what stays allocated.
-        run["gpu_peak_gib"] = gpu_peak_gib()
+        run.update(gpu_peak_gib=gpu_peak_gib(), host_peak_gib=host_peak_gib())
         timed_recs = records[warmup:]
         step_time = statistics.median(r["step_time_s"] for r in timed_recs)
         fpt = model_flops_per_token(cfg.active_param_count(), cfg.layers, cfg.hidden, bc.seq_len)
@@ -252,8 +252,9 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
         if timeline_steps:
             run["timeline"] = record_timeline(engine, data, timeline_steps)
         if trace_dir is not None or profile or timeline_steps:
-            run["gpu_peak_gib_with_instrumented_steps"] = gpu_peak_gib()
-        run.update(host_peak_gib=host_peak_gib(), status="ok")
+            run.update(gpu_peak_gib_with_instrumented_steps=gpu_peak_gib(),
+                       host_peak_gib_with_instrumented_steps=host_peak_gib())
+        run["status"] = "ok"
         finite = all(np.isfinite(r["loss"]) for r in records)
         run["loss_finite_and_decreasing"] = bool(finite and records[-1]["loss"] < records[0]["loss"])
     except Exception as e:  # recorded, not hidden: the JSON says what failed

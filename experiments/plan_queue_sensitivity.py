@@ -19,19 +19,10 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--depths", default="1,2,3,4,5,6,8", help="QUEUED_BLOCKS values to plan with")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    import megatrain_jax.memory_plan as mp
-    from child import results_header
-    from test_memory_plan import _measured_runs  # the measured runs the plan is tested against
-
-    product = mp.QUEUED_BLOCKS
-    depths = args.depths.split(",")
+def _errors(mp, cases, depths: list[str]) -> list[dict]:
+    """Each measured run's plan error (plan - measured, over measured) at each queue depth."""
     runs = []
-    for case in _measured_runs():
+    for case in cases:
         case = getattr(case, "values", [case])[0]  # pytest.param(case, marks=...) or the case itself
         name, cfg, engine, rows, seq_len, host_gib, gpu_peak, _ = case
         errors = {}
@@ -42,7 +33,24 @@ def main() -> None:
             errors[d] = round((p.gpu_total / mp.GiB - gpu_peak) / gpu_peak, 4)
         runs.append({"system": "megatrain_jax", "config": name, "measured_gpu_peak_gib": gpu_peak,
                      "plan_gpu_error_by_queued_blocks": errors})
-        print(f"{name:<52}" + "".join(f"{errors[d]:+8.1%}" for d in depths), flush=True)
+        print(f"{name:<56}" + "".join(f"{errors[d]:+8.1%}" for d in depths), flush=True)
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--depths", default="1,2,3,4,5,6,8", help="QUEUED_BLOCKS values to plan with")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import megatrain_jax.memory_plan as mp
+    from child import results_header
+    from test_memory_plan import _measured_runs  # the measured runs the plan is tested against
+
+    product, depths = mp.QUEUED_BLOCKS, args.depths.split(",")
+    try:
+        runs = _errors(mp, _measured_runs(), depths)
+    finally:
+        mp.QUEUED_BLOCKS = product
     key = "plan_gpu_error_by_queued_blocks"
     worst = {d: {"over": max(r[key][d] for r in runs), "under": min(r[key][d] for r in runs)} for d in depths}
     with open(args.out, "w") as f:

@@ -293,11 +293,13 @@ class _Ledger:
 
     def breakdown(self) -> dict[str, int]:
         held: dict[str, list[int]] = {}
-        for _, cat, b in self.held:
-            entry = held.setdefault(f"{cat}: dropped by the host, still used by queued GPU work", [0, 0])
+        for block, cat, b in self.held:  # counted in blocks: one entry may hold several micro-batches' buffers
+            entry = held.setdefault(f"{cat}: dropped by the host, still used by queued GPU work", [0, set()])
             entry[0] += b
-            entry[1] += 1
-        return {f"{cat} ({n} buffers)" if n > 1 else cat: b for cat, (b, n) in {**self.live, **held}.items() if b}
+            entry[1].add(block)
+        return {**{f"{cat} ({n} buffers)" if n > 1 else cat: b for cat, (b, n) in self.live.items() if b},
+                **{f"{cat} ({len(blocks)} blocks)" if len(blocks) > 1 else cat: b
+                   for cat, (b, blocks) in held.items() if b}}
 
 
 def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int,
@@ -337,7 +339,7 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
         for op in step_ops(c.layers, M, e.prefetch_depth, update=last, offload=e.offload_activations):
             part, kind = op.part, op.kind
             backward |= kind == "head"
-            here = (j, backward, part)  # the block whose work this op queues
+            here = (j, backward, kind if part is None else part)  # the block whose work this op queues
             kept = part in on_gpu
             waits = part in held  # its gradient stays on the GPU until its update (not GPU-resident)
             io = kind == "head" or (part is not None and part.is_io)  # the head accumulates the io gradient
@@ -368,9 +370,9 @@ def _gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: in
                 led.add(W, weights)
             elif kind == "release" and not kept:
                 led.drop(W, weights, block=here)
-            if kind == "release":
-                led.reach(here)  # a GPU-resident block's work is queued too
-            elif kind in ("embed", "forward"):
+            if kind in ("embed", "forward", "head", "backward", "embed_backward"):
+                led.reach(here)  # its work is queued: GPU-resident blocks' and unreleased ones' too
+            if kind in ("embed", "forward"):
                 layer = 0 if kind == "embed" else part.layer + 1
                 acts[layer] = acts.get(layer, 0) + 1
                 led.add(A, act)
