@@ -217,8 +217,9 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
             records.append(m)
             print(f"[{name}] step {m['step']} loss {m['loss']:.4f} gnorm {m['grad_norm']:.3f} "
                   f"{m['step_time_s']:.3f}s dispatch {m['dispatch_s']:.3f}s", flush=True)
-        # The peaks of the training steps as users run them: the instrumented steps below (the profiler's
-        # trace, the synchronized breakdown, the Timeline's watcher threads) change what stays allocated.
+        # The peaks of the training steps as users run them, read before the instrumented steps below: the
+        # Timeline's watcher threads and the profiler hold buffers longer (tests/test_memory_plan.py,
+        # _training_peak).
         run.update(gpu_peak_gib=gpu_peak_gib(), host_peak_gib=host_peak_gib())
         timed_recs = records[warmup:]
         step_time = statistics.median(r["step_time_s"] for r in timed_recs)
