@@ -33,9 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatrain_jax import Batch, Decoder, Engine, EngineConfig, default_optimizer, preset  # noqa: E402
 from megatrain_jax.data import TokenDataset, TokenFile  # noqa: E402
 from megatrain_jax.data.demo import demo_tokens  # noqa: E402
+from megatrain_jax.engine.observers import Profile  # noqa: E402
 from megatrain_jax.flops import model_flops_per_token  # noqa: E402
-from megatrain_jax.memory_plan import fit_host_pool  # noqa: E402
-from megatrain_jax.observers import Profile  # noqa: E402
+from megatrain_jax.plan import fit_host_pool  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +68,11 @@ CONFIGS: dict[str, BenchConfig] = {
     "7b_w4_8k": BenchConfig("7b", 4, 2048, 4, EngineConfig(micro_batches=2, resident_layers=1, resident_io=True)),
     # Everything streamed (nothing resident): the issue-3 configuration, GPU memory well under 25 GiB.
     "3p5b_32k_streamed": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2)),
-    # io + first blocks resident on the GPU with their optimizer state (see megatrain_jax/resident.py).
+    # io + first blocks resident on the GPU with their optimizer state (see megatrain_jax/engine/update/resident.py).
     # 8 of 16 blocks resident: enough that the host's first-half updates of the other 8 (~40 ms each) stay
-    # ahead of the next forward (~22 ms per block at 32K); see experiments/NOTES.md, v5.
+    # ahead of the next forward (~22 ms per block at 32K); see experiments/studies/NOTES.md, v5.
     "3p5b_32k": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True)),
-    # A/B variant of 3p5b_32k for experiments/NOTES.md.
+    # A/B variant of 3p5b_32k for experiments/studies/NOTES.md.
     "3p5b_32k_r9": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=9, resident_io=True)),
     "3p5b_98k": BenchConfig("7b", 16, 2048, 48, EngineConfig(micro_batches=6, resident_layers=8, resident_io=True)),
     # 14 of 32 blocks resident (~64 GiB of GPU memory: needs XLA_PYTHON_CLIENT_MEM_FRACTION above JAX's 0.75,
@@ -112,9 +112,9 @@ def host_peak_gib() -> float:
 
 
 def record_timeline(engine: Engine, data, steps: int) -> dict:
-    """Events of the last of ``steps`` steps run with a Timeline (see megatrain_jax/timeline.py), times in
+    """Events of the last of ``steps`` steps run with a Timeline (see megatrain_jax/engine/timeline.py), times in
     seconds from that step's start, plus the whole step's span until its last device op was ready."""
-    from megatrain_jax.timeline import Timeline
+    from megatrain_jax.engine.timeline import Timeline
     timeline = Timeline()
     engine.observe(timeline)
     outs = []
@@ -159,7 +159,7 @@ def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
     """Bytes one GPU (the mesh's first) moves over PCIe in one optimizer step without accumulation: the
     weights fetched and the gradients sent home (not offloaded activations, which no configuration here
     uses)."""
-    from megatrain_jax.schedule import step_ops
+    from megatrain_jax.engine.schedule import step_ops
 
     ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth)
     resident = set(engine.resident_parts)
@@ -233,7 +233,7 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
         tier = engine.disk_tier
         if tier is not None:  # what the disk did: per step over the whole run, and while it was busy
             n = len(records)
-            from megatrain_jax.disk_tier import IO_CONTEXT
+            from megatrain_jax.engine.update.disk_tier import IO_CONTEXT
             run["disk_tier"] = {"dir": tier.root.as_posix(), "parts": [p.name for p in tier.parts],
                                 "tensorstore_context": IO_CONTEXT,
                                 "read_bytes_per_step": tier.bytes_read // n,

@@ -9,7 +9,7 @@ streamed at full precision, and the fewest parts' gradients waiting on the GPU),
 experiments/bench.py's ``run_config`` trains a randomly initialized model on the demo corpus and times it.
 
 ``largest_*`` configurations search the most layers of their shape whose lean plan fits this host
-(MemAvailable) and GPU (``memory_plan.gpu_bytes_before_jax``: nvidia-smi's memory times the XLA fraction), and train that.
+(MemAvailable) and GPU (``plan.gpu_bytes_before_jax``: nvidia-smi's memory times the XLA fraction), and train that.
 Each run records master_dtype, the machine's host_ram_gib and MemAvailable, the engine config that ran, the
 plan's host and GPU totals next to the measured peaks, tokens/s, model TFLOP/s and the losses.
 """
@@ -57,7 +57,7 @@ CONFIGS: dict[str, CapacityConfig] = {
 
 
 def mem_available_bytes() -> int:
-    from megatrain_jax.memory_plan import available_host_bytes
+    from megatrain_jax.plan import available_host_bytes
     return available_host_bytes()
 
 
@@ -65,7 +65,7 @@ def choose(cc: CapacityConfig, host: int, gpu: int | None) -> tuple[BenchConfig,
     """The configuration to train: the lean engine config the plan picks, and for a search the most layers
     whose lean plan fits; with the plan's numbers."""
     from megatrain_jax import preset
-    from megatrain_jax.memory_plan import LEAN_HOST_MARGIN, GiB, lean_engine, plan
+    from megatrain_jax.plan import LEAN_HOST_MARGIN, GiB, lean_engine, plan
 
     bc = cc.bench
     candidates = [bc.layers] if cc.search_layers is None else range(cc.search_layers[1], cc.search_layers[0] - 1, -1)
@@ -89,7 +89,7 @@ def choose(cc: CapacityConfig, host: int, gpu: int | None) -> tuple[BenchConfig,
 
 def measure(name: str, cc: CapacityConfig, warmup: int, steps: int) -> dict:
     """Plan, then train ``name`` in this process (JAX starts after the host pool is fitted)."""
-    from megatrain_jax.memory_plan import GiB, fit_host_pool, gpu_bytes_before_jax
+    from megatrain_jax.plan import GiB, fit_host_pool, gpu_bytes_before_jax
 
     host, gpu = mem_available_bytes(), gpu_bytes_before_jax()
     bc, lean, planned = choose(cc, host, gpu)

@@ -1,5 +1,6 @@
-"""What the experiment scripts share for running one measurement per process: the commit being measured,
-a child process whose result is the JSON object on its last line of output, and an empty page cache."""
+"""What the experiment scripts (here and in studies/) share for running one measurement per process: the
+commit being measured, a results file's header, a child process whose result is the JSON object on its last
+line of output, an empty page cache, and the host's description for host-optimizer measurements."""
 
 from __future__ import annotations
 
@@ -30,6 +31,35 @@ def git_commit() -> str | None:
         ["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
 
 
+def script_path(script: str) -> str:
+    """``script`` as the command line of a results file names it: relative to the repository root
+    (``experiments/bench.py``, ``experiments/studies/op_memory.py``)."""
+    return os.path.relpath(os.path.abspath(script), REPO)
+
+
+def system_info() -> dict:
+    """The host's CPU vector flags, transparent-huge-page settings, lscpu and meminfo lines and the host
+    AdamW kernel's OpenMP threads: what a host-optimizer measurement depends on beyond the code."""
+    from megatrain_jax.engine.update.host_kernel import load
+
+    def read(path):
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError as e:
+            return f"unreadable: {e}"
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    keep = ("Model", "CPU family", "Stepping", "BogoMIPS", "Hypervisor", "NUMA", "Thread", "Core", "Socket",
+            "L1d", "L2", "L3", "CPU(s)")
+    flags = next((ln.split(":", 1)[1].split() for ln in lscpu.splitlines() if ln.startswith("Flags")), [])
+    return {"cpu_vector_flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2", "prefetchw"))),
+            "thp_enabled": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"),
+            "lscpu": [ln for ln in lscpu.splitlines() if ln.strip().startswith(keep)],
+            "meminfo": [ln for ln in read("/proc/meminfo").splitlines() if "Huge" in ln or "Mem" in ln],
+            "omp_threads": load().megatrain_omp_threads()}
+
+
 def results_header(out: str, script: str) -> dict:
     """The fields every results file starts with (docs/results.md): its name (from ``out``), the command
     that wrote it (``script`` and this process's arguments), the commit, the date, JAX's version and the
@@ -40,7 +70,7 @@ def results_header(out: str, script: str) -> dict:
     dev = jax.devices()[0]
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return {"name": os.path.splitext(os.path.basename(out))[0],
-            "command": f"PYTHONPATH=. python experiments/{os.path.basename(script)} " + " ".join(sys.argv[1:]),
+            "command": f"PYTHONPATH=. python {script_path(script)} " + " ".join(sys.argv[1:]),
             "git_commit": git_commit(), "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
             "device": {"name": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
                        "host_ram_gib": round(pages / 2**30, 1)}}

@@ -21,12 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # child.py
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatrain_jax.host_optimizer import HostOptimizer  # noqa: E402
+from megatrain_jax.engine.update.host_optimizer import HostOptimizer  # noqa: E402
 from megatrain_jax.optim import adamw  # noqa: E402
-from megatrain_jax.transfer import Placement  # noqa: E402
-from experiments.host_memory_probe import system_info  # noqa: E402
+from megatrain_jax.engine.transfer import Placement  # noqa: E402
+from child import system_info  # noqa: E402
 
 
 def make_jax_host(n: int, stream: bool, fused: bool = False, first_half: bool = False):
@@ -36,7 +37,8 @@ def make_jax_host(n: int, stream: bool, fused: bool = False, first_half: bool = 
     opt = HostOptimizer(tx, pl, jnp.bfloat16 if stream else None)
     assert opt.fused == fused, "fused kernel requested but unavailable"
     shapes = [(n // 4,)] * 4
-    state = {"part": opt.init(pl.copy_to_host([jnp.full(s, 0.5, jnp.float32) for s in shapes]))}
+    # the part's record as the engine builds it: fresh optimizer state, then each array where it lives
+    state = {"part": opt.home(opt.fresh([jnp.full(s, 0.5, jnp.float32) for s in shapes]))}
     grads = pl.copy_to_host([jnp.full(s, 0.01, jnp.float32) for s in shapes])
     scale = pl.to_host(jnp.float32(1.0))
 
@@ -71,7 +73,7 @@ def make_jax_cpu_backend(n: int):
 
 def make_kernel_numpy(n: int):
     """The same kernel on ordinary (pageable) numpy memory: separates kernel speed from pinned memory."""
-    from megatrain_jax.host_kernel import adamw_numpy
+    from megatrain_jax.engine.update.host_kernel import adamw_numpy
     p, m, v, g = (np.full(n, x, np.float32) for x in (0.5, 0.0, 0.0, 0.01))
     hp = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1=0.1, bc2=0.05)
     return lambda: adamw_numpy(p, m, v, g, None, **hp)
@@ -111,13 +113,13 @@ def interleaved(steps: dict, reps: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--params", type=int, default=256, help="millions of fp32 parameters")
     ap.add_argument("--reps", type=int, default=5, help="timed rounds (systems alternate within a round)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, from: " + ", ".join(SYSTEMS))
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     n = args.params * 2**20
     names = args.systems.split(",")
     unknown = [x for x in names if x not in SYSTEMS]
@@ -136,7 +138,7 @@ def main() -> None:
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     dev = jax.devices()[0]
     out = {"name": "host_adamw_throughput", "command": "PYTHONPATH=. python experiments/host_adam_bench.py "
-           + " ".join(sys.argv[1:]), "git_commit": commit,
+           + " ".join(sys.argv[1:] if argv is None else argv), "git_commit": commit,
            "device": {"name": getattr(dev, "device_kind", str(dev)), "cpu_cores": os.cpu_count()},
            "date": datetime.date.today().isoformat(), "params": n, "system_info": system_info(),
            "runs": [{"system": k, "params_per_s": v if isinstance(v, float) else None,
@@ -144,6 +146,7 @@ def main() -> None:
                     for k, v in runs.items()]}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
+    return out
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     PYTHONPATH=. python experiments/long_context.py --configs 3b_8k,3b_32k,3b_128k --out $OUT/long.json
 
 Each configuration runs in a fresh process, as ``megatrain-jax train`` would: the engine config is what
-``memory_plan.lean_engine`` picks on this machine from the defaults (activation offload and the lean host
+``plan.lean_engine`` picks on this machine from the defaults (activation offload and the lean host
 layout when GPU or host memory is short), the pinned pool is fitted before JAX starts, then a randomly
 initialized model trains on the demo corpus (one row of ``seq_len`` tokens per step). The record holds the
 step times (each step synchronized: the loss read and the host updates done; the first includes
@@ -62,7 +62,7 @@ def measure(name: str, lc: LongConfig) -> dict:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     from megatrain_jax import EngineConfig, preset
     from megatrain_jax._environment import physical_ram_bytes
-    from megatrain_jax.memory_plan import GiB, fit_host_pool, gpu_bytes_before_jax, lean_engine, plan
+    from megatrain_jax.plan import GiB, fit_host_pool, gpu_bytes_before_jax, lean_engine, longest_seq_len, plan
 
     cfg = preset(lc.preset, max_positions=MAX_POSITIONS, mlp_chunk_tokens=lc.mlp_chunk_tokens)
     engine_cfg, why = lean_engine(cfg, EngineConfig(master_dtype=lc.master_dtype, keep_residuals=lc.keep_residuals),
@@ -119,7 +119,7 @@ def measure(name: str, lc: LongConfig) -> dict:
     p = plan(cfg, engine_cfg, 1, lc.seq_len, host_ram_bytes=physical_ram_bytes(), gpu_bytes=stats.get("bytes_limit"),
              detect=False)
     record_plan(run, p, gpu_bytes_before_jax_gib=round((gpu_bytes_before_jax() or 0) / GiB, 2),
-                longest_seq_len=p.longest_seq_len(multiple=8 * K))
+                longest_seq_len=longest_seq_len(p, multiple=8 * K))
     return run
 
 

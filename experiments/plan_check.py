@@ -6,8 +6,9 @@ Each configuration runs in a fresh process, so that its host peak (ru_maxrss) is
 initialized model (built part by part, as experiments/bench.py does) trains on the demo corpus for a few
 steps; the first step compiles, the later ones run ahead of the GPU as training does. Each run records
 its whole engine config, preset, layers, rows and seq_len, the measured ``gpu_peak_gib`` (the device's
-``peak_bytes_in_use``) and ``host_peak_gib`` (ru_maxrss), and what ``megatrain_jax.memory_plan.plan``
-predicts for that run on this machine. tests/test_memory_plan.py checks the plan against the file.
+``peak_bytes_in_use``) and ``host_peak_gib`` (ru_maxrss), and what ``megatrain_jax.plan.plan``
+predicts for that run on this machine. tests/test_memory_plan.py checks the plan against the file once it
+is copied to tests/assets/measured/.
 
 The GPU may be given 90% to XLA (bench.py's setting, which the 7B configuration needs): this script
 sets ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.9`` unless the environment says otherwise. About 7 minutes on the
@@ -42,7 +43,7 @@ CHECKS: dict[str, BenchConfig] = {
 # Shapes no earlier plan check measured, to test the plan's queue rule out of sample (issue 16): other
 # sequence lengths, row splits, model widths. They were chosen while the plan counted 4 queued weights and 4
 # queued gradients; the plan came out 15.7% over 3p5b_8k_streamed's peak, and now counts 3 queued blocks
-# (memory_plan.QUEUED_BLOCKS; experiments/NOTES.md has the story).
+# (plan.gpu_ledger.QUEUED_BLOCKS; experiments/studies/NOTES.md has the story).
 HELD_OUT: dict[str, BenchConfig] = {
     "3b_16k": BenchConfig("llama3.2-3b", None, 16384, 1, EngineConfig(micro_batches=1)),
     "3b_8k_4x2k": BenchConfig("llama3.2-3b", None, 2048, 4, EngineConfig(micro_batches=2)),
@@ -62,7 +63,7 @@ KNOWN = {**CONFIGS, **CHECKS, **HELD_OUT, **HELD_OUT_2}  # any of bench.py's con
 
 def record_plan(run: dict, p, **extra) -> None:
     """The plan's predicted peaks and breakdown next to the run's measured ones (``plan``, ``plan_error``)."""
-    from megatrain_jax.memory_plan import GiB
+    from megatrain_jax.plan import GiB
     run["plan"] = {"gpu_gib": round(p.gpu_total / GiB, 2), "host_gib": round(p.host_total / GiB, 2), **extra,
                    "gpu_peak_at": p.gpu_peak_at, "fits": p.fits, "gpu": {k: round(v / GiB, 3) for k, v in p.gpu.items()},
                    "host": {k: round(v / GiB, 3) for k, v in p.host.items()}}
@@ -79,7 +80,7 @@ def measure(name: str, bc: BenchConfig, steps: int) -> dict:
     from megatrain_jax import Decoder, Engine, default_optimizer, preset
     from megatrain_jax.data import TokenDataset, TokenFile
     from megatrain_jax.data.demo import demo_tokens
-    from megatrain_jax.memory_plan import GiB, fit_host_pool, plan
+    from megatrain_jax.plan import GiB, fit_host_pool, plan
 
     cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
     fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)  # as megatrain-jax train does, before the GPU starts

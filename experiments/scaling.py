@@ -38,7 +38,7 @@ def worker(args) -> None:
     from bench import CONFIGS, run_config  # noqa: E402 (sets the memory fraction)
 
     from megatrain_jax import preset
-    from megatrain_jax.memory_plan import fit_host_pool
+    from megatrain_jax.plan import fit_host_pool
 
     bc = CONFIGS[args.config]
     bc = dataclasses.replace(bc, rows=args.rows)
@@ -48,12 +48,28 @@ def worker(args) -> None:
 
     run = run_config(args.config, bc, args.warmup, args.steps, profile=False,
                      trace_dir=args.trace_dir and os.path.join(args.trace_dir, args.kind))
-    run["rows_per_gpu"] = bc.rows // len(jax.devices())
-    run["tokens_per_gpu_per_step"] = bc.rows * bc.seq_len // len(jax.devices())
+    gpus = run.get("num_gpus") or len(jax.devices())  # the devices the engine spread over
+    run["rows_per_gpu"] = bc.rows // gpus
+    run["tokens_per_gpu_per_step"] = bc.rows * bc.seq_len // gpus
     run["gpu_peak_gib_per_device"] = [round((d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30, 2)
                                       for d in jax.devices()]
     with open(args.worker_out, "w") as f:
         json.dump(run, f)
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Each finished run's speed-up and host peak against the 1-GPU run (written into the runs too), and
+    the summary by run kind that the parent prints."""
+    one = next((r for r in runs if r["scaling"] == "1gpu" and r.get("status") == "ok"), None)
+    summary = {}
+    for r in runs:
+        if one and r.get("status") == "ok":
+            r["speedup_vs_1gpu"] = round(r["tokens_per_s"] / one["tokens_per_s"], 3)
+            r["host_peak_vs_1gpu"] = round(r["host_peak_gib"] / one["host_peak_gib"], 3)
+        summary[r["scaling"]] = {k: r.get(k) for k in ("num_gpus", "status", "tokens_per_s", "speedup_vs_1gpu",
+                                                       "host_peak_gib", "host_peak_vs_1gpu", "gpu_peak_gib",
+                                                       "pcie_per_gpu_per_step")}
+    return summary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,16 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     if result["device"] is None:
         import jax
         result["device"] = dict(device_info(), gpus=len(jax.devices()))
-    one = next((r for r in result["runs"] if r["scaling"] == "1gpu" and r.get("status") == "ok"), None)
-    summary = {}
-    for r in result["runs"]:
-        if one and r.get("status") == "ok":
-            r["speedup_vs_1gpu"] = round(r["tokens_per_s"] / one["tokens_per_s"], 3)
-            r["host_peak_vs_1gpu"] = round(r["host_peak_gib"] / one["host_peak_gib"], 3)
-        summary[r["scaling"]] = {k: r.get(k) for k in ("num_gpus", "status", "tokens_per_s", "speedup_vs_1gpu",
-                                                       "host_peak_gib", "host_peak_vs_1gpu", "gpu_peak_gib",
-                                                       "pcie_per_gpu_per_step")}
-    result["summary"] = summary
+    result["summary"] = summary = summarize(result["runs"])
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(summary, indent=1))

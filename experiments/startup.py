@@ -19,7 +19,7 @@ seed 0) and runs one step. Its phases, in seconds:
 100 GiB of host memory). ``--configs tiny_cpu`` smoke-tests the script on a CPU.
 
 On a fresh virtual machine the first process to touch a range of host memory pays extra for it (≈ 0.2 s
-per GiB on the H100 VMs, experiments/NOTES.md): whichever run comes first would carry that cost.
+per GiB on the H100 VMs, experiments/studies/NOTES.md): whichever run comes first would carry that cost.
 ``--pretouch-gib N`` first writes N GiB of host memory in throwaway processes, so that cold and warm runs
 differ by the compilation cache alone.
 """
@@ -70,7 +70,7 @@ def measure(config: str, spawned_at: float) -> dict:
     from megatrain_jax import Decoder, Engine, default_optimizer, preset
     from megatrain_jax.data import TokenDataset, TokenFile
     from megatrain_jax.data.demo import demo_tokens
-    from megatrain_jax.memory_plan import fit_host_pool
+    from megatrain_jax.plan import fit_host_pool
     t["imports"] = time.time()
 
     counts = {"compiles": 0, "compile_s": 0.0, "cache_hits": 0, "cache_writes": 0}

@@ -5,7 +5,7 @@
 // - each chunk is walked as two sub-ranges side by side (eight float streams per core instead of four);
 // - each float stream is prefetched ahead of use (with -march=native GCC turns the prefetches of the
 //   streams written back, p, m and v, into prefetchw; only g's hint selects a cache level).
-// Measured on H100 machines: 1.07-1.23x one static slice per thread (experiments/NOTES.md, v7 and v8).
+// Measured on H100 machines: 1.07-1.23x one static slice per thread (experiments/studies/NOTES.md, v7 and v8).
 // The math is optax.adamw's (scale_by_adam -> add_decayed_weights -> scale_by_learning_rate):
 //   g'  = g * grad_scale
 //   m   = b1 m + (1 - b1) g'          v = b2 v + (1 - b2) g'^2
@@ -77,7 +77,7 @@ static inline float from_bf16(uint16_t b) {
 
 namespace {
 
-// The measured layout (see above; experiments/NOTES.md v7 and v8 compare it with the alternatives).
+// The measured layout (see above; experiments/studies/NOTES.md v7 and v8 compare it with the alternatives).
 constexpr int64_t kChunk = 65536;    // elements per chunk that threads take first come, first served
 constexpr int64_t kSplit = 2;        // sub-ranges of a chunk walked side by side
 constexpr int64_t kStep = 16;        // elements per block: one cache line of each float stream

@@ -7,16 +7,16 @@ to the GPU ahead of use and the optimizer runs on the host. See README.md.
 from megatrain_jax import _environment  # noqa: F401  (first: sets XLA's pinned-host pool size)
 from megatrain_jax.batch import Batch
 from megatrain_jax.check import ModelCheck, check_model
-from megatrain_jax.engine import Engine, StepOutput
-from megatrain_jax.engine_config import EngineConfig
+from megatrain_jax.engine.engine import Engine, StepOutput
+from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.evaluate import eval_hook, evaluate
 from megatrain_jax.fit import History, Hook, StepInfo, default_optimizer, fit
 from megatrain_jax.optim import UnsupportedOptimizerError, adamw, decay_mask
-from megatrain_jax.layered import ContractError, LayeredModel, layered
+from megatrain_jax.contract.layered import ContractError, LayeredModel, layered
 from megatrain_jax.models import Decoder, DecoderConfig, preset
 from megatrain_jax.reference import ReferenceTrainer
 from megatrain_jax.train_config import TrainConfig
-from megatrain_jax.update_policy import NonFiniteError
+from megatrain_jax.engine.update.policy import NonFiniteError
 
 __all__ = ["Batch", "ContractError", "Decoder", "DecoderConfig", "Engine", "EngineConfig", "History", "Hook",
            "LayeredModel", "ModelCheck", "NonFiniteError", "ReferenceTrainer", "StepInfo", "StepOutput", "TrainConfig",

@@ -1,7 +1,7 @@
 """``check_model``: one call that tells whether a model follows the layered contract *and* trains the same
 through the streamed engine as through plain ``jax.grad`` (``ReferenceTrainer``).
 
-The contract checks (``megatrain_jax.layered``) catch structural mistakes. What they cannot see is a model
+The contract checks (``megatrain_jax.contract.layered``) catch structural mistakes. What they cannot see is a model
 whose ``__call__`` (read by the reference) and whose ``io.embed``/``blocks``/``io.unembed`` (read by the
 engine) compute different functions, e.g. an ``embed`` that ignores ``positions_BT`` while ``__call__``
 uses them. ``check_model`` trains copies of the model one step on a plain batch and one step on a packed
@@ -21,7 +21,7 @@ from flax import nnx
 from flax.nnx import traversals
 
 from megatrain_jax.batch import Batch
-from megatrain_jax.layered import ContractError, is_abstract, layered, path_name
+from megatrain_jax.contract.layered import ContractError, is_abstract, layered, path_name
 from megatrain_jax.reference import ReferenceTrainer
 
 BATCH_KINDS = ("plain", "packed")
@@ -124,7 +124,7 @@ def check_model(model: nnx.Module, optimizer: optax.GradientTransformation | Non
     here and matmuls run at full float32 precision (no TF32), so that only the model's own code differs.
     """
     from megatrain_jax import EngineConfig  # lazily: the engine imports this package's modules
-    from megatrain_jax.engine import Engine
+    from megatrain_jax.engine.engine import Engine
 
     layered(model)  # the contract first: a ContractError (ours, with what to fix) reaches the caller as is
     if is_abstract(model):

@@ -14,7 +14,7 @@ import time
 from typing import Iterable, Sequence
 
 from megatrain_jax.batch import Batch
-from megatrain_jax.engine import Engine
+from megatrain_jax.engine.engine import Engine
 from megatrain_jax.fit import Hook, StepInfo
 
 

@@ -17,13 +17,13 @@ from jax.sharding import Mesh
 
 from megatrain_jax.batch import Batch
 from megatrain_jax.checkpoint.session import CheckpointedExit, CheckpointSession, jsonable
-from megatrain_jax.engine import Engine
-from megatrain_jax.engine_config import EngineConfig
+from megatrain_jax.contract.layered import is_abstract
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.engine import Engine
+from megatrain_jax.engine.transfer import select_devices
 from megatrain_jax.flops import format_flops, model_flops_per_token
-from megatrain_jax.layered import is_abstract
 from megatrain_jax.optim import adamw, decay_mask, learning_rate_of
 from megatrain_jax.train_config import TrainConfig
-from megatrain_jax.transfer import select_devices
 
 Schedule = Callable[[int], Any]
 

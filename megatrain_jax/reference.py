@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 
 from megatrain_jax.batch import Batch, check_batch
-from megatrain_jax.layered import check_contract
+from megatrain_jax.contract.layered import check_contract
 from megatrain_jax.loss import causal_lm_loss
 
 

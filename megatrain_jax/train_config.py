@@ -1,5 +1,5 @@
 """``TrainConfig``: what ``fit`` runs (how long, what it reports, where checkpoints go). The command line's
-``[train]`` section is this config plus the run folder's settings (``megatrain_jax.cli.config_file``)."""
+``[train]`` section is this config plus the run folder's settings (``megatrain_jax.cli.run_config``)."""
 
 from __future__ import annotations
 

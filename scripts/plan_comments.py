@@ -24,8 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatrain_jax.cli.config_file import RunConfig, parse_config  # noqa: E402
-from megatrain_jax.memory_plan import GiB, plan  # noqa: E402
+from megatrain_jax.cli.run_config import RunConfig, parse_config  # noqa: E402
+from megatrain_jax.plan import GiB, plan  # noqa: E402
 
 LINE = re.compile(r"^# plan \(host (?P<host>\d+) GiB, GPU (?P<gpu>\d+) GiB\): .*$", re.MULTILINE)
 SHAPE = re.compile(r"^# plan shape: (?P<preset>\S+)$", re.MULTILINE)

@@ -92,7 +92,7 @@ def tokens():
 @pytest.fixture(scope="module")
 def lib():
     """The fused host AdamW kernel (built on first use); tests that need it skip without a C++ compiler."""
-    from megatrain_jax.host_kernel import load
+    from megatrain_jax.engine.update.host_kernel import load
     built = load()
     if built is None:
         pytest.skip("no C++ compiler")

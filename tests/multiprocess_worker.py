@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from megatrain_jax import Decoder, Engine  # noqa: E402
-from megatrain_jax.transfer import host_view  # noqa: E402
+from megatrain_jax.engine.transfer import host_view  # noqa: E402
 from mesh_case import ADAMW, ENGINE, MODEL, batches  # noqa: E402
 
 from megatrain_jax.checkpoint.manager import Checkpointer  # noqa: E402

@@ -17,10 +17,10 @@ import pytest
 from megatrain_jax import Batch, DecoderConfig, EngineConfig
 from megatrain_jax.batch import check_batch, check_segments
 from megatrain_jax.data import TokenDataset
-from megatrain_jax.memory_plan import plan
 from megatrain_jax.models import layers
 from megatrain_jax.models.config import SEGMENT_TOKENS
 from megatrain_jax.models.layers import attention_implementation, packed_attention, segment_layout
+from megatrain_jax.plan import plan
 from tests.test_data import docs_file
 
 on_hopper = pytest.mark.skipif(layers.gpu_compute_capability() != (9, 0),
@@ -181,9 +181,9 @@ def test_grouped_matmul_equals_ragged_dot_on_gpu(experts, hidden, ffn):
 
 
 def test_kernel_results_file_shows_the_kernels_matched_on_the_gpu():
-    """The committed H100 run (experiments/kernel_bench.py): both kernels equal their references."""
+    """The committed H100 run (experiments/studies/kernel_bench.py): both kernels equal their references."""
     import pathlib
-    path = pathlib.Path(__file__).parent.parent / "experiments" / "results" / "h100_kernels.json"
+    path = pathlib.Path(__file__).parent / "assets" / "measured" / "h100_kernels.json"
     r = json.loads(path.read_text())
     checks = [run for run in r["runs"] if run.get("kind") == "check"]
     assert {run["system"] for run in checks} == {"cudnn_packed_attention", "mosaic_grouped_matmul"}

@@ -11,12 +11,12 @@ import pytest
 from flax import nnx
 
 from megatrain_jax import Decoder, Engine, EngineConfig, adamw, preset
-from megatrain_jax import host_kernel
-from megatrain_jax.host_optimizer import HostOptimizer, rounding_seed
-from megatrain_jax.layered import block_params, io_params
+from megatrain_jax.engine.update import host_kernel
+from megatrain_jax.engine.update.host_optimizer import HostOptimizer, rounding_seed
+from megatrain_jax.contract.layered import block_params, io_params
 from megatrain_jax.optim import fused_spec
 from megatrain_jax.reference import model_loss
-from megatrain_jax.transfer import Placement, local_value
+from megatrain_jax.engine.transfer import Placement, local_value
 
 from test_engine import TINY3, make_batches
 

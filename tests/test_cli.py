@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from megatrain_jax.cli import ConfigError, load_config, main, parse_config, to_toml
-from megatrain_jax.cli.config_file import RunConfig, apply_overrides
 from megatrain_jax.cli.run import DEMO
-from megatrain_jax.engine_config import EngineConfig
+from megatrain_jax.cli.run_config import RunConfig
+from megatrain_jax.cli.toml_dataclass import apply_overrides
+from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.models.config import RopeScaling
 
 REPO = Path(__file__).resolve().parents[1]
@@ -319,7 +320,8 @@ def test_errors_name_the_override_or_the_file_the_value_came_from(tmp_path):
         (["trian.steps=3"], "command-line override trian.steps=3: unknown section [trian]"),
         (["engine.micro_batches=0"], "command-line override engine.micro_batches=0: EngineConfig.micro_batches"),
         # a check across keys that the file and an override both fed
-        (["data.batch_size=3"], f"{path} with command-line override data.batch_size=3: [data] batch_size = 3"),
+        (["data.batch_size=3"], f"{path} with command-line override data.batch_size=3: [data] batch_size: a batch of "
+                                f"3 rows cannot be split into micro_batches = 2"),
         (["model.preset=llama9"], f"{path} [model] with command-line override model.preset=llama9: unknown preset"),
     ]
     for overrides, start in cases:
@@ -347,15 +349,17 @@ def test_command_line_errors_name_the_override(capsys):
 def test_train_picks_the_lean_mode_when_host_ram_is_short(tmp_path, capsys, monkeypatch):
     """With less host RAM than the run needs as configured (but enough for its lean mode), ``train`` keeps
     gradients on the device, says so, trains, and records what ran in config.toml."""
-    from megatrain_jax import memory_plan
+    from megatrain_jax.plan import levers, memory
     wide = [*TINY_RUN, "model.hidden=512", "model.ffn=1024"]  # megabytes of gradients
     cfg = load_config(None, wide)
     args = (cfg.model.build(), cfg.engine, cfg.data.batch_size, cfg.data.seq_len)
-    full = memory_plan.plan(*args, host_ram_bytes=1000 * 2**30, detect=False)
-    lean = memory_plan.plan(*args[:1], dataclasses.replace(cfg.engine, grads_on_gpu=3), *args[2:],
+    full = memory.plan(*args, host_ram_bytes=1000 * 2**30, detect=False)
+    lean = memory.plan(*args[:1], dataclasses.replace(cfg.engine, grads_on_gpu=3), *args[2:],
                             host_ram_bytes=1000 * 2**30, detect=False)
     assert lean.host_total < full.host_total
-    monkeypatch.setattr(memory_plan, "available_host_bytes", lambda: (lean.host_total + full.host_total) // 2)
+    between = lambda: (lean.host_total + full.host_total) // 2  # noqa: E731
+    monkeypatch.setattr(levers, "available_host_bytes", between)
+    monkeypatch.setattr(memory, "available_host_bytes", between)
     assert main(["train", *wide, "train.steps=2", "train.memory_check=false", f"train.run_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "host RAM is short" in out and "engine.grads_on_gpu=" in out and "done: loss" in out

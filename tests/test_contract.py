@@ -17,7 +17,7 @@ from flax import nnx
 from flax.nnx import traversals
 
 from megatrain_jax.batch import Batch
-from megatrain_jax.layered import ContractError, check_contract, layered
+from megatrain_jax.contract.layered import ContractError, check_contract, layered
 from megatrain_jax.models import Decoder, preset
 from megatrain_jax.reference import ReferenceTrainer
 

@@ -10,11 +10,11 @@ import pytest
 from flax import nnx
 
 from megatrain_jax import Decoder, Engine, EngineConfig, TrainConfig, adamw, fit, preset
-from megatrain_jax import host_kernel
+from megatrain_jax.engine.update import host_kernel
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.data import DataConfig
-from megatrain_jax.disk_tier import OnDisk
-from megatrain_jax.parts import PartId
+from megatrain_jax.engine.update.disk_tier import OnDisk
+from megatrain_jax.engine.parts import PartId
 
 from test_engine import TINY3, make_batches, run_both
 
@@ -119,7 +119,7 @@ def test_checkpoints_copy_the_files_and_a_resume_is_bit_exact(tmp_path):
 def test_a_failed_write_stops_training_instead_of_reading_stale_moments(tmp_path, monkeypatch):
     """A write that fails (a full disk, say) is not hidden by the next write of the same array: the next
     read of that part, and sync, raise DiskTierError naming the file."""
-    from megatrain_jax.disk_tier import DiskTierError
+    from megatrain_jax.engine.update.disk_tier import DiskTierError
     engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), TX(), EngineConfig(disk_parts=1, disk_dir=str(tmp_path)))
     batches = make_batches(4, vocab=TINY3.vocab_size)
     engine.step([batches[0]]).resolve()

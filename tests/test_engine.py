@@ -10,8 +10,8 @@ from flax import nnx
 from flax.nnx import traversals
 
 from megatrain_jax import Batch, Decoder, Engine, EngineConfig, NonFiniteError, ReferenceTrainer, adamw, preset
-from megatrain_jax.layered import ContractError
-from megatrain_jax.parts import IO, PartId
+from megatrain_jax.contract.layered import ContractError
+from megatrain_jax.engine.parts import IO, PartId
 
 TOL = 1e-5
 
@@ -159,7 +159,7 @@ def test_abstract_model_initializes_part_by_part_like_concrete():
 def test_bad_inputs_fail_clearly_before_the_step():
     engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), ADAMW(), EngineConfig(micro_batches=3))
     good = make_batches(1)[0]
-    with pytest.raises(ValueError, match="micro_batches=3"):
+    with pytest.raises(ValueError, match="micro_batches = 3"):
         engine.step(good)
     engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), ADAMW())
     with pytest.raises(ValueError, match="token id 256.*vocabulary"):
@@ -374,7 +374,7 @@ class _InterruptAfter:
 
 def test_split_update_step_cut_short_still_commits_what_it_started():
     """A step interrupted between the first halves leaves masters, moments and bf16 copies consistent."""
-    from megatrain_jax.schedule import Op
+    from megatrain_jax.engine.schedule import Op
     engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED())
     good, bad = make_batches(2)
     engine.step(good)

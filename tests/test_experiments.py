@@ -1,16 +1,26 @@
-"""The experiment scripts' pure parts: the side-by-side verdict and the step timeline."""
+"""Smoke tests of the maintained experiment scripts (experiments/*.py; the one-off studies in
+experiments/studies/ have none): each runs on the CPU in seconds, on a tiny model or on its pure parts, with
+no GPU, torch or DeepSpeed, and reads nothing from experiments/results/."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import gzip
 import importlib.util
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from megatrain_jax import Batch, Decoder, Engine, EngineConfig, adamw, preset
-from megatrain_jax.timeline import Timeline
+from megatrain_jax.engine.timeline import Timeline
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -122,3 +132,259 @@ def test_long_context_records_speed_peaks_and_the_plan():
     assert run["steps_timed"] == 1 and run["tokens_per_s"] > 0 and run["loss_finite"]
     assert run["plan"]["host_gib"] > 0 and set(run["plan_error"]) >= {"host"}
     assert run["engine"]["offload_activations"] == 0  # nothing is short here
+
+
+@pytest.fixture
+def restore_environ():
+    """The scripts' in-process measurements set XLA/pool variables as a launcher would: undone after."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# child.py: what every measuring script shares.
+
+def test_child_runs_a_process_and_reads_its_last_line_or_says_how_it_ended(tmp_path):
+    child = load_script("child")
+    ok = child.run_child([sys.executable, "-c", "print('progress'); print('{\"status\": \"ok\", \"x\": 1}')"],
+                         config="a")
+    assert ok["status"] == "ok" and ok["x"] == 1 and "config" not in ok and ok["wall_s"] >= 0
+    failed = child.run_child([sys.executable, "-c", "import sys; print('{}'); sys.exit(3)"], config="b")
+    assert failed["config"] == "b" and failed["status"].startswith("error: exit 3")
+    slow = child.run_child([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5, config="c")
+    assert slow["config"] == "c" and slow["status"] == "error: no result within 0.5 s"
+
+
+def test_child_runs_each_configuration_in_its_own_process_and_rewrites_the_file(tmp_path):
+    child = load_script("child")
+    script = tmp_path / "fake_measure.py"
+    script.write_text("import json, sys\n"
+                      "name = sys.argv[sys.argv.index('--child') + 1]\n"
+                      "print(json.dumps({'config': name, 'status': 'ok', 'extra': sys.argv[3:],\n"
+                      "                  'device': {'name': 'fake'}}))\n")
+    out, lines = tmp_path / "r.json", []
+    result = {"name": "r", "device": None, "runs": []}
+    child.run_configs(str(script), ["a", "b"], ["--steps", "2"], 30, result, str(out),
+                      lambda name, run: lines.append(name) or name)
+    assert json.loads(out.read_text()) == result
+    assert result["device"] == {"name": "fake"} and [r["config"] for r in result["runs"]] == ["a", "b"]
+    assert all("device" not in r and r["extra"] == ["--steps", "2"] for r in result["runs"]) and lines == ["a", "b"]
+
+
+def test_child_results_header_names_the_script_from_the_repository_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_GIT_COMMIT", "abc123")
+    monkeypatch.setattr(sys, "argv", ["x.py", "--out", "o.json"])
+    child = load_script("child")
+    for script in ("experiments/bench.py", "experiments/studies/op_memory.py"):
+        assert child.script_path(str(REPO / script)) == script
+    header = child.results_header(str(tmp_path / "h100_op_memory_8k.json"),
+                                  str(REPO / "experiments" / "studies" / "op_memory.py"))
+    assert header["name"] == "h100_op_memory_8k" and header["git_commit"] == "abc123"
+    assert header["command"] == "PYTHONPATH=. python experiments/studies/op_memory.py --out o.json"
+    import jax
+    assert header["device"]["platform"] == jax.devices()[0].platform and header["device"]["host_ram_gib"] > 0
+    ap = argparse.ArgumentParser()
+    assert child.pick_configs(ap, "b,a", {"a": 1, "b": 2}) == ["b", "a"]
+    with pytest.raises(SystemExit):
+        child.pick_configs(ap, "a,nope", {"a": 1})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# trace_summary.py: a synthetic profiler trace (times in microseconds).
+
+def _trace(path: Path) -> None:
+    meta = lambda pid, tid, kind, name: {"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}}
+    x = lambda tid, name, ts, dur, pid=1: {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur}
+    events = [meta(1, 0, "process_name", "/device:GPU:0"), meta(2, 0, "process_name", "/device:GPU:1"),
+              meta(3, 0, "process_name", "/host:CPU"),
+              meta(1, 10, "thread_name", "Stream #13(Compute)"), meta(1, 11, "thread_name", "Stream #14(Nccl)"),
+              meta(1, 12, "thread_name", "XLA Ops"), meta(2, 20, "thread_name", "XLA Ops"),
+              x(10, "fusion_1", 0, 100_000), x(10, "gemm", 150_000, 50_000),  # compute: 150 ms
+              x(11, "ncclDevKernel_AllGather_RING", 80_000, 40_000),  # 20 ms of it under no compute
+              x(10, "MemcpyD2D", 120_000, 10_000),  # a copy inside the span: idle for compute
+              x(11, "MemcpyD2H", 300_000, 20_000),  # after the last kernel: outside the span
+              x(12, "fusion_1", 0, 500_000),  # not a stream line
+              x(20, "fusion_2", 0, 1_000, pid=2), x(0, "host work", 0, 1_000, pid=3)]
+    path.parent.mkdir(parents=True)
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_trace_summary_splits_each_gpus_time_into_compute_collectives_copies_and_idle(tmp_path):
+    ts = load_script("trace_summary")
+    assert "error" in ts.summarize(tmp_path)
+    _trace(tmp_path / "plugins" / "profile" / "run" / "perfetto_trace.json.gz")
+    out = ts.summarize(tmp_path)
+    assert out["file"] == "perfetto_trace.json.gz" and set(out["devices"]) == {"/device:GPU:0", "/device:GPU:1"}
+    gpu = out["devices"]["/device:GPU:0"]
+    assert (gpu["span_ms"], gpu["compute_ms"], gpu["collective_ms"], gpu["copy_ms"]) == (200.0, 150.0, 40.0, 10.0)
+    assert gpu["collective_exposed_ms"] == 20.0 and gpu["idle_ms"] == 30.0  # 100-120 nccl alone; 120-150 nothing
+    assert gpu["top_collectives"] == {"ncclDevKernel_AllGather_RING": 40.0}
+    assert out["devices"]["/device:GPU:1"] == {"lines": ["XLA Ops"]}  # no stream kernels: its lines, no numbers
+    cli = subprocess.run([sys.executable, str(REPO / "experiments" / "trace_summary.py"), str(tmp_path)],
+                         capture_output=True, text=True, check=True)
+    assert json.loads(cli.stdout) == out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# host_adam_bench.py: every system it can run here, on 1M parameters.
+
+def test_host_adam_bench_times_each_system_and_records_the_ones_that_cannot_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_GIT_COMMIT", "abc123")
+    systems = ["megatrain_jax_fused_kernel_fp32", "megatrain_jax_fused_kernel_first_half", "fused_kernel_on_numpy_fp32",
+               "megatrain_jax_host_fp32", "jax_cpu_backend", "torch_fused_cpu_adamw"]
+    out = tmp_path / "host_adam.json"
+    result = load_script("host_adam_bench").main(["--params", "1", "--reps", "1", "--systems", ",".join(systems),
+                                                  "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["params"] == 2**20 and result["git_commit"] == "abc123"
+    assert result["command"].startswith("PYTHONPATH=. python experiments/host_adam_bench.py --params 1")
+    runs = {r["system"]: r for r in result["runs"]}
+    assert set(runs) == set(systems)
+    for name in systems[:-1]:  # the engine's host optimizer, the fused kernel and XLA's CPU backend run here
+        assert runs[name]["status"] == "ok" and runs[name]["params_per_s"] > 0, runs[name]
+    torch = runs["torch_fused_cpu_adamw"]  # torch is no test dependency: its failure is recorded, not raised
+    assert torch["status"] == "ok" or (torch["status"].startswith("error: ") and torch["params_per_s"] is None)
+    assert {"omp_threads", "thp_enabled", "cpu_vector_flags"} <= set(result["system_info"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compare_zero3.py: everything but the training (which needs torch, transformers and DeepSpeed).
+
+def _zero3_args(*argv):
+    cz = load_script("compare_zero3")
+    ns = argparse.Namespace(layers=16, rows=16, micro=4, seq=2048, hidden=4096, ffn=11008, heads=32, kv_heads=32,
+                            vocab=32000, config=None, ds_config=cz.DEFAULT_DS_CONFIG, ds_set=list(argv))
+    return cz, ns
+
+
+def test_compare_zero3_dry_run_resolves_the_deepspeed_config_without_torch(capsys):
+    """(This test environment has no torch: the dry run needs none.)"""
+    cz = load_script("compare_zero3")
+    assert cz.main(["--dry-run"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    h = 4096
+    ds = shown["ds_config"]
+    assert not any(k.startswith("_") for k in ds) and ds["zero_optimization"]["stage"] == 3
+    batch_keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+    assert tuple(ds[k] for k in batch_keys) == (4, 4, 16)
+    zero = ds["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
+            zero["stage3_param_persistence_threshold"]) == (h * h, int(0.9 * h * h), 10 * h)
+    assert shown["config"] == "3p5b_32k" and shown["tokens_per_step"] == 32768 and shown["gradient_accumulation"] == 4
+    for bad in (["--dry-run", "--rows", "10"], ["--dry-run", "--ds-set", "no_equals_sign"],
+                ["--out", "x", "--steps", "0"]):
+        with pytest.raises(SystemExit):
+            cz.main(bad)
+
+
+def test_compare_zero3_trains_the_same_model_size_flops_and_batches_as_bench():
+    from megatrain_jax.data import TokenDataset, TokenFile
+    from megatrain_jax.data.demo import demo_tokens
+    from megatrain_jax.flops import model_flops_per_token
+
+    cz, ns = _zero3_args("zero_optimization.stage3_prefetch_bucket_size=5e8",
+                         "zero_optimization.offload_param.device=none")
+    for layers, name in ((16, "3p5b_32k"), (32, "7b_32k")):
+        ns.layers = layers
+        shape = cz.model_shape(ns)
+        cfg = preset("7b", layers=layers)  # bench.py's model of that name
+        assert shape["params"] == cfg.param_count() and cz.config_name(ns) == name
+        assert cz.flops_per_token(shape["params"], layers, 4096, 2048) == model_flops_per_token(
+            cfg.param_count(), layers, cfg.hidden, 2048)
+    ds = cz.build_ds_config(ns)
+    assert ds["zero_optimization"]["stage3_prefetch_bucket_size"] == 5e8
+    assert ds["zero_optimization"]["offload_param"] == {"device": "none", "pin_memory": True}
+    rows, seq, vocab, steps = 4, 16, 97, 3  # bench.py's corpus and order at a tiny size
+    toks, starts = demo_tokens(vocab, steps * rows * seq * 2 + seq + 1, seed=0)
+    ours = iter(TokenDataset(TokenFile.from_array(toks, vocab, starts), seq).batches(rows))
+    for windows in cz.window_batches(steps, rows, seq, vocab):
+        batch = next(ours)
+        assert windows.shape == (rows, seq + 1) and windows.dtype == np.int64
+        np.testing.assert_array_equal(windows[:, :-1], batch.inputs)
+        np.testing.assert_array_equal(windows[:, 1:], batch.targets)
+
+
+def test_compare_zero3_adds_its_run_to_the_results_file_and_replaces_it_as_it_progresses(tmp_path):
+    cz = load_script("compare_zero3")
+    path = tmp_path / "vs_zero3.json"
+    path.write_text(json.dumps({"name": "bench", "runs": [{"system": "megatrain_jax", "config": "3p5b_32k"}]}))
+    slot: list = []
+    run = {"system": cz.SYSTEM, "run_id": "1-1", "status": cz.EXITED_EARLY}
+    cz.write_run(str(path), {"name": "peer"}, run, slot)  # before training: a record that survives a kill
+    cz.write_run(str(path), {"name": "peer"}, dict(run, status="ok"), slot)
+    saved = json.loads(path.read_text())
+    assert saved["name"] == "bench" and [r.get("status") for r in saved["runs"]] == [None, "ok"] and slot == [1]
+    cz.write_run(str(path), {"name": "peer"}, {"run_id": "2-2", "status": "ok"}, [])  # another process's run
+    assert len(json.loads(path.read_text())["runs"]) == 3
+    path.write_text("not json")
+    cz.write_run(str(path), {"name": "peer"}, run, slot)
+    assert json.loads(path.read_text()) == {"name": "peer", "runs": [run]}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# capacity.py and plan_check.py: the plan's measurement scripts.
+
+def test_capacity_search_trains_the_most_layers_whose_lean_plan_fits():
+    capacity = load_script("capacity")
+    from megatrain_jax.plan import GiB
+
+    host, gpu = int(125.9 * GiB), int(72 * GiB)  # the H100 box: its RAM, 90% of the GPU
+    cc = capacity.CONFIGS["largest_fp32"]
+    bc, lean, planned = capacity.choose(cc, host, gpu)
+    assert cc.search_layers[0] <= bc.layers < cc.search_layers[1] and planned["layers_chosen"] == bc.layers
+    assert planned["fits"] and planned["host_gib"] <= 125.9 and lean  # full precision does not fit as configured
+    assert bc.engine != cc.bench.engine and bc.preset == "8b"  # the lean engine config is what trains
+    with pytest.raises(SystemExit, match="no layer count"):  # one more layer no longer fits with the margins
+        capacity.choose(dataclasses.replace(cc, search_layers=(bc.layers + 1, bc.layers + 1)), host, gpu)
+
+
+def test_capacity_measures_a_tiny_configuration_through_the_plan(restore_environ):
+    capacity, bench = load_script("capacity"), load_script("bench")
+    run = capacity.measure("tiny", capacity.CapacityConfig(bench.CONFIGS["tiny_cpu"]), warmup=1, steps=1)
+    assert run["status"] == "ok", run["status"]
+    assert run["tokens_per_s"] > 0 and np.isfinite(run["losses"]).all() and run["master_dtype"] == "float32"
+    assert run["lean_mode"] is None and run["plan"]["fits"]  # a tiny model fits as configured
+    assert run["mem_available_gib_at_start"] > 0 and "host" in run["plan_error"]
+
+
+def test_plan_check_records_the_plan_next_to_the_measured_peaks(restore_environ):
+    plan_check = load_script("plan_check")
+    fake = SimpleNamespace(gpu_total=11 * 2**30, host_total=9 * 2**30, gpu_peak_at="forward 3", fits=True,
+                           gpu={"weights": 2**30}, host={"masters": 2**29})
+    run = {"gpu_peak_gib": 10.0, "host_peak_gib": None}
+    plan_check.record_plan(run, fake, extra=1)
+    assert run["plan"]["gpu_gib"] == 11.0 and run["plan"]["extra"] == 1 and run["plan"]["host"] == {"masters": 0.5}
+    assert run["plan_error"] == {"gpu": 0.1}  # no measured host peak: no host error
+    assert {"3p5b_32k", "7b_32k", "3b_128k"} <= set(plan_check.CHECKS)
+    assert set(plan_check.HELD_OUT) | set(plan_check.HELD_OUT_2) <= set(plan_check.KNOWN)
+    run = plan_check.measure("tiny_cpu", plan_check.KNOWN["tiny_cpu"], steps=2)
+    assert run["status"] == "ok", run["status"]
+    assert len(run["losses"]) == 2 and run["rows"] * run["seq_len"] == run["tokens_per_step"]
+    assert run["engine"] == dataclasses.asdict(plan_check.KNOWN["tiny_cpu"].engine)
+    assert run["plan"]["host_gib"] > 0 and set(run["plan_error"]) == {"host"} and run["host_peak_gib"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scaling.py: one run's worker in this process, and the summary over runs.
+
+def test_scaling_worker_records_a_run_and_the_summary_compares_with_one_gpu(tmp_path, restore_environ):
+    scaling = load_script("scaling")
+    out = tmp_path / "worker.json"
+    scaling.worker(argparse.Namespace(config="tiny_cpu", rows=8, warmup=1, steps=1, trace_dir=None, kind="1gpu",
+                                      worker_out=str(out)))
+    run = json.loads(out.read_text())
+    assert run["status"] == "ok", run["status"]
+    assert run["num_gpus"] == 1 and run["rows_per_gpu"] == 8 and run["tokens_per_gpu_per_step"] == 8 * 128
+    assert run["pcie_per_gpu_per_step"]["total_bytes"] > 0
+    runs = [dict(run, scaling="1gpu", tokens_per_s=100.0, host_peak_gib=10.0),
+            dict(run, scaling="weak", tokens_per_s=190.0, host_peak_gib=11.0),
+            {"scaling": "strong", "status": "error: worker exited with -9 and no record"}]
+    summary = scaling.summarize(runs)
+    assert summary["weak"]["speedup_vs_1gpu"] == 1.9 and summary["weak"]["host_peak_vs_1gpu"] == 1.1
+    assert summary["1gpu"]["speedup_vs_1gpu"] == 1.0 and summary["strong"]["speedup_vs_1gpu"] is None
+    assert runs[1]["speedup_vs_1gpu"] == 1.9  # written into the runs too
+    weak_alone = [dict(run, scaling="weak", tokens_per_s=190.0)]
+    assert scaling.summarize(weak_alone)["weak"]["speedup_vs_1gpu"] is None  # no 1-GPU run: no ratio

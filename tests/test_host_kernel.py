@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatrain_jax.host_kernel import adamw_numpy, adamw_reference, set_threads
+from megatrain_jax.engine.update.host_kernel import adamw_numpy, adamw_reference, set_threads
 
 
 def test_host_kernel_matches_reference_math(lib):

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from megatrain_jax.host_kernel import (adamw_sr_numpy, adamw_sr_reference, set_threads, sr_bits,
+from megatrain_jax.engine.update.host_kernel import (adamw_sr_numpy, adamw_sr_reference, set_threads, sr_bits,
                                        stochastic_round_bf16)
 
 BF16 = ml_dtypes.bfloat16

@@ -13,22 +13,26 @@ from pathlib import Path
 import pytest
 
 from megatrain_jax.cli.commands import main
-from megatrain_jax.cli.config_file import load_config
-from megatrain_jax.engine_config import EngineConfig
+from megatrain_jax.cli.run_config import load_config
+from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax import _environment
-from megatrain_jax.memory_plan import (LEAN_HOST_MARGIN, QUEUED_BLOCKS, GiB, MemoryPlanError, fitted_pool_limit, io_param_count, layer_param_count,
-                                       pinned_pool_bytes, plan)
+from megatrain_jax.plan import (LEAN_HOST_MARGIN, GiB, MemoryPlanError, advice, fitted_pool_limit, io_param_count,
+                                layer_param_count, lean, longest_seq_len, offload, options, plan, require_fit)
+from megatrain_jax.plan.gpu_ledger import QUEUED_BLOCKS
+from megatrain_jax.plan.machine import pinned_pool_bytes
 from megatrain_jax.models.config import PRESETS, preset
-from megatrain_jax.schedule import max_resident_layers, step_ops
+from megatrain_jax.engine.schedule import max_resident_layers, step_ops
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "experiments" / "results"
+# The GPU measurements the plan is checked against (tests/assets/measured/README.md says which script wrote
+# each kind; new ones are written to experiments/results/ and copied there when a test is to read them).
+MEASURED = Path(__file__).resolve().parent / "assets" / "measured"
 CONFIGS = REPO / "experiments" / "configs"
 # Written by experiments/plan_check.py on the H100 box (125 GiB host), with its held-out shapes in
 # h100_plan_check_*.json. The side-by-side file's megatrain_jax runs all read their peak after Timeline steps
 # (``_training_peak``): none of them is compared, and plan_check.py measures the same configurations.
-PLAN_CHECK = RESULTS / "h100_plan_check.json"
-SIDE_BY_SIDE = RESULTS / "h100_side_by_side_v9.json"
+PLAN_CHECK = MEASURED / "h100_plan_check.json"
+SIDE_BY_SIDE = MEASURED / "h100_side_by_side_v9.json"
 H100_HOST_GIB = 125.9  # the H100 box of docs/design.md (host_ram_gib in the files that record it)
 TOLERANCE = 0.15
 
@@ -139,8 +143,9 @@ def _recorded_engine(engine: dict) -> EngineConfig:
 def _measured_runs() -> list:
     """(id, model, engine, rows, seq_len, host GiB, measured GPU GiB, measured host GiB or None) of every finished
     megatrain_jax run whose full config is recorded: the side-by-side file's runs whose peak is their training
-    steps' (model from the recorded dims; ``_training_peak``), experiments/plan_check.py's files, op_memory.py's
-    runs, and the capacity, scale-projection and long-context files."""
+    steps' (model from the recorded dims; ``_training_peak``), experiments/plan_check.py's files,
+    experiments/studies/op_memory.py's runs, and the capacity, scale-projection and long-context files, all in
+    tests/assets/measured/."""
     cases = []
     side = json.loads(SIDE_BY_SIDE.read_text())
     for run in side["runs"]:
@@ -152,7 +157,7 @@ def _measured_runs() -> list:
         cases.append((f"{SIDE_BY_SIDE.stem}:{run['config']}", preset(name, layers=m["layers"]),
                       _recorded_engine(run["engine"]), run["tokens_per_step"] // run["seq_len"], run["seq_len"],
                       side["device"].get("host_ram_gib", H100_HOST_GIB), run["gpu_peak_gib"], None))
-    for path in sorted(RESULTS.glob(f"{PLAN_CHECK.stem}*.json")):  # plan_check.py's, held-out shapes too
+    for path in sorted(MEASURED.glob(f"{PLAN_CHECK.stem}*.json")):  # plan_check.py's, held-out shapes too
         check = json.loads(path.read_text())
         for run in check["runs"]:
             if run.get("status") == "ok":
@@ -160,21 +165,21 @@ def _measured_runs() -> list:
                               _recorded_engine(run["engine"]), run["rows"], run["seq_len"],
                               check["device"]["host_ram_gib"], run["gpu_peak_gib"],
                               run["host_peak_gib"] if _pageable_layout(run) else None))
-    for path in sorted(RESULTS.glob("h100_capacity*.json")) + sorted(RESULTS.glob("h100_scale_projection*.json")):
-        check = json.loads(path.read_text())  # experiments/capacity.py and scale_projection.py
+    for path in sorted(MEASURED.glob("h100_capacity*.json")) + sorted(MEASURED.glob("h100_scale_projection*.json")):
+        check = json.loads(path.read_text())  # experiments/capacity.py and studies/scale_projection.py
         for run in check["runs"]:
             if run.get("status") == "ok":
                 cases.append((f"{path.stem}:{run['config']}", preset(run["preset"], layers=run["model"]["layers"]),
                               _recorded_engine(run["engine"]), run["tokens_per_step"] // run["seq_len"],
                               run["seq_len"], check["device"]["host_ram_gib"], run["gpu_peak_gib"],
                               run["host_peak_gib"]))
-    for path in sorted(RESULTS.glob("h100_op_memory_*.json")):  # experiments/op_memory.py: the run's peak
+    for path in sorted(MEASURED.glob("h100_op_memory_*.json")):  # experiments/studies/op_memory.py: the run's peak
         for run in json.loads(path.read_text())["runs"]:
             cfg = preset(run["preset"], max_positions=1 << 20, mlp_chunk_tokens=run.get("mlp_chunk_tokens"),
                          **({"layers": run["layers"]} if run.get("layers") else {}))
             cases.append((f"{path.stem}:{run['preset']}", cfg, _recorded_engine(run["engine"]), run["rows"],
                           run["seq_len"], H100_HOST_GIB, run["run_peak_gib"], None))
-    for path in sorted(RESULTS.glob("h100_long_context*.json")):  # experiments/long_context.py
+    for path in sorted(MEASURED.glob("h100_long_context*.json")):  # experiments/long_context.py
         check = json.loads(path.read_text())
         for run in check["runs"]:
             if run.get("status") == "ok":
@@ -189,7 +194,7 @@ def _training_peak(run: dict) -> bool:
     apart, it was read after the instrumented steps too: steps with a Timeline, whose watcher threads hold
     each op's outputs, or under the profiler. 3p5b_32k measured 38.31 GiB in its training steps and 41.54 GiB
     after a breakdown step and two Timeline steps (experiments/results/h100_bench_instrumented_peak.json).
-    The breakdown step alone (experiments/scale_projection.py's runs) synchronizes after every op, which
+    The breakdown step alone (experiments/studies/scale_projection.py's runs) synchronizes after every op, which
     frees each buffer no later than a training step does: its peak is not counted as instrumented."""
     instrumented = any(k in run for k in ("timeline", "trace"))
     return not instrumented or "gpu_peak_gib_with_instrumented_steps" in run
@@ -215,7 +220,8 @@ def test_plan_within_15_percent_of_measured_peaks(case):
 def test_plan_check_results_are_recorded():
     if not PLAN_CHECK.exists():
         pytest.skip(f"{PLAN_CHECK.relative_to(REPO)} is not recorded yet: run experiments/plan_check.py on the "
-                    f"H100 box (its docstring has the command) and commit its output there")
+                    f"H100 box (its docstring has the command), commit its output to experiments/results/ and "
+                    f"copy it to tests/assets/measured/")
     configs = {r["config"] for r in json.loads(PLAN_CHECK.read_text())["runs"] if r.get("status") == "ok"}
     assert {"3p5b_32k", "3p5b_32k_streamed", "7b_32k", "3b_128k"} <= configs
 
@@ -223,27 +229,27 @@ def test_plan_check_results_are_recorded():
 def test_fits_and_check_passes_with_room():
     p = plan(SEVEN_B, EngineConfig(micro_batches=2), 16, 2048, host_ram_bytes=200 * GiB, gpu_bytes=80 * GiB)
     assert p.fits
-    p.check()
-    assert "fits" in p.table() and "OVER" not in p.table() and p.options() == []
+    require_fit(p)
+    assert "fits" in p.table() and "OVER" not in p.table() and options(p) == []
 
 
 def test_refuses_when_limits_are_tiny_and_lists_numbers_and_options():
     p = plan(SEVEN_B, EngineConfig(micro_batches=1), 64, 2048, host_ram_bytes=140 * GiB, gpu_bytes=40 * GiB)
     assert not p.gpu_fits
     with pytest.raises(MemoryPlanError) as e:
-        p.check()
+        require_fit(p)
     msg = str(e.value)
     assert "GPU memory" in msg and "OVER by" in msg and "GiB" in msg
     assert "options that fit" in msg and "engine.micro_batches=" in msg
     assert "as configured, it needs a machine with at least" in msg and "memory_check = false" in msg
-    for option in p.options():
+    for option in options(p):
         assert p.applied(option.changes).fits, option
 
 
 def test_host_overflow_suggests_float32_streaming_more_resident_blocks_or_a_smaller_model():
     p = plan(SEVEN_B, EngineConfig(micro_batches=2), 16, 2048, host_ram_bytes=125 * GiB, gpu_bytes=72 * GiB)
     assert not p.host_fits and p.gpu_fits
-    changes = [dict(o.changes) for o in p.options()]
+    changes = [dict(o.changes) for o in options(p)]
     assert {"engine.stream_dtype": "float32"} in changes
     resident = next(c["engine.resident_layers"] for c in changes if list(c) == ["engine.resident_layers"])
     assert p.applied((("engine.resident_layers", resident),)).fits
@@ -256,7 +262,7 @@ def test_float32_stream_over_gpu_suggests_bf16_or_less_prefetch():
     base = plan(SEVEN_B, e, 16, 2048, host_ram_bytes=1000 * GiB, gpu_bytes=1000 * GiB)
     tight = dataclasses.replace(base, gpu_available=base.gpu_total - 1)
     assert not tight.gpu_fits
-    overrides = [o.overrides for o in tight.options()]
+    overrides = [o.overrides for o in options(tight)]
     assert ["engine.stream_dtype=bfloat16"] in overrides and ["engine.prefetch_depth=3"] in overrides
 
 
@@ -274,16 +280,16 @@ def test_every_option_plan_prints_fits_when_applied(capsys, monkeypatch, model):
     run = ["plan", "--config", str(CONFIGS / "h100_7b_32k.toml"), f"model.preset={model}",
            "engine.stream_dtype=float32"]
     machine = ["--host-gib", "125", "--gpu-gib", "80"]
-    status, out, options = _printed_options(capsys, run + machine)
+    status, out, offered = _printed_options(capsys, run + machine)
     assert status == 1 and "does not fit" in out and "as configured, it needs a machine with" in out
-    for overrides in options:
+    for overrides in offered:
         again, text, _ = _printed_options(capsys, run + overrides + machine)
         assert again == 0 and "OVER" not in text, (overrides, text)
     if model == "llama3-70b":  # far past the host: only a smaller model is offered, if any
         assert "nothing that keeps this model fits this host and GPU" in out
-        assert all(any(o.startswith("model.layers=") for o in opt) for opt in options)
+        assert all(any(o.startswith("model.layers=") for o in opt) for opt in offered)
     else:  # 8B's float32 masters and moments take 90 GiB of the 125: gradients waiting on the GPU make room
-        assert any(any(o.startswith("engine.grads_on_gpu=") for o in opt) for opt in options), out
+        assert any(any(o.startswith("engine.grads_on_gpu=") for o in opt) for opt in offered), out
 
 
 def test_options_are_structured_and_match_the_config_path():
@@ -291,7 +297,7 @@ def test_options_are_structured_and_match_the_config_path():
     cfg = load_config(CONFIGS / "h100_7b_32k.toml", issue_13)
     p = plan(cfg.model.build(), cfg.engine, cfg.data.batch_size, cfg.data.seq_len, host_ram_bytes=125 * GiB,
              gpu_bytes=60 * GiB, detect=False)
-    for option in p.options():
+    for option in options(p):
         assert option.why and all("=" in o for o in option.overrides)
         applied = load_config(CONFIGS / "h100_7b_32k.toml", issue_13 + option.overrides)
         q = plan(applied.model.build(), applied.engine, applied.data.batch_size, applied.data.seq_len,
@@ -324,7 +330,7 @@ def test_packed_rows_count_attention_scores():
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="divisible by micro_batches"):
+    with pytest.raises(ValueError, match="cannot be split into micro_batches"):
         plan(SEVEN_B, EngineConfig(micro_batches=3), 16, 2048, **BIG)
     with pytest.raises(ValueError, match="resident_layers"):
         plan(preset("tiny"), EngineConfig(resident_layers=3), 4, 16, **BIG)
@@ -367,17 +373,17 @@ def test_gradients_waiting_on_the_gpu_leave_host_memory_one_part_at_a_time():
 def test_lean_mode_is_picked_when_host_ram_is_short():
     """Llama-3-8B with float32 masters and moments on the H100 box (124 GiB available): the plan streams the
     float32 masters and keeps the fewest parts' gradients on the GPU that make the host fit."""
-    from megatrain_jax.memory_plan import lean_engine
+    from megatrain_jax.plan import lean_engine
     e, avail = EngineConfig(micro_batches=2), 124 * GiB
     p = plan(EIGHT_B, e, 16, 2048, host_ram_bytes=avail, gpu_bytes=71 * GiB)
     assert not p.host_fits and p.gpu_fits
-    changes = dict(p.lean())
+    changes = dict(lean(p))
     n = changes["engine.grads_on_gpu"]
     assert changes["engine.stream_dtype"] == "float32" and 0 < n < 33
-    assert p.applied(p.lean()).fits
+    assert p.applied(lean(p)).fits
     # the fewest that leave LEAN_HOST_MARGIN of the host free (the plan has come out up to 4% under)
     margin = p.replace(host_ram_bytes=int(avail * (1 - LEAN_HOST_MARGIN)))
-    assert margin.applied(p.lean()).host_fits
+    assert margin.applied(lean(p)).host_fits
     assert not margin.applied((("engine.stream_dtype", "float32"), ("engine.grads_on_gpu", n - 1))).host_fits
     picked, why = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=avail)
     assert picked == dataclasses.replace(e, stream_dtype="float32", grads_on_gpu=n)
@@ -402,7 +408,7 @@ def test_capacity_mode_holds_six_bytes_per_parameter_plus_gradients():
         "full precision, float32 streamed, every host-updated gradient waiting on the GPU"]
     # 8B as configured does not fit the H100 box: capacity mode is one of the options, and it fits
     full = plan(EIGHT_B, EngineConfig(micro_batches=2), 16, 2048, host_ram_bytes=124 * GiB, gpu_bytes=71 * GiB)
-    option = next(o for o in full.options() if ("engine.master_dtype", "bfloat16") in o.changes)
+    option = next(o for o in options(full) if ("engine.master_dtype", "bfloat16") in o.changes)
     assert full.applied(option.changes).fits and "stochastically rounded" in option.why
 
 
@@ -427,7 +433,7 @@ def test_disk_tier_moves_moments_from_host_to_disk():
 def test_lean_pick_uses_the_disk_tier_when_gradients_on_the_gpu_are_not_enough():
     """The 8B shape at 44 layers with io GPU-resident needs 190 GiB: float32 streaming and gradients on the
     GPU do not fit 125 GiB and a 71 GiB GPU together; the moments of the fewest last blocks on disk do."""
-    from megatrain_jax.memory_plan import lean_engine
+    from megatrain_jax.plan import lean_engine
     big = preset("llama3-8b", layers=44)
     e = EngineConfig(micro_batches=4, resident_io=True)
     kw = dict(host_ram_bytes=125 * GiB, disk_bytes=500 * GiB, gpu_bytes=71 * GiB)
@@ -447,16 +453,16 @@ def test_lean_pick_uses_the_disk_tier_when_gradients_on_the_gpu_are_not_enough()
 def test_options_respect_the_disk_tier_and_the_kernel_switch():
     """Options never propose a combination the engine refuses: no more resident blocks than leave room for
     the disk tier's, no disk tier or capacity mode without the fused kernel (they run in it)."""
-    from megatrain_jax.memory_plan import lean_engine
+    from megatrain_jax.plan import lean_engine
     tiered = plan(EIGHT_B, EngineConfig(micro_batches=2, disk_parts=20, disk_dir="/x"), 16, 2048,
                   host_ram_bytes=20 * GiB, gpu_bytes=1000 * GiB, disk_bytes=1000 * GiB)
-    for option in tiered.options():  # raised "disk_parts=20 exceeds the ... blocks" before
+    for option in options(tiered):  # raised "disk_parts=20 exceeds the ... blocks" before
         changes = dict(option.changes)
         assert EIGHT_B.layers - changes.get("engine.resident_layers", 0) >= changes.get("engine.disk_parts", 20)
-    assert "as configured, it needs" in tiered.advice()
+    assert "as configured, it needs" in advice(tiered)
     no_kernel = plan(EIGHT_B, EngineConfig(micro_batches=2, host_kernel=False, disk_dir="/x"), 16, 2048,
                      host_ram_bytes=120 * GiB, gpu_bytes=71 * GiB, disk_bytes=1000 * GiB)
-    keys = {k for o in no_kernel.options() for k, _ in o.changes}
+    keys = {k for o in options(no_kernel) for k, _ in o.changes}
     assert "engine.disk_parts" not in keys and "engine.master_dtype" not in keys
     e = EngineConfig(micro_batches=2, host_kernel=False)
     picked, _ = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=100 * GiB, disk_dir="/d", gpu_bytes=71 * GiB,
@@ -469,36 +475,36 @@ def test_longest_sequence_that_fits_is_the_boundary():
     not; a sequence-chunked MLP makes it longer; the model's max_positions caps it."""
     three_b = preset("llama3.2-3b", max_positions=1 << 20)
     p = plan(three_b, EngineConfig(), 1, 8192, host_ram_bytes=125 * GiB, gpu_bytes=60 * GiB)
-    n = p.longest_seq_len()
+    n = longest_seq_len(p)
     assert n and n % 1024 == 0
     assert p.replace(seq_len=n).fits and not p.replace(seq_len=n + 1024).fits
     chunked = plan(three_b.replace(mlp_chunk_tokens=8192), EngineConfig(), 1, 8192, host_ram_bytes=125 * GiB,
                    gpu_bytes=60 * GiB)
-    assert chunked.longest_seq_len() > n
+    assert longest_seq_len(chunked) > n
     capped = plan(preset("llama3.2-3b"), EngineConfig(), 1, 8192, host_ram_bytes=125 * GiB, gpu_bytes=60 * GiB)
-    assert capped.longest_seq_len() == 131072
-    assert plan(three_b, EngineConfig(), 1, 8192, host_ram_bytes=125 * GiB,
-                gpu_bytes=1 * GiB).longest_seq_len() is None
+    assert longest_seq_len(capped) == 131072
+    assert longest_seq_len(plan(three_b, EngineConfig(), 1, 8192, host_ram_bytes=125 * GiB,
+                                gpu_bytes=1 * GiB)) is None
 
 
 def test_activation_offload_moves_boundary_activations_to_the_host_and_is_picked_when_the_gpu_is_short():
     """3B at 512K tokens in one row: the layer-boundary activations (3 GiB a block) do not fit an H100
     with the block's own working set; offloading the first blocks' inputs does, at their size in host RAM."""
-    from megatrain_jax.memory_plan import lean_engine
+    from megatrain_jax.plan import lean_engine
     c = preset("llama3.2-3b", max_positions=524288, mlp_chunk_tokens=16384)
     e = EngineConfig(stream_dtype="float32", grads_on_gpu=29)
     act = 524288 * c.hidden * 2
     base = plan(c, e, 1, 524288, host_ram_bytes=1000 * GiB, gpu_bytes=71 * GiB)
     assert not base.gpu_fits
-    n = dict(base.offload())["engine.offload_activations"]
-    picked = base.applied(base.offload())
+    n = dict(offload(base))["engine.offload_activations"]
+    picked = base.applied(offload(base))
     assert picked.fits and not base.applied((("engine.offload_activations", n - 1),)).gpu_fits
     key = next(k for k in picked.host if "offloaded activations" in k)
     assert picked.host[key] == n * act and f"inputs of {n} blocks" in key
     assert base.gpu_total - picked.gpu_total >= (n - 2) * act  # at most 2 wait on the GPU for their copies
     cfg, why = lean_engine(c, e, 1, 524288, host_ram_bytes=1000 * GiB, gpu_bytes=71 * GiB)
     assert cfg.offload_activations == n and "GPU memory is short" in why
-    assert any("pinned host memory between" in o.why for o in base.options())
+    assert any("pinned host memory between" in o.why for o in options(base))
     # the schedule offloads at most the blocks whose backward is not next
     full = plan(c, dataclasses.replace(e, offload_activations=28), 1, 524288, **BIG)
     assert any("inputs of 27 blocks" in k and v == 27 * act for k, v in full.host.items())
@@ -507,7 +513,7 @@ def test_activation_offload_moves_boundary_activations_to_the_host_and_is_picked
 def test_offload_and_the_lean_host_layout_are_picked_together_on_the_h100_box():
     """Default settings on 125 GiB / 71 GiB: the offloaded activations need host RAM, which the lean layout
     frees, whose gradients on the GPU need a few more blocks offloaded; the run then fits both."""
-    from megatrain_jax.memory_plan import lean_engine
+    from megatrain_jax.plan import lean_engine
     c = preset("llama3.2-3b", max_positions=524288, mlp_chunk_tokens=32768)  # as experiments/long_context.py
     cfg, why = lean_engine(c, EngineConfig(), 1, 524288, host_ram_bytes=125 * GiB, gpu_bytes=71 * GiB)
     assert cfg.offload_activations > 0 and cfg.stream_dtype == "float32" and cfg.grads_on_gpu > 0
@@ -519,7 +525,7 @@ def test_kept_attention_residuals_are_planned_offloaded_with_the_inputs_and_drop
     """keep_residuals: each block holds its attention output and softmax statistics from forward to
     backward (one more activation's worth), offloaded with its inputs; lean_engine turns it off where
     nothing fits with it."""
-    from megatrain_jax.memory_plan import lean_engine
+    from megatrain_jax.plan import lean_engine
     c = preset("llama3.2-3b", max_positions=1 << 20)
     T, act = 131072, 131072 * c.hidden * 2
     kept = T * c.heads * (c.dim_per_head * 2 + 4)

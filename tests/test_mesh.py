@@ -15,7 +15,7 @@ from flax import nnx
 from megatrain_jax import Decoder, Engine, EngineConfig, ReferenceTrainer, adamw, preset
 from megatrain_jax.checkpoint.manager import Checkpointer
 from megatrain_jax.models import MoEConfig
-from megatrain_jax.transfer import Placement
+from megatrain_jax.engine.transfer import Placement
 from test_engine import assert_models_close, make_batches
 
 STEPS = 5

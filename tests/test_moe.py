@@ -192,7 +192,7 @@ def test_hf_export_and_import_round_trip_per_expert_tensors(tmp_path, family):
     an engine's state, read back the same float32 parameters; the config comes back with its MoE."""
     from megatrain_jax.hf import HFParts, load_hf, read_config, save_hf
     from megatrain_jax.hf.safetensors_io import Checkpoint
-    from megatrain_jax.layered import block_params, io_params
+    from megatrain_jax.contract.layered import block_params, io_params
     from megatrain_jax import Engine, adamw
     cfg = MOE_FAMILIES[family]
     model = Decoder(cfg, rngs=nnx.Rngs(0))

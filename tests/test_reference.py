@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from megatrain_jax.batch import Batch
-from megatrain_jax.engine_config import EngineConfig
+from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.loss import chunked_nll_sum, token_nll
 from megatrain_jax.reference import ReferenceTrainer
 

@@ -1,4 +1,4 @@
-"""Kept residuals (megatrain_jax.remat): what a model marks with ``keep_residuals`` goes from the engine's
+"""Kept residuals (megatrain_jax.contract.remat): what a model marks with ``keep_residuals`` goes from the engine's
 forward program to its backward program instead of being recomputed, and training is unchanged.
 
 On a CPU there is no cuDNN: these tests run the Decoder's flash-attention branch with XLA's attention
@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import megatrain_jax.device_fns as device_fns_module
+import megatrain_jax.engine.device_fns as device_fns_module
 import megatrain_jax.models.layers as layers
 from megatrain_jax import Decoder, EngineConfig, preset
-from megatrain_jax.device_fns import device_fns
-from megatrain_jax.layered import block_params, layered
-from megatrain_jax.memory_plan import kept_bytes
-from megatrain_jax.remat import KEEP_POLICY, SplitVJP, keep_residuals
-from megatrain_jax.transfer import Placement
+from megatrain_jax.engine.device_fns import device_fns
+from megatrain_jax.contract.layered import block_params, layered
+from megatrain_jax.plan.gpu_ledger import kept_bytes
+from megatrain_jax.contract.remat import KEEP_POLICY, SplitVJP, keep_residuals
+from megatrain_jax.engine.transfer import Placement
 from test_engine import ADAMW, TINY3, run_both
 from test_mesh import reference, train
 

@@ -15,11 +15,11 @@ from jax._src import monitoring
 
 from megatrain_jax import Decoder, Engine, EngineConfig, adamw, preset
 from megatrain_jax import _environment
-from megatrain_jax.host_optimizer import HostOptimizer
-from megatrain_jax.host_state import initial_state
+from megatrain_jax.engine.update.host_optimizer import HostOptimizer
+from megatrain_jax.engine.host_state import initial_state
 from megatrain_jax.optim import AdamWState
-from megatrain_jax.parts import Part
-from megatrain_jax.transfer import Placement
+from megatrain_jax.engine.parts import Part
+from megatrain_jax.engine.transfer import Placement
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 

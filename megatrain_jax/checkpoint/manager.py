@@ -25,7 +25,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from megatrain_jax.checkpoint.parts import expected_layout, rebuild_part
-from megatrain_jax.parts import PartId
+from megatrain_jax.engine.parts import PartId
 from megatrain_jax.checkpoint.store import PartsHandler, PartsRestore, PartsSave, Snapshot, barrier, verify_state_item
 
 TMP_MARK = ".orbax-checkpoint-tmp"

@@ -26,9 +26,9 @@ from flax import nnx
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError, check_step, committed_steps
 from megatrain_jax.checkpoint.parts import ShapeMismatchError, named_leaves
 from megatrain_jax.checkpoint.session import jsonable
-from megatrain_jax.layered import block_params, io_params
+from megatrain_jax.contract.layered import block_params, io_params
+from megatrain_jax.engine.parts import IO
 from megatrain_jax.models.config import DecoderConfig
-from megatrain_jax.parts import IO
 
 MARKER = "megatrain_params.json"
 

@@ -16,8 +16,8 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from megatrain_jax.host_state import HostState
-from megatrain_jax.parts import PartId
+from megatrain_jax.engine.host_state import HostState
+from megatrain_jax.engine.parts import PartId
 
 
 def _segment(key: Any) -> str:

@@ -45,9 +45,9 @@ from orbax.checkpoint import future as ocp_future
 from megatrain_jax.checkpoint.manifest import file_entries, verify_manifest, write_manifest
 from megatrain_jax.checkpoint.parts import (ShapeMismatchError, check_layout, flatten_nested, named_leaves, nest,
                                             part_trees)
-from megatrain_jax.host_state import HostState
-from megatrain_jax.parts import PartId
-from megatrain_jax.transfer import host_view
+from megatrain_jax.engine.host_state import HostState
+from megatrain_jax.engine.parts import PartId
+from megatrain_jax.engine.transfer import host_view
 
 
 class Snapshot:

@@ -23,10 +23,11 @@ from typing import Sequence
 
 from megatrain_jax import distributed
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError
-from megatrain_jax.cli.config_file import ConfigError, load_config, parse_config
-from megatrain_jax.layered import ContractError
-from megatrain_jax.memory_plan import GiB, MemoryPlanError
-from megatrain_jax.update_policy import NonFiniteError
+from megatrain_jax.cli.run_config import load_config, parse_config
+from megatrain_jax.cli.toml_dataclass import ConfigError
+from megatrain_jax.contract.layered import ContractError
+from megatrain_jax.engine.update.policy import NonFiniteError
+from megatrain_jax.plan import GiB, MemoryPlanError
 
 # Exit statuses (README, "Exit statuses"). A run stopped by SIGTERM/SIGINT after saving its checkpoint exits
 # with the shell's status for the signal, 128 + its number: 143 and 130 (CheckpointedExit).
@@ -97,7 +98,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from megatrain_jax.memory_plan import gpu_fraction, lean_engine, plan
+    from megatrain_jax.plan import advice, gpu_fraction, lean_engine, longest_seq_len, plan
     cfg = load_config(args.config, args.overrides)
     host = None if args.host_gib is None else int(args.host_gib * GiB)
     gpu = None if args.gpu_gib is None else int(args.gpu_gib * GiB * gpu_fraction())
@@ -112,11 +113,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"as `megatrain-jax train` would: {lean}")
     p = plan(model_cfg, engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu, **kw)
     print(p.table())
-    longest = p.longest_seq_len()
+    longest = longest_seq_len(p)
     print(f"longest sequence that fits with {d.batch_size} rows per batch as configured: "
           + (f"{longest:,} tokens (of max_positions {model_cfg.max_positions:,})" if longest else "none"))
     if not p.fits:
-        print(f"does not fit.\n{p.advice()}")
+        print(f"does not fit.\n{advice(p)}")
         return 1
     return 0
 

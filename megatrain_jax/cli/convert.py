@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from megatrain_jax.cli.config_file import build_dataclass
+from megatrain_jax.cli.toml_dataclass import build_dataclass
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.checkpoint.parts import nest
 

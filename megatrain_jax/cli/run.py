@@ -20,12 +20,12 @@ from flax import nnx
 from megatrain_jax import distributed
 from megatrain_jax._environment import host_pool_limit, visible_gpus
 from megatrain_jax.checkpoint import committed_steps
-from megatrain_jax.cli.config_file import RunConfig, to_dict, to_toml
+from megatrain_jax.cli.run_config import RunConfig, to_dict, to_toml
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.fit import History, Hook, fit
-from megatrain_jax.memory_plan import fit_host_pool, lean_engine, plan
 from megatrain_jax.models import Decoder
 from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
+from megatrain_jax.plan import fit_host_pool, lean_engine, plan, require_fit
 
 # The README demo: the tiny preset learns the synthetic Markov + induction corpus (megatrain_jax.data.demo)
 # from ln 256 = 5.5 nats to about 1.3 in a few hundred steps, about a minute on a 2-core CPU.
@@ -167,7 +167,7 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     fit_host_pool(model_cfg, cfg.engine, d.batch_size, d.seq_len, **kw)  # before JAX starts its GPU backend
     memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_pool_limit=host_pool_limit(), **kw)
     if t.memory_check:
-        memory.check()
+        require_fit(memory)
     say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
         f"{model_cfg.hidden}), {d.batch_size} x {d.seq_len} tokens per batch, {t.steps} steps on "
         f"{_device_line()}; run folder {run_dir}")

@@ -1,7 +1,9 @@
-"""Token data: memory-mapped token files, deterministic resumable batches, prefetch, demo corpus."""
+"""Token data: memory-mapped token files, deterministic resumable batches, prefetch, the data config, demo corpus."""
 
+from megatrain_jax.data.batches import TokenBatches, TokenDataset
+from megatrain_jax.data.config import DataConfig
 from megatrain_jax.data.demo import demo_dataset, demo_tokens
-from megatrain_jax.data.sampler import DataConfig, Prefetcher, TokenBatches, TokenDataset, prefetch
+from megatrain_jax.data.prefetch import Prefetcher, prefetch
 from megatrain_jax.data.tokens import TokenFile, TokenWriter, write_tokens
 
 __all__ = ["DataConfig", "Prefetcher", "TokenBatches", "TokenDataset", "TokenFile", "TokenWriter",

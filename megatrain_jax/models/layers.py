@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from megatrain_jax.contract.remat import keep_residuals
 from megatrain_jax.models.config import DecoderConfig, RopeScaling
-from megatrain_jax.remat import keep_residuals
 
 _init_normal = nnx.initializers.normal(stddev=0.02)
 
@@ -176,7 +176,7 @@ class Attention(nnx.Module):
         k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, scale)
         impl = attention_implementation(cfg, x_BTD.dtype, packed=segment_ids_BT is not None)
         # cuDNN's flash attention: its output and softmax statistics, one activation's worth, are marked to
-        # keep for the backward (``megatrain_jax.remat``), which then skips a second attention forward.
+        # keep for the backward (``megatrain_jax.contract.remat``), which then skips a second attention forward.
         if segment_ids_BT is not None and impl == "cudnn":  # packed documents: per-document flash attention
             window, max_segments = cfg.sliding_window, cfg.segments_per_row(T)
             out_BTNH = keep_residuals(lambda q, k, v, s: packed_attention(q, k, v, s, max_segments, window))(

@@ -61,7 +61,7 @@ class SwitchLoss:
 
 
 # Tiles of the Mosaic-GPU grouped matmuls, the best of a sweep on the H100 at the Mixtral-8x7B and
-# Qwen3-30B-A3B shapes (experiments/results/h100_kernels.json): forward and dx 588-601 / 255-370 TFLOP/s,
+# Qwen3-30B-A3B shapes (tests/assets/measured/h100_kernels.json): forward and dx 588-601 / 255-370 TFLOP/s,
 # dw 597 / 394 (XLA's ragged_dot: 97 at Mixtral's shape; one dense matmul of the same FLOPs: 752 / 480).
 _GROUPED_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4)
 _GROUPED_TILES_T = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)

@@ -1,0 +1,144 @@
+"""Convergence of capacity mode (bfloat16 masters and Adam moments, stochastic rounding) against float32
+masters: the same ~134M-parameter model, data and schedule, 500 steps on the demo corpus (issue 15).
+
+    PYTHONPATH=. python experiments/studies/convergence.py --out $OUT/h100_convergence_capacity.json
+    PYTHONPATH=. python experiments/studies/convergence.py --seeds 0,1,2 --jobs 6 --out $OUT/conv_seeds.json
+
+For each seed both runs go through ``fit`` with the same initialization, batches and AdamW schedule
+(warm-up, cosine decay); the only difference is ``EngineConfig.master_dtype``. A seed sets both the
+initialization and the data order. The results file records every step's loss, each run's final loss (the
+mean of the last ``--tail`` steps, which evens out batch-to-batch noise), each seed's relative gap, and the
+gap of the means over seeds. With ``--jobs`` above 1 the runs are child processes sharing the GPU (this
+model leaves it mostly idle: a step is bound by per-op latency), each with a slice of its memory.
+Runs on a GPU in a few minutes; on a CPU pass ``--steps`` and a smaller ``--rows`` to try it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # child.py, bench.py
+sys.path.insert(0, EXPERIMENTS)
+sys.path.insert(0, os.path.dirname(EXPERIMENTS))  # the repository root: megatrain_jax
+
+from megatrain_jax import Decoder, EngineConfig, TrainConfig, fit, preset  # noqa: E402
+from megatrain_jax.cli.run_config import OptimizerConfig  # noqa: E402
+from megatrain_jax.data import DataConfig  # noqa: E402
+
+# A Llama-style ~134M model: 12 layers of width 768, a 32K vocabulary, bfloat16 compute.
+MODEL = preset("tiny", vocab_size=32000, hidden=768, ffn=2048, layers=12, heads=12, kv_heads=12,
+               dtype="bfloat16", max_positions=2048, loss_chunk_tokens=8192)
+MODES = {"float32": EngineConfig(micro_batches=1), "capacity": EngineConfig(micro_batches=1, master_dtype="bfloat16")}
+
+
+def train(mode: str, seed: int, steps: int, rows: int, seq_len: int, lr: float) -> dict:
+    data = DataConfig(seq_len=seq_len, batch_size=rows, seed=seed, demo_tokens=1 << 23).build(MODEL.vocab_size)
+    optimizer, _ = OptimizerConfig(lr=lr, warmup_steps=max(steps // 10, 1)).build(steps)
+    model = nnx.eval_shape(lambda: Decoder(MODEL, rngs=nnx.Rngs(0)))
+    t = time.perf_counter()
+    history = fit(model, data, optimizer, train=TrainConfig(steps=steps, log_every=0, seed=seed),
+                  engine=MODES[mode], write_back=False)
+    wall = time.perf_counter() - t
+    losses = [round(float(x), 5) for x in history["loss"]]
+    return {"system": "megatrain_jax", "mode": mode, "seed": seed, "engine": dataclasses.asdict(MODES[mode]), "wall_s": round(wall, 1),
+            "tokens_per_s": round(steps * rows * seq_len / wall, 1), "losses": losses,
+            "finite": bool(np.all(np.isfinite(losses)))}
+
+
+def run_children(runs: list[tuple[str, int]], args, jobs: int) -> list[dict]:
+    """Each (mode, seed) in its own process, ``jobs`` at a time, sharing the GPU; their results in order."""
+    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{min(0.9 / jobs, 0.9):.3f}",
+           "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // jobs))}
+    base = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--rows", str(args.rows),
+            "--seq-len", str(args.seq_len), "--lr", str(args.lr)]
+    outs = [f"{args.out}.{mode}.{seed}.part" for mode, seed in runs]
+    pending = list(zip(runs, outs))
+    running: list[subprocess.Popen] = []
+    while pending or running:
+        while pending and len(running) < jobs:
+            (mode, seed), out = pending.pop(0)
+            running.append(subprocess.Popen(base + ["--run", f"{mode}:{seed}", "--out", out], env=env))
+        running[0].wait()
+        done = running.pop(0)
+        if done.returncode:
+            raise SystemExit(f"a child failed (exit {done.returncode}): {done.args}")
+    results = []
+    for out in outs:
+        with open(out) as f:
+            results.append(json.load(f))
+        os.remove(out)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--tail", type=int, default=20, help="final loss = mean of the last this many steps")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds (initialization and data order)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, as child processes sharing the GPU")
+    ap.add_argument("--run", help=argparse.SUPPRESS)  # a child: MODE:SEED, its run alone to --out
+    args = ap.parse_args()
+    if args.run:
+        mode, seed = args.run.split(":")
+        with open(args.out, "w") as f:
+            json.dump(train(mode, int(seed), args.steps, args.rows, args.seq_len, args.lr), f)
+        return
+    repo = os.path.dirname(EXPERIMENTS)
+    commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
+        ["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    dev = jax.devices()[0]
+    result = {"name": os.path.splitext(os.path.basename(args.out))[0],
+              "command": "PYTHONPATH=. python experiments/studies/convergence.py " + " ".join(sys.argv[1:]),
+              "git_commit": commit, "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
+              "device": {"name": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+                         "host_ram_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)},
+              "model": {**{k: getattr(MODEL, k) for k in ("vocab_size", "hidden", "ffn", "layers", "heads")},
+                        "params": MODEL.param_count(), "dtype": MODEL.dtype},
+              "steps": args.steps, "tokens_per_step": args.rows * args.seq_len, "seq_len": args.seq_len,
+              "optimizer": f"megatrain_jax.adamw lr {args.lr}, {max(args.steps // 10, 1)} warm-up steps, cosine to "
+                           f"10%, wd 0.1, b2 0.95; clip 1.0",
+              "data": "demo corpus (megatrain_jax.data.demo), 8M tokens, the run's seed",
+              "jobs": args.jobs, "runs": []}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    todo = [(mode, seed) for seed in seeds for mode in MODES]
+    if args.jobs > 1:
+        runs = run_children(todo, args, args.jobs)
+    else:
+        runs = [train(mode, seed, args.steps, args.rows, args.seq_len, args.lr) for mode, seed in todo]
+    for run in runs:
+        run["master_dtype"] = "bfloat16" if run["mode"] == "capacity" else "float32"
+        run["final_loss"] = round(float(np.mean(run["losses"][-args.tail:])), 5)
+        result["runs"].append(run)
+        print(f"{run['mode']} seed {run['seed']}: final loss {run['final_loss']} (mean of the last {args.tail}) "
+              f"{run['tokens_per_s']} tok/s {run['wall_s']} s", flush=True)
+    final = {(r["mode"], r["seed"]): r["final_loss"] for r in runs}
+    result["capacity_vs_float32_by_seed"] = {
+        str(s): round((final["capacity", s] - final["float32", s]) / final["float32", s], 5) for s in seeds}
+    full = float(np.mean([final["float32", s] for s in seeds]))
+    cap = float(np.mean([final["capacity", s] for s in seeds]))
+    result["mean_final_loss"] = {"float32": round(full, 5), "capacity": round(cap, 5)}
+    result["capacity_vs_float32_final_loss"] = round((cap - full) / full, 5)
+    result["within_1_percent"] = abs(cap - full) <= 0.01 * full
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"capacity vs float32 final loss (means over seeds {seeds}): "
+          f"{result['capacity_vs_float32_final_loss']:+.4%}; by seed {result['capacity_vs_float32_by_seed']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""GPU memory per op of one training step, the step synchronized after every op: what each op holds
+live and how far above that its own program goes (its transient), next to the memory plan's walk of the
+same schedule (issue 16: the plan's 8K overshoot).
+
+    PYTHONPATH=. python experiments/studies/op_memory.py --preset llama3.2-3b --seq-len 8192 --out $OUT/op_memory_8k.json
+
+The first step is synchronized op by op (each op's outputs waited for, then the allocator's
+``bytes_in_use`` and ``peak_bytes_in_use`` read): an op's transient is the rise of the peak above what was
+live before it, seen the first time that op kind sets a new peak. Two more steps then run as the engine
+runs them (the host ahead of the GPU), and the run's peak is recorded: their difference is what queued
+work holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # child.py, bench.py
+sys.path.insert(0, EXPERIMENTS)
+sys.path.insert(0, os.path.dirname(EXPERIMENTS))  # the repository root: megatrain_jax
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama3.2-3b")
+    ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--keep-residuals", action="store_true")
+    ap.add_argument("--layers", type=int, help="blocks (default: the preset's)")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--resident-layers", type=int, default=0)
+    ap.add_argument("--resident-io", action="store_true")
+    ap.add_argument("--offload-activations", type=int, default=0, help="blocks whose inputs wait in host memory")
+    ap.add_argument("--mlp-chunk-tokens", type=int, help="the model's MLP chunk (long_context.py's runs: 32768)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    from megatrain_jax import EngineConfig, preset
+    from megatrain_jax.plan import GiB, fit_host_pool, plan
+
+    cfg = preset(args.preset, max_positions=1 << 20, mlp_chunk_tokens=args.mlp_chunk_tokens,
+                 **({"layers": args.layers} if args.layers else {}))
+    engine_cfg = EngineConfig(keep_residuals=args.keep_residuals, micro_batches=args.micro_batches,
+                              resident_layers=args.resident_layers, resident_io=args.resident_io,
+                              offload_activations=args.offload_activations)
+    fit_host_pool(cfg, engine_cfg, args.rows, args.seq_len)
+    import jax
+    from flax import nnx
+
+    from child import results_header
+    from megatrain_jax import Decoder, Engine, default_optimizer
+    from megatrain_jax.data import TokenDataset, TokenFile
+    from megatrain_jax.data.demo import demo_tokens
+    from megatrain_jax.engine.passes import block_until_done
+
+    dev = jax.devices()[0]
+    stats = lambda: dev.memory_stats() or {}  # noqa: E731
+    ops: list[dict] = []
+
+    class Synced:
+        def on_op(self, op, start, end, out):
+            block_until_done(out)
+            s = stats()
+            ops.append({"op": repr(op), "in_use_gib": round(s.get("bytes_in_use", 0) / GiB, 3),
+                        "peak_gib": round(s.get("peak_bytes_in_use", 0) / GiB, 3)})
+
+        def on_task(self, *a, **k):
+            pass
+
+    engine = Engine(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), default_optimizer(3e-4), engine_cfg)
+    toks, starts = demo_tokens(cfg.vocab_size, 8 * args.rows * args.seq_len + 1, seed=0)
+    data = iter(TokenDataset(TokenFile.from_array(toks, cfg.vocab_size, starts), args.seq_len).batches(args.rows))
+    synced = Synced()
+    engine.observe(synced)
+    engine.step(next(data)).resolve()
+    engine.sync()
+    engine.stop_observing(synced)
+    for _ in range(2):
+        engine.step(next(data)).resolve()
+    engine.sync()
+    before, rises = 0.0, []
+    for i, rec in enumerate(ops):
+        prev_peak = ops[i - 1]["peak_gib"] if i else 0.0
+        if rec["peak_gib"] > prev_peak + 0.01:
+            live_before = ops[i - 1]["in_use_gib"] if i else 0.0
+            rises.append({**rec, "live_before_gib": live_before, "transient_gib": round(rec["peak_gib"] - live_before, 3)})
+    p = plan(cfg, engine_cfg, args.rows, args.seq_len, gpu_bytes=stats().get("bytes_limit"))
+    result = {**results_header(args.out, __file__),
+              "runs": [{"system": "megatrain_jax", "preset": args.preset, "layers": cfg.layers, "seq_len": args.seq_len,
+                        "mlp_chunk_tokens": cfg.mlp_chunk_tokens,
+                        "rows": args.rows,
+                        "engine": dataclasses.asdict(engine_cfg),
+                        "synced_step_peak_gib": max(r["peak_gib"] for r in ops),
+                        "run_peak_gib": round(stats().get("peak_bytes_in_use", 0) / GiB, 3),
+                        "peak_rises": rises, "ops": ops,
+                        "plan": {"gpu_gib": round(p.gpu_total / GiB, 2), "at": p.gpu_peak_at,
+                                 "items": {k: round(v / GiB, 3) for k, v in p.gpu.items()}}}]}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    r = result["runs"][0]
+    print(f"synced step peak {r['synced_step_peak_gib']} GiB, run peak {r['run_peak_gib']} GiB, plan "
+          f"{r['plan']['gpu_gib']} at {r['plan']['at']}")
+    for rise in rises:
+        print(f"  {rise['op']:<28} live before {rise['live_before_gib']:7.3f}  peak {rise['peak_gib']:7.3f}  "
+              f"transient {rise['transient_gib']:7.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""Run configs: a TOML file (plus ``section.key=value`` overrides) -> typed dataclasses.
+
+Sections and the dataclass each fills:
+
+- ``[model]``: ``preset`` (a name from ``megatrain_jax.models.PRESETS``) or ``hf_checkpoint`` (a Hugging
+  Face folder whose config.json and weights are loaded), plus any ``DecoderConfig`` field to override;
+- ``[data]``: ``DataConfig``; ``[engine]``: ``EngineConfig``;
+- ``[optimizer]``: ``OptimizerConfig`` (AdamW and its learning-rate schedule);
+- ``[train]``: ``TrainSection`` (the library's ``TrainConfig``: steps, checkpoints; plus evaluation and
+  the run folder);
+- ``[log]``: ``LogConfig`` (progress display, TensorBoard, Weights & Biases).
+
+Every key is checked against the field's type hint; an unknown key or section, or a value outside a
+field's few allowed ones, is an error naming the closest valid one. An error names the file for a value
+the file set, and the command-line override for a value an override set. TOML has no null: write
+``"none"`` for a field that may be None (``clip_norm = "none"``). Those rules are the schema-free
+``megatrain_jax.cli.toml_dataclass``'s; this module holds the schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import optax
+
+from megatrain_jax.cli.toml_dataclass import (CHOICES, ConfigError, Where, _check_keys, _closest, _fields,
+                                              _override_paths, _paths, _table_type, _toml_value, apply_overrides,
+                                              build_dataclass, coerce)
+from megatrain_jax.data import DataConfig
+from megatrain_jax.data.batches import MODES
+from megatrain_jax.data.config import FORMATS
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.models.config import ATTENTION_IMPLS, DTYPES, ROPE_KINDS, DecoderConfig, RopeScaling, preset
+from megatrain_jax.optim import adamw
+from megatrain_jax.train_config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which model: a named ``preset`` with ``overrides`` of DecoderConfig fields, or a Hugging Face
+    checkpoint (its config.json decides the shape and ``preset`` is ignored; overrides may still set
+    fields such as ``dtype`` or ``loss_chunk_tokens``)."""
+
+    preset: str = "tiny"
+    hf_checkpoint: str | None = None  # a folder with config.json + safetensors; weights are loaded from it
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def build(self) -> DecoderConfig:
+        if self.hf_checkpoint is not None:
+            from megatrain_jax.hf import read_config
+            base = read_config(self.hf_checkpoint)
+        else:
+            base = preset(self.preset)
+        changes = {}
+        for k, v in self.overrides.items():
+            if isinstance(v, dict):  # a table amends the model's own (moe, rope_scaling), or makes one
+                own = getattr(base, k)
+                v = dataclasses.replace(own, **v) if own is not None else _table_type(_fields(DecoderConfig)[k])(**v)
+            changes[k] = v
+        return base.replace(**changes) if changes else base
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW (weight decay on matrices only, decoupled) with linear warm-up, then cosine decay to
+    ``min_lr_ratio * lr`` over the run, or a constant rate."""
+
+    lr: float = 3e-4
+    warmup_steps: int = 0
+    decay: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"need lr > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1; got lr={self.lr}, "
+                             f"warmup_steps={self.warmup_steps}, min_lr_ratio={self.min_lr_ratio}")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1 and self.eps > 0 and self.weight_decay >= 0):
+            raise ValueError(f"need 0 <= b1, b2 < 1, eps > 0 and weight_decay >= 0; got b1={self.b1}, "
+                             f"b2={self.b2}, eps={self.eps}, weight_decay={self.weight_decay}")
+
+    def schedule(self, total_steps: int) -> optax.Schedule:
+        warm = min(self.warmup_steps, max(total_steps - 1, 0))
+        if self.decay == "constant":
+            if warm == 0:
+                return optax.constant_schedule(self.lr)
+            return optax.join_schedules([optax.linear_schedule(0.0, self.lr, warm),
+                                         optax.constant_schedule(self.lr)], [warm])
+        return optax.warmup_cosine_decay_schedule(0.0, self.lr, warm, max(total_steps, warm + 1),
+                                                  self.lr * self.min_lr_ratio)
+
+    def build(self, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+        """The optimizer (``megatrain_jax.adamw``: the engine runs it as a fused in-place host kernel) and
+        its schedule. Clipping is the engine's (``engine.clip_norm``)."""
+        sched = self.schedule(total_steps)
+        return adamw(sched, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay), sched
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection(TrainConfig):
+    """The ``[train]`` section: the library's ``TrainConfig`` (what ``fit`` runs) plus the run folder's
+    settings. ``eval_every = 0`` turns evaluation off.
+
+    Checkpoints go to ``checkpoint_dir`` (default ``run_dir/checkpoints``) every ``checkpoint_every`` steps
+    and at the end, when ``checkpoint_every > 0``, ``resume`` or ``checkpoint_dir`` is set. ``resume =
+    true`` continues from the newest complete checkpoint there (or starts fresh when there is none); a
+    string names a checkpoint folder to start from."""
+
+    steps: int = 100
+    eval_every: int = 0
+    eval_batches: int = 8
+    run_dir: str = "runs/default"
+    export_hf: str | None = None  # write the trained model here as a Hugging Face folder at the end
+    memory_check: bool = True  # refuse to start when the memory plan does not fit
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "log_every", "eval_batches"):
+            if getattr(self, name) is None or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (0 = off), got {self.eval_every}")
+        self.for_fit()  # every TrainConfig check, with the run folder's checkpoint default
+
+    def for_fit(self) -> TrainConfig:
+        """The ``TrainConfig`` ``fit`` gets: checkpoints under the run folder unless placed elsewhere."""
+        checkpoint_dir = self.checkpoint_dir
+        if checkpoint_dir is None and (self.checkpoint_every or self.resume):
+            checkpoint_dir = str(Path(self.run_dir) / "checkpoints")
+        return TrainConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainConfig)}
+                           | {"checkpoint_dir": checkpoint_dir, "log_every": 0})
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """What reports progress. metrics.jsonl in the run folder is always written."""
+
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"  # auto: a bar on a terminal, lines otherwise
+    tensorboard: bool = True  # event files in the run folder, when tensorboardX or tensorboard is installed
+    wandb: bool = False  # Weights & Biases, when installed and asked for here
+    wandb_project: str = "megatrain-jax"
+    wandb_name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One training run, a section per component."""
+
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(RunConfig)  # section name -> its dataclass
+_MODEL_KEYS = ("preset", "hf_checkpoint")
+
+# Plain-string fields that take one of a few values (their classes check them too). A config file reads
+# them as Literal fields, so a typo gets the same "did you mean" as any Literal.
+CHOICES.update({
+    (DataConfig, "mode"): MODES,
+    (DataConfig, "format"): FORMATS,
+    (DataConfig, "too_long"): ("truncate", "skip"),
+    (EngineConfig, "stream_dtype"): DTYPES,
+    (EngineConfig, "master_dtype"): ("float32", "bfloat16"),
+    (DecoderConfig, "dtype"): DTYPES,
+    (DecoderConfig, "attention_impl"): ATTENTION_IMPLS,
+    (RopeScaling, "kind"): ROPE_KINDS,
+})
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+def _model(table: dict, where: Where) -> ModelSection:
+    fields = _fields(DecoderConfig)
+    _check_keys(table, list(_MODEL_KEYS) + list(fields), where)
+    hf_checkpoint = coerce(table.get("hf_checkpoint"), str | None, where.key("hf_checkpoint"))
+    name = coerce(table.get("preset", "tiny"), str, where.key("preset"))
+    overrides = {}
+    for k, v in table.items():
+        if k in _MODEL_KEYS:
+            continue
+        table_of = _table_type(fields[k])
+        if isinstance(v, dict) and table_of is not None:  # a table (moe, rope_scaling): amends the model's own
+            sub = _fields(table_of)
+            _check_keys(v, list(sub), where.key(k))
+            overrides[k] = {kk: coerce(vv, sub[kk], where.key(k).key(kk)) for kk, vv in v.items()}
+        else:
+            overrides[k] = coerce(v, fields[k], where.key(k))
+    section = ModelSection(preset=name, hf_checkpoint=hf_checkpoint, overrides=overrides)
+    try:
+        section.build()  # every DecoderConfig check, now rather than after data is loaded
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        raise ConfigError(f"{where.in_table(table)}: {e}") from None
+    return section
+
+
+def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = ()) -> RunConfig:
+    """A RunConfig from a dict shaped like the TOML file (sections of keys) read from ``source``, with
+    the command-line ``overrides`` (``section.key=value``) applied. An error names the file for a value
+    from ``raw`` and the override for a value an override set."""
+    root = Where(source, (), _override_paths(overrides), frozenset(_paths(raw)))
+    raw = apply_overrides(raw, overrides)
+    for name, table in raw.items():
+        if name not in SECTIONS:
+            blame = dataclasses.replace(root, path=(name,)).in_table(table) if isinstance(table, dict) else source
+            raise ConfigError(f"{blame}: unknown section [{name}]; {_closest(name, list(SECTIONS))}"
+                              f"valid sections: {', '.join(f'[{s}]' for s in SECTIONS)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: [{name}] must be a table of keys, got {table!r}")
+    parts = {}
+    for name, cls in SECTIONS.items():
+        where = dataclasses.replace(root, text=f"{source} [{name}]", path=(name,))
+        table = raw.get(name, {})
+        parts[name] = _model(table, where) if cls is ModelSection else build_dataclass(cls, table, where)
+    cfg = RunConfig(**parts)
+    if cfg.train.eval_every and cfg.data.eval_fraction <= 0:
+        blame = root.blame([("train", "eval_every"), ("data", "eval_fraction")])
+        raise ConfigError(f"{blame}: [train] eval_every = {cfg.train.eval_every} needs held-out data: set "
+                          f"[data] eval_fraction > 0 (e.g. 0.01), or eval_every = 0")
+    try:  # the GPUs' share is checked when the engine knows how many it runs on
+        cfg.engine.check_rows(cfg.data.batch_size)
+    except ValueError as err:
+        blame = root.blame([("data", "batch_size"), ("engine", "micro_batches")])
+        raise ConfigError(f"{blame}: [data] batch_size: {err}") from None
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a TOML run config (``None``: all defaults) and apply command-line overrides."""
+    raw: dict = {}
+    source = "command line"
+    if path is not None:
+        source = str(path)
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    return parse_config(raw, source, overrides)
+
+
+# ---------------------------------------------------------------------------------------------- writing
+def to_dict(cfg: RunConfig) -> dict[str, dict]:
+    """The sections as a dict that ``parse_config`` reads back to an equal RunConfig."""
+    out = {}
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        if isinstance(section, ModelSection):
+            table = {"hf_checkpoint": section.hf_checkpoint} if section.hf_checkpoint else {"preset": section.preset}
+            table.update({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                          for k, v in section.overrides.items()})
+        else:
+            table = dataclasses.asdict(section)
+        out[name] = table
+    return out
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The fully resolved config as TOML (saved in the run folder, so a run can be repeated exactly)."""
+    lines = []
+    for name, table in to_dict(cfg).items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+        lines.append("")
+    return "\n".join(lines)

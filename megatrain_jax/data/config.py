@@ -1,0 +1,92 @@
+"""``DataConfig``: the data section of a run (file, format, mode, batch size, held-out split), and how it
+builds the training and evaluation streams (``TokenDataset`` batches, prefetched)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatrain_jax.data.batches import MODES, TokenBatches, TokenDataset, check_choice
+from megatrain_jax.data.demo import demo_dataset
+from megatrain_jax.data.prefetch import Prefetcher, prefetch
+from megatrain_jax.data.tokens import TokenFile
+
+FORMATS = ("tokens", "chat")  # what ``DataConfig.path`` holds: token ids, or instruction data (JSONL)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where training and evaluation batches come from. ``path=None`` uses the synthetic demo corpus.
+
+    ``format="chat"``: ``path`` is instruction data (JSONL conversations or prompt/completion pairs,
+    ``megatrain_jax.data.instruct``), tokenized with the tokenizer and chat template in the folder
+    ``tokenizer`` (``megatrain-jax train`` uses the model's ``hf_checkpoint``), the loss on the assistant's
+    tokens; examples longer than ``seq_len`` are truncated or skipped (``too_long``). It is tokenized once
+    into ``cache_dir`` (default ``~/.cache/megatrain_jax/instruct``) and batched in ``mode`` ``packed``
+    (several examples per row, attention within each) or ``padded`` (one per row)."""
+
+    path: str | None = None
+    seq_len: int = 128
+    batch_size: int = 8
+    mode: str = "windows"
+    seed: int = 0
+    eval_fraction: float = 0.0
+    prefetch: int = 2
+    demo_tokens: int = 1 << 20
+    format: str = "tokens"
+    tokenizer: str | None = None
+    too_long: str = "truncate"
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("mode", self.mode, MODES)
+        check_choice("format", self.format, FORMATS)
+        check_choice("too_long", self.too_long, ("truncate", "skip"))
+        if self.format == "chat":
+            if self.path is None:
+                raise ValueError("format='chat' reads instruction data: set path to a JSONL file")
+            if self.mode == "windows":
+                raise ValueError("format='chat' batches whole examples: set mode to 'packed' or 'padded'")
+
+    def open(self, model_vocab: int | None = None) -> TokenFile:
+        """The token stream, checked against the model's vocabulary when given."""
+        if self.path is None:
+            # corpus fixed; seed shuffles
+            return demo_dataset(vocab_size=model_vocab or 256, num_tokens=self.demo_tokens)
+        if self.format == "chat":
+            from megatrain_jax.data.instruct import prepare
+            if self.tokenizer is None:
+                raise ValueError("format='chat' needs the tokenizer folder (tokenizer.json, tokenizer_config.json): "
+                                 "set [data] tokenizer, or [model] hf_checkpoint")
+            path, _ = prepare(self.path, self.tokenizer, self.seq_len, self.too_long, self.cache_dir)
+            file = TokenFile.open(path)
+        else:
+            file = TokenFile.open(self.path)
+        if model_vocab is not None:
+            file.check_vocab(model_vocab)
+        return file
+
+    def dataset(self, split: str = "train", model_vocab: int | None = None,
+                max_pieces: int | None = None) -> TokenDataset:
+        """``max_pieces``: at most this many documents per packed row (``TokenDataset``)."""
+        return TokenDataset(self.open(model_vocab), self.seq_len, mode=self.mode, split=split,
+                            eval_fraction=self.eval_fraction, max_pieces=max_pieces)
+
+    def build(self, model_vocab: int | None = None, state: dict | None = None,
+              max_pieces: int | None = None) -> Prefetcher | TokenBatches:
+        """The endless, shuffled training stream (prefetched when ``prefetch > 0``), resumed from ``state``."""
+        it = self.dataset("train", model_vocab, max_pieces).batches(self.batch_size, seed=self.seed, state=state,
+                                                        process=_this_process())
+        return prefetch(it, self.prefetch) if self.prefetch > 0 else it
+
+    def build_eval(self, model_vocab: int | None = None, max_pieces: int | None = None) -> TokenBatches:
+        """One ordered pass over the held-out split (needs ``eval_fraction > 0``)."""
+        if self.eval_fraction <= 0:
+            raise ValueError("evaluation needs a held-out split: set eval_fraction > 0 in the data config")
+        return self.dataset("eval", model_vocab, max_pieces).batches(self.batch_size, seed=self.seed,
+                                                                    process=_this_process())
+
+
+def _this_process() -> tuple[int, int]:
+    """``(index, count)`` of this process among JAX's (``jax.distributed``); ``(0, 1)`` alone."""
+    import jax
+    return jax.process_index(), jax.process_count()

@@ -1,0 +1,132 @@
+"""``EngineConfig``: how the engine runs a step. Its own module, so that planning memory or parsing a
+config file does not import the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How a step is run.
+
+    - ``micro_batches`` bounds transient activation memory only: weights cross PCIe twice per step
+      whatever it is.
+    - ``prefetch_depth``: layers fetched ahead of the one computing.
+    - ``clip_norm``: exact global-norm clipping (the norm of the whole gradient); None turns it off.
+    - ``accumulate_steps`` batches make one optimizer step.
+    - ``stream_dtype`` is the dtype of the weights sent to the device (None: the model's compute dtype);
+      a 16-bit one keeps a copy in host memory, written by the optimizer.
+    - A step whose loss or gradient norm is not finite is skipped (state unchanged); more than
+      ``max_nonfinite_steps`` in a row stop training with ``NonFiniteError``.
+    - ``host_kernel=False`` runs ``megatrain_jax.adamw`` through JAX instead of the fused C++ kernel.
+    - ``resident_layers`` (the first blocks) and ``resident_io`` keep parts on the GPU with their
+      optimizer state (``megatrain_jax.engine.update.resident``): faster when GPU memory allows, about 18 bytes per
+      parameter.
+    - ``grads_on_gpu``: this many host-updated parts (the blocks that are not GPU-resident in forward order,
+      then the io part) keep their float32 gradient on the GPU while the step waits for the global norm,
+      instead of in pinned host memory: 4 bytes per parameter less host RAM, as much more GPU memory from
+      the part's backward until its update copies the gradient home early in the next step (one part at a
+      time, so host memory holds one such gradient). ``megatrain-jax train`` picks it when host RAM is short
+      (``plan.lean_engine``).
+    - ``master_dtype="bfloat16"`` is capacity mode (opt-in): master weights and both Adam moments are
+      stored in bfloat16 and every update writes them with stochastic rounding (unbiased: the expected
+      stored value is the float32 result), 6 bytes per parameter instead of 12, and the masters are what
+      crosses PCIe (no separate stream copy). It needs ``megatrain_jax.adamw`` run by the fused host kernel,
+      and updates every part on the host (no GPU-resident parts). Quality: docs/capacity.md.
+    - ``disk_parts``: the Adam moments of this many blocks (the last ones that are not GPU-resident) live in
+      files under ``disk_dir`` on local disk (``megatrain_jax.engine.update.disk_tier``), read ahead of each block's
+      update and written behind it: 8 bytes per parameter (4 in capacity mode) less host RAM for them,
+      beyond the four blocks' worth in flight during the updates (so it pays from five blocks on), at the
+      price of reading and writing that much per step. Needs ``megatrain_jax.adamw`` in the fused kernel,
+      and one process; one engine per folder (``Engine.close()`` deletes the files).
+    - ``offload_activations``: the inputs of this many blocks (the first ones; never the last
+      ``prefetch_depth``, whose backward follows at once) wait in pinned host memory from their forward to
+      their backward, copied out behind the forward and back one block ahead of the backward: long
+      sequences whose layer-boundary activations would not fit on the GPU. Host RAM holds rows x seq_len x
+      hidden x 2 bytes per offloaded block. ``megatrain-jax train`` picks it when the GPU is short
+      (``plan.lean_engine``).
+    - ``keep_residuals`` (opt-in; for long sequences): what the model marks with
+      ``megatrain_jax.contract.remat.keep_residuals`` (the Decoder: cuDNN flash attention's output and softmax
+      statistics) is kept from each block's forward to its backward, which then does not recompute it:
+      attention runs forward once per step instead of twice, the larger part of a long-context block's
+      time. It costs about one more activation per block (rows x seq_len x heads x head_dim x 2 bytes, plus
+      4 bytes per head and token of softmax statistics, times ``segments_per_row`` for packed rows),
+      offloaded with the block's input under ``offload_activations``. ``megatrain-jax train`` turns it off,
+      and says so, when nothing it would pick (offload, the lean host layout) fits with it
+      (``plan.lean_engine``). Nothing is marked on XLA's attention (its residuals are T x T), so
+      there it only changes which compiled programs run, not what they compute or keep.
+    """
+
+    micro_batches: int = 1
+    prefetch_depth: int = 1
+    clip_norm: float | None = 1.0
+    accumulate_steps: int = 1
+    stream_dtype: str | None = None
+    max_nonfinite_steps: int = 10
+    host_kernel: bool = True
+    resident_layers: int = 0
+    resident_io: bool = False
+    grads_on_gpu: int = 0
+    master_dtype: str = "float32"
+    disk_parts: int = 0
+    disk_dir: str | None = None
+    offload_activations: int = 0
+    keep_residuals: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"EngineConfig.clip_norm must be positive or None, got {self.clip_norm!r}")
+        if not isinstance(self.grads_on_gpu, int) or self.grads_on_gpu < 0:
+            raise ValueError(f"EngineConfig.grads_on_gpu must be an integer >= 0, got {self.grads_on_gpu!r}")
+        if not isinstance(self.resident_layers, int) or self.resident_layers < 0:
+            raise ValueError(f"EngineConfig.resident_layers must be an integer >= 0, got {self.resident_layers!r}")
+        if self.stream_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"EngineConfig.stream_dtype must be None, 'float32' or 'bfloat16', "
+                             f"got {self.stream_dtype!r}")
+        if not isinstance(self.offload_activations, int) or self.offload_activations < 0:
+            raise ValueError(f"EngineConfig.offload_activations must be an integer >= 0, got "
+                             f"{self.offload_activations!r}")
+        if not isinstance(self.keep_residuals, bool):
+            raise ValueError(f"EngineConfig.keep_residuals must be true or false, got {self.keep_residuals!r}")
+        if not isinstance(self.disk_parts, int) or self.disk_parts < 0:
+            raise ValueError(f"EngineConfig.disk_parts must be an integer >= 0, got {self.disk_parts!r}")
+        if self.disk_parts and not self.disk_dir:
+            raise ValueError(f"disk_parts={self.disk_parts} keeps moments in files: set disk_dir to a folder on "
+                             f"local disk (NVMe), with room for 8 bytes per parameter of those blocks")
+        if self.disk_parts and not self.host_kernel:
+            raise ValueError("the disk tier (disk_parts) runs with the fused host kernel: leave host_kernel = true")
+        if self.master_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"EngineConfig.master_dtype must be 'float32' or 'bfloat16' (capacity mode), "
+                             f"got {self.master_dtype!r}")
+        if self.capacity:
+            if self.stream_dtype not in (None, "bfloat16"):
+                raise ValueError(f"capacity mode (master_dtype='bfloat16') streams the bfloat16 masters: leave "
+                                 f"stream_dtype unset or 'bfloat16', not {self.stream_dtype!r}")
+            if self.resident_layers or self.resident_io:
+                raise ValueError("capacity mode (master_dtype='bfloat16') updates every part on the host with "
+                                 "stochastic rounding: set resident_layers = 0 and resident_io = false")
+            if not self.host_kernel:
+                raise ValueError("capacity mode (master_dtype='bfloat16') runs in the fused host kernel: "
+                                 "leave host_kernel = true")
+
+    def splits(self, rows: int, devices: int = 1) -> bool:
+        """Whether a batch of ``rows`` rows splits into ``micro_batches`` equal micro-batches on each of
+        ``devices`` GPUs (every micro-batch spreads its rows over the GPUs)."""
+        return rows >= 1 and devices >= 1 and rows % (self.micro_batches * devices) == 0
+
+    def check_rows(self, rows: int, devices: int = 1) -> None:
+        """Raise ValueError saying what to use unless a batch of ``rows`` rows ``splits``. The one place of
+        the rule: the engine, the memory plan and the command line's config check all call it."""
+        if not self.splits(rows, devices):
+            per = f" on each of {devices} devices" if devices > 1 else ""
+            raise ValueError(f"a batch of {rows} rows cannot be split into micro_batches = {self.micro_batches}"
+                             f"{per}; use a batch size divisible by {self.micro_batches * max(devices, 1)}")
+
+    @property
+    def capacity(self) -> bool:
+        """Capacity mode: bfloat16 masters and moments, stochastically rounded (``master_dtype``)."""
+        return self.master_dtype == "bfloat16"

@@ -1,0 +1,265 @@
+"""The streamed engine: one or more devices, all persistent state in host memory.
+
+``Engine`` assembles the pieces and offers the public API: ``step``/``steps`` for training, ``evaluate``
+for held-out loss, ``sync``/``write_back`` to read the trained state, ``observe`` for profiling and
+timelines, and the seams a checkpointer needs (``hold_updates``, ``restore_part``, ``restored``). What
+moves when is ``megatrain_jax.engine.schedule``; how each op runs, ``megatrain_jax.engine.passes``; when and how parts
+are updated, ``megatrain_jax.engine.update.policy``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from megatrain_jax._environment import enable_compilation_cache
+from megatrain_jax.batch import Batch, check_batch
+from megatrain_jax.contract.layered import Params, layered, write_back
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.device_fns import device_fns
+from megatrain_jax.engine.host_state import initial_state
+from megatrain_jax.engine.parts import IO, HostRoles, Part, PartId
+from megatrain_jax.engine.passes import Pass, PassRunner, device_batches
+from megatrain_jax.engine.schedule import eval_ops, step_ops
+from megatrain_jax.engine.transfer import Placement, local_value
+from megatrain_jax.engine.update.disk_tier import DiskTier
+from megatrain_jax.engine.update.policy import NonFiniteError, UpdatePolicy
+from megatrain_jax.optim import check_partwise
+
+__all__ = ["Engine", "EngineConfig", "NonFiniteError", "StepOutput"]
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """One optimizer step's results, still on the device: read them after the next step is launched."""
+
+    step: int
+    loss: jax.Array
+    grad_norm: jax.Array
+    tokens: int
+    dispatch_s: float  # host time spent issuing the step's work
+
+    def resolve(self) -> dict[str, float]:
+        loss, norm = float(local_value(self.loss)), float(local_value(self.grad_norm))
+        return {"step": self.step, "loss": loss, "grad_norm": norm, "tokens": self.tokens,
+                "dispatch_s": self.dispatch_s, "skipped": not (math.isfinite(loss) and math.isfinite(norm))}
+
+
+class Engine:
+    """Streams a layered model through one or more devices, with all persistent state in host memory.
+
+    ``devices`` (a list of devices, or a ``jax.sharding.Mesh`` with the one axis ``data``) defaults to every
+    local GPU (``transfer.default_devices``; every process's devices under ``jax.distributed``). Over
+    several devices the host state is spread over them (``transfer.Placement``), each micro-batch's rows
+    are split between them, and each device computes on its rows with the layer's weights all-gathered
+    and its gradients reduce-scattered (``device_fns``): data parallelism with one copy of the state.
+
+    ``step(batches)`` runs one optimizer step on ``accumulate_steps`` batches and returns a ``StepOutput``
+    without waiting for the device; ``steps(data)`` is the public iterator that yields each step's
+    metrics one step late, so the host never waits on the device to log.
+    """
+
+    def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
+                 config: EngineConfig = EngineConfig(), *, seed: int = 0,
+                 devices: Sequence[jax.Device] | Mesh | None = None, placement: Placement | None = None,
+                 init_from=None):
+        enable_compilation_cache()  # per-user persistent cache, unless configured otherwise (_environment)
+        self.lm = layered(model)
+        self.cfg = config
+        if config.resident_layers > self.lm.n_blocks:
+            raise ValueError(f"resident_layers={config.resident_layers} exceeds the model's {self.lm.n_blocks} blocks")
+        if config.offload_activations > self.lm.n_blocks:
+            raise ValueError(f"offload_activations={config.offload_activations} exceeds the model's "
+                             f"{self.lm.n_blocks} blocks; use at most {max(self.lm.n_blocks - config.prefetch_depth, 0)} "
+                             f"(the last prefetch_depth blocks' inputs go straight to their backward)")
+        check_partwise(optimizer)
+        roles = HostRoles.of(self.lm.n_blocks, config.resident_layers, config.resident_io, config.grads_on_gpu,
+                             config.disk_parts)  # checked before the state is built
+        if placement is None:
+            placement = Placement(mesh=devices) if isinstance(devices, Mesh) else Placement(devices)
+        self.placement = placement
+        moe = getattr(getattr(model, "cfg", None), "moe", None)
+        if moe is not None and moe.capacity_factor is not None and config.micro_batches * placement.size > 1:
+            raise ValueError(f"moe.capacity_factor={moe.capacity_factor} caps each expert per call of a block, which "
+                             f"here sees 1/{config.micro_batches * placement.size} of the batch "
+                             f"(micro_batches={config.micro_batches} x {placement.size} device(s)), so it would drop "
+                             f"other tokens than the whole-batch model does. Use micro_batches = 1 on one device "
+                             f"with a capacity factor, or leave capacity_factor unset (dropless)")
+        stream_dtype = jnp.dtype(config.stream_dtype or getattr(model.cfg, "dtype", "float32"))
+        self._observers: list = []
+        self.policy = UpdatePolicy(optimizer, self.placement, stream_dtype, config, self._observers)
+        self.fns = device_fns(self.lm, self.placement)
+        self.state = initial_state(model, self.placement, nnx.Rngs(seed).params(), self.policy.opt.fresh,
+                                   self.policy.opt.home, init_from=init_from)
+        for part in self.state.ids():
+            self.policy.opt.route(self.state[part])  # decide each part's update route now, not mid-step
+        self.resident_parts = ([IO] if config.resident_io else []) + [PartId.block(i) for i in range(config.resident_layers)]
+        self.grads_on_gpu_parts = list(roles.grads_on_gpu)  # their gradients wait on the GPU
+        self.disk_tier = None
+        if roles.disk:
+            if not self.policy.opt.fused:
+                raise ValueError("the disk tier (disk_parts) holds the moments of megatrain_jax.adamw run by the "
+                                 "fused host kernel; this optimizer or machine runs another route")
+            self.disk_tier = DiskTier(config.disk_dir, roles.disk)
+            for part in self.disk_tier.parts:  # a fresh state's moments are zeros: files created empty
+                self.state[part] = self.disk_tier.spill(part, self.state[part], fresh=True)
+            self.policy.use_disk_tier(self.disk_tier)
+        self._resident: dict[PartId, Part] = {}
+        self._load_resident()
+        self._runner = PassRunner(self.fns, self.placement, self.state, self.policy, self._resident, self._observers,
+                                  grads_on_gpu=self.grads_on_gpu_parts)
+        self.last_seq_len = 0
+
+    # ------------------------------------------------------------------ training
+    def check(self, batches: Sequence[Batch]) -> None:
+        """Every check that can fail, before anything is sent to the device."""
+        if len(batches) != self.cfg.accumulate_steps:
+            raise ValueError(f"one optimizer step takes accumulate_steps={self.cfg.accumulate_steps} "
+                             f"batches, got {len(batches)}")
+        for batch in batches:
+            self.check_batch(batch)
+
+    def check_batch(self, batch: Batch) -> None:
+        """Raise ValueError saying what to fix unless ``batch`` fits the model and the micro-batching."""
+        check_batch(batch, self.lm.vocab_size, self.lm.max_positions, self.lm.segments_per_row)
+        self.cfg.check_rows(batch.shape[0], len(self.placement.local_devices))
+
+    def step(self, batches: Batch | Sequence[Batch]) -> StepOutput:
+        batches = [batches] if isinstance(batches, Batch) else list(batches)
+        self.check(batches)
+        self.policy.check()  # a too-long run of non-finite steps stops training here
+        self.last_seq_len = batches[0].shape[1]
+        t0 = time.perf_counter()
+        losses = []
+        for j, batch in enumerate(batches):
+            micro = device_batches(self.placement, batch.filled(), self.cfg.micro_batches)
+            p = Pass(micro, self.fns.inv_count([m.loss_mask for m in micro]), accumulate=j > 0,
+                     last=j == len(batches) - 1, keep_residuals=self.cfg.keep_residuals)
+            self._runner.run(p, step_ops(self.lm.n_blocks, self.cfg.micro_batches, self.cfg.prefetch_depth,
+                                         update=p.last, offload=self.cfg.offload_activations))
+            losses.append(sum(p.losses))
+        self.state.step += 1
+        tokens = sum(b.tokens for b in batches) * self.placement.processes  # each process feeds its own rows
+        return StepOutput(self.state.step, sum(losses) / len(losses), self._runner.decision.norm, tokens,
+                          time.perf_counter() - t0)
+
+    def steps(self, data: Iterable[Batch]) -> Iterator[dict[str, float]]:
+        """Run a step per ``accumulate_steps`` batches of ``data``; yield metrics one step late."""
+        pending, t_last = None, time.perf_counter()
+        group: list[Batch] = []
+        for batch in data:
+            group.append(batch)
+            if len(group) < self.cfg.accumulate_steps:
+                continue
+            out, group = self.step(group), []
+            if pending is not None:
+                m = _metrics(pending, t_last)
+                t_last = time.perf_counter()
+                yield m
+            pending = out
+        if pending is not None:
+            self.sync()
+            yield _metrics(pending, t_last)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far for a non-finite loss or gradient norm (counted as their updates run)."""
+        return self.policy.skipped_steps
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_nll(self, batches: Sequence[Batch]) -> tuple[float, float]:
+        """The summed masked next-token loss of the current parameters over ``batches`` and the number of
+        tokens it counts, streamed like training's forward (no gradients, no update)."""
+        self.sync()  # host updates may run in place on the worker: read the parameters once they are done
+        nll = count = 0.0
+        devices = len(self.placement.local_devices)
+        for batch in batches:
+            check_batch(batch, self.lm.vocab_size, self.lm.max_positions, self.lm.segments_per_row)
+            if batch.shape[0] % devices:
+                raise ValueError(f"an evaluation batch of {batch.shape[0]} rows cannot be split over the {devices} "
+                                 f"devices of this process; use a batch size divisible by {devices}")
+            n_micro = self.cfg.micro_batches if self.cfg.splits(batch.shape[0], devices) else 1
+            micro = device_batches(self.placement, batch.filled(), n_micro)
+            p = Pass(micro, keep_inputs=False)
+            self._runner.run(p, eval_ops(self.lm.n_blocks, n_micro, self.cfg.prefetch_depth))
+            nll += float(local_value(sum(p.losses)))
+            count += float(local_value(self.fns.mask_sum([m.loss_mask for m in micro])))
+        return nll, count
+
+    # ------------------------------------------------------------------ reading and restoring state
+    def sync(self) -> None:
+        """Wait for every pending host update (re-raising NonFiniteError) and copy GPU-resident parts back:
+        host state is then current."""
+        self.policy.drain()
+        if self.disk_tier is not None:
+            self.disk_tier.flush()
+        for part, on_device in self._resident.items():
+            self.state[part] = self.policy.opt.home(on_device)
+
+    def close(self) -> None:
+        """Finish pending work and release what outlives a step: the disk tier's files are deleted (they are
+        this engine's live state; checkpoints hold copies). The engine cannot train afterwards."""
+        self.policy.drain()
+        if self.disk_tier is not None:
+            self.disk_tier.remove()
+
+    def write_back(self, model: nnx.Module) -> None:
+        """Copy the master parameters into the user's model, as float32 (capacity mode's are bfloat16)."""
+        self.sync()
+        io, blocks = jax.tree.map(lambda x: x.astype(jnp.float32), self.state.params())
+        write_back(model, io, blocks, self.placement.to_device)
+
+    def hold_updates(self, gate: Callable[[PartId], None]) -> Callable[[], None]:
+        """Call ``gate(part)`` on the update thread before a host part's masters or moments change (in
+        place, or by replacing and donating them); a checkpoint writer holds a part there until it has
+        written it. Returns the function that removes the gate."""
+        return self.policy.hold(gate)
+
+    def restore_part(self, part: PartId, params: Params, opt: Any) -> None:
+        """Install a part's masters and optimizer state, e.g. read from a checkpoint; its stream copy is
+        recomputed from the masters. Numpy arrays given here become the engine's own (do not change them
+        afterwards); each array is placed in pinned or pageable host memory (``HostOptimizer.home``)."""
+        self.policy.drain()
+        self.state[part] = self.policy.opt.home(Part(params, opt, self.policy.opt.cast(params)), adopt=True)
+        if self.disk_tier is not None and part in self.disk_tier.parts:
+            self.state[part] = self.disk_tier.spill(part, self.state[part])
+
+    def restored(self, step: int) -> None:
+        """Finish a restore: the state is at optimizer step ``step``; GPU-resident parts reload from it."""
+        self.policy.drain()
+        self.state.step = int(step)
+        self._load_resident()
+
+    def _load_resident(self) -> None:
+        self._resident.clear()
+        self._resident.update({part: self.policy.device.load(self.state[part]) for part in self.resident_parts})
+
+    # ------------------------------------------------------------------ observers
+    def observe(self, observer) -> None:
+        """Add an observer (``megatrain_jax.engine.observers``): it sees every op and host-worker task from now on."""
+        self._observers.append(observer)
+
+    def stop_observing(self, observer) -> None:
+        self._observers.remove(observer)
+
+    @property
+    def update_route(self) -> str:
+        """How host parts' updates run: ``fused`` (the C++ AdamW), ``host`` (XLA on pinned-host arrays) or
+        ``device`` (state moved to the accelerator and back); see ``megatrain_jax.engine.update.host_optimizer``."""
+        routes = {self.policy.opt.route(self.state[p]) for p in self.state.ids()}
+        return "+".join(sorted(routes))
+
+
+def _metrics(out: StepOutput, t_prev: float) -> dict[str, float]:
+    m = out.resolve()
+    m["step_time_s"] = time.perf_counter() - t_prev
+    m["tokens_per_s"] = m["tokens"] / m["step_time_s"]
+    return m

@@ -1,0 +1,40 @@
+"""Observers of a running engine: they see every op as it is dispatched and every host-worker task, and
+change nothing. ``Engine.observe(observer)`` adds one; ``Engine.stop_observing(observer)`` removes it.
+
+An observer has ``on_op(op, start, end, out)`` (the main thread's time in the op and what the op
+produced: device arrays, or futures of host-worker tasks) and ``on_task(key, start, end)`` (a host-worker
+task, on the worker thread). ``Profile`` times op categories; ``megatrain_jax.engine.timeline.Timeline`` records
+when ops ran without synchronizing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Hashable, Protocol
+
+from megatrain_jax.engine.passes import CATEGORY, block_until_done
+from megatrain_jax.engine.schedule import Op
+
+
+class Observer(Protocol):
+    def on_op(self, op: Op, start: float, end: float, out: Any) -> None: ...
+
+    def on_task(self, key: Hashable, start: float, end: float) -> None: ...
+
+
+class Profile:
+    """Seconds per op category (``h2d``, ``compute``, ``d2h``, ``optimizer``), each op waited for before
+    the next is dispatched: every category's own time, at the price of a serialized (slower) step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def on_op(self, op: Op, start: float, end: float, out: Any) -> None:
+        category = CATEGORY[op.kind]
+        if category == "none":
+            return
+        block_until_done(out)
+        self.seconds[category] = self.seconds.get(category, 0.0) + time.perf_counter() - start
+
+    def on_task(self, key: Hashable, start: float, end: float) -> None:
+        pass

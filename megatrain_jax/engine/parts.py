@@ -1,0 +1,102 @@
+"""What a part of the model is: the io part (embedding, final norm, head) or one block.
+
+A ``PartId`` names a part once for every module: its position in the host state, the block it is (if
+any), and its checkpoint name (``io``, ``block_00003``). A ``Part`` is the record of one part's
+persistent arrays: float32 master parameters, optimizer state and the compute-dtype copy that is sent
+to the device. The same record holds a part kept on the GPU (``megatrain_jax.engine.update.resident``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from megatrain_jax.contract.layered import Params
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class PartId:
+    """A part of the model. ``index`` is its position in ``HostState.parts`` and in update order: 0 is the
+    io part, ``i + 1`` is block ``i``."""
+
+    index: int
+
+    @classmethod
+    def block(cls, layer: int) -> "PartId":
+        return cls(layer + 1)
+
+    @classmethod
+    def from_name(cls, name: str) -> "PartId":
+        """The inverse of ``name``."""
+        if name == "io":
+            return IO
+        if name.startswith("block_") and name[6:].isdigit():
+            return cls.block(int(name[6:]))
+        raise ValueError(f"{name!r} is not a part name ('io' or 'block_NNNNN')")
+
+    @property
+    def is_io(self) -> bool:
+        return self.index == 0
+
+    @property
+    def layer(self) -> int:
+        """The block number; the io part has none."""
+        if self.is_io:
+            raise ValueError("the io part is not a block")
+        return self.index - 1
+
+    @property
+    def name(self) -> str:
+        """The checkpoint name: ``io`` or ``block_00003``."""
+        return "io" if self.is_io else f"block_{self.index - 1:05d}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+IO = PartId(0)
+
+
+def part_ids(n_blocks: int) -> list[PartId]:
+    """Every part in update order: io, then blocks 0 .. n_blocks - 1."""
+    return [PartId(i) for i in range(n_blocks + 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class HostRoles:
+    """Where each part's gradient waits and where its moments live, from ``EngineConfig``'s counts: the
+    parts updated on the host are the blocks that are not GPU-resident, then the io part unless it is.
+    ``grads_on_gpu``: the first of them in that order keep their gradients on the GPU. ``disk``: the last
+    ``disk_parts`` blocks keep their Adam moments in the disk tier."""
+
+    host_updated: tuple[PartId, ...]
+    grads_on_gpu: tuple[PartId, ...]
+    disk: tuple[PartId, ...]
+
+    @classmethod
+    def of(cls, n_blocks: int, resident_layers: int, resident_io: bool, grads_on_gpu: int = 0,
+           disk_parts: int = 0) -> "HostRoles":
+        blocks = [PartId.block(i) for i in range(resident_layers, n_blocks)]
+        host = tuple(blocks + ([] if resident_io else [IO]))
+        if grads_on_gpu > len(host):
+            raise ValueError(f"grads_on_gpu={grads_on_gpu} exceeds the {len(host)} parts updated on the host (the "
+                             f"blocks that are not GPU-resident, and the io part unless it is)")
+        if disk_parts > len(blocks):
+            raise ValueError(f"disk_parts={disk_parts} exceeds the {len(blocks)} blocks updated on the host")
+        return cls(host, host[:grads_on_gpu], tuple(blocks[len(blocks) - disk_parts:]))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Part:
+    """One part's persistent arrays. ``stream`` is None when the masters themselves are sent."""
+
+    params: Params
+    opt: Any
+    stream: Params | None
+
+    def streamed(self) -> Params:
+        """What the per-part device functions consume."""
+        return self.params if self.stream is None else self.stream

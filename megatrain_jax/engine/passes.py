@@ -1,0 +1,258 @@
+"""How each op of the schedule runs: one handler per op kind, in one table (``HANDLERS``).
+
+A ``PassRunner`` walks a list of ops (``megatrain_jax.engine.schedule``) over one batch's micro-batches: it moves
+parts with ``Placement``, runs the jitted per-part functions (``DeviceFns``), sends gradients to host
+memory and hands the updates to the ``UpdatePolicy``. The values of one pass live in a ``Pass``; what
+outlives a pass (GPU-resident parts, gradients being accumulated over sub-steps) lives in the runner.
+
+Each handler returns what the op produced (device arrays, or the futures of host-worker tasks), which is
+what observers (``megatrain_jax.engine.observers``) may wait on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+from megatrain_jax.batch import Batch
+from megatrain_jax.engine.device_fns import DeviceFns
+from megatrain_jax.engine.host_state import HostState
+from megatrain_jax.engine.parts import IO, Part, PartId
+from megatrain_jax.engine.schedule import STORES_AHEAD, Op, OpKind
+from megatrain_jax.engine.transfer import Placement
+from megatrain_jax.engine.update.policy import StepDecision, UpdatePolicy
+
+
+@dataclasses.dataclass
+class Pass:
+    """Device-side values of one pass over a batch."""
+
+    batches: list[Batch]  # micro-batches, on the devices (spread by row)
+    inv_count: Any = 1.0  # 1 / the loss tokens of the whole batch (a device scalar)
+    accumulate: bool = False  # add the gradients to those of earlier sub-steps
+    last: bool = True  # the last sub-step of an optimizer step: norms and updates follow
+    keep_inputs: bool = True  # keep each block's inputs for the backward (False: evaluation)
+    keep_residuals: bool = False  # and the residuals the model marked to keep (``megatrain_jax.contract.remat``)
+    params: dict[PartId, Any] = dataclasses.field(default_factory=dict)  # parts on the device
+    acts: dict[int, list] = dataclasses.field(default_factory=dict)  # block -> its input per micro-batch
+    kept: dict[int, list] = dataclasses.field(default_factory=dict)  # block -> its kept residuals per micro-batch
+    dy: list = dataclasses.field(default_factory=list)
+    grads: Any = None  # the accumulator of the block in backward
+    io_grads: Any = None
+    losses: list = dataclasses.field(default_factory=list)
+    decision: StepDecision | None = None
+    stats: Any = None  # the blocks' statistics summed over blocks and micro-batches (an auxiliary loss's input)
+    d_stats: Any = None  # the auxiliary loss's gradient with respect to them
+    stores: list = dataclasses.field(default_factory=list)  # offloaded activations whose copies may be queued
+
+
+class PassRunner:
+    """Runs ops against the host state, the GPU-resident parts and the update policy."""
+
+    def __init__(self, fns: DeviceFns, placement: Placement, state: HostState, policy: UpdatePolicy,
+                 resident: dict[PartId, Part], observers: Sequence, grads_on_gpu: Sequence[PartId] = ()):
+        self.fns, self.placement, self.state, self.policy = fns, placement, state, policy
+        self.resident = resident  # GPU-resident parts, updated on the device
+        self.grads_on_gpu = set(grads_on_gpu)  # host-updated parts whose gradients wait on the device
+        self.observers = observers
+        self.n_blocks = len(state.parts) - 1
+        self._grads: dict[PartId, Any] = {}  # each part's gradient of this optimizer step so far
+        self._sq_norms: dict[PartId, Any] = {}
+        self.decision: StepDecision | None = None  # of the last optimizer step
+
+    def run(self, p: Pass, ops: Sequence[Op]) -> None:
+        try:
+            if not self.observers:
+                for op in ops:
+                    HANDLERS[op.kind](self, p, op)
+                return
+            for op in ops:
+                start = time.perf_counter()
+                out = HANDLERS[op.kind](self, p, op)
+                end = time.perf_counter()
+                for o in self.observers:
+                    o.on_op(op, start, end, out)
+        finally:
+            # A step cut short after some first halves were queued still queues their second halves, so
+            # masters, moments and stream copies never disagree (and no stale task joins a later step).
+            if self.policy.commits_pending:
+                self.policy.commit(self.state)
+
+    # ------------------------------------------------------------------ moving parts
+    def fetch(self, p: Pass, op: Op):
+        """A part onto the devices (each its shard, over its own PCIe link), then whole on each of them."""
+        if op.part in self.resident:
+            shards = self.resident[op.part].stream
+        else:
+            self.policy.ready(op.part)
+            shards = self.placement.to_device(self.state[op.part].streamed())
+        p.params[op.part] = self.fns.fetched(shards)  # gathered by the first program that uses it
+        return shards
+
+    def release(self, p: Pass, op: Op):
+        del p.params[op.part]
+
+    # ------------------------------------------------------------------ compute
+    def embed(self, p: Pass, op: Op):
+        b = p.batches[op.micro]
+        x, p.params[IO] = self.fns.embed(p.params[IO], b.inputs, b.positions, b.segment_ids)
+        p.acts.setdefault(0, []).append(x)
+        return x
+
+    def forward(self, p: Pass, op: Op):
+        b, layer = p.batches[op.micro], op.part.layer
+        keep = p.keep_residuals and p.keep_inputs
+        y, p.params[op.part] = self.fns.forward(p.params[op.part], p.acts[layer][op.micro], b.positions,
+                                                b.segment_ids, keep=keep)
+        if keep:
+            y, kept = y
+            p.kept.setdefault(layer, []).append(kept)
+        if self.fns.routed:
+            y, stats = y
+            if p.keep_inputs:  # training: the auxiliary loss is over every block of every micro-batch
+                p.stats = stats if p.stats is None else self.fns.add(p.stats, stats)
+        p.acts.setdefault(layer + 1, []).append(y)
+        if not p.keep_inputs and op.micro == len(p.batches) - 1:
+            del p.acts[layer]  # evaluation: no backward reads them
+        return y
+
+    def head(self, p: Pass, op: Op):
+        b = p.batches[op.micro]
+        if self.fns.routed and op.micro == 0:  # every forward has run (layer-major): the auxiliary loss
+            aux, p.d_stats = self.fns.aux(p.stats)
+            p.losses.append(aux)
+        (loss, dx, p.io_grads), p.params[IO] = self.fns.head(p.params[IO], p.acts[self.n_blocks][op.micro],
+                                                             b.targets, b.loss_mask, p.inv_count, p.io_grads)
+        p.losses.append(loss)
+        p.dy.append(dx)
+        if op.micro == len(p.batches) - 1:
+            del p.acts[self.n_blocks]
+        return dx
+
+    def backward(self, p: Pass, op: Op):
+        b, layer = p.batches[op.micro], op.part.layer
+        last = op.micro == len(p.batches) - 1  # the gradient comes back summed over the devices
+        kept = p.kept[layer][op.micro] if p.keep_residuals else None
+        (p.dy[op.micro], p.grads), p.params[op.part] = self.fns.backward(
+            p.params[op.part], p.acts[layer][op.micro], b.positions, b.segment_ids, p.dy[op.micro], p.grads,
+            p.d_stats, last=last, kept=kept)
+        if kept is not None:
+            p.kept[layer][op.micro] = None  # used once
+            if last:
+                del p.kept[layer]
+        if layer > 0 and last:
+            del p.acts[layer]  # block 0's inputs are the embeddings, still needed by embed_backward
+        return p.dy[op.micro]
+
+    def store_acts(self, p: Pass, op: Op):
+        """A block's inputs and kept residuals (every micro-batch's) to pinned host memory until its
+        backward: the device copies are freed once the copy has read them. The host waits for the copies
+        of the block ``STORES_AHEAD`` before: it may otherwise run so far ahead of the GPU that the
+        activations of many blocks wait on the GPU for their copies at once."""
+        layer = op.part.layer
+        p.acts[layer] = [self.placement.to_host(x) for x in p.acts[layer]]
+        if layer in p.kept:
+            p.kept[layer] = [self.placement.to_host(k) for k in p.kept[layer]]
+        p.stores.append((p.acts[layer], p.kept.get(layer)))
+        if len(p.stores) > STORES_AHEAD:
+            jax.block_until_ready(p.stores.pop(0))
+        return [*p.acts[layer], *p.kept.get(layer, [])]
+
+    def load_acts(self, p: Pass, op: Op):
+        """An offloaded block's inputs and kept residuals back onto the devices, ahead of its backward."""
+        layer = op.part.layer
+        p.stores = [s for s in p.stores if s[0] is not p.acts[layer]]  # its host copies go with it
+        p.acts[layer] = [self.placement.to_device(x) for x in p.acts[layer]]
+        if layer in p.kept:
+            p.kept[layer] = [self.placement.to_device(k) for k in p.kept[layer]]
+        return [*p.acts[layer], *p.kept.get(layer, [])]
+
+    def embed_backward(self, p: Pass, op: Op):
+        b = p.batches[op.micro]
+        last = op.micro == len(p.batches) - 1
+        p.io_grads, p.params[IO] = self.fns.embed_backward(p.params[IO], b.inputs, b.positions, b.segment_ids,
+                                                           p.dy[op.micro], p.io_grads, last=last)
+        if last:
+            p.acts.clear()
+            p.kept.clear()
+            p.dy = []
+        return p.io_grads
+
+    def loss(self, p: Pass, op: Op):
+        """Evaluation: the summed masked NLL of one micro-batch."""
+        b = p.batches[op.micro]
+        out, p.params[IO] = self.fns.nll_sum(p.params[IO], p.acts[self.n_blocks][op.micro], b.targets,
+                                             b.loss_mask)
+        p.losses.append(out)
+        return out
+
+    # ------------------------------------------------------------------ gradients and updates
+    def send_grads(self, p: Pass, op: Op):
+        """A part's gradient to host memory (GPU-resident parts keep it on the device), summed with earlier
+        sub-steps' when accumulating; its squared norm once the optimizer step's gradient is complete. The
+        last backward program has summed it over the devices: each device holds its shard. The parts of
+        ``grads_on_gpu`` keep it on the device too, until their update copies it home."""
+        part = op.part
+        resident = part in self.resident or part in self.grads_on_gpu  # the gradient stays on the device
+        if part.is_io:
+            grads, p.io_grads = p.io_grads, None
+        else:
+            grads, p.grads = p.grads, None
+        if p.accumulate:
+            earlier = self._grads[part]
+            grads = self.fns.add(grads, earlier if resident else self.placement.to_device(earlier))
+        if p.last:
+            self._sq_norms[part] = self.fns.sq_norm(grads)
+        self._grads[part] = grads if resident else self.placement.to_host(grads)
+        return self._grads[part]
+
+    def grad_norm(self, p: Pass, op: Op):
+        norms = [self._sq_norms.pop(part) for part in self.state.ids()]
+        p.decision = self.decision = self.policy.decide(norms, sum(p.losses))
+        return p.decision.scale
+
+    def update(self, p: Pass, op: Op):
+        grads = self._grads.pop(op.part)
+        if op.part in self.resident:
+            self.resident[op.part] = self.policy.update_device(self.resident[op.part], grads, p.decision)
+            return self.resident[op.part]
+        return self.policy.update_host(self.state, op.part, grads, p.decision,
+                                       on_device=op.part in self.grads_on_gpu)
+
+    def commit(self, p: Pass, op: Op):
+        return self.policy.commit(self.state)
+
+
+# Every op kind and its handler: a new kind of op is added here and in ``schedule.OpKind``.
+HANDLERS: dict[OpKind, Callable[[PassRunner, Pass, Op], Any]] = {
+    "fetch": PassRunner.fetch, "release": PassRunner.release, "embed": PassRunner.embed,
+    "forward": PassRunner.forward, "head": PassRunner.head, "backward": PassRunner.backward,
+    "send_grads": PassRunner.send_grads, "embed_backward": PassRunner.embed_backward,
+    "grad_norm": PassRunner.grad_norm, "update": PassRunner.update, "commit": PassRunner.commit,
+    "loss": PassRunner.loss, "store_acts": PassRunner.store_acts, "load_acts": PassRunner.load_acts,
+}
+
+# What each op kind is, for time breakdowns and timelines.
+CATEGORY: dict[OpKind, str] = {
+    "fetch": "h2d", "release": "none", "embed": "compute", "forward": "compute", "head": "compute",
+    "backward": "compute", "send_grads": "d2h", "embed_backward": "compute", "grad_norm": "compute",
+    "update": "optimizer", "commit": "optimizer", "loss": "compute", "store_acts": "d2h", "load_acts": "h2d",
+}
+
+
+def device_batches(placement: Placement, batch: Batch, n_micro: int) -> list[Batch]:
+    """This process's rows of ``batch``, as ``n_micro`` micro-batches spread by row over the devices."""
+    return [placement.rows_to_device(m) for m in batch.split(n_micro)]
+
+
+def block_until_done(out: Any) -> None:
+    """Wait for what a handler returned: device arrays, or futures of host-worker tasks."""
+    futures = out if isinstance(out, list) else [out]
+    if futures and all(hasattr(f, "result") for f in futures):
+        for f in futures:
+            f.result()
+    elif out is not None:
+        jax.block_until_ready(out)

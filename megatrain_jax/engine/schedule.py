@@ -1,0 +1,132 @@
+"""What moves when: the per-step operation list, as plain data (testable without a GPU).
+
+The engine walks this list and maps each op to a transfer or a jitted call (``megatrain_jax.engine.passes``
+holds the table from op kind to handler). One training step is:
+
+1. fetch the io part; embed every micro-batch;
+2. forward, layer-major: block i is fetched ``depth`` blocks ahead, every micro-batch passes through it,
+   then it is released (the last ``depth`` blocks stay for the backward pass); with activation offload,
+   the inputs of the first ``offload`` blocks then go to pinned host memory (``store_acts``);
+3. the head (final norm, chunked logits, loss) per micro-batch, giving d(loss)/d(last hidden);
+4. backward, blocks in reverse, prefetched ``depth`` ahead (an offloaded block's inputs come back with its
+   parameters, ``load_acts``): recompute + VJP per micro-batch, gradients accumulated on the device, then
+   sent to host memory;
+5. the embedding's backward; the io gradients go to host;
+6. (last sub-step of an optimizer step only) the global gradient norm, then the parts' updates in forward
+   order (io, block 0, block 1, ...), so the next step's forward can begin early;
+7. ``commit``: the second halves of split updates (see ``megatrain_jax.engine.update.policy``).
+
+Evaluation walks ``eval_ops``: the same forward, then the loss of each micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from megatrain_jax.engine.parts import IO, PartId
+
+# Offloaded activations: the blocks whose copies to host memory may be queued at once; the host waits for
+# older ones (``passes.PassRunner.store_acts``), so the GPU never holds more blocks' inputs waiting to leave.
+STORES_AHEAD = 2
+
+OpKind = Literal["fetch", "release", "embed", "forward", "head", "backward", "send_grads", "embed_backward",
+                 "grad_norm", "update", "commit", "loss", "store_acts", "load_acts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    kind: OpKind
+    part: PartId | None = None  # fetch, release, forward, backward, send_grads, update, store/load_acts
+    micro: int = -1  # embed, forward, head, backward, embed_backward, loss
+
+    def __repr__(self) -> str:
+        args = ([str(self.part)] if self.part is not None else []) + ([str(self.micro)] if self.micro >= 0 else [])
+        return f"{self.kind}({', '.join(args)})"
+
+
+def _check(n_layers: int, n_micro: int, depth: int) -> None:
+    if n_layers < 1 or n_micro < 1:
+        raise ValueError(f"need at least one layer and one micro-batch, got {n_layers}, {n_micro}")
+    if depth < 1:
+        raise ValueError(f"prefetch depth must be >= 1, got {depth}")
+
+
+def _forward(n_layers: int, n_micro: int, depth: int, keep: int, offload: int = 0) -> tuple[list[Op], set[int]]:
+    """Fetch io, embed, then every block layer-major; the last ``keep`` blocks stay fetched, and the inputs
+    of the first ``offload`` released blocks go to host memory. Returns the ops and the blocks still on the
+    device."""
+    ops: list[Op] = [Op("fetch", IO)] + [Op("embed", micro=m) for m in range(n_micro)]
+    resident: set[int] = set()
+
+    def fetch(i: int) -> None:
+        if 0 <= i < n_layers and i not in resident:
+            resident.add(i)
+            ops.append(Op("fetch", PartId.block(i)))
+
+    for i in range(depth):
+        fetch(i)
+    for i in range(n_layers):
+        # Dispatch block i's compute before asking for block i + depth: fetching may wait on the host
+        # optimizer, and the GPU should be busy with block i meanwhile.
+        ops.extend(Op("forward", PartId.block(i), m) for m in range(n_micro))
+        fetch(i + depth)
+        if i < n_layers - keep:
+            resident.discard(i)
+            ops.append(Op("release", PartId.block(i)))
+            if i < offload:
+                ops.append(Op("store_acts", PartId.block(i)))
+    return ops, resident
+
+
+def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True, offload: int = 0) -> list[Op]:
+    """The ops of one forward+backward pass (plus the optimizer update when ``update``). ``offload``: the
+    inputs of the first this many blocks wait in host memory between their forward and backward (the last
+    ``depth`` blocks' never leave: their backward follows at once)."""
+    _check(n_layers, n_micro, depth)
+    if offload < 0:
+        raise ValueError(f"activation offload must be >= 0 blocks, got {offload}")
+    offload = offloaded_blocks(n_layers, depth, offload)
+    ops, resident = _forward(n_layers, n_micro, depth, keep=depth, offload=offload)
+    ops += [Op("head", micro=m) for m in range(n_micro)]
+    for i in reversed(range(n_layers)):
+        for j in range(i, i - depth - 1, -1):  # keep `depth` blocks in flight ahead of the compute
+            if 0 <= j and j not in resident:
+                resident.add(j)
+                ops.append(Op("fetch", PartId.block(j)))
+                if j < offload:
+                    ops.append(Op("load_acts", PartId.block(j)))
+        ops += [Op("backward", PartId.block(i), m) for m in range(n_micro)]
+        ops += [Op("send_grads", PartId.block(i)), Op("release", PartId.block(i))]
+        resident.discard(i)
+    ops += [Op("embed_backward", micro=m) for m in range(n_micro)]
+    ops += [Op("send_grads", IO), Op("release", IO)]
+    if update:
+        ops.append(Op("grad_norm"))
+        ops += [Op("update", PartId(i)) for i in range(n_layers + 1)]
+        ops.append(Op("commit"))
+    return ops
+
+
+def eval_ops(n_layers: int, n_micro: int, depth: int = 1) -> list[Op]:
+    """The ops of a forward-only pass ending in each micro-batch's summed loss (evaluation)."""
+    _check(n_layers, n_micro, depth)
+    ops, _ = _forward(n_layers, n_micro, depth, keep=0)
+    return ops + [Op("loss", micro=m) for m in range(n_micro)] + [Op("release", IO)]
+
+
+def offloaded_blocks(n_layers: int, depth: int, offload: int) -> int:
+    """How many blocks' inputs ``step_ops`` sends to host memory for an ``offload`` setting."""
+    return max(0, min(offload, n_layers - depth))
+
+
+def max_resident_layers(ops: list[Op]) -> int:
+    """The most block parameter sets on the device at once under ``ops``."""
+    live, peak = set(), 0
+    for op in ops:
+        if op.kind == "fetch" and not op.part.is_io:
+            live.add(op.part)
+        elif op.kind == "release":
+            live.discard(op.part)
+        peak = max(peak, len(live))
+    return peak

@@ -1,0 +1,271 @@
+"""Fused host AdamW: the C++ kernel (``kernels/host_adamw.cpp``, built on first use where a C++ compiler
+exists) and its pure-jnp reference. ``load()`` returns None when no compiler is found or the build fails;
+callers then use the JAX path (``EngineConfig.host_kernel`` turns the kernel off on purpose).
+
+The source ships in the wheel as ``megatrain_jax/kernels/host_adamw.cpp``; in the repository (and an
+editable install) it is the top-level ``kernels/`` folder, which pyproject maps onto ``megatrain_jax.kernels``.
+Run from a checkout without installing (``PYTHONPATH=.``), that mapping does not exist, and the source is
+read from the checkout's ``kernels/`` folder beside the package.
+
+Capacity mode has its own entry point, ``megatrain_adamw_bf16_sr`` (``adamw_sr_inplace``, ``adamw_sr_numpy``;
+reference ``adamw_sr_reference``): p, m and v are stored as bfloat16, g is float32, and all three are written
+back rounded stochastically. The random bits are a counter-based hash of (seed, stream, offset + element
+index), so an array updated in pieces (each with its start as ``offset``) gets the bits one whole call gets.
+
+Build ahead of time (e.g. in an image): ``python -m megatrain_jax.engine.update.host_kernel``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from importlib import resources
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+def source_path():
+    """Where the C++ source is: the installed package data, or a source checkout's kernels/ folder."""
+    try:
+        return resources.files("megatrain_jax.kernels") / "host_adamw.cpp"
+    except ModuleNotFoundError:  # a source checkout on sys.path, not installed
+        return Path(__file__).resolve().parents[3] / "kernels" / "host_adamw.cpp"  # megatrain_jax/engine/update/
+
+
+SOURCE = source_path()
+
+
+def adamw_reference(p, m, v, g, *, lr, b1, b2, eps, wd, grad_scale, bc1, bc2):
+    """What the kernel computes, in jnp float32: returns (p, m, v, p as bfloat16)."""
+    g = g * jnp.float32(grad_scale)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    u = (m / bc1) / (jnp.sqrt(v / bc2) + eps) + wd * p
+    p = p - lr * u
+    return p, m, v, p.astype(jnp.bfloat16)
+
+
+_U32 = 1 << 32
+
+
+def _mix(x):
+    """lowbias32 on a uint32 array (the kernel's ``mix32``)."""
+    x = x ^ lax.shift_right_logical(x, jnp.uint32(16))
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ lax.shift_right_logical(x, jnp.uint32(15))
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ lax.shift_right_logical(x, jnp.uint32(16))
+
+
+def _check_seed_offset(seed, offset, n: int) -> None:
+    """Where seed and offset are Python (or numpy) integers: 0 <= seed < 2^32, 0 <= offset, and
+    offset + n <= 2^32 (the counters are uint32). Traced values are not checked."""
+    if isinstance(seed, (int, np.integer)) and not 0 <= int(seed) < _U32:
+        raise ValueError(f"seed must be in [0, 2^32), got {seed}")
+    if isinstance(offset, (int, np.integer)) and not (0 <= int(offset) and int(offset) + n <= _U32):
+        raise ValueError(f"need 0 <= offset and offset + n <= 2^32, got offset={offset}, n={n}")
+
+
+def sr_bits(seed, stream: int, offset, n: int):
+    """The kernel's random bits for ``n`` elements from global index ``offset``: uint32 array whose element
+    i is ``mix((offset + i) ^ mix(seed ^ 0x9E3779B9 * (stream + 1)))``; stream 0 is p, 1 is m, 2 is v.
+    ``seed`` and ``offset`` may be traced; ``n`` is static."""
+    _check_seed_offset(seed, offset, n)
+    salt = jnp.uint32((0x9E3779B9 * (stream + 1)) % _U32)
+    key = _mix(jnp.asarray(seed, jnp.uint32) ^ salt)
+    j = jnp.asarray(offset, jnp.uint32) + jnp.arange(n, dtype=jnp.uint32)
+    return _mix(j ^ key)
+
+
+def stochastic_round_bf16(x, r):
+    """float32 ``x`` rounded to bfloat16 with uint32 random bits ``r`` (low 16 used), as the kernel rounds:
+    the bits truncation drops are added to them, so the magnitude rounds up with probability (dropped bits)
+    / 2^16 and the mean over r is x exactly (for finite x that does not round up to inf). NaN becomes a quiet
+    NaN with its sign; inf stays inf."""
+    u = lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+    r = jnp.asarray(r, jnp.uint32)
+    sh16 = jnp.uint32(16)
+    rounded = lax.shift_right_logical(u + (r & jnp.uint32(0xFFFF)), sh16)
+    nan = jnp.uint32(0x7FC0) | (lax.shift_right_logical(u, sh16) & jnp.uint32(0x8000))
+    special = jnp.where((u & jnp.uint32(0x7FFFFFFF)) > jnp.uint32(0x7F800000), nan, lax.shift_right_logical(u, sh16))
+    out = jnp.where((u & jnp.uint32(0x7F800000)) == jnp.uint32(0x7F800000), special, rounded)
+    return lax.bitcast_convert_type(out.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _as_bf16(a):
+    a = jnp.asarray(a)
+    return lax.bitcast_convert_type(a, jnp.bfloat16) if a.dtype == jnp.uint16 else a.astype(jnp.bfloat16)
+
+
+def adamw_sr_reference(p, m, v, g, *, lr, b1, b2, eps, wd, grad_scale, bc1, bc2, seed, offset=0):
+    """What ``megatrain_adamw_bf16_sr`` computes, in jnp: p, m, v bfloat16 (or their uint16 bits), g float32,
+    same shape. Returns the new (p, m, v) as bfloat16, equal to the kernel's bit for bit, eagerly or under
+    jit. The float32 math mirrors the kernel operation for operation (1 - b1, 1 / bc1 and 1 / bc2 are computed
+    once in float32, then multiplied by), and each result is rounded with ``stochastic_round_bf16`` and
+    ``sr_bits``. Under jit XLA would contract a product and the sum it feeds into one fused multiply-add and
+    reassociate products of constants; optimization barriers on the hyperparameters and on every product
+    that feeds a sum prevent both (on CPU they cost three materialized passes over the intermediates)."""
+    f32 = jnp.float32
+    p, m, v = (_as_bf16(a) for a in (p, m, v))
+    shape = p.shape
+    p0, m0, v0 = (a.reshape(-1).astype(f32) for a in (p, m, v))
+    g = jnp.asarray(g, f32).reshape(-1)
+    lr, b1, b2, eps, wd, grad_scale, bc1, bc2 = lax.optimization_barrier(
+        tuple(jnp.asarray(x, f32) for x in (lr, b1, b2, eps, wd, grad_scale, bc1, bc2)))
+    one_b1, one_b2, inv_bc1, inv_bc2 = f32(1) - b1, f32(1) - b2, f32(1) / bc1, f32(1) / bc2
+    gi = g * grad_scale
+    bm, ag, bv, agg = lax.optimization_barrier((b1 * m0, one_b1 * gi, b2 * v0, (one_b2 * gi) * gi))
+    mi = bm + ag
+    vi = bv + agg
+    q, wp = lax.optimization_barrier(((mi * inv_bc1) / (jnp.sqrt(vi * inv_bc2) + eps), wd * p0))
+    u = q + wp
+    pi = p0 - lax.optimization_barrier(lr * u)
+    n = p0.size
+    return tuple(stochastic_round_bf16(x, sr_bits(seed, k, offset, n)).reshape(shape)
+                 for k, x in enumerate((pi, mi, vi)))
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("MEGATRAIN_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatrain_jax")
+    return Path(base)
+
+
+# No contraction into fused multiply-adds: both entry points must round identically wherever inlined.
+_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-ffp-contract=off")
+
+
+def build(verbose: bool = False) -> Path | None:
+    """Compile the kernel into the cache (keyed by source, flags, compiler and machine); None without a
+    compiler or when every build attempt fails."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        return None
+    src = SOURCE.read_bytes()
+    tag = hashlib.sha256(src + os.uname().machine.encode() + cxx.encode() + " ".join(_FLAGS).encode())
+    out = _cache_dir() / f"host_adamw_{tag.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp, resources.as_file(SOURCE) as src_path:
+        tmp_out = Path(tmp) / out.name
+        for extra in (["-march=native", "-fopenmp"], ["-fopenmp"], []):  # best first, then portable
+            r = subprocess.run([cxx, *_FLAGS, *extra, str(src_path), "-o", str(tmp_out)], capture_output=True,
+                               text=True)
+            if r.returncode == 0:
+                break
+            if verbose:
+                print(r.stderr, file=sys.stderr)
+        else:
+            warnings.warn(f"could not compile {src_path.name} with {cxx}; using the JAX host optimizer")
+            return None
+        os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> ctypes.CDLL | None:
+    """The built kernel (compiled on first call), or None where it cannot be built or loaded."""
+    path = build()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        warnings.warn(f"could not load {path}: {e}; using the JAX host optimizer")
+        return None
+    for fn in (lib.megatrain_adamw, lib.megatrain_adamw_stream):
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 8
+        fn.restype = None
+    lib.megatrain_adamw_bf16_sr.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_float] * 8
+                                            + [ctypes.c_uint32, ctypes.c_int64])
+    lib.megatrain_adamw_bf16_sr.restype = None
+    lib.megatrain_omp_threads.restype = ctypes.c_int
+    lib.megatrain_set_threads.argtypes = [ctypes.c_int]
+    lib.megatrain_set_threads.restype = None
+    return lib
+
+
+def _require(lib: ctypes.CDLL | None) -> ctypes.CDLL:
+    lib = lib or load()
+    if lib is None:
+        raise RuntimeError("host AdamW kernel unavailable (no C++ compiler, or it failed to build)")
+    return lib
+
+
+def set_threads(n: int, lib: ctypes.CDLL | None = None) -> None:
+    """Threads the kernel uses from now on, process-wide (n <= 0: OpenMP's default, all cores)."""
+    _require(lib).megatrain_set_threads(int(n))
+
+
+def adamw_inplace(lib: ctypes.CDLL, p: int, m: int, v: int, g: int, p_bf16: int | None, n: int, *, lr: float,
+                  b1: float, b2: float, eps: float, wd: float, grad_scale: float, bc1: float, bc2: float) -> None:
+    """Run the kernel on raw buffer addresses (float32 p, m, v, g; optional bfloat16 out) of ``n`` elements."""
+    lib.megatrain_adamw(p, m, v, g, p_bf16, n, lr, b1, b2, eps, wd, grad_scale, bc1, bc2)
+
+
+def adamw_stream_inplace(lib: ctypes.CDLL, p: int, m: int, v: int, g: int, p_bf16: int, n: int, *, lr: float,
+                         b1: float, b2: float, eps: float, wd: float, grad_scale: float, bc1: float,
+                         bc2: float) -> None:
+    """Only the bfloat16 copy of the updated parameters: ``p``, ``m`` and ``v`` are read, not written. The
+    values equal, bit for bit, the copy ``adamw_inplace`` writes with the same arguments."""
+    lib.megatrain_adamw_stream(p, m, v, g, p_bf16, n, lr, b1, b2, eps, wd, grad_scale, bc1, bc2)
+
+
+def adamw_numpy(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, p_bf16: np.ndarray | None,
+                stream_only: bool = False, lib: ctypes.CDLL | None = None, **hp) -> None:
+    """The kernel on numpy arrays (contiguous float32; bf16 out as uint16 or ml_dtypes.bfloat16), in place.
+    ``stream_only`` writes just ``p_bf16`` (see ``adamw_stream_inplace``)."""
+    lib = _require(lib)
+    for a in (p, m, v, g):
+        assert a.dtype == np.float32 and a.flags.c_contiguous and a.size == p.size
+    if p_bf16 is not None:
+        assert p_bf16.itemsize == 2 and p_bf16.flags.c_contiguous and p_bf16.size == p.size
+    out = None if p_bf16 is None else p_bf16.ctypes.data
+    if stream_only:
+        assert out is not None, "stream_only needs a bfloat16 output"
+        adamw_stream_inplace(lib, p.ctypes.data, m.ctypes.data, v.ctypes.data, g.ctypes.data, out, p.size, **hp)
+    else:
+        adamw_inplace(lib, p.ctypes.data, m.ctypes.data, v.ctypes.data, g.ctypes.data, out, p.size, **hp)
+
+
+def adamw_sr_inplace(lib: ctypes.CDLL, p: int, m: int, v: int, g: int, n: int, *, lr: float, b1: float,
+                     b2: float, eps: float, wd: float, grad_scale: float, bc1: float, bc2: float, seed: int,
+                     offset: int) -> None:
+    """Capacity mode on raw buffer addresses: bfloat16 p, m, v (updated in place, stochastically rounded),
+    float32 g, ``n`` elements whose global indices start at ``offset`` (ValueError unless 0 <= seed < 2^32
+    and 0 <= offset, offset + n <= 2^32)."""
+    _check_seed_offset(int(seed), int(offset), int(n))
+    lib.megatrain_adamw_bf16_sr(p, m, v, g, n, lr, b1, b2, eps, wd, grad_scale, bc1, bc2, seed, offset)
+
+
+def adamw_sr_numpy(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, *, seed: int, offset: int = 0,
+                   lib: ctypes.CDLL | None = None, **hp) -> None:
+    """Capacity mode on numpy arrays, in place: p, m, v contiguous bfloat16 (uint16 bits or
+    ml_dtypes.bfloat16), g contiguous float32, all the same size. See ``adamw_sr_inplace``."""
+    lib = _require(lib)
+    for a in (p, m, v):
+        if not (a.dtype.itemsize == 2 and a.dtype.name in ("uint16", "bfloat16") and a.flags.c_contiguous
+                and a.size == p.size):
+            raise TypeError(f"p, m and v must be contiguous uint16/bfloat16 arrays of one size, got {a.dtype}")
+    if not (g.dtype == np.float32 and g.flags.c_contiguous and g.size == p.size):
+        raise TypeError(f"g must be a contiguous float32 array of p's size, got {g.dtype} of size {g.size}")
+    adamw_sr_inplace(lib, p.ctypes.data, m.ctypes.data, v.ctypes.data, g.ctypes.data, p.size, seed=seed,
+                     offset=offset, **hp)
+
+
+if __name__ == "__main__":
+    path = build(verbose=True)
+    print(path or "no C++ compiler (or the build failed): the JAX host optimizer will be used")
+    if path:
+        print("OpenMP threads:", load().megatrain_omp_threads())

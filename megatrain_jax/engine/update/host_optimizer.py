@@ -1,0 +1,243 @@
+"""The optimizer update of one part whose state lives in pinned host memory. Three routes, chosen per
+part structure when the engine is built:
+
+- **fused**: ``megatrain_jax.adamw`` runs as the C++ kernel (``kernels/host_adamw.cpp``), in place on the
+  host parameters and moments, writing the bfloat16 stream copy in the same pass. With a bfloat16
+  stream copy it runs in two halves (``update_stream`` then ``commit``): the update policy puts the first
+  on the next forward's critical path and the second after it. Only the kernel ever touches the moments,
+  and the masters when a stream copy is what crosses PCIe, so these live in pageable memory (numpy
+  arrays: ``home``); the gradients, the stream copy (or the masters, when they are streamed) stay pinned;
+- **host**: any other optax transformation that XLA can run on pinned-host operands (SGD, Lion,
+  optax.adamw, schedules, callable weight-decay masks) runs as one jitted computation whose inputs and
+  outputs are pinned-host arrays, which XLA executes on the host;
+- **device**: transformations XLA cannot run on host operands (adafactor, lamb, lars, adagrad,
+  apply_if_finite, MultiSteps: their ``select``/``cond`` mix host operands with device constants) run in
+  one jitted computation that moves the part's state to the accelerator, updates it there and writes it
+  back to pinned host memory. It costs PCIe traffic (about 16 bytes per parameter each way for Adam-like
+  state) but runs anything the reference trainer runs.
+
+**Capacity mode** (``EngineConfig.master_dtype="bfloat16"``) is the fused route with bfloat16 masters and
+moments: the kernel updates them in float32 arithmetic and writes each back with stochastic rounding, from
+random bits that depend only on the step, the part, the leaf and the element's index (so a run is
+reproducible, a resume continues it bit for bit, and a part spread over several devices rounds as it
+would on one). The masters are pinned (they cross PCIe: no stream copy); the moments pageable.
+
+Transformations that look across parameters (``clip_by_global_norm``) are refused at engine build by
+``megatrain_jax.optim.check_partwise``: the engine clips exactly, from the norm of the whole gradient,
+and hands each part's update the resulting scale factor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from megatrain_jax.contract.layered import Params
+from megatrain_jax.engine.parts import Part
+from megatrain_jax.engine.transfer import Placement, local_value, pageable_zeros
+from megatrain_jax.engine.update import host_kernel
+from megatrain_jax.engine.update.resident import apply_scaled_update, stream_copy
+from megatrain_jax.optim import AdamWState, fused_spec
+
+Route = Literal["fused", "host", "device"]
+
+
+def _pointers_writable(placement: Placement) -> bool:
+    """Whether a write through a pinned-host array's buffer address is what the array then holds."""
+    x = placement.copy_to_host(np.zeros((), np.float32))
+    jax.block_until_ready(x)
+    ctypes.memmove(x.addressable_shards[0].data.unsafe_buffer_pointer(), np.float32(7).tobytes(), 4)
+    return float(local_value(x)) == 7.0
+
+
+class HostOptimizer:
+    """Init and update of one part's optimizer state, all in pinned host memory."""
+
+    def __init__(self, tx: optax.GradientTransformation, placement: Placement, stream_dtype: Any | None,
+                 use_kernel: bool = True, master_dtype: Any = jnp.float32):
+        self.tx = tx
+        self.placement = placement
+        self.master_dtype = jnp.dtype(master_dtype)
+        self.capacity = self.master_dtype == jnp.bfloat16  # the bfloat16 masters are streamed themselves
+        self.stream_dtype = (None if self.capacity or stream_dtype in (None, jnp.float32)
+                             else jnp.dtype(stream_dtype))
+        # Donating host buffers lets XLA update in place on the GPU client; the CPU client cannot use it.
+        donate = (0, 1, 2) if placement.on_gpu else ()
+        self._host_update = placement.jit_into(self._update_fn, "pinned_host", donate)
+        self._device_update = placement.jit_into(lambda *args: self._update_fn(*placement.to_device(args)))
+        self._cast = placement.jit_into(lambda p: stream_copy(p, self.stream_dtype), "device")
+        self._routes: dict[Any, Route] = {}
+        self.spec = fused_spec(tx)
+        self.kernel = None
+        if use_kernel and self.spec is not None and self.stream_dtype in (None, jnp.bfloat16):
+            self.kernel = host_kernel.load()
+            if self.kernel is not None and not _pointers_writable(placement):
+                warnings.warn("pinned-host buffers are not writable in place here; using the JAX host optimizer")
+                self.kernel = None
+        if self.capacity and self.kernel is None:
+            why = ("the optimizer is not megatrain_jax.adamw" if self.spec is None else
+                   "the C++ host kernel is unavailable here (no compiler, the build failed, or pinned buffers are "
+                   "not writable in place)")
+            raise ValueError(f"capacity mode (master_dtype='bfloat16') runs megatrain_jax.adamw in the fused host "
+                             f"kernel, and {why}; use master_dtype='float32'")
+
+    @property
+    def fused(self) -> bool:
+        return self.kernel is not None
+
+    @property
+    def splits(self) -> bool:
+        """Whether updates run as ``update_stream`` + ``commit`` (fused kernel, bfloat16 stream copy)."""
+        return self.kernel is not None and self.stream_dtype == jnp.bfloat16
+
+    def fresh(self, params: Params) -> Part:
+        """A part's record at step 0 from its float32 masters: fresh optimizer state (``tx.init``, zeros for
+        AdamW) and the stream copy. Traceable: the state builder (``host_state.initial_state``) runs it
+        inside the one jitted program per part kind, whose outputs land in pinned host memory, and then
+        calls ``home``. On the fused route the moments are left out (``None``): ``home`` makes them as
+        zeros in pageable memory, which costs nothing until the first update writes them."""
+        opt = self.tx.init(params)
+        if self.fused:
+            opt = AdamWState(opt.count, None, None)
+        if self.capacity:  # the initial masters rounded to nearest; from then on, stochastically
+            params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+        return Part(params, opt, stream_copy(params, self.stream_dtype))
+
+    def home(self, part: Part, adopt: bool = False) -> Part:
+        """``part`` with each array where it lives between steps, from wherever it is now (device, pinned
+        or pageable host memory): pinned host memory for what crosses PCIe, pageable for what only the
+        fused kernel touches (its moments, and its masters when a stream copy is sent). Pinned arrays
+        already in place are kept. Numpy arrays are copied, unless ``adopt``: then the caller hands them
+        over (a restore's freshly read arrays), and those that are writable and C-contiguous become the
+        state's own.
+
+        ``fresh`` leaves the fused route's moments as ``None``: here they become zeros."""
+        pinned = self.placement.to_pinned
+        pageable = lambda tree: self.placement.to_pageable(tree, adopt=adopt)
+        stream = None if self.stream_dtype is None else pinned(part.stream)  # a device part may carry its params
+        if not self.fused:
+            return Part(pinned(part.params), pinned(part.opt), stream)
+        opt = part.opt
+        moments = self.master_dtype  # float32, or bfloat16 in capacity mode
+        mu = pageable_zeros(part.params, moments) if opt.mu is None else pageable(opt.mu)
+        nu = pageable_zeros(part.params, moments) if opt.nu is None else pageable(opt.nu)
+        params = pinned(part.params) if stream is None else pageable(part.params)  # pinned if streamed
+        return Part(params, AdamWState(pinned(opt.count), mu, nu), stream)
+
+    def cast(self, params: Params) -> Params | None:
+        """A fresh stream copy of host ``params``, cast on the device (fast) and written back to host."""
+        if self.stream_dtype is None:
+            return None
+        return self.placement.copy_to_host(self._cast(self.placement.to_device(params)))
+
+    def route(self, part: Part) -> Route:
+        """How this part's update runs (decided once per part structure, by lowering the host route)."""
+        if self.kernel is not None:
+            return "fused"
+        key = jax.tree.structure(part), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(part))
+        if key not in self._routes:
+            host = self.placement.host_for
+            spec = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host(x)), t)
+            grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=host(x)), part.params)
+            scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.placement.host)
+            try:
+                self._host_update.lower(spec(part.params), spec(part.opt), grads, scale).compile()
+                self._routes[key] = "host"
+            except (ValueError, TypeError):  # host and device operands meet inside the transformation
+                self._routes[key] = "device"
+        return self._routes[key]
+
+    def compilations(self) -> dict[str, int]:
+        """Compiled programs per route (one per distinct part structure; tests assert this)."""
+        return {"host": self._host_update.cache_size(), "device": self._device_update.cache_size()}
+
+    def _update_fn(self, params: Params, opt_state: Any, grads: Params, scale: jax.Array):
+        params, opt_state = apply_scaled_update(self.tx, params, opt_state, grads, scale)
+        return params, opt_state, stream_copy(params, self.stream_dtype)
+
+    def update(self, part: Part, grads: Params, scale: jax.Array, salt: int = 0) -> Part:
+        """The whole update: the new part, all in host memory. The fused route writes the masters, the
+        moments and the stream copy in place. ``salt`` (the part's index) keys capacity mode's rounding bits."""
+        route = self.route(part)
+        if route == "fused":
+            t = self._next_count(part.opt)
+            if self.capacity:
+                self._run_kernel(host_kernel.adamw_sr_inplace, part, grads, None, float(scale), t, salt=salt)
+            else:
+                self._run_kernel(host_kernel.adamw_inplace, part, grads, part.stream, float(scale), t)
+            return Part(part.params, self._counted(part.opt, t), part.stream)
+        update = self._host_update if route == "host" else self._device_update
+        return Part(*update(part.params, part.opt, grads, self.placement.to_host(scale)))
+
+    def update_stream(self, part: Part, grads: Params, scale: jax.Array) -> int:
+        """First half of a split update: only the stream copy of the new parameters (2 of the 14 bytes per
+        parameter an update writes), the part the next forward needs. Returns the step count for ``commit``."""
+        assert self.splits, "split updates need the fused kernel and a bfloat16 stream copy"
+        t = self._next_count(part.opt)
+        self._run_kernel(host_kernel.adamw_stream_inplace, part, grads, part.stream, float(scale), t)
+        return t
+
+    def commit(self, part: Part, grads: Params, scale: jax.Array, t: int) -> Part:
+        """Second half: the master parameters and moments, in place, bit for bit what ``update`` writes (the
+        stream copy ``update_stream`` wrote already holds their bfloat16 rounding)."""
+        self._run_kernel(host_kernel.adamw_inplace, part, grads, None, float(scale), t)
+        return Part(part.params, self._counted(part.opt, t), part.stream)
+
+    def _next_count(self, state: AdamWState) -> int:
+        return int(local_value(state.count)) + 1
+
+    def _counted(self, state: AdamWState, t: int) -> AdamWState:
+        # From numpy straight into pinned memory: no accelerator round trip per part and step.
+        return AdamWState(self.placement.to_host(np.asarray(t, np.int32)), state.mu, state.nu)
+
+    def _run_kernel(self, kernel_fn, part: Part, grads: Params, stream: Params | None, scale: float, t: int,
+                    salt: int | None = None) -> None:
+        """The kernel over each leaf, piece by piece (``Placement.pieces``: a device's shard, or the whole
+        leaf where it is replicated). A piece held by several devices (a replicated leaf) is updated once,
+        from its first copy, and the values written are then copied to the others. With a ``salt``, the
+        stochastic-rounding kernel runs: each leaf's bits are keyed by (step, salt, leaf), each piece's by
+        its offset in the leaf."""
+        spec, state = self.spec, part.opt
+        bc1, bc2 = spec.bias_corrections(float(t))
+        lr = float(spec.lr_at(t - 1))
+        jax.block_until_ready(grads)
+        pieces = self.placement.pieces
+        leaves = jax.tree.leaves(part.params)
+        streams = jax.tree.leaves(stream) if stream is not None else [None] * len(leaves)
+        for leaf, (p, m, v, g, s, decay) in enumerate(zip(
+                leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), jax.tree.leaves(grads), streams,
+                jax.tree.leaves(spec.decays(part.params)))):
+            ps, ms, vs, ss = pieces(p), pieces(m), pieces(v), None if s is None else pieces(s)
+            hyper = dict(lr=lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, wd=spec.weight_decay if decay else 0.0,
+                         grad_scale=scale, bc1=bc1, bc2=bc2)
+            for key, g_at in pieces(g).items():
+                n = int(np.prod([b - a for a, b in key]))
+                if salt is None:
+                    kernel_fn(self.kernel, ps[key][0], ms[key][0], vs[key][0], g_at[0],
+                              None if ss is None else ss[key][0], n, **hyper)
+                else:
+                    kernel_fn(self.kernel, ps[key][0], ms[key][0], vs[key][0], g_at[0], n,
+                              seed=rounding_seed(t, salt, leaf), offset=_flat_offset(key, p.shape), **hyper)
+                for copies, itemsize in ((ps[key], p.dtype.itemsize), (ss[key] if ss is not None else [], 2)):
+                    for other in copies[1:]:
+                        ctypes.memmove(other, copies[0], n * itemsize)
+
+
+def rounding_seed(step: int, part: int, leaf: int) -> int:
+    """The 32-bit key of capacity mode's rounding bits for one leaf's update at optimizer step ``step``."""
+    return (step * 0x9E3779B1 ^ part * 0x85EBCA77 ^ leaf * 0xC2B2AE3D) & 0xFFFFFFFF
+
+
+def _flat_offset(key: tuple[tuple[int, int], ...], shape: tuple[int, ...]) -> int:
+    """Where a piece (its start and stop per axis) begins in its leaf's flat order. Pieces split the first
+    axis only (``Placement.spec``), so a piece is a contiguous run of rows."""
+    if not key:
+        return 0
+    assert all((a, b) == (0, d) for (a, b), d in zip(key[1:], shape[1:])), "pieces split the first axis only"
+    return key[0][0] * int(np.prod(shape[1:], dtype=np.int64))

@@ -1,0 +1,383 @@
+"""The GPU side of the plan: one optimizer step of the engine's own schedule (``schedule.step_ops``),
+walked with a ledger of the device buffers each op creates and frees.
+
+What the ledger holds: the GPU-resident parts (fp32 master, Adam moments, compute copy), streamed weights
+between ``fetch`` and ``release``, the boundary activation of every layer and micro-batch until its
+backward, d(loss)/d(hidden) per micro-batch, the float32 gradient accumulator of the part in backward, and
+the gradients of GPU-resident parts until their update. Each op kind has one rule in ``RULES``, keyed like
+``passes.HANDLERS`` (a test checks that every ``OpKind`` has both). Two effects come on top of what the host
+program holds:
+
+- *run-ahead*: JAX dispatches asynchronously, so a buffer the host has dropped stays allocated until the
+  GPU has run the work queued on it: streamed weights after ``release``, gradients whose copy to host
+  memory is queued, offloaded activations whose copy is queued. XLA's GPU client would admit 32
+  computations ahead of the GPU (``max_inflight_computations``), but the host does not get that far:
+  measured on the H100 box (experiments/studies/host_lead.py, op_memory.py) it ran 10-17 ops ahead, with
+  2-6 released blocks' buffers still in use. The ledger counts what the host dropped for its newest
+  ``QUEUED_BLOCKS`` blocks (a block: one part in one pass's forward or backward) as still allocated
+  (experiments/studies/plan_queue_sensitivity.py has the error against every measured run for other
+  depths);
+- *transients*: the scratch memory of the compiled function that is running (block forward, recompute +
+  VJP, head, the embedding's VJP). These are rules of thumb (``transient``), each written from the
+  tensors that function keeps and compared with XLA's compiled memory analysis.
+
+The GPU total is the ledger's peak over one optimizer step, plus the running op's transient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Any, Callable
+
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.parts import IO, PartId
+from megatrain_jax.engine.schedule import STORES_AHEAD, Op, OpKind, step_ops
+from megatrain_jax.models.config import DecoderConfig
+from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, host_roles, io_param_count,
+                                       layer_param_count, part_param_count)
+
+QUEUED_BLOCKS = 3  # blocks of work the GPU trails the host by (H100 box: 2-6 released blocks still in use)
+
+
+def transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: int, flash: bool,
+               packed: bool = False, kept: bool = False) -> tuple[int, str]:
+    """Scratch memory of the compiled function behind an op, a rule of thumb from the tensors it keeps per
+    token. In brackets, XLA's memory analysis on the H100 (per micro-batch: 7B layer at 16K tokens / 3B at
+    128K; it depends on the tokens, not on how they split into rows)."""
+    ab = activation_bytes(c)
+    q, kv, D, V = c.heads * c.dim_per_head, c.kv_heads * c.dim_per_head, c.hidden, c.vocab_size
+    mt = micro_rows * seq_len
+    # The MLP's width per token: a mixture of experts computes top_k experts' rows (and the shared
+    # expert's), and also holds each routed copy of the token's input and output [tokens * top_k, D].
+    # (A rule from the shapes; no MoE run has checked it yet.)
+    F = c.ffn if c.moe is None else c.moe.top_k * c.moe.expert_ffn + (c.moe.shared_expert_ffn or 0) \
+        + 2 * c.moe.top_k * D // 3
+    mlp_t = mt if c.mlp_chunk_tokens is None else min(mt, c.mlp_chunk_tokens)  # tokens the MLP holds at once
+    scores = 0 if flash else micro_rows * c.heads * seq_len * seq_len * (4 + ab)  # no flash: T x T scores
+    # A chunked MLP leaves the attention's tensors the larger part at long lengths; its lax.map also copies
+    # the block's [T, D] input padded into chunks and stacks the chunks' gradients in the backward.
+    # [Measured with experiments/studies/op_memory.py, one block, 32K-token chunks, above its outputs: forward 3B 512K
+    # 6.0 GiB (this rule 5.0), 7B 256K 6.1 (6.0); backward 3B 256K 15.7 (16.0), 3B 512K 31.4 (30.5), 7B 128K
+    # 11.2 (13.0), 7B 256K 22.2 (24.0)]
+    chunked = mlp_t < mt
+    if kind == "forward":  # [1.01 / 6.0 GiB, and 8B's 1.31 at 16K; this rule the same]
+        if chunked and mt * (q + 2 * kv) > mlp_t * 3 * F:
+            return mt * (q + 2 * kv) * ab + scores, "q, k and v (the MLP is chunked)"
+        return mlp_t * 3 * F * ab + scores, "MLP gate, up and product"
+    if kind == "backward":  # [7B: 1.85, 4.19, 8.38 GiB at 16K, 32K, 64K tokens; 3B: 2.88, 11.56 at 32K, 128K;
+        #                        this rule 2.08, 4.17, 8.33; 2.94, 11.75; float32 weights add ~0.57 at 7B]
+        weights = layer_param_count(c) * 4 if sb == 4 else 0  # their bf16 cast; the gradient in float32
+        # cuDNN's packed layout: a float32 dQ workspace per possible document [rows x segments, N, T, H]
+        # (one row of 32K tokens, 24 heads of 128, 64 segments: this rule 24 GiB, +29 GiB measured;
+        # tests/assets/measured/h100_kernels.json)
+        packed_ws = c.segments_per_row(seq_len) * mt * q * 4 if packed and flash else 0
+        qs = 1 if kept else 2  # q, and the attention output unless it was kept (counted with the activations)
+        copies = 2 * mt * D if chunked else 0  # the chunked MLP's padded input and stacked gradient
+        return (max((mt * (5 * D + qs * q + 2 * kv) + mlp_t * 3 * F + copies) * ab, layer_param_count(c) * sb)
+                + weights + 2 * scores + packed_ws,
+                "what the recompute keeps for the VJP: norm outputs, residual, q, k, v, " +
+                ("" if kept else "attention output, ") + "MLP gate, up and product, the residual's float32 "
+                "gradient" + (", and the chunked MLP's padded input and stacked gradient" if chunked else ""))
+    if kind == "head":  # [2.6 / 11.6 GiB; this rule 2.8 / 10.8]
+        chunk = min(c.loss_chunk_tokens, mt)
+        return (2 * chunk * V * 4 + io_param_count(c) * sb + mt * D * (ab + 4),
+                f"one {chunk}-token chunk of float32 logits and their gradient, the io gradient, the final hidden "
+                f"state and its float32 gradient")
+    if kind == "embed_backward":  # [0.24 / 0.73 GiB; exact]
+        return V * D * sb, "the dense embedding gradient"
+    return 0, ""
+
+
+def assumes_flash(c: DecoderConfig) -> bool:
+    """Whether the plan assumes cuDNN's flash attention (a 16-bit model on a GPU; packed rows too, in cuDNN's
+    packed layout, which needs a Hopper GPU)."""
+    return c.attention_impl == "cudnn" or (c.attention_impl == "auto" and c.dtype in ("bfloat16", "float16"))
+
+
+def kept_bytes(c: DecoderConfig, e: EngineConfig, micro_rows: int, seq_len: int, flash: bool,
+               packed: bool = False) -> int:
+    """The residuals one block keeps from its forward to its backward per micro-batch
+    (``EngineConfig.keep_residuals``): cuDNN flash attention's output [rows, T, heads, head_dim] in the
+    compute dtype and its softmax statistics [rows, heads, T] in float32, in cuDNN's packed layout one
+    such row of statistics per possible document (``segments_per_row``; measured on the H100,
+    tests/test_remat.py). Nothing on XLA's attention."""
+    if not (flash and e.keep_residuals):
+        return 0
+    ab = activation_bytes(c)
+    stats = c.segments_per_row(seq_len) if packed else 1
+    return micro_rows * seq_len * c.heads * (c.dim_per_head * ab + 4 * stats)
+
+
+
+@dataclasses.dataclass
+class Ledger:
+    """Device bytes per category as the schedule runs, and buffers the host dropped but the GPU still uses."""
+
+    live: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # category -> [bytes, buffers]
+    held: list = dataclasses.field(default_factory=list)  # (block, category, bytes) queued GPU work still uses
+    queue: deque = dataclasses.field(default_factory=deque)  # the blocks the host has moved through, newest last
+
+    def add(self, cat: str, nbytes: int, n: int = 1) -> None:
+        entry = self.live.setdefault(cat, [0, 0])
+        entry[0] += nbytes
+        entry[1] += n
+
+    def drop(self, cat: str, nbytes: int, n: int = 1, block: Any = None) -> None:
+        """``cat``'s buffers the host no longer holds; with ``block``, work queued for that block (a part in
+        one pass and phase) still uses them until the host is ``QUEUED_BLOCKS`` blocks further."""
+        self.add(cat, -nbytes, -n)
+        if block is not None:
+            self.reach(block)
+            self.held.append((block, cat, nbytes))
+
+    def reach(self, block: Any) -> None:
+        """The host has issued ``block``'s work: what the GPU still uses for older blocks than the newest
+        ``QUEUED_BLOCKS`` is free."""
+        if block in self.queue:
+            return
+        self.queue.append(block)
+        while len(self.queue) > QUEUED_BLOCKS:
+            done = self.queue.popleft()
+            self.held = [h for h in self.held if h[0] != done]
+
+    def settle(self, cat: str, keep: int) -> None:
+        """The host waited for all but the newest ``keep`` of ``cat``'s dropped buffers: the rest are free."""
+        mine = [h for h in self.held if h[1] == cat]
+        gone = set(map(id, mine[:max(len(mine) - keep, 0)]))
+        self.held = [h for h in self.held if id(h) not in gone]
+
+    def total(self) -> int:
+        return sum(b for b, _ in self.live.values()) + sum(b for _, _, b in self.held)
+
+    def breakdown(self) -> dict[str, int]:
+        held: dict[str, list[int]] = {}
+        for block, cat, b in self.held:  # counted in blocks: one entry may hold several micro-batches' buffers
+            entry = held.setdefault(f"{cat}: dropped by the host, still used by queued GPU work", [0, set()])
+            entry[0] += b
+            entry[1].add(block)
+        return {**{f"{cat} ({n} buffers)" if n > 1 else cat: b for cat, (b, n) in self.live.items() if b},
+                **{f"{cat} ({len(blocks)} blocks)" if len(blocks) > 1 else cat: b
+                   for cat, (b, blocks) in held.items() if b}}
+
+
+# The ledger's categories.
+W, A, G = "streamed weights of the io part and blocks", "boundary activations", "gradient accumulators, float32"
+K = "kept residuals: attention output and softmax statistics (keep_residuals)"
+R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
+H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
+
+
+@dataclasses.dataclass
+class Walk:
+    """One optimizer step of the schedule on one GPU of ``devices``: the sizes of what the ops create, what
+    is live (``led``), and the peak so far. Each GPU holds its rows, its shard of the resident parts and of
+    each fetched part, and each fetched part whole once gathered."""
+
+    c: DecoderConfig
+    e: EngineConfig
+    rows: int  # this GPU's rows per pass
+    seq_len: int
+    sb: int  # bytes per streamed weight
+    flash: bool
+    devices: int = 1
+    packed: bool = False
+    led: Ledger = dataclasses.field(default_factory=Ledger)
+    acts: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> micro-batch activations held
+    keeps: dict[int, int] = dataclasses.field(default_factory=dict)  # block -> micro-batch kept residuals held
+    away: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> activations in host memory
+    home: set = dataclasses.field(default_factory=set)  # waiting gradients the step before's update took home
+    best: tuple[int, dict[str, int], str] = (-1, {}, "")  # the peak: bytes, items, op
+    accumulate: bool = False  # this pass adds to an earlier pass's gradients
+    pass_index: int = 0
+    backward: bool = False  # the pass is past its head
+
+    def __post_init__(self) -> None:
+        c, e = self.c, self.e
+        self.M = e.micro_batches
+        self.Pl, self.Pio = layer_param_count(c), io_param_count(c)
+        self.fetched = 1 if self.devices == 1 else 1 + 1 / self.devices  # the shard, and the part once gathered
+        self.act = self.rows // self.M * self.seq_len * c.hidden * activation_bytes(c)  # one micro-batch's
+        self.res = kept_bytes(c, e, self.rows // self.M, self.seq_len, self.flash, self.packed)  # one block's
+        self.on_gpu = {IO} if e.resident_io else set()
+        self.on_gpu |= {PartId.block(i) for i in range(e.resident_layers)}
+        self.waiting = set(host_roles(c, e).grads_on_gpu)
+        # fp32 master + Adam moments + the compute copy (a second fp32 copy when float32 is streamed)
+        self.resident = (e.resident_layers * self.Pl + (self.Pio if e.resident_io else 0)) * (12 + self.sb) \
+            // self.devices
+        self.batches = self.rows * self.seq_len * (BATCH_BYTES_PER_TOKEN + (0 if self.flash else 4))
+
+    # ------------------------------------------------------------------ what an op touches
+    def here(self, op: Op) -> tuple:
+        """The block whose work ``op`` queues: its part in this pass and phase."""
+        return (self.pass_index, self.backward, op.kind if op.part is None else op.part)
+
+    def is_io(self, op: Op) -> bool:
+        return op.kind == "head" or (op.part is not None and op.part.is_io)  # the head accumulates io's gradient
+
+    def weights(self, op: Op) -> int:
+        return int((self.Pio if self.is_io(op) else self.Pl) * self.sb * self.fetched)
+
+    def grad(self, op: Op) -> int:
+        return (self.Pio if self.is_io(op) else self.Pl) * 4
+
+    def last_micro(self, op: Op) -> bool:
+        return op.micro == self.M - 1
+
+    def peak(self, op: Op, out: int = 0, temp: int = 0, why: str = "") -> None:
+        """What is allocated while ``op`` runs: the ledger, its transient and its outputs."""
+        total = self.resident + self.led.total() + temp + out
+        if total > self.best[0]:
+            items = {f"GPU-resident parts with their optimizer state ({len(self.on_gpu)} parts)": self.resident,
+                     **self.led.breakdown()}
+            items[f"transient of {op!r} ({why})"] = temp
+            items[f"outputs of {op!r}"] = out
+            self.best = (total, {k: v for k, v in items.items() if v}, repr(op))
+
+    def compute(self, op: Op, out: int) -> None:
+        """The peak of a compute op (with its program's transient); its work is now queued."""
+        temp, why = transient(self.c, op.kind, self.rows // self.M, self.seq_len, self.sb, self.flash,
+                              self.packed, self.res > 0)
+        self.peak(op, out, temp, f"rule of thumb: {why}")
+        self.led.reach(self.here(op))  # GPU-resident blocks' and unreleased ones' work counts too
+
+    def drop_acts(self, layer: int) -> None:
+        self.led.drop(A, self.act * self.acts[layer], self.acts.pop(layer))
+
+
+# ---------------------------------------------------------------------------------------------- the rules
+# One rule per op kind: what the op allocates while it runs (``Walk.peak``), then what the host holds after
+# it. A new op kind gets a rule here, a handler in ``passes.HANDLERS`` and a name in ``schedule.OpKind``.
+def _fetch(w: Walk, op: Op) -> None:
+    kept = op.part in w.on_gpu
+    w.peak(op, out=0 if kept else w.weights(op))
+    if op.part in w.waiting and op.part not in w.home:  # the forward's fetch waited for the update, which
+        w.home.add(op.part)                              # took the step before's gradient home
+        w.led.drop(H, w.grad(op) // w.devices)
+    if not kept:
+        w.led.add(W, w.weights(op))
+
+
+def _release(w: Walk, op: Op) -> None:
+    w.peak(op)
+    if op.part not in w.on_gpu:
+        w.led.drop(W, w.weights(op), block=w.here(op))
+
+
+def _embed(w: Walk, op: Op) -> None:
+    w.compute(op, out=w.act)
+    w.acts[0] = w.acts.get(0, 0) + 1
+    w.led.add(A, w.act)
+
+
+def _forward(w: Walk, op: Op) -> None:
+    w.compute(op, out=w.act + w.res)
+    layer = op.part.layer + 1
+    w.acts[layer] = w.acts.get(layer, 0) + 1
+    w.led.add(A, w.act)
+    if w.res:
+        w.keeps[op.part.layer] = w.keeps.get(op.part.layer, 0) + 1
+        w.led.add(K, w.res)
+
+
+def _head(w: Walk, op: Op) -> None:
+    w.compute(op, out=w.act + (w.grad(op) if op.micro == 0 else 0))
+    if op.micro == 0:
+        w.led.add(G, w.grad(op))
+    w.led.add(DY, w.act)
+    if w.last_micro(op):
+        w.drop_acts(w.c.layers)
+
+
+def _backward(w: Walk, op: Op) -> None:
+    w.compute(op, out=w.act + (w.grad(op) if op.micro == 0 else 0))
+    if op.micro == 0:
+        w.led.add(G, w.grad(op))
+    layer = op.part.layer
+    if w.last_micro(op) and layer in w.keeps:
+        n = w.keeps.pop(layer)
+        w.led.drop(K, w.res * n, n)
+    if w.last_micro(op) and layer > 0:  # block 0's inputs are the embeddings, still needed by embed_backward
+        w.drop_acts(layer)
+
+
+def _embed_backward(w: Walk, op: Op) -> None:
+    w.compute(op, out=0)
+    if w.last_micro(op):
+        n = sum(w.acts.values())
+        w.led.drop(A, w.act * n, n)
+        w.led.drop(DY, w.act * w.M, w.M)
+        w.acts.clear()
+
+
+def _send_grads(w: Walk, op: Op) -> None:
+    kept, waits = op.part in w.on_gpu, op.part in w.waiting
+    back = w.grad(op) if w.accumulate and not (kept or waits) else 0
+    w.peak(op, temp=back, why="the earlier passes' sum, back from host memory to be added")
+    w.led.drop(G, w.grad(op), block=None if kept or waits else w.here(op))
+    if kept and not w.accumulate:
+        w.led.add(R, w.grad(op))
+    elif waits and not w.accumulate:
+        w.led.add(H, w.grad(op) // w.devices)
+
+
+def _update(w: Walk, op: Op) -> None:
+    w.peak(op)
+    if op.part in w.on_gpu:
+        w.led.drop(R, w.grad(op))
+
+
+def _store_acts(w: Walk, op: Op) -> None:
+    """Freed once the queued copies have read them; the host waits for all but the last ``STORES_AHEAD``
+    blocks' copies. The block's kept residuals go with its inputs."""
+    w.peak(op)
+    layer = op.part.layer
+    n, nk = w.acts.pop(layer), w.keeps.pop(layer, 0)
+    w.led.add(K, -w.res * nk, -nk)
+    w.led.add(A, w.res * nk, 0)
+    w.led.drop(A, (w.act + w.res) * n, n, block=w.here(op))
+    w.led.settle(A, keep=STORES_AHEAD)
+    w.away[layer] = n
+
+
+def _load_acts(w: Walk, op: Op) -> None:
+    w.peak(op, out=(w.act + w.res) * w.M)  # one copy per micro-batch (and one of its kept residuals)
+    layer = op.part.layer
+    w.acts[layer] = n = w.away.pop(layer)
+    w.led.add(A, w.act * n, n)
+    if w.res:
+        w.keeps[layer] = n
+        w.led.add(K, w.res * n, n)
+
+
+def _nothing_held(w: Walk, op: Op) -> None:
+    """The global norm, the commit of split updates, and evaluation's loss: a scalar each."""
+    w.peak(op)
+
+
+RULES: dict[OpKind, Callable[[Walk, Op], None]] = {
+    "fetch": _fetch, "release": _release, "embed": _embed, "forward": _forward, "head": _head,
+    "backward": _backward, "send_grads": _send_grads, "embed_backward": _embed_backward,
+    "grad_norm": _nothing_held, "update": _update, "commit": _nothing_held, "loss": _nothing_held,
+    "store_acts": _store_acts, "load_acts": _load_acts,
+}
+
+
+def gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int, flash: bool,
+             devices: int = 1, packed: bool = False) -> tuple[dict[str, int], str]:
+    """Walk one optimizer step of the engine's schedule: the peak's items (bytes) and the op it happens in.
+    The step is a steady-state one: the gradients that wait on the GPU (``grads_on_gpu``) from the step
+    before are there when it starts, each until its part's fetch (which waits for the part's update, which
+    copies the gradient home)."""
+    w = Walk(c, e, rows // devices, seq_len, sb, flash, devices, packed)
+    for part in w.waiting:  # the step before's, copied home by each part's update before its fetch
+        w.led.add(H, part_param_count(c, part) * 4 // devices)
+    passes = min(e.accumulate_steps, 2)  # later accumulating passes repeat the second
+    for j in range(passes):
+        w.pass_index, w.accumulate, w.backward = j, j > 0, False
+        w.led.add(B, w.batches)
+        for op in step_ops(c.layers, w.M, e.prefetch_depth, update=j == passes - 1, offload=e.offload_activations):
+            w.backward |= op.kind == "head"
+            RULES[op.kind](w, op)
+        w.led.drop(B, w.batches)
+    return w.best[1], w.best[2]

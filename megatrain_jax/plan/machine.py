@@ -1,0 +1,102 @@
+"""What this machine has and what its software stack does with memory: free host RAM, disk and GPU
+memory, the share of the GPU that JAX lets XLA allocate, and XLA's pinned-host pool.
+
+The constants are measured on the H100 box (jax 0.11.2, CUDA driver 580, 125.9 GiB host); docs/design.md
+has the data path they belong to."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+
+from megatrain_jax._environment import user_host_pool_limit
+from megatrain_jax.plan.counts import GiB, MiB
+
+# Python, JAX/XLA, CUDA libraries, compiled programs: 3.0-3.7 GiB of resident memory outside the pinned
+# pool, measured on the H100 box. The one host allowance the plan adds to what it counts.
+HOST_RUNTIME_BYTES = int(3.5 * GiB)
+PINNED_RSS_OVERHEAD = 0.031  # a pinned pool region of 32 GiB adds 33.0 GiB of resident memory
+HOST_POOL_FRACTION = 0.9  # megatrain_jax._environment caps XLA's pinned pool at 90% of RAM
+POOL_HEADROOM = (0.10, 4 * GiB)  # what the fitted pool cap adds to the pinned arrays: a share and a constant
+JAX_GPU_FRACTION = 0.75  # JAX lets XLA take 75% of GPU memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def available_disk_bytes(folder: str | os.PathLike | None) -> int | None:
+    """Free bytes on the file system that holds ``folder`` (or its nearest existing parent), None without one."""
+    if not folder:
+        return None
+    path = os.path.abspath(folder)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def available_gpu_bytes() -> int | None:
+    """The accelerator allocator's limit (``memory_stats()['bytes_limit']``), None on CPU."""
+    import jax
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return None
+    stats = dev.memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def gpu_bytes_before_jax() -> int | None:
+    """What XLA's allocator will get on the first GPU, read without starting JAX: ``nvidia-smi``'s total
+    memory times ``gpu_fraction()``; None without nvidia-smi (a CPU machine)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True, timeout=30).stdout.split()
+        return int(int(out[0]) * MiB * gpu_fraction())
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def gpu_fraction() -> float:
+    """The share of GPU memory XLA may allocate in this environment."""
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_FRACTION))
+
+
+def fitted_pool_limit(pinned: int, host_ram_bytes: int | None, devices: int = 1) -> int | None:
+    """The cap on XLA's pinned pool for ``pinned`` bytes of pinned arrays, as ``megatrain-jax train`` sets
+    it before JAX starts (``_environment.limit_host_pool``): the arrays plus 10% and 4 GiB of headroom, in
+    whole GiB, at most 90% of RAM. The pool then stops growing where the arrays end instead of doubling
+    past them (up to twice their size, in memory nothing else can use). None where neither is known; an
+    explicit ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` set by the user wins.
+
+    XLA keeps one pinned pool per GPU, each under that cap, and the state is spread over the GPUs: with
+    several, each pool gets its share of the arrays plus 10%, and a share of the headroom (at least 2 GiB)."""
+    user = user_host_pool_limit()
+    if user is not None:
+        return user
+    cap = None if host_ram_bytes is None else int(HOST_POOL_FRACTION * host_ram_bytes / GiB / devices) * GiB
+    headroom = POOL_HEADROOM[1] if devices == 1 else max(POOL_HEADROOM[1] / devices, 2 * GiB)
+    fitted = math.ceil((pinned / devices * (1 + POOL_HEADROOM[0]) + headroom) / GiB) * GiB
+    return fitted if cap is None else min(fitted, cap)
+
+
+def pinned_pool_bytes(arrays: int, limit: int | None) -> int:
+    """What XLA's pinned-host allocator reserves to hold ``arrays`` bytes: its regions double from 2 MiB,
+    and the last one is cut to what ``limit`` leaves."""
+    total, region = 0, 2 * MiB
+    while total < arrays:
+        total, region = total + region, 2 * region
+    return total if limit is None else min(total, limit)
+

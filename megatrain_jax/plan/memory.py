@@ -1,0 +1,299 @@
+"""How much host and GPU memory a run needs, before anything is allocated: ``plan()`` and its
+``MemoryPlan``.
+
+**GPU.** ``gpu_ledger`` walks the engine's own schedule with a ledger of the device buffers each op
+creates and frees, plus the work the GPU still has queued and the running program's scratch memory.
+
+**Host.** Every persistent array lives in host memory (docs/design.md): float32 masters, Adam's moments
+and the 16-bit stream copy of *every* part (GPU-resident ones too: host memory is the source of truth),
+and the float32 gradients of the host-updated parts. What crosses PCIe is pinned: the gradients, the
+stream copy (or the masters, when they are streamed). With the fused AdamW the moments, and the masters of
+parts that stream a 16-bit copy, are pageable (only the kernel touches them); another optimizer keeps all
+of it pinned. XLA serves pinned memory from a pool whose regions double in size (2 MiB, 4 MiB, ...) up to
+``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, which ``megatrain-jax train`` fits to the pinned arrays
+(``machine.fitted_pool_limit``; importing megatrain_jax sets 90% of RAM otherwise). The process keeps the
+whole pool, so the host total is the pool (not the pinned arrays in it), the pageable arrays, and an
+allowance for the Python/JAX/CUDA runtime. (A CPU backend has no such pool; the plan counts it anyway.)
+
+What fits instead, when this does not, is ``levers``' job. tests/test_memory_plan.py compares the plan
+with the peaks measured on GPUs (tests/assets/measured/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatrain_jax._environment import limit_host_pool, physical_ram_bytes, visible_gpus
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.schedule import offloaded_blocks
+from megatrain_jax.models.config import DecoderConfig
+from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, GiB, activation_bytes, host_roles, io_param_count,
+                                       layer_param_count, part_param_count)
+from megatrain_jax.plan.gpu_ledger import assumes_flash, gpu_peak, kept_bytes
+from megatrain_jax.plan.machine import (HOST_RUNTIME_BYTES, PINNED_RSS_OVERHEAD, available_disk_bytes,
+                                        available_gpu_bytes, available_host_bytes, fitted_pool_limit, pinned_pool_bytes)
+
+
+class MemoryPlanError(RuntimeError):
+    """The run does not fit in host or GPU memory; the message lists the numbers and what would fit."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per item in host and GPU memory, the limits they are compared with, and the inputs."""
+
+    host: dict[str, int]
+    gpu: dict[str, int]
+    host_available: int | None
+    gpu_available: int | None
+    model_cfg: DecoderConfig
+    engine_cfg: EngineConfig
+    batch_rows: int
+    seq_len: int
+    stream_dtype: str
+    packed: bool = False
+    loaded_copy: bool = False
+    host_pinned: int = 0  # bytes of the pinned arrays (what XLA's pool must hold)
+    host_pool_limit: int | None = None  # XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB in bytes
+    host_pool_fitted: bool = True  # the cap is fitted to this plan's pinned arrays (not given)
+    gpu_peak_at: str = ""  # the op during which the GPU peaks
+    devices: int = 1  # GPUs the run spreads over: ``gpu`` is one GPU's, ``host`` the whole host's
+    disk: int = 0  # bytes of the disk tier's files (``EngineConfig.disk_parts``)
+    disk_available: int | None = None  # free bytes where they go
+
+    @property
+    def pinned_per_pool(self) -> int:
+        """Pinned bytes in each GPU's pool (the state is spread over the GPUs)."""
+        return -(-self.host_pinned // self.devices)
+
+    @property
+    def params(self) -> int:
+        return self.model_cfg.param_count()
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(self.gpu.values())
+
+    @property
+    def host_fits(self) -> bool:
+        pool_ok = self.host_pool_limit is None or self.pinned_per_pool <= self.host_pool_limit
+        return pool_ok and (self.host_available is None or self.host_total <= self.host_available)
+
+    @property
+    def gpu_fits(self) -> bool:
+        return self.gpu_available is None or self.gpu_total <= self.gpu_available
+
+    @property
+    def disk_fits(self) -> bool:
+        return self.disk_available is None or self.disk <= self.disk_available
+
+    @property
+    def fits(self) -> bool:
+        return self.host_fits and self.gpu_fits and self.disk_fits
+
+    def replace(self, **changes) -> "MemoryPlan":
+        """The plan of the same run with ``model_cfg``, ``engine_cfg``, ``batch_rows`` ... changed."""
+        args = dict(model_cfg=self.model_cfg, engine_cfg=self.engine_cfg, batch_rows=self.batch_rows,
+                    seq_len=self.seq_len, stream_dtype=self.stream_dtype, host_ram_bytes=self.host_available,
+                    gpu_bytes=self.gpu_available, packed=self.packed, loaded_copy=self.loaded_copy,
+                    host_pool_limit=None if self.host_pool_fitted else self.host_pool_limit, detect=False,
+                    devices=self.devices, disk_bytes=self.disk_available)
+        args.update(changes)
+        return plan(**args)
+
+    def applied(self, changes: tuple[tuple[str, Any], ...]) -> "MemoryPlan":
+        """The plan with config changes (``("engine.micro_batches", 4), ...``) applied."""
+        model, engine, rows, seq = {}, {}, self.batch_rows, self.seq_len
+        stream = self.stream_dtype
+        for key, value in changes:
+            section, name = key.split(".", 1)
+            if key == "data.batch_size":
+                rows = value
+            elif key == "data.seq_len":
+                seq = value
+            elif section == "engine":
+                engine[name] = value
+                stream = value if name == "stream_dtype" else stream
+            elif section == "model":
+                model[name] = value
+            else:
+                raise ValueError(f"the memory plan cannot apply {key}")
+        return self.replace(model_cfg=self.model_cfg.replace(**model),
+                            engine_cfg=dataclasses.replace(self.engine_cfg, **engine), batch_rows=rows,
+                            seq_len=seq, stream_dtype=stream)
+
+    def table(self) -> str:
+        c, e = self.model_cfg, self.engine_cfg
+        lines = [f"memory plan: {self.params / 1e9:.2f} B params ({c.layers} layers, hidden {c.hidden}, vocab "
+                 f"{c.vocab_size}); {self.batch_rows} x {self.seq_len} tokens per pass in {e.micro_batches} "
+                 f"micro-batch(es); prefetch_depth {e.prefetch_depth}; weights streamed as {self.stream_dtype}; "
+                 f"{e.resident_layers} blocks{' + io' if e.resident_io else ''} GPU-resident; gradients of {e.grads_on_gpu} "
+                 f"parts wait on the GPU"]
+        gpu_name = f"GPU, at its peak (during {self.gpu_peak_at}, 1st step)"
+        sides = (("host RAM", self.host, self.host_available), (gpu_name, self.gpu, self.gpu_available))
+        for name, items, avail in sides:
+            lines.append(f"  {name:<96s} {'GiB':>8s}")
+            lines += [f"    {k:<94s} {v / GiB:8.2f}" for k, v in items.items()]
+            total = sum(items.values())
+            verdict = ("(no limit known)" if avail is None else
+                       f"of {avail / GiB:.2f} available: " + ("fits" if total <= avail
+                                                               else f"OVER by {(total - avail) / GiB:.2f} GiB"))
+            lines.append(f"    {'total':<94s} {total / GiB:8.2f}  {verdict}")
+            if items is self.host and self.host_pool_limit is not None and self.pinned_per_pool > self.host_pool_limit:
+                lines.append(f"    OVER by {(self.host_pinned - self.host_pool_limit) / GiB:.2f} GiB: "
+                             f"{self.host_pinned / GiB:.2f} GiB of pinned arrays, XLA's pinned pool is capped at "
+                             f"{self.host_pool_limit / GiB:.0f} GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)")
+        if self.disk:
+            where = "" if self.disk_available is None else f" of {self.disk_available / GiB:.2f} free: " + (
+                "fits" if self.disk_fits else f"OVER by {(self.disk - self.disk_available) / GiB:.2f} GiB")
+            lines.append(f"  disk tier ({self.engine_cfg.disk_parts} blocks' Adam moments in {self.engine_cfg.disk_dir}): "
+                         f"{self.disk / GiB:.2f} GiB{where}; each step reads and writes it once")
+        lines.append(f"  host bytes per parameter: {self.host_pinned / self.params:.1f} in pinned arrays, "
+                     f"{self.host_total / self.params:.1f} in all; by mode:")
+        lines += [f"    {name:<94s} {b:8.1f}" for name, b in self.host_bytes_per_param().items()]
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ what would fit
+    def host_bytes_per_param(self) -> dict[str, float]:
+        """Host bytes per parameter of this run in each mode: full precision (float32 masters and moments,
+        GPU-resident parts as configured) and capacity mode (no GPU-resident parts)."""
+        e = self.engine_cfg
+        full = dataclasses.replace(e, master_dtype="float32", stream_dtype=None, grads_on_gpu=0, disk_parts=0)
+        capacity = dataclasses.replace(full, master_dtype="bfloat16", resident_layers=0, resident_io=False)
+        every = lambda cfg: len(host_roles(self.model_cfg, cfg).host_updated)  # noqa: E731
+        modes = {
+            "full precision, 16-bit stream copy, gradients in host memory": dataclasses.replace(
+                full, stream_dtype="bfloat16"),
+            "full precision, float32 streamed, gradients in host memory": dataclasses.replace(
+                full, stream_dtype="float32"),
+            "full precision, float32 streamed, every host-updated gradient waiting on the GPU": dataclasses.replace(
+                full, stream_dtype="float32", grads_on_gpu=every(full)),
+            "capacity mode (bfloat16 masters and moments), gradients in host memory": capacity,
+            "capacity mode, every gradient waiting on the GPU": dataclasses.replace(
+                capacity, grads_on_gpu=every(capacity)),
+        }
+        if e.disk_dir:
+            modes["full precision, float32 streamed, every non-resident block's moments in the disk tier"] = (
+                dataclasses.replace(full, stream_dtype="float32", disk_parts=self.model_cfg.layers - e.resident_layers))
+        return {name: self.replace(engine_cfg=cfg, stream_dtype=cfg.stream_dtype or "bfloat16").host_total / self.params
+                for name, cfg in modes.items()}
+
+
+
+def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
+         stream_dtype: str | None = None, host_ram_bytes: int | None = None, gpu_bytes: int | None = None,
+         *, packed: bool = False, loaded_copy: bool = False, detect: bool = True,
+         host_pool_limit: int | None = None, devices: int = 1, disk_bytes: int | None = None) -> MemoryPlan:
+    """The memory needed to train ``model_cfg`` on batches of ``batch_rows`` x ``seq_len`` tokens.
+
+    ``stream_dtype`` is the dtype of the weights sent to the GPU (default: ``engine_cfg.stream_dtype``, else
+    the model's compute dtype). ``gpu_bytes`` is what XLA's allocator may use (``bytes_limit``, a fraction of
+    the card: see ``gpu_fraction``). Limits not given are read from this machine when ``detect`` (host:
+    MemAvailable; GPU: the allocator's bytes_limit). XLA's pinned pool is capped at ``host_pool_limit``
+    (default: ``fitted_pool_limit``, as ``megatrain-jax train`` sets it). ``packed`` rows carry segment
+    ids: cuDNN's packed attention and its per-document workspace (``DecoderConfig.segments_per_row``; a
+    Hopper GPU is assumed: older ones take XLA's masked attention, whose scores the plan does not count).
+    ``loaded_copy``:
+    the model object holds float32 weights loaded from a checkpoint for the whole run. ``devices``: the GPUs
+    the run spreads over (per-GPU figures are one GPU's; host figures the whole host's, with one pinned
+    pool per GPU). ``disk_bytes``: free space for the disk tier's files (default, when ``detect``: that of
+    ``engine_cfg.disk_dir``).
+    """
+    c, e = model_cfg, engine_cfg
+    e.check_rows(batch_rows, devices)
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1")
+    if e.resident_layers > c.layers:
+        raise ValueError(f"resident_layers={e.resident_layers} exceeds the model's {c.layers} blocks")
+    if e.offload_activations > c.layers:
+        raise ValueError(f"offload_activations={e.offload_activations} exceeds the model's {c.layers} blocks")
+    if detect:
+        host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
+        gpu_bytes = available_gpu_bytes() if gpu_bytes is None else gpu_bytes
+        disk_bytes = available_disk_bytes(e.disk_dir) if disk_bytes is None else disk_bytes
+    roles = host_roles(c, e)  # raises where grads_on_gpu or disk_parts ask for more parts than there are
+    stream_dtype = "bfloat16" if e.capacity else (stream_dtype or e.stream_dtype or c.dtype)
+    sb = 2 if stream_dtype in ("bfloat16", "float16") else 4
+    P = c.param_count()
+    on_host_grads = P - e.resident_layers * layer_param_count(c) - (io_param_count(c) if e.resident_io else 0)
+    waiting = [part_param_count(c, part) for part in roles.grads_on_gpu]  # gradients kept on the GPU
+
+    # The fused C++ AdamW (megatrain_jax.adamw, the CLI's optimizer) keeps what only it touches in pageable
+    # memory; it runs with float32 or bfloat16 streaming, where a C++ compiler exists (else the engine warns).
+    fused = e.host_kernel and stream_dtype in ("float32", "bfloat16")
+    pinned, pageable = {}, {}
+    mb = 4 if e.capacity else 8  # bytes of Adam moments per parameter
+    on_disk = e.disk_parts * layer_param_count(c)  # params whose moments live in the disk tier's files
+    moments = "Adam moments m and v, " + ("bfloat16 (4 B/param; capacity mode)" if e.capacity else
+                                          "float32 (8 B/param)")
+    if on_disk:
+        moments += f" of the {(P - on_disk) / 1e9:.2f} B params not in the disk tier"
+    if e.capacity:  # bfloat16 masters (streamed themselves) and moments, stochastically rounded
+        pinned["master weights, bfloat16, streamed (2 B/param; capacity mode)"] = 2 * P
+        pageable[moments] = mb * (P - on_disk)
+    else:
+        (pageable if fused and sb == 2 else pinned)["master weights, float32 (4 B/param)"] = 4 * P
+        (pageable if fused else pinned)[moments] = mb * (P - on_disk)
+    if on_disk:  # the one updating, two read ahead, one being written behind
+        pageable[f"disk tier: moments of up to {min(4, e.disk_parts)} blocks in memory (updating, read ahead, "
+                 f"written behind)"] = mb * layer_param_count(c) * min(4, e.disk_parts)
+    if sb == 2 and not e.capacity:
+        pinned["16-bit stream copy of the weights (2 B/param)"] = 2 * P
+    # The gradients of the host-updated parts, but for those waiting on the GPU: of these, one part's at a
+    # time comes home, when its update runs.
+    grads = 4 * (on_host_grads - sum(waiting)) + 4 * max(waiting, default=0)
+    # Building the state, each of up to 4 parts at once passes its masters through pinned memory on its way
+    # to pageable memory; the gradients later reuse that room.
+    build = 4 * 4 * max(layer_param_count(c), io_param_count(c)) if fused and sb == 2 and not e.capacity else 0
+    what = f"4 B/param of the {(on_host_grads - sum(waiting)) / 1e9:.2f} B host-updated params"
+    if waiting:
+        what += f", and one of the {len(waiting)} parts whose gradients wait on the GPU"
+    pinned[f"gradients of one step, float32 ({what})"] = max(grads, build)
+    ab = activation_bytes(c)
+    offloaded = offloaded_blocks(c.layers, e.prefetch_depth, e.offload_activations)
+    flash = assumes_flash(c)
+    if offloaded:
+        per_block = batch_rows * seq_len * c.hidden * ab + kept_bytes(c, e, batch_rows, seq_len, flash, packed)
+        pinned[f"offloaded activations: the inputs of {offloaded} blocks ({batch_rows} x {seq_len} tokens x "
+               f"{c.hidden} x {ab} B each" + (", and their kept attention residuals" if kept_bytes(
+                   c, e, 1, 1, flash) else "") + ")"] = offloaded * per_block
+    arrays = sum(pinned.values())
+    fitted = host_pool_limit is None
+    if fitted:
+        host_pool_limit = fitted_pool_limit(arrays, host_ram_bytes, devices)
+    pool = devices * pinned_pool_bytes(-(-arrays // devices), host_pool_limit)
+    host = {f"pinned: {k}": v for k, v in pinned.items()}
+    cap = "" if host_pool_limit is None else f" of at most {host_pool_limit / GiB:.0f}"
+    pools = "" if devices == 1 else f"{devices} pools, one per GPU, each"
+    host[f"XLA's pinned pool rounds up: regions double from 2 MiB ({pools}pool {pool / GiB:.1f}{cap} GiB)"] = (
+        max(pool - arrays, 0))
+    host["CUDA driver's bookkeeping of pinned memory (3.1% of the pool, measured)"] = int(pool * PINNED_RSS_OVERHEAD)
+    host.update({f"pageable: {k}": v for k, v in pageable.items()})
+    if loaded_copy:
+        host["float32 weights loaded into the model object (4 B/param)"] = 4 * P
+    tokens = batch_rows * seq_len
+    host[f"token batches in flight ({e.accumulate_steps + 2} x {tokens} tokens x {BATCH_BYTES_PER_TOKEN} B)"] = (
+        (e.accumulate_steps + 2) * tokens * BATCH_BYTES_PER_TOKEN)
+    host["runtime: Python, JAX, CUDA libraries, compiled programs (allowance)"] = HOST_RUNTIME_BYTES
+
+    gpu, at = gpu_peak(c, e, batch_rows, seq_len, sb, flash, devices, packed)
+    return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed,
+                      loaded_copy, arrays, host_pool_limit, fitted, at, devices, mb * on_disk, disk_bytes)
+
+
+def fit_host_pool(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
+                  **plan_kw) -> bool:
+    """Before JAX starts its GPU backend: cap XLA's pinned pool at what this run pins
+    (``fitted_pool_limit``), as ``megatrain-jax train`` does. Returns whether the cap was set (not where the
+    user set one, nor once JAX's backends have started). ``devices`` (in ``plan_kw``) defaults to the GPUs
+    this process will see: the engine spreads over all of them by default."""
+    plan_kw.setdefault("devices", visible_gpus())
+    p = plan(model_cfg, engine_cfg, batch_rows, seq_len, host_ram_bytes=physical_ram_bytes(), detect=False,
+             **plan_kw)
+    return limit_host_pool(p.host_pool_limit)
+
