@@ -7,7 +7,7 @@ to the GPU ahead of use and the optimizer runs on the host. See README.md.
 from megatrain_jax import _environment  # noqa: F401  (first: sets XLA's pinned-host pool size)
 from megatrain_jax.batch import Batch
 from megatrain_jax.check import ModelCheck, check_model
-from megatrain_jax.engine.engine import Engine, StepOutput
+from megatrain_jax.engine.engine import DeviceOutOfMemoryError, Engine, StepOutput
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.evaluate import eval_hook, evaluate
 from megatrain_jax.fit import History, Hook, StepInfo, default_optimizer, fit
@@ -18,8 +18,8 @@ from megatrain_jax.reference import ReferenceTrainer
 from megatrain_jax.train_config import TrainConfig
 from megatrain_jax.engine.update.policy import NonFiniteError
 
-__all__ = ["Batch", "ContractError", "Decoder", "DecoderConfig", "Engine", "EngineConfig", "History", "Hook",
-           "LayeredModel", "ModelCheck", "NonFiniteError", "ReferenceTrainer", "StepInfo", "StepOutput", "TrainConfig",
-           "UnsupportedOptimizerError", "adamw", "check_model", "decay_mask", "default_optimizer", "eval_hook", "evaluate", "fit",
-           "layered", "preset"]
+__all__ = ["Batch", "ContractError", "Decoder", "DecoderConfig", "DeviceOutOfMemoryError", "Engine", "EngineConfig",
+           "History", "Hook", "LayeredModel", "ModelCheck", "NonFiniteError", "ReferenceTrainer", "StepInfo",
+           "StepOutput", "TrainConfig", "UnsupportedOptimizerError", "adamw", "check_model", "decay_mask",
+           "default_optimizer", "eval_hook", "evaluate", "fit", "layered", "preset"]
 __version__ = "0.1.0"

@@ -20,6 +20,7 @@ from megatrain_jax.checkpoint.session import CheckpointedExit, CheckpointSession
 from megatrain_jax.contract.layered import is_abstract
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.engine import Engine
+from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
 from megatrain_jax.engine.transfer import select_devices
 from megatrain_jax.flops import format_flops, model_flops_per_token
 from megatrain_jax.optim import adamw, decay_mask, learning_rate_of
@@ -84,7 +85,7 @@ class Feed:
         self.batches = 0
         self.stopped: str | None = None
         self.failed = False  # the data (or a batch's check) raised: the failure is the data's
-        self._boundary = self._data_state()
+        self._boundary = self._previous = self._data_state()
 
     def _data_state(self) -> Any:
         state = getattr(self._data, "state", None)
@@ -113,8 +114,14 @@ class Feed:
             raise
         self.batches += 1
         if self.batches % self.accumulate == 0:
-            self._boundary = self._data_state()
+            self._previous, self._boundary = self._boundary, self._data_state()
         return batch
+
+    def unread_step(self) -> None:
+        """The engine did not train the step it was given last (it ran out of device memory before any
+        update): ``state()`` goes back to the boundary before that step's batches, so that a checkpoint
+        records them as not yet read and a resumed run trains them."""
+        self._boundary = self._previous
 
 
 def endless(data: Any) -> bool:
@@ -195,27 +202,49 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
     active = getattr(cfg, "active_param_count", None)
     params = active() if callable(active) else sum(x.size for x in jax.tree.leaves(eng.state.params()))
     phase = "engine"
+
+    def report(m: dict) -> None:
+        """One step's metrics to the history, the hooks and the checkpoint session."""
+        nonlocal phase
+        fpt = model_flops_per_token(params, getattr(cfg, "layers", 0), getattr(cfg, "hidden", 0), eng.last_seq_len)
+        m["model_tflops"] = m["tokens_per_s"] * fpt / 1e12
+        if train.peak_tflops:
+            m["mfu"] = m["model_tflops"] / train.peak_tflops
+        if lr_schedule is not None:
+            m["lr"] = float(lr_schedule(m["step"] - 1))
+        history.records.append(m)
+        info = StepInfo(m["step"], int(eng.state.step), eng, feed.stop)
+        phase = "hook"
+        for hook in hooks:
+            if m["step"] % hook.every == 0:
+                hook.fn(m, info)
+        phase = "checkpoint"
+        if session:
+            session.after_step(m, info)
+
     with session.running() if session else contextlib.nullcontext():  # waits for the save in flight on exit
         try:
             last: dict | None = None
-            for m in eng.steps(feed):
-                fpt = model_flops_per_token(params, getattr(cfg, "layers", 0), getattr(cfg, "hidden", 0),
-                                            eng.last_seq_len)
-                m["model_tflops"] = m["tokens_per_s"] * fpt / 1e12
-                if train.peak_tflops:
-                    m["mfu"] = m["model_tflops"] / train.peak_tflops
-                if lr_schedule is not None:
-                    m["lr"] = float(lr_schedule(m["step"] - 1))
-                history.records.append(m)
-                info = StepInfo(m["step"], int(eng.state.step), eng, feed.stop)
-                phase = "hook"
-                for hook in hooks:
-                    if m["step"] % hook.every == 0:
-                        hook.fn(m, info)
-                phase = "checkpoint"
-                if session:
-                    session.after_step(m, info)
-                phase, last = "engine", m
+            try:
+                for m in eng.steps(feed):
+                    report(m)
+                    phase, last = "engine", m
+            except DeviceOutOfMemoryError as err:
+                if not err.updated:
+                    try:  # what the host holds is read back in full: a failure found now means it is not whole
+                        eng.sync()
+                    except Exception as late:  # noqa: BLE001
+                        err.updated = True
+                        err.add_note(f"reading the state back failed too ({type(late).__name__}): it is not whole")
+                if err.updated:
+                    raise
+                # Nothing of the failed step was applied: the state is the last whole step's. Report that
+                # step's metrics, then keep the state (saved, with the data before the failed step's batches).
+                feed.unread_step()
+                if getattr(err, "pending_metrics", None) is not None:
+                    report(err.pending_metrics)
+                phase = "whole"
+                raise
             phase = "hook"
             if last is not None:
                 info = StepInfo(last["step"], int(eng.state.step), eng, feed.stop)
@@ -252,6 +281,9 @@ def _keep_what_was_trained(err: BaseException, phase: str, history: History, mod
     if phase == "engine":
         notes.append("the failure came from inside a training step, so the host state may be half-updated: "
                      "nothing was written back or saved; resume from the last committed checkpoint")
+        committed = None if session is None else session.last_committed()
+        if committed is not None:
+            notes.append(f"the last committed checkpoint is {committed}")
     else:
         try:
             if write_back and not is_abstract(model):

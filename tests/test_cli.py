@@ -371,3 +371,11 @@ def test_packed_mode_with_a_bound_of_one_segment_is_refused_with_what_to_set(tmp
             "model.max_segments=1", f"train.run_dir={tmp_path / 'run'}"]
     assert main(args) == 2
     assert "needs model.max_segments >= 2 (a row's padding counts as one segment), got 1" in capsys.readouterr().err
+
+
+def test_the_start_line_counts_the_devices_the_run_uses(monkeypatch):
+    """``train.devices=1`` on a host that shows 2: the start line says 1 of the 2 (issue 31 item 4)."""
+    from megatrain_jax.cli import run
+    monkeypatch.setattr(run.jax, "device_count", lambda: 2)
+    assert run._device_line(1).endswith(", 1 device(s) of the 2 visible")
+    assert run._device_line(None).endswith(", 2 device(s)") and run._device_line(2).endswith(", 2 device(s)")

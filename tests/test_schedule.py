@@ -7,7 +7,7 @@ import typing
 import pytest
 
 from megatrain_jax.engine.parts import IO, PartId
-from megatrain_jax.engine.passes import CATEGORY, HANDLERS
+from megatrain_jax.engine.passes import CATEGORY, HANDLERS, PHASE
 from megatrain_jax.engine.schedule import Op, OpKind, eval_ops, max_resident_layers, step_ops
 from megatrain_jax.plan.gpu_ledger import RULES
 
@@ -68,10 +68,10 @@ def test_eval_is_the_forward_then_the_loss_and_nothing_else():
 
 def test_every_op_kind_has_one_handler_a_category_and_one_ledger_rule():
     """An op kind is taught in one table per concern, keyed alike: ``passes.HANDLERS`` (how it runs),
-    ``passes.CATEGORY`` (what it is, for timelines) and ``plan.gpu_ledger.RULES`` (what it holds on the GPU,
-    for the memory plan)."""
+    ``passes.CATEGORY`` (what it is, for timelines), ``passes.PHASE`` (its phase, for out-of-memory reports)
+    and ``plan.gpu_ledger.RULES`` (what it holds on the GPU, for the memory plan)."""
     kinds = set(typing.get_args(OpKind))
-    assert set(HANDLERS) == kinds and set(CATEGORY) == kinds and set(RULES) == kinds
+    assert set(HANDLERS) == kinds and set(CATEGORY) == kinds and set(RULES) == kinds and set(PHASE) == kinds
     assert len(set(HANDLERS.values())) == len(kinds) and all(map(callable, RULES.values()))
     assert {o.kind for o in step_ops(2, 2, 1, offload=1) + eval_ops(2, 2, 1)} == kinds
 

@@ -204,6 +204,11 @@ class CheckpointSession:
     def _last_saved(self) -> int | None:
         return None if self.ckpt is None else self.ckpt.last_step
 
+    def last_committed(self) -> Path | None:
+        """The newest checkpoint this session saved, as a path (None before its first save)."""
+        step = self._last_saved()
+        return None if step is None else self.ckpt.root / str(step)
+
     # ------------------------------------------------------------------ signals
     @contextlib.contextmanager
     def running(self) -> Iterator["CheckpointSession"]:

@@ -9,7 +9,9 @@
 
 Exit statuses: 0 done; 1 an unexpected error (with its traceback); 2 bad input (config, data, checkpoint,
 model), with a message saying what to change; 3 training diverged (too many non-finite steps in a row);
-130 / 143 stopped by SIGINT / SIGTERM after saving the checkpoint to resume from.
+4 a step ran out of GPU memory (before any update: the state of the last whole step was saved to resume
+from; the message lists layouts that fit with less GPU memory); 130 / 143 stopped by SIGINT / SIGTERM after
+saving the checkpoint to resume from.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from megatrain_jax.checkpoint.manager import CorruptCheckpointError
 from megatrain_jax.cli.run_config import load_config, parse_config
 from megatrain_jax.cli.toml_dataclass import ConfigError
 from megatrain_jax.contract.layered import ContractError
+from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
 from megatrain_jax.engine.update.policy import NonFiniteError
 from megatrain_jax.plan import GiB, MemoryPlanError
 
 # Exit statuses (README, "Exit statuses"). A run stopped by SIGTERM/SIGINT after saving its checkpoint exits
 # with the shell's status for the signal, 128 + its number: 143 and 130 (CheckpointedExit).
-EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED = 0, 2, 3
+EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OUT_OF_MEMORY = 0, 2, 3, 4
 
 EXAMPLES = """examples:
   megatrain-jax train --config experiments/configs/demo_tiny.toml train.steps=50 model.layers=4
@@ -179,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _failed(args.command, e, EXIT_BAD_INPUT)
     except NonFiniteError as e:
         return _failed(args.command, e, EXIT_DIVERGED)
+    except DeviceOutOfMemoryError as e:
+        return _failed(args.command, e, EXIT_OUT_OF_MEMORY)
     except KeyboardInterrupt:
         print(f"\nmegatrain-jax {args.command}: interrupted", file=sys.stderr)
         return 130

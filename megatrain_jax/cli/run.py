@@ -18,14 +18,16 @@ import jax
 from flax import nnx
 
 from megatrain_jax import distributed
-from megatrain_jax._environment import host_pool_limit, visible_gpus
+from megatrain_jax._environment import gpu_fraction_source, host_pool_limit, visible_gpus
 from megatrain_jax.checkpoint import committed_steps
 from megatrain_jax.cli.run_config import RunConfig, to_dict, to_toml
 from megatrain_jax.evaluate import eval_hook
+from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
 from megatrain_jax.fit import History, Hook, fit
 from megatrain_jax.models import Decoder
 from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
-from megatrain_jax.plan import fit_host_pool, lean_engine, plan, require_fit
+from megatrain_jax.plan import (GiB, MemoryPlan, fit_host_pool, gpu_fraction, lean_engine, options, plan,
+                                require_fit)
 
 # The README demo: the tiny preset learns the synthetic Markov + induction corpus (megatrain_jax.data.demo)
 # from ln 256 = 5.5 nats to about 1.3 in a few hundred steps, about a minute on a 2-core CPU.
@@ -39,9 +41,12 @@ DEMO: dict = {
 }
 
 
-def _device_line() -> str:
-    dev = jax.devices()[0]
-    return f"{dev.platform} ({getattr(dev, 'device_kind', dev)}), {jax.device_count()} device(s)"
+def _device_line(devices: int | None) -> str:
+    """What the run trains on: the platform, and how many of this host's devices it uses (``train.devices``)."""
+    dev, seen = jax.devices()[0], jax.device_count()
+    used = seen if devices is None else min(devices, seen)
+    return (f"{dev.platform} ({getattr(dev, 'device_kind', dev)}), {used} device(s)"
+            + (f" of the {seen} visible" if used < seen else ""))
 
 
 def _first_step(fn) -> Hook:
@@ -136,8 +141,25 @@ def _memory_line(memory) -> str:
     if jax.devices()[0].platform == "cpu":
         return (f"  planned memory: {memory.host_total / 2**30:.1f} GiB of host RAM (no GPU: the model's layers "
                 f"run on the CPU, in host memory)")
-    return (f"  planned memory: host {memory.host_total / 2**30:.1f} GiB, GPU {memory.gpu_total / 2**30:.1f} GiB "
-            f"(megatrain-jax plan shows the breakdown)")
+    of = "" if memory.gpu_available is None else f" of the {memory.gpu_available / 2**30:.1f} GiB XLA may use"
+    return (f"  planned memory: host {memory.host_total / 2**30:.1f} GiB, GPU {memory.gpu_total / 2**30:.1f} GiB{of} "
+            f"({gpu_fraction():.0%} of the GPU: XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_fraction():g}, set by "
+            f"{gpu_fraction_source()}; megatrain-jax plan shows the breakdown)")
+
+
+def _out_of_memory_advice(memory: MemoryPlan, err: DeviceOutOfMemoryError) -> str:
+    """What to run instead after a step ran out of GPU memory: the plan's options re-planned for the GPU
+    memory less the allocation that failed (the plan had counted too little by at least that much)."""
+    resume = "train.resume=true" + ("" if err.updated else f" continues from step {err.step}")
+    if memory.gpu_available is None or not err.requested:
+        return f"to go on: {resume}, with more GPU memory or a layout that needs less (megatrain-jax plan)"
+    budget = memory.gpu_available - err.requested
+    fitting = options(memory.replace(gpu_bytes=budget))
+    lines = [f"the plan had {memory.gpu_total / GiB:.1f} GiB of {memory.gpu_available / GiB:.1f} GiB; re-planned "
+             f"for {budget / GiB:.1f} GiB (less the {err.requested / GiB:.2f} GiB allocation that failed), these "
+             f"fit; add one to the command with {resume}:"]
+    lines += [f"  - {o}" for o in fitting] or ["  (none: a machine with more GPU memory)"]
+    return "\n".join(lines)
 
 
 def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
@@ -170,7 +192,7 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
         require_fit(memory)
     say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
         f"{model_cfg.hidden}), {d.batch_size} x {d.seq_len} tokens per batch, {t.steps} steps on "
-        f"{_device_line()}; run folder {run_dir}")
+        f"{_device_line(t.devices)}; run folder {run_dir}")
     say(_memory_line(memory))
     prepare_run_folder(cfg, say)
 
@@ -209,6 +231,9 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     try:
         history = fit(model, data, optimizer, train=t.for_fit(), engine=cfg.engine, hooks=hooks, write_back=False,
                       init_from=init_from)
+    except DeviceOutOfMemoryError as err:
+        err.add_note(_out_of_memory_advice(memory, err))
+        raise
     finally:
         for w in writers:
             w.close()

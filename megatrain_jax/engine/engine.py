@@ -27,6 +27,7 @@ from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.device_fns import device_fns
 from megatrain_jax.engine.host_state import initial_state
 from megatrain_jax.engine.parts import IO, HostRoles, Part, PartId
+from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, reported_late
 from megatrain_jax.engine.passes import Pass, PassRunner, device_batches
 from megatrain_jax.engine.schedule import eval_ops, step_ops
 from megatrain_jax.engine.transfer import Placement, local_value
@@ -34,7 +35,7 @@ from megatrain_jax.engine.update.disk_tier import DiskTier
 from megatrain_jax.engine.update.policy import NonFiniteError, UpdatePolicy
 from megatrain_jax.optim import check_partwise
 
-__all__ = ["Engine", "EngineConfig", "NonFiniteError", "StepOutput"]
+__all__ = ["DeviceOutOfMemoryError", "Engine", "EngineConfig", "NonFiniteError", "StepOutput"]
 
 
 @dataclasses.dataclass
@@ -135,17 +136,26 @@ class Engine:
     def step(self, batches: Batch | Sequence[Batch]) -> StepOutput:
         batches = [batches] if isinstance(batches, Batch) else list(batches)
         self.check(batches)
-        self.policy.check()  # a too-long run of non-finite steps stops training here
+        with reported_late():
+            self.policy.check()  # a too-long run of non-finite steps stops training here
         self.last_seq_len = batches[0].shape[1]
         t0 = time.perf_counter()
         losses = []
-        for j, batch in enumerate(batches):
-            micro = device_batches(self.placement, batch.filled(), self.cfg.micro_batches)
-            p = Pass(micro, self.fns.inv_count([m.loss_mask for m in micro]), accumulate=j > 0,
-                     last=j == len(batches) - 1, keep_residuals=self.cfg.keep_residuals)
-            self._runner.run(p, step_ops(self.lm.n_blocks, self.cfg.micro_batches, self.cfg.prefetch_depth,
-                                         update=p.last, offload=self.cfg.offload_activations))
-            losses.append(sum(p.losses))
+        self._runner.begin_step()
+        try:
+            for j, batch in enumerate(batches):
+                micro = device_batches(self.placement, batch.filled(), self.cfg.micro_batches)
+                p = Pass(micro, self.fns.inv_count([m.loss_mask for m in micro]), accumulate=j > 0,
+                         last=j == len(batches) - 1, keep_residuals=self.cfg.keep_residuals)
+                self._runner.run(p, step_ops(self.lm.n_blocks, self.cfg.micro_batches, self.cfg.prefetch_depth,
+                                             update=p.last, offload=self.cfg.offload_activations))
+                losses.append(sum(p.losses))
+        except DeviceOutOfMemoryError as err:
+            err.step = int(self.state.step)
+            err.add_note(f"step {err.step + 1} ran out of device memory in {err.phase} " + (
+                "after its update began: parts hold different steps; resume from the last saved checkpoint"
+                if err.updated else f"before any part was updated: the state is that of step {err.step}"))
+            raise
         self.state.step += 1
         tokens = sum(b.tokens for b in batches) * self.placement.processes  # each process feeds its own rows
         return StepOutput(self.state.step, sum(losses) / len(losses), self._runner.decision.norm, tokens,
@@ -159,15 +169,24 @@ class Engine:
             group.append(batch)
             if len(group) < self.cfg.accumulate_steps:
                 continue
-            out, group = self.step(group), []
+            try:
+                with reported_late():
+                    out, group = self.step(group), []
+            except DeviceOutOfMemoryError as err:
+                if pending is not None and not err.updated:  # the last whole step's metrics, not yet reported
+                    err.pending_metrics = _metrics(pending, t_last)
+                raise
             if pending is not None:
-                m = _metrics(pending, t_last)
+                with reported_late():
+                    m = _metrics(pending, t_last)
                 t_last = time.perf_counter()
                 yield m
             pending = out
         if pending is not None:
-            self.sync()
-            yield _metrics(pending, t_last)
+            with reported_late():
+                self.sync()
+                m = _metrics(pending, t_last)
+            yield m
 
     @property
     def skipped_steps(self) -> int:

@@ -20,6 +20,7 @@ import jax
 from megatrain_jax.batch import Batch
 from megatrain_jax.engine.device_fns import DeviceFns
 from megatrain_jax.engine.host_state import HostState
+from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, is_out_of_memory, reported_late, requested_bytes
 from megatrain_jax.engine.parts import IO, Part, PartId
 from megatrain_jax.engine.schedule import STORES_AHEAD, Op, OpKind
 from megatrain_jax.engine.transfer import Placement
@@ -49,6 +50,15 @@ class Pass:
     stores: list = dataclasses.field(default_factory=list)  # offloaded activations whose copies may be queued
 
 
+# The phase of the step an op belongs to, as an out-of-memory report names it.
+PHASE: dict[OpKind, str] = {
+    "fetch": "a transfer to the device", "release": "a transfer to the device", "embed": "the forward",
+    "forward": "the forward", "head": "the head", "backward": "the backward", "send_grads": "the backward",
+    "embed_backward": "the backward", "grad_norm": "the global norm", "update": "the update",
+    "commit": "the update", "loss": "evaluation", "store_acts": "the forward", "load_acts": "the backward",
+}
+
+
 class PassRunner:
     """Runs ops against the host state, the GPU-resident parts and the update policy."""
 
@@ -62,19 +72,37 @@ class PassRunner:
         self._grads: dict[PartId, Any] = {}  # each part's gradient of this optimizer step so far
         self._sq_norms: dict[PartId, Any] = {}
         self.decision: StepDecision | None = None  # of the last optimizer step
+        self.updating = False  # the optimizer step's update has begun (parts may hold the new step)
+
+    def begin_step(self) -> None:
+        """Forget what an optimizer step that did not finish left: its partial gradients and norms."""
+        self._grads.clear()
+        self._sq_norms.clear()
+        self.updating = False
 
     def run(self, p: Pass, ops: Sequence[Op]) -> None:
+        """Run ``ops``. An allocation failure on the device becomes ``DeviceOutOfMemoryError``, saying in which
+        op and whether the optimizer step's update had begun (``updating``)."""
+        op = None
         try:
             if not self.observers:
                 for op in ops:
+                    self.updating |= op.kind in ("update", "commit")
                     HANDLERS[op.kind](self, p, op)
                 return
             for op in ops:
+                self.updating |= op.kind in ("update", "commit")
                 start = time.perf_counter()
                 out = HANDLERS[op.kind](self, p, op)
                 end = time.perf_counter()
                 for o in self.observers:
                     o.on_op(op, start, end, out)
+        except Exception as err:
+            if op is None or not is_out_of_memory(err):
+                raise
+            raise DeviceOutOfMemoryError(
+                f"out of device memory in {op!r} ({PHASE[op.kind]}): {err}", op=repr(op), phase=PHASE[op.kind],
+                updated=self.updating, requested=requested_bytes(err)) from err
         finally:
             # A step cut short after some first halves were queued still queues their second halves, so
             # masters, moments and stream copies never disagree (and no stale task joins a later step).
@@ -87,7 +115,8 @@ class PassRunner:
         if op.part in self.resident:
             shards = self.resident[op.part].stream
         else:
-            self.policy.ready(op.part)
+            with reported_late():  # waits for the part's update: earlier device work's failure surfaces here
+                self.policy.ready(op.part)
             shards = self.placement.to_device(self.state[op.part].streamed())
         p.params[op.part] = self.fns.fetched(shards)  # gathered by the first program that uses it
         return shards
@@ -158,7 +187,8 @@ class PassRunner:
             p.kept[layer] = [self.placement.to_host(k) for k in p.kept[layer]]
         p.stores.append((p.acts[layer], p.kept.get(layer)))
         if len(p.stores) > STORES_AHEAD:
-            jax.block_until_ready(p.stores.pop(0))
+            with reported_late():
+                jax.block_until_ready(p.stores.pop(0))
         return [*p.acts[layer], *p.kept.get(layer, [])]
 
     def load_acts(self, p: Pass, op: Op):

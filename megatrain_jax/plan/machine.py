@@ -10,7 +10,7 @@ import math
 import os
 import subprocess
 
-from megatrain_jax._environment import user_host_pool_limit
+from megatrain_jax._environment import ENGINE_GPU_FRACTION, GPU_FRACTION_VAR, user_host_pool_limit
 from megatrain_jax.plan.counts import GiB, MiB
 
 # Python, JAX/XLA, CUDA libraries, compiled programs: 3.0-3.7 GiB of resident memory outside the pinned
@@ -19,7 +19,6 @@ HOST_RUNTIME_BYTES = int(3.5 * GiB)
 PINNED_RSS_OVERHEAD = 0.031  # a pinned pool region of 32 GiB adds 33.0 GiB of resident memory
 HOST_POOL_FRACTION = 0.9  # megatrain_jax._environment caps XLA's pinned pool at 90% of RAM
 POOL_HEADROOM = (0.10, 4 * GiB)  # what the fitted pool cap adds to the pinned arrays: a share and a constant
-JAX_GPU_FRACTION = 0.75  # JAX lets XLA take 75% of GPU memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise
 
 
 def available_host_bytes() -> int | None:
@@ -70,8 +69,9 @@ def gpu_bytes_before_jax() -> int | None:
 
 
 def gpu_fraction() -> float:
-    """The share of GPU memory XLA may allocate in this environment."""
-    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", JAX_GPU_FRACTION))
+    """The share of GPU memory XLA may allocate in this environment: ``XLA_PYTHON_CLIENT_MEM_FRACTION``, which
+    importing megatrain_jax sets to ``ENGINE_GPU_FRACTION`` unless the user chose (``_environment``)."""
+    return float(os.environ.get(GPU_FRACTION_VAR, ENGINE_GPU_FRACTION))
 
 
 def fitted_pool_limit(pinned: int, host_ram_bytes: int | None, devices: int = 1) -> int | None:

@@ -86,17 +86,27 @@ class StepDecision:
     def __init__(self, norm: jax.Array, scale: jax.Array, ok: jax.Array):
         self.norm, self.scale, self.ok = norm, scale, ok
         self._applies: bool | None = None
+        self._failed: BaseException | None = None  # the device work behind ``ok`` failed (out of memory, say)
         self._lock = threading.Lock()
 
     def resolve(self) -> bool:
-        """Read the decision on the host (waits for the norm); idempotent."""
+        """Read the decision on the host (waits for the norm); idempotent. If the device work it depends on
+        failed, that failure is raised here and by every update that asks ``applies``: no part updates."""
         with self._lock:
+            if self._failed is not None:
+                raise self._failed
             if self._applies is None:
-                self._applies = bool(local_value(self.ok))
+                try:
+                    self._applies = bool(local_value(self.ok))
+                except Exception as err:
+                    self._failed = err
+                    raise
             return self._applies
 
     @property
     def applies(self) -> bool:
+        if self._failed is not None:
+            raise self._failed
         if self._applies is None:
             raise RuntimeError("a part's update ran before its step's decision was resolved: host-worker tasks "
                                "must run one at a time in submission order")

@@ -1,0 +1,64 @@
+"""A training step that runs out of accelerator memory, as one error that says what was kept.
+
+XLA reports an allocation failure (``RESOURCE_EXHAUSTED``) in one of two ways. Where the program's
+dispatch fails, the op is known and so is whether the optimizer step's update had begun
+(``passes.PassRunner.run``). Where the program failed after dispatch, on the device, the failure reaches the
+host only when it next waits on that work or on anything computed from it (a part's update, a loss, the
+step's decision): then which step failed is not known, and GPU-resident parts or the update may hold failed
+results, so the error says the update may have begun (``reported_late``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Iterator
+
+import jax
+
+
+class DeviceOutOfMemoryError(RuntimeError):
+    """A training step ran out of accelerator memory (XLA's ``RESOURCE_EXHAUSTED``), in op ``op``.
+
+    ``updated`` says whether the step's optimizer update may have begun. When not (the dispatch of an op of
+    the forward, the head, the backward or the global norm failed), no part of the step changed the state:
+    the engine holds the state of the last whole step (``step``), which can be saved, resumed from, or the
+    step run again. Otherwise (the update began, or the failure was reported late) some parts may hold the
+    new step or a failed result: resume from the last saved checkpoint. ``requested``: the bytes asked for."""
+
+    def __init__(self, message: str, *, op: str, phase: str, updated: bool, step: int | None = None,
+                 requested: int | None = None):
+        super().__init__(message)
+        self.op, self.phase, self.updated, self.step, self.requested = op, phase, updated, step, requested
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is XLA's allocation failure on the device (``RESOURCE_EXHAUSTED: Out of memory``)."""
+    text = str(err)
+    return isinstance(err, jax.errors.JaxRuntimeError) and ("RESOURCE_EXHAUSTED" in text or "Out of memory" in text)
+
+
+_UNITS = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def requested_bytes(err: BaseException) -> int | None:
+    """The allocation an out-of-memory error names (``allocate 9013495808 bytes``, ``allocate 8.39GiB``)."""
+    m = re.search(r"allocate ([\d.]+) ?(bytes|B|KiB|MiB|GiB|TiB)", str(err))
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
+
+
+@contextlib.contextmanager
+def reported_late() -> Iterator[None]:
+    """Turn an allocation failure of device work that surfaces when the host waits on it into
+    ``DeviceOutOfMemoryError`` with ``updated`` True (nothing is known to be whole)."""
+    try:
+        yield
+    except DeviceOutOfMemoryError:
+        raise
+    except Exception as err:
+        if not is_out_of_memory(err):
+            raise
+        raise DeviceOutOfMemoryError(
+            f"out of device memory in work queued earlier, reported when the host waited on it: {err}",
+            op="queued device work", phase="the GPU's queued work", updated=True,
+            requested=requested_bytes(err)) from err
