@@ -199,6 +199,7 @@ def test_the_advice_replans_for_less_gpu_memory():
     offered = options(smaller)
     assert offered and text.splitlines()[1:] == [f"  - {o}" for o in offered]
     assert all(smaller.applied(o.changes).fits for o in offered)
+    assert "keeps no checkpoints" in _out_of_memory_advice(p, err, checkpoints=False)
 
 
 def test_a_failure_reported_late_is_not_taken_for_a_whole_state(tmp_path, monkeypatch, reference):

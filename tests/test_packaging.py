@@ -41,7 +41,8 @@ def test_every_package_directory_is_listed_in_pyproject():
 def test_no_top_level_kernels_package_and_loader_finds_source(tmp_path):
     r = _run_python("import kernels", tmp_path)
     assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, r.stdout + r.stderr
-    r = _run_python("from megatrain_jax.engine.update import host_kernel as k; print(k.SOURCE); assert k.SOURCE.is_file()",
+    r = _run_python("from megatrain_jax.engine.update import host_kernel as k; print(k.SOURCE); "
+                    "assert k.SOURCE.is_file()",
                     tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("host_adamw.cpp")
@@ -71,7 +72,8 @@ def test_wheel_ships_kernel_source_inside_megatrain_jax(tmp_path):
         if n.endswith(".dist-info/top_level.txt"):
             assert (tmp_path / "site" / n).read_text().split() == ["megatrain_jax"]
     site = tmp_path / "site"
-    r = _run_python("from megatrain_jax.engine.update import host_kernel as k; print(k.SOURCE); assert k.SOURCE.is_file()",
+    r = _run_python("from megatrain_jax.engine.update import host_kernel as k; print(k.SOURCE); "
+                    "assert k.SOURCE.is_file()",
                     tmp_path, pythonpath=site)
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip()).resolve() == (site / "megatrain_jax/kernels/host_adamw.cpp").resolve()

@@ -11,10 +11,10 @@ import megatrain_jax
 
 # megatrain_jax.__all__ on main before the package was split into engine/, plan/ and contract/ (24a7976), and
 # since issue 31 DeviceOutOfMemoryError (a step that ran out of GPU memory, and whether its update began).
-TOP = ["Batch", "ContractError", "Decoder", "DecoderConfig", "DeviceOutOfMemoryError", "Engine", "EngineConfig", "History", "Hook",
-       "LayeredModel", "ModelCheck", "NonFiniteError", "ReferenceTrainer", "StepInfo", "StepOutput", "TrainConfig",
-       "UnsupportedOptimizerError", "adamw", "check_model", "decay_mask", "default_optimizer", "eval_hook",
-       "evaluate", "fit", "layered", "preset"]
+TOP = ["Batch", "ContractError", "Decoder", "DecoderConfig", "DeviceOutOfMemoryError", "Engine", "EngineConfig",
+       "History", "Hook", "LayeredModel", "ModelCheck", "NonFiniteError", "ReferenceTrainer", "StepInfo",
+       "StepOutput", "TrainConfig", "UnsupportedOptimizerError", "adamw", "check_model", "decay_mask",
+       "default_optimizer", "eval_hook", "evaluate", "fit", "layered", "preset"]
 
 SUBPACKAGES = {
     "data": ["DataConfig", "Prefetcher", "TokenBatches", "TokenDataset", "TokenFile", "TokenWriter", "demo_dataset",

@@ -147,17 +147,20 @@ def _memory_line(memory) -> str:
             f"{gpu_fraction_source()}; megatrain-jax plan shows the breakdown)")
 
 
-def _out_of_memory_advice(memory: MemoryPlan, err: DeviceOutOfMemoryError) -> str:
+def _out_of_memory_advice(memory: MemoryPlan, err: DeviceOutOfMemoryError, checkpoints: bool = True) -> str:
     """What to run instead after a step ran out of GPU memory: the plan's options re-planned for the GPU
     memory less the allocation that failed (the plan had counted too little by at least that much)."""
-    resume = "train.resume=true" + ("" if err.updated else f" continues from step {err.step}")
+    if not checkpoints:
+        resume = "a new run (this one keeps no checkpoints: set train.checkpoint_every to keep some)"
+    else:
+        resume = "train.resume=true" + ("" if err.updated else f" continues from step {err.step}")
     if memory.gpu_available is None or not err.requested:
         return f"to go on: {resume}, with more GPU memory or a layout that needs less (megatrain-jax plan)"
     budget = memory.gpu_available - err.requested
     fitting = options(memory.replace(gpu_bytes=budget))
     lines = [f"the plan had {memory.gpu_total / GiB:.1f} GiB of {memory.gpu_available / GiB:.1f} GiB; re-planned "
              f"for {budget / GiB:.1f} GiB (less the {err.requested / GiB:.2f} GiB allocation that failed), these "
-             f"fit; add one to the command with {resume}:"]
+             f"fit; add one to {resume}:"]
     lines += [f"  - {o}" for o in fitting] or ["  (none: a machine with more GPU memory)"]
     return "\n".join(lines)
 
@@ -232,7 +235,7 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
         history = fit(model, data, optimizer, train=t.for_fit(), engine=cfg.engine, hooks=hooks, write_back=False,
                       init_from=init_from)
     except DeviceOutOfMemoryError as err:
-        err.add_note(_out_of_memory_advice(memory, err))
+        err.add_note(_out_of_memory_advice(memory, err, t.for_fit().checkpointing))
         raise
     finally:
         for w in writers:

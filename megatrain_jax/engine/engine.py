@@ -3,8 +3,8 @@
 ``Engine`` assembles the pieces and offers the public API: ``step``/``steps`` for training, ``evaluate``
 for held-out loss, ``sync``/``write_back`` to read the trained state, ``observe`` for profiling and
 timelines, and the seams a checkpointer needs (``hold_updates``, ``restore_part``, ``restored``). What
-moves when is ``megatrain_jax.engine.schedule``; how each op runs, ``megatrain_jax.engine.passes``; when and how parts
-are updated, ``megatrain_jax.engine.update.policy``.
+moves when is ``megatrain_jax.engine.schedule``; how each op runs, ``megatrain_jax.engine.passes``; when and
+how parts are updated, ``megatrain_jax.engine.update.policy``.
 """
 
 from __future__ import annotations

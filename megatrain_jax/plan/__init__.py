@@ -3,8 +3,9 @@ instead when it does not.
 
 Split by job, each module importing only those above it in this list:
 ``counts`` (units, parameter counts, which parts update where), ``machine`` (what this machine has, XLA's
-pinned pool), ``gpu_ledger`` (the walk over the engine's schedule, one rule per op kind), ``plan``
-(``MemoryPlan`` and ``plan()``; not named ``plan.py``, which the package's ``plan`` function would hide), ``levers`` (the search over config changes, the advice, ``lean_engine``).
+pinned pool), ``gpu_ledger`` (the walk over the engine's schedule, one rule per op kind), ``memory``
+(``MemoryPlan`` and ``plan()``; not named ``plan.py``, which the package's ``plan`` function would hide),
+``levers`` (the search over config changes, the advice, ``lean_engine``).
 """
 
 from megatrain_jax.plan.counts import GiB, io_param_count, layer_param_count, part_param_count
