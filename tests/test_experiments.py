@@ -388,3 +388,21 @@ def test_scaling_worker_records_a_run_and_the_summary_compares_with_one_gpu(tmp_
     assert runs[1]["speedup_vs_1gpu"] == 1.9  # written into the runs too
     weak_alone = [dict(run, scaling="weak", tokens_per_s=190.0)]
     assert scaling.summarize(weak_alone)["weak"]["speedup_vs_1gpu"] is None  # no 1-GPU run: no ratio
+
+
+def test_shipped_configs_runs_a_config_as_a_user_does_and_reads_its_metrics(tmp_path):
+    """shipped_configs.py (issue 31): the demo config through `megatrain-jax train` in a child process, with
+    the planned and measured peaks and the speeds read back; a config that cannot start says why."""
+    import json
+    shipped = load_script("shipped_configs")
+    out = tmp_path / "shipped.json"
+    result = shipped.main(["--configs", "demo_tiny", "--steps", "3", "--work", str(tmp_path), "--out", str(out)])
+    assert json.loads(out.read_text()) == result and result["device"]["platform"] == "cpu"
+    (run,) = result["runs"]
+    assert run["status"] == "ok" and run["exit_status"] == 0 and run["target"] == "any"
+    assert run["steps_reported"] == 3 and run["tokens_per_s"] > 0 and run["planned"]["host_gib"] > 0
+    assert run["host_peak_gib"] > 0 and "host_plan_error" in run
+    bad = shipped.run_config(REPO / "experiments" / "configs" / "demo_tiny.toml", 2, tmp_path, 120,
+                             extra=["engine.micro_batches=3"])
+    assert bad["status"] == "bad input" and any("micro_batches = 3" in line for line in bad["error_tail"])
+    assert shipped.target(Path("h200_sft_8b.toml")) == "h200"

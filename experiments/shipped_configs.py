@@ -1,0 +1,132 @@
+"""Every shipped config through ``megatrain-jax train``, as a user runs it (issue 31): for each
+``experiments/configs/*.toml``, a few steps in a child process on this machine, with the planned and the
+measured peaks, tokens/s and model TFLOP/s, and how it ended (the exit status and the error's last lines).
+
+    PYTHONPATH=. python experiments/shipped_configs.py --steps 20 --out $OUT/h100_shipped_configs.json
+    PYTHONPATH=. python experiments/shipped_configs.py --configs h100_sft_8b --steps 30 --out $OUT/x.json
+    PYTHONPATH=. python experiments/shipped_configs.py --configs h200_7b_32k --set model.preset=32b \
+        --set engine.master_dtype=bfloat16 --set engine.resident_layers=0 --set engine.resident_io=false \
+        --set engine.micro_batches=2 --steps 10 --out $OUT/h200_qwen32b_capacity.json   # issue 31's 32B run
+
+A config that names a Hugging Face folder (the SFT examples) gets a random folder of the preset its
+``# plan shape:`` line names and generated chat data (``studies/sft_run.py``'s stages), in ``--work``, made
+once per shape. A config's target machine is its file name's prefix (``h100``, ``h200``, ``gh200``); each
+record says which it was (``target``) and the file's header which machine ran it (``device``). Metrics are
+read from the run folder's ``metrics.jsonl``: speeds are medians from step 3 on (the first steps compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from child import REPO, results_header  # noqa: E402
+
+CONFIGS = Path(REPO) / "experiments" / "configs"
+SHAPE = re.compile(r"^# plan shape: (\S+)$", re.MULTILINE)
+PLANNED = re.compile(r"planned memory: (?:host )?([\d.]+) GiB(?: of host RAM)?(?:, GPU ([\d.]+) GiB)?")
+STATUS = {0: "ok", 2: "bad input", 3: "diverged", 4: "out of GPU memory"}
+
+
+def target(path: Path) -> str:
+    """The machine a config is written for, from its file name (``h100_7b_32k.toml`` -> ``h100``)."""
+    prefix = path.stem.split("_")[0]
+    return prefix if prefix in ("h100", "h200", "gh200") else "any"
+
+
+def hf_inputs(path: Path, work: Path) -> list[str]:
+    """The overrides that give an HF-checkpoint config a random folder of its shape and generated chats, made
+    in ``work`` if they are not there yet (nothing for a config that names no folder)."""
+    text = path.read_text()
+    shape = SHAPE.search(text)
+    if "hf_checkpoint" not in text or shape is None:
+        return []
+    folder = work / shape.group(1)
+    if not (folder / "checkpoint" / "config.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        for stage in ("data", "checkpoint"):
+            subprocess.run([sys.executable, str(Path(REPO) / "experiments/studies/sft_run.py"), "--work", str(folder),
+                            "--preset", shape.group(1), "--examples", "4000", "--stage", stage], cwd=REPO, check=True)
+    return [f"model.hf_checkpoint={folder / 'checkpoint'}", f"data.path={folder / 'chat.jsonl'}"]
+
+
+def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra: list[str] = ()) -> dict:
+    """One config through ``python -m megatrain_jax train`` for ``steps`` steps; its record."""
+    run_dir = work / "runs" / path.stem
+    shutil.rmtree(run_dir, ignore_errors=True)
+    overrides = [*hf_inputs(path, work), f"train.steps={steps}", "train.log_every=1", "train.eval_every=0",
+                 f"train.run_dir={run_dir}", "train.export_hf=none", *extra]
+    cmd = [sys.executable, "-m", "megatrain_jax", "train", "--config", str(path), *overrides]
+    env = {**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        code, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        code, output = None, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    record = {"config": path.stem, "target": target(path), "overrides": overrides,
+              "wall_s": round(time.perf_counter() - t, 1), "exit_status": code, "status": "timeout" if code is None else STATUS.get(code, f"error: exit {code}")}
+    planned = PLANNED.search(output)
+    if planned:
+        record["planned"] = {"host_gib": float(planned.group(1)),
+                             "gpu_gib": None if planned.group(2) is None else float(planned.group(2))}
+    rows = []
+    if (run_dir / "metrics.jsonl").exists():
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "loss" in r]
+    if rows:
+        timed = [r for r in rows if r["step"] >= 3] or rows
+        record.update(steps_reported=len(rows), loss_first=rows[0]["loss"], loss_last=rows[-1]["loss"],
+                      tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in timed), 1),
+                      model_tflops=round(statistics.median(r["model_tflops"] for r in timed), 1),
+                      gpu_peak_gib=max((r.get("gpu_peak_gib") or 0) for r in rows) or None,
+                      host_peak_gib=max((r.get("host_peak_rss_gib") or 0) for r in rows) or None)
+        for side in ("host", "gpu"):
+            plan, peak = (record.get("planned") or {}).get(f"{side}_gib"), record.get(f"{side}_peak_gib")
+            if plan and peak:
+                record[f"{side}_plan_error"] = round((plan - peak) / peak, 4)
+    if record["status"] != "ok":
+        record["error_tail"] = [line[:300] for line in output.strip().splitlines()[-12:]]
+    return record
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=None, help="comma-separated config names (default: every shipped one)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--work", default="/tmp/shipped_configs", help="run folders and generated checkpoints")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per config")
+    ap.add_argument("--set", action="append", default=[], metavar="section.key=value",
+                    help="an override for every selected config (repeatable), e.g. the 32B capacity command")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    paths = sorted(CONFIGS.glob("*.toml"))
+    if args.configs:
+        wanted = args.configs.split(",")
+        unknown = sorted(set(wanted) - {p.stem for p in paths})
+        if unknown:
+            ap.error(f"unknown configs {unknown}; shipped: {[p.stem for p in paths]}")
+        paths = [p for p in paths if p.stem in wanted]
+    work = Path(args.work)
+    runs = []
+    for path in paths:
+        runs.append(run_config(path, args.steps, work, args.timeout, args.set))
+        print(json.dumps({k: runs[-1].get(k) for k in ("config", "status", "planned", "gpu_peak_gib", "host_peak_gib",
+                                                        "tokens_per_s", "model_tflops")}), flush=True)
+        Path(args.out).write_text(json.dumps({"name": Path(args.out).stem, "runs": runs}, indent=1))
+    result = {**results_header(args.out, __file__), "runs": runs}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
