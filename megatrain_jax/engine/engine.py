@@ -174,7 +174,11 @@ class Engine:
                     out, group = self.step(group), []
             except DeviceOutOfMemoryError as err:
                 if pending is not None and not err.updated:  # the last whole step's metrics, not yet reported
-                    err.pending_metrics = _metrics(pending, t_last)
+                    try:
+                        with reported_late():
+                            err.pending_metrics = _metrics(pending, t_last)
+                    except DeviceOutOfMemoryError:  # the last step's own work failed too: nothing is whole
+                        err.updated = True
                 raise
             if pending is not None:
                 with reported_late():
