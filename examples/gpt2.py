@@ -154,4 +154,4 @@ if __name__ == "__main__":
     print(check_model(model))
     windows = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 8, 65))  # 4 batches, cycled
     data = itertools.cycle([mt.Batch.from_windows(w) for w in windows])
-    mt.fit(model, data, steps=30, learning_rate=3e-3, log_every=5)
+    mt.fit(model, data, mt.adamw(3e-3), train=mt.TrainConfig(steps=30, log_every=5))

@@ -140,12 +140,14 @@ def default_optimizer(learning_rate: float | Schedule = 3e-4, weight_decay: floa
     return adamw(learning_rate, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay, mask=decay_mask)
 
 
-def print_logger(every: int = 10, stream=sys.stdout) -> Hook:
+def print_logger(every: int = 10, stream=None) -> Hook:
+    """Print a line of metrics every ``every`` steps to ``stream`` (default: ``sys.stdout`` as it is when the
+    line is printed, so a redirected stdout gets it)."""
     def log(m: dict, info: StepInfo) -> None:
         lr = f" lr {m['lr']:.2e}" if "lr" in m else ""
         print(f"step {m['step']:>6d}  loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}{lr}  "
               f"{m['tokens_per_s']:,.0f} tok/s  {format_flops(m['model_tflops'])}  {m['step_time_s']:.3f} s",
-              file=stream, flush=True)
+              file=stream or sys.stdout, flush=True)
     return Hook(log, every=every, at_end=True)
 
 

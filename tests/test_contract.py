@@ -354,3 +354,11 @@ def test_dropout_switched_to_eval_is_accepted():
         layered(model)
     model.eval()
     assert check_model(model).ok
+
+
+def test_the_gpt2_example_runs_as_written(capsys):
+    """``python examples/gpt2.py`` as the README says: the check passes and fit trains 30 steps."""
+    import runpy
+    runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "gpt2.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "step     30" in out and "Traceback" not in out
