@@ -162,14 +162,6 @@ def test_check_model_ok_for_our_decoder_and_leaves_it_unchanged():
         np.testing.assert_array_equal(b, np.asarray(a))
 
 
-def test_check_model_ok_for_the_gpt2_example():
-    from megatrain_jax.check import check_model
-
-    result = check_model(gpt2.GPT2(CFG, rngs=nnx.Rngs(0)), optax.adamw(1e-3))
-    assert result.ok, str(result)
-    assert len(result.engine_losses) == 2  # a plain and a packed batch
-
-
 def test_check_model_catches_an_embed_that_ignores_positions():
     from megatrain_jax.check import check_model
 
@@ -357,8 +349,10 @@ def test_dropout_switched_to_eval_is_accepted():
 
 
 def test_the_gpt2_example_runs_as_written(capsys):
-    """``python examples/gpt2.py`` as the README says: the check passes and fit trains 30 steps."""
+    """``python examples/gpt2.py`` as the README says: check_model passes on the plain and the packed batch,
+    and fit trains 30 steps."""
     import runpy
     runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "gpt2.py"), run_name="__main__")
     out = capsys.readouterr().out
+    assert "check_model: OK" in out and "plain batch" in out and "packed batch" in out
     assert "step     30" in out and "Traceback" not in out

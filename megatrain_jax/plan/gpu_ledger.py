@@ -27,6 +27,7 @@ The GPU total is the ledger's peak over one optimizer step, plus the running op'
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import deque
 from typing import Any, Callable
 
@@ -117,11 +118,13 @@ class Ledger:
     live: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # category -> [bytes, buffers]
     held: list = dataclasses.field(default_factory=list)  # (block, category, bytes) queued GPU work still uses
     queue: deque = dataclasses.field(default_factory=deque)  # the blocks the host has moved through, newest last
+    bytes: int = 0  # the total of ``live`` and ``held``, kept as they change
 
     def add(self, cat: str, nbytes: int, n: int = 1) -> None:
         entry = self.live.setdefault(cat, [0, 0])
         entry[0] += nbytes
         entry[1] += n
+        self.bytes += nbytes
 
     def drop(self, cat: str, nbytes: int, n: int = 1, block: Any = None) -> None:
         """``cat``'s buffers the host no longer holds; with ``block``, work queued for that block (a part in
@@ -130,6 +133,7 @@ class Ledger:
         if block is not None:
             self.reach(block)
             self.held.append((block, cat, nbytes))
+            self.bytes += nbytes
 
     def reach(self, block: Any) -> None:
         """The host has issued ``block``'s work: what the GPU still uses for older blocks than the newest
@@ -139,16 +143,25 @@ class Ledger:
         self.queue.append(block)
         while len(self.queue) > QUEUED_BLOCKS:
             done = self.queue.popleft()
-            self.held = [h for h in self.held if h[0] != done]
+            self._free(lambda h: h[0] == done)
 
     def settle(self, cat: str, keep: int) -> None:
         """The host waited for all but the newest ``keep`` of ``cat``'s dropped buffers: the rest are free."""
         mine = [h for h in self.held if h[1] == cat]
         gone = set(map(id, mine[:max(len(mine) - keep, 0)]))
-        self.held = [h for h in self.held if id(h) not in gone]
+        self._free(lambda h: id(h) in gone)
+
+    def _free(self, done: Callable[[tuple], bool]) -> None:
+        kept = []
+        for h in self.held:
+            if done(h):
+                self.bytes -= h[2]
+            else:
+                kept.append(h)
+        self.held = kept
 
     def total(self) -> int:
-        return sum(b for b, _ in self.live.values()) + sum(b for _, _, b in self.held)
+        return self.bytes
 
     def breakdown(self) -> dict[str, int]:
         held: dict[str, list[int]] = {}
@@ -191,6 +204,7 @@ class Walk:
     accumulate: bool = False  # this pass adds to an earlier pass's gradients
     pass_index: int = 0
     backward: bool = False  # the pass is past its head
+    temps: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)  # op kind -> transient, why
 
     def __post_init__(self) -> None:
         c, e = self.c, self.e
@@ -226,7 +240,7 @@ class Walk:
 
     def peak(self, op: Op, out: int = 0, temp: int = 0, why: str = "") -> None:
         """What is allocated while ``op`` runs: the ledger, its transient and its outputs."""
-        total = self.resident + self.led.total() + temp + out
+        total = self.resident + self.led.bytes + temp + out
         if total > self.best[0]:
             items = {f"GPU-resident parts with their optimizer state ({len(self.on_gpu)} parts)": self.resident,
                      **self.led.breakdown()}
@@ -236,9 +250,11 @@ class Walk:
 
     def compute(self, op: Op, out: int) -> None:
         """The peak of a compute op (with its program's transient); its work is now queued."""
-        temp, why = transient(self.c, op.kind, self.rows // self.M, self.seq_len, self.sb, self.flash,
-                              self.packed, self.res > 0)
-        self.peak(op, out, temp, f"rule of thumb: {why}")
+        if op.kind not in self.temps:
+            temp, why = transient(self.c, op.kind, self.rows // self.M, self.seq_len, self.sb, self.flash,
+                                  self.packed, self.res > 0)
+            self.temps[op.kind] = temp, f"rule of thumb: {why}"
+        self.peak(op, out, *self.temps[op.kind])
         self.led.reach(self.here(op))  # GPU-resident blocks' and unreleased ones' work counts too
 
     def drop_acts(self, layer: int) -> None:
@@ -363,6 +379,9 @@ RULES: dict[OpKind, Callable[[Walk, Op], None]] = {
 }
 
 
+_step_ops = functools.lru_cache(maxsize=64)(step_ops)  # the plan's search walks the same schedules many times
+
+
 def gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int, flash: bool,
              devices: int = 1, packed: bool = False) -> tuple[dict[str, int], str]:
     """Walk one optimizer step of the engine's schedule: the peak's items (bytes) and the op it happens in.
@@ -376,7 +395,7 @@ def gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int
     for j in range(passes):
         w.pass_index, w.accumulate, w.backward = j, j > 0, False
         w.led.add(B, w.batches)
-        for op in step_ops(c.layers, w.M, e.prefetch_depth, update=j == passes - 1, offload=e.offload_activations):
+        for op in _step_ops(c.layers, w.M, e.prefetch_depth, j == passes - 1, e.offload_activations):
             w.backward |= op.kind == "head"
             RULES[op.kind](w, op)
         w.led.drop(B, w.batches)
