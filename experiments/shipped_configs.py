@@ -12,7 +12,10 @@ A config that names a Hugging Face folder (the SFT examples) gets a random folde
 ``# plan shape:`` line names and generated chat data (``studies/sft_run.py``'s stages), in ``--work``, made
 once per shape. A config's target machine is its file name's prefix (``h100``, ``h200``, ``gh200``); each
 record says which it was (``target``) and the file's header which machine ran it (``device``). Metrics are
-read from the run folder's ``metrics.jsonl``: speeds are medians from step 3 on (the first steps compile).
+read from the run folder's ``metrics.jsonl``: speeds are medians from step 3 on (the first steps compile);
+the plan from its ``memory_plan.json``: on a GPU the exact plan (XLA's figures for the compiled programs)
+and the CPU-side estimate, each compared with the measured peak (``gpu_plan_error``,
+``gpu_estimate_error``: (plan - peak) / peak).
 """
 
 from __future__ import annotations
@@ -79,6 +82,16 @@ def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra:
     if planned:
         record["planned"] = {"host_gib": float(planned.group(1)),
                              "gpu_gib": None if planned.group(2) is None else float(planned.group(2))}
+    if (run_dir / "memory_plan.json").exists():  # the plan the run started with, as train wrote it
+        memory = json.loads((run_dir / "memory_plan.json").read_text())
+        gib = lambda b: None if b is None else round(b / 2**30, 3)  # noqa: E731
+        record["planned"] = {"host_gib": gib(memory["host_total"]), "gpu_gib": gib(memory["gpu_total"]),
+                             "gpu_exact": memory["gpu_exact"], "gpu_estimate_gib": gib(memory["estimate_gpu_total"]),
+                             "gpu_available_gib": gib(memory["gpu_available"]), "gpu_peak_at": memory["gpu_peak_at"],
+                             "engine": memory["engine"],
+                             "programs": None if memory["programs"] is None else
+                             [{k: (gib(v) if isinstance(v, int) else v) for k, v in f.items()}
+                              for f in memory["programs"]["programs"]]}
     rows = []
     if (run_dir / "metrics.jsonl").exists():
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -90,10 +103,16 @@ def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra:
                       model_tflops=round(statistics.median(r["model_tflops"] for r in timed), 1),
                       gpu_peak_gib=max((r.get("gpu_peak_gib") or 0) for r in rows) or None,
                       host_peak_gib=max((r.get("host_peak_rss_gib") or 0) for r in rows) or None)
+        planned = record.get("planned") or {}
         for side in ("host", "gpu"):
-            plan, peak = (record.get("planned") or {}).get(f"{side}_gib"), record.get(f"{side}_peak_gib")
+            plan, peak = planned.get(f"{side}_gib"), record.get(f"{side}_peak_gib")
             if plan and peak:
                 record[f"{side}_plan_error"] = round((plan - peak) / peak, 4)
+        if planned.get("gpu_estimate_gib") and record.get("gpu_peak_gib"):  # the CPU-side estimate's errors
+            record["gpu_estimate_error"] = round((planned["gpu_estimate_gib"] - record["gpu_peak_gib"])
+                                                 / record["gpu_peak_gib"], 4)
+            record["gpu_estimate_vs_exact"] = round((planned["gpu_estimate_gib"] - planned["gpu_gib"])
+                                                    / planned["gpu_gib"], 4)
     if record["status"] != "ok":
         record["error_tail"] = [line[:300] for line in output.strip().splitlines()[-12:]]
     return record

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import sys
 import tomllib
 from pathlib import Path
@@ -26,8 +27,12 @@ from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
 from megatrain_jax.fit import History, Hook, fit
 from megatrain_jax.models import Decoder
 from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.program_memory import program_memory
+from megatrain_jax.engine.transfer import Placement, select_devices
 from megatrain_jax.plan import (GiB, MemoryPlan, fit_host_pool, gpu_fraction, lean_engine, options, plan,
                                 require_fit)
+from megatrain_jax.plan.machine import GPU_FRAGMENTATION_MARGIN
 
 # The README demo: the tiny preset learns the synthetic Markov + induction corpus (megatrain_jax.data.demo)
 # from ln 256 = 5.5 nats to about 1.3 in a few hundred steps, about a minute on a 2-core CPU.
@@ -137,13 +142,53 @@ def _copy_tokenizer(source: str | None, export: Path) -> list[str]:
     return copied
 
 
-def _memory_line(memory) -> str:
+def gpu_at_hand() -> bool:
+    """Whether this process runs on GPUs (the plan then reads XLA's figures for the compiled programs)."""
+    return jax.devices()[0].platform == "gpu"
+
+
+def exact_plan(model: nnx.Module, estimate: MemoryPlan, *, given: EngineConfig, devices: int | None,
+               disk_dir: str, check: bool = True) -> tuple[MemoryPlan, str | None]:
+    """The plan with XLA's memory analysis of the run's compiled programs in place of the rules of thumb
+    (``megatrain_jax.engine.program_memory``; the first step then finds them compiled). Where that does not
+    fit and ``check``, the layout is picked again from the ``given`` config with XLA's figures
+    (``lean_engine``: activations offloaded, gradients moved) and those programs planned; returns the plan and
+    what was picked again (None: the layout stands). Whether the result fits is the caller's to check."""
+    e = estimate
+    placement = Placement(select_devices(devices))
+    measure = lambda cfg: program_memory(model, cfg, e.batch_rows, e.seq_len, packed=e.packed,  # noqa: E731
+                                         placement=placement)
+    exact = e.replace(programs=measure(e.engine_cfg))
+    if exact.fits or not check:
+        return exact, None
+    engine_cfg, said = lean_engine(e.model_cfg, given, e.batch_rows, e.seq_len, host_ram_bytes=e.host_available,
+                                   gpu_bytes=e.gpu_available, disk_dir=disk_dir, packed=e.packed, devices=e.devices,
+                                   programs=exact.programs)
+    if engine_cfg == e.engine_cfg:
+        return exact, None
+    again = e.replace(engine_cfg=engine_cfg, programs=exact.programs)
+    if not again.gpu_exact:  # the programs changed (kept residuals dropped): their own figures
+        again = again.replace(programs=measure(engine_cfg))
+    changed = ", ".join(f"engine.{f.name}={getattr(engine_cfg, f.name)}" for f in dataclasses.fields(engine_cfg)
+                        if getattr(engine_cfg, f.name) != getattr(e.engine_cfg, f.name))
+    return again, (f"with XLA's figures for the compiled programs the layout picked from the estimate needs "
+                   f"{exact.gpu_total / GiB:.1f} GiB of GPU memory and does not fit in {e.gpu_available / GiB:.1f} "
+                   f"(less a {GPU_FRAGMENTATION_MARGIN / GiB:.1f} GiB margin): picked again, {changed}"
+                   + (f" ({said})" if said else ""))
+
+
+def _memory_line(memory: MemoryPlan, estimate: MemoryPlan | None = None) -> str:
     if jax.devices()[0].platform == "cpu":
         return (f"  planned memory: {memory.host_total / 2**30:.1f} GiB of host RAM (no GPU: the model's layers "
                 f"run on the CPU, in host memory)")
     of = "" if memory.gpu_available is None else f" of the {memory.gpu_available / 2**30:.1f} GiB XLA may use"
+    how = "an estimate from rules of thumb"
+    if memory.gpu_exact:
+        how = "with XLA's memory analysis of the compiled programs"
+        if estimate is not None and estimate.engine_cfg == memory.engine_cfg:
+            how += f"; the estimate was {estimate.gpu_total / 2**30:.1f} GiB"
     return (f"  planned memory: host {memory.host_total / 2**30:.1f} GiB, GPU {memory.gpu_total / 2**30:.1f} GiB{of} "
-            f"({gpu_fraction():.0%} of the GPU: XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_fraction():g}, set by "
+            f"({how}; {gpu_fraction():.0%} of the GPU: XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_fraction():g}, set by "
             f"{gpu_fraction_source()}; megatrain-jax plan shows the breakdown)")
 
 
@@ -182,7 +227,7 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     gpus = visible_gpus()
     kw = dict(packed=d.mode == "packed",
               devices=min(t.devices or gpus, gpus))
-    lean = None
+    lean, given = None, cfg.engine
     if not distributed.requested():  # several processes would each pick from their own host: not done
         engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len,
                                        disk_dir=str(run_dir / "disk_tier"), **kw)
@@ -191,15 +236,25 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
         cfg = dataclasses.replace(cfg, engine=engine_cfg)
     fit_host_pool(model_cfg, cfg.engine, d.batch_size, d.seq_len, **kw)  # before JAX starts its GPU backend
     memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_pool_limit=host_pool_limit(), **kw)
+    model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(t.seed)))
+    estimate, repicked = memory, None
+    if gpu_at_hand() and not distributed.requested():
+        memory, repicked = exact_plan(model, memory, given=given, devices=t.devices,
+                                      disk_dir=str(run_dir / "disk_tier"), check=t.memory_check)
+        cfg = dataclasses.replace(cfg, engine=memory.engine_cfg)
     if t.memory_check:
         require_fit(memory)
     say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
         f"{model_cfg.hidden}), {d.batch_size} x {d.seq_len} tokens per batch, {t.steps} steps on "
         f"{_device_line(t.devices)}; run folder {run_dir}")
-    say(_memory_line(memory))
+    if repicked:
+        say(f"megatrain_jax: {repicked}")
+    say(_memory_line(memory, estimate))
     prepare_run_folder(cfg, say)
+    record = {**memory.as_dict(), "estimate_gpu_total": estimate.gpu_total if estimate.engine_cfg == memory.engine_cfg
+              else None}
+    (run_dir / "memory_plan.json").write_text(json.dumps(record, indent=1))  # the plan this start ran with
 
-    model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(t.seed)))
     init_from = None
     if cfg.model.hf_checkpoint is not None:  # read part by part into the engine's state: no model copy
         from megatrain_jax.hf import HFParts

@@ -145,6 +145,15 @@ class DeviceFns:
     def nll_sum(self, io, x_BTD, targets_BT, mask_BT):
         return self._call("nll_sum", io, x_BTD, targets_BT, mask_BT)
 
+    def compiled(self, name: str, params, *args, last: bool = False) -> jax.stages.Compiled:
+        """The program a call of ``name`` with these arguments runs (``jax.ShapeDtypeStruct`` leaves, with
+        the shardings the engine's arrays will have), compiled but not run: its memory analysis and output
+        shapes (``megatrain_jax.engine.program_memory``). The engine's call with such arrays then finds the
+        compilation done."""
+        gather = isinstance(params, Shards)
+        program = self._program(name, gather, last and self.size > 1)
+        return program.lower(params.tree if gather else params, *args).compile()
+
     def _call(self, name: str, params, *args, last: bool = False):
         gather = isinstance(params, Shards)
         program = self._program(name, gather, last and self.size > 1)

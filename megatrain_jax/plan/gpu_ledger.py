@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
+from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import STORES_AHEAD, Op, OpKind, step_ops
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, host_roles, io_param_count,
@@ -204,6 +205,7 @@ class Walk:
     accumulate: bool = False  # this pass adds to an earlier pass's gradients
     pass_index: int = 0
     backward: bool = False  # the pass is past its head
+    programs: ProgramMemory | None = None  # XLA's figures for the compiled programs, where known
     temps: dict[str, tuple[int, str]] = dataclasses.field(default_factory=dict)  # op kind -> transient, why
 
     def __post_init__(self) -> None:
@@ -251,11 +253,25 @@ class Walk:
     def compute(self, op: Op, out: int) -> None:
         """The peak of a compute op (with its program's transient); its work is now queued."""
         if op.kind not in self.temps:
-            temp, why = transient(self.c, op.kind, self.rows // self.M, self.seq_len, self.sb, self.flash,
-                                  self.packed, self.res > 0)
-            self.temps[op.kind] = temp, f"rule of thumb: {why}"
+            self.temps[op.kind] = self.compiled_temp(op.kind) or self.rule_of_thumb(op.kind)
         self.peak(op, out, *self.temps[op.kind])
         self.led.reach(self.here(op))  # GPU-resident blocks' and unreleased ones' work counts too
+
+    def compiled_temp(self, kind: str) -> tuple[int, str] | None:
+        """The temp of the program behind ``kind`` from XLA's memory analysis (``programs``), where it was
+        compiled for this walk's micro-batch shape and layout."""
+        p = self.programs
+        if p is None or p.keep_residuals != self.e.keep_residuals or not p.matches(
+                self.rows // self.M, self.seq_len, self.sb, self.packed, self.devices):
+            return None
+        kept = {"forward": "forward_keep", "backward": "backward_kept"} if p.keep_residuals else {}
+        temp = p.temp(kept.get(kind, kind))
+        return None if temp is None else (temp, "XLA's memory analysis of the compiled program")
+
+    def rule_of_thumb(self, kind: str) -> tuple[int, str]:
+        temp, why = transient(self.c, kind, self.rows // self.M, self.seq_len, self.sb, self.flash, self.packed,
+                              self.res > 0)
+        return temp, f"rule of thumb: {why}"
 
     def drop_acts(self, layer: int) -> None:
         self.led.drop(A, self.act * self.acts[layer], self.acts.pop(layer))
@@ -383,12 +399,13 @@ _step_ops = functools.lru_cache(maxsize=64)(step_ops)  # the plan's search walks
 
 
 def gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int, flash: bool,
-             devices: int = 1, packed: bool = False) -> tuple[dict[str, int], str]:
+             devices: int = 1, packed: bool = False,
+             programs: ProgramMemory | None = None) -> tuple[dict[str, int], str]:
     """Walk one optimizer step of the engine's schedule: the peak's items (bytes) and the op it happens in.
     The step is a steady-state one: the gradients that wait on the GPU (``grads_on_gpu``) from the step
     before are there when it starts, each until its part's fetch (which waits for the part's update, which
     copies the gradient home)."""
-    w = Walk(c, e, rows // devices, seq_len, sb, flash, devices, packed)
+    w = Walk(c, e, rows // devices, seq_len, sb, flash, devices, packed, programs=programs)
     for part in w.waiting:  # the step before's, copied home by each part's update before its fetch
         w.led.add(H, part_param_count(c, part) * 4 // devices)
     passes = min(e.accumulate_steps, 2)  # later accumulating passes repeat the second

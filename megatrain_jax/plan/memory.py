@@ -26,12 +26,13 @@ from typing import Any
 
 from megatrain_jax._environment import limit_host_pool, physical_ram_bytes, visible_gpus
 from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import offloaded_blocks
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, GiB, activation_bytes, host_roles, io_param_count,
                                        layer_param_count, part_param_count)
 from megatrain_jax.plan.gpu_ledger import assumes_flash, gpu_peak, kept_bytes
-from megatrain_jax.plan.machine import (HOST_RUNTIME_BYTES, PINNED_RSS_OVERHEAD, available_disk_bytes,
+from megatrain_jax.plan.machine import (GPU_FRAGMENTATION_MARGIN, HOST_RUNTIME_BYTES, PINNED_RSS_OVERHEAD, available_disk_bytes,
                                         available_gpu_bytes, available_host_bytes, fitted_pool_limit, pinned_pool_bytes)
 
 
@@ -61,6 +62,7 @@ class MemoryPlan:
     devices: int = 1  # GPUs the run spreads over: ``gpu`` is one GPU's, ``host`` the whole host's
     disk: int = 0  # bytes of the disk tier's files (``EngineConfig.disk_parts``)
     disk_available: int | None = None  # free bytes where they go
+    programs: ProgramMemory | None = None  # XLA's memory analysis of the compiled programs (GPU at hand)
 
     @property
     def pinned_per_pool(self) -> int:
@@ -86,7 +88,14 @@ class MemoryPlan:
 
     @property
     def gpu_fits(self) -> bool:
-        return self.gpu_available is None or self.gpu_total <= self.gpu_available
+        """The GPU peak and the allocator's fragmentation margin fit what XLA may use."""
+        return self.gpu_available is None or self.gpu_total + GPU_FRAGMENTATION_MARGIN <= self.gpu_available
+
+    @property
+    def gpu_exact(self) -> bool:
+        """Whether every program's scratch memory on the GPU side is XLA's own figure (``programs``, compiled
+        for this run's micro-batch shape), not a rule of thumb."""
+        return not any("rule of thumb" in item for item in self.gpu) and self.programs is not None
 
     @property
     def disk_fits(self) -> bool:
@@ -102,7 +111,7 @@ class MemoryPlan:
                     seq_len=self.seq_len, stream_dtype=self.stream_dtype, host_ram_bytes=self.host_available,
                     gpu_bytes=self.gpu_available, packed=self.packed, loaded_copy=self.loaded_copy,
                     host_pool_limit=None if self.host_pool_fitted else self.host_pool_limit, detect=False,
-                    devices=self.devices, disk_bytes=self.disk_available)
+                    devices=self.devices, disk_bytes=self.disk_available, programs=self.programs)
         args.update(changes)
         return plan(**args)
 
@@ -127,6 +136,16 @@ class MemoryPlan:
                             engine_cfg=dataclasses.replace(self.engine_cfg, **engine), batch_rows=rows,
                             seq_len=seq, stream_dtype=stream)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as plain data (bytes): totals, limits, items, the engine config and, where the GPU was at
+        hand, XLA's figures for each compiled program."""
+        return {"host_total": self.host_total, "host_available": self.host_available, "gpu_total": self.gpu_total,
+                "gpu_available": self.gpu_available, "gpu_fragmentation_margin": GPU_FRAGMENTATION_MARGIN,
+                "gpu_exact": self.gpu_exact, "gpu_peak_at": self.gpu_peak_at, "fits": self.fits,
+                "batch_rows": self.batch_rows, "seq_len": self.seq_len, "devices": self.devices,
+                "engine": dataclasses.asdict(self.engine_cfg), "host": dict(self.host), "gpu": dict(self.gpu),
+                "programs": None if self.programs is None else self.programs.as_dict()}
+
     def table(self) -> str:
         c, e = self.model_cfg, self.engine_cfg
         lines = [f"memory plan: {self.params / 1e9:.2f} B params ({c.layers} layers, hidden {c.hidden}, vocab "
@@ -134,20 +153,32 @@ class MemoryPlan:
                  f"micro-batch(es); prefetch_depth {e.prefetch_depth}; weights streamed as {self.stream_dtype}; "
                  f"{e.resident_layers} blocks{' + io' if e.resident_io else ''} GPU-resident; gradients of {e.grads_on_gpu} "
                  f"parts wait on the GPU"]
-        gpu_name = f"GPU, at its peak (during {self.gpu_peak_at}, 1st step)"
-        sides = (("host RAM", self.host, self.host_available), (gpu_name, self.gpu, self.gpu_available))
-        for name, items, avail in sides:
+        source = ("programs' scratch memory from XLA's memory analysis" if self.gpu_exact else
+                  "an estimate: programs' scratch memory from rules of thumb")
+        gpu_name = f"GPU, at its peak (during {self.gpu_peak_at}, 1st step; {source})"
+        sides = (("host RAM", self.host, self.host_available, 0),
+                 (gpu_name, self.gpu, self.gpu_available, GPU_FRAGMENTATION_MARGIN))
+        for name, items, avail, margin in sides:
             lines.append(f"  {name:<96s} {'GiB':>8s}")
             lines += [f"    {k:<94s} {v / GiB:8.2f}" for k, v in items.items()]
             total = sum(items.values())
+            if margin:
+                lines.append(f"    {'(kept free: the allocator' + chr(39) + 's fragmentation margin, measured)':<94s} "
+                             f"{margin / GiB:8.2f}")
             verdict = ("(no limit known)" if avail is None else
-                       f"of {avail / GiB:.2f} available: " + ("fits" if total <= avail
-                                                               else f"OVER by {(total - avail) / GiB:.2f} GiB"))
+                       f"of {avail / GiB:.2f} available: " + ("fits" if total + margin <= avail
+                                                               else f"OVER by {(total + margin - avail) / GiB:.2f} GiB"))
             lines.append(f"    {'total':<94s} {total / GiB:8.2f}  {verdict}")
             if items is self.host and self.host_pool_limit is not None and self.pinned_per_pool > self.host_pool_limit:
                 lines.append(f"    OVER by {(self.host_pinned - self.host_pool_limit) / GiB:.2f} GiB: "
                              f"{self.host_pinned / GiB:.2f} GiB of pinned arrays, XLA's pinned pool is capped at "
                              f"{self.host_pool_limit / GiB:.0f} GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)")
+        if self.programs is not None:
+            lines.append(f"  compiled programs (XLA's memory analysis, per device; micro-batches of "
+                         f"{self.programs.micro_rows} x {self.programs.seq_len} tokens)      GiB: temp, arguments, "
+                         f"outputs, aliased")
+            lines += [f"    {f.program + ' (' + f.variant + ')':<78s} {f.temp / GiB:8.2f} {f.argument / GiB:8.2f} "
+                      f"{f.output / GiB:8.2f} {f.alias / GiB:8.2f}" for f in self.programs.figures]
         if self.disk:
             where = "" if self.disk_available is None else f" of {self.disk_available / GiB:.2f} free: " + (
                 "fits" if self.disk_fits else f"OVER by {(self.disk - self.disk_available) / GiB:.2f} GiB")
@@ -188,7 +219,8 @@ class MemoryPlan:
 def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
          stream_dtype: str | None = None, host_ram_bytes: int | None = None, gpu_bytes: int | None = None,
          *, packed: bool = False, loaded_copy: bool = False, detect: bool = True,
-         host_pool_limit: int | None = None, devices: int = 1, disk_bytes: int | None = None) -> MemoryPlan:
+         host_pool_limit: int | None = None, devices: int = 1, disk_bytes: int | None = None,
+         programs: ProgramMemory | None = None) -> MemoryPlan:
     """The memory needed to train ``model_cfg`` on batches of ``batch_rows`` x ``seq_len`` tokens.
 
     ``stream_dtype`` is the dtype of the weights sent to the GPU (default: ``engine_cfg.stream_dtype``, else
@@ -202,7 +234,9 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     the model object holds float32 weights loaded from a checkpoint for the whole run. ``devices``: the GPUs
     the run spreads over (per-GPU figures are one GPU's; host figures the whole host's, with one pinned
     pool per GPU). ``disk_bytes``: free space for the disk tier's files (default, when ``detect``: that of
-    ``engine_cfg.disk_dir``).
+    ``engine_cfg.disk_dir``). ``programs``: XLA's memory analysis of the run's compiled programs
+    (``megatrain_jax.engine.program_memory``, on the machine that runs it); their scratch memory replaces
+    the rules of thumb where they were compiled for this micro-batch shape (``gpu_exact``).
     """
     c, e = model_cfg, engine_cfg
     e.check_rows(batch_rows, devices)
@@ -281,9 +315,9 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         (e.accumulate_steps + 2) * tokens * BATCH_BYTES_PER_TOKEN)
     host["runtime: Python, JAX, CUDA libraries, compiled programs (allowance)"] = HOST_RUNTIME_BYTES
 
-    gpu, at = gpu_peak(c, e, batch_rows, seq_len, sb, flash, devices, packed)
+    gpu, at = gpu_peak(c, e, batch_rows, seq_len, sb, flash, devices, packed, programs)
     return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed,
-                      loaded_copy, arrays, host_pool_limit, fitted, at, devices, mb * on_disk, disk_bytes)
+                      loaded_copy, arrays, host_pool_limit, fitted, at, devices, mb * on_disk, disk_bytes, programs)
 
 
 def fit_host_pool(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,

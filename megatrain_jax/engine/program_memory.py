@@ -1,0 +1,174 @@
+"""XLA's own memory figures for the per-part programs of a run, read before the run executes them.
+
+The memory plan (``megatrain_jax.plan``) walks the schedule with a ledger of the buffers each op creates
+and frees. The one figure it cannot count from shapes is the scratch memory (temp) a compiled program
+needs while it runs; on a machine with the GPU at hand, ``program_memory`` compiles each program the
+run will call, for the run's micro-batch shape and layout, and reads ``memory_analysis()`` from XLA: the
+temp, argument, output and alias bytes, and XLA's own peak. The programs are compiled exactly as the
+engine's calls will compile them (the same arguments' shapes, dtypes and shardings), so the first step
+finds them compiled and pays nothing twice.
+
+Which programs a step calls, per micro-batch ``m`` of ``M`` over ``D`` devices (``passes``):
+``embed``/``forward`` gather a fetched part at ``m = 0`` (``D > 1``); ``head``, ``backward`` and
+``embed_backward`` start their float32 gradient accumulator at ``m = 0`` and add to it after; the last
+micro-batch's ``backward``/``embed_backward`` sum it over the mesh. A block kept on the GPU from its
+forward to its backward (the last ``prefetch_depth`` blocks) is not gathered again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megatrain_jax.contract.layered import io_params, layered
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.device_fns import Shards, device_fns
+from megatrain_jax.engine.transfer import Placement
+
+# The op kind each program runs for (the plan's ledger charges a program's temp to that op kind).
+OP_KIND = {"embed": "embed", "forward": "forward", "forward_keep": "forward", "head": "head",
+           "backward": "backward", "backward_kept": "backward", "embed_backward": "embed_backward"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledFigures:
+    """``memory_analysis()`` of one compiled program, in bytes (per device)."""
+
+    program: str  # a DeviceFns program: "forward", "backward_kept", ...
+    variant: str  # which call of it: "gathers the part, starts the accumulator", ...
+    temp: int
+    argument: int
+    output: int
+    alias: int  # outputs that reuse donated arguments' buffers
+    peak: int  # XLA's own peak of the program: arguments, outputs and temp live at once
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramMemory:
+    """XLA's figures for the programs of one micro-batch shape: ``micro_rows`` rows of ``seq_len`` tokens
+    per device, weights streamed as ``stream_dtype``, over ``devices`` GPUs; ``packed`` rows carry
+    segment ids."""
+
+    micro_rows: int
+    seq_len: int
+    stream_dtype: str
+    packed: bool
+    devices: int
+    keep_residuals: bool
+    figures: tuple[CompiledFigures, ...]
+
+    def temp(self, program: str) -> int | None:
+        """The largest temp of ``program``'s variants; None where it was not compiled."""
+        temps = [f.temp for f in self.figures if f.program == program]
+        return max(temps) if temps else None
+
+    def matches(self, micro_rows: int, seq_len: int, stream_bytes: int, packed: bool, devices: int) -> bool:
+        """Whether these figures are for that micro-batch shape and layout."""
+        return (self.micro_rows, self.seq_len, jnp.dtype(self.stream_dtype).itemsize, self.packed, self.devices) \
+            == (micro_rows, seq_len, stream_bytes, packed, devices)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**{k: v for k, v in dataclasses.asdict(self).items() if k != "figures"},
+                "programs": [f.as_dict() for f in self.figures]}
+
+
+def streamed_dtype(model_dtype: str, config: EngineConfig) -> str:
+    """The dtype the weights cross PCIe in: capacity mode streams its bfloat16 masters, else the stream copy
+    (``stream_dtype``), else the model's compute dtype."""
+    return "bfloat16" if config.capacity else (config.stream_dtype or model_dtype)
+
+
+def program_memory(model: nnx.Module, config: EngineConfig, rows: int, seq_len: int, *, packed: bool = False,
+                   placement: Placement | None = None) -> ProgramMemory:
+    """Compile the per-part programs one optimizer step of ``config`` calls on batches of ``rows`` x
+    ``seq_len`` tokens (this process's rows) and read XLA's memory analysis of each. ``model`` may be
+    abstract (``nnx.eval_shape``); nothing runs on the devices. ``placement``: the devices, as the engine
+    will use them (default: every local GPU, as ``Engine`` does)."""
+    placement = Placement() if placement is None else placement
+    config.check_rows(rows, len(placement.local_devices))
+    fns = device_fns(layered(model), placement)
+    stream = jnp.dtype(streamed_dtype(getattr(model.cfg, "dtype", "float32"), config))
+    M, D = config.micro_batches, placement.size
+    micro = rows * placement.processes // M  # global rows of one micro-batch
+    batch = lambda dtype: jax.ShapeDtypeStruct((micro, seq_len), dtype, sharding=placement.rows)  # noqa: E731
+    tokens, positions, mask = batch(jnp.int32), batch(jnp.int32), batch(jnp.float32)
+    segments = batch(jnp.int32) if packed else None
+    figures: list[CompiledFigures] = []
+
+    def fetched(params: Any) -> Any:
+        """A part as ``PassRunner.fetch`` hands it to the programs: each device its shard."""
+        return fns.fetched(jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, stream, sharding=placement.device_for(a)), params))
+
+    def call(name: str, variant: str, params: Any, *args, last: bool = False) -> tuple[Any, Any]:
+        """As ``DeviceFns``' calls: (outputs, the part whole on every device), compiled, not run."""
+        compiled = fns.compiled(name, params, *args, last=last)
+        m = compiled.memory_analysis()
+        figures.append(CompiledFigures(name, variant, int(m.temp_size_in_bytes), int(m.argument_size_in_bytes),
+                                       int(m.output_size_in_bytes), int(m.alias_size_in_bytes),
+                                       int(getattr(m, "peak_memory_in_bytes", 0) or 0)))
+        out = compiled.out_info
+        return (out[0], out[1]) if isinstance(params, Shards) else (out, params)
+
+    gathers = D > 1
+    # The forward: the first micro-batch's call gathers the fetched part (over several devices).
+    x, io = call("embed", _variant(gathers), fetched(io_params(model)), tokens, positions, segments)
+    if M > 1 and gathers:
+        call("embed", _variant(False), io, tokens, positions, segments)
+    keep = config.keep_residuals
+    forward = "forward_keep" if keep else "forward"
+    y, block = call(forward, _variant(gathers), fetched(nnx.state(model.blocks[0], nnx.Param)), x, positions,
+                    segments)
+    if M > 1 and gathers:
+        call(forward, _variant(False), block, x, positions, segments)
+    kept = None
+    if keep:
+        y, kept = y
+    extra = ()
+    if fns.routed:  # the auxiliary loss's gradient with respect to the blocks' statistics
+        y, stats = y
+        extra = (fns.aux.lower(stats).compile().out_info[1],)
+    inv_count = fns.inv_count.lower([mask] * M).compile().out_info
+    # The head: the first micro-batch starts the io gradient's accumulator, the others add to it.
+    (_, dy, io_acc), _ = call("head", _variant(False, first=True), io, y, tokens, mask, inv_count, None)
+    if M > 1:
+        call("head", _variant(False, first=False), io, y, tokens, mask, inv_count, io_acc)
+    # The backward: blocks fetched again (gathered by the first micro-batch), or kept on the GPU from
+    # their forward (the last prefetch_depth blocks); the last micro-batch sums the gradient over the mesh.
+    backward = "backward_kept" if keep else "backward"
+    before = (x, positions, segments) + ((kept,) if keep else ())
+    for fresh in ([True, False] if gathers else [False]):
+        acc = None
+        for first, last in _calls(M, D):
+            params = fetched(nnx.state(model.blocks[0], nnx.Param)) if fresh and first else block
+            (_, acc_out), _ = call(backward, _variant(fresh and first, first, last), params, *before, dy, *extra,
+                                   None if first else acc, last=last)
+            acc = acc_out if first else acc
+    for first, last in {(False, last) for _, last in _calls(M, D)}:  # the head started io's accumulator
+        call("embed_backward", _variant(False, first, last), io, tokens, positions, segments, dy, io_acc,
+             last=last)
+    return ProgramMemory(micro_rows=micro // D, seq_len=seq_len, stream_dtype=str(stream), packed=packed, devices=D,
+                         keep_residuals=keep, figures=tuple(figures))
+
+
+def _calls(M: int, D: int) -> list[tuple[bool, bool]]:
+    """The distinct (first micro-batch, sums over the mesh) calls of a pass's accumulating programs: the
+    first and a later micro-batch, and the last one where it differs (several devices)."""
+    calls = [(m == 0, m == M - 1 and D > 1) for m in range(M)]
+    return list(dict.fromkeys(calls))
+
+
+def _variant(gathers: bool, first: bool | None = None, last: bool = False) -> str:
+    words = ["gathers the part"] if gathers else []
+    if first is not None:
+        words.append("starts the accumulator" if first else "adds to the accumulator")
+    if last:
+        words.append("sums the gradient over the devices")
+    return ", ".join(words) or "plain"
