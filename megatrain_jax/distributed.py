@@ -8,7 +8,7 @@ own rows of every batch (``TokenBatches(process=...)``; the CLI's data does this
 
     # host 0 of 2 (and the same on host 1 with MEGATRAIN_PROCESS_ID=1)
     MEGATRAIN_COORDINATOR=host0:12355 MEGATRAIN_NUM_PROCESSES=2 MEGATRAIN_PROCESS_ID=0 \\
-        megatrain-jax train run.toml
+        megatrain-jax train --config run.toml
 
 Under SLURM or Open MPI, ``jax.distributed.initialize()`` finds all three by itself: set only
 ``MEGATRAIN_DISTRIBUTED=1``. On CPU (tests), cross-process collectives go through gloo.
@@ -42,3 +42,12 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                          f"set MEGATRAIN_NUM_PROCESSES and MEGATRAIN_PROCESS_ID (0 .. N-1, one per process)")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only used where the devices are CPUs
     jax.distributed.initialize(coordinator, num_processes, process_id, local_device_ids=local_device_ids)
+
+
+def process_id() -> int:
+    """This process's id once ``initialize`` ran (0 for a single process), read without starting JAX's
+    backends (``jax.process_index()`` would start them, before the pinned pool's cap is set)."""
+    from jax._src import distributed as jax_distributed
+
+    pid = jax_distributed.global_state.process_id
+    return 0 if pid is None else int(pid)

@@ -231,3 +231,15 @@ def test_train_writes_the_plan_it_ran_with(at_hand, tmp_path, monkeypatch):
         assert record["gpu_exact"] is False and record["programs"] is None
         assert record["estimate_gpu_total"] == record["gpu_total"]  # the estimate is the plan
         assert any("rule of thumb" in k for k in record["gpu"])
+
+
+def test_plan_exact_needs_a_gpu_and_then_plans_with_xla_figures(monkeypatch, capsys):
+    from megatrain_jax.cli.commands import main
+    args = ["plan", "--config", str(DEMO_TINY), "data.seq_len=32", "data.batch_size=4", "--exact"]
+    assert main(args) == 2
+    assert "plan --exact compiles the run's programs on this machine's GPU" in capsys.readouterr().err
+    monkeypatch.setattr("megatrain_jax.cli.run.gpu_at_hand", lambda: True)
+    main(args)
+    out = capsys.readouterr().out
+    assert "with XLA's figures for the compiled programs: GPU" in out and "XLA's memory analysis" in out
+    assert "compiled programs (XLA's memory analysis, per device" in out

@@ -2,7 +2,7 @@
 
     megatrain-jax                                   # the demo: tiny model, demo data, ~1 minute on a CPU
     megatrain-jax train --config FILE.toml [section.key=value ...]
-    megatrain-jax plan --config FILE.toml [section.key=value ...] [--host-gib N] [--gpu-gib N]
+    megatrain-jax plan --config FILE.toml [section.key=value ...] [--host-gib N] [--gpu-gib N] [--exact]
     megatrain-jax convert SRC DST [--to hf|npz|orbax] [--dtype bfloat16|float32]
     megatrain-jax bench [experiments/bench.py arguments]
     megatrain-jax plot RUN_DIR [--out FILE.png]
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--host-gib", type=float, help="host RAM to plan for (default: this machine's MemAvailable)")
     p.add_argument("--gpu-gib", type=float, help="GPU memory to plan for (default: this GPU's, if any)")
+    p.add_argument("--exact", action="store_true",
+                   help="compile the run's programs on this machine's GPU and plan with XLA's figures for their "
+                        "scratch memory, as train does (without it the GPU side is an estimate)")
     p = sub.add_parser("convert", help="convert checkpoints: Hugging Face <-> npz (<-> Orbax)")
     p.add_argument("src", help="a Hugging Face folder (config.json + safetensors) or a .npz")
     p.add_argument("dst", help="output: a folder (Hugging Face) or a .npz file")
@@ -115,6 +118,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if lean is not None:
         print(f"as `megatrain-jax train` would: {lean}")
     p = plan(model_cfg, engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu, **kw)
+    if args.exact:
+        from flax import nnx
+
+        from megatrain_jax.cli.run import exact_plan, gpu_at_hand
+        from megatrain_jax.models import Decoder
+        if not gpu_at_hand():
+            raise ConfigError("plan --exact compiles the run's programs on this machine's GPU, and it has none; "
+                              "without --exact the plan's GPU side is the estimate")
+        model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
+        estimate = p
+        p, again = exact_plan(model, p, given=cfg.engine, devices=cfg.train.devices,
+                              disk_dir=str(Path(cfg.train.run_dir) / "disk_tier"))
+        print(again or f"with XLA's figures for the compiled programs: GPU {p.gpu_total / GiB:.2f} GiB (the "
+                       f"estimate: {estimate.gpu_total / GiB:.2f})")
     print(p.table())
     longest = longest_seq_len(p)
     print(f"longest sequence that fits with {d.batch_size} rows per batch as configured: "

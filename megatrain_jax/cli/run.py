@@ -22,6 +22,7 @@ from megatrain_jax import distributed
 from megatrain_jax._environment import gpu_fraction_source, host_pool_limit, visible_gpus
 from megatrain_jax.checkpoint import committed_steps
 from megatrain_jax.cli.run_config import RunConfig, to_dict, to_toml
+from megatrain_jax.cli.run_lock import RunLock
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
 from megatrain_jax.fit import History, Hook, fit
@@ -211,9 +212,21 @@ def _out_of_memory_advice(memory: MemoryPlan, err: DeviceOutOfMemoryError, check
 
 
 def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
-    """Run ``cfg``: returns fit's History (``history.engine`` holds the trained host state)."""
+    """Run ``cfg``: returns fit's History (``history.engine`` holds the trained host state). The run folder
+    is locked for the run's life (``run_lock``): a second run into it is refused at once."""
     out = stream or sys.stdout
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
+    lock = RunLock(Path(cfg.train.run_dir), distributed.process_id())
+    took_over = lock.acquire()
+    try:
+        if took_over:
+            say(f"megatrain_jax: {took_over}")
+        return _train(cfg, out, say)
+    finally:
+        lock.release()
+
+
+def _train(cfg: RunConfig, out: TextIO, say) -> History:
     t, d = cfg.train, cfg.data
     if d.format == "chat" and d.tokenizer is None and cfg.model.hf_checkpoint is not None:
         d = dataclasses.replace(d, tokenizer=cfg.model.hf_checkpoint)  # the checkpoint's own tokenizer

@@ -206,6 +206,8 @@ def apply_overrides(raw: dict, overrides: Sequence[str]) -> dict:
     for item in overrides:
         path, sep, text = item.partition("=")
         keys = path.strip().split(".")
+        if not sep and item.strip().endswith(".toml"):
+            raise ConfigError(f"{item!r} is not an override: to read a config file, pass it as --config {item}")
         if not sep or len(keys) < 2 or not all(keys):
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. model.layers=4 "
                               f"or train.steps=20")

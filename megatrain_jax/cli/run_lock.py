@@ -1,0 +1,68 @@
+"""One run per run folder at a time: an advisory lock (``fcntl.flock``) on ``<run_dir>/.lock``, held for the
+run's life by ``megatrain-jax train``.
+
+The kernel drops a ``flock`` when its process dies, however it dies (SIGKILL included), so a lock left by a
+dead run is never stale in the kernel's eyes: the file still names the dead holder, and the next run takes
+it over and says whose it was. A second live run is refused at once, naming the holder's pid, host and
+start time. Under ``jax.distributed`` each process locks its own file (``.lock`` for process 0,
+``.lock.process-N`` for the others), so that one multi-process run can share a folder while a second one
+cannot. ``flock`` is local to one machine: on a network file system the lock keeps out runs on the same
+host only (NFS may not implement it at all); give runs on different hosts different folders.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+
+class RunFolderBusyError(FileExistsError):
+    """Another live process holds the run folder's lock."""
+
+
+class RunLock:
+    """The run folder's lock; ``acquire()`` returns a note when it took over a dead run's lock (else None)."""
+
+    def __init__(self, run_dir: Path, process: int = 0):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / (".lock" if process == 0 else f".lock.process-{process}")
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read(fd) or "another process (it wrote no details yet)"
+            os.close(fd)
+            raise RunFolderBusyError(
+                f"run folder {self.run_dir} is in use by {holder} ({self.path}); nothing was changed. Wait for "
+                f"that run to end, or set train.run_dir to another folder") from None
+        before = _read(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started "
+                      f"{datetime.datetime.now().isoformat(timespec='seconds')}\n".encode(), 0)
+        self._fd = fd
+        return None if not before else f"took over the lock of a run that is no longer running ({before})"
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)  # unlocked and empty: nobody holds it
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _read(fd: int) -> str:
+    return os.pread(fd, 4096, 0).decode(errors="replace").strip()
