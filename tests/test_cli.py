@@ -379,3 +379,16 @@ def test_the_start_line_counts_the_devices_the_run_uses(monkeypatch):
     monkeypatch.setattr(run.jax, "device_count", lambda: 2)
     assert run._device_line(1).endswith(", 1 device(s) of the 2 visible")
     assert run._device_line(None).endswith(", 2 device(s)") and run._device_line(2).endswith(", 2 device(s)")
+
+
+def test_held_out_data_is_evaluated_unless_eval_every_says_otherwise(tmp_path, capsys):
+    """``data.eval_fraction`` without ``train.eval_every``: evaluated every tenth of the run (issue 32); an
+    explicit ``eval_every = 0`` keeps it off."""
+    run = [*TINY_RUN, "data.eval_fraction=0.05", "train.steps=20", "train.eval_every=none", "train.eval_batches=1"]
+    assert main(["train", *run, f"train.run_dir={tmp_path / 'auto'}"]) == 0
+    assert "evaluating the held-out 0.05 of the data every 2 steps" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_loss" in r] == list(range(2, 21, 2))
+    assert main(["train", *run, "train.eval_every=0", f"train.run_dir={tmp_path / 'off'}"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
+    assert not any("eval_loss" in r for r in rows)

@@ -283,9 +283,13 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
 
     # written at the first step, so a run refused at start (e.g. by the checkpoint folder) leaves the folder as is
     hooks, writers = [_first_step(lambda: _write_config(cfg, run_dir))], []
-    if t.eval_every:
+    every = t.eval_interval(d.eval_fraction)
+    if every:
+        if t.eval_every is None:
+            say(f"  evaluating the held-out {d.eval_fraction:g} of the data every {every} steps ({t.eval_batches} "
+                f"batches; set train.eval_every to change it, 0 for none)")
         eval_batches = list(itertools.islice(d.build_eval(model_cfg.vocab_size, pieces), t.eval_batches))
-        hooks.append(eval_hook(eval_batches, t.eval_every, t.steps))
+        hooks.append(eval_hook(eval_batches, every, t.steps))
     hooks.append(memory_hook())
     writers.append(JsonlWriter(run_dir / "metrics.jsonl", append=bool(t.resume)))
     if cfg.log.tensorboard and TensorBoardWriter.available():

@@ -106,7 +106,8 @@ class OptimizerConfig:
 @dataclasses.dataclass(frozen=True)
 class TrainSection(TrainConfig):
     """The ``[train]`` section: the library's ``TrainConfig`` (what ``fit`` runs) plus the run folder's
-    settings. ``eval_every = 0`` turns evaluation off.
+    settings. ``eval_every = 0`` turns evaluation off; unset, a run with held-out data (``[data]
+    eval_fraction > 0``) evaluates every tenth of its steps (``eval_interval``).
 
     Checkpoints go to ``checkpoint_dir`` (default ``run_dir/checkpoints``) every ``checkpoint_every`` steps
     and at the end, when ``checkpoint_every > 0``, ``resume`` or ``checkpoint_dir`` is set. ``resume =
@@ -114,7 +115,7 @@ class TrainSection(TrainConfig):
     string names a checkpoint folder to start from."""
 
     steps: int = 100
-    eval_every: int = 0
+    eval_every: int | None = None
     eval_batches: int = 8
     run_dir: str = "runs/default"
     export_hf: str | None = None  # write the trained model here as a Hugging Face folder at the end
@@ -124,9 +125,16 @@ class TrainSection(TrainConfig):
         for name in ("steps", "log_every", "eval_batches"):
             if getattr(self, name) is None or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.eval_every < 0:
+        if self.eval_every is not None and self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (0 = off), got {self.eval_every}")
         self.for_fit()  # every TrainConfig check, with the run folder's checkpoint default
+
+    def eval_interval(self, eval_fraction: float) -> int:
+        """Steps between evaluations (0: none): ``eval_every``, or where it is unset and data is held out,
+        a tenth of the run."""
+        if self.eval_every is not None:
+            return self.eval_every
+        return max(1, self.steps // 10) if eval_fraction > 0 else 0
 
     def for_fit(self) -> TrainConfig:
         """The ``TrainConfig`` ``fit`` gets: checkpoints under the run folder unless placed elsewhere."""
