@@ -153,8 +153,10 @@ def test_sharded_checkpoint_round_trip(tmp_path):
     shards[1].unlink()
     with pytest.raises(SafetensorsError, match=f"shard '{shards[1].name}' .* is missing"):
         Checkpoint(tmp_path)
-    # a later unsharded save replaces the shards rather than mixing with them
-    save_hf(tmp_path, cfg, io, blocks, dtype="float32")
+    # a later save is refused unless it may overwrite; then the unsharded files replace the shards as a set
+    with pytest.raises(FileExistsError, match="already holds a model.*overwrite=True"):
+        save_hf(tmp_path, cfg, io, blocks, dtype="float32")
+    save_hf(tmp_path, cfg, io, blocks, dtype="float32", overwrite=True)
     assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
 
 

@@ -224,7 +224,7 @@ def small_vocab_tokenizer(folder: Path, vocab: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": CHATML}))
 
 
-def test_sft_end_to_end_from_an_hf_folder_to_an_hf_folder_and_resumes_bit_exactly(tmp_path):
+def test_sft_end_to_end_from_an_hf_folder_to_an_hf_folder_and_resumes_bit_exactly(tmp_path, capsys):
     """megatrain-jax train with [model] hf_checkpoint and [data] format = "chat": the checkpoint's own
     tokenizer and template, the loss on the answers, 20 steps over several epochs, an exported folder with
     weights and tokenizer that reloads. A run stopped mid-epoch at step 9 and resumed gives the same losses
@@ -243,13 +243,13 @@ def test_sft_end_to_end_from_an_hf_folder_to_an_hf_folder_and_resumes_bit_exactl
                               for i in range(10)]
     data = write_jsonl(tmp_path / "chat.jsonl", lines)
 
-    def train(name: str, steps: int, *extra: str) -> Path:
+    def train(name: str, steps: int, *extra: str, status: int = 0) -> Path:
         run = tmp_path / name
         assert main(["train", f"model.hf_checkpoint={ckpt}", "model.dtype=float32", f"data.path={data}",
                      "data.format=chat", "data.mode=packed", "data.seq_len=48", "data.batch_size=2",
                      "data.prefetch=0", f"data.cache_dir={tmp_path / 'cache'}", f"train.steps={steps}",
                      "optimizer.lr=1e-3", "optimizer.decay=constant", "log.tensorboard=false", f"train.run_dir={run}",
-                     f"train.export_hf={run / 'hf'}", *extra]) == 0
+                     f"train.export_hf={run / 'hf'}", *extra]) == status
         return run
 
     def losses(run: Path) -> dict[int, float]:
@@ -265,7 +265,11 @@ def test_sft_end_to_end_from_an_hf_folder_to_an_hf_folder_and_resumes_bit_exactl
     assert np.mean([first[s] for s in range(16, 21)]) < np.mean([first[s] for s in range(1, 6)])
 
     parted = train("parted", 9, "train.checkpoint_every=9")
-    train("parted", 20, "train.checkpoint_every=9", "train.resume=true")
+    # the first part exported its model: the resumed run replaces it only when told to
+    capsys.readouterr()
+    train("parted", 20, "train.checkpoint_every=9", "train.resume=true", status=2)
+    assert f"{parted / 'hf'} already holds a model" in capsys.readouterr().err
+    train("parted", 20, "train.checkpoint_every=9", "train.resume=true", "train.export_overwrite=true")
     assert losses(parted) == first
     for a, b in zip(sorted((whole / "hf").glob("*.safetensors")), sorted((parted / "hf").glob("*.safetensors"))):
         assert a.read_bytes() == b.read_bytes()

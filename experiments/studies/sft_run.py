@@ -98,7 +98,8 @@ def make_checkpoint(work: Path, preset_name: str) -> dict:
         return out
 
     t = time.perf_counter()
-    save_hf(work / "checkpoint", cfg, tree(io_specs(cfg)), [tree(block_specs(cfg, i)) for i in range(cfg.layers)])
+    save_hf(work / "checkpoint", cfg, tree(io_specs(cfg)), [tree(block_specs(cfg, i)) for i in range(cfg.layers)],
+            overwrite=True)
     return {"make_checkpoint_s": round(time.perf_counter() - t, 1), "params": cfg.param_count()}
 
 
@@ -157,7 +158,7 @@ def train(work: Path, args) -> dict:
     engine.sync()
     export = work / "export"
     t = time.perf_counter()
-    save_hf(export, cfg, *engine.state.params())
+    save_hf(export, cfg, *engine.state.params(), overwrite=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (export / name).write_bytes((ckpt / name).read_bytes())
     export_s = time.perf_counter() - t

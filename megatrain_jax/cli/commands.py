@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", choices=("hf", "npz", "orbax"), help="output format (default: from dst)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="tensor dtype of a Hugging Face output (default bfloat16)")
+    p.add_argument("--force", action="store_true",
+                   help="replace a model already in the Hugging Face output folder (as a whole)")
     p = sub.add_parser("bench", help="engine benchmark (experiments/bench.py; source checkouts only)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for experiments/bench.py")
     p = sub.add_parser("plot", help="PNG of loss, eval loss and throughput of a run")
@@ -144,7 +146,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from megatrain_jax.cli.convert import convert
-    out = convert(args.src, args.dst, args.to, args.dtype)
+    out = convert(args.src, args.dst, args.to, args.dtype, force=args.force)
     print(f"wrote {out}")
     return 0
 

@@ -84,13 +84,17 @@ def load_npz(path: str | os.PathLike) -> tuple[DecoderConfig, dict, list[dict]]:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None,
-            dtype: str = "bfloat16") -> Path:
+            dtype: str = "bfloat16", force: bool = False) -> Path:
     """Convert ``src`` to ``dst`` (format ``to``, else from ``dst``'s suffix: ``.npz`` or an HF folder).
-    ``dtype`` is the tensor dtype of an HF output."""
+    ``dtype`` is the tensor dtype of an HF output. An HF folder that holds a model is replaced only with
+    ``force`` (as a whole: ``save_hf``)."""
     src_fmt = detect_format(src)
     to = to or ("npz" if str(dst).endswith(".npz") else "hf")
     if to not in FORMATS:
         raise ValueError(f"unknown output format {to!r}; choose from {FORMATS}")
+    if to == "hf":  # before reading the source: a refusal costs nothing
+        from megatrain_jax.hf.export_folder import check_target
+        check_target(dst, force, "add --force")
     if src_fmt == "orbax":
         from megatrain_jax.checkpoint import load_params
         cfg, io, blocks = load_params(src)
@@ -105,7 +109,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
                          f"Python with megatrain_jax.checkpoint.load_model(path, model) instead")
     if to == "hf":
         from megatrain_jax.hf import save_hf
-        save_hf(dst, cfg, io, blocks, dtype=dtype)
+        save_hf(dst, cfg, io, blocks, dtype=dtype, overwrite=force)
         return Path(dst)
     if to == "npz":
         return save_npz(dst, cfg, io, blocks)

@@ -26,6 +26,7 @@ from megatrain_jax.cli.run_lock import RunLock
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
 from megatrain_jax.fit import History, Hook, fit
+from megatrain_jax.hf.export_folder import TOKENIZER_FILES, check_target
 from megatrain_jax.models import Decoder
 from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
 from megatrain_jax.engine.config import EngineConfig
@@ -125,22 +126,12 @@ def _without_resume(raw: dict) -> dict:
     return raw
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
-
-
-def _copy_tokenizer(source: str | None, export: Path) -> list[str]:
-    """The tokenizer files of the folder the run's tokenizer came from, copied next to the exported weights
-    (transformers then loads model and tokenizer from one folder); the names copied."""
-    import shutil
+def _tokenizer_files(source: str | None) -> list[Path]:
+    """The tokenizer files of the folder the run's tokenizer came from, to go next to the exported weights
+    (transformers then loads model and tokenizer from one folder)."""
     if source is None:
         return []
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (Path(source) / name).exists() and not (export / name).exists():
-            shutil.copy2(Path(source) / name, export / name)
-            copied.append(name)
-    return copied
+    return [Path(source) / name for name in TOKENIZER_FILES if (Path(source) / name).exists()]
 
 
 def gpu_at_hand() -> bool:
@@ -233,9 +224,10 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         cfg = dataclasses.replace(cfg, data=d)
     run_dir = Path(t.run_dir)
     model_cfg = cfg.model.build()
-    if t.export_hf:  # before training, not after: the model must be one transformers can hold
-        from megatrain_jax.hf.config import check_exportable
+    if t.export_hf:  # before training, not after: the model must be one transformers can hold, and the
+        from megatrain_jax.hf.config import check_exportable  # folder free of another model unless replaced
         check_exportable(model_cfg)
+        check_target(t.export_hf, t.export_overwrite, "set train.export_overwrite=true")
 
     gpus = visible_gpus()
     kw = dict(packed=d.mode == "packed",
@@ -317,10 +309,11 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
 
     if t.export_hf:
         from megatrain_jax.hf import save_hf
-        save_hf(t.export_hf, model_cfg, *history.engine.state.params())
-        copied = _copy_tokenizer(d.tokenizer or cfg.model.hf_checkpoint, Path(t.export_hf))
+        copied = _tokenizer_files(d.tokenizer or cfg.model.hf_checkpoint)
+        save_hf(t.export_hf, model_cfg, *history.engine.state.params(), overwrite=t.export_overwrite,
+                extra_files=copied)
         say(f"  exported the trained model to {t.export_hf} (Hugging Face format, bfloat16"
-            + (f"; with {', '.join(copied)}" if copied else "") + ")")
+            + (f"; with {', '.join(p.name for p in copied)}" if copied else "") + ")")
     if len(history):
         first, last = history.records[0], history.records[-1]
         evals = history["eval_loss"]

@@ -119,6 +119,7 @@ class TrainSection(TrainConfig):
     eval_batches: int = 8
     run_dir: str = "runs/default"
     export_hf: str | None = None  # write the trained model here as a Hugging Face folder at the end
+    export_overwrite: bool = False  # replace a model already in export_hf (else the run refuses at start)
     memory_check: bool = True  # refuse to start when the memory plan does not fit
 
     def __post_init__(self) -> None:

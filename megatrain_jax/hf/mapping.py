@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from megatrain_jax.hf.config import config_from_hf, config_to_hf
-from megatrain_jax.hf.safetensors_io import (INDEX_FILE, Checkpoint, plan_shards, shard_names, stale_files,
+from megatrain_jax.hf.export_folder import check_target, publish, staging
+from megatrain_jax.hf.safetensors_io import (INDEX_FILE, Checkpoint, plan_shards, shard_names,
                                              write_entries)
 from megatrain_jax.models.config import DecoderConfig
 
@@ -309,11 +311,18 @@ def _lookup(tree: PureTree, path: tuple[str, ...], part: str) -> Any:
 
 
 def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, block_params: Sequence[Any],
-            dtype: str = "bfloat16", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
+            dtype: str = "bfloat16", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, *, overwrite: bool = False,
+            extra_files: Sequence[str | os.PathLike] = ()) -> list[Path]:
     """Write ``config.json`` + safetensors (sharded with an index past ``max_shard_bytes``) that
     transformers' ``AutoModelForCausalLM.from_pretrained`` loads. Parameters may be pure dicts or
     ``nnx.State``, numpy or JAX arrays (any memory kind); each tensor is converted only as it is
-    written. Earlier ``model*.safetensors`` files in the folder are removed. Returns the files."""
+    written. ``extra_files`` (a tokenizer's, say) are copied in with them.
+
+    The export is written whole beside ``model_dir`` and then put in place in one step
+    (``export_folder.publish``): a kill at any moment leaves the folder's old model or the new one, whole.
+    A folder that already holds a model is refused (``ExportExistsError``) unless ``overwrite``; then its
+    model files are replaced as a set and its other files kept. Returns the files."""
+    check_target(model_dir, overwrite, "pass overwrite=True")
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"dtype {dtype!r} not supported for export; use 'bfloat16' or 'float32'")
     if len(block_params) != cfg.layers:
@@ -335,22 +344,27 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
     if wrong:
         raise CheckpointMismatch("parameters do not match the config:\n" + "\n".join(wrong))
 
-    out = Path(model_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in stale_files(out):
-        stale.unlink()
-    itemsize = np.dtype(np.float32).itemsize if dtype == "float32" else 2
-    shards = plan_shards(((n, math.prod(e[1]) * itemsize) for n, e in entries.items()), max_shard_bytes)
-    files = [out / name for name in shard_names(len(shards))]
-    np_dtype = _np_dtype(dtype)
-    total = sum(write_entries(f, [entries[n] for n in names], np_dtype) for f, names in zip(files, shards))
-    if len(files) > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {n: f.name for f, names in zip(files, shards) for n in names}}
-        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        files.append(out / INDEX_FILE)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    return files + [out / "config.json"]
+    out = staging(model_dir)
+    try:
+        itemsize = np.dtype(np.float32).itemsize if dtype == "float32" else 2
+        shards = plan_shards(((n, math.prod(e[1]) * itemsize) for n, e in entries.items()), max_shard_bytes)
+        files = [out / name for name in shard_names(len(shards))]
+        np_dtype = _np_dtype(dtype)
+        total = sum(write_entries(f, [entries[n] for n in names], np_dtype) for f, names in zip(files, shards))
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {n: f.name for f, names in zip(files, shards) for n in names}}
+            (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            files.append(out / INDEX_FILE)
+        (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        for extra in extra_files:
+            shutil.copy2(extra, out / Path(extra).name)
+        names = [f.name for f in files] + ["config.json"] + [Path(e).name for e in extra_files]
+        publish(out, model_dir)
+    except BaseException:  # a failed export leaves nothing beside the folder (a killed one: the .partial folder)
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return [Path(model_dir) / name for name in names]
 
 
 def _producer(value: Any, transpose: bool, expert: int | None = None):

@@ -1,0 +1,98 @@
+"""Exports that never clobber and never leave a half-written model (issue 32).
+
+A Hugging Face export is written whole into a sibling folder (``.NAME.partial-PID``) and then put in place
+in one step. Where the target folder already exists, ``renameat2(RENAME_EXCHANGE)`` swaps the two folders
+atomically (Linux 3.15+, on ext4, xfs, btrfs, tmpfs and most local file systems), so a kill at any moment
+leaves the target holding either the old model or the new one, whole. The swapped-out folder's entries
+that are not part of a model (the user's own files, other folders) are then moved into the new one, and the
+rest removed. Where the file system cannot exchange, the old folder is renamed aside first
+(``.NAME.old-PID``) and the new one renamed in: a kill between those two renames leaves both whole, the
+target path empty for that moment.
+
+A folder that already holds a model is refused unless the caller asks to overwrite, and the model's files
+(weights, index, ``config.json``, the tokenizer files) always come from the new export, never from the
+folder's past.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import shutil
+from pathlib import Path
+
+from megatrain_jax.hf.safetensors_io import stale_files
+
+# What a model folder holds besides its weights: transformers reads these next to them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+class ExportExistsError(FileExistsError):
+    """The export's target folder already holds a model."""
+
+
+def model_files(folder: Path) -> list[Path]:
+    """The files of ``folder`` that belong to a model: weights, their index, ``config.json`` and the
+    tokenizer files."""
+    if not folder.is_dir():
+        return []
+    named = [folder / n for n in ("config.json", *TOKENIZER_FILES) if (folder / n).exists()]
+    return sorted(set(named) | set(stale_files(folder)))
+
+
+def check_target(folder: str | os.PathLike, overwrite: bool, how: str) -> None:
+    """Refuse a ``folder`` that holds a model (weights or ``config.json``) unless ``overwrite``; ``how`` says
+    how the caller asks to overwrite."""
+    folder = Path(folder)
+    if not overwrite and ((folder / "config.json").exists() or any(stale_files(folder))):
+        raise ExportExistsError(f"{folder} already holds a model ({', '.join(p.name for p in model_files(folder))}); "
+                                f"nothing was written. To replace it, {how}; or export to another folder")
+    if folder.exists() and not folder.is_dir():
+        raise ExportExistsError(f"{folder} is a file, not a folder: export to a folder")
+
+
+def staging(folder: str | os.PathLike) -> Path:
+    """An empty sibling folder of ``folder`` to write the export into."""
+    folder = Path(folder).absolute()
+    staged = folder.parent / f".{folder.name}.partial-{os.getpid()}"
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    return staged
+
+
+def publish(staged: Path, folder: str | os.PathLike) -> None:
+    """Put the finished export ``staged`` at ``folder`` in one step (see the module docstring)."""
+    folder = Path(folder).absolute()
+    if not folder.exists():
+        os.rename(staged, folder)
+        return
+    if _exchange(staged, folder):
+        old = staged  # the swapped-out folder is now at the staging path
+    else:
+        old = folder.parent / f".{folder.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(folder, old)
+        try:
+            os.rename(staged, folder)
+        except OSError:
+            os.rename(old, folder)  # the old model back where it was
+            raise
+    keep = set(model_files(old))
+    for entry in old.iterdir():  # the user's own files go on living in the folder
+        if entry not in keep and not (folder / entry.name).exists():
+            os.rename(entry, folder / entry.name)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (``renameat2(RENAME_EXCHANGE)``); False where the system cannot."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    ok = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+    return ok

@@ -1,0 +1,106 @@
+"""Exports that never clobber (issue 32): a Hugging Face export into a folder holding a model is refused
+unless asked to overwrite; then the model's files are replaced as a set (the tokenizer's too: never left
+from the folder's past), the folder's other files are kept, and a SIGKILL at any moment of the re-export
+leaves the old model or the new one whole."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from megatrain_jax import Decoder, preset
+from megatrain_jax.cli.commands import main
+from megatrain_jax.hf import load_hf, save_hf
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+# About 100 MB of float32: an export that takes a while to write, so that kills land inside it.
+BIG = preset("tiny", vocab_size=4096, hidden=512, ffn=1024, layers=8, heads=8, kv_heads=4, max_positions=128)
+
+
+def params(cfg, seed: int):
+    """Random parameters of ``cfg`` as (io, [blocks]) numpy pure dicts, the same for the same seed."""
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(seed)
+    tree = lambda module: jax.tree.map(  # noqa: E731
+        lambda a: rng.standard_normal(a.shape).astype(np.float32), nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+    return tree(model.io), [tree(b) for b in model.blocks]
+
+
+def same(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(x, y) for x, y in zip(la, lb))
+
+
+def test_a_model_is_replaced_only_when_asked_and_as_a_whole(tmp_path, capsys):
+    cfg = preset("tiny", layers=2)
+    folder = tmp_path / "export"
+    old, new = params(cfg, 1), params(cfg, 2)
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text('{"new": true}')
+    save_hf(folder, cfg, *old, dtype="float32", max_shard_bytes=20_000)  # sharded
+    (folder / "tokenizer_config.json").write_text("{}")  # a tokenizer file of the folder's past
+    (folder / "NOTES.txt").write_text("mine")  # and a file of the user's
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(FileExistsError, match="already holds a model"):
+        save_hf(folder, cfg, *new, dtype="float32")
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # nothing written
+    save_hf(folder, cfg, *new, dtype="float32", overwrite=True, extra_files=[tok])
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["NOTES.txt", "config.json", "model.safetensors", "tokenizer.json"]  # no old shard, no old
+    assert same(load_hf(folder, dtype="float32")[1:], new)                                # tokenizer_config
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".export")]  # nothing left beside it
+    # convert: refused without --force, as a whole with it
+    npz = tmp_path / "m.npz"
+    assert main(["convert", str(folder), str(npz)]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(npz), str(folder)]) == 2
+    assert "add --force" in capsys.readouterr().err
+    assert main(["convert", str(npz), str(folder), "--force", "--dtype", "float32"]) == 0
+    assert same(load_hf(folder, dtype="float32")[1:], new) and (folder / "NOTES.txt").exists()
+
+
+CHILD = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from test_export_folder import BIG, params
+from megatrain_jax.hf import save_hf
+new = params(BIG, 2)
+print("start", flush=True)
+save_hf({folder!r}, BIG, *new, dtype="float32", overwrite=True)
+print("done", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_kill_at_any_moment_of_a_re_export_leaves_one_model_whole(tmp_path):
+    folder = tmp_path / "export"
+    old, new = params(BIG, 1), params(BIG, 2)
+    t = time.perf_counter()
+    save_hf(folder, BIG, *old, dtype="float32", max_shard_bytes=30_000_000)
+    took = time.perf_counter() - t
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    seen = set()
+    for fraction in (0.0, 0.35, 0.7, 2.0):
+        child = subprocess.Popen([sys.executable, "-c", CHILD.format(tests=str(TESTS), folder=str(folder))],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert child.stdout.readline().strip() == "start", child.communicate()[0]
+        time.sleep(fraction * took)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        got = load_hf(folder, dtype="float32")[1:]
+        is_old, is_new = same(got, old), same(got, new)
+        assert is_old or is_new, f"killed {fraction:.1f} x {took:.2f} s into the export: neither model whole"
+        seen.add("old" if is_old else "new")
+        if is_new:  # the next kill needs the old model in place again
+            save_hf(folder, BIG, *old, dtype="float32", max_shard_bytes=30_000_000, overwrite=True)
+    assert seen == {"old", "new"}, seen  # the kills landed before and after the swap
