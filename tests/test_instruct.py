@@ -150,6 +150,10 @@ def test_empty_data_and_missing_template_are_clear(chatml, tmp_path):
         read_examples(write_jsonl(tmp_path / "f.jsonl", [CONVERSATION]), plain, seq_len=64)
     with pytest.raises(InstructDataError, match="tokenizer.json does not exist"):
         ChatTokenizer.from_folder(tmp_path / "nothing")
+    broken = make_tokenizer_folder(tmp_path / "broken")
+    (broken / "tokenizer.json").write_text("not json")  # the error names the file (issue 32)
+    with pytest.raises(InstructDataError, match=f"{broken / 'tokenizer.json'}: not a tokenizer file"):
+        ChatTokenizer.from_folder(broken)
 
 
 # ---------------------------------------------------------------------------------------------- batches
@@ -211,6 +215,14 @@ def test_chat_format_needs_a_jsonl_path_whole_examples_and_a_tokenizer(tmp_path)
         DataConfig(path="x.jsonl", format="chat", mode="packed").build()
 
 
+def test_a_vocabulary_mismatch_names_the_tokenizer(chatml, tmp_path):
+    from megatrain_jax.data import DataConfig
+    data = DataConfig(path=str(write_jsonl(tmp_path / "d.jsonl", [CONVERSATION])), format="chat", mode="packed",
+                      tokenizer=chatml.where, seq_len=64, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=f"the tokenizer {Path(chatml.where) / 'tokenizer.json'} does not fit"):
+        data.build(model_vocab=8)
+
+
 def small_vocab_tokenizer(folder: Path, vocab: int) -> None:
     """A word-piece BPE over the corpus's own characters, at most ``vocab`` ids (a tiny model's)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -257,6 +269,10 @@ def test_sft_end_to_end_from_an_hf_folder_to_an_hf_folder_and_resumes_bit_exactl
         return {r["step"]: r["loss"] for r in records if "loss" in r}
 
     whole = train("whole", 20)
+    said = capsys.readouterr().out
+    stats = json.loads((whole / "data_stats.json").read_text())  # what tokenizing kept and dropped, said too
+    assert stats["kept"] == len(lines) - stats["skipped_too_long"] - stats["skipped_no_loss"] and stats["tokens"] > 0
+    assert f"data: {stats['kept']:,} examples, {stats['tokens']:,} tokens from {data}" in said
     cfg, io, blocks = load_hf(whole / "hf", dtype="float32")
     assert len(blocks) == cfg.layers and (whole / "hf" / "tokenizer.json").exists()
     assert json.loads((whole / "hf" / "tokenizer_config.json").read_text())["chat_template"] == CHATML

@@ -272,6 +272,13 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         raise ValueError(f"data.mode = 'packed' needs model.max_segments >= 2 (a row's padding counts as one "
                          f"segment), got {model_cfg.max_segments}")
     data = d.build(model_cfg.vocab_size, max_pieces=pieces)
+    summary = d.chat_summary()
+    if summary is not None:  # instruction data: what tokenizing it kept and dropped, said and kept with the run
+        say(f"  data: {summary['kept']:,} examples, {summary['tokens']:,} tokens from {summary['file']}; "
+            f"{summary['truncated']:,} truncated to seq_len + 1 = {d.seq_len + 1} tokens, "
+            f"{summary['skipped_too_long']:,} skipped as too long, {summary['skipped_no_loss']:,} skipped with no "
+            f"answer token left (data.too_long = {d.too_long!r}); in {run_dir / 'data_stats.json'}")
+        (run_dir / "data_stats.json").write_text(json.dumps(summary, indent=1))
 
     # written at the first step, so a run refused at start (e.g. by the checkpoint folder) leaves the folder as is
     hooks, writers = [_first_step(lambda: _write_config(cfg, run_dir))], []

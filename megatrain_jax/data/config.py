@@ -4,6 +4,7 @@ builds the training and evaluation streams (``TokenDataset`` batches, prefetched
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from megatrain_jax.data.batches import MODES, TokenBatches, TokenDataset, check_choice
 from megatrain_jax.data.demo import demo_dataset
@@ -53,17 +54,35 @@ class DataConfig:
             # corpus fixed; seed shuffles
             return demo_dataset(vocab_size=model_vocab or 256, num_tokens=self.demo_tokens)
         if self.format == "chat":
-            from megatrain_jax.data.instruct import prepare
-            if self.tokenizer is None:
-                raise ValueError("format='chat' needs the tokenizer folder (tokenizer.json, tokenizer_config.json): "
-                                 "set [data] tokenizer, or [model] hf_checkpoint")
-            path, _ = prepare(self.path, self.tokenizer, self.seq_len, self.too_long, self.cache_dir)
+            path, _ = self._prepared()
             file = TokenFile.open(path)
-        else:
-            file = TokenFile.open(self.path)
+            if model_vocab is not None:
+                try:
+                    file.check_vocab(model_vocab)
+                except ValueError as e:  # name the tokenizer, not only the cache file it wrote
+                    raise ValueError(f"the tokenizer {Path(self.tokenizer) / 'tokenizer.json'} does not fit the "
+                                     f"model: {e}") from None
+            return file
+        file = TokenFile.open(self.path)
         if model_vocab is not None:
             file.check_vocab(model_vocab)
         return file
+
+    def _prepared(self):
+        from megatrain_jax.data.instruct import prepare
+        if self.tokenizer is None:
+            raise ValueError("format='chat' needs the tokenizer folder (tokenizer.json, tokenizer_config.json): "
+                             "set [data] tokenizer, or [model] hf_checkpoint")
+        return prepare(self.path, self.tokenizer, self.seq_len, self.too_long, self.cache_dir)
+
+    def chat_summary(self) -> dict | None:
+        """For instruction data (``format = 'chat'``): the examples kept, truncated and skipped, and the
+        tokens of the tokenized file (tokenized once, then read from the cache); None for other data."""
+        if self.format != "chat" or self.path is None:
+            return None
+        path, stats = self._prepared()
+        return {"file": str(self.path), "tokenizer": str(self.tokenizer), "seq_len": self.seq_len,
+                "too_long": self.too_long, **dataclasses.asdict(stats), "tokens": len(TokenFile.open(path))}
 
     def dataset(self, split: str = "train", model_vocab: int | None = None,
                 max_pieces: int | None = None) -> TokenDataset:

@@ -91,7 +91,11 @@ class ChatTokenizer:
         if not path.exists():
             raise InstructDataError(f"{path} does not exist: the checkpoint folder needs its tokenizer.json "
                                     f"(the fast tokenizer file transformers saves)")
-        tokenizer = Tokenizer.from_file(str(path))
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library's own error names no file
+            raise InstructDataError(f"{path}: not a tokenizer file the tokenizers library can read ({e}); it should "
+                                    f"be the tokenizer.json transformers saves with the checkpoint") from None
         config: dict[str, Any] = {}
         config_path = folder / "tokenizer_config.json"
         if config_path.exists():
