@@ -69,10 +69,16 @@ class ProgramMemory:
         temps = [f.temp for f in self.figures if f.program == program]
         return max(temps) if temps else None
 
-    def matches(self, micro_rows: int, seq_len: int, stream_bytes: int, packed: bool, devices: int) -> bool:
-        """Whether these figures are for that micro-batch shape and layout."""
-        return (self.micro_rows, self.seq_len, jnp.dtype(self.stream_dtype).itemsize, self.packed, self.devices) \
-            == (micro_rows, seq_len, stream_bytes, packed, devices)
+    def op_temp(self, kind: str) -> int | None:
+        """The largest temp of the programs an op of ``kind`` runs (``OP_KIND``); None where none was compiled."""
+        temps = [f.temp for f in self.figures if OP_KIND[f.program] == kind]
+        return max(temps) if temps else None
+
+    def matches(self, micro_rows: int, seq_len: int, stream_bytes: int, packed: bool, devices: int,
+                keep_residuals: bool = False) -> bool:
+        """Whether these figures are for that micro-batch shape and layout (and kept residuals or not)."""
+        return (self.micro_rows, self.seq_len, jnp.dtype(self.stream_dtype).itemsize, self.packed, self.devices,
+                self.keep_residuals) == (micro_rows, seq_len, stream_bytes, packed, devices, keep_residuals)
 
     def as_dict(self) -> dict[str, Any]:
         return {**{k: v for k, v in dataclasses.asdict(self).items() if k != "figures"},

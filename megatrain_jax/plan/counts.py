@@ -33,3 +33,8 @@ def host_roles(cfg: DecoderConfig, e: EngineConfig) -> HostRoles:
 def activation_bytes(cfg: DecoderConfig) -> int:
     """Bytes per element of the activations: the model's compute dtype."""
     return 2 if cfg.dtype in ("bfloat16", "float16") else 4
+
+
+def stream_bytes(stream_dtype: str) -> int:
+    """Bytes per streamed weight for the dtype the weights cross PCIe in."""
+    return 2 if stream_dtype in ("bfloat16", "float16") else 4

@@ -261,11 +261,10 @@ class Walk:
         """The temp of the program behind ``kind`` from XLA's memory analysis (``programs``), where it was
         compiled for this walk's micro-batch shape and layout."""
         p = self.programs
-        if p is None or p.keep_residuals != self.e.keep_residuals or not p.matches(
-                self.rows // self.M, self.seq_len, self.sb, self.packed, self.devices):
+        if p is None or not p.matches(self.rows // self.M, self.seq_len, self.sb, self.packed, self.devices,
+                                      self.e.keep_residuals):
             return None
-        kept = {"forward": "forward_keep", "backward": "backward_kept"} if p.keep_residuals else {}
-        temp = p.temp(kept.get(kind, kind))
+        temp = p.op_temp(kind)
         return None if temp is None else (temp, "XLA's memory analysis of the compiled program")
 
     def rule_of_thumb(self, kind: str) -> tuple[int, str]:

@@ -30,7 +30,7 @@ from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import offloaded_blocks
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, GiB, activation_bytes, host_roles, io_param_count,
-                                       layer_param_count, part_param_count)
+                                       layer_param_count, part_param_count, stream_bytes)
 from megatrain_jax.plan.gpu_ledger import assumes_flash, gpu_peak, kept_bytes
 from megatrain_jax.plan.machine import (GPU_FRAGMENTATION_MARGIN, HOST_RUNTIME_BYTES, PINNED_RSS_OVERHEAD, available_disk_bytes,
                                         available_gpu_bytes, available_host_bytes, fitted_pool_limit, pinned_pool_bytes)
@@ -95,7 +95,10 @@ class MemoryPlan:
     def gpu_exact(self) -> bool:
         """Whether every program's scratch memory on the GPU side is XLA's own figure (``programs``, compiled
         for this run's micro-batch shape), not a rule of thumb."""
-        return not any("rule of thumb" in item for item in self.gpu) and self.programs is not None
+        e = self.engine_cfg
+        return self.programs is not None and self.programs.matches(
+            self.batch_rows // self.devices // e.micro_batches, self.seq_len, stream_bytes(self.stream_dtype),
+            self.packed, self.devices, e.keep_residuals)
 
     @property
     def disk_fits(self) -> bool:
@@ -252,7 +255,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         disk_bytes = available_disk_bytes(e.disk_dir) if disk_bytes is None else disk_bytes
     roles = host_roles(c, e)  # raises where grads_on_gpu or disk_parts ask for more parts than there are
     stream_dtype = "bfloat16" if e.capacity else (stream_dtype or e.stream_dtype or c.dtype)
-    sb = 2 if stream_dtype in ("bfloat16", "float16") else 4
+    sb = stream_bytes(stream_dtype)
     P = c.param_count()
     on_host_grads = P - e.resident_layers * layer_param_count(c) - (io_param_count(c) if e.resident_io else 0)
     waiting = [part_param_count(c, part) for part in roles.grads_on_gpu]  # gradients kept on the GPU
