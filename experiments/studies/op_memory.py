@@ -36,6 +36,14 @@ def main() -> None:
     ap.add_argument("--resident-io", action="store_true")
     ap.add_argument("--offload-activations", type=int, default=0, help="blocks whose inputs wait in host memory")
     ap.add_argument("--mlp-chunk-tokens", type=int, help="the model's MLP chunk (long_context.py's runs: 32768)")
+    ap.add_argument("--synced-steps", type=int, default=1, help="steps synchronized op by op (issue 31: step 2 "
+                    "is the first with GPU-resident parts updated by the step before)")
+    ap.add_argument("--async-first", type=int, default=0,
+                    help="steps run as the engine runs them before the synchronized ones (the run's peak read "
+                         "after each); the synchronized steps then show what is live in a steady state")
+    ap.add_argument("--live-arrays", action="store_true",
+                    help="after every synchronized op, the bytes of JAX's live arrays on the GPU too; at the "
+                         "last synchronized step's fullest op, the live arrays by shape and dtype")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
@@ -60,26 +68,75 @@ def main() -> None:
     dev = jax.devices()[0]
     stats = lambda: dev.memory_stats() or {}  # noqa: E731
     ops: list[dict] = []
+    step_no = [0]
+
+    def live() -> list:
+        return [a for a in jax.live_arrays() if not a.is_deleted() and dev in a.devices()]
 
     class Synced:
         def on_op(self, op, start, end, out):
             block_until_done(out)
             s = stats()
-            ops.append({"op": repr(op), "in_use_gib": round(s.get("bytes_in_use", 0) / GiB, 3),
-                        "peak_gib": round(s.get("peak_bytes_in_use", 0) / GiB, 3)})
+            rec = {"step": step_no[0], "op": repr(op), "in_use_gib": round(s.get("bytes_in_use", 0) / GiB, 3),
+                   "peak_gib": round(s.get("peak_bytes_in_use", 0) / GiB, 3)}
+            if args.live_arrays:
+                arrays = live()
+                rec["live_gib"] = round(sum(a.nbytes for a in arrays) / GiB, 3)
+                rec["live_n"] = len(arrays)
+            ops.append(rec)
 
         def on_task(self, *a, **k):
             pass
 
     engine = Engine(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))), default_optimizer(3e-4), engine_cfg)
-    toks, starts = demo_tokens(cfg.vocab_size, 8 * args.rows * args.seq_len + 1, seed=0)
+    steps = args.async_first + args.synced_steps + 2
+    toks, starts = demo_tokens(cfg.vocab_size, (steps + 2) * args.rows * args.seq_len + 1, seed=0)
     data = iter(TokenDataset(TokenFile.from_array(toks, cfg.vocab_size, starts), args.seq_len).batches(args.rows))
+    async_peaks = []
+    for _ in range(args.async_first):
+        step_no[0] += 1
+        engine.step(next(data)).resolve()
+        engine.sync()
+        s = stats()
+        async_peaks.append({"step": step_no[0], "peak_gib": round(s.get("peak_bytes_in_use", 0) / GiB, 3),
+                            "in_use_after_gib": round(s.get("bytes_in_use", 0) / GiB, 3)})
     synced = Synced()
     engine.observe(synced)
-    engine.step(next(data)).resolve()
+    for _ in range(args.synced_steps):
+        step_no[0] += 1
+        engine.step(next(data)).resolve()
     engine.sync()
     engine.stop_observing(synced)
+    fullest = None
+    if args.live_arrays:  # the last synchronized step's fullest op, run again to list what is live there
+        last = [r for r in ops if r["step"] == step_no[0]]
+        fullest = max(last, key=lambda r: r["in_use_gib"])["op"]
+        listing: dict = {}
+
+        class Lister:
+            def on_op(self, op, start, end, out):
+                block_until_done(out)
+                if repr(op) == fullest and not listing:
+                    for a in live():
+                        key = f"{a.dtype}{list(a.shape)}"
+                        n, b = listing.get(key, (0, 0))
+                        listing[key] = (n + 1, b + a.nbytes)
+
+            def on_task(self, *a, **k):
+                pass
+
+        lister = Lister()
+        engine.observe(lister)
+        step_no[0] += 1
+        engine.step(next(data)).resolve()
+        engine.sync()
+        engine.stop_observing(lister)
+        fullest = {"op": fullest, "step": step_no[0],
+                   "in_use_gib": round(stats().get("bytes_in_use", 0) / GiB, 3),
+                   "arrays": {k: {"n": n, "gib": round(b / GiB, 4)}
+                              for k, (n, b) in sorted(listing.items(), key=lambda kv: -kv[1][1])}}
     for _ in range(2):
+        step_no[0] += 1
         engine.step(next(data)).resolve()
     engine.sync()
     before, rises = 0.0, []
@@ -87,7 +144,8 @@ def main() -> None:
         prev_peak = ops[i - 1]["peak_gib"] if i else 0.0
         if rec["peak_gib"] > prev_peak + 0.01:
             live_before = ops[i - 1]["in_use_gib"] if i else 0.0
-            rises.append({**rec, "live_before_gib": live_before, "transient_gib": round(rec["peak_gib"] - live_before, 3)})
+            rises.append({**rec, "live_before_gib": live_before,
+                          "transient_gib": round(rec["peak_gib"] - live_before, 3)})
     p = plan(cfg, engine_cfg, args.rows, args.seq_len, gpu_bytes=stats().get("bytes_limit"))
     result = {**results_header(args.out, __file__),
               "runs": [{"system": "megatrain_jax", "preset": args.preset, "layers": cfg.layers, "seq_len": args.seq_len,
@@ -96,6 +154,7 @@ def main() -> None:
                         "engine": dataclasses.asdict(engine_cfg),
                         "synced_step_peak_gib": max(r["peak_gib"] for r in ops),
                         "run_peak_gib": round(stats().get("peak_bytes_in_use", 0) / GiB, 3),
+                        "async_first_peaks": async_peaks, "fullest_op_live_arrays": fullest,
                         "peak_rises": rises, "ops": ops,
                         "plan": {"gpu_gib": round(p.gpu_total / GiB, 2), "at": p.gpu_peak_at,
                                  "items": {k: round(v / GiB, 3) for k, v in p.gpu.items()}}}]}
