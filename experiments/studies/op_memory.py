@@ -71,7 +71,8 @@ def main() -> None:
     step_no = [0]
 
     def live() -> list:
-        return [a for a in jax.live_arrays() if not a.is_deleted() and dev in a.devices()]
+        return [a for a in jax.live_arrays()
+                if not a.is_deleted() and dev in a.devices() and a.sharding.memory_kind == "device"]
 
     class Synced:
         def on_op(self, op, start, end, out):
@@ -92,7 +93,19 @@ def main() -> None:
     steps = args.async_first + args.synced_steps + 2
     toks, starts = demo_tokens(cfg.vocab_size, (steps + 2) * args.rows * args.seq_len + 1, seed=0)
     data = iter(TokenDataset(TokenFile.from_array(toks, cfg.vocab_size, starts), args.seq_len).batches(args.rows))
-    async_peaks = []
+    async_peaks, watched = [], []
+
+    class Watch:  # the steps as the engine runs them: the allocator read after each op's dispatch, no waiting
+        def on_op(self, op, start, end, out):
+            s = stats()
+            watched.append({"step": step_no[0], "op": repr(op), "in_use_gib": round(s.get("bytes_in_use", 0) / GiB, 3),
+                            "peak_gib": round(s.get("peak_bytes_in_use", 0) / GiB, 3)})
+
+        def on_task(self, *a, **k):
+            pass
+
+    watch = Watch()
+    engine.observe(watch)
     for _ in range(args.async_first):
         step_no[0] += 1
         engine.step(next(data)).resolve()
@@ -100,6 +113,7 @@ def main() -> None:
         s = stats()
         async_peaks.append({"step": step_no[0], "peak_gib": round(s.get("peak_bytes_in_use", 0) / GiB, 3),
                             "in_use_after_gib": round(s.get("bytes_in_use", 0) / GiB, 3)})
+    engine.stop_observing(watch)
     synced = Synced()
     engine.observe(synced)
     for _ in range(args.synced_steps):
@@ -116,11 +130,12 @@ def main() -> None:
         class Lister:
             def on_op(self, op, start, end, out):
                 block_until_done(out)
-                if repr(op) == fullest and not listing:
+                if repr(op) in (fullest, "fetch(io)") and repr(op) not in listing:
+                    listing[repr(op)] = {}
                     for a in live():
                         key = f"{a.dtype}{list(a.shape)}"
-                        n, b = listing.get(key, (0, 0))
-                        listing[key] = (n + 1, b + a.nbytes)
+                        n, b = listing[repr(op)].get(key, (0, 0))
+                        listing[repr(op)][key] = (n + 1, b + a.nbytes)
 
             def on_task(self, *a, **k):
                 pass
@@ -133,8 +148,9 @@ def main() -> None:
         engine.stop_observing(lister)
         fullest = {"op": fullest, "step": step_no[0],
                    "in_use_gib": round(stats().get("bytes_in_use", 0) / GiB, 3),
-                   "arrays": {k: {"n": n, "gib": round(b / GiB, 4)}
-                              for k, (n, b) in sorted(listing.items(), key=lambda kv: -kv[1][1])}}
+                   "arrays": {at: {k: {"n": n, "gib": round(b / GiB, 4)}
+                                   for k, (n, b) in sorted(arrays.items(), key=lambda kv: -kv[1][1])}
+                              for at, arrays in listing.items()}}
     for _ in range(2):
         step_no[0] += 1
         engine.step(next(data)).resolve()
@@ -154,7 +170,7 @@ def main() -> None:
                         "engine": dataclasses.asdict(engine_cfg),
                         "synced_step_peak_gib": max(r["peak_gib"] for r in ops),
                         "run_peak_gib": round(stats().get("peak_bytes_in_use", 0) / GiB, 3),
-                        "async_first_peaks": async_peaks, "fullest_op_live_arrays": fullest,
+                        "async_first_peaks": async_peaks, "async_watched": watched, "fullest_op_live_arrays": fullest,
                         "peak_rises": rises, "ops": ops,
                         "plan": {"gpu_gib": round(p.gpu_total / GiB, 2), "at": p.gpu_peak_at,
                                  "items": {k: round(v / GiB, 3) for k, v in p.gpu.items()}}}]}
