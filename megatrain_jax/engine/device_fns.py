@@ -102,6 +102,8 @@ class DeviceFns:
         self._split = SplitVJP()  # the block's VJP closure between forward_keep and backward_kept
         self.sq_norm = jax.jit(_sq_norm)
         self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
+        # one element of a single-device array: ready once the work queued before it on that device has run
+        self.fence = jax.jit(lambda a: a.reshape(-1)[:1])
         self.mask_sum = jax.jit(_mask_sum)  # the loss tokens of a batch
         self.inv_count = jax.jit(lambda masks: 1.0 / jnp.maximum(_mask_sum(masks), 1.0))
         # the auxiliary loss of the batch's summed block statistics, and its gradient with respect to them

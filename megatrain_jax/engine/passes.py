@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from typing import Any, Callable, Sequence
 
 import jax
@@ -22,7 +23,7 @@ from megatrain_jax.engine.device_fns import DeviceFns
 from megatrain_jax.engine.host_state import HostState
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, is_out_of_memory, reported_late, requested_bytes
 from megatrain_jax.engine.parts import IO, Part, PartId
-from megatrain_jax.engine.schedule import STORES_AHEAD, Op, OpKind
+from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, Op, OpKind
 from megatrain_jax.engine.transfer import Placement
 from megatrain_jax.engine.update.policy import StepDecision, UpdatePolicy
 
@@ -73,6 +74,8 @@ class PassRunner:
         self._sq_norms: dict[PartId, Any] = {}
         self.decision: StepDecision | None = None  # of the last optimizer step
         self.updating = False  # the optimizer step's update has begun (parts may hold the new step)
+        self._passes = 0  # passes run: a block is one part in one pass's forward or backward
+        self._ahead: deque[list] = deque()  # [block, its newest output, or its fence once sealed] issued last
 
     def begin_step(self) -> None:
         """Forget what an optimizer step that did not finish left: its partial gradients and norms."""
@@ -84,20 +87,25 @@ class PassRunner:
         """Run ``ops``. An allocation failure on the device becomes ``DeviceOutOfMemoryError``, saying in which
         op and whether the optimizer step's update had begun (``updating``)."""
         op = None
+        self._passes += 1
+        backward = False
         try:
-            if not self.observers:
-                for op in ops:
-                    self.updating |= op.kind in ("update", "commit")
-                    HANDLERS[op.kind](self, p, op)
-                return
             for op in ops:
                 self.updating |= op.kind in ("update", "commit")
+                backward |= op.kind == "head"
+                compute = op.kind in COMPUTE
+                if compute:
+                    self.pace((self._passes, backward, op.part or op.kind))
                 start = time.perf_counter()
                 out = HANDLERS[op.kind](self, p, op)
                 end = time.perf_counter()
+                if compute:
+                    self._ahead[-1][1] = out
                 for o in self.observers:
                     o.on_op(op, start, end, out)
+            self._seal()
         except Exception as err:
+            self._ahead.clear()  # the fences of a step cut short may hold its failure
             if op is None or not is_out_of_memory(err):
                 raise
             raise DeviceOutOfMemoryError(
@@ -108,6 +116,31 @@ class PassRunner:
             # masters, moments and stream copies never disagree (and no stale task joins a later step).
             if self.policy.commits_pending:
                 self.policy.commit(self.state)
+
+    def pace(self, block: tuple) -> None:
+        """Before the host issues ``block``'s first compute, wait until the GPU has run the work of all but
+        the newest ``BLOCKS_AHEAD`` blocks before it: what the host dropped for older blocks is then free, as
+        the memory plan counts it. The wait is on a fence queued after a block's last compute (one element
+        of its output, on each device: in the device's order it runs after the block's work), since
+        the outputs themselves may be donated to later programs."""
+        if self._ahead and self._ahead[-1][0] == block:
+            return
+        self._seal()
+        while len(self._ahead) > BLOCKS_AHEAD:
+            fence = self._ahead.popleft()[1]
+            if fence:
+                with reported_late():
+                    jax.block_until_ready(fence)
+        self._ahead.append([block, None, False])
+
+    def _seal(self) -> None:
+        """The newest block's work is all queued: keep a fence of it in place of its output."""
+        if not self._ahead or self._ahead[-1][2]:
+            return
+        entry = self._ahead[-1]
+        arrays = [a for a in jax.tree.leaves(entry[1]) if isinstance(a, jax.Array) and not a.is_deleted()]
+        entry[1] = [self.fns.fence(s.data) for s in arrays[0].addressable_shards] if arrays else []
+        entry[2] = True
 
     # ------------------------------------------------------------------ moving parts
     def fetch(self, p: Pass, op: Op):
@@ -264,6 +297,9 @@ HANDLERS: dict[OpKind, Callable[[PassRunner, Pass, Op], Any]] = {
     "grad_norm": PassRunner.grad_norm, "update": PassRunner.update, "commit": PassRunner.commit,
     "loss": PassRunner.loss, "store_acts": PassRunner.store_acts, "load_acts": PassRunner.load_acts,
 }
+
+# The op kinds that run a block's (or the io part's) compute: the host paces these (``PassRunner.pace``).
+COMPUTE = frozenset({"embed", "forward", "head", "backward", "embed_backward", "loss"})
 
 # What each op kind is, for time breakdowns and timelines.
 CATEGORY: dict[OpKind, str] = {

@@ -30,6 +30,13 @@ from megatrain_jax.engine.parts import IO, PartId
 # older ones (``passes.PassRunner.store_acts``), so the GPU never holds more blocks' inputs waiting to leave.
 STORES_AHEAD = 2
 
+# The blocks (a block: one part in one pass's forward or backward) whose compute may be queued on the GPU
+# when the host issues a newer block's: the host waits for older ones (``passes.PassRunner.pace``). Without
+# the bound the host runs as far ahead as XLA admits, furthest where no transfer slows it (through the
+# GPU-resident blocks), and buffers it dropped stay allocated until the GPU has run the work queued on them.
+# The memory plan counts what the host dropped for this many blocks as still allocated.
+BLOCKS_AHEAD = 3
+
 OpKind = Literal["fetch", "release", "embed", "forward", "head", "backward", "send_grads", "embed_backward",
                  "grad_norm", "update", "commit", "loss", "store_acts", "load_acts"]
 

@@ -11,12 +11,13 @@ program holds:
 - *run-ahead*: JAX dispatches asynchronously, so a buffer the host has dropped stays allocated until the
   GPU has run the work queued on it: streamed weights after ``release``, gradients whose copy to host
   memory is queued, offloaded activations whose copy is queued. XLA's GPU client would admit 32
-  computations ahead of the GPU (``max_inflight_computations``), but the host does not get that far:
-  measured on the H100 box (experiments/studies/host_lead.py, op_memory.py) it ran 10-17 ops ahead, with
-  2-6 released blocks' buffers still in use. The ledger counts what the host dropped for its newest
-  ``QUEUED_BLOCKS`` blocks (a block: one part in one pass's forward or backward) as still allocated
-  (experiments/studies/plan_queue_sensitivity.py has the error against every measured run for other
-  depths);
+  computations ahead of the GPU (``max_inflight_computations``); measured on the H100 box
+  (experiments/studies/host_lead.py, op_memory.py) it ran 10-17 ops ahead with 2-6 released blocks' buffers
+  still in use, and through GPU-resident blocks, where no transfer slows it, further. The engine bounds it:
+  before the host issues a block's compute it waits for all but the newest ``schedule.BLOCKS_AHEAD`` blocks
+  (``passes.PassRunner.pace``). The ledger counts what the host dropped for its newest ``QUEUED_BLOCKS``
+  (that bound) blocks as still allocated (experiments/studies/plan_queue_sensitivity.py has the error
+  against every measured run for other depths);
 - *transients*: the scratch memory of the compiled function that is running (block forward, recompute +
   VJP, head, the embedding's VJP). These are rules of thumb (``transient``), each written from the
   tensors that function keeps and compared with XLA's compiled memory analysis.
@@ -34,12 +35,12 @@ from typing import Any, Callable
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.program_memory import ProgramMemory
-from megatrain_jax.engine.schedule import STORES_AHEAD, Op, OpKind, step_ops
+from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, Op, OpKind, step_ops
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, host_roles, io_param_count,
                                        layer_param_count, part_param_count)
 
-QUEUED_BLOCKS = 3  # blocks of work the GPU trails the host by (H100 box: 2-6 released blocks still in use)
+QUEUED_BLOCKS = BLOCKS_AHEAD  # blocks of work the GPU may trail the host by (the engine waits for older ones)
 
 
 def transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: int, flash: bool,
