@@ -98,8 +98,10 @@ def make_checkpoint(work: Path, preset_name: str) -> dict:
         return out
 
     t = time.perf_counter()
-    save_hf(work / "checkpoint", cfg, tree(io_specs(cfg)), [tree(block_specs(cfg, i)) for i in range(cfg.layers)],
-            overwrite=True)
+    ckpt = work / "checkpoint"  # the data stage put the tokenizer there: save_hf keeps only what it is given
+    tokenizer = [ckpt / n for n in ("tokenizer.json", "tokenizer_config.json") if (ckpt / n).exists()]
+    save_hf(ckpt, cfg, tree(io_specs(cfg)), [tree(block_specs(cfg, i)) for i in range(cfg.layers)],
+            overwrite=True, extra_files=tokenizer)
     return {"make_checkpoint_s": round(time.perf_counter() - t, 1), "params": cfg.param_count()}
 
 
