@@ -18,7 +18,7 @@ from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax import _environment
 from megatrain_jax.plan import (LEAN_HOST_MARGIN, GiB, MemoryPlanError, advice, fitted_pool_limit, io_param_count,
                                 layer_param_count, lean, longest_seq_len, offload, options, plan, require_fit)
-from megatrain_jax.plan.gpu_ledger import QUEUED_BLOCKS
+from megatrain_jax.plan.gpu_ledger import QUEUED_BLOCKS, RESIDENT_ALLOCATOR_SLACK, WAITING_ALLOCATOR_SLACK
 from megatrain_jax.plan.machine import GPU_FRAGMENTATION_MARGIN, pinned_pool_bytes
 from megatrain_jax.models.config import PRESETS, preset
 from megatrain_jax.engine.schedule import max_resident_layers, step_ops
@@ -123,8 +123,15 @@ def test_gpu_walks_the_engine_schedule():
     res = plan(cfg, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True), 16, 2048, **BIG)
     n = 8 * layer_param_count(cfg) + io_param_count(cfg)
     assert res.gpu["GPU-resident parts with their optimizer state (9 parts)"] == 14 * n
-    # less the io part and blocks it no longer streams: between 12 and 18 B/param more in all
+    # less the io part and blocks it no longer streams: between 12 and 18 B/param more in all (with the
+    # allocator's slack around the resident parts, a quarter of their float32 gradients: 1 B/param)
     assert 12 * n < res.gpu_total - p.gpu_total < 18 * n and res.host_total <= p.host_total
+    slack = "the allocator's slack around GPU-resident parts and waiting gradients (measured)"
+    assert slack not in p.gpu and res.gpu[slack] == int(RESIDENT_ALLOCATOR_SLACK * 4 * n)
+    waits = plan(cfg, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True, grads_on_gpu=3),
+                 16, 2048, **BIG)
+    assert waits.gpu[slack] == int(RESIDENT_ALLOCATOR_SLACK * 4 * n + WAITING_ALLOCATOR_SLACK * 4 * 3
+                                   * layer_param_count(cfg))
 
 
 def test_more_micro_batches_less_gpu_memory_same_host():

@@ -43,14 +43,16 @@ from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, 
 QUEUED_BLOCKS = BLOCKS_AHEAD  # blocks of work the GPU may trail the host by (the engine waits for older ones)
 
 # XLA's allocator (BFC) counts a whole free chunk as in use when it does not split it: it splits only where
-# the rest is at least the request or 128 MiB. GPU-resident parts hold many large buffers for the whole run,
-# and their gradients and the activations are allocated again around them each step: the allocator's bytes in
-# use then exceed the live arrays' bytes by a share of those gradients. Measured on the H100 box with the step
+# the rest is at least the request or 128 MiB. GPU-resident parts and gradients that wait on the GPU are large
+# buffers that live across many ops, and gradients and activations are allocated again around them each step:
+# the allocator's bytes in use then exceed the live arrays' bytes. Measured on the H100 box with the step
 # synchronized after every op (experiments/results/h100_op_memory_3p5b_32k_r8io_watch.json): 0.7 GiB at the
 # step's start and 1.6 GiB at its fullest op with 8 blocks + io resident (7.0 GiB of float32 gradients), 0.16
-# GiB with nothing resident; the shipped configs' runs peaked 0.19-0.26 GiB per resident part over the plan
-# without it (experiments/studies/NOTES.md, issue 31, session 3).
+# GiB with nothing resident. The two shares below are fitted to the shipped configs' runs through the command
+# line (experiments/studies/NOTES.md, issue 31, session 3): resident parts 0.19-0.26 GiB per part over the plan
+# without it (3.5B, 7B, 8B SFT), waiting gradients 0.068-0.083 of their bytes (Qwen2.5-14B capacity, 8B SFT).
 RESIDENT_ALLOCATOR_SLACK = 0.25  # of the GPU-resident parts' float32 gradient bytes
+WAITING_ALLOCATOR_SLACK = 0.075  # of the bytes of the gradients that wait on the GPU (grads_on_gpu)
 
 
 def transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: int, flash: bool,
@@ -232,8 +234,10 @@ class Walk:
         # fp32 master + Adam moments + the compute copy (a second fp32 copy when float32 is streamed)
         self.resident = (e.resident_layers * self.Pl + (self.Pio if e.resident_io else 0)) * (12 + self.sb) \
             // self.devices
-        self.slack = int(RESIDENT_ALLOCATOR_SLACK * 4 * (e.resident_layers * self.Pl
-                                                         + (self.Pio if e.resident_io else 0)) / self.devices)
+        resident_grads = 4 * (e.resident_layers * self.Pl + (self.Pio if e.resident_io else 0))
+        waiting_grads = 4 * sum(part_param_count(c, part) for part in self.waiting)
+        self.slack = int((RESIDENT_ALLOCATOR_SLACK * resident_grads + WAITING_ALLOCATOR_SLACK * waiting_grads)
+                         / self.devices)
         self.batches = self.rows * self.seq_len * (BATCH_BYTES_PER_TOKEN + (0 if self.flash else 4))
 
     # ------------------------------------------------------------------ what an op touches
@@ -258,8 +262,7 @@ class Walk:
         total = self.resident + self.slack + self.led.bytes + temp + out
         if total > self.best[0]:
             items = {f"GPU-resident parts with their optimizer state ({len(self.on_gpu)} parts)": self.resident,
-                     "the allocator's slack around GPU-resident parts (measured: a quarter of their float32 "
-                     "gradients)": self.slack,
+                     "the allocator's slack around GPU-resident parts and waiting gradients (measured)": self.slack,
                      **self.led.breakdown()}
             items[f"transient of {op!r} ({why})"] = temp
             items[f"outputs of {op!r}"] = out
