@@ -23,7 +23,7 @@ SUBPACKAGES = {
            "UnsupportedConfig", "block_specs", "check_checkpoint", "config_from_hf", "config_to_hf", "io_specs",
            "iter_blocks", "load_hf", "load_hf_into", "open_checkpoint", "read_config", "read_io", "read_safetensors",
            "save_hf", "write_safetensors"],
-    "checkpoint": ["CheckpointSession", "CheckpointWarning", "CheckpointedExit", "Checkpointer",
+    "checkpoint": ["CheckpointSession", "CheckpointWarning", "CheckpointWriteError", "CheckpointedExit", "Checkpointer",
                    "CorruptCheckpointError", "ShapeMismatchError", "check_step", "committed_steps", "load_model",
                    "load_params", "save_model", "save_params"],
     "models": ["Block", "Decoder", "DecoderConfig", "FAMILIES", "InputOutput", "MoE", "MoEConfig", "PRESETS",

@@ -10,12 +10,20 @@ A checkpoint is one Orbax ``CheckpointManager`` step with three items (composite
 A checkpoint is *complete* when Orbax has committed it (renamed its temporary directory) and every file
 matches the manifest; ``latest_complete`` skips others with a ``CheckpointWarning`` that names them.
 Loading reads JSON and TensorStore arrays only: nothing is unpickled and no code runs.
+
+No save can hang the run: a thread per save waits for Orbax to end it and then releases the snapshot, so a
+save that failed anywhere (also before the ``state`` item's writer ran) never holds the engine. Its error
+is raised on the training thread at the next ``check``, ``wait`` or ``save``; a failed write (read-only
+folder, no permission, full disk, quota, I/O error) as ``CheckpointWriteError``, which says what to do.
+Committed checkpoints are never touched by a failed save. After ``limit_stall`` (a stop signal) a save that
+makes no progress for that long is abandoned instead of waited for (docs/checkpoints_faults.md).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -24,9 +32,11 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 
+from megatrain_jax.checkpoint.failures import probe_writable, write_error
 from megatrain_jax.checkpoint.parts import expected_layout, rebuild_part
 from megatrain_jax.engine.parts import PartId
-from megatrain_jax.checkpoint.store import PartsHandler, PartsRestore, PartsSave, Snapshot, barrier, verify_state_item
+from megatrain_jax.checkpoint.store import (POLL_S, PartsHandler, PartsRestore, PartsSave, SaveAbandoned, Snapshot,
+                                            barrier, verify_state_item)
 
 TMP_MARK = ".orbax-checkpoint-tmp"
 _ITEMS = {"meta": "meta.json", "config": "config.json"}
@@ -88,28 +98,44 @@ class Checkpointer:
     before updating a part that is not yet written (see ``store``), so a save adds no copy of the state
     (at most one part where buffers cannot be viewed). ``checksum=False`` checks file sizes only, which
     spares reading a large checkpoint once more before resuming from it.
+
+    A writer (not ``read_only``) checks that it can write into ``directory`` when created and before every
+    save; a failed write is a ``CheckpointWriteError`` (see the module's docstring).
     """
 
     def __init__(self, directory: str | Path, *, keep: int | None = 3, checksum: bool = True,
                  read_only: bool = False):
         self.root = Path(directory).absolute()
         self.checksum = checksum
-        if not read_only:  # a writer owns the directory: what a killed save left behind goes
-            for tmp in unfinished_saves(self.root):
-                warnings.warn(f"skipping incomplete checkpoint {tmp} (its save never finished); removing it",
-                              CheckpointWarning, stacklevel=2)
-                if jax.process_index() == 0:
-                    shutil.rmtree(tmp)
-            barrier("megatrain_cleaned")
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else keep, create=not read_only, read_only=read_only,
-            save_interval_steps=0 if read_only else 1,
-            enable_async_checkpointing=True,
-            async_options=ocp.AsyncOptions(timeout_secs=7 * 24 * 3600))  # a save may take long: never time out
-        self._manager = ocp.CheckpointManager(self.root, item_handlers=_handlers(), options=options)
+        self.last_committed: int | None = None  # the step of the last save committed by this Checkpointer
+        self._probe_name = f".megatrain-write-probe-{jax.process_index()}"
+        try:
+            if not read_only:  # a writer owns the directory: what a killed save left behind goes
+                for tmp in unfinished_saves(self.root):
+                    warnings.warn(f"skipping incomplete checkpoint {tmp} (its save never finished); removing it",
+                                  CheckpointWarning, stacklevel=2)
+                    if jax.process_index() == 0:
+                        shutil.rmtree(tmp)
+                barrier("megatrain_cleaned")
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=None if read_only else keep, create=not read_only, read_only=read_only,
+                save_interval_steps=0 if read_only else 1,
+                enable_async_checkpointing=True,
+                async_options=ocp.AsyncOptions(timeout_secs=7 * 24 * 3600))  # a save may take long: never time out
+            self._manager = ocp.CheckpointManager(self.root, item_handlers=_handlers(), options=options)
+            if not read_only:  # a folder that cannot be written is said now, not at the first save
+                probe_writable(self.root, self._probe_name)
+        except OSError as err:  # the directory cannot be created or written, a killed save's files removed
+            if read_only:
+                raise
+            raise write_error(err, self.root, self.root, self.last_good()) or err
         self._snapshot: Snapshot | None = None
         self._release_gate: Callable[[], None] | None = None
-        self.last_step: int | None = None
+        self._watcher: threading.Thread | None = None  # waits for the save in flight to end (``_watch``)
+        self._failure: BaseException | None = None  # the last save's error, until raised by ``check``
+        self._failed = False
+        self._stall_s: float | None = None
+        self.last_step: int | None = None  # the step of the last save started
 
     # ------------------------------------------------------------------ saving
     def save(self, engine, *, meta: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
@@ -117,10 +143,19 @@ class Checkpointer:
         """Checkpoint ``engine.state`` at its current step; returns the step. ``meta`` (e.g. the data
         iterator's state) and ``config`` (the run configuration) are stored as JSON."""
         self.wait()  # one save at a time: the previous snapshot must be released before the next is gated
+        if self.abandoned:  # its writer may be stuck inside Orbax, which would hold this save behind it
+            raise SaveAbandoned(f"the save of step {self._snapshot.step} into {self.root} was abandoned; "
+                                f"this Checkpointer saves no more")
+        step = int(engine.state.step)
+        try:
+            probe_writable(self.root, self._probe_name)
+        except OSError as err:
+            raise write_error(err, self.root / str(step), self.root, self.last_good()) from err
         engine.sync()  # the step's host updates run on a worker thread: let them land first
         # With several processes each holds only its devices' rows of the pageable arrays: Orbax writes
         # global arrays, each process its own pieces (see store.Snapshot).
-        snapshot = Snapshot(engine.state, engine.placement.copy_to_host if jax.process_count() > 1 else None)
+        snapshot = Snapshot(engine.state, engine.placement.copy_to_host if jax.process_count() > 1 else None,
+                            stall_s=self._stall_s)
         if self._release_gate is not None:  # the previous save is committed: its gate has nothing left to hold
             self._release_gate()
         # The engine waits for a part to be written before it updates that part's host arrays (in place,
@@ -133,17 +168,68 @@ class Checkpointer:
             self._manager.save(snapshot.step, force=True, args=ocp.args.Composite(
                 state=PartsSave(snapshot, self.checksum), meta=ocp.args.JsonSave(meta),
                 config=ocp.args.JsonSave(config or {})))
-        except BaseException:
+        except BaseException as err:
             snapshot.release_all()
-            raise
+            raise write_error(err, self.root / str(snapshot.step), self.root, self.last_good()) or err
         self.last_step = snapshot.step
+        self._watcher = threading.Thread(target=self._watch, args=(snapshot,), name="megatrain-save-end", daemon=True)
+        self._watcher.start()
         if wait:
             self.wait()
         return snapshot.step
 
+    def _watch(self, snapshot: Snapshot) -> None:
+        """On a thread of its own: wait for Orbax to end the save, keep its outcome, and release the snapshot
+        however it ended (Orbax may fail before the state's writer runs, which alone releases it)."""
+        try:
+            self._manager.wait_until_finished()
+            if not snapshot.abandoned:
+                self.last_committed = snapshot.step
+        except BaseException as err:  # noqa: BLE001 - raised on the training thread by check()
+            self._failure, self._failed = err, True
+        finally:
+            snapshot.release_all()
+
     def wait(self) -> None:
-        """Block until the save in flight (if any) is committed; re-raises its error."""
-        self._manager.wait_until_finished()
+        """Block until the save in flight (if any) has ended, and raise its failure (see ``check``). After
+        ``limit_stall``, a save that makes no progress for that long is abandoned instead."""
+        watcher, snapshot = self._watcher, self._snapshot
+        while watcher is not None and watcher.is_alive() and not snapshot.abandoned:
+            watcher.join(POLL_S)  # in slices: a signal's handler runs between them
+            if snapshot.stalled():
+                snapshot.abandon()
+        self.check()
+
+    def check(self) -> None:
+        """Raise the error of the last save, once, if it failed; never blocks. A failed write is raised as
+        ``CheckpointWriteError``; an abandoned save raises nothing (``abandoned`` says so)."""
+        failure, self._failure = self._failure, None
+        if failure is not None and not self.abandoned:
+            step_dir = self.root / str(self._snapshot.step)
+            raise write_error(failure, step_dir, self.root, self.last_good()) or failure
+
+    def limit_stall(self, stall_s: float) -> None:
+        """From now on, abandon a save (the one in flight, and later ones) that makes no progress for
+        ``stall_s`` seconds: the engine gets its state back and the save never commits. For a stop signal,
+        so that a save that cannot finish does not keep the process alive."""
+        self._stall_s = stall_s
+        if self._snapshot is not None:
+            self._snapshot.limit_stall(stall_s)
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether the last save was abandoned (``limit_stall``); this Checkpointer then saves no more."""
+        return self._snapshot is not None and self._snapshot.abandoned
+
+    def last_good(self) -> Path | None:
+        """The newest checkpoint committed: this Checkpointer's last, else the newest step on disk."""
+        if self.last_committed is not None:
+            return self.root / str(self.last_committed)
+        try:
+            steps = committed_steps(self.root)
+        except OSError:
+            return None
+        return self.root / str(steps[0]) if steps else None
 
     @property
     def engine_wait_s(self) -> float:
@@ -151,10 +237,13 @@ class Checkpointer:
         return 0.0 if self._snapshot is None else self._snapshot.wait_s
 
     def close(self) -> None:
+        """Wait for the save in flight (raising its failure) and close the manager. After a failed or an
+        abandoned save the manager is left as it is: its writer may never return."""
         try:
             self.wait()
         finally:
-            self._manager.close()
+            if not self.abandoned and not self._failed:  # Orbax would raise a failed save's error again
+                self._manager.close()
 
     # ------------------------------------------------------------------ finding
     def scan(self) -> list[tuple[int, str | None]]:

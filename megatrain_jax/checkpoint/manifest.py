@@ -11,27 +11,32 @@ import json
 import os
 import zlib
 from pathlib import Path
+from typing import Callable
 
 MANIFEST = "MANIFEST.json"
 _CHUNK = 16 << 20
 
 
-def crc32_file(path: Path) -> int:
+def crc32_file(path: Path, progress: Callable[[], None] = lambda: None) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)  # releases the GIL on large buffers: training threads keep running
+            progress()
     return crc
 
 
-def file_entries(directory: Path, checksum: bool = True) -> dict[str, dict[str, int]]:
-    """``{relative path: {"size": n, "crc32": c}}`` of every file under ``directory`` (sorted)."""
+def file_entries(directory: Path, checksum: bool = True,
+                 progress: Callable[[], None] = lambda: None) -> dict[str, dict[str, int]]:
+    """``{relative path: {"size": n, "crc32": c}}`` of every file under ``directory`` (sorted). ``progress()``
+    is called after each file and each 16 MiB checksummed (a long pass over a large checkpoint is no stall)."""
     out = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
         entry = {"size": path.stat().st_size}
         if checksum:
-            entry["crc32"] = crc32_file(path)
+            entry["crc32"] = crc32_file(path, progress)
         out[path.relative_to(directory).as_posix()] = entry
+        progress()
     return out
 
 

@@ -2,6 +2,10 @@
 and save-then-exit on SIGTERM/SIGINT. ``fit`` only calls ``start``, ``after_step``, ``finish`` and
 ``running``; a researcher driving ``Engine.steps`` directly can call them the same way.
 
+Failures: a save that failed is raised at the next step (``after_step`` checks), a failed write as
+``CheckpointWriteError``. After a stop signal a save that makes no progress for ``STOP_STALL_S`` seconds is
+abandoned, and ``CheckpointedExit`` names the last complete checkpoint instead (docs/checkpoints_faults.md).
+
 Steps: ``engine.steps`` reports step k after step k+1 is launched, so when a hook runs the engine state
 (and the data consumed) are at step k+1 (``StepInfo.params_step``). Saves therefore use that step, never
 the metric's, and a save there is consistent with the data iterator's state at that moment.
@@ -24,16 +28,25 @@ from megatrain_jax.checkpoint.manager import (Checkpointer, CheckpointWarning, C
                                               committed_steps, split_step_dir)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# After a stop signal, a save whose writer makes no progress (a part written, 16 MiB of the manifest's
+# checksums, the commit) for this long is abandoned: a stopped run then ends within this bound plus the step
+# in flight, even on a file system that hangs. A part that takes longer to write (over ~6 GB at 100 MB/s)
+# needs a larger bound: CheckpointSession(stop_stall_s=...), or this constant for fit.
+STOP_STALL_S = 60.0
 
 
 class CheckpointedExit(SystemExit):
     """Raised by ``fit`` after a SIGTERM/SIGINT once the stopped step's checkpoint is committed. Its exit
     status is the shell's for the signal, 128 + its number (143 for SIGTERM, 130 for SIGINT), so that a
-    scheduler can tell a preempted run from a finished one (0)."""
+    scheduler can tell a preempted run from a finished one (0).
 
-    def __init__(self, signal_name: str, step: int, path: Path):
+    ``abandoned``: the last save made no progress for ``STOP_STALL_S`` after the signal and was given up;
+    ``step``/``path`` are then the last complete checkpoint's (``path`` None when there is none), and a
+    writer thread may still be stuck in the file system (the CLI ends the process with ``os._exit``)."""
+
+    def __init__(self, signal_name: str, step: int | None, path: Path | None, abandoned: bool = False):
         super().__init__(128 + signal.Signals[signal_name].value)
-        self.signal_name, self.step, self.path = signal_name, step, path
+        self.signal_name, self.step, self.path, self.abandoned = signal_name, step, path, abandoned
         self.history = None  # set by fit: the metrics of the steps trained in this process
 
 
@@ -71,7 +84,8 @@ class CheckpointSession:
     """
 
     def __init__(self, directory: str | Path | None, *, every: int | None = None, keep: int | None = 3,
-                 resume: str | Path | None = None, config: dict | None = None, accumulate: int = 1):
+                 resume: str | Path | None = None, config: dict | None = None, accumulate: int = 1,
+                 stop_stall_s: float | None = None):
         if every is not None and every < 1:
             raise ValueError(f"checkpoint_every must be >= 1 or None, got {every}")
         if resume == "auto" and directory is None:
@@ -84,7 +98,9 @@ class CheckpointSession:
                              f"True), or train.resume=true in a run config), or use another directory")
         self.data: Iterable | None = None
         self.start_step = 0
+        self.resumed_from: Path | None = None
         self.stop_signal: str | None = None
+        self.stop_stall_s = STOP_STALL_S if stop_stall_s is None else stop_stall_s
         self._stop: Callable[[str], None] = lambda reason: None
         self._data_state: Callable[[], Any] = lambda: (
             self.data.state() if callable(getattr(self.data, "state", None)) else None)
@@ -109,6 +125,7 @@ class CheckpointSession:
                     if not own:
                         reader.close()
                 self.data = position_data(data, meta)
+                self.resumed_from = step_dir
                 print(f"resumed from {step_dir} at step {engine.state.step}", file=sys.stderr, flush=True)
         except BaseException:
             if self.ckpt is not None:
@@ -159,14 +176,22 @@ class CheckpointSession:
         self._data_state, self._stop = data_state, stop
 
     def save(self, engine, wait: bool = False) -> int | None:
+        """Save now; None (nothing saved) without a checkpoint directory or after an abandoned save (its
+        writer may be stuck in Orbax, which would hold any later save behind it)."""
         if self.ckpt is None:
+            return None
+        self.ckpt.wait()  # the save before: its failure is raised; after a stop signal it may be abandoned
+        if self.ckpt.abandoned:
             return None
         meta = {"data": self._data_state(), "batches": int(engine.state.step) * self.accumulate,
                 "seed": self.config.get("seed")}
         return self.ckpt.save(engine, meta=meta, config=self.config, wait=wait)
 
     def after_step(self, metrics: dict, info) -> None:
-        """A ``Hook`` function (every step; ``info`` a ``fit.StepInfo``): the periodic save."""
+        """A ``Hook`` function (every step; ``info`` a ``fit.StepInfo``): the periodic save, and the error of
+        a save that failed since the last step."""
+        if self.ckpt is not None:
+            self.ckpt.check()
         step = info.params_step
         if self.every and step % self.every == 0 and step != self._last_saved():
             self.save(info.engine)
@@ -179,6 +204,12 @@ class CheckpointSession:
             self.save(engine)
         if self.ckpt is not None:
             self.ckpt.wait()
+        if self.stop_signal is not None and self.ckpt is not None and self.ckpt.abandoned:
+            good = self.last_good()
+            print(f"{self.stop_signal}: the save of step {self._last_saved()} made no progress for "
+                  f"{self.stop_stall_s:g} s: abandoned (it never becomes a checkpoint); the last complete "
+                  f"checkpoint is {good or 'none (this run committed none)'}; exiting", file=sys.stderr, flush=True)
+            raise CheckpointedExit(self.stop_signal, None if good is None else int(good.name), good, abandoned=True)
         if self.stop_signal is not None and self.ckpt is not None:
             saved = self._last_saved()
             if saved is None:  # stopped before a step finished: what there is to resume from is where it began
@@ -199,7 +230,7 @@ class CheckpointSession:
         if step != self._last_saved():
             self.save(engine)
         self.ckpt.wait()
-        return self.ckpt.root / str(step)
+        return None if self.ckpt.abandoned else self.ckpt.root / str(step)
 
     def _last_saved(self) -> int | None:
         return None if self.ckpt is None else self.ckpt.last_step
@@ -209,16 +240,25 @@ class CheckpointSession:
         step = self._last_saved()
         return None if step is None else self.ckpt.root / str(step)
 
+    def last_good(self) -> Path | None:
+        """The newest checkpoint known complete: the last this session committed, else the one it resumed
+        from (the file system is not asked: it may be the thing that hangs)."""
+        if self.ckpt is not None and self.ckpt.last_committed is not None:
+            return self.ckpt.root / str(self.ckpt.last_committed)
+        return self.resumed_from
+
     # ------------------------------------------------------------------ signals
     @contextlib.contextmanager
     def running(self) -> Iterator["CheckpointSession"]:
         """Install the SIGTERM/SIGINT handlers (main thread only) and, on the way out, wait for the save
-        in flight and close the manager. A signal stops the data at the next step boundary (see ``follow``);
-        a second signal gets the previous handler (e.g. Ctrl-C twice)."""
+        in flight and close the manager. A signal stops the data at the next step boundary (see ``follow``)
+        and bounds the wait for saves (``stop_stall_s`` without progress, then abandoned); a second signal
+        gets the previous handler (e.g. Ctrl-C twice)."""
         previous = {}
         if self.ckpt is not None and threading.current_thread() is threading.main_thread():
             def on_signal(signum, frame):
                 self.stop_signal = signal.Signals(signum).name
+                self.ckpt.limit_stall(self.stop_stall_s)
                 self._stop(self.stop_signal)
                 for s, h in previous.items():
                     signal.signal(s, h)

@@ -24,6 +24,12 @@ writes each process's own pieces into a per-process OCDBT database; after a barr
 runtime's key-value service, not a device collective: the writer runs beside training) the first process
 merges them and, at the end, writes the manifest. The files are the same as from one process, so a
 checkpoint restores under any process layout: a restore reads each part whole and keeps this process's rows.
+
+A save never holds the engine past its end, however it ends: the ``Checkpointer`` releases the snapshot once
+Orbax has finished with it, also when Orbax failed before this handler ran (a read-only folder fails when
+Orbax creates the step's temporary directory). A save that makes no progress for ``stall_s`` seconds after
+a stop signal is *abandoned*: the engine is let go, and the writer, should it ever wake, stops before the
+manifest, so the step never becomes a complete checkpoint (docs/checkpoints_faults.md).
 """
 
 from __future__ import annotations
@@ -50,14 +56,26 @@ from megatrain_jax.engine.parts import PartId
 from megatrain_jax.engine.transfer import host_view
 
 
+POLL_S = 0.2  # how often a wait on a save looks whether it stalled
+
+
+class SaveAbandoned(RuntimeError):
+    """The save was abandoned (it made no progress for ``stall_s`` after a stop signal): it never commits."""
+
+
 class Snapshot:
     """One step's host state, held by reference part by part until the writer has written each part.
 
     ``to_global``: with several processes, what turns a numpy leaf (of which this process holds only its
     devices' rows) into a global array in pinned memory, a copy of one part at a time; pinned leaves
-    already are global arrays. Orbax then writes each process's own pieces of every leaf."""
+    already are global arrays. Orbax then writes each process's own pieces of every leaf.
 
-    def __init__(self, state: HostState, to_global: Callable[[np.ndarray], jax.Array] | None = None):
+    ``stall_s`` (None: no limit; ``limit_stall`` sets it on a stop signal): a save whose writer makes no
+    progress (``progressed``: a part written, a file checksummed) for that long is abandoned by whoever
+    waits on it (``stalled``, ``abandon``)."""
+
+    def __init__(self, state: HostState, to_global: Callable[[np.ndarray], jax.Array] | None = None,
+                 stall_s: float | None = None):
         self.step = int(state.step)
         self._to_global = to_global
         self._lock = threading.Lock()
@@ -65,9 +83,32 @@ class Snapshot:
         self._done = {name: threading.Event() for name in self._parts}
         self.names = list(self._parts)
         self.wait_s = 0.0  # time the engine spent held by this snapshot
+        self.stall_s = stall_s
+        self.abandoned = False
+        self._progress_t = time.monotonic()  # when the writer last released a part (or the limit was set)
+
+    def limit_stall(self, stall_s: float) -> None:
+        """From now on, abandon this save if its writer makes no progress for ``stall_s`` seconds."""
+        self.stall_s = stall_s
+        self._progress_t = max(self._progress_t, time.monotonic())
+
+    def progressed(self) -> None:
+        """The writer moved on (a part written, a file checksummed): the stall clock starts again."""
+        self._progress_t = time.monotonic()
+
+    def stalled(self) -> bool:
+        """Whether the save made no progress for ``stall_s`` seconds (never without a limit)."""
+        return self.stall_s is not None and time.monotonic() - self._progress_t > self.stall_s
+
+    def abandon(self) -> None:
+        """Give the engine its state back now; the writer stops at its next part, before the manifest."""
+        self.abandoned = True
+        self.release_all()
 
     def take(self, name: str) -> dict[str, Any]:
         """The nested tree of part ``name`` for the writer."""
+        if self.abandoned:
+            raise SaveAbandoned(f"the save of step {self.step} was abandoned")
         with self._lock:
             leaves = self._parts[name]
         deleted = [k for k, v in leaves.items() if getattr(v, "is_deleted", lambda: False)()]
@@ -82,6 +123,7 @@ class Snapshot:
         """Drop the references of a written part and let the engine update it."""
         with self._lock:
             self._parts.pop(name, None)
+        self.progressed()
         self._done[name].set()
 
     def release_all(self) -> None:
@@ -89,11 +131,14 @@ class Snapshot:
             self.release(name)
 
     def wait_part(self, part: PartId) -> None:
-        """Block until ``part`` is written (no-op for a part already written): the engine's update gate."""
+        """Block until ``part`` is written (no-op for a part already written): the engine's update gate.
+        The save's end releases every part, whether it failed or not; a stalled save is abandoned here."""
         event = self._done.get(part.name)
         if event is not None and not event.is_set():
             t = time.perf_counter()
-            event.wait()
+            while not event.wait(POLL_S):
+                if self.stalled():
+                    self.abandon()
             self.wait_s += time.perf_counter() - t
 
 
@@ -147,8 +192,11 @@ class PartsHandler(ocp.AsyncCheckpointHandler):
                 if jax.process_index() == 0:
                     self._tree.finalize(path)
                 snap.release(name)
+            if snap.abandoned:  # a part may have changed while it was written: never a complete checkpoint
+                raise SaveAbandoned(f"the save of step {snap.step} was abandoned")
             if jax.process_index() == 0:
-                write_manifest(directory, file_entries(directory, args.checksum), step=snap.step, parts=snap.names)
+                entries = file_entries(directory, args.checksum, progress=snap.progressed)
+                write_manifest(directory, entries, step=snap.step, parts=snap.names)
         finally:
             snap.release_all()  # a failed save must never leave the engine waiting
 
@@ -223,5 +271,5 @@ def verify_state_item(step_dir: Path, checksum: bool = True) -> str | None:
     return verify_manifest(step_dir / "state", checksum)
 
 
-__all__ = ["PartsHandler", "PartsRestore", "PartsSave", "ShapeMismatchError", "Snapshot",
+__all__ = ["PartsHandler", "PartsRestore", "PartsSave", "SaveAbandoned", "ShapeMismatchError", "Snapshot",
            "verify_state_item"]

@@ -8,10 +8,12 @@
     megatrain-jax plot RUN_DIR [--out FILE.png]
 
 Exit statuses: 0 done; 1 an unexpected error (with its traceback); 2 bad input (config, data, checkpoint,
-model), with a message saying what to change; 3 training diverged (too many non-finite steps in a row);
+model) or a checkpoint that cannot be written (read-only folder, no permission, full disk, quota, I/O
+error), with a message saying what to change; 3 training diverged (too many non-finite steps in a row);
 4 a step ran out of GPU memory (before any update: the state of the last whole step was saved to resume
 from; the message lists layouts that fit with less GPU memory); 130 / 143 stopped by SIGINT / SIGTERM after
-saving the checkpoint to resume from.
+saving the checkpoint to resume from, or after abandoning a save that made no progress for 60 s (the
+message names the last complete checkpoint). No save can hang: docs/checkpoints_faults.md.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from pathlib import Path
 from typing import Sequence
 
 from megatrain_jax import distributed
+from megatrain_jax.checkpoint.failures import CheckpointWriteError
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError
+from megatrain_jax.checkpoint.session import CheckpointedExit
 from megatrain_jax.cli.run_config import load_config, parse_config
 from megatrain_jax.cli.toml_dataclass import ConfigError
 from megatrain_jax.contract.layered import ContractError
@@ -32,7 +36,7 @@ from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
 from megatrain_jax.engine.update.policy import NonFiniteError
 from megatrain_jax.plan import GiB, MemoryPlanError
 
-# Exit statuses (README, "Exit statuses"). A run stopped by SIGTERM/SIGINT after saving its checkpoint exits
+# Exit statuses (docs/command_line.md, "Exit statuses"). A run stopped by SIGTERM/SIGINT after saving its checkpoint exits
 # with the shell's status for the signal, 128 + its number: 143 and 130 (CheckpointedExit).
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OUT_OF_MEMORY = 0, 2, 3, 4
 
@@ -184,7 +188,10 @@ COMMANDS = {"train": cmd_train, "demo": cmd_demo, "plan": cmd_plan, "convert": c
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``megatrain-jax`` and ``python -m megatrain_jax``; returns the exit status."""
+    """Entry point of ``megatrain-jax`` and ``python -m megatrain_jax``; returns the exit status. Run as the
+    program (``argv`` None), a run whose checkpoint could not be written, or whose save was abandoned after
+    a stop signal, ends the process at once (``_end_now``)."""
+    as_program = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # everything after it belongs to bench.py's own parser
         args = argparse.Namespace(command="bench", args=argv[1:])
@@ -196,6 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train" and distributed.requested():  # several processes: before JAX starts
             distributed.initialize()
         return COMMANDS[args.command](args)
+    except CheckpointWriteError as e:
+        return _end_now(_failed(args.command, e, EXIT_BAD_INPUT), as_program)
+    except CheckpointedExit as e:
+        if e.abandoned:
+            _end_now(e.code, as_program)
+        raise
     except (ValueError, MemoryPlanError, FileNotFoundError, FileExistsError, ImportError, NotImplementedError,
             CorruptCheckpointError, ContractError) as e:
         return _failed(args.command, e, EXIT_BAD_INPUT)
@@ -206,6 +219,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nmegatrain-jax {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _end_now(status: int, as_program: bool) -> int:
+    """``status``; as the program, the process ends here with it (``os._exit``, once the output is flushed).
+    After a failed or abandoned save Orbax may keep threads that ``sys.exit`` would wait for: ones waiting
+    (300 s) for a step directory that was never created, or a writer stuck in the file system."""
+    if as_program:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 def _failed(command: str, e: BaseException, status: int) -> int:

@@ -1,0 +1,75 @@
+"""What a checkpoint write that failed means, and what to do about it.
+
+A save into a read-only folder, without permission, onto a full disk, over a quota or onto a failing disk
+raises ``CheckpointWriteError`` on the training thread: an ``OSError`` (``errno`` the failed call's) whose
+message names the cause, the newest committed checkpoint (which a failed save never touches) and what to
+change. The command line exits with status 2 on it. Behaviour and bounds: docs/checkpoints_faults.md.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written: a read-only folder, no permission, a full disk, an exceeded quota
+    or an I/O error (``errno`` is the failed call's). The message says which, names the newest committed
+    checkpoint (which the failed save did not touch) and what to do. The OSError is its ``__cause__``."""
+
+
+# errno -> (what it means, what to do); {root} is the checkpoint directory.
+WRITE_ADVICE = {
+    errno.EROFS: ("the file system is read-only", "make {root} writable"),
+    errno.EACCES: ("no permission to write there", "give this user write permission on {root}"),
+    errno.EPERM: ("no permission to write there", "give this user write permission on {root}"),
+    errno.ENOSPC: ("the disk is full", "free space on the disk of {root}"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space within the quota of {root}, or raise it"),
+    errno.EIO: ("the disk reported an I/O error", "check the disk of {root} (dmesg says more)"),
+}
+
+
+def os_error_behind(err: BaseException | None) -> OSError | None:
+    """The first OSError with an errno in ``err``'s ``__cause__``/``__context__`` chain (``err`` included)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno is not None:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def write_error(err: BaseException, target: Path, root: Path, last_good: Path | None) -> CheckpointWriteError | None:
+    """``err``, met writing ``target`` under the checkpoint directory ``root``, as a ``CheckpointWriteError``
+    when an OSError with an errno is behind it; None for any other failure (a bug: raise it as it is)."""
+    cause = os_error_behind(err)
+    if cause is None:
+        return None
+    if isinstance(cause, CheckpointWriteError):
+        return cause
+    what, todo = WRITE_ADVICE.get(cause.errno, ("a write failed", "fix what the error names in {root}"))
+    kept = (f"the checkpoints committed before are untouched (the newest: {last_good})" if last_good is not None
+            else "no checkpoint had been committed")
+    again = f"then resume from {last_good} (train.resume)" if last_good is not None else "then run again"
+    out = CheckpointWriteError(f"could not write checkpoint {target}: {what} ({cause}); {kept}. To go on: "
+                               f"{todo.format(root=root)}, or set train.checkpoint_dir to a writable folder; "
+                               f"{again}")
+    out.errno = cause.errno  # (not strerror: str() would then show it alone)
+    out.__cause__ = cause
+    return out
+
+
+def probe_writable(root: Path, name: str) -> None:
+    """Create and remove the directory ``root/name``: raises the OSError a save would meet now (read-only,
+    no permission, no space or inodes). Met here, on the training thread, it never reaches Orbax, whose
+    writer threads would wait (300 s) for a step directory that was never created."""
+    probe = root / name
+    if probe.exists():  # left by a process killed between the two calls
+        shutil.rmtree(probe)
+    probe.mkdir()
+    probe.rmdir()
+
+
+__all__ = ["CheckpointWriteError", "WRITE_ADVICE", "os_error_behind", "probe_writable", "write_error"]
