@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import tomllib
 import subprocess
 import sys
 from pathlib import Path
@@ -181,12 +182,14 @@ def test_train_progress_lines(tmp_path, capsys):
     assert "eval      3  eval_loss" in out and "done: loss" in out
 
 
-def test_train_from_hf_checkpoint_and_export(tmp_path):
+def test_train_from_hf_checkpoint_and_export(tmp_path, monkeypatch):
     from megatrain_jax.hf import load_hf
     export = tmp_path / "export"
+    monkeypatch.chdir(tmp_path)  # a relative export folder: the run's config.toml records where it went
     assert main(["train", f"model.hf_checkpoint={HF_LLAMA}", "model.dtype=float32", *TINY_RUN[1:],
                  "train.steps=2", "optimizer.lr=1e-12", "optimizer.weight_decay=0.0", f"train.run_dir={tmp_path}",
-                 f"train.export_hf={export}"]) == 0
+                 "train.export_hf=export"]) == 0
+    assert tomllib.loads((tmp_path / "config.toml").read_text())["train"]["export_hf"] == str(export)
     _, io, blocks = load_hf(HF_LLAMA, dtype="float32")
     _, io2, blocks2 = load_hf(export, dtype="float32")  # trained with a negligible lr: the loaded weights
     np.testing.assert_allclose(io2["embedding"], io["embedding"], rtol=1e-2, atol=1e-6)

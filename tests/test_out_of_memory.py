@@ -219,15 +219,15 @@ def test_a_failure_reported_late_is_not_taken_for_a_whole_state(tmp_path, monkey
     decision, read by the update worker): which step failed is unknown, so nothing is saved over the last
     checkpoint and the error says so."""
     from megatrain_jax.engine.update import policy
-    real, seen = policy.StepDecision.resolve, []
+    real, seen = policy.local_value, []
 
-    def resolve(self):
-        seen.append(self)
+    def local_value(x):  # the host's read of the third step's decision finds its device work failed
+        seen.append(x)
         if len(seen) == 3:
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.39GiB "
                                              "with allocator GPU_0_bfc on device 0. [executable_name='jit__lambda']")
-        return real(self)
-    monkeypatch.setattr(policy.StepDecision, "resolve", resolve)
+        return real(x)
+    monkeypatch.setattr(policy, "local_value", local_value)
     with pytest.raises(DeviceOutOfMemoryError) as info:
         run(6, tmp_path)
     err = info.value

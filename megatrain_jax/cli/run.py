@@ -228,6 +228,8 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         from megatrain_jax.hf.config import check_exportable  # folder free of another model unless replaced
         check_exportable(model_cfg)
         check_target(t.export_hf, t.export_overwrite, "set train.export_overwrite=true")
+        t = dataclasses.replace(t, export_hf=str(Path(t.export_hf).absolute()))  # config.toml says where
+        cfg = dataclasses.replace(cfg, train=t)
 
     gpus = visible_gpus()
     kw = dict(packed=d.mode == "packed",
