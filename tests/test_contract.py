@@ -349,7 +349,7 @@ def test_dropout_switched_to_eval_is_accepted():
 
 
 def test_the_gpt2_example_runs_as_written(capsys):
-    """``python examples/gpt2.py`` as the README says: check_model passes on the plain and the packed batch,
+    """``python examples/gpt2.py`` as docs/model_contract.md says: check_model passes on the plain and the packed batch,
     and fit trains 30 steps."""
     import runpy
     runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "examples" / "gpt2.py"), run_name="__main__")

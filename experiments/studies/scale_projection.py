@@ -15,7 +15,7 @@ transfers and its host optimizer time (the engine overlaps them), times the over
 here (measured step / that largest component, at the larger layer count), plus the io part as measured.
 Host RAM is the memory plan's for the full model on the target. Every assumption about the targets (their
 host-to-device bandwidth, GPU speed and host optimizer rate relative to this machine) is written into the
-results file next to the numbers; the README states the table as a projection, not a measurement.
+results file next to the numbers; docs/capacity.md states the table as a projection, not a measurement.
 """
 
 from __future__ import annotations
