@@ -72,6 +72,8 @@ CONFIGS: dict[str, BenchConfig] = {
     # 8 of 16 blocks resident: enough that the host's first-half updates of the other 8 (~40 ms each) stay
     # ahead of the next forward (~22 ms per block at 32K); see experiments/studies/NOTES.md, v5.
     "3p5b_32k": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True)),
+    # 8,192 tokens per step (issue 33): one micro-batch of 4 rows, the step bound by the host update.
+    "3p5b_8k": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers=8, resident_io=True)),
     # A/B variant of 3p5b_32k for experiments/studies/NOTES.md.
     "3p5b_32k_r9": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=9, resident_io=True)),
     "3p5b_98k": BenchConfig("7b", 16, 2048, 48, EngineConfig(micro_batches=6, resident_layers=8, resident_io=True)),
