@@ -239,10 +239,11 @@ def test_blocks_differing_name_what_differs():
         model.blocks[i].mlp.act = act
     with pytest.raises(ContractError, match=r"model\.blocks\[2\] differs from model\.blocks\[0\]: mlp\.act = 'relu' vs 'gelu'"):
         layered(model)
-    # A field of a config dataclass held by a submodule.
+    # A field of a config dataclass held by a submodule. (A sliding window would make the block another kind
+    # of block: Decoder blocks declare their attention type as their kind.)
     model = Decoder(preset("tiny", layers=2), rngs=nnx.Rngs(0))
-    model.blocks[1] = Decoder(preset("tiny", layers=2, sliding_window=4), rngs=nnx.Rngs(0)).blocks[1]
-    with pytest.raises(ContractError, match=r"blocks\[1\] differs .*: attn\.cfg\.sliding_window = 4 vs None"):
+    model.blocks[1] = Decoder(preset("tiny", layers=2, rope_theta=500.0), rngs=nnx.Rngs(0)).blocks[1]
+    with pytest.raises(ContractError, match=r"blocks\[1\] differs .*: attn\.cfg\.rope_theta = 500\.0 vs 10000\.0"):
         layered(model)
 
 

@@ -8,7 +8,9 @@ A model follows the contract when it has:
   may be None), ``final_hidden(x_BTD) -> h_BTD`` and ``unembed(h_TD) -> logits_TV`` (float32). It owns
   the embedding, final norm and output projection; a tied head simply reads the embedding inside
   ``unembed``;
-- ``model.blocks``: an ``nnx.List`` of identical blocks, ``block(x_BTD, positions_BT, segment_ids_BT)``;
+- ``model.blocks``: an ``nnx.List`` of blocks, ``block(x_BTD, positions_BT, segment_ids_BT)``, of one kind or
+  a few: a block may declare ``block.kind`` (a plain hashable value, default None), and blocks of one kind
+  must be identical (one stateless template per kind);
 - only ``nnx.Param`` variables;
 - no active dropout: an ``nnx.Dropout`` must have rate 0 or ``deterministic=True`` and hold no RNG stream
   (the engine calls each part as a pure function of its parameters, with no random key);
@@ -42,29 +44,44 @@ class ContractError(TypeError):
 
 @dataclasses.dataclass(frozen=True)
 class LayeredModel:
-    """Stateless templates: one graphdef for the io part, one shared by every block."""
+    """Stateless templates: one graphdef for the io part, and one per kind of block shared by every block
+    of that kind. ``block_kinds[i]`` is block i's kind: an index into ``block_graphdefs`` (kinds numbered in
+    the order they first appear, so block 0 is of kind 0; a model with one kind has only kind 0)."""
 
     io_graphdef: Any
-    block_graphdef: Any
-    n_blocks: int
+    block_graphdefs: tuple[Any, ...]
+    block_kinds: tuple[int, ...]
     vocab_size: int
     max_positions: int | None
     loss_chunk_tokens: int
     aux_loss: Any = None  # the model's auxiliary loss of the blocks' summed statistics, or None
     segments_per_row: Any = None  # seq_len -> the most packed documents a row may hold, or None (no bound)
 
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_kinds)
+
+    @property
+    def n_kinds(self) -> int:
+        return len(self.block_graphdefs)
+
+    def first_of_kind(self, kind: int) -> int:
+        """The first block of ``kind``: the one whose module stands for the kind (its template)."""
+        return self.block_kinds.index(kind)
+
     def embed(self, io_params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
               segment_ids_BT: jax.Array | None) -> jax.Array:
         return nnx.merge(self.io_graphdef, io_params).embed(tokens_BT, positions_BT, segment_ids_BT)
 
     def block(self, block_params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
-              segment_ids_BT: jax.Array | None) -> jax.Array:
-        return nnx.merge(self.block_graphdef, block_params)(x_BTD, positions_BT, segment_ids_BT)
+              segment_ids_BT: jax.Array | None, kind: int = 0) -> jax.Array:
+        """A block of ``kind`` with these parameters."""
+        return nnx.merge(self.block_graphdefs[kind], block_params)(x_BTD, positions_BT, segment_ids_BT)
 
     def block_routed(self, block_params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
-                     segment_ids_BT: jax.Array | None) -> tuple[jax.Array, Any]:
+                     segment_ids_BT: jax.Array | None, kind: int = 0) -> tuple[jax.Array, Any]:
         """The block's output and the statistics its ``aux_loss`` share is computed from."""
-        return nnx.merge(self.block_graphdef, block_params).routed(x_BTD, positions_BT, segment_ids_BT)
+        return nnx.merge(self.block_graphdefs[kind], block_params).routed(x_BTD, positions_BT, segment_ids_BT)
 
     def head_nll_sum(self, io_params: Params, x_BTD: jax.Array, targets_BT: jax.Array,
                      mask_BT: jax.Array) -> jax.Array:
@@ -161,7 +178,7 @@ def check_contract(model: Any) -> None:
                             f"position embedding simply ignores them); {_NEED}")
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nnx.List) or len(blocks) == 0:
-        raise ContractError(f"model.blocks must be a non-empty nnx.List of identical blocks, got "
+        raise ContractError(f"model.blocks must be a non-empty nnx.List of blocks, got "
                             f"{type(blocks).__name__}; {_NEED}")
     if not callable(blocks[0]) or _takes_positional(blocks[0], 3) is False:
         raise ContractError(f"model.blocks[0] must be callable as block(x_BTD, positions_BT, segment_ids_BT) "
@@ -205,13 +222,14 @@ def _param_shapes(module: nnx.Module) -> dict[tuple, tuple]:
             for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
 
 
-def _describe_difference(block: nnx.Module, first: nnx.Module) -> str:
-    """What makes ``block`` differ from ``first``: a parameter path, a shape/dtype, or a plain attribute."""
+def _describe_difference(block: nnx.Module, first: nnx.Module, index: int = 0) -> str:
+    """What makes ``block`` differ from ``first`` (``model.blocks[index]``): a parameter path, a
+    shape/dtype, or a plain attribute."""
     name = lambda path: path_name("", path).lstrip(".")
     a, b = _param_shapes(block), _param_shapes(first)
     for path in a:
         if path not in b:
-            return f"it has parameter {name(path)}, which model.blocks[0] lacks"
+            return f"it has parameter {name(path)}, which model.blocks[{index}] lacks"
     for path in b:
         if path not in a:
             return f"it lacks parameter {name(path)}"
@@ -224,9 +242,9 @@ def _describe_difference(block: nnx.Module, first: nnx.Module) -> str:
     sa, sb = _static_attrs(block), _static_attrs(first)
     for path in list(sa) + [p for p in sb if p not in sa]:
         if path not in sb:
-            return f"it has attribute {name(path)} = {_short(sa[path])}, which model.blocks[0] lacks"
+            return f"it has attribute {name(path)} = {_short(sa[path])}, which model.blocks[{index}] lacks"
         if path not in sa:
-            return f"it lacks attribute {name(path)} (= {_short(sb[path])} in model.blocks[0])"
+            return f"it lacks attribute {name(path)} (= {_short(sb[path])} in model.blocks[{index}])"
         if not _same(sa[path], sb[path]):
             sub, va, vb = _first_field_difference(sa[path], sb[path])
             return f"{name(path + sub)} = {_short(va)} vs {_short(vb)}"
@@ -254,26 +272,52 @@ def _template(module: nnx.Module):
     return gd, [(x.shape, jnp.dtype(x.dtype)) for x in jax.tree.leaves(params)]
 
 
+def block_kinds(model: nnx.Module) -> tuple[int, ...]:
+    """Each block's kind, numbered in the order the kinds (``block.kind``, None where a block declares
+    none) first appear."""
+    seen: dict[Any, int] = {}
+    out = []
+    for i, block in enumerate(model.blocks):
+        kind = getattr(block, "kind", None)
+        try:
+            out.append(seen.setdefault(kind, len(seen)))
+        except TypeError:
+            raise ContractError(f"model.blocks[{i}].kind = {_short(kind)} is not hashable: a block's kind is a plain "
+                                f"value (a string, an int, a tuple) that blocks of one kind share; {_NEED}") from None
+    return tuple(out)
+
+
+def _kind_name(block: nnx.Module) -> str:
+    kind = getattr(block, "kind", None)
+    return "" if kind is None else f" of kind {_short(kind)}"
+
+
 def layered(model: nnx.Module, check_blocks: bool = True) -> LayeredModel:
     """The pure-function view of a (concrete or abstract) model. Raises ContractError (ours, before any
     Flax error) when the model does not follow the contract or, with ``check_blocks``, when a block
-    differs from ``model.blocks[0]``."""
+    differs from the first block of its kind."""
     check_contract(model)
     io_gd, _ = nnx.split(model.io, nnx.Param)
-    block_gd, shapes0 = _template(model.blocks[0])
+    kinds = block_kinds(model)
+    firsts = [kinds.index(k) for k in range(max(kinds) + 1)]
+    templates = [_template(model.blocks[i]) for i in firsts]
     if check_blocks:
         for i, block in enumerate(model.blocks):
-            if i and _template(block) != (block_gd, shapes0):
+            first = firsts[kinds[i]]
+            if i != first and _template(block) != templates[kinds[i]]:
                 raise ContractError(
-                    f"model.blocks[{i}] differs from model.blocks[0]: {_describe_difference(block, model.blocks[0])}. "
-                    f"All blocks must be identical in structure, parameter shapes and attributes (one "
-                    f"stateless template serves every layer); {_NEED}")
+                    f"model.blocks[{i}] differs from model.blocks[{first}]{_kind_name(block) if len(firsts) > 1 else ''}: "
+                    f"{_describe_difference(block, model.blocks[first], first)}. Blocks of one kind must be "
+                    f"identical in structure, parameter shapes and attributes (one stateless template serves "
+                    f"every block of a kind); blocks that should differ declare different kinds (block.kind); "
+                    f"{_NEED}")
     cfg = model.cfg
     aux = getattr(model, "aux_loss", None)
-    if aux is not None and not callable(getattr(model.blocks[0], "routed", None)):
-        raise ContractError(f"the model has an aux_loss, but its blocks have no routed(x, positions, segment_ids) "
-                            f"-> (x, stats) to feed it; {_NEED}")
-    return LayeredModel(io_gd, block_gd, len(model.blocks), cfg.vocab_size,
+    for i in firsts:
+        if aux is not None and not callable(getattr(model.blocks[i], "routed", None)):
+            raise ContractError(f"the model has an aux_loss, but model.blocks[{i}] has no routed(x, positions, "
+                                f"segment_ids) -> (x, stats) to feed it; {_NEED}")
+    return LayeredModel(io_gd, tuple(gd for gd, _ in templates), kinds, cfg.vocab_size,
                         getattr(cfg, "max_positions", None), getattr(cfg, "loss_chunk_tokens", 8192), aux,
                         getattr(cfg, "segments_per_row", None))
 

@@ -1,5 +1,6 @@
 """The jitted per-part computations that run on the accelerators. Each is compiled once per shape and
-reused for every layer: blocks share one stateless template (graphdef), only their parameters differ.
+reused for every layer: the blocks of one kind share one stateless template (graphdef), only their
+parameters differ; a block program is compiled once per kind of block (``LayeredModel.block_kinds``).
 
 Over several devices (a mesh with a ``data`` axis, ``megatrain_jax.engine.transfer.Placement``) a part's host
 state is spread over the devices (the first axis of each leaf, where it divides evenly:
@@ -28,6 +29,7 @@ devices they are per-device values, stacked over the mesh like the gradients.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -70,20 +72,22 @@ class Shards:
 class DeviceFns:
     """The per-micro-batch programs ``embed``, ``forward``, ``head``, ``backward``, ``embed_backward`` and
     ``nll_sum`` (evaluation), each taking a part's parameters first and returning ``(result, params)``
-    (``forward_keep`` and ``backward_kept`` are the variants with kept residuals):
+    (``forward_keep`` and ``backward_kept`` are the variants with kept residuals; the block programs take the
+    block's ``kind`` and run that kind's template):
     ``params`` whole on every device, gathered by this call when they came as ``Shards``. ``backward`` and
     ``embed_backward`` with ``last=True`` return the part's gradient summed over the mesh, spread like its
     host state. Small helpers: ``fetched``, ``sq_norm``, ``add``, ``mask_sum``, ``inv_count``."""
 
     # name: (per-device body, kinds of the arguments after the params, kinds of the outputs, donated
-    # arguments, which output is the gradient accumulator that ``last`` sums over the mesh).
+    # arguments, which output is the gradient accumulator that ``last`` sums over the mesh). A block
+    # program's body takes the kind of block as a keyword (``kind``), bound when its program is built.
     def __init__(self, lm: LayeredModel, placement: Placement):
         self.lm = lm
         self.mesh: Mesh = placement.mesh
         self.size = placement.size
         self._spec = placement.spec
         self.routed = lm.aux_loss is not None  # blocks also return statistics for the auxiliary loss
-        self._kinds = {
+        self._calls = {
             "embed": (lm.embed, (ROWS, ROWS, ROWS), ROWS, (), None),
             "forward": ((self._forward_routed, (ROWS, ROWS, ROWS), (ROWS, WHOLE), (), None) if self.routed
                         else (lm.block, (ROWS, ROWS, ROWS), ROWS, (), None)),
@@ -98,7 +102,7 @@ class DeviceFns:
             "embed_backward": (self._embed_backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (STACKED,), (5,), 0),
             "nll_sum": (self._nll_sum, (ROWS, ROWS, ROWS), WHOLE, (), None),
         }
-        self._programs: dict[tuple[str, bool, bool], Callable] = {}
+        self._programs: dict[tuple[str, int | None, bool, bool], Callable] = {}
         self._split = SplitVJP()  # the block's VJP closure between forward_keep and backward_kept
         self.sq_norm = jax.jit(_sq_norm)
         self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
@@ -118,26 +122,29 @@ class DeviceFns:
     def embed(self, io, tokens_BT, positions_BT, segment_ids_BT):
         return self._call("embed", io, tokens_BT, positions_BT, segment_ids_BT)
 
-    def forward(self, params, x_BTD, positions_BT, segment_ids_BT, keep: bool = False):
-        """(y, params); with ``routed`` ((y, the block's statistics summed over the mesh), params). With
-        ``keep``, ((that, the block's kept residuals), params): a tuple of arrays for ``backward``'s ``kept``
-        (empty when the model marks nothing, or marks nothing on this backend)."""
-        return self._call("forward_keep" if keep else "forward", params, x_BTD, positions_BT, segment_ids_BT)
+    def forward(self, params, x_BTD, positions_BT, segment_ids_BT, keep: bool = False, kind: int = 0):
+        """(y, params) of a block of ``kind``; with ``routed`` ((y, the block's statistics summed over the
+        mesh), params). With ``keep``, ((that, the block's kept residuals), params): a tuple of arrays for
+        ``backward``'s ``kept`` (empty when the model marks nothing, or marks nothing on this backend)."""
+        return self._call("forward_keep" if keep else "forward", params, x_BTD, positions_BT, segment_ids_BT,
+                          kind=kind)
 
     def head(self, io, x_BTD, targets_BT, mask_BT, inv_count, io_acc):
         """((loss, d(loss)/dx, io_acc), io)."""
         return self._call("head", io, x_BTD, targets_BT, mask_BT, inv_count, io_acc)
 
     def backward(self, params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, acc, d_stats=None, last: bool = False,
-                 kept: tuple | None = None):
-        """((dx, acc), params); with ``last`` the accumulated gradient comes back summed over the mesh. With
-        ``routed``, ``d_stats`` is the auxiliary loss's gradient with respect to the block's statistics.
-        ``kept``: what ``forward(..., keep=True)`` returned for this block and micro-batch."""
+                 kept: tuple | None = None, kind: int = 0):
+        """((dx, acc), params) of a block of ``kind``; with ``last`` the accumulated gradient comes back
+        summed over the mesh. With ``routed``, ``d_stats`` is the auxiliary loss's gradient with respect to
+        the block's statistics. ``kept``: what ``forward(..., keep=True)`` returned for this block and
+        micro-batch."""
         extra = (d_stats,) if self.routed else ()
         if kept is not None:
             return self._call("backward_kept", params, x_BTD, positions_BT, segment_ids_BT, kept, dy_BTD, *extra, acc,
-                              last=last)
-        return self._call("backward", params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, *extra, acc, last=last)
+                              last=last, kind=kind)
+        return self._call("backward", params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, *extra, acc, last=last,
+                          kind=kind)
 
     def embed_backward(self, io, tokens_BT, positions_BT, segment_ids_BT, dx_BTD, io_acc, last: bool = False):
         (acc,), io = self._call("embed_backward", io, tokens_BT, positions_BT, segment_ids_BT, dx_BTD, io_acc,
@@ -147,29 +154,34 @@ class DeviceFns:
     def nll_sum(self, io, x_BTD, targets_BT, mask_BT):
         return self._call("nll_sum", io, x_BTD, targets_BT, mask_BT)
 
-    def compiled(self, name: str, params, *args, last: bool = False) -> jax.stages.Compiled:
-        """The program a call of ``name`` with these arguments runs (``jax.ShapeDtypeStruct`` leaves, with
-        the shardings the engine's arrays will have), compiled but not run: its memory analysis and output
-        shapes (``megatrain_jax.engine.program_memory``). The engine's call with such arrays then finds the
-        compilation done."""
+    def compiled(self, name: str, params, *args, last: bool = False, kind: int = 0) -> jax.stages.Compiled:
+        """The program a call of ``name`` (for a block program: on a block of ``kind``) with these arguments
+        runs (``jax.ShapeDtypeStruct`` leaves, with the shardings the engine's arrays will have), compiled
+        but not run: its memory analysis and output shapes (``megatrain_jax.engine.program_memory``). The
+        engine's call with such arrays then finds the compilation done."""
         gather = isinstance(params, Shards)
-        program = self._program(name, gather, last and self.size > 1)
+        program = self._program(name, kind, gather, last and self.size > 1)
         return program.lower(params.tree if gather else params, *args).compile()
 
-    def _call(self, name: str, params, *args, last: bool = False):
+    def _call(self, name: str, params, *args, last: bool = False, kind: int = 0):
         gather = isinstance(params, Shards)
-        program = self._program(name, gather, last and self.size > 1)
+        program = self._program(name, kind, gather, last and self.size > 1)
         out = program(params.tree if gather else params, *args)
         return (out[0], out[1]) if gather else (out, params)
 
     # ------------------------------------------------------------------ programs
-    def _program(self, name: str, gather: bool, reduce: bool) -> Callable:
-        """``jit(shard_map(body))`` for one kind of call: its parameters gathered first when ``gather``, and
-        its accumulator summed over the mesh last when ``reduce``; on one device, plain ``jit(body)``."""
-        key = name, gather, reduce
+    def _program(self, name: str, kind: int, gather: bool, reduce: bool) -> Callable:
+        """``jit(shard_map(body))`` for one kind of call (a block program: on a block of ``kind``): its
+        parameters gathered first when ``gather``, and its accumulator summed over the mesh last when
+        ``reduce``; on one device, plain ``jit(body)``."""
+        body, in_specs, out_specs, donate, acc_out = self._calls[name]
+        if name not in BLOCK_PROGRAMS:
+            kind = None  # the io part's programs: one whatever the kinds of block
+        key = name, kind, gather, reduce
         if key in self._programs:
             return self._programs[key]
-        body, in_specs, out_specs, donate, acc_out = self._kinds[name]
+        if kind is not None:
+            body = functools.partial(body, kind=kind)
         if self.size == 1:
             self._programs[key] = jax.jit(body, donate_argnums=donate)
             return self._programs[key]
@@ -226,10 +238,10 @@ class DeviceFns:
         return self._sum(loss), dx_BTD, self._accumulate(io_acc, g_io)
 
     def _backward(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
-                  segment_ids_BT: jax.Array | None, dy_BTD: jax.Array, *rest):
+                  segment_ids_BT: jax.Array | None, dy_BTD: jax.Array, *rest, kind: int):
         """Recompute the block from its saved input and pull ``dy`` back: (dx, accumulated grads). ``rest``:
         with ``routed`` ``d_stats``, then the accumulator."""
-        _, pullback = jax.vjp(self._block_fn(positions_BT, segment_ids_BT), params, x_BTD)
+        _, pullback = jax.vjp(self._block_fn(positions_BT, segment_ids_BT, kind), params, x_BTD)
         return self._pull(pullback, dy_BTD, rest)
 
     def _pull(self, pullback: Callable, dy_BTD: jax.Array, rest: tuple):
@@ -240,27 +252,28 @@ class DeviceFns:
         return dx_BTD, self._accumulate(rest[-1], g_params)
 
     def _forward_routed(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
-                        segment_ids_BT: jax.Array | None):
-        y_BTD, stats = self.lm.block_routed(params, x_BTD, positions_BT, segment_ids_BT)
+                        segment_ids_BT: jax.Array | None, kind: int):
+        y_BTD, stats = self.lm.block_routed(params, x_BTD, positions_BT, segment_ids_BT, kind)
         return y_BTD, jax.tree.map(self._sum, stats)
 
-    def _block_fn(self, positions_BT: jax.Array, segment_ids_BT: jax.Array | None) -> Callable:
-        """The block as a function of (params, x): its output, and with ``routed`` its statistics too."""
+    def _block_fn(self, positions_BT: jax.Array, segment_ids_BT: jax.Array | None, kind: int) -> Callable:
+        """The block of ``kind`` as a function of (params, x): its output, and with ``routed`` its
+        statistics too."""
         block = self.lm.block_routed if self.routed else self.lm.block
-        return lambda p, x: block(p, x, positions_BT, segment_ids_BT)
+        return lambda p, x: block(p, x, positions_BT, segment_ids_BT, kind)
 
-    def _kept_key(self, params: Params, *args) -> tuple:
-        """What identifies a block program's shapes, the same in its forward and its backward."""
-        return tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves((params, args)))
+    def _kept_key(self, kind: int, params: Params, *args) -> tuple:
+        """What identifies a block program (its kind and shapes), the same in its forward and its backward."""
+        return (kind,) + tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves((params, args)))
 
     def _forward_keep(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
-                      segment_ids_BT: jax.Array | None):
+                      segment_ids_BT: jax.Array | None, kind: int):
         """The block's output (and statistics), and the residuals the model marked to keep: the block is
         rematerialized under ``KEEP_POLICY``, and its VJP closure split into this program's inputs and the
         rest (``SplitVJP``), which is returned."""
-        block = jax.checkpoint(self._block_fn(positions_BT, segment_ids_BT), policy=KEEP_POLICY)
+        block = jax.checkpoint(self._block_fn(positions_BT, segment_ids_BT, kind), policy=KEEP_POLICY)
         out, pullback = jax.vjp(block, params, x_BTD)
-        kept = self._split.split(self._kept_key(params, x_BTD, positions_BT, segment_ids_BT), pullback,
+        kept = self._split.split(self._kept_key(kind, params, x_BTD, positions_BT, segment_ids_BT), pullback,
                                  (params, x_BTD, positions_BT, segment_ids_BT))
         if self.routed:
             out = out[0], jax.tree.map(self._sum, out[1])
@@ -269,12 +282,12 @@ class DeviceFns:
         return out, kept
 
     def _backward_kept(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
-                       segment_ids_BT: jax.Array | None, kept: tuple, dy_BTD: jax.Array, *rest):
+                       segment_ids_BT: jax.Array | None, kept: tuple, dy_BTD: jax.Array, *rest, kind: int):
         """As ``_backward``, through the VJP closure ``_forward_keep`` split: rebuilt from this program's
         inputs and the kept residuals, it recomputes only what was not kept."""
         if self.size > 1:
             kept = tuple(k[0] for k in kept)
-        pullback = self._split.join(self._kept_key(params, x_BTD, positions_BT, segment_ids_BT), kept,
+        pullback = self._split.join(self._kept_key(kind, params, x_BTD, positions_BT, segment_ids_BT), kept,
                                     (params, x_BTD, positions_BT, segment_ids_BT))
         return self._pull(pullback, dy_BTD, rest)
 
@@ -291,15 +304,18 @@ class DeviceFns:
         return x if self.size == 1 else jax.lax.psum(x, DATA)
 
     def cache_sizes(self) -> dict[str, Any]:
-        """How many compilations each per-micro-batch function holds (1 per distinct shape and variant;
-        tests assert this)."""
+        """How many compilations each per-micro-batch function holds (1 per distinct shape, variant and kind
+        of block; tests assert this)."""
         sizes = dict.fromkeys(("embed", "forward", "head", "backward", "embed_backward"), 0)
-        for (name, _, _), program in self._programs.items():
+        for (name, _, _, _), program in self._programs.items():
             name = {"forward_keep": "forward", "backward_kept": "backward"}.get(name, name)
             if name in sizes:
                 sizes[name] += program._cache_size()
         return sizes
 
+
+# The programs that run a block, built once per kind of block.
+BLOCK_PROGRAMS = frozenset({"forward", "forward_keep", "backward", "backward_kept"})
 
 _CACHE: dict[tuple, DeviceFns] = {}
 

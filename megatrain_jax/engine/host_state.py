@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from megatrain_jax.contract.layered import Params, block_params, io_params, is_abstract, tree_bytes
+from megatrain_jax.contract.layered import Params, block_kinds, block_params, io_params, is_abstract, tree_bytes
 from megatrain_jax.engine.parts import IO, Part, PartId, part_ids
 from megatrain_jax.engine.transfer import Placement
 
@@ -58,8 +58,10 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
 
     Each part is one jitted program whose outputs (masters, optimizer state, stream copy) land in pinned
     host memory, each leaf spread over the devices as ``Placement.spec`` says: no second trip through the
-    device for the cast. There is one program for the io part and
-    one shared by every block, so the number of compilations does not depend on the number of blocks.
+    device for the cast. There is one program for the io part and one shared by every block of a kind
+    (``contract.layered.block_kinds``), so the number of compilations does not depend on the number of
+    blocks; except that an abstract model of several kinds builds each block by its own program: its
+    ``new_block`` is given a Python int index, from which it may derive the block's kind.
     Parts are built by ``workers`` threads (default 4 on a GPU), so that one part's host copies overlap
     another's device work; returns once every part is in host memory. On the CPU backend the default is 1:
     there the programs run on the host, and parts side by side would multiply their temporaries.
@@ -74,6 +76,7 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
     ``block(i)`` return a part's arrays as stored, and whose ``to_params(tree)`` (traceable) turns them into
     that part's pure dict of parameters inside the builder's program. Each worker reads its part when it
     builds it."""
+    kinds = block_kinds(model)
     if init_from is not None:
         def from_stored(template: nnx.Module):
             def make(tree: Any) -> Any:
@@ -82,8 +85,9 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
                 return fresh(cast_tree(state, jnp.float32))
             return placement.jit_into(make)
 
-        # every block has the same structure: one program for all of them, as below
-        make_io, make_block = from_stored(model.io), from_stored(model.blocks[0])
+        # the blocks of one kind have the same structure: one program for all of them, as below
+        makes = [from_stored(model.blocks[kinds.index(k)]) for k in range(max(kinds) + 1)]
+        make_io, make_block = from_stored(model.io), lambda kind, *args: makes[kind](*args)
         io_args = _Lazy(lambda: (init_from.io(),))
         block_args = [_Lazy(lambda i=i: (init_from.block(i),)) for i in range(len(model.blocks))]
     elif is_abstract(model):
@@ -94,11 +98,18 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
                 raise TypeError(f"an abstract model must provide {method}(...) to be initialized part by part; "
                                 f"pass a concrete model instead, or see docs/model_contract.md")
         make_io = placement.jit_into(lambda k: fresh(nnx.state(model.new_io(k), nnx.Param)))
-        make_block = placement.jit_into(lambda k, i: fresh(nnx.state(model.new_block(i, k), nnx.Param)))
+        if max(kinds) == 0:  # one kind: one program, the index traced
+            new_block = placement.jit_into(lambda k, i: fresh(nnx.state(model.new_block(i, k), nnx.Param)))
+            make_block = lambda kind, *args: new_block(*args)
+            block_args = [(key, np.int32(i)) for i in range(len(model.blocks))]
+        else:  # a program per block: new_block's structure may depend on its (Python int) index
+            make_block = lambda kind, k, i: placement.jit_into(
+                lambda k: fresh(nnx.state(model.new_block(i, k), nnx.Param)))(k)
+            block_args = [(key, i) for i in range(len(model.blocks))]
         io_args = (key,)
-        block_args = [(key, np.int32(i)) for i in range(len(model.blocks))]
     else:
-        make_io = make_block = placement.jit_into(lambda p: fresh(cast_tree(p, jnp.float32)))
+        make_io = placement.jit_into(lambda p: fresh(cast_tree(p, jnp.float32)))
+        make_block = lambda kind, *args: make_io(*args)  # retraced (once) per structure: once per kind
         # Over several devices the model's arrays (on one device) enter the program as host values.
         local = (lambda p: p) if placement.size == 1 else jax.device_get
         io_args = (local(io_params(model)),)
@@ -108,14 +119,18 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
     # Each worker waits for its part to be in host memory before taking the next: at most ``workers`` parts
     # hold device temporaries at once (a 7B block's program ≈ 4 GB), whatever the number of blocks.
     build_io = lambda: home(jax.block_until_ready(make_io(*_resolved(io_args))))
-    build_block = lambda args: home(jax.block_until_ready(make_block(*_resolved(args))))
+    build_block = lambda i: home(jax.block_until_ready(make_block(kinds[i], *_resolved(block_args[i]))))
+    firsts = [kinds.index(k) for k in range(max(kinds) + 1)]
     with ThreadPoolExecutor(max(1, workers)) as pool:
-        # The first call of each program compiles it; the io part and block 0 compile side by side, and
-        # the other blocks start once block 0's program exists (no thread compiles a program twice).
+        # The first call of each program compiles it; the io part and the first block of each kind
+        # compile side by side, and the other blocks start once those programs exist (no thread compiles a
+        # program twice).
         io = pool.submit(build_io)
-        first = pool.submit(build_block, block_args[0])
-        blocks = [first.result()] + list(pool.map(build_block, block_args[1:]))
-        return HostState([io.result()] + blocks, step=0)
+        first = {i: pool.submit(build_block, i) for i in firsts}
+        first = {i: f.result() for i, f in first.items()}
+        rest = [i for i in range(len(kinds)) if i not in first]
+        blocks = dict(zip(rest, pool.map(build_block, rest))) | first
+        return HostState([io.result()] + [blocks[i] for i in range(len(kinds))], step=0)
 
 
 class _Lazy:

@@ -70,6 +70,7 @@ class PassRunner:
         self.grads_on_gpu = set(grads_on_gpu)  # host-updated parts whose gradients wait on the device
         self.observers = observers
         self.n_blocks = len(state.parts) - 1
+        self.kinds = fns.lm.block_kinds  # each block's kind: which template its programs run
         self._grads: dict[PartId, Any] = {}  # each part's gradient of this optimizer step so far
         self._sq_norms: dict[PartId, Any] = {}
         self.decision: StepDecision | None = None  # of the last optimizer step
@@ -168,7 +169,7 @@ class PassRunner:
         b, layer = p.batches[op.micro], op.part.layer
         keep = p.keep_residuals and p.keep_inputs
         y, p.params[op.part] = self.fns.forward(p.params[op.part], p.acts[layer][op.micro], b.positions,
-                                                b.segment_ids, keep=keep)
+                                                b.segment_ids, keep=keep, kind=self.kinds[layer])
         if keep:
             y, kept = y
             p.kept.setdefault(layer, []).append(kept)
@@ -200,7 +201,7 @@ class PassRunner:
         kept = p.kept[layer][op.micro] if p.keep_residuals else None
         (p.dy[op.micro], p.grads), p.params[op.part] = self.fns.backward(
             p.params[op.part], p.acts[layer][op.micro], b.positions, b.segment_ids, p.dy[op.micro], p.grads,
-            p.d_stats, last=last, kept=kept)
+            p.d_stats, last=last, kept=kept, kind=self.kinds[layer])
         if kept is not None:
             p.kept[layer][op.micro] = None  # used once
             if last:

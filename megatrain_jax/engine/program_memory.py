@@ -26,7 +26,7 @@ from flax import nnx
 
 from megatrain_jax.contract.layered import io_params, layered
 from megatrain_jax.engine.config import EngineConfig
-from megatrain_jax.engine.device_fns import Shards, device_fns
+from megatrain_jax.engine.device_fns import BLOCK_PROGRAMS, Shards, device_fns
 from megatrain_jax.engine.transfer import Placement
 
 # The op kind each program runs for (the plan's ledger charges a program's temp to that op kind).
@@ -99,7 +99,8 @@ def program_memory(model: nnx.Module, config: EngineConfig, rows: int, seq_len: 
     will use them (default: every local GPU, as ``Engine`` does)."""
     placement = Placement() if placement is None else placement
     config.check_rows(rows, len(placement.local_devices))
-    fns = device_fns(layered(model), placement)
+    lm = layered(model)
+    fns = device_fns(lm, placement)
     stream = jnp.dtype(streamed_dtype(getattr(model.cfg, "dtype", "float32"), config))
     M, D = config.micro_batches, placement.size
     micro = rows * placement.processes // M  # global rows of one micro-batch
@@ -115,11 +116,14 @@ def program_memory(model: nnx.Module, config: EngineConfig, rows: int, seq_len: 
 
     done: dict[tuple[str, str], tuple[Any, Any]] = {}
 
-    def call(name: str, variant: str, params: Any, *args, last: bool = False) -> tuple[Any, Any]:
+    def call(name: str, variant: str, params: Any, *args, last: bool = False, kind: int = 0) -> tuple[Any, Any]:
         """As ``DeviceFns``' calls: (outputs, the part whole on every device), compiled, not run (once per
-        program and variant)."""
+        program and variant; a block program once per kind of block, named in the variant where the model
+        has several)."""
+        if lm.n_kinds > 1 and name in BLOCK_PROGRAMS:
+            variant = f"kind {kind} (model.blocks[{lm.first_of_kind(kind)}]): {variant}"
         if (name, variant) not in done:
-            compiled = fns.compiled(name, params, *args, last=last)
+            compiled = fns.compiled(name, params, *args, last=last, kind=kind)
             m = compiled.memory_analysis()
             figures.append(CompiledFigures(name, variant, int(m.temp_size_in_bytes), int(m.argument_size_in_bytes),
                                            int(m.output_size_in_bytes), int(m.alias_size_in_bytes),
@@ -135,16 +139,19 @@ def program_memory(model: nnx.Module, config: EngineConfig, rows: int, seq_len: 
         call("embed", _variant(False), io, tokens, positions, segments)
     keep = config.keep_residuals
     forward = "forward_keep" if keep else "forward"
-    y, block = call(forward, _variant(gathers), fetched(nnx.state(model.blocks[0], nnx.Param)), x, positions,
-                    segments)
-    if M > 1 and gathers:
-        call(forward, _variant(False), block, x, positions, segments)
-    kept = None
-    if keep:
-        y, kept = y
+    blocks, kept = {}, {}  # per kind of block: its part as the programs return it, its kept residuals
+    for kind in range(lm.n_kinds):
+        params = fetched(nnx.state(model.blocks[lm.first_of_kind(kind)], nnx.Param))
+        y, blocks[kind] = call(forward, _variant(gathers), params, x, positions, segments, kind=kind)
+        if M > 1 and gathers:
+            call(forward, _variant(False), blocks[kind], x, positions, segments, kind=kind)
+        kept[kind] = None
+        if keep:
+            y, kept[kind] = y
+        if fns.routed:
+            y, stats = y
     extra = ()
     if fns.routed:  # the auxiliary loss's gradient with respect to the blocks' statistics
-        y, stats = y
         extra = (fns.aux.lower(stats).compile().out_info[1],)
     inv_count = fns.inv_count.lower([mask] * M).compile().out_info
     # The head: the first micro-batch starts the io gradient's accumulator, the others add to it.
@@ -154,14 +161,16 @@ def program_memory(model: nnx.Module, config: EngineConfig, rows: int, seq_len: 
     # The backward: blocks fetched again (gathered by the first micro-batch), or kept on the GPU from
     # their forward (the last prefetch_depth blocks); the last micro-batch sums the gradient over the mesh.
     backward = "backward_kept" if keep else "backward"
-    before = (x, positions, segments) + ((kept,) if keep else ())
-    for fresh in ([True, False] if gathers else [False]):
-        acc = None
-        for first, last in _calls(M, D):
-            params = fetched(nnx.state(model.blocks[0], nnx.Param)) if fresh and first else block
-            (_, acc_out), _ = call(backward, _variant(fresh and first, first, last), params, *before, dy, *extra,
-                                   None if first else acc, last=last)
-            acc = acc_out if first else acc
+    for kind in range(lm.n_kinds):
+        before = (x, positions, segments) + ((kept[kind],) if keep else ())
+        for fresh in ([True, False] if gathers else [False]):
+            acc = None
+            for first, last in _calls(M, D):
+                params = (fetched(nnx.state(model.blocks[lm.first_of_kind(kind)], nnx.Param)) if fresh and first
+                          else blocks[kind])
+                (_, acc_out), _ = call(backward, _variant(fresh and first, first, last), params, *before, dy,
+                                       *extra, None if first else acc, last=last, kind=kind)
+                acc = acc_out if first else acc
     for first, last in {(False, last) for _, last in _calls(M, D)}:  # the head started io's accumulator
         call("embed_backward", _variant(False, first, last), io, tokens, positions, segments, dy, io_acc,
              last=last)

@@ -16,6 +16,7 @@ SEGMENT_TOKENS = 2**16
 
 
 ROPE_KINDS: tuple[str, ...] = ("llama3", "linear", "yarn")
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,8 @@ class MoEConfig:
 class DecoderConfig:
     """Shape and numerics of a decoder-only transformer.
 
-    Family switches: Mistral uses ``sliding_window``; Qwen2 sets ``qkv_bias``; Qwen3 sets ``qk_norm``;
+    Family switches: Mistral uses ``sliding_window`` (on every layer, or, with ``layer_types``, on the
+    layers of type ``sliding_attention`` only); Qwen2 sets ``qkv_bias``; Qwen3 sets ``qk_norm``;
     ``moe`` (a ``MoEConfig``) replaces every block's MLP by a mixture of experts (Mixtral, Qwen2-MoE,
     Qwen3-MoE), and ``ffn`` is then unused. ``dtype`` is the compute dtype; parameters are always created
     in float32 (the master copy).
@@ -140,6 +142,10 @@ class DecoderConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # Each layer's attention, as Hugging Face configs write it: "sliding_attention" (``sliding_window``) or
+    # "full_attention". None: every layer sliding when ``sliding_window`` is set, else full. Layers of two
+    # types are two kinds of block (docs/model_contract.md).
+    layer_types: tuple[str, ...] | None = None
     max_positions: int = 4096
     dtype: str = "bfloat16"
     attention_impl: str = "auto"
@@ -156,7 +162,18 @@ class DecoderConfig:
     moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.layer_types, list):  # as stored in JSON or TOML: hashable, like every field
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         validate(self)
+
+    def layer_type(self, index: int) -> str:
+        """Layer ``index``'s attention: "sliding_attention" or "full_attention". ``index`` is read only where
+        the layers' types differ (it may be traced otherwise)."""
+        if self.layer_types is not None and len(set(self.layer_types)) > 1:
+            return self.layer_types[index]
+        if self.layer_types is not None:
+            return self.layer_types[0]
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
 
     @property
     def dim_per_head(self) -> int:
@@ -247,6 +264,12 @@ def validate(cfg: DecoderConfig) -> None:
                          f"{_did_you_mean(cfg.attention_impl, ATTENTION_IMPLS)}")
     if cfg.sliding_window is not None and cfg.sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {cfg.sliding_window}")
+    if cfg.layer_types is not None:
+        if len(cfg.layer_types) != cfg.layers or not set(cfg.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(f"layer_types must give each of the {cfg.layers} layers one of {list(LAYER_TYPES)}, got "
+                             f"{list(cfg.layer_types)}")
+        if "sliding_attention" in cfg.layer_types and cfg.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set: set the window")
     if cfg.moe is not None and not isinstance(cfg.moe, MoEConfig):
         raise ValueError(f"moe must be a MoEConfig or None, got {type(cfg.moe).__name__}")
     if cfg.moe is not None and cfg.mlp_chunk_tokens is not None:

@@ -1,8 +1,8 @@
 """The decoder-only language model, written as the layered contract the engine drives.
 
 ``Decoder.io`` holds the token embedding, the final norm and the (possibly tied) output projection;
-``Decoder.blocks`` holds N identical ``Block`` modules that share one graphdef. Nothing here knows
-where parameters live or how they move.
+``Decoder.blocks`` holds N ``Block`` modules, of one kind (sharing one graphdef) unless ``cfg.layer_types``
+mixes sliding-window and full-attention layers. Nothing here knows where parameters live or how they move.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from megatrain_jax.models.moe import MoE, RouterStats, SwitchLoss
 
 class Block(nnx.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the MLP is a mixture
-    of experts when ``cfg.moe`` is set."""
+    of experts when ``cfg.moe`` is set. ``kind`` (the contract's kind of block) is the layer's attention
+    type, ``cfg.layer_type(layer)``: sliding-window and full-attention layers are two kinds."""
 
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, layer: int | jax.Array = 0, *, rngs: nnx.Rngs):
+        self.kind = cfg.layer_type(layer)
         self.mlp_chunk_tokens = cfg.mlp_chunk_tokens
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = Attention(cfg, layer_type=self.kind, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = MLP(cfg.hidden, cfg.ffn, rngs=rngs) if cfg.moe is None else MoE(cfg.hidden, cfg.moe, rngs=rngs)
 
@@ -115,7 +117,8 @@ class Decoder(nnx.Module):
         return InputOutput(self.cfg, rngs=part_rngs(key, 0))
 
     def new_block(self, index: int, key: jax.Array) -> Block:
-        return Block(self.cfg, rngs=part_rngs(key, index + 1))
+        """Block ``index`` (traced where the blocks are of one kind: ``cfg.layer_type`` then does not read it)."""
+        return Block(self.cfg, index, rngs=part_rngs(key, index + 1))
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  segment_ids_BT: jax.Array | None = None) -> jax.Array:

@@ -150,11 +150,14 @@ def packed_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, se
 
 
 class Attention(nnx.Module):
-    """Grouped-query causal self-attention with RoPE; optional q/k/v bias, q/k norm and sliding window."""
+    """Grouped-query causal self-attention with RoPE; optional q/k/v bias, q/k norm and sliding window:
+    ``window`` is ``cfg.sliding_window`` on a layer of type "sliding_attention" (``cfg.layer_type``), None on
+    a "full_attention" one."""
 
-    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: DecoderConfig, *, layer_type: str, rngs: nnx.Rngs):
         hd = cfg.dim_per_head
         self.cfg = cfg
+        self.window = cfg.sliding_window if layer_type == "sliding_attention" else None
         self.q = Linear(cfg.hidden, cfg.heads * hd, bias=cfg.qkv_bias, rngs=rngs)
         self.k = Linear(cfg.hidden, cfg.kv_heads * hd, bias=cfg.qkv_bias, rngs=rngs)
         self.v = Linear(cfg.hidden, cfg.kv_heads * hd, bias=cfg.qkv_bias, rngs=rngs)
@@ -178,18 +181,18 @@ class Attention(nnx.Module):
         # cuDNN's flash attention: its output and softmax statistics, one activation's worth, are marked to
         # keep for the backward (``megatrain_jax.contract.remat``), which then skips a second attention forward.
         if segment_ids_BT is not None and impl == "cudnn":  # packed documents: per-document flash attention
-            window, max_segments = cfg.sliding_window, cfg.segments_per_row(T)
+            window, max_segments = self.window, cfg.segments_per_row(T)
             out_BTNH = keep_residuals(lambda q, k, v, s: packed_attention(q, k, v, s, max_segments, window))(
                 q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
         elif impl == "cudnn":
-            window = None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0)
+            window = None if self.window is None else (self.window - 1, 0)
             out_BTNH = keep_residuals(lambda q, k, v: jax.nn.dot_product_attention(
                 q, k, v, is_causal=True, local_window_size=window, implementation="cudnn"))(q_BTNH, k_BTKH, v_BTKH)
         else:
             mask = None
             if segment_ids_BT is not None:  # packed documents attend only within their own segment
                 mask = (segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :])
-            window = None if cfg.sliding_window is None else (cfg.sliding_window - 1, 0)
+            window = None if self.window is None else (self.window - 1, 0)
             out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True,
                                                     local_window_size=window, implementation=impl)
         return self.o(out_BTNH.reshape(B, T, cfg.heads * hd))
