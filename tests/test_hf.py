@@ -361,6 +361,8 @@ def test_config_round_trip(name):
 
 @pytest.mark.parametrize("change, match", [
     (dict(model_type="gemma", architectures=["GemmaForCausalLM"]), "model_type 'gemma'"),
+    (dict(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"]),
+     r"model_type 'qwen3_next' is a hybrid model \(Gated DeltaNet linear attention.*supported model types"),
     (dict(architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
     (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope_scaling type 'dynamic'"),
     (dict(rope_scaling={"type": "longrope", "factor": 2.0}), "rope_scaling type 'longrope'"),

@@ -26,6 +26,26 @@ _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _FAMILY_TO_TYPE = {family: mt for mt, (family, _) in ARCHITECTURES.items()}
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_moe": 128}  # transformers' default when config.json omits head_dim
 _SUPPORTED_ROPE = ("default", "llama3", "linear", "yarn")
+# Hybrid models whose layers keep a recurrent state (linear attention, state-space layers) between tokens:
+# out of scope for this engine's blocks, refused by name with what they are.
+HYBRID_TYPES: dict[str, str] = {
+    "qwen3_next": "Gated DeltaNet linear attention mixed with full attention",
+    "qwen3_5": "Gated DeltaNet linear attention mixed with full attention",
+    "qwen3_5_moe": "Gated DeltaNet linear attention mixed with full attention",
+    "jamba": "Mamba state-space layers mixed with attention",
+    "bamba": "Mamba-2 state-space layers mixed with attention",
+    "zamba": "Mamba state-space layers with shared attention",
+    "zamba2": "Mamba-2 state-space layers with shared attention",
+    "falcon_h1": "Mamba-2 state-space heads beside attention heads",
+    "granitemoehybrid": "Mamba-2 state-space layers mixed with attention",
+    "nemotron_h": "Mamba-2 state-space layers mixed with attention",
+    "lfm2": "short convolutions mixed with attention",
+    "minimax": "lightning (linear) attention mixed with softmax attention",
+    "recurrent_gemma": "RG-LRU recurrent layers mixed with local attention",
+    "mamba": "Mamba state-space layers, no attention",
+    "mamba2": "Mamba-2 state-space layers, no attention",
+    "rwkv": "RWKV recurrent layers, no attention",
+}
 
 
 class UnsupportedConfig(ValueError):
@@ -37,6 +57,10 @@ def _model_type(c: dict[str, Any]) -> str:
     archs = c.get("architectures") or []
     if mt is None and archs:  # derive from the class name, e.g. LlamaForCausalLM
         mt = next((t for t, (_, cls) in ARCHITECTURES.items() if cls in archs), None)
+    if mt in HYBRID_TYPES:
+        raise UnsupportedConfig(f"model_type {mt!r} is a hybrid model ({HYBRID_TYPES[mt]}): its layers keep a "
+                                f"recurrent state between tokens, which this engine's blocks do not implement; "
+                                f"supported model types: {sorted(ARCHITECTURES)}")
     if mt not in ARCHITECTURES:
         raise UnsupportedConfig(f"model_type {mt!r} (architectures {archs}) is not supported; supported "
                                 f"model types: {sorted(ARCHITECTURES)}")
