@@ -13,21 +13,24 @@ import optax
 from flax import nnx
 
 from megatrain_jax.batch import Batch, check_batch
-from megatrain_jax.contract.layered import check_contract
+from megatrain_jax.contract.layered import check_contract, routes
 from megatrain_jax.loss import causal_lm_loss
 
 
 def model_loss(model: nnx.Module, batch: Batch) -> jax.Array:
     """Mean masked next-token loss of the whole model, logits materialized in full, plus the model's
-    auxiliary loss (``model.aux_loss`` of the blocks' summed statistics) where it has one."""
+    auxiliary loss (``model.aux_loss`` of the routed blocks' summed statistics) where it has one."""
     if getattr(model, "aux_loss", None) is None:
         logits = model(batch.inputs, batch.positions, batch.segment_ids)
         return causal_lm_loss(logits, batch.targets, batch.loss_mask)
     x = model.io.embed(batch.inputs, batch.positions, batch.segment_ids)
     stats = []
     for block in model.blocks:
-        x, s = block.routed(x, batch.positions, batch.segment_ids)
-        stats.append(s)
+        if routes(block):
+            x, s = block.routed(x, batch.positions, batch.segment_ids)
+            stats.append(s)
+        else:
+            x = block(x, batch.positions, batch.segment_ids)
     logits = model.io.unembed(model.io.final_hidden(x))
     total = jax.tree.map(lambda *xs: sum(xs), *stats)
     return causal_lm_loss(logits, batch.targets, batch.loss_mask) + model.aux_loss(total)

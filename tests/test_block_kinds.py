@@ -16,6 +16,8 @@ from megatrain_jax.checkpoint.manager import Checkpointer
 from megatrain_jax.contract.layered import ContractError, layered
 from megatrain_jax.engine.program_memory import program_memory
 from megatrain_jax.engine.transfer import Placement
+from megatrain_jax.models import MoEConfig
+from megatrain_jax.models.layers import MLP
 from test_engine import ADAMW, assert_models_close, make_batches, run_both
 from test_mesh import devices, reference, train
 
@@ -105,3 +107,49 @@ def test_check_model_and_program_memory_cover_every_kind():
                         placement=Placement(devices(1)))
     forwards = [f.variant for f in pm.figures if f.program == "forward"]
     assert forwards == ["kind 0 (model.blocks[0]): plain", "kind 1 (model.blocks[1]): plain"]
+
+
+# Dense + MoE kinds (DeepSeek-V3, GLM-4.5): the first layer keeps a dense MLP, the other two route; a large
+# load-balancing coefficient so that the routed kind's statistics visibly move its routers.
+DENSE_MOE = preset("tiny-moe", layers=3, first_k_dense_replace=1,
+                   moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, aux_loss_coef=0.5))
+
+
+def test_leading_dense_layers_are_their_own_kind_and_only_moe_kinds_are_routed():
+    model = Decoder(DENSE_MOE, rngs=nnx.Rngs(0))
+    lm = layered(model)
+    assert [b.kind for b in model.blocks] == ["dense", "moe", "moe"]
+    assert lm.block_kinds == (0, 1, 1) and lm.routed_kinds == {1}
+    assert isinstance(model.blocks[0].mlp, MLP) and model.blocks[0].mlp.up.kernel.shape == (64, DENSE_MOE.ffn)
+    mixed = preset("tiny-moe", layers=4, first_k_dense_replace=2, sliding_window=3,
+                   layer_types=("sliding_attention", "full_attention") * 2)
+    assert [mixed.block_kind(i) for i in range(4)] == [("sliding_attention", "dense"), ("full_attention", "dense"),
+                                                      ("sliding_attention", "moe"), ("full_attention", "moe")]
+    assert DENSE_MOE.param_count() == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    with pytest.raises(ValueError, match="set moe, or leave first_k_dense_replace at 0"):
+        preset("tiny", first_k_dense_replace=1)
+    with pytest.raises(ValueError, match="leaves none of the 3 layers a mixture of experts"):
+        DENSE_MOE.replace(first_k_dense_replace=3)
+
+
+def test_engine_equals_reference_on_dense_and_moe_kinds():
+    """The auxiliary loss over the routed blocks only, summed over micro-batches; the dense block's backward
+    takes no statistics' gradient. Clipped, with the kept-residual programs of both kinds."""
+    engine = run_both(DENSE_MOE, ADAMW, EngineConfig(micro_batches=2, clip_norm=0.05, keep_residuals=True))
+    assert engine.fns.cache_sizes()["forward"] == 2
+
+
+def test_dense_and_moe_kinds_over_two_devices_equal_the_reference():
+    engine_cfg = EngineConfig(micro_batches=2)
+    _, _, outs = train(2, DENSE_MOE, engine_cfg, steps=2)
+    _, ref_outs = reference(DENSE_MOE, engine_cfg, steps=2)
+    for r, b in zip(ref_outs, outs):
+        assert abs(r["loss"] - b["loss"]) <= 1e-5 * abs(r["loss"])
+
+
+def test_program_memory_of_dense_and_moe_kinds():
+    pm = program_memory(nnx.eval_shape(lambda: Decoder(DENSE_MOE, rngs=nnx.Rngs(0))), EngineConfig(), 2, 16,
+                        placement=Placement(devices(1)))
+    backwards = [f.variant for f in pm.figures if f.program == "backward"]
+    assert backwards == ["kind 0 (model.blocks[0]): starts the accumulator",
+                         "kind 1 (model.blocks[1]): starts the accumulator"]  # the routed one takes d_stats

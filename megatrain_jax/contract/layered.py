@@ -15,9 +15,10 @@ A model follows the contract when it has:
 - no active dropout: an ``nnx.Dropout`` must have rate 0 or ``deterministic=True`` and hold no RNG stream
   (the engine calls each part as a pure function of its parameters, with no random key);
 - optionally an auxiliary loss (a mixture of experts' load balancing): ``model.aux_loss``, a hashable
-  callable of the blocks' summed statistics, and ``block.routed(x_BTD, positions_BT, segment_ids_BT) ->
-  (x_BTD, stats)`` with ``stats`` a pytree of sums over tokens. The training loss is the cross-entropy
-  plus ``aux_loss(sum of every block's stats over the batch)``.
+  callable of the routed blocks' summed statistics. A block is routed when it has ``block.routed(x_BTD,
+  positions_BT, segment_ids_BT) -> (x_BTD, stats)`` (``routes``), with ``stats`` a pytree of sums over
+  tokens; blocks of other kinds (dense layers before the MoE ones) have none. The training loss is the
+  cross-entropy plus ``aux_loss(sum of every routed block's stats over the batch)``.
 
 For initialization off the GPU (``fit`` given an abstract model from ``nnx.eval_shape``) the model also
 provides ``new_io(key)`` and ``new_block(index, key)``, building one part with its own initializers.
@@ -55,6 +56,7 @@ class LayeredModel:
     max_positions: int | None
     loss_chunk_tokens: int
     aux_loss: Any = None  # the model's auxiliary loss of the blocks' summed statistics, or None
+    routed_kinds: frozenset[int] = frozenset()  # with aux_loss: the kinds whose blocks feed it (``routes``)
     segments_per_row: Any = None  # seq_len -> the most packed documents a row may hold, or None (no bound)
 
     @property
@@ -68,6 +70,10 @@ class LayeredModel:
     def first_of_kind(self, kind: int) -> int:
         """The first block of ``kind``: the one whose module stands for the kind (its template)."""
         return self.block_kinds.index(kind)
+
+    def routes(self, kind: int) -> bool:
+        """Whether blocks of ``kind`` return statistics for ``aux_loss`` (``block_routed``)."""
+        return kind in self.routed_kinds
 
     def embed(self, io_params: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
               segment_ids_BT: jax.Array | None) -> jax.Array:
@@ -287,6 +293,12 @@ def block_kinds(model: nnx.Module) -> tuple[int, ...]:
     return tuple(out)
 
 
+def routes(block: nnx.Module) -> bool:
+    """Whether a block feeds the model's ``aux_loss``: it has ``routed(x, positions, segment_ids) -> (x,
+    stats)``. The one test of it (``LayeredModel.routed_kinds``, the reference's loss)."""
+    return callable(getattr(block, "routed", None))
+
+
 def _kind_name(block: nnx.Module) -> str:
     kind = getattr(block, "kind", None)
     return "" if kind is None else f" of kind {_short(kind)}"
@@ -313,13 +325,13 @@ def layered(model: nnx.Module, check_blocks: bool = True) -> LayeredModel:
                     f"{_NEED}")
     cfg = model.cfg
     aux = getattr(model, "aux_loss", None)
-    for i in firsts:
-        if aux is not None and not callable(getattr(model.blocks[i], "routed", None)):
-            raise ContractError(f"the model has an aux_loss, but model.blocks[{i}] has no routed(x, positions, "
-                                f"segment_ids) -> (x, stats) to feed it; {_NEED}")
+    routed = frozenset(k for k, i in enumerate(firsts) if aux is not None and routes(model.blocks[i]))
+    if aux is not None and not routed:
+        raise ContractError(f"the model has an aux_loss, but no block has routed(x, positions, segment_ids) -> "
+                            f"(x, stats) to feed it; {_NEED}")
     return LayeredModel(io_gd, tuple(gd for gd, _ in templates), kinds, cfg.vocab_size,
                         getattr(cfg, "max_positions", None), getattr(cfg, "loss_chunk_tokens", 8192), aux,
-                        getattr(cfg, "segments_per_row", None))
+                        routed, getattr(cfg, "segments_per_row", None))
 
 
 def io_params(model: nnx.Module) -> Params:

@@ -80,27 +80,31 @@ class DeviceFns:
 
     # name: (per-device body, kinds of the arguments after the params, kinds of the outputs, donated
     # arguments, which output is the gradient accumulator that ``last`` sums over the mesh). A block
-    # program's body takes the kind of block as a keyword (``kind``), bound when its program is built.
+    # program's body takes the kind of block as a keyword (``kind``), bound when its program is built; a
+    # routed kind's block programs (``_routed_calls``) also return its statistics, and its backward takes
+    # the auxiliary loss's gradient with respect to them.
     def __init__(self, lm: LayeredModel, placement: Placement):
         self.lm = lm
         self.mesh: Mesh = placement.mesh
         self.size = placement.size
         self._spec = placement.spec
-        self.routed = lm.aux_loss is not None  # blocks also return statistics for the auxiliary loss
+        self.routed = bool(lm.routed_kinds)  # some blocks return statistics for the auxiliary loss
         self._calls = {
             "embed": (lm.embed, (ROWS, ROWS, ROWS), ROWS, (), None),
-            "forward": ((self._forward_routed, (ROWS, ROWS, ROWS), (ROWS, WHOLE), (), None) if self.routed
-                        else (lm.block, (ROWS, ROWS, ROWS), ROWS, (), None)),
+            "forward": (lm.block, (ROWS, ROWS, ROWS), ROWS, (), None),
             "head": (self._head, (ROWS, ROWS, ROWS, WHOLE, STACKED), (WHOLE, ROWS, STACKED), (5,), None),
-            "backward": ((self._backward, (ROWS, ROWS, ROWS, ROWS, WHOLE, STACKED), (ROWS, STACKED), (6,), 1)
-                         if self.routed else (self._backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (ROWS, STACKED), (5,), 1)),
-            "forward_keep": (self._forward_keep, (ROWS, ROWS, ROWS), ((ROWS, WHOLE) if self.routed else ROWS, STACKED),
-                             (), None),
-            "backward_kept": ((self._backward_kept, (ROWS, ROWS, ROWS, STACKED, ROWS, WHOLE, STACKED), (ROWS, STACKED),
-                               (7,), 1) if self.routed else
-                              (self._backward_kept, (ROWS, ROWS, ROWS, STACKED, ROWS, STACKED), (ROWS, STACKED), (6,), 1)),
+            "backward": (self._backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (ROWS, STACKED), (5,), 1),
+            "forward_keep": (self._forward_keep, (ROWS, ROWS, ROWS), (ROWS, STACKED), (), None),
+            "backward_kept": (self._backward_kept, (ROWS, ROWS, ROWS, STACKED, ROWS, STACKED), (ROWS, STACKED), (6,), 1),
             "embed_backward": (self._embed_backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (STACKED,), (5,), 0),
             "nll_sum": (self._nll_sum, (ROWS, ROWS, ROWS), WHOLE, (), None),
+        }
+        self._routed_calls = {
+            "forward": (self._forward_routed, (ROWS, ROWS, ROWS), (ROWS, WHOLE), (), None),
+            "backward": (self._backward, (ROWS, ROWS, ROWS, ROWS, WHOLE, STACKED), (ROWS, STACKED), (6,), 1),
+            "forward_keep": (self._forward_keep, (ROWS, ROWS, ROWS), ((ROWS, WHOLE), STACKED), (), None),
+            "backward_kept": (self._backward_kept, (ROWS, ROWS, ROWS, STACKED, ROWS, WHOLE, STACKED), (ROWS, STACKED),
+                              (7,), 1),
         }
         self._programs: dict[tuple[str, int | None, bool, bool], Callable] = {}
         self._split = SplitVJP()  # the block's VJP closure between forward_keep and backward_kept
@@ -123,7 +127,7 @@ class DeviceFns:
         return self._call("embed", io, tokens_BT, positions_BT, segment_ids_BT)
 
     def forward(self, params, x_BTD, positions_BT, segment_ids_BT, keep: bool = False, kind: int = 0):
-        """(y, params) of a block of ``kind``; with ``routed`` ((y, the block's statistics summed over the
+        """(y, params) of a block of ``kind``; of a routed kind (``lm.routes(kind)``) ((y, the block's statistics summed over the
         mesh), params). With ``keep``, ((that, the block's kept residuals), params): a tuple of arrays for
         ``backward``'s ``kept`` (empty when the model marks nothing, or marks nothing on this backend)."""
         return self._call("forward_keep" if keep else "forward", params, x_BTD, positions_BT, segment_ids_BT,
@@ -136,10 +140,10 @@ class DeviceFns:
     def backward(self, params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, acc, d_stats=None, last: bool = False,
                  kept: tuple | None = None, kind: int = 0):
         """((dx, acc), params) of a block of ``kind``; with ``last`` the accumulated gradient comes back
-        summed over the mesh. With ``routed``, ``d_stats`` is the auxiliary loss's gradient with respect to
-        the block's statistics. ``kept``: what ``forward(..., keep=True)`` returned for this block and
-        micro-batch."""
-        extra = (d_stats,) if self.routed else ()
+        summed over the mesh. For a routed kind, ``d_stats`` is the auxiliary loss's gradient with respect to
+        the block's statistics (other kinds take none). ``kept``: what ``forward(..., keep=True)`` returned for
+        this block and micro-batch."""
+        extra = (d_stats,) if self.lm.routes(kind) else ()
         if kept is not None:
             return self._call("backward_kept", params, x_BTD, positions_BT, segment_ids_BT, kept, dy_BTD, *extra, acc,
                               last=last, kind=kind)
@@ -174,9 +178,10 @@ class DeviceFns:
         """``jit(shard_map(body))`` for one kind of call (a block program: on a block of ``kind``): its
         parameters gathered first when ``gather``, and its accumulator summed over the mesh last when
         ``reduce``; on one device, plain ``jit(body)``."""
-        body, in_specs, out_specs, donate, acc_out = self._calls[name]
         if name not in BLOCK_PROGRAMS:
             kind = None  # the io part's programs: one whatever the kinds of block
+        routed = kind is not None and self.lm.routes(kind)
+        body, in_specs, out_specs, donate, acc_out = (self._routed_calls if routed else self._calls)[name]
         key = name, kind, gather, reduce
         if key in self._programs:
             return self._programs[key]
@@ -240,15 +245,15 @@ class DeviceFns:
     def _backward(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
                   segment_ids_BT: jax.Array | None, dy_BTD: jax.Array, *rest, kind: int):
         """Recompute the block from its saved input and pull ``dy`` back: (dx, accumulated grads). ``rest``:
-        with ``routed`` ``d_stats``, then the accumulator."""
+        for a routed kind ``d_stats``, then the accumulator."""
         _, pullback = jax.vjp(self._block_fn(positions_BT, segment_ids_BT, kind), params, x_BTD)
-        return self._pull(pullback, dy_BTD, rest)
+        return self._pull(pullback, dy_BTD, rest, kind)
 
-    def _pull(self, pullback: Callable, dy_BTD: jax.Array, rest: tuple):
-        """A block's VJP applied: ``dy`` (and with ``routed`` the auxiliary loss's gradient ``rest[0]`` with
+    def _pull(self, pullback: Callable, dy_BTD: jax.Array, rest: tuple, kind: int):
+        """A block's VJP applied: ``dy`` (and for a routed kind the auxiliary loss's gradient ``rest[0]`` with
         respect to the block's statistics: every device's share of the summed statistics has the same
         gradient as the sum); the parameters' gradient added to the accumulator ``rest[-1]``."""
-        g_params, dx_BTD = pullback((dy_BTD, rest[0]) if self.routed else dy_BTD)
+        g_params, dx_BTD = pullback((dy_BTD, rest[0]) if self.lm.routes(kind) else dy_BTD)
         return dx_BTD, self._accumulate(rest[-1], g_params)
 
     def _forward_routed(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
@@ -257,9 +262,9 @@ class DeviceFns:
         return y_BTD, jax.tree.map(self._sum, stats)
 
     def _block_fn(self, positions_BT: jax.Array, segment_ids_BT: jax.Array | None, kind: int) -> Callable:
-        """The block of ``kind`` as a function of (params, x): its output, and with ``routed`` its
+        """The block of ``kind`` as a function of (params, x): its output, and for a routed kind its
         statistics too."""
-        block = self.lm.block_routed if self.routed else self.lm.block
+        block = self.lm.block_routed if self.lm.routes(kind) else self.lm.block
         return lambda p, x: block(p, x, positions_BT, segment_ids_BT, kind)
 
     def _kept_key(self, kind: int, params: Params, *args) -> tuple:
@@ -275,7 +280,7 @@ class DeviceFns:
         out, pullback = jax.vjp(block, params, x_BTD)
         kept = self._split.split(self._kept_key(kind, params, x_BTD, positions_BT, segment_ids_BT), pullback,
                                  (params, x_BTD, positions_BT, segment_ids_BT))
-        if self.routed:
+        if self.lm.routes(kind):
             out = out[0], jax.tree.map(self._sum, out[1])
         if self.size > 1:  # per-device values: stacked over the mesh
             kept = tuple(k[None] for k in kept)
@@ -289,7 +294,7 @@ class DeviceFns:
             kept = tuple(k[0] for k in kept)
         pullback = self._split.join(self._kept_key(kind, params, x_BTD, positions_BT, segment_ids_BT), kept,
                                     (params, x_BTD, positions_BT, segment_ids_BT))
-        return self._pull(pullback, dy_BTD, rest)
+        return self._pull(pullback, dy_BTD, rest, kind)
 
     def _embed_backward(self, io: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
                         segment_ids_BT: jax.Array | None, dx_BTD: jax.Array, io_acc: Params) -> tuple[Params]:

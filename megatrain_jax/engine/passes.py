@@ -46,7 +46,7 @@ class Pass:
     io_grads: Any = None
     losses: list = dataclasses.field(default_factory=list)
     decision: StepDecision | None = None
-    stats: Any = None  # the blocks' statistics summed over blocks and micro-batches (an auxiliary loss's input)
+    stats: Any = None  # the routed blocks' statistics summed over them and micro-batches (an auxiliary loss's input)
     d_stats: Any = None  # the auxiliary loss's gradient with respect to them
     stores: list = dataclasses.field(default_factory=list)  # offloaded activations whose copies may be queued
 
@@ -168,14 +168,15 @@ class PassRunner:
     def forward(self, p: Pass, op: Op):
         b, layer = p.batches[op.micro], op.part.layer
         keep = p.keep_residuals and p.keep_inputs
+        kind = self.kinds[layer]
         y, p.params[op.part] = self.fns.forward(p.params[op.part], p.acts[layer][op.micro], b.positions,
-                                                b.segment_ids, keep=keep, kind=self.kinds[layer])
+                                                b.segment_ids, keep=keep, kind=kind)
         if keep:
             y, kept = y
             p.kept.setdefault(layer, []).append(kept)
-        if self.fns.routed:
+        if self.fns.lm.routes(kind):
             y, stats = y
-            if p.keep_inputs:  # training: the auxiliary loss is over every block of every micro-batch
+            if p.keep_inputs:  # training: the auxiliary loss is over every routed block of every micro-batch
                 p.stats = stats if p.stats is None else self.fns.add(p.stats, stats)
         p.acts.setdefault(layer + 1, []).append(y)
         if not p.keep_inputs and op.micro == len(p.batches) - 1:

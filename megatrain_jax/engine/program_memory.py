@@ -148,7 +148,7 @@ def program_memory(model: nnx.Module, config: EngineConfig, rows: int, seq_len: 
         kept[kind] = None
         if keep:
             y, kept[kind] = y
-        if fns.routed:
+        if lm.routes(kind):
             y, stats = y
     extra = ()
     if fns.routed:  # the auxiliary loss's gradient with respect to the blocks' statistics
@@ -169,7 +169,8 @@ def program_memory(model: nnx.Module, config: EngineConfig, rows: int, seq_len: 
                 params = (fetched(nnx.state(model.blocks[lm.first_of_kind(kind)], nnx.Param)) if fresh and first
                           else blocks[kind])
                 (_, acc_out), _ = call(backward, _variant(fresh and first, first, last), params, *before, dy,
-                                       *extra, None if first else acc, last=last, kind=kind)
+                                       *(extra if lm.routes(kind) else ()), None if first else acc, last=last,
+                                       kind=kind)
                 acc = acc_out if first else acc
     for first, last in {(False, last) for _, last in _calls(M, D)}:  # the head started io's accumulator
         call("embed_backward", _variant(False, first, last), io, tokens, positions, segments, dy, io_acc,

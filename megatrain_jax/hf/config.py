@@ -232,6 +232,9 @@ def check_exportable(cfg: DecoderConfig) -> None:
         problems.append(f"sliding_window={cfg.sliding_window} (Llama has none; use family='mistral')")
     if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1:
         problems.append(f"layer_types mixes sliding and full attention (not written to Hugging Face configs yet)")
+    if cfg.first_k_dense_replace:
+        problems.append(f"first_k_dense_replace={cfg.first_k_dense_replace} (leading dense layers: not written to "
+                        f"Hugging Face configs yet)")
     if problems:
         raise UnsupportedConfig(f"family {cfg.family!r} cannot be exported as "
                                 f"{ARCHITECTURES[_FAMILY_TO_TYPE[cfg.family]][1]}: {'; '.join(problems)}")

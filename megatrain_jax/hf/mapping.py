@@ -249,13 +249,13 @@ def load_hf(model_dir: str | os.PathLike, dtype: str = "bfloat16",
 # what decides the parameter shapes and the function computed (not the export family or compute dtype)
 _MATCHING_FIELDS = ("vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads", "dim_per_head",
                     "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm",
-                    "sliding_window", "moe")
+                    "sliding_window", "moe", "first_k_dense_replace")
 
 
 def check_same_model(ours: DecoderConfig, theirs: DecoderConfig, where: str) -> None:
     def value(cfg: DecoderConfig, f: str) -> Any:
-        if f == "ffn" and cfg.moe is not None:
-            return None  # unused by a mixture of experts: its experts' width is moe.expert_ffn
+        if f == "ffn" and cfg.moe is not None and not cfg.first_k_dense_replace:
+            return None  # unused by a mixture of experts without dense layers: its experts' width is moe.expert_ffn
         if f == "moe" and cfg.moe is not None:  # training choices (loss weight, token dropping), not the model
             return dataclasses.replace(cfg.moe, aux_loss_coef=0.0, capacity_factor=None)
         return getattr(cfg, f)

@@ -123,7 +123,8 @@ class DecoderConfig:
     Family switches: Mistral uses ``sliding_window`` (on every layer, or, with ``layer_types``, on the
     layers of type ``sliding_attention`` only); Qwen2 sets ``qkv_bias``; Qwen3 sets ``qk_norm``;
     ``moe`` (a ``MoEConfig``) replaces every block's MLP by a mixture of experts (Mixtral, Qwen2-MoE,
-    Qwen3-MoE), and ``ffn`` is then unused. ``dtype`` is the compute dtype; parameters are always created
+    Qwen3-MoE) but the first ``first_k_dense_replace`` (DeepSeek-V3, GLM-4.5: HF's field), which keep a
+    dense MLP of width ``ffn`` (HF's ``intermediate_size``); ``ffn`` is unused where no layer is dense. ``dtype`` is the compute dtype; parameters are always created
     in float32 (the master copy).
     """
 
@@ -160,6 +161,9 @@ class DecoderConfig:
     # in the backward pass: its [tokens, ffn] temporaries scale with the chunk, not the sequence. None: whole.
     mlp_chunk_tokens: int | None = None
     moe: MoEConfig | None = None
+    # With ``moe``: how many leading layers keep a dense MLP (of width ``ffn``); the rest route. Dense and
+    # MoE layers are two kinds of block (docs/model_contract.md).
+    first_k_dense_replace: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_types, list):  # as stored in JSON or TOML: hashable, like every field
@@ -174,6 +178,21 @@ class DecoderConfig:
         if self.layer_types is not None:
             return self.layer_types[0]
         return "full_attention" if self.sliding_window is None else "sliding_attention"
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index``'s MLP is a mixture of experts. ``index`` is read only where some layers are
+        dense and others not (it may be traced otherwise)."""
+        return self.moe is not None and (self.first_k_dense_replace == 0 or index >= self.first_k_dense_replace)
+
+    def block_kind(self, index: int) -> str | tuple[str, str]:
+        """Layer ``index``'s kind of block (the contract's ``block.kind``): its attention type, or where an
+        MoE model has leading dense layers "dense" / "moe" (a pair of the two where attention types mix too).
+        ``index`` is read only where the layers differ."""
+        attention = self.layer_type(index)
+        if self.moe is None or self.first_k_dense_replace == 0:
+            return attention
+        mlp = "moe" if self.is_moe_layer(index) else "dense"
+        return mlp if self.layer_types is None or len(set(self.layer_types)) == 1 else (attention, mlp)
 
     @property
     def dim_per_head(self) -> int:
@@ -223,10 +242,12 @@ class DecoderConfig:
             attn += q + 2 * kv
         if self.qk_norm:
             attn += 2 * hd
-        mlp = 3 * d * self.ffn if self.moe is None else self.moe.mlp_params(d)[int(active)]
-        block = attn + mlp + 2 * d
+        dense = 3 * d * self.ffn
+        moe = 0 if self.moe is None else self.moe.mlp_params(d)[int(active)]
+        n_moe = 0 if self.moe is None else self.layers - self.first_k_dense_replace
+        mlps = (self.layers - n_moe) * dense + n_moe * moe
         io = self.vocab_size * d + d + (0 if self.tie_embeddings else d * self.vocab_size)
-        return self.layers * block + io
+        return self.layers * (attn + 2 * d) + mlps + io
 
 
 def _did_you_mean(value: object, allowed: tuple[str, ...]) -> str:
@@ -275,6 +296,15 @@ def validate(cfg: DecoderConfig) -> None:
     if cfg.moe is not None and cfg.mlp_chunk_tokens is not None:
         raise ValueError("mlp_chunk_tokens chunks a dense MLP; a mixture of experts (moe) routes the whole batch "
                          "at once: leave mlp_chunk_tokens unset")
+    k = cfg.first_k_dense_replace
+    if not isinstance(k, int) or k < 0:
+        raise ValueError(f"first_k_dense_replace must be a non-negative integer, got {k!r}")
+    if k and cfg.moe is None:
+        raise ValueError(f"first_k_dense_replace={k} keeps the first layers of a mixture of experts dense, but moe "
+                         f"is not set: set moe, or leave first_k_dense_replace at 0")
+    if k and k >= cfg.layers:
+        raise ValueError(f"first_k_dense_replace={k} leaves none of the {cfg.layers} layers a mixture of experts: "
+                         f"choose fewer than {cfg.layers} dense layers, or unset moe")
     if cfg.family in ("mixtral", "qwen2_moe", "qwen3_moe") and cfg.moe is None:
         raise ValueError(f"family {cfg.family!r} is a mixture of experts: set moe (a MoEConfig)")
 

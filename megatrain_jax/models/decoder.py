@@ -1,8 +1,9 @@
 """The decoder-only language model, written as the layered contract the engine drives.
 
 ``Decoder.io`` holds the token embedding, the final norm and the (possibly tied) output projection;
-``Decoder.blocks`` holds N ``Block`` modules, of one kind (sharing one graphdef) unless ``cfg.layer_types``
-mixes sliding-window and full-attention layers. Nothing here knows where parameters live or how they move.
+``Decoder.blocks`` holds N ``Block`` (dense) or ``MoEBlock`` modules, of one kind (sharing one graphdef)
+unless ``cfg.layer_types`` mixes sliding-window and full-attention layers or ``cfg.first_k_dense_replace``
+keeps the first layers of an MoE model dense. Nothing here knows where parameters live or how they move.
 """
 
 from __future__ import annotations
@@ -17,32 +18,29 @@ from megatrain_jax.models.moe import MoE, RouterStats, SwitchLoss
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the MLP is a mixture
-    of experts when ``cfg.moe`` is set. ``kind`` (the contract's kind of block) is the layer's attention
-    type, ``cfg.layer_type(layer)``: sliding-window and full-attention layers are two kinds."""
+    """Pre-norm transformer block with a dense MLP: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+    ``kind`` (the contract's kind of block) is ``cfg.block_kind(layer)``: the layer's attention type
+    (sliding-window and full-attention layers are two kinds), and in an MoE model with leading dense layers
+    whether it is dense or routed (``MoEBlock``)."""
 
     def __init__(self, cfg: DecoderConfig, layer: int | jax.Array = 0, *, rngs: nnx.Rngs):
-        self.kind = cfg.layer_type(layer)
+        self.kind = cfg.block_kind(layer)
         self.mlp_chunk_tokens = cfg.mlp_chunk_tokens
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg, layer_type=self.kind, rngs=rngs)
+        self.attn = Attention(cfg, layer_type=cfg.layer_type(layer), rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = MLP(cfg.hidden, cfg.ffn, rngs=rngs) if cfg.moe is None else MoE(cfg.hidden, cfg.moe, rngs=rngs)
+        self.mlp = self.new_mlp(cfg, rngs)
+
+    def new_mlp(self, cfg: DecoderConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return MLP(cfg.hidden, cfg.ffn, rngs=rngs)
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array,
                  segment_ids_BT: jax.Array | None = None) -> jax.Array:
-        """The block's output alone (its router's statistics dropped: see ``routed``)."""
-        return self.routed(x_BTD, positions_BT, segment_ids_BT)[0]
+        return self._mlp_residual(self._attn_residual(x_BTD, positions_BT, segment_ids_BT))
 
-    def routed(self, x_BTD: jax.Array, positions_BT: jax.Array,
-               segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, RouterStats | None]:
-        """The block's output, and its router's statistics (None for a dense block): what the model's
-        ``aux_loss`` takes, summed over the blocks (docs/model_contract.md)."""
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
-        if isinstance(self.mlp, MoE):
-            y_BTD, stats = self.mlp(self.mlp_norm(x_BTD))
-            return x_BTD + y_BTD, stats
-        return self._mlp_residual(x_BTD), None
+    def _attn_residual(self, x_BTD: jax.Array, positions_BT: jax.Array,
+                       segment_ids_BT: jax.Array | None) -> jax.Array:
+        return x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
 
     def _mlp_residual(self, x_BTD: jax.Array) -> jax.Array:
         """``x + mlp(norm(x))``, over ``mlp_chunk_tokens`` tokens at a time when set: a ``lax.map`` over
@@ -63,6 +61,27 @@ class Block(nnx.Module):
         x_ND = jnp.pad(x_BTD.reshape(B * T, D), ((0, n * chunk - B * T), (0, 0)))
         y = jax.lax.map(lambda x_CD: one(state, x_CD), x_ND.reshape(n, chunk, D))
         return y.reshape(n * chunk, D)[:B * T].reshape(B, T, D)
+
+
+class MoEBlock(Block):
+    """A block whose MLP is a mixture of experts (``cfg.moe``). Its ``routed`` also returns the router's
+    statistics, which the model's ``aux_loss`` takes summed over the routed blocks (docs/model_contract.md):
+    having ``routed`` is what makes a kind of block routed."""
+
+    def new_mlp(self, cfg: DecoderConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return MoE(cfg.hidden, cfg.moe, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array,
+                 segment_ids_BT: jax.Array | None = None) -> jax.Array:
+        """The block's output alone (its router's statistics dropped: see ``routed``)."""
+        return self.routed(x_BTD, positions_BT, segment_ids_BT)[0]
+
+    def routed(self, x_BTD: jax.Array, positions_BT: jax.Array,
+               segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
+        """The block's output, and its router's statistics."""
+        x_BTD = self._attn_residual(x_BTD, positions_BT, segment_ids_BT)
+        y_BTD, stats = self.mlp(self.mlp_norm(x_BTD))
+        return x_BTD + y_BTD, stats
 
 
 class InputOutput(nnx.Module):
@@ -117,8 +136,10 @@ class Decoder(nnx.Module):
         return InputOutput(self.cfg, rngs=part_rngs(key, 0))
 
     def new_block(self, index: int, key: jax.Array) -> Block:
-        """Block ``index`` (traced where the blocks are of one kind: ``cfg.layer_type`` then does not read it)."""
-        return Block(self.cfg, index, rngs=part_rngs(key, index + 1))
+        """Block ``index`` (traced where the blocks are of one kind: ``cfg.block_kind`` and
+        ``cfg.is_moe_layer`` then do not read it): an ``MoEBlock`` where ``cfg.is_moe_layer(index)``."""
+        block = MoEBlock if self.cfg.is_moe_layer(index) else Block
+        return block(self.cfg, index, rngs=part_rngs(key, index + 1))
 
     def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array | None = None,
                  segment_ids_BT: jax.Array | None = None) -> jax.Array:
