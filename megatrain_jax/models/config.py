@@ -69,7 +69,8 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """A mixture-of-experts MLP in every block (``DecoderConfig.moe``): a router picks ``top_k`` of
+    """A mixture-of-experts MLP in every MoE block (``DecoderConfig.moe``; the first
+    ``DecoderConfig.first_k_dense_replace`` blocks stay dense): a router picks ``top_k`` of
     ``experts`` SwiGLU experts (each of width ``expert_ffn``) per token.
 
     - Routing probabilities are a softmax over all experts, in float32. ``norm_topk_prob`` renormalizes
