@@ -61,10 +61,11 @@ def test_engine_equals_reference_on_two_kinds_with_offload_and_kept_residuals():
     assert sizes["forward"] == 2 and sizes["embed"] == 1, sizes
 
 
-def test_two_kinds_over_two_devices_equal_the_reference():
-    engine_cfg = EngineConfig(micro_batches=2)
-    _, _, outs = train(2, TWO_KINDS, engine_cfg, steps=2)
-    _, ref_outs = reference(TWO_KINDS, engine_cfg, steps=2)
+def test_kinds_over_two_devices_equal_the_reference(cfg):
+    """Sliding and full attention; dense and MoE blocks."""
+    cfg, engine_cfg = globals()[cfg], EngineConfig(micro_batches=2)
+    _, _, outs = train(2, cfg, engine_cfg, steps=2)
+    _, ref_outs = reference(cfg, engine_cfg, steps=2)
     for r, b in zip(ref_outs, outs):
         assert abs(r["loss"] - b["loss"]) <= 1e-5 * abs(r["loss"])
 
@@ -139,10 +140,11 @@ def test_engine_equals_reference_on_dense_and_moe_kinds():
     assert engine.fns.cache_sizes()["forward"] == 2
 
 
-def test_dense_and_moe_kinds_over_two_devices_equal_the_reference():
+@pytest.mark.parametrize("cfg", [TWO_KINDS, DENSE_MOE], ids=["sliding_and_full", "dense_and_moe"])
+def test_kinds_over_two_devices_equal_the_reference(cfg):
     engine_cfg = EngineConfig(micro_batches=2)
-    _, _, outs = train(2, DENSE_MOE, engine_cfg, steps=2)
-    _, ref_outs = reference(DENSE_MOE, engine_cfg, steps=2)
+    _, _, outs = train(2, cfg, engine_cfg, steps=2)
+    _, ref_outs = reference(cfg, engine_cfg, steps=2)
     for r, b in zip(ref_outs, outs):
         assert abs(r["loss"] - b["loss"]) <= 1e-5 * abs(r["loss"])
 

@@ -180,11 +180,11 @@ class DeviceFns:
         ``reduce``; on one device, plain ``jit(body)``."""
         if name not in BLOCK_PROGRAMS:
             kind = None  # the io part's programs: one whatever the kinds of block
-        routed = kind is not None and self.lm.routes(kind)
-        body, in_specs, out_specs, donate, acc_out = (self._routed_calls if routed else self._calls)[name]
         key = name, kind, gather, reduce
         if key in self._programs:
             return self._programs[key]
+        routed = kind is not None and self.lm.routes(kind)
+        body, in_specs, out_specs, donate, acc_out = (self._routed_calls if routed else self._calls)[name]
         if kind is not None:
             body = functools.partial(body, kind=kind)
         if self.size == 1:

@@ -231,13 +231,12 @@ class Walk:
         self.on_gpu = {IO} if e.resident_io else set()
         self.on_gpu |= {PartId.block(i) for i in range(e.resident_layers)}
         self.waiting = set(host_roles(c, e).grads_on_gpu)
+        resident_params = e.resident_layers * self.Pl + (self.Pio if e.resident_io else 0)
         # fp32 master + Adam moments + the compute copy (a second fp32 copy when float32 is streamed)
-        self.resident = (e.resident_layers * self.Pl + (self.Pio if e.resident_io else 0)) * (12 + self.sb) \
-            // self.devices
-        resident_grads = 4 * (e.resident_layers * self.Pl + (self.Pio if e.resident_io else 0))
-        waiting_grads = 4 * sum(part_param_count(c, part) for part in self.waiting)
-        self.slack = int((RESIDENT_ALLOCATOR_SLACK * resident_grads + WAITING_ALLOCATOR_SLACK * waiting_grads)
-                         / self.devices)
+        self.resident = resident_params * (12 + self.sb) // self.devices
+        waiting_params = sum(part_param_count(c, part) for part in self.waiting)
+        self.slack = int(4 * (RESIDENT_ALLOCATOR_SLACK * resident_params + WAITING_ALLOCATOR_SLACK * waiting_params)
+                         / self.devices)  # of their float32 gradients
         self.batches = self.rows * self.seq_len * (BATCH_BYTES_PER_TOKEN + (0 if self.flash else 4))
 
     # ------------------------------------------------------------------ what an op touches
