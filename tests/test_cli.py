@@ -219,6 +219,11 @@ def test_plan_prints_the_table(capsys):
     out = capsys.readouterr().out
     assert "master weights, float32" in out and "Adam moments" in out and "boundary activations" in out
     assert "fits" in out and "OVER" not in out
+    gpu = lambda text: float(text.split("GPU, at its peak")[1].split(" total ")[1].split()[0])  # noqa: E731
+    assert main(["plan", "model.preset=7b", "data.seq_len=2048", "data.batch_size=16", "engine.micro_batches=2",
+                 "train.devices=2", "--host-gib", "1000", "--gpu-gib", "80"]) == 0
+    two = capsys.readouterr().out
+    assert "per GPU of 2" in two and "2 pools, one per GPU" in two and gpu(two) < 0.75 * gpu(out)
     assert main(["plan", "model.preset=7b", "--host-gib", "32", "--gpu-gib", "8"]) == 1
     out = capsys.readouterr().out
     assert "OVER by" in out and "options that fit" in out

@@ -134,6 +134,32 @@ def test_gpu_walks_the_engine_schedule():
                                    * layer_param_count(cfg))
 
 
+def test_several_devices_hold_gradient_shards():
+    """Over two devices each GPU streams its shard of a part and the part gathered (1.5 x the weights), and
+    the last micro-batch's backward sums the float32 accumulator into a new buffer, the device's shard: what
+    the copy home reads, held for queued work. The whole accumulator is free at once (only programs on the
+    compute stream used it)."""
+    cfg = preset("7b", layers=16)
+    two = plan(cfg, EngineConfig(micro_batches=2), 16, 2048, devices=2, **BIG)
+    assert two.gpu_peak_at.startswith("backward(")
+    queued = {k: v for k, v in two.gpu.items() if "still used by queued GPU work" in k}
+    assert queued == {
+        f"streamed weights of the io part and blocks: dropped by the host, still used by queued GPU work "
+        f"({QUEUED_BLOCKS} blocks)": int(QUEUED_BLOCKS * 2 * layer_param_count(cfg) * 1.5),
+        f"gradient accumulators, float32: dropped by the host, still used by queued GPU work "
+        f"({QUEUED_BLOCKS} blocks)": QUEUED_BLOCKS * 4 * layer_param_count(cfg) // 2}
+    # the GPU-resident parts' gradients are shards too: half of one device's, as the parts themselves
+    one_res = plan(cfg, EngineConfig(micro_batches=2, resident_layers=16, resident_io=True), 16, 2048, **BIG)
+    two_res = plan(cfg, EngineConfig(micro_batches=2, resident_layers=16, resident_io=True), 16, 2048, devices=2,
+                   **BIG)
+    grads = "gradients of GPU-resident parts, float32 (15 buffers)"  # blocks 1-15: block 0's is being made
+    # at both peaks (block 0's backward) every other part's gradient waits for the update
+    assert one_res.gpu_peak_at.startswith("backward(block_00000") and two_res.gpu_peak_at.startswith(
+        "backward(block_00000")
+    assert one_res.gpu[grads] > 0 and abs(two_res.gpu[grads] * 2 - one_res.gpu[grads]) <= 64
+    assert two_res.gpu_total < 0.6 * one_res.gpu_total
+
+
 def test_more_micro_batches_less_gpu_memory_same_host():
     one = plan(SEVEN_B, EngineConfig(micro_batches=1), 16, 2048, **BIG)
     four = plan(SEVEN_B, EngineConfig(micro_batches=4), 16, 2048, **BIG)

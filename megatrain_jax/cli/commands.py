@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatrain_jax import distributed
+from megatrain_jax._environment import visible_gpus
 from megatrain_jax.checkpoint.failures import CheckpointWriteError
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError
 from megatrain_jax.checkpoint.session import CheckpointedExit
@@ -118,7 +119,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"GPU of {args.gpu_gib:g} GiB: XLA may allocate {gpu_fraction():.0%} of it, {gpu / GiB:.2f} GiB "
               f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
     model_cfg, d = cfg.model.build(), cfg.data
-    kw = dict(packed=d.mode == "packed")  # HF weights go part by part into the state (no model copy)
+    devices = cfg.train.devices or visible_gpus()  # per GPU of train.devices, else of the GPUs at hand
+    if devices > 1:
+        print(f"per GPU of {devices}: each takes 1/{devices} of every batch and holds a shard of the state")
+    # HF weights go part by part into the state (no model copy)
+    kw = dict(packed=d.mode == "packed", devices=devices)
     engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_ram_bytes=host,
                                    disk_dir=str(Path(cfg.train.run_dir) / "disk_tier"), gpu_bytes=gpu, **kw)
     if lean is not None:

@@ -251,7 +251,12 @@ class Walk:
         return int((self.Pio if self.is_io(op) else self.Pl) * self.sb * self.fetched)
 
     def grad(self, op: Op) -> int:
+        """A part's float32 gradient, whole: what a device accumulates over the micro-batches."""
         return (self.Pio if self.is_io(op) else self.Pl) * 4
+
+    def summed(self, op: Op) -> int:
+        """The part's gradient once summed over the devices: each device's shard (the whole on one device)."""
+        return self.grad(op) // self.devices
 
     def last_micro(self, op: Op) -> bool:
         return op.micro == self.M - 1
@@ -301,7 +306,7 @@ def _fetch(w: Walk, op: Op) -> None:
     w.peak(op, out=0 if kept else w.weights(op))
     if op.part in w.waiting and op.part not in w.home:  # the forward's fetch waited for the update, which
         w.home.add(op.part)                              # took the step before's gradient home
-        w.led.drop(H, w.grad(op) // w.devices)
+        w.led.drop(H, w.summed(op))
     if not kept:
         w.led.add(W, w.weights(op))
 
@@ -337,10 +342,31 @@ def _head(w: Walk, op: Op) -> None:
         w.drop_acts(w.c.layers)
 
 
+def _new_gradient(w: Walk, op: Op, starts: bool) -> int:
+    """The gradient buffer a gradient program allocates (``backward``; for the io part ``embed_backward``, whose
+    accumulator the head starts): the first micro-batch's starts the part's float32 accumulator, the others add
+    to it in place, and on several devices the last one sums it over them into a new buffer, each device's
+    shard."""
+    if w.devices > 1 and w.last_micro(op):
+        return w.summed(op)
+    return w.grad(op) if starts else 0
+
+
+def _keep_gradient(w: Walk, op: Op, starts: bool) -> None:
+    """The accumulators after a gradient program: its new buffer. A whole accumulator it summed over the
+    devices is free at once: only programs on the compute stream used it, which run in order (a buffer a
+    copy to the host still reads is held until the copy is done: ``_send_grads``)."""
+    if w.devices > 1 and w.last_micro(op) and not starts:
+        w.led.drop(G, w.grad(op))
+    new = _new_gradient(w, op, starts)
+    if new:
+        w.led.add(G, new)
+
+
 def _backward(w: Walk, op: Op) -> None:
-    w.compute(op, out=w.act + (w.grad(op) if op.micro == 0 else 0))
-    if op.micro == 0:
-        w.led.add(G, w.grad(op))
+    starts = op.micro == 0
+    w.compute(op, out=w.act + _new_gradient(w, op, starts))
+    _keep_gradient(w, op, starts)
     layer = op.part.layer
     if w.last_micro(op) and layer in w.keeps:
         n = w.keeps.pop(layer)
@@ -350,7 +376,8 @@ def _backward(w: Walk, op: Op) -> None:
 
 
 def _embed_backward(w: Walk, op: Op) -> None:
-    w.compute(op, out=0)
+    w.compute(op, out=_new_gradient(w, op, starts=False))
+    _keep_gradient(w, op, starts=False)
     if w.last_micro(op):
         n = sum(w.acts.values())
         w.led.drop(A, w.act * n, n)
@@ -360,19 +387,19 @@ def _embed_backward(w: Walk, op: Op) -> None:
 
 def _send_grads(w: Walk, op: Op) -> None:
     kept, waits = op.part in w.on_gpu, op.part in w.waiting
-    back = w.grad(op) if w.accumulate and not (kept or waits) else 0
+    back = w.summed(op) if w.accumulate and not (kept or waits) else 0
     w.peak(op, temp=back, why="the earlier passes' sum, back from host memory to be added")
-    w.led.drop(G, w.grad(op), block=None if kept or waits else w.here(op))
+    w.led.drop(G, w.summed(op), block=None if kept or waits else w.here(op))
     if kept and not w.accumulate:
-        w.led.add(R, w.grad(op))
+        w.led.add(R, w.summed(op))
     elif waits and not w.accumulate:
-        w.led.add(H, w.grad(op) // w.devices)
+        w.led.add(H, w.summed(op))
 
 
 def _update(w: Walk, op: Op) -> None:
     w.peak(op)
     if op.part in w.on_gpu:
-        w.led.drop(R, w.grad(op))
+        w.led.drop(R, w.summed(op))
 
 
 def _store_acts(w: Walk, op: Op) -> None:

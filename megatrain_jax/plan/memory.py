@@ -306,8 +306,8 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     pool = devices * pinned_pool_bytes(-(-arrays // devices), host_pool_limit)
     host = {f"pinned: {k}": v for k, v in pinned.items()}
     cap = "" if host_pool_limit is None else f" of at most {host_pool_limit / GiB:.0f}"
-    pools = "" if devices == 1 else f"{devices} pools, one per GPU, each"
-    host[f"XLA's pinned pool rounds up: regions double from 2 MiB ({pools}pool {pool / GiB:.1f}{cap} GiB)"] = (
+    pools = "pool" if devices == 1 else f"{devices} pools, one per GPU, each"
+    host[f"XLA's pinned pool rounds up: regions double from 2 MiB ({pools} {pool / devices / GiB:.1f}{cap} GiB)"] = (
         max(pool - arrays, 0))
     host["CUDA driver's bookkeeping of pinned memory (3.1% of the pool, measured)"] = int(pool * PINNED_RSS_OVERHEAD)
     host.update({f"pageable: {k}": v for k, v in pageable.items()})
