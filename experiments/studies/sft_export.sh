@@ -18,7 +18,7 @@ timeout "${LIMIT:-360}" python -m megatrain_jax train --config experiments/confi
   model.hf_checkpoint="$W/checkpoint" data.path="$W/chat.jsonl" train.steps="$STEPS" train.eval_every=0 \
   train.log_every=1 train.run_dir=/tmp/run_export train.export_hf=/tmp/export > "$OUT/train.log" 2>&1
 echo "train: rc=$? after $(( $(date +%s) - t0 )) s"
-cp /tmp/run_export/metrics.jsonl "$OUT/metrics.jsonl" 2>/dev/null
+cp /tmp/run_export/metrics.jsonl /tmp/run_export/memory_plan.json "$OUT/" 2>/dev/null
 grep -E "megatrain_jax:|planned memory|exported|done:|error" "$OUT/train.log" | cut -c1-400
 python - > "$OUT/transformers_load.json" 2> "$OUT/transformers_load.log" <<'PY'
 import json, time
