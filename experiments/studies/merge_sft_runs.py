@@ -14,13 +14,15 @@ import re
 import statistics
 from pathlib import Path
 
+UNPACKED_8B_TFLOPS = 371.9  # Llama-3-8B unpacked on the same H100 box (tests/assets/measured/h100_capacity_fp32.json)
+
 
 def summary(folder: Path, exit_status: int | None) -> dict:
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     log = (folder / "train.log").read_text()
     planned = re.search(r"planned memory: host ([\d.]+) GiB, GPU ([\d.]+) GiB", log)
     timed = [r for r in rows if r["step"] >= 3] or rows
-    return {"system": "megatrain_jax", "source": folder.name, "exit_status": exit_status,
+    record = {"system": "megatrain_jax", "source": folder.name, "exit_status": exit_status,
             "steps_reported": len(rows), "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
             "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in timed), 1),
             "model_tflops": round(statistics.median(r["model_tflops"] for r in timed), 1),
@@ -29,7 +31,26 @@ def summary(folder: Path, exit_status: int | None) -> dict:
             "host_rss_gib_last_step": round(rows[-1]["host_peak_rss_gib"], 2),
             "planned": None if planned is None else {"host_gib": float(planned.group(1)),
                                                      "gpu_gib": float(planned.group(2))},
-            "done_line": next((line for line in log.splitlines() if line.startswith("done:")), None)}
+            "done_line": next((line for line in log.splitlines() if line.startswith("done:")), None),
+            "exported_line": next((line.strip() for line in log.splitlines() if "exported the trained model" in line),
+                                  None)}
+    record["unpacked_8b_ratio"] = round(record["model_tflops"] / UNPACKED_8B_TFLOPS, 3)
+    plan = folder / "memory_plan.json"  # the plan the run started with (sft_export.sh keeps it since 58de2c4)
+    if plan.exists():
+        m = json.loads(plan.read_text())
+        gib = lambda b: round(b / 2**30, 3)  # noqa: E731
+        record["planned"] = {"host_gib": gib(m["host_total"]), "gpu_gib": gib(m["gpu_total"]),
+                             "gpu_exact": m["gpu_exact"], "gpu_estimate_gib": gib(m["estimate_gpu_total"]),
+                             "gpu_peak_at": m["gpu_peak_at"], "engine": m["engine"]}
+        for side in ("host", "gpu"):
+            record[f"{side}_plan_error"] = round((record["planned"][f"{side}_gib"] - record[f"{side}_peak_gib"])
+                                                 / record[f"{side}_peak_gib"], 4)
+        record["gpu_estimate_error"] = round((record["planned"]["gpu_estimate_gib"] - record["gpu_peak_gib"])
+                                             / record["gpu_peak_gib"], 4)
+    loaded = folder / "transformers_load.json"  # the export loaded by transformers and run once
+    if loaded.exists() and loaded.read_text().strip():
+        record["transformers_load"] = json.loads(loaded.read_text())
+    return record
 
 
 def main() -> None:
