@@ -11,6 +11,7 @@ from megatrain_jax.engine.engine import DeviceOutOfMemoryError, Engine, StepOutp
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.evaluate import eval_hook, evaluate
 from megatrain_jax.fit import History, Hook, StepInfo, default_optimizer, fit
+from megatrain_jax.hf.decoder_io import from_hf, to_hf
 from megatrain_jax.optim import UnsupportedOptimizerError, adamw, decay_mask
 from megatrain_jax.contract.layered import ContractError, LayeredModel, layered
 from megatrain_jax.models import Decoder, DecoderConfig, preset
@@ -21,5 +22,5 @@ from megatrain_jax.engine.update.policy import NonFiniteError
 __all__ = ["Batch", "ContractError", "Decoder", "DecoderConfig", "DeviceOutOfMemoryError", "Engine", "EngineConfig",
            "History", "Hook", "LayeredModel", "ModelCheck", "NonFiniteError", "ReferenceTrainer", "StepInfo",
            "StepOutput", "TrainConfig", "UnsupportedOptimizerError", "adamw", "check_model", "decay_mask",
-           "default_optimizer", "eval_hook", "evaluate", "fit", "layered", "preset"]
+           "default_optimizer", "eval_hook", "evaluate", "fit", "from_hf", "layered", "preset", "to_hf"]
 __version__ = "0.1.0"

@@ -160,7 +160,7 @@ def train(work: Path, args) -> dict:
     engine.sync()
     export = work / "export"
     t = time.perf_counter()
-    save_hf(export, cfg, *engine.state.params(), overwrite=True)
+    save_hf(export, cfg, *engine.parameters(), overwrite=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (export / name).write_bytes((ckpt / name).read_bytes())
     export_s = time.perf_counter() - t

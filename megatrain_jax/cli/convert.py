@@ -107,9 +107,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
         raise ValueError(f"{src} holds the parameters of a model that is not megatrain_jax's Decoder (its config: "
                          f"{cfg!r:.200}); Hugging Face and npz output need the Decoder's config. Read them in "
                          f"Python with megatrain_jax.checkpoint.load_model(path, model) instead")
-    if to == "hf":
+    if to == "hf":  # from an HF folder its tokenizer and generation settings come along
         from megatrain_jax.hf import save_hf
-        save_hf(dst, cfg, io, blocks, dtype=dtype, overwrite=force)
+        from megatrain_jax.hf.export_folder import tokenizer_files
+        save_hf(dst, cfg, io, blocks, dtype=dtype, overwrite=force,
+                extra_files=tokenizer_files(src) if src_fmt == "hf" else ())
         return Path(dst)
     if to == "npz":
         return save_npz(dst, cfg, io, blocks)

@@ -26,7 +26,7 @@ from megatrain_jax.cli.run_lock import RunLock
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
 from megatrain_jax.fit import History, Hook, fit
-from megatrain_jax.hf.export_folder import TOKENIZER_FILES, check_target
+from megatrain_jax.hf.export_folder import check_target, tokenizer_files
 from megatrain_jax.models import Decoder
 from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
 from megatrain_jax.engine.config import EngineConfig
@@ -124,14 +124,6 @@ def _write_config(cfg: RunConfig, run_dir: Path) -> None:
 def _without_resume(raw: dict) -> dict:
     raw.get("train", {}).pop("resume", None)  # resuming is how the run goes on, not a change of the run
     return raw
-
-
-def _tokenizer_files(source: str | None) -> list[Path]:
-    """The tokenizer files of the folder the run's tokenizer came from, to go next to the exported weights
-    (transformers then loads model and tokenizer from one folder)."""
-    if source is None:
-        return []
-    return [Path(source) / name for name in TOKENIZER_FILES if (Path(source) / name).exists()]
 
 
 def gpu_at_hand() -> bool:
@@ -318,8 +310,8 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
 
     if t.export_hf:
         from megatrain_jax.hf import save_hf
-        copied = _tokenizer_files(d.tokenizer or cfg.model.hf_checkpoint)
-        save_hf(t.export_hf, model_cfg, *history.engine.state.params(), overwrite=t.export_overwrite,
+        copied = tokenizer_files(d.tokenizer or cfg.model.hf_checkpoint)
+        save_hf(t.export_hf, model_cfg, *history.engine.parameters(), overwrite=t.export_overwrite,
                 extra_files=copied)
         say(f"  exported the trained model to {t.export_hf} (Hugging Face format, bfloat16"
             + (f"; with {', '.join(p.name for p in copied)}" if copied else "") + ")")

@@ -234,10 +234,15 @@ class Engine:
         if self.disk_tier is not None:
             self.disk_tier.remove()
 
+    def parameters(self) -> tuple[Params, list[Params]]:
+        """The master parameters once every pending update is done, as ``(io, [block 0, block 1, ...])`` in
+        host memory (float32; capacity mode's bfloat16). They are the engine's own: read, do not change."""
+        self.sync()
+        return self.state.params()
+
     def write_back(self, model: nnx.Module) -> None:
         """Copy the master parameters into the user's model, as float32 (capacity mode's are bfloat16)."""
-        self.sync()
-        io, blocks = jax.tree.map(lambda x: x.astype(jnp.float32), self.state.params())
+        io, blocks = jax.tree.map(lambda x: x.astype(jnp.float32), self.parameters())
         write_back(model, io, blocks, self.placement.to_device)
 
     def hold_updates(self, gate: Callable[[PartId], None]) -> Callable[[], None]:

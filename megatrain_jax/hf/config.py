@@ -177,9 +177,43 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
         rope_theta=theta, rope_scaling=scaling, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=mt in ("qwen2", "qwen2_moe"), qk_norm=mt in ("qwen3", "qwen3_moe"),
-        sliding_window=_sliding_window(c, mt, layers), max_positions=max_pos, moe=_moe(c, mt))
+        sliding_window=_sliding_window(c, mt, layers), max_positions=max_pos, moe=_moe(c, mt),
+        **token_ids(c))
     fields.update(overrides)
     return DecoderConfig(**fields)
+
+
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def token_ids(c: dict[str, Any]) -> dict[str, Any]:
+    """The special token ids a Hugging Face ``config.json`` (or ``generation_config.json``) sets: an id each,
+    the end of sequence possibly a list of them; absent or null ones are left out."""
+    out = {}
+    for name in TOKEN_ID_FIELDS:
+        value = c.get(name)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            value = tuple(value)
+        ids = value if isinstance(value, tuple) else (value,)
+        if name != "eos_token_id" and isinstance(value, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise UnsupportedConfig(f"{name}={value!r}: a token id is an integer"
+                                    f"{' (or a list of them)' if name == 'eos_token_id' else ''}")
+        out[name] = value
+    return out
+
+
+def generation_config(cfg: DecoderConfig) -> dict[str, Any] | None:
+    """The ``generation_config.json`` transformers writes for a model of these special ids (None where the
+    config sets none): generation stops at the end-of-sequence id(s) and pads with the padding id."""
+    ids = {name: _json_id(getattr(cfg, name)) for name in TOKEN_ID_FIELDS if getattr(cfg, name) is not None}
+    return {**ids, "_from_model_config": True} if ids else None
+
+
+def _json_id(value: int | tuple[int, ...]) -> int | list[int]:
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _moe(c: dict[str, Any], mt: str) -> MoEConfig | None:
@@ -270,6 +304,7 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "rope_theta": cfg.rope_theta, "rope_scaling": rope,
         "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0,
         "initializer_range": 0.02, "use_cache": True, "torch_dtype": dtype,
+        **{name: _json_id(getattr(cfg, name)) for name in TOKEN_ID_FIELDS if getattr(cfg, name) is not None},
     }
     if mt in ("llama", "qwen3"):
         out["attention_bias"] = False

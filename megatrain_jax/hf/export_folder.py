@@ -25,14 +25,23 @@ from pathlib import Path
 from megatrain_jax.hf.safetensors_io import stale_files
 
 # What a model folder holds besides its weights: transformers reads these next to them.
+GENERATION_CONFIG = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+                   GENERATION_CONFIG)
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
 class ExportExistsError(FileExistsError):
     """The export's target folder already holds a model."""
+
+
+def tokenizer_files(source: str | os.PathLike | None) -> list[Path]:
+    """The tokenizer and generation files of ``source`` (a model or tokenizer folder), to go next to exported
+    weights: transformers then loads model, tokenizer and generation settings from one folder."""
+    if source is None:
+        return []
+    return [Path(source) / name for name in TOKENIZER_FILES if (Path(source) / name).is_file()]
 
 
 def model_files(folder: Path) -> list[Path]:

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from megatrain_jax.hf.config import config_from_hf, config_to_hf
-from megatrain_jax.hf.export_folder import check_target, publish, staging
+from megatrain_jax.hf.config import UnsupportedConfig, config_from_hf, config_to_hf, generation_config, token_ids
+from megatrain_jax.hf.export_folder import GENERATION_CONFIG, check_target, publish, staging
 from megatrain_jax.hf.safetensors_io import (INDEX_FILE, Checkpoint, plan_shards, shard_names,
                                              write_entries)
 from megatrain_jax.models.config import DecoderConfig
@@ -155,9 +155,18 @@ def _stacked(tree: Any, stack=np.stack) -> Any:
 
 
 def read_config(model_dir: str | os.PathLike, **overrides) -> DecoderConfig:
+    """The DecoderConfig of an HF folder's ``config.json``; special token ids it lacks are taken from its
+    ``generation_config.json``, where there is one."""
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"no config.json in {model_dir}")
+    generation = Path(model_dir) / GENERATION_CONFIG
+    if generation.exists():
+        try:
+            ids = token_ids(json.loads(generation.read_text()))
+        except (ValueError, UnsupportedConfig) as e:
+            raise UnsupportedConfig(f"{generation}: {e}") from None
+        overrides = {**{k: v for k, v in ids.items() if k not in json.loads(path.read_text())}, **overrides}
     return config_from_hf(json.loads(path.read_text()), **overrides)
 
 
@@ -314,7 +323,8 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
             dtype: str = "bfloat16", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, *, overwrite: bool = False,
             extra_files: Sequence[str | os.PathLike] = ()) -> list[Path]:
     """Write ``config.json`` + safetensors (sharded with an index past ``max_shard_bytes``) that
-    transformers' ``AutoModelForCausalLM.from_pretrained`` loads. Parameters may be pure dicts or
+    transformers' ``AutoModelForCausalLM.from_pretrained`` loads, and, where ``cfg`` has special token ids
+    and ``extra_files`` bring no ``generation_config.json``, one made of them. Parameters may be pure dicts or
     ``nnx.State``, numpy or JAX arrays (any memory kind); each tensor is converted only as it is
     written. ``extra_files`` (a tokenizer's, say) are copied in with them.
 
@@ -357,9 +367,14 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
             (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
             files.append(out / INDEX_FILE)
         (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        names = [f.name for f in files] + ["config.json"]
+        generation = generation_config(cfg)
+        if generation is not None and not any(Path(e).name == GENERATION_CONFIG for e in extra_files):
+            (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+            names.append(GENERATION_CONFIG)
         for extra in extra_files:
             shutil.copy2(extra, out / Path(extra).name)
-        names = [f.name for f in files] + ["config.json"] + [Path(e).name for e in extra_files]
+        names += [Path(e).name for e in extra_files]
         publish(out, model_dir)
     except BaseException:  # a failed export leaves nothing beside the folder (a killed one: the .partial folder)
         shutil.rmtree(out, ignore_errors=True)

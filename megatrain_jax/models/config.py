@@ -165,10 +165,17 @@ class DecoderConfig:
     # With ``moe``: how many leading layers keep a dense MLP (of width ``ffn``); the rest route. Dense and
     # MoE layers are two kinds of block (docs/model_contract.md).
     first_k_dense_replace: int = 0
+    # The vocabulary's special ids as a Hugging Face config gives them (an end-of-sequence may be several
+    # ids); not used by the computation, kept so that an export writes them back (config.json and
+    # generation_config.json).
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.layer_types, list):  # as stored in JSON or TOML: hashable, like every field
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        for name in ("layer_types", "eos_token_id"):  # as stored in JSON or TOML: hashable, like every field
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         validate(self)
 
     def layer_type(self, index: int) -> str:
@@ -284,6 +291,12 @@ def validate(cfg: DecoderConfig) -> None:
     if cfg.attention_impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl {cfg.attention_impl!r} not supported; allowed: {list(ATTENTION_IMPLS)}"
                          f"{_did_you_mean(cfg.attention_impl, ATTENTION_IMPLS)}")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(cfg, name)
+        ids = value if isinstance(value, tuple) and name == "eos_token_id" else (value,)
+        if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"{name} must be an integer token id{' or a list of them' if name == 'eos_token_id' else ''}"
+                             f" or None, got {value!r}")
     if cfg.sliding_window is not None and cfg.sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {cfg.sliding_window}")
     if cfg.layer_types is not None:
