@@ -374,6 +374,19 @@ def test_train_picks_the_lean_mode_when_host_ram_is_short(tmp_path, capsys, monk
     assert load_config(tmp_path / "config.toml").engine.grads_on_gpu > 0
 
 
+def test_resident_layers_auto_is_picked_by_the_plan_and_recorded(tmp_path, capsys):
+    """``engine.resident_layers=auto`` becomes a number before the engine starts: the plan's pick is said and
+    config.toml records it (no GPU here: none resident)."""
+    assert main(["train", *TINY_RUN, "train.steps=1", "engine.resident_layers=auto", f"train.run_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "engine.resident_layers='auto': 0 (no GPU to plan for)" in out and "done: loss" in out
+    assert load_config(tmp_path / "config.toml").engine.resident_layers == 0
+    assert main(["plan", "model.preset=7b", "model.layers=16", "data.seq_len=2048", "data.batch_size=4",
+                 "engine.resident_layers=auto", "engine.resident_io=true", "--host-gib", "120",
+                 "--gpu-gib", "80"]) == 0
+    assert "16 of 16 blocks GPU-resident, the most that fit" in capsys.readouterr().out
+
+
 def test_packed_mode_with_a_bound_of_one_segment_is_refused_with_what_to_set(tmp_path, capsys):
     args = ["train", "--config", str(CONFIGS / "demo_tiny.toml"), *TINY_RUN, "train.steps=1", "data.mode=packed",
             "model.max_segments=1", f"train.run_dir={tmp_path / 'run'}"]

@@ -10,7 +10,9 @@ import os
 import re
 from pathlib import Path
 
+import optax
 import pytest
+from flax import nnx
 
 from megatrain_jax.cli.commands import main
 from megatrain_jax.cli.run_config import load_config
@@ -20,6 +22,7 @@ from megatrain_jax.plan import (LEAN_HOST_MARGIN, GiB, MemoryPlanError, advice, 
                                 layer_param_count, lean, longest_seq_len, offload, options, plan, require_fit)
 from megatrain_jax.plan.gpu_ledger import QUEUED_BLOCKS, RESIDENT_ALLOCATOR_SLACK, WAITING_ALLOCATOR_SLACK
 from megatrain_jax.plan.machine import GPU_FRAGMENTATION_MARGIN, pinned_pool_bytes
+from megatrain_jax.models import Decoder
 from megatrain_jax.models.config import PRESETS, preset
 from megatrain_jax.engine.schedule import max_resident_layers, step_ops
 
@@ -586,3 +589,39 @@ def test_kept_attention_residuals_are_planned_offloaded_with_the_inputs_and_drop
     f32 = c.replace(dtype="float32")
     assert plan(f32, EngineConfig(keep_residuals=True), 1, 8192, **BIG).gpu_total == plan(
         f32, EngineConfig(), 1, 8192, **BIG).gpu_total
+
+
+def test_resident_layers_auto_keeps_the_most_blocks_that_fit_the_gpu():
+    """``resident_layers = "auto"``: the largest number of GPU-resident blocks whose plan fits the GPU with
+    its margin (one more does not), resolved before the engine; 0 where no block can be resident."""
+    from megatrain_jax.plan import lean_engine
+    from megatrain_jax.plan.levers import most_resident
+    cfg = preset("7b", layers=16)
+    auto = EngineConfig(micro_batches=1, resident_layers="auto", resident_io=True)
+    host = 1000 * GiB
+    sizes = {r: plan(cfg, dataclasses.replace(auto, resident_layers=r), 4, 2048, host_ram_bytes=host,
+                     gpu_bytes=80 * GiB).gpu_total for r in range(17)}
+    for r in (0, 5, 11, 16):  # a GPU that holds exactly r resident blocks with the margin
+        gpu = sizes[r] + GPU_FRAGMENTATION_MARGIN + (sizes[r + 1] - sizes[r]) // 2 if r < 16 else 200 * GiB
+        picked, said = most_resident(cfg, auto, 4, 2048, host_ram_bytes=host, gpu_bytes=gpu)
+        assert picked.resident_layers == r and f"{r} of 16 blocks GPU-resident" in said
+        assert lean_engine(cfg, auto, 4, 2048, host_ram_bytes=host, gpu_bytes=gpu)[0].resident_layers == r
+    too_small = sizes[0] + GPU_FRAGMENTATION_MARGIN - 1
+    assert most_resident(cfg, auto, 4, 2048, host_ram_bytes=host, gpu_bytes=too_small)[0].resident_layers == 0
+    assert most_resident(cfg, auto, 4, 2048, host_ram_bytes=host, gpu_bytes=None)[0].resident_layers == 0
+    capacity = EngineConfig(master_dtype="bfloat16", resident_layers="auto")
+    assert most_resident(cfg, capacity, 4, 2048, host_ram_bytes=host,
+                         gpu_bytes=200 * GiB)[0].resident_layers == 0
+    # the parts whose gradients wait on the GPU (or whose moments are on disk) stay host-updated blocks
+    waits = dataclasses.replace(auto, grads_on_gpu=3)
+    assert most_resident(cfg, waits, 4, 2048, host_ram_bytes=host, gpu_bytes=200 * GiB)[0].resident_layers == 13
+    fixed = dataclasses.replace(auto, resident_layers=4)
+    assert most_resident(cfg, fixed, 4, 2048, host_ram_bytes=host, gpu_bytes=200 * GiB) == (fixed, None)
+
+
+def test_an_engine_refuses_resident_layers_auto():
+    from megatrain_jax import Engine
+    with pytest.raises(ValueError, match="resolved by the memory plan"):
+        Engine(Decoder(preset("tiny"), rngs=nnx.Rngs(0)), optax.sgd(0.1), EngineConfig(resident_layers="auto"))
+    with pytest.raises(ValueError, match="'auto'"):
+        EngineConfig(resident_layers="all")

@@ -29,7 +29,8 @@ from megatrain_jax.fit import History, Hook, fit
 from megatrain_jax.hf.export_folder import check_target, tokenizer_files
 from megatrain_jax.models import Decoder
 from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
-from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.cli.toml_dataclass import ConfigError
+from megatrain_jax.engine.config import AUTO, EngineConfig
 from megatrain_jax.engine.program_memory import program_memory
 from megatrain_jax.engine.transfer import Placement, select_devices
 from megatrain_jax.plan import (GiB, MemoryPlan, fit_host_pool, gpu_fraction, lean_engine, options, plan,
@@ -227,6 +228,9 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     kw = dict(packed=d.mode == "packed",
               devices=min(t.devices or gpus, gpus))
     lean, given = None, cfg.engine
+    if distributed.requested() and cfg.engine.resident_layers == AUTO:
+        raise ConfigError("engine.resident_layers='auto' is picked from one host's memory plan; with several "
+                          "processes set the number (megatrain-jax plan --config FILE prints the pick)")
     if not distributed.requested():  # several processes would each pick from their own host: not done
         engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len,
                                        disk_dir=str(run_dir / "disk_tier"), **kw)

@@ -4,6 +4,10 @@ config file does not import the engine."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
+
+# ``resident_layers = "auto"``: as many blocks as fit, picked by the memory plan (``plan.lean_engine``).
+AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +26,8 @@ class EngineConfig:
     - ``host_kernel=False`` runs ``megatrain_jax.adamw`` through JAX instead of the fused C++ kernel.
     - ``resident_layers`` (the first blocks) and ``resident_io`` keep parts on the GPU with their
       optimizer state (``megatrain_jax.engine.update.resident``): faster when GPU memory allows, about 18 bytes per
-      parameter.
+      parameter. ``resident_layers="auto"``: ``megatrain-jax train`` and ``plan`` keep as many blocks
+      resident as the memory plan fits (``plan.lean_engine``); an ``Engine`` takes a number.
     - ``grads_on_gpu``: this many host-updated parts (the blocks that are not GPU-resident in forward order,
       then the io part) keep their float32 gradient on the GPU while the step waits for the global norm,
       instead of in pinned host memory: 4 bytes per parameter less host RAM, as much more GPU memory from
@@ -65,7 +70,7 @@ class EngineConfig:
     stream_dtype: str | None = None
     max_nonfinite_steps: int = 10
     host_kernel: bool = True
-    resident_layers: int = 0
+    resident_layers: int | Literal["auto"] = 0
     resident_io: bool = False
     grads_on_gpu: int = 0
     master_dtype: str = "float32"
@@ -82,8 +87,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.clip_norm must be positive or None, got {self.clip_norm!r}")
         if not isinstance(self.grads_on_gpu, int) or self.grads_on_gpu < 0:
             raise ValueError(f"EngineConfig.grads_on_gpu must be an integer >= 0, got {self.grads_on_gpu!r}")
-        if not isinstance(self.resident_layers, int) or self.resident_layers < 0:
-            raise ValueError(f"EngineConfig.resident_layers must be an integer >= 0, got {self.resident_layers!r}")
+        if self.resident_layers != AUTO and (not isinstance(self.resident_layers, int) or self.resident_layers < 0):
+            raise ValueError(f"EngineConfig.resident_layers must be an integer >= 0 or 'auto', got "
+                             f"{self.resident_layers!r}")
         if self.stream_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"EngineConfig.stream_dtype must be None, 'float32' or 'bfloat16', "
                              f"got {self.stream_dtype!r}")
@@ -106,7 +112,7 @@ class EngineConfig:
             if self.stream_dtype not in (None, "bfloat16"):
                 raise ValueError(f"capacity mode (master_dtype='bfloat16') streams the bfloat16 masters: leave "
                                  f"stream_dtype unset or 'bfloat16', not {self.stream_dtype!r}")
-            if self.resident_layers or self.resident_io:
+            if self.resident_layers not in (0, AUTO) or self.resident_io:
                 raise ValueError("capacity mode (master_dtype='bfloat16') updates every part on the host with "
                                  "stochastic rounding: set resident_layers = 0 and resident_io = false")
             if not self.host_kernel:

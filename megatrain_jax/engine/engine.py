@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from megatrain_jax._environment import enable_compilation_cache
 from megatrain_jax.batch import Batch, check_batch
 from megatrain_jax.contract.layered import Params, layered, write_back
-from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.config import AUTO, EngineConfig
 from megatrain_jax.engine.device_fns import device_fns
 from megatrain_jax.engine.host_state import initial_state
 from megatrain_jax.engine.parts import IO, HostRoles, Part, PartId
@@ -73,6 +73,10 @@ class Engine:
                  devices: Sequence[jax.Device] | Mesh | None = None, placement: Placement | None = None,
                  init_from=None):
         enable_compilation_cache()  # per-user persistent cache, unless configured otherwise (_environment)
+        if config.resident_layers == AUTO:
+            raise ValueError("EngineConfig(resident_layers='auto') is resolved by the memory plan, before the "
+                             "engine: megatrain-jax train and plan do it (megatrain_jax.plan.lean_engine returns "
+                             "the config with the number); an Engine takes the number of GPU-resident blocks")
         self.lm = layered(model)
         self.cfg = config
         if config.resident_layers > self.lm.n_blocks:

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Iterator
 
-from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.config import AUTO, EngineConfig
 from megatrain_jax.engine.schedule import offloaded_blocks
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.counts import GiB, activation_bytes, host_roles, layer_param_count
@@ -340,7 +340,9 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
     host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
     gpu_bytes = gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes
     kw = dict(host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes, **plan_kw)
+    engine_cfg, auto = most_resident(model_cfg, engine_cfg, batch_rows, seq_len, **kw)
     picked, said = _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw)
+    said = [auto] + said if auto else said
     flash = assumes_flash(model_cfg)
     keeps = engine_cfg.keep_residuals and kept_bytes(model_cfg, engine_cfg, 1, 1, flash) > 0
     if keeps and not plan(model_cfg, picked, batch_rows, seq_len, detect=False, **kw).fits:
@@ -352,6 +354,35 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
             return plain, "; ".join(["keeping attention's output for the backward does not fit: attention is "
                                      "recomputed in the backward (engine.keep_residuals=false)"] + plain_said)
     return picked, ("; ".join(said) or None)
+
+
+def most_resident(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
+                  **plan_kw) -> tuple[EngineConfig, str | None]:
+    """``resident_layers="auto"`` made a number: the most blocks kept on the GPU (with their optimizer
+    state, updated there: no host update and no transfer for them) that the plan fits in GPU memory with its
+    margin, the io part as configured, leaving the blocks that ``grads_on_gpu`` and ``disk_parts`` name. 0
+    where nothing can be resident: capacity mode (every part updates on the host), no GPU to plan for, or
+    the GPU full without any. Returns the config and a sentence (None: the config did not ask)."""
+    if engine_cfg.resident_layers != AUTO:
+        return engine_cfg, None
+    with_ = lambda r: dataclasses.replace(engine_cfg, resident_layers=r)  # noqa: E731
+    if engine_cfg.capacity:
+        return with_(0), "engine.resident_layers='auto': 0 (capacity mode updates every part on the host)"
+    if plan_kw.get("gpu_bytes") is None:
+        return with_(0), "engine.resident_layers='auto': 0 (no GPU to plan for)"
+    fits = lambda r: plan(model_cfg, with_(r), batch_rows, seq_len, detect=False, **plan_kw).gpu_fits  # noqa: E731
+    e, n = engine_cfg, model_cfg.layers  # the host-updated parts those options name must stay so
+    lo, hi = 0, max(min(n, n + (0 if e.resident_io else 1) - e.grads_on_gpu, n - e.disk_parts), 0)
+    # GPU memory grows with resident blocks: the largest number that fits, bisected
+    if not fits(0):
+        return with_(0), "engine.resident_layers='auto': 0 (the GPU is full without any)"
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    p = plan(model_cfg, with_(lo), batch_rows, seq_len, detect=False, **plan_kw)
+    return with_(lo), (f"engine.resident_layers='auto': {lo} of {model_cfg.layers} blocks GPU-resident, the most "
+                       f"that fit (GPU {p.gpu_total / GiB:.1f} GiB of {p.gpu_available / GiB:.1f}; they update on the "
+                       f"GPU, with no host update or transfer)")
 
 
 def _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw) -> tuple[EngineConfig, list[str]]:
