@@ -73,7 +73,9 @@ CONFIGS: dict[str, BenchConfig] = {
     # ahead of the next forward (~22 ms per block at 32K); see experiments/studies/NOTES.md, v5.
     "3p5b_32k": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True)),
     # 8,192 tokens per step (issue 33): one micro-batch of 4 rows, the step bound by the host update.
-    "3p5b_8k": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers=8, resident_io=True)),
+    # Issue 33: at 8K tokens the GPU holds every block resident; the plan picks how many ("auto").
+    "3p5b_8k": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto", resident_io=True)),
+    "3p5b_8k_r8": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers=8, resident_io=True)),
     # A/B variant of 3p5b_32k for experiments/studies/NOTES.md.
     "3p5b_32k_r9": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=9, resident_io=True)),
     "3p5b_98k": BenchConfig("7b", 16, 2048, 48, EngineConfig(micro_batches=6, resident_layers=8, resident_io=True)),
@@ -189,13 +191,22 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
     step under ``jax.profiler.trace`` (not timed) and its per-GPU summary (``trace_summary.py``)."""
     cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
     tokens_per_step = bc.rows * bc.seq_len
+    picked = None
+    if bc.engine.resident_layers == "auto":  # as megatrain-jax train picks it, for this GPU's allocator limit
+        from megatrain_jax.plan.levers import most_resident
+        from megatrain_jax.plan.machine import available_host_bytes
+        limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+        engine_cfg, picked = most_resident(cfg, bc.engine, bc.rows, bc.seq_len, host_ram_bytes=available_host_bytes(),
+                                           gpu_bytes=limit)
+        bc = dataclasses.replace(bc, engine=engine_cfg)
     run = {"system": "megatrain_jax", "config": name,
            "model": {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "heads": cfg.heads,
                      "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size, "params": cfg.param_count(),
                      **({"active_params": cfg.active_param_count()} if cfg.moe is not None else {})},
            "seq_len": bc.seq_len, "tokens_per_step": tokens_per_step, "steps_timed": timed,
            "engine": dataclasses.asdict(bc.engine), "optimizer": f"adamw(lr 3e-4{f' after {lr_warmup} warm-up steps' if lr_warmup else ''}, wd 0.1, b2 0.95), clip 1.0",
-           "compute_dtype": cfg.dtype, "master_dtype": bc.engine.master_dtype}
+           "compute_dtype": cfg.dtype, "master_dtype": bc.engine.master_dtype,
+           **({"resident_pick": picked} if picked else {})}
     try:
         t0 = time.perf_counter()
         abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))

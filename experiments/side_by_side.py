@@ -6,7 +6,7 @@ results file (issue 4's targets; issue 12 raised the 7B bar to 450 model TFLOP/s
 In order, each in its own process (so each starts with the host memory to itself):
 1. host AdamW throughput: the engine's HostOptimizer as the engine runs it, the same fused kernel on
    ordinary numpy (pageable) arrays, and torch's fused CPU AdamW;
-2. 3.5B at 8,192 tokens/step: megatrain_jax (bench.py ``3p5b_8k``), then DeepSpeed ZeRO-3 offload (issue 33:
+2. 3.5B at 8,192 tokens/step: megatrain_jax (bench.py ``3p5b_8k``: the plan picks the GPU-resident blocks), then DeepSpeed ZeRO-3 offload (issue 33:
    small batches, where the host update bounds the step);
 3. 3.5B at 32,768 tokens/step: the same pair (``3p5b_32k``);
 4. 3.5B at 98,304 tokens/step: the same pair (``3p5b_98k``);
