@@ -622,19 +622,20 @@ def test_linear_and_yarn_rope_scaling_read_and_written_as_transformers_does(rope
     assert again == cfg
 
 
-def test_engine_state_read_part_by_part_from_the_checkpoint_equals_a_filled_model():
+@pytest.mark.parametrize("name", ["llama", "phi3"])  # phi3: each kernel a piece of a fused tensor
+def test_engine_state_read_part_by_part_from_the_checkpoint_equals_a_filled_model(name):
     """``init_from=HFParts``: the state built from the safetensors, the model abstract throughout, equals
     the state of a model filled with load_hf_into first."""
     from flax import nnx
 
     from megatrain_jax import Decoder, Engine, adamw
     from megatrain_jax.hf import HFParts, load_hf_into, read_config
-    cfg = read_config(FIXTURES / "llama", dtype="float32")
+    cfg = read_config(FIXTURES / name, dtype="float32")
     filled = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-    load_hf_into(filled, FIXTURES / "llama")
+    load_hf_into(filled, FIXTURES / name)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     a = Engine(filled, adamw(1e-3)).state
-    b = Engine(abstract, adamw(1e-3), init_from=HFParts(FIXTURES / "llama", cfg)).state
+    b = Engine(abstract, adamw(1e-3), init_from=HFParts(FIXTURES / name, cfg)).state
     for x, y in zip(jax.tree.leaves([p.params for p in a.parts]), jax.tree.leaves([p.params for p in b.parts])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
