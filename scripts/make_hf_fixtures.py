@@ -15,10 +15,10 @@ Check that folders written by ``megatrain_jax.hf.save_hf`` load in transformers
 then load with this one (``--against`` gives the folders whose tokens.npy / logits.npy to compare with):
 
     /work/venv/bin/python -c "from megatrain_jax.hf import load_hf, save_hf
-    for n in ['llama', 'llama_tied_rope3', 'mistral', 'qwen2', 'qwen3']:
+    for n in ['llama', 'llama_tied_rope3', 'mistral', 'qwen2', 'qwen3', 'phi3', 'phi3_longrope']:
         save_hf(f'/tmp/hf_export/{n}', *load_hf(f'tests/fixtures/hf/{n}'), dtype='float32')"
     /work/venv-hf/bin/python scripts/make_hf_fixtures.py --check-export /tmp/hf_export/* \
-        --against tests/fixtures/hf/{llama,llama_tied_rope3,mistral,qwen2,qwen3}
+        --against tests/fixtures/hf/{llama,llama_tied_rope3,mistral,phi3,phi3_longrope,qwen2,qwen3}
 """
 
 from __future__ import annotations
@@ -63,6 +63,16 @@ FIXTURES = {
                                                                 norm_topk_prob=False, decoder_sparse_step=1,
                                                                 mlp_only_layers=[], use_sliding_window=False,
                                                                 rope_theta=1000000.0)),
+    # Phi-3: fused qkv_proj / gate_up_proj, a sliding window (Phi-3-mini-4k's is 2047). pad_token_id: Phi3Config's
+    # default (32000) is past this vocabulary
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=5, rope_theta=10000.0, pad_token_id=None)),
+    # Phi-4-mini's shape of RoPE: longrope over 3/4 of each head, tied embeddings. The 16 tokens exceed the
+    # original length of 8, so transformers takes the long factors; the attention factor is sqrt(1 + ln 16 / ln 8)
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=None, tie_word_embeddings=True, original_max_position_embeddings=8,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
+                         "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]})),
 }
 
 

@@ -413,3 +413,15 @@ def test_held_out_data_is_evaluated_unless_eval_every_says_otherwise(tmp_path, c
     assert main(["train", *run, "train.eval_every=0", f"train.run_dir={tmp_path / 'off'}"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
     assert not any("eval_loss" in r for r in rows)
+
+
+def test_longrope_factors_are_toml_arrays():
+    """A Phi-3 preset with LongRoPE from a config file: its factors are arrays (tuples in the config), written back
+    by to_toml; a wrong entry names the key."""
+    rope = {"kind": "longrope", "factor": 4.0, "original_max_position": 64, "short_factor": [1.0] * 8,
+            "long_factor": [1, 2, 3, 4, 5, 6, 7, 8]}
+    cfg = parse_config({"model": {"preset": "tiny", "family": "phi3", "rope_scaling": rope}})
+    assert cfg.model.build().rope_scaling.long_factor == tuple(float(i) for i in range(1, 9))
+    assert parse_config(tomllib.loads(to_toml(cfg))) == cfg
+    with pytest.raises(ConfigError, match=r"rope_scaling long_factor must be an array, each entry a number or none"):
+        parse_config({"model": {"preset": "tiny", "family": "phi3", "rope_scaling": dict(rope, long_factor=["x"])}})

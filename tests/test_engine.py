@@ -107,6 +107,16 @@ def test_engine_equals_reference_other_families(family):
     run_both(TINY3.replace(family=family, **extra[family]), ADAMW, EngineConfig(micro_batches=2))
 
 
+def test_engine_equals_reference_phi3_longrope_clip_and_accumulation():
+    """Phi-3 as its checkpoints configure it (a sliding window; Phi-4-mini's longrope over 3/4 of each head): the
+    16-token rows exceed the original length of 8, so the long factors and the attention factor are in play."""
+    from megatrain_jax.models import RopeScaling
+    rope = RopeScaling(kind="longrope", factor=16.0, original_max_position=8,
+                       short_factor=(1.0, 1.1, 1.3, 1.7, 2.2, 3.0), long_factor=(1.0, 1.5, 3.0, 6.0, 12.0, 24.0))
+    cfg = TINY3.replace(family="phi3", sliding_window=5, rope_scaling=rope, partial_rotary_factor=0.75)
+    run_both(cfg, ADAMW, EngineConfig(micro_batches=2, accumulate_steps=2, clip_norm=0.05))
+
+
 def test_engine_equals_reference_loss_mask_and_packing():
     run_both(TINY3, ADAMW, EngineConfig(micro_batches=2), batch_kw=dict(mask=True))
     run_both(TINY3, ADAMW, EngineConfig(micro_batches=2), batch_kw=dict(packed=True))

@@ -27,7 +27,8 @@ from megatrain_jax.hf import (Checkpoint, CheckpointMismatch, SafetensorsError, 
 from megatrain_jax.models import Decoder, preset
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-NAMES = ["llama", "llama_tied_rope3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe"]
+NAMES = ["llama", "llama_tied_rope3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3",
+         "phi3_longrope"]
 HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
@@ -109,8 +110,14 @@ def test_load_hf_into_concrete_and_abstract(name):
 
 
 def test_fixtures_are_discriminative():
-    """Dropping the sliding window or the llama3 RoPE scaling changes the logits: parity means something."""
-    for name, change in (("mistral", dict(sliding_window=None)), ("llama_tied_rope3", dict(rope_scaling=None))):
+    """Dropping the sliding window, the llama3 RoPE scaling or LongRoPE's (or taking its short factors where
+    transformers takes the long ones) changes the logits: parity means something."""
+    from megatrain_jax.models import RopeScaling
+    longrope = RopeScaling(kind="longrope", factor=16.0, original_max_position=8,
+                           short_factor=(1.0, 1.1, 1.3, 1.7, 2.2, 3.0), long_factor=(1.0, 1.1, 1.3, 1.7, 2.2, 3.0))
+    for name, change in (("mistral", dict(sliding_window=None)), ("llama_tied_rope3", dict(rope_scaling=None)),
+                         ("phi3", dict(sliding_window=None)), ("phi3_longrope", dict(rope_scaling=None)),
+                         ("phi3_longrope", dict(rope_scaling=longrope))):
         folder = FIXTURES / name
         cfg, io, blocks = load_hf(folder, dtype="float32", **change)
         assert rel_err(logits_of(model_from(cfg, io, blocks), folder), np.load(folder / "logits.npy")) > 1e-3
@@ -351,7 +358,8 @@ def test_config_from_hf_matches_presets():
     assert config_from_hf(qwen3).replace(head_dim=128) == preset("qwen3-8b")
 
 
-@pytest.mark.parametrize("name", ["tiny", "llama3.2-1b", "llama3.1-8b", "mistral-7b", "qwen2.5-14b", "qwen3-8b"])
+@pytest.mark.parametrize("name", ["tiny", "llama3.2-1b", "llama3.1-8b", "mistral-7b", "qwen2.5-14b", "qwen3-8b",
+                                  "phi3-mini", "phi3-medium", "phi4"])
 def test_config_round_trip(name):
     cfg = preset(name)
     back = config_from_hf(json.loads(json.dumps(config_to_hf(cfg))), dtype=cfg.dtype,
@@ -372,12 +380,111 @@ def test_config_round_trip(name):
     (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(attention_dropout=0.1), r"attention_dropout=0.1 .*set it to 0.0 in config.json"),
     (dict(hidden_size=None), "hidden_size"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported for model_type 'llama'"),
+    (dict(model_type="phi3", architectures=["Phi3ForCausalLM"], resid_pdrop=0.1), r"resid_pdrop=0.1 .*set it to 0.0"),
+    (dict(model_type="phi3", architectures=["Phi3ForCausalLM"], embd_pdrop=0.1), r"embd_pdrop=0.1"),
+    (dict(model_type="phi3", architectures=["Phi3ForCausalLM"]),  # Llama 3.1's scaling on a Phi-3
+     r"rope_scaling type 'llama3' is not supported for model_type 'phi3'; supported: \['default', 'longrope'\]"),
+    (dict(model_type="phi3", architectures=["Phi3ForCausalLM"], rope_scaling={"type": "longrope", "factor": 2.0}),
+     "lacks short_factor or long_factor"),
 ])
 def test_unsupported_configs_name_the_value(change, match):
     config = dict(LLAMA31, **change)
     config = {k: v for k, v in config.items() if v is not None}
     with pytest.raises(UnsupportedConfig, match=match):
         config_from_hf(config)
+
+
+# Phi-3 as published (config.json of microsoft/Phi-3-mini-4k-instruct, Phi-3-medium-4k-instruct, phi-4), and the
+# parameter counts their model cards give
+PHI3 = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "attention_dropout": 0.0, "embd_pdrop": 0.0,
+        "resid_pdrop": 0.0, "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_scaling": None,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 32000,
+        "pad_token_id": 32000}
+PHI3_MINI = dict(PHI3, vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                 original_max_position_embeddings=4096, rope_theta=10000.0, sliding_window=2047)
+PHI3_MEDIUM = dict(PHI3_MINI, hidden_size=5120, intermediate_size=17920, num_hidden_layers=40, num_attention_heads=40,
+                   num_key_value_heads=10)
+PHI4 = dict(PHI3_MEDIUM, vocab_size=100352, max_position_embeddings=16384, original_max_position_embeddings=16384,
+            rope_theta=250000, sliding_window=None, attention_bias=False, bos_token_id=100257, eos_token_id=100265,
+            pad_token_id=100349)
+
+
+@pytest.mark.parametrize("name, config, published", [("phi3-mini", PHI3_MINI, 3.82e9),
+                                                     ("phi3-medium", PHI3_MEDIUM, 13.96e9), ("phi4", PHI4, 14.66e9)])
+def test_phi3_configs_match_presets_and_published_sizes(name, config, published):
+    assert config_from_hf(config) == preset(name)
+    assert abs(preset(name).param_count() / published - 1) < 0.005
+
+
+# LongRoPE as transformers 5.23 computes it (_compute_longrope_parameters, Phi3RotaryEmbedding), for factors
+# short_i = 1 + 0.02 i, long_i = 1 + 0.75 i: inv_freq at dimension pairs 0, 16 and 47 of the 48, and the factor
+# cos and sin are scaled by (transformers takes the long factors once the largest position + 1 exceeds 4096)
+LONGROPE_HF = [
+    # Phi-4-mini's shape: head 128, 3/4 rotated, 128k of 4k: attention factor sqrt(1 + ln 32 / ln 4096)
+    (dict(rope_theta=10000.0), 1.1902380714238083, (1.0, 0.03516354411840439, 6.244987162062898e-05),
+     (1.0, 0.0035704525653272867, 3.3421447369619273e-06)),
+    (dict(rope_theta=250000.0, max_position_embeddings=16384, attention_factor=1.25), 1.25,
+     (1.0, 0.012025764212012291, 2.671254151209723e-06), (1.0, 0.0012210775166749954, 1.429581573120231e-07)),
+]
+
+
+def _longrope_config(rope_theta, max_position_embeddings=131072, attention_factor=None):
+    rope = {"rope_type": "longrope", "short_factor": [1 + 0.02 * i for i in range(48)],
+            "long_factor": [1 + 0.75 * i for i in range(48)], "partial_rotary_factor": 0.75}
+    if attention_factor is not None:
+        rope["attention_factor"] = attention_factor
+    return dict(PHI3_MINI, num_attention_heads=24, num_key_value_heads=8, rope_theta=rope_theta, sliding_window=None,
+                max_position_embeddings=max_position_embeddings, rope_scaling=rope)
+
+
+@pytest.mark.parametrize("change, attention, short, long", LONGROPE_HF)
+def test_longrope_frequencies_and_attention_factor_match_transformers(change, attention, short, long):
+    from megatrain_jax.models.layers import rope_frequencies, rope_inv_freq
+    cfg = config_from_hf(_longrope_config(**change))
+    s = cfg.rope_scaling
+    assert (cfg.rotary_dim, s.kind, s.original_max_position) == (96, "longrope", 4096)
+    assert s.cos_sin_scale == pytest.approx(attention, rel=1e-12)
+    pick = [0, 16, 47]
+    np.testing.assert_allclose(rope_inv_freq(96, cfg.rope_theta, s)[pick], short, rtol=1e-6)
+    np.testing.assert_allclose(rope_inv_freq(96, cfg.rope_theta, s, long=True)[pick], long, rtol=1e-6)
+    for length, want in ((4096, short), (4097, long)):  # the choice follows the batch's largest position
+        positions = jnp.broadcast_to(jnp.arange(length), (2, length))
+        np.testing.assert_allclose(np.asarray(jax.jit(lambda p: rope_frequencies(cfg, p))(positions))[pick], want,
+                                   rtol=1e-6)
+    assert config_from_hf(json.loads(json.dumps(config_to_hf(cfg))), dtype=cfg.dtype) == cfg
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="torch and transformers not installed")
+@pytest.mark.parametrize("change", [c for c, *_ in LONGROPE_HF])
+def test_live_longrope_matches_transformers(change):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatrain_jax.models.layers import rope_inv_freq
+    config = _longrope_config(**change)
+    hf = transformers.Phi3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    cfg = config_from_hf(config)
+    for long, seq_len in ((False, None), (True, 4097)):
+        inv, attention = ROPE_INIT_FUNCTIONS["longrope"](hf, seq_len=seq_len)
+        np.testing.assert_allclose(rope_inv_freq(96, cfg.rope_theta, cfg.rope_scaling, long=long), inv.numpy(),
+                                   rtol=1e-6)
+        assert cfg.rope_scaling.cos_sin_scale == pytest.approx(attention)
+
+
+def test_phi3_fused_tensors_split_and_fuse(tmp_path):
+    """qkv_proj's rows are q, k, v; gate_up_proj's are gate, then up (Phi3MLP's chunk(2)); an export fuses them back."""
+    folder = FIXTURES / "phi3"
+    ckpt = Checkpoint(folder)
+    _, _, blocks = load_hf(folder, dtype="float32")
+    qkv = ckpt.get("model.layers.1.self_attn.qkv_proj.weight")
+    gate_up = ckpt.get("model.layers.1.mlp.gate_up_proj.weight")
+    attn, mlp = blocks[1]["attn"], blocks[1]["mlp"]
+    assert qkv.shape == (64 + 2 * 32, 64) and gate_up.shape == (2 * 80, 64)
+    np.testing.assert_array_equal(np.concatenate([attn[n]["kernel"].T for n in "qkv"]), qkv)
+    np.testing.assert_array_equal(np.concatenate([mlp["gate"]["kernel"].T, mlp["up"]["kernel"].T]), gate_up)
+    assert not any("q_proj" in n or "gate_proj" in n for n in ckpt.names())
 
 
 def test_qwen_sliding_window_layers():
@@ -515,19 +622,20 @@ def test_linear_and_yarn_rope_scaling_read_and_written_as_transformers_does(rope
     assert again == cfg
 
 
-def test_engine_state_read_part_by_part_from_the_checkpoint_equals_a_filled_model():
+@pytest.mark.parametrize("name", ["llama", "phi3"])  # phi3: each kernel a piece of a fused tensor
+def test_engine_state_read_part_by_part_from_the_checkpoint_equals_a_filled_model(name):
     """``init_from=HFParts``: the state built from the safetensors, the model abstract throughout, equals
     the state of a model filled with load_hf_into first."""
     from flax import nnx
 
     from megatrain_jax import Decoder, Engine, adamw
     from megatrain_jax.hf import HFParts, load_hf_into, read_config
-    cfg = read_config(FIXTURES / "llama", dtype="float32")
+    cfg = read_config(FIXTURES / name, dtype="float32")
     filled = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-    load_hf_into(filled, FIXTURES / "llama")
+    load_hf_into(filled, FIXTURES / name)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     a = Engine(filled, adamw(1e-3)).state
-    b = Engine(abstract, adamw(1e-3), init_from=HFParts(FIXTURES / "llama", cfg)).state
+    b = Engine(abstract, adamw(1e-3), init_from=HFParts(FIXTURES / name, cfg)).state
     for x, y in zip(jax.tree.leaves([p.params for p in a.parts]), jax.tree.leaves([p.params for p in b.parts])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))

@@ -85,6 +85,8 @@ def _describe(hint: Any) -> str:
         return " or ".join("none" if a is type(None) else _describe(a) for a in typing.get_args(hint))
     if dataclasses.is_dataclass(hint):
         return f"a table of {hint.__name__} fields"
+    if typing.get_origin(hint) is tuple and typing.get_args(hint)[1:] == (Ellipsis,):
+        return f"an array, each entry {_describe(typing.get_args(hint)[0])}"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
         hint, getattr(hint, "__name__", str(hint)))
 
@@ -133,6 +135,10 @@ def coerce(value: Any, hint: Any, where: str | Where) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string, got {value!r}")
         return value
+    if origin is tuple and typing.get_args(hint)[1:] == (Ellipsis,):  # a TOML array (LongRoPE's factors, layer_types)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be {_describe(hint)}, got {value!r}")
+        return tuple(coerce(v, typing.get_args(hint)[0], where) for v in value)
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be {_describe(hint)}, got {value!r}")
@@ -234,4 +240,6 @@ def _toml_value(v: Any) -> str:
         return json.dumps(v)  # a JSON string is a valid TOML basic string
     if isinstance(v, dict):
         return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, (tuple, list)):  # LongRoPE's factors, layer_types
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {v!r} as TOML")

@@ -1,5 +1,5 @@
-"""Hugging Face ``config.json`` <-> DecoderConfig, for Llama, Mistral, Qwen2, Qwen3 and the mixtures of
-experts Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""Hugging Face ``config.json`` <-> DecoderConfig, for Llama, Mistral, Qwen2, Qwen3, Phi-3 (Phi-3, Phi-3.5,
+Phi-4, Phi-4-mini) and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Both the transformers 4.x spelling (``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and the 5.x one
 (``rope_parameters``, ``dtype``) are read; we write the 4.x spelling, which 5.x still reads. Anything
@@ -18,6 +18,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
@@ -26,6 +27,9 @@ _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _FAMILY_TO_TYPE = {family: mt for mt, (family, _) in ARCHITECTURES.items()}
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_moe": 128}  # transformers' default when config.json omits head_dim
 _SUPPORTED_ROPE = ("default", "llama3", "linear", "yarn")
+_PHI3_ROPE = ("default", "longrope")  # what Phi3Config accepts (after reading "su" and "yarn" as longrope)
+_DEFAULT_NORM_EPS = {"phi3": 1e-5}  # transformers' default when config.json omits rms_norm_eps (else 1e-6)
+_PHI3_ORIGINAL_MAX_POSITION = 4096  # Phi3Config's default original_max_position_embeddings
 # Hybrid models whose layers keep a recurrent state (linear attention, state-space layers) between tokens:
 # out of scope for this engine's blocks, refused by name with what they are.
 HYBRID_TYPES: dict[str, str] = {
@@ -72,7 +76,8 @@ def _model_type(c: dict[str, Any]) -> str:
     return mt
 
 
-def _rope(c: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
+def _rope(c: dict[str, Any], mt: str, max_pos: int) -> tuple[float, float, RopeScaling | None]:
+    """(rope_theta, partial_rotary_factor, scaling)."""
     params = c.get("rope_scaling") or c.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise UnsupportedConfig(f"rope parameters {params!r} are not a dict")
@@ -80,35 +85,46 @@ def _rope(c: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
         raise UnsupportedConfig(f"per-layer-type rope parameters {sorted(params)} are not supported")
     theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in _SUPPORTED_ROPE:
-        raise UnsupportedConfig(f"rope_scaling type {kind!r} is not supported; supported: "
-                                f"{list(_SUPPORTED_ROPE)}")
-    if float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise UnsupportedConfig(f"partial_rotary_factor {params.get('partial_rotary_factor')!r} "
-                                f"is not supported (RoPE on the whole head only)")
+    if mt == "phi3" and kind in ("su", "yarn"):  # Phi3Config reads its older names as longrope
+        kind = "longrope"
+    supported = _PHI3_ROPE if mt == "phi3" else _SUPPORTED_ROPE
+    if kind not in supported:
+        raise UnsupportedConfig(f"rope_scaling type {kind!r} is not supported for model_type {mt!r}; supported: "
+                                f"{list(supported)}")
+    partial = float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0 and mt != "phi3":
+        raise UnsupportedConfig(f"partial_rotary_factor {partial!r} is not supported for model_type {mt!r} (RoPE on "
+                                f"the whole head; only Phi-3's attention rotates part of it)")
     if kind == "default":
-        return theta, None
-    original = int(params.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
-                   or max_pos)
+        return theta, partial, None
+    if mt == "phi3":  # Phi3Config's own original_max_position_embeddings (default 4096) wins over rope_scaling's
+        original = int(c.get("original_max_position_embeddings") or _PHI3_ORIGINAL_MAX_POSITION)
+    else:
+        original = int(params.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
+                       or max_pos)
     factor = params.get("factor")
-    if factor is None and kind == "yarn":  # transformers: the ratio of the two lengths
+    if factor is None and kind in ("yarn", "longrope"):  # transformers: the ratio of the two lengths
         factor = max_pos / original
     if factor is None:
         raise UnsupportedConfig(f"rope_scaling {params!r} of type {kind!r} lacks 'factor'")
     optional = lambda key: None if params.get(key) is None else float(params[key])  # noqa: E731
+    factors = lambda key: None if params.get(key) is None else tuple(float(v) for v in params[key])  # noqa: E731
+    if kind == "longrope" and (params.get("short_factor") is None or params.get("long_factor") is None):
+        raise UnsupportedConfig(f"rope_scaling {params!r} of type 'longrope' lacks short_factor or long_factor")
     try:
-        return theta, RopeScaling(
+        return theta, partial, RopeScaling(
             factor=float(factor), low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)), original_max_position=original, kind=kind,
             beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
             attention_factor=optional("attention_factor"), mscale=optional("mscale"),
-            mscale_all_dim=optional("mscale_all_dim"), truncate=bool(params.get("truncate", True)))
+            mscale_all_dim=optional("mscale_all_dim"), truncate=bool(params.get("truncate", True)),
+            short_factor=factors("short_factor"), long_factor=factors("long_factor"))
     except ValueError as e:
         raise UnsupportedConfig(f"rope_scaling {params!r}: {e}") from None
 
 
 def _sliding_window(c: dict[str, Any], mt: str, layers: int) -> int | None:
-    if mt in ("mistral", "mixtral"):
+    if mt in ("mistral", "mixtral", "phi3"):  # Phi3Model masks by sliding_window whenever it is set
         return c.get("sliding_window")
     if mt == "llama":
         return None
@@ -135,11 +151,12 @@ def _check_unsupported(c: dict[str, Any], mt: str) -> None:
         raise UnsupportedConfig(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
     if c.get("mlp_bias", False):
         raise UnsupportedConfig("mlp_bias=True is not supported (the MLP has no biases)")
-    dropout = c.get("attention_dropout") or 0.0
-    if dropout != 0.0:
-        raise UnsupportedConfig(f"attention_dropout={dropout!r} is not supported (the engine trains without "
-                                f"dropout: docs/model_contract.md); set it to 0.0 in config.json to train "
-                                f"without dropout (the model's outputs at inference are unchanged)")
+    for key in ("attention_dropout", "resid_pdrop", "embd_pdrop"):  # the last two: Phi-3's
+        dropout = c.get(key) or 0.0
+        if dropout != 0.0:
+            raise UnsupportedConfig(f"{key}={dropout!r} is not supported (the engine trains without dropout: "
+                                    f"docs/model_contract.md); set it to 0.0 in config.json to train without "
+                                    f"dropout (the model's outputs at inference are unchanged)")
     if mt in _MOE_TYPES:
         if float(c.get("router_jitter_noise") or 0.0) != 0.0:
             raise UnsupportedConfig(f"router_jitter_noise={c['router_jitter_noise']!r} is not supported (routing is "
@@ -169,12 +186,12 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
         raise UnsupportedConfig(f"config.json lacks the required field {e.args[0]!r}") from None
     head_dim = c.get("head_dim") or _DEFAULT_HEAD_DIM.get(mt)
     max_pos = int(c.get("max_position_embeddings", 4096))
-    theta, scaling = _rope(c, max_pos)
+    theta, partial, scaling = _rope(c, mt, max_pos)
     fields.update(
         family=ARCHITECTURES[mt][0],
         head_dim=None if head_dim is None or (hidden % heads == 0 and head_dim == hidden // heads)
         else int(head_dim),
-        rope_theta=theta, rope_scaling=scaling, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial, norm_eps=float(c.get("rms_norm_eps", _DEFAULT_NORM_EPS.get(mt, 1e-6))),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=mt in ("qwen2", "qwen2_moe"), qk_norm=mt in ("qwen3", "qwen3_moe"),
         sliding_window=_sliding_window(c, mt, layers), max_positions=max_pos, moe=_moe(c, mt),
@@ -244,7 +261,7 @@ def _moe(c: dict[str, Any], mt: str) -> MoEConfig | None:
 def check_exportable(cfg: DecoderConfig) -> None:
     """Raise if transformers' class for ``cfg.family`` cannot express ``cfg`` exactly."""
     want = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False), "qwen3": (False, True),
-            "mixtral": (False, False), "qwen2_moe": (True, False), "qwen3_moe": (False, True)}
+            "phi3": (False, False), "mixtral": (False, False), "qwen2_moe": (True, False), "qwen3_moe": (False, True)}
     bias, norm = want[cfg.family]
     problems = []
     if (cfg.moe is not None) != (cfg.family in _MOE_TYPES):
@@ -264,6 +281,13 @@ def check_exportable(cfg: DecoderConfig) -> None:
         problems.append(f"qk_norm={cfg.qk_norm} (the {cfg.family} architecture has {norm})")
     if cfg.family == "llama" and cfg.sliding_window is not None:
         problems.append(f"sliding_window={cfg.sliding_window} (Llama has none; use family='mistral')")
+    if cfg.partial_rotary_factor != 1.0 and cfg.family != "phi3":
+        problems.append(f"partial_rotary_factor={cfg.partial_rotary_factor} (only Phi-3's attention rotates part "
+                        f"of a head)")
+    s = cfg.rope_scaling
+    if s is not None and (s.kind == "longrope") != (cfg.family == "phi3"):
+        problems.append(f"rope_scaling kind {s.kind!r} (Phi-3 takes no scaling or longrope only, and longrope is "
+                        f"Phi-3's alone)")
     if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1:
         problems.append(f"layer_types mixes sliding and full attention (not written to Hugging Face configs yet)")
     if cfg.first_k_dense_replace:
@@ -278,6 +302,12 @@ def rope_to_hf(s: RopeScaling) -> dict[str, Any]:
     """The ``rope_scaling`` dict transformers reads for ``s``."""
     if s.kind == "linear":
         return {"rope_type": "linear", "factor": s.factor}
+    if s.kind == "longrope":  # Phi-3: original_max_position_embeddings is a top-level field (config_to_hf)
+        out = {"rope_type": "longrope", "factor": s.factor, "short_factor": list(s.short_factor),
+               "long_factor": list(s.long_factor)}
+        if s.attention_factor is not None:
+            out["attention_factor"] = s.attention_factor
+        return out
     if s.kind == "yarn":
         out = {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_position,
                "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "truncate": s.truncate}
@@ -310,8 +340,15 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         out["attention_bias"] = False
     if mt == "llama":
         out["mlp_bias"] = False
-    if mt in ("mistral", "mixtral"):
+    if mt in ("mistral", "mixtral", "phi3"):
         out["sliding_window"] = cfg.sliding_window
+    if mt == "phi3":
+        s = cfg.rope_scaling
+        # Phi3Config's defaults otherwise: pad_token_id 32000 (an embedding's padding row, refused past a
+        # smaller vocabulary) and an original length of 4096 that overrides rope_scaling's
+        out.update(original_max_position_embeddings=cfg.max_positions if s is None else s.original_max_position,
+                   partial_rotary_factor=cfg.partial_rotary_factor, resid_pdrop=0.0, embd_pdrop=0.0,
+                   pad_token_id=None)
     if cfg.moe is not None:
         m = cfg.moe
         out.update(num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)

@@ -3,7 +3,9 @@
 Our parameters are pure nested dicts of float32 numpy arrays, one tree for ``model.io`` and one per
 block (the layout of ``nnx.to_pure_dict(nnx.state(part, nnx.Param))``). HF ``nn.Linear`` weights are
 [out, in] and our kernels [in, out], so every projection is transposed. HF Llama checkpoints are
-already in rotate-half RoPE layout, which our attention uses, so q/k need no permutation.
+already in rotate-half RoPE layout, which our attention uses, so q/k need no permutation. Phi-3 fuses
+q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj``: each of our leaves reads its rows of
+the fused tensor, and an export writes the pieces back as one tensor.
 Loading goes tensor by tensor from memory-mapped files, so peak extra memory is about one tensor.
 """
 
@@ -43,10 +45,16 @@ class Spec:
     hf_shape: tuple[int, ...]
     transpose: bool
     expert: int | None = None  # one expert's slice [expert] of a leaf stacked over experts
+    rows: tuple[int, int] | None = None  # our leaf is rows [start, stop) of a fused HF tensor (Phi-3's)
 
     @property
     def our_shape(self) -> tuple[int, ...]:
-        return tuple(reversed(self.hf_shape)) if self.transpose else self.hf_shape
+        shape = self.hf_shape if self.rows is None else (self.rows[1] - self.rows[0], *self.hf_shape[1:])
+        return tuple(reversed(shape)) if self.transpose else shape
+
+    def of(self, tensor: Any) -> Any:
+        """Our leaf's part of the HF tensor as stored (a view of it), not yet transposed."""
+        return tensor if self.rows is None else tensor[self.rows[0]:self.rows[1]]
 
 
 def io_specs(cfg: DecoderConfig) -> list[Spec]:
@@ -64,6 +72,8 @@ def block_specs(cfg: DecoderConfig, i: int) -> list[Spec]:
     p = f"model.layers.{i}."
     specs = [Spec(p + "input_layernorm.weight", ("attn_norm", "scale"), (D,), False),
              Spec(p + "post_attention_layernorm.weight", ("mlp_norm", "scale"), (D,), False)]
+    if cfg.family == "phi3":
+        return specs + _phi3_specs(cfg, p)
     for ours, out_dim in (("q", q), ("k", kv), ("v", kv)):
         specs.append(Spec(p + f"self_attn.{ours}_proj.weight", ("attn", ours, "kernel"), (out_dim, D), True))
         if cfg.qkv_bias:
@@ -77,6 +87,21 @@ def block_specs(cfg: DecoderConfig, i: int) -> list[Spec]:
     for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
         specs.append(Spec(p + f"mlp.{name}_proj.weight", ("mlp", name, "kernel"), shape, True))
     return specs
+
+
+def _phi3_specs(cfg: DecoderConfig, p: str) -> list[Spec]:
+    """Phi-3's fused projections: ``qkv_proj`` [q + k + v rows, D] (Phi3Attention slices q, k, v in that
+    order) and ``gate_up_proj`` [2F, D] (Phi3MLP's ``chunk(2)``: gate, then up)."""
+    D, F, hd = cfg.hidden, cfg.ffn, cfg.dim_per_head
+    q, kv = cfg.heads * hd, cfg.kv_heads * hd
+    qkv, gate_up = (q + 2 * kv, D), (2 * F, D)
+    return [Spec(p + "self_attn.qkv_proj.weight", ("attn", "q", "kernel"), qkv, True, rows=(0, q)),
+            Spec(p + "self_attn.qkv_proj.weight", ("attn", "k", "kernel"), qkv, True, rows=(q, q + kv)),
+            Spec(p + "self_attn.qkv_proj.weight", ("attn", "v", "kernel"), qkv, True, rows=(q + kv, q + 2 * kv)),
+            Spec(p + "self_attn.o_proj.weight", ("attn", "o", "kernel"), (D, q), True),
+            Spec(p + "mlp.gate_up_proj.weight", ("mlp", "gate", "kernel"), gate_up, True, rows=(0, F)),
+            Spec(p + "mlp.gate_up_proj.weight", ("mlp", "up", "kernel"), gate_up, True, rows=(F, 2 * F)),
+            Spec(p + "mlp.down_proj.weight", ("mlp", "down", "kernel"), (D, F), True)]
 
 
 def _moe_specs(cfg: DecoderConfig, p: str) -> list[Spec]:
@@ -142,7 +167,7 @@ def _read_part(ckpt: Checkpoint, specs: Sequence[Spec]) -> PureTree:
     tree: PureTree = {}
     experts = 1 + max((s.expert for s in specs if s.expert is not None), default=-1)
     for s in specs:
-        src = ckpt.get(s.hf_name)  # a memory-mapped view: only this tensor is materialized, once
+        src = s.of(ckpt.get(s.hf_name))  # a memory-mapped view: only this tensor (or piece) is materialized, once
         _place(tree, s, np.array(src.T if s.transpose else src, dtype=np.float32, order="C"), experts)
     return _stacked(tree)
 
@@ -242,7 +267,7 @@ def _stored_part(ckpt: Checkpoint, specs: Sequence[Spec]) -> PureTree:
     tree: PureTree = {}
     experts = 1 + max((s.expert for s in specs if s.expert is not None), default=-1)
     for s in specs:
-        _place(tree, s, ckpt.get(s.hf_name), experts)
+        _place(tree, s, s.of(ckpt.get(s.hf_name)), experts)
     return tree
 
 
@@ -340,7 +365,7 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
     hf_config = config_to_hf(cfg, dtype)
     parts = [("io", _pure(io_params), io_specs(cfg))]
     parts += [(f"block {i}", _pure(p), block_specs(cfg, i)) for i, p in enumerate(block_params)]
-    entries, wrong = {}, []
+    pieces, wrong = {}, []  # HF name -> (shape, producers of its pieces in row order)
     for part, tree, specs in parts:
         for s in specs:
             value = _lookup(tree, s.path, part)
@@ -350,7 +375,8 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
                 if s.expert is None or s.expert == 0:  # a stacked leaf is reported once
                     wrong.append(f"  {part} {'.'.join(s.path)} ({s.hf_name}): expected {list(want)}, found {list(shape)}")
                 continue
-            entries[s.hf_name] = (s.hf_name, s.hf_shape, _producer(value, s.transpose, s.expert))
+            pieces.setdefault(s.hf_name, (s.hf_shape, []))[1].append(_producer(value, s.transpose, s.expert))
+    entries = {name: (name, shape, one[0] if len(one) == 1 else _fused(one)) for name, (shape, one) in pieces.items()}
     if wrong:
         raise CheckpointMismatch("parameters do not match the config:\n" + "\n".join(wrong))
 
@@ -389,6 +415,11 @@ def _producer(value: Any, transpose: bool, expert: int | None = None):
         x = np.asarray(value) if expert is None else np.asarray(value)[expert]
         return np.asarray(x, np.float32).T if transpose else x
     return produce
+
+
+def _fused(producers):
+    """Deferred fusion of the pieces of one HF tensor (Phi-3's qkv_proj, gate_up_proj), rows in order."""
+    return lambda: np.concatenate([produce() for produce in producers], axis=0)
 
 
 def _np_dtype(name: str) -> np.dtype:

@@ -1,4 +1,4 @@
-"""Decoder configuration: one dataclass for the Llama / Mistral / Qwen2 / Qwen3 family, and named presets."""
+"""Decoder configuration: one dataclass for the Llama / Mistral / Qwen2 / Qwen3 / Phi-3 family, and named presets."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import math
 import difflib
 from typing import Literal
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn")
 # Default bound on packed documents per row times the row's tokens (DecoderConfig.max_segments).
 SEGMENT_TOKENS = 2**16
 
 
-ROPE_KINDS: tuple[str, ...] = ("llama3", "linear", "yarn")
+ROPE_KINDS: tuple[str, ...] = ("llama3", "linear", "yarn", "longrope")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
 
@@ -30,7 +30,13 @@ class RopeScaling:
     - ``yarn``: per-dimension blend of interpolation and extrapolation between the dimensions that turn
       ``beta_fast`` and ``beta_slow`` times over ``original_max_position`` (rounded outwards unless not
       ``truncate``), and cos/sin scaled by ``attention_factor`` (default ``0.1 ln(factor) + 1``, or the
-      ratio of the ``mscale`` / ``mscale_all_dim`` ones when both are given).
+      ratio of the ``mscale`` / ``mscale_all_dim`` ones when both are given);
+    - ``longrope`` (Phi-3 128k, Phi-3.5, Phi-4-mini): each frequency divided by its own factor, from
+      ``short_factor`` or ``long_factor`` (one per rotated dimension pair): the long ones when the batch's
+      largest position + 1 exceeds ``original_max_position``, the short ones otherwise (transformers decides
+      per forward pass the same way), and cos/sin scaled by ``attention_factor`` (default
+      ``sqrt(1 + ln(factor) / ln(original_max_position))``, where ``factor`` is the context extension, for
+      both factor sets).
     """
 
     factor: float = 8.0
@@ -44,20 +50,37 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):  # as stored in JSON or TOML: hashable, like every field
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
         if self.kind not in ROPE_KINDS:
             raise ValueError(f"rope_scaling kind {self.kind!r} is not supported; supported: {list(ROPE_KINDS)}")
         if not self.factor > 0:
             raise ValueError(f"rope_scaling factor must be positive, got {self.factor!r}")
+        longrope = self.kind == "longrope"
+        for name in ("short_factor", "long_factor"):
+            if longrope != (getattr(self, name) is not None):
+                raise ValueError(f"rope_scaling {name} is {'required' if longrope else 'only read'} for kind "
+                                 f"'longrope' (kind is {self.kind!r})")
+        if longrope and len(self.short_factor) != len(self.long_factor):
+            raise ValueError(f"rope_scaling short_factor and long_factor differ in length "
+                             f"({len(self.short_factor)} and {len(self.long_factor)})")
 
     @property
     def cos_sin_scale(self) -> float:
-        """What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise)."""
-        if self.kind != "yarn":
+        """What cos and sin are multiplied by (YaRN's and LongRoPE's attention factor; 1 otherwise)."""
+        if self.kind not in ("yarn", "longrope"):
             return 1.0
         if self.attention_factor is not None:
             return float(self.attention_factor)
+        if self.kind == "longrope":
+            if self.factor <= 1:
+                return 1.0
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position))
 
         def mscale(scale: float, m: float = 1.0) -> float:
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -139,6 +162,9 @@ class DecoderConfig:
     head_dim: int | None = None  # default hidden // heads
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # The fraction of each head's dimensions RoPE rotates (the first ``rotary_dim``; Phi-4-mini's 0.75), the
+    # rest passing through unrotated; 1.0: all of them.
+    partial_rotary_factor: float = 1.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
@@ -205,6 +231,11 @@ class DecoderConfig:
     @property
     def dim_per_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head that RoPE rotates (as transformers rounds it)."""
+        return int(self.dim_per_head * self.partial_rotary_factor)
 
     def segments_per_row(self, seq_len: int) -> int:
         """The most packed documents a row of ``seq_len`` tokens may hold (``max_segments``)."""
@@ -285,6 +316,13 @@ def validate(cfg: DecoderConfig) -> None:
                          f"attention needs heads to be a multiple of kv_heads)")
     if cfg.dim_per_head % 2:
         raise ValueError(f"head dimension {cfg.dim_per_head} must be even for RoPE")
+    if not 0 < cfg.partial_rotary_factor <= 1 or cfg.rotary_dim % 2 or cfg.rotary_dim == 0:
+        raise ValueError(f"partial_rotary_factor={cfg.partial_rotary_factor!r} must be in (0, 1] and rotate an even, "
+                         f"nonzero number of the head's {cfg.dim_per_head} dimensions (it rotates {cfg.rotary_dim})")
+    s = cfg.rope_scaling
+    if s is not None and s.kind == "longrope" and len(s.short_factor) != cfg.rotary_dim // 2:
+        raise ValueError(f"rope_scaling short_factor and long_factor have {len(s.short_factor)} entries; the "
+                         f"{cfg.rotary_dim} rotated dimensions of a head need {cfg.rotary_dim // 2}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype {cfg.dtype!r} not supported; allowed: {list(DTYPES)}"
                          f"{_did_you_mean(cfg.dtype, DTYPES)}")
@@ -353,6 +391,16 @@ PRESETS: dict[str, DecoderConfig] = {
     "qwen3-8b": DecoderConfig(family="qwen3", vocab_size=151936, hidden=4096, ffn=12288, layers=36, heads=32,
                               kv_heads=8, head_dim=128, rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True,
                               max_positions=40960),
+    # Phi-3 (microsoft/Phi-3-mini-4k-instruct, Phi-3-medium-4k-instruct: 3.82B, 13.96B) and Phi-4 (14.66B):
+    # fused q/k/v and gate/up tensors in their checkpoints (hf/mapping.py), the 4k models' 2,047-token window.
+    "phi3-mini": DecoderConfig(family="phi3", vocab_size=32064, hidden=3072, ffn=8192, layers=32, heads=32,
+                               kv_heads=32, rope_theta=10000.0, norm_eps=1e-5, sliding_window=2047,
+                               max_positions=4096),
+    "phi3-medium": DecoderConfig(family="phi3", vocab_size=32064, hidden=5120, ffn=17920, layers=40, heads=40,
+                                 kv_heads=10, rope_theta=10000.0, norm_eps=1e-5, sliding_window=2047,
+                                 max_positions=4096),
+    "phi4": DecoderConfig(family="phi3", vocab_size=100352, hidden=5120, ffn=17920, layers=40, heads=40,
+                          kv_heads=10, rope_theta=250000.0, norm_eps=1e-5, max_positions=16384),
     "llama3-70b": DecoderConfig(vocab_size=128256, hidden=8192, ffn=28672, layers=80, heads=64, kv_heads=8,
                                 rope_theta=500000.0, max_positions=8192),
     # A dense 120B Llama-style shape (no published checkpoint; sized like MegaTrain's 120B claim).

@@ -46,9 +46,10 @@ class RMSNorm(nnx.Module):
         return (self.scale[...] * y).astype(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """RoPE inverse frequencies [H/2], scaled as ``scaling`` says (``RopeScaling``: llama3, linear, yarn),
-    computed as Hugging Face does."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, long: bool = False) -> np.ndarray:
+    """RoPE inverse frequencies [H/2] (``head_dim`` H: the rotated dimensions), scaled as ``scaling`` says
+    (``RopeScaling``: llama3, linear, yarn, longrope), computed as Hugging Face does. ``long`` picks
+    LongRoPE's long factors (the short ones otherwise; other kinds have one set)."""
     exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
     inv = 1.0 / theta ** exponents
     if scaling is None:
@@ -57,6 +58,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
         return (inv / scaling.factor).astype(np.float32)
     if scaling.kind == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling, inv)
+    if scaling.kind == "longrope":
+        return (inv / np.asarray(scaling.long_factor if long else scaling.short_factor, np.float64)).astype(np.float32)
     low_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -66,6 +69,18 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
     scaled = np.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
     return scaled.astype(np.float32)
+
+
+def rope_frequencies(cfg: DecoderConfig, positions_BT: jax.Array) -> jax.Array | np.ndarray:
+    """The inverse frequencies [rotary_dim / 2] the attention rotates ``positions_BT`` by. LongRoPE takes its
+    long factors when the largest position + 1 exceeds the original length (as transformers decides for
+    each forward pass), its short ones otherwise: a choice made on the device, no host sync."""
+    inv = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+    s = cfg.rope_scaling
+    if s is None or s.kind != "longrope":
+        return inv
+    long = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, s, long=True)
+    return jnp.where(jnp.max(positions_BT) + 1 > s.original_max_position, jnp.asarray(long), jnp.asarray(inv))
 
 
 def _yarn_inv_freq(head_dim: int, theta: float, s: RopeScaling, extrapolated: np.ndarray) -> np.ndarray:
@@ -86,9 +101,15 @@ def _yarn_inv_freq(head_dim: int, theta: float, s: RopeScaling, extrapolated: np
     return inv.astype(np.float32)
 
 
-def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
-    """Rotate-half RoPE (the Hugging Face convention), computed in float32; cos and sin are multiplied by
-    ``scale`` (YaRN's attention factor)."""
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray | jax.Array,
+               scale: float = 1.0) -> jax.Array:
+    """Rotate-half RoPE (the Hugging Face convention), computed in float32, on the first ``2 * len(inv_freq)``
+    dimensions of each head (all of them unless ``partial_rotary_factor``); the rest pass unchanged. cos and
+    sin are multiplied by ``scale`` (YaRN's and LongRoPE's attention factor)."""
+    rotary = 2 * inv_freq.shape[0]
+    if rotary < x_BTNH.shape[-1]:
+        rotated = apply_rope(x_BTNH[..., :rotary], positions_BT, inv_freq, scale)
+        return jnp.concatenate([rotated, x_BTNH[..., rotary:]], axis=-1)
     angles_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     cos = jnp.concatenate([jnp.cos(angles_BTh)] * 2, axis=-1)[:, :, None, :]
     sin = jnp.concatenate([jnp.sin(angles_BTh)] * 2, axis=-1)[:, :, None, :]
@@ -173,7 +194,7 @@ class Attention(nnx.Module):
         v_BTKH = self.v(x_BTD).reshape(B, T, cfg.kv_heads, hd)
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        inv_freq = rope_inv_freq(hd, cfg.rope_theta, cfg.rope_scaling)
+        inv_freq = rope_frequencies(cfg, positions_BT)
         scale = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.cos_sin_scale
         q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq, scale)
         k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, scale)
