@@ -345,10 +345,11 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     if mt == "phi3":
         s = cfg.rope_scaling
         # Phi3Config's defaults otherwise: pad_token_id 32000 (an embedding's padding row, refused past a
-        # smaller vocabulary) and an original length of 4096 that overrides rope_scaling's
+        # smaller vocabulary) where the model has none, and an original length of 4096 that overrides
+        # rope_scaling's
         out.update(original_max_position_embeddings=cfg.max_positions if s is None else s.original_max_position,
                    partial_rotary_factor=cfg.partial_rotary_factor, resid_pdrop=0.0, embd_pdrop=0.0,
-                   pad_token_id=None)
+                   pad_token_id=_json_id(cfg.pad_token_id) if cfg.pad_token_id is not None else None)
     if cfg.moe is not None:
         m = cfg.moe
         out.update(num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
