@@ -15,10 +15,10 @@ Check that folders written by ``megatrain_jax.hf.save_hf`` load in transformers
 then load with this one (``--against`` gives the folders whose tokens.npy / logits.npy to compare with):
 
     /work/venv/bin/python -c "from megatrain_jax.hf import load_hf, save_hf
-    for n in ['llama', 'llama_tied_rope3', 'mistral', 'qwen2', 'qwen3']:
+    for n in ['llama', 'llama_tied_rope3', 'mistral', 'qwen2', 'qwen3', 'olmo2']:
         save_hf(f'/tmp/hf_export/{n}', *load_hf(f'tests/fixtures/hf/{n}'), dtype='float32')"
     /work/venv-hf/bin/python scripts/make_hf_fixtures.py --check-export /tmp/hf_export/* \
-        --against tests/fixtures/hf/{llama,llama_tied_rope3,mistral,qwen2,qwen3}
+        --against tests/fixtures/hf/{llama,llama_tied_rope3,mistral,olmo2,qwen2,qwen3}
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ FIXTURES = {
                                                                 norm_topk_prob=False, decoder_sparse_step=1,
                                                                 mlp_only_layers=[], use_sliding_window=False,
                                                                 rope_theta=1000000.0)),
+    # OLMo 2: post-norm blocks, q/k RMSNorm over all heads (widths 64 and 32: grouped-query attention)
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=500000.0)),
 }
 
 

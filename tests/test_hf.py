@@ -27,7 +27,7 @@ from megatrain_jax.hf import (Checkpoint, CheckpointMismatch, SafetensorsError, 
 from megatrain_jax.models import Decoder, preset
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-NAMES = ["llama", "llama_tied_rope3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe"]
+NAMES = ["llama", "llama_tied_rope3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "olmo2"]
 HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
