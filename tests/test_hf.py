@@ -351,7 +351,8 @@ def test_config_from_hf_matches_presets():
     assert config_from_hf(qwen3).replace(head_dim=128) == preset("qwen3-8b")
 
 
-@pytest.mark.parametrize("name", ["tiny", "llama3.2-1b", "llama3.1-8b", "mistral-7b", "qwen2.5-14b", "qwen3-8b"])
+@pytest.mark.parametrize("name", ["tiny", "llama3.2-1b", "llama3.1-8b", "mistral-7b", "qwen2.5-14b", "qwen3-8b",
+                                  "olmo2-1b", "olmo2-13b"])
 def test_config_round_trip(name):
     cfg = preset(name)
     back = config_from_hf(json.loads(json.dumps(config_to_hf(cfg))), dtype=cfg.dtype,
