@@ -15,10 +15,10 @@ Check that folders written by ``megatrain_jax.hf.save_hf`` load in transformers
 then load with this one (``--against`` gives the folders whose tokens.npy / logits.npy to compare with):
 
     /work/venv/bin/python -c "from megatrain_jax.hf import load_hf, save_hf
-    for n in ['llama', 'llama_tied_rope3', 'mistral', 'qwen2', 'qwen3', 'phi3', 'phi3_longrope']:
+    for n in ['llama', 'llama_tied_rope3', 'mistral', 'qwen2', 'qwen3', 'phi3', 'phi3_longrope', 'olmo2']:
         save_hf(f'/tmp/hf_export/{n}', *load_hf(f'tests/fixtures/hf/{n}'), dtype='float32')"
     /work/venv-hf/bin/python scripts/make_hf_fixtures.py --check-export /tmp/hf_export/* \
-        --against tests/fixtures/hf/{llama,llama_tied_rope3,mistral,phi3,phi3_longrope,qwen2,qwen3}
+        --against tests/fixtures/hf/{llama,llama_tied_rope3,mistral,olmo2,phi3,phi3_longrope,qwen2,qwen3}
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ FIXTURES = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                          "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
                          "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]})),
+    # OLMo 2: post-norm blocks, q/k RMSNorm over all heads (widths 64 and 32: grouped-query attention)
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=500000.0)),
 }
 
 

@@ -29,7 +29,7 @@ from megatrain_jax.models import Decoder, preset
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 NAMES = ["llama", "llama_tied_rope3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3",
-         "phi3_longrope"]
+         "phi3_longrope", "olmo2"]
 HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
@@ -360,7 +360,7 @@ def test_config_from_hf_matches_presets():
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama3.2-1b", "llama3.1-8b", "mistral-7b", "qwen2.5-14b", "qwen3-8b",
-                                  "phi3-mini", "phi3-medium", "phi4"])
+                                  "phi3-mini", "phi3-medium", "phi4", "olmo2-1b", "olmo2-13b"])
 def test_config_round_trip(name):
     cfg = preset(name)
     back = config_from_hf(json.loads(json.dumps(config_to_hf(cfg))), dtype=cfg.dtype,

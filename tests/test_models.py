@@ -91,19 +91,23 @@ def ref_forward(p: dict, cfg: DecoderConfig, tokens_BT, positions_BT, segment_id
         y = mm(x, lin["kernel"])
         return y + lin["bias"] if "bias" in lin else y
 
+    post = cfg.norm_placement == "post"  # OLMo 2: x + norm(f(x)); else x + f(norm(x))
     x = p["io"]["embedding"][tokens_BT]
     for i in range(cfg.layers):
         blk = p["blocks"][i]
         a = blk["attn"]
-        h = ref_rmsnorm(x, blk["attn_norm"]["scale"], cfg.norm_eps)
-        q = proj(h, a["q"]).reshape(B, T, N, hd)
-        k = proj(h, a["k"]).reshape(B, T, K, hd)
+        h = x if post else ref_rmsnorm(x, blk["attn_norm"]["scale"], cfg.norm_eps)
+        q, k = proj(h, a["q"]), proj(h, a["k"])
+        if cfg.qk_norm and cfg.qk_norm_width == "all_heads":  # over the whole projection, before the heads split
+            q = ref_rmsnorm(q, a["q_norm"]["scale"], cfg.norm_eps)
+            k = ref_rmsnorm(k, a["k_norm"]["scale"], cfg.norm_eps)
+        q, k = q.reshape(B, T, N, hd), k.reshape(B, T, K, hd)
         v = proj(h, a["v"]).reshape(B, T, K, hd)
         heads = []
         for n in range(N):
             kv = n // (N // K)  # query head n reads kv head n // group
             qn, kn, vn = q[:, :, n], k[:, :, kv], v[:, :, kv]
-            if cfg.qk_norm:
+            if cfg.qk_norm and cfg.qk_norm_width == "head":
                 qn = ref_rmsnorm(qn, a["q_norm"]["scale"], cfg.norm_eps)
                 kn = ref_rmsnorm(kn, a["k_norm"]["scale"], cfg.norm_eps)
             qn, kn = rope(qn), rope(kn)
@@ -112,11 +116,13 @@ def ref_forward(p: dict, cfg: DecoderConfig, tokens_BT, positions_BT, segment_id
             e = jnp.exp(scores - scores.max(-1, keepdims=True))
             probs = e / e.sum(-1, keepdims=True)
             heads.append(jnp.einsum("bqk,bkh->bqh", probs, vn, precision=HI))
-        x = x + mm(jnp.concatenate(heads, -1), a["o"]["kernel"])
-        h = ref_rmsnorm(x, blk["mlp_norm"]["scale"], cfg.norm_eps)
+        out = mm(jnp.concatenate(heads, -1), a["o"]["kernel"])
+        x = x + (ref_rmsnorm(out, blk["attn_norm"]["scale"], cfg.norm_eps) if post else out)
+        h = x if post else ref_rmsnorm(x, blk["mlp_norm"]["scale"], cfg.norm_eps)
         m = blk["mlp"]
         g = mm(h, m["gate"]["kernel"])
-        x = x + mm((g / (1 + jnp.exp(-g))) * mm(h, m["up"]["kernel"]), m["down"]["kernel"])
+        out = mm((g / (1 + jnp.exp(-g))) * mm(h, m["up"]["kernel"]), m["down"]["kernel"])
+        x = x + (ref_rmsnorm(out, blk["mlp_norm"]["scale"], cfg.norm_eps) if post else out)
     x = ref_rmsnorm(x, p["io"]["final_norm"]["scale"], cfg.norm_eps)
     w = p["io"]["embedding"].T if cfg.tie_embeddings else p["io"]["lm_head"]
     return mm(x, w)
@@ -133,6 +139,8 @@ FAMILY_CASES = {
     "mistral-window4": dict(family="mistral", sliding_window=4),
     "qwen2-qkv-bias": dict(family="qwen2", qkv_bias=True, norm_eps=1e-6, rope_theta=1e6),
     "qwen3-qk-norm": dict(family="qwen3", qk_norm=True, head_dim=16, norm_eps=1e-6),
+    "olmo2-post-norm": dict(family="olmo2", qk_norm=True, qk_norm_width="all_heads", norm_placement="post",
+                            rope_theta=500000.0, norm_eps=1e-6),
     "llama3-rope-scaling": dict(rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                          original_max_position=64)),
     "llama-packed-segments": dict(),
@@ -141,8 +149,9 @@ FAMILY_CASES = {
 
 @pytest.mark.parametrize("case", list(FAMILY_CASES))
 def test_forward_matches_independent_reference(case, make_cfg, build_model, tokens):
-    """Each family switch (tied head, sliding window, qkv bias, qk norm, llama3 RoPE scaling, packed
-    segments) gives the same logits as a from-scratch implementation of the published architecture."""
+    """Each family switch (tied head, sliding window, qkv bias, qk norm per head or over all heads, post-norm
+    blocks, llama3 RoPE scaling, packed segments) gives the same logits as a from-scratch implementation of
+    the published architecture."""
     cfg = make_cfg(**FAMILY_CASES[case])
     model = build_model(cfg)
     B, T = 2, 16

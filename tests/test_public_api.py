@@ -10,19 +10,20 @@ import pytest
 import megatrain_jax
 
 # megatrain_jax.__all__ on main before the package was split into engine/, plan/ and contract/ (24a7976), and
-# since issue 31 DeviceOutOfMemoryError (a step that ran out of GPU memory, and whether its update began).
+# since issue 31 DeviceOutOfMemoryError (a step that ran out of GPU memory, and whether its update began), since
+# issue 34 from_hf and to_hf (a model from a Hugging Face folder and back, one call each).
 TOP = ["Batch", "ContractError", "Decoder", "DecoderConfig", "DeviceOutOfMemoryError", "Engine", "EngineConfig",
        "History", "Hook", "LayeredModel", "ModelCheck", "NonFiniteError", "ReferenceTrainer", "StepInfo",
        "StepOutput", "TrainConfig", "UnsupportedOptimizerError", "adamw", "check_model", "decay_mask",
-       "default_optimizer", "eval_hook", "evaluate", "fit", "layered", "preset"]
+       "default_optimizer", "eval_hook", "evaluate", "fit", "from_hf", "layered", "preset", "to_hf"]
 
 SUBPACKAGES = {
     "data": ["DataConfig", "Prefetcher", "TokenBatches", "TokenDataset", "TokenFile", "TokenWriter", "demo_dataset",
              "demo_tokens", "prefetch", "write_tokens"],
     "hf": ["ARCHITECTURES", "Checkpoint", "CheckpointMismatch", "HFParts", "SafetensorsError", "SafetensorsFile",
-           "UnsupportedConfig", "block_specs", "check_checkpoint", "config_from_hf", "config_to_hf", "io_specs",
-           "iter_blocks", "load_hf", "load_hf_into", "open_checkpoint", "read_config", "read_io", "read_safetensors",
-           "save_hf", "write_safetensors"],
+           "UnsupportedConfig", "block_specs", "check_checkpoint", "config_from_hf", "config_to_hf", "from_hf",
+           "io_specs", "iter_blocks", "load_hf", "load_hf_into", "open_checkpoint", "read_config", "read_io",
+           "read_safetensors", "save_hf", "to_hf", "write_safetensors"],
     "checkpoint": ["CheckpointSession", "CheckpointWarning", "CheckpointWriteError", "CheckpointedExit", "Checkpointer",
                    "CorruptCheckpointError", "ShapeMismatchError", "check_step", "committed_steps", "load_model",
                    "load_params", "save_model", "save_params"],

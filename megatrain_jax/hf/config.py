@@ -1,5 +1,5 @@
 """Hugging Face ``config.json`` <-> DecoderConfig, for Llama, Mistral, Qwen2, Qwen3, Phi-3 (Phi-3, Phi-3.5,
-Phi-4, Phi-4-mini) and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE.
+Phi-4, Phi-4-mini), OLMo 2 and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 Both the transformers 4.x spelling (``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and the 5.x one
 (``rope_parameters``, ``dtype``) are read; we write the 4.x spelling, which 5.x still reads. Anything
@@ -19,6 +19,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "olmo2": ("olmo2", "Olmo2ForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
@@ -28,7 +29,7 @@ _FAMILY_TO_TYPE = {family: mt for mt, (family, _) in ARCHITECTURES.items()}
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_moe": 128}  # transformers' default when config.json omits head_dim
 _SUPPORTED_ROPE = ("default", "llama3", "linear", "yarn")
 _PHI3_ROPE = ("default", "longrope")  # what Phi3Config accepts (after reading "su" and "yarn" as longrope)
-_DEFAULT_NORM_EPS = {"phi3": 1e-5}  # transformers' default when config.json omits rms_norm_eps (else 1e-6)
+_DEFAULT_NORM_EPS = {"phi3": 1e-5, "olmo2": 1e-5}  # transformers' default when config.json omits rms_norm_eps (else 1e-6)
 _PHI3_ORIGINAL_MAX_POSITION = 4096  # Phi3Config's default original_max_position_embeddings
 # Hybrid models whose layers keep a recurrent state (linear attention, state-space layers) between tokens:
 # out of scope for this engine's blocks, refused by name with what they are.
@@ -126,7 +127,7 @@ def _rope(c: dict[str, Any], mt: str, max_pos: int) -> tuple[float, float, RopeS
 def _sliding_window(c: dict[str, Any], mt: str, layers: int) -> int | None:
     if mt in ("mistral", "mixtral", "phi3"):  # Phi3Model masks by sliding_window whenever it is set
         return c.get("sliding_window")
-    if mt == "llama":
+    if mt in ("llama", "olmo2"):
         return None
     # Qwen2/3: a window only when use_sliding_window, and then only on layers >= max_window_layers
     window = c.get("sliding_window") if c.get("use_sliding_window", False) else None
@@ -165,7 +166,7 @@ def _check_unsupported(c: dict[str, Any], mt: str) -> None:
             raise UnsupportedConfig(f"decoder_sparse_step={c.get('decoder_sparse_step')!r}, mlp_only_layers="
                                     f"{c.get('mlp_only_layers')!r}: only models whose every layer is a mixture of "
                                     f"experts are supported (one block template serves every layer)")
-    if mt in ("llama", "mistral", "qwen3", "mixtral", "qwen3_moe") and c.get("attention_bias", False):
+    if mt in ("llama", "mistral", "qwen3", "olmo2", "mixtral", "qwen3_moe") and c.get("attention_bias", False):
         raise UnsupportedConfig(f"attention_bias=True for model_type {mt!r} is not supported (it also "
                                 f"puts a bias on o_proj; only Qwen2-style q/k/v biases are)")
 
@@ -191,9 +192,11 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
         family=ARCHITECTURES[mt][0],
         head_dim=None if head_dim is None or (hidden % heads == 0 and head_dim == hidden // heads)
         else int(head_dim),
-        rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial, norm_eps=float(c.get("rms_norm_eps", _DEFAULT_NORM_EPS.get(mt, 1e-6))),
+        rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
+        norm_eps=float(c.get("rms_norm_eps", _DEFAULT_NORM_EPS.get(mt, 1e-6))),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=mt in ("qwen2", "qwen2_moe"), qk_norm=mt in ("qwen3", "qwen3_moe"),
+        qkv_bias=mt in ("qwen2", "qwen2_moe"), qk_norm=mt in ("qwen3", "qwen3_moe", "olmo2"),
+        qk_norm_width="all_heads" if mt == "olmo2" else "head", norm_placement="post" if mt == "olmo2" else "pre",
         sliding_window=_sliding_window(c, mt, layers), max_positions=max_pos, moe=_moe(c, mt),
         **token_ids(c))
     fields.update(overrides)
@@ -261,8 +264,10 @@ def _moe(c: dict[str, Any], mt: str) -> MoEConfig | None:
 def check_exportable(cfg: DecoderConfig) -> None:
     """Raise if transformers' class for ``cfg.family`` cannot express ``cfg`` exactly."""
     want = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False), "qwen3": (False, True),
-            "phi3": (False, False), "mixtral": (False, False), "qwen2_moe": (True, False), "qwen3_moe": (False, True)}
+            "phi3": (False, False), "olmo2": (False, True), "mixtral": (False, False), "qwen2_moe": (True, False),
+            "qwen3_moe": (False, True)}
     bias, norm = want[cfg.family]
+    olmo2 = cfg.family == "olmo2"  # post-norm blocks, q/k norm over all heads; every other family the opposite
     problems = []
     if (cfg.moe is not None) != (cfg.family in _MOE_TYPES):
         problems.append(f"moe={'set' if cfg.moe is not None else 'None'} (a {cfg.family} model "
@@ -279,6 +284,14 @@ def check_exportable(cfg: DecoderConfig) -> None:
         problems.append(f"qkv_bias={cfg.qkv_bias} (the {cfg.family} architecture has {bias})")
     if cfg.qk_norm != norm:
         problems.append(f"qk_norm={cfg.qk_norm} (the {cfg.family} architecture has {norm})")
+    elif norm and cfg.qk_norm_width != ("all_heads" if olmo2 else "head"):
+        problems.append(f"qk_norm_width={cfg.qk_norm_width!r} (the {cfg.family} architecture normalizes "
+                        f"{'all heads at once' if olmo2 else 'each head'})")
+    if cfg.norm_placement != ("post" if olmo2 else "pre"):
+        problems.append(f"norm_placement={cfg.norm_placement!r} (the {cfg.family} architecture has "
+                        f"{'post' if olmo2 else 'pre'}-norm blocks)")
+    if olmo2 and cfg.sliding_window is not None:
+        problems.append(f"sliding_window={cfg.sliding_window} (OLMo 2 has none)")
     if cfg.family == "llama" and cfg.sliding_window is not None:
         problems.append(f"sliding_window={cfg.sliding_window} (Llama has none; use family='mistral')")
     if cfg.partial_rotary_factor != 1.0 and cfg.family != "phi3":
@@ -336,7 +349,7 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "initializer_range": 0.02, "use_cache": True, "torch_dtype": dtype,
         **{name: _json_id(getattr(cfg, name)) for name in TOKEN_ID_FIELDS if getattr(cfg, name) is not None},
     }
-    if mt in ("llama", "qwen3"):
+    if mt in ("llama", "qwen3", "olmo2"):
         out["attention_bias"] = False
     if mt == "llama":
         out["mlp_bias"] = False

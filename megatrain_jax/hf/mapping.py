@@ -70,8 +70,12 @@ def block_specs(cfg: DecoderConfig, i: int) -> list[Spec]:
     D, F, hd = cfg.hidden, cfg.ffn, cfg.dim_per_head
     q, kv = cfg.heads * hd, cfg.kv_heads * hd
     p = f"model.layers.{i}."
-    specs = [Spec(p + "input_layernorm.weight", ("attn_norm", "scale"), (D,), False),
-             Spec(p + "post_attention_layernorm.weight", ("mlp_norm", "scale"), (D,), False)]
+    # the attention's norm and the MLP's: pre-norm blocks name them by position in the block
+    # (Llama: the input's and the one after attention), post-norm ones by the sublayer they follow (OLMo 2)
+    norms = (("input_layernorm", "post_attention_layernorm") if cfg.norm_placement == "pre"
+             else ("post_attention_layernorm", "post_feedforward_layernorm"))
+    specs = [Spec(p + f"{norms[0]}.weight", ("attn_norm", "scale"), (D,), False),
+             Spec(p + f"{norms[1]}.weight", ("mlp_norm", "scale"), (D,), False)]
     if cfg.family == "phi3":
         return specs + _phi3_specs(cfg, p)
     for ours, out_dim in (("q", q), ("k", kv), ("v", kv)):
@@ -80,8 +84,9 @@ def block_specs(cfg: DecoderConfig, i: int) -> list[Spec]:
             specs.append(Spec(p + f"self_attn.{ours}_proj.bias", ("attn", ours, "bias"), (out_dim,), False))
     specs.append(Spec(p + "self_attn.o_proj.weight", ("attn", "o", "kernel"), (D, q), True))
     if cfg.qk_norm:
-        specs += [Spec(p + "self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (hd,), False),
-                  Spec(p + "self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (hd,), False)]
+        q_width, k_width = (hd, hd) if cfg.qk_norm_width == "head" else (q, kv)
+        specs += [Spec(p + "self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (q_width,), False),
+                  Spec(p + "self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (k_width,), False)]
     if cfg.moe is not None:
         return specs + _moe_specs(cfg, p)
     for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
@@ -283,13 +288,15 @@ def load_hf(model_dir: str | os.PathLike, dtype: str = "bfloat16",
 # what decides the parameter shapes and the function computed (not the export family or compute dtype)
 _MATCHING_FIELDS = ("vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads", "dim_per_head",
                     "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm",
-                    "sliding_window", "moe", "first_k_dense_replace")
+                    "qk_norm_width", "norm_placement", "sliding_window", "moe", "first_k_dense_replace")
 
 
 def check_same_model(ours: DecoderConfig, theirs: DecoderConfig, where: str) -> None:
     def value(cfg: DecoderConfig, f: str) -> Any:
         if f == "ffn" and cfg.moe is not None and not cfg.first_k_dense_replace:
             return None  # unused by a mixture of experts without dense layers: its experts' width is moe.expert_ffn
+        if f == "qk_norm_width" and not cfg.qk_norm:
+            return None  # no q/k norm: its width means nothing
         if f == "moe" and cfg.moe is not None:  # training choices (loss weight, token dropping), not the model
             return dataclasses.replace(cfg.moe, aux_loss_coef=0.0, capacity_factor=None)
         return getattr(cfg, f)

@@ -1,4 +1,4 @@
-"""Decoder configuration: one dataclass for the Llama / Mistral / Qwen2 / Qwen3 / Phi-3 family, and named presets."""
+"""Decoder configuration: one dataclass for the Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / OLMo 2 family, and named presets."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import math
 import difflib
 from typing import Literal
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"]
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe"]
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "mixtral", "qwen2_moe",
+                             "qwen3_moe")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn")
 # Default bound on packed documents per row times the row's tokens (DecoderConfig.max_segments).
@@ -17,6 +18,12 @@ SEGMENT_TOKENS = 2**16
 
 ROPE_KINDS: tuple[str, ...] = ("llama3", "linear", "yarn", "longrope")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
+# Where a block's two RMSNorms sit: "pre" normalizes each sublayer's input (``x + f(norm(x))``, Llama and
+# most others); "post" normalizes its output before the residual add (``x + norm(f(x))``, OLMo 2).
+NORM_PLACEMENTS: tuple[str, ...] = ("pre", "post")
+# What one q (k) RMSNorm normalizes: each head's vector alone, with one scale of head_dim shared by every
+# head (Qwen3), or all heads' projection at once, with a scale of heads x head_dim (OLMo 2).
+QK_NORM_WIDTHS: tuple[str, ...] = ("head", "all_heads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +152,8 @@ class DecoderConfig:
     """Shape and numerics of a decoder-only transformer.
 
     Family switches: Mistral uses ``sliding_window`` (on every layer, or, with ``layer_types``, on the
-    layers of type ``sliding_attention`` only); Qwen2 sets ``qkv_bias``; Qwen3 sets ``qk_norm``;
+    layers of type ``sliding_attention`` only); Qwen2 sets ``qkv_bias``; Qwen3 sets ``qk_norm`` (per head);
+    OLMo 2 sets ``qk_norm`` with ``qk_norm_width="all_heads"`` and ``norm_placement="post"``;
     ``moe`` (a ``MoEConfig``) replaces every block's MLP by a mixture of experts (Mixtral, Qwen2-MoE,
     Qwen3-MoE) but the first ``first_k_dense_replace`` (DeepSeek-V3, GLM-4.5: HF's field), which keep a
     dense MLP of width ``ffn`` (HF's ``intermediate_size``); ``ffn`` is unused where no layer is dense. ``dtype`` is the compute dtype; parameters are always created
@@ -169,6 +177,8 @@ class DecoderConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    qk_norm_width: str = "head"  # QK_NORM_WIDTHS; read only with qk_norm
+    norm_placement: str = "pre"  # NORM_PLACEMENTS
     sliding_window: int | None = None
     # Each layer's attention, as Hugging Face configs write it: "sliding_attention" (``sliding_window``) or
     # "full_attention". None: every layer sliding when ``sliding_window`` is set, else full. Layers of two
@@ -280,7 +290,7 @@ class DecoderConfig:
         if self.qkv_bias:
             attn += q + 2 * kv
         if self.qk_norm:
-            attn += 2 * hd
+            attn += 2 * hd if self.qk_norm_width == "head" else q + kv
         dense = 3 * d * self.ffn
         moe = 0 if self.moe is None else self.moe.mlp_params(d)[int(active)]
         n_moe = 0 if self.moe is None else self.layers - self.first_k_dense_replace
@@ -323,6 +333,12 @@ def validate(cfg: DecoderConfig) -> None:
     if s is not None and s.kind == "longrope" and len(s.short_factor) != cfg.rotary_dim // 2:
         raise ValueError(f"rope_scaling short_factor and long_factor have {len(s.short_factor)} entries; the "
                          f"{cfg.rotary_dim} rotated dimensions of a head need {cfg.rotary_dim // 2}")
+    if cfg.qk_norm_width not in QK_NORM_WIDTHS:
+        raise ValueError(f"qk_norm_width {cfg.qk_norm_width!r} not supported; allowed: {list(QK_NORM_WIDTHS)}"
+                         f"{_did_you_mean(cfg.qk_norm_width, QK_NORM_WIDTHS)}")
+    if cfg.norm_placement not in NORM_PLACEMENTS:
+        raise ValueError(f"norm_placement {cfg.norm_placement!r} not supported; allowed: {list(NORM_PLACEMENTS)}"
+                         f"{_did_you_mean(cfg.norm_placement, NORM_PLACEMENTS)}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype {cfg.dtype!r} not supported; allowed: {list(DTYPES)}"
                          f"{_did_you_mean(cfg.dtype, DTYPES)}")
@@ -401,6 +417,16 @@ PRESETS: dict[str, DecoderConfig] = {
                                  max_positions=4096),
     "phi4": DecoderConfig(family="phi3", vocab_size=100352, hidden=5120, ffn=17920, layers=40, heads=40,
                           kv_heads=10, rope_theta=250000.0, norm_eps=1e-5, max_positions=16384),
+    # OLMo 2 (published 1.48B, 7.30B, 13.7B): post-norm blocks, q/k RMSNorm over all heads at once.
+    "olmo2-1b": DecoderConfig(family="olmo2", vocab_size=100352, hidden=2048, ffn=8192, layers=16, heads=16,
+                              kv_heads=16, rope_theta=500000.0, norm_eps=1e-6, qk_norm=True,
+                              qk_norm_width="all_heads", norm_placement="post", max_positions=4096),
+    "olmo2-7b": DecoderConfig(family="olmo2", vocab_size=100352, hidden=4096, ffn=11008, layers=32, heads=32,
+                              kv_heads=32, rope_theta=500000.0, norm_eps=1e-6, qk_norm=True,
+                              qk_norm_width="all_heads", norm_placement="post", max_positions=4096),
+    "olmo2-13b": DecoderConfig(family="olmo2", vocab_size=100352, hidden=5120, ffn=13824, layers=40, heads=40,
+                               kv_heads=40, rope_theta=500000.0, norm_eps=1e-6, qk_norm=True,
+                               qk_norm_width="all_heads", norm_placement="post", max_positions=4096),
     "llama3-70b": DecoderConfig(vocab_size=128256, hidden=8192, ffn=28672, layers=80, heads=64, kv_heads=8,
                                 rope_theta=500000.0, max_positions=8192),
     # A dense 120B Llama-style shape (no published checkpoint; sized like MegaTrain's 120B claim).

@@ -17,8 +17,16 @@ from megatrain_jax.models.layers import MLP, Attention, RMSNorm, _init_normal
 from megatrain_jax.models.moe import MoE, RouterStats, SwitchLoss
 
 
+def residual(norm: RMSNorm, sublayer, x_BTD: jax.Array, placement: str, *args) -> jax.Array:
+    """``x + sublayer(norm(x))`` (``placement`` "pre") or ``x + norm(sublayer(x))`` ("post", OLMo 2)."""
+    if placement == "pre":
+        return x_BTD + sublayer(norm(x_BTD), *args)
+    return x_BTD + norm(sublayer(x_BTD, *args))
+
+
 class Block(nnx.Module):
-    """Pre-norm transformer block with a dense MLP: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+    """Transformer block with a dense MLP: ``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (pre-norm), or
+    with ``cfg.norm_placement == "post"`` ``x + norm(attn(x))`` then ``x + norm(mlp(x))`` (OLMo 2).
     ``kind`` (the contract's kind of block) is ``cfg.block_kind(layer)``: the layer's attention type
     (sliding-window and full-attention layers are two kinds), and in an MoE model with leading dense layers
     whether it is dense or routed (``MoEBlock``)."""
@@ -26,6 +34,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: DecoderConfig, layer: int | jax.Array = 0, *, rngs: nnx.Rngs):
         self.kind = cfg.block_kind(layer)
         self.mlp_chunk_tokens = cfg.mlp_chunk_tokens
+        self.norm_placement = cfg.norm_placement
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg, layer_type=cfg.layer_type(layer), rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
@@ -40,22 +49,24 @@ class Block(nnx.Module):
 
     def _attn_residual(self, x_BTD: jax.Array, positions_BT: jax.Array,
                        segment_ids_BT: jax.Array | None) -> jax.Array:
-        return x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, segment_ids_BT)
+        return residual(self.attn_norm, self.attn, x_BTD, self.norm_placement, positions_BT, segment_ids_BT)
 
     def _mlp_residual(self, x_BTD: jax.Array) -> jax.Array:
-        """``x + mlp(norm(x))``, over ``mlp_chunk_tokens`` tokens at a time when set: a ``lax.map`` over
-        token chunks whose body is rematerialized, so the backward pass keeps each chunk's input only and
-        recomputes its [chunk, ffn] activations. Padding tokens (zeros) fill the last chunk and are cut."""
+        """``x + mlp(norm(x))`` (post-norm: ``x + norm(mlp(x))``), over ``mlp_chunk_tokens`` tokens at a time
+        when set: a ``lax.map`` over token chunks whose body is rematerialized, so the backward pass keeps each
+        chunk's input only and recomputes its [chunk, ffn] activations. Padding tokens (zeros) fill the last
+        chunk and are cut."""
         chunk = self.mlp_chunk_tokens
         B, T, D = x_BTD.shape
         if chunk is None or B * T <= chunk:
-            return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+            return residual(self.mlp_norm, self.mlp, x_BTD, self.norm_placement)
         graphdef, state = nnx.split((self.mlp_norm, self.mlp))
+        placement = self.norm_placement
 
         @jax.checkpoint
         def one(state, x_CD):
             norm, mlp = nnx.merge(graphdef, state)
-            return x_CD + mlp(norm(x_CD))
+            return residual(norm, mlp, x_CD, placement)
 
         n = -(-(B * T) // chunk)
         x_ND = jnp.pad(x_BTD.reshape(B * T, D), ((0, n * chunk - B * T), (0, 0)))
@@ -80,8 +91,11 @@ class MoEBlock(Block):
                segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
         """The block's output, and its router's statistics."""
         x_BTD = self._attn_residual(x_BTD, positions_BT, segment_ids_BT)
-        y_BTD, stats = self.mlp(self.mlp_norm(x_BTD))
-        return x_BTD + y_BTD, stats
+        if self.norm_placement == "pre":
+            y_BTD, stats = self.mlp(self.mlp_norm(x_BTD))
+            return x_BTD + y_BTD, stats
+        y_BTD, stats = self.mlp(x_BTD)
+        return x_BTD + self.mlp_norm(y_BTD), stats
 
 
 class InputOutput(nnx.Module):
@@ -121,7 +135,7 @@ def part_rngs(key: jax.Array, part: int) -> nnx.Rngs:
 
 
 class Decoder(nnx.Module):
-    """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3 by config)."""
+    """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, OLMo 2 by config)."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg

@@ -171,7 +171,8 @@ def packed_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, se
 
 
 class Attention(nnx.Module):
-    """Grouped-query causal self-attention with RoPE; optional q/k/v bias, q/k norm and sliding window:
+    """Grouped-query causal self-attention with RoPE; optional q/k/v bias, q/k norm (per head, or over all
+    heads before RoPE) and sliding window:
     ``window`` is ``cfg.sliding_window`` on a layer of type "sliding_attention" (``cfg.layer_type``), None on
     a "full_attention" one."""
 
@@ -183,16 +184,21 @@ class Attention(nnx.Module):
         self.k = Linear(cfg.hidden, cfg.kv_heads * hd, bias=cfg.qkv_bias, rngs=rngs)
         self.v = Linear(cfg.hidden, cfg.kv_heads * hd, bias=cfg.qkv_bias, rngs=rngs)
         self.o = Linear(cfg.heads * hd, cfg.hidden, rngs=rngs)
-        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        # q/k RMSNorm over each head's vector (width head_dim) or over all heads at once (``qk_norm_width``)
+        per_head = cfg.qk_norm_width == "head"
+        self.q_norm = RMSNorm(hd if per_head else cfg.heads * hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd if per_head else cfg.kv_heads * hd, cfg.norm_eps) if cfg.qk_norm else None
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
         cfg, hd = self.cfg, self.cfg.dim_per_head
         B, T, _ = x_BTD.shape
-        q_BTNH = self.q(x_BTD).reshape(B, T, cfg.heads, hd)
-        k_BTKH = self.k(x_BTD).reshape(B, T, cfg.kv_heads, hd)
+        q_BTQ, k_BTC = self.q(x_BTD), self.k(x_BTD)  # Q = N * H, C = K * H
+        if self.q_norm is not None and cfg.qk_norm_width == "all_heads":
+            q_BTQ, k_BTC = self.q_norm(q_BTQ), self.k_norm(k_BTC)
+        q_BTNH = q_BTQ.reshape(B, T, cfg.heads, hd)
+        k_BTKH = k_BTC.reshape(B, T, cfg.kv_heads, hd)
         v_BTKH = self.v(x_BTD).reshape(B, T, cfg.kv_heads, hd)
-        if self.q_norm is not None:
+        if self.q_norm is not None and cfg.qk_norm_width == "head":
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         inv_freq = rope_frequencies(cfg, positions_BT)
         scale = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.cos_sin_scale
