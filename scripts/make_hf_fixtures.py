@@ -15,10 +15,11 @@ Check that folders written by ``megatrain_jax.hf.save_hf`` load in transformers
 then load with this one (``--against`` gives the folders whose tokens.npy / logits.npy to compare with):
 
     /work/venv/bin/python -c "from megatrain_jax.hf import load_hf, save_hf
-    for n in ['llama', 'llama_tied_rope3', 'mistral', 'qwen2', 'qwen3', 'phi3', 'phi3_longrope', 'olmo2']:
+    for n in ['llama', 'llama_tied_rope3', 'mistral', 'qwen2', 'qwen3', 'phi3', 'phi3_longrope', 'olmo2',
+              'gemma3_text']:
         save_hf(f'/tmp/hf_export/{n}', *load_hf(f'tests/fixtures/hf/{n}'), dtype='float32')"
     /work/venv-hf/bin/python scripts/make_hf_fixtures.py --check-export /tmp/hf_export/* \
-        --against tests/fixtures/hf/{llama,llama_tied_rope3,mistral,olmo2,phi3,phi3_longrope,qwen2,qwen3}
+        --against tests/fixtures/hf/{gemma3_text,llama,llama_tied_rope3,mistral,olmo2,phi3,phi3_longrope,qwen2,qwen3}
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ FIXTURES = {
                          "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]})),
     # OLMo 2: post-norm blocks, q/k RMSNorm over all heads (widths 64 and 32: grouped-query attention)
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(rope_theta=500000.0)),
+    # Gemma 3 text: sandwich norms offset from 1, GeGLU, scaled tied embeddings, per-head q/k norms, scores scaled
+    # by query_pre_attn_scalar (24, not head_dim 16; heads x head_dim 64, twice hidden 32). Two sliding layers (a
+    # 4-token window, RoPE base 100) and a full one (base 1000, linear scaling by 4); final logits soft-capped at 10
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=4, pad_token_id=0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], final_logit_softcapping=10.0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
 }
 
 

@@ -83,7 +83,7 @@ def test_export_refuses_what_the_architecture_cannot_express(family, change, mat
 
 
 def test_bad_switch_values_name_the_allowed_ones():
-    with pytest.raises(ValueError, match=r"norm_placement 'postt'.*\['pre', 'post'\].*did you mean 'post'"):
+    with pytest.raises(ValueError, match=r"norm_placement 'postt'.*\['pre', 'post', 'sandwich'\].*did you mean 'post'"):
         preset("tiny", norm_placement="postt")
     with pytest.raises(ValueError, match=r"qk_norm_width 'all'.*\['head', 'all_heads'\]"):
         preset("tiny", qk_norm_width="all")

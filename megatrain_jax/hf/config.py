@@ -1,5 +1,6 @@
 """Hugging Face ``config.json`` <-> DecoderConfig, for Llama, Mistral, Qwen2, Qwen3, Phi-3 (Phi-3, Phi-3.5,
-Phi-4, Phi-4-mini), OLMo 2 and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE.
+Phi-4, Phi-4-mini), OLMo 2, Gemma 3 (text: ``gemma3_text``) and the mixtures of experts Mixtral, Qwen2-MoE and
+Qwen3-MoE.
 
 Both the transformers 4.x spelling (``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and the 5.x one
 (``rope_parameters``, ``dtype``) are read; we write the 4.x spelling, which 5.x still reads. Anything
@@ -20,13 +21,14 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "olmo2": ("olmo2", "Olmo2ForCausalLM"),
+    "gemma3_text": ("gemma3", "Gemma3ForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 _MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 _FAMILY_TO_TYPE = {family: mt for mt, (family, _) in ARCHITECTURES.items()}
-_DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_moe": 128}  # transformers' default when config.json omits head_dim
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_moe": 128, "gemma3_text": 256}  # transformers' default when config.json omits head_dim
 _SUPPORTED_ROPE = ("default", "llama3", "linear", "yarn")
 _PHI3_ROPE = ("default", "longrope")  # what Phi3Config accepts (after reading "su" and "yarn" as longrope)
 _DEFAULT_NORM_EPS = {"phi3": 1e-5, "olmo2": 1e-5}  # transformers' default when config.json omits rms_norm_eps (else 1e-6)
@@ -62,6 +64,14 @@ def _model_type(c: dict[str, Any]) -> str:
     archs = c.get("architectures") or []
     if mt is None and archs:  # derive from the class name, e.g. LlamaForCausalLM
         mt = next((t for t, (_, cls) in ARCHITECTURES.items() if cls in archs), None)
+    if mt == "gemma3":
+        raise UnsupportedConfig(
+            "model_type 'gemma3' is the multimodal Gemma3ForConditionalGeneration (Gemma 3 4B/12B/27B: a vision "
+            "tower beside the language model, whose config is under text_config); only its text part as a "
+            "Gemma3ForCausalLM folder (model_type 'gemma3_text') is read: write config.json from text_config (with "
+            "model_type 'gemma3_text', architectures ['Gemma3ForCausalLM']) and the language model's tensors "
+            "renamed to model.* (language_model.model.* in the released files, model.language_model.* as "
+            "transformers 5 saves them), leaving out the vision tower and the projector")
     if mt in HYBRID_TYPES:
         raise UnsupportedConfig(f"model_type {mt!r} is a hybrid model ({HYBRID_TYPES[mt]}): its layers keep a "
                                 f"recurrent state between tokens, which this engine's blocks do not implement; "
@@ -124,11 +134,41 @@ def _rope(c: dict[str, Any], mt: str, max_pos: int) -> tuple[float, float, RopeS
         raise UnsupportedConfig(f"rope_scaling {params!r}: {e}") from None
 
 
+def _gemma3_rope(c: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None, float]:
+    """(rope_theta, scaling, sliding_rope_theta) of a Gemma 3 config: transformers 5 writes
+    ``rope_parameters`` per layer type, 4.x ``rope_theta`` + ``rope_scaling`` for the full-attention layers
+    and ``rope_local_base_freq`` for the sliding ones (Gemma3TextConfig's defaults: 1e6 and 1e4)."""
+    params = c.get("rope_parameters")
+    if isinstance(params, dict) and params and set(params) <= {"full_attention", "sliding_attention"}:
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:
+        full = dict(c.get("rope_scaling") or params or {})
+        local = {"rope_theta": c.get("rope_local_base_freq", 10000.0)}
+    full.setdefault("rope_theta", c.get("rope_theta", 1000000.0))
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise UnsupportedConfig(f"sliding_attention rope parameters {local!r}: Gemma 3's sliding-window layers rotate "
+                                f"without scaling here (rope_type 'default')")
+    theta, _, scaling = _rope({"rope_parameters": full}, "gemma3_text", max_pos)
+    return theta, scaling, float(local.get("rope_theta", c.get("rope_local_base_freq", 10000.0)))
+
+
+def _gemma3_layer_types(c: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """Each layer's attention: ``layer_types``, or in older configs every ``sliding_window_pattern``-th layer
+    full attention, the rest sliding (Gemma3TextConfig's rule; pattern 6 by default)."""
+    types = c.get("layer_types")
+    if types is None:
+        pattern = int(c.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    return tuple(types)
+
+
 def _sliding_window(c: dict[str, Any], mt: str, layers: int) -> int | None:
     if mt in ("mistral", "mixtral", "phi3"):  # Phi3Model masks by sliding_window whenever it is set
         return c.get("sliding_window")
     if mt in ("llama", "olmo2"):
         return None
+    if mt == "gemma3_text":
+        return c.get("sliding_window", 4096)  # Gemma3TextConfig's default
     # Qwen2/3: a window only when use_sliding_window, and then only on layers >= max_window_layers
     window = c.get("sliding_window") if c.get("use_sliding_window", False) else None
     types = c.get("layer_types")
@@ -147,9 +187,12 @@ def _sliding_window(c: dict[str, Any], mt: str, layers: int) -> int | None:
 
 
 def _check_unsupported(c: dict[str, Any], mt: str) -> None:
-    act = c.get("hidden_act", c.get("hidden_activation", "silu"))
-    if act not in ("silu", "swish"):
-        raise UnsupportedConfig(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
+    if mt == "gemma3_text":
+        _check_gemma3(c)
+    else:
+        act = c.get("hidden_act", c.get("hidden_activation", "silu"))
+        if act not in ("silu", "swish"):
+            raise UnsupportedConfig(f"hidden_act {act!r} is not supported (SwiGLU with silu only)")
     if c.get("mlp_bias", False):
         raise UnsupportedConfig("mlp_bias=True is not supported (the MLP has no biases)")
     for key in ("attention_dropout", "resid_pdrop", "embd_pdrop"):  # the last two: Phi-3's
@@ -166,9 +209,34 @@ def _check_unsupported(c: dict[str, Any], mt: str) -> None:
             raise UnsupportedConfig(f"decoder_sparse_step={c.get('decoder_sparse_step')!r}, mlp_only_layers="
                                     f"{c.get('mlp_only_layers')!r}: only models whose every layer is a mixture of "
                                     f"experts are supported (one block template serves every layer)")
-    if mt in ("llama", "mistral", "qwen3", "olmo2", "mixtral", "qwen3_moe") and c.get("attention_bias", False):
+    if mt in ("llama", "mistral", "qwen3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe") and c.get("attention_bias",
+                                                                                                   False):
         raise UnsupportedConfig(f"attention_bias=True for model_type {mt!r} is not supported (it also "
                                 f"puts a bias on o_proj; only Qwen2-style q/k/v biases are)")
+
+
+def _check_gemma3(c: dict[str, Any]) -> None:
+    act = c.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedConfig(f"hidden_activation {act!r} is not supported for Gemma 3 (GeGLU with "
+                                f"'gelu_pytorch_tanh' only)")
+    if c.get("attn_logit_softcapping") is not None:
+        raise UnsupportedConfig(f"attn_logit_softcapping={c['attn_logit_softcapping']!r} is not supported (attention "
+                                f"scores are not capped here; released Gemma 3 models set null)")
+    if c.get("use_bidirectional_attention"):
+        raise UnsupportedConfig("use_bidirectional_attention=True is not supported (causal attention only)")
+
+
+def _gemma3_fields(c: dict[str, Any], layers: int, max_pos: int) -> dict[str, Any]:
+    theta, scaling, local_theta = _gemma3_rope(c, max_pos)
+    return dict(rope_theta=theta, rope_scaling=scaling, sliding_rope_theta=local_theta,
+                layer_types=_gemma3_layer_types(c, layers), norm_placement="sandwich", norm_unit_offset=True,
+                scale_embeddings=True, mlp_activation="gelu_tanh",
+                query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", 256)),
+                final_logit_softcap=None if c.get("final_logit_softcapping") is None
+                else float(c["final_logit_softcapping"]),
+                tie_embeddings=bool(c.get("tie_word_embeddings", True)),  # Gemma3TextConfig's default
+                max_positions=int(c.get("max_position_embeddings", 131072)))
 
 
 def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
@@ -187,7 +255,8 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
         raise UnsupportedConfig(f"config.json lacks the required field {e.args[0]!r}") from None
     head_dim = c.get("head_dim") or _DEFAULT_HEAD_DIM.get(mt)
     max_pos = int(c.get("max_position_embeddings", 4096))
-    theta, partial, scaling = _rope(c, mt, max_pos)
+    gemma3 = _gemma3_fields(c, layers, max_pos) if mt == "gemma3_text" else {}
+    theta, partial, scaling = (None, 1.0, None) if gemma3 else _rope(c, mt, max_pos)
     fields.update(
         family=ARCHITECTURES[mt][0],
         head_dim=None if head_dim is None or (hidden % heads == 0 and head_dim == hidden // heads)
@@ -195,10 +264,11 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
         rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
         norm_eps=float(c.get("rms_norm_eps", _DEFAULT_NORM_EPS.get(mt, 1e-6))),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=mt in ("qwen2", "qwen2_moe"), qk_norm=mt in ("qwen3", "qwen3_moe", "olmo2"),
+        qkv_bias=mt in ("qwen2", "qwen2_moe"), qk_norm=mt in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
         qk_norm_width="all_heads" if mt == "olmo2" else "head", norm_placement="post" if mt == "olmo2" else "pre",
         sliding_window=_sliding_window(c, mt, layers), max_positions=max_pos, moe=_moe(c, mt),
         **token_ids(c))
+    fields.update(gemma3)
     fields.update(overrides)
     return DecoderConfig(**fields)
 
@@ -264,10 +334,12 @@ def _moe(c: dict[str, Any], mt: str) -> MoEConfig | None:
 def check_exportable(cfg: DecoderConfig) -> None:
     """Raise if transformers' class for ``cfg.family`` cannot express ``cfg`` exactly."""
     want = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False), "qwen3": (False, True),
-            "phi3": (False, False), "olmo2": (False, True), "mixtral": (False, False), "qwen2_moe": (True, False),
+            "phi3": (False, False), "olmo2": (False, True), "gemma3": (False, True), "mixtral": (False, False),
+            "qwen2_moe": (True, False),
             "qwen3_moe": (False, True)}
     bias, norm = want[cfg.family]
     olmo2 = cfg.family == "olmo2"  # post-norm blocks, q/k norm over all heads; every other family the opposite
+    gemma3 = cfg.family == "gemma3"  # sandwich norms offset from 1, GeGLU, scaled embeddings, per-layer-type RoPE
     problems = []
     if (cfg.moe is not None) != (cfg.family in _MOE_TYPES):
         problems.append(f"moe={'set' if cfg.moe is not None else 'None'} (a {cfg.family} model "
@@ -287,9 +359,21 @@ def check_exportable(cfg: DecoderConfig) -> None:
     elif norm and cfg.qk_norm_width != ("all_heads" if olmo2 else "head"):
         problems.append(f"qk_norm_width={cfg.qk_norm_width!r} (the {cfg.family} architecture normalizes "
                         f"{'all heads at once' if olmo2 else 'each head'})")
-    if cfg.norm_placement != ("post" if olmo2 else "pre"):
+    placement = "post" if olmo2 else "sandwich" if gemma3 else "pre"
+    if cfg.norm_placement != placement:
         problems.append(f"norm_placement={cfg.norm_placement!r} (the {cfg.family} architecture has "
-                        f"{'post' if olmo2 else 'pre'}-norm blocks)")
+                        f"{placement}-norm blocks)")
+    for name, value in (("norm_unit_offset", gemma3), ("scale_embeddings", gemma3),
+                        ("mlp_activation", "gelu_tanh" if gemma3 else "silu")):
+        if getattr(cfg, name) != value:
+            problems.append(f"{name}={getattr(cfg, name)!r} (the {cfg.family} architecture has {value!r})")
+    for name in () if gemma3 else ("query_pre_attn_scalar", "sliding_rope_theta", "final_logit_softcap"):
+        if getattr(cfg, name) is not None:
+            problems.append(f"{name}={getattr(cfg, name)!r} (Gemma 3's alone; the {cfg.family} architecture has none)")
+    if gemma3 and cfg.sliding_rope_theta is None and cfg.rope_scaling is not None and any(
+            cfg.layer_type(i) == "sliding_attention" for i in range(cfg.layers)):
+        problems.append("sliding_rope_theta=None with rope_scaling set (Gemma 3's sliding-window layers rotate "
+                        "unscaled: set sliding_rope_theta)")
     if olmo2 and cfg.sliding_window is not None:
         problems.append(f"sliding_window={cfg.sliding_window} (OLMo 2 has none)")
     if cfg.family == "llama" and cfg.sliding_window is not None:
@@ -301,7 +385,7 @@ def check_exportable(cfg: DecoderConfig) -> None:
     if s is not None and (s.kind == "longrope") != (cfg.family == "phi3"):
         problems.append(f"rope_scaling kind {s.kind!r} (Phi-3 takes no scaling or longrope only, and longrope is "
                         f"Phi-3's alone)")
-    if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1:
+    if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1 and not gemma3:
         problems.append(f"layer_types mixes sliding and full attention (not written to Hugging Face configs yet)")
     if cfg.first_k_dense_replace:
         problems.append(f"first_k_dense_replace={cfg.first_k_dense_replace} (leading dense layers: not written to "
@@ -351,6 +435,18 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     }
     if mt in ("llama", "qwen3", "olmo2"):
         out["attention_bias"] = False
+    if mt == "gemma3_text":
+        del out["hidden_act"]
+        types = [cfg.layer_type(i) for i in range(cfg.layers)]
+        # Gemma3TextConfig's token id defaults (pad 0, eos 1, bos 2) where ours are None: written as null
+        scalar = cfg.dim_per_head if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar
+        out.update(hidden_activation="gelu_pytorch_tanh",  # Gemma3TextConfig takes an int where it is one
+                   query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar, sliding_window=cfg.sliding_window, layer_types=types,
+                   rope_local_base_freq=cfg.sliding_rope_theta if cfg.sliding_rope_theta is not None else cfg.rope_theta,
+                   final_logit_softcapping=cfg.final_logit_softcap, attn_logit_softcapping=None, attention_bias=False,
+                   use_bidirectional_attention=False,
+                   **{name: _json_id(getattr(cfg, name)) if getattr(cfg, name) is not None else None
+                      for name in TOKEN_ID_FIELDS})
     if mt == "llama":
         out["mlp_bias"] = False
     if mt in ("mistral", "mixtral", "phi3"):

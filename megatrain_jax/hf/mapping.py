@@ -71,11 +71,14 @@ def block_specs(cfg: DecoderConfig, i: int) -> list[Spec]:
     q, kv = cfg.heads * hd, cfg.kv_heads * hd
     p = f"model.layers.{i}."
     # the attention's norm and the MLP's: pre-norm blocks name them by position in the block
-    # (Llama: the input's and the one after attention), post-norm ones by the sublayer they follow (OLMo 2)
-    norms = (("input_layernorm", "post_attention_layernorm") if cfg.norm_placement == "pre"
-             else ("post_attention_layernorm", "post_feedforward_layernorm"))
-    specs = [Spec(p + f"{norms[0]}.weight", ("attn_norm", "scale"), (D,), False),
-             Spec(p + f"{norms[1]}.weight", ("mlp_norm", "scale"), (D,), False)]
+    # (Llama: the input's and the one after attention), post-norm ones by the sublayer they follow (OLMo 2);
+    # sandwich blocks (Gemma 3) have all four
+    norms = {"pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+             "post": {"attn_norm": "post_attention_layernorm", "mlp_norm": "post_feedforward_layernorm"},
+             "sandwich": {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                          "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"},
+             }[cfg.norm_placement]
+    specs = [Spec(p + f"{hf}.weight", (ours, "scale"), (D,), False) for ours, hf in norms.items()]
     if cfg.family == "phi3":
         return specs + _phi3_specs(cfg, p)
     for ours, out_dim in (("q", q), ("k", kv), ("v", kv)):
@@ -288,13 +291,17 @@ def load_hf(model_dir: str | os.PathLike, dtype: str = "bfloat16",
 # what decides the parameter shapes and the function computed (not the export family or compute dtype)
 _MATCHING_FIELDS = ("vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads", "dim_per_head",
                     "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm",
-                    "qk_norm_width", "norm_placement", "sliding_window", "moe", "first_k_dense_replace")
+                    "qk_norm_width", "norm_placement", "sliding_window", "layer_types", "moe", "first_k_dense_replace",
+                    "norm_unit_offset", "scale_embeddings", "mlp_activation", "attention_scale",
+                    "sliding_rope_theta", "final_logit_softcap")
 
 
 def check_same_model(ours: DecoderConfig, theirs: DecoderConfig, where: str) -> None:
     def value(cfg: DecoderConfig, f: str) -> Any:
         if f == "ffn" and cfg.moe is not None and not cfg.first_k_dense_replace:
             return None  # unused by a mixture of experts without dense layers: its experts' width is moe.expert_ffn
+        if f == "layer_types":  # None and a list of one type alike
+            return tuple(cfg.layer_type(i) for i in range(cfg.layers))
         if f == "qk_norm_width" and not cfg.qk_norm:
             return None  # no q/k norm: its width means nothing
         if f == "moe" and cfg.moe is not None:  # training choices (loss weight, token dropping), not the model

@@ -1,4 +1,5 @@
-"""Decoder configuration: one dataclass for the Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / OLMo 2 family, and named presets."""
+"""Decoder configuration: one dataclass for the Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / OLMo 2 / Gemma 3 family,
+and named presets."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import math
 import difflib
 from typing import Literal
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "mixtral", "qwen2_moe", "qwen3_moe"]
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "mixtral", "qwen2_moe",
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3", "mixtral", "qwen2_moe",
+                 "qwen3_moe"]
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3", "mixtral", "qwen2_moe",
                              "qwen3_moe")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn")
@@ -18,9 +20,13 @@ SEGMENT_TOKENS = 2**16
 
 ROPE_KINDS: tuple[str, ...] = ("llama3", "linear", "yarn", "longrope")
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
-# Where a block's two RMSNorms sit: "pre" normalizes each sublayer's input (``x + f(norm(x))``, Llama and
-# most others); "post" normalizes its output before the residual add (``x + norm(f(x))``, OLMo 2).
-NORM_PLACEMENTS: tuple[str, ...] = ("pre", "post")
+# Where a block's RMSNorms sit: "pre" normalizes each sublayer's input (``x + f(norm(x))``, Llama and
+# most others); "post" normalizes its output before the residual add (``x + norm(f(x))``, OLMo 2);
+# "sandwich" both, with a norm of its own on each side (``x + norm2(f(norm1(x)))``: four per block, Gemma 3).
+NORM_PLACEMENTS: tuple[str, ...] = ("pre", "post", "sandwich")
+# The gated MLP's activation: ``down(act(gate(x)) * up(x))``. "silu": SwiGLU; "gelu_tanh": GELU's tanh
+# approximation (GeGLU, transformers' "gelu_pytorch_tanh", Gemma 3).
+MLP_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
 # What one q (k) RMSNorm normalizes: each head's vector alone, with one scale of head_dim shared by every
 # head (Qwen3), or all heads' projection at once, with a scale of heads x head_dim (OLMo 2).
 QK_NORM_WIDTHS: tuple[str, ...] = ("head", "all_heads")
@@ -153,7 +159,9 @@ class DecoderConfig:
 
     Family switches: Mistral uses ``sliding_window`` (on every layer, or, with ``layer_types``, on the
     layers of type ``sliding_attention`` only); Qwen2 sets ``qkv_bias``; Qwen3 sets ``qk_norm`` (per head);
-    OLMo 2 sets ``qk_norm`` with ``qk_norm_width="all_heads"`` and ``norm_placement="post"``;
+    OLMo 2 sets ``qk_norm`` with ``qk_norm_width="all_heads"`` and ``norm_placement="post"``; Gemma 3 sets
+    ``qk_norm``, ``norm_placement="sandwich"``, ``norm_unit_offset``, ``scale_embeddings``,
+    ``mlp_activation="gelu_tanh"``, ``query_pre_attn_scalar`` and ``sliding_rope_theta`` (with ``layer_types``);
     ``moe`` (a ``MoEConfig``) replaces every block's MLP by a mixture of experts (Mixtral, Qwen2-MoE,
     Qwen3-MoE) but the first ``first_k_dense_replace`` (DeepSeek-V3, GLM-4.5: HF's field), which keep a
     dense MLP of width ``ffn`` (HF's ``intermediate_size``); ``ffn`` is unused where no layer is dense. ``dtype`` is the compute dtype; parameters are always created
@@ -179,6 +187,20 @@ class DecoderConfig:
     qk_norm: bool = False
     qk_norm_width: str = "head"  # QK_NORM_WIDTHS; read only with qk_norm
     norm_placement: str = "pre"  # NORM_PLACEMENTS
+    # Every RMSNorm's weight w is an offset from 1: ``norm(x) * (1 + w)``, w starting at 0 (Gemma 3).
+    norm_unit_offset: bool = False
+    # Token embeddings multiplied by sqrt(hidden), rounded to the compute dtype first (Gemma 3, as
+    # transformers casts its normalizer to the embedding's dtype).
+    scale_embeddings: bool = False
+    mlp_activation: str = "silu"  # MLP_ACTIVATIONS
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma 3); None: head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # The RoPE base of "sliding_attention" layers, which rotate without ``rope_scaling`` (Gemma 3's
+    # rope_local_base_freq); "full_attention" layers take ``rope_theta`` and ``rope_scaling``. None: every
+    # layer takes those. Part of a layer's kind of block, as its window is.
+    sliding_rope_theta: float | None = None
+    # Logits capped as ``cap * tanh(logits / cap)`` (Gemma 2's final_logit_softcapping); None: uncapped.
+    final_logit_softcap: float | None = None
     sliding_window: int | None = None
     # Each layer's attention, as Hugging Face configs write it: "sliding_attention" (``sliding_window``) or
     # "full_attention". None: every layer sliding when ``sliding_window`` is set, else full. Layers of two
@@ -238,6 +260,24 @@ class DecoderConfig:
         mlp = "moe" if self.is_moe_layer(index) else "dense"
         return mlp if self.layer_types is None or len(set(self.layer_types)) == 1 else (attention, mlp)
 
+    def rope_of(self, layer_type: str) -> tuple[float, RopeScaling | None]:
+        """(RoPE base, scaling) of a layer of type ``layer_type``: ``sliding_rope_theta`` unscaled on a
+        sliding-window layer where it is set, else ``rope_theta`` with ``rope_scaling``."""
+        if layer_type == "sliding_attention" and self.sliding_rope_theta is not None:
+            return self.sliding_rope_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scores q.k are multiplied by before the softmax."""
+        scalar = self.dim_per_head if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        return 1.0 / math.sqrt(scalar)
+
+    @property
+    def norms_per_block(self) -> int:
+        """The block's hidden-width RMSNorms: one per sublayer, two with ``norm_placement="sandwich"``."""
+        return 4 if self.norm_placement == "sandwich" else 2
+
     @property
     def dim_per_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden // self.heads
@@ -296,7 +336,7 @@ class DecoderConfig:
         n_moe = 0 if self.moe is None else self.layers - self.first_k_dense_replace
         mlps = (self.layers - n_moe) * dense + n_moe * moe
         io = self.vocab_size * d + d + (0 if self.tie_embeddings else d * self.vocab_size)
-        return self.layers * (attn + 2 * d) + mlps + io
+        return self.layers * (attn + self.norms_per_block * d) + mlps + io
 
 
 def _did_you_mean(value: object, allowed: tuple[str, ...]) -> str:
@@ -339,6 +379,13 @@ def validate(cfg: DecoderConfig) -> None:
     if cfg.norm_placement not in NORM_PLACEMENTS:
         raise ValueError(f"norm_placement {cfg.norm_placement!r} not supported; allowed: {list(NORM_PLACEMENTS)}"
                          f"{_did_you_mean(cfg.norm_placement, NORM_PLACEMENTS)}")
+    if cfg.mlp_activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"mlp_activation {cfg.mlp_activation!r} not supported; allowed: {list(MLP_ACTIVATIONS)}"
+                         f"{_did_you_mean(cfg.mlp_activation, MLP_ACTIVATIONS)}")
+    for name in ("query_pre_attn_scalar", "sliding_rope_theta", "final_logit_softcap"):
+        value = getattr(cfg, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise ValueError(f"{name} must be a positive number or None, got {value!r}")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype {cfg.dtype!r} not supported; allowed: {list(DTYPES)}"
                          f"{_did_you_mean(cfg.dtype, DTYPES)}")
@@ -373,12 +420,29 @@ def validate(cfg: DecoderConfig) -> None:
     if k and k >= cfg.layers:
         raise ValueError(f"first_k_dense_replace={k} leaves none of the {cfg.layers} layers a mixture of experts: "
                          f"choose fewer than {cfg.layers} dense layers, or unset moe")
+    if cfg.moe is not None and cfg.mlp_activation != "silu":
+        raise ValueError(f"mlp_activation={cfg.mlp_activation!r}: a mixture of experts' experts are SwiGLU (silu)")
     if cfg.family in ("mixtral", "qwen2_moe", "qwen3_moe") and cfg.moe is None:
         raise ValueError(f"family {cfg.family!r} is a mixture of experts: set moe (a MoEConfig)")
 
 
 _LLAMA3_SCALING = RopeScaling(factor=8.0, original_max_position=8192)
 _LLAMA32_SCALING = RopeScaling(factor=32.0, original_max_position=8192)
+
+_GEMMA3_SCALING = RopeScaling(kind="linear", factor=8.0, original_max_position=131072)
+
+
+def _gemma3(layers: int, **shape) -> DecoderConfig:
+    """A Gemma 3 text model as its config.json sets it: every 6th layer full attention, the rest sliding;
+    the multimodal models' text part has 262,208 tokens (Gemma3TextConfig's default)."""
+    fields = dict(family="gemma3", vocab_size=262208, head_dim=256, rope_theta=1000000.0, sliding_rope_theta=10000.0,
+                  norm_eps=1e-6, tie_embeddings=True, qk_norm=True, norm_placement="sandwich", norm_unit_offset=True,
+                  scale_embeddings=True, mlp_activation="gelu_tanh", query_pre_attn_scalar=256.0,
+                  sliding_window=1024, max_positions=131072, layers=layers,
+                  layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                    for i in range(layers)))
+    return DecoderConfig(**{**fields, **shape})
+
 
 PRESETS: dict[str, DecoderConfig] = {
     # Seconds on a CPU: the test and demo model.
@@ -427,6 +491,15 @@ PRESETS: dict[str, DecoderConfig] = {
     "olmo2-13b": DecoderConfig(family="olmo2", vocab_size=100352, hidden=5120, ffn=13824, layers=40, heads=40,
                                kv_heads=40, rope_theta=500000.0, norm_eps=1e-6, qk_norm=True,
                                qk_norm_width="all_heads", norm_placement="post", max_positions=4096),
+    # Gemma 3 (google/gemma-3-1b-pt and the text parts of gemma-3-4b/12b/27b-pt): sandwich norms with weights
+    # offset from 1, GeGLU, scaled tied embeddings, per-head q/k norms; five sliding-window layers (RoPE base
+    # 10,000) to each full-attention one (base 1,000,000, linear scaling by 8 past 1B).
+    "gemma3-1b": _gemma3(vocab_size=262144, hidden=1152, ffn=6912, layers=26, heads=4, kv_heads=1,
+                         sliding_window=512, max_positions=32768),
+    "gemma3-4b": _gemma3(hidden=2560, ffn=10240, layers=34, heads=8, kv_heads=4, rope_scaling=_GEMMA3_SCALING),
+    "gemma3-12b": _gemma3(hidden=3840, ffn=15360, layers=48, heads=16, kv_heads=8, rope_scaling=_GEMMA3_SCALING),
+    "gemma3-27b": _gemma3(hidden=5376, ffn=21504, layers=62, heads=32, kv_heads=16, head_dim=128,
+                          query_pre_attn_scalar=168.0, rope_scaling=_GEMMA3_SCALING),
     "llama3-70b": DecoderConfig(vocab_size=128256, hidden=8192, ffn=28672, layers=80, heads=64, kv_heads=8,
                                 rope_theta=500000.0, max_positions=8192),
     # A dense 120B Llama-style shape (no published checkpoint; sized like MegaTrain's 120B claim).

@@ -17,31 +17,46 @@ from megatrain_jax.models.layers import MLP, Attention, RMSNorm, _init_normal
 from megatrain_jax.models.moe import MoE, RouterStats, SwitchLoss
 
 
-def residual(norm: RMSNorm, sublayer, x_BTD: jax.Array, placement: str, *args) -> jax.Array:
-    """``x + sublayer(norm(x))`` (``placement`` "pre") or ``x + norm(sublayer(x))`` ("post", OLMo 2)."""
-    if placement == "pre":
-        return x_BTD + sublayer(norm(x_BTD), *args)
-    return x_BTD + norm(sublayer(x_BTD, *args))
+def residual(norm_in: RMSNorm | None, norm_out: RMSNorm | None, sublayer, x_BTD: jax.Array, *args) -> jax.Array:
+    """``x + norm_out(sublayer(norm_in(x)))``, either norm absent (None) where the block has none there."""
+    y_BTD = sublayer(x_BTD if norm_in is None else norm_in(x_BTD), *args)
+    return x_BTD + (y_BTD if norm_out is None else norm_out(y_BTD))
 
 
 class Block(nnx.Module):
     """Transformer block with a dense MLP: ``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (pre-norm), or
-    with ``cfg.norm_placement == "post"`` ``x + norm(attn(x))`` then ``x + norm(mlp(x))`` (OLMo 2).
+    with ``cfg.norm_placement == "post"`` ``x + norm(attn(x))`` then ``x + norm(mlp(x))`` (OLMo 2), or with
+    "sandwich" ``x + norm2(attn(norm1(x)))`` then the same around the MLP (Gemma 3).
     ``kind`` (the contract's kind of block) is ``cfg.block_kind(layer)``: the layer's attention type
-    (sliding-window and full-attention layers are two kinds), and in an MoE model with leading dense layers
-    whether it is dense or routed (``MoEBlock``)."""
+    (sliding-window and full-attention layers are two kinds, with their own window and RoPE), and in an MoE
+    model with leading dense layers whether it is dense or routed (``MoEBlock``).
+
+    ``attn_norm`` / ``mlp_norm`` are each sublayer's one norm (its input's, or with "post" its output's);
+    ``attn_post_norm`` / ``mlp_post_norm`` the output norms a "sandwich" block adds (None otherwise)."""
 
     def __init__(self, cfg: DecoderConfig, layer: int | jax.Array = 0, *, rngs: nnx.Rngs):
         self.kind = cfg.block_kind(layer)
         self.mlp_chunk_tokens = cfg.mlp_chunk_tokens
         self.norm_placement = cfg.norm_placement
-        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        sandwich = cfg.norm_placement == "sandwich"
+        norm = lambda: RMSNorm(cfg.hidden, cfg.norm_eps, cfg.norm_unit_offset)  # noqa: E731
+        self.attn_norm = norm()
+        self.attn_post_norm = norm() if sandwich else None
         self.attn = Attention(cfg, layer_type=cfg.layer_type(layer), rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp_norm = norm()
+        self.mlp_post_norm = norm() if sandwich else None
         self.mlp = self.new_mlp(cfg, rngs)
 
     def new_mlp(self, cfg: DecoderConfig, rngs: nnx.Rngs) -> nnx.Module:
-        return MLP(cfg.hidden, cfg.ffn, rngs=rngs)
+        return MLP(cfg.hidden, cfg.ffn, activation=cfg.mlp_activation, rngs=rngs)
+
+    def _around(self, norm: RMSNorm, post_norm: RMSNorm | None) -> tuple[RMSNorm | None, RMSNorm | None]:
+        """A sublayer's (input norm, output norm) as the placement puts them."""
+        if self.norm_placement == "pre":
+            return norm, None
+        if self.norm_placement == "post":
+            return None, norm
+        return norm, post_norm
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array,
                  segment_ids_BT: jax.Array | None = None) -> jax.Array:
@@ -49,24 +64,24 @@ class Block(nnx.Module):
 
     def _attn_residual(self, x_BTD: jax.Array, positions_BT: jax.Array,
                        segment_ids_BT: jax.Array | None) -> jax.Array:
-        return residual(self.attn_norm, self.attn, x_BTD, self.norm_placement, positions_BT, segment_ids_BT)
+        return residual(*self._around(self.attn_norm, self.attn_post_norm), self.attn, x_BTD, positions_BT,
+                        segment_ids_BT)
 
     def _mlp_residual(self, x_BTD: jax.Array) -> jax.Array:
-        """``x + mlp(norm(x))`` (post-norm: ``x + norm(mlp(x))``), over ``mlp_chunk_tokens`` tokens at a time
-        when set: a ``lax.map`` over token chunks whose body is rematerialized, so the backward pass keeps each
-        chunk's input only and recomputes its [chunk, ffn] activations. Padding tokens (zeros) fill the last
-        chunk and are cut."""
+        """``x + mlp(norm(x))`` (post-norm: ``x + norm(mlp(x))``; sandwich: both), over ``mlp_chunk_tokens``
+        tokens at a time when set: a ``lax.map`` over token chunks whose body is rematerialized, so the backward
+        pass keeps each chunk's input only and recomputes its [chunk, ffn] activations. Padding tokens (zeros)
+        fill the last chunk and are cut."""
         chunk = self.mlp_chunk_tokens
         B, T, D = x_BTD.shape
         if chunk is None or B * T <= chunk:
-            return residual(self.mlp_norm, self.mlp, x_BTD, self.norm_placement)
-        graphdef, state = nnx.split((self.mlp_norm, self.mlp))
-        placement = self.norm_placement
+            return residual(*self._around(self.mlp_norm, self.mlp_post_norm), self.mlp, x_BTD)
+        graphdef, state = nnx.split((self._around(self.mlp_norm, self.mlp_post_norm), self.mlp))
 
         @jax.checkpoint
         def one(state, x_CD):
-            norm, mlp = nnx.merge(graphdef, state)
-            return residual(norm, mlp, x_CD, placement)
+            (norm_in, norm_out), mlp = nnx.merge(graphdef, state)
+            return residual(norm_in, norm_out, mlp, x_CD)
 
         n = -(-(B * T) // chunk)
         x_ND = jnp.pad(x_BTD.reshape(B * T, D), ((0, n * chunk - B * T), (0, 0)))
@@ -91,11 +106,9 @@ class MoEBlock(Block):
                segment_ids_BT: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
         """The block's output, and its router's statistics."""
         x_BTD = self._attn_residual(x_BTD, positions_BT, segment_ids_BT)
-        if self.norm_placement == "pre":
-            y_BTD, stats = self.mlp(self.mlp_norm(x_BTD))
-            return x_BTD + y_BTD, stats
-        y_BTD, stats = self.mlp(x_BTD)
-        return x_BTD + self.mlp_norm(y_BTD), stats
+        norm_in, norm_out = self._around(self.mlp_norm, self.mlp_post_norm)
+        y_BTD, stats = self.mlp(x_BTD if norm_in is None else norm_in(x_BTD))
+        return x_BTD + (y_BTD if norm_out is None else norm_out(y_BTD)), stats
 
 
 class InputOutput(nnx.Module):
@@ -106,7 +119,7 @@ class InputOutput(nnx.Module):
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embedding = nnx.Param(_init_normal(rngs.params(), (cfg.vocab_size, cfg.hidden), jnp.float32))
-        self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps, cfg.norm_unit_offset)
         self.lm_head = None if cfg.tie_embeddings else nnx.Param(
             _init_normal(rngs.params(), (cfg.hidden, cfg.vocab_size), jnp.float32))
 
@@ -117,7 +130,10 @@ class InputOutput(nnx.Module):
     def embed(self, tokens_BT: jax.Array, positions_BT: jax.Array,
               segment_ids_BT: jax.Array | None) -> jax.Array:
         del positions_BT, segment_ids_BT  # positions enter through RoPE in the attention of each block
-        return jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.compute_dtype)
+        x_BTD = jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.compute_dtype)
+        if self.cfg.scale_embeddings:  # sqrt(hidden) rounded to the compute dtype, as transformers' Gemma does
+            x_BTD = x_BTD * jnp.asarray(self.cfg.hidden ** 0.5, self.compute_dtype)
+        return x_BTD
 
     def final_hidden(self, x_BTD: jax.Array) -> jax.Array:
         return self.final_norm(x_BTD.astype(jnp.float32))
@@ -125,7 +141,9 @@ class InputOutput(nnx.Module):
     def unembed(self, h_TD: jax.Array) -> jax.Array:
         w_DV = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
         dt = self.compute_dtype
-        return jnp.matmul(h_TD.astype(dt), w_DV.astype(dt), preferred_element_type=jnp.float32)
+        logits_TV = jnp.matmul(h_TD.astype(dt), w_DV.astype(dt), preferred_element_type=jnp.float32)
+        cap = self.cfg.final_logit_softcap
+        return logits_TV if cap is None else cap * jnp.tanh(logits_TV / cap)
 
 
 def part_rngs(key: jax.Array, part: int) -> nnx.Rngs:
@@ -135,7 +153,7 @@ def part_rngs(key: jax.Array, part: int) -> nnx.Rngs:
 
 
 class Decoder(nnx.Module):
-    """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, OLMo 2 by config)."""
+    """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, OLMo 2, Gemma 3 by config)."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg

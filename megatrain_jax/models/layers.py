@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: linear, RMSNorm, RoPE, attention, SwiGLU MLP.
+"""Building blocks of the decoder: linear, RMSNorm, RoPE, attention, gated MLP.
 
 Parameters are float32 (the master copy); each module casts them to the compute dtype of its input.
 Shape suffixes: B batch, T tokens, D hidden, N query heads, K kv heads, H head dim, F ffn.
@@ -34,16 +34,19 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm computed in float32; the output has the input's dtype (as in Hugging Face Llama)."""
+    """RMSNorm computed in float32; the output has the input's dtype (as in Hugging Face Llama). With
+    ``unit_offset`` the weight is an offset from 1 (``y * (1 + w)``, w starting at 0: Gemma 3)."""
 
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        self.scale = nnx.Param((jnp.zeros if unit_offset else jnp.ones)((dim,), jnp.float32))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (self.scale[...] * y).astype(x.dtype)
+        scale = 1.0 + self.scale[...] if self.unit_offset else self.scale[...]
+        return (scale * y).astype(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, long: bool = False) -> np.ndarray:
@@ -71,15 +74,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, long
     return scaled.astype(np.float32)
 
 
-def rope_frequencies(cfg: DecoderConfig, positions_BT: jax.Array) -> jax.Array | np.ndarray:
-    """The inverse frequencies [rotary_dim / 2] the attention rotates ``positions_BT`` by. LongRoPE takes its
-    long factors when the largest position + 1 exceeds the original length (as transformers decides for
-    each forward pass), its short ones otherwise: a choice made on the device, no host sync."""
-    inv = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
-    s = cfg.rope_scaling
+def rope_frequencies(cfg: DecoderConfig, positions_BT: jax.Array,
+                     layer_type: str = "full_attention") -> jax.Array | np.ndarray:
+    """The inverse frequencies [rotary_dim / 2] a layer of type ``layer_type`` rotates ``positions_BT`` by
+    (``cfg.rope_of``). LongRoPE takes its long factors when the largest position + 1 exceeds the original
+    length (as transformers decides for each forward pass), its short ones otherwise: a choice made on the
+    device, no host sync."""
+    theta, s = cfg.rope_of(layer_type)
+    inv = rope_inv_freq(cfg.rotary_dim, theta, s)
     if s is None or s.kind != "longrope":
         return inv
-    long = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, s, long=True)
+    long = rope_inv_freq(cfg.rotary_dim, theta, s, long=True)
     return jnp.where(jnp.max(positions_BT) + 1 > s.original_max_position, jnp.asarray(long), jnp.asarray(inv))
 
 
@@ -157,7 +162,7 @@ def segment_layout(segment_ids_BT: jax.Array, max_segments: int) -> dict[str, ja
 
 
 def packed_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, segment_ids_BT: jax.Array,
-                     max_segments: int, sliding_window: int | None = None) -> jax.Array:
+                     max_segments: int, sliding_window: int | None = None, scale: float | None = None) -> jax.Array:
     """Causal attention within each packed document, by cuDNN's flash kernel on its packed layout: each
     document costs its own causal attention and no [T, T] mask exists. GPU (Hopper or later) only; the XLA
     path with a segment mask is its reference."""
@@ -166,7 +171,7 @@ def packed_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, se
     lay = segment_layout(segment_ids_BT, max_segments)
     return dot_product_attention(
         q_BTNH, k_BTKH, v_BTKH, q_seqlen=lay["lengths"], kv_seqlen=lay["lengths"], q_offsets=lay["offsets"],
-        kv_offsets=lay["offsets"], scale=1.0 / math.sqrt(q_BTNH.shape[-1]), mask_type=MaskType.PADDING_CAUSAL,
+        kv_offsets=lay["offsets"], scale=1.0 / math.sqrt(q_BTNH.shape[-1]) if scale is None else scale, mask_type=MaskType.PADDING_CAUSAL,
         sliding_window_length=sliding_window)
 
 
@@ -174,11 +179,12 @@ class Attention(nnx.Module):
     """Grouped-query causal self-attention with RoPE; optional q/k/v bias, q/k norm (per head, or over all
     heads before RoPE) and sliding window:
     ``window`` is ``cfg.sliding_window`` on a layer of type "sliding_attention" (``cfg.layer_type``), None on
-    a "full_attention" one."""
+    a "full_attention" one; ``layer_type`` is the layer's RoPE (``cfg.rope_of``) too."""
 
     def __init__(self, cfg: DecoderConfig, *, layer_type: str, rngs: nnx.Rngs):
         hd = cfg.dim_per_head
         self.cfg = cfg
+        self.layer_type = layer_type
         self.window = cfg.sliding_window if layer_type == "sliding_attention" else None
         self.q = Linear(cfg.hidden, cfg.heads * hd, bias=cfg.qkv_bias, rngs=rngs)
         self.k = Linear(cfg.hidden, cfg.kv_heads * hd, bias=cfg.qkv_bias, rngs=rngs)
@@ -186,8 +192,9 @@ class Attention(nnx.Module):
         self.o = Linear(cfg.heads * hd, cfg.hidden, rngs=rngs)
         # q/k RMSNorm over each head's vector (width head_dim) or over all heads at once (``qk_norm_width``)
         per_head = cfg.qk_norm_width == "head"
-        self.q_norm = RMSNorm(hd if per_head else cfg.heads * hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd if per_head else cfg.kv_heads * hd, cfg.norm_eps) if cfg.qk_norm else None
+        one = cfg.norm_unit_offset
+        self.q_norm = RMSNorm(hd if per_head else cfg.heads * hd, cfg.norm_eps, one) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd if per_head else cfg.kv_heads * hd, cfg.norm_eps, one) if cfg.qk_norm else None
 
     def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
         cfg, hd = self.cfg, self.cfg.dim_per_head
@@ -200,38 +207,45 @@ class Attention(nnx.Module):
         v_BTKH = self.v(x_BTD).reshape(B, T, cfg.kv_heads, hd)
         if self.q_norm is not None and cfg.qk_norm_width == "head":
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        inv_freq = rope_frequencies(cfg, positions_BT)
-        scale = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.cos_sin_scale
+        inv_freq = rope_frequencies(cfg, positions_BT, self.layer_type)
+        rope_scaling = cfg.rope_of(self.layer_type)[1]
+        scale = 1.0 if rope_scaling is None else rope_scaling.cos_sin_scale
         q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq, scale)
         k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, scale)
+        qk_scale = cfg.attention_scale
         impl = attention_implementation(cfg, x_BTD.dtype, packed=segment_ids_BT is not None)
         # cuDNN's flash attention: its output and softmax statistics, one activation's worth, are marked to
         # keep for the backward (``megatrain_jax.contract.remat``), which then skips a second attention forward.
         if segment_ids_BT is not None and impl == "cudnn":  # packed documents: per-document flash attention
             window, max_segments = self.window, cfg.segments_per_row(T)
-            out_BTNH = keep_residuals(lambda q, k, v, s: packed_attention(q, k, v, s, max_segments, window))(
+            out_BTNH = keep_residuals(lambda q, k, v, s: packed_attention(q, k, v, s, max_segments, window, qk_scale))(
                 q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
         elif impl == "cudnn":
             window = None if self.window is None else (self.window - 1, 0)
             out_BTNH = keep_residuals(lambda q, k, v: jax.nn.dot_product_attention(
-                q, k, v, is_causal=True, local_window_size=window, implementation="cudnn"))(q_BTNH, k_BTKH, v_BTKH)
+                q, k, v, scale=qk_scale, is_causal=True, local_window_size=window, implementation="cudnn"))(
+                q_BTNH, k_BTKH, v_BTKH)
         else:
             mask = None
             if segment_ids_BT is not None:  # packed documents attend only within their own segment
                 mask = (segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :])
             window = None if self.window is None else (self.window - 1, 0)
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, is_causal=True,
+            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, scale=qk_scale, is_causal=True,
                                                     local_window_size=window, implementation=impl)
         return self.o(out_BTNH.reshape(B, T, cfg.heads * hd))
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))``; ``activation`` "silu" (SwiGLU) or "gelu_tanh"
+    (GeGLU with GELU's tanh approximation, transformers' "gelu_pytorch_tanh")."""
 
-    def __init__(self, hidden: int, ffn: int, *, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, ffn: int, *, activation: str = "silu", rngs: nnx.Rngs):
         self.gate = Linear(hidden, ffn, rngs=rngs)
         self.up = Linear(hidden, ffn, rngs=rngs)
         self.down = Linear(ffn, hidden, rngs=rngs)
+        self.activation = activation
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x_BTD)) * self.up(x_BTD))
+        g = self.gate(x_BTD)
+        act = jax.nn.silu(g) if self.activation == "silu" else jax.nn.gelu(g, approximate=True)
+        return self.down(act * self.up(x_BTD))
