@@ -112,13 +112,16 @@ def test_load_hf_into_concrete_and_abstract(name):
 
 def test_fixtures_are_discriminative():
     """Dropping the sliding window, the llama3 RoPE scaling or LongRoPE's (or taking its short factors where
-    transformers takes the long ones) changes the logits: parity means something."""
+    transformers takes the long ones), or Gemma 3's window, local RoPE base, global scaling or logit cap changes
+    the logits: parity means something."""
     from megatrain_jax.models import RopeScaling
     longrope = RopeScaling(kind="longrope", factor=16.0, original_max_position=8,
                            short_factor=(1.0, 1.1, 1.3, 1.7, 2.2, 3.0), long_factor=(1.0, 1.1, 1.3, 1.7, 2.2, 3.0))
     for name, change in (("mistral", dict(sliding_window=None)), ("llama_tied_rope3", dict(rope_scaling=None)),
                          ("phi3", dict(sliding_window=None)), ("phi3_longrope", dict(rope_scaling=None)),
-                         ("phi3_longrope", dict(rope_scaling=longrope))):
+                         ("phi3_longrope", dict(rope_scaling=longrope)), ("gemma3_text", dict(sliding_window=100)),
+                         ("gemma3_text", dict(sliding_rope_theta=None)), ("gemma3_text", dict(rope_scaling=None)),
+                         ("gemma3_text", dict(final_logit_softcap=None))):
         folder = FIXTURES / name
         cfg, io, blocks = load_hf(folder, dtype="float32", **change)
         assert rel_err(logits_of(model_from(cfg, io, blocks), folder), np.load(folder / "logits.npy")) > 1e-3

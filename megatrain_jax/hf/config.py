@@ -209,8 +209,8 @@ def _check_unsupported(c: dict[str, Any], mt: str) -> None:
             raise UnsupportedConfig(f"decoder_sparse_step={c.get('decoder_sparse_step')!r}, mlp_only_layers="
                                     f"{c.get('mlp_only_layers')!r}: only models whose every layer is a mixture of "
                                     f"experts are supported (one block template serves every layer)")
-    if mt in ("llama", "mistral", "qwen3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe") and c.get("attention_bias",
-                                                                                                   False):
+    no_bias = ("llama", "mistral", "qwen3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe")
+    if mt in no_bias and c.get("attention_bias", False):
         raise UnsupportedConfig(f"attention_bias=True for model_type {mt!r} is not supported (it also "
                                 f"puts a bias on o_proj; only Qwen2-style q/k/v biases are)")
 
