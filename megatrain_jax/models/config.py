@@ -373,25 +373,15 @@ def validate(cfg: DecoderConfig) -> None:
     if s is not None and s.kind == "longrope" and len(s.short_factor) != cfg.rotary_dim // 2:
         raise ValueError(f"rope_scaling short_factor and long_factor have {len(s.short_factor)} entries; the "
                          f"{cfg.rotary_dim} rotated dimensions of a head need {cfg.rotary_dim // 2}")
-    if cfg.qk_norm_width not in QK_NORM_WIDTHS:
-        raise ValueError(f"qk_norm_width {cfg.qk_norm_width!r} not supported; allowed: {list(QK_NORM_WIDTHS)}"
-                         f"{_did_you_mean(cfg.qk_norm_width, QK_NORM_WIDTHS)}")
-    if cfg.norm_placement not in NORM_PLACEMENTS:
-        raise ValueError(f"norm_placement {cfg.norm_placement!r} not supported; allowed: {list(NORM_PLACEMENTS)}"
-                         f"{_did_you_mean(cfg.norm_placement, NORM_PLACEMENTS)}")
-    if cfg.mlp_activation not in MLP_ACTIVATIONS:
-        raise ValueError(f"mlp_activation {cfg.mlp_activation!r} not supported; allowed: {list(MLP_ACTIVATIONS)}"
-                         f"{_did_you_mean(cfg.mlp_activation, MLP_ACTIVATIONS)}")
+    for name, allowed in (("qk_norm_width", QK_NORM_WIDTHS), ("norm_placement", NORM_PLACEMENTS),
+                          ("mlp_activation", MLP_ACTIVATIONS), ("dtype", DTYPES), ("attention_impl", ATTENTION_IMPLS)):
+        value = getattr(cfg, name)
+        if value not in allowed:
+            raise ValueError(f"{name} {value!r} not supported; allowed: {list(allowed)}{_did_you_mean(value, allowed)}")
     for name in ("query_pre_attn_scalar", "sliding_rope_theta", "final_logit_softcap"):
         value = getattr(cfg, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
             raise ValueError(f"{name} must be a positive number or None, got {value!r}")
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"dtype {cfg.dtype!r} not supported; allowed: {list(DTYPES)}"
-                         f"{_did_you_mean(cfg.dtype, DTYPES)}")
-    if cfg.attention_impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl {cfg.attention_impl!r} not supported; allowed: {list(ATTENTION_IMPLS)}"
-                         f"{_did_you_mean(cfg.attention_impl, ATTENTION_IMPLS)}")
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(cfg, name)
         ids = value if isinstance(value, tuple) and name == "eos_token_id" else (value,)
