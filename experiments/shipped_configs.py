@@ -102,7 +102,10 @@ def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra:
                       tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in timed), 1),
                       model_tflops=round(statistics.median(r["model_tflops"] for r in timed), 1),
                       gpu_peak_gib=max((r.get("gpu_peak_gib") or 0) for r in rows) or None,
-                      host_peak_gib=max((r.get("host_peak_rss_gib") or 0) for r in rows) or None)
+                      host_peak_gib=max((r.get("host_peak_rss_gib") or 0) for r in rows) or None,
+                      # the resident set by kind at the step ends: its own arrays, and mapped files
+                      host_anon_max_gib=max((r.get("host_rss_anon_gib") or 0) for r in rows) or None,
+                      host_file_max_gib=max((r.get("host_rss_file_gib") or 0) for r in rows) or None)
         planned = record.get("planned") or {}
         for side in ("host", "gpu"):
             plan, peak = planned.get(f"{side}_gib"), record.get(f"{side}_peak_gib")

@@ -105,6 +105,13 @@ def test_jsonl_writer_and_resume(tmp_path):
 def test_system_stats_report_host_memory():
     stats = system_stats()
     assert stats["host_peak_rss_gib"] > 0.01
+    # the resident set now, by kind (Linux): this process's own arrays and its mapped files
+    import numpy as np
+    before = system_stats()["host_rss_anon_gib"]
+    block = np.ones(64 * 2**20 // 8)  # 64 MiB of anonymous memory, touched
+    after = system_stats()["host_rss_anon_gib"]
+    assert after - before > 0.05 and stats["host_rss_file_gib"] > 0 and block.sum() > 0
+    assert after <= system_stats()["host_peak_rss_gib"] + 1e-9
 
 
 def metrics(step: int, **extra) -> dict:

@@ -29,6 +29,7 @@ def summary(folder: Path, exit_status: int | None) -> dict:
             "gpu_peak_gib": round(max(r["gpu_peak_gib"] for r in rows), 2),
             "host_peak_gib": round(max(r["host_peak_rss_gib"] for r in rows), 2),
             "host_rss_gib_last_step": round(rows[-1]["host_peak_rss_gib"], 2),
+            "host_anon_max_gib": round(max(r.get("host_rss_anon_gib") or 0 for r in rows), 2) or None,
             "planned": None if planned is None else {"host_gib": float(planned.group(1)),
                                                      "gpu_gib": float(planned.group(2))},
             "done_line": next((line for line in log.splitlines() if line.startswith("done:")), None),

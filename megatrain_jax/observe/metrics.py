@@ -1,4 +1,6 @@
-"""Metrics to disk: one JSON object per step in ``run_dir/metrics.jsonl``, and memory high-water marks.
+"""Metrics to disk: one JSON object per step in ``run_dir/metrics.jsonl``, and memory high-water marks
+(host: the peak resident set, and the resident set now by kind: ``host_rss_anon_gib`` for the process's
+own arrays, ``host_rss_file_gib`` for mapped files such as a checkpoint being read).
 
 Every key of the step's metrics dict is written (loss, grad_norm, lr, tokens_per_s, model_tflops, mfu,
 step_time_s, any transfer rates the engine reports, eval_loss / eval_ppl on evaluation steps), plus
@@ -28,6 +30,23 @@ def host_peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def host_rss_parts() -> dict[str, int]:
+    """This process's resident set now, by kind (Linux ``/proc/self/status``): ``anon`` (its own arrays, what
+    a host plan must count), ``file`` (mapped files, e.g. safetensors being read: pages the kernel takes
+    back under pressure) and ``shmem``; empty where the system does not say."""
+    names = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                words = line.split()
+                if len(words) >= 2 and words[0] in names:
+                    out[names[words[0]]] = int(words[1]) * 1024  # kB
+    except OSError:
+        return {}
+    return out
+
+
 def gpu_memory_stats() -> dict[str, int]:
     """``peak_bytes_in_use`` / ``bytes_in_use`` / ``bytes_limit`` of the first device, when it reports them
     (GPUs do; the CPU backend does not)."""
@@ -41,6 +60,7 @@ def gpu_memory_stats() -> dict[str, int]:
 def system_stats() -> dict[str, float]:
     """Host and GPU memory high-water marks in GiB, under the names the metrics file uses."""
     out = {"host_peak_rss_gib": host_peak_rss_bytes() / GiB}
+    out.update({f"host_rss_{kind}_gib": b / GiB for kind, b in host_rss_parts().items()})  # now, by kind
     gpu = gpu_memory_stats()
     if "peak_bytes_in_use" in gpu:
         out["gpu_peak_gib"] = gpu["peak_bytes_in_use"] / GiB
