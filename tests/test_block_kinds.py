@@ -133,6 +133,26 @@ def test_leading_dense_layers_are_their_own_kind_and_only_moe_kinds_are_routed()
         DENSE_MOE.replace(first_k_dense_replace=3)
 
 
+def test_the_plan_counts_each_block_as_its_kind():
+    """Dense and MoE blocks differ in size: the plan streams, holds and updates each at its own count, and
+    the counts add up to the model's parameters."""
+    from megatrain_jax.engine.parts import IO, PartId
+    from megatrain_jax.plan import layer_param_count, part_param_count, plan
+    model = Decoder(DENSE_MOE, rngs=nnx.Rngs(0))
+    actual = [sum(x.size for x in jax.tree.leaves(nnx.state(b, nnx.Param))) for b in model.blocks]
+    counted = [part_param_count(DENSE_MOE, PartId.block(i)) for i in range(3)]
+    assert counted == actual and actual[0] != actual[1]
+    assert sum(counted) + part_param_count(DENSE_MOE, IO) == DENSE_MOE.param_count()
+    assert layer_param_count(DENSE_MOE) == max(actual)
+    # the dense block GPU-resident: its own size, not the average or the MoE block's
+    big = dict(host_ram_bytes=2**40, gpu_bytes=2**40)
+    resident = plan(DENSE_MOE, EngineConfig(resident_layers=1), 4, 16, **big)
+    assert resident.gpu["GPU-resident parts with their optimizer state (1 parts)"] == (12 + 4) * actual[0]
+    streamed = plan(DENSE_MOE, EngineConfig(), 4, 16, **big)
+    weights = next(v for k, v in streamed.gpu.items() if k.startswith("streamed weights of the io part and blocks"))
+    assert weights % 4 == 0 and weights >= 4 * actual[1]  # an MoE block's float32 weights, at least
+
+
 def test_engine_equals_reference_on_dense_and_moe_kinds():
     """The auxiliary loss over the routed blocks only, summed over micro-batches; the dense block's backward
     takes no statistics' gradient. Clipped, with the kept-residual programs of both kinds."""

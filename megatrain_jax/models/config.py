@@ -323,7 +323,14 @@ class DecoderConfig:
         ``top_k`` experts and the shared expert of each block (what model FLOPs count)."""
         return self._count(active=True)
 
-    def _count(self, active: bool) -> int:
+    def block_param_count(self, index: int) -> int:
+        """Trainable parameters of block ``index``: its attention and norms, and its MLP, dense or a mixture
+        of experts (``is_moe_layer``)."""
+        common, dense, moe = self._block_counts(active=False)
+        return common + (moe if self.is_moe_layer(index) else dense)
+
+    def _block_counts(self, active: bool) -> tuple[int, int, int]:
+        """One block's attention and norms, a dense MLP, and an MoE MLP (all, or active per token)."""
         d, hd = self.hidden, self.dim_per_head
         q, kv = self.heads * hd, self.kv_heads * hd
         attn = d * q + 2 * d * kv + q * d
@@ -331,12 +338,15 @@ class DecoderConfig:
             attn += q + 2 * kv
         if self.qk_norm:
             attn += 2 * hd if self.qk_norm_width == "head" else q + kv
-        dense = 3 * d * self.ffn
         moe = 0 if self.moe is None else self.moe.mlp_params(d)[int(active)]
+        return attn + self.norms_per_block * d, 3 * d * self.ffn, moe
+
+    def _count(self, active: bool) -> int:
+        common, dense, moe = self._block_counts(active)
         n_moe = 0 if self.moe is None else self.layers - self.first_k_dense_replace
-        mlps = (self.layers - n_moe) * dense + n_moe * moe
+        d = self.hidden
         io = self.vocab_size * d + d + (0 if self.tie_embeddings else d * self.vocab_size)
-        return self.layers * (attn + self.norms_per_block * d) + mlps + io
+        return self.layers * common + (self.layers - n_moe) * dense + n_moe * moe + io
 
 
 def _did_you_mean(value: object, allowed: tuple[str, ...]) -> str:

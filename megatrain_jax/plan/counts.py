@@ -3,6 +3,8 @@ where (the bottom of ``megatrain_jax.plan``: it imports nothing else of the plan
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import HostRoles, PartId
 from megatrain_jax.models.config import DecoderConfig
@@ -18,11 +20,18 @@ def io_param_count(cfg: DecoderConfig) -> int:
 
 
 def layer_param_count(cfg: DecoderConfig) -> int:
-    return (cfg.param_count() - io_param_count(cfg)) // cfg.layers
+    """The largest block's parameters: what one block's buffers must hold (every block, where the blocks are
+    all alike; an MoE block where the first ones are dense)."""
+    return max(cfg.block_param_count(0), cfg.block_param_count(cfg.layers - 1))
 
 
 def part_param_count(cfg: DecoderConfig, part: PartId) -> int:
-    return io_param_count(cfg) if part.is_io else layer_param_count(cfg)
+    return io_param_count(cfg) if part.is_io else cfg.block_param_count(part.layer)
+
+
+def blocks_param_count(cfg: DecoderConfig, blocks: Iterable[int]) -> int:
+    """The parameters of the blocks of these indices together."""
+    return sum(cfg.block_param_count(i) for i in blocks)
 
 
 def host_roles(cfg: DecoderConfig, e: EngineConfig) -> HostRoles:

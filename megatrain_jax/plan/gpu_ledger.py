@@ -37,8 +37,8 @@ from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, Op, OpKind, step_ops
 from megatrain_jax.models.config import DecoderConfig
-from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, host_roles, io_param_count,
-                                       layer_param_count, part_param_count)
+from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, blocks_param_count, host_roles,
+                                       io_param_count, layer_param_count, part_param_count)
 
 QUEUED_BLOCKS = BLOCKS_AHEAD  # blocks of work the GPU may trail the host by (the engine waits for older ones)
 
@@ -224,14 +224,15 @@ class Walk:
     def __post_init__(self) -> None:
         c, e = self.c, self.e
         self.M = e.micro_batches
-        self.Pl, self.Pio = layer_param_count(c), io_param_count(c)
+        self.Pio = io_param_count(c)
+        self.Pblock = (c.block_param_count(0), c.block_param_count(c.layers - 1))  # dense first where kinds differ
         self.fetched = 1 if self.devices == 1 else 1 + 1 / self.devices  # the shard, and the part once gathered
         self.act = self.rows // self.M * self.seq_len * c.hidden * activation_bytes(c)  # one micro-batch's
         self.res = kept_bytes(c, e, self.rows // self.M, self.seq_len, self.flash, self.packed)  # one block's
         self.on_gpu = {IO} if e.resident_io else set()
         self.on_gpu |= {PartId.block(i) for i in range(e.resident_layers)}
         self.waiting = set(host_roles(c, e).grads_on_gpu)
-        resident_params = e.resident_layers * self.Pl + (self.Pio if e.resident_io else 0)
+        resident_params = blocks_param_count(c, range(e.resident_layers)) + (self.Pio if e.resident_io else 0)
         # fp32 master + Adam moments + the compute copy (a second fp32 copy when float32 is streamed)
         self.resident = resident_params * (12 + self.sb) // self.devices
         waiting_params = sum(part_param_count(c, part) for part in self.waiting)
@@ -245,14 +246,21 @@ class Walk:
         return (self.pass_index, self.backward, op.kind if op.part is None else op.part)
 
     def is_io(self, op: Op) -> bool:
-        return op.kind == "head" or (op.part is not None and op.part.is_io)  # the head accumulates io's gradient
+        """Whether ``op`` works on the io part: the head and the embedding's backward accumulate its gradient."""
+        return op.kind in ("head", "embed", "embed_backward") or (op.part is not None and op.part.is_io)
+
+    def params(self, op: Op) -> int:
+        """The parameters of the part ``op`` works on (the head's: the io part's)."""
+        if self.is_io(op):
+            return self.Pio
+        return self.Pblock[1] if self.c.is_moe_layer(op.part.layer) else self.Pblock[0]
 
     def weights(self, op: Op) -> int:
-        return int((self.Pio if self.is_io(op) else self.Pl) * self.sb * self.fetched)
+        return int(self.params(op) * self.sb * self.fetched)
 
     def grad(self, op: Op) -> int:
         """A part's float32 gradient, whole: what a device accumulates over the micro-batches."""
-        return (self.Pio if self.is_io(op) else self.Pl) * 4
+        return self.params(op) * 4
 
     def summed(self, op: Op) -> int:
         """The part's gradient once summed over the devices: each device's shard (the whole on one device)."""

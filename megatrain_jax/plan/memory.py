@@ -29,8 +29,8 @@ from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import offloaded_blocks
 from megatrain_jax.models.config import DecoderConfig
-from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, GiB, activation_bytes, host_roles, io_param_count,
-                                       layer_param_count, part_param_count, stream_bytes)
+from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, GiB, activation_bytes, blocks_param_count, host_roles,
+                                       io_param_count, layer_param_count, part_param_count, stream_bytes)
 from megatrain_jax.plan.gpu_ledger import assumes_flash, gpu_peak, kept_bytes
 from megatrain_jax.plan.machine import (GPU_FRAGMENTATION_MARGIN, HOST_RUNTIME_BYTES, PINNED_RSS_OVERHEAD, available_disk_bytes,
                                         available_gpu_bytes, available_host_bytes, fitted_pool_limit, pinned_pool_bytes)
@@ -257,7 +257,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     stream_dtype = "bfloat16" if e.capacity else (stream_dtype or e.stream_dtype or c.dtype)
     sb = stream_bytes(stream_dtype)
     P = c.param_count()
-    on_host_grads = P - e.resident_layers * layer_param_count(c) - (io_param_count(c) if e.resident_io else 0)
+    on_host_grads = P - blocks_param_count(c, range(e.resident_layers)) - (io_param_count(c) if e.resident_io else 0)
     waiting = [part_param_count(c, part) for part in roles.grads_on_gpu]  # gradients kept on the GPU
 
     # The fused C++ AdamW (megatrain_jax.adamw, the CLI's optimizer) keeps what only it touches in pageable
@@ -265,7 +265,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     fused = e.host_kernel and stream_dtype in ("float32", "bfloat16")
     pinned, pageable = {}, {}
     mb = 4 if e.capacity else 8  # bytes of Adam moments per parameter
-    on_disk = e.disk_parts * layer_param_count(c)  # params whose moments live in the disk tier's files
+    on_disk = sum(part_param_count(c, part) for part in roles.disk)  # params whose moments live in files
     moments = "Adam moments m and v, " + ("bfloat16 (4 B/param; capacity mode)" if e.capacity else
                                           "float32 (8 B/param)")
     if on_disk:
