@@ -256,8 +256,11 @@ class HFParts:
         check_same_model(cfg, ckpt_cfg, f"{model_dir}/config.json")
         self.model_dir, self.cfg = Path(model_dir), ckpt_cfg
         self._ckpt = open_checkpoint(model_dir, ckpt_cfg)
-        # every block has the same key paths, and none of them is an io part's
-        self._transposed = {s.path for s in io_specs(ckpt_cfg) + block_specs(ckpt_cfg, 0) if s.transpose}
+        # blocks of one kind of MLP (dense, or leading dense layers then MoE) have the same key paths, and
+        # none of them is an io part's
+        firsts = {0, min(ckpt_cfg.first_k_dense_replace, ckpt_cfg.layers - 1)}
+        self._transposed = {s.path for s in io_specs(ckpt_cfg) + [s for i in firsts for s in block_specs(ckpt_cfg, i)]
+                            if s.transpose}
 
     READ_AHEAD = 8  # blocks whose bytes the disk reads ahead of the one asked for
 
