@@ -16,10 +16,10 @@ then load with this one (``--against`` gives the folders whose tokens.npy / logi
 
     /work/venv/bin/python -c "from megatrain_jax.hf import load_hf, save_hf
     for n in ['llama', 'llama_tied_rope3', 'mistral', 'qwen2', 'qwen3', 'phi3', 'phi3_longrope', 'olmo2',
-              'gemma3_text']:
+              'gemma3_text', 'glm4_moe']:
         save_hf(f'/tmp/hf_export/{n}', *load_hf(f'tests/fixtures/hf/{n}'), dtype='float32')"
     /work/venv-hf/bin/python scripts/make_hf_fixtures.py --check-export /tmp/hf_export/* \
-        --against tests/fixtures/hf/{gemma3_text,llama,llama_tied_rope3,mistral,olmo2,phi3,phi3_longrope,qwen2,qwen3}
+        --against tests/fixtures/hf/{gemma3_text,glm4_moe,llama,llama_tied_rope3,mistral,olmo2,phi3,phi3_longrope,qwen2,qwen3}
 """
 
 from __future__ import annotations
@@ -84,6 +84,14 @@ FIXTURES = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"], final_logit_softcapping=10.0,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    # GLM-4.5 (heads x head_dim 64, twice hidden 32): a dense layer then two MoE ones; a sigmoid router over 8 experts in 4 groups (2 kept, 2 experts per
+    # token) with a random correction bias (``make`` draws it: a buffer, not a parameter), weights renormalized and
+    # scaled by 2.5; an ungated shared expert; q/k/v biases, per-head q/k norms, RoPE on half of each head
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=3, first_k_dense_replace=1, head_dim=16, n_routed_experts=8, n_group=4, topk_group=2,
+        num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16, norm_topk_prob=True,
+        routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True, num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
 }
 
 
@@ -113,6 +121,11 @@ def make(name: str, seed: int) -> None:
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
     randomize(model, seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():  # GLM-4.5's correction bias is a buffer: drawn too, so that it changes the choice
+        for buffer, b in model.named_buffers():
+            if buffer.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g, dtype=torch.float32))
     if cfg.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     tokens = np.random.default_rng(seed).integers(0, VOCAB, size=(BATCH, SEQ), dtype=np.int32)

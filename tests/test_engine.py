@@ -53,13 +53,19 @@ def assert_models_close(ref_model, model, tol=TOL):
         assert rel <= tol, f"{k}: relative difference {rel:.2e}"
 
 
-def run_both(cfg, tx_fn, engine_cfg, steps=3, batch_kw=None):
-    """Train a reference and an engine copy of the same model; compare every step's loss and the end."""
+def run_both(cfg, tx_fn, engine_cfg, steps=3, batch_kw=None, prepare=None, reference_out=None):
+    """Train a reference and an engine copy of the same model; compare every step's loss and the end.
+    ``prepare(model)`` (optional) changes both fresh models alike before training; ``reference_out`` (a list,
+    optional) receives the reference's trained model."""
     batch_kw = batch_kw or {}
     k = engine_cfg.accumulate_steps
     batches = make_batches(steps * k, vocab=cfg.vocab_size, **batch_kw)
-    ref = ReferenceTrainer(Decoder(cfg, rngs=nnx.Rngs(0)), tx_fn(), clip_norm=engine_cfg.clip_norm)
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    ref_model, model = Decoder(cfg, rngs=nnx.Rngs(0)), Decoder(cfg, rngs=nnx.Rngs(0))
+    for m in (ref_model, model) if prepare is not None else ():
+        prepare(m)
+    ref = ReferenceTrainer(ref_model, tx_fn(), clip_norm=engine_cfg.clip_norm)
+    if reference_out is not None:
+        reference_out.append(ref)
     engine = Engine(model, tx_fn(), engine_cfg)
     for s in range(steps):
         group = batches[s * k:(s + 1) * k]

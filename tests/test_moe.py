@@ -183,6 +183,10 @@ MOE_FAMILIES = {
     "qwen2_moe": preset("tiny-moe", family="qwen2_moe", qkv_bias=True,
                         moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, norm_topk_prob=False, shared_expert_ffn=40,
                                       aux_loss_coef=0.001)),
+    # GLM-4.5: a leading dense layer, a sigmoid router with its correction bias, an ungated shared expert
+    "glm4_moe": preset("tiny-moe", family="glm4_moe", qkv_bias=True, partial_rotary_factor=0.5, first_k_dense_replace=1,
+                       moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, shared_expert_ffn=48, shared_expert_gate=False,
+                                     scoring="sigmoid", groups=2, topk_groups=1, routed_scale=2.5)),
 }
 
 
@@ -201,8 +205,10 @@ def test_hf_export_and_import_round_trip_per_expert_tensors(tmp_path, family):
     names = Checkpoint(tmp_path).names()
     moe = "block_sparse_moe" if family == "mixtral" else "mlp"
     expert = "w1" if family == "mixtral" else "gate_proj"
-    assert f"model.layers.1.{moe}.experts.3.{expert}.weight" in names and f"model.layers.0.{moe}.gate.weight" in names
-    assert (f"model.layers.0.{moe}.shared_expert_gate.weight" in names) == (family == "qwen2_moe")
+    assert f"model.layers.1.{moe}.experts.3.{expert}.weight" in names and f"model.layers.1.{moe}.gate.weight" in names
+    assert (f"model.layers.1.{moe}.shared_expert_gate.weight" in names) == (family == "qwen2_moe")
+    assert (f"model.layers.1.{moe}.gate.e_score_correction_bias" in names) == (family == "glm4_moe")
+    assert (f"model.layers.0.{moe}.gate.weight" in names) == (family != "glm4_moe")  # GLM's layer 0 is dense
     back = read_config(tmp_path, dtype="float32")
     assert back.moe == cfg.moe and back.family == family
     _, io, blocks = load_hf(tmp_path, dtype="float32")

@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` <-> DecoderConfig, for Llama, Mistral, Qwen2, Qwen3, Phi-3 (Phi-3, Phi-3.5,
-Phi-4, Phi-4-mini), OLMo 2, Gemma 3 (text: ``gemma3_text``) and the mixtures of experts Mixtral, Qwen2-MoE and
-Qwen3-MoE.
+Phi-4, Phi-4-mini), OLMo 2, Gemma 3 (text: ``gemma3_text``) and the mixtures of experts Mixtral, Qwen2-MoE,
+Qwen3-MoE and GLM-4.5 (``glm4_moe``).
 
 Both the transformers 4.x spelling (``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and the 5.x one
 (``rope_parameters``, ``dtype``) are read; we write the 4.x spelling, which 5.x still reads. Anything
@@ -25,14 +25,16 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM"),
 }
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 _FAMILY_TO_TYPE = {family: mt for mt, (family, _) in ARCHITECTURES.items()}
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_moe": 128, "gemma3_text": 256}  # transformers' default when config.json omits head_dim
 _SUPPORTED_ROPE = ("default", "llama3", "linear", "yarn")
 _PHI3_ROPE = ("default", "longrope")  # what Phi3Config accepts (after reading "su" and "yarn" as longrope)
-_DEFAULT_NORM_EPS = {"phi3": 1e-5, "olmo2": 1e-5}  # transformers' default when config.json omits rms_norm_eps (else 1e-6)
+_DEFAULT_NORM_EPS = {"phi3": 1e-5, "olmo2": 1e-5, "glm4_moe": 1e-5}  # transformers' default when config.json omits rms_norm_eps (else 1e-6)
 _PHI3_ORIGINAL_MAX_POSITION = 4096  # Phi3Config's default original_max_position_embeddings
+_PARTIAL_ROTARY = {"phi3": 1.0, "glm4_moe": 0.5}  # who rotates part of a head, and transformers' default share
 # Hybrid models whose layers keep a recurrent state (linear attention, state-space layers) between tokens:
 # out of scope for this engine's blocks, refused by name with what they are.
 HYBRID_TYPES: dict[str, str] = {
@@ -102,10 +104,10 @@ def _rope(c: dict[str, Any], mt: str, max_pos: int) -> tuple[float, float, RopeS
     if kind not in supported:
         raise UnsupportedConfig(f"rope_scaling type {kind!r} is not supported for model_type {mt!r}; supported: "
                                 f"{list(supported)}")
-    partial = float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)))
-    if partial != 1.0 and mt != "phi3":
+    partial = float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", _PARTIAL_ROTARY.get(mt, 1.0))))
+    if partial != 1.0 and mt not in _PARTIAL_ROTARY:
         raise UnsupportedConfig(f"partial_rotary_factor {partial!r} is not supported for model_type {mt!r} (RoPE on "
-                                f"the whole head; only Phi-3's attention rotates part of it)")
+                                f"the whole head; only Phi-3's and GLM-4.5's attention rotate part of it)")
     if kind == "default":
         return theta, partial, None
     if mt == "phi3":  # Phi3Config's own original_max_position_embeddings (default 4096) wins over rope_scaling's
@@ -165,7 +167,7 @@ def _gemma3_layer_types(c: dict[str, Any], layers: int) -> tuple[str, ...]:
 def _sliding_window(c: dict[str, Any], mt: str, layers: int) -> int | None:
     if mt in ("mistral", "mixtral", "phi3"):  # Phi3Model masks by sliding_window whenever it is set
         return c.get("sliding_window")
-    if mt in ("llama", "olmo2"):
+    if mt in ("llama", "olmo2", "glm4_moe"):
         return None
     if mt == "gemma3_text":
         return c.get("sliding_window", 4096)  # Gemma3TextConfig's default
@@ -201,6 +203,8 @@ def _check_unsupported(c: dict[str, Any], mt: str) -> None:
             raise UnsupportedConfig(f"{key}={dropout!r} is not supported (the engine trains without dropout: "
                                     f"docs/model_contract.md); set it to 0.0 in config.json to train without "
                                     f"dropout (the model's outputs at inference are unchanged)")
+    if mt == "glm4_moe":
+        _check_glm4_moe(c)
     if mt in _MOE_TYPES:
         if float(c.get("router_jitter_noise") or 0.0) != 0.0:
             raise UnsupportedConfig(f"router_jitter_noise={c['router_jitter_noise']!r} is not supported (routing is "
@@ -209,10 +213,21 @@ def _check_unsupported(c: dict[str, Any], mt: str) -> None:
             raise UnsupportedConfig(f"decoder_sparse_step={c.get('decoder_sparse_step')!r}, mlp_only_layers="
                                     f"{c.get('mlp_only_layers')!r}: only models whose every layer is a mixture of "
                                     f"experts are supported (one block template serves every layer)")
-    no_bias = ("llama", "mistral", "qwen3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe")
+    no_bias = ("llama", "mistral", "qwen3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe")  # GLM-4.5: q/k/v only
     if mt in no_bias and c.get("attention_bias", False):
         raise UnsupportedConfig(f"attention_bias=True for model_type {mt!r} is not supported (it also "
                                 f"puts a bias on o_proj; only Qwen2-style q/k/v biases are)")
+
+
+def _check_glm4_moe(c: dict[str, Any]) -> None:
+    """What Glm4MoeForCausalLM computes and our blocks would not: anything but its sigmoid router with grouped
+    top-k. Its multi-token-prediction layers (``num_nextn_predict_layers``, the tensors of layers
+    ``num_hidden_layers`` onwards in the released checkpoints) are no part of the causal LM transformers builds
+    (it ignores them on load): ``check_checkpoint`` skips them knowingly and an export does not write them."""
+    for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):  # DeepSeek-V3's spellings
+        if c.get(key, want) != want:
+            raise UnsupportedConfig(f"{key}={c[key]!r} for model_type 'glm4_moe' is not supported (transformers' "
+                                    f"Glm4MoeTopkRouter scores by sigmoid with a correction bias: {want!r})")
 
 
 def _check_gemma3(c: dict[str, Any]) -> None:
@@ -264,9 +279,11 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
         rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
         norm_eps=float(c.get("rms_norm_eps", _DEFAULT_NORM_EPS.get(mt, 1e-6))),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=mt in ("qwen2", "qwen2_moe"), qk_norm=mt in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text"),
+        qkv_bias=mt in ("qwen2", "qwen2_moe") or (mt == "glm4_moe" and bool(c.get("attention_bias", False))),
+        qk_norm=mt in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text") or (mt == "glm4_moe" and bool(c.get("use_qk_norm", False))),
         qk_norm_width="all_heads" if mt == "olmo2" else "head", norm_placement="post" if mt == "olmo2" else "pre",
         sliding_window=_sliding_window(c, mt, layers), max_positions=max_pos, moe=_moe(c, mt),
+        first_k_dense_replace=int(c.get("first_k_dense_replace", 1)) if mt == "glm4_moe" else 0,
         **token_ids(c))
     fields.update(gemma3)
     fields.update(overrides)
@@ -307,13 +324,23 @@ def _json_id(value: int | tuple[int, ...]) -> int | list[int]:
 
 
 def _moe(c: dict[str, Any], mt: str) -> MoEConfig | None:
-    """The mixture of experts of a Mixtral / Qwen2-MoE / Qwen3-MoE config. The load-balancing coefficient
+    """The mixture of experts of a Mixtral / Qwen2-MoE / Qwen3-MoE / GLM-4.5 config. GLM-4.5 trains without a
+    load-balancing loss (its router's correction bias balances, and is not trained here). The load-balancing coefficient
     is ``router_aux_loss_coef``, used in training whatever ``output_router_logits`` says (set
     ``model.moe.aux_loss_coef = 0`` to train without it). A capacity factor is a training choice: an export
     writes the dropless model transformers runs."""
     if mt not in _MOE_TYPES:
         return None
     try:
+        if mt == "glm4_moe":  # Glm4MoeConfig's defaults where config.json omits a field
+            ffn = int(c["moe_intermediate_size"])
+            shared = int(c.get("n_shared_experts", 1))
+            return MoEConfig(experts=int(c.get("n_routed_experts", c.get("num_local_experts", 128))),
+                             top_k=int(c["num_experts_per_tok"]), expert_ffn=ffn,
+                             norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+                             shared_expert_ffn=shared * ffn if shared else None, shared_expert_gate=False,
+                             scoring="sigmoid", groups=int(c.get("n_group", 1)), topk_groups=int(c.get("topk_group", 1)),
+                             routed_scale=float(c.get("routed_scaling_factor", 1.0)), aux_loss_coef=0.0)
         if mt == "mixtral":
             return MoEConfig(experts=int(c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
                              expert_ffn=int(c["intermediate_size"]), norm_topk_prob=True,
@@ -336,7 +363,7 @@ def check_exportable(cfg: DecoderConfig) -> None:
     want = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False), "qwen3": (False, True),
             "phi3": (False, False), "olmo2": (False, True), "gemma3": (False, True), "mixtral": (False, False),
             "qwen2_moe": (True, False),
-            "qwen3_moe": (False, True)}
+            "qwen3_moe": (False, True), "glm4_moe": (cfg.qkv_bias, cfg.qk_norm)}  # GLM-4.5: either, by config
     bias, norm = want[cfg.family]
     olmo2 = cfg.family == "olmo2"  # post-norm blocks, q/k norm over all heads; every other family the opposite
     gemma3 = cfg.family == "gemma3"  # sandwich norms offset from 1, GeGLU, scaled embeddings, per-layer-type RoPE
@@ -350,8 +377,18 @@ def check_exportable(cfg: DecoderConfig) -> None:
             problems.append("Mixtral renormalizes its top-k and has no shared expert")
         if cfg.family == "qwen3_moe" and m.shared_expert_ffn is not None:
             problems.append("Qwen3-MoE has no shared expert")
-        if cfg.family == "qwen2_moe" and m.shared_expert_ffn is None:
-            problems.append("Qwen2-MoE has a shared expert (moe.shared_expert_ffn)")
+        if cfg.family == "qwen2_moe" and (m.shared_expert_ffn is None or not m.shared_expert_gate):
+            problems.append("Qwen2-MoE has a gated shared expert (moe.shared_expert_ffn, shared_expert_gate)")
+        glm = cfg.family == "glm4_moe"
+        if (m.scoring == "sigmoid") != glm:
+            problems.append(f"moe.scoring={m.scoring!r} (the {cfg.family} router scores by "
+                            f"{'sigmoid' if glm else 'softmax'})")
+        if not glm and (m.groups != 1 or m.routed_scale != 1.0):
+            problems.append(f"moe.groups={m.groups}, moe.routed_scale={m.routed_scale} (grouped, scaled routing is "
+                            f"GLM-4.5's)")
+        if glm and (m.shared_expert_ffn is None or m.shared_expert_gate or m.shared_expert_ffn % m.expert_ffn):
+            problems.append("GLM-4.5 has ungated shared experts n_shared_experts x moe.expert_ffn wide "
+                            "(moe.shared_expert_ffn a multiple of moe.expert_ffn, shared_expert_gate=False)")
     if cfg.qkv_bias != bias:
         problems.append(f"qkv_bias={cfg.qkv_bias} (the {cfg.family} architecture has {bias})")
     if cfg.qk_norm != norm:
@@ -378,16 +415,16 @@ def check_exportable(cfg: DecoderConfig) -> None:
         problems.append(f"sliding_window={cfg.sliding_window} (OLMo 2 has none)")
     if cfg.family == "llama" and cfg.sliding_window is not None:
         problems.append(f"sliding_window={cfg.sliding_window} (Llama has none; use family='mistral')")
-    if cfg.partial_rotary_factor != 1.0 and cfg.family != "phi3":
-        problems.append(f"partial_rotary_factor={cfg.partial_rotary_factor} (only Phi-3's attention rotates part "
-                        f"of a head)")
+    if cfg.partial_rotary_factor != 1.0 and cfg.family not in ("phi3", "glm4_moe"):
+        problems.append(f"partial_rotary_factor={cfg.partial_rotary_factor} (only Phi-3's and GLM-4.5's attention "
+                        f"rotate part of a head)")
     s = cfg.rope_scaling
     if s is not None and (s.kind == "longrope") != (cfg.family == "phi3"):
         problems.append(f"rope_scaling kind {s.kind!r} (Phi-3 takes no scaling or longrope only, and longrope is "
                         f"Phi-3's alone)")
     if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1 and not gemma3:
         problems.append(f"layer_types mixes sliding and full attention (not written to Hugging Face configs yet)")
-    if cfg.first_k_dense_replace:
+    if cfg.first_k_dense_replace and cfg.family != "glm4_moe":
         problems.append(f"first_k_dense_replace={cfg.first_k_dense_replace} (leading dense layers: not written to "
                         f"Hugging Face configs yet)")
     if problems:
@@ -464,6 +501,13 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         out.update(num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
         if mt == "mixtral":
             out.update(num_local_experts=m.experts, intermediate_size=m.expert_ffn, router_jitter_noise=0.0)
+        elif mt == "glm4_moe":  # no multi-token-prediction layers: none are trained or written
+            del out["router_aux_loss_coef"]
+            out.update(n_routed_experts=m.experts, moe_intermediate_size=m.expert_ffn, norm_topk_prob=m.norm_topk_prob,
+                       n_shared_experts=m.shared_expert_ffn // m.expert_ffn, n_group=m.groups, topk_group=m.topk_groups,
+                       routed_scaling_factor=m.routed_scale, first_k_dense_replace=cfg.first_k_dense_replace,
+                       attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm,
+                       partial_rotary_factor=cfg.partial_rotary_factor, num_nextn_predict_layers=0)
         else:
             out.update(num_experts=m.experts, moe_intermediate_size=m.expert_ffn, norm_topk_prob=m.norm_topk_prob,
                        decoder_sparse_step=1, mlp_only_layers=[])

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ def block_specs(cfg: DecoderConfig, i: int) -> list[Spec]:
         q_width, k_width = (hd, hd) if cfg.qk_norm_width == "head" else (q, kv)
         specs += [Spec(p + "self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (q_width,), False),
                   Spec(p + "self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (k_width,), False)]
-    if cfg.moe is not None:
+    if cfg.is_moe_layer(i):
         return specs + _moe_specs(cfg, p)
     for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
         specs.append(Spec(p + f"mlp.{name}_proj.weight", ("mlp", name, "kernel"), shape, True))
@@ -115,21 +116,26 @@ def _phi3_specs(cfg: DecoderConfig, p: str) -> list[Spec]:
 def _moe_specs(cfg: DecoderConfig, p: str) -> list[Spec]:
     """A mixture of experts' tensors as released checkpoints store them: one [out, in] matrix per expert
     (Mixtral's ``block_sparse_moe.experts.j.w1/w3/w2``, Qwen-MoE's ``mlp.experts.j.gate/up/down_proj``), our
-    leaves stacked over the experts."""
+    leaves stacked over the experts. GLM-4.5's router also holds ``gate.e_score_correction_bias`` and its
+    shared experts are ``shared_experts`` (one MLP of n_shared_experts x moe_intermediate_size), ungated."""
     m, D = cfg.moe, cfg.hidden
     F, E = m.expert_ffn, m.experts
     mixtral = cfg.family == "mixtral"
     moe = p + ("block_sparse_moe." if mixtral else "mlp.")
     names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {n: f"{n}_proj" for n in ("gate", "up", "down")}
     specs = [Spec(moe + "gate.weight", ("mlp", "router", "kernel"), (E, D), True)]
+    if m.scoring == "sigmoid":
+        specs.append(Spec(moe + "gate.e_score_correction_bias", ("mlp", "correction_bias"), (E,), False))
     for j in range(E):
         for ours, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
             specs.append(Spec(f"{moe}experts.{j}.{names[ours]}.weight", ("mlp", "experts", ours), shape, True, j))
     if m.shared_expert_ffn is not None:
         S = m.shared_expert_ffn
+        shared = "shared_expert" if m.shared_expert_gate else "shared_experts"  # Qwen2-MoE's; DeepSeek / GLM's
         for ours, shape in (("gate", (S, D)), ("up", (S, D)), ("down", (D, S))):
-            specs.append(Spec(f"{moe}shared_expert.{ours}_proj.weight", ("mlp", "shared", ours, "kernel"), shape, True))
-        specs.append(Spec(f"{moe}shared_expert_gate.weight", ("mlp", "shared_gate", "kernel"), (1, D), True))
+            specs.append(Spec(f"{moe}{shared}.{ours}_proj.weight", ("mlp", "shared", ours, "kernel"), shape, True))
+        if m.shared_expert_gate:
+            specs.append(Spec(f"{moe}shared_expert_gate.weight", ("mlp", "shared_gate", "kernel"), (1, D), True))
     return specs
 
 
@@ -153,6 +159,12 @@ def check_checkpoint(ckpt: Checkpoint, cfg: DecoderConfig) -> None:
         expected.update((s.hf_name, s.hf_shape) for s in block_specs(cfg, i))
     found = ckpt.shapes()
     allowed_extra = {"lm_head.weight"} if cfg.tie_embeddings else set()  # some tied saves keep a copy
+    mtp = sorted(n for n in found if n not in expected and _mtp_layer(cfg, n))
+    if mtp:
+        allowed_extra |= set(mtp)
+        warnings.warn(f"{ckpt.dir}: ignoring the {len(mtp)} tensors of the multi-token-prediction layer(s) past the "
+                      f"last of {cfg.layers} (num_nextn_predict_layers; transformers' {cfg.family} causal LM ignores "
+                      f"them too): they are not trained, and an export does not write them", stacklevel=2)
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected) - allowed_extra
                         - {n for n in found if n.endswith("rotary_emb.inv_freq")})
@@ -169,6 +181,14 @@ def check_checkpoint(ckpt: Checkpoint, cfg: DecoderConfig) -> None:
     lines += [f"  unexpected: {n} (shape {list(found[n])})" for n in unexpected]
     lines += [f"  shape mismatch: {n}: expected {list(expected[n])}, found {list(found[n])}" for n in wrong]
     raise CheckpointMismatch("\n".join(lines))
+
+
+def _mtp_layer(cfg: DecoderConfig, name: str) -> bool:
+    """Whether ``name`` is a tensor of a GLM-4.5 multi-token-prediction layer: ``model.layers.{j}.*`` with j
+    at or past ``cfg.layers`` (transformers' ``_keys_to_ignore_on_load_unexpected`` for Glm4MoeForCausalLM)."""
+    parts = name.split(".")
+    return (cfg.family == "glm4_moe" and len(parts) > 2 and parts[:2] == ["model", "layers"]
+            and parts[2].isdigit() and int(parts[2]) >= cfg.layers)
 
 
 def _read_part(ckpt: Checkpoint, specs: Sequence[Spec]) -> PureTree:
@@ -236,8 +256,11 @@ class HFParts:
         check_same_model(cfg, ckpt_cfg, f"{model_dir}/config.json")
         self.model_dir, self.cfg = Path(model_dir), ckpt_cfg
         self._ckpt = open_checkpoint(model_dir, ckpt_cfg)
-        # every block has the same key paths, and none of them is an io part's
-        self._transposed = {s.path for s in io_specs(ckpt_cfg) + block_specs(ckpt_cfg, 0) if s.transpose}
+        # blocks of one kind of MLP (dense, or leading dense layers then MoE) have the same key paths, and
+        # none of them is an io part's
+        firsts = {0, min(ckpt_cfg.first_k_dense_replace, ckpt_cfg.layers - 1)}
+        self._transposed = {s.path for s in io_specs(ckpt_cfg) + [s for i in firsts for s in block_specs(ckpt_cfg, i)]
+                            if s.transpose}
 
     READ_AHEAD = 8  # blocks whose bytes the disk reads ahead of the one asked for
 

@@ -9,9 +9,10 @@ import difflib
 from typing import Literal
 
 Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3", "mixtral", "qwen2_moe",
-                 "qwen3_moe"]
+                 "qwen3_moe", "glm4_moe"]
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3", "mixtral", "qwen2_moe",
-                             "qwen3_moe")
+                             "qwen3_moe", "glm4_moe")
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn")
 # Default bound on packed documents per row times the row's tokens (DecoderConfig.max_segments).
@@ -30,6 +31,9 @@ MLP_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh")
 # What one q (k) RMSNorm normalizes: each head's vector alone, with one scale of head_dim shared by every
 # head (Qwen3), or all heads' projection at once, with a scale of heads x head_dim (OLMo 2).
 QK_NORM_WIDTHS: tuple[str, ...] = ("head", "all_heads")
+# How an MoE router scores the experts: "softmax" over all of them (Mixtral, Qwen-MoE), or "sigmoid" of each
+# (DeepSeek-V3, GLM-4.5: with a correction bias for choosing, and grouped top-k).
+ROUTER_SCORINGS: tuple[str, ...] = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +118,18 @@ class MoEConfig:
       numbers; Qwen3-MoE's ``norm_topk_prob``); otherwise they are used as they are (Qwen2-MoE).
     - ``shared_expert_ffn``: a SwiGLU expert every token goes through, scaled by ``sigmoid`` of its own
       one-unit gate (Qwen2-MoE).
+    - ``scoring="sigmoid"`` (DeepSeek-V3, GLM-4.5, transformers' ``Glm4MoeTopkRouter``): each expert's score
+      is the sigmoid of its router logit (computed in float32). The experts are chosen by the scores plus a
+      per-expert ``correction_bias`` (HF's ``e_score_correction_bias``), within ``topk_groups`` of ``groups``
+      equal groups of experts (HF's ``topk_group`` / ``n_group``), the groups ranked by the sum of their two
+      best corrected scores; the chosen experts' weights are their uncorrected scores (renormalized when
+      ``norm_topk_prob``). The correction bias is loaded and exported but never trained: the router reads it
+      through ``stop_gradient`` and only to choose, so its gradient is zero and an optimizer without weight
+      decay on vectors (``megatrain_jax.adamw``'s default mask) leaves it unchanged. DeepSeek and GLM move it by
+      a balancing rule outside the gradient, which is not implemented here.
+    - ``routed_scale``: the routed experts' weights are multiplied by it (HF's ``routed_scaling_factor``).
+    - ``shared_expert_gate``: with ``shared_expert_ffn``, whether the shared expert is gated (Qwen2-MoE) or
+      simply added (DeepSeek-V3, GLM-4.5: HF's ``n_shared_experts`` x ``moe_intermediate_size`` wide).
     - ``aux_loss_coef``: the load-balancing loss (Switch Transformer, as transformers computes it over all
       layers' router outputs together) enters the training loss with this weight.
     - ``capacity_factor``: None is dropless (every routed token is computed). A number caps each expert at
@@ -128,6 +144,11 @@ class MoEConfig:
     shared_expert_ffn: int | None = None
     aux_loss_coef: float = 0.0
     capacity_factor: float | None = None
+    scoring: str = "softmax"  # ROUTER_SCORINGS
+    groups: int = 1
+    topk_groups: int = 1
+    routed_scale: float = 1.0
+    shared_expert_gate: bool = True
 
     def __post_init__(self) -> None:
         for name in ("experts", "top_k", "expert_ffn"):
@@ -144,12 +165,35 @@ class MoEConfig:
             raise ValueError(f"moe.aux_loss_coef must be >= 0, got {self.aux_loss_coef!r}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"moe.capacity_factor must be positive or None (dropless), got {self.capacity_factor!r}")
+        if self.scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"moe.scoring {self.scoring!r} not supported; allowed: {list(ROUTER_SCORINGS)}")
+        for name in ("groups", "topk_groups"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"moe.{name} must be a positive integer, got {value!r}")
+        if self.groups > 1 and self.scoring != "sigmoid":
+            raise ValueError(f"moe.groups={self.groups}: grouped top-k (DeepSeek-V3 / GLM-4.5's) is read only with "
+                             f"scoring='sigmoid'")
+        if self.experts % self.groups or (self.groups > 1 and self.experts // self.groups < 2):
+            raise ValueError(f"moe.groups={self.groups} must divide moe.experts={self.experts} into groups of at "
+                             f"least 2 (a group is ranked by its two best experts)")
+        if self.topk_groups > self.groups or self.top_k > self.topk_groups * (self.experts // self.groups):
+            raise ValueError(f"moe.topk_groups={self.topk_groups} of moe.groups={self.groups} must hold moe.top_k="
+                             f"{self.top_k} experts")
+        if not self.routed_scale > 0:
+            raise ValueError(f"moe.routed_scale must be positive, got {self.routed_scale!r}")
+        if self.scoring == "sigmoid" and self.aux_loss_coef > 0:
+            raise ValueError(f"moe.aux_loss_coef={self.aux_loss_coef!r} with scoring='sigmoid': the load-balancing "
+                             f"loss here is Switch Transformer's over softmax probabilities; sigmoid routers "
+                             f"(DeepSeek-V3, GLM-4.5) train without one: set aux_loss_coef=0")
 
     def mlp_params(self, hidden: int) -> tuple[int, int]:
-        """(all, active per token) parameters of one block's MoE MLP: router, experts, shared expert."""
+        """(all, active per token) parameters of one block's MoE MLP: router (with a sigmoid router's
+        correction bias), experts, shared expert (with its gate)."""
         expert = 3 * hidden * self.expert_ffn
-        shared = 0 if self.shared_expert_ffn is None else 3 * hidden * self.shared_expert_ffn + hidden
-        router = hidden * self.experts
+        shared = 0 if self.shared_expert_ffn is None else (
+            3 * hidden * self.shared_expert_ffn + (hidden if self.shared_expert_gate else 0))
+        router = (hidden + (self.scoring == "sigmoid")) * self.experts
         return router + self.experts * expert + shared, router + self.top_k * expert + shared
 
 
@@ -163,7 +207,7 @@ class DecoderConfig:
     ``qk_norm``, ``norm_placement="sandwich"``, ``norm_unit_offset``, ``scale_embeddings``,
     ``mlp_activation="gelu_tanh"``, ``query_pre_attn_scalar`` and ``sliding_rope_theta`` (with ``layer_types``);
     ``moe`` (a ``MoEConfig``) replaces every block's MLP by a mixture of experts (Mixtral, Qwen2-MoE,
-    Qwen3-MoE) but the first ``first_k_dense_replace`` (DeepSeek-V3, GLM-4.5: HF's field), which keep a
+    Qwen3-MoE, GLM-4.5) but the first ``first_k_dense_replace`` (DeepSeek-V3, GLM-4.5: HF's field), which keep a
     dense MLP of width ``ffn`` (HF's ``intermediate_size``); ``ffn`` is unused where no layer is dense. ``dtype`` is the compute dtype; parameters are always created
     in float32 (the master copy).
     """
@@ -422,7 +466,7 @@ def validate(cfg: DecoderConfig) -> None:
                          f"choose fewer than {cfg.layers} dense layers, or unset moe")
     if cfg.moe is not None and cfg.mlp_activation != "silu":
         raise ValueError(f"mlp_activation={cfg.mlp_activation!r}: a mixture of experts' experts are SwiGLU (silu)")
-    if cfg.family in ("mixtral", "qwen2_moe", "qwen3_moe") and cfg.moe is None:
+    if cfg.family in MOE_FAMILIES and cfg.moe is None:
         raise ValueError(f"family {cfg.family!r} is a mixture of experts: set moe (a MoEConfig)")
 
 
@@ -523,6 +567,22 @@ PRESETS["qwen2-57b-a14b"] = DecoderConfig(
     rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True, max_positions=32768,
     moe=MoEConfig(experts=64, top_k=8, expert_ffn=2560, norm_topk_prob=False, shared_expert_ffn=20480,
                   aux_loss_coef=0.001))
+# GLM-4.5 (zai-org/GLM-4.5-Air: 106B total, 12B active; zai-org/GLM-4.5: 355B, 32B): sigmoid routers with a
+# correction bias, one shared expert, leading dense layers, q/k/v biases, RoPE on half of each head; GLM-4.5
+# adds per-head q/k norms and scales the routed weights by 2.5. Their checkpoints also hold one
+# multi-token-prediction layer (num_nextn_predict_layers) past the last, which is not part of this model.
+PRESETS["glm4.5-air"] = DecoderConfig(
+    family="glm4_moe", vocab_size=151552, hidden=4096, ffn=10944, layers=46, heads=96, kv_heads=8, head_dim=128,
+    rope_theta=1000000.0, partial_rotary_factor=0.5, norm_eps=1e-5, qkv_bias=True, max_positions=131072,
+    first_k_dense_replace=1,
+    moe=MoEConfig(experts=128, top_k=8, expert_ffn=1408, norm_topk_prob=True, shared_expert_ffn=1408,
+                  shared_expert_gate=False, scoring="sigmoid", routed_scale=1.0))
+PRESETS["glm4.5"] = DecoderConfig(
+    family="glm4_moe", vocab_size=151552, hidden=5120, ffn=12288, layers=92, heads=96, kv_heads=8, head_dim=128,
+    rope_theta=1000000.0, partial_rotary_factor=0.5, norm_eps=1e-5, qkv_bias=True, qk_norm=True,
+    max_positions=131072, first_k_dense_replace=3,
+    moe=MoEConfig(experts=160, top_k=8, expert_ffn=1536, norm_topk_prob=True, shared_expert_ffn=1536,
+                  shared_expert_gate=False, scoring="sigmoid", routed_scale=2.5))
 PRESETS["7b"] = PRESETS["llama2-7b"]
 PRESETS["3.5b"] = PRESETS["llama2-7b"].replace(layers=16)
 PRESETS["1b"] = PRESETS["llama3.2-1b"]

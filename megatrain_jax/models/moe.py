@@ -124,20 +124,43 @@ class MoE(nnx.Module):
     def __init__(self, hidden: int, moe: MoEConfig, *, rngs: nnx.Rngs):
         self.cfg = moe
         self.router = Linear(hidden, moe.experts, rngs=rngs)
+        # a sigmoid router's bias for choosing experts: a Param (the contract's only kind of variable) that
+        # no gradient reaches (``route``); zeros until a checkpoint sets it
+        self.correction_bias = (nnx.Param(jnp.zeros((moe.experts,), jnp.float32)) if moe.scoring == "sigmoid"
+                                else None)
         self.experts = Experts(moe.experts, hidden, moe.expert_ffn, rngs=rngs)
-        if moe.shared_expert_ffn is not None:
-            self.shared = MLP(hidden, moe.shared_expert_ffn, rngs=rngs)
-            self.shared_gate = Linear(hidden, 1, rngs=rngs)
-        else:
-            self.shared = self.shared_gate = None
+        self.shared = MLP(hidden, moe.shared_expert_ffn, rngs=rngs) if moe.shared_expert_ffn is not None else None
+        self.shared_gate = (Linear(hidden, 1, rngs=rngs) if moe.shared_expert_ffn is not None and moe.shared_expert_gate
+                            else None)
 
     def route(self, x_TD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Routing probabilities [T, E] (float32), and the chosen experts [T, K] with their weights [T, K]."""
+        """Routing probabilities [T, E] (float32; a sigmoid router's scores), and the chosen experts [T, K] with
+        their weights [T, K]."""
+        if self.cfg.scoring == "sigmoid":
+            return self._route_sigmoid(x_TD)
         probs_TE = jax.nn.softmax(self.router(x_TD).astype(jnp.float32), axis=-1)
         weights_TK, experts_TK = jax.lax.top_k(probs_TE, self.cfg.top_k)
         if self.cfg.norm_topk_prob:
             weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
-        return probs_TE, experts_TK, weights_TK
+        return probs_TE, experts_TK, weights_TK * self.cfg.routed_scale
+
+    def _route_sigmoid(self, x_TD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """DeepSeek-V3 / GLM-4.5 (transformers' ``Glm4MoeTopkRouter``): float32 logits, sigmoid scores; the
+        experts chosen by score + correction bias among the ``topk_groups`` groups whose two best corrected
+        scores sum highest; weighted by their uncorrected scores (renormalized), times ``routed_scale``."""
+        m = self.cfg
+        T, E, G = x_TD.shape[0], m.experts, m.groups
+        scores_TE = jax.nn.sigmoid(self.router(x_TD.astype(jnp.float32)))
+        choice_TE = scores_TE + jax.lax.stop_gradient(self.correction_bias[...])
+        if G > 1:
+            group_TG = jnp.sum(jax.lax.top_k(choice_TE.reshape(T, G, E // G), 2)[0], axis=-1)
+            keep_TG = jnp.any(jax.nn.one_hot(jax.lax.top_k(group_TG, m.topk_groups)[1], G, dtype=bool), axis=1)
+            choice_TE = jnp.where(jnp.repeat(keep_TG, E // G, axis=1), choice_TE, -jnp.inf)
+        experts_TK = jax.lax.top_k(choice_TE, m.top_k)[1]
+        weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=1)
+        if m.norm_topk_prob:
+            weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
+        return scores_TE, experts_TK, weights_TK * m.routed_scale
 
     def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, RouterStats]:
         B, T, D = x_BTD.shape
@@ -157,9 +180,11 @@ class MoE(nnx.Module):
             weight_A = jnp.where(rank_A < capacity, weight_A, 0.0)
         y_AD = y_AD * weight_A[:, None].astype(y_AD.dtype)
         y_TD = jnp.zeros_like(x_TD).at[token_A].add(y_AD)
-        if self.shared is not None:
+        if self.shared_gate is not None:  # Qwen2-MoE: a gated shared expert
             gate_T1 = jax.nn.sigmoid(self.shared_gate(x_TD).astype(jnp.float32)).astype(x_TD.dtype)
             y_TD = y_TD + gate_T1 * self.shared(x_TD)
+        elif self.shared is not None:  # DeepSeek-V3, GLM-4.5: added as it is
+            y_TD = y_TD + self.shared(x_TD)
         stats = RouterStats(counts_E=sizes_E.astype(jnp.float32),
                             prob_sums_E=jnp.sum(probs_TE, axis=0), tokens=jnp.float32(B * T))
         return y_TD.reshape(B, T, D), stats
