@@ -27,9 +27,9 @@ from test_mesh import reference, train
 XLA_ATTENTION = jax.nn.dot_product_attention
 
 
-def _masked(q, k, v, segment_ids, max_segments, window):
+def _masked(q, k, v, segment_ids, max_segments, window, scale=None):
     mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-    return XLA_ATTENTION(q, k, v, mask=mask, is_causal=True, implementation="xla",
+    return XLA_ATTENTION(q, k, v, mask=mask, is_causal=True, implementation="xla", scale=scale,
                          local_window_size=None if window is None else (window - 1, 0))
 
 
