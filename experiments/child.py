@@ -1,16 +1,30 @@
 """What the experiment scripts (here and in studies/) share for running one measurement per process: the
 commit being measured, a results file's header, a child process whose result is the JSON object on its last
-line of output, an empty page cache, and the host's description for host-optimizer measurements."""
+line of output, an empty page cache, the host's description for host-optimizer measurements, and a median
+timer."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def median_seconds(fn, reps: int) -> float:
+    """The median seconds of ``reps`` calls of ``fn`` after one warm-up call (pass a ``fn`` that waits for
+    its own work, e.g. ``jax.block_until_ready``)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def drop_page_cache() -> bool:

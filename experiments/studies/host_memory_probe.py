@@ -21,10 +21,8 @@ import datetime
 import json
 import mmap
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -33,19 +31,9 @@ sys.path.insert(0, EXPERIMENTS)
 sys.path.insert(0, os.path.dirname(EXPERIMENTS))  # the repository root: megatrain_jax
 
 from megatrain_jax.engine.update.host_kernel import adamw_inplace, adamw_stream_inplace, load  # noqa: E402
-from child import system_info  # noqa: E402
+from child import median_seconds, system_info  # noqa: E402
 
 HP = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1=0.1, bc2=0.05)
-
-
-def median_time(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def smaps_for(addr: int, nbytes: int) -> dict:
@@ -127,10 +115,10 @@ def bench_region(r: Region, reps: int, libs: dict) -> dict:
     p, m, v, g = (a.ctypes.data for a in r.arrays)
     out = {"smaps": smaps_for(p, r.n * 4)}
     for name, lib in libs.items():
-        out[f"kernel_{name}_fp32"] = r.n / median_time(lambda: adamw_inplace(lib, p, m, v, g, None, r.n, **HP), reps)
-        out[f"kernel_{name}_bf16"] = r.n / median_time(
+        out[f"kernel_{name}_fp32"] = r.n / median_seconds(lambda: adamw_inplace(lib, p, m, v, g, None, r.n, **HP), reps)
+        out[f"kernel_{name}_bf16"] = r.n / median_seconds(
             lambda: adamw_inplace(lib, p, m, v, g, r.out.ctypes.data, r.n, **HP), reps)
-        out[f"kernel_{name}_stream_only"] = r.n / median_time(
+        out[f"kernel_{name}_stream_only"] = r.n / median_seconds(
             lambda: adamw_stream_inplace(lib, p, m, v, g, r.out.ctypes.data, r.n, **HP), reps)
     try:
         import torch
@@ -141,7 +129,7 @@ def bench_region(r: Region, reps: int, libs: dict) -> dict:
         opt.step()  # creates its moments (torch-allocated)
         st = opt.state[param]
         st["exp_avg"], st["exp_avg_sq"] = ts[1], ts[2]  # ... then runs on this region's memory
-        out["torch_fused_adamw"] = r.n / median_time(opt.step, reps)
+        out["torch_fused_adamw"] = r.n / median_seconds(opt.step, reps)
     except Exception as e:  # torch missing, or no CUDA for the pinned kinds
         out["torch_fused_adamw"] = f"error: {type(e).__name__}: {str(e)[:200]}"
     return out

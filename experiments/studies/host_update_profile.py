@@ -24,7 +24,6 @@ import json
 import mmap
 import os
 import resource
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +33,7 @@ import numpy as np
 EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, EXPERIMENTS)  # child.py
 sys.path.insert(0, os.path.dirname(EXPERIMENTS))  # the repository root: megatrain_jax
+from child import median_seconds  # noqa: E402
 
 from megatrain_jax.engine.update import host_kernel  # noqa: E402
 
@@ -65,17 +65,6 @@ def thread_counts(cpus: int) -> list[int]:
     return counts + [cpus]
 
 
-def timed(fn, reps: int) -> float:
-    """The median seconds of ``reps`` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def copy_bandwidth(nbytes: int, threads: int, reps: int) -> float:
     """GB/s of bytes read + bytes written, copying ``nbytes`` split over ``threads`` threads."""
     src = np.ones(nbytes // 4, np.float32)
@@ -85,7 +74,7 @@ def copy_bandwidth(nbytes: int, threads: int, reps: int) -> float:
     with ThreadPoolExecutor(threads) as pool:
         def copy():
             list(pool.map(lambda b: np.copyto(dst[b[0]:b[1]], src[b[0]:b[1]]), bounds))
-        s = timed(copy, reps)
+        s = median_seconds(copy, reps)
     return 2 * nbytes / s / 1e9
 
 
@@ -109,7 +98,7 @@ def kernel_runs(n: int, threads: list[int], reps: int, lib) -> list[dict]:
     for t in threads:
         host_kernel.set_threads(t, lib)
         for name, out in (("with_bf16_copy", bf), ("fp32_only", None)):
-            s = timed(lambda: host_kernel.adamw_numpy(p, m, v, g, out, lib=lib, **HP), reps)
+            s = median_seconds(lambda: host_kernel.adamw_numpy(p, m, v, g, out, lib=lib, **HP), reps)
             runs.append({"threads": t, "variant": name, "params_per_s": round(n / s, 1),
                          "implied_gb_per_s": round(n * KERNEL_BYTES[name] / s / 1e9, 2)})
     del p, m, v, g, bf, maps  # the mappings go with the last array over them

@@ -10,24 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # child.py, bench.py
 sys.path.insert(0, EXPERIMENTS)
 sys.path.insert(0, os.path.dirname(EXPERIMENTS))  # the repository root: megatrain_jax
+from child import median_seconds  # noqa: E402
 
 
 def timed(fn, reps: int = 5) -> float:
     import jax
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median_seconds(lambda: jax.block_until_ready(fn()), reps)
 
 
 def main() -> None:
