@@ -51,7 +51,7 @@ def test_to_hf_round_trip_keeps_logits_and_token_ids(tmp_path):
     names = {f.name for f in files}
     assert {"config.json", "model.safetensors", "generation_config.json"} <= names
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2) and "pad_token_id" not in config
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, None)
     # the source folder's generation settings came along as they were
     assert (tmp_path / "out" / "generation_config.json").read_bytes() == (
         FIXTURES / "llama" / "generation_config.json").read_bytes()
@@ -83,7 +83,8 @@ def test_token_ids_are_read_kept_and_written():
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, (2, 7), 0)
     out = config_to_hf(cfg)
     assert (out["bos_token_id"], out["eos_token_id"], out["pad_token_id"]) == (1, [2, 7], 0)
-    assert "bos_token_id" not in config_to_hf(preset("tiny"))  # a preset sets none: none is written
+    none = config_to_hf(preset("tiny"))  # a preset sets none: none is written (null, not a family's default)
+    assert (none["bos_token_id"], none["eos_token_id"], none["pad_token_id"]) == (None, None, None)
     with pytest.raises(UnsupportedConfig, match="eos_token_id"):
         config_from_hf(dict(base, eos_token_id="</s>"))
     with pytest.raises(ValueError, match="pad_token_id"):

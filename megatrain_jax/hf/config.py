@@ -468,34 +468,30 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "rope_theta": cfg.rope_theta, "rope_scaling": rope,
         "tie_word_embeddings": cfg.tie_embeddings, "attention_dropout": 0.0,
         "initializer_range": 0.02, "use_cache": True, "torch_dtype": dtype,
-        **{name: _json_id(getattr(cfg, name)) for name in TOKEN_ID_FIELDS if getattr(cfg, name) is not None},
+        # every special id, null where the model has none: a family's config class must not put its own
+        # defaults (Gemma 3's pad 0, Phi-3's pad 32000, past a small vocabulary) in their place
+        **{name: None if getattr(cfg, name) is None else _json_id(getattr(cfg, name)) for name in TOKEN_ID_FIELDS},
     }
     if mt in ("llama", "qwen3", "olmo2"):
         out["attention_bias"] = False
     if mt == "gemma3_text":
         del out["hidden_act"]
         types = [cfg.layer_type(i) for i in range(cfg.layers)]
-        # Gemma3TextConfig's token id defaults (pad 0, eos 1, bos 2) where ours are None: written as null
         scalar = cfg.dim_per_head if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar
         out.update(hidden_activation="gelu_pytorch_tanh",  # Gemma3TextConfig takes an int where it is one
                    query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar, sliding_window=cfg.sliding_window, layer_types=types,
                    rope_local_base_freq=cfg.sliding_rope_theta if cfg.sliding_rope_theta is not None else cfg.rope_theta,
                    final_logit_softcapping=cfg.final_logit_softcap, attn_logit_softcapping=None, attention_bias=False,
-                   use_bidirectional_attention=False,
-                   **{name: _json_id(getattr(cfg, name)) if getattr(cfg, name) is not None else None
-                      for name in TOKEN_ID_FIELDS})
+                   use_bidirectional_attention=False)
     if mt == "llama":
         out["mlp_bias"] = False
     if mt in ("mistral", "mixtral", "phi3"):
         out["sliding_window"] = cfg.sliding_window
     if mt == "phi3":
         s = cfg.rope_scaling
-        # Phi3Config's defaults otherwise: pad_token_id 32000 (an embedding's padding row, refused past a
-        # smaller vocabulary) where the model has none, and an original length of 4096 that overrides
-        # rope_scaling's
+        # Phi3Config's default original length (4096) would otherwise override rope_scaling's
         out.update(original_max_position_embeddings=cfg.max_positions if s is None else s.original_max_position,
-                   partial_rotary_factor=cfg.partial_rotary_factor, resid_pdrop=0.0, embd_pdrop=0.0,
-                   pad_token_id=_json_id(cfg.pad_token_id) if cfg.pad_token_id is not None else None)
+                   partial_rotary_factor=cfg.partial_rotary_factor, resid_pdrop=0.0, embd_pdrop=0.0)
     if cfg.moe is not None:
         m = cfg.moe
         out.update(num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
