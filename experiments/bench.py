@@ -83,6 +83,13 @@ CONFIGS: dict[str, BenchConfig] = {
                                                                    resident_io=True)),
     "7b_32k_auto": BenchConfig("7b", 32, 2048, 16, EngineConfig(micro_batches=2, resident_layers="auto",
                                                                  resident_io=True)),
+    # ... with the attention residuals kept (no attention forward in the backward), and one micro-batch.
+    "3p5b_32k_auto_kr": BenchConfig("7b", 16, 2048, 16, EngineConfig(
+        micro_batches=2, resident_layers="auto", resident_io=True, keep_residuals=True)),
+    "3p5b_32k_auto_mb1": BenchConfig("7b", 16, 2048, 16, EngineConfig(
+        micro_batches=1, resident_layers="auto", resident_io=True)),
+    "7b_32k_auto_kr": BenchConfig("7b", 32, 2048, 16, EngineConfig(
+        micro_batches=2, resident_layers="auto", resident_io=True, keep_residuals=True)),
     "3p5b_98k": BenchConfig("7b", 16, 2048, 48, EngineConfig(micro_batches=6, resident_layers=8, resident_io=True)),
     # 14 of 32 blocks resident (~64 GiB of GPU memory: needs XLA_PYTHON_CLIENT_MEM_FRACTION above JAX's 0.75,
     # which this script sets to 0.9 unless the environment says otherwise).
