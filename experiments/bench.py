@@ -197,20 +197,26 @@ def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
     return {"h2d_bytes": h2d, "d2h_bytes": d2h, "total_bytes": h2d + d2h}
 
 
+def resolve_auto(bc: BenchConfig) -> tuple[BenchConfig, str | None]:
+    """``resident_layers="auto"`` made a number as ``megatrain-jax train`` makes it, before JAX starts (the GPU's
+    allocator limit from nvidia-smi and the memory fraction), and the sentence saying what was picked."""
+    if bc.engine.resident_layers != "auto":
+        return bc, None
+    from megatrain_jax.plan.levers import most_resident
+    from megatrain_jax.plan.machine import available_host_bytes, gpu_bytes_before_jax
+    cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
+    engine_cfg, picked = most_resident(cfg, bc.engine, bc.rows, bc.seq_len, host_ram_bytes=available_host_bytes(),
+                                       gpu_bytes=gpu_bytes_before_jax(), packed=bc.packed_docs > 0)
+    return dataclasses.replace(bc, engine=engine_cfg), picked
+
+
 def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: int = 0,
                timeline_steps: int = 0, profile: bool = True, trace_dir: str | None = None) -> dict:
     """One configuration's record. ``profile=False`` skips the synchronized breakdown step; ``trace_dir`` adds one
     step under ``jax.profiler.trace`` (not timed) and its per-GPU summary (``trace_summary.py``)."""
     cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
     tokens_per_step = bc.rows * bc.seq_len
-    picked = None
-    if bc.engine.resident_layers == "auto":  # as megatrain-jax train picks it, for this GPU's allocator limit
-        from megatrain_jax.plan.levers import most_resident
-        from megatrain_jax.plan.machine import available_host_bytes
-        limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-        engine_cfg, picked = most_resident(cfg, bc.engine, bc.rows, bc.seq_len, host_ram_bytes=available_host_bytes(),
-                                           gpu_bytes=limit)
-        bc = dataclasses.replace(bc, engine=engine_cfg)
+    bc, picked = resolve_auto(bc)
     run = {"system": "megatrain_jax", "config": name,
            "model": {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "heads": cfg.heads,
                      "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size, "params": cfg.param_count(),
@@ -307,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     from child import pick_configs
     names = pick_configs(ap, args.configs, CONFIGS)
     if len(names) == 1:  # cap XLA's pinned pool at what the run pins, as megatrain-jax train does
-        bc = CONFIGS[names[0]]
+        bc = resolve_auto(CONFIGS[names[0]])[0]
         fit_host_pool(preset(bc.preset, **({"layers": bc.layers} if bc.layers else {})), bc.engine, bc.rows, bc.seq_len,
                       packed=bc.packed_docs > 0)
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
