@@ -293,8 +293,8 @@ struct Q8Grid {
   // t = y / kSub in [0, 8) as 20-bit fixed point, floor(t * 2^20) (the significand shifted right by the
   // exponent's distance, at most 31), rounded up with probability of its fraction (t rounded up to 8 is code
   // 8, the smallest normal: right). So the mean over r is y exactly wherever y / kSub has no bits below 2^-20,
-  // and within 2^-20 steps of y elsewhere. Integer operations only: a float compare or conversion under a
-  // select keeps GCC from vectorizing the loop (they may trap).
+  // and within 2^-20 steps of y elsewhere. Integer operations only, which vectorize whatever the build flags
+  // say about floating-point traps.
   static inline uint32_t encode(float y, uint32_t r) {
     uint32_t u;
     std::memcpy(&u, &y, 4);
