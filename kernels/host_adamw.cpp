@@ -28,11 +28,35 @@
 //   depend on threads or chunking, and a call on a piece of an array, with offset = the piece's start, writes
 //   what one call on the whole array writes there. Same chunk layout; blocks are one cache line of each
 //   bfloat16 stream (32 elements).
+// - megatrain_adamw_bf16_sr_g16: the same with a bfloat16 gradient (uint16 bits), for engines that keep
+//   their gradients in bfloat16; one templated element function serves both, so the float32 path is unchanged.
+//
+// A fifth entry point keeps the moments in 8 bits (issue 35): megatrain_adamw_q8. p is bfloat16 bits (written
+// back with stochastic rounding, as above), g is float32 or bfloat16, and m and v are one byte per element,
+// each with one float32 scale (the block's absmax) per quantization block. The array is viewed as rows x cols;
+// each row is cut into blocks of `block` elements, the last one of a row possibly shorter, so a call on a
+// range of whole rows (offset = the flat index of its first element) writes what one call on the whole array
+// writes there. The codes are small floats of our own, scaled so that the block's largest magnitude is VMAX:
+// - m: sign (bit 7) + "e4m3", exponent bias 15, subnormals, no inf/NaN codes. Magnitude code c in [0, 128),
+//   e = c >> 3, f = c & 7: value f * 2^-17 when e == 0, else (1 + f/8) * 2^(e-15); VMAX = 1.875 (c = 127).
+// - v: unsigned "e5m3", bias 31: c in [0, 256), value f * 2^-33 when e == 0, else (1 + f/8) * 2^(e-31);
+//   VMAX = 1.875 (c = 255).
+// Per element, with the old scales sm = absmax_m / VMAX and sv = absmax_v / VMAX of its block:
+//   m0 = decode_m(code) * sm, v0 = decode_v(code) * sv, then adamw_sr_block's math in the same order. Per block,
+//   the new absmax_m = max |m|, absmax_v = max v, and each moment is encoded as y = min(|x| * VMAX / absmax,
+//   VMAX) rounded stochastically to the grid (q8_encode_mag): unbiased, since an EMA step of v by (1 - b2) is
+//   under half a step of a 3-bit mantissa and round-to-nearest would never let v decay. One exception: a
+//   positive v never gets code 0 (code 1 instead), which keeps sqrt(v) away from 0 where m may be nonzero.
+// Random bits: stream 0 rounds p, 1 m, 2 v (the capacity kernel's keys and counters). Non-finite values are
+// not special-cased (the engine skips non-finite steps before updating): p follows to_bf16_sr, a NaN or inf
+// moment gets some code and the block's absmax may come out NaN or inf (its codes then mean nothing); nothing
+// is written out of range and nothing traps.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -75,6 +99,10 @@ static inline float from_bf16(uint16_t b) {
   return x;
 }
 
+// Gradient element i as float32, from float32 or bfloat16 bits.
+static inline float grad_at(const float* g, int64_t i) { return g[i]; }
+static inline float grad_at(const uint16_t* g, int64_t i) { return from_bf16(g[i]); }
+
 namespace {
 
 // The measured layout (see above; experiments/studies/NOTES.md v7 and v8 compare it with the alternatives).
@@ -91,8 +119,8 @@ struct Hyper {
 };
 
 // Prefetch each stream kPrefetch elements ahead of block start b (p, m and v for writing, g for reading).
-template <class T>
-inline void prefetch_streams(const T* p, const T* m, const T* v, const float* g, int64_t b, int64_t hi) {
+template <class T, class G>
+inline void prefetch_streams(const T* p, const T* m, const T* v, const G* g, int64_t b, int64_t hi) {
   if (b + kPrefetch < hi) {
     __builtin_prefetch(p + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
     __builtin_prefetch(m + b + kPrefetch, kPrefetchWrite, kPrefetchHint);
@@ -127,14 +155,15 @@ struct Keys {
   uint32_t p, m, v, offset;
 };
 
+template <class G>
 inline void adamw_sr_block(uint16_t* __restrict p, uint16_t* __restrict m, uint16_t* __restrict v,
-                           const float* __restrict g, int64_t b, int64_t e, int64_t hi, const Hyper& h,
+                           const G* __restrict g, int64_t b, int64_t e, int64_t hi, const Hyper& h,
                            const Keys& k) {
   prefetch_streams(p, m, v, g, b, hi);
 #pragma omp simd
   for (int64_t i = b; i < e; ++i) {
     const float p0 = from_bf16(p[i]);
-    const float gi = g[i] * h.grad_scale;
+    const float gi = grad_at(g, i) * h.grad_scale;
     const float mi = h.b1 * from_bf16(m[i]) + h.one_b1 * gi;
     const float vi = h.b2 * from_bf16(v[i]) + h.one_b2 * gi * gi;
     const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p0;
@@ -171,8 +200,9 @@ void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, 
 constexpr int64_t kStepBf16 = 32;
 static_assert(kChunk % kStepBf16 == 0, "bf16 blocks start on whole cache lines");
 
+template <class G>
 void adamw_sr_range(uint16_t* __restrict p, uint16_t* __restrict m, uint16_t* __restrict v,
-                    const float* __restrict g, int64_t lo, int64_t hi, const Hyper h, const Keys k) {
+                    const G* __restrict g, int64_t lo, int64_t hi, const Hyper h, const Keys k) {
   split_range<kStepBf16>(lo, hi, [&](int64_t b, int64_t e, int64_t end) {
     adamw_sr_block(p, m, v, g, b, e, end, h, k);
   });
@@ -180,13 +210,21 @@ void adamw_sr_range(uint16_t* __restrict p, uint16_t* __restrict m, uint16_t* __
 
 std::atomic<int> g_threads{0};  // 0: OpenMP's default (all cores); set by megatrain_set_threads
 
+// The threads a parallel region asks for: megatrain_set_threads' count, else OpenMP's default.
+int team_size() {
+#ifdef _OPENMP
+  const int set = g_threads.load(std::memory_order_relaxed);
+  return set > 0 ? set : omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
 // range(lo, hi) over the chunks of [0, n), on all threads.
 template <class Range>
 void parallel_chunks(int64_t n, const Range& range) {
-#ifdef _OPENMP
-  const int set = g_threads.load(std::memory_order_relaxed);
-  const int threads = set > 0 ? set : omp_get_max_threads();
-#endif
+  const int threads = team_size();
+  (void)threads;  // unused without OpenMP
 #pragma omp parallel num_threads(threads)
   {
 #ifdef _OPENMP
@@ -213,6 +251,157 @@ Hyper make_hyper(float lr, float b1, float b2, float eps, float wd, float grad_s
   return Hyper{lr, b1, b2, eps, wd, grad_scale, 1.0f - b1, 1.0f - b2, 1.0f / bc1, 1.0f / bc2};
 }
 
+// The keys of streams 0 (p), 1 (m) and 2 (v) under seed, and the counter of element 0.
+Keys make_keys(uint32_t seed, int64_t offset) {
+  return Keys{mix32(seed ^ 0x9E3779B9u * 1u), mix32(seed ^ 0x9E3779B9u * 2u), mix32(seed ^ 0x9E3779B9u * 3u),
+              static_cast<uint32_t>(offset)};
+}
+
+template <class G>
+void adamw_sr_parallel(uint16_t* p, uint16_t* m, uint16_t* v, const G* g, int64_t n, const Hyper h, const Keys k) {
+  parallel_chunks(n, [&](int64_t lo, int64_t hi) { adamw_sr_range(p, m, v, g, lo, hi, h, k); });
+}
+
+// ---- 8-bit moments (see the header for the formats) ----
+
+constexpr int64_t kQ8MaxBlock = 4096;  // the largest quantization block: per-thread buffers are this long
+constexpr float kQ8Max = 1.875f;       // VMAX of both formats: (1 + 7/8) * 2^0
+constexpr int kBiasM = 15, kBiasV = 31;
+
+// The format with exponent bias kBias, 3 mantissa bits and subnormals: kSub = 2^(1 - kBias - 3) is the
+// subnormal step; 2^(1 - kBias), the smallest normal value, has float32 bits kMinNormalBits.
+template <int kBias>
+struct Q8Grid {
+  static constexpr float kSub = 1.0f / static_cast<float>(uint64_t{1} << (kBias + 2));
+  static constexpr uint32_t kMinNormalBits = (128u - kBias) << 23;
+
+  // The exact value of magnitude code c (exponent c >> 3, mantissa c & 7): a normal one is its float32 bit
+  // pattern (exponent rebased, mantissa on top), a subnormal one f * kSub (f < 8, so exact). Branch-free.
+  static inline float decode(uint32_t c) {
+    const uint32_t e = c >> 3, f = c & 7u;
+    const uint32_t bits = ((e + (127 - kBias)) << 23) | (f << 20);
+    float normal;
+    std::memcpy(&normal, &bits, 4);
+    const float sub = static_cast<float>(static_cast<int32_t>(f)) * kSub;
+    return e == 0 ? sub : normal;
+  }
+
+  // Stochastic rounding of y in [0, kQ8Max] to a magnitude code with random bits r (the low 20 used). At or
+  // above the smallest normal: adding them to the 20 mantissa bits that truncation to 3 drops rounds up with
+  // probability (dropped bits) / 2^20, as to_bf16_sr does with 16; the exponent and top 3 mantissa bits are
+  // then the code (no carry past kQ8Max, whose dropped bits are 0). Below, in the uniform subnormal range:
+  // t = y / kSub in [0, 8) as 20-bit fixed point, floor(t * 2^20) (the significand shifted right by the
+  // exponent's distance, at most 31), rounded up with probability of its fraction (t rounded up to 8 is code
+  // 8, the smallest normal: right). So the mean over r is y exactly wherever y / kSub has no bits below 2^-20,
+  // and within 2^-20 steps of y elsewhere. Integer operations only, which vectorize whatever the build flags
+  // say about floating-point traps.
+  static inline uint32_t encode(float y, uint32_t r) {
+    uint32_t u;
+    std::memcpy(&u, &y, 4);
+    const uint32_t low = r & 0xfffffu;
+    const uint32_t normal = ((u + low) >> 20) - ((127u - kBias) << 3);
+    const uint32_t shift = 128u - kBias - (u >> 23);  // >= 1 below the smallest normal
+    const uint32_t fixed = ((u & 0x7fffffu) | 0x800000u) >> (shift < 31u ? shift : 31u);
+    const uint32_t sub = (fixed + low) >> 20;
+    return u >= kMinNormalBits ? normal : sub;
+  }
+};
+using GridM = Q8Grid<kBiasM>;
+using GridV = Q8Grid<kBiasV>;
+
+// m's code: sign in bit 7, magnitude below.
+static inline float decode_m(uint8_t c) {
+  const float mag = GridM::decode(c & 0x7fu);
+  uint32_t bits;
+  std::memcpy(&bits, &mag, 4);
+  bits |= static_cast<uint32_t>(c & 0x80u) << 24;
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+static inline float decode_v(uint8_t c) { return GridV::decode(c); }
+
+// VMAX / absmax: the factor that maps a block onto [0, VMAX]. Capped at FLT_MAX, so that a block of zeros
+// (VMAX / 0) or one whose largest value is a float32 subnormal (VMAX / absmax overflows) maps 0 to 0,
+// not inf * 0 = NaN.
+static inline float q8_inverse_scale(float absmax) {
+  const float q = kQ8Max / absmax;
+  constexpr float kBig = std::numeric_limits<float>::max();
+  return q < kBig ? q : kBig;
+}
+
+// One quantization block of n elements from flat index lo, in two passes over the buffers mb and vb (n
+// floats each): the first dequantizes, updates, writes p and keeps the new m and v and their maxima; the
+// second encodes them with the new scales. *m_amax and *v_amax hold the block's old scale on entry and its
+// new one on return.
+template <class G>
+inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
+                           float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g, int64_t lo,
+                           int64_t n, const Hyper& h, const Keys& k, float* __restrict mb,
+                           float* __restrict vb) {
+  const float sm = *m_amax / kQ8Max, sv = *v_amax / kQ8Max;
+  float am = 0.0f, av = 0.0f;
+#pragma omp simd reduction(max : am, av)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t x = lo + i;
+    const float p0 = from_bf16(p[x]);
+    const float gi = grad_at(g, x) * h.grad_scale;
+    const float m0 = decode_m(m[x]) * sm;
+    const float v0 = decode_v(v[x]) * sv;
+    const float mi = h.b1 * m0 + h.one_b1 * gi;
+    const float vi = h.b2 * v0 + h.one_b2 * gi * gi;
+    const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p0;
+    const float pi = p0 - h.lr * u;
+    p[x] = to_bf16_sr(pi, mix32((k.offset + static_cast<uint32_t>(x)) ^ k.p));
+    mb[i] = mi;
+    vb[i] = vi;
+    const float a = std::fabs(mi);
+    am = a > am ? a : am;
+    av = vi > av ? vi : av;
+  }
+  const float im = q8_inverse_scale(am), iv = q8_inverse_scale(av);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t j = k.offset + static_cast<uint32_t>(lo + i);
+    const float mi = mb[i];
+    const float ym = std::fabs(mi) * im, yv = vb[i] * iv;
+    const uint32_t cm = GridM::encode(ym < kQ8Max ? ym : kQ8Max, mix32(j ^ k.m)) & 0x7fu;
+    const uint32_t sign = std::signbit(mi) ? 0x80u : 0u;
+    m[lo + i] = static_cast<uint8_t>(cm | (cm != 0 ? sign : 0u));  // zero is always code 0, never -0
+    const float yvc = yv < kQ8Max ? yv : kQ8Max;
+    const uint32_t cv = GridV::encode(yvc, mix32(j ^ k.v)) & 0xffu;
+    // A positive v never becomes code 0: y >= 0, so min(bits of y, 1) is 1 exactly when y > 0 (integer min and
+    // max, as a select of two conditions keeps GCC from vectorizing the loop).
+    uint32_t yv_bits;
+    std::memcpy(&yv_bits, &yvc, 4);
+    v[lo + i] = static_cast<uint8_t>(std::max(cv, std::min(yv_bits, 1u)));
+  }
+  *m_amax = am;
+  *v_amax = av;
+}
+
+// The blocks of a rows x cols array, in groups of consecutive blocks (about kChunk elements, fewer where that
+// would leave a thread without work) that threads take first come, first served.
+template <class G>
+void adamw_q8_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const G* g,
+                       int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
+  const int64_t nb = (cols + block - 1) / block, blocks = rows * nb;
+  const int threads = team_size();
+  const int64_t per = std::max<int64_t>(1, std::min(kChunk / block, (blocks + threads - 1) / threads));
+  (void)per;  // unused without OpenMP
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(64) float mb[kQ8MaxBlock];
+    alignas(64) float vb[kQ8MaxBlock];
+#pragma omp for schedule(dynamic, per) nowait
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r = b / nb, c = (b % nb) * block;
+      adamw_q8_block(p, m, v, m_amax + b, v_amax + b, g, r * cols + c, std::min(block, cols - c), h, k, mb, vb);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" void megatrain_adamw(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n,
@@ -237,10 +426,31 @@ extern "C" void megatrain_adamw_stream(float* p, float* m, float* v, const float
 extern "C" void megatrain_adamw_bf16_sr(uint16_t* p, uint16_t* m, uint16_t* v, const float* g, int64_t n,
                                         float lr, float b1, float b2, float eps, float wd, float grad_scale,
                                         float bc1, float bc2, uint32_t seed, int64_t offset) {
+  adamw_sr_parallel(p, m, v, g, n, make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2), make_keys(seed, offset));
+}
+
+// Capacity mode with a bfloat16 gradient (uint16 bits); otherwise megatrain_adamw_bf16_sr.
+extern "C" void megatrain_adamw_bf16_sr_g16(uint16_t* p, uint16_t* m, uint16_t* v, const uint16_t* g, int64_t n,
+                                            float lr, float b1, float b2, float eps, float wd, float grad_scale,
+                                            float bc1, float bc2, uint32_t seed, int64_t offset) {
+  adamw_sr_parallel(p, m, v, g, n, make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2), make_keys(seed, offset));
+}
+
+// 8-bit moments (see the header): p bfloat16 bits, rows * cols of them; m and v one code byte each; m_amax and
+// v_amax one float32 per block, row-major (rows x ceil(cols / block)); g float32 (g_bf16 == 0) or bfloat16
+// bits (g_bf16 == 1). Element i of the call uses counter offset + i, as megatrain_adamw_bf16_sr does.
+// Preconditions, checked by the Python wrapper: 0 < block <= 4096 (kQ8MaxBlock), rows, cols >= 0,
+// offset + rows * cols <= 2^32.
+extern "C" void megatrain_adamw_q8(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax,
+                                   const void* g, int g_bf16, int64_t rows, int64_t cols, int64_t block,
+                                   float lr, float b1, float b2, float eps, float wd, float grad_scale,
+                                   float bc1, float bc2, uint32_t seed, int64_t offset) {
   const Hyper h = make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2);
-  const Keys k{mix32(seed ^ 0x9E3779B9u * 1u), mix32(seed ^ 0x9E3779B9u * 2u), mix32(seed ^ 0x9E3779B9u * 3u),
-               static_cast<uint32_t>(offset)};
-  parallel_chunks(n, [&](int64_t lo, int64_t hi) { adamw_sr_range(p, m, v, g, lo, hi, h, k); });
+  const Keys k = make_keys(seed, offset);
+  if (g_bf16)
+    adamw_q8_parallel(p, m, v, m_amax, v_amax, static_cast<const uint16_t*>(g), rows, cols, block, h, k);
+  else
+    adamw_q8_parallel(p, m, v, m_amax, v_amax, static_cast<const float*>(g), rows, cols, block, h, k);
 }
 
 extern "C" void megatrain_set_threads(int n) { g_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }
