@@ -90,6 +90,10 @@ CONFIGS: dict[str, BenchConfig] = {
         micro_batches=1, resident_layers="auto", resident_io=True)),
     "3p5b_32k_auto_kr_mb1": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers="auto", resident_io=True, keep_residuals=True)),
+    "7b_32k_auto_p2": BenchConfig("7b", 32, 2048, 16, EngineConfig(
+        micro_batches=2, resident_layers="auto", resident_io=True, prefetch_depth=2)),
+    "7b_32k_auto_p4": BenchConfig("7b", 32, 2048, 16, EngineConfig(
+        micro_batches=2, resident_layers="auto", resident_io=True, prefetch_depth=4)),
     "7b_32k_auto_kr": BenchConfig("7b", 32, 2048, 16, EngineConfig(
         micro_batches=2, resident_layers="auto", resident_io=True, keep_residuals=True)),
     "3p5b_98k": BenchConfig("7b", 16, 2048, 48, EngineConfig(micro_batches=6, resident_layers=8, resident_io=True)),
