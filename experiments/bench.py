@@ -68,38 +68,36 @@ CONFIGS: dict[str, BenchConfig] = {
     "7b_w4_8k": BenchConfig("7b", 4, 2048, 4, EngineConfig(micro_batches=2, resident_layers=1, resident_io=True)),
     # Everything streamed (nothing resident): the issue-3 configuration, GPU memory well under 25 GiB.
     "3p5b_32k_streamed": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2)),
-    # io + first blocks resident on the GPU with their optimizer state (see megatrain_jax/engine/update/resident.py).
-    # 8 of 16 blocks resident: enough that the host's first-half updates of the other 8 (~40 ms each) stay
-    # ahead of the next forward (~22 ms per block at 32K); see experiments/studies/NOTES.md, v5.
-    "3p5b_32k": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True)),
-    # 8,192 tokens per step (issue 33): one micro-batch of 4 rows, the step bound by the host update.
-    # Issue 33: at 8K tokens the GPU holds every block resident; the plan picks how many ("auto").
+    # The 3.5B and 7B layouts of the side-by-side comparison (issue 33, experiments/studies/NOTES.md): the plan
+    # keeps as many blocks GPU-resident as fit ("auto": all 16 of 3.5B at 32K, 17 of 7B's 32). 3.5B at 32K runs
+    # one micro-batch and keeps the attention residuals (no attention forward in the backward): 21,482 ->
+    # 22,057 tokens/s. 7B fetches the streamed blocks two ahead: with one, each streamed forward waited ~9 ms
+    # for its weights while the host's second-half updates shared the memory bus with the copies (456 -> 472
+    # model TFLOP/s).
+    "3p5b_32k": BenchConfig("7b", 16, 2048, 16, EngineConfig(
+        micro_batches=1, resident_layers="auto", resident_io=True, keep_residuals=True)),
+    "7b_32k": BenchConfig("7b", 32, 2048, 16, EngineConfig(
+        micro_batches=2, resident_layers="auto", resident_io=True, prefetch_depth=2)),
+    # 8,192 tokens per step (issue 33): one micro-batch of 4 rows; the GPU holds every block resident.
     "3p5b_8k": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto", resident_io=True)),
+    # A/B variants (NOTES, issue 33): the earlier fixed layouts (8 of 16 and 14 of 32 blocks resident; 8 at 8K,
+    # where the host update bounded the step), and the 32K levers one at a time.
+    "3p5b_32k_r8": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True)),
     "3p5b_8k_r8": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers=8, resident_io=True)),
-    # A/B variant of 3p5b_32k for experiments/studies/NOTES.md.
-    "3p5b_32k_r9": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=9, resident_io=True)),
-    # Issue 33: the plan's pick of GPU-resident blocks at 32K (3p5b_32k keeps 8, 7b_32k 14, for A/B).
+    "7b_32k_r14": BenchConfig("7b", 32, 2048, 16, EngineConfig(micro_batches=2, resident_layers=14, resident_io=True)),
     "3p5b_32k_auto": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers="auto",
                                                                    resident_io=True)),
-    "7b_32k_auto": BenchConfig("7b", 32, 2048, 16, EngineConfig(micro_batches=2, resident_layers="auto",
-                                                                 resident_io=True)),
-    # ... with the attention residuals kept (no attention forward in the backward), and one micro-batch.
     "3p5b_32k_auto_kr": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=2, resident_layers="auto", resident_io=True, keep_residuals=True)),
     "3p5b_32k_auto_mb1": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers="auto", resident_io=True)),
-    "3p5b_32k_auto_kr_mb1": BenchConfig("7b", 16, 2048, 16, EngineConfig(
-        micro_batches=1, resident_layers="auto", resident_io=True, keep_residuals=True)),
-    "7b_32k_auto_p2": BenchConfig("7b", 32, 2048, 16, EngineConfig(
-        micro_batches=2, resident_layers="auto", resident_io=True, prefetch_depth=2)),
-    "7b_32k_auto_p4": BenchConfig("7b", 32, 2048, 16, EngineConfig(
-        micro_batches=2, resident_layers="auto", resident_io=True, prefetch_depth=4)),
+    "7b_32k_auto": BenchConfig("7b", 32, 2048, 16, EngineConfig(micro_batches=2, resident_layers="auto",
+                                                                 resident_io=True)),
     "7b_32k_auto_kr": BenchConfig("7b", 32, 2048, 16, EngineConfig(
         micro_batches=2, resident_layers="auto", resident_io=True, keep_residuals=True)),
+    "7b_32k_auto_p4": BenchConfig("7b", 32, 2048, 16, EngineConfig(
+        micro_batches=2, resident_layers="auto", resident_io=True, prefetch_depth=4)),
     "3p5b_98k": BenchConfig("7b", 16, 2048, 48, EngineConfig(micro_batches=6, resident_layers=8, resident_io=True)),
-    # 14 of 32 blocks resident (~64 GiB of GPU memory: needs XLA_PYTHON_CLIENT_MEM_FRACTION above JAX's 0.75,
-    # which this script sets to 0.9 unless the environment says otherwise).
-    "7b_32k": BenchConfig("7b", 32, 2048, 16, EngineConfig(micro_batches=2, resident_layers=14, resident_io=True)),
     # Issue 18: a few layers of the MoE presets at 32 x 2,048 tokens (every expert gets tokens), model FLOPs over
     # active parameters. Mixtral's 1.41 B-parameter blocks all stream (a resident one would take ~23 GB).
     "mixtral_l4_64k": BenchConfig("mixtral-8x7b", 4, 2048, 32, EngineConfig(micro_batches=4, resident_io=True)),

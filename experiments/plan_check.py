@@ -36,8 +36,8 @@ from megatrain_jax import EngineConfig  # noqa: E402
 # bench.py's configurations, plus long context: 3B at 128K tokens in one row (docs/design.md's 39.0 GiB).
 CHECKS: dict[str, BenchConfig] = {
     "3p5b_32k_streamed": CONFIGS["3p5b_32k_streamed"],
-    "3p5b_32k": CONFIGS["3p5b_32k"],
-    "7b_32k": CONFIGS["7b_32k"],
+    "3p5b_32k": CONFIGS["3p5b_32k_r8"],  # the layouts these checks were first run with (fixed resident counts)
+    "7b_32k": CONFIGS["7b_32k_r14"],
     "3b_128k": BenchConfig("llama3.2-3b", None, 131072, 1, EngineConfig(micro_batches=1)),
 }
 # Shapes no earlier plan check measured, to test the plan's queue rule out of sample (issue 16): other

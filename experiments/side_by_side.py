@@ -15,7 +15,9 @@ In order, each in its own process (so each starts with the host memory to itself
 All runs go into ``runs`` of the one file; ``targets`` then says, for each target of the issue, the
 measured value, the bar, and whether it is met. ``--only`` runs a subset (e.g. ``--only 32k,host``).
 Progress goes to stdout and to ``<out>.log``; the file is rewritten after every stage, so a run cut short
-still leaves what it measured.
+still leaves what it measured. The whole comparison takes about 15 minutes; where one command may last 10,
+split it over calls on one machine with ``--resume`` (e.g. ``--only host,8k``, then ``--only 32k,98k
+--resume``, then ``--only 7b --resume``, the same ``--out``): one file, its ``commands`` in order.
 """
 
 from __future__ import annotations
@@ -100,17 +102,28 @@ def main() -> None:
     ap.add_argument("--steps-8k", type=int, default=10, help="timed steps of megatrain_jax at 8K")
     ap.add_argument("--ds-steps", type=int, default=4)
     ap.add_argument("--host-params", type=int, default=256, help="millions of parameters in the host AdamW run")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs already in --out and add these stages' (one comparison split over several "
+                         "calls on one machine, where a call may last at most 10 minutes)")
     args = ap.parse_args()
     wanted = set(args.only.split(","))
+    earlier = {}
     if os.path.exists(args.out):
-        os.remove(args.out)
+        if args.resume:
+            with open(args.out) as f:
+                earlier = json.load(f)
+        else:
+            os.remove(args.out)
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
         ["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     env = dict(os.environ, MEGATRAIN_GIT_COMMIT=commit or "", PYTHONPATH=os.pathsep.join(
         p for p in (os.environ.get("PYTHONPATH"), REPO) if p))
-    log = open(args.out + ".log", "w")
+    log = open(args.out + ".log", "a" if args.resume else "w")
     tmp_host = args.out + ".host.json"
-    host_runs: list[dict] = []
+    host_runs: list[dict] = [r for r in earlier.get("runs", []) if r.get("config") == "host_adamw"]
+    commands = earlier.get("commands", [])
+    commands = commands + ["PYTHONPATH=/tmp/site:. python experiments/side_by_side.py " + " ".join(sys.argv[1:])]
+    wall_before = earlier.get("wall_s", 0.0)
     t_start = time.perf_counter()
     for stage, cmd in stages(args, tmp_host):
         if stage not in wanted:
@@ -133,8 +146,8 @@ def main() -> None:
             continue
         result["runs"] = [r for r in result["runs"] if r.get("config") != "host_adamw"] + host_runs
         result.update(name=os.path.splitext(os.path.basename(args.out))[0], git_commit=commit,
-                      command="PYTHONPATH=/tmp/site:. python experiments/side_by_side.py " + " ".join(sys.argv[1:]),
-                      date=datetime.date.today().isoformat(), wall_s=round(time.perf_counter() - t_start, 1))
+                      command=" && ".join(commands), commands=commands, date=datetime.date.today().isoformat(),
+                      wall_s=round(wall_before + time.perf_counter() - t_start, 1))
         result["targets"] = targets(result)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
