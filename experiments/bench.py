@@ -207,10 +207,12 @@ def resolve_auto(bc: BenchConfig) -> tuple[BenchConfig, str | None]:
     if bc.engine.resident_layers != "auto":
         return bc, None
     from megatrain_jax.plan.levers import most_resident
+    from megatrain_jax._environment import visible_gpus
     from megatrain_jax.plan.machine import available_host_bytes, gpu_bytes_before_jax
     cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
     engine_cfg, picked = most_resident(cfg, bc.engine, bc.rows, bc.seq_len, host_ram_bytes=available_host_bytes(),
-                                       gpu_bytes=gpu_bytes_before_jax(), packed=bc.packed_docs > 0)
+                                       gpu_bytes=gpu_bytes_before_jax(), packed=bc.packed_docs > 0,
+                                       devices=max(visible_gpus(), 1))
     return dataclasses.replace(bc, engine=engine_cfg), picked
 
 

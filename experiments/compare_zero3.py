@@ -44,7 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DS_CONFIG = os.path.join(REPO, "experiments", "ds_config_zero3.json")
 SYSTEM = "deepspeed_zero3"
 # bench.py's names for the same workloads, so runs of both systems line up by "config".
-BENCH_NAMES = {(16, 16): "3p5b_32k", (16, 48): "3p5b_98k", (32, 16): "7b_32k"}
+BENCH_NAMES = {(16, 4): "3p5b_8k", (16, 16): "3p5b_32k", (16, 48): "3p5b_98k", (32, 16): "7b_32k"}
 EXITED_EARLY = "error: the process ended before the run finished (killed, e.g. by the host OOM killer)"
 
 

@@ -35,13 +35,13 @@ def worker(args) -> None:
     """One run, on the GPUs CUDA_VISIBLE_DEVICES leaves; writes its record to ``args.worker_out``."""
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    from bench import CONFIGS, run_config  # noqa: E402 (sets the memory fraction)
+    from bench import CONFIGS, resolve_auto, run_config  # noqa: E402 (sets the memory fraction)
 
     from megatrain_jax import preset
     from megatrain_jax.plan import fit_host_pool
 
     bc = CONFIGS[args.config]
-    bc = dataclasses.replace(bc, rows=args.rows)
+    bc = resolve_auto(dataclasses.replace(bc, rows=args.rows))[0]  # planned for this run's GPUs and rows
     cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
     fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)  # before JAX starts, as megatrain-jax train does
     import jax

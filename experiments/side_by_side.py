@@ -78,11 +78,16 @@ def targets(result: dict) -> dict:
         out["7b_32k_model_tflops"] = {"value": seven["model_tflops"], "bar": BARS["7b_tflops"],
                                       "met": seven["model_tflops"] >= BARS["7b_tflops"]}
     host = {r["system"]: r.get("params_per_s") for r in runs if r.get("config") == "host_adamw"}
-    ours, torch = host.get("megatrain_jax_fused_kernel_fp32"), host.get("torch_fused_cpu_adamw")
+    # issue 33's bar is on pageable memory, where the engine keeps the moments (and the masters it streams a
+    # copy of); the kernel on pinned arrays is reported beside it
+    pinned, torch = host.get("megatrain_jax_fused_kernel_fp32"), host.get("torch_fused_cpu_adamw")
+    ours = host.get("fused_kernel_on_numpy_fp32", pinned)
     if isinstance(ours, float) and isinstance(torch, float):
         out["host_optimizer_vs_torch"] = {"ours_params_per_s": ours, "torch_params_per_s": torch,
                                           "ratio": round(ours / torch, 3), "bar": BARS["host_optimizer"],
-                                          "met": ours / torch >= BARS["host_optimizer"]}
+                                          "met": ours / torch >= BARS["host_optimizer"],
+                                          **({"pinned_ratio": round(pinned / torch, 3)}
+                                             if isinstance(pinned, float) else {})}
     idle = {r["config"]: r["breakdown"]["gpu_idle_fraction_est"] for r in runs
             if r.get("system") == "megatrain_jax" and "breakdown" in r}
     if idle:
