@@ -41,13 +41,15 @@ def worker(args) -> None:
     from megatrain_jax.plan import fit_host_pool
 
     bc = CONFIGS[args.config]
-    bc = resolve_auto(dataclasses.replace(bc, rows=args.rows))[0]  # planned for this run's GPUs and rows
+    bc, picked = resolve_auto(dataclasses.replace(bc, rows=args.rows))  # planned for this run's GPUs and rows
     cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
     fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)  # before JAX starts, as megatrain-jax train does
     import jax
 
     run = run_config(args.config, bc, args.warmup, args.steps, profile=False,
                      trace_dir=args.trace_dir and os.path.join(args.trace_dir, args.kind))
+    if picked:
+        run["resident_pick"] = picked
     gpus = run.get("num_gpus") or len(jax.devices())  # the devices the engine spread over
     run["rows_per_gpu"] = bc.rows // gpus
     run["tokens_per_gpu_per_step"] = bc.rows * bc.seq_len // gpus
