@@ -180,6 +180,8 @@ CHOICES.update({
     (DataConfig, "too_long"): ("truncate", "skip"),
     (EngineConfig, "stream_dtype"): DTYPES,
     (EngineConfig, "master_dtype"): ("float32", "bfloat16"),
+    (EngineConfig, "moment_dtype"): ("q8",),
+    (EngineConfig, "host_grad_dtype"): ("float32", "bfloat16"),
     (DecoderConfig, "dtype"): DTYPES,
     (DecoderConfig, "attention_impl"): ATTENTION_IMPLS,
     (RopeScaling, "kind"): ROPE_KINDS,

@@ -39,6 +39,18 @@ class EngineConfig:
       stored value is the float32 result), 6 bytes per parameter instead of 12, and the masters are what
       crosses PCIe (no separate stream copy). It needs ``megatrain_jax.adamw`` run by the fused host kernel,
       and updates every part on the host (no GPU-resident parts). Quality: docs/capacity.md.
+    - ``moment_dtype="q8"`` (capacity mode only; opt-in): the Adam moments of every matrix (2+ dimensions,
+      4,096+ elements) in 8 bits each, blockwise: a small float format per moment (m: sign + 4 exponent + 3
+      mantissa bits; v: 5 + 3, unsigned), scaled by the largest value of each block of 256 elements of a row,
+      rounded stochastically like the masters (``megatrain_jax.engine.update.host_kernel``); vectors and small
+      leaves keep bfloat16 moments. 2.03 bytes per parameter for both moments instead of 4. None: the moments
+      take the masters' dtype. Quality: docs/capacity.md.
+    - ``host_grad_dtype="bfloat16"`` (capacity mode only; opt-in): the gradients that come home to host memory
+      for the update are rounded to bfloat16 on the GPU first (2 bytes per parameter of pinned memory and of
+      PCIe traffic instead of 4). The global norm, and so the clipping, is computed from the rounded gradients,
+      exactly over what was sent; it differs from the float32 gradient's norm by the rounding (relative error
+      under 2^-9 per element). With ``accumulate_steps`` > 1 each sub-step's sum is rounded again. Gradients
+      that wait on the GPU (``grads_on_gpu``) and those of GPU-resident parts stay float32.
     - ``disk_parts``: the Adam moments of this many blocks (the last ones that are not GPU-resident) live in
       files under ``disk_dir`` on local disk (``megatrain_jax.engine.update.disk_tier``), read ahead of each block's
       update and written behind it: 8 bytes per parameter (4 in capacity mode) less host RAM for them,
@@ -74,6 +86,8 @@ class EngineConfig:
     resident_io: bool = False
     grads_on_gpu: int = 0
     master_dtype: str = "float32"
+    moment_dtype: str | None = None
+    host_grad_dtype: str = "float32"
     disk_parts: int = 0
     disk_dir: str | None = None
     offload_activations: int = 0
@@ -108,6 +122,20 @@ class EngineConfig:
         if self.master_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"EngineConfig.master_dtype must be 'float32' or 'bfloat16' (capacity mode), "
                              f"got {self.master_dtype!r}")
+        if self.moment_dtype not in (None, "q8"):
+            raise ValueError(f"EngineConfig.moment_dtype must be unset (the masters' dtype) or 'q8' (8-bit moments), "
+                             f"got {self.moment_dtype!r}")
+        if self.host_grad_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"EngineConfig.host_grad_dtype must be 'float32' or 'bfloat16', got "
+                             f"{self.host_grad_dtype!r}")
+        for name, value, default in (("moment_dtype", self.moment_dtype, None),
+                                     ("host_grad_dtype", self.host_grad_dtype, "float32")):
+            if value != default and not self.capacity:
+                raise ValueError(f"engine.{name} = {value!r} is part of capacity mode: set master_dtype = "
+                                 f"'bfloat16' too, or leave {name} unset")
+        if self.moment_dtype == "q8" and self.disk_parts:
+            raise ValueError("the disk tier (disk_parts) holds bfloat16 or float32 moments, not 8-bit ones: set "
+                             "disk_parts = 0 or leave moment_dtype unset")
         if self.capacity:
             if self.stream_dtype not in (None, "bfloat16"):
                 raise ValueError(f"capacity mode (master_dtype='bfloat16') streams the bfloat16 masters: leave "
@@ -131,6 +159,11 @@ class EngineConfig:
             per = f" on each of {devices} devices" if devices > 1 else ""
             raise ValueError(f"a batch of {rows} rows cannot be split into micro_batches = {self.micro_batches}"
                              f"{per}; use a batch size divisible by {self.micro_batches * max(devices, 1)}")
+
+    @property
+    def q8(self) -> bool:
+        """8-bit Adam moments (``moment_dtype="q8"``; capacity mode)."""
+        return self.moment_dtype == "q8"
 
     @property
     def capacity(self) -> bool:
