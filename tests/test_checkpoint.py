@@ -69,7 +69,7 @@ def reference():
     return {"adamw": run(6), "sgd": run(6, optimizer=optax.sgd(0.1, momentum=0.9)),
             "accum": run(6, config=EngineConfig(micro_batches=2, accumulate_steps=2)),
             "bf16": run(6, config=EngineConfig(micro_batches=2, stream_dtype="bfloat16")),
-            "resident": run(6, config=RESIDENT), "capacity": run(6, config=CAPACITY)}
+            "resident": run(6, config=RESIDENT), "capacity": run(6, config=CAPACITY), "q8": run(6, config=Q8)}
 
 
 # The io part and block 0 live on the device between saves: sync copies them to host, restore reloads them.
@@ -77,11 +77,14 @@ RESIDENT = EngineConfig(micro_batches=2, resident_layers=1, resident_io=True)
 # Capacity mode: bfloat16 masters and moments, stochastically rounded from bits keyed by the step (no RNG
 # state to save).
 CAPACITY = EngineConfig(micro_batches=2, master_dtype="bfloat16")
+# ... with 8-bit moments (codes and per-block scales; here the embedding and head, the leaves of 4,096+
+# elements) and bfloat16 gradients in host memory.
+Q8 = EngineConfig(micro_batches=2, master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16")
 
 
 # ---------------------------------------------------------------------------------------- exact resume
 @pytest.mark.parametrize("kind,prefetch", [("adamw", 0), ("adamw", 2), ("sgd", 0), ("accum", 2), ("bf16", 0),
-                                           ("resident", 0), ("capacity", 0)])
+                                           ("resident", 0), ("capacity", 0), ("q8", 0)])
 def test_resume_is_bit_exact(tmp_path, reference, kind, prefetch):
     """Stop at step 3, resume with a fresh model and data stream: every parameter and loss is identical.
     (``bf16``: the fused kernel's bfloat16 stream copies are not saved; the restore recomputes them.)"""
@@ -94,6 +97,8 @@ def test_resume_is_bit_exact(tmp_path, reference, kind, prefetch):
         kw["config"] = RESIDENT
     if kind == "capacity":
         kw["config"] = CAPACITY
+    if kind == "q8":
+        kw["config"] = Q8
     run(3, tmp_path, checkpoint_every=2, prefetch=prefetch, **kw)
     assert committed_steps(tmp_path) == [3, 2]
     params, h = run(6, tmp_path, resume=True, prefetch=prefetch, **kw)
@@ -266,6 +271,33 @@ def test_resuming_a_full_precision_checkpoint_in_capacity_mode_says_why_it_canno
     with pytest.raises(ShapeMismatchError, match="another engine.master_dtype") as err:
         Checkpointer(tmp_path, read_only=True).restore(engine)
     assert "expected shape (128, 32) bfloat16, found shape (128, 32) float32" in str(err.value)
+
+
+def test_resuming_a_capacity_checkpoint_with_8bit_moments_says_why_it_cannot(tmp_path):
+    run(1, tmp_path, checkpoint_every=1, config=CAPACITY)
+    engine = Engine(Decoder(CFG, rngs=nnx.Rngs(0)), default_optimizer(1e-3), Q8)
+    with pytest.raises(ShapeMismatchError, match="another engine.moment_dtype") as err:
+        Checkpointer(tmp_path, read_only=True).restore(engine)
+    assert "io/opt.mu.embedding.value.codes: missing from the checkpoint (expected shape (128, 32))" in str(err.value)
+
+
+def test_8bit_moments_are_saved_as_codes_and_scales(tmp_path, reference):
+    """The 8-bit moments round-trip through a checkpoint as their codes and float32 scales, unchanged."""
+    model = Decoder(CFG, rngs=nnx.Rngs(0))
+    engine = Engine(model, default_optimizer(1e-3), Q8)
+    for batch in [next(iter(data()))] * 2:
+        engine.step([batch])
+    before = engine_arrays(engine)
+    assert any(k.endswith(".codes") for k in before) and any(k.endswith(".absmax") for k in before)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(engine, wait=True)
+    ckpt.close()
+    other = Engine(Decoder(CFG, rngs=nnx.Rngs(1)), default_optimizer(1e-3), Q8)
+    Checkpointer(tmp_path, read_only=True).restore(other)
+    after = engine_arrays(other)
+    assert before.keys() == after.keys()
+    for k in before:
+        assert before[k].dtype == after[k].dtype and np.array_equal(before[k], after[k]), k
 
 
 def test_shape_mismatch_lists_every_tensor(tmp_path):

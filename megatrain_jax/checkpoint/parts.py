@@ -106,6 +106,9 @@ def check_layout(expected: dict[str, dict], found: dict[str, dict], where: str) 
         if ("bfloat16", "float32") in dtypes or ("float32", "bfloat16") in dtypes:
             hint = ("\n(float32 against bfloat16 state: the checkpoint was written with another "
                     "engine.master_dtype; resume with the one it was written with)")
+        if any(".codes:" in x or ".absmax:" in x for x in problems):
+            hint += ("\n(8-bit moments (codes and scales) against bfloat16 ones: the checkpoint was written with "
+                     "another engine.moment_dtype; resume with the one it was written with)")
         raise ShapeMismatchError(f"checkpoint {where} does not fit this model and optimizer "
                                  f"({len(problems)} mismatches):\n  " + "\n  ".join(problems) + hint)
 

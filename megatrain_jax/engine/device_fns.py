@@ -110,6 +110,7 @@ class DeviceFns:
         self._split = SplitVJP()  # the block's VJP closure between forward_keep and backward_kept
         self.sq_norm = jax.jit(_sq_norm)
         self.add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
+        self.to_bfloat16 = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t))  # gradients sent home
         # one element of a single-device array: ready once the work queued before it on that device has run
         self.fence = jax.jit(lambda a: a.reshape(-1)[:1])
         self.mask_sum = jax.jit(_mask_sum)  # the loss tokens of a batch

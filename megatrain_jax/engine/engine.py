@@ -120,7 +120,7 @@ class Engine:
         self._resident: dict[PartId, Part] = {}
         self._load_resident()
         self._runner = PassRunner(self.fns, self.placement, self.state, self.policy, self._resident, self._observers,
-                                  grads_on_gpu=self.grads_on_gpu_parts)
+                                  grads_on_gpu=self.grads_on_gpu_parts, host_grad_dtype=config.host_grad_dtype)
         self.last_seq_len = 0
 
     # ------------------------------------------------------------------ training

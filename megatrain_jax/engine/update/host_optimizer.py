@@ -22,6 +22,13 @@ random bits that depend only on the step, the part, the leaf and the element's i
 reproducible, a resume continues it bit for bit, and a part spread over several devices rounds as it
 would on one). The masters are pinned (they cross PCIe: no stream copy); the moments pageable.
 
+**8-bit moments** (``EngineConfig.moment_dtype="q8"``, in capacity mode): each matrix's m and v are
+``Q8Moment``s, one byte per element and one float32 scale per block of a row (``host_kernel.Q8_BLOCK``),
+updated by the kernel's 8-bit entry point with the masters' rounding bits; vectors and leaves under
+``Q8_MIN_SIZE`` elements keep bfloat16 moments (their bytes are negligible, and a block per vector element
+would cost more than it saves). The gradient the kernel reads may be float32 or bfloat16
+(``EngineConfig.host_grad_dtype``).
+
 Transformations that look across parameters (``clip_by_global_norm``) are refused at engine build by
 ``megatrain_jax.optim.check_partwise``: the engine clips exactly, from the norm of the whole gradient,
 and hands each part's update the resulting scale factor.
@@ -30,6 +37,7 @@ and hands each part's update the resulting scale factor.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import warnings
 from typing import Any, Literal
 
@@ -47,6 +55,32 @@ from megatrain_jax.optim import AdamWState, fused_spec
 
 Route = Literal["fused", "host", "device"]
 
+Q8_MIN_SIZE = 4096  # leaves with fewer elements, or under two dimensions, keep bfloat16 moments
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Q8Moment:
+    """One leaf's Adam moment in 8 bits: ``codes`` (uint8, the leaf's shape) and ``absmax`` (float32, one per
+    block of ``host_kernel.Q8_BLOCK`` elements of a row: ``host_kernel.q8_scale_shape``), both pageable."""
+    codes: Any
+    absmax: Any
+
+
+def q8_leaf(shape: tuple[int, ...]) -> bool:
+    """Whether a leaf of this shape keeps its moments in 8 bits under ``moment_dtype="q8"``."""
+    return len(shape) >= 2 and int(np.prod(shape)) >= Q8_MIN_SIZE
+
+
+def q8_zeros(params: Params) -> Params:
+    """Zero moments for ``params`` under ``moment_dtype="q8"``: ``Q8Moment``s for matrices, bfloat16 arrays for
+    the rest, all fresh pageable pages (``pageable_zeros``: nothing is touched until the first update)."""
+    def zeros(x):
+        if q8_leaf(x.shape):
+            return Q8Moment(np.zeros(x.shape, np.uint8), np.zeros(host_kernel.q8_scale_shape(x.shape), np.float32))
+        return np.zeros(x.shape, jnp.bfloat16)
+    return jax.tree.map(zeros, params)
+
 
 def _pointers_writable(placement: Placement) -> bool:
     """Whether a write through a pinned-host array's buffer address is what the array then holds."""
@@ -60,11 +94,14 @@ class HostOptimizer:
     """Init and update of one part's optimizer state, all in pinned host memory."""
 
     def __init__(self, tx: optax.GradientTransformation, placement: Placement, stream_dtype: Any | None,
-                 use_kernel: bool = True, master_dtype: Any = jnp.float32):
+                 use_kernel: bool = True, master_dtype: Any = jnp.float32, moment_dtype: str | None = None):
         self.tx = tx
         self.placement = placement
         self.master_dtype = jnp.dtype(master_dtype)
         self.capacity = self.master_dtype == jnp.bfloat16  # the bfloat16 masters are streamed themselves
+        self.q8 = moment_dtype == "q8"
+        if self.q8 and not self.capacity:
+            raise ValueError("8-bit moments (moment_dtype='q8') are part of capacity mode: master_dtype='bfloat16'")
         self.stream_dtype = (None if self.capacity or stream_dtype in (None, jnp.float32)
                              else jnp.dtype(stream_dtype))
         # Donating host buffers lets XLA update in place on the GPU client; the CPU client cannot use it.
@@ -125,8 +162,9 @@ class HostOptimizer:
             return Part(pinned(part.params), pinned(part.opt), stream)
         opt = part.opt
         moments = self.master_dtype  # float32, or bfloat16 in capacity mode
-        mu = pageable_zeros(part.params, moments) if opt.mu is None else pageable(opt.mu)
-        nu = pageable_zeros(part.params, moments) if opt.nu is None else pageable(opt.nu)
+        zeros = q8_zeros if self.q8 else (lambda params: pageable_zeros(params, moments))
+        mu = zeros(part.params) if opt.mu is None else pageable(opt.mu)
+        nu = zeros(part.params) if opt.nu is None else pageable(opt.nu)
         params = pinned(part.params) if stream is None else pageable(part.params)  # pinned if streamed
         return Part(params, AdamWState(pinned(opt.count), mu, nu), stream)
 
@@ -209,13 +247,18 @@ class HostOptimizer:
         jax.block_until_ready(grads)
         pieces = self.placement.pieces
         leaves = jax.tree.leaves(part.params)
+        structure = jax.tree.structure(part.params)  # a Q8Moment is one moment leaf, not two
         streams = jax.tree.leaves(stream) if stream is not None else [None] * len(leaves)
         for leaf, (p, m, v, g, s, decay) in enumerate(zip(
-                leaves, jax.tree.leaves(state.mu), jax.tree.leaves(state.nu), jax.tree.leaves(grads), streams,
-                jax.tree.leaves(spec.decays(part.params)))):
-            ps, ms, vs, ss = pieces(p), pieces(m), pieces(v), None if s is None else pieces(s)
+                leaves, structure.flatten_up_to(state.mu), structure.flatten_up_to(state.nu),
+                jax.tree.leaves(grads), streams, jax.tree.leaves(spec.decays(part.params)))):
             hyper = dict(lr=lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, wd=spec.weight_decay if decay else 0.0,
                          grad_scale=scale, bc1=bc1, bc2=bc2)
+            if isinstance(m, Q8Moment):
+                self._run_q8(p, m, v, g, t, salt, leaf, hyper)
+                continue
+            ps, ms, vs, ss = pieces(p), pieces(m), pieces(v), None if s is None else pieces(s)
+            g_bf16 = {"g_bf16": True} if g.dtype == jnp.bfloat16 else {}
             for key, g_at in pieces(g).items():
                 n = int(np.prod([b - a for a, b in key]))
                 if salt is None:
@@ -223,10 +266,29 @@ class HostOptimizer:
                               None if ss is None else ss[key][0], n, **hyper)
                 else:
                     kernel_fn(self.kernel, ps[key][0], ms[key][0], vs[key][0], g_at[0], n,
-                              seed=rounding_seed(t, salt, leaf), offset=_flat_offset(key, p.shape), **hyper)
+                              seed=rounding_seed(t, salt, leaf), offset=_flat_offset(key, p.shape), **hyper, **g_bf16)
                 for copies, itemsize in ((ps[key], p.dtype.itemsize), (ss[key] if ss is not None else [], 2)):
                     for other in copies[1:]:
                         ctypes.memmove(other, copies[0], n * itemsize)
+
+    def _run_q8(self, p: Any, m: Q8Moment, v: Q8Moment, g: Any, t: int, salt: int, leaf: int, hyper: dict) -> None:
+        """One matrix with 8-bit moments, piece by piece: a piece is a run of whole rows (``Placement.spec``
+        splits the first axis), and the scales of those rows follow the same rows (``q8_scale_shape``), so each
+        piece's call writes what one call on the whole leaf would."""
+        cols = int(np.prod(p.shape[1:]))
+        blocks = m.absmax.shape[1]
+        g_bf16 = g.dtype == jnp.bfloat16
+        ps = self.placement.pieces(p)
+        for key, g_at in self.placement.pieces(g).items():
+            (a, b), rows = key[0], key[0][1] - key[0][0]
+            codes, scales = a * cols, a * blocks * 4  # byte offsets of the piece's first row
+            host_kernel.adamw_q8_inplace(
+                self.kernel, ps[key][0], m.codes.ctypes.data + codes, v.codes.ctypes.data + codes,
+                m.absmax.ctypes.data + scales, v.absmax.ctypes.data + scales, g_at[0], rows, cols,
+                block=host_kernel.Q8_BLOCK, g_bf16=g_bf16, seed=rounding_seed(t, salt, leaf), offset=a * cols,
+                **hyper)
+            for other in ps[key][1:]:  # a replicated leaf: the first copy was updated, the others follow
+                ctypes.memmove(other, ps[key][0], rows * cols * 2)
 
 
 def rounding_seed(step: int, part: int, leaf: int) -> int:

@@ -129,7 +129,7 @@ class UpdatePolicy:
                  config: EngineConfig, observers: Sequence = ()):
         self.placement = placement
         self.opt = HostOptimizer(tx, placement, stream_dtype, use_kernel=config.host_kernel,
-                                 master_dtype=config.master_dtype)
+                                 master_dtype=config.master_dtype, moment_dtype=config.moment_dtype)
         self.device = DeviceUpdater(tx, placement, self.opt.stream_dtype)
         self.worker = HostUpdater(observers)
         self.max_nonfinite = config.max_nonfinite_steps
