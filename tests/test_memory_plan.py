@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import re
 from pathlib import Path
 
+import jax
 import optax
 import pytest
 from flax import nnx
@@ -446,6 +448,86 @@ def test_capacity_mode_holds_six_bytes_per_parameter_plus_gradients():
     full = plan(EIGHT_B, EngineConfig(micro_batches=2), 16, 2048, host_ram_bytes=124 * GiB, gpu_bytes=71 * GiB)
     option = next(o for o in options(full) if ("engine.master_dtype", "bfloat16") in o.changes)
     assert full.applied(option.changes).fits and "stochastically rounded" in option.why
+
+
+def _q8_moment_bytes_of_the_model(cfg) -> int:
+    """Both Adam moments under ``moment_dtype="q8"``, from the model's own leaves: a leaf of 2+ dimensions and
+    4,096+ elements one byte per element and a float32 scale per 256 elements of a row (rows: the first
+    dimension) per moment, any other two bfloat16 moments."""
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)):
+        shape, size = leaf.shape, math.prod(leaf.shape)
+        if len(shape) >= 2 and size >= 4096:
+            total += 2 * (size + 4 * shape[0] * -(-(size // shape[0]) // 256))
+        else:
+            total += 2 * 2 * size
+    return total
+
+
+Q8 = dict(master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("cfg", [preset("llama3-8b", layers=2), preset("tiny-moe"), preset("qwen2-57b-a14b", layers=2),
+                                 preset("glm4.5-air", layers=3), preset("qwen2.5-14b", layers=2)],
+                         ids=["llama3-8b", "tiny-moe", "qwen2-57b", "glm4.5-air", "qwen2.5-14b"])
+def test_eight_bit_moments_and_bfloat16_gradients_in_host_memory(cfg):
+    """Capacity mode with 8-bit moments (matrices at 1 B per moment with their scales, vectors at 2) and
+    bfloat16 gradients (2 B/param pinned; the sent copy is cast on the GPU beside the float32 accumulator)."""
+    P = cfg.param_count()
+    capacity = plan(cfg, EngineConfig(micro_batches=2, master_dtype="bfloat16"), 4, 256, **BIG)
+    q8 = plan(cfg, EngineConfig(micro_batches=2, **Q8), 4, 256, **BIG)
+    moments = [v for k, v in q8.host.items() if k.startswith("pageable: Adam moments m and v, 8-bit")]
+    assert moments == [_q8_moment_bytes_of_the_model(cfg)]
+    assert q8.host["pinned: master weights, bfloat16, streamed (2 B/param; capacity mode)"] == 2 * P
+    grads = q8.host[f"pinned: gradients of one step, bfloat16 (2 B/param of the {P / 1e9:.2f} B host-updated params)"]
+    assert grads == 2 * P and q8.host_pinned == 4 * P
+    # the GPU holds a bfloat16 copy of each gradient sent home until the copy has read it
+    largest = max(layer_param_count(cfg), io_param_count(cfg))
+    assert 0 <= q8.gpu_total - capacity.gpu_total <= 2 * largest * (QUEUED_BLOCKS + 1)
+    modes = q8.host_bytes_per_param()
+    assert modes["capacity mode, 8-bit moments, bfloat16 gradients in host memory"] == pytest.approx(
+        q8.host_total / P)
+    assert modes == capacity.host_bytes_per_param()  # the table's rows do not depend on the mode planned
+    # the gradients that wait on the GPU stay float32: one part's at a time comes home as such
+    waiting = plan(cfg, EngineConfig(micro_batches=2, grads_on_gpu=2, **Q8), 4, 256, **BIG)
+    blocks = [cfg.block_param_count(i) for i in (0, 1)]
+    assert q8.host_pinned - waiting.host_pinned == 2 * sum(blocks) - 4 * max(blocks)
+
+
+def test_eight_bit_moments_are_picked_only_where_capacity_mode_does_not_fit():
+    """Capacity mode on a host short of RAM: gradients on the GPU while they fit (capacity mode's precision),
+    8-bit moments and bfloat16 gradients only where no number of them does."""
+    from megatrain_jax.plan import lean_engine
+    from megatrain_jax.plan.levers import most_resident
+    e = EngineConfig(micro_batches=2, master_dtype="bfloat16")
+    base = plan(EIGHT_B, e, 16, 2048, **BIG)
+    q8_cfg = dataclasses.replace(e, moment_dtype="q8", host_grad_dtype="bfloat16")
+    # a GPU with room for about two blocks' waiting gradients
+    gpu = base.gpu_total + GPU_FRAGMENTATION_MARGIN + 2 * GiB
+    q8 = plan(EIGHT_B, q8_cfg, 16, 2048, host_ram_bytes=10_000 * GiB, gpu_bytes=gpu)
+    assert q8.gpu_fits and q8.host_total < base.host_total
+    host = int(q8.host_total / (1 - LEAN_HOST_MARGIN)) + GiB
+    kw = dict(host_ram_bytes=host, gpu_bytes=gpu)
+    assert not any(plan(EIGHT_B, dataclasses.replace(e, grads_on_gpu=n), 16, 2048, **kw).fits for n in range(34))
+    picked, why = lean_engine(EIGHT_B, e, 16, 2048, **kw)
+    assert picked == q8_cfg and plan(EIGHT_B, picked, 16, 2048, **kw).fits
+    assert ("running capacity mode with 8-bit Adam moments and bfloat16 gradients in host memory "
+            "(engine.moment_dtype=q8 engine.host_grad_dtype=bfloat16; quality: docs/capacity.md)") in why
+    # plain capacity mode fits: kept; with a few gradients on the GPU it fits: those, not 8-bit moments
+    assert lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=base.host_total + GiB, gpu_bytes=gpu) == (e, None)
+    fewer, why = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=base.host_total - 2 * GiB, gpu_bytes=71 * GiB)
+    assert fewer.grads_on_gpu > 0 and not fewer.q8 and fewer.host_grad_dtype == "float32"
+    # a host that even 8-bit moments with every gradient on the GPU cannot fit: nothing is picked
+    assert lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=20 * GiB, gpu_bytes=gpu) == (e, None)
+    # as an option for a full-precision run: capacity mode's changes with the 8-bit ones, which fit
+    full = plan(EIGHT_B, EngineConfig(micro_batches=2), 16, 2048, **kw)
+    option = next(o for o in options(full) if ("engine.moment_dtype", "q8") in o.changes)
+    assert {("engine.master_dtype", "bfloat16"), ("engine.host_grad_dtype", "bfloat16")} <= set(option.changes)
+    assert full.applied(option.changes).fits and option.why.startswith(
+        "capacity mode with 8-bit Adam moments and bfloat16 gradients in host memory (about 4.0 B/param")
+    auto = dataclasses.replace(q8_cfg, resident_layers="auto")
+    assert most_resident(EIGHT_B, auto, 16, 2048, **kw)[0].resident_layers == 0  # every part updates on the host
 
 
 def test_disk_tier_moves_moments_from_host_to_disk():

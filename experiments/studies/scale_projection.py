@@ -13,7 +13,10 @@ counts is the per-layer steady state; the rest is the io part and fixed costs.
 What is projected: the full model's step on a target machine as the largest of its compute, its PCIe
 transfers and its host optimizer time (the engine overlaps them), times the overlap efficiency measured
 here (measured step / that largest component, at the larger layer count), plus the io part as measured.
-Host RAM is the memory plan's for the full model on the target. Every assumption about the targets (their
+Host RAM is the memory plan's for the full model on the target. ``--host-only`` (no GPU needed) projects
+only that: each model in each host layout (``HOST_MODES``: full precision, capacity mode, capacity mode with
+8-bit moments and bfloat16 gradients; each as configured and as ``megatrain-jax train`` picks it, issue 35)
+on an H200 with each of ``HOST_SIZES_GIB``. Every assumption about the targets (their
 host-to-device bandwidth, GPU speed and host optimizer rate relative to this machine) is written into the
 results file next to the numbers; docs/capacity.md states the table as a projection, not a measurement.
 """
@@ -42,6 +45,16 @@ MODELS = {
     "120b": EngineConfig(micro_batches=4, master_dtype="bfloat16"),  # capacity mode
 }
 GiB = 1024**3
+
+# Host layouts and hosts of the host-only projection (issue 35): an H200 (XLA may use 95% of its 140 GiB).
+HOST_MODES = {
+    "full precision (float32 masters and moments, 16-bit stream copy)": EngineConfig(micro_batches=4),
+    "capacity mode (bfloat16 masters and moments)": EngineConfig(micro_batches=4, master_dtype="bfloat16"),
+    "capacity mode, 8-bit moments, bfloat16 gradients": EngineConfig(
+        micro_batches=4, master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16"),
+}
+HOST_SIZES_GIB = (512, 1024, 1536)
+H200_GIB = 140
 
 # The targets. Each number not measured here is an assumption, recorded with its source.
 TARGETS = {
@@ -133,6 +146,31 @@ def project(name: str, small: dict, big: dict, target: dict) -> dict:
                        "h2d_gb_s_assumed": bw}}
 
 
+def project_host(name: str) -> dict:
+    """The full model's host RAM in each of ``HOST_MODES`` on an H200 with each of ``HOST_SIZES_GIB``: as
+    configured, and as ``megatrain-jax train`` picks it (``lean_engine``, no disk tier)."""
+    from megatrain_jax import preset
+    from megatrain_jax.plan import gpu_fraction, lean_engine, plan
+
+    full, gpu = preset(name), int(H200_GIB * GiB * gpu_fraction())
+    out = {"params": full.param_count(), "gpu_bytes": gpu, "modes": {}}
+    for mode, engine in HOST_MODES.items():
+        rows = {}
+        for host in HOST_SIZES_GIB:
+            kw = dict(host_ram_bytes=host * GiB, gpu_bytes=gpu)
+            given = plan(full, engine, ROWS, SEQ, detect=False, **kw)
+            picked, said = lean_engine(full, engine, ROWS, SEQ, **kw)
+            p = plan(full, picked, ROWS, SEQ, detect=False, **kw)
+            rows[f"{host} GiB"] = {
+                "as_configured": {"host_gib": round(given.host_total / GiB, 1), "fits": given.fits},
+                "picked": {"host_gib": round(p.host_total / GiB, 1), "fits": p.fits, "said": said,
+                           "host_bytes_per_param": round(p.host_total / p.params, 2),
+                           "changes": {f.name: getattr(picked, f.name) for f in dataclasses.fields(picked)
+                                       if getattr(picked, f.name) != getattr(engine, f.name)}}}
+        out["modes"][mode] = rows
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="path of the results JSON")
@@ -141,6 +179,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=200, help="seconds per run")
+    ap.add_argument("--host-only", action="store_true",
+                    help="only the host RAM of each mode on each host size, from the plan (no GPU)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     lo, hi = (int(x) for x in args.layers.split(","))
@@ -162,6 +202,20 @@ def main() -> None:
     def save() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+
+    result["host_projection"] = {"seq_len": SEQ, "rows": ROWS, "gpu": f"H200, {H200_GIB} GiB",
+                                 "models": {name: project_host(name) for name in args.models.split(",")}}
+    save()
+    for name, proj in result["host_projection"]["models"].items():
+        for mode, rows in proj["modes"].items():
+            print(f"{name}, {mode}: " + "; ".join(
+                f"{host}: {r['as_configured']['host_gib']} GiB as configured ({'fits' if r['as_configured']['fits'] else 'no'}), "
+                f"picked {r['picked']['host_gib']} GiB ({'fits' if r['picked']['fits'] else 'no'})"
+                for host, r in rows.items()), flush=True)
+    if args.host_only:
+        result["kind"] = "host RAM from the memory plan (no measurement)"
+        save()
+        return
 
     for name in args.models.split(","):
         runs = []

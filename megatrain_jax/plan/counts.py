@@ -3,10 +3,12 @@ where (the bottom of ``megatrain_jax.plan``: it imports nothing else of the plan
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import HostRoles, PartId
+from megatrain_jax.engine.update.host_kernel import q8_scale_shape
 from megatrain_jax.models.config import DecoderConfig
 
 GiB = 1024**3
@@ -47,3 +49,65 @@ def activation_bytes(cfg: DecoderConfig) -> int:
 def stream_bytes(stream_dtype: str) -> int:
     """Bytes per streamed weight for the dtype the weights cross PCIe in."""
     return 2 if stream_dtype in ("bfloat16", "float16") else 4
+
+
+# ---------------------------------------------------------------------- 8-bit moments (moment_dtype="q8")
+Q8_MIN_ELEMENTS = 4096  # a leaf of 2+ dimensions and at least this many elements has 8-bit moments
+
+
+def has_q8_moments(shape: tuple[int, ...]) -> bool:
+    """Whether a leaf of this shape keeps 8-bit Adam moments under ``moment_dtype="q8"`` (a matrix: 2+
+    dimensions, ``Q8_MIN_ELEMENTS``+ elements); the others keep bfloat16 ones (``EngineConfig``)."""
+    return len(shape) >= 2 and math.prod(shape) >= Q8_MIN_ELEMENTS
+
+
+def leaf_shapes(cfg: DecoderConfig, part: PartId) -> list[tuple[int, ...]]:
+    """The shapes of a part's parameter leaves, as ``megatrain_jax.models.Decoder`` creates them (kernels
+    (in, out), experts (experts, in, out)); they add up to ``part_param_count`` (tests/test_memory_plan.py
+    checks both against the model's own leaves)."""
+    d = cfg.hidden
+    if part.is_io:
+        return [(cfg.vocab_size, d), (d,)] + ([] if cfg.tie_embeddings else [(d, cfg.vocab_size)])
+    hd = cfg.dim_per_head
+    q, kv = cfg.heads * hd, cfg.kv_heads * hd
+    shapes = [(d, q), (d, kv), (d, kv), (q, d)] + [(d,)] * cfg.norms_per_block
+    if cfg.qkv_bias:
+        shapes += [(q,), (kv,), (kv,)]
+    if cfg.qk_norm:
+        shapes += [(hd,), (hd,)] if cfg.qk_norm_width == "head" else [(q,), (kv,)]
+    mlp = lambda f: [(d, f), (d, f), (f, d)]  # noqa: E731  (gate, up, down)
+    m = cfg.moe
+    if not cfg.is_moe_layer(part.layer):
+        return shapes + mlp(cfg.ffn)
+    shapes += [(m.experts, d, m.expert_ffn), (m.experts, d, m.expert_ffn), (m.experts, m.expert_ffn, d),
+               (d, m.experts)] + ([(m.experts,)] if m.scoring == "sigmoid" else [])
+    if m.shared_expert_ffn is not None:
+        shapes += mlp(m.shared_expert_ffn) + ([(d, 1)] if m.shared_expert_gate else [])
+    return shapes
+
+
+def q8_moment_bytes(cfg: DecoderConfig, part: PartId) -> int:
+    """Host bytes of a part's two Adam moments under ``moment_dtype="q8"``: per matrix (``has_q8_moments``)
+    one byte per element and a float32 scale per block of a row (``q8_scale_shape``) for each moment, per
+    other leaf two bfloat16 moments (4 B/element)."""
+    total = 0
+    for shape in leaf_shapes(cfg, part):
+        if has_q8_moments(shape):
+            total += 2 * (math.prod(shape) + 4 * math.prod(q8_scale_shape(shape)))
+        else:
+            total += 4 * math.prod(shape)
+    return total
+
+
+def moment_bytes(cfg: DecoderConfig, e: EngineConfig, part: PartId) -> int:
+    """Host bytes of a part's Adam moments m and v: float32 (8 B/param), bfloat16 in capacity mode (4), or
+    8-bit for its matrices (``q8_moment_bytes``)."""
+    if e.q8:
+        return q8_moment_bytes(cfg, part)
+    return (4 if e.capacity else 8) * part_param_count(cfg, part)
+
+
+def host_grad_bytes(e: EngineConfig) -> int:
+    """Bytes per parameter of a gradient that comes home to host memory for its update
+    (``host_grad_dtype``; those that wait on the GPU come home in float32)."""
+    return 2 if e.host_grad_dtype == "bfloat16" else 4

@@ -37,8 +37,8 @@ from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, Op, OpKind, step_ops
 from megatrain_jax.models.config import DecoderConfig
-from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, blocks_param_count, host_roles,
-                                       io_param_count, layer_param_count, part_param_count)
+from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, blocks_param_count, host_grad_bytes,
+                                       host_roles, io_param_count, layer_param_count, part_param_count)
 
 QUEUED_BLOCKS = BLOCKS_AHEAD  # blocks of work the GPU may trail the host by (the engine waits for older ones)
 
@@ -193,6 +193,7 @@ W, A, G = "streamed weights of the io part and blocks", "boundary activations", 
 K = "kept residuals: attention output and softmax statistics (keep_residuals)"
 R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
 H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
+S = "gradients cast to bfloat16 for the copy home (host_grad_dtype)"
 
 
 @dataclasses.dataclass
@@ -394,10 +395,18 @@ def _embed_backward(w: Walk, op: Op) -> None:
 
 
 def _send_grads(w: Walk, op: Op) -> None:
+    """A gradient bound for host memory crosses in ``host_grad_dtype``: a bfloat16 one is a copy cast beside
+    the float32 accumulator, and both are held until the copy home has read it."""
     kept, waits = op.part in w.on_gpu, op.part in w.waiting
-    back = w.summed(op) if w.accumulate and not (kept or waits) else 0
-    w.peak(op, temp=back, why="the earlier passes' sum, back from host memory to be added")
+    home = not (kept or waits)
+    sent = w.summed(op) * host_grad_bytes(w.e) // 4 if home else 0  # in the host's dtype
+    cast = sent if home and host_grad_bytes(w.e) < 4 else 0  # the bfloat16 copy that is sent
+    back = sent if w.accumulate else 0
+    w.peak(op, out=cast, temp=back, why="the earlier passes' sum, back from host memory to be added")
     w.led.drop(G, w.summed(op), block=None if kept or waits else w.here(op))
+    if cast:
+        w.led.add(S, cast)
+        w.led.drop(S, cast, block=w.here(op))
     if kept and not w.accumulate:
         w.led.add(R, w.summed(op))
     elif waits and not w.accumulate:

@@ -3,7 +3,8 @@ re-planned), the words that explain them, and the engine config ``megatrain-jax 
 (``lean_engine``).
 
 The levers are listed fastest first (``_levers``): GPU-resident blocks, resident io, the stream dtype, the
-disk tier, gradients waiting on the GPU, capacity mode, kept attention residuals, activation offload,
+disk tier, gradients waiting on the GPU, capacity mode, capacity mode with 8-bit moments and bfloat16
+gradients, kept attention residuals, activation offload,
 micro-batches, prefetch depth, fewer rows with more accumulation, shorter sequences, and last a smaller
 model. Each search re-plans with ``MemoryPlan.applied``; where memory is monotone in a lever's value, the
 search bisects.
@@ -18,7 +19,8 @@ from typing import Any, Callable, Iterator
 from megatrain_jax.engine.config import AUTO, EngineConfig
 from megatrain_jax.engine.schedule import offloaded_blocks
 from megatrain_jax.models.config import DecoderConfig
-from megatrain_jax.plan.counts import GiB, activation_bytes, host_roles, layer_param_count
+from megatrain_jax.engine.parts import part_ids
+from megatrain_jax.plan.counts import GiB, activation_bytes, host_roles, layer_param_count, q8_moment_bytes
 from megatrain_jax.plan.gpu_ledger import assumes_flash, kept_bytes
 from megatrain_jax.plan.machine import (HOST_POOL_FRACTION, available_disk_bytes, available_host_bytes,
                                         gpu_bytes_before_jax, gpu_fraction)
@@ -77,7 +79,7 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[tuple[tuple[str, Any], ..
                        "bytes per layer over PCIe (hidden behind compute from about 16K tokens per layer visit "
                        "on an H100)") if other == "float32" else
            ("stream bfloat16 weights: half the PCIe bytes (faster); the host keeps a 16-bit copy (+2 B/param)"))
-    if e.disk_dir and e.host_kernel:  # the tier runs with the fused kernel only
+    if e.disk_dir and e.host_kernel and not e.q8:  # the tier runs with the fused kernel only, not 8-bit moments
         blocks = c.layers - e.resident_layers
         gib = lambda n: n * layer_param_count(c) * (4 if e.capacity else 8) / GiB  # noqa: E731
         yield ("disk", [(("engine.disk_parts", n),) for n in range(1, blocks + 1) if n != e.disk_parts],
@@ -89,15 +91,25 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[tuple[tuple[str, Any], ..
            lambda ch: (f"the float32 gradients of {ch[0][1]} parts wait on the GPU for the global norm instead of "
                        f"in host memory (4 B/param less host RAM for them, as much more GPU memory); each "
                        f"comes home when its update runs"))
+    to = {"engine.master_dtype": "bfloat16", "engine.stream_dtype": "bfloat16", "engine.resident_layers": 0,
+          "engine.resident_io": False}
+    now = {"engine.master_dtype": e.master_dtype, "engine.stream_dtype": p.stream_dtype,
+           "engine.resident_layers": e.resident_layers, "engine.resident_io": e.resident_io,
+           "engine.disk_parts": e.disk_parts}
+    switch = lambda changes: tuple((k, v) for k, v in changes.items() if now.get(k) != v)  # noqa: E731
+    on_host = "; every part updates on the host" if e.resident_layers or e.resident_io else ""
     if not e.capacity and e.host_kernel:  # capacity mode runs in the fused kernel
-        to = {"engine.master_dtype": "bfloat16", "engine.stream_dtype": "bfloat16", "engine.resident_layers": 0,
-              "engine.resident_io": False}
-        now = {"engine.stream_dtype": p.stream_dtype, "engine.resident_layers": e.resident_layers,
-               "engine.resident_io": e.resident_io}
-        yield ("capacity", [tuple((k, v) for k, v in to.items() if now.get(k) != v)],
+        yield ("capacity", [switch(to)],
                lambda ch: ("capacity mode: bfloat16 masters and Adam moments, stochastically rounded (6 B/param "
-                           "instead of 12, no 16-bit copy; quality: docs/capacity.md)" +
-                           ("; every part updates on the host" if e.resident_layers or e.resident_io else "")))
+                           "instead of 12, no 16-bit copy; quality: docs/capacity.md)" + on_host))
+    if not e.q8 and e.host_kernel:  # below capacity mode's precision: its moments in 8 bits, all in memory
+        q8 = switch({**to, "engine.moment_dtype": "q8", "engine.host_grad_dtype": "bfloat16", "engine.disk_parts": 0})
+        moments = sum(q8_moment_bytes(c, part) for part in part_ids(c.layers)) / c.param_count()
+        yield ("q8", [q8],
+               lambda ch: (f"capacity mode with 8-bit Adam moments and bfloat16 gradients in host memory (about "
+                           f"{2 + moments:.1f} B/param of masters and moments + 2 B/param of gradients; "
+                           f"stochastically rounded, quality: docs/capacity.md)" + on_host +
+                           ("; no disk tier" if e.disk_parts else "")))
     if e.keep_residuals and kept_bytes(c, e, 1, 1, assumes_flash(c)):
         yield ("keep", [(("engine.keep_residuals", False),)],
                lambda ch: ("attention is recomputed in the backward instead of kept from the forward: one "
@@ -181,16 +193,20 @@ def lean(p: MemoryPlan) -> tuple[tuple[str, Any], ...] | None:
     """Full precision in less host RAM, for a run that does not fit the host: the float32 masters are
     streamed (no 16-bit host copy), and if that is not enough, the fewest parts' gradients wait on the
     GPU, or else (with a ``disk_dir``) the fewest blocks' moments go to the disk tier; with
-    ``LEAN_HOST_MARGIN`` of the host left over where possible. The changes, or None where the run fits
-    already or even this does not fit."""
+    ``LEAN_HOST_MARGIN`` of the host left over where possible. In capacity mode, where none of that fits
+    even without the margin: 8-bit moments and bfloat16 gradients (``_leanest_q8``), so that the lower
+    precision is picked only where capacity mode's own does not fit. The changes, or None where the run
+    fits already or even this does not fit."""
     if p.host_fits:
         return None
-    if p.host_available is not None:
-        margin = p.replace(host_ram_bytes=int(p.host_available * (1 - LEAN_HOST_MARGIN)))
-        changes = _leanest(margin)
-        if changes is not None:
-            return changes
-    return _leanest(p)
+    plans = [p] if p.host_available is None else [
+        p.replace(host_ram_bytes=int(p.host_available * (1 - LEAN_HOST_MARGIN))), p]
+    for leanest in (_leanest, _leanest_q8):
+        for q in plans:
+            changes = leanest(q)
+            if changes is not None:
+                return changes
+    return None
 
 
 def offload(p: MemoryPlan) -> tuple[tuple[str, Any], ...] | None:
@@ -221,11 +237,23 @@ def _leanest(p: MemoryPlan) -> tuple[tuple[str, Any], ...] | None:
     if grads is not None:
         return stream + grads
     e = p.engine_cfg
-    if e.disk_dir and not e.disk_parts and e.host_kernel:  # moments of the last blocks on disk
+    if e.disk_dir and not e.disk_parts and e.host_kernel and not e.q8:  # moments of the last blocks on disk
         blocks = p.model_cfg.layers - p.engine_cfg.resident_layers
         disk = _fewest(streamed, "engine.disk_parts", list(range(1, blocks + 1)))
         return None if disk is None else stream + disk
     return None
+
+
+def _leanest_q8(p: MemoryPlan) -> tuple[tuple[str, Any], ...] | None:
+    """Capacity mode with 8-bit moments and bfloat16 gradients in host memory, and if that is not enough
+    the fewest parts' gradients on the GPU (``_leanest``); None outside capacity mode (opt-in), where the
+    moments are 8-bit already, or where even this does not fit."""
+    e = p.engine_cfg
+    if not e.capacity or e.q8:
+        return None
+    q8 = (("engine.moment_dtype", "q8"), ("engine.host_grad_dtype", "bfloat16"))
+    changes = _leanest(p.applied(q8))
+    return None if changes is None else q8 + changes
 
 
 def options(p: MemoryPlan) -> list[Option]:
@@ -240,8 +268,8 @@ def options(p: MemoryPlan) -> list[Option]:
         ch = _first_fit(p, candidates)
         if ch is not None:
             out.append((name, Option(ch, words(ch))))
-    if all(name == "capacity" for name, _ in out):  # nothing at full precision yet: pairs of levers
-        levers = [lever for lever in levers if lever[0] != "capacity"]
+    if all(name in ("capacity", "q8") for name, _ in out):  # nothing at full precision yet: pairs of levers
+        levers = [lever for lever in levers if lever[0] not in ("capacity", "q8")]
         for i, (_, first, words1) in enumerate(levers):
             for name2, _, _ in levers[i + 1:]:
                 for ch1 in first[:6]:
@@ -328,7 +356,8 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
 
     - Host RAM (default: this machine's MemAvailable) short, and the config leaves the stream dtype unset
       and no gradients on the GPU: the lean full-precision mode that fits (``lean``; in capacity
-      mode, gradients waiting on the GPU alone). ``disk_dir`` (where the config sets none) is where the
+      mode, gradients waiting on the GPU alone, and where even that does not fit, 8-bit moments and
+      bfloat16 gradients in host memory). ``disk_dir`` (where the config sets none) is where the
       disk tier may go when nothing else fits.
     - The GPU short, and no activation offload configured: the fewest blocks whose inputs wait in host
       memory that make the run fit (``offload``).
@@ -430,6 +459,8 @@ def _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, *, host_ram_bytes, gp
     if not leaner.engine_cfg.disk_parts:  # the disk folder is the config's only where the tier is used
         leaner = leaner.replace(engine_cfg=dataclasses.replace(leaner.engine_cfg, disk_dir=given.disk_dir))
     said = " ".join(f"{k}={v}" for k, v in changes)
+    if leaner.engine_cfg.q8 and not engine_cfg.q8:
+        said = f"8-bit Adam moments and bfloat16 gradients in host memory ({said}; quality: docs/capacity.md)"
     if leaner.engine_cfg.disk_parts:
         said += (f" (engine.disk_dir={leaner.engine_cfg.disk_dir}: {leaner.disk / GiB:.1f} GiB of Adam moments in "
                  f"files, read and written once per step)")

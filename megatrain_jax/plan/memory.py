@@ -29,8 +29,10 @@ from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import offloaded_blocks
 from megatrain_jax.models.config import DecoderConfig
-from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, GiB, activation_bytes, blocks_param_count, host_roles,
-                                       io_param_count, layer_param_count, part_param_count, stream_bytes)
+from megatrain_jax.engine.parts import part_ids
+from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, GiB, activation_bytes, blocks_param_count,
+                                       host_grad_bytes, host_roles, io_param_count, layer_param_count, moment_bytes,
+                                       part_param_count, stream_bytes)
 from megatrain_jax.plan.gpu_ledger import assumes_flash, gpu_peak, kept_bytes
 from megatrain_jax.plan.machine import (GPU_FRAGMENTATION_MARGIN, HOST_RUNTIME_BYTES, PINNED_RSS_OVERHEAD, available_disk_bytes,
                                         available_gpu_bytes, available_host_bytes, fitted_pool_limit, pinned_pool_bytes)
@@ -195,10 +197,13 @@ class MemoryPlan:
     # ------------------------------------------------------------------ what would fit
     def host_bytes_per_param(self) -> dict[str, float]:
         """Host bytes per parameter of this run in each mode: full precision (float32 masters and moments,
-        GPU-resident parts as configured) and capacity mode (no GPU-resident parts)."""
+        GPU-resident parts as configured), capacity mode (no GPU-resident parts) and capacity mode with 8-bit
+        moments and bfloat16 gradients."""
         e = self.engine_cfg
-        full = dataclasses.replace(e, master_dtype="float32", stream_dtype=None, grads_on_gpu=0, disk_parts=0)
+        full = dataclasses.replace(e, master_dtype="float32", moment_dtype=None, host_grad_dtype="float32",
+                                   stream_dtype=None, grads_on_gpu=0, disk_parts=0)
         capacity = dataclasses.replace(full, master_dtype="bfloat16", resident_layers=0, resident_io=False)
+        q8 = dataclasses.replace(capacity, moment_dtype="q8", host_grad_dtype="bfloat16")
         every = lambda cfg: len(host_roles(self.model_cfg, cfg).host_updated)  # noqa: E731
         modes = {
             "full precision, 16-bit stream copy, gradients in host memory": dataclasses.replace(
@@ -210,6 +215,7 @@ class MemoryPlan:
             "capacity mode (bfloat16 masters and moments), gradients in host memory": capacity,
             "capacity mode, every gradient waiting on the GPU": dataclasses.replace(
                 capacity, grads_on_gpu=every(capacity)),
+            "capacity mode, 8-bit moments, bfloat16 gradients in host memory": q8,
         }
         if e.disk_dir:
             modes["full precision, float32 streamed, every non-resident block's moments in the disk tier"] = (
@@ -264,33 +270,37 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     # memory; it runs with float32 or bfloat16 streaming, where a C++ compiler exists (else the engine warns).
     fused = e.host_kernel and stream_dtype in ("float32", "bfloat16")
     pinned, pageable = {}, {}
-    mb = 4 if e.capacity else 8  # bytes of Adam moments per parameter
+    mb = 4 if e.capacity else 8  # bytes of Adam moments per parameter, but for 8-bit moments (not on disk)
     on_disk = sum(part_param_count(c, part) for part in roles.disk)  # params whose moments live in files
-    moments = "Adam moments m and v, " + ("bfloat16 (4 B/param; capacity mode)" if e.capacity else
-                                          "float32 (8 B/param)")
+    in_ram = sum(moment_bytes(c, e, part) for part in part_ids(c.layers) if part not in roles.disk)
+    moments = "Adam moments m and v, " + (
+        f"8-bit with a float32 scale per 256 elements of a row for matrices, bfloat16 for vectors "
+        f"({in_ram / P:.2f} B/param; capacity mode)" if e.q8 else
+        "bfloat16 (4 B/param; capacity mode)" if e.capacity else "float32 (8 B/param)")
     if on_disk:
         moments += f" of the {(P - on_disk) / 1e9:.2f} B params not in the disk tier"
     if e.capacity:  # bfloat16 masters (streamed themselves) and moments, stochastically rounded
         pinned["master weights, bfloat16, streamed (2 B/param; capacity mode)"] = 2 * P
-        pageable[moments] = mb * (P - on_disk)
+        pageable[moments] = in_ram
     else:
         (pageable if fused and sb == 2 else pinned)["master weights, float32 (4 B/param)"] = 4 * P
-        (pageable if fused else pinned)[moments] = mb * (P - on_disk)
+        (pageable if fused else pinned)[moments] = in_ram
     if on_disk:  # the one updating, two read ahead, one being written behind
         pageable[f"disk tier: moments of up to {min(4, e.disk_parts)} blocks in memory (updating, read ahead, "
                  f"written behind)"] = mb * layer_param_count(c) * min(4, e.disk_parts)
     if sb == 2 and not e.capacity:
         pinned["16-bit stream copy of the weights (2 B/param)"] = 2 * P
-    # The gradients of the host-updated parts, but for those waiting on the GPU: of these, one part's at a
-    # time comes home, when its update runs.
-    grads = 4 * (on_host_grads - sum(waiting)) + 4 * max(waiting, default=0)
+    # The gradients of the host-updated parts (in ``host_grad_dtype``), but for those waiting on the GPU: of
+    # these, one part's at a time comes home in float32, when its update runs.
+    gb = host_grad_bytes(e)
+    grads = gb * (on_host_grads - sum(waiting)) + 4 * max(waiting, default=0)
     # Building the state, each of up to 4 parts at once passes its masters through pinned memory on its way
     # to pageable memory; the gradients later reuse that room.
     build = 4 * 4 * max(layer_param_count(c), io_param_count(c)) if fused and sb == 2 and not e.capacity else 0
-    what = f"4 B/param of the {(on_host_grads - sum(waiting)) / 1e9:.2f} B host-updated params"
+    what = f"{gb} B/param of the {(on_host_grads - sum(waiting)) / 1e9:.2f} B host-updated params"
     if waiting:
-        what += f", and one of the {len(waiting)} parts whose gradients wait on the GPU"
-    pinned[f"gradients of one step, float32 ({what})"] = max(grads, build)
+        what += f", and one of the {len(waiting)} parts whose gradients wait on the GPU, in float32"
+    pinned[f"gradients of one step, {e.host_grad_dtype} ({what})"] = max(grads, build)
     ab = activation_bytes(c)
     offloaded = offloaded_blocks(c.layers, e.prefetch_depth, e.offload_activations)
     flash = assumes_flash(c)
