@@ -514,6 +514,10 @@ def test_eight_bit_moments_are_picked_only_where_capacity_mode_does_not_fit():
     assert picked == q8_cfg and plan(EIGHT_B, picked, 16, 2048, **kw).fits
     assert ("running capacity mode with 8-bit Adam moments and bfloat16 gradients in host memory "
             "(engine.moment_dtype=q8 engine.host_grad_dtype=bfloat16; quality: docs/capacity.md)") in why
+    # with a disk folder, where the disk tier would fit too: 8-bit moments first (no disk traffic per step)
+    with_disk = dataclasses.replace(e, disk_dir="/nonexistent/tier")
+    picked, _ = lean_engine(EIGHT_B, with_disk, 16, 2048, disk_bytes=10_000 * GiB, **kw)
+    assert picked.q8 and picked.disk_parts == 0
     # plain capacity mode fits: kept; with a few gradients on the GPU it fits: those, not 8-bit moments
     assert lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=base.host_total + GiB, gpu_bytes=gpu) == (e, None)
     fewer, why = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=base.host_total - 2 * GiB, gpu_bytes=71 * GiB)

@@ -16,7 +16,8 @@ from megatrain_jax import Decoder, Engine, EngineConfig, adamw
 from megatrain_jax.contract.layered import block_params, io_params
 from megatrain_jax.engine.transfer import Placement, local_value
 from megatrain_jax.engine.update import host_kernel
-from megatrain_jax.engine.update.host_optimizer import HostOptimizer, Q8Moment, q8_leaf, rounding_seed
+from megatrain_jax.engine.update.host_kernel import q8_leaf
+from megatrain_jax.engine.update.host_optimizer import HostOptimizer, Q8Moment, rounding_seed
 from megatrain_jax.optim import fused_spec
 from megatrain_jax.reference import model_loss
 

@@ -8,7 +8,7 @@ from typing import Iterable
 
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import HostRoles, PartId
-from megatrain_jax.engine.update.host_kernel import q8_scale_shape
+from megatrain_jax.engine.update.host_kernel import q8_leaf, q8_scale_shape
 from megatrain_jax.models.config import DecoderConfig
 
 GiB = 1024**3
@@ -52,15 +52,6 @@ def stream_bytes(stream_dtype: str) -> int:
 
 
 # ---------------------------------------------------------------------- 8-bit moments (moment_dtype="q8")
-Q8_MIN_ELEMENTS = 4096  # a leaf of 2+ dimensions and at least this many elements has 8-bit moments
-
-
-def has_q8_moments(shape: tuple[int, ...]) -> bool:
-    """Whether a leaf of this shape keeps 8-bit Adam moments under ``moment_dtype="q8"`` (a matrix: 2+
-    dimensions, ``Q8_MIN_ELEMENTS``+ elements); the others keep bfloat16 ones (``EngineConfig``)."""
-    return len(shape) >= 2 and math.prod(shape) >= Q8_MIN_ELEMENTS
-
-
 def leaf_shapes(cfg: DecoderConfig, part: PartId) -> list[tuple[int, ...]]:
     """The shapes of a part's parameter leaves, as ``megatrain_jax.models.Decoder`` creates them (kernels
     (in, out), experts (experts, in, out)); they add up to ``part_param_count`` (tests/test_memory_plan.py
@@ -87,12 +78,12 @@ def leaf_shapes(cfg: DecoderConfig, part: PartId) -> list[tuple[int, ...]]:
 
 
 def q8_moment_bytes(cfg: DecoderConfig, part: PartId) -> int:
-    """Host bytes of a part's two Adam moments under ``moment_dtype="q8"``: per matrix (``has_q8_moments``)
+    """Host bytes of a part's two Adam moments under ``moment_dtype="q8"``: per matrix (``q8_leaf``)
     one byte per element and a float32 scale per block of a row (``q8_scale_shape``) for each moment, per
     other leaf two bfloat16 moments (4 B/element)."""
     total = 0
     for shape in leaf_shapes(cfg, part):
-        if has_q8_moments(shape):
+        if q8_leaf(shape):
             total += 2 * (math.prod(shape) + 4 * math.prod(q8_scale_shape(shape)))
         else:
             total += 4 * math.prod(shape)

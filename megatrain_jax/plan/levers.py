@@ -192,16 +192,17 @@ def _first_fitting(p: MemoryPlan, key: str, values: list[int], gpu: bool) -> tup
 def lean(p: MemoryPlan) -> tuple[tuple[str, Any], ...] | None:
     """Full precision in less host RAM, for a run that does not fit the host: the float32 masters are
     streamed (no 16-bit host copy), and if that is not enough, the fewest parts' gradients wait on the
-    GPU, or else (with a ``disk_dir``) the fewest blocks' moments go to the disk tier; with
-    ``LEAN_HOST_MARGIN`` of the host left over where possible. In capacity mode, where none of that fits
-    even without the margin: 8-bit moments and bfloat16 gradients (``_leanest_q8``), so that the lower
-    precision is picked only where capacity mode's own does not fit. The changes, or None where the run
-    fits already or even this does not fit."""
+    GPU; with ``LEAN_HOST_MARGIN`` of the host left over where possible. In capacity mode, where that does
+    not fit even without the margin: 8-bit moments and bfloat16 gradients (``_leanest_q8``), so that the
+    lower precision is picked only where capacity mode's own does not fit. Then (with a ``disk_dir``) the
+    fewest blocks' moments in the disk tier: last, because it reads and writes their moments every step
+    (at 70B, hundreds of GB per step through the disk), where 8-bit moments cost no time. The changes, or
+    None where the run fits already or even this does not fit."""
     if p.host_fits:
         return None
     plans = [p] if p.host_available is None else [
         p.replace(host_ram_bytes=int(p.host_available * (1 - LEAN_HOST_MARGIN))), p]
-    for leanest in (_leanest, _leanest_q8):
+    for leanest in (lambda q: _leanest(q, disk=False), _leanest_q8, _leanest):
         for q in plans:
             changes = leanest(q)
             if changes is not None:
@@ -226,7 +227,7 @@ def offload_counts(p: MemoryPlan) -> list[int]:
                                                                    p.model_cfg.layers) + 1))
 
 
-def _leanest(p: MemoryPlan) -> tuple[tuple[str, Any], ...] | None:
+def _leanest(p: MemoryPlan, disk: bool = True) -> tuple[tuple[str, Any], ...] | None:
     stream = () if p.stream_dtype == "float32" or p.engine_cfg.capacity else (
         ("engine.stream_dtype", "float32"),)
     streamed = p.applied(stream)
@@ -237,7 +238,7 @@ def _leanest(p: MemoryPlan) -> tuple[tuple[str, Any], ...] | None:
     if grads is not None:
         return stream + grads
     e = p.engine_cfg
-    if e.disk_dir and not e.disk_parts and e.host_kernel and not e.q8:  # moments of the last blocks on disk
+    if disk and e.disk_dir and not e.disk_parts and e.host_kernel and not e.q8:  # the last blocks' moments on disk
         blocks = p.model_cfg.layers - p.engine_cfg.resident_layers
         disk = _fewest(streamed, "engine.disk_parts", list(range(1, blocks + 1)))
         return None if disk is None else stream + disk

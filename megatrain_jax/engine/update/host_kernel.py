@@ -151,10 +151,18 @@ def adamw_sr_reference(p, m, v, g, *, lr, b1, b2, eps, wd, grad_scale, bc1, bc2,
 
 Q8_BLOCK = 256  # the default quantization block: elements of a row that share one scale
 Q8_MAX_BLOCK = 4096  # the kernel's per-thread buffers hold one block of this many floats
+Q8_MIN_SIZE = 4096  # under moment_dtype="q8", leaves of fewer elements (or under 2 dimensions) keep bfloat16 moments
 Q8_VMAX = np.float32(1.875)  # the largest value of both formats, (1 + 7/8) * 2^0: a block's absmax maps to it
 _Q8_BIAS = {"m": 15, "v": 31}  # exponent bias of each moment's format
 _Q8_STREAM = {"m": 1, "v": 2}  # the random stream that rounds it (0 rounds p)
 _F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def q8_leaf(shape: tuple[int, ...]) -> bool:
+    """Whether a leaf of this shape keeps 8-bit moments under ``moment_dtype="q8"``: a matrix (2+ dimensions) of
+    ``Q8_MIN_SIZE``+ elements. Vectors and small leaves keep bfloat16 moments: their bytes are negligible, and
+    a scale per few elements would cost more than it saves. The engine and the memory plan both ask here."""
+    return len(shape) >= 2 and int(np.prod(shape)) >= Q8_MIN_SIZE
 
 
 def q8_rows(shape: tuple[int, ...]) -> tuple[int, int]:

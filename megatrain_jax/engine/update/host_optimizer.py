@@ -24,9 +24,8 @@ would on one). The masters are pinned (they cross PCIe: no stream copy); the mom
 
 **8-bit moments** (``EngineConfig.moment_dtype="q8"``, in capacity mode): each matrix's m and v are
 ``Q8Moment``s, one byte per element and one float32 scale per block of a row (``host_kernel.Q8_BLOCK``),
-updated by the kernel's 8-bit entry point with the masters' rounding bits; vectors and leaves under
-``Q8_MIN_SIZE`` elements keep bfloat16 moments (their bytes are negligible, and a block per vector element
-would cost more than it saves). The gradient the kernel reads may be float32 or bfloat16
+updated by the kernel's 8-bit entry point with the masters' rounding bits; vectors and small leaves keep
+bfloat16 moments (``host_kernel.q8_leaf``). The gradient the kernel reads may be float32 or bfloat16
 (``EngineConfig.host_grad_dtype``).
 
 Transformations that look across parameters (``clip_by_global_norm``) are refused at engine build by
@@ -55,9 +54,6 @@ from megatrain_jax.optim import AdamWState, fused_spec
 
 Route = Literal["fused", "host", "device"]
 
-Q8_MIN_SIZE = 4096  # leaves with fewer elements, or under two dimensions, keep bfloat16 moments
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Q8Moment:
@@ -67,16 +63,11 @@ class Q8Moment:
     absmax: Any
 
 
-def q8_leaf(shape: tuple[int, ...]) -> bool:
-    """Whether a leaf of this shape keeps its moments in 8 bits under ``moment_dtype="q8"``."""
-    return len(shape) >= 2 and int(np.prod(shape)) >= Q8_MIN_SIZE
-
-
 def q8_zeros(params: Params) -> Params:
     """Zero moments for ``params`` under ``moment_dtype="q8"``: ``Q8Moment``s for matrices, bfloat16 arrays for
     the rest, all fresh pageable pages (``pageable_zeros``: nothing is touched until the first update)."""
     def zeros(x):
-        if q8_leaf(x.shape):
+        if host_kernel.q8_leaf(x.shape):
             return Q8Moment(np.zeros(x.shape, np.uint8), np.zeros(host_kernel.q8_scale_shape(x.shape), np.float32))
         return np.zeros(x.shape, jnp.bfloat16)
     return jax.tree.map(zeros, params)
