@@ -4,16 +4,14 @@ bfloat16-gradient variant of the capacity kernel."""
 
 from __future__ import annotations
 
-import time
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from megatrain_jax.engine.update.host_kernel import (Q8_BLOCK, adamw_numpy, adamw_q8_numpy, adamw_q8_reference,
-                                                     adamw_sr_numpy, q8_decode_m, q8_decode_v, q8_dequantize,
-                                                     q8_encode_m, q8_encode_v, q8_quantize, q8_scale_shape,
-                                                     set_threads)
+from megatrain_jax.engine.update.host_kernel import adamw_numpy, adamw_sr_numpy, set_threads
+from megatrain_jax.engine.update.q8 import (Q8_BLOCK, adamw_q8_numpy, adamw_q8_reference, q8_decode_m, q8_decode_v,
+                                            q8_dequantize, q8_encode_m, q8_encode_v, q8_quantize, q8_scale_shape)
 
 BF16 = ml_dtypes.bfloat16
 HP = dict(lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=0.37, bc1=1 - 0.9 ** 7, bc2=1 - 0.95 ** 7)
@@ -248,7 +246,6 @@ def test_errors_are_clear(lib):
 def test_q8_adamw_trains_a_least_squares_problem_as_well_as_float32(lib):
     """A noisy least-squares fit, 400 steps of AdamW with a decaying learning rate: 8-bit moments (and
     bfloat16 parameters) end within 3% of float32 AdamW's loss, far below where they started."""
-    t0 = time.perf_counter()
     rng = np.random.default_rng(5)
     X = rng.standard_normal((256, 64)).astype(np.float32)
     w_true = rng.standard_normal((16, 64)).astype(np.float32)
@@ -272,4 +269,3 @@ def test_q8_adamw_trains_a_least_squares_problem_as_well_as_float32(lib):
     start, f32, q8 = (loss_grad(w.astype(np.float32))[0] for w in (w0, p32, p8))
     assert f32 < 0.01 * start
     assert abs(q8 - f32) < 0.03 * f32, (q8, f32)
-    assert time.perf_counter() - t0 < 5

@@ -15,8 +15,8 @@ from flax import nnx
 from megatrain_jax import Decoder, Engine, EngineConfig, adamw
 from megatrain_jax.contract.layered import block_params, io_params
 from megatrain_jax.engine.transfer import Placement, local_value
-from megatrain_jax.engine.update import host_kernel
-from megatrain_jax.engine.update.host_kernel import q8_leaf
+from megatrain_jax.engine.update import host_kernel, q8
+from megatrain_jax.engine.update.q8 import q8_leaf
 from megatrain_jax.engine.update.host_optimizer import HostOptimizer, Q8Moment, rounding_seed
 from megatrain_jax.optim import fused_spec
 from megatrain_jax.reference import model_loss
@@ -43,7 +43,7 @@ def _reference_update(p, m, v, g, *, t: int, salt: int, leaf: int, decay: bool, 
                  wd=spec.weight_decay if decay else 0.0, grad_scale=scale, bc1=bc1, bc2=bc2,
                  seed=rounding_seed(t, salt, leaf), offset=0)
     if isinstance(m, tuple):
-        p, mc, vc, ma, va = host_kernel.adamw_q8_reference(p, m[0], v[0], m[1], v[1], g, block=host_kernel.Q8_BLOCK,
+        p, mc, vc, ma, va = q8.adamw_q8_reference(p, m[0], v[0], m[1], v[1], g, block=q8.Q8_BLOCK,
                                                            **hyper)
         return np.asarray(p).view(np.uint16), (mc, ma), (vc, va)
     p, m, v = host_kernel.adamw_sr_reference(p, m, v, jnp.asarray(g, jnp.float32), **hyper)
@@ -127,7 +127,7 @@ def _reference_run(cfg, batches, clip):
 
     def zeros(x):
         if q8_leaf(x.shape):
-            return (np.zeros(x.shape, np.uint8), np.zeros(host_kernel.q8_scale_shape(x.shape), np.float32))
+            return (np.zeros(x.shape, np.uint8), np.zeros(q8.q8_scale_shape(x.shape), np.float32))
         return np.zeros(x.shape, np.uint16)
 
     moments = [[(zeros(x), zeros(x)) for x in jax.tree.leaves(p)] for p in split(model)]

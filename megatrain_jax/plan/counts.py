@@ -8,7 +8,7 @@ from typing import Iterable
 
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import HostRoles, PartId
-from megatrain_jax.engine.update.host_kernel import q8_leaf, q8_scale_shape
+from megatrain_jax.engine.update.q8 import q8_leaf, q8_scale_shape
 from megatrain_jax.models.config import DecoderConfig
 
 GiB = 1024**3

@@ -23,9 +23,9 @@ reproducible, a resume continues it bit for bit, and a part spread over several 
 would on one). The masters are pinned (they cross PCIe: no stream copy); the moments pageable.
 
 **8-bit moments** (``EngineConfig.moment_dtype="q8"``, in capacity mode): each matrix's m and v are
-``Q8Moment``s, one byte per element and one float32 scale per block of a row (``host_kernel.Q8_BLOCK``),
+``Q8Moment``s, one byte per element and one float32 scale per block of a row (``q8.Q8_BLOCK``),
 updated by the kernel's 8-bit entry point with the masters' rounding bits; vectors and small leaves keep
-bfloat16 moments (``host_kernel.q8_leaf``). The gradient the kernel reads may be float32 or bfloat16
+bfloat16 moments (``q8.q8_leaf``). The gradient the kernel reads may be float32 or bfloat16
 (``EngineConfig.host_grad_dtype``).
 
 Transformations that look across parameters (``clip_by_global_norm``) are refused at engine build by
@@ -48,7 +48,7 @@ import optax
 from megatrain_jax.contract.layered import Params
 from megatrain_jax.engine.parts import Part
 from megatrain_jax.engine.transfer import Placement, local_value, pageable_zeros
-from megatrain_jax.engine.update import host_kernel
+from megatrain_jax.engine.update import host_kernel, q8
 from megatrain_jax.engine.update.resident import apply_scaled_update, stream_copy
 from megatrain_jax.optim import AdamWState, fused_spec
 
@@ -58,7 +58,7 @@ Route = Literal["fused", "host", "device"]
 @dataclasses.dataclass
 class Q8Moment:
     """One leaf's Adam moment in 8 bits: ``codes`` (uint8, the leaf's shape) and ``absmax`` (float32, one per
-    block of ``host_kernel.Q8_BLOCK`` elements of a row: ``host_kernel.q8_scale_shape``), both pageable."""
+    block of ``q8.Q8_BLOCK`` elements of a row: ``q8.q8_scale_shape``), both pageable."""
     codes: Any
     absmax: Any
 
@@ -67,8 +67,8 @@ def q8_zeros(params: Params) -> Params:
     """Zero moments for ``params`` under ``moment_dtype="q8"``: ``Q8Moment``s for matrices, bfloat16 arrays for
     the rest, all fresh pageable pages (``pageable_zeros``: nothing is touched until the first update)."""
     def zeros(x):
-        if host_kernel.q8_leaf(x.shape):
-            return Q8Moment(np.zeros(x.shape, np.uint8), np.zeros(host_kernel.q8_scale_shape(x.shape), np.float32))
+        if q8.q8_leaf(x.shape):
+            return Q8Moment(np.zeros(x.shape, np.uint8), np.zeros(q8.q8_scale_shape(x.shape), np.float32))
         return np.zeros(x.shape, jnp.bfloat16)
     return jax.tree.map(zeros, params)
 
@@ -271,12 +271,12 @@ class HostOptimizer:
         g_bf16 = g.dtype == jnp.bfloat16
         ps = self.placement.pieces(p)
         for key, g_at in self.placement.pieces(g).items():
-            (a, b), rows = key[0], key[0][1] - key[0][0]
+            a, rows = key[0][0], key[0][1] - key[0][0]
             codes, scales = a * cols, a * blocks * 4  # byte offsets of the piece's first row
-            host_kernel.adamw_q8_inplace(
+            q8.adamw_q8_inplace(
                 self.kernel, ps[key][0], m.codes.ctypes.data + codes, v.codes.ctypes.data + codes,
                 m.absmax.ctypes.data + scales, v.absmax.ctypes.data + scales, g_at[0], rows, cols,
-                block=host_kernel.Q8_BLOCK, g_bf16=g_bf16, seed=rounding_seed(t, salt, leaf), offset=a * cols,
+                block=q8.Q8_BLOCK, g_bf16=g_bf16, seed=rounding_seed(t, salt, leaf), offset=a * cols,
                 **hyper)
             for other in ps[key][1:]:  # a replicated leaf: the first copy was updated, the others follow
                 ctypes.memmove(other, ps[key][0], rows * cols * 2)
