@@ -214,3 +214,24 @@ def test_trains_as_capacity_mode_does():
 def test_the_mode_refuses_what_it_cannot_do(change, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**change)
+
+
+def test_two_devices_train_as_one():
+    """The whole engine over two devices (gradients rounded to bfloat16 per shard, 8-bit moments updated row
+    range by row range): nearly every master equals the one-device run's (the two-device gradients differ in
+    the last float32 bits, which Adam amplifies where a gradient is rounding noise)."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
+    batches = make_batches(3, vocab=TINY3.vocab_size)
+    states = []
+    for devices in (jax.devices()[:1], jax.devices()[:2]):
+        engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), TX(), Q8, devices=devices)
+        for b in batches:
+            engine.step([b]).resolve()
+        engine.sync()
+        states.append([np.asarray(jax.device_get(x), np.float32) for x in jax.tree.leaves(
+            [p.params for p in engine.state.parts])])
+    total = sum(a.size for a in states[0])
+    exact = sum(int(np.sum(a == b)) for a, b in zip(*states)) / total
+    close = sum(int(np.sum(np.abs(a - b) <= _bf16_ulp(b) * 1.01)) for a, b in zip(*states)) / total
+    assert exact > 0.85 and close > 0.95, (exact, close)
