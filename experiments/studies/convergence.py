@@ -3,6 +3,10 @@ masters: the same ~134M-parameter model, data and schedule, 500 steps on the dem
 
     PYTHONPATH=. python experiments/studies/convergence.py --out $OUT/h100_convergence_capacity.json
     PYTHONPATH=. python experiments/studies/convergence.py --seeds 0,1,2 --jobs 6 --out $OUT/conv_seeds.json
+    PYTHONPATH=. python experiments/studies/convergence.py --preset llama3.2-1b --data build/corpus/corpus.bin \
+        --rows 4 --seq-len 2048 --steps 2000 --modes float32,q8 --out $OUT/conv_1b.json   # issue 35's 1B run
+
+(``--data``: a token file, e.g. from ``local_corpus.py``; the model takes its vocabulary.)
 
 For each seed both runs go through ``fit`` with the same initialization, batches and AdamW schedule
 (warm-up, cosine decay); the only difference is the host layout (``--modes``: float32 masters, capacity
@@ -35,7 +39,8 @@ sys.path.insert(0, os.path.dirname(EXPERIMENTS))  # the repository root: megatra
 
 from megatrain_jax import Decoder, EngineConfig, TrainConfig, fit, preset  # noqa: E402
 from megatrain_jax.cli.run_config import OptimizerConfig  # noqa: E402
-from megatrain_jax.data import DataConfig  # noqa: E402
+from megatrain_jax.data import DataConfig, TokenFile  # noqa: E402
+from megatrain_jax.models.config import DecoderConfig  # noqa: E402
 
 # A Llama-style ~134M model: 12 layers of width 768, a 32K vocabulary, bfloat16 compute.
 MODEL = preset("tiny", vocab_size=32000, hidden=768, ffn=2048, layers=12, heads=12, kv_heads=12,
@@ -47,10 +52,21 @@ MODES = {"float32": EngineConfig(micro_batches=1), "capacity": EngineConfig(micr
 BARS = {"capacity": 0.01, "q8": 0.015}
 
 
-def train(mode: str, seed: int, steps: int, rows: int, seq_len: int, lr: float) -> dict:
-    data = DataConfig(seq_len=seq_len, batch_size=rows, seed=seed, demo_tokens=1 << 23).build(MODEL.vocab_size)
+def model_config(args) -> DecoderConfig:
+    """The 134M model on the demo corpus; with ``--preset`` that preset (bfloat16 compute), and with ``--data`` a
+    token file's vocabulary (e.g. ``local_corpus.py``'s)."""
+    cfg = MODEL if args.preset is None else preset(args.preset, dtype="bfloat16")
+    if args.data:
+        cfg = cfg.replace(vocab_size=TokenFile.open(args.data).vocab_size)
+    return cfg
+
+
+def train(mode: str, seed: int, steps: int, rows: int, seq_len: int, lr: float, cfg: DecoderConfig = MODEL,
+          data_path: str | None = None) -> dict:
+    data = DataConfig(path=data_path, seq_len=seq_len, batch_size=rows, seed=seed,
+                      demo_tokens=1 << 23).build(cfg.vocab_size)
     optimizer, _ = OptimizerConfig(lr=lr, warmup_steps=max(steps // 10, 1)).build(steps)
-    model = nnx.eval_shape(lambda: Decoder(MODEL, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     t = time.perf_counter()
     history = fit(model, data, optimizer, train=TrainConfig(steps=steps, log_every=0, seed=seed),
                   engine=MODES[mode], write_back=False)
@@ -65,7 +81,8 @@ def run_children(runs: list[tuple[str, int]], args, jobs: int) -> list[dict]:
     """Each (mode, seed) in its own process, ``jobs`` at a time, sharing the GPU; their results in order."""
     env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{min(0.9 / jobs, 0.9):.3f}",
            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // jobs))}
-    base = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--rows", str(args.rows),
+    extra = (["--preset", args.preset] if args.preset else []) + (["--data", args.data] if args.data else [])
+    base = [sys.executable, os.path.abspath(__file__), *extra, "--steps", str(args.steps), "--rows", str(args.rows),
             "--seq-len", str(args.seq_len), "--lr", str(args.lr)]
     outs = [f"{args.out}.{mode}.{seed}.part" for mode, seed in runs]
     pending = list(zip(runs, outs))
@@ -98,28 +115,33 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="runs at once, as child processes sharing the GPU")
     ap.add_argument("--modes", default="float32,capacity", help=f"comma-separated, from {sorted(MODES)}; float32 "
                                                                  f"first: the others are compared with it")
+    ap.add_argument("--preset", default=None, help="a model preset instead of the 134M model (e.g. llama3.2-1b)")
+    ap.add_argument("--data", default=None, help="a token file (default: the demo corpus), e.g. from local_corpus.py")
     ap.add_argument("--run", help=argparse.SUPPRESS)  # a child: MODE:SEED, its run alone to --out
     args = ap.parse_args()
     if args.run:
         mode, seed = args.run.split(":")
         with open(args.out, "w") as f:
-            json.dump(train(mode, int(seed), args.steps, args.rows, args.seq_len, args.lr), f)
+            json.dump(train(mode, int(seed), args.steps, args.rows, args.seq_len, args.lr, model_config(args),
+                            args.data), f)
         return
     repo = os.path.dirname(EXPERIMENTS)
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
         ["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     dev = jax.devices()[0]
+    cfg = model_config(args)
     result = {"name": os.path.splitext(os.path.basename(args.out))[0],
               "command": "PYTHONPATH=. python experiments/studies/convergence.py " + " ".join(sys.argv[1:]),
               "git_commit": commit, "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
               "device": {"name": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
                          "host_ram_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)},
-              "model": {**{k: getattr(MODEL, k) for k in ("vocab_size", "hidden", "ffn", "layers", "heads")},
-                        "params": MODEL.param_count(), "dtype": MODEL.dtype},
+              "model": {**{k: getattr(cfg, k) for k in ("vocab_size", "hidden", "ffn", "layers", "heads")},
+                        "params": cfg.param_count(), "dtype": cfg.dtype, "preset": args.preset},
               "steps": args.steps, "tokens_per_step": args.rows * args.seq_len, "seq_len": args.seq_len,
               "optimizer": f"megatrain_jax.adamw lr {args.lr}, {max(args.steps // 10, 1)} warm-up steps, cosine to "
                            f"10%, wd 0.1, b2 0.95; clip 1.0",
-              "data": "demo corpus (megatrain_jax.data.demo), 8M tokens, the run's seed",
+              "data": (f"token file {args.data} ({TokenFile.open(args.data).tokens.size} tokens), the run's seed"
+                       if args.data else "demo corpus (megatrain_jax.data.demo), 8M tokens, the run's seed"),
               "jobs": args.jobs, "runs": []}
     seeds = [int(s) for s in args.seeds.split(",")]
     modes = args.modes.split(",")
@@ -129,7 +151,7 @@ def main() -> None:
     if args.jobs > 1:
         runs = run_children(todo, args, args.jobs)
     else:
-        runs = [train(mode, seed, args.steps, args.rows, args.seq_len, args.lr) for mode, seed in todo]
+        runs = [train(mode, seed, args.steps, args.rows, args.seq_len, args.lr, cfg, args.data) for mode, seed in todo]
     for run in runs:
         run["master_dtype"] = MODES[run["mode"]].master_dtype
         run["final_loss"] = round(float(np.mean(run["losses"][-args.tail:])), 5)
