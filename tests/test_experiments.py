@@ -238,6 +238,7 @@ def test_trace_summary_splits_each_gpus_time_into_compute_collectives_copies_and
 def test_host_adam_bench_times_each_system_and_records_the_ones_that_cannot_run(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRAIN_GIT_COMMIT", "abc123")
     systems = ["megatrain_jax_fused_kernel_fp32", "megatrain_jax_fused_kernel_first_half", "fused_kernel_on_numpy_fp32",
+               "megatrain_jax_capacity_kernel", "megatrain_jax_q8_kernel", "megatrain_jax_q8_kernel_bf16_grad",
                "megatrain_jax_host_fp32", "jax_cpu_backend", "torch_fused_cpu_adamw"]
     out = tmp_path / "host_adam.json"
     result = load_script("host_adam_bench").main(["--params", "1", "--reps", "1", "--systems", ",".join(systems),
