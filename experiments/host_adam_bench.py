@@ -82,7 +82,7 @@ def make_kernel_numpy(n: int):
 def make_q8_kernel(n: int, g_bf16: bool = False):
     """The 8-bit-moment kernel (issue 35) on numpy arrays: bfloat16 p (uint16 bits), uint8 m and v codes with
     float32 scales per block of 256 (Q8_BLOCK), float32 (or bfloat16) g; n parameters as rows of 4096."""
-    from megatrain_jax.engine.update.host_kernel import Q8_BLOCK, adamw_q8_numpy, q8_scale_shape
+    from megatrain_jax.engine.update.q8 import Q8_BLOCK, adamw_q8_numpy, q8_scale_shape
     shape = (n // 4096, 4096)
     p = np.full(shape, 0x3F00, np.uint16)  # 0.5 in bfloat16
     m, v = np.zeros(shape, np.uint8), np.zeros(shape, np.uint8)
