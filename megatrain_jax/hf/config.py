@@ -71,6 +71,8 @@ class UnsupportedConfig(ValueError):
 def _model_type(c: dict[str, Any]) -> str:
     mt = c.get("model_type")
     archs = c.get("architectures") or []
+    if mt == "kimi_k2" and archs == ["DeepseekV3ForCausalLM"]:  # Kimi K2's folders: DeepSeek-V3's architecture
+        mt = "deepseek_v3"
     if mt is None and archs:  # derive from the class name, e.g. LlamaForCausalLM
         mt = next((t for t, (_, cls) in ARCHITECTURES.items() if cls in archs), None)
     if mt == "gemma3":
@@ -237,6 +239,11 @@ def _check_glm4_moe(c: dict[str, Any], mt: str = "glm4_moe") -> None:
             raise UnsupportedConfig(f"{key}={c[key]!r} for model_type {mt!r} is not supported (transformers' "
                                     f"{'Glm4Moe' if mt == 'glm4_moe' else 'DeepseekV3'}TopkRouter scores by sigmoid "
                                     f"with a correction bias: {want!r})")
+    if mt == "deepseek_v3" and c.get("quantization_config"):
+        method = (c["quantization_config"] or {}).get("quant_method") if isinstance(c["quantization_config"], dict) else None
+        raise UnsupportedConfig(f"quantization_config (quant_method {method!r}): quantized weights (DeepSeek-V3's and "
+                                f"Kimi K2's released FP8 blocks with their weight_scale_inv tensors) are not read; "
+                                f"dequantize the checkpoint to bfloat16 first and drop quantization_config")
     if mt == "deepseek_v3" and int(c.get("moe_layer_freq", 1)) != 1:
         raise UnsupportedConfig(f"moe_layer_freq={c['moe_layer_freq']!r}: transformers' DeepseekV3 routes every layer "
                                 f"past first_k_dense_replace (moe_layer_freq 1)")
