@@ -175,7 +175,7 @@ def test_counts_equal_the_model_parameters(cfg):
 
 
 def test_each_mla_switch_changes_the_logits():
-    """Interleaved RoPE, the YaRN softmax correction (mscale_all_dim) and the latent norms' eps each matter on
+    """Interleaved RoPE (113% of the logits) and the YaRN softmax correction (mscale_all_dim: 39%) each matter on
     the fixture: the parity in test_hf checks them."""
     cfg, io, blocks = load_hf(FIXTURES / "deepseek_v3", dtype="float32")
     want = np.load(FIXTURES / "deepseek_v3" / "logits.npy")
