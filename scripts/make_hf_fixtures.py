@@ -16,10 +16,10 @@ then load with this one (``--against`` gives the folders whose tokens.npy / logi
 
     /work/venv/bin/python -c "from megatrain_jax.hf import load_hf, save_hf
     for n in ['llama', 'llama_tied_rope3', 'mistral', 'qwen2', 'qwen3', 'phi3', 'phi3_longrope', 'olmo2',
-              'gemma3_text', 'glm4_moe']:
+              'gemma3_text', 'glm4_moe', 'deepseek_v3', 'deepseek_v3_noqlora']:
         save_hf(f'/tmp/hf_export/{n}', *load_hf(f'tests/fixtures/hf/{n}'), dtype='float32')"
     /work/venv-hf/bin/python scripts/make_hf_fixtures.py --check-export /tmp/hf_export/* \
-        --against tests/fixtures/hf/{gemma3_text,glm4_moe,llama,llama_tied_rope3,mistral,olmo2,phi3,phi3_longrope,qwen2,qwen3}
+        --against tests/fixtures/hf/{deepseek_v3,deepseek_v3_noqlora,gemma3_text,glm4_moe,llama,llama_tied_rope3,mistral,olmo2,phi3,phi3_longrope,qwen2,qwen3}
 """
 
 from __future__ import annotations
@@ -92,6 +92,27 @@ FIXTURES = {
         num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16, norm_topk_prob=True,
         routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True, num_nextn_predict_layers=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # DeepSeek-V3 (issue 34): multi-head latent attention with a low-rank q (q_lora_rank 24), a 16-wide kv latent,
+    # query/key heads of 8 unrotated + 8 rotated dimensions (interleaved RoPE) and values 12 wide (not 16); YaRN
+    # by 4 past 32 positions with mscale_all_dim 0.8 (cos/sin and the softmax scale both corrected); a dense layer
+    # then two MoE ones: a sigmoid router over 8 experts in 4 groups (2 kept, 2 per token) with a random correction
+    # bias, routed weights renormalized and scaled by 2.5, two shared experts (one MLP 2 x 16 wide)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_key_value_heads=4, first_k_dense_replace=1,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=16,
+        norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=0, max_position_embeddings=128,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8})),
+    # DeepSeek-V3's other attention switches: a full q_proj (q_lora_rank null), biases (attention_bias: q_a/kv_a/o),
+    # rotate-half RoPE (rope_interleave false), no scaling; values wider than query/key heads (20 > 8 + 4);
+    # routing without groups or renormalization
+    "deepseek_v3_noqlora": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_key_value_heads=4, first_k_dense_replace=1,
+        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=20, attention_bias=True,
+        rope_interleave=False, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=16, norm_topk_prob=False, routed_scaling_factor=1.5, num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 
@@ -122,7 +143,7 @@ def make(name: str, seed: int) -> None:
     model = getattr(transformers, model_cls)(cfg).eval()
     randomize(model, seed)
     g = torch.Generator().manual_seed(seed + 1000)
-    with torch.no_grad():  # GLM-4.5's correction bias is a buffer: drawn too, so that it changes the choice
+    with torch.no_grad():  # GLM-4.5's (DeepSeek-V3's) correction bias is a buffer: drawn too, so that it changes the choice
         for buffer, b in model.named_buffers():
             if buffer.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn(b.shape, generator=g, dtype=torch.float32))

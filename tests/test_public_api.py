@@ -27,7 +27,7 @@ SUBPACKAGES = {
     "checkpoint": ["CheckpointSession", "CheckpointWarning", "CheckpointWriteError", "CheckpointedExit", "Checkpointer",
                    "CorruptCheckpointError", "ShapeMismatchError", "check_step", "committed_steps", "load_model",
                    "load_params", "save_model", "save_params"],
-    "models": ["Block", "Decoder", "DecoderConfig", "FAMILIES", "InputOutput", "MoE", "MoEConfig", "PRESETS",
+    "models": ["Block", "Decoder", "DecoderConfig", "FAMILIES", "InputOutput", "MLAConfig", "MoE", "MoEConfig", "PRESETS",
                "RopeScaling", "RouterStats", "load_balancing_loss", "preset"],
     "observe": ["JsonlWriter", "Progress", "TensorBoardWriter", "WandbLogger", "memory_hook", "plot_run",
                 "read_metrics", "system_stats"],

@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` <-> DecoderConfig, for Llama, Mistral, Qwen2, Qwen3, Phi-3 (Phi-3, Phi-3.5,
 Phi-4, Phi-4-mini), OLMo 2, Gemma 3 (text: ``gemma3_text``) and the mixtures of experts Mixtral, Qwen2-MoE,
-Qwen3-MoE and GLM-4.5 (``glm4_moe``).
+Qwen3-MoE, GLM-4.5 (``glm4_moe``) and DeepSeek-V3 / Kimi K2 (``deepseek_v3``).
 
 Both the transformers 4.x spelling (``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and the 5.x one
 (``rope_parameters``, ``dtype``) are read; we write the 4.x spelling, which 5.x still reads. Anything
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatrain_jax.models.config import DecoderConfig, MoEConfig, RopeScaling
+from megatrain_jax.models.config import DecoderConfig, MLAConfig, MoEConfig, RopeScaling
 
 # model_type -> (our family, the causal-LM class transformers builds)
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -26,8 +26,15 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
 }
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+_SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")  # sigmoid routers with a correction bias, grouped top-k, shared experts
+# DeepseekV3Config's defaults (DeepSeek-V3's shape) where config.json omits a field
+_DEEPSEEK_V3_DEFAULTS = dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                             n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=3,
+                             kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                             v_head_dim=128, rope_interleave=True, intermediate_size=18432)
 _FAMILY_TO_TYPE = {family: mt for mt, (family, _) in ARCHITECTURES.items()}
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_moe": 128, "gemma3_text": 256}  # transformers' default when config.json omits head_dim
 _SUPPORTED_ROPE = ("default", "llama3", "linear", "yarn")
@@ -64,6 +71,8 @@ class UnsupportedConfig(ValueError):
 def _model_type(c: dict[str, Any]) -> str:
     mt = c.get("model_type")
     archs = c.get("architectures") or []
+    if mt == "kimi_k2" and archs == ["DeepseekV3ForCausalLM"]:  # Kimi K2's folders: DeepSeek-V3's architecture
+        mt = "deepseek_v3"
     if mt is None and archs:  # derive from the class name, e.g. LlamaForCausalLM
         mt = next((t for t, (_, cls) in ARCHITECTURES.items() if cls in archs), None)
     if mt == "gemma3":
@@ -167,7 +176,7 @@ def _gemma3_layer_types(c: dict[str, Any], layers: int) -> tuple[str, ...]:
 def _sliding_window(c: dict[str, Any], mt: str, layers: int) -> int | None:
     if mt in ("mistral", "mixtral", "phi3"):  # Phi3Model masks by sliding_window whenever it is set
         return c.get("sliding_window")
-    if mt in ("llama", "olmo2", "glm4_moe"):
+    if mt in ("llama", "olmo2", "glm4_moe", "deepseek_v3"):
         return None
     if mt == "gemma3_text":
         return c.get("sliding_window", 4096)  # Gemma3TextConfig's default
@@ -203,8 +212,8 @@ def _check_unsupported(c: dict[str, Any], mt: str) -> None:
             raise UnsupportedConfig(f"{key}={dropout!r} is not supported (the engine trains without dropout: "
                                     f"docs/model_contract.md); set it to 0.0 in config.json to train without "
                                     f"dropout (the model's outputs at inference are unchanged)")
-    if mt == "glm4_moe":
-        _check_glm4_moe(c)
+    if mt in _SIGMOID_ROUTED:
+        _check_glm4_moe(c, mt)
     if mt in _MOE_TYPES:
         if float(c.get("router_jitter_noise") or 0.0) != 0.0:
             raise UnsupportedConfig(f"router_jitter_noise={c['router_jitter_noise']!r} is not supported (routing is "
@@ -219,15 +228,29 @@ def _check_unsupported(c: dict[str, Any], mt: str) -> None:
                                 f"puts a bias on o_proj; only Qwen2-style q/k/v biases are)")
 
 
-def _check_glm4_moe(c: dict[str, Any]) -> None:
-    """What Glm4MoeForCausalLM computes and our blocks would not: anything but its sigmoid router with grouped
-    top-k. Its multi-token-prediction layers (``num_nextn_predict_layers``, the tensors of layers
+def _check_glm4_moe(c: dict[str, Any], mt: str = "glm4_moe") -> None:
+    """What Glm4MoeForCausalLM (DeepseekV3ForCausalLM) computes and our blocks would not: anything but its sigmoid
+    router with grouped top-k (DeepSeek-V3: every layer past ``first_k_dense_replace`` routed). Its
+    multi-token-prediction layers (``num_nextn_predict_layers``, the tensors of layers
     ``num_hidden_layers`` onwards in the released checkpoints) are no part of the causal LM transformers builds
     (it ignores them on load): ``check_checkpoint`` skips them knowingly and an export does not write them."""
     for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):  # DeepSeek-V3's spellings
         if c.get(key, want) != want:
-            raise UnsupportedConfig(f"{key}={c[key]!r} for model_type 'glm4_moe' is not supported (transformers' "
-                                    f"Glm4MoeTopkRouter scores by sigmoid with a correction bias: {want!r})")
+            raise UnsupportedConfig(f"{key}={c[key]!r} for model_type {mt!r} is not supported (transformers' "
+                                    f"{'Glm4Moe' if mt == 'glm4_moe' else 'DeepseekV3'}TopkRouter scores by sigmoid "
+                                    f"with a correction bias: {want!r})")
+    if mt == "deepseek_v3" and c.get("quantization_config"):
+        method = (c["quantization_config"] or {}).get("quant_method") if isinstance(c["quantization_config"], dict) else None
+        raise UnsupportedConfig(f"quantization_config (quant_method {method!r}): quantized weights (DeepSeek-V3's and "
+                                f"Kimi K2's released FP8 blocks with their weight_scale_inv tensors) are not read; "
+                                f"dequantize the checkpoint to bfloat16 first and drop quantization_config")
+    if mt == "deepseek_v3" and int(c.get("moe_layer_freq", 1)) != 1:
+        raise UnsupportedConfig(f"moe_layer_freq={c['moe_layer_freq']!r}: transformers' DeepseekV3 routes every layer "
+                                f"past first_k_dense_replace (moe_layer_freq 1)")
+    if mt == "deepseek_v3" and c.get("num_key_value_heads") not in (None, c.get("num_attention_heads")):
+        raise UnsupportedConfig(f"num_key_value_heads={c['num_key_value_heads']!r} differs from num_attention_heads="
+                                f"{c.get('num_attention_heads')!r}: multi-head latent attention gives every head its "
+                                f"own key and value")
 
 
 def _check_gemma3(c: dict[str, Any]) -> None:
@@ -263,12 +286,13 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
     try:
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         layers = int(c["num_hidden_layers"])
+        deepseek = {**_DEEPSEEK_V3_DEFAULTS, **c} if mt == "deepseek_v3" else c
         fields: dict[str, Any] = dict(
-            vocab_size=int(c["vocab_size"]), hidden=hidden, ffn=int(c["intermediate_size"]),
+            vocab_size=int(c["vocab_size"]), hidden=hidden, ffn=int(deepseek["intermediate_size"]),
             layers=layers, heads=heads, kv_heads=int(c.get("num_key_value_heads") or heads))
     except KeyError as e:
         raise UnsupportedConfig(f"config.json lacks the required field {e.args[0]!r}") from None
-    head_dim = c.get("head_dim") or _DEFAULT_HEAD_DIM.get(mt)
+    head_dim = None if mt == "deepseek_v3" else c.get("head_dim") or _DEFAULT_HEAD_DIM.get(mt)
     max_pos = int(c.get("max_position_embeddings", 4096))
     gemma3 = _gemma3_fields(c, layers, max_pos) if mt == "gemma3_text" else {}
     theta, partial, scaling = (None, 1.0, None) if gemma3 else _rope(c, mt, max_pos)
@@ -279,15 +303,27 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
         rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
         norm_eps=float(c.get("rms_norm_eps", _DEFAULT_NORM_EPS.get(mt, 1e-6))),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=mt in ("qwen2", "qwen2_moe") or (mt == "glm4_moe" and bool(c.get("attention_bias", False))),
+        qkv_bias=mt in ("qwen2", "qwen2_moe") or (mt in _SIGMOID_ROUTED and bool(c.get("attention_bias", False))),
         qk_norm=mt in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text") or (mt == "glm4_moe" and bool(c.get("use_qk_norm", False))),
         qk_norm_width="all_heads" if mt == "olmo2" else "head", norm_placement="post" if mt == "olmo2" else "pre",
         sliding_window=_sliding_window(c, mt, layers), max_positions=max_pos, moe=_moe(c, mt),
-        first_k_dense_replace=int(c.get("first_k_dense_replace", 1)) if mt == "glm4_moe" else 0,
+        first_k_dense_replace=int(deepseek.get("first_k_dense_replace", 1)) if mt in _SIGMOID_ROUTED else 0,
+        mla=_mla(deepseek) if mt == "deepseek_v3" else None,
         **token_ids(c))
     fields.update(gemma3)
     fields.update(overrides)
     return DecoderConfig(**fields)
+
+
+def _mla(c: dict[str, Any]) -> MLAConfig:
+    """DeepSeek-V3's multi-head latent attention (``c`` with DeepseekV3Config's defaults filled in)."""
+    q_lora = c.get("q_lora_rank")
+    try:
+        return MLAConfig(kv_lora_rank=int(c["kv_lora_rank"]), q_lora_rank=None if q_lora is None else int(q_lora),
+                         qk_nope_dim=int(c["qk_nope_head_dim"]), qk_rope_dim=int(c["qk_rope_head_dim"]),
+                         v_dim=int(c["v_head_dim"]), rope_interleave=bool(c["rope_interleave"]))
+    except ValueError as e:
+        raise UnsupportedConfig(f"multi-head latent attention: {e}") from None
 
 
 TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -332,7 +368,9 @@ def _moe(c: dict[str, Any], mt: str) -> MoEConfig | None:
     if mt not in _MOE_TYPES:
         return None
     try:
-        if mt == "glm4_moe":  # Glm4MoeConfig's defaults where config.json omits a field
+        if mt == "deepseek_v3":
+            c = {**_DEEPSEEK_V3_DEFAULTS, **c}
+        if mt in _SIGMOID_ROUTED:  # Glm4MoeConfig's (DeepseekV3Config's) defaults where config.json omits a field
             ffn = int(c["moe_intermediate_size"])
             shared = int(c.get("n_shared_experts", 1))
             return MoEConfig(experts=int(c.get("n_routed_experts", c.get("num_local_experts", 128))),
@@ -363,7 +401,8 @@ def check_exportable(cfg: DecoderConfig) -> None:
     want = {"llama": (False, False), "mistral": (False, False), "qwen2": (True, False), "qwen3": (False, True),
             "phi3": (False, False), "olmo2": (False, True), "gemma3": (False, True), "mixtral": (False, False),
             "qwen2_moe": (True, False),
-            "qwen3_moe": (False, True), "glm4_moe": (cfg.qkv_bias, cfg.qk_norm)}  # GLM-4.5: either, by config
+            "qwen3_moe": (False, True), "glm4_moe": (cfg.qkv_bias, cfg.qk_norm),  # GLM-4.5: either, by config
+            "deepseek_v3": (cfg.qkv_bias, False)}  # DeepSeek-V3: attention_bias either way, by config
     bias, norm = want[cfg.family]
     olmo2 = cfg.family == "olmo2"  # post-norm blocks, q/k norm over all heads; every other family the opposite
     gemma3 = cfg.family == "gemma3"  # sandwich norms offset from 1, GeGLU, scaled embeddings, per-layer-type RoPE
@@ -379,16 +418,20 @@ def check_exportable(cfg: DecoderConfig) -> None:
             problems.append("Qwen3-MoE has no shared expert")
         if cfg.family == "qwen2_moe" and (m.shared_expert_ffn is None or not m.shared_expert_gate):
             problems.append("Qwen2-MoE has a gated shared expert (moe.shared_expert_ffn, shared_expert_gate)")
-        glm = cfg.family == "glm4_moe"
+        glm = cfg.family in _SIGMOID_ROUTED
         if (m.scoring == "sigmoid") != glm:
             problems.append(f"moe.scoring={m.scoring!r} (the {cfg.family} router scores by "
                             f"{'sigmoid' if glm else 'softmax'})")
         if not glm and (m.groups != 1 or m.routed_scale != 1.0):
             problems.append(f"moe.groups={m.groups}, moe.routed_scale={m.routed_scale} (grouped, scaled routing is "
-                            f"GLM-4.5's)")
+                            f"GLM-4.5's and DeepSeek-V3's)")
         if glm and (m.shared_expert_ffn is None or m.shared_expert_gate or m.shared_expert_ffn % m.expert_ffn):
-            problems.append("GLM-4.5 has ungated shared experts n_shared_experts x moe.expert_ffn wide "
-                            "(moe.shared_expert_ffn a multiple of moe.expert_ffn, shared_expert_gate=False)")
+            problems.append(f"{'GLM-4.5' if cfg.family == 'glm4_moe' else 'DeepSeek-V3'} has ungated shared experts "
+                            f"n_shared_experts x moe.expert_ffn wide (moe.shared_expert_ffn a multiple of moe.expert_ffn, "
+                            f"shared_expert_gate=False)")
+    if (cfg.mla is not None) != (cfg.family == "deepseek_v3"):
+        problems.append(f"mla={'set' if cfg.mla is not None else 'None'} (multi-head latent attention is DeepSeek-V3's "
+                        f"alone, and its only attention)")
     if cfg.qkv_bias != bias:
         problems.append(f"qkv_bias={cfg.qkv_bias} (the {cfg.family} architecture has {bias})")
     if cfg.qk_norm != norm:
@@ -424,7 +467,7 @@ def check_exportable(cfg: DecoderConfig) -> None:
                         f"Phi-3's alone)")
     if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1 and not gemma3:
         problems.append(f"layer_types mixes sliding and full attention (not written to Hugging Face configs yet)")
-    if cfg.first_k_dense_replace and cfg.family != "glm4_moe":
+    if cfg.first_k_dense_replace and cfg.family not in _SIGMOID_ROUTED:
         problems.append(f"first_k_dense_replace={cfg.first_k_dense_replace} (leading dense layers: not written to "
                         f"Hugging Face configs yet)")
     if problems:
@@ -497,6 +540,16 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         out.update(num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
         if mt == "mixtral":
             out.update(num_local_experts=m.experts, intermediate_size=m.expert_ffn, router_jitter_noise=0.0)
+        elif mt == "deepseek_v3":  # no multi-token-prediction layers: none are trained or written
+            del out["router_aux_loss_coef"], out["head_dim"]  # DeepseekV3Config derives head_dim (qk_rope_head_dim)
+            a = cfg.mla
+            out.update(n_routed_experts=m.experts, moe_intermediate_size=m.expert_ffn, norm_topk_prob=m.norm_topk_prob,
+                       n_shared_experts=m.shared_expert_ffn // m.expert_ffn, n_group=m.groups, topk_group=m.topk_groups,
+                       routed_scaling_factor=m.routed_scale, first_k_dense_replace=cfg.first_k_dense_replace,
+                       attention_bias=cfg.qkv_bias, num_nextn_predict_layers=0, q_lora_rank=a.q_lora_rank,
+                       kv_lora_rank=a.kv_lora_rank, qk_nope_head_dim=a.qk_nope_dim, qk_rope_head_dim=a.qk_rope_dim,
+                       v_head_dim=a.v_dim, rope_interleave=a.rope_interleave, scoring_func="sigmoid",
+                       topk_method="noaux_tc")
         elif mt == "glm4_moe":  # no multi-token-prediction layers: none are trained or written
             del out["router_aux_loss_coef"]
             out.update(n_routed_experts=m.experts, moe_intermediate_size=m.expert_ffn, norm_topk_prob=m.norm_topk_prob,

@@ -82,6 +82,9 @@ def block_specs(cfg: DecoderConfig, i: int) -> list[Spec]:
     specs = [Spec(p + f"{hf}.weight", (ours, "scale"), (D,), False) for ours, hf in norms.items()]
     if cfg.family == "phi3":
         return specs + _phi3_specs(cfg, p)
+    if cfg.mla is not None:
+        specs += _mla_specs(cfg, p)
+        return specs + (_moe_specs(cfg, p) if cfg.is_moe_layer(i) else _dense_mlp_specs(cfg, p))
     for ours, out_dim in (("q", q), ("k", kv), ("v", kv)):
         specs.append(Spec(p + f"self_attn.{ours}_proj.weight", ("attn", ours, "kernel"), (out_dim, D), True))
         if cfg.qkv_bias:
@@ -93,8 +96,41 @@ def block_specs(cfg: DecoderConfig, i: int) -> list[Spec]:
                   Spec(p + "self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (k_width,), False)]
     if cfg.is_moe_layer(i):
         return specs + _moe_specs(cfg, p)
-    for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
-        specs.append(Spec(p + f"mlp.{name}_proj.weight", ("mlp", name, "kernel"), shape, True))
+    return specs + _dense_mlp_specs(cfg, p)
+
+
+def _dense_mlp_specs(cfg: DecoderConfig, p: str) -> list[Spec]:
+    D, F = cfg.hidden, cfg.ffn
+    return [Spec(p + f"mlp.{name}_proj.weight", ("mlp", name, "kernel"), shape, True)
+            for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F)))]
+
+
+def _mla_specs(cfg: DecoderConfig, p: str) -> list[Spec]:
+    """DeepSeek-V3's multi-head latent attention (``DeepseekV3Attention``): ``q_proj``, or ``q_a_proj`` /
+    ``q_a_layernorm`` / ``q_b_proj``; ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` / ``kv_b_proj``; ``o_proj``.
+    ``attention_bias`` puts biases on q_a_proj, kv_a_proj_with_mqa and o_proj (not on q_proj or the b's). The
+    rotated dimensions stay in the checkpoint's (interleaved) order: the attention reads them as they are."""
+    m, D, N = cfg.mla, cfg.hidden, cfg.heads
+    a, bias = p + "self_attn.", cfg.qkv_bias
+    specs = []
+    if m.q_lora_rank is None:
+        specs.append(Spec(a + "q_proj.weight", ("attn", "q", "kernel"), (N * m.qk_dim, D), True))
+    else:
+        r = m.q_lora_rank
+        specs += [Spec(a + "q_a_proj.weight", ("attn", "q_a", "kernel"), (r, D), True),
+                  Spec(a + "q_a_layernorm.weight", ("attn", "q_a_norm", "scale"), (r,), False),
+                  Spec(a + "q_b_proj.weight", ("attn", "q_b", "kernel"), (N * m.qk_dim, r), True)]
+        if bias:
+            specs.append(Spec(a + "q_a_proj.bias", ("attn", "q_a", "bias"), (r,), False))
+    kv_a = m.kv_lora_rank + m.qk_rope_dim
+    specs += [Spec(a + "kv_a_proj_with_mqa.weight", ("attn", "kv_a", "kernel"), (kv_a, D), True),
+              Spec(a + "kv_a_layernorm.weight", ("attn", "kv_a_norm", "scale"), (m.kv_lora_rank,), False),
+              Spec(a + "kv_b_proj.weight", ("attn", "kv_b", "kernel"), (N * (m.qk_nope_dim + m.v_dim), m.kv_lora_rank),
+                   True),
+              Spec(a + "o_proj.weight", ("attn", "o", "kernel"), (D, N * m.v_dim), True)]
+    if bias:
+        specs += [Spec(a + "kv_a_proj_with_mqa.bias", ("attn", "kv_a", "bias"), (kv_a,), False),
+                  Spec(a + "o_proj.bias", ("attn", "o", "bias"), (D,), False)]
     return specs
 
 
@@ -184,10 +220,11 @@ def check_checkpoint(ckpt: Checkpoint, cfg: DecoderConfig) -> None:
 
 
 def _mtp_layer(cfg: DecoderConfig, name: str) -> bool:
-    """Whether ``name`` is a tensor of a GLM-4.5 multi-token-prediction layer: ``model.layers.{j}.*`` with j
-    at or past ``cfg.layers`` (transformers' ``_keys_to_ignore_on_load_unexpected`` for Glm4MoeForCausalLM)."""
+    """Whether ``name`` is a tensor of a GLM-4.5 / DeepSeek-V3 multi-token-prediction layer: ``model.layers.{j}.*``
+    with j at or past ``cfg.layers`` (transformers' ``_keys_to_ignore_on_load_unexpected`` for Glm4MoeForCausalLM
+    and DeepseekV3ForCausalLM)."""
     parts = name.split(".")
-    return (cfg.family == "glm4_moe" and len(parts) > 2 and parts[:2] == ["model", "layers"]
+    return (cfg.family in ("glm4_moe", "deepseek_v3") and len(parts) > 2 and parts[:2] == ["model", "layers"]
             and parts[2].isdigit() and int(parts[2]) >= cfg.layers)
 
 
@@ -316,7 +353,7 @@ _MATCHING_FIELDS = ("vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads"
                     "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm",
                     "qk_norm_width", "norm_placement", "sliding_window", "layer_types", "moe", "first_k_dense_replace",
                     "norm_unit_offset", "scale_embeddings", "mlp_activation", "attention_scale",
-                    "sliding_rope_theta", "final_logit_softcap")
+                    "sliding_rope_theta", "final_logit_softcap", "mla")
 
 
 def check_same_model(ours: DecoderConfig, theirs: DecoderConfig, where: str) -> None:

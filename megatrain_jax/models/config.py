@@ -9,10 +9,10 @@ import difflib
 from typing import Literal
 
 Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3", "mixtral", "qwen2_moe",
-                 "qwen3_moe", "glm4_moe"]
+                 "qwen3_moe", "glm4_moe", "deepseek_v3"]
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3", "mixtral", "qwen2_moe",
-                             "qwen3_moe", "glm4_moe")
-MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe")
+                             "qwen3_moe", "glm4_moe", "deepseek_v3")
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn")
 # Default bound on packed documents per row times the row's tokens (DecoderConfig.max_segments).
@@ -198,6 +198,57 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek-V3's multi-head latent attention (transformers' ``DeepseekV3Attention``; ``DecoderConfig.mla``).
+
+    - queries: ``q_proj`` [D -> heads x (qk_nope_dim + qk_rope_dim)], or with ``q_lora_rank`` a low-rank pair
+      ``q_b(norm(q_a(x)))`` through a ``q_lora_rank``-wide RMSNorm;
+    - keys and values: ``kv_a`` [D -> kv_lora_rank + qk_rope_dim] splits into a latent (RMSNorm, then ``kv_b``
+      to heads x (qk_nope_dim + v_dim): each head's key part and value) and one ``qk_rope_dim``-wide key part
+      that every head shares;
+    - RoPE rotates the query's and the shared key's ``qk_rope_dim`` dimensions only (the last ones of each
+      head's key / query), in ``rope_interleave`` layout (pairs ``(x0, x1), (x2, x3), ...``: DeepSeek's
+      checkpoints, transformers' default) or rotate-half; scores are scaled by (qk_nope_dim + qk_rope_dim)^-0.5
+      (times YaRN's ``mscale_all_dim`` correction squared: ``DecoderConfig.attention_scale``);
+    - the heads' ``v_dim``-wide outputs go through ``o`` [heads x v_dim -> D].
+    The latent norms take transformers' default eps (1e-6), not ``norm_eps``."""
+
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_nope_dim: int = 128
+    qk_rope_dim: int = 64
+    v_dim: int = 128
+    rope_interleave: bool = True
+    latent_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"mla.{name} must be a positive integer, got {value!r}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+            raise ValueError(f"mla.q_lora_rank must be a positive integer or None (a full q_proj), got "
+                             f"{self.q_lora_rank!r}")
+        if self.qk_rope_dim % 2:
+            raise ValueError(f"mla.qk_rope_dim={self.qk_rope_dim} must be even for RoPE")
+
+    @property
+    def qk_dim(self) -> int:
+        return self.qk_nope_dim + self.qk_rope_dim
+
+    def leaf_shapes(self, hidden: int, heads: int, bias: bool) -> list[tuple[int, ...]]:
+        """The attention's parameter shapes as ``MLAttention`` creates them (kernels [in, out]); ``bias``:
+        transformers' ``attention_bias`` (on q_a, kv_a and o)."""
+        D, N, r = hidden, heads, self.q_lora_rank
+        q = [(D, N * self.qk_dim)] if r is None else [(D, r), (r,), (r, N * self.qk_dim)] + ([(r,)] if bias else [])
+        kv = [(D, self.kv_lora_rank + self.qk_rope_dim), (self.kv_lora_rank,),
+              (self.kv_lora_rank, N * (self.qk_nope_dim + self.v_dim))]
+        if bias:
+            kv.append((self.kv_lora_rank + self.qk_rope_dim,))
+        return q + kv + [(N * self.v_dim, D)] + ([(D,)] if bias else [])
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """Shape and numerics of a decoder-only transformer.
 
@@ -267,6 +318,10 @@ class DecoderConfig:
     # With ``moe``: how many leading layers keep a dense MLP (of width ``ffn``); the rest route. Dense and
     # MoE layers are two kinds of block (docs/model_contract.md).
     first_k_dense_replace: int = 0
+    # DeepSeek-V3's multi-head latent attention (an ``MLAConfig``) in place of grouped-query attention: then
+    # ``head_dim`` is unused (a query/key head is mla.qk_dim wide, a value mla.v_dim), ``kv_heads`` equals
+    # ``heads``, and ``qkv_bias`` means transformers' ``attention_bias`` (biases on q_a, kv_a and o).
+    mla: MLAConfig | None = None
     # The vocabulary's special ids as a Hugging Face config gives them (an end-of-sequence may be several
     # ids); not used by the computation, kept so that an export writes them back (config.json and
     # generation_config.json).
@@ -315,7 +370,12 @@ class DecoderConfig:
     def attention_scale(self) -> float:
         """What attention scores q.k are multiplied by before the softmax."""
         scalar = self.dim_per_head if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
-        return 1.0 / math.sqrt(scalar)
+        scale = 1.0 / math.sqrt(scalar)
+        s = self.rope_scaling
+        if self.mla is not None and s is not None and s.mscale_all_dim:  # transformers' yarn_apply_mscale
+            m = 1.0 if s.factor <= 1 else 0.1 * s.mscale_all_dim * math.log(s.factor) + 1.0
+            scale = scale * m * m
+        return scale
 
     @property
     def norms_per_block(self) -> int:
@@ -324,11 +384,17 @@ class DecoderConfig:
 
     @property
     def dim_per_head(self) -> int:
+        """A query's (and key's) head width: with ``mla``, its unrotated and rotated parts together."""
+        if self.mla is not None:
+            return self.mla.qk_dim
         return self.head_dim if self.head_dim is not None else self.hidden // self.heads
 
     @property
     def rotary_dim(self) -> int:
-        """The leading dimensions of each head that RoPE rotates (as transformers rounds it)."""
+        """The leading dimensions of each head that RoPE rotates (as transformers rounds it); with ``mla``, the
+        width of the rotated part of a query / key head (its last dimensions)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_dim
         return int(self.dim_per_head * self.partial_rotary_factor)
 
     def segments_per_row(self, seq_len: int) -> int:
@@ -356,6 +422,8 @@ class DecoderConfig:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         if isinstance(d.get("moe"), dict):
             d["moe"] = MoEConfig(**d["moe"])
+        if isinstance(d.get("mla"), dict):
+            d["mla"] = MLAConfig(**d["mla"])
         return cls(**d)
 
     def param_count(self) -> int:
@@ -380,6 +448,8 @@ class DecoderConfig:
         attn = d * q + 2 * d * kv + q * d
         if self.qkv_bias:
             attn += q + 2 * kv
+        if self.mla is not None:
+            attn = sum(math.prod(s) for s in self.mla.leaf_shapes(d, self.heads, self.qkv_bias))
         if self.qk_norm:
             attn += 2 * hd if self.qk_norm_width == "head" else q + kv
         moe = 0 if self.moe is None else self.moe.mlp_params(d)[int(active)]
@@ -412,7 +482,7 @@ def validate(cfg: DecoderConfig) -> None:
         raise ValueError(f"max_segments must be a positive integer or None, got {cfg.max_segments!r}")
     if cfg.mlp_chunk_tokens is not None and (not isinstance(cfg.mlp_chunk_tokens, int) or cfg.mlp_chunk_tokens <= 0):
         raise ValueError(f"mlp_chunk_tokens must be a positive integer or None, got {cfg.mlp_chunk_tokens!r}")
-    if cfg.head_dim is None and cfg.hidden % cfg.heads:
+    if cfg.head_dim is None and cfg.hidden % cfg.heads and cfg.mla is None:
         raise ValueError(f"heads={cfg.heads} does not divide hidden={cfg.hidden}; choose heads dividing "
                          f"hidden or set head_dim explicitly")
     if cfg.heads % cfg.kv_heads:
@@ -466,6 +536,21 @@ def validate(cfg: DecoderConfig) -> None:
                          f"choose fewer than {cfg.layers} dense layers, or unset moe")
     if cfg.moe is not None and cfg.mlp_activation != "silu":
         raise ValueError(f"mlp_activation={cfg.mlp_activation!r}: a mixture of experts' experts are SwiGLU (silu)")
+    if cfg.mla is not None:
+        if not isinstance(cfg.mla, MLAConfig):
+            raise ValueError(f"mla must be an MLAConfig or None, got {type(cfg.mla).__name__}")
+        if cfg.kv_heads != cfg.heads:
+            raise ValueError(f"kv_heads={cfg.kv_heads}: multi-head latent attention (mla) gives every one of the "
+                             f"{cfg.heads} heads its own key and value: set kv_heads={cfg.heads}")
+        if cfg.qk_norm or cfg.norm_placement != "pre" or cfg.partial_rotary_factor != 1.0:
+            raise ValueError("mla (DeepSeek-V3's attention) has no q/k norm, pre-norm blocks, and rotates its "
+                             "mla.qk_rope_dim dimensions: leave qk_norm, norm_placement and partial_rotary_factor "
+                             "at their defaults")
+        if cfg.sliding_window is not None or cfg.layer_types is not None:
+            raise ValueError("mla (DeepSeek-V3's attention) attends over the whole sequence: no sliding_window or "
+                             "layer_types")
+    if cfg.family == "deepseek_v3" and cfg.mla is None:
+        raise ValueError("family 'deepseek_v3' uses multi-head latent attention: set mla (an MLAConfig)")
     if cfg.family in MOE_FAMILIES and cfg.moe is None:
         raise ValueError(f"family {cfg.family!r} is a mixture of experts: set moe (a MoEConfig)")
 
@@ -583,6 +668,27 @@ PRESETS["glm4.5"] = DecoderConfig(
     max_positions=131072, first_k_dense_replace=3,
     moe=MoEConfig(experts=160, top_k=8, expert_ffn=1536, norm_topk_prob=True, shared_expert_ffn=1536,
                   shared_expert_gate=False, scoring="sigmoid", routed_scale=2.5))
+# DeepSeek-V3 (deepseek-ai/DeepSeek-V3: 671B total, 37B active) and Kimi K2 (moonshotai/Kimi-K2-Base / -Instruct:
+# 1.04T total, 32B active), one architecture (DeepseekV3ForCausalLM): multi-head latent attention with
+# interleaved RoPE under YaRN, a sigmoid router with a correction bias over grouped experts, one shared expert,
+# leading dense layers. Their checkpoints also hold one multi-token-prediction layer (num_nextn_predict_layers),
+# not part of this model.
+PRESETS["deepseek-v3"] = DecoderConfig(
+    family="deepseek_v3", vocab_size=129280, hidden=7168, ffn=18432, layers=61, heads=128, kv_heads=128,
+    rope_theta=10000.0, norm_eps=1e-6, max_positions=163840, first_k_dense_replace=3,
+    rope_scaling=RopeScaling(kind="yarn", factor=40.0, original_max_position=4096, beta_fast=32.0, beta_slow=1.0,
+                             mscale=1.0, mscale_all_dim=1.0),
+    mla=MLAConfig(kv_lora_rank=512, q_lora_rank=1536, qk_nope_dim=128, qk_rope_dim=64, v_dim=128),
+    moe=MoEConfig(experts=256, top_k=8, expert_ffn=2048, norm_topk_prob=True, shared_expert_ffn=2048,
+                  shared_expert_gate=False, scoring="sigmoid", groups=8, topk_groups=4, routed_scale=2.5))
+PRESETS["kimi-k2"] = DecoderConfig(
+    family="deepseek_v3", vocab_size=163840, hidden=7168, ffn=18432, layers=61, heads=64, kv_heads=64,
+    rope_theta=50000.0, norm_eps=1e-6, max_positions=131072, first_k_dense_replace=1,
+    rope_scaling=RopeScaling(kind="yarn", factor=32.0, original_max_position=4096, beta_fast=1.0, beta_slow=1.0,
+                             mscale=1.0, mscale_all_dim=1.0),
+    mla=MLAConfig(kv_lora_rank=512, q_lora_rank=1536, qk_nope_dim=128, qk_rope_dim=64, v_dim=128),
+    moe=MoEConfig(experts=384, top_k=8, expert_ffn=2048, norm_topk_prob=True, shared_expert_ffn=2048,
+                  shared_expert_gate=False, scoring="sigmoid", groups=1, topk_groups=1, routed_scale=2.827))
 PRESETS["7b"] = PRESETS["llama2-7b"]
 PRESETS["3.5b"] = PRESETS["llama2-7b"].replace(layers=16)
 PRESETS["1b"] = PRESETS["llama3.2-1b"]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megatrain_jax.models.config import DecoderConfig
-from megatrain_jax.models.layers import MLP, Attention, RMSNorm, _init_normal
+from megatrain_jax.models.layers import MLP, Attention, MLAttention, RMSNorm, _init_normal
 from megatrain_jax.models.moe import MoE, RouterStats, SwitchLoss
 
 
@@ -42,7 +42,8 @@ class Block(nnx.Module):
         norm = lambda: RMSNorm(cfg.hidden, cfg.norm_eps, cfg.norm_unit_offset)  # noqa: E731
         self.attn_norm = norm()
         self.attn_post_norm = norm() if sandwich else None
-        self.attn = Attention(cfg, layer_type=cfg.layer_type(layer), rngs=rngs)
+        attention = Attention if cfg.mla is None else MLAttention  # DeepSeek-V3: multi-head latent attention
+        self.attn = attention(cfg, layer_type=cfg.layer_type(layer), rngs=rngs)
         self.mlp_norm = norm()
         self.mlp_post_norm = norm() if sandwich else None
         self.mlp = self.new_mlp(cfg, rngs)
@@ -153,7 +154,8 @@ def part_rngs(key: jax.Array, part: int) -> nnx.Rngs:
 
 
 class Decoder(nnx.Module):
-    """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, OLMo 2, Gemma 3 by config)."""
+    """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, OLMo 2, Gemma 3 by config; the MoE
+    families; DeepSeek-V3 / Kimi K2 with multi-head latent attention)."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg

@@ -175,6 +175,32 @@ def packed_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, se
         sliding_window_length=sliding_window)
 
 
+def attend(cfg: DecoderConfig, window: int | None, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
+           segment_ids_BT: jax.Array | None) -> jax.Array:
+    """Causal attention of rotated q, k and v (scores scaled by ``cfg.attention_scale``) by the path
+    ``attention_implementation`` picks: cuDNN's flash attention (packed documents by its packed layout), or XLA
+    (packed documents by a segment mask); ``window``: a sliding window's length, or None."""
+    qk_scale = cfg.attention_scale
+    impl = attention_implementation(cfg, q_BTNH.dtype, packed=segment_ids_BT is not None)
+    # cuDNN's flash attention: its output and softmax statistics, one activation's worth, are marked to
+    # keep for the backward (``megatrain_jax.contract.remat``), which then skips a second attention forward.
+    if segment_ids_BT is not None and impl == "cudnn":  # packed documents: per-document flash attention
+        max_segments = cfg.segments_per_row(q_BTNH.shape[1])
+        return keep_residuals(lambda q, k, v, s: packed_attention(q, k, v, s, max_segments, window, qk_scale))(
+            q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+    if impl == "cudnn":
+        local = None if window is None else (window - 1, 0)
+        return keep_residuals(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=qk_scale, is_causal=True, local_window_size=local, implementation="cudnn"))(
+            q_BTNH, k_BTKH, v_BTKH)
+    mask = None
+    if segment_ids_BT is not None:  # packed documents attend only within their own segment
+        mask = (segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :])
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, scale=qk_scale, is_causal=True,
+                                        local_window_size=local, implementation=impl)
+
+
 class Attention(nnx.Module):
     """Grouped-query causal self-attention with RoPE; optional q/k/v bias, q/k norm (per head, or over all
     heads before RoPE) and sliding window:
@@ -212,27 +238,67 @@ class Attention(nnx.Module):
         scale = 1.0 if rope_scaling is None else rope_scaling.cos_sin_scale
         q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq, scale)
         k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, scale)
-        qk_scale = cfg.attention_scale
-        impl = attention_implementation(cfg, x_BTD.dtype, packed=segment_ids_BT is not None)
-        # cuDNN's flash attention: its output and softmax statistics, one activation's worth, are marked to
-        # keep for the backward (``megatrain_jax.contract.remat``), which then skips a second attention forward.
-        if segment_ids_BT is not None and impl == "cudnn":  # packed documents: per-document flash attention
-            window, max_segments = self.window, cfg.segments_per_row(T)
-            out_BTNH = keep_residuals(lambda q, k, v, s: packed_attention(q, k, v, s, max_segments, window, qk_scale))(
-                q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
-        elif impl == "cudnn":
-            window = None if self.window is None else (self.window - 1, 0)
-            out_BTNH = keep_residuals(lambda q, k, v: jax.nn.dot_product_attention(
-                q, k, v, scale=qk_scale, is_causal=True, local_window_size=window, implementation="cudnn"))(
-                q_BTNH, k_BTKH, v_BTKH)
-        else:
-            mask = None
-            if segment_ids_BT is not None:  # packed documents attend only within their own segment
-                mask = (segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :])
-            window = None if self.window is None else (self.window - 1, 0)
-            out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, mask=mask, scale=qk_scale, is_causal=True,
-                                                    local_window_size=window, implementation=impl)
+        out_BTNH = attend(cfg, self.window, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
         return self.o(out_BTNH.reshape(B, T, cfg.heads * hd))
+
+
+class MLAttention(nnx.Module):
+    """DeepSeek-V3's multi-head latent attention (``cfg.mla``, an ``MLAConfig``), as transformers'
+    ``DeepseekV3Attention`` computes it. Parameters: ``q`` (no ``q_lora_rank``) or ``q_a``, ``q_a_norm``, ``q_b``;
+    ``kv_a``, ``kv_a_norm``, ``kv_b``; ``o``. With ``cfg.qkv_bias`` (transformers' ``attention_bias``) q_a, kv_a
+    and o have biases.
+
+    The keys are expanded per head (no latent-space trick: this is training, every key is needed anyway) and the
+    values, ``v_dim`` wide, are zero-padded to the query/key width for the attention kernels (which take one
+    head width for q, k and v: the zeros add nothing to the output, whose padding is cut)."""
+
+    def __init__(self, cfg: DecoderConfig, *, layer_type: str, rngs: nnx.Rngs):
+        m, D, N = cfg.mla, cfg.hidden, cfg.heads
+        self.cfg = cfg
+        self.layer_type = layer_type
+        bias = cfg.qkv_bias
+        if m.q_lora_rank is None:
+            self.q = Linear(D, N * m.qk_dim, rngs=rngs)
+            self.q_a = self.q_a_norm = self.q_b = None
+        else:
+            self.q = None
+            self.q_a = Linear(D, m.q_lora_rank, bias=bias, rngs=rngs)
+            self.q_a_norm = RMSNorm(m.q_lora_rank, m.latent_norm_eps)
+            self.q_b = Linear(m.q_lora_rank, N * m.qk_dim, rngs=rngs)
+        self.kv_a = Linear(D, m.kv_lora_rank + m.qk_rope_dim, bias=bias, rngs=rngs)
+        self.kv_a_norm = RMSNorm(m.kv_lora_rank, m.latent_norm_eps)
+        self.kv_b = Linear(m.kv_lora_rank, N * (m.qk_nope_dim + m.v_dim), rngs=rngs)
+        self.o = Linear(N * m.v_dim, D, bias=bias, rngs=rngs)
+
+    def __call__(self, x_BTD: jax.Array, positions_BT: jax.Array, segment_ids_BT: jax.Array | None) -> jax.Array:
+        cfg, m = self.cfg, self.cfg.mla
+        B, T, _ = x_BTD.shape
+        N, nope, rope, vd = cfg.heads, m.qk_nope_dim, m.qk_rope_dim, m.v_dim
+        q_BTQ = self.q(x_BTD) if self.q is not None else self.q_b(self.q_a_norm(self.q_a(x_BTD)))
+        q_BTNH = q_BTQ.reshape(B, T, N, m.qk_dim)
+        kv_BTC = self.kv_a(x_BTD)
+        latent_BTL, k_rot_BT1R = kv_BTC[..., :m.kv_lora_rank], kv_BTC[..., m.kv_lora_rank:][:, :, None, :]
+        kv_BTNW = self.kv_b(self.kv_a_norm(latent_BTL)).reshape(B, T, N, nope + vd)
+        k_nope_BTNP, v_BTNV = kv_BTNW[..., :nope], kv_BTNW[..., nope:]
+        q_nope_BTNP, q_rot_BTNR = q_BTNH[..., :nope], q_BTNH[..., nope:]
+        if m.rope_interleave:  # pairs (x0, x1), (x2, x3), ...: as rotate-half of the evens then the odds
+            q_rot_BTNR, k_rot_BT1R = _deinterleave(q_rot_BTNR), _deinterleave(k_rot_BT1R)
+        inv_freq = rope_frequencies(cfg, positions_BT, self.layer_type)
+        rope_scaling = cfg.rope_of(self.layer_type)[1]
+        scale = 1.0 if rope_scaling is None else rope_scaling.cos_sin_scale
+        q_rot_BTNR = apply_rope(q_rot_BTNR, positions_BT, inv_freq, scale)
+        k_rot_BT1R = apply_rope(k_rot_BT1R, positions_BT, inv_freq, scale)
+        q_BTNH = jnp.concatenate([q_nope_BTNP, q_rot_BTNR], axis=-1)
+        k_BTNH = jnp.concatenate([k_nope_BTNP, jnp.broadcast_to(k_rot_BT1R, (B, T, N, rope))], axis=-1)
+        width = max(m.qk_dim, vd)  # one head width for q, k and v: the narrower zero-padded
+        pad = lambda x: x if x.shape[-1] == width else jnp.pad(x, ((0, 0),) * 3 + ((0, width - x.shape[-1]),))  # noqa: E731
+        out_BTNH = attend(cfg, None, pad(q_BTNH), pad(k_BTNH), pad(v_BTNV), segment_ids_BT)
+        return self.o(out_BTNH[..., :vd].reshape(B, T, N * vd))
+
+
+def _deinterleave(x: jax.Array) -> jax.Array:
+    """The even dimensions of the last axis, then the odd ones."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
 class MLP(nnx.Module):

@@ -64,6 +64,8 @@ def leaf_shapes(cfg: DecoderConfig, part: PartId) -> list[tuple[int, ...]]:
     shapes = [(d, q), (d, kv), (d, kv), (q, d)] + [(d,)] * cfg.norms_per_block
     if cfg.qkv_bias:
         shapes += [(q,), (kv,), (kv,)]
+    if cfg.mla is not None:  # DeepSeek-V3's multi-head latent attention
+        shapes = cfg.mla.leaf_shapes(d, cfg.heads, cfg.qkv_bias) + [(d,)] * cfg.norms_per_block
     if cfg.qk_norm:
         shapes += [(hd,), (hd,)] if cfg.qk_norm_width == "head" else [(q,), (kv,)]
     mlp = lambda f: [(d, f), (d, f), (f, d)]  # noqa: E731  (gate, up, down)
