@@ -22,6 +22,7 @@ from flax import nnx
 from flax.nnx import traversals
 
 from megatrain_jax import Decoder, Engine, EngineConfig, Hook, TrainConfig, default_optimizer, fit, preset
+from megatrain_jax.checkpoint.parts import MomentFormatWarning
 from megatrain_jax.checkpoint import (Checkpointer, CheckpointWarning, CorruptCheckpointError, ShapeMismatchError,
                                       check_step, committed_steps)
 from megatrain_jax.checkpoint.session import CheckpointedExit
@@ -273,12 +274,45 @@ def test_resuming_a_full_precision_checkpoint_in_capacity_mode_says_why_it_canno
     assert "expected shape (128, 32) bfloat16, found shape (128, 32) float32" in str(err.value)
 
 
-def test_resuming_a_capacity_checkpoint_with_8bit_moments_says_why_it_cannot(tmp_path):
-    run(1, tmp_path, checkpoint_every=1, config=CAPACITY)
-    engine = Engine(Decoder(CFG, rngs=nnx.Rngs(0)), default_optimizer(1e-3), Q8)
-    with pytest.raises(ShapeMismatchError, match="another engine.moment_dtype") as err:
-        Checkpointer(tmp_path, read_only=True).restore(engine)
-    assert "io/opt.mu.embedding.value.codes: missing from the checkpoint (expected shape (128, 32))" in str(err.value)
+@pytest.mark.parametrize("written,resumed", [("capacity", "q8"), ("q8", "capacity")])
+def test_moments_convert_between_bfloat16_and_8bit_on_restore(tmp_path, written, resumed):
+    """A capacity-mode run resumed where ``train`` picks 8-bit moments (a smaller host), and back: the moments
+    are converted, with a warning, to what the written ones stand for (within a step of the coarser format)."""
+    configs = {"capacity": CAPACITY, "q8": Q8}
+    model = Decoder(CFG, rngs=nnx.Rngs(0))
+    engine = Engine(model, default_optimizer(1e-3), configs[written])
+    for batch in [next(iter(data()))] * 2:
+        engine.step([batch])
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(engine, wait=True)
+    ckpt.close()
+    other = Engine(Decoder(CFG, rngs=nnx.Rngs(1)), default_optimizer(1e-3), configs[resumed])
+    with pytest.warns(MomentFormatWarning, match="moments converted on restore"):
+        Checkpointer(tmp_path, read_only=True).restore(other)
+    from megatrain_jax.engine.update import q8
+    from megatrain_jax.engine.update.host_optimizer import Q8Moment
+
+    def moments(e):  # each moment as float32 values, leaf by leaf
+        e.sync()
+        out = []
+        for part in e.state.parts:
+            structure = jax.tree.structure(part.params)
+            for kind, tree in (("m", part.opt.mu), ("v", part.opt.nu)):
+                for x in structure.flatten_up_to(tree):
+                    out.append(q8.q8_dequantize(x.codes, x.absmax, q8.Q8_BLOCK, kind) if isinstance(x, Q8Moment)
+                               else np.asarray(x, np.float32))
+        return out
+
+    converted = False
+    for a, b in zip(moments(engine), moments(other)):
+        scale = np.abs(a).max() + 1e-30
+        assert np.abs(a - b).max() <= 0.13 * scale  # a 3-bit mantissa's step, relative to the largest value
+        converted |= not np.array_equal(a, b)
+    assert converted
+    for a, b in zip(engine.state.parts, other.state.parts):  # the masters come back as written
+        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+            assert np.array_equal(np.asarray(jax.device_get(x)), np.asarray(jax.device_get(y)))
+    other.step([next(iter(data()))])  # and the run goes on
 
 
 def test_8bit_moments_are_saved_as_codes_and_scales(tmp_path, reference):

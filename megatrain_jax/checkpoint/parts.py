@@ -78,6 +78,36 @@ class ShapeMismatchError(ValueError):
     """The checkpoint was written for a model (or optimizer) of other shapes."""
 
 
+Q8_PARTS = (".codes", ".absmax")  # an 8-bit moment's two leaves (``Q8Moment``)
+
+
+class MomentFormatWarning(UserWarning):
+    """A checkpoint's Adam moments were converted on restore (bfloat16 <-> 8-bit, ``moment_dtype``)."""
+
+
+def moment_formats(expected: dict[str, dict], found: dict[str, dict]) -> tuple[dict[str, dict], list[str]]:
+    """The layout to read from a checkpoint whose Adam moments are in the other format than this engine's
+    (``EngineConfig.moment_dtype``): a bfloat16 moment where the engine holds an 8-bit one (``name.codes`` and
+    ``name.absmax``) is read as written, and the other way round; ``rebuild_part`` converts them. Returns
+    that layout (``expected`` where nothing differs) and the names converted."""
+    read, converted = {}, []
+    for part, e in expected.items():
+        f = found.get(part, {})
+        layout = dict(e)
+        for name in [k for k in e if k.endswith(".codes")]:
+            base = name[:-len(".codes")]
+            if name not in f and base in f and base + ".absmax" not in f:  # bf16 written, 8-bit wanted
+                del layout[name], layout[base + ".absmax"]
+                layout[base] = f[base]
+                converted.append(f"{part}/{base}")
+        for base in [k for k in e if k.startswith("opt.") and k not in f and k + ".codes" in f]:
+            del layout[base]  # 8-bit written, bf16 wanted
+            layout.update({base + q: f[base + q] for q in Q8_PARTS if base + q in f})
+            converted.append(f"{part}/{base}")
+        read[part] = layout
+    return read, converted
+
+
 def check_layout(expected: dict[str, dict], found: dict[str, dict], where: str) -> None:
     """Raise ShapeMismatchError listing *every* difference: missing or extra parts and tensors, and each
     tensor whose shape or dtype differs, as ``path: expected ..., found ...``."""
@@ -106,9 +136,6 @@ def check_layout(expected: dict[str, dict], found: dict[str, dict], where: str) 
         if ("bfloat16", "float32") in dtypes or ("float32", "bfloat16") in dtypes:
             hint = ("\n(float32 against bfloat16 state: the checkpoint was written with another "
                     "engine.master_dtype; resume with the one it was written with)")
-        if any(".codes:" in x or ".absmax:" in x for x in problems):
-            hint += ("\n(8-bit moments (codes and scales) against bfloat16 ones: the checkpoint was written with "
-                     "another engine.moment_dtype; resume with the one it was written with)")
         raise ShapeMismatchError(f"checkpoint {where} does not fit this model and optimizer "
                                  f"({len(problems)} mismatches):\n  " + "\n  ".join(problems) + hint)
 
@@ -125,4 +152,26 @@ def rebuild_part(state: HostState, part: PartId, restored: dict[str, Any]) -> tu
         assert len(names) == len(leaves)
         return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in names])
 
+    q8_formats(current.opt, flat, part.index)
     return rebuild(current.params, "params"), rebuild(current.opt, "opt")
+
+
+def q8_formats(opt: Any, flat: dict[str, Any], salt: int) -> None:
+    """Moments read in the other format than ``opt`` holds (``moment_formats``), converted in ``flat``: a
+    bfloat16 moment quantized to 8 bits (stochastically rounded, from bits keyed by the part and the leaf, as
+    the kernel would write it), an 8-bit one dequantized and rounded to bfloat16."""
+    from megatrain_jax.engine.update import q8
+    from megatrain_jax.engine.update.host_optimizer import rounding_seed
+
+    names = list(named_leaves({"opt": opt}))
+    for leaf, name in enumerate(names):
+        kind = "m" if ".mu." in name else "v"
+        if name.endswith(".codes") and name not in flat:
+            base = name[:-len(".codes")]
+            x = np.asarray(flat.pop(base), np.float32)
+            flat[name], flat[base + ".absmax"] = q8.q8_quantize(x, q8.Q8_BLOCK, kind,
+                                                                seed=rounding_seed(0, salt, leaf))
+        elif name not in flat and name + ".codes" in flat and not name.endswith(Q8_PARTS):
+            codes, absmax = flat.pop(name + ".codes"), flat.pop(name + ".absmax")
+            want = named_leaves({"opt": opt})[name].dtype
+            flat[name] = q8.q8_dequantize(codes, absmax, q8.Q8_BLOCK, kind).astype(want)

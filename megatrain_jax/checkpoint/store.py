@@ -39,6 +39,7 @@ import collections
 import dataclasses
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,8 +50,8 @@ from etils import epath
 from orbax.checkpoint import future as ocp_future
 
 from megatrain_jax.checkpoint.manifest import file_entries, verify_manifest, write_manifest
-from megatrain_jax.checkpoint.parts import (ShapeMismatchError, check_layout, flatten_nested, named_leaves, nest,
-                                            part_trees)
+from megatrain_jax.checkpoint.parts import (MomentFormatWarning, ShapeMismatchError, check_layout, flatten_nested,
+                                            moment_formats, named_leaves, nest, part_trees)
 from megatrain_jax.engine.host_state import HostState
 from megatrain_jax.engine.parts import PartId
 from megatrain_jax.engine.transfer import host_view
@@ -205,8 +206,14 @@ class PartsHandler(ocp.AsyncCheckpointHandler):
 
     def restore(self, directory, args: PartsRestore) -> None:
         directory = Path(directory)
-        check_layout(args.layout, self.layout(directory), str(directory.parent))
-        for name, layout in args.layout.items():
+        found = self.layout(directory)
+        expected, converted = moment_formats(args.layout, found)
+        check_layout(expected, found, str(directory.parent))
+        if converted:
+            warnings.warn(f"the checkpoint's Adam moments are in another format than this run's "
+                          f"(engine.moment_dtype): {len(converted)} moments converted on restore (first: "
+                          f"{converted[0]}); the run goes on in its own format", MomentFormatWarning)
+        for name, layout in expected.items():
             restore_args = nest({k: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.dtype(dtype))
                                  for k, (_, dtype) in layout.items()})
             tree = self._tree.restore(epath.Path(directory / name),
