@@ -21,7 +21,7 @@ from megatrain_jax.engine.update.host_optimizer import HostOptimizer, Q8Moment, 
 from megatrain_jax.optim import fused_spec
 from megatrain_jax.reference import model_loss
 
-from test_capacity import _bf16_ulp
+from test_capacity import _bf16_ulp, one_against_two_devices
 from test_engine import TINY3, make_batches
 
 pytestmark = pytest.mark.skipif(host_kernel.load() is None, reason="8-bit moments need the C++ host kernel")
@@ -220,18 +220,5 @@ def test_two_devices_train_as_one():
     """The whole engine over two devices (gradients rounded to bfloat16 per shard, 8-bit moments updated row
     range by row range): nearly every master equals the one-device run's (the two-device gradients differ in
     the last float32 bits, which Adam amplifies where a gradient is rounding noise)."""
-    if len(jax.devices()) < 2:
-        pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
-    batches = make_batches(3, vocab=TINY3.vocab_size)
-    states = []
-    for devices in (jax.devices()[:1], jax.devices()[:2]):
-        engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), TX(), Q8, devices=devices)
-        for b in batches:
-            engine.step([b]).resolve()
-        engine.sync()
-        states.append([np.asarray(jax.device_get(x), np.float32) for x in jax.tree.leaves(
-            [p.params for p in engine.state.parts])])
-    total = sum(a.size for a in states[0])
-    exact = sum(int(np.sum(a == b)) for a, b in zip(*states)) / total
-    close = sum(int(np.sum(np.abs(a - b) <= _bf16_ulp(b) * 1.01)) for a, b in zip(*states)) / total
+    exact, close = one_against_two_devices(Q8, TX)
     assert exact > 0.85 and close > 0.95, (exact, close)

@@ -163,8 +163,8 @@ def q8_formats(opt: Any, flat: dict[str, Any], salt: int) -> None:
     from megatrain_jax.engine.update import q8
     from megatrain_jax.engine.update.host_optimizer import rounding_seed
 
-    names = list(named_leaves({"opt": opt}))
-    for leaf, name in enumerate(names):
+    leaves = named_leaves({"opt": opt})
+    for leaf, name in enumerate(leaves):
         kind = "m" if ".mu." in name else "v"
         if name.endswith(".codes") and name not in flat:
             base = name[:-len(".codes")]
@@ -173,5 +173,4 @@ def q8_formats(opt: Any, flat: dict[str, Any], salt: int) -> None:
                                                                 seed=rounding_seed(0, salt, leaf))
         elif name not in flat and name + ".codes" in flat and not name.endswith(Q8_PARTS):
             codes, absmax = flat.pop(name + ".codes"), flat.pop(name + ".absmax")
-            want = named_leaves({"opt": opt})[name].dtype
-            flat[name] = q8.q8_dequantize(codes, absmax, q8.Q8_BLOCK, kind).astype(want)
+            flat[name] = q8.q8_dequantize(codes, absmax, q8.Q8_BLOCK, kind).astype(leaves[name].dtype)

@@ -681,14 +681,11 @@ PRESETS["deepseek-v3"] = DecoderConfig(
     mla=MLAConfig(kv_lora_rank=512, q_lora_rank=1536, qk_nope_dim=128, qk_rope_dim=64, v_dim=128),
     moe=MoEConfig(experts=256, top_k=8, expert_ffn=2048, norm_topk_prob=True, shared_expert_ffn=2048,
                   shared_expert_gate=False, scoring="sigmoid", groups=8, topk_groups=4, routed_scale=2.5))
-PRESETS["kimi-k2"] = DecoderConfig(
-    family="deepseek_v3", vocab_size=163840, hidden=7168, ffn=18432, layers=61, heads=64, kv_heads=64,
-    rope_theta=50000.0, norm_eps=1e-6, max_positions=131072, first_k_dense_replace=1,
-    rope_scaling=RopeScaling(kind="yarn", factor=32.0, original_max_position=4096, beta_fast=1.0, beta_slow=1.0,
-                             mscale=1.0, mscale_all_dim=1.0),
-    mla=MLAConfig(kv_lora_rank=512, q_lora_rank=1536, qk_nope_dim=128, qk_rope_dim=64, v_dim=128),
-    moe=MoEConfig(experts=384, top_k=8, expert_ffn=2048, norm_topk_prob=True, shared_expert_ffn=2048,
-                  shared_expert_gate=False, scoring="sigmoid", groups=1, topk_groups=1, routed_scale=2.827))
+_DSV3 = PRESETS["deepseek-v3"]
+PRESETS["kimi-k2"] = _DSV3.replace(  # the same architecture: fewer heads, more experts, one dense layer
+    vocab_size=163840, heads=64, kv_heads=64, rope_theta=50000.0, max_positions=131072, first_k_dense_replace=1,
+    rope_scaling=dataclasses.replace(_DSV3.rope_scaling, factor=32.0, beta_fast=1.0),
+    moe=dataclasses.replace(_DSV3.moe, experts=384, groups=1, topk_groups=1, routed_scale=2.827))
 PRESETS["7b"] = PRESETS["llama2-7b"]
 PRESETS["3.5b"] = PRESETS["llama2-7b"].replace(layers=16)
 PRESETS["1b"] = PRESETS["llama3.2-1b"]

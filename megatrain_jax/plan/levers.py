@@ -104,10 +104,12 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[tuple[tuple[str, Any], ..
                            "instead of 12, no 16-bit copy; quality: docs/capacity.md)" + on_host))
     if not e.q8 and e.host_kernel:  # below capacity mode's precision: its moments in 8 bits, all in memory
         q8 = switch({**to, "engine.moment_dtype": "q8", "engine.host_grad_dtype": "bfloat16", "engine.disk_parts": 0})
-        moments = sum(q8_moment_bytes(c, part) for part in part_ids(c.layers)) / c.param_count()
+        # the moments' bytes are counted leaf by leaf only when the words are asked for (the searches call
+        # _levers again for every candidate they try)
+        moments = lambda: sum(q8_moment_bytes(c, part) for part in part_ids(c.layers)) / c.param_count()  # noqa: E731
         yield ("q8", [q8],
                lambda ch: (f"capacity mode with 8-bit Adam moments and bfloat16 gradients in host memory (about "
-                           f"{2 + moments:.1f} B/param of masters and moments + 2 B/param of gradients; "
+                           f"{2 + moments():.1f} B/param of masters and moments + 2 B/param of gradients; "
                            f"stochastically rounded, quality: docs/capacity.md)" + on_host +
                            ("; no disk tier" if e.disk_parts else "")))
     if e.keep_residuals and kept_bytes(c, e, 1, 1, assumes_flash(c)):

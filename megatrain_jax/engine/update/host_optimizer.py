@@ -54,6 +54,7 @@ from megatrain_jax.optim import AdamWState, fused_spec
 
 Route = Literal["fused", "host", "device"]
 
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Q8Moment:
