@@ -21,6 +21,10 @@ import os
 from pathlib import Path
 
 HOST_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+# The host RAM this process may use, in GiB, where /proc/meminfo does not tell it: a virtual machine whose
+# memory grows as it is touched (MemTotal starts far below what the machine may use), or a container whose
+# cgroup allows less than the host's RAM. It replaces both the physical RAM and MemAvailable everywhere.
+HOST_RAM_VAR = "MEGATRAIN_HOST_RAM_GIB"
 GPU_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 # The share of each GPU's memory XLA's allocator takes when megatrain_jax sets it (JAX's own default is
 # 0.75). The engine owns the GPU; the rest is for the CUDA context, cuDNN and cuBLAS handles and NCCL's
@@ -32,8 +36,26 @@ CACHE_VAR = "MEGATRAIN_COMPILATION_CACHE"
 _OFF = ("0", "off", "false", "no", "")
 
 
+def host_ram_override() -> int | None:
+    """``MEGATRAIN_HOST_RAM_GIB`` in bytes, None where it is unset or empty. A value that is not a positive
+    number is refused with what to write instead."""
+    raw = os.environ.get(HOST_RAM_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = float("nan")
+    if not gib > 0 or gib == float("inf"):
+        raise ValueError(f"{HOST_RAM_VAR}={raw!r}: give the host RAM this run may use as a positive number of "
+                         f"GiB (e.g. {HOST_RAM_VAR}=500), or unset it to read /proc/meminfo")
+    return int(gib * 2**30)
+
+
 def physical_ram_bytes() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """The machine's RAM: ``MEGATRAIN_HOST_RAM_GIB`` where set, else the kernel's page count."""
+    override = host_ram_override()
+    return override if override is not None else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 # The value megatrain_jax itself put in HOST_LIMIT_VAR, so that a child process (which inherits both)

@@ -711,3 +711,19 @@ def test_an_engine_refuses_resident_layers_auto():
         Engine(Decoder(preset("tiny"), rngs=nnx.Rngs(0)), optax.sgd(0.1), EngineConfig(resident_layers="auto"))
     with pytest.raises(ValueError, match="'auto'"):
         EngineConfig(resident_layers="all")
+
+
+def test_host_ram_override(monkeypatch):
+    """MEGATRAIN_HOST_RAM_GIB replaces /proc/meminfo for the plan and the pool cap (a VM whose RAM grows as it is
+    touched starts with a MemTotal far below its limit); a bad value says what to write."""
+    from megatrain_jax import _environment
+    from megatrain_jax.plan import machine
+    monkeypatch.setenv("MEGATRAIN_HOST_RAM_GIB", "500")
+    assert machine.available_host_bytes() == 500 * 2**30
+    assert _environment.physical_ram_bytes() == 500 * 2**30
+    monkeypatch.setenv("MEGATRAIN_HOST_RAM_GIB", "")
+    assert _environment.physical_ram_bytes() == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for bad in ("lots", "-3", "0", "inf"):
+        monkeypatch.setenv("MEGATRAIN_HOST_RAM_GIB", bad)
+        with pytest.raises(ValueError, match="MEGATRAIN_HOST_RAM_GIB=.*positive number of GiB"):
+            machine.available_host_bytes()

@@ -10,7 +10,7 @@ import math
 import os
 import subprocess
 
-from megatrain_jax._environment import ENGINE_GPU_FRACTION, GPU_FRACTION_VAR, user_host_pool_limit
+from megatrain_jax._environment import ENGINE_GPU_FRACTION, GPU_FRACTION_VAR, host_ram_override, user_host_pool_limit
 from megatrain_jax.plan.counts import GiB, MiB
 
 # Python, JAX/XLA, CUDA libraries, compiled programs: 3.0-3.7 GiB of resident memory outside the pinned
@@ -27,7 +27,12 @@ POOL_HEADROOM = (0.10, 4 * GiB)  # what the fitted pool cap adds to the pinned a
 
 
 def available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), None elsewhere."""
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), None elsewhere;
+    ``MEGATRAIN_HOST_RAM_GIB`` instead where it is set (a machine whose /proc/meminfo understates or
+    overstates what this process may use)."""
+    override = host_ram_override()
+    if override is not None:
+        return override
     try:
         with open("/proc/meminfo") as f:
             for line in f:
