@@ -212,3 +212,14 @@ def test_engine_equals_reference_with_clipping_and_accumulation():
     jax.grad + optax reference does: three steps of two accumulated groups of two micro-batches, clipped."""
     run_both(TINY_GEMMA3.replace(final_logit_softcap=5.0), ADAMW,
              EngineConfig(micro_batches=2, accumulate_steps=2, clip_norm=0.05))
+
+
+def test_another_depth_keeps_the_layer_pattern():
+    """``model.layers=N`` on a preset with per-layer kinds (and the plan's smaller-model option) continues the
+    pattern instead of failing on a ``layer_types`` of the old length."""
+    from megatrain_jax import preset
+    cfg = preset("gemma3-12b")
+    for n in (4, 7, 47, 50):
+        cut = cfg.replace(layers=n)
+        assert cut.layer_types == tuple(cfg.layer_types[i % len(cfg.layer_types)] for i in range(n))
+    assert preset("gemma3-12b", layers=7).layer_types[5] == "full_attention"

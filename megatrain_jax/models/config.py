@@ -408,6 +408,11 @@ class DecoderConfig:
         if unknown:
             raise ValueError(f"unknown DecoderConfig field(s) {unknown}; valid fields: "
                              f"{[f.name for f in dataclasses.fields(self)]}")
+        layers = changes.get("layers", self.layers)
+        if self.layer_types is not None and "layer_types" not in changes and layers != len(self.layer_types):
+            # Another depth of the same model (``model.layers=4`` on a preset, the plan's smaller-model option):
+            # the per-layer pattern continues as it was (Gemma 3's five local layers to one global one).
+            changes["layer_types"] = tuple(self.layer_types[i % len(self.layer_types)] for i in range(layers))
         return dataclasses.replace(self, **changes)
 
     @classmethod
