@@ -210,7 +210,7 @@ def write_mxfp4(out: Path, packed: dict[str, tuple[torch.Tensor, torch.Tensor]],
     """Replace the saved experts by their ``*_blocks`` / ``*_scales``, add the release's quantization_config, and
     write ``mxfp4_reference.safetensors``: transformers' dequantization of layer 0's two pairs (in bfloat16: their
     exponents leave every value exact there) and of a pair that covers every byte and every exponent 0..255
-    (``lut.*``, in float32 and bfloat16: overflow to inf and 0 x inf = nan included). Check that transformers loads
+    (``lut.*``, in float32 and bfloat16: exponent 255, where larger values overflow to inf, included). Check that transformers loads
     the folder (on a CPU without triton it dequantizes MXFP4 to the parameters' dtype; needs accelerate) with the
     logits saved."""
     from safetensors.torch import load_file, save_file
