@@ -16,10 +16,10 @@ then load with this one (``--against`` gives the folders whose tokens.npy / logi
 
     /work/venv/bin/python -c "from megatrain_jax.hf import load_hf, save_hf
     for n in ['llama', 'llama_tied_rope3', 'mistral', 'qwen2', 'qwen3', 'phi3', 'phi3_longrope', 'olmo2',
-              'gemma3_text', 'glm4_moe', 'deepseek_v3', 'deepseek_v3_noqlora']:
+              'gemma3_text', 'glm4_moe', 'deepseek_v3', 'deepseek_v3_noqlora', 'gpt_oss', 'gpt_oss_mxfp4']:
         save_hf(f'/tmp/hf_export/{n}', *load_hf(f'tests/fixtures/hf/{n}'), dtype='float32')"
     /work/venv-hf/bin/python scripts/make_hf_fixtures.py --check-export /tmp/hf_export/* \
-        --against tests/fixtures/hf/{deepseek_v3,deepseek_v3_noqlora,gemma3_text,glm4_moe,llama,llama_tied_rope3,mistral,olmo2,phi3,phi3_longrope,qwen2,qwen3}
+        --against tests/fixtures/hf/{deepseek_v3,deepseek_v3_noqlora,gemma3_text,glm4_moe,gpt_oss,gpt_oss_mxfp4,llama,llama_tied_rope3,mistral,olmo2,phi3,phi3_longrope,qwen2,qwen3}
 """
 
 from __future__ import annotations
@@ -181,6 +181,9 @@ def make(name: str, seed: int) -> None:
     np.save(out / "logits.npy", logits_of(model, tokens))
     if packed is not None:
         write_mxfp4(out, packed, tokens)
+    if name == "gpt_oss":  # the released models' RoPE (GptOssConfig's defaults: head_dim 64, YaRN by 32 over 4,096)
+        rope = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(transformers.GptOssConfig())
+        np.savez(out / "rope_released.npz", inv_freq=rope.inv_freq.numpy(), attention_scaling=rope.attention_scaling)
     size = sum(p.stat().st_size for p in out.iterdir())
     assert size < MAX_BYTES, f"{name}: {size} bytes"
     print(f"{name}: {size / 1024:.1f} KiB, logits max |x| {np.abs(np.load(out / 'logits.npy')).max():.3f}")
@@ -210,9 +213,9 @@ def write_mxfp4(out: Path, packed: dict[str, tuple[torch.Tensor, torch.Tensor]],
     """Replace the saved experts by their ``*_blocks`` / ``*_scales``, add the release's quantization_config, and
     write ``mxfp4_reference.safetensors``: transformers' dequantization of layer 0's two pairs (in bfloat16: their
     exponents leave every value exact there) and of a pair that covers every byte and every exponent 0..255
-    (``lut.*``, in float32 and bfloat16: exponent 255, where larger values overflow to inf, included). Check that transformers loads
-    the folder (on a CPU without triton it dequantizes MXFP4 to the parameters' dtype; needs accelerate) with the
-    logits saved."""
+    (``lut.*``, in float32 and bfloat16: exponent 255, where larger values overflow to inf, included). Check
+    that transformers loads the folder (on a CPU without triton it dequantizes MXFP4 to the parameters' dtype;
+    needs accelerate) with the logits saved."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     tensors = load_file(out / "model.safetensors")
