@@ -29,7 +29,7 @@ from megatrain_jax.models import Decoder, preset
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 NAMES = ["llama", "llama_tied_rope3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3",
-         "phi3_longrope", "olmo2", "gemma3_text", "glm4_moe", "deepseek_v3", "deepseek_v3_noqlora"]
+         "phi3_longrope", "olmo2", "gemma3_text", "glm4_moe", "deepseek_v3", "deepseek_v3_noqlora", "gpt_oss"]
 HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
