@@ -476,9 +476,9 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
         raise CheckpointMismatch(f"{len(block_params)} block parameter trees for a {cfg.layers}-layer config")
     hf_config = config_to_hf(cfg, dtype)
     if cfg.family == "gpt_oss":
-        warnings.warn(f"gpt_oss export to {model_dir}: the experts are written unquantized in {dtype} (MXFP4 -> "
-                      f"{dtype}; no quantization_config), not as the released checkpoints' MXFP4 blocks; transformers "
-                      f"loads them as they are", stacklevel=2)
+        warnings.warn(f"gpt_oss export to {model_dir}: the experts are written unquantized in {dtype}, not in the "
+                      f"released checkpoints' MXFP4 format (MXFP4 -> {dtype} for a model read from one; no "
+                      f"quantization_config): transformers loads them as they are", stacklevel=2)
     parts = [("io", _pure(io_params), io_specs(cfg))]
     parts += [(f"block {i}", _pure(p), block_specs(cfg, i)) for i, p in enumerate(block_params)]
     pieces, wrong = {}, []  # HF name -> (shape, producers of its pieces in row order)
