@@ -21,15 +21,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 
 from megatrain_jax import EngineConfig, adamw
 from megatrain_jax.hf import Checkpoint, UnsupportedConfig, config_from_hf, config_to_hf, load_hf, read_safetensors, save_hf
 from megatrain_jax.hf.mxfp4 import dequantize_mxfp4
-from megatrain_jax.models import Decoder, MoEConfig, preset
+from megatrain_jax.models import MoEConfig, preset
 from megatrain_jax.models.layers import rope_inv_freq, sink_attention
-from megatrain_jax.plan import io_param_count
-from megatrain_jax.plan.counts import leaf_shapes
+from test_deepseek_v3 import assert_counts_equal_the_model
 from test_engine import run_both
 from test_hf import FIXTURES, logits_of, model_from, rel_err
 
@@ -256,15 +254,7 @@ def test_sink_attention_in_chunks_equals_it_whole():
 def test_counts_equal_the_model_parameters():
     """``param_count``, ``block_param_count`` and the memory plan's leaf shapes hold what the model holds (sinks,
     o bias, router bias, expert biases included)."""
-    model = nnx.eval_shape(lambda: Decoder(GPT_OSS, rngs=nnx.Rngs(0)))
-    size = lambda part: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(part, nnx.Param)))  # noqa: E731
-    assert [b.kind for b in model.blocks] == ["sliding_attention", "full_attention"] * 2
-    assert size(model) == GPT_OSS.param_count() and size(model.io) == io_param_count(GPT_OSS)
-    from megatrain_jax.engine.parts import PartId
-    for i, block in enumerate(model.blocks):
-        assert sorted(leaf_shapes(GPT_OSS, PartId.block(i))) == sorted(
-            tuple(x.shape) for x in jax.tree.leaves(nnx.state(block, nnx.Param)))
-        assert GPT_OSS.block_param_count(i) == size(block)
+    assert_counts_equal_the_model(GPT_OSS, ["sliding_attention", "full_attention"] * 2)
 
 
 def test_engine_equals_reference():

@@ -502,7 +502,7 @@ def check_exportable(cfg: DecoderConfig) -> None:
         problems.append(f"rope_scaling kind {s.kind!r} (Phi-3 takes no scaling or longrope only, and longrope is "
                         f"Phi-3's alone)")
     if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1 and cfg.family not in ("gemma3", "gpt_oss"):
-        problems.append(f"layer_types mixes sliding and full attention (not written to Hugging Face configs yet)")
+        problems.append("layer_types mixes sliding and full attention (not written to Hugging Face configs yet)")
     if cfg.first_k_dense_replace and cfg.family not in _SIGMOID_ROUTED:
         problems.append(f"first_k_dense_replace={cfg.first_k_dense_replace} (leading dense layers: not written to "
                         f"Hugging Face configs yet)")

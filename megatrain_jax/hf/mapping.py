@@ -78,7 +78,7 @@ def io_specs(cfg: DecoderConfig) -> list[Spec]:
 
 
 def block_specs(cfg: DecoderConfig, i: int) -> list[Spec]:
-    D, F, hd = cfg.hidden, cfg.ffn, cfg.dim_per_head
+    D, hd = cfg.hidden, cfg.dim_per_head
     q, kv = cfg.heads * hd, cfg.kv_heads * hd
     p = f"model.layers.{i}."
     # the attention's norm and the MLP's: pre-norm blocks name them by position in the block
