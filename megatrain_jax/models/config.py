@@ -275,7 +275,9 @@ class DecoderConfig:
     ``mlp_activation="gelu_tanh"``, ``query_pre_attn_scalar`` and ``sliding_rope_theta`` (with ``layer_types``);
     ``moe`` (a ``MoEConfig``) replaces every block's MLP by a mixture of experts (Mixtral, Qwen2-MoE,
     Qwen3-MoE, GLM-4.5) but the first ``first_k_dense_replace`` (DeepSeek-V3, GLM-4.5: HF's field), which keep a
-    dense MLP of width ``ffn`` (HF's ``intermediate_size``); ``ffn`` is unused where no layer is dense. ``dtype`` is the compute dtype; parameters are always created
+    dense MLP of width ``ffn`` (HF's ``intermediate_size``); ``ffn`` is unused where no layer is dense. GPT-OSS sets
+    ``attention_sinks``, ``qkv_bias`` and ``o_bias``, ``layer_types``, and a ``moe`` with router and expert biases and
+    the clamped SwiGLU. ``dtype`` is the compute dtype; parameters are always created
     in float32 (the master copy).
     """
 
