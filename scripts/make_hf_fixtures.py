@@ -7,7 +7,7 @@ mapping, RoPE or window changes the logits visibly. The JAX venv has no torch, s
 
     PYENV_VERSION=3.11.7 python3.11 -m venv /work/venv-hf
     /work/venv-hf/bin/pip install torch==2.13.0          # the CPU wheel on disk; install it first
-    /work/venv-hf/bin/pip install transformers safetensors numpy
+    /work/venv-hf/bin/pip install transformers safetensors numpy accelerate  # accelerate: to load MXFP4 folders
     /work/venv-hf/bin/python scripts/make_hf_fixtures.py
 
 Check that folders written by ``megatrain_jax.hf.save_hf`` load in transformers
@@ -16,10 +16,10 @@ then load with this one (``--against`` gives the folders whose tokens.npy / logi
 
     /work/venv/bin/python -c "from megatrain_jax.hf import load_hf, save_hf
     for n in ['llama', 'llama_tied_rope3', 'mistral', 'qwen2', 'qwen3', 'phi3', 'phi3_longrope', 'olmo2',
-              'gemma3_text', 'glm4_moe', 'deepseek_v3', 'deepseek_v3_noqlora']:
+              'gemma3_text', 'glm4_moe', 'deepseek_v3', 'deepseek_v3_noqlora', 'gpt_oss', 'gpt_oss_mxfp4']:
         save_hf(f'/tmp/hf_export/{n}', *load_hf(f'tests/fixtures/hf/{n}'), dtype='float32')"
     /work/venv-hf/bin/python scripts/make_hf_fixtures.py --check-export /tmp/hf_export/* \
-        --against tests/fixtures/hf/{deepseek_v3,deepseek_v3_noqlora,gemma3_text,glm4_moe,llama,llama_tied_rope3,mistral,olmo2,phi3,phi3_longrope,qwen2,qwen3}
+        --against tests/fixtures/hf/{deepseek_v3,deepseek_v3_noqlora,gemma3_text,glm4_moe,gpt_oss,gpt_oss_mxfp4,llama,llama_tied_rope3,mistral,olmo2,phi3,phi3_longrope,qwen2,qwen3}
 """
 
 from __future__ import annotations
@@ -113,11 +113,32 @@ FIXTURES = {
         rope_interleave=False, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
         moe_intermediate_size=16, norm_topk_prob=False, routed_scaling_factor=1.5, num_nextn_predict_layers=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # GPT-OSS: attention sinks (drawn N(0, 1): ``randomize``), q/k/v/o biases, sliding (a 4-token window) and full
+    # layers alternating by layer_types, YaRN by 4 over 8 positions without truncation (as the release: truncate
+    # false); a router with a bias picking 2 of 4 experts, their gate/up fused and interleaved, with biases, and the
+    # clamped SwiGLU (alpha 1.702, limit 1.5: low enough that the clamps act on these weights)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        hidden_size=32, intermediate_size=32, num_hidden_layers=3, head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], num_local_experts=4,
+        num_experts_per_tok=2, swiglu_limit=1.5, router_aux_loss_coef=0.02, attention_bias=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 8})),
+    # GPT-OSS as released: the experts' gate_up_proj / down_proj stored as MXFP4 (``*_blocks``: two e2m1 values per
+    # byte, ``*_scales``: a power-of-two exponent (bias 127) per 32 values), config.json with quantization_config
+    # {"quant_method": "mxfp4"}. ``make`` writes random blocks and scales in the released layout, and beside them
+    # transformers' own dequantization (``mxfp4_reference.safetensors``); the logits are the model holding
+    # transformers' dequantized experts. intermediate 64: down_proj's rows are two 32-value groups
+    "gpt_oss_mxfp4": ("GptOssConfig", "GptOssForCausalLM", dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], num_local_experts=4, num_experts_per_tok=2,
+        attention_bias=True)),
 }
+MXFP4 = ("gpt_oss_mxfp4",)  # fixtures whose experts are written as MXFP4
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Draw every parameter: matrices N(0, 0.15), norm scales 1 + N(0, 0.1), biases N(0, 0.1)."""
+    """Draw every parameter: matrices N(0, 0.15), norm scales 1 + N(0, 0.1), attention sinks N(0, 1), biases
+    N(0, 0.1)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -126,6 +147,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.15 * noise)
             elif name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("sinks"):  # GPT-OSS's attention sinks: logits that compete with the scores
+                p.copy_(noise)
             else:
                 p.copy_(0.1 * noise)
 
@@ -152,12 +175,74 @@ def make(name: str, seed: int) -> None:
     tokens = np.random.default_rng(seed).integers(0, VOCAB, size=(BATCH, SEQ), dtype=np.int32)
     out = OUT / name
     shutil.rmtree(out, ignore_errors=True)
+    packed = quantize_experts(model, seed) if name in MXFP4 else None
     model.save_pretrained(out, safe_serialization=True)
     np.save(out / "tokens.npy", tokens)
     np.save(out / "logits.npy", logits_of(model, tokens))
+    if packed is not None:
+        write_mxfp4(out, packed, tokens)
+    if name == "gpt_oss":  # the released models' RoPE (GptOssConfig's defaults: head_dim 64, YaRN by 32 over 4,096)
+        rope = transformers.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(transformers.GptOssConfig())
+        np.savez(out / "rope_released.npz", inv_freq=rope.inv_freq.numpy(), attention_scaling=rope.attention_scaling)
     size = sum(p.stat().st_size for p in out.iterdir())
     assert size < MAX_BYTES, f"{name}: {size} bytes"
     print(f"{name}: {size / 1024:.1f} KiB, logits max |x| {np.abs(np.load(out / 'logits.npy')).max():.3f}")
+
+
+def quantize_experts(model: torch.nn.Module, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Random MXFP4 experts in the released layout, put into ``model`` as transformers dequantizes them
+    (``convert_moe_packed_tensors``, float32). ``*_blocks`` [experts, out, in / 32, 16] uint8 (value 2j in the low
+    nibble of byte j, 2j + 1 in the high one), ``*_scales`` [experts, out, in / 32] uint8 (2^(scale - 127));
+    exponents 118..123: values of at most 6 x 2^-4, about the size of ``randomize``'s."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    g = torch.Generator().manual_seed(seed + 2000)
+    packed = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                continue
+            experts, d_in, d_out = p.shape  # stored [experts, in, out]
+            blocks = torch.randint(0, 256, (experts, d_out, d_in // 32, 16), generator=g, dtype=torch.uint8)
+            scales = torch.randint(118, 124, (experts, d_out, d_in // 32), generator=g, dtype=torch.uint8)
+            p.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            packed[name] = (blocks, scales)
+    return packed
+
+
+def write_mxfp4(out: Path, packed: dict[str, tuple[torch.Tensor, torch.Tensor]], tokens: np.ndarray) -> None:
+    """Replace the saved experts by their ``*_blocks`` / ``*_scales``, add the release's quantization_config, and
+    write ``mxfp4_reference.safetensors``: transformers' dequantization of layer 0's two pairs (in bfloat16: their
+    exponents leave every value exact there) and of a pair that covers every byte and every exponent 0..255
+    (``lut.*``, in float32 and bfloat16: exponent 255, where larger values overflow to inf, included). Check
+    that transformers loads the folder (on a CPU without triton it dequantizes MXFP4 to the parameters' dtype;
+    needs accelerate) with the logits saved."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    tensors = load_file(out / "model.safetensors")
+    reference = {}
+    every_byte = torch.arange(256, dtype=torch.uint8).reshape(16, 16).repeat(16, 1)  # [256, 16]: each row all 256
+    lut_blocks = every_byte[None, :, None, :].contiguous()  # [1, 256, 1, 16]
+    lut_scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)[None, :, None].contiguous()  # [1, 256, 1]
+    for name, (blocks, scales) in [*packed.items(), ("lut", (lut_blocks, lut_scales))]:
+        if name != "lut":
+            del tensors[name]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        if name != "lut" and ".layers.0." not in name:
+            continue
+        reference[name + "_blocks"], reference[name + "_scales"] = blocks, scales
+        for dtype in (torch.float32, torch.bfloat16) if name == "lut" else (torch.bfloat16,):  # exact in bf16
+            reference[f"{name}.{str(dtype).removeprefix('torch.')}"] = convert_moe_packed_tensors(
+                blocks.clone(), scales.clone(), dtype=dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(reference, out / "mxfp4_reference.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    err = float(np.abs(logits_of(model.eval(), tokens) - np.load(out / "logits.npy")).max())
+    print(f"{out.name}: transformers loads the MXFP4 folder ({type(model).__name__}); max |logits error| {err:.2e}")
+    assert err == 0.0, err
 
 
 def check_export(folder: Path, reference: Path, tolerance: float = 1e-4) -> None:

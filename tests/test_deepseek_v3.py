@@ -163,9 +163,15 @@ def test_the_multi_token_prediction_layer_of_a_checkpoint_is_skipped_with_a_warn
                          ids=["q_lora", "q_proj_bias"])
 def test_counts_equal_the_model_parameters(cfg):
     """``param_count`` and the memory plan's leaf shapes hold what the model holds."""
+    assert_counts_equal_the_model(cfg, ["dense", "moe", "moe"])
+
+
+def assert_counts_equal_the_model(cfg, kinds: list) -> None:
+    """``param_count``, ``block_param_count``, ``io_param_count`` and the memory plan's leaf shapes equal the
+    parameters of a model of ``cfg``, whose blocks are of these kinds."""
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     size = lambda part: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(part, nnx.Param)))  # noqa: E731
-    assert [b.kind for b in model.blocks] == ["dense", "moe", "moe"]
+    assert [b.kind for b in model.blocks] == kinds
     assert size(model) == cfg.param_count() and size(model.io) == io_param_count(cfg)
     from megatrain_jax.engine.parts import PartId
     for i, block in enumerate(model.blocks):

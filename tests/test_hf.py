@@ -29,7 +29,7 @@ from megatrain_jax.models import Decoder, preset
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 NAMES = ["llama", "llama_tied_rope3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3",
-         "phi3_longrope", "olmo2", "gemma3_text", "glm4_moe", "deepseek_v3", "deepseek_v3_noqlora"]
+         "phi3_longrope", "olmo2", "gemma3_text", "glm4_moe", "deepseek_v3", "deepseek_v3_noqlora", "gpt_oss"]
 HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
@@ -628,7 +628,7 @@ def test_linear_and_yarn_rope_scaling_read_and_written_as_transformers_does(rope
     assert again == cfg
 
 
-@pytest.mark.parametrize("name", ["llama", "phi3", "glm4_moe", "deepseek_v3"])  # phi3: each kernel a piece of a fused tensor; glm4_moe, deepseek_v3: a dense then MoE blocks
+@pytest.mark.parametrize("name", ["llama", "phi3", "glm4_moe", "deepseek_v3", "gpt_oss_mxfp4"])  # phi3: each kernel a piece of a fused tensor; glm4_moe, deepseek_v3: a dense then MoE blocks; gpt_oss_mxfp4: MXFP4 experts, gate/up interleaved
 def test_engine_state_read_part_by_part_from_the_checkpoint_equals_a_filled_model(name):
     """``init_from=HFParts``: the state built from the safetensors, the model abstract throughout, equals
     the state of a model filled with load_hf_into first."""

@@ -1,6 +1,6 @@
 """Hugging Face ``config.json`` <-> DecoderConfig, for Llama, Mistral, Qwen2, Qwen3, Phi-3 (Phi-3, Phi-3.5,
 Phi-4, Phi-4-mini), OLMo 2, Gemma 3 (text: ``gemma3_text``) and the mixtures of experts Mixtral, Qwen2-MoE,
-Qwen3-MoE, GLM-4.5 (``glm4_moe``) and DeepSeek-V3 / Kimi K2 (``deepseek_v3``).
+Qwen3-MoE, GLM-4.5 (``glm4_moe``), DeepSeek-V3 / Kimi K2 (``deepseek_v3``) and GPT-OSS (``gpt_oss``).
 
 Both the transformers 4.x spelling (``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and the 5.x one
 (``rope_parameters``, ``dtype``) are read; we write the 4.x spelling, which 5.x still reads. Anything
@@ -27,14 +27,21 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "glm4_moe": ("glm4_moe", "Glm4MoeForCausalLM"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
 }
-_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
 _SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3")  # sigmoid routers with a correction bias, grouped top-k, shared experts
 # DeepseekV3Config's defaults (DeepSeek-V3's shape) where config.json omits a field
 _DEEPSEEK_V3_DEFAULTS = dict(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
                              n_group=8, topk_group=4, routed_scaling_factor=2.5, first_k_dense_replace=3,
                              kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
                              v_head_dim=128, rope_interleave=True, intermediate_size=18432)
+# GptOssConfig's defaults (GPT-OSS-120B's shape, its YaRN and RoPE base) where config.json omits a field
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+_GPT_OSS_DEFAULTS = dict(num_local_experts=128, num_experts_per_tok=4, intermediate_size=2880, head_dim=64,
+                         sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True,
+                         rope_theta=150000.0, swiglu_alpha=1.702, swiglu_limit=7.0, router_aux_loss_coef=0.001)
 _FAMILY_TO_TYPE = {family: mt for mt, (family, _) in ARCHITECTURES.items()}
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_moe": 128, "gemma3_text": 256}  # transformers' default when config.json omits head_dim
 _SUPPORTED_ROPE = ("default", "llama3", "linear", "yarn")
@@ -163,12 +170,12 @@ def _gemma3_rope(c: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | 
     return theta, scaling, float(local.get("rope_theta", c.get("rope_local_base_freq", 10000.0)))
 
 
-def _gemma3_layer_types(c: dict[str, Any], layers: int) -> tuple[str, ...]:
-    """Each layer's attention: ``layer_types``, or in older configs every ``sliding_window_pattern``-th layer
-    full attention, the rest sliding (Gemma3TextConfig's rule; pattern 6 by default)."""
+def _layer_types(c: dict[str, Any], layers: int, pattern: int) -> tuple[str, ...]:
+    """Each layer's attention: ``layer_types``, or where a config omits it every ``pattern``-th layer full
+    attention, the rest sliding (Gemma3TextConfig's rule with its ``sliding_window_pattern``, 6 by default;
+    GptOssConfig's with 2)."""
     types = c.get("layer_types")
     if types is None:
-        pattern = int(c.get("sliding_window_pattern", 6))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     return tuple(types)
 
@@ -178,6 +185,8 @@ def _sliding_window(c: dict[str, Any], mt: str, layers: int) -> int | None:
         return c.get("sliding_window")
     if mt in ("llama", "olmo2", "glm4_moe", "deepseek_v3"):
         return None
+    if mt == "gpt_oss":  # on the layers of type sliding_attention (layer_types)
+        return c.get("sliding_window")
     if mt == "gemma3_text":
         return c.get("sliding_window", 4096)  # Gemma3TextConfig's default
     # Qwen2/3: a window only when use_sliding_window, and then only on layers >= max_window_layers
@@ -212,6 +221,12 @@ def _check_unsupported(c: dict[str, Any], mt: str) -> None:
             raise UnsupportedConfig(f"{key}={dropout!r} is not supported (the engine trains without dropout: "
                                     f"docs/model_contract.md); set it to 0.0 in config.json to train without "
                                     f"dropout (the model's outputs at inference are unchanged)")
+    if mt == "gpt_oss" and c.get("quantization_config"):
+        q = c["quantization_config"]
+        method = q.get("quant_method") if isinstance(q, dict) else None
+        if method != "mxfp4":
+            raise UnsupportedConfig(f"quantization_config (quant_method {method!r}): of quantized GPT-OSS checkpoints only "
+                                    f"the released MXFP4 experts (quant_method 'mxfp4') are read (dequantized)")
     if mt in _SIGMOID_ROUTED:
         _check_glm4_moe(c, mt)
     if mt in _MOE_TYPES:
@@ -268,7 +283,7 @@ def _check_gemma3(c: dict[str, Any]) -> None:
 def _gemma3_fields(c: dict[str, Any], layers: int, max_pos: int) -> dict[str, Any]:
     theta, scaling, local_theta = _gemma3_rope(c, max_pos)
     return dict(rope_theta=theta, rope_scaling=scaling, sliding_rope_theta=local_theta,
-                layer_types=_gemma3_layer_types(c, layers), norm_placement="sandwich", norm_unit_offset=True,
+                layer_types=_layer_types(c, layers, int(c.get("sliding_window_pattern", 6))), norm_placement="sandwich", norm_unit_offset=True,
                 scale_embeddings=True, mlp_activation="gelu_tanh",
                 query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", 256)),
                 final_logit_softcap=None if c.get("final_logit_softcapping") is None
@@ -282,6 +297,8 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
     that config.json does not determine (``dtype``, ``attention_impl``, ``loss_chunk_tokens``, ...)."""
     c = config_json
     mt = _model_type(c)
+    if mt == "gpt_oss":
+        c = _gpt_oss_defaults(c)
     _check_unsupported(c, mt)
     try:
         hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
@@ -303,7 +320,8 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
         rope_theta=theta, rope_scaling=scaling, partial_rotary_factor=partial,
         norm_eps=float(c.get("rms_norm_eps", _DEFAULT_NORM_EPS.get(mt, 1e-6))),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=mt in ("qwen2", "qwen2_moe") or (mt in _SIGMOID_ROUTED and bool(c.get("attention_bias", False))),
+        qkv_bias=mt in ("qwen2", "qwen2_moe") or (mt in _SIGMOID_ROUTED + ("gpt_oss",) and bool(c.get("attention_bias", False))),
+        o_bias=mt == "gpt_oss" and bool(c["attention_bias"]), attention_sinks=mt == "gpt_oss",
         qk_norm=mt in ("qwen3", "qwen3_moe", "olmo2", "gemma3_text") or (mt == "glm4_moe" and bool(c.get("use_qk_norm", False))),
         qk_norm_width="all_heads" if mt == "olmo2" else "head", norm_placement="post" if mt == "olmo2" else "pre",
         sliding_window=_sliding_window(c, mt, layers), max_positions=max_pos, moe=_moe(c, mt),
@@ -311,8 +329,19 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
         mla=_mla(deepseek) if mt == "deepseek_v3" else None,
         **token_ids(c))
     fields.update(gemma3)
+    if mt == "gpt_oss":
+        fields["layer_types"] = _layer_types(c, layers, 2)
     fields.update(overrides)
     return DecoderConfig(**fields)
+
+
+def _gpt_oss_defaults(c: dict[str, Any]) -> dict[str, Any]:
+    """A GPT-OSS config.json with GptOssConfig's defaults where it omits a field; without rope parameters, its
+    YaRN (factor 32 over 4,096 positions, untruncated) at base 150,000."""
+    c = {**_GPT_OSS_DEFAULTS, **c}
+    if not c.get("rope_scaling") and not c.get("rope_parameters"):
+        c["rope_parameters"] = {**_GPT_OSS_ROPE, "rope_theta": c["rope_theta"]}
+    return c
 
 
 def _mla(c: dict[str, Any]) -> MLAConfig:
@@ -379,6 +408,11 @@ def _moe(c: dict[str, Any], mt: str) -> MoEConfig | None:
                              shared_expert_ffn=shared * ffn if shared else None, shared_expert_gate=False,
                              scoring="sigmoid", groups=int(c.get("n_group", 1)), topk_groups=int(c.get("topk_group", 1)),
                              routed_scale=float(c.get("routed_scaling_factor", 1.0)), aux_loss_coef=0.0)
+        if mt == "gpt_oss":  # GptOssTopKRouter: softmax over the top-k (biased) logits = the renormalized top-k
+            return MoEConfig(experts=int(c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
+                             expert_ffn=int(c["intermediate_size"]), norm_topk_prob=True, router_bias=True,
+                             expert_bias=True, activation="clamped_swiglu", swiglu_alpha=float(c["swiglu_alpha"]),
+                             swiglu_limit=float(c["swiglu_limit"]), aux_loss_coef=float(c["router_aux_loss_coef"]))
         if mt == "mixtral":
             return MoEConfig(experts=int(c["num_local_experts"]), top_k=int(c["num_experts_per_tok"]),
                              expert_ffn=int(c["intermediate_size"]), norm_topk_prob=True,
@@ -402,7 +436,8 @@ def check_exportable(cfg: DecoderConfig) -> None:
             "phi3": (False, False), "olmo2": (False, True), "gemma3": (False, True), "mixtral": (False, False),
             "qwen2_moe": (True, False),
             "qwen3_moe": (False, True), "glm4_moe": (cfg.qkv_bias, cfg.qk_norm),  # GLM-4.5: either, by config
-            "deepseek_v3": (cfg.qkv_bias, False)}  # DeepSeek-V3: attention_bias either way, by config
+            "deepseek_v3": (cfg.qkv_bias, False),  # DeepSeek-V3: attention_bias either way, by config
+            "gpt_oss": (cfg.qkv_bias, False)}  # GPT-OSS: attention_bias (q/k/v and o) either way, by config
     bias, norm = want[cfg.family]
     olmo2 = cfg.family == "olmo2"  # post-norm blocks, q/k norm over all heads; every other family the opposite
     gemma3 = cfg.family == "gemma3"  # sandwich norms offset from 1, GeGLU, scaled embeddings, per-layer-type RoPE
@@ -429,6 +464,7 @@ def check_exportable(cfg: DecoderConfig) -> None:
             problems.append(f"{'GLM-4.5' if cfg.family == 'glm4_moe' else 'DeepSeek-V3'} has ungated shared experts "
                             f"n_shared_experts x moe.expert_ffn wide (moe.shared_expert_ffn a multiple of moe.expert_ffn, "
                             f"shared_expert_gate=False)")
+    problems += _gpt_oss_problems(cfg)
     if (cfg.mla is not None) != (cfg.family == "deepseek_v3"):
         problems.append(f"mla={'set' if cfg.mla is not None else 'None'} (multi-head latent attention is DeepSeek-V3's "
                         f"alone, and its only attention)")
@@ -465,14 +501,37 @@ def check_exportable(cfg: DecoderConfig) -> None:
     if s is not None and (s.kind == "longrope") != (cfg.family == "phi3"):
         problems.append(f"rope_scaling kind {s.kind!r} (Phi-3 takes no scaling or longrope only, and longrope is "
                         f"Phi-3's alone)")
-    if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1 and not gemma3:
-        problems.append(f"layer_types mixes sliding and full attention (not written to Hugging Face configs yet)")
+    if cfg.layer_types is not None and len(set(cfg.layer_types)) > 1 and cfg.family not in ("gemma3", "gpt_oss"):
+        problems.append("layer_types mixes sliding and full attention (not written to Hugging Face configs yet)")
     if cfg.first_k_dense_replace and cfg.family not in _SIGMOID_ROUTED:
         problems.append(f"first_k_dense_replace={cfg.first_k_dense_replace} (leading dense layers: not written to "
                         f"Hugging Face configs yet)")
     if problems:
         raise UnsupportedConfig(f"family {cfg.family!r} cannot be exported as "
                                 f"{ARCHITECTURES[_FAMILY_TO_TYPE[cfg.family]][1]}: {'; '.join(problems)}")
+
+
+def _gpt_oss_problems(cfg: DecoderConfig) -> list[str]:
+    """What GptOssForCausalLM cannot express of ``cfg`` (its attention sinks, o bias, and router and experts are
+    GPT-OSS's alone, and GPT-OSS has all of them)."""
+    gpt_oss, m, problems = cfg.family == "gpt_oss", cfg.moe, []
+    if cfg.attention_sinks != gpt_oss:
+        problems.append(f"attention_sinks={cfg.attention_sinks} (the {cfg.family} architecture has {gpt_oss})")
+    if cfg.o_bias != (gpt_oss and cfg.qkv_bias):
+        problems.append(f"o_bias={cfg.o_bias} with qkv_bias={cfg.qkv_bias} (" + (
+            "GPT-OSS's attention_bias puts biases on q, k, v and o alike)" if gpt_oss else f"the {cfg.family} "
+            "architecture has no bias on o_proj)"))
+    if m is None:
+        return problems
+    ours = (m.router_bias, m.expert_bias, m.activation == "clamped_swiglu")
+    if ours != (gpt_oss,) * 3:
+        problems.append(f"moe.router_bias={m.router_bias}, moe.expert_bias={m.expert_bias}, moe.activation="
+                        f"{m.activation!r} (GPT-OSS's router and experts have biases and the clamped SwiGLU; no other "
+                        f"architecture's do)")
+    if gpt_oss and (not m.norm_topk_prob or m.shared_expert_ffn is not None):
+        problems.append("GPT-OSS weights its top-k experts by a softmax over their logits (norm_topk_prob) and has no "
+                        "shared expert")
+    return problems
 
 
 def rope_to_hf(s: RopeScaling) -> dict[str, Any]:
@@ -540,6 +599,12 @@ def config_to_hf(cfg: DecoderConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         out.update(num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef, output_router_logits=False)
         if mt == "mixtral":
             out.update(num_local_experts=m.experts, intermediate_size=m.expert_ffn, router_jitter_noise=0.0)
+        elif mt == "gpt_oss":  # rope_parameters, always: GptOssConfig puts its YaRN in place of a missing one
+            del out["rope_scaling"], out["rope_theta"]
+            out.update(num_local_experts=m.experts, intermediate_size=m.expert_ffn, swiglu_alpha=m.swiglu_alpha,
+                       swiglu_limit=m.swiglu_limit, attention_bias=cfg.qkv_bias, sliding_window=cfg.sliding_window,
+                       layer_types=[cfg.layer_type(i) for i in range(cfg.layers)],
+                       rope_parameters={**(rope or {"rope_type": "default"}), "rope_theta": cfg.rope_theta})
         elif mt == "deepseek_v3":  # no multi-token-prediction layers: none are trained or written
             del out["router_aux_loss_coef"], out["head_dim"]  # DeepseekV3Config derives head_dim (qk_rope_head_dim)
             a = cfg.mla

@@ -5,7 +5,10 @@ block (the layout of ``nnx.to_pure_dict(nnx.state(part, nnx.Param))``). HF ``nn.
 [out, in] and our kernels [in, out], so every projection is transposed. HF Llama checkpoints are
 already in rotate-half RoPE layout, which our attention uses, so q/k need no permutation. Phi-3 fuses
 q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj``: each of our leaves reads its rows of
-the fused tensor, and an export writes the pieces back as one tensor.
+the fused tensor, and an export writes the pieces back as one tensor. GPT-OSS stores its experts stacked
+and [in, out] (no transpose), gate and up interleaved in the last axis of one ``gate_up_proj`` (gate the even
+columns, up the odd ones); its released checkpoints hold them as MXFP4, dequantized as they are read
+(``hf/mxfp4.py``).
 Loading goes tensor by tensor from memory-mapped files, so peak extra memory is about one tensor.
 """
 
@@ -25,6 +28,7 @@ import numpy as np
 
 from megatrain_jax.hf.config import UnsupportedConfig, config_from_hf, config_to_hf, generation_config, token_ids
 from megatrain_jax.hf.export_folder import GENERATION_CONFIG, check_target, publish, staging
+from megatrain_jax.hf.mxfp4 import DequantizedCheckpoint, packed_names
 from megatrain_jax.hf.safetensors_io import (INDEX_FILE, Checkpoint, plan_shards, shard_names,
                                              write_entries)
 from megatrain_jax.models.config import DecoderConfig
@@ -47,14 +51,20 @@ class Spec:
     transpose: bool
     expert: int | None = None  # one expert's slice [expert] of a leaf stacked over experts
     rows: tuple[int, int] | None = None  # our leaf is rows [start, stop) of a fused HF tensor (Phi-3's)
+    # our leaf is every ``step``-th entry of the HF tensor's last axis from ``start`` (GPT-OSS's gate_up_proj)
+    interleave: tuple[int, int] | None = None
 
     @property
     def our_shape(self) -> tuple[int, ...]:
         shape = self.hf_shape if self.rows is None else (self.rows[1] - self.rows[0], *self.hf_shape[1:])
+        if self.interleave is not None:
+            shape = (*shape[:-1], shape[-1] // self.interleave[1])
         return tuple(reversed(shape)) if self.transpose else shape
 
     def of(self, tensor: Any) -> Any:
         """Our leaf's part of the HF tensor as stored (a view of it), not yet transposed."""
+        if self.interleave is not None:
+            return tensor[..., self.interleave[0]::self.interleave[1]]
         return tensor if self.rows is None else tensor[self.rows[0]:self.rows[1]]
 
 
@@ -68,7 +78,7 @@ def io_specs(cfg: DecoderConfig) -> list[Spec]:
 
 
 def block_specs(cfg: DecoderConfig, i: int) -> list[Spec]:
-    D, F, hd = cfg.hidden, cfg.ffn, cfg.dim_per_head
+    D, hd = cfg.hidden, cfg.dim_per_head
     q, kv = cfg.heads * hd, cfg.kv_heads * hd
     p = f"model.layers.{i}."
     # the attention's norm and the MLP's: pre-norm blocks name them by position in the block
@@ -90,13 +100,35 @@ def block_specs(cfg: DecoderConfig, i: int) -> list[Spec]:
         if cfg.qkv_bias:
             specs.append(Spec(p + f"self_attn.{ours}_proj.bias", ("attn", ours, "bias"), (out_dim,), False))
     specs.append(Spec(p + "self_attn.o_proj.weight", ("attn", "o", "kernel"), (D, q), True))
+    if cfg.o_bias:
+        specs.append(Spec(p + "self_attn.o_proj.bias", ("attn", "o", "bias"), (D,), False))
+    if cfg.attention_sinks:
+        specs.append(Spec(p + "self_attn.sinks", ("attn", "sinks"), (cfg.heads,), False))
     if cfg.qk_norm:
         q_width, k_width = (hd, hd) if cfg.qk_norm_width == "head" else (q, kv)
         specs += [Spec(p + "self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (q_width,), False),
                   Spec(p + "self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (k_width,), False)]
     if cfg.is_moe_layer(i):
-        return specs + _moe_specs(cfg, p)
+        return specs + (_gpt_oss_moe_specs(cfg, p) if cfg.family == "gpt_oss" else _moe_specs(cfg, p))
     return specs + _dense_mlp_specs(cfg, p)
+
+
+def _gpt_oss_moe_specs(cfg: DecoderConfig, p: str) -> list[Spec]:
+    """GPT-OSS's mixture of experts (``GptOssMLP``): ``router`` (weight [E, D], bias), and the experts stacked
+    and stored [in, out]: ``gate_up_proj`` [E, D, 2F] with gate in the even columns and up in the odd ones
+    (``GptOssExperts._apply_gate``: ``gate_up[..., ::2]``, ``gate_up[..., 1::2]``), its bias [E, 2F] likewise,
+    ``down_proj`` [E, F, D] and its bias [E, D]."""
+    m, D = cfg.moe, cfg.hidden
+    E, F = m.experts, m.expert_ffn
+    x = p + "mlp.experts."
+    specs = [Spec(p + "mlp.router.weight", ("mlp", "router", "kernel"), (E, D), True),
+             Spec(p + "mlp.router.bias", ("mlp", "router", "bias"), (E,), False)]
+    for ours, start in (("gate", 0), ("up", 1)):
+        specs += [Spec(x + "gate_up_proj", ("mlp", "experts", ours), (E, D, 2 * F), False, interleave=(start, 2)),
+                  Spec(x + "gate_up_proj_bias", ("mlp", "experts", f"{ours}_bias"), (E, 2 * F), False,
+                       interleave=(start, 2))]
+    return specs + [Spec(x + "down_proj", ("mlp", "experts", "down"), (E, F, D), False),
+                    Spec(x + "down_proj_bias", ("mlp", "experts", "down_bias"), (E, D), False)]
 
 
 def _dense_mlp_specs(cfg: DecoderConfig, p: str) -> list[Spec]:
@@ -260,9 +292,15 @@ def read_config(model_dir: str | os.PathLike, **overrides) -> DecoderConfig:
     return config_from_hf(json.loads(path.read_text()), **overrides)
 
 
-def open_checkpoint(model_dir: str | os.PathLike, cfg: DecoderConfig) -> Checkpoint:
-    """Open and check the checkpoint's headers against ``cfg``; no tensor data is read yet."""
+def open_checkpoint(model_dir: str | os.PathLike, cfg: DecoderConfig) -> Checkpoint | DequantizedCheckpoint:
+    """Open and check the checkpoint's headers against ``cfg``; no tensor data is read yet. A GPT-OSS checkpoint
+    with MXFP4 experts (the released ones) reads them dequantized, each as it is read (``hf/mxfp4.py``)."""
     ckpt = Checkpoint(model_dir)
+    if cfg.family == "gpt_oss" and packed_names(ckpt):
+        ckpt = DequantizedCheckpoint(ckpt)
+        warnings.warn(f"{model_dir}: the experts are MXFP4 ({len(ckpt.packed)} *_blocks / *_scales pairs): each is "
+                      f"dequantized to bfloat16 as transformers does when its layer is read (exact; float32 masters "
+                      f"from there)", stacklevel=2)
     check_checkpoint(ckpt, cfg)
     return ckpt
 
@@ -353,7 +391,7 @@ _MATCHING_FIELDS = ("vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads"
                     "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm",
                     "qk_norm_width", "norm_placement", "sliding_window", "layer_types", "moe", "first_k_dense_replace",
                     "norm_unit_offset", "scale_embeddings", "mlp_activation", "attention_scale",
-                    "sliding_rope_theta", "final_logit_softcap", "mla")
+                    "sliding_rope_theta", "final_logit_softcap", "mla", "o_bias", "attention_sinks")
 
 
 def check_same_model(ours: DecoderConfig, theirs: DecoderConfig, where: str) -> None:
@@ -437,6 +475,10 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
     if len(block_params) != cfg.layers:
         raise CheckpointMismatch(f"{len(block_params)} block parameter trees for a {cfg.layers}-layer config")
     hf_config = config_to_hf(cfg, dtype)
+    if cfg.family == "gpt_oss":
+        warnings.warn(f"gpt_oss export to {model_dir}: the experts are written unquantized in {dtype}, not in the "
+                      f"released checkpoints' MXFP4 format (MXFP4 -> {dtype} for a model read from one; no "
+                      f"quantization_config): transformers loads them as they are", stacklevel=2)
     parts = [("io", _pure(io_params), io_specs(cfg))]
     parts += [(f"block {i}", _pure(p), block_specs(cfg, i)) for i, p in enumerate(block_params)]
     pieces, wrong = {}, []  # HF name -> (shape, producers of its pieces in row order)
@@ -449,8 +491,10 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
                 if s.expert is None or s.expert == 0:  # a stacked leaf is reported once
                     wrong.append(f"  {part} {'.'.join(s.path)} ({s.hf_name}): expected {list(want)}, found {list(shape)}")
                 continue
-            pieces.setdefault(s.hf_name, (s.hf_shape, []))[1].append(_producer(value, s.transpose, s.expert))
-    entries = {name: (name, shape, one[0] if len(one) == 1 else _fused(one)) for name, (shape, one) in pieces.items()}
+            pieces.setdefault(s.hf_name, (s.hf_shape, [], s.interleave is not None))[1].append(
+                _producer(value, s.transpose, s.expert))
+    entries = {name: (name, shape, one[0] if len(one) == 1 else _fused(one, interleaved))
+               for name, (shape, one, interleaved) in pieces.items()}
     if wrong:
         raise CheckpointMismatch("parameters do not match the config:\n" + "\n".join(wrong))
 
@@ -491,8 +535,14 @@ def _producer(value: Any, transpose: bool, expert: int | None = None):
     return produce
 
 
-def _fused(producers):
-    """Deferred fusion of the pieces of one HF tensor (Phi-3's qkv_proj, gate_up_proj), rows in order."""
+def _fused(producers, interleaved: bool = False):
+    """Deferred fusion of the pieces of one HF tensor: rows in order (Phi-3's qkv_proj, gate_up_proj), or
+    interleaved in the last axis (GPT-OSS's gate_up_proj: gate, up, gate, up, ...)."""
+    if interleaved:
+        def fuse() -> np.ndarray:
+            parts = np.stack([produce() for produce in producers], axis=-1)
+            return parts.reshape(*parts.shape[:-2], -1)
+        return fuse
     return lambda: np.concatenate([produce() for produce in producers], axis=0)
 
 

@@ -1,5 +1,5 @@
 """Decoder configuration: one dataclass for the Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / OLMo 2 / Gemma 3 family,
-and named presets."""
+the mixtures of experts (Mixtral, Qwen-MoE, GLM-4.5, DeepSeek-V3, GPT-OSS), and named presets."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import difflib
 from typing import Literal
 
 Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3", "mixtral", "qwen2_moe",
-                 "qwen3_moe", "glm4_moe", "deepseek_v3"]
+                 "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"]
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3", "mixtral", "qwen2_moe",
-                             "qwen3_moe", "glm4_moe", "deepseek_v3")
-MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3")
+                             "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
+MOE_FAMILIES: tuple[str, ...] = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 ATTENTION_IMPLS: tuple[str, ...] = ("auto", "xla", "cudnn")
 # Default bound on packed documents per row times the row's tokens (DecoderConfig.max_segments).
@@ -34,6 +34,9 @@ QK_NORM_WIDTHS: tuple[str, ...] = ("head", "all_heads")
 # How an MoE router scores the experts: "softmax" over all of them (Mixtral, Qwen-MoE), or "sigmoid" of each
 # (DeepSeek-V3, GLM-4.5: with a correction bias for choosing, and grouped top-k).
 ROUTER_SCORINGS: tuple[str, ...] = ("softmax", "sigmoid")
+# An expert's activation: "silu" (SwiGLU, ``down(silu(gate) * up)``) or "clamped_swiglu" (GPT-OSS:
+# ``down((clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g))`` with ``g = min(gate, limit)``).
+EXPERT_ACTIVATIONS: tuple[str, ...] = ("silu", "clamped_swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +138,9 @@ class MoEConfig:
     - ``capacity_factor``: None is dropless (every routed token is computed). A number caps each expert at
       ``ceil(capacity_factor * tokens * top_k / experts)`` tokens per batch; the assignments past it (in
       token order) are dropped and contribute nothing.
+    - ``router_bias``: the router's logits have a bias (GPT-OSS); ``expert_bias``: every expert's gate, up and
+      down projections have biases (GPT-OSS).
+    - ``activation``: EXPERT_ACTIVATIONS; "clamped_swiglu" (GPT-OSS) reads ``swiglu_alpha`` and ``swiglu_limit``.
     """
 
     experts: int = 8
@@ -149,6 +155,11 @@ class MoEConfig:
     topk_groups: int = 1
     routed_scale: float = 1.0
     shared_expert_gate: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"  # EXPERT_ACTIVATIONS
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         for name in ("experts", "top_k", "expert_ffn"):
@@ -182,18 +193,23 @@ class MoEConfig:
                              f"{self.top_k} experts")
         if not self.routed_scale > 0:
             raise ValueError(f"moe.routed_scale must be positive, got {self.routed_scale!r}")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"moe.activation {self.activation!r} not supported; allowed: {list(EXPERT_ACTIVATIONS)}")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"moe.{name} must be positive, got {getattr(self, name)!r}")
         if self.scoring == "sigmoid" and self.aux_loss_coef > 0:
             raise ValueError(f"moe.aux_loss_coef={self.aux_loss_coef!r} with scoring='sigmoid': the load-balancing "
                              f"loss here is Switch Transformer's over softmax probabilities; sigmoid routers "
                              f"(DeepSeek-V3, GLM-4.5) train without one: set aux_loss_coef=0")
 
     def mlp_params(self, hidden: int) -> tuple[int, int]:
-        """(all, active per token) parameters of one block's MoE MLP: router (with a sigmoid router's
-        correction bias), experts, shared expert (with its gate)."""
-        expert = 3 * hidden * self.expert_ffn
+        """(all, active per token) parameters of one block's MoE MLP: router (with its bias, or a sigmoid
+        router's correction bias), experts (with their biases), shared expert (with its gate)."""
+        expert = 3 * hidden * self.expert_ffn + (2 * self.expert_ffn + hidden if self.expert_bias else 0)
         shared = 0 if self.shared_expert_ffn is None else (
             3 * hidden * self.shared_expert_ffn + (hidden if self.shared_expert_gate else 0))
-        router = (hidden + (self.scoring == "sigmoid")) * self.experts
+        router = (hidden + (self.scoring == "sigmoid") + self.router_bias) * self.experts
         return router + self.experts * expert + shared, router + self.top_k * expert + shared
 
 
@@ -259,7 +275,9 @@ class DecoderConfig:
     ``mlp_activation="gelu_tanh"``, ``query_pre_attn_scalar`` and ``sliding_rope_theta`` (with ``layer_types``);
     ``moe`` (a ``MoEConfig``) replaces every block's MLP by a mixture of experts (Mixtral, Qwen2-MoE,
     Qwen3-MoE, GLM-4.5) but the first ``first_k_dense_replace`` (DeepSeek-V3, GLM-4.5: HF's field), which keep a
-    dense MLP of width ``ffn`` (HF's ``intermediate_size``); ``ffn`` is unused where no layer is dense. ``dtype`` is the compute dtype; parameters are always created
+    dense MLP of width ``ffn`` (HF's ``intermediate_size``); ``ffn`` is unused where no layer is dense. GPT-OSS sets
+    ``attention_sinks``, ``qkv_bias`` and ``o_bias``, ``layer_types``, and a ``moe`` with router and expert biases and
+    the clamped SwiGLU. ``dtype`` is the compute dtype; parameters are always created
     in float32 (the master copy).
     """
 
@@ -322,6 +340,12 @@ class DecoderConfig:
     # ``head_dim`` is unused (a query/key head is mla.qk_dim wide, a value mla.v_dim), ``kv_heads`` equals
     # ``heads``, and ``qkv_bias`` means transformers' ``attention_bias`` (biases on q_a, kv_a and o).
     mla: MLAConfig | None = None
+    # A bias on the attention's output projection (GPT-OSS's attention_bias, with ``qkv_bias``).
+    o_bias: bool = False
+    # A learned logit per query head that joins each softmax's denominator and attends to nothing (GPT-OSS's
+    # ``sinks``): ``softmax([scores, sink])`` with the sink's weight dropped. ``layers.attend`` takes its
+    # sink path for it (``layers.sink_attention``).
+    attention_sinks: bool = False
     # The vocabulary's special ids as a Hugging Face config gives them (an end-of-sequence may be several
     # ids); not used by the computation, kept so that an export writes them back (config.json and
     # generation_config.json).
@@ -450,7 +474,7 @@ class DecoderConfig:
         """One block's attention and norms, a dense MLP, and an MoE MLP (all, or active per token)."""
         d, hd = self.hidden, self.dim_per_head
         q, kv = self.heads * hd, self.kv_heads * hd
-        attn = d * q + 2 * d * kv + q * d
+        attn = d * q + 2 * d * kv + q * d + (d if self.o_bias else 0) + (self.heads if self.attention_sinks else 0)
         if self.qkv_bias:
             attn += q + 2 * kv
         if self.mla is not None:
@@ -554,6 +578,9 @@ def validate(cfg: DecoderConfig) -> None:
         if cfg.sliding_window is not None or cfg.layer_types is not None:
             raise ValueError("mla (DeepSeek-V3's attention) attends over the whole sequence: no sliding_window or "
                              "layer_types")
+        if cfg.o_bias or cfg.attention_sinks:
+            raise ValueError("mla (DeepSeek-V3's attention) takes its biases from qkv_bias and has no sinks: leave "
+                             "o_bias and attention_sinks False")
     if cfg.family == "deepseek_v3" and cfg.mla is None:
         raise ValueError("family 'deepseek_v3' uses multi-head latent attention: set mla (an MLAConfig)")
     if cfg.family in MOE_FAMILIES and cfg.moe is None:
@@ -691,6 +718,28 @@ PRESETS["kimi-k2"] = _DSV3.replace(  # the same architecture: fewer heads, more 
     vocab_size=163840, heads=64, kv_heads=64, rope_theta=50000.0, max_positions=131072, first_k_dense_replace=1,
     rope_scaling=dataclasses.replace(_DSV3.rope_scaling, factor=32.0, beta_fast=1.0),
     moe=dataclasses.replace(_DSV3.moe, experts=384, groups=1, topk_groups=1, routed_scale=2.827))
+
+
+def _gpt_oss(layers: int, experts: int) -> DecoderConfig:
+    """A GPT-OSS model as its released config.json sets it (transformers' GptOssConfig): sliding (128 tokens) and
+    full-attention layers alternating, the first sliding; YaRN by 32 over 4,096 positions, untruncated."""
+    return DecoderConfig(
+        family="gpt_oss", vocab_size=201088, hidden=2880, ffn=2880, layers=layers, heads=64, kv_heads=8, head_dim=64,
+        rope_theta=150000.0, norm_eps=1e-5, qkv_bias=True, o_bias=True, attention_sinks=True, sliding_window=128,
+        rope_scaling=RopeScaling(kind="yarn", factor=32.0, original_max_position=4096, beta_fast=32.0, beta_slow=1.0,
+                                 truncate=False),
+        layer_types=tuple("full_attention" if i % 2 else "sliding_attention" for i in range(layers)),
+        max_positions=131072,
+        moe=MoEConfig(experts=experts, top_k=4, expert_ffn=2880, norm_topk_prob=True, router_bias=True,
+                      expert_bias=True, activation="clamped_swiglu", swiglu_alpha=1.702, swiglu_limit=7.0,
+                      aux_loss_coef=0.9))
+
+
+# GPT-OSS (openai/gpt-oss-20b: 20.9B total, 3.6B active; openai/gpt-oss-120b: 116.8B, 5.1B): attention sinks,
+# q/k/v/o biases, a biased router whose softmax over the top 4 logits weights the experts, experts with biases
+# and the clamped SwiGLU, no shared expert. The released checkpoints store the experts as MXFP4 (hf/mxfp4.py).
+PRESETS["gpt-oss-20b"] = _gpt_oss(layers=24, experts=32)
+PRESETS["gpt-oss-120b"] = _gpt_oss(layers=36, experts=128)
 PRESETS["7b"] = PRESETS["llama2-7b"]
 PRESETS["3.5b"] = PRESETS["llama2-7b"].replace(layers=16)
 PRESETS["1b"] = PRESETS["llama3.2-1b"]

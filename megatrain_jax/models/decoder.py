@@ -155,7 +155,7 @@ def part_rngs(key: jax.Array, part: int) -> nnx.Rngs:
 
 class Decoder(nnx.Module):
     """Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3, OLMo 2, Gemma 3 by config; the MoE
-    families; DeepSeek-V3 / Kimi K2 with multi-head latent attention)."""
+    families; DeepSeek-V3 / Kimi K2 with multi-head latent attention; GPT-OSS with attention sinks)."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg

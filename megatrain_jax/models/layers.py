@@ -175,12 +175,66 @@ def packed_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, se
         sliding_window_length=sliding_window)
 
 
+# Queries per chunk of ``sink_attention``: its scores exist for this many queries at a time.
+SINK_QUERY_CHUNK = 512
+
+
+def sink_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sinks_N: jax.Array, scale: float,
+                   window: int | None, segment_ids_BT: jax.Array | None, chunk: int = SINK_QUERY_CHUNK) -> jax.Array:
+    """Causal grouped-query attention with attention sinks (GPT-OSS; transformers' ``eager_attention_forward`` of
+    ``modeling_gpt_oss``): each head's softmax runs over its scores and its sink logit ``sinks_N[n]``, whose weight
+    is then dropped, so the weights of a row sum to less than 1. Scores, softmax and sink in float32; the weights
+    are cast to v's dtype for the P.V product. ``window``: a sliding window's length (a query sees itself and the
+    window - 1 keys before it), or None; ``segment_ids_BT``: packed documents attend within their own.
+
+    Written in XLA ops (cuDNN's flash attention takes no sinks). Over ``chunk`` queries at a time (a ``lax.map``
+    whose body is rematerialized): the scores of one chunk, [B, N, chunk, T], exist at once, so memory grows
+    linearly with the sequence, not with its square; the backward recomputes each chunk's scores."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BTKH.shape[2]
+    sinks_KG = sinks_N.astype(jnp.float32).reshape(K, N // K)
+    keys_S = jnp.arange(T)
+
+    def one(q_BCNH: jax.Array, pos_C: jax.Array, seg_BC: jax.Array | None) -> jax.Array:
+        C = q_BCNH.shape[1]
+        s_BKGCS = jnp.einsum("bckgh,bskh->bkgcs", q_BCNH.reshape(B, C, K, N // K, H), k_BTKH,
+                             preferred_element_type=jnp.float32) * jnp.float32(scale)
+        see_CS = pos_C[:, None] >= keys_S[None, :]
+        if window is not None:
+            see_CS = see_CS & (pos_C[:, None] - keys_S[None, :] < window)
+        see = see_CS[None, None, None]
+        if seg_BC is not None:
+            see = see & (seg_BC[:, None, None, :, None] == segment_ids_BT[:, None, None, None, :])
+        s_BKGCS = jnp.where(see, s_BKGCS, -jnp.inf)
+        sink = sinks_KG[None, :, :, None, None]
+        top = jax.lax.stop_gradient(jnp.maximum(jnp.max(s_BKGCS, axis=-1, keepdims=True), sink))  # a shift only
+        p_BKGCS = jnp.exp(s_BKGCS - top)
+        p_BKGCS = p_BKGCS / (jnp.sum(p_BKGCS, axis=-1, keepdims=True) + jnp.exp(sink - top))
+        out = jnp.einsum("bkgcs,bskh->bckgh", p_BKGCS.astype(v_BTKH.dtype), v_BTKH)
+        return out.reshape(B, C, N, H)
+
+    if T <= chunk:
+        return one(q_BTNH, keys_S, segment_ids_BT)
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    q_nBCNH = jnp.pad(q_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, n, chunk, N, H).swapaxes(0, 1)
+    pos_nC = jnp.arange(n * chunk).reshape(n, chunk)  # padding queries (past T) see every key; they are cut
+    seg_nBC = None if segment_ids_BT is None else jnp.pad(
+        segment_ids_BT, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+    body = jax.checkpoint(lambda args: one(*args))
+    out_nBCNH = jax.lax.map(body, (q_nBCNH, pos_nC, seg_nBC))
+    return out_nBCNH.swapaxes(0, 1).reshape(B, n * chunk, N, H)[:, :T]
+
+
 def attend(cfg: DecoderConfig, window: int | None, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
-           segment_ids_BT: jax.Array | None) -> jax.Array:
+           segment_ids_BT: jax.Array | None, sinks_N: jax.Array | None = None) -> jax.Array:
     """Causal attention of rotated q, k and v (scores scaled by ``cfg.attention_scale``) by the path
     ``attention_implementation`` picks: cuDNN's flash attention (packed documents by its packed layout), or XLA
-    (packed documents by a segment mask); ``window``: a sliding window's length, or None."""
+    (packed documents by a segment mask); ``window``: a sliding window's length, or None. With attention sinks
+    (``sinks_N``, GPT-OSS) every device takes ``sink_attention``."""
     qk_scale = cfg.attention_scale
+    if sinks_N is not None:
+        return sink_attention(q_BTNH, k_BTKH, v_BTKH, sinks_N, qk_scale, window, segment_ids_BT)
     impl = attention_implementation(cfg, q_BTNH.dtype, packed=segment_ids_BT is not None)
     # cuDNN's flash attention: its output and softmax statistics, one activation's worth, are marked to
     # keep for the backward (``megatrain_jax.contract.remat``), which then skips a second attention forward.
@@ -202,8 +256,8 @@ def attend(cfg: DecoderConfig, window: int | None, q_BTNH: jax.Array, k_BTKH: ja
 
 
 class Attention(nnx.Module):
-    """Grouped-query causal self-attention with RoPE; optional q/k/v bias, q/k norm (per head, or over all
-    heads before RoPE) and sliding window:
+    """Grouped-query causal self-attention with RoPE; optional q/k/v bias, o bias, q/k norm (per head, or over all
+    heads before RoPE), attention sinks (one logit per head: ``sinks``, GPT-OSS) and sliding window:
     ``window`` is ``cfg.sliding_window`` on a layer of type "sliding_attention" (``cfg.layer_type``), None on
     a "full_attention" one; ``layer_type`` is the layer's RoPE (``cfg.rope_of``) too."""
 
@@ -215,7 +269,9 @@ class Attention(nnx.Module):
         self.q = Linear(cfg.hidden, cfg.heads * hd, bias=cfg.qkv_bias, rngs=rngs)
         self.k = Linear(cfg.hidden, cfg.kv_heads * hd, bias=cfg.qkv_bias, rngs=rngs)
         self.v = Linear(cfg.hidden, cfg.kv_heads * hd, bias=cfg.qkv_bias, rngs=rngs)
-        self.o = Linear(cfg.heads * hd, cfg.hidden, rngs=rngs)
+        self.o = Linear(cfg.heads * hd, cfg.hidden, bias=cfg.o_bias, rngs=rngs)
+        self.sinks = (nnx.Param(_init_normal(rngs.params(), (cfg.heads,), jnp.float32)) if cfg.attention_sinks
+                      else None)
         # q/k RMSNorm over each head's vector (width head_dim) or over all heads at once (``qk_norm_width``)
         per_head = cfg.qk_norm_width == "head"
         one = cfg.norm_unit_offset
@@ -238,7 +294,8 @@ class Attention(nnx.Module):
         scale = 1.0 if rope_scaling is None else rope_scaling.cos_sin_scale
         q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq, scale)
         k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq, scale)
-        out_BTNH = attend(cfg, self.window, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+        sinks_N = None if self.sinks is None else self.sinks[...]
+        out_BTNH = attend(cfg, self.window, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, sinks_N)
         return self.o(out_BTNH.reshape(B, T, cfg.heads * hd))
 
 

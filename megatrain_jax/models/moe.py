@@ -104,18 +104,38 @@ def grouped_matmul(x_AD: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array) -> jax
 
 
 class Experts(nnx.Module):
-    """``E`` SwiGLU experts stored stacked: ``gate``/``up`` [E, D, F], ``down`` [E, F, D]."""
+    """``E`` gated experts stored stacked: ``gate``/``up`` [E, D, F], ``down`` [E, F, D]; with ``bias`` (GPT-OSS)
+    ``gate_bias``/``up_bias`` [E, F] and ``down_bias`` [E, D]. ``activation``: "silu" (SwiGLU,
+    ``down(silu(gate) * up)``) or "clamped_swiglu" (GPT-OSS, transformers' ``GptOssExperts._apply_gate``:
+    ``g = min(gate, limit)``, ``u = clip(up, -limit, limit)``, ``down((u + 1) * g * sigmoid(alpha * g))``)."""
 
-    def __init__(self, experts: int, hidden: int, ffn: int, *, rngs: nnx.Rngs):
+    def __init__(self, experts: int, hidden: int, ffn: int, *, bias: bool = False, activation: str = "silu",
+                 alpha: float = 1.702, limit: float = 7.0, rngs: nnx.Rngs):
         self.gate = nnx.Param(_init_normal(rngs.params(), (experts, hidden, ffn), jnp.float32))
         self.up = nnx.Param(_init_normal(rngs.params(), (experts, hidden, ffn), jnp.float32))
         self.down = nnx.Param(_init_normal(rngs.params(), (experts, ffn, hidden), jnp.float32))
+        zeros = lambda *shape: nnx.Param(jnp.zeros(shape, jnp.float32)) if bias else None  # noqa: E731
+        self.gate_bias, self.up_bias, self.down_bias = zeros(experts, ffn), zeros(experts, ffn), zeros(experts, hidden)
+        self.activation, self.alpha, self.limit = activation, alpha, limit
 
     def __call__(self, x_AD: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
         """Rows of ``x_AD`` sorted by expert, ``group_sizes_E`` rows each -> each row through its expert."""
         dt = x_AD.dtype
-        dot = lambda x, w: grouped_matmul(x, w[...].astype(dt), group_sizes_E)  # noqa: E731
-        return dot(jax.nn.silu(dot(x_AD, self.gate)) * dot(x_AD, self.up), self.down)
+        # each row's expert, for the biases (rows past the groups, whose weight is zero, take the last expert's)
+        expert_A = None if self.gate_bias is None else jnp.repeat(
+            jnp.arange(group_sizes_E.shape[0]), group_sizes_E, total_repeat_length=x_AD.shape[0])
+
+        def dot(x, w, b):
+            y = grouped_matmul(x, w[...].astype(dt), group_sizes_E)
+            return y if b is None else y + b[...].astype(dt)[expert_A]
+
+        gate, up = dot(x_AD, self.gate, self.gate_bias), dot(x_AD, self.up, self.up_bias)
+        if self.activation == "silu":
+            h = jax.nn.silu(gate) * up
+        else:
+            gate = jnp.minimum(gate, self.limit)
+            h = (jnp.clip(up, -self.limit, self.limit) + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+        return dot(h, self.down, self.down_bias)
 
 
 class MoE(nnx.Module):
@@ -123,12 +143,13 @@ class MoE(nnx.Module):
 
     def __init__(self, hidden: int, moe: MoEConfig, *, rngs: nnx.Rngs):
         self.cfg = moe
-        self.router = Linear(hidden, moe.experts, rngs=rngs)
+        self.router = Linear(hidden, moe.experts, bias=moe.router_bias, rngs=rngs)
         # a sigmoid router's bias for choosing experts: a Param (the contract's only kind of variable) that
         # no gradient reaches (``route``); zeros until a checkpoint sets it
         self.correction_bias = (nnx.Param(jnp.zeros((moe.experts,), jnp.float32)) if moe.scoring == "sigmoid"
                                 else None)
-        self.experts = Experts(moe.experts, hidden, moe.expert_ffn, rngs=rngs)
+        self.experts = Experts(moe.experts, hidden, moe.expert_ffn, bias=moe.expert_bias, activation=moe.activation,
+                               alpha=moe.swiglu_alpha, limit=moe.swiglu_limit, rngs=rngs)
         self.shared = MLP(hidden, moe.shared_expert_ffn, rngs=rngs) if moe.shared_expert_ffn is not None else None
         self.shared_gate = (Linear(hidden, 1, rngs=rngs) if moe.shared_expert_ffn is not None and moe.shared_expert_gate
                             else None)

@@ -64,6 +64,7 @@ def leaf_shapes(cfg: DecoderConfig, part: PartId) -> list[tuple[int, ...]]:
     shapes = [(d, q), (d, kv), (d, kv), (q, d)] + [(d,)] * cfg.norms_per_block
     if cfg.qkv_bias:
         shapes += [(q,), (kv,), (kv,)]
+    shapes += ([(d,)] if cfg.o_bias else []) + ([(cfg.heads,)] if cfg.attention_sinks else [])
     if cfg.mla is not None:  # DeepSeek-V3's multi-head latent attention
         shapes = cfg.mla.leaf_shapes(d, cfg.heads, cfg.qkv_bias) + [(d,)] * cfg.norms_per_block
     if cfg.qk_norm:
@@ -73,7 +74,9 @@ def leaf_shapes(cfg: DecoderConfig, part: PartId) -> list[tuple[int, ...]]:
     if not cfg.is_moe_layer(part.layer):
         return shapes + mlp(cfg.ffn)
     shapes += [(m.experts, d, m.expert_ffn), (m.experts, d, m.expert_ffn), (m.experts, m.expert_ffn, d),
-               (d, m.experts)] + ([(m.experts,)] if m.scoring == "sigmoid" else [])
+               (d, m.experts)] + ([(m.experts,)] if m.scoring == "sigmoid" or m.router_bias else [])
+    if m.expert_bias:  # GPT-OSS: gate, up and down biases of every expert
+        shapes += [(m.experts, m.expert_ffn), (m.experts, m.expert_ffn), (m.experts, d)]
     if m.shared_expert_ffn is not None:
         shapes += mlp(m.shared_expert_ffn) + ([(d, 1)] if m.shared_expert_gate else [])
     return shapes
