@@ -39,6 +39,9 @@ ROUTER_SCORINGS: tuple[str, ...] = ("softmax", "sigmoid")
 EXPERT_ACTIVATIONS: tuple[str, ...] = ("silu", "clamped_swiglu")
 
 
+# Queries per chunk of ``layers.sink_attention`` (GPT-OSS): its scores exist for this many queries at a time.
+SINK_QUERY_CHUNK = 512
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling for positions past the pre-training length, as Hugging Face computes it

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from megatrain_jax.contract.remat import keep_residuals
-from megatrain_jax.models.config import DecoderConfig, RopeScaling
+from megatrain_jax.models.config import SINK_QUERY_CHUNK, DecoderConfig, RopeScaling
 
 _init_normal = nnx.initializers.normal(stddev=0.02)
 
@@ -175,8 +175,6 @@ def packed_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, se
         sliding_window_length=sliding_window)
 
 
-# Queries per chunk of ``sink_attention``: its scores exist for this many queries at a time.
-SINK_QUERY_CHUNK = 512
 
 
 def sink_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sinks_N: jax.Array, scale: float,
@@ -189,40 +187,60 @@ def sink_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sink
 
     Written in XLA ops (cuDNN's flash attention takes no sinks). Over ``chunk`` queries at a time (a ``lax.map``
     whose body is rematerialized): the scores of one chunk, [B, N, chunk, T], exist at once, so memory grows
-    linearly with the sequence, not with its square; the backward recomputes each chunk's scores."""
+    linearly with the sequence, not with its square; the backward recomputes each chunk's scores. On a sliding
+    layer a chunk takes only the band of keys its window reaches ([B, N, chunk, chunk + window - 1] scores), so
+    its work grows linearly with the sequence too."""
     B, T, N, H = q_BTNH.shape
     K = k_BTKH.shape[2]
     sinks_KG = sinks_N.astype(jnp.float32).reshape(K, N // K)
-    keys_S = jnp.arange(T)
 
-    def one(q_BCNH: jax.Array, pos_C: jax.Array, seg_BC: jax.Array | None) -> jax.Array:
+    def one(q_BCNH, pos_C, seg_BC, k_BSKH, v_BSKH, keys_S, kseg_BS):
         C = q_BCNH.shape[1]
-        s_BKGCS = jnp.einsum("bckgh,bskh->bkgcs", q_BCNH.reshape(B, C, K, N // K, H), k_BTKH,
+        s_BKGCS = jnp.einsum("bckgh,bskh->bkgcs", q_BCNH.reshape(B, C, K, N // K, H), k_BSKH,
                              preferred_element_type=jnp.float32) * jnp.float32(scale)
-        see_CS = pos_C[:, None] >= keys_S[None, :]
+        see_CS = (pos_C[:, None] >= keys_S[None, :]) & (keys_S[None, :] >= 0)
         if window is not None:
             see_CS = see_CS & (pos_C[:, None] - keys_S[None, :] < window)
         see = see_CS[None, None, None]
         if seg_BC is not None:
-            see = see & (seg_BC[:, None, None, :, None] == segment_ids_BT[:, None, None, None, :])
+            see = see & (seg_BC[:, None, None, :, None] == kseg_BS[:, None, None, None, :])
         s_BKGCS = jnp.where(see, s_BKGCS, -jnp.inf)
         sink = sinks_KG[None, :, :, None, None]
         top = jax.lax.stop_gradient(jnp.maximum(jnp.max(s_BKGCS, axis=-1, keepdims=True), sink))  # a shift only
         p_BKGCS = jnp.exp(s_BKGCS - top)
         p_BKGCS = p_BKGCS / (jnp.sum(p_BKGCS, axis=-1, keepdims=True) + jnp.exp(sink - top))
-        out = jnp.einsum("bkgcs,bskh->bckgh", p_BKGCS.astype(v_BTKH.dtype), v_BTKH)
+        out = jnp.einsum("bkgcs,bskh->bckgh", p_BKGCS.astype(v_BSKH.dtype), v_BSKH)
         return out.reshape(B, C, N, H)
 
     if T <= chunk:
-        return one(q_BTNH, keys_S, segment_ids_BT)
+        return one(q_BTNH, jnp.arange(T), segment_ids_BT, k_BTKH, v_BTKH, jnp.arange(T), segment_ids_BT)
     n = -(-T // chunk)
     pad = n * chunk - T
     q_nBCNH = jnp.pad(q_BTNH, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, n, chunk, N, H).swapaxes(0, 1)
     pos_nC = jnp.arange(n * chunk).reshape(n, chunk)  # padding queries (past T) see every key; they are cut
     seg_nBC = None if segment_ids_BT is None else jnp.pad(
         segment_ids_BT, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
-    body = jax.checkpoint(lambda args: one(*args))
-    out_nBCNH = jax.lax.map(body, (q_nBCNH, pos_nC, seg_nBC))
+    band = None if window is None else chunk + window - 1
+    if band is None or band >= T:  # every chunk against every key
+        body = jax.checkpoint(lambda a: one(a[0], a[1], a[2], k_BTKH, v_BTKH, jnp.arange(T), segment_ids_BT))
+        out_nBCNH = jax.lax.map(body, (q_nBCNH, pos_nC, seg_nBC))
+    else:
+        # A sliding window: a chunk's queries [c, c + chunk) see keys [c - window + 1, c + chunk) only, so each
+        # chunk takes that band of the keys (left-padded by window - 1; padding keys, at negative positions, are
+        # masked): the work falls from T to chunk + window - 1 keys a query.
+        lead = window - 1
+        k_p = jnp.pad(k_BTKH, ((0, 0), (lead, pad), (0, 0), (0, 0)))
+        v_p = jnp.pad(v_BTKH, ((0, 0), (lead, pad), (0, 0), (0, 0)))
+        kseg_p = None if segment_ids_BT is None else jnp.pad(segment_ids_BT, ((0, 0), (lead, pad)))
+        slab = lambda x, c: jax.lax.dynamic_slice_in_dim(x, c, band, axis=1)  # noqa: E731
+
+        def banded(a):
+            q_BCNH, pos_C, seg_BC = a
+            c = pos_C[0]
+            return one(q_BCNH, pos_C, seg_BC, slab(k_p, c), slab(v_p, c), c - lead + jnp.arange(band),
+                       None if kseg_p is None else slab(kseg_p, c))
+
+        out_nBCNH = jax.lax.map(jax.checkpoint(banded), (q_nBCNH, pos_nC, seg_nBC))
     return out_nBCNH.swapaxes(0, 1).reshape(B, n * chunk, N, H)[:, :T]
 
 

@@ -36,7 +36,7 @@ from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, Op, OpKind, step_ops
-from megatrain_jax.models.config import DecoderConfig
+from megatrain_jax.models.config import SINK_QUERY_CHUNK, DecoderConfig
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, blocks_param_count, host_grad_bytes,
                                        host_roles, io_param_count, layer_param_count, part_param_count)
 
@@ -70,6 +70,9 @@ def transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: in
         + 2 * c.moe.top_k * D // 3
     mlp_t = mt if c.mlp_chunk_tokens is None else min(mt, c.mlp_chunk_tokens)  # tokens the MLP holds at once
     scores = 0 if flash else micro_rows * c.heads * seq_len * seq_len * (4 + ab)  # no flash: T x T scores
+    if c.attention_sinks:  # XLA's sink attention on every device: float32 scores and weights, and the weights
+        # cast for P.V, of one chunk of queries against every key (a full layer's; a sliding one's band is less)
+        scores = micro_rows * c.heads * min(seq_len, SINK_QUERY_CHUNK) * seq_len * (8 + ab)
     # A chunked MLP leaves the attention's tensors the larger part at long lengths; its lax.map also copies
     # the block's [T, D] input padded into chunks and stacks the chunks' gradients in the backward.
     # [Measured with experiments/studies/op_memory.py, one block, 32K-token chunks, above its outputs: forward 3B 512K
