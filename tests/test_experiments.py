@@ -411,3 +411,30 @@ def test_shipped_configs_runs_a_config_as_a_user_does_and_reads_its_metrics(tmp_
                              extra=["engine.micro_batches=3"])
     assert bad["status"] == "bad input" and any("micro_batches = 3" in line for line in bad["error_tail"])
     assert shipped.target(Path("h200_sft_8b.toml")) == "h200"
+
+
+def test_convergence_merges_separate_runs_into_one_comparison(tmp_path, monkeypatch):
+    """convergence.py --merge (issue 35's 1B comparison, one mode per device call): the runs of two files side by
+    side with the gap of the new mode to float32 masters; files of another setup, or a run twice, are refused."""
+    spec = importlib.util.spec_from_file_location("convergence", REPO / "experiments" / "studies" / "convergence.py")
+    conv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conv)
+    head = {"model": {"params": 1}, "steps": 3, "tokens_per_step": 8, "seq_len": 4, "optimizer": "adamw",
+            "data": "corpus", "git_commit": "x", "device": {"name": "cpu"}}
+    run = lambda mode, losses: {"mode": mode, "seed": 0, "losses": losses, "tokens_per_s": 1.0,  # noqa: E731
+                                "wall_s": 1.0}
+    files = []
+    for mode, losses in (("float32", [3.0, 2.0, 1.0]), ("q8", [3.0, 2.0, 1.1])):
+        files.append(tmp_path / f"{mode}.json")
+        files[-1].write_text(json.dumps({**head, "name": mode, "runs": [run(mode, losses)]}))
+    out = tmp_path / "both.json"
+    monkeypatch.setattr(sys, "argv", ["convergence.py"])
+    conv.merge([str(f) for f in files], str(out), tail=1)
+    merged = json.loads(out.read_text())
+    assert merged["q8_vs_float32_final_loss"] == pytest.approx(0.1)
+    assert merged["q8_within_bar"] == {"bar": 0.015, "met": False} and len(merged["parts"]) == 2
+    with pytest.raises(SystemExit, match="more than once"):
+        conv.merge([str(files[0]), str(files[0])], str(out), tail=1)
+    files[1].write_text(json.dumps({**head, "steps": 4, "runs": [run("q8", [1.0])]}))
+    with pytest.raises(SystemExit, match="differs .* in \\['steps'\\]"):
+        conv.merge([str(f) for f in files], str(out), tail=1)

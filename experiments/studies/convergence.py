@@ -4,7 +4,9 @@ masters: the same ~134M-parameter model, data and schedule, 500 steps on the dem
     PYTHONPATH=. python experiments/studies/convergence.py --out $OUT/h100_convergence_capacity.json
     PYTHONPATH=. python experiments/studies/convergence.py --seeds 0,1,2 --jobs 6 --out $OUT/conv_seeds.json
     PYTHONPATH=. python experiments/studies/convergence.py --preset llama3.2-1b --data build/corpus/corpus.bin \
-        --rows 4 --seq-len 2048 --steps 2000 --modes float32,q8 --out $OUT/conv_1b.json   # issue 35's 1B run
+        --rows 4 --seq-len 2048 --steps 2000 --modes float32 --out $OUT/conv_1b_float32.json   # issue 35's 1B run,
+        # one mode a call (each ~8 minutes on the H100 box); then --modes q8, and one comparison of the two:
+    PYTHONPATH=. python experiments/studies/convergence.py --merge conv_1b_float32.json conv_1b_q8.json --out conv_1b.json
 
 (``--data``: a token file, e.g. from ``local_corpus.py``; the model takes its vocabulary.)
 
@@ -117,8 +119,13 @@ def main() -> None:
                                                                  f"float32 among them, the others are compared with it")
     ap.add_argument("--preset", default=None, help="a model preset instead of the 134M model (e.g. llama3.2-1b)")
     ap.add_argument("--data", default=None, help="a token file (default: the demo corpus), e.g. from local_corpus.py")
+    ap.add_argument("--merge", nargs="+", metavar="FILE", help="no training: one comparison (to --out) from results "
+                                                                 "files of separate runs, e.g. one mode each")
     ap.add_argument("--run", help=argparse.SUPPRESS)  # a child: MODE:SEED, its run alone to --out
     args = ap.parse_args()
+    if args.merge:
+        merge(args.merge, args.out, args.tail)
+        return
     if args.run:
         mode, seed = args.run.split(":")
         with open(args.out, "w") as f:
@@ -142,7 +149,7 @@ def main() -> None:
                            f"10%, wd 0.1, b2 0.95; clip 1.0",
               "data": (f"token file {args.data} ({TokenFile.open(args.data).tokens.size} tokens), the run's seed"
                        if args.data else "demo corpus (megatrain_jax.data.demo), 8M tokens, the run's seed"),
-              "jobs": args.jobs, "runs": []}
+              "jobs": args.jobs, "runs": [], "out": args.out}
     seeds = [int(s) for s in args.seeds.split(",")]
     modes = args.modes.split(",")
     if any(m not in MODES for m in modes):
@@ -152,11 +159,20 @@ def main() -> None:
         runs = run_children(todo, args, args.jobs)
     else:
         runs = [train(mode, seed, args.steps, args.rows, args.seq_len, args.lr, cfg, args.data) for mode, seed in todo]
+    summarize(result, runs, args.tail)
+
+
+def summarize(result: dict, runs: list[dict], tail: int) -> None:
+    """Each run's final loss (the mean of its last ``tail`` steps), each mode's mean over seeds and each mode's gap
+    to float32 masters, into ``result``, written to ``result['out']``'s path (``--out``) and printed."""
+    out = result.pop("out")
+    seeds = sorted({r["seed"] for r in runs})
+    modes = list(dict.fromkeys(r["mode"] for r in runs))
     for run in runs:
         run["master_dtype"] = MODES[run["mode"]].master_dtype
-        run["final_loss"] = round(float(np.mean(run["losses"][-args.tail:])), 5)
+        run["final_loss"] = round(float(np.mean(run["losses"][-tail:])), 5)
         result["runs"].append(run)
-        print(f"{run['mode']} seed {run['seed']}: final loss {run['final_loss']} (mean of the last {args.tail}) "
+        print(f"{run['mode']} seed {run['seed']}: final loss {run['final_loss']} (mean of the last {tail}) "
               f"{run['tokens_per_s']} tok/s {run['wall_s']} s", flush=True)
     final = {(r["mode"], r["seed"]): r["final_loss"] for r in runs}
     means = {m: float(np.mean([final[m, s] for s in seeds])) for m in modes}
@@ -168,11 +184,34 @@ def main() -> None:
         gap = (means[m] - means["float32"]) / means["float32"]
         result[f"{m}_vs_float32_final_loss"] = round(gap, 5)
         result[f"{m}_within_bar"] = {"bar": BARS[m], "met": abs(gap) <= BARS[m]}
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
     for m in compared:
         print(f"{m} vs float32 final loss (means over seeds {seeds}): {result[f'{m}_vs_float32_final_loss']:+.4%} "
               f"(bar {BARS[m]:.1%}); by seed {result[f'{m}_vs_float32_by_seed']}")
+
+
+def merge(paths: list[str], out: str, tail: int) -> None:
+    """One comparison from results files of the same model, data and schedule run separately (one mode per
+    device call, say): their runs side by side, each file's header kept under ``parts``."""
+    parts = [json.load(open(p)) for p in paths]
+    same = ("model", "steps", "tokens_per_step", "seq_len", "optimizer", "data")
+    for p, part in zip(paths[1:], parts[1:]):
+        differ = [k for k in same if part.get(k) != parts[0].get(k)]
+        if differ:
+            raise SystemExit(f"{p} differs from {paths[0]} in {differ}: not one comparison")
+    result = {k: parts[0][k] for k in ("model", "steps", "tokens_per_step", "seq_len", "optimizer", "data")}
+    result.update(name=os.path.splitext(os.path.basename(out))[0],
+                  command="PYTHONPATH=. python experiments/studies/convergence.py " + " ".join(sys.argv[1:]),
+                  parts=[{k: part.get(k) for k in ("name", "command", "git_commit", "date", "device")} for part in parts],
+                  runs=[], out=out)
+    runs = [{k: v for k, v in r.items() if k not in ("final_loss", "master_dtype")} for part in parts
+            for r in part["runs"]]
+    twice = sorted({(r["mode"], r["seed"]) for r in runs if sum((q["mode"], q["seed"]) == (r["mode"], r["seed"])
+                                                                  for q in runs) > 1})
+    if twice:
+        raise SystemExit(f"the files hold these (mode, seed) runs more than once: {twice}; merge one of each")
+    summarize(result, runs, tail)
 
 
 if __name__ == "__main__":
