@@ -71,8 +71,15 @@ def _set_limit(gib: int) -> None:
 
 
 def set_host_memory_limit(fraction: float = 0.9) -> None:
+    """Cap XLA's pinned pool at ``fraction`` of the machine's RAM unless the user set the cap. Run at import: a
+    malformed ``MEGATRAIN_HOST_RAM_GIB`` falls back to the kernel's page count here, and is refused, with what
+    to write, where a plan reads it (``megatrain-jax plan`` and ``train`` exit with status 2)."""
     if _USER_LIMIT is None:
-        _set_limit(int(physical_ram_bytes() * fraction / 2**30))
+        try:
+            ram = physical_ram_bytes()
+        except ValueError:
+            ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        _set_limit(int(ram * fraction / 2**30))
 
 
 _OURS_FRACTION_VAR = "MEGATRAIN_GPU_FRACTION_SET"

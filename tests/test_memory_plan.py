@@ -713,7 +713,7 @@ def test_an_engine_refuses_resident_layers_auto():
         EngineConfig(resident_layers="all")
 
 
-def test_host_ram_override(monkeypatch):
+def test_host_ram_override(monkeypatch, capsys):
     """MEGATRAIN_HOST_RAM_GIB replaces /proc/meminfo for the plan and the pool cap (a VM whose RAM grows as it is
     touched starts with a MemTotal far below its limit); a bad value says what to write."""
     from megatrain_jax import _environment
@@ -727,3 +727,8 @@ def test_host_ram_override(monkeypatch):
         monkeypatch.setenv("MEGATRAIN_HOST_RAM_GIB", bad)
         with pytest.raises(ValueError, match="MEGATRAIN_HOST_RAM_GIB=.*positive number of GiB"):
             machine.available_host_bytes()
+    config = str(Path(__file__).resolve().parents[1] / "experiments" / "configs" / "demo_tiny.toml")
+    assert main(["plan", "--config", config]) == 2  # bad input: the message above, no traceback
+    assert "MEGATRAIN_HOST_RAM_GIB='inf'" in capsys.readouterr().err
+    monkeypatch.setenv("MEGATRAIN_HOST_RAM_GIB", "8")
+    assert main(["plan", "--config", config]) == 0 and "of 8.00 available" in capsys.readouterr().out
