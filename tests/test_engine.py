@@ -65,12 +65,13 @@ def train_reference(cfg, tx_fn, clip_norm, batches, steps=3, prepare=None):
 
 
 def run_both(cfg, tx_fn, engine_cfg, steps=3, batch_kw=None, prepare=None, reference_out=None, batches=None,
-             devices=None, reference=None):
+             devices=None, reference=None, observers=()):
     """Train a reference and an engine copy of the same model; compare every step's loss and the end.
     ``prepare(model)`` (optional) changes both fresh models alike before training; ``reference_out`` (a list,
     optional) receives the reference's trained model; ``batches`` (optional) replaces ``make_batches``'s
     (``steps * accumulate_steps`` of them); ``devices`` (optional) the engine's devices; ``reference``
-    (optional) what ``train_reference`` gave for these arguments, to compare with instead of training it."""
+    (optional) what ``train_reference`` gave for these arguments, to compare with instead of training it;
+    ``observers`` watch the engine's steps (``Engine.observe``)."""
     batch_kw = batch_kw or {}
     k = engine_cfg.accumulate_steps
     batches = batches if batches is not None else make_batches(steps * k, vocab=cfg.vocab_size, **batch_kw)
@@ -82,6 +83,8 @@ def run_both(cfg, tx_fn, engine_cfg, steps=3, batch_kw=None, prepare=None, refer
     if prepare is not None:
         prepare(model)
     engine = Engine(model, tx_fn(), engine_cfg, devices=devices)
+    for observer in observers:
+        engine.observe(observer)
     for s, r in enumerate(ref_metrics):
         e = engine.step(batches[s * k:(s + 1) * k]).resolve()
         assert abs(e["loss"] - r["loss"]) <= TOL * abs(r["loss"]), (s, e, r)
