@@ -27,7 +27,7 @@ def make_batches(n, rows=4, seq=16, vocab=256, seed=0, mask=False, packed=False)
             cut = seq // 3
             seg = np.where(np.arange(seq) < cut, 1, 2)[None].repeat(rows, 0)
             pos = np.where(np.arange(seq) < cut, np.arange(seq), np.arange(seq) - cut)[None].repeat(rows, 0)
-            b = Batch(b.inputs, b.targets, positions=pos, segment_ids=seg)
+            b = Batch(b.inputs, b.targets, loss_mask=b.loss_mask, positions=pos, segment_ids=seg)  # mask kept
         out.append(b)
     return out
 
