@@ -27,7 +27,7 @@ def make_batches(n, rows=4, seq=16, vocab=256, seed=0, mask=False, packed=False)
             cut = seq // 3
             seg = np.where(np.arange(seq) < cut, 1, 2)[None].repeat(rows, 0)
             pos = np.where(np.arange(seq) < cut, np.arange(seq), np.arange(seq) - cut)[None].repeat(rows, 0)
-            b = Batch(b.inputs, b.targets, positions=pos, segment_ids=seg)
+            b = Batch(b.inputs, b.targets, loss_mask=b.loss_mask, positions=pos, segment_ids=seg)  # mask kept
         out.append(b)
     return out
 
@@ -53,24 +53,40 @@ def assert_models_close(ref_model, model, tol=TOL):
         assert rel <= tol, f"{k}: relative difference {rel:.2e}"
 
 
-def run_both(cfg, tx_fn, engine_cfg, steps=3, batch_kw=None, prepare=None, reference_out=None):
+def train_reference(cfg, tx_fn, clip_norm, batches, steps=3, prepare=None):
+    """The in-memory reference trained ``steps`` optimizer steps over ``batches`` (split evenly into the steps'
+    accumulated groups) from ``Decoder(cfg)`` seeded 0, changed by ``prepare(model)`` first (optional):
+    ``(trainer, [each step's metrics])``."""
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    if prepare is not None:
+        prepare(model)
+    ref, k = ReferenceTrainer(model, tx_fn(), clip_norm=clip_norm), len(batches) // steps
+    return ref, [ref.step(batches[s * k:(s + 1) * k]) for s in range(steps)]
+
+
+def run_both(cfg, tx_fn, engine_cfg, steps=3, batch_kw=None, prepare=None, reference_out=None, batches=None,
+             devices=None, reference=None, observers=()):
     """Train a reference and an engine copy of the same model; compare every step's loss and the end.
     ``prepare(model)`` (optional) changes both fresh models alike before training; ``reference_out`` (a list,
-    optional) receives the reference's trained model."""
+    optional) receives the reference's trained model; ``batches`` (optional) replaces ``make_batches``'s
+    (``steps * accumulate_steps`` of them); ``devices`` (optional) the engine's devices; ``reference``
+    (optional) what ``train_reference`` gave for these arguments, to compare with instead of training it;
+    ``observers`` watch the engine's steps (``Engine.observe``)."""
     batch_kw = batch_kw or {}
     k = engine_cfg.accumulate_steps
-    batches = make_batches(steps * k, vocab=cfg.vocab_size, **batch_kw)
-    ref_model, model = Decoder(cfg, rngs=nnx.Rngs(0)), Decoder(cfg, rngs=nnx.Rngs(0))
-    for m in (ref_model, model) if prepare is not None else ():
-        prepare(m)
-    ref = ReferenceTrainer(ref_model, tx_fn(), clip_norm=engine_cfg.clip_norm)
+    batches = batches if batches is not None else make_batches(steps * k, vocab=cfg.vocab_size, **batch_kw)
+    assert len(batches) == steps * k, (len(batches), steps, k)
+    ref, ref_metrics = reference or train_reference(cfg, tx_fn, engine_cfg.clip_norm, batches, steps, prepare)
     if reference_out is not None:
         reference_out.append(ref)
-    engine = Engine(model, tx_fn(), engine_cfg)
-    for s in range(steps):
-        group = batches[s * k:(s + 1) * k]
-        r = ref.step(group)
-        e = engine.step(group).resolve()
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    if prepare is not None:
+        prepare(model)
+    engine = Engine(model, tx_fn(), engine_cfg, devices=devices)
+    for observer in observers:
+        engine.observe(observer)
+    for s, r in enumerate(ref_metrics):
+        e = engine.step(batches[s * k:(s + 1) * k]).resolve()
         assert abs(e["loss"] - r["loss"]) <= TOL * abs(r["loss"]), (s, e, r)
         assert abs(e["grad_norm"] - r["grad_norm"]) <= 1e-4 * r["grad_norm"], (s, e, r)
     engine.write_back(model)
