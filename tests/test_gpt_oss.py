@@ -284,10 +284,16 @@ def test_sliding_sink_attention_works_on_the_band_only():
 
 def test_the_plan_counts_the_sink_attention_scores():
     """The plan's rule of thumb for a block's scratch memory counts the sink attention's scores of one chunk of
-    queries (XLA's path: cuDNN's flash attention takes no sinks) where flash attention would count none."""
+    queries (XLA's path: cuDNN's flash attention takes no sinks) where flash attention would count none, and no
+    kept residuals."""
     from megatrain_jax.plan.gpu_ledger import transient
     cfg = preset("gpt-oss-20b")
     for kind in ("forward", "backward"):
         with_sinks, _ = transient(cfg, kind, 1, 8192, 2, flash=True)
         flash, _ = transient(cfg.replace(attention_sinks=False), kind, 1, 8192, 2, flash=True)
         assert with_sinks - flash >= cfg.heads * 512 * 8192 * 8
+    # and keeps no residuals for the backward: cuDNN's output and statistics never exist
+    from megatrain_jax.plan.gpu_ledger import assumes_flash, kept_bytes
+    assert not assumes_flash(cfg) and assumes_flash(cfg.replace(attention_sinks=False))
+    kept = EngineConfig(keep_residuals=True)
+    assert kept_bytes(cfg, kept, 1, 8192, assumes_flash(cfg)) == 0
