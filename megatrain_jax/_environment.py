@@ -21,9 +21,9 @@ import os
 from pathlib import Path
 
 HOST_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-# The host RAM this process may use, in GiB, where /proc/meminfo does not tell it: a virtual machine whose
-# memory grows as it is touched (MemTotal starts far below what the machine may use), or a container whose
-# cgroup allows less than the host's RAM. It replaces both the physical RAM and MemAvailable everywhere.
+# The host RAM this process may use, in GiB, where /proc/meminfo does not tell it: a container whose cgroup
+# allows less than the host's RAM, or a virtual machine whose RAM is added as it is touched and reports less
+# than its limit. It replaces both the physical RAM and MemAvailable everywhere.
 HOST_RAM_VAR = "MEGATRAIN_HOST_RAM_GIB"
 GPU_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 # The share of each GPU's memory XLA's allocator takes when megatrain_jax sets it (JAX's own default is
@@ -46,9 +46,9 @@ def host_ram_override() -> int | None:
         gib = float(raw)
     except ValueError:
         gib = float("nan")
-    if not gib > 0 or gib == float("inf"):
-        raise ValueError(f"{HOST_RAM_VAR}={raw!r}: give the host RAM this run may use as a positive number of "
-                         f"GiB (e.g. {HOST_RAM_VAR}=500), or unset it to read /proc/meminfo")
+    if not 1 <= gib < float("inf"):
+        raise ValueError(f"{HOST_RAM_VAR}={raw!r}: give the host RAM this run may use in GiB, at least 1 (e.g. "
+                         f"{HOST_RAM_VAR}=500), or unset it to read /proc/meminfo")
     return int(gib * 2**30)
 
 

@@ -435,6 +435,10 @@ def test_convergence_merges_separate_runs_into_one_comparison(tmp_path, monkeypa
     assert merged["q8_within_bar"] == {"bar": 0.015, "met": False} and len(merged["parts"]) == 2
     with pytest.raises(SystemExit, match="more than once"):
         conv.merge([str(files[0]), str(files[0])], str(out), tail=1)
+    seed1 = tmp_path / "seed1.json"
+    seed1.write_text(json.dumps({**head, "runs": [{**run("q8", [1.0]), "seed": 1}]}))
+    with pytest.raises(SystemExit, match=r"no run for these \(mode, seed\) pairs: \[\('float32', 1\)\]"):
+        conv.merge([str(files[0]), str(files[1]), str(seed1)], str(out), tail=1)
     files[1].write_text(json.dumps({**head, "steps": 4, "runs": [run("q8", [1.0])]}))
     with pytest.raises(SystemExit, match="differs .* in \\['steps'\\]"):
         conv.merge([str(f) for f in files], str(out), tail=1)

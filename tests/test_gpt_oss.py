@@ -297,3 +297,11 @@ def test_the_plan_counts_the_sink_attention_scores():
     assert not assumes_flash(cfg) and assumes_flash(cfg.replace(attention_sinks=False))
     kept = EngineConfig(keep_residuals=True)
     assert kept_bytes(cfg, kept, 1, 8192, assumes_flash(cfg)) == 0
+
+
+def test_sinks_with_cudnn_attention_are_refused():
+    """cuDNN's flash attention has no sinks: asking for it on a model with sinks is an error that says what to set
+    (rather than a silent XLA path)."""
+    with pytest.raises(ValueError, match="attention_sinks .* Leave attention_impl at 'auto'"):
+        GPT_OSS.replace(attention_impl="cudnn")
+    assert GPT_OSS.replace(attention_impl="xla").attention_impl == "xla"

@@ -723,9 +723,9 @@ def test_host_ram_override(monkeypatch, capsys):
     assert _environment.physical_ram_bytes() == 500 * 2**30
     monkeypatch.setenv("MEGATRAIN_HOST_RAM_GIB", "")
     assert _environment.physical_ram_bytes() == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for bad in ("lots", "-3", "0", "inf"):
+    for bad in ("lots", "-3", "0", "1e-12", "nan", "inf"):
         monkeypatch.setenv("MEGATRAIN_HOST_RAM_GIB", bad)
-        with pytest.raises(ValueError, match="MEGATRAIN_HOST_RAM_GIB=.*positive number of GiB"):
+        with pytest.raises(ValueError, match="MEGATRAIN_HOST_RAM_GIB=.*in GiB, at least 1"):
             machine.available_host_bytes()
     config = str(Path(__file__).resolve().parents[1] / "experiments" / "configs" / "demo_tiny.toml")
     assert main(["plan", "--config", config]) == 2  # bad input: the message above, no traceback

@@ -6,7 +6,8 @@ masters: the same ~134M-parameter model, data and schedule, 500 steps on the dem
     PYTHONPATH=. python experiments/studies/convergence.py --preset llama3.2-1b --data build/corpus/corpus.bin \
         --rows 4 --seq-len 2048 --steps 2000 --modes float32 --out $OUT/conv_1b_float32.json   # issue 35's 1B run,
         # one mode a call (each ~8 minutes on the H100 box); then --modes q8, and one comparison of the two:
-    PYTHONPATH=. python experiments/studies/convergence.py --merge conv_1b_float32.json conv_1b_q8.json --out conv_1b.json
+    PYTHONPATH=. python experiments/studies/convergence.py --merge conv_1b_float32.json conv_1b_q8.json \
+        --out conv_1b.json
 
 (``--data``: a token file, e.g. from ``local_corpus.py``; the model takes its vocabulary.)
 
@@ -149,7 +150,7 @@ def main() -> None:
                            f"10%, wd 0.1, b2 0.95; clip 1.0",
               "data": (f"token file {args.data} ({TokenFile.open(args.data).tokens.size} tokens), the run's seed"
                        if args.data else "demo corpus (megatrain_jax.data.demo), 8M tokens, the run's seed"),
-              "jobs": args.jobs, "runs": [], "out": args.out}
+              "jobs": args.jobs, "runs": []}
     seeds = [int(s) for s in args.seeds.split(",")]
     modes = args.modes.split(",")
     if any(m not in MODES for m in modes):
@@ -159,13 +160,13 @@ def main() -> None:
         runs = run_children(todo, args, args.jobs)
     else:
         runs = [train(mode, seed, args.steps, args.rows, args.seq_len, args.lr, cfg, args.data) for mode, seed in todo]
-    summarize(result, runs, args.tail)
+    summarize(result, runs, args.tail, args.out)
 
 
-def summarize(result: dict, runs: list[dict], tail: int) -> None:
+def summarize(result: dict, runs: list[dict], tail: int, out: str) -> None:
     """Each run's final loss (the mean of its last ``tail`` steps), each mode's mean over seeds and each mode's gap
-    to float32 masters, into ``result``, written to ``result['out']``'s path (``--out``) and printed."""
-    out = result.pop("out")
+    to float32 masters, into ``result``, written to ``out`` and printed."""
+    result["tail"] = tail
     seeds = sorted({r["seed"] for r in runs})
     modes = list(dict.fromkeys(r["mode"] for r in runs))
     for run in runs:
@@ -191,27 +192,38 @@ def summarize(result: dict, runs: list[dict], tail: int) -> None:
               f"(bar {BARS[m]:.1%}); by seed {result[f'{m}_vs_float32_by_seed']}")
 
 
+# What results files must share to be one comparison (``merge``).
+SETUP = ("model", "steps", "tokens_per_step", "seq_len", "optimizer", "data")
+
+
 def merge(paths: list[str], out: str, tail: int) -> None:
     """One comparison from results files of the same model, data and schedule run separately (one mode per
-    device call, say): their runs side by side, each file's header kept under ``parts``."""
-    parts = [json.load(open(p)) for p in paths]
-    same = ("model", "steps", "tokens_per_step", "seq_len", "optimizer", "data")
-    for p, part in zip(paths[1:], parts[1:]):
-        differ = [k for k in same if part.get(k) != parts[0].get(k)]
+    device call, say): their runs side by side, each file's header kept under ``parts``. Every mode needs a run
+    for every seed, once; the final loss is over the last ``tail`` steps."""
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            parts.append(json.load(f))
+    for path, part in zip(paths[1:], parts[1:]):
+        differ = [k for k in SETUP if part.get(k) != parts[0].get(k)]
         if differ:
-            raise SystemExit(f"{p} differs from {paths[0]} in {differ}: not one comparison")
-    result = {k: parts[0][k] for k in ("model", "steps", "tokens_per_step", "seq_len", "optimizer", "data")}
-    result.update(name=os.path.splitext(os.path.basename(out))[0],
-                  command="PYTHONPATH=. python experiments/studies/convergence.py " + " ".join(sys.argv[1:]),
-                  parts=[{k: part.get(k) for k in ("name", "command", "git_commit", "date", "device")} for part in parts],
-                  runs=[], out=out)
+            raise SystemExit(f"{path} differs from {paths[0]} in {differ}: not one comparison")
     runs = [{k: v for k, v in r.items() if k not in ("final_loss", "master_dtype")} for part in parts
             for r in part["runs"]]
-    twice = sorted({(r["mode"], r["seed"]) for r in runs if sum((q["mode"], q["seed"]) == (r["mode"], r["seed"])
-                                                                  for q in runs) > 1})
+    have = [(r["mode"], r["seed"]) for r in runs]
+    twice = sorted({run for run in have if have.count(run) > 1})
     if twice:
         raise SystemExit(f"the files hold these (mode, seed) runs more than once: {twice}; merge one of each")
-    summarize(result, runs, tail)
+    missing = sorted({(m, s) for m, _ in have for _, s in have} - set(have))
+    if missing:
+        raise SystemExit(f"no run for these (mode, seed) pairs: {missing}; every mode needs every seed")
+    result = {k: parts[0][k] for k in SETUP}
+    result.update(name=os.path.splitext(os.path.basename(out))[0],
+                  command="PYTHONPATH=. python experiments/studies/convergence.py " + " ".join(sys.argv[1:]),
+                  parts=[{k: part.get(k) for k in ("name", "command", "git_commit", "date", "device")}
+                         for part in parts],
+                  runs=[])
+    summarize(result, runs, tail, out)
 
 
 if __name__ == "__main__":

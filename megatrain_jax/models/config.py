@@ -42,6 +42,7 @@ EXPERT_ACTIVATIONS: tuple[str, ...] = ("silu", "clamped_swiglu")
 # Queries per chunk of ``layers.sink_attention`` (GPT-OSS): its scores exist for this many queries at a time.
 SINK_QUERY_CHUNK = 512
 
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling for positions past the pre-training length, as Hugging Face computes it
@@ -584,6 +585,9 @@ def validate(cfg: DecoderConfig) -> None:
         if cfg.o_bias or cfg.attention_sinks:
             raise ValueError("mla (DeepSeek-V3's attention) takes its biases from qkv_bias and has no sinks: leave "
                              "o_bias and attention_sinks False")
+    if cfg.attention_sinks and cfg.attention_impl == "cudnn":
+        raise ValueError("attention_sinks (GPT-OSS) take XLA's sink attention on every device: cuDNN's flash "
+                         "attention has no sinks. Leave attention_impl at 'auto' (or set 'xla')")
     if cfg.family == "deepseek_v3" and cfg.mla is None:
         raise ValueError("family 'deepseek_v3' uses multi-head latent attention: set mla (an MLAConfig)")
     if cfg.family in MOE_FAMILIES and cfg.moe is None:

@@ -175,8 +175,6 @@ def packed_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, se
         sliding_window_length=sliding_window)
 
 
-
-
 def sink_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sinks_N: jax.Array, scale: float,
                    window: int | None, segment_ids_BT: jax.Array | None, chunk: int = SINK_QUERY_CHUNK) -> jax.Array:
     """Causal grouped-query attention with attention sinks (GPT-OSS; transformers' ``eager_attention_forward`` of
