@@ -12,7 +12,6 @@ untrained correction bias, and the engine against the in-memory reference.
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +21,12 @@ from flax import nnx
 
 from megatrain_jax import EngineConfig, adamw
 from megatrain_jax.flops import model_flops_per_token
-from megatrain_jax.hf import UnsupportedConfig, config_from_hf, config_to_hf, load_hf, read_safetensors, write_safetensors
+from megatrain_jax.hf import UnsupportedConfig, config_from_hf, config_to_hf, load_hf, write_safetensors
 from megatrain_jax.models import Decoder, MoEConfig, preset
 from megatrain_jax.plan import io_param_count
 from megatrain_jax.reference import model_loss
 from test_engine import make_batches, run_both
-from test_hf import FIXTURES, logits_of, model_from, rel_err
+from test_hf import assert_mtp_layer_skipped
 
 # Published sizes (the GLM-4.5 model cards and technical report: 106B total / 12B active, 355B / 32B). Our
 # count leaves out the multi-token-prediction layer the checkpoints also hold (not part of the causal LM);
@@ -138,14 +137,9 @@ def test_export_refuses_what_the_architecture_cannot_express(cfg, match):
 def test_the_multi_token_prediction_layer_of_a_checkpoint_is_skipped_with_a_warning(tmp_path):
     """The released checkpoints hold the MTP layer as ``model.layers.{num_hidden_layers}.*`` (transformers
     ignores those keys on load): read the same model, and say so; any other stray tensor is still refused."""
-    folder = shutil.copytree(FIXTURES / "glm4_moe", tmp_path / "glm")
-    tensors = dict(read_safetensors(folder / "model.safetensors"))
-    extra = {"model.layers.3.eh_proj.weight": np.ones((32, 64), np.float32),
-             "model.layers.3.mlp.gate.e_score_correction_bias": np.ones((8,), np.float32)}
-    write_safetensors(folder / "model.safetensors", {**tensors, **extra})
-    with pytest.warns(UserWarning, match="ignoring the 2 tensors of the multi-token-prediction layer"):
-        cfg, io, blocks = load_hf(folder, dtype="float32")
-    assert rel_err(logits_of(model_from(cfg, io, blocks), folder), np.load(folder / "logits.npy")) < 1e-4
+    folder, tensors = assert_mtp_layer_skipped(tmp_path, "glm4_moe", {
+        "model.layers.3.eh_proj.weight": np.ones((32, 64), np.float32),
+        "model.layers.3.mlp.gate.e_score_correction_bias": np.ones((8,), np.float32)})
     write_safetensors(folder / "model.safetensors", {**tensors, "model.layers.1.mlp.stray": np.ones((2,), np.float32)})
     with pytest.raises(ValueError, match="unexpected: model.layers.1.mlp.stray"):
         load_hf(folder, dtype="float32")

@@ -61,6 +61,18 @@ def model_from(cfg, io, blocks) -> Decoder:
     return model
 
 
+def assert_mtp_layer_skipped(tmp_path: Path, fixture: str, extra: dict) -> tuple[Path, dict]:
+    """A copy of ``fixture`` with ``extra`` tensors of a multi-token-prediction layer added reads with a warning
+    that names them and gives the fixture's logits; returns the copy and its original tensors."""
+    folder = shutil.copytree(FIXTURES / fixture, tmp_path / fixture)
+    tensors = dict(read_safetensors(folder / "model.safetensors"))
+    write_safetensors(folder / "model.safetensors", {**tensors, **extra})
+    with pytest.warns(UserWarning, match=f"ignoring the {len(extra)} tensors of the multi-token-prediction layer"):
+        cfg, io, blocks = load_hf(folder, dtype="float32")
+    assert rel_err(logits_of(model_from(cfg, io, blocks), folder), np.load(folder / "logits.npy")) < 1e-4
+    return folder, tensors
+
+
 def concrete_zeros(cfg) -> Decoder:
     """A concrete Decoder (JAX arrays) without paying for eager random init."""
     abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
