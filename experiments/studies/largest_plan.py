@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: megatrain_jax
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: child.py
+
+from child import results_header  # noqa: E402
 
 from megatrain_jax import EngineConfig, preset  # noqa: E402
 from megatrain_jax.plan import GiB, lean_engine, plan  # noqa: E402
@@ -30,12 +31,18 @@ MODES = {"capacity": dict(master_dtype="bfloat16"),
 
 
 def fitting(name: str, layers: int, engine: EngineConfig, rows: int, seq_len: int, kw: dict) -> dict:
-    """The plan of ``layers`` layers of preset ``name`` with what ``lean_engine`` picks."""
+    """The plan of ``layers`` layers of preset ``name`` with what ``lean_engine`` picks: a ``runs`` entry (the
+    results schema's model and workload; ``status`` whether the plan fits, its host and GPU totals)."""
     cfg = preset(name, layers=layers)
     picked, said = lean_engine(cfg, engine, rows, seq_len, **kw)
     p = plan(cfg, picked, rows, seq_len, detect=False, **kw)
-    return {"layers": layers, "params": cfg.param_count(), "fits": p.fits, "host_gib": round(p.host_total / GiB, 1),
-            "gpu_gib": round(p.gpu_total / GiB, 1), "grads_on_gpu": picked.grads_on_gpu, "said": said}
+    return {"system": "megatrain_jax", "kind": "plan (not measured)", "layers": layers,
+            "model": {"layers": layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "heads": cfg.heads,
+                      "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size, "params": cfg.param_count()},
+            "params": cfg.param_count(), "seq_len": seq_len, "tokens_per_step": rows * seq_len,
+            "master_dtype": picked.master_dtype, "status": "fits" if p.fits else "does not fit", "fits": p.fits,
+            "host_gib": round(p.host_total / GiB, 1), "gpu_gib": round(p.gpu_total / GiB, 1),
+            "grads_on_gpu": picked.grads_on_gpu, "said": said}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,14 +73,12 @@ def main(argv: list[str] | None = None) -> None:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     same = fitting(args.preset, base.layers, engine, args.rows, args.seq_len, kw)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-    result = {"name": Path(args.out).stem, "command": "PYTHONPATH=. python experiments/studies/largest_plan.py "
-              + " ".join(argv if argv is not None else sys.argv[1:]), "git_commit": commit,
-              "date": datetime.date.today().isoformat(), "kind": "plan (not measured)",
+    # device: the machine that ran the plan (a CPU); machine: the one planned for
+    result = {**results_header(args.out, __file__), "kind": "plan (not measured)",
               "machine": {"host_gib": args.host_gib, "gpu_gib": args.gpu_gib, "gpu_fraction": args.gpu_fraction},
               "mode": args.mode, "engine": dataclasses.asdict(engine), "tokens_per_step": args.rows * args.seq_len,
               "preset": args.preset, "largest": tried.get(lo), "preset_as_published": same,
-              "tried": [tried[n] for n in sorted(tried)]}
+              "runs": [tried[n] for n in sorted(tried)]}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({"largest": result["largest"], "preset_as_published": same}, indent=1))
 
