@@ -162,7 +162,7 @@ def test_packed_attention_equals_masked_reference_on_gpu(B, T, docs, pad):
 
 
 @on_hopper
-@pytest.mark.parametrize("experts,hidden,ffn", [(8, 512, 1024), (32, 256, 384)])
+@pytest.mark.parametrize("experts,hidden,ffn", [(8, 512, 1024), (32, 256, 384), (4, 2880, 2880), (4, 200, 320)])
 def test_grouped_matmul_equals_ragged_dot_on_gpu(experts, hidden, ffn):
     from megatrain_jax.models.moe import grouped_matmul
     A = 2048
@@ -178,6 +178,30 @@ def test_grouped_matmul_equals_ragged_dot_on_gpu(experts, hidden, ffn):
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
         assert err < 1e-2, err
     assert float(jnp.max(jnp.abs(dw[0]))) == 0.0  # an expert without tokens gets no gradient
+
+
+@pytest.mark.parametrize("hidden,ffn", [(200, 320), (256, 100), (130, 129)])
+def test_padded_grouped_matmul_equals_the_unpadded_one_with_gradients(hidden, ffn):
+    """Widths that are not multiples of the kernels' 128 (GPT-OSS's 2880) are zero-padded and cut back: the same
+    product and gradients as without padding (checked here around XLA's ragged_dot, which runs on a CPU)."""
+    from megatrain_jax.models.moe import padded_grouped
+    A, E = 96, 4
+    x = jax.random.normal(jax.random.key(0), (A, hidden), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (E, hidden, ffn), jnp.float32)
+    dy = jax.random.normal(jax.random.key(2), (A, ffn), jnp.float32)
+    sizes = jnp.asarray([30, 0, 50, 16], jnp.int32)
+    padded_widths = []
+
+    def inner(x, w, sizes):
+        padded_widths.append(w.shape[1:])
+        return jax.lax.ragged_dot(x, w, sizes)
+
+    y, pb = jax.vjp(lambda x, w: padded_grouped(x, w, sizes, inner), x, w)
+    y_ref, pb_ref = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)
+    assert padded_widths == [(-(-hidden // 128) * 128, -(-ffn // 128) * 128)]
+    assert y.shape == (A, ffn)
+    for got, want in zip((y, *pb(dy)), (y_ref, *pb_ref(dy))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
 def test_kernel_results_file_shows_the_kernels_matched_on_the_gpu():
