@@ -135,13 +135,16 @@ class Experts(nnx.Module):
     def __call__(self, x_AD: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
         """Rows of ``x_AD`` sorted by expert, ``group_sizes_E`` rows each -> each row through its expert."""
         dt = x_AD.dtype
-        # each row's expert, for the biases (rows past the groups, whose weight is zero, take the last expert's)
-        expert_A = None if self.gate_bias is None else jnp.repeat(
-            jnp.arange(group_sizes_E.shape[0]), group_sizes_E, total_repeat_length=x_AD.shape[0])
 
         def dot(x, w, b):
-            y = grouped_matmul(x, w[...].astype(dt), group_sizes_E)
-            return y if b is None else y + b[...].astype(dt)[expert_A]
+            if b is None:
+                return grouped_matmul(x, w[...].astype(dt), group_sizes_E)
+            # the bias as one more input width: a column of ones on x and the bias as w's last row, so the grouped
+            # matmul adds it and its gradient is each group's sum of dy (a gather of the bias per row had a
+            # scatter-add of 131K rows into E as its gradient)
+            x = jnp.concatenate([x, jnp.ones((x.shape[0], 1), dt)], axis=1)
+            return grouped_matmul(x, jnp.concatenate([w[...].astype(dt), b[...].astype(dt)[:, None, :]], axis=1),
+                                  group_sizes_E)
 
         gate, up = dot(x_AD, self.gate, self.gate_bias), dot(x_AD, self.up, self.up_bias)
         if self.activation == "silu":
