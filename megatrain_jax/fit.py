@@ -145,7 +145,8 @@ def print_logger(every: int = 10, stream=None) -> Hook:
     line is printed, so a redirected stdout gets it)."""
     def log(m: dict, info: StepInfo) -> None:
         lr = f" lr {m['lr']:.2e}" if "lr" in m else ""
-        print(f"step {m['step']:>6d}  loss {m['loss']:.4f}  grad_norm {m['grad_norm']:.3f}{lr}  "
+        aux = f" (aux {m['aux_loss']:.4f})" if "aux_loss" in m else ""
+        print(f"step {m['step']:>6d}  loss {m['loss']:.4f}{aux}  grad_norm {m['grad_norm']:.3f}{lr}  "
               f"{m['tokens_per_s']:,.0f} tok/s  {format_flops(m['model_tflops'])}  {m['step_time_s']:.3f} s",
               file=stream or sys.stdout, flush=True)
     return Hook(log, every=every, at_end=True)

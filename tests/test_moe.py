@@ -149,6 +149,29 @@ def test_engine_equals_reference_with_the_load_balancing_loss(engine_cfg):
     run_both(cfg, ADAMW, engine_cfg)
 
 
+def test_a_steps_metrics_split_the_loss_into_its_load_balancing_and_next_token_terms():
+    """``aux_loss`` and ``lm_loss`` of a routed model's step equal the reference's terms at the same parameters
+    (the first step's, over micro-batches); a dense model's metrics have neither."""
+    import optax
+    from megatrain_jax import Engine
+    from megatrain_jax.loss import causal_lm_loss
+    from megatrain_jax.reference import model_loss
+    from test_engine import TINY3, make_batches
+    cfg = preset("tiny-moe").replace(moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, aux_loss_coef=0.5), layers=3)
+    batch = make_batches(1, vocab=cfg.vocab_size)[0]
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    full = batch.filled()
+    lm = float(causal_lm_loss(model(full.inputs, full.positions), full.targets, full.loss_mask))
+    aux = float(model_loss(model, full)) - lm
+    m = Engine(model, optax.sgd(0.1), EngineConfig(micro_batches=2)).step(batch).resolve()
+    assert m["aux_loss"] == pytest.approx(aux, rel=1e-4) and aux > 0.5  # coef * top_k near balance
+    assert m["lm_loss"] == pytest.approx(lm, rel=1e-4)
+    assert m["aux_loss"] + m["lm_loss"] == pytest.approx(m["loss"], rel=1e-6)
+    dense = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), optax.sgd(0.1), EngineConfig()).step(
+        make_batches(1, vocab=TINY3.vocab_size)[0]).resolve()
+    assert "aux_loss" not in dense and "lm_loss" not in dense
+
+
 def test_the_load_balancing_loss_moves_the_routers():
     """The gradient reaching the router from the auxiliary loss is not zero (so the tests above can fail)."""
     from megatrain_jax.reference import model_loss

@@ -47,11 +47,18 @@ class StepOutput:
     grad_norm: jax.Array
     tokens: int
     dispatch_s: float  # host time spent issuing the step's work
+    aux_loss: jax.Array | None = None  # a routed model's load-balancing loss, included in ``loss``
 
     def resolve(self) -> dict[str, float]:
+        """The step's metrics as numbers; a routed model's also give ``aux_loss`` (the load-balancing term of
+        ``loss``) and ``lm_loss`` (``loss`` without it: the next-token loss)."""
         loss, norm = float(local_value(self.loss)), float(local_value(self.grad_norm))
-        return {"step": self.step, "loss": loss, "grad_norm": norm, "tokens": self.tokens,
-                "dispatch_s": self.dispatch_s, "skipped": not (math.isfinite(loss) and math.isfinite(norm))}
+        out = {"step": self.step, "loss": loss, "grad_norm": norm, "tokens": self.tokens,
+               "dispatch_s": self.dispatch_s, "skipped": not (math.isfinite(loss) and math.isfinite(norm))}
+        if self.aux_loss is not None:
+            aux = float(local_value(self.aux_loss))
+            out.update(aux_loss=aux, lm_loss=loss - aux)
+        return out
 
 
 class Engine:
@@ -144,7 +151,7 @@ class Engine:
             self.policy.check()  # a too-long run of non-finite steps stops training here
         self.last_seq_len = batches[0].shape[1]
         t0 = time.perf_counter()
-        losses = []
+        losses, auxes = [], []
         self._runner.begin_step()
         try:
             for j, batch in enumerate(batches):
@@ -154,6 +161,7 @@ class Engine:
                 self._runner.run(p, step_ops(self.lm.n_blocks, self.cfg.micro_batches, self.cfg.prefetch_depth,
                                              update=p.last, offload=self.cfg.offload_activations))
                 losses.append(sum(p.losses))
+                auxes.append(p.aux)
         except DeviceOutOfMemoryError as err:
             err.step = int(self.state.step)
             err.add_note(f"step {err.step + 1} ran out of device memory in {err.phase} " + (
@@ -162,8 +170,9 @@ class Engine:
             raise
         self.state.step += 1
         tokens = sum(b.tokens for b in batches) * self.placement.processes  # each process feeds its own rows
+        aux = None if auxes[0] is None else sum(auxes) / len(auxes)
         return StepOutput(self.state.step, sum(losses) / len(losses), self._runner.decision.norm, tokens,
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0, aux)
 
     def steps(self, data: Iterable[Batch]) -> Iterator[dict[str, float]]:
         """Run a step per ``accumulate_steps`` batches of ``data``; yield metrics one step late."""

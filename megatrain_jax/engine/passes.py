@@ -48,6 +48,7 @@ class Pass:
     decision: StepDecision | None = None
     stats: Any = None  # the routed blocks' statistics summed over them and micro-batches (an auxiliary loss's input)
     d_stats: Any = None  # the auxiliary loss's gradient with respect to them
+    aux: Any = None  # the auxiliary (load-balancing) loss, also a term of ``losses``
     stores: list = dataclasses.field(default_factory=list)  # offloaded activations whose copies may be queued
 
 
@@ -188,8 +189,8 @@ class PassRunner:
     def head(self, p: Pass, op: Op):
         b = p.batches[op.micro]
         if self.fns.routed and op.micro == 0:  # every forward has run (layer-major): the auxiliary loss
-            aux, p.d_stats = self.fns.aux(p.stats)
-            p.losses.append(aux)
+            p.aux, p.d_stats = self.fns.aux(p.stats)
+            p.losses.append(p.aux)
         (loss, dx, p.io_grads), p.params[IO] = self.fns.head(p.params[IO], p.acts[self.n_blocks][op.micro],
                                                              b.targets, b.loss_mask, p.inv_count, p.io_grads)
         p.losses.append(loss)

@@ -58,6 +58,8 @@ class Progress:
 
     def line(self, m: dict) -> str:
         parts = [f"step {self._of_total(m['step'])}", f"loss {m['loss']:.4f}"]
+        if "aux_loss" in m:  # a routed model: the load-balancing term of the loss
+            parts.append(f"(aux {m['aux_loss']:.4f})")
         if "grad_norm" in m:
             parts.append(f"grad_norm {m['grad_norm']:.3f}")
         if "lr" in m:
