@@ -109,7 +109,11 @@ def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra:
                       host_peak_gib=max((r.get("host_peak_rss_gib") or 0) for r in rows) or None,
                       # the resident set by kind at the step ends: its own arrays, and mapped files
                       host_anon_max_gib=max((r.get("host_rss_anon_gib") or 0) for r in rows) or None,
-                      host_file_max_gib=max((r.get("host_rss_file_gib") or 0) for r in rows) or None)
+                      host_file_max_gib=max((r.get("host_rss_file_gib") or 0) for r in rows) or None,
+                      losses=[round(r["loss"], 5) for r in rows])
+        if "lm_loss" in rows[0]:  # a routed model: the next-token and load-balancing terms of each loss
+            record.update(lm_losses=[round(r["lm_loss"], 5) for r in rows],
+                          aux_losses=[round(r["aux_loss"], 5) for r in rows])
         planned = record.get("planned") or {}
         for side in ("host", "gpu"):
             plan, peak = planned.get(f"{side}_gib"), record.get(f"{side}_peak_gib")
