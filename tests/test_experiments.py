@@ -442,3 +442,25 @@ def test_convergence_merges_separate_runs_into_one_comparison(tmp_path, monkeypa
     files[1].write_text(json.dumps({**head, "steps": 4, "runs": [run("q8", [1.0])]}))
     with pytest.raises(SystemExit, match="differs .* in \\['steps'\\]"):
         conv.merge([str(f) for f in files], str(out), tail=1)
+
+
+def test_convergence_progress_and_the_resident_reference(tmp_path):
+    """convergence.py's progress file holds the losses so far every ``every`` steps (a run cut by a device call's
+    limit still says how far it got); ``--resident`` keeps only float32 masters on the GPU."""
+    spec = importlib.util.spec_from_file_location("convergence", REPO / "experiments" / "studies" / "convergence.py")
+    conv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conv)
+    path = tmp_path / "p.json"
+    hook = conv.progress_hook(str(path), "q8", 0, every=2)
+    hook.fn({"step": 1, "loss": 3.0}, None)
+    assert not path.exists()
+    hook.fn({"step": 2, "loss": 2.5}, None)
+    hook.fn({"step": 3, "loss": 2.0}, None)
+    got = json.loads(path.read_text())
+    assert got["steps_done"] == 2 and got["losses"] == [3.0, 2.5] and got["mode"] == "q8"
+    cfg = conv.MODEL
+    resident = conv.engine_config("float32", cfg, resident=True)
+    assert resident.resident_layers == cfg.layers and resident.resident_io
+    assert conv.engine_config("q8", cfg, resident=False) == conv.MODES["q8"]
+    with pytest.raises(SystemExit, match="updates on the host"):
+        conv.engine_config("q8", cfg, resident=True)

@@ -41,7 +41,7 @@ EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # chi
 sys.path.insert(0, EXPERIMENTS)
 sys.path.insert(0, os.path.dirname(EXPERIMENTS))  # the repository root: megatrain_jax
 
-from megatrain_jax import Decoder, EngineConfig, TrainConfig, fit, preset  # noqa: E402
+from megatrain_jax import Decoder, EngineConfig, Hook, TrainConfig, fit, preset  # noqa: E402
 from megatrain_jax.cli.run_config import OptimizerConfig  # noqa: E402
 from megatrain_jax.data import DataConfig, TokenFile  # noqa: E402
 from megatrain_jax.models.config import DecoderConfig  # noqa: E402
@@ -75,8 +75,22 @@ def engine_config(mode: str, cfg: DecoderConfig, resident: bool) -> EngineConfig
     return dataclasses.replace(MODES[mode], resident_layers=cfg.layers, resident_io=True)
 
 
+def progress_hook(path: str, mode: str, seed: int, every: int = 100) -> Hook:
+    """Every ``every`` steps, the losses so far to ``path`` (so that a run cut by a device call's time limit still
+    says how far it got and how fast)."""
+    losses, t0 = [], time.perf_counter()
+
+    def write(m: dict, info) -> None:
+        losses.append(round(float(m["loss"]), 5))
+        if m["step"] % every == 0:
+            with open(path, "w") as f:
+                json.dump({"mode": mode, "seed": seed, "steps_done": m["step"], "elapsed_s": round(
+                    time.perf_counter() - t0, 1), "losses": losses}, f)
+    return Hook(write, every=1)
+
+
 def train(mode: str, seed: int, steps: int, rows: int, seq_len: int, lr: float, cfg: DecoderConfig = MODEL,
-          data_path: str | None = None, resident: bool = False) -> dict:
+          data_path: str | None = None, resident: bool = False, progress: str | None = None) -> dict:
     data = DataConfig(path=data_path, seq_len=seq_len, batch_size=rows, seed=seed,
                       demo_tokens=1 << 23).build(cfg.vocab_size)
     optimizer, _ = OptimizerConfig(lr=lr, warmup_steps=max(steps // 10, 1)).build(steps)
@@ -84,8 +98,11 @@ def train(mode: str, seed: int, steps: int, rows: int, seq_len: int, lr: float, 
     t = time.perf_counter()
     engine = engine_config(mode, cfg, resident)
     history = fit(model, data, optimizer, train=TrainConfig(steps=steps, log_every=max(steps // 10, 1), seed=seed),
-                  engine=engine, write_back=False)
+                  engine=engine, write_back=False,
+                  hooks=[progress_hook(progress, mode, seed)] if progress else ())
     wall = time.perf_counter() - t
+    if progress and os.path.exists(progress):
+        os.remove(progress)  # the whole run's record follows
     losses = [round(float(x), 5) for x in history["loss"]]
     return {"system": "megatrain_jax", "mode": mode, "seed": seed, "engine": dataclasses.asdict(engine), "wall_s": round(wall, 1),
             "tokens_per_s": round(steps * rows * seq_len / wall, 1), "losses": losses,
@@ -145,7 +162,7 @@ def main() -> None:
         mode, seed = args.run.split(":")
         with open(args.out, "w") as f:
             json.dump(train(mode, int(seed), args.steps, args.rows, args.seq_len, args.lr, model_config(args),
-                            args.data, args.resident), f)
+                            args.data, args.resident, f"{args.out}.progress.json"), f)
         return
     repo = os.path.dirname(EXPERIMENTS)
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
@@ -175,8 +192,8 @@ def main() -> None:
     if args.jobs > 1:
         runs = run_children(todo, args, args.jobs)
     else:
-        runs = [train(mode, seed, args.steps, args.rows, args.seq_len, args.lr, cfg, args.data, args.resident)
-                for mode, seed in todo]
+        runs = [train(mode, seed, args.steps, args.rows, args.seq_len, args.lr, cfg, args.data, args.resident,
+                      f"{args.out}.{mode}.{seed}.progress.json") for mode, seed in todo]
     summarize(result, runs, args.tail, args.out)
 
 
