@@ -8,6 +8,9 @@ measured peaks, tokens/s and model TFLOP/s, and how it ended (the exit status an
         --set engine.master_dtype=bfloat16 --set engine.resident_layers=0 --set engine.resident_io=false \
         --set engine.micro_batches=2 --steps 10 --out $OUT/h200_qwen32b_capacity.json   # issue 31's 32B run
 
+SIGTERM (a device call's own time limit through ``timeout``) stops the config in flight: it is recorded as ``cut``
+with what its run folder holds, and the results file is written.
+
 A config that names a Hugging Face folder (the SFT examples) gets a random folder of the preset its
 ``# plan shape:`` line names and generated chat data (``studies/sft_run.py``'s stages), in ``--work``, made
 once per shape. A config's target machine is its file name's prefix (``h100``, ``h200``, ``gh200``); each
@@ -22,10 +25,12 @@ and the CPU-side estimate, each compared with the measured peak (``gpu_plan_erro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -63,8 +68,26 @@ def hf_inputs(path: Path, work: Path) -> list[str]:
     return [f"model.hf_checkpoint={folder / 'checkpoint'}", f"data.path={folder / 'chat.jsonl'}"]
 
 
+class Cut(Exception):
+    """SIGTERM reached this script (e.g. a device call's own time limit, through ``timeout``)."""
+
+
+@contextlib.contextmanager
+def sigterm_cuts():
+    """Inside, SIGTERM raises ``Cut``: the config in flight is stopped (``subprocess.run`` kills its child), recorded
+    from its run folder as ``cut``, and the results file is still written."""
+    def cut(signum, frame):
+        raise Cut()
+    previous = signal.signal(signal.SIGTERM, cut)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra: list[str] = ()) -> dict:
-    """One config through ``python -m megatrain_jax train`` for ``steps`` steps; its record."""
+    """One config through ``python -m megatrain_jax train`` for ``steps`` steps; its record (status ``cut``
+    when ``Cut`` stopped it: what its run folder holds by then)."""
     run_dir = work / "runs" / path.stem
     shutil.rmtree(run_dir, ignore_errors=True)
     overrides = [*hf_inputs(path, work), f"train.steps={steps}", "train.log_every=1", "train.eval_every=0",
@@ -77,8 +100,12 @@ def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra:
         code, output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
         code, output = None, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    except Cut:
+        code, output = "cut", ""
+    status = {None: "timeout", "cut": "cut"}.get(code) or STATUS.get(code, f"error: exit {code}")
     record = {"config": path.stem, "target": target(path), "overrides": overrides,
-              "wall_s": round(time.perf_counter() - t, 1), "exit_status": code, "status": "timeout" if code is None else STATUS.get(code, f"error: exit {code}")}
+              "wall_s": round(time.perf_counter() - t, 1), "exit_status": code if isinstance(code, int) else None,
+              "status": status}
     planned = PLANNED.search(output)
     if planned:
         record["planned"] = {"host_gib": float(planned.group(1)),
@@ -148,11 +175,14 @@ def main(argv: list[str] | None = None) -> dict:
         paths = [p for p in paths if p.stem in wanted]
     work = Path(args.work)
     runs = []
-    for path in paths:
-        runs.append(run_config(path, args.steps, work, args.timeout, args.set))
-        print(json.dumps({k: runs[-1].get(k) for k in ("config", "status", "planned", "gpu_peak_gib", "host_peak_gib",
-                                                        "tokens_per_s", "model_tflops")}), flush=True)
-        Path(args.out).write_text(json.dumps({"name": Path(args.out).stem, "runs": runs}, indent=1))
+    with sigterm_cuts():
+        for path in paths:
+            runs.append(run_config(path, args.steps, work, args.timeout, args.set))
+            print(json.dumps({k: runs[-1].get(k) for k in ("config", "status", "planned", "gpu_peak_gib",
+                                                            "host_peak_gib", "tokens_per_s", "model_tflops")}), flush=True)
+            Path(args.out).write_text(json.dumps({"name": Path(args.out).stem, "runs": runs}, indent=1))
+            if runs[-1]["status"] == "cut":
+                break  # the configs after it are not run
     result = {**results_header(args.out, __file__), "runs": runs}
     Path(args.out).write_text(json.dumps(result, indent=1))
     return result

@@ -413,6 +413,34 @@ def test_shipped_configs_runs_a_config_as_a_user_does_and_reads_its_metrics(tmp_
     assert shipped.target(Path("h200_sft_8b.toml")) == "h200"
 
 
+def test_shipped_configs_records_a_config_cut_by_sigterm(tmp_path):
+    """A device call's own time limit (SIGTERM through ``timeout``) stops the config in flight: its record says
+    ``cut`` with the steps its run folder holds, the configs after it are not run, and the results file is written
+    with its header."""
+    import json
+    import os
+    import signal
+    import threading
+    shipped = load_script("shipped_configs")
+    metrics = tmp_path / "runs" / "demo_tiny" / "metrics.jsonl"
+
+    def send_once_a_step_is_logged():
+        for _ in range(1200):
+            if metrics.exists() and metrics.read_text().count('"loss"') >= 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            threading.Event().wait(0.1)
+    threading.Thread(target=send_once_a_step_is_logged, daemon=True).start()
+    out = tmp_path / "cut.json"
+    before = signal.getsignal(signal.SIGTERM)
+    result = shipped.main(["--configs", "demo_tiny,h100_3p5b_32k", "--steps", "100000", "--work", str(tmp_path),
+                           "--out", str(out)])
+    assert signal.getsignal(signal.SIGTERM) == before
+    (run,) = result["runs"]
+    assert run["status"] == "cut" and run["exit_status"] is None and run["steps_reported"] >= 2
+    assert json.loads(out.read_text())["git_commit"] == result["git_commit"]
+
+
 def test_convergence_merges_separate_runs_into_one_comparison(tmp_path, monkeypatch):
     """convergence.py --merge (issue 35's 1B comparison, one mode per device call): the runs of two files side by
     side with the gap of the new mode to float32 masters; files of another setup, or a run twice, are refused."""
