@@ -4,6 +4,7 @@ and the streamed engine against the whole-model reference, with the auxiliary lo
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -197,7 +198,11 @@ def test_a_run_config_amends_the_presets_moe_table_and_trains_it(tmp_path, capsy
     run = ["model.preset=tiny-moe", "data.seq_len=32", "data.batch_size=4", "data.demo_tokens=20000",
            "log.progress=lines", "log.tensorboard=false", "train.steps=3", f"train.run_dir={tmp_path}"]
     assert main(["train", *run, "model.moe.aux_loss_coef=0.1"]) == 0
-    assert "loss" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(aux 0." in out and "next-token loss" in out  # the load-balancing term shown apart
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    assert len(steps) == 3 and all(abs(r["lm_loss"] + r["aux_loss"] - r["loss"]) < 1e-5 for r in steps)
 
 
 MOE_FAMILIES = {

@@ -323,6 +323,8 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         first, last = history.records[0], history.records[-1]
         evals = history["eval_loss"]
         say(f"done: loss {first['loss']:.4f} -> {last['loss']:.4f}"
+            + (f" (next-token loss {first['lm_loss']:.4f} -> {last['lm_loss']:.4f}, the rest load balancing)"
+               if "lm_loss" in first and "lm_loss" in last else "")
             + (f", eval loss {evals[-1]:.4f}" if evals else "")
             + f"; metrics in {run_dir / 'metrics.jsonl'} (megatrain-jax plot {run_dir} draws them)")
     return history
