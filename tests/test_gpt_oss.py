@@ -252,6 +252,58 @@ def test_sink_attention_in_chunks_equals_it_whole():
                                atol=1e-6)
 
 
+@pytest.mark.parametrize("T", [13, 64, 70])
+def test_the_sink_as_one_more_key_equals_sink_attention(T):
+    """``sink_as_key`` (how cuDNN's flash kernel takes a full layer's sinks) is plain causal attention over one more
+    key; computed by XLA here, it gives sink_attention's values and gradients (sinks included) in float32, and in
+    bfloat16 the sink logit keeps its float32 value (split over two 16-bit widths)."""
+    from megatrain_jax.models.layers import sink_as_key
+    k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(1), 5)
+    B, N, K, H = 2, 4, 2, 16
+    q, k, v = (jax.random.normal(key, (B, T, n, H)) for key, n in ((k1, N), (k2, K), (k3, K)))
+    sinks = 3 * jax.random.normal(k4, (N,))
+    w = jax.random.normal(k5, (B, T, N, H))
+    loss = lambda f: lambda *a: jnp.sum(w * f(*a))  # noqa: E731
+    ref = lambda q, k, v, s: sink_attention(q, k, v, s, 0.25, None, None)  # noqa: E731
+    key_form = lambda q, k, v, s: sink_as_key(q, k, v, s, 0.25, "xla")  # noqa: E731
+    want, want_g = jax.value_and_grad(loss(ref), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    got, got_g = jax.value_and_grad(loss(key_form), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert float(jnp.abs(want_g[3]).max()) > 1e-3  # the sinks' gradient is there to compare
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))  # bfloat16 inputs, as on the GPU
+    one = sink_as_key(qb, kb, vb, sinks, 0.25, "xla").astype(jnp.float32)
+    two = sink_attention(*(x.astype(jnp.float32) for x in (qb, kb, vb)), sinks, 0.25, None, None)
+    assert float(jnp.abs(one - two).max() / jnp.abs(two).max()) < 1e-2
+
+
+def test_the_sink_key_keeps_the_sink_logit_beyond_bfloat16():
+    """The two 16-bit widths carry ``sink / scale`` to ~2^-16 relative; one alone would round it to 2^-9."""
+    from megatrain_jax.models.layers import sink_widths
+    sinks = jnp.asarray([3.0303, -9.87654, 0.1234567, 20.2])
+    pair = sink_widths(sinks, 0.125, jnp.bfloat16).astype(jnp.float32)
+    assert pair.shape == (4, 2)
+    np.testing.assert_allclose(0.125 * pair.sum(axis=1), sinks, rtol=2e-5)
+    assert float(jnp.abs(0.125 * pair[:, 0] - sinks).max()) > 1e-3  # the remainder matters
+
+
+def test_attend_takes_the_key_form_only_where_cudnn_runs_a_full_unpacked_layer(monkeypatch):
+    """On a GPU that would run cuDNN, a full-attention layer of unpacked rows takes the sink as one more key; a
+    sliding layer or packed rows keep XLA's sink attention (the sink would leave a window, or a document)."""
+    from megatrain_jax.models import layers
+    calls = []
+    monkeypatch.setattr(layers, "attention_implementation", lambda *a, **kw: "cudnn")
+    monkeypatch.setattr(layers, "sink_as_key", lambda *a: calls.append("key") or a[0])
+    monkeypatch.setattr(layers, "sink_attention", lambda *a: calls.append("xla") or a[0])
+    q = jnp.zeros((1, 8, 4, 8), jnp.bfloat16)
+    k = jnp.zeros((1, 8, 2, 8), jnp.bfloat16)
+    sinks, seg = jnp.zeros((4,)), jnp.zeros((1, 8), jnp.int32)
+    for window, segments in ((None, None), (4, None), (None, seg)):
+        layers.attend(GPT_OSS, window, q, k, k, segments, sinks)
+    assert calls == ["key", "xla", "xla"]
+
+
 def test_counts_equal_the_model_parameters():
     """``param_count``, ``block_param_count`` and the memory plan's leaf shapes hold what the model holds (sinks,
     o bias, router bias, expert biases included)."""
@@ -300,8 +352,8 @@ def test_the_plan_counts_the_sink_attention_scores():
 
 
 def test_sinks_with_cudnn_attention_are_refused():
-    """cuDNN's flash attention has no sinks: asking for it on a model with sinks is an error that says what to set
-    (rather than a silent XLA path)."""
+    """cuDNN's flash attention cannot take every layer with sinks (sliding, packed): asking for it on a model with
+    sinks is an error that says what to set (rather than a silent XLA path)."""
     with pytest.raises(ValueError, match="attention_sinks .* Leave attention_impl at 'auto'"):
         GPT_OSS.replace(attention_impl="cudnn")
     assert GPT_OSS.replace(attention_impl="xla").attention_impl == "xla"

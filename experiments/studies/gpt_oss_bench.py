@@ -7,7 +7,8 @@ the shipped H100 config (8 rows of 2,048 tokens), each timed alone.
 Parts: the experts with their biases as the product computes them (one more input width of the grouped matmul),
 the same with each row's bias gathered and added (the way before this script: its gradient is a scatter-add of
 every row into E), the experts without biases, the whole MoE layer (routing, gather, combine), and the
-attention with sinks on a sliding (128) and a full layer. Each record: seconds, and TFLOP/s over the part's
+attention with sinks on a sliding (128) and a full layer, the full one also as cuDNN takes it (``sink_as_key``).
+Each record: seconds, and TFLOP/s over the part's
 matmul FLOPs (forward 2, backward 4 per multiply-add; the attention's over the keys it is allowed to see).
 """
 
@@ -109,6 +110,10 @@ def main() -> None:
         flops = 2 * 2 * args.rows * N * H * seen * 3
         fn = lambda q, k, v, s, w=window: layers.sink_attention(q, k, v, s, H ** -0.5, w, None)  # noqa: E731
         record(f"attention with sinks, window {window}", timed_grad(fn, (q, k, v, sinks), args.reps), flops)
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    key_form = lambda q, k, v, s: layers.sink_as_key(q, k, v, s, H ** -0.5, impl)  # noqa: E731
+    record(f"attention with sinks, window None, the sink as one more key ({impl})",
+           timed_grad(key_form, (q, k, v, sinks), args.reps), flops)
 
     header = results_header(args.out, __file__)
     with open(args.out, "w") as f:

@@ -586,8 +586,9 @@ def validate(cfg: DecoderConfig) -> None:
             raise ValueError("mla (DeepSeek-V3's attention) takes its biases from qkv_bias and has no sinks: leave "
                              "o_bias and attention_sinks False")
     if cfg.attention_sinks and cfg.attention_impl == "cudnn":
-        raise ValueError("attention_sinks (GPT-OSS) take XLA's sink attention on every device: cuDNN's flash "
-                         "attention has no sinks. Leave attention_impl at 'auto' (or set 'xla')")
+        raise ValueError("attention_sinks (GPT-OSS) cannot all take cuDNN's flash attention: 'auto' gives it the "
+                         "full-attention layers of unpacked rows (the sink as one more key) and XLA's sink attention "
+                         "the sliding and packed ones. Leave attention_impl at 'auto' (or set 'xla')")
     if cfg.family == "deepseek_v3" and cfg.mla is None:
         raise ValueError("family 'deepseek_v3' uses multi-head latent attention: set mla (an MLAConfig)")
     if cfg.family in MOE_FAMILIES and cfg.moe is None:

@@ -242,16 +242,55 @@ def sink_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sink
     return out_nBCNH.swapaxes(0, 1).reshape(B, n * chunk, N, H)[:, :T]
 
 
+SINK_WIDTH = 8  # head widths that ``sink_as_key`` adds (the sink's logit as two of them; 8 keeps cuDNN's multiple)
+
+
+def sink_widths(sinks_N: jax.Array, scale: float, dtype) -> jax.Array:
+    """[N, 2] in ``dtype``: ``sinks_N / scale`` as a rounded part and the rounded remainder, whose sum (times
+    ``scale``) is the sink to ~2^-16 relative in 16 bits (rounded alone: 2^-9)."""
+    s_N = sinks_N.astype(jnp.float32) / scale
+    hi_N = s_N.astype(dtype)
+    return jnp.stack([hi_N, (s_N - hi_N.astype(jnp.float32)).astype(dtype)], axis=1)
+
+
+def sink_as_key(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sinks_N: jax.Array, scale: float,
+                implementation: str) -> jax.Array:
+    """``sink_attention`` without a window or packed documents, as plain causal attention (so cuDNN's flash kernel
+    takes it): one more key, first in the sequence, that every query sees, whose value is zero and whose score is
+    the query head's sink logit. The heads widen by ``SINK_WIDTH``: each query carries its head's ``sink / scale``
+    (split into a 16-bit part and its 16-bit remainder, so that their sum keeps the sink to ~2^-16), the sink key
+    ones in those two places, every other key zeros; so a query's score against the sink key is the sink, and
+    against the others what it was. A dummy query comes first with the sink key (its output is cut), and the
+    length is padded at the end to a multiple of 64, which no real query sees under the causal mask. The gradient
+    reaches the sinks through the queries' extra widths."""
+    B, T, N, H = q_BTNH.shape
+    K, dt = k_BTKH.shape[2], q_BTNH.dtype
+    L = -(-(T + 1) // 64) * 64
+    extra_N8 = jnp.pad(sink_widths(sinks_N, scale, dt), ((0, 0), (0, SINK_WIDTH - 2)))
+    q = jnp.concatenate([q_BTNH, jnp.broadcast_to(extra_N8, (B, T, N, SINK_WIDTH))], axis=-1)
+    k = jnp.pad(k_BTKH, ((0, 0), (0, 0), (0, 0), (0, SINK_WIDTH)))
+    sink_key = jnp.zeros((B, 1, K, H + SINK_WIDTH), dt).at[..., H:H + 2].set(1)
+    k = jnp.concatenate([sink_key, k], axis=1)
+    v = jnp.pad(v_BTKH, ((0, 0), (1, 0), (0, 0), (0, SINK_WIDTH)))  # the sink's value: zeros
+    q = jnp.pad(q, ((0, 0), (1, L - T - 1), (0, 0), (0, 0)))  # the dummy query first; padding at the end
+    k, v = (jnp.pad(x, ((0, 0), (0, L - T - 1), (0, 0), (0, 0))) for x in (k, v))
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=implementation)
+    return out[:, 1:T + 1, :, :H]
+
+
 def attend(cfg: DecoderConfig, window: int | None, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
            segment_ids_BT: jax.Array | None, sinks_N: jax.Array | None = None) -> jax.Array:
     """Causal attention of rotated q, k and v (scores scaled by ``cfg.attention_scale``) by the path
     ``attention_implementation`` picks: cuDNN's flash attention (packed documents by its packed layout), or XLA
     (packed documents by a segment mask); ``window``: a sliding window's length, or None. With attention sinks
-    (``sinks_N``, GPT-OSS) every device takes ``sink_attention``."""
+    (``sinks_N``, GPT-OSS): where cuDNN would run, a full-attention layer of unpacked rows takes it with the sink as
+    one more key (``sink_as_key``); every other case takes XLA's ``sink_attention``."""
     qk_scale = cfg.attention_scale
-    if sinks_N is not None:
-        return sink_attention(q_BTNH, k_BTKH, v_BTKH, sinks_N, qk_scale, window, segment_ids_BT)
     impl = attention_implementation(cfg, q_BTNH.dtype, packed=segment_ids_BT is not None)
+    if sinks_N is not None:
+        if impl == "cudnn" and window is None and segment_ids_BT is None:
+            return sink_as_key(q_BTNH, k_BTKH, v_BTKH, sinks_N, qk_scale, "cudnn")
+        return sink_attention(q_BTNH, k_BTKH, v_BTKH, sinks_N, qk_scale, window, segment_ids_BT)
     # cuDNN's flash attention: its output and softmax statistics, one activation's worth, are marked to
     # keep for the backward (``megatrain_jax.contract.remat``), which then skips a second attention forward.
     if segment_ids_BT is not None and impl == "cudnn":  # packed documents: per-document flash attention

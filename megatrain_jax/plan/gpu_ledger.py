@@ -109,8 +109,10 @@ def transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: in
 
 def assumes_flash(c: DecoderConfig) -> bool:
     """Whether the plan assumes cuDNN's flash attention (a 16-bit model on a GPU; packed rows too, in cuDNN's
-    packed layout, which needs a Hopper GPU). Never with attention sinks (GPT-OSS), which every device computes
-    in XLA ops (``layers.sink_attention``): nothing kept for the backward, its chunk of scores counted."""
+    packed layout, which needs a Hopper GPU). Never with attention sinks (GPT-OSS): their sliding layers and packed
+    rows take XLA's ``layers.sink_attention`` (nothing kept for the backward, a chunk of scores); the plan counts
+    that for every layer, also the full layers of unpacked rows that take cuDNN with the sink as one more key
+    (``layers.sink_as_key``), an over-estimate there."""
     if c.attention_sinks:
         return False
     return c.attention_impl == "cudnn" or (c.attention_impl == "auto" and c.dtype in ("bfloat16", "float16"))
