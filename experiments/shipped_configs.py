@@ -177,15 +177,29 @@ def main(argv: list[str] | None = None) -> dict:
     runs = []
     with sigterm_cuts():
         for path in paths:
-            runs.append(run_config(path, args.steps, work, args.timeout, args.set))
+            try:
+                runs.append(run_config(path, args.steps, work, args.timeout, args.set))
+            except Cut:  # outside the train child (making an SFT config's inputs, reading its run folder)
+                runs.append({"config": path.stem, "target": target(path), "exit_status": None, "status": "cut",
+                             "note": "SIGTERM while this script prepared or read the run, not during train"})
             print(json.dumps({k: runs[-1].get(k) for k in ("config", "status", "planned", "gpu_peak_gib",
                                                             "host_peak_gib", "tokens_per_s", "model_tflops")}), flush=True)
-            Path(args.out).write_text(json.dumps({"name": Path(args.out).stem, "runs": runs}, indent=1))
+            try:
+                write_json(Path(args.out), {"name": Path(args.out).stem, "runs": runs})
+            except Cut:
+                pass  # the final write below follows
             if runs[-1]["status"] == "cut":
                 break  # the configs after it are not run
     result = {**results_header(args.out, __file__), "runs": runs}
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(Path(args.out), result)
     return result
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """``obj`` to ``path`` whole or not at all (a temporary file renamed over it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

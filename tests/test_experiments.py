@@ -413,7 +413,7 @@ def test_shipped_configs_runs_a_config_as_a_user_does_and_reads_its_metrics(tmp_
     assert shipped.target(Path("h200_sft_8b.toml")) == "h200"
 
 
-def test_shipped_configs_records_a_config_cut_by_sigterm(tmp_path):
+def test_shipped_configs_records_a_config_cut_by_sigterm(tmp_path, monkeypatch):
     """A device call's own time limit (SIGTERM through ``timeout``) stops the config in flight: its record says
     ``cut`` with the steps its run folder holds, the configs after it are not run, and the results file is written
     with its header."""
@@ -439,6 +439,10 @@ def test_shipped_configs_records_a_config_cut_by_sigterm(tmp_path):
     (run,) = result["runs"]
     assert run["status"] == "cut" and run["exit_status"] is None and run["steps_reported"] >= 2
     assert json.loads(out.read_text())["git_commit"] == result["git_commit"]
+    # a SIGTERM while the script itself works (here: making a config's inputs) is recorded too
+    monkeypatch.setattr(shipped, "hf_inputs", lambda path, work: os.kill(os.getpid(), signal.SIGTERM) or [])
+    result = shipped.main(["--configs", "demo_tiny,h100_3p5b_32k", "--work", str(tmp_path), "--out", str(out)])
+    assert [r["status"] for r in result["runs"]] == ["cut"] and "git_commit" in json.loads(out.read_text())
 
 
 def test_convergence_merges_separate_runs_into_one_comparison(tmp_path, monkeypatch):

@@ -294,6 +294,7 @@ def test_attend_takes_the_key_form_only_where_cudnn_runs_a_full_unpacked_layer(m
     from megatrain_jax.models import layers
     calls = []
     monkeypatch.setattr(layers, "attention_implementation", lambda *a, **kw: "cudnn")
+    monkeypatch.setattr(layers, "gpu_compute_capability", lambda: (9, 0))
     monkeypatch.setattr(layers, "sink_as_key", lambda *a: calls.append("key") or a[0])
     monkeypatch.setattr(layers, "sink_attention", lambda *a: calls.append("xla") or a[0])
     q = jnp.zeros((1, 8, 4, 8), jnp.bfloat16)
@@ -302,6 +303,13 @@ def test_attend_takes_the_key_form_only_where_cudnn_runs_a_full_unpacked_layer(m
     for window, segments in ((None, None), (4, None), (None, seg)):
         layers.attend(GPT_OSS, window, q, k, k, segments, sinks)
     assert calls == ["key", "xla", "xla"]
+    # heads that 8 more widths would take past cuDNN's limit (256 on Hopper, 128 before) stay on XLA
+    wide = jnp.zeros((1, 8, 4, 256), jnp.bfloat16)
+    layers.attend(GPT_OSS, None, wide, wide[:, :, :2], wide[:, :, :2], None, sinks)
+    monkeypatch.setattr(layers, "gpu_compute_capability", lambda: (8, 0))
+    q128, k128 = q.repeat(16, axis=-1), k.repeat(16, axis=-1)  # 128 wide: 136 is past the A100's limit
+    layers.attend(GPT_OSS, None, q128, k128, k128, None, sinks)
+    assert calls == ["key", "xla", "xla", "xla", "xla"]
 
 
 def test_counts_equal_the_model_parameters():

@@ -245,6 +245,14 @@ def sink_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sink
 SINK_WIDTH = 8  # head widths that ``sink_as_key`` adds (the sink's logit as two of them; 8 keeps cuDNN's multiple)
 
 
+def sink_key_fits_cudnn(head_dim: int) -> bool:
+    """Whether cuDNN's flash attention takes heads ``SINK_WIDTH`` wider (``sink_as_key``): a multiple of 8, at most
+    256 on Hopper and later, 128 before."""
+    cc = gpu_compute_capability()
+    wide = head_dim + SINK_WIDTH
+    return cc is not None and wide % 8 == 0 and wide <= (256 if cc >= (9, 0) else 128)
+
+
 def sink_widths(sinks_N: jax.Array, scale: float, dtype) -> jax.Array:
     """[N, 2] in ``dtype``: ``sinks_N / scale`` as a rounded part and the rounded remainder, whose sum (times
     ``scale``) is the sink to ~2^-16 relative in 16 bits (rounded alone: 2^-9)."""
@@ -266,8 +274,9 @@ def sink_as_key(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sinks_N
     B, T, N, H = q_BTNH.shape
     K, dt = k_BTKH.shape[2], q_BTNH.dtype
     L = -(-(T + 1) // 64) * 64
-    extra_N8 = jnp.pad(sink_widths(sinks_N, scale, dt), ((0, 0), (0, SINK_WIDTH - 2)))
-    q = jnp.concatenate([q_BTNH, jnp.broadcast_to(extra_N8, (B, T, N, SINK_WIDTH))], axis=-1)
+    # broadcast in float32, then cast (the same values): the sinks' gradient sums over B x T in float32
+    extra_N8 = jnp.pad(sink_widths(sinks_N, scale, dt).astype(jnp.float32), ((0, 0), (0, SINK_WIDTH - 2)))
+    q = jnp.concatenate([q_BTNH, jnp.broadcast_to(extra_N8, (B, T, N, SINK_WIDTH)).astype(dt)], axis=-1)
     k = jnp.pad(k_BTKH, ((0, 0), (0, 0), (0, 0), (0, SINK_WIDTH)))
     sink_key = jnp.zeros((B, 1, K, H + SINK_WIDTH), dt).at[..., H:H + 2].set(1)
     k = jnp.concatenate([sink_key, k], axis=1)
@@ -288,7 +297,7 @@ def attend(cfg: DecoderConfig, window: int | None, q_BTNH: jax.Array, k_BTKH: ja
     qk_scale = cfg.attention_scale
     impl = attention_implementation(cfg, q_BTNH.dtype, packed=segment_ids_BT is not None)
     if sinks_N is not None:
-        if impl == "cudnn" and window is None and segment_ids_BT is None:
+        if impl == "cudnn" and window is None and segment_ids_BT is None and sink_key_fits_cudnn(q_BTNH.shape[-1]):
             return sink_as_key(q_BTNH, k_BTKH, v_BTKH, sinks_N, qk_scale, "cudnn")
         return sink_attention(q_BTNH, k_BTKH, v_BTKH, sinks_N, qk_scale, window, segment_ids_BT)
     # cuDNN's flash attention: its output and softmax statistics, one activation's worth, are marked to
