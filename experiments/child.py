@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def results_header(out: str, script: str) -> dict:
     dev = jax.devices()[0]
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return {"name": os.path.splitext(os.path.basename(out))[0],
-            "command": f"PYTHONPATH=. python {script_path(script)} " + " ".join(sys.argv[1:]),
+            "command": f"PYTHONPATH=. python {script_path(script)} " + shlex.join(sys.argv[1:]),
             "git_commit": git_commit(), "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
             "device": {"name": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
                        "host_ram_gib": round(pages / 2**30, 1)}}

@@ -110,6 +110,15 @@ def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra:
     if planned:
         record["planned"] = {"host_gib": float(planned.group(1)),
                              "gpu_gib": None if planned.group(2) is None else float(planned.group(2))}
+    read_run_folder(run_dir, record)
+    if record["status"] != "ok":
+        record["error_tail"] = [line[:300] for line in output.strip().splitlines()[-12:]]
+    return record
+
+
+def read_run_folder(run_dir: Path, record: dict) -> None:
+    """Into ``record``: the plan ``train`` wrote in ``run_dir`` and what its ``metrics.jsonl`` measured (speeds,
+    peaks against the plan, every loss)."""
     if (run_dir / "memory_plan.json").exists():  # the plan the run started with, as train wrote it
         memory = json.loads((run_dir / "memory_plan.json").read_text())
         gib = lambda b: None if b is None else round(b / 2**30, 3)  # noqa: E731
@@ -151,9 +160,6 @@ def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra:
                                                  / record["gpu_peak_gib"], 4)
             record["gpu_estimate_vs_exact"] = round((planned["gpu_estimate_gib"] - planned["gpu_gib"])
                                                     / planned["gpu_gib"], 4)
-    if record["status"] != "ok":
-        record["error_tail"] = [line[:300] for line in output.strip().splitlines()[-12:]]
-    return record
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -164,8 +170,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--timeout", type=float, default=None, help="seconds per config")
     ap.add_argument("--set", action="append", default=[], metavar="section.key=value",
                     help="an override for every selected config (repeatable), e.g. the 32B capacity command")
+    ap.add_argument("--record", metavar="RUN_DIR", help="no run: the record of a run folder copied back from a run "
+                                                        "whose own results file was never written (one --configs, "
+                                                        "with the --set it ran with, and --device)")
+    ap.add_argument("--device", help="with --record: the GPU the run folder comes from (e.g. 'NVIDIA H200')")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.record:
+        return record_folder(ap, args)
     paths = sorted(CONFIGS.glob("*.toml"))
     if args.configs:
         wanted = args.configs.split(",")
@@ -191,6 +203,22 @@ def main(argv: list[str] | None = None) -> dict:
             if runs[-1]["status"] == "cut":
                 break  # the configs after it are not run
     result = {**results_header(args.out, __file__), "runs": runs}
+    write_json(Path(args.out), result)
+    return result
+
+
+def record_folder(ap: argparse.ArgumentParser, args) -> dict:
+    """``--record``: the results file of a run folder copied back after its run was cut before this script wrote
+    one; the device is the one named (not this machine), the commit ``MEGATRAIN_GIT_COMMIT`` or this checkout's."""
+    if not args.configs or "," in args.configs or not args.device:
+        ap.error("--record takes one --configs (the config the run used) and --device (the GPU it ran on)")
+    path = CONFIGS / f"{args.configs}.toml"
+    record = {"config": path.stem, "target": target(path), "overrides": args.set, "exit_status": None,
+              "status": "cut", "note": f"recorded from the run folder {args.record} after the run was cut"}
+    read_run_folder(Path(args.record), record)
+    header = results_header(args.out, __file__)
+    result = {**header, "device": {"name": args.device, "platform": "gpu", "recorded_on": header["device"]},
+              "runs": [record]}
     write_json(Path(args.out), result)
     return result
 

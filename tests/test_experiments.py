@@ -407,6 +407,14 @@ def test_shipped_configs_runs_a_config_as_a_user_does_and_reads_its_metrics(tmp_
     assert run["status"] == "ok" and run["exit_status"] == 0 and run["target"] == "any"
     assert run["steps_reported"] == 3 and run["tokens_per_s"] > 0 and run["planned"]["host_gib"] > 0
     assert run["host_peak_gib"] > 0 and "host_plan_error" in run
+    # --record: a run folder copied back without its results file, under the device named
+    rec = shipped.main(["--record", str(tmp_path / "runs" / "demo_tiny"), "--configs", "demo_tiny", "--device",
+                        "NVIDIA H200", "--out", str(tmp_path / "rec.json")])
+    assert rec["device"]["name"] == "NVIDIA H200" and rec["device"]["recorded_on"]["platform"] == "cpu"
+    (again,) = rec["runs"]
+    assert again["status"] == "cut" and again["losses"] == run["losses"] and again["planned"] == run["planned"]
+    with pytest.raises(SystemExit):
+        shipped.main(["--record", str(tmp_path), "--configs", "demo_tiny", "--out", str(tmp_path / "x.json")])
     bad = shipped.run_config(REPO / "experiments" / "configs" / "demo_tiny.toml", 2, tmp_path, 120,
                              extra=["engine.micro_batches=3"])
     assert bad["status"] == "bad input" and any("micro_batches = 3" in line for line in bad["error_tail"])

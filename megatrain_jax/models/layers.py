@@ -183,7 +183,8 @@ def sink_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sink
     are cast to v's dtype for the P.V product. ``window``: a sliding window's length (a query sees itself and the
     window - 1 keys before it), or None; ``segment_ids_BT``: packed documents attend within their own.
 
-    Written in XLA ops (cuDNN's flash attention takes no sinks). Over ``chunk`` queries at a time (a ``lax.map``
+    Written in XLA ops (cuDNN's flash attention takes sinks only as ``sink_as_key``, on full layers of unpacked
+    rows). Over ``chunk`` queries at a time (a ``lax.map``
     whose body is rematerialized): the scores of one chunk, [B, N, chunk, T], exist at once, so memory grows
     linearly with the sequence, not with its square; the backward recomputes each chunk's scores. On a sliding
     layer a chunk takes only the band of keys its window reaches ([B, N, chunk, chunk + window - 1] scores), so

@@ -111,7 +111,7 @@ def grouped_matmul(x_AD: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array) -> jax
     """``jax.lax.ragged_dot``: rows of ``x_AD`` in consecutive groups of ``sizes_E`` (summing to A), each
     times its group's [D, F] matrix. Mosaic-GPU kernels where they apply (widths padded to 128), XLA's ragged_dot
     otherwise: on the GPU XLA lowers it as one dense product per group over every row (E times the FLOPs; GPT-OSS-20B
-    at 2,880 wide took 62 s a step that way: experiments/results/h200x2_gpt_oss_20b_xla_ragged_cli.metrics.jsonl)."""
+    at 2,880 wide took 62 s a step that way: experiments/results/h200x2_gpt_oss_20b_xla_ragged_cli.json)."""
     if _use_mosaic_grouped(x_AD):
         return padded_grouped(x_AD, w_EDF, sizes_E, _grouped_mosaic)
     return jax.lax.ragged_dot(x_AD, w_EDF, sizes_E)

@@ -70,8 +70,8 @@ def transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: in
         + 2 * c.moe.top_k * D // 3
     mlp_t = mt if c.mlp_chunk_tokens is None else min(mt, c.mlp_chunk_tokens)  # tokens the MLP holds at once
     scores = 0 if flash else micro_rows * c.heads * seq_len * seq_len * (4 + ab)  # no flash: T x T scores
-    if c.attention_sinks:  # XLA's sink attention on every device: float32 scores and weights, and the weights
-        # cast for P.V, of one chunk of queries against every key (a full layer's; a sliding one's band is less)
+    if c.attention_sinks:  # XLA's sink attention (counted for every layer: see assumes_flash): float32 scores and
+        # weights, and the weights cast for P.V, of one chunk of queries against every key (a sliding band is less)
         scores = micro_rows * c.heads * min(seq_len, SINK_QUERY_CHUNK) * seq_len * (8 + ab)
     # A chunked MLP leaves the attention's tensors the larger part at long lengths; its lax.map also copies
     # the block's [T, D] input padded into chunks and stacks the chunks' gradients in the backward.
