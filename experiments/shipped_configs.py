@@ -9,7 +9,8 @@ measured peaks, tokens/s and model TFLOP/s, and how it ended (the exit status an
         --set engine.micro_batches=2 --steps 10 --out $OUT/h200_qwen32b_capacity.json   # issue 31's 32B run
 
 SIGTERM (a device call's own time limit through ``timeout``) stops the config in flight: it is recorded as ``cut``
-with what its run folder holds, and the results file is written.
+with what its run folder holds, and the results file is written. A run folder copied back from a run whose results file was
+never written becomes one with ``--record RUN_DIR --configs NAME --set ... --device 'NVIDIA H200'``.
 
 A config that names a Hugging Face folder (the SFT examples) gets a random folder of the preset its
 ``# plan shape:`` line names and generated chat data (``studies/sft_run.py``'s stages), in ``--work``, made
