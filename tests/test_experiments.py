@@ -406,7 +406,7 @@ def test_shipped_configs_runs_a_config_as_a_user_does_and_reads_its_metrics(tmp_
     (run,) = result["runs"]
     assert run["status"] == "ok" and run["exit_status"] == 0 and run["target"] == "any"
     assert run["steps_reported"] == 3 and run["tokens_per_s"] > 0 and run["planned"]["host_gib"] > 0
-    assert run["host_peak_gib"] > 0 and "host_plan_error" in run
+    assert run["host_peak_gib"] > 0 and "host_plan_error" in run and len(run["step_times_s"]) == 3
     # --record: a run folder copied back without its results file, under the device named
     rec = shipped.main(["--record", str(tmp_path / "runs" / "demo_tiny"), "--configs", "demo_tiny", "--device",
                         "NVIDIA H200", "--out", str(tmp_path / "rec.json")])
