@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--live-arrays", action="store_true",
                     help="after every synchronized op, the bytes of JAX's live arrays on the GPU too; at the "
                          "last synchronized step's fullest op, the live arrays by shape and dtype")
+    ap.add_argument("--master-dtype", default="float32", help="the host layout (capacity mode: bfloat16)")
+    ap.add_argument("--moment-dtype", default=None, help="q8: 8-bit Adam moments (issue 35)")
+    ap.add_argument("--host-grad-dtype", default="float32")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
@@ -54,7 +57,8 @@ def main() -> None:
                  **({"layers": args.layers} if args.layers else {}))
     engine_cfg = EngineConfig(keep_residuals=args.keep_residuals, micro_batches=args.micro_batches,
                               resident_layers=args.resident_layers, resident_io=args.resident_io,
-                              offload_activations=args.offload_activations)
+                              offload_activations=args.offload_activations, master_dtype=args.master_dtype,
+                              moment_dtype=args.moment_dtype, host_grad_dtype=args.host_grad_dtype)
     fit_host_pool(cfg, engine_cfg, args.rows, args.seq_len)
     import jax
     from flax import nnx
