@@ -504,3 +504,45 @@ def test_convergence_progress_and_the_resident_reference(tmp_path):
     assert conv.engine_config("q8", cfg, resident=False) == conv.MODES["q8"]
     with pytest.raises(SystemExit, match="updates on the host"):
         conv.engine_config("q8", cfg, resident=True)
+
+
+def test_convergence_cut_by_time_resumes_to_the_same_losses(tmp_path, monkeypatch):
+    """convergence.py --checkpoint-dir with --stop-after-s (issue 35's 1B q8 run, longer than a device call): a run
+    stopped after every step and run again until done has the losses of the uninterrupted run, bit for bit; a rerun
+    of the finished run trains nothing and gives them again; its progress file, with the setup, merges as a cut
+    run compared over the steps both runs reached."""
+    spec = importlib.util.spec_from_file_location("convergence", REPO / "experiments" / "studies" / "convergence.py")
+    conv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conv)
+    from megatrain_jax import preset
+    cfg = preset("tiny", dtype="bfloat16")
+    whole = conv.train("q8", 0, 4, 2, 32, 1e-3, cfg)
+    progress, ckpt = str(tmp_path / "p.json"), str(tmp_path / "ckpt")
+    cuts = []
+    for _ in range(4):
+        try:
+            got = conv.train("q8", 0, 4, 2, 32, 1e-3, cfg, progress=progress, checkpoint_dir=ckpt, stop_after_s=0.0)
+            break
+        except conv.Cut:
+            cuts.append(json.loads(open(progress).read())["steps_done"])
+    assert cuts and cuts[0] < 4 and got["losses"] == whole["losses"]
+    again = conv.train("q8", 0, 4, 2, 32, 1e-3, cfg, progress=progress, checkpoint_dir=ckpt)
+    assert again["losses"] == whole["losses"]
+    with pytest.raises(SystemExit, match="not 'float32'"):
+        conv.train("float32", 0, 4, 2, 32, 1e-3, cfg, progress=progress, checkpoint_dir=ckpt)
+    head = {"model": {"params": 1}, "steps": 6, "tokens_per_step": 64, "seq_len": 32, "optimizer": "adamw",
+            "data": "corpus"}
+    full = tmp_path / "float32.json"
+    full.write_text(json.dumps({**head, "name": "f", "runs": [{"mode": "float32", "seed": 0, "wall_s": 1.0,
+                                                              "tokens_per_s": 1.0, "losses": [3, 2, 1, 1, 1, 1]}]}))
+    cut = tmp_path / "q8.progress.json"
+    conv.write_progress(str(cut), "q8", 0, 3, 2.0, [3.0, 2.0, 1.1], head)
+    monkeypatch.setattr(sys, "argv", ["convergence.py"])
+    out = tmp_path / "both.json"
+    conv.merge([str(full), str(cut)], str(out), tail=1)
+    merged = json.loads(out.read_text())
+    assert merged["compared_steps"] == 3 and merged["q8_vs_float32_final_loss"] == pytest.approx(0.1)
+    assert [r["steps_run"] for r in merged["runs"]] == [6, 3] and merged["runs"][1]["cut_after_step"] == 3
+    conv.write_progress(str(cut), "q8", 0, 3, 2.0, [3.0, 2.0, 1.1], None)
+    with pytest.raises(SystemExit, match="without its run's setup"):
+        conv.merge([str(full), str(cut)], str(out), tail=1)

@@ -5,8 +5,13 @@ masters: the same ~134M-parameter model, data and schedule, 500 steps on the dem
     PYTHONPATH=. python experiments/studies/convergence.py --seeds 0,1,2 --jobs 6 --out $OUT/conv_seeds.json
     PYTHONPATH=. python experiments/studies/convergence.py --preset llama3.2-1b --data build/corpus/corpus.bin \
         --rows 4 --seq-len 2048 --steps 2000 --modes float32 --resident --out $OUT/conv_1b_float32.json
-        # issue 35's 1B run, one mode a call (a device call's 10 minutes did not hold 2,000 steps of float32
-        # masters updated on the host: --resident updates them on the GPU); then --modes q8, and one comparison:
+        # issue 35's 1B run, one mode a call (--resident: float32 masters updated on the GPU, ~5 min on an H200)
+    PYTHONPATH=. python experiments/studies/convergence.py --preset llama3.2-1b --data build/corpus/corpus.bin \
+        --rows 4 --seq-len 2048 --steps 2000 --modes q8 --checkpoint-dir build/conv_ckpt --stop-after-s 500 \
+        --out build/conv/conv_1b_q8.json
+        # the 8-bit mode updates on the host (~0.48 s a step on an H200 of a 64-core host: 2,000 steps are longer
+        # than a device call): it stops after 500 s with its checkpoint and progress saved (exit status 3); the
+        # same command, run again, continues it bit for bit; then one comparison:
     PYTHONPATH=. python experiments/studies/convergence.py --merge conv_1b_float32.json conv_1b_q8.json \
         --out conv_1b.json
 
@@ -32,6 +37,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -75,37 +81,101 @@ def engine_config(mode: str, cfg: DecoderConfig, resident: bool) -> EngineConfig
     return dataclasses.replace(MODES[mode], resident_layers=cfg.layers, resident_io=True)
 
 
-def progress_hook(path: str, mode: str, seed: int, every: int = 100) -> Hook:
+def progress_hook(path: str, mode: str, seed: int, every: int = 100, header: dict | None = None,
+                  stop_after_s: float | None = None) -> Hook:
     """Every ``every`` steps, the losses so far to ``path`` (so that a run cut by a device call's time limit still
-    says how far it got and how fast)."""
-    losses, t0 = [], time.perf_counter()
+    says how far it got and how fast), under ``header`` (the results file's setup: a cut run can be merged). A run
+    resumed from a checkpoint continues the losses of the file it left (the checkpoint's step decides which are
+    kept). With ``stop_after_s``, the run stops once that many seconds have passed, saving its checkpoint."""
+    prior = read_progress(path, mode, seed)
+    losses, t0 = list(prior["losses"]), time.perf_counter()
+    state = {"first": True, "elapsed": float(prior["elapsed_s"])}
 
     def write(m: dict, info) -> None:
+        if state["first"]:
+            state["first"] = False
+            done = m["step"] - 1  # the step a resumed run's checkpoint holds (0: a fresh start)
+            if done > len(losses):
+                raise SystemExit(f"{path} holds the losses of {len(losses)} steps, but the run resumed after step "
+                                 f"{done}: the losses between are lost; start again without the checkpoint")
+            del losses[done:]
         losses.append(round(float(m["loss"]), 5))
         if m["step"] % every == 0:
-            with open(path, "w") as f:
-                json.dump({"mode": mode, "seed": seed, "steps_done": m["step"], "elapsed_s": round(
-                    time.perf_counter() - t0, 1), "losses": losses}, f)
-    return Hook(write, every=1)
+            write_progress(path, mode, seed, m["step"], state["elapsed"] + time.perf_counter() - t0, losses, header)
+        if stop_after_s is not None and info is not None and time.perf_counter() - t0 > stop_after_s:
+            info.stop(f"--stop-after-s {stop_after_s:g}")
+
+    def flush() -> dict:
+        """The losses so far, written now (a cut run's last word); returns the record."""
+        return write_progress(path, mode, seed, len(losses), state["elapsed"] + time.perf_counter() - t0, losses,
+                              header)
+
+    hook = Hook(write, every=1)
+    hook.flush = flush
+    return hook
+
+
+def read_progress(path: str, mode: str, seed: int) -> dict:
+    """The progress file a cut run left at ``path`` (none: nothing done yet)."""
+    if not os.path.exists(path):
+        return {"losses": [], "elapsed_s": 0.0}
+    with open(path) as f:
+        got = json.load(f)
+    if (got.get("mode"), got.get("seed")) != (mode, seed):
+        raise SystemExit(f"{path} is the progress of mode {got.get('mode')!r} seed {got.get('seed')!r}, not {mode!r} "
+                         f"seed {seed}: give this run another --out")
+    return got
+
+
+def write_progress(path: str, mode: str, seed: int, steps: int, elapsed: float, losses: list, header: dict | None):
+    record = {**(header or {}), "mode": mode, "seed": seed, "steps_done": steps, "elapsed_s": round(elapsed, 1),
+              "losses": losses}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+    return record
+
+
+class Cut(Exception):
+    """A run stopped by ``--stop-after-s``: its checkpoint and progress file are kept for the same command."""
 
 
 def train(mode: str, seed: int, steps: int, rows: int, seq_len: int, lr: float, cfg: DecoderConfig = MODEL,
-          data_path: str | None = None, resident: bool = False, progress: str | None = None) -> dict:
+          data_path: str | None = None, resident: bool = False, progress: str | None = None,
+          checkpoint_dir: str | None = None, stop_after_s: float | None = None, header: dict | None = None) -> dict:
+    """One run. With ``checkpoint_dir`` it saves its state there when it ends (and every 500 steps) and resumes
+    from it; with ``stop_after_s`` it stops after that many seconds and raises ``Cut`` (run it again to go on)."""
     data = DataConfig(path=data_path, seq_len=seq_len, batch_size=rows, seed=seed,
                       demo_tokens=1 << 23).build(cfg.vocab_size)
     optimizer, _ = OptimizerConfig(lr=lr, warmup_steps=max(steps // 10, 1)).build(steps)
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-    t = time.perf_counter()
     engine = engine_config(mode, cfg, resident)
-    history = fit(model, data, optimizer, train=TrainConfig(steps=steps, log_every=max(steps // 10, 1), seed=seed),
-                  engine=engine, write_back=False,
-                  hooks=[progress_hook(progress, mode, seed)] if progress else ())
-    wall = time.perf_counter() - t
-    if progress and os.path.exists(progress):
-        os.remove(progress)  # the whole run's record follows
-    losses = [round(float(x), 5) for x in history["loss"]]
-    return {"system": "megatrain_jax", "mode": mode, "seed": seed, "engine": dataclasses.asdict(engine), "wall_s": round(wall, 1),
-            "tokens_per_s": round(steps * rows * seq_len / wall, 1), "losses": losses,
+    t = time.perf_counter()
+    if (checkpoint_dir or stop_after_s is not None) and not progress:
+        raise ValueError("a run that resumes keeps its losses in its progress file: give progress")
+    hook = progress_hook(progress, mode, seed, header=header, stop_after_s=stop_after_s) if progress else None
+    ckpt = dict(checkpoint_dir=os.path.join(checkpoint_dir, f"{mode}.{seed}"), checkpoint_every=500,
+                checkpoint_keep=1, resume=True) if checkpoint_dir else {}
+    history = fit(model, data, optimizer, train=TrainConfig(steps=steps, log_every=max(steps // 10, 1), seed=seed,
+                                                            **ckpt),
+                  engine=engine, write_back=False, hooks=[hook] if hook else ())
+    if history.stopped and hook.flush()["steps_done"] < steps:
+        record = hook.flush()
+        raise Cut(f"{mode} seed {seed}: stopped after step {record['steps_done']} of {steps} "
+                  f"({history.stopped}); the same command continues it"
+                  + (f" from {ckpt['checkpoint_dir']}" if ckpt else " from the start (no --checkpoint-dir)"))
+    if hook:
+        record = hook.flush()
+        losses, wall = record["losses"], record["elapsed_s"]
+    else:
+        losses, wall = [round(float(x), 5) for x in history["loss"]], time.perf_counter() - t
+    if len(losses) != steps:
+        raise SystemExit(f"{mode} seed {seed}: {len(losses)} losses for {steps} steps")
+    if progress and os.path.exists(progress) and not checkpoint_dir:
+        os.remove(progress)  # the whole run's record follows (with checkpoints it stays: a rerun finds it done)
+    return {"system": "megatrain_jax", "mode": mode, "seed": seed, "engine": dataclasses.asdict(engine),
+            "wall_s": round(wall, 1), "tokens_per_s": round(steps * rows * seq_len / wall, 1), "losses": losses,
             "finite": bool(np.all(np.isfinite(losses)))}
 
 
@@ -116,17 +186,25 @@ def run_children(runs: list[tuple[str, int]], args, jobs: int) -> list[dict]:
     extra = (["--preset", args.preset] if args.preset else []) + (["--data", args.data] if args.data else [])
     base = [sys.executable, os.path.abspath(__file__), *extra, "--steps", str(args.steps), "--rows", str(args.rows),
             "--seq-len", str(args.seq_len), "--lr", str(args.lr)] + (["--resident"] if args.resident else [])
+    base += (["--checkpoint-dir", args.checkpoint_dir] if args.checkpoint_dir else []) + (
+        ["--stop-after-s", str(args.stop_after_s)] if args.stop_after_s is not None else [])
     outs = [f"{args.out}.{mode}.{seed}.part" for mode, seed in runs]
     pending = list(zip(runs, outs))
     running: list[subprocess.Popen] = []
+    cut = False
     while pending or running:
         while pending and len(running) < jobs:
             (mode, seed), out = pending.pop(0)
             running.append(subprocess.Popen(base + ["--run", f"{mode}:{seed}", "--out", out], env=env))
         running[0].wait()
         done = running.pop(0)
-        if done.returncode:
+        if done.returncode == 3:
+            cut = True  # stopped by --stop-after-s: its progress and checkpoint wait for the same command
+        elif done.returncode:
             raise SystemExit(f"a child failed (exit {done.returncode}): {done.args}")
+    if cut:
+        print("cut: some runs stopped (--stop-after-s); the same command continues them", flush=True)
+        raise SystemExit(3)
     results = []
     for out in outs:
         with open(out) as f:
@@ -153,16 +231,24 @@ def main() -> None:
                                                                  "files of separate runs, e.g. one mode each")
     ap.add_argument("--resident", action="store_true", help="float32 only: masters kept and updated on the GPU (the "
                                                                "same AdamW; for a reference that must run faster)")
+    ap.add_argument("--checkpoint-dir", help="each run saves its state under this folder when it ends or is stopped "
+                    "(and every 500 steps), and resumes from it: with --stop-after-s, a run longer than a device call "
+                    "goes on in the next call with the same command (its losses so far are in its progress file)")
+    ap.add_argument("--stop-after-s", type=float, help="stop each run after this many seconds (exit status 3), its "
+                    "checkpoint saved: run the same command again to continue")
     ap.add_argument("--run", help=argparse.SUPPRESS)  # a child: MODE:SEED, its run alone to --out
     args = ap.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if args.merge:
         merge(args.merge, args.out, args.tail)
         return
     if args.run:
         mode, seed = args.run.split(":")
+        run = cut_or(lambda: train(mode, int(seed), args.steps, args.rows, args.seq_len, args.lr, model_config(args),
+                                   args.data, args.resident, f"{args.out}.progress.json", args.checkpoint_dir,
+                                   args.stop_after_s))
         with open(args.out, "w") as f:
-            json.dump(train(mode, int(seed), args.steps, args.rows, args.seq_len, args.lr, model_config(args),
-                            args.data, args.resident, f"{args.out}.progress.json"), f)
+            json.dump(run, f)
         return
     repo = os.path.dirname(EXPERIMENTS)
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
@@ -192,9 +278,21 @@ def main() -> None:
     if args.jobs > 1:
         runs = run_children(todo, args, args.jobs)
     else:
-        runs = [train(mode, seed, args.steps, args.rows, args.seq_len, args.lr, cfg, args.data, args.resident,
-                      f"{args.out}.{mode}.{seed}.progress.json") for mode, seed in todo]
+        setup = {k: result[k] for k in ("name", "command", "git_commit", "date", "device", *SETUP)}
+        runs = [cut_or(lambda mode=mode, seed=seed: train(
+            mode, seed, args.steps, args.rows, args.seq_len, args.lr, cfg, args.data, args.resident,
+            f"{args.out}.{mode}.{seed}.progress.json", args.checkpoint_dir, args.stop_after_s, setup))
+            for mode, seed in todo]
     summarize(result, runs, args.tail, args.out)
+
+
+def cut_or(run: Callable[[], dict]) -> dict:
+    """``run()``, or exit status 3 with its message when ``--stop-after-s`` cut it."""
+    try:
+        return run()
+    except Cut as cut:
+        print(f"cut: {cut}", flush=True)
+        raise SystemExit(3) from None
 
 
 def summarize(result: dict, runs: list[dict], tail: int, out: str) -> None:
@@ -233,11 +331,23 @@ SETUP = ("model", "steps", "tokens_per_step", "seq_len", "optimizer", "data")
 def merge(paths: list[str], out: str, tail: int) -> None:
     """One comparison from results files of the same model, data and schedule run separately (one mode per
     device call, say): their runs side by side, each file's header kept under ``parts``. Every mode needs a run
-    for every seed, once; the final loss is over the last ``tail`` steps."""
+    for every seed, once; the final loss is over the last ``tail`` steps. A run's progress file (a run cut short,
+    written with its setup) may stand for its results file: then every run is compared over the steps all of
+    them reached (``compared_steps``), which is a point inside the schedule, not its end."""
     parts = []
     for path in paths:
         with open(path) as f:
-            parts.append(json.load(f))
+            part = json.load(f)
+        if "runs" not in part and "steps_done" in part:  # a progress file: one run, cut after steps_done steps
+            if any(k not in part for k in SETUP):
+                raise SystemExit(f"{path} is a progress file without its run's setup (written before the setup was "
+                                 f"recorded in it): it cannot be checked against {paths[0]}")
+            tokens = part["steps_done"] * part["tokens_per_step"]
+            part = {**{k: v for k, v in part.items() if k not in ("mode", "seed", "losses", "elapsed_s")},
+                    "runs": [{"system": "megatrain_jax", "mode": part["mode"], "seed": part["seed"],
+                              "losses": part["losses"], "wall_s": part["elapsed_s"], "cut_after_step":
+                              part["steps_done"], "tokens_per_s": round(tokens / max(part["elapsed_s"], 1e-9), 1)}]}
+        parts.append(part)
     for path, part in zip(paths[1:], parts[1:]):
         differ = [k for k in SETUP if part.get(k) != parts[0].get(k)]
         if differ:
@@ -257,6 +367,15 @@ def merge(paths: list[str], out: str, tail: int) -> None:
                   parts=[{k: part.get(k) for k in ("name", "command", "git_commit", "date", "device")}
                          for part in parts],
                   runs=[])
+    reached = min(len(r["losses"]) for r in runs)
+    if reached < result["steps"]:
+        if reached < tail:
+            raise SystemExit(f"a run was cut after {reached} steps, fewer than --tail {tail}: nothing to compare")
+        result["compared_steps"] = reached
+        for r in runs:
+            r["steps_run"] = len(r["losses"])
+            r["losses"] = r["losses"][:reached]
+        print(f"compared over the first {reached} of {result['steps']} steps (a run was cut there)", flush=True)
     summarize(result, runs, tail, out)
 
 
