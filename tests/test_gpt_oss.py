@@ -343,15 +343,23 @@ def test_sliding_sink_attention_works_on_the_band_only():
 
 
 def test_the_plan_counts_the_sink_attention_scores():
-    """The plan's rule of thumb for a block's scratch memory counts the sink attention's scores of one chunk of
-    queries (XLA's path: cuDNN's flash attention takes no sinks) where flash attention would count none, and no
-    kept residuals."""
-    from megatrain_jax.plan.gpu_ledger import transient
+    """The plan's rule of thumb for a block's scratch memory counts XLA's sink attention's scores of one chunk of
+    queries where flash attention would count none: against a sliding layer's band of keys, and against every key
+    on a full layer only where that layer does not take cuDNN (packed rows, or a float32 model); and no kept
+    residuals."""
+    from megatrain_jax.plan.gpu_ledger import sink_scores, transient
     cfg = preset("gpt-oss-20b")
-    for kind in ("forward", "backward"):
-        with_sinks, _ = transient(cfg, kind, 1, 8192, 2, flash=True)
+    assert cfg.dtype == "bfloat16"
+    band, every = 512 + cfg.sliding_window - 1, 8192
+    for kind, times in (("forward", 1), ("backward", 2)):
+        with_sinks, _ = transient(cfg, kind, 1, 8192, 2, flash=False)
         flash, _ = transient(cfg.replace(attention_sinks=False), kind, 1, 8192, 2, flash=True)
-        assert with_sinks - flash >= cfg.heads * 512 * 8192 * 8
+        assert with_sinks - flash == pytest.approx(times * cfg.heads * 512 * band * 10, abs=1024)  # + the sinks
+    assert sink_scores(cfg, 1, 8192) == cfg.heads * 512 * band * 10
+    assert sink_scores(cfg, 1, 8192, packed=True) == cfg.heads * 512 * every * 10
+    assert sink_scores(cfg.replace(dtype="float32"), 1, 8192) == cfg.heads * 512 * every * 12
+    full_only = cfg.replace(layer_types=("full_attention",) * cfg.layers)
+    assert sink_scores(full_only, 1, 8192) == 0 and sink_scores(full_only, 1, 100) == 0
     # and keeps no residuals for the backward: cuDNN's output and statistics never exist
     from megatrain_jax.plan.gpu_ledger import assumes_flash, kept_bytes
     assert not assumes_flash(cfg) and assumes_flash(cfg.replace(attention_sinks=False))

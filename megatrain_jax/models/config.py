@@ -41,6 +41,8 @@ EXPERT_ACTIVATIONS: tuple[str, ...] = ("silu", "clamped_swiglu")
 
 # Queries per chunk of ``layers.sink_attention`` (GPT-OSS): its scores exist for this many queries at a time.
 SINK_QUERY_CHUNK = 512
+# Head widths that ``layers.sink_as_key`` adds (the sink's logit as two of them; 8 keeps cuDNN's multiple).
+SINK_WIDTH = 8
 
 
 @dataclasses.dataclass(frozen=True)

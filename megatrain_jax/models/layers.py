@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from megatrain_jax.contract.remat import keep_residuals
-from megatrain_jax.models.config import SINK_QUERY_CHUNK, DecoderConfig, RopeScaling
+from megatrain_jax.models.config import SINK_QUERY_CHUNK, SINK_WIDTH, DecoderConfig, RopeScaling
 
 _init_normal = nnx.initializers.normal(stddev=0.02)
 
@@ -243,7 +243,6 @@ def sink_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sink
     return out_nBCNH.swapaxes(0, 1).reshape(B, n * chunk, N, H)[:, :T]
 
 
-SINK_WIDTH = 8  # head widths that ``sink_as_key`` adds (the sink's logit as two of them; 8 keeps cuDNN's multiple)
 
 
 def sink_key_fits_cudnn(head_dim: int) -> bool:

@@ -36,7 +36,7 @@ from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, Op, OpKind, step_ops
-from megatrain_jax.models.config import SINK_QUERY_CHUNK, DecoderConfig
+from megatrain_jax.models.config import SINK_QUERY_CHUNK, SINK_WIDTH, DecoderConfig
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, blocks_param_count, host_grad_bytes,
                                        host_roles, io_param_count, layer_param_count, part_param_count)
 
@@ -70,9 +70,8 @@ def transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: in
         + 2 * c.moe.top_k * D // 3
     mlp_t = mt if c.mlp_chunk_tokens is None else min(mt, c.mlp_chunk_tokens)  # tokens the MLP holds at once
     scores = 0 if flash else micro_rows * c.heads * seq_len * seq_len * (4 + ab)  # no flash: T x T scores
-    if c.attention_sinks:  # XLA's sink attention (counted for every layer: see assumes_flash): float32 scores and
-        # weights, and the weights cast for P.V, of one chunk of queries against every key (a sliding band is less)
-        scores = micro_rows * c.heads * min(seq_len, SINK_QUERY_CHUNK) * seq_len * (8 + ab)
+    if c.attention_sinks:
+        scores = sink_scores(c, micro_rows, seq_len, packed)
     # A chunked MLP leaves the attention's tensors the larger part at long lengths; its lax.map also copies
     # the block's [T, D] input padded into chunks and stacks the chunks' gradients in the backward.
     # [Measured with experiments/studies/op_memory.py, one block, 32K-token chunks, above its outputs: forward 3B 512K
@@ -110,12 +109,33 @@ def transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: in
 def assumes_flash(c: DecoderConfig) -> bool:
     """Whether the plan assumes cuDNN's flash attention (a 16-bit model on a GPU; packed rows too, in cuDNN's
     packed layout, which needs a Hopper GPU). Never with attention sinks (GPT-OSS): their sliding layers and packed
-    rows take XLA's ``layers.sink_attention`` (nothing kept for the backward, a chunk of scores); the plan counts
-    that for every layer, also the full layers of unpacked rows that take cuDNN with the sink as one more key
-    (``layers.sink_as_key``), an over-estimate there."""
+    rows take XLA's ``layers.sink_attention`` (nothing kept for the backward, a chunk of scores: ``sink_scores``)."""
     if c.attention_sinks:
         return False
+    return _cudnn(c)
+
+
+def _cudnn(c: DecoderConfig) -> bool:
     return c.attention_impl == "cudnn" or (c.attention_impl == "auto" and c.dtype in ("bfloat16", "float16"))
+
+
+def sink_scores(c: DecoderConfig, micro_rows: int, seq_len: int, packed: bool = False) -> int:
+    """The scratch of XLA's sink attention (``layers.sink_attention``, GPT-OSS) at its largest over the model's
+    layers: float32 scores and weights, and the weights cast for P.V, of one chunk of queries against the keys the
+    chunk sees, a sliding layer's band (chunk + window - 1) or a full layer's every key. A full layer of unpacked
+    rows takes cuDNN's flash attention instead where the plan assumes it (the sink as one more key,
+    ``layers.sink_as_key``: heads ``SINK_WIDTH`` wider, within 128 here, the limit before Hopper), which holds no
+    scores. [GPT-OSS-20B, 16 x 2,048 tokens, on the H200: XLA's memory analysis of the sliding layers' backward
+    8.3 GiB, of the full layers' (cuDNN) 6.4; this rule 11.2 and 5.0 (``transient``'s backward)]"""
+    chunk = min(seq_len, SINK_QUERY_CHUNK)
+    full_on_cudnn = _cudnn(c) and not packed and c.dim_per_head + SINK_WIDTH <= 128
+    keys = 0
+    for kind in {c.layer_type(i) for i in range(c.layers)}:
+        if kind == "sliding_attention":
+            keys = max(keys, min(seq_len, chunk + c.sliding_window - 1))
+        elif not full_on_cudnn:
+            keys = seq_len
+    return micro_rows * c.heads * chunk * keys * (8 + activation_bytes(c))
 
 
 def kept_bytes(c: DecoderConfig, e: EngineConfig, micro_rows: int, seq_len: int, flash: bool,
