@@ -509,27 +509,64 @@ def test_convergence_progress_and_the_resident_reference(tmp_path):
 def test_convergence_cut_by_time_resumes_to_the_same_losses(tmp_path, monkeypatch):
     """convergence.py --checkpoint-dir with --stop-after-s (issue 35's 1B q8 run, longer than a device call): a run
     stopped after every step and run again until done has the losses of the uninterrupted run, bit for bit; a rerun
-    of the finished run trains nothing and gives them again; its progress file, with the setup, merges as a cut
-    run compared over the steps both runs reached."""
+    of the finished run trains nothing and gives them again, its time unchanged. A progress file of another setup,
+    or a checkpoint further on than its progress file, is refused before training (the checkpoint untouched). Its
+    progress file, with the setup, merges as a cut run compared over the steps both runs reached."""
     spec = importlib.util.spec_from_file_location("convergence", REPO / "experiments" / "studies" / "convergence.py")
     conv = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conv)
     from megatrain_jax import preset
+    from megatrain_jax.checkpoint import committed_steps
     cfg = preset("tiny", dtype="bfloat16")
     whole = conv.train("q8", 0, 4, 2, 32, 1e-3, cfg)
     progress, ckpt = str(tmp_path / "p.json"), str(tmp_path / "ckpt")
+    setup = {k: k for k in conv.RESUME}
     cuts = []
     for _ in range(4):
         try:
-            got = conv.train("q8", 0, 4, 2, 32, 1e-3, cfg, progress=progress, checkpoint_dir=ckpt, stop_after_s=0.0)
+            got = conv.train("q8", 0, 4, 2, 32, 1e-3, cfg, progress=progress, checkpoint_dir=ckpt, stop_after_s=0.0,
+                             header=setup)
             break
         except conv.Cut:
             cuts.append(json.loads(open(progress).read())["steps_done"])
     assert cuts and cuts[0] < 4 and got["losses"] == whole["losses"]
-    again = conv.train("q8", 0, 4, 2, 32, 1e-3, cfg, progress=progress, checkpoint_dir=ckpt)
-    assert again["losses"] == whole["losses"]
+    again = conv.train("q8", 0, 4, 2, 32, 1e-3, cfg, progress=progress, checkpoint_dir=ckpt, header=setup)
+    assert again["losses"] == whole["losses"] and again["wall_s"] == got["wall_s"]
     with pytest.raises(SystemExit, match="not 'float32'"):
         conv.train("float32", 0, 4, 2, 32, 1e-3, cfg, progress=progress, checkpoint_dir=ckpt)
+    with pytest.raises(SystemExit, match=r"another setup \(it differs in \['optimizer'\]\)"):
+        conv.train("q8", 0, 4, 2, 32, 1e-3, cfg, progress=progress, checkpoint_dir=ckpt,
+                   header={**setup, "optimizer": "lr 5e-3"})
+    os.remove(progress)
+    saved = committed_steps(tmp_path / "ckpt" / "q8.0")
+    with pytest.raises(SystemExit, match="holds step 4, but .* the losses of 0 steps"):
+        conv.train("q8", 0, 4, 2, 32, 1e-3, cfg, progress=progress, checkpoint_dir=ckpt, header=setup)
+    assert committed_steps(tmp_path / "ckpt" / "q8.0") == saved
+    # a signal (a device call's timeout): the step in flight is saved, and its losses with it
+    import signal
+
+    from megatrain_jax.checkpoint import CheckpointedExit
+    plain = conv.progress_hook
+
+    def killed_at_2(*args, **kwargs):
+        hook = plain(*args, **kwargs)
+        write = hook.fn
+
+        def fn(m, info):
+            write(m, info)
+            if m["step"] == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+        hook.fn = fn
+        return hook
+    monkeypatch.setattr(conv, "progress_hook", killed_at_2)
+    progress, ckpt = str(tmp_path / "q.json"), str(tmp_path / "ckpt2")
+    with pytest.raises(CheckpointedExit):
+        conv.train("q8", 0, 4, 2, 32, 1e-3, cfg, progress=progress, checkpoint_dir=ckpt, header=setup)
+    step = committed_steps(tmp_path / "ckpt2" / "q8.0")[0]
+    assert json.loads(open(progress).read())["steps_done"] == step >= 2
+    monkeypatch.setattr(conv, "progress_hook", plain)
+    assert conv.train("q8", 0, 4, 2, 32, 1e-3, cfg, progress=progress, checkpoint_dir=ckpt,
+                      header=setup)["losses"] == whole["losses"]
     head = {"model": {"params": 1}, "steps": 6, "tokens_per_step": 64, "seq_len": 32, "optimizer": "adamw",
             "data": "corpus"}
     full = tmp_path / "float32.json"
@@ -543,6 +580,7 @@ def test_convergence_cut_by_time_resumes_to_the_same_losses(tmp_path, monkeypatc
     merged = json.loads(out.read_text())
     assert merged["compared_steps"] == 3 and merged["q8_vs_float32_final_loss"] == pytest.approx(0.1)
     assert [r["steps_run"] for r in merged["runs"]] == [6, 3] and merged["runs"][1]["cut_after_step"] == 3
+    assert merged["q8_within_bar"]["met"] is None and merged["runs"][1]["finite"] and "steps_done" not in merged
     conv.write_progress(str(cut), "q8", 0, 3, 2.0, [3.0, 2.0, 1.1], None)
     with pytest.raises(SystemExit, match="without its run's setup"):
         conv.merge([str(full), str(cut)], str(out), tail=1)
