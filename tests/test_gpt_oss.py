@@ -278,6 +278,32 @@ def test_the_sink_as_one_more_key_equals_sink_attention(T):
     assert float(jnp.abs(one - two).max() / jnp.abs(two).max()) < 1e-2
 
 
+@pytest.mark.parametrize("T,window", [(40, 8), (70, 16), (40, None), (13, 3)])
+def test_sinks_by_rescaling_with_the_log_sum_exp_equal_sink_attention(T, window):
+    """``sink_rescaled`` (a kernel's attention times sigmoid(lse - sink), the way cuDNN's flash kernel can take a
+    sliding layer's sinks): computed by XLA here, sink_attention's values and gradients (sinks included) in float32,
+    with a window and without, grouped queries; bfloat16 inputs within bfloat16's error."""
+    from megatrain_jax.models.layers import sink_rescaled
+    k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(T), 5)
+    B, N, K, H = 2, 4, 2, 16
+    q, k, v = (jax.random.normal(key, (B, T, n, H)) for key, n in ((k1, N), (k2, K), (k3, K)))
+    sinks = 3 * jax.random.normal(k4, (N,))
+    w = jax.random.normal(k5, (B, T, N, H))
+    loss = lambda f: lambda *a: jnp.sum(w * f(*a))  # noqa: E731
+    ref = lambda q, k, v, s: sink_attention(q, k, v, s, 0.3, window, None)  # noqa: E731
+    new = lambda q, k, v, s: sink_rescaled(q, k, v, s, 0.3, window, "xla")  # noqa: E731
+    want, want_g = jax.value_and_grad(loss(ref), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    got, got_g = jax.value_and_grad(loss(new), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert float(jnp.abs(want_g[3]).max()) > 1e-3  # the sinks' gradient is there to compare
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    one = sink_rescaled(qb, kb, vb, sinks, 0.3, window, "xla").astype(jnp.float32)
+    two = sink_attention(*(x.astype(jnp.float32) for x in (qb, kb, vb)), sinks, 0.3, window, None)
+    assert float(jnp.abs(one - two).max() / jnp.abs(two).max()) < 2e-2
+
+
 def test_the_sink_key_keeps_the_sink_logit_beyond_bfloat16():
     """The two 16-bit widths carry ``sink / scale`` to ~2^-16 relative; one alone would round it to 2^-9."""
     from megatrain_jax.models.layers import sink_widths

@@ -7,7 +7,8 @@ the shipped H100 config (8 rows of 2,048 tokens), each timed alone.
 Parts: the experts with their biases as the product computes them (one more input width of the grouped matmul),
 the same with each row's bias gathered and added (the way before this script: its gradient is a scatter-add of
 every row into E), the experts without biases, the whole MoE layer (routing, gather, combine), and the
-attention with sinks on a sliding (128) and a full layer, the full one also as cuDNN takes it (``sink_as_key``).
+attention with sinks on a sliding (128) and a full layer by XLA (``sink_attention``), by cuDNN's kernel rescaled with
+its log-sum-exp (``sink_rescaled``), and without sinks, the full one also as cuDNN takes it (``sink_as_key``).
 Each record: seconds, and TFLOP/s over the part's
 matmul FLOPs (forward 2, backward 4 per multiply-add; the attention's over the keys it is allowed to see).
 """
@@ -104,13 +105,21 @@ def main() -> None:
     q = jax.random.normal(key, (args.rows, args.seq_len, N, H), dt)
     k, v = (jax.random.normal(jax.random.key(i), (args.rows, args.seq_len, KV, H), dt) for i in (2, 3))
     sinks = jnp.zeros((N,), jnp.float32)
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
     for window in (cfg.sliding_window, None):
         seen = args.seq_len * (args.seq_len + 1) / 2 if window is None else sum(
             min(i + 1, window) for i in range(args.seq_len))
         flops = 2 * 2 * args.rows * N * H * seen * 3
         fn = lambda q, k, v, s, w=window: layers.sink_attention(q, k, v, s, H ** -0.5, w, None)  # noqa: E731
         record(f"attention with sinks, window {window}", timed_grad(fn, (q, k, v, sinks), args.reps), flops)
-    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+        rescaled = lambda q, k, v, s, w=window: layers.sink_rescaled(q, k, v, s, H ** -0.5, w, impl)  # noqa: E731
+        record(f"attention with sinks, window {window}, rescaled by the log-sum-exp ({impl})",
+               timed_grad(rescaled, (q, k, v, sinks), args.reps), flops)
+        local = None if window is None else (window - 1, 0)
+        plain = lambda q, k, v, s, w=local: jax.nn.dot_product_attention(  # noqa: E731
+            q, k, v, scale=H ** -0.5, is_causal=True, local_window_size=w, implementation=impl)
+        record(f"attention without sinks, window {window} ({impl})", timed_grad(plain, (q, k, v, sinks), args.reps),
+               flops)
     key_form = lambda q, k, v, s: layers.sink_as_key(q, k, v, s, H ** -0.5, impl)  # noqa: E731
     record(f"attention with sinks, window None, the sink as one more key ({impl})",
            timed_grad(key_form, (q, k, v, sinks), args.reps), flops)

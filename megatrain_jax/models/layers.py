@@ -6,6 +6,7 @@ Shape suffixes: B batch, T tokens, D hidden, N query heads, K kv heads, H head d
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -243,6 +244,64 @@ def sink_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sink
     return out_nBCNH.swapaxes(0, 1).reshape(B, n * chunk, N, H)[:, :T]
 
 
+
+
+def attention_lse(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, scale: float, window: int | None,
+                  implementation: str) -> tuple[jax.Array, jax.Array]:
+    """Causal attention (a sliding window of ``window`` keys, or None) and each query head's log-sum-exp of its
+    scaled scores, [B, T, N] in float32: by cuDNN's flash kernel (whose softmax statistics ``jax.nn``'s wrapper
+    would round to the inputs' dtype, so taken from its cuDNN call), or by XLA. Only the output's gradient is
+    defined: the log-sum-exp's cotangent must be zero (``sink_rescaled`` adds its gradient itself)."""
+    if implementation == "cudnn":
+        from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+        out, lse_BNT = dot_product_attention(q_BTNH, k_BTKH, v_BTKH, scale=scale, mask_type=MaskType.CAUSAL,
+                                             sliding_window_length=window, return_residual=True)
+        return out, jnp.swapaxes(lse_BNT, 1, 2).astype(jnp.float32)
+    local = None if window is None else (window - 1, 0)
+    out, lse_BTN = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, scale=scale, is_causal=True,
+                                                local_window_size=local, implementation=implementation,
+                                                return_residual=True)
+    return out, lse_BTN.astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def sink_rescaled(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sinks_N: jax.Array, scale: float,
+                  window: int | None, implementation: str) -> jax.Array:
+    """``sink_attention`` by any causal attention kernel that returns its log-sum-exp (cuDNN's flash kernel, with a
+    sliding window too): a sink adds ``exp(sink)`` to each softmax's denominator, so the output is plain
+    attention's times ``sigmoid(lse - sink)``. The backward is plain attention's for the rescaled output's
+    gradient, plus the log-sum-exp's own (its derivative by a score is that score's weight): for q, the keys
+    averaged by the weights (attention with the keys as values), for k, the value-gradient of attention whose
+    output gradient is each query's log-sum-exp gradient times the query. So a sliding layer costs plain
+    attention's forward, then two forwards and two backwards."""
+    return _sink_rescaled_fwd(q_BTNH, k_BTKH, v_BTKH, sinks_N, scale, window, implementation)[0]
+
+
+def _sink_rescaled_fwd(q_BTNH, k_BTKH, v_BTKH, sinks_N, scale, window, implementation):
+    (o_BTNH, lse_BTN), pull = jax.vjp(lambda q, k, v: attention_lse(q, k, v, scale, window, implementation),
+                                      q_BTNH, k_BTKH, v_BTKH)
+    w_BTN = jax.nn.sigmoid(lse_BTN - sinks_N.astype(jnp.float32))  # the weight the sink leaves the keys
+    out = (o_BTNH.astype(jnp.float32) * w_BTN[..., None]).astype(o_BTNH.dtype)
+    return out, (pull, q_BTNH, k_BTKH, o_BTNH, w_BTN, sinks_N)
+
+
+def _sink_rescaled_bwd(scale, window, implementation, res, dy_BTNH):
+    pull, q_BTNH, k_BTKH, o_BTNH, w_BTN, sinks_N = res
+    dy = dy_BTNH.astype(jnp.float32)
+    dlse_BTN = jnp.sum(dy * o_BTNH.astype(jnp.float32), axis=-1) * w_BTN * (1 - w_BTN)
+    dq, dk, dv = pull(((dy * w_BTN[..., None]).astype(o_BTNH.dtype), jnp.zeros_like(w_BTN)))
+    # the log-sum-exp's gradient: sum_j p_ij (scale k_j) into q_i and sum_i p_ij (scale dlse_i q_i) into k_j
+    kbar_BTNH, pull_v = jax.vjp(lambda v: attention_lse(q_BTNH, k_BTKH, v, scale, window, implementation)[0],
+                                k_BTKH)
+    c_BTN1 = (scale * dlse_BTN)[..., None]
+    (dk_lse,) = pull_v((c_BTN1 * q_BTNH.astype(jnp.float32)).astype(k_BTKH.dtype))
+    dq = (dq.astype(jnp.float32) + c_BTN1 * kbar_BTNH.astype(jnp.float32)).astype(q_BTNH.dtype)
+    dk = (dk.astype(jnp.float32) + dk_lse.astype(jnp.float32)).astype(k_BTKH.dtype)
+    dsinks = (-jnp.sum(dlse_BTN, axis=(0, 1))).astype(sinks_N.dtype)
+    return dq, dk, dv, dsinks
+
+
+sink_rescaled.defvjp(_sink_rescaled_fwd, _sink_rescaled_bwd)
 
 
 def sink_key_fits_cudnn(head_dim: int) -> bool:
