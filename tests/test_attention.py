@@ -180,44 +180,37 @@ def test_grouped_matmul_equals_ragged_dot_on_gpu(experts, hidden, ffn):
     assert float(jnp.max(jnp.abs(dw[0]))) == 0.0  # an expert without tokens gets no gradient
 
 
-@on_hopper
-@pytest.mark.parametrize("T", [2048, 1000])
-def test_sinks_as_one_more_key_on_cudnn_equal_xla_sink_attention(T):
-    """GPT-OSS's full layers on cuDNN's flash kernel (the sink as one more key, ``layers.sink_as_key``): values and
-    the gradients of q, k, v and the sinks against XLA's sink attention in float32 on the same bf16 inputs."""
+def _sinks_on_cudnn_equal_xla(form, T: int, window: int | None) -> None:
+    """``form(q, k, v, sinks)`` on GPT-OSS's shapes: values and the gradients of q, k, v and the sinks against XLA's
+    sink attention in float32 on the same bf16 inputs."""
     ks = jax.random.split(jax.random.key(0), 5)
     B, N, K, H = 2, 64, 8, 64
     q = jax.random.normal(ks[0], (B, T, N, H), jnp.bfloat16)
     k, v = (jax.random.normal(kk, (B, T, K, H), jnp.bfloat16) for kk in ks[1:3])
     sinks = 2 * jax.random.normal(ks[3], (N,))
     dy = jax.random.normal(ks[4], q.shape, jnp.bfloat16)
-    y, pb = jax.vjp(lambda q, k, v, s: layers.sink_as_key(q, k, v, s, 0.125, "cudnn"), q, k, v, sinks)
-    y_ref, pb_ref = jax.vjp(lambda q, k, v, s: layers.sink_attention(q, k, v, s, 0.125, None, None),
+    y, pb = jax.vjp(form, q, k, v, sinks)
+    y_ref, pb_ref = jax.vjp(lambda q, k, v, s: layers.sink_attention(q, k, v, s, 0.125, window, None),
                             *(x.astype(jnp.float32) for x in (q, k, v)), sinks)
     for got, want in zip((y, *pb(dy)), (y_ref, *pb_ref(dy.astype(jnp.float32)))):
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
         assert err < 1e-2, err
+
+
+@on_hopper
+@pytest.mark.parametrize("T", [2048, 1000])
+def test_sinks_as_one_more_key_on_cudnn_equal_xla_sink_attention(T):
+    """GPT-OSS's full layers on cuDNN's flash kernel (the sink as one more key, ``layers.sink_as_key``)."""
+    _sinks_on_cudnn_equal_xla(lambda q, k, v, s: layers.sink_as_key(q, k, v, s, 0.125, "cudnn"), T, None)
 
 
 @on_hopper
 @pytest.mark.parametrize("T,window", [(2048, 128), (1000, 128), (2048, None)])
 def test_sinks_rescaled_by_cudnn_log_sum_exp_equal_xla_sink_attention(T, window):
     """GPT-OSS's sinks by cuDNN's flash kernel with its log-sum-exp (``layers.sink_rescaled``; a sliding layer's
-    window too, where the sink cannot be one more key): values and the gradients of q, k, v and the sinks against
-    XLA's sink attention in float32 on the same bf16 inputs. (The engine takes this path for sliding layers only
-    once this passes: its softmax statistics must be the natural log-sum-exp of the scaled scores.)"""
-    ks = jax.random.split(jax.random.key(0), 5)
-    B, N, K, H = 2, 64, 8, 64
-    q = jax.random.normal(ks[0], (B, T, N, H), jnp.bfloat16)
-    k, v = (jax.random.normal(kk, (B, T, K, H), jnp.bfloat16) for kk in ks[1:3])
-    sinks = 2 * jax.random.normal(ks[3], (N,))
-    dy = jax.random.normal(ks[4], q.shape, jnp.bfloat16)
-    y, pb = jax.vjp(lambda q, k, v, s: layers.sink_rescaled(q, k, v, s, 0.125, window, "cudnn"), q, k, v, sinks)
-    y_ref, pb_ref = jax.vjp(lambda q, k, v, s: layers.sink_attention(q, k, v, s, 0.125, window, None),
-                            *(x.astype(jnp.float32) for x in (q, k, v)), sinks)
-    for got, want in zip((y, *pb(dy)), (y_ref, *pb_ref(dy.astype(jnp.float32)))):
-        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
-        assert err < 1e-2, err
+    window too, where the sink cannot be one more key). The engine takes this path for sliding layers only once
+    this passes: its softmax statistics must be the natural log-sum-exp of the scaled scores."""
+    _sinks_on_cudnn_equal_xla(lambda q, k, v, s: layers.sink_rescaled(q, k, v, s, 0.125, window, "cudnn"), T, window)
 
 
 @pytest.mark.parametrize("hidden,ffn", [(200, 320), (256, 100), (130, 129)])
