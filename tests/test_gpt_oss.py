@@ -252,30 +252,35 @@ def test_sink_attention_in_chunks_equals_it_whole():
                                atol=1e-6)
 
 
+def _equals_sink_attention(form, T: int, window: int | None, scale: float, bf16_tol: float) -> None:
+    """``form(q, k, v, sinks)``, computed by XLA, against sink_attention: values and gradients (sinks included) in
+    float32, grouped queries; on bfloat16 inputs within ``bf16_tol`` of sink_attention on the same inputs."""
+    k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(T), 5)
+    B, N, K, H = 2, 4, 2, 16
+    q, k, v = (jax.random.normal(key, (B, T, n, H)) for key, n in ((k1, N), (k2, K), (k3, K)))
+    sinks = 3 * jax.random.normal(k4, (N,))
+    w = jax.random.normal(k5, (B, T, N, H))
+    loss = lambda f: lambda *a: jnp.sum(w * f(*a))  # noqa: E731
+    ref = lambda q, k, v, s: sink_attention(q, k, v, s, scale, window, None)  # noqa: E731
+    want, want_g = jax.value_and_grad(loss(ref), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    got, got_g = jax.value_and_grad(loss(form), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(got_g, want_g):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert float(jnp.abs(want_g[3]).max()) > 1e-3  # the sinks' gradient is there to compare
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))  # bfloat16 inputs, as on the GPU
+    one = form(qb, kb, vb, sinks).astype(jnp.float32)
+    two = sink_attention(*(x.astype(jnp.float32) for x in (qb, kb, vb)), sinks, scale, window, None)
+    assert float(jnp.abs(one - two).max() / jnp.abs(two).max()) < bf16_tol
+
+
 @pytest.mark.parametrize("T", [13, 64, 70])
 def test_the_sink_as_one_more_key_equals_sink_attention(T):
     """``sink_as_key`` (how cuDNN's flash kernel takes a full layer's sinks) is plain causal attention over one more
     key; computed by XLA here, it gives sink_attention's values and gradients (sinks included) in float32, and in
     bfloat16 the sink logit keeps its float32 value (split over two 16-bit widths)."""
     from megatrain_jax.models.layers import sink_as_key
-    k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(1), 5)
-    B, N, K, H = 2, 4, 2, 16
-    q, k, v = (jax.random.normal(key, (B, T, n, H)) for key, n in ((k1, N), (k2, K), (k3, K)))
-    sinks = 3 * jax.random.normal(k4, (N,))
-    w = jax.random.normal(k5, (B, T, N, H))
-    loss = lambda f: lambda *a: jnp.sum(w * f(*a))  # noqa: E731
-    ref = lambda q, k, v, s: sink_attention(q, k, v, s, 0.25, None, None)  # noqa: E731
-    key_form = lambda q, k, v, s: sink_as_key(q, k, v, s, 0.25, "xla")  # noqa: E731
-    want, want_g = jax.value_and_grad(loss(ref), argnums=(0, 1, 2, 3))(q, k, v, sinks)
-    got, got_g = jax.value_and_grad(loss(key_form), argnums=(0, 1, 2, 3))(q, k, v, sinks)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for a, b in zip(got_g, want_g):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    assert float(jnp.abs(want_g[3]).max()) > 1e-3  # the sinks' gradient is there to compare
-    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))  # bfloat16 inputs, as on the GPU
-    one = sink_as_key(qb, kb, vb, sinks, 0.25, "xla").astype(jnp.float32)
-    two = sink_attention(*(x.astype(jnp.float32) for x in (qb, kb, vb)), sinks, 0.25, None, None)
-    assert float(jnp.abs(one - two).max() / jnp.abs(two).max()) < 1e-2
+    _equals_sink_attention(lambda q, k, v, s: sink_as_key(q, k, v, s, 0.25, "xla"), T, None, 0.25, 1e-2)
 
 
 @pytest.mark.parametrize("T,window", [(40, 8), (70, 16), (40, None), (13, 3)])
@@ -284,24 +289,7 @@ def test_sinks_by_rescaling_with_the_log_sum_exp_equal_sink_attention(T, window)
     sliding layer's sinks): computed by XLA here, sink_attention's values and gradients (sinks included) in float32,
     with a window and without, grouped queries; bfloat16 inputs within bfloat16's error."""
     from megatrain_jax.models.layers import sink_rescaled
-    k1, k2, k3, k4, k5 = jax.random.split(jax.random.key(T), 5)
-    B, N, K, H = 2, 4, 2, 16
-    q, k, v = (jax.random.normal(key, (B, T, n, H)) for key, n in ((k1, N), (k2, K), (k3, K)))
-    sinks = 3 * jax.random.normal(k4, (N,))
-    w = jax.random.normal(k5, (B, T, N, H))
-    loss = lambda f: lambda *a: jnp.sum(w * f(*a))  # noqa: E731
-    ref = lambda q, k, v, s: sink_attention(q, k, v, s, 0.3, window, None)  # noqa: E731
-    new = lambda q, k, v, s: sink_rescaled(q, k, v, s, 0.3, window, "xla")  # noqa: E731
-    want, want_g = jax.value_and_grad(loss(ref), argnums=(0, 1, 2, 3))(q, k, v, sinks)
-    got, got_g = jax.value_and_grad(loss(new), argnums=(0, 1, 2, 3))(q, k, v, sinks)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for a, b in zip(got_g, want_g):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    assert float(jnp.abs(want_g[3]).max()) > 1e-3  # the sinks' gradient is there to compare
-    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    one = sink_rescaled(qb, kb, vb, sinks, 0.3, window, "xla").astype(jnp.float32)
-    two = sink_attention(*(x.astype(jnp.float32) for x in (qb, kb, vb)), sinks, 0.3, window, None)
-    assert float(jnp.abs(one - two).max() / jnp.abs(two).max()) < 2e-2
+    _equals_sink_attention(lambda q, k, v, s: sink_rescaled(q, k, v, s, 0.3, window, "xla"), T, window, 0.3, 2e-2)
 
 
 def test_the_sink_key_keeps_the_sink_logit_beyond_bfloat16():
