@@ -244,8 +244,6 @@ def sink_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sink
     return out_nBCNH.swapaxes(0, 1).reshape(B, n * chunk, N, H)[:, :T]
 
 
-
-
 def attention_lse(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, scale: float, window: int | None,
                   implementation: str) -> tuple[jax.Array, jax.Array]:
     """Causal attention (a sliding window of ``window`` keys, or None) and each query head's log-sum-exp of its
