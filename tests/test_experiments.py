@@ -584,3 +584,7 @@ def test_convergence_cut_by_time_resumes_to_the_same_losses(tmp_path, monkeypatc
     conv.write_progress(str(cut), "q8", 0, 3, 2.0, [3.0, 2.0, 1.1], None)
     with pytest.raises(SystemExit, match="without its run's setup"):
         conv.merge([str(full), str(cut)], str(out), tail=1)
+    conv.merge([str(full), str(cut)], str(out), tail=1, setup_from=str(full))
+    merged = json.loads(out.read_text())
+    assert merged["compared_steps"] == 3 and merged["parts"][1]["setup_from"] == str(full)
+    assert "setup_from" not in merged["parts"][0]

@@ -289,6 +289,8 @@ def main() -> None:
     ap.add_argument("--data", default=None, help="a token file (default: the demo corpus), e.g. from local_corpus.py")
     ap.add_argument("--merge", nargs="+", metavar="FILE", help="no training: one comparison (to --out) from results "
                                                                  "files of separate runs, e.g. one mode each")
+    ap.add_argument("--setup-from", metavar="FILE", help="with --merge: the setup of a progress file written without "
+                    "one (before session 8), taken from FILE (a results file of the same command but its mode)")
     ap.add_argument("--resident", action="store_true", help="float32 only: masters kept and updated on the GPU (the "
                                                                "same AdamW; for a reference that must run faster)")
     ap.add_argument("--checkpoint-dir", help="each run saves its state under this folder (one folder per mode and "
@@ -306,7 +308,7 @@ def main() -> None:
                  "command would start again and stop at the same step)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if args.merge:
-        merge(args.merge, args.out, args.tail)
+        merge(args.merge, args.out, args.tail, args.setup_from)
         return
     cfg = model_config(args)
     if args.run:  # a child of run_children: its progress file is the one a run in the parent would write
@@ -378,20 +380,28 @@ def summarize(result: dict, runs: list[dict], tail: int, out: str) -> None:
               f"(bar {BARS[m]:.1%}); by seed {result[f'{m}_vs_float32_by_seed']}")
 
 
-def merge(paths: list[str], out: str, tail: int) -> None:
+def merge(paths: list[str], out: str, tail: int, setup_from: str | None = None) -> None:
     """One comparison from results files of the same model, data and schedule run separately (one mode per
     device call, say): their runs side by side, each file's header kept under ``parts``. Every mode needs a run
     for every seed, once; the final loss is over the last ``tail`` steps. A run's progress file (a run cut short,
     written with its setup) may stand for its results file: then every run is compared over the steps all of
-    them reached (``compared_steps``), which is a point inside the schedule, not its end."""
+    them reached (``compared_steps``), which is a point inside the schedule, not its end. A progress file written
+    before it carried its setup takes ``setup_from``'s (a results file of the same command but its mode), recorded
+    as such: the caller vouches for it."""
     parts = []
     for path in paths:
         with open(path) as f:
             part = json.load(f)
         if "runs" not in part and "steps_done" in part:  # a progress file: one run, cut after steps_done steps
             if any(k not in part for k in SETUP):
-                raise SystemExit(f"{path} is a progress file without its run's setup (written before the setup was "
-                                 f"recorded in it): it cannot be checked against {paths[0]}")
+                if setup_from is None:
+                    raise SystemExit(f"{path} is a progress file without its run's setup (written before the setup "
+                                     f"was recorded in it): it cannot be checked against {paths[0]}; --setup-from "
+                                     f"FILE gives it FILE's, if you know it ran the same command but its mode")
+                with open(setup_from) as f:
+                    given = json.load(f)
+                part = {**{k: given[k] for k in SETUP}, "name": os.path.basename(path), "command": None,
+                        "setup_from": setup_from, **part}
             tokens = part["steps_done"] * part["tokens_per_step"]
             part = {**{k: v for k, v in part.items() if k not in ("mode", "seed", "losses", "elapsed_s", "steps_done")},
                     "runs": [{"system": "megatrain_jax", "mode": part["mode"], "seed": part["seed"],
@@ -415,9 +425,12 @@ def merge(paths: list[str], out: str, tail: int) -> None:
     result = {k: parts[0][k] for k in SETUP}
     result.update(name=os.path.splitext(os.path.basename(out))[0],
                   command="PYTHONPATH=. python experiments/studies/convergence.py " + " ".join(sys.argv[1:]),
-                  parts=[{k: part.get(k) for k in ("name", "command", "git_commit", "date", "device")}
+                  parts=[{k: part.get(k) for k in ("name", "command", "git_commit", "date", "device", "setup_from")
+                          if k in part or k != "setup_from"}
                          for part in parts],
                   runs=[])
+    for k in ("git_commit", "device", "date"):  # the schema's head: the first part's that has it (each is in parts)
+        result[k] = next((part[k] for part in parts if part.get(k)), None)
     reached = min(len(r["losses"]) for r in runs)
     if reached < result["steps"]:
         if reached < tail:
