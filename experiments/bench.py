@@ -46,6 +46,12 @@ class BenchConfig:
     rows: int  # sequences per step: tokens per step = rows * seq_len
     engine: EngineConfig
     packed_docs: int = 0  # > 0: each row is that many packed documents (segment ids, positions restarting)
+    vocab: int | None = None  # the preset's vocabulary unless set
+
+    def model(self):
+        """The model's config: the preset, with ``layers`` and ``vocab`` where set."""
+        return preset(self.preset, **({"layers": self.layers} if self.layers else {}),
+                      **({"vocab_size": self.vocab} if self.vocab else {}))
 
 
 def pack_rows(batch: Batch, docs: int, seed: int) -> Batch:
@@ -106,6 +112,13 @@ CONFIGS: dict[str, BenchConfig] = {
     "3b_32k": BenchConfig("llama3.2-3b", None, 32768, 1, EngineConfig(resident_layers=8, resident_io=True)),
     "3b_32k_packed8": BenchConfig("llama3.2-3b", None, 32768, 1, EngineConfig(resident_layers=8, resident_io=True),
                                   packed_docs=8),
+    # Issue 35's 1B comparison (studies/convergence.py --preset llama3.2-1b on a 32K-vocabulary corpus, 4 x 2,048
+    # tokens a step): its host layouts with every part streamed, to see where the 8-bit mode's step goes.
+    "1b_8k_q8": BenchConfig("llama3.2-1b", None, 2048, 4, EngineConfig(
+        micro_batches=1, master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16"), vocab=32000),
+    "1b_8k_capacity": BenchConfig("llama3.2-1b", None, 2048, 4, EngineConfig(micro_batches=1, master_dtype="bfloat16"),
+                                  vocab=32000),
+    "1b_8k_f32": BenchConfig("llama3.2-1b", None, 2048, 4, EngineConfig(micro_batches=1), vocab=32000),
 }
 # 3p5b_98k with the Adam moments of its last N host-updated blocks (of 8) in the disk tier (issue 15), in
 # $MEGATRAIN_DISK_DIR (default /tmp/megatrain_disk_tier): N x 1.62 GB read and written per step.
@@ -209,7 +222,7 @@ def resolve_auto(bc: BenchConfig) -> tuple[BenchConfig, str | None]:
     from megatrain_jax.plan.levers import most_resident
     from megatrain_jax._environment import visible_gpus
     from megatrain_jax.plan.machine import available_host_bytes, gpu_bytes_before_jax
-    cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
+    cfg = bc.model()
     engine_cfg, picked = most_resident(cfg, bc.engine, bc.rows, bc.seq_len, host_ram_bytes=available_host_bytes(),
                                        gpu_bytes=gpu_bytes_before_jax(), packed=bc.packed_docs > 0,
                                        devices=max(visible_gpus(), 1))
@@ -220,7 +233,7 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
                timeline_steps: int = 0, profile: bool = True, trace_dir: str | None = None) -> dict:
     """One configuration's record. ``profile=False`` skips the synchronized breakdown step; ``trace_dir`` adds one
     step under ``jax.profiler.trace`` (not timed) and its per-GPU summary (``trace_summary.py``)."""
-    cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
+    cfg = bc.model()
     tokens_per_step = bc.rows * bc.seq_len
     bc, picked = resolve_auto(bc)
     run = {"system": "megatrain_jax", "config": name,
@@ -320,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
     names = pick_configs(ap, args.configs, CONFIGS)
     if len(names) == 1:  # cap XLA's pinned pool at what the run pins, as megatrain-jax train does
         bc = resolve_auto(CONFIGS[names[0]])[0]
-        fit_host_pool(preset(bc.preset, **({"layers": bc.layers} if bc.layers else {})), bc.engine, bc.rows, bc.seq_len,
+        fit_host_pool(bc.model(), bc.engine, bc.rows, bc.seq_len,
                       packed=bc.packed_docs > 0)
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     result = {"name": args.name or f"{jax.devices()[0].platform}_{'_'.join(names)}",

@@ -94,7 +94,7 @@ def measure(name: str, cc: CapacityConfig, warmup: int, steps: int) -> dict:
     host, gpu = mem_available_bytes(), gpu_bytes_before_jax()
     bc, lean, planned = choose(cc, host, gpu)
     from megatrain_jax import preset
-    cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
+    cfg = bc.model()
     fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)
 
     from bench import device_info, run_config

@@ -82,7 +82,7 @@ def measure(name: str, bc: BenchConfig, steps: int) -> dict:
     from megatrain_jax.data.demo import demo_tokens
     from megatrain_jax.plan import GiB, fit_host_pool, plan
 
-    cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
+    cfg = bc.model()
     fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)  # as megatrain-jax train does, before the GPU starts
     run = {"system": "megatrain_jax", "config": name, "preset": bc.preset, "layers": cfg.layers,
            "model": {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "heads": cfg.heads,

@@ -42,7 +42,7 @@ def worker(args) -> None:
 
     bc = CONFIGS[args.config]
     bc, picked = resolve_auto(dataclasses.replace(bc, rows=args.rows))  # planned for this run's GPUs and rows
-    cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
+    cfg = bc.model()
     fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)  # before JAX starts, as megatrain-jax train does
     import jax
 

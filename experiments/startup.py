@@ -88,7 +88,7 @@ def measure(config: str, spawned_at: float) -> dict:
     monitoring.register_event_listener(on_event)
 
     bc = bench.CONFIGS[config]
-    cfg = preset(bc.preset, **({"layers": bc.layers} if bc.layers else {}))
+    cfg = bc.model()
     fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)  # as megatrain-jax train does, before the GPU starts
     device = bench.device_info()
     t["backend"] = time.time()
