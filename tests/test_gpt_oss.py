@@ -302,28 +302,34 @@ def test_the_sink_key_keeps_the_sink_logit_beyond_bfloat16():
     assert float(jnp.abs(0.125 * pair[:, 0] - sinks).max()) > 1e-3  # the remainder matters
 
 
-def test_attend_takes_the_key_form_only_where_cudnn_runs_a_full_unpacked_layer(monkeypatch):
-    """On a GPU that would run cuDNN, a full-attention layer of unpacked rows takes the sink as one more key; a
-    sliding layer or packed rows keep XLA's sink attention (the sink would leave a window, or a document)."""
+def test_attend_takes_the_cudnn_forms_only_where_cudnn_runs_unpacked_rows(monkeypatch):
+    """On a GPU that would run cuDNN, unpacked rows take its flash kernel: a full-attention layer with the sink as one
+    more key, a sliding layer rescaled by its log-sum-exp. Packed rows keep XLA's sink attention (the sink key would
+    leave a document, and cuDNN's packed layout returns no log-sum-exp), as do heads cuDNN does not take."""
     from megatrain_jax.models import layers
     calls = []
     monkeypatch.setattr(layers, "attention_implementation", lambda *a, **kw: "cudnn")
     monkeypatch.setattr(layers, "gpu_compute_capability", lambda: (9, 0))
     monkeypatch.setattr(layers, "sink_as_key", lambda *a: calls.append("key") or a[0])
+    monkeypatch.setattr(layers, "sink_rescaled", lambda *a: calls.append(("rescaled", a[5], a[6])) or a[0])
     monkeypatch.setattr(layers, "sink_attention", lambda *a: calls.append("xla") or a[0])
     q = jnp.zeros((1, 8, 4, 8), jnp.bfloat16)
     k = jnp.zeros((1, 8, 2, 8), jnp.bfloat16)
     sinks, seg = jnp.zeros((4,)), jnp.zeros((1, 8), jnp.int32)
-    for window, segments in ((None, None), (4, None), (None, seg)):
+    for window, segments in ((None, None), (4, None), (None, seg), (4, seg)):
         layers.attend(GPT_OSS, window, q, k, k, segments, sinks)
-    assert calls == ["key", "xla", "xla"]
-    # heads that 8 more widths would take past cuDNN's limit (256 on Hopper, 128 before) stay on XLA
+    assert calls == ["key", ("rescaled", 4, "cudnn"), "xla", "xla"]
+    # heads that 8 more widths would take past cuDNN's limit (256 on Hopper, 128 before) stay on XLA when full;
+    # a sliding layer of them still fits
     wide = jnp.zeros((1, 8, 4, 256), jnp.bfloat16)
     layers.attend(GPT_OSS, None, wide, wide[:, :, :2], wide[:, :, :2], None, sinks)
+    layers.attend(GPT_OSS, 4, wide, wide[:, :, :2], wide[:, :, :2], None, sinks)
+    assert calls[4:] == ["xla", ("rescaled", 4, "cudnn")]
     monkeypatch.setattr(layers, "gpu_compute_capability", lambda: (8, 0))
     q128, k128 = q.repeat(16, axis=-1), k.repeat(16, axis=-1)  # 128 wide: 136 is past the A100's limit
     layers.attend(GPT_OSS, None, q128, k128, k128, None, sinks)
-    assert calls == ["key", "xla", "xla", "xla", "xla"]
+    layers.attend(GPT_OSS, 4, wide, wide[:, :, :2], wide[:, :, :2], None, sinks)  # 256: past it too
+    assert calls[6:] == ["xla", "xla"]
 
 
 def test_counts_equal_the_model_parameters():
@@ -357,21 +363,24 @@ def test_sliding_sink_attention_works_on_the_band_only():
 
 
 def test_the_plan_counts_the_sink_attention_scores():
-    """The plan's rule of thumb for a block's scratch memory counts XLA's sink attention's scores of one chunk of
-    queries where flash attention would count none: against a sliding layer's band of keys, and against every key
-    on a full layer only where that layer does not take cuDNN (packed rows, or a float32 model); and no kept
-    residuals."""
+    """The plan's rule of thumb for a block's scratch memory counts what attention with sinks holds where flash
+    attention would count nothing: on cuDNN (unpacked 16-bit rows) the sliding layers' rescale tensors and nothing
+    for full layers; on XLA (packed rows, or a float32 model) the scores of one chunk of queries against a sliding
+    layer's band of keys or a full layer's every key; and no kept residuals."""
     from megatrain_jax.plan.gpu_ledger import sink_scores, transient
     cfg = preset("gpt-oss-20b")
     assert cfg.dtype == "bfloat16"
-    band, every = 512 + cfg.sliding_window - 1, 8192
+    rescaled = cfg.heads * 8192 * cfg.dim_per_head * (4 + 3 * 2)  # sliding layers on cuDNN: q-shaped tensors
     for kind, times in (("forward", 1), ("backward", 2)):
         with_sinks, _ = transient(cfg, kind, 1, 8192, 2, flash=False)
         flash, _ = transient(cfg.replace(attention_sinks=False), kind, 1, 8192, 2, flash=True)
-        assert with_sinks - flash == pytest.approx(times * cfg.heads * 512 * band * 10, abs=1024)  # + the sinks
-    assert sink_scores(cfg, 1, 8192) == cfg.heads * 512 * band * 10
+        assert with_sinks - flash == pytest.approx(times * rescaled, abs=1024)  # + the sinks
+    assert sink_scores(cfg, 1, 8192) == rescaled
+    every, band = 8192, 512 + cfg.sliding_window - 1
     assert sink_scores(cfg, 1, 8192, packed=True) == cfg.heads * 512 * every * 10
     assert sink_scores(cfg.replace(dtype="float32"), 1, 8192) == cfg.heads * 512 * every * 12
+    sliding_only = cfg.replace(layer_types=("sliding_attention",) * cfg.layers)
+    assert sink_scores(sliding_only, 1, 8192, packed=True) == cfg.heads * 512 * band * 10
     full_only = cfg.replace(layer_types=("full_attention",) * cfg.layers)
     assert sink_scores(full_only, 1, 8192) == 0 and sink_scores(full_only, 1, 100) == 0
     # and keeps no residuals for the backward: cuDNN's output and statistics never exist

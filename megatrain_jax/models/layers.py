@@ -184,8 +184,8 @@ def sink_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, sink
     are cast to v's dtype for the P.V product. ``window``: a sliding window's length (a query sees itself and the
     window - 1 keys before it), or None; ``segment_ids_BT``: packed documents attend within their own.
 
-    Written in XLA ops (cuDNN's flash attention takes sinks only as ``sink_as_key``, on full layers of unpacked
-    rows). Over ``chunk`` queries at a time (a ``lax.map``
+    Written in XLA ops: the reference of the cuDNN forms (``sink_as_key`` for full layers of unpacked rows,
+    ``sink_rescaled`` for sliding ones), and the path of packed rows. Over ``chunk`` queries at a time (a ``lax.map``
     whose body is rematerialized): the scores of one chunk, [B, N, chunk, T], exist at once, so memory grows
     linearly with the sequence, not with its square; the backward recomputes each chunk's scores. On a sliding
     layer a chunk takes only the band of keys its window reaches ([B, N, chunk, chunk + window - 1] scores), so
@@ -302,12 +302,16 @@ def _sink_rescaled_bwd(scale, window, implementation, res, dy_BTNH):
 sink_rescaled.defvjp(_sink_rescaled_fwd, _sink_rescaled_bwd)
 
 
-def sink_key_fits_cudnn(head_dim: int) -> bool:
-    """Whether cuDNN's flash attention takes heads ``SINK_WIDTH`` wider (``sink_as_key``): a multiple of 8, at most
-    256 on Hopper and later, 128 before."""
+def cudnn_head_fits(head_dim: int) -> bool:
+    """Whether cuDNN's flash attention takes heads this wide: a multiple of 8, at most 256 on Hopper and later, 128
+    before."""
     cc = gpu_compute_capability()
-    wide = head_dim + SINK_WIDTH
-    return cc is not None and wide % 8 == 0 and wide <= (256 if cc >= (9, 0) else 128)
+    return cc is not None and head_dim % 8 == 0 and head_dim <= (256 if cc >= (9, 0) else 128)
+
+
+def sink_key_fits_cudnn(head_dim: int) -> bool:
+    """Whether cuDNN's flash attention takes heads ``SINK_WIDTH`` wider (``sink_as_key``)."""
+    return cudnn_head_fits(head_dim + SINK_WIDTH)
 
 
 def sink_widths(sinks_N: jax.Array, scale: float, dtype) -> jax.Array:
@@ -349,13 +353,18 @@ def attend(cfg: DecoderConfig, window: int | None, q_BTNH: jax.Array, k_BTKH: ja
     """Causal attention of rotated q, k and v (scores scaled by ``cfg.attention_scale``) by the path
     ``attention_implementation`` picks: cuDNN's flash attention (packed documents by its packed layout), or XLA
     (packed documents by a segment mask); ``window``: a sliding window's length, or None. With attention sinks
-    (``sinks_N``, GPT-OSS): where cuDNN would run, a full-attention layer of unpacked rows takes it with the sink as
-    one more key (``sink_as_key``); every other case takes XLA's ``sink_attention``."""
+    (``sinks_N``, GPT-OSS), where cuDNN would run on unpacked rows: a full-attention layer takes it with the sink as
+    one more key (``sink_as_key``), a sliding layer as plain attention rescaled by its log-sum-exp
+    (``sink_rescaled``); packed rows, and heads cuDNN does not take, take XLA's ``sink_attention``."""
     qk_scale = cfg.attention_scale
     impl = attention_implementation(cfg, q_BTNH.dtype, packed=segment_ids_BT is not None)
     if sinks_N is not None:
-        if impl == "cudnn" and window is None and segment_ids_BT is None and sink_key_fits_cudnn(q_BTNH.shape[-1]):
-            return sink_as_key(q_BTNH, k_BTKH, v_BTKH, sinks_N, qk_scale, "cudnn")
+        if impl == "cudnn" and segment_ids_BT is None:
+            H = q_BTNH.shape[-1]
+            if window is None and sink_key_fits_cudnn(H):
+                return sink_as_key(q_BTNH, k_BTKH, v_BTKH, sinks_N, qk_scale, "cudnn")
+            if window is not None and cudnn_head_fits(H):
+                return sink_rescaled(q_BTNH, k_BTKH, v_BTKH, sinks_N, qk_scale, window, "cudnn")
         return sink_attention(q_BTNH, k_BTKH, v_BTKH, sinks_N, qk_scale, window, segment_ids_BT)
     # cuDNN's flash attention: its output and softmax statistics, one activation's worth, are marked to
     # keep for the backward (``megatrain_jax.contract.remat``), which then skips a second attention forward.

@@ -108,8 +108,8 @@ def transient(c: DecoderConfig, kind: str, micro_rows: int, seq_len: int, sb: in
 
 def assumes_flash(c: DecoderConfig) -> bool:
     """Whether the plan assumes cuDNN's flash attention (a 16-bit model on a GPU; packed rows too, in cuDNN's
-    packed layout, which needs a Hopper GPU). Never with attention sinks (GPT-OSS): their sliding layers and packed
-    rows take XLA's ``layers.sink_attention`` (nothing kept for the backward, a chunk of scores: ``sink_scores``)."""
+    packed layout, which needs a Hopper GPU). Never with attention sinks (GPT-OSS): their attention keeps nothing
+    for the backward, and its scratch is ``sink_scores``."""
     if c.attention_sinks:
         return False
     return _cudnn(c)
@@ -120,22 +120,35 @@ def _cudnn(c: DecoderConfig) -> bool:
 
 
 def sink_scores(c: DecoderConfig, micro_rows: int, seq_len: int, packed: bool = False) -> int:
-    """The scratch of XLA's sink attention (``layers.sink_attention``, GPT-OSS) at its largest over the model's
-    layers: float32 scores and weights, and the weights cast for P.V, of one chunk of queries against the keys the
-    chunk sees, a sliding layer's band (chunk + window - 1) or a full layer's every key. A full layer of unpacked
-    rows takes cuDNN's flash attention instead where the plan assumes it (the sink as one more key,
-    ``layers.sink_as_key``: heads ``SINK_WIDTH`` wider, within 128 here, the limit before Hopper), which holds no
-    scores. [GPT-OSS-20B, 16 x 2,048 tokens, on the H200: XLA's memory analysis of the sliding layers' backward
-    8.3 GiB, of the full layers' (cuDNN) 6.4; this rule 11.2 and 5.0 (``transient``'s backward)]"""
+    """The scratch of GPT-OSS's attention with sinks at its largest over the model's layers, counted where a flash
+    layer would count no scores (once in the forward, twice in the backward: ``transient``).
+
+    - XLA's sink attention (``layers.sink_attention``: packed rows, or a float32 model): float32 scores and weights,
+      and the weights cast for P.V, of one chunk of queries against the keys the chunk sees, a sliding layer's band
+      (chunk + window - 1) or a full layer's every key.
+    - Where the plan assumes cuDNN (a 16-bit model, unpacked rows): a full layer takes it with the sink as one more
+      key (``layers.sink_as_key``: heads ``SINK_WIDTH`` wider, within 128 here, the limit before Hopper) and holds
+      no scores; a sliding layer takes plain flash attention rescaled by its log-sum-exp (``layers.sink_rescaled``,
+      heads within 128), whose backward holds, per query head, a float32 dQ workspace and three 16-bit tensors of
+      q's shape (the rescaled output gradient, the log-sum-exp's query term, the keys averaged by the weights): a
+      rule from the code.
+    [GPT-OSS-20B, 16 x 2,048 tokens, on the H200, before the sliding layers took cuDNN: XLA's memory analysis of
+    the sliding layers' backward 8.3 GiB, of the full layers' (cuDNN) 6.4; this rule 11.2 and 5.0 (``transient``'s
+    backward)]"""
     chunk = min(seq_len, SINK_QUERY_CHUNK)
-    full_on_cudnn = _cudnn(c) and not packed and c.dim_per_head + SINK_WIDTH <= 128
-    keys = 0
+    cudnn = _cudnn(c) and not packed
+    ab = activation_bytes(c)
+    scratch = 0
     for kind in {c.layer_type(i) for i in range(c.layers)}:
         if kind == "sliding_attention":
-            keys = max(keys, min(seq_len, chunk + c.sliding_window - 1))
-        elif not full_on_cudnn:
-            keys = seq_len
-    return micro_rows * c.heads * chunk * keys * (8 + activation_bytes(c))
+            if cudnn and c.dim_per_head <= 128:
+                scratch = max(scratch, micro_rows * seq_len * c.heads * c.dim_per_head * (4 + 3 * ab))
+            else:
+                keys = min(seq_len, chunk + c.sliding_window - 1)
+                scratch = max(scratch, micro_rows * c.heads * chunk * keys * (8 + ab))
+        elif not (cudnn and c.dim_per_head + SINK_WIDTH <= 128):
+            scratch = max(scratch, micro_rows * c.heads * chunk * seq_len * (8 + ab))
+    return scratch
 
 
 def kept_bytes(c: DecoderConfig, e: EngineConfig, micro_rows: int, seq_len: int, flash: bool,
