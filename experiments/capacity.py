@@ -64,13 +64,12 @@ def mem_available_bytes() -> int:
 def choose(cc: CapacityConfig, host: int, gpu: int | None) -> tuple[BenchConfig, str | None, dict]:
     """The configuration to train: the lean engine config the plan picks, and for a search the most layers
     whose lean plan fits; with the plan's numbers."""
-    from megatrain_jax import preset
     from megatrain_jax.plan import LEAN_HOST_MARGIN, GiB, lean_engine, plan
 
     bc = cc.bench
     candidates = [bc.layers] if cc.search_layers is None else range(cc.search_layers[1], cc.search_layers[0] - 1, -1)
     for layers in candidates:
-        cfg = preset(bc.preset, **({"layers": layers} if layers else {}))
+        cfg = dataclasses.replace(bc, layers=layers).model()
         engine, lean = lean_engine(cfg, bc.engine, bc.rows, bc.seq_len, host_ram_bytes=host)
         p = plan(cfg, engine, bc.rows, bc.seq_len, host_ram_bytes=host, gpu_bytes=gpu, detect=False)
         # the host margin the lean pick leaves, and 5% of the GPU (the plan has come out up to 5% over or under)
@@ -93,7 +92,6 @@ def measure(name: str, cc: CapacityConfig, warmup: int, steps: int) -> dict:
 
     host, gpu = mem_available_bytes(), gpu_bytes_before_jax()
     bc, lean, planned = choose(cc, host, gpu)
-    from megatrain_jax import preset
     cfg = bc.model()
     fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)
 

@@ -77,7 +77,7 @@ def measure(name: str, bc: BenchConfig, steps: int) -> dict:
     from bench import device_info, gpu_peak_gib, host_peak_gib
     from flax import nnx
 
-    from megatrain_jax import Decoder, Engine, default_optimizer, preset
+    from megatrain_jax import Decoder, Engine, default_optimizer
     from megatrain_jax.data import TokenDataset, TokenFile
     from megatrain_jax.data.demo import demo_tokens
     from megatrain_jax.plan import GiB, fit_host_pool, plan

@@ -37,7 +37,6 @@ def worker(args) -> None:
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
     from bench import CONFIGS, resolve_auto, run_config  # noqa: E402 (sets the memory fraction)
 
-    from megatrain_jax import preset
     from megatrain_jax.plan import fit_host_pool
 
     bc = CONFIGS[args.config]

@@ -67,7 +67,7 @@ def measure(config: str, spawned_at: float) -> dict:
     sys.path.insert(0, REPO)
     sys.path.insert(0, HERE)
     import bench
-    from megatrain_jax import Decoder, Engine, default_optimizer, preset
+    from megatrain_jax import Decoder, Engine, default_optimizer
     from megatrain_jax.data import TokenDataset, TokenFile
     from megatrain_jax.data.demo import demo_tokens
     from megatrain_jax.plan import fit_host_pool

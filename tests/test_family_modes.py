@@ -107,8 +107,8 @@ def test_sft_packed_on_two_devices_equals_reference(family, sft):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sft_packed_kept_residuals_offloaded_equals_reference(family, sft, cudnn_stand_in):  # noqa: F811
     """Two micro-batches, the first blocks' inputs and kept residuals through host memory (2-layer fixtures: one). GPT-OSS's sink
-    attention is XLA's on every device, never cuDNN's: it marks nothing to keep (and recomputes, as documented
-    for XLA's attention), the only family that keeps nothing."""
+    attention marks nothing to keep on any path (packed rows take XLA's; cuDNN's sink forms are recomputed too), so
+    it is the only family that keeps nothing."""
     micro, offload = 2, 2
     watch = StoredActivations()
     engine = run_family(family, sft, EngineConfig(micro_batches=micro, accumulate_steps=ACCUMULATE, clip_norm=CLIP,

@@ -328,8 +328,35 @@ def test_attend_takes_the_cudnn_forms_only_where_cudnn_runs_unpacked_rows(monkey
     monkeypatch.setattr(layers, "gpu_compute_capability", lambda: (8, 0))
     q128, k128 = q.repeat(16, axis=-1), k.repeat(16, axis=-1)  # 128 wide: 136 is past the A100's limit
     layers.attend(GPT_OSS, None, q128, k128, k128, None, sinks)
-    layers.attend(GPT_OSS, 4, wide, wide[:, :, :2], wide[:, :, :2], None, sinks)  # 256: past it too
-    assert calls[6:] == ["xla", "xla"]
+    layers.attend(GPT_OSS, 4, q128, k128, k128, None, sinks)  # a sliding layer's 128 fits without the sink widths
+    layers.attend(GPT_OSS, 4, wide, wide[:, :, :2], wide[:, :, :2], None, sinks)  # 256: past it
+    assert calls[6:] == ["xla", ("rescaled", 4, "cudnn"), "xla"]
+
+
+@pytest.mark.parametrize("head_dim", [64, 100, 120, 128, 136, 192, 256, 264])
+def test_the_plan_counts_at_least_what_the_path_attend_takes_holds(monkeypatch, head_dim):
+    """For each layer kind, head width and GPU generation, the plan's sink count (which knows no GPU) is at least
+    the scratch of the path ``attend`` takes there: XLA's scores, the rescaled form's q-shaped tensors, or nothing
+    for the sink as a key."""
+    from megatrain_jax.models import layers
+    from megatrain_jax.plan.gpu_ledger import sink_scores
+    monkeypatch.setattr(layers, "attention_implementation", lambda *a, **kw: "cudnn")
+    path = []
+    monkeypatch.setattr(layers, "sink_as_key", lambda *a: path.append("key") or a[0])
+    monkeypatch.setattr(layers, "sink_rescaled", lambda *a: path.append("rescaled") or a[0])
+    monkeypatch.setattr(layers, "sink_attention", lambda *a: path.append("xla") or a[0])
+    rows, T, chunk = 2, 4096, 512
+    base = preset("gpt-oss-20b", head_dim=head_dim)
+    for kind, window in (("sliding_attention", base.sliding_window), ("full_attention", None)):
+        cfg = base.replace(layer_types=(kind,) * base.layers)
+        keys = min(T, chunk + window - 1) if window else T
+        held = {"xla": rows * cfg.heads * chunk * keys * 10, "key": 0,
+                "rescaled": rows * T * cfg.heads * head_dim * (4 + 3 * 2)}
+        for cc in ((8, 0), (9, 0)):
+            monkeypatch.setattr(layers, "gpu_compute_capability", lambda cc=cc: cc)
+            q = jnp.zeros((1, 8, 4, head_dim), jnp.bfloat16)
+            layers.attend(cfg, window, q, q[:, :, :2], q[:, :, :2], None, jnp.zeros((4,)))
+            assert sink_scores(cfg, rows, T) >= held[path[-1]], (kind, cc, path[-1])
 
 
 def test_counts_equal_the_model_parameters():
@@ -391,8 +418,8 @@ def test_the_plan_counts_the_sink_attention_scores():
 
 
 def test_sinks_with_cudnn_attention_are_refused():
-    """cuDNN's flash attention cannot take every layer with sinks (sliding, packed): asking for it on a model with
-    sinks is an error that says what to set (rather than a silent XLA path)."""
+    """cuDNN's flash attention cannot take every layer with sinks (packed rows, some head widths): asking for it on
+    a model with sinks is an error that says what to set (rather than a silent XLA path)."""
     with pytest.raises(ValueError, match="attention_sinks .* Leave attention_impl at 'auto'"):
         GPT_OSS.replace(attention_impl="cudnn")
     assert GPT_OSS.replace(attention_impl="xla").attention_impl == "xla"

@@ -350,7 +350,8 @@ class DecoderConfig:
     o_bias: bool = False
     # A learned logit per query head that joins each softmax's denominator and attends to nothing (GPT-OSS's
     # ``sinks``): ``softmax([scores, sink])`` with the sink's weight dropped. ``layers.attend`` takes its
-    # sink path for it (``layers.sink_attention``).
+    # sink paths for it (cuDNN's ``layers.sink_as_key`` and ``layers.sink_rescaled``, XLA's
+    # ``layers.sink_attention``).
     attention_sinks: bool = False
     # The vocabulary's special ids as a Hugging Face config gives them (an end-of-sequence may be several
     # ids); not used by the computation, kept so that an export writes them back (config.json and
@@ -589,8 +590,9 @@ def validate(cfg: DecoderConfig) -> None:
                              "o_bias and attention_sinks False")
     if cfg.attention_sinks and cfg.attention_impl == "cudnn":
         raise ValueError("attention_sinks (GPT-OSS) cannot all take cuDNN's flash attention: 'auto' gives it the "
-                         "full-attention layers of unpacked rows (the sink as one more key) and XLA's sink attention "
-                         "the sliding and packed ones. Leave attention_impl at 'auto' (or set 'xla')")
+                         "layers of unpacked rows (full ones with the sink as one more key, sliding ones rescaled "
+                         "by the log-sum-exp) and XLA's sink attention packed rows and heads cuDNN does not take. "
+                         "Leave attention_impl at 'auto' (or set 'xla')")
     if cfg.family == "deepseek_v3" and cfg.mla is None:
         raise ValueError("family 'deepseek_v3' uses multi-head latent attention: set mla (an MLAConfig)")
     if cfg.family in MOE_FAMILIES and cfg.moe is None:

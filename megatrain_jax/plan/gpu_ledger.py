@@ -121,33 +121,37 @@ def _cudnn(c: DecoderConfig) -> bool:
 
 def sink_scores(c: DecoderConfig, micro_rows: int, seq_len: int, packed: bool = False) -> int:
     """The scratch of GPT-OSS's attention with sinks at its largest over the model's layers, counted where a flash
-    layer would count no scores (once in the forward, twice in the backward: ``transient``).
+    layer would count no scores (once in the forward, twice in the backward: ``transient``). Each layer kind is
+    counted by the path ``layers.attend`` gives it; where that depends on the GPU (cuDNN takes heads up to 256 wide
+    on Hopper, 128 before) the larger count is taken.
 
-    - XLA's sink attention (``layers.sink_attention``: packed rows, or a float32 model): float32 scores and weights,
-      and the weights cast for P.V, of one chunk of queries against the keys the chunk sees, a sliding layer's band
-      (chunk + window - 1) or a full layer's every key.
-    - Where the plan assumes cuDNN (a 16-bit model, unpacked rows): a full layer takes it with the sink as one more
-      key (``layers.sink_as_key``: heads ``SINK_WIDTH`` wider, within 128 here, the limit before Hopper) and holds
-      no scores; a sliding layer takes plain flash attention rescaled by its log-sum-exp (``layers.sink_rescaled``,
-      heads within 128), whose backward holds, per query head, a float32 dQ workspace and three 16-bit tensors of
-      q's shape (the rescaled output gradient, the log-sum-exp's query term, the keys averaged by the weights): a
-      rule from the code.
-    [GPT-OSS-20B, 16 x 2,048 tokens, on the H200, before the sliding layers took cuDNN: XLA's memory analysis of
-    the sliding layers' backward 8.3 GiB, of the full layers' (cuDNN) 6.4; this rule 11.2 and 5.0 (``transient``'s
-    backward)]"""
+    - XLA's sink attention (``layers.sink_attention``: packed rows, a float32 model, heads cuDNN does not take):
+      float32 scores and weights, and the weights cast for P.V, of one chunk of queries against the keys the chunk
+      sees, a sliding layer's band (chunk + window - 1) or a full layer's every key.
+    - cuDNN, full layer of unpacked rows: the sink as one more key (``layers.sink_as_key``, heads ``SINK_WIDTH``
+      wider), no scores.
+    - cuDNN, sliding layer of unpacked rows: plain flash attention rescaled by its log-sum-exp
+      (``layers.sink_rescaled``), whose backward holds, per query head, a float32 dQ workspace and three 16-bit
+      tensors of q's shape (the rescaled output gradient, the log-sum-exp's query term, the keys averaged by the
+      weights): this count, a rule from the code, is half of what the backward's transient adds.
+    [GPT-OSS-20B, 2 micro-batches of 8 x 2,048 tokens on the H100 (``results/h100_gpt_oss_20b_6l_v3_cli.json``):
+    XLA's memory analysis of a sliding block's backward (starting the accumulator) 3.74 GiB, ``transient``'s 3.73]"""
     chunk = min(seq_len, SINK_QUERY_CHUNK)
-    cudnn = _cudnn(c) and not packed
-    ab = activation_bytes(c)
+    ab, H = activation_bytes(c), c.dim_per_head
+    xla_band = micro_rows * c.heads * chunk * min(seq_len, chunk + (c.sliding_window or seq_len) - 1) * (8 + ab)
+    xla_every = micro_rows * c.heads * chunk * seq_len * (8 + ab)
+    rescaled = micro_rows * seq_len * c.heads * H * (4 + 3 * ab)
     scratch = 0
     for kind in {c.layer_type(i) for i in range(c.layers)}:
-        if kind == "sliding_attention":
-            if cudnn and c.dim_per_head <= 128:
-                scratch = max(scratch, micro_rows * seq_len * c.heads * c.dim_per_head * (4 + 3 * ab))
-            else:
-                keys = min(seq_len, chunk + c.sliding_window - 1)
-                scratch = max(scratch, micro_rows * c.heads * chunk * keys * (8 + ab))
-        elif not (cudnn and c.dim_per_head + SINK_WIDTH <= 128):
-            scratch = max(scratch, micro_rows * c.heads * chunk * seq_len * (8 + ab))
+        sliding = kind == "sliding_attention"
+        width = H if sliding else H + SINK_WIDTH  # the heads cuDNN would take
+        cudnn = _cudnn(c) and not packed and width % 8 == 0 and width <= 256
+        if not cudnn:
+            scratch = max(scratch, xla_band if sliding else xla_every)
+        elif sliding:
+            scratch = max(scratch, rescaled if width <= 128 else max(rescaled, xla_band))
+        elif width > 128:  # a full layer whose wider heads only Hopper's cuDNN takes
+            scratch = max(scratch, xla_every)
     return scratch
 
 
