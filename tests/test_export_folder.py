@@ -107,3 +107,36 @@ def test_a_kill_at_any_moment_of_a_re_export_leaves_one_model_whole(tmp_path):
         if is_new:  # the next kill needs the old model in place again
             save_hf(folder, BIG, *old, dtype="float32", max_shard_bytes=30_000_000, overwrite=True)
     assert seen == {"old", "new"}, seen  # the kills landed before and after the swap
+
+
+def test_a_folder_without_a_model_keeps_every_file_the_export_does_not_replace(tmp_path):
+    """A folder holding only a tokenizer (and notes) is no model: an export into it adds the weights and config and
+    keeps the user's tokenizer files, which it does not bring itself."""
+    cfg = preset("tiny", layers=1)
+    io, blocks = params(cfg, 0)
+    folder = tmp_path / "mytok"
+    folder.mkdir()
+    mine = {"tokenizer.json": '{"mine": 1}', "tokenizer_config.json": '{"mine": 2}', "notes.txt": "n"}
+    for name, text in mine.items():
+        (folder / name).write_text(text)
+    save_hf(folder, cfg, io, blocks, dtype="float32")
+    for name, text in mine.items():
+        assert (folder / name).read_text() == text, name
+    assert (folder / "config.json").exists()
+    _, io2, _ = load_hf(folder, dtype="float32")
+    assert same(io2, io)
+
+
+def test_convert_never_overwrites_an_npz_unless_forced(tmp_path, capsys):
+    """``convert`` to an existing .npz is refused (exit 2, the file unchanged) without --force, and the .npz suffix
+    numpy adds is the path it reports."""
+    src = TESTS / "fixtures" / "hf" / "llama"
+    out = tmp_path / "out.npz"
+    assert main(["convert", str(src), str(out)]) == 0
+    out.write_bytes(b"the user's file")
+    assert main(["convert", str(src), str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err and out.read_bytes() == b"the user's file"
+    assert main(["convert", str(src), str(out), "--force"]) == 0 and out.read_bytes() != b"the user's file"
+    assert main(["convert", str(src), str(tmp_path / "plain"), "--to", "npz"]) == 0
+    assert f"wrote {tmp_path / 'plain.npz'}" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.npz", "plain.npz"]  # no partial file left

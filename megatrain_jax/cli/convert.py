@@ -66,10 +66,21 @@ def save_npz(path: str | os.PathLike, cfg: DecoderConfig, io: Any, blocks: list[
     for i, b in enumerate(blocks):
         _flatten(_pure_dict(b), f"blocks/{i}/", flat)
     flat[CONFIG_KEY] = np.array(json.dumps(dataclasses.asdict(cfg)))
-    path = Path(path)
+    path = npz_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, **flat)
+    partial = path.parent / f".{path.name}.partial-{os.getpid()}.npz"
+    try:  # written whole beside the target, then put in place in one step: a kill leaves the old file or the new
+        np.savez(partial, **flat)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return path
+
+
+def npz_path(path: str | os.PathLike) -> Path:
+    """Where an .npz output goes: ``path``, with ``.npz`` added as numpy adds it."""
+    path = Path(path)
+    return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
 
 
 def load_npz(path: str | os.PathLike) -> tuple[DecoderConfig, dict, list[dict]]:
@@ -86,8 +97,8 @@ def load_npz(path: str | os.PathLike) -> tuple[DecoderConfig, dict, list[dict]]:
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None,
             dtype: str = "bfloat16", force: bool = False) -> Path:
     """Convert ``src`` to ``dst`` (format ``to``, else from ``dst``'s suffix: ``.npz`` or an HF folder).
-    ``dtype`` is the tensor dtype of an HF output. An HF folder that holds a model is replaced only with
-    ``force`` (as a whole: ``save_hf``)."""
+    ``dtype`` is the tensor dtype of an HF output. An HF folder that holds a model, or an existing .npz file, is
+    replaced only with ``force`` (as a whole: ``save_hf``; the .npz by one rename)."""
     src_fmt = detect_format(src)
     to = to or ("npz" if str(dst).endswith(".npz") else "hf")
     if to not in FORMATS:
@@ -95,6 +106,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
     if to == "hf":  # before reading the source: a refusal costs nothing
         from megatrain_jax.hf.export_folder import check_target
         check_target(dst, force, "add --force")
+    if to == "npz" and npz_path(dst).exists() and not force:
+        from megatrain_jax.hf.export_folder import ExportExistsError
+        raise ExportExistsError(f"{npz_path(dst)} already exists; nothing was written. To replace it, add --force; "
+                                f"or write to another file")
     if src_fmt == "orbax":
         from megatrain_jax.checkpoint import load_params
         cfg, io, blocks = load_params(src)

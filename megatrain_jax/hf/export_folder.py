@@ -11,7 +11,8 @@ target path empty for that moment.
 
 A folder that already holds a model is refused unless the caller asks to overwrite, and the model's files
 (weights, index, ``config.json``, the tokenizer files) always come from the new export, never from the
-folder's past.
+folder's past. A folder that holds no model (say, only a tokenizer) keeps every file the export does not
+replace.
 """
 
 from __future__ import annotations
@@ -90,7 +91,10 @@ def publish(staged: Path, folder: str | os.PathLike) -> None:
         except OSError:
             os.rename(old, folder)  # the old model back where it was
             raise
-    keep = set(model_files(old))
+    # A model's files come from the new export, never from the folder's past; but a folder that held no model
+    # (no config.json, no weights: e.g. only a tokenizer) held only the user's own files, and all of them stay.
+    had_model = (old / "config.json").exists() or any(stale_files(old))
+    keep = set(model_files(old)) if had_model else set()
     for entry in old.iterdir():  # the user's own files go on living in the folder
         if entry not in keep and not (folder / entry.name).exists():
             os.rename(entry, folder / entry.name)
