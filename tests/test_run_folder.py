@@ -55,6 +55,25 @@ def test_a_changed_config_on_resume_is_written_next_to_the_first(tmp_path):
     assert not (tmp_path / "config.2.toml").exists()
 
 
+@pytest.mark.parametrize("damaged", ["config.toml", "metrics.jsonl"])
+def test_a_damaged_run_file_stops_a_resume_before_it_trains(tmp_path, capsys, damaged):
+    """A resume into a folder whose config.toml or metrics.jsonl cannot be read is refused at start (exit 2, the
+    file named), rather than after training, when the run would fail writing there and leave its metrics short."""
+    run = [*TINY_RUN, "train.checkpoint_every=2", f"train.run_dir={tmp_path}"]
+    assert main(["train", *run, "train.steps=2"]) == 0
+    path = tmp_path / damaged
+    text = path.read_text()
+    path.write_text("garbage [[[\n" + text if damaged == "config.toml" else "{not json\n" + text)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    steps = committed_steps(tmp_path / "checkpoints")
+    capsys.readouterr()
+    assert main(["train", *run, "train.steps=4", "train.resume=true"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path} is damaged" in err and "move it aside" in err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    assert committed_steps(tmp_path / "checkpoints") == steps
+
+
 def test_every_checkpoint_corrupt_stops_with_a_list(tmp_path, capsys):
     run = [*TINY_RUN, "train.checkpoint_every=1", f"train.run_dir={tmp_path}"]
     assert main(["train", *run, "train.steps=3"]) == 0

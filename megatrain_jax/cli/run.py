@@ -29,6 +29,7 @@ from megatrain_jax.fit import History, Hook, fit
 from megatrain_jax.hf.export_folder import check_target, tokenizer_files
 from megatrain_jax.models import Decoder
 from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
+from megatrain_jax.observe.metrics import read_metrics
 from megatrain_jax.cli.toml_dataclass import ConfigError
 from megatrain_jax.engine.config import AUTO, EngineConfig
 from megatrain_jax.engine.program_memory import program_memory
@@ -106,11 +107,27 @@ def prepare_run_folder(cfg: RunConfig, say) -> None:
             f"it, add train.resume=true; to start a new run, set train.run_dir to a new folder")
     steps = committed_steps(ckpt_dir) if ckpt_dir.is_dir() else []
     metrics = run_dir / "metrics.jsonl"
+    if t.resume:  # what the run goes on writing must be readable before it trains, not after
+        _check_readable(run_dir / "config.toml", tomllib.loads)
+        if steps:
+            _check_readable(metrics, lambda _: read_metrics(metrics))
     if t.resume and not steps and metrics.exists():
         aside = _aside(metrics)
         metrics.rename(aside)
         say(f"  no checkpoint to resume from in {ckpt_dir}: starting over; the earlier metrics are kept in {aside}")
     run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _check_readable(path: Path, parse) -> None:
+    """Refuse to resume into a run folder whose ``path`` exists but ``parse`` (of its text) fails: the run would
+    train, then fail when it writes there."""
+    if not path.exists():
+        return
+    try:
+        parse(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # tomllib.TOMLDecodeError and read_metrics' errors are ValueErrors
+        raise RunFolderError(f"cannot resume in {path.parent}: {path} is damaged ({e}); nothing was changed. Fix "
+                             f"it or move it aside, then run the same command again") from None
 
 
 def _write_config(cfg: RunConfig, run_dir: Path) -> None:
