@@ -100,6 +100,15 @@ def test_unknown_key_names_the_closest(tmp_path, text, override, expected):
     ("train.resume=3", "must be true or false or a string"),
     ("train.eval_every=10", "needs held-out data"),
     ("engine.micro_batches=3", "cannot be split into"),
+    ("model.rope_theta=0", "rope_theta must be a positive, finite number"),
+    ("model.norm_eps=-1", "norm_eps must be a positive, finite number"),
+    ("optimizer.weight_decay=inf", "weight_decay >= 0, finite"),
+    ("optimizer.eps=inf", "eps > 0"),
+    ("optimizer.lr=inf", "need lr > 0"),
+    ("data.prefetch=-1", r"\[data\] prefetch must be an integer >= 0"),
+    ("data.seq_len=0", r"\[data\] seq_len must be an integer >= 1"),
+    ("data.seed=-1", r"\[data\] seed must be an integer >= 0"),
+    ("data.demo_tokens=0", r"\[data\] demo_tokens must be an integer >= 1"),
 ])
 def test_wrong_values_say_what_is_allowed(override, expected):
     with pytest.raises(ConfigError, match=expected):
@@ -425,3 +434,10 @@ def test_longrope_factors_are_toml_arrays():
     assert parse_config(tomllib.loads(to_toml(cfg))) == cfg
     with pytest.raises(ConfigError, match=r"rope_scaling long_factor must be an array, each entry a number or none"):
         parse_config({"model": {"preset": "tiny", "family": "phi3", "rope_scaling": dict(rope, long_factor=["x"])}})
+
+
+def test_plan_refuses_windows_longer_than_the_model_allows(capsys):
+    """``plan`` says what ``train`` would: rows of windows longer than max_positions are refused (exit 2)."""
+    from megatrain_jax.cli import main
+    assert main(["plan", "model.preset=tiny", "data.seq_len=1024"]) == 2
+    assert "longer than the model's max_positions=512" in capsys.readouterr().err

@@ -119,6 +119,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"GPU of {args.gpu_gib:g} GiB: XLA may allocate {gpu_fraction():.0%} of it, {gpu / GiB:.2f} GiB "
               f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
     model_cfg, d = cfg.model.build(), cfg.data
+    if d.seq_len > model_cfg.max_positions:  # as train refuses the first batch that reaches past it
+        what = (f"data.seq_len={d.seq_len} is longer than the model's max_positions={model_cfg.max_positions}")
+        if d.mode == "windows":  # every row's positions reach seq_len
+            raise ConfigError(f"{what}: train would refuse every batch; shorten data.seq_len or raise "
+                              f"model.max_positions")
+        print(f"note: {what}: train refuses any example longer than max_positions")
     devices = cfg.train.devices or visible_gpus()  # per GPU of train.devices, else of the GPUs at hand
     if devices > 1:
         print(f"per GPU of {devices}: each takes 1/{devices} of every batch and holds a shard of the state")

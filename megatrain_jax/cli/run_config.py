@@ -20,6 +20,7 @@ the file set, and the command-line override for a value an override set. TOML ha
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from pathlib import Path
@@ -79,11 +80,11 @@ class OptimizerConfig:
     eps: float = 1e-8
 
     def __post_init__(self) -> None:
-        if not self.lr > 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+        if not 0 < self.lr < math.inf or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"need lr > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1; got lr={self.lr}, "
                              f"warmup_steps={self.warmup_steps}, min_lr_ratio={self.min_lr_ratio}")
-        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1 and self.eps > 0 and self.weight_decay >= 0):
-            raise ValueError(f"need 0 <= b1, b2 < 1, eps > 0 and weight_decay >= 0; got b1={self.b1}, "
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1 and 0 < self.eps < math.inf and 0 <= self.weight_decay < math.inf):
+            raise ValueError(f"need 0 <= b1, b2 < 1, eps > 0 and weight_decay >= 0, finite; got b1={self.b1}, "
                              f"b2={self.b2}, eps={self.eps}, weight_decay={self.weight_decay}")
 
     def schedule(self, total_steps: int) -> optax.Schedule:

@@ -39,6 +39,10 @@ class DataConfig:
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
+        for name, least in (("seq_len", 1), ("batch_size", 1), ("demo_tokens", 1), ("seed", 0), ("prefetch", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"[data] {name} must be an integer >= {least}, got {value!r}")
         check_choice("mode", self.mode, MODES)
         check_choice("format", self.format, FORMATS)
         check_choice("too_long", self.too_long, ("truncate", "skip"))

@@ -538,6 +538,10 @@ def validate(cfg: DecoderConfig) -> None:
         value = getattr(cfg, name)
         if value not in allowed:
             raise ValueError(f"{name} {value!r} not supported; allowed: {list(allowed)}{_did_you_mean(value, allowed)}")
+    for name in ("rope_theta", "norm_eps"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a positive, finite number, got {value!r}")
     for name in ("query_pre_attn_scalar", "sliding_rope_theta", "final_logit_softcap"):
         value = getattr(cfg, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
