@@ -74,6 +74,24 @@ def test_a_damaged_run_file_stops_a_resume_before_it_trains(tmp_path, capsys, da
     assert committed_steps(tmp_path / "checkpoints") == steps
 
 
+def test_resuming_an_older_step_where_newer_ones_are_is_refused_at_start(tmp_path, capsys):
+    """A resume from an explicit older step of the run's own checkpoint folder would save over the newer steps (and
+    rewrite their metrics rows): refused before training, nothing changed."""
+    run = [*TINY_RUN, "train.checkpoint_every=2", f"train.run_dir={tmp_path}"]
+    assert main(["train", *run, "train.steps=4"]) == 0
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main(["train", *run, "train.steps=6", f"train.resume={tmp_path / 'checkpoints' / '2'}"]) == 2
+    err = capsys.readouterr().err
+    assert "also holds newer checkpoints (steps [4])" in err and "train.checkpoint_dir" in err
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+    assert committed_steps(tmp_path / "checkpoints") == [4, 2]
+    other = tmp_path / "branch"  # the documented way: the same step into another checkpoint folder
+    assert main(["train", *run, "train.steps=6", f"train.resume={tmp_path / 'checkpoints' / '2'}",
+                 f"train.checkpoint_dir={other}"]) == 0
+    assert committed_steps(other) == [6, 4] and committed_steps(tmp_path / "checkpoints") == [4, 2]
+
+
 def test_every_checkpoint_corrupt_stops_with_a_list(tmp_path, capsys):
     run = [*TINY_RUN, "train.checkpoint_every=1", f"train.run_dir={tmp_path}"]
     assert main(["train", *run, "train.steps=3"]) == 0

@@ -96,6 +96,14 @@ class CheckpointSession:
             raise ValueError(f"checkpoint directory {self.ckpt.root} already holds checkpoints (steps "
                              f"{committed_steps(self.ckpt.root)}); resume to continue that run (TrainConfig(resume="
                              f"True), or train.resume=true in a run config), or use another directory")
+        if self.ckpt is not None and resume not in (None, "auto"):
+            root, step = split_step_dir(resume)
+            newer = [n for n in committed_steps(self.ckpt.root) if step is not None and n > step]
+            if newer and root.resolve() == Path(self.ckpt.root).resolve():
+                raise ValueError(f"resuming from step {step} of {root}, which also holds newer checkpoints (steps "
+                                 f"{sorted(newer)}): this run would save over them. Nothing was changed. Move "
+                                 f"those aside, resume from the newest (train.resume=true), or set "
+                                 f"train.checkpoint_dir to another folder")
         self.data: Iterable | None = None
         self.start_step = 0
         self.resumed_from: Path | None = None
