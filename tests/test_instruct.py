@@ -125,6 +125,20 @@ def test_bad_lines_name_the_line(chatml, tmp_path, line, match):
         read_examples(write_jsonl(tmp_path / "d.jsonl", [CONVERSATION, line]), chatml, seq_len=512)
 
 
+def test_a_line_that_is_not_utf8_is_named(chatml, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [CONVERSATION])
+    path.write_bytes(path.read_bytes() + '{"prompt": "caf\u00e9", "completion": "x"}\n'.encode("latin-1"))
+    with pytest.raises(InstructDataError, match=r"d.jsonl:2 is not UTF-8 text \(byte 0xe9 at column 16\)"):
+        read_examples(path, chatml, seq_len=512)
+
+
+def test_jsonl_given_as_token_data_says_to_set_the_chat_format(tmp_path):
+    from megatrain_jax.data import TokenFile
+    path = write_jsonl(tmp_path / "chat.jsonl", [CONVERSATION])
+    with pytest.raises(FileNotFoundError, match="looks like JSON lines, not a token file: .* data.format='chat'"):
+        TokenFile.open(path)
+
+
 def test_too_long_examples_are_truncated_or_skipped_and_counted(chatml, tmp_path):
     short = {"prompt": "hi ", "completion": "four."}
     long = {"prompt": "hi ", "completion": "the quick brown fox " * 40}

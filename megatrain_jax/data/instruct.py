@@ -255,8 +255,13 @@ def read_examples(path: str | os.PathLike, tokenizer: ChatTokenizer, seq_len: in
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, text in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InstructDataError(f"{path}:{line_no} is not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                        f"{e.start + 1}); save the file as UTF-8") from None
             if text.strip():
                 yield line_no, text
 

@@ -175,6 +175,9 @@ class TokenFile:
 
 def _read_sidecar(path: Path) -> dict:
     side = sidecar_path(path)
+    if not side.exists() and Path(path).suffix in (".jsonl", ".json"):
+        raise FileNotFoundError(f"{path} looks like JSON lines, not a token file: for instruction data set "
+                                f"data.format='chat' and data.tokenizer (docs/fine_tuning.md)")
     if not side.exists():
         raise FileNotFoundError(f"token file {path} has no sidecar {side} (it says the dtype, vocab_size "
                                 f"and num_tokens); " + HOW_TO_CREATE.format(path=path))
