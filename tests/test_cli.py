@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import tomllib
 import subprocess
 import sys
@@ -441,3 +442,25 @@ def test_plan_refuses_windows_longer_than_the_model_allows(capsys):
     from megatrain_jax.cli import main
     assert main(["plan", "model.preset=tiny", "data.seq_len=1024"]) == 2
     assert "longer than the model's max_positions=512" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("code,advice", [(30, "read-only; make it writable or choose another folder"),
+                                         (28, "the disk is full; free space there"),
+                                         (20, "a part of the path is a file, not a folder")])
+def test_a_path_the_machine_refuses_is_a_clear_error_not_a_traceback(monkeypatch, capsys, code, advice):
+    """Read-only, full or mistyped paths (the run folder's lock, a checkpoint folder) end with exit 2 and the path
+    named; other OS errors still raise (a bug, or the machine failing, is not bad input)."""
+    from megatrain_jax.cli import commands
+
+    def refuse(args):
+        raise OSError(code, os.strerror(code), "/runs/r1/.lock")
+    monkeypatch.setitem(commands.COMMANDS, "plot", refuse)
+    assert commands.main(["plot", "/runs/r1"]) == 2
+    err = capsys.readouterr().err
+    assert "/runs/r1/.lock" in err and advice in err and "Traceback" not in err
+
+    def fail(args):
+        raise OSError(5, os.strerror(5), "/dev/sda")
+    monkeypatch.setitem(commands.COMMANDS, "plot", fail)
+    with pytest.raises(OSError):
+        commands.main(["plot", "/runs/r1"])

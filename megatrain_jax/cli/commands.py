@@ -19,6 +19,7 @@ message names the last complete checkpoint). No save can hang: docs/checkpoints_
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import os
 import sys
@@ -223,6 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, MemoryPlanError, FileNotFoundError, FileExistsError, ImportError, NotImplementedError,
             CorruptCheckpointError, ContractError) as e:
         return _failed(args.command, e, EXIT_BAD_INPUT)
+    except OSError as e:  # a folder or file the user named cannot be used: their machine's state, not a bug
+        if e.errno not in _PATH_ERRNOS:
+            raise
+        e.add_note(_path_advice(e))
+        return _failed(args.command, e, EXIT_BAD_INPUT)
     except NonFiniteError as e:
         return _failed(args.command, e, EXIT_DIVERGED)
     except DeviceOutOfMemoryError as e:
@@ -230,6 +236,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nmegatrain-jax {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+_PATH_ERRNOS = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+                errno.EPERM: "permission denied", errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                errno.ENOTDIR: "a part of the path is a file, not a folder", errno.EISDIR: "it is a folder, not a file"}
+
+
+def _path_advice(e: OSError) -> str:
+    """What is wrong with the path ``e`` names, and what to do."""
+    todo = ("free space there or choose another folder" if e.errno in (errno.ENOSPC, errno.EDQUOT) else
+            "check the path you gave" if e.errno in (errno.ENOTDIR, errno.EISDIR) else
+            "make it writable or choose another folder (train.run_dir, train.checkpoint_dir)")
+    return f"{e.filename or 'a path of this run'}: {_PATH_ERRNOS[e.errno]}; {todo}"
 
 
 def _end_now(status: int, as_program: bool) -> int:
