@@ -192,6 +192,21 @@ def test_prepared_once_then_read_from_the_cache(chatml, tmp_path, monkeypatch):
     assert instruct.prepare(data, folder, seq_len=64, cache_dir=tmp_path / "cache")[0] != out
 
 
+def test_a_damaged_cache_entry_is_tokenized_again(chatml, tmp_path, capsys):
+    """The cache is derived data: an entry whose token file disagrees with its sidecar is made again, with a note,
+    rather than refused with advice about a script the user never ran."""
+    from megatrain_jax.data import instruct
+    from megatrain_jax.data.tokens import TokenFile
+    data = write_jsonl(tmp_path / "d.jsonl", [CONVERSATION, {"prompt": "hi ", "completion": "four."}])
+    out, stats = instruct.prepare(data, Path(chatml.where), seq_len=64, cache_dir=tmp_path / "cache")
+    tokens = np.array(TokenFile.open(out).tokens)
+    with open(out, "r+b") as f:
+        f.truncate(10)
+    again, stats2 = instruct.prepare(data, Path(chatml.where), seq_len=64, cache_dir=tmp_path / "cache")
+    assert again == out and stats2 == stats and "is damaged" in capsys.readouterr().err
+    np.testing.assert_array_equal(TokenFile.open(out).tokens, tokens)
+
+
 @pytest.mark.parametrize("mode", ["packed", "padded"])
 def test_batches_carry_the_loss_flags_and_resume_exactly(chatml, tmp_path, mode):
     """Packed rows hold several examples (segment ids, positions restarting); padded rows one each. The

@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
@@ -297,12 +298,18 @@ def prepare(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, seq_len: 
     """Tokenize ``path`` once: its examples as a token file (``data.tokens``) with per-token loss flags and
     one document per example, in ``cache_dir`` under a key of everything it depends on (``cache_key``).
     A later call with the same inputs reads the cached file. Returns the token file and the stats."""
-    from megatrain_jax.data.tokens import TokenWriter, index_path, loss_path, sidecar_path
+    from megatrain_jax.data.tokens import TokenFile, TokenWriter, index_path, loss_path, sidecar_path
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     out = cache / f"{cache_key(path, tokenizer_dir, seq_len, too_long)}.bin"
     stats_file = Path(f"{out}.stats.json")
     if sidecar_path(out).exists() and stats_file.exists():
-        return out, Stats(**json.loads(stats_file.read_text()))
+        try:  # the cache is derived data: a damaged entry is made again, never trusted or left to the user
+            TokenFile.open(out)
+            return out, Stats(**json.loads(stats_file.read_text()))
+        except (ValueError, TypeError, OSError) as e:
+            print(f"the cached tokenization {out} of {path} is damaged ({e}); tokenizing again", file=sys.stderr)
+            for name in (sidecar_path, index_path, loss_path, lambda p: Path(f"{p}.stats.json"), lambda p: Path(p)):
+                Path(name(out)).unlink(missing_ok=True)
     tokenizer = ChatTokenizer.from_folder(tokenizer_dir)
     examples, stats = read_examples(path, tokenizer, seq_len, too_long)
     vocab = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
