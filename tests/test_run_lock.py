@@ -93,3 +93,18 @@ def test_a_second_train_process_exits_2_and_the_first_trains_as_if_alone(tmp_pat
 def test_a_config_file_given_as_an_override_says_to_use_config(tmp_path, capsys):
     assert main(["train", "run.toml"]) == 2
     assert "pass it as --config run.toml" in capsys.readouterr().err
+
+
+def test_a_checkpoint_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
+    """Two runs in different run folders that name one checkpoint folder would save over each other (and one would
+    remove the other's save in progress as stale): the second is refused at once, naming the setting to change."""
+    from megatrain_jax.cli import main
+    shared = tmp_path / "a" / "checkpoints"  # run a's own checkpoint folder, named by run b
+    with RunLock(shared, what="checkpoint folder", key="train.checkpoint_dir"):
+        status = main(["train", "model.layers=1", "data.seq_len=32", "data.batch_size=4", "data.demo_tokens=20000",
+                       "train.steps=1", "log.progress=lines", "log.tensorboard=false",
+                       f"train.run_dir={tmp_path / 'b'}", f"train.checkpoint_dir={shared}"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint folder {shared} is in use by pid {os.getpid()}" in err and "train.checkpoint_dir" in err
+    assert [p.name for p in shared.iterdir()] == [".lock"] and not (tmp_path / "b" / "metrics.jsonl").exists()

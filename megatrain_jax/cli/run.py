@@ -214,17 +214,25 @@ def _out_of_memory_advice(memory: MemoryPlan, err: DeviceOutOfMemoryError, check
 
 def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     """Run ``cfg``: returns fit's History (``history.engine`` holds the trained host state). The run folder
-    is locked for the run's life (``run_lock``): a second run into it is refused at once."""
+    and the checkpoint folder are locked for the run's life (``run_lock``): a second run into either is refused
+    at once."""
     out = stream or sys.stdout
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
-    lock = RunLock(Path(cfg.train.run_dir), distributed.process_id())
-    took_over = lock.acquire()
+    t = cfg.train
+    locks = [RunLock(Path(t.run_dir), distributed.process_id()),
+             RunLock(Path(t.for_fit().checkpoint_dir or Path(t.run_dir) / "checkpoints"), distributed.process_id(),
+                     what="checkpoint folder", key="train.checkpoint_dir")]
+    held = []
     try:
-        if took_over:
-            say(f"megatrain_jax: {took_over}")
+        for lock in locks:
+            took_over = lock.acquire()
+            held.append(lock)
+            if took_over:
+                say(f"megatrain_jax: {took_over}")
         return _train(cfg, out, say)
     finally:
-        lock.release()
+        for lock in reversed(held):
+            lock.release()
 
 
 def _train(cfg: RunConfig, out: TextIO, say) -> History:

@@ -1,5 +1,6 @@
 """One run per run folder at a time: an advisory lock (``fcntl.flock``) on ``<run_dir>/.lock``, held for the
-run's life by ``megatrain-jax train``.
+run's life by ``megatrain-jax train``; and one per checkpoint folder (``<checkpoint_dir>/.lock``), which another
+run may name as its own ``train.checkpoint_dir`` from a different run folder.
 
 The kernel drops a ``flock`` when its process dies, however it dies (SIGKILL included), so a lock left by a
 dead run is never stale in the kernel's eyes: the file still names the dead holder, and the next run takes
@@ -26,9 +27,10 @@ class RunFolderBusyError(FileExistsError):
 class RunLock:
     """The run folder's lock; ``acquire()`` returns a note when it took over a dead run's lock (else None)."""
 
-    def __init__(self, run_dir: Path, process: int = 0):
+    def __init__(self, run_dir: Path, process: int = 0, what: str = "run folder", key: str = "train.run_dir"):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / (".lock" if process == 0 else f".lock.process-{process}")
+        self.what, self.key = what, key  # what the folder is to the run, and the setting that picks another
         self._fd: int | None = None
 
     def acquire(self) -> str | None:
@@ -40,8 +42,8 @@ class RunLock:
             holder = _read(fd) or "another process (it wrote no details yet)"
             os.close(fd)
             raise RunFolderBusyError(
-                f"run folder {self.run_dir} is in use by {holder} ({self.path}); nothing was changed. Wait for "
-                f"that run to end, or set train.run_dir to another folder") from None
+                f"{self.what} {self.run_dir} is in use by {holder} ({self.path}); nothing was changed. Wait for "
+                f"that run to end, or set {self.key} to another folder") from None
         before = _read(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started "
