@@ -99,7 +99,7 @@ def prepare_run_folder(cfg: RunConfig, say) -> None:
     ``metrics.jsonl`` when there is no checkpoint to continue from (the run starts over), ``config.toml``
     when the configuration changed (the new one is written next to it as ``config.N.toml``)."""
     t = cfg.train
-    run_dir, ckpt_dir = Path(t.run_dir), Path(t.for_fit().checkpoint_dir or Path(t.run_dir) / "checkpoints")
+    run_dir, ckpt_dir = Path(t.run_dir), t.checkpoint_folder()
     held = run_files(run_dir, ckpt_dir)
     if held and not t.resume:
         raise RunFolderError(
@@ -108,9 +108,9 @@ def prepare_run_folder(cfg: RunConfig, say) -> None:
     steps = committed_steps(ckpt_dir) if ckpt_dir.is_dir() else []
     metrics = run_dir / "metrics.jsonl"
     if t.resume:  # what the run goes on writing must be readable before it trains, not after
-        _check_readable(run_dir / "config.toml", tomllib.loads)
+        _check_readable(run_dir / "config.toml", lambda path: tomllib.loads(path.read_text()))
         if steps:
-            _check_readable(metrics, lambda _: read_metrics(metrics))
+            _check_readable(metrics, read_metrics)
     if t.resume and not steps and metrics.exists():
         aside = _aside(metrics)
         metrics.rename(aside)
@@ -118,13 +118,13 @@ def prepare_run_folder(cfg: RunConfig, say) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _check_readable(path: Path, parse) -> None:
-    """Refuse to resume into a run folder whose ``path`` exists but ``parse`` (of its text) fails: the run would
-    train, then fail when it writes there."""
+def _check_readable(path: Path, read) -> None:
+    """Refuse to resume into a run folder whose ``path`` exists but ``read(path)`` fails: the run would train, then
+    fail when it writes there."""
     if not path.exists():
         return
     try:
-        parse(path.read_text())
+        read(path)
     except (ValueError, UnicodeDecodeError) as e:  # tomllib.TOMLDecodeError and read_metrics' errors are ValueErrors
         raise RunFolderError(f"cannot resume in {path.parent}: {path} is damaged ({e}); nothing was changed. Fix "
                              f"it or move it aside, then run the same command again") from None
@@ -219,9 +219,10 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     out = stream or sys.stdout
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     t = cfg.train
-    locks = [RunLock(Path(t.run_dir), distributed.process_id()),
-             RunLock(Path(t.for_fit().checkpoint_dir or Path(t.run_dir) / "checkpoints"), distributed.process_id(),
-                     what="checkpoint folder", key="train.checkpoint_dir")]
+    locks = [RunLock(Path(t.run_dir), distributed.process_id())]
+    if t.for_fit().checkpoint_dir is not None:  # the run saves checkpoints there
+        locks.append(RunLock(t.checkpoint_folder(), distributed.process_id(), what="checkpoint folder",
+                             key="train.checkpoint_dir"))
     held = []
     try:
         for lock in locks:

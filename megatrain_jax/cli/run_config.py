@@ -138,11 +138,15 @@ class TrainSection(TrainConfig):
             return self.eval_every
         return max(1, self.steps // 10) if eval_fraction > 0 else 0
 
+    def checkpoint_folder(self) -> Path:
+        """Where this run's checkpoints are, or would be: ``checkpoint_dir``, else ``run_dir/checkpoints``."""
+        return Path(self.checkpoint_dir or Path(self.run_dir) / "checkpoints")
+
     def for_fit(self) -> TrainConfig:
         """The ``TrainConfig`` ``fit`` gets: checkpoints under the run folder unless placed elsewhere."""
         checkpoint_dir = self.checkpoint_dir
         if checkpoint_dir is None and (self.checkpoint_every or self.resume):
-            checkpoint_dir = str(Path(self.run_dir) / "checkpoints")
+            checkpoint_dir = str(self.checkpoint_folder())
         return TrainConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TrainConfig)}
                            | {"checkpoint_dir": checkpoint_dir, "log_every": 0})
 

@@ -54,11 +54,16 @@ def model_files(folder: Path) -> list[Path]:
     return sorted(set(named) | set(stale_files(folder)))
 
 
+def holds_model(folder: Path) -> bool:
+    """Whether ``folder`` holds a model: ``config.json`` or weights (a tokenizer alone is not one)."""
+    return (folder / "config.json").exists() or any(stale_files(folder))
+
+
 def check_target(folder: str | os.PathLike, overwrite: bool, how: str) -> None:
     """Refuse a ``folder`` that holds a model (weights or ``config.json``) unless ``overwrite``; ``how`` says
     how the caller asks to overwrite."""
     folder = Path(folder)
-    if not overwrite and ((folder / "config.json").exists() or any(stale_files(folder))):
+    if not overwrite and holds_model(folder):
         raise ExportExistsError(f"{folder} already holds a model ({', '.join(p.name for p in model_files(folder))}); "
                                 f"nothing was written. To replace it, {how}; or export to another folder")
     if folder.exists() and not folder.is_dir():
@@ -93,8 +98,7 @@ def publish(staged: Path, folder: str | os.PathLike) -> None:
             raise
     # A model's files come from the new export, never from the folder's past; but a folder that held no model
     # (no config.json, no weights: e.g. only a tokenizer) held only the user's own files, and all of them stay.
-    had_model = (old / "config.json").exists() or any(stale_files(old))
-    keep = set(model_files(old)) if had_model else set()
+    keep = set(model_files(old)) if holds_model(old) else set()
     for entry in old.iterdir():  # the user's own files go on living in the folder
         if entry not in keep and not (folder / entry.name).exists():
             os.rename(entry, folder / entry.name)

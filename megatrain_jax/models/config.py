@@ -45,6 +45,12 @@ SINK_QUERY_CHUNK = 512
 SINK_WIDTH = 8
 
 
+def cudnn_takes_heads(head_dim: int, hopper: bool) -> bool:
+    """Whether cuDNN's flash attention takes heads this wide: a multiple of 8, at most 256 on Hopper and later, 128
+    before. (``layers`` asks it of the GPU at hand; the plan, which knows no GPU, of both generations.)"""
+    return head_dim % 8 == 0 and head_dim <= (256 if hopper else 128)
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling for positions past the pre-training length, as Hugging Face computes it

@@ -15,7 +15,8 @@ import numpy as np
 from flax import nnx
 
 from megatrain_jax.contract.remat import keep_residuals
-from megatrain_jax.models.config import SINK_QUERY_CHUNK, SINK_WIDTH, DecoderConfig, RopeScaling
+from megatrain_jax.models.config import (SINK_QUERY_CHUNK, SINK_WIDTH, DecoderConfig, RopeScaling,
+                                         cudnn_takes_heads)
 
 _init_normal = nnx.initializers.normal(stddev=0.02)
 
@@ -303,10 +304,9 @@ sink_rescaled.defvjp(_sink_rescaled_fwd, _sink_rescaled_bwd)
 
 
 def cudnn_head_fits(head_dim: int) -> bool:
-    """Whether cuDNN's flash attention takes heads this wide: a multiple of 8, at most 256 on Hopper and later, 128
-    before."""
+    """Whether this GPU's cuDNN flash attention takes heads this wide (``config.cudnn_takes_heads``)."""
     cc = gpu_compute_capability()
-    return cc is not None and head_dim % 8 == 0 and head_dim <= (256 if cc >= (9, 0) else 128)
+    return cc is not None and cudnn_takes_heads(head_dim, hopper=cc >= (9, 0))
 
 
 def sink_key_fits_cudnn(head_dim: int) -> bool:

@@ -36,7 +36,7 @@ from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, Op, OpKind, step_ops
-from megatrain_jax.models.config import SINK_QUERY_CHUNK, SINK_WIDTH, DecoderConfig
+from megatrain_jax.models.config import SINK_QUERY_CHUNK, SINK_WIDTH, DecoderConfig, cudnn_takes_heads
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, blocks_param_count, host_grad_bytes,
                                        host_roles, io_param_count, layer_param_count, part_param_count)
 
@@ -145,12 +145,13 @@ def sink_scores(c: DecoderConfig, micro_rows: int, seq_len: int, packed: bool = 
     for kind in {c.layer_type(i) for i in range(c.layers)}:
         sliding = kind == "sliding_attention"
         width = H if sliding else H + SINK_WIDTH  # the heads cuDNN would take
-        cudnn = _cudnn(c) and not packed and width % 8 == 0 and width <= 256
-        if not cudnn:
+        some_gpu = _cudnn(c) and not packed and cudnn_takes_heads(width, hopper=True)
+        every_gpu = some_gpu and cudnn_takes_heads(width, hopper=False)
+        if not some_gpu:
             scratch = max(scratch, xla_band if sliding else xla_every)
         elif sliding:
-            scratch = max(scratch, rescaled if width <= 128 else max(rescaled, xla_band))
-        elif width > 128:  # a full layer whose wider heads only Hopper's cuDNN takes
+            scratch = max(scratch, rescaled if every_gpu else max(rescaled, xla_band))
+        elif not every_gpu:  # a full layer whose wider heads only Hopper's cuDNN takes
             scratch = max(scratch, xla_every)
     return scratch
 
