@@ -127,8 +127,8 @@ SYSTEMS = {
 
 
 def interleaved(steps: dict, reps: int) -> dict:
-    """Median seconds per step of each system, timed in rounds (A, B, C, A, B, C, ...) so that drift in
-    the machine's memory bandwidth hits every system alike."""
+    """Seconds per step of each system in every round, timed in rounds (A, B, C, A, B, C, ...) so that drift
+    in the machine's memory bandwidth hits every system alike."""
     for fn in steps.values():
         fn()  # warm-up: first touch, compilation
     times = {k: [] for k in steps}
@@ -137,7 +137,7 @@ def interleaved(steps: dict, reps: int) -> dict:
             t = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -152,14 +152,14 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [x for x in names if x not in SYSTEMS]
     if unknown:
         ap.error(f"unknown system(s) {unknown}; choose from {sorted(SYSTEMS)}")
-    steps, runs = {}, {}
+    steps, runs, rounds = {}, {}, {}
     for name in names:
         try:
             steps[name] = SYSTEMS[name](n)
         except Exception as e:  # e.g. torch missing: recorded, not hidden
             runs[name] = f"error: {type(e).__name__}: {str(e)[:300]}"
-    for name, sec in interleaved(steps, args.reps).items():
-        runs[name] = n / sec
+    for name, secs in interleaved(steps, args.reps).items():
+        runs[name], rounds[name] = n / statistics.median(secs), secs
     for name in names:
         print(name, runs[name], flush=True)
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> dict:
            "device": {"name": getattr(dev, "device_kind", str(dev)), "cpu_cores": os.cpu_count()},
            "date": datetime.date.today().isoformat(), "params": n, "system_info": system_info(),
            "runs": [{"system": k, "params_per_s": v if isinstance(v, float) else None,
-                     "status": "ok" if isinstance(v, float) else v}
+                     "status": "ok" if isinstance(v, float) else v,
+                     **({"seconds_per_round": [round(x, 6) for x in rounds[k]]} if k in rounds else {})}
                     for k, v in runs.items()]}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
