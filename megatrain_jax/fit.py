@@ -162,7 +162,8 @@ def _session(model: nnx.Module, train: TrainConfig, engine_cfg: EngineConfig, op
 
 def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTransformation | None = None, *,
         train: TrainConfig = TrainConfig(), engine: EngineConfig = EngineConfig(), hooks: Sequence[Hook] = (),
-        write_back: bool = True, devices: Sequence[jax.Device] | Mesh | None = None, init_from=None) -> History:
+        write_back: bool = True, devices: Sequence[jax.Device] | Mesh | None = None, init_from=None,
+        on_start: Callable[[int], None] | None = None) -> History:
     """Train ``model`` (concrete, or abstract from ``nnx.eval_shape`` and initialized from ``train.seed``) on
     ``data``, an iterable of ``Batch``, for ``train.steps`` optimizer steps (or until the data ends).
 
@@ -170,8 +171,10 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
     in ``engine``, the run's length, logging and checkpoints in ``train``. ``devices`` (a list of devices or
     a one-axis ``data`` mesh) overrides ``train.devices``; by default every local GPU is used, and each
     batch's rows are split between them (see ``Engine``). ``init_from`` (e.g. ``megatrain_jax.hf.HFParts``)
-    gives an abstract model's initial weights part by part, straight into the engine's state. Returns the
-    metrics history; the
+    gives an abstract model's initial weights part by part, straight into the engine's state. ``on_start(step)``
+    is called once every check has passed (the checkpoint folder, the checkpoint to resume from and its model),
+    before the engine is built and the model loaded; ``step`` is the step training starts from (the resumed
+    checkpoint's, else 0). Returns the metrics history; the
     trained parameters are written into ``model`` at the end unless ``write_back`` is False or the model
     is abstract (then read them from ``history.engine``). With checkpoints, saves happen when the engine's
     step is a multiple of ``checkpoint_every`` (the engine runs one step ahead of the metrics, so never at
@@ -189,11 +192,19 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
     optimizer_name = "default_optimizer" if optimizer is None else type(optimizer).__name__
     optimizer = optimizer if optimizer is not None else default_optimizer()
     lr_schedule = learning_rate_of(optimizer)
-    eng = Engine(model, optimizer, engine, seed=train.seed,
-                 devices=devices if devices is not None else select_devices(train.devices), init_from=init_from)
+    session = _session(model, train, engine, optimizer_name) if train.checkpointing else None
+    try:  # every refusal before the model loads: a start refused after an hour of loading is an hour lost
+        start_step = session.check() if session is not None else 0
+        if on_start is not None:
+            on_start(start_step)
+        eng = Engine(model, optimizer, engine, seed=train.seed,
+                     devices=devices if devices is not None else select_devices(train.devices), init_from=init_from)
+    except BaseException:
+        if session is not None:
+            session.close()
+        raise
     history = History(engine=eng)
     hooks = list(hooks) + ([print_logger(train.log_every)] if train.log_every else [])
-    session = _session(model, train, engine, optimizer_name) if train.checkpointing else None
     if session is not None:
         data = session.start(eng, data)
     limit = None if train.steps is None else max(0, train.steps - eng.state.step) * engine.accumulate_steps

@@ -23,6 +23,7 @@ from flax.nnx import traversals
 
 from megatrain_jax import Decoder, Engine, EngineConfig, Hook, TrainConfig, default_optimizer, fit, preset
 from megatrain_jax.checkpoint.parts import MomentFormatWarning
+from megatrain_jax.models.config import RopeScaling
 from megatrain_jax.checkpoint import (Checkpointer, CheckpointWarning, CorruptCheckpointError, ShapeMismatchError,
                                       check_step, committed_steps)
 from megatrain_jax.checkpoint.session import CheckpointedExit
@@ -346,6 +347,31 @@ def test_shape_mismatch_lists_every_tensor(tmp_path):
     assert "block_00000/params.attn.q.kernel.value: expected shape (48, " in msg
     assert "block_00002: missing from the checkpoint" in msg
     assert int(engine.state.step) == 0  # nothing was loaded
+
+
+def test_a_changed_model_is_refused_with_overrides_that_put_it_back():
+    """Fields that define the model are compared (a table key by key); how it is computed may change. The message's
+    put-back overrides read back (as the command line reads them) to the checkpoint's values, lists and tables
+    included, quoted for the shell where needed."""
+    import shlex
+    from megatrain_jax.checkpoint.session import check_same_model, jsonable
+    from megatrain_jax.cli.toml_dataclass import parse_value
+    saved = jsonable(CFG.replace(layer_types=("full_attention", "sliding_attention"), sliding_window=8,
+                                 rope_scaling=RopeScaling(factor=4.0)))
+    check_same_model(saved, {**saved, "dtype": "float32", "attention_impl": "xla", "max_positions": 64,
+                             "loss_chunk_tokens": 7, "mlp_chunk_tokens": 5}, Path("ck/3"))
+    now = {**saved, "layer_types": ["sliding_attention"] * 2, "rope_theta": 2e4,
+           "rope_scaling": {**saved["rope_scaling"], "factor": 8.0}}
+    with pytest.raises(ValueError) as err:
+        check_same_model(saved, now, Path("ck/3"))
+    msg = str(err.value)
+    assert msg.startswith("cannot resume from ck/3: this run's model differs from the one the checkpoint holds")
+    assert "  model.rope_scaling.factor: 4.0 in the checkpoint, 8.0 now" in msg
+    back = msg.split("put the checkpoint's values back (")[1].split("). To train")[0]
+    put_back = dict(item.split("=", 1) for item in shlex.split(back))
+    assert {k: parse_value(v) for k, v in put_back.items()} == {
+        "model.layer_types": ["full_attention", "sliding_attention"], "model.rope_theta": 10000.0,
+        "model.rope_scaling.factor": 4.0}
 
 
 def test_loading_runs_no_pickle():

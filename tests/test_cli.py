@@ -217,6 +217,20 @@ def test_checkpoint_and_resume(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.parametrize("key", ["train.run_dir", "train.checkpoint_dir", "train.resume", "train.export_hf",
+                                 "data.path", "data.tokenizer", "data.cache_dir", "model.hf_checkpoint"])
+def test_an_empty_path_is_a_config_error_not_the_current_directory(key):
+    with pytest.raises(ConfigError, match=rf"command-line override.* {key}=: .*{key.split('.')[1]} is an empty path, "
+                                          rf"which would mean the current directory: give "):
+        parse_config({}, overrides=[f"{key}="])
+
+
+def test_train_into_an_empty_run_dir_writes_nothing_here(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *TINY_RUN, "train.steps=1", "train.run_dir="]) == 2
+    assert "run_dir is an empty path" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
 def test_config_errors_exit_cleanly(capsys):
     assert main(["train", "model.lyers=2"]) == 2
     err = capsys.readouterr().err
@@ -262,6 +276,21 @@ def test_convert_hf_npz_hf_round_trip(tmp_path):
     _, io3, _ = load_hf(tmp_path / "hf16", dtype="float32")
     np.testing.assert_allclose(io3["embedding"], io["embedding"], rtol=1e-2, atol=1e-3)
     assert json.loads((tmp_path / "hf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_convert_from_an_npz_that_is_not_one_says_so(tmp_path, capsys):
+    bad = tmp_path / "params.npz"
+    bad.write_bytes(b"not a zip" * 50)
+    assert main(["convert", str(bad), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad} is not a .npz archive" in err and "megatrain-jax convert HF_DIR params.npz" in err
+    assert "allow_pickle" not in err
+
+
+def test_plot_of_a_file_that_is_not_a_run_folder_says_so(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("x")
+    assert main(["plot", str(tmp_path / "notes.txt")]) == 2
+    assert f"{tmp_path / 'notes.txt'} is a file, not a run folder" in capsys.readouterr().err
 
 
 def test_convert_hf_orbax_hf_round_trip(tmp_path):

@@ -224,6 +224,18 @@ def test_eval_split_disjoint_and_complete(mode):
     assert [b.inputs.tolist() for b in batches] == [b.inputs.tolist() for b in evals.batches(3)]
 
 
+def test_a_split_too_short_for_a_window_says_which_way_eval_fraction_goes():
+    """The held-out share shrinks the train split and grows the eval split: the advice follows."""
+    f = TokenFile.from_array(np.arange(1000) % 50, 50)
+    with pytest.raises(ValueError) as err:
+        TokenDataset(f, 32, split="train", eval_fraction=0.99)
+    assert "the train split of the tokens (1000 tokens, eval_fraction=0.99) holds no window" in str(err.value)
+    assert "a smaller eval_fraction" in str(err.value) and "larger" not in str(err.value)
+    with pytest.raises(ValueError, match=r"the eval split .*\(a window takes 33 tokens\); use an eval_fraction of at "
+                                         r"least 0\.033, more data or a shorter seq_len"):
+        TokenDataset(f, 32, split="eval", eval_fraction=0.01)
+
+
 # --- prefetch ------------------------------------------------------------------------------------------
 
 def test_prefetch_same_sequence_and_state():
@@ -354,6 +366,14 @@ def test_broken_npy_token_file_is_a_clear_error(tmp_path, make, problem):
     msg = str(err.value)
     assert re.search(rf"^{re.escape(str(path))} {problem}", msg), msg
     assert "np.save" in msg and "prepare_data.py" in msg and "allow_pickle" not in msg, msg
+
+
+def test_an_npz_token_file_says_what_a_token_file_is(tmp_path):
+    path = tmp_path / "train.npz"
+    np.savez(path, tokens=np.arange(100))
+    with pytest.raises(ValueError, match=r"train\.npz is a \.npz archive, not a token file: token files are a \.npy "
+                                         r"holding one 1-D integer array \(np\.save\(path, tokens\)\) or a \.bin"):
+        DataConfig(path=str(path)).open(256)
 
 
 def test_broken_document_index_is_a_clear_error(tmp_path):

@@ -119,6 +119,8 @@ def test_strict_template_renders_special_tokens_and_its_errors_name_the_line(tmp
     ({"messages": [{"role": "user", "content": "x"}]}, r"d.jsonl:2: the conversation has no assistant turn"),
     ({"prompt": "x"}, r"d.jsonl:2: a prompt/completion line needs a string 'completion'"),
     ({"text": "x"}, r"d.jsonl:2: a line needs 'messages' .* found keys \['text'\]"),
+    ({**CONVERSATION, "prompt": "x", "completion": "y"}, r"d.jsonl:2: the line has both 'messages' and 'completion' "
+                                                         r"and 'prompt'; keep one form"),
 ])
 def test_bad_lines_name_the_line(chatml, tmp_path, line, match):
     with pytest.raises(InstructDataError, match=match):

@@ -6,6 +6,7 @@ import io
 import json
 import struct
 import sys
+import time
 import types
 
 import numpy as np
@@ -92,12 +93,28 @@ def test_jsonl_writer_and_resume(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[0]["grad_norm"] == 0.5 and records[0]["nonfinite"] == "nan" and "obj" not in records[0]
     assert "time" in records[0] and records[0]["elapsed_s"] == 0.0
-    # a resumed run from step 2 replaces the interrupted run's steps >= 2
+    # a resumed run from step 2 goes on from step 1's record, kept as it was; the whole file is kept aside first
+    before = path.read_text()
     w = JsonlWriter(path, append=True)
+    assert w.moved_aside is None and path.read_text() == before  # nothing changes before the first record
     w.write({"step": 2, "loss": 9.0})
     w.close()
     records = read_metrics(path)
     assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 9.0)]
+    assert path.read_text().startswith(before.splitlines(keepends=True)[0])
+    assert w.moved_aside == tmp_path / "metrics.1.jsonl" and w.moved_aside.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.1.jsonl", "metrics.jsonl"]  # no temporary left
+    w = JsonlWriter(path, append=True)  # nothing to replace: appended after the last record, nothing moved
+    w.write({"step": 3, "loss": 8.0})
+    w.close()
+    assert w.moved_aside is None and [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    with open(path, "a") as f:
+        f.write('{"step": 4, "lo')  # a run killed mid-line
+    w = JsonlWriter(path, append=True)
+    w.write({"step": 4, "loss": 7.0})
+    w.close()
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4] and w.moved_aside == tmp_path / "metrics.2.jsonl"
+    assert w.moved_aside.read_text().endswith('{"step": 4, "lo')
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         read_metrics(tmp_path / "nowhere")
 
@@ -167,6 +184,7 @@ def test_tensorboard_event_files(tmp_path):
     pytest.importorskip("tensorboardX")
     w = TensorBoardWriter(tmp_path)
     assert w.backend == "tensorboardX"
+    assert not list(tmp_path.iterdir())  # no event file before the first record: a run refused at start writes none
     w.write(metrics(1))
     w.write(metrics(2, eval_loss=2.5, eval_ppl=12.2, gpu_peak_gib=3.0))
     w.close()
@@ -176,6 +194,24 @@ def test_tensorboard_event_files(tmp_path):
     assert scalars[("eval/loss", 2)] == pytest.approx(2.5)
     assert ("perf/tokens_per_s", 2) in scalars and ("memory/gpu_peak_gib", 2) in scalars
     assert not any(tag in ("train/step", "train/tokens") for tag, _ in scalars)
+
+
+def test_a_resumed_tensorboard_writer_marks_a_restart_at_its_first_step(tmp_path):
+    """TensorBoard hides what earlier event files hold for the resumed run's steps (``purge_step``): one line, as in
+    metrics.jsonl, the replaced records still in their file."""
+    pytest.importorskip("tensorboardX")
+    from tensorboardX.proto import event_pb2
+    w = TensorBoardWriter(tmp_path)
+    for s in (1, 2, 3):
+        w.write(metrics(s))
+    w.close()
+    time.sleep(1.1)  # event files are named by the second
+    w = TensorBoardWriter(tmp_path)
+    w.write(metrics(2))
+    w.close()
+    first, resumed = sorted(tmp_path.glob("events.out.tfevents.*"))
+    starts = [e.step for e in _read_events(resumed) if e.session_log.status == event_pb2.SessionLog.START]
+    assert starts == [2] and {e.step for e in _read_events(first) if e.summary.value} == {1, 2, 3}
 
 
 def test_wandb_only_when_installed(monkeypatch, tmp_path):
@@ -196,6 +232,7 @@ def test_wandb_only_when_installed(monkeypatch, tmp_path):
     fake.init = lambda **kw: inits.append(kw) or Run()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     w = WandbLogger("proj", "name", {"train": {"steps": 3}}, tmp_path)
+    assert not inits  # no W&B run before the first record: a run refused at start makes none
     w.write(metrics(3, eval_loss=2.0))
     w.close()
     assert inits[0]["project"] == "proj" and inits[0]["config"] == {"train": {"steps": 3}}
@@ -215,6 +252,17 @@ def test_plot_run(tmp_path):
             f.write(json.dumps(rec) + "\n")
     out = plot_run(tmp_path)
     assert out == tmp_path / "metrics.png" and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_takes_a_metrics_file_and_says_what_another_file_is(tmp_path):
+    pytest.importorskip("matplotlib")
+    kept = tmp_path / "metrics.1.jsonl"  # kept aside by a resumed run
+    kept.write_text("".join(json.dumps(metrics(s)) + "\n" for s in range(1, 4)))
+    assert plot_run(kept) == tmp_path / "metrics.1.png"
+    (tmp_path / "config.toml").write_text("[train]\nsteps = 3\n")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.toml'} is a file, not a run folder: plot takes a run "
+                                         f"folder, .*megatrain-jax plot {tmp_path}\\)"):
+        plot_run(tmp_path / "config.toml")
 
 
 def test_plot_without_matplotlib(monkeypatch, tmp_path):

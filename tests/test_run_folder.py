@@ -4,8 +4,11 @@ metrics row; every checkpoint corrupt is an error that lists them; the demo's li
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,14 +19,38 @@ import pytest
 
 from megatrain_jax.checkpoint import committed_steps
 from megatrain_jax.cli import main
+from megatrain_jax.cli.run import run_files
+from megatrain_jax.observe import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_RUN = ["model.layers=2", "data.seq_len=32", "data.batch_size=4", "data.demo_tokens=20000",
             "log.progress=lines", "log.tensorboard=false"]
 
 
-def steps_in(run_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def steps_in(run_dir: Path, name: str = "metrics.jsonl") -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / name).read_text().splitlines()]
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (checkpoints included), by relative path."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """A run folder trained 2 steps, checkpointed at step 2, with TensorBoard event files (copied by each test)."""
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    assert main(["train", *TINY_RUN, "log.tensorboard=true", "train.checkpoint_every=2", "train.steps=2",
+                 f"train.run_dir={run_dir}"]) == 0
+    return run_dir
+
+
+def copy_of(saved_run: Path, tmp_path: Path) -> tuple[Path, list[str]]:
+    """A copy of ``saved_run`` in ``tmp_path``, and the arguments that resume it."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_run, run_dir)
+    return run_dir, [*TINY_RUN, "log.tensorboard=true", "train.checkpoint_every=2", "train.resume=true",
+                     f"train.run_dir={run_dir}"]
 
 
 def test_a_second_train_into_a_run_folder_is_refused_and_changes_nothing(tmp_path, capsys):
@@ -90,6 +117,117 @@ def test_resuming_an_older_step_where_newer_ones_are_is_refused_at_start(tmp_pat
     assert main(["train", *run, "train.steps=6", f"train.resume={tmp_path / 'checkpoints' / '2'}",
                  f"train.checkpoint_dir={other}"]) == 0
     assert committed_steps(other) == [6, 4] and committed_steps(tmp_path / "checkpoints") == [4, 2]
+
+
+def test_a_resume_that_changes_the_model_but_no_shape_is_refused_naming_each_key(saved_run, tmp_path, capsys):
+    """A RoPE base, norm epsilon, head split (the same heads x head_dim), window or activation changed on resume
+    keeps every tensor's shape: refused at start (exit 2) naming each key with both values and the ways on,
+    nothing changed. What may change on resume (steps, the schedule, the attention kernel, chunk sizes) still
+    resumes."""
+    run_dir, resume = copy_of(saved_run, tmp_path)
+    before = files_of(run_dir)
+    capsys.readouterr()
+    changed = ["model.rope_theta=20000", "model.norm_eps=1e-6", "model.heads=8", "model.kv_heads=4",
+               "model.head_dim=8", "model.sliding_window=16", "model.mlp_activation=gelu_tanh"]
+    assert main(["train", *resume, "train.steps=4", *changed]) == 2
+    err = capsys.readouterr().err
+    for line in ("model.rope_theta: 10000.0 in the checkpoint, 20000.0 now", "model.norm_eps: 1e-05 in the "
+                 "checkpoint, 1e-06 now", "model.heads: 4 in the checkpoint, 8 now", "model.kv_heads: 2 in the "
+                 "checkpoint, 4 now", "model.head_dim: none in the checkpoint, 8 now", "model.sliding_window: none in "
+                 "the checkpoint, 16 now", "model.mlp_activation: silu in the checkpoint, gelu_tanh now"):
+        assert line in err
+    assert f"cannot resume from {run_dir / 'checkpoints' / '2'}" in err
+    assert "model.rope_theta=10000.0 model.norm_eps=1e-05" in err  # put them back ...
+    assert "megatrain-jax convert" in err and "model.hf_checkpoint=NEW_DIR" in err  # ... or a new run from the weights
+    assert files_of(run_dir) == before
+    back = shlex.split(err.split("put the checkpoint's values back (")[1].split("). To train")[0])
+    assert main(["train", *resume, "train.steps=3", *changed, *back, "optimizer.lr=1e-3", "model.attention_impl=xla",
+                 "model.loss_chunk_tokens=64"]) == 0
+    assert steps_in(run_dir) == [1, 2, 3]
+
+
+def test_a_refused_start_leaves_the_run_folder_byte_for_byte(saved_run, tmp_path, capsys):
+    """Refused once its memory plan is made (another batch size: another plan), by the data, by the packing bound
+    or by the model check inside fit: memory_plan.json, config.toml, metrics.jsonl, the TensorBoard files and the
+    checkpoints are all as they were."""
+    run_dir, resume = copy_of(saved_run, tmp_path)
+    before = files_of(run_dir)
+    for refused in (["data.path=missing.bin"], ["data.mode=packed", "model.max_segments=1"], ["model.rope_theta=2e4"]):
+        assert main(["train", *resume, "train.steps=4", "data.batch_size=8", *refused]) == 2, refused
+        assert files_of(run_dir) == before, refused
+
+
+def test_resuming_at_or_past_train_steps_says_so_and_writes_nothing(saved_run, tmp_path, capsys):
+    """train.steps counts from step 0: a checkpoint at or past it leaves nothing to train. Said, with what to set to
+    train on; exit 0 (the run is done, as a finished run started again is), and the folder is as it was."""
+    run_dir, resume = copy_of(saved_run, tmp_path)
+    before = files_of(run_dir)
+    capsys.readouterr()
+    assert main(["train", *resume, "train.steps=1"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing to train: the checkpoint this run resumed from holds step 2, and train.steps = 1" in out
+    assert "set train.steps above 2 (train.steps=3 trains 1 more)" in out
+    assert files_of(run_dir) == before
+
+
+def test_a_run_killed_past_its_last_checkpoint_resumes_into_one_continuous_metrics_file(tmp_path, capsys):
+    """The commonest resume: killed at step 6 (its row half written) with the last checkpoint at step 4, resumed with
+    the same config. metrics.jsonl is the history of the line being continued, rows 1-4 as they were and 5-8 from
+    the resumed run, which is what plot draws; the replaced rows (5, 6 and the cut one) are in metrics.1.jsonl, the
+    old file byte for byte."""
+    run = [*TINY_RUN, "train.checkpoint_every=4", f"train.run_dir={tmp_path}"]
+    assert main(["train", *run, "train.steps=6"]) == 0
+    shutil.rmtree(tmp_path / "checkpoints" / "6")  # the kill came before step 6's checkpoint ...
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')  # ... and in the middle of step 7's row
+    old = (tmp_path / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["train", *run, "train.steps=8", "train.resume=true"]) == 0
+    assert f"{tmp_path / 'metrics.jsonl'}: kept whole as {tmp_path / 'metrics.1.jsonl'}" in capsys.readouterr().err
+    assert steps_in(tmp_path) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert (tmp_path / "metrics.jsonl").read_text().startswith("".join(old.splitlines(keepends=True)[:4]))
+    assert (tmp_path / "metrics.1.jsonl").read_text() == old
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 9))  # what plot reads
+    pytest.importorskip("matplotlib")
+    from megatrain_jax.observe import plot_run
+    assert plot_run(tmp_path).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_run_that_dies_before_its_first_step_leaves_its_memory_plan(tmp_path, monkeypatch, capsys):
+    """Killed while the model loads (here: the engine fails to build), after every check passed: memory_plan.json is
+    there to debug it, and nothing that makes the folder hold a run, so the same command runs again as it was."""
+    fit_module = importlib.import_module("megatrain_jax.fit")  # (the package's ``fit`` is the function)
+
+    def dies(*args, **kwargs):
+        raise MemoryError("killed while loading the model")
+    monkeypatch.setattr(fit_module, "Engine", dies)
+    run = ["train", *TINY_RUN, "train.steps=2", "train.checkpoint_every=2", f"train.run_dir={tmp_path}"]
+    with pytest.raises(MemoryError):
+        main(run)
+    assert json.loads((tmp_path / "memory_plan.json").read_text())["batch_rows"] == 4
+    assert not run_files(tmp_path)
+    monkeypatch.undo()
+    assert main(run) == 0 and steps_in(tmp_path) == [1, 2]
+
+
+def test_a_branch_and_going_back_to_the_first_line_lose_no_metrics_row(tmp_path, capsys):
+    """A branch (an earlier step resumed into another checkpoint folder, in the same run folder), then the first line
+    resumed again: each writes records for steps the file already holds, and every record ever written stays in
+    one of the metrics files (the replaced file kept whole as metrics.N.jsonl)."""
+    run = [*TINY_RUN, "train.checkpoint_every=1", f"train.run_dir={tmp_path}"]
+
+    def rows() -> set[str]:
+        return {line for p in tmp_path.glob("metrics*.jsonl") for line in p.read_text().splitlines()}
+    assert main(["train", *run, "train.steps=3"]) == 0  # checkpoints of steps 2 and 3
+    first = rows()
+    assert main(["train", *run, "train.steps=4", f"train.resume={tmp_path / 'checkpoints' / '2'}",
+                 f"train.checkpoint_dir={tmp_path / 'branch'}"]) == 0
+    assert first <= rows() and steps_in(tmp_path) == [1, 2, 3, 4] and steps_in(tmp_path, "metrics.1.jsonl") == [1, 2, 3]
+    assert "kept whole as" in capsys.readouterr().err
+    branch = rows()
+    assert main(["train", *run, "train.steps=4", "train.resume=true"]) == 0  # the first line, from its step 3
+    assert branch <= rows() and steps_in(tmp_path) == [1, 2, 3, 4]
+    assert steps_in(tmp_path, "metrics.2.jsonl") == [1, 2, 3, 4]  # the branch's file, whole
 
 
 def test_every_checkpoint_corrupt_stops_with_a_list(tmp_path, capsys):

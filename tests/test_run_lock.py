@@ -45,6 +45,18 @@ def test_a_dead_runs_lock_is_taken_over_with_a_note(tmp_path):
     lock.release()
 
 
+@pytest.mark.parametrize("key", ["train.run_dir", "train.checkpoint_dir"])
+def test_a_run_or_checkpoint_folder_that_is_a_file_says_so(tmp_path, capsys, key):
+    file = tmp_path / "not-a-folder"
+    file.write_text("kept")
+    run_dir = file if key == "train.run_dir" else tmp_path / "run"
+    assert main(["train", *TINY_RUN, "train.steps=1", "train.checkpoint_every=1", f"train.run_dir={run_dir}",
+                 *([f"train.checkpoint_dir={file}"] if key == "train.checkpoint_dir" else [])]) == 2
+    err = capsys.readouterr().err
+    assert f"{file} is a file, not a folder; nothing was changed. Set {key} to a folder" in err
+    assert "File exists" not in err and file.read_text() == "kept"
+
+
 def test_each_process_of_a_distributed_run_locks_its_own_file(tmp_path):
     with RunLock(tmp_path, 0), RunLock(tmp_path, 1) as other:
         assert other.path.name == ".lock.process-1"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import faulthandler
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,6 +100,57 @@ def test_each_write_failure_is_raised_at_once_and_says_what_to_do(tmp_path, monk
     monkeypatch.undo()
     ckpt.close()
     assert committed_steps(tmp_path) == [good] and check_step(tmp_path / str(good)) is None
+
+
+def fail_tensorstore_write(monkeypatch, code: int, marker: str = "") -> None:
+    """Orbax's array writer fails as TensorStore does on a full disk or quota: a ValueError with no errno, the OS
+    error's code at the end of its message (the message of a real full tmpfs, its paths this write's)."""
+    import orbax.checkpoint as ocp
+    save = ocp.PyTreeCheckpointHandler.save
+
+    def failing(self, directory, *args, **kwargs):
+        if marker not in os.fspath(directory):
+            return save(self, directory, *args, **kwargs)
+        db = f"{os.fspath(directory)}/ocdbt.process_0/"
+        raise ValueError(f'RESOURCE_EXHAUSTED: Error writing "opt.mu.final_norm.scale.value/0" in OCDBT database at '
+                         f'local file "{db}": Failed writing: "{db}d/1bb0537d1da0850fbd712e1dc65a1807": Failed to '
+                         f"write 103131 bytes to file 17: {os.strerror(code)} [os_error_code='{code}']")
+    monkeypatch.setattr(ocp.PyTreeCheckpointHandler, "save", failing)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=["ENOSPC", "EDQUOT"])
+def test_a_full_disk_inside_tensorstore_says_what_to_do_and_keeps_the_checkpoint(tmp_path, monkeypatch, engine,
+                                                                                 no_hang, code):
+    """TensorStore's own error (no errno) is a ``CheckpointWriteError`` with the errno, the space the checkpoint
+    takes and the space free, and what to do; the committed checkpoint stays complete, also with keep=1."""
+    ckpt = Checkpointer(tmp_path, keep=1)
+    good = ckpt.save(engine, wait=True)
+    engine.step(next(data())).resolve()
+    fail_tensorstore_write(monkeypatch, code)
+    with pytest.raises(CheckpointWriteError) as err:
+        ckpt.save(engine)
+        ckpt.wait()
+    msg = str(err.value)
+    assert err.value.errno == code and KINDS[code] in msg and "RESOURCE_EXHAUSTED" not in msg
+    assert f"could not write checkpoint {tmp_path / str(good + 1)}: " in msg
+    assert re.search(r"\(the checkpoint takes about [\d.]+ KiB; [\d.]+ [KMG]iB free there now\)", msg), msg
+    assert f"the checkpoints committed before are untouched (the newest: {tmp_path / str(good)})" in msg
+    engine.step(next(data())).resolve()  # every part was let go
+    monkeypatch.undo()
+    ckpt.close()
+    assert committed_steps(tmp_path) == [good] and check_step(tmp_path / str(good)) is None
+
+
+def test_a_full_disk_inside_tensorstore_ends_train_with_status_2(tmp_path, monkeypatch, no_hang, capsys):
+    fail_tensorstore_write(monkeypatch, errno.ENOSPC, marker="/4.orbax-checkpoint-tmp")
+    ckpt_dir = tmp_path / "checkpoints"
+    assert main(["train", *TINY_RUN, "train.steps=6", "train.checkpoint_every=2", "train.checkpoint_keep=1",
+                 f"train.run_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"could not write checkpoint {ckpt_dir / '4'}: the disk is full" in err
+    assert f"(the newest: {ckpt_dir / '2'})" in err and f"free space on the disk of {ckpt_dir}" in err
+    monkeypatch.undo()
+    assert committed_steps(ckpt_dir) == [2] and check_step(ckpt_dir / "2") is None
 
 
 def test_a_folder_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):

@@ -9,6 +9,8 @@ change. The command line exits with status 2 on it. Behaviour and bounds: docs/c
 from __future__ import annotations
 
 import errno
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -30,32 +32,81 @@ WRITE_ADVICE = {
 }
 
 
+# TensorStore, which writes Orbax's arrays, raises a failed write as a ValueError (no errno) whose message ends
+# with the OS error's code: 'RESOURCE_EXHAUSTED: Error writing local file "<dir>/d/<id>": Failed writing:
+# "<file>": Failed to write 349813 bytes to file 20: No space left on device [os_error_code='28']'.
+_TENSORSTORE_OS_ERROR = re.compile(r"\[os_error_code='?(\d+)'?\]")
+_TENSORSTORE_FILE = re.compile(r'(?:local file|Failed writing:) "([^"]+)"')
+
+
+def tensorstore_os_error(err: BaseException) -> OSError | None:
+    """The OSError behind a TensorStore write error (``_TENSORSTORE_OS_ERROR``), naming the file it names; None
+    for any other error."""
+    found = _TENSORSTORE_OS_ERROR.search(str(err)) if isinstance(err, ValueError) else None
+    if found is None:
+        return None
+    code = int(found.group(1))
+    files = _TENSORSTORE_FILE.findall(str(err))
+    return OSError(code, os.strerror(code), files[-1]) if files else OSError(code, os.strerror(code))
+
+
 def os_error_behind(err: BaseException | None) -> OSError | None:
-    """The first OSError with an errno in ``err``'s ``__cause__``/``__context__`` chain (``err`` included)."""
+    """The first OSError with an errno in ``err``'s ``__cause__``/``__context__`` chain (``err`` included); a
+    TensorStore write error counts as the OSError it reports."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if isinstance(err, OSError) and err.errno is not None:
             return err
+        from_tensorstore = tensorstore_os_error(err)
+        if from_tensorstore is not None:
+            return from_tensorstore
         err = err.__cause__ or err.__context__
     return None
 
 
-def write_error(err: BaseException, target: Path, root: Path, last_good: Path | None) -> CheckpointWriteError | None:
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def free_bytes(root: Path) -> int | None:
+    """Free bytes for this user on the file system of ``root`` (or of its nearest existing parent); None when the
+    system does not say."""
+    for folder in (root, *root.parents):
+        if folder.exists():
+            try:
+                return shutil.disk_usage(folder).free
+            except OSError:
+                return None
+    return None
+
+
+def write_error(err: BaseException, target: Path, root: Path, last_good: Path | None,
+                needed: int | None = None) -> CheckpointWriteError | None:
     """``err``, met writing ``target`` under the checkpoint directory ``root``, as a ``CheckpointWriteError``
-    when an OSError with an errno is behind it; None for any other failure (a bug: raise it as it is)."""
+    when an OSError with an errno is behind it (a TensorStore write error included); None for any other failure
+    (a bug: raise it as it is). ``needed``: the bytes the checkpoint takes, said with the free space when the
+    disk is full or the quota used up."""
     cause = os_error_behind(err)
     if cause is None:
         return None
     if isinstance(cause, CheckpointWriteError):
         return cause
     what, todo = WRITE_ADVICE.get(cause.errno, ("a write failed", "fix what the error names in {root}"))
+    if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = free_bytes(root)
+        space = ([f"the checkpoint takes about {_size(needed)}"] if needed else []) + (
+            [f"{_size(free)} free there now"] if free is not None else [])
+        what += f" ({'; '.join(space)})" if space else ""
     kept = (f"the checkpoints committed before are untouched (the newest: {last_good})" if last_good is not None
             else "no checkpoint had been committed")
     again = f"then resume from {last_good} (train.resume)" if last_good is not None else "then run again"
     out = CheckpointWriteError(f"could not write checkpoint {target}: {what} ({cause}); {kept}. To go on: "
-                               f"{todo.format(root=root)}, or set train.checkpoint_dir to a writable folder; "
-                               f"{again}")
+                               f"{todo.format(root=root)}, or set train.checkpoint_dir to a writable folder; {again}")
     out.errno = cause.errno  # (not strerror: str() would then show it alone)
     out.__cause__ = cause
     return out
@@ -72,4 +123,5 @@ def probe_writable(root: Path, name: str) -> None:
     probe.rmdir()
 
 
-__all__ = ["CheckpointWriteError", "WRITE_ADVICE", "os_error_behind", "probe_writable", "write_error"]
+__all__ = ["CheckpointWriteError", "WRITE_ADVICE", "free_bytes", "os_error_behind", "probe_writable",
+           "tensorstore_os_error", "write_error"]

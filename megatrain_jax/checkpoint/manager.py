@@ -170,7 +170,7 @@ class Checkpointer:
                 config=ocp.args.JsonSave(config or {})))
         except BaseException as err:
             snapshot.release_all()
-            raise write_error(err, self.root / str(snapshot.step), self.root, self.last_good()) or err
+            raise write_error(err, self.root / str(snapshot.step), self.root, self.last_good(), snapshot.nbytes) or err
         self.last_step = snapshot.step
         self._watcher = threading.Thread(target=self._watch, args=(snapshot,), name="megatrain-save-end", daemon=True)
         self._watcher.start()
@@ -206,7 +206,7 @@ class Checkpointer:
         failure, self._failure = self._failure, None
         if failure is not None and not self.abandoned:
             step_dir = self.root / str(self._snapshot.step)
-            raise write_error(failure, step_dir, self.root, self.last_good()) or failure
+            raise write_error(failure, step_dir, self.root, self.last_good(), self._snapshot.nbytes) or failure
 
     def limit_stall(self, stall_s: float) -> None:
         """From now on, abandon a save (the one in flight, and later ones) that makes no progress for

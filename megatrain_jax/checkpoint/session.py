@@ -1,5 +1,5 @@
 """Checkpointing as ``fit`` uses it: resume (engine state and data position), periodic and final saves,
-and save-then-exit on SIGTERM/SIGINT. ``fit`` only calls ``start``, ``after_step``, ``finish`` and
+and save-then-exit on SIGTERM/SIGINT. ``fit`` only calls ``check``, ``start``, ``after_step``, ``finish`` and
 ``running``; a researcher driving ``Engine.steps`` directly can call them the same way.
 
 Failures: a save that failed is raised at the next step (``after_step`` checks), a failed write as
@@ -17,15 +17,15 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import shlex
 import signal
 import sys
 import threading
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from megatrain_jax.checkpoint.manager import (Checkpointer, CheckpointWarning, CorruptCheckpointError,
-                                              committed_steps, split_step_dir)
+from megatrain_jax.checkpoint.manager import (Checkpointer, CorruptCheckpointError, committed_steps,
+                                              split_step_dir)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # After a stop signal, a save whose writer makes no progress (a part written, 16 MiB of the manifest's
@@ -63,6 +63,66 @@ def jsonable(x: Any) -> Any:
     return repr(x)
 
 
+# Model config fields (a table's as ``table.field``) that a resume may change: how the model is computed or
+# bounded (the compute dtype: a checkpoint holds the float32 masters and optimizer state, and the 16-bit stream
+# copies are made again from them; the attention kernel, the chunk sizes, max_positions and max_segments, which
+# only bound the batches), training choices (a mixture of experts' load-balancing loss weight and token
+# dropping), and what only exports read (the family's names, the special token ids). Every other field defines
+# the function the model computes. (hf.mapping's _MATCHING_FIELDS is a second list of the same thing, the other
+# way round, for loading a Hugging Face checkpoint: a field added to DecoderConfig must be placed in both.)
+MAY_CHANGE_ON_RESUME = frozenset({
+    "dtype", "attention_impl", "max_positions", "max_segments", "loss_chunk_tokens", "mlp_chunk_tokens",
+    "moe.aux_loss_coef", "moe.capacity_factor", "family", "bos_token_id", "eos_token_id", "pad_token_id"})
+
+
+def _changes(saved: dict, now: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """``{field: (saved value, value now)}`` of the fields the two records hold and set differently; a table
+    both hold (``rope_scaling``, ``moe``) key by key. A field one record lacks (added since) is not compared."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for key, before in saved.items():
+        if key not in now or f"{prefix}{key}" in MAY_CHANGE_ON_RESUME:
+            continue
+        after = now[key]
+        if isinstance(before, dict) and isinstance(after, dict):
+            out.update(_changes(before, after, f"{prefix}{key}."))
+        elif before != after:
+            out[f"{prefix}{key}"] = (before, after)
+    return out
+
+
+def _value(v: Any, inner: bool = False) -> str:
+    """A config value as a command-line override writes it (TOML; ``none`` for None, a table without its unset
+    keys)."""
+    if v is None:
+        return "none"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_value(x, True)}" for k, x in v.items() if x is not None) + "}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x, True) for x in v) + "]"
+    return json.dumps(v) if inner and isinstance(v, str) else str(v)
+
+
+def check_same_model(saved: dict | None, now: dict | None, where: Path) -> None:
+    """Refuse to resume from the checkpoint ``where`` when the model it records (``saved``, the JSON of its
+    config) differs from this run's (``now``) in a field that defines the model: a changed RoPE base, norm
+    epsilon, head split or activation keeps every tensor's shape, and the run would go on training another
+    model. The fields of ``MAY_CHANGE_ON_RESUME`` may differ."""
+    changed = _changes(saved, now) if saved and now else {}
+    if not changed:
+        return
+    lines = "\n".join(f"  model.{k}: {_value(a)} in the checkpoint, {_value(b)} now" for k, (a, b) in changed.items())
+    back = " ".join(shlex.quote(f"model.{k}={_value(a)}") for k, (a, _) in changed.items())
+    raise ValueError(
+        f"cannot resume from {where}: this run's model differs from the one the checkpoint holds, and resuming "
+        f"would go on training another model:\n{lines}\nNothing was changed. To resume, put the checkpoint's "
+        f"values back ({back}). To train the changed model from these weights (the optimizer starting afresh), start a "
+        f"new run from them: megatrain-jax convert {where} NEW_DIR --to hf --dtype float32, set the changed values in "
+        f"NEW_DIR/config.json (under Hugging Face's names), then train with model.hf_checkpoint=NEW_DIR and a new "
+        f"train.run_dir")
+
+
 def position_data(data: Iterable, meta: dict) -> Iterable:
     """``data`` continuing right after the last batch the checkpointed run consumed: through its
     ``restore(state)`` when it has one, else by skipping the ``batches`` already consumed."""
@@ -92,6 +152,7 @@ class CheckpointSession:
             raise ValueError("resume='auto' needs a checkpoint_dir to look in")
         self.every, self.resume, self.config, self.accumulate = every, resume, config or {}, accumulate
         self.ckpt = Checkpointer(directory, keep=keep) if directory is not None else None
+        self._open = self.ckpt is not None
         if self.ckpt is not None and resume is None and committed_steps(self.ckpt.root):
             raise ValueError(f"checkpoint directory {self.ckpt.root} already holds checkpoints (steps "
                              f"{committed_steps(self.ckpt.root)}); resume to continue that run (TrainConfig(resume="
@@ -105,6 +166,7 @@ class CheckpointSession:
                                  f"those aside, resume from the newest (train.resume=true), or set "
                                  f"train.checkpoint_dir to another folder")
         self.data: Iterable | None = None
+        self._resume_from: tuple[Path | None, bool] | None = None  # (step directory, verified), once ``check`` ran
         self.start_step = 0
         self.resumed_from: Path | None = None
         self.stop_signal: str | None = None
@@ -114,19 +176,36 @@ class CheckpointSession:
             self.data.state() if callable(getattr(self.data, "state", None)) else None)
 
     # ------------------------------------------------------------------ resume
+    def check(self) -> int:
+        """Pick the checkpoint to resume from and refuse one whose model differs (``check_same_model``), before
+        anything is loaded; returns the step training starts from (0: a fresh start). ``fit`` calls it before
+        it builds the engine, so that every refusal comes before the model loads; ``start`` calls it when it
+        was not called."""
+        if self._resume_from is None:
+            try:
+                step_dir, verified = self._resume_dir()
+                if step_dir is not None:
+                    try:  # a broken file fails the restore, which says what is wrong with it
+                        saved = json.loads((step_dir / "config" / "config.json").read_text())
+                    except (OSError, ValueError):
+                        saved = {}
+                    check_same_model(saved.get("model"), self.config.get("model"), step_dir)
+            except BaseException:
+                self.close()
+                raise
+            self._resume_from = (step_dir, verified)
+        step_dir = self._resume_from[0]
+        return 0 if step_dir is None else int(step_dir.name)
+
     def start(self, engine, data: Iterable) -> Iterable:
-        """Restore the engine and position ``data`` when resuming; returns the data to train on."""
+        """Restore the engine and position ``data`` when resuming (``check`` first); returns the data to train on."""
         self.data = data
+        self.check()
+        step_dir, verified = self._resume_from
         try:
-            step_dir, verified = self._resume_dir()
             if step_dir is not None:
                 own = self.ckpt is not None and step_dir.parent == self.ckpt.root
                 reader = self.ckpt if own else Checkpointer(step_dir.parent, read_only=True)
-                recorded = step_dir / "config" / "config.json"
-                try:  # before the restore, whose shape errors this explains; a broken file fails the restore
-                    self._compare_config(json.loads(recorded.read_text()), step_dir)
-                except (OSError, ValueError):
-                    pass
                 try:
                     meta, _ = reader.restore(engine, int(step_dir.name), verified=verified)
                 finally:
@@ -136,11 +215,17 @@ class CheckpointSession:
                 self.resumed_from = step_dir
                 print(f"resumed from {step_dir} at step {engine.state.step}", file=sys.stderr, flush=True)
         except BaseException:
-            if self.ckpt is not None:
-                self.ckpt.close()
+            self.close()
             raise
         self.start_step = int(engine.state.step)
         return self.data
+
+    def close(self) -> None:
+        """Close the checkpoint manager, waiting for the save in flight (``running`` does on its way out, and
+        ``check`` and ``start`` when they fail); once."""
+        ckpt, self._open = self.ckpt if self._open else None, False
+        if ckpt is not None:
+            ckpt.close()
 
     def _resume_dir(self) -> tuple[Path | None, bool]:
         """The step directory to resume from (None: a fresh start), and whether it was just verified."""
@@ -168,14 +253,6 @@ class CheckpointSession:
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {root}")
         return root / str(step), True
-
-    def _compare_config(self, saved: dict, where: Path) -> None:
-        saved_model, now_model = saved.get("model"), self.config.get("model")
-        if saved_model and now_model and saved_model != now_model:
-            diff = {k: (saved_model.get(k), now_model.get(k)) for k in saved_model.keys() | now_model.keys()
-                    if saved_model.get(k) != now_model.get(k)}
-            warnings.warn(f"model config differs from the one recorded with {where} (saved, now): {diff}",
-                          CheckpointWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ saving
     def follow(self, data_state: Callable[[], Any], stop: Callable[[str], None]) -> None:
@@ -278,5 +355,4 @@ class CheckpointSession:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-            if self.ckpt is not None:
-                self.ckpt.close()
+            self.close()

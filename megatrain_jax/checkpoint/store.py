@@ -83,6 +83,7 @@ class Snapshot:
         self._parts: dict[str, dict[str, Any]] = {part.name: named_leaves(tree) for part, tree in part_trees(state)}
         self._done = {name: threading.Event() for name in self._parts}
         self.names = list(self._parts)
+        self.nbytes = sum(int(getattr(leaf, "nbytes", 0)) for leaves in self._parts.values() for leaf in leaves.values())
         self.wait_s = 0.0  # time the engine spent held by this snapshot
         self.stall_s = stall_s
         self.abandoned = False

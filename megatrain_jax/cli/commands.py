@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="engine benchmark (experiments/bench.py; source checkouts only)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for experiments/bench.py")
     p = sub.add_parser("plot", help="PNG of loss, eval loss and throughput of a run")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a run folder (train.run_dir), or a metrics .jsonl file in one")
     p.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
     return ap
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,10 @@ def npz_path(path: str | os.PathLike) -> Path:
 
 def load_npz(path: str | os.PathLike) -> tuple[DecoderConfig, dict, list[dict]]:
     """``(cfg, io_params, [block_params])`` from ``save_npz``'s file, as float32 numpy trees."""
+    if Path(path).is_file() and not zipfile.is_zipfile(path):  # numpy would offer to unpickle it
+        raise ValueError(f"{path} is not a .npz archive (a zip of named arrays, as np.savez writes): it may be cut "
+                         f"short or another kind of file. convert reads the .npz that megatrain-jax convert writes "
+                         f"(megatrain-jax convert HF_DIR {Path(path).name}); make it again that way")
     with np.load(path) as z:
         if CONFIG_KEY not in z:
             raise ValueError(f"{path} has no {CONFIG_KEY}: not written by megatrain-jax convert")

@@ -13,7 +13,7 @@ import json
 import sys
 import tomllib
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 import jax
 from flax import nnx
@@ -29,7 +29,7 @@ from megatrain_jax.fit import History, Hook, fit
 from megatrain_jax.hf.export_folder import check_target, tokenizer_files
 from megatrain_jax.models import Decoder
 from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
-from megatrain_jax.observe.metrics import read_metrics
+from megatrain_jax.observe.metrics import free_name, read_metrics
 from megatrain_jax.cli.toml_dataclass import ConfigError
 from megatrain_jax.engine.config import AUTO, EngineConfig
 from megatrain_jax.engine.program_memory import program_memory
@@ -58,7 +58,7 @@ def _device_line(devices: int | None) -> str:
             + (f" of the {seen} visible" if used < seen else ""))
 
 
-def _first_step(fn) -> Hook:
+def _first_step(fn: Callable[[], None]) -> Hook:
     """A hook calling ``fn()`` once, at the first step."""
     done: list[bool] = []
 
@@ -73,14 +73,6 @@ class RunFolderError(FileExistsError):
     """The run folder (or its checkpoint directory) already holds a run that this one would overwrite."""
 
 
-def _aside(path: Path) -> Path:
-    """``metrics.jsonl`` -> the first free ``metrics.1.jsonl``, ``metrics.2.jsonl``, ..."""
-    n = 1
-    while (candidate := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
-        n += 1
-    return candidate
-
-
 def run_files(run_dir: Path, ckpt_dir: Path | None = None) -> list[str]:
     """What in ``run_dir`` belongs to a run: ``metrics.jsonl``, ``config.toml``, and the committed checkpoints
     of ``ckpt_dir`` (default ``run_dir/checkpoints``). Empty when the folder holds no run."""
@@ -90,14 +82,14 @@ def run_files(run_dir: Path, ckpt_dir: Path | None = None) -> list[str]:
     return held + ([f"checkpoints of steps {steps} in {ckpt_dir}"] if steps else [])
 
 
-def prepare_run_folder(cfg: RunConfig, say) -> None:
-    """Refuse to start a fresh run where one exists; when resuming, keep what the earlier run wrote.
+def prepare_run_folder(cfg: RunConfig) -> None:
+    """Refuse to start a fresh run where one exists; when resuming, refuse a folder whose files the run would
+    fail to go on writing. Creates the folder, and changes nothing in it: a refused start leaves it as it was.
 
     A folder holds a run when it has ``metrics.jsonl``, ``config.toml`` or committed checkpoints. Without
-    ``train.resume`` that is an error naming both ways on; with it, the run continues from the newest
-    checkpoint, and files that would be replaced rather than continued are moved aside, never overwritten:
-    ``metrics.jsonl`` when there is no checkpoint to continue from (the run starts over), ``config.toml``
-    when the configuration changed (the new one is written next to it as ``config.N.toml``)."""
+    ``train.resume`` that is an error naming both ways on. A resumed run keeps what the earlier ones wrote,
+    once it has started: records of ``metrics.jsonl`` it would write anew are kept in ``metrics.N.jsonl``
+    (``JsonlWriter``), a changed configuration is written as ``config.N.toml`` (``_write_config``)."""
     t = cfg.train
     run_dir, ckpt_dir = Path(t.run_dir), t.checkpoint_folder()
     held = run_files(run_dir, ckpt_dir)
@@ -105,16 +97,9 @@ def prepare_run_folder(cfg: RunConfig, say) -> None:
         raise RunFolderError(
             f"run folder {run_dir} already holds a run ({', '.join(held)}); nothing was changed. To continue "
             f"it, add train.resume=true; to start a new run, set train.run_dir to a new folder")
-    steps = committed_steps(ckpt_dir) if ckpt_dir.is_dir() else []
-    metrics = run_dir / "metrics.jsonl"
     if t.resume:  # what the run goes on writing must be readable before it trains, not after
         _check_readable(run_dir / "config.toml", lambda path: tomllib.loads(path.read_text()))
-        if steps:
-            _check_readable(metrics, read_metrics)
-    if t.resume and not steps and metrics.exists():
-        aside = _aside(metrics)
-        metrics.rename(aside)
-        say(f"  no checkpoint to resume from in {ckpt_dir}: starting over; the earlier metrics are kept in {aside}")
+        _check_readable(run_dir / "metrics.jsonl", read_metrics)
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
@@ -134,7 +119,7 @@ def _write_config(cfg: RunConfig, run_dir: Path) -> None:
     """``config.toml``, or ``config.N.toml`` next to it when a resumed run's configuration differs."""
     path, text = run_dir / "config.toml", to_toml(cfg)
     if path.exists() and _without_resume(tomllib.loads(path.read_text())) != _without_resume(tomllib.loads(text)):
-        path = _aside(path)
+        path = free_name(path)
     if not path.exists():
         path.write_text(text)
 
@@ -279,10 +264,9 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     if repicked:
         say(f"megatrain_jax: {repicked}")
     say(_memory_line(memory, estimate))
-    prepare_run_folder(cfg, say)
-    record = {**memory.as_dict(), "estimate_gpu_total": estimate.gpu_total if estimate.engine_cfg == memory.engine_cfg
-              else None}
-    (run_dir / "memory_plan.json").write_text(json.dumps(record, indent=1))  # the plan this start ran with
+    prepare_run_folder(cfg)
+    plan_record = {**memory.as_dict(),
+                   "estimate_gpu_total": estimate.gpu_total if estimate.engine_cfg == memory.engine_cfg else None}
 
     init_from = None
     if cfg.model.hf_checkpoint is not None:  # read part by part into the engine's state: no model copy
@@ -302,9 +286,19 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
             f"{summary['truncated']:,} truncated to seq_len + 1 = {d.seq_len + 1} tokens, "
             f"{summary['skipped_too_long']:,} skipped as too long, {summary['skipped_no_loss']:,} skipped with no "
             f"answer token left (data.too_long = {d.too_long!r}); in {run_dir / 'data_stats.json'}")
-        (run_dir / "data_stats.json").write_text(json.dumps(summary, indent=1))
 
-    # written at the first step, so a run refused at start (e.g. by the checkpoint folder) leaves the folder as is
+    def started(step: int) -> None:
+        """Every check has passed (fit's too: the checkpoint and its model) and the model is about to load: the
+        plan this start runs with, and what the data kept, are written now, so that a run that dies loading or
+        in its first step (out of memory, killed) leaves them. A refused start, or one with nothing to train,
+        leaves the folder as it was."""
+        if step < t.steps:
+            (run_dir / "memory_plan.json").write_text(json.dumps(plan_record, indent=1))
+            if summary is not None:
+                (run_dir / "data_stats.json").write_text(json.dumps(summary, indent=1))
+
+    # config.toml with the first step's metrics: a folder holds a run once a step trained (run_files), and a start
+    # that died before that can be run again as it was
     hooks, writers = [_first_step(lambda: _write_config(cfg, run_dir))], []
     every = t.eval_interval(d.eval_fraction)
     if every:
@@ -328,7 +322,7 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
 
     try:
         history = fit(model, data, optimizer, train=t.for_fit(), engine=cfg.engine, hooks=hooks, write_back=False,
-                      init_from=init_from)
+                      init_from=init_from, on_start=started)
     except DeviceOutOfMemoryError as err:
         err.add_note(_out_of_memory_advice(memory, err, t.for_fit().checkpointing))
         raise
@@ -353,4 +347,9 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
                if "lm_loss" in first and "lm_loss" in last else "")
             + (f", eval loss {evals[-1]:.4f}" if evals else "")
             + f"; metrics in {run_dir / 'metrics.jsonl'} (megatrain-jax plot {run_dir} draws them)")
+    else:  # resumed at or past train.steps: done already, as a finished run run again is (status 0)
+        at = int(history.engine.state.step)
+        say(f"nothing to train: the checkpoint this run resumed from holds step {at}, and train.steps = {t.steps} "
+            f"counts from step 0 (a resumed run ends where the uninterrupted one would); the run folder is as it was. "
+            f"To train on, set train.steps above {at} (train.steps={at + t.steps} trains {t.steps} more)")
     return history

@@ -50,6 +50,11 @@ class ModelSection:
     hf_checkpoint: str | None = None  # a folder with config.json + safetensors; weights are loaded from it
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.hf_checkpoint, str) and not self.hf_checkpoint.strip():
+            raise ValueError("hf_checkpoint is an empty path, which would mean the current directory: give the "
+                             "Hugging Face folder (with config.json), or leave it unset for a preset")
+
     def build(self) -> DecoderConfig:
         if self.hf_checkpoint is not None:
             from megatrain_jax.hf import read_config
@@ -127,6 +132,11 @@ class TrainSection(TrainConfig):
         for name in ("steps", "log_every", "eval_batches"):
             if getattr(self, name) is None or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("run_dir", "export_hf"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.strip():  # an empty path is the current directory
+                raise ValueError(f"{name} is an empty path, which would mean the current directory: give a folder "
+                                 f"(e.g. runs/my-run)" + (", or leave it unset" if name == "export_hf" else ""))
         if self.eval_every is not None and self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (0 = off), got {self.eval_every}")
         self.for_fit()  # every TrainConfig check, with the run folder's checkpoint default
@@ -210,8 +220,8 @@ def _model(table: dict, where: Where) -> ModelSection:
             overrides[k] = {kk: coerce(vv, sub[kk], where.key(k).key(kk)) for kk, vv in v.items()}
         else:
             overrides[k] = coerce(v, fields[k], where.key(k))
-    section = ModelSection(preset=name, hf_checkpoint=hf_checkpoint, overrides=overrides)
     try:
+        section = ModelSection(preset=name, hf_checkpoint=hf_checkpoint, overrides=overrides)
         section.build()  # every DecoderConfig check, now rather than after data is loaded
     except (ValueError, TypeError, FileNotFoundError) as e:
         raise ConfigError(f"{where.in_table(table)}: {e}") from None

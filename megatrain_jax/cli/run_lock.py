@@ -34,6 +34,9 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self) -> str | None:
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise FileExistsError(f"{self.what} {self.run_dir} is a file, not a folder; nothing was changed. Set "
+                                  f"{self.key} to a folder (a new one for a new run), or move the file away")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

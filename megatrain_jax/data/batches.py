@@ -28,6 +28,7 @@ tiny JSON dict and a restored iterator yields exactly the batches an uninterrupt
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from typing import Any
 
@@ -93,9 +94,22 @@ class TokenDataset:
             self.starts = a[doc] + k * T
             self.lengths = np.minimum(T + 1, L[doc] - k * T)
         if len(self.starts) == 0:
-            raise ValueError(f"the {split} split of {self.file.path or 'the tokens'} ({n} tokens) holds no "
-                             f"{'window' if mode == 'windows' else 'document'} of seq_len={T}; use more data, "
-                             f"a shorter seq_len or a larger eval_fraction")
+            raise ValueError(self._empty_split(n, eval_fraction))
+
+    def _empty_split(self, n: int, eval_fraction: float) -> str:
+        """Why this split holds no unit, and what to change: the held-out share grows the eval split and
+        shrinks the train split."""
+        T, windows = self.seq_len, self.mode == "windows"
+        what = (f"the {self.split} split of {self.file.path or 'the tokens'} ({n} tokens, eval_fraction="
+                f"{eval_fraction:g}) holds no " + (f"window of seq_len={T} (a window takes {T + 1} tokens)"
+                                                  if windows else "document of 2 tokens or more"))
+        if self.split == "train":
+            ways = ["more data"] + ["a shorter seq_len"] * windows + ["a smaller eval_fraction"] * (eval_fraction > 0)
+        else:
+            least = math.ceil((T + 1) / n * 1000) / 1000 if windows and n else None  # held-out share for one window
+            ways = [f"an eval_fraction of at least {least:g}" if least is not None and least < 0.5
+                    else "a larger eval_fraction", "more data"] + ["a shorter seq_len"] * windows
+        return f"{what}; use {', '.join(ways[:-1])} or {ways[-1]}" if len(ways) > 1 else f"{what}; use {ways[0]}"
 
     def __len__(self) -> int:
         return len(self.starts)

@@ -43,6 +43,14 @@ class DataConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"[data] {name} must be an integer >= {least}, got {value!r}")
+        for name, what in (("path", "the token file (with format = 'chat', the JSONL file), or leave it unset for "
+                                    "the demo corpus"),
+                           ("tokenizer", "the tokenizer's folder, or leave it unset for the model's hf_checkpoint"),
+                           ("cache_dir", "a folder, or leave it unset for ~/.cache/megatrain_jax/instruct")):
+            value = getattr(self, name)
+            if isinstance(value, str) and not value.strip():  # an empty path is the current directory
+                raise ValueError(f"[data] {name} is an empty path, which would mean the current directory: give "
+                                 f"{what}")
         check_choice("mode", self.mode, MODES)
         check_choice("format", self.format, FORMATS)
         check_choice("too_long", self.too_long, ("truncate", "skip"))

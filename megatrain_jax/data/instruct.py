@@ -11,6 +11,8 @@ Two line formats, one JSON object per line:
 - ``{"prompt": "...", "completion": "..."}``: the prompt then the completion and the end-of-sequence
   token, without a template.
 
+A line holds one form: one with ``messages`` and ``prompt`` or ``completion`` is refused.
+
 Which tokens carry loss is found from text offsets. For each assistant turn, the template renders the
 conversation up to the turn with the generation prompt (where the turn's text starts) and up to the end
 of the turn (where it ends). Tokens whose characters fall inside such a span carry loss: the assistant's
@@ -190,6 +192,11 @@ def parse_line(text: str, where: str) -> dict[str, Any]:
         raise InstructDataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise InstructDataError(f"{where}: each line must be a JSON object, got {type(obj).__name__}")
+    both = sorted({"prompt", "completion"} & obj.keys())
+    if "messages" in obj and both:  # which one the author meant cannot be told
+        raise InstructDataError(f"{where}: the line has both 'messages' and {' and '.join(map(repr, both))}; keep one "
+                                f"form: 'messages' (a conversation, rendered with the chat template) or 'prompt' and "
+                                f"'completion' (no template), and remove the other's keys")
     if "messages" in obj:
         messages = obj["messages"]
         if not isinstance(messages, list) or not messages:

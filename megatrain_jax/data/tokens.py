@@ -89,6 +89,10 @@ class TokenFile:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"token file {path} does not exist; " + HOW_TO_CREATE.format(path=path))
+        if path.suffix == ".npz":  # a zip of arrays: which one holds the tokens cannot be told
+            raise ValueError(f"{path} is a .npz archive, not a token file: token files are a .npy holding one 1-D "
+                             f"integer array (np.save(path, tokens)) or a .bin with its JSON sidecar; "
+                             + HOW_TO_CREATE.format(path=path.with_suffix(".bin")))
         if path.suffix == ".npy":
             tokens = _load_npy(path, "re-create it with np.save(path, tokens) from a 1-D integer array, or "
                                + HOW_TO_CREATE.format(path=path))

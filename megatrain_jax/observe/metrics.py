@@ -13,6 +13,7 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -86,25 +87,52 @@ def _plain(value: Any) -> Any:
     return None
 
 
+def free_name(path: Path) -> Path:
+    """``metrics.jsonl`` -> the first of ``metrics.1.jsonl``, ``metrics.2.jsonl``, ... that does not exist."""
+    n = 1
+    while (candidate := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    return candidate
+
+
 class JsonlWriter:
     """Writes each step's metrics as a line of JSON; flushed per line so ``tail -f`` follows a run.
 
-    ``append`` (a resumed run) keeps the file's earlier records, except those of steps at or after the
-    first step written now: the interrupted run's steps past its last checkpoint are trained again.
+    ``append`` (a resumed run): ``metrics.jsonl`` goes on from its records of the steps before the first step
+    written now, so that it holds the line of training being continued, step 1 on (what ``plot`` draws). Records
+    already there for that step or later (an interrupted run's steps past its last checkpoint, trained again now;
+    another line of training in the same run folder: a run started over, or a branch from an earlier checkpoint
+    into another checkpoint folder) are never lost: the whole file is first copied aside (``free_name``:
+    ``metrics.1.jsonl``, ...), then ``metrics.jsonl`` is replaced by its earlier records. Each file is whole at
+    every moment (written under a temporary name, then renamed), so a crash in between loses nothing.
+    ``moved_aside`` names the copy, and a line on stderr says so. The file is touched only at the first record:
+    a run that fails to start leaves it as it was.
     """
 
     def __init__(self, path: str | os.PathLike, append: bool = False):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.append = append
-        self._f = None  # opened at the first record: a run that fails to start leaves the old file alone
+        self.moved_aside: Path | None = None
+        self._f = None
         self._t0: float | None = None
 
     def _open(self, first_step: int) -> None:
-        kept = ([r for r in read_metrics(self.path) if r.get("step", 0) < first_step]
-                if self.append and self.path.exists() else [])
-        self._f = open(self.path, "w")
-        self._f.writelines(json.dumps(r) + "\n" for r in kept)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not (self.append and self.path.exists()):
+            self._f = open(self.path, "w")
+            return
+        text = self.path.read_text()
+        records = _lines_and_records(self.path, text)
+        kept = [line for line, r in records if r.get("step", 0) < first_step]
+        why = (f"it holds records of step {first_step} or later, which this run writes anew" if len(kept) < len(records)
+               else "its last line was cut short" if text and not text.endswith("\n") else None)
+        if why is not None:
+            self.moved_aside = free_name(self.path)
+            _write_whole(self.moved_aside, text)
+            _write_whole(self.path, "".join(kept))
+            print(f"{self.path}: kept whole as {self.moved_aside} ({why}); {self.path.name} goes on from its "
+                  f"{len(kept)} records before step {first_step}", file=sys.stderr, flush=True)
+        self._f = open(self.path, "a")
 
     def write(self, metrics: dict) -> None:
         if self._f is None:
@@ -125,6 +153,30 @@ class JsonlWriter:
             self._f.close()
 
 
+def _write_whole(path: Path, text: str) -> None:
+    """``path`` holding ``text``, never half written: written and synced under a temporary name, then renamed."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _lines_and_records(path: Path, text: str) -> list[tuple[str, dict]]:
+    """``(line, record)`` for each line of ``text`` (``path``'s) that holds a record, the line ending with a
+    newline. Only the last line may be cut short (a run still writing, or killed mid-line): it is left out."""
+    lines, out = text.splitlines(keepends=True), []
+    for n, line in enumerate(lines, start=1):
+        if line.strip():
+            try:
+                out.append((line if line.endswith("\n") else line + "\n", json.loads(line)))
+            except json.JSONDecodeError:
+                if n < len(lines):
+                    raise ValueError(f"{path}:{n} is not valid JSON") from None
+    return out
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """The records of a metrics.jsonl (or of ``path/metrics.jsonl`` for a run folder)."""
     path = Path(path)
@@ -132,12 +184,4 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
         path = path / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"no metrics file at {path}; a training run writes run_dir/metrics.jsonl")
-    lines, records = path.read_text().splitlines(), []
-    for n, line in enumerate(lines, start=1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                if n < len(lines):  # only the last line may be cut short (a run still writing)
-                    raise ValueError(f"{path}:{n} is not valid JSON") from None
-    return records
+    return [record for _, record in _lines_and_records(path, path.read_text())]

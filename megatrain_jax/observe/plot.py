@@ -40,7 +40,9 @@ def _si(value: float, _pos=None) -> str:
 
 
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
-    """Write ``out`` (default ``run_dir/metrics.png``) from ``run_dir/metrics.jsonl``; returns its path."""
+    """Write ``out`` (default ``run_dir/metrics.png``) from ``run_dir/metrics.jsonl``; returns its path.
+    ``run_dir`` may also be a metrics file (``metrics.1.jsonl``, kept aside by a resumed run): ``out`` then
+    defaults to the file's name with ``.png``."""
     try:
         import matplotlib
         matplotlib.use("Agg")  # files only: no display needed
@@ -49,11 +51,15 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     except ImportError:
         raise ImportError("plotting needs matplotlib: pip install 'megatrain-jax[plot]' (or pip install "
                           "matplotlib)") from None
-    run_dir = Path(run_dir)
-    records = read_metrics(run_dir)
+    source = Path(run_dir)
+    if source.is_file() and source.suffix != ".jsonl":
+        raise ValueError(f"{source} is a file, not a run folder: plot takes a run folder, the train.run_dir that "
+                         f"holds metrics.jsonl (megatrain-jax plot {source.parent}), or a metrics .jsonl file")
+    run_dir = source.parent if source.is_file() else source
+    records = read_metrics(source)
     if not records:
-        raise ValueError(f"{run_dir}/metrics.jsonl holds no records yet")
-    out = Path(out) if out is not None else run_dir / "metrics.png"
+        raise ValueError(f"{source / 'metrics.jsonl' if source.is_dir() else source} holds no records yet")
+    out = Path(out) if out is not None else source.with_suffix(".png") if source.is_file() else run_dir / "metrics.png"
 
     fig, (ax_loss, ax_tps) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=[3, 2])
     steps, loss = _numeric(records, "loss")

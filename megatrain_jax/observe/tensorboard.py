@@ -29,11 +29,15 @@ def tag(key: str) -> str:
 class _EventFileScalars:
     """Scalars through ``tensorboard.summary.writer.event_file_writer`` (the writer torch uses)."""
 
-    def __init__(self, logdir: str):
+    def __init__(self, logdir: str, purge_step: int):
         from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
         self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
         self._writer = EventFileWriter(logdir)
+        # as tensorboardX's and torch's SummaryWriter(purge_step=...) write it
+        self._writer.add_event(event_pb2.Event(step=purge_step, file_version="brain.Event:2"))
+        self._writer.add_event(event_pb2.Event(step=purge_step, session_log=event_pb2.SessionLog(
+            status=event_pb2.SessionLog.START)))
 
     def add_scalar(self, name: str, value: float, step: int) -> None:
         summary = self._summary_pb2.Summary(value=[self._summary_pb2.Summary.Value(tag=name, simple_value=value)])
@@ -48,22 +52,30 @@ class _EventFileScalars:
 
 class TensorBoardWriter:
     """Writes every numeric metric of each step as a scalar, tagged ``train/``, ``eval/``, ``perf/`` or
-    ``memory/``, into event files in ``logdir`` (view with ``tensorboard --logdir runs``)."""
+    ``memory/``, into event files in ``logdir`` (view with ``tensorboard --logdir runs``).
+
+    The event file is created at the first record, marked as a restart at that step (``purge_step``): TensorBoard
+    then hides what earlier event files in ``logdir`` hold for that step and later, so that a resumed run (or a
+    branch) shows one line, as ``metrics.jsonl`` does; the hidden records stay in their files."""
 
     def __init__(self, logdir: str | os.PathLike, flush_every: int = 50):
         self.logdir = Path(logdir)
-        self.logdir.mkdir(parents=True, exist_ok=True)
         if importlib.util.find_spec("tensorboardX") is not None:
-            from tensorboardX import SummaryWriter
-            self._writer = SummaryWriter(logdir=str(self.logdir))
             self.backend = "tensorboardX"
         elif importlib.util.find_spec("tensorboard") is not None:
-            self._writer = _EventFileScalars(str(self.logdir))
             self.backend = "tensorboard"
         else:
             raise ImportError("TensorBoard logging needs tensorboardX or tensorboard: pip install tensorboardX")
         self.flush_every = flush_every
         self._n = 0
+        self._writer = None  # the event file is created at the first record: a run refused at start writes none
+
+    def _open(self, first_step: int):
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        if self.backend == "tensorboardX":
+            from tensorboardX import SummaryWriter
+            return SummaryWriter(logdir=str(self.logdir), purge_step=first_step)
+        return _EventFileScalars(str(self.logdir), first_step)
 
     @staticmethod
     def available() -> bool:
@@ -71,6 +83,8 @@ class TensorBoardWriter:
 
     def write(self, metrics: dict) -> None:
         step = int(metrics["step"])
+        if self._writer is None:
+            self._writer = self._open(step)
         for key, value in metrics.items():
             if key in _SKIP or isinstance(value, (bool, str)) or not isinstance(value, (int, float)):
                 continue
@@ -83,5 +97,6 @@ class TensorBoardWriter:
         return Hook(lambda m, info: self.write(m), every=1)
 
     def close(self) -> None:
-        self._writer.flush()
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
