@@ -6,6 +6,13 @@ from __future__ import annotations
 import dataclasses
 
 
+def check_path(name: str, value: object, give: str) -> None:
+    """Refuse an empty path (``--set train.run_dir=``): it would mean the current directory. ``give`` says what
+    to give instead."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"{name} is an empty path, which would mean the current directory: give {give}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The run.
@@ -46,11 +53,8 @@ class TrainConfig:
             raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
         if self.devices is not None and (not isinstance(self.devices, int) or self.devices < 1):
             raise ValueError(f"devices must be an integer >= 1 (or None: every GPU), got {self.devices!r}")
-        for name, what in (("checkpoint_dir", "a folder (e.g. runs/x/checkpoints), or leave it unset"),
-                           ("resume", "true, false, or the path of a checkpoint")):
-            value = getattr(self, name)
-            if isinstance(value, str) and not value.strip():  # an empty path is the current directory
-                raise ValueError(f"{name} is an empty path, which would mean the current directory: give {what}")
+        check_path("checkpoint_dir", self.checkpoint_dir, "a folder (e.g. runs/x/checkpoints), or leave it unset")
+        check_path("resume", self.resume, "true, false, or the path of a checkpoint")
         if self.resume is True and self.checkpoint_dir is None:
             raise ValueError("resume=True continues from checkpoint_dir: set checkpoint_dir too "
                              "(or give resume the path of a checkpoint)")

@@ -37,7 +37,7 @@ from megatrain_jax.data.config import FORMATS
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.models.config import ATTENTION_IMPLS, DTYPES, ROPE_KINDS, DecoderConfig, RopeScaling, preset
 from megatrain_jax.optim import adamw
-from megatrain_jax.train_config import TrainConfig
+from megatrain_jax.train_config import TrainConfig, check_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +51,8 @@ class ModelSection:
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.hf_checkpoint, str) and not self.hf_checkpoint.strip():
-            raise ValueError("hf_checkpoint is an empty path, which would mean the current directory: give the "
-                             "Hugging Face folder (with config.json), or leave it unset for a preset")
+        check_path("hf_checkpoint", self.hf_checkpoint,
+                   "the Hugging Face folder (with config.json), or leave it unset for a preset")
 
     def build(self) -> DecoderConfig:
         if self.hf_checkpoint is not None:
@@ -132,11 +131,8 @@ class TrainSection(TrainConfig):
         for name in ("steps", "log_every", "eval_batches"):
             if getattr(self, name) is None or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("run_dir", "export_hf"):
-            value = getattr(self, name)
-            if isinstance(value, str) and not value.strip():  # an empty path is the current directory
-                raise ValueError(f"{name} is an empty path, which would mean the current directory: give a folder "
-                                 f"(e.g. runs/my-run)" + (", or leave it unset" if name == "export_hf" else ""))
+        check_path("run_dir", self.run_dir, "a folder (e.g. runs/my-run)")
+        check_path("export_hf", self.export_hf, "a folder (e.g. runs/my-run/hf), or leave it unset")
         if self.eval_every is not None and self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (0 = off), got {self.eval_every}")
         self.for_fit()  # every TrainConfig check, with the run folder's checkpoint default

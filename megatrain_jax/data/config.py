@@ -10,6 +10,7 @@ from megatrain_jax.data.batches import MODES, TokenBatches, TokenDataset, check_
 from megatrain_jax.data.demo import demo_dataset
 from megatrain_jax.data.prefetch import Prefetcher, prefetch
 from megatrain_jax.data.tokens import TokenFile
+from megatrain_jax.train_config import check_path
 
 FORMATS = ("tokens", "chat")  # what ``DataConfig.path`` holds: token ids, or instruction data (JSONL)
 
@@ -47,10 +48,7 @@ class DataConfig:
                                     "the demo corpus"),
                            ("tokenizer", "the tokenizer's folder, or leave it unset for the model's hf_checkpoint"),
                            ("cache_dir", "a folder, or leave it unset for ~/.cache/megatrain_jax/instruct")):
-            value = getattr(self, name)
-            if isinstance(value, str) and not value.strip():  # an empty path is the current directory
-                raise ValueError(f"[data] {name} is an empty path, which would mean the current directory: give "
-                                 f"{what}")
+            check_path(f"[data] {name}", getattr(self, name), what)
         check_choice("mode", self.mode, MODES)
         check_choice("format", self.format, FORMATS)
         check_choice("too_long", self.too_long, ("truncate", "skip"))
