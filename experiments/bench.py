@@ -91,6 +91,16 @@ CONFIGS: dict[str, BenchConfig] = {
     "3p5b_32k_r8": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True)),
     "3p5b_8k_r8": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers=8, resident_io=True)),
     "7b_32k_r14": BenchConfig("7b", 32, 2048, 16, EngineConfig(micro_batches=2, resident_layers=14, resident_io=True)),
+    # Blocks that keep their matrix products for the backward (kept_layers, session 11): fewer resident blocks
+    # buy room for more of them; the largest kept_layers the plan fits at each resident count (H100, 90%).
+    "3p5b_32k_r16_k2": BenchConfig("7b", 16, 2048, 16, EngineConfig(
+        micro_batches=1, resident_layers=16, resident_io=True, keep_residuals=True, kept_layers=2)),
+    "3p5b_32k_r12_k7": BenchConfig("7b", 16, 2048, 16, EngineConfig(
+        micro_batches=1, resident_layers=12, resident_io=True, keep_residuals=True, kept_layers=7, prefetch_depth=2)),
+    "3p5b_32k_r8_k12": BenchConfig("7b", 16, 2048, 16, EngineConfig(
+        micro_batches=1, resident_layers=8, resident_io=True, keep_residuals=True, kept_layers=12, prefetch_depth=2)),
+    "3p5b_32k_r4_k16": BenchConfig("7b", 16, 2048, 16, EngineConfig(
+        micro_batches=1, resident_layers=4, resident_io=True, keep_residuals=True, kept_layers=16, prefetch_depth=2)),
     "3p5b_32k_auto": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers="auto",
                                                                    resident_io=True)),
     "3p5b_32k_auto_kr": BenchConfig("7b", 16, 2048, 16, EngineConfig(

@@ -106,14 +106,18 @@ def test_sft_packed_on_two_devices_equals_reference(family, sft):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sft_packed_kept_residuals_offloaded_equals_reference(family, sft, cudnn_stand_in):  # noqa: F811
-    """Two micro-batches, the first blocks' inputs and kept residuals through host memory (2-layer fixtures: one). GPT-OSS's sink
+    """Two micro-batches, the first blocks' inputs and kept residuals through host memory (2-layer fixtures: one), the
+    last block's matrix products kept on the device. GPT-OSS's sink
     attention marks nothing to keep on any path (packed rows take XLA's; cuDNN's sink forms are recomputed too), so
     it is the only family that keeps nothing."""
     micro, offload = 2, 2
     watch = StoredActivations()
     engine = run_family(family, sft, EngineConfig(micro_batches=micro, accumulate_steps=ACCUMULATE, clip_norm=CLIP,
-                                                  keep_residuals=True, offload_activations=offload), observers=[watch])
-    assert {name for name, *_ in engine.fns._programs} >= {"forward_keep", "backward_kept"}
+                                                  keep_residuals=True, offload_activations=offload, kept_layers=1),
+                        observers=[watch])
+    # the last block keeps its matrix products too (``kept_layers``), the others what the model marks
+    assert {name for name, *_ in engine.fns._programs} >= {"forward_keep", "backward_kept", "forward_products",
+                                                           "backward_products"}
     cfg = fixture(family)[0]
     kept_per_micro = 0 if cfg.attention_sinks else 1
     # never the last prefetch_depth (1) blocks': they are on the device when the backward starts

@@ -763,3 +763,48 @@ def test_host_ram_override(monkeypatch, capsys):
     assert "MEGATRAIN_HOST_RAM_GIB='inf'" in capsys.readouterr().err
     monkeypatch.setenv("MEGATRAIN_HOST_RAM_GIB", "8")
     assert main(["plan", "--config", config]) == 0 and "of 8.00 available" in capsys.readouterr().out
+
+
+def test_kept_layers_add_their_matrix_products_to_the_gpu_and_are_given_up_first_when_it_is_short():
+    """``kept_layers``: each block that keeps its matrix products holds them (and cuDNN's marked residuals)
+    from its forward to its backward, all of them at once at the head; ``lean_engine`` keeps the most that
+    fit the GPU before anything else is picked, and says so."""
+    from megatrain_jax.plan import lean_engine
+    from megatrain_jax.plan.gpu_ledger import kept_bytes, products_bytes
+    from megatrain_jax.plan.levers import most_kept
+    cfg = preset("7b", layers=16)
+    base_cfg = EngineConfig(micro_batches=1, resident_layers=8, resident_io=True, keep_residuals=True)
+    kw = dict(host_ram_bytes=10_000 * GiB, gpu_bytes=200 * GiB)
+    base = plan(cfg, base_cfg, 16, 2048, **kw)
+    per_block = products_bytes(cfg, 16, 2048)
+    # 7B's width: q, k, v, the o-projection's output, gate and up, 16 x 2048 tokens in bfloat16
+    assert per_block == 16 * 2048 * (3 * 4096 + 4096 + 2 * 11008) * 2
+    marked = kept_bytes(cfg, base_cfg, 16, 2048, flash=True)
+    kept = lambda p: next(v for k, v in p.gpu.items() if k.startswith("kept residuals"))  # noqa: E731
+    totals = [base.gpu_total]
+    for k in (1, 4, 16):  # the peak: the last block's backward, every block's kept values alive
+        more = plan(cfg, dataclasses.replace(base_cfg, kept_layers=k), 16, 2048, **kw)
+        assert more.gpu_peak_at == "backward(block_00015, 0)" and kept(more) == 16 * marked + k * per_block, k
+        totals.append(more.gpu_total)
+    assert totals == sorted(totals) and totals[-1] - totals[-2] == 12 * per_block
+    plain = dataclasses.replace(base_cfg, keep_residuals=False)  # the kept blocks keep the marked ones too
+    one = plan(cfg, dataclasses.replace(plain, kept_layers=1), 16, 2048, **kw)
+    assert kept(one) == per_block + marked
+    with pytest.raises(ValueError, match="overlap"):
+        plan(cfg, dataclasses.replace(base_cfg, kept_layers=10, offload_activations=8), 16, 2048, **kw)
+    # a GPU with room for about three blocks' products: three are kept, and said
+    gpu = base.gpu_total + GPU_FRAGMENTATION_MARGIN + int(3.5 * per_block)
+    asked = dataclasses.replace(base_cfg, kept_layers=10)
+    picked, why = lean_engine(cfg, asked, 16, 2048, host_ram_bytes=10_000 * GiB, gpu_bytes=gpu)
+    fitting = [k for k in range(11) if plan(cfg, dataclasses.replace(asked, kept_layers=k), 16, 2048,
+                                            host_ram_bytes=10_000 * GiB, gpu_bytes=gpu).gpu_fits]
+    assert fitting == list(range(max(fitting) + 1)) and 3 <= max(fitting) < 10
+    assert picked == dataclasses.replace(asked, kept_layers=max(fitting)), picked
+    assert f"engine.kept_layers={max(fitting)}" in why, why
+    assert most_kept(cfg, dataclasses.replace(asked, kept_layers=2), 16, 2048, host_ram_bytes=10_000 * GiB,
+                     gpu_bytes=gpu) == (dataclasses.replace(asked, kept_layers=2), None)
+    # resident blocks picked around them: the kept blocks first, then as many resident as still fit
+    auto = dataclasses.replace(asked, kept_layers=3, resident_layers="auto")
+    picked, why = lean_engine(cfg, auto, 16, 2048, host_ram_bytes=10_000 * GiB, gpu_bytes=gpu)
+    assert picked.kept_layers == 3 and picked.resident_layers <= 8, (picked, why)
+    assert plan(cfg, picked, 16, 2048, host_ram_bytes=10_000 * GiB, gpu_bytes=gpu).gpu_fits

@@ -186,8 +186,58 @@ def test_engine_with_kept_residuals_equals_reference(cudnn_stand_in, engine_cfg,
     assert sizes["forward"] == 1 and sizes["backward"] == min(engine_cfg.micro_batches, 2), sizes
 
 
+@pytest.mark.parametrize("engine_cfg,batch_kw", [
+    (EngineConfig(micro_batches=2, kept_layers=2), {}),
+    (EngineConfig(micro_batches=2, kept_layers=3, keep_residuals=True), {"packed": True}),
+    (EngineConfig(accumulate_steps=2, prefetch_depth=2, kept_layers=1, clip_norm=0.05), {"mask": True}),
+    (EngineConfig(micro_batches=2, kept_layers=1, offload_activations=2, keep_residuals=True), {"packed": True}),
+], ids=["last-two", "all-packed", "accumulate-depth2", "beside-offload"])
+def test_engine_with_kept_matrix_products_equals_reference(cudnn_stand_in, engine_cfg, batch_kw):
+    """``kept_layers``: the last blocks' backward is given every matrix product of their forward (no
+    recompute of them); the step is the reference step all the same."""
+    engine = run_both(TINY3, ADAMW, engine_cfg, batch_kw=batch_kw)
+    programs = {name for name, *_ in engine.fns._programs}
+    assert {"forward_products", "backward_products"} <= programs, programs
+    # the first blocks (where there are any) run as configured: recomputed, or keeping the marked residuals only
+    others = {"forward_keep" if engine_cfg.keep_residuals else "forward"} if engine_cfg.kept_layers < TINY3.layers \
+        else set()
+    assert programs & {"forward", "forward_keep"} == others, programs
+
+
+def test_kept_matrix_products_are_the_projections_outputs():
+    """What ``forward(..., products=True)`` keeps on XLA's attention: one tensor per projection the backward
+    needs (q, k, v, the o-projection's output, gate and up; not the down projection's, which only feeds the
+    residual sum), as ``plan.gpu_ledger.products_bytes`` counts them; nothing of attention's own."""
+    from megatrain_jax.plan.gpu_ledger import products_bytes
+    cfg = preset("tiny", layers=2)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    fns = device_fns(layered(model), Placement(None))
+    x = jnp.ones((2, 16, cfg.hidden), jnp.float32)
+    pos = jnp.arange(16)[None].repeat(2, 0)
+    (y, kept), _ = fns.forward(block_params(model)[0], x, pos, None, keep=True, products=True)
+    q, kv = cfg.heads * cfg.dim_per_head, cfg.kv_heads * cfg.dim_per_head
+    assert sorted(k.shape[-1] for k in kept) == sorted([q, kv, kv, cfg.hidden, cfg.ffn, cfg.ffn])
+    assert sum(k.nbytes for k in kept) == products_bytes(cfg, 2, 16)
+    (dx, _), _ = fns.backward(block_params(model)[0], x, pos, None, jnp.ones_like(y), None, kept=kept, products=True)
+    (dx_plain, _), _ = fns.backward(block_params(model)[0], x, pos, None, jnp.ones_like(y), None)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(dx_plain), rtol=1e-6, atol=1e-6)
+
+
+def test_kept_layers_that_meet_the_offloaded_blocks_or_exceed_the_model_are_refused():
+    with pytest.raises(ValueError, match="integer >= 0"):
+        EngineConfig(kept_layers=-1)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        EngineConfig(kept_layers=True)
+    with pytest.raises(ValueError, match="more than the model's 3 blocks"):
+        EngineConfig(kept_layers=4).check_layers(3)
+    with pytest.raises(ValueError, match="kept_layers <= 1"):
+        EngineConfig(kept_layers=2, offload_activations=2).check_layers(3)
+    EngineConfig(kept_layers=1, offload_activations=2).check_layers(3)
+    EngineConfig(kept_layers=1, offload_activations=3).check_layers(3)  # the last block's inputs stay on the GPU
+
+
 def test_kept_residuals_over_two_devices_equal_one_device_and_reference(cudnn_stand_in):
-    cfg, engine_cfg = preset("tiny", layers=3), EngineConfig(micro_batches=2, keep_residuals=True)
+    cfg, engine_cfg = preset("tiny", layers=3), EngineConfig(micro_batches=2, keep_residuals=True, kept_layers=1)
     _, one_model, one_outs = train(1, cfg, engine_cfg, steps=3, batch_kw={"packed": True})
     _, two_model, two_outs = train(2, cfg, engine_cfg, steps=3, batch_kw={"packed": True})
     ref_model, ref_outs = reference(cfg, engine_cfg, steps=3, batch_kw={"packed": True})
@@ -234,3 +284,29 @@ def test_kept_cudnn_residuals_give_the_same_gradients_without_a_second_attention
     hlo = program.lower(params, x, pos, seg, kept, dy, None).compile().as_text()
     calls = [line for line in hlo.splitlines() if "custom_call_target=\"__cudnn$fmha" in line]
     assert calls and all("Backward" in line for line in calls), calls
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("llama3.2-1b", {}), ("qwen3-8b", {}), ("qwen2.5-14b", {}), ("olmo2-1b", {}), ("gemma3-1b", {}),
+    ("phi3-mini", {}), ("gpt-oss-20b", {}), ("mixtral-8x7b", {}), ("qwen2-57b-a14b", {}),
+    ("deepseek-v3", {"first_k_dense_replace": 1}),
+])
+def test_the_plans_matrix_products_are_what_each_familys_block_keeps(name, overrides):
+    """``products_bytes`` against the traced forward of every kind of block (abstract: no weights), on XLA's
+    attention (which marks nothing): exact, but for a router's logits, which the plan counts as float32."""
+    from megatrain_jax.plan.gpu_ledger import products_bytes
+    cfg = preset(name, layers=2, **overrides)
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    lm = layered(model)
+    fns = device_fns(lm, Placement(None))
+    B, T = 2, 8
+    x = jax.ShapeDtypeStruct((B, T, cfg.hidden), jnp.dtype(cfg.dtype))
+    pos = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    for i in range(cfg.layers):
+        kind = lm.block_kinds[i]
+        _, kept = jax.eval_shape(lambda p, x, pos: fns._forward_keep(p, x, pos, None, kind=kind, products=True),
+                                 block_params(model)[i], x, pos)
+        traced = sum(k.size * k.dtype.itemsize for k in kept)
+        rule = products_bytes(cfg, B, T, layer=i)
+        slack = B * T * cfg.moe.experts * 2 if cfg.is_moe_layer(i) else 0  # bfloat16 router logits
+        assert traced <= rule <= traced + slack, (i, [(k.shape, str(k.dtype)) for k in kept], rule)

@@ -9,6 +9,10 @@ the larger part of a long-context block's time).
 - ``keep_residuals(fn)`` is ``fn`` with its output and its VJP's residuals (what its backward needs other
   than its own inputs) named ``KEPT``. It changes nothing by itself: ``fn``'s value and gradient are ``fn``'s.
 - ``KEEP_POLICY`` is the ``jax.checkpoint`` policy that saves exactly those values.
+- ``KEEP_PRODUCTS_POLICY`` saves those and every matrix product's output (a ``dot_general`` without batch
+  dimensions: the projections, not attention's scores): the backward then recomputes only elementwise work
+  (norms, rotary embedding, the MLP's gate), no matrix product. About 25% less compute for the block, for
+  one activation-sized tensor per projection (``EngineConfig.kept_layers``).
 - ``SplitVJP`` takes the VJP closure of a block rematerialized under that policy apart, inside one jitted
   program, into the program's own inputs and the rest (the kept residuals), and puts it together again
   inside another program from that program's inputs and the kept residuals. So the forward program
@@ -25,6 +29,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 KEPT = "megatrain_kept"
 KEEP_POLICY = jax.checkpoint_policies.save_only_these_names(KEPT)
+KEEP_PRODUCTS_POLICY = jax.checkpoint_policies.save_from_both_policies(
+    KEEP_POLICY, jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
 
 
 def keep_residuals(fn: Callable) -> Callable:

@@ -73,6 +73,12 @@ class EngineConfig:
       and says so, when nothing it would pick (offload, the lean host layout) fits with it
       (``plan.lean_engine``). Nothing is marked on XLA's attention (its residuals are T x T), so
       there it only changes which compiled programs run, not what they compute or keep.
+    - ``kept_layers`` (opt-in; where GPU memory is left over): the last this many blocks keep every matrix
+      product's output from their forward for their backward (``megatrain_jax.contract.remat.KEEP_PRODUCTS_POLICY``,
+      and what ``keep_residuals`` keeps), so that their backward recomputes only elementwise work: about a
+      quarter less compute for each such block, for about rows x seq_len x (q + 2 kv + hidden + 2 ffn) x 2
+      bytes of GPU memory from its forward to its backward (``plan.gpu_ledger.products_bytes``). The same
+      gradients: only what is recomputed changes. Never for offloaded blocks (``offload_activations``).
     """
 
     micro_batches: int = 1
@@ -92,6 +98,7 @@ class EngineConfig:
     disk_dir: str | None = None
     offload_activations: int = 0
     keep_residuals: bool = False
+    kept_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
@@ -112,6 +119,8 @@ class EngineConfig:
                              f"{self.offload_activations!r}")
         if not isinstance(self.keep_residuals, bool):
             raise ValueError(f"EngineConfig.keep_residuals must be true or false, got {self.keep_residuals!r}")
+        if not isinstance(self.kept_layers, int) or isinstance(self.kept_layers, bool) or self.kept_layers < 0:
+            raise ValueError(f"EngineConfig.kept_layers must be an integer >= 0, got {self.kept_layers!r}")
         if not isinstance(self.disk_parts, int) or self.disk_parts < 0:
             raise ValueError(f"EngineConfig.disk_parts must be an integer >= 0, got {self.disk_parts!r}")
         if self.disk_parts and not self.disk_dir:
@@ -146,6 +155,19 @@ class EngineConfig:
             if not self.host_kernel:
                 raise ValueError("capacity mode (master_dtype='bfloat16') runs in the fused host kernel: "
                                  "leave host_kernel = true")
+
+    def check_layers(self, n_blocks: int) -> None:
+        """Raise ValueError saying what to set unless the per-block counts fit a model of ``n_blocks`` blocks:
+        ``kept_layers`` (the last blocks) and ``offload_activations`` (the first ones) must not meet."""
+        if self.kept_layers > n_blocks:
+            raise ValueError(f"engine.kept_layers = {self.kept_layers} is more than the model's {n_blocks} blocks: "
+                             f"set at most {n_blocks}")
+        offloaded = max(0, min(self.offload_activations, n_blocks - self.prefetch_depth))  # schedule.offloaded_blocks
+        if self.kept_layers and self.kept_layers + offloaded > n_blocks:
+            raise ValueError(f"engine.kept_layers = {self.kept_layers} (the last blocks keep their matrix products "
+                             f"on the GPU) and offload_activations = {self.offload_activations} (the inputs of the "
+                             f"first {offloaded} blocks wait in host memory) overlap in a model of {n_blocks} "
+                             f"blocks: set kept_layers <= {n_blocks - offloaded}")
 
     def splits(self, rows: int, devices: int = 1) -> bool:
         """Whether a batch of ``rows`` rows splits into ``micro_batches`` equal micro-batches on each of

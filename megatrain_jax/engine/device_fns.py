@@ -23,8 +23,10 @@ there is nothing to gather, stack or sum: the programs are the plain ones.
 
 Training's forward can also return each block's kept residuals (``megatrain_jax.contract.remat``: what the model
 marked with ``keep_residuals``, e.g. flash attention's output and statistics), which its backward then
-takes instead of recomputing them (``forward(..., keep=True)``, ``backward(..., kept=...)``). Over several
-devices they are per-device values, stacked over the mesh like the gradients.
+takes instead of recomputing them (``forward(..., keep=True)``, ``backward(..., kept=...)``); with
+``products=True`` also every matrix product's output (``KEEP_PRODUCTS_POLICY``), so that the backward
+recomputes no matrix product (``EngineConfig.kept_layers``). Over several devices they are per-device
+values, stacked over the mesh like the gradients.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from megatrain_jax.contract.layered import LayeredModel, Params
-from megatrain_jax.contract.remat import KEEP_POLICY, SplitVJP
+from megatrain_jax.contract.remat import KEEP_POLICY, KEEP_PRODUCTS_POLICY, SplitVJP
 from megatrain_jax.engine.transfer import DATA, Placement
 
 # Argument and output kinds of the per-device programs (each covers a whole pytree): the device's rows of
@@ -96,6 +98,10 @@ class DeviceFns:
             "backward": (self._backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (ROWS, STACKED), (5,), 1),
             "forward_keep": (self._forward_keep, (ROWS, ROWS, ROWS), (ROWS, STACKED), (), None),
             "backward_kept": (self._backward_kept, (ROWS, ROWS, ROWS, STACKED, ROWS, STACKED), (ROWS, STACKED), (6,), 1),
+            "forward_products": (functools.partial(self._forward_keep, products=True), (ROWS, ROWS, ROWS),
+                                 (ROWS, STACKED), (), None),
+            "backward_products": (functools.partial(self._backward_kept, products=True),
+                                  (ROWS, ROWS, ROWS, STACKED, ROWS, STACKED), (ROWS, STACKED), (6,), 1),
             "embed_backward": (self._embed_backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (STACKED,), (5,), 0),
             "nll_sum": (self._nll_sum, (ROWS, ROWS, ROWS), WHOLE, (), None),
         }
@@ -105,6 +111,10 @@ class DeviceFns:
             "forward_keep": (self._forward_keep, (ROWS, ROWS, ROWS), ((ROWS, WHOLE), STACKED), (), None),
             "backward_kept": (self._backward_kept, (ROWS, ROWS, ROWS, STACKED, ROWS, WHOLE, STACKED), (ROWS, STACKED),
                               (7,), 1),
+            "forward_products": (functools.partial(self._forward_keep, products=True), (ROWS, ROWS, ROWS),
+                                 ((ROWS, WHOLE), STACKED), (), None),
+            "backward_products": (functools.partial(self._backward_kept, products=True),
+                                  (ROWS, ROWS, ROWS, STACKED, ROWS, WHOLE, STACKED), (ROWS, STACKED), (7,), 1),
         }
         self._programs: dict[tuple[str, int | None, bool, bool], Callable] = {}
         self._split = SplitVJP()  # the block's VJP closure between forward_keep and backward_kept
@@ -127,26 +137,29 @@ class DeviceFns:
     def embed(self, io, tokens_BT, positions_BT, segment_ids_BT):
         return self._call("embed", io, tokens_BT, positions_BT, segment_ids_BT)
 
-    def forward(self, params, x_BTD, positions_BT, segment_ids_BT, keep: bool = False, kind: int = 0):
+    def forward(self, params, x_BTD, positions_BT, segment_ids_BT, keep: bool = False, kind: int = 0,
+                products: bool = False):
         """(y, params) of a block of ``kind``; of a routed kind (``lm.routes(kind)``) ((y, the block's statistics summed over the
         mesh), params). With ``keep``, ((that, the block's kept residuals), params): a tuple of arrays for
-        ``backward``'s ``kept`` (empty when the model marks nothing, or marks nothing on this backend)."""
-        return self._call("forward_keep" if keep else "forward", params, x_BTD, positions_BT, segment_ids_BT,
-                          kind=kind)
+        ``backward``'s ``kept`` (empty when the model marks nothing, or marks nothing on this backend). With
+        ``products`` too, the kept residuals include every matrix product's output (``KEEP_PRODUCTS_POLICY``):
+        pass ``products`` to ``backward`` as well."""
+        name = ("forward_products" if products else "forward_keep") if keep else "forward"
+        return self._call(name, params, x_BTD, positions_BT, segment_ids_BT, kind=kind)
 
     def head(self, io, x_BTD, targets_BT, mask_BT, inv_count, io_acc):
         """((loss, d(loss)/dx, io_acc), io)."""
         return self._call("head", io, x_BTD, targets_BT, mask_BT, inv_count, io_acc)
 
     def backward(self, params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, acc, d_stats=None, last: bool = False,
-                 kept: tuple | None = None, kind: int = 0):
+                 kept: tuple | None = None, kind: int = 0, products: bool = False):
         """((dx, acc), params) of a block of ``kind``; with ``last`` the accumulated gradient comes back
         summed over the mesh. For a routed kind, ``d_stats`` is the auxiliary loss's gradient with respect to
         the block's statistics (other kinds take none). ``kept``: what ``forward(..., keep=True)`` returned for
-        this block and micro-batch."""
+        this block and micro-batch, and ``products`` as given to that call."""
         extra = (d_stats,) if self.lm.routes(kind) else ()
         if kept is not None:
-            return self._call("backward_kept", params, x_BTD, positions_BT, segment_ids_BT, kept, dy_BTD, *extra, acc,
+            return self._call("backward_products" if products else "backward_kept", params, x_BTD, positions_BT, segment_ids_BT, kept, dy_BTD, *extra, acc,
                               last=last, kind=kind)
         return self._call("backward", params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, *extra, acc, last=last,
                           kind=kind)
@@ -268,19 +281,22 @@ class DeviceFns:
         block = self.lm.block_routed if self.lm.routes(kind) else self.lm.block
         return lambda p, x: block(p, x, positions_BT, segment_ids_BT, kind)
 
-    def _kept_key(self, kind: int, params: Params, *args) -> tuple:
-        """What identifies a block program (its kind and shapes), the same in its forward and its backward."""
-        return (kind,) + tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves((params, args)))
+    def _kept_key(self, kind: int, products: bool, params: Params, *args) -> tuple:
+        """What identifies a block program (its kind, what it keeps and its shapes), the same in its forward
+        and its backward."""
+        return (kind, products) + tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves((params, args)))
 
     def _forward_keep(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
-                      segment_ids_BT: jax.Array | None, kind: int):
-        """The block's output (and statistics), and the residuals the model marked to keep: the block is
-        rematerialized under ``KEEP_POLICY``, and its VJP closure split into this program's inputs and the
-        rest (``SplitVJP``), which is returned."""
-        block = jax.checkpoint(self._block_fn(positions_BT, segment_ids_BT, kind), policy=KEEP_POLICY)
+                      segment_ids_BT: jax.Array | None, kind: int, products: bool = False):
+        """The block's output (and statistics), and the residuals the model marked to keep (with
+        ``products``, every matrix product's output too): the block is rematerialized under ``KEEP_POLICY``
+        (``KEEP_PRODUCTS_POLICY``), and its VJP closure split into this program's inputs and the rest
+        (``SplitVJP``), which is returned."""
+        policy = KEEP_PRODUCTS_POLICY if products else KEEP_POLICY
+        block = jax.checkpoint(self._block_fn(positions_BT, segment_ids_BT, kind), policy=policy)
         out, pullback = jax.vjp(block, params, x_BTD)
-        kept = self._split.split(self._kept_key(kind, params, x_BTD, positions_BT, segment_ids_BT), pullback,
-                                 (params, x_BTD, positions_BT, segment_ids_BT))
+        kept = self._split.split(self._kept_key(kind, products, params, x_BTD, positions_BT, segment_ids_BT),
+                                 pullback, (params, x_BTD, positions_BT, segment_ids_BT))
         if self.lm.routes(kind):
             out = out[0], jax.tree.map(self._sum, out[1])
         if self.size > 1:  # per-device values: stacked over the mesh
@@ -288,13 +304,14 @@ class DeviceFns:
         return out, kept
 
     def _backward_kept(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
-                       segment_ids_BT: jax.Array | None, kept: tuple, dy_BTD: jax.Array, *rest, kind: int):
+                       segment_ids_BT: jax.Array | None, kept: tuple, dy_BTD: jax.Array, *rest, kind: int,
+                       products: bool = False):
         """As ``_backward``, through the VJP closure ``_forward_keep`` split: rebuilt from this program's
         inputs and the kept residuals, it recomputes only what was not kept."""
         if self.size > 1:
             kept = tuple(k[0] for k in kept)
-        pullback = self._split.join(self._kept_key(kind, params, x_BTD, positions_BT, segment_ids_BT), kept,
-                                    (params, x_BTD, positions_BT, segment_ids_BT))
+        pullback = self._split.join(self._kept_key(kind, products, params, x_BTD, positions_BT, segment_ids_BT),
+                                    kept, (params, x_BTD, positions_BT, segment_ids_BT))
         return self._pull(pullback, dy_BTD, rest, kind)
 
     def _embed_backward(self, io: Params, tokens_BT: jax.Array, positions_BT: jax.Array,
@@ -314,14 +331,16 @@ class DeviceFns:
         of block; tests assert this)."""
         sizes = dict.fromkeys(("embed", "forward", "head", "backward", "embed_backward"), 0)
         for (name, _, _, _), program in self._programs.items():
-            name = {"forward_keep": "forward", "backward_kept": "backward"}.get(name, name)
+            name = {"forward_keep": "forward", "backward_kept": "backward", "forward_products": "forward",
+                    "backward_products": "backward"}.get(name, name)
             if name in sizes:
                 sizes[name] += program._cache_size()
         return sizes
 
 
 # The programs that run a block, built once per kind of block.
-BLOCK_PROGRAMS = frozenset({"forward", "forward_keep", "backward", "backward_kept"})
+BLOCK_PROGRAMS = frozenset({"forward", "forward_keep", "backward", "backward_kept", "forward_products",
+                            "backward_products"})
 
 _CACHE: dict[tuple, DeviceFns] = {}
 

@@ -92,6 +92,7 @@ class Engine:
             raise ValueError(f"offload_activations={config.offload_activations} exceeds the model's "
                              f"{self.lm.n_blocks} blocks; use at most {max(self.lm.n_blocks - config.prefetch_depth, 0)} "
                              f"(the last prefetch_depth blocks' inputs go straight to their backward)")
+        config.check_layers(self.lm.n_blocks)
         check_partwise(optimizer)
         roles = HostRoles.of(self.lm.n_blocks, config.resident_layers, config.resident_io, config.grads_on_gpu,
                              config.disk_parts)  # checked before the state is built
@@ -157,7 +158,8 @@ class Engine:
             for j, batch in enumerate(batches):
                 micro = device_batches(self.placement, batch.filled(), self.cfg.micro_batches)
                 p = Pass(micro, self.fns.inv_count([m.loss_mask for m in micro]), accumulate=j > 0,
-                         last=j == len(batches) - 1, keep_residuals=self.cfg.keep_residuals)
+                         last=j == len(batches) - 1, keep_residuals=self.cfg.keep_residuals,
+                         kept_from=self.lm.n_blocks - self.cfg.kept_layers if self.cfg.kept_layers else None)
                 self._runner.run(p, step_ops(self.lm.n_blocks, self.cfg.micro_batches, self.cfg.prefetch_depth,
                                              update=p.last, offload=self.cfg.offload_activations))
                 losses.append(sum(p.losses))

@@ -38,6 +38,7 @@ class Pass:
     last: bool = True  # the last sub-step of an optimizer step: norms and updates follow
     keep_inputs: bool = True  # keep each block's inputs for the backward (False: evaluation)
     keep_residuals: bool = False  # and the residuals the model marked to keep (``megatrain_jax.contract.remat``)
+    kept_from: int | None = None  # blocks from this one on keep every matrix product too (``kept_layers``)
     params: dict[PartId, Any] = dataclasses.field(default_factory=dict)  # parts on the device
     acts: dict[int, list] = dataclasses.field(default_factory=dict)  # block -> its input per micro-batch
     kept: dict[int, list] = dataclasses.field(default_factory=dict)  # block -> its kept residuals per micro-batch
@@ -50,6 +51,10 @@ class Pass:
     d_stats: Any = None  # the auxiliary loss's gradient with respect to them
     aux: Any = None  # the auxiliary (load-balancing) loss, also a term of ``losses``
     stores: list = dataclasses.field(default_factory=list)  # offloaded activations whose copies may be queued
+
+    def keeps_products(self, layer: int) -> bool:
+        """Whether block ``layer``'s forward keeps its matrix products for its backward."""
+        return self.keep_inputs and self.kept_from is not None and layer >= self.kept_from
 
 
 # The phase of the step an op belongs to, as an out-of-memory report names it.
@@ -170,10 +175,11 @@ class PassRunner:
 
     def forward(self, p: Pass, op: Op):
         b, layer = p.batches[op.micro], op.part.layer
-        keep = p.keep_residuals and p.keep_inputs
+        products = p.keeps_products(layer)
+        keep = (p.keep_residuals or products) and p.keep_inputs
         kind = self.kinds[layer]
         y, p.params[op.part] = self.fns.forward(p.params[op.part], p.acts[layer][op.micro], b.positions,
-                                                b.segment_ids, keep=keep, kind=kind)
+                                                b.segment_ids, keep=keep, kind=kind, products=products)
         if keep:
             y, kept = y
             p.kept.setdefault(layer, []).append(kept)
@@ -202,10 +208,10 @@ class PassRunner:
     def backward(self, p: Pass, op: Op):
         b, layer = p.batches[op.micro], op.part.layer
         last = op.micro == len(p.batches) - 1  # the gradient comes back summed over the devices
-        kept = p.kept[layer][op.micro] if p.keep_residuals else None
+        kept = p.kept[layer][op.micro] if layer in p.kept else None
         (p.dy[op.micro], p.grads), p.params[op.part] = self.fns.backward(
             p.params[op.part], p.acts[layer][op.micro], b.positions, b.segment_ids, p.dy[op.micro], p.grads,
-            p.d_stats, last=last, kept=kept, kind=self.kinds[layer])
+            p.d_stats, last=last, kept=kept, kind=self.kinds[layer], products=p.keeps_products(layer))
         if kept is not None:
             p.kept[layer][op.micro] = None  # used once
             if last:

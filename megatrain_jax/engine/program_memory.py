@@ -30,8 +30,9 @@ from megatrain_jax.engine.device_fns import BLOCK_PROGRAMS, Shards, device_fns
 from megatrain_jax.engine.transfer import Placement
 
 # The op kind each program runs for (the plan's ledger charges a program's temp to that op kind).
-OP_KIND = {"embed": "embed", "forward": "forward", "forward_keep": "forward", "head": "head",
-           "backward": "backward", "backward_kept": "backward", "embed_backward": "embed_backward"}
+OP_KIND = {"embed": "embed", "forward": "forward", "forward_keep": "forward", "forward_products": "forward",
+           "head": "head", "backward": "backward", "backward_kept": "backward", "backward_products": "backward",
+           "embed_backward": "embed_backward"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +64,7 @@ class ProgramMemory:
     devices: int
     keep_residuals: bool
     figures: tuple[CompiledFigures, ...]
+    keeps_products: bool = False  # the programs of blocks that keep their matrix products were compiled too
 
     def temp(self, program: str) -> int | None:
         """The largest temp of ``program``'s variants; None where it was not compiled."""
@@ -75,10 +77,12 @@ class ProgramMemory:
         return max(temps) if temps else None
 
     def matches(self, micro_rows: int, seq_len: int, stream_bytes: int, packed: bool, devices: int,
-                keep_residuals: bool = False) -> bool:
-        """Whether these figures are for that micro-batch shape and layout (and kept residuals or not)."""
+                keep_residuals: bool = False, keeps_products: bool = False) -> bool:
+        """Whether these figures are for that micro-batch shape and layout (kept residuals or not, blocks
+        that keep their matrix products or not)."""
         return (self.micro_rows, self.seq_len, jnp.dtype(self.stream_dtype).itemsize, self.packed, self.devices,
-                self.keep_residuals) == (micro_rows, seq_len, stream_bytes, packed, devices, keep_residuals)
+                self.keep_residuals, self.keeps_products) == (micro_rows, seq_len, stream_bytes, packed, devices,
+                                                              keep_residuals, keeps_products)
 
     def as_dict(self) -> dict[str, Any]:
         return {**{k: v for k, v in dataclasses.asdict(self).items() if k != "figures"},
@@ -138,18 +142,25 @@ def program_memory(model: nnx.Module, config: EngineConfig, rows: int, seq_len: 
     if M > 1 and gathers:
         call("embed", _variant(False), io, tokens, positions, segments)
     keep = config.keep_residuals
-    forward = "forward_keep" if keep else "forward"
-    blocks, kept = {}, {}  # per kind of block: its part as the programs return it, its kept residuals
-    for kind in range(lm.n_kinds):
-        params = fetched(nnx.state(model.blocks[lm.first_of_kind(kind)], nnx.Param))
-        y, blocks[kind] = call(forward, _variant(gathers), params, x, positions, segments, kind=kind)
-        if M > 1 and gathers:
-            call(forward, _variant(False), blocks[kind], x, positions, segments, kind=kind)
-        kept[kind] = None
-        if keep:
-            y, kept[kind] = y
-        if lm.routes(kind):
-            y, stats = y
+    # the block programs: as configured, and where the last blocks keep their matrix products, those too
+    # (per kind of block that has such a block)
+    variants = [("forward_keep" if keep else "forward", "backward_kept" if keep else "backward", keep, set(
+        range(lm.n_kinds)))]
+    if config.kept_layers:
+        variants.append(("forward_products", "backward_products", True,
+                         {lm.block_kinds[i] for i in range(lm.n_blocks - config.kept_layers, lm.n_blocks)}))
+    blocks, kept = {}, {}  # per (variant, kind of block): its part as the programs return it, its kept residuals
+    for forward, _, keeps, kinds in variants:
+        for kind in sorted(kinds):
+            params = fetched(nnx.state(model.blocks[lm.first_of_kind(kind)], nnx.Param))
+            y, blocks[forward, kind] = call(forward, _variant(gathers), params, x, positions, segments, kind=kind)
+            if M > 1 and gathers:
+                call(forward, _variant(False), blocks[forward, kind], x, positions, segments, kind=kind)
+            kept[forward, kind] = None
+            if keeps:
+                y, kept[forward, kind] = y
+            if lm.routes(kind):
+                y, stats = y
     extra = ()
     if fns.routed:  # the auxiliary loss's gradient with respect to the blocks' statistics
         extra = (fns.aux.lower(stats).compile().out_info[1],)
@@ -160,23 +171,23 @@ def program_memory(model: nnx.Module, config: EngineConfig, rows: int, seq_len: 
         call("head", _variant(False, first=False), io, y, tokens, mask, inv_count, io_acc)
     # The backward: blocks fetched again (gathered by the first micro-batch), or kept on the GPU from
     # their forward (the last prefetch_depth blocks); the last micro-batch sums the gradient over the mesh.
-    backward = "backward_kept" if keep else "backward"
-    for kind in range(lm.n_kinds):
-        before = (x, positions, segments) + ((kept[kind],) if keep else ())
-        for fresh in ([True, False] if gathers else [False]):
-            acc = None
-            for first, last in _calls(M, D):
-                params = (fetched(nnx.state(model.blocks[lm.first_of_kind(kind)], nnx.Param)) if fresh and first
-                          else blocks[kind])
-                (_, acc_out), _ = call(backward, _variant(fresh and first, first, last), params, *before, dy,
-                                       *(extra if lm.routes(kind) else ()), None if first else acc, last=last,
-                                       kind=kind)
-                acc = acc_out if first else acc
+    for forward, backward, keeps, kinds in variants:
+        for kind in sorted(kinds):
+            before = (x, positions, segments) + ((kept[forward, kind],) if keeps else ())
+            for fresh in ([True, False] if gathers else [False]):
+                acc = None
+                for first, last in _calls(M, D):
+                    params = (fetched(nnx.state(model.blocks[lm.first_of_kind(kind)], nnx.Param)) if fresh and first
+                              else blocks[forward, kind])
+                    (_, acc_out), _ = call(backward, _variant(fresh and first, first, last), params, *before, dy,
+                                           *(extra if lm.routes(kind) else ()), None if first else acc, last=last,
+                                           kind=kind)
+                    acc = acc_out if first else acc
     for first, last in {(False, last) for _, last in _calls(M, D)}:  # the head started io's accumulator
         call("embed_backward", _variant(False, first, last), io, tokens, positions, segments, dy, io_acc,
              last=last)
     return ProgramMemory(micro_rows=micro // D, seq_len=seq_len, stream_dtype=str(stream), packed=packed, devices=D,
-                         keep_residuals=keep, figures=tuple(figures))
+                         keep_residuals=keep, figures=tuple(figures), keeps_products=config.kept_layers > 0)
 
 
 def _calls(M: int, D: int) -> list[tuple[bool, bool]]:

@@ -170,6 +170,36 @@ def kept_bytes(c: DecoderConfig, e: EngineConfig, micro_rows: int, seq_len: int,
     return micro_rows * seq_len * c.heads * (c.dim_per_head * ab + 4 * stats)
 
 
+def products_bytes(c: DecoderConfig, micro_rows: int, seq_len: int, layer: int | None = None) -> int:
+    """The matrix products one block keeps from its forward to its backward per micro-batch
+    (``EngineConfig.kept_layers``; ``KEEP_PRODUCTS_POLICY``), in the compute dtype: every projection output
+    the backward needs, i.e. q, k, v (with MLA its low-rank steps: the q and kv latents, the heads' queries,
+    keys and values) and the o-projection's output; a dense MLP's gate and up (and its down projection's
+    output where a norm follows it: ``norm_placement`` "post" or "sandwich"); a mixture of experts' router
+    logits (counted as float32) and shared expert's gate and up (and output and gate logit, where that is
+    gated), its routed experts' products being
+    recomputed (they are batched by expert). Block ``layer``'s kind (default: the last block's). Checked
+    against what the traced programs keep for each family (tests/test_remat.py); cuDNN's marked residuals
+    come on top (``kept_bytes``)."""
+    layer = c.layers - 1 if layer is None else layer
+    ab, D, hd = activation_bytes(c), c.hidden, c.dim_per_head
+    if c.mla is None:
+        attn = (c.heads + 2 * c.kv_heads) * hd + D
+    else:
+        m = c.mla
+        attn = ((m.q_lora_rank or 0) + c.heads * (m.qk_nope_dim + m.qk_rope_dim) + m.kv_lora_rank + m.qk_rope_dim
+                + c.heads * (m.qk_nope_dim + m.v_dim) + D)
+    after = D if c.norm_placement != "pre" else 0  # the MLP's output, which a norm reads
+    router = 0
+    if c.is_moe_layer(layer):
+        shared = c.moe.shared_expert_ffn or 0
+        # a gated shared expert also keeps its output and its one-unit gate (the gate's gradient needs both)
+        mlp = 2 * shared + (D + 1 if shared and c.moe.shared_expert_gate else 0)
+        router = c.moe.experts * 4
+    else:
+        mlp = 2 * c.ffn
+    return micro_rows * seq_len * ((attn + mlp + after) * ab + router)
+
 
 @dataclasses.dataclass
 class Ledger:
@@ -236,7 +266,7 @@ class Ledger:
 
 # The ledger's categories.
 W, A, G = "streamed weights of the io part and blocks", "boundary activations", "gradient accumulators, float32"
-K = "kept residuals: attention output and softmax statistics (keep_residuals)"
+K = "kept residuals: attention output and softmax statistics (keep_residuals), matrix products (kept_layers)"
 R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
 H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
 S = "gradients cast to bfloat16 for the copy home (host_grad_dtype)"
@@ -276,6 +306,7 @@ class Walk:
         self.fetched = 1 if self.devices == 1 else 1 + 1 / self.devices  # the shard, and the part once gathered
         self.act = self.rows // self.M * self.seq_len * c.hidden * activation_bytes(c)  # one micro-batch's
         self.res = kept_bytes(c, e, self.rows // self.M, self.seq_len, self.flash, self.packed)  # one block's
+        self.kept_from = c.layers - e.kept_layers  # blocks from here on keep their matrix products too
         self.on_gpu = {IO} if e.resident_io else set()
         self.on_gpu |= {PartId.block(i) for i in range(e.resident_layers)}
         self.waiting = set(host_roles(c, e).grads_on_gpu)
@@ -339,7 +370,7 @@ class Walk:
         compiled for this walk's micro-batch shape and layout."""
         p = self.programs
         if p is None or not p.matches(self.rows // self.M, self.seq_len, self.sb, self.packed, self.devices,
-                                      self.e.keep_residuals):
+                                      self.e.keep_residuals, self.e.kept_layers > 0):
             return None
         temp = p.op_temp(kind)
         return None if temp is None else (temp, "XLA's memory analysis of the compiled program")
@@ -348,6 +379,15 @@ class Walk:
         temp, why = transient(self.c, kind, self.rows // self.M, self.seq_len, self.sb, self.flash, self.packed,
                               self.res > 0)
         return temp, f"rule of thumb: {why}"
+
+    def kept(self, layer: int) -> int:
+        """What block ``layer``'s forward keeps for its backward per micro-batch: the marked residuals
+        (``keep_residuals``), and with ``kept_layers`` its matrix products and cuDNN's marked residuals."""
+        if layer < self.kept_from:
+            return self.res
+        marked = kept_bytes(self.c, dataclasses.replace(self.e, keep_residuals=True), self.rows // self.M,
+                            self.seq_len, self.flash, self.packed)
+        return marked + products_bytes(self.c, self.rows // self.M, self.seq_len, layer)
 
     def drop_acts(self, layer: int) -> None:
         self.led.drop(A, self.act * self.acts[layer], self.acts.pop(layer))
@@ -379,13 +419,14 @@ def _embed(w: Walk, op: Op) -> None:
 
 
 def _forward(w: Walk, op: Op) -> None:
-    w.compute(op, out=w.act + w.res)
+    res = w.kept(op.part.layer)
+    w.compute(op, out=w.act + res)
     layer = op.part.layer + 1
     w.acts[layer] = w.acts.get(layer, 0) + 1
     w.led.add(A, w.act)
-    if w.res:
+    if res:
         w.keeps[op.part.layer] = w.keeps.get(op.part.layer, 0) + 1
-        w.led.add(K, w.res)
+        w.led.add(K, res)
 
 
 def _head(w: Walk, op: Op) -> None:
@@ -425,7 +466,7 @@ def _backward(w: Walk, op: Op) -> None:
     layer = op.part.layer
     if w.last_micro(op) and layer in w.keeps:
         n = w.keeps.pop(layer)
-        w.led.drop(K, w.res * n, n)
+        w.led.drop(K, w.kept(layer) * n, n)
     if w.last_micro(op) and layer > 0:  # block 0's inputs are the embeddings, still needed by embed_backward
         w.drop_acts(layer)
 

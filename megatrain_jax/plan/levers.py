@@ -376,9 +376,10 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
     host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
     gpu_bytes = gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes
     kw = dict(host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes, **plan_kw)
+    engine_cfg, fewer_kept = most_kept(model_cfg, engine_cfg, batch_rows, seq_len, **kw)
     engine_cfg, auto = most_resident(model_cfg, engine_cfg, batch_rows, seq_len, **kw)
     picked, said = _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw)
-    said = [auto] + said if auto else said
+    said = [w for w in (fewer_kept, auto) if w] + said
     flash = assumes_flash(model_cfg)
     keeps = engine_cfg.keep_residuals and kept_bytes(model_cfg, engine_cfg, 1, 1, flash) > 0
     if keeps and not plan(model_cfg, picked, batch_rows, seq_len, detect=False, **kw).fits:
@@ -390,6 +391,30 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
             return plain, "; ".join(["keeping attention's output for the backward does not fit: attention is "
                                      "recomputed in the backward (engine.keep_residuals=false)"] + plain_said)
     return picked, ("; ".join(said) or None)
+
+
+def most_kept(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
+              **plan_kw) -> tuple[EngineConfig, str | None]:
+    """``kept_layers`` as configured where the GPU fits it (with ``resident_layers="auto"``: with no block
+    resident, which is then picked around it), else the most blocks keeping their matrix products that fit,
+    down to none; no activation offload is picked before these are given up. Returns the config and a
+    sentence (None: as configured)."""
+    if not engine_cfg.kept_layers or plan_kw.get("gpu_bytes") is None:
+        return engine_cfg, None
+    base = engine_cfg if engine_cfg.resident_layers != AUTO else dataclasses.replace(engine_cfg, resident_layers=0)
+    with_ = lambda k: dataclasses.replace(base, kept_layers=k)  # noqa: E731
+    fits = lambda k: plan(model_cfg, with_(k), batch_rows, seq_len, detect=False, **plan_kw).gpu_fits  # noqa: E731
+    if fits(engine_cfg.kept_layers):
+        return engine_cfg, None
+    lo, hi = 0, engine_cfg.kept_layers - 1  # the GPU's bytes grow with the kept blocks: the most that fit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    p = plan(model_cfg, with_(lo), batch_rows, seq_len, detect=False, **plan_kw)
+    return dataclasses.replace(engine_cfg, kept_layers=lo), (
+        f"GPU memory is short for engine.kept_layers={engine_cfg.kept_layers}: the last {lo} blocks keep their "
+        f"matrix products for the backward (engine.kept_layers={lo}; GPU {p.gpu_total / GiB:.1f} GiB of "
+        f"{p.gpu_available / GiB:.1f})")
 
 
 def most_resident(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,

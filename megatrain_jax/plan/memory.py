@@ -100,7 +100,7 @@ class MemoryPlan:
         e = self.engine_cfg
         return self.programs is not None and self.programs.matches(
             self.batch_rows // self.devices // e.micro_batches, self.seq_len, stream_bytes(self.stream_dtype),
-            self.packed, self.devices, e.keep_residuals)
+            self.packed, self.devices, e.keep_residuals, e.kept_layers > 0)
 
     @property
     def disk_fits(self) -> bool:
@@ -255,6 +255,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         raise ValueError(f"resident_layers={e.resident_layers} exceeds the model's {c.layers} blocks")
     if e.offload_activations > c.layers:
         raise ValueError(f"offload_activations={e.offload_activations} exceeds the model's {c.layers} blocks")
+    e.check_layers(c.layers)
     if detect:
         host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
         gpu_bytes = available_gpu_bytes() if gpu_bytes is None else gpu_bytes
