@@ -100,6 +100,8 @@ CONFIGS: dict[str, BenchConfig] = {
         micro_batches=1, resident_layers=16, resident_io=True, keep_residuals=True, kept_layers=2)),
     "3p5b_32k_r12_k7": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=12, resident_io=True, keep_residuals=True, kept_layers=7, prefetch_depth=2)),
+    "3p5b_32k_r8_k12": BenchConfig("7b", 16, 2048, 16, EngineConfig(  # the sweep's best: 3p5b_32k since
+        micro_batches=1, resident_layers=8, resident_io=True, keep_residuals=True, kept_layers=12, prefetch_depth=2)),
     "3p5b_32k_r4_k16": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=4, resident_io=True, keep_residuals=True, kept_layers=16, prefetch_depth=2)),
     "3p5b_32k_auto": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers="auto",
