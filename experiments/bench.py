@@ -89,6 +89,8 @@ CONFIGS: dict[str, BenchConfig] = {
         micro_batches=2, resident_layers="auto", resident_io=True, prefetch_depth=2)),
     # 8,192 tokens per step (issue 33): one micro-batch of 4 rows; the GPU holds every block resident.
     "3p5b_8k": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto", resident_io=True)),
+    "3p5b_8k_k16": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto", resident_io=True,
+                                                              kept_layers=16)),
     # A/B variants (NOTES, issue 33): the earlier fixed layouts (8 of 16 and 14 of 32 blocks resident; 8 at 8K,
     # where the host update bounded the step), and the 32K levers one at a time.
     "3p5b_32k_r8": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True)),
