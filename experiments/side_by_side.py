@@ -107,7 +107,10 @@ def targets(result: dict) -> dict:
     idle = {r["config"]: r["breakdown"]["gpu_idle_fraction_est"] for r in runs
             if r.get("system") == "megatrain_jax" and "breakdown" in r}
     if idle:
-        out["gpu_idle_fraction"] = {"per_config": idle, "bar": BARS["gpu_idle"],
+        # the bar is on the first figure, which counts the GPU-resident parts' update (device work) as idle
+        beyond = {r["config"]: r["breakdown"].get("gpu_idle_beyond_device_update_est") for r in runs
+                  if r.get("system") == "megatrain_jax" and "breakdown" in r}
+        out["gpu_idle_fraction"] = {"per_config": idle, "beyond_device_update": beyond, "bar": BARS["gpu_idle"],
                                     "met": all(v <= BARS["gpu_idle"] for v in idle.values())}
     out["all_met"] = bool(out) and all(v.get("met") for v in out.values() if isinstance(v, dict))
     return out

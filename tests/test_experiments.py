@@ -130,6 +130,19 @@ def test_bench_records_what_the_disk_tier_read_and_wrote(tmp_path):
     assert tier["read_gb_s_while_reading"] > 0 and tier["write_gb_s_while_writing"] > 0
 
 
+def test_bench_breakdown_counts_the_gpu_resident_parts_update_as_device_work():
+    """The synchronized step's update time splits by part: the GPU-resident parts' (device work, counted busy by
+    gpu_idle_beyond_device_update_est) and the host parts'."""
+    bench = load_script("bench")
+    bc = bench.BenchConfig("tiny", 3, 32, 4, EngineConfig(micro_batches=2, resident_layers=2, resident_io=True,
+                                                          kept_layers=1))
+    run = bench.run_config("tiny_resident", bc, warmup=1, timed=2)
+    assert run["status"] == "ok", run["status"]
+    b = run["breakdown"]
+    assert 0 < b["device_update_s"] < b["optimizer_s"], b  # two blocks and io on the device, one block on the host
+    assert b["gpu_idle_beyond_device_update_est"] <= b["gpu_idle_fraction_est"]
+
+
 def test_long_context_records_speed_peaks_and_the_plan():
     run = load_script("long_context").measure("tiny_cpu", load_script("long_context").CONFIGS["tiny_cpu"])
     assert run["status"] == "ok", run["status"]

@@ -24,17 +24,23 @@ class Observer(Protocol):
 
 class Profile:
     """Seconds per op category (``h2d``, ``compute``, ``d2h``, ``optimizer``), each op waited for before
-    the next is dispatched: every category's own time, at the price of a serialized (slower) step."""
+    the next is dispatched: every category's own time, at the price of a serialized (slower) step. Also each
+    part's ``update`` seconds (``update_seconds``): a GPU-resident part's update is device work, a host part's
+    the host optimizer's."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.update_seconds: dict[Any, float] = {}
 
     def on_op(self, op: Op, start: float, end: float, out: Any) -> None:
         category = CATEGORY[op.kind]
         if category == "none":
             return
         block_until_done(out)
-        self.seconds[category] = self.seconds.get(category, 0.0) + time.perf_counter() - start
+        took = time.perf_counter() - start
+        self.seconds[category] = self.seconds.get(category, 0.0) + took
+        if op.kind == "update":
+            self.update_seconds[op.part] = self.update_seconds.get(op.part, 0.0) + took
 
     def on_task(self, key: Hashable, start: float, end: float) -> None:
         pass
