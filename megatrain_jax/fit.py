@@ -23,7 +23,7 @@ from megatrain_jax.engine.engine import Engine
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
 from megatrain_jax.engine.transfer import select_devices
 from megatrain_jax.flops import format_flops, model_flops_per_token
-from megatrain_jax.optim import adamw, decay_mask, learning_rate_of
+from megatrain_jax.optim import adamw, decay_mask, learning_rate_of, schedule_value
 from megatrain_jax.train_config import TrainConfig
 
 Schedule = Callable[[int], Any]
@@ -225,7 +225,7 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
         if train.peak_tflops:
             m["mfu"] = m["model_tflops"] / train.peak_tflops
         if lr_schedule is not None:
-            m["lr"] = float(lr_schedule(m["step"] - 1))
+            m["lr"] = schedule_value(lr_schedule, m["step"] - 1) if callable(lr_schedule) else float(lr_schedule)
         history.records.append(m)
         info = StepInfo(m["step"], int(eng.state.step), eng, feed.stop)
         phase = "hook"

@@ -8,6 +8,7 @@ on the pinned-host buffers instead of a JAX host computation. Both paths compute
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -16,6 +17,16 @@ import numpy as np
 import optax
 
 Schedule = Callable[[Any], Any]
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_value(schedule: Schedule, count: int) -> float:
+    """``schedule(count)`` as a Python float, computed on the host CPU and remembered. An optax schedule is
+    JAX code: called with a plain integer on a GPU machine it would run on the GPU, and reading its value
+    would wait for every computation queued there before it (the host optimizer's worker and the training
+    loop ask every step, while the GPU is working through the step ahead)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        return float(schedule(count))
 
 
 def decay_mask(params: Any) -> Any:
@@ -44,6 +55,12 @@ class AdamWSpec:
 
     def lr_at(self, count: Any) -> Any:
         return self.learning_rate(count) if callable(self.learning_rate) else self.learning_rate
+
+    def lr_value(self, count: int) -> float:
+        """The learning rate of update ``count`` (0-based) as a float, without touching an accelerator
+        (``schedule_value``)."""
+        lr = self.learning_rate
+        return schedule_value(lr, int(count)) if callable(lr) else float(lr)
 
     def bias_corrections(self, t: Any) -> tuple[Any, Any]:
         """``1 - b^t`` for the update number ``t`` (1-based)."""

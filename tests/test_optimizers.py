@@ -57,3 +57,24 @@ def test_a_transformation_that_looks_across_arrays_is_refused_by_name():
     """Noise drawn per number of leaves differs part by part from the whole model's: refused, named."""
     with pytest.raises(UnsupportedOptimizerError, match="optax.chain.*looks across parameter arrays"):
         Engine(Decoder(TINY, rngs=nnx.Rngs(0)), optax.noisy_sgd(0.1, key=0))
+
+
+def test_the_learning_rate_the_host_reads_is_the_schedules_computed_once_per_step_on_the_cpu():
+    """``AdamWSpec.lr_value``: the schedule's value as a float, computed on the host CPU (on a GPU machine a
+    schedule called with an integer would run on the GPU, and reading it would wait for the GPU's queued work)
+    and remembered, so the host kernel's parts and the training loop's metrics of one step compute it once."""
+    import jax
+    from megatrain_jax.optim import fused_spec, schedule_value
+    calls = []
+
+    def schedule(count):
+        calls.append(jax.numpy.asarray(count).devices())
+        return optax.warmup_cosine_decay_schedule(0.0, 3e-4, 10, 100, 3e-5)(count)
+
+    spec = fused_spec(adamw(schedule))
+    reference = optax.warmup_cosine_decay_schedule(0.0, 3e-4, 10, 100, 3e-5)
+    for count in (0, 5, 5, 10, 57, 5):
+        assert spec.lr_value(count) == float(reference(count))
+    assert len(calls) == 4 and all(d == {jax.devices("cpu")[0]} for d in calls), calls  # 0, 5, 10, 57 once each
+    assert schedule_value(schedule, 57) == float(reference(57)) and len(calls) == 4
+    assert fused_spec(adamw(1e-3)).lr_value(7) == 1e-3

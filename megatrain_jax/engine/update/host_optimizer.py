@@ -235,7 +235,7 @@ class HostOptimizer:
         its offset in the leaf."""
         spec, state = self.spec, part.opt
         bc1, bc2 = spec.bias_corrections(float(t))
-        lr = float(spec.lr_at(t - 1))
+        lr = spec.lr_value(t - 1)  # on the host: no wait behind the GPU's queued work
         jax.block_until_ready(grads)
         pieces = self.placement.pieces
         leaves = jax.tree.leaves(part.params)
