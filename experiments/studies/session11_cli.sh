@@ -1,0 +1,8 @@
+#!/bin/bash
+# Session 11, H100 box: shipped configs as written after the learning-rate fix (20 steps each).
+set -u
+for c in h100_3p5b_32k h100_7b_32k; do
+  PYTHONPATH=. timeout 280 python experiments/shipped_configs.py --configs $c --steps 20 --timeout 260 \
+    --out $OUT/h100_shipped_configs_s11_lr_$c.json 2>&1 | tail -c 600
+  echo
+done
