@@ -421,3 +421,24 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, r
         assert np.array_equal(got["/".join(map(str, k))], v), k
     assert json.loads((tmp_path / "resumed.json").read_text())["loss"] == ref_history["loss"][2:]
     assert committed_steps(tmp_path / "ck") == [6, 4, 2]
+
+
+@pytest.mark.parametrize("resume", [None, "STEP3"])
+def test_a_refused_checkpoint_session_closes_its_manager(tmp_path, monkeypatch, resume):
+    """A session refused at construction (it would save over checkpoints it does not continue from) closes the
+    checkpoint manager it opened: nothing is left waiting or holding the folder."""
+    from megatrain_jax.checkpoint import session as session_module
+    closed = []
+
+    class Manager:
+        def __init__(self, directory, keep=None):
+            self.root = Path(directory)
+
+        def close(self):
+            closed.append(self.root)
+
+    monkeypatch.setattr(session_module, "Checkpointer", Manager)
+    monkeypatch.setattr(session_module, "committed_steps", lambda root: [3, 5])
+    with pytest.raises(ValueError, match="already holds checkpoints" if resume is None else "newer checkpoints"):
+        session_module.CheckpointSession(tmp_path, resume=None if resume is None else tmp_path / "3")
+    assert closed == [tmp_path]

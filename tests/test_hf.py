@@ -332,6 +332,15 @@ def test_load_into_a_different_model_is_refused():
         load_hf_into(model, FIXTURES / "llama")
 
 
+def test_load_into_a_model_with_another_rotary_fraction_is_refused():
+    """A model that rotates part of each head (``partial_rotary_factor``) keeps every tensor's shape: the
+    checkpoint's own config is what tells them apart."""
+    cfg = load_hf(FIXTURES / "llama", dtype="float32")[0]
+    model = nnx.eval_shape(lambda: Decoder(cfg.replace(partial_rotary_factor=0.5), rngs=nnx.Rngs(0)))
+    with pytest.raises(CheckpointMismatch, match="partial_rotary_factor: model has 0.5, .* has 1.0"):
+        load_hf_into(model, FIXTURES / "llama")
+
+
 def test_save_checks_shapes_and_family(tmp_path):
     cfg, io, blocks = load_hf(FIXTURES / "llama", dtype="float32")
     bad = dict(blocks[1], mlp=dict(blocks[1]["mlp"], down={"kernel": np.zeros((64, 80), np.float32)}))

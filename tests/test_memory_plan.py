@@ -801,6 +801,12 @@ def test_kept_layers_add_their_matrix_products_to_the_gpu_and_are_given_up_first
     assert fitting == list(range(max(fitting) + 1)) and 3 <= max(fitting) < 10
     assert picked == dataclasses.replace(asked, kept_layers=max(fitting)), picked
     assert f"engine.kept_layers={max(fitting)}" in why, why
+    # the plan's advice for the config as asked names the same number, first among its options
+    advice_for = options(plan(cfg, asked, 16, 2048, host_ram_bytes=10_000 * GiB, gpu_bytes=gpu))
+    assert advice_for[0].changes == (("engine.kept_layers", max(fitting)),), advice_for
+    # offload is never offered for blocks that keep their products
+    from megatrain_jax.plan.levers import offload_counts
+    assert max(offload_counts(plan(cfg, asked, 16, 2048, **kw))) == 16 - 10
     assert most_kept(cfg, dataclasses.replace(asked, kept_layers=2), 16, 2048, host_ram_bytes=10_000 * GiB,
                      gpu_bytes=gpu) == (dataclasses.replace(asked, kept_layers=2), None)
     # resident blocks picked around them: the kept blocks first, then as many resident as still fit

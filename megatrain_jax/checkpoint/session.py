@@ -153,6 +153,23 @@ class CheckpointSession:
         self.every, self.resume, self.config, self.accumulate = every, resume, config or {}, accumulate
         self.ckpt = Checkpointer(directory, keep=keep) if directory is not None else None
         self._open = self.ckpt is not None
+        try:
+            self._refuse_overwrites(resume)
+        except BaseException:
+            self.close()  # a refused session leaves no checkpoint manager open
+            raise
+        self.data: Iterable | None = None
+        self._resume_from: tuple[Path | None, bool] | None = None  # (step directory, verified), once ``check`` ran
+        self.start_step = 0
+        self.resumed_from: Path | None = None
+        self.stop_signal: str | None = None
+        self.stop_stall_s = STOP_STALL_S if stop_stall_s is None else stop_stall_s
+        self._stop: Callable[[str], None] = lambda reason: None
+        self._data_state: Callable[[], Any] = lambda: (
+            self.data.state() if callable(getattr(self.data, "state", None)) else None)
+
+    def _refuse_overwrites(self, resume: str | Path | None) -> None:
+        """Refuse a session that would save over checkpoints it does not continue from."""
         if self.ckpt is not None and resume is None and committed_steps(self.ckpt.root):
             raise ValueError(f"checkpoint directory {self.ckpt.root} already holds checkpoints (steps "
                              f"{committed_steps(self.ckpt.root)}); resume to continue that run (TrainConfig(resume="
@@ -165,15 +182,6 @@ class CheckpointSession:
                                  f"{sorted(newer)}): this run would save over them. Nothing was changed. Move "
                                  f"those aside, resume from the newest (train.resume=true), or set "
                                  f"train.checkpoint_dir to another folder")
-        self.data: Iterable | None = None
-        self._resume_from: tuple[Path | None, bool] | None = None  # (step directory, verified), once ``check`` ran
-        self.start_step = 0
-        self.resumed_from: Path | None = None
-        self.stop_signal: str | None = None
-        self.stop_stall_s = STOP_STALL_S if stop_stall_s is None else stop_stall_s
-        self._stop: Callable[[str], None] = lambda reason: None
-        self._data_state: Callable[[], Any] = lambda: (
-            self.data.state() if callable(getattr(self.data, "state", None)) else None)
 
     # ------------------------------------------------------------------ resume
     def check(self) -> int:

@@ -391,7 +391,8 @@ _MATCHING_FIELDS = ("vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads"
                     "rope_theta", "rope_scaling", "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm",
                     "qk_norm_width", "norm_placement", "sliding_window", "layer_types", "moe", "first_k_dense_replace",
                     "norm_unit_offset", "scale_embeddings", "mlp_activation", "attention_scale",
-                    "sliding_rope_theta", "final_logit_softcap", "mla", "o_bias", "attention_sinks")
+                    "sliding_rope_theta", "final_logit_softcap", "mla", "o_bias", "attention_sinks",
+                    "partial_rotary_factor")
 
 
 def check_same_model(ours: DecoderConfig, theirs: DecoderConfig, where: str) -> None:

@@ -63,6 +63,10 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[tuple[tuple[str, Any], ..
     """Each lever: its name, candidate changes fastest first, and the words for a chosen change."""
     e, c, rows, seq = p.engine_cfg, p.model_cfg, p.batch_rows, p.seq_len
     n_updated = lambda r, io: c.layers - r + (0 if io else 1)  # noqa: E731  (host-updated parts)
+    if e.kept_layers:  # first: it costs only the recompute it saved
+        yield ("kept", [(("engine.kept_layers", k),) for k in range(e.kept_layers - 1, -1, -1)],
+               lambda ch: (f"the last {ch[0][1]} blocks keep their matrix products for the backward instead of "
+                           f"{e.kept_layers} (the others recompute them: slower)"))
     resident = [(("engine.resident_layers", r),) for r in range(c.layers, -1, -1)
                 if r != e.resident_layers and n_updated(r, e.resident_io) >= e.grads_on_gpu and not e.capacity
                 and c.layers - r >= e.disk_parts]
@@ -228,9 +232,9 @@ def offload(p: MemoryPlan) -> tuple[tuple[str, Any], ...] | None:
 
 def offload_counts(p: MemoryPlan) -> list[int]:
     """The ``engine.offload_activations`` values above this run's that offload more blocks."""
-    e = p.engine_cfg
-    return list(range(e.offload_activations + 1, offloaded_blocks(p.model_cfg.layers, e.prefetch_depth,
-                                                                   p.model_cfg.layers) + 1))
+    e, layers = p.engine_cfg, p.model_cfg.layers
+    most = min(offloaded_blocks(layers, e.prefetch_depth, layers), layers - e.kept_layers)  # not the kept blocks
+    return list(range(e.offload_activations + 1, most + 1))
 
 
 def _leanest(p: MemoryPlan, disk: bool = True) -> tuple[tuple[str, Any], ...] | None:
@@ -306,6 +310,8 @@ def _smaller(p: MemoryPlan, layers: int) -> tuple[tuple[str, Any], ...]:
         changes += (("engine.disk_parts", layers - min(e.resident_layers, layers)),)
     if e.offload_activations > layers:
         changes += (("engine.offload_activations", layers),)
+    if e.kept_layers > layers:
+        changes += (("engine.kept_layers", layers),)
     return changes
 
 
