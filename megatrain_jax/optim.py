@@ -7,6 +7,7 @@ on the pinned-host buffers instead of a JAX host computation. Both paths compute
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -19,13 +20,28 @@ import optax
 Schedule = Callable[[Any], Any]
 
 
-@functools.lru_cache(maxsize=256)
 def schedule_value(schedule: Schedule, count: int) -> float:
-    """``schedule(count)`` as a Python float, computed on the host CPU and remembered. An optax schedule is
-    JAX code: called with a plain integer on a GPU machine it would run on the GPU, and reading its value
-    would wait for every computation queued there before it (the host optimizer's worker and the training
-    loop ask every step, while the GPU is working through the step ahead)."""
-    with jax.default_device(jax.devices("cpu")[0]):
+    """``schedule(count)`` as a Python float, computed on the host CPU and remembered (where the schedule
+    can be a dictionary key). An optax schedule is JAX code: called with a plain integer on a GPU machine it
+    would run on the GPU, and reading its value would wait for every computation queued there before it (the
+    host optimizer's worker and the training loop ask every step, while the GPU works through the step
+    ahead)."""
+    if isinstance(schedule, collections.abc.Hashable):
+        return _remembered(schedule, int(count))
+    return _on_host(schedule, int(count))
+
+
+@functools.lru_cache(maxsize=256)
+def _remembered(schedule: Schedule, count: int) -> float:
+    return _on_host(schedule, count)
+
+
+def _on_host(schedule: Schedule, count: int) -> float:
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX started without its CPU backend (JAX_PLATFORMS): where JAX computes by default
+        return float(schedule(count))
+    with jax.default_device(cpu):
         return float(schedule(count))
 
 

@@ -78,3 +78,11 @@ def test_the_learning_rate_the_host_reads_is_the_schedules_computed_once_per_ste
     assert len(calls) == 4 and all(d == {jax.devices("cpu")[0]} for d in calls), calls  # 0, 5, 10, 57 once each
     assert schedule_value(schedule, 57) == float(reference(57)) and len(calls) == 4
     assert fused_spec(adamw(1e-3)).lr_value(7) == 1e-3
+
+    class Unhashable:  # a schedule that cannot be a cache key is computed each time, on the CPU all the same
+        __hash__ = None
+
+        def __call__(self, count):
+            return reference(count)
+
+    assert fused_spec(adamw(Unhashable())).lr_value(57) == float(reference(57))
