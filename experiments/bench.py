@@ -92,8 +92,6 @@ CONFIGS: dict[str, BenchConfig] = {
     # them beside the resident state at 8K): 19,976 -> 24,017 tokens/s (results/h100_kept_layers_8k.json).
     "3p5b_8k": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto", resident_io=True,
                                                            kept_layers=16)),
-    "3p5b_8k_k16": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto", resident_io=True,
-                                                              kept_layers=16)),
     "3p5b_8k_recompute": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto",
                                                                      resident_io=True)),
     # A/B variants (NOTES, issue 33): the earlier fixed layouts (8 of 16 and 14 of 32 blocks resident; 8 at 8K,
@@ -107,8 +105,6 @@ CONFIGS: dict[str, BenchConfig] = {
         micro_batches=1, resident_layers=16, resident_io=True, keep_residuals=True, kept_layers=2)),
     "3p5b_32k_r12_k7": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=12, resident_io=True, keep_residuals=True, kept_layers=7, prefetch_depth=2)),
-    "3p5b_32k_r8_k12": BenchConfig("7b", 16, 2048, 16, EngineConfig(  # the sweep's best: 3p5b_32k since
-        micro_batches=1, resident_layers=8, resident_io=True, keep_residuals=True, kept_layers=12, prefetch_depth=2)),
     "3p5b_32k_r4_k16": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=4, resident_io=True, keep_residuals=True, kept_layers=16, prefetch_depth=2)),
     "3p5b_32k_auto": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers="auto",
@@ -153,6 +149,9 @@ def device_info() -> dict:
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return {"name": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
             "host_ram_gib": round(pages / 2**30, 1), "cpu_cores": os.cpu_count()}
+# The names session 11's results files give the layouts 3p5b_32k and 3p5b_8k took from them.
+CONFIGS["3p5b_32k_r8_k12"] = CONFIGS["3p5b_32k"]
+CONFIGS["3p5b_8k_k16"] = CONFIGS["3p5b_8k"]
 
 
 def gpu_peak_gib() -> float | None:

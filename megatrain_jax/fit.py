@@ -225,7 +225,7 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
         if train.peak_tflops:
             m["mfu"] = m["model_tflops"] / train.peak_tflops
         if lr_schedule is not None:
-            m["lr"] = schedule_value(lr_schedule, m["step"] - 1) if callable(lr_schedule) else float(lr_schedule)
+            m["lr"] = schedule_value(lr_schedule, m["step"] - 1)
         history.records.append(m)
         info = StepInfo(m["step"], int(eng.state.step), eng, feed.stop)
         phase = "hook"

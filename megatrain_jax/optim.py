@@ -20,12 +20,14 @@ import optax
 Schedule = Callable[[Any], Any]
 
 
-def schedule_value(schedule: Schedule, count: int) -> float:
-    """``schedule(count)`` as a Python float, computed on the host CPU and remembered (where the schedule
-    can be a dictionary key). An optax schedule is JAX code: called with a plain integer on a GPU machine it
+def schedule_value(schedule: float | Schedule, count: int) -> float:
+    """``schedule(count)`` (a constant: itself) as a Python float, computed on the host CPU and remembered (where
+    the schedule can be a dictionary key). An optax schedule is JAX code: called with a plain integer on a GPU machine it
     would run on the GPU, and reading its value would wait for every computation queued there before it (the
     host optimizer's worker and the training loop ask every step, while the GPU works through the step
     ahead)."""
+    if not callable(schedule):
+        return float(schedule)
     if isinstance(schedule, collections.abc.Hashable):
         return _remembered(schedule, int(count))
     return _on_host(schedule, int(count))
@@ -75,8 +77,7 @@ class AdamWSpec:
     def lr_value(self, count: int) -> float:
         """The learning rate of update ``count`` (0-based) as a float, without touching an accelerator
         (``schedule_value``)."""
-        lr = self.learning_rate
-        return schedule_value(lr, int(count)) if callable(lr) else float(lr)
+        return schedule_value(self.learning_rate, count)
 
     def bias_corrections(self, t: Any) -> tuple[Any, Any]:
         """``1 - b^t`` for the update number ``t`` (1-based)."""

@@ -162,7 +162,8 @@ class EngineConfig:
         if self.kept_layers > n_blocks:
             raise ValueError(f"engine.kept_layers = {self.kept_layers} is more than the model's {n_blocks} blocks: "
                              f"set at most {n_blocks}")
-        offloaded = max(0, min(self.offload_activations, n_blocks - self.prefetch_depth))  # schedule.offloaded_blocks
+        from megatrain_jax.engine.schedule import offloaded_blocks  # (plain Python, as this module)
+        offloaded = offloaded_blocks(n_blocks, self.prefetch_depth, self.offload_activations)
         if self.kept_layers and self.kept_layers + offloaded > n_blocks:
             raise ValueError(f"engine.kept_layers = {self.kept_layers} (the last blocks keep their matrix products "
                              f"on the GPU) and offload_activations = {self.offload_activations} (the inputs of the "

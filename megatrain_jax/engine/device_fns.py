@@ -159,8 +159,8 @@ class DeviceFns:
         this block and micro-batch, and ``products`` as given to that call."""
         extra = (d_stats,) if self.lm.routes(kind) else ()
         if kept is not None:
-            return self._call("backward_products" if products else "backward_kept", params, x_BTD, positions_BT, segment_ids_BT, kept, dy_BTD, *extra, acc,
-                              last=last, kind=kind)
+            return self._call("backward_products" if products else "backward_kept", params, x_BTD, positions_BT,
+                              segment_ids_BT, kept, dy_BTD, *extra, acc, last=last, kind=kind)
         return self._call("backward", params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, *extra, acc, last=last,
                           kind=kind)
 

@@ -412,15 +412,22 @@ def most_kept(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: in
     fits = lambda k: plan(model_cfg, with_(k), batch_rows, seq_len, detect=False, **plan_kw).gpu_fits  # noqa: E731
     if fits(engine_cfg.kept_layers):
         return engine_cfg, None
-    lo, hi = 0, engine_cfg.kept_layers - 1  # the GPU's bytes grow with the kept blocks: the most that fit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    lo = _most_fitting(fits, engine_cfg.kept_layers - 1)  # none, where not even 0 fits: nothing else to give up
     p = plan(model_cfg, with_(lo), batch_rows, seq_len, detect=False, **plan_kw)
     return dataclasses.replace(engine_cfg, kept_layers=lo), (
         f"GPU memory is short for engine.kept_layers={engine_cfg.kept_layers}: the last {lo} blocks keep their "
         f"matrix products for the backward (engine.kept_layers={lo}; GPU {p.gpu_total / GiB:.1f} GiB of "
         f"{p.gpu_available / GiB:.1f})")
+
+
+def _most_fitting(fits: Callable[[int], bool], hi: int) -> int:
+    """The largest ``n`` in 0..``hi`` with ``fits(n)``, bisected (GPU memory grows with ``n``); 0 where none
+    above 0 fits."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def most_resident(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
@@ -439,13 +446,10 @@ def most_resident(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows
         return with_(0), "engine.resident_layers='auto': 0 (no GPU to plan for)"
     fits = lambda r: plan(model_cfg, with_(r), batch_rows, seq_len, detect=False, **plan_kw).gpu_fits  # noqa: E731
     e, n = engine_cfg, model_cfg.layers  # the host-updated parts those options name must stay so
-    lo, hi = 0, max(min(n, n + (0 if e.resident_io else 1) - e.grads_on_gpu, n - e.disk_parts), 0)
-    # GPU memory grows with resident blocks: the largest number that fits, bisected
+    hi = max(min(n, n + (0 if e.resident_io else 1) - e.grads_on_gpu, n - e.disk_parts), 0)
     if not fits(0):
         return with_(0), "engine.resident_layers='auto': 0 (the GPU is full without any)"
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    lo = _most_fitting(fits, hi)
     p = plan(model_cfg, with_(lo), batch_rows, seq_len, detect=False, **plan_kw)
     return with_(lo), (f"engine.resident_layers='auto': {lo} of {model_cfg.layers} blocks GPU-resident, the most "
                        f"that fit (GPU {p.gpu_total / GiB:.1f} GiB of {p.gpu_available / GiB:.1f}; they update on the "
