@@ -107,6 +107,16 @@ CONFIGS: dict[str, BenchConfig] = {
         micro_batches=1, resident_layers=12, resident_io=True, keep_residuals=True, kept_layers=7, prefetch_depth=2)),
     "3p5b_32k_r4_k16": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=4, resident_io=True, keep_residuals=True, kept_layers=16, prefetch_depth=2)),
+    # 7B at 32K with blocks keeping their matrix products (session 12): the largest kept_layers the plan fits at
+    # each resident count (H100, 90%; below 8 resident the host state no longer fits a 125 GiB host).
+    "7b_32k_r8_k11": BenchConfig("7b", 32, 2048, 16, EngineConfig(
+        micro_batches=2, resident_layers=8, resident_io=True, kept_layers=11, prefetch_depth=2)),
+    "7b_32k_mb1_r8_k10": BenchConfig("7b", 32, 2048, 16, EngineConfig(
+        micro_batches=1, resident_layers=8, resident_io=True, kept_layers=10, prefetch_depth=2)),
+    "7b_32k_r10_k9": BenchConfig("7b", 32, 2048, 16, EngineConfig(
+        micro_batches=2, resident_layers=10, resident_io=True, kept_layers=9, prefetch_depth=2)),
+    "7b_32k_r12_k7": BenchConfig("7b", 32, 2048, 16, EngineConfig(
+        micro_batches=2, resident_layers=12, resident_io=True, kept_layers=7, prefetch_depth=2)),
     "3p5b_32k_auto": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers="auto",
                                                                    resident_io=True)),
     "3p5b_32k_auto_kr": BenchConfig("7b", 16, 2048, 16, EngineConfig(
