@@ -113,6 +113,10 @@ CONFIGS: dict[str, BenchConfig] = {
         micro_batches=2, resident_layers=8, resident_io=True, kept_layers=11, prefetch_depth=2)),
     "7b_32k_mb1_r8_k10": BenchConfig("7b", 32, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=8, resident_io=True, kept_layers=10, prefetch_depth=2)),
+    "7b_32k_mb1_r10_k8": BenchConfig("7b", 32, 2048, 16, EngineConfig(
+        micro_batches=1, resident_layers=10, resident_io=True, kept_layers=8, prefetch_depth=2)),
+    "7b_32k_mb1_r12_k6": BenchConfig("7b", 32, 2048, 16, EngineConfig(
+        micro_batches=1, resident_layers=12, resident_io=True, kept_layers=6, prefetch_depth=2)),
     "7b_32k_r10_k9": BenchConfig("7b", 32, 2048, 16, EngineConfig(
         micro_batches=2, resident_layers=10, resident_io=True, kept_layers=9, prefetch_depth=2)),
     "7b_32k_r12_k7": BenchConfig("7b", 32, 2048, 16, EngineConfig(
