@@ -78,14 +78,18 @@ CONFIGS: dict[str, BenchConfig] = {
     # runs one micro-batch and keeps the attention residuals (no attention forward in the backward: 21,482 ->
     # 22,057 tokens/s with all 16 blocks resident); since session 11, 8 blocks resident and the last 12 keeping
     # their matrix products (kept_layers: no recompute of them in the backward): 22,212 -> 25,659 tokens/s
-    # (results/h100_kept_layers_32k.json). 7B keeps as many blocks GPU-resident as fit ("auto": 17 of 32) and
-    # fetches the streamed blocks two ahead: with one, each streamed forward waited ~9 ms for its weights while
-    # the host's second-half updates shared the memory bus with the copies (456 -> 472 model TFLOP/s).
+    # (results/h100_kept_layers_32k.json). 7B fetches the streamed blocks two ahead (with one, each streamed
+    # forward waited ~9 ms for its weights while the host's second-half updates shared the memory bus with the
+    # copies: 456 -> 472 model TFLOP/s); since session 12 it runs one micro-batch, 8 resident blocks and the last
+    # 10 keeping their matrix products: 472.0 -> 500.1 and 495.5 model TFLOP/s against "auto" (17 resident) on one
+    # box (results/h100_kept_layers_7b_a.json, _b.json).
     "3p5b_32k": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=8, resident_io=True, keep_residuals=True, kept_layers=12, prefetch_depth=2)),
     "3p5b_32k_all_resident": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers="auto", resident_io=True, keep_residuals=True)),
     "7b_32k": BenchConfig("7b", 32, 2048, 16, EngineConfig(
+        micro_batches=1, resident_layers=8, resident_io=True, kept_layers=10, prefetch_depth=2)),
+    "7b_32k_auto_p2": BenchConfig("7b", 32, 2048, 16, EngineConfig(
         micro_batches=2, resident_layers="auto", resident_io=True, prefetch_depth=2)),
     # 8,192 tokens per step (issue 33): one micro-batch of 4 rows; the GPU holds every block resident.
     # Since session 11 every block also keeps its matrix products for the backward (kept_layers=16; the plan fits
@@ -111,8 +115,6 @@ CONFIGS: dict[str, BenchConfig] = {
     # each resident count (H100, 90%; below 8 resident the host state no longer fits a 125 GiB host).
     "7b_32k_r8_k11": BenchConfig("7b", 32, 2048, 16, EngineConfig(
         micro_batches=2, resident_layers=8, resident_io=True, kept_layers=11, prefetch_depth=2)),
-    "7b_32k_mb1_r8_k10": BenchConfig("7b", 32, 2048, 16, EngineConfig(
-        micro_batches=1, resident_layers=8, resident_io=True, kept_layers=10, prefetch_depth=2)),
     "7b_32k_mb1_r10_k8": BenchConfig("7b", 32, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=10, resident_io=True, kept_layers=8, prefetch_depth=2)),
     "7b_32k_mb1_r12_k6": BenchConfig("7b", 32, 2048, 16, EngineConfig(
@@ -166,6 +168,7 @@ def device_info() -> dict:
 # The names session 11's results files give the layouts 3p5b_32k and 3p5b_8k took from them.
 CONFIGS["3p5b_32k_r8_k12"] = CONFIGS["3p5b_32k"]
 CONFIGS["3p5b_8k_k16"] = CONFIGS["3p5b_8k"]
+CONFIGS["7b_32k_mb1_r8_k10"] = CONFIGS["7b_32k"]  # session 12's name for the layout 7b_32k took
 
 
 def gpu_peak_gib() -> float | None:

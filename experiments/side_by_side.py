@@ -10,7 +10,7 @@ In order, each in its own process (so each starts with the host memory to itself
    small batches, where the host update bounds the step);
 3. 3.5B at 32,768 tokens/step: the same pair (``3p5b_32k``);
 4. 3.5B at 98,304 tokens/step: the same pair (``3p5b_98k``);
-5. 7B at 32,768 tokens/step: megatrain_jax alone (ZeRO-3 cannot hold 7B on a 125 GiB host).
+5. 7B at 32,768 tokens/step (``7b_32k``): megatrain_jax alone (ZeRO-3 cannot hold 7B on a 125 GiB host).
 
 All runs go into ``runs`` of the one file; ``targets`` then says, for each target of the issue, the
 measured value, the bar, and whether it is met. ``--only`` runs a subset (e.g. ``--only 32k,host``).
