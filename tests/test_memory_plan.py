@@ -326,6 +326,24 @@ def test_host_overflow_suggests_float32_streaming_more_resident_blocks_or_a_smal
     assert 10 < layers < 32 and not p.applied((("model.layers", layers + 1),)).fits
 
 
+def test_a_smaller_model_clips_the_counts_the_config_file_sets_past_it(tmp_path):
+    """The plan's engine is the one train picks (here GPU memory is short for kept_layers=20: none kept); the
+    smaller-model option is an override of the file, so it clips the file's kept_layers too, and the file
+    with that override applied passes the config checks and plans as the option was planned."""
+    given = EngineConfig(micro_batches=1, resident_layers=8, resident_io=True, kept_layers=20)
+    planned = dataclasses.replace(given, kept_layers=0)
+    p = plan(preset("llama3-8b"), planned, 16, 2048, host_ram_bytes=125 * GiB, gpu_bytes=60 * GiB, detect=False)
+    assert not p.fits
+    smaller = next(o for o in options(p, given) if "model.layers" in dict(o.changes))
+    layers = dict(smaller.changes)["model.layers"]
+    assert layers < 20 and dict(smaller.changes)["engine.kept_layers"] == 0
+    assert "engine.kept_layers" not in dict(next(o for o in options(p) if "model.layers" in dict(o.changes)).changes)
+    applied = dataclasses.replace(given, **{k.split(".")[1]: v for k, v in smaller.changes if k.startswith("engine.")})
+    applied.check_layers(layers)  # the file as overridden: no refusal
+    assert plan(preset("llama3-8b", layers=layers), applied, 16, 2048, host_ram_bytes=125 * GiB, gpu_bytes=60 * GiB,
+                detect=False).fits
+
+
 def test_float32_stream_over_gpu_suggests_bf16_or_less_prefetch():
     e = EngineConfig(micro_batches=16, stream_dtype="float32", prefetch_depth=4)
     base = plan(SEVEN_B, e, 16, 2048, host_ram_bytes=1000 * GiB, gpu_bytes=1000 * GiB)
@@ -342,12 +360,16 @@ def _printed_options(capsys, argv: list[str]) -> tuple[int, str, list[list[str]]
     return status, out, options
 
 
+# h100_7b_32k.toml's engine when issue 13 was filed (the file has since taken faster layouts)
+ISSUE_13_ENGINE = ["engine.stream_dtype=float32", "engine.micro_batches=2", "engine.prefetch_depth=1",
+                   "engine.resident_layers=12", "engine.kept_layers=0"]
+
+
 @pytest.mark.parametrize("model", ["llama3-8b", "llama3-70b"])
 def test_every_option_plan_prints_fits_when_applied(capsys, monkeypatch, model):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")  # JAX's default, whatever ran before
     # The 7B config as it was when issue 13 was filed: float32 streaming, 12 resident blocks + io.
-    run = ["plan", "--config", str(CONFIGS / "h100_7b_32k.toml"), f"model.preset={model}",
-           "engine.stream_dtype=float32"]
+    run = ["plan", "--config", str(CONFIGS / "h100_7b_32k.toml"), f"model.preset={model}"] + ISSUE_13_ENGINE
     machine = ["--host-gib", "125", "--gpu-gib", "80"]
     status, out, offered = _printed_options(capsys, run + machine)
     assert status == 1 and "does not fit" in out and "as configured, it needs a machine with" in out
@@ -362,7 +384,7 @@ def test_every_option_plan_prints_fits_when_applied(capsys, monkeypatch, model):
 
 
 def test_options_are_structured_and_match_the_config_path():
-    issue_13 = ["model.preset=llama3-8b", "engine.stream_dtype=float32"]
+    issue_13 = ["model.preset=llama3-8b"] + ISSUE_13_ENGINE
     cfg = load_config(CONFIGS / "h100_7b_32k.toml", issue_13)
     p = plan(cfg.model.build(), cfg.engine, cfg.data.batch_size, cfg.data.seq_len, host_ram_bytes=125 * GiB,
              gpu_bytes=60 * GiB, detect=False)

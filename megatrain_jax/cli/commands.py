@@ -155,7 +155,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"longest sequence that fits with {d.batch_size} rows per batch as configured: "
           + (f"{longest:,} tokens (of max_positions {model_cfg.max_positions:,})" if longest else "none"))
     if not p.fits:
-        print(f"does not fit.\n{advice(p)}")
+        print(f"does not fit.\n{advice(p, cfg.engine)}")
         return 1
     return 0
 

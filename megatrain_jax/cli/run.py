@@ -179,7 +179,8 @@ def _memory_line(memory: MemoryPlan, estimate: MemoryPlan | None = None) -> str:
             f"{gpu_fraction_source()}; megatrain-jax plan shows the breakdown)")
 
 
-def _out_of_memory_advice(memory: MemoryPlan, err: DeviceOutOfMemoryError, checkpoints: bool = True) -> str:
+def _out_of_memory_advice(memory: MemoryPlan, err: DeviceOutOfMemoryError, checkpoints: bool = True,
+                          given: EngineConfig | None = None) -> str:
     """What to run instead after a step ran out of GPU memory: the plan's options re-planned for the GPU
     memory less the allocation that failed (the plan had counted too little by at least that much)."""
     if not checkpoints:
@@ -189,7 +190,7 @@ def _out_of_memory_advice(memory: MemoryPlan, err: DeviceOutOfMemoryError, check
     if memory.gpu_available is None or not err.requested:
         return f"to go on: {resume}, with more GPU memory or a layout that needs less (megatrain-jax plan)"
     budget = memory.gpu_available - err.requested
-    fitting = options(memory.replace(gpu_bytes=budget))
+    fitting = options(memory.replace(gpu_bytes=budget), given)
     lines = [f"the plan had {memory.gpu_total / GiB:.1f} GiB of {memory.gpu_available / GiB:.1f} GiB; re-planned "
              f"for {budget / GiB:.1f} GiB (less the {err.requested / GiB:.2f} GiB allocation that failed), these "
              f"fit; add one to {resume}:"]
@@ -257,7 +258,7 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
                                       disk_dir=str(run_dir / "disk_tier"), check=t.memory_check)
         cfg = dataclasses.replace(cfg, engine=memory.engine_cfg)
     if t.memory_check:
-        require_fit(memory)
+        require_fit(memory, given)
     say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
         f"{model_cfg.hidden}), {d.batch_size} x {d.seq_len} tokens per batch, {t.steps} steps on "
         f"{_device_line(t.devices)}; run folder {run_dir}")
@@ -324,7 +325,7 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         history = fit(model, data, optimizer, train=t.for_fit(), engine=cfg.engine, hooks=hooks, write_back=False,
                       init_from=init_from, on_start=started)
     except DeviceOutOfMemoryError as err:
-        err.add_note(_out_of_memory_advice(memory, err, t.for_fit().checkpointing))
+        err.add_note(_out_of_memory_advice(memory, err, t.for_fit().checkpointing, given))
         raise
     finally:
         for w in writers:

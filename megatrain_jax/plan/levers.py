@@ -267,10 +267,14 @@ def _leanest_q8(p: MemoryPlan) -> tuple[tuple[str, Any], ...] | None:
     return None if changes is None else q8 + changes
 
 
-def options(p: MemoryPlan) -> list[Option]:
+def options(p: MemoryPlan, given: EngineConfig | None = None) -> list[Option]:
     """Changes that make the run fit in both host and GPU memory, each re-planned: one lever at a time,
     and where none of those keeps full precision (capacity mode may fit alone), pairs of the other
-    levers; a smaller model last. Empty when nothing of that kind fits."""
+    levers; a smaller model last. Empty when nothing of that kind fits.
+
+    ``given`` is the engine as the config file sets it, where ``p`` plans the one ``train`` picked from it
+    (``lean_engine``): the options are overrides of that file, so a smaller model also clips the file's
+    per-block counts that the smaller model could not hold."""
     if p.fits:
         return []
     levers = sorted(_levers(p), key=lambda lever: lever[0] == "resident")  # resident last: bisected
@@ -291,27 +295,33 @@ def options(p: MemoryPlan) -> list[Option]:
                         out.append(("pair", Option(ch1 + ch2, f"{words1(ch1)}; and {words2(ch2)}")))
                         break
     layers = next((n for n in range(p.model_cfg.layers - 1, 0, -1)
-                   if p.applied(_smaller(p, n)).fits), None)
+                   if p.applied(_smaller(p, n, given)).fits), None)
     if layers is not None:
-        out.append(("smaller", Option(_smaller(p, layers), f"a smaller model of {layers} layers (the rest as "
+        out.append(("smaller", Option(_smaller(p, layers, given), f"a smaller model of {layers} layers (the rest as "
                                                              f"configured)")))
     return [option for _, option in out]
 
 
-def _smaller(p: MemoryPlan, layers: int) -> tuple[tuple[str, Any], ...]:
+def _smaller(p: MemoryPlan, layers: int, given: EngineConfig | None = None) -> tuple[tuple[str, Any], ...]:
+    """A model of ``layers`` layers, and each per-block count of the planned engine clipped to what it can
+    hold; a count that only the config file (``given``) sets past ``layers`` is written as planned, so that
+    the overrides pass the file's checks and re-plan as this option was planned."""
     changes: tuple[tuple[str, Any], ...] = (("model.layers", layers),)
     e = p.engine_cfg
-    if e.resident_layers > layers:
-        changes += (("engine.resident_layers", layers),)
+    over = lambda name, limit: (getattr(e, name) > limit  # noqa: E731
+                                or (given is not None and isinstance(getattr(given, name), int)
+                                    and getattr(given, name) > limit))
+    if over("resident_layers", layers):
+        changes += (("engine.resident_layers", min(e.resident_layers, layers)),)
     n_updated = layers - min(e.resident_layers, layers) + (0 if e.resident_io else 1)
-    if e.grads_on_gpu > n_updated:
-        changes += (("engine.grads_on_gpu", n_updated),)
-    if e.disk_parts > layers - min(e.resident_layers, layers):
-        changes += (("engine.disk_parts", layers - min(e.resident_layers, layers)),)
-    if e.offload_activations > layers:
-        changes += (("engine.offload_activations", layers),)
-    if e.kept_layers > layers:
-        changes += (("engine.kept_layers", layers),)
+    if over("grads_on_gpu", n_updated):
+        changes += (("engine.grads_on_gpu", min(e.grads_on_gpu, n_updated)),)
+    if over("disk_parts", layers - min(e.resident_layers, layers)):
+        changes += (("engine.disk_parts", min(e.disk_parts, layers - min(e.resident_layers, layers))),)
+    if over("offload_activations", layers):
+        changes += (("engine.offload_activations", min(e.offload_activations, layers)),)
+    if over("kept_layers", layers):
+        changes += (("engine.kept_layers", min(e.kept_layers, layers)),)
     return changes
 
 
@@ -340,9 +350,9 @@ def machine_needed(p: MemoryPlan) -> str:
             f"({math.ceil(gpu / gpu_fraction())} GiB at XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_fraction():g})")
 
 
-def advice(p: MemoryPlan) -> str:
-    """What fits instead, as printed by ``check`` and ``megatrain-jax plan``."""
-    opts = options(p)
+def advice(p: MemoryPlan, given: EngineConfig | None = None) -> str:
+    """What fits instead, as printed by ``check`` and ``megatrain-jax plan`` (``given``: as in ``options``)."""
+    opts = options(p, given)
     same_model = [o for o in opts if not any(key.startswith("model.") for key, _ in o.changes)]
     if same_model:
         text = "options that fit (each re-planned on the same host and GPU):"
@@ -353,12 +363,13 @@ def advice(p: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-def require_fit(p: MemoryPlan) -> None:
-    """Raise MemoryPlanError with the table and the options that fit, unless the run fits."""
+def require_fit(p: MemoryPlan, given: EngineConfig | None = None) -> None:
+    """Raise MemoryPlanError with the table and the options that fit, unless the run fits (``given``: as in
+    ``options``)."""
     if p.fits:
         return
     where = " and ".join(n for n, ok in (("host RAM", p.host_fits), ("GPU memory", p.gpu_fits)) if not ok)
-    raise MemoryPlanError(f"this run does not fit in {where}.\n{p.table()}\n{advice(p)}\n"
+    raise MemoryPlanError(f"this run does not fit in {where}.\n{p.table()}\n{advice(p, given)}\n"
                           f"(set train.memory_check = false to start anyway)")
 
 
