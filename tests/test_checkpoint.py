@@ -374,6 +374,24 @@ def test_a_changed_model_is_refused_with_overrides_that_put_it_back():
         "model.rope_scaling.factor": 4.0}
 
 
+def test_a_default_left_unset_and_the_same_value_set_are_the_same_model_on_resume():
+    """head_dim unset or hidden // heads, the attention scalar unset or the head width, layer_types unset or one
+    type per layer: the same model, so a resume goes on; a different explicit value is still refused, and its
+    message gives the checkpoint's effective value to put back."""
+    from megatrain_jax.checkpoint.session import check_same_model, jsonable
+    saved = jsonable(CFG)
+    assert saved["head_dim"] is None and saved["layer_types"] is None
+    head = CFG.hidden // CFG.heads
+    explicit = jsonable(CFG.replace(head_dim=head, query_pre_attn_scalar=float(head),
+                                    layer_types=("full_attention",) * CFG.layers))
+    check_same_model(saved, explicit, Path("ck/3"))
+    check_same_model(explicit, saved, Path("ck/3"))
+    with pytest.raises(ValueError, match=rf"model.head_dim: {head} in the checkpoint, {2 * head} now"):
+        check_same_model(saved, jsonable(CFG.replace(head_dim=2 * head)), Path("ck/3"))
+    with pytest.raises(ValueError, match="model.query_pre_attn_scalar"):
+        check_same_model(saved, jsonable(CFG.replace(query_pre_attn_scalar=head / 2)), Path("ck/3"))
+
+
 def test_loading_runs_no_pickle():
     """Checkpoints are JSON and TensorStore (zarr/OCDBT) only: no pickle anywhere in the code that reads them."""
     for path in (ROOT / "megatrain_jax" / "checkpoint").glob("*.py"):

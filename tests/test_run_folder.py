@@ -133,9 +133,10 @@ def test_a_resume_that_changes_the_model_but_no_shape_is_refused_naming_each_key
     err = capsys.readouterr().err
     for line in ("model.rope_theta: 10000.0 in the checkpoint, 20000.0 now", "model.norm_eps: 1e-05 in the "
                  "checkpoint, 1e-06 now", "model.heads: 4 in the checkpoint, 8 now", "model.kv_heads: 2 in the "
-                 "checkpoint, 4 now", "model.head_dim: none in the checkpoint, 8 now", "model.sliding_window: none in "
+                 "checkpoint, 4 now", "model.head_dim: 16 in the checkpoint, 8 now", "model.sliding_window: none in "
                  "the checkpoint, 16 now", "model.mlp_activation: silu in the checkpoint, gelu_tanh now"):
         assert line in err
+    assert "model.head_dim: none" not in err  # unset in the checkpoint: named by its value, hidden // heads
     assert f"cannot resume from {run_dir / 'checkpoints' / '2'}" in err
     assert "model.rope_theta=10000.0 model.norm_eps=1e-05" in err  # put them back ...
     assert "megatrain-jax convert" in err and "model.hf_checkpoint=NEW_DIR" in err  # ... or a new run from the weights

@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from megatrain_jax.models.config import EFFECTIVE_FIELDS, DecoderConfig
 from megatrain_jax.checkpoint.manager import (Checkpointer, CorruptCheckpointError, committed_steps,
                                               split_step_dir)
 
@@ -75,6 +76,17 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "moe.aux_loss_coef", "moe.capacity_factor", "family", "bos_token_id", "eos_token_id", "pad_token_id"})
 
 
+def _effective(record: dict) -> dict:
+    """A stored model config with each field whose unset default and explicit value mean the same model
+    (``head_dim`` unset or ``hidden // heads``, ...: ``DecoderConfig.effective``) as the model reads it; a
+    record that is not a ``DecoderConfig``'s as it is."""
+    try:
+        cfg = DecoderConfig.from_dict(record)
+    except (TypeError, ValueError):
+        return record
+    return {k: jsonable(cfg.effective(k)) if k in EFFECTIVE_FIELDS else v for k, v in record.items()}
+
+
 def _changes(saved: dict, now: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
     """``{field: (saved value, value now)}`` of the fields the two records hold and set differently; a table
     both hold (``rope_scaling``, ``moe``) key by key. A field one record lacks (added since) is not compared."""
@@ -108,8 +120,9 @@ def check_same_model(saved: dict | None, now: dict | None, where: Path) -> None:
     """Refuse to resume from the checkpoint ``where`` when the model it records (``saved``, the JSON of its
     config) differs from this run's (``now``) in a field that defines the model: a changed RoPE base, norm
     epsilon, head split or activation keeps every tensor's shape, and the run would go on training another
-    model. The fields of ``MAY_CHANGE_ON_RESUME`` may differ."""
-    changed = _changes(saved, now) if saved and now else {}
+    model. The fields of ``MAY_CHANGE_ON_RESUME`` may differ; a default left unset and the same value set
+    explicitly are the same model."""
+    changed = _changes(_effective(saved), _effective(now)) if saved and now else {}
     if not changed:
         return
     lines = "\n".join(f"  model.{k}: {_value(a)} in the checkpoint, {_value(b)} now" for k, (a, b) in changed.items())

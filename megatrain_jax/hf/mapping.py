@@ -397,15 +397,9 @@ _MATCHING_FIELDS = ("vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads"
 
 def check_same_model(ours: DecoderConfig, theirs: DecoderConfig, where: str) -> None:
     def value(cfg: DecoderConfig, f: str) -> Any:
-        if f == "ffn" and cfg.moe is not None and not cfg.first_k_dense_replace:
-            return None  # unused by a mixture of experts without dense layers: its experts' width is moe.expert_ffn
-        if f == "layer_types":  # None and a list of one type alike
-            return tuple(cfg.layer_type(i) for i in range(cfg.layers))
-        if f == "qk_norm_width" and not cfg.qk_norm:
-            return None  # no q/k norm: its width means nothing
         if f == "moe" and cfg.moe is not None:  # training choices (loss weight, token dropping), not the model
             return dataclasses.replace(cfg.moe, aux_loss_coef=0.0, capacity_factor=None)
-        return getattr(cfg, f)
+        return cfg.effective(f)
 
     diffs = [f"{f}: model has {getattr(ours, f)!r}, {where} has {getattr(theirs, f)!r}"
              for f in _MATCHING_FIELDS if value(ours, f) != value(theirs, f)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import difflib
-from typing import Literal
+from typing import Any, Literal
 
 Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3", "mixtral", "qwen2_moe",
                  "qwen3_moe", "glm4_moe", "deepseek_v3", "gpt_oss"]
@@ -276,6 +276,10 @@ class MLAConfig:
         return q + kv + [(N * self.v_dim, D)] + ([(D,)] if bias else [])
 
 
+# The DecoderConfig fields whose effective value (``DecoderConfig.effective``) can differ from the value as set.
+EFFECTIVE_FIELDS = ("head_dim", "query_pre_attn_scalar", "layer_types", "ffn", "qk_norm_width")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """Shape and numerics of a decoder-only transformer.
@@ -418,6 +422,23 @@ class DecoderConfig:
     def norms_per_block(self) -> int:
         """The block's hidden-width RMSNorms: one per sublayer, two with ``norm_placement="sandwich"``."""
         return 4 if self.norm_placement == "sandwich" else 2
+
+    def effective(self, field: str) -> Any:
+        """Field ``field`` as the computation reads it: a default left unset (None) made explicit, and a value
+        the model does not read None. Configs that agree on every field's effective value compute the same
+        function: loading a Hugging Face checkpoint and resuming a run compare these (``EFFECTIVE_FIELDS`` are
+        the fields where it can differ from the field as set)."""
+        if field == "head_dim":  # None: hidden // heads; with mla unused
+            return None if self.mla is not None else self.dim_per_head
+        if field == "query_pre_attn_scalar":  # None: the head width
+            return self.dim_per_head if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        if field == "layer_types":  # None and a list of one type alike
+            return tuple(self.layer_type(i) for i in range(self.layers))
+        if field == "ffn" and self.moe is not None and not self.first_k_dense_replace:
+            return None  # unused by a mixture of experts without dense layers: its experts' width is moe.expert_ffn
+        if field == "qk_norm_width" and not self.qk_norm:
+            return None  # no q/k norm: its width means nothing
+        return getattr(self, field)
 
     @property
     def dim_per_head(self) -> int:
