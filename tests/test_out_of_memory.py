@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -61,6 +62,13 @@ def inject(monkeypatch, kind: str, during_step: int, nth: int = 0) -> list:
         return real(runner, p, op)
     monkeypatch.setitem(passes.HANDLERS, kind, failing)
     return raised
+
+
+def train_args(run_dir: Path, steps: int) -> list[str]:
+    """``megatrain-jax train`` of CFG's shape into ``run_dir``, checkpointing every 10 steps."""
+    return ["train", "model.preset=tiny", "model.layers=2", "model.hidden=32", "model.ffn=64", "model.heads=2",
+            "model.kv_heads=1", "data.seq_len=16", "data.batch_size=4", f"train.steps={steps}", "train.eval_every=0",
+            "train.checkpoint_every=10", f"train.run_dir={run_dir}"]
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -182,9 +190,7 @@ def test_other_runtime_errors_are_not_taken_for_out_of_memory(monkeypatch):
 
 def test_the_command_line_exits_4_saying_where_the_run_goes_on(tmp_path, monkeypatch, capsys):
     inject(monkeypatch, "head", during_step=3)
-    args = ["train", "model.preset=tiny", "model.layers=2", "model.hidden=32", "model.ffn=64", "model.heads=2",
-            "model.kv_heads=1", "data.seq_len=16", "data.batch_size=4", "train.steps=5", "train.eval_every=0",
-            "train.checkpoint_every=10", f"train.run_dir={tmp_path}"]
+    args = train_args(tmp_path, 5)
     assert main(args) == 4
     err = capsys.readouterr().err
     assert "out of device memory in head(0) (the head)" in err and "RESOURCE_EXHAUSTED" in err
@@ -212,6 +218,44 @@ def test_the_advice_replans_for_less_gpu_memory():
     assert offered and text.splitlines()[1:] == [f"  - {o}" for o in offered]
     assert all(smaller.applied(o.changes).fits for o in offered)
     assert "keeps no checkpoints" in _out_of_memory_advice(p, err, checkpoints=False)
+
+
+# XLA's words when its pinned host pool (what crosses PCIe) is full, as a 7B run capped at 32 GiB met them
+# (experiments/results/h100_pool_cap_32_h100_7b_32k.json)
+HOST_POOL_OOM = ("RESOURCE_EXHAUSTED: Out of host memory while trying to allocate 64.00MiB with allocator "
+                 "xla_gpu_host_bfc on device 0.")
+
+
+def test_a_full_pinned_host_pool_is_named_and_the_advice_is_its_cap(tmp_path, monkeypatch, capsys):
+    """Not the GPU's memory: the message names XLA's pinned host pool, and the advice is a higher cap (the one in
+    force, +4 GiB; the user's own cap may also be unset), not a GPU layout."""
+    monkeypatch.setitem(globals(), "XLA_OOM", HOST_POOL_OOM)  # what inject raises
+    inject(monkeypatch, "backward", during_step=2)
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "32")  # train may fit it again (JAX not started yet)
+    args = train_args(tmp_path, 3)
+    assert main(args) == 4
+    err = capsys.readouterr().err
+    assert "out of pinned host memory in backward(" in err and "ran out of XLA's pinned host memory" in err
+    cap = int(re.search(r"XLA's pinned host pool ran out: it is capped at (\d+) GiB", err).group(1))
+    assert f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={cap + 4}" in err and "device memory" not in err
+
+
+def test_the_pinned_host_pool_advice_says_who_set_the_cap(monkeypatch):
+    from megatrain_jax import _environment
+    from megatrain_jax.cli.run import _out_of_memory_advice
+    from megatrain_jax.plan import GiB, plan
+    p = plan(preset("7b", layers=16), EngineConfig(micro_batches=2, resident_layers=8, resident_io=True), 16, 2048,
+             host_ram_bytes=125 * GiB, gpu_bytes=60 * GiB, detect=False)
+    err = DeviceOutOfMemoryError("x", op="send_grads(block_00008)", phase="the backward", updated=False, step=0,
+                                 requested=64 * 2**20, host_pool=True)
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "18")
+    monkeypatch.setattr(_environment, "_USER_LIMIT", None)  # as megatrain-jax train sets it
+    text = _out_of_memory_advice(p, err)
+    assert "capped at 18 GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, set by megatrain-jax train from the plan's" in text
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=22" in text and "unset it" not in text
+    assert "train.resume=true continues from step 0" in text and "re-planned" not in text
+    monkeypatch.setattr(_environment, "_USER_LIMIT", "18")
+    assert "set by you" in _out_of_memory_advice(p, err) and "unset it" in _out_of_memory_advice(p, err)
 
 
 def test_a_failure_reported_late_is_not_taken_for_a_whole_state(tmp_path, monkeypatch, reference):

@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 
 from megatrain_jax import distributed
-from megatrain_jax._environment import gpu_fraction_source, host_pool_limit, visible_gpus
+from megatrain_jax._environment import gpu_fraction_source, host_pool_limit, user_host_pool_limit, visible_gpus
 from megatrain_jax.checkpoint import committed_steps
 from megatrain_jax.cli.run_config import RunConfig, to_dict, to_toml
 from megatrain_jax.cli.run_lock import RunLock
@@ -187,6 +187,8 @@ def _out_of_memory_advice(memory: MemoryPlan, err: DeviceOutOfMemoryError, check
         resume = "a new run (this one keeps no checkpoints: set train.checkpoint_every to keep some)"
     else:
         resume = "train.resume=true" + ("" if err.updated else f" continues from step {err.step}")
+    if err.host_pool:
+        return _host_pool_advice(memory, resume)
     if memory.gpu_available is None or not err.requested:
         return f"to go on: {resume}, with more GPU memory or a layout that needs less (megatrain-jax plan)"
     budget = memory.gpu_available - err.requested
@@ -196,6 +198,26 @@ def _out_of_memory_advice(memory: MemoryPlan, err: DeviceOutOfMemoryError, check
              f"fit; add one to {resume}:"]
     lines += [f"  - {o}" for o in fitting] or ["  (none: a machine with more GPU memory)"]
     return "\n".join(lines)
+
+
+def _host_pool_advice(memory: MemoryPlan, resume: str) -> str:
+    """What to run instead after XLA's pinned host pool ran out: a higher cap where the host has room."""
+    cap = host_pool_limit()
+    if cap is None:
+        return (f"XLA's pinned host pool ran out (no cap is set: XLA's default, 64 GB); the plan counts "
+                f"{memory.host_pinned / GiB:.1f} GiB of pinned arrays. To go on: {resume}, with "
+                f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB set above that, where host RAM allows")
+    mine = user_host_pool_limit() is not None
+    higher = cap + 4 * GiB
+    room = ("" if memory.host_available is None else
+            f"; the plan's host total is {memory.host_total / GiB:.1f} GiB of {memory.host_available / GiB:.1f}, and "
+            f"each GiB more of cap may take a GiB more of host RAM")
+    return (f"XLA's pinned host pool ran out: it is capped at {cap / GiB:.0f} GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, "
+            + ("set by you" if mine else f"set by megatrain-jax train from the plan's {memory.host_pinned / GiB:.1f} "
+               f"GiB of pinned arrays, with headroom") + "); a step needs some GiB more than the arrays at times (the "
+            f"gradients and weights in flight). To go on: {resume}, with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="
+            f"{-(-higher // GiB)}" + (" (or unset it: train then fits the cap to the plan)" if mine else "")
+            + f"{room}, or a layout that pins less (megatrain-jax plan: fewer streamed parts, capacity mode)")
 
 
 def train(cfg: RunConfig, stream: TextIO | None = None) -> History:

@@ -166,7 +166,7 @@ class Engine:
                 auxes.append(p.aux)
         except DeviceOutOfMemoryError as err:
             err.step = int(self.state.step)
-            err.add_note(f"step {err.step + 1} ran out of device memory in {err.phase} " + (
+            err.add_note(f"step {err.step + 1} ran out of {err.memory} in {err.phase} " + (
                 "after its update began: parts hold different steps; resume from the last saved checkpoint"
                 if err.updated else f"before any part was updated: the state is that of step {err.step}"))
             raise

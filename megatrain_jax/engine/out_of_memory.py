@@ -18,7 +18,8 @@ import jax
 
 
 class DeviceOutOfMemoryError(RuntimeError):
-    """A training step ran out of accelerator memory (XLA's ``RESOURCE_EXHAUSTED``), in op ``op``.
+    """A training step ran out of accelerator memory (XLA's ``RESOURCE_EXHAUSTED``), in op ``op``; with
+    ``host_pool`` it was XLA's pool of pinned host memory (what crosses PCIe lives there), not the GPU's.
 
     ``updated`` says whether the step's optimizer update may have begun. When not (the dispatch of an op of
     the forward, the head, the backward or the global norm failed), no part of the step changed the state:
@@ -27,15 +28,28 @@ class DeviceOutOfMemoryError(RuntimeError):
     new step or a failed result: resume from the last saved checkpoint. ``requested``: the bytes asked for."""
 
     def __init__(self, message: str, *, op: str, phase: str, updated: bool, step: int | None = None,
-                 requested: int | None = None):
+                 requested: int | None = None, host_pool: bool = False):
         super().__init__(message)
         self.op, self.phase, self.updated, self.step, self.requested = op, phase, updated, step, requested
+        self.host_pool = host_pool
+
+    @property
+    def memory(self) -> str:
+        """The memory that ran out, in words."""
+        return "XLA's pinned host memory" if self.host_pool else "device memory"
 
 
 def is_out_of_memory(err: BaseException) -> bool:
     """Whether ``err`` is XLA's allocation failure on the device (``RESOURCE_EXHAUSTED: Out of memory``)."""
     text = str(err)
     return isinstance(err, jax.errors.JaxRuntimeError) and ("RESOURCE_EXHAUSTED" in text or "Out of memory" in text)
+
+
+def in_host_pool(err: BaseException) -> bool:
+    """Whether an out-of-memory error is XLA's pinned host pool's (its allocator ``xla_gpu_host_bfc``, capped by
+    ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``) rather than the GPU's."""
+    text = str(err)
+    return "xla_gpu_host_bfc" in text or "Out of host memory" in text
 
 
 _UNITS = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -58,7 +72,8 @@ def reported_late() -> Iterator[None]:
     except Exception as err:
         if not is_out_of_memory(err):
             raise
+        host = in_host_pool(err)
         raise DeviceOutOfMemoryError(
-            f"out of device memory in work queued earlier, reported when the host waited on it: {err}",
-            op="queued device work", phase="the GPU's queued work", updated=True,
-            requested=requested_bytes(err)) from err
+            f"out of {'pinned host' if host else 'device'} memory in work queued earlier, reported when the host "
+            f"waited on it: {err}", op="queued device work", phase="the GPU's queued work", updated=True,
+            requested=requested_bytes(err), host_pool=host) from err
