@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain_jax.checkpoint import committed_steps
+from megatrain_jax.checkpoint import CheckpointWarning, committed_steps
 from megatrain_jax.cli import main
 from megatrain_jax.cli.run import run_files
 from megatrain_jax.observe import read_metrics
@@ -242,6 +242,22 @@ def test_every_checkpoint_corrupt_stops_with_a_list(tmp_path, capsys):
     assert "every one is incomplete or corrupt" in err
     assert f"{tmp_path / 'checkpoints' / '2'}:" in err and f"{tmp_path / 'checkpoints' / '3'}:" in err
     assert committed_steps(tmp_path / "checkpoints") == [3, 2] and steps_in(tmp_path) == [1, 2, 3]
+
+
+def test_a_resume_refused_by_the_model_check_leaves_a_corrupt_newest_checkpoint_in_place(tmp_path, capsys):
+    """The newest checkpoint is broken and the run resumes from the one before: it is set aside (``N.corrupt``) only
+    once the resume goes ahead, so a refused one (here a changed model) leaves the folder byte for byte."""
+    run = [*TINY_RUN, "train.checkpoint_every=2", f"train.run_dir={tmp_path}"]
+    assert main(["train", *run, "train.steps=4"]) == 0
+    (tmp_path / "checkpoints" / "4" / "state" / "MANIFEST.json").unlink()
+    before = files_of(tmp_path)
+    capsys.readouterr()
+    assert main(["train", *run, "train.steps=5", "train.resume=true", "model.rope_theta=2e4"]) == 2
+    assert "this run's model differs" in capsys.readouterr().err
+    assert files_of(tmp_path) == before and not (tmp_path / "checkpoints" / "4.corrupt").exists()
+    with pytest.warns(CheckpointWarning, match="moved aside to 4.corrupt"):
+        assert main(["train", *run, "train.steps=5", "train.resume=true"]) == 0
+    assert (tmp_path / "checkpoints" / "4.corrupt").is_dir() and committed_steps(tmp_path / "checkpoints") == [5, 4, 2]
 
 
 def test_sigterm_exits_143_and_the_resumed_run_has_every_metrics_row(tmp_path):

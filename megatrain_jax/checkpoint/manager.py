@@ -250,11 +250,13 @@ class Checkpointer:
         """Every committed step, newest first, with what is wrong with it (None: complete)."""
         return [(step, check_step(self.root / str(step), self.checksum)) for step in committed_steps(self.root)]
 
-    def latest_complete(self, *, quarantine: bool = False) -> int | None:
+    def latest_complete(self, *, quarantine: bool = False,
+                        found: list[tuple[int, str | None]] | None = None) -> int | None:
         """The newest complete step, warning about every newer one that is incomplete or corrupt. With
         ``quarantine`` those are renamed aside (``N.corrupt``), so that step N can be written again; only
-        when an older complete step exists, so a run never moves its last checkpoints out of sight."""
-        found = self.scan()
+        when an older complete step exists, so a run never moves its last checkpoints out of sight. ``found``:
+        this directory's ``scan()`` when the caller made it already (each step is verified once)."""
+        found = self.scan() if found is None else found
         if quarantine:
             barrier("megatrain_scanned")  # every process has looked before any moves a step aside
         good = next((step for step, problem in found if problem is None), None)

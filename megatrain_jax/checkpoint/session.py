@@ -204,13 +204,15 @@ class CheckpointSession:
         was not called."""
         if self._resume_from is None:
             try:
-                step_dir, verified = self._resume_dir()
+                step_dir, verified, found = self._resume_dir()
                 if step_dir is not None:
                     try:  # a broken file fails the restore, which says what is wrong with it
                         saved = json.loads((step_dir / "config" / "config.json").read_text())
                     except (OSError, ValueError):
                         saved = {}
                     check_same_model(saved.get("model"), self.config.get("model"), step_dir)
+                if found:  # the resume goes ahead: newer broken steps are set aside, so they can be written again
+                    self.ckpt.latest_complete(quarantine=True, found=found)
             except BaseException:
                 self.close()
                 raise
@@ -248,32 +250,34 @@ class CheckpointSession:
         if ckpt is not None:
             ckpt.close()
 
-    def _resume_dir(self) -> tuple[Path | None, bool]:
-        """The step directory to resume from (None: a fresh start), and whether it was just verified."""
+    def _resume_dir(self) -> tuple[Path | None, bool, list[tuple[int, str | None]]]:
+        """The step directory to resume from (None: a fresh start), whether it was just verified, and the scan
+        of this run's checkpoint directory that found it (empty where none was made): nothing is moved yet."""
         if self.resume is None:
-            return None, False
+            return None, False, []
         if self.resume == "auto":
-            step = self.ckpt.latest_complete(quarantine=True)
+            found = self.ckpt.scan()
+            step = next((n for n, problem in found if problem is None), None)
             if step is None:
-                found = self.ckpt.scan()
                 if found:  # checkpoints exist but none can be used: never silently start over
+                    self.ckpt.latest_complete(found=found)  # a warning for each (none is moved: none is good)
                     raise CorruptCheckpointError(
                         f"no usable checkpoint in {self.ckpt.root}: every one is incomplete or corrupt:\n"
                         + "\n".join(f"  {self.ckpt.root / str(n)}: {problem}" for n, problem in found)
                         + f"\nNothing was changed. To start from scratch, move {self.ckpt.root} aside (its "
                           f"checkpoints stay there), or use another checkpoint directory")
                 print(f"no checkpoint in {self.ckpt.root} yet: starting from scratch", file=sys.stderr)
-                return None, False
-            return self.ckpt.root / str(step), True
+                return None, False, []
+            return self.ckpt.root / str(step), True, found
         root, step = split_step_dir(self.resume)
         if step is not None:
-            return root / str(step), False
-        found = Checkpointer(root, read_only=True)
-        step = found.latest_complete()
-        found.close()
+            return root / str(step), False, []
+        other = Checkpointer(root, read_only=True)
+        step = other.latest_complete()
+        other.close()
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {root}")
-        return root / str(step), True
+        return root / str(step), True, []
 
     # ------------------------------------------------------------------ saving
     def follow(self, data_state: Callable[[], Any], stop: Callable[[str], None]) -> None:
