@@ -390,6 +390,19 @@ def test_a_default_left_unset_and_the_same_value_set_are_the_same_model_on_resum
         check_same_model(saved, jsonable(CFG.replace(head_dim=2 * head)), Path("ck/3"))
     with pytest.raises(ValueError, match="model.query_pre_attn_scalar"):
         check_same_model(saved, jsonable(CFG.replace(query_pre_attn_scalar=head / 2)), Path("ck/3"))
+    # a field the model derives, set on neither side, or unread on one: only what it follows from is named and put
+    # back (no "model.qk_norm_width=none", which the config parser refuses)
+    for changed, named in ((dict(heads=4, kv_heads=2), "model.heads"), (dict(qk_norm=True), "model.qk_norm"),
+                           (dict(sliding_window=8), "model.sliding_window")):
+        with pytest.raises(ValueError) as err:
+            check_same_model(saved, jsonable(CFG.replace(**changed)), Path("ck/3"))
+        lines = [line for line in str(err.value).splitlines() if line.startswith("  model.")]
+        assert [line.split(":")[0].strip() for line in lines] == [f"model.{k}" for k in changed], lines
+        back = str(err.value).split("put the checkpoint's values back (")[1].split("). To train")[0]
+        assert named in lines[0] and [b.split("=")[0] for b in back.split()] == [f"model.{k}" for k in changed]
+    # a record one side cannot read as a DecoderConfig (a field since removed): both compared as stored, as before
+    # (not one side's stored values against the other's effective ones)
+    check_same_model({**saved, "removed_field": 1}, saved, Path("ck/3"))
 
 
 def test_loading_runs_no_pickle():

@@ -344,6 +344,19 @@ def test_a_smaller_model_clips_the_counts_the_config_file_sets_past_it(tmp_path)
                 detect=False).fits
 
 
+def test_a_smaller_model_keeps_kept_blocks_clear_of_the_offloaded_ones():
+    """kept_layers (the last blocks) and offload_activations (the first) must not meet: at fewer layers both are
+    clipped, so that the option passes the config's checks (it raised from inside ``options`` before)."""
+    given = EngineConfig(micro_batches=2, resident_layers=4, resident_io=True, kept_layers=10, offload_activations=4)
+    p = plan(preset("llama3-8b"), given, 16, 2048, host_ram_bytes=100 * GiB, gpu_bytes=60 * GiB, detect=False)
+    assert not p.fits
+    smaller = next(o for o in options(p, given) if "model.layers" in dict(o.changes))
+    layers = dict(smaller.changes)["model.layers"]
+    applied = dataclasses.replace(given, **{k.split(".")[1]: v for k, v in smaller.changes if k.startswith("engine.")})
+    applied.check_layers(layers)
+    assert applied.kept_layers < 10 and p.applied(smaller.changes).fits
+
+
 def test_float32_stream_over_gpu_suggests_bf16_or_less_prefetch():
     e = EngineConfig(micro_batches=16, stream_dtype="float32", prefetch_depth=4)
     base = plan(SEVEN_B, e, 16, 2048, host_ram_bytes=1000 * GiB, gpu_bytes=1000 * GiB)

@@ -232,6 +232,7 @@ def test_a_full_pinned_host_pool_is_named_and_the_advice_is_its_cap(tmp_path, mo
     monkeypatch.setitem(globals(), "XLA_OOM", HOST_POOL_OOM)  # what inject raises
     inject(monkeypatch, "backward", during_step=2)
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "32")  # train may fit it again (JAX not started yet)
+    monkeypatch.setenv("MEGATRAIN_HOST_RAM_GIB", "512")  # room for a higher cap, whatever this machine has
     args = train_args(tmp_path, 3)
     assert main(args) == 4
     err = capsys.readouterr().err
@@ -243,18 +244,26 @@ def test_a_full_pinned_host_pool_is_named_and_the_advice_is_its_cap(tmp_path, mo
 def test_the_pinned_host_pool_advice_says_who_set_the_cap(monkeypatch):
     from megatrain_jax import _environment
     from megatrain_jax.cli.run import _out_of_memory_advice
-    from megatrain_jax.plan import GiB, plan
+    from megatrain_jax.plan import GiB, fitted_pool_limit, plan
     p = plan(preset("7b", layers=16), EngineConfig(micro_batches=2, resident_layers=8, resident_io=True), 16, 2048,
              host_ram_bytes=125 * GiB, gpu_bytes=60 * GiB, detect=False)
     err = DeviceOutOfMemoryError("x", op="send_grads(block_00008)", phase="the backward", updated=False, step=0,
                                  requested=64 * 2**20, host_pool=True)
-    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "18")
-    monkeypatch.setattr(_environment, "_USER_LIMIT", None)  # as megatrain-jax train sets it
+    monkeypatch.setattr(_environment, "_USER_LIMIT", None)  # as megatrain-jax train sets it: the plan's fitted cap
+    fitted = fitted_pool_limit(p.host_pinned, p.host_available) // GiB
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str(fitted))
     text = _out_of_memory_advice(p, err)
-    assert "capped at 18 GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, set by megatrain-jax train from the plan's" in text
-    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=22" in text and "unset it" not in text
+    assert f"capped at {fitted} GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, set by megatrain-jax train from the plan's" in text
+    assert f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={fitted + 4}" in text and "unset it" not in text
     assert "train.resume=true continues from step 0" in text and "re-planned" not in text
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "112")  # import's 90% of RAM: JAX started before train
+    text = _out_of_memory_advice(p, err)
+    assert "set when megatrain_jax was imported" in text and "LIMIT_GB=116" in text
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "124")  # +4 GiB would pass the host's 125: not offered
+    text = _out_of_memory_advice(p, err)
+    assert "LIMIT_GB=128" not in text and "a layout that pins less" in text
     monkeypatch.setattr(_environment, "_USER_LIMIT", "18")
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "18")
     assert "set by you" in _out_of_memory_advice(p, err) and "unset it" in _out_of_memory_advice(p, err)
 
 

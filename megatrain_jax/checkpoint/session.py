@@ -76,15 +76,26 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "moe.aux_loss_coef", "moe.capacity_factor", "family", "bos_token_id", "eos_token_id", "pad_token_id"})
 
 
-def _effective(record: dict) -> dict:
-    """A stored model config with each field whose unset default and explicit value mean the same model
-    (``head_dim`` unset or ``hidden // heads``, ...: ``DecoderConfig.effective``) as the model reads it; a
-    record that is not a ``DecoderConfig``'s as it is."""
+def _comparable(saved: dict, now: dict) -> tuple[dict, dict]:
+    """The two stored model configs as the model reads them, where both are a ``DecoderConfig``'s: each field
+    whose default left unset and the same value set explicitly mean the same model (``head_dim`` unset or
+    ``hidden // heads``, ...: ``DecoderConfig.effective``) made explicit. Such a field set on neither side, or
+    unread on either (``effective`` None), is left out: the fields it follows from are compared. Records that
+    are not both a ``DecoderConfig``'s are compared as they are."""
     try:
-        cfg = DecoderConfig.from_dict(record)
+        a, b = DecoderConfig.from_dict(saved), DecoderConfig.from_dict(now)
     except (TypeError, ValueError):
-        return record
-    return {k: jsonable(cfg.effective(k)) if k in EFFECTIVE_FIELDS else v for k, v in record.items()}
+        return saved, now
+    out_a, out_b = dict(saved), dict(now)
+    for k in EFFECTIVE_FIELDS:
+        if k not in saved or k not in now:
+            continue
+        ea, eb = jsonable(a.effective(k)), jsonable(b.effective(k))
+        if (saved[k] is None and now[k] is None) or ea is None or eb is None:
+            del out_a[k], out_b[k]
+        else:
+            out_a[k], out_b[k] = ea, eb
+    return out_a, out_b
 
 
 def _changes(saved: dict, now: dict, prefix: str = "") -> dict[str, tuple[Any, Any]]:
@@ -122,7 +133,7 @@ def check_same_model(saved: dict | None, now: dict | None, where: Path) -> None:
     epsilon, head split or activation keeps every tensor's shape, and the run would go on training another
     model. The fields of ``MAY_CHANGE_ON_RESUME`` may differ; a default left unset and the same value set
     explicitly are the same model."""
-    changed = _changes(_effective(saved), _effective(now)) if saved and now else {}
+    changed = _changes(*_comparable(saved, now)) if saved and now else {}
     if not changed:
         return
     lines = "\n".join(f"  model.{k}: {_value(a)} in the checkpoint, {_value(b)} now" for k, (a, b) in changed.items())

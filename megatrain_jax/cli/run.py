@@ -34,8 +34,8 @@ from megatrain_jax.cli.toml_dataclass import ConfigError
 from megatrain_jax.engine.config import AUTO, EngineConfig
 from megatrain_jax.engine.program_memory import program_memory
 from megatrain_jax.engine.transfer import Placement, select_devices
-from megatrain_jax.plan import (GiB, MemoryPlan, fit_host_pool, gpu_fraction, lean_engine, options, plan,
-                                require_fit)
+from megatrain_jax.plan import (GiB, MemoryPlan, fit_host_pool, fitted_pool_limit, gpu_fraction, lean_engine,
+                                options, plan, require_fit)
 from megatrain_jax.plan.machine import GPU_FRAGMENTATION_MARGIN
 
 # The README demo: the tiny preset learns the synthetic Markov + induction corpus (megatrain_jax.data.demo)
@@ -208,16 +208,23 @@ def _host_pool_advice(memory: MemoryPlan, resume: str) -> str:
                 f"{memory.host_pinned / GiB:.1f} GiB of pinned arrays. To go on: {resume}, with "
                 f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB set above that, where host RAM allows")
     mine = user_host_pool_limit() is not None
+    if mine:
+        who = "set by you"
+    elif cap == fitted_pool_limit(memory.host_pinned, memory.host_available, memory.devices):
+        who = f"set by megatrain-jax train from the plan's {memory.host_pinned / GiB:.1f} GiB of pinned arrays, with headroom"
+    else:  # JAX had started before train could fit the cap (a second run in one process): import's 90% of RAM
+        who = "set when megatrain_jax was imported: JAX had started before train could fit it to the plan"
     higher = cap + 4 * GiB
-    room = ("" if memory.host_available is None else
-            f"; the plan's host total is {memory.host_total / GiB:.1f} GiB of {memory.host_available / GiB:.1f}, and "
-            f"each GiB more of cap may take a GiB more of host RAM")
-    return (f"XLA's pinned host pool ran out: it is capped at {cap / GiB:.0f} GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, "
-            + ("set by you" if mine else f"set by megatrain-jax train from the plan's {memory.host_pinned / GiB:.1f} "
-               f"GiB of pinned arrays, with headroom") + "); a step needs some GiB more than the arrays at times (the "
-            f"gradients and weights in flight). To go on: {resume}, with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB="
-            f"{-(-higher // GiB)}" + (" (or unset it: train then fits the cap to the plan)" if mine else "")
-            + f"{room}, or a layout that pins less (megatrain-jax plan: fewer streamed parts, capacity mode)")
+    room = memory.host_available is None or higher <= memory.host_available
+    raise_it = (f"with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={-(-higher // GiB)}"
+                + (" (or unset it: train then fits the cap to the plan)" if mine else "")
+                + ("" if memory.host_available is None else
+                   f"; the plan's host total is {memory.host_total / GiB:.1f} GiB of {memory.host_available / GiB:.1f}, "
+                   f"and each GiB more of cap may take a GiB more of host RAM") + ", or ") if room else ""
+    return (f"XLA's pinned host pool ran out: it is capped at {round(cap / GiB, 2):g} GiB "
+            f"(XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, {who}); a step needs some GiB more than the arrays at times (the "
+            f"gradients and weights in flight). To go on: {resume}, {raise_it}with a layout that pins less "
+            f"(megatrain-jax plan: fewer streamed parts, capacity mode)")
 
 
 def train(cfg: RunConfig, stream: TextIO | None = None) -> History:

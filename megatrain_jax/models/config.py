@@ -431,7 +431,7 @@ class DecoderConfig:
         if field == "head_dim":  # None: hidden // heads; with mla unused
             return None if self.mla is not None else self.dim_per_head
         if field == "query_pre_attn_scalar":  # None: the head width
-            return self.dim_per_head if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+            return float(self.dim_per_head) if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
         if field == "layer_types":  # None and a list of one type alike
             return tuple(self.layer_type(i) for i in range(self.layers))
         if field == "ffn" and self.moe is not None and not self.first_k_dense_replace:

@@ -320,8 +320,10 @@ def _smaller(p: MemoryPlan, layers: int, given: EngineConfig | None = None) -> t
         changes += (("engine.disk_parts", min(e.disk_parts, layers - min(e.resident_layers, layers))),)
     if over("offload_activations", layers):
         changes += (("engine.offload_activations", min(e.offload_activations, layers)),)
-    if over("kept_layers", layers):
-        changes += (("engine.kept_layers", min(e.kept_layers, layers)),)
+    # the last blocks that keep their products must not meet the first ones whose inputs are offloaded
+    room = layers - offloaded_blocks(layers, e.prefetch_depth, min(e.offload_activations, layers))
+    if over("kept_layers", room):
+        changes += (("engine.kept_layers", min(e.kept_layers, room)),)
     return changes
 
 
