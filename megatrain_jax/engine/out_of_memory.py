@@ -33,6 +33,14 @@ class DeviceOutOfMemoryError(RuntimeError):
         self.op, self.phase, self.updated, self.step, self.requested = op, phase, updated, step, requested
         self.host_pool = host_pool
 
+    @classmethod
+    def of(cls, err: BaseException, where: str, *, op: str, phase: str, updated: bool) -> DeviceOutOfMemoryError:
+        """XLA's allocation failure ``err`` in ``where``: which memory ran out and the bytes asked for, read
+        from its message."""
+        host = in_host_pool(err)
+        return cls(f"out of {'pinned host' if host else 'device'} memory in {where}: {err}", op=op, phase=phase,
+                   updated=updated, requested=requested_bytes(err), host_pool=host)
+
     @property
     def memory(self) -> str:
         """The memory that ran out, in words."""
@@ -72,8 +80,5 @@ def reported_late() -> Iterator[None]:
     except Exception as err:
         if not is_out_of_memory(err):
             raise
-        host = in_host_pool(err)
-        raise DeviceOutOfMemoryError(
-            f"out of {'pinned host' if host else 'device'} memory in work queued earlier, reported when the host "
-            f"waited on it: {err}", op="queued device work", phase="the GPU's queued work", updated=True,
-            requested=requested_bytes(err), host_pool=host) from err
+        raise DeviceOutOfMemoryError.of(err, "work queued earlier, reported when the host waited on it",
+                                        op="queued device work", phase="the GPU's queued work", updated=True) from err

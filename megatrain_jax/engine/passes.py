@@ -21,8 +21,7 @@ import jax
 from megatrain_jax.batch import Batch
 from megatrain_jax.engine.device_fns import DeviceFns
 from megatrain_jax.engine.host_state import HostState
-from megatrain_jax.engine.out_of_memory import (DeviceOutOfMemoryError, in_host_pool, is_out_of_memory, reported_late,
-                                               requested_bytes)
+from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, is_out_of_memory, reported_late
 from megatrain_jax.engine.parts import IO, Part, PartId
 from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, Op, OpKind
 from megatrain_jax.engine.transfer import Placement
@@ -118,11 +117,8 @@ class PassRunner:
             self._ahead.clear()  # the fences of a step cut short may hold its failure
             if op is None or not is_out_of_memory(err):
                 raise
-            host = in_host_pool(err)
-            raise DeviceOutOfMemoryError(
-                f"out of {'pinned host' if host else 'device'} memory in {op!r} ({PHASE[op.kind]}): {err}",
-                op=repr(op), phase=PHASE[op.kind], updated=self.updating, requested=requested_bytes(err),
-                host_pool=host) from err
+            raise DeviceOutOfMemoryError.of(err, f"{op!r} ({PHASE[op.kind]})", op=repr(op), phase=PHASE[op.kind],
+                                            updated=self.updating) from err
         finally:
             # A step cut short after some first halves were queued still queues their second halves, so
             # masters, moments and stream copies never disagree (and no stale task joins a later step).
