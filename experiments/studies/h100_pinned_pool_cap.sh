@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 12, H100 box: the shipped h100_7b_32k as written, 8 steps, with XLA's pinned pool capped by hand at
+# H100 box: the shipped h100_7b_32k as written, 8 steps, with XLA's pinned pool capped by hand at
 # 32 GiB (what its 30.6 GiB of pinned arrays round to) and at 35 GiB: is the pool's growth past the arrays needed?
 set -u
 for cap in 32 35; do

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 11, H100 box: shipped configs as written after the learning-rate fix (20 steps each).
+# H100 box: shipped configs as written after the learning-rate fix (20 steps each).
 set -u
 for c in h100_3p5b_32k h100_7b_32k; do
   PYTHONPATH=. timeout 280 python experiments/shipped_configs.py --configs $c --steps 20 --timeout 260 \

@@ -1,7 +1,7 @@
 #!/bin/bash
-# Session 11 on the H100 box (one warm machine, calls back to back):
-#   bash experiments/studies/session11_h100.sh a   # bench: 3p5b_32k, r16_k2, r12_k7 (kept_layers sweep, first half)
-#   bash experiments/studies/session11_h100.sh b   # bench: r8_k12, r4_k16 (second half)
+# The kept_layers sweep of 3.5B at 32K tokens on the H100 box (one warm machine, calls back to back):
+#   bash experiments/studies/h100_kept_layers_32k.sh a   # bench: 3p5b_32k, r16_k2, r12_k7 (kept_layers sweep, first half)
+#   bash experiments/studies/h100_kept_layers_32k.sh b   # bench: r8_k12, r4_k16 (second half)
 # Each configuration in its own process (its own pinned-pool cap), appended to one results file.
 set -u
 F=$OUT/h100_kept_layers_32k.json

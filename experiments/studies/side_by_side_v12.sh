@@ -1,9 +1,9 @@
 #!/bin/bash
-# Session 11: the whole side-by-side comparison (issue 33) on the H100 box, three calls back to back on one warm
+# The whole side-by-side comparison v12-v14 (issue 33) on the H100 box, three calls back to back on one warm
 # machine (build/ is kept between them):
-#   V=v12 bash experiments/studies/session11_sbs.sh a   # host, 8k
-#   V=v12 bash experiments/studies/session11_sbs.sh b   # 32k, 98k (--resume)
-#   V=v12 bash experiments/studies/session11_sbs.sh c   # 7b (--resume); from v13 on, then the shipped
+#   V=v12 bash experiments/studies/side_by_side_v12.sh a   # host, 8k
+#   V=v12 bash experiments/studies/side_by_side_v12.sh b   # 32k, 98k (--resume)
+#   V=v12 bash experiments/studies/side_by_side_v12.sh c   # 7b (--resume); from v13 on, then the shipped
 #                                                       # h100_3p5b_32k as written (20 steps)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 11, H100 box: 3.5B at 8K tokens with and without every block keeping its matrix products (kept_layers).
+# H100 box: 3.5B at 8K tokens with and without every block keeping its matrix products (kept_layers).
 set -u
 for c in 3p5b_8k 3p5b_8k_k16; do
   PYTHONPATH=. timeout 280 python experiments/bench.py --configs $c --steps 10 --append --name h100_kept_layers_8k \

@@ -1,8 +1,8 @@
 #!/bin/bash
-# Session 10 on the H100 box, three calls back to back on one warm machine (build/ is kept between them):
-#   bash experiments/studies/session10_h100.sh a   # side_by_side host,8k; then the shipped h100_3p5b_98k as written
-#   bash experiments/studies/session10_h100.sh b   # side_by_side 32k,98k (--resume)
-#   bash experiments/studies/session10_h100.sh c   # side_by_side 7b (--resume); then the shipped h100_sft_8b as written
+# The side-by-side comparison v11 (issue 33) and two shipped configs on the H100 box, three calls back to back on one warm machine (build/ is kept between them):
+#   bash experiments/studies/side_by_side_v11.sh a   # side_by_side host,8k; then the shipped h100_3p5b_98k as written
+#   bash experiments/studies/side_by_side_v11.sh b   # side_by_side 32k,98k (--resume)
+#   bash experiments/studies/side_by_side_v11.sh c   # side_by_side 7b (--resume); then the shipped h100_sft_8b as written
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 mkdir -p build/sbs

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 9, second H100 call: GPT-OSS's six layers with the sliding layers on cuDNN (layers.sink_rescaled,
+# H100 box, one call: GPT-OSS's six layers with the sliding layers on cuDNN (layers.sink_rescaled,
 # dispatched by attend), then where Gemma-3-12B's allocator waste comes from (8 layers: the run's batch, one
 # micro-batch of half of it, and Llama-3.1-8B at the run's batch).
 set -u

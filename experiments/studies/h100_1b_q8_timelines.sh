@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 9, first H100 call: where the 1B 8-bit step goes (issue 35), and the sliding sink layers on cuDNN
+# H100 box, one call: where the 1B 8-bit step goes (issue 35), and the sliding sink layers on cuDNN
 # (issue 34's follow-up). Each bench config in its own process, as `train` runs one model per process.
 set -u
 export PYTHONPATH=.
