@@ -17,7 +17,7 @@ shuffled with ``default_rng([0, 0])``, ``rows`` windows per step, split in order
 One process, one GPU, no launcher: the script sets MASTER_ADDR/MASTER_PORT/RANK/LOCAL_RANK/WORLD_SIZE when
 unset and calls ``deepspeed.init_distributed()``. The run is one entry of ``runs`` (docs/results.md);
 when ``--out`` already holds a results file, the entry is appended to its ``runs``, so one file can hold
-megatrain_jax's and DeepSpeed's runs of the same session. An entry saying the process ended early is
+megatrain_jax's and DeepSpeed's runs of the same comparison. An entry saying the process ended early is
 written before training starts, so a host OOM kill still leaves a record.
 
 ``--dry-run`` prints the resolved DeepSpeed config and the model shape without importing torch.

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"name": f"scaling_{args.config}_{args.gpus}gpu",
               "command": "PYTHONPATH=. python " + " ".join(["experiments/scaling.py"] + (argv or sys.argv[1:])),
               "git_commit": commit, "date": datetime.date.today().isoformat(), "device": None, "runs": []}
-    if args.out and os.path.exists(args.out):  # more runs of the same session: added to the file
+    if args.out and os.path.exists(args.out):  # more runs of the same study: added to the file
         with open(args.out) as f:
             earlier = json.load(f)
         earlier["command"] = [c for c in ([earlier["command"]] if isinstance(earlier["command"], str)

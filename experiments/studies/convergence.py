@@ -290,7 +290,7 @@ def main() -> None:
     ap.add_argument("--merge", nargs="+", metavar="FILE", help="no training: one comparison (to --out) from results "
                                                                  "files of separate runs, e.g. one mode each")
     ap.add_argument("--setup-from", metavar="FILE", help="with --merge: the setup of a progress file written without "
-                    "one (before session 8), taken from FILE (a results file of the same command but its mode)")
+                    "one (before commit 336a4b6), taken from FILE (a results file of the same command but its mode)")
     ap.add_argument("--resident", action="store_true", help="float32 only: masters kept and updated on the GPU (the "
                                                                "same AdamW; for a reference that must run faster)")
     ap.add_argument("--checkpoint-dir", help="each run saves its state under this folder (one folder per mode and "

@@ -1,9 +1,9 @@
-"""What the host plan's runtime allowance leaves out (session 10): for each `megatrain-jax train` run recorded by
+"""What the host plan's runtime allowance leaves out (2026-11-26): for each `megatrain-jax train` run recorded by
 ``experiments/shipped_configs.py`` with its plan's engine and the resident set by kind: the process's anonymous
 memory at the step ends beyond the pageable arrays the plan counts (what the plan's runtime allowance stands for),
 and the peak against the plan. Runs initialized from a Hugging Face folder (``model.hf_checkpoint``) are skipped
 here: their GPU-resident parts' moments are ``pageable_zeros`` that may stay unwritten until a checkpoint's
-``Engine.sync``, so their step-end anonymous memory is not comparable (NOTES, session 10).
+``Engine.sync``, so their step-end anonymous memory is not comparable (NOTES, 2026-11-26, 0ceb1a2).
 
     PYTHONPATH=. python experiments/studies/host_runtime_study.py experiments/results/*_cli.json \
         experiments/results/*shipped_configs_s10*.json
