@@ -1,3 +1,6 @@
+#!/bin/bash
+# One H200: the shipped h200_sft_8b as written, with the host's memory logged every 2 s, then the run folder and the
+# kernel's log: why the run was killed at its final save (writes $OUT/h200_shipped_configs_s10_h200_sft_8b_c.json).
 set -u
 export PYTHONPATH=.
 df -h / /tmp | sed 's/^/df: /'; mount | grep -E " on (/|/tmp) " | sed 's/^/mount: /'; free -g | sed 's/^/free: /'
