@@ -6,7 +6,7 @@ here: their GPU-resident parts' moments are ``pageable_zeros`` that may stay unw
 ``Engine.sync``, so their step-end anonymous memory is not comparable (NOTES, 2026-11-26, 0ceb1a2).
 
     PYTHONPATH=. python experiments/studies/host_runtime_study.py experiments/results/*_cli.json \
-        experiments/results/*shipped_configs_s10*.json
+        experiments/results/*shipped_configs_6014bc6*.json
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@
 #   V=v12 bash experiments/studies/side_by_side_v12.sh b   # 32k, 98k (--resume)
 #   V=v12 bash experiments/studies/side_by_side_v12.sh c   # 7b (--resume); from v13 on, then the shipped
 #                                                       # h100_3p5b_32k as written (20 steps)
+TAG=${TAG:-$(git rev-parse --short HEAD 2>/dev/null || date +%F)}  # results names carry the commit they ran at
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 mkdir -p build/sbs
@@ -15,5 +16,5 @@ case $1 in
   b) sbs 32k,98k --resume ;;
   c) sbs 7b --resume
      [ "${V:-v12}" != v12 ] && PYTHONPATH=. timeout 250 python experiments/shipped_configs.py --configs h100_3p5b_32k \
-       --steps 20 --timeout 230 --out $OUT/h100_shipped_configs_s11_h100_3p5b_32k.json 2>&1 | tail -n 6 ;;
+       --steps 20 --timeout 230 --out $OUT/h100_shipped_configs_${TAG}_h100_3p5b_32k.json 2>&1 | tail -n 6 ;;
 esac

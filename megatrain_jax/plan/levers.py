@@ -30,7 +30,7 @@ from megatrain_jax.plan.memory import MemoryPlan, MemoryPlanError, plan
 # total has come out 0-4% under the peaks measured at step ends (tests/assets/measured/h100_plan_check.json), and
 # the process cannot have all of MemAvailable: the shipped h200_sft_8b config, lean-picked with 3% on a 125.9 GiB
 # H200 host (plan 120.0 GiB), was killed by the kernel's OOM killer at its final save with 122.5 GiB resident and
-# growing (experiments/results/h200_shipped_configs_s10_h200_sft_8b_c.json and its .mem.log): ~4% over the plan,
+# growing (experiments/results/h200_shipped_configs_6014bc6_h200_sft_8b_c.json and its .mem.log): ~4% over the plan,
 # and ~2.3% of the host out of reach. So 7%.
 LEAN_HOST_MARGIN = 0.07
 
