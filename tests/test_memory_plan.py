@@ -805,7 +805,7 @@ def test_kept_layers_add_their_matrix_products_to_the_gpu_and_are_given_up_first
     from its forward to its backward, all of them at once at the head; ``lean_engine`` keeps the most that
     fit the GPU before anything else is picked, and says so."""
     from megatrain_jax.plan import lean_engine
-    from megatrain_jax.plan.gpu_ledger import kept_bytes, products_bytes
+    from megatrain_jax.plan.activations import kept_bytes, products_bytes
     from megatrain_jax.plan.levers import most_kept
     cfg = preset("7b", layers=16)
     base_cfg = EngineConfig(micro_batches=1, resident_layers=8, resident_io=True, keep_residuals=True)

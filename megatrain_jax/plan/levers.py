@@ -21,7 +21,7 @@ from megatrain_jax.engine.schedule import offloaded_blocks
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.engine.parts import part_ids
 from megatrain_jax.plan.counts import GiB, activation_bytes, host_roles, layer_param_count, q8_moment_bytes
-from megatrain_jax.plan.gpu_ledger import assumes_flash, kept_bytes
+from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.plan.machine import (HOST_POOL_FRACTION, available_disk_bytes, available_host_bytes,
                                         gpu_bytes_before_jax, gpu_fraction)
 from megatrain_jax.plan.memory import MemoryPlan, MemoryPlanError, plan
