@@ -396,7 +396,7 @@ def test_command_line_errors_name_the_override(capsys):
 def test_train_picks_the_lean_mode_when_host_ram_is_short(tmp_path, capsys, monkeypatch):
     """With less host RAM than the run needs as configured (but enough for its lean mode), ``train`` keeps
     gradients on the device, says so, trains, and records what ran in config.toml."""
-    from megatrain_jax.plan import levers, memory
+    from megatrain_jax.plan import machine, memory
     wide = [*TINY_RUN, "model.hidden=512", "model.ffn=1024"]  # megabytes of gradients
     cfg = load_config(None, wide)
     args = (cfg.model.build(), cfg.engine, cfg.data.batch_size, cfg.data.seq_len)
@@ -405,7 +405,7 @@ def test_train_picks_the_lean_mode_when_host_ram_is_short(tmp_path, capsys, monk
                             host_ram_bytes=1000 * 2**30, detect=False)
     assert lean.host_total < full.host_total
     between = lambda: (lean.host_total + full.host_total) // 2  # noqa: E731
-    monkeypatch.setattr(levers, "available_host_bytes", between)
+    monkeypatch.setattr(machine, "available_host_bytes", between)
     monkeypatch.setattr(memory, "available_host_bytes", between)
     assert main(["train", *wide, "train.steps=2", "train.memory_check=false", f"train.run_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out

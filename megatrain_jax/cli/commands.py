@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Sequence
 
 from megatrain_jax import distributed
-from megatrain_jax._environment import visible_gpus
 from megatrain_jax.checkpoint.failures import CheckpointWriteError
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError
 from megatrain_jax.checkpoint.session import CheckpointedExit
@@ -112,7 +111,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from megatrain_jax.plan import advice, gpu_fraction, lean_engine, longest_seq_len, plan
+    from megatrain_jax.plan import Machine, advice, gpu_fraction, longest_seq_len, plan, resolve
     cfg = load_config(args.config, args.overrides)
     host = None if args.host_gib is None else int(args.host_gib * GiB)
     gpu = None if args.gpu_gib is None else int(args.gpu_gib * GiB * gpu_fraction())
@@ -126,30 +125,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"{what}: train would refuse every batch; shorten data.seq_len or raise "
                               f"model.max_positions")
         print(f"note: {what}: train refuses any example longer than max_positions")
-    devices = cfg.train.devices or visible_gpus()  # per GPU of train.devices, else of the GPUs at hand
-    if devices > 1:
-        print(f"per GPU of {devices}: each takes 1/{devices} of every batch and holds a shard of the state")
-    # HF weights go part by part into the state (no model copy)
-    kw = dict(packed=d.mode == "packed", devices=devices)
-    engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_ram_bytes=host,
-                                   disk_dir=str(Path(cfg.train.run_dir) / "disk_tier"), gpu_bytes=gpu, **kw)
-    if lean is not None:
-        print(f"as `megatrain-jax train` would: {lean}")
-    p = plan(model_cfg, engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu, **kw)
+    machine = Machine.here(cfg.train.devices, host_ram_bytes=host, gpu_bytes=gpu)
+    if machine.gpus > 1:
+        print(f"per GPU of {machine.gpus}: each takes 1/{machine.gpus} of every batch and holds a shard of the state")
+    packed, disk_dir = d.mode == "packed", str(Path(cfg.train.run_dir) / "disk_tier")
+    resolved = resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed, disk_dir=disk_dir)
+    if resolved.said is not None:
+        print(f"as `megatrain-jax train` would: {resolved.said}")
+    p = plan(model_cfg, resolved.engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu,
+             packed=packed, devices=machine.gpus)
     if args.exact:
-        from flax import nnx
-
-        from megatrain_jax.cli.run import exact_plan, gpu_at_hand
-        from megatrain_jax.models import Decoder
-        if not gpu_at_hand():
-            raise ConfigError("plan --exact compiles the run's programs on this machine's GPU, and it has none; "
-                              "without --exact the plan's GPU side is the estimate")
-        model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
-        estimate = p
-        p, again = exact_plan(model, p, given=cfg.engine, devices=cfg.train.devices,
-                              disk_dir=str(Path(cfg.train.run_dir) / "disk_tier"))
-        print(again or f"with XLA's figures for the compiled programs: GPU {p.gpu_total / GiB:.2f} GiB (the "
-                       f"estimate: {estimate.gpu_total / GiB:.2f})")
+        p = _exact(p, cfg, model_cfg, disk_dir)
     print(p.table())
     longest = longest_seq_len(p)
     print(f"longest sequence that fits with {d.batch_size} rows per batch as configured: "
@@ -158,6 +144,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"does not fit.\n{advice(p, cfg.engine)}")
         return 1
     return 0
+
+
+def _exact(estimate, cfg, model_cfg, disk_dir: str):
+    """``plan --exact``: the plan with XLA's figures for the run's programs compiled on this GPU, and what that
+    changed, printed."""
+    from flax import nnx
+
+    from megatrain_jax.cli.run import gpu_at_hand
+    from megatrain_jax.models import Decoder
+    from megatrain_jax.plan import exact_plan
+    if not gpu_at_hand():
+        raise ConfigError("plan --exact compiles the run's programs on this machine's GPU, and it has none; "
+                          "without --exact the plan's GPU side is the estimate")
+    model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
+    p, again = exact_plan(model, estimate, given=cfg.engine, devices=cfg.train.devices, disk_dir=disk_dir)
+    print(again or f"with XLA's figures for the compiled programs: GPU {p.gpu_total / GiB:.2f} GiB (the "
+                   f"estimate: {estimate.gpu_total / GiB:.2f})")
+    return p
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
