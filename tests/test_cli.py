@@ -322,12 +322,15 @@ def test_convert_training_checkpoint_to_hf(tmp_path):
     np.testing.assert_array_equal(blocks[1]["mlp"]["up"]["kernel"], np.asarray(model.blocks[1].mlp.up.kernel[...]))
 
 
-def test_bench_delegates_to_the_experiment_script(capsys):
-    from megatrain_jax.cli.commands import find_bench
-    assert find_bench() == REPO / "experiments" / "bench.py"
-    with pytest.raises(SystemExit) as e:  # its own argparse answers --help
-        main(["bench", "--help"])
-    assert e.value.code == 0 and "--configs" in capsys.readouterr().out
+def test_bench_is_a_script_not_a_command(capsys):
+    """The benchmark times named layouts of the source repository: ``python experiments/bench.py``, which the
+    package never loads (the import linter sees every tie); the command line does not offer it."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--configs", "tiny_cpu"])
+    assert e.value.code == 2 and "invalid choice: 'bench'" in capsys.readouterr().err
+    out = subprocess.run([sys.executable, "experiments/bench.py", "--help"], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert out.returncode == 0 and "--configs" in out.stdout
 
 
 def test_module_entry_point():

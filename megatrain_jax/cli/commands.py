@@ -4,8 +4,10 @@
     megatrain-jax train --config FILE.toml [section.key=value ...]
     megatrain-jax plan --config FILE.toml [section.key=value ...] [--host-gib N] [--gpu-gib N] [--exact]
     megatrain-jax convert SRC DST [--to hf|npz|orbax] [--dtype bfloat16|float32]
-    megatrain-jax bench [experiments/bench.py arguments]
     megatrain-jax plot RUN_DIR [--out FILE.png]
+
+The engine benchmark is a script of the source repository, not a command: ``PYTHONPATH=. python
+experiments/bench.py --configs NAME --out FILE.json`` (docs/command_line.md).
 
 Exit statuses: 0 done; 1 an unexpected error (with its traceback); 2 bad input (config, data, checkpoint,
 model) or a checkpoint that cannot be written (read-only folder, no permission, full disk, quota, I/O
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -79,8 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor dtype of a Hugging Face output (default bfloat16)")
     p.add_argument("--force", action="store_true",
                    help="replace a model already in the Hugging Face output folder (as a whole)")
-    p = sub.add_parser("bench", help="engine benchmark (experiments/bench.py; source checkouts only)")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for experiments/bench.py")
     p = sub.add_parser("plot", help="PNG of loss, eval loss and throughput of a run")
     p.add_argument("run_dir", help="a run folder (train.run_dir), or a metrics .jsonl file in one")
     p.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
@@ -171,28 +170,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def find_bench() -> Path:
-    """experiments/bench.py of the source checkout this package runs from, or of the working directory."""
-    here = Path(__file__).resolve().parents[2] / "experiments" / "bench.py"
-    for path in (here, Path.cwd() / "experiments" / "bench.py"):
-        if path.exists():
-            return path
-    raise FileNotFoundError("bench runs experiments/bench.py, which is in the source repository, not the "
-                            "installed package: run it from a checkout")
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    path = find_bench()
-    spec = importlib.util.spec_from_file_location("megatrain_jax_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "main", None)):
-        raise FileNotFoundError(f"{path} has no main(argv)")
-    module.main(list(args.args))
-    return 0
-
-
 def cmd_plot(args: argparse.Namespace) -> int:
     from megatrain_jax.observe.plot import plot_run
     print(f"wrote {plot_run(args.run_dir, args.out)}")
@@ -200,7 +177,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": cmd_train, "demo": cmd_demo, "plan": cmd_plan, "convert": cmd_convert,
-            "bench": cmd_bench, "plot": cmd_plot}
+            "plot": cmd_plot}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -209,10 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a stop signal, ends the process at once (``_end_now``)."""
     as_program = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # everything after it belongs to bench.py's own parser
-        args = argparse.Namespace(command="bench", args=argv[1:])
-    else:
-        args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command is None:
         args.command, args.overrides = "demo", []
     try:
