@@ -6,8 +6,8 @@ Split by job, each module importing only those above it in this list:
 pinned pool, the GPUs a run counts), ``activations`` (what one block's programs keep and need per
 micro-batch), ``gpu_ledger`` (the walk over the engine's schedule, one rule per op kind), ``memory``
 (``MemoryPlan`` and ``plan()``; not named ``plan.py``, which the package's ``plan`` function would hide),
-``resolve`` (what ``train`` runs: the engine config a run config becomes on a machine), ``levers`` (what
-fits instead: the options, the advice).
+``layout`` (what ``train`` runs: ``resolve``, the engine config a run config becomes on a machine), ``levers``
+(what fits instead: the options, the advice).
 """
 
 from megatrain_jax.plan.counts import GiB, io_param_count, layer_param_count, part_param_count
@@ -15,7 +15,7 @@ from megatrain_jax.plan.levers import Option, advice, longest_seq_len, machine_n
 from megatrain_jax.plan.machine import (Machine, available_gpu_bytes, available_host_bytes, fitted_pool_limit,
                                         gpu_bytes_before_jax, gpu_fraction, run_gpus)
 from megatrain_jax.plan.memory import MemoryPlan, MemoryPlanError, fit_host_pool, plan
-from megatrain_jax.plan.resolve import LEAN_HOST_MARGIN, Resolved, exact_plan, lean, lean_engine, offload, resolve
+from megatrain_jax.plan.layout import LEAN_HOST_MARGIN, Resolved, exact_plan, lean, lean_engine, offload, resolve
 
 __all__ = ["GiB", "LEAN_HOST_MARGIN", "Machine", "MemoryPlan", "MemoryPlanError", "Option", "Resolved", "advice",
            "available_gpu_bytes", "available_host_bytes", "exact_plan", "fit_host_pool", "fitted_pool_limit",

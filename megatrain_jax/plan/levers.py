@@ -1,12 +1,12 @@
 """What fits instead: for a run whose plan does not fit, the changes to its config that do (each re-planned),
-the words that explain them, and what machine it needs as configured. What ``train`` runs is ``resolve``'s job.
+the words that explain them, and what machine it needs as configured. What ``train`` runs is ``layout.resolve``'s job.
 
 The levers are listed fastest first (``_levers``): kept blocks, GPU-resident blocks, resident io, the stream
 dtype, the disk tier, gradients waiting on the GPU, capacity mode, capacity mode with 8-bit moments and
 bfloat16 gradients, kept attention residuals, activation offload, micro-batches, prefetch depth, fewer rows
 with more accumulation, shorter sequences, and last a smaller model. Each search re-plans with
 ``MemoryPlan.applied``; where memory is monotone in a lever's value, the search bisects. A lever offers only
-the values the engine config takes (``resolve.legal``): the config is the judge of what combines.
+the values the engine config takes (``layout.legal``): the config is the judge of what combines.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.plan.counts import GiB, activation_bytes, host_roles, layer_param_count, q8_moment_bytes
 from megatrain_jax.plan.machine import HOST_POOL_FRACTION, gpu_fraction
 from megatrain_jax.plan.memory import MemoryPlan, MemoryPlanError
-from megatrain_jax.plan.resolve import Changes, fewest, fits, legal, offload_counts
+from megatrain_jax.plan.layout import Changes, fewest, fits, legal, offload_counts
 
 
 # ---------------------------------------------------------------------------------------------- options

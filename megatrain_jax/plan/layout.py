@@ -1,5 +1,5 @@
-"""What ``train`` runs: the engine config that a run config becomes on a machine (``resolve``), and the
-sentence saying what was changed and why. ``megatrain-jax train``, ``megatrain-jax plan`` and
+"""What ``train`` runs, the layout: the engine config that a run config becomes on a machine (``resolve``),
+and the sentence saying what was changed and why. ``megatrain-jax train``, ``megatrain-jax plan`` and
 experiments/bench.py all call ``resolve``; what fits instead, for a run that does not, is ``levers``' job.
 
 The config as given runs unless memory is short:

@@ -1,4 +1,4 @@
-"""What ``train`` runs (``plan.resolve``): the engine config a run config becomes on a machine, the one decision
+"""What ``train`` runs (``plan.layout.resolve``): the engine config a run config becomes on a machine, the one decision
 ``train``, ``plan`` and experiments/bench.py share.
 
 - every shipped config, as shipped and with the layout left to the plan, resolves on a few machines to the engine
@@ -19,7 +19,7 @@ from megatrain_jax.cli import load_config, main
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.models import preset
 from megatrain_jax.plan import GiB, Machine, gpu_fraction, options, plan, resolve, run_gpus
-from megatrain_jax.plan.resolve import legal
+from megatrain_jax.plan.layout import legal
 
 CONFIGS = Path(__file__).resolve().parents[1] / "experiments" / "configs"
 # The SFT configs name a Hugging Face checkpoint: planned here with the preset of the same shape.
