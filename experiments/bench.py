@@ -92,8 +92,9 @@ CONFIGS: dict[str, BenchConfig] = {
     "7b_32k_auto_p2": BenchConfig("7b", 32, 2048, 16, EngineConfig(
         micro_batches=2, resident_layers="auto", resident_io=True, prefetch_depth=2)),
     # 8,192 tokens per step (issue 33): one micro-batch of 4 rows; the GPU holds every block resident.
-    # Since 2026-11-26 (commit 2753e0a) every block also keeps its matrix products for the backward (kept_layers=16;
-    # the plan fits them beside the resident state at 8K): 19,976 -> 24,017 tokens/s (results/h100_kept_layers_8k.json).
+    # Since 2026-11-26 (commit 2753e0a) every block also keeps its matrix products for the backward
+    # (kept_layers=16; the plan fits them beside the resident state at 8K): 19,976 -> 24,017 tokens/s
+    # (results/h100_kept_layers_8k.json).
     "3p5b_8k": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto", resident_io=True,
                                                            kept_layers=16)),
     "3p5b_8k_recompute": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto",

@@ -231,24 +231,9 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         t = dataclasses.replace(t, export_hf=str(Path(t.export_hf).absolute()))  # config.toml says where
         cfg = dataclasses.replace(cfg, train=t)
 
-    machine = Machine.here(t.devices, several_processes=distributed.requested())
-    packed, disk_dir = d.mode == "packed", str(run_dir / "disk_tier")
-    given, resolved = cfg.engine, resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed,
-                                          disk_dir=disk_dir)
-    if resolved.said is not None:  # memory is short, or the config asked for a pick: the sentence says what ran
-        say(f"megatrain_jax: {resolved.said}")
-    cfg = dataclasses.replace(cfg, engine=resolved.engine_cfg)
-    kw = dict(packed=packed, devices=machine.gpus)
-    fit_host_pool(model_cfg, cfg.engine, d.batch_size, d.seq_len, **kw)  # before JAX starts its GPU backend
-    memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_pool_limit=host_pool_limit(), **kw)
     model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(t.seed)))
-    estimate, repicked = memory, None
-    if gpu_at_hand() and not machine.several_processes:
-        memory, repicked = exact_plan(model, memory, given=given, devices=t.devices, disk_dir=disk_dir,
-                                      check=t.memory_check)
-        cfg = dataclasses.replace(cfg, engine=memory.engine_cfg)
-    if t.memory_check:
-        require_fit(memory, given)
+    engine_cfg, memory, estimate, repicked = _layout(cfg, model_cfg, model, say)
+    cfg, given = dataclasses.replace(cfg, engine=engine_cfg), cfg.engine
     say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
         f"{model_cfg.hidden}), {d.batch_size} x {d.seq_len} tokens per batch, {t.steps} steps on "
         f"{_device_line(t.devices)}; run folder {run_dir}")
@@ -323,6 +308,40 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         if hasattr(data, "close"):
             data.close()
 
+    _finish(history, cfg, model_cfg, say)
+    return history
+
+
+def _layout(cfg: RunConfig, model_cfg, model: nnx.Module,
+            say) -> tuple[EngineConfig, MemoryPlan, MemoryPlan, str | None]:
+    """The engine config the run runs with (``plan.resolve`` on this machine, then, on a GPU, with XLA's figures
+    for the compiled programs: ``plan.exact_plan``), said where it differs from the config; its plan, the
+    estimate from rules of thumb, and what XLA's figures changed (said after the start line). Refuses a run
+    that does not fit unless ``train.memory_check`` is off."""
+    t, d, run_dir = cfg.train, cfg.data, Path(cfg.train.run_dir)
+    machine = Machine.here(t.devices, several_processes=distributed.requested())
+    packed, disk_dir = d.mode == "packed", str(run_dir / "disk_tier")
+    given, resolved = cfg.engine, resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed,
+                                          disk_dir=disk_dir)
+    if resolved.said is not None:  # memory is short, or the config asked for a pick: the sentence says what ran
+        say(f"megatrain_jax: {resolved.said}")
+    cfg = dataclasses.replace(cfg, engine=resolved.engine_cfg)
+    kw = dict(packed=packed, devices=machine.gpus)
+    fit_host_pool(model_cfg, cfg.engine, d.batch_size, d.seq_len, **kw)  # before JAX starts its GPU backend
+    memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_pool_limit=host_pool_limit(), **kw)
+    estimate, repicked = memory, None
+    if gpu_at_hand() and not machine.several_processes:
+        memory, repicked = exact_plan(model, memory, given=given, devices=t.devices, disk_dir=disk_dir,
+                                      check=t.memory_check)
+        cfg = dataclasses.replace(cfg, engine=memory.engine_cfg)
+    if t.memory_check:
+        require_fit(memory, given)
+    return cfg.engine, memory, estimate, repicked
+
+
+def _finish(history: History, cfg: RunConfig, model_cfg, say) -> None:
+    """After training: the export ``train.export_hf`` asks for, and the line saying how the loss went."""
+    t, d, run_dir = cfg.train, cfg.data, Path(cfg.train.run_dir)
     if t.export_hf:
         from megatrain_jax.hf import save_hf
         copied = tokenizer_files(d.tokenizer or cfg.model.hf_checkpoint)
@@ -343,4 +362,3 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         say(f"nothing to train: the checkpoint this run resumed from holds step {at}, and train.steps = {t.steps} "
             f"counts from step 0 (a resumed run ends where the uninterrupted one would); the run folder is as it was. "
             f"To train on, set train.steps above {at} (train.steps={at + t.steps} trains {t.steps} more)")
-    return history
