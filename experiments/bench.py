@@ -76,12 +76,12 @@ CONFIGS: dict[str, BenchConfig] = {
     "3p5b_32k_streamed": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2)),
     # The 3.5B and 7B layouts of the side-by-side comparison (issue 33, experiments/studies/NOTES.md). 3.5B at 32K
     # runs one micro-batch and keeps the attention residuals (no attention forward in the backward: 21,482 ->
-    # 22,057 tokens/s with all 16 blocks resident); since session 11, 8 blocks resident and the last 12 keeping
-    # their matrix products (kept_layers: no recompute of them in the backward): 22,212 -> 25,659 tokens/s
-    # (results/h100_kept_layers_32k.json). 7B fetches the streamed blocks two ahead (with one, each streamed
+    # 22,057 tokens/s with all 16 blocks resident); since 2026-11-26 (commit ede48b8), 8 blocks resident and the
+    # last 12 keeping their matrix products (kept_layers: no recompute of them in the backward): 22,212 -> 25,659
+    # tokens/s (results/h100_kept_layers_32k.json). 7B fetches the streamed blocks two ahead (with one, each streamed
     # forward waited ~9 ms for its weights while the host's second-half updates shared the memory bus with the
-    # copies: 456 -> 472 model TFLOP/s); since session 12 it runs one micro-batch, 8 resident blocks and the last
-    # 10 keeping their matrix products: 472.0 -> 500.1 and 495.5 model TFLOP/s against "auto" (17 resident) on one
+    # copies: 456 -> 472 model TFLOP/s); since 2026-11-26 (commit 5585a65) it runs one micro-batch, 8 resident
+    # blocks and the last 10 keeping their matrix products: 472.0 -> 500.1 and 495.5 model TFLOP/s against "auto" (17 resident) on one
     # box (results/h100_kept_layers_7b_a.json, _b.json).
     "3p5b_32k": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=8, resident_io=True, keep_residuals=True, kept_layers=12, prefetch_depth=2)),
@@ -92,8 +92,9 @@ CONFIGS: dict[str, BenchConfig] = {
     "7b_32k_auto_p2": BenchConfig("7b", 32, 2048, 16, EngineConfig(
         micro_batches=2, resident_layers="auto", resident_io=True, prefetch_depth=2)),
     # 8,192 tokens per step (issue 33): one micro-batch of 4 rows; the GPU holds every block resident.
-    # Since session 11 every block also keeps its matrix products for the backward (kept_layers=16; the plan fits
-    # them beside the resident state at 8K): 19,976 -> 24,017 tokens/s (results/h100_kept_layers_8k.json).
+    # Since 2026-11-26 (commit 2753e0a) every block also keeps its matrix products for the backward
+    # (kept_layers=16; the plan fits them beside the resident state at 8K): 19,976 -> 24,017 tokens/s
+    # (results/h100_kept_layers_8k.json).
     "3p5b_8k": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto", resident_io=True,
                                                            kept_layers=16)),
     "3p5b_8k_recompute": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto",
@@ -103,7 +104,7 @@ CONFIGS: dict[str, BenchConfig] = {
     "3p5b_32k_r8": BenchConfig("7b", 16, 2048, 16, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True)),
     "3p5b_8k_r8": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers=8, resident_io=True)),
     "7b_32k_r14": BenchConfig("7b", 32, 2048, 16, EngineConfig(micro_batches=2, resident_layers=14, resident_io=True)),
-    # Blocks that keep their matrix products for the backward (kept_layers, session 11): fewer resident blocks
+    # Blocks that keep their matrix products for the backward (kept_layers, commit 4b47605): fewer resident blocks
     # buy room for more of them; the largest kept_layers the plan fits at each resident count (H100, 90%).
     "3p5b_32k_r16_k2": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=16, resident_io=True, keep_residuals=True, kept_layers=2)),
@@ -111,7 +112,7 @@ CONFIGS: dict[str, BenchConfig] = {
         micro_batches=1, resident_layers=12, resident_io=True, keep_residuals=True, kept_layers=7, prefetch_depth=2)),
     "3p5b_32k_r4_k16": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=4, resident_io=True, keep_residuals=True, kept_layers=16, prefetch_depth=2)),
-    # 7B at 32K with blocks keeping their matrix products (session 12): the largest kept_layers the plan fits at
+    # 7B at 32K with blocks keeping their matrix products (commit 49ac821): the largest kept_layers the plan fits at
     # each resident count (H100, 90%; below 8 resident the host state no longer fits a 125 GiB host).
     "7b_32k_r8_k11": BenchConfig("7b", 32, 2048, 16, EngineConfig(
         micro_batches=2, resident_layers=8, resident_io=True, kept_layers=11, prefetch_depth=2)),
@@ -165,10 +166,10 @@ def device_info() -> dict:
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return {"name": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
             "host_ram_gib": round(pages / 2**30, 1), "cpu_cores": os.cpu_count()}
-# The names session 11's results files give the layouts 3p5b_32k and 3p5b_8k took from them.
+# The names results/h100_kept_layers_32k.json and _8k.json give the layouts 3p5b_32k and 3p5b_8k took from them.
 CONFIGS["3p5b_32k_r8_k12"] = CONFIGS["3p5b_32k"]
 CONFIGS["3p5b_8k_k16"] = CONFIGS["3p5b_8k"]
-CONFIGS["7b_32k_mb1_r8_k10"] = CONFIGS["7b_32k"]  # session 12's name for the layout 7b_32k took
+CONFIGS["7b_32k_mb1_r8_k10"] = CONFIGS["7b_32k"]  # results/h100_kept_layers_7b_a.json's name for 7b_32k's layout
 
 
 def gpu_peak_gib() -> float | None:
@@ -255,19 +256,14 @@ def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
     return {"h2d_bytes": h2d, "d2h_bytes": d2h, "total_bytes": h2d + d2h}
 
 
-def resolve_auto(bc: BenchConfig) -> tuple[BenchConfig, str | None]:
-    """``resident_layers="auto"`` made a number as ``megatrain-jax train`` makes it, before JAX starts (the GPU's
-    allocator limit from nvidia-smi and the memory fraction), and the sentence saying what was picked."""
-    if bc.engine.resident_layers != "auto":
-        return bc, None
-    from megatrain_jax.plan.levers import most_resident
-    from megatrain_jax._environment import visible_gpus
-    from megatrain_jax.plan.machine import available_host_bytes, gpu_bytes_before_jax
-    cfg = bc.model()
-    engine_cfg, picked = most_resident(cfg, bc.engine, bc.rows, bc.seq_len, host_ram_bytes=available_host_bytes(),
-                                       gpu_bytes=gpu_bytes_before_jax(), packed=bc.packed_docs > 0,
-                                       devices=max(visible_gpus(), 1))
-    return dataclasses.replace(bc, engine=engine_cfg), picked
+def resolve_layout(bc: BenchConfig) -> tuple[BenchConfig, str | None]:
+    """The engine config ``megatrain-jax train`` would run on this machine (``plan.resolve``, read before JAX
+    starts: MemAvailable, the GPU's allocator limit from nvidia-smi and the memory fraction, the visible GPUs):
+    ``resident_layers="auto"`` made a number, and where memory is short what train would change; with the
+    sentence saying what was changed (None: as named)."""
+    from megatrain_jax.plan import Machine, resolve
+    resolved = resolve(bc.model(), bc.engine, bc.rows, bc.seq_len, Machine.here(), packed=bc.packed_docs > 0)
+    return dataclasses.replace(bc, engine=resolved.engine_cfg), resolved.said
 
 
 def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: int = 0,
@@ -276,7 +272,7 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
     step under ``jax.profiler.trace`` (not timed) and its per-GPU summary (``trace_summary.py``)."""
     cfg = bc.model()
     tokens_per_step = bc.rows * bc.seq_len
-    bc, picked = resolve_auto(bc)
+    bc, picked = resolve_layout(bc)
     run = {"system": "megatrain_jax", "config": name,
            "model": {"layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "heads": cfg.heads,
                      "kv_heads": cfg.kv_heads, "vocab": cfg.vocab_size, "params": cfg.param_count(),
@@ -284,7 +280,7 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
            "seq_len": bc.seq_len, "tokens_per_step": tokens_per_step, "steps_timed": timed,
            "engine": dataclasses.asdict(bc.engine), "optimizer": f"adamw(lr 3e-4{f' after {lr_warmup} warm-up steps' if lr_warmup else ''}, wd 0.1, b2 0.95), clip 1.0",
            "compute_dtype": cfg.dtype, "master_dtype": bc.engine.master_dtype,
-           **({"resident_pick": picked} if picked else {})}
+           **({"resolved": picked} if picked else {})}
     try:
         t0 = time.perf_counter()
         abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
@@ -373,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     from child import pick_configs
     names = pick_configs(ap, args.configs, CONFIGS)
     if len(names) == 1:  # cap XLA's pinned pool at what the run pins, as megatrain-jax train does
-        bc = resolve_auto(CONFIGS[names[0]])[0]
+        bc = resolve_layout(CONFIGS[names[0]])[0]
         fit_host_pool(bc.model(), bc.engine, bc.rows, bc.seq_len,
                       packed=bc.packed_docs > 0)
     commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None

@@ -35,12 +35,12 @@ def worker(args) -> None:
     """One run, on the GPUs CUDA_VISIBLE_DEVICES leaves; writes its record to ``args.worker_out``."""
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    from bench import CONFIGS, resolve_auto, run_config  # noqa: E402 (sets the memory fraction)
+    from bench import CONFIGS, resolve_layout, run_config  # noqa: E402 (sets the memory fraction)
 
     from megatrain_jax.plan import fit_host_pool
 
     bc = CONFIGS[args.config]
-    bc, picked = resolve_auto(dataclasses.replace(bc, rows=args.rows))  # planned for this run's GPUs and rows
+    bc, picked = resolve_layout(dataclasses.replace(bc, rows=args.rows))  # planned for this run's GPUs and rows
     cfg = bc.model()
     fit_host_pool(cfg, bc.engine, bc.rows, bc.seq_len)  # before JAX starts, as megatrain-jax train does
     import jax
@@ -48,7 +48,7 @@ def worker(args) -> None:
     run = run_config(args.config, bc, args.warmup, args.steps, profile=False,
                      trace_dir=args.trace_dir and os.path.join(args.trace_dir, args.kind))
     if picked:
-        run["resident_pick"] = picked
+        run["resolved"] = picked
     gpus = run.get("num_gpus") or len(jax.devices())  # the devices the engine spread over
     run["rows_per_gpu"] = bc.rows // gpus
     run["tokens_per_gpu_per_step"] = bc.rows * bc.seq_len // gpus

@@ -339,7 +339,7 @@ def test_the_plan_counts_at_least_what_the_path_attend_takes_holds(monkeypatch, 
     the scratch of the path ``attend`` takes there: XLA's scores, the rescaled form's q-shaped tensors, or nothing
     for the sink as a key."""
     from megatrain_jax.models import layers
-    from megatrain_jax.plan.gpu_ledger import sink_scores
+    from megatrain_jax.plan.activations import sink_scores
     monkeypatch.setattr(layers, "attention_implementation", lambda *a, **kw: "cudnn")
     path = []
     monkeypatch.setattr(layers, "sink_as_key", lambda *a: path.append("key") or a[0])
@@ -394,7 +394,7 @@ def test_the_plan_counts_the_sink_attention_scores():
     attention would count nothing: on cuDNN (unpacked 16-bit rows) the sliding layers' rescale tensors and nothing
     for full layers; on XLA (packed rows, or a float32 model) the scores of one chunk of queries against a sliding
     layer's band of keys or a full layer's every key; and no kept residuals."""
-    from megatrain_jax.plan.gpu_ledger import sink_scores, transient
+    from megatrain_jax.plan.activations import sink_scores, transient
     cfg = preset("gpt-oss-20b")
     assert cfg.dtype == "bfloat16"
     rescaled = cfg.heads * 8192 * cfg.dim_per_head * (4 + 3 * 2)  # sliding layers on cuDNN: q-shaped tensors
@@ -411,7 +411,7 @@ def test_the_plan_counts_the_sink_attention_scores():
     full_only = cfg.replace(layer_types=("full_attention",) * cfg.layers)
     assert sink_scores(full_only, 1, 8192) == 0 and sink_scores(full_only, 1, 100) == 0
     # and keeps no residuals for the backward: cuDNN's output and statistics never exist
-    from megatrain_jax.plan.gpu_ledger import assumes_flash, kept_bytes
+    from megatrain_jax.plan.activations import assumes_flash, kept_bytes
     assert not assumes_flash(cfg) and assumes_flash(cfg.replace(attention_sinks=False))
     kept = EngineConfig(keep_residuals=True)
     assert kept_bytes(cfg, kept, 1, 8192, assumes_flash(cfg)) == 0

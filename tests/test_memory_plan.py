@@ -565,7 +565,7 @@ def test_eight_bit_moments_are_picked_only_where_capacity_mode_does_not_fit():
     """Capacity mode on a host short of RAM: gradients on the GPU while they fit (capacity mode's precision),
     8-bit moments and bfloat16 gradients only where no number of them does."""
     from megatrain_jax.plan import lean_engine
-    from megatrain_jax.plan.levers import most_resident
+    from megatrain_jax.plan.layout import most_resident
     e = EngineConfig(micro_batches=2, master_dtype="bfloat16")
     base = plan(EIGHT_B, e, 16, 2048, **BIG)
     q8_cfg = dataclasses.replace(e, moment_dtype="q8", host_grad_dtype="bfloat16")
@@ -747,7 +747,7 @@ def test_resident_layers_auto_keeps_the_most_blocks_that_fit_the_gpu():
     """``resident_layers = "auto"``: the largest number of GPU-resident blocks whose plan fits the GPU with
     its margin (one more does not), resolved before the engine; 0 where no block can be resident."""
     from megatrain_jax.plan import lean_engine
-    from megatrain_jax.plan.levers import most_resident
+    from megatrain_jax.plan.layout import most_resident
     cfg = preset("7b", layers=16)
     auto = EngineConfig(micro_batches=1, resident_layers="auto", resident_io=True)
     host = 1000 * GiB
@@ -805,8 +805,8 @@ def test_kept_layers_add_their_matrix_products_to_the_gpu_and_are_given_up_first
     from its forward to its backward, all of them at once at the head; ``lean_engine`` keeps the most that
     fit the GPU before anything else is picked, and says so."""
     from megatrain_jax.plan import lean_engine
-    from megatrain_jax.plan.gpu_ledger import kept_bytes, products_bytes
-    from megatrain_jax.plan.levers import most_kept
+    from megatrain_jax.plan.activations import kept_bytes, products_bytes
+    from megatrain_jax.plan.layout import most_kept
     cfg = preset("7b", layers=16)
     base_cfg = EngineConfig(micro_batches=1, resident_layers=8, resident_io=True, keep_residuals=True)
     kw = dict(host_ram_bytes=10_000 * GiB, gpu_bytes=200 * GiB)
@@ -840,7 +840,7 @@ def test_kept_layers_add_their_matrix_products_to_the_gpu_and_are_given_up_first
     advice_for = options(plan(cfg, asked, 16, 2048, host_ram_bytes=10_000 * GiB, gpu_bytes=gpu))
     assert advice_for[0].changes == (("engine.kept_layers", max(fitting)),), advice_for
     # offload is never offered for blocks that keep their products
-    from megatrain_jax.plan.levers import offload_counts
+    from megatrain_jax.plan.layout import offload_counts
     assert max(offload_counts(plan(cfg, asked, 16, 2048, **kw))) == 16 - 10
     assert most_kept(cfg, dataclasses.replace(asked, kept_layers=2), 16, 2048, host_ram_bytes=10_000 * GiB,
                      gpu_bytes=gpu) == (dataclasses.replace(asked, kept_layers=2), None)

@@ -1,6 +1,6 @@
 """XLA's own memory figures in the plan (issue 31): ``engine.program_memory`` compiles the per-part programs a
 step runs, for the run's micro-batch shape and layout, and reads ``memory_analysis()``; the plan charges their
-scratch memory (temp) instead of the rules of thumb (``MemoryPlan.gpu_exact``); ``cli.run.exact_plan`` plans
+scratch memory (temp) instead of the rules of thumb (``MemoryPlan.gpu_exact``); ``plan.exact_plan`` plans
 with them and picks the layout again where that does not fit; ``megatrain-jax train`` writes the plan it ran
 with, XLA's figures included, to ``memory_plan.json``.
 
@@ -28,10 +28,9 @@ from flax import nnx
 from jax._src import monitoring
 
 from megatrain_jax import Batch, Decoder, Engine, EngineConfig, default_optimizer, preset
-from megatrain_jax.cli.run import exact_plan
 from megatrain_jax.engine.program_memory import OP_KIND, program_memory
 from megatrain_jax.engine.transfer import Placement
-from megatrain_jax.plan import GiB, plan
+from megatrain_jax.plan import GiB, exact_plan, plan
 from megatrain_jax.plan.machine import GPU_FRAGMENTATION_MARGIN
 
 REPO = Path(__file__).resolve().parents[1]

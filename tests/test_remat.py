@@ -18,7 +18,7 @@ import megatrain_jax.models.layers as layers
 from megatrain_jax import Decoder, EngineConfig, preset
 from megatrain_jax.engine.device_fns import device_fns
 from megatrain_jax.contract.layered import block_params, layered
-from megatrain_jax.plan.gpu_ledger import kept_bytes
+from megatrain_jax.plan.activations import kept_bytes
 from megatrain_jax.contract.remat import KEEP_POLICY, SplitVJP, keep_residuals
 from megatrain_jax.engine.transfer import Placement
 from test_engine import ADAMW, TINY3, run_both
@@ -207,8 +207,8 @@ def test_engine_with_kept_matrix_products_equals_reference(cudnn_stand_in, engin
 def test_kept_matrix_products_are_the_projections_outputs():
     """What ``forward(..., products=True)`` keeps on XLA's attention: one tensor per projection the backward
     needs (q, k, v, the o-projection's output, gate and up; not the down projection's, which only feeds the
-    residual sum), as ``plan.gpu_ledger.products_bytes`` counts them; nothing of attention's own."""
-    from megatrain_jax.plan.gpu_ledger import products_bytes
+    residual sum), as ``plan.activations.products_bytes`` counts them; nothing of attention's own."""
+    from megatrain_jax.plan.activations import products_bytes
     cfg = preset("tiny", layers=2)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     fns = device_fns(layered(model), Placement(None))
@@ -294,7 +294,7 @@ def test_kept_cudnn_residuals_give_the_same_gradients_without_a_second_attention
 def test_the_plans_matrix_products_are_what_each_familys_block_keeps(name, overrides):
     """``products_bytes`` against the traced forward of every kind of block (abstract: no weights), on XLA's
     attention (which marks nothing): exact, but for a router's logits, which the plan counts as float32."""
-    from megatrain_jax.plan.gpu_ledger import products_bytes
+    from megatrain_jax.plan.activations import products_bytes
     cfg = preset(name, layers=2, **overrides)
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     lm = layered(model)

@@ -4,8 +4,10 @@
     megatrain-jax train --config FILE.toml [section.key=value ...]
     megatrain-jax plan --config FILE.toml [section.key=value ...] [--host-gib N] [--gpu-gib N] [--exact]
     megatrain-jax convert SRC DST [--to hf|npz|orbax] [--dtype bfloat16|float32]
-    megatrain-jax bench [experiments/bench.py arguments]
     megatrain-jax plot RUN_DIR [--out FILE.png]
+
+The engine benchmark is a script of the source repository, not a command: ``PYTHONPATH=. python
+experiments/bench.py --configs NAME --out FILE.json`` (docs/command_line.md).
 
 Exit statuses: 0 done; 1 an unexpected error (with its traceback); 2 bad input (config, data, checkpoint,
 model) or a checkpoint that cannot be written (read-only folder, no permission, full disk, quota, I/O
@@ -20,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import errno
-import importlib.util
 import os
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from megatrain_jax import distributed
-from megatrain_jax._environment import visible_gpus
 from megatrain_jax.checkpoint.failures import CheckpointWriteError
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError
 from megatrain_jax.checkpoint.session import CheckpointedExit
@@ -80,8 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor dtype of a Hugging Face output (default bfloat16)")
     p.add_argument("--force", action="store_true",
                    help="replace a model already in the Hugging Face output folder (as a whole)")
-    p = sub.add_parser("bench", help="engine benchmark (experiments/bench.py; source checkouts only)")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for experiments/bench.py")
     p = sub.add_parser("plot", help="PNG of loss, eval loss and throughput of a run")
     p.add_argument("run_dir", help="a run folder (train.run_dir), or a metrics .jsonl file in one")
     p.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
@@ -112,7 +110,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from megatrain_jax.plan import advice, gpu_fraction, lean_engine, longest_seq_len, plan
+    from megatrain_jax.plan import Machine, advice, gpu_fraction, longest_seq_len, plan, resolve
     cfg = load_config(args.config, args.overrides)
     host = None if args.host_gib is None else int(args.host_gib * GiB)
     gpu = None if args.gpu_gib is None else int(args.gpu_gib * GiB * gpu_fraction())
@@ -126,30 +124,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"{what}: train would refuse every batch; shorten data.seq_len or raise "
                               f"model.max_positions")
         print(f"note: {what}: train refuses any example longer than max_positions")
-    devices = cfg.train.devices or visible_gpus()  # per GPU of train.devices, else of the GPUs at hand
-    if devices > 1:
-        print(f"per GPU of {devices}: each takes 1/{devices} of every batch and holds a shard of the state")
-    # HF weights go part by part into the state (no model copy)
-    kw = dict(packed=d.mode == "packed", devices=devices)
-    engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_ram_bytes=host,
-                                   disk_dir=str(Path(cfg.train.run_dir) / "disk_tier"), gpu_bytes=gpu, **kw)
-    if lean is not None:
-        print(f"as `megatrain-jax train` would: {lean}")
-    p = plan(model_cfg, engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu, **kw)
+    machine = Machine.here(cfg.train.devices, host_ram_bytes=host, gpu_bytes=gpu)
+    if machine.gpus > 1:
+        print(f"per GPU of {machine.gpus}: each takes 1/{machine.gpus} of every batch and holds a shard of the state")
+    packed, disk_dir = d.mode == "packed", str(Path(cfg.train.run_dir) / "disk_tier")
+    resolved = resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed, disk_dir=disk_dir)
+    if resolved.said is not None:
+        print(f"as `megatrain-jax train` would: {resolved.said}")
+    p = plan(model_cfg, resolved.engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu,
+             packed=packed, devices=machine.gpus)
     if args.exact:
-        from flax import nnx
-
-        from megatrain_jax.cli.run import exact_plan, gpu_at_hand
-        from megatrain_jax.models import Decoder
-        if not gpu_at_hand():
-            raise ConfigError("plan --exact compiles the run's programs on this machine's GPU, and it has none; "
-                              "without --exact the plan's GPU side is the estimate")
-        model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
-        estimate = p
-        p, again = exact_plan(model, p, given=cfg.engine, devices=cfg.train.devices,
-                              disk_dir=str(Path(cfg.train.run_dir) / "disk_tier"))
-        print(again or f"with XLA's figures for the compiled programs: GPU {p.gpu_total / GiB:.2f} GiB (the "
-                       f"estimate: {estimate.gpu_total / GiB:.2f})")
+        p = _exact(p, cfg, model_cfg, disk_dir)
     print(p.table())
     longest = longest_seq_len(p)
     print(f"longest sequence that fits with {d.batch_size} rows per batch as configured: "
@@ -160,32 +145,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exact(estimate, cfg, model_cfg, disk_dir: str):
+    """``plan --exact``: the plan with XLA's figures for the run's programs compiled on this GPU, and what that
+    changed, printed."""
+    from flax import nnx
+
+    from megatrain_jax.cli.run import gpu_at_hand
+    from megatrain_jax.models import Decoder
+    from megatrain_jax.plan import exact_plan
+    if not gpu_at_hand():
+        raise ConfigError("plan --exact compiles the run's programs on this machine's GPU, and it has none; "
+                          "without --exact the plan's GPU side is the estimate")
+    model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
+    p, again = exact_plan(model, estimate, given=cfg.engine, devices=cfg.train.devices, disk_dir=disk_dir)
+    print(again or f"with XLA's figures for the compiled programs: GPU {p.gpu_total / GiB:.2f} GiB (the "
+                   f"estimate: {estimate.gpu_total / GiB:.2f})")
+    return p
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from megatrain_jax.cli.convert import convert
     out = convert(args.src, args.dst, args.to, args.dtype, force=args.force)
     print(f"wrote {out}")
-    return 0
-
-
-def find_bench() -> Path:
-    """experiments/bench.py of the source checkout this package runs from, or of the working directory."""
-    here = Path(__file__).resolve().parents[2] / "experiments" / "bench.py"
-    for path in (here, Path.cwd() / "experiments" / "bench.py"):
-        if path.exists():
-            return path
-    raise FileNotFoundError("bench runs experiments/bench.py, which is in the source repository, not the "
-                            "installed package: run it from a checkout")
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    path = find_bench()
-    spec = importlib.util.spec_from_file_location("megatrain_jax_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "main", None)):
-        raise FileNotFoundError(f"{path} has no main(argv)")
-    module.main(list(args.args))
     return 0
 
 
@@ -196,7 +177,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": cmd_train, "demo": cmd_demo, "plan": cmd_plan, "convert": cmd_convert,
-            "bench": cmd_bench, "plot": cmd_plot}
+            "plot": cmd_plot}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -205,10 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a stop signal, ends the process at once (``_end_now``)."""
     as_program = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # everything after it belongs to bench.py's own parser
-        args = argparse.Namespace(command="bench", args=argv[1:])
-    else:
-        args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command is None:
         args.command, args.overrides = "demo", []
     try:

@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 
 from megatrain_jax import distributed
-from megatrain_jax._environment import gpu_fraction_source, host_pool_limit, user_host_pool_limit, visible_gpus
+from megatrain_jax._environment import gpu_fraction_source, host_pool_limit, user_host_pool_limit
 from megatrain_jax.checkpoint import committed_steps
 from megatrain_jax.cli.run_config import RunConfig, to_dict, to_toml
 from megatrain_jax.cli.run_lock import RunLock
@@ -30,13 +30,9 @@ from megatrain_jax.hf.export_folder import check_target, tokenizer_files
 from megatrain_jax.models import Decoder
 from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
 from megatrain_jax.observe.metrics import free_name, read_metrics
-from megatrain_jax.cli.toml_dataclass import ConfigError
-from megatrain_jax.engine.config import AUTO, EngineConfig
-from megatrain_jax.engine.program_memory import program_memory
-from megatrain_jax.engine.transfer import Placement, select_devices
-from megatrain_jax.plan import (GiB, MemoryPlan, fit_host_pool, fitted_pool_limit, gpu_fraction, lean_engine,
-                                options, plan, require_fit)
-from megatrain_jax.plan.machine import GPU_FRAGMENTATION_MARGIN
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.plan import (GiB, Machine, MemoryPlan, exact_plan, fit_host_pool, fitted_pool_limit, gpu_fraction,
+                                options, plan, require_fit, resolve)
 
 # The README demo: the tiny preset learns the synthetic Markov + induction corpus (megatrain_jax.data.demo)
 # from ln 256 = 5.5 nats to about 1.3 in a few hundred steps, about a minute on a 2-core CPU.
@@ -132,36 +128,6 @@ def _without_resume(raw: dict) -> dict:
 def gpu_at_hand() -> bool:
     """Whether this process runs on GPUs (the plan then reads XLA's figures for the compiled programs)."""
     return jax.devices()[0].platform == "gpu"
-
-
-def exact_plan(model: nnx.Module, estimate: MemoryPlan, *, given: EngineConfig, devices: int | None,
-               disk_dir: str, check: bool = True) -> tuple[MemoryPlan, str | None]:
-    """The plan with XLA's memory analysis of the run's compiled programs in place of the rules of thumb
-    (``megatrain_jax.engine.program_memory``; the first step then finds them compiled). Where that does not
-    fit and ``check``, the layout is picked again from the ``given`` config with XLA's figures
-    (``lean_engine``: activations offloaded, gradients moved) and those programs planned; returns the plan and
-    what was picked again (None: the layout stands). Whether the result fits is the caller's to check."""
-    e = estimate
-    placement = Placement(select_devices(devices))
-    measure = lambda cfg: program_memory(model, cfg, e.batch_rows, e.seq_len, packed=e.packed,  # noqa: E731
-                                         placement=placement)
-    exact = e.replace(programs=measure(e.engine_cfg))
-    if exact.fits or not check:
-        return exact, None
-    engine_cfg, said = lean_engine(e.model_cfg, given, e.batch_rows, e.seq_len, host_ram_bytes=e.host_available,
-                                   gpu_bytes=e.gpu_available, disk_dir=disk_dir, packed=e.packed, devices=e.devices,
-                                   programs=exact.programs)
-    if engine_cfg == e.engine_cfg:
-        return exact, None
-    again = e.replace(engine_cfg=engine_cfg, programs=exact.programs)
-    if not again.gpu_exact:  # the programs changed (kept residuals dropped): their own figures
-        again = again.replace(programs=measure(engine_cfg))
-    changed = ", ".join(f"engine.{f.name}={getattr(engine_cfg, f.name)}" for f in dataclasses.fields(engine_cfg)
-                        if getattr(engine_cfg, f.name) != getattr(e.engine_cfg, f.name))
-    return again, (f"with XLA's figures for the compiled programs the layout picked from the estimate needs "
-                   f"{exact.gpu_total / GiB:.1f} GiB of GPU memory and does not fit in {e.gpu_available / GiB:.1f} "
-                   f"(less a {GPU_FRAGMENTATION_MARGIN / GiB:.1f} GiB margin): picked again, {changed}"
-                   + (f" ({said})" if said else ""))
 
 
 def _memory_line(memory: MemoryPlan, estimate: MemoryPlan | None = None) -> str:
@@ -265,29 +231,9 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         t = dataclasses.replace(t, export_hf=str(Path(t.export_hf).absolute()))  # config.toml says where
         cfg = dataclasses.replace(cfg, train=t)
 
-    gpus = visible_gpus()
-    kw = dict(packed=d.mode == "packed",
-              devices=min(t.devices or gpus, gpus))
-    lean, given = None, cfg.engine
-    if distributed.requested() and cfg.engine.resident_layers == AUTO:
-        raise ConfigError("engine.resident_layers='auto' is picked from one host's memory plan; with several "
-                          "processes set the number (megatrain-jax plan --config FILE prints the pick)")
-    if not distributed.requested():  # several processes would each pick from their own host: not done
-        engine_cfg, lean = lean_engine(model_cfg, cfg.engine, d.batch_size, d.seq_len,
-                                       disk_dir=str(run_dir / "disk_tier"), **kw)
-    if lean is not None:  # memory is short: a lean host layout, or activations offloaded (the sentence says)
-        say(f"megatrain_jax: {lean}")
-        cfg = dataclasses.replace(cfg, engine=engine_cfg)
-    fit_host_pool(model_cfg, cfg.engine, d.batch_size, d.seq_len, **kw)  # before JAX starts its GPU backend
-    memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_pool_limit=host_pool_limit(), **kw)
     model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(t.seed)))
-    estimate, repicked = memory, None
-    if gpu_at_hand() and not distributed.requested():
-        memory, repicked = exact_plan(model, memory, given=given, devices=t.devices,
-                                      disk_dir=str(run_dir / "disk_tier"), check=t.memory_check)
-        cfg = dataclasses.replace(cfg, engine=memory.engine_cfg)
-    if t.memory_check:
-        require_fit(memory, given)
+    engine_cfg, memory, estimate, repicked = _layout(cfg, model_cfg, model, say)
+    cfg, given = dataclasses.replace(cfg, engine=engine_cfg), cfg.engine
     say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
         f"{model_cfg.hidden}), {d.batch_size} x {d.seq_len} tokens per batch, {t.steps} steps on "
         f"{_device_line(t.devices)}; run folder {run_dir}")
@@ -362,6 +308,40 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         if hasattr(data, "close"):
             data.close()
 
+    _finish(history, cfg, model_cfg, say)
+    return history
+
+
+def _layout(cfg: RunConfig, model_cfg, model: nnx.Module,
+            say) -> tuple[EngineConfig, MemoryPlan, MemoryPlan, str | None]:
+    """The engine config the run runs with (``plan.resolve`` on this machine, then, on a GPU, with XLA's figures
+    for the compiled programs: ``plan.exact_plan``), said where it differs from the config; its plan, the
+    estimate from rules of thumb, and what XLA's figures changed (said after the start line). Refuses a run
+    that does not fit unless ``train.memory_check`` is off."""
+    t, d, run_dir = cfg.train, cfg.data, Path(cfg.train.run_dir)
+    machine = Machine.here(t.devices, several_processes=distributed.requested())
+    packed, disk_dir = d.mode == "packed", str(run_dir / "disk_tier")
+    given, resolved = cfg.engine, resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed,
+                                          disk_dir=disk_dir)
+    if resolved.said is not None:  # memory is short, or the config asked for a pick: the sentence says what ran
+        say(f"megatrain_jax: {resolved.said}")
+    cfg = dataclasses.replace(cfg, engine=resolved.engine_cfg)
+    kw = dict(packed=packed, devices=machine.gpus)
+    fit_host_pool(model_cfg, cfg.engine, d.batch_size, d.seq_len, **kw)  # before JAX starts its GPU backend
+    memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_pool_limit=host_pool_limit(), **kw)
+    estimate, repicked = memory, None
+    if gpu_at_hand() and not machine.several_processes:
+        memory, repicked = exact_plan(model, memory, given=given, devices=t.devices, disk_dir=disk_dir,
+                                      check=t.memory_check)
+        cfg = dataclasses.replace(cfg, engine=memory.engine_cfg)
+    if t.memory_check:
+        require_fit(memory, given)
+    return cfg.engine, memory, estimate, repicked
+
+
+def _finish(history: History, cfg: RunConfig, model_cfg, say) -> None:
+    """After training: the export ``train.export_hf`` asks for, and the line saying how the loss went."""
+    t, d, run_dir = cfg.train, cfg.data, Path(cfg.train.run_dir)
     if t.export_hf:
         from megatrain_jax.hf import save_hf
         copied = tokenizer_files(d.tokenizer or cfg.model.hf_checkpoint)
@@ -382,4 +362,3 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         say(f"nothing to train: the checkpoint this run resumed from holds step {at}, and train.steps = {t.steps} "
             f"counts from step 0 (a resumed run ends where the uninterrupted one would); the run folder is as it was. "
             f"To train on, set train.steps above {at} (train.steps={at + t.steps} trains {t.steps} more)")
-    return history

@@ -1,21 +1,24 @@
-"""The memory plan: how much host and GPU memory a run needs before anything is allocated, and what fits
-instead when it does not.
+"""The memory plan: how much host and GPU memory a run needs before anything is allocated, which layout
+runs on a machine, and what fits instead when it does not.
 
 Split by job, each module importing only those above it in this list:
 ``counts`` (units, parameter counts, which parts update where), ``machine`` (what this machine has, XLA's
-pinned pool), ``gpu_ledger`` (the walk over the engine's schedule, one rule per op kind), ``memory``
+pinned pool, the GPUs a run counts), ``activations`` (what one block's programs keep and need per
+micro-batch), ``gpu_ledger`` (the walk over the engine's schedule, one rule per op kind), ``memory``
 (``MemoryPlan`` and ``plan()``; not named ``plan.py``, which the package's ``plan`` function would hide),
-``levers`` (the search over config changes, the advice, ``lean_engine``).
+``layout`` (what ``train`` runs: ``resolve``, the engine config a run config becomes on a machine), ``levers``
+(what fits instead: the options, the advice).
 """
 
 from megatrain_jax.plan.counts import GiB, io_param_count, layer_param_count, part_param_count
-from megatrain_jax.plan.levers import (LEAN_HOST_MARGIN, Option, advice, lean, lean_engine, longest_seq_len, offload,
-                                       options, require_fit)
-from megatrain_jax.plan.machine import (available_gpu_bytes, available_host_bytes, fitted_pool_limit,
-                                        gpu_bytes_before_jax, gpu_fraction)
+from megatrain_jax.plan.levers import Option, advice, longest_seq_len, machine_needed, options, require_fit
+from megatrain_jax.plan.machine import (Machine, available_gpu_bytes, available_host_bytes, fitted_pool_limit,
+                                        gpu_bytes_before_jax, gpu_fraction, run_gpus)
 from megatrain_jax.plan.memory import MemoryPlan, MemoryPlanError, fit_host_pool, plan
+from megatrain_jax.plan.layout import LEAN_HOST_MARGIN, Resolved, exact_plan, lean, lean_engine, offload, resolve
 
-__all__ = ["GiB", "LEAN_HOST_MARGIN", "MemoryPlan", "MemoryPlanError", "Option", "advice", "available_gpu_bytes",
-           "available_host_bytes", "fit_host_pool", "fitted_pool_limit", "gpu_bytes_before_jax", "gpu_fraction",
-           "io_param_count", "layer_param_count", "lean", "lean_engine", "longest_seq_len", "offload", "options",
-           "part_param_count", "plan", "require_fit"]
+__all__ = ["GiB", "LEAN_HOST_MARGIN", "Machine", "MemoryPlan", "MemoryPlanError", "Option", "Resolved", "advice",
+           "available_gpu_bytes", "available_host_bytes", "exact_plan", "fit_host_pool", "fitted_pool_limit",
+           "gpu_bytes_before_jax", "gpu_fraction", "io_param_count", "layer_param_count", "lean", "lean_engine",
+           "longest_seq_len", "machine_needed", "offload", "options", "part_param_count", "plan", "require_fit",
+           "resolve", "run_gpus"]

@@ -1,16 +1,19 @@
 """What this machine has and what its software stack does with memory: free host RAM, disk and GPU
-memory, the share of the GPU that JAX lets XLA allocate, and XLA's pinned-host pool.
+memory, the share of the GPU that JAX lets XLA allocate, XLA's pinned-host pool, and the GPUs a run counts
+(``run_gpus``, ``Machine``).
 
 The constants are measured on the H100 box (jax 0.11.2, CUDA driver 580, 125.9 GiB host); docs/design.md
 has the data path they belong to."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
 
-from megatrain_jax._environment import ENGINE_GPU_FRACTION, GPU_FRACTION_VAR, host_ram_override, user_host_pool_limit
+from megatrain_jax._environment import (ENGINE_GPU_FRACTION, GPU_FRACTION_VAR, host_ram_override, user_host_pool_limit,
+                                        visible_gpus)
 from megatrain_jax.plan.counts import GiB, MiB
 
 # Python, JAX/XLA, CUDA libraries, compiled programs: 3.0-3.7 GiB of resident memory outside the pinned
@@ -110,3 +113,34 @@ def pinned_pool_bytes(arrays: int, limit: int | None) -> int:
         total, region = total + region, 2 * region
     return total if limit is None else min(total, limit)
 
+
+
+def run_gpus(devices: int | None) -> int:
+    """The GPUs a run spreads over, the one count ``train``, ``plan`` and the benchmark share: ``train.devices``
+    where it is set (the engine refuses more than there are), else every GPU this process will see, read
+    without starting JAX (``CUDA_VISIBLE_DEVICES``, else the driver's list; 1 where neither says)."""
+    return devices or visible_gpus()
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What a run may use, as the layout is picked for it (``resolve``): ``host_ram_bytes`` of host RAM and
+    ``gpu_bytes`` of each GPU's allocator (None: not known; with no GPU, nothing is picked for one),
+    ``gpus`` GPUs, ``disk_bytes`` free where the disk tier would go (None: read from the folder), and
+    ``several_processes`` (each holds its own host: no layout is picked for them)."""
+
+    host_ram_bytes: int | None
+    gpu_bytes: int | None
+    gpus: int = 1
+    disk_bytes: int | None = None
+    several_processes: bool = False
+
+    @classmethod
+    def here(cls, devices: int | None = None, *, host_ram_bytes: int | None = None, gpu_bytes: int | None = None,
+             several_processes: bool = False) -> "Machine":
+        """This machine, read before JAX starts its GPU backend: MemAvailable (``available_host_bytes``), what
+        XLA's allocator will get on a GPU (``gpu_bytes_before_jax``) and ``run_gpus(devices)``; the figures
+        given win (``megatrain-jax plan --host-gib/--gpu-gib``)."""
+        return cls(available_host_bytes() if host_ram_bytes is None else host_ram_bytes,
+                   gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes, run_gpus(devices), None,
+                   several_processes)

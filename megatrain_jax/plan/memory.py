@@ -33,7 +33,8 @@ from megatrain_jax.engine.parts import part_ids
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, GiB, activation_bytes, blocks_param_count,
                                        host_grad_bytes, host_roles, io_param_count, layer_param_count, moment_bytes,
                                        part_param_count, stream_bytes)
-from megatrain_jax.plan.gpu_ledger import assumes_flash, gpu_peak, kept_bytes
+from megatrain_jax.plan.activations import assumes_flash, kept_bytes
+from megatrain_jax.plan.gpu_ledger import gpu_peak
 from megatrain_jax.plan.machine import (GPU_FRAGMENTATION_MARGIN, HOST_RUNTIME_BYTES, PINNED_RSS_OVERHEAD, available_disk_bytes,
                                         available_gpu_bytes, available_host_bytes, fitted_pool_limit, pinned_pool_bytes)
 

@@ -1,0 +1,365 @@
+"""What ``train`` runs, the layout: the engine config that a run config becomes on a machine (``resolve``),
+and the sentence saying what was changed and why. ``megatrain-jax train``, ``megatrain-jax plan`` and
+experiments/bench.py all call ``resolve``; what fits instead, for a run that does not, is ``levers``' job.
+
+The config as given runs unless memory is short:
+
+- ``kept_layers`` that the GPU cannot hold: the most blocks keeping their products that it can (``most_kept``);
+- ``resident_layers="auto"``: the most GPU-resident blocks that fit (``most_resident``);
+- the GPU short: the fewest blocks whose inputs wait in host memory (``offload``);
+- host RAM short: the lean host layout (``lean``: float32 streamed, gradients waiting on the GPU; in capacity
+  mode, 8-bit moments; last, the disk tier);
+- nothing of that fitting while blocks keep their attention residuals: the same without them.
+
+Every candidate is an ``EngineConfig``: the config's own checks (``__post_init__``, ``check_layers``, the parts
+each role names) say which combinations are legal (``legal``); nothing here restates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from megatrain_jax.engine.config import AUTO, EngineConfig
+from megatrain_jax.engine.parts import HostRoles
+from megatrain_jax.engine.schedule import offloaded_blocks
+from megatrain_jax.models.config import DecoderConfig
+from megatrain_jax.plan.activations import assumes_flash, kept_bytes
+from megatrain_jax.plan.counts import GiB, host_roles
+from megatrain_jax.plan.machine import (GPU_FRAGMENTATION_MARGIN, Machine, available_disk_bytes, available_host_bytes,
+                                        gpu_bytes_before_jax)
+from megatrain_jax.plan.memory import MemoryPlan, plan
+
+Changes = tuple[tuple[str, Any], ...]  # (``section.key``, value) pairs: ``("engine.micro_batches", 4), ...``
+
+# What the lean full-precision pick leaves free of the host's available memory where it can. The plan's host
+# total has come out 0-4% under the peaks measured at step ends (tests/assets/measured/h100_plan_check.json), and
+# the process cannot have all of MemAvailable: the shipped h200_sft_8b config, lean-picked with 3% on a 125.9 GiB
+# H200 host (plan 120.0 GiB), was killed by the kernel's OOM killer at its final save with 122.5 GiB resident and
+# growing (experiments/results/h200_shipped_configs_6014bc6_h200_sft_8b_c.json and its .mem.log): ~4% over the plan,
+# and ~2.3% of the host out of reach. So 7%.
+LEAN_HOST_MARGIN = 0.07
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """The engine config a run runs with, and what was changed from the one given and why (None: as given)."""
+
+    engine_cfg: EngineConfig
+    said: str | None = None
+
+
+def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int, machine: Machine,
+            *, packed: bool = False, disk_dir: str | None = None) -> Resolved:
+    """The engine config that runs ``engine_cfg`` on ``machine`` (module docstring), and the sentence saying
+    what was changed. ``disk_dir`` (where the config sets none) is where the disk tier may go when nothing else
+    fits. With several processes nothing is picked (each would pick from its own host), and
+    ``resident_layers="auto"`` is refused. Reads nothing from JAX: it runs before JAX starts its GPU backend."""
+    if machine.several_processes:
+        if engine_cfg.resident_layers == AUTO:
+            raise ValueError("engine.resident_layers='auto' is picked from one host's memory plan; with several "
+                             "processes set the number (megatrain-jax plan --config FILE prints the pick)")
+        return Resolved(engine_cfg)
+    kw: dict[str, Any] = dict(host_ram_bytes=machine.host_ram_bytes, gpu_bytes=machine.gpu_bytes,
+                              devices=machine.gpus, packed=packed)
+    if machine.disk_bytes is not None:
+        kw["disk_bytes"] = machine.disk_bytes
+    return Resolved(*_pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw))
+
+
+def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
+                host_ram_bytes: int | None = None, disk_dir: str | None = None, gpu_bytes: int | None = None,
+                **plan_kw) -> tuple[EngineConfig, str | None]:
+    """``resolve`` with the machine's figures as keywords (``host_ram_bytes`` default: this machine's
+    MemAvailable; ``gpu_bytes``: ``gpu_bytes_before_jax()``; ``plan_kw``: ``plan``'s ``devices``, ``packed``,
+    ``disk_bytes``, ``programs``): the config and the sentence (None: as given)."""
+    host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
+    gpu_bytes = gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes
+    return _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir,
+                 dict(host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes, **plan_kw))
+
+
+def _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw) -> tuple[EngineConfig, str | None]:
+    engine_cfg, fewer_kept = most_kept(model_cfg, engine_cfg, batch_rows, seq_len, **kw)
+    engine_cfg, auto = most_resident(model_cfg, engine_cfg, batch_rows, seq_len, **kw)
+    picked, said = _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw)
+    said = [w for w in (fewer_kept, auto) if w] + said
+    keeps = engine_cfg.keep_residuals and kept_bytes(model_cfg, engine_cfg, 1, 1, assumes_flash(model_cfg)) > 0
+    if keeps and not plan(model_cfg, picked, batch_rows, seq_len, detect=False, **kw).fits:
+        # the kept attention residuals are one more activation per block: without them attention is
+        # recomputed in the backward (slower), and the blocks' inputs may fit where both do not
+        recompute = dataclasses.replace(engine_cfg, keep_residuals=False)
+        plain, plain_said = _fit_engine(model_cfg, recompute, batch_rows, seq_len, disk_dir, kw)
+        if plan(model_cfg, plain, batch_rows, seq_len, detect=False, **kw).fits:
+            return plain, "; ".join(["keeping attention's output for the backward does not fit: attention is "
+                                     "recomputed in the backward (engine.keep_residuals=false)"] + plain_said)
+    return picked, ("; ".join(said) or None)
+
+
+# ---------------------------------------------------------------------------------------------- legality
+def legal(p: MemoryPlan, changes: Changes) -> bool:
+    """Whether the engine config takes ``changes`` to ``p``'s (with a ``model.layers`` among them, for that
+    many blocks): its constructor, its check of the per-block counts and the parts each role names raise
+    ValueError for a combination the engine refuses."""
+    engine = {key.removeprefix("engine."): value for key, value in changes if key.startswith("engine.")}
+    layers = dict(changes).get("model.layers", p.model_cfg.layers)
+    try:
+        e = dataclasses.replace(p.engine_cfg, **engine)
+        e.check_layers(layers)
+        HostRoles.of(layers, e.resident_layers, e.resident_io, e.grads_on_gpu, e.disk_parts)
+    except ValueError:
+        return False
+    return True
+
+
+def fits(p: MemoryPlan, changes: Changes) -> bool:
+    """Whether the plan with ``changes`` fits; a combination the engine refuses does not."""
+    try:
+        return p.applied(changes).fits
+    except ValueError:
+        return False
+
+
+def fewest(p: MemoryPlan, key: str, values: list[int], gpu: bool = False) -> Changes | None:
+    """The smallest of ``values`` for ``key`` whose plan fits the host (more of it, less host memory), or with
+    ``gpu`` the GPU (more of it, less GPU memory), if that plan fits everything; values the config refuses are
+    not tried."""
+    best = _first_fitting(p, key, values, gpu)
+    return best if best is not None and p.applied(best).fits else None
+
+
+def _first_fitting(p: MemoryPlan, key: str, values: list[int], gpu: bool) -> Changes | None:
+    """The smallest of ``values`` for ``key`` (those the config takes) whose plan fits the host (with ``gpu``:
+    the GPU), bisected: more of it takes less of that memory."""
+    values = [v for v in values if legal(p, ((key, v),))]
+    lo, hi = 0, len(values)
+    while lo < hi:  # lo: the first value whose plan fits
+        mid = (lo + hi) // 2
+        q = p.applied(((key, values[mid]),))
+        lo, hi = (lo, mid) if (q.gpu_fits if gpu else q.host_fits) else (mid + 1, hi)
+    return ((key, values[lo]),) if lo < len(values) else None
+
+
+def most_fitting(fits_: Callable[[int], bool], hi: int) -> int:
+    """The largest ``n`` in 0..``hi`` with ``fits_(n)``, bisected (GPU memory grows with ``n``); 0 where none
+    above 0 fits."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits_(mid) else (lo, mid - 1)
+    return lo
+
+
+# ---------------------------------------------------------------------------------------------- the GPU
+def offload_counts(p: MemoryPlan) -> list[int]:
+    """The ``engine.offload_activations`` values above this run's that offload more blocks and that the
+    config takes (the offloaded blocks must not meet the kept ones)."""
+    e, layers = p.engine_cfg, p.model_cfg.layers
+    most = offloaded_blocks(layers, e.prefetch_depth, layers)  # past it, no more blocks are offloaded
+    return [n for n in range(e.offload_activations + 1, most + 1)
+            if legal(p, (("engine.offload_activations", n),))]
+
+
+def offload(p: MemoryPlan) -> Changes | None:
+    """For a run that does not fit the GPU: the fewest blocks whose inputs wait in host memory
+    (``engine.offload_activations``) that make the GPU fit, whether or not the host then fits (more
+    host RAM: ``resolve`` then makes the host lean where it can); None where the GPU fits already or
+    no count makes it fit."""
+    if p.gpu_fits or p.gpu_available is None:
+        return None
+    return _first_fitting(p, "engine.offload_activations", offload_counts(p), gpu=True)
+
+
+def most_kept(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
+              **plan_kw) -> tuple[EngineConfig, str | None]:
+    """``kept_layers`` as configured where the GPU fits it (with ``resident_layers="auto"``: with no block
+    resident, which is then picked around it), else the most blocks keeping their matrix products that fit,
+    down to none; no activation offload is picked before these are given up. Returns the config and a
+    sentence (None: as configured)."""
+    if not engine_cfg.kept_layers or plan_kw.get("gpu_bytes") is None:
+        return engine_cfg, None
+    base = engine_cfg if engine_cfg.resident_layers != AUTO else dataclasses.replace(engine_cfg, resident_layers=0)
+    with_ = lambda k: dataclasses.replace(base, kept_layers=k)  # noqa: E731
+    gpu_fits = lambda k: plan(model_cfg, with_(k), batch_rows, seq_len, detect=False, **plan_kw).gpu_fits  # noqa: E731
+    if gpu_fits(engine_cfg.kept_layers):
+        return engine_cfg, None
+    lo = most_fitting(gpu_fits, engine_cfg.kept_layers - 1)  # none, where not even 0 fits: nothing else to give up
+    p = plan(model_cfg, with_(lo), batch_rows, seq_len, detect=False, **plan_kw)
+    return dataclasses.replace(engine_cfg, kept_layers=lo), (
+        f"GPU memory is short for engine.kept_layers={engine_cfg.kept_layers}: the last {lo} blocks keep their "
+        f"matrix products for the backward (engine.kept_layers={lo}; GPU {p.gpu_total / GiB:.1f} GiB of "
+        f"{p.gpu_available / GiB:.1f})")
+
+
+def most_resident(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
+                  **plan_kw) -> tuple[EngineConfig, str | None]:
+    """``resident_layers="auto"`` made a number: the most blocks kept on the GPU (with their optimizer
+    state, updated there: no host update and no transfer for them) that the plan fits in GPU memory with its
+    margin, of those the config takes (the io part as configured, the blocks that ``grads_on_gpu`` and
+    ``disk_parts`` name left host-updated). 0 where the config takes none (capacity mode updates every part on
+    the host), with no GPU to plan for, or with the GPU full without any. Returns the config and a sentence
+    (None: the config did not ask)."""
+    if engine_cfg.resident_layers != AUTO:
+        return engine_cfg, None
+    with_ = lambda r: dataclasses.replace(engine_cfg, resident_layers=r)  # noqa: E731
+    n, hi, refused = model_cfg.layers, model_cfg.layers, None
+    while hi > 0:  # the most the config takes
+        try:
+            e = with_(hi)
+            HostRoles.of(n, hi, e.resident_io, e.grads_on_gpu, e.disk_parts)
+            break
+        except ValueError as err:
+            refused, hi = err, hi - 1
+    if hi == 0 and refused is not None:
+        return with_(0), f"engine.resident_layers='auto': 0 (the engine takes no GPU-resident block here: {refused})"
+    if plan_kw.get("gpu_bytes") is None:
+        return with_(0), "engine.resident_layers='auto': 0 (no GPU to plan for)"
+    gpu_fits = lambda r: plan(model_cfg, with_(r), batch_rows, seq_len, detect=False, **plan_kw).gpu_fits  # noqa: E731
+    if not gpu_fits(0):
+        return with_(0), "engine.resident_layers='auto': 0 (the GPU is full without any)"
+    lo = most_fitting(gpu_fits, hi)
+    p = plan(model_cfg, with_(lo), batch_rows, seq_len, detect=False, **plan_kw)
+    return with_(lo), (f"engine.resident_layers='auto': {lo} of {model_cfg.layers} blocks GPU-resident, the most "
+                       f"that fit (GPU {p.gpu_total / GiB:.1f} GiB of {p.gpu_available / GiB:.1f}; they update on the "
+                       f"GPU, with no host update or transfer)")
+
+
+def _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw) -> tuple[EngineConfig, list[str]]:
+    """``resolve`` for one setting of ``keep_residuals``: the config, and what was picked in words."""
+    user_host = engine_cfg.stream_dtype is not None or engine_cfg.grads_on_gpu or engine_cfg.disk_parts
+    said = []
+    if not engine_cfg.offload_activations:
+        p = plan(model_cfg, engine_cfg, batch_rows, seq_len, detect=False, **kw)
+        changes = offload(p)
+        # the fewest offloaded blocks for the GPU; their host RAM may call for the lean host layout, whose
+        # gradients on the GPU may in turn call for a few blocks more
+        for n in ([] if changes is None else [n for n in offload_counts(p) if n >= changes[0][1]]):
+            offloaded, words = dataclasses.replace(engine_cfg, offload_activations=n), None
+            if not user_host:
+                offloaded, words = _lean_host(model_cfg, offloaded, batch_rows, seq_len, disk_dir=disk_dir, **kw)
+            after = plan(model_cfg, offloaded, batch_rows, seq_len, detect=False, **kw)
+            if after.fits:
+                engine_cfg = offloaded
+                what = "inputs" if not kept_bytes(model_cfg, offloaded, 1, 1, assumes_flash(model_cfg)) else \
+                    "inputs and kept attention residuals"
+                said.append(f"GPU memory is short ({p.gpu_total / GiB:.1f} GiB needed, {p.gpu_available / GiB:.1f} "
+                            f"available): the {what} of the first {n} blocks wait in host memory between forward "
+                            f"and backward (engine.offload_activations={n}; GPU {after.gpu_total / GiB:.1f} GiB)")
+                said += [words] if words else []
+                break
+    if not user_host:
+        engine_cfg, words = _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir=disk_dir, **kw)
+        said += [words] if words else []
+    return engine_cfg, said
+
+
+# ---------------------------------------------------------------------------------------------- host RAM
+def lean(p: MemoryPlan) -> Changes | None:
+    """Full precision in less host RAM, for a run that does not fit the host: the float32 masters are
+    streamed (no 16-bit host copy), and if that is not enough, the fewest parts' gradients wait on the
+    GPU; with ``LEAN_HOST_MARGIN`` of the host left over where possible. In capacity mode, where that does
+    not fit even without the margin: 8-bit moments and bfloat16 gradients (``_leanest_q8``), so that the
+    lower precision is picked only where capacity mode's own does not fit. Then (with a ``disk_dir``) the
+    fewest blocks' moments in the disk tier: last, because it reads and writes their moments every step
+    (at 70B, hundreds of GB per step through the disk), where 8-bit moments cost no time. The changes, or
+    None where the run fits already or even this does not fit."""
+    if p.host_fits:
+        return None
+    plans = [p] if p.host_available is None else [
+        p.replace(host_ram_bytes=int(p.host_available * (1 - LEAN_HOST_MARGIN))), p]
+    for leanest in (lambda q: _leanest(q, disk=False), _leanest_q8, _leanest):
+        for q in plans:
+            changes = leanest(q)
+            if changes is not None:
+                return changes
+    return None
+
+
+def _leanest(p: MemoryPlan, disk: bool = True) -> Changes | None:
+    float32 = (("engine.stream_dtype", "float32"),)
+    stream = float32 if p.stream_dtype != "float32" and legal(p, float32) else ()
+    streamed = p.applied(stream)
+    if streamed.host_fits:
+        return stream if streamed.fits else None
+    n_host = len(host_roles(p.model_cfg, p.engine_cfg).host_updated)
+    grads = fewest(streamed, "engine.grads_on_gpu", list(range(1, n_host + 1)))
+    if grads is not None:
+        return stream + grads
+    if disk and not p.engine_cfg.disk_parts:  # the last blocks' moments on disk, where the config takes it
+        blocks = p.model_cfg.layers - p.engine_cfg.resident_layers
+        on_disk = fewest(streamed, "engine.disk_parts", list(range(1, blocks + 1)))
+        return None if on_disk is None else stream + on_disk
+    return None
+
+
+def _leanest_q8(p: MemoryPlan) -> Changes | None:
+    """8-bit moments and bfloat16 gradients in host memory, and if that is not enough the fewest parts'
+    gradients on the GPU (``_leanest``); None where the config does not take them (outside capacity mode:
+    opt-in), where the moments are 8-bit already, or where even this does not fit."""
+    q8 = (("engine.moment_dtype", "q8"), ("engine.host_grad_dtype", "bfloat16"))
+    if p.engine_cfg.q8 or not legal(p, q8):
+        return None
+    changes = _leanest(p.applied(q8))
+    return None if changes is None else q8 + changes
+
+
+def _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, *, host_ram_bytes, gpu_bytes, disk_dir=None,
+               **plan_kw) -> tuple[EngineConfig, str | None]:
+    """``resolve``'s host part: the lean layout that fits the host (``lean``), and the words."""
+    given = engine_cfg
+    if disk_dir is not None and engine_cfg.disk_dir is None:
+        engine_cfg = dataclasses.replace(engine_cfg, disk_dir=str(disk_dir))
+    plan_kw.setdefault("disk_bytes", available_disk_bytes(engine_cfg.disk_dir))
+    p = plan(model_cfg, engine_cfg, batch_rows, seq_len, host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes,
+             detect=False, **plan_kw)
+    changes = lean(p)
+    if changes is None:
+        return given, None
+    leaner = p.applied(changes)
+    if not leaner.engine_cfg.disk_parts:  # the disk folder is the config's only where the tier is used
+        leaner = leaner.replace(engine_cfg=dataclasses.replace(leaner.engine_cfg, disk_dir=given.disk_dir))
+    said = " ".join(f"{k}={v}" for k, v in changes)
+    if leaner.engine_cfg.q8 and not engine_cfg.q8:
+        said = f"8-bit Adam moments and bfloat16 gradients in host memory ({said}; quality: docs/capacity.md)"
+    if leaner.engine_cfg.disk_parts:
+        said += (f" (engine.disk_dir={leaner.engine_cfg.disk_dir}: {leaner.disk / GiB:.1f} GiB of Adam moments in "
+                 f"files, read and written once per step)")
+    return leaner.engine_cfg, (f"host RAM is short ({p.host_total / GiB:.1f} GiB needed, "
+                               f"{p.host_available / GiB:.1f} available): running "
+                               f"{'capacity mode with' if engine_cfg.capacity else 'in the lean full-precision mode'} "
+                               f"{said}, {leaner.host_total / leaner.params:.1f} host bytes per parameter instead of "
+                               f"{p.host_total / p.params:.1f} ({leaner.host_total / GiB:.1f} GiB)")
+
+
+# ---------------------------------------------------------------------------------------------- XLA's figures
+def exact_plan(model, estimate: MemoryPlan, *, given: EngineConfig, devices: int | None, disk_dir: str,
+               check: bool = True) -> tuple[MemoryPlan, str | None]:
+    """The plan with XLA's memory analysis of the run's compiled programs in place of the rules of thumb
+    (``megatrain_jax.engine.program_memory``; the first step then finds them compiled; ``model``: the abstract
+    model). Where that does not fit and ``check``, the layout is picked again from the ``given`` config with
+    XLA's figures (activations offloaded, gradients moved) and those programs planned; returns the plan and
+    what was picked again (None: the layout stands). Whether the result fits is the caller's to check. Needs
+    the GPU at hand."""
+    from megatrain_jax.engine.program_memory import program_memory
+    from megatrain_jax.engine.transfer import Placement, select_devices
+    e = estimate
+    placement = Placement(select_devices(devices))
+    measure = lambda cfg: program_memory(model, cfg, e.batch_rows, e.seq_len, packed=e.packed,  # noqa: E731
+                                         placement=placement)
+    exact = e.replace(programs=measure(e.engine_cfg))
+    if exact.fits or not check:
+        return exact, None
+    engine_cfg, said = lean_engine(e.model_cfg, given, e.batch_rows, e.seq_len, host_ram_bytes=e.host_available,
+                                   gpu_bytes=e.gpu_available, disk_dir=disk_dir, packed=e.packed, devices=e.devices,
+                                   programs=exact.programs)
+    if engine_cfg == e.engine_cfg:
+        return exact, None
+    again = e.replace(engine_cfg=engine_cfg, programs=exact.programs)
+    if not again.gpu_exact:  # the programs changed (kept residuals dropped): their own figures
+        again = again.replace(programs=measure(engine_cfg))
+    changed = ", ".join(f"engine.{f.name}={getattr(engine_cfg, f.name)}" for f in dataclasses.fields(engine_cfg)
+                        if getattr(engine_cfg, f.name) != getattr(e.engine_cfg, f.name))
+    return again, (f"with XLA's figures for the compiled programs the layout picked from the estimate needs "
+                   f"{exact.gpu_total / GiB:.1f} GiB of GPU memory and does not fit in {e.gpu_available / GiB:.1f} "
+                   f"(less a {GPU_FRAGMENTATION_MARGIN / GiB:.1f} GiB margin): picked again, {changed}"
+                   + (f" ({said})" if said else ""))

@@ -1,0 +1,153 @@
+"""What ``train`` runs (``plan.layout.resolve``): the engine config a run config becomes on a machine, the one decision
+``train``, ``plan`` and experiments/bench.py share.
+
+- every shipped config, as shipped and with the layout left to the plan, resolves on a few machines to the engine
+  the command line picked before the decision moved out of it (``EXPECTED``: computed by ``lean_engine`` at commit
+  db48629, where ``train`` and ``plan`` each held a copy);
+- the GPUs a run spreads over are counted in one place (``run_gpus``);
+- the engine config is the judge of which candidates combine (``legal``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from megatrain_jax.cli import load_config, main
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.models import preset
+from megatrain_jax.plan import GiB, Machine, gpu_fraction, options, plan, resolve, run_gpus
+from megatrain_jax.plan.layout import legal
+
+CONFIGS = Path(__file__).resolve().parents[1] / "experiments" / "configs"
+# The SFT configs name a Hugging Face checkpoint: planned here with the preset of the same shape.
+SFT = ["model.hf_checkpoint=none", "model.preset=llama3.1-8b"]
+VARIANTS = {
+    "": [],
+    "auto": ["engine.resident_layers=auto"],
+    "capacity": ["engine.master_dtype=bfloat16", "engine.resident_layers=0", "engine.resident_io=false",
+                 "engine.grads_on_gpu=0"],
+    "long": ["data.seq_len=32768", "data.batch_size=1", "engine.micro_batches=1"],
+}
+MACHINES = [(125, 80), (96, 80), (60, 80), (250, 141), (1000, 24)]  # (host GiB, GPU GiB)
+# (config, variant, host GiB, GPU GiB): the fields that differ from the config's engine; every other case runs
+# the config as given.
+EXPECTED = {
+    ("demo_tiny", "auto", 125, 80): {'resident_layers': 2},
+    ("demo_tiny", "auto", 96, 80): {'resident_layers': 2},
+    ("demo_tiny", "auto", 60, 80): {'resident_layers': 2},
+    ("demo_tiny", "auto", 250, 141): {'resident_layers': 2},
+    ("demo_tiny", "auto", 1000, 24): {'resident_layers': 2},
+    ("gh200_7b_32k", "auto", 125, 80): {'resident_layers': 17},
+    ("gh200_7b_32k", "auto", 96, 80): {'resident_layers': 17},
+    ("gh200_7b_32k", "auto", 60, 80): {'resident_layers': 17},
+    ("gh200_7b_32k", "auto", 250, 141): {'resident_layers': 32},
+    ("gh200_7b_32k", "auto", 1000, 24): {'resident_layers': 0},
+    ("gh200_7b_32k", "long", 1000, 24): {'offload_activations': 1},
+    ("h100_3p5b_32k", "", 1000, 24): {'kept_layers': 0},
+    ("h100_3p5b_32k", "auto", 125, 80): {'resident_layers': 9},
+    ("h100_3p5b_32k", "auto", 96, 80): {'resident_layers': 9},
+    ("h100_3p5b_32k", "auto", 60, 80): {'resident_layers': 9},
+    ("h100_3p5b_32k", "auto", 250, 141): {'resident_layers': 16},
+    ("h100_3p5b_32k", "auto", 1000, 24): {'resident_layers': 0, 'kept_layers': 0},
+    ("h100_3p5b_32k", "capacity", 1000, 24): {'kept_layers': 2},
+    ("h100_3p5b_32k", "long", 1000, 24): {'kept_layers': 0},
+    ("h100_3p5b_98k", "auto", 125, 80): {'resident_layers': 16},
+    ("h100_3p5b_98k", "auto", 96, 80): {'resident_layers': 16},
+    ("h100_3p5b_98k", "auto", 60, 80): {'resident_layers': 16},
+    ("h100_3p5b_98k", "auto", 250, 141): {'resident_layers': 16},
+    ("h100_3p5b_98k", "auto", 1000, 24): {'resident_layers': 0, 'offload_activations': 2},
+    ("h100_7b_32k", "", 96, 80): {'stream_dtype': 'float32', 'grads_on_gpu': 16},
+    ("h100_7b_32k", "", 1000, 24): {'kept_layers': 0},
+    ("h100_7b_32k", "auto", 125, 80): {'resident_layers': 10},
+    ("h100_7b_32k", "auto", 96, 80): {'resident_layers': 10},
+    ("h100_7b_32k", "auto", 60, 80): {'resident_layers': 10},
+    ("h100_7b_32k", "auto", 250, 141): {'resident_layers': 31},
+    ("h100_7b_32k", "auto", 1000, 24): {'resident_layers': 0, 'offload_activations': 3, 'kept_layers': 0},
+    ("h100_7b_32k", "capacity", 60, 80): {'grads_on_gpu': 25},
+    ("h100_7b_32k", "capacity", 1000, 24): {'kept_layers': 1},
+    ("h100_7b_32k", "long", 96, 80): {'stream_dtype': 'float32', 'grads_on_gpu': 16},
+    ("h100_7b_32k", "long", 1000, 24): {'kept_layers': 0},
+    ("h100_sft_8b", "auto", 125, 80): {'resident_layers': 11},
+    ("h100_sft_8b", "auto", 96, 80): {'resident_layers': 11},
+    ("h100_sft_8b", "auto", 60, 80): {'resident_layers': 11},
+    ("h100_sft_8b", "auto", 250, 141): {'resident_layers': 20},
+    ("h100_sft_8b", "auto", 1000, 24): {'resident_layers': 0},
+    ("h200_7b_32k", "auto", 125, 80): {'resident_layers': 18},
+    ("h200_7b_32k", "auto", 96, 80): {'resident_layers': 18},
+    ("h200_7b_32k", "auto", 60, 80): {'resident_layers': 18},
+    ("h200_7b_32k", "auto", 250, 141): {'resident_layers': 32},
+    ("h200_7b_32k", "auto", 1000, 24): {'resident_layers': 0, 'offload_activations': 2},
+    ("h200_7b_32k", "capacity", 60, 80): {'grads_on_gpu': 25},
+    ("h200_sft_8b", "auto", 125, 80): {'resident_layers': 11},
+    ("h200_sft_8b", "auto", 96, 80): {'resident_layers': 11},
+    ("h200_sft_8b", "auto", 60, 80): {'resident_layers': 11},
+    ("h200_sft_8b", "auto", 250, 141): {'resident_layers': 27},
+    ("h200_sft_8b", "auto", 1000, 24): {'resident_layers': 0},
+    ("h200_sft_8b", "capacity", 60, 80): {'grads_on_gpu': 33},
+    ("h200_sft_8b", "capacity", 1000, 24): {'offload_activations': 18},
+}
+
+
+def _resolved(path: Path, variant: str, host: int, gpu: int):
+    try:
+        cfg = load_config(str(path), (SFT if "sft" in path.name else []) + VARIANTS[variant])
+    except ValueError:  # a variant this config cannot take (capacity mode with float32 streaming)
+        return None, None
+    d = cfg.data
+    machine = Machine(host * GiB, int(gpu * GiB * gpu_fraction()), cfg.train.devices or 1, disk_bytes=1000 * GiB)
+    got = resolve(cfg.model.build(), cfg.engine, d.batch_size, d.seq_len, machine, packed=d.mode == "packed",
+                  disk_dir="runs/x/disk_tier")
+    return cfg.engine, got
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.stem)
+def test_every_shipped_config_resolves_to_the_engine_picked_before(path):
+    for variant in VARIANTS:
+        for host, gpu in MACHINES:
+            given, got = _resolved(path, variant, host, gpu)
+            if given is None:
+                continue
+            changed = {f.name: getattr(got.engine_cfg, f.name) for f in dataclasses.fields(given)
+                       if getattr(got.engine_cfg, f.name) != getattr(given, f.name)}
+            assert changed == EXPECTED.get((path.stem, variant, host, gpu), {}), (variant, host, gpu, got.said)
+            assert (got.said is None) == (not changed) or variant == "auto", (variant, host, gpu, got.said)
+
+
+def test_gpus_are_counted_in_one_place(monkeypatch, capsys):
+    """``train.devices`` where set, else the GPUs this process will see: ``train``, ``plan`` and the benchmark
+    all take ``Machine.here``, which counts with ``run_gpus``."""
+    from megatrain_jax.plan import machine
+    monkeypatch.setattr(machine, "visible_gpus", lambda: 4)
+    assert run_gpus(None) == 4 and run_gpus(2) == 2 and Machine.here(gpu_bytes=80 * GiB).gpus == 4
+    assert main(["plan", "model.preset=7b", "model.layers=4", "data.seq_len=2048", "data.batch_size=16",
+                 "--host-gib", "1000", "--gpu-gib", "80"]) == 0
+    assert "per GPU of 4" in capsys.readouterr().out
+
+
+def test_several_processes_run_the_config_as_given():
+    c, e = preset("7b", layers=4), EngineConfig(micro_batches=2)
+    several = Machine(8 * GiB, 8 * GiB, several_processes=True)  # short of both: one host would pick
+    assert resolve(c, e, 16, 2048, several).engine_cfg == e
+    with pytest.raises(ValueError, match="picked from one host's memory plan"):
+        resolve(c, dataclasses.replace(e, resident_layers="auto"), 16, 2048, several)
+
+
+def test_the_engine_config_judges_which_candidates_combine():
+    """No guard restates the config's rules: a candidate it refuses is not legal, and no option offers one."""
+    c = preset("7b", layers=8)
+    capacity = plan(c, EngineConfig(master_dtype="bfloat16"), 16, 2048, host_ram_bytes=1000 * GiB,
+                    gpu_bytes=40 * GiB, detect=False)
+    assert not legal(capacity, (("engine.resident_layers", 1),))  # capacity mode updates every part on the host
+    assert not legal(capacity, (("engine.stream_dtype", "float32"),))
+    assert legal(capacity, (("engine.moment_dtype", "q8"),))
+    full = capacity.replace(engine_cfg=EngineConfig(kept_layers=6))
+    assert not legal(full, (("engine.moment_dtype", "q8"),))  # 8-bit moments are part of capacity mode
+    assert not legal(full, (("engine.offload_activations", 3),))  # would meet the kept blocks
+    assert legal(full, (("engine.offload_activations", 2),))
+    short = capacity.replace(gpu_bytes=12 * GiB)
+    for option in options(short):
+        keys = dict(option.changes)
+        assert keys.get("engine.resident_layers", 0) == 0 and not keys.get("engine.resident_io"), option
