@@ -119,11 +119,11 @@ class Precision:
 FULL = Precision(
     name="full", title="full precision", master_dtype="float32", moment_dtype=None, masters="float32",
     moments="float32", q8_moments=False, stream_copy=True, host_grad_dtypes=("float32",), host_only=False,
-    needs_kernel=False, disk_tier=True, bundle=(("engine.master_dtype", "float32"),), kernel="adamw",
+    needs_kernel=False, disk_tier=True, bundle=(("engine.stream_dtype", "bfloat16"),), kernel="adamw",
     checkpoint="float32 masters and moments; the 16-bit stream copy is remade from the masters on restore")
 LEAN = dataclasses.replace(
     FULL, name="lean", title="the lean full-precision mode", stream_copy=False,
-    bundle=(("engine.master_dtype", "float32"), ("engine.stream_dtype", "float32")),
+    bundle=(("engine.stream_dtype", "float32"),),
     checkpoint="float32 masters and moments, as full precision's (the two resume each other's)")
 CAPACITY = Precision(
     name="capacity", title="capacity mode", master_dtype="bfloat16", moment_dtype=None, masters="bfloat16",
@@ -148,19 +148,28 @@ MOMENT_DTYPES = tuple(dict.fromkeys(mode.moment_dtype for mode in MODES.values()
 HOST_GRAD_DTYPES = tuple(dict.fromkeys(d for mode in MODES.values() for d in mode.host_grad_dtypes))
 
 
-def mode_of(cfg: EngineConfig, model_dtype: str = "bfloat16") -> Precision:
-    """The record of ``cfg``'s mode. ``model_dtype`` (the model's compute dtype) is what streams where
-    ``stream_dtype`` is unset: it tells full precision's two layouts apart, and nothing else."""
+def mode_of(cfg: EngineConfig, model_dtype: str = "bfloat16", stream_dtype: str | None = None) -> Precision:
+    """The record of ``cfg``'s mode. What streams (``stream_dtype``, else ``cfg.stream_dtype``, else the model's
+    compute dtype ``model_dtype``) tells full precision's two layouts apart, and nothing else."""
+    sixteen = (stream_dtype or cfg.stream_dtype or model_dtype) in SIXTEEN_BITS
     for mode in MODES.values():
         if (mode.master_dtype, mode.moment_dtype) == (cfg.master_dtype, cfg.moment_dtype) and (
-                mode.masters != "float32" or mode.stream_copy == ((cfg.stream_dtype or model_dtype) in SIXTEEN_BITS)):
+                mode.masters != "float32" or mode.stream_copy == sixteen):
             return mode
     raise ValueError(f"no precision mode has master_dtype={cfg.master_dtype!r} and moment_dtype={cfg.moment_dtype!r}")
 
 
-def streamed_dtype(cfg: EngineConfig, model_dtype: str) -> str:
-    """The dtype ``cfg``'s weights cross PCIe in, for a model computing in ``model_dtype``."""
-    return mode_of(cfg, model_dtype).to_gpu_dtype(cfg.stream_dtype, model_dtype)
+def in_mode(cfg: EngineConfig, mode: Precision) -> EngineConfig:
+    """``cfg`` switched to ``mode``: its dtypes (host gradients in the mode's default) and its ``bundle``."""
+    dtypes = dict(master_dtype=mode.master_dtype, moment_dtype=mode.moment_dtype,
+                  host_grad_dtype=mode.host_grad_dtypes[0])
+    return dataclasses.replace(cfg, **{**dtypes, **{key.removeprefix("engine."): value for key, value in mode.bundle}})
+
+
+def streamed_dtype(cfg: EngineConfig, model_dtype: str, stream_dtype: str | None = None) -> str:
+    """The dtype ``cfg``'s weights cross PCIe in, for a model computing in ``model_dtype`` (``stream_dtype``:
+    one that replaces ``cfg``'s)."""
+    return mode_of(cfg, model_dtype, stream_dtype).to_gpu_dtype(stream_dtype or cfg.stream_dtype, model_dtype)
 
 
 def check_precision(cfg: EngineConfig) -> None:
