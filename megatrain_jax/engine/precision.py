@@ -175,14 +175,16 @@ def streamed_dtype(cfg: EngineConfig, model_dtype: str, stream_dtype: str | None
 def check_precision(cfg: EngineConfig) -> None:
     """Raise ValueError saying what to set unless ``cfg``'s precision settings make one mode and the rest of
     ``cfg`` is what that mode can run with (``EngineConfig.__post_init__`` calls it)."""
+    either = lambda values: " or ".join(repr(v) for v in values)  # noqa: E731
     if cfg.master_dtype not in MASTER_DTYPES:
-        raise ValueError(f"EngineConfig.master_dtype must be 'float32' or 'bfloat16' (capacity mode), "
-                         f"got {cfg.master_dtype!r}")
+        first = {m.master_dtype: m.title for m in reversed(MODES.values())}  # the first mode of each
+        raise ValueError(f"EngineConfig.master_dtype must be {either(MASTER_DTYPES)} ("
+                         f"{'; '.join(f'{d}: {title}' for d, title in reversed(first.items()))}), got {cfg.master_dtype!r}")
     if cfg.moment_dtype is not None and cfg.moment_dtype not in MOMENT_DTYPES:
-        raise ValueError(f"EngineConfig.moment_dtype must be unset (the masters' dtype) or 'q8' (8-bit moments), "
-                         f"got {cfg.moment_dtype!r}")
+        raise ValueError(f"EngineConfig.moment_dtype must be unset (the masters' dtype) or {either(MOMENT_DTYPES)} "
+                         f"({', '.join(m.title for m in MODES.values() if m.moment_dtype)}), got {cfg.moment_dtype!r}")
     if cfg.host_grad_dtype not in HOST_GRAD_DTYPES:
-        raise ValueError(f"EngineConfig.host_grad_dtype must be 'float32' or 'bfloat16', got "
+        raise ValueError(f"EngineConfig.host_grad_dtype must be {either(HOST_GRAD_DTYPES)}, got "
                          f"{cfg.host_grad_dtype!r}")
     takes = {"moment_dtype": lambda m: m.moment_dtype == cfg.moment_dtype,
              "host_grad_dtype": lambda m: cfg.host_grad_dtype in m.host_grad_dtypes}
