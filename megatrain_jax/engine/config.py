@@ -36,10 +36,12 @@ class EngineConfig:
       the part's backward until its update copies the gradient home early in the next step (one part at a
       time, so host memory holds one such gradient). ``megatrain-jax train`` picks it when host RAM is short
       (``plan.lean_engine``).
-    - ``master_dtype="bfloat16"`` is capacity mode (opt-in): master weights and both Adam moments are
-      stored in bfloat16 and every update writes them with stochastic rounding (unbiased: the expected
-      stored value is the float32 result), 6 bytes per parameter instead of 12, and the masters are what
-      crosses PCIe (no separate stream copy). It needs ``megatrain_jax.adamw`` run by the fused host kernel,
+    - ``master_dtype``, ``moment_dtype`` (and ``stream_dtype``) choose a precision mode, whose record says
+      what it keeps in which dtype, what crosses PCIe and what it needs and excludes
+      (``megatrain_jax.engine.precision``; ``EngineConfig.precision``). ``master_dtype="bfloat16"`` is
+      capacity mode (opt-in): master weights and both Adam moments are stored in bfloat16 and every update
+      writes them with stochastic rounding (unbiased: the expected stored value is the float32 result), 6
+      bytes per parameter instead of 12, and the masters are what crosses PCIe (no separate stream copy). It needs ``megatrain_jax.adamw`` run by the fused host kernel,
       and updates every part on the host (no GPU-resident parts). Quality: docs/capacity.md.
     - ``moment_dtype="q8"`` (capacity mode only; opt-in): the Adam moments of every matrix (2+ dimensions,
       4,096+ elements) in 8 bits each, blockwise: a small float format per moment (m: sign + 4 exponent + 3
