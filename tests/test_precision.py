@@ -87,7 +87,7 @@ def _differences(mode: precision.Precision, cfg: EngineConfig, engine: Engine, t
         check("moment bytes", sum(mode.moments_of(x.shape) for x in leaves),
               _nbytes(held.opt.mu) + _nbytes(held.opt.nu))
         mu = jax.tree.leaves(held.opt.mu, is_leaf=lambda x: isinstance(x, Q8Moment))
-        check("8-bit moments", mode.q8_moments, any(isinstance(m, Q8Moment) for m in mu))
+        check("8-bit moments", mode.quantized, any(isinstance(m, Q8Moment) for m in mu))
         check("whole moments' dtype", {mode.moments}, {str(m.dtype) for m in mu if not isinstance(m, Q8Moment)})
         # the stream copy: 16-bit, or none (the masters cross PCIe themselves)
         check("stream copy", mode.stream_copy, held.stream is not None)
@@ -115,7 +115,7 @@ def test_the_record_is_what_the_engine_allocates(name):
     engine.close()
 
 
-@pytest.mark.parametrize("lie", [dict(moments="float32"), dict(stream_copy=True), dict(q8_moments=True),
+@pytest.mark.parametrize("lie", [dict(moments="float32"), dict(stream_copy=True), dict(moment_dtype="q8"),
                                  dict(masters="float32"), dict(host_grad_dtypes=("bfloat16",))])
 def test_a_record_that_lies_is_caught(lie):
     """The comparison can fail: capacity mode's record with one field changed does not match its engine."""

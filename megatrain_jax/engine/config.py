@@ -41,8 +41,9 @@ class EngineConfig:
       (``megatrain_jax.engine.precision``; ``EngineConfig.precision``). ``master_dtype="bfloat16"`` is
       capacity mode (opt-in): master weights and both Adam moments are stored in bfloat16 and every update
       writes them with stochastic rounding (unbiased: the expected stored value is the float32 result), 6
-      bytes per parameter instead of 12, and the masters are what crosses PCIe (no separate stream copy). It needs ``megatrain_jax.adamw`` run by the fused host kernel,
-      and updates every part on the host (no GPU-resident parts). Quality: docs/capacity.md.
+      bytes per parameter instead of 12, and the masters are what crosses PCIe (no separate stream copy). It
+      needs ``megatrain_jax.adamw`` run by the fused host kernel, and updates every part on the host (no
+      GPU-resident parts). Quality: docs/capacity.md.
     - ``moment_dtype="q8"`` (capacity mode only; opt-in): the Adam moments of every matrix (2+ dimensions,
       4,096+ elements) in 8 bits each, blockwise: a small float format per moment (m: sign + 4 exponent + 3
       mantissa bits; v: 5 + 3, unsigned), scaled by the largest value of each block of 256 elements of a row,
@@ -171,10 +172,10 @@ class EngineConfig:
     @property
     def q8(self) -> bool:
         """8-bit Adam moments (``moment_dtype="q8"``; capacity mode)."""
-        return self.precision.q8_moments
+        return self.moment_dtype == "q8"
 
     @property
     def capacity(self) -> bool:
         """Capacity mode: bfloat16 masters and moments, stochastically rounded (``master_dtype``), with or
         without 8-bit moments."""
-        return self.precision.masters == "bfloat16"
+        return self.precision.stochastic

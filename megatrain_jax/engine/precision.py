@@ -30,11 +30,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class Precision:
     """One precision mode. Bytes are per parameter; a role a mode lacks is 0.
 
-    - ``master_dtype``, ``moment_dtype``: the ``EngineConfig`` values that choose it (``mode_of``).
+    - ``master_dtype``, ``moment_dtype``: the ``EngineConfig`` values that choose it (``mode_of``). A
+      ``moment_dtype`` names a quantized format of the matrices' moments (``QUANTIZED``: ``q8``).
     - ``masters``: the masters' dtype on the host, which is also what streams unless ``stream_copy``.
-    - ``moments``: the dtype of Adam's m and v where a leaf keeps them whole (``moment_bytes`` for both);
-      ``q8_moments``: the moments of each matrix (``q8.q8_leaf``) are 8 bits with a float32 scale per block
-      of a row instead (``moments_of``).
+    - ``moments``: the dtype of Adam's m and v where a leaf keeps them whole (``moment_bytes`` for both):
+      every leaf, or those the quantized format leaves whole (``moments_of``).
     - ``stream_copy``: a 16-bit copy of the weights (2 B/param, pinned) is what crosses PCIe to the GPU,
       written by the update; else the masters themselves cross (pinned), and there is no copy.
     - ``host_grad_dtypes``: the dtypes gradients may come home in (``EngineConfig.host_grad_dtype``); the
@@ -57,7 +57,6 @@ class Precision:
     moment_dtype: str | None
     masters: str
     moments: str
-    q8_moments: bool
     stream_copy: bool
     host_grad_dtypes: tuple[str, ...]
     host_only: bool
@@ -78,6 +77,11 @@ class Precision:
         return 2 * DTYPE_BYTES[self.moments]
 
     @property
+    def quantized(self) -> bool:
+        """Whether the matrices' moments are in a quantized format (``moment_dtype``, ``QUANTIZED``)."""
+        return self.moment_dtype is not None
+
+    @property
     def stochastic(self) -> bool:
         """16-bit masters and moments are written with stochastic rounding (unbiased), float32 ones to nearest."""
         return self.masters != "float32"
@@ -94,12 +98,8 @@ class Precision:
 
     def moments_of(self, shape: tuple[int, ...]) -> int:
         """Host bytes of both Adam moments of one leaf of this shape."""
-        n = math.prod(shape)
-        if self.q8_moments:
-            from megatrain_jax.engine.update.q8 import q8_leaf, q8_scale_shape  # (imports JAX: only when asked)
-            if q8_leaf(shape):  # per moment: a byte per element and a float32 scale per block of a row
-                return 2 * (n + 4 * math.prod(q8_scale_shape(shape)))
-        return self.moment_bytes * n
+        quantized = QUANTIZED[self.moment_dtype](shape) if self.quantized else None
+        return self.moment_bytes * math.prod(shape) if quantized is None else quantized
 
     def bytes_per_param(self, host_grad_dtype: str | None = None, shape: tuple[int, ...] = (4096, 4096)
                         ) -> dict[str, float]:
@@ -116,9 +116,20 @@ class Precision:
         return other.masters == self.masters
 
 
+def _q8_bytes(shape: tuple[int, ...]) -> int | None:
+    """Both 8-bit moments of a matrix (``q8.q8_leaf``): per moment a byte per element and a float32 scale per
+    block of a row (``q8.q8_scale_shape``); None for the leaves that keep whole moments."""
+    from megatrain_jax.engine.update.q8 import q8_leaf, q8_scale_shape  # (imports JAX: only when asked)
+    return 2 * (math.prod(shape) + 4 * math.prod(q8_scale_shape(shape))) if q8_leaf(shape) else None
+
+
+# Each quantized moment format (a ``moment_dtype``): the host bytes of both moments of a leaf of a shape, or
+# None where the leaf keeps them whole. The host optimizer's zeros and kernel for it: ``host_optimizer``.
+QUANTIZED = {"q8": _q8_bytes}
+
 FULL = Precision(
     name="full", title="full precision", master_dtype="float32", moment_dtype=None, masters="float32",
-    moments="float32", q8_moments=False, stream_copy=True, host_grad_dtypes=("float32",), host_only=False,
+    moments="float32", stream_copy=True, host_grad_dtypes=("float32",), host_only=False,
     needs_kernel=False, disk_tier=True, bundle=(("engine.stream_dtype", "bfloat16"),), kernel="adamw",
     checkpoint="float32 masters and moments; the 16-bit stream copy is remade from the masters on restore")
 LEAN = dataclasses.replace(
@@ -127,14 +138,14 @@ LEAN = dataclasses.replace(
     checkpoint="float32 masters and moments, as full precision's (the two resume each other's)")
 CAPACITY = Precision(
     name="capacity", title="capacity mode", master_dtype="bfloat16", moment_dtype=None, masters="bfloat16",
-    moments="bfloat16", q8_moments=False, stream_copy=False, host_grad_dtypes=("float32", "bfloat16"),
+    moments="bfloat16", stream_copy=False, host_grad_dtypes=("float32", "bfloat16"),
     host_only=True, needs_kernel=True, disk_tier=True,
     bundle=(("engine.master_dtype", "bfloat16"), ("engine.stream_dtype", "bfloat16"),
             ("engine.resident_layers", 0), ("engine.resident_io", False)),
     kernel="adamw_sr",
     checkpoint="bfloat16 masters and moments; 8-bit moments of a q8 checkpoint are dequantized on restore")
 Q8 = dataclasses.replace(
-    CAPACITY, name="q8", title="capacity mode with 8-bit moments", moment_dtype="q8", q8_moments=True,
+    CAPACITY, name="q8", title="capacity mode with 8-bit moments", moment_dtype="q8",
     host_grad_dtypes=("bfloat16", "float32"), disk_tier=False,
     bundle=CAPACITY.bundle + (("engine.moment_dtype", "q8"), ("engine.host_grad_dtype", "bfloat16"),
                               ("engine.disk_parts", 0)),
@@ -153,8 +164,8 @@ def mode_of(cfg: EngineConfig, model_dtype: str = "bfloat16", stream_dtype: str 
     compute dtype ``model_dtype``) tells full precision's two layouts apart, and nothing else."""
     sixteen = (stream_dtype or cfg.stream_dtype or model_dtype) in SIXTEEN_BITS
     for mode in MODES.values():
-        if (mode.master_dtype, mode.moment_dtype) == (cfg.master_dtype, cfg.moment_dtype) and (
-                mode.masters != "float32" or mode.stream_copy == sixteen):
+        copy = sixteen and mode.master_bytes > 2  # a 16-bit stream beside wider masters is a copy of them
+        if (mode.master_dtype, mode.moment_dtype) == (cfg.master_dtype, cfg.moment_dtype) and mode.stream_copy == copy:
             return mode
     raise ValueError(f"no precision mode has master_dtype={cfg.master_dtype!r} and moment_dtype={cfg.moment_dtype!r}")
 
@@ -178,8 +189,9 @@ def check_precision(cfg: EngineConfig) -> None:
     either = lambda values: " or ".join(repr(v) for v in values)  # noqa: E731
     if cfg.master_dtype not in MASTER_DTYPES:
         first = {m.master_dtype: m.title for m in reversed(MODES.values())}  # the first mode of each
-        raise ValueError(f"EngineConfig.master_dtype must be {either(MASTER_DTYPES)} ("
-                         f"{'; '.join(f'{d}: {title}' for d, title in reversed(first.items()))}), got {cfg.master_dtype!r}")
+        modes = "; ".join(f"{d}: {title}" for d, title in reversed(first.items()))
+        raise ValueError(f"EngineConfig.master_dtype must be {either(MASTER_DTYPES)} ({modes}), "
+                         f"got {cfg.master_dtype!r}")
     if cfg.moment_dtype is not None and cfg.moment_dtype not in MOMENT_DTYPES:
         raise ValueError(f"EngineConfig.moment_dtype must be unset (the masters' dtype) or {either(MOMENT_DTYPES)} "
                          f"({', '.join(m.title for m in MODES.values() if m.moment_dtype)}), got {cfg.moment_dtype!r}")

@@ -90,7 +90,7 @@ def moment_bytes(cfg: DecoderConfig, e: EngineConfig, part: PartId) -> int:
     """Host bytes of a part's Adam moments m and v in ``e``'s mode (``Precision.moments_of``): leaf by leaf
     where the mode's depend on the shape (8-bit matrices), else so many bytes per parameter."""
     mode = e.precision
-    if mode.q8_moments:
+    if mode.quantized:
         return sum(mode.moments_of(shape) for shape in leaf_shapes(cfg, part))
     return mode.moment_bytes * part_param_count(cfg, part)
 

@@ -276,7 +276,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     tag = "; capacity mode" if e.capacity else ""
     moments = "Adam moments m and v, " + (
         f"8-bit with a float32 scale per {Q8_BLOCK} elements of a row for matrices, {mode.moments} for vectors "
-        f"({in_ram / P:.2f} B/param{tag})" if mode.q8_moments else f"{mode.moments} ({mb} B/param{tag})")
+        f"({in_ram / P:.2f} B/param{tag})" if mode.quantized else f"{mode.moments} ({mb} B/param{tag})")
     if on_disk:
         moments += f" of the {(P - on_disk) / 1e9:.2f} B params not in the disk tier"
     masters = f"master weights, {mode.masters}"

@@ -82,6 +82,9 @@ def q8_zeros(params: Params) -> Params:
     return jax.tree.map(zeros, params)
 
 
+QUANTIZED_ZEROS = {"q8": q8_zeros}  # a quantized moment format's zero moments (``precision.QUANTIZED``)
+
+
 def _pointers_writable(placement: Placement) -> bool:
     """Whether a write through a pinned-host array's buffer address is what the array then holds."""
     x = placement.copy_to_host(np.zeros((), np.float32))
@@ -162,7 +165,8 @@ class HostOptimizer:
             return Part(pinned(part.params), pinned(part.opt), stream)
         opt = part.opt
         moments = jnp.dtype(self.precision.moments)
-        zeros = q8_zeros if self.precision.q8_moments else (lambda params: pageable_zeros(params, moments))
+        zeros = QUANTIZED_ZEROS[self.precision.moment_dtype] if self.precision.quantized else (
+            lambda params: pageable_zeros(params, moments))
         mu = zeros(part.params) if opt.mu is None else pageable(opt.mu)
         nu = zeros(part.params) if opt.nu is None else pageable(opt.nu)
         params = pinned(part.params) if stream is None else pageable(part.params)  # pinned if streamed
