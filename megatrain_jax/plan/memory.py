@@ -27,10 +27,9 @@ from typing import Any
 from megatrain_jax._environment import limit_host_pool, physical_ram_bytes, visible_gpus
 from megatrain_jax.engine import precision
 from megatrain_jax.engine.config import EngineConfig
-from megatrain_jax.engine.precision import in_mode
-from megatrain_jax.engine.update.q8 import Q8_BLOCK
 from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import offloaded_blocks
+from megatrain_jax.engine.update.q8 import Q8_BLOCK
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.engine.parts import part_ids
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, GiB, activation_bytes, blocks_param_count,
@@ -203,7 +202,8 @@ class MemoryPlan:
         GPU-resident parts as configured), capacity mode (no GPU-resident parts) and capacity mode with 8-bit
         moments and bfloat16 gradients."""
         e = dataclasses.replace(self.engine_cfg, grads_on_gpu=0, disk_parts=0)
-        full, lean, capacity = (in_mode(e, mode) for mode in (precision.FULL, precision.LEAN, precision.CAPACITY))
+        full, lean, capacity, q8 = (precision.in_mode(e, precision.MODES[name])
+                                    for name in ("full", "lean", "capacity", "q8"))
         every = lambda cfg: len(host_roles(self.model_cfg, cfg).host_updated)  # noqa: E731
         modes = {
             "full precision, 16-bit stream copy, gradients in host memory": full,
@@ -213,7 +213,7 @@ class MemoryPlan:
             "capacity mode (bfloat16 masters and moments), gradients in host memory": capacity,
             "capacity mode, every gradient waiting on the GPU": dataclasses.replace(
                 capacity, grads_on_gpu=every(capacity)),
-            "capacity mode, 8-bit moments, bfloat16 gradients in host memory": in_mode(e, precision.Q8),
+            "capacity mode, 8-bit moments, bfloat16 gradients in host memory": q8,
         }
         if e.disk_dir:
             modes["full precision, float32 streamed, every non-resident block's moments in the disk tier"] = (
