@@ -212,7 +212,8 @@ def check_precision(cfg: EngineConfig) -> None:
     if not mode.stream_copy and cfg.stream_dtype not in (None, mode.masters):
         raise ValueError(f"{mode.title} (master_dtype={mode.master_dtype!r}) streams the {mode.masters} masters: "
                          f"leave stream_dtype unset or {mode.masters!r}, not {cfg.stream_dtype!r}")
-    if mode.host_only and (cfg.resident_layers not in (0, "auto") or cfg.resident_io):
+    from megatrain_jax.engine.config import AUTO  # (config imports this module: read once it is loaded)
+    if mode.host_only and (cfg.resident_layers not in (0, AUTO) or cfg.resident_io):
         raise ValueError(f"{mode.title} (master_dtype={mode.master_dtype!r}) updates every part on the host with "
                          f"stochastic rounding: set resident_layers = 0 and resident_io = false")
     if mode.needs_kernel and not cfg.host_kernel:
