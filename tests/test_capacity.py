@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from megatrain_jax import Decoder, Engine, EngineConfig, adamw, preset
+from megatrain_jax.engine import precision
 from megatrain_jax.engine.update import host_kernel
 from megatrain_jax.engine.update.host_optimizer import HostOptimizer, rounding_seed
 from megatrain_jax.contract.layered import block_params, io_params
@@ -35,7 +36,7 @@ def test_part_update_is_the_reference_bit_for_bit():
     """One part's update in capacity mode: every leaf equals ``adamw_sr_reference`` with the leaf's seed
     (step, part, leaf); matrices decay, vectors do not (megatrain_jax.adamw's mask)."""
     placement = Placement(jax.devices()[:1])
-    opt = HostOptimizer(TX(), placement, jnp.bfloat16, master_dtype=jnp.bfloat16)
+    opt = HostOptimizer(TX(), placement, jnp.bfloat16, precision=precision.CAPACITY)
     model = Decoder(TINY3, rngs=nnx.Rngs(0))
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), block_params(model)[1])
     part = opt.home(jax.jit(opt.fresh)(params))
@@ -180,7 +181,7 @@ def test_a_part_spread_over_two_devices_rounds_as_on_one_bit_for_bit():
     out = []
     for devices in (jax.devices()[:1], jax.devices()[:2]):
         placement = Placement(devices)
-        opt = HostOptimizer(TX(), placement, jnp.bfloat16, master_dtype=jnp.bfloat16)
+        opt = HostOptimizer(TX(), placement, jnp.bfloat16, precision=precision.CAPACITY)
         part = opt.home(placement.jit_into(opt.fresh)(params))
         assert len(placement.pieces(jax.tree.leaves(part.params)[0])) == len(devices)  # rows spread
         for _ in range(2):

@@ -15,6 +15,7 @@ from flax import nnx
 from megatrain_jax import Decoder, Engine, EngineConfig, adamw
 from megatrain_jax.contract.layered import block_params, io_params
 from megatrain_jax.engine.transfer import Placement, local_value
+from megatrain_jax.engine import precision
 from megatrain_jax.engine.update import host_kernel, q8
 from megatrain_jax.engine.update.q8 import q8_leaf
 from megatrain_jax.engine.update.host_optimizer import HostOptimizer, Q8Moment, rounding_seed
@@ -72,7 +73,7 @@ def test_part_update_is_the_reference_bit_for_bit(grad_dtype):
     """Every leaf of a block, over two steps: matrices through the 8-bit kernel, vectors through capacity
     mode's; float32 and bfloat16 gradients."""
     placement = Placement(jax.devices()[:1])
-    opt = HostOptimizer(TX(), placement, jnp.bfloat16, master_dtype=jnp.bfloat16, moment_dtype="q8")
+    opt = HostOptimizer(TX(), placement, jnp.bfloat16, precision=precision.Q8)
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), block_params(Decoder(TINY3, rngs=nnx.Rngs(0)))[1])
     part = opt.home(jax.jit(opt.fresh)(params))
     kinds = [isinstance(m, Q8Moment) for m in jax.tree.structure(params).flatten_up_to(part.opt.mu)]
@@ -103,7 +104,7 @@ def test_a_part_spread_over_two_devices_updates_as_on_one_bit_for_bit():
     out = []
     for devices in (jax.devices()[:1], jax.devices()[:2]):
         placement = Placement(devices)
-        opt = HostOptimizer(TX(), placement, jnp.bfloat16, master_dtype=jnp.bfloat16, moment_dtype="q8")
+        opt = HostOptimizer(TX(), placement, jnp.bfloat16, precision=precision.Q8)
         part = opt.home(placement.jit_into(opt.fresh)(params))
         assert len(placement.pieces(jax.tree.leaves(part.params)[0])) == len(devices)  # rows spread
         for _ in range(2):

@@ -1,5 +1,7 @@
 """The host state as checkpoint *parts*: ``io`` and one ``block_NNNNN`` per block (``PartId.name``), each
-holding that part's float32 master parameters and optimizer state as a nested dict of plain string keys.
+holding that part's master parameters and optimizer state as a nested dict of plain string keys, in the
+dtypes of the precision mode that wrote them (``Precision.checkpoint`` in ``megatrain_jax.engine.precision``
+says what each mode saves and which conversions a restore makes: ``moment_formats``).
 
 Parts are what the writer snapshots, writes and releases one at a time (so a save holds at most about one
 part of extra memory), and what a restore reads back one at a time. Names come from the pytree paths
@@ -18,6 +20,7 @@ import numpy as np
 
 from megatrain_jax.engine.host_state import HostState
 from megatrain_jax.engine.parts import PartId
+from megatrain_jax.engine.precision import MODES
 
 
 def _segment(key: Any) -> str:
@@ -133,9 +136,11 @@ def check_layout(expected: dict[str, dict], found: dict[str, dict], where: str) 
         dtypes = {(expected[p][leaf][1], found[p][leaf][1]) for p in expected.keys() & found.keys()
                   for leaf in expected[p].keys() & found[p].keys() if expected[p][leaf][1] != found[p][leaf][1]}
         hint = ""
-        if ("bfloat16", "float32") in dtypes or ("float32", "bfloat16") in dtypes:
-            hint = ("\n(float32 against bfloat16 state: the checkpoint was written with another "
-                    "engine.master_dtype; resume with the one it was written with)")
+        masters = {mode.masters: mode for mode in reversed(MODES.values())}  # the first mode of each dtype
+        clash = next(((masters[a], masters[b]) for a, b in sorted(dtypes) if a in masters and b in masters), None)
+        if clash is not None and not clash[0].resumes(clash[1]):
+            hint = (f"\n({clash[0].masters} against {clash[1].masters} state: the checkpoint was written with another "
+                    f"engine.master_dtype ({clash[1].title}); resume with the one it was written with)")
         raise ShapeMismatchError(f"checkpoint {where} does not fit this model and optimizer "
                                  f"({len(problems)} mismatches):\n  " + "\n  ".join(problems) + hint)
 

@@ -65,7 +65,7 @@ def jsonable(x: Any) -> Any:
 
 
 # Model config fields (a table's as ``table.field``) that a resume may change: how the model is computed or
-# bounded (the compute dtype: a checkpoint holds the float32 masters and optimizer state, and the 16-bit stream
+# bounded (the compute dtype: a checkpoint holds the masters and optimizer state, and the 16-bit stream
 # copies are made again from them; the attention kernel, the chunk sizes, max_positions and max_segments, which
 # only bound the batches), training choices (a mixture of experts' load-balancing loss weight and token
 # dropping), and what only exports read (the family's names, the special token ids). Every other field defines

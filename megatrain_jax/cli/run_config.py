@@ -34,6 +34,7 @@ from megatrain_jax.cli.toml_dataclass import (CHOICES, ConfigError, Where, _chec
 from megatrain_jax.data import DataConfig
 from megatrain_jax.data.batches import MODES
 from megatrain_jax.data.config import FORMATS
+from megatrain_jax.engine import precision
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.models.config import ATTENTION_IMPLS, DTYPES, ROPE_KINDS, DecoderConfig, RopeScaling, preset
 from megatrain_jax.optim import adamw
@@ -190,9 +191,9 @@ CHOICES.update({
     (DataConfig, "format"): FORMATS,
     (DataConfig, "too_long"): ("truncate", "skip"),
     (EngineConfig, "stream_dtype"): DTYPES,
-    (EngineConfig, "master_dtype"): ("float32", "bfloat16"),
-    (EngineConfig, "moment_dtype"): ("q8",),
-    (EngineConfig, "host_grad_dtype"): ("float32", "bfloat16"),
+    (EngineConfig, "master_dtype"): precision.MASTER_DTYPES,  # the precision modes' (engine/precision.py)
+    (EngineConfig, "moment_dtype"): precision.MOMENT_DTYPES,
+    (EngineConfig, "host_grad_dtype"): precision.HOST_GRAD_DTYPES,
     (DecoderConfig, "dtype"): DTYPES,
     (DecoderConfig, "attention_impl"): ATTENTION_IMPLS,
     (RopeScaling, "kind"): ROPE_KINDS,

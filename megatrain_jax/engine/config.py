@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from megatrain_jax.engine.precision import Precision, check_precision, mode_of
+
 # ``resident_layers = "auto"``: as many blocks as fit, picked by the memory plan (``plan.lean_engine``).
 AUTO = "auto"
 
@@ -34,11 +36,14 @@ class EngineConfig:
       the part's backward until its update copies the gradient home early in the next step (one part at a
       time, so host memory holds one such gradient). ``megatrain-jax train`` picks it when host RAM is short
       (``plan.lean_engine``).
-    - ``master_dtype="bfloat16"`` is capacity mode (opt-in): master weights and both Adam moments are
-      stored in bfloat16 and every update writes them with stochastic rounding (unbiased: the expected
-      stored value is the float32 result), 6 bytes per parameter instead of 12, and the masters are what
-      crosses PCIe (no separate stream copy). It needs ``megatrain_jax.adamw`` run by the fused host kernel,
-      and updates every part on the host (no GPU-resident parts). Quality: docs/capacity.md.
+    - ``master_dtype``, ``moment_dtype`` (and ``stream_dtype``) choose a precision mode, whose record says
+      what it keeps in which dtype, what crosses PCIe and what it needs and excludes
+      (``megatrain_jax.engine.precision``; ``EngineConfig.precision``). ``master_dtype="bfloat16"`` is
+      capacity mode (opt-in): master weights and both Adam moments are stored in bfloat16 and every update
+      writes them with stochastic rounding (unbiased: the expected stored value is the float32 result), 6
+      bytes per parameter instead of 12, and the masters are what crosses PCIe (no separate stream copy). It
+      needs ``megatrain_jax.adamw`` run by the fused host kernel, and updates every part on the host (no
+      GPU-resident parts). Quality: docs/capacity.md.
     - ``moment_dtype="q8"`` (capacity mode only; opt-in): the Adam moments of every matrix (2+ dimensions,
       4,096+ elements) in 8 bits each, blockwise: a small float format per moment (m: sign + 4 exponent + 3
       mantissa bits; v: 5 + 3, unsigned), scaled by the largest value of each block of 256 elements of a row,
@@ -123,38 +128,13 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kept_layers must be an integer >= 0, got {self.kept_layers!r}")
         if not isinstance(self.disk_parts, int) or self.disk_parts < 0:
             raise ValueError(f"EngineConfig.disk_parts must be an integer >= 0, got {self.disk_parts!r}")
+        check_precision(self)  # the precision settings make one mode, which can run the rest (the table's rules)
         if self.disk_parts and not self.disk_dir:
             raise ValueError(f"disk_parts={self.disk_parts} keeps moments in files: set disk_dir to a folder on "
-                             f"local disk (NVMe), with room for 8 bytes per parameter of those blocks")
+                             f"local disk (NVMe), with room for {self.precision.moment_bytes} bytes per "
+                             f"parameter of those blocks")
         if self.disk_parts and not self.host_kernel:
             raise ValueError("the disk tier (disk_parts) runs with the fused host kernel: leave host_kernel = true")
-        if self.master_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"EngineConfig.master_dtype must be 'float32' or 'bfloat16' (capacity mode), "
-                             f"got {self.master_dtype!r}")
-        if self.moment_dtype not in (None, "q8"):
-            raise ValueError(f"EngineConfig.moment_dtype must be unset (the masters' dtype) or 'q8' (8-bit moments), "
-                             f"got {self.moment_dtype!r}")
-        if self.host_grad_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"EngineConfig.host_grad_dtype must be 'float32' or 'bfloat16', got "
-                             f"{self.host_grad_dtype!r}")
-        for name, value, default in (("moment_dtype", self.moment_dtype, None),
-                                     ("host_grad_dtype", self.host_grad_dtype, "float32")):
-            if value != default and not self.capacity:
-                raise ValueError(f"engine.{name} = {value!r} is part of capacity mode: set master_dtype = "
-                                 f"'bfloat16' too, or leave {name} unset")
-        if self.moment_dtype == "q8" and self.disk_parts:
-            raise ValueError("the disk tier (disk_parts) holds bfloat16 or float32 moments, not 8-bit ones: set "
-                             "disk_parts = 0 or leave moment_dtype unset")
-        if self.capacity:
-            if self.stream_dtype not in (None, "bfloat16"):
-                raise ValueError(f"capacity mode (master_dtype='bfloat16') streams the bfloat16 masters: leave "
-                                 f"stream_dtype unset or 'bfloat16', not {self.stream_dtype!r}")
-            if self.resident_layers not in (0, AUTO) or self.resident_io:
-                raise ValueError("capacity mode (master_dtype='bfloat16') updates every part on the host with "
-                                 "stochastic rounding: set resident_layers = 0 and resident_io = false")
-            if not self.host_kernel:
-                raise ValueError("capacity mode (master_dtype='bfloat16') runs in the fused host kernel: "
-                                 "leave host_kernel = true")
 
     def check_layers(self, n_blocks: int) -> None:
         """Raise ValueError saying what to set unless the per-block counts fit a model of ``n_blocks`` blocks:
@@ -184,11 +164,18 @@ class EngineConfig:
                              f"{per}; use a batch size divisible by {self.micro_batches * max(devices, 1)}")
 
     @property
+    def precision(self) -> Precision:
+        """This config's precision mode (its record in ``engine.precision.MODES``), for a bfloat16 model where
+        ``stream_dtype`` is unset: ``mode_of(config, model_dtype)`` tells full precision's two layouts apart."""
+        return mode_of(self)
+
+    @property
     def q8(self) -> bool:
         """8-bit Adam moments (``moment_dtype="q8"``; capacity mode)."""
         return self.moment_dtype == "q8"
 
     @property
     def capacity(self) -> bool:
-        """Capacity mode: bfloat16 masters and moments, stochastically rounded (``master_dtype``)."""
-        return self.master_dtype == "bfloat16"
+        """Capacity mode: bfloat16 masters and moments, stochastically rounded (``master_dtype``), with or
+        without 8-bit moments."""
+        return self.precision.stochastic

@@ -29,6 +29,7 @@ from megatrain_jax.engine.host_state import initial_state
 from megatrain_jax.engine.parts import IO, HostRoles, Part, PartId
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, reported_late
 from megatrain_jax.engine.passes import Pass, PassRunner, device_batches
+from megatrain_jax.engine.precision import streamed_dtype
 from megatrain_jax.engine.schedule import eval_ops, step_ops
 from megatrain_jax.engine.transfer import Placement, local_value
 from megatrain_jax.engine.update.disk_tier import DiskTier
@@ -106,7 +107,7 @@ class Engine:
                              f"(micro_batches={config.micro_batches} x {placement.size} device(s)), so it would drop "
                              f"other tokens than the whole-batch model does. Use micro_batches = 1 on one device "
                              f"with a capacity factor, or leave capacity_factor unset (dropless)")
-        stream_dtype = jnp.dtype(config.stream_dtype or getattr(model.cfg, "dtype", "float32"))
+        stream_dtype = jnp.dtype(streamed_dtype(config, getattr(model.cfg, "dtype", "float32")))
         self._observers: list = []
         self.policy = UpdatePolicy(optimizer, self.placement, stream_dtype, config, self._observers)
         self.fns = device_fns(self.lm, self.placement)

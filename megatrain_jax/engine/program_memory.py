@@ -27,6 +27,7 @@ from flax import nnx
 from megatrain_jax.contract.layered import io_params, layered
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.device_fns import BLOCK_PROGRAMS, Shards, device_fns
+from megatrain_jax.engine.precision import streamed_dtype
 from megatrain_jax.engine.transfer import Placement
 
 # The op kind each program runs for (the plan's ledger charges a program's temp to that op kind).
@@ -89,12 +90,6 @@ class ProgramMemory:
                 "programs": [f.as_dict() for f in self.figures]}
 
 
-def streamed_dtype(model_dtype: str, config: EngineConfig) -> str:
-    """The dtype the weights cross PCIe in: capacity mode streams its bfloat16 masters, else the stream copy
-    (``stream_dtype``), else the model's compute dtype."""
-    return "bfloat16" if config.capacity else (config.stream_dtype or model_dtype)
-
-
 def program_memory(model: nnx.Module, config: EngineConfig, rows: int, seq_len: int, *, packed: bool = False,
                    placement: Placement | None = None) -> ProgramMemory:
     """Compile the per-part programs one optimizer step of ``config`` calls on batches of ``rows`` x
@@ -105,7 +100,7 @@ def program_memory(model: nnx.Module, config: EngineConfig, rows: int, seq_len: 
     config.check_rows(rows, len(placement.local_devices))
     lm = layered(model)
     fns = device_fns(lm, placement)
-    stream = jnp.dtype(streamed_dtype(getattr(model.cfg, "dtype", "float32"), config))
+    stream = jnp.dtype(streamed_dtype(config, getattr(model.cfg, "dtype", "float32")))
     M, D = config.micro_batches, placement.size
     micro = rows * placement.processes // M  # global rows of one micro-batch
     batch = lambda dtype: jax.ShapeDtypeStruct((micro, seq_len), dtype, sharding=placement.rows)  # noqa: E731

@@ -3,12 +3,11 @@ where (the bottom of ``megatrain_jax.plan``: it imports nothing else of the plan
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
 
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import HostRoles, PartId
-from megatrain_jax.engine.update.q8 import q8_leaf, q8_scale_shape
+from megatrain_jax.engine.precision import DTYPE_BYTES, Q8
 from megatrain_jax.models.config import DecoderConfig
 
 GiB = 1024**3
@@ -83,27 +82,20 @@ def leaf_shapes(cfg: DecoderConfig, part: PartId) -> list[tuple[int, ...]]:
 
 
 def q8_moment_bytes(cfg: DecoderConfig, part: PartId) -> int:
-    """Host bytes of a part's two Adam moments under ``moment_dtype="q8"``: per matrix (``q8_leaf``)
-    one byte per element and a float32 scale per block of a row (``q8_scale_shape``) for each moment, per
-    other leaf two bfloat16 moments (4 B/element)."""
-    total = 0
-    for shape in leaf_shapes(cfg, part):
-        if q8_leaf(shape):
-            total += 2 * (math.prod(shape) + 4 * math.prod(q8_scale_shape(shape)))
-        else:
-            total += 4 * math.prod(shape)
-    return total
+    """Host bytes of a part's two Adam moments under ``moment_dtype="q8"`` (``precision.Q8.moments_of``)."""
+    return sum(Q8.moments_of(shape) for shape in leaf_shapes(cfg, part))
 
 
 def moment_bytes(cfg: DecoderConfig, e: EngineConfig, part: PartId) -> int:
-    """Host bytes of a part's Adam moments m and v: float32 (8 B/param), bfloat16 in capacity mode (4), or
-    8-bit for its matrices (``q8_moment_bytes``)."""
-    if e.q8:
-        return q8_moment_bytes(cfg, part)
-    return (4 if e.capacity else 8) * part_param_count(cfg, part)
+    """Host bytes of a part's Adam moments m and v in ``e``'s mode (``Precision.moments_of``): leaf by leaf
+    where the mode's depend on the shape (8-bit matrices), else so many bytes per parameter."""
+    mode = e.precision
+    if mode.quantized:
+        return sum(mode.moments_of(shape) for shape in leaf_shapes(cfg, part))
+    return mode.moment_bytes * part_param_count(cfg, part)
 
 
 def host_grad_bytes(e: EngineConfig) -> int:
     """Bytes per parameter of a gradient that comes home to host memory for its update
     (``host_grad_dtype``; those that wait on the GPU come home in float32)."""
-    return 2 if e.host_grad_dtype == "bfloat16" else 4
+    return DTYPE_BYTES[e.host_grad_dtype]

@@ -25,9 +25,11 @@ import dataclasses
 from typing import Any
 
 from megatrain_jax._environment import limit_host_pool, physical_ram_bytes, visible_gpus
+from megatrain_jax.engine import precision
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import offloaded_blocks
+from megatrain_jax.engine.update.q8 import Q8_BLOCK
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.engine.parts import part_ids
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, GiB, activation_bytes, blocks_param_count,
@@ -200,19 +202,15 @@ class MemoryPlan:
         """Host bytes per parameter of this run in each mode: full precision (float32 masters and moments,
         GPU-resident parts as configured), capacity mode (no GPU-resident parts) and capacity mode with 8-bit
         moments and bfloat16 gradients."""
-        e = self.engine_cfg
-        full = dataclasses.replace(e, master_dtype="float32", moment_dtype=None, host_grad_dtype="float32",
-                                   stream_dtype=None, grads_on_gpu=0, disk_parts=0)
-        capacity = dataclasses.replace(full, master_dtype="bfloat16", resident_layers=0, resident_io=False)
-        q8 = dataclasses.replace(capacity, moment_dtype="q8", host_grad_dtype="bfloat16")
+        e = dataclasses.replace(self.engine_cfg, grads_on_gpu=0, disk_parts=0)
+        full, lean, capacity, q8 = (precision.in_mode(e, precision.MODES[name])
+                                    for name in ("full", "lean", "capacity", "q8"))
         every = lambda cfg: len(host_roles(self.model_cfg, cfg).host_updated)  # noqa: E731
         modes = {
-            "full precision, 16-bit stream copy, gradients in host memory": dataclasses.replace(
-                full, stream_dtype="bfloat16"),
-            "full precision, float32 streamed, gradients in host memory": dataclasses.replace(
-                full, stream_dtype="float32"),
+            "full precision, 16-bit stream copy, gradients in host memory": full,
+            "full precision, float32 streamed, gradients in host memory": lean,
             "full precision, float32 streamed, every host-updated gradient waiting on the GPU": dataclasses.replace(
-                full, stream_dtype="float32", grads_on_gpu=every(full)),
+                lean, grads_on_gpu=every(lean)),
             "capacity mode (bfloat16 masters and moments), gradients in host memory": capacity,
             "capacity mode, every gradient waiting on the GPU": dataclasses.replace(
                 capacity, grads_on_gpu=every(capacity)),
@@ -220,8 +218,8 @@ class MemoryPlan:
         }
         if e.disk_dir:
             modes["full precision, float32 streamed, every non-resident block's moments in the disk tier"] = (
-                dataclasses.replace(full, stream_dtype="float32", disk_parts=self.model_cfg.layers - e.resident_layers))
-        return {name: self.replace(engine_cfg=cfg, stream_dtype=cfg.stream_dtype or "bfloat16").host_total / self.params
+                dataclasses.replace(lean, disk_parts=self.model_cfg.layers - e.resident_layers))
+        return {name: self.replace(engine_cfg=cfg, stream_dtype=cfg.stream_dtype).host_total / self.params
                 for name, cfg in modes.items()}
 
 
@@ -262,7 +260,8 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         gpu_bytes = available_gpu_bytes() if gpu_bytes is None else gpu_bytes
         disk_bytes = available_disk_bytes(e.disk_dir) if disk_bytes is None else disk_bytes
     roles = host_roles(c, e)  # raises where grads_on_gpu or disk_parts ask for more parts than there are
-    stream_dtype = "bfloat16" if e.capacity else (stream_dtype or e.stream_dtype or c.dtype)
+    mode = precision.mode_of(e, c.dtype, stream_dtype)  # what the host keeps, in which dtype (engine/precision.py)
+    stream_dtype = mode.to_gpu_dtype(stream_dtype or e.stream_dtype, c.dtype)
     sb = stream_bytes(stream_dtype)
     P = c.param_count()
     on_host_grads = P - blocks_param_count(c, range(e.resident_layers)) - (io_param_count(c) if e.resident_io else 0)
@@ -272,33 +271,35 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     # memory; it runs with float32 or bfloat16 streaming, where a C++ compiler exists (else the engine warns).
     fused = e.host_kernel and stream_dtype in ("float32", "bfloat16")
     pinned, pageable = {}, {}
-    mb = 4 if e.capacity else 8  # bytes of Adam moments per parameter, but for 8-bit moments (not on disk)
+    mb = mode.moment_bytes  # bytes of Adam moments per parameter, but for 8-bit moments (not on disk)
     on_disk = sum(part_param_count(c, part) for part in roles.disk)  # params whose moments live in files
     in_ram = sum(moment_bytes(c, e, part) for part in part_ids(c.layers) if part not in roles.disk)
+    tag = "; capacity mode" if e.capacity else ""
     moments = "Adam moments m and v, " + (
-        f"8-bit with a float32 scale per 256 elements of a row for matrices, bfloat16 for vectors "
-        f"({in_ram / P:.2f} B/param; capacity mode)" if e.q8 else
-        "bfloat16 (4 B/param; capacity mode)" if e.capacity else "float32 (8 B/param)")
+        f"8-bit with a float32 scale per {Q8_BLOCK} elements of a row for matrices, {mode.moments} for vectors "
+        f"({in_ram / P:.2f} B/param{tag})" if mode.quantized else f"{mode.moments} ({mb} B/param{tag})")
     if on_disk:
         moments += f" of the {(P - on_disk) / 1e9:.2f} B params not in the disk tier"
-    if e.capacity:  # bfloat16 masters (streamed themselves) and moments, stochastically rounded
-        pinned["master weights, bfloat16, streamed (2 B/param; capacity mode)"] = 2 * P
+    masters = f"master weights, {mode.masters}"
+    if mode.needs_kernel:  # the fused kernel: the masters (streamed themselves) pinned, the moments pageable
+        pinned[f"{masters}, streamed ({mode.master_bytes} B/param{tag})"] = mode.master_bytes * P
         pageable[moments] = in_ram
-    else:
-        (pageable if fused and sb == 2 else pinned)["master weights, float32 (4 B/param)"] = 4 * P
+    else:  # only the fused kernel's own arrays are pageable: not the masters where they are streamed
+        (pageable if fused and mode.stream_copy else pinned)[f"{masters} ({mode.master_bytes} B/param)"] = (
+            mode.master_bytes * P)
         (pageable if fused else pinned)[moments] = in_ram
     if on_disk:  # the one updating, two read ahead, one being written behind
         pageable[f"disk tier: moments of up to {min(4, e.disk_parts)} blocks in memory (updating, read ahead, "
                  f"written behind)"] = mb * layer_param_count(c) * min(4, e.disk_parts)
-    if sb == 2 and not e.capacity:
-        pinned["16-bit stream copy of the weights (2 B/param)"] = 2 * P
+    if mode.stream_copy:
+        pinned[f"16-bit stream copy of the weights ({mode.to_gpu_bytes} B/param)"] = mode.to_gpu_bytes * P
     # The gradients of the host-updated parts (in ``host_grad_dtype``), but for those waiting on the GPU: of
     # these, one part's at a time comes home in float32, when its update runs.
     gb = host_grad_bytes(e)
     grads = gb * (on_host_grads - sum(waiting)) + 4 * max(waiting, default=0)
     # Building the state, each of up to 4 parts at once passes its masters through pinned memory on its way
     # to pageable memory; the gradients later reuse that room.
-    build = 4 * 4 * max(layer_param_count(c), io_param_count(c)) if fused and sb == 2 and not e.capacity else 0
+    build = 4 * 4 * max(layer_param_count(c), io_param_count(c)) if fused and mode.stream_copy else 0
     what = f"{gb} B/param of the {(on_host_grads - sum(waiting)) / 1e9:.2f} B host-updated params"
     if waiting:
         what += f", and one of the {len(waiting)} parts whose gradients wait on the GPU, in float32"

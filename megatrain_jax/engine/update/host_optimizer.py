@@ -16,6 +16,9 @@ part structure when the engine is built:
   back to pinned host memory. It costs PCIe traffic (about 16 bytes per parameter each way for Adam-like
   state) but runs anything the reference trainer runs.
 
+The precision mode (``megatrain_jax.engine.precision``: its record is handed in) says what is kept in
+which dtype and which kernel entry point runs (``KERNELS``).
+
 **Capacity mode** (``EngineConfig.master_dtype="bfloat16"``) is the fused route with bfloat16 masters and
 moments: the kernel updates them in float32 arithmetic and writes each back with stochastic rounding, from
 random bits that depend only on the step, the part, the leaf and the element's index (so a run is
@@ -47,12 +50,17 @@ import optax
 
 from megatrain_jax.contract.layered import Params
 from megatrain_jax.engine.parts import Part
+from megatrain_jax.engine.precision import FULL, LEAN, SIXTEEN_BITS, Kernel, Precision
 from megatrain_jax.engine.transfer import Placement, local_value, pageable_zeros
 from megatrain_jax.engine.update import host_kernel, q8
 from megatrain_jax.engine.update.resident import apply_scaled_update, stream_copy
 from megatrain_jax.optim import AdamWState, fused_spec
 
 Route = Literal["fused", "host", "device"]
+
+# A mode's fused entry point (``Precision.kernel``); an 8-bit moment's leaf (``Q8Moment``) runs ``_run_q8``.
+KERNELS: dict[Kernel, Any] = {"adamw": host_kernel.adamw_inplace, "adamw_sr": host_kernel.adamw_sr_inplace,
+                              "adamw_q8": host_kernel.adamw_sr_inplace}
 
 
 @jax.tree_util.register_dataclass
@@ -74,6 +82,9 @@ def q8_zeros(params: Params) -> Params:
     return jax.tree.map(zeros, params)
 
 
+QUANTIZED_ZEROS = {"q8": q8_zeros}  # a quantized moment format's zero moments (``precision.QUANTIZED``)
+
+
 def _pointers_writable(placement: Placement) -> bool:
     """Whether a write through a pinned-host array's buffer address is what the array then holds."""
     x = placement.copy_to_host(np.zeros((), np.float32))
@@ -86,16 +97,16 @@ class HostOptimizer:
     """Init and update of one part's optimizer state, all in pinned host memory."""
 
     def __init__(self, tx: optax.GradientTransformation, placement: Placement, stream_dtype: Any | None,
-                 use_kernel: bool = True, master_dtype: Any = jnp.float32, moment_dtype: str | None = None):
+                 use_kernel: bool = True, precision: Precision | None = None):
+        """``stream_dtype``: what the weights cross PCIe in; ``precision``: the mode's record (the engine's
+        ``precision.mode_of``), by default full precision with a 16-bit ``stream_dtype``, else lean."""
         self.tx = tx
         self.placement = placement
-        self.master_dtype = jnp.dtype(master_dtype)
-        self.capacity = self.master_dtype == jnp.bfloat16  # the bfloat16 masters are streamed themselves
-        self.q8 = moment_dtype == "q8"
-        if self.q8 and not self.capacity:
-            raise ValueError("8-bit moments (moment_dtype='q8') are part of capacity mode: master_dtype='bfloat16'")
-        self.stream_dtype = (None if self.capacity or stream_dtype in (None, jnp.float32)
-                             else jnp.dtype(stream_dtype))
+        sixteen = stream_dtype is not None and jnp.dtype(stream_dtype).name in SIXTEEN_BITS
+        self.precision = precision or (FULL if sixteen else LEAN)
+        self.master_dtype = jnp.dtype(self.precision.masters)
+        # the 16-bit copy the weights cross PCIe in, written by the update; None: the masters are streamed
+        self.stream_dtype = jnp.dtype(stream_dtype) if self.precision.stream_copy and sixteen else None
         # Donating host buffers lets XLA update in place on the GPU client; the CPU client cannot use it.
         donate = (0, 1, 2) if placement.on_gpu else ()
         self._host_update = placement.jit_into(self._update_fn, "pinned_host", donate)
@@ -109,12 +120,12 @@ class HostOptimizer:
             if self.kernel is not None and not _pointers_writable(placement):
                 warnings.warn("pinned-host buffers are not writable in place here; using the JAX host optimizer")
                 self.kernel = None
-        if self.capacity and self.kernel is None:
+        if self.precision.needs_kernel and self.kernel is None:
             why = ("the optimizer is not megatrain_jax.adamw" if self.spec is None else
                    "the C++ host kernel is unavailable here (no compiler, the build failed, or pinned buffers are "
                    "not writable in place)")
-            raise ValueError(f"capacity mode (master_dtype='bfloat16') runs megatrain_jax.adamw in the fused host "
-                             f"kernel, and {why}; use master_dtype='float32'")
+            raise ValueError(f"{self.precision.title} (master_dtype={self.precision.master_dtype!r}) runs "
+                             f"megatrain_jax.adamw in the fused host kernel, and {why}; use master_dtype='float32'")
 
     @property
     def fused(self) -> bool:
@@ -134,8 +145,8 @@ class HostOptimizer:
         opt = self.tx.init(params)
         if self.fused:
             opt = AdamWState(opt.count, None, None)
-        if self.capacity:  # the initial masters rounded to nearest; from then on, stochastically
-            params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+        if self.master_dtype != jnp.float32:  # the initial masters rounded to nearest; from then on, stochastically
+            params = jax.tree.map(lambda x: x.astype(self.master_dtype), params)
         return Part(params, opt, stream_copy(params, self.stream_dtype))
 
     def home(self, part: Part, adopt: bool = False) -> Part:
@@ -153,8 +164,9 @@ class HostOptimizer:
         if not self.fused:
             return Part(pinned(part.params), pinned(part.opt), stream)
         opt = part.opt
-        moments = self.master_dtype  # float32, or bfloat16 in capacity mode
-        zeros = q8_zeros if self.q8 else (lambda params: pageable_zeros(params, moments))
+        moments = jnp.dtype(self.precision.moments)
+        zeros = QUANTIZED_ZEROS[self.precision.moment_dtype] if self.precision.quantized else (
+            lambda params: pageable_zeros(params, moments))
         mu = zeros(part.params) if opt.mu is None else pageable(opt.mu)
         nu = zeros(part.params) if opt.nu is None else pageable(opt.nu)
         params = pinned(part.params) if stream is None else pageable(part.params)  # pinned if streamed
@@ -193,14 +205,15 @@ class HostOptimizer:
 
     def update(self, part: Part, grads: Params, scale: jax.Array, salt: int = 0) -> Part:
         """The whole update: the new part, all in host memory. The fused route writes the masters, the
-        moments and the stream copy in place. ``salt`` (the part's index) keys capacity mode's rounding bits."""
+        moments and the stream copy in place. ``salt`` (the part's index) keys stochastic rounding's bits."""
         route = self.route(part)
         if route == "fused":
             t = self._next_count(part.opt)
-            if self.capacity:
-                self._run_kernel(host_kernel.adamw_sr_inplace, part, grads, None, float(scale), t, salt=salt)
+            kernel = KERNELS[self.precision.kernel]
+            if self.precision.stochastic:
+                self._run_kernel(kernel, part, grads, None, float(scale), t, salt=salt)
             else:
-                self._run_kernel(host_kernel.adamw_inplace, part, grads, part.stream, float(scale), t)
+                self._run_kernel(kernel, part, grads, part.stream, float(scale), t)
             return Part(part.params, self._counted(part.opt, t), part.stream)
         update = self._host_update if route == "host" else self._device_update
         return Part(*update(part.params, part.opt, grads, self.placement.to_host(scale)))
@@ -284,7 +297,7 @@ class HostOptimizer:
 
 
 def rounding_seed(step: int, part: int, leaf: int) -> int:
-    """The 32-bit key of capacity mode's rounding bits for one leaf's update at optimizer step ``step``."""
+    """The 32-bit key of stochastic rounding's bits for one leaf's update at optimizer step ``step``."""
     return (step * 0x9E3779B1 ^ part * 0x85EBCA77 ^ leaf * 0xC2B2AE3D) & 0xFFFFFFFF
 
 

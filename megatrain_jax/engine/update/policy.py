@@ -44,6 +44,7 @@ from megatrain_jax.contract.layered import Params
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.host_state import HostState
 from megatrain_jax.engine.parts import Part, PartId
+from megatrain_jax.engine.precision import mode_of
 from megatrain_jax.engine.transfer import Placement, local_value
 from megatrain_jax.engine.update.host_optimizer import HostOptimizer
 from megatrain_jax.engine.update.resident import DeviceUpdater
@@ -128,8 +129,8 @@ class UpdatePolicy:
     def __init__(self, tx: optax.GradientTransformation, placement: Placement, stream_dtype: Any,
                  config: EngineConfig, observers: Sequence = ()):
         self.placement = placement
-        self.opt = HostOptimizer(tx, placement, stream_dtype, use_kernel=config.host_kernel,
-                                 master_dtype=config.master_dtype, moment_dtype=config.moment_dtype)
+        precision = mode_of(config, jnp.dtype(stream_dtype).name)  # the mode's record: what the host keeps
+        self.opt = HostOptimizer(tx, placement, stream_dtype, use_kernel=config.host_kernel, precision=precision)
         self.device = DeviceUpdater(tx, placement, self.opt.stream_dtype)
         self.worker = HostUpdater(observers)
         self.max_nonfinite = config.max_nonfinite_steps
