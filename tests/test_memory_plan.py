@@ -578,8 +578,8 @@ def test_eight_bit_moments_are_picked_only_where_capacity_mode_does_not_fit():
     assert not any(plan(EIGHT_B, dataclasses.replace(e, grads_on_gpu=n), 16, 2048, **kw).fits for n in range(34))
     picked, why = lean_engine(EIGHT_B, e, 16, 2048, **kw)
     assert picked == q8_cfg and plan(EIGHT_B, picked, 16, 2048, **kw).fits
-    assert ("running capacity mode with 8-bit Adam moments and bfloat16 gradients in host memory "
-            "(engine.moment_dtype=q8 engine.host_grad_dtype=bfloat16; quality: docs/capacity.md)") in why
+    assert ("running capacity mode with 8-bit moments: bfloat16 masters, 8-bit Adam moments and bfloat16 gradients "
+            "in host memory, stochastically rounded (engine.moment_dtype=q8 engine.host_grad_dtype=bfloat16; quality: docs/capacity.md)") in why
     # with a disk folder, where the disk tier would fit too: 8-bit moments first (no disk traffic per step)
     with_disk = dataclasses.replace(e, disk_dir="/nonexistent/tier")
     picked, _ = lean_engine(EIGHT_B, with_disk, 16, 2048, disk_bytes=10_000 * GiB, **kw)
@@ -595,7 +595,8 @@ def test_eight_bit_moments_are_picked_only_where_capacity_mode_does_not_fit():
     option = next(o for o in options(full) if ("engine.moment_dtype", "q8") in o.changes)
     assert {("engine.master_dtype", "bfloat16"), ("engine.host_grad_dtype", "bfloat16")} <= set(option.changes)
     assert full.applied(option.changes).fits and option.why.startswith(
-        "capacity mode with 8-bit Adam moments and bfloat16 gradients in host memory (about 4.0 B/param")
+        "capacity mode with 8-bit moments: bfloat16 masters, 8-bit Adam moments and bfloat16 gradients in host "
+        "memory, stochastically rounded (about 4.0 B/param of masters and moments instead of 12.0")
     auto = dataclasses.replace(q8_cfg, resident_layers="auto")
     assert most_resident(EIGHT_B, auto, 16, 2048, **kw)[0].resident_layers == 0  # every part updates on the host
 

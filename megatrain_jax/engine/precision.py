@@ -47,6 +47,7 @@ class Precision:
       ``megatrain_adamw``, which also writes the stream copy), ``adamw_sr`` (``megatrain_adamw_bf16_sr``:
       16-bit masters and moments written with stochastic rounding, keyed by ``host_optimizer.rounding_seed``),
       ``adamw_q8`` (``megatrain_adamw_q8`` for the 8-bit matrices, ``adamw_sr`` for the rest).
+    - ``summary``: what the mode keeps, in the words the plan's advice and ``train``'s sentences use.
     - ``checkpoint``: what a checkpoint holds (the stream copy never: a restore remakes it) and what converts;
       ``resumes`` says which modes' checkpoints this one resumes.
     """
@@ -64,6 +65,7 @@ class Precision:
     disk_tier: bool
     bundle: tuple[tuple[str, Any], ...]
     kernel: Kernel
+    summary: str
     checkpoint: str
 
     # ------------------------------------------------------------------ bytes
@@ -131,10 +133,12 @@ FULL = Precision(
     name="full", title="full precision", master_dtype="float32", moment_dtype=None, masters="float32",
     moments="float32", stream_copy=True, host_grad_dtypes=("float32",), host_only=False,
     needs_kernel=False, disk_tier=True, bundle=(("engine.stream_dtype", "bfloat16"),), kernel="adamw",
+    summary="float32 masters and Adam moments, a 16-bit copy of the weights streamed",
     checkpoint="float32 masters and moments; the 16-bit stream copy is remade from the masters on restore")
 LEAN = dataclasses.replace(
     FULL, name="lean", title="the lean full-precision mode", stream_copy=False,
     bundle=(("engine.stream_dtype", "float32"),),
+    summary="float32 masters and Adam moments, the masters streamed (no 16-bit copy)",
     checkpoint="float32 masters and moments, as full precision's (the two resume each other's)")
 CAPACITY = Precision(
     name="capacity", title="capacity mode", master_dtype="bfloat16", moment_dtype=None, masters="bfloat16",
@@ -143,6 +147,7 @@ CAPACITY = Precision(
     bundle=(("engine.master_dtype", "bfloat16"), ("engine.stream_dtype", "bfloat16"),
             ("engine.resident_layers", 0), ("engine.resident_io", False)),
     kernel="adamw_sr",
+    summary="bfloat16 masters and Adam moments, stochastically rounded (no 16-bit copy)",
     checkpoint="bfloat16 masters and moments; 8-bit moments of a q8 checkpoint are dequantized on restore")
 Q8 = dataclasses.replace(
     CAPACITY, name="q8", title="capacity mode with 8-bit moments", moment_dtype="q8",
@@ -150,6 +155,7 @@ Q8 = dataclasses.replace(
     bundle=CAPACITY.bundle + (("engine.moment_dtype", "q8"), ("engine.host_grad_dtype", "bfloat16"),
                               ("engine.disk_parts", 0)),
     kernel="adamw_q8",
+    summary="bfloat16 masters, 8-bit Adam moments and bfloat16 gradients in host memory, stochastically rounded",
     checkpoint="bfloat16 masters, 8-bit moments (codes and scales) for matrices; a capacity-mode "
                "checkpoint's bfloat16 moments are quantized on restore")
 
@@ -170,11 +176,35 @@ def mode_of(cfg: EngineConfig, model_dtype: str = "bfloat16", stream_dtype: str 
     raise ValueError(f"no precision mode has master_dtype={cfg.master_dtype!r} and moment_dtype={cfg.moment_dtype!r}")
 
 
+def switch(cfg: EngineConfig, mode: Precision, stream_dtype: str | None = None) -> tuple[tuple[str, Any], ...]:
+    """The ``engine.*`` changes that put ``cfg`` in ``mode`` (its dtypes, host gradients in the mode's default,
+    and its ``bundle``), leaving out what ``cfg`` has already; ``stream_dtype``: what ``cfg`` streams where it
+    leaves ``stream_dtype`` unset (the model's compute dtype)."""
+    now = {**{f"engine.{f.name}": getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
+           "engine.stream_dtype": cfg.stream_dtype or stream_dtype}
+    to = {"engine.master_dtype": mode.master_dtype, "engine.moment_dtype": mode.moment_dtype,
+          "engine.host_grad_dtype": mode.host_grad_dtypes[0], **dict(mode.bundle)}
+    return tuple((key, value) for key, value in to.items() if now[key] != value)
+
+
+def lower(mode: Precision) -> list[Precision]:
+    """The modes that store less than ``mode`` (later in ``MODES`` with other stored dtypes), in order: what the
+    memory plan may offer a run that does not fit. Full precision's two layouts differ only in what
+    streams, which the plan offers apart (its stream lever)."""
+    order = list(MODES.values())
+    return [m for m in order[order.index(mode) + 1:] if m not in layouts(mode) + [mode]]
+
+
+def layouts(mode: Precision) -> list[Precision]:
+    """The other modes that store what ``mode`` stores and differ only in what crosses PCIe (full
+    precision's stream copy or its streamed masters)."""
+    stored = lambda m: (m.masters, m.moments, m.moment_dtype)  # noqa: E731
+    return [m for m in MODES.values() if m is not mode and stored(m) == stored(mode)]
+
+
 def in_mode(cfg: EngineConfig, mode: Precision) -> EngineConfig:
-    """``cfg`` switched to ``mode``: its dtypes (host gradients in the mode's default) and its ``bundle``."""
-    dtypes = dict(master_dtype=mode.master_dtype, moment_dtype=mode.moment_dtype,
-                  host_grad_dtype=mode.host_grad_dtypes[0])
-    return dataclasses.replace(cfg, **{**dtypes, **{key.removeprefix("engine."): value for key, value in mode.bundle}})
+    """``cfg`` switched to ``mode`` (``switch``)."""
+    return dataclasses.replace(cfg, **{key.removeprefix("engine."): value for key, value in switch(cfg, mode)})
 
 
 def streamed_dtype(cfg: EngineConfig, model_dtype: str, stream_dtype: str | None = None) -> str:

@@ -167,8 +167,9 @@ class Walk:
         self.on_gpu |= {PartId.block(i) for i in range(e.resident_layers)}
         self.waiting = set(host_roles(c, e).grads_on_gpu)
         resident_params = blocks_param_count(c, range(e.resident_layers)) + (self.Pio if e.resident_io else 0)
-        # fp32 master + Adam moments + the compute copy (a second fp32 copy when float32 is streamed)
-        self.resident = resident_params * (12 + self.sb) // self.devices
+        # master + Adam moments in the mode's dtypes (engine/precision.py) + the compute copy
+        held = e.precision.master_bytes + e.precision.moment_bytes
+        self.resident = resident_params * (held + self.sb) // self.devices
         waiting_params = sum(part_param_count(c, part) for part in self.waiting)
         self.slack = int(4 * (RESIDENT_ALLOCATOR_SLACK * resident_params + WAITING_ALLOCATOR_SLACK * waiting_params)
                          / self.devices)  # of their float32 gradients

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from megatrain_jax.engine import precision
 from megatrain_jax.engine.config import AUTO, EngineConfig
 from megatrain_jax.engine.parts import HostRoles
 from megatrain_jax.engine.schedule import offloaded_blocks
@@ -258,7 +259,7 @@ def lean(p: MemoryPlan) -> Changes | None:
     """Full precision in less host RAM, for a run that does not fit the host: the float32 masters are
     streamed (no 16-bit host copy), and if that is not enough, the fewest parts' gradients wait on the
     GPU; with ``LEAN_HOST_MARGIN`` of the host left over where possible. In capacity mode, where that does
-    not fit even without the margin: 8-bit moments and bfloat16 gradients (``_leanest_q8``), so that the
+    not fit even without the margin: 8-bit moments and bfloat16 gradients (``_leanest_lower``), so that the
     lower precision is picked only where capacity mode's own does not fit. Then (with a ``disk_dir``) the
     fewest blocks' moments in the disk tier: last, because it reads and writes their moments every step
     (at 70B, hundreds of GB per step through the disk), where 8-bit moments cost no time. The changes, or
@@ -267,7 +268,7 @@ def lean(p: MemoryPlan) -> Changes | None:
         return None
     plans = [p] if p.host_available is None else [
         p.replace(host_ram_bytes=int(p.host_available * (1 - LEAN_HOST_MARGIN))), p]
-    for leanest in (lambda q: _leanest(q, disk=False), _leanest_q8, _leanest):
+    for leanest in (lambda q: _leanest(q, disk=False), _leanest_lower, _leanest):
         for q in plans:
             changes = leanest(q)
             if changes is not None:
@@ -276,8 +277,10 @@ def lean(p: MemoryPlan) -> Changes | None:
 
 
 def _leanest(p: MemoryPlan, disk: bool = True) -> Changes | None:
-    float32 = (("engine.stream_dtype", "float32"),)
-    stream = float32 if p.stream_dtype != "float32" and legal(p, float32) else ()
+    # the masters streamed instead of a 16-bit copy of them, where the mode has that layout and the config takes it
+    masters = [precision.switch(p.engine_cfg, m, p.stream_dtype) for m in precision.layouts(p.mode)
+               if not m.stream_copy]
+    stream = masters[0] if masters and legal(p, masters[0]) else ()
     streamed = p.applied(stream)
     if streamed.host_fits:
         return stream if streamed.fits else None
@@ -292,15 +295,17 @@ def _leanest(p: MemoryPlan, disk: bool = True) -> Changes | None:
     return None
 
 
-def _leanest_q8(p: MemoryPlan) -> Changes | None:
-    """8-bit moments and bfloat16 gradients in host memory, and if that is not enough the fewest parts'
-    gradients on the GPU (``_leanest``); None where the config does not take them (outside capacity mode:
-    opt-in), where the moments are 8-bit already, or where even this does not fit."""
-    q8 = (("engine.moment_dtype", "q8"), ("engine.host_grad_dtype", "bfloat16"))
-    if p.engine_cfg.q8 or not legal(p, q8):
+def _leanest_lower(p: MemoryPlan) -> Changes | None:
+    """The next mode below ``p``'s that keeps its masters' dtype (capacity mode's: 8-bit moments and bfloat16
+    gradients in host memory), and if that is not enough the fewest parts' gradients on the GPU
+    (``_leanest``); None where there is none (below full precision the masters change: opt-in), the config
+    does not take it, or even this does not fit."""
+    lower = [m for m in precision.lower(p.mode) if m.masters == p.mode.masters]
+    changes = precision.switch(p.engine_cfg, lower[0], p.stream_dtype) if lower else None
+    if changes is None or not legal(p, changes):
         return None
-    changes = _leanest(p.applied(q8))
-    return None if changes is None else q8 + changes
+    rest = _leanest(p.applied(changes))
+    return None if rest is None else changes + rest
 
 
 def _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, *, host_ram_bytes, gpu_bytes, disk_dir=None,
@@ -319,14 +324,14 @@ def _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, *, host_ram_bytes, gp
     if not leaner.engine_cfg.disk_parts:  # the disk folder is the config's only where the tier is used
         leaner = leaner.replace(engine_cfg=dataclasses.replace(leaner.engine_cfg, disk_dir=given.disk_dir))
     said = " ".join(f"{k}={v}" for k, v in changes)
-    if leaner.engine_cfg.q8 and not engine_cfg.q8:
-        said = f"8-bit Adam moments and bfloat16 gradients in host memory ({said}; quality: docs/capacity.md)"
+    mode = leaner.mode
+    if mode is not p.mode and mode.stochastic:
+        said = f"{mode.summary} ({said}; quality: docs/capacity.md)"
     if leaner.engine_cfg.disk_parts:
         said += (f" (engine.disk_dir={leaner.engine_cfg.disk_dir}: {leaner.disk / GiB:.1f} GiB of Adam moments in "
                  f"files, read and written once per step)")
     return leaner.engine_cfg, (f"host RAM is short ({p.host_total / GiB:.1f} GiB needed, "
-                               f"{p.host_available / GiB:.1f} available): running "
-                               f"{'capacity mode with' if engine_cfg.capacity else 'in the lean full-precision mode'} "
+                               f"{p.host_available / GiB:.1f} available): running {mode.title}: "
                                f"{said}, {leaner.host_total / leaner.params:.1f} host bytes per parameter instead of "
                                f"{p.host_total / p.params:.1f} ({leaner.host_total / GiB:.1f} GiB)")
 

@@ -19,7 +19,8 @@ from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import part_ids
 from megatrain_jax.engine.schedule import offloaded_blocks
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
-from megatrain_jax.plan.counts import GiB, activation_bytes, host_roles, layer_param_count, q8_moment_bytes
+from megatrain_jax.engine import precision
+from megatrain_jax.plan.counts import GiB, activation_bytes, host_grad_bytes, host_roles, layer_param_count, leaf_shapes
 from megatrain_jax.plan.machine import HOST_POOL_FRACTION, gpu_fraction
 from megatrain_jax.plan.memory import MemoryPlan, MemoryPlanError
 from megatrain_jax.plan.layout import Changes, fewest, fits, legal, offload_counts
@@ -48,6 +49,25 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _stored_per_param(c, mode: precision.Precision) -> float:
+    """Host bytes per parameter of ``mode``'s masters and moments for the model ``c`` (8-bit moments are
+    counted leaf by leaf: only called when an option's words are asked for)."""
+    moments = sum(mode.moments_of(shape) for part in part_ids(c.layers) for shape in leaf_shapes(c, part))
+    return mode.master_bytes + moments / c.param_count()
+
+
+def _stream_words(mode: precision.Precision, other: precision.Precision) -> str:
+    """What switching from ``mode`` to ``other``, which streams otherwise, changes."""
+    copy = other.bytes_per_param()["stream_copy"] - mode.bytes_per_param()["stream_copy"]
+    pcie = other.to_gpu_bytes / mode.to_gpu_bytes
+    if copy < 0:
+        return (f"stream the {other.masters} masters: no 16-bit host copy ({-copy} B/param less host RAM), {pcie:g}x "
+                f"the bytes per layer over PCIe (hidden behind compute from about 16K tokens per layer visit on an "
+                f"H100)")
+    return (f"stream {other.to_gpu_bytes * 8}-bit weights: {pcie:g}x the PCIe bytes (faster); the host keeps a "
+            f"16-bit copy (+{copy} B/param)")
+
+
 def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
     """Each lever: its name, candidate changes fastest first (those the engine config takes), and the words
     for a chosen change."""
@@ -62,18 +82,16 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
            lambda ch: (f"{ch[0][1]} GPU-resident blocks instead of {e.resident_layers}: " +
                        ("fewer blocks update on the GPU, so the next forward may wait on the host optimizer "
                         "(slower)" if ch[0][1] < e.resident_layers else
-                        "their gradients stay on the GPU (4 B/param less host RAM) and they update there "
-                        "(faster)")))
+                        f"their gradients stay on the GPU ({host_grad_bytes(e)} B/param less host RAM) and they "
+                        f"update there (faster)")))
     yield ("resident_io", takes([(("engine.resident_io", not e.resident_io),)]),
            lambda ch: "io part (embedding, head) " + ("kept on the GPU (faster)" if ch[0][1] else
                                                       "streamed instead of GPU-resident (slower first block)"))
-    other = "float32" if p.stream_dtype in ("bfloat16", "float16") else "bfloat16"
-    yield ("stream", takes([(("engine.stream_dtype", other),)]),
-           lambda ch: ("stream the float32 masters: no 16-bit host copy (2 B/param less host RAM), twice the "
-                       "bytes per layer over PCIe (hidden behind compute from about 16K tokens per layer visit "
-                       "on an H100)") if other == "float32" else
-           ("stream bfloat16 weights: half the PCIe bytes (faster); the host keeps a 16-bit copy (+2 B/param)"))
-    gib = lambda n: n * layer_param_count(c) * (4 if e.capacity else 8) / GiB  # noqa: E731
+    mode = p.mode
+    for other in precision.layouts(mode):  # full precision's other host layout: what crosses PCIe
+        yield ("stream", takes([precision.switch(e, other, p.stream_dtype)]),
+               lambda ch, other=other: _stream_words(mode, other))
+    gib = lambda n: n * layer_param_count(c) * mode.moment_bytes / GiB  # noqa: E731
     yield ("disk", takes((("engine.disk_parts", n),) for n in range(1, c.layers + 1) if n != e.disk_parts),
            lambda ch: (f"the Adam moments of the last {ch[0][1]} blocks in files under {e.disk_dir} "
                        f"({gib(ch[0][1]):.1f} GiB, read and written once per step: slower unless the disk "
@@ -81,29 +99,16 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
     n_host = len(host_roles(c, e).host_updated)
     yield ("grads_on_gpu", [(("engine.grads_on_gpu", n),) for n in range(1, n_host + 1) if n != e.grads_on_gpu],
            lambda ch: (f"the float32 gradients of {ch[0][1]} parts wait on the GPU for the global norm instead of "
-                       f"in host memory (4 B/param less host RAM for them, as much more GPU memory); each "
-                       f"comes home when its update runs"))
-    to = {"engine.master_dtype": "bfloat16", "engine.stream_dtype": "bfloat16", "engine.resident_layers": 0,
-          "engine.resident_io": False}
-    now = {"engine.master_dtype": e.master_dtype, "engine.stream_dtype": p.stream_dtype,
-           "engine.resident_layers": e.resident_layers, "engine.resident_io": e.resident_io,
-           "engine.disk_parts": e.disk_parts}
-    switch = lambda changes: tuple((k, v) for k, v in changes.items() if now.get(k) != v)  # noqa: E731
+                       f"in host memory ({host_grad_bytes(e)} B/param less host RAM for them, 4 B/param more GPU "
+                       f"memory); each comes home when its update runs"))
     on_host = "; every part updates on the host" if e.resident_layers or e.resident_io else ""
-    if not e.capacity:
-        yield ("capacity", takes([switch(to)]),
-               lambda ch: ("capacity mode: bfloat16 masters and Adam moments, stochastically rounded (6 B/param "
-                           "instead of 12, no 16-bit copy; quality: docs/capacity.md)" + on_host))
-    if not e.q8:  # below capacity mode's precision: its moments in 8 bits, all in memory
-        q8 = switch({**to, "engine.moment_dtype": "q8", "engine.host_grad_dtype": "bfloat16", "engine.disk_parts": 0})
-        # the moments' bytes are counted leaf by leaf only when the words are asked for (the searches call
-        # _levers again for every candidate they try)
-        moments = lambda: sum(q8_moment_bytes(c, part) for part in part_ids(c.layers)) / c.param_count()  # noqa: E731
-        yield ("q8", takes([q8]),
-               lambda ch: (f"capacity mode with 8-bit Adam moments and bfloat16 gradients in host memory (about "
-                           f"{2 + moments():.1f} B/param of masters and moments + 2 B/param of gradients; "
-                           f"stochastically rounded, quality: docs/capacity.md)" + on_host +
-                           ("; no disk tier" if e.disk_parts else "")))
+    for lower in precision.lower(mode):  # the modes that store less, each with what comes with it
+        yield (lower.name, takes([precision.switch(e, lower, p.stream_dtype)]),
+               lambda ch, lower=lower: (
+                   f"{lower.title}: {lower.summary} (about {_stored_per_param(c, lower):.1f} B/param of masters "
+                   f"and moments instead of {_stored_per_param(c, mode):.1f}, + "
+                   f"{lower.bytes_per_param()['host_grads']} B/param of gradients; quality: docs/capacity.md)"
+                   + on_host + ("; no disk tier" if e.disk_parts and not lower.disk_tier else "")))
     if e.keep_residuals and kept_bytes(c, e, 1, 1, assumes_flash(c)):
         yield ("keep", [(("engine.keep_residuals", False),)],
                lambda ch: ("attention is recomputed in the backward instead of kept from the forward: one "
@@ -173,8 +178,8 @@ def options(p: MemoryPlan, given: EngineConfig | None = None) -> list[Option]:
         ch = _first_fit(p, candidates)
         if ch is not None:
             out.append((name, Option(ch, words(ch))))
-    if all(name in ("capacity", "q8") for name, _ in out):  # nothing at full precision yet: pairs of levers
-        levers = [lever for lever in levers if lever[0] not in ("capacity", "q8")]
+    if all(name in precision.MODES for name, _ in out):  # nothing in this run's precision yet: pairs of levers
+        levers = [lever for lever in levers if lever[0] not in precision.MODES]
         for i, (_, first, words1) in enumerate(levers):
             for name2, _, _ in levers[i + 1:]:
                 for ch1 in first[:6]:

@@ -75,6 +75,11 @@ class MemoryPlan:
         return -(-self.host_pinned // self.devices)
 
     @property
+    def mode(self) -> precision.Precision:
+        """The precision mode this plan's engine runs in (engine/precision.py)."""
+        return precision.mode_of(self.engine_cfg, self.model_cfg.dtype, self.stream_dtype)
+
+    @property
     def params(self) -> int:
         return self.model_cfg.param_count()
 
