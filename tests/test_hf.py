@@ -468,7 +468,7 @@ def _longrope_config(rope_theta, max_position_embeddings=131072, attention_facto
 
 @pytest.mark.parametrize("change, attention, short, long", LONGROPE_HF)
 def test_longrope_frequencies_and_attention_factor_match_transformers(change, attention, short, long):
-    from megatrain_jax.models.layers import rope_frequencies, rope_inv_freq
+    from megatrain_jax.models.rope import rope_frequencies, rope_inv_freq
     cfg = config_from_hf(_longrope_config(**change))
     s = cfg.rope_scaling
     assert (cfg.rotary_dim, s.kind, s.original_max_position) == (96, "longrope", 4096)
@@ -489,7 +489,7 @@ def test_live_longrope_matches_transformers(change):
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from megatrain_jax.models.layers import rope_inv_freq
+    from megatrain_jax.models.rope import rope_inv_freq
     config = _longrope_config(**change)
     hf = transformers.Phi3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
     cfg = config_from_hf(config)
@@ -634,7 +634,7 @@ def test_single_file_symlinked_out_of_the_folder_is_refused(fixture_copy, tmp_pa
     {"rope_type": "yarn", "attention_factor": 1.2, "original_max_position_embeddings": 8192},  # no factor
 ])
 def test_linear_and_yarn_rope_scaling_read_and_written_as_transformers_does(rope):
-    from megatrain_jax.hf.config import rope_to_hf
+    from megatrain_jax.families.hf_json import rope_to_hf
     base = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 32768, "rope_theta": 10000.0, "rope_scaling": rope}
