@@ -22,14 +22,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from megatrain_jax.families import FAMILIES
 from megatrain_jax.hf import (Checkpoint, CheckpointMismatch, SafetensorsError, UnsupportedConfig,
                               config_from_hf, config_to_hf, load_hf, load_hf_into, read_safetensors, save_hf,
                               write_safetensors)
 from megatrain_jax.models import Decoder, preset
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-NAMES = ["llama", "llama_tied_rope3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3",
-         "phi3_longrope", "olmo2", "gemma3_text", "glm4_moe", "deepseek_v3", "deepseek_v3_noqlora", "gpt_oss"]
+# each registered family's fixture (tests/test_families.py: what a new family must pass), and variants of some
+NAMES = [family.model_type for family in FAMILIES.values()] + ["llama_tied_rope3", "phi3_longrope", "deepseek_v3_noqlora"]
 HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
