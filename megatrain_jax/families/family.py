@@ -20,11 +20,10 @@ class UnsupportedConfig(ValueError):
     """The checkpoint uses a model type or feature our decoder does not implement."""
 
 
-# The architecture features an export checks (``Family.features``): every family's value unless its record says
-# otherwise. ``EITHER``: its HF class takes either value, by config.
+# The DecoderConfig values an architecture fixes (``Family.features``), as most families have them (Llama's); a
+# family's record gives its own where they differ, or ``EITHER`` where its config.json decides. The fixed ones are
+# read back from config.json as they are, and an export refuses any other ("moe.*": fields of the MoEConfig).
 EITHER = "either"
-# Read back from config.json as the architecture fixes them (where not ``EITHER``). "moe.*" are fields of its
-# MoEConfig.
 FEATURES: Mapping[str, Any] = {
     "qkv_bias": False, "o_bias": False, "qk_norm": False, "qk_norm_width": "head", "norm_placement": "pre",
     "norm_unit_offset": False, "scale_embeddings": False, "mlp_activation": "silu", "attention_sinks": False,
