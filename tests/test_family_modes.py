@@ -25,6 +25,7 @@ pytest.importorskip("jinja2")
 import jax  # noqa: E402
 
 from megatrain_jax import EngineConfig  # noqa: E402
+from megatrain_jax.families import FAMILIES as REGISTRY  # noqa: E402
 from megatrain_jax.hf import load_hf_into, read_config  # noqa: E402
 from test_engine import run_both, train_reference  # noqa: E402
 from test_instruct import CONVERSATION, small_vocab_tokenizer, write_jsonl  # noqa: E402
@@ -32,8 +33,7 @@ from test_mesh import ADAMW, devices  # noqa: E402 (ADAMW: the fused kernel's op
 from test_remat import cudnn_stand_in  # noqa: E402, F401 (a fixture)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "phi3", "olmo2",
-            "gemma3_text", "glm4_moe", "deepseek_v3", "gpt_oss"]
+FAMILIES = [family.model_type for family in REGISTRY.values()]  # each registered family's fixture
 STEPS, ACCUMULATE, ROWS, SEQ = 3, 2, 4, 32
 
 

@@ -26,7 +26,8 @@ from megatrain_jax import EngineConfig, adamw
 from megatrain_jax.hf import Checkpoint, UnsupportedConfig, config_from_hf, config_to_hf, load_hf, read_safetensors, save_hf
 from megatrain_jax.hf.mxfp4 import dequantize_mxfp4
 from megatrain_jax.models import MoEConfig, preset
-from megatrain_jax.models.layers import rope_inv_freq, sink_attention
+from megatrain_jax.models.layers import sink_attention
+from megatrain_jax.models.rope import rope_inv_freq
 from test_deepseek_v3 import assert_counts_equal_the_model
 from test_engine import run_both
 from test_hf import FIXTURES, logits_of, model_from, rel_err

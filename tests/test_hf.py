@@ -22,14 +22,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from megatrain_jax.families import FAMILIES
 from megatrain_jax.hf import (Checkpoint, CheckpointMismatch, SafetensorsError, UnsupportedConfig,
                               config_from_hf, config_to_hf, load_hf, load_hf_into, read_safetensors, save_hf,
                               write_safetensors)
 from megatrain_jax.models import Decoder, preset
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-NAMES = ["llama", "llama_tied_rope3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "phi3",
-         "phi3_longrope", "olmo2", "gemma3_text", "glm4_moe", "deepseek_v3", "deepseek_v3_noqlora", "gpt_oss"]
+# each registered family's fixture (tests/test_families.py: what a new family must pass), and variants of some
+NAMES = [family.model_type for family in FAMILIES.values()] + ["llama_tied_rope3", "phi3_longrope", "deepseek_v3_noqlora"]
 HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
@@ -468,7 +469,7 @@ def _longrope_config(rope_theta, max_position_embeddings=131072, attention_facto
 
 @pytest.mark.parametrize("change, attention, short, long", LONGROPE_HF)
 def test_longrope_frequencies_and_attention_factor_match_transformers(change, attention, short, long):
-    from megatrain_jax.models.layers import rope_frequencies, rope_inv_freq
+    from megatrain_jax.models.rope import rope_frequencies, rope_inv_freq
     cfg = config_from_hf(_longrope_config(**change))
     s = cfg.rope_scaling
     assert (cfg.rotary_dim, s.kind, s.original_max_position) == (96, "longrope", 4096)
@@ -489,7 +490,7 @@ def test_live_longrope_matches_transformers(change):
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from megatrain_jax.models.layers import rope_inv_freq
+    from megatrain_jax.models.rope import rope_inv_freq
     config = _longrope_config(**change)
     hf = transformers.Phi3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
     cfg = config_from_hf(config)
@@ -634,7 +635,7 @@ def test_single_file_symlinked_out_of_the_folder_is_refused(fixture_copy, tmp_pa
     {"rope_type": "yarn", "attention_factor": 1.2, "original_max_position_embeddings": 8192},  # no factor
 ])
 def test_linear_and_yarn_rope_scaling_read_and_written_as_transformers_does(rope):
-    from megatrain_jax.hf.config import rope_to_hf
+    from megatrain_jax.families.hf_json import rope_to_hf
     base = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 32768, "rope_theta": 10000.0, "rope_scaling": rope}

@@ -16,7 +16,7 @@ from flax import nnx
 from megatrain_jax import Batch, Engine, EngineConfig, from_hf, to_hf
 from megatrain_jax.cli.convert import convert
 from megatrain_jax.hf import UnsupportedConfig, config_from_hf, config_to_hf, read_config
-from megatrain_jax.hf import mapping
+from megatrain_jax.hf import load_hf, save_hf
 from megatrain_jax.hf.safetensors_io import SafetensorsFile
 from megatrain_jax.models import Decoder, preset
 from test_hf import FIXTURES, logits_of, rel_err
@@ -103,8 +103,8 @@ def test_ids_missing_from_config_json_come_from_generation_config(tmp_path):
 
 def test_every_export_route_writes_generation_config(tmp_path):
     """save_hf without a tokenizer folder, and convert from a checkpoint of ours, write the ids."""
-    cfg, io, blocks = mapping.load_hf(FIXTURES / "llama", dtype="float32")
-    mapping.save_hf(tmp_path / "plain", cfg, io, blocks)
+    cfg, io, blocks = load_hf(FIXTURES / "llama", dtype="float32")
+    save_hf(tmp_path / "plain", cfg, io, blocks)
     generation = json.loads((tmp_path / "plain" / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, 2)
     convert(FIXTURES / "llama", tmp_path / "model.npz")

@@ -35,6 +35,7 @@ def test_the_import_contracts_hold():
 @pytest.mark.parametrize("module,line,broken", [
     ("contract/layered.py", "from megatrain_jax.engine.parts import PartId", "contract/ never imports the engine"),
     ("models/layers.py", "from megatrain_jax.plan.counts import GiB", "Models import only the contract"),
+    ("families/olmo2.py", "from megatrain_jax.models.config import DecoderConfig", "The family records import nothing"),
     ("engine/passes.py", "from megatrain_jax.data import DataConfig", "The engine never imports"),
     ("plan/levers.py", "from megatrain_jax.cli import main", "The memory plan never imports the command line"),
     ("fit.py", "import experiments.bench", "Nothing in the package imports the experiments"),

@@ -25,7 +25,7 @@ from megatrain_jax.plan import (LEAN_HOST_MARGIN, GiB, MemoryPlanError, advice, 
 from megatrain_jax.plan.gpu_ledger import QUEUED_BLOCKS, RESIDENT_ALLOCATOR_SLACK, WAITING_ALLOCATOR_SLACK
 from megatrain_jax.plan.machine import GPU_FRAGMENTATION_MARGIN, pinned_pool_bytes
 from megatrain_jax.models import Decoder
-from megatrain_jax.models.config import PRESETS, preset
+from megatrain_jax.models import PRESETS, preset
 from megatrain_jax.engine.schedule import max_resident_layers, step_ops
 
 REPO = Path(__file__).resolve().parents[1]

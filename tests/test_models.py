@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from megatrain_jax.models import PRESETS, Decoder, DecoderConfig, RopeScaling, preset
-from megatrain_jax.models.layers import apply_rope, rope_inv_freq
+from megatrain_jax.models.rope import apply_rope, rope_inv_freq
 
 HI = jax.lax.Precision.HIGHEST
 

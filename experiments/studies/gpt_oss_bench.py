@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(EXPERIMENTS))
 from child import median_seconds, results_header  # noqa: E402
 
 from megatrain_jax.models import layers  # noqa: E402
-from megatrain_jax.models.config import preset  # noqa: E402
+from megatrain_jax.models import preset  # noqa: E402
 from megatrain_jax.models.moe import MoE, grouped_matmul  # noqa: E402
 
 

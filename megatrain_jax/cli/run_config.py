@@ -36,7 +36,9 @@ from megatrain_jax.data.batches import MODES
 from megatrain_jax.data.config import FORMATS
 from megatrain_jax.engine import precision
 from megatrain_jax.engine.config import EngineConfig
-from megatrain_jax.models.config import ATTENTION_IMPLS, DTYPES, ROPE_KINDS, DecoderConfig, RopeScaling, preset
+from megatrain_jax.models.config import ATTENTION_IMPLS, DTYPES, DecoderConfig, RopeScaling
+from megatrain_jax.models.presets import preset
+from megatrain_jax.models.sublayers import ROPE_KINDS
 from megatrain_jax.optim import adamw
 from megatrain_jax.train_config import TrainConfig, check_path
 

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints: read and write Llama / Mistral / Qwen2 / Qwen3 safetensors without torch.
+"""Hugging Face checkpoints: read and write every family's safetensors (``megatrain_jax.families``) without torch.
 
 ``from_hf`` gives a Decoder from a folder in one call (each tensor read once); ``to_hf`` writes one back.
 ``load_hf`` gives ``(cfg, io_params, [block_params])`` as float32 numpy trees, part by part;
@@ -8,8 +8,9 @@ holding the weights; ``save_hf`` writes a folder transformers can load.
 
 from megatrain_jax.hf.config import ARCHITECTURES, UnsupportedConfig, config_from_hf, config_to_hf
 from megatrain_jax.hf.decoder_io import from_hf, to_hf
+from megatrain_jax.hf.export import save_hf
 from megatrain_jax.hf.mapping import (CheckpointMismatch, HFParts, block_specs, check_checkpoint, io_specs, iter_blocks,
-                                      load_hf, load_hf_into, open_checkpoint, read_config, read_io, save_hf)
+                                      load_hf, load_hf_into, open_checkpoint, read_config, read_io)
 from megatrain_jax.hf.safetensors_io import (Checkpoint, SafetensorsError, SafetensorsFile, read_safetensors,
                                              write_safetensors)
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from megatrain_jax.hf.export_folder import tokenizer_files
-from megatrain_jax.hf.mapping import load_hf_into, read_config, save_hf
+from megatrain_jax.hf.export import save_hf
+from megatrain_jax.hf.mapping import load_hf_into, read_config
 
 
 def from_hf(model_dir: str | os.PathLike, dtype: str = "float32", **overrides: Any):
