@@ -545,7 +545,7 @@ def test_eight_bit_moments_and_bfloat16_gradients_in_host_memory(cfg):
     q8 = plan(cfg, EngineConfig(micro_batches=2, **Q8), 4, 256, **BIG)
     moments = [v for k, v in q8.host.items() if k.startswith("pageable: Adam moments m and v, 8-bit")]
     assert moments == [_q8_moment_bytes_of_the_model(cfg)]
-    assert q8.host["pinned: master weights, bfloat16, streamed (2 B/param; capacity mode)"] == 2 * P
+    assert q8.host["pinned: master weights, bfloat16, streamed (2 B/param; capacity mode with 8-bit moments)"] == 2 * P
     grads = q8.host[f"pinned: gradients of one step, bfloat16 (2 B/param of the {P / 1e9:.2f} B host-updated params)"]
     assert grads == 2 * P and q8.host_pinned == 4 * P
     # the GPU holds a bfloat16 copy of each gradient sent home until the copy has read it

@@ -36,29 +36,20 @@ class EngineConfig:
       the part's backward until its update copies the gradient home early in the next step (one part at a
       time, so host memory holds one such gradient). ``megatrain-jax train`` picks it when host RAM is short
       (``plan.lean_engine``).
-    - ``master_dtype``, ``moment_dtype`` (and ``stream_dtype``) choose a precision mode, whose record says
-      what it keeps in which dtype, what crosses PCIe and what it needs and excludes
-      (``megatrain_jax.engine.precision``; ``EngineConfig.precision``). ``master_dtype="bfloat16"`` is
-      capacity mode (opt-in): master weights and both Adam moments are stored in bfloat16 and every update
-      writes them with stochastic rounding (unbiased: the expected stored value is the float32 result), 6
-      bytes per parameter instead of 12, and the masters are what crosses PCIe (no separate stream copy). It
-      needs ``megatrain_jax.adamw`` run by the fused host kernel, and updates every part on the host (no
-      GPU-resident parts). Quality: docs/capacity.md.
-    - ``moment_dtype="q8"`` (capacity mode only; opt-in): the Adam moments of every matrix (2+ dimensions,
-      4,096+ elements) in 8 bits each, blockwise: a small float format per moment (m: sign + 4 exponent + 3
-      mantissa bits; v: 5 + 3, unsigned), scaled by the largest value of each block of 256 elements of a row,
-      rounded stochastically like the masters (``megatrain_jax.engine.update.host_kernel``); vectors and small
-      leaves keep bfloat16 moments. 2.03 bytes per parameter for both moments instead of 4. None: the moments
-      take the masters' dtype. Quality: docs/capacity.md.
-    - ``host_grad_dtype="bfloat16"`` (capacity mode only; opt-in): the gradients that come home to host memory
-      for the update are rounded to bfloat16 on the GPU first (2 bytes per parameter of pinned memory and of
-      PCIe traffic instead of 4). The global norm, and so the clipping, is computed from the rounded gradients,
-      exactly over what was sent; it differs from the float32 gradient's norm by the rounding (relative error
-      under 2^-9 per element). With ``accumulate_steps`` > 1 each sub-step's sum is rounded again. Gradients
-      that wait on the GPU (``grads_on_gpu``) and those of GPU-resident parts stay float32.
+    - ``master_dtype``, ``moment_dtype`` (and ``stream_dtype``) choose a precision mode: full precision
+      (float32, the default), capacity mode (``master_dtype="bfloat16"``, opt-in) or capacity mode with
+      8-bit moments (``moment_dtype="q8"``, opt-in). Each mode's record in ``megatrain_jax.engine.precision``
+      says what it keeps in which dtype, what crosses PCIe, what it needs and excludes and which settings
+      come with it (``EngineConfig.precision``); quality: docs/capacity.md.
+    - ``host_grad_dtype="bfloat16"`` (where the mode allows it; opt-in): the gradients that come home to host
+      memory for the update are rounded to bfloat16 on the GPU first (half the pinned memory and PCIe traffic
+      of float32). The global norm, and so the clipping, is computed from the rounded gradients, exactly over
+      what was sent; it differs from the float32 gradient's norm by the rounding (relative error under 2^-9
+      per element). With ``accumulate_steps`` > 1 each sub-step's sum is rounded again. Gradients that wait on
+      the GPU (``grads_on_gpu``) and those of GPU-resident parts stay float32.
     - ``disk_parts``: the Adam moments of this many blocks (the last ones that are not GPU-resident) live in
       files under ``disk_dir`` on local disk (``megatrain_jax.engine.update.disk_tier``), read ahead of each block's
-      update and written behind it: 8 bytes per parameter (4 in capacity mode) less host RAM for them,
+      update and written behind it: their moments' bytes (``Precision.moment_bytes``) less host RAM,
       beyond the four blocks' worth in flight during the updates (so it pays from five blocks on), at the
       price of reading and writing that much per step. Needs ``megatrain_jax.adamw`` in the fused kernel,
       and one process; one engine per folder (``Engine.close()`` deletes the files).

@@ -279,7 +279,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     mb = mode.moment_bytes  # bytes of Adam moments per parameter, but for 8-bit moments (not on disk)
     on_disk = sum(part_param_count(c, part) for part in roles.disk)  # params whose moments live in files
     in_ram = sum(moment_bytes(c, e, part) for part in part_ids(c.layers) if part not in roles.disk)
-    tag = "; capacity mode" if e.capacity else ""
+    tag = "" if mode.masters == "float32" else f"; {mode.title}"
     moments = "Adam moments m and v, " + (
         f"8-bit with a float32 scale per {Q8_BLOCK} elements of a row for matrices, {mode.moments} for vectors "
         f"({in_ram / P:.2f} B/param{tag})" if mode.quantized else f"{mode.moments} ({mb} B/param{tag})")
