@@ -91,9 +91,12 @@ def tokens():
 
 @pytest.fixture(scope="module")
 def lib():
-    """The fused host AdamW kernel (built on first use); tests that need it skip without a C++ compiler."""
+    """The fused host AdamW kernel (built on first use). A test that needs it fails where it cannot be built:
+    the kernel is what the docs measure and what capacity mode, 8-bit moments and the disk tier run in, so a
+    machine without a C++ compiler must not pass the suite by skipping them."""
     from megatrain_jax.engine.update.host_kernel import load
     built = load()
     if built is None:
-        pytest.skip("no C++ compiler")
+        pytest.fail("the fused host AdamW kernel could not be built or loaded: install a C++ compiler with OpenMP "
+                    "(e.g. `apt-get install g++`; the warning above says what failed)", pytrace=False)
     return built

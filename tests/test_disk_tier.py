@@ -10,7 +10,6 @@ import pytest
 from flax import nnx
 
 from megatrain_jax import Decoder, Engine, EngineConfig, TrainConfig, adamw, fit, preset
-from megatrain_jax.engine.update import host_kernel
 from megatrain_jax.checkpoint import Checkpointer
 from megatrain_jax.data import DataConfig
 from megatrain_jax.engine.update.disk_tier import OnDisk
@@ -18,7 +17,7 @@ from megatrain_jax.engine.parts import PartId
 
 from test_engine import TINY3, make_batches, run_both
 
-pytestmark = pytest.mark.skipif(host_kernel.load() is None, reason="the disk tier needs the C++ host kernel")
+pytestmark = pytest.mark.usefixtures("lib")  # the kernel must build: conftest.lib fails where it cannot
 
 TX = lambda: adamw(1e-3, eps=1e-6, weight_decay=0.1)  # noqa: E731
 

@@ -15,13 +15,12 @@ from flax import nnx
 
 from megatrain_jax import Decoder, Engine, EngineConfig, adamw
 from megatrain_jax.engine import precision
-from megatrain_jax.engine.update import host_kernel
 from megatrain_jax.engine.update.host_optimizer import Q8Moment
 from megatrain_jax.plan.counts import host_grad_bytes, moment_bytes
 
 from test_engine import TINY3, make_batches
 
-pytestmark = pytest.mark.skipif(host_kernel.load() is None, reason="the modes run in the C++ host kernel")
+pytestmark = pytest.mark.usefixtures("lib")  # the kernel must build: conftest.lib fails where it cannot
 
 CFG = TINY3.replace(dtype="bfloat16")
 CASES = {  # one engine config per mode, as a user would set it (gradients home in the mode's default dtype)

@@ -25,7 +25,7 @@ from megatrain_jax.reference import model_loss
 from test_capacity import _bf16_ulp, one_against_two_devices
 from test_engine import TINY3, make_batches
 
-pytestmark = pytest.mark.skipif(host_kernel.load() is None, reason="8-bit moments need the C++ host kernel")
+pytestmark = pytest.mark.usefixtures("lib")  # the kernel must build: conftest.lib fails where it cannot
 
 Q8 = EngineConfig(master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16")
 TX = lambda: adamw(1e-3, eps=1e-6, weight_decay=0.1)  # noqa: E731
