@@ -140,6 +140,66 @@ def test_the_readme_links_its_headline_numbers_to_results_files():
                                                       source), row
 
 
+def headline_rows() -> list[tuple[str, Path]]:
+    """(measured cell, the results file it cites) for each row of the README's headline table; 'same' is the
+    row above's file."""
+    text = README.read_text()
+    start = text.index("## Headline numbers")
+    table = text[start:text.index("\n## ", start)]
+    out, cited = [], None
+    for row in table.splitlines():
+        if not row.startswith("|") or row.startswith(("| what", "|---")):
+            continue
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        link = re.search(r"\]\(([^)]+\.json)\)", cells[-1])
+        cited = REPO / link.group(1) if link else cited
+        out.append((cells[1], cited))
+    return out
+
+
+# A figure in a measured cell: digits (thousands with commas), an optional unit that scales it ("B": billions
+# of parameters) or makes it a ratio ("×"). Numbers inside names (Llama-3-8B, Qwen2.5-14B, 256K) are not figures.
+FIGURE = re.compile(r"(?<![\w.\-])(\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?)(?:\*\*)?(×|B\b)?(?![\w.\-])")
+
+
+def numbers_in(value) -> list[float]:
+    """Every number a results file holds: its numeric leaves and the numbers written in its strings."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        return [float(value)] if np.isfinite(value) else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return [n for v in value for n in numbers_in(v)]
+    if isinstance(value, str):
+        return [float(m) for m in re.findall(r"\d+(?:\.\d+)?", value)]
+    return []
+
+
+def test_each_headline_number_is_in_the_file_it_cites():
+    """Every figure in the headline table's measured cells is one the cited results file holds, as written
+    (rounded to the digits shown; billions for "B"); a ratio ("×") is the quotient of two figures of its cell,
+    or of two of the file's numbers where the cell gives fewer."""
+    wrong = []
+    for measured, cited in headline_rows():
+        held = sorted(set(numbers_in(json.loads(cited.read_text()))))
+        figures = [(m.group(1), m.group(2)) for m in FIGURE.finditer(measured)]
+        plain = [float(text.replace(",", "")) for text, unit in figures if unit is None]
+        for text, unit in figures:
+            digits = len(text.split(".")[1]) if "." in text else 0
+            figure = float(text.replace(",", ""))
+            if unit == "×":  # the quotient of the cell's own figures where it gives two, else of the file's
+                pool = plain if len(plain) >= 2 else held
+                found = any(round(a / b, digits) == figure for a in pool for b in pool if 0 < b < a)
+            else:
+                scale = 1e9 if unit == "B" else 1.0
+                found = any(round(v / scale, digits) == figure for v in held)
+            if not found:
+                wrong.append(f"{text}{unit or ''} in '{measured[:70]}' is not in {cited.relative_to(REPO)}")
+    assert not wrong, "\n".join(wrong)
+
+
 # ------------------------------------------------------------------------------------------ README commands
 def readme_commands() -> list[tuple[int, str]]:
     """(line, command) of every command in the README's bash blocks, continuation lines joined."""
