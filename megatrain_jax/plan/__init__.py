@@ -19,8 +19,8 @@ from megatrain_jax.plan.memory import MemoryPlan, MemoryPlanError, fit_host_pool
 from megatrain_jax.plan.layout import LEAN_HOST_MARGIN, Resolved, exact_plan, lean, lean_engine, offload, resolve
 from megatrain_jax.plan.modes import InMode, in_each_mode, modes_table
 
-__all__ = ["GiB", "InMode", "LEAN_HOST_MARGIN", "Machine", "MemoryPlan", "MemoryPlanError", "Option", "Resolved", "advice",
-           "available_gpu_bytes", "available_host_bytes", "exact_plan", "fit_host_pool", "fitted_pool_limit",
-           "gpu_bytes_before_jax", "gpu_fraction", "in_each_mode", "io_param_count", "layer_param_count", "lean", "lean_engine",
-           "longest_seq_len", "machine_needed", "modes_table", "offload", "options", "part_param_count", "plan", "require_fit",
-           "resolve", "run_gpus"]
+__all__ = ["GiB", "InMode", "LEAN_HOST_MARGIN", "Machine", "MemoryPlan", "MemoryPlanError", "Option", "Resolved",
+           "advice", "available_gpu_bytes", "available_host_bytes", "exact_plan", "fit_host_pool",
+           "fitted_pool_limit", "gpu_bytes_before_jax", "gpu_fraction", "in_each_mode", "io_param_count",
+           "layer_param_count", "lean", "lean_engine", "longest_seq_len", "machine_needed", "modes_table", "offload",
+           "options", "part_param_count", "plan", "require_fit", "resolve", "run_gpus"]
