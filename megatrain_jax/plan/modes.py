@@ -39,8 +39,9 @@ class InMode:
             return "fits"
         short = []
         if not q.host_fits:
-            short.append("host RAM" if q.host_available is None else
-                         f"host RAM short by {max(q.host_total - q.host_available, 0) / GiB:,.1f} GiB")
+            over = None if q.host_available is None else q.host_total - q.host_available
+            short.append(f"host RAM short by {over / GiB:,.1f} GiB" if over is not None and over > 0 else
+                         "pinned memory over XLA's pool limit")
         if not q.gpu_fits:
             short.append(f"GPU short by {(q.gpu_total - q.gpu_available) / GiB:,.1f} GiB")
         if not q.disk_fits:
