@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from megatrain_jax import fit_history
 from megatrain_jax.batch import Batch
 from megatrain_jax.checkpoint.session import CheckpointedExit, CheckpointSession, jsonable
 from megatrain_jax.contract.layered import is_abstract
@@ -57,15 +58,23 @@ class Hook:
 
 @dataclasses.dataclass
 class History:
-    """Per-step metrics, in order. ``history['loss']`` is the list of losses. ``stopped`` is the reason a
-    hook or a signal gave for ending early (None when the run ran its steps or its data out)."""
+    """Per-step metrics, in order: ``records``, one per step trained by this call (``len``). ``history['loss']``
+    is the list of losses. ``stopped`` is the reason a hook or a signal gave for ending early (None when the run
+    ran its steps or its data out).
+
+    ``resumed``: with checkpoints, the metrics of the step the run resumed from, as they were recorded when
+    that step was trained (``fit_history``; None on a fresh start or where none were kept). A resumed run
+    with nothing left to train has no records, and ``history[key]`` reads ``resumed`` instead: a finished run
+    run again still ends its history with its last step."""
 
     records: list[dict] = dataclasses.field(default_factory=list)
     engine: Engine | None = None
     stopped: str | None = None
+    resumed: dict | None = None
 
     def __getitem__(self, key: str) -> list:
-        return [r[key] for r in self.records if key in r]
+        records = self.records or ([self.resumed] if self.resumed is not None else [])
+        return [r[key] for r in records if key in r]
 
     def __len__(self) -> int:
         return len(self.records)
@@ -205,8 +214,14 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
         raise
     history = History(engine=eng)
     hooks = list(hooks) + ([print_logger(train.log_every)] if train.log_every else [])
+    step_log = None
     if session is not None:
         data = session.start(eng, data)
+        if session.resumed_from is not None:
+            history.resumed = fit_history.step_record(session.resumed_from.parent, session.start_step)
+        if train.checkpoint_dir is not None:  # each step's metrics beside the checkpoints, for a later resume
+            step_log = fit_history.StepLog(train.checkpoint_dir, session.start_step)
+            hooks.insert(0, Hook(lambda m, info: step_log.write(m)))
     limit = None if train.steps is None else max(0, train.steps - eng.state.step) * engine.accumulate_steps
     feed = Feed(data, engine.accumulate_steps, limit, eng.check_batch)
     if session is not None:
@@ -272,6 +287,9 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
         except BaseException as err:
             _keep_what_was_trained(err, "data" if feed.failed else phase, history, model, write_back, session)
             raise
+        finally:
+            if step_log is not None:
+                step_log.close()
     if write_back and not is_abstract(model):
         eng.write_back(model)
     return history

@@ -72,6 +72,25 @@ def test_a_hook_stops_training_cleanly(tmp_path, reference):
     assert h2["loss"] == reference["loss"][3:]
 
 
+def test_a_run_resumed_with_nothing_left_to_train_reads_its_last_steps_metrics(tmp_path, reference):
+    """Each step's metrics are kept beside the checkpoints (fit_history.jsonl): a run stopped after step 3 and
+    resumed to 6, then run again, has no records and reads step 6's loss; steps an interrupted run trained
+    past its last checkpoint are cut from the file when trained again."""
+    import json
+    stop = Hook(lambda m, info: info.stop("paused") if m["step"] == 2 else None)
+    train(6, hooks=[stop], checkpoint_dir=str(tmp_path))
+    _, h = train(6, checkpoint_dir=str(tmp_path), resume=True)
+    assert h.resumed["step"] == 3 and h["step"] == [4, 5, 6]  # records: this call's steps only
+    _, again = train(6, checkpoint_dir=str(tmp_path), resume=True)
+    assert len(again) == 0 and again["step"] == [6] and again["loss"] == [pytest.approx(reference["loss"][-1])]
+    log = tmp_path / "fit_history.jsonl"
+    with open(log, "a") as f:  # a step trained past the last checkpoint before a kill
+        f.write(json.dumps({"step": 7, "loss": 123.0}) + "\n")
+    _, more = train(8, checkpoint_dir=str(tmp_path), resume=True)
+    assert more["step"] == [7, 8] and more["loss"][0] != 123.0
+    assert [json.loads(x)["step"] for x in log.read_text().splitlines()] == list(range(1, 9))
+
+
 def test_a_finished_run_is_not_marked_stopped():
     _, h = train(2)
     assert h.stopped is None and h["step"] == [1, 2]

@@ -368,7 +368,8 @@ FIT_SMALLER = {
 }
 
 
-def test_the_fit_example_runs(tmp_path, monkeypatch, capsys):
+def fit_example(tmp_path: Path, monkeypatch):
+    """The README's fit example, shrunk (``FIT_SMALLER``), compiled to run in ``tmp_path`` with its data file."""
     from megatrain_jax.data import demo_tokens, write_tokens
     (start, lines), = blocks(README, "python")
     code = "\n".join(lines)
@@ -379,10 +380,30 @@ def test_the_fit_example_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the example's relative paths: data/train.bin, runs/3p5b/ckpt
     (tmp_path / "data").mkdir()
     write_tokens("data/train.bin", demo_tokens(256, 20000)[0], 256)
+    return compile(code, f"{README}:{start}", "exec")
+
+
+def test_the_fit_example_runs(tmp_path, monkeypatch, capsys):
     scope: dict = {}
-    exec(compile(code, f"{README}:{start}", "exec"), scope)
+    exec(fit_example(tmp_path, monkeypatch), scope)
     history = scope["history"]
     assert len(history["loss"]) == 3 and np.isfinite(history["loss"]).all()
     loss, tokens_per_s = capsys.readouterr().out.split()[-2:]
     assert np.isclose(float(loss), history["loss"][-1]) and float(tokens_per_s) > 0
     assert sorted(p.name for p in (tmp_path / "runs" / "3p5b" / "ckpt").iterdir() if p.name.isdigit()) == ["2", "3"]
+
+
+def test_the_fit_example_runs_again_with_nothing_left_to_train(tmp_path, monkeypatch, capsys):
+    """Run a second time, the example resumes from its last checkpoint (resume=True) with no step left to
+    train: its history has no records, and reads the last step's metrics as they were recorded."""
+    code = fit_example(tmp_path, monkeypatch)
+    first: dict = {}
+    exec(code, first)
+    capsys.readouterr()
+    again: dict = {}
+    exec(code, again)
+    history = again["history"]
+    assert len(history) == 0 and history.resumed["step"] == 3
+    assert history["loss"] == [pytest.approx(first["history"]["loss"][-1])]
+    loss, tokens_per_s = capsys.readouterr().out.split()[-2:]
+    assert np.isclose(float(loss), first["history"]["loss"][-1]) and float(tokens_per_s) > 0

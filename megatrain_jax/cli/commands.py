@@ -110,7 +110,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from megatrain_jax.plan import Machine, advice, gpu_fraction, longest_seq_len, plan, resolve
+    from megatrain_jax.plan import (Machine, advice, gpu_fraction, in_each_mode, longest_seq_len, modes_table, plan,
+                                    resolve)
     cfg = load_config(args.config, args.overrides)
     host = None if args.host_gib is None else int(args.host_gib * GiB)
     gpu = None if args.gpu_gib is None else int(args.gpu_gib * GiB * gpu_fraction())
@@ -136,11 +137,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.exact:
         p = _exact(p, cfg, model_cfg, disk_dir)
     print(p.table())
+    modes = in_each_mode(p)
+    print(modes_table(p, modes))
     longest = longest_seq_len(p)
     print(f"longest sequence that fits with {d.batch_size} rows per batch as configured: "
-          + (f"{longest:,} tokens (of max_positions {model_cfg.max_positions:,})" if longest else "none"))
+          + (f"{longest:,} tokens (of max_positions {model_cfg.max_positions:,})" if longest else
+             "none: no length fits with these settings (what fits instead: below)"))
     if not p.fits:
-        print(f"does not fit.\n{advice(p, cfg.engine)}")
+        print(f"does not fit.\n{advice(p, cfg.engine, modes)}")
         return 1
     return 0
 

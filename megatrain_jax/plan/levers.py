@@ -21,9 +21,10 @@ from megatrain_jax.engine.schedule import offloaded_blocks
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.engine import precision
 from megatrain_jax.plan.counts import GiB, activation_bytes, host_grad_bytes, host_roles, layer_param_count, leaf_shapes
-from megatrain_jax.plan.machine import HOST_POOL_FRACTION, gpu_fraction
+from megatrain_jax.plan.machine import gpu_fraction
 from megatrain_jax.plan.memory import MemoryPlan, MemoryPlanError
 from megatrain_jax.plan.layout import Changes, fewest, fits, legal, offload_counts
+from megatrain_jax.plan.modes import InMode, host_gib_needed, in_each_mode, leanest, modes_table
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -224,31 +225,40 @@ def _smaller(p: MemoryPlan, layers: int, given: EngineConfig | None = None) -> C
 
 def longest_seq_len(p: MemoryPlan, multiple: int = 1024) -> int | None:
     """The longest ``seq_len`` (a multiple of ``multiple``, up to the model's ``max_positions``) at which
-    this run, with its rows and engine settings, fits host and GPU; None when not even ``multiple``
-    does. Memory grows with the length, so the fitting lengths are a prefix: bisected."""
+    this run, with its rows and engine settings, fits host and GPU; None when nothing does. Where not even
+    ``multiple`` tokens fit, or the model's positions stop short of it (a small model), the step is halved
+    until one does, and a run that fits at its own length gets at least that length (which need not be a
+    multiple). Memory grows with the length, so the fitting lengths are a prefix: bisected."""
+    fits = lambda n: p.replace(seq_len=n).fits  # noqa: E731
+    while multiple > 1 and (p.model_cfg.max_positions < multiple or not fits(multiple)):
+        multiple //= 2
     top = p.model_cfg.max_positions // multiple
-    fits = lambda k: p.replace(seq_len=k * multiple).fits  # noqa: E731
-    if top < 1 or not fits(1):
+    if top < 1 or not fits(multiple):
         return None
-    lo, hi = 1, top  # fits(lo) holds
+    lo, hi = 1, top  # lo * multiple fits
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo * multiple
+        lo, hi = (mid, hi) if fits(mid * multiple) else (lo, mid - 1)
+    return max(lo * multiple, p.seq_len if p.fits else 0)
 
 
-def machine_needed(p: MemoryPlan) -> str:
-    """The host RAM and GPU memory on which this run fits as configured."""
-    ram = math.ceil(max(p.host_pinned / HOST_POOL_FRACTION, p.host_total) / GiB)
-    while not p.replace(host_ram_bytes=ram * GiB, host_pool_limit=None, gpu_bytes=None).host_fits:
-        ram += 1
-    gpu = math.ceil(p.gpu_total / GiB)
-    return (f"a machine with at least {ram} GiB of host RAM and a GPU whose allocator may use {gpu} GiB "
-            f"({math.ceil(gpu / gpu_fraction())} GiB at XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_fraction():g})")
+def machine_needed(p: MemoryPlan, modes: list[InMode] | None = None) -> str:
+    """The host RAM and GPU memory on which this run fits as configured, and the host RAM of the leanest
+    precision mode where that is another (``modes``: ``in_each_mode(p)`` when already made)."""
+    ram, gpu = host_gib_needed(p), math.ceil(p.gpu_total / GiB)
+    lean = leanest(in_each_mode(p) if modes is None else modes)
+    other = "" if lean.plan is p or lean.host_gib >= ram else (
+        f"; in {lean.mode.title}, the leanest precision mode, {lean.host_gib:,d} GiB of host RAM "
+        f"({lean.bytes_per_param:.1f} B/param)" + ("" if lean.plan.gpu_fits else
+                                                    f" and {math.ceil(lean.plan.gpu_total / GiB)} GiB of GPU"))
+    return (f"a machine with at least {ram:,d} GiB of host RAM and a GPU whose allocator may use {gpu} GiB "
+            f"({math.ceil(gpu / gpu_fraction())} GiB at XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_fraction():g})"
+            + other)
 
 
-def advice(p: MemoryPlan, given: EngineConfig | None = None) -> str:
-    """What fits instead, as printed by ``check`` and ``megatrain-jax plan`` (``given``: as in ``options``)."""
+def advice(p: MemoryPlan, given: EngineConfig | None = None, modes: list[InMode] | None = None) -> str:
+    """What fits instead, as printed by ``check`` and ``megatrain-jax plan`` (``given``: as in ``options``;
+    ``modes``: ``in_each_mode(p)`` when already made)."""
     opts = options(p, given)
     same_model = [o for o in opts if not any(key.startswith("model.") for key, _ in o.changes)]
     if same_model:
@@ -256,7 +266,7 @@ def advice(p: MemoryPlan, given: EngineConfig | None = None) -> str:
     else:
         text = "nothing that keeps this model fits this host and GPU (one change, or two together)."
         text += "\noptions that fit, with a smaller model:" if opts else ""
-    lines = [text] + [f"  - {o}" for o in opts] + [f"as configured, it needs {machine_needed(p)}"]
+    lines = [text] + [f"  - {o}" for o in opts] + [f"as configured, it needs {machine_needed(p, modes)}"]
     return "\n".join(lines)
 
 
@@ -266,5 +276,7 @@ def require_fit(p: MemoryPlan, given: EngineConfig | None = None) -> None:
     if p.fits:
         return
     where = " and ".join(n for n, ok in (("host RAM", p.host_fits), ("GPU memory", p.gpu_fits)) if not ok)
-    raise MemoryPlanError(f"this run does not fit in {where}.\n{p.table()}\n{advice(p, given)}\n"
+    modes = in_each_mode(p)
+    raise MemoryPlanError(f"this run does not fit in {where}.\n{p.table()}\n{modes_table(p, modes)}\n"
+                          f"{advice(p, given, modes)}\n"
                           f"(set train.memory_check = false to start anyway)")

@@ -198,8 +198,7 @@ class MemoryPlan:
             lines.append(f"  disk tier ({self.engine_cfg.disk_parts} blocks' Adam moments in {self.engine_cfg.disk_dir}): "
                          f"{self.disk / GiB:.2f} GiB{where}; each step reads and writes it once")
         lines.append(f"  host bytes per parameter: {self.host_pinned / self.params:.1f} in pinned arrays, "
-                     f"{self.host_total / self.params:.1f} in all; by mode:")
-        lines += [f"    {name:<94s} {b:8.1f}" for name, b in self.host_bytes_per_param().items()]
+                     f"{self.host_total / self.params:.1f} in all (each precision mode's: plan.modes)")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ what would fit
