@@ -13,7 +13,6 @@ Loading goes tensor by tensor from memory-mapped files, so peak extra memory is 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -26,6 +25,7 @@ from megatrain_jax.families import FAMILIES, Spec
 from megatrain_jax.families.tensors import io_specs
 from megatrain_jax.hf.config import UnsupportedConfig, config_from_hf, token_ids
 from megatrain_jax.hf.export_folder import GENERATION_CONFIG
+from megatrain_jax.hf.json_files import read_json_object
 from megatrain_jax.hf.mxfp4 import DequantizedCheckpoint, packed_names
 from megatrain_jax.hf.safetensors_io import Checkpoint
 from megatrain_jax.models.config import DecoderConfig
@@ -117,14 +117,23 @@ def read_config(model_dir: str | os.PathLike, **overrides) -> DecoderConfig:
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"no config.json in {model_dir}")
+    config_json = read_json_object(path)
     generation = Path(model_dir) / GENERATION_CONFIG
     if generation.exists():
         try:
-            ids = token_ids(json.loads(generation.read_text()))
-        except (ValueError, UnsupportedConfig) as e:
-            raise UnsupportedConfig(f"{generation}: {e}") from None
-        overrides = {**{k: v for k, v in ids.items() if k not in json.loads(path.read_text())}, **overrides}
-    return config_from_hf(json.loads(path.read_text()), **overrides)
+            ids = token_ids(read_json_object(generation))
+        except UnsupportedConfig as e:
+            raise UnsupportedConfig(_in_file(generation, e)) from None
+        overrides = {**{k: v for k, v in ids.items() if k not in config_json}, **overrides}
+    try:
+        return config_from_hf(config_json, **overrides)
+    except UnsupportedConfig as e:
+        raise UnsupportedConfig(_in_file(path, e)) from None
+
+
+def _in_file(path: Path, e: Exception) -> str:
+    """``e``'s message, beginning with the file it is about (once)."""
+    return str(e) if str(e).startswith(str(path)) else f"{path}: {e}"
 
 
 def open_checkpoint(model_dir: str | os.PathLike, cfg: DecoderConfig) -> Checkpoint | DequantizedCheckpoint:

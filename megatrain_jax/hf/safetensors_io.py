@@ -19,6 +19,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from megatrain_jax.hf.json_files import read_json_object
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the reference implementation enforces
@@ -191,10 +193,10 @@ class Checkpoint:
                                    f"the checkpoint folder {self.dir}; copy the file into the folder instead")
 
     def _open_index(self, index: Path) -> None:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SafetensorsError(f"{index}: not a valid index ({e!r}); expected a 'weight_map'") from None
+        weight_map = read_json_object(index, SafetensorsError).get("weight_map")
+        if weight_map is None:
+            raise SafetensorsError(f"{index}: not a valid index: it has no 'weight_map' (tensor name -> shard file "
+                                   f"name); take the index again with the shards it lists")
         if not isinstance(weight_map, dict):
             raise SafetensorsError(f"{index}: 'weight_map' must map tensor names to shard file names, got "
                                    f"{type(weight_map).__name__}")
@@ -223,6 +225,7 @@ class Checkpoint:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: f.tensors[name].shape for name, f in self._where.items()}
+
 
     def will_need(self, names: Sequence[str]) -> None:
         """Start reading these tensors from the disk in the background (see ``SafetensorsFile.will_need``)."""

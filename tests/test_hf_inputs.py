@@ -1,0 +1,74 @@
+"""A Hugging Face folder's files are checked as they are read: a value of the wrong type or range in config.json, a
+file that is not a JSON object. Each error names the file and the key or tensor,
+never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megatrain_jax.hf import SafetensorsError, UnsupportedConfig, load_hf, read_config
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+def llama_copy(tmp_path: Path, **change) -> Path:
+    """The tiny Llama fixture copied, its config.json changed (a value of None: the key removed)."""
+    folder = Path(shutil.copytree(FIXTURES / "llama", tmp_path / "llama"))
+    config = json.loads((folder / "config.json").read_text())
+    config.update(change)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return folder
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(num_attention_heads=0), r"num_attention_heads=0: must be a positive integer"),
+    (dict(num_hidden_layers=-2), r"num_hidden_layers=-2: must be a positive integer"),
+    (dict(hidden_size="64"), r'hidden_size="64": must be a positive integer \(a JSON number, without quotes\)'),
+    (dict(intermediate_size=80.5), r"intermediate_size=80.5: must be a positive integer"),
+    (dict(vocab_size=True), r"vocab_size=true: must be a positive integer"),
+    (dict(rms_norm_eps="1e-5"), r'rms_norm_eps="1e-5": must be a positive, finite number'),
+    (dict(tie_word_embeddings="no"), r'tie_word_embeddings="no": must be true or false'),
+    (dict(model_type=["llama"]), r'model_type=\["llama"\]: must be a string'),
+    (dict(architectures="LlamaForCausalLM"), r"architectures='LlamaForCausalLM' must be a list of class names"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": "8", "original_max_position_embeddings": 64}),
+     r'rope_parameters.factor="8": must be a positive, finite number'),
+    (dict(head_dim=None, num_attention_heads=3), r"heads=3 does not divide hidden=64.*\(in config.json: hidden is "
+                                                 r"hidden_size, heads is num_attention_heads\)"),
+    (dict(num_key_value_heads=3), r"kv_heads=3 does not divide heads=4.*heads is num_attention_heads, kv_heads is "
+                                  r"num_key_value_heads"),
+])
+def test_config_values_of_the_wrong_type_or_range_name_the_file_and_key(tmp_path, change, match):
+    folder = llama_copy(tmp_path, **change)
+    with pytest.raises(UnsupportedConfig, match=rf"{folder / 'config.json'}: {match}"):
+        read_config(folder)
+
+
+def test_a_required_value_that_is_null_is_named(tmp_path):
+    folder = llama_copy(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, hidden_size=None)))
+    with pytest.raises(UnsupportedConfig, match=r"config.json: hidden_size=null: must be a positive integer;"):
+        read_config(folder)
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "model.safetensors.index.json"])
+@pytest.mark.parametrize("text, match", [
+    ("[1, 2]", r"holds a JSON array, where a JSON object"),
+    ('{"vocab_size": ', r"not valid JSON \(Expecting value at line 1, column 16\)"),
+    ('{"rms_norm_eps": NaN}', r"NaN is not a JSON value"),
+    (b'{"a": "\xff"}', r"not UTF-8 text"),
+])
+def test_a_json_file_of_the_folder_that_is_not_an_object_is_named(tmp_path, name, text, match):
+    folder = llama_copy(tmp_path)
+    if name == "model.safetensors.index.json":  # the index is read only where there is no single file
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    path = folder / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    error = SafetensorsError if name.endswith("index.json") else UnsupportedConfig
+    with pytest.raises(error, match=rf"{path}: {match}"):
+        load_hf(folder)
+
