@@ -1,16 +1,18 @@
 """A Hugging Face folder's files are checked as they are read: a value of the wrong type or range in config.json, a
-file that is not a JSON object. Each error names the file and the key or tensor,
+file that is not a JSON object, a weight of a dtype no model has. Each error names the file and the key or tensor,
 never a traceback."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from megatrain_jax.hf import SafetensorsError, UnsupportedConfig, load_hf, read_config
+from megatrain_jax.hf import CheckpointMismatch, SafetensorsError, UnsupportedConfig, load_hf, read_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -72,3 +74,38 @@ def test_a_json_file_of_the_folder_that_is_not_an_object_is_named(tmp_path, name
     with pytest.raises(error, match=rf"{path}: {match}"):
         load_hf(folder)
 
+
+@pytest.mark.parametrize("code", ["I32", "U8", "BOOL", "F8_E4M3"])
+def test_a_weight_of_an_integer_dtype_is_refused_naming_the_file_and_tensor(tmp_path, code):
+    """A weight stored as integers (or FP8 without its scales) would be cast to float32 and trained on: refused from
+    the header, before any data is read."""
+    from megatrain_jax.hf.safetensors_io import DTYPES, read_safetensors
+    folder = llama_copy(tmp_path)
+    tensors = {k: np.array(v) for k, v in read_safetensors(folder / "model.safetensors").items()}
+    name = "model.layers.1.mlp.down_proj.weight"
+    others = {k: v for k, v in tensors.items() if k != name}
+    write_mixed(folder / "model.safetensors", others, name, tensors[name].astype(DTYPES[code]))
+    with pytest.raises(CheckpointMismatch, match=rf"dtype: {name} in {folder / 'model.safetensors'} is {code}; a "
+                                                 rf"weight is floating point \(F32, BF16, F16, F64\)"):
+        load_hf(folder)
+
+
+def write_mixed(path: Path, tensors: dict, odd_name: str, odd: np.ndarray) -> None:
+    """One safetensors file holding ``tensors`` as they are and ``odd_name`` in ``odd``'s dtype."""
+    from megatrain_jax.hf.safetensors_io import dtype_code
+    header, blobs, offset = {}, [], 0
+    for name, arr in [*tensors.items(), (odd_name, odd)]:
+        raw = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": dtype_code(arr.dtype), "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def test_mxfp4_experts_stay_allowed():
+    """GPT-OSS's released experts are uint8 pairs (MXFP4 blocks and scales): read dequantized, not refused."""
+    cfg, _, blocks = load_hf(FIXTURES / "gpt_oss_mxfp4")
+    assert blocks[0]["mlp"]["experts"]["gate"].dtype == np.float32

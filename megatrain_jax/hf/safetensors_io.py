@@ -33,6 +33,9 @@ DTYPES: dict[str, np.dtype] = {
     "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
 }
 _CODES: dict[np.dtype, str] = {dt: code for code, dt in DTYPES.items()}
+# What a model's weights may be stored as: floating point, which a load widens to float32 exactly. An integer or
+# boolean tensor (or FP8, which needs its scales) where a weight belongs would be cast to numbers it never meant.
+WEIGHT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 class SafetensorsError(ValueError):
@@ -226,6 +229,13 @@ class Checkpoint:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: f.tensors[name].shape for name, f in self._where.items()}
 
+    def dtypes(self) -> dict[str, str]:
+        """Each tensor's safetensors dtype code (``'BF16'``, ``'I32'``, ...)."""
+        return {name: f.tensors[name].dtype for name, f in self._where.items()}
+
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor ``name``."""
+        return self._where[name].path
 
     def will_need(self, names: Sequence[str]) -> None:
         """Start reading these tensors from the disk in the background (see ``SafetensorsFile.will_need``)."""
