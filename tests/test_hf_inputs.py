@@ -109,3 +109,18 @@ def test_mxfp4_experts_stay_allowed():
     """GPT-OSS's released experts are uint8 pairs (MXFP4 blocks and scales): read dequantized, not refused."""
     cfg, _, blocks = load_hf(FIXTURES / "gpt_oss_mxfp4")
     assert blocks[0]["mlp"]["experts"]["gate"].dtype == np.float32
+
+
+@pytest.mark.parametrize("fixture, key, value, match", [
+    ("qwen2", "layer_types", 3, r"layer_types=3: must be a list of strings \(or null\)"),
+    ("llama", "rope_parameters", "default", r'rope_parameters="default": must be a JSON object \(or null\)'),
+    ("gemma3_text", "rope_parameters", {"full_attention": "linear", "sliding_attention": None},
+     r'rope_parameters.full_attention="linear": must be a JSON object'),
+    ("gemma3_text", "rope_parameters", {"full_attention": {"rope_type": "linear", "factor": [4]}},
+     r"rope_parameters.full_attention.factor=\[4\]: must be a positive, finite number"),
+])
+def test_nested_and_list_values_are_checked_too(fixture, key, value, match):
+    from megatrain_jax.hf import config_from_hf
+    config = json.loads((FIXTURES / fixture / "config.json").read_text())
+    with pytest.raises(UnsupportedConfig, match=match):
+        config_from_hf(dict(config, **{key: value}))

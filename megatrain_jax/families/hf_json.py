@@ -18,7 +18,8 @@ from megatrain_jax.families.family import Family, Fields, UnsupportedConfig
 
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    """What one config.json key holds: a JSON ``type`` ("int", "number", "bool", "str", "list of numbers"), the
+    """What one config.json key holds: a JSON ``type`` ("int", "number", "bool", "str", "object", "list of numbers",
+    "list of strings"), the
     ``least`` a number may be (``above``: strictly), and whether null means "unset" for it."""
 
     type: str
@@ -31,8 +32,11 @@ class Kind:
             return self.nullable
         if self.type in ("bool", "str"):
             return isinstance(value, bool if self.type == "bool" else str)
-        if self.type == "list of numbers":
-            return isinstance(value, list) and all(_number(v) for v in value)
+        if self.type == "object":
+            return isinstance(value, dict)
+        if self.type.startswith("list of "):
+            return isinstance(value, list) and all(_number(v) if self.type.endswith("numbers") else isinstance(v, str)
+                                                   for v in value)
         if not _number(value) or (self.type == "int" and not isinstance(value, int)):
             return False
         return self.least is None or (value > self.least if self.above else value >= self.least)
@@ -45,7 +49,7 @@ class Kind:
                 positive = "a positive integer" if self.type == "int" else "a positive, finite number"
                 what = positive if self.above else f"{what} >= 0"
         else:
-            what = {"bool": "true or false", "str": "a string"}.get(self.type, f"a {self.type}")
+            what = {"bool": "true or false", "str": "a string", "object": "a JSON object"}.get(self.type, f"a {self.type}")
         return f"{what} (or null)" if self.nullable else what
 
 
@@ -76,6 +80,8 @@ KINDS: dict[str, Kind] = {
     "first_k_dense_replace": COUNT, "swiglu_alpha": POSITIVE_NUMBER, "swiglu_limit": POSITIVE_NUMBER,
     "kv_lora_rank": POSITIVE, "q_lora_rank": UNSET_OR_POSITIVE, "qk_nope_head_dim": POSITIVE,
     "qk_rope_head_dim": POSITIVE, "v_head_dim": POSITIVE, "rope_interleave": FLAG,
+    "layer_types": Kind("list of strings", nullable=True), "rope_scaling": Kind("object", nullable=True),
+    "rope_parameters": Kind("object", nullable=True), "rope_local_base_freq": POSITIVE_NUMBER,
 }
 # The keys of ``rope_scaling`` (``rope_parameters``).
 ROPE_KINDS: dict[str, Kind] = {
@@ -93,8 +99,12 @@ def check_kinds(c: dict[str, Any]) -> None:
     not of its ``KINDS``: a string where a number belongs, null for a required number, zero heads, ..."""
     tables = [("", c, KINDS)]
     for key in ("rope_scaling", "rope_parameters"):
-        if isinstance(c.get(key), dict) and not all(isinstance(v, dict) for v in c[key].values()):
-            tables.append((f"{key}.", c[key], ROPE_KINDS))
+        params = c.get(key)
+        if isinstance(params, dict) and params and set(params) <= {"full_attention", "sliding_attention"}:
+            tables += [(f"{key}.", params, {layer_type: Kind("object", nullable=True) for layer_type in params})]
+            tables += [(f"{key}.{t}.", p, ROPE_KINDS) for t, p in params.items() if isinstance(p, dict)]
+        elif isinstance(params, dict):
+            tables.append((f"{key}.", params, ROPE_KINDS))
     for prefix, table, kinds in tables:
         for key, kind in kinds.items():
             if key in table and not kind.holds(table[key]):
