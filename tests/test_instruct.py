@@ -352,3 +352,13 @@ def test_a_tokenizer_config_that_is_not_an_object_names_the_file(tmp_path, text,
     (folder / "tokenizer_config.json").write_text(text)
     with pytest.raises(InstructDataError, match=match):
         ChatTokenizer.from_folder(folder)
+
+
+def test_a_template_that_does_not_render_prefixes_names_its_file(tmp_path):
+    """A template that renders a conversation's beginning otherwise than the whole's (here: it numbers the turns
+    from the end) cannot be split into turns: the error names the template's file."""
+    backwards = "{% for m in messages %}{{ (messages | length) - loop.index0 }}{{ m['content'] }}{% endfor %}"
+    tok = ChatTokenizer.from_folder(make_tokenizer_folder(tmp_path / "tok", backwards))
+    with pytest.raises(InstructDataError, match=r"d.jsonl:1: the chat template \(.*tokenizer_config.json "
+                                                r"'chat_template'\) does not render a conversation's beginning"):
+        read_examples(write_jsonl(tmp_path / "d.jsonl", [CONVERSATION]), tok, seq_len=512)

@@ -159,9 +159,9 @@ class ChatTokenizer:
             start = self.render(messages[:i], add_generation_prompt=True)
             end = self.render(messages[:i + 1])
             if not (full.startswith(end) and end.startswith(start)):
-                raise InstructDataError("the chat template does not render a conversation's beginning as the "
-                                        "beginning of the whole, so the assistant's turns cannot be found; "
-                                        "use prompt/completion lines or another template")
+                raise InstructDataError(f"the chat template ({self.template_file}) does not render a conversation's "
+                                        f"beginning as the beginning of the whole, so the assistant's turns cannot be "
+                                        f"found; use prompt/completion lines or another template")
             spans.append((len(start), len(end)))
         return full, spans
 
