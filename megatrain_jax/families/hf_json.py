@@ -19,8 +19,7 @@ from megatrain_jax.families.family import Family, Fields, UnsupportedConfig
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """What one config.json key holds: a JSON ``type`` ("int", "number", "bool", "str", "object", "list of numbers",
-    "list of strings"), the
-    ``least`` a number may be (``above``: strictly), and whether null means "unset" for it."""
+    "list of strings"), the ``least`` a number may be (``above``: strictly), and whether null means "unset" for it."""
 
     type: str
     least: float | None = None
@@ -49,7 +48,8 @@ class Kind:
                 positive = "a positive integer" if self.type == "int" else "a positive, finite number"
                 what = positive if self.above else f"{what} >= 0"
         else:
-            what = {"bool": "true or false", "str": "a string", "object": "a JSON object"}.get(self.type, f"a {self.type}")
+            words = {"bool": "true or false", "str": "a string", "object": "a JSON object"}
+            what = words.get(self.type, f"a {self.type}")
         return f"{what} (or null)" if self.nullable else what
 
 
@@ -68,7 +68,8 @@ KINDS: dict[str, Kind] = {
     "num_key_value_heads": UNSET_OR_POSITIVE, "head_dim": UNSET_OR_POSITIVE, "max_position_embeddings": POSITIVE,
     "rms_norm_eps": POSITIVE_NUMBER, "rope_theta": POSITIVE_NUMBER, "partial_rotary_factor": POSITIVE_NUMBER,
     "original_max_position_embeddings": UNSET_OR_POSITIVE, "tie_word_embeddings": FLAG,
-    "sliding_window": Kind("int", 0, nullable=True), "use_sliding_window": FLAG, "max_window_layers": Kind("int", 0, nullable=True),
+    "sliding_window": Kind("int", 0, nullable=True), "use_sliding_window": FLAG,
+    "max_window_layers": Kind("int", 0, nullable=True),
     "sliding_window_pattern": POSITIVE, "attention_bias": FLAG, "mlp_bias": FLAG, "use_qk_norm": FLAG,
     "attention_dropout": UNSET_OR_NUMBER, "resid_pdrop": UNSET_OR_NUMBER, "embd_pdrop": UNSET_OR_NUMBER,
     "query_pre_attn_scalar": POSITIVE_NUMBER, "final_logit_softcapping": Kind("number", 0, above=True, nullable=True),
@@ -116,7 +117,7 @@ def check_kinds(c: dict[str, Any]) -> None:
 
 def _json(value: Any) -> str:
     """``value`` as config.json writes it."""
-    return json.dumps(value) if _number(value) or isinstance(value, (str, bool, list)) or value is None else repr(value)
+    return json.dumps(value, default=repr)
 
 
 def rope_fields(c: dict[str, Any], family: Family, max_pos: int) -> Fields:

@@ -128,8 +128,9 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
 
 # config.json's names of DecoderConfig's fields, where they differ (for DecoderConfig's errors)
 HF_NAMES = {"hidden": "hidden_size", "ffn": "intermediate_size", "layers": "num_hidden_layers",
-            "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "max_positions": "max_position_embeddings",
-            "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings", "qkv_bias": "attention_bias",
+            "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+            "max_positions": "max_position_embeddings", "norm_eps": "rms_norm_eps",
+            "tie_embeddings": "tie_word_embeddings", "qkv_bias": "attention_bias",
             "final_logit_softcap": "final_logit_softcapping"}
 
 
