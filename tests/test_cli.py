@@ -93,7 +93,7 @@ def test_unknown_key_names_the_closest(tmp_path, text, override, expected):
 @pytest.mark.parametrize("override, expected", [
     ("train.steps=ten", r"\[train\] steps must be an integer, got 'ten'"),
     ("train.steps=2.5", "must be an integer"),
-    ("engine.clip_norm=true", "must be a number or none"),
+    ("engine.clip_norm=true", "must be a finite number or none"),
     ("optimizer.decay=cosin", r"one of 'cosine', 'constant'.*did you mean 'cosine'"),
     ("engine.micro_batches=0", "micro_batches must be an integer >= 1"),
     ("model.preset=llama9", "unknown preset 'llama9'"),
@@ -103,9 +103,10 @@ def test_unknown_key_names_the_closest(tmp_path, text, override, expected):
     ("engine.micro_batches=3", "cannot be split into"),
     ("model.rope_theta=0", "rope_theta must be a positive, finite number"),
     ("model.norm_eps=-1", "norm_eps must be a positive, finite number"),
-    ("optimizer.weight_decay=inf", "weight_decay >= 0, finite"),
-    ("optimizer.eps=inf", "eps > 0"),
-    ("optimizer.lr=inf", "need lr > 0"),
+    ("optimizer.weight_decay=-1", "weight_decay >= 0, finite"),
+    ("optimizer.eps=0", "eps > 0"),
+    ("optimizer.lr=0", "need lr > 0"),
+    ("optimizer.lr=inf", "lr must be a finite number"),
     ("data.prefetch=-1", r"\[data\] prefetch must be an integer >= 0"),
     ("data.seq_len=0", r"\[data\] seq_len must be an integer >= 1"),
     ("data.seed=-1", r"\[data\] seed must be an integer >= 0"),
@@ -365,7 +366,7 @@ def test_errors_name_the_override_or_the_file_the_value_came_from(tmp_path):
     cases = [  # (overrides, the start of the message)
         (["model.layers=abc"], "command-line override model.layers=abc: [model] layers must be an integer"),
         (["model.rope_scaling.factor=x"],
-         "command-line override model.rope_scaling.factor=x: [model] rope_scaling factor must be a number"),
+         "command-line override model.rope_scaling.factor=x: [model] rope_scaling factor must be a finite number"),
         (["train.stpes=3"], "unknown key 'stpes' in command-line override train.stpes=3; did you mean 'steps'?"),
         (["trian.steps=3"], "command-line override trian.steps=3: unknown section [trian]"),
         (["engine.micro_batches=0"], "command-line override engine.micro_batches=0: EngineConfig.micro_batches"),
@@ -465,7 +466,7 @@ def test_longrope_factors_are_toml_arrays():
     cfg = parse_config({"model": {"preset": "tiny", "family": "phi3", "rope_scaling": rope}})
     assert cfg.model.build().rope_scaling.long_factor == tuple(float(i) for i in range(1, 9))
     assert parse_config(tomllib.loads(to_toml(cfg))) == cfg
-    with pytest.raises(ConfigError, match=r"rope_scaling long_factor must be an array, each entry a number or none"):
+    with pytest.raises(ConfigError, match=r"rope_scaling long_factor must be an array, each entry a finite number or none"):
         parse_config({"model": {"preset": "tiny", "family": "phi3", "rope_scaling": dict(rope, long_factor=["x"])}})
 
 
@@ -496,3 +497,29 @@ def test_a_path_the_machine_refuses_is_a_clear_error_not_a_traceback(monkeypatch
     monkeypatch.setitem(commands.COMMANDS, "plot", fail)
     with pytest.raises(OSError):
         commands.main(["plot", "/runs/r1"])
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+@pytest.mark.parametrize("key", ["data.eval_fraction", "engine.clip_norm", "train.peak_tflops",
+                                 "model.final_logit_softcap", "model.rope_scaling.factor", "optimizer.b1"])
+def test_a_number_in_a_config_is_finite(key, value):
+    """TOML reads nan and inf; no number of a run config means them: refused, naming the key."""
+    section, name = key.split(".", 1)
+    with pytest.raises(ConfigError, match=rf"{name.split('.')[-1]} must be .*finite number.*got {value}"):
+        load_config(None, ["model.preset=7b", f"{key}={value}"])
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-3", "0", "lots"])
+@pytest.mark.parametrize("flag", ["--host-gib", "--gpu-gib"])
+def test_plan_sizes_are_positive_finite_numbers(flag, value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "model.preset=7b", flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{value!r} is not a size in GiB" in err and "Traceback" not in err
+
+
+def test_held_out_share_is_a_fraction():
+    from megatrain_jax.data import DataConfig
+    for bad in (float("nan"), -0.1, 1.0):
+        with pytest.raises(ValueError, match=r"eval_fraction must lie in \[0, 1\)"):
+            DataConfig(eval_fraction=bad)

@@ -140,7 +140,7 @@ def test_export_refuses_what_the_architecture_cannot_express(cfg, match):
 def test_bad_switch_values_name_the_allowed_ones():
     with pytest.raises(ValueError, match=r"mlp_activation 'gelu'.*\['silu', 'gelu_tanh'\].*did you mean 'gelu_tanh'"):
         preset("tiny", mlp_activation="gelu")
-    with pytest.raises(ValueError, match="query_pre_attn_scalar must be a positive number"):
+    with pytest.raises(ValueError, match="query_pre_attn_scalar must be a positive, finite number"):
         preset("tiny", query_pre_attn_scalar=0)
 
 

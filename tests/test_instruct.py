@@ -320,3 +320,45 @@ def test_sft_end_to_end_from_an_hf_folder_to_an_hf_folder_and_resumes_bit_exactl
     assert losses(parted) == first
     for a, b in zip(sorted((whole / "hf").glob("*.safetensors")), sorted((parted / "hf").glob("*.safetensors"))):
         assert a.read_bytes() == b.read_bytes()
+
+
+@pytest.mark.parametrize("body, error", [
+    ("{{ 1 + messages }}", "TypeError"),
+    ("{{ 1 // 0 }}", "ZeroDivisionError"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    ("{{ messages[0]['role'] | int + 1 }}{{ messages.nope.nope }}", "UndefinedError"),
+])
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
+def test_a_template_that_raises_names_its_file_and_the_line(tmp_path, body, error, where):
+    """A chat template is a program: any error it raises (Python's own too) names the template's file and the
+    data line, never a traceback."""
+    folder = make_tokenizer_folder(tmp_path / "tok", template=body if where == "tokenizer_config.json" else None)
+    if where == "chat_template.jinja":
+        (folder / where).write_text(body)
+    tok = ChatTokenizer.from_folder(folder)
+    with pytest.raises(InstructDataError, match=rf"d.jsonl:2: the chat template failed on this example: {error}.*"
+                                                rf"{where}"):
+        read_examples(write_jsonl(tmp_path / "d.jsonl", ["{\"prompt\": \"a\", \"completion\": \"b\"}",
+                                                          CONVERSATION]), tok, seq_len=512)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[1, 2]", r"tokenizer_config.json: holds a JSON array, where a JSON object"),
+    ("{\"chat_template\": ", r"tokenizer_config.json: not valid JSON \(.* at line 1"),
+    (json.dumps({"chat_template": 3}), r"tokenizer_config.json 'chat_template' is 3: a chat template is a string"),
+])
+def test_a_tokenizer_config_that_is_not_an_object_names_the_file(tmp_path, text, match):
+    folder = make_tokenizer_folder(tmp_path / "tok")
+    (folder / "tokenizer_config.json").write_text(text)
+    with pytest.raises(InstructDataError, match=match):
+        ChatTokenizer.from_folder(folder)
+
+
+def test_a_template_that_does_not_render_prefixes_names_its_file(tmp_path):
+    """A template that renders a conversation's beginning otherwise than the whole's (here: it numbers the turns
+    from the end) cannot be split into turns: the error names the template's file."""
+    backwards = "{% for m in messages %}{{ (messages | length) - loop.index0 }}{{ m['content'] }}{% endfor %}"
+    tok = ChatTokenizer.from_folder(make_tokenizer_folder(tmp_path / "tok", backwards))
+    with pytest.raises(InstructDataError, match=r"d.jsonl:1: the chat template \(.*tokenizer_config.json "
+                                                r"'chat_template'\) does not render a conversation's beginning"):
+        read_examples(write_jsonl(tmp_path / "d.jsonl", [CONVERSATION]), tok, seq_len=512)

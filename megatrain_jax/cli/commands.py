@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import sys
 from pathlib import Path
@@ -50,6 +51,18 @@ EXAMPLES = """examples:
 """
 
 
+def gib(text: str) -> float:
+    """An argparse type: a size in GiB, a positive finite number (``inf``, ``nan``, ``0`` and ``-3`` are
+    refused by argparse with this message, as bad input)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GiB: give a positive, finite number (e.g. 80)")
+    return value
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", help="a TOML run config (see experiments/configs/)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
@@ -67,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     p = sub.add_parser("plan", help="print the host and GPU memory plan of a config")
     _add_config_args(p)
-    p.add_argument("--host-gib", type=float, help="host RAM to plan for (default: this machine's MemAvailable)")
-    p.add_argument("--gpu-gib", type=float, help="GPU memory to plan for (default: this GPU's, if any)")
+    p.add_argument("--host-gib", type=gib, help="host RAM to plan for (default: this machine's MemAvailable)")
+    p.add_argument("--gpu-gib", type=gib, help="GPU memory to plan for (default: this GPU's, if any)")
     p.add_argument("--exact", action="store_true",
                    help="compile the run's programs on this machine's GPU and plan with XLA's figures for their "
                         "scratch memory, as train does (without it the GPU side is an estimate)")

@@ -87,7 +87,7 @@ def _describe(hint: Any) -> str:
         return f"a table of {hint.__name__} fields"
     if typing.get_origin(hint) is tuple and typing.get_args(hint)[1:] == (Ellipsis,):
         return f"an array, each entry {_describe(typing.get_args(hint)[0])}"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+    return {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}.get(
         hint, getattr(hint, "__name__", str(hint)))
 
 
@@ -127,9 +127,9 @@ def coerce(value: Any, hint: Any, where: str | Where) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where} must be an integer, got {value!r}")
         return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where} must be a number, got {value!r}")
+    if hint is float:  # TOML reads nan and inf, which no field of a run config means
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{where} must be a finite number, got {value!r}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):

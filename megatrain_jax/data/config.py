@@ -44,6 +44,9 @@ class DataConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"[data] {name} must be an integer >= {least}, got {value!r}")
+        if isinstance(self.eval_fraction, bool) or not 0.0 <= self.eval_fraction < 1.0:  # nan too
+            raise ValueError(f"[data] eval_fraction must lie in [0, 1) (the share of the data held out), got "
+                             f"{self.eval_fraction!r}")
         for name, what in (("path", "the token file (with format = 'chat', the JSONL file), or leave it unset for "
                                     "the demo corpus"),
                            ("tokenizer", "the tokenizer's folder, or leave it unset for the model's hf_checkpoint"),

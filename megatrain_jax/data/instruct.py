@@ -36,6 +36,8 @@ from typing import Any, Iterator, Literal
 
 import numpy as np
 
+from megatrain_jax.hf.json_files import read_json_object
+
 ROLES = ("system", "user", "assistant")
 TooLong = Literal["truncate", "skip"]
 
@@ -75,12 +77,15 @@ def _special(value: Any) -> str | None:
 class ChatTokenizer:
     """A checkpoint's tokenizer (``tokenizers``) and chat template (jinja2), from its folder."""
 
-    def __init__(self, tokenizer, template: str | None, special: dict[str, str | None], where: str = "tokenizer"):
+    def __init__(self, tokenizer, template: str | None, special: dict[str, str | None], where: str = "tokenizer",
+                 template_file: str | None = None):
         self.tokenizer = tokenizer
         self.template_source = template
         self.special = special
         self.where = where
-        self._template = None if template is None else _compile(template)
+        # where the template came from, for errors: tokenizer_config.json's 'chat_template' or chat_template.jinja
+        self.template_file = template_file or f"the chat template of {where}"
+        self._template = None if template is None else _compile(template, self.template_file)
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> "ChatTokenizer":
@@ -99,30 +104,34 @@ class ChatTokenizer:
         except Exception as e:  # the tokenizers library's own error names no file
             raise InstructDataError(f"{path}: not a tokenizer file the tokenizers library can read ({e}); it should "
                                     f"be the tokenizer.json transformers saves with the checkpoint") from None
-        config: dict[str, Any] = {}
         config_path = folder / "tokenizer_config.json"
-        if config_path.exists():
-            try:
-                config = json.loads(config_path.read_text())
-            except json.JSONDecodeError as e:
-                raise InstructDataError(f"{config_path}: not valid JSON ({e})") from None
+        config = read_json_object(config_path, InstructDataError) if config_path.exists() else {}
         template = config.get("chat_template")
+        template_file = f"{config_path} 'chat_template'"
         if isinstance(template, list):  # named templates: the default one
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
+            template_file = f"{config_path} 'chat_template' (the one named 'default')"
+        if template is not None and not isinstance(template, str):
+            raise InstructDataError(f"{template_file} is {template!r}: a chat template is a string "
+                                    f"(or a list of {{name, template}} objects)")
         jinja_file = folder / "chat_template.jinja"
         if template is None and jinja_file.exists():
-            template = jinja_file.read_text()
+            template, template_file = jinja_file.read_text(), str(jinja_file)
         special = {k: _special(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        return cls(tokenizer, template, special, where=str(folder))
+        return cls(tokenizer, template, special, where=str(folder), template_file=template_file)
 
     # ------------------------------------------------------------------ rendering
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         if self._template is None:
             raise InstructDataError(f"{self.where} has no chat template (tokenizer_config.json 'chat_template' "
                                     f"or chat_template.jinja): use prompt/completion lines, or add a template")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
-                                     documents=None, **self.special)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                         documents=None, **self.special)
+        except Exception as e:  # a template is a program: any error of its own (raise_exception) or Python's
+            raise InstructDataError(f"the chat template failed on this example: {_template_error(e)} (the template: "
+                                    f"{self.template_file}); fix the line, or the template") from None
 
     # ------------------------------------------------------------------ one example
     def encode(self, example: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -150,14 +159,22 @@ class ChatTokenizer:
             start = self.render(messages[:i], add_generation_prompt=True)
             end = self.render(messages[:i + 1])
             if not (full.startswith(end) and end.startswith(start)):
-                raise InstructDataError("the chat template does not render a conversation's beginning as the "
-                                        "beginning of the whole, so the assistant's turns cannot be found; "
-                                        "use prompt/completion lines or another template")
+                raise InstructDataError(f"the chat template ({self.template_file}) does not render a conversation's "
+                                        f"beginning as the beginning of the whole, so the assistant's turns cannot be "
+                                        f"found; use prompt/completion lines or another template")
             spans.append((len(start), len(end)))
         return full, spans
 
 
-def _compile(source: str):
+def _template_error(e: BaseException) -> str:
+    """What a template's error says: its own message (``raise_exception``), or a Python error with its type."""
+    import jinja2
+    if isinstance(e, jinja2.exceptions.TemplateError) and not isinstance(e, jinja2.exceptions.UndefinedError):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
+
+
+def _compile(source: str, template_file: str):
     """The template compiled as transformers compiles chat templates."""
     try:
         import jinja2
@@ -178,8 +195,8 @@ def _compile(source: str):
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
         return env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise InstructDataError(f"the chat template does not parse: {e}") from None
+    except Exception as e:  # a syntax error, or one of Python's (a template nested too deep: RecursionError)
+        raise InstructDataError(f"the chat template ({template_file}) does not parse: {_template_error(e)}") from None
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -232,16 +249,12 @@ def read_examples(path: str | os.PathLike, tokenizer: ChatTokenizer, seq_len: in
     path = Path(path)
     if not path.exists():
         raise InstructDataError(f"{path} does not exist")
-    import jinja2
-
     examples, stats = [], Stats()
     for line_no, text in _lines(path):
         where = f"{path}:{line_no}"
         example = parse_line(text, where)
         try:
             ids, mask = tokenizer.encode(example)
-        except jinja2.exceptions.TemplateError as e:
-            raise InstructDataError(f"{where}: the chat template failed on this example: {e}") from None
         except InstructDataError as e:
             raise InstructDataError(f"{where}: {e}") from None
         if len(ids) > seq_len + 1:

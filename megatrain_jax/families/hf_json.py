@@ -8,9 +8,116 @@ DecoderConfig. Both the transformers 4.x spelling (``rope_theta`` + ``rope_scali
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 from typing import Any
 
 from megatrain_jax.families.family import Family, Fields, UnsupportedConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """What one config.json key holds: a JSON ``type`` ("int", "number", "bool", "str", "object", "list of numbers",
+    "list of strings"), the ``least`` a number may be (``above``: strictly), and whether null means "unset" for it."""
+
+    type: str
+    least: float | None = None
+    above: bool = False
+    nullable: bool = False
+
+    def holds(self, value: Any) -> bool:
+        if value is None:
+            return self.nullable
+        if self.type in ("bool", "str"):
+            return isinstance(value, bool if self.type == "bool" else str)
+        if self.type == "object":
+            return isinstance(value, dict)
+        if self.type.startswith("list of "):
+            return isinstance(value, list) and all(_number(v) if self.type.endswith("numbers") else isinstance(v, str)
+                                                   for v in value)
+        if not _number(value) or (self.type == "int" and not isinstance(value, int)):
+            return False
+        return self.least is None or (value > self.least if self.above else value >= self.least)
+
+    def __str__(self) -> str:
+        """What the value must be, in words: "a positive integer", "true or false (or null)", ..."""
+        if self.type in ("int", "number"):
+            what = "an integer" if self.type == "int" else "a finite number"
+            if self.least == 0:
+                positive = "a positive integer" if self.type == "int" else "a positive, finite number"
+                what = positive if self.above else f"{what} >= 0"
+        else:
+            words = {"bool": "true or false", "str": "a string", "object": "a JSON object"}
+            what = words.get(self.type, f"a {self.type}")
+        return f"{what} (or null)" if self.nullable else what
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+POSITIVE, COUNT, FLAG = Kind("int", 0, above=True), Kind("int", 0), Kind("bool")
+POSITIVE_NUMBER, NONNEGATIVE_NUMBER = Kind("number", 0, above=True), Kind("number", 0)
+UNSET_OR_POSITIVE = Kind("int", 0, above=True, nullable=True)
+UNSET_OR_NUMBER = Kind("number", 0, nullable=True)
+# The config.json keys any family reads, and what each must hold where it is present: checked before any is used.
+KINDS: dict[str, Kind] = {
+    "model_type": Kind("str", nullable=True), "vocab_size": POSITIVE, "hidden_size": POSITIVE,
+    "intermediate_size": POSITIVE, "num_hidden_layers": POSITIVE, "num_attention_heads": POSITIVE,
+    "num_key_value_heads": UNSET_OR_POSITIVE, "head_dim": UNSET_OR_POSITIVE, "max_position_embeddings": POSITIVE,
+    "rms_norm_eps": POSITIVE_NUMBER, "rope_theta": POSITIVE_NUMBER, "partial_rotary_factor": POSITIVE_NUMBER,
+    "original_max_position_embeddings": UNSET_OR_POSITIVE, "tie_word_embeddings": FLAG,
+    "sliding_window": Kind("int", 0, nullable=True), "use_sliding_window": FLAG,
+    "max_window_layers": Kind("int", 0, nullable=True),
+    "sliding_window_pattern": POSITIVE, "attention_bias": FLAG, "mlp_bias": FLAG, "use_qk_norm": FLAG,
+    "attention_dropout": UNSET_OR_NUMBER, "resid_pdrop": UNSET_OR_NUMBER, "embd_pdrop": UNSET_OR_NUMBER,
+    "query_pre_attn_scalar": POSITIVE_NUMBER, "final_logit_softcapping": Kind("number", 0, above=True, nullable=True),
+    "num_experts": POSITIVE, "num_local_experts": POSITIVE, "n_routed_experts": POSITIVE,
+    "num_experts_per_tok": POSITIVE, "moe_intermediate_size": POSITIVE, "n_shared_experts": COUNT,
+    "shared_expert_intermediate_size": Kind("int", 0, nullable=True), "n_group": POSITIVE, "topk_group": POSITIVE,
+    "norm_topk_prob": FLAG, "routed_scaling_factor": POSITIVE_NUMBER, "router_aux_loss_coef": NONNEGATIVE_NUMBER,
+    "router_jitter_noise": UNSET_OR_NUMBER, "decoder_sparse_step": POSITIVE, "moe_layer_freq": POSITIVE,
+    "first_k_dense_replace": COUNT, "swiglu_alpha": POSITIVE_NUMBER, "swiglu_limit": POSITIVE_NUMBER,
+    "kv_lora_rank": POSITIVE, "q_lora_rank": UNSET_OR_POSITIVE, "qk_nope_head_dim": POSITIVE,
+    "qk_rope_head_dim": POSITIVE, "v_head_dim": POSITIVE, "rope_interleave": FLAG,
+    "layer_types": Kind("list of strings", nullable=True), "rope_scaling": Kind("object", nullable=True),
+    "rope_parameters": Kind("object", nullable=True), "rope_local_base_freq": POSITIVE_NUMBER,
+}
+# The keys of ``rope_scaling`` (``rope_parameters``).
+ROPE_KINDS: dict[str, Kind] = {
+    "rope_type": Kind("str"), "type": Kind("str"), "rope_theta": POSITIVE_NUMBER,
+    "partial_rotary_factor": POSITIVE_NUMBER, "factor": POSITIVE_NUMBER, "low_freq_factor": POSITIVE_NUMBER,
+    "high_freq_factor": POSITIVE_NUMBER, "original_max_position_embeddings": UNSET_OR_POSITIVE,
+    "beta_fast": UNSET_OR_NUMBER, "beta_slow": UNSET_OR_NUMBER, "attention_factor": UNSET_OR_NUMBER,
+    "mscale": UNSET_OR_NUMBER, "mscale_all_dim": UNSET_OR_NUMBER, "truncate": FLAG,
+    "short_factor": Kind("list of numbers", nullable=True), "long_factor": Kind("list of numbers", nullable=True),
+}
+
+
+def check_kinds(c: dict[str, Any]) -> None:
+    """Raise UnsupportedConfig naming the first key of config.json ``c`` (or of its rope parameters) whose value is
+    not of its ``KINDS``: a string where a number belongs, null for a required number, zero heads, ..."""
+    tables = [("", c, KINDS)]
+    for key in ("rope_scaling", "rope_parameters"):
+        params = c.get(key)
+        if isinstance(params, dict) and params and set(params) <= {"full_attention", "sliding_attention"}:
+            tables += [(f"{key}.", params, {layer_type: Kind("object", nullable=True) for layer_type in params})]
+            tables += [(f"{key}.{t}.", p, ROPE_KINDS) for t, p in params.items() if isinstance(p, dict)]
+        elif isinstance(params, dict):
+            tables.append((f"{key}.", params, ROPE_KINDS))
+    for prefix, table, kinds in tables:
+        for key, kind in kinds.items():
+            if key in table and not kind.holds(table[key]):
+                quoted = " (a JSON number, without quotes)" if kind.type in ("int", "number") and isinstance(
+                    table[key], str) else ""
+                raise UnsupportedConfig(f"{prefix}{key}={_json(table[key])}: must be {kind}{quoted}; correct it, or "
+                                        f"take config.json again from the model's source")
+
+
+def _json(value: Any) -> str:
+    """``value`` as config.json writes it."""
+    return json.dumps(value, default=repr)
 
 
 def rope_fields(c: dict[str, Any], family: Family, max_pos: int) -> Fields:

@@ -8,10 +8,11 @@ our decoder cannot reproduce exactly is an error naming the offending value, nev
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from megatrain_jax.families import FAMILIES, FEATURES, EITHER, Family, UnsupportedConfig, by_model_type
-from megatrain_jax.families.hf_json import rope_fields, rope_to_hf
+from megatrain_jax.families.hf_json import check_kinds, rope_fields, rope_to_hf
 from megatrain_jax.models.config import DecoderConfig, MLAConfig, MoEConfig, RopeScaling
 
 # model_type -> (our family, the causal-LM class transformers builds)
@@ -44,6 +45,8 @@ def family_of(c: dict[str, Any]) -> Family:
     class is an error naming what is supported."""
     mt = c.get("model_type")
     archs = c.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise UnsupportedConfig(f"architectures={archs!r} must be a list of class names, e.g. [\"LlamaForCausalLM\"]")
     if mt is None and archs:  # derive from the class name, e.g. LlamaForCausalLM
         mt = next((f.model_type for f in FAMILIES.values() if f.hf_class in archs), None)
     if mt in HYBRID_TYPES:
@@ -84,7 +87,11 @@ def _refuse_common(c: dict[str, Any], family: Family) -> None:
 
 def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
     """The DecoderConfig of a Hugging Face ``config.json`` (as a dict). ``overrides`` replace fields
-    that config.json does not determine (``dtype``, ``attention_impl``, ``loss_chunk_tokens``, ...)."""
+    that config.json does not determine (``dtype``, ``attention_impl``, ``loss_chunk_tokens``, ...). A value of
+    the wrong type or range is an UnsupportedConfig naming its key."""
+    if not isinstance(config_json, dict):
+        raise UnsupportedConfig(f"a config.json holds a JSON object, got {type(config_json).__name__}")
+    check_kinds(config_json)
     family = family_of(config_json)
     c = {**family.hf_defaults, **config_json}  # the family's config class fills what config.json omits
     family.refuse(c)
@@ -111,7 +118,26 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
     if "rope_theta" not in fields:
         fields.update(rope_fields(c, family, max_pos))
     fields.update(overrides)
-    return DecoderConfig(**_configs(fields))
+    try:
+        return DecoderConfig(**_configs(fields))
+    except UnsupportedConfig:
+        raise
+    except ValueError as e:  # DecoderConfig's own rules (heads divide hidden, ...), in its names
+        raise UnsupportedConfig(f"{e}{_in_hf_names(str(e))}") from None
+
+
+# config.json's names of DecoderConfig's fields, where they differ (for DecoderConfig's errors)
+HF_NAMES = {"hidden": "hidden_size", "ffn": "intermediate_size", "layers": "num_hidden_layers",
+            "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+            "max_positions": "max_position_embeddings", "norm_eps": "rms_norm_eps",
+            "tie_embeddings": "tie_word_embeddings", "qkv_bias": "attention_bias",
+            "final_logit_softcap": "final_logit_softcapping"}
+
+
+def _in_hf_names(message: str) -> str:
+    """`` (in config.json: hidden is hidden_size, ...)`` for the fields ``message`` names by DecoderConfig's names."""
+    named = [f"{ours} is {theirs}" for ours, theirs in HF_NAMES.items() if re.search(rf"\b{ours}\b", message)]
+    return f" (in config.json: {', '.join(named)})" if named else ""
 
 
 def _configs(fields: dict[str, Any]) -> dict[str, Any]:

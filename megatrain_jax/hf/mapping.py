@@ -13,7 +13,6 @@ Loading goes tensor by tensor from memory-mapped files, so peak extra memory is 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -26,8 +25,9 @@ from megatrain_jax.families import FAMILIES, Spec
 from megatrain_jax.families.tensors import io_specs
 from megatrain_jax.hf.config import UnsupportedConfig, config_from_hf, token_ids
 from megatrain_jax.hf.export_folder import GENERATION_CONFIG
+from megatrain_jax.hf.json_files import read_json_object
 from megatrain_jax.hf.mxfp4 import DequantizedCheckpoint, packed_names
-from megatrain_jax.hf.safetensors_io import Checkpoint
+from megatrain_jax.hf.safetensors_io import WEIGHT_DTYPES, Checkpoint
 from megatrain_jax.models.config import DecoderConfig
 
 PureTree = dict[str, Any]  # nested dict of arrays, as nnx.to_pure_dict gives
@@ -55,8 +55,8 @@ def _place(tree: PureTree, s: Spec, value: Any, experts: int | None) -> None:
 
 
 def check_checkpoint(ckpt: Checkpoint, cfg: DecoderConfig) -> None:
-    """Raise CheckpointMismatch listing every missing, unexpected or wrongly shaped tensor, from the
-    headers alone (before any tensor data is read)."""
+    """Raise CheckpointMismatch listing every missing, unexpected, wrongly shaped or non-floating (an integer dtype)
+    tensor, from the headers alone (before any tensor data is read)."""
     expected = {s.hf_name: s.hf_shape for s in io_specs(cfg)}
     for i in range(cfg.layers):
         expected.update((s.hf_name, s.hf_shape) for s in block_specs(cfg, i))
@@ -72,17 +72,21 @@ def check_checkpoint(ckpt: Checkpoint, cfg: DecoderConfig) -> None:
     unexpected = sorted(set(found) - set(expected) - allowed_extra
                         - {n for n in found if n.endswith("rotary_emb.inv_freq")})
     wrong = sorted(n for n in set(expected) & set(found) if tuple(found[n]) != tuple(expected[n]))
+    dtypes = ckpt.dtypes()
+    not_float = sorted(n for n in set(expected) & set(found) if dtypes[n] not in WEIGHT_DTYPES)
     if cfg.tie_embeddings and "lm_head.weight" in found and tuple(found["lm_head.weight"]) != (
             cfg.vocab_size, cfg.hidden):
         wrong.append("lm_head.weight")
         expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden)
-    if not (missing or unexpected or wrong):
+    if not (missing or unexpected or wrong or not_float):
         return
     lines = [f"checkpoint {ckpt.dir} does not match its config ({cfg.family}, {cfg.layers} layers, hidden "
              f"{cfg.hidden}, vocab {cfg.vocab_size}, tied={cfg.tie_embeddings}):"]
     lines += [f"  missing: {n} (expected shape {list(expected[n])})" for n in missing]
     lines += [f"  unexpected: {n} (shape {list(found[n])})" for n in unexpected]
     lines += [f"  shape mismatch: {n}: expected {list(expected[n])}, found {list(found[n])}" for n in wrong]
+    lines += [f"  dtype: {n} in {ckpt.file_of(n)} is {dtypes[n]}; a weight is floating point "
+              f"({', '.join(WEIGHT_DTYPES)}): convert the checkpoint's weights, or take them again" for n in not_float]
     raise CheckpointMismatch("\n".join(lines))
 
 
@@ -117,14 +121,23 @@ def read_config(model_dir: str | os.PathLike, **overrides) -> DecoderConfig:
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"no config.json in {model_dir}")
+    config_json = read_json_object(path)
     generation = Path(model_dir) / GENERATION_CONFIG
     if generation.exists():
         try:
-            ids = token_ids(json.loads(generation.read_text()))
-        except (ValueError, UnsupportedConfig) as e:
-            raise UnsupportedConfig(f"{generation}: {e}") from None
-        overrides = {**{k: v for k, v in ids.items() if k not in json.loads(path.read_text())}, **overrides}
-    return config_from_hf(json.loads(path.read_text()), **overrides)
+            ids = token_ids(read_json_object(generation))
+        except UnsupportedConfig as e:
+            raise UnsupportedConfig(_in_file(generation, e)) from None
+        overrides = {**{k: v for k, v in ids.items() if k not in config_json}, **overrides}
+    try:
+        return config_from_hf(config_json, **overrides)
+    except UnsupportedConfig as e:
+        raise UnsupportedConfig(_in_file(path, e)) from None
+
+
+def _in_file(path: Path, e: Exception) -> str:
+    """``e``'s message, beginning with the file it is about (once)."""
+    return str(e) if str(e).startswith(str(path)) else f"{path}: {e}"
 
 
 def open_checkpoint(model_dir: str | os.PathLike, cfg: DecoderConfig) -> Checkpoint | DequantizedCheckpoint:

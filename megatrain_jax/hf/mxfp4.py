@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
-from megatrain_jax.hf.safetensors_io import Checkpoint
+from megatrain_jax.hf.safetensors_io import Checkpoint, dtype_code
 
 BLOCKS, SCALES = "_blocks", "_scales"
 # transformers' FP4_VALUES: e2m1 codes 0..15 (bit 3 the sign)
@@ -82,6 +82,14 @@ class DequantizedCheckpoint:
             E, rows, groups, nbytes = self._ckpt.info(p + BLOCKS).shape
             shapes[p] = (E, groups * nbytes * 2, rows)
         return shapes
+
+    def dtypes(self) -> dict[str, str]:
+        """As ``Checkpoint.dtypes``; a dequantized pair reads as BF16 (``dtype``)."""
+        names, code = set(self.names()), dtype_code(self.dtype)
+        return {**{n: d for n, d in self._ckpt.dtypes().items() if n in names}, **{p: code for p in self.packed}}
+
+    def file_of(self, name: str):
+        return self._ckpt.file_of(name + BLOCKS if name in self.packed else name)
 
     def will_need(self, names: Sequence[str]) -> None:
         self._ckpt.will_need([s for n in names for s in self._stored(n)])

@@ -19,6 +19,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from megatrain_jax.hf.json_files import read_json_object
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the reference implementation enforces
@@ -31,6 +33,9 @@ DTYPES: dict[str, np.dtype] = {
     "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
 }
 _CODES: dict[np.dtype, str] = {dt: code for code, dt in DTYPES.items()}
+# What a model's weights may be stored as: floating point, which a load widens to float32 exactly. An integer or
+# boolean tensor (or FP8, which needs its scales) where a weight belongs would be cast to numbers it never meant.
+WEIGHT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 class SafetensorsError(ValueError):
@@ -191,10 +196,10 @@ class Checkpoint:
                                    f"the checkpoint folder {self.dir}; copy the file into the folder instead")
 
     def _open_index(self, index: Path) -> None:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SafetensorsError(f"{index}: not a valid index ({e!r}); expected a 'weight_map'") from None
+        weight_map = read_json_object(index, SafetensorsError).get("weight_map")
+        if weight_map is None:
+            raise SafetensorsError(f"{index}: not a valid index: it has no 'weight_map' (tensor name -> shard file "
+                                   f"name); take the index again with the shards it lists")
         if not isinstance(weight_map, dict):
             raise SafetensorsError(f"{index}: 'weight_map' must map tensor names to shard file names, got "
                                    f"{type(weight_map).__name__}")
@@ -223,6 +228,14 @@ class Checkpoint:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: f.tensors[name].shape for name, f in self._where.items()}
+
+    def dtypes(self) -> dict[str, str]:
+        """Each tensor's safetensors dtype code (``'BF16'``, ``'I32'``, ...)."""
+        return {name: f.tensors[name].dtype for name, f in self._where.items()}
+
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor ``name``."""
+        return self._where[name].path
 
     def will_need(self, names: Sequence[str]) -> None:
         """Start reading these tensors from the disk in the background (see ``SafetensorsFile.will_need``)."""

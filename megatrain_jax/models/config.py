@@ -340,8 +340,9 @@ def validate(cfg: DecoderConfig) -> None:
             raise ValueError(f"{name} must be a positive, finite number, got {value!r}")
     for name in ("query_pre_attn_scalar", "sliding_rope_theta", "final_logit_softcap"):
         value = getattr(cfg, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-            raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value < math.inf):
+            raise ValueError(f"{name} must be a positive, finite number or None, got {value!r}")
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = getattr(cfg, name)
         ids = value if isinstance(value, tuple) and name == "eos_token_id" else (value,)
