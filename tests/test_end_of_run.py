@@ -66,3 +66,48 @@ def test_a_checkpoint_being_written_holds_the_resident_parts_until_it_has_them(t
     for k in at_save:
         assert np.array_equal(got[k], at_save[k]), k
 
+
+# ------------------------------------------------------------------------------------------------ the plan
+def test_the_plan_counts_the_end_of_the_run():
+    """The end holds, beyond training's arrays, the most of: a resident leaf on its way home (pinned: what the
+    pool's room does not hold), one exported tensor's cast copy, a checkpoint's save. The host total is the run's
+    peak, start to exit."""
+    from megatrain_jax import preset
+    from megatrain_jax.engine import precision
+    from megatrain_jax.hf.export import peak_bytes
+    from megatrain_jax.plan import plan
+    from megatrain_jax.plan.memory import CHECKPOINT_SAVE_BYTES, end_of_run
+    cfg = preset("tiny", layers=4, vocab_size=4096, tie_embeddings=False)
+    e = EngineConfig(resident_layers=2, resident_io=True, stream_dtype="float32")
+    lean = precision.mode_of(e, cfg.dtype, "float32")
+    home = 4 * cfg.vocab_size * cfg.hidden  # the embedding, the largest resident leaf, in float32
+    assert end_of_run(cfg, e, lean, True, False, False)[1] == home
+    assert end_of_run(cfg, e, lean, True, False, False, pool_room=home - 5)[1] == 5
+    what, most = end_of_run(cfg, e, lean, True, True, True, pool_room=home)
+    assert most == max(peak_bytes(cfg), CHECKPOINT_SAVE_BYTES) and "the Hugging Face export" in what
+    assert end_of_run(cfg, EngineConfig(), lean, True, False, False) == ("", 0)  # nothing resident, no export
+    p = plan(cfg, e, 4, 64, detect=False, export=True, checkpoints=True)
+    room = p.host[next(k for k in p.host if k.startswith("XLA's pinned pool"))]
+    end = [v for k, v in p.host.items() if k.startswith("end of run")]
+    assert end == [max(home - room, peak_bytes(cfg), CHECKPOINT_SAVE_BYTES)]
+    assert p.replace(seq_len=32).export and p.applied((("engine.micro_batches", 2),)).checkpoints  # levers keep it
+
+
+def test_a_run_whose_end_would_not_fit_is_made_leaner_or_refused_before_training():
+    from megatrain_jax import preset
+    from megatrain_jax.plan import Machine, MemoryPlanError, plan, require_fit, resolve
+    cfg = preset("tiny", layers=4, vocab_size=32768, hidden=256, ffn=512, tie_embeddings=False, dtype="bfloat16")
+    e = EngineConfig()  # a 16-bit stream copy; nothing resident: the export is all the end holds
+    without, with_ = (plan(cfg, e, 4, 64, detect=False, export=x) for x in (False, True))
+    assert with_.host_total > without.host_total
+    host = (without.host_total + with_.host_total) // 2  # training fits; its end does not
+    machine = Machine(host_ram_bytes=host, gpu_bytes=None)
+    assert resolve(cfg, e, 4, 64, machine).engine_cfg == e
+    leaner = resolve(cfg, e, 4, 64, machine, export=True)
+    assert leaner.engine_cfg != e and "host RAM is short" in leaner.said
+    # a config that fixes its own host layout is refused, before training, with the end of the run in the table
+    fixed = EngineConfig(stream_dtype="bfloat16")
+    p = plan(cfg, fixed, 4, 64, detect=False, export=True)
+    p = p.replace(host_ram_bytes=p.host_total - 1)
+    with pytest.raises(MemoryPlanError, match="does not fit in host RAM(.|\n)*end of run"):
+        require_fit(p)

@@ -112,6 +112,20 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
     return [Path(model_dir) / name for name in names]
 
 
+def peak_bytes(cfg: DecoderConfig, dtype: str = "bfloat16") -> int:
+    """The most host memory ``save_hf`` holds beyond the parameters it is given, at any moment: one HF tensor's
+    cast copy in ``dtype`` (``write_entries``), and where pieces of ours are fused into one HF tensor (Phi-3's
+    qkv_proj, GPT-OSS's gate_up_proj), their float32 concatenation as well. The memory plan counts it at the end
+    of a run that exports (``plan(..., export=True)``)."""
+    out = 4 if dtype == "float32" else 2
+    pieces: dict[str, list] = {}
+    for specs in [io_specs(cfg)] + [block_specs(cfg, i) for i in range(cfg.layers)]:
+        for s in specs:
+            pieces.setdefault(s.hf_name, []).append(s.hf_shape)
+    return max((math.prod(shapes[0]) * (out + (4 if len(shapes) > 1 else 0)) for shapes in pieces.values()),
+               default=0)
+
+
 def _producer(value: Any, transpose: bool, expert: int | None = None):
     """Deferred host read of one parameter, or of one expert's slice of it, as a view where it can be: a
     host-memory JAX array is read through its buffer (``transfer.host_view``), never with ``np.asarray``,
