@@ -111,3 +111,25 @@ def test_a_run_whose_end_would_not_fit_is_made_leaner_or_refused_before_training
     p = p.replace(host_ram_bytes=p.host_total - 1)
     with pytest.raises(MemoryPlanError, match="does not fit in host RAM(.|\n)*end of run"):
         require_fit(p)
+
+
+def test_train_refuses_before_training_a_run_whose_export_would_not_fit(tmp_path, capsys, monkeypatch):
+    """Host RAM enough for training but not for the export after it: ``train`` says so before the first step,
+    with the end of the run in the plan's table, and leaves no run behind."""
+    from megatrain_jax.cli.commands import main
+    from megatrain_jax.cli.run_config import load_config
+    from megatrain_jax.plan import machine, memory
+    from test_cli import TINY_RUN
+    wide = [*TINY_RUN, "model.vocab_size=32768", "model.hidden=256", "model.dtype=bfloat16",
+            "engine.stream_dtype=bfloat16"]  # a host layout of the config's own: train picks no other
+    cfg = load_config(None, wide)
+    args = (cfg.model.build(), cfg.engine, cfg.data.batch_size, cfg.data.seq_len)
+    without, with_ = (memory.plan(*args, host_ram_bytes=1000 * 2**30, detect=False, export=x) for x in (False, True))
+    between = lambda: (without.host_total + with_.host_total) // 2  # noqa: E731
+    monkeypatch.setattr(machine, "available_host_bytes", between)
+    monkeypatch.setattr(memory, "available_host_bytes", between)
+    run_dir = tmp_path / "run"
+    status = main(["train", *wide, "train.steps=2", f"train.run_dir={run_dir}", f"train.export_hf={tmp_path / 'hf'}"])
+    err = capsys.readouterr().err
+    assert status != 0 and "does not fit in host RAM" in err and "end of run" in err and "Hugging Face export" in err
+    assert not (run_dir / "metrics.jsonl").exists() and not (tmp_path / "hf").exists()
