@@ -50,7 +50,8 @@ def comment_line(path: Path, host_gib: int, gpu_gib: int) -> str:
     """The memory line of the config at ``path`` planned for that machine."""
     cfg = load_example(path)
     p = plan(cfg.model.build(), cfg.engine, cfg.data.batch_size, cfg.data.seq_len, host_ram_bytes=host_gib * GiB,
-             gpu_bytes=gpu_gib * GiB, packed=cfg.data.mode == "packed", detect=False)
+             gpu_bytes=gpu_gib * GiB, packed=cfg.data.mode == "packed", detect=False,
+             export=bool(cfg.train.export_hf), checkpoints=cfg.train.for_fit().checkpointing)  # as train plans
     return (f"# plan (host {host_gib} GiB, GPU {gpu_gib} GiB): host {p.host_total / GiB:.1f} GiB, "
             f"GPU {p.gpu_total / GiB:.1f} GiB")
 

@@ -159,8 +159,8 @@ class Checkpointer:
         if self._release_gate is not None:  # the previous save is committed: its gate has nothing left to hold
             self._release_gate()
         # The engine waits for a part to be written before it updates that part's host arrays (in place,
-        # or by replacing and donating them). GPU-resident parts are updated on the device and were copied
-        # to fresh host arrays by engine.sync(): the gate never sees them.
+        # or by replacing and donating them); engine.sync() too, before it writes a GPU-resident part's device
+        # values into that part's host arrays.
         self._release_gate = engine.hold_updates(snapshot.wait_part)
         self._snapshot = snapshot
         meta = {"format": 1, "step": snapshot.step, "parts": snapshot.names, "saved_at": time.time(), **(meta or {})}

@@ -142,11 +142,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if machine.gpus > 1:
         print(f"per GPU of {machine.gpus}: each takes 1/{machine.gpus} of every batch and holds a shard of the state")
     packed, disk_dir = d.mode == "packed", str(Path(cfg.train.run_dir) / "disk_tier")
-    resolved = resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed, disk_dir=disk_dir)
+    end = dict(export=bool(cfg.train.export_hf), checkpoints=cfg.train.for_fit().checkpointing)
+    resolved = resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed, disk_dir=disk_dir,
+                       **end)
     if resolved.said is not None:
         print(f"as `megatrain-jax train` would: {resolved.said}")
     p = plan(model_cfg, resolved.engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu,
-             packed=packed, devices=machine.gpus)
+             packed=packed, devices=machine.gpus, **end)
     if args.exact:
         p = _exact(p, cfg, model_cfg, disk_dir)
     print(p.table())

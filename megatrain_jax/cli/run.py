@@ -321,12 +321,13 @@ def _layout(cfg: RunConfig, model_cfg, model: nnx.Module,
     t, d, run_dir = cfg.train, cfg.data, Path(cfg.train.run_dir)
     machine = Machine.here(t.devices, several_processes=distributed.requested())
     packed, disk_dir = d.mode == "packed", str(run_dir / "disk_tier")
+    end = dict(export=bool(t.export_hf), checkpoints=t.for_fit().checkpointing)  # the plan counts the run's end
     given, resolved = cfg.engine, resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed,
-                                          disk_dir=disk_dir)
+                                          disk_dir=disk_dir, **end)
     if resolved.said is not None:  # memory is short, or the config asked for a pick: the sentence says what ran
         say(f"megatrain_jax: {resolved.said}")
     cfg = dataclasses.replace(cfg, engine=resolved.engine_cfg)
-    kw = dict(packed=packed, devices=machine.gpus)
+    kw = dict(packed=packed, devices=machine.gpus, **end)
     fit_host_pool(model_cfg, cfg.engine, d.batch_size, d.seq_len, **kw)  # before JAX starts its GPU backend
     memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_pool_limit=host_pool_limit(), **kw)
     estimate, repicked = memory, None

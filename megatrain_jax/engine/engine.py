@@ -152,6 +152,7 @@ class Engine:
         with reported_late():
             self.policy.check()  # a too-long run of non-finite steps stops training here
         self.last_seq_len = batches[0].shape[1]
+        self._home_at = None  # the resident parts change on the device from here on
         t0 = time.perf_counter()
         losses, auxes = [], []
         self._runner.begin_step()
@@ -236,12 +237,19 @@ class Engine:
     # ------------------------------------------------------------------ reading and restoring state
     def sync(self) -> None:
         """Wait for every pending host update (re-raising NonFiniteError) and copy GPU-resident parts back:
-        host state is then current."""
+        host state is then current. Each resident part is written into its own host arrays, a leaf at a time
+        (``HostOptimizer.home_into``), once the update gates let it (a checkpoint still writing it); a part
+        already home since its last step is not copied again (``steps`` ends with a sync, and
+        ``parameters`` syncs again)."""
         self.policy.drain()
         if self.disk_tier is not None:
             self.disk_tier.flush()
+        if self._home_at == self.state.step:
+            return
         for part, on_device in self._resident.items():
-            self.state[part] = self.policy.opt.home(on_device)
+            self.policy.pass_gates(part)
+            self.state[part] = self.policy.opt.home_into(self.state[part], on_device)
+        self._home_at = self.state.step
 
     def close(self) -> None:
         """Finish pending work and release what outlives a step: the disk tier's files are deleted (they are
@@ -285,6 +293,7 @@ class Engine:
     def _load_resident(self) -> None:
         self._resident.clear()
         self._resident.update({part: self.policy.device.load(self.state[part]) for part in self.resident_parts})
+        self._home_at = self.state.step  # the host state is what the device parts were loaded from
 
     # ------------------------------------------------------------------ observers
     def observe(self, observer) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from megatrain_jax.engine.transfer import host_view
 from megatrain_jax.families import FAMILIES
 from megatrain_jax.families.tensors import io_specs
 from megatrain_jax.hf.config import config_to_hf, generation_config
@@ -111,12 +112,30 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
     return [Path(model_dir) / name for name in names]
 
 
+def peak_bytes(cfg: DecoderConfig, dtype: str = "bfloat16") -> int:
+    """The most host memory ``save_hf`` holds beyond the parameters it is given, at any moment: one HF tensor's
+    cast copy in ``dtype`` (``write_entries``), and where pieces of ours are fused into one HF tensor (Phi-3's
+    qkv_proj, GPT-OSS's gate_up_proj), their float32 concatenation as well. The memory plan counts it at the end
+    of a run that exports (``plan(..., export=True)``)."""
+    out = 4 if dtype == "float32" else 2
+    pieces: dict[str, list] = {}
+    for specs in [io_specs(cfg)] + [block_specs(cfg, i) for i in range(cfg.layers)]:
+        for s in specs:
+            pieces.setdefault(s.hf_name, []).append(s.hf_shape)
+    return max((math.prod(shapes[0]) * (out + (4 if len(shapes) > 1 else 0)) for shapes in pieces.values()),
+               default=0)
+
+
 def _producer(value: Any, transpose: bool, expert: int | None = None):
-    """Deferred host conversion of one parameter, or of one expert's slice of it (a JAX array is fetched
-    only when written)."""
+    """Deferred host read of one parameter, or of one expert's slice of it, as a view where it can be: a
+    host-memory JAX array is read through its buffer (``transfer.host_view``), never with ``np.asarray``,
+    which on a GPU client keeps a host copy inside the array for as long as the array lives (the engine's
+    pinned masters: the whole model a second time by the end of an export); a device array is copied to the
+    host only when written. The cast to the file's dtype is ``write_entries``'s, one tensor at a time."""
     def produce() -> np.ndarray:
-        x = np.asarray(value) if expert is None else np.asarray(value)[expert]
-        return np.asarray(x, np.float32).T if transpose else x
+        x = host_view(value)
+        x = x if expert is None else x[expert]
+        return x.T if transpose else x
     return produce
 
 

@@ -278,10 +278,12 @@ def write_entries(path: str | os.PathLike, entries: Iterable[Entry], dtype,
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, shape, produce in entries:
-            arr = np.ascontiguousarray(np.asarray(produce()).astype(dt, copy=False))
+            # one copy at most (the cast, or a transposed view made contiguous), written from its own buffer
+            arr = np.asarray(produce()).astype(dt, order="C", copy=False)
             if arr.shape != tuple(shape):
                 raise SafetensorsError(f"tensor {name!r}: planned shape {tuple(shape)}, got {arr.shape}")
-            f.write(arr.tobytes())
+            f.write(arr.reshape(-1).view(np.uint8))
+            del arr
     os.replace(tmp, path)
     return offset
 

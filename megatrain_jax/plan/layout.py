@@ -51,10 +51,12 @@ class Resolved:
 
 
 def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int, machine: Machine,
-            *, packed: bool = False, disk_dir: str | None = None) -> Resolved:
+            *, packed: bool = False, disk_dir: str | None = None, export: bool = False,
+            checkpoints: bool = False) -> Resolved:
     """The engine config that runs ``engine_cfg`` on ``machine`` (module docstring), and the sentence saying
     what was changed. ``disk_dir`` (where the config sets none) is where the disk tier may go when nothing else
-    fits. With several processes nothing is picked (each would pick from its own host), and
+    fits. ``export``, ``checkpoints``: the run ends with a Hugging Face export, saves checkpoints (the plan counts
+    the end of the run: ``memory.end_of_run``). With several processes nothing is picked (each would pick from its own host), and
     ``resident_layers="auto"`` is refused. Reads nothing from JAX: it runs before JAX starts its GPU backend."""
     if machine.several_processes:
         if engine_cfg.resident_layers == AUTO:
@@ -62,7 +64,7 @@ def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
                              "processes set the number (megatrain-jax plan --config FILE prints the pick)")
         return Resolved(engine_cfg)
     kw: dict[str, Any] = dict(host_ram_bytes=machine.host_ram_bytes, gpu_bytes=machine.gpu_bytes,
-                              devices=machine.gpus, packed=packed)
+                              devices=machine.gpus, packed=packed, export=export, checkpoints=checkpoints)
     if machine.disk_bytes is not None:
         kw["disk_bytes"] = machine.disk_bytes
     return Resolved(*_pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw))

@@ -15,6 +15,10 @@ of it pinned. XLA serves pinned memory from a pool whose regions double in size 
 whole pool, so the host total is the pool (not the pinned arrays in it), the pageable arrays, and an
 allowance for the Python/JAX/CUDA runtime. (A CPU backend has no such pool; the plan counts it anyway.)
 
+The host total is the run's peak from start to exit: training's arrays, and what the end of the run holds beyond
+them (``end_of_run``: the GPU-resident parts brought home, the Hugging Face export, a checkpoint's save). A run
+whose end would not fit is refused, or given a leaner layout, before it trains.
+
 What fits instead, when this does not, is ``levers``' job. tests/test_memory_plan.py compares the plan
 with the peaks measured on GPUs (tests/assets/measured/).
 """
@@ -22,6 +26,7 @@ with the peaks measured on GPUs (tests/assets/measured/).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from megatrain_jax._environment import limit_host_pool, physical_ram_bytes, visible_gpus
@@ -31,10 +36,10 @@ from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import offloaded_blocks
 from megatrain_jax.engine.update.q8 import Q8_BLOCK
 from megatrain_jax.models.config import DecoderConfig
-from megatrain_jax.engine.parts import part_ids
+from megatrain_jax.engine.parts import IO, PartId, part_ids
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, GiB, activation_bytes, blocks_param_count,
-                                       host_grad_bytes, host_roles, io_param_count, layer_param_count, moment_bytes,
-                                       part_param_count, stream_bytes)
+                                       host_grad_bytes, host_roles, io_param_count, layer_param_count, leaf_shapes,
+                                       moment_bytes, part_param_count, stream_bytes)
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.plan.gpu_ledger import gpu_peak
 from megatrain_jax.plan.machine import (GPU_FRAGMENTATION_MARGIN, HOST_RUNTIME_BYTES, PINNED_RSS_OVERHEAD, available_disk_bytes,
@@ -68,6 +73,8 @@ class MemoryPlan:
     disk: int = 0  # bytes of the disk tier's files (``EngineConfig.disk_parts``)
     disk_available: int | None = None  # free bytes where they go
     programs: ProgramMemory | None = None  # XLA's memory analysis of the compiled programs (GPU at hand)
+    export: bool = False  # the run ends with a Hugging Face export (``train.export_hf``)
+    checkpoints: bool = False  # the run saves checkpoints
 
     @property
     def pinned_per_pool(self) -> int:
@@ -124,7 +131,8 @@ class MemoryPlan:
                     seq_len=self.seq_len, stream_dtype=self.stream_dtype, host_ram_bytes=self.host_available,
                     gpu_bytes=self.gpu_available, packed=self.packed, loaded_copy=self.loaded_copy,
                     host_pool_limit=None if self.host_pool_fitted else self.host_pool_limit, detect=False,
-                    devices=self.devices, disk_bytes=self.disk_available, programs=self.programs)
+                    devices=self.devices, disk_bytes=self.disk_available, programs=self.programs,
+                    export=self.export, checkpoints=self.checkpoints)
         args.update(changes)
         return plan(**args)
 
@@ -232,7 +240,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
          stream_dtype: str | None = None, host_ram_bytes: int | None = None, gpu_bytes: int | None = None,
          *, packed: bool = False, loaded_copy: bool = False, detect: bool = True,
          host_pool_limit: int | None = None, devices: int = 1, disk_bytes: int | None = None,
-         programs: ProgramMemory | None = None) -> MemoryPlan:
+         programs: ProgramMemory | None = None, export: bool = False, checkpoints: bool = False) -> MemoryPlan:
     """The memory needed to train ``model_cfg`` on batches of ``batch_rows`` x ``seq_len`` tokens.
 
     ``stream_dtype`` is the dtype of the weights sent to the GPU (default: ``engine_cfg.stream_dtype``, else
@@ -248,7 +256,8 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     pool per GPU). ``disk_bytes``: free space for the disk tier's files (default, when ``detect``: that of
     ``engine_cfg.disk_dir``). ``programs``: XLA's memory analysis of the run's compiled programs
     (``megatrain_jax.engine.program_memory``, on the machine that runs it); their scratch memory replaces
-    the rules of thumb where they were compiled for this micro-batch shape (``gpu_exact``).
+    the rules of thumb where they were compiled for this micro-batch shape (``gpu_exact``). ``export``: the run
+    ends with a Hugging Face export; ``checkpoints``: it saves checkpoints (``end_of_run``).
     """
     c, e = model_cfg, engine_cfg
     e.check_rows(batch_rows, devices)
@@ -334,10 +343,51 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     host[f"token batches in flight ({e.accumulate_steps + 2} x {tokens} tokens x {BATCH_BYTES_PER_TOKEN} B)"] = (
         (e.accumulate_steps + 2) * tokens * BATCH_BYTES_PER_TOKEN)
     host["runtime: Python, JAX, CUDA libraries, compiled programs (allowance)"] = HOST_RUNTIME_BYTES
+    what, end = end_of_run(c, e, mode, fused, export, checkpoints, pool_room=max(pool - arrays, 0))
+    if end:
+        host[what] = end
 
     gpu, at = gpu_peak(c, e, batch_rows, seq_len, sb, flash, devices, packed, programs)
     return MemoryPlan(host, gpu, host_ram_bytes, gpu_bytes, c, e, batch_rows, seq_len, stream_dtype, packed,
-                      loaded_copy, arrays, host_pool_limit, fitted, at, devices, mb * on_disk, disk_bytes, programs)
+                      loaded_copy, arrays, host_pool_limit, fitted, at, devices, mb * on_disk, disk_bytes, programs,
+                      export, checkpoints)
+
+
+# A checkpoint's save writes every part from the state's own arrays: 0.04 GiB more host memory during a 7B save
+# (experiments/results/h200x2_checkpoint_7b.json, docs/checkpoints.md).
+CHECKPOINT_SAVE_BYTES = int(0.04 * GiB)
+
+
+def end_of_run(c: DecoderConfig, e: EngineConfig, mode: precision.Precision, fused: bool, export: bool,
+               checkpoints: bool, pool_room: int = 0) -> tuple[str, int]:
+    """What the end of a run holds beyond training's arrays, at its most, and the words: the GPU-resident parts
+    brought home (``Engine.sync``: with the fused AdamW a leaf at a time through a pinned temporary, into the
+    part's own host arrays, ``HostOptimizer.home_into``; otherwise a part at a time, as new arrays), a checkpoint's
+    save, and the Hugging Face export (one tensor's cast copy: ``hf.export.peak_bytes``). They run one after the
+    other, so the most of them counts. Their arrays (the resident parts' moments too, untouched until then: a
+    run from a checkpoint folder starts with zero pages) are training's items already. The resident parts come
+    home through pinned memory, which XLA's pool serves: only what exceeds the pool's room beyond the pinned
+    arrays (``pool_room``, no step in flight then) is more host memory."""
+    items = {}
+    resident = ([IO] if e.resident_io else []) + [PartId.block(i) for i in range(e.resident_layers)]
+    if resident and fused:
+        leaf = max(math.prod(shape) for part in resident for shape in leaf_shapes(c, part))
+        items["the GPU-resident parts brought home, a leaf at a time through pinned memory"] = max(
+            4 * leaf - pool_room, 0)
+    elif resident:
+        per_param = mode.master_bytes + mode.moment_bytes + (mode.to_gpu_bytes if mode.stream_copy else 0)
+        items["the GPU-resident parts brought home, a part at a time as new pinned arrays"] = max(per_param * max(
+            part_param_count(c, part) for part in resident) - pool_room, 0)
+    if checkpoints:
+        items["a checkpoint's save (measured at 7B)"] = CHECKPOINT_SAVE_BYTES
+    if export:
+        from megatrain_jax.hf.export import peak_bytes
+        items["the Hugging Face export, a tensor at a time"] = peak_bytes(c)
+    if not any(items.values()):
+        return "", 0
+    name, most = max(items.items(), key=lambda kv: kv[1])
+    rest = "; ".join(k for k, v in items.items() if k != name and v)
+    return f"end of run, beyond training's arrays: {name}" + (f" (the largest; also {rest})" if rest else ""), most
 
 
 def fit_host_pool(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,

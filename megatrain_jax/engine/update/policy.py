@@ -187,7 +187,7 @@ class UpdatePolicy:
                 return None
             if split:
                 return self.opt.update_stream(state[part], grads, decision.scale)
-            self._pass_gates(part)
+            self.pass_gates(part)
             home = self.placement.to_host(grads) if on_device else grads
             record = self.disk_tier.load(part, state[part]) if on_disk else state[part]
             record = self.opt.update(record, home, decision.scale, salt=part.index)
@@ -209,7 +209,7 @@ class UpdatePolicy:
                                        f"must run one at a time in submission order")
                 if half.done.exception() is not None or half.done.result() is None:
                     return  # the first half failed (reported under its own key) or the step was skipped
-                self._pass_gates(half.part)
+                self.pass_gates(half.part)
                 state[half.part] = self.opt.commit(state[half.part], half.grads, half.decision.scale,
                                                    half.done.result())
             futures.append(self.worker.submit(Task("commit", half.part), second))
@@ -238,6 +238,8 @@ class UpdatePolicy:
         self._gates.append(gate)
         return lambda: self._gates.remove(gate) if gate in self._gates else None
 
-    def _pass_gates(self, part: PartId) -> None:
+    def pass_gates(self, part: PartId) -> None:
+        """Wait at every gate for ``part``: its host arrays may then change (``hold``)."""
         for gate in list(self._gates):
             gate(part)
+
