@@ -1,0 +1,50 @@
+"""Whether transformers loads an exported Hugging Face folder and computes finite logits with it: the check that
+closes a `megatrain-jax train` run with `train.export_hf` (needs torch and transformers, as on the GPU image).
+
+    python experiments/studies/hf_export_loads.py FOLDER --out $OUT/export_loads.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import torch
+    import transformers
+    record = {"name": os.path.basename(args.out).removesuffix(".json"),
+              "command": f"python experiments/studies/hf_export_loads.py {args.folder} --out {args.out}",
+              "git_commit": os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
+                  ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None,
+              "date": datetime.date.today().isoformat(), "transformers": transformers.__version__,
+              "torch": torch.__version__, "folder": args.folder,
+              "files": sorted(os.listdir(args.folder)) if os.path.isdir(args.folder) else None}
+    try:
+        t = time.time()
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.bfloat16).eval()
+        record["load_s"] = round(time.time() - t, 1)
+        record["class"] = type(model).__name__
+        record["params"] = sum(p.numel() for p in model.parameters())
+        tokens = torch.arange(1, 17).unsqueeze(0)
+        with torch.no_grad():
+            logits = model(input_ids=tokens).logits.float()
+        record.update(logits_finite=bool(torch.isfinite(logits).all()), logits_shape=list(logits.shape),
+                      status="ok")
+    except Exception as e:  # recorded, not hidden
+        record["status"] = f"error: {type(e).__name__}: {str(e)[:500]}"
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    print(json.dumps({k: record.get(k) for k in ("status", "class", "params", "logits_finite", "load_s")}))
+
+
+if __name__ == "__main__":
+    main()
