@@ -7,6 +7,7 @@ parameter at a scale where each part of the block visibly changes the output.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 
@@ -100,3 +101,34 @@ def lib():
         pytest.fail("the fused host AdamW kernel could not be built or loaded: install a C++ compiler with OpenMP "
                     "(e.g. `apt-get install g++`; the warning above says what failed)", pytrace=False)
     return built
+
+
+# --- transformers and torch, for the live Hugging Face checks ---------------------------------------------------
+
+def _missing(what: str, how: str):
+    """Skip a test whose ``what`` is missing here, but fail it where CI is set: CI provides it (the test extra,
+    the torch venv .ci/run makes), and a skip there would let the docs' interop claims go unchecked."""
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        pytest.fail(f"CI is set and {what} is missing: {how}", pytrace=False)
+    pytest.skip(f"{what} is missing: {how}")
+
+
+@pytest.fixture(scope="session")
+def transformers():
+    """The transformers module (pure Python, in the test extra), for the tokenizer and chat-template checks."""
+    if importlib.util.find_spec("transformers") is None:
+        _missing("transformers", "pip install -e '.[test]'")
+    import transformers
+    return transformers
+
+
+@pytest.fixture(scope="session")
+def hf_torch(tmp_path_factory):
+    """transformers with torch (tests/torch_side.py): ``hf_torch.logits(folder, tokens)``, ``hf_torch.longrope``.
+    In this interpreter where torch imports, else in the Python named by MEGATRAIN_TORCH_PYTHON."""
+    from torch_side import connect
+    side, where = connect(tmp_path_factory.mktemp("torch_side"))
+    if side is None:
+        _missing("torch", where)
+    yield side
+    side.close()

@@ -3,17 +3,16 @@ of block), YaRN untruncated; a biased router whose softmax over the top-k logits
 biases and the clamped SwiGLU, gate and up interleaved in one stored ``gate_up_proj``; MXFP4 experts in the released
 checkpoints.
 
-Logits parity with transformers' GptOssForCausalLM, the round trip and (where torch is installed) the live export
-check of the ``gpt_oss`` fixture are in tests/test_hf.py with the other families. Here: the MXFP4 fixture (its
-dequantization bit for bit against transformers', its logits, its export), the presets' sizes, the released
-config.json, refusals, what each part of the fixture changes, the released RoPE, counts, the sink attention's
-chunks, and the engine against the in-memory reference.
+Logits parity with transformers' GptOssForCausalLM, the round trip and the live export check (transformers with
+torch: tests/torch_side.py) of the ``gpt_oss`` fixture are in tests/test_hf.py with the other families. Here: the
+MXFP4 fixture (its dequantization bit for bit against transformers', its logits, its export), the presets' sizes,
+the released config.json, refusals, what each part of the fixture changes, the released RoPE, counts, the sink
+attention's chunks, and the engine against the in-memory reference.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 
 import jax
@@ -32,7 +31,6 @@ from test_deepseek_v3 import assert_counts_equal_the_model
 from test_engine import run_both
 from test_hf import FIXTURES, logits_of, model_from, rel_err
 
-HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 MXFP4 = FIXTURES / "gpt_oss_mxfp4"
 
 # OpenAI's model card: gpt-oss-120b 116.83B total, 5.13B active; gpt-oss-20b 20.91B total, 3.61B active (active:
@@ -125,17 +123,11 @@ def test_mxfp4_export_is_unquantized_and_says_so(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.skipif(not HAVE_TORCH, reason="torch and transformers not installed")
-def test_live_mxfp4_export_loads_in_transformers(tmp_path):
-    import torch
-    import transformers
+def test_live_mxfp4_export_loads_in_transformers(tmp_path, hf_torch):
     cfg, io, blocks = _load_mxfp4()
     with pytest.warns(UserWarning, match="MXFP4"):
         save_hf(tmp_path, cfg, io, blocks, dtype="float32")
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
-    with torch.no_grad():
-        got = model(input_ids=torch.from_numpy(np.load(MXFP4 / "tokens.npy").astype(np.int64))).logits.numpy()
+    got = hf_torch.logits(tmp_path, np.load(MXFP4 / "tokens.npy"))
     assert rel_err(got, np.load(MXFP4 / "logits.npy")) < 1e-4
 
 

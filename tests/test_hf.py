@@ -1,14 +1,14 @@
 """Hugging Face interop: logits parity with transformers, safetensors I/O, round trips, clear errors.
 
 The fixtures under tests/fixtures/hf were written by scripts/make_hf_fixtures.py with torch +
-transformers; the tests here need neither (the live ones skip when they are missing).
+transformers; the tests here need neither, except the live ones, which ask transformers with torch (``hf_torch``:
+in this interpreter or in MEGATRAIN_TORCH_PYTHON, tests/torch_side.py) and skip without it, or fail where CI is set.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -31,7 +31,6 @@ from megatrain_jax.models import Decoder, preset
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 # each registered family's fixture (tests/test_families.py: what a new family must pass), and variants of some
 NAMES = [family.model_type for family in FAMILIES.values()] + ["llama_tied_rope3", "phi3_longrope", "deepseek_v3_noqlora"]
-HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
 def rel_err(got, want) -> float:
@@ -484,20 +483,14 @@ def test_longrope_frequencies_and_attention_factor_match_transformers(change, at
     assert config_from_hf(json.loads(json.dumps(config_to_hf(cfg))), dtype=cfg.dtype) == cfg
 
 
-@pytest.mark.skipif(not HAVE_TORCH, reason="torch and transformers not installed")
 @pytest.mark.parametrize("change", [c for c, *_ in LONGROPE_HF])
-def test_live_longrope_matches_transformers(change):
-    import transformers
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
+def test_live_longrope_matches_transformers(change, hf_torch):
     from megatrain_jax.models.rope import rope_inv_freq
     config = _longrope_config(**change)
-    hf = transformers.Phi3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
     cfg = config_from_hf(config)
     for long, seq_len in ((False, None), (True, 4097)):
-        inv, attention = ROPE_INIT_FUNCTIONS["longrope"](hf, seq_len=seq_len)
-        np.testing.assert_allclose(rope_inv_freq(96, cfg.rope_theta, cfg.rope_scaling, long=long), inv.numpy(),
-                                   rtol=1e-6)
+        inv, attention = hf_torch.longrope(config, seq_len)
+        np.testing.assert_allclose(rope_inv_freq(96, cfg.rope_theta, cfg.rope_scaling, long=long), inv, rtol=1e-6)
         assert cfg.rope_scaling.cos_sin_scale == pytest.approx(attention)
 
 
@@ -525,27 +518,25 @@ def test_qwen_sliding_window_layers():
         config_from_hf(dict(base, use_sliding_window=True, max_window_layers=2))
 
 
-# --- live checks against transformers (only where torch + transformers are installed) -------------
+# --- live checks against transformers (torch beside it: tests/torch_side.py) ----------------------
 
-@pytest.mark.skipif(not HAVE_TORCH, reason="torch and transformers not installed")
 @pytest.mark.parametrize("name", NAMES)
-def test_live_transformers_parity_and_export(name, tmp_path):
-    import torch
-    import transformers
-
-    def hf_logits(folder: Path, tokens: np.ndarray) -> np.ndarray:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation="eager").eval()
-        with torch.no_grad():
-            return model(input_ids=torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
-
+def test_live_transformers_parity_and_export(name, tmp_path, hf_torch):
+    """transformers gives the fixture's logits, and loads our export of it with the logits we compute."""
     folder = FIXTURES / name
     tokens = np.load(folder / "tokens.npy")
-    assert rel_err(hf_logits(folder, tokens), np.load(folder / "logits.npy")) < 1e-4
+    assert rel_err(hf_torch.logits(folder, tokens), np.load(folder / "logits.npy")) < 1e-4
     cfg, io, blocks = load_hf(folder, dtype="float32")
     save_hf(tmp_path, cfg, io, blocks, dtype="float32")
     ours = logits_of(model_from(cfg, io, blocks), folder)
-    assert rel_err(hf_logits(tmp_path, tokens), ours) < 1e-4
+    assert rel_err(hf_torch.logits(tmp_path, tokens), ours) < 1e-4
+
+
+def test_the_test_extra_pins_the_transformers_that_wrote_the_fixtures():
+    """In-process transformers (the test extra) and the torch venv (.ci/run) are the fixtures' release."""
+    import tomllib
+    extra = tomllib.loads((FIXTURES.parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"transformers=={json.loads((FIXTURES / 'VERSIONS.json').read_text())['transformers']}" in extra["test"]
 
 
 # --- a crafted index may not reach outside its folder ---------------------------------------------

@@ -87,9 +87,8 @@ def test_prompt_completion_lines_learn_the_completion_and_the_end_of_sequence(ch
     assert "translate" not in _learned_text(chatml, ex.ids, ex.loss_mask)
 
 
-def test_the_template_renders_as_transformers_renders_it(tmp_path):
-    """Where transformers is installed, apply_chat_template gives the same text, for two templates."""
-    transformers = pytest.importorskip("transformers")
+def test_the_template_renders_as_transformers_renders_it(tmp_path, transformers):
+    """transformers' apply_chat_template gives the same text, for two templates."""
     for name, template in (("chatml", CHATML), ("strict", STRICT)):
         folder = make_tokenizer_folder(tmp_path / name, template)
         ours = ChatTokenizer.from_folder(folder)
