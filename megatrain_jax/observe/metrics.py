@@ -142,8 +142,12 @@ class JsonlWriter:
         record = {k: _plain(v) for k, v in metrics.items()}
         record = {k: v for k, v in record.items() if v is not None}
         record.update(time=round(now, 3), elapsed_s=round(now - self._t0, 3))
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+        except OSError as err:  # said with the file it failed on; fit then saves no checkpoint past this row
+            raise OSError(err.errno, f"{err.strerror or err} (writing the metrics of step {metrics['step']})",
+                          str(self.path)) from err
 
     def hook(self) -> Hook:
         return Hook(lambda m, info: self.write(m), every=1)
