@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 from megatrain_jax import Decoder, EngineConfig, NonFiniteError, TrainConfig, default_optimizer, fit
-from megatrain_jax.checkpoint import committed_steps
+from megatrain_jax.checkpoint import committed_steps, load_params
 from megatrain_jax.cli import main
+from megatrain_jax.cli.run import run_files
 from megatrain_jax.observe import metrics as metrics_module
 from tests.test_faults import CFG, data
-from tests.test_run_folder import TINY_RUN, steps_in
+from tests.test_run_folder import TINY_RUN, copy_of, files_of, saved_run, steps_in  # noqa: F401 - a fixture
+
+REPO = Path(__file__).resolve().parents[1]
+HF_LLAMA = REPO / "tests" / "fixtures" / "hf" / "llama"
 
 
 def test_a_diverging_run_saves_no_skipped_step_and_keeps_its_last_good_checkpoint(tmp_path, capsys):
@@ -34,6 +41,70 @@ def test_a_diverging_run_saves_no_skipped_step_and_keeps_its_last_good_checkpoin
     kept = committed_steps(tmp_path)
     assert kept and not skipped & set(kept) and max(kept) < min(skipped)
     assert "a checkpoint is never written from a skipped step" in capsys.readouterr().err
+
+
+def test_a_model_with_a_nan_weight_is_never_exported(tmp_path, capsys):
+    """Every step is skipped; the run refuses to export (exit 3, nothing in the export folder) and saves no
+    checkpoint of the NaN model."""
+    from safetensors.numpy import load_file, save_file
+    src = tmp_path / "nan_model"
+    shutil.copytree(HF_LLAMA, src)
+    tensors = load_file(src / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("norm.weight"))
+    tensors[name] = tensors[name].copy()
+    tensors[name][0] = np.nan
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    run_dir, export = tmp_path / "run", tmp_path / "export"
+    status = main(["train", f"model.hf_checkpoint={src}", "model.dtype=float32", *TINY_RUN[1:], "train.steps=2",
+                   "train.checkpoint_every=1", f"train.run_dir={run_dir}", f"train.export_hf={export}"])
+    err = capsys.readouterr().err
+    assert status == 3, err
+    assert f"not exporting to {export}" in err and "holds a NaN or an infinity" in err
+    assert not export.exists() and committed_steps(run_dir / "checkpoints") == []
+
+
+def test_a_failed_export_names_its_folder_and_keeps_the_trained_weights(tmp_path, monkeypatch, capsys):
+    """A full disk under the export folder, in a run that saves no checkpoints: the error names the folder and the
+    cause, and the trained weights were written first (into the run folder) and convert back to the model."""
+    run_dir, export = tmp_path / "run", tmp_path / "export"
+    mkdir = os.mkdir
+
+    def full(path, *args, **kwargs):
+        if f".{export.name}.partial-" in os.fspath(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        return mkdir(path, *args, **kwargs)
+    monkeypatch.setattr(os, "mkdir", full)
+    status = main(["train", *TINY_RUN, "train.steps=2", f"train.run_dir={run_dir}", f"train.export_hf={export}"])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert status == 2, err
+    kept = run_dir / "trained_params"
+    assert f"could not export the trained model to {export}: the disk is full" in err
+    assert f"the trained state is kept in {kept}" in err and f"megatrain-jax convert {kept}" in err
+    cfg, io, blocks = load_params(kept)
+    assert cfg.layers == 2 and len(blocks) == 2 and np.isfinite(io["embedding"]).all()
+    assert main(["convert", str(kept), str(export), "--to", "hf"]) == 0
+
+
+@pytest.mark.parametrize("where", ["export_parent", "run_dir", "checkpoint_parent", "metrics"])
+def test_every_output_path_is_checked_before_training(tmp_path, capsys, where):
+    (tmp_path / "file").write_text("not a folder")
+    run_dir = tmp_path / "run"
+    args = {"export_parent": [f"train.export_hf={tmp_path / 'file' / 'hf'}"],
+            "run_dir": [],
+            "checkpoint_parent": ["train.checkpoint_every=1", f"train.checkpoint_dir={tmp_path / 'file' / 'ck'}"],
+            "metrics": []}[where]
+    if where == "run_dir":
+        run_dir = tmp_path / "file"
+    if where == "metrics":
+        (run_dir / "metrics.jsonl").mkdir(parents=True)
+    field, path = {"export_parent": ("train.export_hf", tmp_path / "file" / "hf"), "run_dir": ("train.run_dir", run_dir),
+                   "checkpoint_parent": ("train.checkpoint_dir", tmp_path / "file" / "ck"),
+                   "metrics": ("train.run_dir (its metrics.jsonl)", run_dir / "metrics.jsonl")}[where]
+    assert main(["train", *TINY_RUN, "train.steps=2", f"train.run_dir={run_dir}", *args]) == 2
+    out, err = capsys.readouterr()
+    assert f"{field} = {path}" in err and "step " not in out, err
+    assert (tmp_path / "file").read_text() == "not a folder"
 
 
 def test_convert_refuses_a_run_whose_newest_checkpoint_is_broken(tmp_path, capsys):
@@ -68,3 +139,23 @@ def test_a_metrics_file_that_cannot_be_written_leaves_no_checkpoint_ahead_of_it(
     assert "nothing was saved past what it wrote" in capsys.readouterr().err
     assert main(["train", *run, "train.steps=6", "train.resume=true"]) == 0
     assert steps_in(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resume_refused_by_its_data_leaves_the_run_folder_byte_for_byte(saved_run, tmp_path, capsys):
+    """Refused as the engine restores (the data's state differs), after the memory plan of the new batch size was
+    written: the folder goes back as it was."""
+    run_dir, resume = copy_of(saved_run, tmp_path)
+    before = files_of(run_dir)
+    assert main(["train", *resume, "train.steps=4", "data.batch_size=8", "data.seed=7"]) == 2
+    assert "data state does not match" in capsys.readouterr().err
+    assert files_of(run_dir) == before
+
+
+def test_a_start_that_fails_at_its_first_batch_blocks_no_corrected_command(tmp_path, capsys):
+    run = [*TINY_RUN, "train.steps=2", "train.checkpoint_every=1", f"train.run_dir={tmp_path}"]
+    assert main(["train", *run, "model.max_positions=16"]) == 2  # rows of 32 tokens
+    assert "no step was trained, so no checkpoint was saved" in capsys.readouterr().err
+    assert not run_files(tmp_path, tmp_path / "checkpoints") and committed_steps(tmp_path / "checkpoints") == []
+    assert not (tmp_path / "memory_plan.json").exists()
+    assert main(["train", *run, "train.resume=true"]) == 0 and steps_in(tmp_path) == [1, 2]
+
