@@ -30,16 +30,20 @@ HF_LLAMA = REPO / "tests" / "fixtures" / "hf" / "llama"
 
 def test_a_diverging_run_saves_no_skipped_step_and_keeps_its_last_good_checkpoint(tmp_path, capsys):
     """The learning rate jumps at step 5, so steps 6 on are skipped (non-finite); every step is checkpointed and
-    two are kept. Without the rule the skipped steps' checkpoints push every good one out."""
+    one is kept. Without the rules the skipped steps' checkpoints push every good one out; the checkpoint of step 5
+    (finite, but the weights step 6 diverged from) is no good either, so step 4's, the last that a finite step
+    trained from, is kept."""
     lr = lambda count: jnp.where(count < 4, 1e-3, 1e35)  # noqa: E731
     model = Decoder(CFG, rngs=nnx.Rngs(0))
     with pytest.raises(NonFiniteError) as err:
         fit(model, data(), default_optimizer(lr), engine=EngineConfig(micro_batches=2, max_nonfinite_steps=3),
-            train=TrainConfig(steps=12, log_every=0, checkpoint_dir=str(tmp_path), checkpoint_every=1, checkpoint_keep=2))
-    skipped = {r["step"] for r in err.value.history.records if r["skipped"]}
+            train=TrainConfig(steps=12, log_every=0, checkpoint_dir=str(tmp_path), checkpoint_every=1, checkpoint_keep=1))
+    records = err.value.history.records
+    skipped = {r["step"] for r in records if r["skipped"]}
     assert skipped, "the run did not diverge"
+    last_good = max(r["step"] - 1 for r in records if not r["skipped"])  # a finite step was trained from it
     kept = committed_steps(tmp_path)
-    assert kept and not skipped & set(kept) and max(kept) < min(skipped)
+    assert not skipped & set(kept) and max(kept) < min(skipped) and last_good in kept, (kept, skipped)
     assert "a checkpoint is never written from a skipped step" in capsys.readouterr().err
 
 

@@ -184,6 +184,7 @@ class CheckpointSession:
             self.close()  # a refused session leaves no checkpoint manager open
             raise
         self.data: Iterable | None = None
+        self._saved: set[int] = set()  # the steps this session saved (or resumed from)
         self._resume_from: tuple[Path | None, bool] | None = None  # (step directory, verified), once ``check`` ran
         self.start_step = 0
         self.resumed_from: Path | None = None
@@ -253,6 +254,9 @@ class CheckpointSession:
             self.close()
             raise
         self.start_step = int(engine.state.step)
+        if self.ckpt is not None:  # what this run starts from is good; its own saves are not known good until trained on
+            self.ckpt.known_good = self.start_step
+            self._saved.add(self.start_step)
         return self.data
 
     def close(self) -> None:
@@ -313,6 +317,7 @@ class CheckpointSession:
             return None
         meta = {"data": self._data_state(), "batches": int(engine.state.step) * self.accumulate,
                 "seed": self.config.get("seed")}
+        self._saved.add(int(engine.state.step))
         return self.ckpt.save(engine, meta=meta, config=self.config, wait=wait)
 
     def after_step(self, metrics: dict, info) -> None:
@@ -320,6 +325,10 @@ class CheckpointSession:
         a save that failed since the last step."""
         if self.ckpt is not None:
             self.ckpt.check()
+            if not metrics.get("skipped", False) and metrics["step"] - 1 in self._saved:
+                # a finite step was trained from the checkpoint of the step before: it is known good, and the
+                # keep-N rule spares it until a newer one is (Checkpointer.prune)
+                self.ckpt.known_good = max(self.ckpt.known_good or 0, metrics["step"] - 1)
         step = info.params_step
         if self.every and step % self.every == 0 and step != self._last_saved():
             self.save(info.engine)
@@ -332,6 +341,9 @@ class CheckpointSession:
             self.save(engine)
         if self.ckpt is not None:
             self.ckpt.wait()
+            if self.ckpt.last_committed == step:  # the run's last step, not skipped: its end is taken as good
+                self.ckpt.known_good = step
+                self.ckpt.prune()
         if self.stop_signal is not None and self.ckpt is not None and self.ckpt.abandoned:
             good = self.last_good()
             print(f"{self.stop_signal}: the save of step {self._last_saved()} made no progress for "
