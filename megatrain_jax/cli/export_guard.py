@@ -40,13 +40,15 @@ def _kept_state(engine: Engine, checkpoint_folder: Path | None, run_dir: Path, m
     step = int(engine.state.step)
     if checkpoint_folder is not None and step in committed_steps(checkpoint_folder):
         return checkpoint_folder / str(step), ""
+    if jax.process_count() > 1:  # each process holds its own rows: only a checkpoint writes them as one
+        return None, "several processes hold them, and only a checkpoint (train.checkpoint_every) writes them whole"
     path, n = run_dir / "trained_params", 1
     while path.exists():
         path, n = run_dir / f"trained_params.{n}", n + 1
     try:
         save_params(path, model_cfg, *engine.parameters())
     except Exception as err:  # noqa: BLE001 - the export may still succeed (another disk): say it, go on
-        return None, f"writing them to {path} failed too ({type(err).__name__}: {err})"
+        return None, f"writing them to {path} failed ({type(err).__name__}: {err})"
     say(f"  the trained weights of step {step} are kept in {path} before the export (this run saves no checkpoint "
         f"of its last step; megatrain-jax convert {path} OUT exports them again)")
     return path, ""
@@ -68,6 +70,8 @@ def guarded_export(engine: Engine, target: str, checkpoint_folder: Path | None, 
                              + (f"The last good checkpoint is {checkpoint_folder / str(kept[0])}. " if kept else "")
                              + "Check the initial weights and the data, or lower the learning rate")
     kept, failed_too = _kept_state(engine, checkpoint_folder, run_dir, model_cfg, say)
+    if kept is None:
+        say(f"  note: the trained weights are not kept on disk before the export: {failed_too}")
     where = (f"the trained state is kept in {kept}" if kept is not None else
              f"the trained state could not be kept on disk: {failed_too}")
     try:
