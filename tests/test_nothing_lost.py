@@ -163,3 +163,15 @@ def test_a_start_that_fails_at_its_first_batch_blocks_no_corrected_command(tmp_p
     assert not (tmp_path / "memory_plan.json").exists()
     assert main(["train", *run, "train.resume=true"]) == 0 and steps_in(tmp_path) == [1, 2]
 
+
+
+def test_a_resume_past_the_last_metrics_row_says_which_rows_are_missing(tmp_path, capsys):
+    """Killed between a checkpoint's commit and its step's metrics row (metrics are reported one step late): the
+    resumed run says which rows its metrics.jsonl lacks instead of leaving the hole in silence."""
+    run = [*TINY_RUN, "train.checkpoint_every=2", f"train.run_dir={tmp_path}"]
+    assert main(["train", *run, "train.steps=4"]) == 0
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "metrics.jsonl").write_text("".join(rows[:3]))  # as if killed before step 4's row
+    capsys.readouterr()
+    assert main(["train", *run, "train.steps=5", "train.resume=true"]) == 0
+    assert "no records of step 4 (the run that saved the checkpoint" in capsys.readouterr().err and steps_in(tmp_path) == [1, 2, 3, 5]

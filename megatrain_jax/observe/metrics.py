@@ -126,6 +126,12 @@ class JsonlWriter:
         kept = [line for line, r in records if r.get("step", 0) < first_step]
         why = (f"it holds records of step {first_step} or later, which this run writes anew" if len(kept) < len(records)
                else "its last line was cut short" if text and not text.endswith("\n") else None)
+        last = max((r.get("step", 0) for _, r in records), default=None)
+        if last is not None and last < first_step - 1:  # never in silence: the history has a hole from here
+            gap = f"step {last + 1}" if last + 1 == first_step - 1 else f"steps {last + 1} to {first_step - 1}"
+            print(f"{self.path}: no records of {gap} (the run that saved the checkpoint "
+                  f"resumed from stopped before writing them); the metrics go on from step {first_step}",
+                  file=sys.stderr, flush=True)
         if why is not None:
             self.moved_aside = free_name(self.path)
             _write_whole(self.moved_aside, text)
