@@ -191,9 +191,11 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
 
     A hook ends training early with ``info.stop(reason)``. If anything raises, the exception carries the
     history (``err.history``); when the failure came from a hook or the data (the engine's state is then
-    whole), the trained parameters are written back and, with checkpoints, saved first; a note on the
-    exception says what was kept. SIGTERM/SIGINT with checkpoints: the step in flight finishes and is
-    reported, the checkpoint is saved, and ``CheckpointedExit`` (exit status 128 + the signal) is raised.
+    whole), the trained parameters are written back and, with checkpoints, saved first (not when a hook's write
+    failed, an OSError: a checkpoint past the metrics it wrote would leave a hole in a resumed run's history; nor
+    when no step trained); a note on the exception says what was kept. A checkpoint is never saved from a skipped
+    step (a non-finite loss or gradient norm). SIGTERM/SIGINT/SIGHUP with checkpoints: the step in flight finishes
+    and is reported, the checkpoint is saved, and ``CheckpointedExit`` (exit status 128 + the signal) is raised.
     """
     if train.steps is None and endless(data):
         raise ValueError(f"{type(data).__name__} never ends, so fit would never return: give the run a "
@@ -321,10 +323,19 @@ def _keep_what_was_trained(err: BaseException, phase: str, history: History, mod
             if write_back and not is_abstract(model):
                 eng.write_back(model)
                 notes.append(f"the parameters after step {eng.state.step} were written back to the model")
-            if session is not None and phase != "checkpoint":
+            if session is not None and phase == "hook" and isinstance(err, OSError):
+                # a hook's write failed (metrics.jsonl, TensorBoard): a checkpoint now would be ahead of what it
+                # wrote, and a resumed run's history would have a hole; the last one saved is in step with it
+                committed = session.last_good()
+                notes.append(f"a hook's write failed, so nothing was saved past what it wrote; the last committed "
+                             f"checkpoint is {committed or 'none'}" + (": resume from it" if committed else ""))
+            elif session is not None and phase != "checkpoint":
                 path = session.rescue(eng)
                 if path is not None:
                     notes.append(f"the state after step {eng.state.step} was saved to {path}; resume from it")
+                elif eng.state.step == session.start_step:
+                    notes.append("no step was trained, so no checkpoint was saved: the same command, corrected, "
+                                 "starts as this one did")
         except Exception as again:  # noqa: BLE001 - report the original failure, with this one noted
             notes.append(f"keeping the trained state failed too: {type(again).__name__}: {again}")
     for note in notes:

@@ -24,7 +24,8 @@ class TrainConfig:
     - ``peak_tflops`` (the accelerator's dense bf16 peak, e.g. 989 for an H100 SXM) adds an ``mfu`` metric.
     - Checkpoints: with ``checkpoint_dir``, the whole host state, the data position and the run config are
       saved asynchronously every ``checkpoint_every`` steps (0: only at the end) and at the end, keeping the
-      newest ``checkpoint_keep``; SIGTERM/SIGINT finish the step, save and exit. ``resume = True``
+      newest ``checkpoint_keep`` and the last known good (never one from a skipped step); SIGTERM/SIGINT/SIGHUP
+      finish the step, save and exit. ``resume = True``
       continues from the newest complete checkpoint of ``checkpoint_dir`` (a fresh start when there is
       none); a string names a checkpoint (a root or one step's folder) to start from.
     - ``devices``: how many GPUs to train on, the first of this process's (None: all of them; under

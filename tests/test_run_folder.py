@@ -260,9 +260,11 @@ def test_a_resume_refused_by_the_model_check_leaves_a_corrupt_newest_checkpoint_
     assert (tmp_path / "checkpoints" / "4.corrupt").is_dir() and committed_steps(tmp_path / "checkpoints") == [5, 4, 2]
 
 
-def test_sigterm_exits_143_and_the_resumed_run_has_every_metrics_row(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_exits_143_and_the_resumed_run_has_every_metrics_row(tmp_path, sig):
     """A real ``megatrain-jax train`` process: SIGTERM mid-run saves, exits 143 (128 + 15), and the stopped
-    step's row is in metrics.jsonl; the resumed run continues with the next step, no row missing or twice."""
+    step's row is in metrics.jsonl; the resumed run continues with the next step, no row missing or twice. SIGHUP
+    (the terminal closed) does the same, with 129."""
     args = [sys.executable, "-m", "megatrain_jax", "train", *TINY_RUN, "train.steps=400", "train.log_every=1",
             "train.checkpoint_every=100", f"train.run_dir={tmp_path}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
@@ -270,13 +272,13 @@ def test_sigterm_exits_143_and_the_resumed_run_has_every_metrics_row(tmp_path):
     deadline = time.time() + 120
     for line in proc.stdout:
         if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 3:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             break
         assert time.time() < deadline
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err
+    assert proc.returncode == 128 + sig, err
     saved = committed_steps(tmp_path / "checkpoints")
-    assert len(saved) == 1 and f"SIGTERM: saved checkpoint {tmp_path / 'checkpoints' / str(saved[0])}" in err
+    assert len(saved) == 1 and f"{sig.name}: saved checkpoint {tmp_path / 'checkpoints' / str(saved[0])}" in err
     stopped = saved[0]
     assert steps_in(tmp_path) == list(range(1, stopped + 1))  # the stopped step's row is kept
     assert main(["train", *TINY_RUN, f"train.steps={stopped + 2}", "train.checkpoint_every=100", "train.resume=true",

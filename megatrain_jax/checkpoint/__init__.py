@@ -1,6 +1,6 @@
 """Orbax checkpoints of the whole host state: exact resume, asynchronous part-by-part writes that add no
 copy of the state, completeness checks (Orbax commit + a manifest of sizes and CRC-32s), keep-last-N,
-and save-then-exit on SIGTERM/SIGINT. ``Checkpointer`` saves and restores an ``Engine``;
+and save-then-exit on SIGTERM/SIGINT/SIGHUP. ``Checkpointer`` saves and restores an ``Engine``;
 ``CheckpointSession`` is what ``fit`` uses. Layout and memory design: ``store``. A failed write is a
 ``CheckpointWriteError`` (``failures``); no save can hang a run (docs/checkpoints_faults.md)."""
 

@@ -1,4 +1,5 @@
-"""``Checkpointer``: asynchronous Orbax checkpoints of an ``Engine``'s host state, the newest ``keep`` kept.
+"""``Checkpointer``: asynchronous Orbax checkpoints of an ``Engine``'s host state, the newest ``keep`` kept (and the
+last known good: ``prune``).
 
 A checkpoint is one Orbax ``CheckpointManager`` step with three items (composite args):
 
@@ -107,6 +108,10 @@ class Checkpointer:
                  read_only: bool = False):
         self.root = Path(directory).absolute()
         self.checksum = checksum
+        self.keep = None if read_only else keep
+        # The newest step known good (``CheckpointSession``: a finite step trained from it); None: every step is
+        # taken as good. ``prune`` never deletes it, nor a newer step not yet known either way.
+        self.known_good: int | None = None
         self.last_committed: int | None = None  # the step of the last save committed by this Checkpointer
         self._probe_name = f".megatrain-write-probe-{jax.process_index()}"
         try:
@@ -117,8 +122,8 @@ class Checkpointer:
                     if jax.process_index() == 0:
                         shutil.rmtree(tmp)
                 barrier("megatrain_cleaned")
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=None if read_only else keep, create=not read_only, read_only=read_only,
+            options = ocp.CheckpointManagerOptions(  # keep-N is ours (``prune``): it spares the last good step
+                max_to_keep=None, create=not read_only, read_only=read_only,
                 save_interval_steps=0 if read_only else 1,
                 enable_async_checkpointing=True,
                 async_options=ocp.AsyncOptions(timeout_secs=7 * 24 * 3600))  # a save may take long: never time out
@@ -185,6 +190,7 @@ class Checkpointer:
             self._manager.wait_until_finished()
             if not snapshot.abandoned:
                 self.last_committed = snapshot.step
+                self.prune()
         except BaseException as err:  # noqa: BLE001 - raised on the training thread by check()
             self._failure, self._failed = err, True
         finally:
@@ -207,6 +213,17 @@ class Checkpointer:
         if failure is not None and not self.abandoned:
             step_dir = self.root / str(self._snapshot.step)
             raise write_error(failure, step_dir, self.root, self.last_good(), self._snapshot.nbytes) or failure
+
+    def prune(self) -> None:
+        """Delete the committed steps older than the newest ``keep``, except ``known_good`` and any newer step (not
+        yet known good or bad): a diverging run's last checkpoints never push its last good one out. Runs after each
+        save commits, when no save is in flight."""
+        if self.keep is None:
+            return
+        steps = committed_steps(self.root)
+        for step in steps[self.keep:]:
+            if self.known_good is None or step < self.known_good:
+                self._manager.delete(step)
 
     def limit_stall(self, stall_s: float) -> None:
         """From now on, abandon a save (the one in flight, and later ones) that makes no progress for

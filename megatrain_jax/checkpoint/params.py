@@ -76,9 +76,17 @@ def _training_step_dir(path: Path) -> Path:
         if problem:
             raise CorruptCheckpointError(f"{path}: {problem}")
         return path
-    for step in committed_steps(path):  # newest first
-        if check_step(path / str(step)) is None:
+    steps = committed_steps(path)  # newest first
+    for step in steps:
+        problem = check_step(path / str(step))
+        if problem is None and step == steps[0]:
             return path / str(step)
+        if problem is None:  # never an older step in silence: the caller asked for the run's newest weights
+            raise CorruptCheckpointError(
+                f"the newest checkpoint of {path}, step {steps[0]}, fails its check, and nothing was read from it: "
+                + "; ".join(f"step {n}: {check_step(path / str(n))}" for n in steps[:steps.index(step)])
+                + f". The newest complete one is step {step}: to use it, give its folder ({path / str(step)}); "
+                f"to use step {steps[0]}, repair or re-save it")
     raise FileNotFoundError(f"{path} holds no complete megatrain_jax checkpoint (neither {MARKER} nor a "
                             f"training checkpoint with a state/ item)")
 

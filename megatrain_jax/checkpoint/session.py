@@ -1,5 +1,5 @@
 """Checkpointing as ``fit`` uses it: resume (engine state and data position), periodic and final saves,
-and save-then-exit on SIGTERM/SIGINT. ``fit`` only calls ``check``, ``start``, ``after_step``, ``finish`` and
+and save-then-exit on SIGTERM/SIGINT/SIGHUP. ``fit`` only calls ``check``, ``start``, ``after_step``, ``finish`` and
 ``running``; a researcher driving ``Engine.steps`` directly can call them the same way.
 
 Failures: a save that failed is raised at the next step (``after_step`` checks), a failed write as
@@ -28,7 +28,8 @@ from megatrain_jax.models.config import EFFECTIVE_FIELDS, DecoderConfig
 from megatrain_jax.checkpoint.manager import (Checkpointer, CorruptCheckpointError, committed_steps,
                                               split_step_dir)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGHUP too: a closed terminal or ssh session ends the run as a scheduler's SIGTERM does, checkpoint saved
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # After a stop signal, a save whose writer makes no progress (a part written, 16 MiB of the manifest's
 # checksums, the commit) for this long is abandoned: a stopped run then ends within this bound plus the step
 # in flight, even on a file system that hangs. A part that takes longer to write (over ~6 GB at 100 MB/s)
@@ -37,8 +38,8 @@ STOP_STALL_S = 60.0
 
 
 class CheckpointedExit(SystemExit):
-    """Raised by ``fit`` after a SIGTERM/SIGINT once the stopped step's checkpoint is committed. Its exit
-    status is the shell's for the signal, 128 + its number (143 for SIGTERM, 130 for SIGINT), so that a
+    """Raised by ``fit`` after a SIGTERM/SIGINT/SIGHUP once the stopped step's checkpoint is committed. Its exit
+    status is the shell's for the signal, 128 + its number (143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP), so that a
     scheduler can tell a preempted run from a finished one (0).
 
     ``abandoned``: the last save made no progress for ``STOP_STALL_S`` after the signal and was given up;
@@ -159,7 +160,7 @@ def position_data(data: Iterable, meta: dict) -> Iterable:
 
 class CheckpointSession:
     """Resume, periodic saves every ``every`` steps (of ``engine.state.step``), a final save, and on
-    SIGTERM/SIGINT: stop the data at the next step boundary (``follow``), let the last step finish and
+    SIGTERM/SIGINT/SIGHUP: stop the data at the next step boundary (``follow``), let the last step finish and
     report, save, wait for the write, raise ``CheckpointedExit``.
 
     ``resume``: None (a fresh run: ``directory`` must hold no checkpoint), ``"auto"`` (the newest
@@ -183,6 +184,7 @@ class CheckpointSession:
             self.close()  # a refused session leaves no checkpoint manager open
             raise
         self.data: Iterable | None = None
+        self._saved: set[int] = set()  # the steps this session saved (or resumed from)
         self._resume_from: tuple[Path | None, bool] | None = None  # (step directory, verified), once ``check`` ran
         self.start_step = 0
         self.resumed_from: Path | None = None
@@ -252,6 +254,9 @@ class CheckpointSession:
             self.close()
             raise
         self.start_step = int(engine.state.step)
+        if self.ckpt is not None:  # what this run starts from is good; its own saves are not known good until trained on
+            self.ckpt.known_good = self.start_step
+            self._saved.add(self.start_step)
         return self.data
 
     def close(self) -> None:
@@ -297,15 +302,22 @@ class CheckpointSession:
         self._data_state, self._stop = data_state, stop
 
     def save(self, engine, wait: bool = False) -> int | None:
-        """Save now; None (nothing saved) without a checkpoint directory or after an abandoned save (its
-        writer may be stuck in Orbax, which would hold any later save behind it)."""
+        """Save now; None (nothing saved) without a checkpoint directory, after an abandoned save (its
+        writer may be stuck in Orbax, which would hold any later save behind it), or when the engine's last step
+        was skipped (a diverging run: its checkpoint would push a good one out of the newest ``keep``)."""
         if self.ckpt is None:
             return None
         self.ckpt.wait()  # the save before: its failure is raised; after a stop signal it may be abandoned
         if self.ckpt.abandoned:
             return None
+        if engine.last_step_skipped():
+            print(f"not saving step {int(engine.state.step)}: it was skipped (a non-finite loss or gradient norm), and "
+                  f"a checkpoint is never written from a skipped step; the last good checkpoint is "
+                  f"{self.last_good() or 'none (this run committed none)'}", file=sys.stderr, flush=True)
+            return None
         meta = {"data": self._data_state(), "batches": int(engine.state.step) * self.accumulate,
                 "seed": self.config.get("seed")}
+        self._saved.add(int(engine.state.step))
         return self.ckpt.save(engine, meta=meta, config=self.config, wait=wait)
 
     def after_step(self, metrics: dict, info) -> None:
@@ -313,6 +325,10 @@ class CheckpointSession:
         a save that failed since the last step."""
         if self.ckpt is not None:
             self.ckpt.check()
+            if not metrics.get("skipped", False) and metrics["step"] - 1 in self._saved:
+                # a finite step was trained from the checkpoint of the step before: it is known good, and the
+                # keep-N rule spares it until a newer one is (Checkpointer.prune)
+                self.ckpt.known_good = max(self.ckpt.known_good or 0, metrics["step"] - 1)
         step = info.params_step
         if self.every and step % self.every == 0 and step != self._last_saved():
             self.save(info.engine)
@@ -325,6 +341,9 @@ class CheckpointSession:
             self.save(engine)
         if self.ckpt is not None:
             self.ckpt.wait()
+            if self.ckpt.last_committed == step:  # the run's last step, not skipped: its end is taken as good
+                self.ckpt.known_good = step
+                self.ckpt.prune()
         if self.stop_signal is not None and self.ckpt is not None and self.ckpt.abandoned:
             good = self.last_good()
             print(f"{self.stop_signal}: the save of step {self._last_saved()} made no progress for "
@@ -345,11 +364,11 @@ class CheckpointSession:
     def rescue(self, engine) -> Path | None:
         """After a failure outside the engine (a hook, the data): save the consistent state the engine holds,
         wait for it, and return its path (None without a checkpoint directory)."""
-        if self.ckpt is None:
-            return None
         step = int(engine.state.step)
-        if step != self._last_saved():
-            self.save(engine)
+        if self.ckpt is None or step == self.start_step:  # nothing trained since the start: nothing to keep
+            return None
+        if step != self._last_saved() and self.save(engine) is None:
+            return None
         self.ckpt.wait()
         return None if self.ckpt.abandoned else self.ckpt.root / str(step)
 
@@ -371,7 +390,7 @@ class CheckpointSession:
     # ------------------------------------------------------------------ signals
     @contextlib.contextmanager
     def running(self) -> Iterator["CheckpointSession"]:
-        """Install the SIGTERM/SIGINT handlers (main thread only) and, on the way out, wait for the save
+        """Install the SIGTERM/SIGINT/SIGHUP handlers (main thread only) and, on the way out, wait for the save
         in flight and close the manager. A signal stops the data at the next step boundary (see ``follow``)
         and bounds the wait for saves (``stop_stall_s`` without progress, then abandoned); a second signal
         gets the previous handler (e.g. Ctrl-C twice)."""

@@ -11,11 +11,11 @@ experiments/bench.py --configs NAME --out FILE.json`` (docs/command_line.md).
 
 Exit statuses: 0 done; 1 an unexpected error (with its traceback); 2 bad input (config, data, checkpoint,
 model) or a checkpoint that cannot be written (read-only folder, no permission, full disk, quota, I/O
-error), with a message saying what to change; 3 training diverged (too many non-finite steps in a row);
-4 a step ran out of GPU memory (before any update: the state of the last whole step was saved to resume
-from; the message lists layouts that fit with less GPU memory); 130 / 143 stopped by SIGINT / SIGTERM after
-saving the checkpoint to resume from, or after abandoning a save that made no progress for 60 s (the
-message names the last complete checkpoint). No save can hang: docs/checkpoints_faults.md.
+error), with a message saying what to change; 3 training diverged (too many non-finite steps in a row, or
+non-finite weights at the export); 4 a step ran out of GPU memory (before any update: the state of the last
+whole step was saved to resume from; the message lists layouts that fit with less GPU memory); 129 / 130 / 143
+stopped by SIGHUP / SIGINT / SIGTERM after saving the checkpoint to resume from, or after abandoning a save
+that made no progress for 60 s (the message names the last complete checkpoint). No save can hang: docs/checkpoints_faults.md.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
 from megatrain_jax.engine.update.policy import NonFiniteError
 from megatrain_jax.plan import GiB, MemoryPlanError
 
-# Exit statuses (docs/command_line.md, "Exit statuses"). A run stopped by SIGTERM/SIGINT after saving its checkpoint exits
-# with the shell's status for the signal, 128 + its number: 143 and 130 (CheckpointedExit).
+# Exit statuses (docs/command_line.md, "Exit statuses"). A run stopped by SIGTERM/SIGINT/SIGHUP after saving its checkpoint
+# exits with the shell's status for the signal, 128 + its number: 143, 130 and 129 (CheckpointedExit).
 EXIT_OK, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OUT_OF_MEMORY = 0, 2, 3, 4
 
 EXAMPLES = """examples:

@@ -5,7 +5,8 @@
   ``blocks/3/attn/q/kernel``, ...; the DecoderConfig as JSON under ``__config__``);
 - ``hf``/``npz`` -> ``orbax``: a parameters-only Orbax checkpoint (``megatrain_jax.checkpoint.save_params``);
 - ``orbax`` -> ``hf``/``npz``: from such a checkpoint, or the parameters of a training checkpoint
-  (``fit(checkpoint_dir=...)``: its newest complete step, or the step directory given).
+  (``fit(checkpoint_dir=...)``: its newest step, refused when that step fails its check, or the step directory
+  given: the way to convert an older step).
 
 The whole model passes through host RAM once as float32 (4 bytes per parameter).
 """

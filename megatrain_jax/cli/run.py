@@ -20,7 +20,9 @@ from flax import nnx
 
 from megatrain_jax import distributed
 from megatrain_jax._environment import gpu_fraction_source, host_pool_limit, user_host_pool_limit
-from megatrain_jax.checkpoint import committed_steps
+from megatrain_jax.checkpoint import CorruptCheckpointError, committed_steps
+from megatrain_jax.cli.export_guard import guarded_export
+from megatrain_jax.cli.output_paths import check_output_paths
 from megatrain_jax.cli.run_config import RunConfig, to_dict, to_toml
 from megatrain_jax.cli.run_lock import RunLock
 from megatrain_jax.evaluate import eval_hook
@@ -63,6 +65,11 @@ def _first_step(fn: Callable[[], None]) -> Hook:
             done.append(True)
             fn()
     return Hook(call)
+
+
+# What refuses a start after fit's checks passed (the data's state, the checkpoint's tensors, a first batch the
+# model cannot take): the command line's bad-input failures (exit status 2)
+REFUSALS = (ValueError, FileNotFoundError, FileExistsError, CorruptCheckpointError)
 
 
 class RunFolderError(FileExistsError):
@@ -200,6 +207,7 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     out = stream or sys.stdout
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     t = cfg.train
+    check_output_paths(t)  # every folder and file the run writes, before anything is created or loaded
     locks = [RunLock(Path(t.run_dir), distributed.process_id())]
     if t.for_fit().checkpoint_dir is not None:  # the run saves checkpoints there
         locks.append(RunLock(t.checkpoint_folder(), distributed.process_id(), what="checkpoint folder",
@@ -263,15 +271,20 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
             f"{summary['skipped_too_long']:,} skipped as too long, {summary['skipped_no_loss']:,} skipped with no "
             f"answer token left (data.too_long = {d.too_long!r}); in {run_dir / 'data_stats.json'}")
 
+    before: dict[Path, bytes | None] = {}  # what started() replaced, put back when the start is refused after all
+
     def started(step: int) -> None:
         """Every check has passed (fit's too: the checkpoint and its model) and the model is about to load: the
         plan this start runs with, and what the data kept, are written now, so that a run that dies loading or
-        in its first step (out of memory, killed) leaves them. A refused start, or one with nothing to train,
-        leaves the folder as it was."""
+        in its first step (out of memory, killed) leaves them. A refused start (here, or later: the data or the
+        checkpoint's tensors refused as the engine restores them), or one with nothing to train, leaves the folder
+        as it was."""
         if step < t.steps:
-            (run_dir / "memory_plan.json").write_text(json.dumps(plan_record, indent=1))
-            if summary is not None:
-                (run_dir / "data_stats.json").write_text(json.dumps(summary, indent=1))
+            files = {"memory_plan.json": plan_record, **({"data_stats.json": summary} if summary is not None else {})}
+            for name, record in files.items():
+                path = run_dir / name
+                before[path] = path.read_bytes() if path.exists() else None
+                path.write_text(json.dumps(record, indent=1))
 
     # config.toml with the first step's metrics: a folder holds a run once a step trained (run_files), and a start
     # that died before that can be run again as it was
@@ -301,6 +314,14 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
                       init_from=init_from, on_start=started)
     except DeviceOutOfMemoryError as err:
         err.add_note(_out_of_memory_advice(memory, err, t.for_fit().checkpointing, given))
+        raise
+    except REFUSALS as err:
+        if not getattr(err, "history", None):  # refused before a step trained: the folder goes back as it was
+            for path, content in before.items():
+                if content is None:
+                    path.unlink(missing_ok=True)
+                else:
+                    path.write_bytes(content)
         raise
     finally:
         for w in writers:
@@ -346,8 +367,10 @@ def _finish(history: History, cfg: RunConfig, model_cfg, say) -> None:
     if t.export_hf:
         from megatrain_jax.hf import save_hf
         copied = tokenizer_files(d.tokenizer or cfg.model.hf_checkpoint)
-        save_hf(t.export_hf, model_cfg, *history.engine.parameters(), overwrite=t.export_overwrite,
-                extra_files=copied)
+        kept_in = t.checkpoint_folder() if t.for_fit().checkpointing else None
+        with guarded_export(history.engine, t.export_hf, kept_in, run_dir, model_cfg, say):  # loses nothing
+            save_hf(t.export_hf, model_cfg, *history.engine.parameters(), overwrite=t.export_overwrite,
+                    extra_files=copied)
         say(f"  exported the trained model to {t.export_hf} (Hugging Face format, bfloat16"
             + (f"; with {', '.join(p.name for p in copied)}" if copied else "") + ")")
     if len(history):

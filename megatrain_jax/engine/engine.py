@@ -214,6 +214,13 @@ class Engine:
         """Steps skipped so far for a non-finite loss or gradient norm (counted as their updates run)."""
         return self.policy.skipped_steps
 
+    def last_step_skipped(self) -> bool:
+        """Whether the state's last step was skipped (a non-finite loss or gradient norm): its parameters are then
+        the last good step's under a later step number, and a diverging run's (checkpoints are never saved from it).
+        Waits for the pending updates (``sync``)."""
+        self.sync()
+        return self.policy.nonfinite_in_row > 0
+
     # ------------------------------------------------------------------ evaluation
     def eval_nll(self, batches: Sequence[Batch]) -> tuple[float, float]:
         """The summed masked next-token loss of the current parameters over ``batches`` and the number of

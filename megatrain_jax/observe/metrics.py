@@ -126,6 +126,12 @@ class JsonlWriter:
         kept = [line for line, r in records if r.get("step", 0) < first_step]
         why = (f"it holds records of step {first_step} or later, which this run writes anew" if len(kept) < len(records)
                else "its last line was cut short" if text and not text.endswith("\n") else None)
+        last = max((r.get("step", 0) for _, r in records), default=None)
+        if last is not None and last < first_step - 1:  # never in silence: the history has a hole from here
+            gap = f"step {last + 1}" if last + 1 == first_step - 1 else f"steps {last + 1} to {first_step - 1}"
+            print(f"{self.path}: no records of {gap} (the run that saved the checkpoint "
+                  f"resumed from stopped before writing them); the metrics go on from step {first_step}",
+                  file=sys.stderr, flush=True)
         if why is not None:
             self.moved_aside = free_name(self.path)
             _write_whole(self.moved_aside, text)
@@ -142,8 +148,12 @@ class JsonlWriter:
         record = {k: _plain(v) for k, v in metrics.items()}
         record = {k: v for k, v in record.items() if v is not None}
         record.update(time=round(now, 3), elapsed_s=round(now - self._t0, 3))
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+        except OSError as err:  # said with the file it failed on; fit then saves no checkpoint past this row
+            raise OSError(err.errno, f"{err.strerror or err} (writing the metrics of step {metrics['step']})",
+                          str(self.path)) from err
 
     def hook(self) -> Hook:
         return Hook(lambda m, info: self.write(m), every=1)

@@ -143,6 +143,12 @@ class UpdatePolicy:
         self._decide = jax.jit(lambda sq, loss: clip_scale(sq, clip, accumulate)
                                + (jnp.isfinite(loss) & jnp.isfinite(jnp.sqrt(sum(sq))),))
 
+    @property
+    def nonfinite_in_row(self) -> int:
+        """Steps skipped in a row up to the last decision the worker has counted (``drain`` first for the last
+        step's)."""
+        return self._nonfinite_in_row
+
     # ------------------------------------------------------------------ per step
     def check(self) -> None:
         """Re-raise a ``NonFiniteError`` (or another failure) of an earlier step's decision; never blocks."""

@@ -1,0 +1,89 @@
+"""The export at the end of ``megatrain-jax train``, guarded so that it loses nothing: non-finite weights are
+never exported, the trained state is on disk before the export starts (the run's checkpoint of its last step,
+else a parameters-only copy written first), and an export that fails names its folder, why, and where the
+trained state is (docs/checkpoints_faults.md)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import numpy as np
+
+from megatrain_jax.checkpoint import committed_steps, save_params
+from megatrain_jax.checkpoint.failures import WRITE_ADVICE, os_error_behind
+from megatrain_jax.engine.engine import Engine, NonFiniteError
+
+
+class ExportWriteError(OSError):
+    """The export could not be written: the message names the folder, the cause and where the trained state
+    is kept; ``errno`` is the failed call's, and the OSError its ``__cause__``."""
+
+
+def first_nonfinite(engine: Engine) -> str | None:
+    """The name of the first parameter holding a NaN or an infinity (``io/...`` or ``blocks/3/...``); None when
+    every one is finite. Reads every parameter once."""
+    io, blocks = engine.parameters()
+    for prefix, tree in [("io", io), *((f"blocks/{i}", b) for i, b in enumerate(blocks))]:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if not np.isfinite(np.asarray(leaf)).all():
+                return "/".join([prefix, *(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)])
+    return None
+
+
+def _kept_state(engine: Engine, checkpoint_folder: Path | None, run_dir: Path, model_cfg,
+                say: Callable[[str], None]) -> tuple[Path | None, str]:
+    """Where the trained state is on disk: the run's checkpoint of its last step, else a parameters-only copy
+    written now into ``run_dir`` (said); (None, why) when that copy could not be written."""
+    step = int(engine.state.step)
+    if checkpoint_folder is not None and step in committed_steps(checkpoint_folder):
+        return checkpoint_folder / str(step), ""
+    if jax.process_count() > 1:  # each process holds its own rows: only a checkpoint writes them as one
+        return None, "several processes hold them, and only a checkpoint (train.checkpoint_every) writes them whole"
+    path, n = run_dir / "trained_params", 1
+    while path.exists():
+        path, n = run_dir / f"trained_params.{n}", n + 1
+    try:
+        save_params(path, model_cfg, *engine.parameters())
+    except Exception as err:  # noqa: BLE001 - the export may still succeed (another disk): say it, go on
+        return None, f"writing them to {path} failed ({type(err).__name__}: {err})"
+    say(f"  the trained weights of step {step} are kept in {path} before the export (this run saves no checkpoint "
+        f"of its last step; megatrain-jax convert {path} OUT exports them again)")
+    return path, ""
+
+
+@contextlib.contextmanager
+def guarded_export(engine: Engine, target: str, checkpoint_folder: Path | None, run_dir: Path, model_cfg,
+                   say: Callable[[str], None]) -> Iterator[None]:
+    """Around the export of ``engine``'s parameters to ``target``: refuse non-finite weights (``NonFiniteError``:
+    nothing is exported, the run's checkpoints are as they were), keep the trained state on disk first
+    (``checkpoint_folder``: the run's, None when it saves none), and raise a failed export as
+    ``ExportWriteError`` (an OSError behind it) or with a note (any other failure) naming where the state is."""
+    bad = first_nonfinite(engine)
+    if bad is not None:
+        step = int(engine.state.step)
+        kept = committed_steps(checkpoint_folder)[:1] if checkpoint_folder is not None else []
+        raise NonFiniteError(f"not exporting to {target}: the parameter {bad} holds a NaN or an infinity after step "
+                             f"{step}, and a run never exports non-finite weights; nothing was written there. "
+                             + (f"The last good checkpoint is {checkpoint_folder / str(kept[0])}. " if kept else "")
+                             + "Check the initial weights and the data, or lower the learning rate")
+    kept, failed_too = _kept_state(engine, checkpoint_folder, run_dir, model_cfg, say)
+    if kept is None:
+        say(f"  note: the trained weights are not kept on disk before the export: {failed_too}")
+    where = (f"the trained state is kept in {kept}" if kept is not None else
+             f"the trained state could not be kept on disk: {failed_too}")
+    try:
+        yield
+    except Exception as err:
+        cause = os_error_behind(err)
+        if cause is None:
+            err.add_note(f"the export to {target} failed; {where}")
+            raise
+        what, todo = WRITE_ADVICE.get(cause.errno, ("a write failed", "fix what the error names in {root}"))
+        out = ExportWriteError(f"could not export the trained model to {target}: {what} ({cause}); {where}. To go "
+                               f"on: {todo.format(root=Path(target).parent)}, or export to another folder"
+                               + (f" (megatrain-jax convert {kept} NEW_FOLDER)" if kept is not None else ""))
+        out.errno = cause.errno  # (not strerror or filename: str() would then show them alone)
+        raise out from cause

@@ -1,0 +1,177 @@
+"""Nothing committed is lost, ever: a diverging run keeps its last good checkpoint, an export never writes NaN
+weights and a failed one keeps the trained state, every output path is checked before training, convert never
+falls back to an older step in silence, checkpoints never run ahead of metrics.jsonl, a refused or failed start
+leaves the run folder as it was (SIGHUP saving as SIGTERM does: tests/test_run_folder.py). Faults are injected as in
+tests/test_save_failures.py (tests run as root, which writes through permission bits)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from megatrain_jax import Decoder, EngineConfig, NonFiniteError, TrainConfig, default_optimizer, fit
+from megatrain_jax.checkpoint import committed_steps, load_params
+from megatrain_jax.cli import main
+from megatrain_jax.cli.run import run_files
+from megatrain_jax.observe import metrics as metrics_module
+from tests.test_faults import CFG, data
+from tests.test_run_folder import TINY_RUN, copy_of, files_of, saved_run, steps_in  # noqa: F401 - a fixture
+
+REPO = Path(__file__).resolve().parents[1]
+HF_LLAMA = REPO / "tests" / "fixtures" / "hf" / "llama"
+
+
+def test_a_diverging_run_saves_no_skipped_step_and_keeps_its_last_good_checkpoint(tmp_path, capsys):
+    """The learning rate jumps at step 5, so steps 6 on are skipped (non-finite); every step is checkpointed and
+    one is kept. Without the rules the skipped steps' checkpoints push every good one out; the checkpoint of step 5
+    (finite, but the weights step 6 diverged from) is no good either, so step 4's, the last that a finite step
+    trained from, is kept."""
+    lr = lambda count: jnp.where(count < 4, 1e-3, 1e35)  # noqa: E731
+    model = Decoder(CFG, rngs=nnx.Rngs(0))
+    with pytest.raises(NonFiniteError) as err:
+        fit(model, data(), default_optimizer(lr), engine=EngineConfig(micro_batches=2, max_nonfinite_steps=3),
+            train=TrainConfig(steps=12, log_every=0, checkpoint_dir=str(tmp_path), checkpoint_every=1, checkpoint_keep=1))
+    records = err.value.history.records
+    skipped = {r["step"] for r in records if r["skipped"]}
+    assert skipped, "the run did not diverge"
+    last_good = max(r["step"] - 1 for r in records if not r["skipped"])  # a finite step was trained from it
+    kept = committed_steps(tmp_path)
+    assert not skipped & set(kept) and max(kept) < min(skipped) and last_good in kept, (kept, skipped)
+    assert "a checkpoint is never written from a skipped step" in capsys.readouterr().err
+
+
+def test_a_model_with_a_nan_weight_is_never_exported(tmp_path, capsys):
+    """Every step is skipped; the run refuses to export (exit 3, nothing in the export folder) and saves no
+    checkpoint of the NaN model."""
+    from safetensors.numpy import load_file, save_file
+    src = tmp_path / "nan_model"
+    shutil.copytree(HF_LLAMA, src)
+    tensors = load_file(src / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("norm.weight"))
+    tensors[name] = tensors[name].copy()
+    tensors[name][0] = np.nan
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    run_dir, export = tmp_path / "run", tmp_path / "export"
+    status = main(["train", f"model.hf_checkpoint={src}", "model.dtype=float32", *TINY_RUN[1:], "train.steps=2",
+                   "train.checkpoint_every=1", f"train.run_dir={run_dir}", f"train.export_hf={export}"])
+    err = capsys.readouterr().err
+    assert status == 3, err
+    assert f"not exporting to {export}" in err and "holds a NaN or an infinity" in err
+    assert not export.exists() and committed_steps(run_dir / "checkpoints") == []
+
+
+def test_a_failed_export_names_its_folder_and_keeps_the_trained_weights(tmp_path, monkeypatch, capsys):
+    """A full disk under the export folder, in a run that saves no checkpoints: the error names the folder and the
+    cause, and the trained weights were written first (into the run folder) and convert back to the model."""
+    run_dir, export = tmp_path / "run", tmp_path / "export"
+    mkdir = os.mkdir
+
+    def full(path, *args, **kwargs):
+        if f".{export.name}.partial-" in os.fspath(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        return mkdir(path, *args, **kwargs)
+    monkeypatch.setattr(os, "mkdir", full)
+    status = main(["train", *TINY_RUN, "train.steps=2", f"train.run_dir={run_dir}", f"train.export_hf={export}"])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert status == 2, err
+    kept = run_dir / "trained_params"
+    assert f"could not export the trained model to {export}: the disk is full" in err
+    assert f"the trained state is kept in {kept}" in err and f"megatrain-jax convert {kept}" in err
+    cfg, io, blocks = load_params(kept)
+    assert cfg.layers == 2 and len(blocks) == 2 and np.isfinite(io["embedding"]).all()
+    assert main(["convert", str(kept), str(export), "--to", "hf"]) == 0
+
+
+@pytest.mark.parametrize("where", ["export_parent", "run_dir", "checkpoint_parent", "metrics"])
+def test_every_output_path_is_checked_before_training(tmp_path, capsys, where):
+    (tmp_path / "file").write_text("not a folder")
+    run_dir = tmp_path / "run"
+    args = {"export_parent": [f"train.export_hf={tmp_path / 'file' / 'hf'}"],
+            "run_dir": [],
+            "checkpoint_parent": ["train.checkpoint_every=1", f"train.checkpoint_dir={tmp_path / 'file' / 'ck'}"],
+            "metrics": []}[where]
+    if where == "run_dir":
+        run_dir = tmp_path / "file"
+    if where == "metrics":
+        (run_dir / "metrics.jsonl").mkdir(parents=True)
+    field, path = {"export_parent": ("train.export_hf", tmp_path / "file" / "hf"), "run_dir": ("train.run_dir", run_dir),
+                   "checkpoint_parent": ("train.checkpoint_dir", tmp_path / "file" / "ck"),
+                   "metrics": ("train.run_dir (its metrics.jsonl)", run_dir / "metrics.jsonl")}[where]
+    assert main(["train", *TINY_RUN, "train.steps=2", f"train.run_dir={run_dir}", *args]) == 2
+    out, err = capsys.readouterr()
+    assert f"{field} = {path}" in err and "step " not in out, err
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
+def test_convert_refuses_a_run_whose_newest_checkpoint_is_broken(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    fit(Decoder(CFG, rngs=nnx.Rngs(0)), data(), default_optimizer(1e-3), engine=EngineConfig(micro_batches=2),
+        train=TrainConfig(steps=4, log_every=0, checkpoint_dir=str(ck), checkpoint_every=2))
+    assert committed_steps(ck) == [4, 2]
+    (ck / "4" / "state" / "MANIFEST.json").write_text("{")
+    capsys.readouterr()
+    assert main(["convert", str(ck), str(tmp_path / "hf"), "--to", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert "the newest checkpoint" in err and "step 4, fails its check" in err
+    assert f"The newest complete one is step 2: to use it, give its folder ({ck / '2'})" in err
+    assert not (tmp_path / "hf").exists()
+    assert main(["convert", str(ck / "2"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+
+
+def test_a_metrics_file_that_cannot_be_written_leaves_no_checkpoint_ahead_of_it(tmp_path, monkeypatch, capsys):
+    """The write of step 3's row fails (a full disk): no checkpoint past step 2 is saved, and the resumed run's
+    metrics.jsonl has every row, 1 to 6."""
+    write = metrics_module.JsonlWriter.write
+
+    def full_at_3(self, m):
+        if m["step"] == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        write(self, m)
+    monkeypatch.setattr(metrics_module.JsonlWriter, "write", full_at_3)
+    run = [*TINY_RUN, "train.checkpoint_every=2", f"train.run_dir={tmp_path}"]
+    assert main(["train", *run, "train.steps=6"]) == 2
+    monkeypatch.undo()
+    assert committed_steps(tmp_path / "checkpoints") == [2] and steps_in(tmp_path) == [1, 2]
+    assert "nothing was saved past what it wrote" in capsys.readouterr().err
+    assert main(["train", *run, "train.steps=6", "train.resume=true"]) == 0
+    assert steps_in(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resume_refused_by_its_data_leaves_the_run_folder_byte_for_byte(saved_run, tmp_path, capsys):
+    """Refused as the engine restores (the data's state differs), after the memory plan of the new batch size was
+    written: the folder goes back as it was."""
+    run_dir, resume = copy_of(saved_run, tmp_path)
+    before = files_of(run_dir)
+    assert main(["train", *resume, "train.steps=4", "data.batch_size=8", "data.seed=7"]) == 2
+    assert "data state does not match" in capsys.readouterr().err
+    assert files_of(run_dir) == before
+
+
+def test_a_start_that_fails_at_its_first_batch_blocks_no_corrected_command(tmp_path, capsys):
+    run = [*TINY_RUN, "train.steps=2", "train.checkpoint_every=1", f"train.run_dir={tmp_path}"]
+    assert main(["train", *run, "model.max_positions=16"]) == 2  # rows of 32 tokens
+    assert "no step was trained, so no checkpoint was saved" in capsys.readouterr().err
+    assert not run_files(tmp_path, tmp_path / "checkpoints") and committed_steps(tmp_path / "checkpoints") == []
+    assert not (tmp_path / "memory_plan.json").exists()
+    assert main(["train", *run, "train.resume=true"]) == 0 and steps_in(tmp_path) == [1, 2]
+
+
+
+def test_a_resume_past_the_last_metrics_row_says_which_rows_are_missing(tmp_path, capsys):
+    """Killed between a checkpoint's commit and its step's metrics row (metrics are reported one step late): the
+    resumed run says which rows its metrics.jsonl lacks instead of leaving the hole in silence."""
+    run = [*TINY_RUN, "train.checkpoint_every=2", f"train.run_dir={tmp_path}"]
+    assert main(["train", *run, "train.steps=4"]) == 0
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "metrics.jsonl").write_text("".join(rows[:3]))  # as if killed before step 4's row
+    capsys.readouterr()
+    assert main(["train", *run, "train.steps=5", "train.resume=true"]) == 0
+    assert "no records of step 4 (the run that saved the checkpoint" in capsys.readouterr().err and steps_in(tmp_path) == [1, 2, 3, 5]
