@@ -28,15 +28,19 @@ from megatrain_jax.checkpoint.parts import ShapeMismatchError, named_leaves
 from megatrain_jax.checkpoint.session import jsonable
 from megatrain_jax.contract.layered import block_params, io_params
 from megatrain_jax.engine.parts import IO
+from megatrain_jax.engine.transfer import host_view
 from megatrain_jax.models.config import DecoderConfig
 
 MARKER = "megatrain_params.json"
 
 
 def _numpy(tree: Any) -> Any:
+    """``tree``'s leaves as float32 numpy arrays: views of host arrays that are float32 already (no copy, and
+    none cached on the array, which ``np.asarray`` would keep on a GPU client: a model's worth at the end of
+    a run), copies of the others."""
     if hasattr(tree, "to_pure_dict"):
         tree = tree.to_pure_dict()
-    return jax.tree.map(lambda a: np.asarray(a, np.float32), tree)
+    return jax.tree.map(lambda a: host_view(a).astype(np.float32, copy=False), tree)
 
 
 def _restore_numpy(path: Path) -> Any:

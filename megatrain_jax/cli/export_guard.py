@@ -15,6 +15,7 @@ import numpy as np
 from megatrain_jax.checkpoint import committed_steps, save_params
 from megatrain_jax.checkpoint.failures import WRITE_ADVICE, os_error_behind
 from megatrain_jax.engine.engine import Engine, NonFiniteError
+from megatrain_jax.engine.transfer import host_view
 
 
 class ExportWriteError(OSError):
@@ -28,7 +29,7 @@ def first_nonfinite(engine: Engine) -> str | None:
     io, blocks = engine.parameters()
     for prefix, tree in [("io", io), *((f"blocks/{i}", b) for i, b in enumerate(blocks))]:
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            if not np.isfinite(np.asarray(leaf)).all():
+            if not np.isfinite(host_view(leaf)).all():  # a view: np.asarray would keep a copy on the array
                 return "/".join([prefix, *(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)])
     return None
 
