@@ -90,6 +90,30 @@ def test_a_failed_export_names_its_folder_and_keeps_the_trained_weights(tmp_path
     assert main(["convert", str(kept), str(export), "--to", "hf"]) == 0
 
 
+def test_without_room_for_a_copy_beside_the_export_the_weights_are_written_when_it_fails(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """A disk that holds the export but not also a float32 copy (an 8B fine-tune on a 64 GB disk): no copy
+    first, said; when the export then fails, the weights are written to the run folder after all, and named."""
+    from megatrain_jax.cli import export_guard
+    run_dir, export = tmp_path / "run", tmp_path / "export"
+    monkeypatch.setattr(export_guard, "_free_bytes", lambda folder: (1, 0))  # no room: nothing written first
+    mkdir = os.mkdir
+
+    def full(path, *args, **kwargs):
+        if f".{export.name}.partial-" in os.fspath(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+        return mkdir(path, *args, **kwargs)
+    monkeypatch.setattr(os, "mkdir", full)
+    status = main(["train", *TINY_RUN, "train.steps=2", f"train.run_dir={run_dir}", f"train.export_hf={export}"])
+    monkeypatch.undo()
+    out, err = capsys.readouterr()
+    kept = run_dir / "trained_params"
+    assert status == 2, err
+    assert "are kept in" not in out and "written there only if the export fails" in out + err
+    assert f"the trained state is kept in {kept}" in err
+    assert load_params(kept)[0].layers == 2
+
+
 @pytest.mark.parametrize("where", ["export_parent", "run_dir", "checkpoint_parent", "metrics"])
 def test_every_output_path_is_checked_before_training(tmp_path, capsys, where):
     (tmp_path / "file").write_text("not a folder")

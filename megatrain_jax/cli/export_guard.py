@@ -6,6 +6,8 @@ trained state is (docs/checkpoints_faults.md)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -34,22 +36,66 @@ def first_nonfinite(engine: Engine) -> str | None:
     return None
 
 
-def _kept_state(engine: Engine, checkpoint_folder: Path | None, run_dir: Path, model_cfg,
+def _params_copy_path(run_dir: Path) -> Path:
+    path, n = run_dir / "trained_params", 1
+    while path.exists():
+        path, n = run_dir / f"trained_params.{n}", n + 1
+    return path
+
+
+def _write_params(engine: Engine, path: Path, model_cfg) -> str:
+    """Write ``engine``'s parameters to ``path`` (float32, read through views: no second copy of the model in
+    memory); '' or why it failed."""
+    try:
+        save_params(path, model_cfg, *engine.parameters())
+    except Exception as err:  # noqa: BLE001 - the export may still succeed (another disk): say it, go on
+        return f"writing them to {path} failed ({type(err).__name__}: {err})"
+    return ""
+
+
+def _free_bytes(folder: Path) -> tuple[int, int] | None:
+    """(free bytes, device id) of the filesystem that holds ``folder`` (its nearest existing parent)."""
+    folder = folder.absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free, os.stat(folder).st_dev
+    except OSError:
+        return None
+
+
+def _room_for_copy(engine: Engine, run_dir: Path, target: str) -> tuple[bool, str]:
+    """Whether the run folder's disk holds a float32 copy of the parameters beside the bfloat16 export (when
+    both go to one disk), and if not, the words saying so."""
+    params = sum(leaf.size for leaf in jax.tree.leaves(engine.parameters()))
+    copy, export = 4 * params, 2 * params
+    here, there = _free_bytes(run_dir), _free_bytes(Path(target).parent)
+    if here is None:
+        return True, ""
+    need = copy + (export if there is not None and there[1] == here[1] else 0)
+    if here[0] >= need:
+        return True, ""
+    return False, (f"{run_dir}'s disk has {here[0] / 2**30:.1f} GiB free, less than the copy "
+                   f"({copy / 2**30:.1f} GiB) and the export need together ({need / 2**30:.1f} GiB)")
+
+
+def _kept_state(engine: Engine, checkpoint_folder: Path | None, run_dir: Path, model_cfg, target: str,
                 say: Callable[[str], None]) -> tuple[Path | None, str]:
     """Where the trained state is on disk: the run's checkpoint of its last step, else a parameters-only copy
-    written now into ``run_dir`` (said); (None, why) when that copy could not be written."""
+    written now into ``run_dir`` (said); (None, why) when there is none yet (several processes, no room for
+    the copy beside the export, or its write failed)."""
     step = int(engine.state.step)
     if checkpoint_folder is not None and step in committed_steps(checkpoint_folder):
         return checkpoint_folder / str(step), ""
     if jax.process_count() > 1:  # each process holds its own rows: only a checkpoint writes them as one
         return None, "several processes hold them, and only a checkpoint (train.checkpoint_every) writes them whole"
-    path, n = run_dir / "trained_params", 1
-    while path.exists():
-        path, n = run_dir / f"trained_params.{n}", n + 1
-    try:
-        save_params(path, model_cfg, *engine.parameters())
-    except Exception as err:  # noqa: BLE001 - the export may still succeed (another disk): say it, go on
-        return None, f"writing them to {path} failed ({type(err).__name__}: {err})"
+    room, why = _room_for_copy(engine, run_dir, target)
+    if not room:
+        return None, why + "; they are written there only if the export fails"
+    path = _params_copy_path(run_dir)
+    failed = _write_params(engine, path, model_cfg)
+    if failed:
+        return None, failed
     say(f"  the trained weights of step {step} are kept in {path} before the export (this run saves no checkpoint "
         f"of its last step; megatrain-jax convert {path} OUT exports them again)")
     return path, ""
@@ -70,7 +116,7 @@ def guarded_export(engine: Engine, target: str, checkpoint_folder: Path | None, 
                              f"{step}, and a run never exports non-finite weights; nothing was written there. "
                              + (f"The last good checkpoint is {checkpoint_folder / str(kept[0])}. " if kept else "")
                              + "Check the initial weights and the data, or lower the learning rate")
-    kept, failed_too = _kept_state(engine, checkpoint_folder, run_dir, model_cfg, say)
+    kept, failed_too = _kept_state(engine, checkpoint_folder, run_dir, model_cfg, target, say)
     if kept is None:
         say(f"  note: the trained weights are not kept on disk before the export: {failed_too}")
     where = (f"the trained state is kept in {kept}" if kept is not None else
@@ -78,6 +124,10 @@ def guarded_export(engine: Engine, target: str, checkpoint_folder: Path | None, 
     try:
         yield
     except Exception as err:
+        if kept is None and jax.process_count() == 1:  # the copy that had no room beside the export: now
+            path = _params_copy_path(run_dir)
+            failed = _write_params(engine, path, model_cfg)
+            kept, where = (None, where) if failed else (path, f"the trained state is kept in {path}")
         cause = os_error_behind(err)
         if cause is None:
             err.add_note(f"the export to {target} failed; {where}")
