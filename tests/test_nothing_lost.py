@@ -20,6 +20,7 @@ from megatrain_jax import Decoder, EngineConfig, NonFiniteError, TrainConfig, de
 from megatrain_jax.checkpoint import committed_steps, load_params
 from megatrain_jax.cli import main
 from megatrain_jax.cli.run import run_files
+from megatrain_jax.hf import load_hf
 from megatrain_jax.observe import metrics as metrics_module
 from tests.test_faults import CFG, data
 from tests.test_run_folder import TINY_RUN, copy_of, files_of, saved_run, steps_in  # noqa: F401 - a fixture
@@ -85,7 +86,7 @@ def test_a_failed_export_names_its_folder_and_keeps_the_trained_weights(tmp_path
     kept = run_dir / "trained_params"
     assert f"could not export the trained model to {export}: the disk is full" in err
     assert f"the trained state is kept in {kept}" in err and f"megatrain-jax convert {kept}" in err
-    cfg, io, blocks = load_params(kept)
+    cfg, io, blocks = load_hf(kept, dtype="float32")  # a float32 Hugging Face folder, written tensor by tensor
     assert cfg.layers == 2 and len(blocks) == 2 and np.isfinite(io["embedding"]).all()
     assert main(["convert", str(kept), str(export), "--to", "hf"]) == 0
 
@@ -111,7 +112,7 @@ def test_without_room_for_a_copy_beside_the_export_the_weights_are_written_when_
     assert status == 2, err
     assert "are kept in" not in out and "written there only if the export fails" in out + err
     assert f"the trained state is kept in {kept}" in err
-    assert load_params(kept)[0].layers == 2
+    assert load_hf(kept, dtype="float32")[0].layers == 2
 
 
 @pytest.mark.parametrize("where", ["export_parent", "run_dir", "checkpoint_parent", "metrics"])

@@ -18,6 +18,8 @@ from megatrain_jax.checkpoint import committed_steps, save_params
 from megatrain_jax.checkpoint.failures import WRITE_ADVICE, os_error_behind
 from megatrain_jax.engine.engine import Engine, NonFiniteError
 from megatrain_jax.engine.transfer import host_view
+from megatrain_jax.hf import save_hf
+from megatrain_jax.models.config import DecoderConfig
 
 
 class ExportWriteError(OSError):
@@ -44,10 +46,14 @@ def _params_copy_path(run_dir: Path) -> Path:
 
 
 def _write_params(engine: Engine, path: Path, model_cfg) -> str:
-    """Write ``engine``'s parameters to ``path`` (float32, read through views: no second copy of the model in
-    memory); '' or why it failed."""
+    """Write ``engine``'s parameters to ``path``: a float32 Hugging Face folder for our decoder (written a
+    tensor at a time from views of the host state, as the export is: no second copy of the model in memory,
+    where an Orbax save held one), else a parameters-only Orbax checkpoint; '' or why it failed."""
     try:
-        save_params(path, model_cfg, *engine.parameters())
+        if isinstance(model_cfg, DecoderConfig):
+            save_hf(path, model_cfg, *engine.parameters(), dtype="float32")
+        else:
+            save_params(path, model_cfg, *engine.parameters())
     except Exception as err:  # noqa: BLE001 - the export may still succeed (another disk): say it, go on
         return f"writing them to {path} failed ({type(err).__name__}: {err})"
     return ""
@@ -73,7 +79,7 @@ def _room_for_copy(engine: Engine, run_dir: Path, target: str) -> tuple[bool, st
     if here is None:
         return True, ""
     need = copy + (export if there is not None and there[1] == here[1] else 0)
-    if here[0] >= need:
+    if here[0] >= 1.1 * need:  # a tenth to spare: the export must not be the write that fills the disk
         return True, ""
     return False, (f"{run_dir}'s disk has {here[0] / 2**30:.1f} GiB free, less than the copy "
                    f"({copy / 2**30:.1f} GiB) and the export need together ({need / 2**30:.1f} GiB)")
