@@ -68,10 +68,8 @@ def test_a_model_with_a_nan_weight_is_never_exported(tmp_path, capsys):
     assert not export.exists() and committed_steps(run_dir / "checkpoints") == []
 
 
-def test_a_failed_export_names_its_folder_and_keeps_the_trained_weights(tmp_path, monkeypatch, capsys):
-    """A full disk under the export folder, in a run that saves no checkpoints: the error names the folder and the
-    cause, and the trained weights were written first (into the run folder) and convert back to the model."""
-    run_dir, export = tmp_path / "run", tmp_path / "export"
+def train_onto_a_full_disk(run_dir: Path, export: Path, monkeypatch) -> int:
+    """``train`` for 2 steps with its export to ``export``, whose staging folder cannot be made (ENOSPC)."""
     mkdir = os.mkdir
 
     def full(path, *args, **kwargs):
@@ -81,6 +79,14 @@ def test_a_failed_export_names_its_folder_and_keeps_the_trained_weights(tmp_path
     monkeypatch.setattr(os, "mkdir", full)
     status = main(["train", *TINY_RUN, "train.steps=2", f"train.run_dir={run_dir}", f"train.export_hf={export}"])
     monkeypatch.undo()
+    return status
+
+
+def test_a_failed_export_names_its_folder_and_keeps_the_trained_weights(tmp_path, monkeypatch, capsys):
+    """A full disk under the export folder, in a run that saves no checkpoints: the error names the folder and the
+    cause, and the trained weights were written first (into the run folder) and convert back to the model."""
+    run_dir, export = tmp_path / "run", tmp_path / "export"
+    status = train_onto_a_full_disk(run_dir, export, monkeypatch)
     err = capsys.readouterr().err
     assert status == 2, err
     kept = run_dir / "trained_params"
@@ -98,15 +104,7 @@ def test_without_room_for_a_copy_beside_the_export_the_weights_are_written_when_
     from megatrain_jax.cli import export_guard
     run_dir, export = tmp_path / "run", tmp_path / "export"
     monkeypatch.setattr(export_guard, "_free_bytes", lambda folder: (1, 0))  # no room: nothing written first
-    mkdir = os.mkdir
-
-    def full(path, *args, **kwargs):
-        if f".{export.name}.partial-" in os.fspath(path):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
-        return mkdir(path, *args, **kwargs)
-    monkeypatch.setattr(os, "mkdir", full)
-    status = main(["train", *TINY_RUN, "train.steps=2", f"train.run_dir={run_dir}", f"train.export_hf={export}"])
-    monkeypatch.undo()
+    status = train_onto_a_full_disk(run_dir, export, monkeypatch)
     out, err = capsys.readouterr()
     kept = run_dir / "trained_params"
     assert status == 2, err
