@@ -7,7 +7,7 @@ from typing import Iterable
 
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import HostRoles, PartId
-from megatrain_jax.engine.precision import DTYPE_BYTES, Q8
+from megatrain_jax.engine.precision import DTYPE_BYTES, Precision
 from megatrain_jax.models.config import DecoderConfig
 
 GiB = 1024**3
@@ -50,7 +50,7 @@ def stream_bytes(stream_dtype: str) -> int:
     return 2 if stream_dtype in ("bfloat16", "float16") else 4
 
 
-# ---------------------------------------------------------------------- 8-bit moments (moment_dtype="q8")
+# ---------------------------------------------------------------------- leaf shapes and moment bytes
 def leaf_shapes(cfg: DecoderConfig, part: PartId) -> list[tuple[int, ...]]:
     """The shapes of a part's parameter leaves, as ``megatrain_jax.models.Decoder`` creates them (kernels
     (in, out), experts (experts, in, out)); they add up to ``part_param_count`` (tests/test_memory_plan.py
@@ -81,15 +81,14 @@ def leaf_shapes(cfg: DecoderConfig, part: PartId) -> list[tuple[int, ...]]:
     return shapes
 
 
-def q8_moment_bytes(cfg: DecoderConfig, part: PartId) -> int:
-    """Host bytes of a part's two Adam moments under ``moment_dtype="q8"`` (``precision.Q8.moments_of``)."""
-    return sum(Q8.moments_of(shape) for shape in leaf_shapes(cfg, part))
-
-
 def moment_bytes(cfg: DecoderConfig, e: EngineConfig, part: PartId) -> int:
-    """Host bytes of a part's Adam moments m and v in ``e``'s mode (``Precision.moments_of``): leaf by leaf
-    where the mode's depend on the shape (8-bit matrices), else so many bytes per parameter."""
-    mode = e.precision
+    """Host bytes of a part's Adam moments m and v in ``e``'s mode (``mode_moment_bytes``)."""
+    return mode_moment_bytes(cfg, e.precision, part)
+
+
+def mode_moment_bytes(cfg: DecoderConfig, mode: Precision, part: PartId) -> int:
+    """Host bytes of a part's Adam moments m and v in ``mode`` (``Precision.moments_of``): leaf by leaf where
+    the mode's depend on the shape (8-bit matrices), else so many bytes per parameter."""
     if mode.quantized:
         return sum(mode.moments_of(shape) for shape in leaf_shapes(cfg, part))
     return mode.moment_bytes * part_param_count(cfg, part)

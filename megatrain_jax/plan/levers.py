@@ -20,7 +20,8 @@ from megatrain_jax.engine.parts import part_ids
 from megatrain_jax.engine.schedule import offloaded_blocks
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.engine import precision
-from megatrain_jax.plan.counts import GiB, activation_bytes, host_grad_bytes, host_roles, layer_param_count, leaf_shapes
+from megatrain_jax.plan.counts import (GiB, activation_bytes, host_grad_bytes, host_roles, layer_param_count,
+                                      mode_moment_bytes)
 from megatrain_jax.plan.machine import gpu_fraction
 from megatrain_jax.plan.memory import MemoryPlan, MemoryPlanError
 from megatrain_jax.plan.layout import Changes, fewest, fits, legal, offload_counts
@@ -53,7 +54,7 @@ def _divisors(n: int) -> list[int]:
 def _stored_per_param(c, mode: precision.Precision) -> float:
     """Host bytes per parameter of ``mode``'s masters and moments for the model ``c`` (8-bit moments are
     counted leaf by leaf: only called when an option's words are asked for)."""
-    moments = sum(mode.moments_of(shape) for part in part_ids(c.layers) for shape in leaf_shapes(c, part))
+    moments = sum(mode_moment_bytes(c, mode, part) for part in part_ids(c.layers))
     return mode.master_bytes + moments / c.param_count()
 
 
