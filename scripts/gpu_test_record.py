@@ -3,8 +3,8 @@ GPT-OSS checks: skipped on the CPU) on this machine's GPU, and write a record of
 
     PYTHONPATH=. python scripts/gpu_test_record.py --out $OUT/h200_gpu_tests.json
 
-The record (committed under experiments/results/, cited by docs/performance.md) names the commit, the device,
-and each test's outcome; a test that skipped here is recorded as skipped, so a record made on the wrong GPU
+The record (committed under experiments/results/, cited by docs/performance.md; the results schema of
+docs/results.md, one run: the test files) names the commit, the device, and each test's outcome; a test that skipped here is recorded as skipped, so a record made on the wrong GPU
 says so instead of passing quietly. Exit status: pytest's.
 """
 
@@ -41,7 +41,8 @@ def device() -> dict:
     import jax
     d = jax.devices()[0]
     return {"name": d.device_kind, "platform": d.platform, "count": jax.device_count(),
-            "compute_capability": getattr(d, "compute_capability", None)}
+            "compute_capability": getattr(d, "compute_capability", None), "cpu_cores": os.cpu_count(),
+            "host_ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     counts = {k: sum(v == k for v in tests.values()) for k in ("passed", "failed", "error", "skipped")}
     record = {"name": Path(args.out).stem, "command": "PYTHONPATH=. python scripts/gpu_test_record.py "
               + " ".join(argv if argv is not None else sys.argv[1:]), "git_commit": commit, "device": device(),
-              "date": datetime.date.today().isoformat(), "pytest_exit_status": rc, "counts": counts, "tests": tests}
+              "date": datetime.date.today().isoformat(),
+              "runs": [{"system": "megatrain_jax", "status": "ok" if rc == 0 else f"error: pytest exit {rc}",
+                        "files": args.files, "counts": counts, "tests": tests}]}
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(counts), "->", args.out)
     return rc

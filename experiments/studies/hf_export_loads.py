@@ -25,25 +25,28 @@ def main() -> None:
               "command": f"python experiments/studies/hf_export_loads.py {args.folder} --out {args.out}",
               "git_commit": os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
                   ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None,
-              "date": datetime.date.today().isoformat(), "transformers": transformers.__version__,
-              "torch": torch.__version__, "folder": args.folder,
-              "files": sorted(os.listdir(args.folder)) if os.path.isdir(args.folder) else None}
+              "device": {"name": "cpu (torch)", "host_ram_gib": round(os.sysconf("SC_PAGE_SIZE")
+                                                                        * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+                         "cpu_cores": os.cpu_count()},
+              "date": datetime.date.today().isoformat(), "runs": []}
+    run = {"system": "transformers", "transformers": transformers.__version__, "torch": torch.__version__,
+           "folder": args.folder, "files": sorted(os.listdir(args.folder)) if os.path.isdir(args.folder) else None}
+    record["runs"].append(run)
     try:
         t = time.time()
         model = transformers.AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.bfloat16).eval()
-        record["load_s"] = round(time.time() - t, 1)
-        record["class"] = type(model).__name__
-        record["params"] = sum(p.numel() for p in model.parameters())
+        run["load_s"] = round(time.time() - t, 1)
+        run["class"] = type(model).__name__
+        run["params"] = sum(p.numel() for p in model.parameters())
         tokens = torch.arange(1, 17).unsqueeze(0)
         with torch.no_grad():
             logits = model(input_ids=tokens).logits.float()
-        record.update(logits_finite=bool(torch.isfinite(logits).all()), logits_shape=list(logits.shape),
-                      status="ok")
+        run.update(logits_finite=bool(torch.isfinite(logits).all()), logits_shape=list(logits.shape), status="ok")
     except Exception as e:  # recorded, not hidden
-        record["status"] = f"error: {type(e).__name__}: {str(e)[:500]}"
+        run["status"] = f"error: {type(e).__name__}: {str(e)[:500]}"
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
-    print(json.dumps({k: record.get(k) for k in ("status", "class", "params", "logits_finite", "load_s")}))
+    print(json.dumps({k: run.get(k) for k in ("status", "class", "params", "logits_finite", "load_s")}))
 
 
 if __name__ == "__main__":
