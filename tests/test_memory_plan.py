@@ -39,10 +39,12 @@ CONFIGS = REPO / "experiments" / "configs"
 PLAN_CHECK = MEASURED / "h100_plan_check.json"
 SIDE_BY_SIDE = MEASURED / "h100_side_by_side_v9.json"
 H100_HOST_GIB = 125.9  # the H100 box of docs/design.md (host_ram_gib in the files that record it)
+H100_GPU_BYTES = int(75.2 * GiB)  # what XLA takes of its GPU at the engine's 0.95 (_environment.ENGINE_GPU_FRACTION)
 TOLERANCE = 0.15
 
 SEVEN_B = preset("7b")
-BIG = dict(host_ram_bytes=10_000 * GiB, gpu_bytes=10_000 * GiB)
+# room for anything, and a GPU none is larger than (the host plan counts the GPU client's share of it)
+BIG = dict(host_ram_bytes=10_000 * GiB, gpu_bytes=200 * GiB)
 
 
 def test_host_holds_every_part_pinned_what_crosses_pcie():
@@ -84,8 +86,17 @@ def test_host_total_is_xla_pinned_pool_and_the_pageable_arrays(monkeypatch):
         pool = min(pinned_pool_bytes(p.host_pinned, None), p.host_pool_limit)
         pageable = sum(v for k, v in p.host.items() if k.startswith("pageable"))
         end = sum(v for k, v in p.host.items() if k.startswith("end of run"))  # a resident leaf brought home
-        expected = pool * 1.031 + pageable + 3.5 * GiB + end  # the pool, the driver's share, pageable, runtime
+        # the pool and what it costs beyond its regions, pageable, the runtime, the GPU client's share of the 80 GiB
+        expected = pool * 1.08 + pageable + 2.6 * GiB + 0.0313 * 80 * GiB + end
         assert abs(p.host_total - expected) < 0.1 * GiB
+    # the GPU client's share: one client per GPU, none where no GPU is known
+    cfg, e = preset("7b", layers=16), EngineConfig(micro_batches=2, stream_dtype="float32")
+    client = lambda p: sum(v for k, v in p.host.items() if k.startswith("the GPU client's"))  # noqa: E731
+    one = plan(cfg, e, 16, 2048, host_ram_bytes=500 * GiB, gpu_bytes=80 * GiB, detect=False)
+    two = plan(cfg, e, 16, 2048, host_ram_bytes=500 * GiB, gpu_bytes=80 * GiB, devices=2, detect=False)
+    none = plan(cfg, e, 16, 2048, host_ram_bytes=500 * GiB, gpu_bytes=None, detect=False)
+    assert client(one) == int(0.0313 * 80 * GiB) and client(two) == 2 * client(one) and client(none) == 0
+    assert one.host_total - none.host_total == client(one)
     # a cap the user set wins, also over a pool too small for the pinned arrays: then nothing fits
     monkeypatch.setattr(_environment, "_USER_LIMIT", "20")
     small = plan(SEVEN_B, EngineConfig(micro_batches=2), 16, 2048, host_ram_bytes=125 * GiB, gpu_bytes=80 * GiB)
@@ -249,7 +260,7 @@ def _pageable_layout(run: dict) -> bool:
 @pytest.mark.parametrize("case", _measured_runs(), ids=lambda c: c[0] if isinstance(c, tuple) else None)
 def test_plan_within_15_percent_of_measured_peaks(case):
     _, cfg, engine, rows, seq_len, host_gib, gpu_peak, host_peak = case
-    p = plan(cfg, engine, rows, seq_len, host_ram_bytes=int(host_gib * GiB), gpu_bytes=None, detect=False)
+    p = plan(cfg, engine, rows, seq_len, host_ram_bytes=int(host_gib * GiB), gpu_bytes=H100_GPU_BYTES, detect=False)
     assert abs(p.gpu_total / GiB - gpu_peak) / gpu_peak <= TOLERANCE, (p.gpu_total / GiB, gpu_peak, p.table())
     if host_peak is not None:  # measured with today's host layout (see _pageable_layout)
         assert abs(p.host_total / GiB - host_peak) / host_peak <= TOLERANCE, (p.host_total / GiB, host_peak,
@@ -490,7 +501,7 @@ def test_lean_mode_is_picked_when_host_ram_is_short():
     margin = p.replace(host_ram_bytes=int(avail * (1 - LEAN_HOST_MARGIN)))
     assert margin.applied(lean(p)).host_fits
     assert not margin.applied((("engine.stream_dtype", "float32"), ("engine.grads_on_gpu", n - 1))).host_fits
-    picked, why = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=avail)
+    picked, why = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=avail, gpu_bytes=71 * GiB)
     assert picked == dataclasses.replace(e, stream_dtype="float32", grads_on_gpu=n)
     assert "host RAM is short" in why and f"engine.grads_on_gpu={n}" in why and "bytes per parameter" in why
     # what the user set is kept (the plan then refuses or the user's choice fits); a run that fits is left alone
@@ -509,8 +520,11 @@ def test_capacity_mode_holds_six_bytes_per_parameter_plus_gradients():
     assert p.host["pageable: Adam moments m and v, bfloat16 (4 B/param; capacity mode)"] == 4 * P
     assert p.host_pinned == 6 * P  # the masters and the gradients
     modes = p.host_bytes_per_param()
-    assert modes["capacity mode, every gradient waiting on the GPU"] < 8 < modes[
-        "full precision, float32 streamed, every host-updated gradient waiting on the GPU"]
+    # 6 B/param of state in capacity mode against 12 in full precision; the rest of each (runtime, the GPU
+    # client's share of its 200 GiB, the pinned pool) is the same few GiB
+    capacity, full = (modes["capacity mode, every gradient waiting on the GPU"],
+                      modes["full precision, float32 streamed, every host-updated gradient waiting on the GPU"])
+    assert 6 < capacity < 9 < full and 6 < full - capacity < 7.5  # (the pinned pool rounds up the larger masters)
     # 8B as configured does not fit the H100 box: capacity mode is one of the options, and it fits
     full = plan(EIGHT_B, EngineConfig(micro_batches=2), 16, 2048, host_ram_bytes=124 * GiB, gpu_bytes=71 * GiB)
     option = next(o for o in options(full) if ("engine.master_dtype", "bfloat16") in o.changes)
@@ -587,7 +601,8 @@ def test_eight_bit_moments_are_picked_only_where_capacity_mode_does_not_fit():
     assert picked.q8 and picked.disk_parts == 0
     # plain capacity mode fits: kept; with a few gradients on the GPU it fits: those, not 8-bit moments
     assert lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=base.host_total + GiB, gpu_bytes=gpu) == (e, None)
-    fewer, why = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=base.host_total - 2 * GiB, gpu_bytes=71 * GiB)
+    base71 = plan(EIGHT_B, e, 16, 2048, host_ram_bytes=10_000 * GiB, gpu_bytes=71 * GiB)  # its GPU client's share
+    fewer, why = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=base71.host_total - 2 * GiB, gpu_bytes=71 * GiB)
     assert fewer.grads_on_gpu > 0 and not fewer.q8 and fewer.host_grad_dtype == "float32"
     # a host that even 8-bit moments with every gradient on the GPU cannot fit: nothing is picked
     assert lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=20 * GiB, gpu_bytes=gpu) == (e, None)
@@ -634,7 +649,7 @@ def test_lean_pick_uses_the_disk_tier_when_gradients_on_the_gpu_are_not_enough()
     assert plan(big, picked, 16, 2048, detect=False, **kw).fits
     fewer = dataclasses.replace(picked, disk_parts=picked.disk_parts - 1)
     assert not plan(big, fewer, 16, 2048, detect=False, host_ram_bytes=int(125 * GiB * (1 - LEAN_HOST_MARGIN)),
-                    disk_bytes=500 * GiB).host_fits
+                    disk_bytes=500 * GiB, gpu_bytes=71 * GiB).host_fits
     # a run that fits without the tier keeps its config (no disk folder added)
     small, _ = lean_engine(EIGHT_B, EngineConfig(micro_batches=2), 16, 2048, disk_dir="/data/tier", **kw)
     assert small.disk_parts == 0 and small.disk_dir is None

@@ -184,7 +184,7 @@ def options(p: MemoryPlan, given: EngineConfig | None = None) -> list[Option]:
         levers = [lever for lever in levers if lever[0] not in precision.MODES]
         for i, (_, first, words1) in enumerate(levers):
             for name2, _, _ in levers[i + 1:]:
-                for ch1 in first[:6]:
+                for ch1 in _tried_first(first):
                     q = p.applied(ch1)  # the second lever's candidates are those valid after the first
                     _, second, words2 = next(lever for lever in _levers(q) if lever[0] == name2)
                     ch2 = _first_fit(q, [c for c in second if not any(k in dict(ch1) for k, _ in c)])
@@ -197,6 +197,16 @@ def options(p: MemoryPlan, given: EngineConfig | None = None) -> list[Option]:
         out.append(("smaller", Option(_smaller(p, layers, given), f"a smaller model of {layers} layers (the rest as "
                                                              f"configured)")))
     return [option for _, option in out]
+
+
+def _tried_first(candidates: list[Changes], n: int = 6) -> list[Changes]:
+    """The first lever's candidates a pair tries: the first ``n`` in the lever's order, except for the counts
+    that only lower host memory the more there are (gradients waiting on the GPU, blocks' moments on disk),
+    where ``n`` spread over the whole range, the largest included: the host may need more than the first few."""
+    if candidates and candidates[0][0][0] in ("engine.grads_on_gpu", "engine.disk_parts") and len(candidates) > n:
+        step = (len(candidates) - 1) / (n - 1)
+        return [candidates[round(i * step)] for i in range(n)]
+    return candidates[:n]
 
 
 def _smaller(p: MemoryPlan, layers: int, given: EngineConfig | None = None) -> Changes:

@@ -16,15 +16,25 @@ from megatrain_jax._environment import (ENGINE_GPU_FRACTION, GPU_FRACTION_VAR, h
                                         visible_gpus)
 from megatrain_jax.plan.counts import GiB, MiB
 
-# Python, JAX/XLA, CUDA libraries, compiled programs: 3.0-3.7 GiB of resident memory outside the pinned
-# pool, measured on the H100 box. The one host allowance the plan adds to what it counts.
-HOST_RUNTIME_BYTES = int(3.5 * GiB)
+# Python, JAX/XLA, CUDA libraries, compiled programs, glibc's heap: the anonymous memory of a run beyond the arrays
+# the plan counts and the GPU client's share below: 2.56 GiB in the 8B SFT run on one H200 (16 cores; 6.71 GiB
+# beyond its Adam moments, less the client's 4.15), the largest measured. The one host allowance the plan adds to
+# what it counts (experiments/results/h200_host_memory_phases_0d5dd00_h200_sft_8b.json).
+HOST_RUNTIME_BYTES = int(2.6 * GiB)
+# The GPU client holds host memory in proportion to the GPU memory XLA takes at its start (its preallocation):
+# 0.42 GiB without preallocation, then 3.13% of what is preallocated (1.51 GiB at 34.95 GiB, 2.60 at 69.9, 4.57
+# at 132.8: experiments/results/h200_gpu_client_host_memory_3266815.json), one client per GPU.
+GPU_CLIENT_HOST_SHARE = 0.0313
 # XLA's GPU allocator (BFC) may have the bytes for a program's scratch buffer free but not in one piece. The
 # plan keeps this much of the GPU unplanned. Measured on the H100 box: the 8B SFT example ran out of memory
 # asking for 8.39 GiB with 9.34 GiB free in the pool, the largest free piece 7.84 GiB: 1.50 GiB lost to
 # fragmentation (experiments/results/h100_sft8b_edge.json).
 GPU_FRAGMENTATION_MARGIN = int(1.5 * GiB)
-PINNED_RSS_OVERHEAD = 0.031  # a pinned pool region of 32 GiB adds 33.0 GiB of resident memory
+# What XLA's pinned pool costs beyond its own regions, as a share of the pool: 3.1% on the H100 box (a 32 GiB
+# region added 33.0 GiB of resident memory); on one H200, 5.1% of anonymous memory for a bare 50 GiB pool of arrays
+# (h200_gpu_client_host_memory_3266815.json) and 8.0% in the 8B SFT run (54.0 GiB of pinned mappings for its 50 GiB
+# pool, with the rest of its memory counted: h200_host_memory_phases_0d5dd00_h200_sft_8b.json). The largest.
+PINNED_RSS_OVERHEAD = 0.08
 HOST_POOL_FRACTION = 0.9  # megatrain_jax._environment caps XLA's pinned pool at 90% of RAM
 POOL_HEADROOM = (0.10, 4 * GiB)  # what the fitted pool cap adds to the pinned arrays: a share and a constant
 

@@ -42,8 +42,9 @@ from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, GiB, activation_by
                                        moment_bytes, part_param_count, stream_bytes)
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.plan.gpu_ledger import gpu_peak
-from megatrain_jax.plan.machine import (GPU_FRAGMENTATION_MARGIN, HOST_RUNTIME_BYTES, PINNED_RSS_OVERHEAD, available_disk_bytes,
-                                        available_gpu_bytes, available_host_bytes, fitted_pool_limit, pinned_pool_bytes)
+from megatrain_jax.plan.machine import (GPU_CLIENT_HOST_SHARE, GPU_FRAGMENTATION_MARGIN, HOST_RUNTIME_BYTES,
+                                        PINNED_RSS_OVERHEAD, available_disk_bytes, available_gpu_bytes,
+                                        available_host_bytes, fitted_pool_limit, pinned_pool_bytes)
 
 
 class MemoryPlanError(RuntimeError):
@@ -335,7 +336,8 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     pools = "pool" if devices == 1 else f"{devices} pools, one per GPU, each"
     host[f"XLA's pinned pool rounds up: regions double from 2 MiB ({pools} {pool / devices / GiB:.1f}{cap} GiB)"] = (
         max(pool - arrays, 0))
-    host["CUDA driver's bookkeeping of pinned memory (3.1% of the pool, measured)"] = int(pool * PINNED_RSS_OVERHEAD)
+    host[f"pinned memory beyond the pool's regions, and the CUDA driver's bookkeeping of them "
+         f"({PINNED_RSS_OVERHEAD:.0%} of the pool, measured)"] = int(pool * PINNED_RSS_OVERHEAD)
     host.update({f"pageable: {k}": v for k, v in pageable.items()})
     if loaded_copy:
         host["float32 weights loaded into the model object (4 B/param)"] = 4 * P
@@ -343,6 +345,10 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     host[f"token batches in flight ({e.accumulate_steps + 2} x {tokens} tokens x {BATCH_BYTES_PER_TOKEN} B)"] = (
         (e.accumulate_steps + 2) * tokens * BATCH_BYTES_PER_TOKEN)
     host["runtime: Python, JAX, CUDA libraries, compiled programs (allowance)"] = HOST_RUNTIME_BYTES
+    if gpu_bytes:  # each GPU's client, in proportion to what XLA takes of it
+        host[f"the GPU client's host memory ({GPU_CLIENT_HOST_SHARE:.2%} of the {gpu_bytes / GiB:.1f} GiB XLA takes"
+             + (f" of each of {devices} GPUs" if devices > 1 else "") + ", measured)"] = int(
+                 GPU_CLIENT_HOST_SHARE * gpu_bytes * devices)
     what, end = end_of_run(c, e, mode, fused, export, checkpoints, pool_room=max(pool - arrays, 0))
     if end:
         host[what] = end

@@ -53,7 +53,7 @@ def host_gib_needed(p: MemoryPlan) -> int:
     """The host RAM (GiB) on which ``p``'s host side fits: its total, or XLA's pinned pool's limit if that is
     larger, then raised a GiB at a time until the plan (whose pool is rounded to the RAM) fits."""
     ram = math.ceil(max(p.host_pinned / HOST_POOL_FRACTION, p.host_total) / GiB)
-    while not p.replace(host_ram_bytes=ram * GiB, host_pool_limit=None, gpu_bytes=None).host_fits:
+    while not p.replace(host_ram_bytes=ram * GiB, host_pool_limit=None).host_fits:
         ram += 1
     return ram
 
