@@ -90,7 +90,7 @@ def test_a_split_vjp_joins_in_another_program_without_recomputing_what_was_kept(
     assert any(k.shape == (2, 2, 6, 6) for k in kept)  # the softmax probabilities (XLA's residual)
     grads = backward(w, x, seg, kept, dy)
     ref_y, ref_pull = jax.vjp(lambda w, x: block(w, x, seg, _attention), w, x)
-    np.testing.assert_allclose(y, ref_y, rtol=1e-6)
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-6)  # (another program: a GPU fuses it otherwise)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_pull(dy))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # the compiled backward has no softmax left (the lowered text may hold dead code that XLA removes)
@@ -280,8 +280,7 @@ def test_kept_cudnn_residuals_give_the_same_gradients_without_a_second_attention
     assert expected == B * T * cfg.heads * (cfg.dim_per_head * 2 + 4 * (cfg.segments_per_row(T) if packed else 1))
     nbytes = sum(k.nbytes for k in kept)
     assert expected <= nbytes <= 1.1 * expected + 4096, (nbytes, expected, [(k.shape, k.dtype) for k in kept])
-    program = fns._programs[("backward_kept", False, False)]  # the compiled backward, for its kernels
-    hlo = program.lower(params, x, pos, seg, kept, dy, None).compile().as_text()
+    hlo = fns.compiled("backward_kept", params, x, pos, seg, kept, dy, None).as_text()  # the backward's kernels
     calls = [line for line in hlo.splitlines() if "custom_call_target=\"__cudnn$fmha" in line]
     assert calls and all("Backward" in line for line in calls), calls
 
