@@ -74,8 +74,8 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
     initialized part by part with its own initializers (``new_io``/``new_block``), from ``key``, or read
     part by part from ``init_from`` (e.g. ``megatrain_jax.hf.HFParts``): an object whose ``io()`` and
     ``block(i)`` return a part's arrays as stored, and whose ``to_params(tree)`` (traceable) turns them into
-    that part's pure dict of parameters inside the builder's program. Each worker reads its part when it
-    builds it."""
+    that part's pure dict of parameters inside the builder's program; its ``release()``, where it has one, is
+    called once every part is built. Each worker reads its part when it builds it."""
     kinds = block_kinds(model)
     if init_from is not None:
         def from_stored(template: nnx.Module):
@@ -130,7 +130,10 @@ def initial_state(model: nnx.Module, placement: Placement, key: jax.Array | None
         first = {i: f.result() for i, f in first.items()}
         rest = [i for i in range(len(kinds)) if i not in first]
         blocks = dict(zip(rest, pool.map(build_block, rest))) | first
-        return HostState([io.result()] + [blocks[i] for i in range(len(kinds))], step=0)
+        state = HostState([io.result()] + [blocks[i] for i in range(len(kinds))], step=0)
+    if callable(getattr(init_from, "release", None)):
+        init_from.release()  # every part is read: e.g. a checkpoint's files unmapped
+    return state
 
 
 class _Lazy:

@@ -201,6 +201,11 @@ class HFParts:
         the meantime (the page faults of memory-mapped reads alone fetch a little at a time)."""
         self._ckpt.will_need([s.hf_name for specs in parts for s in specs])
 
+    def release(self) -> None:
+        """Every part has been read (the engine's state builder calls this once it is done): the files are
+        unmapped, so that a run's resident set does not carry the checkpoint's pages while it trains."""
+        self._ckpt.release()
+
     def to_params(self, tree: PureTree) -> PureTree:
         """A part's tensors as ``io()``/``block(i)`` give them -> its float32 parameters in our layout.
         Traceable (jnp), so it runs inside the state builder's program."""

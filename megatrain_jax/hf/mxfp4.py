@@ -68,6 +68,11 @@ class DequantizedCheckpoint:
     def _stored(self, name: str) -> list[str]:
         return [name + BLOCKS, name + SCALES] if name in self.packed else [name]
 
+    def release(self) -> None:
+        """Every tensor has been read: drop the last one dequantized and unmap the files (``Checkpoint.release``)."""
+        self._last = None
+        self._ckpt.release()
+
     def names(self) -> list[str]:
         hidden = {n for p in self.packed for n in self._stored(p)}
         return [n for n in self._ckpt.names() if n not in hidden] + sorted(self.packed)

@@ -79,6 +79,11 @@ class SafetensorsFile:
         raw = self._mm[self.data_start + info.begin:self.data_start + info.end]
         return raw.view(DTYPES[info.dtype]).reshape(info.shape)
 
+    def release(self) -> None:
+        """Drop this file's mapping: it is unmapped once no array ``get`` returned is left, and its pages
+        leave the process's resident set (a later ``get`` maps the file again)."""
+        self._mm = None
+
 
     def will_need(self, name: str) -> None:
         """Ask the kernel to start reading the tensor's bytes into the page cache now, without waiting
@@ -241,6 +246,11 @@ class Checkpoint:
         """Start reading these tensors from the disk in the background (see ``SafetensorsFile.will_need``)."""
         for name in names:
             self._where[name].will_need(name)
+
+    def release(self) -> None:
+        """Drop every file's mapping (``SafetensorsFile.release``): for when every tensor has been read."""
+        for f in {id(f): f for f in self._where.values()}.values():
+            f.release()
 
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
