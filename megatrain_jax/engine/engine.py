@@ -31,6 +31,7 @@ from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, reported_
 from megatrain_jax.engine.passes import Pass, PassRunner, device_batches
 from megatrain_jax.engine.precision import streamed_dtype
 from megatrain_jax.engine.schedule import eval_ops, step_ops
+from megatrain_jax.engine.step_clock import StepClock
 from megatrain_jax.engine.transfer import Placement, local_value
 from megatrain_jax.engine.update.disk_tier import DiskTier
 from megatrain_jax.engine.update.policy import NonFiniteError, UpdatePolicy
@@ -179,35 +180,39 @@ class Engine:
                           time.perf_counter() - t0, aux)
 
     def steps(self, data: Iterable[Batch]) -> Iterator[dict[str, float]]:
-        """Run a step per ``accumulate_steps`` batches of ``data``; yield metrics one step late."""
-        pending, t_last = None, time.perf_counter()
+        """Run a step per ``accumulate_steps`` batches of ``data``; yield metrics one step late. A step's
+        ``step_time_s`` is the gap between its results and the previous step's on the device (``StepClock``)."""
+        pending, clock = None, StepClock()
         group: list[Batch] = []
-        for batch in data:
-            group.append(batch)
-            if len(group) < self.cfg.accumulate_steps:
-                continue
-            try:
-                with reported_late():
-                    out, group = self.step(group), []
-            except DeviceOutOfMemoryError as err:
-                if pending is not None and not err.updated:  # the last whole step's metrics, not yet reported
-                    try:
-                        with reported_late():
-                            err.pending_metrics = _metrics(pending, t_last)
-                    except DeviceOutOfMemoryError:  # the last step's own work failed too: nothing is whole
-                        err.updated = True
-                raise
+        try:
+            for batch in data:
+                group.append(batch)
+                if len(group) < self.cfg.accumulate_steps:
+                    continue
+                try:
+                    with reported_late():
+                        out, group = self.step(group), []
+                    clock.watch(out.step, (out.loss, out.grad_norm))
+                except DeviceOutOfMemoryError as err:
+                    if pending is not None and not err.updated:  # the last whole step's metrics, not yet reported
+                        try:
+                            with reported_late():
+                                err.pending_metrics = _metrics(pending, clock)
+                        except DeviceOutOfMemoryError:  # the last step's own work failed too: nothing is whole
+                            err.updated = True
+                    raise
+                if pending is not None:
+                    with reported_late():
+                        m = _metrics(pending, clock)
+                    yield m
+                pending = out
             if pending is not None:
                 with reported_late():
-                    m = _metrics(pending, t_last)
-                t_last = time.perf_counter()
+                    m = _metrics(pending, clock)  # before the sync: parts coming home are not the step's work
+                    self.sync()
                 yield m
-            pending = out
-        if pending is not None:
-            with reported_late():
-                self.sync()
-                m = _metrics(pending, t_last)
-            yield m
+        finally:
+            clock.close()
 
     @property
     def skipped_steps(self) -> int:
@@ -318,8 +323,8 @@ class Engine:
         return "+".join(sorted(routes))
 
 
-def _metrics(out: StepOutput, t_prev: float) -> dict[str, float]:
+def _metrics(out: StepOutput, clock: StepClock) -> dict[str, float]:
     m = out.resolve()
-    m["step_time_s"] = time.perf_counter() - t_prev
+    m["step_time_s"] = clock.seconds(out.step)
     m["tokens_per_s"] = m["tokens"] / m["step_time_s"]
     return m
