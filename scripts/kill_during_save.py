@@ -3,13 +3,14 @@
 
 The test runs it twice: once with ``--part-delay S``, which makes the checkpoint writer sleep after each
 part it writes (injected here, by wrapping ``Snapshot.release``; the library has no such knob), so that
-the test can SIGKILL it in the middle of a save; and once with ``--resume`` to finish from the last
+the test can SIGKILL it in the middle of a save (``--delay-from-step N``: only in the saves of step N and
+later, the earlier ones at full speed); and once with ``--resume`` to finish from the last
 complete checkpoint. At the end
 the final float32 parameters are written to ``--out`` (``.npz``, arrays only) and the losses next to it
 (``.json``), so the test can compare the runs bit for bit.
 
     python scripts/kill_during_save.py --dir /tmp/ck --steps 8 --every 2 --out /tmp/final.npz [--resume] [--part-delay 0.5]
-        [--disk-dir /tmp/tier]
+        [--delay-from-step 4] [--disk-dir /tmp/tier]
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="where to write the final parameters (.npz)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     p.add_argument("--part-delay", type=float, default=0.0, help="seconds the writer sleeps after each part")
+    p.add_argument("--delay-from-step", type=int, default=0,
+                   help="with --part-delay: only the saves of this step and later sleep")
     p.add_argument("--disk-dir", help="keep the last block's Adam moments in files there (the disk tier)")
     args = p.parse_args(argv)
 
@@ -44,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def slow_release(self, name: str) -> None:
             release(self, name)
-            time.sleep(args.part_delay)
+            if self.step >= args.delay_from_step:
+                time.sleep(args.part_delay)
         Snapshot.release = slow_release
 
     cfg = preset("tiny", layers=2, vocab_size=128, hidden=32, ffn=64, heads=2, kv_heads=1)

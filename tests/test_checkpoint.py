@@ -425,11 +425,11 @@ def _script(ckdir: Path, out: Path, *extra: str, env: dict | None = None) -> sub
 
 @pytest.mark.parametrize("disk", [False, True], ids=["in-ram", "disk-tier"])
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path, reference, disk):
-    """A real training process is SIGKILLed while it writes step 4 (its writer sleeps after each part);
+    """A real training process is SIGKILLed while it writes step 4 (its writer sleeps after each part of it);
     the resumed process skips the unfinished save, restarts from step 2 and ends bit-exact. With the disk
     tier the killed run's moment files are left wherever it was; the resume rewrites them from step 2."""
     tier = ("--disk-dir", str(tmp_path / "tier")) if disk else ()
-    victim = _script(tmp_path / "ck", tmp_path / "victim.npz", "--part-delay", "0.5", *tier)
+    victim = _script(tmp_path / "ck", tmp_path / "victim.npz", "--part-delay", "0.5", "--delay-from-step", "4", *tier)
     deadline = time.time() + 120
     while time.time() < deadline and not (committed_steps(tmp_path / "ck") and
                                           glob.glob(str(tmp_path / "ck" / "4.orbax-checkpoint-tmp*" / "**" / "io"),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from types import SimpleNamespace
+
 import jax
 import numpy as np
 import optax
@@ -64,19 +67,40 @@ def train_reference(cfg, tx_fn, clip_norm, batches, steps=3, prepare=None):
     return ref, [ref.step(batches[s * k:(s + 1) * k]) for s in range(steps)]
 
 
+_SHARED_REFERENCES: dict = {}
+
+
+def shared_reference(cfg, tx_fn, clip_norm, batches, steps=3, prepare=None):
+    """``train_reference``, trained once per process for the same arguments (``batches`` compared by their arrays):
+    many engine layouts are checked against one model, optimizer and data, whose reference is the same run each
+    time. Only for callers that patch nothing the reference runs through (a test that monkeypatches the model
+    needs its own). Keeps the trained model (``.model``) and the metrics, not the trainer's compiled programs."""
+    digest = hashlib.sha256()
+    for batch in batches:
+        for x in (batch.inputs, batch.targets, batch.loss_mask, batch.positions, batch.segment_ids):
+            digest.update(b"none" if x is None else f"{x.dtype}{x.shape}".encode() + np.ascontiguousarray(x).tobytes())
+    key = (cfg, tx_fn, clip_norm, steps, prepare, digest.hexdigest())
+    if key not in _SHARED_REFERENCES:
+        ref, metrics = train_reference(cfg, tx_fn, clip_norm, batches, steps, prepare)
+        _SHARED_REFERENCES[key] = (SimpleNamespace(model=ref.model), metrics)
+    return _SHARED_REFERENCES[key]
+
+
 def run_both(cfg, tx_fn, engine_cfg, steps=3, batch_kw=None, prepare=None, reference_out=None, batches=None,
-             devices=None, reference=None, observers=()):
+             devices=None, reference=None, observers=(), shared=False):
     """Train a reference and an engine copy of the same model; compare every step's loss and the end.
     ``prepare(model)`` (optional) changes both fresh models alike before training; ``reference_out`` (a list,
     optional) receives the reference's trained model; ``batches`` (optional) replaces ``make_batches``'s
     (``steps * accumulate_steps`` of them); ``devices`` (optional) the engine's devices; ``reference``
     (optional) what ``train_reference`` gave for these arguments, to compare with instead of training it;
-    ``observers`` watch the engine's steps (``Engine.observe``)."""
+    ``observers`` watch the engine's steps (``Engine.observe``); ``shared``: the reference is ``shared_reference``'s
+    (for callers that patch nothing it runs through)."""
     batch_kw = batch_kw or {}
     k = engine_cfg.accumulate_steps
     batches = batches if batches is not None else make_batches(steps * k, vocab=cfg.vocab_size, **batch_kw)
     assert len(batches) == steps * k, (len(batches), steps, k)
-    ref, ref_metrics = reference or train_reference(cfg, tx_fn, engine_cfg.clip_norm, batches, steps, prepare)
+    train = shared_reference if shared else train_reference
+    ref, ref_metrics = reference or train(cfg, tx_fn, engine_cfg.clip_norm, batches, steps, prepare)
     if reference_out is not None:
         reference_out.append(ref)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
@@ -105,17 +129,17 @@ SGD = lambda: optax.sgd(0.5, momentum=0.9)
 @pytest.mark.parametrize("tx,clip", [(ADAMW, None), (ADAMW, 0.05), (SGD, None), (SGD, 0.05)],
                          ids=["adamw-noclip", "adamw-clip", "sgd-noclip", "sgd-clip"])
 def test_engine_equals_reference_clip_and_optimizer(tx, clip):
-    run_both(TINY3, tx, EngineConfig(clip_norm=clip))
+    run_both(TINY3, tx, EngineConfig(clip_norm=clip), shared=True)
 
 
 @pytest.mark.parametrize("micro,accum", [(4, 1), (2, 2)])
 def test_engine_equals_reference_microbatch_and_accumulation(micro, accum):
-    run_both(TINY3, ADAMW, EngineConfig(micro_batches=micro, accumulate_steps=accum, clip_norm=0.05))
+    run_both(TINY3, ADAMW, EngineConfig(micro_batches=micro, accumulate_steps=accum, clip_norm=0.05), shared=True)
 
 
 @pytest.mark.parametrize("depth", [1, 2, 5])  # 5 > layers: everything prefetched at once
 def test_engine_equals_reference_prefetch_depth(depth):
-    run_both(TINY3, ADAMW, EngineConfig(prefetch_depth=depth, micro_batches=2))
+    run_both(TINY3, ADAMW, EngineConfig(prefetch_depth=depth, micro_batches=2), shared=True)
 
 
 def test_engine_equals_reference_tied_embeddings():
@@ -214,7 +238,7 @@ FUSED = lambda: adamw(1e-3, eps=1e-6, weight_decay=0.1)
 def test_fused_host_adamw_engine_equals_reference():
     """megatrain_jax.adamw runs as the in-place C++ kernel in the engine (bf16 stream copy written in the
     same pass) and matches the reference trainer running the same transformation through optax."""
-    engine = run_both(TINY3, FUSED, EngineConfig(micro_batches=2, clip_norm=0.05))
+    engine = run_both(TINY3, FUSED, EngineConfig(micro_batches=2, clip_norm=0.05), shared=True)
     assert engine.update_route == "fused", "the C++ kernel should be built and used on this machine"
 
 
@@ -286,12 +310,13 @@ def test_megatrain_adamw_matches_optax_adamw():
 @pytest.mark.parametrize("tx", [FUSED, SGD], ids=["fused-adamw", "sgd"])
 def test_gpu_resident_parts_equal_reference(tx):
     """The io part and the first blocks updated on the device, the rest on the host: same training."""
-    engine = run_both(TINY3, tx, EngineConfig(micro_batches=2, clip_norm=0.05, resident_layers=2, resident_io=True))
+    engine = run_both(TINY3, tx, EngineConfig(micro_batches=2, clip_norm=0.05, resident_layers=2, resident_io=True),
+                      shared=True)
     assert engine.resident_parts == [IO, PartId.block(0), PartId.block(1)]
 
 
 def test_gpu_resident_parts_with_accumulation():
-    run_both(TINY3, FUSED, EngineConfig(accumulate_steps=2, resident_layers=1))
+    run_both(TINY3, FUSED, EngineConfig(accumulate_steps=2, resident_layers=1), shared=True)
 
 
 def test_nonfinite_step_skipped_on_resident_parts_too():
@@ -309,7 +334,7 @@ def test_nonfinite_step_skipped_on_resident_parts_too():
 def test_gradients_waiting_on_the_gpu_equal_reference(tx, engine_cfg):
     """Gradients kept on the device until the update (``grads_on_gpu``) give the same training, whatever
     the optimizer route, clipping, accumulation and GPU-resident parts."""
-    engine = run_both(TINY3, tx, engine_cfg)
+    engine = run_both(TINY3, tx, engine_cfg, shared=True)
     expected = [p for p in [PartId.block(i) for i in range(3)] + [IO] if p not in engine.resident_parts]
     assert engine.grads_on_gpu_parts == expected[:engine_cfg.grads_on_gpu]
 
@@ -431,7 +456,7 @@ def test_engine_with_a_chunked_mlp_equals_reference():
 def test_offloaded_activations_equal_reference(offload, depth):
     """Block inputs through pinned host memory between forward and backward: the same training."""
     run_both(TINY3, ADAMW, EngineConfig(micro_batches=2, clip_norm=0.05, prefetch_depth=depth,
-                                        offload_activations=offload), batch_kw=dict(packed=True))
+                                        offload_activations=offload), batch_kw=dict(packed=True), shared=True)
 
 
 def test_offload_of_more_blocks_than_the_model_has_is_refused():

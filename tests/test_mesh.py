@@ -4,7 +4,9 @@ checkpoint across device counts. tests/conftest.py forces 4 CPU devices."""
 
 from __future__ import annotations
 
+import functools
 import os
+import tempfile
 
 import jax
 import numpy as np
@@ -59,13 +61,30 @@ CASES = {
 }
 
 
+@functools.cache
+def one_device(case):
+    """``CASES[case]`` trained on one device, once per process: the 2- and 4-device runs compare with the same run
+    (and ``test_resume_across_device_counts`` with fused-f32's). Its placement, model and step outputs; not the
+    engine, whose compiled programs would stay loaded."""
+    cfg, engine_cfg, batch_kw = CASES[case]
+    engine, model, outs = train(1, cfg, engine_cfg, batch_kw=batch_kw)
+    return engine.placement, model, outs
+
+
+@functools.cache
+def case_reference(case):
+    """``reference`` of ``CASES[case]``, once per process (the same for 2 and 4 devices)."""
+    cfg, engine_cfg, batch_kw = CASES[case]
+    return reference(cfg, engine_cfg, batch_kw=batch_kw)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("case", list(CASES))
 def test_mesh_equals_one_device_and_reference(case, n):
     cfg, engine_cfg, batch_kw = CASES[case]
-    one, one_model, one_outs = train(1, cfg, engine_cfg, batch_kw=batch_kw)
+    one_placement, one_model, one_outs = one_device(case)
     many, many_model, many_outs = train(n, cfg, engine_cfg, batch_kw=batch_kw)
-    assert many.placement.size == n and one.placement.size == 1
+    assert many.placement.size == n and one_placement.size == 1
     # A bfloat16 stream computes each device's share of a gradient in bfloat16 (rounded per device, then
     # summed in float32): the same rounding noise as one device's, in another order. After 5 steps the
     # parameters differ by about 2.5e-3 relative (bfloat16's resolution is 7.8e-3); float32 agrees to 1e-5.
@@ -75,7 +94,7 @@ def test_mesh_equals_one_device_and_reference(case, n):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 10 * loss_tol * a["grad_norm"]
     assert_models_close(one_model, many_model, tol=tol)
     if engine_cfg.stream_dtype is None:  # the reference trains in float32 only
-        ref_model, ref_outs = reference(cfg, engine_cfg, batch_kw=batch_kw)
+        ref_model, ref_outs = case_reference(case)
         for r, b in zip(ref_outs, many_outs):
             assert abs(r["loss"] - b["loss"]) <= TOL * abs(r["loss"])
         assert_models_close(ref_model, many_model, tol=TOL)
@@ -134,9 +153,9 @@ def test_nonfinite_steps_are_skipped_on_every_device():
 def test_resume_across_device_counts(tmp_path, saved, resumed):
     """Three steps on ``saved`` devices, checkpoint, two more on ``resumed`` devices: the same parameters as
     five uninterrupted steps on one device."""
-    cfg, engine_cfg = TINY, EngineConfig(micro_batches=2)
+    cfg, engine_cfg, _ = CASES["fused-f32"]
     batches = make_batches(5, rows=8, vocab=256)
-    _, straight, _ = train(1, cfg, engine_cfg)
+    _, straight, _ = one_device("fused-f32")  # train(1, cfg, engine_cfg): five steps of these batches
     a = Engine(Decoder(cfg, rngs=nnx.Rngs(0)), ADAMW(), engine_cfg, devices=devices(saved))
     for b in batches[:3]:
         a.step(b)
@@ -170,7 +189,12 @@ def _launch_two_processes(out, *mode):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     worker = Path(__file__).with_name("multiprocess_worker.py")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # the tests' persistent compilation cache (tests/conftest.py's), as tests/test_checkpoint.py's processes use it:
+    # the four processes compile the same programs, and the model's initializers run before the engine would
+    # turn on its own cache
+    cache = os.environ.get("MEGATRAIN_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "megatrain_jax_test_cache"))
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_COMPILATION_CACHE_DIR": cache,
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
     return [subprocess.Popen([sys.executable, str(worker), f"127.0.0.1:{port}", str(i), str(out), *map(str, mode)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
 

@@ -137,7 +137,7 @@ def test_engine_equals_reference_on_the_tiny_moe_without_its_auxiliary_loss(engi
     """Dropless routing is per token, so micro-batches route exactly as the whole batch does."""
     from test_engine import ADAMW, run_both
     cfg = preset("tiny-moe").replace(moe=MoEConfig(experts=4, top_k=2, expert_ffn=48), layers=3)
-    run_both(cfg, ADAMW, engine_cfg)
+    run_both(cfg, ADAMW, engine_cfg, shared=True)  # plain's and resident-prefetch's reference: one run
 
 
 @pytest.mark.parametrize("engine_cfg", ENGINE_CFGS, ids=["plain", "micro-accum-clip", "resident-prefetch"])
@@ -147,7 +147,7 @@ def test_engine_equals_reference_with_the_load_balancing_loss(engine_cfg):
     the loss visibly moves the routers."""
     from test_engine import ADAMW, run_both
     cfg = preset("tiny-moe").replace(moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, aux_loss_coef=0.5), layers=3)
-    run_both(cfg, ADAMW, engine_cfg)
+    run_both(cfg, ADAMW, engine_cfg, shared=True)  # plain's and resident-prefetch's reference: one run
 
 
 def test_a_steps_metrics_split_the_loss_into_its_load_balancing_and_next_token_terms():

@@ -109,15 +109,22 @@ class Ledger:
     def total(self) -> int:
         return self.bytes
 
-    def breakdown(self) -> dict[str, int]:
-        held: dict[str, list[int]] = {}
-        for block, cat, b in self.held:  # counted in blocks: one entry may hold several micro-batches' buffers
-            entry = held.setdefault(f"{cat}: dropped by the host, still used by queued GPU work", [0, set()])
-            entry[0] += b
-            entry[1].add(block)
-        return {**{f"{cat} ({n} buffers)" if n > 1 else cat: b for cat, (b, n) in self.live.items() if b},
-                **{f"{cat} ({len(blocks)} blocks)" if len(blocks) > 1 else cat: b
-                   for cat, (b, blocks) in held.items() if b}}
+    def snapshot(self) -> tuple[dict[str, tuple[int, int]], list]:
+        """What ``breakdown`` reads, as it is now: ``Walk.peak`` keeps it at each new peak, and only the last
+        one's items are named."""
+        return {cat: (b, n) for cat, (b, n) in self.live.items()}, list(self.held)
+
+
+def breakdown(live: dict[str, tuple[int, int]], held_now: list) -> dict[str, int]:
+    """The items of a ledger's ``snapshot``."""
+    held: dict[str, list[int]] = {}
+    for block, cat, b in held_now:  # counted in blocks: one entry may hold several micro-batches' buffers
+        entry = held.setdefault(f"{cat}: dropped by the host, still used by queued GPU work", [0, set()])
+        entry[0] += b
+        entry[1].add(block)
+    return {**{f"{cat} ({n} buffers)" if n > 1 else cat: b for cat, (b, n) in live.items() if b},
+            **{f"{cat} ({len(blocks)} blocks)" if len(blocks) > 1 else cat: b
+               for cat, (b, blocks) in held.items() if b}}
 
 
 # The ledger's categories.
@@ -147,7 +154,7 @@ class Walk:
     keeps: dict[int, int] = dataclasses.field(default_factory=dict)  # block -> micro-batch kept residuals held
     away: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> activations in host memory
     home: set = dataclasses.field(default_factory=set)  # waiting gradients the step before's update took home
-    best: tuple[int, dict[str, int], str] = (-1, {}, "")  # the peak: bytes, items, op
+    best: tuple = (-1,)  # the peak: bytes, op, outputs, transient, why, the ledger's snapshot (``peak_items``)
     accumulate: bool = False  # this pass adds to an earlier pass's gradients
     pass_index: int = 0
     backward: bool = False  # the pass is past its head
@@ -159,6 +166,9 @@ class Walk:
         self.M = e.micro_batches
         self.Pio = io_param_count(c)
         self.Pblock = (c.block_param_count(0), c.block_param_count(c.layers - 1))  # dense first where kinds differ
+        # each part's parameters by its index: io, then the blocks, MoE or dense
+        self.part_params = [self.Pio] + [self.Pblock[1] if c.is_moe_layer(i) else self.Pblock[0]
+                                         for i in range(c.layers)]
         self.fetched = 1 if self.devices == 1 else 1 + 1 / self.devices  # the shard, and the part once gathered
         self.act = self.rows // self.M * self.seq_len * c.hidden * activation_bytes(c)  # one micro-batch's
         self.res = kept_bytes(c, e, self.rows // self.M, self.seq_len, self.flash, self.packed)  # one block's
@@ -177,18 +187,14 @@ class Walk:
 
     # ------------------------------------------------------------------ what an op touches
     def here(self, op: Op) -> tuple:
-        """The block whose work ``op`` queues: its part in this pass and phase."""
-        return (self.pass_index, self.backward, op.kind if op.part is None else op.part)
-
-    def is_io(self, op: Op) -> bool:
-        """Whether ``op`` works on the io part: the head and the embedding's backward accumulate its gradient."""
-        return op.kind in ("head", "embed", "embed_backward") or (op.part is not None and op.part.is_io)
+        """The block whose work ``op`` queues: its part (by index: the ledger compares blocks often) in this
+        pass and phase."""
+        return (self.pass_index, self.backward, op.kind if op.part is None else op.part.index)
 
     def params(self, op: Op) -> int:
-        """The parameters of the part ``op`` works on (the head's: the io part's)."""
-        if self.is_io(op):
-            return self.Pio
-        return self.Pblock[1] if self.c.is_moe_layer(op.part.layer) else self.Pblock[0]
+        """The parameters of the part ``op`` works on (the head's: the io part's; the head and the embedding's
+        backward accumulate its gradient)."""
+        return self.Pio if op.kind in ("head", "embed", "embed_backward") else self.part_params[op.part.index]
 
     def weights(self, op: Op) -> int:
         return int(self.params(op) * self.sb * self.fetched)
@@ -208,12 +214,19 @@ class Walk:
         """What is allocated while ``op`` runs: the ledger, its transient and its outputs."""
         total = self.resident + self.slack + self.led.bytes + temp + out
         if total > self.best[0]:
-            items = {f"GPU-resident parts with their optimizer state ({len(self.on_gpu)} parts)": self.resident,
-                     "the allocator's slack around GPU-resident parts and waiting gradients (measured)": self.slack,
-                     **self.led.breakdown()}
-            items[f"transient of {op!r} ({why})"] = temp
-            items[f"outputs of {op!r}"] = out
-            self.best = (total, {k: v for k, v in items.items() if v}, repr(op))
+            self.best = (total, op, out, temp, why, self.led.snapshot())
+
+    def peak_items(self) -> tuple[dict[str, int], str]:
+        """The peak's items (bytes) and the op it happens in."""
+        if len(self.best) == 1:
+            return {}, ""
+        _, op, out, temp, why, snapshot = self.best
+        items = {f"GPU-resident parts with their optimizer state ({len(self.on_gpu)} parts)": self.resident,
+                 "the allocator's slack around GPU-resident parts and waiting gradients (measured)": self.slack,
+                 **breakdown(*snapshot)}
+        items[f"transient of {op!r} ({why})"] = temp
+        items[f"outputs of {op!r}"] = out
+        return {k: v for k, v in items.items() if v}, repr(op)
 
     def compute(self, op: Op, out: int) -> None:
         """The peak of a compute op (with its program's transient); its work is now queued."""
@@ -408,7 +421,20 @@ def gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int
     """Walk one optimizer step of the engine's schedule: the peak's items (bytes) and the op it happens in.
     The step is a steady-state one: the gradients that wait on the GPU (``grads_on_gpu``) from the step
     before are there when it starts, each until its part's fetch (which waits for the part's update, which
-    copies the gradient home)."""
+    copies the gradient home).
+
+    The plan's search (``plan.levers``, ``plan.layout``) plans the same configuration many times: a walk is
+    kept (``_walked``), keyed by its arguments and the module's constants it reads (a study may change
+    ``QUEUED_BLOCKS``), and each caller gets its own copy of the items."""
+    items, at = _walked(c, e, rows, seq_len, sb, flash, devices, packed, programs, QUEUED_BLOCKS,
+                        RESIDENT_ALLOCATOR_SLACK, WAITING_ALLOCATOR_SLACK, STORES_AHEAD, BATCH_BYTES_PER_TOKEN)
+    return dict(items), at
+
+
+@functools.lru_cache(maxsize=4096, typed=True)
+def _walked(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int, flash: bool, devices: int,
+            packed: bool, programs: ProgramMemory | None, *constants: Any) -> tuple[dict[str, int], str]:
+    """``gpu_peak``'s walk; ``constants``: the module's, for the key only (the walk reads them itself)."""
     w = Walk(c, e, rows // devices, seq_len, sb, flash, devices, packed, programs=programs)
     for part in w.waiting:  # the step before's, copied home by each part's update before its fetch
         w.led.add(H, part_param_count(c, part) * 4 // devices)
@@ -420,4 +446,4 @@ def gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int
             w.backward |= op.kind == "head"
             RULES[op.kind](w, op)
         w.led.drop(B, w.batches)
-    return w.best[1], w.best[2]
+    return w.peak_items()
