@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gzip
 import importlib.util
 import json
@@ -530,6 +531,11 @@ def test_convergence_cut_by_time_resumes_to_the_same_losses(tmp_path, monkeypatc
     spec.loader.exec_module(conv)
     from megatrain_jax import preset
     from megatrain_jax.checkpoint import committed_steps
+    from megatrain_jax.data import demo
+    # each conv.train call draws its 8M-token demo corpus again (about 1 s): every run here reads the same one,
+    # drawn once (each run gets its own copy of the arrays)
+    corpus = functools.cache(demo.demo_tokens)
+    monkeypatch.setattr(demo, "demo_tokens", lambda *a, **kw: tuple(x.copy() for x in corpus(*a, **kw)))
     cfg = preset("tiny", dtype="bfloat16")
     whole = conv.train("q8", 0, 4, 2, 32, 1e-3, cfg)
     progress, ckpt = str(tmp_path / "p.json"), str(tmp_path / "ckpt")
