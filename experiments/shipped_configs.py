@@ -17,7 +17,7 @@ A config that names a Hugging Face folder (the SFT examples) gets a random folde
 once per shape. A config's target machine is its file name's prefix (``h100``, ``h200``, ``gh200``); each
 record says which it was (``target``) and the file's header which machine ran it (``device``). Metrics are
 read from the run folder's ``metrics.jsonl``: speeds are medians from step 3 on (the first steps compile), without
-the last step (its measured time is short: see ``run_config``);
+the last step (as in the earlier files: see ``read_run_folder``);
 the plan from its ``memory_plan.json``: on a GPU the exact plan (XLA's figures for the compiled programs)
 and the CPU-side estimate, each compared with the measured peak (``gpu_plan_error``,
 ``gpu_estimate_error``: (plan - peak) / peak).
@@ -135,9 +135,11 @@ def read_run_folder(run_dir: Path, record: dict) -> None:
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "loss" in r]
     if rows:
-        # From step 3 on (the first steps compile), without the last: the engine's step times are the gaps
-        # between successive reads of the steps' results, and the last read follows the one before closely
-        # (70B on one H200: 5.7 s against 22 s for the others).
+        # From step 3 on (the first steps compile), without the last: until c44873b the engine's step times were
+        # the gaps between successive reads of the steps' results, and the last read followed the one before
+        # closely (70B on one H200: 5.7 s against 22 s for the others); now each is the gap between the steps'
+        # results on the device (engine/step_clock.py), and the last is still left out so that speeds compare
+        # with the earlier files.
         timed = [r for r in rows[:-1] if r["step"] >= 3] or [r for r in rows if r["step"] >= 3] or rows
         record.update(steps_reported=len(rows), loss_first=rows[0]["loss"], loss_last=rows[-1]["loss"],
                       tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in timed), 1),
