@@ -70,7 +70,7 @@ def choose(cc: CapacityConfig, host: int, gpu: int | None) -> tuple[BenchConfig,
     candidates = [bc.layers] if cc.search_layers is None else range(cc.search_layers[1], cc.search_layers[0] - 1, -1)
     for layers in candidates:
         cfg = dataclasses.replace(bc, layers=layers).model()
-        engine, lean = lean_engine(cfg, bc.engine, bc.rows, bc.seq_len, host_ram_bytes=host)
+        engine, lean = lean_engine(cfg, bc.engine, bc.rows, bc.seq_len, host_ram_bytes=host, gpu_bytes=gpu)
         p = plan(cfg, engine, bc.rows, bc.seq_len, host_ram_bytes=host, gpu_bytes=gpu, detect=False)
         # the host margin the lean pick leaves, and 5% of the GPU (the plan has come out up to 5% over or under)
         with_margin = p.replace(host_ram_bytes=int(host * (1 - LEAN_HOST_MARGIN)),
