@@ -70,16 +70,17 @@ def train_reference(cfg, tx_fn, clip_norm, batches, steps=3, prepare=None):
 _SHARED_REFERENCES: dict = {}
 
 
-def shared_reference(cfg, tx_fn, clip_norm, batches, steps=3, prepare=None):
+def shared_reference(cfg, tx_fn, clip_norm, batches, steps=3, prepare=None, patched=""):
     """``train_reference``, trained once per process for the same arguments (``batches`` compared by their arrays):
     many engine layouts are checked against one model, optimizer and data, whose reference is the same run each
-    time. Only for callers that patch nothing the reference runs through (a test that monkeypatches the model
-    needs its own). Keeps the trained model (``.model``) and the metrics, not the trainer's compiled programs."""
+    time. ``patched`` names what the caller patches in the code the reference runs through ("": nothing; a test
+    that monkeypatches the model, as test_remat's cuDNN stand-in does, shares runs only with tests patching it
+    alike). Keeps the trained model (``.model``) and the metrics, not the trainer's compiled programs."""
     digest = hashlib.sha256()
     for batch in batches:
         for x in (batch.inputs, batch.targets, batch.loss_mask, batch.positions, batch.segment_ids):
             digest.update(b"none" if x is None else f"{x.dtype}{x.shape}".encode() + np.ascontiguousarray(x).tobytes())
-    key = (cfg, tx_fn, clip_norm, steps, prepare, digest.hexdigest())
+    key = (cfg, tx_fn, clip_norm, steps, prepare, patched, digest.hexdigest())
     if key not in _SHARED_REFERENCES:
         ref, metrics = train_reference(cfg, tx_fn, clip_norm, batches, steps, prepare)
         _SHARED_REFERENCES[key] = (SimpleNamespace(model=ref.model), metrics)
@@ -87,20 +88,22 @@ def shared_reference(cfg, tx_fn, clip_norm, batches, steps=3, prepare=None):
 
 
 def run_both(cfg, tx_fn, engine_cfg, steps=3, batch_kw=None, prepare=None, reference_out=None, batches=None,
-             devices=None, reference=None, observers=(), shared=False):
+             devices=None, reference=None, observers=(), shared: bool | str = False):
     """Train a reference and an engine copy of the same model; compare every step's loss and the end.
     ``prepare(model)`` (optional) changes both fresh models alike before training; ``reference_out`` (a list,
     optional) receives the reference's trained model; ``batches`` (optional) replaces ``make_batches``'s
     (``steps * accumulate_steps`` of them); ``devices`` (optional) the engine's devices; ``reference``
     (optional) what ``train_reference`` gave for these arguments, to compare with instead of training it;
-    ``observers`` watch the engine's steps (``Engine.observe``); ``shared``: the reference is ``shared_reference``'s
-    (for callers that patch nothing it runs through)."""
+    ``observers`` watch the engine's steps (``Engine.observe``); ``shared``: the reference is ``shared_reference``'s,
+    True where the caller patches nothing it runs through, else the name of the patch (its ``patched``)."""
     batch_kw = batch_kw or {}
     k = engine_cfg.accumulate_steps
     batches = batches if batches is not None else make_batches(steps * k, vocab=cfg.vocab_size, **batch_kw)
     assert len(batches) == steps * k, (len(batches), steps, k)
-    train = shared_reference if shared else train_reference
-    ref, ref_metrics = reference or train(cfg, tx_fn, engine_cfg.clip_norm, batches, steps, prepare)
+    if reference is None and shared:
+        reference = shared_reference(cfg, tx_fn, engine_cfg.clip_norm, batches, steps, prepare,
+                                     patched="" if shared is True else shared)
+    ref, ref_metrics = reference or train_reference(cfg, tx_fn, engine_cfg.clip_norm, batches, steps, prepare)
     if reference_out is not None:
         reference_out.append(ref)
     model = Decoder(cfg, rngs=nnx.Rngs(0))

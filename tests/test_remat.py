@@ -178,7 +178,7 @@ def test_the_decoders_gradients_are_the_same_with_and_without_the_wrapper(cudnn_
     (EngineConfig(micro_batches=2), {}),
 ], ids=["plain", "packed", "offloaded", "accumulate-depth2", "not-kept"])
 def test_engine_with_kept_residuals_equals_reference(cudnn_stand_in, engine_cfg, batch_kw):
-    engine = run_both(TINY3, ADAMW, engine_cfg, batch_kw=batch_kw)
+    engine = run_both(TINY3, ADAMW, engine_cfg, batch_kw=batch_kw, shared="cudnn_stand_in")
     programs = {name for name, *_ in engine.fns._programs}  # which programs ran
     assert ("forward_keep" in programs) == engine_cfg.keep_residuals != ("forward" in programs), programs
     sizes = engine.fns.cache_sizes()
@@ -195,7 +195,7 @@ def test_engine_with_kept_residuals_equals_reference(cudnn_stand_in, engine_cfg,
 def test_engine_with_kept_matrix_products_equals_reference(cudnn_stand_in, engine_cfg, batch_kw):
     """``kept_layers``: the last blocks' backward is given every matrix product of their forward (no
     recompute of them); the step is the reference step all the same."""
-    engine = run_both(TINY3, ADAMW, engine_cfg, batch_kw=batch_kw)
+    engine = run_both(TINY3, ADAMW, engine_cfg, batch_kw=batch_kw, shared="cudnn_stand_in")
     programs = {name for name, *_ in engine.fns._programs}
     assert {"forward_products", "backward_products"} <= programs, programs
     # the first blocks (where there are any) run as configured: recomputed, or keeping the marked residuals only
