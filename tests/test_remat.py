@@ -294,7 +294,7 @@ def test_the_plans_matrix_products_are_what_each_familys_block_keeps(name, overr
     """``products_bytes`` against the traced forward of every kind of block (abstract: no weights), on XLA's
     attention (which marks nothing): exact, but for a router's logits, which the plan counts as float32."""
     from megatrain_jax.plan.activations import products_bytes
-    cfg = preset(name, layers=2, **overrides)
+    cfg = preset(name, layers=2, attention_impl="xla", **overrides)  # on a GPU too ("auto" would take cuDNN's)
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     lm = layered(model)
     fns = device_fns(lm, Placement(None))
