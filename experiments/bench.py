@@ -256,6 +256,13 @@ def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
     return {"h2d_bytes": h2d, "d2h_bytes": d2h, "total_bytes": h2d + d2h}
 
 
+def predicted_step(bc: BenchConfig, cfg, gpus: int):
+    """The step-time model's prediction for this layout on this machine's GPU kind (None: no rates for it)."""
+    from megatrain_jax.plan import Machine, for_machine
+    machine = dataclasses.replace(Machine.here(), gpus=gpus)
+    return for_machine(cfg, bc.engine, bc.rows, bc.seq_len, machine)
+
+
 def resolve_layout(bc: BenchConfig) -> tuple[BenchConfig, str | None]:
     """The engine config ``megatrain-jax train`` would run on this machine (``plan.resolve``, read before JAX
     starts: MemAvailable, the GPU's allocator limit from nvidia-smi and the memory fraction, the visible GPUs):
@@ -290,6 +297,8 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
         run["init_s"] = round(time.perf_counter() - t0, 2)
         run["num_gpus"] = engine.placement.size
         run["pcie_per_gpu_per_step"] = pcie_bytes_per_gpu(engine, bc.engine.micro_batches)
+        predicted = predicted_step(bc, cfg, engine.placement.size)
+        run["predicted_step"] = None if predicted is None else predicted.as_dict()
         run["host_optimizer"] = {"fused": "fused C++ AdamW kernel", "host": "JAX host computation",
                                  "device": "JAX on the GPU (state sent there and back)"}.get(engine.update_route,
                                                                                              engine.update_route)
@@ -317,6 +326,8 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
                    losses=[round(r["loss"], 4) for r in records], grad_norms=[round(r["grad_norm"], 4) for r in records],
                    step_times=[round(r["step_time_s"], 4) for r in records],
                    dispatch_s=round(statistics.median(r["dispatch_s"] for r in timed_recs), 4))
+        if predicted is not None:  # the step-time model (plan.step_time) against the median measured step
+            run["step_time_error"] = round((predicted.seconds - step_time) / step_time, 4)
         tier = engine.disk_tier
         if tier is not None:  # what the disk did: per step over the whole run, and while it was busy
             n = len(records)

@@ -126,7 +126,7 @@ def read_run_folder(run_dir: Path, record: dict) -> None:
         record["planned"] = {"host_gib": gib(memory["host_total"]), "gpu_gib": gib(memory["gpu_total"]),
                              "gpu_exact": memory["gpu_exact"], "gpu_estimate_gib": gib(memory["estimate_gpu_total"]),
                              "gpu_available_gib": gib(memory["gpu_available"]), "gpu_peak_at": memory["gpu_peak_at"],
-                             "engine": memory["engine"],
+                             "engine": memory["engine"], "predicted_step": memory.get("predicted_step"),
                              "programs": None if memory["programs"] is None else
                              [{k: (gib(v) if isinstance(v, int) else v) for k, v in f.items()}
                               for f in memory["programs"]["programs"]]}
@@ -155,6 +155,12 @@ def read_run_folder(run_dir: Path, record: dict) -> None:
             record.update(lm_losses=[round(r["lm_loss"], 5) for r in rows],
                           aux_losses=[round(r["aux_loss"], 5) for r in rows])
         planned = record.get("planned") or {}
+        times = [r["step_time_s"] for r in timed if "step_time_s" in r]
+        predicted = planned.get("predicted_step")
+        if times:
+            record["step_time_s"] = round(statistics.median(times), 4)
+        if times and predicted:  # the step-time model (plan.step_time) against the median measured step
+            record["step_time_error"] = round((predicted["seconds"] - record["step_time_s"]) / record["step_time_s"], 4)
         for side in ("host", "gpu"):
             plan, peak = planned.get(f"{side}_gib"), record.get(f"{side}_peak_gib")
             if plan and peak:

@@ -790,7 +790,7 @@ def test_resident_layers_auto_keeps_the_most_blocks_that_fit_the_gpu():
 
 def test_an_engine_refuses_resident_layers_auto():
     from megatrain_jax import Engine
-    with pytest.raises(ValueError, match="resolved by the memory plan"):
+    with pytest.raises(ValueError, match="resolved by the plan, before the engine"):
         Engine(Decoder(preset("tiny"), rngs=nnx.Rngs(0)), optax.sgd(0.1), EngineConfig(resident_layers="auto"))
     with pytest.raises(ValueError, match="'auto'"):
         EngineConfig(resident_layers="all")

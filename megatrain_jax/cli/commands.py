@@ -3,6 +3,7 @@
     megatrain-jax                                   # the demo: tiny model, demo data, ~1 minute on a CPU
     megatrain-jax train --config FILE.toml [section.key=value ...]
     megatrain-jax plan --config FILE.toml [section.key=value ...] [--host-gib N] [--gpu-gib N] [--exact]
+                       [--gpu NAME] [--speeds FILE]
     megatrain-jax convert SRC DST [--to hf|npz|orbax] [--dtype bfloat16|float32]
     megatrain-jax plot RUN_DIR [--out FILE.png]
 
@@ -85,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exact", action="store_true",
                    help="compile the run's programs on this machine's GPU and plan with XLA's figures for their "
                         "scratch memory, as train does (without it the GPU side is an estimate)")
+    p.add_argument("--gpu", metavar="NAME", help="the GPU whose rates predict the step time (H100, H200, GH200; "
+                                                 "default: this machine's)")
+    p.add_argument("--speeds", metavar="FILE", help="a calibration file of rates for the step-time model (JSON; "
+                                                    "docs/performance.md; default: $MEGATRAIN_SPEEDS)")
     p = sub.add_parser("convert", help="convert checkpoints: Hugging Face <-> npz (<-> Orbax)")
     p.add_argument("src", help="a Hugging Face folder (config.json + safetensors) or a .npz")
     p.add_argument("dst", help="output: a folder (Hugging Face) or a .npz file")
@@ -123,8 +128,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from megatrain_jax.plan import (Machine, advice, gpu_fraction, in_each_mode, longest_seq_len, modes_table, plan,
                                     resolve)
+    from megatrain_jax.plan.speeds import SPEEDS, kind_of
+    from megatrain_jax.plan.step_time import for_machine, step_line
     cfg = load_config(args.config, args.overrides)
     host = None if args.host_gib is None else int(args.host_gib * GiB)
     gpu = None if args.gpu_gib is None else int(args.gpu_gib * GiB * gpu_fraction())
@@ -139,6 +148,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               f"model.max_positions")
         print(f"note: {what}: train refuses any example longer than max_positions")
     machine = Machine.here(cfg.train.devices, host_ram_bytes=host, gpu_bytes=gpu)
+    if args.gpu is not None:
+        if kind_of(args.gpu) is None:
+            raise ConfigError(f"--gpu {args.gpu!r}: no rates for that GPU; give one of {', '.join(SPEEDS)}, or "
+                              f"--speeds FILE with its rates")
+        machine = dataclasses.replace(machine, gpu_name=args.gpu)
     if machine.gpus > 1:
         print(f"per GPU of {machine.gpus}: each takes 1/{machine.gpus} of every batch and holds a shard of the state")
     packed, disk_dir = d.mode == "packed", str(Path(cfg.train.run_dir) / "disk_tier")
@@ -152,6 +166,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.exact:
         p = _exact(p, cfg, model_cfg, disk_dir)
     print(p.table())
+    step = for_machine(model_cfg, p.engine_cfg, d.batch_size, d.seq_len, machine, args.speeds)
+    print(step_line(step, d.batch_size * d.seq_len, machine))
     modes = in_each_mode(p)
     print(modes_table(p, modes))
     longest = longest_seq_len(p)

@@ -35,6 +35,7 @@ from megatrain_jax.observe.metrics import free_name, read_metrics
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.plan import (GiB, Machine, MemoryPlan, exact_plan, fit_host_pool, fitted_pool_limit, gpu_fraction,
                                 options, plan, require_fit, resolve)
+from megatrain_jax.plan.step_time import for_machine, step_line
 
 # The README demo: the tiny preset learns the synthetic Markov + induction corpus (megatrain_jax.data.demo)
 # from ln 256 = 5.5 nats to about 1.3 in a few hundred steps, about a minute on a 2-core CPU.
@@ -240,7 +241,7 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         cfg = dataclasses.replace(cfg, train=t)
 
     model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(t.seed)))
-    engine_cfg, memory, estimate, repicked = _layout(cfg, model_cfg, model, say)
+    engine_cfg, memory, estimate, repicked, machine = _layout(cfg, model_cfg, model, say)
     cfg, given = dataclasses.replace(cfg, engine=engine_cfg), cfg.engine
     say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
         f"{model_cfg.hidden}), {d.batch_size} x {d.seq_len} tokens per batch, {t.steps} steps on "
@@ -248,9 +249,13 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     if repicked:
         say(f"megatrain_jax: {repicked}")
     say(_memory_line(memory, estimate))
+    step = for_machine(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine) if gpu_at_hand() else None
+    if step is not None or gpu_at_hand():
+        say(step_line(step, d.batch_size * d.seq_len, machine))
     prepare_run_folder(cfg)
     plan_record = {**memory.as_dict(),
-                   "estimate_gpu_total": estimate.gpu_total if estimate.engine_cfg == memory.engine_cfg else None}
+                   "estimate_gpu_total": estimate.gpu_total if estimate.engine_cfg == memory.engine_cfg else None,
+                   "predicted_step": None if step is None else step.as_dict()}
 
     init_from = None
     if cfg.model.hf_checkpoint is not None:  # read part by part into the engine's state: no model copy
@@ -334,11 +339,11 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
 
 
 def _layout(cfg: RunConfig, model_cfg, model: nnx.Module,
-            say) -> tuple[EngineConfig, MemoryPlan, MemoryPlan, str | None]:
+            say) -> tuple[EngineConfig, MemoryPlan, MemoryPlan, str | None, Machine]:
     """The engine config the run runs with (``plan.resolve`` on this machine, then, on a GPU, with XLA's figures
     for the compiled programs: ``plan.exact_plan``), said where it differs from the config; its plan, the
     estimate from rules of thumb, and what XLA's figures changed (said after the start line). Refuses a run
-    that does not fit unless ``train.memory_check`` is off."""
+    that does not fit unless ``train.memory_check`` is off. Also returns the machine as read."""
     t, d, run_dir = cfg.train, cfg.data, Path(cfg.train.run_dir)
     machine = Machine.here(t.devices, several_processes=distributed.requested())
     packed, disk_dir = d.mode == "packed", str(run_dir / "disk_tier")
@@ -358,7 +363,7 @@ def _layout(cfg: RunConfig, model_cfg, model: nnx.Module,
         cfg = dataclasses.replace(cfg, engine=memory.engine_cfg)
     if t.memory_check:
         require_fit(memory, given)
-    return cfg.engine, memory, estimate, repicked
+    return cfg.engine, memory, estimate, repicked, machine
 
 
 def _finish(history: History, cfg: RunConfig, model_cfg, say) -> None:

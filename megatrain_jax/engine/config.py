@@ -8,7 +8,9 @@ from typing import Literal
 
 from megatrain_jax.engine.precision import Precision, check_precision, mode_of
 
-# ``resident_layers = "auto"``: as many blocks as fit, picked by the memory plan (``plan.lean_engine``).
+# ``resident_layers = "auto"``, ``kept_layers = "auto"``: picked by the plan for the machine (``plan.resolve``):
+# the fastest layout that fits where the GPU's rates are known (``plan.step_time``), else the most resident
+# blocks that fit and none keeping products.
 AUTO = "auto"
 
 
@@ -28,8 +30,9 @@ class EngineConfig:
     - ``host_kernel=False`` runs ``megatrain_jax.adamw`` through JAX instead of the fused C++ kernel.
     - ``resident_layers`` (the first blocks) and ``resident_io`` keep parts on the GPU with their
       optimizer state (``megatrain_jax.engine.update.resident``): faster when GPU memory allows, about 18 bytes per
-      parameter. ``resident_layers="auto"``: ``megatrain-jax train`` and ``plan`` keep as many blocks
-      resident as the memory plan fits (``plan.lean_engine``); an ``Engine`` takes a number.
+      parameter. ``resident_layers="auto"``: ``megatrain-jax train`` and ``plan`` pick the count
+      (``plan.resolve``): where the GPU's rates are known, the fastest layout that fits by the step-time model
+      (``plan.step_time``), else as many blocks as fit; an ``Engine`` takes a number.
     - ``grads_on_gpu``: this many host-updated parts (the blocks that are not GPU-resident in forward order,
       then the io part) keep their float32 gradient on the GPU while the step waits for the global norm,
       instead of in pinned host memory: 4 bytes per parameter less host RAM, as much more GPU memory from
@@ -75,6 +78,9 @@ class EngineConfig:
       quarter less compute for each such block, for about rows x seq_len x (q + 2 kv + hidden + 2 ffn) x 2
       bytes of GPU memory from its forward to its backward (``plan.gpu_ledger.products_bytes``). The same
       gradients: only what is recomputed changes. Never for offloaded blocks (``offload_activations``).
+      ``kept_layers="auto"``: ``megatrain-jax train`` and ``plan`` pick the count with ``resident_layers``
+      (``plan.resolve``): the pair the step-time model finds fastest among those that fit, where the GPU's rates
+      are known; else none.
     """
 
     micro_batches: int = 1
@@ -94,7 +100,7 @@ class EngineConfig:
     disk_dir: str | None = None
     offload_activations: int = 0
     keep_residuals: bool = False
-    kept_layers: int = 0
+    kept_layers: int | Literal["auto"] = 0
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
@@ -115,8 +121,9 @@ class EngineConfig:
                              f"{self.offload_activations!r}")
         if not isinstance(self.keep_residuals, bool):
             raise ValueError(f"EngineConfig.keep_residuals must be true or false, got {self.keep_residuals!r}")
-        if not isinstance(self.kept_layers, int) or isinstance(self.kept_layers, bool) or self.kept_layers < 0:
-            raise ValueError(f"EngineConfig.kept_layers must be an integer >= 0, got {self.kept_layers!r}")
+        if self.kept_layers != AUTO and (not isinstance(self.kept_layers, int) or isinstance(self.kept_layers, bool)
+                                         or self.kept_layers < 0):
+            raise ValueError(f"EngineConfig.kept_layers must be an integer >= 0 or 'auto', got {self.kept_layers!r}")
         if not isinstance(self.disk_parts, int) or self.disk_parts < 0:
             raise ValueError(f"EngineConfig.disk_parts must be an integer >= 0, got {self.disk_parts!r}")
         check_precision(self)  # the precision settings make one mode, which can run the rest (the table's rules)
@@ -129,7 +136,10 @@ class EngineConfig:
 
     def check_layers(self, n_blocks: int) -> None:
         """Raise ValueError saying what to set unless the per-block counts fit a model of ``n_blocks`` blocks:
-        ``kept_layers`` (the last blocks) and ``offload_activations`` (the first ones) must not meet."""
+        ``kept_layers`` (the last blocks) and ``offload_activations`` (the first ones) must not meet ("auto":
+        the plan picks a count that fits)."""
+        if self.kept_layers == AUTO:
+            return
         if self.kept_layers > n_blocks:
             raise ValueError(f"engine.kept_layers = {self.kept_layers} is more than the model's {n_blocks} blocks: "
                              f"set at most {n_blocks}")

@@ -82,10 +82,11 @@ class Engine:
                  devices: Sequence[jax.Device] | Mesh | None = None, placement: Placement | None = None,
                  init_from=None):
         enable_compilation_cache()  # per-user persistent cache, unless configured otherwise (_environment)
-        if config.resident_layers == AUTO:
-            raise ValueError("EngineConfig(resident_layers='auto') is resolved by the memory plan, before the "
-                             "engine: megatrain-jax train and plan do it (megatrain_jax.plan.lean_engine returns "
-                             "the config with the number); an Engine takes the number of GPU-resident blocks")
+        for field in ("resident_layers", "kept_layers"):
+            if getattr(config, field) == AUTO:
+                raise ValueError(f"EngineConfig({field}='auto') is resolved by the plan, before the engine: "
+                                 f"megatrain-jax train and plan do it (megatrain_jax.plan.resolve returns the "
+                                 f"config with the number); an Engine takes a number")
         self.lm = layered(model)
         self.cfg = config
         if config.resident_layers > self.lm.n_blocks:

@@ -273,6 +273,11 @@ class DecoderConfig:
         common, dense, moe = self._block_counts(active=False)
         return common + (moe if self.is_moe_layer(index) else dense)
 
+    def block_active_param_count(self, index: int) -> int:
+        """Parameters of block ``index`` one token's forward uses (``active_param_count``'s per block)."""
+        common, dense, moe = self._block_counts(active=True)
+        return common + (moe if self.is_moe_layer(index) else dense)
+
     def _block_counts(self, active: bool) -> tuple[int, int, int]:
         """One block's attention and norms, a dense MLP, and an MoE MLP (all, or active per token)."""
         d, hd = self.hidden, self.dim_per_head

@@ -4,8 +4,12 @@ experiments/bench.py all call ``resolve``; what fits instead, for a run that doe
 
 The config as given runs unless memory is short:
 
-- ``kept_layers`` that the GPU cannot hold: the most blocks keeping their products that it can (``most_kept``);
-- ``resident_layers="auto"``: the most GPU-resident blocks that fit (``most_resident``);
+- ``resident_layers="auto"`` or ``kept_layers="auto"`` where the GPU's rates are known (``speeds``): the
+  fastest layout that fits by the step-time model (``fastest``: each count of resident blocks with the most
+  blocks keeping their products that fit beside it);
+- ``kept_layers`` that the GPU cannot hold: the most blocks keeping their products that it can (``most_kept``;
+  ``"auto"`` without rates: none);
+- ``resident_layers="auto"`` without rates: the most GPU-resident blocks that fit (``most_resident``);
 - the GPU short: the fewest blocks whose inputs wait in host memory (``offload``);
 - host RAM short: the lean host layout (``lean``: float32 streamed, gradients waiting on the GPU; in capacity
   mode, 8-bit moments; last, the disk tier);
@@ -30,6 +34,8 @@ from megatrain_jax.plan.counts import GiB, host_roles
 from megatrain_jax.plan.machine import (GPU_FRAGMENTATION_MARGIN, Machine, available_disk_bytes, available_host_bytes,
                                         gpu_bytes_before_jax)
 from megatrain_jax.plan.memory import MemoryPlan, plan
+from megatrain_jax.plan.speeds import Speeds, for_gpu
+from megatrain_jax.plan.step_time import predict
 
 Changes = tuple[tuple[str, Any], ...]  # (``section.key``, value) pairs: ``("engine.micro_batches", 4), ...``
 
@@ -67,7 +73,8 @@ def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
                               devices=machine.gpus, packed=packed, export=export, checkpoints=checkpoints)
     if machine.disk_bytes is not None:
         kw["disk_bytes"] = machine.disk_bytes
-    return Resolved(*_pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw))
+    speeds = for_gpu(machine.gpu_name) if machine.gpu_name is not None else None
+    return Resolved(*_pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds))
 
 
 def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
@@ -82,11 +89,19 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
                  dict(host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes, **plan_kw))
 
 
-def _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw) -> tuple[EngineConfig, str | None]:
+def _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,
+          speeds: Speeds | None = None) -> tuple[EngineConfig, str | None]:
+    fast = None
+    if speeds is not None and AUTO in (engine_cfg.resident_layers, engine_cfg.kept_layers):
+        engine_cfg, fast = fastest(model_cfg, engine_cfg, batch_rows, seq_len, speeds, **kw)
+    if engine_cfg.kept_layers == AUTO:
+        engine_cfg = dataclasses.replace(engine_cfg, kept_layers=0)
+        fast = fast or ("engine.kept_layers='auto': 0 (no rates for this machine's GPU to weigh kept matrix "
+                        "products against resident blocks: docs/performance.md)")
     engine_cfg, fewer_kept = most_kept(model_cfg, engine_cfg, batch_rows, seq_len, **kw)
     engine_cfg, auto = most_resident(model_cfg, engine_cfg, batch_rows, seq_len, **kw)
     picked, said = _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw)
-    said = [w for w in (fewer_kept, auto) if w] + said
+    said = [w for w in (fast, fewer_kept, auto) if w] + said
     keeps = engine_cfg.keep_residuals and kept_bytes(model_cfg, engine_cfg, 1, 1, assumes_flash(model_cfg)) > 0
     if keeps and not plan(model_cfg, picked, batch_rows, seq_len, detect=False, **kw).fits:
         # the kept attention residuals are one more activation per block: without them attention is
@@ -205,14 +220,7 @@ def most_resident(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows
     if engine_cfg.resident_layers != AUTO:
         return engine_cfg, None
     with_ = lambda r: dataclasses.replace(engine_cfg, resident_layers=r)  # noqa: E731
-    n, hi, refused = model_cfg.layers, model_cfg.layers, None
-    while hi > 0:  # the most the config takes
-        try:
-            e = with_(hi)
-            HostRoles.of(n, hi, e.resident_io, e.grads_on_gpu, e.disk_parts)
-            break
-        except ValueError as err:
-            refused, hi = err, hi - 1
+    hi, refused = _most_taken(model_cfg, engine_cfg)
     if hi == 0 and refused is not None:
         return with_(0), f"engine.resident_layers='auto': 0 (the engine takes no GPU-resident block here: {refused})"
     if plan_kw.get("gpu_bytes") is None:
@@ -225,6 +233,65 @@ def most_resident(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows
     return with_(lo), (f"engine.resident_layers='auto': {lo} of {model_cfg.layers} blocks GPU-resident, the most "
                        f"that fit (GPU {p.gpu_total / GiB:.1f} GiB of {p.gpu_available / GiB:.1f}; they update on the "
                        f"GPU, with no host update or transfer)")
+
+
+def _most_taken(model_cfg: DecoderConfig, engine_cfg: EngineConfig) -> tuple[int, ValueError | None]:
+    """The most GPU-resident blocks the config takes (the parts ``grads_on_gpu`` and ``disk_parts`` name stay
+    host-updated), and why more are refused (None: every block may be)."""
+    n, hi, refused = model_cfg.layers, model_cfg.layers, None
+    while hi > 0:
+        try:
+            e = dataclasses.replace(engine_cfg, resident_layers=hi)
+            HostRoles.of(n, hi, e.resident_io, e.grads_on_gpu, e.disk_parts)
+            break
+        except ValueError as err:
+            refused, hi = err, hi - 1
+    return hi, refused
+
+
+def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int, speeds: Speeds,
+            **plan_kw) -> tuple[EngineConfig, str | None]:
+    """``resident_layers`` and ``kept_layers``, where either is "auto", for the GPU of ``speeds``: of the layouts
+    whose plan fits the GPU (each count of resident blocks the config takes, or the one it names; beside it the
+    most blocks keeping their matrix products that fit, or the count it names), the one the step-time model
+    (``step_time.predict``) finds fastest among those that fit the host too; the fewest resident blocks among
+    equals. Where none fits, or there is
+    no GPU to plan for, the config comes back with the "auto" fields at 0 for the pickers after it (offload,
+    the lean host layout). Returns the config and a sentence."""
+    auto_r, auto_k = engine_cfg.resident_layers == AUTO, engine_cfg.kept_layers == AUTO
+    zero = dataclasses.replace(engine_cfg, **({"resident_layers": 0} if auto_r else {}),
+                               **({"kept_layers": 0} if auto_k else {}))
+    if plan_kw.get("gpu_bytes") is None:
+        return zero, None
+    planned = lambda e: plan(model_cfg, e, batch_rows, seq_len, detect=False, **plan_kw)  # noqa: E731
+    gpu_fits = lambda e: planned(e).gpu_fits  # noqa: E731
+    layers = model_cfg.layers
+    most_kept_ = layers - offloaded_blocks(layers, engine_cfg.prefetch_depth, engine_cfg.offload_activations)
+    tried: list[tuple[float, EngineConfig]] = []
+    for r in (range(_most_taken(model_cfg, engine_cfg)[0] + 1) if auto_r else [engine_cfg.resident_layers]):
+        base = dataclasses.replace(zero, resident_layers=r)
+        if not gpu_fits(base):
+            break  # more resident blocks take more GPU memory
+        if auto_k:
+            k = most_fitting(lambda k: gpu_fits(dataclasses.replace(base, kept_layers=k)), most_kept_)
+            base = dataclasses.replace(base, kept_layers=k)
+        if not planned(base).fits:  # the host too (more resident blocks, less host memory)
+            continue
+        tried.append((predict(model_cfg, base, batch_rows, seq_len, speeds, devices=plan_kw.get("devices", 1)
+                              ).seconds, base))
+    if not tried:
+        return zero, None
+    seconds, best = min(tried, key=lambda t: t[0])  # the first of equals: the fewest resident blocks
+    most = tried[-1]
+    p = plan(model_cfg, best, batch_rows, seq_len, detect=False, **plan_kw)
+    asked = " and ".join(f"engine.{f}='auto'" for f, a in (("resident_layers", auto_r), ("kept_layers", auto_k)) if a)
+    versus = ("" if most[1] == best or not auto_r else f"; the most resident blocks that fit, {most[1].resident_layers}"
+              + (f" with {most[1].kept_layers} keeping products" if auto_k else "") + f", {most[0]:.2f} s")
+    return best, (f"{asked}: {best.resident_layers} of {layers} blocks GPU-resident, the last {best.kept_layers} "
+                  f"keeping their matrix products for the backward: the fastest of {len(tried)} layout"
+                  f"{'s' if len(tried) > 1 else ''} that fit "
+                  f"by the step-time model ({seconds:.2f} s per step at {speeds.name}{versus}; GPU "
+                  f"{p.gpu_total / GiB:.1f} GiB of {p.gpu_available / GiB:.1f})")
 
 
 def _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw) -> tuple[EngineConfig, list[str]]:

@@ -91,6 +91,17 @@ def gpu_bytes_before_jax() -> int | None:
         return None
 
 
+def gpu_name_before_jax() -> str | None:
+    """The first GPU's name as the driver gives it (``NVIDIA H200``), read without starting JAX; None without
+    nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, check=True, timeout=30).stdout.splitlines()
+        return out[0].strip() or None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
 def gpu_fraction() -> float:
     """The share of GPU memory XLA may allocate in this environment: ``XLA_PYTHON_CLIENT_MEM_FRACTION``, which
     importing megatrain_jax sets to ``ENGINE_GPU_FRACTION`` unless the user chose (``_environment``)."""
@@ -136,14 +147,16 @@ def run_gpus(devices: int | None) -> int:
 class Machine:
     """What a run may use, as the layout is picked for it (``resolve``): ``host_ram_bytes`` of host RAM and
     ``gpu_bytes`` of each GPU's allocator (None: not known; with no GPU, nothing is picked for one),
-    ``gpus`` GPUs, ``disk_bytes`` free where the disk tier would go (None: read from the folder), and
-    ``several_processes`` (each holds its own host: no layout is picked for them)."""
+    ``gpus`` GPUs, ``disk_bytes`` free where the disk tier would go (None: read from the folder),
+    ``several_processes`` (each holds its own host: no layout is picked for them), and ``gpu_name`` (the
+    driver's name of the GPU, which says whose rates the step-time model takes; None: no GPU, or not known)."""
 
     host_ram_bytes: int | None
     gpu_bytes: int | None
     gpus: int = 1
     disk_bytes: int | None = None
     several_processes: bool = False
+    gpu_name: str | None = None
 
     @classmethod
     def here(cls, devices: int | None = None, *, host_ram_bytes: int | None = None, gpu_bytes: int | None = None,
@@ -153,4 +166,4 @@ class Machine:
         given win (``megatrain-jax plan --host-gib/--gpu-gib``)."""
         return cls(available_host_bytes() if host_ram_bytes is None else host_ram_bytes,
                    gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes, run_gpus(devices), None,
-                   several_processes)
+                   several_processes, gpu_name_before_jax())

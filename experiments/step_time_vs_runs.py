@@ -1,0 +1,185 @@
+"""The step-time model (``megatrain_jax.plan.step_time``) against every measured run committed with its whole
+layout: each run's predicted step time beside the measured one, per GPU kind, with the rates of
+``megatrain_jax.plan.speeds`` (or a calibration file). CPU only; reads the results files, runs nothing.
+
+    PYTHONPATH=. python experiments/step_time_vs_runs.py --out experiments/results/cpu_step_time_vs_runs.json
+
+A run qualifies where its record holds the model's shape (``model``), the engine config as run (``engine``, a
+number of resident blocks), ``seq_len``, ``tokens_per_step`` and a measured ``step_time_s`` (bench.py,
+side_by_side.py, scaling.py, capacity.py, long_context.py, scale_projection.py), on a GPU kind ``speeds``
+knows. The model's family is the preset of the same block shape (hidden, ffn, heads, kv heads; MoE runs are
+left out: their records lack the experts). ``--fit`` searches the rates that bring the median error closest to
+0 and the spread down (coordinate search on a log scale), per GPU kind, and prints them: the values
+``speeds.SPEEDS`` holds came from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import glob
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatrain_jax.engine.config import EngineConfig  # noqa: E402
+from megatrain_jax.models import PRESETS, preset  # noqa: E402
+from megatrain_jax.plan import speeds as speeds_mod  # noqa: E402
+from megatrain_jax.plan.step_time import predict  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+FITTED = ("matmul_flops", "attention_flops", "attention_backward", "kept_backward", "h2d_bytes", "hbm_bytes",
+          "disk_bytes", "host_full", "host_lean", "host_capacity", "host_q8")
+# The engine as it runs now: runs before this date ran an engine since made faster (pacing, split updates,
+# kept layers), which the model does not describe; they are reported apart ("older").
+SINCE = "2026-11-25"
+
+
+def _shape_preset(model: dict) -> str | None:
+    for name in PRESETS:
+        c = preset(name)
+        if c.moe is None and (c.hidden, c.ffn, c.heads, c.kv_heads) == (model["hidden"], model["ffn"], model["heads"],
+                                                                         model["kv_heads"]):
+            return name
+    return None
+
+
+def runs(since: str = SINCE) -> list[dict]:
+    """The qualifying runs: file, run, GPU kind, model config, engine config, rows, seq_len, measured seconds."""
+    out = []
+    files = sorted(glob.glob(f"{REPO}/experiments/results/*.json")) + \
+        sorted(glob.glob(f"{REPO}/tests/assets/measured/*.json"))
+    for path in files:
+        try:
+            d = json.load(open(path))
+        except (OSError, json.JSONDecodeError):
+            continue
+        if not isinstance(d, dict) or not isinstance(d.get("runs"), list):
+            continue
+        date = str(d.get("date") or "")
+        dev = d.get("device")
+        name = dev.get("name") if isinstance(dev, dict) else dev
+        kind = speeds_mod.kind_of(name if isinstance(name, str) else None)
+        for i, r in enumerate(d["runs"]):
+            if not (isinstance(r, dict) and r.get("system") == "megatrain_jax" and r.get("status") == "ok"
+                    and isinstance(r.get("engine"), dict) and isinstance(r.get("model"), dict)
+                    and r.get("step_time_s") and r.get("seq_len") and r.get("tokens_per_step")):
+                continue
+            engine = {k: v for k, v in r["engine"].items() if k in ENGINE_FIELDS}
+            if not isinstance(engine.get("resident_layers", 0), int) or kind is None:
+                continue
+            shape = _shape_preset(r["model"])
+            if shape is None or r.get("model", {}).get("active_params"):
+                continue
+            cfg = preset(shape, layers=r["model"]["layers"], vocab_size=r["model"]["vocab"])
+            gpus = r.get("num_gpus") or 1
+            out.append({"file": os.path.relpath(path, REPO), "date": date, "older": date < since, "run": r.get("config", str(i)), "kind": kind,
+                        "gpus": gpus, "cfg": cfg, "shape": shape, "engine": EngineConfig(**engine),
+                        "rows": r["tokens_per_step"] // r["seq_len"], "seq_len": r["seq_len"],
+                        "measured_s": r["step_time_s"]})
+    return out
+
+
+def _with(s: speeds_mod.Speeds, key: str, value: float) -> speeds_mod.Speeds:
+    if key.startswith("host_"):
+        return s.replace(host_update={**s.host_update, key[5:]: value})
+    if key == "h2d_bytes":
+        return s.replace(h2d_bytes=value, d2h_bytes=value)
+    return s.replace(**{key: value})
+
+
+def _get(s: speeds_mod.Speeds, key: str) -> float:
+    return s.host_update[key[5:]] if key.startswith("host_") else getattr(s, key)
+
+
+def errors(rs: list[dict], s: speeds_mod.Speeds) -> list[float]:
+    out = []
+    for r in rs:
+        p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], s, devices=r["gpus"])
+        out.append((p.seconds - r["measured_s"]) / r["measured_s"])
+    return out
+
+
+def loss(errs: list[float]) -> float:
+    """What the fit lowers: the mean absolute log ratio (a run 10% slow and one 10% fast weigh alike)."""
+    return statistics.fmean(abs(math.log1p(e)) for e in errs)
+
+
+def fit(rs: list[dict], s: speeds_mod.Speeds, rounds: int = 3) -> speeds_mod.Speeds:
+    for _ in range(rounds):
+        for key in FITTED:
+            best, best_loss = _get(s, key), loss(errors(rs, s))
+            for f in (0.7, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.4):
+                trial = _with(s, key, _get(s, key) * f)
+                trial_loss = loss(errors(rs, trial))
+                if trial_loss < best_loss - 1e-4:
+                    best, best_loss = _get(trial, key), trial_loss
+            s = _with(s, key, best)
+    return s
+
+
+def _summary(errs: list[float], rows: list[dict], s: speeds_mod.Speeds) -> dict:
+    return {"runs": len(errs), "median_error": round(statistics.median(errs), 4),
+            "median_abs_error": round(statistics.median(abs(x) for x in errs), 4),
+            "within_10pct": sum(abs(x) <= 0.10 for x in errs), "within_20pct": sum(abs(x) <= 0.20 for x in errs),
+            "worst": sorted(({"run": x["run"], "file": x["file"], "error": x["error"]} for x in rows),
+                            key=lambda x: -abs(x["error"]))[:5], "speeds": s.name}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--speeds", default=None, help="a calibration file (JSON of Speeds fields) for every kind")
+    ap.add_argument("--fit", action="store_true", help="search the rates per GPU kind and print them")
+    ap.add_argument("--since", default=SINCE, help="runs before this date (YYYY-MM-DD) are reported apart")
+    args = ap.parse_args()
+    rs = runs(args.since)
+    rows, summary, fitted = [], {}, {}
+    for kind in sorted({r["kind"] for r in rs}):
+        mine = [r for r in rs if r["kind"] == kind and not r["older"]]
+        s = speeds_mod.SPEEDS[kind] if args.speeds is None else speeds_mod.from_file(args.speeds,
+                                                                                    speeds_mod.SPEEDS[kind])
+        if args.fit:
+            s = fit(mine, s)
+            fitted[kind] = {k: _get(s, k) for k in FITTED}
+            print(kind, json.dumps(fitted[kind]), flush=True)
+        for r in [r for r in rs if r["kind"] == kind]:
+            p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], s, devices=r["gpus"])
+            e = r["engine"]
+            rows.append({"file": r["file"], "date": r["date"], "older": r["older"], "run": r["run"], "kind": kind, "gpus": r["gpus"], "model": r["shape"],
+                         "layers": r["cfg"].layers, "rows": r["rows"], "seq_len": r["seq_len"],
+                         "layout": {"resident_layers": e.resident_layers, "resident_io": e.resident_io,
+                                    "kept_layers": e.kept_layers, "micro_batches": e.micro_batches,
+                                    "offload_activations": e.offload_activations, "mode": e.precision.name,
+                                    "grads_on_gpu": e.grads_on_gpu, "disk_parts": e.disk_parts},
+                         "measured_s": r["measured_s"], "predicted_s": round(p.seconds, 4),
+                         "error": round((p.seconds - r["measured_s"]) / r["measured_s"], 4), "bound": p.bound,
+                         "busy_s": p.busy})
+        for older in (False, True):
+            errs = [x["error"] for x in rows if x["kind"] == kind and x["older"] == older]
+            if errs:
+                summary[f"{kind}{' older' if older else ''}"] = _summary(errs, [x for x in rows if x["kind"] == kind
+                                                                                and x["older"] == older], s)
+        for key in (kind, f"{kind} older"):
+            if key in summary:
+                print(key, json.dumps({k: v for k, v in summary[key].items() if k != "worst"}), flush=True)
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    record = {"name": os.path.splitext(os.path.basename(args.out))[0],
+              "command": "PYTHONPATH=. python experiments/step_time_vs_runs.py " + " ".join(sys.argv[1:]),
+              "git_commit": commit, "device": {"name": "CPU (reads results files)", "cpu_cores": os.cpu_count()},
+              "date": datetime.date.today().isoformat(), "summary": summary,
+              **({"fitted": fitted} if fitted else {}), "runs": rows}
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

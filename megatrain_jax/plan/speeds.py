@@ -1,0 +1,125 @@
+"""A machine's rates, as the step-time model (``step_time``) reads them: the GPU's compute, PCIe each way, the
+GPU's memory, the host update per precision mode, the disk tier, and the Python thread's cost per op.
+
+``SPEEDS`` holds one record per GPU kind, fitted to the runs committed under experiments/results (each
+record's ``source`` names them; ``experiments/step_time_vs_runs.py`` refits and checks them). A
+calibration file (JSON with any of ``Speeds``' fields, e.g. from a run on the machine at hand) replaces them:
+``for_gpu(name, file)``, ``megatrain-jax plan --speeds FILE``, or ``MEGATRAIN_SPEEDS=FILE``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+SPEEDS_VAR = "MEGATRAIN_SPEEDS"
+
+
+@dataclasses.dataclass(frozen=True)
+class Speeds:
+    """Rates in bytes/s, FLOP/s, parameters/s and seconds.
+
+    - ``matmul_flops``: a block's matrix products (bfloat16), forward and backward alike;
+      ``attention_flops``: its attention forward (flash attention: 2 x query width x keys per token);
+      ``attention_backward``: attention's backward in units of its forward;
+      ``kept_backward``: a block keeping its matrix products (``kept_layers``) runs its backward (no
+      recompute) this much slower than the products' count says (it reads them back from GPU memory).
+    - ``h2d_bytes``, ``d2h_bytes``: PCIe as the engine moves weights and gradients, one copy at a time.
+    - ``hbm_bytes`` and ``device_update_bytes_per_param``: a GPU-resident part's AdamW is memory-bound.
+    - ``host_update``: parameters per second of a host part's AdamW inside a step (beside the transfers), per
+      precision mode (``engine.precision``'s names); ``first_half_share``: the part of it the split update's
+      first half (the stream copy the next forward waits for) takes.
+    - ``disk_bytes``: the disk tier's read + write rate.
+    - ``dispatch``: the main thread's own seconds per op kind (issuing a transfer, a compiled call).
+    """
+
+    name: str
+    matmul_flops: float
+    attention_flops: float
+    attention_backward: float
+    kept_backward: float
+    h2d_bytes: float
+    d2h_bytes: float
+    hbm_bytes: float
+    device_update_bytes_per_param: float
+    host_update: dict[str, float]
+    first_half_share: float
+    disk_bytes: float
+    dispatch: dict[str, float]
+    source: str = ""
+
+    def host_update_rate(self, mode: str) -> float:
+        try:
+            return self.host_update[mode]
+        except KeyError:
+            raise ValueError(f"no host update rate for precision mode {mode!r} in {self.name}: give one in the "
+                             f"calibration file's host_update") from None
+
+    def disk_seconds(self, on_disk: bool, params: float, moment_bytes: int) -> float:
+        """A disk-tier part's moments read before and written after its update."""
+        return 2 * params * moment_bytes / self.disk_bytes if on_disk else 0.0
+
+    def replace(self, **changes: Any) -> "Speeds":
+        return dataclasses.replace(self, **changes)
+
+
+_DISPATCH = {"fetch": 0.004, "forward": 0.0008, "backward": 0.001, "send_grads": 0.0015, "release": 0.0002,
+             "update": 0.0002, "head": 0.0008, "embed": 0.0004, "embed_backward": 0.0004, "grad_norm": 0.001}
+
+H100 = Speeds(
+    name="H100 80GB, 16-core host (defaults)", matmul_flops=650e12, attention_flops=480e12, attention_backward=2.5,
+    kept_backward=1.2, h2d_bytes=47.6e9, d2h_bytes=47.8e9, hbm_bytes=2.6e12, device_update_bytes_per_param=30,
+    host_update={"full": 2.6e9, "lean": 2.9e9, "capacity": 4.0e9, "q8": 3.5e9}, first_half_share=0.5,
+    disk_bytes=3e9, dispatch=_DISPATCH,
+    source="experiments/results: h100_side_by_side_v14.json, h100_kept_block.json, h100_host_adamw_v10.json, "
+           "h100_scale_projection (tests/assets/measured)")
+H200 = dataclasses.replace(
+    H100, name="H200, 16-core host (defaults)", h2d_bytes=47.4e9, d2h_bytes=47.4e9, hbm_bytes=3.4e12,
+    source="experiments/results: h200_bench_before_after_*.json, h200_host_adamw.json, "
+           "h200_host_update_profile.json")
+SPEEDS: dict[str, Speeds] = {"H100": H100, "H200": H200, "GH200": H200}
+
+
+def kind_of(gpu_name: str | None) -> str | None:
+    """The ``SPEEDS`` key of a GPU's name (``NVIDIA H200``, ``NVIDIA H100 80GB HBM3``, ...), None if unknown."""
+    name = (gpu_name or "").upper()
+    for kind in sorted(SPEEDS, key=len, reverse=True):  # GH200 before H200
+        if kind in name:
+            return kind
+    return None
+
+
+def from_file(path: str | os.PathLike, base: Speeds) -> Speeds:
+    """``base`` with the fields a calibration file gives (JSON object; unknown fields are refused)."""
+    try:
+        given = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read the calibration file {path}: {err}") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"the calibration file {path} must hold a JSON object of Speeds fields")
+    fields = {f.name for f in dataclasses.fields(Speeds)}
+    unknown = sorted(set(given) - fields)
+    if unknown:
+        raise ValueError(f"the calibration file {path} has unknown fields {unknown}; known: {sorted(fields)}")
+    for key, value in given.items():
+        if key in ("host_update", "dispatch"):
+            if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in value.values()):
+                raise ValueError(f"{path}: {key} must map names to positive numbers")
+            given[key] = {**getattr(base, key), **value}
+        elif key not in ("name", "source") and (not isinstance(value, (int, float)) or value <= 0):
+            raise ValueError(f"{path}: {key} must be a positive number, got {value!r}")
+    return dataclasses.replace(base, **{"name": f"{base.name} with {Path(path).name}", **given})
+
+
+def for_gpu(gpu_name: str | None, file: str | os.PathLike | None = None) -> Speeds | None:
+    """The rates for a GPU of this name: its kind's record, with a calibration file's fields (``file``, else
+    ``$MEGATRAIN_SPEEDS``) on top; None for a GPU kind without a record and no file (no prediction)."""
+    file = file or os.environ.get(SPEEDS_VAR) or None
+    kind = kind_of(gpu_name)
+    if kind is None and file is None:
+        return None
+    base = SPEEDS.get(kind or "H100")
+    return from_file(file, base) if file else base

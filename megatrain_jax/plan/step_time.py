@@ -1,0 +1,266 @@
+"""How long a step takes: the step-time model. It walks the engine's own op list (``engine.schedule.step_ops``)
+over four queues that run at once, each in the order the engine issues to it, with each op's length from the
+machine's rates (``speeds.Speeds``):
+
+- the **main thread** issues every op in list order; it waits where the engine waits: a block's fetch for that
+  block's host update of the previous step (``UpdatePolicy.ready``), a block's compute for the GPU to be
+  within ``BLOCKS_AHEAD`` blocks of it (``passes.PassRunner.pace``), the global norm for the backward's end;
+- the **GPU** runs compute (forward, backward with or without recompute, head, embedding) and the updates of
+  GPU-resident parts;
+- the **copy engines**, host to GPU (weights, offloaded activations back) and GPU to host (gradients,
+  offloaded activations out), one transfer at a time each;
+- the **host worker** runs each host part's AdamW (split in two halves where the update splits: the stream
+  copy first, in forward order, then masters and moments, last part first: ``engine.update.policy``).
+
+A few steps run back to back; the step time is the steady-state gap between two steps' ends. ``predict``
+returns it with what bounds it (the busiest queue) and each queue's busy seconds. The model has no notion of
+memory: the plan says what fits, this says how fast it runs. One GPU per process (several GPUs: each GPU's
+share of the bytes and the work; the host is shared, so its update rate is split among them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.parts import IO, PartId
+from megatrain_jax.engine.precision import DTYPE_BYTES
+from megatrain_jax.engine.schedule import BLOCKS_AHEAD, Op, offloaded_blocks, step_ops
+from megatrain_jax.models.config import DecoderConfig
+from megatrain_jax.plan.counts import activation_bytes, host_roles, io_param_count, stream_bytes
+from megatrain_jax.plan.machine import Machine
+from megatrain_jax.plan.speeds import Speeds, for_gpu
+
+QUEUES = ("main", "gpu", "h2d", "d2h", "host")
+_STEPS = 4  # simulated back to back; the last gap is the steady state (the first steps start from idle)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """A predicted step: ``seconds``, the busiest queue (``bound``), each queue's busy seconds per step, the
+    bytes each way over PCIe per step (one GPU's), the share of the parameters that stay on the GPU (resident
+    parts), and the rates it was predicted with (``speeds.name``)."""
+
+    seconds: float
+    bound: str
+    busy: dict[str, float]
+    h2d_bytes: int
+    d2h_bytes: int
+    resident_share: float
+    speeds: str
+
+    def as_dict(self) -> dict:
+        """For a results file or ``memory_plan.json``: seconds and shares to 4 decimals."""
+        return {"seconds": round(self.seconds, 4), "bound": self.bound,
+                "busy": {q: round(v, 4) for q, v in self.busy.items()}, "h2d_bytes": self.h2d_bytes,
+                "d2h_bytes": self.d2h_bytes, "resident_share": round(self.resident_share, 4), "speeds": self.speeds}
+
+    def tokens_per_s(self, tokens_per_step: int) -> float:
+        return tokens_per_step / self.seconds
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{QUEUE_WORDS[q]} {s:.2f} s" for q, s in self.busy.items() if s > 0 and q != "main")
+        return (f"{self.seconds:.2f} s per step, bound by {BOUND_WORDS[self.bound]} (busy per step: {parts}; "
+                f"PCIe {self.h2d_bytes / 1e9:.1f} GB to the GPU and {self.d2h_bytes / 1e9:.1f} GB back; "
+                f"{self.resident_share:.0%} of the parameters stay on the GPU; rates: {self.speeds})")
+
+
+QUEUE_WORDS = {"gpu": "GPU", "h2d": "to the GPU", "d2h": "to the host", "host": "host update", "main": "issuing"}
+BOUND_WORDS = {"gpu": "GPU compute", "h2d": "PCIe to the GPU", "d2h": "PCIe to the host",
+               "host": "the host update", "main": "the Python thread issuing ops"}
+
+
+# ---------------------------------------------------------------------------------------------- op lengths
+@dataclasses.dataclass(frozen=True)
+class _Lengths:
+    """Each op's seconds for one run (``predict``'s inputs made numbers)."""
+
+    forward: dict[int, float]  # per block, one micro-batch
+    backward: dict[int, float]  # per block, one micro-batch (with or without recompute)
+    head: float  # one micro-batch: final norm, logits, loss and their backward
+    embed: float
+    fetch: dict[PartId, float]  # host to GPU, per visit (0 for GPU-resident parts)
+    grads: dict[PartId, float]  # GPU to host, the part's gradient (0 where it stays on the GPU)
+    acts: float  # one block's offloaded inputs, each way
+    host_update: dict[PartId, tuple[float, float]]  # (first half, second half); (whole, 0) where it does not split
+    device_update: dict[PartId, float]  # GPU-resident parts' update on the GPU
+    dispatch: dict[str, float]  # the main thread's own seconds per op kind
+
+
+def _block_flops(cfg: DecoderConfig, layer: int, tokens: int, seq_len: int) -> tuple[float, float]:
+    """(matrix-product FLOPs, attention FLOPs) of one block's forward over ``tokens`` tokens in rows of
+    ``seq_len``: 2 per active weight per token; causal attention 2 x (query width) x (keys seen) per token,
+    a sliding window seeing at most its width."""
+    weights = cfg.block_active_param_count(layer)
+    width = cfg.heads * cfg.dim_per_head
+    keys = seq_len if cfg.layer_type(layer) == "full_attention" else min(seq_len, 2 * (cfg.sliding_window or seq_len))
+    return 2.0 * weights * tokens, 2.0 * width * keys * tokens
+
+
+def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, s: Speeds,
+            stream_dtype: str | None = None, devices: int = 1) -> _Lengths:
+    """Each op's seconds for ``cfg`` under ``e`` with ``batch_rows`` rows per step on ``devices`` GPUs (one
+    GPU's share) at rates ``s``."""
+    rows = batch_rows // devices
+    tokens = rows * seq_len // e.micro_batches  # one micro-batch on one GPU
+    mode = e.precision
+    stream = stream_dtype or e.stream_dtype or cfg.dtype
+    to_gpu = stream_bytes(mode.to_gpu_dtype(stream, cfg.dtype))
+    roles = host_roles(cfg, e)
+    host_parts, waiting = set(roles.host_updated), set(roles.grads_on_gpu)
+    kept = set(range(cfg.layers - e.kept_layers, cfg.layers))
+    fwd, bwd = {}, {}
+    for i in range(cfg.layers):
+        mm, attn = _block_flops(cfg, i, tokens, seq_len)
+        f = mm / s.matmul_flops + attn / s.attention_flops
+        fwd[i] = f
+        # backward: twice the forward's products, attention's backward; then what is recomputed
+        b = 2 * mm / s.matmul_flops + s.attention_backward * attn / s.attention_flops
+        if i in kept:
+            b *= s.kept_backward
+        else:
+            b += mm / s.matmul_flops + (0.0 if e.keep_residuals else attn / s.attention_flops)
+        bwd[i] = b
+    head = 6.0 * cfg.hidden * cfg.vocab_size * tokens / s.matmul_flops
+    parts = [IO] + [PartId.block(i) for i in range(cfg.layers)]
+    count = {p: (io_param_count(cfg) if p.is_io else cfg.block_param_count(p.layer)) / devices for p in parts}
+    fetch = {p: (count[p] * to_gpu / s.h2d_bytes if p in host_parts else 0.0) for p in parts}
+    grad_bytes = DTYPE_BYTES[e.host_grad_dtype]
+    grads = {p: (count[p] * (4 if p in waiting else grad_bytes) / s.d2h_bytes if p in host_parts else 0.0)
+             for p in parts}
+    rate = s.host_update_rate(mode.name) / devices  # the host is shared by the GPUs' processes
+    split = mode.stream_copy and e.host_kernel
+    host_update = {}
+    for p in parts:
+        if p in host_parts:
+            whole = count[p] / rate + (s.disk_seconds(p in roles.disk, count[p], mode.moment_bytes))
+            host_update[p] = (whole * s.first_half_share, whole * (1 - s.first_half_share)) if split else (whole, 0.0)
+    device_update = {p: count[p] * s.device_update_bytes_per_param / s.hbm_bytes for p in parts if p not in host_parts}
+    acts = rows // e.micro_batches * seq_len * cfg.hidden * activation_bytes(cfg) * e.micro_batches / s.h2d_bytes
+    return _Lengths(fwd, bwd, head, 2 * cfg.hidden * tokens / s.hbm_bytes, fetch, grads, acts, host_update,
+                    device_update, s.dispatch)
+
+
+# ---------------------------------------------------------------------------------------------- the walk
+def _ops(cfg: DecoderConfig, e: EngineConfig) -> list[list[Op]]:
+    """One optimizer step's sub-steps: ``accumulate_steps`` passes, the last with the update."""
+    k = e.accumulate_steps
+    return [step_ops(cfg.layers, e.micro_batches, e.prefetch_depth, update=(j == k - 1),
+                     offload=e.offload_activations) for j in range(k)]
+
+
+def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, s: Speeds,
+            stream_dtype: str | None = None, devices: int = 1) -> StepTime:
+    """The steady-state seconds of one optimizer step of ``cfg`` under ``e`` (``resident_layers`` a number)
+    with ``batch_rows`` rows of ``seq_len`` tokens, on ``devices`` GPUs of a machine with rates ``s``."""
+    if not isinstance(e.resident_layers, int):
+        raise ValueError("predict needs resident_layers as a number: resolve 'auto' first (plan.resolve)")
+    n = lengths(cfg, e, batch_rows, seq_len, s, stream_dtype, devices)
+    free = dict.fromkeys(QUEUES, 0.0)
+    busy = dict.fromkeys(QUEUES, 0.0)
+    ready_host: dict[PartId, float] = {}  # when a part's weights are written for the next forward (first half)
+    ready_grads: dict[PartId, float] = {}  # when a part's gradient buffer is free again (its update read it)
+    ends: list[float] = []
+    h2d = d2h = 0.0
+    offload = offloaded_blocks(cfg.layers, e.prefetch_depth, e.offload_activations)
+    roles = host_roles(cfg, e)
+    host_parts = set(roles.host_updated)
+
+    def run(queue: str, start: float, seconds: float) -> float:
+        begin = max(start, free[queue])
+        free[queue] = begin + seconds
+        busy[queue] += seconds
+        return free[queue]
+
+    for _ in range(_STEPS):
+        fetched: dict[PartId, float] = {}
+        computed: dict[PartId, float] = {}
+        visits: list[float] = []  # when each block visit's compute ends (pacing)
+        step_busy = dict(busy)
+        for sub in _ops(cfg, e):
+            for op in sub:
+                t = free["main"] + n.dispatch.get(op.kind, 0.0)
+                busy["main"] += n.dispatch.get(op.kind, 0.0)
+                if op.kind == "fetch":
+                    t = max(t, ready_host.get(op.part, 0.0))  # the engine waits for the part's new weights
+                    fetched[op.part] = run("h2d", t, n.fetch[op.part])
+                    h2d += n.fetch[op.part] * s.h2d_bytes
+                elif op.kind == "load_acts":
+                    fetched[op.part] = max(fetched[op.part], run("h2d", t, n.acts))
+                    h2d += n.acts * s.h2d_bytes
+                elif op.kind in ("forward", "backward"):
+                    if op.micro == 0 and len(visits) >= BLOCKS_AHEAD:
+                        t = max(t, visits[-BLOCKS_AHEAD])
+                    seconds = (n.forward if op.kind == "forward" else n.backward)[op.part.layer]
+                    end = run("gpu", max(t, fetched.get(op.part, 0.0)), seconds)
+                    computed[op.part] = end
+                    if op.micro == e.micro_batches - 1:
+                        visits.append(end)
+                elif op.kind in ("embed", "embed_backward"):
+                    run("gpu", max(t, fetched.get(IO, 0.0)), n.embed)
+                elif op.kind == "head":
+                    computed[IO] = run("gpu", max(t, fetched.get(IO, 0.0)), n.head)
+                elif op.kind == "store_acts":
+                    run("d2h", max(t, computed[op.part]), n.acts)
+                    d2h += n.acts * s.d2h_bytes
+                elif op.kind == "send_grads":
+                    start = max(t, free["gpu"] if op.part.is_io else computed[op.part],
+                                ready_grads.get(op.part, 0.0))
+                    run("d2h", start, n.grads[op.part])
+                    d2h += n.grads[op.part] * s.d2h_bytes
+                elif op.kind == "grad_norm":  # the main thread reads the norm: the backward and its sends done
+                    t = max(t, free["gpu"], free["d2h"])
+                elif op.kind == "update":
+                    if op.part in host_parts:
+                        first, _ = n.host_update[op.part]
+                        ready_host[op.part] = run("host", t, first)
+                        if first and not n.host_update[op.part][1]:
+                            ready_grads[op.part] = ready_host[op.part]
+                    else:
+                        run("gpu", t, n.device_update[op.part])
+                elif op.kind == "commit":
+                    for part in reversed([p for p in roles.host_updated if n.host_update[p][1]]):
+                        ready_grads[part] = run("host", t, n.host_update[part][1])
+                free["main"] = t
+        ends.append(max(free["gpu"], free["main"]))
+        last_busy = {q: busy[q] - step_busy[q] for q in QUEUES}
+    seconds = ends[-1] - ends[-2]
+    per_step = dict(last_busy)
+    bound = max(("gpu", "h2d", "d2h", "host", "main"), key=lambda q: per_step[q])
+    resident = 1 - sum(cfg.block_param_count(p.layer) if not p.is_io else io_param_count(cfg)
+                       for p in host_parts) / cfg.param_count()
+    return StepTime(seconds, bound, per_step, round(h2d / _STEPS), round(d2h / _STEPS), resident, s.name)
+
+
+def fastest(candidates: Iterable[EngineConfig], cfg: DecoderConfig, batch_rows: int, seq_len: int, s: Speeds,
+            **kw) -> tuple[EngineConfig, StepTime]:
+    """The candidate with the shortest predicted step (the first of equals), and its prediction."""
+    best = None
+    for e in candidates:
+        p = predict(cfg, e, batch_rows, seq_len, s, **kw)
+        if best is None or p.seconds < best[1].seconds * (1 - 1e-9):
+            best = (e, p)
+    if best is None:
+        raise ValueError("no candidate layout to time")
+    return best
+
+
+def for_machine(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, machine: Machine,
+                speeds_file: str | None = None, stream_dtype: str | None = None) -> StepTime | None:
+    """``predict`` on ``machine`` with its GPU kind's rates (``speeds.for_gpu``: a calibration file's fields on
+    top); None where there is no GPU, or no rates for its kind and no file."""
+    if machine.gpu_name is None and speeds_file is None:
+        return None
+    s = for_gpu(machine.gpu_name, speeds_file)
+    return None if s is None else predict(cfg, e, batch_rows, seq_len, s, stream_dtype, machine.gpus)
+
+
+def step_line(p: StepTime | None, tokens_per_step: int, machine: Machine) -> str:
+    """The sentence ``train`` and ``plan`` print: the predicted step time and tokens/s (``p``, what
+    ``for_machine`` gave), or why there is none."""
+    if p is None:
+        why = "no GPU" if machine.gpu_name is None else f"no rates for a {machine.gpu_name}"
+        return (f"  predicted step: none ({why}; megatrain-jax plan --gpu H200 or --speeds FILE predicts for a "
+                f"GPU: docs/performance.md)")
+    return f"  predicted step: {p.tokens_per_s(tokens_per_step):,.0f} tokens/s, {p.describe()}"

@@ -1,0 +1,179 @@
+"""The step-time model (``plan.step_time``): its walk of the schedule against hand-counted steps, what bounds a
+step, the bytes it moves against the schedule's own fetches, the calibration file's checks, and the committed
+runs it must predict (``experiments/step_time_vs_runs.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megatrain_jax.cli.commands import main
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.parts import PartId
+from megatrain_jax.engine.schedule import step_ops
+from megatrain_jax.models import preset
+from megatrain_jax.plan import Machine, for_machine, predict
+from megatrain_jax.plan.speeds import H100, SPEEDS, from_file, kind_of
+from megatrain_jax.plan.step_time import lengths
+
+STUDY = Path(__file__).resolve().parents[1] / "experiments" / "step_time_vs_runs.py"
+CFG = preset("7b", layers=8, vocab_size=32000)
+QUIET = H100.replace(dispatch={})  # no Python-thread cost: the hand counts below are the GPU's alone
+
+
+def test_all_resident_step_is_the_gpu_work_in_a_row():
+    """Nothing streams and nothing updates on the host: a step is every compute op and every device update, one
+    after another on the GPU."""
+    e = EngineConfig(micro_batches=2, resident_layers=CFG.layers, resident_io=True)
+    n = lengths(CFG, e, 8, 2048, QUIET)
+    gpu = (2 * sum(n.forward.values()) + 2 * sum(n.backward.values()) + 2 * n.head + 4 * n.embed
+           + sum(n.device_update.values()))
+    p = predict(CFG, e, 8, 2048, QUIET)
+    assert p.bound == "gpu" and p.h2d_bytes == p.d2h_bytes == 0 and p.resident_share == 1.0
+    assert math.isclose(p.seconds, gpu, rel_tol=1e-9), (p.seconds, gpu)
+
+
+def test_streamed_bytes_are_the_schedules_fetches():
+    """Bytes to the GPU: each fetch of a host part in the schedule (the last ``depth`` blocks stay for the
+    backward) times its weights in the stream dtype; back: each host part's float32 gradient once."""
+    e = EngineConfig(micro_batches=1, prefetch_depth=2, resident_layers=3, stream_dtype="bfloat16")
+    count = lambda p: CFG.block_param_count(p.layer) if not p.is_io else (  # noqa: E731
+        CFG.vocab_size * CFG.hidden * 2 + CFG.hidden)  # untied embedding and head, final norm
+    ops = step_ops(CFG.layers, 1, 2)
+    fetched = [op.part for op in ops if op.kind == "fetch" and (op.part.is_io or op.part.layer >= 3)]
+    sent = [op.part for op in ops if op.kind == "send_grads" and (op.part.is_io or op.part.layer >= 3)]
+    p = predict(CFG, e, 8, 2048, QUIET)
+    assert p.h2d_bytes == sum(2 * count(part) for part in fetched)
+    assert p.d2h_bytes == sum(4 * count(part) for part in sent)
+    assert 0 < p.resident_share < 1
+
+
+def test_a_slow_host_bounds_the_step_by_its_update():
+    e = EngineConfig(micro_batches=1)
+    slow = QUIET.replace(host_update={**QUIET.host_update, "full": 1e8})
+    p = predict(CFG, e, 2, 2048, slow)
+    update = CFG.param_count() / 1e8
+    assert p.bound == "host" and p.busy["host"] == pytest.approx(update, rel=1e-6)
+    assert update <= p.seconds <= update + p.busy["gpu"] + p.busy["d2h"] + 1e-9, (p.seconds, update)
+
+
+def test_a_slow_link_bounds_the_step_by_pcie():
+    e = EngineConfig(micro_batches=1)
+    slow = QUIET.replace(h2d_bytes=1e9)
+    p = predict(CFG, e, 2, 2048, slow)
+    assert p.bound == "h2d" and p.seconds >= p.h2d_bytes / 1e9
+
+
+def test_resident_blocks_trade_transfers_for_their_update_on_the_gpu():
+    """Each more GPU-resident block takes its weights off PCIe and puts its AdamW on the GPU: the bytes fall with
+    every block, and a step never slows by more than that block's update (all resident beats none here);
+    blocks keeping their products shorten the GPU's backward."""
+    ps = [predict(CFG, EngineConfig(resident_layers=r, resident_io=True), 16, 2048, H100) for r in range(CFG.layers + 1)]
+    update = lengths(CFG, EngineConfig(resident_layers=CFG.layers, resident_io=True), 16, 2048, H100).device_update
+    assert all(a.h2d_bytes > b.h2d_bytes for a, b in zip(ps, ps[1:]))
+    assert all(b.seconds <= a.seconds + update[PartId.block(0)] + 1e-9 for a, b in zip(ps, ps[1:]))
+    assert ps[-1].seconds < ps[0].seconds
+    kept = predict(CFG, EngineConfig(resident_layers=0, kept_layers=4, keep_residuals=True), 16, 2048, H100)
+    plain = predict(CFG, EngineConfig(resident_layers=0, keep_residuals=True), 16, 2048, H100)
+    assert kept.busy["gpu"] < plain.busy["gpu"]
+
+
+def test_predict_wants_a_number_of_resident_blocks():
+    with pytest.raises(ValueError, match="resolve 'auto' first"):
+        predict(CFG, EngineConfig(resident_layers="auto"), 8, 2048, H100)
+
+
+def test_gpu_kinds_by_name():
+    assert kind_of("NVIDIA H100 80GB HBM3") == "H100"
+    assert kind_of("NVIDIA H200") == "H200"
+    assert kind_of("NVIDIA GH200 480GB") == "GH200"
+    assert kind_of("NVIDIA A100-SXM4-80GB") is None and kind_of(None) is None
+    assert for_machine(CFG, EngineConfig(), 8, 2048, Machine(None, None)) is None  # no GPU, no file: no prediction
+
+
+def test_a_calibration_file_replaces_the_rates_it_names(tmp_path):
+    f = tmp_path / "speeds.json"
+    f.write_text(json.dumps({"h2d_bytes": 25e9, "host_update": {"full": 1.5e9}}))
+    s = from_file(f, H100)
+    assert s.h2d_bytes == 25e9 and s.host_update["full"] == 1.5e9 and s.host_update["q8"] == H100.host_update["q8"]
+    assert s.matmul_flops == H100.matmul_flops and "speeds.json" in s.name
+    for bad, words in (({"h2d": 1}, "unknown fields"), ({"h2d_bytes": -1}, "positive number"),
+                       ({"host_update": {"full": "fast"}}, "positive numbers"), ([1, 2], "JSON object")):
+        f.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=words):
+            from_file(f, H100)
+    f.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read the calibration file"):
+        from_file(f, H100)
+
+
+def test_plan_prints_the_predicted_step_for_a_named_gpu(capsys):
+    args = ["plan", "model.preset=7b", "model.layers=16", "data.seq_len=2048", "data.batch_size=16",
+            "--host-gib", "125", "--gpu-gib", "141"]
+    main(args + ["--gpu", "H200"])
+    out = capsys.readouterr().out
+    assert "predicted step: " in out and "tokens/s" in out and SPEEDS["H200"].name in out, out
+    main(args)  # this machine has no GPU
+    assert "predicted step: none (no GPU;" in capsys.readouterr().out
+    assert main(args + ["--gpu", "A100"]) == 2
+    assert "no rates for that GPU" in capsys.readouterr().err
+
+
+def test_the_committed_runs_are_predicted_within_ten_percent():
+    """The rates in ``speeds.SPEEDS`` against every committed run of the engine as it runs now (the study's
+    ``runs``): nine in ten within 10%, none off by more than 25% (the bars of experiments/studies/NOTES.md)."""
+    spec = importlib.util.spec_from_file_location("step_time_vs_runs", STUDY)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    rs = [r for r in study.runs() if not r["older"]]
+    assert len(rs) >= 40
+    errs = []
+    for kind in {r["kind"] for r in rs}:
+        errs += study.errors([r for r in rs if r["kind"] == kind], SPEEDS[kind])
+    assert sum(abs(e) <= 0.10 for e in errs) >= 0.9 * len(errs), sorted(errs)
+    assert max(abs(e) for e in errs) <= 0.25, sorted(errs)
+
+
+def test_auto_picks_the_fastest_layout_that_fits_where_the_gpu_is_known():
+    """``resident_layers`` and ``kept_layers`` "auto" on a named GPU: the pick fits, and no layout among those
+    that fit (every count of resident blocks, each with every count of kept blocks that fits) is predicted
+    faster; without a GPU name, the most resident blocks that fit and none keeping products (as before)."""
+    from megatrain_jax.plan import plan, resolve
+    cfg = preset("7b", layers=12, vocab_size=32000)
+    e = EngineConfig(micro_batches=1, prefetch_depth=2, keep_residuals=True, resident_layers="auto",
+                     kept_layers="auto", resident_io=True)
+    kw = dict(host_ram_bytes=96 * 2**30, gpu_bytes=60 * 2**30)
+    fast = resolve(cfg, e, 16, 2048, Machine(kw["host_ram_bytes"], kw["gpu_bytes"], gpu_name="NVIDIA H200"))
+    picked = fast.engine_cfg
+    assert isinstance(picked.resident_layers, int) and isinstance(picked.kept_layers, int)
+    assert plan(cfg, picked, 16, 2048, detect=False, **kw).fits
+    assert "the fastest of" in fast.said and "step-time model" in fast.said, fast.said
+    best = predict(cfg, picked, 16, 2048, SPEEDS["H200"]).seconds
+    for r in range(cfg.layers + 1):
+        for k in range(cfg.layers + 1):
+            other = EngineConfig(micro_batches=1, prefetch_depth=2, keep_residuals=True, resident_layers=r,
+                                 kept_layers=k, resident_io=True)
+            if plan(cfg, other, 16, 2048, detect=False, **kw).fits:
+                assert predict(cfg, other, 16, 2048, SPEEDS["H200"]).seconds >= best - 1e-9, (r, k)
+    plain = resolve(cfg, e, 16, 2048, Machine(kw["host_ram_bytes"], kw["gpu_bytes"])).engine_cfg
+    assert plain.kept_layers == 0 and plain.resident_layers >= picked.resident_layers
+    assert plain.resident_layers == cfg.layers or not plan(
+        cfg, dataclasses.replace(plain, resident_layers=plain.resident_layers + 1), 16, 2048, detect=False, **kw).gpu_fits
+
+
+def test_an_engine_refuses_kept_layers_left_to_the_plan():
+    from flax import nnx
+
+    from megatrain_jax import Engine
+    from megatrain_jax.models import Decoder
+    from megatrain_jax.fit import default_optimizer
+    model = nnx.eval_shape(lambda: Decoder(preset("tiny", layers=2), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="kept_layers='auto'"):
+        Engine(model, default_optimizer(1e-3), EngineConfig(kept_layers="auto"))
+    with pytest.raises(ValueError, match="integer >= 0 or 'auto'"):
+        EngineConfig(kept_layers="most")
