@@ -132,7 +132,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from megatrain_jax.plan import (Machine, advice, gpu_fraction, in_each_mode, longest_seq_len, modes_table, plan,
                                     resolve)
-    from megatrain_jax.plan.speeds import SPEEDS, kind_of
+    from megatrain_jax.plan.speeds import SPEEDS, SPEEDS_VAR, for_gpu, kind_of
     from megatrain_jax.plan.step_time import for_machine, step_line
     cfg = load_config(args.config, args.overrides)
     host = None if args.host_gib is None else int(args.host_gib * GiB)
@@ -148,6 +148,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               f"model.max_positions")
         print(f"note: {what}: train refuses any example longer than max_positions")
     machine = Machine.here(cfg.train.devices, host_ram_bytes=host, gpu_bytes=gpu)
+    if args.speeds is not None:  # as MEGATRAIN_SPEEDS: the layout's pick reads the same rates as the prediction
+        os.environ[SPEEDS_VAR] = args.speeds
     if args.gpu is not None:
         if kind_of(args.gpu) is None:
             raise ConfigError(f"--gpu {args.gpu!r}: no rates for that GPU; give one of {', '.join(SPEEDS)}, or "
@@ -164,7 +166,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     p = plan(model_cfg, resolved.engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu,
              packed=packed, devices=machine.gpus, **end)
     if args.exact:
-        p = _exact(p, cfg, model_cfg, disk_dir)
+        p = _exact(p, cfg, model_cfg, disk_dir, for_gpu(machine.gpu_name, args.speeds) if machine.gpu_name else None)
     print(p.table())
     step = for_machine(model_cfg, p.engine_cfg, d.batch_size, d.seq_len, machine, args.speeds)
     print(step_line(step, d.batch_size * d.seq_len, machine))
@@ -180,7 +182,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exact(estimate, cfg, model_cfg, disk_dir: str):
+def _exact(estimate, cfg, model_cfg, disk_dir: str, speeds=None):
     """``plan --exact``: the plan with XLA's figures for the run's programs compiled on this GPU, and what that
     changed, printed."""
     from flax import nnx
@@ -192,7 +194,8 @@ def _exact(estimate, cfg, model_cfg, disk_dir: str):
         raise ConfigError("plan --exact compiles the run's programs on this machine's GPU, and it has none; "
                           "without --exact the plan's GPU side is the estimate")
     model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
-    p, again = exact_plan(model, estimate, given=cfg.engine, devices=cfg.train.devices, disk_dir=disk_dir)
+    p, again = exact_plan(model, estimate, given=cfg.engine, devices=cfg.train.devices, disk_dir=disk_dir,
+                          speeds=speeds)
     print(again or f"with XLA's figures for the compiled programs: GPU {p.gpu_total / GiB:.2f} GiB (the "
                    f"estimate: {estimate.gpu_total / GiB:.2f})")
     return p

@@ -79,14 +79,15 @@ def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
 
 def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
                 host_ram_bytes: int | None = None, disk_dir: str | None = None, gpu_bytes: int | None = None,
-                **plan_kw) -> tuple[EngineConfig, str | None]:
+                speeds: Speeds | None = None, **plan_kw) -> tuple[EngineConfig, str | None]:
     """``resolve`` with the machine's figures as keywords (``host_ram_bytes`` default: this machine's
-    MemAvailable; ``gpu_bytes``: ``gpu_bytes_before_jax()``; ``plan_kw``: ``plan``'s ``devices``, ``packed``,
-    ``disk_bytes``, ``programs``): the config and the sentence (None: as given)."""
+    MemAvailable; ``gpu_bytes``: ``gpu_bytes_before_jax()``; ``speeds``: the GPU's rates, for the "auto"
+    fields' fastest pick; ``plan_kw``: ``plan``'s ``devices``, ``packed``, ``disk_bytes``, ``programs``): the
+    config and the sentence (None: as given)."""
     host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
     gpu_bytes = gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes
     return _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir,
-                 dict(host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes, **plan_kw))
+                 dict(host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes, **plan_kw), speeds)
 
 
 def _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,
@@ -407,12 +408,13 @@ def _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, *, host_ram_bytes, gp
 
 # ---------------------------------------------------------------------------------------------- XLA's figures
 def exact_plan(model, estimate: MemoryPlan, *, given: EngineConfig, devices: int | None, disk_dir: str,
-               check: bool = True) -> tuple[MemoryPlan, str | None]:
+               check: bool = True, speeds: Speeds | None = None) -> tuple[MemoryPlan, str | None]:
     """The plan with XLA's memory analysis of the run's compiled programs in place of the rules of thumb
     (``megatrain_jax.engine.program_memory``; the first step then finds them compiled; ``model``: the abstract
     model). Where that does not fit and ``check``, the layout is picked again from the ``given`` config with
     XLA's figures (activations offloaded, gradients moved) and those programs planned; returns the plan and
-    what was picked again (None: the layout stands). Whether the result fits is the caller's to check. Needs
+    what was picked again (None: the layout stands; ``speeds``: the GPU's rates, as ``resolve`` had them, so
+    that "auto" fields are picked again for speed). Whether the result fits is the caller's to check. Needs
     the GPU at hand."""
     from megatrain_jax.engine.program_memory import program_memory
     from megatrain_jax.engine.transfer import Placement, select_devices
@@ -425,7 +427,7 @@ def exact_plan(model, estimate: MemoryPlan, *, given: EngineConfig, devices: int
         return exact, None
     engine_cfg, said = lean_engine(e.model_cfg, given, e.batch_rows, e.seq_len, host_ram_bytes=e.host_available,
                                    gpu_bytes=e.gpu_available, disk_dir=disk_dir, packed=e.packed, devices=e.devices,
-                                   programs=exact.programs)
+                                   programs=exact.programs, speeds=speeds)
     if engine_cfg == e.engine_cfg:
         return exact, None
     again = e.replace(engine_cfg=engine_cfg, programs=exact.programs)
