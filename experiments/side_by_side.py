@@ -7,10 +7,15 @@ In order, each in its own process (so each starts with the host memory to itself
 1. host AdamW throughput: the engine's HostOptimizer as the engine runs it, the same fused kernel on
    ordinary numpy (pageable) arrays, and torch's fused CPU AdamW;
 2. 3.5B at 8,192 tokens/step: megatrain_jax (bench.py ``3p5b_8k``: the plan picks the GPU-resident blocks), then DeepSpeed ZeRO-3 offload (issue 33:
-   small batches, where the host update bounds the step);
-3. 3.5B at 32,768 tokens/step: the same pair (``3p5b_32k``);
+   small batches, where the host update bounds the step), then SlideFormer (issue 51:
+   experiments/peers/slideformer_bench.py);
+3. 3.5B at 32,768 tokens/step: the same three (``3p5b_32k``);
 4. 3.5B at 98,304 tokens/step: the same pair (``3p5b_98k``);
 5. 7B at 32,768 tokens/step (``7b_32k``): megatrain_jax alone (ZeRO-3 cannot hold 7B on a 125 GiB host).
+
+SlideFormer's code is not in this repository: scripts/fetch_slideformer.sh brings it into .peers/slideformer
+(git-ignored; carry it and .whl to the GPU machine, scripts/build_peer_wheels.sh). Where it is absent the script
+stops before running anything, unless ``--skip-missing-peers`` (then those stages are left out, with a message).
 
 All runs go into ``runs`` of the one file; ``targets`` then says, for each target of the issue, the
 measured value, the bar, and whether it is met. ``--only`` runs a subset (e.g. ``--only 32k,host``).
@@ -32,6 +37,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
+PEERS = {"slideformer": os.path.join(REPO, ".peers", "slideformer", "offload_transformer.py")}
 
 # The bars (issue 33's for 8K, 32K, 7B and the host update; issue 4's for 98K and the GPU's idle share).
 BARS = {"3p5b_8k": 5.0, "3p5b_32k": 2.2, "3p5b_98k": 1.5, "7b_tflops": 470.0, "host_optimizer": 1.2,
@@ -43,6 +49,8 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
              "--timeline-steps", "2"]
     ds = [PY, "experiments/compare_zero3.py", "--micro", "16", "--warmup", "2", "--steps", str(args.ds_steps),
           "--out", args.out]
+    sf = [PY, "experiments/peers/slideformer_bench.py", "--warmup", "2", "--steps", str(args.sf_steps),
+          "--out", args.out]
     return [
         ("host", [PY, "experiments/host_adam_bench.py", "--params", str(args.host_params), "--reps", "15", "--systems",
                   "megatrain_jax_fused_kernel_fp32,megatrain_jax_fused_kernel_with_bf16_copy,"
@@ -50,8 +58,10 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
                   "--out", tmp_host]),
         ("8k", bench + ["--configs", "3p5b_8k", "--steps", str(args.steps_8k)]),
         ("8k", ds + ["--layers", "16", "--rows", "4", "--micro", "4"]),
+        ("8k", sf + ["--layers", "16", "--rows", "4"]),
         ("32k", bench + ["--configs", "3p5b_32k", "--steps", str(args.steps)]),
         ("32k", ds + ["--layers", "16", "--rows", "16"]),
+        ("32k", sf + ["--layers", "16", "--rows", "16"]),
         ("98k", bench + ["--configs", "3p5b_98k", "--steps", str(args.steps_98k)]),
         ("98k", ds + ["--layers", "16", "--rows", "48"]),
         ("7b", bench + ["--configs", "7b_32k", "--steps", str(args.steps)]),
@@ -125,12 +135,24 @@ def main() -> None:
     ap.add_argument("--steps-98k", type=int, default=4)
     ap.add_argument("--steps-8k", type=int, default=10, help="timed steps of megatrain_jax at 8K")
     ap.add_argument("--ds-steps", type=int, default=4)
+    ap.add_argument("--sf-steps", type=int, default=4, help="timed steps of SlideFormer")
+    ap.add_argument("--skip-missing-peers", action="store_true",
+                    help="leave out the stages of a peer whose code is absent (default: stop before running anything)")
     ap.add_argument("--host-params", type=int, default=256, help="millions of parameters in the host AdamW run")
     ap.add_argument("--resume", action="store_true",
                     help="keep the runs already in --out and add these stages' (one comparison split over several "
                          "calls on one machine, where a call may last at most 10 minutes)")
     args = ap.parse_args()
     wanted = set(args.only.split(","))
+    missing = [name for name, path in PEERS.items() if not os.path.exists(path)
+               and any(st in wanted and f"peers/{name}_bench.py" in cmd[1] for st, cmd in stages(args, ""))]
+    if missing:
+        msg = (f"peer code absent: {', '.join(missing)} (no {', '.join(PEERS[m] for m in missing)}); bring it with "
+               "`bash scripts/fetch_slideformer.sh` where github.com is reachable, then carry .peers/slideformer "
+               "(and .whl) to the GPU machine")
+        if not args.skip_missing_peers:
+            sys.exit(f"side_by_side: {msg}; or pass --skip-missing-peers")
+        print(f"side_by_side: skipping their stages: {msg}", flush=True)
     earlier = {}
     if os.path.exists(args.out):
         if args.resume:
@@ -150,7 +172,7 @@ def main() -> None:
     wall_before = earlier.get("wall_s", 0.0)
     t_start = time.perf_counter()
     for stage, cmd in stages(args, tmp_host):
-        if stage not in wanted:
+        if stage not in wanted or any(f"peers/{m}_bench.py" in cmd[1] for m in missing):
             continue
         t = time.perf_counter()
         print(f"== [{time.perf_counter() - t_start:6.0f}s] {' '.join(cmd[1:])}", file=log, flush=True)
