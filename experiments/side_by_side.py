@@ -9,7 +9,8 @@ In order, each in its own process (so each starts with the host memory to itself
 2. 3.5B at 8,192 tokens/step: megatrain_jax (bench.py ``3p5b_8k``: the plan picks the GPU-resident blocks), then DeepSpeed ZeRO-3 offload (issue 33:
    small batches, where the host update bounds the step), then SlideFormer (issue 51:
    experiments/peers/slideformer_bench.py);
-3. 3.5B at 32,768 tokens/step: the same three (``3p5b_32k``);
+3. 3.5B at 32,768 tokens/step: the same three (``3p5b_32k``); at both sizes the model also fits the GPU whole,
+   so plain all-GPU training runs too (experiments/plain_gpu.py, each remat policy);
 4. 3.5B at 98,304 tokens/step: the same pair (``3p5b_98k``);
 5. 7B at 32,768 tokens/step (``7b_32k``): megatrain_jax alone (ZeRO-3 cannot hold 7B on a 125 GiB host).
 
@@ -49,6 +50,8 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
              "--timeline-steps", "2"]
     ds = [PY, "experiments/compare_zero3.py", "--micro", "16", "--warmup", "2", "--steps", str(args.ds_steps),
           "--out", args.out]
+    plain = [PY, "experiments/plain_gpu.py", "--append", "--warmup", "2", "--steps", str(args.ds_steps), "--out",
+             args.out]  # the model fits the GPU: plain all-GPU training is the bar (issue 51)
     sf = [PY, "experiments/peers/slideformer_bench.py", "--warmup", "2", "--steps", str(args.sf_steps),
           "--out", args.out]
     return [
@@ -59,9 +62,11 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
         ("8k", bench + ["--configs", "3p5b_8k", "--steps", str(args.steps_8k)]),
         ("8k", ds + ["--layers", "16", "--rows", "4", "--micro", "4"]),
         ("8k", sf + ["--layers", "16", "--rows", "4"]),
+        ("8k", plain + ["--configs", "3p5b_8k"]),
         ("32k", bench + ["--configs", "3p5b_32k", "--steps", str(args.steps)]),
         ("32k", ds + ["--layers", "16", "--rows", "16"]),
         ("32k", sf + ["--layers", "16", "--rows", "16"]),
+        ("32k", plain + ["--configs", "3p5b_32k"]),
         ("98k", bench + ["--configs", "3p5b_98k", "--steps", str(args.steps_98k)]),
         ("98k", ds + ["--layers", "16", "--rows", "48"]),
         ("7b", bench + ["--configs", "7b_32k", "--steps", str(args.steps)]),

@@ -607,3 +607,22 @@ def test_convergence_cut_by_time_resumes_to_the_same_losses(tmp_path, monkeypatc
     merged = json.loads(out.read_text())
     assert merged["compared_steps"] == 3 and merged["parts"][1]["setup_from"] == str(full)
     assert "setup_from" not in merged["parts"][0]
+
+
+def test_plain_gpu_training_runs_every_remat_policy_and_marks_the_fastest(tmp_path):
+    """experiments/plain_gpu.py (the all-GPU bar for models that fit) on the CPU with the tiny config: each policy
+    trains (the loss falls), records where the model lives, and exactly one run is marked the best; a policy or
+    config it does not know is refused by name."""
+    plain = load_script("plain_gpu")
+    out = tmp_path / "plain.json"
+    result = plain.main(["--configs", "tiny_cpu", "--policies", "nothing,dots", "--warmup", "1", "--steps", "2",
+                         "--out", str(out)])
+    runs = result["runs"]
+    assert [r["status"] for r in runs] == ["ok", "ok"], runs
+    assert all(r["loss_finite_and_decreasing"] and r["where_the_model_lives"]["pcie_bytes_per_step"] == 0
+               for r in runs)
+    assert sum(r["best_of_policies"] for r in runs) == 1
+    assert json.loads(out.read_text())["runs"] == runs
+    for bad in (["--configs", "nope"], ["--policies", "some"]):
+        with pytest.raises(SystemExit):
+            plain.main(bad + ["--out", str(out)])
