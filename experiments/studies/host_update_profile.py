@@ -2,7 +2,10 @@
 
 1. the machine: cores this process may use, NUMA nodes and their CPUs, transparent huge pages;
 2. its host memory bandwidth: large numpy copies split over 1..N threads (numpy releases the GIL while it
-   copies), counted as bytes read + bytes written;
+   copies), counted as bytes read + bytes written; and STREAM's copy and triad (``a = b + s * c``, doubles,
+   every usable core through OpenMP, compiled here with g++ -O3 -march=native; counted as STREAM counts: 16 and
+   24 bytes per element, write-allocate traffic not counted), the ceiling the issue's "80% of the host's
+   bandwidth" is judged against;
 3. the fused kernel on pageable numpy arrays, as the engine keeps masters and moments, over 1..N threads:
    parameters/s and the bandwidth that implies at the kernel's bytes per parameter (read p, m, v, g: 16;
    write p, m, v: 12; the bf16 stream copy: 2), against (2);
@@ -78,6 +81,55 @@ def copy_bandwidth(nbytes: int, threads: int, reps: int) -> float:
     return 2 * nbytes / s / 1e9
 
 
+STREAM_C = r"""
+#include <omp.h>
+#include <stddef.h>
+void stream_init(double *a, double *b, double *c, size_t n) {
+  #pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < n; i++) { a[i] = 1.0; b[i] = 2.0; c[i] = 0.0; }
+}
+void stream_copy(double *c, const double *a, size_t n) {
+  #pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < n; i++) c[i] = a[i];
+}
+void stream_triad(double *a, const double *b, const double *c, double s, size_t n) {
+  #pragma omp parallel for schedule(static)
+  for (size_t i = 0; i < n; i++) a[i] = b[i] + s * c[i];
+}
+int stream_threads(void) { return omp_get_max_threads(); }
+"""
+
+
+def stream(mib: int, reps: int) -> dict:
+    """STREAM's copy and triad over three arrays of ``mib`` MiB each (first touched by the same threads that
+    then run, as STREAM does), best of ``reps``, GB/s as STREAM counts them."""
+    import ctypes
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        src, so = os.path.join(tmp, "stream.c"), os.path.join(tmp, "stream.so")
+        with open(src, "w") as f:
+            f.write(STREAM_C)
+        subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", src, "-o", so], check=True)
+        lib = ctypes.CDLL(so)
+    n = (mib << 20) // 8
+    a, b, c = (np.empty(n, np.float64) for _ in range(3))
+    ptr = lambda x: x.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    size = ctypes.c_size_t(n)
+    lib.stream_init(ptr(a), ptr(b), ptr(c), size)
+    best = {}
+    for name, call, nbytes in (("copy", lambda: lib.stream_copy(ptr(c), ptr(a), size), 16 * n),
+                               ("triad", lambda: lib.stream_triad(ptr(a), ptr(b), ptr(c), ctypes.c_double(3.0),
+                                                                  size), 24 * n)):
+        times = []
+        for _ in range(reps + 1):
+            t = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t)
+        best[f"{name}_gb_per_s"] = round(nbytes / min(times[1:]) / 1e9, 2)
+    return {"threads": lib.stream_threads(), "array_mib": mib, **best}
+
+
 def arrays(n: int, huge: bool) -> tuple[list[np.ndarray], list[mmap.mmap]]:
     """p, m, v, g (float32) and a bf16 copy, each in its own anonymous mapping, untouched (no page faulted
     yet); with ``huge``, advised to use transparent huge pages."""
@@ -136,6 +188,7 @@ def main() -> None:
     n = args.params * 1_000_000
     bandwidth = [{"threads": t, "copy_gb_per_s": round(copy_bandwidth(args.copy_mib << 20, t, args.reps), 2)}
                  for t in threads]
+    stream_result = stream(args.copy_mib, args.reps)
     kernel = kernel_runs(n, threads, args.reps, lib)
     host_kernel.set_threads(0, lib)
     touch = {"plain": first_touch(n, False, lib), "madv_hugepage": first_touch(n, True, lib)}
@@ -144,8 +197,11 @@ def main() -> None:
     best = max((k for k in kernel if k["variant"] == "with_bf16_copy"), key=lambda k: k["params_per_s"])
     result = {**results_header(args.out, __file__),
               "runs": [{"system": "host_update_profile", "params": n, "machine": info, "bandwidth": bandwidth,
-                        "kernel": kernel, "first_touch": touch,
+                        "stream": stream_result, "kernel": kernel, "first_touch": touch,
                         "summary": {"best_copy_gb_per_s": best_bw,
+                                    "stream_triad_gb_per_s": stream_result["triad_gb_per_s"],
+                                    "kernel_share_of_stream_triad": round(best["implied_gb_per_s"]
+                                                                          / stream_result["triad_gb_per_s"], 3),
                                     "best_kernel_params_per_s": best["params_per_s"],
                                     "best_kernel_threads": best["threads"],
                                     "kernel_share_of_copy_bandwidth": round(best["implied_gb_per_s"] / best_bw, 3),
