@@ -137,8 +137,9 @@ def test_several_processes_run_the_config_as_given():
     c, e = preset("7b", layers=4), EngineConfig(micro_batches=2)
     several = Machine(8 * GiB, 8 * GiB, several_processes=True)  # short of both: one host would pick
     assert resolve(c, e, 16, 2048, several).engine_cfg == e
-    with pytest.raises(ValueError, match="picked from one host's memory plan"):
-        resolve(c, dataclasses.replace(e, resident_layers="auto"), 16, 2048, several)
+    for field in ("resident_layers", "kept_layers"):
+        with pytest.raises(ValueError, match=f"engine.{field}='auto' is picked from one host's memory plan"):
+            resolve(c, dataclasses.replace(e, **{field: "auto"}), 16, 2048, several)
 
 
 def test_the_engine_config_judges_which_candidates_combine():

@@ -65,9 +65,10 @@ def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     the end of the run: ``memory.end_of_run``). With several processes nothing is picked (each would pick from its own host), and
     ``resident_layers="auto"`` is refused. Reads nothing from JAX: it runs before JAX starts its GPU backend."""
     if machine.several_processes:
-        if engine_cfg.resident_layers == AUTO:
-            raise ValueError("engine.resident_layers='auto' is picked from one host's memory plan; with several "
-                             "processes set the number (megatrain-jax plan --config FILE prints the pick)")
+        for field in ("resident_layers", "kept_layers"):
+            if getattr(engine_cfg, field) == AUTO:
+                raise ValueError(f"engine.{field}='auto' is picked from one host's memory plan; with several "
+                                 f"processes set the number (megatrain-jax plan --config FILE prints the pick)")
         return Resolved(engine_cfg)
     kw: dict[str, Any] = dict(host_ram_bytes=machine.host_ram_bytes, gpu_bytes=machine.gpu_bytes,
                               devices=machine.gpus, packed=packed, export=export, checkpoints=checkpoints)
