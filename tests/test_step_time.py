@@ -177,3 +177,15 @@ def test_an_engine_refuses_kept_layers_left_to_the_plan():
         Engine(model, default_optimizer(1e-3), EngineConfig(kept_layers="auto"))
     with pytest.raises(ValueError, match="integer >= 0 or 'auto'"):
         EngineConfig(kept_layers="most")
+
+
+def test_the_host_update_scales_with_the_hosts_cores():
+    from megatrain_jax.plan.speeds import CORE_SCALING, for_gpu
+    h200 = SPEEDS["H200"]
+    assert h200.on_host(None) is h200 and h200.on_host(16) is h200
+    big = h200.on_host(32)
+    assert big.host_update["full"] == pytest.approx(h200.host_update["full"] * 2 ** CORE_SCALING)
+    assert big.host_cores == 32 and big.h2d_bytes == h200.h2d_bytes and "32 cores" in big.name
+    assert for_gpu("NVIDIA H200", host_cores=64).host_update["q8"] > for_gpu("NVIDIA H200").host_update["q8"]
+    e = EngineConfig()
+    assert predict(CFG, e, 2, 2048, big).busy["host"] < predict(CFG, e, 2, 2048, h200).busy["host"]

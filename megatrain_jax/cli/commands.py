@@ -154,7 +154,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if kind_of(args.gpu) is None:
             raise ConfigError(f"--gpu {args.gpu!r}: no rates for that GPU; give one of {', '.join(SPEEDS)}, or "
                               f"--speeds FILE with its rates")
-        machine = dataclasses.replace(machine, gpu_name=args.gpu)
+        machine = dataclasses.replace(machine, gpu_name=args.gpu, host_cores=None)  # that GPU's host, not this one
     if machine.gpus > 1:
         print(f"per GPU of {machine.gpus}: each takes 1/{machine.gpus} of every batch and holds a shard of the state")
     packed, disk_dir = d.mode == "packed", str(Path(cfg.train.run_dir) / "disk_tier")
@@ -166,7 +166,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     p = plan(model_cfg, resolved.engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu,
              packed=packed, devices=machine.gpus, **end)
     if args.exact:
-        p = _exact(p, cfg, model_cfg, disk_dir, for_gpu(machine.gpu_name, args.speeds) if machine.gpu_name else None)
+        speeds = for_gpu(machine.gpu_name, args.speeds, machine.host_cores) if machine.gpu_name else None
+        p = _exact(p, cfg, model_cfg, disk_dir, speeds)
     print(p.table())
     step = for_machine(model_cfg, p.engine_cfg, d.batch_size, d.seq_len, machine, args.speeds)
     print(step_line(step, d.batch_size * d.seq_len, machine))

@@ -359,7 +359,7 @@ def _layout(cfg: RunConfig, model_cfg, model: nnx.Module,
     memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_pool_limit=host_pool_limit(), **kw)
     estimate, repicked = memory, None
     if gpu_at_hand() and not machine.several_processes:
-        speeds = for_gpu(machine.gpu_name) if machine.gpu_name else None  # "auto" picked again for speed
+        speeds = for_gpu(machine.gpu_name, host_cores=machine.host_cores) if machine.gpu_name else None
         memory, repicked = exact_plan(model, memory, given=given, devices=t.devices, disk_dir=disk_dir,
                                       check=t.memory_check, speeds=speeds)
         cfg = dataclasses.replace(cfg, engine=memory.engine_cfg)

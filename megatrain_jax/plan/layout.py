@@ -74,7 +74,7 @@ def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
                               devices=machine.gpus, packed=packed, export=export, checkpoints=checkpoints)
     if machine.disk_bytes is not None:
         kw["disk_bytes"] = machine.disk_bytes
-    speeds = for_gpu(machine.gpu_name) if machine.gpu_name is not None else None
+    speeds = for_gpu(machine.gpu_name, host_cores=machine.host_cores) if machine.gpu_name is not None else None
     return Resolved(*_pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds))
 
 

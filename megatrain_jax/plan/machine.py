@@ -148,8 +148,10 @@ class Machine:
     """What a run may use, as the layout is picked for it (``resolve``): ``host_ram_bytes`` of host RAM and
     ``gpu_bytes`` of each GPU's allocator (None: not known; with no GPU, nothing is picked for one),
     ``gpus`` GPUs, ``disk_bytes`` free where the disk tier would go (None: read from the folder),
-    ``several_processes`` (each holds its own host: no layout is picked for them), and ``gpu_name`` (the
-    driver's name of the GPU, which says whose rates the step-time model takes; None: no GPU, or not known)."""
+    ``several_processes`` (each holds its own host: no layout is picked for them), ``gpu_name`` (the
+    driver's name of the GPU, which says whose rates the step-time model takes; None: no GPU, or not known)
+    and ``host_cores`` (the cores this process may use, which scale the host update's rate; None: not known,
+    the rates' own host)."""
 
     host_ram_bytes: int | None
     gpu_bytes: int | None
@@ -157,6 +159,7 @@ class Machine:
     disk_bytes: int | None = None
     several_processes: bool = False
     gpu_name: str | None = None
+    host_cores: int | None = None
 
     @classmethod
     def here(cls, devices: int | None = None, *, host_ram_bytes: int | None = None, gpu_bytes: int | None = None,
@@ -166,4 +169,4 @@ class Machine:
         given win (``megatrain-jax plan --host-gib/--gpu-gib``)."""
         return cls(available_host_bytes() if host_ram_bytes is None else host_ram_bytes,
                    gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes, run_gpus(devices), None,
-                   several_processes, gpu_name_before_jax())
+                   several_processes, gpu_name_before_jax(), len(os.sched_getaffinity(0)))

@@ -252,7 +252,7 @@ def for_machine(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: i
     top); None where there is no GPU, or no rates for its kind and no file."""
     if machine.gpu_name is None and speeds_file is None:
         return None
-    s = for_gpu(machine.gpu_name, speeds_file)
+    s = for_gpu(machine.gpu_name, speeds_file, machine.host_cores)
     return None if s is None else predict(cfg, e, batch_rows, seq_len, s, stream_dtype, machine.gpus)
 
 
