@@ -7,7 +7,8 @@ layout: each run's predicted step time beside the measured one, per GPU kind, wi
 A run qualifies where its record holds the model's shape (``model``), the engine config as run (``engine``, a
 number of resident blocks), ``seq_len``, ``tokens_per_step`` and a measured ``step_time_s`` (bench.py,
 side_by_side.py, scaling.py, capacity.py, long_context.py, scale_projection.py), on a GPU kind ``speeds``
-knows. The model's family is the preset of the same block shape (hidden, ffn, heads, kv heads; MoE runs are
+knows; each on its host's cores (``Speeds.on_host``, from the file's ``device.cpu_cores``). The model's family
+is the preset of the same block shape (hidden, ffn, heads, kv heads; MoE runs are
 left out: their records lack the experts). ``--fit`` searches the rates that bring the median error closest to
 0 and the spread down (coordinate search on a log scale), per GPU kind, and prints them: the values
 ``speeds.SPEEDS`` holds came from it.
@@ -67,6 +68,7 @@ def runs(since: str = SINCE) -> list[dict]:
         dev = d.get("device")
         name = dev.get("name") if isinstance(dev, dict) else dev
         kind = speeds_mod.kind_of(name if isinstance(name, str) else None)
+        cores = dev.get("cpu_cores") if isinstance(dev, dict) else None
         for i, r in enumerate(d["runs"]):
             if not (isinstance(r, dict) and r.get("system") == "megatrain_jax" and r.get("status") == "ok"
                     and isinstance(r.get("engine"), dict) and isinstance(r.get("model"), dict)
@@ -81,7 +83,7 @@ def runs(since: str = SINCE) -> list[dict]:
             cfg = preset(shape, layers=r["model"]["layers"], vocab_size=r["model"]["vocab"])
             gpus = r.get("num_gpus") or 1
             out.append({"file": os.path.relpath(path, REPO), "date": date, "older": date < since, "run": r.get("config", str(i)), "kind": kind,
-                        "gpus": gpus, "cfg": cfg, "shape": shape, "engine": EngineConfig(**engine),
+                        "gpus": gpus, "host_cores": cores, "cfg": cfg, "shape": shape, "engine": EngineConfig(**engine),
                         "rows": r["tokens_per_step"] // r["seq_len"], "seq_len": r["seq_len"],
                         "measured_s": r["step_time_s"]})
     return out
@@ -102,7 +104,7 @@ def _get(s: speeds_mod.Speeds, key: str) -> float:
 def errors(rs: list[dict], s: speeds_mod.Speeds) -> list[float]:
     out = []
     for r in rs:
-        p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], s, devices=r["gpus"])
+        p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], s.on_host(r["host_cores"]), devices=r["gpus"])
         out.append((p.seconds - r["measured_s"]) / r["measured_s"])
     return out
 
@@ -151,9 +153,9 @@ def main() -> None:
             fitted[kind] = {k: _get(s, k) for k in FITTED}
             print(kind, json.dumps(fitted[kind]), flush=True)
         for r in [r for r in rs if r["kind"] == kind]:
-            p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], s, devices=r["gpus"])
+            p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], s.on_host(r["host_cores"]), devices=r["gpus"])
             e = r["engine"]
-            rows.append({"file": r["file"], "date": r["date"], "older": r["older"], "run": r["run"], "kind": kind, "gpus": r["gpus"], "model": r["shape"],
+            rows.append({"file": r["file"], "date": r["date"], "older": r["older"], "run": r["run"], "kind": kind, "gpus": r["gpus"], "host_cores": r["host_cores"], "model": r["shape"],
                          "layers": r["cfg"].layers, "rows": r["rows"], "seq_len": r["seq_len"],
                          "layout": {"resident_layers": e.resident_layers, "resident_io": e.resident_io,
                                     "kept_layers": e.kept_layers, "micro_batches": e.micro_batches,
