@@ -82,7 +82,8 @@ def runs(since: str = SINCE) -> list[dict]:
                 continue
             cfg = preset(shape, layers=r["model"]["layers"], vocab_size=r["model"]["vocab"])
             gpus = r.get("num_gpus") or 1
-            out.append({"file": os.path.relpath(path, REPO), "date": date, "older": date < since, "run": r.get("config", str(i)), "kind": kind,
+            out.append({"file": os.path.relpath(path, REPO), "date": date, "older": date < since,
+                        "run": r.get("config", str(i)), "kind": kind,
                         "gpus": gpus, "host_cores": cores, "cfg": cfg, "shape": shape, "engine": EngineConfig(**engine),
                         "rows": r["tokens_per_step"] // r["seq_len"], "seq_len": r["seq_len"],
                         "measured_s": r["step_time_s"]})
@@ -155,7 +156,8 @@ def main() -> None:
         for r in [r for r in rs if r["kind"] == kind]:
             p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], s.on_host(r["host_cores"]), devices=r["gpus"])
             e = r["engine"]
-            rows.append({"file": r["file"], "date": r["date"], "older": r["older"], "run": r["run"], "kind": kind, "gpus": r["gpus"], "host_cores": r["host_cores"], "model": r["shape"],
+            rows.append({"file": r["file"], "date": r["date"], "older": r["older"], "run": r["run"], "kind": kind,
+                         "gpus": r["gpus"], "host_cores": r["host_cores"], "model": r["shape"],
                          "layers": r["cfg"].layers, "rows": r["rows"], "seq_len": r["seq_len"],
                          "layout": {"resident_layers": e.resident_layers, "resident_io": e.resident_io,
                                     "kept_layers": e.kept_layers, "micro_batches": e.micro_batches,
