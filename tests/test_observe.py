@@ -123,11 +123,21 @@ def test_system_stats_report_host_memory():
     stats = system_stats()
     assert stats["host_peak_rss_gib"] > 0.01
     # the resident set now, by kind (Linux): this process's own arrays and its mapped files
+    import mmap
+
     import numpy as np
     before = system_stats()["host_rss_anon_gib"]
-    block = np.ones(64 * 2**20 // 8)  # 64 MiB of anonymous memory, touched
+    # 64 MiB of private anonymous memory in a mapping of its own, touched: new pages (a numpy array may take
+    # memory the allocator kept resident from earlier tests; mmap's default mapping is shared, which counts as
+    # RssShmem). In small pages: the counts /proc/self/status shows may lag a few huge pages' faults.
+    area = mmap.mmap(-1, 64 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        area.madvise(mmap.MADV_NOHUGEPAGE)
+    block = np.frombuffer(area, np.float64)
+    block[:] = 1.0
     after = system_stats()["host_rss_anon_gib"]
     assert after - before > 0.05 and stats["host_rss_file_gib"] > 0 and block.sum() > 0
+    del block
     assert after <= system_stats()["host_peak_rss_gib"] + 1e-9
 
 
