@@ -5,9 +5,9 @@ Split by job, each module importing only those above it in this list: ``counts``
 parts update where), ``machine`` (what this machine has, XLA's pinned pool, the GPUs a run counts), ``activations``
 (what one block's programs keep and need per micro-batch), ``gpu_ledger`` (the walk over the engine's schedule, one
 rule per op kind), ``memory`` (``MemoryPlan`` and ``plan()``; not named ``plan.py``, which the package's ``plan``
-function would hide), ``speeds`` (a machine's rates: GPU compute, PCIe, host update) and ``step_time`` (the step-
-time model: the engine's schedule walked at those rates), ``layout`` (what ``train`` runs: ``resolve``, the engine
-config a run config becomes on a machine), ``modes`` (the run re-planned in each precision mode: bytes per
+function would hide), ``speeds`` (a machine's rates: GPU compute, PCIe, host update) and ``step_time`` (the
+step-time model: the engine's schedule walked at those rates), ``layout`` (what ``train`` runs: ``resolve``, the
+engine config a run config becomes on a machine), ``modes`` (the run re-planned in each precision mode: bytes per
 parameter, fits or not, host RAM needed), ``levers`` (what fits instead: the options, the advice).
 """
 
