@@ -198,3 +198,22 @@ def test_a_resume_past_the_last_metrics_row_says_which_rows_are_missing(tmp_path
     capsys.readouterr()
     assert main(["train", *run, "train.steps=5", "train.resume=true"]) == 0
     assert "no records of step 4 (the run that saved the checkpoint" in capsys.readouterr().err and steps_in(tmp_path) == [1, 2, 3, 5]
+
+
+def test_with_several_processes_an_export_is_preceded_by_a_checkpoint(tmp_path):
+    """Each process holds its own share of the trained state and only a checkpoint writes it whole: a run of
+    several processes that exports and saves no checkpoint saves one at its end (in the run's checkpoint folder),
+    so that the export's guard finds the state on disk; one process, or a run that saves checkpoints, is as
+    given."""
+    from megatrain_jax.cli.run import checkpoint_for_export
+    from megatrain_jax.cli.run_config import TrainSection
+    t = TrainSection(run_dir=str(tmp_path / "run"), export_hf=str(tmp_path / "hf"))
+    assert t.for_fit().checkpoint_dir is None
+    several, why = checkpoint_for_export(t, True)
+    assert several.for_fit().checkpoint_dir == str(tmp_path / "run" / "checkpoints") and several.for_fit().checkpointing
+    assert "written whole only by a checkpoint" in why and str(tmp_path / "hf") in why
+    assert checkpoint_for_export(t, False) == (t, None)
+    saving = TrainSection(run_dir=str(tmp_path / "run"), export_hf=str(tmp_path / "hf"), checkpoint_every=5)
+    assert checkpoint_for_export(saving, True) == (saving, None)
+    no_export = TrainSection(run_dir=str(tmp_path / "run"))
+    assert checkpoint_for_export(no_export, True) == (no_export, None)

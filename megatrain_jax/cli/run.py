@@ -23,7 +23,7 @@ from megatrain_jax._environment import gpu_fraction_source, host_pool_limit, use
 from megatrain_jax.checkpoint import CorruptCheckpointError, committed_steps
 from megatrain_jax.cli.export_guard import guarded_export
 from megatrain_jax.cli.output_paths import check_output_paths
-from megatrain_jax.cli.run_config import RunConfig, to_dict, to_toml
+from megatrain_jax.cli.run_config import RunConfig, TrainSection, to_dict, to_toml
 from megatrain_jax.cli.run_lock import RunLock
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
@@ -208,7 +208,10 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     at once."""
     out = stream or sys.stdout
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
-    t = cfg.train
+    t, why = checkpoint_for_export(cfg.train, distributed.requested())
+    if why:
+        cfg = dataclasses.replace(cfg, train=t)
+        say(f"megatrain_jax: {why}")
     check_output_paths(t)  # every folder and file the run writes, before anything is created or loaded
     locks = [RunLock(Path(t.run_dir), distributed.process_id())]
     if t.for_fit().checkpoint_dir is not None:  # the run saves checkpoints there
@@ -225,6 +228,20 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
     finally:
         for lock in reversed(held):
             lock.release()
+
+
+def checkpoint_for_export(t: TrainSection, several_processes: bool) -> tuple[TrainSection, str | None]:
+    """``t``, saving a checkpoint at the run's end where it exports with several processes and saves none: each
+    process holds its own share of the trained state, and only a checkpoint writes it whole, so the export's
+    guard (``export_guard``) finds the state on disk before the export starts. Returns the config and the
+    sentence saying so (None: as given)."""
+    if not (t.export_hf and several_processes) or t.for_fit().checkpoint_dir is not None:
+        return t, None
+    folder = t.checkpoint_folder()
+    return dataclasses.replace(t, checkpoint_dir=str(folder)), (
+        f"with several processes the trained state is written whole only by a checkpoint: this run saves one at "
+        f"its end in {folder} before the export to {t.export_hf} (train.checkpoint_dir chooses where, "
+        f"train.checkpoint_every adds more)")
 
 
 def _train(cfg: RunConfig, out: TextIO, say) -> History:
