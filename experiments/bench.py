@@ -97,6 +97,14 @@ CONFIGS: dict[str, BenchConfig] = {
     # (results/h100_kept_layers_8k.json).
     "3p5b_8k": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto", resident_io=True,
                                                            kept_layers=16)),
+    # Where the model does not fit on the GPU (issue 51): Llama-2-13B's shape on one H200 (251 GiB host), the
+    # layout the plan picks for speed (resident blocks and blocks keeping their products, both "auto").
+    "13b_32k": BenchConfig("llama2-13b", None, 2048, 16, EngineConfig(
+        micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
+        prefetch_depth=2)),
+    "13b_8k": BenchConfig("llama2-13b", None, 2048, 4, EngineConfig(
+        micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
+        prefetch_depth=2)),
     "3p5b_8k_recompute": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto",
                                                                      resident_io=True)),
     # A/B variants (NOTES, issue 33): the earlier fixed layouts (8 of 16 and 14 of 32 blocks resident; 8 at 8K,

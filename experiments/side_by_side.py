@@ -70,6 +70,12 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
         ("98k", bench + ["--configs", "3p5b_98k", "--steps", str(args.steps_98k)]),
         ("98k", ds + ["--layers", "16", "--rows", "48"]),
         ("7b", bench + ["--configs", "7b_32k", "--steps", str(args.steps)]),
+        # where the model does not fit on the GPU (issue 51): 13B on one H200 of a 251 GiB host
+        # (nvidia-h200-x2 with CUDA_VISIBLE_DEVICES=0); not in the default --only
+        ("13b", bench + ["--configs", "13b_32k", "--steps", str(args.steps)]),
+        ("13b", sf + ["--preset", "13b", "--rows", "16"]),
+        ("13b_8k", bench + ["--configs", "13b_8k", "--steps", str(args.steps_8k)]),
+        ("13b_8k", sf + ["--preset", "13b", "--rows", "4"]),
     ]
 
 

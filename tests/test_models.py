@@ -243,6 +243,7 @@ def test_rope_depends_only_on_relative_position():
 
 PUBLISHED = {
     "llama2-7b": 6_738_415_616,
+    "llama2-13b": 13_015_864_320,  # meta-llama/Llama-2-13b-hf
     "llama3-8b": 8_030_261_248,
     "llama3.2-1b": 1_235_814_400,
     "llama3.2-3b": 3_212_749_824,

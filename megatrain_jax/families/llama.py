@@ -14,6 +14,7 @@ LLAMA32_SCALING = dict(factor=32.0, original_max_position=8192)
 TINY = dict(vocab_size=256, hidden=64, ffn=160, layers=2, heads=4, kv_heads=2, max_positions=512, dtype="float32",
             loss_chunk_tokens=256)  # seconds on a CPU: the test and demo model
 LLAMA2_7B = dict(vocab_size=32000, hidden=4096, ffn=11008, layers=32, heads=32, kv_heads=32)
+LLAMA2_13B = dict(vocab_size=32000, hidden=5120, ffn=13824, layers=40, heads=40, kv_heads=40)
 LLAMA32_1B = dict(vocab_size=128256, hidden=2048, ffn=8192, layers=16, heads=32, kv_heads=8, head_dim=64,
                   rope_theta=500000.0, rope_scaling=LLAMA32_SCALING, tie_embeddings=True, max_positions=131072)
 LLAMA32_3B = dict(vocab_size=128256, hidden=3072, ffn=8192, layers=28, heads=24, kv_heads=8, rope_theta=500000.0,
@@ -32,6 +33,8 @@ PRESETS = {
     "llama3.2-3b": LLAMA32_3B, "3b": LLAMA32_3B,
     # The 7B layer shape every benchmark in docs/design.md uses; "3.5b" is its first 16 layers.
     "llama2-7b": LLAMA2_7B, "7b": LLAMA2_7B, "3.5b": dict(LLAMA2_7B, layers=16),
+    # The shape of the speed comparison where the model does not fit on one GPU (docs/performance.md).
+    "llama2-13b": LLAMA2_13B, "13b": LLAMA2_13B,
     "llama3-8b": LLAMA3_8B, "8b": LLAMA3_8B,
     "llama3.1-8b": dict(LLAMA3_8B, rope_scaling=LLAMA3_SCALING, max_positions=131072),
     "llama3-70b": LLAMA3_70B, "70b": LLAMA3_70B,
