@@ -98,8 +98,10 @@ def _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,
         engine_cfg, fast = fastest(model_cfg, engine_cfg, batch_rows, seq_len, speeds, **kw)
     if engine_cfg.kept_layers == AUTO:
         engine_cfg = dataclasses.replace(engine_cfg, kept_layers=0)
-        fast = fast or ("engine.kept_layers='auto': 0 (no rates for this machine's GPU to weigh kept matrix "
-                        "products against resident blocks: docs/performance.md)")
+        fast = fast or ("engine.kept_layers='auto': 0 (" + (
+            "no GPU to plan for" if kw.get("gpu_bytes") is None else
+            "no rates for this machine's GPU to weigh kept matrix products against resident blocks: "
+            "docs/performance.md") + ")")
     engine_cfg, fewer_kept = most_kept(model_cfg, engine_cfg, batch_rows, seq_len, **kw)
     engine_cfg, auto = most_resident(model_cfg, engine_cfg, batch_rows, seq_len, **kw)
     picked, said = _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw)
