@@ -3,7 +3,8 @@
 # writing its own results file under $OUT (TAG: the commit, for the file names; MEGATRAIN_GIT_COMMIT: the full one).
 # 1. h200_7b_32k through `megatrain-jax train` with resident_layers and kept_layers "auto": the plan's fastest
 #    layout, re-picked with the rates where XLA's figures refuse the estimate's (ef91ed7), predicted vs measured;
-# 2. the host's STREAM copy and triad beside the AdamW kernel (host_update_profile.py);
+# 2. the machine's rates for the step-time model (measure_speeds.py), and the host's STREAM copy and triad beside
+#    the AdamW kernel (host_update_profile.py);
 # 3. plain all-GPU training of 3.5B at 8K, each remat policy (plain_gpu.py: the bar where the model fits);
 # 4. SlideFormer at 3.5B and 8K tokens, with the host's MemAvailable and its resident memory logged every second
 #    (its 32K run was killed before its first step: h200_slideformer_3p5b_32k_5ff9aaf.json).
@@ -14,6 +15,7 @@ export PYTHONPATH=.
 timeout 200 python experiments/shipped_configs.py --configs h200_7b_32k --steps 8 --timeout 190 \
   --set engine.resident_layers=auto --set engine.kept_layers=auto \
   --out $OUT/h200_7b_32k_fastest_${TAG}.json 2>&1 | tail -n 1 | cut -c1-400
+timeout 60 python experiments/measure_speeds.py --out $OUT/h200_measure_speeds_${TAG}.json 2>&1 | tail -n 1
 timeout 60 python experiments/studies/host_update_profile.py --params 256 --reps 3 --threads 16 \
   --out $OUT/h200_host_update_profile_${TAG}.json 2>&1 | tail -n 1
 timeout 120 python experiments/plain_gpu.py --configs 3p5b_8k --policies nothing,dots --warmup 2 --steps 4 \

@@ -1,0 +1,135 @@
+"""Measure this machine's rates for the step-time model and write them as a calibration file
+(``megatrain-jax plan --speeds FILE``, ``MEGATRAIN_SPEEDS=FILE megatrain-jax train ...``; docs/performance.md).
+
+    PYTHONPATH=. python experiments/measure_speeds.py --out $OUT/speeds_h200x2.json [--params 256]
+
+What it measures, each as the model reads it (``megatrain_jax.plan.speeds.Speeds``):
+
+- the host update of each precision mode, with the fused kernel on every core this process may use: full
+  precision as the engine runs it (split in two passes: the bfloat16 stream copy, then masters and moments;
+  ``first_half_share`` is the first pass's share of the two), the lean mode (one pass, no copy), capacity
+  mode and 8-bit moments; ``host_cores`` is the cores it ran on;
+- on a GPU: PCIe each way (pinned host memory to the GPU and back, 1 GiB, best of a few), the GPU's bfloat16
+  matrix products at a block's shapes (``--hidden``/``--ffn``/``--tokens``), and causal flash attention's forward
+  at ``--seq`` (cuDNN where JAX takes it).
+
+The results file (name, command, git_commit, device, date, runs) holds the rates under ``runs[0].speeds``;
+the same object is written alone beside it (``<out>.speeds.json``): that is the file to give ``--speeds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # child.py
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatrain_jax.engine.update import host_kernel  # noqa: E402
+
+HP = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1=0.1, bc2=0.05)
+
+
+def best_seconds(fn, reps: int) -> float:
+    fn()  # first touch
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def host_rates(n: int, reps: int) -> dict:
+    """Parameters per second of each mode's host update (one leaf of ``n`` parameters)."""
+    lib = host_kernel.require(host_kernel.load())
+    p, m, v, g = (np.full(n, x, np.float32) for x in (0.5, 0.0, 0.0, 0.01))
+    copy = np.zeros(n, np.uint16)
+    first = best_seconds(lambda: host_kernel.adamw_numpy(p, m, v, g, copy, stream_only=True, lib=lib, **HP), reps)
+    commit = best_seconds(lambda: host_kernel.adamw_numpy(p, m, v, g, None, lib=lib, **HP), reps)
+    rates = {"full": n / (first + commit), "lean": n / commit}
+    del p, m, v, g, copy
+    pb, mb, vb = (np.full(n, x, np.uint16) for x in (0x3F00, 0, 0))
+    g = np.full(n, 0.01, np.float32)
+    rates["capacity"] = n / best_seconds(lambda: host_kernel.adamw_sr_numpy(pb, mb, vb, g, seed=0, lib=lib, **HP),
+                                         reps)
+    del pb, mb, vb, g
+    from megatrain_jax.engine.update.q8 import Q8_BLOCK, adamw_q8_numpy, q8_scale_shape
+    shape = (n // 4096, 4096)
+    pq = np.full(shape, 0x3F00, np.uint16)
+    mq, vq = np.zeros(shape, np.uint8), np.zeros(shape, np.uint8)
+    ma, va = (np.zeros(q8_scale_shape(shape, Q8_BLOCK), np.float32) for _ in range(2))
+    gq = np.full(shape, 0x3C24, np.uint16)  # bfloat16 gradients, as the 8-bit mode sends them
+    rates["q8"] = pq.size / best_seconds(lambda: adamw_q8_numpy(pq, mq, vq, ma, va, gq, block=Q8_BLOCK, seed=0,
+                                                                lib=lib, **HP), reps)
+    return {"host_update": {k: round(v, -6) for k, v in rates.items()},
+            "first_half_share": round(first / (first + commit), 3), "host_cores": len(os.sched_getaffinity(0))}
+
+
+def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: int) -> dict:
+    """PCIe each way, bfloat16 matrix products at a block's shapes, causal attention's forward; {} without a
+    GPU."""
+    import jax
+    import jax.numpy as jnp
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return {}
+    from megatrain_jax.engine.transfer import Placement
+    pl = Placement()
+    host = pl.to_host(jnp.zeros((1 << 29,), jnp.bfloat16))  # 1 GiB pinned
+    jax.block_until_ready(host)
+    on_gpu = jax.device_put(host, dev)
+    h2d = best_seconds(lambda: jax.block_until_ready(jax.device_put(host, dev)), reps)
+    d2h = best_seconds(lambda: jax.block_until_ready(pl.copy_to_host(on_gpu)), reps)
+    x = jnp.ones((tokens, hidden), jnp.bfloat16)
+    w_up, w_down = jnp.ones((hidden, ffn), jnp.bfloat16), jnp.ones((ffn, hidden), jnp.bfloat16)
+    mm = jax.jit(lambda x, a, b: (x @ a) @ b)
+    mm_s = best_seconds(lambda: jax.block_until_ready(mm(x, w_up, w_down)), reps)
+    rows, d = max(1, tokens // seq), hidden // heads
+    q = jnp.ones((rows, seq, heads, d), jnp.bfloat16)
+    attn = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True))
+    attn_s = best_seconds(lambda: jax.block_until_ready(attn(q)), reps)
+    return {"h2d_bytes": round(2 ** 30 / h2d, -6), "d2h_bytes": round(2 ** 30 / d2h, -6),
+            "matmul_flops": round(4 * tokens * hidden * ffn / mm_s, -9),
+            "attention_flops": round(2 * heads * d * seq * rows * seq / attn_s, -9)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--params", type=int, default=256, help="millions of parameters per host update run")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=5120)
+    ap.add_argument("--ffn", type=int, default=13824)
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--tokens", type=int, default=32768, help="tokens of the matrix products and attention")
+    ap.add_argument("--seq", type=int, default=2048, help="sequence length of the attention")
+    args = ap.parse_args(argv)
+    from child import results_header
+    speeds = host_rates(args.params * 1_000_000, args.reps)
+    speeds.update(gpu_rates(args.hidden, args.ffn, args.tokens, args.seq, args.heads, args.reps))
+    import jax
+    speeds["name"] = f"{jax.devices()[0].device_kind}, {speeds['host_cores']}-core host (measured)"
+    speeds["source"] = os.path.basename(args.out)
+    record = {**results_header(args.out, __file__), "runs": [{"system": "measure_speeds", "speeds": speeds,
+                                                               "shapes": {k: getattr(args, k) for k in
+                                                                          ("params", "hidden", "ffn", "heads",
+                                                                           "tokens", "seq")}}]}
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    alone = os.path.splitext(args.out)[0] + ".speeds.json"
+    with open(alone, "w") as f:
+        json.dump(speeds, f, indent=1)
+        f.write("\n")
+    print(json.dumps(speeds))
+    return record
+
+
+if __name__ == "__main__":
+    main()
