@@ -9,9 +9,10 @@ What it measures, each as the model reads it (``megatrain_jax.plan.speeds.Speeds
   precision as the engine runs it (split in two passes: the bfloat16 stream copy, then masters and moments;
   ``first_half_share`` is the first pass's share of the two), the lean mode (one pass, no copy), capacity
   mode and 8-bit moments; ``host_cores`` is the cores it ran on;
-- on a GPU: PCIe each way (pinned host memory to the GPU and back, 1 GiB, best of a few), the GPU's bfloat16
-  matrix products at a block's shapes (``--hidden``/``--ffn``/``--tokens``), and causal flash attention's forward
-  at ``--seq`` (cuDNN where JAX takes it).
+- on a GPU: PCIe each way (pinned host memory to the GPU and back, 1 GiB, best of a few); and, recorded apart
+  as ceilings (``gpu_kernel_ceilings``, not written to the calibration file: the model's compute rates are a
+  whole block's, fitted to runs, and below a lone kernel's), the GPU's bfloat16 matrix products at a block's
+  shapes (``--hidden``/``--ffn``/``--tokens``) and causal flash attention's forward at ``--seq``.
 
 The results file (name, command, git_commit, device, date, runs) holds the rates under ``runs[0].speeds``;
 the same object is written alone beside it (``<out>.speeds.json``): that is the file to give ``--speeds``.
@@ -71,14 +72,15 @@ def host_rates(n: int, reps: int) -> dict:
             "first_half_share": round(first / (first + commit), 3), "host_cores": len(os.sched_getaffinity(0))}
 
 
-def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: int) -> dict:
-    """PCIe each way, bfloat16 matrix products at a block's shapes, causal attention's forward; {} without a
-    GPU."""
+def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: int) -> tuple[dict, dict]:
+    """PCIe each way (rates the model takes as they are), and the ceilings of bfloat16 matrix products at a
+    block's shapes and of causal attention's forward (kernels alone: the model's rates are a whole block's,
+    below these); ({}, {}) without a GPU."""
     import jax
     import jax.numpy as jnp
     dev = jax.devices()[0]
     if dev.platform != "gpu":
-        return {}
+        return {}, {}
     from megatrain_jax.engine.transfer import Placement
     pl = Placement()
     host = pl.to_host(jnp.zeros((1 << 29,), jnp.bfloat16))  # 1 GiB pinned
@@ -94,9 +96,9 @@ def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: in
     q = jnp.ones((rows, seq, heads, d), jnp.bfloat16)
     attn = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True))
     attn_s = best_seconds(lambda: jax.block_until_ready(attn(q)), reps)
-    return {"h2d_bytes": round(2 ** 30 / h2d, -6), "d2h_bytes": round(2 ** 30 / d2h, -6),
-            "matmul_flops": round(4 * tokens * hidden * ffn / mm_s, -9),
-            "attention_flops": round(2 * heads * d * seq * rows * seq / attn_s, -9)}
+    return {"h2d_bytes": round(2 ** 30 / h2d, -6), "d2h_bytes": round(2 ** 30 / d2h, -6)}, {
+        "matmul_flops": round(4 * tokens * hidden * ffn / mm_s, -9),
+        "attention_flops": round(2 * heads * d * seq * rows * seq / attn_s, -9)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -112,11 +114,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     from child import results_header
     speeds = host_rates(args.params * 1_000_000, args.reps)
-    speeds.update(gpu_rates(args.hidden, args.ffn, args.tokens, args.seq, args.heads, args.reps))
+    pcie, ceilings = gpu_rates(args.hidden, args.ffn, args.tokens, args.seq, args.heads, args.reps)
+    speeds.update(pcie)
     import jax
     speeds["name"] = f"{jax.devices()[0].device_kind}, {speeds['host_cores']}-core host (measured)"
     speeds["source"] = os.path.basename(args.out)
     record = {**results_header(args.out, __file__), "runs": [{"system": "measure_speeds", "speeds": speeds,
+                                                               "gpu_kernel_ceilings": ceilings,
                                                                "shapes": {k: getattr(args, k) for k in
                                                                           ("params", "hidden", "ffn", "heads",
                                                                            "tokens", "seq")}}]}
