@@ -81,8 +81,8 @@ def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: in
     dev = jax.devices()[0]
     if dev.platform != "gpu":
         return {}, {}
-    from megatrain_jax.engine.transfer import Placement
-    pl = Placement()
+    from megatrain_jax.engine.transfer import Placement, select_devices
+    pl = Placement(select_devices(1))  # one GPU's own link (the model's rate is per GPU)
     host = pl.to_host(jnp.zeros((1 << 29,), jnp.bfloat16))  # 1 GiB pinned
     jax.block_until_ready(host)
     on_gpu = jax.device_put(host, dev)

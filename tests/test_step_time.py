@@ -189,3 +189,31 @@ def test_the_host_update_scales_with_the_hosts_cores():
     assert for_gpu("NVIDIA H200", host_cores=64).host_update["q8"] > for_gpu("NVIDIA H200").host_update["q8"]
     e = EngineConfig()
     assert predict(CFG, e, 2, 2048, big).busy["host"] < predict(CFG, e, 2, 2048, h200).busy["host"]
+
+
+def test_gradients_that_wait_on_the_gpu_come_home_with_their_update_unsplit():
+    """``grads_on_gpu`` parts send nothing at their backward; their update copies the float32 gradient home and
+    runs whole (the engine never splits it): a step's bytes home are the same, its host work changes."""
+    plain = EngineConfig(micro_batches=1, stream_dtype="bfloat16")
+    waiting = dataclasses.replace(plain, grads_on_gpu=4)
+    n = lengths(CFG, waiting, 8, 2048, H100)
+    assert [p for p, b in n.grads.items() if b == 0 and not p.is_io][:4] == [PartId.block(i) for i in range(4)]
+    assert set(n.home) == {PartId.block(i) for i in range(4)}
+    assert all(n.host_update[PartId.block(i)][1] == 0 for i in range(4)) and n.host_update[PartId.block(5)][1] > 0
+    a, b = predict(CFG, plain, 8, 2048, H100), predict(CFG, waiting, 8, 2048, H100)
+    assert a.d2h_bytes == b.d2h_bytes and a.seconds != b.seconds
+
+
+def test_accumulated_gradients_go_back_to_the_gpu_to_be_added():
+    one = predict(CFG, EngineConfig(micro_batches=1), 4, 2048, QUIET)
+    two = predict(CFG, EngineConfig(micro_batches=1, accumulate_steps=2), 4, 2048, QUIET)
+    assert two.d2h_bytes == 2 * one.d2h_bytes  # each sub-step's sum goes home
+    assert two.h2d_bytes == 2 * one.h2d_bytes + one.d2h_bytes  # weights twice, and the first sum comes back
+
+
+def test_a_calibration_file_refuses_flags_and_non_finite_rates(tmp_path):
+    f = tmp_path / "speeds.json"
+    for bad in ({"h2d_bytes": True}, {"hbm_bytes": float("inf")}, {"host_update": {"full": float("nan")}}):
+        f.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="positive number"):
+            from_file(f, H100)

@@ -151,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.speeds is not None:  # as MEGATRAIN_SPEEDS: the layout's pick reads the same rates as the prediction
         os.environ[SPEEDS_VAR] = args.speeds
     if args.gpu is not None:
-        if kind_of(args.gpu) is None:
+        if kind_of(args.gpu) is None and args.speeds is None:
             raise ConfigError(f"--gpu {args.gpu!r}: no rates for that GPU; give one of {', '.join(SPEEDS)}, or "
                               f"--speeds FILE with its rates")
         machine = dataclasses.replace(machine, gpu_name=args.gpu, host_cores=None)  # that GPU's host, not this one
@@ -170,7 +170,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         p = _exact(p, cfg, model_cfg, disk_dir, speeds)
     print(p.table())
     step = for_machine(model_cfg, p.engine_cfg, d.batch_size, d.seq_len, machine, args.speeds)
-    print(step_line(step, d.batch_size * d.seq_len, machine))
+    print(step_line(step, d.batch_size * d.seq_len * p.engine_cfg.accumulate_steps, machine))  # an optimizer step
     modes = in_each_mode(p)
     print(modes_table(p, modes))
     longest = longest_seq_len(p)

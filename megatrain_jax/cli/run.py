@@ -269,7 +269,7 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     say(_memory_line(memory, estimate))
     step = for_machine(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine) if gpu_at_hand() else None
     if step is not None or gpu_at_hand():
-        say(step_line(step, d.batch_size * d.seq_len, machine))
+        say(step_line(step, d.batch_size * d.seq_len * cfg.engine.accumulate_steps, machine))  # an optimizer step
     prepare_run_folder(cfg)
     plan_record = {**memory.as_dict(),
                    "estimate_gpu_total": estimate.gpu_total if estimate.engine_cfg == memory.engine_cfg else None,

@@ -22,6 +22,7 @@ each role names) say which combinations are legal (``legal``); nothing here rest
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 from megatrain_jax.engine import precision
@@ -34,7 +35,7 @@ from megatrain_jax.plan.counts import GiB, host_roles
 from megatrain_jax.plan.machine import (GPU_FRAGMENTATION_MARGIN, Machine, available_disk_bytes, available_host_bytes,
                                         gpu_bytes_before_jax)
 from megatrain_jax.plan.memory import MemoryPlan, plan
-from megatrain_jax.plan.speeds import Speeds, for_gpu
+from megatrain_jax.plan.speeds import SPEEDS_VAR, Speeds, for_gpu
 from megatrain_jax.plan.step_time import predict
 
 Changes = tuple[tuple[str, Any], ...]  # (``section.key``, value) pairs: ``("engine.micro_batches", 4), ...``
@@ -74,7 +75,8 @@ def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
                               devices=machine.gpus, packed=packed, export=export, checkpoints=checkpoints)
     if machine.disk_bytes is not None:
         kw["disk_bytes"] = machine.disk_bytes
-    speeds = for_gpu(machine.gpu_name, host_cores=machine.host_cores) if machine.gpu_name is not None else None
+    known = machine.gpu_name is not None or os.environ.get(SPEEDS_VAR)  # a GPU kind, or a calibration file
+    speeds = for_gpu(machine.gpu_name, host_cores=machine.host_cores) if known else None
     return Resolved(*_pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds))
 
 
@@ -259,14 +261,14 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     whose plan fits the GPU (each count of resident blocks the config takes, or the one it names; beside it the
     most blocks keeping their matrix products that fit, or the count it names), the one the step-time model
     (``step_time.predict``) finds fastest among those that fit the host too; the fewest resident blocks among
-    equals. Where none fits, or there is
-    no GPU to plan for, the config comes back with the "auto" fields at 0 for the pickers after it (offload,
-    the lean host layout). Returns the config and a sentence."""
+    equals. Where none fits host and GPU as configured, or there is no GPU to plan for, the config comes back
+    as given ("auto" fields and all) for the pickers after it (the most resident blocks, offload, the lean
+    host layout). Returns the config and a sentence (None: as given)."""
     auto_r, auto_k = engine_cfg.resident_layers == AUTO, engine_cfg.kept_layers == AUTO
     zero = dataclasses.replace(engine_cfg, **({"resident_layers": 0} if auto_r else {}),
                                **({"kept_layers": 0} if auto_k else {}))
     if plan_kw.get("gpu_bytes") is None:
-        return zero, None
+        return engine_cfg, None
     planned = lambda e: plan(model_cfg, e, batch_rows, seq_len, detect=False, **plan_kw)  # noqa: E731
     gpu_fits = lambda e: planned(e).gpu_fits  # noqa: E731
     layers = model_cfg.layers
@@ -284,7 +286,7 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
         tried.append((predict(model_cfg, base, batch_rows, seq_len, speeds, devices=plan_kw.get("devices", 1)
                               ).seconds, base))
     if not tried:
-        return zero, None
+        return engine_cfg, None
     seconds, best = min(tried, key=lambda t: t[0])  # the first of equals: the fewest resident blocks
     most = tried[-1]
     p = plan(model_cfg, best, batch_rows, seq_len, detect=False, **plan_kw)

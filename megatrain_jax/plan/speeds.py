@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,10 @@ def kind_of(gpu_name: str | None) -> str | None:
     return None
 
 
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def from_file(path: str | os.PathLike, base: Speeds) -> Speeds:
     """``base`` with the fields a calibration file gives (JSON object; unknown fields are refused)."""
     try:
@@ -122,10 +127,10 @@ def from_file(path: str | os.PathLike, base: Speeds) -> Speeds:
         raise ValueError(f"the calibration file {path} has unknown fields {unknown}; known: {sorted(fields)}")
     for key, value in given.items():
         if key in ("host_update", "dispatch"):
-            if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in value.values()):
+            if not isinstance(value, dict) or not all(_positive(v) for v in value.values()):
                 raise ValueError(f"{path}: {key} must map names to positive numbers")
             given[key] = {**getattr(base, key), **value}
-        elif key not in ("name", "source") and (not isinstance(value, (int, float)) or value <= 0):
+        elif key not in ("name", "source") and not _positive(value):
             raise ValueError(f"{path}: {key} must be a positive number, got {value!r}")
     return dataclasses.replace(base, **{"name": f"{base.name} with {Path(path).name}", **given})
 
@@ -139,5 +144,5 @@ def for_gpu(gpu_name: str | None, file: str | os.PathLike | None = None, host_co
     kind = kind_of(gpu_name)
     if kind is None and file is None:
         return None
-    base = SPEEDS.get(kind or "H100").on_host(host_cores)
-    return from_file(file, base) if file else base
+    base = SPEEDS.get(kind or "H100")
+    return (from_file(file, base) if file else base).on_host(host_cores)  # a file's host rates are its host's

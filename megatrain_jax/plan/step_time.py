@@ -21,16 +21,16 @@ share of the bytes and the work; the host is shared, so its update rate is split
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
-
+import os
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.precision import DTYPE_BYTES
 from megatrain_jax.engine.schedule import BLOCKS_AHEAD, Op, offloaded_blocks, step_ops
 from megatrain_jax.models.config import DecoderConfig
+from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.plan.counts import activation_bytes, host_roles, io_param_count, stream_bytes
 from megatrain_jax.plan.machine import Machine
-from megatrain_jax.plan.speeds import Speeds, for_gpu
+from megatrain_jax.plan.speeds import SPEEDS_VAR, Speeds, for_gpu
 
 QUEUES = ("main", "gpu", "h2d", "d2h", "host")
 _STEPS = 4  # simulated back to back; the last gap is the steady state (the first steps start from idle)
@@ -74,15 +74,17 @@ BOUND_WORDS = {"gpu": "GPU compute", "h2d": "PCIe to the GPU", "d2h": "PCIe to t
 # ---------------------------------------------------------------------------------------------- op lengths
 @dataclasses.dataclass(frozen=True)
 class _Lengths:
-    """Each op's seconds for one run (``predict``'s inputs made numbers)."""
+    """Each op's length for one run (``predict``'s inputs made numbers): compute and updates in seconds,
+    transfers in bytes (each queue's rate makes them seconds)."""
 
     forward: dict[int, float]  # per block, one micro-batch
     backward: dict[int, float]  # per block, one micro-batch (with or without recompute)
-    head: float  # one micro-batch: final norm, logits, loss and their backward
+    head: float  # one micro-batch: final norm, logits, loss and their backward (the logits recomputed)
     embed: float
-    fetch: dict[PartId, float]  # host to GPU, per visit (0 for GPU-resident parts)
-    grads: dict[PartId, float]  # GPU to host, the part's gradient (0 where it stays on the GPU)
-    acts: float  # one block's offloaded inputs, each way
+    fetch: dict[PartId, float]  # bytes to the GPU per visit (0 for GPU-resident parts)
+    grads: dict[PartId, float]  # bytes of the part's gradient sent home at its send_grads (0 where it stays)
+    home: dict[PartId, float]  # bytes of a gradient that waited on the GPU, copied home by its update
+    acts: float  # bytes of one block's offloaded inputs (and kept residuals), each way
     host_update: dict[PartId, tuple[float, float]]  # (first half, second half); (whole, 0) where it does not split
     device_update: dict[PartId, float]  # GPU-resident parts' update on the GPU
     dispatch: dict[str, float]  # the main thread's own seconds per op kind
@@ -94,7 +96,9 @@ def _block_flops(cfg: DecoderConfig, layer: int, tokens: int, seq_len: int) -> t
     a sliding window seeing at most its width."""
     weights = cfg.block_active_param_count(layer)
     width = cfg.heads * cfg.dim_per_head
-    keys = seq_len if cfg.layer_type(layer) == "full_attention" else min(seq_len, 2 * (cfg.sliding_window or seq_len))
+    w = cfg.sliding_window if cfg.layer_type(layer) != "full_attention" else None
+    # keys a row's queries see, summed and doubled (causal: seq_len**2 / 2 pairs); a window of w: w*L - w**2/2
+    keys = seq_len if w is None or w >= seq_len else 2 * w - w * w / seq_len
     return 2.0 * weights * tokens, 2.0 * width * keys * tokens
 
 
@@ -122,23 +126,27 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
         else:
             b += mm / s.matmul_flops + (0.0 if e.keep_residuals else attn / s.attention_flops)
         bwd[i] = b
-    head = 6.0 * cfg.hidden * cfg.vocab_size * tokens / s.matmul_flops
+    # the head's logits are recomputed in its backward (the chunked loss is checkpointed): 4 products' worth
+    head = 8.0 * cfg.hidden * cfg.vocab_size * tokens / s.matmul_flops
     parts = [IO] + [PartId.block(i) for i in range(cfg.layers)]
     count = {p: (io_param_count(cfg) if p.is_io else cfg.block_param_count(p.layer)) / devices for p in parts}
-    fetch = {p: (count[p] * to_gpu / s.h2d_bytes if p in host_parts else 0.0) for p in parts}
-    grad_bytes = DTYPE_BYTES[e.host_grad_dtype]
-    grads = {p: (count[p] * (4 if p in waiting else grad_bytes) / s.d2h_bytes if p in host_parts else 0.0)
-             for p in parts}
+    fetch = {p: (count[p] * to_gpu if p in host_parts else 0.0) for p in parts}
+    grads = {p: (count[p] * DTYPE_BYTES[e.host_grad_dtype] if p in host_parts - waiting else 0.0) for p in parts}
+    home = {p: count[p] * 4.0 for p in waiting}  # float32, copied home by the part's update task
     rate = s.host_update_rate(mode.name) / devices  # the host is shared by the GPUs' processes
-    split = mode.stream_copy and e.host_kernel
+    disk = set(roles.disk)
     host_update = {}
     for p in parts:
         if p in host_parts:
-            whole = count[p] / rate + (s.disk_seconds(p in roles.disk, count[p], mode.moment_bytes))
+            whole = count[p] / rate + s.disk_seconds(p in disk, count[p] * devices, mode.moment_bytes)
+            # split where the engine splits: fused kernel, 16-bit stream copy, gradient home, moments in memory
+            split = mode.stream_copy and e.host_kernel and p not in waiting and p not in disk
             host_update[p] = (whole * s.first_half_share, whole * (1 - s.first_half_share)) if split else (whole, 0.0)
     device_update = {p: count[p] * s.device_update_bytes_per_param / s.hbm_bytes for p in parts if p not in host_parts}
-    acts = rows // e.micro_batches * seq_len * cfg.hidden * activation_bytes(cfg) * e.micro_batches / s.h2d_bytes
-    return _Lengths(fwd, bwd, head, 2 * cfg.hidden * tokens / s.hbm_bytes, fetch, grads, acts, host_update,
+    micro_rows = rows // e.micro_batches
+    acts = e.micro_batches * (micro_rows * seq_len * cfg.hidden * activation_bytes(cfg) + (
+        kept_bytes(cfg, e, micro_rows, seq_len, assumes_flash(cfg)) if e.keep_residuals else 0))
+    return _Lengths(fwd, bwd, head, 2 * cfg.hidden * tokens / s.hbm_bytes, fetch, grads, home, acts, host_update,
                     device_update, s.dispatch)
 
 
@@ -154,18 +162,28 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
             stream_dtype: str | None = None, devices: int = 1) -> StepTime:
     """The steady-state seconds of one optimizer step of ``cfg`` under ``e`` (``resident_layers`` a number)
     with ``batch_rows`` rows of ``seq_len`` tokens, on ``devices`` GPUs of a machine with rates ``s``."""
-    if not isinstance(e.resident_layers, int):
-        raise ValueError("predict needs resident_layers as a number: resolve 'auto' first (plan.resolve)")
+    if not isinstance(e.resident_layers, int) or not isinstance(e.kept_layers, int):
+        raise ValueError("predict needs resident_layers and kept_layers as numbers: resolve 'auto' first "
+                         "(plan.resolve)")
     n = lengths(cfg, e, batch_rows, seq_len, s, stream_dtype, devices)
     free = dict.fromkeys(QUEUES, 0.0)
     busy = dict.fromkeys(QUEUES, 0.0)
     ready_host: dict[PartId, float] = {}  # when a part's weights are written for the next forward (first half)
-    ready_grads: dict[PartId, float] = {}  # when a part's gradient buffer is free again (its update read it)
     ends: list[float] = []
     h2d = d2h = 0.0
     offload = offloaded_blocks(cfg.layers, e.prefetch_depth, e.offload_activations)
     roles = host_roles(cfg, e)
     host_parts = set(roles.host_updated)
+
+    rates = {"h2d": s.h2d_bytes, "d2h": s.d2h_bytes}
+
+    def move(queue: str, start: float, nbytes: float) -> float:
+        nonlocal h2d, d2h
+        if queue == "h2d":
+            h2d += nbytes
+        else:
+            d2h += nbytes
+        return run(queue, start, nbytes / rates[queue])
 
     def run(queue: str, start: float, seconds: float) -> float:
         begin = max(start, free[queue])
@@ -177,18 +195,16 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
         fetched: dict[PartId, float] = {}
         computed: dict[PartId, float] = {}
         visits: list[float] = []  # when each block visit's compute ends (pacing)
-        step_busy = dict(busy)
-        for sub in _ops(cfg, e):
+        step_busy, bytes_before = dict(busy), (h2d, d2h)
+        for j, sub in enumerate(_ops(cfg, e)):
             for op in sub:
                 t = free["main"] + n.dispatch.get(op.kind, 0.0)
                 busy["main"] += n.dispatch.get(op.kind, 0.0)
                 if op.kind == "fetch":
                     t = max(t, ready_host.get(op.part, 0.0))  # the engine waits for the part's new weights
-                    fetched[op.part] = run("h2d", t, n.fetch[op.part])
-                    h2d += n.fetch[op.part] * s.h2d_bytes
+                    fetched[op.part] = move("h2d", t, n.fetch[op.part])
                 elif op.kind == "load_acts":
-                    fetched[op.part] = max(fetched[op.part], run("h2d", t, n.acts))
-                    h2d += n.acts * s.h2d_bytes
+                    fetched[op.part] = max(fetched[op.part], move("h2d", t, n.acts))
                 elif op.kind in ("forward", "backward"):
                     if op.micro == 0 and len(visits) >= BLOCKS_AHEAD:
                         t = max(t, visits[-BLOCKS_AHEAD])
@@ -202,55 +218,42 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
                 elif op.kind == "head":
                     computed[IO] = run("gpu", max(t, fetched.get(IO, 0.0)), n.head)
                 elif op.kind == "store_acts":
-                    run("d2h", max(t, computed[op.part]), n.acts)
-                    d2h += n.acts * s.d2h_bytes
+                    move("d2h", max(t, computed[op.part]), n.acts)
                 elif op.kind == "send_grads":
-                    start = max(t, free["gpu"] if op.part.is_io else computed[op.part],
-                                ready_grads.get(op.part, 0.0))
-                    run("d2h", start, n.grads[op.part])
-                    d2h += n.grads[op.part] * s.d2h_bytes
+                    start = max(t, free["gpu"] if op.part.is_io else computed[op.part])
+                    if j > 0 and n.grads[op.part]:  # accumulating: the earlier sum comes back to be added
+                        start = move("h2d", start, n.grads[op.part])
+                    move("d2h", start, n.grads[op.part])
                 elif op.kind == "grad_norm":  # the main thread reads the norm: the backward and its sends done
                     t = max(t, free["gpu"], free["d2h"])
                 elif op.kind == "update":
                     if op.part in host_parts:
-                        first, _ = n.host_update[op.part]
-                        ready_host[op.part] = run("host", t, first)
-                        if first and not n.host_update[op.part][1]:
-                            ready_grads[op.part] = ready_host[op.part]
+                        start = t
+                        if op.part in n.home:  # the task copies the waiting gradient home, then updates
+                            start = move("d2h", max(t, free["host"]), n.home[op.part])
+                        ready_host[op.part] = run("host", start, n.host_update[op.part][0])
                     else:
                         run("gpu", t, n.device_update[op.part])
-                elif op.kind == "commit":
+                elif op.kind == "commit":  # the second halves, last part first
                     for part in reversed([p for p in roles.host_updated if n.host_update[p][1]]):
-                        ready_grads[part] = run("host", t, n.host_update[part][1])
+                        run("host", t, n.host_update[part][1])
                 free["main"] = t
         ends.append(max(free["gpu"], free["main"]))
         last_busy = {q: busy[q] - step_busy[q] for q in QUEUES}
+        step_bytes = {"h2d": h2d - bytes_before[0], "d2h": d2h - bytes_before[1]}
     seconds = ends[-1] - ends[-2]
     per_step = dict(last_busy)
     bound = max(("gpu", "h2d", "d2h", "host", "main"), key=lambda q: per_step[q])
     resident = 1 - sum(cfg.block_param_count(p.layer) if not p.is_io else io_param_count(cfg)
                        for p in host_parts) / cfg.param_count()
-    return StepTime(seconds, bound, per_step, round(h2d / _STEPS), round(d2h / _STEPS), resident, s.name)
-
-
-def fastest(candidates: Iterable[EngineConfig], cfg: DecoderConfig, batch_rows: int, seq_len: int, s: Speeds,
-            **kw) -> tuple[EngineConfig, StepTime]:
-    """The candidate with the shortest predicted step (the first of equals), and its prediction."""
-    best = None
-    for e in candidates:
-        p = predict(cfg, e, batch_rows, seq_len, s, **kw)
-        if best is None or p.seconds < best[1].seconds * (1 - 1e-9):
-            best = (e, p)
-    if best is None:
-        raise ValueError("no candidate layout to time")
-    return best
+    return StepTime(seconds, bound, per_step, round(step_bytes["h2d"]), round(step_bytes["d2h"]), resident, s.name)
 
 
 def for_machine(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, machine: Machine,
                 speeds_file: str | None = None, stream_dtype: str | None = None) -> StepTime | None:
     """``predict`` on ``machine`` with its GPU kind's rates (``speeds.for_gpu``: a calibration file's fields on
     top); None where there is no GPU, or no rates for its kind and no file."""
-    if machine.gpu_name is None and speeds_file is None:
+    if machine.gpu_name is None and not (speeds_file or os.environ.get(SPEEDS_VAR)):
         return None
     s = for_gpu(machine.gpu_name, speeds_file, machine.host_cores)
     return None if s is None else predict(cfg, e, batch_rows, seq_len, s, stream_dtype, machine.gpus)
@@ -258,7 +261,8 @@ def for_machine(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: i
 
 def step_line(p: StepTime | None, tokens_per_step: int, machine: Machine) -> str:
     """The sentence ``train`` and ``plan`` print: the predicted step time and tokens/s (``p``, what
-    ``for_machine`` gave), or why there is none."""
+    ``for_machine`` gave; ``tokens_per_step``: an optimizer step's, every accumulated batch's), or why there is
+    none."""
     if p is None:
         why = "no GPU" if machine.gpu_name is None else f"no rates for a {machine.gpu_name}"
         return (f"  predicted step: none ({why}; megatrain-jax plan --gpu H200 or --speeds FILE predicts for a "
