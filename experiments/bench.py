@@ -240,8 +240,8 @@ def breakdown(engine: Engine, data, step_time: float) -> dict:
 
 def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
     """Bytes one GPU (the mesh's first) moves over PCIe in one optimizer step without accumulation: the
-    weights fetched and the gradients sent home (not offloaded activations, which no configuration here
-    uses)."""
+    weights fetched and the gradients sent home, in ``host_grad_dtype`` (float32 for those that wait on the
+    GPU; not offloaded activations, which no configuration here uses)."""
     from megatrain_jax.engine.schedule import step_ops
 
     ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth)
@@ -257,10 +257,15 @@ def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
             total += int(np.prod(shape)) * (itemsize or np.dtype(x.dtype).itemsize)
         return total
 
+    from megatrain_jax.engine.parts import HostRoles
+    from megatrain_jax.engine.precision import DTYPE_BYTES
+    e = engine.cfg
+    waiting = set(HostRoles.of(engine.lm.n_blocks, e.resident_layers, e.resident_io, e.grads_on_gpu,
+                               e.disk_parts).grads_on_gpu)  # float32, copied home by their update
     h2d = sum(shard_bytes(engine.state[op.part].streamed()) for op in ops
               if op.kind == "fetch" and op.part not in resident)
-    d2h = sum(shard_bytes(engine.state[op.part].params, 4) for op in ops
-              if op.kind == "send_grads" and op.part not in resident)
+    d2h = sum(shard_bytes(engine.state[op.part].params, 4 if op.part in waiting else DTYPE_BYTES[e.host_grad_dtype])
+              for op in ops if op.kind == "send_grads" and op.part not in resident)
     return {"h2d_bytes": h2d, "d2h_bytes": d2h, "total_bytes": h2d + d2h}
 
 

@@ -8,7 +8,8 @@ each remat policy given is run and the fastest is the run's result ("at its best
 Policies: ``nothing`` (every block recomputed in the backward, what the engine's streamed blocks do),
 ``dots`` (matrix products kept: ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``, what its
 ``kept_layers`` do), ``none`` (no remat: everything kept). A policy that runs out of GPU memory is recorded as
-such. Each run records where the model lives (every parameter on the GPU, no PCIe traffic per step).
+such. Each policy runs in a process of its own (its memory peaks are its own). Each run records where the
+model lives (every parameter on the GPU, no PCIe traffic per step).
 Dense models only (a routed block's statistics are not summed here).
 """
 
@@ -38,6 +39,7 @@ from megatrain_jax.data.demo import demo_tokens  # noqa: E402
 from megatrain_jax.flops import model_flops_per_token  # noqa: E402
 from megatrain_jax.loss import causal_lm_loss  # noqa: E402
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICIES = {"nothing": jax.checkpoint_policies.nothing_saveable,
             "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable, "none": None}
 
@@ -111,6 +113,19 @@ def run_policy(name: str, policy: str, warmup: int, timed: int) -> dict:
     return run
 
 
+def run_in_child(name: str, policy: str, warmup: int, timed: int) -> dict:
+    """``run_policy`` in a process of its own, so that its GPU and host peaks are its own (and a policy that
+    kills its process, out of memory, is recorded as such)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f"{name}:{policy}", "--warmup",
+                           str(warmup), "--steps", str(timed), "--out", "-"], capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode == 0 and lines:
+        return json.loads(lines[-1])
+    return {"system": "plain_jax_gpu", "config": name, "remat_policy": policy,
+            "status": f"error: the run's process ended with {proc.returncode}: {proc.stderr.strip()[-400:]}"}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="3p5b_8k", help="comma-separated names of bench.py's configs")
@@ -119,7 +134,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--out", required=True)
     ap.add_argument("--append", action="store_true", help="add the runs to the results file at --out if it exists")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # CONFIG:POLICY, one run, printed as JSON
     args = ap.parse_args(argv)
+    if args.child is not None:
+        name, policy = args.child.split(":")
+        run = run_policy(name, policy, args.warmup, args.steps)
+        print(json.dumps(run))
+        return run
     names, policies = args.configs.split(","), args.policies.split(",")
     for name in names:
         if name not in CONFIGS:
@@ -139,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in names:
         tried = []
         for p in policies:
-            tried.append(run_policy(name, p, args.warmup, args.steps))
+            tried.append(run_in_child(name, p, args.warmup, args.steps))
             print(f"plain_gpu {name} {p}: {tried[-1]['status']} {tried[-1].get('tokens_per_s')} tok/s", flush=True)
         ok = [r for r in tried if r["status"] == "ok"]
         best = max(ok, key=lambda r: r["tokens_per_s"]) if ok else None
