@@ -88,7 +88,7 @@ def results_header(out: str, script: str) -> dict:
             "command": f"PYTHONPATH=. python {script_path(script)} " + shlex.join(sys.argv[1:]),
             "git_commit": git_commit(), "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
             "device": {"name": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
-                       "host_ram_gib": round(pages / 2**30, 1)}}
+                       "host_ram_gib": round(pages / 2**30, 1), "cpu_cores": os.cpu_count()}}
 
 
 def pick_configs(ap, value: str, known) -> list[str]:

@@ -287,19 +287,22 @@ def run_zero3(args, ds_cfg: dict, run: dict, checkpoint) -> None:
             run["first_step_s"] = round(dt, 3)
             checkpoint(run)
 
-    timed = step_times[args.warmup:]
-    step_time = statistics.median(timed)
-    tokens_per_step = args.rows * args.seq
+    record_timed(run, step_times, losses, args.warmup, args.rows, args.seq)
+    run["grad_norms"] = [None if g is None else round(g, 4) for g in grad_norms]
+
+
+def record_timed(run: dict, step_times: list[float], losses: list[float], warmup: int, rows: int, seq: int) -> float:
+    """Into a peer's ``run``: the median step after ``warmup`` steps, tokens/s and model TFLOP/s (docs/results.md's
+    count), the losses and step times, status ok; returns the median step's seconds."""
+    step_time = statistics.median(step_times[warmup:])
     m = run["model"]
-    tps = tokens_per_step / step_time
+    tps = rows * seq / step_time
     run.update(step_time_s=round(step_time, 4), tokens_per_s=round(tps, 1),
-               model_tflops=round(tps * flops_per_token(m["params"], m["layers"], m["hidden"], args.seq) / 1e12, 1),
-               loss_first=losses[args.warmup], loss_last=losses[-1],
-               losses=[round(x, 4) for x in losses],
-               grad_norms=[None if g is None else round(g, 4) for g in grad_norms],
-               step_times=[round(x, 4) for x in step_times], status="ok")
-    finite = all(np.isfinite(x) for x in losses)
-    run["loss_finite_and_decreasing"] = bool(finite and losses[-1] < losses[0])
+               model_tflops=round(tps * flops_per_token(m["params"], m["layers"], m["hidden"], seq) / 1e12, 1),
+               loss_first=losses[warmup], loss_last=losses[-1], losses=[round(x, 4) for x in losses],
+               step_times=[round(x, 4) for x in step_times], status="ok",
+               loss_finite_and_decreasing=bool(all(np.isfinite(x) for x in losses) and losses[-1] < losses[0]))
+    return step_time
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,6 @@ Dense models only (a routed block's statistics are not summed here).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -32,7 +31,8 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import CONFIGS, device_info, gpu_peak_gib, host_peak_gib  # noqa: E402
+from bench import CONFIGS, gpu_peak_gib, host_peak_gib  # noqa: E402
+from child import pick_configs, results_header  # noqa: E402
 from megatrain_jax import Batch, Decoder, default_optimizer  # noqa: E402
 from megatrain_jax.data import TokenDataset, TokenFile  # noqa: E402
 from megatrain_jax.data.demo import demo_tokens  # noqa: E402
@@ -141,19 +141,11 @@ def main(argv: list[str] | None = None) -> dict:
         run = run_policy(name, policy, args.warmup, args.steps)
         print(json.dumps(run))
         return run
-    names, policies = args.configs.split(","), args.policies.split(",")
-    for name in names:
-        if name not in CONFIGS:
-            ap.error(f"unknown config {name!r}; known: {', '.join(sorted(CONFIGS))}")
+    names, policies = pick_configs(ap, args.configs, CONFIGS), args.policies.split(",")
     for p in policies:
         if p not in POLICIES:
             ap.error(f"unknown remat policy {p!r}; known: {', '.join(POLICIES)}")
-    commit = os.environ.get("MEGATRAIN_GIT_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
-    result = {"name": os.path.splitext(os.path.basename(args.out))[0],
-              "command": "PYTHONPATH=. python " + " ".join(["experiments/plain_gpu.py"] + (argv or sys.argv[1:])),
-              "git_commit": commit, "device": device_info(), "date": datetime.date.today().isoformat(),
-              "jax_version": jax.__version__, "runs": []}
+    result = {**results_header(args.out, __file__), "runs": []}
     if args.append and os.path.exists(args.out):
         with open(args.out) as f:
             result = json.load(f)

@@ -176,7 +176,6 @@ def check_transformers(peer: str) -> None:
 def run_slideformer(args, run: dict, checkpoint) -> None:
     torch = import_torch_cuda()
     check_transformers(args.peer)
-    import numpy as np
     import transformers
     from transformers import LlamaConfig
     try:
@@ -264,18 +263,9 @@ def run_slideformer(args, run: dict, checkpoint) -> None:
             run["first_step_s"] = round(dt, 3)
             checkpoint(run)
 
-    timed = step_times[args.warmup:]
-    step_time = statistics.median(timed)
-    tokens_per_step = args.rows * args.seq
-    m = run["model"]
-    tps = tokens_per_step / step_time
+    step_time = cz.record_timed(run, step_times, losses, args.warmup, args.rows, args.seq)
     own = calculate_flops_per_batch(base_model, args.rows, args.seq)
-    run.update(step_time_s=round(step_time, 4), tokens_per_s=round(tps, 1),
-               model_tflops=round(tps * cz.flops_per_token(m["params"], m["layers"], m["hidden"], args.seq) / 1e12, 1),
-               tflops_slideformer_formula=round(own / step_time / 1e12, 1),
-               loss_first=losses[args.warmup], loss_last=losses[-1], losses=[round(x, 4) for x in losses],
-               step_times=[round(x, 4) for x in step_times], status="ok")
-    run["loss_finite_and_decreasing"] = bool(all(np.isfinite(losses)) and losses[-1] < losses[0])
+    run["tflops_slideformer_formula"] = round(own / step_time / 1e12, 1)
     if timing_marks is not None:
         run["layer_timing_ms"] = layer_timing_since(model, timing_marks)
 

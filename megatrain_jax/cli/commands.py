@@ -132,8 +132,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from megatrain_jax.plan import (Machine, advice, gpu_fraction, in_each_mode, longest_seq_len, modes_table, plan,
                                     resolve)
-    from megatrain_jax.plan.speeds import SPEEDS, SPEEDS_VAR, for_gpu, kind_of
-    from megatrain_jax.plan.step_time import for_machine, step_line
+    from megatrain_jax.plan.speeds import SPEEDS, SPEEDS_VAR, kind_of
+    from megatrain_jax.plan.step_time import for_machine, machine_speeds, step_line
     cfg = load_config(args.config, args.overrides)
     host = None if args.host_gib is None else int(args.host_gib * GiB)
     gpu = None if args.gpu_gib is None else int(args.gpu_gib * GiB * gpu_fraction())
@@ -166,8 +166,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     p = plan(model_cfg, resolved.engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu,
              packed=packed, devices=machine.gpus, **end)
     if args.exact:
-        speeds = for_gpu(machine.gpu_name, args.speeds, machine.host_cores) if machine.gpu_name else None
-        p = _exact(p, cfg, model_cfg, disk_dir, speeds)
+        p = _exact(p, cfg, model_cfg, disk_dir, machine_speeds(machine, args.speeds))
     print(p.table())
     step = for_machine(model_cfg, p.engine_cfg, d.batch_size, d.seq_len, machine, args.speeds)
     print(step_line(step, d.batch_size * d.seq_len * p.engine_cfg.accumulate_steps, machine))  # an optimizer step

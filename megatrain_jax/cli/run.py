@@ -35,8 +35,7 @@ from megatrain_jax.observe.metrics import free_name, read_metrics
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.plan import (GiB, Machine, MemoryPlan, exact_plan, fit_host_pool, fitted_pool_limit, gpu_fraction,
                                 options, plan, require_fit, resolve)
-from megatrain_jax.plan.speeds import for_gpu
-from megatrain_jax.plan.step_time import for_machine, step_line
+from megatrain_jax.plan.step_time import for_machine, machine_speeds, step_line
 
 # The README demo: the tiny preset learns the synthetic Markov + induction corpus (megatrain_jax.data.demo)
 # from ln 256 = 5.5 nats to about 1.3 in a few hundred steps, about a minute on a 2-core CPU.
@@ -376,9 +375,8 @@ def _layout(cfg: RunConfig, model_cfg, model: nnx.Module,
     memory = plan(model_cfg, cfg.engine, d.batch_size, d.seq_len, host_pool_limit=host_pool_limit(), **kw)
     estimate, repicked = memory, None
     if gpu_at_hand() and not machine.several_processes:
-        speeds = for_gpu(machine.gpu_name, host_cores=machine.host_cores) if machine.gpu_name else None
         memory, repicked = exact_plan(model, memory, given=given, devices=t.devices, disk_dir=disk_dir,
-                                      check=t.memory_check, speeds=speeds)
+                                      check=t.memory_check, speeds=machine_speeds(machine))
         cfg = dataclasses.replace(cfg, engine=memory.engine_cfg)
     if t.memory_check:
         require_fit(memory, given)

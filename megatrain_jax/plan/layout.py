@@ -22,7 +22,6 @@ each role names) say which combinations are legal (``legal``); nothing here rest
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable
 
 from megatrain_jax.engine import precision
@@ -35,8 +34,8 @@ from megatrain_jax.plan.counts import GiB, host_roles
 from megatrain_jax.plan.machine import (GPU_FRAGMENTATION_MARGIN, Machine, available_disk_bytes, available_host_bytes,
                                         gpu_bytes_before_jax)
 from megatrain_jax.plan.memory import MemoryPlan, plan
-from megatrain_jax.plan.speeds import SPEEDS_VAR, Speeds, for_gpu
-from megatrain_jax.plan.step_time import predict
+from megatrain_jax.plan.speeds import Speeds
+from megatrain_jax.plan.step_time import machine_speeds, predict
 
 Changes = tuple[tuple[str, Any], ...]  # (``section.key``, value) pairs: ``("engine.micro_batches", 4), ...``
 
@@ -75,9 +74,7 @@ def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
                               devices=machine.gpus, packed=packed, export=export, checkpoints=checkpoints)
     if machine.disk_bytes is not None:
         kw["disk_bytes"] = machine.disk_bytes
-    known = machine.gpu_name is not None or os.environ.get(SPEEDS_VAR)  # a GPU kind, or a calibration file
-    speeds = for_gpu(machine.gpu_name, host_cores=machine.host_cores) if known else None
-    return Resolved(*_pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds))
+    return Resolved(*_pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, machine_speeds(machine)))
 
 
 def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
@@ -273,7 +270,7 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     gpu_fits = lambda e: planned(e).gpu_fits  # noqa: E731
     layers = model_cfg.layers
     most_kept_ = layers - offloaded_blocks(layers, engine_cfg.prefetch_depth, engine_cfg.offload_activations)
-    tried: list[tuple[float, EngineConfig]] = []
+    tried: list[tuple[float, EngineConfig, MemoryPlan]] = []
     for r in (range(_most_taken(model_cfg, engine_cfg)[0] + 1) if auto_r else [engine_cfg.resident_layers]):
         base = dataclasses.replace(zero, resident_layers=r)
         if not gpu_fits(base):
@@ -281,15 +278,15 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
         if auto_k:
             k = most_fitting(lambda k: gpu_fits(dataclasses.replace(base, kept_layers=k)), most_kept_)
             base = dataclasses.replace(base, kept_layers=k)
-        if not planned(base).fits:  # the host too (more resident blocks, less host memory)
+        p = planned(base)
+        if not p.fits:  # the host too (more resident blocks, less host memory)
             continue
         tried.append((predict(model_cfg, base, batch_rows, seq_len, speeds, devices=plan_kw.get("devices", 1)
-                              ).seconds, base))
+                              ).seconds, base, p))
     if not tried:
         return engine_cfg, None
-    seconds, best = min(tried, key=lambda t: t[0])  # the first of equals: the fewest resident blocks
+    seconds, best, p = min(tried, key=lambda t: t[0])  # the first of equals: the fewest resident blocks
     most = tried[-1]
-    p = plan(model_cfg, best, batch_rows, seq_len, detect=False, **plan_kw)
     asked = " and ".join(f"engine.{f}='auto'" for f, a in (("resident_layers", auto_r), ("kept_layers", auto_k)) if a)
     versus = ("" if most[1] == best or not auto_r else f"; the most resident blocks that fit, {most[1].resident_layers}"
               + (f" with {most[1].kept_layers} keeping products" if auto_k else "") + f", {most[0]:.2f} s")

@@ -249,13 +249,19 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     return StepTime(seconds, bound, per_step, round(step_bytes["h2d"]), round(step_bytes["d2h"]), resident, s.name)
 
 
-def for_machine(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, machine: Machine,
-                speeds_file: str | None = None, stream_dtype: str | None = None) -> StepTime | None:
-    """``predict`` on ``machine`` with its GPU kind's rates (``speeds.for_gpu``: a calibration file's fields on
-    top); None where there is no GPU, or no rates for its kind and no file."""
+def machine_speeds(machine: Machine, speeds_file: str | None = None) -> Speeds | None:
+    """The rates for ``machine``: its GPU kind's, on its host's cores, with a calibration file's fields on top
+    (``speeds_file``, else ``$MEGATRAIN_SPEEDS``; ``speeds.for_gpu``); None where neither a known GPU nor a
+    file gives them."""
     if machine.gpu_name is None and not (speeds_file or os.environ.get(SPEEDS_VAR)):
         return None
-    s = for_gpu(machine.gpu_name, speeds_file, machine.host_cores)
+    return for_gpu(machine.gpu_name, speeds_file, machine.host_cores)
+
+
+def for_machine(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, machine: Machine,
+                speeds_file: str | None = None, stream_dtype: str | None = None) -> StepTime | None:
+    """``predict`` on ``machine`` at ``machine_speeds``; None where there are no rates for it."""
+    s = machine_speeds(machine, speeds_file)
     return None if s is None else predict(cfg, e, batch_rows, seq_len, s, stream_dtype, machine.gpus)
 
 
