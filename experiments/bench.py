@@ -105,6 +105,12 @@ CONFIGS: dict[str, BenchConfig] = {
     "13b_8k": BenchConfig("llama2-13b", None, 2048, 4, EngineConfig(
         micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
         prefetch_depth=2)),
+    # 3.5B with nothing resident (issue 51's streamed rows, against SlideFormer, which keeps no parameter on the GPU
+    # between steps): every block and the embedding/head streamed each step, the kept blocks picked for speed.
+    "3p5b_8k_nothing_resident": BenchConfig("7b", 16, 2048, 4, EngineConfig(
+        micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True)),
+    "3p5b_32k_nothing_resident": BenchConfig("7b", 16, 2048, 16, EngineConfig(
+        micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True)),
     "3p5b_8k_recompute": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto",
                                                                      resident_io=True)),
     # A/B variants (NOTES, issue 33): the earlier fixed layouts (8 of 16 and 14 of 32 blocks resident; 8 at 8K,

@@ -85,8 +85,8 @@ def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: in
     pl = Placement(select_devices(1))  # one GPU's own link (the model's rate is per GPU)
     host = pl.to_host(jnp.zeros((1 << 29,), jnp.bfloat16))  # 1 GiB pinned
     jax.block_until_ready(host)
-    on_gpu = jax.device_put(host, dev)
-    h2d = best_seconds(lambda: jax.block_until_ready(jax.device_put(host, dev)), reps)
+    on_gpu = pl.to_device(host)
+    h2d = best_seconds(lambda: jax.block_until_ready(pl.to_device(host)), reps)
     d2h = best_seconds(lambda: jax.block_until_ready(pl.copy_to_host(on_gpu)), reps)
     x = jnp.ones((tokens, hidden), jnp.bfloat16)
     w_up, w_down = jnp.ones((hidden, ffn), jnp.bfloat16), jnp.ones((ffn, hidden), jnp.bfloat16)

@@ -1,18 +1,24 @@
 """The whole comparison with the peers in one script run: every target measured on the same machine, one
-results file (issue 4's targets; issue 12 raised the 7B bar to 450 model TFLOP/s).
+results file (issue 4's targets; issue 12 raised the 7B bar to 450 model TFLOP/s; issue 51's: SlideFormer where
+the model is streamed, plain GPU training where it fits, the step-time model's error on every run of ours).
 
     PYTHONPATH=/tmp/site:. python experiments/side_by_side.py --out $OUT/side_by_side.json
 
 In order, each in its own process (so each starts with the host memory to itself):
 1. host AdamW throughput: the engine's HostOptimizer as the engine runs it, the same fused kernel on
    ordinary numpy (pageable) arrays, and torch's fused CPU AdamW;
-2. 3.5B at 8,192 tokens/step: megatrain_jax (bench.py ``3p5b_8k``: the plan picks the GPU-resident blocks), then DeepSpeed ZeRO-3 offload (issue 33:
-   small batches, where the host update bounds the step), then SlideFormer (issue 51:
-   experiments/peers/slideformer_bench.py);
-3. 3.5B at 32,768 tokens/step: the same three (``3p5b_32k``); at both sizes the model also fits the GPU whole,
-   so plain all-GPU training runs too (experiments/plain_gpu.py, each remat policy);
-4. 3.5B at 98,304 tokens/step: the same pair (``3p5b_98k``);
-5. 7B at 32,768 tokens/step (``7b_32k``): megatrain_jax alone (ZeRO-3 cannot hold 7B on a 125 GiB host).
+2. 3.5B at 8,192 tokens/step, where the model fits the GPU: megatrain_jax (bench.py ``3p5b_8k``: the plan picks
+   the GPU-resident blocks), DeepSpeed ZeRO-3 offload (issue 33: small batches, where the host update bounds the
+   step), and plain all-GPU training (experiments/plain_gpu.py, each remat policy: the bar of this regime);
+3. 3.5B at 32,768 tokens/step: the same three (``3p5b_32k``);
+4. 3.5B with nothing resident (``streamed_8k``, ``streamed_32k``): megatrain_jax with every parameter streamed
+   each step (``3p5b_8k_nothing_resident``, ``3p5b_32k_nothing_resident``), then SlideFormer
+   (experiments/peers/slideformer_bench.py, which keeps no parameter on the GPU between steps), its run
+   labelled with the same config;
+5. 3.5B at 98,304 tokens/step: ours and ZeRO-3 (``3p5b_98k``);
+6. 7B at 32,768 tokens/step (``7b_32k``): megatrain_jax alone (ZeRO-3 cannot hold 7B on a 125 GiB host);
+7. not in the default ``--only``: ``13b`` and ``13b_8k``, Llama-2-13B's shape on one H200 of a 251 GiB host
+   (nvidia-h200-x2 with CUDA_VISIBLE_DEVICES=0), ours with the plan's layout against SlideFormer.
 
 SlideFormer's code is not in this repository: scripts/fetch_slideformer.sh brings it into .peers/slideformer
 (git-ignored; carry it and .whl to the GPU machine, scripts/build_peer_wheels.sh). Where it is absent the script
@@ -43,6 +49,12 @@ PEERS = {"slideformer": os.path.join(REPO, ".peers", "slideformer", "offload_tra
 # The bars (issue 33's for 8K, 32K, 7B and the host update; issue 4's for 98K and the GPU's idle share).
 BARS = {"3p5b_8k": 5.0, "3p5b_32k": 2.2, "3p5b_98k": 1.5, "7b_tflops": 470.0, "host_optimizer": 1.2,
         "gpu_idle": 0.10}
+# Issue 51's: ours over SlideFormer where the model is streamed (same config label on both runs), ours over the
+# better plain all-GPU run where the model fits, and the step-time model's error on every run of ours.
+SLIDEFORMER_BARS = {"3p5b_8k_nothing_resident": 1.2, "3p5b_32k_nothing_resident": 1.2, "13b_32k": 1.3,
+                    "13b_8k": 2.5}
+PLAIN_GPU_BAR = 0.95
+PREDICTION_BAR = 0.10
 
 
 def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
@@ -61,21 +73,24 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
                   "--out", tmp_host]),
         ("8k", bench + ["--configs", "3p5b_8k", "--steps", str(args.steps_8k)]),
         ("8k", ds + ["--layers", "16", "--rows", "4", "--micro", "4"]),
-        ("8k", sf + ["--layers", "16", "--rows", "4"]),
         ("8k", plain + ["--configs", "3p5b_8k"]),
         ("32k", bench + ["--configs", "3p5b_32k", "--steps", str(args.steps)]),
         ("32k", ds + ["--layers", "16", "--rows", "16"]),
-        ("32k", sf + ["--layers", "16", "--rows", "16"]),
         ("32k", plain + ["--configs", "3p5b_32k"]),
+        # nothing resident (issue 51): ours with every parameter streamed each step, against SlideFormer
+        ("streamed_8k", bench + ["--configs", "3p5b_8k_nothing_resident", "--steps", str(args.steps_8k)]),
+        ("streamed_8k", sf + ["--layers", "16", "--rows", "4", "--config", "3p5b_8k_nothing_resident"]),
+        ("streamed_32k", bench + ["--configs", "3p5b_32k_nothing_resident", "--steps", str(args.steps)]),
+        ("streamed_32k", sf + ["--layers", "16", "--rows", "16", "--config", "3p5b_32k_nothing_resident"]),
         ("98k", bench + ["--configs", "3p5b_98k", "--steps", str(args.steps_98k)]),
         ("98k", ds + ["--layers", "16", "--rows", "48"]),
         ("7b", bench + ["--configs", "7b_32k", "--steps", str(args.steps)]),
         # where the model does not fit on the GPU (issue 51): 13B on one H200 of a 251 GiB host
         # (nvidia-h200-x2 with CUDA_VISIBLE_DEVICES=0); not in the default --only
         ("13b", bench + ["--configs", "13b_32k", "--steps", str(args.steps)]),
-        ("13b", sf + ["--preset", "13b", "--rows", "16"]),
+        ("13b", sf + ["--preset", "13b", "--rows", "16", "--config", "13b_32k"]),
         ("13b_8k", bench + ["--configs", "13b_8k", "--steps", str(args.steps_8k)]),
-        ("13b_8k", sf + ["--preset", "13b", "--rows", "4"]),
+        ("13b_8k", sf + ["--preset", "13b", "--rows", "4", "--config", "13b_8k"]),
     ]
 
 
@@ -133,6 +148,32 @@ def targets(result: dict) -> dict:
                   if r.get("system") == "megatrain_jax" and "breakdown" in r}
         out["gpu_idle_fraction"] = {"per_config": idle, "beyond_device_update": beyond, "bar": BARS["gpu_idle"],
                                     "met": all(v <= BARS["gpu_idle"] for v in idle.values())}
+    for config, bar in SLIDEFORMER_BARS.items():
+        ours, sf = _run(config, "megatrain_jax", runs), _run(config, "slideformer", runs)
+        if ours and sf and ours.get("tokens_per_s") and sf.get("tokens_per_s"):
+            ratio = ours["tokens_per_s"] / sf["tokens_per_s"]
+            out[f"{config}_vs_slideformer"] = {
+                "ours_tokens_per_s": ours["tokens_per_s"], "slideformer_tokens_per_s": sf["tokens_per_s"],
+                "ratio": round(ratio, 3), "bar": bar, "met": ratio >= bar,
+                "ours_gpu_resident_param_share": (ours.get("predicted_step") or {}).get("resident_share"),
+                "slideformer_gpu_resident_param_share": sf.get("gpu_resident_param_share")}
+    for config in ("3p5b_8k", "3p5b_32k"):
+        ours = _run(config, "megatrain_jax", runs)
+        plain = [r for r in runs if r.get("config") == config and r.get("system") == "plain_jax_gpu"
+                 and r.get("tokens_per_s")]
+        if ours and ours.get("tokens_per_s") and plain:
+            best = max(plain, key=lambda r: r["tokens_per_s"])
+            ratio = ours["tokens_per_s"] / best["tokens_per_s"]
+            out[f"{config}_vs_plain_gpu"] = {"ours_tokens_per_s": ours["tokens_per_s"],
+                                             "plain_gpu_tokens_per_s": best["tokens_per_s"],
+                                             "plain_gpu_remat_policy": best.get("remat_policy"),
+                                             "ratio": round(ratio, 3), "bar": PLAIN_GPU_BAR,
+                                             "met": ratio >= PLAIN_GPU_BAR}
+    errors = {r["config"]: r["step_time_error"] for r in runs
+              if r.get("system") == "megatrain_jax" and r.get("step_time_error") is not None}
+    if errors:
+        out["predicted_step_time"] = {"error_per_config": errors, "bar": PREDICTION_BAR,
+                                      "met": all(abs(e) <= PREDICTION_BAR for e in errors.values())}
     out["all_met"] = bool(out) and all(v.get("met") for v in out.values() if isinstance(v, dict))
     return out
 
@@ -140,7 +181,7 @@ def targets(result: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--only", default="host,8k,32k,98k,7b")
+    ap.add_argument("--only", default="host,8k,32k,streamed_8k,streamed_32k,98k,7b")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6, help="timed steps of megatrain_jax at 32K")
     ap.add_argument("--steps-98k", type=int, default=4)
