@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import resource
 import shutil
@@ -301,7 +302,7 @@ def record_timed(run: dict, step_times: list[float], losses: list[float], warmup
                model_tflops=round(tps * flops_per_token(m["params"], m["layers"], m["hidden"], seq) / 1e12, 1),
                loss_first=losses[warmup], loss_last=losses[-1], losses=[round(x, 4) for x in losses],
                step_times=[round(x, 4) for x in step_times], status="ok",
-               loss_finite_and_decreasing=bool(all(np.isfinite(x) for x in losses) and losses[-1] < losses[0]))
+               loss_finite_and_decreasing=bool(all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]))
     return step_time
 
 

@@ -7,7 +7,8 @@ What it measures, each as the model reads it (``megatrain_jax.plan.speeds.Speeds
 
 - the host update of each precision mode, with the fused kernel on every core this process may use: full
   precision as the engine runs it (split in two passes: the bfloat16 stream copy, then masters and moments;
-  ``first_half_share`` is the first pass's share of the two), the lean mode (one pass, no copy), capacity
+  ``first_half_share`` is the first pass's share of the two; ``one_pass_speedup``, how much faster the same
+  update runs in one pass, ``split_update=false``), the lean mode (one pass, no copy), capacity
   mode and 8-bit moments; ``host_cores`` is the cores it ran on;
 - on a GPU: PCIe each way (pinned host memory to the GPU and back, 1 GiB, best of a few); and, recorded apart
   as ceilings (``gpu_kernel_ceilings``, not written to the calibration file: the model's compute rates are a
@@ -53,6 +54,7 @@ def host_rates(n: int, reps: int) -> dict:
     copy = np.zeros(n, np.uint16)
     first = best_seconds(lambda: host_kernel.adamw_numpy(p, m, v, g, copy, stream_only=True, lib=lib, **HP), reps)
     commit = best_seconds(lambda: host_kernel.adamw_numpy(p, m, v, g, None, lib=lib, **HP), reps)
+    whole = best_seconds(lambda: host_kernel.adamw_numpy(p, m, v, g, copy, lib=lib, **HP), reps)  # one pass
     rates = {"full": n / (first + commit), "lean": n / commit}
     del p, m, v, g, copy
     pb, mb, vb = (np.full(n, x, np.uint16) for x in (0x3F00, 0, 0))
@@ -69,7 +71,8 @@ def host_rates(n: int, reps: int) -> dict:
     rates["q8"] = pq.size / best_seconds(lambda: adamw_q8_numpy(pq, mq, vq, ma, va, gq, block=Q8_BLOCK, seed=0,
                                                                 lib=lib, **HP), reps)
     return {"host_update": {k: round(v, -6) for k, v in rates.items()},
-            "first_half_share": round(first / (first + commit), 3), "host_cores": len(os.sched_getaffinity(0))}
+            "first_half_share": round(first / (first + commit), 3),
+            "one_pass_speedup": round((first + commit) / whole, 3), "host_cores": len(os.sched_getaffinity(0))}
 
 
 def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: int) -> tuple[dict, dict]:

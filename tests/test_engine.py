@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from types import SimpleNamespace
 
 import jax
@@ -349,6 +350,26 @@ def test_gradients_waiting_on_the_gpu_with_a_bfloat16_stream_copy():
     held = _trained(EngineConfig(grads_on_gpu=2))
     for a, b in zip(jax.tree.leaves(split.state), jax.tree.leaves(held.state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("split_parts", [0, 2])
+def test_updates_in_one_pass_train_exactly_as_split_ones(split_parts):
+    """``split_parts``: the last parts in update order split, the others update in one pass; masters,
+    moments and stream copies are bitwise the all-split run's."""
+    split = _trained(EngineConfig(clip_norm=0.05))
+    mixed = _trained(EngineConfig(clip_norm=0.05, split_parts=split_parts))
+    assert mixed.policy.split == {PartId.block(i) for i in range(3 - split_parts, 3)}
+    for a, b in zip(jax.tree.leaves(split.state), jax.tree.leaves(mixed.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_stream_copies_track_masters(mixed)
+
+
+@pytest.mark.parametrize("bad, says", [(-1, "split_parts must be an integer >= 0 or 'auto'"),
+                                       (True, "split_parts must be an integer >= 0 or 'auto'"),
+                                       (5, "split_parts=5: set an integer from 0 to the 4 parts")])
+def test_a_split_count_out_of_range_is_refused(bad, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(split_parts=bad))
 
 
 def test_more_gradients_on_the_gpu_than_host_updated_parts_is_refused():

@@ -63,6 +63,33 @@ def test_side_by_side_verdict_checks_every_bar():
         assert not verdict[key]["met"] and not verdict["all_met"], key
 
 
+def test_side_by_side_checks_issue_51s_bars():
+    """SlideFormer against ours where both stream the model (same config label), ours against the better
+    plain all-GPU run where it fits, and the step-time model's error on each run of ours."""
+    targets = load_script("side_by_side").targets
+    runs = [{"system": "megatrain_jax", "config": "3p5b_8k_nothing_resident", "tokens_per_s": 6600.0,
+             "step_time_error": -0.06, "predicted_step": {"resident_share": 0.0}},
+            {"system": "slideformer", "config": "3p5b_8k_nothing_resident", "tokens_per_s": 5500.0,
+             "gpu_resident_param_share": 0.0},
+            {"system": "megatrain_jax", "config": "3p5b_8k", "tokens_per_s": 22700.0, "step_time_error": 0.11},
+            {"system": "plain_jax_gpu", "config": "3p5b_8k", "remat_policy": "nothing", "tokens_per_s": 19953.0},
+            {"system": "plain_jax_gpu", "config": "3p5b_8k", "remat_policy": "dots", "tokens_per_s": 23793.0}]
+    v = targets({"runs": runs})
+    sf = v["3p5b_8k_nothing_resident_vs_slideformer"]
+    assert sf["ratio"] == 1.2 and sf["met"] and sf["ours_gpu_resident_param_share"] == 0.0
+    plain = v["3p5b_8k_vs_plain_gpu"]
+    assert plain["plain_gpu_remat_policy"] == "dots" and plain["ratio"] == 0.954 and plain["met"]
+    assert not v["predicted_step_time"]["met"] and not v["all_met"]
+
+
+def test_a_peers_timed_steps_are_recorded_with_their_median():
+    run = {"model": {"params": 3_500_000_000, "layers": 16, "hidden": 4096}}
+    step = load_script("compare_zero3").record_timed(run, [6.0, 1.5, 1.4, 1.6, 1.5], [11.2, 11.1, 11.0, 10.9, 10.8],
+                                                     1, 4, 2048)
+    assert step == 1.5 and run["tokens_per_s"] == round(8192 / 1.5, 1) and run["status"] == "ok"
+    assert run["loss_finite_and_decreasing"] is True
+
+
 def test_side_by_side_verdict_without_a_peer_run_claims_nothing():
     runs = [r for r in _runs() if r["system"] != "deepspeed_zero3"]
     verdict = load_script("side_by_side").targets({"runs": runs})

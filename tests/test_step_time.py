@@ -217,3 +217,35 @@ def test_a_calibration_file_refuses_flags_and_non_finite_rates(tmp_path):
         f.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match="positive number"):
             from_file(f, H100)
+
+
+def test_a_host_bound_step_splits_fewer_updates_and_a_gpu_bound_one_all():
+    """``split_parts`` "auto": where the host update bounds the step (few rows), some parts update in one pass
+    (fewer bytes; the short backward hides only a few second passes), and the pick is the fastest count; where
+    the GPU bounds it (many rows), every part splits. Without a GPU to plan for it stays "auto"."""
+    from megatrain_jax.plan import resolve
+    cfg = preset("7b", layers=16, vocab_size=32000)
+    e = EngineConfig(micro_batches=1, resident_layers=0, kept_layers="auto", keep_residuals=True)
+    machine = Machine(118 * 2**30, 132 * 2**30, gpu_name="NVIDIA H200")
+    small = resolve(cfg, e, 4, 2048, machine)
+    k = small.engine_cfg.split_parts
+    assert isinstance(k, int) and 0 <= k < cfg.layers + 1
+    assert "engine.split_parts='auto'" in small.said, small.said
+    times = [predict(cfg, dataclasses.replace(small.engine_cfg, split_parts=j), 4, 2048, SPEEDS["H200"]).seconds
+             for j in range(cfg.layers + 2)]
+    assert times[k] == min(times) and times[k] < times[-1]
+    long = resolve(cfg, e, 16, 2048, machine).engine_cfg
+    assert long.split_parts == cfg.layers + 1
+    assert resolve(cfg, e, 4, 2048, Machine(118 * 2**30, None)).engine_cfg.split_parts == "auto"
+
+
+def test_an_update_in_one_pass_runs_at_its_own_rate():
+    """A part left whole by ``split_parts`` takes its mode's rate times ``one_pass_speedup``, in the first
+    half's slot (the next forward waits for all of it); a split one, the two halves at the mode's rate."""
+    e = EngineConfig(micro_batches=1, stream_dtype="bfloat16", split_parts=3)
+    n = lengths(CFG, e, 8, 2048, H100)
+    whole, split = n.host_update[PartId.block(0)], n.host_update[PartId.block(7)]
+    count = CFG.block_param_count(0)
+    assert whole[1] == 0 and math.isclose(whole[0], count / (H100.host_update["full"] * H100.one_pass_speedup))
+    assert math.isclose(sum(split), count / H100.host_update["full"])
+    assert [p for p, (a, b) in n.host_update.items() if b > 0] == [PartId.block(i) for i in (5, 6, 7)]

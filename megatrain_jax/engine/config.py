@@ -81,6 +81,18 @@ class EngineConfig:
       ``kept_layers="auto"``: ``megatrain-jax train`` and ``plan`` pick the count with ``resident_layers``
       (``plan.resolve``): the pair the step-time model finds fastest among those that fit, where the GPU's rates
       are known; else none.
+    - ``split_parts``: with the fused kernel and a bfloat16 stream copy (full precision), a host part's
+      update may run in two passes: the first writes only the stream copy the next forward fetches, the
+      second (queued after every part's first, last part first) the float32 masters and moments. The next
+      forward then waits for the lighter pass, at the price of reading masters, moments and gradient twice
+      (about 46 bytes per parameter against 30 in one pass); the second passes run beside the backward.
+      The last ``split_parts`` host-updated parts in update order (io, then the blocks) split; the others
+      update in one pass. Small batches, where the host update bounds the step, want few (the backward is
+      too short to hide many second passes); long ones all. "auto": ``megatrain-jax train`` and ``plan``
+      pick the count by the step-time model where the GPU's rates are known (``plan.resolve``); an
+      ``Engine`` given "auto" splits them all. The same numbers either way: only when bytes are written
+      changes. Parts whose gradient waits on the GPU (``grads_on_gpu``) or whose moments are on disk
+      (``disk_parts``) never split.
     """
 
     micro_batches: int = 1
@@ -101,6 +113,7 @@ class EngineConfig:
     offload_activations: int = 0
     keep_residuals: bool = False
     kept_layers: int | Literal["auto"] = 0
+    split_parts: int | Literal["auto"] = AUTO
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
@@ -124,6 +137,9 @@ class EngineConfig:
         if self.kept_layers != AUTO and (not isinstance(self.kept_layers, int) or isinstance(self.kept_layers, bool)
                                          or self.kept_layers < 0):
             raise ValueError(f"EngineConfig.kept_layers must be an integer >= 0 or 'auto', got {self.kept_layers!r}")
+        if self.split_parts != AUTO and (not isinstance(self.split_parts, int) or isinstance(self.split_parts, bool)
+                                         or self.split_parts < 0):
+            raise ValueError(f"EngineConfig.split_parts must be an integer >= 0 or 'auto', got {self.split_parts!r}")
         if not isinstance(self.disk_parts, int) or self.disk_parts < 0:
             raise ValueError(f"EngineConfig.disk_parts must be an integer >= 0, got {self.disk_parts!r}")
         check_precision(self)  # the precision settings make one mode, which can run the rest (the table's rules)

@@ -111,7 +111,8 @@ class Engine:
                              f"with a capacity factor, or leave capacity_factor unset (dropless)")
         stream_dtype = jnp.dtype(streamed_dtype(config, getattr(model.cfg, "dtype", "float32")))
         self._observers: list = []
-        self.policy = UpdatePolicy(optimizer, self.placement, stream_dtype, config, self._observers)
+        self.policy = UpdatePolicy(optimizer, self.placement, stream_dtype, config, self._observers,
+                                   split=roles.splitting(config.split_parts))
         self.fns = device_fns(self.lm, self.placement)
         self.state = initial_state(model, self.placement, nnx.Rngs(seed).params(), self.policy.opt.fresh,
                                    self.policy.opt.home, init_from=init_from)

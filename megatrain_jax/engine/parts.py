@@ -87,6 +87,20 @@ class HostRoles:
             raise ValueError(f"disk_parts={disk_parts} exceeds the {len(blocks)} blocks updated on the host")
         return cls(host, host[:grads_on_gpu], tuple(blocks[len(blocks) - disk_parts:]))
 
+    def splitting(self, split_parts: int | str) -> tuple[PartId, ...]:
+        """The host parts whose update runs in two passes where the optimizer splits
+        (``EngineConfig.split_parts``): the last ``split_parts`` in update order, "auto" all of them; never
+        one whose gradient waits on the GPU or whose moments are on disk."""
+        order = sorted(self.host_updated, key=lambda p: p.index)
+        if split_parts == "auto":
+            chosen = order
+        elif isinstance(split_parts, int) and 0 <= split_parts <= len(order):
+            chosen = order[len(order) - split_parts:]
+        else:
+            raise ValueError(f"split_parts={split_parts!r}: set an integer from 0 to the {len(order)} parts updated "
+                             f"on the host, or 'auto'")
+        return tuple(p for p in chosen if p not in self.grads_on_gpu and p not in self.disk)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass

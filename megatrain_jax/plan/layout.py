@@ -92,6 +92,32 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
 
 def _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,
           speeds: Speeds | None = None) -> tuple[EngineConfig, str | None]:
+    picked, said = _pick_layout(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds)
+    picked, split = split_parts(model_cfg, picked, batch_rows, seq_len, speeds, kw.get("devices", 1))
+    return picked, "; ".join(w for w in (said, split) if w) or None
+
+
+def split_parts(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
+                speeds: Speeds | None, devices: int = 1) -> tuple[EngineConfig, str | None]:
+    """``split_parts`` where it is "auto" and ``speeds`` are known: the count the step-time model finds fastest
+    (the most among equals: the engine's own choice). Returns the config and, where fewer than every part
+    split, a sentence."""
+    if engine_cfg.split_parts != AUTO or speeds is None:
+        return engine_cfg, None
+    n = len(host_roles(model_cfg, engine_cfg).host_updated)
+    times = {k: predict(model_cfg, dataclasses.replace(engine_cfg, split_parts=k), batch_rows, seq_len, speeds,
+                        devices=devices).seconds for k in range(n + 1)}
+    best = min(sorted(times, reverse=True), key=lambda k: times[k])
+    picked = dataclasses.replace(engine_cfg, split_parts=best)
+    if best == n:
+        return picked, None
+    return picked, (f"engine.split_parts='auto': {best} of the {n} host-updated parts update in two passes, the "
+                    f"rest in one ({times[best]:.2f} s per step against {times[n]:.2f} s with all split, by the "
+                    f"step-time model at {speeds.name})")
+
+
+def _pick_layout(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,
+                 speeds: Speeds | None = None) -> tuple[EngineConfig, str | None]:
     fast = None
     if speeds is not None and AUTO in (engine_cfg.resident_layers, engine_cfg.kept_layers):
         engine_cfg, fast = fastest(model_cfg, engine_cfg, batch_rows, seq_len, speeds, **kw)

@@ -36,7 +36,8 @@ class Speeds:
     - ``hbm_bytes`` and ``device_update_bytes_per_param``: a GPU-resident part's AdamW is memory-bound.
     - ``host_update``: parameters per second of a host part's AdamW inside a step (beside the transfers), per
       precision mode (``engine.precision``'s names); ``first_half_share``: the part of it the split update's
-      first half (the stream copy the next forward waits for) takes.
+      first half (the stream copy the next forward waits for) takes; ``one_pass_speedup``: how much faster
+      than its two halves together a splitting mode's update runs in one pass (``split_update=false``).
     - ``host_cores``: the cores of the host the host update rates were measured on; on a host with other
       cores the rates scale by (cores / host_cores) ** ``CORE_SCALING`` (``on_host``).
     - ``disk_bytes``: the disk tier's read + write rate.
@@ -58,13 +59,20 @@ class Speeds:
     dispatch: dict[str, float]
     host_cores: int = 16
     source: str = ""
+    # about 30 bytes per parameter in one pass against 46 in two; the fused kernel alone on the H200's 16-core
+    # host: 4.58 G params/s in one pass (h200_host_update_profile_08c2422.json), 3.00 in two
+    # (h200_measure_speeds_d5d7c51.json)
+    one_pass_speedup: float = 1.5
 
-    def host_update_rate(self, mode: str) -> float:
+    def host_update_rate(self, mode: str, one_pass: bool = False) -> float:
+        """Parameters per second of ``mode``'s host update; ``one_pass``: a splitting mode's update run
+        whole (``split_update=false``)."""
         try:
-            return self.host_update[mode]
+            rate = self.host_update[mode]
         except KeyError:
             raise ValueError(f"no host update rate for precision mode {mode!r} in {self.name}: give one in the "
                              f"calibration file's host_update") from None
+        return rate * self.one_pass_speedup if one_pass else rate
 
     def disk_seconds(self, on_disk: bool, params: float, moment_bytes: int) -> float:
         """A disk-tier part's moments read before and written after its update."""

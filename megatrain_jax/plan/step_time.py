@@ -112,7 +112,7 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     stream = stream_dtype or e.stream_dtype or cfg.dtype
     to_gpu = stream_bytes(mode.to_gpu_dtype(stream, cfg.dtype))
     roles = host_roles(cfg, e)
-    host_parts, waiting = set(roles.host_updated), set(roles.grads_on_gpu)
+    host_parts, waiting, splitting = set(roles.host_updated), set(roles.grads_on_gpu), set(roles.splitting(e.split_parts))
     kept = set(range(cfg.layers - e.kept_layers, cfg.layers))
     fwd, bwd = {}, {}
     for i in range(cfg.layers):
@@ -133,14 +133,16 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     fetch = {p: (count[p] * to_gpu if p in host_parts else 0.0) for p in parts}
     grads = {p: (count[p] * DTYPE_BYTES[e.host_grad_dtype] if p in host_parts - waiting else 0.0) for p in parts}
     home = {p: count[p] * 4.0 for p in waiting}  # float32, copied home by the part's update task
-    rate = s.host_update_rate(mode.name) / devices  # the host is shared by the GPUs' processes
     disk = set(roles.disk)
     host_update = {}
     for p in parts:
         if p in host_parts:
+            # split where the engine splits: fused kernel, 16-bit stream copy, gradient home, moments in memory;
+            # where it could but split_parts leaves it whole, one pass at its own rate
+            can_split = mode.stream_copy and e.host_kernel and p not in waiting and p not in disk
+            split = can_split and p in splitting
+            rate = s.host_update_rate(mode.name, one_pass=can_split and not split) / devices  # a shared host
             whole = count[p] / rate + s.disk_seconds(p in disk, count[p] * devices, mode.moment_bytes)
-            # split where the engine splits: fused kernel, 16-bit stream copy, gradient home, moments in memory
-            split = mode.stream_copy and e.host_kernel and p not in waiting and p not in disk
             host_update[p] = (whole * s.first_half_share, whole * (1 - s.first_half_share)) if split else (whole, 0.0)
     device_update = {p: count[p] * s.device_update_bytes_per_param / s.hbm_bytes for p in parts if p not in host_parts}
     micro_rows = rows // e.micro_batches

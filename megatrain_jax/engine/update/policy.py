@@ -7,8 +7,9 @@ Per optimizer step, on the main thread, in this order:
    the step applies (loss and norm finite). It queues the decision's *resolution* on the host worker.
 2. ``update(part, ...)`` for each part in forward order (io, block 0, block 1, ...): GPU-resident parts
    update on the device at once (a skipped step keeps the old values there); host parts queue their
-   update. With the fused AdamW and a bfloat16 stream copy the update is split in two halves: the first
-   writes only the stream copy the next forward needs; the second, the fp32 masters and moments.
+   update. With the fused AdamW and a bfloat16 stream copy the update is split in two halves (the
+   parts ``EngineConfig.split_parts`` names): the first writes only the stream copy the next forward needs;
+   the second, the fp32 masters and moments.
 3. ``commit()`` queues the second halves, last part first (the next backward sends that part's gradients
    first, and each gradient buffer is released once its part commits).
 
@@ -127,10 +128,11 @@ class UpdatePolicy:
     count. See the module docstring for the order it relies on."""
 
     def __init__(self, tx: optax.GradientTransformation, placement: Placement, stream_dtype: Any,
-                 config: EngineConfig, observers: Sequence = ()):
+                 config: EngineConfig, observers: Sequence = (), split: Sequence[PartId] | None = None):
         self.placement = placement
         precision = mode_of(config, jnp.dtype(stream_dtype).name)  # the mode's record: what the host keeps
         self.opt = HostOptimizer(tx, placement, stream_dtype, use_kernel=config.host_kernel, precision=precision)
+        self.split = None if split is None else set(split)  # the parts whose update may split (None: every one)
         self.device = DeviceUpdater(tx, placement, self.opt.stream_dtype)
         self.worker = HostUpdater(observers)
         self.max_nonfinite = config.max_nonfinite_steps
@@ -186,7 +188,7 @@ class UpdatePolicy:
         their update is never split (a second half would keep the host copy until the step's commit). Nor
         is a disk-tier part's: its moments are in memory for one update, not until the commit."""
         on_disk = self.disk_tier is not None and part in self.disk_tier.parts
-        split = self.opt.splits and not on_device and not on_disk
+        split = self.opt.splits and (self.split is None or part in self.split) and not on_device and not on_disk
 
         def first() -> int | None:
             if not decision.applies:
