@@ -146,9 +146,13 @@ def main(argv: list[str] | None = None) -> dict:
         if p not in POLICIES:
             ap.error(f"unknown remat policy {p!r}; known: {', '.join(POLICIES)}")
     result = {**results_header(args.out, __file__), "runs": []}
-    if args.append and os.path.exists(args.out):
+    if args.append and os.path.exists(args.out):  # another script's file: this command goes beside its own
+        command = result["command"]
         with open(args.out) as f:
             result = json.load(f)
+        if command not in result.get("commands", [result.get("command")]):
+            result["commands"] = result.get("commands", [result.get("command")]) + [command]
+            result["command"] = " && ".join(result["commands"])
     for name in names:
         tried = []
         for p in policies:

@@ -5,7 +5,8 @@
   the command line picked before the decision moved out of it (``EXPECTED``: computed by ``lean_engine`` at commit
   db48629, where ``train`` and ``plan`` each held a copy; then recomputed once, when the host plan began counting
   the GPU client's host memory and the pinned pool's measured overhead (2026-11-29): eight cases of the 60 GiB host
-  changed, each to a leaner layout);
+  changed, each to a leaner layout; and h200_7b_32k's, when it shipped with resident_layers and kept_layers
+  "auto" (2026-11-29): with no GPU kind named here, the most resident blocks that fit and none kept);
 - the GPUs a run spreads over are counted in one place (``run_gpus``);
 - the engine config is the judge of which candidates combine (``legal``).
 """
@@ -81,12 +82,26 @@ EXPECTED = {
     ('h100_sft_8b', 'auto', 60, 80): {'resident_layers': 11},
     ('h100_sft_8b', 'auto', 250, 141): {'resident_layers': 20},
     ('h100_sft_8b', 'auto', 1000, 24): {'resident_layers': 0},
-    ('h200_7b_32k', 'auto', 125, 80): {'resident_layers': 18},
-    ('h200_7b_32k', 'auto', 96, 80): {'resident_layers': 18},
-    ('h200_7b_32k', 'auto', 60, 80): {'resident_layers': 18},
-    ('h200_7b_32k', 'auto', 250, 141): {'resident_layers': 32},
-    ('h200_7b_32k', 'auto', 1000, 24): {'resident_layers': 0, 'offload_activations': 2},
-    ('h200_7b_32k', 'capacity', 60, 80): {'grads_on_gpu': 29},
+    ('h200_7b_32k', '', 125, 80): {'resident_layers': 18, 'kept_layers': 0},
+    ('h200_7b_32k', '', 96, 80): {'resident_layers': 18, 'kept_layers': 0},
+    ('h200_7b_32k', '', 60, 80): {'resident_layers': 18, 'kept_layers': 0},
+    ('h200_7b_32k', '', 250, 141): {'resident_layers': 32, 'kept_layers': 0},
+    ('h200_7b_32k', '', 1000, 24): {'resident_layers': 0, 'offload_activations': 2, 'kept_layers': 0},
+    ('h200_7b_32k', 'auto', 125, 80): {'resident_layers': 18, 'kept_layers': 0},
+    ('h200_7b_32k', 'auto', 96, 80): {'resident_layers': 18, 'kept_layers': 0},
+    ('h200_7b_32k', 'auto', 60, 80): {'resident_layers': 18, 'kept_layers': 0},
+    ('h200_7b_32k', 'auto', 250, 141): {'resident_layers': 32, 'kept_layers': 0},
+    ('h200_7b_32k', 'auto', 1000, 24): {'resident_layers': 0, 'offload_activations': 2, 'kept_layers': 0},
+    ('h200_7b_32k', 'capacity', 125, 80): {'kept_layers': 0},
+    ('h200_7b_32k', 'capacity', 96, 80): {'kept_layers': 0},
+    ('h200_7b_32k', 'capacity', 60, 80): {'grads_on_gpu': 29, 'kept_layers': 0},
+    ('h200_7b_32k', 'capacity', 250, 141): {'kept_layers': 0},
+    ('h200_7b_32k', 'capacity', 1000, 24): {'kept_layers': 0},
+    ('h200_7b_32k', 'long', 125, 80): {'resident_layers': 18, 'kept_layers': 0},
+    ('h200_7b_32k', 'long', 96, 80): {'resident_layers': 18, 'kept_layers': 0},
+    ('h200_7b_32k', 'long', 60, 80): {'resident_layers': 18, 'kept_layers': 0},
+    ('h200_7b_32k', 'long', 250, 141): {'resident_layers': 32, 'kept_layers': 0},
+    ('h200_7b_32k', 'long', 1000, 24): {'resident_layers': 0, 'offload_activations': 2, 'kept_layers': 0},
     ('h200_sft_8b', 'auto', 125, 80): {'resident_layers': 11},
     ('h200_sft_8b', 'auto', 96, 80): {'resident_layers': 11},
     ('h200_sft_8b', 'auto', 60, 80): {'resident_layers': 11},
