@@ -234,14 +234,39 @@ def breakdown(engine: Engine, data, step_time: float) -> dict:
     compute = prof.get("compute", 0.0)
     # the GPU-resident parts' updates run on the GPU (AdamW over their masters and moments in its memory)
     device_update = sum(profile.update_seconds.get(part, 0.0) for part in engine.resident_parts)
+    moved = host_update_bytes(engine)
+    host_s = max(prof.get("optimizer", 0.0) - device_update, 0.0)
     return {"serialized_step_s": round(serial, 4), **{f"{k}_s": v for k, v in prof.items()},
             "device_update_s": round(device_update, 4),
+            "host_update": {"seconds": round(host_s, 4), "bytes": moved,
+                            "gb_per_s": round(moved / host_s / 1e9, 2) if host_s > 0 else None,
+                            "note": "bytes the host update reads and writes in one step (host_update_bytes), over "
+                                    "the host-updated parts' update and commit time in the serialized step"},
             "gpu_busy_fraction_est": round(min(compute / step_time, 1.0), 3),
             "gpu_idle_fraction_est": round(max(1 - compute / step_time, 0.0), 3),
             "gpu_idle_beyond_device_update_est": round(max(1 - (compute + device_update) / step_time, 0.0), 3),
             "note": "per-category times from a step synchronized after every op; idle = "
                     "1 - compute / overlapped median step time (the GPU-resident parts' update, device work, "
                     "counts as idle there; gpu_idle_beyond_device_update_est counts it as busy)"}
+
+
+def host_update_bytes(engine: Engine) -> int:
+    """Bytes of host memory the host-updated parts' AdamW reads and writes in one optimizer step: in one pass
+    masters, moments and gradient read, masters, moments and the 16-bit stream copy written; a split update
+    (``EngineConfig.split_parts``) reads masters, moments and gradient once more (its first pass writes only
+    the copy, its second the rest)."""
+    from megatrain_jax.engine.parts import HostRoles
+    e = engine.cfg
+    per = engine.policy.opt.precision.bytes_per_param(e.host_grad_dtype)  # the mode the engine runs
+    read = per["masters"] + per["moments"] + per["host_grads"]
+    whole = read + per["masters"] + per["moments"] + per["stream_copy"]
+    roles = HostRoles.of(engine.lm.n_blocks, e.resident_layers, e.resident_io, e.grads_on_gpu, e.disk_parts)
+    split = set(roles.splitting(e.split_parts)) if engine.policy.opt.splits else set()
+    total = 0.0
+    for part in roles.host_updated:
+        n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(engine.state[part].params))
+        total += n * (whole + (read if part in split else 0))
+    return int(total)
 
 
 def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:

@@ -6,7 +6,9 @@ the model is streamed, plain GPU training where it fits, the step-time model's e
 
 In order, each in its own process (so each starts with the host memory to itself):
 1. host AdamW throughput: the engine's HostOptimizer as the engine runs it, the same fused kernel on
-   ordinary numpy (pageable) arrays, and torch's fused CPU AdamW;
+   ordinary numpy (pageable) arrays, and torch's fused CPU AdamW; and the host's memory bandwidth (a
+   STREAM-style copy and triad on every core), the bar of the host update's bytes per second in the streamed
+   runs (their ``breakdown.host_update``);
 2. 3.5B at 8,192 tokens/step, where the model fits the GPU: megatrain_jax (bench.py ``3p5b_8k``: the plan picks
    the GPU-resident blocks), DeepSpeed ZeRO-3 offload (issue 33: small batches, where the host update bounds the
    step), and plain all-GPU training (experiments/plain_gpu.py, each remat policy: the bar of this regime);
@@ -55,6 +57,8 @@ SLIDEFORMER_BARS = {"3p5b_8k_nothing_resident": 1.2, "3p5b_32k_nothing_resident"
                     "13b_8k": 2.5}
 PLAIN_GPU_BAR = 0.95
 PREDICTION_BAR = 0.10
+IDLE_CONFIGS = ("3p5b_8k", "3p5b_32k", "3p5b_98k", "7b_32k")
+HOST_STREAM_BAR = 0.8  # the host update's bytes per second in the streamed runs, over the host's STREAM triad
 
 
 def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
@@ -71,6 +75,9 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
                   "megatrain_jax_fused_kernel_fp32,megatrain_jax_fused_kernel_with_bf16_copy,"
                   "megatrain_jax_fused_kernel_first_half,fused_kernel_on_numpy_fp32,torch_fused_cpu_adamw",
                   "--out", tmp_host]),
+        # the host's memory bandwidth (STREAM copy and triad) on every core, for the host update's bar
+        ("host", [PY, "experiments/studies/host_update_profile.py", "--params", "256", "--reps", "3", "--threads",
+                  str(len(os.sched_getaffinity(0))), "--out", tmp_host + ".stream.json"]),
         ("8k", bench + ["--configs", "3p5b_8k", "--steps", str(args.steps_8k)]),
         ("8k", ds + ["--layers", "16", "--rows", "4", "--micro", "4"]),
         ("8k", plain + ["--configs", "3p5b_8k"]),
@@ -140,12 +147,14 @@ def targets(result: dict) -> dict:
                                           **round_ratios(host_runs, "fused_kernel_on_numpy_fp32"
                                                          if "fused_kernel_on_numpy_fp32" in host
                                                          else "megatrain_jax_fused_kernel_fp32")}
-    idle = {r["config"]: r["breakdown"]["gpu_idle_fraction_est"] for r in runs
-            if r.get("system") == "megatrain_jax" and "breakdown" in r}
+    # issue 4's idle bar is on its configs (streamed ones wait for the host update by design: their bars are
+    # SlideFormer's and the host update's below)
+    idled = [r for r in runs if r.get("system") == "megatrain_jax" and r.get("config") in IDLE_CONFIGS
+             and "gpu_idle_fraction_est" in r.get("breakdown", {})]
+    idle = {r["config"]: r["breakdown"]["gpu_idle_fraction_est"] for r in idled}
     if idle:
         # the bar is on the first figure, which counts the GPU-resident parts' update (device work) as idle
-        beyond = {r["config"]: r["breakdown"].get("gpu_idle_beyond_device_update_est") for r in runs
-                  if r.get("system") == "megatrain_jax" and "breakdown" in r}
+        beyond = {r["config"]: r["breakdown"].get("gpu_idle_beyond_device_update_est") for r in idled}
         out["gpu_idle_fraction"] = {"per_config": idle, "beyond_device_update": beyond, "bar": BARS["gpu_idle"],
                                     "met": all(v <= BARS["gpu_idle"] for v in idle.values())}
     for config, bar in SLIDEFORMER_BARS.items():
@@ -169,6 +178,16 @@ def targets(result: dict) -> dict:
                                              "plain_gpu_remat_policy": best.get("remat_policy"),
                                              "ratio": round(ratio, 3), "bar": PLAIN_GPU_BAR,
                                              "met": ratio >= PLAIN_GPU_BAR}
+    stream = _run("host_stream", "stream", runs)
+    if stream and stream.get("triad_gb_per_s"):
+        moved = {r["config"]: r["breakdown"]["host_update"]["gb_per_s"] for r in runs
+                 if r.get("system") == "megatrain_jax" and r["config"] in SLIDEFORMER_BARS
+                 and (r.get("breakdown") or {}).get("host_update", {}).get("gb_per_s")}
+        if moved:
+            share = {c: round(v / stream["triad_gb_per_s"], 3) for c, v in moved.items()}
+            out["host_update_vs_stream"] = {"gb_per_s": moved, "stream_triad_gb_per_s": stream["triad_gb_per_s"],
+                                            "share": share, "bar": HOST_STREAM_BAR,
+                                            "met": all(v >= HOST_STREAM_BAR for v in share.values())}
     errors = {r["config"]: r["step_time_error"] for r in runs
               if r.get("system") == "megatrain_jax" and r.get("step_time_error") is not None}
     if errors:
@@ -218,7 +237,7 @@ def main() -> None:
         p for p in (os.environ.get("PYTHONPATH"), REPO) if p))
     log = open(args.out + ".log", "a" if args.resume else "w")
     tmp_host = args.out + ".host.json"
-    host_runs: list[dict] = [r for r in earlier.get("runs", []) if r.get("config") == "host_adamw"]
+    host_runs: list[dict] = [r for r in earlier.get("runs", []) if r.get("config") in ("host_adamw", "host_stream")]
     commands = earlier.get("commands", [])
     commands = commands + ["PYTHONPATH=/tmp/site:. python experiments/side_by_side.py " + " ".join(sys.argv[1:])]
     wall_before = earlier.get("wall_s", 0.0)
@@ -230,19 +249,25 @@ def main() -> None:
         print(f"== [{time.perf_counter() - t_start:6.0f}s] {' '.join(cmd[1:])}", file=log, flush=True)
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         print(f"== exit {proc.returncode} after {time.perf_counter() - t:.0f}s", file=log, flush=True)
-        if stage == "host" and os.path.exists(tmp_host):
+        if stage == "host" and os.path.exists(tmp_host) and cmd[1] == "experiments/host_adam_bench.py":
             with open(tmp_host) as f:
                 host = json.load(f)
-            host_runs = [dict(r, config="host_adamw", params=host["params"]) for r in host["runs"]]
+            host_runs = [r for r in host_runs if r.get("config") != "host_adamw"] + [
+                dict(r, config="host_adamw", params=host["params"]) for r in host["runs"]]
+        if stage == "host" and os.path.exists(tmp_host + ".stream.json") and "host_update_profile" in cmd[1]:
+            with open(tmp_host + ".stream.json") as f:
+                stream = json.load(f)["runs"][0]["stream"]
+            host_runs = [r for r in host_runs if r.get("config") != "host_stream"] + [
+                {"system": "stream", "config": "host_stream", **stream}]
         if os.path.exists(args.out):
             with open(args.out) as f:
                 result = json.load(f)
         elif host_runs:
-            with open(tmp_host) as f:
+            with open(tmp_host if os.path.exists(tmp_host) else tmp_host + ".stream.json") as f:
                 result = {"device": json.load(f)["device"], "runs": []}
         else:
             continue
-        result["runs"] = [r for r in result["runs"] if r.get("config") != "host_adamw"] + host_runs
+        result["runs"] = [r for r in result["runs"] if r.get("config") not in ("host_adamw", "host_stream")] + host_runs
         result.update(name=os.path.splitext(os.path.basename(args.out))[0], git_commit=commit,
                       command=" && ".join(commands), commands=commands, date=datetime.date.today().isoformat(),
                       wall_s=round(wall_before + time.perf_counter() - t_start, 1))

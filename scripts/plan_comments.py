@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatrain_jax.cli.run_config import RunConfig, parse_config  # noqa: E402
-from megatrain_jax.plan import GiB, plan  # noqa: E402
+from megatrain_jax.engine.config import AUTO  # noqa: E402
+from megatrain_jax.plan import GiB, Machine, plan, resolve  # noqa: E402
 
 LINE = re.compile(r"^# plan \(host (?P<host>\d+) GiB, GPU (?P<gpu>\d+) GiB\): .*$", re.MULTILINE)
 SHAPE = re.compile(r"^# plan shape: (?P<preset>\S+)$", re.MULTILINE)
@@ -49,9 +50,14 @@ def load_example(path: Path) -> RunConfig:
 def comment_line(path: Path, host_gib: int, gpu_gib: int) -> str:
     """The memory line of the config at ``path`` planned for that machine."""
     cfg = load_example(path)
-    p = plan(cfg.model.build(), cfg.engine, cfg.data.batch_size, cfg.data.seq_len, host_ram_bytes=host_gib * GiB,
-             gpu_bytes=gpu_gib * GiB, packed=cfg.data.mode == "packed", detect=False,
-             export=bool(cfg.train.export_hf), checkpoints=cfg.train.for_fit().checkpointing)  # as train plans
+    model, d, engine = cfg.model.build(), cfg.data, cfg.engine
+    end = dict(packed=d.mode == "packed", export=bool(cfg.train.export_hf),
+               checkpoints=cfg.train.for_fit().checkpointing)  # as train plans
+    if AUTO in (engine.resident_layers, engine.kept_layers):  # the layout picked on that machine (no GPU kind named)
+        engine = resolve(model, engine, d.batch_size, d.seq_len, Machine(host_gib * GiB, gpu_gib * GiB), **end
+                         ).engine_cfg
+    p = plan(model, engine, d.batch_size, d.seq_len, host_ram_bytes=host_gib * GiB, gpu_bytes=gpu_gib * GiB,
+             detect=False, **end)
     return (f"# plan (host {host_gib} GiB, GPU {gpu_gib} GiB): host {p.host_total / GiB:.1f} GiB, "
             f"GPU {p.gpu_total / GiB:.1f} GiB")
 

@@ -16,11 +16,13 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from megatrain_jax import Batch, Decoder, Engine, EngineConfig, adamw, preset
+from megatrain_jax.engine.parts import PartId
 from megatrain_jax.engine.timeline import Timeline
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,6 +82,10 @@ def test_side_by_side_checks_issue_51s_bars():
     plain = v["3p5b_8k_vs_plain_gpu"]
     assert plain["plain_gpu_remat_policy"] == "dots" and plain["ratio"] == 0.954 and plain["met"]
     assert not v["predicted_step_time"]["met"] and not v["all_met"]
+    runs[0]["breakdown"] = {"host_update": {"gb_per_s": 90.0}}
+    runs.append({"system": "stream", "config": "host_stream", "copy_gb_per_s": 92.7, "triad_gb_per_s": 100.0})
+    host = targets({"runs": runs})["host_update_vs_stream"]
+    assert host["share"] == {"3p5b_8k_nothing_resident": 0.9} and host["met"]
 
 
 def test_a_peers_timed_steps_are_recorded_with_their_median():
@@ -666,3 +672,39 @@ def test_measure_speeds_writes_a_calibration_file_the_plan_reads(tmp_path):
     s = from_file(tmp_path / "s.speeds.json", H200)
     assert s.host_update == speeds["host_update"] and s.host_cores == speeds["host_cores"]
     assert s.matmul_flops == H200.matmul_flops  # no GPU here: the record's GPU rates stay
+
+
+def test_the_host_updates_bytes_count_a_second_read_for_each_split_part():
+    """bench.py's host update bytes: 30 per parameter in one pass (full precision with a bfloat16 stream
+    copy, float32 gradients), 16 more for each part that splits (masters, moments and gradient read again)."""
+    bench = load_script("bench")
+    cfg = preset("tiny", layers=2, dtype="bfloat16")
+    build = lambda k: Engine(Decoder(cfg, rngs=nnx.Rngs(0)), adamw(1e-3), EngineConfig(split_parts=k))  # noqa: E731
+    whole, all_split = build(0), build("auto")
+    assert whole.policy.opt.splits
+    params = {p: sum(x.size for x in jax.tree.leaves(whole.state[p].params)) for p in whole.state.ids()}
+    assert bench.host_update_bytes(whole) == 30 * sum(params.values())
+    assert bench.host_update_bytes(all_split) == 46 * sum(params.values())
+    last = PartId.block(1)
+    assert bench.host_update_bytes(build(1)) == 30 * sum(params.values()) + 16 * params[last]
+
+
+def test_the_layer_compute_study_times_each_of_our_blocks_and_counts_its_flops(tmp_path):
+    """experiments/studies/layer_compute.py on the CPU: our half times every block's forward and backward in
+    both layouts (recomputing, keeping products), with hardware FLOP rates; the peer's half says why it did
+    not run where torch has no GPU."""
+    out = tmp_path / "layer.json"
+    subprocess.run([sys.executable, str(REPO / "experiments" / "studies" / "layer_compute.py"), "--preset", "tiny",
+                    "--rows", "2", "--seq", "16", "--steps", "2", "--out", str(out)], cwd=REPO, check=True,
+                   env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True)
+    record = json.loads(out.read_text())
+    ours = [r for r in record["runs"] if r["system"] == "megatrain_jax"]
+    assert [r["kept_layers"] for r in ours] == [0, 2]
+    for r in ours:
+        assert len(r["samples"]["forward"]) == len(r["samples"]["backward"]) == 2 * 2
+        assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["backward_hw_tflops"] >= 0
+    cfg = preset("tiny")
+    assert record["block_flops"] == {"matmul": 2.0 * cfg.block_active_param_count(0) * 32,
+                                     "attention": 2.0 * cfg.heads * cfg.dim_per_head * 16 * 32}
+    peer = [r for r in record["runs"] if r["system"] == "slideformer_layer"]
+    assert len(peer) == 1 and (peer[0].get("status", "").startswith("not run") or peer[0]["forward_s"] > 0)

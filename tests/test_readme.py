@@ -140,20 +140,23 @@ def test_the_readme_links_its_headline_numbers_to_results_files():
                                                       source), row
 
 
-def headline_rows() -> list[tuple[str, Path]]:
-    """(measured cell, the results file it cites) for each row of the README's headline table; 'same' is the
-    row above's file."""
+def headline_rows(column: str = "measured") -> list[tuple[str, Path]]:
+    """(the ``column`` cell, the results file it cites) for each row of the README's headline table; 'same' is
+    the row above's file."""
     text = README.read_text()
     start = text.index("## Headline numbers")
     table = text[start:text.index("\n## ", start)]
-    out, cited = [], None
+    out, cited, header = [], None, None
     for row in table.splitlines():
-        if not row.startswith("|") or row.startswith(("| what", "|---")):
+        if not row.startswith("|") or row.startswith("|---"):
             continue
         cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        if row.startswith("| what"):
+            header = cells
+            continue
         link = re.search(r"\]\(([^)]+\.json)\)", cells[-1])
         cited = REPO / link.group(1) if link else cited
-        out.append((cells[1], cited))
+        out.append((cells[header.index(column)], cited))
     return out
 
 
@@ -179,8 +182,8 @@ def numbers_in(value) -> list[float]:
 
 def test_each_headline_number_is_in_the_file_it_cites():
     """Every figure in the headline table's measured cells is one the cited results file holds, as written
-    (rounded to the digits shown; billions for "B"); a ratio ("×") is the quotient of two figures of its cell,
-    or of two of the file's numbers where the cell gives fewer."""
+    (rounded to the digits shown; billions for "B"); a ratio ("×", above or below 1) is the quotient of two
+    figures of its cell, or of two of the file's numbers where the cell gives fewer."""
     wrong = []
     for measured, cited in headline_rows():
         held = sorted(set(numbers_in(json.loads(cited.read_text()))))
@@ -191,12 +194,40 @@ def test_each_headline_number_is_in_the_file_it_cites():
             figure = float(text.replace(",", ""))
             if unit == "×":  # the quotient of the cell's own figures where it gives two, else of the file's
                 pool = plain if len(plain) >= 2 else held
-                found = any(round(a / b, digits) == figure for a in pool for b in pool if 0 < b < a)
+                found = any(round(a / b, digits) == figure for a in pool for b in pool if b > 0 and a != b)
             else:
                 scale = 1e9 if unit == "B" else 1.0
                 found = any(round(v / scale, digits) == figure for v in held)
             if not found:
                 wrong.append(f"{text}{unit or ''} in '{measured[:70]}' is not in {cited.relative_to(REPO)}")
+    assert not wrong, "\n".join(wrong)
+
+
+WHERE = re.compile(r"(?<![\w.\-])(\d+(?:\.\d+)?)(%| GB)?(?![\w.\-])")
+
+
+def test_each_row_says_where_the_model_lives_from_the_file_it_cites():
+    """Every headline row says where the model lives (issue 51), and its figures are the cited file's: a share
+    in % (the file's fraction), bytes in GB (one of the file's numbers, or the sum of two: a step's bytes each
+    way), counts as written."""
+    wrong = []
+    for where, cited in headline_rows("where the model lives"):
+        if not where:
+            wrong.append(f"a row citing {cited.relative_to(REPO)} does not say where the model lives")
+            continue
+        held = sorted(set(numbers_in(json.loads(cited.read_text()))))
+        for m in WHERE.finditer(where):
+            digits = len(m.group(1).split(".")[1]) if "." in m.group(1) else 0
+            figure, unit = float(m.group(1)), m.group(2)
+            if unit == "%":
+                found = any(round(100 * v, digits) == figure for v in held if v <= 1)
+            elif unit == " GB":
+                found = any(round(v / 1e9, digits) == figure for v in held) or any(
+                    round((a + b) / 1e9, digits) == figure for a in held for b in held if a > 1e8 and b > 1e8)
+            else:
+                found = figure in held
+            if not found:
+                wrong.append(f"{m.group(0)} in '{where[:70]}' is not in {cited.relative_to(REPO)}")
     assert not wrong, "\n".join(wrong)
 
 

@@ -1,37 +1,21 @@
 #!/bin/bash
-# One H200 (125.9 GiB host), one device call (about 9 minutes): the checks issue 51's next step needs, each
-# writing its own results file under $OUT (TAG: the commit, for the file names; MEGATRAIN_GIT_COMMIT: the full one).
-# 1. h200_7b_32k through `megatrain-jax train` with resident_layers and kept_layers "auto": the plan's fastest
-#    layout, re-picked with the rates where XLA's figures refuse the estimate's (ef91ed7), predicted vs measured;
-# 2. the machine's rates for the step-time model (measure_speeds.py), and the host's STREAM copy and triad beside
-#    the AdamW kernel (host_update_profile.py);
-# 3. plain all-GPU training of 3.5B at 8K, each remat policy (plain_gpu.py: the bar where the model fits);
-# 4. SlideFormer at 3.5B and 8K tokens, with the host's MemAvailable and its resident memory logged every second
-#    (its 32K run was killed before its first step: h200_slideformer_3p5b_32k_5ff9aaf.json).
+# One H200 (125.9 GiB host), one device call (about 9 minutes): issue 51's next measurements, each writing its own
+# results file under $OUT (TAG: the commit, for the file names; MEGATRAIN_GIT_COMMIT: the full one).
+# 1. one Llama-2-13B block's forward and backward, ours (recomputing, and keeping its products) against
+#    SlideFormer's layer (Liger, sdpa, checkpointed), with a profiler trace of each (layer_compute.py);
+# 2. the host stage of side_by_side.py (the host AdamW throughput and the host's STREAM bandwidth) and the 8K
+#    streamed pair (ours with nothing resident against SlideFormer): the host update's GB/s against STREAM in
+#    one run (side_by_side's host_update_vs_stream);
+# 3. the attention GPU-test record in the present schema (the committed one has no `runs`).
 # Needs carry: .peers/slideformer and .whl/slideformer (scripts/fetch_slideformer.sh, scripts/build_peer_wheels.sh).
 TAG=${TAG:-$(git rev-parse --short HEAD 2>/dev/null || date +%F)}
 set -u
-export PYTHONPATH=.
-timeout 200 python experiments/shipped_configs.py --configs h200_7b_32k --steps 8 --timeout 190 \
-  --set engine.resident_layers=auto --set engine.kept_layers=auto \
-  --out $OUT/h200_7b_32k_fastest_${TAG}.json 2>&1 | tail -n 1 | cut -c1-400
-timeout 60 python experiments/measure_speeds.py --out $OUT/h200_measure_speeds_${TAG}.json 2>&1 | tail -n 1
-timeout 60 python experiments/studies/host_update_profile.py --params 256 --reps 3 --threads 16 \
-  --out $OUT/h200_host_update_profile_${TAG}.json 2>&1 | tail -n 1
-timeout 120 python experiments/plain_gpu.py --configs 3p5b_8k --policies nothing,dots --warmup 2 --steps 4 \
-  --out $OUT/h200_plain_gpu_3p5b_8k_${TAG}.json 2>&1 | tail -n 2
+export PYTHONPATH=/tmp/site_slideformer:.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_slideformer \
   .whl/slideformer/*.whl 2>&1 | tail -n 2
-( while true; do
-    pid=$(pgrep -f "slideformer_bench.py" | head -1)
-    rss=$( [ -n "$pid" ] && grep -E '^(VmRSS|VmHWM|RssAnon|RssShmem):' /proc/$pid/status 2>/dev/null | tr -s ' ' | tr '\n' ' ')
-    echo "t=$(date +%s) $(grep -E '^(MemAvailable):' /proc/meminfo | tr -s ' ' | tr '\n' ' ') $rss"
-    sleep 1
-  done ) > $OUT/slideformer_mem.log 2>&1 &
-S=$!
-timeout 170 python3 experiments/peers/slideformer_bench.py --layers 16 --rows 4 \
-  --out $OUT/h200_slideformer_3p5b_8k_${TAG}.json 2>&1 | tail -n 5
-kill $S
-dmesg 2>&1 | tail -n 3
-echo "least MemAvailable (kB): $(grep -o 'MemAvailable: [0-9]*' $OUT/slideformer_mem.log | awk '{print $2}' | sort -n | head -1)"
-echo "peak VmHWM (kB): $(grep -o 'VmHWM: [0-9]*' $OUT/slideformer_mem.log | awk '{print $2}' | sort -n | tail -1)"
+timeout 150 python experiments/studies/layer_compute.py --trace-dir $OUT/layer_traces_${TAG} \
+  --out $OUT/h200_layer_compute_13b_${TAG}.json 2>&1 | tail -n 4
+PYTHONPATH=. timeout 330 python experiments/side_by_side.py --only host,streamed_8k \
+  --out $OUT/h200_side_by_side_host_${TAG}.json 2>&1 | tail -n 30 | cut -c1-300
+PYTHONPATH=. timeout 90 python scripts/gpu_test_record.py --out $OUT/h200_gpu_tests_attention_${TAG}.json \
+  tests/test_attention.py 2>&1 | tail -n 2
