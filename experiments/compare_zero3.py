@@ -292,6 +292,21 @@ def run_zero3(args, ds_cfg: dict, run: dict, checkpoint) -> None:
     run["grad_norms"] = [None if g is None else round(g, 4) for g in grad_norms]
 
 
+def _offloads(ds_cfg: dict, key: str) -> bool:
+    return (ds_cfg.get("zero_optimization", {}).get(key) or {}).get("device", "none") not in ("none", None)
+
+
+def offload_words(ds_cfg: dict) -> str:
+    """Where this DeepSpeed config keeps parameters and optimizer state, in words."""
+    opt = ds_cfg.get("zero_optimization", {}).get("offload_optimizer") or {}
+    params = "parameters in pinned CPU memory" if _offloads(ds_cfg, "offload_param") else "parameters on the GPU"
+    if not _offloads(ds_cfg, "offload_optimizer"):
+        return f"ZeRO-3: {params}, optimizer state on the GPU"
+    ratio = opt.get("ratio", 1.0)
+    share = "all of the optimizer state" if ratio >= 1 else f"{ratio:.0%} of the optimizer state (offload_optimizer.ratio)"
+    return f"ZeRO-3: {params}, {share} in pinned CPU memory"
+
+
 def record_timed(run: dict, step_times: list[float], losses: list[float], warmup: int, rows: int, seq: int) -> float:
     """Into a peer's ``run``: the median step after ``warmup`` steps, tokens/s and model TFLOP/s (docs/results.md's
     count), the losses and step times, status ok; returns the median step's seconds."""
@@ -345,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
            "optimizer": "DeepSpeedCPUAdam adamw_mode (lr 3e-4, betas (0.9, 0.95), eps 1e-8, wd 0.1)",
            "clip_norm": ds_cfg.get("gradient_clipping"), "compute_dtype": "bfloat16",
            "activation_checkpointing": not args.no_checkpointing, "attention": "sdpa",
-           "offload": "ZeRO-3 params + optimizer to pinned CPU memory",
+           "offload": offload_words(ds_cfg), "ds_overrides": list(args.ds_set),
+           "gpu_resident_param_share": 0.0 if _offloads(ds_cfg, "offload_param") else 1.0,
            "run_id": f"{os.getpid()}-{time.time():.0f}",
            "command": " ".join(["PYTHONPATH=/tmp/site:. python experiments/compare_zero3.py"]
                                + (argv if argv is not None else sys.argv[1:])),

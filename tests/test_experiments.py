@@ -708,3 +708,19 @@ def test_the_layer_compute_study_times_each_of_our_blocks_and_counts_its_flops(t
                                      "attention": 2.0 * cfg.heads * cfg.dim_per_head * 16 * 32}
     peer = [r for r in record["runs"] if r["system"] == "slideformer_layer"]
     assert len(peer) == 1 and (peer[0].get("status", "").startswith("not run") or peer[0]["forward_s"] > 0)
+
+
+def test_zero3s_best_settings_at_13b_are_the_bar_and_each_run_says_where_its_state_lives():
+    cz = load_script("compare_zero3")
+    full = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}
+    part = {"zero_optimization": {"offload_param": {"device": "none"},
+                                  "offload_optimizer": {"device": "cpu", "ratio": 0.8}}}
+    assert cz.offload_words(full) == ("ZeRO-3: parameters in pinned CPU memory, all of the optimizer state in "
+                                      "pinned CPU memory")
+    assert cz.offload_words(part) == ("ZeRO-3: parameters on the GPU, 80% of the optimizer state "
+                                      "(offload_optimizer.ratio) in pinned CPU memory")
+    runs = [{"system": "megatrain_jax", "config": "13b_32k", "tokens_per_s": 6400.0},
+            {"system": "deepspeed_zero3", "config": "13b_32k", "tokens_per_s": 2500.0, "ds_overrides": []},
+            {"system": "deepspeed_zero3", "config": "13b_32k", "tokens_per_s": 3500.0, "ds_overrides": ["x"]}]
+    v = load_script("side_by_side").targets({"runs": runs})["13b_32k_vs_zero3_best"]
+    assert v["zero3_tokens_per_s"] == 3500.0 and v["ratio"] == 1.829 and not v["met"]
