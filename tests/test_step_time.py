@@ -249,3 +249,13 @@ def test_an_update_in_one_pass_runs_at_its_own_rate():
     assert whole[1] == 0 and math.isclose(whole[0], count / (H100.host_update["full"] * H100.one_pass_speedup))
     assert math.isclose(sum(split), count / H100.host_update["full"])
     assert [p for p, (a, b) in n.host_update.items() if b > 0] == [PartId.block(i) for i in (5, 6, 7)]
+
+
+def test_kept_layers_auto_says_why_none_was_timed_when_nothing_fits_as_configured():
+    """With the GPU's rates known but a host too small for the layout as configured, "auto" keeps no products
+    and says that nothing fit (not that rates are missing)."""
+    from megatrain_jax.plan import resolve
+    cfg = preset("7b", layers=32, vocab_size=32000)
+    e = EngineConfig(micro_batches=1, resident_layers=0, kept_layers="auto")
+    said = resolve(cfg, e, 4, 2048, Machine(125 * 2**30, 133 * 2**30, gpu_name="NVIDIA H200")).said
+    assert "no layout fits host and GPU as configured" in said and "no rates" not in said, said

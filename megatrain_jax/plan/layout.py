@@ -126,7 +126,9 @@ def _pick_layout(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,
         fast = fast or ("engine.kept_layers='auto': 0 (" + (
             "no GPU to plan for" if kw.get("gpu_bytes") is None else
             "no rates for this machine's GPU to weigh kept matrix products against resident blocks: "
-            "docs/performance.md") + ")")
+            "docs/performance.md" if speeds is None else
+            "no layout fits host and GPU as configured, so none is timed: the host layout is made leaner "
+            "first") + ")")
     engine_cfg, fewer_kept = most_kept(model_cfg, engine_cfg, batch_rows, seq_len, **kw)
     engine_cfg, auto = most_resident(model_cfg, engine_cfg, batch_rows, seq_len, **kw)
     picked, said = _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw)
