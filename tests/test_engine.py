@@ -363,13 +363,37 @@ def test_updates_in_one_pass_train_exactly_as_split_ones(split_parts):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert_stream_copies_track_masters(mixed)
 
+    class Commits:  # the host worker's second passes of one step
+        def __init__(self):
+            self.keys = []
 
-@pytest.mark.parametrize("bad, says", [(-1, "split_parts must be an integer >= 0 or 'auto'"),
-                                       (True, "split_parts must be an integer >= 0 or 'auto'"),
-                                       (5, "split_parts=5: set an integer from 0 to the 4 parts")])
-def test_a_split_count_out_of_range_is_refused(bad, says):
-    with pytest.raises(ValueError, match=re.escape(says)):
-        Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(split_parts=bad))
+        def on_op(self, op, start, end, out):
+            pass
+
+        def on_task(self, key, start, end):
+            if key.stage == "commit":
+                self.keys.append(key.part)
+    seen = Commits()
+    mixed.observe(seen)
+    mixed.step(make_batches(1)[0]).resolve()
+    mixed.sync()
+    assert sorted(seen.keys, key=lambda p: p.index) == sorted(mixed.policy.split, key=lambda p: p.index)
+
+
+@pytest.mark.parametrize("bad", [-1, True, "all"])
+def test_a_split_count_that_is_not_a_count_is_refused(bad):
+    with pytest.raises(ValueError, match=re.escape("split_parts must be an integer >= 0 or 'auto'")):
+        EngineConfig(split_parts=bad)
+
+
+def test_a_split_count_above_the_parts_that_can_split_splits_them_all():
+    """The count is of the parts that can split (not those whose gradient waits on the GPU): above it, all."""
+    engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED(),
+                    EngineConfig(split_parts=9, grads_on_gpu=1))
+    assert engine.policy.split == {PartId.block(1), PartId.block(2), IO}
+    one = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED(),
+                 EngineConfig(split_parts=1, grads_on_gpu=1))
+    assert one.policy.split == {PartId.block(2)}
 
 
 def test_more_gradients_on_the_gpu_than_host_updated_parts_is_refused():

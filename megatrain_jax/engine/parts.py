@@ -89,17 +89,16 @@ class HostRoles:
 
     def splitting(self, split_parts: int | str) -> tuple[PartId, ...]:
         """The host parts whose update runs in two passes where the optimizer splits
-        (``EngineConfig.split_parts``): the last ``split_parts`` in update order, "auto" all of them; never
-        one whose gradient waits on the GPU or whose moments are on disk."""
-        order = sorted(self.host_updated, key=lambda p: p.index)
+        (``EngineConfig.split_parts``): of those that can split (not one whose gradient waits on the GPU or
+        whose moments are on disk), the last ``split_parts`` in update order; "auto", or a count above theirs,
+        all of them."""
+        order = [p for p in sorted(self.host_updated, key=lambda p: p.index)
+                 if p not in self.grads_on_gpu and p not in self.disk]
         if split_parts == "auto":
-            chosen = order
-        elif isinstance(split_parts, int) and 0 <= split_parts <= len(order):
-            chosen = order[len(order) - split_parts:]
-        else:
-            raise ValueError(f"split_parts={split_parts!r}: set an integer from 0 to the {len(order)} parts updated "
-                             f"on the host, or 'auto'")
-        return tuple(p for p in chosen if p not in self.grads_on_gpu and p not in self.disk)
+            return tuple(order)
+        if not isinstance(split_parts, int) or isinstance(split_parts, bool) or split_parts < 0:
+            raise ValueError(f"split_parts={split_parts!r}: set an integer >= 0, or 'auto'")
+        return tuple(order[max(len(order) - split_parts, 0):])
 
 
 @jax.tree_util.register_dataclass

@@ -13,7 +13,9 @@ The config as given runs unless memory is short:
 - the GPU short: the fewest blocks whose inputs wait in host memory (``offload``);
 - host RAM short: the lean host layout (``lean``: float32 streamed, gradients waiting on the GPU; in capacity
   mode, 8-bit moments; last, the disk tier);
-- nothing of that fitting while blocks keep their attention residuals: the same without them.
+- nothing of that fitting while blocks keep their attention residuals: the same without them;
+- then ``split_parts="auto"`` where the GPU's rates are known: how many host updates run in two passes, the
+  count the step-time model finds fastest for the layout picked (``split_parts``).
 
 Every candidate is an ``EngineConfig``: the config's own checks (``__post_init__``, ``check_layers``, the parts
 each role names) say which combinations are legal (``legal``); nothing here restates them.
@@ -104,16 +106,19 @@ def split_parts(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
     split, a sentence."""
     if engine_cfg.split_parts != AUTO or speeds is None:
         return engine_cfg, None
-    n = len(host_roles(model_cfg, engine_cfg).host_updated)
+    n = len(host_roles(model_cfg, engine_cfg).splitting(AUTO))
+    if n == 0 or not engine_cfg.precision.stream_copy or not engine_cfg.host_kernel:
+        return engine_cfg, None  # nothing could split: nothing to pick
     times = {k: predict(model_cfg, dataclasses.replace(engine_cfg, split_parts=k), batch_rows, seq_len, speeds,
                         devices=devices).seconds for k in range(n + 1)}
     best = min(sorted(times, reverse=True), key=lambda k: times[k])
     picked = dataclasses.replace(engine_cfg, split_parts=best)
     if best == n:
-        return picked, None
-    return picked, (f"engine.split_parts='auto': {best} of the {n} host-updated parts update in two passes, the "
-                    f"rest in one ({times[best]:.2f} s per step against {times[n]:.2f} s with all split, by the "
-                    f"step-time model at {speeds.name})")
+        return picked, (f"engine.split_parts='auto': all {n} host updates in two passes ({times[n]:.2f} s per step "
+                        f"against {times[0]:.2f} s in one, by the step-time model at {speeds.name})")
+    return picked, (f"engine.split_parts='auto': {best} of the {n} host updates in two passes, the rest in one "
+                    f"({times[best]:.2f} s per step against {times[n]:.2f} s with all split, by the step-time "
+                    f"model at {speeds.name})")
 
 
 def _pick_layout(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,
@@ -318,11 +323,12 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     asked = " and ".join(f"engine.{f}='auto'" for f, a in (("resident_layers", auto_r), ("kept_layers", auto_k)) if a)
     versus = ("" if most[1] == best or not auto_r else f"; the most resident blocks that fit, {most[1].resident_layers}"
               + (f" with {most[1].kept_layers} keeping products" if auto_k else "") + f", {most[0]:.2f} s")
+    split = "every host update split" if best.split_parts == AUTO else f"split_parts={best.split_parts}"
     return best, (f"{asked}: {best.resident_layers} of {layers} blocks GPU-resident, the last {best.kept_layers} "
                   f"keeping their matrix products for the backward: the fastest of {len(tried)} layout"
-                  f"{'s' if len(tried) > 1 else ''} that fit "
-                  f"by the step-time model ({seconds:.2f} s per step at {speeds.name}{versus}; GPU "
-                  f"{p.gpu_total / GiB:.1f} GiB of {p.gpu_available / GiB:.1f})")
+                  f"{'s' if len(tried) > 1 else ''} that fit by the step-time model ({seconds:.2f} s per step "
+                  f"with {split}, at {speeds.name}{versus}; GPU {p.gpu_total / GiB:.1f} GiB of "
+                  f"{p.gpu_available / GiB:.1f})")
 
 
 def _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw) -> tuple[EngineConfig, list[str]]:

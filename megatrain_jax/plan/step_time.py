@@ -112,7 +112,8 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     stream = stream_dtype or e.stream_dtype or cfg.dtype
     to_gpu = stream_bytes(mode.to_gpu_dtype(stream, cfg.dtype))
     roles = host_roles(cfg, e)
-    host_parts, waiting, splitting = set(roles.host_updated), set(roles.grads_on_gpu), set(roles.splitting(e.split_parts))
+    host_parts, waiting = set(roles.host_updated), set(roles.grads_on_gpu)
+    splitting = set(roles.splitting(e.split_parts))
     kept = set(range(cfg.layers - e.kept_layers, cfg.layers))
     fwd, bwd = {}, {}
     for i in range(cfg.layers):
