@@ -21,6 +21,7 @@ from flax import nnx
 from megatrain_jax import distributed
 from megatrain_jax._environment import gpu_fraction_source, host_pool_limit, user_host_pool_limit
 from megatrain_jax.checkpoint import CorruptCheckpointError, committed_steps
+from megatrain_jax.cli.disk_room import check_disk_room
 from megatrain_jax.cli.export_guard import guarded_export
 from megatrain_jax.cli.output_paths import check_output_paths
 from megatrain_jax.cli.run_config import RunConfig, TrainSection, to_dict, to_toml
@@ -259,6 +260,7 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
 
     model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(t.seed)))
     engine_cfg, memory, estimate, repicked, machine = _layout(cfg, model_cfg, model, say)
+    check_disk_room(t, model_cfg, engine_cfg)  # before anything is written: a save or export that cannot fit
     cfg, given = dataclasses.replace(cfg, engine=engine_cfg), cfg.engine
     say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
         f"{model_cfg.hidden}), {d.batch_size} x {d.seq_len} tokens per batch, {t.steps} steps on "
