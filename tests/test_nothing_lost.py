@@ -103,7 +103,7 @@ def test_without_room_for_a_copy_beside_the_export_the_weights_are_written_when_
     first, said; when the export then fails, the weights are written to the run folder after all, and named."""
     from megatrain_jax.cli import export_guard
     run_dir, export = tmp_path / "run", tmp_path / "export"
-    monkeypatch.setattr(export_guard, "_free_bytes", lambda folder: (1, 0))  # no room: nothing written first
+    monkeypatch.setattr(export_guard, "free_space", lambda folder: (1, 0))  # no room: nothing written first
     status = train_onto_a_full_disk(run_dir, export, monkeypatch)
     out, err = capsys.readouterr()
     kept = run_dir / "trained_params"

@@ -6,8 +6,6 @@ trained state is (docs/checkpoints_faults.md)."""
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -16,6 +14,7 @@ import numpy as np
 
 from megatrain_jax.checkpoint import committed_steps, save_params
 from megatrain_jax.checkpoint.failures import WRITE_ADVICE, os_error_behind
+from megatrain_jax.cli.disk_room import free_space
 from megatrain_jax.engine.engine import Engine, NonFiniteError
 from megatrain_jax.engine.transfer import host_view
 from megatrain_jax.hf import save_hf
@@ -59,23 +58,12 @@ def _write_params(engine: Engine, path: Path, model_cfg) -> str:
     return ""
 
 
-def _free_bytes(folder: Path) -> tuple[int, int] | None:
-    """(free bytes, device id) of the filesystem that holds ``folder`` (its nearest existing parent)."""
-    folder = folder.absolute()
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    try:
-        return shutil.disk_usage(folder).free, os.stat(folder).st_dev
-    except OSError:
-        return None
-
-
 def _room_for_copy(engine: Engine, run_dir: Path, target: str) -> tuple[bool, str]:
     """Whether the run folder's disk holds a float32 copy of the parameters beside the bfloat16 export (when
     both go to one disk), and if not, the words saying so."""
     params = sum(leaf.size for leaf in jax.tree.leaves(engine.parameters()))
     copy, export = 4 * params, 2 * params
-    here, there = _free_bytes(run_dir), _free_bytes(Path(target).parent)
+    here, there = free_space(run_dir), free_space(Path(target).parent)
     if here is None:
         return True, ""
     need = copy + (export if there is not None and there[1] == here[1] else 0)
