@@ -547,5 +547,7 @@ def test_a_run_whose_checkpoints_or_export_cannot_fit_its_disk_is_refused_before
     assert {p.name for p in run.rglob("*")} <= {".lock", "checkpoints"}  # the run locks only
     assert main(["train", *TINY_RUN, "train.checkpoint_every=2", "train.checkpoint_keep=1", "train.steps=2",
                  f"train.run_dir={run}"]) == 2  # two checkpoints (one kept, the next) still do not fit
+    assert main(["plan", *TINY_RUN, "train.checkpoint_every=2", "train.steps=10", f"train.run_dir={run}"]) == 0
+    assert "disk: 4 checkpoints of about" in capsys.readouterr().out  # plan says what train would refuse
     monkeypatch.setattr(disk_room, "free_space", lambda folder: None)  # the system does not say: not checked
     assert main(["train", *TINY_RUN, "train.checkpoint_every=2", "train.steps=2", f"train.run_dir={run}"]) == 0

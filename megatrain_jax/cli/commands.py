@@ -168,6 +168,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.exact:
         p = _exact(p, cfg, model_cfg, disk_dir, machine_speeds(machine, args.speeds))
     print(p.table())
+    from megatrain_jax.cli.disk_room import disk_lines
+    for line in disk_lines(cfg.train, model_cfg, p.engine_cfg):  # checkpoints and export, against this disk
+        print(line)
     step = for_machine(model_cfg, p.engine_cfg, d.batch_size, d.seq_len, machine, args.speeds)
     print(step_line(step, d.batch_size * d.seq_len * p.engine_cfg.accumulate_steps, machine))  # an optimizer step
     modes = in_each_mode(p)

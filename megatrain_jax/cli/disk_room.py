@@ -61,8 +61,19 @@ def writes(t: TrainSection, model_cfg: DecoderConfig, engine_cfg: EngineConfig) 
                                           f"{there} already there)"))
     if t.export_hf:
         params = model_cfg.param_count()
-        out.append((Path(t.export_hf).parent, 2 * params, f"the Hugging Face export ({2 * params / GiB:.1f} GiB)"))
+        out.append((Path(t.export_hf).parent, 2 * params, "the Hugging Face export (bfloat16)"))
     return out
+
+
+def disk_lines(t: TrainSection, model_cfg: DecoderConfig, engine_cfg: EngineConfig) -> list[str]:
+    """What this run would write on disk, a line each, with the free space there (``megatrain-jax plan``)."""
+    lines = []
+    for folder, size, what in writes(t, model_cfg, engine_cfg):
+        space = free_space(folder)
+        room = ("free space unknown" if space is None else
+                f"{space[0] / GiB:.1f} GiB free there: {'fits' if size <= space[0] else 'DOES NOT FIT'}")
+        lines.append(f"  disk: {what} in {folder}: {size / GiB:.1f} GiB; {room}")
+    return lines
 
 
 def check_disk_room(t: TrainSection, model_cfg: DecoderConfig, engine_cfg: EngineConfig) -> None:
