@@ -115,6 +115,7 @@ def ours(args) -> list[dict]:
 
 
 def slideformer(args) -> list[dict]:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process reads a preset only: JAX must not take the GPU
     try:
         import torch
         from torch.utils.checkpoint import checkpoint
