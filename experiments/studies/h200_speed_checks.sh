@@ -11,10 +11,10 @@
 # Needs carry: .peers/slideformer and .whl/slideformer (scripts/fetch_slideformer.sh, scripts/build_peer_wheels.sh).
 TAG=${TAG:-$(git rev-parse --short HEAD 2>/dev/null || date +%F)}
 set -u
-export PYTHONPATH=/tmp/site_slideformer:.
+export PYTHONPATH=.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_slideformer \
   .whl/slideformer/*.whl 2>&1 | tail -n 2
 timeout 210 python experiments/studies/layer_compute.py --trace-dir $OUT/layer_traces_${TAG} \
   --out $OUT/h200_layer_compute_13b_${TAG}.json 2>&1 | tail -n 4
-PYTHONPATH=. timeout 360 python experiments/side_by_side.py --only host,streamed_8k \
+timeout 360 python experiments/side_by_side.py --only host,streamed_8k \
   --out $OUT/h200_side_by_side_host_${TAG}.json 2>&1 | tail -n 30 | cut -c1-300

@@ -1,7 +1,7 @@
 """One decoder block's forward and backward on the GPU, ours against SlideFormer's (issue 51's per-layer compute
 item): seconds per block and hardware TFLOP/s, each in its own process (JAX takes most of the GPU's memory).
 
-    PYTHONPATH=/tmp/site_slideformer:. python experiments/studies/layer_compute.py --out $OUT/layer_compute.json \
+    PYTHONPATH=. python experiments/studies/layer_compute.py --out $OUT/layer_compute.json \
         [--preset llama2-13b --rows 16 --seq 2048] [--trace-dir $OUT/traces]
 
 - **ours**: the engine's own per-block programs. A model of ``--layers`` blocks of the preset's shape, every
@@ -12,7 +12,8 @@ item): seconds per block and hardware TFLOP/s, each in its own process (JAX take
 - **slideformer**: the Hugging Face Llama decoder layer with Liger's kernels as SlideFormer runs it
   (``AutoLigerKernelForCausalLM``, sdpa attention, bfloat16), its forward under
   ``torch.utils.checkpoint(use_reentrant=False)`` as its ``transformer_layer.py`` does (the backward recomputes
-  the forward), timed with CUDA events. Needs torch with CUDA and liger-kernel (``.whl/slideformer``).
+  the forward), timed with CUDA events. Needs torch with CUDA and liger-kernel: ``.whl/slideformer`` installed
+  into ``--site`` (as experiments/peers/slideformer_bench.py takes them).
 
 Hardware FLOPs count what each runs: the forward's matrix products (2 per weight per token) and attention
 (2 x query width x keys seen per token, causal); the backward twice the products and 2.5 times attention's
@@ -116,6 +117,8 @@ def ours(args) -> list[dict]:
 
 def slideformer(args) -> list[dict]:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process reads a preset only: JAX must not take the GPU
+    if os.path.isdir(args.site):  # SlideFormer's pinned wheels (transformers, liger-kernel), first on the path
+        sys.path.insert(0, args.site)
     try:
         import torch
         from torch.utils.checkpoint import checkpoint
@@ -181,6 +184,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps (ours: each times every block once)")
     ap.add_argument("--halves", default="ours,slideformer")
     ap.add_argument("--trace-dir", default=None)
+    ap.add_argument("--site", default="/tmp/site_slideformer",
+                    help="SlideFormer's wheels (scripts/build_peer_wheels.sh), put first on the peer's sys.path")
     ap.add_argument("--half", default=None, help=argparse.SUPPRESS)  # the child process's half
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
