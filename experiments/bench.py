@@ -261,7 +261,7 @@ def host_update_bytes(engine: Engine) -> int:
     read = per["masters"] + per["moments"] + per["host_grads"]
     whole = read + per["masters"] + per["moments"] + per["stream_copy"]
     roles = HostRoles.of(engine.lm.n_blocks, e.resident_layers, e.resident_io, e.grads_on_gpu, e.disk_parts)
-    split = set(roles.splitting(e.split_parts)) if engine.policy.opt.splits else set()
+    split = engine.policy.split if engine.policy.opt.splits else set()  # the engine's own choice
     total = 0.0
     for part in roles.host_updated:
         n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(engine.state[part].params))

@@ -307,6 +307,16 @@ def offload_words(ds_cfg: dict) -> str:
     return f"ZeRO-3: {params}, {share} in pinned CPU memory"
 
 
+def record_failure(run: dict, err: Exception, chars: int) -> None:
+    """A peer's failed run, recorded (the traceback printed): ``status`` oom, or error with the message."""
+    traceback.print_exc()
+    msg = f"{type(err).__name__}: {str(err)[:chars]}"
+    oom = type(err).__name__ == "OutOfMemoryError" or "out of memory" in str(err).lower()
+    run["status"] = "oom" if oom else f"error: {msg}"
+    if oom:
+        run["error"] = msg
+
+
 def record_timed(run: dict, step_times: list[float], losses: list[float], warmup: int, rows: int, seq: int) -> float:
     """Into a peer's ``run``: the median step after ``warmup`` steps, tokens/s and model TFLOP/s (docs/results.md's
     count), the losses and step times, status ok; returns the median step's seconds."""
@@ -390,12 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             run["device"] = header["device"]["name"]
         run_zero3(args, ds_cfg, run, checkpoint)
     except Exception as e:  # recorded, not hidden: the JSON says what failed
-        traceback.print_exc()
-        msg = f"{type(e).__name__}: {str(e)[:500]}"
-        oom = type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
-        run["status"] = "oom" if oom else f"error: {msg}"
-        if oom:
-            run["error"] = msg
+        record_failure(run, e, 500)
     finally:
         cuda = torch_mod is not None and torch_mod.cuda.is_available()
         run["gpu_peak_gib"] = round(torch_mod.cuda.max_memory_allocated() / 2**30, 2) if cuda else None

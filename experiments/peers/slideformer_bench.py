@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from importlib import metadata
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -389,12 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_slideformer(args, run, checkpoint)
     except Exception as e:  # recorded, not hidden: the JSON says what failed
-        traceback.print_exc()
-        msg = f"{type(e).__name__}: {str(e)[:800]}"
-        oom = type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
-        run["status"] = "oom" if oom else f"error: {msg}"
-        if oom:
-            run["error"] = msg
+        cz.record_failure(run, e, 800)
     finally:
         run["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         run["gpu_reserved_peak_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)

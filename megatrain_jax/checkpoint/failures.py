@@ -73,16 +73,16 @@ def _size(n: float) -> str:
     return ""
 
 
-def free_bytes(root: Path) -> int | None:
-    """Free bytes for this user on the file system of ``root`` (or of its nearest existing parent); None when the
-    system does not say."""
-    for folder in (root, *root.parents):
-        if folder.exists():
-            try:
-                return shutil.disk_usage(folder).free
-            except OSError:
-                return None
-    return None
+def free_space(folder: Path) -> tuple[int, int] | None:
+    """(free bytes for this user, file system id) where ``folder`` is or would be (its nearest existing parent);
+    None when the system does not say."""
+    folder = Path(folder).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free, os.stat(folder).st_dev
+    except OSError:
+        return None
 
 
 def write_error(err: BaseException, target: Path, root: Path, last_good: Path | None,
@@ -98,7 +98,8 @@ def write_error(err: BaseException, target: Path, root: Path, last_good: Path | 
         return cause
     what, todo = WRITE_ADVICE.get(cause.errno, ("a write failed", "fix what the error names in {root}"))
     if cause.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = free_bytes(root)
+        space = free_space(root)
+        free = None if space is None else space[0]
         space = ([f"the checkpoint takes about {_size(needed)}"] if needed else []) + (
             [f"{_size(free)} free there now"] if free is not None else [])
         what += f" ({'; '.join(space)})" if space else ""
@@ -123,5 +124,5 @@ def probe_writable(root: Path, name: str) -> None:
     probe.rmdir()
 
 
-__all__ = ["CheckpointWriteError", "WRITE_ADVICE", "free_bytes", "os_error_behind", "probe_writable",
+__all__ = ["CheckpointWriteError", "WRITE_ADVICE", "free_space", "os_error_behind", "probe_writable",
            "tensorstore_os_error", "write_error"]

@@ -16,28 +16,15 @@ What is counted, per file system (the free space of each, once):
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from pathlib import Path
 
 from megatrain_jax.checkpoint import committed_steps
+from megatrain_jax.checkpoint.failures import free_space
 from megatrain_jax.cli.run_config import TrainSection
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.models.config import DecoderConfig
 
 GiB = 2**30
-
-
-def free_space(folder: Path) -> tuple[int, int] | None:
-    """(free bytes, file system id) where ``folder`` is or would be (its nearest existing parent); None when the
-    system does not say."""
-    folder = folder.absolute()
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    try:
-        return shutil.disk_usage(folder).free, os.stat(folder).st_dev
-    except OSError:
-        return None
 
 
 def checkpoint_bytes(model_cfg: DecoderConfig, engine_cfg: EngineConfig) -> int:

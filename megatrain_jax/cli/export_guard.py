@@ -13,8 +13,7 @@ import jax
 import numpy as np
 
 from megatrain_jax.checkpoint import committed_steps, save_params
-from megatrain_jax.checkpoint.failures import WRITE_ADVICE, os_error_behind
-from megatrain_jax.cli.disk_room import free_space
+from megatrain_jax.checkpoint.failures import WRITE_ADVICE, free_space, os_error_behind
 from megatrain_jax.engine.engine import Engine, NonFiniteError
 from megatrain_jax.engine.transfer import host_view
 from megatrain_jax.hf import save_hf

@@ -87,8 +87,8 @@ class EngineConfig:
       forward then waits for the lighter pass, at the price of reading masters, moments and gradient twice
       (about 46 bytes per parameter against 30 in one pass); the second passes run beside the backward.
       Of the host-updated parts that can split, the last ``split_parts`` in update order (io, then the
-      blocks) split (a larger count: all); the others update in one pass. Small batches, where the host update bounds the step, want few (the backward is
-      too short to hide many second passes); long ones all. "auto": ``megatrain-jax train`` and ``plan``
+      blocks) split (a larger count: all); the others update in one pass. Small batches, where the host
+      update bounds the step, want few (the backward is too short to hide many second passes); long ones all. "auto": ``megatrain-jax train`` and ``plan``
       pick the count by the step-time model where the GPU's rates are known (``plan.resolve``); an
       ``Engine`` given "auto" splits them all. The same numbers either way: only when bytes are written
       changes. Parts whose gradient waits on the GPU (``grads_on_gpu``) or whose moments are on disk

@@ -128,11 +128,11 @@ class UpdatePolicy:
     count. See the module docstring for the order it relies on."""
 
     def __init__(self, tx: optax.GradientTransformation, placement: Placement, stream_dtype: Any,
-                 config: EngineConfig, observers: Sequence = (), split: Sequence[PartId] | None = None):
+                 config: EngineConfig, observers: Sequence = (), split: Sequence[PartId] = ()):
         self.placement = placement
         precision = mode_of(config, jnp.dtype(stream_dtype).name)  # the mode's record: what the host keeps
         self.opt = HostOptimizer(tx, placement, stream_dtype, use_kernel=config.host_kernel, precision=precision)
-        self.split = None if split is None else set(split)  # the parts whose update may split (None: every one)
+        self.split = set(split)  # the parts whose update splits where the optimizer can (HostRoles.splitting)
         self.device = DeviceUpdater(tx, placement, self.opt.stream_dtype)
         self.worker = HostUpdater(observers)
         self.max_nonfinite = config.max_nonfinite_steps
@@ -188,7 +188,7 @@ class UpdatePolicy:
         their update is never split (a second half would keep the host copy until the step's commit). Nor
         is a disk-tier part's: its moments are in memory for one update, not until the commit."""
         on_disk = self.disk_tier is not None and part in self.disk_tier.parts
-        split = self.opt.splits and (self.split is None or part in self.split) and not on_device and not on_disk
+        split = self.opt.splits and part in self.split  # never one on_device or on_disk (HostRoles.splitting)
 
         def first() -> int | None:
             if not decision.applies:
