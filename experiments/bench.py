@@ -251,27 +251,27 @@ def breakdown(engine: Engine, data, step_time: float) -> dict:
 
 
 def host_update_bytes(engine: Engine) -> int:
-    """Bytes of host memory the host-updated parts' AdamW reads and writes in one optimizer step
-    (``Precision.update_bytes``, with each part's gradient in the dtype it came home in, ``Engine.grads_home``:
-    float32 where it waited on the GPU; a split update, ``EngineConfig.split_parts``, reads masters, moments
-    and gradient twice)."""
+    """Bytes of host memory the host-updated parts' AdamW reads and writes in one optimizer step: in one pass
+    masters, moments and gradient read, masters, moments and the 16-bit stream copy written; a split update
+    (``EngineConfig.split_parts``) reads masters, moments and gradient once more (its first pass writes only
+    the copy, its second the rest)."""
     from megatrain_jax.engine.parts import HostRoles
     e = engine.cfg
-    mode = engine.policy.opt.precision  # the mode the engine runs
+    per = engine.policy.opt.precision.bytes_per_param(e.host_grad_dtype)  # the mode the engine runs
+    read = per["masters"] + per["moments"] + per["host_grads"]
+    whole = read + per["masters"] + per["moments"] + per["stream_copy"]
     roles = HostRoles.of(engine.lm.n_blocks, e.resident_layers, e.resident_io, e.grads_on_gpu, e.disk_parts)
     split = engine.policy.split if engine.policy.opt.splits else set()  # the engine's own choice
-    waiting = set(roles.grads_on_gpu)
     total = 0.0
     for part in roles.host_updated:
         n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(engine.state[part].params))
-        grads = "float32" if part in waiting else engine.grads_home[part]
-        total += n * mode.update_bytes(grads, split=part in split)
+        total += n * (whole + (read if part in split else 0))
     return int(total)
 
 
 def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
     """Bytes one GPU (the mesh's first) moves over PCIe in one optimizer step without accumulation: the
-    weights fetched and the gradients sent home, in ``Engine.grads_home``'s dtypes (float32 for those that wait on the
+    weights fetched and the gradients sent home, in ``host_grad_dtype`` (float32 for those that wait on the
     GPU; not offloaded activations, which no configuration here uses)."""
     from megatrain_jax.engine.schedule import step_ops
 
@@ -295,8 +295,7 @@ def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
                                e.disk_parts).grads_on_gpu)  # float32, copied home by their update
     h2d = sum(shard_bytes(engine.state[op.part].streamed()) for op in ops
               if op.kind == "fetch" and op.part not in resident)
-    home = {part: 4 if part in waiting else DTYPE_BYTES[dtype] for part, dtype in engine.grads_home.items()}
-    d2h = sum(shard_bytes(engine.state[op.part].params, home[op.part])
+    d2h = sum(shard_bytes(engine.state[op.part].params, 4 if op.part in waiting else DTYPE_BYTES[e.host_grad_dtype])
               for op in ops if op.kind == "send_grads" and op.part not in resident)
     return {"h2d_bytes": h2d, "d2h_bytes": d2h, "total_bytes": h2d + d2h}
 

@@ -19,8 +19,6 @@
 // - megatrain_adamw_stream: only the bf16 copy of the new p (reads p, m, v, g; writes 2 bytes per
 //   parameter instead of 12). The engine runs it first, on the step's critical path, and the whole update
 //   later, off it.
-// - megatrain_adamw_g16, megatrain_adamw_stream_g16: the same two reading a bfloat16 gradient (uint16 bits),
-//   widened exactly on load (2 bytes per parameter less to read per pass).
 //
 // A third entry point is for capacity mode, where p, m and v themselves are stored as bfloat16 (uint16 bit
 // patterns; g stays float32):
@@ -135,13 +133,13 @@ inline void prefetch_streams(const T* p, const T* m, const T* v, const G* g, int
   }
 }
 
-template <bool kState, bool kBf16, class G>
-inline void adamw_block(float* __restrict p, float* __restrict m, float* __restrict v, const G* __restrict g,
+template <bool kState, bool kBf16>
+inline void adamw_block(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
                         uint16_t* __restrict p_bf16, int64_t b, int64_t e, int64_t hi, const Hyper& h) {
   prefetch_streams(p, m, v, g, b, hi);
 #pragma omp simd
   for (int64_t i = b; i < e; ++i) {
-    const float gi = grad_at(g, i) * h.grad_scale;
+    const float gi = g[i] * h.grad_scale;
     const float mi = h.b1 * m[i] + h.one_b1 * gi;
     const float vi = h.b2 * v[i] + h.one_b2 * gi * gi;
     const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p[i];
@@ -194,8 +192,8 @@ inline void split_range(int64_t lo, int64_t hi, const Block& block) {
   for (int64_t b = lo + kSplit * sub; b < hi; b += kBlock) block(b, std::min(b + kBlock, hi), hi);
 }
 
-template <bool kState, bool kBf16, class G>
-void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const G* __restrict g,
+template <bool kState, bool kBf16>
+void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
                  uint16_t* __restrict p_bf16, int64_t lo, int64_t hi, const Hyper h) {
   split_range<kStep>(lo, hi, [&](int64_t b, int64_t e, int64_t end) {
     adamw_block<kState, kBf16>(p, m, v, g, p_bf16, b, e, end, h);
@@ -248,8 +246,8 @@ void parallel_chunks(int64_t n, const Range& range) {
   }
 }
 
-template <bool kState, bool kBf16, class G>
-void adamw_parallel(float* p, float* m, float* v, const G* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
+template <bool kState, bool kBf16>
+void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
   parallel_chunks(n, [&](int64_t lo, int64_t hi) { adamw_range<kState, kBf16>(p, m, v, g, p_bf16, lo, hi, h); });
 }
 
@@ -591,40 +589,19 @@ void adamw_q8_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float
 
 }  // namespace
 
-namespace {
-template <class G>
-void adamw_whole(float* p, float* m, float* v, const G* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
-  if (p_bf16)
-    adamw_parallel<true, true>(p, m, v, g, p_bf16, n, h);
-  else
-    adamw_parallel<true, false>(p, m, v, g, static_cast<uint16_t*>(nullptr), n, h);
-}
-}  // namespace
-
 extern "C" void megatrain_adamw(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n,
                                 float lr, float b1, float b2, float eps, float wd, float grad_scale,
                                 float bc1, float bc2) {
-  adamw_whole(p, m, v, g, p_bf16, n, make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2));
+  const Hyper h = make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2);
+  if (p_bf16)
+    adamw_parallel<true, true>(p, m, v, g, p_bf16, n, h);
+  else
+    adamw_parallel<true, false>(p, m, v, g, nullptr, n, h);
 }
 
 extern "C" void megatrain_adamw_stream(float* p, float* m, float* v, const float* g, uint16_t* p_bf16,
                                        int64_t n, float lr, float b1, float b2, float eps, float wd,
                                        float grad_scale, float bc1, float bc2) {
-  adamw_parallel<false, true>(p, m, v, g, p_bf16, n, make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2));
-}
-
-// The two above with a bfloat16 gradient (uint16 bits): a block's gradient that comes home in bfloat16
-// because that is exact (it is a bfloat16 value that nothing summed); widened to float32 on load, so every
-// result is bit for bit what the float32 entry points write from the same values.
-extern "C" void megatrain_adamw_g16(float* p, float* m, float* v, const uint16_t* g, uint16_t* p_bf16, int64_t n,
-                                    float lr, float b1, float b2, float eps, float wd, float grad_scale,
-                                    float bc1, float bc2) {
-  adamw_whole(p, m, v, g, p_bf16, n, make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2));
-}
-
-extern "C" void megatrain_adamw_stream_g16(float* p, float* m, float* v, const uint16_t* g, uint16_t* p_bf16,
-                                           int64_t n, float lr, float b1, float b2, float eps, float wd,
-                                           float grad_scale, float bc1, float bc2) {
   adamw_parallel<false, true>(p, m, v, g, p_bf16, n, make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2));
 }
 

@@ -352,22 +352,6 @@ def test_gradients_waiting_on_the_gpu_with_a_bfloat16_stream_copy():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("split_parts", [0, 17])
-def test_block_gradients_come_home_in_bfloat16_exactly(split_parts):
-    """One micro-batch on one device with a bfloat16 stream: a block's gradient is a bfloat16 value (nothing
-    sums it), so it comes home in bfloat16 (half the PCIe and pinned bytes); the io part's, which sums two
-    uses, in float32. Training is bitwise the run whose gradients all stay float32 (waiting on the GPU), in
-    one pass and split; with two micro-batches (a float32 sum) every gradient comes home in float32."""
-    cfg = EngineConfig(clip_norm=0.05, split_parts=split_parts)
-    home = _trained(cfg)
-    assert home.grads_home == {IO: "float32", **{PartId.block(i): "bfloat16" for i in range(3)}}
-    assert home.policy.split == (set(PartId.block(i) for i in range(3)) | {IO} if split_parts else set())
-    float32 = _trained(EngineConfig(clip_norm=0.05, grads_on_gpu=4))
-    for a, b in zip(jax.tree.leaves(home.state), jax.tree.leaves(float32.state)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert set(_trained(EngineConfig(micro_batches=2), steps=1).grads_home.values()) == {"float32"}
-
-
 @pytest.mark.parametrize("split_parts", [0, 2])
 def test_updates_in_one_pass_train_exactly_as_split_ones(split_parts):
     """``split_parts``: the last parts in update order split, the others update in one pass; masters,

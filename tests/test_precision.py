@@ -96,15 +96,11 @@ def _differences(mode: precision.Precision, cfg: EngineConfig, engine: Engine, t
         check("dtype to the GPU", {mode.to_gpu_dtype(cfg.stream_dtype, CFG.dtype)}, {str(x.dtype) for x in sent})
         check("bytes to the GPU", mode.to_gpu_bytes * n, _nbytes(sent))
         home = jax.tree.leaves(traffic.home[part])
-        # the mode's default, but a block's bfloat16 gradient that nothing sums comes home as it is (exact)
-        streamed = mode.to_gpu_dtype(cfg.stream_dtype, CFG.dtype)
-        home_dtype = precision.grads_home_dtype(cfg, streamed, 1, block=not part.is_io)
-        check("gradient dtype home", {home_dtype if home_dtype == "bfloat16" else mode.host_grad_dtypes[0]},
-              {str(x.dtype) for x in home})
-        check("gradient bytes home", mode.bytes_per_param(home_dtype)["host_grads"] * n, _nbytes(home))
+        check("gradient dtype home", {mode.host_grad_dtypes[0]}, {str(x.dtype) for x in home})
+        check("gradient bytes home", roles["host_grads"] * n, _nbytes(home))
         # the memory plan counts the same bytes
         check("the plan's moment bytes", moment_bytes(CFG, cfg, part), _nbytes(held.opt.mu) + _nbytes(held.opt.nu))
-        check("the plan's gradient bytes", host_grad_bytes(cfg, streamed, 1, not part.is_io) * n, _nbytes(home))
+        check("the plan's gradient bytes", host_grad_bytes(cfg) * n, _nbytes(home))
     return out
 
 

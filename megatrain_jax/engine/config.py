@@ -49,9 +49,7 @@ class EngineConfig:
       of float32). The global norm, and so the clipping, is computed from the rounded gradients, exactly over
       what was sent; it differs from the float32 gradient's norm by the rounding (relative error under 2^-9
       per element). With ``accumulate_steps`` > 1 each sub-step's sum is rounded again. Gradients that wait on
-      the GPU (``grads_on_gpu``) and those of GPU-resident parts stay float32. With float32, a block's gradient
-      still comes home in bfloat16 where that is exact: a bfloat16 value that nothing sums (one micro-batch, one
-      sub-step, one device, a bfloat16 stream; ``precision.grads_home_dtype``).
+      the GPU (``grads_on_gpu``) and those of GPU-resident parts stay float32.
     - ``disk_parts``: the Adam moments of this many blocks (the last ones that are not GPU-resident) live in
       files under ``disk_dir`` on local disk (``megatrain_jax.engine.update.disk_tier``), read ahead of each block's
       update and written behind it: their moments' bytes (``Precision.moment_bytes``) less host RAM,

@@ -29,7 +29,7 @@ from megatrain_jax.engine.host_state import initial_state
 from megatrain_jax.engine.parts import IO, HostRoles, Part, PartId
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, reported_late
 from megatrain_jax.engine.passes import Pass, PassRunner, device_batches
-from megatrain_jax.engine.precision import grads_home_dtype, streamed_dtype
+from megatrain_jax.engine.precision import streamed_dtype
 from megatrain_jax.engine.schedule import eval_ops, step_ops
 from megatrain_jax.engine.step_clock import StepClock
 from megatrain_jax.engine.transfer import Placement, local_value
@@ -120,9 +120,6 @@ class Engine:
             self.policy.opt.route(self.state[part])  # decide each part's update route now, not mid-step
         self.resident_parts = ([IO] if config.resident_io else []) + [PartId.block(i) for i in range(config.resident_layers)]
         self.grads_on_gpu_parts = list(roles.grads_on_gpu)  # their gradients wait on the GPU
-        # the dtype each part's gradient comes home in, when it does (bfloat16 where that is exact)
-        self.grads_home = {part: grads_home_dtype(config, stream_dtype.name, self.placement.size, not part.is_io)
-                           for part in self.state.ids()}
         self.disk_tier = None
         if roles.disk:
             if not self.policy.opt.fused:
@@ -135,8 +132,7 @@ class Engine:
         self._resident: dict[PartId, Part] = {}
         self._load_resident()
         self._runner = PassRunner(self.fns, self.placement, self.state, self.policy, self._resident, self._observers,
-                                  grads_on_gpu=self.grads_on_gpu_parts, host_grad_dtype=config.host_grad_dtype,
-                                  grads_home=self.grads_home)
+                                  grads_on_gpu=self.grads_on_gpu_parts, host_grad_dtype=config.host_grad_dtype)
         self.last_seq_len = 0
 
     # ------------------------------------------------------------------ training

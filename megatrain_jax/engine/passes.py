@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -71,14 +71,11 @@ class PassRunner:
 
     def __init__(self, fns: DeviceFns, placement: Placement, state: HostState, policy: UpdatePolicy,
                  resident: dict[PartId, Part], observers: Sequence, grads_on_gpu: Sequence[PartId] = (),
-                 host_grad_dtype: str = "float32", grads_home: Mapping[PartId, str] | None = None):
+                 host_grad_dtype: str = "float32"):
         self.fns, self.placement, self.state, self.policy = fns, placement, state, policy
         self.resident = resident  # GPU-resident parts, updated on the device
         self.grads_on_gpu = set(grads_on_gpu)  # host-updated parts whose gradients wait on the device
-        # the parts whose gradients are sent home in bfloat16 (``precision.grads_home_dtype``): rounded on the
-        # device where host_grad_dtype asks for it, else cast where that is exact
-        self.bfloat16_home = {part for part, dtype in (grads_home or {}).items() if dtype == "bfloat16"}
-        self.rounds_home = host_grad_dtype == "bfloat16"
+        self.bfloat16_home = host_grad_dtype == "bfloat16"  # gradients sent home are rounded on the device first
         self.observers = observers
         self.n_blocks = len(state.parts) - 1
         self.kinds = fns.lm.block_kinds  # each block's kind: which template its programs run
@@ -270,10 +267,9 @@ class PassRunner:
         """A part's gradient to host memory (GPU-resident parts keep it on the device), summed with earlier
         sub-steps' when accumulating; its squared norm once the optimizer step's gradient is complete. The
         last backward program has summed it over the devices: each device holds its shard. The parts of
-        ``grads_on_gpu`` keep it on the device too, until their update copies it home. A gradient sent home in
-        bfloat16 (``precision.grads_home_dtype``) is cast on the device first: with ``host_grad_dtype=
-        "bfloat16"`` it is rounded, and its norm is the rounded gradient's (the clipping is exact over what the
-        update reads); otherwise the cast is exact and the norm is the float32 gradient's, the same numbers."""
+        ``grads_on_gpu`` keep it on the device too, until their update copies it home. With
+        ``host_grad_dtype="bfloat16"`` a gradient sent home is rounded to bfloat16 on the device, and its norm
+        is the rounded gradient's: the clipping is exact over what the update reads."""
         part = op.part
         resident = part in self.resident or part in self.grads_on_gpu  # the gradient stays on the device
         if part.is_io:
@@ -283,12 +279,9 @@ class PassRunner:
         if p.accumulate:
             earlier = self._grads[part]
             grads = self.fns.add(grads, earlier if resident else self.placement.to_device(earlier))
-        cast = part in self.bfloat16_home and not resident
-        if p.last and not (cast and self.rounds_home):
-            self._sq_norms[part] = self.fns.sq_norm(grads)
-        if cast:
+        if self.bfloat16_home and not resident:
             grads = self.fns.to_bfloat16(grads)
-        if p.last and cast and self.rounds_home:
+        if p.last:
             self._sq_norms[part] = self.fns.sq_norm(grads)
         self._grads[part] = grads if resident else self.placement.to_host(grads)
         return self._grads[part]

@@ -111,16 +111,6 @@ class Precision:
         return {"masters": self.master_bytes, "moments": self.moments_of(shape) / math.prod(shape),
                 "stream_copy": 2 if self.stream_copy else 0, "host_grads": DTYPE_BYTES[grads]}
 
-    def update_bytes(self, host_grad_dtype: str | None = None, split: bool = False,
-                     shape: tuple[int, ...] = (4096, 4096)) -> float:
-        """Host memory bytes per parameter one host update reads and writes (``bytes_per_param``'s roles): in
-        one pass masters, moments and gradient read, masters, moments and the stream copy written; a split
-        update (``EngineConfig.split_parts``) reads masters, moments and gradient once more (its first pass
-        writes only the stream copy, its second the rest)."""
-        per = self.bytes_per_param(host_grad_dtype, shape)
-        read = per["masters"] + per["moments"] + per["host_grads"]
-        return read * (2 if split else 1) + per["masters"] + per["moments"] + per["stream_copy"]
-
     # ------------------------------------------------------------------ checkpoints
     def resumes(self, other: Precision) -> bool:
         """Whether a checkpoint written in mode ``other`` resumes in this one: the masters must be of one
@@ -221,20 +211,6 @@ def streamed_dtype(cfg: EngineConfig, model_dtype: str, stream_dtype: str | None
     """The dtype ``cfg``'s weights cross PCIe in, for a model computing in ``model_dtype`` (``stream_dtype``:
     one that replaces ``cfg``'s)."""
     return mode_of(cfg, model_dtype, stream_dtype).to_gpu_dtype(stream_dtype or cfg.stream_dtype, model_dtype)
-
-
-def grads_home_dtype(cfg: EngineConfig, streamed: str, devices: int, block: bool = True) -> str:
-    """The dtype a host-updated part's gradient crosses PCIe in and waits in host memory in, when it comes home
-    for its update (not one of ``grads_on_gpu``): ``host_grad_dtype``, but bfloat16 for a block where that is
-    exact. A block's backward differentiates its ``streamed`` weights, so its gradient is a ``streamed``
-    value; the device accumulator holds it in float32, and only a sum makes it wider: over micro-batches
-    (``micro_batches``), sub-steps (``accumulate_steps``) or ``devices``. With none of these a bfloat16 block's
-    float32 gradient is a bfloat16 number, and sending it as one moves the same numbers in half the bytes (the
-    update reads them back to float32 exactly). The io part's gradient sums the embedding's and the head's
-    uses (tied weights), so it comes home in ``host_grad_dtype``."""
-    exact = (block and streamed == "bfloat16" and cfg.micro_batches == 1 and cfg.accumulate_steps == 1
-             and devices == 1)
-    return "bfloat16" if exact else cfg.host_grad_dtype
 
 
 def check_precision(cfg: EngineConfig) -> None:

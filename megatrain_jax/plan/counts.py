@@ -7,7 +7,7 @@ from typing import Iterable
 
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import HostRoles, PartId
-from megatrain_jax.engine.precision import DTYPE_BYTES, Precision, grads_home_dtype
+from megatrain_jax.engine.precision import DTYPE_BYTES, Precision
 from megatrain_jax.models.config import DecoderConfig
 
 GiB = 1024**3
@@ -94,9 +94,7 @@ def mode_moment_bytes(cfg: DecoderConfig, mode: Precision, part: PartId) -> int:
     return mode.moment_bytes * part_param_count(cfg, part)
 
 
-def host_grad_bytes(e: EngineConfig, streamed: str, devices: int = 1, block: bool = True) -> int:
-    """Bytes per parameter of a block's (``block``) or the io part's gradient that comes home to host memory
-    for its update, with weights streamed in ``streamed`` over ``devices`` GPUs
-    (``precision.grads_home_dtype``: ``host_grad_dtype``, or bfloat16 where that is exact; those that wait
-    on the GPU come home in float32)."""
-    return DTYPE_BYTES[grads_home_dtype(e, streamed, devices, block)]
+def host_grad_bytes(e: EngineConfig) -> int:
+    """Bytes per parameter of a gradient that comes home to host memory for its update
+    (``host_grad_dtype``; those that wait on the GPU come home in float32)."""
+    return DTYPE_BYTES[e.host_grad_dtype]

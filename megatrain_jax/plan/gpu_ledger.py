@@ -132,7 +132,7 @@ W, A, G = "streamed weights of the io part and blocks", "boundary activations", 
 K = "kept residuals: attention output and softmax statistics (keep_residuals), matrix products (kept_layers)"
 R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
 H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
-S = "gradients cast to bfloat16 for the copy home (precision.grads_home_dtype)"
+S = "gradients cast to bfloat16 for the copy home (host_grad_dtype)"
 
 
 @dataclasses.dataclass
@@ -356,10 +356,8 @@ def _send_grads(w: Walk, op: Op) -> None:
     the float32 accumulator, and both are held until the copy home has read it."""
     kept, waits = op.part in w.on_gpu, op.part in w.waiting
     home = not (kept or waits)
-    # in the host's dtype (a 16-bit stream counted as bfloat16: a float16 one sends float32, without this copy)
-    gb = host_grad_bytes(w.e, "bfloat16" if w.sb == 2 else "float32", w.devices, block=not op.part.is_io)
-    sent = w.summed(op) * gb // 4 if home else 0
-    cast = sent if home and gb < 4 else 0  # the bfloat16 copy that is sent
+    sent = w.summed(op) * host_grad_bytes(w.e) // 4 if home else 0  # in the host's dtype
+    cast = sent if home and host_grad_bytes(w.e) < 4 else 0  # the bfloat16 copy that is sent
     back = sent if w.accumulate else 0
     w.peak(op, out=cast, temp=back, why="the earlier passes' sum, back from host memory to be added")
     w.led.drop(G, w.summed(op), block=None if kept or waits else w.here(op))

@@ -75,7 +75,6 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
     for a chosen change."""
     e, c, rows, seq = p.engine_cfg, p.model_cfg, p.batch_rows, p.seq_len
     takes = lambda candidates: [ch for ch in candidates if legal(p, ch)]  # noqa: E731
-    home_bytes = host_grad_bytes(e, p.stream_dtype, p.devices)  # a block's gradient in host memory, per param
     if e.kept_layers:  # first: it costs only the recompute it saved
         yield ("kept", [(("engine.kept_layers", k),) for k in range(e.kept_layers - 1, -1, -1)],
                lambda ch: (f"the last {ch[0][1]} blocks keep their matrix products for the backward instead of "
@@ -85,7 +84,7 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
            lambda ch: (f"{ch[0][1]} GPU-resident blocks instead of {e.resident_layers}: " +
                        ("fewer blocks update on the GPU, so the next forward may wait on the host optimizer "
                         "(slower)" if ch[0][1] < e.resident_layers else
-                        f"their gradients stay on the GPU ({home_bytes} B/param less host RAM) and they "
+                        f"their gradients stay on the GPU ({host_grad_bytes(e)} B/param less host RAM) and they "
                         f"update there (faster)")))
     yield ("resident_io", takes([(("engine.resident_io", not e.resident_io),)]),
            lambda ch: "io part (embedding, head) " + ("kept on the GPU (faster)" if ch[0][1] else
@@ -102,7 +101,7 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
     n_host = len(host_roles(c, e).host_updated)
     yield ("grads_on_gpu", [(("engine.grads_on_gpu", n),) for n in range(1, n_host + 1) if n != e.grads_on_gpu],
            lambda ch: (f"the float32 gradients of {ch[0][1]} parts wait on the GPU for the global norm instead of "
-                       f"in host memory ({home_bytes} B/param less host RAM for them, 4 B/param more GPU "
+                       f"in host memory ({host_grad_bytes(e)} B/param less host RAM for them, 4 B/param more GPU "
                        f"memory); each comes home when its update runs"))
     on_host = "; every part updates on the host" if e.resident_layers or e.resident_io else ""
     for lower in precision.lower(mode):  # the modes that store less, each with what comes with it

@@ -309,22 +309,15 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         pinned[f"16-bit stream copy of the weights ({mode.to_gpu_bytes} B/param)"] = mode.to_gpu_bytes * P
     # The gradients of the host-updated parts (in ``host_grad_dtype``), but for those waiting on the GPU: of
     # these, one part's at a time comes home in float32, when its update runs.
-    home_io = not e.resident_io and IO not in roles.grads_on_gpu
-    io_home = io_param_count(c) if home_io else 0  # the io part's gradient, if it comes home
-    gb, io_gb = host_grad_bytes(e, stream_dtype, devices), host_grad_bytes(e, stream_dtype, devices, block=False)
-    grads = gb * (on_host_grads - sum(waiting) - io_home) + io_gb * io_home + 4 * max(waiting, default=0)
+    gb = host_grad_bytes(e)
+    grads = gb * (on_host_grads - sum(waiting)) + 4 * max(waiting, default=0)
     # Building the state, each of up to 4 parts at once passes its masters through pinned memory on its way
     # to pageable memory; the gradients later reuse that room.
     build = 4 * 4 * max(layer_param_count(c), io_param_count(c)) if fused and mode.stream_copy else 0
     what = f"{gb} B/param of the {(on_host_grads - sum(waiting)) / 1e9:.2f} B host-updated params"
-    if io_home and io_gb != gb:
-        blocks = (on_host_grads - sum(waiting) - io_home) / 1e9
-        what = f"{gb} B/param of the {blocks:.2f} B host-updated block params, {io_gb} B/param of the io part's " + (
-            f"{io_home / 1e9:.2f} B")
     if waiting:
         what += f", and one of the {len(waiting)} parts whose gradients wait on the GPU, in float32"
-    home = precision.grads_home_dtype(e, stream_dtype, devices)
-    pinned[f"gradients of one step, {home} ({what})"] = max(grads, build)
+    pinned[f"gradients of one step, {e.host_grad_dtype} ({what})"] = max(grads, build)
     ab = activation_bytes(c)
     offloaded = offloaded_blocks(c.layers, e.prefetch_depth, e.offload_activations)
     flash = assumes_flash(c)

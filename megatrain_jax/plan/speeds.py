@@ -16,8 +16,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megatrain_jax.engine import precision
-
 SPEEDS_VAR = "MEGATRAIN_SPEEDS"
 # The host update's rate against the host's cores: the fused kernels ran 2.05x (capacity) and 2.73x (8-bit
 # moments) faster on a 64-core H200 host than on a 16-core one (h200x4_host_adamw_q8.json, h200_host_adamw.json):
@@ -66,20 +64,14 @@ class Speeds:
     # (h200_measure_speeds_d5d7c51.json)
     one_pass_speedup: float = 1.5
 
-    def host_update_rate(self, mode: str, one_pass: bool = False, host_grad_dtype: str | None = None) -> float:
-        """Parameters per second of ``mode``'s host update, measured with its default gradient dtype;
-        ``one_pass``: a splitting mode's update run whole (``split_update=false``); ``host_grad_dtype``: the
-        gradient read in another dtype, the rate scaled by the bytes moved (the update is bound by host
-        memory: ``Precision.update_bytes``)."""
+    def host_update_rate(self, mode: str, one_pass: bool = False) -> float:
+        """Parameters per second of ``mode``'s host update; ``one_pass``: a splitting mode's update run
+        whole (``split_update=false``)."""
         try:
             rate = self.host_update[mode]
         except KeyError:
             raise ValueError(f"no host update rate for precision mode {mode!r} in {self.name}: give one in the "
                              f"calibration file's host_update") from None
-        if host_grad_dtype is not None:
-            m = precision.MODES[mode]
-            split = m.stream_copy and not one_pass  # the rate is of the mode's own update: split where it splits
-            rate *= m.update_bytes(split=split) / m.update_bytes(host_grad_dtype, split=split)
         return rate * self.one_pass_speedup if one_pass else rate
 
     def disk_seconds(self, on_disk: bool, params: float, moment_bytes: int) -> float:

@@ -24,7 +24,7 @@ import dataclasses
 import os
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
-from megatrain_jax.engine.precision import DTYPE_BYTES, grads_home_dtype
+from megatrain_jax.engine.precision import DTYPE_BYTES
 from megatrain_jax.engine.schedule import BLOCKS_AHEAD, Op, offloaded_blocks, step_ops
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
@@ -132,10 +132,7 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     parts = [IO] + [PartId.block(i) for i in range(cfg.layers)]
     count = {p: (io_param_count(cfg) if p.is_io else cfg.block_param_count(p.layer)) / devices for p in parts}
     fetch = {p: (count[p] * to_gpu if p in host_parts else 0.0) for p in parts}
-    streamed = mode.to_gpu_dtype(stream, cfg.dtype)
-    # the dtype each part's gradient reaches host memory in: float32 where it waits on the GPU
-    home_dtype = {p: "float32" if p in waiting else grads_home_dtype(e, streamed, devices, not p.is_io) for p in parts}
-    grads = {p: (count[p] * DTYPE_BYTES[home_dtype[p]] if p in host_parts - waiting else 0.0) for p in parts}
+    grads = {p: (count[p] * DTYPE_BYTES[e.host_grad_dtype] if p in host_parts - waiting else 0.0) for p in parts}
     home = {p: count[p] * 4.0 for p in waiting}  # float32, copied home by the part's update task
     disk = set(roles.disk)
     host_update = {}
@@ -145,8 +142,7 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
             # where it could but split_parts leaves it whole, one pass at its own rate
             can_split = mode.stream_copy and e.host_kernel and p not in waiting and p not in disk
             split = can_split and p in splitting
-            rate = s.host_update_rate(mode.name, one_pass=can_split and not split,
-                                     host_grad_dtype=home_dtype[p]) / devices  # a shared host
+            rate = s.host_update_rate(mode.name, one_pass=can_split and not split) / devices  # a shared host
             whole = count[p] / rate + s.disk_seconds(p in disk, count[p] * devices, mode.moment_bytes)
             host_update[p] = (whole * s.first_half_share, whole * (1 - s.first_half_share)) if split else (whole, 0.0)
     device_update = {p: count[p] * s.device_update_bytes_per_param / s.hbm_bytes for p in parts if p not in host_parts}

@@ -28,11 +28,8 @@ would on one). The masters are pinned (they cross PCIe: no stream copy); the mom
 **8-bit moments** (``EngineConfig.moment_dtype="q8"``, in capacity mode): each matrix's m and v are
 ``Q8Moment``s, one byte per element and one float32 scale per block of a row (``q8.Q8_BLOCK``),
 updated by the kernel's 8-bit entry point with the masters' rounding bits; vectors and small leaves keep
-bfloat16 moments (``q8.q8_leaf``).
-
-In every mode the gradient read may be float32 or bfloat16 (``precision.grads_home_dtype``: the
-``host_grad_dtype`` asked for, or a block's bfloat16 gradient sent as it is where that is exact); the
-kernels widen a bfloat16 one on load, and the other routes cast it up before the update.
+bfloat16 moments (``q8.q8_leaf``). The gradient the kernel reads may be float32 or bfloat16
+(``EngineConfig.host_grad_dtype``).
 
 Transformations that look across parameters (``clip_by_global_norm``) are refused at engine build by
 ``megatrain_jax.optim.check_partwise``: the engine clips exactly, from the norm of the whole gradient,
@@ -301,7 +298,7 @@ class HostOptimizer:
                 n = int(np.prod([b - a for a, b in key]))
                 if salt is None:
                     kernel_fn(self.kernel, ps[key][0], ms[key][0], vs[key][0], g_at[0],
-                              None if ss is None else ss[key][0], n, **hyper, **g_bf16)
+                              None if ss is None else ss[key][0], n, **hyper)
                 else:
                     kernel_fn(self.kernel, ps[key][0], ms[key][0], vs[key][0], g_at[0], n,
                               seed=rounding_seed(t, salt, leaf), offset=_flat_offset(key, p.shape), **hyper, **g_bf16)

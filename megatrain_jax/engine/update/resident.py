@@ -24,9 +24,8 @@ from megatrain_jax.engine.transfer import Placement
 
 def apply_scaled_update(tx: optax.GradientTransformation, params: Params, opt_state: Any, grads: Params,
                         scale: jax.Array) -> tuple[Params, Any]:
-    """One optimizer update of a part with its gradient scaled (clipping and accumulation averaging); a
-    gradient narrower than its parameter (a bfloat16 one that came home as it is) is widened first."""
-    grads = jax.tree.map(lambda g, p: g.astype(jnp.promote_types(g.dtype, p.dtype)) * scale, grads, params)
+    """One optimizer update of a part with its gradient scaled (clipping and accumulation averaging)."""
+    grads = jax.tree.map(lambda g: g * scale, grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
