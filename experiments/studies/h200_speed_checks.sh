@@ -14,7 +14,9 @@ set -u
 export PYTHONPATH=.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_slideformer \
   .whl/slideformer/*.whl 2>&1 | tail -n 2
-timeout 210 python experiments/studies/layer_compute.py --trace-dir $OUT/layer_traces_${TAG} \
+timeout 210 python experiments/studies/layer_compute.py --trace-dir /tmp/layer_traces_${TAG} \
   --out $OUT/h200_layer_compute_13b_${TAG}.json 2>&1 | tail -n 4
+# the profiler's directories are too deep for the device's copy home: one archive instead
+tar czf $OUT/layer_traces_${TAG}.tar.gz -C /tmp layer_traces_${TAG} && ls -la $OUT/layer_traces_${TAG}.tar.gz
 timeout 360 python experiments/side_by_side.py --only host,streamed_8k \
   --out $OUT/h200_side_by_side_host_${TAG}.json 2>&1 | tail -n 30 | cut -c1-300
