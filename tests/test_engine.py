@@ -527,3 +527,75 @@ def test_offloaded_activations_wait_in_pinned_host_memory():
     engine.observe(Watch())
     engine.step(make_batches(1, vocab=TINY3.vocab_size)).resolve()
     assert seen == {"store_acts": ["pinned_host"] * 4, "load_acts": ["device"] * 4}  # 2 blocks x 2 micro-batches
+
+
+# ---------------------------------------------------------------------------------------------- norm_first
+@pytest.mark.parametrize("tx,engine_cfg", [
+    (ADAMW, EngineConfig(norm_first=True, clip_norm=0.05)),
+    (SGD, EngineConfig(norm_first=True, clip_norm=0.05, micro_batches=2)),
+    (FUSED, EngineConfig(norm_first=True, clip_norm=0.05, prefetch_depth=2)),
+    (FUSED, EngineConfig(norm_first=True, resident_layers=1, resident_io=True, clip_norm=0.05)),
+], ids=["adamw-clip", "sgd-micro", "fused-depth2", "fused-resident"])
+def test_norm_first_equals_reference(tx, engine_cfg):
+    """A first pass takes the global norm, a second sends each gradient home and updates its part at once:
+    the same training as the reference, whatever the optimizer route, micro-batches and resident parts."""
+    engine = run_both(TINY3, tx, engine_cfg, shared=True)
+    assert engine.policy.split == set()  # updates run whole as gradients come home
+
+
+def test_norm_first_trains_bitwise_as_one_pass():
+    """On this backend the second backward repeats the first bit for bit, so masters, moments and stream
+    copies are exactly those of the one-pass step (updates in one pass there too)."""
+    one = _trained(EngineConfig(clip_norm=0.05, split_parts=0))
+    two = _trained(EngineConfig(clip_norm=0.05, norm_first=True))
+    for a, b in zip(jax.tree.leaves(one.state), jax.tree.leaves(two.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_stream_copies_track_masters(two)
+
+
+class _Outstanding:
+    """At each host part's ``update`` op: how many host updates are queued and not done, this one included."""
+
+    def __init__(self):
+        self.sent, self.futures, self.most = [], [], 0
+
+    def on_op(self, op, start, end, out):
+        if op.kind == "send_grads":
+            self.sent.append(op.part)
+        elif op.kind == "update" and hasattr(out, "done"):
+            self.futures.append(out)
+            self.most = max(self.most, sum(1 for f in self.futures if not f.done()))
+
+    def on_task(self, *a, **k):
+        pass
+
+
+def test_norm_first_holds_few_gradients_at_a_time():
+    """The host waits for the update queued UPDATES_AHEAD host parts before: with a slow host optimizer (a gate
+    that sleeps before each update) at most UPDATES_AHEAD updates are outstanding once a part's is queued, so
+    host memory holds at most UPDATES_AHEAD + 1 gradients (theirs, and the next part's on its way home)."""
+    import time
+    from megatrain_jax.engine.schedule import UPDATES_AHEAD
+    engine = Engine(Decoder(preset("tiny", layers=6), rngs=nnx.Rngs(0)), FUSED(), EngineConfig(norm_first=True))
+    watch = _Outstanding()
+    engine.observe(watch)
+    engine.hold_updates(lambda part: time.sleep(0.05))
+    for batch in make_batches(2):
+        engine.step(batch).resolve()
+    engine.sync()
+    assert watch.sent[:7] == [PartId.block(i) for i in reversed(range(6))] + [IO]
+    assert watch.most == UPDATES_AHEAD, watch.most
+
+
+def test_norm_first_skips_a_nonfinite_step():
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(norm_first=True, max_nonfinite_steps=1))
+    m, unchanged = poison_and_step(engine)
+    assert m["skipped"] and engine.skipped_steps == 1 and unchanged
+
+
+@pytest.mark.parametrize("settings,match", [(dict(norm_first=True, accumulate_steps=2), "accumulate_steps = 1"),
+                                            (dict(norm_first=True, grads_on_gpu=1), "grads_on_gpu = 0"),
+                                            (dict(norm_first="yes"), "true or false")])
+def test_norm_first_refuses_what_it_cannot_run(settings, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**settings)

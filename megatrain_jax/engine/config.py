@@ -95,6 +95,16 @@ class EngineConfig:
       (``disk_parts``) never split and are not counted. A one-pass update writes the masters in the task the
       next forward waits for, so after a checkpoint save that forward may wait for the writer to pass the part
       (split parts write their masters in the second pass).
+    - ``norm_first`` (opt-in; where host RAM is short): each step runs two forward+backward passes over its
+      batch. The first only takes the global gradient norm (no gradient leaves the GPU); the second computes
+      the same gradients again, and each part updates as soon as its gradient is home, clipped by the first
+      pass's norm. Host memory then holds no step's gradients, only those of the last ``UPDATES_AHEAD`` + 1
+      parts whose updates the host has not finished (``megatrain_jax.engine.schedule``), at the price of a
+      second forward and backward (and their weights' PCIe traffic). Exact: the same numbers as one pass where
+      the backward is deterministic (on GPUs, XLA's ``--xla_gpu_deterministic_ops``; otherwise the second
+      backward may differ from the first in the last bits, as two runs do). Needs ``accumulate_steps`` = 1
+      (the norm of a sum over sub-steps needs that sum held) and ``grads_on_gpu`` = 0 (no gradient waits);
+      updates never split (``split_parts`` does not apply).
     """
 
     micro_batches: int = 1
@@ -116,6 +126,7 @@ class EngineConfig:
     keep_residuals: bool = False
     kept_layers: int | Literal["auto"] = 0
     split_parts: int | Literal["auto"] = AUTO
+    norm_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
@@ -142,6 +153,16 @@ class EngineConfig:
         if self.split_parts != AUTO and (not isinstance(self.split_parts, int) or isinstance(self.split_parts, bool)
                                          or self.split_parts < 0):
             raise ValueError(f"EngineConfig.split_parts must be an integer >= 0 or 'auto', got {self.split_parts!r}")
+        if not isinstance(self.norm_first, bool):
+            raise ValueError(f"EngineConfig.norm_first must be true or false, got {self.norm_first!r}")
+        if self.norm_first and self.accumulate_steps > 1:
+            raise ValueError(f"norm_first takes the global norm in a first pass over the step's batch; with "
+                             f"accumulate_steps = {self.accumulate_steps} the norm is of a sum over sub-steps, "
+                             f"which would have to be held: set accumulate_steps = 1 (raise micro_batches or the "
+                             f"batch size instead), or norm_first = false")
+        if self.norm_first and self.grads_on_gpu:
+            raise ValueError(f"norm_first updates each part as its gradient comes home, so no gradient waits for the "
+                             f"norm: set grads_on_gpu = 0 (it is {self.grads_on_gpu})")
         if not isinstance(self.disk_parts, int) or self.disk_parts < 0:
             raise ValueError(f"EngineConfig.disk_parts must be an integer >= 0, got {self.disk_parts!r}")
         check_precision(self)  # the precision settings make one mode, which can run the rest (the table's rules)

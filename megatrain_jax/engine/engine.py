@@ -10,6 +10,7 @@ how parts are updated, ``megatrain_jax.engine.update.policy``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -30,7 +31,7 @@ from megatrain_jax.engine.parts import IO, HostRoles, Part, PartId
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, reported_late
 from megatrain_jax.engine.passes import Pass, PassRunner, device_batches
 from megatrain_jax.engine.precision import streamed_dtype
-from megatrain_jax.engine.schedule import eval_ops, step_ops
+from megatrain_jax.engine.schedule import eval_ops, norm_ops, step_ops
 from megatrain_jax.engine.step_clock import StepClock
 from megatrain_jax.engine.transfer import Placement, local_value
 from megatrain_jax.engine.update.disk_tier import DiskTier
@@ -112,7 +113,7 @@ class Engine:
         stream_dtype = jnp.dtype(streamed_dtype(config, getattr(model.cfg, "dtype", "float32")))
         self._observers: list = []
         self.policy = UpdatePolicy(optimizer, self.placement, stream_dtype, config, self._observers,
-                                   split=roles.splitting(config.split_parts))
+                                   split=() if config.norm_first else roles.splitting(config.split_parts))
         self.fns = device_fns(self.lm, self.placement)
         self.state = initial_state(model, self.placement, nnx.Rngs(seed).params(), self.policy.opt.fresh,
                                    self.policy.opt.home, init_from=init_from)
@@ -162,11 +163,19 @@ class Engine:
         try:
             for j, batch in enumerate(batches):
                 micro = device_batches(self.placement, batch.filled(), self.cfg.micro_batches)
-                p = Pass(micro, self.fns.inv_count([m.loss_mask for m in micro]), accumulate=j > 0,
-                         last=j == len(batches) - 1, keep_residuals=self.cfg.keep_residuals,
-                         kept_from=self.lm.n_blocks - self.cfg.kept_layers if self.cfg.kept_layers else None)
-                self._runner.run(p, step_ops(self.lm.n_blocks, self.cfg.micro_batches, self.cfg.prefetch_depth,
-                                             update=p.last, offload=self.cfg.offload_activations))
+                n, m, depth, offload = (self.lm.n_blocks, self.cfg.micro_batches, self.cfg.prefetch_depth,
+                                        self.cfg.offload_activations)
+                new_pass = functools.partial(
+                    Pass, micro, self.fns.inv_count([b.loss_mask for b in micro]), accumulate=j > 0,
+                    last=j == len(batches) - 1, keep_residuals=self.cfg.keep_residuals,
+                    kept_from=n - self.cfg.kept_layers if self.cfg.kept_layers else None)
+                p = new_pass()
+                if self.cfg.norm_first:  # the norm first, then the same gradients again, each updating its part
+                    self._runner.run(p, norm_ops(n, m, depth, offload))
+                    second = new_pass(norm_known=True, decision=p.decision)
+                    self._runner.run(second, step_ops(n, m, depth, offload=offload, norm_first=True))
+                else:
+                    self._runner.run(p, step_ops(n, m, depth, update=p.last, offload=offload))
                 losses.append(sum(p.losses))
                 auxes.append(p.aux)
         except DeviceOutOfMemoryError as err:

@@ -23,7 +23,7 @@ from megatrain_jax.engine.device_fns import DeviceFns
 from megatrain_jax.engine.host_state import HostState
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, is_out_of_memory, reported_late
 from megatrain_jax.engine.parts import IO, Part, PartId
-from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, Op, OpKind
+from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, UPDATES_AHEAD, Op, OpKind
 from megatrain_jax.engine.transfer import Placement
 from megatrain_jax.engine.update.policy import StepDecision, UpdatePolicy
 
@@ -36,6 +36,7 @@ class Pass:
     inv_count: Any = 1.0  # 1 / the loss tokens of the whole batch (a device scalar)
     accumulate: bool = False  # add the gradients to those of earlier sub-steps
     last: bool = True  # the last sub-step of an optimizer step: norms and updates follow
+    norm_known: bool = False  # a norm_first step's second pass: the decision is made, each update follows its send
     keep_inputs: bool = True  # keep each block's inputs for the backward (False: evaluation)
     keep_residuals: bool = False  # and the residuals the model marked to keep (``megatrain_jax.contract.remat``)
     kept_from: int | None = None  # blocks from this one on keep every matrix product too (``kept_layers``)
@@ -63,6 +64,7 @@ PHASE: dict[OpKind, str] = {
     "forward": "the forward", "head": "the head", "backward": "the backward", "send_grads": "the backward",
     "embed_backward": "the backward", "grad_norm": "the global norm", "update": "the update",
     "commit": "the update", "loss": "evaluation", "store_acts": "the forward", "load_acts": "the backward",
+    "norm": "the backward",
 }
 
 
@@ -85,11 +87,13 @@ class PassRunner:
         self.updating = False  # the optimizer step's update has begun (parts may hold the new step)
         self._passes = 0  # passes run: a block is one part in one pass's forward or backward
         self._ahead: deque[list] = deque()  # [block, its newest output, or its fence once sealed] issued last
+        self._updating: deque[PartId] = deque()  # norm_first: host parts whose updates were queued, oldest first
 
     def begin_step(self) -> None:
         """Forget what an optimizer step that did not finish left: its partial gradients and norms."""
         self._grads.clear()
         self._sq_norms.clear()
+        self._updating.clear()
         self.updating = False
 
     def run(self, p: Pass, ops: Sequence[Op]) -> None:
@@ -281,10 +285,20 @@ class PassRunner:
             grads = self.fns.add(grads, earlier if resident else self.placement.to_device(earlier))
         if self.bfloat16_home and not resident:
             grads = self.fns.to_bfloat16(grads)
-        if p.last:
+        if p.last and not p.norm_known:
             self._sq_norms[part] = self.fns.sq_norm(grads)
         self._grads[part] = grads if resident else self.placement.to_host(grads)
         return self._grads[part]
+
+    def norm(self, p: Pass, op: Op):
+        """A ``norm_first`` step's first pass: the part's gradient (summed over the devices, each its shard)
+        reduced to its squared norm on the device, then dropped: none goes home."""
+        if op.part.is_io:
+            grads, p.io_grads = p.io_grads, None
+        else:
+            grads, p.grads = p.grads, None
+        self._sq_norms[op.part] = self.fns.sq_norm(grads)
+        return self._sq_norms[op.part]
 
     def grad_norm(self, p: Pass, op: Op):
         norms = [self._sq_norms.pop(part) for part in self.state.ids()]
@@ -292,12 +306,21 @@ class PassRunner:
         return p.decision.scale
 
     def update(self, p: Pass, op: Op):
+        """A part's update. In a ``norm_first`` step's second pass it follows the part's gradient home, and
+        the host then waits for the update queued ``UPDATES_AHEAD`` host parts before: host memory holds
+        at most that many more parts' gradients than the one just sent."""
         grads = self._grads.pop(op.part)
         if op.part in self.resident:
             self.resident[op.part] = self.policy.update_device(self.resident[op.part], grads, p.decision)
             return self.resident[op.part]
-        return self.policy.update_host(self.state, op.part, grads, p.decision,
+        done = self.policy.update_host(self.state, op.part, grads, p.decision,
                                        on_device=op.part in self.grads_on_gpu)
+        if p.norm_known:
+            self._updating.append(op.part)
+            if len(self._updating) > UPDATES_AHEAD:
+                with reported_late():
+                    self.policy.ready(self._updating.popleft())
+        return done
 
     def commit(self, p: Pass, op: Op):
         return self.policy.commit(self.state)
@@ -310,6 +333,7 @@ HANDLERS: dict[OpKind, Callable[[PassRunner, Pass, Op], Any]] = {
     "send_grads": PassRunner.send_grads, "embed_backward": PassRunner.embed_backward,
     "grad_norm": PassRunner.grad_norm, "update": PassRunner.update, "commit": PassRunner.commit,
     "loss": PassRunner.loss, "store_acts": PassRunner.store_acts, "load_acts": PassRunner.load_acts,
+    "norm": PassRunner.norm,
 }
 
 # The op kinds that run a block's (or the io part's) compute: the host paces these (``PassRunner.pace``).
@@ -320,6 +344,7 @@ CATEGORY: dict[OpKind, str] = {
     "fetch": "h2d", "release": "none", "embed": "compute", "forward": "compute", "head": "compute",
     "backward": "compute", "send_grads": "d2h", "embed_backward": "compute", "grad_norm": "compute",
     "update": "optimizer", "commit": "optimizer", "loss": "compute", "store_acts": "d2h", "load_acts": "h2d",
+    "norm": "compute",
 }
 
 

@@ -16,6 +16,11 @@ holds the table from op kind to handler). One training step is:
    order (io, block 0, block 1, ...), so the next step's forward can begin early;
 7. ``commit``: the second halves of split updates (see ``megatrain_jax.engine.update.policy``).
 
+With ``EngineConfig.norm_first`` a step is two passes over its batch: ``norm_ops`` (the same forward and
+backward, each part's gradient reduced to its squared norm on the device (``norm``) instead of sent home,
+then the global norm), and ``step_ops(..., norm_first=True)``, where each part's ``update`` follows its
+``send_grads`` at once and no norm is taken.
+
 Evaluation walks ``eval_ops``: the same forward, then the loss of each micro-batch.
 """
 
@@ -37,8 +42,13 @@ STORES_AHEAD = 2
 # The memory plan counts what the host dropped for this many blocks as still allocated.
 BLOCKS_AHEAD = 3
 
+# With ``norm_first``, the host-updated parts whose gradients may be in host memory beyond the one just sent:
+# the host waits for the update of the part sent this many before (``passes.PassRunner.update``), so host
+# memory holds at most UPDATES_AHEAD + 1 parts' gradients. The memory plan counts as many.
+UPDATES_AHEAD = 2
+
 OpKind = Literal["fetch", "release", "embed", "forward", "head", "backward", "send_grads", "embed_backward",
-                 "grad_norm", "update", "commit", "loss", "store_acts", "load_acts"]
+                 "grad_norm", "update", "commit", "loss", "store_acts", "load_acts", "norm"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +96,12 @@ def _forward(n_layers: int, n_micro: int, depth: int, keep: int, offload: int = 
     return ops, resident
 
 
-def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True, offload: int = 0) -> list[Op]:
+def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True, offload: int = 0,
+             norm_first: bool = False) -> list[Op]:
     """The ops of one forward+backward pass (plus the optimizer update when ``update``). ``offload``: the
     inputs of the first this many blocks wait in host memory between their forward and backward (the last
-    ``depth`` blocks' never leave: their backward follows at once)."""
+    ``depth`` blocks' never leave: their backward follows at once). ``norm_first``: the step's second pass
+    (``norm_ops`` took the norm): each part's update follows its gradient's ``send_grads``."""
     _check(n_layers, n_micro, depth)
     if offload < 0:
         raise ValueError(f"activation offload must be >= 0 blocks, got {offload}")
@@ -105,14 +117,25 @@ def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True, o
                     ops.append(Op("load_acts", PartId.block(j)))
         ops += [Op("backward", PartId.block(i), m) for m in range(n_micro)]
         ops += [Op("send_grads", PartId.block(i)), Op("release", PartId.block(i))]
+        if norm_first:
+            ops.append(Op("update", PartId.block(i)))
         resident.discard(i)
     ops += [Op("embed_backward", micro=m) for m in range(n_micro)]
     ops += [Op("send_grads", IO), Op("release", IO)]
-    if update:
+    if norm_first:
+        ops.append(Op("update", IO))
+    elif update:
         ops.append(Op("grad_norm"))
         ops += [Op("update", PartId(i)) for i in range(n_layers + 1)]
         ops.append(Op("commit"))
     return ops
+
+
+def norm_ops(n_layers: int, n_micro: int, depth: int = 1, offload: int = 0) -> list[Op]:
+    """The first pass of a ``norm_first`` step: ``step_ops``' forward and backward, each part's gradient
+    reduced to its squared norm where it would be sent home, then the global norm."""
+    ops = step_ops(n_layers, n_micro, depth, update=False, offload=offload)
+    return [Op("norm", op.part) if op.kind == "send_grads" else op for op in ops] + [Op("grad_norm")]
 
 
 def eval_ops(n_layers: int, n_micro: int, depth: int = 1) -> list[Op]:
