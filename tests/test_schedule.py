@@ -8,7 +8,7 @@ import pytest
 
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.passes import CATEGORY, HANDLERS, PHASE
-from megatrain_jax.engine.schedule import Op, OpKind, eval_ops, max_resident_layers, step_ops
+from megatrain_jax.engine.schedule import Op, OpKind, eval_ops, max_resident_layers, norm_ops, step_ops
 from megatrain_jax.plan.gpu_ledger import RULES
 
 B = PartId.block
@@ -73,7 +73,7 @@ def test_every_op_kind_has_one_handler_a_category_and_one_ledger_rule():
     kinds = set(typing.get_args(OpKind))
     assert set(HANDLERS) == kinds and set(CATEGORY) == kinds and set(RULES) == kinds and set(PHASE) == kinds
     assert len(set(HANDLERS.values())) == len(kinds) and all(map(callable, RULES.values()))
-    assert {o.kind for o in step_ops(2, 2, 1, offload=1) + eval_ops(2, 2, 1)} == kinds
+    assert {o.kind for o in step_ops(2, 2, 1, offload=1) + eval_ops(2, 2, 1) + norm_ops(2, 2, 1)} == kinds
 
 
 def test_part_ids_name_themselves_and_order_like_updates():
@@ -114,3 +114,15 @@ def test_negative_offload_is_rejected():
     with pytest.raises(ValueError, match="activation offload must be >= 0"):
         step_ops(3, 1, offload=-1)
 
+
+
+def test_a_norm_first_step_is_a_norm_pass_then_updates_as_gradients_come_home():
+    """``norm_ops``: the one-pass forward and backward with each ``send_grads`` a ``norm``, then the global norm;
+    the second pass updates each part right after its gradient is sent (reverse order, io last), no norm."""
+    plain, first, second = step_ops(3, 2, 1, update=False), norm_ops(3, 2, 1), step_ops(3, 2, 1, norm_first=True)
+    assert [o.kind for o in first[:-1]] == [("norm" if o.kind == "send_grads" else o.kind) for o in plain]
+    assert first[-1] == Op("grad_norm") and not any(o.kind in ("send_grads", "update") for o in first)
+    sends = [i for i, o in enumerate(second) if o.kind == "send_grads"]
+    assert [second[i + 2] for i in sends] == [Op("update", B(2)), Op("update", B(1)), Op("update", B(0)),
+                                              Op("update", IO)]
+    assert not any(o.kind in ("grad_norm", "commit", "norm") for o in second)

@@ -399,6 +399,13 @@ def _load_acts(w: Walk, op: Op) -> None:
         w.led.add(K, w.res * n, n)
 
 
+def _norm(w: Walk, op: Op) -> None:
+    """A ``norm_first`` step's first pass: the part's gradient reduced to a scalar on the device, and dropped
+    once its block's work has run (the plan walks the one-pass schedule, whose peak bounds this one's)."""
+    w.peak(op)
+    w.led.drop(G, w.summed(op), block=w.here(op))
+
+
 def _nothing_held(w: Walk, op: Op) -> None:
     """The global norm, the commit of split updates, and evaluation's loss: a scalar each."""
     w.peak(op)
@@ -408,7 +415,7 @@ RULES: dict[OpKind, Callable[[Walk, Op], None]] = {
     "fetch": _fetch, "release": _release, "embed": _embed, "forward": _forward, "head": _head,
     "backward": _backward, "send_grads": _send_grads, "embed_backward": _embed_backward,
     "grad_norm": _nothing_held, "update": _update, "commit": _nothing_held, "loss": _nothing_held,
-    "store_acts": _store_acts, "load_acts": _load_acts,
+    "store_acts": _store_acts, "load_acts": _load_acts, "norm": _norm,
 }
 
 
