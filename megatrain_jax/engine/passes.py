@@ -53,6 +53,15 @@ class Pass:
     aux: Any = None  # the auxiliary (load-balancing) loss, also a term of ``losses``
     stores: list = dataclasses.field(default_factory=list)  # offloaded activations whose copies may be queued
 
+    def take_grads(self, part: PartId) -> Any:
+        """The gradient the backward accumulated for ``part`` (the io part's, or the block's just run); the
+        pass lets go of it."""
+        if part.is_io:
+            grads, self.io_grads = self.io_grads, None
+        else:
+            grads, self.grads = self.grads, None
+        return grads
+
     def keeps_products(self, layer: int) -> bool:
         """Whether block ``layer``'s forward keeps its matrix products for its backward."""
         return self.keep_inputs and self.kept_from is not None and layer >= self.kept_from
@@ -276,10 +285,7 @@ class PassRunner:
         is the rounded gradient's: the clipping is exact over what the update reads."""
         part = op.part
         resident = part in self.resident or part in self.grads_on_gpu  # the gradient stays on the device
-        if part.is_io:
-            grads, p.io_grads = p.io_grads, None
-        else:
-            grads, p.grads = p.grads, None
+        grads = p.take_grads(part)
         if p.accumulate:
             earlier = self._grads[part]
             grads = self.fns.add(grads, earlier if resident else self.placement.to_device(earlier))
@@ -293,11 +299,7 @@ class PassRunner:
     def norm(self, p: Pass, op: Op):
         """A ``norm_first`` step's first pass: the part's gradient (summed over the devices, each its shard)
         reduced to its squared norm on the device, then dropped: none goes home."""
-        if op.part.is_io:
-            grads, p.io_grads = p.io_grads, None
-        else:
-            grads, p.grads = p.grads, None
-        self._sq_norms[op.part] = self.fns.sq_norm(grads)
+        self._sq_norms[op.part] = self.fns.sq_norm(p.take_grads(op.part))
         return self._sq_norms[op.part]
 
     def grad_norm(self, p: Pass, op: Op):
