@@ -512,6 +512,46 @@ def test_lean_mode_is_picked_when_host_ram_is_short():
     assert lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=90 * GiB) == (e, None)
 
 
+def test_norm_first_holds_the_gradients_of_the_parts_whose_updates_may_be_unfinished():
+    """The two-pass step (``norm_first``) holds at most ``UPDATES_AHEAD`` + 1 host parts' gradients: the plan
+    counts the largest that many (the io part and two blocks here) instead of every host part's."""
+    from megatrain_jax.engine.schedule import UPDATES_AHEAD
+    e = EngineConfig(micro_batches=2, stream_dtype="float32")
+    one, two = (plan(EIGHT_B, dataclasses.replace(e, norm_first=nf), 2, 2048, **BIG) for nf in (False, True))
+    grads = lambda p: next(v for k, v in p.host.items() if "gradients of one step" in k)  # noqa: E731
+    assert UPDATES_AHEAD == 2
+    assert grads(one) == 4 * EIGHT_B.param_count()
+    assert grads(two) == 4 * (io_param_count(EIGHT_B) + 2 * layer_param_count(EIGHT_B))
+    assert one.host_pinned - two.host_pinned == grads(one) - grads(two) and two.host_total < one.host_total
+    assert "norm_first: 4 B/param of the 3 largest host-updated parts" in two.table()
+    # GPU-resident parts send nothing home: the largest host-updated parts are blocks then
+    resident = plan(EIGHT_B, dataclasses.replace(e, norm_first=True, resident_layers=2, resident_io=True), 2, 2048,
+                    **BIG)
+    assert grads(resident) == 4 * 3 * layer_param_count(EIGHT_B)
+
+
+def test_lean_pick_takes_the_two_pass_step_where_gradients_on_the_gpu_do_not_fit():
+    """Llama-3-8B with a 40 GiB GPU and 115 GiB of host: float32 streaming with the gradients waiting on the
+    GPU does not fit, the two-pass step does (exact, so before capacity mode and the disk tier), and ``train``
+    says so; with the GPU room for the gradients (118 GiB of host) those are picked, as before. The options of
+    a run that does not fit name it, with the host memory it saves."""
+    from megatrain_jax.plan import lean_engine
+    e = EngineConfig(micro_batches=2)
+    picked, why = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=115 * GiB, gpu_bytes=40 * GiB)
+    assert picked == dataclasses.replace(e, stream_dtype="float32", norm_first=True)
+    assert "engine.norm_first=true" in why and "two forward and backward passes per step" in why
+    assert plan(EIGHT_B, picked, 16, 2048, host_ram_bytes=115 * GiB, gpu_bytes=40 * GiB).fits
+    roomy, _ = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=118 * GiB, gpu_bytes=40 * GiB)
+    assert roomy.grads_on_gpu > 0 and not roomy.norm_first
+    # the user's own choices are kept: accumulation (which the two-pass step cannot take) leaves it out
+    accumulating = dataclasses.replace(e, accumulate_steps=2)
+    assert not lean_engine(EIGHT_B, accumulating, 8, 2048, host_ram_bytes=115 * GiB, gpu_bytes=40 * GiB)[0].norm_first
+    short = plan(EIGHT_B, e, 16, 2048, host_ram_bytes=115 * GiB, gpu_bytes=71 * GiB)
+    two_pass = [o for o in options(short) if ("engine.norm_first", True) in o.changes]
+    assert two_pass and all(short.applied(o.changes).fits for o in two_pass)
+    assert "GiB less" in two_pass[0].why and "the same numbers" in two_pass[0].why
+
+
 def test_capacity_mode_holds_six_bytes_per_parameter_plus_gradients():
     P = SEVEN_B.param_count()
     p = plan(SEVEN_B, EngineConfig(micro_batches=2, master_dtype="bfloat16"), 16, 2048, **BIG)

@@ -259,3 +259,21 @@ def test_kept_layers_auto_says_why_none_was_timed_when_nothing_fits_as_configure
     e = EngineConfig(micro_batches=1, resident_layers=0, kept_layers="auto")
     said = resolve(cfg, e, 4, 2048, Machine(125 * 2**30, 133 * 2**30, gpu_name="NVIDIA H200")).said
     assert "no layout fits host and GPU as configured" in said and "no rates" not in said, said
+
+
+def test_a_norm_first_step_runs_two_passes_and_updates_beside_the_second_backward():
+    """The two-pass step: the weights cross PCIe twice, the gradients come home once, the GPU computes both
+    passes, no update splits; on a host-bound step the updates start in the second backward (each as its
+    gradient is home), so the step is shorter than the two passes and the host's work put end to end."""
+    one = EngineConfig(micro_batches=1)
+    two = dataclasses.replace(one, norm_first=True)
+    a, b = predict(CFG, one, 4, 2048, QUIET), predict(CFG, two, 4, 2048, QUIET)
+    assert b.h2d_bytes == 2 * a.h2d_bytes and b.d2h_bytes == a.d2h_bytes
+    n = lengths(CFG, two, 4, 2048, QUIET)
+    assert all(second == 0 for _, second in n.host_update.values())  # never split
+    assert b.busy["gpu"] == pytest.approx(2 * a.busy["gpu"] + sum(n.norm.values()), rel=1e-6)
+    slow = QUIET.replace(host_update={**QUIET.host_update, "full": 3e9})
+    p = predict(CFG, two, 4, 2048, slow)
+    assert p.bound == "host"
+    assert p.seconds < p.busy["host"] + p.busy["gpu"]  # the second backward hides part of the host's work
+

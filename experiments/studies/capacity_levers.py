@@ -9,10 +9,11 @@ XLA's 95% of 141 GiB), the host the plan counts (``plan.memory.plan``, every ite
 - the same with as many parts' gradients waiting on the GPU as it holds (``grads_on_gpu``, the most that fit);
 - capacity mode (bfloat16 moments: the disk tier does not hold 8-bit ones) with every block's moments in the
   disk tier (``disk_parts``), and the bytes that tier reads and writes per step;
-- levers not built yet, from today's plan by the bytes they change: 4-bit moments (two 4-bit moments and a
-  float32 scale per 128 elements: 1.06 bytes per parameter where 8-bit takes 2.03), and an exact two-pass step
-  (a backward for the global norm, then a backward that updates each block as its gradient arrives: no step's
-  gradients held, one block's in flight), each alone and together.
+- the exact two-pass step (``EngineConfig.norm_first``: a backward for the global norm, then a backward that
+  updates each part as its gradient arrives: no step's gradients held, ``UPDATES_AHEAD`` + 1 parts' in flight),
+  as the plan counts it;
+- 4-bit moments, not built yet, from the plan by the bytes they change (two 4-bit moments and a float32 scale
+  per 128 elements: 1.06 bytes per parameter where 8-bit takes 2.03), alone and with the two-pass step.
 
 Each row: host GiB, host bytes per parameter (the whole plan over the parameters), fits 512 GiB or not, and the
 predicted step at the H200's default rates where the plan can time it.
@@ -81,22 +82,23 @@ def main() -> None:
         runs.append(row("capacity mode (bfloat16 moments) with every block's moments in the disk tier",
                         plan(cfg, disk, args.rows, args.seq, **kw).host_total, disk,
                         disk_read_and_written_per_step_gib=round(2 * 4 * params / GiB, 1)))
-        grads = sum(v for item, v in today.host.items() if item.startswith("pinned: gradients of one step"))
         moment_item = sum(v for item, v in today.host.items() if "Adam moments" in item)
-        one_block = grads / n_host  # one part's gradient in flight instead of the step's
         four = today.host_total - moment_item + params * FOUR_BIT_MOMENTS
         runs.append(row("4-bit moments (not built)", four, None))
-        runs.append(row("exact two-pass step, no step's gradients held (not built)",
-                        today.host_total - grads + one_block, None))
-        runs.append(row("4-bit moments and the exact two-pass step (not built)", four - grads + one_block, None))
+        two_pass = dataclasses.replace(base, norm_first=True)
+        both = plan(cfg, two_pass, args.rows, args.seq, **kw)
+        runs.append(row("exact two-pass step (norm_first), no step's gradients held", both.host_total, two_pass,
+                        gpu_fits=both.gpu_fits))
+        runs.append(row("4-bit moments (not built) and the exact two-pass step", both.host_total - moment_item
+                        + params * FOUR_BIT_MOMENTS, None))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     record = {"name": os.path.splitext(os.path.basename(args.out))[0],
               "command": "PYTHONPATH=. python experiments/studies/capacity_levers.py " + " ".join(sys.argv[1:]),
               "git_commit": commit, "date": datetime.date.today().isoformat(),
               "device": {"name": "CPU (the memory plan, for one H200)", "cpu_cores": os.cpu_count()},
               "host_gib": args.host_gib, "gpu_gib": round(args.gpu_gib, 2), "rows": args.rows, "seq_len": args.seq,
-              "note": "the rows marked 'not built' are today's plan less the bytes the lever removes; the pinned "
-                      "pool's rounding and the driver's share of it are left as today's (they shrink with the pool)",
+              "note": "the rows marked 'not built' are the plan less the bytes the lever removes (the 8-bit "
+                      "moments' item replaced by 4-bit ones, pageable); the other rows are the plan's own",
               "runs": runs}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)

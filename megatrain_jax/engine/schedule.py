@@ -44,8 +44,7 @@ BLOCKS_AHEAD = 3
 
 # With ``norm_first``, the host-updated parts whose gradients may be in host memory beyond the one just sent:
 # the host waits for the update of the part sent this many before (``passes.PassRunner.update``), so host
-# memory holds at most UPDATES_AHEAD + 1 parts' gradients. (The memory plan does not count this yet: it
-# counts every host part's gradient, as for one pass.)
+# memory holds at most UPDATES_AHEAD + 1 parts' gradients (the memory plan counts that many, the largest).
 UPDATES_AHEAD = 2
 
 OpKind = Literal["fetch", "release", "embed", "forward", "head", "backward", "send_grads", "embed_backward",

@@ -11,8 +11,8 @@ The config as given runs unless memory is short:
   ``"auto"`` without rates: none);
 - ``resident_layers="auto"`` without rates: the most GPU-resident blocks that fit (``most_resident``);
 - the GPU short: the fewest blocks whose inputs wait in host memory (``offload``);
-- host RAM short: the lean host layout (``lean``: float32 streamed, gradients waiting on the GPU; in capacity
-  mode, 8-bit moments; last, the disk tier);
+- host RAM short: the lean host layout (``lean``: float32 streamed, gradients waiting on the GPU, the two-pass
+  step; in capacity mode, 8-bit moments; last, the disk tier);
 - nothing of that fitting while blocks keep their attention residuals: the same without them;
 - then ``split_parts="auto"`` where the GPU's rates are known: how many host updates run in two passes, the
   count the step-time model finds fastest for the layout picked (``split_parts``).
@@ -107,7 +107,7 @@ def split_parts(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
     if engine_cfg.split_parts != AUTO or speeds is None:
         return engine_cfg, None
     n = len(host_roles(model_cfg, engine_cfg).splitting(AUTO))
-    if n == 0 or not engine_cfg.precision.stream_copy or not engine_cfg.host_kernel:
+    if n == 0 or not engine_cfg.precision.stream_copy or not engine_cfg.host_kernel or engine_cfg.norm_first:
         return engine_cfg, None  # nothing could split: nothing to pick
     times = {k: predict(model_cfg, dataclasses.replace(engine_cfg, split_parts=k), batch_rows, seq_len, speeds,
                         devices=devices).seconds for k in range(n + 1)}
@@ -333,7 +333,8 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
 
 def _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw) -> tuple[EngineConfig, list[str]]:
     """``resolve`` for one setting of ``keep_residuals``: the config, and what was picked in words."""
-    user_host = engine_cfg.stream_dtype is not None or engine_cfg.grads_on_gpu or engine_cfg.disk_parts
+    user_host = (engine_cfg.stream_dtype is not None or engine_cfg.grads_on_gpu or engine_cfg.disk_parts
+                 or engine_cfg.norm_first)
     said = []
     if not engine_cfg.offload_activations:
         p = plan(model_cfg, engine_cfg, batch_rows, seq_len, detect=False, **kw)
@@ -364,8 +365,9 @@ def _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw) -> tup
 def lean(p: MemoryPlan) -> Changes | None:
     """Full precision in less host RAM, for a run that does not fit the host: the float32 masters are
     streamed (no 16-bit host copy), and if that is not enough, the fewest parts' gradients wait on the
-    GPU; with ``LEAN_HOST_MARGIN`` of the host left over where possible. In capacity mode, where that does
-    not fit even without the margin: 8-bit moments and bfloat16 gradients (``_leanest_lower``), so that the
+    GPU (with ``LEAN_HOST_MARGIN`` of the host left over where possible, then without), and if that is not
+    enough, the two-pass step (``norm_first``: a step's gradients never all in host memory, for a second
+    forward and backward). In capacity mode, where that does not fit even without the margin: 8-bit moments and bfloat16 gradients (``_leanest_lower``), so that the
     lower precision is picked only where capacity mode's own does not fit. Then (with a ``disk_dir``) the
     fewest blocks' moments in the disk tier: last, because it reads and writes their moments every step
     (at 70B, hundreds of GB per step through the disk), where 8-bit moments cost no time. The changes, or
@@ -374,7 +376,8 @@ def lean(p: MemoryPlan) -> Changes | None:
         return None
     plans = [p] if p.host_available is None else [
         p.replace(host_ram_bytes=int(p.host_available * (1 - LEAN_HOST_MARGIN))), p]
-    for leanest in (lambda q: _leanest(q, disk=False), _leanest_lower, _leanest):
+    for leanest in (lambda q: _leanest(q, disk=False, two_pass=False), lambda q: _leanest(q, disk=False),
+                    _leanest_lower, _leanest):
         for q in plans:
             changes = leanest(q)
             if changes is not None:
@@ -382,7 +385,7 @@ def lean(p: MemoryPlan) -> Changes | None:
     return None
 
 
-def _leanest(p: MemoryPlan, disk: bool = True) -> Changes | None:
+def _leanest(p: MemoryPlan, disk: bool = True, two_pass: bool = True) -> Changes | None:
     # the masters streamed instead of a 16-bit copy of them, where the mode has that layout and the config takes it
     masters = [precision.switch(p.engine_cfg, m, p.stream_dtype) for m in precision.layouts(p.mode)
                if not m.stream_copy]
@@ -394,6 +397,9 @@ def _leanest(p: MemoryPlan, disk: bool = True) -> Changes | None:
     grads = fewest(streamed, "engine.grads_on_gpu", list(range(1, n_host + 1)))
     if grads is not None:
         return stream + grads
+    # the two-pass step: exact; its second forward and backward cost time, not precision
+    if two_pass and not p.engine_cfg.norm_first and fits(streamed, (("engine.norm_first", True),)):
+        return stream + (("engine.norm_first", True),)
     if disk and not p.engine_cfg.disk_parts:  # the last blocks' moments on disk, where the config takes it
         blocks = p.model_cfg.layers - p.engine_cfg.resident_layers
         on_disk = fewest(streamed, "engine.disk_parts", list(range(1, blocks + 1)))
@@ -429,7 +435,11 @@ def _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, *, host_ram_bytes, gp
     leaner = p.applied(changes)
     if not leaner.engine_cfg.disk_parts:  # the disk folder is the config's only where the tier is used
         leaner = leaner.replace(engine_cfg=dataclasses.replace(leaner.engine_cfg, disk_dir=given.disk_dir))
-    said = " ".join(f"{k}={v}" for k, v in changes)
+    said = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes)
+    if leaner.engine_cfg.norm_first and not p.engine_cfg.norm_first:
+        said += (" (two forward and backward passes per step, the same numbers: the first takes the global norm, "
+                 "the second updates each part as its gradient comes home, so host memory holds no step's "
+                 "gradients)")
     mode = leaner.mode
     if mode is not p.mode and mode.stochastic:
         said = f"{mode.summary} ({said}; quality: docs/capacity.md)"

@@ -33,7 +33,7 @@ from megatrain_jax._environment import limit_host_pool, physical_ram_bytes, visi
 from megatrain_jax.engine import precision
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.program_memory import ProgramMemory
-from megatrain_jax.engine.schedule import offloaded_blocks
+from megatrain_jax.engine.schedule import UPDATES_AHEAD, offloaded_blocks
 from megatrain_jax.engine.update.q8 import Q8_BLOCK
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.engine.parts import IO, PartId, part_ids
@@ -308,13 +308,20 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     if mode.stream_copy:
         pinned[f"16-bit stream copy of the weights ({mode.to_gpu_bytes} B/param)"] = mode.to_gpu_bytes * P
     # The gradients of the host-updated parts (in ``host_grad_dtype``), but for those waiting on the GPU: of
-    # these, one part's at a time comes home in float32, when its update runs.
+    # these, one part's at a time comes home in float32, when its update runs. A ``norm_first`` step holds
+    # only the parts whose updates the host has not finished: at most UPDATES_AHEAD + 1, counted as the
+    # largest that many.
     gb = host_grad_bytes(e)
     grads = gb * (on_host_grads - sum(waiting)) + 4 * max(waiting, default=0)
+    what = f"{gb} B/param of the {(on_host_grads - sum(waiting)) / 1e9:.2f} B host-updated params"
+    if e.norm_first:
+        held = sorted((part_param_count(c, part) for part in roles.host_updated), reverse=True)[:UPDATES_AHEAD + 1]
+        grads = gb * sum(held)
+        what = (f"norm_first: {gb} B/param of the {len(held)} largest host-updated parts, {sum(held) / 1e9:.2f} B "
+                f"params: those whose updates may be unfinished")
     # Building the state, each of up to 4 parts at once passes its masters through pinned memory on its way
     # to pageable memory; the gradients later reuse that room.
     build = 4 * 4 * max(layer_param_count(c), io_param_count(c)) if fused and mode.stream_copy else 0
-    what = f"{gb} B/param of the {(on_host_grads - sum(waiting)) / 1e9:.2f} B host-updated params"
     if waiting:
         what += f", and one of the {len(waiting)} parts whose gradients wait on the GPU, in float32"
     pinned[f"gradients of one step, {e.host_grad_dtype} ({what})"] = max(grads, build)

@@ -4,7 +4,8 @@ machine's rates (``speeds.Speeds``):
 
 - the **main thread** issues every op in list order; it waits where the engine waits: a block's fetch for that
   block's host update of the previous step (``UpdatePolicy.ready``), a block's compute for the GPU to be
-  within ``BLOCKS_AHEAD`` blocks of it (``passes.PassRunner.pace``), the global norm for the backward's end;
+  within ``BLOCKS_AHEAD`` blocks of it (``passes.PassRunner.pace``), the global norm for the backward's end,
+  and in a ``norm_first`` step's second pass each update for the one queued ``UPDATES_AHEAD`` parts before;
 - the **GPU** runs compute (forward, backward with or without recompute, head, embedding) and the updates of
   GPU-resident parts;
 - the **copy engines**, host to GPU (weights, offloaded activations back) and GPU to host (gradients,
@@ -25,7 +26,7 @@ import os
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.precision import DTYPE_BYTES
-from megatrain_jax.engine.schedule import BLOCKS_AHEAD, Op, offloaded_blocks, step_ops
+from megatrain_jax.engine.schedule import BLOCKS_AHEAD, UPDATES_AHEAD, Op, norm_ops, offloaded_blocks, step_ops
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.plan.counts import activation_bytes, host_roles, io_param_count, stream_bytes
@@ -87,6 +88,7 @@ class _Lengths:
     acts: float  # bytes of one block's offloaded inputs (and kept residuals), each way
     host_update: dict[PartId, tuple[float, float]]  # (first half, second half); (whole, 0) where it does not split
     device_update: dict[PartId, float]  # GPU-resident parts' update on the GPU
+    norm: dict[PartId, float]  # a norm_first step's first pass: the part's gradient reduced to its squared norm
     dispatch: dict[str, float]  # the main thread's own seconds per op kind
 
 
@@ -113,7 +115,7 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     to_gpu = stream_bytes(mode.to_gpu_dtype(stream, cfg.dtype))
     roles = host_roles(cfg, e)
     host_parts, waiting = set(roles.host_updated), set(roles.grads_on_gpu)
-    splitting = set(roles.splitting(e.split_parts))
+    splitting = set() if e.norm_first else set(roles.splitting(e.split_parts))  # norm_first never splits
     kept = set(range(cfg.layers - e.kept_layers, cfg.layers))
     fwd, bwd = {}, {}
     for i in range(cfg.layers):
@@ -149,13 +151,19 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     micro_rows = rows // e.micro_batches
     acts = e.micro_batches * (micro_rows * seq_len * cfg.hidden * activation_bytes(cfg) + (
         kept_bytes(cfg, e, micro_rows, seq_len, assumes_flash(cfg)) if e.keep_residuals else 0))
+    norm = {p: count[p] * 4.0 / s.hbm_bytes for p in parts}  # one read of the float32 gradient
     return _Lengths(fwd, bwd, head, 2 * cfg.hidden * tokens / s.hbm_bytes, fetch, grads, home, acts, host_update,
-                    device_update, s.dispatch)
+                    device_update, norm, s.dispatch)
 
 
 # ---------------------------------------------------------------------------------------------- the walk
 def _ops(cfg: DecoderConfig, e: EngineConfig) -> list[list[Op]]:
-    """One optimizer step's sub-steps: ``accumulate_steps`` passes, the last with the update."""
+    """One optimizer step's sub-steps: ``accumulate_steps`` passes, the last with the update; with
+    ``norm_first``, the norm's pass and the updating one."""
+    if e.norm_first:
+        return [norm_ops(cfg.layers, e.micro_batches, e.prefetch_depth, offload=e.offload_activations),
+                step_ops(cfg.layers, e.micro_batches, e.prefetch_depth, offload=e.offload_activations,
+                         norm_first=True)]
     k = e.accumulate_steps
     return [step_ops(cfg.layers, e.micro_batches, e.prefetch_depth, update=(j == k - 1),
                      offload=e.offload_activations) for j in range(k)]
@@ -199,7 +207,10 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
         computed: dict[PartId, float] = {}
         visits: list[float] = []  # when each block visit's compute ends (pacing)
         step_busy, bytes_before = dict(busy), (h2d, d2h)
+        sent: dict[PartId, float] = {}  # when each part's gradient is home (norm_first: its update waits)
+        updating: list[PartId] = []  # norm_first: host parts whose updates were queued, oldest first
         for j, sub in enumerate(_ops(cfg, e)):
+            accumulating = j > 0 and not e.norm_first
             for op in sub:
                 t = free["main"] + n.dispatch.get(op.kind, 0.0)
                 busy["main"] += n.dispatch.get(op.kind, 0.0)
@@ -224,9 +235,11 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
                     move("d2h", max(t, computed[op.part]), n.acts)
                 elif op.kind == "send_grads":
                     start = max(t, free["gpu"] if op.part.is_io else computed[op.part])
-                    if j > 0 and n.grads[op.part]:  # accumulating: the earlier sum comes back to be added
+                    if accumulating and n.grads[op.part]:  # the earlier sum comes back to be added
                         start = move("h2d", start, n.grads[op.part])
-                    move("d2h", start, n.grads[op.part])
+                    sent[op.part] = move("d2h", start, n.grads[op.part])
+                elif op.kind == "norm":
+                    run("gpu", max(t, free["gpu"] if op.part.is_io else computed[op.part]), n.norm[op.part])
                 elif op.kind == "grad_norm":  # the main thread reads the norm: the backward and its sends done
                     t = max(t, free["gpu"], free["d2h"])
                 elif op.kind == "update":
@@ -234,7 +247,12 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
                         start = t
                         if op.part in n.home:  # the task copies the waiting gradient home, then updates
                             start = move("d2h", max(t, free["host"]), n.home[op.part])
-                        ready_host[op.part] = run("host", start, n.host_update[op.part][0])
+                        ready_host[op.part] = run("host", max(start, sent.get(op.part, 0.0)),
+                                                  n.host_update[op.part][0])
+                        if e.norm_first:  # the main thread waits for the update queued UPDATES_AHEAD before
+                            updating.append(op.part)
+                            if len(updating) > UPDATES_AHEAD:
+                                t = max(t, ready_host[updating.pop(0)])
                     else:
                         run("gpu", t, n.device_update[op.part])
                 elif op.kind == "commit":  # the second halves, last part first
