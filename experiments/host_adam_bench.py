@@ -79,17 +79,22 @@ def make_kernel_numpy(n: int):
     return lambda: adamw_numpy(p, m, v, g, None, **hp)
 
 
-def make_q8_kernel(n: int, g_bf16: bool = False):
-    """The 8-bit-moment kernel (issue 35) on numpy arrays: bfloat16 p (uint16 bits), uint8 m and v codes with
-    float32 scales per block of 256 (Q8_BLOCK), float32 (or bfloat16) g; n parameters as rows of 4096."""
-    from megatrain_jax.engine.update.q8 import Q8_BLOCK, adamw_q8_numpy, q8_scale_shape
+def make_quantized_kernel(n: int, moment_dtype: str, g_bf16: bool = False):
+    """A quantized-moment kernel (``moment_formats.FORMATS``: 8-bit, 4-bit) on numpy arrays: bfloat16 p (uint16
+    bits), uint8 codes of m and v with float32 scales per block, float32 (or bfloat16) g; n parameters as rows
+    of 4096."""
+    from megatrain_jax.engine.update.host_kernel import require
+    from megatrain_jax.engine.update.moment_formats import FORMATS
+    fmt, lib = FORMATS[moment_dtype], require(None)
     shape = (n // 4096, 4096)
     p = np.full(shape, 0x3F00, np.uint16)  # 0.5 in bfloat16
-    m, v = np.zeros(shape, np.uint8), np.zeros(shape, np.uint8)
-    m_absmax, v_absmax = (np.zeros(q8_scale_shape(shape, Q8_BLOCK), np.float32) for _ in range(2))
+    m, v = (np.zeros(fmt.codes_shape(shape), np.uint8) for _ in range(2))
+    m_absmax, v_absmax = (np.zeros(fmt.scale_shape(shape), np.float32) for _ in range(2))
     g = np.full(shape, 0x3C24, np.uint16) if g_bf16 else np.full(shape, 0.01, np.float32)  # 0.01 (rounded to bfloat16)
     hp = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1=0.1, bc2=0.05)
-    return lambda: adamw_q8_numpy(p, m, v, m_absmax, v_absmax, g, block=Q8_BLOCK, seed=0, **hp)
+    return lambda: fmt.inplace(lib, p.ctypes.data, m.ctypes.data, v.ctypes.data, m_absmax.ctypes.data,
+                               v_absmax.ctypes.data, g.ctypes.data, shape[0], shape[1], block=fmt.block,
+                               g_bf16=g_bf16, seed=0, offset=0, **hp)
 
 
 def make_capacity_kernel(n: int):
@@ -117,8 +122,10 @@ SYSTEMS = {
     "megatrain_jax_fused_kernel_first_half": lambda n: make_jax_host(n, True, True, first_half=True),
     "fused_kernel_on_numpy_fp32": make_kernel_numpy,
     "megatrain_jax_capacity_kernel": make_capacity_kernel,
-    "megatrain_jax_q8_kernel": make_q8_kernel,
-    "megatrain_jax_q8_kernel_bf16_grad": lambda n: make_q8_kernel(n, g_bf16=True),
+    "megatrain_jax_q8_kernel": lambda n: make_quantized_kernel(n, "q8"),
+    "megatrain_jax_q8_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "q8", g_bf16=True),
+    "megatrain_jax_q4_kernel": lambda n: make_quantized_kernel(n, "q4"),
+    "megatrain_jax_q4_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "q4", g_bf16=True),
     "megatrain_jax_host_fp32": lambda n: make_jax_host(n, False),
     "megatrain_jax_host_with_bf16_copy": lambda n: make_jax_host(n, True),
     "jax_cpu_backend": make_jax_cpu_backend,

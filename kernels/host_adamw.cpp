@@ -47,6 +47,15 @@
 //   VMAX) rounded stochastically to the grid (q8_encode_mag): unbiased, since an EMA step of v by (1 - b2) is
 //   under half a step of a 3-bit mantissa and round-to-nearest would never let v decay. One exception: a
 //   positive v never gets code 0 (code 1 instead), which keeps sqrt(v) away from 0 where m may be nonzero.
+// A sixth entry point keeps the moments in 4 bits: megatrain_adamw_q4. As megatrain_adamw_q8 (p bfloat16 bits,
+// g float32 or bfloat16, rows x cols cut into blocks of a row, one float32 absmax per block and moment), but
+// each code is a nibble, two to a byte (element x in byte x / 2: the low nibble for even x, the high for
+// odd; cols and block even, so no byte is shared by two blocks), on power-of-two grids scaled so that the
+// block's largest magnitude is 1:
+// - m: sign (bit 3) + a 3-bit magnitude c: 0 for c == 0, else 2^(c - 7): 2^-6 .. 1;
+// - v: a 4-bit c: 0 for c == 0, else 2^(c - 15): 2^-14 .. 1.
+// y = min(|x| / absmax, 1) is rounded stochastically to its two neighbours on the grid (q4_encode), so that
+// its mean is y; a positive v never gets code 0 (code 1 instead), as in 8 bits.
 // Random bits: stream 0 rounds p, 1 m, 2 v (the capacity kernel's keys and counters). Non-finite values are
 // not special-cased (the engine skips non-finite steps before updating): p follows to_bf16_sr, a NaN or inf
 // moment gets some code and the block's absmax may come out NaN or inf (its codes then mean nothing); nothing
@@ -506,6 +515,23 @@ inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int6
 }  // namespace q8avx2
 #endif
 
+// One element of a quantized-moment update from its old moments m0 and v0 (decoded and scaled): p written back
+// rounded stochastically, the new moments in *mb and *vb (the 8-bit and 4-bit kernels' shared math, in the
+// order of adamw_sr_block's).
+template <class G>
+static inline void quantized_element(uint16_t* __restrict p, const G* __restrict g, int64_t x, float m0, float v0,
+                                     const Hyper& h, const Keys& k, float* __restrict mb, float* __restrict vb) {
+  const float p0 = from_bf16(p[x]);
+  const float gi = grad_at(g, x) * h.grad_scale;
+  const float mi = h.b1 * m0 + h.one_b1 * gi;
+  const float vi = h.b2 * v0 + h.one_b2 * gi * gi;
+  const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p0;
+  const float pi = p0 - h.lr * u;
+  p[x] = to_bf16_sr(pi, mix32((k.offset + static_cast<uint32_t>(x)) ^ k.p));
+  *mb = mi;
+  *vb = vi;
+}
+
 // One quantization block of n elements from flat index lo, in two passes over the buffers mb and vb (n
 // floats each): the first dequantizes, updates, writes p and keeps the new m and v and their maxima; the
 // second encodes them with the new scales. *m_amax and *v_amax hold the block's old scale on entry and its
@@ -525,17 +551,8 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
 #pragma omp simd reduction(max : am, av)
   for (int64_t i = i0; i < n; ++i) {
     const int64_t x = lo + i;
-    const float p0 = from_bf16(p[x]);
-    const float gi = grad_at(g, x) * h.grad_scale;
-    const float m0 = decode_m(m[x]) * sm;
-    const float v0 = decode_v(v[x]) * sv;
-    const float mi = h.b1 * m0 + h.one_b1 * gi;
-    const float vi = h.b2 * v0 + h.one_b2 * gi * gi;
-    const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p0;
-    const float pi = p0 - h.lr * u;
-    p[x] = to_bf16_sr(pi, mix32((k.offset + static_cast<uint32_t>(x)) ^ k.p));
-    mb[i] = mi;
-    vb[i] = vi;
+    quantized_element(p, g, x, decode_m(m[x]) * sm, decode_v(v[x]) * sv, h, k, mb + i, vb + i);
+    const float mi = mb[i], vi = vb[i];
     const float a = std::fabs(mi);
     am = a > am ? a : am;
     av = vi > av ? vi : av;
@@ -566,25 +583,147 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   *v_amax = av;
 }
 
-// The blocks of a rows x cols array, in groups of consecutive blocks (about kChunk elements, fewer where that
-// would leave a thread without work) that threads take first come, first served.
+// ---- 4-bit moments (see the header for the formats) ----
+
+constexpr int kQ4EminM = -6, kQ4EminV = -14;  // the smallest nonzero magnitude of each grid is 2^kEmin
+
+// Stochastic rounding of y in [0, 1] to a code of the power-of-two grid whose smallest nonzero value is
+// 2^kEmin, with random bits r (the low 20 used). At or above 2^kEmin, y = (1 + f) 2^e: code e - kEmin + 1,
+// plus one with probability f (its top 20 bits); below, y / 2^kEmin in [0, 1) as 20-bit fixed point (the
+// significand shifted right by the exponent's distance, at most 31), code 1 with probability of it. Integer
+// operations only, as Q8Grid::encode.
+template <int kEmin>
+static inline uint32_t q4_encode(float y, uint32_t r) {
+  uint32_t u;
+  std::memcpy(&u, &y, 4);
+  const uint32_t low = r & 0xfffffu;
+  const uint32_t e = u >> 23;
+  const uint32_t normal = e - static_cast<uint32_t>(127 + kEmin) + 1u + ((((u & 0x7fffffu) >> 3) + low) >> 20);
+  const uint32_t shift = static_cast<uint32_t>(130 + kEmin) - e;  // >= 4 below 2^kEmin
+  const uint32_t fixed = ((u & 0x7fffffu) | 0x800000u) >> (shift < 31u ? shift : 31u);
+  const uint32_t sub = (fixed + low) >> 20;
+  return u >= (static_cast<uint32_t>(127 + kEmin) << 23) ? normal : sub;
+}
+
+// The value of a nonzero-or-zero magnitude code: 0, or 2^(c - 1 + kEmin) as float32 bits.
+template <int kEmin>
+static inline float q4_decode(uint32_t c) {
+  const uint32_t bits = c == 0 ? 0u : (c - 1u + static_cast<uint32_t>(127 + kEmin)) << 23;
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+static inline float q4_decode_m(uint32_t c) {
+  const float mag = q4_decode<kQ4EminM>(c & 7u);
+  uint32_t bits;
+  std::memcpy(&bits, &mag, 4);
+  bits |= (c & 8u) << 28;
+  float x;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+// 1 / absmax, capped at FLT_MAX (a block of zeros maps 0 to 0), as q8_inverse_scale.
+static inline float q4_inverse_scale(float absmax) {
+  const float q = 1.0f / absmax;
+  constexpr float kBig = std::numeric_limits<float>::max();
+  return q < kBig ? q : kBig;
+}
+
+// One block of n (even) elements from flat index lo (even): as adamw_q8_block, with nibbles. Four passes, each
+// a plain loop over contiguous buffers that the compiler vectorizes: the codes unpacked one to a byte (mc, vc),
+// the update (p written, the new m and v kept in mb and vb with their maxima), the new codes, packed back.
 template <class G>
-void adamw_q8_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const G* g,
-                       int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
+inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
+                           float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g, int64_t lo,
+                           int64_t n, const Hyper& h, const Keys& k, float* __restrict mb,
+                           float* __restrict vb, uint8_t* __restrict mc, uint8_t* __restrict vc) {
+  const float sm = *m_amax, sv = *v_amax;
+  const int64_t half = n / 2, b0 = lo / 2;
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    const uint8_t a = m[b0 + j], b = v[b0 + j];
+    mc[2 * j] = a & 15u;
+    mc[2 * j + 1] = a >> 4;
+    vc[2 * j] = b & 15u;
+    vc[2 * j + 1] = b >> 4;
+  }
+  float am = 0.0f, av = 0.0f;
+#pragma omp simd reduction(max : am, av)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t x = lo + i;
+    quantized_element(p, g, x, q4_decode_m(mc[i]) * sm, q4_decode<kQ4EminV>(vc[i]) * sv, h, k, mb + i, vb + i);
+    const float mi = mb[i], vi = vb[i];
+    const float a = std::fabs(mi);
+    am = a > am ? a : am;
+    av = vi > av ? vi : av;
+  }
+  const float im = q4_inverse_scale(am), iv = q4_inverse_scale(av);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t j = k.offset + static_cast<uint32_t>(lo + i);
+    const float mi = mb[i];
+    const float ym = std::fabs(mi) * im, yv = vb[i] * iv;
+    const uint32_t mag = q4_encode<kQ4EminM>(ym < 1.0f ? ym : 1.0f, mix32(j ^ k.m)) & 7u;
+    const uint32_t sign = std::signbit(mi) ? 8u : 0u;
+    mc[i] = static_cast<uint8_t>(mag | (mag != 0 ? sign : 0u));  // zero is always code 0, never -0
+    const float yvc = yv < 1.0f ? yv : 1.0f;
+    const uint32_t c = q4_encode<kQ4EminV>(yvc, mix32(j ^ k.v)) & 15u;
+    uint32_t yv_bits;
+    std::memcpy(&yv_bits, &yvc, 4);
+    vc[i] = static_cast<uint8_t>(std::max(c, std::min(yv_bits, 1u)));  // a positive v never becomes code 0
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < half; ++j) {
+    m[b0 + j] = static_cast<uint8_t>(mc[2 * j] | (mc[2 * j + 1] << 4));
+    v[b0 + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
+  }
+  *m_amax = am;
+  *v_amax = av;
+}
+
+// The blocks of a rows x cols array, in groups of consecutive blocks (about kChunk elements, fewer where that
+// would leave a thread without work) that threads take first come, first served; each thread has its own
+// buffers for a block's new moments (floats) and codes (one a byte, for the 4-bit format's packing).
+struct BlockBuffers {
+  alignas(64) float mb[kQ8MaxBlock];
+  alignas(64) float vb[kQ8MaxBlock];
+  alignas(64) uint8_t mc[kQ8MaxBlock];
+  alignas(64) uint8_t vc[kQ8MaxBlock];
+};
+
+template <class BlockFn>
+void quantized_parallel(int64_t rows, int64_t cols, int64_t block, BlockFn block_fn) {
   const int64_t nb = (cols + block - 1) / block, blocks = rows * nb;
   const int threads = team_size();
   const int64_t per = std::max<int64_t>(1, std::min(kChunk / block, (blocks + threads - 1) / threads));
   (void)per;  // unused without OpenMP
 #pragma omp parallel num_threads(threads)
   {
-    alignas(64) float mb[kQ8MaxBlock];
-    alignas(64) float vb[kQ8MaxBlock];
+    BlockBuffers buf;
 #pragma omp for schedule(dynamic, per) nowait
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t r = b / nb, c = (b % nb) * block;
-      adamw_q8_block(p, m, v, m_amax + b, v_amax + b, g, r * cols + c, std::min(block, cols - c), h, k, mb, vb);
+      block_fn(b, r * cols + c, std::min(block, cols - c), buf);
     }
   }
+}
+
+template <class G>
+void adamw_q8_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const G* g,
+                       int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
+  quantized_parallel(rows, cols, block, [&](int64_t b, int64_t lo, int64_t n, BlockBuffers& buf) {
+    adamw_q8_block(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb);
+  });
+}
+
+template <class G>
+void adamw_q4_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const G* g,
+                       int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
+  quantized_parallel(rows, cols, block, [&](int64_t b, int64_t lo, int64_t n, BlockBuffers& buf) {
+    adamw_q4_block(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb, buf.mc, buf.vc);
+  });
 }
 
 }  // namespace
@@ -636,6 +775,21 @@ extern "C" void megatrain_adamw_q8(uint16_t* p, uint8_t* m, uint8_t* v, float* m
     adamw_q8_parallel(p, m, v, m_amax, v_amax, static_cast<const uint16_t*>(g), rows, cols, block, h, k);
   else
     adamw_q8_parallel(p, m, v, m_amax, v_amax, static_cast<const float*>(g), rows, cols, block, h, k);
+}
+
+// 4-bit moments (see the header): as megatrain_adamw_q8, with m and v two codes to a byte (rows * cols / 2
+// bytes each). Preconditions, checked by the Python wrapper: cols and block even, 0 < block <= 4096,
+// rows >= 0, offset even, offset + rows * cols <= 2^32.
+extern "C" void megatrain_adamw_q4(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax,
+                                   const void* g, int g_bf16, int64_t rows, int64_t cols, int64_t block,
+                                   float lr, float b1, float b2, float eps, float wd, float grad_scale,
+                                   float bc1, float bc2, uint32_t seed, int64_t offset) {
+  const Hyper h = make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2);
+  const Keys k = make_keys(seed, offset);
+  if (g_bf16)
+    adamw_q4_parallel(p, m, v, m_amax, v_amax, static_cast<const uint16_t*>(g), rows, cols, block, h, k);
+  else
+    adamw_q4_parallel(p, m, v, m_amax, v_amax, static_cast<const float*>(g), rows, cols, block, h, k);
 }
 
 extern "C" void megatrain_set_threads(int n) { g_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }

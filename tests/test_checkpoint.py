@@ -3,6 +3,7 @@ checkpoints skipped, shape mismatches reported, save-then-exit on SIGTERM, and a
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import itertools
 import json
@@ -275,11 +276,13 @@ def test_resuming_a_full_precision_checkpoint_in_capacity_mode_says_why_it_canno
     assert "expected shape (128, 32) bfloat16, found shape (128, 32) float32" in str(err.value)
 
 
-@pytest.mark.parametrize("written,resumed", [("capacity", "q8"), ("q8", "capacity")])
-def test_moments_convert_between_bfloat16_and_8bit_on_restore(tmp_path, written, resumed):
-    """A capacity-mode run resumed where ``train`` picks 8-bit moments (a smaller host), and back: the moments
-    are converted, with a warning, to what the written ones stand for (within a step of the coarser format)."""
-    configs = {"capacity": CAPACITY, "q8": Q8}
+@pytest.mark.parametrize("written,resumed", [("capacity", "q8"), ("q8", "capacity"), ("capacity", "q4"),
+                                             ("q4", "capacity"), ("q8", "q4"), ("q4", "q8")])
+def test_moments_convert_between_bfloat16_and_quantized_on_restore(tmp_path, written, resumed):
+    """A capacity-mode run resumed where ``train`` picks quantized moments (a smaller host), and back, and
+    between 8 and 4 bits: the moments are converted, with a warning, to what the written ones stand for
+    (within a step of the coarser format: an eighth of the block's maximum in 8 bits, half of it in 4)."""
+    configs = {"capacity": CAPACITY, "q8": Q8, "q4": dataclasses.replace(Q8, moment_dtype="q4")}
     model = Decoder(CFG, rngs=nnx.Rngs(0))
     engine = Engine(model, default_optimizer(1e-3), configs[written])
     for batch in [next(iter(data()))] * 2:
@@ -290,8 +293,8 @@ def test_moments_convert_between_bfloat16_and_8bit_on_restore(tmp_path, written,
     other = Engine(Decoder(CFG, rngs=nnx.Rngs(1)), default_optimizer(1e-3), configs[resumed])
     with pytest.warns(MomentFormatWarning, match="moments converted on restore"):
         Checkpointer(tmp_path, read_only=True).restore(other)
-    from megatrain_jax.engine.update import q8
-    from megatrain_jax.engine.update.host_optimizer import Q8Moment
+    from megatrain_jax.engine.update.host_optimizer import QuantizedMoment
+    from megatrain_jax.engine.update.moment_formats import FORMATS
 
     def moments(e):  # each moment as float32 values, leaf by leaf
         e.sync()
@@ -299,15 +302,16 @@ def test_moments_convert_between_bfloat16_and_8bit_on_restore(tmp_path, written,
         for part in e.state.parts:
             structure = jax.tree.structure(part.params)
             for kind, tree in (("m", part.opt.mu), ("v", part.opt.nu)):
-                for x in structure.flatten_up_to(tree):
-                    out.append(q8.q8_dequantize(x.codes, x.absmax, q8.Q8_BLOCK, kind) if isinstance(x, Q8Moment)
-                               else np.asarray(x, np.float32))
+                for p, x in zip(jax.tree.leaves(part.params), structure.flatten_up_to(tree)):
+                    out.append(FORMATS[e.cfg.moment_dtype].dequantize(x.codes, x.absmax, kind, p.shape)
+                               if isinstance(x, QuantizedMoment) else np.asarray(x, np.float32))
         return out
 
+    step = 0.51 if "q4" in (written, resumed) else 0.13  # of the largest value: a power of two, a 3-bit mantissa
     converted = False
     for a, b in zip(moments(engine), moments(other)):
         scale = np.abs(a).max() + 1e-30
-        assert np.abs(a - b).max() <= 0.13 * scale  # a 3-bit mantissa's step, relative to the largest value
+        assert a.shape == b.shape and np.abs(a - b).max() <= step * scale
         converted |= not np.array_equal(a, b)
     assert converted
     for a, b in zip(engine.state.parts, other.state.parts):  # the masters come back as written

@@ -31,7 +31,9 @@ def test_plan_prints_every_precision_mode_with_bytes_per_param_and_whether_it_fi
     assert lines["q8"].rstrip().endswith("fits")
     q8 = float(lines["q8"].split("B/param")[0].split()[-1])
     assert 6.0 < q8 < 7.5
-    assert "in capacity mode with 8-bit moments, the leanest precision mode" in out
+    q4 = float(lines["q4"].split("B/param")[0].split()[-1])
+    assert lines["q4"].rstrip().endswith("fits") and q4 < q8 - 0.8  # 4-bit moments: about 1 B/param less
+    assert "in capacity mode with 4-bit moments, the leanest precision mode" in out
 
 
 def test_a_run_that_fits_nowhere_gets_each_modes_host_ram():
@@ -42,13 +44,13 @@ def test_a_run_that_fits_nowhere_gets_each_modes_host_ram():
     assert [m.mode for m in modes] == list(precision.MODES.values())
     assert not any(m.plan.fits for m in modes)
     need = {m.mode.name: m.host_gib for m in modes}
-    assert need["q8"] < need["capacity"] < need["full"] and 400 < need["q8"] < 480
+    assert need["q4"] < need["q8"] < need["capacity"] < need["full"] and 400 < need["q8"] < 480
     assert all(m.plan.replace(host_ram_bytes=m.host_gib * GiB).host_fits for m in modes)
-    assert not modes[-1].plan.replace(host_ram_bytes=(need["q8"] - 1) * GiB).host_fits
+    assert not modes[-1].plan.replace(host_ram_bytes=(need["q4"] - 1) * GiB).host_fits
     table = modes_table(p, modes)
     assert all(f"{n:,d} GiB host" in table for n in need.values())
     assert table.count("does not fit") == len(precision.MODES)
-    assert f"capacity mode with 8-bit moments, the leanest precision mode, {need['q8']:,d} GiB" in machine_needed(p)
+    assert f"capacity mode with 4-bit moments, the leanest precision mode, {need['q4']:,d} GiB" in machine_needed(p)
 
 
 def test_longest_sequence_of_a_small_model_that_fits(capsys):

@@ -15,7 +15,7 @@ from flax import nnx
 
 from megatrain_jax import Decoder, Engine, EngineConfig, adamw
 from megatrain_jax.engine import precision
-from megatrain_jax.engine.update.host_optimizer import Q8Moment
+from megatrain_jax.engine.update.host_optimizer import QuantizedMoment
 from megatrain_jax.plan.counts import host_grad_bytes, moment_bytes
 
 from test_engine import TINY3, make_batches
@@ -28,6 +28,7 @@ CASES = {  # one engine config per mode, as a user would set it (gradients home 
     "lean": EngineConfig(stream_dtype="float32"),
     "capacity": EngineConfig(master_dtype="bfloat16"),
     "q8": EngineConfig(master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16"),
+    "q4": EngineConfig(master_dtype="bfloat16", moment_dtype="q4", host_grad_dtype="bfloat16"),
 }
 
 
@@ -85,9 +86,9 @@ def _differences(mode: precision.Precision, cfg: EngineConfig, engine: Engine, t
         # moments: m and v together, leaf by leaf (8-bit matrices where the record says so)
         check("moment bytes", sum(mode.moments_of(x.shape) for x in leaves),
               _nbytes(held.opt.mu) + _nbytes(held.opt.nu))
-        mu = jax.tree.leaves(held.opt.mu, is_leaf=lambda x: isinstance(x, Q8Moment))
-        check("8-bit moments", mode.quantized, any(isinstance(m, Q8Moment) for m in mu))
-        check("whole moments' dtype", {mode.moments}, {str(m.dtype) for m in mu if not isinstance(m, Q8Moment)})
+        mu = jax.tree.leaves(held.opt.mu, is_leaf=lambda x: isinstance(x, QuantizedMoment))
+        check("quantized moments", mode.quantized, any(isinstance(m, QuantizedMoment) for m in mu))
+        check("whole moments' dtype", {mode.moments}, {str(m.dtype) for m in mu if not isinstance(m, QuantizedMoment)})
         # the stream copy: 16-bit, or none (the masters cross PCIe themselves)
         check("stream copy", mode.stream_copy, held.stream is not None)
         check("stream copy bytes", roles["stream_copy"] * n, _nbytes(held.stream))

@@ -20,7 +20,7 @@ from megatrain_jax.engine.transfer import Placement, local_value
 from megatrain_jax.engine import precision
 from megatrain_jax.engine.update import host_kernel, q8
 from megatrain_jax.engine.update.q8 import q8_leaf
-from megatrain_jax.engine.update.host_optimizer import HostOptimizer, Q8Moment, rounding_seed
+from megatrain_jax.engine.update.host_optimizer import HostOptimizer, QuantizedMoment, rounding_seed
 from megatrain_jax.optim import fused_spec
 from megatrain_jax.reference import model_loss
 
@@ -56,7 +56,7 @@ def _reference_update(p, m, v, g, *, t: int, salt: int, leaf: int, decay: bool, 
 def _state_of(part) -> tuple[list, list, list]:
     """A part's masters (uint16 bits) and moments (``(codes, absmax)`` or uint16 bits), leaf by leaf."""
     structure = jax.tree.structure(part.params)
-    moment = lambda x: (np.array(x.codes), np.array(x.absmax)) if isinstance(x, Q8Moment) else _bits(x)  # noqa: E731
+    moment = lambda x: (np.array(x.codes), np.array(x.absmax)) if isinstance(x, QuantizedMoment) else _bits(x)  # noqa: E731
     return ([_bits(x) for x in jax.tree.leaves(part.params)],
             [moment(x) for x in structure.flatten_up_to(part.opt.mu)],
             [moment(x) for x in structure.flatten_up_to(part.opt.nu)])
@@ -78,7 +78,7 @@ def test_part_update_is_the_reference_bit_for_bit(grad_dtype):
     opt = HostOptimizer(TX(), placement, jnp.bfloat16, precision=precision.Q8)
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), block_params(Decoder(TINY3, rngs=nnx.Rngs(0)))[1])
     part = opt.home(jax.jit(opt.fresh)(params))
-    kinds = [isinstance(m, Q8Moment) for m in jax.tree.structure(params).flatten_up_to(part.opt.mu)]
+    kinds = [isinstance(m, QuantizedMoment) for m in jax.tree.structure(params).flatten_up_to(part.opt.mu)]
     assert any(kinds) and not all(kinds)  # the matrices are 8-bit, the norm weights are not
     assert all(q8_leaf(x.shape) == k for x, k in zip(jax.tree.leaves(params), kinds))
     rng = np.random.default_rng(0)

@@ -81,31 +81,36 @@ class ShapeMismatchError(ValueError):
     """The checkpoint was written for a model (or optimizer) of other shapes."""
 
 
-Q8_PARTS = (".codes", ".absmax")  # an 8-bit moment's two leaves (``Q8Moment``)
+QUANTIZED_PARTS = (".codes", ".absmax")  # a quantized moment's two leaves (``QuantizedMoment``)
 
 
 class MomentFormatWarning(UserWarning):
-    """A checkpoint's Adam moments were converted on restore (bfloat16 <-> 8-bit, ``moment_dtype``)."""
+    """A checkpoint's Adam moments were converted on restore (bfloat16, 8-bit, 4-bit: ``moment_dtype``)."""
 
 
 def moment_formats(expected: dict[str, dict], found: dict[str, dict]) -> tuple[dict[str, dict], list[str]]:
-    """The layout to read from a checkpoint whose Adam moments are in the other format than this engine's
-    (``EngineConfig.moment_dtype``): a bfloat16 moment where the engine holds an 8-bit one (``name.codes`` and
-    ``name.absmax``) is read as written, and the other way round; ``rebuild_part`` converts them. Returns
-    that layout (``expected`` where nothing differs) and the names converted."""
+    """The layout to read from a checkpoint whose Adam moments are in another format than this engine's
+    (``EngineConfig.moment_dtype``): a bfloat16 moment where the engine holds a quantized one (``name.codes``
+    and ``name.absmax``) is read as written, and the other way round, and so is a quantized one of another
+    format (codes and scales of other shapes: 8 bits against 4); ``rebuild_part`` converts them. Returns that
+    layout (``expected`` where nothing differs) and the names converted."""
     read, converted = {}, []
     for part, e in expected.items():
         f = found.get(part, {})
         layout = dict(e)
         for name in [k for k in e if k.endswith(".codes")]:
             base = name[:-len(".codes")]
-            if name not in f and base in f and base + ".absmax" not in f:  # bf16 written, 8-bit wanted
+            if name not in f and base in f and base + ".absmax" not in f:  # bf16 written, quantized wanted
                 del layout[name], layout[base + ".absmax"]
                 layout[base] = f[base]
                 converted.append(f"{part}/{base}")
+            elif name in f and base + ".absmax" in f and (f[name], f[base + ".absmax"]) != (
+                    e[name], e[base + ".absmax"]):  # another quantized format
+                layout[name], layout[base + ".absmax"] = f[name], f[base + ".absmax"]
+                converted.append(f"{part}/{base}")
         for base in [k for k in e if k.startswith("opt.") and k not in f and k + ".codes" in f]:
             del layout[base]  # 8-bit written, bf16 wanted
-            layout.update({base + q: f[base + q] for q in Q8_PARTS if base + q in f})
+            layout.update({base + q: f[base + q] for q in QUANTIZED_PARTS if base + q in f})
             converted.append(f"{part}/{base}")
         read[part] = layout
     return read, converted
@@ -157,25 +162,48 @@ def rebuild_part(state: HostState, part: PartId, restored: dict[str, Any]) -> tu
         assert len(names) == len(leaves)
         return jax.tree_util.tree_unflatten(treedef, [flat[k] for k in names])
 
-    q8_formats(current.opt, flat, part.index)
+    quantized_formats(current.params, current.opt, flat, part.index)
     return rebuild(current.params, "params"), rebuild(current.opt, "opt")
 
 
-def q8_formats(opt: Any, flat: dict[str, Any], salt: int) -> None:
-    """Moments read in the other format than ``opt`` holds (``moment_formats``), converted in ``flat``: a
-    bfloat16 moment quantized to 8 bits (stochastically rounded, from bits keyed by the part and the leaf, as
-    the kernel would write it), an 8-bit one dequantized and rounded to bfloat16."""
-    from megatrain_jax.engine.update import q8
+def _format_of(codes: Any, absmax: Any, shape: tuple[int, ...]):
+    """The quantized format whose codes and scales for a leaf of ``shape`` have these shapes."""
+    from megatrain_jax.engine.update.moment_formats import FORMATS
+    for fmt in FORMATS.values():
+        if fmt.leaf(shape) and (tuple(np.shape(codes)), tuple(np.shape(absmax))) == (
+                tuple(fmt.codes_shape(shape)), tuple(fmt.scale_shape(shape))):
+            return fmt
+    raise ValueError(f"quantized moment codes of shape {np.shape(codes)} with scales of shape {np.shape(absmax)} "
+                     f"match no moment format for a leaf of shape {shape}")
+
+
+def quantized_formats(params: Any, opt: Any, flat: dict[str, Any], salt: int) -> None:
+    """Moments read in another format than ``opt`` holds (``moment_formats``), converted in ``flat``: a bfloat16
+    moment quantized to the engine's format (stochastically rounded, from bits keyed by the part and the leaf,
+    as the kernel would write it), a quantized one dequantized (and rounded to bfloat16, or quantized again
+    in the engine's format where that is another)."""
     from megatrain_jax.engine.update.host_optimizer import rounding_seed
 
     leaves = named_leaves({"opt": opt})
+    shapes = {name: np.shape(x) for name, x in named_leaves({"params": params}).items()}
+    param_shape = lambda name: shapes["params." + name.split(".", 2)[2]]  # noqa: E731  opt.mu.<leaf> -> params.<leaf>
+
+    def read_quantized(base: str, shape: tuple[int, ...]) -> np.ndarray:
+        codes, absmax = flat.pop(base + ".codes"), flat.pop(base + ".absmax")
+        return _format_of(codes, absmax, shape).dequantize(codes, absmax, "m" if ".mu." in base else "v", shape)
+
     for leaf, name in enumerate(leaves):
         kind = "m" if ".mu." in name else "v"
-        if name.endswith(".codes") and name not in flat:
+        if name.endswith(".codes"):
             base = name[:-len(".codes")]
-            x = np.asarray(flat.pop(base), np.float32)
-            flat[name], flat[base + ".absmax"] = q8.q8_quantize(x, q8.Q8_BLOCK, kind,
-                                                                seed=rounding_seed(0, salt, leaf))
-        elif name not in flat and name + ".codes" in flat and not name.endswith(Q8_PARTS):
-            codes, absmax = flat.pop(name + ".codes"), flat.pop(name + ".absmax")
-            flat[name] = q8.q8_dequantize(codes, absmax, q8.Q8_BLOCK, kind).astype(leaves[name].dtype)
+            shape = param_shape(base)
+            if base in flat:  # bfloat16 written
+                x = np.asarray(flat.pop(base), np.float32)
+            elif np.shape(flat[name]) != np.shape(leaves[name]):  # another quantized format written
+                x = read_quantized(base, shape)
+            else:
+                continue
+            fmt = _format_of(leaves[name], leaves[base + ".absmax"], shape)  # the engine's
+            flat[name], flat[base + ".absmax"] = fmt.quantize(x.reshape(shape), kind, rounding_seed(0, salt, leaf))
+        elif name not in flat and name + ".codes" in flat and not name.endswith(QUANTIZED_PARTS):
+            flat[name] = read_quantized(name, param_shape(name)).astype(leaves[name].dtype)

@@ -298,8 +298,13 @@ class PassRunner:
 
     def norm(self, p: Pass, op: Op):
         """A ``norm_first`` step's first pass: the part's gradient (summed over the devices, each its shard)
-        reduced to its squared norm on the device, then dropped: none goes home."""
-        self._sq_norms[op.part] = self.fns.sq_norm(p.take_grads(op.part))
+        reduced to its squared norm on the device, then dropped: none goes home. A gradient that the second
+        pass sends home in bfloat16 (``send_grads``) is rounded first, so that the norm is that of what the
+        update reads, as in one pass."""
+        grads = p.take_grads(op.part)
+        if self.bfloat16_home and op.part not in self.resident:
+            grads = self.fns.to_bfloat16(grads)
+        self._sq_norms[op.part] = self.fns.sq_norm(grads)
         return self._sq_norms[op.part]
 
     def grad_norm(self, p: Pass, op: Op):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from megatrain_jax.engine.config import EngineConfig
 
-Kernel = Literal["adamw", "adamw_sr", "adamw_q8"]
+Kernel = Literal["adamw", "adamw_sr", "adamw_q8", "adamw_q4"]
 SIXTEEN_BITS = ("bfloat16", "float16")  # a stream dtype of these keeps a 16-bit copy beside float32 masters
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -31,7 +31,7 @@ class Precision:
     """One precision mode. Bytes are per parameter; a role a mode lacks is 0.
 
     - ``master_dtype``, ``moment_dtype``: the ``EngineConfig`` values that choose it (``mode_of``). A
-      ``moment_dtype`` names a quantized format of the matrices' moments (``QUANTIZED``: ``q8``).
+      ``moment_dtype`` names a quantized format of the matrices' moments (``QUANTIZED``: ``q8``, ``q4``).
     - ``masters``: the masters' dtype on the host, which is also what streams unless ``stream_copy``.
     - ``moments``: the dtype of Adam's m and v where a leaf keeps them whole (``moment_bytes`` for both):
       every leaf, or those the quantized format leaves whole (``moments_of``).
@@ -46,7 +46,8 @@ class Precision:
     - ``kernel``: the fused host kernel's entry point (``host_optimizer.KERNELS``): ``adamw`` (C++
       ``megatrain_adamw``, which also writes the stream copy), ``adamw_sr`` (``megatrain_adamw_bf16_sr``:
       16-bit masters and moments written with stochastic rounding, keyed by ``host_optimizer.rounding_seed``),
-      ``adamw_q8`` (``megatrain_adamw_q8`` for the 8-bit matrices, ``adamw_sr`` for the rest).
+      ``adamw_q8`` (``megatrain_adamw_q8`` for the 8-bit matrices, ``adamw_sr`` for the rest), ``adamw_q4``
+      (``megatrain_adamw_q4`` for the 4-bit ones, ``adamw_sr`` for the rest).
     - ``summary``: what the mode keeps, in the words the plan's advice and ``train``'s sentences use.
     - ``checkpoint``: what a checkpoint holds (the stream copy never: a restore remakes it) and what converts;
       ``resumes`` says which modes' checkpoints this one resumes.
@@ -118,16 +119,18 @@ class Precision:
         return other.masters == self.masters
 
 
-def _q8_bytes(shape: tuple[int, ...]) -> int | None:
-    """Both 8-bit moments of a matrix (``q8.q8_leaf``): per moment a byte per element and a float32 scale per
-    block of a row (``q8.q8_scale_shape``); None for the leaves that keep whole moments."""
-    from megatrain_jax.engine.update.q8 import q8_leaf, q8_scale_shape  # (imports JAX: only when asked)
-    return 2 * (math.prod(shape) + 4 * math.prod(q8_scale_shape(shape))) if q8_leaf(shape) else None
+def _quantized_bytes(name: str):
+    """Both moments of a leaf in format ``name`` (``moment_formats.FORMATS``): codes and a float32 scale per
+    block of a row; None for the leaves that keep whole moments."""
+    def moment_bytes(shape: tuple[int, ...]) -> int | None:
+        from megatrain_jax.engine.update.moment_formats import FORMATS  # (imports JAX: only when asked)
+        return FORMATS[name].moment_bytes(shape)
+    return moment_bytes
 
 
 # Each quantized moment format (a ``moment_dtype``): the host bytes of both moments of a leaf of a shape, or
-# None where the leaf keeps them whole. The host optimizer's zeros and kernel for it: ``host_optimizer``.
-QUANTIZED = {"q8": _q8_bytes}
+# None where the leaf keeps them whole. The formats themselves: ``engine.update.moment_formats``.
+QUANTIZED = {"q8": _quantized_bytes("q8"), "q4": _quantized_bytes("q4")}
 
 FULL = Precision(
     name="full", title="full precision", master_dtype="float32", moment_dtype=None, masters="float32",
@@ -159,7 +162,16 @@ Q8 = dataclasses.replace(
     checkpoint="bfloat16 masters, 8-bit moments (codes and scales) for matrices; a capacity-mode "
                "checkpoint's bfloat16 moments are quantized on restore")
 
-MODES: dict[str, Precision] = {mode.name: mode for mode in (FULL, LEAN, CAPACITY, Q8)}
+Q4 = dataclasses.replace(
+    Q8, name="q4", title="capacity mode with 4-bit moments", moment_dtype="q4",
+    bundle=CAPACITY.bundle + (("engine.moment_dtype", "q4"), ("engine.host_grad_dtype", "bfloat16"),
+                              ("engine.disk_parts", 0)),
+    kernel="adamw_q4",
+    summary="bfloat16 masters, 4-bit Adam moments and bfloat16 gradients in host memory, stochastically rounded",
+    checkpoint="bfloat16 masters, 4-bit moments (codes two to a byte, and scales) for matrices; bfloat16 or "
+               "8-bit moments of another checkpoint are converted on restore")
+
+MODES: dict[str, Precision] = {mode.name: mode for mode in (FULL, LEAN, CAPACITY, Q8, Q4)}
 MASTER_DTYPES = tuple(dict.fromkeys(mode.master_dtype for mode in MODES.values()))
 MOMENT_DTYPES = tuple(dict.fromkeys(mode.moment_dtype for mode in MODES.values() if mode.moment_dtype))
 HOST_GRAD_DTYPES = tuple(dict.fromkeys(d for mode in MODES.values() for d in mode.host_grad_dtypes))
@@ -237,8 +249,8 @@ def check_precision(cfg: EngineConfig) -> None:
                              f"master_dtype = '{modes[0].master_dtype}' too, or leave {name} unset")
     mode = mode_of(cfg)
     if cfg.disk_parts and not mode.disk_tier:
-        raise ValueError(f"the disk tier (disk_parts) holds bfloat16 or float32 moments, not 8-bit ones "
-                         f"({mode.title}): set disk_parts = 0 or leave moment_dtype unset")
+        raise ValueError(f"the disk tier (disk_parts) holds bfloat16 or float32 moments, not {mode.moment_dtype[1:]}-bit "
+                         f"ones ({mode.title}): set disk_parts = 0 or leave moment_dtype unset")
     if not mode.stream_copy and cfg.stream_dtype not in (None, mode.masters):
         raise ValueError(f"{mode.title} (master_dtype={mode.master_dtype!r}) streams the {mode.masters} masters: "
                          f"leave stream_dtype unset or {mode.masters!r}, not {cfg.stream_dtype!r}")

@@ -408,16 +408,18 @@ def _leanest(p: MemoryPlan, disk: bool = True, two_pass: bool = True) -> Changes
 
 
 def _leanest_lower(p: MemoryPlan) -> Changes | None:
-    """The next mode below ``p``'s that keeps its masters' dtype (capacity mode's: 8-bit moments and bfloat16
-    gradients in host memory), and if that is not enough the fewest parts' gradients on the GPU
-    (``_leanest``); None where there is none (below full precision the masters change: opt-in), the config
-    does not take it, or even this does not fit."""
-    lower = [m for m in precision.lower(p.mode) if m.masters == p.mode.masters]
-    changes = precision.switch(p.engine_cfg, lower[0], p.stream_dtype) if lower else None
-    if changes is None or not legal(p, changes):
-        return None
-    rest = _leanest(p.applied(changes))
-    return None if rest is None else changes + rest
+    """The first mode below ``p``'s that keeps its masters' dtype (capacity mode's: 8-bit moments and bfloat16
+    gradients in host memory, then 4-bit moments) and fits with the leanest layout of its own (``_leanest``:
+    gradients on the GPU, the two-pass step, the disk tier where the mode has one); None where there is none
+    (below full precision the masters change: opt-in), the config does not take one, or nothing fits."""
+    for mode in (m for m in precision.lower(p.mode) if m.masters == p.mode.masters):  # 8-bit, then 4-bit
+        changes = precision.switch(p.engine_cfg, mode, p.stream_dtype)
+        if not legal(p, changes):
+            continue
+        rest = _leanest(p.applied(changes))
+        if rest is not None:
+            return changes + rest
+    return None
 
 
 def _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, *, host_ram_bytes, gpu_bytes, disk_dir=None,

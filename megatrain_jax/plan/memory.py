@@ -34,7 +34,7 @@ from megatrain_jax.engine import precision
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import UPDATES_AHEAD, offloaded_blocks
-from megatrain_jax.engine.update.q8 import Q8_BLOCK
+from megatrain_jax.engine.update.moment_formats import FORMATS
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.engine.parts import IO, PartId, part_ids
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, GiB, activation_bytes, blocks_param_count,
@@ -290,8 +290,9 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     in_ram = sum(moment_bytes(c, e, part) for part in part_ids(c.layers) if part not in roles.disk)
     tag = "" if mode.masters == "float32" else f"; {mode.title}"
     moments = "Adam moments m and v, " + (
-        f"8-bit with a float32 scale per {Q8_BLOCK} elements of a row for matrices, {mode.moments} for vectors "
-        f"({in_ram / P:.2f} B/param{tag})" if mode.quantized else f"{mode.moments} ({mb} B/param{tag})")
+        f"{mode.moment_dtype[1:]}-bit with a float32 scale per {FORMATS[mode.moment_dtype].block} elements of a "
+        f"row for matrices, {mode.moments} for vectors ({in_ram / P:.2f} B/param{tag})" if mode.quantized
+        else f"{mode.moments} ({mb} B/param{tag})")
     if on_disk:
         moments += f" of the {(P - on_disk) / 1e9:.2f} B params not in the disk tier"
     masters = f"master weights, {mode.masters}"

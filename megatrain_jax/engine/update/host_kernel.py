@@ -14,7 +14,8 @@ a counter-based hash of (seed, stream, offset + element index), so an array upda
 start as ``offset``) gets the bits one whole call gets.
 
 8-bit moments (issue 35) have one more entry point, ``megatrain_adamw_q8``: its formats, numpy reference and
-wrappers are in ``megatrain_jax.engine.update.q8``.
+wrappers are in ``megatrain_jax.engine.update.q8``; 4-bit moments another, ``megatrain_adamw_q4``, in
+``megatrain_jax.engine.update.q4``.
 
 Build ahead of time (e.g. in an image): ``python -m megatrain_jax.engine.update.host_kernel``.
 """
@@ -198,9 +199,10 @@ def load() -> ctypes.CDLL | None:
         fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_float] * 8
                        + [ctypes.c_uint32, ctypes.c_int64])
         fn.restype = None
-    lib.megatrain_adamw_q8.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] + [ctypes.c_int64] * 3
-                                       + [ctypes.c_float] * 8 + [ctypes.c_uint32, ctypes.c_int64])
-    lib.megatrain_adamw_q8.restype = None
+    for fn in (lib.megatrain_adamw_q8, lib.megatrain_adamw_q4):
+        fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_float] * 8
+                       + [ctypes.c_uint32, ctypes.c_int64])
+        fn.restype = None
     lib.megatrain_omp_threads.restype = ctypes.c_int
     lib.megatrain_set_threads.argtypes = [ctypes.c_int]
     lib.megatrain_set_threads.restype = None

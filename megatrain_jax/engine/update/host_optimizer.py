@@ -25,11 +25,11 @@ random bits that depend only on the step, the part, the leaf and the element's i
 reproducible, a resume continues it bit for bit, and a part spread over several devices rounds as it
 would on one). The masters are pinned (they cross PCIe: no stream copy); the moments pageable.
 
-**8-bit moments** (``EngineConfig.moment_dtype="q8"``, in capacity mode): each matrix's m and v are
-``Q8Moment``s, one byte per element and one float32 scale per block of a row (``q8.Q8_BLOCK``),
-updated by the kernel's 8-bit entry point with the masters' rounding bits; vectors and small leaves keep
-bfloat16 moments (``q8.q8_leaf``). The gradient the kernel reads may be float32 or bfloat16
-(``EngineConfig.host_grad_dtype``).
+**Quantized moments** (``EngineConfig.moment_dtype`` "q8" or "q4", in capacity mode): each matrix's m and v
+are ``QuantizedMoment``s, codes (a byte per element in 8 bits, two per byte in 4) and one float32 scale per
+block of a row, in the format of ``moment_formats.FORMATS``, updated by that format's kernel entry point with
+the masters' rounding bits; vectors and small leaves keep bfloat16 moments (the format's ``leaf``). The
+gradient the kernel reads may be float32 or bfloat16 (``EngineConfig.host_grad_dtype``).
 
 Transformations that look across parameters (``clip_by_global_norm``) are refused at engine build by
 ``megatrain_jax.optim.check_partwise``: the engine clips exactly, from the norm of the whole gradient,
@@ -52,37 +52,39 @@ from megatrain_jax.contract.layered import Params
 from megatrain_jax.engine.parts import Part
 from megatrain_jax.engine.precision import FULL, LEAN, SIXTEEN_BITS, Kernel, Precision
 from megatrain_jax.engine.transfer import Placement, host_view, local_value, pageable_zeros
-from megatrain_jax.engine.update import host_kernel, q8
+from megatrain_jax.engine.update import host_kernel
+from megatrain_jax.engine.update.moment_formats import FORMATS, MomentFormat
 from megatrain_jax.engine.update.resident import apply_scaled_update, stream_copy
 from megatrain_jax.optim import AdamWState, fused_spec
 
 Route = Literal["fused", "host", "device"]
 
-# A mode's fused entry point (``Precision.kernel``); an 8-bit moment's leaf (``Q8Moment``) runs ``_run_q8``.
+# A mode's fused entry point (``Precision.kernel``); a quantized moment's leaf (``QuantizedMoment``) runs its
+# format's own (``_run_quantized``).
 KERNELS: dict[Kernel, Any] = {"adamw": host_kernel.adamw_inplace, "adamw_sr": host_kernel.adamw_sr_inplace,
-                              "adamw_q8": host_kernel.adamw_sr_inplace}
+                              "adamw_q8": host_kernel.adamw_sr_inplace, "adamw_q4": host_kernel.adamw_sr_inplace}
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Q8Moment:
-    """One leaf's Adam moment in 8 bits: ``codes`` (uint8, the leaf's shape) and ``absmax`` (float32, one per
-    block of ``q8.Q8_BLOCK`` elements of a row: ``q8.q8_scale_shape``), both pageable."""
+class QuantizedMoment:
+    """One leaf's Adam moment in a quantized format (the engine's ``moment_dtype``, ``moment_formats.FORMATS``):
+    ``codes`` (uint8, the format's ``codes_shape``) and ``absmax`` (float32, one per block of a row: its
+    ``scale_shape``), both pageable."""
     codes: Any
     absmax: Any
 
 
-def q8_zeros(params: Params) -> Params:
-    """Zero moments for ``params`` under ``moment_dtype="q8"``: ``Q8Moment``s for matrices, bfloat16 arrays for
-    the rest, all fresh pageable pages (``pageable_zeros``: nothing is touched until the first update)."""
+def quantized_zeros(fmt: MomentFormat, params: Params) -> Params:
+    """Zero moments for ``params`` in format ``fmt``: ``QuantizedMoment``s for the leaves it takes, bfloat16
+    arrays for the rest, all fresh pageable pages (``pageable_zeros``: nothing is touched until the first
+    update)."""
     def zeros(x):
-        if q8.q8_leaf(x.shape):
-            return Q8Moment(np.zeros(x.shape, np.uint8), np.zeros(q8.q8_scale_shape(x.shape), np.float32))
+        if fmt.leaf(x.shape):
+            return QuantizedMoment(np.zeros(fmt.codes_shape(x.shape), np.uint8),
+                                   np.zeros(fmt.scale_shape(x.shape), np.float32))
         return np.zeros(x.shape, jnp.bfloat16)
     return jax.tree.map(zeros, params)
-
-
-QUANTIZED_ZEROS = {"q8": q8_zeros}  # a quantized moment format's zero moments (``precision.QUANTIZED``)
 
 
 def _pointers_writable(placement: Placement) -> bool:
@@ -165,8 +167,8 @@ class HostOptimizer:
             return Part(pinned(part.params), pinned(part.opt), stream)
         opt = part.opt
         moments = jnp.dtype(self.precision.moments)
-        zeros = QUANTIZED_ZEROS[self.precision.moment_dtype] if self.precision.quantized else (
-            lambda params: pageable_zeros(params, moments))
+        zeros = (lambda params: quantized_zeros(FORMATS[self.precision.moment_dtype], params)) if (
+            self.precision.quantized) else (lambda params: pageable_zeros(params, moments))
         mu = zeros(part.params) if opt.mu is None else pageable(opt.mu)
         nu = zeros(part.params) if opt.nu is None else pageable(opt.nu)
         params = pinned(part.params) if stream is None else pageable(part.params)  # pinned if streamed
@@ -282,15 +284,15 @@ class HostOptimizer:
         jax.block_until_ready(grads)
         pieces = self.placement.pieces
         leaves = jax.tree.leaves(part.params)
-        structure = jax.tree.structure(part.params)  # a Q8Moment is one moment leaf, not two
+        structure = jax.tree.structure(part.params)  # a QuantizedMoment is one moment leaf, not two
         streams = jax.tree.leaves(stream) if stream is not None else [None] * len(leaves)
         for leaf, (p, m, v, g, s, decay) in enumerate(zip(
                 leaves, structure.flatten_up_to(state.mu), structure.flatten_up_to(state.nu),
                 jax.tree.leaves(grads), streams, jax.tree.leaves(spec.decays(part.params)))):
             hyper = dict(lr=lr, b1=spec.b1, b2=spec.b2, eps=spec.eps, wd=spec.weight_decay if decay else 0.0,
                          grad_scale=scale, bc1=bc1, bc2=bc2)
-            if isinstance(m, Q8Moment):
-                self._run_q8(p, m, v, g, t, salt, leaf, hyper)
+            if isinstance(m, QuantizedMoment):
+                self._run_quantized(p, m, v, g, t, salt, leaf, hyper)
                 continue
             ps, ms, vs, ss = pieces(p), pieces(m), pieces(v), None if s is None else pieces(s)
             g_bf16 = {"g_bf16": True} if g.dtype == jnp.bfloat16 else {}
@@ -306,21 +308,24 @@ class HostOptimizer:
                     for other in copies[1:]:
                         ctypes.memmove(other, copies[0], n * itemsize)
 
-    def _run_q8(self, p: Any, m: Q8Moment, v: Q8Moment, g: Any, t: int, salt: int, leaf: int, hyper: dict) -> None:
-        """One matrix with 8-bit moments, piece by piece: a piece is a run of whole rows (``Placement.spec``
-        splits the first axis), and the scales of those rows follow the same rows (``q8_scale_shape``), so each
-        piece's call writes what one call on the whole leaf would."""
+    def _run_quantized(self, p: Any, m: QuantizedMoment, v: QuantizedMoment, g: Any, t: int, salt: int, leaf: int,
+                       hyper: dict) -> None:
+        """One matrix with quantized moments, piece by piece: a piece is a run of whole rows (``Placement.spec``
+        splits the first axis), and the codes and scales of those rows follow the same rows, so each piece's
+        call writes what one call on the whole leaf would."""
+        fmt = FORMATS[self.precision.moment_dtype]
         cols = int(np.prod(p.shape[1:]))
+        row_bytes = m.codes.size // max(p.shape[0], 1)  # codes of one row: cols in 8 bits, cols / 2 in 4
         blocks = m.absmax.shape[1]
         g_bf16 = g.dtype == jnp.bfloat16
         ps = self.placement.pieces(p)
         for key, g_at in self.placement.pieces(g).items():
             a, rows = key[0][0], key[0][1] - key[0][0]
-            codes, scales = a * cols, a * blocks * 4  # byte offsets of the piece's first row
-            q8.adamw_q8_inplace(
+            codes, scales = a * row_bytes, a * blocks * 4  # byte offsets of the piece's first row
+            fmt.inplace(
                 self.kernel, ps[key][0], m.codes.ctypes.data + codes, v.codes.ctypes.data + codes,
                 m.absmax.ctypes.data + scales, v.absmax.ctypes.data + scales, g_at[0], rows, cols,
-                block=q8.Q8_BLOCK, g_bf16=g_bf16, seed=rounding_seed(t, salt, leaf), offset=a * cols,
+                block=fmt.block, g_bf16=g_bf16, seed=rounding_seed(t, salt, leaf), offset=a * cols,
                 **hyper)
             for other in ps[key][1:]:  # a replicated leaf: the first copy was updated, the others follow
                 ctypes.memmove(other, ps[key][0], rows * cols * 2)
