@@ -10,10 +10,10 @@ XLA's 95% of 141 GiB), the host the plan counts (``plan.memory.plan``, every ite
 - capacity mode (bfloat16 moments: the disk tier does not hold 8-bit ones) with every block's moments in the
   disk tier (``disk_parts``), and the bytes that tier reads and writes per step;
 - the exact two-pass step (``EngineConfig.norm_first``: a backward for the global norm, then a backward that
-  updates each part as its gradient arrives: no step's gradients held, ``UPDATES_AHEAD`` + 1 parts' in flight),
-  as the plan counts it;
-- 4-bit moments, not built yet, from the plan by the bytes they change (two 4-bit moments and a float32 scale
-  per 128 elements: 1.06 bytes per parameter where 8-bit takes 2.03), alone and with the two-pass step.
+  updates each part as its gradient arrives: no step's gradients held, ``UPDATES_AHEAD`` + 1 parts' in flight);
+- 4-bit moments (``moment_dtype="q4"``: two 4-bit moments and a float32 scale per 128 elements, 1.06 bytes per
+  parameter where 8-bit takes 2.03), alone and with the two-pass step;
+- what ``train`` picks by itself from capacity mode on this host (``plan.lean_engine``).
 
 Each row: host GiB, host bytes per parameter (the whole plan over the parameters), fits 512 GiB or not, and the
 predicted step at the H200's default rates where the plan can time it.
@@ -34,11 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from megatrain_jax.engine.config import EngineConfig  # noqa: E402
 from megatrain_jax.models import preset  # noqa: E402
 from megatrain_jax.plan import GiB, plan  # noqa: E402
-from megatrain_jax.plan.layout import most_fitting  # noqa: E402
+from megatrain_jax.plan.layout import lean_engine, most_fitting  # noqa: E402
 from megatrain_jax.plan.speeds import SPEEDS  # noqa: E402
 from megatrain_jax.plan.step_time import predict  # noqa: E402
 
-FOUR_BIT_MOMENTS = 2 * (0.5 + 4 / 128)  # bytes per parameter: two 4-bit moments, a float32 scale per 128
 
 
 def main() -> None:
@@ -82,23 +81,27 @@ def main() -> None:
         runs.append(row("capacity mode (bfloat16 moments) with every block's moments in the disk tier",
                         plan(cfg, disk, args.rows, args.seq, **kw).host_total, disk,
                         disk_read_and_written_per_step_gib=round(2 * 4 * params / GiB, 1)))
-        moment_item = sum(v for item, v in today.host.items() if "Adam moments" in item)
-        four = today.host_total - moment_item + params * FOUR_BIT_MOMENTS
-        runs.append(row("4-bit moments (not built)", four, None))
+        four = dataclasses.replace(base, moment_dtype="q4")
+        runs.append(row("4-bit moments (q4)", plan(cfg, four, args.rows, args.seq, **kw).host_total, four))
         two_pass = dataclasses.replace(base, norm_first=True)
-        both = plan(cfg, two_pass, args.rows, args.seq, **kw)
-        runs.append(row("exact two-pass step (norm_first), no step's gradients held", both.host_total, two_pass,
-                        gpu_fits=both.gpu_fits))
-        runs.append(row("4-bit moments (not built) and the exact two-pass step", both.host_total - moment_item
-                        + params * FOUR_BIT_MOMENTS, None))
+        runs.append(row("8-bit moments and the exact two-pass step (norm_first)",
+                        plan(cfg, two_pass, args.rows, args.seq, **kw).host_total, two_pass))
+        both = dataclasses.replace(four, norm_first=True)
+        p = plan(cfg, both, args.rows, args.seq, **kw)
+        runs.append(row("4-bit moments and the exact two-pass step", p.host_total, both, gpu_fits=p.gpu_fits,
+                        host_items_gib={k: round(v / GiB, 2) for k, v in p.host.items()}))
+        picked, why = lean_engine(cfg, EngineConfig(micro_batches=1, master_dtype="bfloat16"), args.rows, args.seq,
+                                  host_ram_bytes=kw["host_ram_bytes"], gpu_bytes=kw["gpu_bytes"])
+        runs.append(row("train's own pick from capacity mode", plan(cfg, picked, args.rows, args.seq, **kw).host_total,
+                        picked, picked={f: getattr(picked, f) for f in ("moment_dtype", "host_grad_dtype",
+                                                                          "norm_first", "grads_on_gpu")}, said=why))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     record = {"name": os.path.splitext(os.path.basename(args.out))[0],
               "command": "PYTHONPATH=. python experiments/studies/capacity_levers.py " + " ".join(sys.argv[1:]),
               "git_commit": commit, "date": datetime.date.today().isoformat(),
               "device": {"name": "CPU (the memory plan, for one H200)", "cpu_cores": os.cpu_count()},
               "host_gib": args.host_gib, "gpu_gib": round(args.gpu_gib, 2), "rows": args.rows, "seq_len": args.seq,
-              "note": "the rows marked 'not built' are the plan less the bytes the lever removes (the 8-bit "
-                      "moments' item replaced by 4-bit ones, pageable); the other rows are the plan's own",
+              "note": "every row is the memory plan's own count (plan.memory.plan), whole process",
               "runs": runs}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
