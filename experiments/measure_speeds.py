@@ -62,14 +62,17 @@ def host_rates(n: int, reps: int) -> dict:
     rates["capacity"] = n / best_seconds(lambda: host_kernel.adamw_sr_numpy(pb, mb, vb, g, seed=0, lib=lib, **HP),
                                          reps)
     del pb, mb, vb, g
-    from megatrain_jax.engine.update.q8 import Q8_BLOCK, adamw_q8_numpy, q8_scale_shape
+    from megatrain_jax.engine.update.moment_formats import FORMATS
     shape = (n // 4096, 4096)
-    pq = np.full(shape, 0x3F00, np.uint16)
-    mq, vq = np.zeros(shape, np.uint8), np.zeros(shape, np.uint8)
-    ma, va = (np.zeros(q8_scale_shape(shape, Q8_BLOCK), np.float32) for _ in range(2))
-    gq = np.full(shape, 0x3C24, np.uint16)  # bfloat16 gradients, as the 8-bit mode sends them
-    rates["q8"] = pq.size / best_seconds(lambda: adamw_q8_numpy(pq, mq, vq, ma, va, gq, block=Q8_BLOCK, seed=0,
-                                                                lib=lib, **HP), reps)
+    gq = np.full(shape, 0x3C24, np.uint16)  # bfloat16 gradients, as the quantized modes send them
+    for name, fmt in FORMATS.items():  # each quantized-moment mode (its precision record's name is the format's)
+        pq = np.full(shape, 0x3F00, np.uint16)
+        mq, vq = (np.zeros(fmt.codes_shape(shape), np.uint8) for _ in range(2))
+        ma, va = (np.zeros(fmt.scale_shape(shape), np.float32) for _ in range(2))
+        rates[name] = pq.size / best_seconds(
+            lambda: fmt.inplace(lib, pq.ctypes.data, mq.ctypes.data, vq.ctypes.data, ma.ctypes.data, va.ctypes.data,
+                                gq.ctypes.data, shape[0], shape[1], block=fmt.block, g_bf16=True, seed=0, offset=0,
+                                **HP), reps)
     return {"host_update": {k: round(v, -6) for k, v in rates.items()},
             "first_half_share": round(first / (first + commit), 3),
             "one_pass_speedup": round((first + commit) / whole, 3), "host_cores": len(os.sched_getaffinity(0))}
