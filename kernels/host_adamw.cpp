@@ -726,6 +726,15 @@ void adamw_q4_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float
   });
 }
 
+// Calls fn with the gradient as what it is: bfloat16 bits (g_bf16) or float32.
+template <class Fn>
+void with_gradient(const void* g, int g_bf16, Fn fn) {
+  if (g_bf16)
+    fn(static_cast<const uint16_t*>(g));
+  else
+    fn(static_cast<const float*>(g));
+}
+
 }  // namespace
 
 extern "C" void megatrain_adamw(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n,
@@ -769,12 +778,10 @@ extern "C" void megatrain_adamw_q8(uint16_t* p, uint8_t* m, uint8_t* v, float* m
                                    const void* g, int g_bf16, int64_t rows, int64_t cols, int64_t block,
                                    float lr, float b1, float b2, float eps, float wd, float grad_scale,
                                    float bc1, float bc2, uint32_t seed, int64_t offset) {
-  const Hyper h = make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2);
-  const Keys k = make_keys(seed, offset);
-  if (g_bf16)
-    adamw_q8_parallel(p, m, v, m_amax, v_amax, static_cast<const uint16_t*>(g), rows, cols, block, h, k);
-  else
-    adamw_q8_parallel(p, m, v, m_amax, v_amax, static_cast<const float*>(g), rows, cols, block, h, k);
+  with_gradient(g, g_bf16, [&](auto gt) {
+    adamw_q8_parallel(p, m, v, m_amax, v_amax, gt, rows, cols, block,
+                      make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2), make_keys(seed, offset));
+  });
 }
 
 // 4-bit moments (see the header): as megatrain_adamw_q8, with m and v two codes to a byte (rows * cols / 2
@@ -784,12 +791,10 @@ extern "C" void megatrain_adamw_q4(uint16_t* p, uint8_t* m, uint8_t* v, float* m
                                    const void* g, int g_bf16, int64_t rows, int64_t cols, int64_t block,
                                    float lr, float b1, float b2, float eps, float wd, float grad_scale,
                                    float bc1, float bc2, uint32_t seed, int64_t offset) {
-  const Hyper h = make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2);
-  const Keys k = make_keys(seed, offset);
-  if (g_bf16)
-    adamw_q4_parallel(p, m, v, m_amax, v_amax, static_cast<const uint16_t*>(g), rows, cols, block, h, k);
-  else
-    adamw_q4_parallel(p, m, v, m_amax, v_amax, static_cast<const float*>(g), rows, cols, block, h, k);
+  with_gradient(g, g_bf16, [&](auto gt) {
+    adamw_q4_parallel(p, m, v, m_amax, v_amax, gt, rows, cols, block,
+                      make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2), make_keys(seed, offset));
+  });
 }
 
 extern "C" void megatrain_set_threads(int n) { g_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }

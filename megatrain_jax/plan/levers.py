@@ -2,9 +2,9 @@
 the words that explain them, and what machine it needs as configured. What ``train`` runs is ``layout.resolve``'s job.
 
 The levers are listed fastest first (``_levers``): kept blocks, GPU-resident blocks, resident io, the stream
-dtype, the disk tier, gradients waiting on the GPU, the two-pass step (``norm_first``), capacity mode, capacity mode with 8-bit moments and
-bfloat16 gradients, kept attention residuals, activation offload, micro-batches, prefetch depth, fewer rows
-with more accumulation, shorter sequences, and last a smaller model. Each search re-plans with
+dtype, the disk tier, gradients waiting on the GPU, the two-pass step (``norm_first``), capacity mode, capacity
+mode with 8-bit (then 4-bit) moments and bfloat16 gradients, kept attention residuals, activation offload,
+micro-batches, prefetch depth, fewer rows with more accumulation, shorter sequences, and last a smaller model. Each search re-plans with
 ``MemoryPlan.applied``; where memory is monotone in a lever's value, the search bisects. A lever offers only
 the values the engine config takes (``layout.legal``): the config is the judge of what combines.
 """
@@ -105,12 +105,11 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
                        f"memory); each comes home when its update runs"))
     if not e.norm_first:
         two_pass = (("engine.norm_first", True),) + ((("engine.grads_on_gpu", 0),) if e.grads_on_gpu else ())
-        held = p.applied(two_pass) if legal(p, two_pass) else None
-        yield ("norm_first", [] if held is None else [two_pass],
+        yield ("norm_first", takes([two_pass]),
                lambda ch: (f"two forward+backward passes per step, the same numbers: the first takes the global "
                            f"norm on the GPU, the second updates each part as its gradient comes home, so host "
                            f"memory holds {UPDATES_AHEAD + 1} parts' gradients instead of a step's "
-                           f"({(p.host_total - held.host_total) / GiB:.1f} GiB less); the second forward and "
+                           f"({(p.host_total - p.applied(ch).host_total) / GiB:.1f} GiB less); the second forward and "
                            f"backward cost GPU time and PCIe (slower, least where the host update bounds the step)"))
     on_host = "; every part updates on the host" if e.resident_layers or e.resident_io else ""
     for lower in precision.lower(mode):  # the modes that store less, each with what comes with it

@@ -29,7 +29,7 @@ import ctypes
 import numpy as np
 
 from megatrain_jax.engine.update import host_kernel
-from megatrain_jax.engine.update.q8 import q8_rows
+from megatrain_jax.engine.update.q8 import check_kernel_arrays, q8_rows
 
 Q4_BLOCK = 128  # elements of a row that share one scale
 Q4_MAX_BLOCK = 4096  # the kernel's per-thread buffers hold one block of this many floats
@@ -238,22 +238,10 @@ def adamw_q4_numpy(p: np.ndarray, m: np.ndarray, v: np.ndarray, m_absmax: np.nda
     size. See ``adamw_q4_inplace``."""
     lib = host_kernel.require(lib)
     _check_block(block)
-    if not (host_kernel.is_bf16(p) and p.flags.c_contiguous):
-        raise TypeError(f"p must be a contiguous uint16/bfloat16 array, got {p.dtype}")
     rows, cols = q8_rows(p.shape)
     if cols % 2:
         raise ValueError(f"4-bit moments need rows of an even length, got p of shape {p.shape}")
-    for name, a in (("m", m), ("v", v)):
-        if not (a.dtype == np.uint8 and a.flags.c_contiguous and a.size * 2 == p.size):
-            raise TypeError(f"{name} must be a contiguous uint8 array of half p's size ({p.size // 2}), got "
-                            f"{a.dtype} of size {a.size}")
-    want = q4_scale_shape(p.shape, block)
-    for name, a in (("m_absmax", m_absmax), ("v_absmax", v_absmax)):
-        if not (a.dtype == np.float32 and a.flags.c_contiguous):
-            raise TypeError(f"{name} must be a contiguous float32 array, got {a.dtype}")
-        if a.shape != want:
-            raise ValueError(f"{name} must have shape {want} (rows, ceil(cols / block)) for p of shape {p.shape} "
-                             f"and block {block}, got {a.shape}")
-    g_bf16 = host_kernel.gradient_is_bf16(g, p.size)
+    g_bf16 = check_kernel_arrays(p, m, v, m_absmax, v_absmax, g, codes_size=p.size // 2,
+                                 scale_shape=q4_scale_shape(p.shape, block), block=block)
     adamw_q4_inplace(lib, p.ctypes.data, m.ctypes.data, v.ctypes.data, m_absmax.ctypes.data, v_absmax.ctypes.data,
                      g.ctypes.data, rows, cols, block=block, g_bf16=g_bf16, seed=seed, offset=offset, **hp)

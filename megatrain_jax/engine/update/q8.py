@@ -227,20 +227,29 @@ def adamw_q8_numpy(p: np.ndarray, m: np.ndarray, v: np.ndarray, m_absmax: np.nda
     p's size. See ``adamw_q8_inplace``."""
     lib = host_kernel.require(lib)
     _check_block(block)
+    g_bf16 = check_kernel_arrays(p, m, v, m_absmax, v_absmax, g, codes_size=p.size,
+                                 scale_shape=q8_scale_shape(p.shape, block), block=block)
+    rows, cols = q8_rows(p.shape)
+    adamw_q8_inplace(lib, p.ctypes.data, m.ctypes.data, v.ctypes.data, m_absmax.ctypes.data, v_absmax.ctypes.data,
+                     g.ctypes.data, rows, cols, block=block, g_bf16=g_bf16, seed=seed, offset=offset, **hp)
+
+
+def check_kernel_arrays(p: np.ndarray, m: np.ndarray, v: np.ndarray, m_absmax: np.ndarray, v_absmax: np.ndarray,
+                        g: np.ndarray, *, codes_size: int, scale_shape: tuple[int, int], block: int) -> bool:
+    """The numpy wrappers' checks of a quantized-moment kernel's arrays (8 or 4 bits): p contiguous bfloat16;
+    m and v contiguous uint8 of ``codes_size`` bytes; the scales contiguous float32 of ``scale_shape``; g
+    contiguous float32 or bfloat16 of p's size. TypeError or ValueError naming the array; returns whether g is
+    bfloat16."""
     if not (host_kernel.is_bf16(p) and p.flags.c_contiguous):
         raise TypeError(f"p must be a contiguous uint16/bfloat16 array, got {p.dtype}")
     for name, a in (("m", m), ("v", v)):
-        if not (a.dtype == np.uint8 and a.flags.c_contiguous and a.size == p.size):
-            raise TypeError(f"{name} must be a contiguous uint8 array of p's size {p.size}, got {a.dtype} of size "
-                            f"{a.size}")
-    rows, cols = q8_rows(p.shape)
-    want = q8_scale_shape(p.shape, block)
+        if not (a.dtype == np.uint8 and a.flags.c_contiguous and a.size == codes_size):
+            raise TypeError(f"{name} must be a contiguous uint8 array of {codes_size} codes' bytes for p of size "
+                            f"{p.size}, got {a.dtype} of size {a.size}")
     for name, a in (("m_absmax", m_absmax), ("v_absmax", v_absmax)):
         if not (a.dtype == np.float32 and a.flags.c_contiguous):
             raise TypeError(f"{name} must be a contiguous float32 array, got {a.dtype}")
-        if a.shape != want:
-            raise ValueError(f"{name} must have shape {want} (rows, ceil(cols / block)) for p of shape {p.shape} "
-                             f"and block {block}, got {a.shape}")
-    g_bf16 = host_kernel.gradient_is_bf16(g, p.size)
-    adamw_q8_inplace(lib, p.ctypes.data, m.ctypes.data, v.ctypes.data, m_absmax.ctypes.data, v_absmax.ctypes.data,
-                     g.ctypes.data, rows, cols, block=block, g_bf16=g_bf16, seed=seed, offset=offset, **hp)
+        if a.shape != scale_shape:
+            raise ValueError(f"{name} must have shape {scale_shape} (rows, ceil(cols / block)) for p of shape "
+                             f"{p.shape} and block {block}, got {a.shape}")
+    return host_kernel.gradient_is_bf16(g, p.size)
