@@ -271,7 +271,9 @@ def poison_and_step(engine):
     engine.sync()
     io = engine.state[IO]
     params = jax.tree.map(lambda a: a, io.params)
-    params["final_norm"]["scale"] = engine.placement.to_host(np.full((TINY3.hidden,), np.nan, np.float32))
+    nan = engine.placement.to_host(np.full((TINY3.hidden,), np.nan, np.float32))
+    old = params["final_norm"]["scale"]
+    params["final_norm"]["scale"] = old.replace(nan) if hasattr(old, "replace") else nan  # the same tree
     engine.restore_part(IO, params, io.opt)
     engine.restored(engine.state.step)
     blocks = lambda: [(p.params, p.opt) for p in engine.state.parts[1:]]
@@ -603,3 +605,95 @@ def test_norm_first_skips_a_nonfinite_step():
 def test_norm_first_refuses_what_it_cannot_run(settings, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**settings)
+
+
+# ---------------------------------------------------------------------------------------------- gpu_updated_parts
+@pytest.mark.parametrize("tx,engine_cfg", [
+    (FUSED, EngineConfig(gpu_updated_parts=2, clip_norm=0.05)),  # io and block 0
+    (SGD, EngineConfig(gpu_updated_parts=4, micro_batches=2, clip_norm=0.05)),  # every part
+    (FUSED, EngineConfig(gpu_updated_parts=3, accumulate_steps=2, prefetch_depth=2)),
+    (ADAMW, EngineConfig(gpu_updated_parts=2, resident_layers=1, grads_on_gpu=1, clip_norm=0.05)),  # blocks 1, 2
+    (FUSED, EngineConfig(gpu_updated_parts=2, norm_first=True, clip_norm=0.05)),
+    (FUSED, EngineConfig(gpu_updated_parts=2, offload_activations=1, clip_norm=0.05)),
+], ids=["fused-clip", "sgd-all-micro", "fused-accumulate-depth2", "adamw-after-resident", "norm-first", "offload"])
+def test_gpu_updated_parts_equal_reference(tx, engine_cfg):
+    """Parts updated on the GPU whose records go home after their forward and come back in the backward: the same
+    training as the reference, whatever the optimizer, accumulation, prefetch depth, two-pass step, and the
+    GPU-resident parts and waiting gradients beside them."""
+    engine = run_both(TINY3, tx, engine_cfg, shared=True)
+    streamed = [p for p in [IO] + [PartId.block(i) for i in range(3)] if p not in engine.resident_parts]
+    assert engine.gpu_updated_parts == streamed[:engine_cfg.gpu_updated_parts]
+    assert not set(engine.gpu_updated_parts) & set(engine.grads_on_gpu_parts)
+
+
+class _Ops:
+    def __init__(self):
+        self.ops = []
+
+    def on_op(self, op, start, end, out):
+        self.ops.append(op)
+
+    def on_task(self, key, start, end):
+        self.ops.append(("task", str(key)))
+
+
+def test_gpu_updated_parts_travel_and_never_reach_the_host_worker():
+    """Each GPU-updated part goes home once per step after its forward and comes back once in the backward; its
+    gradient is never sent home and no host-worker task updates it; the host state after a sync is its trained
+    record, in pinned host memory."""
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(gpu_updated_parts=2))
+    watch = _Ops()
+    engine.observe(watch)
+    for batch in make_batches(2):
+        engine.step(batch).resolve()
+    engine.sync()
+    travelling = {IO, PartId.block(0)}
+    kinds = lambda kind: [op.part for op in watch.ops if not isinstance(op, tuple) and op.kind == kind]
+    assert sorted(kinds("state_home"), key=str) == sorted(list(travelling) * 2, key=str)
+    assert sorted(kinds("state_in"), key=str) == sorted(list(travelling) * 2, key=str)
+    tasks = [t[1] for t in watch.ops if isinstance(t, tuple)]
+    assert tasks and not any(t in ("update io", "update block 0", "commit io", "commit block 0") for t in tasks), tasks
+    for part in travelling:
+        assert all(engine.placement.is_pinned(x) for x in jax.tree.leaves((engine.state[part].params,
+                                                                           engine.state[part].opt)))
+
+
+def test_gpu_updated_parts_train_as_host_updated_ones():
+    """The same masters and moments (to the GPU's rounding of a device update) as the run updating every part on
+    the host; evaluation between steps, a sync mid-run and a restore see the current state."""
+    model_cfg, batches = TINY3, make_batches(4)
+    host = Engine(Decoder(model_cfg, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(clip_norm=0.05))
+    gpu = Engine(Decoder(model_cfg, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(clip_norm=0.05, gpu_updated_parts=3))
+    for i, batch in enumerate(batches):
+        a, b = host.step(batch).resolve(), gpu.step(batch).resolve()
+        assert abs(a["loss"] - b["loss"]) <= TOL * abs(a["loss"])
+        if i == 1:
+            assert gpu.eval_nll(batches[:1]) == pytest.approx(host.eval_nll(batches[:1]), rel=1e-6)
+            for part in gpu.state.ids():  # a checkpoint's restore mid-run: the state as synced
+                gpu.restore_part(part, *jax.tree.map(np.asarray, (gpu.state[part].params, gpu.state[part].opt)))
+            gpu.restored(gpu.state.step)
+    host.sync()
+    gpu.sync()
+    for x, y in zip(jax.tree.leaves(host.state), jax.tree.leaves(gpu.state)):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=2e-5, atol=1e-7)
+
+
+def test_gpu_updated_parts_skip_a_nonfinite_step():
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(gpu_updated_parts=2, max_nonfinite_steps=1))
+    m, unchanged = poison_and_step(engine)
+    assert m["skipped"] and engine.skipped_steps == 1 and unchanged
+
+
+@pytest.mark.parametrize("settings,match", [
+    (dict(gpu_updated_parts=-1), "integer >= 0"), (dict(gpu_updated_parts=True), "integer >= 0"),
+    (dict(gpu_updated_parts=1, master_dtype="bfloat16"), "gpu_updated_parts = 0")])
+def test_gpu_updated_parts_refuses_what_it_cannot_run(settings, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**settings)
+
+
+def test_more_gpu_updated_parts_than_streamed_ones_is_refused():
+    with pytest.raises(ValueError, match="set at most 3"):
+        Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(gpu_updated_parts=4, resident_io=True))
+    with pytest.raises(ValueError, match="resolved by the plan"):
+        Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(gpu_updated_parts="auto"))

@@ -172,6 +172,17 @@ class UpdatePolicy:
                                  f"gradient norm (limit max_nonfinite_steps={self.max_nonfinite}); host state "
                                  f"is the last good step's. Lower the learning rate or check the data")
 
+    def to_device(self, part: Part) -> Part:
+        """A part's record on the devices (masters, optimizer state, a fresh stream copy): a GPU-resident
+        part's, or a GPU-updated part's coming back for its update."""
+        return self.device.load(part)
+
+    def to_host(self, part: Part) -> Part:
+        """A part's record on the devices copied to pinned host memory, as the host state holds it (without the
+        stream copy where the masters themselves are streamed); asynchronous."""
+        stream = None if self.opt.stream_dtype is None else self.placement.to_host(part.stream)
+        return Part(*self.placement.to_host((part.params, part.opt)), stream)
+
     def update_device(self, part: Part, grads: Params, decision: StepDecision) -> Part:
         """A GPU-resident part's update, dispatched at once."""
         return self.device.update(part, grads, decision.scale, decision.ok)
