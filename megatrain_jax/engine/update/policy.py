@@ -87,6 +87,8 @@ class StepDecision:
 
     def __init__(self, norm: jax.Array, scale: jax.Array, ok: jax.Array):
         self.norm, self.scale, self.ok = norm, scale, ok
+        for x in (norm, scale, ok):  # queued now, ahead of later copies home (a GPU-updated part's record): the
+            x.copy_to_host_async()   # host's reads of them then wait for the norm only
         self._applies: bool | None = None
         self._failed: BaseException | None = None  # the device work behind ``ok`` failed (out of memory, say)
         self._lock = threading.Lock()
