@@ -106,18 +106,10 @@ CONFIGS: dict[str, BenchConfig] = {
         micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
         prefetch_depth=2)),
     # 3.5B with nothing resident (issue 51's streamed rows, against SlideFormer, which keeps no parameter on the GPU
-    # between steps): every block and the embedding/head streamed each step, the kept blocks picked for speed, and
-    # since 2026-11-29 the parts updated on the GPU (their records crossing PCIe each step, none staying) too.
+    # between steps): every block and the embedding/head streamed each step, the kept blocks picked for speed.
     "3p5b_8k_nothing_resident": BenchConfig("7b", 16, 2048, 4, EngineConfig(
-        micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True,
-        gpu_updated_parts="auto")),
-    "3p5b_32k_nothing_resident": BenchConfig("7b", 16, 2048, 16, EngineConfig(
-        micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True,
-        gpu_updated_parts="auto")),
-    # the same with every update on the host (the layout of the rows before 2026-11-29)
-    "3p5b_8k_host_updated": BenchConfig("7b", 16, 2048, 4, EngineConfig(
         micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True)),
-    "3p5b_32k_host_updated": BenchConfig("7b", 16, 2048, 16, EngineConfig(
+    "3p5b_32k_nothing_resident": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True)),
     "3p5b_8k_recompute": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto",
                                                                      resident_io=True)),
@@ -268,7 +260,7 @@ def host_update_bytes(engine: Engine) -> int:
     per = engine.policy.opt.precision.bytes_per_param(e.host_grad_dtype)  # the mode the engine runs
     read = per["masters"] + per["moments"] + per["host_grads"]
     whole = read + per["masters"] + per["moments"] + per["stream_copy"]
-    roles = HostRoles.of_config(engine.lm.n_blocks, e)
+    roles = HostRoles.of(engine.lm.n_blocks, e.resident_layers, e.resident_io, e.grads_on_gpu, e.disk_parts)
     split = engine.policy.split if engine.policy.opt.splits else set()  # the engine's own choice
     total = 0.0
     for part in roles.host_updated:
@@ -280,16 +272,11 @@ def host_update_bytes(engine: Engine) -> int:
 def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
     """Bytes one GPU (the mesh's first) moves over PCIe in one optimizer step without accumulation: the
     weights fetched and the gradients sent home, in ``host_grad_dtype`` (float32 for those that wait on the
-    GPU; not offloaded activations, which no configuration here uses), and the GPU-updated parts' records home
-    (masters, moments, stream copy) and back (masters and moments)."""
-    from megatrain_jax.engine.parts import HostRoles
-    from megatrain_jax.engine.precision import DTYPE_BYTES
+    GPU; not offloaded activations, which no configuration here uses)."""
     from megatrain_jax.engine.schedule import step_ops
 
-    e = engine.cfg
-    roles = HostRoles.of_config(engine.lm.n_blocks, e)
-    ops = step_ops(engine.lm.n_blocks, micro_batches, e.prefetch_depth, gpu_updated=roles.gpu_updated)
-    resident, travel, waiting = set(engine.resident_parts), set(roles.gpu_updated), set(roles.grads_on_gpu)
+    ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth)
+    resident = set(engine.resident_parts)
     placement = engine.placement
 
     def shard_bytes(tree, itemsize=None) -> int:
@@ -301,19 +288,15 @@ def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
             total += int(np.prod(shape)) * (itemsize or np.dtype(x.dtype).itemsize)
         return total
 
-    h2d = d2h = 0
-    backward = False
-    for op in ops:
-        backward |= op.kind == "head"
-        record = engine.state[op.part] if op.part is not None else None
-        if op.kind == "fetch" and op.part not in resident and (backward or op.part not in travel):
-            h2d += shard_bytes(record.streamed())
-        elif op.kind == "send_grads" and op.part not in resident and op.part not in travel:
-            d2h += shard_bytes(record.params, 4 if op.part in waiting else DTYPE_BYTES[e.host_grad_dtype])
-        elif op.kind == "state_home":
-            d2h += shard_bytes((record.params, record.opt, record.stream))
-        elif op.kind == "state_in":
-            h2d += shard_bytes((record.params, record.opt))
+    from megatrain_jax.engine.parts import HostRoles
+    from megatrain_jax.engine.precision import DTYPE_BYTES
+    e = engine.cfg
+    waiting = set(HostRoles.of(engine.lm.n_blocks, e.resident_layers, e.resident_io, e.grads_on_gpu,
+                               e.disk_parts).grads_on_gpu)  # float32, copied home by their update
+    h2d = sum(shard_bytes(engine.state[op.part].streamed()) for op in ops
+              if op.kind == "fetch" and op.part not in resident)
+    d2h = sum(shard_bytes(engine.state[op.part].params, 4 if op.part in waiting else DTYPE_BYTES[e.host_grad_dtype])
+              for op in ops if op.kind == "send_grads" and op.part not in resident)
     return {"h2d_bytes": h2d, "d2h_bytes": d2h, "total_bytes": h2d + d2h}
 
 

@@ -54,8 +54,6 @@ CASES = {
     "fused-f32": (TINY, EngineConfig(micro_batches=2), {}),
     "fused-bf16-stream": (TINY, EngineConfig(micro_batches=2, stream_dtype="bfloat16"), {}),
     "resident-accumulate": (TINY, EngineConfig(resident_io=True, resident_layers=1, accumulate_steps=2), {"mask": True}),
-    # parts updated on the devices whose records travel, each device's shard over its own link
-    "gpu-updated": (TINY, EngineConfig(micro_batches=2, gpu_updated_parts=2, clip_norm=0.5), {}),
     "odd-shapes-packed": (ODD, EngineConfig(micro_batches=1, clip_norm=0.5), {"packed": True}),
     # a mixture of experts with its load-balancing loss: the routers' statistics summed over the devices
     "moe-aux-loss": (preset("tiny-moe").replace(moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, aux_loss_coef=0.5)),

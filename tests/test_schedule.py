@@ -73,32 +73,7 @@ def test_every_op_kind_has_one_handler_a_category_and_one_ledger_rule():
     kinds = set(typing.get_args(OpKind))
     assert set(HANDLERS) == kinds and set(CATEGORY) == kinds and set(RULES) == kinds and set(PHASE) == kinds
     assert len(set(HANDLERS.values())) == len(kinds) and all(map(callable, RULES.values()))
-    assert {o.kind for o in step_ops(2, 2, 1, offload=1, gpu_updated=(IO, B(0))) + eval_ops(2, 2, 1)
-            + norm_ops(2, 2, 1)} == kinds
-
-
-def test_gpu_updated_parts_go_home_after_their_forward_and_come_back_in_their_backward():
-    """A GPU-updated block's record goes home right after its forward's release and comes back right after its
-    backward's fetch (its weights first); the io part's after the embedding and after block 0's fetch. A block
-    never released (the last ``depth``) never travels; an accumulating pass that does not update brings nothing
-    back, and only the optimizer step's first pass sends anything home."""
-    travel = (IO, B(0), B(3))
-    ops = step_ops(4, 1, 1, gpu_updated=travel)
-    names = [repr(o) for o in ops]
-    at = names.index
-    assert at("state_home(io)") == at("embed(0)") + 1
-    assert at("state_home(block_00000)") == at("release(block_00000)") + 1
-    assert "state_home(block_00003)" not in names and "state_in(block_00003)" not in names  # never released
-    assert at("fetch(block_00000)", at("head(0)")) < at("state_in(block_00000)") < at("backward(block_00000, 0)")
-    assert at("state_in(io)") == at("state_in(block_00000)") + 1
-    assert at("state_in(io)") < at("update(io)")
-    first = step_ops(4, 1, 1, update=False, gpu_updated=travel)
-    assert not any(o.kind == "state_in" for o in first) and sum(o.kind == "state_home" for o in first) == 2
-    last = step_ops(4, 1, 1, gpu_updated=travel, first=False)
-    assert not any(o.kind == "state_home" for o in last) and sum(o.kind == "state_in" for o in last) == 2
-    two = step_ops(4, 1, 1, norm_first=True, gpu_updated=travel, first=False)  # each update follows its record
-    assert two.index(Op("state_in", B(0))) < two.index(Op("update", B(0)))
-    assert sum(o.kind == "state_home" for o in norm_ops(4, 1, 1, gpu_updated=travel)) == 2
+    assert {o.kind for o in step_ops(2, 2, 1, offload=1) + eval_ops(2, 2, 1) + norm_ops(2, 2, 1)} == kinds
 
 
 def test_part_ids_name_themselves_and_order_like_updates():

@@ -105,19 +105,6 @@ class EngineConfig:
       backward may differ from the first in the last bits, as two runs do). Needs ``accumulate_steps`` = 1
       (the norm of a sum over sub-steps needs that sum held) and ``grads_on_gpu`` = 0 (no gradient waits);
       updates never split (``split_parts`` does not apply).
-    - ``gpu_updated_parts`` (where the host update bounds the step): the first this many parts that would
-      update on the host (the io part unless GPU-resident, then the blocks after the resident ones) update on
-      the GPU instead, without staying there. Such a part's record (float32 masters, moments, stream copy) is
-      on the GPU from its update until its next forward has used it (the io part: until the embedding), then
-      goes home to pinned host memory; its backward fetches its weights as any streamed part's, and its masters
-      and moments come back to the GPU during that backward (``engine.schedule``). Its gradient never leaves the
-      GPU and the host worker never updates it, so the next forward does not wait for the host's first passes
-      of these parts. It costs PCIe bytes (about 10 B/param more each way than streaming: the record crosses
-      both ways, the gradient does not) and GPU memory from the late backward to the early forward, when the
-      activations are mostly freed. The same numbers as updating on the host, up to the GPU's own rounding
-      (the update of a GPU-resident part). Not with a mode that updates every part on the host (capacity
-      mode). "auto": ``megatrain-jax train`` and ``plan`` pick the count by the step-time model where the
-      GPU's rates are known (``plan.resolve``), else 0; an ``Engine`` takes a number.
     """
 
     micro_batches: int = 1
@@ -140,7 +127,6 @@ class EngineConfig:
     kept_layers: int | Literal["auto"] = 0
     split_parts: int | Literal["auto"] = AUTO
     norm_first: bool = False
-    gpu_updated_parts: int | Literal["auto"] = 0
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
@@ -177,10 +163,6 @@ class EngineConfig:
         if self.norm_first and self.grads_on_gpu:
             raise ValueError(f"norm_first updates each part as its gradient comes home, so no gradient waits for the "
                              f"norm: set grads_on_gpu = 0 (it is {self.grads_on_gpu})")
-        if self.gpu_updated_parts != AUTO and (not isinstance(self.gpu_updated_parts, int)
-                                               or isinstance(self.gpu_updated_parts, bool) or self.gpu_updated_parts < 0):
-            raise ValueError(f"EngineConfig.gpu_updated_parts must be an integer >= 0 or 'auto', got "
-                             f"{self.gpu_updated_parts!r}")
         if not isinstance(self.disk_parts, int) or self.disk_parts < 0:
             raise ValueError(f"EngineConfig.disk_parts must be an integer >= 0, got {self.disk_parts!r}")
         check_precision(self)  # the precision settings make one mode, which can run the rest (the table's rules)

@@ -83,7 +83,7 @@ class Engine:
                  devices: Sequence[jax.Device] | Mesh | None = None, placement: Placement | None = None,
                  init_from=None):
         enable_compilation_cache()  # per-user persistent cache, unless configured otherwise (_environment)
-        for field in ("resident_layers", "kept_layers", "gpu_updated_parts"):
+        for field in ("resident_layers", "kept_layers"):
             if getattr(config, field) == AUTO:
                 raise ValueError(f"EngineConfig({field}='auto') is resolved by the plan, before the engine: "
                                  f"megatrain-jax train and plan do it (megatrain_jax.plan.resolve returns the "
@@ -98,7 +98,8 @@ class Engine:
                              f"(the last prefetch_depth blocks' inputs go straight to their backward)")
         config.check_layers(self.lm.n_blocks)
         check_partwise(optimizer)
-        roles = HostRoles.of_config(self.lm.n_blocks, config)  # checked before the state is built
+        roles = HostRoles.of(self.lm.n_blocks, config.resident_layers, config.resident_io, config.grads_on_gpu,
+                             config.disk_parts)  # checked before the state is built
         if placement is None:
             placement = Placement(mesh=devices) if isinstance(devices, Mesh) else Placement(devices)
         self.placement = placement
@@ -120,7 +121,6 @@ class Engine:
             self.policy.opt.route(self.state[part])  # decide each part's update route now, not mid-step
         self.resident_parts = ([IO] if config.resident_io else []) + [PartId.block(i) for i in range(config.resident_layers)]
         self.grads_on_gpu_parts = list(roles.grads_on_gpu)  # their gradients wait on the GPU
-        self.gpu_updated_parts = list(roles.gpu_updated)  # updated on the GPU, their records travelling
         self.disk_tier = None
         if roles.disk:
             if not self.policy.opt.fused:
@@ -133,8 +133,7 @@ class Engine:
         self._resident: dict[PartId, Part] = {}
         self._load_resident()
         self._runner = PassRunner(self.fns, self.placement, self.state, self.policy, self._resident, self._observers,
-                                  grads_on_gpu=self.grads_on_gpu_parts, host_grad_dtype=config.host_grad_dtype,
-                                  gpu_updated=self.gpu_updated_parts)
+                                  grads_on_gpu=self.grads_on_gpu_parts, host_grad_dtype=config.host_grad_dtype)
         self.last_seq_len = 0
 
     # ------------------------------------------------------------------ training
@@ -166,20 +165,17 @@ class Engine:
                 micro = device_batches(self.placement, batch.filled(), self.cfg.micro_batches)
                 n, m, depth, offload = (self.lm.n_blocks, self.cfg.micro_batches, self.cfg.prefetch_depth,
                                         self.cfg.offload_activations)
-                travel = self.gpu_updated_parts
                 new_pass = functools.partial(
                     Pass, micro, self.fns.inv_count([b.loss_mask for b in micro]), accumulate=j > 0,
                     last=j == len(batches) - 1, keep_residuals=self.cfg.keep_residuals,
                     kept_from=n - self.cfg.kept_layers if self.cfg.kept_layers else None)
                 p = new_pass()
                 if self.cfg.norm_first:  # the norm first, then the same gradients again, each updating its part
-                    self._runner.run(p, norm_ops(n, m, depth, offload, gpu_updated=travel))
+                    self._runner.run(p, norm_ops(n, m, depth, offload))
                     second = new_pass(norm_known=True, decision=p.decision)
-                    self._runner.run(second, step_ops(n, m, depth, offload=offload, norm_first=True,
-                                                      gpu_updated=travel, first=False))
+                    self._runner.run(second, step_ops(n, m, depth, offload=offload, norm_first=True))
                 else:
-                    self._runner.run(p, step_ops(n, m, depth, update=p.last, offload=offload, gpu_updated=travel,
-                                                 first=j == 0))
+                    self._runner.run(p, step_ops(n, m, depth, update=p.last, offload=offload))
                 losses.append(sum(p.losses))
                 auxes.append(p.aux)
         except DeviceOutOfMemoryError as err:
@@ -319,8 +315,7 @@ class Engine:
 
     def _load_resident(self) -> None:
         self._resident.clear()
-        self._resident.update({part: self.policy.to_device(self.state[part])
-                               for part in self.resident_parts + self.gpu_updated_parts})
+        self._resident.update({part: self.policy.device.load(self.state[part]) for part in self.resident_parts})
         self._home_at = self.state.step  # the host state is what the device parts were loaded from
 
     # ------------------------------------------------------------------ observers

@@ -66,43 +66,26 @@ def part_ids(n_blocks: int) -> list[PartId]:
 
 @dataclasses.dataclass(frozen=True)
 class HostRoles:
-    """Where each part updates, where its gradient waits and where its moments live, from ``EngineConfig``'s
-    counts. ``gpu_updated``: the first ``gpu_updated_parts`` of the parts that are not GPU-resident, the io part
-    first, then the blocks in forward order: they update on the GPU, their records travelling
-    (``EngineConfig.gpu_updated_parts``). The parts updated on the host (``host_updated``) are the other blocks
-    that are not GPU-resident, then the io part unless it is resident or GPU-updated. ``grads_on_gpu``: the first
-    of them in that order keep their gradients on the GPU. ``disk``: the last ``disk_parts`` blocks keep their
-    Adam moments in the disk tier."""
+    """Where each part's gradient waits and where its moments live, from ``EngineConfig``'s counts: the
+    parts updated on the host are the blocks that are not GPU-resident, then the io part unless it is.
+    ``grads_on_gpu``: the first of them in that order keep their gradients on the GPU. ``disk``: the last
+    ``disk_parts`` blocks keep their Adam moments in the disk tier."""
 
     host_updated: tuple[PartId, ...]
     grads_on_gpu: tuple[PartId, ...]
     disk: tuple[PartId, ...]
-    gpu_updated: tuple[PartId, ...] = ()
 
     @classmethod
     def of(cls, n_blocks: int, resident_layers: int, resident_io: bool, grads_on_gpu: int = 0,
-           disk_parts: int = 0, gpu_updated_parts: int = 0) -> "HostRoles":
-        streamed = ([] if resident_io else [IO]) + [PartId.block(i) for i in range(resident_layers, n_blocks)]
-        if gpu_updated_parts > len(streamed):
-            raise ValueError(f"gpu_updated_parts={gpu_updated_parts} exceeds the {len(streamed)} parts that are not "
-                             f"GPU-resident (the io part unless resident_io, and the blocks after the "
-                             f"resident_layers): set at most {len(streamed)}")
-        on_gpu = tuple(streamed[:gpu_updated_parts])
-        blocks = [p for p in streamed if not p.is_io and p not in on_gpu]
-        host = tuple(blocks + ([IO] if IO in streamed and IO not in on_gpu else []))
+           disk_parts: int = 0) -> "HostRoles":
+        blocks = [PartId.block(i) for i in range(resident_layers, n_blocks)]
+        host = tuple(blocks + ([] if resident_io else [IO]))
         if grads_on_gpu > len(host):
             raise ValueError(f"grads_on_gpu={grads_on_gpu} exceeds the {len(host)} parts updated on the host (the "
-                             f"blocks that are not GPU-resident or GPU-updated, and the io part unless it is)")
+                             f"blocks that are not GPU-resident, and the io part unless it is)")
         if disk_parts > len(blocks):
             raise ValueError(f"disk_parts={disk_parts} exceeds the {len(blocks)} blocks updated on the host")
-        return cls(host, host[:grads_on_gpu], tuple(blocks[len(blocks) - disk_parts:]), on_gpu)
-
-    @classmethod
-    def of_config(cls, n_blocks: int, e) -> "HostRoles":
-        """``of`` with an ``EngineConfig``'s counts ("auto" counts, not yet resolved by the plan: 0)."""
-        count = lambda n: n if isinstance(n, int) else 0  # noqa: E731
-        return cls.of(n_blocks, count(e.resident_layers), e.resident_io, e.grads_on_gpu, e.disk_parts,
-                      count(e.gpu_updated_parts))
+        return cls(host, host[:grads_on_gpu], tuple(blocks[len(blocks) - disk_parts:]))
 
     def splitting(self, split_parts: int | str) -> tuple[PartId, ...]:
         """The host parts whose update runs in two passes where the optimizer splits

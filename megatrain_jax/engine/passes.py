@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import jax
@@ -74,7 +73,7 @@ PHASE: dict[OpKind, str] = {
     "forward": "the forward", "head": "the head", "backward": "the backward", "send_grads": "the backward",
     "embed_backward": "the backward", "grad_norm": "the global norm", "update": "the update",
     "commit": "the update", "loss": "evaluation", "store_acts": "the forward", "load_acts": "the backward",
-    "norm": "the backward", "state_home": "the forward", "state_in": "the backward",
+    "norm": "the backward",
 }
 
 
@@ -83,16 +82,10 @@ class PassRunner:
 
     def __init__(self, fns: DeviceFns, placement: Placement, state: HostState, policy: UpdatePolicy,
                  resident: dict[PartId, Part], observers: Sequence, grads_on_gpu: Sequence[PartId] = (),
-                 host_grad_dtype: str = "float32", gpu_updated: Sequence[PartId] = ()):
+                 host_grad_dtype: str = "float32"):
         self.fns, self.placement, self.state, self.policy = fns, placement, state, policy
-        self.resident = resident  # parts on the device with their optimizer state, updated there
+        self.resident = resident  # GPU-resident parts, updated on the device
         self.grads_on_gpu = set(grads_on_gpu)  # host-updated parts whose gradients wait on the device
-        # parts updated on the device whose records travel (``state_home``, ``state_in``): in ``resident``
-        # from their update until their forward is done with them
-        self.gpu_updated = set(gpu_updated)
-        self._arriving: dict[PartId, Future] = {}  # their records on their way back (``state_in``)
-        self._transfers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-state-in") if (
-            self.gpu_updated) else None
         self.bfloat16_home = host_grad_dtype == "bfloat16"  # gradients sent home are rounded on the device first
         self.observers = observers
         self.n_blocks = len(state.parts) - 1
@@ -291,8 +284,7 @@ class PassRunner:
         ``host_grad_dtype="bfloat16"`` a gradient sent home is rounded to bfloat16 on the device, and its norm
         is the rounded gradient's: the clipping is exact over what the update reads."""
         part = op.part
-        resident = (part in self.resident or part in self.gpu_updated  # the gradient stays on the device
-                    or part in self.grads_on_gpu)
+        resident = part in self.resident or part in self.grads_on_gpu  # the gradient stays on the device
         grads = p.take_grads(part)
         if p.accumulate:
             earlier = self._grads[part]
@@ -310,7 +302,7 @@ class PassRunner:
         pass sends home in bfloat16 (``send_grads``) is rounded first, so that the norm is that of what the
         update reads, as in one pass."""
         grads = p.take_grads(op.part)
-        if self.bfloat16_home and op.part not in self.resident and op.part not in self.gpu_updated:
+        if self.bfloat16_home and op.part not in self.resident:
             grads = self.fns.to_bfloat16(grads)
         self._sq_norms[op.part] = self.fns.sq_norm(grads)
         return self._sq_norms[op.part]
@@ -325,10 +317,7 @@ class PassRunner:
         the host then waits for the update queued ``UPDATES_AHEAD`` host parts before: host memory holds
         at most that many more parts' gradients than the one just sent."""
         grads = self._grads.pop(op.part)
-        if op.part in self._arriving:  # a GPU-updated part's record, back for its update
-            with reported_late():
-                self.resident[op.part] = self._arriving.pop(op.part).result()
-        if op.part in self.resident or op.part in self.gpu_updated:
+        if op.part in self.resident:
             self.resident[op.part] = self.policy.update_device(self.resident[op.part], grads, p.decision)
             return self.resident[op.part]
         done = self.policy.update_host(self.state, op.part, grads, p.decision,
@@ -343,28 +332,6 @@ class PassRunner:
     def commit(self, p: Pass, op: Op):
         return self.policy.commit(self.state)
 
-    def state_home(self, p: Pass, op: Op):
-        """A GPU-updated part's record (masters, optimizer state, stream copy) to pinned host memory once the
-        forward is done with it: it is the part's host state until its next update, and the device's copy is
-        freed once the copy has read it (weights the pass still uses stay fetched). Nothing when the record is
-        home already (an earlier step cut short after sending it). The state's old arrays are replaced, not
-        written: a checkpoint still writing them keeps them."""
-        record = self.resident.pop(op.part, None)
-        if record is None:
-            return None
-        self.state[op.part] = self.policy.to_host(record)
-        return self.state[op.part]
-
-    def state_in(self, p: Pass, op: Op):
-        """A GPU-updated part's masters and optimizer state back onto the devices for its update (queued after
-        its backward's weights, so that the copy does not delay them). Issued on a thread of its own: a copy
-        from pinned host memory may hold its caller for as long as it takes (75 ms a block of 3.5B's on the
-        H200, measured), which would stall the backward's dispatch; the part's ``update`` takes the record."""
-        if op.part in self.resident or op.part in self._arriving:
-            return None
-        self._arriving[op.part] = self._transfers.submit(self.policy.to_device, self.state[op.part])
-        return self._arriving[op.part]
-
 
 # Every op kind and its handler: a new kind of op is added here and in ``schedule.OpKind``.
 HANDLERS: dict[OpKind, Callable[[PassRunner, Pass, Op], Any]] = {
@@ -373,7 +340,7 @@ HANDLERS: dict[OpKind, Callable[[PassRunner, Pass, Op], Any]] = {
     "send_grads": PassRunner.send_grads, "embed_backward": PassRunner.embed_backward,
     "grad_norm": PassRunner.grad_norm, "update": PassRunner.update, "commit": PassRunner.commit,
     "loss": PassRunner.loss, "store_acts": PassRunner.store_acts, "load_acts": PassRunner.load_acts,
-    "norm": PassRunner.norm, "state_home": PassRunner.state_home, "state_in": PassRunner.state_in,
+    "norm": PassRunner.norm,
 }
 
 # The op kinds that run a block's (or the io part's) compute: the host paces these (``PassRunner.pace``).
@@ -384,7 +351,7 @@ CATEGORY: dict[OpKind, str] = {
     "fetch": "h2d", "release": "none", "embed": "compute", "forward": "compute", "head": "compute",
     "backward": "compute", "send_grads": "d2h", "embed_backward": "compute", "grad_norm": "compute",
     "update": "optimizer", "commit": "optimizer", "loss": "compute", "store_acts": "d2h", "load_acts": "h2d",
-    "norm": "compute", "state_home": "d2h", "state_in": "h2d",
+    "norm": "compute",
 }
 
 

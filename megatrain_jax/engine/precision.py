@@ -148,7 +148,7 @@ CAPACITY = Precision(
     moments="bfloat16", stream_copy=False, host_grad_dtypes=("float32", "bfloat16"),
     host_only=True, needs_kernel=True, disk_tier=True,
     bundle=(("engine.master_dtype", "bfloat16"), ("engine.stream_dtype", "bfloat16"),
-            ("engine.resident_layers", 0), ("engine.resident_io", False), ("engine.gpu_updated_parts", 0)),
+            ("engine.resident_layers", 0), ("engine.resident_io", False)),
     kernel="adamw_sr",
     summary="bfloat16 masters and Adam moments, stochastically rounded (no 16-bit copy)",
     checkpoint="bfloat16 masters and moments; 8-bit moments of a q8 checkpoint are dequantized on restore")
@@ -255,11 +255,9 @@ def check_precision(cfg: EngineConfig) -> None:
         raise ValueError(f"{mode.title} (master_dtype={mode.master_dtype!r}) streams the {mode.masters} masters: "
                          f"leave stream_dtype unset or {mode.masters!r}, not {cfg.stream_dtype!r}")
     from megatrain_jax.engine.config import AUTO  # (config imports this module: read once it is loaded)
-    if mode.host_only and (cfg.resident_layers not in (0, AUTO) or cfg.resident_io
-                           or cfg.gpu_updated_parts not in (0, AUTO)):
+    if mode.host_only and (cfg.resident_layers not in (0, AUTO) or cfg.resident_io):
         raise ValueError(f"{mode.title} (master_dtype={mode.master_dtype!r}) updates every part on the host with "
-                         f"stochastic rounding: set resident_layers = 0, resident_io = false and "
-                         f"gpu_updated_parts = 0")
+                         f"stochastic rounding: set resident_layers = 0 and resident_io = false")
     if mode.needs_kernel and not cfg.host_kernel:
         raise ValueError(f"{mode.title} (master_dtype={mode.master_dtype!r}) runs in the fused host kernel: "
                          f"leave host_kernel = true")

@@ -16,12 +16,6 @@ holds the table from op kind to handler). One training step is:
    order (io, block 0, block 1, ...), so the next step's forward can begin early;
 7. ``commit``: the second halves of split updates (see ``megatrain_jax.engine.update.policy``).
 
-Parts updated on the GPU without staying there (``EngineConfig.gpu_updated_parts``: ``gpu_updated``) are on
-the GPU whole at the step's start. In the optimizer step's first pass each one's record goes home
-(``state_home``) once its forward is done with it: a block's after its ``release``, the io part's after the
-embedding. In the pass that updates, a block's masters and moments come back (``state_in``) right after its
-backward's ``fetch``, and the io part's after block 0's; each then updates on the GPU.
-
 With ``EngineConfig.norm_first`` a step is two passes over its batch: ``norm_ops`` (the same forward and
 backward, each part's gradient reduced to its squared norm on the device (``norm``) instead of sent home,
 then the global norm), and ``step_ops(..., norm_first=True)``, where each part's ``update`` follows its
@@ -54,8 +48,7 @@ BLOCKS_AHEAD = 3
 UPDATES_AHEAD = 2
 
 OpKind = Literal["fetch", "release", "embed", "forward", "head", "backward", "send_grads", "embed_backward",
-                 "grad_norm", "update", "commit", "loss", "store_acts", "load_acts", "norm", "state_home",
-                 "state_in"]
+                 "grad_norm", "update", "commit", "loss", "store_acts", "load_acts", "norm"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,14 +69,11 @@ def _check(n_layers: int, n_micro: int, depth: int) -> None:
         raise ValueError(f"prefetch depth must be >= 1, got {depth}")
 
 
-def _forward(n_layers: int, n_micro: int, depth: int, keep: int, offload: int = 0,
-             home: frozenset = frozenset()) -> tuple[list[Op], set[int]]:
+def _forward(n_layers: int, n_micro: int, depth: int, keep: int, offload: int = 0) -> tuple[list[Op], set[int]]:
     """Fetch io, embed, then every block layer-major; the last ``keep`` blocks stay fetched, and the inputs
-    of the first ``offload`` released blocks go to host memory; the records of the parts in ``home`` go home
-    once their forward is done with them. Returns the ops and the blocks still on the device."""
+    of the first ``offload`` released blocks go to host memory. Returns the ops and the blocks still on the
+    device."""
     ops: list[Op] = [Op("fetch", IO)] + [Op("embed", micro=m) for m in range(n_micro)]
-    if IO in home:
-        ops.append(Op("state_home", IO))
     resident: set[int] = set()
 
     def fetch(i: int) -> None:
@@ -101,31 +91,23 @@ def _forward(n_layers: int, n_micro: int, depth: int, keep: int, offload: int = 
         if i < n_layers - keep:
             resident.discard(i)
             ops.append(Op("release", PartId.block(i)))
-            if PartId.block(i) in home:
-                ops.append(Op("state_home", PartId.block(i)))
             if i < offload:
                 ops.append(Op("store_acts", PartId.block(i)))
     return ops, resident
 
 
 def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True, offload: int = 0,
-             norm_first: bool = False, gpu_updated: frozenset | tuple = (), first: bool = True) -> list[Op]:
+             norm_first: bool = False) -> list[Op]:
     """The ops of one forward+backward pass (plus the optimizer update when ``update``). ``offload``: the
     inputs of the first this many blocks wait in host memory between their forward and backward (the last
     ``depth`` blocks' never leave: their backward follows at once). ``norm_first``: the step's second pass
-    (``norm_ops`` took the norm): each part's update follows its gradient's ``send_grads``. ``gpu_updated``:
-    the parts updated on the GPU without staying there; their records go home in the optimizer step's
-    ``first`` pass and come back in the pass that updates (the module docstring)."""
+    (``norm_ops`` took the norm): each part's update follows its gradient's ``send_grads``."""
     _check(n_layers, n_micro, depth)
     if offload < 0:
         raise ValueError(f"activation offload must be >= 0 blocks, got {offload}")
     offload = offloaded_blocks(n_layers, depth, offload)
-    travel = frozenset(gpu_updated)
-    ops, resident = _forward(n_layers, n_micro, depth, keep=depth, offload=offload,
-                             home=travel if first else frozenset())
+    ops, resident = _forward(n_layers, n_micro, depth, keep=depth, offload=offload)
     ops += [Op("head", micro=m) for m in range(n_micro)]
-    back = update or norm_first  # the pass whose gradients update the parts
-    io_in = IO in travel and back
     for i in reversed(range(n_layers)):
         for j in range(i, i - depth - 1, -1):  # keep `depth` blocks in flight ahead of the compute
             if 0 <= j and j not in resident:
@@ -133,18 +115,11 @@ def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True, o
                 ops.append(Op("fetch", PartId.block(j)))
                 if j < offload:
                     ops.append(Op("load_acts", PartId.block(j)))
-                if back and PartId.block(j) in travel:
-                    ops.append(Op("state_in", PartId.block(j)))
-                if io_in and j == 0:
-                    ops.append(Op("state_in", IO))
-                    io_in = False
         ops += [Op("backward", PartId.block(i), m) for m in range(n_micro)]
         ops += [Op("send_grads", PartId.block(i)), Op("release", PartId.block(i))]
         if norm_first:
             ops.append(Op("update", PartId.block(i)))
         resident.discard(i)
-    if io_in:  # block 0 stayed fetched from its forward (a model of at most ``depth`` blocks)
-        ops.append(Op("state_in", IO))
     ops += [Op("embed_backward", micro=m) for m in range(n_micro)]
     ops += [Op("send_grads", IO), Op("release", IO)]
     if norm_first:
@@ -156,11 +131,10 @@ def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True, o
     return ops
 
 
-def norm_ops(n_layers: int, n_micro: int, depth: int = 1, offload: int = 0, gpu_updated: frozenset | tuple = ()) -> list[Op]:
+def norm_ops(n_layers: int, n_micro: int, depth: int = 1, offload: int = 0) -> list[Op]:
     """The first pass of a ``norm_first`` step: ``step_ops``' forward and backward, each part's gradient
-    reduced to its squared norm where it would be sent home, then the global norm (the GPU-updated parts'
-    records go home here, and come back in the second pass)."""
-    ops = step_ops(n_layers, n_micro, depth, update=False, offload=offload, gpu_updated=gpu_updated)
+    reduced to its squared norm where it would be sent home, then the global norm."""
+    ops = step_ops(n_layers, n_micro, depth, update=False, offload=offload)
     return [Op("norm", op.part) if op.kind == "send_grads" else op for op in ops] + [Op("grad_norm")]
 
 

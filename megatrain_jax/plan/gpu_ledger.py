@@ -133,7 +133,6 @@ K = "kept residuals: attention output and softmax statistics (keep_residuals), m
 R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
 H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
 S = "gradients cast to bfloat16 for the copy home (host_grad_dtype)"
-T = "records of GPU-updated parts: masters, optimizer state, stream copy (gpu_updated_parts)"
 
 
 @dataclasses.dataclass
@@ -176,18 +175,14 @@ class Walk:
         self.kept_from = c.layers - e.kept_layers  # blocks from here on keep their matrix products too
         self.on_gpu = {IO} if e.resident_io else set()
         self.on_gpu |= {PartId.block(i) for i in range(e.resident_layers)}
-        roles = host_roles(c, e)
-        self.waiting = set(roles.grads_on_gpu)
-        self.travel = set(roles.gpu_updated)  # on the GPU whole at the step's start, away between forward and backward
+        self.waiting = set(host_roles(c, e).grads_on_gpu)
         resident_params = blocks_param_count(c, range(e.resident_layers)) + (self.Pio if e.resident_io else 0)
         # master + Adam moments in the mode's dtypes (engine/precision.py) + the compute copy
         held = e.precision.master_bytes + e.precision.moment_bytes
-        self.record = held + self.sb  # bytes per parameter of a part's record on the GPU
-        self.resident = resident_params * self.record // self.devices
+        self.resident = resident_params * (held + self.sb) // self.devices
         waiting_params = sum(part_param_count(c, part) for part in self.waiting)
-        travel_params = sum(part_param_count(c, part) for part in self.travel)
-        self.slack = int(4 * (RESIDENT_ALLOCATOR_SLACK * (resident_params + travel_params)
-                              + WAITING_ALLOCATOR_SLACK * waiting_params) / self.devices)  # of their float32 gradients
+        self.slack = int(4 * (RESIDENT_ALLOCATOR_SLACK * resident_params + WAITING_ALLOCATOR_SLACK * waiting_params)
+                         / self.devices)  # of their float32 gradients
         self.batches = self.rows * self.seq_len * (BATCH_BYTES_PER_TOKEN + (0 if self.flash else 4))
 
     # ------------------------------------------------------------------ what an op touches
@@ -203,15 +198,6 @@ class Walk:
 
     def weights(self, op: Op) -> int:
         return int(self.params(op) * self.sb * self.fetched)
-
-    def records(self, part: PartId) -> int:
-        """A GPU-updated part's record on the GPU: each device's shard of it."""
-        return self.part_params[part.index] * self.record // self.devices
-
-    def on_device(self, op: Op) -> bool:
-        """Whether ``op``'s part is fetched from the GPU's own copy: a resident part, or a GPU-updated one in its
-        forward (its record is there from its update)."""
-        return op.part in self.on_gpu or (op.part in self.travel and not self.backward)
 
     def grad(self, op: Op) -> int:
         """A part's float32 gradient, whole: what a device accumulates over the micro-batches."""
@@ -281,7 +267,7 @@ class Walk:
 # One rule per op kind: what the op allocates while it runs (``Walk.peak``), then what the host holds after
 # it. A new op kind gets a rule here, a handler in ``passes.HANDLERS`` and a name in ``schedule.OpKind``.
 def _fetch(w: Walk, op: Op) -> None:
-    kept = w.on_device(op)
+    kept = op.part in w.on_gpu
     w.peak(op, out=0 if kept else w.weights(op))
     if op.part in w.waiting and op.part not in w.home:  # the forward's fetch waited for the update, which
         w.home.add(op.part)                              # took the step before's gradient home
@@ -292,7 +278,7 @@ def _fetch(w: Walk, op: Op) -> None:
 
 def _release(w: Walk, op: Op) -> None:
     w.peak(op)
-    if not w.on_device(op):
+    if op.part not in w.on_gpu:
         w.led.drop(W, w.weights(op), block=w.here(op))
 
 
@@ -368,7 +354,7 @@ def _embed_backward(w: Walk, op: Op) -> None:
 def _send_grads(w: Walk, op: Op) -> None:
     """A gradient bound for host memory crosses in ``host_grad_dtype``: a bfloat16 one is a copy cast beside
     the float32 accumulator, and both are held until the copy home has read it."""
-    kept, waits = op.part in w.on_gpu or op.part in w.travel, op.part in w.waiting
+    kept, waits = op.part in w.on_gpu, op.part in w.waiting
     home = not (kept or waits)
     sent = w.summed(op) * host_grad_bytes(w.e) // 4 if home else 0  # in the host's dtype
     cast = sent if home and host_grad_bytes(w.e) < 4 else 0  # the bfloat16 copy that is sent
@@ -386,20 +372,8 @@ def _send_grads(w: Walk, op: Op) -> None:
 
 def _update(w: Walk, op: Op) -> None:
     w.peak(op)
-    if op.part in w.on_gpu or op.part in w.travel:
+    if op.part in w.on_gpu:
         w.led.drop(R, w.summed(op))
-
-
-def _state_home(w: Walk, op: Op) -> None:
-    """Freed once the copy home has read it (queued after the part's forward)."""
-    w.peak(op)
-    w.led.drop(T, w.records(op.part), block=w.here(op))
-
-
-def _state_in(w: Walk, op: Op) -> None:
-    """Masters and optimizer state back, and a stream copy cast from them for the update."""
-    w.peak(op, out=w.records(op.part))
-    w.led.add(T, w.records(op.part))
 
 
 def _store_acts(w: Walk, op: Op) -> None:
@@ -441,8 +415,7 @@ RULES: dict[OpKind, Callable[[Walk, Op], None]] = {
     "fetch": _fetch, "release": _release, "embed": _embed, "forward": _forward, "head": _head,
     "backward": _backward, "send_grads": _send_grads, "embed_backward": _embed_backward,
     "grad_norm": _nothing_held, "update": _update, "commit": _nothing_held, "loss": _nothing_held,
-    "store_acts": _store_acts, "load_acts": _load_acts, "norm": _norm, "state_home": _state_home,
-    "state_in": _state_in,
+    "store_acts": _store_acts, "load_acts": _load_acts, "norm": _norm,
 }
 
 
@@ -472,15 +445,11 @@ def _walked(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int,
     w = Walk(c, e, rows // devices, seq_len, sb, flash, devices, packed, programs=programs)
     for part in w.waiting:  # the step before's, copied home by each part's update before its fetch
         w.led.add(H, part_param_count(c, part) * 4 // devices)
-    for part in w.travel:  # updated on the GPU at the step before's end
-        w.led.add(T, w.records(part))
-    travel = tuple(sorted(w.travel, key=lambda p: p.index))
     passes = min(e.accumulate_steps, 2)  # later accumulating passes repeat the second
     for j in range(passes):
         w.pass_index, w.accumulate, w.backward = j, j > 0, False
         w.led.add(B, w.batches)
-        for op in _step_ops(c.layers, w.M, e.prefetch_depth, j == passes - 1, e.offload_activations,
-                            gpu_updated=travel, first=j == 0):
+        for op in _step_ops(c.layers, w.M, e.prefetch_depth, j == passes - 1, e.offload_activations):
             w.backward |= op.kind == "head"
             RULES[op.kind](w, op)
         w.led.drop(B, w.batches)

@@ -14,9 +14,6 @@ The config as given runs unless memory is short:
 - host RAM short: the lean host layout (``lean``: float32 streamed, gradients waiting on the GPU, the two-pass
   step; in capacity mode, 8-bit moments; last, the disk tier);
 - nothing of that fitting while blocks keep their attention residuals: the same without them;
-- then ``gpu_updated_parts="auto"`` where the GPU's rates are known: how many parts update on the GPU without
-  staying there, the count the step-time model finds fastest among those that fit (``gpu_updated_parts``; else
-  0), each with its own ``split_parts`` pick;
 - then ``split_parts="auto"`` where the GPU's rates are known: how many host updates run in two passes, the
   count the step-time model finds fastest for the layout picked (``split_parts``).
 
@@ -70,7 +67,7 @@ def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     the end of the run: ``memory.end_of_run``). With several processes nothing is picked (each would pick from its own host), and
     ``resident_layers="auto"`` is refused. Reads nothing from JAX: it runs before JAX starts its GPU backend."""
     if machine.several_processes:
-        for field in ("resident_layers", "kept_layers", "gpu_updated_parts"):
+        for field in ("resident_layers", "kept_layers"):
             if getattr(engine_cfg, field) == AUTO:
                 raise ValueError(f"engine.{field}='auto' is picked from one host's memory plan; with several "
                                  f"processes set the number (megatrain-jax plan --config FILE prints the pick)")
@@ -97,44 +94,9 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
 
 def _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,
           speeds: Speeds | None = None) -> tuple[EngineConfig, str | None]:
-    auto_gpu = engine_cfg.gpu_updated_parts == AUTO  # picked last, for the layout picked without it
-    base = dataclasses.replace(engine_cfg, gpu_updated_parts=0) if auto_gpu else engine_cfg
-    picked, said = _pick_layout(model_cfg, base, batch_rows, seq_len, disk_dir, kw, speeds)
-    if auto_gpu:
-        picked = dataclasses.replace(picked, gpu_updated_parts=AUTO)
-    picked, on_gpu = gpu_updated_parts(model_cfg, picked, batch_rows, seq_len, speeds, kw)
+    picked, said = _pick_layout(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds)
     picked, split = split_parts(model_cfg, picked, batch_rows, seq_len, speeds, kw.get("devices", 1))
-    return picked, "; ".join(w for w in (said, on_gpu, split) if w) or None
-
-
-def gpu_updated_parts(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
-                      speeds: Speeds | None, plan_kw: dict) -> tuple[EngineConfig, str | None]:
-    """``gpu_updated_parts`` where it is "auto": with ``speeds``, the count the step-time model finds fastest among
-    those whose plan fits (each with its fastest ``split_parts`` where that is "auto"; the fewest among equals),
-    else 0. Returns the config and a sentence."""
-    if engine_cfg.gpu_updated_parts != AUTO:
-        return engine_cfg, None
-    none = dataclasses.replace(engine_cfg, gpu_updated_parts=0)
-    if speeds is None or engine_cfg.precision.host_only:
-        why = "the mode updates every part on the host" if engine_cfg.precision.host_only else (
-            "no rates for this machine's GPU to weigh the transfers against the host update: docs/performance.md")
-        return none, f"engine.gpu_updated_parts='auto': 0 ({why})"
-    devices = plan_kw.get("devices", 1)
-    n = len(host_roles(model_cfg, none).host_updated)
-    times: dict[int, tuple[float, EngineConfig]] = {}
-    for k in range(n + 1):
-        candidate = dataclasses.replace(engine_cfg, gpu_updated_parts=k)
-        try:
-            if k and not plan(model_cfg, candidate, batch_rows, seq_len, detect=False, **plan_kw).fits:
-                continue
-        except ValueError:  # a combination the engine refuses (every host part's gradient waiting on the GPU)
-            continue
-        timed, _ = split_parts(model_cfg, candidate, batch_rows, seq_len, speeds, devices)
-        times[k] = (predict(model_cfg, timed, batch_rows, seq_len, speeds, devices=devices).seconds, candidate)
-    best = min(times, key=lambda k: (round(times[k][0], 3), k))
-    return times[best][1], (f"engine.gpu_updated_parts='auto': {best} of the {n} streamed parts updated on the GPU "
-                            f"({times[best][0]:.2f} s per step against {times[0][0]:.2f} s with none, by the "
-                            f"step-time model at {speeds.name}; {len(times)} counts fit)")
+    return picked, "; ".join(w for w in (said, split) if w) or None
 
 
 def split_parts(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
@@ -198,7 +160,7 @@ def legal(p: MemoryPlan, changes: Changes) -> bool:
     try:
         e = dataclasses.replace(p.engine_cfg, **engine)
         e.check_layers(layers)
-        HostRoles.of_config(layers, e)
+        HostRoles.of(layers, e.resident_layers, e.resident_io, e.grads_on_gpu, e.disk_parts)
     except ValueError:
         return False
     return True
@@ -316,7 +278,7 @@ def _most_taken(model_cfg: DecoderConfig, engine_cfg: EngineConfig) -> tuple[int
     while hi > 0:
         try:
             e = dataclasses.replace(engine_cfg, resident_layers=hi)
-            HostRoles.of_config(n, e)
+            HostRoles.of(n, hi, e.resident_io, e.grads_on_gpu, e.disk_parts)
             break
         except ValueError as err:
             refused, hi = err, hi - 1

@@ -278,9 +278,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     stream_dtype = mode.to_gpu_dtype(stream_dtype or e.stream_dtype, c.dtype)
     sb = stream_bytes(stream_dtype)
     P = c.param_count()
-    travel = sum(part_param_count(c, part) for part in roles.gpu_updated)  # updated on the GPU, records travelling
-    on_host_grads = (P - blocks_param_count(c, range(e.resident_layers)) - (io_param_count(c) if e.resident_io else 0)
-                     - travel)
+    on_host_grads = P - blocks_param_count(c, range(e.resident_layers)) - (io_param_count(c) if e.resident_io else 0)
     waiting = [part_param_count(c, part) for part in roles.grads_on_gpu]  # gradients kept on the GPU
 
     # The fused C++ AdamW (megatrain_jax.adamw, the CLI's optimizer) keeps what only it touches in pageable
@@ -289,8 +287,7 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     pinned, pageable = {}, {}
     mb = mode.moment_bytes  # bytes of Adam moments per parameter, but for 8-bit moments (not on disk)
     on_disk = sum(part_param_count(c, part) for part in roles.disk)  # params whose moments live in files
-    in_ram = sum(moment_bytes(c, e, part) for part in part_ids(c.layers)
-                 if part not in roles.disk and part not in roles.gpu_updated)
+    in_ram = sum(moment_bytes(c, e, part) for part in part_ids(c.layers) if part not in roles.disk)
     tag = "" if mode.masters == "float32" else f"; {mode.title}"
     moments = "Adam moments m and v, " + (
         f"{mode.moment_dtype[1:]}-bit with a float32 scale per {FORMATS[mode.moment_dtype].block} elements of a "
@@ -304,13 +301,8 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         pageable[moments] = in_ram
     else:  # only the fused kernel's own arrays are pageable: not the masters where they are streamed
         (pageable if fused and mode.stream_copy else pinned)[f"{masters} ({mode.master_bytes} B/param)"] = (
-            mode.master_bytes * (P - travel))
+            mode.master_bytes * P)
         (pageable if fused else pinned)[moments] = in_ram
-    if travel:  # their records cross PCIe: pinned; a part's old record is freed once its new one is home
-        held = mode.master_bytes + mode.moment_bytes
-        biggest = max(part_param_count(c, part) for part in roles.gpu_updated)
-        pinned[f"masters and moments of the {len(roles.gpu_updated)} GPU-updated parts, {travel / 1e9:.2f} B params "
-               f"({held} B/param), and one more such part's while its new record comes home"] = held * (travel + biggest)
     if on_disk:  # the one updating, two read ahead, one being written behind
         pageable[f"disk tier: moments of up to {min(4, e.disk_parts)} blocks in memory (updating, read ahead, "
                  f"written behind)"] = mb * layer_param_count(c) * min(4, e.disk_parts)

@@ -7,10 +7,9 @@ machine's rates (``speeds.Speeds``):
   within ``BLOCKS_AHEAD`` blocks of it (``passes.PassRunner.pace``), the global norm for the backward's end,
   and in a ``norm_first`` step's second pass each update for the one queued ``UPDATES_AHEAD`` parts before;
 - the **GPU** runs compute (forward, backward with or without recompute, head, embedding) and the updates of
-  GPU-resident and GPU-updated parts (a GPU-updated part's once its record is back: ``state_in``);
-- the **copy engines**, host to GPU (weights, offloaded activations back, GPU-updated parts' masters and
-  moments back) and GPU to host (gradients, offloaded activations out, GPU-updated parts' records home), one
-  transfer at a time each;
+  GPU-resident parts;
+- the **copy engines**, host to GPU (weights, offloaded activations back) and GPU to host (gradients,
+  offloaded activations out), one transfer at a time each;
 - the **host worker** runs each host part's AdamW (split in two halves where the update splits: the stream
   copy first, in forward order, then masters and moments, last part first: ``engine.update.policy``).
 
@@ -42,8 +41,7 @@ _STEPS = 4  # simulated back to back; the last gap is the steady state (the firs
 class StepTime:
     """A predicted step: ``seconds``, the busiest queue (``bound``), each queue's busy seconds per step, the
     bytes each way over PCIe per step (one GPU's), the share of the parameters that stay on the GPU (resident
-    parts), the share updated on the GPU without staying there (``gpu_updated_parts``), and the rates it was
-    predicted with (``speeds.name``)."""
+    parts), and the rates it was predicted with (``speeds.name``)."""
 
     seconds: float
     bound: str
@@ -52,14 +50,12 @@ class StepTime:
     d2h_bytes: int
     resident_share: float
     speeds: str
-    gpu_updated_share: float = 0.0
 
     def as_dict(self) -> dict:
         """For a results file or ``memory_plan.json``: seconds and shares to 4 decimals."""
         return {"seconds": round(self.seconds, 4), "bound": self.bound,
                 "busy": {q: round(v, 4) for q, v in self.busy.items()}, "h2d_bytes": self.h2d_bytes,
-                "d2h_bytes": self.d2h_bytes, "resident_share": round(self.resident_share, 4),
-                "gpu_updated_share": round(self.gpu_updated_share, 4), "speeds": self.speeds}
+                "d2h_bytes": self.d2h_bytes, "resident_share": round(self.resident_share, 4), "speeds": self.speeds}
 
     def tokens_per_s(self, tokens_per_step: int) -> float:
         return tokens_per_step / self.seconds
@@ -68,9 +64,7 @@ class StepTime:
         parts = ", ".join(f"{QUEUE_WORDS[q]} {s:.2f} s" for q, s in self.busy.items() if s > 0 and q != "main")
         return (f"{self.seconds:.2f} s per step, bound by {BOUND_WORDS[self.bound]} (busy per step: {parts}; "
                 f"PCIe {self.h2d_bytes / 1e9:.1f} GB to the GPU and {self.d2h_bytes / 1e9:.1f} GB back; "
-                f"{self.resident_share:.0%} of the parameters stay on the GPU" + (
-                    f", {self.gpu_updated_share:.0%} are updated there, their masters and moments crossing PCIe"
-                    if self.gpu_updated_share else "") + f"; rates: {self.speeds})")
+                f"{self.resident_share:.0%} of the parameters stay on the GPU; rates: {self.speeds})")
 
 
 QUEUE_WORDS = {"gpu": "GPU", "h2d": "to the GPU", "d2h": "to the host", "host": "host update", "main": "issuing"}
@@ -88,7 +82,7 @@ class _Lengths:
     backward: dict[int, float]  # per block, one micro-batch (with or without recompute)
     head: float  # one micro-batch: final norm, logits, loss and their backward (the logits recomputed)
     embed: float
-    fetch: dict[PartId, float]  # bytes to the GPU per visit (0 for GPU-resident parts; GPU-updated ones: the backward's)
+    fetch: dict[PartId, float]  # bytes to the GPU per visit (0 for GPU-resident parts)
     grads: dict[PartId, float]  # bytes of the part's gradient sent home at its send_grads (0 where it stays)
     home: dict[PartId, float]  # bytes of a gradient that waited on the GPU, copied home by its update
     acts: float  # bytes of one block's offloaded inputs (and kept residuals), each way
@@ -96,8 +90,6 @@ class _Lengths:
     device_update: dict[PartId, float]  # GPU-resident parts' update on the GPU
     norm: dict[PartId, float]  # a norm_first step's first pass: the part's gradient reduced to its squared norm
     dispatch: dict[str, float]  # the main thread's own seconds per op kind
-    record_home: dict[PartId, float]  # bytes of a GPU-updated part's record going home (``state_home``)
-    record_in: dict[PartId, float]  # bytes of its masters and moments coming back (``state_in``)
 
 
 def _block_flops(cfg: DecoderConfig, layer: int, tokens: int, seq_len: int) -> tuple[float, float]:
@@ -122,7 +114,7 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     stream = stream_dtype or e.stream_dtype or cfg.dtype
     to_gpu = stream_bytes(mode.to_gpu_dtype(stream, cfg.dtype))
     roles = host_roles(cfg, e)
-    host_parts, waiting, travel = set(roles.host_updated), set(roles.grads_on_gpu), set(roles.gpu_updated)
+    host_parts, waiting = set(roles.host_updated), set(roles.grads_on_gpu)
     splitting = set() if e.norm_first else set(roles.splitting(e.split_parts))  # norm_first never splits
     kept = set(range(cfg.layers - e.kept_layers, cfg.layers))
     fwd, bwd = {}, {}
@@ -141,7 +133,7 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     head = 8.0 * cfg.hidden * cfg.vocab_size * tokens / s.matmul_flops
     parts = [IO] + [PartId.block(i) for i in range(cfg.layers)]
     count = {p: (io_param_count(cfg) if p.is_io else cfg.block_param_count(p.layer)) / devices for p in parts}
-    fetch = {p: (count[p] * to_gpu if p in host_parts or p in travel else 0.0) for p in parts}
+    fetch = {p: (count[p] * to_gpu if p in host_parts else 0.0) for p in parts}
     grads = {p: (count[p] * DTYPE_BYTES[e.host_grad_dtype] if p in host_parts - waiting else 0.0) for p in parts}
     home = {p: count[p] * 4.0 for p in waiting}  # float32, copied home by the part's update task
     disk = set(roles.disk)
@@ -160,35 +152,30 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     acts = e.micro_batches * (micro_rows * seq_len * cfg.hidden * activation_bytes(cfg) + (
         kept_bytes(cfg, e, micro_rows, seq_len, assumes_flash(cfg)) if e.keep_residuals else 0))
     norm = {p: count[p] * 4.0 / s.hbm_bytes for p in parts}  # one read of the float32 gradient
-    held = mode.master_bytes + mode.moment_bytes
-    record_home = {p: count[p] * (held + (to_gpu if mode.stream_copy else 0)) for p in travel}
-    record_in = {p: count[p] * held for p in travel}
     return _Lengths(fwd, bwd, head, 2 * cfg.hidden * tokens / s.hbm_bytes, fetch, grads, home, acts, host_update,
-                    device_update, norm, s.dispatch, record_home, record_in)
+                    device_update, norm, s.dispatch)
 
 
 # ---------------------------------------------------------------------------------------------- the walk
 def _ops(cfg: DecoderConfig, e: EngineConfig) -> list[list[Op]]:
     """One optimizer step's sub-steps: ``accumulate_steps`` passes, the last with the update; with
     ``norm_first``, the norm's pass and the updating one."""
-    travel = host_roles(cfg, e).gpu_updated
     if e.norm_first:
-        return [norm_ops(cfg.layers, e.micro_batches, e.prefetch_depth, offload=e.offload_activations,
-                         gpu_updated=travel),
+        return [norm_ops(cfg.layers, e.micro_batches, e.prefetch_depth, offload=e.offload_activations),
                 step_ops(cfg.layers, e.micro_batches, e.prefetch_depth, offload=e.offload_activations,
-                         norm_first=True, gpu_updated=travel, first=False)]
+                         norm_first=True)]
     k = e.accumulate_steps
     return [step_ops(cfg.layers, e.micro_batches, e.prefetch_depth, update=(j == k - 1),
-                     offload=e.offload_activations, gpu_updated=travel, first=j == 0) for j in range(k)]
+                     offload=e.offload_activations) for j in range(k)]
 
 
 def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, s: Speeds,
             stream_dtype: str | None = None, devices: int = 1) -> StepTime:
     """The steady-state seconds of one optimizer step of ``cfg`` under ``e`` (``resident_layers`` a number)
     with ``batch_rows`` rows of ``seq_len`` tokens, on ``devices`` GPUs of a machine with rates ``s``."""
-    if not all(isinstance(n, int) for n in (e.resident_layers, e.kept_layers, e.gpu_updated_parts)):
-        raise ValueError("predict needs resident_layers, kept_layers and gpu_updated_parts as numbers: resolve "
-                         "'auto' first (plan.resolve)")
+    if not isinstance(e.resident_layers, int) or not isinstance(e.kept_layers, int):
+        raise ValueError("predict needs resident_layers and kept_layers as numbers: resolve 'auto' first "
+                         "(plan.resolve)")
     n = lengths(cfg, e, batch_rows, seq_len, s, stream_dtype, devices)
     free = dict.fromkeys(QUEUES, 0.0)
     busy = dict.fromkeys(QUEUES, 0.0)
@@ -197,7 +184,7 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     h2d = d2h = 0.0
     offload = offloaded_blocks(cfg.layers, e.prefetch_depth, e.offload_activations)
     roles = host_roles(cfg, e)
-    host_parts, travel = set(roles.host_updated), set(roles.gpu_updated)
+    host_parts = set(roles.host_updated)
 
     rates = {"h2d": s.h2d_bytes, "d2h": s.d2h_bytes}
 
@@ -221,20 +208,15 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
         visits: list[float] = []  # when each block visit's compute ends (pacing)
         step_busy, bytes_before = dict(busy), (h2d, d2h)
         sent: dict[PartId, float] = {}  # when each part's gradient is home (norm_first: its update waits)
-        loaded: dict[PartId, float] = {}  # when a GPU-updated part's masters and moments are back
         updating: list[PartId] = []  # norm_first: host parts whose updates were queued, oldest first
         for j, sub in enumerate(_ops(cfg, e)):
             accumulating = j > 0 and not e.norm_first
-            backward = False
             for op in sub:
-                backward |= op.kind == "head"
                 t = free["main"] + n.dispatch.get(op.kind, 0.0)
                 busy["main"] += n.dispatch.get(op.kind, 0.0)
                 if op.kind == "fetch":
                     t = max(t, ready_host.get(op.part, 0.0))  # the engine waits for the part's new weights
-                    # a GPU-updated part is on the GPU for its forward
-                    nbytes = n.fetch[op.part] if backward or op.part not in travel else 0.0
-                    fetched[op.part] = move("h2d", t, nbytes)
+                    fetched[op.part] = move("h2d", t, n.fetch[op.part])
                 elif op.kind == "load_acts":
                     fetched[op.part] = max(fetched[op.part], move("h2d", t, n.acts))
                 elif op.kind in ("forward", "backward"):
@@ -246,11 +228,7 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
                     if op.micro == e.micro_batches - 1:
                         visits.append(end)
                 elif op.kind in ("embed", "embed_backward"):
-                    computed[IO] = run("gpu", max(t, fetched.get(IO, 0.0)), n.embed)
-                elif op.kind == "state_home":
-                    move("d2h", max(t, computed[op.part]), n.record_home[op.part])
-                elif op.kind == "state_in":
-                    loaded[op.part] = move("h2d", t, n.record_in[op.part])
+                    run("gpu", max(t, fetched.get(IO, 0.0)), n.embed)
                 elif op.kind == "head":
                     computed[IO] = run("gpu", max(t, fetched.get(IO, 0.0)), n.head)
                 elif op.kind == "store_acts":
@@ -276,7 +254,7 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
                             if len(updating) > UPDATES_AHEAD:
                                 t = max(t, ready_host[updating.pop(0)])
                     else:
-                        run("gpu", max(t, loaded.get(op.part, 0.0)), n.device_update[op.part])
+                        run("gpu", t, n.device_update[op.part])
                 elif op.kind == "commit":  # the second halves, last part first
                     for part in reversed([p for p in roles.host_updated if n.host_update[p][1]]):
                         run("host", t, n.host_update[part][1])
@@ -287,10 +265,9 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     seconds = ends[-1] - ends[-2]
     per_step = dict(last_busy)
     bound = max(("gpu", "h2d", "d2h", "host", "main"), key=lambda q: per_step[q])
-    params = lambda ps: sum(cfg.block_param_count(p.layer) if not p.is_io else io_param_count(cfg) for p in ps)
-    resident = 1 - params(host_parts | travel) / cfg.param_count()
-    return StepTime(seconds, bound, per_step, round(step_bytes["h2d"]), round(step_bytes["d2h"]), resident, s.name,
-                    params(travel) / cfg.param_count())
+    resident = 1 - sum(cfg.block_param_count(p.layer) if not p.is_io else io_param_count(cfg)
+                       for p in host_parts) / cfg.param_count()
+    return StepTime(seconds, bound, per_step, round(step_bytes["h2d"]), round(step_bytes["d2h"]), resident, s.name)
 
 
 def machine_speeds(machine: Machine, speeds_file: str | None = None) -> Speeds | None:

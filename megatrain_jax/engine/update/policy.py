@@ -87,8 +87,8 @@ class StepDecision:
 
     def __init__(self, norm: jax.Array, scale: jax.Array, ok: jax.Array):
         self.norm, self.scale, self.ok = norm, scale, ok
-        for x in (norm, scale, ok):  # queued now, ahead of later copies home (a GPU-updated part's record): the
-            x.copy_to_host_async()   # host's reads of them then wait for the norm only
+        for x in (norm, scale, ok):  # queued now, ahead of any later copy home: the host's first reads of them
+            x.copy_to_host_async()   # (the decision, each host update's scale) then wait for the norm only
         self._applies: bool | None = None
         self._failed: BaseException | None = None  # the device work behind ``ok`` failed (out of memory, say)
         self._lock = threading.Lock()
@@ -173,17 +173,6 @@ class UpdatePolicy:
             raise NonFiniteError(f"{self._nonfinite_in_row} consecutive steps had a non-finite loss or "
                                  f"gradient norm (limit max_nonfinite_steps={self.max_nonfinite}); host state "
                                  f"is the last good step's. Lower the learning rate or check the data")
-
-    def to_device(self, part: Part) -> Part:
-        """A part's record on the devices (masters, optimizer state, a fresh stream copy): a GPU-resident
-        part's, or a GPU-updated part's coming back for its update."""
-        return self.device.load(part)
-
-    def to_host(self, part: Part) -> Part:
-        """A part's record on the devices copied to pinned host memory, as the host state holds it (without the
-        stream copy where the masters themselves are streamed); asynchronous."""
-        stream = None if self.opt.stream_dtype is None else self.placement.to_host(part.stream)
-        return Part(*self.placement.to_host((part.params, part.opt)), stream)
 
     def update_device(self, part: Part, grads: Params, decision: StepDecision) -> Part:
         """A GPU-resident part's update, dispatched at once."""
