@@ -52,7 +52,13 @@ HOST_MODES = {
     "capacity mode (bfloat16 masters and moments)": EngineConfig(micro_batches=4, master_dtype="bfloat16"),
     "capacity mode, 8-bit moments, bfloat16 gradients": EngineConfig(
         micro_batches=4, master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16"),
+    # issue 52's leanest: 4-bit moments and the exact two-pass step (no step's gradients in host memory)
+    "capacity mode, 4-bit moments, the two-pass step": EngineConfig(
+        micro_batches=4, master_dtype="bfloat16", moment_dtype="q4", host_grad_dtype="bfloat16", norm_first=True),
 }
+# Others' figures beside the projection, as they state them (not measured here).
+CITED = {"MegaTrain, 120B on one GPU": {"host_ram": "1.5 TB", "source": "the MegaTrain paper's 120B claim, as "
+                                        "issue 52 cites it (1.5 TB of host RAM for 120B)"}}
 HOST_SIZES_GIB = (512, 1024, 1536)
 H200_GIB = 140
 
@@ -146,25 +152,33 @@ def project(name: str, small: dict, big: dict, target: dict) -> dict:
                        "h2d_gb_s_assumed": bw}}
 
 
-def project_host(name: str) -> dict:
+def project_host(name: str, rows: int = ROWS, micro_batches: int | None = None) -> dict:
     """The full model's host RAM in each of ``HOST_MODES`` on an H200 with each of ``HOST_SIZES_GIB``: as
-    configured, and as ``megatrain-jax train`` picks it (``lean_engine``, no disk tier)."""
+    configured, and as ``megatrain-jax train`` picks it (``lean_engine``, no disk tier); ``rows`` of ``SEQ``
+    tokens a step, in ``micro_batches`` (default: each mode's)."""
     from megatrain_jax import preset
     from megatrain_jax.plan import gpu_fraction, lean_engine, plan
+    from megatrain_jax.plan.speeds import SPEEDS
+    from megatrain_jax.plan.step_time import predict
 
     full, gpu = preset(name), int(H200_GIB * GiB * gpu_fraction())
     out = {"params": full.param_count(), "gpu_bytes": gpu, "modes": {}}
+    batch = rows
     for mode, engine in HOST_MODES.items():
+        engine = engine if micro_batches is None else dataclasses.replace(engine, micro_batches=micro_batches)
         rows = {}
         for host in HOST_SIZES_GIB:
             kw = dict(host_ram_bytes=host * GiB, gpu_bytes=gpu)
-            given = plan(full, engine, ROWS, SEQ, detect=False, **kw)
-            picked, said = lean_engine(full, engine, ROWS, SEQ, **kw)
-            p = plan(full, picked, ROWS, SEQ, detect=False, **kw)
+            given = plan(full, engine, batch, SEQ, detect=False, **kw)
+            picked, said = lean_engine(full, engine, batch, SEQ, **kw)
+            p = plan(full, picked, batch, SEQ, detect=False, **kw)
+            step = predict(full, picked, batch, SEQ, SPEEDS["H200"]) if p.fits else None
             rows[f"{host} GiB"] = {
                 "as_configured": {"host_gib": round(given.host_total / GiB, 1), "fits": given.fits},
                 "picked": {"host_gib": round(p.host_total / GiB, 1), "fits": p.fits, "said": said,
                            "host_bytes_per_param": round(p.host_total / p.params, 2),
+                           "predicted_step": None if step is None else {
+                               **step.as_dict(), "tokens_per_s": round(batch * SEQ / step.seconds, 1)},
                            "changes": {f.name: getattr(picked, f.name) for f in dataclasses.fields(picked)
                                        if getattr(picked, f.name) != getattr(engine, f.name)}}}
         out["modes"][mode] = rows
@@ -179,6 +193,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=200, help="seconds per run")
+    ap.add_argument("--rows", type=int, default=ROWS, help=f"rows of {SEQ} tokens a step (--host-only)")
+    ap.add_argument("--micro-batches", type=int, help="micro-batches of every host mode (--host-only; default 4)")
     ap.add_argument("--host-only", action="store_true",
                     help="only the host RAM of each mode on each host size, from the plan (no GPU)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -203,8 +219,11 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
 
-    result["host_projection"] = {"seq_len": SEQ, "rows": ROWS, "gpu": f"H200, {H200_GIB} GiB",
-                                 "models": {name: project_host(name) for name in args.models.split(",")}}
+    result["host_projection"] = {"seq_len": SEQ, "rows": args.rows, "micro_batches": args.micro_batches or 4, "gpu": f"H200, {H200_GIB} GiB", "cited": CITED,
+                                 "step_rates": "the step-time model at the H200's default rates (16-core host): "
+                                               "a larger host's more cores and memory channels would update faster",
+                                 "models": {name: project_host(name, args.rows, args.micro_batches)
+                                            for name in args.models.split(",")}}
     save()
     for name, proj in result["host_projection"]["models"].items():
         for mode, rows in proj["modes"].items():

@@ -26,6 +26,10 @@ LLAMA3_70B = dict(vocab_size=128256, hidden=8192, ffn=28672, layers=80, heads=64
 # A dense 120B Llama-style shape (no published checkpoint; sized like MegaTrain's 120B claim).
 DENSE_120B = dict(vocab_size=128256, hidden=12288, ffn=32768, layers=78, heads=96, kv_heads=8, rope_theta=500000.0,
                   max_positions=8192)
+# The same block at GPT-3's scale (175B; no published checkpoint), for the capacity projection.
+DENSE_175B = dict(DENSE_120B, layers=112)
+LLAMA31_405B = dict(vocab_size=128256, hidden=16384, ffn=53248, layers=126, heads=128, kv_heads=8, rope_theta=500000.0,
+                    rope_scaling=LLAMA3_SCALING, max_positions=131072)
 
 PRESETS = {
     "tiny": TINY,
@@ -39,6 +43,8 @@ PRESETS = {
     "llama3.1-8b": dict(LLAMA3_8B, rope_scaling=LLAMA3_SCALING, max_positions=131072),
     "llama3-70b": LLAMA3_70B, "70b": LLAMA3_70B,
     "dense-120b": DENSE_120B, "120b": DENSE_120B,
+    "dense-175b": DENSE_175B, "175b": DENSE_175B,
+    "llama3.1-405b": LLAMA31_405B, "405b": LLAMA31_405B,
 }
 
 
