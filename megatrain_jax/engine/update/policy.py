@@ -87,8 +87,6 @@ class StepDecision:
 
     def __init__(self, norm: jax.Array, scale: jax.Array, ok: jax.Array):
         self.norm, self.scale, self.ok = norm, scale, ok
-        for x in (norm, scale, ok):  # queued now, ahead of any later copy home: the host's first reads of them
-            x.copy_to_host_async()   # (the decision, each host update's scale) then wait for the norm only
         self._applies: bool | None = None
         self._failed: BaseException | None = None  # the device work behind ``ok`` failed (out of memory, say)
         self._lock = threading.Lock()

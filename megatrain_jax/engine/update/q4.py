@@ -29,7 +29,7 @@ import ctypes
 import numpy as np
 
 from megatrain_jax.engine.update import host_kernel
-from megatrain_jax.engine.update.q8 import check_kernel_arrays, q8_rows
+from megatrain_jax.engine.update.q8 import check_kernel_arrays, q8_rows, quantized_adamw_reference
 
 Q4_BLOCK = 128  # elements of a row that share one scale
 Q4_MAX_BLOCK = 4096  # the kernel's per-thread buffers hold one block of this many floats
@@ -182,35 +182,17 @@ def q4_dequantize(packed, absmax, block: int, kind: str, shape: tuple[int, ...] 
     return out.reshape(shape if shape is not None else (rows, cols))
 
 
-def _bf16_bits_to_f32(a) -> np.ndarray:
-    a = np.asarray(a)
-    return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
 def adamw_q4_reference(p, m, v, m_absmax, v_absmax, g, *, block: int, lr, b1, b2, eps, wd, grad_scale, bc1, bc2,
                        seed: int, offset: int = 0):
     """What ``megatrain_adamw_q4`` computes, in numpy float32, operation for operation (as
     ``q8.adamw_q8_reference``): p bfloat16 (or uint16 bits), m and v packed codes (``q4_codes_shape``), scales
     float32 (``q4_scale_shape``), g float32 or bfloat16. Returns the new (p as uint16 bits, m codes, v codes,
     m scales, v scales), equal to the kernel's bit for bit."""
-    f32 = np.float32
     shape = np.shape(p)
-    p0 = _bf16_bits_to_f32(p).reshape(shape)
-    g = np.asarray(g)
-    g = (g.astype(np.float32) if g.dtype == np.float32 else _bf16_bits_to_f32(g)).reshape(shape)
-    lr, b1, b2, eps, wd, grad_scale, bc1, bc2 = (f32(x) for x in (lr, b1, b2, eps, wd, grad_scale, bc1, bc2))
-    one_b1, one_b2, inv_bc1, inv_bc2 = f32(1) - b1, f32(1) - b2, f32(1) / bc1, f32(1) / bc2
-    m0 = q4_dequantize(m, m_absmax, block, "m", shape)
-    v0 = q4_dequantize(v, v_absmax, block, "v", shape)
-    gi = g * grad_scale
-    mi = b1 * m0 + one_b1 * gi
-    vi = b2 * v0 + (one_b2 * gi) * gi
-    u = (mi * inv_bc1) / (np.sqrt(vi * inv_bc2) + eps) + wd * p0
-    pi = p0 - lr * u
-    new_p = np.asarray(host_kernel.stochastic_round_bf16(pi.reshape(-1), host_kernel.sr_bits(seed, 0, offset, pi.size)))
-    new_m, new_m_absmax = q4_quantize(mi, block, "m", seed=seed, offset=offset)
-    new_v, new_v_absmax = q4_quantize(vi, block, "v", seed=seed, offset=offset)
-    return new_p.view(np.uint16).reshape(shape), new_m, new_v, new_m_absmax, new_v_absmax
+    return quantized_adamw_reference(
+        p, q4_dequantize(m, m_absmax, block, "m", shape), q4_dequantize(v, v_absmax, block, "v", shape), g,
+        lambda x, kind: q4_quantize(x, block, kind, seed=seed, offset=offset), lr=lr, b1=b1, b2=b2, eps=eps, wd=wd,
+        grad_scale=grad_scale, bc1=bc1, bc2=bc2, seed=seed, offset=offset)
 
 
 def adamw_q4_inplace(lib: ctypes.CDLL, p: int, m: int, v: int, m_absmax: int, v_absmax: int, g: int, n_rows: int,

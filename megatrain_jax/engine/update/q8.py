@@ -181,24 +181,32 @@ def adamw_q8_reference(p, m, v, m_absmax, v_absmax, g, *, block: int, lr, b1, b2
     and 1 / bc2 computed once in float32; numpy neither fuses nor reorders): p bfloat16 (or uint16 bits), m and
     v uint8 codes, scales float32 of ``q8_scale_shape``, g float32 or bfloat16 (or uint16 bits). Returns the new
     (p as uint16 bits, m codes, v codes, m scales, v scales), equal to the kernel's bit for bit."""
+    return quantized_adamw_reference(
+        p, q8_dequantize(m, m_absmax, block, "m"), q8_dequantize(v, v_absmax, block, "v"), g,
+        lambda x, kind: q8_quantize(x, block, kind, seed=seed, offset=offset), lr=lr, b1=b1, b2=b2, eps=eps, wd=wd,
+        grad_scale=grad_scale, bc1=bc1, bc2=bc2, seed=seed, offset=offset)
+
+
+def quantized_adamw_reference(p, m0, v0, g, quantize, *, lr, b1, b2, eps, wd, grad_scale, bc1, bc2, seed: int,
+                              offset: int = 0):
+    """The AdamW step of the quantized kernels in numpy float32, from the moments already dequantized (``m0``,
+    ``v0`` float32 of p's shape) to ``quantize(x, "m" | "v")`` of the new ones (codes, scales): the new (p as
+    uint16 bits, m codes, v codes, m scales, v scales). ``adamw_q8_reference`` and ``q4.adamw_q4_reference``."""
     f32 = np.float32
     shape = np.shape(p)
     p0 = _bf16_bits_to_f32(p).reshape(shape)
     g = np.asarray(g)
-    g = g.astype(np.float32) if g.dtype == np.float32 else _bf16_bits_to_f32(g)
-    g = g.reshape(shape)
+    g = (g.astype(np.float32) if g.dtype == np.float32 else _bf16_bits_to_f32(g)).reshape(shape)
     lr, b1, b2, eps, wd, grad_scale, bc1, bc2 = (f32(x) for x in (lr, b1, b2, eps, wd, grad_scale, bc1, bc2))
     one_b1, one_b2, inv_bc1, inv_bc2 = f32(1) - b1, f32(1) - b2, f32(1) / bc1, f32(1) / bc2
-    m0 = q8_dequantize(m, m_absmax, block, "m")
-    v0 = q8_dequantize(v, v_absmax, block, "v")
     gi = g * grad_scale
     mi = b1 * m0 + one_b1 * gi
     vi = b2 * v0 + (one_b2 * gi) * gi
     u = (mi * inv_bc1) / (np.sqrt(vi * inv_bc2) + eps) + wd * p0
     pi = p0 - lr * u
     new_p = np.asarray(host_kernel.stochastic_round_bf16(pi.reshape(-1), host_kernel.sr_bits(seed, 0, offset, pi.size)))
-    new_m, new_m_absmax = q8_quantize(mi, block, "m", seed=seed, offset=offset)
-    new_v, new_v_absmax = q8_quantize(vi, block, "v", seed=seed, offset=offset)
+    new_m, new_m_absmax = quantize(mi, "m")
+    new_v, new_v_absmax = quantize(vi, "v")
     return new_p.view(np.uint16).reshape(shape), new_m, new_v, new_m_absmax, new_v_absmax
 
 
