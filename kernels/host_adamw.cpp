@@ -71,7 +71,7 @@
 #endif
 #if defined(__AVX2__) && !defined(MEGATRAIN_NO_INTRINSICS)
 #include <immintrin.h>
-#define MEGATRAIN_Q8_AVX2 1
+#define MEGATRAIN_QUANT_AVX2 1
 #endif
 
 // Round-to-nearest-even float -> bfloat16, NaN kept quiet. Branch-free so the loop vectorizes.
@@ -280,6 +280,7 @@ void adamw_sr_parallel(uint16_t* p, uint16_t* m, uint16_t* v, const G* g, int64_
 constexpr int64_t kQ8MaxBlock = 4096;  // the largest quantization block: per-thread buffers are this long
 constexpr float kQ8Max = 1.875f;       // VMAX of both formats: (1 + 7/8) * 2^0
 constexpr int kBiasM = 15, kBiasV = 31;
+constexpr int kQ4EminM = -6, kQ4EminV = -14;  // 4-bit grids: the smallest nonzero magnitude of each is 2^kEmin
 
 // The format with exponent bias kBias, 3 mantissa bits and subnormals: kSub = 2^(1 - kBias - 3) is the
 // subnormal step; 2^(1 - kBias), the smallest normal value, has float32 bits kMinNormalBits.
@@ -346,12 +347,14 @@ static inline float q8_inverse_scale(float absmax) {
 }
 
 
-#ifdef MEGATRAIN_Q8_AVX2
-// AVX2 versions of the two passes of adamw_q8_block, 8 elements a vector, operation for operation the
-// arithmetic of the scalar code (same float operations on the same operands, so the same roundings; the integer
-// steps rewritten into fewer instructions with equal results, as noted at each). GCC's vectorization of the
-// scalar loops spent about twice the instructions (byte packing, selects it would not turn into min/max, spills).
-namespace q8avx2 {
+#ifdef MEGATRAIN_QUANT_AVX2
+// AVX2 versions of the passes of adamw_q8_block and adamw_q4_block, 8 elements a vector, operation for operation
+// the arithmetic of the scalar code (same float operations on the same operands, so the same roundings; the
+// integer steps rewritten into fewer instructions with equal results, as noted at each). GCC's vectorization of
+// the scalar loops spent about twice the instructions (byte packing, selects it would not turn into min/max,
+// spills); the 4-bit kernel's scalar loops, with their nibble unpacking and packing, ran at half the 8-bit
+// kernel's rate on a 16-core host (experiments/studies/NOTES.md).
+namespace quant_avx2 {
 
 inline __m256i set1(uint32_t x) { return _mm256_set1_epi32(static_cast<int32_t>(x)); }
 inline __m256 as_ps(__m256i x) { return _mm256_castsi256_ps(x); }
@@ -429,9 +432,48 @@ inline void store_bytes(uint8_t* out, __m256i a0, __m256i a1, __m256i a2, __m256
                       _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
+// The codes of elements x .. x + 7 as int32 lanes: one byte each (8-bit moments).
+struct Q8Codes {
+  static inline __m256i load(const uint8_t* a, int64_t x) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + x)));
+  }
+  // decode_m without the scale: the magnitude's value with the code's sign bit (bit 7) moved to bit 31
+  static inline __m256 decode_m(__m256i c) {
+    const __m256 mag = decode<kBiasM>(_mm256_and_si256(c, set1(0x7fu)));
+    return _mm256_or_ps(mag, as_ps(_mm256_slli_epi32(_mm256_and_si256(c, set1(0x80u)), 24)));
+  }
+  static inline __m256 decode_v(__m256i c) { return decode<kBiasV>(c); }
+};
+
+// q4_decode<kEmin> of 8 codes: 0 stays 0, c > 0 is (c - 1 + 127 + kEmin) << 23.
+template <int kEmin>
+inline __m256 q4_decode(__m256i c) {
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(c, set1(static_cast<uint32_t>(126 + kEmin))), 23);
+  return as_ps(_mm256_andnot_si256(_mm256_cmpeq_epi32(c, _mm256_setzero_si256()), bits));
+}
+
+// The codes of elements x .. x + 7 (x even) as int32 lanes: nibbles, element x in byte x / 2 (low nibble for
+// even x). The four bytes are each doubled (bytes b0 b0 b1 b1 ...), widened, and shifted by 0 or 4.
+struct Q4Codes {
+  static inline __m256i load(const uint8_t* a, int64_t x) {
+    int32_t four;
+    std::memcpy(&four, a + x / 2, 4);
+    const __m128i twice = _mm_shuffle_epi8(_mm_cvtsi32_si128(four),
+                                           _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1));
+    const __m256i w = _mm256_cvtepu8_epi32(twice);
+    return _mm256_and_si256(_mm256_srlv_epi32(w, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)), set1(15u));
+  }
+  // q4_decode_m without the scale: the magnitude (c & 7) with the sign bit (bit 3) moved to bit 31
+  static inline __m256 decode_m(__m256i c) {
+    const __m256 mag = q4_decode<kQ4EminM>(_mm256_and_si256(c, set1(7u)));
+    return _mm256_or_ps(mag, as_ps(_mm256_slli_epi32(_mm256_and_si256(c, set1(8u)), 28)));
+  }
+  static inline __m256 decode_v(__m256i c) { return q4_decode<kQ4EminV>(c); }
+};
+
 // The first pass on elements [0, n8) of the block (n8 a multiple of 8): p written, m and v to mb and vb, their
-// maxima into *am and *av (which start at 0, as the scalar loop's do).
-template <class G>
+// maxima into *am and *av (which start at 0, as the scalar loop's do). sm and sv multiply the decoded codes.
+template <class Codes, class G>
 inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uint8_t* __restrict v,
                   const G* __restrict g, int64_t lo, int64_t n8, float sm_, float sv_, const Hyper& h,
                   const Keys& k, float* __restrict mb, float* __restrict vb, float* am_out, float* av_out) {
@@ -448,13 +490,8 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
     const int64_t x = lo + i;
     const __m256 p0 = load_f32(p + x);
     const __m256 gi = _mm256_mul_ps(load_f32(g + x), grad_scale);
-    const __m256i cm = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + x)));
-    const __m256i cv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + x)));
-    // decode_m: the magnitude's value with the code's sign bit (bit 7) moved to bit 31
-    const __m256 mag = decode<kBiasM>(_mm256_and_si256(cm, set1(0x7fu)));
-    const __m256 dm = _mm256_or_ps(mag, as_ps(_mm256_slli_epi32(_mm256_and_si256(cm, set1(0x80u)), 24)));
-    const __m256 m0 = _mm256_mul_ps(dm, sm);
-    const __m256 v0 = _mm256_mul_ps(decode<kBiasV>(cv), sv);
+    const __m256 m0 = _mm256_mul_ps(Codes::decode_m(Codes::load(m, x)), sm);
+    const __m256 v0 = _mm256_mul_ps(Codes::decode_v(Codes::load(v, x)), sv);
     const __m256 mi = _mm256_add_ps(_mm256_mul_ps(b1, m0), _mm256_mul_ps(one_b1, gi));
     const __m256 vi = _mm256_add_ps(_mm256_mul_ps(b2, v0), _mm256_mul_ps(_mm256_mul_ps(one_b2, gi), gi));
     const __m256 den = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vi, inv_bc2)), eps);
@@ -482,8 +519,8 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
   *av_out = va;
 }
 
-// The second pass on elements [0, n32) of the block (n32 a multiple of 32).
-inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t n32, float im_, float iv_,
+// The 8-bit second pass on elements [0, n32) of the block (n32 a multiple of 32).
+inline void pass2_q8(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t n32, float im_, float iv_,
                   const Keys& k, const float* __restrict mb, const float* __restrict vb) {
   const __m256 im = _mm256_set1_ps(im_), iv = _mm256_set1_ps(iv_), vmax = _mm256_set1_ps(kQ8Max);
   const __m256 abs_mask = as_ps(set1(0x7fffffffu));
@@ -512,7 +549,67 @@ inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int6
   }
 }
 
-}  // namespace q8avx2
+// q4_encode<kEmin> of 8 values y in [0, 1] with random bits r. The normal branch as the scalar code's (e - (126 +
+// kEmin) is its e - (127 + kEmin) + 1); the subnormal one with a variable shift, which gives 0 for counts over
+// 31 as the scalar's shift by min(count, 31) does for a significand under 2^24. y is never negative here (a
+// magnitude, or v; NaN was clamped to 1 by the caller's min), so a signed compare picks the branch.
+template <int kEmin>
+inline __m256i q4_encode(__m256 y, __m256i r) {
+  const __m256i u = as_si(y);
+  const __m256i low = _mm256_and_si256(r, set1(0xfffffu));
+  const __m256i mant = _mm256_and_si256(u, set1(0x7fffffu));
+  const __m256i e = _mm256_srli_epi32(u, 23);
+  const __m256i normal = _mm256_add_epi32(_mm256_sub_epi32(e, set1(static_cast<uint32_t>(126 + kEmin))),
+                                          _mm256_srli_epi32(_mm256_add_epi32(_mm256_srli_epi32(mant, 3), low), 20));
+  const __m256i shift = _mm256_sub_epi32(set1(static_cast<uint32_t>(130 + kEmin)), e);
+  const __m256i fixed = _mm256_srlv_epi32(_mm256_or_si256(mant, set1(0x800000u)), shift);
+  const __m256i sub = _mm256_srli_epi32(_mm256_add_epi32(fixed, low), 20);
+  const __m256i is_normal = _mm256_cmpgt_epi32(u, set1((static_cast<uint32_t>(127 + kEmin) << 23) - 1u));
+  return _mm256_blendv_epi8(sub, normal, is_normal);
+}
+
+// 32 uint32 lanes (each < 16) as 16 bytes, two to a byte (element 2j in the low nibble of byte j): as bytes in
+// order (store_bytes' packing), then each 16-bit pair (c0 | c1 << 8) folded to c0 | c1 << 4, packed, and the two
+// halves' 8 bytes gathered.
+inline void store_nibbles(uint8_t* out, __m256i a0, __m256i a1, __m256i a2, __m256i a3) {
+  const __m256i b = _mm256_permutevar8x32_epi32(
+      _mm256_packus_epi16(_mm256_packus_epi32(a0, a1), _mm256_packus_epi32(a2, a3)),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i w = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi16(0x000f)),
+                                    _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x00f0)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);  // lanes' low halves: 0, 2
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
+// The 4-bit second pass on elements [0, n32) of the block (n32 a multiple of 32, lo even): the scalar encode
+// loop's codes, packed into bytes lo / 2 onwards.
+inline void pass2_q4(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t n32, float im_, float iv_,
+                     const Keys& k, const float* __restrict mb, const float* __restrict vb) {
+  const __m256 im = _mm256_set1_ps(im_), iv = _mm256_set1_ps(iv_), one = _mm256_set1_ps(1.0f);
+  const __m256 abs_mask = as_ps(set1(0x7fffffffu));
+  const __m256i km = set1(k.m ^ (k.m >> 16)), kv = set1(k.v ^ (k.v >> 16));  // as in pass2_q8
+  __m256i j = _mm256_add_epi32(set1(k.offset + static_cast<uint32_t>(lo)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int64_t i = 0; i < n32; i += 32) {
+    __m256i cm[4], cv[4];
+    for (int q = 0; q < 4; ++q) {
+      const __m256i t = _mm256_xor_si256(j, _mm256_srli_epi32(j, 16));
+      const __m256 mi = _mm256_loadu_ps(mb + i + 8 * q);
+      const __m256 ym = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(mi, abs_mask), im), one);
+      const __m256i c = _mm256_and_si256(q4_encode<kQ4EminM>(ym, mix32_tail(_mm256_xor_si256(t, km))), set1(7u));
+      // signbit(mi) ? 8 : 0, kept where the code is not 0
+      const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(as_si(mi), 28), set1(8u));
+      cm[q] = _mm256_or_si256(c, _mm256_andnot_si256(_mm256_cmpeq_epi32(c, _mm256_setzero_si256()), sign));
+      const __m256 yv = _mm256_min_ps(_mm256_mul_ps(_mm256_loadu_ps(vb + i + 8 * q), iv), one);
+      const __m256i c2 = _mm256_and_si256(q4_encode<kQ4EminV>(yv, mix32_tail(_mm256_xor_si256(t, kv))), set1(15u));
+      cv[q] = _mm256_max_epu32(c2, _mm256_min_epu32(as_si(yv), set1(1u)));
+      j = _mm256_add_epi32(j, set1(8));
+    }
+    store_nibbles(m + (lo + i) / 2, cm[0], cm[1], cm[2], cm[3]);
+    store_nibbles(v + (lo + i) / 2, cv[0], cv[1], cv[2], cv[3]);
+  }
+}
+
+}  // namespace quant_avx2
 #endif
 
 // One element of a quantized-moment update from its old moments m0 and v0 (decoded and scaled): p written back
@@ -544,9 +641,9 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   const float sm = *m_amax / kQ8Max, sv = *v_amax / kQ8Max;
   float am = 0.0f, av = 0.0f;
   int64_t i0 = 0;
-#ifdef MEGATRAIN_Q8_AVX2
+#ifdef MEGATRAIN_QUANT_AVX2
   i0 = n / 8 * 8;
-  q8avx2::pass1(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx2::pass1<quant_avx2::Q8Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #endif
 #pragma omp simd reduction(max : am, av)
   for (int64_t i = i0; i < n; ++i) {
@@ -559,9 +656,9 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   }
   const float im = q8_inverse_scale(am), iv = q8_inverse_scale(av);
   i0 = 0;
-#ifdef MEGATRAIN_Q8_AVX2
+#ifdef MEGATRAIN_QUANT_AVX2
   i0 = n / 32 * 32;
-  q8avx2::pass2(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx2::pass2_q8(m, v, lo, i0, im, iv, k, mb, vb);
 #endif
 #pragma omp simd
   for (int64_t i = i0; i < n; ++i) {
@@ -585,7 +682,6 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
 
 // ---- 4-bit moments (see the header for the formats) ----
 
-constexpr int kQ4EminM = -6, kQ4EminV = -14;  // the smallest nonzero magnitude of each grid is 2^kEmin
 
 // Stochastic rounding of y in [0, 1] to a code of the power-of-two grid whose smallest nonzero value is
 // 2^kEmin, with random bits r (the low 20 used). At or above 2^kEmin, y = (1 + f) 2^e: code e - kEmin + 1,
@@ -631,9 +727,11 @@ static inline float q4_inverse_scale(float absmax) {
   return q < kBig ? q : kBig;
 }
 
-// One block of n (even) elements from flat index lo (even): as adamw_q8_block, with nibbles. Four passes, each
-// a plain loop over contiguous buffers that the compiler vectorizes: the codes unpacked one to a byte (mc, vc),
-// the update (p written, the new m and v kept in mb and vb with their maxima), the new codes, packed back.
+// One block of n (even) elements from flat index lo (even): as adamw_q8_block, with nibbles. With AVX2 the
+// vector passes take the block's first n / 8 * 8 elements (the update) and n / 32 * 32 (the new codes), reading
+// and writing the packed bytes themselves; the scalar loops below take the rest, in four plain passes over
+// contiguous buffers that the compiler vectorizes: the codes unpacked one to a byte (mc, vc), the update (p
+// written, the new m and v kept in mb and vb with their maxima), the new codes, packed back.
 template <class G>
 inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
                            float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g, int64_t lo,
@@ -641,17 +739,22 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
                            float* __restrict vb, uint8_t* __restrict mc, uint8_t* __restrict vc) {
   const float sm = *m_amax, sv = *v_amax;
   const int64_t half = n / 2, b0 = lo / 2;
+  float am = 0.0f, av = 0.0f;
+  int64_t i0 = 0;
+#ifdef MEGATRAIN_QUANT_AVX2
+  i0 = n / 8 * 8;
+  quant_avx2::pass1<quant_avx2::Q4Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+#endif
 #pragma omp simd
-  for (int64_t j = 0; j < half; ++j) {
+  for (int64_t j = i0 / 2; j < half; ++j) {
     const uint8_t a = m[b0 + j], b = v[b0 + j];
     mc[2 * j] = a & 15u;
     mc[2 * j + 1] = a >> 4;
     vc[2 * j] = b & 15u;
     vc[2 * j + 1] = b >> 4;
   }
-  float am = 0.0f, av = 0.0f;
 #pragma omp simd reduction(max : am, av)
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = i0; i < n; ++i) {
     const int64_t x = lo + i;
     quantized_element(p, g, x, q4_decode_m(mc[i]) * sm, q4_decode<kQ4EminV>(vc[i]) * sv, h, k, mb + i, vb + i);
     const float mi = mb[i], vi = vb[i];
@@ -660,8 +763,13 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
     av = vi > av ? vi : av;
   }
   const float im = q4_inverse_scale(am), iv = q4_inverse_scale(av);
+  i0 = 0;
+#ifdef MEGATRAIN_QUANT_AVX2
+  i0 = n / 32 * 32;
+  quant_avx2::pass2_q4(m, v, lo, i0, im, iv, k, mb, vb);
+#endif
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = i0; i < n; ++i) {
     const uint32_t j = k.offset + static_cast<uint32_t>(lo + i);
     const float mi = mb[i];
     const float ym = std::fabs(mi) * im, yv = vb[i] * iv;
@@ -675,7 +783,7 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
     vc[i] = static_cast<uint8_t>(std::max(c, std::min(yv_bits, 1u)));  // a positive v never becomes code 0
   }
 #pragma omp simd
-  for (int64_t j = 0; j < half; ++j) {
+  for (int64_t j = i0 / 2; j < half; ++j) {
     m[b0 + j] = static_cast<uint8_t>(mc[2 * j] | (mc[2 * j + 1] << 4));
     v[b0 + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
   }

@@ -153,14 +153,16 @@ def _cache_dir() -> Path:
 _FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 
 
-def build(verbose: bool = False) -> Path | None:
+def build(verbose: bool = False, defines: tuple[str, ...] = ()) -> Path | None:
     """Compile the kernel into the cache (keyed by source, flags, compiler and machine); None without a
-    compiler or when every build attempt fails."""
+    compiler or when every build attempt fails. ``defines`` are preprocessor macros for the compiler (``-D``):
+    ``("MEGATRAIN_NO_INTRINSICS",)`` builds the portable loops alone, as a machine without AVX2 runs them."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         return None
     src = SOURCE.read_bytes()
-    tag = hashlib.sha256(src + os.uname().machine.encode() + cxx.encode() + " ".join(_FLAGS).encode())
+    flags = (*_FLAGS, *(f"-D{d}" for d in defines))
+    tag = hashlib.sha256(src + os.uname().machine.encode() + cxx.encode() + " ".join(flags).encode())
     out = _cache_dir() / f"host_adamw_{tag.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -168,7 +170,7 @@ def build(verbose: bool = False) -> Path | None:
     with tempfile.TemporaryDirectory() as tmp, resources.as_file(SOURCE) as src_path:
         tmp_out = Path(tmp) / out.name
         for extra in (["-march=native", "-fopenmp"], ["-fopenmp"], []):  # best first, then portable
-            r = subprocess.run([cxx, *_FLAGS, *extra, str(src_path), "-o", str(tmp_out)], capture_output=True,
+            r = subprocess.run([cxx, *flags, *extra, str(src_path), "-o", str(tmp_out)], capture_output=True,
                                text=True)
             if r.returncode == 0:
                 break
@@ -182,9 +184,10 @@ def build(verbose: bool = False) -> Path | None:
 
 
 @functools.lru_cache(maxsize=None)
-def load() -> ctypes.CDLL | None:
-    """The built kernel (compiled on first call), or None where it cannot be built or loaded."""
-    path = build()
+def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The built kernel (compiled on first call; ``defines`` as ``build``'s), or None where it cannot be built
+    or loaded."""
+    path = build(defines=defines)
     if path is None:
         return None
     try:

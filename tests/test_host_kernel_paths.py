@@ -1,0 +1,99 @@
+"""The host kernel's two builds agree bit for bit: the AVX2 passes of the 8-bit and 4-bit moment kernels (used
+where the compiler targets AVX2, as on the GPU machines' hosts) against the portable loops alone
+(``MEGATRAIN_NO_INTRINSICS``, what a machine without AVX2 runs), on states whose magnitudes span the formats'
+ranges, blocks whose lengths are not multiples of the vectors' 8 and 32 elements, and counters near the end of
+their range; and the 4-bit kernel against its numpy reference on such a state."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from megatrain_jax.engine.update import host_kernel
+from megatrain_jax.engine.update.q4 import adamw_q4_numpy, adamw_q4_reference, q4_quantize
+from megatrain_jax.engine.update.q8 import adamw_q8_numpy, q8_quantize
+
+BF16 = ml_dtypes.bfloat16
+HP = dict(lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=0.37, bc1=1 - 0.9 ** 7, bc2=1 - 0.95 ** 7)
+FORMATS = {"q8": (q8_quantize, adamw_q8_numpy), "q4": (q4_quantize, adamw_q4_numpy)}
+# rows, cols, block, offset: a block of 16 (under one 32-element vector pass), blocks of 40 and 50 (tails of 8
+# and 18 after the vectors), a last block shorter than the others, counters that wrap past 2^32
+CASES = [(3, 1000, 256, 0), (7, 300, 128, 6), (13, 80, 16, 124), (5, 250, 50, 0), (9, 2 * 4096 + 40, 4096, 0),
+         (24, 2088, 40, 2 ** 32 - 24 * 2088)]
+
+
+@pytest.fixture(scope="module")
+def portable():
+    built = host_kernel.load(("MEGATRAIN_NO_INTRINSICS",))
+    if built is None:
+        pytest.fail("the portable build of the host kernel failed (the warning above says why)", pytrace=False)
+    return built
+
+
+def _state(fmt: str, rows: int, cols: int, block: int, seed: int, g_bf16: bool):
+    """bfloat16 p; m, v (quantized) and g of magnitudes that differ by orders from block to block, with some
+    all-zero blocks, and v's elements spread further, down past the formats' smallest steps."""
+    rng = np.random.default_rng(seed)
+    nb = -(-cols // block)
+    block_scale = np.repeat(10.0 ** rng.uniform(-8, 1, (rows, nb)), block, axis=1)[:, :cols]
+    zero = np.repeat(rng.random((rows, nb)) < 0.15, block, axis=1)[:, :cols]
+    p = rng.standard_normal((rows, cols)).astype(BF16)
+    m = np.where(zero, 0, rng.standard_normal((rows, cols)) * block_scale).astype(np.float32)
+    v = np.where(zero, 0, np.abs(rng.standard_normal((rows, cols))) * block_scale ** 2).astype(np.float32)
+    v *= 10.0 ** rng.uniform(-12, 0, (rows, cols)).astype(np.float32)
+    g = np.where(zero & (rng.random((rows, nb)).repeat(block, axis=1)[:, :cols] < 0.5), 0,
+                 rng.standard_normal((rows, cols)) * block_scale).astype(np.float32)
+    quantize = FORMATS[fmt][0]
+    m_codes, m_absmax = quantize(m, block, "m", seed=seed + 100)
+    v_codes, v_absmax = quantize(v, block, "v", seed=seed + 100)
+    return p, m_codes, v_codes, m_absmax, v_absmax, g.astype(BF16) if g_bf16 else g
+
+
+def _run(fmt: str, lib, state, **hp):
+    p, m, v, ma, va, g = (a.copy() for a in state)
+    FORMATS[fmt][1](p, m, v, ma, va, g, lib=lib, **hp)
+    return p.view(np.uint16), m, v, ma, va
+
+
+def _assert_equal(got, want, what: str):
+    for a, b, name in zip(got, want, ("p", "m", "v", "m_absmax", "v_absmax")):
+        b = np.asarray(b)
+        np.testing.assert_array_equal(a.view(np.uint32) if a.dtype == np.float32 else a,
+                                      b.view(np.uint32) if b.dtype == np.float32 else b, err_msg=f"{name}, {what}")
+
+
+@pytest.mark.parametrize("g_bf16", [False, True], ids=["g_f32", "g_bf16"])
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_vector_and_portable_builds_agree_bit_for_bit(lib, portable, fmt, g_bf16):
+    """Three steps in a row per case, each build fed its own last result: every p bit, code and scale equal."""
+    for i, (rows, cols, block, offset) in enumerate(CASES):
+        state = _state(fmt, rows, cols, block, i, g_bf16)
+        ours = theirs = state
+        for step in range(3):
+            hp = dict(HP, block=block, seed=1000 * i + step, offset=offset)
+            ours = (*_run(fmt, lib, ours, **hp), state[5])
+            theirs = (*_run(fmt, portable, theirs, **hp), state[5])
+            _assert_equal(ours[:5], theirs[:5], f"{fmt}, case {i}, step {step}")
+            ours = (ours[0].view(BF16), *ours[1:])
+            theirs = (theirs[0].view(BF16), *theirs[1:])
+        assert (ours[0].view(np.uint16) != state[0].view(np.uint16)).mean() > 0.3  # p moved
+
+
+def test_vector_and_portable_builds_agree_on_millions_of_elements(lib, portable):
+    """A float32 result one unit in the last place off changes a stochastically rounded p with probability 2^-16
+    and a code with 2^-20 (a scale shows it at once), so a different operation order needs millions of
+    elements to show: one step of each format over 2M."""
+    for fmt in FORMATS:
+        state = _state(fmt, 1000, 2048, 2048, 77, False)
+        hp = dict(HP, block=2048, seed=5, offset=0)
+        _assert_equal(_run(fmt, lib, state, **hp), _run(fmt, portable, state, **hp), fmt)
+
+
+def test_q4_kernel_matches_reference_across_magnitudes(lib):
+    """The 4-bit kernel against its numpy reference on the wide-ranging state (both gradient types)."""
+    for g_bf16 in (False, True):
+        for i, (rows, cols, block, offset) in enumerate(CASES[:4]):
+            state = _state("q4", rows, cols, block, i, g_bf16)
+            hp = dict(HP, block=block, seed=31 + i, offset=offset)
+            _assert_equal(_run("q4", lib, state, **hp), adamw_q4_reference(*state, **hp), f"case {i}")
