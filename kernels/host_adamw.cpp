@@ -71,7 +71,7 @@
 #endif
 #if defined(__AVX2__) && !defined(MEGATRAIN_NO_INTRINSICS)
 #include <immintrin.h>
-#define MEGATRAIN_QUANT_AVX2 1
+#define MEGATRAIN_AVX2 1
 #endif
 
 // Round-to-nearest-even float -> bfloat16, NaN kept quiet. Branch-free so the loop vectorizes.
@@ -142,10 +142,29 @@ inline void prefetch_streams(const T* p, const T* m, const T* v, const G* g, int
   }
 }
 
+// The stream pass (kState false) only reads p, m and v: its prefetches ask for reading, not for writing. The
+// bfloat16 copy is written past the caches where the build has AVX2 (non-temporal stores of whole 32-byte
+// blocks, so no line of it is read first; the engine's copy goes to the GPU by DMA, not back to this core);
+// adamw_parallel fences once per thread. Measured on the H200's 16-core host: the stream pass 1.13x
+// (experiments/results/h200_host_kernel_rates_846432b.json).
 template <bool kState, bool kBf16>
 inline void adamw_block(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
                         uint16_t* __restrict p_bf16, int64_t b, int64_t e, int64_t hi, const Hyper& h) {
-  prefetch_streams(p, m, v, g, b, hi);
+  if (kState) {
+    prefetch_streams(p, m, v, g, b, hi);
+  } else if (b + kPrefetch < hi) {
+    __builtin_prefetch(p + b + kPrefetch, 0, kPrefetchHint);
+    __builtin_prefetch(m + b + kPrefetch, 0, kPrefetchHint);
+    __builtin_prefetch(v + b + kPrefetch, 0, kPrefetchHint);
+    __builtin_prefetch(g + b + kPrefetch, 0, kPrefetchHint);
+  }
+#ifdef MEGATRAIN_AVX2
+  alignas(32) uint16_t copy[kStep];
+  const bool streamed = kBf16 && e - b == kStep && (reinterpret_cast<uintptr_t>(p_bf16 + b) & 31u) == 0;
+  uint16_t* __restrict out = streamed ? copy : p_bf16 + b;
+#else
+  uint16_t* __restrict out = p_bf16 + b;
+#endif
 #pragma omp simd
   for (int64_t i = b; i < e; ++i) {
     const float gi = g[i] * h.grad_scale;
@@ -158,8 +177,12 @@ inline void adamw_block(float* __restrict p, float* __restrict m, float* __restr
       v[i] = vi;
       p[i] = pi;
     }
-    if (kBf16) p_bf16[i] = to_bf16(pi);
+    if (kBf16) out[i - b] = to_bf16(pi);
   }
+#ifdef MEGATRAIN_AVX2
+  if (streamed)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p_bf16 + b), _mm256_load_si256(reinterpret_cast<__m256i*>(copy)));
+#endif
 }
 
 // Capacity mode: p, m and v are bfloat16 bits, written back with stochastic rounding. Same math, same order
@@ -233,9 +256,10 @@ int team_size() {
 #endif
 }
 
-// range(lo, hi) over the chunks of [0, n), on all threads.
+// range(lo, hi) over the chunks of [0, n), on all threads; with fence, each thread ends with a store fence (its
+// non-temporal stores are then visible to whoever reads after the call returns).
 template <class Range>
-void parallel_chunks(int64_t n, const Range& range) {
+void parallel_chunks(int64_t n, const Range& range, bool fence = false) {
   const int threads = team_size();
   (void)threads;  // unused without OpenMP
 #pragma omp parallel num_threads(threads)
@@ -252,12 +276,18 @@ void parallel_chunks(int64_t n, const Range& range) {
     const int64_t chunks = (n + chunk - 1) / chunk;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t c = 0; c < chunks; ++c) range(c * chunk, std::min(n, (c + 1) * chunk));
+#ifdef MEGATRAIN_AVX2
+    if (fence) _mm_sfence();
+#else
+    (void)fence;
+#endif
   }
 }
 
 template <bool kState, bool kBf16>
 void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
-  parallel_chunks(n, [&](int64_t lo, int64_t hi) { adamw_range<kState, kBf16>(p, m, v, g, p_bf16, lo, hi, h); });
+  parallel_chunks(n, [&](int64_t lo, int64_t hi) { adamw_range<kState, kBf16>(p, m, v, g, p_bf16, lo, hi, h); },
+                  kBf16);
 }
 
 Hyper make_hyper(float lr, float b1, float b2, float eps, float wd, float grad_scale, float bc1, float bc2) {
@@ -347,7 +377,7 @@ static inline float q8_inverse_scale(float absmax) {
 }
 
 
-#ifdef MEGATRAIN_QUANT_AVX2
+#ifdef MEGATRAIN_AVX2
 // AVX2 versions of the passes of adamw_q8_block and adamw_q4_block, 8 elements a vector, operation for operation
 // the arithmetic of the scalar code (same float operations on the same operands, so the same roundings; the
 // integer steps rewritten into fewer instructions with equal results, as noted at each). GCC's vectorization of
@@ -641,7 +671,7 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   const float sm = *m_amax / kQ8Max, sv = *v_amax / kQ8Max;
   float am = 0.0f, av = 0.0f;
   int64_t i0 = 0;
-#ifdef MEGATRAIN_QUANT_AVX2
+#ifdef MEGATRAIN_AVX2
   i0 = n / 8 * 8;
   quant_avx2::pass1<quant_avx2::Q8Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #endif
@@ -656,7 +686,7 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   }
   const float im = q8_inverse_scale(am), iv = q8_inverse_scale(av);
   i0 = 0;
-#ifdef MEGATRAIN_QUANT_AVX2
+#ifdef MEGATRAIN_AVX2
   i0 = n / 32 * 32;
   quant_avx2::pass2_q8(m, v, lo, i0, im, iv, k, mb, vb);
 #endif
@@ -741,7 +771,7 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   const int64_t half = n / 2, b0 = lo / 2;
   float am = 0.0f, av = 0.0f;
   int64_t i0 = 0;
-#ifdef MEGATRAIN_QUANT_AVX2
+#ifdef MEGATRAIN_AVX2
   i0 = n / 8 * 8;
   quant_avx2::pass1<quant_avx2::Q4Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #endif
@@ -764,7 +794,7 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   }
   const float im = q4_inverse_scale(am), iv = q4_inverse_scale(av);
   i0 = 0;
-#ifdef MEGATRAIN_QUANT_AVX2
+#ifdef MEGATRAIN_AVX2
   i0 = n / 32 * 32;
   quant_avx2::pass2_q4(m, v, lo, i0, im, iv, k, mb, vb);
 #endif

@@ -97,3 +97,32 @@ def test_q4_kernel_matches_reference_across_magnitudes(lib):
             state = _state("q4", rows, cols, block, i, g_bf16)
             hp = dict(HP, block=block, seed=31 + i, offset=offset)
             _assert_equal(_run("q4", lib, state, **hp), adamw_q4_reference(*state, **hp), f"case {i}")
+
+
+@pytest.mark.parametrize("start", [0, 1, 16], ids=["aligned", "odd_start", "half_line"])
+def test_float32_passes_agree_across_builds_wherever_the_copy_starts(lib, portable, start):
+    """The float32 kernel's whole update and its stream pass (whose bfloat16 copy the AVX2 build writes with
+    non-temporal stores where a block of it is 32-byte aligned, with plain stores elsewhere) write the same bits
+    as the portable build, for copies that start on, off and half-way into a 32-byte line; the stream pass's
+    copy equals the whole update's."""
+    from megatrain_jax.engine.update.host_kernel import adamw_numpy
+    rng = np.random.default_rng(start)
+    n = 300_000 + 7
+    p, m, g = (rng.standard_normal(n).astype(np.float32) * s for s in (1.0, 1e-3, 1e-3))
+    v = np.abs(rng.standard_normal(n)).astype(np.float32) * 1e-6
+    copies = {}
+    for name, kernel in (("vector", lib), ("portable", portable)):
+        for stream_only in (False, True):
+            state = [a.copy() for a in (p, m, v)]
+            buf = np.zeros(n + 32, np.uint16)
+            out = buf[start:start + n]
+            adamw_numpy(*state, g, out, stream_only=stream_only, lib=kernel, **HP)
+            assert not buf[:start].any() and not buf[start + n:].any()  # nothing written outside the copy
+            copies[name, stream_only] = out.copy()
+            if not stream_only:
+                copies[name, "state"] = [a.copy() for a in state]
+    for key in ((False,), (True,)):
+        np.testing.assert_array_equal(copies[("vector", *key)], copies[("portable", *key)])
+    np.testing.assert_array_equal(copies["vector", True], copies["vector", False])
+    for a, b in zip(copies["vector", "state"], copies["portable", "state"]):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
