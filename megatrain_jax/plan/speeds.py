@@ -97,9 +97,9 @@ _DISPATCH = {"fetch": 0.004, "forward": 0.0008, "backward": 0.001, "send_grads":
 H100 = Speeds(
     name="H100 80GB, 16-core host (defaults)", matmul_flops=650e12, attention_flops=480e12, attention_backward=2.5,
     kept_backward=1.2, h2d_bytes=47.6e9, d2h_bytes=47.8e9, hbm_bytes=2.6e12, device_update_bytes_per_param=30,
-    # q4: the kernel alone on the H200's 16-core host ran 1.78 G params/s against the 8-bit one's 3.69
-    # (h200_host_adamw_q4_b457eaa.json): the 8-bit rate here times that ratio
-    host_update={"full": 2.6e9, "lean": 2.9e9, "capacity": 4.0e9, "q8": 3.5e9, "q4": 1.7e9}, first_half_share=0.5,
+    # q4: the kernel alone on the H200's 16-core host ran 3.66 G params/s against the 8-bit one's 5.19, both
+    # with AVX2 passes (h200_host_kernel_rates_846432b.json): the 8-bit rate here times that ratio
+    host_update={"full": 2.6e9, "lean": 2.9e9, "capacity": 4.0e9, "q8": 3.5e9, "q4": 2.5e9}, first_half_share=0.5,
     disk_bytes=3e9, dispatch=_DISPATCH,
     source="experiments/results: h100_side_by_side_v14.json, h100_kept_block.json, h100_host_adamw_v10.json, "
            "h100_scale_projection (tests/assets/measured)")
