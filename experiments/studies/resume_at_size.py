@@ -13,6 +13,11 @@ a ``train`` in a child process (``shipped_configs.run_config``):
    of the 4-bit moments and the bfloat16 masters is keyed by step and element, so the resumed steps draw what
    the uninterrupted ones drew).
 
+The learning rate is constant, without warm-up, in every stage: ``train``'s schedule spans the run's own
+``train.steps`` (warm-up ``min(warmup_steps, steps - 1)``, then the cosine over the run), so a first run of fewer
+steps would train another schedule than the reference, and the resumed steps could not match it (the first run of
+this study, ``h200_resume_at_size_cdc352c.json``, did that). The results file is written after every stage.
+
     PYTHONPATH=. python experiments/studies/resume_at_size.py --out $OUT/h200_resume_at_size.json
 """
 
@@ -39,7 +44,7 @@ from megatrain_jax.cli.run_config import load_config  # noqa: E402
 CONFIG = Path(CONFIGS) / "h200_7b_32k.toml"
 LEAN = ["model.preset=32b", "engine.master_dtype=bfloat16", "engine.moment_dtype=q4",
         "engine.host_grad_dtype=bfloat16", "engine.norm_first=true", "engine.resident_layers=0",
-        "engine.resident_io=false", "engine.micro_batches=2", "optimizer.warmup_steps=2"]
+        "engine.resident_io=false", "engine.micro_batches=2", "optimizer.warmup_steps=0", "optimizer.decay=constant"]
 GiB = 2 ** 30
 
 
@@ -71,13 +76,15 @@ def main() -> None:
     ap.add_argument("--checkpoints", default="/tmp/resume_at_size", help="the checkpoint folder (its disk decides)")
     ap.add_argument("--work", default="/tmp/resume_at_size_work")
     ap.add_argument("--timeout", type=float, default=200, help="seconds per stage")
+    ap.add_argument("--max-layers", type=int, default=64, help="at most this many layers, whatever the disk holds")
+    ap.add_argument("--skip-refusal", action="store_true", help="no refused stage")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     ckpt, work = Path(args.checkpoints), Path(args.work)
     shutil.rmtree(ckpt, ignore_errors=True)
     ckpt.mkdir(parents=True)
     free = shutil.disk_usage(ckpt).free
-    layers = max((n for n in range(1, 65) if 2 * checkpoint_size(n) <= 0.92 * free), default=None)
+    layers = max((n for n in range(1, args.max_layers + 1) if 2 * checkpoint_size(n) <= 0.92 * free), default=None)
     if layers is None:
         sys.exit(f"resume_at_size: {free / GiB:.1f} GiB free at {ckpt}: not even one layer's run fits")
     size = checkpoint_size(layers)
@@ -88,6 +95,14 @@ def main() -> None:
     save = [f"train.checkpoint_dir={ckpt}", "train.checkpoint_keep=1"]
     stages = []
 
+    def write(summary: dict, final: bool = False) -> None:
+        """The results file; before the last stage without the header's device fields (``results_header``
+        starts JAX's backend, which in this process would take GPU memory from the stages' children)."""
+        head = (results_header(args.out, __file__) if final else
+                {"name": Path(args.out).stem, "command": " ".join(sys.argv), "partial": True})
+        with open(args.out, "w") as f:
+            json.dump({**head, "summary": summary, "runs": stages}, f, indent=1)
+
     def stage(name: str, layers_: int, steps: int, extra: list[str]) -> dict:
         t = time.perf_counter()
         record = run_config(CONFIG, steps, work, args.timeout, [*shape(layers_), *extra])
@@ -96,14 +111,17 @@ def main() -> None:
                       step_losses={str(r["step"]): r["loss"] for r in rows if "loss" in r},
                       checkpoint_folder_bytes=du(ckpt))
         stages.append(record)
+        write({"stages_done": [r["stage"] for r in stages]})
         print(json.dumps({k: record.get(k) for k in ("stage", "status", "layers", "step_losses", "stage_wall_s",
                                                       "checkpoint_folder_bytes", "error_tail")}), flush=True)
         return record
 
-    refused = stage("refused", args.refuse_layers, args.steps, [*save, f"train.checkpoint_every={args.steps}"])
-    refused["refused_checkpoint_gib"] = round(2 * checkpoint_size(args.refuse_layers) / GiB, 1)
-    shutil.rmtree(ckpt, ignore_errors=True)
-    ckpt.mkdir(parents=True)
+    refused = None
+    if not args.skip_refusal:
+        refused = stage("refused", args.refuse_layers, args.steps, [*save, f"train.checkpoint_every={args.steps}"])
+        refused["refused_checkpoint_gib"] = round(2 * checkpoint_size(args.refuse_layers) / GiB, 1)
+        shutil.rmtree(ckpt, ignore_errors=True)
+        ckpt.mkdir(parents=True)
     reference = stage("reference", layers, args.steps, [])
     half = args.steps // 2
     stage("first", layers, half, [*save, f"train.checkpoint_every={half}"])
@@ -113,15 +131,15 @@ def main() -> None:
     summary = {
         "free_disk_gib": round(free / GiB, 1), "layers": layers, "params": params,
         "checkpoint_gib_planned": round(size / GiB, 2),
-        "refused_at_start": refused["status"] != "ok" and not refused.get("step_losses")
-        and any("not enough disk" in line for line in refused.get("error_tail", [])),
+        "refused_at_start": None if refused is None else (
+            refused["status"] != "ok" and not refused.get("step_losses")
+            and any("not enough disk" in line for line in refused.get("error_tail", []))),
         "resumed_steps": after,
         "resumed_equal_bitwise": bool(after) and all(s in res_losses and s in ref_losses
                                                      and res_losses[s] == ref_losses[s] for s in after),
         "reference_losses": ref_losses, "resumed_losses": res_losses}
     print(json.dumps(summary), flush=True)
-    with open(args.out, "w") as f:
-        json.dump({**results_header(args.out, __file__), "summary": summary, "runs": stages}, f, indent=1)
+    write(summary, final=True)
     subprocess.run(["df", "-h", str(ckpt)])
     shutil.rmtree(ckpt, ignore_errors=True)
 
