@@ -142,11 +142,12 @@ inline void prefetch_streams(const T* p, const T* m, const T* v, const G* g, int
   }
 }
 
-// The stream pass (kState false) only reads p, m and v: its prefetches ask for reading, not for writing. The
+// The stream pass (kState false) only reads p, m and v: its prefetches ask for reading, not for writing, and its
 // bfloat16 copy is written past the caches where the build has AVX2 (non-temporal stores of whole 32-byte
 // blocks, so no line of it is read first; the engine's copy goes to the GPU by DMA, not back to this core);
 // adamw_parallel fences once per thread. Measured on the H200's 16-core host: the stream pass 1.13x
-// (experiments/results/h200_host_kernel_rates_846432b.json).
+// (experiments/results/h200_host_kernel_rates_846432b.json). The whole update keeps plain stores: non-temporal
+// stores of its outputs measured slower on an H100 host (docs/decisions.md, "Tried and rejected").
 template <bool kState, bool kBf16>
 inline void adamw_block(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
                         uint16_t* __restrict p_bf16, int64_t b, int64_t e, int64_t hi, const Hyper& h) {
@@ -160,7 +161,7 @@ inline void adamw_block(float* __restrict p, float* __restrict m, float* __restr
   }
 #ifdef MEGATRAIN_AVX2
   alignas(32) uint16_t copy[kStep];
-  const bool streamed = kBf16 && e - b == kStep && (reinterpret_cast<uintptr_t>(p_bf16 + b) & 31u) == 0;
+  const bool streamed = !kState && kBf16 && e - b == kStep && (reinterpret_cast<uintptr_t>(p_bf16 + b) & 31u) == 0;
   uint16_t* __restrict out = streamed ? copy : p_bf16 + b;
 #else
   uint16_t* __restrict out = p_bf16 + b;
@@ -287,7 +288,7 @@ void parallel_chunks(int64_t n, const Range& range, bool fence = false) {
 template <bool kState, bool kBf16>
 void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
   parallel_chunks(n, [&](int64_t lo, int64_t hi) { adamw_range<kState, kBf16>(p, m, v, g, p_bf16, lo, hi, h); },
-                  kBf16);
+                  !kState && kBf16);
 }
 
 Hyper make_hyper(float lr, float b1, float b2, float eps, float wd, float grad_scale, float bc1, float bc2) {
