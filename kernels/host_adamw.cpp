@@ -660,57 +660,6 @@ static inline void quantized_element(uint16_t* __restrict p, const G* __restrict
   *vb = vi;
 }
 
-// One quantization block of n elements from flat index lo, in two passes over the buffers mb and vb (n
-// floats each): the first dequantizes, updates, writes p and keeps the new m and v and their maxima; the
-// second encodes them with the new scales. *m_amax and *v_amax hold the block's old scale on entry and its
-// new one on return.
-template <class G>
-inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
-                           float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g, int64_t lo,
-                           int64_t n, const Hyper& h, const Keys& k, float* __restrict mb,
-                           float* __restrict vb) {
-  const float sm = *m_amax / kQ8Max, sv = *v_amax / kQ8Max;
-  float am = 0.0f, av = 0.0f;
-  int64_t i0 = 0;
-#ifdef MEGATRAIN_AVX2
-  i0 = n / 8 * 8;
-  quant_avx2::pass1<quant_avx2::Q8Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
-#endif
-#pragma omp simd reduction(max : am, av)
-  for (int64_t i = i0; i < n; ++i) {
-    const int64_t x = lo + i;
-    quantized_element(p, g, x, decode_m(m[x]) * sm, decode_v(v[x]) * sv, h, k, mb + i, vb + i);
-    const float mi = mb[i], vi = vb[i];
-    const float a = std::fabs(mi);
-    am = a > am ? a : am;
-    av = vi > av ? vi : av;
-  }
-  const float im = q8_inverse_scale(am), iv = q8_inverse_scale(av);
-  i0 = 0;
-#ifdef MEGATRAIN_AVX2
-  i0 = n / 32 * 32;
-  quant_avx2::pass2_q8(m, v, lo, i0, im, iv, k, mb, vb);
-#endif
-#pragma omp simd
-  for (int64_t i = i0; i < n; ++i) {
-    const uint32_t j = k.offset + static_cast<uint32_t>(lo + i);
-    const float mi = mb[i];
-    const float ym = std::fabs(mi) * im, yv = vb[i] * iv;
-    const uint32_t cm = GridM::encode(ym < kQ8Max ? ym : kQ8Max, mix32(j ^ k.m)) & 0x7fu;
-    const uint32_t sign = std::signbit(mi) ? 0x80u : 0u;
-    m[lo + i] = static_cast<uint8_t>(cm | (cm != 0 ? sign : 0u));  // zero is always code 0, never -0
-    const float yvc = yv < kQ8Max ? yv : kQ8Max;
-    const uint32_t cv = GridV::encode(yvc, mix32(j ^ k.v)) & 0xffu;
-    // A positive v never becomes code 0: y >= 0, so min(bits of y, 1) is 1 exactly when y > 0 (integer min and
-    // max, as a select of two conditions keeps GCC from vectorizing the loop).
-    uint32_t yv_bits;
-    std::memcpy(&yv_bits, &yvc, 4);
-    v[lo + i] = static_cast<uint8_t>(std::max(cv, std::min(yv_bits, 1u)));
-  }
-  *m_amax = am;
-  *v_amax = av;
-}
-
 // ---- 4-bit moments (see the header for the formats) ----
 
 
@@ -758,17 +707,113 @@ static inline float q4_inverse_scale(float absmax) {
   return q < kBig ? q : kBig;
 }
 
-// One block of n (even) elements from flat index lo (even): as adamw_q8_block, with nibbles. With AVX2 the
-// vector passes take the block's first n / 8 * 8 elements (the update) and n / 32 * 32 (the new codes), reading
-// and writing the packed bytes themselves; the scalar loops below take the rest, in four plain passes over
-// contiguous buffers that the compiler vectorizes: the codes unpacked one to a byte (mc, vc), the update (p
-// written, the new m and v kept in mb and vb with their maxima), the new codes, packed back.
+// The scalar pieces of the two moment formats, as the blocks' scalar loops (quantized_update, quantized_encode)
+// read them: the scale of a block from its absmax, the value of a code, and a code from a value y in [0, kVmax].
+struct Q8Format {
+  static constexpr float kVmax = kQ8Max;
+  static constexpr uint32_t kMagnitude = 0x7fu, kSign = 0x80u, kV = 0xffu;  // the code's bits
+  static float scale(float absmax) { return absmax / kQ8Max; }
+  static float inverse_scale(float absmax) { return q8_inverse_scale(absmax); }
+  static float value_m(uint32_t c) { return decode_m(static_cast<uint8_t>(c)); }
+  static float value_v(uint32_t c) { return GridV::decode(c); }
+  static uint32_t code_m(float y, uint32_t r) { return GridM::encode(y, r); }
+  static uint32_t code_v(float y, uint32_t r) { return GridV::encode(y, r); }
+};
+
+struct Q4Format {
+  static constexpr float kVmax = 1.0f;
+  static constexpr uint32_t kMagnitude = 7u, kSign = 8u, kV = 15u;
+  static float scale(float absmax) { return absmax; }
+  static float inverse_scale(float absmax) { return q4_inverse_scale(absmax); }
+  static float value_m(uint32_t c) { return q4_decode_m(c); }
+  static float value_v(uint32_t c) { return q4_decode<kQ4EminV>(c); }
+  static uint32_t code_m(float y, uint32_t r) { return q4_encode<kQ4EminM>(y, r); }
+  static uint32_t code_v(float y, uint32_t r) { return q4_encode<kQ4EminV>(y, r); }
+};
+
+// Elements [i0, n) of a block from flat index lo: dequantize the codes mc[i] and vc[i] (one a byte), update
+// (p written, the new m and v to mb and vb) and fold their maxima into *am and *av.
+template <class Fmt, class G>
+inline void quantized_update(uint16_t* __restrict p, const G* __restrict g, const uint8_t* __restrict mc,
+                             const uint8_t* __restrict vc, int64_t lo, int64_t i0, int64_t n, float sm, float sv,
+                             const Hyper& h, const Keys& k, float* __restrict mb, float* __restrict vb,
+                             float* am_io, float* av_io) {
+  float am = *am_io, av = *av_io;
+#pragma omp simd reduction(max : am, av)
+  for (int64_t i = i0; i < n; ++i) {
+    quantized_element(p, g, lo + i, Fmt::value_m(mc[i]) * sm, Fmt::value_v(vc[i]) * sv, h, k, mb + i, vb + i);
+    const float mi = mb[i], vi = vb[i];
+    const float a = std::fabs(mi);
+    am = a > am ? a : am;
+    av = vi > av ? vi : av;
+  }
+  *am_io = am;
+  *av_io = av;
+}
+
+// Elements [i0, n) of a block from flat index lo: the codes of mb[i] and vb[i] under the new inverse scales im
+// and iv, one a byte, into mc[i] and vc[i].
+template <class Fmt>
+inline void quantized_encode(uint8_t* __restrict mc, uint8_t* __restrict vc, int64_t lo, int64_t i0, int64_t n,
+                             float im, float iv, const Keys& k, const float* __restrict mb,
+                             const float* __restrict vb) {
+#pragma omp simd
+  for (int64_t i = i0; i < n; ++i) {
+    const uint32_t j = k.offset + static_cast<uint32_t>(lo + i);
+    const float mi = mb[i];
+    const float ym = std::fabs(mi) * im, yv = vb[i] * iv;
+    const uint32_t mag = Fmt::code_m(ym < Fmt::kVmax ? ym : Fmt::kVmax, mix32(j ^ k.m)) & Fmt::kMagnitude;
+    const uint32_t sign = std::signbit(mi) ? Fmt::kSign : 0u;
+    mc[i] = static_cast<uint8_t>(mag | (mag != 0 ? sign : 0u));  // zero is always code 0, never -0
+    const float yvc = yv < Fmt::kVmax ? yv : Fmt::kVmax;
+    const uint32_t cv = Fmt::code_v(yvc, mix32(j ^ k.v)) & Fmt::kV;
+    // A positive v never becomes code 0: y >= 0, so min(bits of y, 1) is 1 exactly when y > 0 (integer min and
+    // max, as a select of two conditions keeps GCC from vectorizing the loop).
+    uint32_t yv_bits;
+    std::memcpy(&yv_bits, &yvc, 4);
+    vc[i] = static_cast<uint8_t>(std::max(cv, std::min(yv_bits, 1u)));
+  }
+}
+
+// One quantization block of n elements from flat index lo, in two passes over the buffers mb and vb (n
+// floats each): the first dequantizes, updates, writes p and keeps the new m and v and their maxima; the
+// second encodes them with the new scales. *m_amax and *v_amax hold the block's old scale on entry and its
+// new one on return. With AVX2 the vector passes take the first n / 8 * 8 elements (the update) and n / 32 * 32
+// (the codes), the scalar loops the rest.
+template <class G>
+inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
+                           float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g, int64_t lo,
+                           int64_t n, const Hyper& h, const Keys& k, float* __restrict mb,
+                           float* __restrict vb) {
+  const float sm = Q8Format::scale(*m_amax), sv = Q8Format::scale(*v_amax);
+  float am = 0.0f, av = 0.0f;
+  int64_t i0 = 0;
+#ifdef MEGATRAIN_AVX2
+  i0 = n / 8 * 8;
+  quant_avx2::pass1<quant_avx2::Q8Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+#endif
+  quantized_update<Q8Format>(p, g, m + lo, v + lo, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
+  const float im = Q8Format::inverse_scale(am), iv = Q8Format::inverse_scale(av);
+  i0 = 0;
+#ifdef MEGATRAIN_AVX2
+  i0 = n / 32 * 32;
+  quant_avx2::pass2_q8(m, v, lo, i0, im, iv, k, mb, vb);
+#endif
+  quantized_encode<Q8Format>(m + lo, v + lo, lo, i0, n, im, iv, k, mb, vb);
+  *m_amax = am;
+  *v_amax = av;
+}
+
+// One block of n (even) elements from flat index lo (even): as adamw_q8_block, with nibbles. The vector passes
+// read and write the packed bytes themselves; for the scalar loops the codes of the rest are unpacked one to a
+// byte (mc, vc) before the update and packed back after the encode (plain loops over contiguous buffers, which
+// the compiler vectorizes).
 template <class G>
 inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
                            float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g, int64_t lo,
                            int64_t n, const Hyper& h, const Keys& k, float* __restrict mb,
                            float* __restrict vb, uint8_t* __restrict mc, uint8_t* __restrict vc) {
-  const float sm = *m_amax, sv = *v_amax;
+  const float sm = Q4Format::scale(*m_amax), sv = Q4Format::scale(*v_amax);
   const int64_t half = n / 2, b0 = lo / 2;
   float am = 0.0f, av = 0.0f;
   int64_t i0 = 0;
@@ -784,35 +829,14 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
     vc[2 * j] = b & 15u;
     vc[2 * j + 1] = b >> 4;
   }
-#pragma omp simd reduction(max : am, av)
-  for (int64_t i = i0; i < n; ++i) {
-    const int64_t x = lo + i;
-    quantized_element(p, g, x, q4_decode_m(mc[i]) * sm, q4_decode<kQ4EminV>(vc[i]) * sv, h, k, mb + i, vb + i);
-    const float mi = mb[i], vi = vb[i];
-    const float a = std::fabs(mi);
-    am = a > am ? a : am;
-    av = vi > av ? vi : av;
-  }
-  const float im = q4_inverse_scale(am), iv = q4_inverse_scale(av);
+  quantized_update<Q4Format>(p, g, mc, vc, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
+  const float im = Q4Format::inverse_scale(am), iv = Q4Format::inverse_scale(av);
   i0 = 0;
 #ifdef MEGATRAIN_AVX2
   i0 = n / 32 * 32;
   quant_avx2::pass2_q4(m, v, lo, i0, im, iv, k, mb, vb);
 #endif
-#pragma omp simd
-  for (int64_t i = i0; i < n; ++i) {
-    const uint32_t j = k.offset + static_cast<uint32_t>(lo + i);
-    const float mi = mb[i];
-    const float ym = std::fabs(mi) * im, yv = vb[i] * iv;
-    const uint32_t mag = q4_encode<kQ4EminM>(ym < 1.0f ? ym : 1.0f, mix32(j ^ k.m)) & 7u;
-    const uint32_t sign = std::signbit(mi) ? 8u : 0u;
-    mc[i] = static_cast<uint8_t>(mag | (mag != 0 ? sign : 0u));  // zero is always code 0, never -0
-    const float yvc = yv < 1.0f ? yv : 1.0f;
-    const uint32_t c = q4_encode<kQ4EminV>(yvc, mix32(j ^ k.v)) & 15u;
-    uint32_t yv_bits;
-    std::memcpy(&yv_bits, &yvc, 4);
-    vc[i] = static_cast<uint8_t>(std::max(c, std::min(yv_bits, 1u)));  // a positive v never becomes code 0
-  }
+  quantized_encode<Q4Format>(mc, vc, lo, i0, n, im, iv, k, mb, vb);
 #pragma omp simd
   for (int64_t j = i0 / 2; j < half; ++j) {
     m[b0 + j] = static_cast<uint8_t>(mc[2 * j] | (mc[2 * j + 1] << 4));
