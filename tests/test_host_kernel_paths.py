@@ -14,8 +14,11 @@ from megatrain_jax.engine.update import host_kernel
 from megatrain_jax.engine.update.q4 import adamw_q4_numpy, adamw_q4_reference, q4_quantize
 from megatrain_jax.engine.update.q8 import adamw_q8_numpy, q8_quantize
 
+from test_host_kernel_q8 import HP, _assert_equal
+from test_host_kernel_q8 import _kernel as kernel_on_copies
+from test_host_kernel_q8 import _state as wide_state
+
 BF16 = ml_dtypes.bfloat16
-HP = dict(lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=0.37, bc1=1 - 0.9 ** 7, bc2=1 - 0.95 ** 7)
 FORMATS = {"q8": (q8_quantize, adamw_q8_numpy), "q4": (q4_quantize, adamw_q4_numpy)}
 # rows, cols, block, offset: a block of 16 (under one 32-element vector pass), blocks of 40 and 50 (tails of 8
 # and 18 after the vectors), a last block shorter than the others, counters that wrap past 2^32
@@ -32,35 +35,11 @@ def portable():
 
 
 def _state(fmt: str, rows: int, cols: int, block: int, seed: int, g_bf16: bool):
-    """bfloat16 p; m, v (quantized) and g of magnitudes that differ by orders from block to block, with some
-    all-zero blocks, and v's elements spread further, down past the formats' smallest steps."""
-    rng = np.random.default_rng(seed)
-    nb = -(-cols // block)
-    block_scale = np.repeat(10.0 ** rng.uniform(-8, 1, (rows, nb)), block, axis=1)[:, :cols]
-    zero = np.repeat(rng.random((rows, nb)) < 0.15, block, axis=1)[:, :cols]
-    p = rng.standard_normal((rows, cols)).astype(BF16)
-    m = np.where(zero, 0, rng.standard_normal((rows, cols)) * block_scale).astype(np.float32)
-    v = np.where(zero, 0, np.abs(rng.standard_normal((rows, cols))) * block_scale ** 2).astype(np.float32)
-    v *= 10.0 ** rng.uniform(-12, 0, (rows, cols)).astype(np.float32)
-    g = np.where(zero & (rng.random((rows, nb)).repeat(block, axis=1)[:, :cols] < 0.5), 0,
-                 rng.standard_normal((rows, cols)) * block_scale).astype(np.float32)
-    quantize = FORMATS[fmt][0]
-    m_codes, m_absmax = quantize(m, block, "m", seed=seed + 100)
-    v_codes, v_absmax = quantize(v, block, "v", seed=seed + 100)
-    return p, m_codes, v_codes, m_absmax, v_absmax, g.astype(BF16) if g_bf16 else g
+    return wide_state(rows, cols, block, seed, g_bf16, quantize=FORMATS[fmt][0])
 
 
 def _run(fmt: str, lib, state, **hp):
-    p, m, v, ma, va, g = (a.copy() for a in state)
-    FORMATS[fmt][1](p, m, v, ma, va, g, lib=lib, **hp)
-    return p.view(np.uint16), m, v, ma, va
-
-
-def _assert_equal(got, want, what: str):
-    for a, b, name in zip(got, want, ("p", "m", "v", "m_absmax", "v_absmax")):
-        b = np.asarray(b)
-        np.testing.assert_array_equal(a.view(np.uint32) if a.dtype == np.float32 else a,
-                                      b.view(np.uint32) if b.dtype == np.float32 else b, err_msg=f"{name}, {what}")
+    return kernel_on_copies(lib, state, run=FORMATS[fmt][1], **hp)
 
 
 @pytest.mark.parametrize("g_bf16", [False, True], ids=["g_f32", "g_bf16"])

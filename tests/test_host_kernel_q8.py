@@ -26,9 +26,9 @@ def _documented(c: int, bias: int, signed: bool) -> float:
     return sign * (f * 2.0 ** (1 - bias - 3) if e == 0 else (1 + f / 8) * 2.0 ** (e - bias))
 
 
-def _state(rows: int, cols: int, block: int, seed: int, g_bf16: bool):
-    """bfloat16 p, 8-bit m and v with their scales, and g, of magnitudes that differ by orders from block to
-    block, with some all-zero blocks of m, v and g."""
+def _state(rows: int, cols: int, block: int, seed: int, g_bf16: bool, quantize=q8_quantize):
+    """bfloat16 p, m and v quantized by ``quantize`` (8-bit by default) with their scales, and g, of magnitudes
+    that differ by orders from block to block, with some all-zero blocks of m, v and g."""
     rng = np.random.default_rng(seed)
     nb = -(-cols // block)
     block_scale = np.repeat(10.0 ** rng.uniform(-8, 1, (rows, nb)), block, axis=1)[:, :cols]
@@ -40,15 +40,16 @@ def _state(rows: int, cols: int, block: int, seed: int, g_bf16: bool):
     v *= 10.0 ** rng.uniform(-12, 0, (rows, cols)).astype(np.float32)
     g = np.where(zero & (rng.random((rows, nb)).repeat(block, axis=1)[:, :cols] < 0.5), 0,
                  rng.standard_normal((rows, cols)) * block_scale).astype(np.float32)
-    m_codes, m_absmax = q8_quantize(m, block, "m", seed=seed + 100)
-    v_codes, v_absmax = q8_quantize(v, block, "v", seed=seed + 100)
+    m_codes, m_absmax = quantize(m, block, "m", seed=seed + 100)
+    v_codes, v_absmax = quantize(v, block, "v", seed=seed + 100)
     return p, m_codes, v_codes, m_absmax, v_absmax, g.astype(BF16) if g_bf16 else g
 
 
-def _kernel(lib, state, **kw):
-    """The kernel on copies of (p, m, v, m_absmax, v_absmax, g); returns the new first five, p as uint16."""
+def _kernel(lib, state, run=adamw_q8_numpy, **kw):
+    """The kernel (``run``: 8-bit by default) on copies of (p, m, v, m_absmax, v_absmax, g); returns the new
+    first five, p as uint16."""
     p, m, v, ma, va, g = (a.copy() for a in state)
-    adamw_q8_numpy(p, m, v, ma, va, g, lib=lib, **kw)
+    run(p, m, v, ma, va, g, lib=lib, **kw)
     return p.view(np.uint16), m, v, ma, va
 
 
