@@ -162,9 +162,9 @@ inline void adamw_block(float* __restrict p, float* __restrict m, float* __restr
 #ifdef MEGATRAIN_AVX2
   alignas(32) uint16_t copy[kStep];
   const bool streamed = !kState && kBf16 && e - b == kStep && (reinterpret_cast<uintptr_t>(p_bf16 + b) & 31u) == 0;
-  uint16_t* __restrict out = streamed ? copy : p_bf16 + b;
+  uint16_t* __restrict out = streamed ? copy : kBf16 ? p_bf16 + b : nullptr;
 #else
-  uint16_t* __restrict out = p_bf16 + b;
+  uint16_t* __restrict out = kBf16 ? p_bf16 + b : nullptr;
 #endif
 #pragma omp simd
   for (int64_t i = b; i < e; ++i) {

@@ -104,12 +104,13 @@ HP = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1=0.1, b
 
 
 def build() -> ctypes.CDLL:
-    """The two interleaved kernels, compiled with the engine kernel's flags (host_kernel._FLAGS, -march=native)."""
+    """The two interleaved kernels, compiled with the engine kernel's flags (host_kernel.COMPILE_FLAGS,
+    -march=native)."""
     work = tempfile.mkdtemp(prefix="adamw_layout_")
     src, lib = os.path.join(work, "layout.cpp"), os.path.join(work, "layout.so")
     with open(src, "w") as f:
         f.write(SOURCE)
-    subprocess.run(["g++", *host_kernel._FLAGS, "-march=native", "-fopenmp", src, "-o", lib], check=True)
+    subprocess.run(["g++", *host_kernel.COMPILE_FLAGS, "-march=native", "-fopenmp", src, "-o", lib], check=True)
     so = ctypes.CDLL(lib)
     f32 = ctypes.POINTER(ctypes.c_float)
     hyper = [ctypes.c_float] * 8

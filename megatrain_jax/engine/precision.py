@@ -164,8 +164,7 @@ Q8 = dataclasses.replace(
 
 Q4 = dataclasses.replace(
     Q8, name="q4", title="capacity mode with 4-bit moments", moment_dtype="q4",
-    bundle=CAPACITY.bundle + (("engine.moment_dtype", "q4"), ("engine.host_grad_dtype", "bfloat16"),
-                              ("engine.disk_parts", 0)),
+    bundle=tuple((key, "q4" if key == "engine.moment_dtype" else value) for key, value in Q8.bundle),
     kernel="adamw_q4",
     summary="bfloat16 masters, 4-bit Adam moments and bfloat16 gradients in host memory, stochastically rounded",
     checkpoint="bfloat16 masters, 4-bit moments (codes two to a byte, and scales) for matrices; bfloat16 or "

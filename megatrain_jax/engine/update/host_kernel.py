@@ -150,7 +150,8 @@ def _cache_dir() -> Path:
 # -fno-trapping-math lets GCC vectorize selects next to float operations (the 8-bit kernel's first pass stayed
 # scalar without it: 3x slower); it changes no result, only what may happen to floating-point exception flags,
 # which nothing reads.
-_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
+COMPILE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math",
+                 "-ffp-contract=off")
 
 
 def build(verbose: bool = False, defines: tuple[str, ...] = ()) -> Path | None:
@@ -161,7 +162,7 @@ def build(verbose: bool = False, defines: tuple[str, ...] = ()) -> Path | None:
     if cxx is None:
         return None
     src = SOURCE.read_bytes()
-    flags = (*_FLAGS, *(f"-D{d}" for d in defines))
+    flags = (*COMPILE_FLAGS, *(f"-D{d}" for d in defines))
     tag = hashlib.sha256(src + os.uname().machine.encode() + cxx.encode() + " ".join(flags).encode())
     out = _cache_dir() / f"host_adamw_{tag.hexdigest()[:16]}.so"
     if out.exists():
