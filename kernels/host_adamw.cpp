@@ -19,6 +19,8 @@
 // - megatrain_adamw_stream: only the bf16 copy of the new p (reads p, m, v, g; writes 2 bytes per
 //   parameter instead of 12). The engine runs it first, on the step's critical path, and the whole update
 //   later, off it.
+// Both take g as float32 or as bfloat16 bits (g_bf16): a bfloat16 gradient, widened to float32 as it is read,
+// gives the results a float32 gradient of the same values gives, at 2 bytes a parameter less read per pass.
 //
 // A third entry point is for capacity mode, where p, m and v themselves are stored as bfloat16 (uint16 bit
 // patterns; g stays float32):
@@ -148,8 +150,8 @@ inline void prefetch_streams(const T* p, const T* m, const T* v, const G* g, int
 // adamw_parallel fences once per thread. Measured on the H200's 16-core host: the stream pass 1.13x
 // (experiments/results/h200_host_kernel_rates_846432b.json). The whole update keeps plain stores: non-temporal
 // stores of its outputs measured slower on an H100 host (docs/decisions.md, "Tried and rejected").
-template <bool kState, bool kBf16>
-inline void adamw_block(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
+template <bool kState, bool kBf16, class G>
+inline void adamw_block(float* __restrict p, float* __restrict m, float* __restrict v, const G* __restrict g,
                         uint16_t* __restrict p_bf16, int64_t b, int64_t e, int64_t hi, const Hyper& h) {
   if (kState) {
     prefetch_streams(p, m, v, g, b, hi);
@@ -168,7 +170,7 @@ inline void adamw_block(float* __restrict p, float* __restrict m, float* __restr
 #endif
 #pragma omp simd
   for (int64_t i = b; i < e; ++i) {
-    const float gi = g[i] * h.grad_scale;
+    const float gi = grad_at(g, i) * h.grad_scale;
     const float mi = h.b1 * m[i] + h.one_b1 * gi;
     const float vi = h.b2 * v[i] + h.one_b2 * gi * gi;
     const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p[i];
@@ -225,8 +227,8 @@ inline void split_range(int64_t lo, int64_t hi, const Block& block) {
   for (int64_t b = lo + kSplit * sub; b < hi; b += kBlock) block(b, std::min(b + kBlock, hi), hi);
 }
 
-template <bool kState, bool kBf16>
-void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict g,
+template <bool kState, bool kBf16, class G>
+void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const G* __restrict g,
                  uint16_t* __restrict p_bf16, int64_t lo, int64_t hi, const Hyper h) {
   split_range<kStep>(lo, hi, [&](int64_t b, int64_t e, int64_t end) {
     adamw_block<kState, kBf16>(p, m, v, g, p_bf16, b, e, end, h);
@@ -285,8 +287,8 @@ void parallel_chunks(int64_t n, const Range& range, bool fence = false) {
   }
 }
 
-template <bool kState, bool kBf16>
-void adamw_parallel(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
+template <bool kState, bool kBf16, class G>
+void adamw_parallel(float* p, float* m, float* v, const G* g, uint16_t* p_bf16, int64_t n, const Hyper h) {
   parallel_chunks(n, [&](int64_t lo, int64_t hi) { adamw_range<kState, kBf16>(p, m, v, g, p_bf16, lo, hi, h); },
                   !kState && kBf16);
 }
@@ -900,20 +902,26 @@ void with_gradient(const void* g, int g_bf16, Fn fn) {
 
 }  // namespace
 
-extern "C" void megatrain_adamw(float* p, float* m, float* v, const float* g, uint16_t* p_bf16, int64_t n,
+// Full precision: float32 p, m, v updated in place; the bfloat16 copy written where p_bf16 is given. The gradient
+// is float32, or bfloat16 bits where g_bf16 (a bfloat16 gradient, widened, gives the float32 one's results).
+extern "C" void megatrain_adamw(float* p, float* m, float* v, const void* g, uint16_t* p_bf16, int64_t n,
                                 float lr, float b1, float b2, float eps, float wd, float grad_scale,
-                                float bc1, float bc2) {
+                                float bc1, float bc2, int g_bf16) {
   const Hyper h = make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2);
-  if (p_bf16)
-    adamw_parallel<true, true>(p, m, v, g, p_bf16, n, h);
-  else
-    adamw_parallel<true, false>(p, m, v, g, nullptr, n, h);
+  with_gradient(g, g_bf16, [&](auto gg) {
+    if (p_bf16)
+      adamw_parallel<true, true>(p, m, v, gg, p_bf16, n, h);
+    else
+      adamw_parallel<true, false>(p, m, v, gg, nullptr, n, h);
+  });
 }
 
-extern "C" void megatrain_adamw_stream(float* p, float* m, float* v, const float* g, uint16_t* p_bf16,
+// The split update's first pass: only the bfloat16 copy; p, m and v are read, not written.
+extern "C" void megatrain_adamw_stream(float* p, float* m, float* v, const void* g, uint16_t* p_bf16,
                                        int64_t n, float lr, float b1, float b2, float eps, float wd,
-                                       float grad_scale, float bc1, float bc2) {
-  adamw_parallel<false, true>(p, m, v, g, p_bf16, n, make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2));
+                                       float grad_scale, float bc1, float bc2, int g_bf16) {
+  const Hyper h = make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2);
+  with_gradient(g, g_bf16, [&](auto gg) { adamw_parallel<false, true>(p, m, v, gg, p_bf16, n, h); });
 }
 
 // Capacity mode (see the header): p, m, v bfloat16 bits, g float32, all three written back with stochastic

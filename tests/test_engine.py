@@ -605,3 +605,23 @@ def test_norm_first_skips_a_nonfinite_step():
 def test_norm_first_refuses_what_it_cannot_run(settings, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**settings)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["fused", "jax"])
+def test_bfloat16_gradients_home_train_full_precision_bitwise_at_one_micro_batch(kernel):
+    """Full precision with ``host_grad_dtype="bfloat16"``: with one micro-batch on one device each gradient is
+    one backward's cotangent of the bfloat16 weights, which the float32 path only widens, so masters, moments
+    and stream copies are bit for bit the float32 gradients' run's (the fused kernel's two passes, or the JAX
+    update, and the norm read the bfloat16 gradient); with two micro-batches the sum is rounded, and the runs
+    differ."""
+    full = _trained(EngineConfig(clip_norm=0.05, host_kernel=kernel))
+    half = _trained(EngineConfig(clip_norm=0.05, host_kernel=kernel, host_grad_dtype="bfloat16"))
+    assert half.update_route == ("fused" if kernel else "host")
+    assert half.policy.opt.splits == kernel  # the fused kernel splits its updates
+    for a, b in zip(jax.tree.leaves(full.state), jax.tree.leaves(half.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_stream_copies_track_masters(half)
+    summed = [_trained(EngineConfig(clip_norm=0.05, micro_batches=2, host_kernel=kernel, host_grad_dtype=d))
+              for d in ("float32", "bfloat16")]
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(summed[0].state), jax.tree.leaves(summed[1].state)))

@@ -60,3 +60,26 @@ def test_host_kernel_same_bits_across_threads_and_entry_points(lib):
                 np.testing.assert_array_equal(_bits(got), _bits(want), err_msg=f"4 threads vs 1, n={n}")
     finally:
         set_threads(0, lib)  # back to OpenMP's default for the rest of the process
+
+
+@pytest.mark.parametrize("n", [5, 16, 65_536 + 19, 200_003])
+def test_float32_kernels_read_a_bfloat16_gradient_as_its_float32_widening(lib, n):
+    """Both float32 entry points take a bfloat16 gradient (uint16 bits): p, m, v and the copy are bit for bit
+    those of the same values given as float32, over sizes that end mid-block and mid-chunk."""
+    rng = np.random.default_rng(5)
+    hp = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=0.7, bc1=0.1, bc2=0.05)
+    p, m = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    v = np.abs(rng.standard_normal(n)).astype(np.float32)
+    g16 = (rng.standard_normal(n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    g32 = (g16.astype(np.uint32) << 16).view(np.float32)
+    out = {}
+    for name, g in (("float32", g32), ("bfloat16", g16)):
+        state = [x.copy() for x in (p, m, v)]
+        first, copy = np.full(n, 0xFFFE, np.uint16), np.full(n, 0xFFFF, np.uint16)
+        adamw_numpy(*state, g, first, stream_only=True, lib=lib, **hp)
+        adamw_numpy(*state, g, copy, lib=lib, **hp)
+        np.testing.assert_array_equal(first, copy)
+        out[name] = [_bits(x) for x in state] + [copy]
+    assert not np.array_equal(out["float32"][0], _bits(p))  # it did update
+    for a, b in zip(out["float32"], out["bfloat16"]):
+        np.testing.assert_array_equal(a, b)

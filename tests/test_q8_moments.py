@@ -216,7 +216,6 @@ def test_trains_as_capacity_mode_does():
 
 @pytest.mark.parametrize("change,message", [
     (dict(moment_dtype="q8"), "part of capacity mode"),
-    (dict(host_grad_dtype="bfloat16"), "part of capacity mode"),
     (dict(master_dtype="bfloat16", moment_dtype="int8"), "moment_dtype must be unset"),
     (dict(master_dtype="bfloat16", host_grad_dtype="float16"), "host_grad_dtype must be"),
     (dict(master_dtype="bfloat16", moment_dtype="q8", disk_parts=1, disk_dir="/tmp/x"), "not 8-bit ones"),

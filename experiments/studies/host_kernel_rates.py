@@ -180,17 +180,26 @@ def main() -> None:
     ref = np.empty(n, np.uint16)
     ptr = lambda a: a.ctypes.data  # noqa: E731
     hp = [HP[k] for k in ("lr", "b1", "b2", "eps", "wd", "grad_scale", "bc1", "bc2")]
-    pc, mc, vc, copy = p.copy(), m.copy(), v.copy(), np.empty_like(ref)
-    # the product's two float32 entry points: (system, call, bytes written a parameter; both read 16)
-    for system, call, written in (
-            ("stream_pass", lambda: lib.megatrain_adamw_stream(ptr(p), ptr(m), ptr(v), ptr(g), ptr(ref), n, *hp), 2),
-            ("whole_update", lambda: lib.megatrain_adamw(ptr(pc), ptr(mc), ptr(vc), ptr(g), ptr(copy), n, *hp), 14)):
+    pc, mc, vc, copy, copy16 = p.copy(), m.copy(), v.copy(), np.empty_like(ref), np.empty_like(ref)
+    g16 = (g.view(np.uint32) >> 16).astype(np.uint16)  # a bfloat16 gradient (truncated: any values serve)
+    # the product's two float32 entry points, with a float32 and a bfloat16 gradient: (system, gradient, call,
+    # bytes written a parameter); both read 12 bytes of p, m and v and the gradient's 4 or 2
+    for system, grad, call, written in (
+            ("stream_pass", "float32",
+             lambda: lib.megatrain_adamw_stream(ptr(p), ptr(m), ptr(v), ptr(g), ptr(ref), n, *hp, 0), 2),
+            ("whole_update", "float32",
+             lambda: lib.megatrain_adamw(ptr(pc), ptr(mc), ptr(vc), ptr(g), ptr(copy), n, *hp, 0), 14),
+            ("stream_pass", "bfloat16",
+             lambda: lib.megatrain_adamw_stream(ptr(p), ptr(m), ptr(v), ptr(g16), ptr(copy16), n, *hp, 1), 2),
+            ("whole_update", "bfloat16",
+             lambda: lib.megatrain_adamw(ptr(pc), ptr(mc), ptr(vc), ptr(g16), ptr(copy), n, *hp, 1), 14)):
         s = median_seconds(call, args.reps)
-        runs.append({"system": system, "variant": "product_kernel", "threads": cores,
-                     "params_per_s": round(n / s, 1), "read_gb_per_s": round(16 * n / s / 1e9, 2),
+        read = 12 + (4 if grad == "float32" else 2)
+        runs.append({"system": system, "variant": "product_kernel", "gradient": grad, "threads": cores,
+                     "params_per_s": round(n / s, 1), "read_gb_per_s": round(read * n / s / 1e9, 2),
                      "written_gb_per_s": round(written * n / s / 1e9, 2)})
         print(json.dumps(runs[-1]), flush=True)
-    del pc, mc, vc, copy
+    del pc, mc, vc, copy, copy16, g16
     with tempfile.TemporaryDirectory() as tmp:
         var = compile_variants(tmp)
         s = median_seconds(lambda: var.read4(ptr(p), ptr(m), ptr(v), ptr(g), n), args.reps)

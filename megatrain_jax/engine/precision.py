@@ -134,7 +134,7 @@ QUANTIZED = {"q8": _quantized_bytes("q8"), "q4": _quantized_bytes("q4")}
 
 FULL = Precision(
     name="full", title="full precision", master_dtype="float32", moment_dtype=None, masters="float32",
-    moments="float32", stream_copy=True, host_grad_dtypes=("float32",), host_only=False,
+    moments="float32", stream_copy=True, host_grad_dtypes=("float32", "bfloat16"), host_only=False,
     needs_kernel=False, disk_tier=True, bundle=(("engine.stream_dtype", "bfloat16"),), kernel="adamw",
     summary="float32 masters and Adam moments, a 16-bit copy of the weights streamed",
     checkpoint="float32 masters and moments; the 16-bit stream copy is remade from the masters on restore")

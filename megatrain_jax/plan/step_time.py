@@ -25,7 +25,7 @@ import dataclasses
 import os
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
-from megatrain_jax.engine.precision import DTYPE_BYTES
+from megatrain_jax.engine.precision import DTYPE_BYTES, Precision
 from megatrain_jax.engine.schedule import BLOCKS_AHEAD, UPDATES_AHEAD, Op, norm_ops, offloaded_blocks, step_ops
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
@@ -145,6 +145,8 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
             can_split = mode.stream_copy and e.host_kernel and p not in waiting and p not in disk
             split = can_split and p in splitting
             rate = s.host_update_rate(mode.name, one_pass=can_split and not split) / devices  # a shared host
+            # the rates are the mode's with its default gradients: a bfloat16 one read instead moves fewer bytes
+            rate *= _update_bytes(mode) / _update_bytes(mode, None if p in waiting else e.host_grad_dtype)
             whole = count[p] / rate + s.disk_seconds(p in disk, count[p] * devices, mode.moment_bytes)
             host_update[p] = (whole * s.first_half_share, whole * (1 - s.first_half_share)) if split else (whole, 0.0)
     device_update = {p: count[p] * s.device_update_bytes_per_param / s.hbm_bytes for p in parts if p not in host_parts}
@@ -154,6 +156,13 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     norm = {p: count[p] * 4.0 / s.hbm_bytes for p in parts}  # one read of the float32 gradient
     return _Lengths(fwd, bwd, head, 2 * cfg.hidden * tokens / s.hbm_bytes, fetch, grads, home, acts, host_update,
                     device_update, norm, s.dispatch)
+
+
+def _update_bytes(mode: Precision, grads: str | None = None) -> float:
+    """Host bytes one parameter's whole update reads and writes in ``mode`` with gradients in ``grads`` (the
+    mode's default): masters, moments and the gradient read; masters, moments and a stream copy written."""
+    per = mode.bytes_per_param(grads)
+    return 2 * (per["masters"] + per["moments"]) + per["host_grads"] + per["stream_copy"]
 
 
 # ---------------------------------------------------------------------------------------------- the walk

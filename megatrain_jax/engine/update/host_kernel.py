@@ -197,7 +197,7 @@ def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         warnings.warn(f"could not load {path}: {e}; using the JAX host optimizer")
         return None
     for fn in (lib.megatrain_adamw, lib.megatrain_adamw_stream):
-        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 8
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 8 + [ctypes.c_int]
         fn.restype = None
     for fn in (lib.megatrain_adamw_bf16_sr, lib.megatrain_adamw_bf16_sr_g16):
         fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_float] * 8
@@ -226,26 +226,29 @@ def set_threads(n: int, lib: ctypes.CDLL | None = None) -> None:
 
 
 def adamw_inplace(lib: ctypes.CDLL, p: int, m: int, v: int, g: int, p_bf16: int | None, n: int, *, lr: float,
-                  b1: float, b2: float, eps: float, wd: float, grad_scale: float, bc1: float, bc2: float) -> None:
-    """Run the kernel on raw buffer addresses (float32 p, m, v, g; optional bfloat16 out) of ``n`` elements."""
-    lib.megatrain_adamw(p, m, v, g, p_bf16, n, lr, b1, b2, eps, wd, grad_scale, bc1, bc2)
+                  b1: float, b2: float, eps: float, wd: float, grad_scale: float, bc1: float, bc2: float,
+                  g_bf16: bool = False) -> None:
+    """Run the kernel on raw buffer addresses (float32 p, m, v; g float32, or bfloat16 bits where ``g_bf16``;
+    optional bfloat16 out) of ``n`` elements."""
+    lib.megatrain_adamw(p, m, v, g, p_bf16, n, lr, b1, b2, eps, wd, grad_scale, bc1, bc2, int(g_bf16))
 
 
 def adamw_stream_inplace(lib: ctypes.CDLL, p: int, m: int, v: int, g: int, p_bf16: int, n: int, *, lr: float,
                          b1: float, b2: float, eps: float, wd: float, grad_scale: float, bc1: float,
-                         bc2: float) -> None:
+                         bc2: float, g_bf16: bool = False) -> None:
     """Only the bfloat16 copy of the updated parameters: ``p``, ``m`` and ``v`` are read, not written. The
     values equal, bit for bit, the copy ``adamw_inplace`` writes with the same arguments."""
-    lib.megatrain_adamw_stream(p, m, v, g, p_bf16, n, lr, b1, b2, eps, wd, grad_scale, bc1, bc2)
+    lib.megatrain_adamw_stream(p, m, v, g, p_bf16, n, lr, b1, b2, eps, wd, grad_scale, bc1, bc2, int(g_bf16))
 
 
 def adamw_numpy(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, p_bf16: np.ndarray | None,
                 stream_only: bool = False, lib: ctypes.CDLL | None = None, **hp) -> None:
-    """The kernel on numpy arrays (contiguous float32; bf16 out as uint16 or ml_dtypes.bfloat16), in place.
-    ``stream_only`` writes just ``p_bf16`` (see ``adamw_stream_inplace``)."""
+    """The kernel on numpy arrays (contiguous float32 p, m, v; g float32 or bfloat16; bf16 out as uint16 or
+    ml_dtypes.bfloat16), in place. ``stream_only`` writes just ``p_bf16`` (see ``adamw_stream_inplace``)."""
     lib = require(lib)
-    for a in (p, m, v, g):
+    for a in (p, m, v):
         assert a.dtype == np.float32 and a.flags.c_contiguous and a.size == p.size
+    hp = dict(hp, g_bf16=gradient_is_bf16(g, p.size))
     if p_bf16 is not None:
         assert p_bf16.itemsize == 2 and p_bf16.flags.c_contiguous and p_bf16.size == p.size
     out = None if p_bf16 is None else p_bf16.ctypes.data

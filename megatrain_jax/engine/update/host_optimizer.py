@@ -29,7 +29,7 @@ would on one). The masters are pinned (they cross PCIe: no stream copy); the mom
 are ``QuantizedMoment``s, codes (a byte per element in 8 bits, two per byte in 4) and one float32 scale per
 block of a row, in the format of ``moment_formats.FORMATS``, updated by that format's kernel entry point with
 the masters' rounding bits; vectors and small leaves keep bfloat16 moments (the format's ``leaf``). The
-gradient the kernel reads may be float32 or bfloat16 (``EngineConfig.host_grad_dtype``).
+gradient the kernel reads may be float32 or bfloat16 (``precision.home_grad_dtype``), in every mode.
 
 Transformations that look across parameters (``clip_by_global_norm``) are refused at engine build by
 ``megatrain_jax.optim.check_partwise``: the engine clips exactly, from the norm of the whole gradient,
@@ -300,7 +300,7 @@ class HostOptimizer:
                 n = int(np.prod([b - a for a, b in key]))
                 if salt is None:
                     kernel_fn(self.kernel, ps[key][0], ms[key][0], vs[key][0], g_at[0],
-                              None if ss is None else ss[key][0], n, **hyper)
+                              None if ss is None else ss[key][0], n, **hyper, **g_bf16)
                 else:
                     kernel_fn(self.kernel, ps[key][0], ms[key][0], vs[key][0], g_at[0], n,
                               seed=rounding_seed(t, salt, leaf), offset=_flat_offset(key, p.shape), **hyper, **g_bf16)

@@ -25,7 +25,7 @@ from megatrain_jax.engine.transfer import Placement
 def apply_scaled_update(tx: optax.GradientTransformation, params: Params, opt_state: Any, grads: Params,
                         scale: jax.Array) -> tuple[Params, Any]:
     """One optimizer update of a part with its gradient scaled (clipping and accumulation averaging)."""
-    grads = jax.tree.map(lambda g: g * scale, grads)
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads)  # a bfloat16 gradient widened first
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
