@@ -6,7 +6,10 @@ At one micro-batch on one device a block's gradient is its backward's cotangent 
 float32 path (excess precision: a bfloat16 rounding followed by a widening can be folded away), and then the
 two differ. This trains one small decoder twice per setting, ``--steps`` steps each, with deterministic ops, and
 reports per setting whether masters, moments and stream copies are equal bit for bit and, where not, how far
-apart (the largest relative difference of the masters' change, and the share of elements that differ).
+apart (the largest relative difference of the masters' change, and the share of elements that differ); a
+control pair (float32 twice) says whether the runs repeat at all. And it looks at the float32 gradients that come
+home: the share of their elements that are not bfloat16 values (low 16 bits not zero), which is the excess
+precision the bfloat16 gradients drop.
 
     PYTHONPATH=. python experiments/studies/bf16_gradients_exact.py --out $OUT/bf16_gradients_exact.json
 """
@@ -18,7 +21,7 @@ import json
 import os
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
 EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, EXPERIMENTS)
 sys.path.insert(0, os.path.dirname(EXPERIMENTS))
@@ -33,8 +36,30 @@ from megatrain_jax.batch import Batch  # noqa: E402
 from megatrain_jax.models.presets import preset  # noqa: E402
 
 
-def trained(cfg, engine_cfg: EngineConfig, steps: int, rows: int, seq: int) -> tuple[Engine, np.ndarray]:
+class Widened:
+    """Counts, over the float32 gradients sent home, the elements that are not bfloat16 values."""
+
+    def __init__(self):
+        self.blocks, self.io = [0, 0], [0, 0]  # [not bfloat16, all]
+
+    def on_op(self, op, start, end, out):
+        if op.kind != "send_grads":
+            return
+        for g in jax.tree.leaves(out):
+            g = np.asarray(g)
+            if g.dtype == np.float32:
+                where = self.io if op.part.is_io else self.blocks
+                where[0] += int((g.view(np.uint32) & 0xFFFF != 0).sum())
+                where[1] += g.size
+
+    def on_task(self, *a, **k):
+        pass
+
+
+def trained(cfg, engine_cfg: EngineConfig, steps: int, rows: int, seq: int, observer=None) -> tuple[Engine, list]:
     engine = Engine(Decoder(cfg, rngs=nnx.Rngs(0)), adamw(3e-4, weight_decay=0.1), engine_cfg)
+    if observer is not None:
+        engine.observe(observer)
     start = [np.asarray(x, np.float32).copy() for x in jax.tree.leaves(engine.state.params())]
     rng = np.random.default_rng(0)
     for _ in range(steps):
@@ -70,12 +95,17 @@ def main() -> None:
                                          dtype="bfloat16")
     runs = []
     for name, extra in (("one_micro_batch", {}), ("two_micro_batches", {"micro_batches": 2})):
-        pair = {}
-        for grads in ("float32", "bfloat16"):
-            pair[grads] = trained(cfg, EngineConfig(clip_norm=1.0, host_grad_dtype=grads, **extra),
-                                  args.steps, args.rows, args.seq)
+        pair, widened = {}, Widened()
+        for grads in ("float32", "float32_again", "bfloat16"):
+            home = grads.removesuffix("_again")
+            pair[grads] = trained(cfg, EngineConfig(clip_norm=1.0, host_grad_dtype=home, **extra),
+                                  args.steps, args.rows, args.seq, widened if grads == "float32" else None)
         row = {"setting": name, "engine": extra, "steps": args.steps,
-               **compare(pair["float32"][0], pair["bfloat16"][0], pair["float32"][1])}
+               "control_float32_twice": compare(pair["float32"][0], pair["float32_again"][0], pair["float32"][1]),
+               "float32_against_bfloat16": compare(pair["float32"][0], pair["bfloat16"][0], pair["float32"][1]),
+               "float32_gradients_not_bfloat16_share": {
+                   "blocks": widened.blocks[0] / max(widened.blocks[1], 1),
+                   "io": widened.io[0] / max(widened.io[1], 1)}}
         runs.append(row)
         print(json.dumps(row), flush=True)
         for engine, _ in pair.values():
