@@ -508,18 +508,20 @@ def test_convergence_merges_separate_runs_into_one_comparison(tmp_path, monkeypa
     spec.loader.exec_module(conv)
     head = {"model": {"params": 1}, "steps": 3, "tokens_per_step": 8, "seq_len": 4, "optimizer": "adamw",
             "data": "corpus", "git_commit": "x", "device": {"name": "cpu"}}
-    run = lambda mode, losses: {"mode": mode, "seed": 0, "losses": losses, "tokens_per_s": 1.0,  # noqa: E731
-                                "wall_s": 1.0}
+    run = lambda mode, losses, held=None: {"mode": mode, "seed": 0, "losses": losses, "tokens_per_s": 1.0,  # noqa: E731
+                                           "wall_s": 1.0, **({"eval_loss": held} if held else {})}
     files = []
-    for mode, losses in (("float32", [3.0, 2.0, 1.0]), ("q8", [3.0, 2.0, 1.1])):
+    for mode, losses, held in (("float32", [3.0, 2.0, 1.0], 2.0), ("q8", [3.0, 2.0, 1.1], 2.02)):
         files.append(tmp_path / f"{mode}.json")
-        files[-1].write_text(json.dumps({**head, "name": mode, "runs": [run(mode, losses)]}))
+        files[-1].write_text(json.dumps({**head, "name": mode, "runs": [run(mode, losses, held)]}))
     out = tmp_path / "both.json"
     monkeypatch.setattr(sys, "argv", ["convergence.py"])
     conv.merge([str(f) for f in files], str(out), tail=1)
     merged = json.loads(out.read_text())
     assert merged["q8_vs_float32_final_loss"] == pytest.approx(0.1)
     assert merged["q8_within_bar"] == {"bar": 0.015, "met": False} and len(merged["parts"]) == 2
+    held_out = merged["q8_vs_float32_eval_loss"]  # issue 52's measure: the held-out loss's gap, per seed and mean
+    assert held_out["mean_gap"] == pytest.approx(0.01) and held_out["met"] and held_out["by_seed"] == {"0": 0.01}
     with pytest.raises(SystemExit, match="more than once"):
         conv.merge([str(files[0]), str(files[0])], str(out), tail=1)
     seed1 = tmp_path / "seed1.json"
@@ -529,6 +531,21 @@ def test_convergence_merges_separate_runs_into_one_comparison(tmp_path, monkeypa
     files[1].write_text(json.dumps({**head, "steps": 4, "runs": [run("q8", [1.0])]}))
     with pytest.raises(SystemExit, match="differs .* in \\['steps'\\]"):
         conv.merge([str(f) for f in files], str(out), tail=1)
+
+
+def test_convergence_takes_the_held_out_loss_after_the_last_step(tmp_path):
+    """convergence.py --eval-fraction (issue 52's quality table): the last share of the data is held out and each
+    run's loss on it after its last step is recorded, in its progress file too (a resumed run that finished
+    in an earlier call reports it again)."""
+    spec = importlib.util.spec_from_file_location("convergence", REPO / "experiments" / "studies" / "convergence.py")
+    conv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conv)
+    from megatrain_jax import preset
+    cfg = preset("tiny", dtype="bfloat16")
+    progress = str(tmp_path / "p.json")
+    run = conv.train("q4", 0, 3, 2, 32, 1e-3, cfg, progress=progress, eval_fraction=0.05, eval_batches=2)
+    assert run["eval_tokens"] == 2 * 2 * 32 and np.isfinite(run["eval_loss"]) and len(run["losses"]) == 3
+    assert run["eval_loss"] != run["losses"][-1]  # the held-out batches, not the last training batch
 
 
 def test_convergence_progress_and_the_resident_reference(tmp_path):

@@ -15,6 +15,14 @@ masters: the same ~134M-parameter model, data and schedule, 500 steps on the dem
     PYTHONPATH=. python experiments/studies/convergence.py --merge conv_1b_float32.json conv_1b_q8.json \
         --out conv_1b.json
 
+Issue 52's quality table (1B, 2,000 steps, 3 seeds, every mode through the host update, the held-out loss
+after the last step on 32 batches of the data's last 2%): one mode and seed a run, cut and continued as above
+where a run is longer than a call, then one ``--merge`` of the twelve files:
+
+    PYTHONPATH=. python experiments/studies/convergence.py --preset llama3.2-1b --data build/corpus/corpus.bin \
+        --rows 4 --seq-len 2048 --steps 2000 --modes float32 --seeds 0 --eval-fraction 0.02 --eval-batches 32 \
+        --checkpoint-dir build/conv_ckpt --stop-after-s 480 --out build/conv/conv_1b_float32_0.json
+
 (``--data``: a token file, e.g. from ``local_corpus.py``; the model takes its vocabulary.)
 
 For each seed both runs go through ``fit`` with the same initialization, batches and AdamW schedule
@@ -32,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import subprocess
@@ -52,6 +61,7 @@ from megatrain_jax import Decoder, EngineConfig, Hook, TrainConfig, fit, preset 
 from megatrain_jax.checkpoint import CheckpointedExit, committed_steps  # noqa: E402
 from megatrain_jax.cli.run_config import OptimizerConfig  # noqa: E402
 from megatrain_jax.data import DataConfig, TokenFile  # noqa: E402
+from megatrain_jax.evaluate import eval_hook  # noqa: E402
 from megatrain_jax.models.config import DecoderConfig  # noqa: E402
 
 # A Llama-style ~134M model: 12 layers of width 768, a 32K vocabulary, bfloat16 compute.
@@ -59,9 +69,13 @@ MODEL = preset("tiny", vocab_size=32000, hidden=768, ffn=2048, layers=12, heads=
                dtype="bfloat16", max_positions=2048, loss_chunk_tokens=8192)
 MODES = {"float32": EngineConfig(micro_batches=1), "capacity": EngineConfig(micro_batches=1, master_dtype="bfloat16"),
          # issue 35: capacity mode with 8-bit Adam moments and bfloat16 gradients in host memory
-         "q8": EngineConfig(micro_batches=1, master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16")}
-# Each mode's bar against float32 masters, on the mean final loss over seeds (issues 15 and 35).
-BARS = {"capacity": 0.01, "q8": 0.015}
+         "q8": EngineConfig(micro_batches=1, master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16"),
+         # issue 52: the same with 4-bit moments
+         "q4": EngineConfig(micro_batches=1, master_dtype="bfloat16", moment_dtype="q4", host_grad_dtype="bfloat16")}
+# Each mode's bar against float32 masters, on the mean final loss over seeds (issues 15 and 35), and on the mean
+# held-out loss where the runs have one (issue 52: 1.5% for every lossy mode).
+BARS = {"capacity": 0.01, "q8": 0.015, "q4": 0.015}
+EVAL_BARS = {"capacity": 0.015, "q8": 0.015, "q4": 0.015}
 
 
 def model_config(args) -> DecoderConfig:
@@ -92,7 +106,7 @@ def progress_hook(path: str, mode: str, seed: int, every: int = 100, header: dic
     once that many seconds have passed (the step in flight finishes; its checkpoint is saved)."""
     prior = prior or {"losses": [], "elapsed_s": 0.0}
     losses, t0 = list(prior["losses"]), time.perf_counter()
-    state = {"trained": 0, "elapsed": float(prior["elapsed_s"])}
+    state = {"trained": 0, "elapsed": float(prior["elapsed_s"]), "held_out": prior.get("held_out")}
 
     def write(m: dict, info) -> None:
         if not state["trained"]:
@@ -105,6 +119,9 @@ def progress_hook(path: str, mode: str, seed: int, every: int = 100, header: dic
                 state["elapsed"] = 0.0  # a fresh start: an old file's time is not this run's
         state["trained"] += 1
         losses.append(round(float(m["loss"]), 5))
+        if "eval_loss" in m:  # the held-out loss after this step (eval_hook, before this hook)
+            state["held_out"] = {"after_step": m["step"], "loss": round(float(m["eval_loss"]), 5),
+                             "tokens": m["eval_tokens"]}
         if m["step"] % every == 0:
             flush()
         if stop_after_s is not None and info is not None and time.perf_counter() - t0 > stop_after_s:
@@ -114,7 +131,7 @@ def progress_hook(path: str, mode: str, seed: int, every: int = 100, header: dic
         """The losses so far, written now; returns the record. A call that trained nothing (the run was done)
         adds no time."""
         elapsed = state["elapsed"] + (time.perf_counter() - t0 if state["trained"] else 0.0)
-        return write_progress(path, mode, seed, len(losses), elapsed, losses, header)
+        return write_progress(path, mode, seed, len(losses), elapsed, losses, header, state["held_out"])
 
     hook = Hook(write, every=1)
     hook.flush = flush
@@ -122,7 +139,8 @@ def progress_hook(path: str, mode: str, seed: int, every: int = 100, header: dic
 
 
 # What a resumed run must share with the run it continues (and ``merge``'s files with each other).
-SETUP = ("model", "steps", "tokens_per_step", "seq_len", "optimizer", "data")
+SETUP = ("model", "steps", "tokens_per_step", "seq_len", "optimizer", "data", "eval")
+OPTIONAL = ("eval",)  # setup written only since issue 52: a file without it had no held-out split
 RESUME = (*SETUP, "resident")
 
 
@@ -143,9 +161,12 @@ def read_progress(path: str, mode: str, seed: int, header: dict | None) -> dict 
     return got
 
 
-def write_progress(path: str, mode: str, seed: int, steps: int, elapsed: float, losses: list, header: dict | None):
+def write_progress(path: str, mode: str, seed: int, steps: int, elapsed: float, losses: list, header: dict | None,
+                   evaluated: dict | None = None):
     record = {**(header or {}), "mode": mode, "seed": seed, "steps_done": steps, "elapsed_s": round(elapsed, 1),
               "losses": losses}
+    if evaluated is not None:
+        record["held_out"] = evaluated  # the held-out loss after the last step
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(record, f)
@@ -160,15 +181,20 @@ class Cut(Exception):
 
 def train(mode: str, seed: int, steps: int, rows: int, seq_len: int, lr: float, cfg: DecoderConfig = MODEL,
           data_path: str | None = None, resident: bool = False, progress: str | None = None,
-          checkpoint_dir: str | None = None, stop_after_s: float | None = None, header: dict | None = None) -> dict:
-    """One run. ``progress``: the file of its losses so far. With ``checkpoint_dir`` it saves its state there when
+          checkpoint_dir: str | None = None, stop_after_s: float | None = None, header: dict | None = None,
+          eval_fraction: float = 0.0, eval_batches: int = 32) -> dict:
+    """One run. With ``eval_fraction`` the last share of the data is held out, and the loss on its first
+    ``eval_batches`` batches is taken after the last step (``eval_loss``). ``progress``: the file of its losses so far. With ``checkpoint_dir`` it saves its state there when
     it ends or stops (and every 500 steps) and resumes from it, continuing the losses of ``progress`` (whose
     setup must equal ``header``'s); with ``stop_after_s`` it stops after that many seconds and raises ``Cut`` (the
     same call continues it). A run that was finished trains nothing and returns its record again."""
     if (checkpoint_dir or stop_after_s is not None) and not (progress and checkpoint_dir):
         raise ValueError("a run that stops and resumes needs a checkpoint_dir and a progress file")
-    data = DataConfig(path=data_path, seq_len=seq_len, batch_size=rows, seed=seed,
-                      demo_tokens=1 << 23).build(cfg.vocab_size)
+    data_cfg = DataConfig(path=data_path, seq_len=seq_len, batch_size=rows, seed=seed, demo_tokens=1 << 23,
+                          eval_fraction=eval_fraction)
+    data = data_cfg.build(cfg.vocab_size)
+    held_out = list(itertools.islice(data_cfg.build_eval(cfg.vocab_size), eval_batches)) if eval_fraction else []
+    evaluated: dict = {}
     optimizer, _ = OptimizerConfig(lr=lr, warmup_steps=max(steps // 10, 1)).build(steps)
     model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     engine = engine_config(mode, cfg, resident)
@@ -186,10 +212,12 @@ def train(mode: str, seed: int, steps: int, rows: int, seq_len: int, lr: float, 
                              f"again, or give the --out of the run that made it")
     hook = progress_hook(progress, mode, seed, header=header, stop_after_s=stop_after_s,
                          prior=prior) if progress else None
+    hooks = [eval_hook(held_out, every=steps, total_steps=steps)] if held_out else []
+    hooks += [Hook(lambda m, info: evaluated.update(m) if "eval_loss" in m else None, every=1)]
     try:
         history = fit(model, data, optimizer,
                       train=TrainConfig(steps=steps, log_every=max(steps // 10, 1), seed=seed, **ckpt),
-                      engine=engine, write_back=False, hooks=[hook] if hook else ())
+                      engine=engine, write_back=False, hooks=hooks + ([hook] if hook else []))
     except CheckpointedExit:  # a signal: the step in flight finished and was saved; so are its losses
         hook.flush()
         raise
@@ -200,15 +228,23 @@ def train(mode: str, seed: int, steps: int, rows: int, seq_len: int, lr: float, 
                       f"({history.stopped or 'the data ran out'}); the same command continues it from "
                       f"{ckpt.get('checkpoint_dir')}")
         losses, wall = record["losses"], record["elapsed_s"]
+        held = record.get("held_out")  # (a run finished in an earlier call evaluated then)
     else:
         losses, wall = [round(float(x), 5) for x in history["loss"]], time.perf_counter() - t
+        held = None
+    if evaluated:
+        held = {"after_step": evaluated["step"], "loss": round(float(evaluated["eval_loss"]), 5),
+                "tokens": evaluated["eval_tokens"]}
+    if eval_fraction and (held is None or held["after_step"] != steps):
+        raise SystemExit(f"{mode} seed {seed}: no held-out loss after step {steps} (got {held})")
     if len(losses) != steps:
         raise SystemExit(f"{mode} seed {seed}: {len(losses)} losses for {steps} steps")
     if progress and os.path.exists(progress) and not checkpoint_dir:
         os.remove(progress)  # the whole run's record follows (with checkpoints it stays: a rerun finds it done)
     return {"system": "megatrain_jax", "mode": mode, "seed": seed, "engine": dataclasses.asdict(engine),
             "wall_s": round(wall, 1), "tokens_per_s": round(steps * rows * seq_len / max(wall, 1e-9), 1),
-            "losses": losses, "finite": bool(np.all(np.isfinite(losses)))}
+            "losses": losses, "finite": bool(np.all(np.isfinite(losses))),
+            **({"eval_loss": held["loss"], "eval_tokens": held["tokens"]} if held else {})}
 
 
 def run_children(runs: list[tuple[str, int]], args, jobs: int) -> list[dict]:
@@ -219,7 +255,8 @@ def run_children(runs: list[tuple[str, int]], args, jobs: int) -> list[dict]:
            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // jobs))}
     extra = (["--preset", args.preset] if args.preset else []) + (["--data", args.data] if args.data else [])
     base = [sys.executable, os.path.abspath(__file__), *extra, "--steps", str(args.steps), "--rows", str(args.rows),
-            "--seq-len", str(args.seq_len), "--lr", str(args.lr)] + (["--resident"] if args.resident else [])
+            "--seq-len", str(args.seq_len), "--lr", str(args.lr), "--eval-fraction", str(args.eval_fraction),
+            "--eval-batches", str(args.eval_batches)] + (["--resident"] if args.resident else [])
     base += (["--checkpoint-dir", args.checkpoint_dir] if args.checkpoint_dir else []) + (
         ["--stop-after-s", str(args.stop_after_s)] if args.stop_after_s is not None else [])
     outs = [f"{args.out}.{mode}.{seed}.part" for mode, seed in runs]
@@ -270,6 +307,8 @@ def header(args, cfg: DecoderConfig) -> dict:
                          f"10%, wd 0.1, b2 0.95; clip 1.0",
             "data": (f"token file {args.data} ({TokenFile.open(args.data).tokens.size} tokens), the run's seed"
                      if args.data else "demo corpus (megatrain_jax.data.demo), 8M tokens, the run's seed"),
+            "eval": ({"fraction": args.eval_fraction, "batches": args.eval_batches,
+                      "tokens": args.eval_batches * args.rows * args.seq_len} if args.eval_fraction else None),
             "resident": args.resident, "jobs": args.jobs}
 
 
@@ -291,6 +330,9 @@ def main() -> None:
                                                                  "files of separate runs, e.g. one mode each")
     ap.add_argument("--setup-from", metavar="FILE", help="with --merge: the setup of a progress file written without "
                     "one (before commit 336a4b6), taken from FILE (a results file of the same command but its mode)")
+    ap.add_argument("--eval-fraction", type=float, default=0.0, help="hold out this last share of the data and take "
+                    "each run's loss on it after the last step (issue 52's quality table: 0.01)")
+    ap.add_argument("--eval-batches", type=int, default=32, help="held-out batches evaluated (rows x seq-len tokens each)")
     ap.add_argument("--resident", action="store_true", help="float32 only: masters kept and updated on the GPU (the "
                                                                "same AdamW; for a reference that must run faster)")
     ap.add_argument("--checkpoint-dir", help="each run saves its state under this folder (one folder per mode and "
@@ -317,7 +359,7 @@ def main() -> None:
         head = header(argparse.Namespace(**{**vars(args), "out": parent.rsplit(".", 2)[0]}), cfg)
         run = cut_or(lambda: train(mode, int(seed), args.steps, args.rows, args.seq_len, args.lr, cfg, args.data,
                                    args.resident, f"{parent}.progress.json", args.checkpoint_dir, args.stop_after_s,
-                                   head))
+                                   head, args.eval_fraction, args.eval_batches))
         with open(args.out, "w") as f:
             json.dump(run, f)
         return
@@ -335,7 +377,8 @@ def main() -> None:
         head = {k: v for k, v in result.items() if k != "runs"}
         runs = [cut_or(lambda mode=mode, seed=seed: train(
             mode, seed, args.steps, args.rows, args.seq_len, args.lr, cfg, args.data, args.resident,
-            f"{args.out}.{mode}.{seed}.progress.json", args.checkpoint_dir, args.stop_after_s, head))
+            f"{args.out}.{mode}.{seed}.progress.json", args.checkpoint_dir, args.stop_after_s, head,
+            args.eval_fraction, args.eval_batches))
             for mode, seed in todo]
     summarize(result, runs, args.tail, args.out)
 
@@ -373,6 +416,18 @@ def summarize(result: dict, runs: list[dict], tail: int, out: str) -> None:
         result[f"{m}_within_bar"] = {"bar": BARS[m], "met": abs(gap) <= BARS[m]} if "compared_steps" not in result \
             else {"bar": BARS[m], "met": None, "why": f"compared after {result['compared_steps']} of {result['steps']} "
                   f"steps: the bar is for the schedule's end"}
+    if runs and all("eval_loss" in r for r in runs):  # the held-out loss: per seed, mean and spread over seeds
+        held = {(r["mode"], r["seed"]): r["eval_loss"] for r in runs}
+        result["mean_eval_loss"] = {m: round(float(np.mean([held[m, s] for s in seeds])), 5) for m in modes}
+        for m in compared:
+            by_seed = {s: (held[m, s] - held["float32", s]) / held["float32", s] for s in seeds}
+            gap = (result["mean_eval_loss"][m] - result["mean_eval_loss"]["float32"]) / result["mean_eval_loss"]["float32"]
+            result[f"{m}_vs_float32_eval_loss"] = {
+                "mean_gap": round(gap, 5), "by_seed": {str(s): round(g, 5) for s, g in by_seed.items()},
+                "seed_spread": round(max(by_seed.values()) - min(by_seed.values()), 5),
+                "bar": EVAL_BARS[m], "met": abs(gap) <= EVAL_BARS[m]}
+            print(f"{m} vs float32 held-out loss (means over seeds {seeds}): {gap:+.4%} (bar {EVAL_BARS[m]:.1%}); "
+                  f"by seed {result[f'{m}_vs_float32_eval_loss']['by_seed']}", flush=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     for m in compared:
@@ -393,14 +448,14 @@ def merge(paths: list[str], out: str, tail: int, setup_from: str | None = None) 
         with open(path) as f:
             part = json.load(f)
         if "runs" not in part and "steps_done" in part:  # a progress file: one run, cut after steps_done steps
-            if any(k not in part for k in SETUP):
+            if any(k not in part for k in SETUP if k not in OPTIONAL):
                 if setup_from is None:
                     raise SystemExit(f"{path} is a progress file without its run's setup (written before the setup "
                                      f"was recorded in it): it cannot be checked against {paths[0]}; --setup-from "
                                      f"FILE gives it FILE's, if you know it ran the same command but its mode")
                 with open(setup_from) as f:
                     given = json.load(f)
-                part = {**{k: given[k] for k in SETUP}, "name": os.path.basename(path), "command": None,
+                part = {**{k: given.get(k) for k in SETUP}, "name": os.path.basename(path), "command": None,
                         "setup_from": setup_from, **part}
             tokens = part["steps_done"] * part["tokens_per_step"]
             part = {**{k: v for k, v in part.items() if k not in ("mode", "seed", "losses", "elapsed_s", "steps_done")},
@@ -422,7 +477,7 @@ def merge(paths: list[str], out: str, tail: int, setup_from: str | None = None) 
     missing = sorted({(m, s) for m, _ in have for _, s in have} - set(have))
     if missing:
         raise SystemExit(f"no run for these (mode, seed) pairs: {missing}; every mode needs every seed")
-    result = {k: parts[0][k] for k in SETUP}
+    result = {k: parts[0].get(k) for k in SETUP}
     result.update(name=os.path.splitext(os.path.basename(out))[0],
                   command="PYTHONPATH=. python experiments/studies/convergence.py " + " ".join(sys.argv[1:]),
                   parts=[{k: part.get(k) for k in ("name", "command", "git_commit", "date", "device", "setup_from")
