@@ -16,6 +16,8 @@ class Batch:
 
     ``loss_mask`` (1 = counts) defaults to all ones. ``positions`` default to 0..T-1 per row.
     ``segment_ids`` (packed documents) restrict attention to tokens of the same segment.
+    ``ref_logps`` (preference training, ``megatrain_jax.loss.DPO``): each row's summed log-probability of its
+    masked targets under the reference model, float32 [B]; rows come in (chosen, rejected) pairs.
     """
 
     inputs: np.ndarray
@@ -23,6 +25,7 @@ class Batch:
     loss_mask: np.ndarray | None = None
     positions: np.ndarray | None = None
     segment_ids: np.ndarray | None = None
+    ref_logps: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -48,8 +51,9 @@ class Batch:
         positions = (np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)) if self.positions is None
                      else np.asarray(self.positions, np.int32))
         seg = None if self.segment_ids is None else np.asarray(self.segment_ids, np.int32)
+        ref = None if self.ref_logps is None else np.asarray(self.ref_logps, np.float32)
         return Batch(np.asarray(self.inputs, np.int32), np.asarray(self.targets, np.int32), mask,
-                     np.ascontiguousarray(positions), seg)
+                     np.ascontiguousarray(positions), seg, ref)
 
     def split(self, n: int) -> list["Batch"]:
         """``n`` micro-batches of B/n rows each."""
@@ -86,6 +90,14 @@ def check_batch(batch: Batch, vocab_size: int, max_positions: int | None = None,
         if top > max_positions:
             raise ValueError(f"positions reach {top} but the model allows max_positions={max_positions}; "
                              f"shorten seq_len or raise max_positions in the model config")
+    if batch.ref_logps is not None:
+        ref = np.asarray(batch.ref_logps)
+        if ref.shape != inputs.shape[:1]:
+            raise ValueError(f"batch ref_logps (one reference log-probability per row) has shape {ref.shape} but "
+                             f"the batch has {inputs.shape[0]} rows")
+        if not np.all(np.isfinite(ref)):
+            raise ValueError(f"batch ref_logps holds {int(np.sum(~np.isfinite(ref)))} non-finite values: the "
+                             f"reference pass must be recomputed (Engine.row_logps)")
     if batch.segment_ids is not None:
         seg = np.asarray(batch.segment_ids)
         check_segments(seg, None if segments_per_row is None else segments_per_row(seg.shape[1]))

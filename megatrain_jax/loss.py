@@ -1,8 +1,10 @@
-"""Causal-LM loss in float32, plain and chunked over tokens (the full [tokens, vocab] logits never exist)."""
+"""Causal-LM loss in float32, plain and chunked over tokens (the full [tokens, vocab] logits never exist), and the
+training objectives built on it: the next-token loss (``NextToken``) and preference training (``DPO``)."""
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -29,21 +31,98 @@ def chunked_nll_sum(logits_fn: Callable[[jax.Array], jax.Array], h_TD: jax.Array
                     mask_T: jax.Array, chunk: int) -> jax.Array:
     """Sum of masked NLL, computing logits ``chunk`` tokens at a time; each chunk's logits are recomputed
     in the backward pass instead of stored."""
-    T = h_TD.shape[0]
-    chunk = min(chunk, T)
-    pad = (-T) % chunk
-    if pad:
-        h_TD = jnp.pad(h_TD, ((0, pad), (0, 0)))
-        targets_T = jnp.pad(targets_T, (0, pad))
-        mask_T = jnp.pad(mask_T, (0, pad))
-    n = (T + pad) // chunk
-
     @jax.checkpoint
     def one(carry, xs):
         h, t, m = xs
         return carry + jnp.sum(token_nll(logits_fn(h), t) * m), None
 
-    total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32),
-                            (h_TD.reshape(n, chunk, -1), targets_T.reshape(n, chunk),
-                             mask_T.astype(jnp.float32).reshape(n, chunk)))
+    total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), _chunked(chunk, h_TD, targets_T,
+                                                                    mask_T.astype(jnp.float32)))
     return total
+
+
+def _chunked(chunk: int, h_TD: jax.Array, *per_token: jax.Array) -> tuple[jax.Array, ...]:
+    """``h_TD`` and the per-token arrays ``[T]`` zero-padded to whole chunks of ``min(chunk, T)`` tokens and
+    reshaped to ``[chunks, chunk, ...]`` (a scan's inputs)."""
+    T = h_TD.shape[0]
+    chunk = min(chunk, T)
+    pad = (-T) % chunk
+    n = (T + pad) // chunk
+    h = jnp.pad(h_TD, ((0, pad), (0, 0))) if pad else h_TD
+    rest = [jnp.pad(x, (0, pad)) if pad else x for x in per_token]
+    return (h.reshape(n, chunk, -1), *(x.reshape(n, chunk) for x in rest))
+
+
+def chunked_token_nll(logits_fn: Callable[[jax.Array], jax.Array], h_TD: jax.Array, targets_T: jax.Array,
+                      chunk: int) -> jax.Array:
+    """Each token's NLL, float32 [T], computing logits ``chunk`` tokens at a time; each chunk's logits are
+    recomputed in the backward pass instead of stored (as ``chunked_nll_sum``)."""
+    @jax.checkpoint
+    def one(carry, xs):
+        h, t = xs
+        return carry, token_nll(logits_fn(h), t)
+
+    _, nll = jax.lax.scan(one, None, _chunked(chunk, h_TD, targets_T))
+    return nll.reshape(-1)[:h_TD.shape[0]]
+
+
+@dataclasses.dataclass(frozen=True)
+class NextToken:
+    """The default objective: the mean next-token NLL over the tokens whose ``loss_mask`` is 1."""
+
+    pairs: ClassVar[bool] = False  # rows are independent examples
+
+
+@dataclasses.dataclass(frozen=True)
+class DPO:
+    """Direct preference optimization (Rafailov et al. 2023): the sigmoid loss, with label smoothing (the
+    conservative DPO of Mitchell 2023), as TRL computes it.
+
+    Rows come in pairs: row 2i is a prompt with its chosen response, row 2i + 1 the same prompt with the
+    rejected one. A row's ``loss_mask`` marks its response tokens; ``Batch.ref_logps`` holds each row's
+    summed log-probability of them under the reference model (the policy before training), computed once
+    before training (``Engine.row_logps``). With ``z = (logp_c - logp_r) - (ref_c - ref_r)``, a pair's loss
+    is ``-(1 - label_smoothing) log sigmoid(beta z) - label_smoothing log sigmoid(-beta z)``; the batch's is
+    the mean over its pairs. The implicit rewards are ``beta (logp - ref)`` of each response.
+    """
+
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    pairs: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beta, bool) or not (isinstance(self.beta, (int, float)) and self.beta > 0):
+            raise ValueError(f"DPO beta must be a number > 0 (0.1 is usual), got {self.beta!r}")
+        if isinstance(self.label_smoothing, bool) or not (
+                isinstance(self.label_smoothing, (int, float)) and 0.0 <= self.label_smoothing < 0.5):
+            raise ValueError(f"DPO label_smoothing must lie in [0, 0.5) (the assumed share of flipped preference "
+                             f"labels; 0 is plain DPO), got {self.label_smoothing!r}")
+
+    def pair_terms(self, logps_B: jax.Array, ref_B: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Each pair's loss and the chosen and rejected responses' rewards ([B / 2] each), from every row's
+        summed log-probability under the policy and under the reference (float32 [B], pairs adjacent)."""
+        logps_B, ref_B = logps_B.astype(jnp.float32), ref_B.astype(jnp.float32)
+        chosen, rejected = logps_B[0::2] - ref_B[0::2], logps_B[1::2] - ref_B[1::2]
+        z = self.beta * (chosen - rejected)
+        losses = (-(1.0 - self.label_smoothing) * jax.nn.log_sigmoid(z)
+                  - self.label_smoothing * jax.nn.log_sigmoid(-z))
+        return losses, self.beta * chosen, self.beta * rejected
+
+    @staticmethod
+    def stats(chosen_rewards: jax.Array, rejected_rewards: jax.Array) -> jax.Array:
+        """What a step reports of its pairs, summed over them (float32 [4]): the chosen and the rejected
+        rewards, the pairs whose chosen reward is higher, and the pairs (``pair_metrics`` reads it)."""
+        return jnp.stack([jnp.sum(chosen_rewards), jnp.sum(rejected_rewards),
+                          jnp.sum((chosen_rewards > rejected_rewards).astype(jnp.float32)),
+                          jnp.float32(chosen_rewards.shape[0])])
+
+
+def pair_metrics(stats) -> dict[str, float]:
+    """A step's preference metrics from its summed ``DPO.stats`` (over micro-batches, devices, sub-steps)."""
+    chosen, rejected, right, pairs = (float(x) for x in stats)
+    pairs = max(pairs, 1.0)
+    return {"rewards_chosen": chosen / pairs, "rewards_rejected": rejected / pairs,
+            "rewards_margin": (chosen - rejected) / pairs, "rewards_accuracy": right / pairs}
+
+
+Objective = NextToken | DPO

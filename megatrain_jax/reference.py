@@ -14,26 +14,32 @@ from flax import nnx
 
 from megatrain_jax.batch import Batch, check_batch
 from megatrain_jax.contract.layered import check_contract, routes
-from megatrain_jax.loss import causal_lm_loss
+from megatrain_jax.loss import DPO, NextToken, Objective, causal_lm_loss, token_nll
 
 
-def model_loss(model: nnx.Module, batch: Batch) -> jax.Array:
-    """Mean masked next-token loss of the whole model, logits materialized in full, plus the model's
-    auxiliary loss (``model.aux_loss`` of the routed blocks' summed statistics) where it has one."""
+def model_loss(model: nnx.Module, batch: Batch, objective: Objective = NextToken()) -> jax.Array:
+    """The whole model's loss, logits materialized in full: the mean masked next-token loss, or a pair
+    objective's (``DPO``: the mean over the batch's pairs, from each row's summed log-probability), plus the
+    model's auxiliary loss (``model.aux_loss`` of the routed blocks' summed statistics) where it has one."""
     if getattr(model, "aux_loss", None) is None:
-        logits = model(batch.inputs, batch.positions, batch.segment_ids)
-        return causal_lm_loss(logits, batch.targets, batch.loss_mask)
-    x = model.io.embed(batch.inputs, batch.positions, batch.segment_ids)
-    stats = []
-    for block in model.blocks:
-        if routes(block):
-            x, s = block.routed(x, batch.positions, batch.segment_ids)
-            stats.append(s)
-        else:
-            x = block(x, batch.positions, batch.segment_ids)
-    logits = model.io.unembed(model.io.final_hidden(x))
-    total = jax.tree.map(lambda *xs: sum(xs), *stats)
-    return causal_lm_loss(logits, batch.targets, batch.loss_mask) + model.aux_loss(total)
+        logits, aux = model(batch.inputs, batch.positions, batch.segment_ids), 0.0
+    else:
+        x = model.io.embed(batch.inputs, batch.positions, batch.segment_ids)
+        stats = []
+        for block in model.blocks:
+            if routes(block):
+                x, s = block.routed(x, batch.positions, batch.segment_ids)
+                stats.append(s)
+            else:
+                x = block(x, batch.positions, batch.segment_ids)
+        logits = model.io.unembed(model.io.final_hidden(x))
+        aux = model.aux_loss(jax.tree.map(lambda *xs: sum(xs), *stats))
+    if isinstance(objective, DPO):
+        mask = jnp.ones(batch.targets.shape) if batch.loss_mask is None else batch.loss_mask
+        logps = -jnp.sum(token_nll(logits, batch.targets) * mask.astype(jnp.float32), axis=-1)
+        losses, _, _ = objective.pair_terms(logps, batch.ref_logps)
+        return jnp.mean(losses) + aux
+    return causal_lm_loss(logits, batch.targets, batch.loss_mask) + aux
 
 
 class ReferenceTrainer:
@@ -45,11 +51,12 @@ class ReferenceTrainer:
     their defaults do the same thing; None turns clipping off."""
 
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
-                 clip_norm: float | None = 1.0):
+                 clip_norm: float | None = 1.0, objective: Objective = NextToken()):
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"ReferenceTrainer clip_norm must be positive or None (no clipping), got {clip_norm!r}")
         check_contract(model)
         self.model = model
+        self.objective = objective
         self.vocab_size = model.cfg.vocab_size
         self.max_positions = getattr(model.cfg, "max_positions", None)
         self.segments_per_row = getattr(model.cfg, "segments_per_row", None)
@@ -62,7 +69,7 @@ class ReferenceTrainer:
         self._apply = jax.jit(self._update)
 
     def _loss(self, params, batch: Batch) -> jax.Array:
-        return model_loss(nnx.merge(self.graphdef, params), batch)
+        return model_loss(nnx.merge(self.graphdef, params), batch, self.objective)
 
     def _update(self, params, opt_state, grads):
         updates, opt_state = self.tx.update(grads, opt_state, params)

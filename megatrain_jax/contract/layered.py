@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megatrain_jax.loss import chunked_nll_sum
+from megatrain_jax.loss import chunked_nll_sum, chunked_token_nll
 
 Params = Any  # an nnx.State of one part's parameters (io or one block)
 
@@ -97,6 +97,16 @@ class LayeredModel:
         D = h_BTD.shape[-1]
         return chunked_nll_sum(io.unembed, h_BTD.reshape(-1, D), targets_BT.reshape(-1),
                                mask_BT.reshape(-1), self.loss_chunk_tokens)
+
+    def head_row_nll(self, io_params: Params, x_BTD: jax.Array, targets_BT: jax.Array,
+                     mask_BT: jax.Array) -> jax.Array:
+        """Each row's masked NLL summed over its tokens (float32 [B]), logits built ``loss_chunk_tokens`` at a
+        time: minus the row's log-probability of its masked targets (preference training's input)."""
+        io = nnx.merge(self.io_graphdef, io_params)
+        h_BTD = io.final_hidden(x_BTD)
+        B, T, D = h_BTD.shape
+        nll = chunked_token_nll(io.unembed, h_BTD.reshape(-1, D), targets_BT.reshape(-1), self.loss_chunk_tokens)
+        return jnp.sum(nll.reshape(B, T) * mask_BT.astype(jnp.float32), axis=-1)
 
 
 _NEED = "see docs/model_contract.md (or megatrain_jax.contract.layered) for the contract"

@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from megatrain_jax.contract.layered import LayeredModel, Params
 from megatrain_jax.contract.remat import KEEP_POLICY, KEEP_PRODUCTS_POLICY, SplitVJP
 from megatrain_jax.engine.transfer import DATA, Placement
+from megatrain_jax.loss import NextToken, Objective
 
 # Argument and output kinds of the per-device programs (each covers a whole pytree): the device's rows of
 # a batch or activation; a value every device holds whole (a gathered part, a scalar); each device's own
@@ -85,8 +86,9 @@ class DeviceFns:
     # program's body takes the kind of block as a keyword (``kind``), bound when its program is built; a
     # routed kind's block programs (``_routed_calls``) also return its statistics, and its backward takes
     # the auxiliary loss's gradient with respect to them.
-    def __init__(self, lm: LayeredModel, placement: Placement):
+    def __init__(self, lm: LayeredModel, placement: Placement, objective: Objective = NextToken()):
         self.lm = lm
+        self.objective = objective  # what the head's loss is (``megatrain_jax.loss``): next-token, or pairs (DPO)
         self.mesh: Mesh = placement.mesh
         self.size = placement.size
         self._spec = placement.spec
@@ -104,6 +106,9 @@ class DeviceFns:
                                   (ROWS, ROWS, ROWS, STACKED, ROWS, STACKED), (ROWS, STACKED), (6,), 1),
             "embed_backward": (self._embed_backward, (ROWS, ROWS, ROWS, ROWS, STACKED), (STACKED,), (5,), 0),
             "nll_sum": (self._nll_sum, (ROWS, ROWS, ROWS), WHOLE, (), None),
+            "head_pairs": (self._head_pairs, (ROWS, ROWS, ROWS, ROWS, WHOLE, STACKED), (WHOLE, WHOLE, ROWS, STACKED),
+                           (6,), None),
+            "row_nll": (self._row_nll, (ROWS, ROWS, ROWS), ROWS, (), None),
         }
         self._routed_calls = {
             "forward": (self._forward_routed, (ROWS, ROWS, ROWS), (ROWS, WHOLE), (), None),
@@ -150,6 +155,15 @@ class DeviceFns:
     def head(self, io, x_BTD, targets_BT, mask_BT, inv_count, io_acc):
         """((loss, d(loss)/dx, io_acc), io)."""
         return self._call("head", io, x_BTD, targets_BT, mask_BT, inv_count, io_acc)
+
+    def head_pairs(self, io, x_BTD, targets_BT, mask_BT, ref_B, inv_pairs, io_acc):
+        """A pair objective's head (``objective.pairs``, DPO): ((loss, the pairs' summed statistics,
+        d(loss)/dx, io_acc), io). Each device's rows hold whole pairs."""
+        return self._call("head_pairs", io, x_BTD, targets_BT, mask_BT, ref_B, inv_pairs, io_acc)
+
+    def row_nll(self, io, x_BTD, targets_BT, mask_BT):
+        """Each row's summed masked NLL ([B], spread by row like the batch)."""
+        return self._call("row_nll", io, x_BTD, targets_BT, mask_BT)
 
     def backward(self, params, x_BTD, positions_BT, segment_ids_BT, dy_BTD, acc, d_stats=None, last: bool = False,
                  kept: tuple | None = None, kind: int = 0, products: bool = False):
@@ -256,6 +270,20 @@ class DeviceFns:
         loss, (g_io, dx_BTD) = jax.value_and_grad(scaled_loss, argnums=(0, 1))(io, x_BTD)
         return self._sum(loss), dx_BTD, self._accumulate(io_acc, g_io)
 
+    def _head_pairs(self, io: Params, x_BTD: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array, ref_B: jax.Array,
+                    inv_pairs: jax.Array, io_acc: Params | None):
+        """A pair objective's contribution of one micro-batch (its pairs' summed losses over the batch's
+        pairs), the pairs' summed statistics, d(loss)/dx and the io gradient added to ``io_acc``."""
+        def scaled_loss(io, x):
+            logps = -self.lm.head_row_nll(io, x, targets_BT, mask_BT)
+            losses, chosen, rejected = self.objective.pair_terms(logps, ref_B)
+            return jnp.sum(losses) * inv_pairs, self.objective.stats(chosen, rejected)
+        (loss, stats), (g_io, dx_BTD) = jax.value_and_grad(scaled_loss, argnums=(0, 1), has_aux=True)(io, x_BTD)
+        return self._sum(loss), self._sum(stats), dx_BTD, self._accumulate(io_acc, g_io)
+
+    def _row_nll(self, io: Params, x_BTD, targets_BT, mask_BT) -> jax.Array:
+        return self.lm.head_row_nll(io, x_BTD, targets_BT, mask_BT)
+
     def _backward(self, params: Params, x_BTD: jax.Array, positions_BT: jax.Array,
                   segment_ids_BT: jax.Array | None, dy_BTD: jax.Array, *rest, kind: int):
         """Recompute the block from its saved input and pull ``dy`` back: (dx, accumulated grads). ``rest``:
@@ -345,11 +373,12 @@ BLOCK_PROGRAMS = frozenset({"forward", "forward_keep", "backward", "backward_kep
 _CACHE: dict[tuple, DeviceFns] = {}
 
 
-def device_fns(lm: LayeredModel, placement: Placement) -> DeviceFns:
-    """One set of compiled functions per model structure and mesh, shared by every engine in the process."""
-    key = (lm, placement.mesh)
+def device_fns(lm: LayeredModel, placement: Placement, objective: Objective = NextToken()) -> DeviceFns:
+    """One set of compiled functions per model structure, mesh and objective, shared by every engine in the
+    process."""
+    key = (lm, placement.mesh, objective)
     if key not in _CACHE:
         if len(_CACHE) >= 8:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = DeviceFns(lm, placement)
+        _CACHE[key] = DeviceFns(lm, placement, objective)
     return _CACHE[key]

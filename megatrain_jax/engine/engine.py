@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
@@ -33,9 +34,10 @@ from megatrain_jax.engine.passes import Pass, PassRunner, device_batches
 from megatrain_jax.engine.precision import streamed_dtype
 from megatrain_jax.engine.schedule import eval_ops, norm_ops, step_ops
 from megatrain_jax.engine.step_clock import StepClock
-from megatrain_jax.engine.transfer import Placement, local_value
+from megatrain_jax.engine.transfer import Placement, local_rows, local_value
 from megatrain_jax.engine.update.disk_tier import DiskTier
 from megatrain_jax.engine.update.policy import NonFiniteError, UpdatePolicy
+from megatrain_jax.loss import DPO, NextToken, Objective, pair_metrics
 from megatrain_jax.optim import check_partwise
 
 __all__ = ["DeviceOutOfMemoryError", "Engine", "EngineConfig", "NonFiniteError", "StepOutput"]
@@ -51,16 +53,20 @@ class StepOutput:
     tokens: int
     dispatch_s: float  # host time spent issuing the step's work
     aux_loss: jax.Array | None = None  # a routed model's load-balancing loss, included in ``loss``
+    pair_stats: jax.Array | None = None  # a pair objective's summed statistics (``megatrain_jax.loss.DPO.stats``)
 
     def resolve(self) -> dict[str, float]:
         """The step's metrics as numbers; a routed model's also give ``aux_loss`` (the load-balancing term of
-        ``loss``) and ``lm_loss`` (``loss`` without it: the next-token loss)."""
+        ``loss``) and ``lm_loss`` (``loss`` without it: the next-token loss); preference training's give the
+        rewards of its pairs (``megatrain_jax.loss.pair_metrics``)."""
         loss, norm = float(local_value(self.loss)), float(local_value(self.grad_norm))
         out = {"step": self.step, "loss": loss, "grad_norm": norm, "tokens": self.tokens,
                "dispatch_s": self.dispatch_s, "skipped": not (math.isfinite(loss) and math.isfinite(norm))}
         if self.aux_loss is not None:
             aux = float(local_value(self.aux_loss))
             out.update(aux_loss=aux, lm_loss=loss - aux)
+        if self.pair_stats is not None:
+            out.update(pair_metrics(local_value(self.pair_stats)))
         return out
 
 
@@ -81,7 +87,7 @@ class Engine:
     def __init__(self, model: nnx.Module, optimizer: optax.GradientTransformation,
                  config: EngineConfig = EngineConfig(), *, seed: int = 0,
                  devices: Sequence[jax.Device] | Mesh | None = None, placement: Placement | None = None,
-                 init_from=None):
+                 init_from=None, objective: Objective = NextToken()):
         enable_compilation_cache()  # per-user persistent cache, unless configured otherwise (_environment)
         for field in ("resident_layers", "kept_layers"):
             if getattr(config, field) == AUTO:
@@ -114,7 +120,10 @@ class Engine:
         self._observers: list = []
         self.policy = UpdatePolicy(optimizer, self.placement, stream_dtype, config, self._observers,
                                    split=() if config.norm_first else roles.splitting(config.split_parts))
-        self.fns = device_fns(self.lm, self.placement)
+        if not isinstance(objective, (NextToken, DPO)):
+            raise TypeError(f"objective must be megatrain_jax.loss.NextToken() or DPO(...), got {objective!r}")
+        self.objective = objective
+        self.fns = device_fns(self.lm, self.placement, objective)
         self.state = initial_state(model, self.placement, nnx.Rngs(seed).params(), self.policy.opt.fresh,
                                    self.policy.opt.home, init_from=init_from)
         for part in self.state.ids():
@@ -149,6 +158,27 @@ class Engine:
         """Raise ValueError saying what to fix unless ``batch`` fits the model and the micro-batching."""
         check_batch(batch, self.lm.vocab_size, self.lm.max_positions, self.lm.segments_per_row)
         self.cfg.check_rows(batch.shape[0], len(self.placement.local_devices))
+        if self.objective.pairs:
+            self.check_pairs(batch)
+
+    def check_pairs(self, batch: Batch) -> None:
+        """A pair objective's batch (``DPO``): each micro-batch of each device holds whole (chosen, rejected)
+        pairs, each row has its reference log-probability, and each has response tokens to score."""
+        devices = len(self.placement.local_devices)
+        per = batch.shape[0] // (self.cfg.micro_batches * devices)
+        if per % 2:
+            raise ValueError(f"preference training takes rows in (chosen, rejected) pairs, and each of the "
+                             f"{self.cfg.micro_batches} micro-batch(es) on each of {devices} device(s) must hold "
+                             f"whole pairs: {batch.shape[0]} rows give {per} per micro-batch; use a batch size "
+                             f"divisible by {2 * self.cfg.micro_batches * devices}")
+        if batch.ref_logps is None:
+            raise ValueError("preference training needs each row's reference log-probability (Batch.ref_logps): "
+                             "compute them once before training with Engine.row_logps on the untrained model")
+        mask = np.ones(batch.shape) if batch.loss_mask is None else np.asarray(batch.loss_mask)
+        empty = np.flatnonzero(mask.sum(axis=1) == 0)
+        if empty.size:
+            raise ValueError(f"row {int(empty[0])} of a preference batch has no response token in its loss_mask "
+                             f"({empty.size} such rows): every chosen and rejected row needs one")
 
     def step(self, batches: Batch | Sequence[Batch]) -> StepOutput:
         batches = [batches] if isinstance(batches, Batch) else list(batches)
@@ -158,15 +188,17 @@ class Engine:
         self.last_seq_len = batches[0].shape[1]
         self._home_at = None  # the resident parts change on the device from here on
         t0 = time.perf_counter()
-        losses, auxes = [], []
+        losses, auxes, pair_stats = [], [], []
         self._runner.begin_step()
         try:
             for j, batch in enumerate(batches):
                 micro = device_batches(self.placement, batch.filled(), self.cfg.micro_batches)
                 n, m, depth, offload = (self.lm.n_blocks, self.cfg.micro_batches, self.cfg.prefetch_depth,
                                         self.cfg.offload_activations)
+                pairs = sum(b.inputs.shape[0] for b in micro) // 2 if self.objective.pairs else 0
                 new_pass = functools.partial(
                     Pass, micro, self.fns.inv_count([b.loss_mask for b in micro]), accumulate=j > 0,
+                    inv_pairs=jnp.float32(1.0 / pairs) if pairs else None,
                     last=j == len(batches) - 1, keep_residuals=self.cfg.keep_residuals,
                     kept_from=n - self.cfg.kept_layers if self.cfg.kept_layers else None)
                 p = new_pass()
@@ -178,6 +210,7 @@ class Engine:
                     self._runner.run(p, step_ops(n, m, depth, update=p.last, offload=offload))
                 losses.append(sum(p.losses))
                 auxes.append(p.aux)
+                pair_stats.append(p.pair_stats)
         except DeviceOutOfMemoryError as err:
             err.step = int(self.state.step)
             err.add_note(f"step {err.step + 1} ran out of {err.memory} in {err.phase} " + (
@@ -187,8 +220,9 @@ class Engine:
         self.state.step += 1
         tokens = sum(b.tokens for b in batches) * self.placement.processes  # each process feeds its own rows
         aux = None if auxes[0] is None else sum(auxes) / len(auxes)
+        stats = None if pair_stats[0] is None else sum(pair_stats)
         return StepOutput(self.state.step, sum(losses) / len(losses), self._runner.decision.norm, tokens,
-                          time.perf_counter() - t0, aux)
+                          time.perf_counter() - t0, aux, stats)
 
     def steps(self, data: Iterable[Batch]) -> Iterator[dict[str, float]]:
         """Run a step per ``accumulate_steps`` batches of ``data``; yield metrics one step late. A step's
@@ -241,8 +275,24 @@ class Engine:
     def eval_nll(self, batches: Sequence[Batch]) -> tuple[float, float]:
         """The summed masked next-token loss of the current parameters over ``batches`` and the number of
         tokens it counts, streamed like training's forward (no gradients, no update)."""
-        self.sync()  # host updates may run in place on the worker: read the parameters once they are done
         nll = count = 0.0
+        for micro, p in self._evaluated(batches, per_row=False):
+            nll += float(local_value(sum(p.losses)))
+            count += float(local_value(self.fns.mask_sum([m.loss_mask for m in micro])))
+        return nll, count
+
+    def row_logps(self, batches: Sequence[Batch]) -> np.ndarray:
+        """Each row's summed log-probability of its masked targets under the current parameters (float32, the
+        rows of ``batches`` in order), streamed like evaluation: preference training's reference pass
+        (``Batch.ref_logps``), run once on the untrained model."""
+        out = [-np.asarray(local_rows(x), np.float32) for _, p in self._evaluated(batches, per_row=True)
+               for x in p.losses]
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
+
+    def _evaluated(self, batches: Sequence[Batch], per_row: bool) -> Iterator[tuple[list[Batch], Pass]]:
+        """Each batch's forward with the current parameters: its micro-batches and the evaluation pass that
+        ran over them (``Pass.losses``: the micro-batches' summed NLLs, or with ``per_row`` each row's)."""
+        self.sync()  # host updates may run in place on the worker: read the parameters once they are done
         devices = len(self.placement.local_devices)
         for batch in batches:
             check_batch(batch, self.lm.vocab_size, self.lm.max_positions, self.lm.segments_per_row)
@@ -251,11 +301,9 @@ class Engine:
                                  f"devices of this process; use a batch size divisible by {devices}")
             n_micro = self.cfg.micro_batches if self.cfg.splits(batch.shape[0], devices) else 1
             micro = device_batches(self.placement, batch.filled(), n_micro)
-            p = Pass(micro, keep_inputs=False)
+            p = Pass(micro, keep_inputs=False, per_row=per_row)
             self._runner.run(p, eval_ops(self.lm.n_blocks, n_micro, self.cfg.prefetch_depth))
-            nll += float(local_value(sum(p.losses)))
-            count += float(local_value(self.fns.mask_sum([m.loss_mask for m in micro])))
-        return nll, count
+            yield micro, p
 
     # ------------------------------------------------------------------ reading and restoring state
     def sync(self) -> None:

@@ -51,6 +51,9 @@ class Pass:
     stats: Any = None  # the routed blocks' statistics summed over them and micro-batches (an auxiliary loss's input)
     d_stats: Any = None  # the auxiliary loss's gradient with respect to them
     aux: Any = None  # the auxiliary (load-balancing) loss, also a term of ``losses``
+    pair_stats: Any = None  # a pair objective's statistics (``DPO.stats``) summed over the micro-batches
+    inv_pairs: Any = None  # a pair objective's 1 / the pairs of the whole batch (instead of ``inv_count``)
+    per_row: bool = False  # evaluation: each row's summed NLL (``row_nll``) instead of the batch's sum
     stores: list = dataclasses.field(default_factory=list)  # offloaded activations whose copies may be queued
 
     def take_grads(self, part: PartId) -> Any:
@@ -209,8 +212,14 @@ class PassRunner:
         if self.fns.routed and op.micro == 0:  # every forward has run (layer-major): the auxiliary loss
             p.aux, p.d_stats = self.fns.aux(p.stats)
             p.losses.append(p.aux)
-        (loss, dx, p.io_grads), p.params[IO] = self.fns.head(p.params[IO], p.acts[self.n_blocks][op.micro],
-                                                             b.targets, b.loss_mask, p.inv_count, p.io_grads)
+        x = p.acts[self.n_blocks][op.micro]
+        if self.fns.objective.pairs:
+            (loss, stats, dx, p.io_grads), p.params[IO] = self.fns.head_pairs(
+                p.params[IO], x, b.targets, b.loss_mask, b.ref_logps, p.inv_pairs, p.io_grads)
+            p.pair_stats = stats if p.pair_stats is None else p.pair_stats + stats
+        else:
+            (loss, dx, p.io_grads), p.params[IO] = self.fns.head(p.params[IO], x, b.targets, b.loss_mask,
+                                                                 p.inv_count, p.io_grads)
         p.losses.append(loss)
         p.dy.append(dx)
         if op.micro == len(p.batches) - 1:
@@ -268,10 +277,10 @@ class PassRunner:
         return p.io_grads
 
     def loss(self, p: Pass, op: Op):
-        """Evaluation: the summed masked NLL of one micro-batch."""
+        """Evaluation: the summed masked NLL of one micro-batch (``per_row``: of each of its rows)."""
         b = p.batches[op.micro]
-        out, p.params[IO] = self.fns.nll_sum(p.params[IO], p.acts[self.n_blocks][op.micro], b.targets,
-                                             b.loss_mask)
+        nll = self.fns.row_nll if p.per_row else self.fns.nll_sum
+        out, p.params[IO] = nll(p.params[IO], p.acts[self.n_blocks][op.micro], b.targets, b.loss_mask)
         p.losses.append(out)
         return out
 

@@ -197,6 +197,17 @@ def local_value(x: Any) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def local_rows(x: jax.Array) -> np.ndarray:
+    """This process's rows of an array spread by row over the devices (``Placement.rows``), in order: the
+    whole array with one process."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    starts = dict.fromkeys(s.index[0].start or 0 for s in shards)  # a row held by several devices: once
+    first = {s.index[0].start or 0: s for s in reversed(shards)}
+    return np.concatenate([np.asarray(first[k].data) for k in starts])
+
+
 def _index_key(index: tuple, shape: tuple) -> tuple:
     """A hashable form of an index into an array of ``shape``: ``((start, stop), ...)`` per axis."""
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
