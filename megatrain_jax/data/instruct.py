@@ -32,7 +32,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 
@@ -137,11 +137,21 @@ class ChatTokenizer:
     def encode(self, example: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and the per-target loss mask of a validated example (see ``parse_line``)."""
         if "messages" in example:
-            text, spans = self._conversation(example["messages"])
+            return self.encode_completion([], example["messages"])
+        return self.encode_completion(example["prompt"], example["completion"])
+
+    def encode_completion(self, prompt: str | list[dict[str, str]], completion: str | list[dict[str, str]]
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and the per-target loss mask of ``prompt`` followed by ``completion``, the loss on the
+        completion only: messages rendered with the chat template as one conversation (the completion's
+        assistant turns with their end-of-turn markers carry loss, the prompt's do not), or strings (the
+        completion and the end-of-sequence token carry loss, no template)."""
+        if isinstance(completion, list):
+            text, spans = self._conversation(list(prompt) + completion, learn_from=len(prompt))
         else:
             eos = self.special.get("eos_token") or ""
-            text = example["prompt"] + example["completion"] + eos
-            spans = [(len(example["prompt"]), len(text))]
+            text = prompt + completion + eos
+            spans = [(len(prompt), len(text))]
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         ids = np.asarray(enc.ids, np.int32)
         offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)  # each token's characters [start, end)
@@ -150,11 +160,13 @@ class ChatTokenizer:
             learn |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
         return ids, learn[1:].astype(np.float32)
 
-    def _conversation(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    def _conversation(self, messages: list[dict[str, str]], learn_from: int = 0) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character spans of its assistant turns from message
+        ``learn_from`` on."""
         full = self.render(messages)
         spans = []
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or i < learn_from:
                 continue
             start = self.render(messages[:i], add_generation_prompt=True)
             end = self.render(messages[:i + 1])
@@ -200,35 +212,46 @@ def _compile(source: str, template_file: str):
 
 
 # ---------------------------------------------------------------------------------------------- files
-def parse_line(text: str, where: str) -> dict[str, Any]:
-    """One JSONL line checked: a ``messages`` list of known roles with string contents and at least one
-    assistant turn, or a ``prompt`` and a ``completion`` string. ``where`` is ``file:line`` for errors."""
+def json_object(text: str, where: str) -> dict[str, Any]:
+    """One JSONL line's object; InstructDataError naming ``where`` (``file:line``) for anything else."""
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise InstructDataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise InstructDataError(f"{where}: each line must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def check_messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
+    """A line's ``key``: a non-empty list of messages of known roles with string contents, returned as plain
+    ``{role, content}`` dicts; InstructDataError naming ``where`` and the message otherwise."""
+    if not isinstance(value, list) or not value:
+        raise InstructDataError(f"{where}: {key!r} must be a non-empty list of {{role, content}} objects")
+    for k, m in enumerate(value):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise InstructDataError(f"{where}: {key}[{k}] needs a 'role' and a 'content'")
+        if m["role"] not in ROLES:
+            raise InstructDataError(f"{where}: {key}[{k}] has the unknown role {m['role']!r}; roles are {list(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise InstructDataError(f"{where}: {key}[{k}].content must be a string")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def parse_line(text: str, where: str) -> dict[str, Any]:
+    """One JSONL line checked: a ``messages`` list of known roles with string contents and at least one
+    assistant turn, or a ``prompt`` and a ``completion`` string. ``where`` is ``file:line`` for errors."""
+    obj = json_object(text, where)
     both = sorted({"prompt", "completion"} & obj.keys())
     if "messages" in obj and both:  # which one the author meant cannot be told
         raise InstructDataError(f"{where}: the line has both 'messages' and {' and '.join(map(repr, both))}; keep one "
                                 f"form: 'messages' (a conversation, rendered with the chat template) or 'prompt' and "
                                 f"'completion' (no template), and remove the other's keys")
     if "messages" in obj:
-        messages = obj["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise InstructDataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
-        for k, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise InstructDataError(f"{where}: messages[{k}] needs a 'role' and a 'content'")
-            if m["role"] not in ROLES:
-                raise InstructDataError(f"{where}: messages[{k}] has the unknown role {m['role']!r}; roles are "
-                                        f"{list(ROLES)}")
-            if not isinstance(m["content"], str):
-                raise InstructDataError(f"{where}: messages[{k}].content must be a string")
+        messages = check_messages(obj["messages"], where, "messages")
         if not any(m["role"] == "assistant" for m in messages):
             raise InstructDataError(f"{where}: the conversation has no assistant turn, so nothing to learn")
-        return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+        return {"messages": messages}
     if "prompt" in obj or "completion" in obj:
         for key in ("prompt", "completion"):
             if not isinstance(obj.get(key), str):
@@ -244,38 +267,51 @@ def read_examples(path: str | os.PathLike, tokenizer: ChatTokenizer, seq_len: in
     that length (``truncate``) or left out (``skip``); either way they are counted in the stats, as are
     examples left without a token to learn. Raises InstructDataError naming the line for anything else,
     and when no example is left."""
+    lines, stats = read_tokenized(path, lambda text, where: [tokenizer.encode(parse_line(text, where))], seq_len,
+                                  too_long, "example", "assistant token")
+    return [Example(ids, mask, line) for line, [(ids, mask)] in lines], stats
+
+
+def read_tokenized(path: str | os.PathLike, encode: Callable[[str, str], list[tuple[np.ndarray, np.ndarray]]],
+                   seq_len: int, too_long: TooLong, what: str, learned: str) -> tuple[list[tuple[int, list]], Stats]:
+    """Every non-blank line of ``path`` as ``(line number, its token sequences)``: ``encode(text, 'file:line')``
+    gives a line's sequences (ids and loss mask each: one example, or a pair's two sides). A line with a sequence
+    over ``seq_len + 1`` tokens has them all cut to that length (``truncate``) or is left out (``skip``); a line
+    with a sequence left without a ``learned`` token is left out; both counted. InstructDataError names the line
+    of any error, and says when no ``what`` is left."""
     if too_long not in ("truncate", "skip"):
         raise ValueError(f"too_long must be 'truncate' or 'skip', got {too_long!r}")
     path = Path(path)
     if not path.exists():
         raise InstructDataError(f"{path} does not exist")
-    examples, stats = [], Stats()
-    for line_no, text in _lines(path):
+    out, stats = [], Stats()
+    for line_no, text in read_lines(path):
         where = f"{path}:{line_no}"
-        example = parse_line(text, where)
         try:
-            ids, mask = tokenizer.encode(example)
+            sequences = encode(text, where)
         except InstructDataError as e:
-            raise InstructDataError(f"{where}: {e}") from None
-        if len(ids) > seq_len + 1:
+            raise InstructDataError(e.args[0] if e.args[0].startswith(where) else f"{where}: {e}") from None
+        if max(len(ids) for ids, _ in sequences) > seq_len + 1:
             if too_long == "skip":
                 stats.skipped_too_long += 1
                 continue
-            ids, mask = ids[:seq_len + 1], mask[:seq_len]
+            sequences = [(ids[:seq_len + 1], mask[:seq_len]) for ids, mask in sequences]
             stats.truncated += 1
-        if not mask.any():
+        if not all(mask.any() for _, mask in sequences):
             stats.skipped_no_loss += 1
             continue
-        examples.append(Example(ids, mask, line_no))
+        out.append((line_no, sequences))
         stats.kept += 1
-    if not examples:
-        raise InstructDataError(f"{path}: no usable example (lines read: {stats.skipped_too_long} too long and "
-                                f"skipped, {stats.skipped_no_loss} with no assistant token left after truncation)"
-                                if stats.skipped_too_long or stats.skipped_no_loss else f"{path} has no examples")
-    return examples, stats
+    if not out:
+        raise InstructDataError(f"{path}: no usable {what} (lines read: {stats.skipped_too_long} too long and "
+                                f"skipped, {stats.skipped_no_loss} with no {learned} left after truncation)"
+                                if stats.skipped_too_long or stats.skipped_no_loss else f"{path} has no {what}s")
+    return out, stats
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
+def read_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of a UTF-8 text file with their numbers (from 1); InstructDataError naming the line
+    for bytes that are not UTF-8."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             try:

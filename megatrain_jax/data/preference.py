@@ -1,0 +1,164 @@
+"""Preference data for DPO (``megatrain_jax.loss.DPO``): JSONL pairs of a chosen and a rejected response to one
+prompt, tokenized with a checkpoint's own tokenizer and chat template (``instruct.ChatTokenizer``), and batched
+as the engine's pair objective takes them: row ``2i`` the prompt with the chosen response, row ``2i + 1`` with
+the rejected one, the loss mask on the response's tokens only.
+
+Line formats, one JSON object per line (TRL's preference formats):
+
+- ``{"prompt": "...", "chosen": "...", "rejected": "..."}``: plain text, no template; each response is
+  followed by the end-of-sequence token, which carries loss with it;
+- ``{"prompt": [messages], "chosen": [messages], "rejected": [messages]}``: a conversation and each
+  response's turns (ending with an assistant turn), rendered with the chat template as one conversation;
+- ``{"chosen": [messages], "rejected": [messages]}``: two whole conversations; their common first messages
+  are the prompt (the implicit prompt), the rest each response.
+
+Every problem names the file and line. A pair longer than ``seq_len + 1`` tokens on either side is cut to that
+length on both (``truncate``) or left out (``skip``), and counted; a pair left without a response token on
+either side is left out and counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Iterator
+
+import numpy as np
+
+from megatrain_jax.batch import Batch
+from megatrain_jax.data.instruct import (ChatTokenizer, InstructDataError, Stats, TooLong, check_messages, json_object,
+                                        read_tokenized)
+
+SIDES = ("chosen", "rejected")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """One tokenized pair: each side's ``ids`` [n] and ``loss_mask`` [n - 1] (as ``instruct.Example``)."""
+
+    chosen: tuple[np.ndarray, np.ndarray]
+    rejected: tuple[np.ndarray, np.ndarray]
+    line: int
+
+
+def parse_preference_line(text: str, where: str) -> dict[str, Any]:
+    """One JSONL line checked and put in one form: ``prompt``, ``chosen`` and ``rejected``, all strings or all
+    message lists (an implicit prompt split off). ``where`` is ``file:line`` for errors."""
+    obj = json_object(text, where)
+    missing = [k for k in SIDES if k not in obj]
+    if missing:
+        raise InstructDataError(f"{where}: a preference line needs 'chosen' and 'rejected' (and a 'prompt', unless "
+                                f"both are whole conversations); missing {missing}, found keys {sorted(obj)}")
+    if all(isinstance(obj.get(k), str) for k in ("prompt", *SIDES)):
+        return {"prompt": obj["prompt"], "chosen": obj["chosen"], "rejected": obj["rejected"]}
+    if any(isinstance(obj.get(k), str) for k in ("prompt", *SIDES)):
+        raise InstructDataError(f"{where}: 'prompt', 'chosen' and 'rejected' must all be strings (plain text) or all "
+                                f"message lists (a conversation), not a mix")
+    chosen, rejected = (check_messages(obj[k], where, k) for k in SIDES)
+    if "prompt" in obj:
+        prompt = check_messages(obj["prompt"], where, "prompt")
+    else:  # the implicit prompt: the messages both conversations begin with
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        if not prompt:
+            raise InstructDataError(f"{where}: 'chosen' and 'rejected' share no first message, so the prompt cannot "
+                                    f"be told apart: give a 'prompt' of its own")
+    for key, side in (("chosen", chosen), ("rejected", rejected)):
+        if not side or side[-1]["role"] != "assistant":
+            raise InstructDataError(f"{where}: the {key} response must end with an assistant message (after the "
+                                    f"prompt); it has {[m['role'] for m in side] or 'no message'}")
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def read_pairs(path: str | os.PathLike, tokenizer: ChatTokenizer, seq_len: int,
+               too_long: TooLong = "truncate") -> tuple[list[Pair], Stats]:
+    """Every line of ``path`` checked and tokenized (see the module's docstring); raises InstructDataError naming
+    the line, and when no pair is left."""
+    def encode(text: str, where: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        example = parse_preference_line(text, where)
+        return [tokenizer.encode_completion(example["prompt"], example[k]) for k in SIDES]
+    lines, stats = read_tokenized(path, encode, seq_len, too_long, "pair", "response token")
+    return [Pair(chosen, rejected, line) for line, (chosen, rejected) in lines], stats
+
+
+class PreferenceData:
+    """Tokenized pairs as the engine's batches: ``batch_rows`` rows (``batch_rows / 2`` pairs) of ``seq_len``
+    tokens, each side padded after its end with token ``pad_id`` and loss 0.
+
+    ``ordered(batch_rows)``: one pass over every pair in order (the reference pass, ``Engine.row_logps``; the
+    last batch is filled with the first pairs again, whose rows the caller drops: ``reference_logps``).
+    ``batches(batch_rows, seed, ref_logps)``: the training stream, shuffled by ``seed`` and repeated, each batch
+    with its rows' reference log-probabilities from ``ref_logps`` [pairs, 2]."""
+
+    def __init__(self, pairs: list[Pair], seq_len: int, pad_id: int = 0):
+        if not pairs:
+            raise ValueError("PreferenceData needs at least one pair")
+        self.pairs, self.seq_len, self.pad_id = list(pairs), seq_len, pad_id
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def split(self, eval_fraction: float) -> tuple["PreferenceData", "PreferenceData | None"]:
+        """The first pairs for training and the last ``eval_fraction`` of them held out (None where 0)."""
+        if not 0.0 <= eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must lie in [0, 1), got {eval_fraction}")
+        if eval_fraction == 0.0:
+            return self, None
+        held = max(1, int(round(eval_fraction * len(self.pairs))))
+        if held >= len(self.pairs):
+            raise ValueError(f"eval_fraction={eval_fraction} of {len(self.pairs)} pairs leaves none to train on: use a "
+                             f"smaller eval_fraction or more data")
+        cut = len(self.pairs) - held
+        return (PreferenceData(self.pairs[:cut], self.seq_len, self.pad_id),
+                PreferenceData(self.pairs[cut:], self.seq_len, self.pad_id))
+
+    def batch(self, indices: np.ndarray, ref_logps: np.ndarray | None = None) -> Batch:
+        """The pairs ``indices`` as one batch (chosen, rejected, chosen, ...)."""
+        T = self.seq_len
+        inputs = np.full((2 * len(indices), T), self.pad_id, np.int32)
+        targets = np.full((2 * len(indices), T), self.pad_id, np.int32)
+        mask = np.zeros((2 * len(indices), T), np.float32)
+        for r, (i, side) in enumerate((int(i), side) for i in indices for side in SIDES):
+            ids, loss = getattr(self.pairs[i], side)
+            n = len(ids) - 1
+            inputs[r, :n], targets[r, :n], mask[r, :n] = ids[:-1], ids[1:], loss
+        ref = None if ref_logps is None else np.asarray(ref_logps, np.float32)[np.asarray(indices)].reshape(-1)
+        return Batch(inputs, targets, loss_mask=mask, ref_logps=ref)
+
+    def ordered(self, batch_rows: int) -> Iterator[Batch]:
+        per = _pairs_per_batch(batch_rows)
+        order = np.arange(len(self.pairs))
+        for start in range(0, len(order), per):
+            chunk = order[start:start + per]
+            if len(chunk) < per:  # the last batch filled with the first pairs again (their rows are dropped)
+                chunk = np.concatenate([chunk, np.resize(order, per - len(chunk))])
+            yield self.batch(chunk)
+
+    def batches(self, batch_rows: int, seed: int, ref_logps: np.ndarray) -> Iterator[Batch]:
+        ref_logps = np.asarray(ref_logps, np.float32)
+        if ref_logps.shape != (len(self.pairs), 2):
+            raise ValueError(f"ref_logps must hold [pairs, 2] = [{len(self.pairs)}, 2] reference log-probabilities "
+                             f"(reference_logps of these pairs), got shape {ref_logps.shape}")
+        per = _pairs_per_batch(batch_rows)
+        rng = np.random.default_rng(seed)
+        pool: list[int] = []
+        while True:
+            while len(pool) < per:
+                pool += rng.permutation(len(self.pairs)).tolist()
+            chunk, pool = np.asarray(pool[:per]), pool[per:]
+            yield self.batch(chunk, ref_logps)
+
+
+def _pairs_per_batch(batch_rows: int) -> int:
+    if batch_rows < 2 or batch_rows % 2:
+        raise ValueError(f"a preference batch holds (chosen, rejected) pairs: batch_size must be even, got {batch_rows}")
+    return batch_rows // 2
+
+
+def reference_logps(engine, data: PreferenceData, batch_rows: int) -> np.ndarray:
+    """Every pair's chosen and rejected summed log-probability under ``engine``'s current parameters (the
+    untrained policy: the reference model), [pairs, 2], in one streamed pass (``Engine.row_logps``)."""
+    rows = engine.row_logps(data.ordered(batch_rows))
+    return rows[:2 * len(data)].reshape(len(data), 2)

@@ -1,0 +1,129 @@
+"""Preference data for DPO (``megatrain_jax.data.preference``): the three line formats through a checkpoint's own
+tokenizer and chat template, the loss on each response only, pairs as adjacent rows, an error naming the line
+for each bad input, and a run from a JSONL file through the reference pass to training steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("jinja2")
+
+from megatrain_jax import DPO, Decoder, Engine, EngineConfig, preset  # noqa: E402
+from megatrain_jax.data.instruct import ChatTokenizer, InstructDataError  # noqa: E402
+from megatrain_jax.data.preference import PreferenceData, read_pairs, reference_logps  # noqa: E402
+
+from test_instruct import make_tokenizer_folder, write_jsonl  # noqa: E402
+
+PLAIN = {"prompt": "what is two plus two? ", "chosen": "four.", "rejected": "the lazy dog."}
+CHAT = {"prompt": [{"role": "user", "content": "what is two plus two?"}],
+        "chosen": [{"role": "assistant", "content": "four."}],
+        "rejected": [{"role": "assistant", "content": "the fox."}]}
+IMPLICIT = {"chosen": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "and the fox?"},
+                       {"role": "assistant", "content": "it jumps."}],
+            "rejected": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "and the fox?"},
+                         {"role": "assistant", "content": "hello world."}]}
+MULTI_TURN = {"prompt": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello world"},
+                         {"role": "user", "content": "what is two plus two?"}],
+              "chosen": [{"role": "assistant", "content": "four."}],
+              "rejected": [{"role": "assistant", "content": "cheese."}]}
+
+
+@pytest.fixture(scope="module")
+def chatml(tmp_path_factory):
+    return ChatTokenizer.from_folder(make_tokenizer_folder(tmp_path_factory.mktemp("tok")))
+
+
+def learned(tok, ids, mask) -> str:
+    return tok.tokenizer.decode([int(t) for t, m in zip(ids[1:], mask) if m], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("line,chosen,rejected", [
+    (PLAIN, "four.</s>", "the lazy dog.</s>"),
+    (CHAT, "four.<|im_end|>\n", "the fox.<|im_end|>\n"),
+    (IMPLICIT, "it jumps.<|im_end|>\n", "hello world.<|im_end|>\n"),
+    (MULTI_TURN, "four.<|im_end|>\n", "cheese.<|im_end|>\n"),
+], ids=["plain", "chat", "implicit-prompt", "multi-turn-prompt"])
+def test_only_each_response_carries_loss(chatml, tmp_path, line, chosen, rejected):
+    """The prompt (a multi-turn prompt's assistant turn too) carries no loss; each response and its end marker
+    do; both rows of a pair begin with the same prompt tokens."""
+    pairs, stats = read_pairs(write_jsonl(tmp_path / "p.jsonl", [line]), chatml, seq_len=128)
+    assert stats.kept == 1 and pairs[0].line == 1
+    (ci, cm), (ri, rm) = pairs[0].chosen, pairs[0].rejected
+    # (a token is learned if any of its characters is the response's: BPE may join the prompt's last space to it)
+    assert learned(chatml, ci, cm).lstrip() == chosen and learned(chatml, ri, rm).lstrip() == rejected
+    start = int(np.argmax(cm))  # the first learned target: the tokens before it are the prompt's
+    np.testing.assert_array_equal(ci[:start], ri[:start])
+
+
+def test_pairs_become_adjacent_padded_rows_with_their_reference_values(chatml, tmp_path):
+    pairs, _ = read_pairs(write_jsonl(tmp_path / "p.jsonl", [PLAIN, CHAT, IMPLICIT]), chatml, seq_len=64)
+    data = PreferenceData(pairs, seq_len=64, pad_id=3)
+    ref = np.arange(6, dtype=np.float32).reshape(3, 2)
+    b = data.batch(np.array([2, 0]), ref)
+    assert b.shape == (4, 64) and b.ref_logps.tolist() == [4.0, 5.0, 0.0, 1.0]
+    ids, mask = pairs[2].rejected
+    n = len(ids) - 1
+    np.testing.assert_array_equal(b.inputs[1, :n], ids[:-1])
+    np.testing.assert_array_equal(b.loss_mask[1, :n], mask)
+    assert (b.inputs[1, n:] == 3).all() and (b.loss_mask[1, n:] == 0).all()
+    ordered = list(data.ordered(4))  # 3 pairs in batches of 2: the last filled with the first pair again
+    assert len(ordered) == 2 and np.array_equal(ordered[1].inputs[2:], ordered[0].inputs[:2])
+    stream = data.batches(4, seed=0, ref_logps=ref)
+    seen = [next(stream).ref_logps for _ in range(3)]  # one permutation of the 3 pairs, then the next
+    assert sorted(np.concatenate(seen)[:6].tolist()) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    with pytest.raises(ValueError, match="ref_logps must hold \\[pairs, 2\\] = \\[3, 2\\]"):
+        next(data.batches(4, seed=0, ref_logps=np.zeros(6)))
+    with pytest.raises(ValueError, match="batch_size must be even"):
+        next(data.ordered(3))
+    train, held = data.split(0.34)
+    assert len(train) == 2 and len(held) == 1 and held.pairs[0] is pairs[2]
+
+
+@pytest.mark.parametrize("line,match", [
+    ('{"prompt": "a", "chosen": "b"', "p.jsonl:2: not valid JSON"),
+    ({"prompt": "a", "chosen": "b"}, "p.jsonl:2: a preference line needs 'chosen' and 'rejected'"),
+    ({"prompt": "a", "chosen": "b", "rejected": [{"role": "assistant", "content": "c"}]}, "must all be strings .* not a mix"),
+    ({"chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+      "rejected": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "y"}]}, "share no first message"),
+    ({"prompt": [{"role": "user", "content": "x"}], "chosen": [{"role": "user", "content": "y"}],
+      "rejected": [{"role": "assistant", "content": "z"}]}, "chosen response must end with an assistant message"),
+    ({"prompt": [{"role": "robot", "content": "x"}], "chosen": [{"role": "assistant", "content": "y"}],
+      "rejected": [{"role": "assistant", "content": "z"}]}, "prompt\\[0\\] has the unknown role 'robot'"),
+], ids=["json", "missing", "mixed", "no-common-prompt", "not-assistant", "role"])
+def test_a_bad_line_is_refused_naming_it(chatml, tmp_path, line, match):
+    with pytest.raises(InstructDataError, match=match):
+        read_pairs(write_jsonl(tmp_path / "p.jsonl", [PLAIN, line]), chatml, seq_len=64)
+
+
+def test_long_pairs_are_cut_or_skipped_and_counted(chatml, tmp_path):
+    long = dict(PLAIN, rejected="the quick brown fox jumps over the lazy dog " * 8)
+    path = write_jsonl(tmp_path / "p.jsonl", [PLAIN, long])
+    pairs, stats = read_pairs(path, chatml, seq_len=24)
+    assert stats.kept == 2 and stats.truncated == 1 and max(len(s[0]) for p in pairs for s in (p.chosen, p.rejected)) == 25
+    pairs, stats = read_pairs(path, chatml, seq_len=24, too_long="skip")
+    assert stats.kept == 1 and stats.skipped_too_long == 1
+    with pytest.raises(InstructDataError, match="no usable pair .* 1 too long and skipped"):
+        read_pairs(write_jsonl(tmp_path / "q.jsonl", [long]), chatml, seq_len=24, too_long="skip")
+
+
+def test_a_preference_file_trains_through_the_reference_pass(chatml, tmp_path):
+    """JSONL to tokens, the reference pass on the untrained model (one log-probability per side, the padded
+    last batch's extra rows dropped), then DPO steps on the engine: the first at log 2, the loss falling."""
+    lines = [PLAIN, CHAT, IMPLICIT, MULTI_TURN, dict(PLAIN, chosen="four!", rejected="cheese")]
+    pairs, stats = read_pairs(write_jsonl(tmp_path / "p.jsonl", lines), chatml, seq_len=48)
+    assert stats.kept == 5, stats
+    vocab = chatml.tokenizer.get_vocab_size(with_added_tokens=True)
+    engine = Engine(Decoder(preset("tiny", layers=2, vocab_size=vocab), rngs=nnx.Rngs(0)), optax.adamw(3e-3),
+                    EngineConfig(), objective=DPO(beta=0.5))
+    data = PreferenceData(pairs, seq_len=48)
+    ref = reference_logps(engine, data, batch_rows=4)
+    assert ref.shape == (5, 2) and np.all(ref < 0)
+    one = reference_logps(engine, PreferenceData(pairs[4:], seq_len=48), batch_rows=4)
+    np.testing.assert_allclose(one, ref[4:], rtol=1e-5)  # the same pair alone, in a batch of its own
+    stream = data.batches(4, seed=0, ref_logps=ref)
+    losses = [engine.step(next(stream)).resolve()["loss"] for _ in range(15)]
+    assert losses[0] == pytest.approx(np.log(2.0), rel=1e-5) and np.mean(losses[-3:]) < 0.6 * np.log(2.0)
