@@ -24,6 +24,7 @@ from megatrain_jax.engine.engine import Engine
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
 from megatrain_jax.engine.transfer import select_devices
 from megatrain_jax.flops import format_flops, model_flops_per_token
+from megatrain_jax.loss import NextToken, Objective
 from megatrain_jax.optim import adamw, decay_mask, learning_rate_of, schedule_value
 from megatrain_jax.train_config import TrainConfig
 
@@ -169,10 +170,11 @@ def _session(model: nnx.Module, train: TrainConfig, engine_cfg: EngineConfig, op
                              resume=resume, config=run_config, accumulate=engine_cfg.accumulate_steps)
 
 
-def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTransformation | None = None, *,
+def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[Batch]],
+        optimizer: optax.GradientTransformation | None = None, *,
         train: TrainConfig = TrainConfig(), engine: EngineConfig = EngineConfig(), hooks: Sequence[Hook] = (),
         write_back: bool = True, devices: Sequence[jax.Device] | Mesh | None = None, init_from=None,
-        on_start: Callable[[int], None] | None = None) -> History:
+        on_start: Callable[[int], None] | None = None, objective: Objective = NextToken()) -> History:
     """Train ``model`` (concrete, or abstract from ``nnx.eval_shape`` and initialized from ``train.seed``) on
     ``data``, an iterable of ``Batch``, for ``train.steps`` optimizer steps (or until the data ends).
 
@@ -183,7 +185,10 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
     gives an abstract model's initial weights part by part, straight into the engine's state. ``on_start(step)``
     is called once every check has passed (the checkpoint folder, the checkpoint to resume from and its model),
     before the engine is built and the model loaded; ``step`` is the step training starts from (the resumed
-    checkpoint's, else 0). Returns the metrics history; the
+    checkpoint's, else 0). ``objective``: the engine's loss (``megatrain_jax.loss``: next-token, or ``DPO``).
+    ``data`` may be a function of the engine, called once it is built with the initial weights and before a
+    resumed checkpoint is restored: preference training takes its reference log-probabilities there
+    (``data.preference.reference_logps``). Returns the metrics history; the
     trained parameters are written into ``model`` at the end unless ``write_back`` is False or the model
     is abstract (then read them from ``history.engine``). With checkpoints, saves happen when the engine's
     step is a multiple of ``checkpoint_every`` (the engine runs one step ahead of the metrics, so never at
@@ -209,7 +214,10 @@ def fit(model: nnx.Module, data: Iterable[Batch], optimizer: optax.GradientTrans
         if on_start is not None:
             on_start(start_step)
         eng = Engine(model, optimizer, engine, seed=train.seed,
-                     devices=devices if devices is not None else select_devices(train.devices), init_from=init_from)
+                     devices=devices if devices is not None else select_devices(train.devices), init_from=init_from,
+                     objective=objective)
+        if callable(data) and not hasattr(data, "__iter__"):  # a function of the engine with its initial weights
+            data = data(eng)
     except BaseException:
         if session is not None:
             session.close()

@@ -127,3 +127,45 @@ def test_a_preference_file_trains_through_the_reference_pass(chatml, tmp_path):
     stream = data.batches(4, seed=0, ref_logps=ref)
     losses = [engine.step(next(stream)).resolve()["loss"] for _ in range(15)]
     assert losses[0] == pytest.approx(np.log(2.0), rel=1e-5) and np.mean(losses[-3:]) < 0.6 * np.log(2.0)
+
+
+def test_train_runs_dpo_from_a_preference_file_and_resumes(tmp_path, capsys):
+    """``megatrain-jax train`` with ``[data] format = "preference"`` on the tiny HF folder of
+    scripts/make_tiny_hf.py: the reference pass on the loaded weights (written beside the run), DPO steps with
+    their rewards in metrics.jsonl, the export; a resumed run takes the same reference values (the initial weights,
+    before the checkpoint is restored) and ends where one run would."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from megatrain_jax.cli import main
+    script_path = Path(__file__).resolve().parents[1] / "scripts" / "make_tiny_hf.py"
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", script_path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main([str(tmp_path / "tiny"), "--examples", "4", "--steps", "4"]) == 0
+    chats = [json.loads(x)["messages"] for x in (tmp_path / "tiny" / "chat.jsonl").read_text().splitlines()]
+    lines = [{"prompt": m[:-1], "chosen": [m[-1]], "rejected": [{"role": "assistant", "content": "I do not know."}]}
+             for m in chats]
+    prefs = write_jsonl(tmp_path / "prefs.jsonl", lines)
+    common = ["--config", str(tmp_path / "tiny" / "sft.toml"), "data.format=preference", f"data.path={prefs}",
+              "data.mode=padded", "data.eval_fraction=0", "train.eval_every=0", "log.tensorboard=false",
+              "dpo.beta=0.5", "optimizer.warmup_steps=0", "optimizer.decay=constant"]
+
+    def run(name, steps, *extra):
+        status = main(["train", *common, f"train.run_dir={tmp_path / name}", f"train.steps={steps}",
+                       f"train.export_hf={tmp_path / f'{name}_{steps}_hf'}", *extra])
+        assert status == 0, capsys.readouterr().err
+        records = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in records if "loss" in r], np.load(tmp_path / name / "dpo_reference.npy")
+
+    whole, ref = run("whole", 4)
+    assert (tmp_path / "whole_4_hf" / "model.safetensors").exists()
+    assert ref.shape == (4, 2) and np.all(ref < 0)
+    assert whole[0]["loss"] == pytest.approx(np.log(2.0), rel=1e-5) and whole[0]["rewards_accuracy"] == 0.0
+    assert all("rewards_margin" in r for r in whole) and whole[-1]["rewards_margin"] > 0
+    ckpt = f"train.checkpoint_dir={tmp_path / 'ckpt'}"
+    run("first", 2, ckpt, "train.checkpoint_every=2")
+    resumed, ref2 = run("first", 4, ckpt, "train.checkpoint_every=2", "train.resume=true")
+    np.testing.assert_array_equal(ref2, ref)
+    assert [r["loss"] for r in resumed[-2:]] == pytest.approx([r["loss"] for r in whole[-2:]], rel=1e-6)

@@ -11,9 +11,10 @@ import megatrain_jax
 
 # megatrain_jax.__all__ on main before the package was split into engine/, plan/ and contract/ (24a7976), and
 # since issue 31 DeviceOutOfMemoryError (a step that ran out of GPU memory, and whether its update began), since
-# issue 34 from_hf and to_hf (a model from a Hugging Face folder and back, one call each).
-TOP = ["Batch", "ContractError", "Decoder", "DecoderConfig", "DeviceOutOfMemoryError", "Engine", "EngineConfig",
-       "History", "Hook", "LayeredModel", "ModelCheck", "NonFiniteError", "ReferenceTrainer", "StepInfo",
+# issue 34 from_hf and to_hf (a model from a Hugging Face folder and back, one call each), since issue 53 the
+# training objectives DPO and NextToken (preference training as the engine's loss).
+TOP = ["Batch", "ContractError", "DPO", "Decoder", "DecoderConfig", "DeviceOutOfMemoryError", "Engine", "EngineConfig",
+       "History", "Hook", "LayeredModel", "ModelCheck", "NextToken", "NonFiniteError", "ReferenceTrainer", "StepInfo",
        "StepOutput", "TrainConfig", "UnsupportedOptimizerError", "adamw", "check_model", "decay_mask",
        "default_optimizer", "eval_hook", "evaluate", "fit", "from_hf", "layered", "preset", "to_hf"]
 

@@ -11,11 +11,13 @@ import dataclasses
 import itertools
 import json
 import sys
+import time
 import tomllib
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import Callable, Iterable, TextIO
 
 import jax
+import numpy as np
 from flax import nnx
 
 from megatrain_jax import distributed
@@ -28,7 +30,9 @@ from megatrain_jax.cli.run_config import RunConfig, TrainSection, to_dict, to_to
 from megatrain_jax.cli.run_lock import RunLock
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
+from megatrain_jax.batch import Batch
 from megatrain_jax.fit import History, Hook, fit
+from megatrain_jax.loss import DPO, NextToken
 from megatrain_jax.hf.export_folder import check_target, tokenizer_files
 from megatrain_jax.models import Decoder
 from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
@@ -246,7 +250,7 @@ def checkpoint_for_export(t: TrainSection, several_processes: bool) -> tuple[Tra
 
 def _train(cfg: RunConfig, out: TextIO, say) -> History:
     t, d = cfg.train, cfg.data
-    if d.format == "chat" and d.tokenizer is None and cfg.model.hf_checkpoint is not None:
+    if d.format in ("chat", "preference") and d.tokenizer is None and cfg.model.hf_checkpoint is not None:
         d = dataclasses.replace(d, tokenizer=cfg.model.hf_checkpoint)  # the checkpoint's own tokenizer
         cfg = dataclasses.replace(cfg, data=d)
     run_dir = Path(t.run_dir)
@@ -287,9 +291,13 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     if pieces is not None and pieces < 1:
         raise ValueError(f"data.mode = 'packed' needs model.max_segments >= 2 (a row's padding counts as one "
                          f"segment), got {model_cfg.max_segments}")
-    data = d.build(model_cfg.vocab_size, max_pieces=pieces)
-    summary = d.chat_summary()
-    if summary is not None:  # instruction data: what tokenizing it kept and dropped, said and kept with the run
+    objective = NextToken()
+    if d.format == "preference":  # DPO: the reference pass on the initial weights, once the engine holds them
+        data, summary, objective = _preference_data(cfg, model_cfg, say)
+    else:
+        data = d.build(model_cfg.vocab_size, max_pieces=pieces)
+        summary = d.chat_summary()
+    if summary is not None and d.format == "chat":  # what tokenizing it kept and dropped, said and kept with the run
         say(f"  data: {summary['kept']:,} examples, {summary['tokens']:,} tokens from {summary['file']}; "
             f"{summary['truncated']:,} truncated to seq_len + 1 = {d.seq_len + 1} tokens, "
             f"{summary['skipped_too_long']:,} skipped as too long, {summary['skipped_no_loss']:,} skipped with no "
@@ -335,7 +343,7 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
 
     try:
         history = fit(model, data, optimizer, train=t.for_fit(), engine=cfg.engine, hooks=hooks, write_back=False,
-                      init_from=init_from, on_start=started)
+                      init_from=init_from, on_start=started, objective=objective)
     except DeviceOutOfMemoryError as err:
         err.add_note(_out_of_memory_advice(memory, err, t.for_fit().checkpointing, given))
         raise
@@ -355,6 +363,31 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
 
     _finish(history, cfg, model_cfg, say)
     return history
+
+
+def _preference_data(cfg: RunConfig, model_cfg, say) -> tuple[Callable, dict, DPO]:
+    """``format = 'preference'``: the pairs tokenized, said, and the training stream as a function of the engine
+    (``fit``'s ``data``): each start takes every pair's reference log-probabilities with the engine's initial
+    weights (the model before training, before a resumed checkpoint is restored) and writes them to
+    ``dpo_reference.npy`` in the run folder."""
+    from megatrain_jax.data.preference import reference_logps
+    d, run_dir = cfg.data, Path(cfg.train.run_dir)
+    pairs, stats = d.preference_pairs(model_cfg.vocab_size)
+    summary = {"file": str(d.path), "tokenizer": str(d.tokenizer), "seq_len": d.seq_len, "too_long": d.too_long,
+               **dataclasses.asdict(stats), "pairs": len(pairs)}
+    say(f"  data: {len(pairs):,} preference pairs from {d.path}; {stats.truncated:,} truncated to seq_len + 1 = "
+        f"{d.seq_len + 1} tokens, {stats.skipped_too_long:,} skipped as too long, {stats.skipped_no_loss:,} skipped "
+        f"with no response token left (data.too_long = {d.too_long!r}); DPO beta {cfg.dpo.beta:g}, label smoothing "
+        f"{cfg.dpo.label_smoothing:g}")
+
+    def stream(engine) -> Iterable[Batch]:
+        t0 = time.perf_counter()
+        ref = reference_logps(engine, pairs, d.batch_size)
+        np.save(run_dir / "dpo_reference.npy", ref)
+        say(f"  reference pass: {len(pairs):,} pairs' log-probabilities under the initial weights in "
+            f"{time.perf_counter() - t0:.1f} s, in {run_dir / 'dpo_reference.npy'}")
+        return pairs.batches(d.batch_size, d.seed, ref)
+    return stream, summary, cfg.dpo
 
 
 def _layout(cfg: RunConfig, model_cfg, model: nnx.Module,

@@ -36,6 +36,7 @@ from megatrain_jax.data.batches import MODES
 from megatrain_jax.data.config import FORMATS
 from megatrain_jax.engine import precision
 from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.loss import DPO
 from megatrain_jax.models.config import ATTENTION_IMPLS, DTYPES, DecoderConfig, RopeScaling
 from megatrain_jax.models.presets import preset
 from megatrain_jax.models.sublayers import ROPE_KINDS
@@ -181,6 +182,7 @@ class RunConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    dpo: DPO = dataclasses.field(default_factory=DPO)  # read with [data] format = "preference"
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(RunConfig)  # section name -> its dataclass
@@ -246,6 +248,10 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
         table = raw.get(name, {})
         parts[name] = _model(table, where) if cls is ModelSection else build_dataclass(cls, table, where)
     cfg = RunConfig(**parts)
+    if cfg.data.format == "preference" and cfg.data.eval_fraction > 0:
+        blame = root.blame([("data", "eval_fraction"), ("data", "format")])
+        raise ConfigError(f"{blame}: held-out evaluation of preference data is not built yet: set [data] "
+                          f"eval_fraction = 0 with format = 'preference'")
     if cfg.train.eval_every and cfg.data.eval_fraction <= 0:
         blame = root.blame([("train", "eval_every"), ("data", "eval_fraction")])
         raise ConfigError(f"{blame}: [train] eval_every = {cfg.train.eval_every} needs held-out data: set "

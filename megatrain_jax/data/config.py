@@ -12,7 +12,8 @@ from megatrain_jax.data.prefetch import Prefetcher, prefetch
 from megatrain_jax.data.tokens import TokenFile
 from megatrain_jax.train_config import check_path
 
-FORMATS = ("tokens", "chat")  # what ``DataConfig.path`` holds: token ids, or instruction data (JSONL)
+# what ``DataConfig.path`` holds: token ids, instruction data (JSONL), or preference pairs for DPO (JSONL)
+FORMATS = ("tokens", "chat", "preference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,33 @@ class DataConfig:
                 raise ValueError("format='chat' reads instruction data: set path to a JSONL file")
             if self.mode == "windows":
                 raise ValueError("format='chat' batches whole examples: set mode to 'packed' or 'padded'")
+        if self.format == "preference":
+            if self.path is None:
+                raise ValueError("format='preference' reads preference pairs: set path to a JSONL file "
+                                 "(prompt/chosen/rejected lines)")
+            if self.mode != "padded":
+                raise ValueError("format='preference' puts each response in a row of its own: set mode = 'padded'")
+            if self.batch_size % 2:
+                raise ValueError(f"format='preference' takes rows in (chosen, rejected) pairs: batch_size must be "
+                                 f"even, got {self.batch_size}")
+
+    def preference_pairs(self, model_vocab: int | None = None):
+        """``format='preference'``: the file's pairs tokenized with ``tokenizer`` (``data.preference``), as
+        ``(PreferenceData, Stats)``, checked against the model's vocabulary when given."""
+        from megatrain_jax.data.instruct import ChatTokenizer
+        from megatrain_jax.data.preference import PreferenceData, read_pairs
+        if self.format != "preference":
+            raise ValueError(f"preference_pairs reads format='preference' data, not {self.format!r}")
+        if self.tokenizer is None:
+            raise ValueError("format='preference' needs the tokenizer folder (tokenizer.json, tokenizer_config.json): "
+                             "set [data] tokenizer, or [model] hf_checkpoint")
+        tokenizer = ChatTokenizer.from_folder(self.tokenizer)
+        vocab = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+        if model_vocab is not None and vocab > model_vocab:
+            raise ValueError(f"the tokenizer {Path(self.tokenizer) / 'tokenizer.json'} has {vocab} tokens, more than "
+                             f"the model's vocab_size = {model_vocab}: use the model's own tokenizer")
+        pairs, stats = read_pairs(self.path, tokenizer, self.seq_len, self.too_long)
+        return PreferenceData(pairs, self.seq_len), stats
 
     def open(self, model_vocab: int | None = None) -> TokenFile:
         """The token stream, checked against the model's vocabulary when given."""
