@@ -14,8 +14,8 @@ never written becomes one with ``--record RUN_DIR --configs NAME --set ... --dev
 
 A config that names a Hugging Face folder (the SFT examples) gets a random folder of the preset its
 ``# plan shape:`` line names and generated chat data (``studies/sft_run.py``'s stages), in ``--work``, made
-once per shape. A config's target machine is its file name's prefix (``h100``, ``h200``, ``gh200``); each
-record says which it was (``target``) and the file's header which machine ran it (``device``). Metrics are
+once per shape. A config's target machine is its file name's prefix (``h100``, ``h200``, ``gh200``, ``rtx4090``,
+``l40s``); each record says which it was (``target``) and the file's header which machine ran it (``device``). Metrics are
 read from the run folder's ``metrics.jsonl``: speeds are medians from step 3 on (the first steps compile), without
 the last step (as in the earlier files: see ``read_run_folder``);
 the plan from its ``memory_plan.json``: on a GPU the exact plan (XLA's figures for the compiled programs)
@@ -50,7 +50,7 @@ STATUS = {0: "ok", 2: "bad input", 3: "diverged", 4: "out of GPU memory"}
 def target(path: Path) -> str:
     """The machine a config is written for, from its file name (``h100_7b_32k.toml`` -> ``h100``)."""
     prefix = path.stem.split("_")[0]
-    return prefix if prefix in ("h100", "h200", "gh200") else "any"
+    return prefix if prefix in ("h100", "h200", "gh200", "rtx4090", "l40s") else "any"
 
 
 def hf_inputs(path: Path, work: Path) -> list[str]:

@@ -277,3 +277,33 @@ def test_a_norm_first_step_runs_two_passes_and_updates_beside_the_second_backwar
     assert p.bound == "host"
     assert p.seconds < p.busy["host"] + p.busy["gpu"]  # the second backward hides part of the host's work
 
+
+
+def test_workstation_gpus_have_rates_predicted_from_their_specifications(capsys):
+    """Issue 53's workstation cards: their names map to records (marked as predictions, PCIe Gen4, a desktop host
+    at about half the H200 host's update rate), and ``plan --gpu`` predicts a step with them."""
+    from megatrain_jax.plan.speeds import kind_of
+    assert kind_of("NVIDIA GeForce RTX 4090") == "RTX 4090"
+    assert kind_of("NVIDIA RTX 6000 Ada Generation") == "RTX 6000 ADA" and kind_of("NVIDIA L40S") == "L40S"
+    card = SPEEDS["RTX 4090"]
+    assert "predicted from specifications" in card.name and card.h2d_bytes == 25e9
+    assert card.host_update["full"] < SPEEDS["H200"].host_update["full"]
+    main(["plan", "model.preset=llama3.1-8b", "data.seq_len=2048", "data.batch_size=8", "engine.micro_batches=2",
+          "engine.master_dtype=bfloat16", "engine.stream_dtype=bfloat16", "engine.resident_layers=0",
+          "--host-gib", "128", "--gpu-gib", "24", "--gpu", "RTX 4090"])
+    out = capsys.readouterr().out
+    assert "predicted step: " in out and "RTX 4090 (24 GB)" in out and "fits" in out, out
+
+
+def test_plan_on_a_24_gb_gpu_with_64_gb_of_ram_says_what_fits_and_what_does_not(capsys):
+    """An 8B model on a 24 GB card with 64 GB of RAM: the plan says the run as configured does not fit, how much
+    each precision mode needs (the leanest's host RAM within 64 GiB), and never a negative shortfall."""
+    status = main(["plan", "model.preset=llama3.1-8b", "data.seq_len=2048", "data.batch_size=8",
+                   "engine.micro_batches=2", "--host-gib", "64", "--gpu-gib", "24", "--gpu", "RTX 4090"])
+    out = capsys.readouterr().out
+    assert status == 1 and "does not fit." in out  # exit status 1: it does not fit as configured
+    modes = {line.strip().split("  ")[0]: line for line in out.splitlines() if "B/param" in line and "GiB host" in line}
+    assert "does not fit: host RAM short by" in modes["full precision (this run)"]
+    assert modes["capacity mode with 8-bit moments"].endswith("fits")
+    assert modes["capacity mode with 4-bit moments"].endswith("fits")
+    assert "options that fit" in out and "engine.moment_dtype=q4" in out and "short by -" not in out

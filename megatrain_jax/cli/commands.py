@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compile the run's programs on this machine's GPU and plan with XLA's figures for their "
                         "scratch memory, as train does (without it the GPU side is an estimate)")
     p.add_argument("--gpu", metavar="NAME", help="the GPU whose rates predict the step time (H100, H200, GH200; "
+                                                 "RTX 4090, L40S, RTX 6000 Ada: predicted from specifications; "
                                                  "default: this machine's)")
     p.add_argument("--speeds", metavar="FILE", help="a calibration file of rates for the step-time model (JSON; "
                                                     "docs/performance.md; default: $MEGATRAIN_SPEEDS)")

@@ -13,6 +13,7 @@ from megatrain_jax.engine import precision
 from megatrain_jax.plan.counts import GiB
 from megatrain_jax.plan.layout import legal
 from megatrain_jax.plan.machine import HOST_POOL_FRACTION
+from megatrain_jax.plan.machine import GPU_FRAGMENTATION_MARGIN
 from megatrain_jax.plan.memory import MemoryPlan
 
 
@@ -43,7 +44,8 @@ class InMode:
             short.append(f"host RAM short by {over / GiB:,.1f} GiB" if over is not None and over > 0 else
                          "pinned memory over XLA's pool limit")
         if not q.gpu_fits:
-            short.append(f"GPU short by {(q.gpu_total - q.gpu_available) / GiB:,.1f} GiB")
+            # the peak and the allocator's fragmentation margin, as ``MemoryPlan.gpu_fits`` counts them
+            short.append(f"GPU short by {(q.gpu_total + GPU_FRAGMENTATION_MARGIN - q.gpu_available) / GiB:,.1f} GiB")
         if not q.disk_fits:
             short.append("disk short")
         return "does not fit: " + ", ".join(short)

@@ -107,14 +107,31 @@ H200 = dataclasses.replace(
     H100, name="H200, 16-core host (defaults)", h2d_bytes=47.4e9, d2h_bytes=47.4e9, hbm_bytes=3.4e12,
     source="experiments/results: h200_bench_before_after_*.json, h200_host_adamw.json, "
            "h200_host_update_profile.json")
-SPEEDS: dict[str, Speeds] = {"H100": H100, "H200": H200, "GH200": H200}
+# Workstation cards (issue 53): predicted from their specification sheets, not fitted to runs; a calibration file
+# measured on the machine (``experiments/measure_speeds.py``) replaces any field. PCIe Gen4 x16 moves ~25 GB/s
+# each way from pinned memory; a 16-core desktop host with two channels of DDR5 reads and writes about half the
+# bytes per second of the H200's 16-core host (~65 against ~120 GB/s in a STREAM-style test), so its host update
+# rates are taken at half the H200 host's (the update moves its bytes at about the memory's rate).
+_DESKTOP_HOST = {k: v * 0.55 for k, v in H100.host_update.items()}
+RTX_4090 = dataclasses.replace(
+    H100, name="RTX 4090 (24 GB), 16-core desktop host: predicted from specifications",
+    matmul_flops=150e12, attention_flops=110e12,  # 165 TFLOP/s bfloat16 with float32 accumulation, dense
+    h2d_bytes=25e9, d2h_bytes=25e9, hbm_bytes=1.0e12, host_update=_DESKTOP_HOST, disk_bytes=2e9,
+    source="specifications (NVIDIA Ada GPU architecture whitepaper; PCIe Gen4 x16), not measured")
+L40S = dataclasses.replace(
+    RTX_4090, name="L40S / RTX 6000 Ada (48 GB), 16-core desktop host: predicted from specifications",
+    matmul_flops=260e12, attention_flops=190e12,  # 362 TFLOP/s bfloat16 dense on the sheet, held by its 350 W limit
+    hbm_bytes=0.86e12)
+SPEEDS: dict[str, Speeds] = {"H100": H100, "H200": H200, "GH200": H200, "RTX 4090": RTX_4090, "L40S": L40S,
+                             "RTX 6000 ADA": L40S}
 
 
 def kind_of(gpu_name: str | None) -> str | None:
-    """The ``SPEEDS`` key of a GPU's name (``NVIDIA H200``, ``NVIDIA H100 80GB HBM3``, ...), None if unknown."""
+    """The ``SPEEDS`` key of a GPU's name (``NVIDIA H200``, ``NVIDIA H100 80GB HBM3``, ``NVIDIA GeForce RTX 4090``,
+    ``NVIDIA RTX 6000 Ada Generation``, ...), None if unknown."""
     name = (gpu_name or "").upper()
     for kind in sorted(SPEEDS, key=len, reverse=True):  # GH200 before H200
-        if kind in name:
+        if kind.upper() in name:
             return kind
     return None
 
