@@ -96,11 +96,12 @@ def with_ref(batches, logps):
     return out
 
 
-@pytest.mark.parametrize("engine_cfg,n_devices", [(EngineConfig(clip_norm=0.05), 1),
-                                                  (EngineConfig(micro_batches=2, accumulate_steps=2, clip_norm=None), 1),
-                                                  (EngineConfig(resident_layers=1, resident_io=True, clip_norm=0.05), 1),
-                                                  (EngineConfig(micro_batches=2, clip_norm=0.05), 2)],
-                         ids=["clip", "micro-accumulate", "resident", "two-devices"])
+LAYOUTS = [(EngineConfig(clip_norm=0.05), 1), (EngineConfig(micro_batches=2, accumulate_steps=2, clip_norm=None), 1),
+           (EngineConfig(resident_layers=1, resident_io=True, clip_norm=0.05), 1),
+           (EngineConfig(micro_batches=2, clip_norm=0.05), 2)]
+
+
+@pytest.mark.parametrize("engine_cfg,n_devices", LAYOUTS, ids=["clip", "micro-accumulate", "resident", "two-devices"])
 def test_engine_dpo_equals_the_in_memory_reference(engine_cfg, n_devices):
     """The reference pass (``Engine.row_logps`` on the untrained model) gives the whole model's per-row
     log-probabilities; three steps of DPO then train the streamed engine as the in-memory reference trains

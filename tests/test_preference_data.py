@@ -86,7 +86,8 @@ def test_pairs_become_adjacent_padded_rows_with_their_reference_values(chatml, t
 @pytest.mark.parametrize("line,match", [
     ('{"prompt": "a", "chosen": "b"', "p.jsonl:2: not valid JSON"),
     ({"prompt": "a", "chosen": "b"}, "p.jsonl:2: a preference line needs 'chosen' and 'rejected'"),
-    ({"prompt": "a", "chosen": "b", "rejected": [{"role": "assistant", "content": "c"}]}, "must all be strings .* not a mix"),
+    ({"prompt": "a", "chosen": "b", "rejected": [{"role": "assistant", "content": "c"}]},
+     "must all be strings .* not a mix"),
     ({"chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
       "rejected": [{"role": "user", "content": "z"}, {"role": "assistant", "content": "y"}]}, "share no first message"),
     ({"prompt": [{"role": "user", "content": "x"}], "chosen": [{"role": "user", "content": "y"}],
@@ -103,7 +104,8 @@ def test_long_pairs_are_cut_or_skipped_and_counted(chatml, tmp_path):
     long = dict(PLAIN, rejected="the quick brown fox jumps over the lazy dog " * 8)
     path = write_jsonl(tmp_path / "p.jsonl", [PLAIN, long])
     pairs, stats = read_pairs(path, chatml, seq_len=24)
-    assert stats.kept == 2 and stats.truncated == 1 and max(len(s[0]) for p in pairs for s in (p.chosen, p.rejected)) == 25
+    assert stats.kept == 2 and stats.truncated == 1
+    assert max(len(ids) for p in pairs for ids, _ in (p.chosen, p.rejected)) == 25
     pairs, stats = read_pairs(path, chatml, seq_len=24, too_long="skip")
     assert stats.kept == 1 and stats.skipped_too_long == 1
     with pytest.raises(InstructDataError, match="no usable pair .* 1 too long and skipped"):

@@ -34,6 +34,7 @@ from make_tiny_hf import WORDS, write_tokenizer  # noqa: E402
 
 
 DEFAULT_DATA = "build/dpo_generated"  # where the shipped config reads its pairs and tokenizer
+PEAKS = ("host_peak_rss_gib", "host_rss_anon_gib", "gpu_peak_gib", "gpu_in_use_gib")  # metrics.jsonl's memory fields
 
 
 def pairs(n: int, seed: int = 0) -> list[dict]:
@@ -44,7 +45,8 @@ def pairs(n: int, seed: int = 0) -> list[dict]:
         a, b, w = rng.randrange(50), rng.randrange(50), WORDS[rng.randrange(len(WORDS))]
         kind = i % 3
         if kind == 0:
-            q, good, bad = f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}.", f"{a} plus {b} is {a + b + rng.randint(1, 9)}."
+            q, good, bad = (f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}.",
+                            f"{a} plus {b} is {a + b + rng.randint(1, 9)}.")
         elif kind == 1:
             q, good, bad = f"Spell {w} backwards.", f"Backwards, {w} is {w[::-1]}.", f"Backwards, {w} is {w}."
         else:
@@ -107,8 +109,7 @@ def main() -> None:
               "reference_pass": [x.strip() for x in stderr_lines if "reference pass" in x],
               "plan_lines": [x.strip() for x in stderr_lines if "plan" in x.lower() or "GiB" in x][:12],
               "memory_plan": json.loads(plan.read_text()) if plan.exists() else None,
-              "peaks": {k: max((r.get(k) or 0) for r in records) for k in ("host_peak_rss_gib", "host_rss_anon_gib", "gpu_peak_gib", "gpu_in_use_gib")
-                        if any(k in r for r in records)},
+              "peaks": {k: max((r.get(k) or 0) for r in records) for k in PEAKS if any(k in r for r in records)},
               "stderr_tail": proc.stderr[-2000:] if proc.returncode else None}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

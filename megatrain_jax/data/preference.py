@@ -153,7 +153,8 @@ class PreferenceData:
 
 def _pairs_per_batch(batch_rows: int) -> int:
     if batch_rows < 2 or batch_rows % 2:
-        raise ValueError(f"a preference batch holds (chosen, rejected) pairs: batch_size must be even, got {batch_rows}")
+        raise ValueError(f"a preference batch holds (chosen, rejected) pairs: batch_size must be even, got "
+                         f"{batch_rows}")
     return batch_rows // 2
 
 

@@ -79,6 +79,9 @@ class Engine:
     are split between them, and each device computes on its rows with the layer's weights all-gathered
     and its gradients reduce-scattered (``device_fns``): data parallelism with one copy of the state.
 
+    ``objective`` is the loss (``megatrain_jax.loss``): the next-token loss, or ``DPO`` (batches of (chosen,
+    rejected) row pairs with ``Batch.ref_logps``, from ``row_logps`` of the untrained model; ``check_pairs``).
+
     ``step(batches)`` runs one optimizer step on ``accumulate_steps`` batches and returns a ``StepOutput``
     without waiting for the device; ``steps(data)`` is the public iterator that yields each step's
     metrics one step late, so the host never waits on the device to log.
