@@ -218,6 +218,9 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
                      objective=objective)
         if callable(data) and not hasattr(data, "__iter__"):  # a function of the engine with its initial weights
             data = data(eng)
+            if train.steps is None and endless(data):
+                raise ValueError(f"{type(data).__name__} never ends, so fit would never return: give the run a "
+                                 f"length (TrainConfig(steps=N))")
     except BaseException:
         if session is not None:
             session.close()

@@ -94,7 +94,8 @@ def test_pairs_become_adjacent_padded_rows_with_their_reference_values(chatml, t
       "rejected": [{"role": "assistant", "content": "z"}]}, "chosen response must end with an assistant message"),
     ({"prompt": [{"role": "robot", "content": "x"}], "chosen": [{"role": "assistant", "content": "y"}],
       "rejected": [{"role": "assistant", "content": "z"}]}, "prompt\\[0\\] has the unknown role 'robot'"),
-], ids=["json", "missing", "mixed", "no-common-prompt", "not-assistant", "role"])
+    ({"chosen": "four.", "rejected": "five."}, "plain-text 'chosen' and 'rejected' need a 'prompt' string"),
+], ids=["json", "missing", "mixed", "no-common-prompt", "not-assistant", "role", "text-without-prompt"])
 def test_a_bad_line_is_refused_naming_it(chatml, tmp_path, line, match):
     with pytest.raises(InstructDataError, match=match):
         read_pairs(write_jsonl(tmp_path / "p.jsonl", [PLAIN, line]), chatml, seq_len=64)
@@ -169,5 +170,21 @@ def test_train_runs_dpo_from_a_preference_file_and_resumes(tmp_path, capsys):
     ckpt = f"train.checkpoint_dir={tmp_path / 'ckpt'}"
     run("first", 2, ckpt, "train.checkpoint_every=2")
     resumed, ref2 = run("first", 4, ckpt, "train.checkpoint_every=2", "train.resume=true")
+    said = capsys.readouterr()
+    assert "reference log-probabilities of 4 pairs read from" in said.out + said.err  # not taken again
     np.testing.assert_array_equal(ref2, ref)
     assert [r["loss"] for r in resumed[-2:]] == pytest.approx([r["loss"] for r in whole[-2:]], rel=1e-6)
+
+
+def test_dpo_settings_without_preference_data_and_an_endless_stream_without_steps_are_refused(chatml, tmp_path):
+    from megatrain_jax import TrainConfig, fit
+    from megatrain_jax.cli import ConfigError, parse_config
+    with pytest.raises(ConfigError, match=r"\[dpo\] sets preference training, which reads \[data\] format"):
+        parse_config({"dpo": {"beta": 0.5}})
+    parse_config({})  # the defaults of [dpo] with another format: nothing to refuse
+    pairs, _ = read_pairs(write_jsonl(tmp_path / "p.jsonl", [PLAIN, CHAT]), chatml, seq_len=32)
+    data = PreferenceData(pairs, seq_len=32)
+    model = Decoder(preset("tiny", layers=1, vocab_size=512), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="PairStream never ends"):
+        fit(model, lambda engine: data.batches(4, 0, reference_logps(engine, data, 4)), optax.adamw(1e-3),
+            train=TrainConfig(steps=None, log_every=0), objective=DPO())

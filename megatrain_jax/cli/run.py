@@ -367,11 +367,16 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
 
 def _preference_data(cfg: RunConfig, model_cfg, say) -> tuple[Callable, dict, DPO]:
     """``format = 'preference'``: the pairs tokenized, said, and the training stream as a function of the engine
-    (``fit``'s ``data``): each start takes every pair's reference log-probabilities with the engine's initial
-    weights (the model before training, before a resumed checkpoint is restored) and writes them to
-    ``dpo_reference.npy`` in the run folder."""
+    (``fit``'s ``data``): a fresh start takes every pair's reference log-probabilities with the engine's initial
+    weights (the model before training) and writes them to ``dpo_reference.npy`` in the run folder; a resumed
+    run reads them back from there (or, where the file is missing, takes them again before its checkpoint is
+    restored)."""
     from megatrain_jax.data.preference import reference_logps
     d, run_dir = cfg.data, Path(cfg.train.run_dir)
+    if jax.process_count() > 1:
+        raise ValueError(f"preference data (format = 'preference') runs in one process: this run has "
+                         f"{jax.process_count()} (jax.distributed); each would feed every pair. Use one process "
+                         f"(several GPUs of one host are fine)")
     pairs, stats = d.preference_pairs(model_cfg.vocab_size)
     summary = {"file": str(d.path), "tokenizer": str(d.tokenizer), "seq_len": d.seq_len, "too_long": d.too_long,
                **dataclasses.asdict(stats), "pairs": len(pairs)}
@@ -380,12 +385,22 @@ def _preference_data(cfg: RunConfig, model_cfg, say) -> tuple[Callable, dict, DP
         f"with no response token left (data.too_long = {d.too_long!r}); DPO beta {cfg.dpo.beta:g}, label smoothing "
         f"{cfg.dpo.label_smoothing:g}")
 
+    saved = run_dir / "dpo_reference.npy"
+
     def stream(engine) -> Iterable[Batch]:
+        if cfg.train.resume and saved.exists():  # the values the run started with, not a recomputation
+            ref = np.load(saved)
+            if ref.shape != (len(pairs), 2) or not np.all(np.isfinite(ref)):
+                raise ValueError(f"{saved} holds reference log-probabilities of shape {ref.shape}, not this data's "
+                                 f"({len(pairs)}, 2): the data changed since the run started; resume with the same "
+                                 f"data, or start a new run")
+            say(f"  reference log-probabilities of {len(pairs):,} pairs read from {saved}")
+            return pairs.batches(d.batch_size, d.seed, ref)
         t0 = time.perf_counter()
         ref = reference_logps(engine, pairs, d.batch_size)
-        np.save(run_dir / "dpo_reference.npy", ref)
+        np.save(saved, ref)
         say(f"  reference pass: {len(pairs):,} pairs' log-probabilities under the initial weights in "
-            f"{time.perf_counter() - t0:.1f} s, in {run_dir / 'dpo_reference.npy'}")
+            f"{time.perf_counter() - t0:.1f} s, in {saved}")
         return pairs.batches(d.batch_size, d.seed, ref)
     return stream, summary, cfg.dpo
 

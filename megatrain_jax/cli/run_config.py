@@ -248,6 +248,10 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
         table = raw.get(name, {})
         parts[name] = _model(table, where) if cls is ModelSection else build_dataclass(cls, table, where)
     cfg = RunConfig(**parts)
+    if cfg.data.format != "preference" and cfg.dpo != DPO():
+        blame = root.blame([("dpo", "beta"), ("dpo", "label_smoothing"), ("data", "format")])
+        raise ConfigError(f"{blame}: [dpo] sets preference training, which reads [data] format = 'preference' "
+                          f"(prompt/chosen/rejected pairs), not {cfg.data.format!r}: set the format, or remove [dpo]")
     if cfg.data.format == "preference" and cfg.data.eval_fraction > 0:
         blame = root.blame([("data", "eval_fraction"), ("data", "format")])
         raise ConfigError(f"{blame}: held-out evaluation of preference data is not built yet: set [data] "

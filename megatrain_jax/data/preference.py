@@ -51,6 +51,9 @@ def parse_preference_line(text: str, where: str) -> dict[str, Any]:
                                 f"both are whole conversations); missing {missing}, found keys {sorted(obj)}")
     if all(isinstance(obj.get(k), str) for k in ("prompt", *SIDES)):
         return {"prompt": obj["prompt"], "chosen": obj["chosen"], "rejected": obj["rejected"]}
+    if "prompt" not in obj and all(isinstance(obj.get(k), str) for k in SIDES):
+        raise InstructDataError(f"{where}: plain-text 'chosen' and 'rejected' need a 'prompt' string (only message "
+                                f"lists may leave the prompt implicit, as their common first messages)")
     if any(isinstance(obj.get(k), str) for k in ("prompt", *SIDES)):
         raise InstructDataError(f"{where}: 'prompt', 'chosen' and 'rejected' must all be strings (plain text) or all "
                                 f"message lists (a conversation), not a mix")
@@ -136,19 +139,33 @@ class PreferenceData:
                 chunk = np.concatenate([chunk, np.resize(order, per - len(chunk))])
             yield self.batch(chunk)
 
-    def batches(self, batch_rows: int, seed: int, ref_logps: np.ndarray) -> Iterator[Batch]:
+    def batches(self, batch_rows: int, seed: int, ref_logps: np.ndarray) -> "PairStream":
         ref_logps = np.asarray(ref_logps, np.float32)
         if ref_logps.shape != (len(self.pairs), 2):
             raise ValueError(f"ref_logps must hold [pairs, 2] = [{len(self.pairs)}, 2] reference log-probabilities "
                              f"(reference_logps of these pairs), got shape {ref_logps.shape}")
-        per = _pairs_per_batch(batch_rows)
-        rng = np.random.default_rng(seed)
-        pool: list[int] = []
-        while True:
-            while len(pool) < per:
-                pool += rng.permutation(len(self.pairs)).tolist()
-            chunk, pool = np.asarray(pool[:per]), pool[per:]
-            yield self.batch(chunk, ref_logps)
+        return PairStream(self, _pairs_per_batch(batch_rows), seed, ref_logps)
+
+
+class PairStream:
+    """``PreferenceData.batches``: shuffled passes over the pairs, one after another, never ending (``endless``:
+    ``fit`` then needs ``TrainConfig.steps``). Deterministic for a seed, so a resumed run skips what it read."""
+
+    endless = True
+
+    def __init__(self, data: PreferenceData, per: int, seed: int, ref_logps: np.ndarray):
+        self.data, self.per, self.ref = data, per, ref_logps
+        self.rng = np.random.default_rng(seed)
+        self.pool: list[int] = []
+
+    def __iter__(self) -> "PairStream":
+        return self
+
+    def __next__(self) -> Batch:
+        while len(self.pool) < self.per:
+            self.pool += self.rng.permutation(len(self.data)).tolist()
+        chunk, self.pool = np.asarray(self.pool[:self.per]), self.pool[self.per:]
+        return self.data.batch(chunk, self.ref)
 
 
 def _pairs_per_batch(batch_rows: int) -> int:
