@@ -6,7 +6,9 @@
   db48629, where ``train`` and ``plan`` each held a copy; then recomputed once, when the host plan began counting
   the GPU client's host memory and the pinned pool's measured overhead (2026-11-29): eight cases of the 60 GiB host
   changed, each to a leaner layout; and h200_7b_32k's, when it shipped with resident_layers and kept_layers
-  "auto" (2026-11-29): with no GPU kind named here, the most resident blocks that fit and none kept);
+  "auto" (2026-11-29): with no GPU kind named here, the most resident blocks that fit and none kept; configs
+  shipped later are pinned as they resolved when they shipped; a config naming a Hugging Face checkpoint is planned
+  with the preset of its ``# plan shape:`` line);
 - the GPUs a run spreads over are counted in one place (``run_gpus``);
 - the engine config is the judge of which candidates combine (``legal``).
 """
@@ -25,8 +27,6 @@ from megatrain_jax.plan import GiB, Machine, gpu_fraction, options, plan, resolv
 from megatrain_jax.plan.layout import legal
 
 CONFIGS = Path(__file__).resolve().parents[1] / "experiments" / "configs"
-# The SFT configs name a Hugging Face checkpoint: planned here with the preset of the same shape.
-SFT = ["model.hf_checkpoint=none", "model.preset=llama3.1-8b"]
 VARIANTS = {
     "": [],
     "auto": ["engine.resident_layers=auto"],
@@ -109,12 +109,37 @@ EXPECTED = {
     ('h200_sft_8b', 'auto', 1000, 24): {'resident_layers': 0},
     ('h200_sft_8b', 'capacity', 60, 80): {'moment_dtype': 'q8', 'host_grad_dtype': 'bfloat16'},
     ('h200_sft_8b', 'capacity', 1000, 24): {'offload_activations': 18},
+    # shipped on 2026-11-29 (issue 53), pinned as they resolved then
+    ('h200_dpo_8b_generated', 'auto', 125, 80): {'resident_layers': 12},
+    ('h200_dpo_8b_generated', 'auto', 96, 80): {'resident_layers': 12},
+    ('h200_dpo_8b_generated', 'auto', 60, 80): {'resident_layers': 12},
+    ('h200_dpo_8b_generated', 'auto', 250, 141): {'resident_layers': 20},
+    ('h200_dpo_8b_generated', 'auto', 1000, 24): {'resident_layers': 0},
+    ('l40s_sft_14b', 'auto', 125, 80): {'resident_layers': 7},
+    ('l40s_sft_14b', 'auto', 96, 80): {'resident_layers': 7},
+    ('l40s_sft_14b', 'auto', 60, 80): {'resident_layers': 7},
+    ('l40s_sft_14b', 'auto', 250, 141): {'resident_layers': 18},
+    ('l40s_sft_14b', 'auto', 1000, 24): {'resident_layers': 0},
+    ('rtx4090_sft_8b', 'auto', 125, 80): {'resident_layers': 0},
+    ('rtx4090_sft_8b', 'auto', 96, 80): {'resident_layers': 0},
+    ('rtx4090_sft_8b', 'auto', 60, 80): {'resident_layers': 0},
+    ('rtx4090_sft_8b', 'auto', 250, 141): {'resident_layers': 0},
+    ('rtx4090_sft_8b', 'auto', 1000, 24): {'resident_layers': 0},
+    ('rtx4090_sft_8b', 'long', 1000, 24): {'offload_activations': 25},
 }
+
+
+def _shape(path: Path) -> list[str]:
+    """A config naming a Hugging Face checkpoint is planned with the preset its ``# plan shape:`` line names."""
+    for line in path.read_text().splitlines():
+        if line.startswith("# plan shape:"):
+            return ["model.hf_checkpoint=none", f"model.preset={line.split(':', 1)[1].strip()}"]
+    return []
 
 
 def _resolved(path: Path, variant: str, host: int, gpu: int):
     try:
-        cfg = load_config(str(path), (SFT if "sft" in path.name else []) + VARIANTS[variant])
+        cfg = load_config(str(path), _shape(path) + VARIANTS[variant])
     except ValueError:  # a variant this config cannot take (capacity mode with float32 streaming)
         return None, None
     d = cfg.data
