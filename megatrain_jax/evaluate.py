@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from megatrain_jax.batch import Batch
 from megatrain_jax.engine.engine import Engine
@@ -29,16 +29,21 @@ def evaluate(engine: Engine, batches: Iterable[Batch]) -> dict[str, float]:
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(count)}
 
 
-def eval_hook(batches: Sequence[Batch], every: int, total_steps: int | None = None) -> Hook:
+def eval_hook(batches: Sequence[Batch] | None, every: int, total_steps: int | None = None,
+              measure: Callable[[Engine], dict[str, float]] | None = None) -> Hook:
     """A fit hook that evaluates on ``batches`` after every ``every``-th step and after the last, adding
-    ``eval_loss``, ``eval_ppl``, ``eval_tokens`` and ``eval_s`` to the metrics of that step.
+    ``eval_loss``, ``eval_ppl``, ``eval_tokens`` and ``eval_s`` to the metrics of that step. ``measure(engine)``
+    replaces the next-token evaluation of ``batches`` where given (preference training's held-out pairs:
+    ``data.preference.evaluate_pairs``); its metrics are added instead.
 
     Because metrics arrive one step late, the parameters after step k are evaluated when the hook for
     step k-1 runs (``info.params_step`` is k then, before step k+1 is dispatched), and the result is
     attached to step k's metrics, so later hooks (writers, progress) see it in the same record. Put this
     hook before them.
     """
-    batches = list(batches)
+    if measure is None:
+        batches = list(batches)
+        measure = lambda engine: evaluate(engine, batches)  # noqa: E731
     if every < 1:
         raise ValueError(f"eval every must be >= 1, got {every}")
     pending: dict[int, dict] = {}
@@ -48,7 +53,7 @@ def eval_hook(batches: Sequence[Batch], every: int, total_steps: int | None = No
         due = at % every == 0 or at == total_steps or at == m["step"]  # the last equality: the final step
         if due and at not in pending and at >= m["step"]:
             t = time.perf_counter()
-            result = evaluate(info.engine, batches)
+            result = measure(info.engine)
             result["eval_s"] = time.perf_counter() - t
             pending[at] = result
         if m["step"] in pending:

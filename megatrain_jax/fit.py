@@ -188,7 +188,7 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
     checkpoint's, else 0). ``objective``: the engine's loss (``megatrain_jax.loss``: next-token, or ``DPO``).
     ``data`` may be a function of the engine, called once it is built with the initial weights and before a
     resumed checkpoint is restored: preference training takes its reference log-probabilities there
-    (``data.preference.reference_logps``). Returns the metrics history; the
+    (``data.preference.pair_logps``). Returns the metrics history; the
     trained parameters are written into ``model`` at the end unless ``write_back`` is False or the model
     is abstract (then read them from ``history.engine``). With checkpoints, saves happen when the engine's
     step is a multiple of ``checkpoint_every`` (the engine runs one step ahead of the metrics, so never at

@@ -70,7 +70,7 @@ def pairs(n_pairs, seq=16, vocab=256, seed=0):
     return Batch(w[:, :-1], w[:, 1:], loss_mask=np.stack(mask))
 
 
-def reference_logps(model, batch):
+def whole_model_logps(model, batch):
     """Each row's summed log-probability of its masked targets, from the whole model's logits."""
     logits = model(batch.inputs)
     return -np.asarray(jnp.sum(token_nll(logits, batch.targets) * batch.loss_mask, axis=-1))
@@ -84,7 +84,7 @@ def test_the_head_sums_each_rows_log_probability_across_loss_chunks():
     for block in model.blocks:
         x = block(x, batch.positions, None)
     got = -np.asarray(lm.head_row_nll(io_params(model), x, batch.targets, batch.loss_mask))
-    np.testing.assert_allclose(got, reference_logps(model, batch), rtol=1e-5)
+    np.testing.assert_allclose(got, whole_model_logps(model, batch), rtol=1e-5)
 
 
 def with_ref(batches, logps):
@@ -113,7 +113,7 @@ def test_engine_dpo_equals_the_in_memory_reference(engine_cfg, n_devices):
     engine = Engine(Decoder(CFG, rngs=nnx.Rngs(0)), ADAMW(), engine_cfg, objective=objective,
                     devices=jax.devices()[:n_devices])
     ref_logps = engine.row_logps(raw)
-    np.testing.assert_allclose(ref_logps, np.concatenate([reference_logps(Decoder(CFG, rngs=nnx.Rngs(0)), b)
+    np.testing.assert_allclose(ref_logps, np.concatenate([whole_model_logps(Decoder(CFG, rngs=nnx.Rngs(0)), b)
                                                           for b in raw]), rtol=1e-5)
     batches = with_ref(raw, ref_logps)
     reference = ReferenceTrainer(Decoder(CFG, rngs=nnx.Rngs(0)), ADAMW(), clip_norm=engine_cfg.clip_norm,

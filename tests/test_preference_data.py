@@ -14,7 +14,7 @@ pytest.importorskip("jinja2")
 
 from megatrain_jax import DPO, Decoder, Engine, EngineConfig, preset  # noqa: E402
 from megatrain_jax.data.instruct import ChatTokenizer, InstructDataError  # noqa: E402
-from megatrain_jax.data.preference import PreferenceData, read_pairs, reference_logps  # noqa: E402
+from megatrain_jax.data.preference import PreferenceData, evaluate_pairs, pair_logps, read_pairs  # noqa: E402
 
 from test_instruct import make_tokenizer_folder, write_jsonl  # noqa: E402
 
@@ -123,9 +123,9 @@ def test_a_preference_file_trains_through_the_reference_pass(chatml, tmp_path):
     engine = Engine(Decoder(preset("tiny", layers=2, vocab_size=vocab), rngs=nnx.Rngs(0)), optax.adamw(3e-3),
                     EngineConfig(), objective=DPO(beta=0.5))
     data = PreferenceData(pairs, seq_len=48)
-    ref = reference_logps(engine, data, batch_rows=4)
+    ref = pair_logps(engine, data, batch_rows=4)
     assert ref.shape == (5, 2) and np.all(ref < 0)
-    one = reference_logps(engine, PreferenceData(pairs[4:], seq_len=48), batch_rows=4)
+    one = pair_logps(engine, PreferenceData(pairs[4:], seq_len=48), batch_rows=4)
     np.testing.assert_allclose(one, ref[4:], rtol=1e-5)  # the same pair alone, in a batch of its own
     stream = data.batches(4, seed=0, ref_logps=ref)
     losses = [engine.step(next(stream)).resolve()["loss"] for _ in range(15)]
@@ -135,8 +135,8 @@ def test_a_preference_file_trains_through_the_reference_pass(chatml, tmp_path):
 def test_train_runs_dpo_from_a_preference_file_and_resumes(tmp_path, capsys):
     """``megatrain-jax train`` with ``[data] format = "preference"`` on the tiny HF folder of
     scripts/make_tiny_hf.py: the reference pass on the loaded weights (written beside the run), DPO steps with
-    their rewards in metrics.jsonl, the export; a resumed run takes the same reference values (the initial weights,
-    before the checkpoint is restored) and ends where one run would."""
+    their rewards in metrics.jsonl, the held-out pair evaluated with the objective, the export; a resumed run reads
+    the same reference values back and ends where one run would."""
     import importlib.util
     import json
     from pathlib import Path
@@ -152,7 +152,7 @@ def test_train_runs_dpo_from_a_preference_file_and_resumes(tmp_path, capsys):
              for m in chats]
     prefs = write_jsonl(tmp_path / "prefs.jsonl", lines)
     common = ["--config", str(tmp_path / "tiny" / "sft.toml"), "data.format=preference", f"data.path={prefs}",
-              "data.mode=padded", "data.eval_fraction=0", "train.eval_every=0", "log.tensorboard=false",
+              "data.mode=padded", "data.eval_fraction=0.25", "train.eval_every=2", "log.tensorboard=false",
               "dpo.beta=0.5", "optimizer.warmup_steps=0", "optimizer.decay=constant"]
 
     def run(name, steps, *extra):
@@ -164,7 +164,9 @@ def test_train_runs_dpo_from_a_preference_file_and_resumes(tmp_path, capsys):
 
     whole, ref = run("whole", 4)
     assert (tmp_path / "whole_4_hf" / "model.safetensors").exists()
-    assert ref.shape == (4, 2) and np.all(ref < 0)
+    assert ref.shape == (4, 2) and np.all(ref < 0)  # 3 training pairs, then the held-out one
+    held = [r for r in whole if "eval_loss" in r]  # DPO itself on the held-out pair, after steps 2 and 4
+    assert [r["step"] for r in held] == [2, 4] and all(0.0 <= r["eval_rewards_accuracy"] <= 1.0 for r in held)
     assert whole[0]["loss"] == pytest.approx(np.log(2.0), rel=1e-5) and whole[0]["rewards_accuracy"] == 0.0
     assert all("rewards_margin" in r for r in whole) and whole[-1]["rewards_margin"] > 0
     ckpt = f"train.checkpoint_dir={tmp_path / 'ckpt'}"
@@ -186,5 +188,23 @@ def test_dpo_settings_without_preference_data_and_an_endless_stream_without_step
     data = PreferenceData(pairs, seq_len=32)
     model = Decoder(preset("tiny", layers=1, vocab_size=512), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="PairStream never ends"):
-        fit(model, lambda engine: data.batches(4, 0, reference_logps(engine, data, 4)), optax.adamw(1e-3),
+        fit(model, lambda engine: data.batches(4, 0, pair_logps(engine, data, 4)), optax.adamw(1e-3),
             train=TrainConfig(steps=None, log_every=0), objective=DPO())
+
+
+def test_held_out_pairs_are_evaluated_with_the_objective(chatml, tmp_path):
+    """``evaluate_pairs``: DPO's loss and rewards of held-out pairs from a forward-only pass; with the weights the
+    reference values came from, the loss is log 2 and no pair is preferred."""
+    pairs, _ = read_pairs(write_jsonl(tmp_path / "p.jsonl", [PLAIN, CHAT, IMPLICIT]), chatml, seq_len=48)
+    vocab = chatml.tokenizer.get_vocab_size(with_added_tokens=True)
+    engine = Engine(Decoder(preset("tiny", layers=1, vocab_size=vocab), rngs=nnx.Rngs(0)), optax.adamw(1e-3),
+                    EngineConfig(), objective=DPO(beta=0.5))
+    train, held = PreferenceData(pairs, seq_len=48).split(0.34)
+    ref = pair_logps(engine, held, 4)
+    got = evaluate_pairs(engine, held, ref, 4)
+    assert got["eval_pairs"] == 1 and got["eval_loss"] == pytest.approx(np.log(2.0), rel=1e-6)
+    assert got["eval_rewards_accuracy"] == 0.0 and got["eval_rewards_margin"] == 0.0
+    shifted = evaluate_pairs(engine, held, ref + np.array([[-1.0, 1.0]]), 4)  # the reference preferred rejected
+    assert shifted["eval_rewards_accuracy"] == 1.0 and shifted["eval_loss"] < np.log(2.0)
+    with pytest.raises(ValueError, match="ref_logps must hold \\[pairs, 2\\] = \\[1, 2\\]"):
+        evaluate_pairs(engine, held, np.zeros(2), 4)

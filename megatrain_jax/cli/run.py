@@ -291,9 +291,9 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     if pieces is not None and pieces < 1:
         raise ValueError(f"data.mode = 'packed' needs model.max_segments >= 2 (a row's padding counts as one "
                          f"segment), got {model_cfg.max_segments}")
-    objective = NextToken()
+    objective, held_out = NextToken(), None
     if d.format == "preference":  # DPO: the reference pass on the initial weights, once the engine holds them
-        data, summary, objective = _preference_data(cfg, model_cfg, say)
+        data, summary, objective, held_out = _preference_data(cfg, model_cfg, say)
     else:
         data = d.build(model_cfg.vocab_size, max_pieces=pieces)
         summary = d.chat_summary()
@@ -326,8 +326,11 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         if t.eval_every is None:
             say(f"  evaluating the held-out {d.eval_fraction:g} of the data every {every} steps ({t.eval_batches} "
                 f"batches; set train.eval_every to change it, 0 for none)")
-        eval_batches = list(itertools.islice(d.build_eval(model_cfg.vocab_size, pieces), t.eval_batches))
-        hooks.append(eval_hook(eval_batches, every, t.steps))
+        if held_out is not None:  # preference pairs: the objective itself on the held-out pairs
+            hooks.append(eval_hook(None, every, t.steps, measure=held_out))
+        else:
+            eval_batches = list(itertools.islice(d.build_eval(model_cfg.vocab_size, pieces), t.eval_batches))
+            hooks.append(eval_hook(eval_batches, every, t.steps))
     hooks.append(memory_hook())
     writers.append(JsonlWriter(run_dir / "metrics.jsonl", append=bool(t.resume)))
     if cfg.log.tensorboard and TensorBoardWriter.available():
@@ -365,44 +368,54 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     return history
 
 
-def _preference_data(cfg: RunConfig, model_cfg, say) -> tuple[Callable, dict, DPO]:
-    """``format = 'preference'``: the pairs tokenized, said, and the training stream as a function of the engine
+def _preference_data(cfg: RunConfig, model_cfg, say) -> tuple[Callable, dict, DPO, Callable | None]:
+    """``format = 'preference'``: the pairs tokenized and split (the last ``eval_fraction`` held out, the first
+    ``eval_batches`` batches' worth of them evaluated), said, and the training stream as a function of the engine
     (``fit``'s ``data``): a fresh start takes every pair's reference log-probabilities with the engine's initial
-    weights (the model before training) and writes them to ``dpo_reference.npy`` in the run folder; a resumed
-    run reads them back from there (or, where the file is missing, takes them again before its checkpoint is
-    restored)."""
-    from megatrain_jax.data.preference import reference_logps
-    d, run_dir = cfg.data, Path(cfg.train.run_dir)
+    weights (the model before training) and writes them to ``dpo_reference.npy`` in the run folder (the held-out
+    pairs' after the training pairs'); a resumed run reads them back (or, where the file is missing, takes them
+    again before its checkpoint is restored). The last item evaluates the held-out pairs (None without any)."""
+    from megatrain_jax.data.preference import evaluate_pairs, pair_logps
+    d, t, run_dir = cfg.data, cfg.train, Path(cfg.train.run_dir)
     if jax.process_count() > 1:
         raise ValueError(f"preference data (format = 'preference') runs in one process: this run has "
                          f"{jax.process_count()} (jax.distributed); each would feed every pair. Use one process "
                          f"(several GPUs of one host are fine)")
-    pairs, stats = d.preference_pairs(model_cfg.vocab_size)
+    everything, stats = d.preference_pairs(model_cfg.vocab_size)
+    pairs, held = everything.split(d.eval_fraction)
+    if held is not None:
+        held = held.first(t.eval_batches * d.batch_size // 2)
     summary = {"file": str(d.path), "tokenizer": str(d.tokenizer), "seq_len": d.seq_len, "too_long": d.too_long,
-               **dataclasses.asdict(stats), "pairs": len(pairs)}
-    say(f"  data: {len(pairs):,} preference pairs from {d.path}; {stats.truncated:,} truncated to seq_len + 1 = "
-        f"{d.seq_len + 1} tokens, {stats.skipped_too_long:,} skipped as too long, {stats.skipped_no_loss:,} skipped "
-        f"with no response token left (data.too_long = {d.too_long!r}); DPO beta {cfg.dpo.beta:g}, label smoothing "
-        f"{cfg.dpo.label_smoothing:g}")
-
+               **dataclasses.asdict(stats), "pairs": len(pairs), "held_out_pairs": 0 if held is None else len(held)}
+    say(f"  data: {len(pairs):,} preference pairs from {d.path}" + ("" if held is None else
+        f" and {len(held):,} held out") + f"; {stats.truncated:,} truncated to seq_len + 1 = {d.seq_len + 1} tokens, "
+        f"{stats.skipped_too_long:,} skipped as too long, {stats.skipped_no_loss:,} skipped with no response token "
+        f"left (data.too_long = {d.too_long!r}); DPO beta {cfg.dpo.beta:g}, label smoothing {cfg.dpo.label_smoothing:g}")
     saved = run_dir / "dpo_reference.npy"
+    sets = [pairs] + ([held] if held is not None else [])
+    n = sum(len(x) for x in sets)
+    ref: dict[str, np.ndarray] = {}
 
     def stream(engine) -> Iterable[Batch]:
-        if cfg.train.resume and saved.exists():  # the values the run started with, not a recomputation
-            ref = np.load(saved)
-            if ref.shape != (len(pairs), 2) or not np.all(np.isfinite(ref)):
-                raise ValueError(f"{saved} holds reference log-probabilities of shape {ref.shape}, not this data's "
-                                 f"({len(pairs)}, 2): the data changed since the run started; resume with the same "
+        if t.resume and saved.exists():  # the values the run started with, not a recomputation
+            values = np.load(saved)
+            if values.shape != (n, 2) or not np.all(np.isfinite(values)):
+                raise ValueError(f"{saved} holds reference log-probabilities of shape {values.shape}, not this "
+                                 f"data's ({n}, 2): the data changed since the run started; resume with the same "
                                  f"data, or start a new run")
-            say(f"  reference log-probabilities of {len(pairs):,} pairs read from {saved}")
-            return pairs.batches(d.batch_size, d.seed, ref)
-        t0 = time.perf_counter()
-        ref = reference_logps(engine, pairs, d.batch_size)
-        np.save(saved, ref)
-        say(f"  reference pass: {len(pairs):,} pairs' log-probabilities under the initial weights in "
-            f"{time.perf_counter() - t0:.1f} s, in {saved}")
-        return pairs.batches(d.batch_size, d.seed, ref)
-    return stream, summary, cfg.dpo
+            say(f"  reference log-probabilities of {n:,} pairs read from {saved}")
+        else:
+            t0 = time.perf_counter()
+            values = np.concatenate([pair_logps(engine, x, d.batch_size) for x in sets])
+            np.save(saved, values)
+            say(f"  reference pass: {n:,} pairs' log-probabilities under the initial weights in "
+                f"{time.perf_counter() - t0:.1f} s, in {saved}")
+        ref["train"], ref["held_out"] = values[:len(pairs)], values[len(pairs):]
+        return pairs.batches(d.batch_size, d.seed, ref["train"])
+
+    def measure(engine) -> dict[str, float]:
+        return evaluate_pairs(engine, held, ref["held_out"], d.batch_size)
+    return stream, summary, cfg.dpo, None if held is None else measure
 
 
 def _layout(cfg: RunConfig, model_cfg, model: nnx.Module,

@@ -252,10 +252,6 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
         blame = root.blame([("dpo", "beta"), ("dpo", "label_smoothing"), ("data", "format")])
         raise ConfigError(f"{blame}: [dpo] sets preference training, which reads [data] format = 'preference' "
                           f"(prompt/chosen/rejected pairs), not {cfg.data.format!r}: set the format, or remove [dpo]")
-    if cfg.data.format == "preference" and cfg.data.eval_fraction > 0:
-        blame = root.blame([("data", "eval_fraction"), ("data", "format")])
-        raise ConfigError(f"{blame}: held-out evaluation of preference data is not built yet: set [data] "
-                          f"eval_fraction = 0 with format = 'preference'")
     if cfg.train.eval_every and cfg.data.eval_fraction <= 0:
         blame = root.blame([("train", "eval_every"), ("data", "eval_fraction")])
         raise ConfigError(f"{blame}: [train] eval_every = {cfg.train.eval_every} needs held-out data: set "

@@ -91,7 +91,7 @@ class PreferenceData:
     tokens, each side padded after its end with token ``pad_id`` and loss 0.
 
     ``ordered(batch_rows)``: one pass over every pair in order (the reference pass, ``Engine.row_logps``; the
-    last batch is filled with the first pairs again, whose rows the caller drops: ``reference_logps``).
+    last batch is filled with the first pairs again, whose rows the caller drops: ``pair_logps``).
     ``batches(batch_rows, seed, ref_logps)``: the training stream, shuffled by ``seed`` and repeated, each batch
     with its rows' reference log-probabilities from ``ref_logps`` [pairs, 2]."""
 
@@ -116,6 +116,10 @@ class PreferenceData:
         cut = len(self.pairs) - held
         return (PreferenceData(self.pairs[:cut], self.seq_len, self.pad_id),
                 PreferenceData(self.pairs[cut:], self.seq_len, self.pad_id))
+
+    def first(self, n: int) -> "PreferenceData":
+        """The first ``n`` pairs (all of them where there are fewer)."""
+        return PreferenceData(self.pairs[:max(1, n)], self.seq_len, self.pad_id)
 
     def batch(self, indices: np.ndarray, ref_logps: np.ndarray | None = None) -> Batch:
         """The pairs ``indices`` as one batch (chosen, rejected, chosen, ...)."""
@@ -143,7 +147,7 @@ class PreferenceData:
         ref_logps = np.asarray(ref_logps, np.float32)
         if ref_logps.shape != (len(self.pairs), 2):
             raise ValueError(f"ref_logps must hold [pairs, 2] = [{len(self.pairs)}, 2] reference log-probabilities "
-                             f"(reference_logps of these pairs), got shape {ref_logps.shape}")
+                             f"(pair_logps of these pairs), got shape {ref_logps.shape}")
         return PairStream(self, _pairs_per_batch(batch_rows), seed, ref_logps)
 
 
@@ -175,8 +179,26 @@ def _pairs_per_batch(batch_rows: int) -> int:
     return batch_rows // 2
 
 
-def reference_logps(engine, data: PreferenceData, batch_rows: int) -> np.ndarray:
-    """Every pair's chosen and rejected summed log-probability under ``engine``'s current parameters (the
-    untrained policy: the reference model), [pairs, 2], in one streamed pass (``Engine.row_logps``)."""
+def pair_logps(engine, data: PreferenceData, batch_rows: int) -> np.ndarray:
+    """Every pair's chosen and rejected summed log-probability under ``engine``'s current parameters, [pairs, 2],
+    in one streamed pass (``Engine.row_logps``): with the untrained weights, the reference model's (DPO's
+    reference pass, ``Batch.ref_logps``)."""
     rows = engine.row_logps(data.ordered(batch_rows))
     return rows[:2 * len(data)].reshape(len(data), 2)
+
+
+def evaluate_pairs(engine, data: PreferenceData, ref_logps: np.ndarray, batch_rows: int) -> dict[str, float]:
+    """The engine's objective (``DPO``) on held-out pairs with their reference log-probabilities ``ref_logps``
+    [pairs, 2], the current parameters streamed forward only: ``eval_loss`` (the mean over the pairs),
+    ``eval_rewards_accuracy``, ``eval_rewards_margin`` and ``eval_pairs``."""
+    import jax.numpy as jnp
+    ref_logps = np.asarray(ref_logps, np.float32)
+    if ref_logps.shape != (len(data), 2):
+        raise ValueError(f"ref_logps must hold [pairs, 2] = [{len(data)}, 2] reference log-probabilities, got shape "
+                         f"{ref_logps.shape}")
+    logps = pair_logps(engine, data, batch_rows)
+    losses, chosen, rejected = engine.objective.pair_terms(jnp.asarray(logps.reshape(-1)),
+                                                           jnp.asarray(ref_logps.reshape(-1)))
+    losses, chosen, rejected = (np.asarray(x, np.float64) for x in (losses, chosen, rejected))
+    return {"eval_loss": float(losses.mean()), "eval_rewards_accuracy": float((chosen > rejected).mean()),
+            "eval_rewards_margin": float((chosen - rejected).mean()), "eval_pairs": len(data)}

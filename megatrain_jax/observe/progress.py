@@ -81,6 +81,10 @@ class Progress:
 
     @staticmethod
     def eval_line(m: dict) -> str:
+        if "eval_pairs" in m:  # preference training: the objective on held-out pairs
+            return (f"eval {m['step']:>6d}  eval_loss {m['eval_loss']:.4f}  reward accuracy "
+                    f"{m['eval_rewards_accuracy']:.3f}  margin {m['eval_rewards_margin']:.3f}  "
+                    f"({m['eval_pairs']:,} pairs, {m.get('eval_s', 0.0):.1f} s)")
         return (f"eval {m['step']:>6d}  eval_loss {m['eval_loss']:.4f}  ppl {m['eval_ppl']:.2f}  "
                 f"({m.get('eval_tokens', 0):,} tokens, {m.get('eval_s', 0.0):.1f} s)")
 
