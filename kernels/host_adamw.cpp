@@ -476,6 +476,15 @@ struct Q8Codes {
     return _mm256_or_ps(mag, as_ps(_mm256_slli_epi32(_mm256_and_si256(c, set1(0x80u)), 24)));
   }
   static inline __m256 decode_v(__m256i c) { return decode<kBiasV>(c); }
+  // The second pass's side: the largest scaled magnitude, the codes of 8 scaled magnitudes y in [0, vmax] with
+  // random bits r (m's under 128, so its sign bit is free), m's sign bit from its float's, and 32 codes stored.
+  static inline __m256 vmax() { return _mm256_set1_ps(kQ8Max); }
+  static inline __m256i code_m(__m256 y, __m256i r) { return encode<kBiasM>(y, r); }
+  static inline __m256i sign_m(__m256 mi) { return _mm256_and_si256(_mm256_srli_epi32(as_si(mi), 24), set1(0x80u)); }
+  static inline __m256i code_v(__m256 y, __m256i r) { return _mm256_and_si256(encode<kBiasV>(y, r), set1(0xffu)); }
+  static inline void store(uint8_t* a, int64_t x, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+    store_bytes(a + x, c0, c1, c2, c3);
+  }
 };
 
 // q4_decode<kEmin> of 8 codes: 0 stays 0, c > 0 is (c - 1 + 127 + kEmin) << 23.
@@ -483,6 +492,38 @@ template <int kEmin>
 inline __m256 q4_decode(__m256i c) {
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(c, set1(static_cast<uint32_t>(126 + kEmin))), 23);
   return as_ps(_mm256_andnot_si256(_mm256_cmpeq_epi32(c, _mm256_setzero_si256()), bits));
+}
+
+// q4_encode<kEmin> of 8 values y in [0, 1] with random bits r. The normal branch as the scalar code's (e - (126 +
+// kEmin) is its e - (127 + kEmin) + 1); the subnormal one with a variable shift, which gives 0 for counts over
+// 31 as the scalar's shift by min(count, 31) does for a significand under 2^24. y is never negative here (a
+// magnitude, or v; NaN was clamped to 1 by the caller's min), so a signed compare picks the branch.
+template <int kEmin>
+inline __m256i q4_encode(__m256 y, __m256i r) {
+  const __m256i u = as_si(y);
+  const __m256i low = _mm256_and_si256(r, set1(0xfffffu));
+  const __m256i mant = _mm256_and_si256(u, set1(0x7fffffu));
+  const __m256i e = _mm256_srli_epi32(u, 23);
+  const __m256i normal = _mm256_add_epi32(_mm256_sub_epi32(e, set1(static_cast<uint32_t>(126 + kEmin))),
+                                          _mm256_srli_epi32(_mm256_add_epi32(_mm256_srli_epi32(mant, 3), low), 20));
+  const __m256i shift = _mm256_sub_epi32(set1(static_cast<uint32_t>(130 + kEmin)), e);
+  const __m256i fixed = _mm256_srlv_epi32(_mm256_or_si256(mant, set1(0x800000u)), shift);
+  const __m256i sub = _mm256_srli_epi32(_mm256_add_epi32(fixed, low), 20);
+  const __m256i is_normal = _mm256_cmpgt_epi32(u, set1((static_cast<uint32_t>(127 + kEmin) << 23) - 1u));
+  return _mm256_blendv_epi8(sub, normal, is_normal);
+}
+
+// 32 uint32 lanes (each < 16) as 16 bytes, two to a byte (element 2j in the low nibble of byte j): as bytes in
+// order (store_bytes' packing), then each 16-bit pair (c0 | c1 << 8) folded to c0 | c1 << 4, packed, and the two
+// halves' 8 bytes gathered.
+inline void store_nibbles(uint8_t* out, __m256i a0, __m256i a1, __m256i a2, __m256i a3) {
+  const __m256i b = _mm256_permutevar8x32_epi32(
+      _mm256_packus_epi16(_mm256_packus_epi32(a0, a1), _mm256_packus_epi32(a2, a3)),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i w = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi16(0x000f)),
+                                    _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x00f0)));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);  // lanes' low halves: 0, 2
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
 }
 
 // The codes of elements x .. x + 7 (x even) as int32 lanes: nibbles, element x in byte x / 2 (low nibble for
@@ -502,6 +543,14 @@ struct Q4Codes {
     return _mm256_or_ps(mag, as_ps(_mm256_slli_epi32(_mm256_and_si256(c, set1(8u)), 28)));
   }
   static inline __m256 decode_v(__m256i c) { return q4_decode<kQ4EminV>(c); }
+  // The second pass's side, as Q8Codes' (x even: two codes to a byte).
+  static inline __m256 vmax() { return _mm256_set1_ps(1.0f); }
+  static inline __m256i code_m(__m256 y, __m256i r) { return _mm256_and_si256(q4_encode<kQ4EminM>(y, r), set1(7u)); }
+  static inline __m256i sign_m(__m256 mi) { return _mm256_and_si256(_mm256_srli_epi32(as_si(mi), 28), set1(8u)); }
+  static inline __m256i code_v(__m256 y, __m256i r) { return _mm256_and_si256(q4_encode<kQ4EminV>(y, r), set1(15u)); }
+  static inline void store(uint8_t* a, int64_t x, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+    store_nibbles(a + x / 2, c0, c1, c2, c3);
+  }
 };
 
 // The first pass on elements [0, n8) of the block (n8 a multiple of 8): p written, m and v to mb and vb, their
@@ -552,10 +601,12 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
   *av_out = va;
 }
 
-// The 8-bit second pass on elements [0, n32) of the block (n32 a multiple of 32).
-inline void pass2_q8(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t n32, float im_, float iv_,
+// The second pass on elements [0, n32) of the block (n32 a multiple of 32; lo even for 4-bit codes): the scalar
+// encode loop's codes of m and v (scaled by im and iv), stored from element lo on.
+template <class Codes>
+inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t n32, float im_, float iv_,
                   const Keys& k, const float* __restrict mb, const float* __restrict vb) {
-  const __m256 im = _mm256_set1_ps(im_), iv = _mm256_set1_ps(iv_), vmax = _mm256_set1_ps(kQ8Max);
+  const __m256 im = _mm256_set1_ps(im_), iv = _mm256_set1_ps(iv_), vmax = Codes::vmax();
   const __m256 abs_mask = as_ps(set1(0x7fffffffu));
   // mix32(j ^ key) == mix32_tail((j ^ (j >> 16)) ^ (key ^ (key >> 16))): the shift distributes over xor
   const __m256i km = set1(k.m ^ (k.m >> 16)), kv = set1(k.v ^ (k.v >> 16));
@@ -567,78 +618,16 @@ inline void pass2_q8(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, i
       const __m256 mi = _mm256_loadu_ps(mb + i + 8 * q);
       // min_ps(a, b) is a < b ? a : b: the scalar clamp, NaN included
       const __m256 ym = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(mi, abs_mask), im), vmax);
-      // ym is in [0, 1.875]: its code is under 128 (the scalar & 0x7f changes nothing)
-      const __m256i c = encode<kBiasM>(ym, mix32_tail(_mm256_xor_si256(t, km)));
-      // signbit(mi) ? 0x80 : 0, kept where the code is not 0
-      const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(as_si(mi), 24), set1(0x80u));
-      cm[q] = _mm256_or_si256(c, _mm256_andnot_si256(_mm256_cmpeq_epi32(c, _mm256_setzero_si256()), sign));
+      const __m256i c = Codes::code_m(ym, mix32_tail(_mm256_xor_si256(t, km)));
+      // the sign bit, kept where the code is not 0
+      cm[q] = _mm256_or_si256(c, _mm256_andnot_si256(_mm256_cmpeq_epi32(c, _mm256_setzero_si256()), Codes::sign_m(mi)));
       const __m256 yv = _mm256_min_ps(_mm256_mul_ps(_mm256_loadu_ps(vb + i + 8 * q), iv), vmax);
-      const __m256i c2 = _mm256_and_si256(encode<kBiasV>(yv, mix32_tail(_mm256_xor_si256(t, kv))), set1(0xffu));
-      cv[q] = _mm256_max_epu32(c2, _mm256_min_epu32(as_si(yv), set1(1u)));
+      const __m256i c2 = Codes::code_v(yv, mix32_tail(_mm256_xor_si256(t, kv)));
+      cv[q] = _mm256_max_epu32(c2, _mm256_min_epu32(as_si(yv), set1(1u)));  // a positive v never to code 0
       j = _mm256_add_epi32(j, set1(8));
     }
-    store_bytes(m + lo + i, cm[0], cm[1], cm[2], cm[3]);
-    store_bytes(v + lo + i, cv[0], cv[1], cv[2], cv[3]);
-  }
-}
-
-// q4_encode<kEmin> of 8 values y in [0, 1] with random bits r. The normal branch as the scalar code's (e - (126 +
-// kEmin) is its e - (127 + kEmin) + 1); the subnormal one with a variable shift, which gives 0 for counts over
-// 31 as the scalar's shift by min(count, 31) does for a significand under 2^24. y is never negative here (a
-// magnitude, or v; NaN was clamped to 1 by the caller's min), so a signed compare picks the branch.
-template <int kEmin>
-inline __m256i q4_encode(__m256 y, __m256i r) {
-  const __m256i u = as_si(y);
-  const __m256i low = _mm256_and_si256(r, set1(0xfffffu));
-  const __m256i mant = _mm256_and_si256(u, set1(0x7fffffu));
-  const __m256i e = _mm256_srli_epi32(u, 23);
-  const __m256i normal = _mm256_add_epi32(_mm256_sub_epi32(e, set1(static_cast<uint32_t>(126 + kEmin))),
-                                          _mm256_srli_epi32(_mm256_add_epi32(_mm256_srli_epi32(mant, 3), low), 20));
-  const __m256i shift = _mm256_sub_epi32(set1(static_cast<uint32_t>(130 + kEmin)), e);
-  const __m256i fixed = _mm256_srlv_epi32(_mm256_or_si256(mant, set1(0x800000u)), shift);
-  const __m256i sub = _mm256_srli_epi32(_mm256_add_epi32(fixed, low), 20);
-  const __m256i is_normal = _mm256_cmpgt_epi32(u, set1((static_cast<uint32_t>(127 + kEmin) << 23) - 1u));
-  return _mm256_blendv_epi8(sub, normal, is_normal);
-}
-
-// 32 uint32 lanes (each < 16) as 16 bytes, two to a byte (element 2j in the low nibble of byte j): as bytes in
-// order (store_bytes' packing), then each 16-bit pair (c0 | c1 << 8) folded to c0 | c1 << 4, packed, and the two
-// halves' 8 bytes gathered.
-inline void store_nibbles(uint8_t* out, __m256i a0, __m256i a1, __m256i a2, __m256i a3) {
-  const __m256i b = _mm256_permutevar8x32_epi32(
-      _mm256_packus_epi16(_mm256_packus_epi32(a0, a1), _mm256_packus_epi32(a2, a3)),
-      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  const __m256i w = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi16(0x000f)),
-                                    _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x00f0)));
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);  // lanes' low halves: 0, 2
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
-}
-
-// The 4-bit second pass on elements [0, n32) of the block (n32 a multiple of 32, lo even): the scalar encode
-// loop's codes, packed into bytes lo / 2 onwards.
-inline void pass2_q4(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t n32, float im_, float iv_,
-                     const Keys& k, const float* __restrict mb, const float* __restrict vb) {
-  const __m256 im = _mm256_set1_ps(im_), iv = _mm256_set1_ps(iv_), one = _mm256_set1_ps(1.0f);
-  const __m256 abs_mask = as_ps(set1(0x7fffffffu));
-  const __m256i km = set1(k.m ^ (k.m >> 16)), kv = set1(k.v ^ (k.v >> 16));  // as in pass2_q8
-  __m256i j = _mm256_add_epi32(set1(k.offset + static_cast<uint32_t>(lo)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  for (int64_t i = 0; i < n32; i += 32) {
-    __m256i cm[4], cv[4];
-    for (int q = 0; q < 4; ++q) {
-      const __m256i t = _mm256_xor_si256(j, _mm256_srli_epi32(j, 16));
-      const __m256 mi = _mm256_loadu_ps(mb + i + 8 * q);
-      const __m256 ym = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(mi, abs_mask), im), one);
-      const __m256i c = _mm256_and_si256(q4_encode<kQ4EminM>(ym, mix32_tail(_mm256_xor_si256(t, km))), set1(7u));
-      // signbit(mi) ? 8 : 0, kept where the code is not 0
-      const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(as_si(mi), 28), set1(8u));
-      cm[q] = _mm256_or_si256(c, _mm256_andnot_si256(_mm256_cmpeq_epi32(c, _mm256_setzero_si256()), sign));
-      const __m256 yv = _mm256_min_ps(_mm256_mul_ps(_mm256_loadu_ps(vb + i + 8 * q), iv), one);
-      const __m256i c2 = _mm256_and_si256(q4_encode<kQ4EminV>(yv, mix32_tail(_mm256_xor_si256(t, kv))), set1(15u));
-      cv[q] = _mm256_max_epu32(c2, _mm256_min_epu32(as_si(yv), set1(1u)));
-      j = _mm256_add_epi32(j, set1(8));
-    }
-    store_nibbles(m + (lo + i) / 2, cm[0], cm[1], cm[2], cm[3]);
-    store_nibbles(v + (lo + i) / 2, cv[0], cv[1], cv[2], cv[3]);
+    Codes::store(m, lo + i, cm[0], cm[1], cm[2], cm[3]);
+    Codes::store(v, lo + i, cv[0], cv[1], cv[2], cv[3]);
   }
 }
 
@@ -799,7 +788,7 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   i0 = 0;
 #ifdef MEGATRAIN_AVX2
   i0 = n / 32 * 32;
-  quant_avx2::pass2_q8(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx2::pass2<quant_avx2::Q8Codes>(m, v, lo, i0, im, iv, k, mb, vb);
 #endif
   quantized_encode<Q8Format>(m + lo, v + lo, lo, i0, n, im, iv, k, mb, vb);
   *m_amax = am;
@@ -836,7 +825,7 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   i0 = 0;
 #ifdef MEGATRAIN_AVX2
   i0 = n / 32 * 32;
-  quant_avx2::pass2_q4(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx2::pass2<quant_avx2::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
 #endif
   quantized_encode<Q4Format>(mc, vc, lo, i0, n, im, iv, k, mb, vb);
 #pragma omp simd
