@@ -14,7 +14,7 @@ from flax import nnx
 
 from megatrain_jax.batch import Batch, check_batch
 from megatrain_jax.contract.layered import check_contract, routes
-from megatrain_jax.loss import DPO, NextToken, Objective, causal_lm_loss, token_nll
+from megatrain_jax.loss import NextToken, Objective, causal_lm_loss, token_nll
 
 
 def model_loss(model: nnx.Module, batch: Batch, objective: Objective = NextToken()) -> jax.Array:
@@ -34,7 +34,7 @@ def model_loss(model: nnx.Module, batch: Batch, objective: Objective = NextToken
                 x = block(x, batch.positions, batch.segment_ids)
         logits = model.io.unembed(model.io.final_hidden(x))
         aux = model.aux_loss(jax.tree.map(lambda *xs: sum(xs), *stats))
-    if isinstance(objective, DPO):
+    if objective.pairs:
         mask = jnp.ones(batch.targets.shape) if batch.loss_mask is None else batch.loss_mask
         logps = -jnp.sum(token_nll(logits, batch.targets) * mask.astype(jnp.float32), axis=-1)
         losses, _, _ = objective.pair_terms(logps, batch.ref_logps)

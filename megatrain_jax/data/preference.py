@@ -192,6 +192,8 @@ def evaluate_pairs(engine, data: PreferenceData, ref_logps: np.ndarray, batch_ro
     [pairs, 2], the current parameters streamed forward only: ``eval_loss`` (the mean over the pairs),
     ``eval_rewards_accuracy``, ``eval_rewards_margin`` and ``eval_pairs``."""
     import jax.numpy as jnp
+    if not engine.objective.pairs:
+        raise ValueError(f"evaluate_pairs scores a pair objective (DPO); this engine trains {engine.objective!r}")
     ref_logps = np.asarray(ref_logps, np.float32)
     if ref_logps.shape != (len(data), 2):
         raise ValueError(f"ref_logps must hold [pairs, 2] = [{len(data)}, 2] reference log-probabilities, got shape "

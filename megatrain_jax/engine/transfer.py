@@ -202,10 +202,10 @@ def local_rows(x: jax.Array) -> np.ndarray:
     whole array with one process."""
     if x.is_fully_addressable:
         return np.asarray(jax.device_get(x))
-    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-    starts = dict.fromkeys(s.index[0].start or 0 for s in shards)  # a row held by several devices: once
-    first = {s.index[0].start or 0: s for s in reversed(shards)}
-    return np.concatenate([np.asarray(first[k].data) for k in starts])
+    pieces: dict[int, Any] = {}
+    for shard in sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0):
+        pieces.setdefault(shard.index[0].start or 0, shard)  # rows held by several devices: once
+    return np.concatenate([np.asarray(s.data) for s in pieces.values()])
 
 
 def _index_key(index: tuple, shape: tuple) -> tuple:
