@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median as _median
 
 EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPO = os.path.dirname(EXPERIMENTS)
@@ -30,11 +31,21 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 from child import results_header  # noqa: E402
+from megatrain_jax.cli.run_config import load_config  # noqa: E402
 from make_tiny_hf import WORDS, write_tokenizer  # noqa: E402
 
 
 DEFAULT_DATA = "build/dpo_generated"  # where the shipped config reads its pairs and tokenizer
-PEAKS = ("host_peak_rss_gib", "host_rss_anon_gib", "gpu_peak_gib", "gpu_in_use_gib")  # metrics.jsonl's memory fields
+
+
+def median(values: list) -> float | None:
+    return _median(values) if values else None
+
+
+def peak(records: list[dict], key: str) -> float | None:
+    """The largest ``key`` of the run's metrics records (None where none has it: no GPU)."""
+    values = [r[key] for r in records if r.get(key) is not None]
+    return max(values) if values else None
 
 
 def pairs(n: int, seed: int = 0) -> list[dict]:
@@ -96,24 +107,41 @@ def main() -> None:
             "step_time_s", "tokens_per_s", "model_tflops")
     curve = [{k: r.get(k) for k in keys} for r in steps]
     mean = lambda rows, k: round(sum(r[k] for r in rows) / len(rows), 4) if rows else None  # noqa: E731
-    plan = Path(run_dir) / "memory_plan.json"
-    stderr_lines = proc.stderr.splitlines() + proc.stdout.splitlines()
-    result = {**results_header(args.out, __file__),
-              "command_train": " ".join(command[1:]), "exit_status": proc.returncode, "wall_s": round(wall, 1),
+    plan_file = Path(run_dir) / "memory_plan.json"
+    plan = json.loads(plan_file.read_text()) if plan_file.exists() else None
+    predicted = (plan or {}).get("predicted_step") or {}
+    cfg = load_config(args.config, [*moved, *args.set])
+    model_cfg = cfg.model.build()
+    said = proc.stderr.splitlines() + proc.stdout.splitlines()
+    timed = steps[2:]  # the first steps compile
+    run = {"system": "megatrain_jax", "config": Path(args.config).stem, "objective": "dpo",
+           "dpo": {"beta": cfg.dpo.beta, "label_smoothing": cfg.dpo.label_smoothing},
+           "model": {"layers": model_cfg.layers, "hidden": model_cfg.hidden, "ffn": model_cfg.ffn,
+                     "heads": model_cfg.heads, "kv_heads": model_cfg.kv_heads, "vocab": model_cfg.vocab_size,
+                     "params": model_cfg.param_count()},
+           "seq_len": cfg.data.seq_len, "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len,
+           "steps_timed": len(timed), "num_gpus": 1, "master_dtype": cfg.engine.master_dtype,
+           "step_time_s": median([r["step_time_s"] for r in timed]),
+           "tokens_per_s": median([r["tokens_per_s"] for r in timed]),
+           "model_tflops": median([r["model_tflops"] for r in timed]),
+           "gpu_peak_gib": peak(records, "gpu_peak_gib"), "host_peak_gib": peak(records, "host_peak_rss_gib"),
+           "loss_first": steps[0]["loss"] if steps else None, "loss_last": steps[-1]["loss"] if steps else None,
+           "status": "ok" if proc.returncode == 0 else f"error: exit {proc.returncode}",
+           # where the model lives: the plan's share of parameters resident and PCIe bytes a step
+           "gpu_resident_param_share": predicted.get("resident_share"),
+           "pcie_per_step_planned": {k: predicted.get(k) for k in ("h2d_bytes", "d2h_bytes")},
+           "predicted_step_s": predicted.get("seconds"),
+           "first5": {k: mean(steps[:5], k) for k in ("loss", "rewards_accuracy", "rewards_margin")},
+           "last5": {k: mean(steps[-5:], k) for k in ("loss", "rewards_accuracy", "rewards_margin")},
+           "steps": curve, "reference_pass": [x.strip() for x in said if "reference pass" in x],
+           "memory_plan": plan, "stderr_tail": proc.stderr[-2000:] if proc.returncode else None}
+    result = {**results_header(args.out, __file__), "command_train": " ".join(command[1:]), "wall_s": round(wall, 1),
               "data": {"pairs": len(lines), "tokenizer_vocab": vocab, "file": str(data / "prefs.jsonl")},
-              "steps": curve,
-              "first5": {k: mean(steps[:5], k) for k in ("loss", "rewards_accuracy", "rewards_margin")},
-              "last5": {k: mean(steps[-5:], k) for k in ("loss", "rewards_accuracy", "rewards_margin")},
-              "median_tokens_per_s": sorted(r["tokens_per_s"] for r in steps[2:])[len(steps[2:]) // 2]
-              if len(steps) > 2 else None,
-              "reference_pass": [x.strip() for x in stderr_lines if "reference pass" in x],
-              "plan_lines": [x.strip() for x in stderr_lines if "plan" in x.lower() or "GiB" in x][:12],
-              "memory_plan": json.loads(plan.read_text()) if plan.exists() else None,
-              "peaks": {k: max((r.get(k) or 0) for r in records) for k in PEAKS if any(k in r for r in records)},
-              "stderr_tail": proc.stderr[-2000:] if proc.returncode else None}
+              "runs": [run]}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({k: result[k] for k in ("exit_status", "first5", "last5", "median_tokens_per_s", "peaks")}))
+    shown = ("status", "first5", "last5", "tokens_per_s", "gpu_peak_gib", "host_peak_gib")
+    print(json.dumps({k: run[k] for k in shown}))
 
 
 if __name__ == "__main__":
