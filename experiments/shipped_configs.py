@@ -8,6 +8,14 @@ measured peaks, tokens/s and model TFLOP/s, and how it ended (the exit status an
         --set engine.master_dtype=bfloat16 --set engine.resident_layers=0 --set engine.resident_io=false \
         --set engine.micro_batches=2 --steps 10 --out $OUT/h200_qwen32b_capacity.json   # issue 31's 32B run
 
+The export is off unless ``--export`` asks for it (into the run folder: each file's size is recorded). Every record
+has the child's whole-process peak resident set (``process_peak_rss_gib``, the kernel's count at its exit: through
+the end-of-run sync and the export too) and the caps the environment set (``caps``): a workstation's card and RAM
+on a bigger machine, as issue 53's checks run them:
+
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.163 MEGATRAIN_HOST_RAM_GIB=120 PYTHONPATH=. python experiments/shipped_configs.py \
+        --configs rtx4090_sft_8b --steps 20 --export --out $OUT/h200_capped_rtx4090_sft_8b.json
+
 SIGTERM (a device call's own time limit through ``timeout``) stops the config in flight: it is recorded as ``cut``
 with what its run folder holds, and the results file is written. A run folder copied back from a run whose results file was
 never written becomes one with ``--record RUN_DIR --configs NAME --set ... --device 'NVIDIA H200'``.
@@ -35,6 +43,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,27 +95,55 @@ def sigterm_cuts():
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra: list[str] = ()) -> dict:
+def run_child(cmd: list[str], env: dict, timeout: float | None) -> tuple[int | str | None, str, float]:
+    """``cmd`` in a child process: its exit code (None when ``timeout`` killed it, ``"cut"`` when ``Cut`` did),
+    its output, and its peak resident set in GiB, from the kernel's accounting at its exit (``wait4``): the
+    whole process's peak, through training, the end-of-run sync and the export, not only the steps' samples."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        code: int | str | None = None
+        try:
+            while True:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid:
+                    code = os.waitstatus_to_exitcode(status)
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    proc.kill()
+                    _, _, usage = os.wait4(proc.pid, 0)
+                    break
+                time.sleep(0.2)
+        except Cut:
+            proc.kill()
+            _, _, usage = os.wait4(proc.pid, 0)
+            code = "cut"
+        proc.returncode = -9 if code in (None, "cut") else code  # reaped here: Popen must not wait for it
+        log.seek(0)
+        return code, log.read(), usage.ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra: list[str] = (),
+               export: bool = False) -> dict:
     """One config through ``python -m megatrain_jax train`` for ``steps`` steps; its record (status ``cut``
-    when ``Cut`` stopped it: what its run folder holds by then)."""
+    when ``Cut`` stopped it: what its run folder holds by then). With ``export`` the config's Hugging Face export
+    is written (into the run folder) and recorded; otherwise it is turned off."""
     run_dir = work / "runs" / path.stem
     shutil.rmtree(run_dir, ignore_errors=True)
     overrides = [*hf_inputs(path, work), f"train.steps={steps}", "train.log_every=1", "train.eval_every=0",
-                 f"train.run_dir={run_dir}", "train.export_hf=none", *extra]
+                 f"train.run_dir={run_dir}", f"train.export_hf={run_dir / 'hf' if export else 'none'}", *extra]
     cmd = [sys.executable, "-m", "megatrain_jax", "train", "--config", str(path), *overrides]
     env = {**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
     t = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-        code, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        code, output = None, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-    except Cut:
-        code, output = "cut", ""
+    code, output, process_peak = run_child(cmd, env, timeout)
     status = {None: "timeout", "cut": "cut"}.get(code) or STATUS.get(code, f"error: exit {code}")
     record = {"config": path.stem, "target": target(path), "overrides": overrides,
               "wall_s": round(time.perf_counter() - t, 1), "exit_status": code if isinstance(code, int) else None,
-              "status": status}
+              "status": status, "process_peak_rss_gib": round(process_peak, 3), "caps": caps()}
+    if export:
+        record["export"] = export_record(run_dir / "hf")
+        if status == "ok" and not record["export"]["safetensors"]:
+            record["status"] = "error: no export written"
     planned = PLANNED.search(output)
     if planned:
         record["planned"] = {"host_gib": float(planned.group(1)),
@@ -115,6 +152,22 @@ def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra:
     if record["status"] != "ok":
         record["error_tail"] = [line[:300] for line in output.strip().splitlines()[-12:]]
     return record
+
+
+def caps() -> dict:
+    """The limits this run was given by the environment (a workstation's memory on a bigger machine): the share of
+    the GPU XLA may take and the host RAM the plan may count, when set."""
+    fraction, host = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), os.environ.get("MEGATRAIN_HOST_RAM_GIB")
+    return {"xla_mem_fraction": None if fraction is None else float(fraction),
+            "host_ram_gib": None if host is None else float(host)}
+
+
+def export_record(folder: Path) -> dict:
+    """What a run's Hugging Face export folder holds: each file's size, and the weights' bytes."""
+    files = {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.is_file()} if folder.is_dir() else {}
+    weights = [n for n in files if n.endswith(".safetensors")]
+    return {"folder": str(folder), "files": files, "safetensors": len(weights),
+            "weights_bytes": sum(files[n] for n in weights)}
 
 
 def read_run_folder(run_dir: Path, record: dict) -> None:
@@ -184,6 +237,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                         "whose own results file was never written (one --configs, "
                                                         "with the --set it ran with, and --device)")
     ap.add_argument("--device", help="with --record: the GPU the run folder comes from (e.g. 'NVIDIA H200')")
+    ap.add_argument("--export", action="store_true",
+                    help="write each config's Hugging Face export (into its run folder) and record its files; "
+                         "the whole process's peak is recorded either way")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.record:
@@ -200,12 +256,13 @@ def main(argv: list[str] | None = None) -> dict:
     with sigterm_cuts():
         for path in paths:
             try:
-                runs.append(run_config(path, args.steps, work, args.timeout, args.set))
+                runs.append(run_config(path, args.steps, work, args.timeout, args.set, export=args.export))
             except Cut:  # outside the train child (making an SFT config's inputs, reading its run folder)
                 runs.append({"config": path.stem, "target": target(path), "exit_status": None, "status": "cut",
                              "note": "SIGTERM while this script prepared or read the run, not during train"})
             print(json.dumps({k: runs[-1].get(k) for k in ("config", "status", "planned", "gpu_peak_gib",
-                                                            "host_peak_gib", "tokens_per_s", "model_tflops")}), flush=True)
+                                                            "host_peak_gib", "process_peak_rss_gib", "tokens_per_s",
+                                                            "model_tflops")}), flush=True)
             try:
                 write_json(Path(args.out), {"name": Path(args.out).stem, "runs": runs})
             except Cut:

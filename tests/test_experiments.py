@@ -448,12 +448,19 @@ def test_shipped_configs_runs_a_config_as_a_user_does_and_reads_its_metrics(tmp_
     import json
     shipped = load_script("shipped_configs")
     out = tmp_path / "shipped.json"
-    result = shipped.main(["--configs", "demo_tiny", "--steps", "3", "--work", str(tmp_path), "--out", str(out)])
+    result = shipped.main(["--configs", "demo_tiny", "--steps", "3", "--work", str(tmp_path), "--export",
+                           "--out", str(out)])
     assert json.loads(out.read_text()) == result and result["device"]["platform"] == "cpu"
     (run,) = result["runs"]
     assert run["status"] == "ok" and run["exit_status"] == 0 and run["target"] == "any"
     assert run["steps_reported"] == 3 and run["tokens_per_s"] > 0 and run["planned"]["host_gib"] > 0
     assert run["host_peak_gib"] > 0 and "host_plan_error" in run and len(run["step_times_s"]) == 3
+    # --export: the config's export written into the run folder and recorded; the whole process's peak (the
+    # kernel's count at exit) is at least what the steps sampled
+    assert run["export"]["safetensors"] == 1 and run["export"]["weights_bytes"] > 0
+    assert "config.json" in run["export"]["files"] and (tmp_path / "runs" / "demo_tiny" / "hf").is_dir()
+    assert run["process_peak_rss_gib"] >= run["host_peak_gib"] * 0.99
+    assert set(run["caps"]) == {"xla_mem_fraction", "host_ram_gib"}
     # --record: a run folder copied back without its results file, under the device named
     rec = shipped.main(["--record", str(tmp_path / "runs" / "demo_tiny"), "--configs", "demo_tiny", "--device",
                         "NVIDIA H200", "--out", str(tmp_path / "rec.json")])
@@ -465,6 +472,9 @@ def test_shipped_configs_runs_a_config_as_a_user_does_and_reads_its_metrics(tmp_
     bad = shipped.run_config(REPO / "experiments" / "configs" / "demo_tiny.toml", 2, tmp_path, 120,
                              extra=["engine.micro_batches=3"])
     assert bad["status"] == "bad input" and any("micro_batches = 3" in line for line in bad["error_tail"])
+    assert "export" not in bad  # without --export the export is off and not recorded
+    slow = shipped.run_config(REPO / "experiments" / "configs" / "demo_tiny.toml", 2, tmp_path, 0.5)
+    assert slow["status"] == "timeout" and slow["exit_status"] is None  # killed and reaped, the record written
     assert shipped.target(Path("h200_sft_8b.toml")) == "h200"
 
 
