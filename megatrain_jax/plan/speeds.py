@@ -103,16 +103,24 @@ H100 = Speeds(
     disk_bytes=3e9, dispatch=_DISPATCH,
     source="experiments/results: h100_side_by_side_v14.json, h100_kept_block.json, h100_host_adamw_v10.json, "
            "h100_scale_projection (tests/assets/measured)")
+# The H200's 16-core host: the fused kernel alone (h200_measure_speeds_d5d7c51.json) ran full precision at 3.00 G
+# params/s, the lean mode at 5.45, capacity mode at 6.94 and 8-bit moments at 5.24; inside a step full precision
+# runs at 2.6 (the 3.5B streamed rows' steps within 2-4% of the model), so each mode here is its kernel's rate
+# times 2.6 / 3.0, and 4-bit moments the 8-bit rate times the kernels' 3.66 / 5.19. Checked against steps the
+# H100's rates had put 19-24% too slow: capacity mode (h200_capped_rtx4090_sft_8b_export_29f9356.json, 2.83 s
+# measured) and the lean mode (h200_dpo_8b_generated_d968773.json, 1.79 s).
+_H200_HOST = {"full": 2.6e9, "lean": 4.7e9, "capacity": 6.0e9, "q8": 4.55e9, "q4": 3.2e9}
 H200 = dataclasses.replace(
     H100, name="H200, 16-core host (defaults)", h2d_bytes=47.4e9, d2h_bytes=47.4e9, hbm_bytes=3.4e12,
+    host_update=_H200_HOST,
     source="experiments/results: h200_bench_before_after_*.json, h200_host_adamw.json, "
-           "h200_host_update_profile.json")
+           "h200_host_update_profile.json, h200_measure_speeds_d5d7c51.json")
 # Workstation cards (issue 53): predicted from their specification sheets, not fitted to runs; a calibration file
 # measured on the machine (``experiments/measure_speeds.py``) replaces any field. PCIe Gen4 x16 moves ~25 GB/s
 # each way from pinned memory; a 16-core desktop host with two channels of DDR5 reads and writes about half the
 # bytes per second of the H200's 16-core host (~65 against ~120 GB/s in a STREAM-style test), so its host update
 # rates are taken at half the H200 host's (the update moves its bytes at about the memory's rate).
-_DESKTOP_HOST = {k: v * 0.55 for k, v in H100.host_update.items()}
+_DESKTOP_HOST = {k: v * 0.55 for k, v in H200.host_update.items()}
 RTX_4090 = dataclasses.replace(
     H100, name="RTX 4090 (24 GB), 16-core desktop host: predicted from specifications",
     matmul_flops=150e12, attention_flops=110e12,  # 165 TFLOP/s bfloat16 with float32 accumulation, dense
