@@ -82,6 +82,27 @@ def test_a_changed_config_on_resume_is_written_next_to_the_first(tmp_path):
     assert not (tmp_path / "config.2.toml").exists()
 
 
+def test_a_config_saved_before_a_section_existed_is_the_same_run_on_resume(tmp_path):
+    """A run folder's config.toml written by a version without a section or key that now has defaults (``[dpo]``
+    came later) is the same configuration: resuming writes no config.1.toml; a saved key that no longer reads
+    counts as a change."""
+    run = [*TINY_RUN, "train.checkpoint_every=2", f"train.run_dir={tmp_path}"]
+    assert main(["train", *run, "train.steps=2"]) == 0
+    saved = (tmp_path / "config.toml").read_text()
+    # as saved by a run of 4 steps cut after its checkpoint at step 2, by a version without [dpo] and without a
+    # key whose default is what the run used
+    older = saved.split("\n[dpo]")[0].replace("eval_fraction = ", "# eval_fraction = ").replace("\nsteps = 2\n",
+                                                                                                 "\nsteps = 4\n")
+    assert "[dpo]" not in older and "# eval_fraction" in older and "\nsteps = 4\n" in older
+    (tmp_path / "config.toml").write_text(older)
+    assert main(["train", *run, "train.steps=4", "train.resume=true"]) == 0
+    assert steps_in(tmp_path) == [1, 2, 3, 4]
+    assert not (tmp_path / "config.1.toml").exists() and (tmp_path / "config.toml").read_text() == older
+    (tmp_path / "config.toml").write_text(older.replace("[engine]", "[engine]\nretired_key = 1"))
+    assert main(["train", *run, "train.steps=6", "train.resume=true"]) == 0
+    assert "retired_key" not in (tmp_path / "config.1.toml").read_text()
+
+
 @pytest.mark.parametrize("damaged", ["config.toml", "metrics.jsonl"])
 def test_a_damaged_run_file_stops_a_resume_before_it_trains(tmp_path, capsys, damaged):
     """A resume into a folder whose config.toml or metrics.jsonl cannot be read is refused at start (exit 2, the

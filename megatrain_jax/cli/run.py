@@ -26,7 +26,7 @@ from megatrain_jax.checkpoint import CorruptCheckpointError, committed_steps
 from megatrain_jax.cli.disk_room import check_disk_room
 from megatrain_jax.cli.export_guard import guarded_export
 from megatrain_jax.cli.output_paths import check_output_paths
-from megatrain_jax.cli.run_config import RunConfig, TrainSection, to_dict, to_toml
+from megatrain_jax.cli.run_config import RunConfig, TrainSection, parse_config, to_dict, to_toml
 from megatrain_jax.cli.run_lock import RunLock
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
@@ -127,10 +127,21 @@ def _check_readable(path: Path, read) -> None:
 def _write_config(cfg: RunConfig, run_dir: Path) -> None:
     """``config.toml``, or ``config.N.toml`` next to it when a resumed run's configuration differs."""
     path, text = run_dir / "config.toml", to_toml(cfg)
-    if path.exists() and _without_resume(tomllib.loads(path.read_text())) != _without_resume(tomllib.loads(text)):
+    if path.exists() and _resolved(path.read_text()) != _without_resume(tomllib.loads(text)):
         path = free_name(path)
     if not path.exists():
         path.write_text(text)
+
+
+def _resolved(text: str) -> dict | None:
+    """A saved ``config.toml`` read back with today's defaults, as ``to_toml`` writes it: a file written before a
+    section or key existed (``[dpo]``, say) is the same run as long as its values are; None where it no longer
+    reads (a key since removed), which counts as a change."""
+    try:
+        return _without_resume(tomllib.loads(to_toml(parse_config(_without_resume(tomllib.loads(text)),
+                                                                   "the run folder's config.toml"))))
+    except (ValueError, OSError):  # ConfigError and TOMLDecodeError are ValueErrors
+        return None
 
 
 def _without_resume(raw: dict) -> dict:
