@@ -11,7 +11,8 @@ In order, each in its own process (so each starts with the host memory to itself
    runs (their ``breakdown.host_update``);
 2. 3.5B at 8,192 tokens/step, where the model fits the GPU: megatrain_jax (bench.py ``3p5b_8k``: the plan picks
    the GPU-resident blocks), DeepSpeed ZeRO-3 offload (issue 33: small batches, where the host update bounds the
-   step), and plain all-GPU training (experiments/plain_gpu.py, each remat policy: the bar of this regime);
+   step), and plain all-GPU training (experiments/plain_gpu.py, each remat policy, and
+   experiments/peers/plain_torch.py, torch with fused AdamW in each of its settings: the better is the bar);
 3. 3.5B at 32,768 tokens/step: the same three (``3p5b_32k``);
 4. 3.5B with nothing resident (``streamed_8k``, ``streamed_32k``): megatrain_jax with every parameter streamed
    each step (``3p5b_8k_nothing_resident``, ``3p5b_32k_nothing_resident``), then SlideFormer
@@ -58,6 +59,10 @@ BARS = {"3p5b_8k": 5.0, "3p5b_32k": 2.2, "3p5b_98k": 1.5, "7b_tflops": 470.0, "h
 SLIDEFORMER_BARS = {"3p5b_8k_nothing_resident": 1.2, "3p5b_32k_nothing_resident": 1.2, "13b_32k": 1.3,
                     "13b_8k": 2.5}
 PLAIN_GPU_BAR = 0.95
+# The scripts of the systems a run may leave out (--without).
+SCRIPTS = {"zero3": "experiments/compare_zero3.py", "slideformer": "experiments/peers/slideformer_bench.py",
+           "plain_jax": "experiments/plain_gpu.py", "plain_torch": "experiments/peers/plain_torch.py"}
+PLAIN_SYSTEMS = ("plain_jax_gpu", "plain_torch_gpu")  # all-GPU JAX + optax (plain_gpu.py), torch (peers/plain_torch.py)
 PREDICTION_BAR = 0.10
 ZERO3_13B_BAR = 2.0
 IDLE_CONFIGS = ("3p5b_8k", "3p5b_32k", "3p5b_98k", "7b_32k")
@@ -75,6 +80,8 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
           "--out", args.out]
     plain = [PY, "experiments/plain_gpu.py", "--append", "--warmup", "2", "--steps", str(args.ds_steps), "--out",
              args.out]  # the model fits the GPU: plain all-GPU training is the bar (issue 51)
+    torch_plain = [PY, "experiments/peers/plain_torch.py", "--warmup", "2", "--steps", str(args.ds_steps),
+                   "--liger-site", "/tmp/site_liger", "--out", args.out]  # the other plain bar: torch, fused AdamW
     sf = [PY, "experiments/peers/slideformer_bench.py", "--warmup", "2", "--steps", str(args.sf_steps),
           "--out", args.out]
     return [
@@ -88,9 +95,11 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
         ("8k", bench + ["--configs", "3p5b_8k", "--steps", str(args.steps_8k)]),
         ("8k", ds + ["--layers", "16", "--rows", "4", "--micro", "4"]),
         ("8k", plain + ["--configs", "3p5b_8k"]),
+        ("8k", torch_plain + ["--layers", "16", "--rows", "4"]),
         ("32k", bench + ["--configs", "3p5b_32k", "--steps", str(args.steps)]),
         ("32k", ds + ["--layers", "16", "--rows", "16"]),
         ("32k", plain + ["--configs", "3p5b_32k"]),
+        ("32k", torch_plain + ["--layers", "16", "--rows", "16"]),
         # nothing resident (issue 51): ours with every parameter streamed each step, against SlideFormer
         ("streamed_8k", bench + ["--configs", "3p5b_8k_nothing_resident", "--steps", str(args.steps_8k)]),
         ("streamed_8k", sf + ["--layers", "16", "--rows", "4", "--config", "3p5b_8k_nothing_resident"]),
@@ -182,13 +191,15 @@ def targets(result: dict) -> dict:
                 "slideformer_gpu_resident_param_share": sf.get("gpu_resident_param_share")}
     for config in ("3p5b_8k", "3p5b_32k"):
         ours = _run(config, "megatrain_jax", runs)
-        plain = [r for r in runs if r.get("config") == config and r.get("system") == "plain_jax_gpu"
+        plain = [r for r in runs if r.get("config") == config and r.get("system") in PLAIN_SYSTEMS
                  and r.get("tokens_per_s")]
         if ours and ours.get("tokens_per_s") and plain:
-            best = max(plain, key=lambda r: r["tokens_per_s"])
+            best = max(plain, key=lambda r: r["tokens_per_s"])  # the better of JAX + optax and torch
             ratio = ours["tokens_per_s"] / best["tokens_per_s"]
             out[f"{config}_vs_plain_gpu"] = {"ours_tokens_per_s": ours["tokens_per_s"],
                                              "plain_gpu_tokens_per_s": best["tokens_per_s"],
+                                             "plain_gpu_system": best["system"],
+                                             "plain_gpu_settings": best.get("remat_policy") or best.get("settings"),
                                              "plain_gpu_remat_policy": best.get("remat_policy"),
                                              "ratio": round(ratio, 3), "bar": PLAIN_GPU_BAR,
                                              "met": ratio >= PLAIN_GPU_BAR}
@@ -231,6 +242,8 @@ def main() -> None:
     ap.add_argument("--steps-8k", type=int, default=10, help="timed steps of megatrain_jax at 8K")
     ap.add_argument("--ds-steps", type=int, default=4)
     ap.add_argument("--sf-steps", type=int, default=4, help="timed steps of SlideFormer")
+    ap.add_argument("--without", default="", help=f"comma-separated systems whose runs the stages leave out, from "
+                                                  f"{sorted(SCRIPTS)} (e.g. zero3 where DeepSpeed is not installed)")
     ap.add_argument("--skip-missing-peers", action="store_true",
                     help="leave out the stages of a peer whose code is absent (default: stop before running anything)")
     ap.add_argument("--host-params", type=int, default=256, help="millions of parameters in the host AdamW run")
@@ -239,6 +252,9 @@ def main() -> None:
                          "calls on one machine, where a call may last at most 10 minutes)")
     args = ap.parse_args()
     wanted = set(args.only.split(","))
+    without = {w for w in args.without.split(",") if w}
+    if without - set(SCRIPTS):
+        ap.error(f"--without: unknown systems {sorted(without - set(SCRIPTS))}; known: {sorted(SCRIPTS)}")
     missing = [name for name, path in PEERS.items() if not os.path.exists(path)
                and any(st in wanted and f"peers/{name}_bench.py" in cmd[1] for st, cmd in stages(args, ""))]
     if missing:
@@ -267,7 +283,8 @@ def main() -> None:
     wall_before = earlier.get("wall_s", 0.0)
     t_start = time.perf_counter()
     for stage, cmd in stages(args, tmp_host):
-        if stage not in wanted or any(f"peers/{m}_bench.py" in cmd[1] for m in missing):
+        if stage not in wanted or any(f"peers/{m}_bench.py" in cmd[1] for m in missing) or \
+                any(cmd[1] == SCRIPTS[w] for w in without):
             continue
         t = time.perf_counter()
         print(f"== [{time.perf_counter() - t_start:6.0f}s] {' '.join(cmd[1:])}", file=log, flush=True)

@@ -86,6 +86,46 @@ def test_side_by_side_checks_issue_51s_bars():
     runs.append({"system": "stream", "config": "host_stream", "copy_gb_per_s": 92.7, "triad_gb_per_s": 100.0})
     host = targets({"runs": runs})["host_update_vs_stream"]
     assert host["share"] == {"3p5b_8k_nothing_resident": 0.9} and host["met"]
+    # torch with fused AdamW is the other plain bar: the better of the two systems counts
+    runs += [{"system": "plain_torch_gpu", "config": "3p5b_8k", "settings": "liger", "tokens_per_s": 24500.0},
+             {"system": "plain_torch_gpu", "config": "3p5b_8k", "settings": "compiled", "status": "error: x"}]
+    plain = targets({"runs": runs})["3p5b_8k_vs_plain_gpu"]
+    assert plain["plain_gpu_system"] == "plain_torch_gpu" and plain["plain_gpu_settings"] == "liger"
+    assert plain["ratio"] == 0.927 and not plain["met"]
+    # --without names each system by the script its stages run
+    sbs = load_script("side_by_side")
+    args = type("Args", (), dict(out="o", warmup=2, steps=6, steps_8k=10, steps_98k=4, ds_steps=4, sf_steps=4,
+                                 host_params=256))
+    run_scripts = {cmd[1] for _, cmd in sbs.stages(args, "t")}
+    assert set(sbs.SCRIPTS.values()) <= run_scripts
+
+
+def test_plain_torch_records_each_setting_and_what_stopped_it(tmp_path):
+    """peers/plain_torch.py: each setting in a process of its own, appended to the results file as a run of its
+    own, with where the model lives; a setting that cannot run (here: no torch on this machine, or a child that
+    outlives --timeout) is recorded with the reason, not left out; unknown settings are refused."""
+    spec = importlib.util.spec_from_file_location("plain_torch", REPO / "experiments" / "peers" / "plain_torch.py")
+    pt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pt)
+    out = tmp_path / "fits.json"
+    out.write_text(json.dumps({"name": "fits", "runs": [{"system": "megatrain_jax", "config": "3p5b_8k"}]}))
+    small = ["--layers", "1", "--rows", "2", "--hidden", "64", "--ffn", "128", "--heads", "4", "--seq", "64",
+             "--warmup", "1", "--steps", "1"]
+    runs = pt.main([*small, "--settings", "eager", "--out", str(out)])
+    saved = json.loads(out.read_text())["runs"]
+    assert [r["system"] for r in saved] == ["megatrain_jax", "plain_torch_gpu"] and saved[1] == runs[0]
+    (run,) = runs
+    assert run["config"] == "1l_128tok" and run["settings"] == "eager" and run["tokens_per_step"] == 128
+    assert run["where_the_model_lives"]["gpu_resident_param_share"] == 1.0
+    try:
+        import torch  # noqa: F401
+        assert run["status"] == "ok" and run["tokens_per_s"] > 0 and len(run["losses"]) == 2
+    except ImportError:
+        assert run["status"].startswith("error: ModuleNotFoundError") and "torch" in run["status"]
+    (late,) = pt.main([*small, "--settings", "compiled", "--timeout", "0.01", "--out", "-"])
+    assert late["status"] == "error: not done in 0 s (--timeout)"
+    with pytest.raises(SystemExit):
+        pt.main([*small, "--settings", "fastest", "--out", "-"])
 
 
 def test_a_peers_timed_steps_are_recorded_with_their_median():
