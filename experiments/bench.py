@@ -83,8 +83,11 @@ CONFIGS: dict[str, BenchConfig] = {
     # copies: 456 -> 472 model TFLOP/s); since 2026-11-26 (commit 5585a65) it runs one micro-batch, 8 resident
     # blocks and the last 10 keeping their matrix products: 472.0 -> 500.1 and 495.5 model TFLOP/s against "auto" (17 resident) on one
     # box (results/h100_kept_layers_7b_a.json, _b.json).
+    # the layout the plan picks for speed (issue 51: no hand layout); until 2026-11-29 a hand layout from the H100
+    # (8 resident, the last 12 keeping their products), 0.94x plain GPU on the H200 (h200_fits_3p5b_32k_torch_a3e3c5f)
     "3p5b_32k": BenchConfig("7b", 16, 2048, 16, EngineConfig(
-        micro_batches=1, resident_layers=8, resident_io=True, keep_residuals=True, kept_layers=12, prefetch_depth=2)),
+        micro_batches=1, resident_layers="auto", resident_io=True, keep_residuals=True, kept_layers="auto",
+        prefetch_depth=2)),
     "3p5b_32k_all_resident": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers="auto", resident_io=True, keep_residuals=True)),
     "7b_32k": BenchConfig("7b", 32, 2048, 16, EngineConfig(
