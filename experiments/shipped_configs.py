@@ -22,7 +22,7 @@ never written becomes one with ``--record RUN_DIR --configs NAME --set ... --dev
 
 A config that names a Hugging Face folder (the SFT examples) gets a random folder of the preset its
 ``# plan shape:`` line names and generated chat data (``studies/sft_run.py``'s stages), in ``--work``, made
-once per shape. A config's target machine is its file name's prefix (``h100``, ``h200``, ``gh200``, ``rtx4090``,
+once per shape. A config's target machine is its file name's prefix (``h100``, ``h200``, ``h200x4``, ``gh200``, ``rtx4090``,
 ``l40s``); each record says which it was (``target``) and the file's header which machine ran it (``device``). Metrics are
 read from the run folder's ``metrics.jsonl``: speeds are medians from step 3 on (the first steps compile), without
 the last step (as in the earlier files: see ``read_run_folder``);
@@ -53,13 +53,14 @@ from child import REPO, results_header  # noqa: E402
 CONFIGS = Path(REPO) / "experiments" / "configs"
 SHAPE = re.compile(r"^# plan shape: (\S+)$", re.MULTILINE)
 PLANNED = re.compile(r"planned memory: (?:host )?([\d.]+) GiB(?: of host RAM)?(?:, GPU ([\d.]+) GiB)?")
+PARAMS = re.compile(r"^megatrain_jax: ([\d,.]+) M params", re.MULTILINE)
 STATUS = {0: "ok", 2: "bad input", 3: "diverged", 4: "out of GPU memory"}
 
 
 def target(path: Path) -> str:
     """The machine a config is written for, from its file name (``h100_7b_32k.toml`` -> ``h100``)."""
     prefix = path.stem.split("_")[0]
-    return prefix if prefix in ("h100", "h200", "gh200", "rtx4090", "l40s") else "any"
+    return prefix if prefix in ("h100", "h200", "h200x4", "gh200", "rtx4090", "l40s") else "any"
 
 
 def hf_inputs(path: Path, work: Path) -> list[str]:
@@ -144,6 +145,10 @@ def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra:
         record["export"] = export_record(run_dir / "hf")
         if status == "ok" and not record["export"]["safetensors"]:
             record["status"] = "error: no export written"
+    params = PARAMS.search(output)
+    if params:  # the whole process's peak over the model's parameters (issue 52's bar: host bytes a parameter)
+        record["params"] = round(float(params.group(1).replace(",", "")) * 1e6)
+        record["process_bytes_per_param"] = round(process_peak * 2**30 / record["params"], 2)
     planned = PLANNED.search(output)
     if planned:
         record["planned"] = {"host_gib": float(planned.group(1)),

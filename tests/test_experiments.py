@@ -500,6 +500,9 @@ def test_shipped_configs_runs_a_config_as_a_user_does_and_reads_its_metrics(tmp_
     assert run["export"]["safetensors"] == 1 and run["export"]["weights_bytes"] > 0
     assert "config.json" in run["export"]["files"] and (tmp_path / "runs" / "demo_tiny" / "hf").is_dir()
     assert run["process_peak_rss_gib"] >= run["host_peak_gib"] * 0.99
+    assert run["params"] > 0  # "megatrain_jax: N M params", as train prints it
+    assert run["process_bytes_per_param"] == pytest.approx(run["process_peak_rss_gib"] * 2**30 / run["params"],
+                                                           rel=1e-3)
     assert set(run["caps"]) == {"xla_mem_fraction", "host_ram_gib"}
     # --record: a run folder copied back without its results file, under the device named
     rec = shipped.main(["--record", str(tmp_path / "runs" / "demo_tiny"), "--configs", "demo_tiny", "--device",
