@@ -101,13 +101,15 @@ CONFIGS: dict[str, BenchConfig] = {
     "3p5b_8k": BenchConfig("7b", 16, 2048, 4, EngineConfig(micro_batches=1, resident_layers="auto", resident_io=True,
                                                            kept_layers=16)),
     # Where the model does not fit on the GPU (issue 51): Llama-2-13B's shape on one H200 (251 GiB host), the
-    # layout the plan picks for speed (resident blocks and blocks keeping their products, both "auto").
+    # layout the plan picks for speed (resident blocks and blocks keeping their products, both "auto"). The streamed
+    # blocks' gradients come home in bfloat16, as SlideFormer's do and as in the 3.5B streamed rows below (since
+    # 2026-11-29; the plan's prediction on one H200 of a 32-core host: +1% at 32K, +2% at 8K).
     "13b_32k": BenchConfig("llama2-13b", None, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
-        prefetch_depth=2)),
+        prefetch_depth=2, host_grad_dtype="bfloat16")),
     "13b_8k": BenchConfig("llama2-13b", None, 2048, 4, EngineConfig(
         micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
-        prefetch_depth=2)),
+        prefetch_depth=2, host_grad_dtype="bfloat16")),
     # 3.5B with nothing resident (issue 51's streamed rows, against SlideFormer, which keeps no parameter on the GPU
     # between steps): every block and the embedding/head streamed each step, the kept blocks picked for speed.
     # Gradients come home in bfloat16, as SlideFormer's do: at one micro-batch on one device a block's is a
