@@ -99,29 +99,38 @@ def sigterm_cuts():
 def run_child(cmd: list[str], env: dict, timeout: float | None) -> tuple[int | str | None, str, float]:
     """``cmd`` in a child process: its exit code (None when ``timeout`` killed it, ``"cut"`` when ``Cut`` did),
     its output, and its peak resident set in GiB, from the kernel's accounting at its exit (``wait4``): the
-    whole process's peak, through training, the end-of-run sync and the export, not only the steps' samples."""
+    whole process's peak, through training, the end-of-run sync and the export, not only the steps' samples.
+    Whatever ends the wait, the child is killed (if still running) and reaped here before this returns."""
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         code: int | str | None = None
+        usage = None
         try:
-            while True:
-                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            while usage is None:
+                pid, status, got = os.wait4(proc.pid, os.WNOHANG)
                 if pid:
-                    code = os.waitstatus_to_exitcode(status)
-                    break
-                if deadline is not None and time.monotonic() > deadline:
-                    proc.kill()
-                    _, _, usage = os.wait4(proc.pid, 0)
-                    break
-                time.sleep(0.2)
+                    code, usage = os.waitstatus_to_exitcode(status), got
+                elif deadline is not None and time.monotonic() > deadline:
+                    usage = _kill_and_reap(proc.pid)  # code stays None: the timeout's
+                else:
+                    time.sleep(0.2)
         except Cut:
-            proc.kill()
-            _, _, usage = os.wait4(proc.pid, 0)
-            code = "cut"
-        proc.returncode = -9 if code in (None, "cut") else code  # reaped here: Popen must not wait for it
+            code, usage = "cut", _kill_and_reap(proc.pid)
+        finally:
+            if usage is None:  # another exception: the child must not outlive this script unreaped
+                _kill_and_reap(proc.pid)
+            proc.returncode = code if isinstance(code, int) else -9  # reaped here: Popen must not wait for it
         log.seek(0)
         return code, log.read(), usage.ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+def _kill_and_reap(pid: int):
+    """SIGKILL to a child this script has not reaped (its pid cannot be reused before that), then its usage. Not
+    ``Popen.kill``, which may reap it first and leave ``wait4`` nothing to wait for."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return os.wait4(pid, 0)[2]
 
 
 def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra: list[str] = (),
@@ -135,20 +144,22 @@ def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra:
                  f"train.run_dir={run_dir}", f"train.export_hf={run_dir / 'hf' if export else 'none'}", *extra]
     cmd = [sys.executable, "-m", "megatrain_jax", "train", "--config", str(path), *overrides]
     env = {**os.environ, "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
+    limits = caps()  # read before the run: a bad value must not lose the record after it
     t = time.perf_counter()
     code, output, process_peak = run_child(cmd, env, timeout)
     status = {None: "timeout", "cut": "cut"}.get(code) or STATUS.get(code, f"error: exit {code}")
     record = {"config": path.stem, "target": target(path), "overrides": overrides,
               "wall_s": round(time.perf_counter() - t, 1), "exit_status": code if isinstance(code, int) else None,
-              "status": status, "process_peak_rss_gib": round(process_peak, 3), "caps": caps()}
+              "status": status, "process_peak_rss_gib": round(process_peak, 3), "caps": limits}
     if export:
         record["export"] = export_record(run_dir / "hf")
         if status == "ok" and not record["export"]["safetensors"]:
             record["status"] = "error: no export written"
     params = PARAMS.search(output)
-    if params:  # the whole process's peak over the model's parameters (issue 52's bar: host bytes a parameter)
+    if params:
         record["params"] = round(float(params.group(1).replace(",", "")) * 1e6)
-        record["process_bytes_per_param"] = round(process_peak * 2**30 / record["params"], 2)
+        if status == "ok":  # the whole run's peak over the parameters (issue 52's bar: host bytes a parameter)
+            record["process_bytes_per_param"] = round(process_peak * 2**30 / record["params"], 2)
     planned = PLANNED.search(output)
     if planned:
         record["planned"] = {"host_gib": float(planned.group(1)),
@@ -162,9 +173,14 @@ def run_config(path: Path, steps: int, work: Path, timeout: float | None, extra:
 def caps() -> dict:
     """The limits this run was given by the environment (a workstation's memory on a bigger machine): the share of
     the GPU XLA may take and the host RAM the plan may count, when set."""
-    fraction, host = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), os.environ.get("MEGATRAIN_HOST_RAM_GIB")
-    return {"xla_mem_fraction": None if fraction is None else float(fraction),
-            "host_ram_gib": None if host is None else float(host)}
+    def value(name: str) -> float | str | None:
+        text = os.environ.get(name, "").strip()
+        try:
+            return float(text) if text else None  # empty: unset, as megatrain_jax reads it
+        except ValueError:
+            return text  # as given: the run says what is wrong with it
+    return {"xla_mem_fraction": value("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+            "host_ram_gib": value("MEGATRAIN_HOST_RAM_GIB")}
 
 
 def export_record(folder: Path) -> dict:

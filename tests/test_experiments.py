@@ -521,6 +521,23 @@ def test_shipped_configs_runs_a_config_as_a_user_does_and_reads_its_metrics(tmp_
     assert shipped.target(Path("h200_sft_8b.toml")) == "h200"
 
 
+def test_shipped_configs_reaps_a_child_that_ends_as_the_cut_comes(monkeypatch):
+    """SIGTERM through ``timeout`` reaches the train child too, which may be gone before this script kills it: the
+    cut is still recorded (no ECHILD from reaping twice), and the environment's caps read as train reads them."""
+    import signal
+    shipped = load_script("shipped_configs")
+    child = [sys.executable, "-c", "import os, signal; os.kill(os.getppid(), signal.SIGTERM)"]
+    for _ in range(5):
+        with shipped.sigterm_cuts():
+            code, _, peak = shipped.run_child(child, dict(os.environ), timeout=60)
+        assert code == "cut" and peak > 0
+    code, _, _ = shipped.run_child([sys.executable, "-c", "import time; time.sleep(30)"], dict(os.environ), 0.3)
+    assert code is None  # the timeout's kill, reaped
+    monkeypatch.setenv("MEGATRAIN_HOST_RAM_GIB", " ")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "lots")
+    assert shipped.caps() == {"xla_mem_fraction": "lots", "host_ram_gib": None}
+
+
 def test_shipped_configs_records_a_config_cut_by_sigterm(tmp_path, monkeypatch):
     """A device call's own time limit (SIGTERM through ``timeout``) stops the config in flight: its record says
     ``cut`` with the steps its run folder holds, the configs after it are not run, and the results file is written

@@ -126,8 +126,9 @@ EXPECTED = {
     ('rtx4090_sft_8b', 'auto', 250, 141): {'resident_layers': 0},
     ('rtx4090_sft_8b', 'auto', 1000, 24): {'resident_layers': 0},
     ('rtx4090_sft_8b', 'long', 1000, 24): {'offload_activations': 25},
-    # shipped on 2026-11-29 (issue 52): none of these hosts holds even its leanest layout (398.9 GiB), so the
-    # config runs as given (and train refuses it, saying what would fit)
+    # shipped on 2026-11-29 (issue 52): no machine here holds even its leanest layout (398.9 GiB of host; the 1000
+    # GiB host's 24 GiB GPU is too small for its blocks), so the config runs as given and train refuses it, saying
+    # what would fit; its own machine's pick is test_the_100b_config_goes_lean_on_its_own_machine's
     **{('h200x4_gpt_oss_120b', 'auto', host, gpu): {'resident_layers': 0} for host, gpu in MACHINES},
 }
 
@@ -163,6 +164,15 @@ def test_every_shipped_config_resolves_to_the_engine_picked_before(path):
                        if getattr(got.engine_cfg, f.name) != getattr(given, f.name)}
             assert changed == EXPECTED.get((path.stem, variant, host, gpu), {}), (variant, host, gpu, got.said)
             assert (got.said is None) == (not changed) or variant == "auto", (variant, host, gpu, got.said)
+
+
+def test_the_100b_config_goes_lean_on_its_own_machine():
+    """h200x4_gpt_oss_120b on one H200 with 480 GiB of host (MEGATRAIN_HOST_RAM_GIB on nvidia-h200-x4): capacity mode
+    needs 1,130 GiB, so the plan picks 4-bit moments, bfloat16 gradients and the two-pass step, and says so."""
+    given, got = _resolved(CONFIGS / "h200x4_gpt_oss_120b.toml", "", 480, 141)
+    e = got.engine_cfg
+    assert (e.master_dtype, e.moment_dtype, e.host_grad_dtype, e.norm_first) == ("bfloat16", "q4", "bfloat16", True)
+    assert given.moment_dtype is None and "host RAM is short" in got.said and "4-bit" in got.said
 
 
 def test_gpus_are_counted_in_one_place(monkeypatch, capsys):

@@ -29,7 +29,9 @@ Each run records where the model lives (every parameter on the GPU, no PCIe traf
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -92,7 +94,10 @@ def run_setting(args, setting: str) -> dict:
         run["init_s"] = round(time.perf_counter() - t0, 2)
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         losses, norms, times = [], [], []
-        for window in cz.window_batches(args.warmup + args.steps, args.rows, args.seq, args.vocab):
+        # bench.py's corpus and batches: window_batches draws its corpus from the step count it is given, which
+        # for the same batches as bench.py's is one more than the steps run (compare_zero3.py's docstring)
+        windows = cz.window_batches(args.warmup + args.steps + 1, args.rows, args.seq, args.vocab)
+        for window in itertools.islice(windows, args.warmup + args.steps):
             ids = torch.from_numpy(window[:, :args.seq]).to(device, non_blocking=True)
             sync()
             t = time.perf_counter()
@@ -113,7 +118,7 @@ def run_setting(args, setting: str) -> dict:
                    step_times=[round(x, 4) for x in times], losses=[round(x, 4) for x in losses],
                    grad_norms=[round(x, 4) for x in norms], host_peak_gib=cz.host_peak_gib(), status="ok",
                    gpu_peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
-                   loss_finite_and_decreasing=all(x == x for x in losses) and losses[-1] < losses[0])
+                   loss_finite_and_decreasing=all(map(math.isfinite, losses)) and losses[-1] < losses[0])
     except Exception as e:  # recorded, not hidden (a setting out of GPU memory, or Liger absent, is a result)
         run.update(status=f"error: {type(e).__name__}: {str(e)[:400]}",
                    traceback=traceback.format_exc().strip().splitlines()[-6:])
@@ -172,8 +177,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for setting in args.settings.split(","):
         run = run_in_child(args, setting)
         run["command"] = header["command"]
-        header.setdefault("device", {"name": run.get("device"), "platform": "gpu" if run.get("device") not in
-                                     (None, "cpu") else "cpu", **cz.host_info()})
+        if run.get("device") and "device" not in header:  # from the first run that reached its device
+            header["device"] = {"name": run["device"], "platform": "cpu" if run["device"] == "cpu" else "gpu",
+                                **cz.host_info()}
         runs.append(run)
         print(json.dumps({k: run.get(k) for k in ("settings", "status", "tokens_per_s", "model_tflops",
                                                   "gpu_peak_gib")}), flush=True)

@@ -23,6 +23,7 @@ set -u
 W=${W:-/tmp/h200x4_100b}
 RUN=${RUN:-gpt_oss_120b}
 TAG=${TAG:-$(echo "${MEGATRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" | cut -c1-7)}
+TAG=${TAG:-$(date +%F)}
 export PYTHONPATH=${PYTHONPATH:-.} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} NCCL_NVLS_ENABLE=0
 export MEGATRAIN_HOST_RAM_GIB=${MEGATRAIN_HOST_RAM_GIB:-480}
 SC="python experiments/shipped_configs.py --configs h200x4_gpt_oss_120b --timeout 7200"
@@ -50,7 +51,8 @@ case ${1:-poll} in
     if [ -f $W/run.pid ] && kill -0 "$(cat $W/run.pid)" 2>/dev/null; then
       echo "a run is in flight ($(cat $W/run.name)): polling it"
     else
-      rm -f $W/run.done; echo $RUN > $W/run.name
+      rm -f $W/run.done /tmp/shipped_configs/runs/h200x4_gpt_oss_120b/metrics.jsonl  # no earlier run's steps
+      echo $RUN > $W/run.name
       # the run and a sampler of the host's free memory, in a session of their own (they outlive this call)
       setsid nohup bash -c "$(declare -f run sample); RUN=$RUN W=$W TAG=$TAG SC='$SC'
         sample > $W/mem.log 2>&1 & S=\$!; run; rc=\$?; kill \$S; echo \$rc > $W/run.done" \
