@@ -811,3 +811,27 @@ def test_zero3s_best_settings_at_13b_are_the_bar_and_each_run_says_where_its_sta
             {"system": "deepspeed_zero3", "config": "13b_32k", "tokens_per_s": 3500.0, "ds_overrides": ["x"]}]
     v = load_script("side_by_side").targets({"runs": runs})["13b_32k_vs_zero3_best"]
     assert v["zero3_tokens_per_s"] == 3500.0 and v["ratio"] == 1.829 and not v["met"]
+
+
+def test_long_run_runs_a_command_across_calls_and_copies_what_it_wrote(tmp_path):
+    """studies/long_run.sh: `start` launches the command in a session of its own and polls it; a second `start`
+    while it runs polls the same one (no second copy); `poll` copies what it wrote under $W/out, its log and the
+    memory samples to $OUT, and says how it ended."""
+    import subprocess
+    script = REPO / "experiments" / "studies" / "long_run.sh"
+    env = {**os.environ, "W": str(tmp_path / "job"), "OUT": str(tmp_path / "out"), "POLL_S": "1"}
+    cmd = [sys.executable, "-c", "import os, time; time.sleep(3); "
+           "open(os.path.join(os.environ['JOB_OUT'], 'r.json'), 'w').write('{}'); print('finished')"]
+    first = subprocess.run(["bash", str(script), "start", *cmd], env=env, capture_output=True, text=True)
+    assert first.returncode == 0 and "started:" in first.stdout and "still running" in first.stdout
+    again = subprocess.run(["bash", str(script), "start", "false"], env=env, capture_output=True, text=True)
+    assert "a command is in flight" in again.stdout
+    done = subprocess.run(["bash", str(script), "poll"], env={**env, "POLL_S": "60"}, capture_output=True, text=True)
+    assert "done: exit 0" in done.stdout and "finished" in done.stdout, done.stdout + done.stderr
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"r.json", "job.log", "mem.log"}
+    failing = subprocess.run(["bash", str(script), "start", "bash", "-c", "exit 3"], env={**env, "POLL_S": "60"},
+                             capture_output=True, text=True)
+    assert "done: exit 3" in failing.stdout
+    unset = subprocess.run(["bash", str(script), "poll"], env={k: v for k, v in env.items() if k != "W"},
+                           capture_output=True, text=True)
+    assert unset.returncode != 0 and "set W" in unset.stderr
