@@ -23,7 +23,9 @@ where a run is longer than a call, then one ``--merge`` of the twelve files:
         --rows 4 --seq-len 2048 --steps 2000 --modes float32 --seeds 0 --eval-fraction 0.02 --eval-batches 32 \
         --checkpoint-dir build/conv_ckpt --stop-after-s 480 --out build/conv/conv_1b_float32_0.json
 
-(``--data``: a token file, e.g. from ``local_corpus.py``; the model takes its vocabulary.)
+(``--data``: a token file, e.g. from ``local_corpus.py``; the model takes its vocabulary.) Several runs at once, one
+per GPU, each longer than a device call: ``studies/quality_table.sh`` (``JOBS="float32:0 q8:0" ... start``, then
+``poll``).
 
 For each seed both runs go through ``fit`` with the same initialization, batches and AdamW schedule
 (warm-up, cosine decay); the only difference is the host layout (``--modes``: float32 masters, capacity
