@@ -47,6 +47,12 @@ def select_devices(count: int | None) -> list:
     return devices[:count]
 
 
+
+def _put(leaves: list, shardings: list) -> list:
+    """``leaves`` moved to ``shardings`` in one batched ``device_put`` (one dispatch for a part's arrays, not one
+    each; the same copies)."""
+    return jax.device_put(leaves, shardings) if leaves else []
+
 class Placement:
     """Where arrays live: the accelerators' memory and pinned host memory, over a one-axis mesh (``data``)
     of one or more devices, possibly of several processes.
@@ -126,7 +132,8 @@ class Placement:
         (15 GiB when 7B's GPU-resident parts loaded, experiments/studies/NOTES.md)."""
         if self.on_gpu or self.processes > 1:
             tree = jax.tree.map(lambda x: self.copy_to_host(x) if isinstance(x, np.ndarray) else x, tree)
-        return jax.tree.map(lambda x: jax.device_put(x, self.device_for(x)), tree)
+        leaves, treedef = jax.tree.flatten(tree)
+        return treedef.unflatten(_put(leaves, [self.device_for(x) for x in leaves]))
 
     def rows_to_device(self, tree: Any) -> Any:
         """This process's rows of a batch (numpy leaves ``[rows, ...]``) as global arrays spread by row
@@ -147,8 +154,12 @@ class Placement:
         """Asynchronous copy into pinned host memory, each leaf spread by ``spec``. Host values go through
         ``copy_to_host``: a ``device_put`` of a numpy value onto several processes' devices first checks,
         with a collective, that every process passed the same value (a deadlock on the update thread)."""
-        return jax.tree.map(lambda x: jax.device_put(x, self.host_for(x)) if isinstance(x, jax.Array)
-                            else self.copy_to_host(np.asarray(x)), tree)
+        leaves, treedef = jax.tree.flatten(tree)
+        out = [None if isinstance(x, jax.Array) else self.copy_to_host(np.asarray(x)) for x in leaves]
+        arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+        for i, moved in zip(arrays, _put([leaves[i] for i in arrays], [self.host_for(leaves[i]) for i in arrays])):
+            out[i] = moved
+        return treedef.unflatten(out)
 
     def to_pinned(self, tree: Any) -> Any:
         """Each leaf in pinned host memory: pinned jax arrays as they are, anything else copied there (a
