@@ -7,7 +7,9 @@ layout: each run's predicted step time beside the measured one, per GPU kind, wi
 A run qualifies where its record holds the model's shape (``model``), the engine config as run (``engine``, a
 number of resident blocks), ``seq_len``, ``tokens_per_step`` and a measured ``step_time_s`` (bench.py,
 side_by_side.py, scaling.py, capacity.py, long_context.py, scale_projection.py), on a GPU kind ``speeds``
-knows; each on its host's cores (``Speeds.on_host``, from the file's ``device.cpu_cores``). The model's family
+knows; each on its host's cores (``Speeds.on_host``, from the file's ``device.cpu_cores``). The records of
+``shipped_configs.py`` (a shipped config through ``megatrain-jax train``) qualify too, read back through the config
+and their overrides with the engine ``train`` ran, where they timed at least 3 steps. The model's family
 is the preset of the same block shape (hidden, ffn, heads, kv heads; MoE runs are
 left out: their records lack the experts). ``--fit`` searches the rates that bring the median error closest to
 0 and the spread down (coordinate search on a log scale), per GPU kind, and prints them: the values
@@ -23,12 +25,14 @@ import glob
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatrain_jax.cli import load_config  # noqa: E402
 from megatrain_jax.engine.config import EngineConfig  # noqa: E402
 from megatrain_jax.models import PRESETS, preset  # noqa: E402
 from megatrain_jax.plan import speeds as speeds_mod  # noqa: E402
@@ -70,6 +74,11 @@ def runs(since: str = SINCE) -> list[dict]:
         kind = speeds_mod.kind_of(name if isinstance(name, str) else None)
         cores = dev.get("cpu_cores") if isinstance(dev, dict) else None
         for i, r in enumerate(d["runs"]):
+            shipped = _shipped_config_run(r) if kind is not None else None
+            if shipped is not None:  # a `megatrain-jax train` run of a shipped config (shipped_configs.py)
+                out.append({"file": os.path.relpath(path, REPO), "date": date, "older": date < since,
+                            "run": r["config"], "kind": kind, "host_cores": cores, **shipped})
+                continue
             if not (isinstance(r, dict) and r.get("system") == "megatrain_jax" and r.get("status") == "ok"
                     and isinstance(r.get("engine"), dict) and isinstance(r.get("model"), dict)
                     and r.get("step_time_s") and r.get("seq_len") and r.get("tokens_per_step")):
@@ -88,6 +97,32 @@ def runs(since: str = SINCE) -> list[dict]:
                         "rows": r["tokens_per_step"] // r["seq_len"], "seq_len": r["seq_len"],
                         "measured_s": r["step_time_s"]})
     return out
+
+
+def _shipped_config_run(r) -> dict | None:
+    """A record of experiments/shipped_configs.py (a shipped config through ``megatrain-jax train``, its overrides
+    and the engine ``train`` ran) as a run of the model: its config read back with those overrides (a Hugging Face
+    config planned with its ``# plan shape:`` preset); None for any other record, a routed model, or a run with
+    fewer than 3 timed steps (the record's median leaves out the first two steps and the last)."""
+    if not (isinstance(r, dict) and r.get("status") == "ok" and r.get("step_time_s") and "overrides" in r
+            and isinstance((r.get("planned") or {}).get("engine"), dict) and len(r.get("step_times_s") or []) >= 6):
+        return None
+    path = os.path.join(REPO, "experiments", "configs", f"{r['config']}.toml")
+    if not os.path.exists(path):
+        return None
+    overrides = [o for o in r["overrides"] if not o.startswith(("model.hf_checkpoint=", "data.path=", "train."))]
+    shape = re.search(r"^# plan shape: (\S+)$", open(path).read(), re.MULTILINE)
+    if shape:
+        overrides = ["model.hf_checkpoint=none", f"model.preset={shape.group(1)}",
+                     *[o for o in overrides if not o.startswith("model.preset=")]] \
+            if not any(o.startswith("model.preset=") for o in overrides) else ["model.hf_checkpoint=none", *overrides]
+    cfg = load_config(path, overrides)
+    model = cfg.model.build()
+    engine = EngineConfig(**{k: v for k, v in r["planned"]["engine"].items() if k in ENGINE_FIELDS})
+    if model.moe is not None or not isinstance(engine.resident_layers, int):
+        return None
+    return {"gpus": cfg.train.devices or 1, "cfg": model, "shape": r["config"], "engine": engine,
+            "rows": cfg.data.batch_size, "seq_len": cfg.data.seq_len, "measured_s": r["step_time_s"]}
 
 
 def _with(s: speeds_mod.Speeds, key: str, value: float) -> speeds_mod.Speeds:
