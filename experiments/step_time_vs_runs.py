@@ -112,10 +112,8 @@ def _shipped_config_run(r) -> dict | None:
         return None
     overrides = [o for o in r["overrides"] if not o.startswith(("model.hf_checkpoint=", "data.path=", "train."))]
     shape = re.search(r"^# plan shape: (\S+)$", open(path).read(), re.MULTILINE)
-    if shape:
-        overrides = ["model.hf_checkpoint=none", f"model.preset={shape.group(1)}",
-                     *[o for o in overrides if not o.startswith("model.preset=")]] \
-            if not any(o.startswith("model.preset=") for o in overrides) else ["model.hf_checkpoint=none", *overrides]
+    if shape:  # the preset the config's comment names, unless the run set one of its own (later overrides win)
+        overrides = ["model.hf_checkpoint=none", f"model.preset={shape.group(1)}", *overrides]
     cfg = load_config(path, overrides)
     model = cfg.model.build()
     engine = EngineConfig(**{k: v for k, v in r["planned"]["engine"].items() if k in ENGINE_FIELDS})

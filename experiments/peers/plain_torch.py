@@ -34,7 +34,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -42,6 +41,7 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "experiments"))
 import compare_zero3 as cz  # noqa: E402  (stdlib-only at import: shapes, FLOPs, data, results file)
+from child import run_child  # noqa: E402  (stdlib-only at import)
 
 SYSTEM = "plain_torch_gpu"
 SETTINGS = ("eager", "checkpointed", "compiled", "liger")
@@ -126,8 +126,8 @@ def run_setting(args, setting: str) -> dict:
 
 
 def run_in_child(args, setting: str) -> dict:
-    """``run_setting`` in a process of its own (its GPU peak its own; a setting that kills its process is recorded
-    as such), within ``--timeout`` seconds."""
+    """``run_setting`` in a process of its own (its GPU peak its own; a setting that kills its process, or outlives
+    ``--timeout``, is recorded as such: ``child.run_child``)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", setting, "--layers", str(args.layers), "--rows",
            str(args.rows), "--warmup", str(args.warmup), "--steps", str(args.steps), "--out", "-",
            *(f"--{k}={getattr(args, k)}" for k in SHAPE)]
@@ -135,17 +135,7 @@ def run_in_child(args, setting: str) -> dict:
         cmd += ["--liger-site", args.liger_site]
     if args.config:
         cmd += ["--config", args.config]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"system": SYSTEM, "config": cz.config_name(args), "settings": setting,
-                "status": f"error: not done in {args.timeout:.0f} s (--timeout)"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode == 0 and lines:
-        return json.loads(lines[-1])
-    return {"system": SYSTEM, "config": cz.config_name(args), "settings": setting,
-            "status": f"error: the run's process ended with {proc.returncode}: {proc.stderr.strip()[-400:]}"}
-
+    return run_child(cmd, args.timeout, system=SYSTEM, config=cz.config_name(args), settings=setting)
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
