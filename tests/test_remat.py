@@ -21,7 +21,8 @@ from megatrain_jax.contract.layered import block_params, layered
 from megatrain_jax.plan.activations import kept_bytes
 from megatrain_jax.contract.remat import KEEP_POLICY, SplitVJP, keep_residuals
 from megatrain_jax.engine.transfer import Placement
-from test_engine import ADAMW, TINY3, run_both
+from megatrain_jax.engine.parts import IO, PartId
+from test_engine import ADAMW, FUSED, TINY3, _trained, run_both
 from test_mesh import reference, train
 
 XLA_ATTENTION = jax.nn.dot_product_attention
@@ -202,6 +203,26 @@ def test_engine_with_kept_matrix_products_equals_reference(cudnn_stand_in, engin
     others = {"forward_keep" if engine_cfg.keep_residuals else "forward"} if engine_cfg.kept_layers < TINY3.layers \
         else set()
     assert programs & {"forward", "forward_keep"} == others, programs
+
+
+def test_the_13b_layout_in_miniature_equals_reference(cudnn_stand_in):
+    """The layout the plan picked for 13B at 32K tokens on one H200 (``side_by_side.py --only 13b``,
+    h200x2_side_by_side_13b_d827385.json): the embeddings and the first blocks resident, the last blocks keeping
+    their matrix products and marked residuals, the fused host AdamW with every host update split, prefetch depth
+    2, one micro-batch. In float32 it is the reference step; with a bfloat16 stream the gradients sent home in
+    bfloat16 (as there) train bit for bit as float32 ones."""
+    layout = dict(prefetch_depth=2, clip_norm=0.05, resident_layers=1, resident_io=True, kept_layers=2,
+                  keep_residuals=True, split_parts=3)
+    engine = run_both(TINY3, FUSED, EngineConfig(**layout), shared="cudnn_stand_in")
+    assert engine.resident_parts == [IO, PartId.block(0)]
+    assert engine.update_route == "fused"
+    programs = {name for name, *_ in engine.fns._programs}
+    assert {"forward_products", "backward_products"} <= programs and "forward" not in programs, programs
+    full = _trained(EngineConfig(**layout))
+    half = _trained(EngineConfig(**layout, host_grad_dtype="bfloat16"))
+    assert half.policy.opt.splits and half.policy.split == {PartId.block(1), PartId.block(2)}
+    for a, b in zip(jax.tree.leaves(full.state), jax.tree.leaves(half.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_kept_matrix_products_are_the_projections_outputs():
