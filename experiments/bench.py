@@ -249,9 +249,9 @@ def breakdown(engine: Engine, data, step_time: float) -> dict:
     prof = {k: round(v, 4) for k, v in profile.seconds.items()}
     compute = prof.get("compute", 0.0)
     # the GPU-resident parts' updates run on the GPU (AdamW over their masters and moments in its memory)
-    device_update = sum(profile.update_seconds.get(part, 0.0) for part in engine.resident_parts)
+    lanes = profile.lanes(engine.resident_parts)
+    device_update, host_s = lanes["device_update"], lanes["host_update"]
     moved = host_update_bytes(engine)
-    host_s = max(prof.get("optimizer", 0.0) - device_update, 0.0)
     return {"serialized_step_s": round(serial, 4), **{f"{k}_s": v for k, v in prof.items()},
             "device_update_s": round(device_update, 4),
             "host_update": {"seconds": round(host_s, 4), "bytes": moved,

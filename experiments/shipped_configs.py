@@ -215,6 +215,10 @@ def read_run_folder(run_dir: Path, record: dict) -> None:
         # results on the device (engine/step_clock.py), and the last is still left out so that speeds compare
         # with the earlier files.
         timed = [r for r in rows[:-1] if r["step"] >= 3] or [r for r in rows if r["step"] >= 3] or rows
+        # a step profiled with `--set train.profile_step=N` ran serialized, and the next one started from an idle
+        # GPU: neither is timed; the profiled step's lanes are kept beside the plan's busy seconds per lane
+        profiled = {r["step"] for r in rows if r.get("profiled")}
+        timed = [r for r in timed if r["step"] not in profiled and r["step"] - 1 not in profiled] or timed
         record.update(steps_reported=len(rows), loss_first=rows[0]["loss"], loss_last=rows[-1]["loss"],
                       tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in timed), 1),
                       model_tflops=round(statistics.median(r["model_tflops"] for r in timed), 1),
@@ -235,6 +239,11 @@ def read_run_folder(run_dir: Path, record: dict) -> None:
             record["step_time_s"] = round(statistics.median(times), 4)
         if times and predicted:  # the step-time model (plan.step_time) against the median measured step
             record["step_time_error"] = round((predicted["seconds"] - record["step_time_s"]) / record["step_time_s"], 4)
+        for r in rows:
+            if r.get("profiled"):
+                record["profile"] = {"step": r["step"], **{k.removeprefix("profile_"): round(v, 4) for k, v in r.items()
+                                                           if k.startswith("profile_")},
+                                     "plan_busy": (predicted or {}).get("busy")}
         for side in ("host", "gpu"):
             plan, peak = planned.get(f"{side}_gib"), record.get(f"{side}_peak_gib")
             if plan and peak:

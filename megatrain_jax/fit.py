@@ -268,7 +268,7 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
         try:
             last: dict | None = None
             try:
-                for m in eng.steps(feed):
+                for m in eng.steps(feed, profile_step=train.profile_step or None):
                     report(m)
                     phase, last = "engine", m
             except DeviceOutOfMemoryError as err:

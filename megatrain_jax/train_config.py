@@ -30,6 +30,9 @@ class TrainConfig:
       none); a string names a checkpoint (a root or one step's folder) to start from.
     - ``devices``: how many GPUs to train on, the first of this process's (None: all of them; under
       ``jax.distributed``, all devices of all processes). The state is spread over them, held once.
+    - ``profile_step`` (0: off): run that step serialized and add its seconds per lane (GPU compute, PCIe each
+      way, host update) to its metrics (``Engine.steps``): what a step's time is made of, against the plan's
+      predicted busy time per lane. That one step runs slower.
     """
 
     steps: int | None = None
@@ -41,11 +44,12 @@ class TrainConfig:
     checkpoint_keep: int = 3
     resume: bool | str = False
     devices: int | None = None
+    profile_step: int = 0
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be >= 1 (or None: until the data ends), got {self.steps}")
-        for name in ("log_every", "checkpoint_every"):
+        for name in ("log_every", "checkpoint_every", "profile_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
         if self.checkpoint_keep < 1:

@@ -193,6 +193,33 @@ def test_train_progress_lines(tmp_path, capsys):
     assert "eval      3  eval_loss" in out and "done: loss" in out
 
 
+def test_train_profiles_the_step_it_is_asked_to(tmp_path, capsys):
+    """``train.profile_step``: that step's seconds per lane go to metrics.jsonl and a line of the output (beside
+    the plan's busy seconds where the step-time model knows the GPU; not on this CPU); a negative step is refused."""
+    assert main(["train", *TINY_RUN, "train.steps=3", "train.profile_step=2", f"train.run_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "step 2 profiled, each op waited for before the next: GPU " in out and "host update" in out
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("profiled") for r in records] == [None, 1.0, None]
+    assert records[1]["profile_serialized_s"] > 0 and records[1]["profile_compute_s"] > 0
+    assert main(["train", *TINY_RUN, "train.profile_step=-1", f"train.run_dir={tmp_path / 'x'}"]) == 2
+    assert "profile_step must be >= 0" in capsys.readouterr().err
+
+
+def test_the_profile_line_sets_each_lane_beside_the_plan():
+    from megatrain_jax.cli.run import profile_line
+    from megatrain_jax.plan.step_time import StepTime
+    m = {"step": 4, "profile_serialized_s": 9.5, "profile_compute_s": 3.0, "profile_device_update_s": 0.25,
+         "profile_h2d_s": 2.5, "profile_d2h_s": 1.25, "profile_host_update_s": 2.5}
+    predicted = StepTime(seconds=4.8, bound="gpu", busy={"main": 0.6, "gpu": 2.98, "h2d": 2.34, "d2h": 1.25,
+                                                          "host": 2.07}, h2d_bytes=0, d2h_bytes=0, resident_share=0.0,
+                         speeds="H200")
+    line = profile_line(m, predicted)
+    assert ("GPU 3.25 s (plan 2.98), to the GPU 2.50 s (plan 2.34), to the host 1.25 s (plan 1.25), host update "
+            "2.50 s (plan 2.07); serialized 9.50 s (the plan's overlapped step: 4.80 s)") in line
+    assert "plan" not in profile_line(m, None)
+
+
 def test_train_from_hf_checkpoint_and_export(tmp_path, monkeypatch):
     from megatrain_jax.hf import load_hf
     export = tmp_path / "export"

@@ -446,6 +446,28 @@ def test_split_update_keeps_stream_copy_equal_to_masters(extra):
     assert counts == [3] * len(counts), counts
 
 
+def test_a_profiled_step_trains_the_same_numbers_and_reports_its_lanes():
+    """``Engine.steps(..., profile_step=2)``: step 2 runs serialized under a ``Profile``; its metrics carry its
+    seconds per lane and ``profiled``, no other step's do, and the state is bit for bit an unprofiled run's."""
+    def run(profile_step):
+        engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED(),
+                        EngineConfig(clip_norm=0.05, resident_layers=1))
+        return engine, list(engine.steps(make_batches(3), profile_step=profile_step))
+    plain, plain_metrics = run(None)
+    profiled, metrics = run(2)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert ["profiled" in m for m in metrics] == [False, True, False]
+    assert not any(k.startswith("profile_") for m in (metrics[0], metrics[2]) for k in m)
+    lanes = {k: v for k, v in metrics[1].items() if k.startswith("profile_")}
+    assert set(lanes) == {f"profile_{k}_s" for k in ("serialized", "compute", "h2d", "d2h", "host_update",
+                                                       "device_update")}
+    assert all(v > 0 for v in lanes.values()), lanes  # block 0 is resident: its update is device work
+    assert sum(v for k, v in lanes.items() if k != "profile_serialized_s") <= lanes["profile_serialized_s"]
+    assert [m["loss"] for m in metrics] == [m["loss"] for m in plain_metrics]
+    for a, b in zip(jax.tree.leaves(plain.state), jax.tree.leaves(profiled.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_split_update_second_half_failure_is_not_lost():
     """An error in a second half (a gate, the kernel) stops training instead of being dropped when the
     next step queues its own second halves."""

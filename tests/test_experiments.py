@@ -521,6 +521,29 @@ def test_shipped_configs_runs_a_config_as_a_user_does_and_reads_its_metrics(tmp_
     assert shipped.target(Path("h200_sft_8b.toml")) == "h200"
 
 
+def test_shipped_configs_keeps_a_profiled_step_out_of_the_timing_and_records_its_lanes(tmp_path):
+    """``--set train.profile_step=N``: step N ran serialized and N + 1 started from an idle GPU, so neither is in
+    the median step; N's lanes are recorded beside the plan's busy seconds."""
+    import json
+    shipped = load_script("shipped_configs")
+    busy = {"main": 0.5, "gpu": 3.0, "h2d": 2.0, "d2h": 1.0, "host": 2.0}
+    (tmp_path / "memory_plan.json").write_text(json.dumps(
+        {"host_total": 2**30, "gpu_total": 2**30, "gpu_exact": False, "estimate_gpu_total": 2**30,
+         "gpu_available": 2**31, "gpu_peak_at": "head", "engine": {}, "programs": None,
+         "predicted_step": {"seconds": 4.0, "bound": "gpu", "busy": busy}}))
+    times = {1: 30.0, 2: 20.0, 3: 4.0, 4: 9.0, 5: 6.0, 6: 4.0, 7: 5.0, 8: 4.0}  # 5.0 with steps 4 and 5
+    rows = [{"step": k, "loss": 1.0, "tokens_per_s": 100 / t, "model_tflops": 1.0, "step_time_s": t}
+            for k, t in times.items()]
+    rows[3].update(profiled=1.0, profile_serialized_s=9.0, profile_compute_s=3.5, profile_h2d_s=2.5,
+                   profile_d2h_s=1.0, profile_host_update_s=1.5, profile_device_update_s=0.0)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = {}
+    shipped.read_run_folder(tmp_path, record)
+    assert record["step_time_s"] == 4.0 and record["step_time_error"] == 0.0  # steps 3, 6 and 7
+    assert record["profile"] == {"step": 4, "serialized_s": 9.0, "compute_s": 3.5, "h2d_s": 2.5, "d2h_s": 1.0,
+                                 "host_update_s": 1.5, "device_update_s": 0.0, "plan_busy": busy}
+
+
 def test_shipped_configs_reaps_a_child_that_ends_as_the_cut_comes(monkeypatch):
     """SIGTERM through ``timeout`` reaches the train child too, which may be gone before this script kills it: the
     cut is still recorded (no ECHILD from reaping twice), and the environment's caps read as train reads them."""

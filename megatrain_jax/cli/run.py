@@ -62,6 +62,25 @@ def _device_line(devices: int | None) -> str:
             + (f" of the {seen} visible" if used < seen else ""))
 
 
+# A profiled step's lanes (Engine.steps) against the step-time model's busy queues (plan.step_time.QUEUES).
+PROFILE_LANES = (("GPU", ("compute", "device_update"), "gpu"), ("to the GPU", ("h2d",), "h2d"),
+                 ("to the host", ("d2h",), "d2h"), ("host update", ("host_update",), "host"))
+
+
+def profile_line(m: dict, predicted) -> str:
+    """The line ``train`` prints for a profiled step (``train.profile_step``): each lane's serialized seconds,
+    beside the plan's busy seconds for it where the step-time model knows this GPU (``predicted``, a
+    ``StepTime``)."""
+    words = []
+    for name, lanes, queue in PROFILE_LANES:
+        seconds = sum(m[f"profile_{lane}_s"] for lane in lanes)
+        words.append(f"{name} {seconds:.2f} s" + ("" if predicted is None else
+                                                  f" (plan {predicted.busy.get(queue, 0.0):.2f})"))
+    return (f"  step {m['step']} profiled, each op waited for before the next: {', '.join(words)}; serialized "
+            f"{m['profile_serialized_s']:.2f} s" + ("" if predicted is None else
+                                                    f" (the plan's overlapped step: {predicted.seconds:.2f} s)"))
+
+
 def _first_step(fn: Callable[[], None]) -> Hook:
     """A hook calling ``fn()`` once, at the first step."""
     done: list[bool] = []
@@ -343,6 +362,9 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
             eval_batches = list(itertools.islice(d.build_eval(model_cfg.vocab_size, pieces), t.eval_batches))
             hooks.append(eval_hook(eval_batches, every, t.steps))
     hooks.append(memory_hook())
+    if t.profile_step:
+        predicted = step  # the plan's StepTime (None where the step-time model does not know this GPU)
+        hooks.append(Hook(lambda m, info: say(profile_line(m, predicted)) if m.get("profiled") else None))
     writers.append(JsonlWriter(run_dir / "metrics.jsonl", append=bool(t.resume)))
     if cfg.log.tensorboard and TensorBoardWriter.available():
         writers.append(TensorBoardWriter(run_dir))

@@ -28,6 +28,7 @@ from megatrain_jax.contract.layered import Params, layered, write_back
 from megatrain_jax.engine.config import AUTO, EngineConfig
 from megatrain_jax.engine.device_fns import device_fns
 from megatrain_jax.engine.host_state import initial_state
+from megatrain_jax.engine.observers import Profile
 from megatrain_jax.engine.parts import IO, HostRoles, Part, PartId
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, reported_late
 from megatrain_jax.engine.passes import Pass, PassRunner, device_batches
@@ -227,11 +228,25 @@ class Engine:
         return StepOutput(self.state.step, sum(losses) / len(losses), self._runner.decision.norm, tokens,
                           time.perf_counter() - t0, aux, stats)
 
-    def steps(self, data: Iterable[Batch]) -> Iterator[dict[str, float]]:
+    def steps(self, data: Iterable[Batch], profile_step: int | None = None) -> Iterator[dict[str, float]]:
         """Run a step per ``accumulate_steps`` batches of ``data``; yield metrics one step late. A step's
-        ``step_time_s`` is the gap between its results and the previous step's on the device (``StepClock``)."""
+        ``step_time_s`` is the gap between its results and the previous step's on the device (``StepClock``).
+
+        ``profile_step`` (numbered as the metrics' ``step``, from 1): that step runs serialized under a
+        ``Profile`` (each op waited for before the next is dispatched) and its metrics gain ``profiled`` = 1 and
+        its seconds per lane: ``profile_serialized_s`` (the whole serialized step, pending updates included),
+        ``profile_compute_s``, ``profile_h2d_s``, ``profile_d2h_s``, ``profile_host_update_s`` and
+        ``profile_device_update_s`` (``Profile.lanes``): where a step's time goes, lane by lane against the
+        step-time model's busy queues. The numbers trained are the same; that step (and its timing) is slower."""
         pending, clock = None, StepClock()
         group: list[Batch] = []
+        extra: dict[int, dict[str, float]] = {}  # a profiled step's lanes, by step
+
+        def metrics(out: StepOutput) -> dict[str, float]:
+            m = _metrics(out, clock)
+            m.update(extra.pop(out.step, {}))
+            return m
+
         try:
             for batch in data:
                 group.append(batch)
@@ -239,28 +254,47 @@ class Engine:
                     continue
                 try:
                     with reported_late():
-                        out, group = self.step(group), []
+                        if profile_step is not None and int(self.state.step) + 1 == profile_step:
+                            out, lanes = self._profiled_step(group)
+                            extra[out.step] = lanes
+                        else:
+                            out = self.step(group)
+                        group = []
                     clock.watch(out.step, (out.loss, out.grad_norm))
                 except DeviceOutOfMemoryError as err:
                     if pending is not None and not err.updated:  # the last whole step's metrics, not yet reported
                         try:
                             with reported_late():
-                                err.pending_metrics = _metrics(pending, clock)
+                                err.pending_metrics = metrics(pending)
                         except DeviceOutOfMemoryError:  # the last step's own work failed too: nothing is whole
                             err.updated = True
                     raise
                 if pending is not None:
                     with reported_late():
-                        m = _metrics(pending, clock)
+                        m = metrics(pending)
                     yield m
                 pending = out
             if pending is not None:
                 with reported_late():
-                    m = _metrics(pending, clock)  # before the sync: parts coming home are not the step's work
+                    m = metrics(pending)  # before the sync: parts coming home are not the step's work
                     self.sync()
                 yield m
         finally:
             clock.close()
+
+    def _profiled_step(self, batches: Sequence[Batch]) -> tuple[StepOutput, dict[str, float]]:
+        """``step`` under a ``Profile``, waited for to its last host update: the output and its lanes."""
+        profile = Profile()
+        self.observe(profile)
+        t = time.perf_counter()
+        try:
+            out = self.step(batches)
+            jax.block_until_ready(out.loss)
+            self.sync()
+        finally:
+            self.stop_observing(profile)
+        lanes = {f"profile_{lane}_s": seconds for lane, seconds in profile.lanes(self.resident_parts).items()}
+        return out, {"profiled": 1.0, "profile_serialized_s": time.perf_counter() - t, **lanes}
 
     @property
     def skipped_steps(self) -> int:

@@ -44,3 +44,13 @@ class Profile:
 
     def on_task(self, key: Hashable, start: float, end: float) -> None:
         pass
+
+    def lanes(self, resident_parts) -> dict[str, float]:
+        """The serialized step's seconds per lane of the step-time model (``plan.step_time``'s busy queues):
+        ``compute`` (the GPU's programs), ``h2d`` and ``d2h`` (PCIe each way), ``host_update`` (the host-updated
+        parts' update and commit) and ``device_update`` (the GPU-resident parts' update, device work)."""
+        device_update = sum(self.update_seconds.get(part, 0.0) for part in resident_parts)
+        return {"compute": self.seconds.get("compute", 0.0), "h2d": self.seconds.get("h2d", 0.0),
+                "d2h": self.seconds.get("d2h", 0.0),
+                "host_update": max(self.seconds.get("optimizer", 0.0) - device_update, 0.0),
+                "device_update": device_update}
