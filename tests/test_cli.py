@@ -497,6 +497,21 @@ def test_longrope_factors_are_toml_arrays():
         parse_config({"model": {"preset": "tiny", "family": "phi3", "rope_scaling": dict(rope, long_factor=["x"])}})
 
 
+def test_a_config_whose_checkpoint_is_not_downloaded_yet_says_how_to_plan_it(tmp_path, capsys):
+    """A shipped HF config before its download: the error says how to plan the shape without it, and that
+    way (``model.hf_checkpoint=none`` and a preset) plans."""
+    config = CONFIGS / "rtx4090_sft_8b.toml"
+    assert main(["plan", "--config", str(config), "--host-gib", "128", "--gpu-gib", "24"]) == 2
+    err = capsys.readouterr().err
+    assert "no config.json in checkpoints/Llama-3.1-8B-Instruct" in err
+    assert "model.hf_checkpoint=none model.preset=NAME" in err
+    assert main(["plan", "--config", str(config), "--host-gib", "128", "--gpu-gib", "24", "model.hf_checkpoint=none",
+                 "model.preset=llama3.1-8b"]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan: 8.03 B params (32 layers, hidden 4096, vocab 128256)" in out
+    assert "capacity mode (this run)" in out
+
+
 def test_plan_refuses_windows_longer_than_the_model_allows(capsys):
     """``plan`` says what ``train`` would: rows of windows longer than max_positions are refused (exit 2)."""
     from megatrain_jax.cli import main

@@ -65,3 +65,10 @@ def test_longest_sequence_of_a_small_model_that_fits(capsys):
     out = capsys.readouterr().out
     assert "longest sequence that fits with 16 rows per batch as configured: 512 tokens" in out
     assert out.count(" fits\n") >= len(precision.MODES)
+
+
+def test_a_shortfall_under_a_tenth_of_a_gib_reads_in_mib():
+    from megatrain_jax.plan.modes import shortfall
+    GiB = 2**30
+    assert shortfall(28.5 * GiB) == "28.5 GiB" and shortfall(0.06 * GiB) == "0.1 GiB"
+    assert shortfall(0.03 * GiB) == "31 MiB" and shortfall(10) == "1 MiB"

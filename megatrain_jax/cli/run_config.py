@@ -224,7 +224,11 @@ def _model(table: dict, where: Where) -> ModelSection:
     try:
         section = ModelSection(preset=name, hf_checkpoint=hf_checkpoint, overrides=overrides)
         section.build()  # every DecoderConfig check, now rather than after data is loaded
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except FileNotFoundError as e:  # no checkpoint there (yet): say how to plan the shape before the download
+        raise ConfigError(f"{where.in_table(table)}: {e}: download the checkpoint there, or point hf_checkpoint "
+                          f"at it; to plan the run before downloading, give a preset of the same shape instead "
+                          f"(model.hf_checkpoint=none model.preset=NAME; the presets: docs/models.md)") from None
+    except (ValueError, TypeError) as e:
         raise ConfigError(f"{where.in_table(table)}: {e}") from None
     return section
 

@@ -41,14 +41,21 @@ class InMode:
         short = []
         if not q.host_fits:
             over = None if q.host_available is None else q.host_total - q.host_available
-            short.append(f"host RAM short by {over / GiB:,.1f} GiB" if over is not None and over > 0 else
+            short.append(f"host RAM short by {shortfall(over)}" if over is not None and over > 0 else
                          "pinned memory over XLA's pool limit")
         if not q.gpu_fits:
             # the peak and the allocator's fragmentation margin, as ``MemoryPlan.gpu_fits`` counts them
-            short.append(f"GPU short by {(q.gpu_total + GPU_FRAGMENTATION_MARGIN - q.gpu_available) / GiB:,.1f} GiB")
+            short.append(f"GPU short by {shortfall(q.gpu_total + GPU_FRAGMENTATION_MARGIN - q.gpu_available)}")
         if not q.disk_fits:
             short.append("disk short")
         return "does not fit: " + ", ".join(short)
+
+
+def shortfall(nbytes: float) -> str:
+    """A memory shortfall in words: GiB to one decimal, or MiB where that would read 0.0 GiB."""
+    if nbytes >= 0.05 * GiB:
+        return f"{nbytes / GiB:,.1f} GiB"
+    return f"{max(math.ceil(nbytes / 2**20), 1):,} MiB"
 
 
 def host_gib_needed(p: MemoryPlan) -> int:
