@@ -378,6 +378,23 @@ def test_float32_stream_over_gpu_suggests_bf16_or_less_prefetch():
     assert ["engine.stream_dtype=bfloat16"] in overrides and ["engine.prefetch_depth=3"] in overrides
 
 
+def test_a_leaner_mode_short_of_gpu_memory_is_offered_with_a_gpu_lever():
+    """A precision mode that fits the host but leaves the GPU a little short is offered with the first lever
+    that lowers the GPU's peak (here the 8B of a 24 GB card and 64 GB of host, capacity mode given: 8-bit
+    moments add the gradients' bfloat16 casts to the GPU's peak); each such option fits when applied."""
+    from megatrain_jax import preset
+    e = EngineConfig(micro_batches=2, master_dtype="bfloat16")
+    base = plan(preset("llama3.1-8b"), e, 8, 2048, host_ram_bytes=64 * GiB, gpu_bytes=1000 * GiB, packed=True)
+    switch = (("engine.moment_dtype", "q8"), ("engine.host_grad_dtype", "bfloat16"))
+    tight = dataclasses.replace(base, gpu_available=base.applied(switch).gpu_total + GPU_FRAGMENTATION_MARGIN - 1)
+    assert not tight.host_fits and tight.applied(switch).host_fits and not tight.applied(switch).gpu_fits
+    offered = {o.changes[0][1]: dict(o.changes) for o in options(tight) if o.changes[0][0] == "engine.moment_dtype"}
+    assert set(offered) == {"q8", "q4"}, offered
+    for changes in offered.values():
+        assert set(changes) - {"engine.moment_dtype", "engine.host_grad_dtype"}, changes  # a GPU lever with it
+        assert tight.applied(tuple(changes.items())).fits
+
+
 def _printed_options(capsys, argv: list[str]) -> tuple[int, str, list[list[str]]]:
     status = main(argv)
     out = capsys.readouterr().out

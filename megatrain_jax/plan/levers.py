@@ -6,7 +6,9 @@ dtype, the disk tier, gradients waiting on the GPU, the two-pass step (``norm_fi
 mode with 8-bit (then 4-bit) moments and bfloat16 gradients, kept attention residuals, activation offload,
 micro-batches, prefetch depth, fewer rows with more accumulation, shorter sequences, and last a smaller model. Each search re-plans with
 ``MemoryPlan.applied``; where memory is monotone in a lever's value, the search bisects. A lever offers only
-the values the engine config takes (``layout.legal``): the config is the judge of what combines.
+the values the engine config takes (``layout.legal``): the config is the judge of what combines. A leaner
+precision mode that fits the host but leaves the GPU short comes with the first GPU lever that closes the gap
+(``_with_gpu_lever``: kept attention residuals, activation offload, micro-batches, prefetch depth).
 """
 
 from __future__ import annotations
@@ -188,6 +190,10 @@ def options(p: MemoryPlan, given: EngineConfig | None = None) -> list[Option]:
         ch = _first_fit(p, candidates)
         if ch is not None:
             out.append((name, Option(ch, words(ch))))
+        elif name in precision.MODES and candidates:  # a leaner mode that fits the host but not the GPU
+            paired = _with_gpu_lever(p, candidates[0], words)
+            if paired is not None:
+                out.append((name, paired))
     if all(name in precision.MODES for name, _ in out):  # nothing in this run's precision yet: pairs of levers
         levers = [lever for lever in levers if lever[0] not in precision.MODES]
         for i, (_, first, words1) in enumerate(levers):
@@ -205,6 +211,24 @@ def options(p: MemoryPlan, given: EngineConfig | None = None) -> list[Option]:
         out.append(("smaller", Option(_smaller(p, layers, given), f"a smaller model of {layers} layers (the rest as "
                                                              f"configured)")))
     return [option for _, option in out]
+
+
+# The levers that lower the GPU's peak without touching the host's precision, in ``_levers``' order.
+GPU_LEVERS = ("keep", "offload", "micro", "prefetch")
+
+
+def _with_gpu_lever(p: MemoryPlan, switch: Changes, words: Callable) -> Option | None:
+    """A precision mode's ``switch`` that fits the host but not the GPU, with the first GPU lever
+    (``GPU_LEVERS``) that makes it fit both; None where the switch does not fit the host or no lever helps."""
+    q = p.applied(switch)
+    if not q.host_fits or q.gpu_fits:
+        return None
+    for name, candidates, more in _levers(q):
+        if name in GPU_LEVERS:
+            ch = _first_fit(q, [c for c in candidates if not any(k in dict(switch) for k, _ in c)])
+            if ch is not None:
+                return Option(switch + ch, f"{words(switch)}; and {more(ch)}")
+    return None
 
 
 def _tried_first(candidates: list[Changes], n: int = 6) -> list[Changes]:
