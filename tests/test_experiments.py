@@ -836,6 +836,35 @@ def test_zero3s_best_settings_at_13b_are_the_bar_and_each_run_says_where_its_sta
     assert v["zero3_tokens_per_s"] == 3500.0 and v["ratio"] == 1.829 and not v["met"]
 
 
+def test_quality_table_puts_per_gpu_runs_on_each_gpu_with_a_share_of_its_memory_and_the_cores(tmp_path):
+    """studies/quality_table.sh: JOBS run at once, PER_GPU to a GPU, each with 0.9/PER_GPU of its memory
+    (XLA_PYTHON_CLIENT_MEM_FRACTION) and its own slice of the cores; more runs than PER_GPU x GPUs is refused."""
+    import subprocess
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "nvidia-smi").write_text("#!/bin/bash\necho 'GPU 0: NVIDIA H200'\n")
+    (bin_ / "taskset").write_text('#!/bin/bash\nshift; echo "cores $1" >> "$TASKSET_LOG"; shift; exec "$@"\n')
+    (bin_ / "python").write_text('#!/bin/bash\nfor a; do [ "$prev" = --out ] && out=$a; prev=$a; done\n'
+                                 'echo "gpu=$CUDA_VISIBLE_DEVICES fraction=${XLA_PYTHON_CLIENT_MEM_FRACTION:-unset}" '
+                                 '> "$out"\n')
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    script = REPO / "experiments" / "studies" / "quality_table.sh"
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "W": str(tmp_path / "job"),
+           "OUT": str(tmp_path / "out"), "POLL_S": "30", "TAG": "t", "TASKSET_LOG": str(tmp_path / "cores")}
+    run = subprocess.run(["bash", str(script), "start"], env={**env, "JOBS": "q8:0 q8:1", "PER_GPU": "2"},
+                         capture_output=True, text=True, cwd=REPO)
+    assert "done: exit 0" in run.stdout, run.stdout + run.stderr
+    for seed in (0, 1):
+        written = (tmp_path / "out" / f"h200_conv_1b_q8_{seed}_t.json").read_text()
+        assert written.strip() == "gpu=0 fraction=0.450", written
+    slices = sorted((tmp_path / "cores").read_text().split())
+    assert len(set(slices)) == 3 and "cores" in slices  # two distinct slices of the cores
+    refused = subprocess.run(["bash", str(script), "start"], env={**env, "JOBS": "q8:0 q8:1"}, capture_output=True,
+                             text=True, cwd=REPO)
+    assert refused.returncode == 2 and "at most PER_GPU runs per GPU" in refused.stdout
+
+
 def test_long_run_runs_a_command_across_calls_and_copies_what_it_wrote(tmp_path):
     """studies/long_run.sh: `start` launches the command in a session of its own and polls it; a second `start`
     while it runs polls the same one (no second copy); `poll` copies what it wrote under $W/out, its log and the

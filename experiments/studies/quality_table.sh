@@ -6,9 +6,14 @@
 # committed, `convergence.py --merge` of them is the table.
 #
 #   JOBS="float32:0 capacity:0" MEGATRAIN_GIT_COMMIT=<sha> PYTHONPATH=. bash experiments/studies/quality_table.sh start
+#   JOBS="q8:0 q8:1 q8:2" PER_GPU=3 ... bash experiments/studies/quality_table.sh start    # three runs on one GPU
 #   PYTHONPATH=. bash experiments/studies/quality_table.sh poll
 # (carry build/corpus: `local_corpus.py --out build/corpus/corpus.bin --max-mb 80 --train-mb 32`, NOTES has its hash)
-# JOBS: mode:seed pairs, modes from convergence.py's MODES (float32, capacity, q8, q4); at most one per GPU.
+# JOBS: mode:seed pairs, modes from convergence.py's MODES (float32, capacity, q8, q4); at most PER_GPU per GPU
+# (default 1). The 1B step is bound by the host update (the GPU works ~0.14 s of it), so several runs share one GPU
+# well: PER_GPU=k gives each run XLA_PYTHON_CLIENT_MEM_FRACTION=0.9/k of it and 1/(k x GPUs) of the cores. The
+# step-time model on one H200 of a 16-core host (2000 steps): float32 0.48 s a step alone, 0.72 s two to a GPU;
+# capacity 0.35 / 0.46 / 0.56 s alone, two and three to a GPU; 8-bit 0.41 / 0.55 / 0.68; 4-bit 0.52 / 0.72.
 # PREFIX names the machine in the files' names (default: h200, or h200xN with N GPUs).
 set -u
 export W=${W:-/tmp/quality_table} PYTHONPATH=${PYTHONPATH:-.}
@@ -20,16 +25,19 @@ LONG="$(dirname "$0")/long_run.sh"
 case ${1:-poll} in
   start)
     gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-    n=$(echo $JOBS | wc -w)
-    if [ "$gpus" -lt 1 ] || [ "$n" -gt "$gpus" ]; then
-      echo "JOBS has $n runs for $gpus GPUs: give at most one run per GPU"; exit 2
+    n=$(echo $JOBS | wc -w); per=${PER_GPU:-1}
+    if [ "$gpus" -lt 1 ] || [ "$per" -lt 1 ] || [ "$n" -gt $(( gpus * per )) ]; then
+      echo "JOBS has $n runs for $gpus GPUs at PER_GPU=$per: give at most PER_GPU runs per GPU"; exit 2
     fi
     prefix=${PREFIX:-$([ "$gpus" -gt 1 ] && echo "h200x$gpus" || echo h200)}
-    cores=$(nproc); share=$(( cores / n )); i=0; script=""
+    fraction=$(awk -v k="$per" 'BEGIN { printf "%.3f", (k > 1 ? 0.9 / k : 0.75) }')
+    share=""; [ "$per" -gt 1 ] && share="XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction "
+    cores=$(nproc); slice=$(( cores / n )); i=0; script=""
+    [ "$slice" -ge 1 ] || { echo "JOBS has $n runs for $cores cores: give at most one run per core"; exit 2; }
     for job in $JOBS; do
       mode=${job%%:*}; seed=${job##*:}
-      first=$(( i * share )); last=$(( first + share - 1 ))
-      script+="CUDA_VISIBLE_DEVICES=$i taskset -c $first-$last python experiments/studies/convergence.py \
+      first=$(( i * slice )); last=$(( first + slice - 1 ))
+      script+="${share}CUDA_VISIBLE_DEVICES=$(( i / per )) taskset -c $first-$last python experiments/studies/convergence.py \
 --preset llama3.2-1b --data build/corpus/corpus.bin --rows 4 --seq-len 2048 --steps 2000 --modes $mode --seeds $seed \
 --eval-fraction 0.02 --eval-batches 32 --out $W/out/${prefix}_conv_1b_${mode}_${seed}_$TAG.json \
 > $W/out/${prefix}_conv_1b_${mode}_${seed}_$TAG.log 2>&1 & "
