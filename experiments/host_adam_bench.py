@@ -79,13 +79,16 @@ def make_kernel_numpy(n: int):
     return lambda: adamw_numpy(p, m, v, g, None, **hp)
 
 
-def make_quantized_kernel(n: int, moment_dtype: str, g_bf16: bool = False):
+def make_quantized_kernel(n: int, moment_dtype: str, g_bf16: bool = False, defines: tuple[str, ...] = ()):
     """A quantized-moment kernel (``moment_formats.FORMATS``: 8-bit, 4-bit) on numpy arrays: bfloat16 p (uint16
     bits), uint8 codes of m and v with float32 scales per block, float32 (or bfloat16) g; n parameters as rows
-    of 4096."""
-    from megatrain_jax.engine.update.host_kernel import require
+    of 4096. ``defines``: the kernel built with those macros (``host_kernel.build``), e.g. without its AVX-512
+    passes."""
+    from megatrain_jax.engine.update.host_kernel import load, require
     from megatrain_jax.engine.update.moment_formats import FORMATS
-    fmt, lib = FORMATS[moment_dtype], require(None)
+    fmt, lib = FORMATS[moment_dtype], (load(defines) if defines else require(None))
+    if lib is None:
+        raise RuntimeError(f"the kernel built with {defines} is not available")
     shape = (n // 4096, 4096)
     p = np.full(shape, 0x3F00, np.uint16)  # 0.5 in bfloat16
     m, v = (np.zeros(fmt.codes_shape(shape), np.uint8) for _ in range(2))
@@ -124,6 +127,9 @@ SYSTEMS = {
     "megatrain_jax_capacity_kernel": make_capacity_kernel,
     "megatrain_jax_q8_kernel": lambda n: make_quantized_kernel(n, "q8"),
     "megatrain_jax_q8_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "q8", g_bf16=True),
+    # the same kernel built without its AVX-512 passes (its AVX2 ones): the two in one run
+    "megatrain_jax_q8_kernel_bf16_grad_avx2": lambda n: make_quantized_kernel(n, "q8", g_bf16=True,
+                                                                              defines=("MEGATRAIN_NO_AVX512",)),
     "megatrain_jax_q4_kernel": lambda n: make_quantized_kernel(n, "q4"),
     "megatrain_jax_q4_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "q4", g_bf16=True),
     "megatrain_jax_host_fp32": lambda n: make_jax_host(n, False),
@@ -145,6 +151,13 @@ def interleaved(steps: dict, reps: int) -> dict:
             fn()
             times[k].append(time.perf_counter() - t)
     return times
+
+
+def _q8_vector_width() -> int | None:
+    """The 8-bit kernel's vector width in the default build (16: AVX-512, 8: AVX2, 1: portable loops)."""
+    from megatrain_jax.engine.update.host_kernel import load
+    lib = load()
+    return None if lib is None else lib.megatrain_q8_vector_width()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -175,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
            + " ".join(sys.argv[1:] if argv is None else argv), "git_commit": commit,
            "device": {"name": getattr(dev, "device_kind", str(dev)), "cpu_cores": os.cpu_count()},
            "date": datetime.date.today().isoformat(), "params": n, "system_info": system_info(),
+           "q8_vector_width": _q8_vector_width(),
            "runs": [{"system": k, "params_per_s": v if isinstance(v, float) else None,
                      "status": "ok" if isinstance(v, float) else v,
                      **({"seconds_per_round": [round(x, 6) for x in rounds[k]]} if k in rounds else {})}

@@ -75,6 +75,11 @@
 #include <immintrin.h>
 #define MEGATRAIN_AVX2 1
 #endif
+// The 8-bit kernel's passes in AVX-512 too (16 elements a vector), where the compiler targets it and
+// MEGATRAIN_NO_AVX512 does not leave them out (tests build that way to compare the two bit for bit).
+#if defined(MEGATRAIN_AVX2) && defined(__AVX512F__) && !defined(MEGATRAIN_NO_AVX512)
+#define MEGATRAIN_AVX512 1
+#endif
 
 // Round-to-nearest-even float -> bfloat16, NaN kept quiet. Branch-free so the loop vectorizes.
 static inline uint16_t to_bf16(float x) {
@@ -634,6 +639,148 @@ inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int6
 }  // namespace quant_avx2
 #endif
 
+#ifdef MEGATRAIN_AVX512
+// The 8-bit kernel's passes with 16 elements a vector: quant_avx2's operations lane for lane (the same float
+// operations on the same operands; mask registers where AVX2 blends on a vector's sign bits; the narrowing
+// stores truncate where AVX2's saturate, equal for the codes and bfloat16 bits, which are under 2^8 and 2^16).
+// The 8-bit pass runs about half the memory rate of the other kernels on a 16-core H200 host (5.2 G params/s at
+// 10 B a parameter, against 6.9 at 16 for capacity mode): its hashes and codes are the work, and a vector twice
+// as wide does twice as many per instruction.
+namespace quant_avx512 {
+
+inline __m512i set1(uint32_t x) { return _mm512_set1_epi32(static_cast<int32_t>(x)); }
+inline __m512 as_ps(__m512i x) { return _mm512_castsi512_ps(x); }
+inline __m512i as_si(__m512 x) { return _mm512_castps_si512(x); }
+
+inline __m512i mix32_tail(__m512i x) {
+  x = _mm512_mullo_epi32(x, set1(0x7feb352du));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, set1(0x846ca68bu));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+inline __m512i mix32(__m512i x) { return mix32_tail(_mm512_xor_si512(x, _mm512_srli_epi32(x, 16))); }
+
+inline __m512 load_f32(const uint16_t* a) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+  return as_ps(_mm512_slli_epi32(w, 16));
+}
+inline __m512 load_f32(const float* a) { return _mm512_loadu_ps(a); }
+
+template <int kBias>
+inline __m512 decode(__m512i c) {
+  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(c, 20), set1((127u - kBias) << 23));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(Q8Grid<kBias>::kSub));
+  return _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(c, set1(8)), as_ps(normal), sub);
+}
+
+inline __m512i to_bf16_sr(__m512 x, __m512i r) {
+  const __m512i u = as_si(x);
+  __m512i out = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_and_si512(r, set1(0xffffu))), 16);
+  const __mmask16 exp_ones = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, set1(0x7f800000u)), set1(0x7f800000u));
+  if (exp_ones) {
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    const __m512i nan = _mm512_or_si512(set1(0x7fc0u), _mm512_and_si512(hi, set1(0x8000u)));
+    const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, set1(0x7fffffffu)), set1(0x7f800000u));
+    out = _mm512_mask_blend_epi32(exp_ones, out, _mm512_mask_blend_epi32(is_nan, hi, nan));
+  }
+  return out;
+}
+
+// quant_avx2::encode; its branch test (u >= kMinNormalBits, unsigned) is one unsigned compare here.
+template <int kBias>
+inline __m512i encode(__m512 y, __m512i r) {
+  const __m512i u = as_si(y);
+  const __m512i low = _mm512_and_si512(r, set1(0xfffffu));
+  const __m512i normal = _mm512_sub_epi32(u, set1((127u - kBias) << 23));
+  const __m512 t = _mm512_min_ps(_mm512_mul_ps(y, _mm512_set1_ps(Q8Grid<kBias>::kFix)),
+                                 _mm512_set1_ps(static_cast<float>(1u << 23)));
+  const __m512i fixed = _mm512_cvttps_epi32(t);
+  const __mmask16 is_normal = _mm512_cmpge_epu32_mask(u, set1(Q8Grid<kBias>::kMinNormalBits));
+  const __m512i x = _mm512_mask_blend_epi32(is_normal, fixed, normal);
+  return _mm512_srli_epi32(_mm512_add_epi32(x, low), 20);
+}
+
+inline __m512i load_codes(const uint8_t* a, int64_t x) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + x)));
+}
+
+// quant_avx2::pass1 with Q8Codes, on elements [0, n16) of the block (n16 a multiple of 16).
+template <class G>
+inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uint8_t* __restrict v,
+                  const G* __restrict g, int64_t lo, int64_t n16, float sm_, float sv_, const Hyper& h,
+                  const Keys& k, float* __restrict mb, float* __restrict vb, float* am_out, float* av_out) {
+  const __m512 sm = _mm512_set1_ps(sm_), sv = _mm512_set1_ps(sv_);
+  const __m512 grad_scale = _mm512_set1_ps(h.grad_scale), b1 = _mm512_set1_ps(h.b1), b2 = _mm512_set1_ps(h.b2);
+  const __m512 one_b1 = _mm512_set1_ps(h.one_b1), one_b2 = _mm512_set1_ps(h.one_b2);
+  const __m512 inv_bc1 = _mm512_set1_ps(h.inv_bc1), inv_bc2 = _mm512_set1_ps(h.inv_bc2);
+  const __m512 eps = _mm512_set1_ps(h.eps), wd = _mm512_set1_ps(h.wd), lr = _mm512_set1_ps(h.lr);
+  const __m512i abs_mask = set1(0x7fffffffu);
+  const __m512i kp = set1(k.p);
+  __m512i j = _mm512_add_epi32(set1(k.offset + static_cast<uint32_t>(lo)),
+                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  __m512 am = _mm512_setzero_ps(), av = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n16; i += 16) {
+    const int64_t x = lo + i;
+    const __m512 p0 = load_f32(p + x);
+    const __m512 gi = _mm512_mul_ps(load_f32(g + x), grad_scale);
+    const __m512i cm = load_codes(m, x);
+    // decode_m: the magnitude's value with the code's sign bit (bit 7) moved to bit 31, times the scale
+    const __m512 mag = decode<kBiasM>(_mm512_and_si512(cm, set1(0x7fu)));
+    const __m512 m0 = _mm512_mul_ps(
+        as_ps(_mm512_or_si512(as_si(mag), _mm512_slli_epi32(_mm512_and_si512(cm, set1(0x80u)), 24))), sm);
+    const __m512 v0 = _mm512_mul_ps(decode<kBiasV>(load_codes(v, x)), sv);
+    const __m512 mi = _mm512_add_ps(_mm512_mul_ps(b1, m0), _mm512_mul_ps(one_b1, gi));
+    const __m512 vi = _mm512_add_ps(_mm512_mul_ps(b2, v0), _mm512_mul_ps(_mm512_mul_ps(one_b2, gi), gi));
+    const __m512 den = _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi, inv_bc2)), eps);
+    const __m512 u = _mm512_add_ps(_mm512_div_ps(_mm512_mul_ps(mi, inv_bc1), den), _mm512_mul_ps(wd, p0));
+    const __m512 pi = _mm512_sub_ps(p0, _mm512_mul_ps(lr, u));
+    const __m512i pb = to_bf16_sr(pi, mix32(_mm512_xor_si512(j, kp)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + x), _mm512_cvtepi32_epi16(pb));
+    _mm512_storeu_ps(mb + i, mi);
+    _mm512_storeu_ps(vb + i, vi);
+    am = _mm512_max_ps(as_ps(_mm512_and_si512(as_si(mi), abs_mask)), am);
+    av = _mm512_max_ps(vi, av);
+    j = _mm512_add_epi32(j, set1(16));
+  }
+  alignas(64) float a[16], b[16];
+  _mm512_store_ps(a, am);
+  _mm512_store_ps(b, av);
+  float ma = 0.0f, va = 0.0f;
+  for (int l = 0; l < 16; ++l) {
+    ma = a[l] > ma ? a[l] : ma;
+    va = b[l] > va ? b[l] : va;
+  }
+  *am_out = ma;
+  *av_out = va;
+}
+
+// quant_avx2::pass2 with Q8Codes, on elements [0, n16) of the block (n16 a multiple of 16).
+inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t n16, float im_, float iv_,
+                  const Keys& k, const float* __restrict mb, const float* __restrict vb) {
+  const __m512 im = _mm512_set1_ps(im_), iv = _mm512_set1_ps(iv_), vmax = _mm512_set1_ps(kQ8Max);
+  const __m512i abs_mask = set1(0x7fffffffu);
+  const __m512i km = set1(k.m ^ (k.m >> 16)), kv = set1(k.v ^ (k.v >> 16));
+  __m512i j = _mm512_add_epi32(set1(k.offset + static_cast<uint32_t>(lo)),
+                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  for (int64_t i = 0; i < n16; i += 16) {
+    const __m512i t = _mm512_xor_si512(j, _mm512_srli_epi32(j, 16));
+    const __m512 mi = _mm512_loadu_ps(mb + i);
+    const __m512 ym = _mm512_min_ps(_mm512_mul_ps(as_ps(_mm512_and_si512(as_si(mi), abs_mask)), im), vmax);
+    const __m512i c = encode<kBiasM>(ym, mix32_tail(_mm512_xor_si512(t, km)));
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(as_si(mi), 24), set1(0x80u));
+    const __m512i cm = _mm512_mask_or_epi32(c, _mm512_cmpneq_epi32_mask(c, _mm512_setzero_si512()), c, sign);
+    const __m512 yv = _mm512_min_ps(_mm512_mul_ps(_mm512_loadu_ps(vb + i), iv), vmax);
+    const __m512i c2 = _mm512_and_si512(encode<kBiasV>(yv, mix32_tail(_mm512_xor_si512(t, kv))), set1(0xffu));
+    const __m512i cv = _mm512_max_epu32(c2, _mm512_min_epu32(as_si(yv), set1(1u)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(m + lo + i), _mm512_cvtepi32_epi8(cm));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(v + lo + i), _mm512_cvtepi32_epi8(cv));
+    j = _mm512_add_epi32(j, set1(16));
+  }
+}
+
+}  // namespace quant_avx512
+#endif
+
 // One element of a quantized-moment update from its old moments m0 and v0 (decoded and scaled): p written back
 // rounded stochastically, the new moments in *mb and *vb (the 8-bit and 4-bit kernels' shared math, in the
 // order of adamw_sr_block's).
@@ -779,14 +926,20 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   const float sm = Q8Format::scale(*m_amax), sv = Q8Format::scale(*v_amax);
   float am = 0.0f, av = 0.0f;
   int64_t i0 = 0;
-#ifdef MEGATRAIN_AVX2
+#if defined(MEGATRAIN_AVX512)
+  i0 = n / 16 * 16;
+  quant_avx512::pass1(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+#elif defined(MEGATRAIN_AVX2)
   i0 = n / 8 * 8;
   quant_avx2::pass1<quant_avx2::Q8Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #endif
   quantized_update<Q8Format>(p, g, m + lo, v + lo, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
   const float im = Q8Format::inverse_scale(am), iv = Q8Format::inverse_scale(av);
   i0 = 0;
-#ifdef MEGATRAIN_AVX2
+#if defined(MEGATRAIN_AVX512)
+  i0 = n / 16 * 16;
+  quant_avx512::pass2(m, v, lo, i0, im, iv, k, mb, vb);
+#elif defined(MEGATRAIN_AVX2)
   i0 = n / 32 * 32;
   quant_avx2::pass2<quant_avx2::Q8Codes>(m, v, lo, i0, im, iv, k, mb, vb);
 #endif
@@ -955,6 +1108,17 @@ extern "C" void megatrain_adamw_q4(uint16_t* p, uint8_t* m, uint8_t* v, float* m
     adamw_q4_parallel(p, m, v, m_amax, v_amax, gt, rows, cols, block,
                       make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2), make_keys(seed, offset));
   });
+}
+
+// The 8-bit kernel's vector width in elements: 16 (AVX-512), 8 (AVX2) or 1 (the portable loops).
+extern "C" int megatrain_q8_vector_width() {
+#if defined(MEGATRAIN_AVX512)
+  return 16;
+#elif defined(MEGATRAIN_AVX2)
+  return 8;
+#else
+  return 1;
+#endif
 }
 
 extern "C" void megatrain_set_threads(int n) { g_threads.store(n > 0 ? n : 0, std::memory_order_relaxed); }

@@ -208,6 +208,7 @@ def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                        + [ctypes.c_uint32, ctypes.c_int64])
         fn.restype = None
     lib.megatrain_omp_threads.restype = ctypes.c_int
+    lib.megatrain_q8_vector_width.restype = ctypes.c_int
     lib.megatrain_set_threads.argtypes = [ctypes.c_int]
     lib.megatrain_set_threads.restype = None
     return lib
