@@ -132,6 +132,8 @@ SYSTEMS = {
                                                                               defines=("MEGATRAIN_NO_AVX512",)),
     "megatrain_jax_q4_kernel": lambda n: make_quantized_kernel(n, "q4"),
     "megatrain_jax_q4_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "q4", g_bf16=True),
+    "megatrain_jax_q4_kernel_bf16_grad_avx2": lambda n: make_quantized_kernel(n, "q4", g_bf16=True,
+                                                                              defines=("MEGATRAIN_NO_AVX512",)),
     "megatrain_jax_host_fp32": lambda n: make_jax_host(n, False),
     "megatrain_jax_host_with_bf16_copy": lambda n: make_jax_host(n, True),
     "jax_cpu_backend": make_jax_cpu_backend,

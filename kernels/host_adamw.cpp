@@ -75,7 +75,7 @@
 #include <immintrin.h>
 #define MEGATRAIN_AVX2 1
 #endif
-// The 8-bit kernel's passes in AVX-512 too (16 elements a vector), where the compiler targets it and
+// The 8-bit and 4-bit kernels' passes in AVX-512 too (16 elements a vector), where the compiler targets it and
 // MEGATRAIN_NO_AVX512 does not leave them out (tests build that way to compare the two bit for bit).
 #if defined(MEGATRAIN_AVX2) && defined(__AVX512F__) && !defined(MEGATRAIN_NO_AVX512)
 #define MEGATRAIN_AVX512 1
@@ -640,7 +640,7 @@ inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int6
 #endif
 
 #ifdef MEGATRAIN_AVX512
-// The 8-bit kernel's passes with 16 elements a vector: quant_avx2's operations lane for lane (the same float
+// The 8-bit and 4-bit kernels' passes with 16 elements a vector: quant_avx2's operations lane for lane (the same float
 // operations on the same operands; mask registers where AVX2 blends on a vector's sign bits; the narrowing
 // stores truncate where AVX2's saturate, equal for the codes and bfloat16 bits, which are under 2^8 and 2^16).
 // The 8-bit pass runs about half the memory rate of the other kernels on a 16-core H200 host (5.2 G params/s at
@@ -700,12 +700,76 @@ inline __m512i encode(__m512 y, __m512i r) {
   return _mm512_srli_epi32(_mm512_add_epi32(x, low), 20);
 }
 
-inline __m512i load_codes(const uint8_t* a, int64_t x) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + x)));
+// The codes of elements x .. x + 15 as int32 lanes, and back (quant_avx2's Q8Codes and Q4Codes, 16 lanes).
+struct Q8Codes {
+  static inline __m512i load(const uint8_t* a, int64_t x) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + x)));
+  }
+  static inline __m512 decode_m(__m512i c) {
+    const __m512 mag = decode<kBiasM>(_mm512_and_si512(c, set1(0x7fu)));
+    return as_ps(_mm512_or_si512(as_si(mag), _mm512_slli_epi32(_mm512_and_si512(c, set1(0x80u)), 24)));
+  }
+  static inline __m512 decode_v(__m512i c) { return decode<kBiasV>(c); }
+  static inline __m512 vmax() { return _mm512_set1_ps(kQ8Max); }
+  static inline __m512i code_m(__m512 y, __m512i r) { return encode<kBiasM>(y, r); }
+  static inline __m512i sign_m(__m512 mi) { return _mm512_and_si512(_mm512_srli_epi32(as_si(mi), 24), set1(0x80u)); }
+  static inline __m512i code_v(__m512 y, __m512i r) { return _mm512_and_si512(encode<kBiasV>(y, r), set1(0xffu)); }
+  static inline void store(uint8_t* a, int64_t x, __m512i c) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + x), _mm512_cvtepi32_epi8(c));
+  }
+};
+
+template <int kEmin>
+inline __m512 q4_decode(__m512i c) {
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(c, set1(static_cast<uint32_t>(126 + kEmin))), 23);
+  return as_ps(_mm512_maskz_mov_epi32(_mm512_test_epi32_mask(c, c), bits));
 }
 
-// quant_avx2::pass1 with Q8Codes, on elements [0, n16) of the block (n16 a multiple of 16).
-template <class G>
+template <int kEmin>
+inline __m512i q4_encode(__m512 y, __m512i r) {
+  const __m512i u = as_si(y);
+  const __m512i low = _mm512_and_si512(r, set1(0xfffffu));
+  const __m512i mant = _mm512_and_si512(u, set1(0x7fffffu));
+  const __m512i e = _mm512_srli_epi32(u, 23);
+  const __m512i normal = _mm512_add_epi32(_mm512_sub_epi32(e, set1(static_cast<uint32_t>(126 + kEmin))),
+                                          _mm512_srli_epi32(_mm512_add_epi32(_mm512_srli_epi32(mant, 3), low), 20));
+  const __m512i shift = _mm512_sub_epi32(set1(static_cast<uint32_t>(130 + kEmin)), e);
+  const __m512i fixed = _mm512_srlv_epi32(_mm512_or_si512(mant, set1(0x800000u)), shift);
+  const __m512i sub = _mm512_srli_epi32(_mm512_add_epi32(fixed, low), 20);
+  const __mmask16 is_normal = _mm512_cmpgt_epi32_mask(u, set1((static_cast<uint32_t>(127 + kEmin) << 23) - 1u));
+  return _mm512_mask_blend_epi32(is_normal, sub, normal);
+}
+
+// Nibbles, element x in byte x / 2 (x even; low nibble for even x): 8 bytes in, each doubled and widened to a
+// lane, shifted by 0 or 4; out, the 16 codes as bytes, each 16-bit pair (c0 | c1 << 8) folded to c0 | c1 << 4
+// and packed to 8 bytes.
+struct Q4Codes {
+  static inline __m512i load(const uint8_t* a, int64_t x) {
+    const __m128i twice = _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + x / 2)),
+                                           _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
+    const __m512i w = _mm512_cvtepu8_epi32(twice);
+    const __m512i by = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    return _mm512_and_si512(_mm512_srlv_epi32(w, by), set1(15u));
+  }
+  static inline __m512 decode_m(__m512i c) {
+    const __m512 mag = q4_decode<kQ4EminM>(_mm512_and_si512(c, set1(7u)));
+    return as_ps(_mm512_or_si512(as_si(mag), _mm512_slli_epi32(_mm512_and_si512(c, set1(8u)), 28)));
+  }
+  static inline __m512 decode_v(__m512i c) { return q4_decode<kQ4EminV>(c); }
+  static inline __m512 vmax() { return _mm512_set1_ps(1.0f); }
+  static inline __m512i code_m(__m512 y, __m512i r) { return _mm512_and_si512(q4_encode<kQ4EminM>(y, r), set1(7u)); }
+  static inline __m512i sign_m(__m512 mi) { return _mm512_and_si512(_mm512_srli_epi32(as_si(mi), 28), set1(8u)); }
+  static inline __m512i code_v(__m512 y, __m512i r) { return _mm512_and_si512(q4_encode<kQ4EminV>(y, r), set1(15u)); }
+  static inline void store(uint8_t* a, int64_t x, __m512i c) {
+    const __m128i b = _mm512_cvtepi32_epi8(c);
+    const __m128i w = _mm_or_si128(_mm_and_si128(b, _mm_set1_epi16(0x000f)),
+                                   _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi16(0x00f0)));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(a + x / 2), _mm_packus_epi16(w, w));
+  }
+};
+
+// quant_avx2::pass1, 16 elements a vector, on elements [0, n16) of the block (n16 a multiple of 16).
+template <class Codes, class G>
 inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uint8_t* __restrict v,
                   const G* __restrict g, int64_t lo, int64_t n16, float sm_, float sv_, const Hyper& h,
                   const Keys& k, float* __restrict mb, float* __restrict vb, float* am_out, float* av_out) {
@@ -723,12 +787,8 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
     const int64_t x = lo + i;
     const __m512 p0 = load_f32(p + x);
     const __m512 gi = _mm512_mul_ps(load_f32(g + x), grad_scale);
-    const __m512i cm = load_codes(m, x);
-    // decode_m: the magnitude's value with the code's sign bit (bit 7) moved to bit 31, times the scale
-    const __m512 mag = decode<kBiasM>(_mm512_and_si512(cm, set1(0x7fu)));
-    const __m512 m0 = _mm512_mul_ps(
-        as_ps(_mm512_or_si512(as_si(mag), _mm512_slli_epi32(_mm512_and_si512(cm, set1(0x80u)), 24))), sm);
-    const __m512 v0 = _mm512_mul_ps(decode<kBiasV>(load_codes(v, x)), sv);
+    const __m512 m0 = _mm512_mul_ps(Codes::decode_m(Codes::load(m, x)), sm);
+    const __m512 v0 = _mm512_mul_ps(Codes::decode_v(Codes::load(v, x)), sv);
     const __m512 mi = _mm512_add_ps(_mm512_mul_ps(b1, m0), _mm512_mul_ps(one_b1, gi));
     const __m512 vi = _mm512_add_ps(_mm512_mul_ps(b2, v0), _mm512_mul_ps(_mm512_mul_ps(one_b2, gi), gi));
     const __m512 den = _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi, inv_bc2)), eps);
@@ -754,10 +814,12 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
   *av_out = va;
 }
 
-// quant_avx2::pass2 with Q8Codes, on elements [0, n16) of the block (n16 a multiple of 16).
+// quant_avx2::pass2, 16 elements a vector, on elements [0, n16) of the block (n16 a multiple of 16; lo even for
+// 4-bit codes).
+template <class Codes>
 inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t n16, float im_, float iv_,
                   const Keys& k, const float* __restrict mb, const float* __restrict vb) {
-  const __m512 im = _mm512_set1_ps(im_), iv = _mm512_set1_ps(iv_), vmax = _mm512_set1_ps(kQ8Max);
+  const __m512 im = _mm512_set1_ps(im_), iv = _mm512_set1_ps(iv_), vmax = Codes::vmax();
   const __m512i abs_mask = set1(0x7fffffffu);
   const __m512i km = set1(k.m ^ (k.m >> 16)), kv = set1(k.v ^ (k.v >> 16));
   __m512i j = _mm512_add_epi32(set1(k.offset + static_cast<uint32_t>(lo)),
@@ -766,14 +828,14 @@ inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int6
     const __m512i t = _mm512_xor_si512(j, _mm512_srli_epi32(j, 16));
     const __m512 mi = _mm512_loadu_ps(mb + i);
     const __m512 ym = _mm512_min_ps(_mm512_mul_ps(as_ps(_mm512_and_si512(as_si(mi), abs_mask)), im), vmax);
-    const __m512i c = encode<kBiasM>(ym, mix32_tail(_mm512_xor_si512(t, km)));
-    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(as_si(mi), 24), set1(0x80u));
-    const __m512i cm = _mm512_mask_or_epi32(c, _mm512_cmpneq_epi32_mask(c, _mm512_setzero_si512()), c, sign);
+    const __m512i c = Codes::code_m(ym, mix32_tail(_mm512_xor_si512(t, km)));
+    // the sign bit, kept where the code is not 0
+    const __m512i cm = _mm512_mask_or_epi32(c, _mm512_test_epi32_mask(c, c), c, Codes::sign_m(mi));
     const __m512 yv = _mm512_min_ps(_mm512_mul_ps(_mm512_loadu_ps(vb + i), iv), vmax);
-    const __m512i c2 = _mm512_and_si512(encode<kBiasV>(yv, mix32_tail(_mm512_xor_si512(t, kv))), set1(0xffu));
-    const __m512i cv = _mm512_max_epu32(c2, _mm512_min_epu32(as_si(yv), set1(1u)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(m + lo + i), _mm512_cvtepi32_epi8(cm));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(v + lo + i), _mm512_cvtepi32_epi8(cv));
+    const __m512i c2 = Codes::code_v(yv, mix32_tail(_mm512_xor_si512(t, kv)));
+    const __m512i cv = _mm512_max_epu32(c2, _mm512_min_epu32(as_si(yv), set1(1u)));  // a positive v never code 0
+    Codes::store(m, lo + i, cm);
+    Codes::store(v, lo + i, cv);
     j = _mm512_add_epi32(j, set1(16));
   }
 }
@@ -928,7 +990,7 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   int64_t i0 = 0;
 #if defined(MEGATRAIN_AVX512)
   i0 = n / 16 * 16;
-  quant_avx512::pass1(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx512::pass1<quant_avx512::Q8Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #elif defined(MEGATRAIN_AVX2)
   i0 = n / 8 * 8;
   quant_avx2::pass1<quant_avx2::Q8Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
@@ -938,7 +1000,7 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   i0 = 0;
 #if defined(MEGATRAIN_AVX512)
   i0 = n / 16 * 16;
-  quant_avx512::pass2(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx512::pass2<quant_avx512::Q8Codes>(m, v, lo, i0, im, iv, k, mb, vb);
 #elif defined(MEGATRAIN_AVX2)
   i0 = n / 32 * 32;
   quant_avx2::pass2<quant_avx2::Q8Codes>(m, v, lo, i0, im, iv, k, mb, vb);
@@ -961,7 +1023,10 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   const int64_t half = n / 2, b0 = lo / 2;
   float am = 0.0f, av = 0.0f;
   int64_t i0 = 0;
-#ifdef MEGATRAIN_AVX2
+#if defined(MEGATRAIN_AVX512)
+  i0 = n / 16 * 16;
+  quant_avx512::pass1<quant_avx512::Q4Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+#elif defined(MEGATRAIN_AVX2)
   i0 = n / 8 * 8;
   quant_avx2::pass1<quant_avx2::Q4Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #endif
@@ -976,7 +1041,10 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   quantized_update<Q4Format>(p, g, mc, vc, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
   const float im = Q4Format::inverse_scale(am), iv = Q4Format::inverse_scale(av);
   i0 = 0;
-#ifdef MEGATRAIN_AVX2
+#if defined(MEGATRAIN_AVX512)
+  i0 = n / 16 * 16;
+  quant_avx512::pass2<quant_avx512::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
+#elif defined(MEGATRAIN_AVX2)
   i0 = n / 32 * 32;
   quant_avx2::pass2<quant_avx2::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
 #endif
@@ -1110,7 +1178,7 @@ extern "C" void megatrain_adamw_q4(uint16_t* p, uint8_t* m, uint8_t* v, float* m
   });
 }
 
-// The 8-bit kernel's vector width in elements: 16 (AVX-512), 8 (AVX2) or 1 (the portable loops).
+// The quantized-moment kernels' vector width in elements: 16 (AVX-512), 8 (AVX2) or 1 (the portable loops).
 extern "C" int megatrain_q8_vector_width() {
 #if defined(MEGATRAIN_AVX512)
   return 16;

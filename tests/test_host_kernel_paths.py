@@ -1,5 +1,6 @@
-"""The host kernel's two builds agree bit for bit: the AVX2 passes of the 8-bit and 4-bit moment kernels (used
-where the compiler targets AVX2, as on the GPU machines' hosts) against the portable loops alone
+"""The host kernel's builds agree bit for bit: the AVX-512 and AVX2 passes of the 8-bit and 4-bit moment kernels
+(used where the compiler targets them, as on the GPU machines' hosts; ``MEGATRAIN_NO_AVX512`` leaves the first out)
+against each other and against the portable loops alone
 (``MEGATRAIN_NO_INTRINSICS``, what a machine without AVX2 runs), on states whose magnitudes span the formats'
 ranges, blocks whose lengths are not multiples of the vectors' 8 and 32 elements, and counters near the end of
 their range; and the 4-bit kernel against its numpy reference on such a state."""
@@ -77,27 +78,28 @@ def avx2_only():
     return built
 
 
-def test_avx512_and_avx2_builds_agree_bit_for_bit(lib, avx2_only, portable):
-    """The 8-bit kernel's AVX-512 passes (16 elements a vector, where the compiler targets AVX-512) against its
-    AVX2 passes, on the cases above (three steps each, both gradient types) and over 2M elements. Where this
-    machine has no AVX-512 both builds are AVX2 and the test says so by the widths it checks."""
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_avx512_and_avx2_builds_agree_bit_for_bit(lib, avx2_only, portable, fmt):
+    """The quantized-moment kernels' AVX-512 passes (16 elements a vector, where the compiler targets AVX-512)
+    against their AVX2 passes, on the cases above (three steps each, both gradient types) and over 2M elements.
+    Where this machine has no AVX-512 both builds are AVX2 and the widths the test checks say so."""
     widths = (lib.megatrain_q8_vector_width(), avx2_only.megatrain_q8_vector_width(),
               portable.megatrain_q8_vector_width())
     assert widths[1:] in ((8, 1), (1, 1)) and widths[0] >= widths[1], widths
     for g_bf16 in (False, True):
         for i, (rows, cols, block, offset) in enumerate(CASES):
-            state = _state("q8", rows, cols, block, i, g_bf16)
+            state = _state(fmt, rows, cols, block, i, g_bf16)
             ours = theirs = state
             for step in range(3):
                 hp = dict(HP, block=block, seed=1000 * i + step, offset=offset)
-                ours = (*_run("q8", lib, ours, **hp), state[5])
-                theirs = (*_run("q8", avx2_only, theirs, **hp), state[5])
+                ours = (*_run(fmt, lib, ours, **hp), state[5])
+                theirs = (*_run(fmt, avx2_only, theirs, **hp), state[5])
                 _assert_equal(ours[:5], theirs[:5], f"case {i}, step {step}, widths {widths}")
                 ours = (ours[0].view(BF16), *ours[1:])
                 theirs = (theirs[0].view(BF16), *theirs[1:])
-    state = _state("q8", 1000, 2048, 2048, 78, True)
+    state = _state(fmt, 1000, 2048, 2048, 78, True)
     hp = dict(HP, block=2048, seed=6, offset=0)
-    _assert_equal(_run("q8", lib, state, **hp), _run("q8", avx2_only, state, **hp), f"2M, widths {widths}")
+    _assert_equal(_run(fmt, lib, state, **hp), _run(fmt, avx2_only, state, **hp), f"2M, widths {widths}")
 
 
 def test_q4_kernel_matches_reference_across_magnitudes(lib):
