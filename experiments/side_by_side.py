@@ -20,7 +20,9 @@ In order, each in its own process (so each starts with the host memory to itself
    labelled with the same config;
 5. 3.5B at 98,304 tokens/step: ours and ZeRO-3 (``3p5b_98k``);
 6. 7B at 32,768 tokens/step (``7b_32k``): megatrain_jax alone (ZeRO-3 cannot hold 7B on a 125 GiB host);
-7. not in the default ``--only``: ``13b`` and ``13b_8k``, Llama-2-13B's shape on one H200 of a 251 GiB host
+7. not in the default ``--only``: ``sf_settings``, SlideFormer at 3.5B and 32K tokens with its switches
+   (per-layer timers off, double buffering) alone and together, so that its best settings go into ``--sf-flags``
+   for the rows above; ``13b`` and ``13b_8k``, Llama-2-13B's shape on one H200 of a 251 GiB host
    (nvidia-h200-x2 with CUDA_VISIBLE_DEVICES=0), ours with the plan's layout against SlideFormer; ``13b_zero3``,
    ZeRO-3 at 13B and 32K tokens fully offloaded and with its parameters and a fifth of its optimizer state on
    the GPU (the faster is the bar).
@@ -83,7 +85,10 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
     torch_plain = [PY, "experiments/peers/plain_torch.py", "--warmup", "2", "--steps", str(args.ds_steps),
                    "--liger-site", "/tmp/site_liger", "--out", args.out]  # the other plain bar: torch, fused AdamW
     sf = [PY, "experiments/peers/slideformer_bench.py", "--warmup", "2", "--steps", str(args.sf_steps),
-          "--out", args.out]
+          "--out", args.out, *args.sf_flags.split()]
+    # SlideFormer's own switches, each alone and together, on one shape (the best goes into --sf-flags)
+    sf_settings = [("default", []), ("no_timing", ["--no-timing"]), ("double_buffer", ["--double-buffer"]),
+                   ("no_timing_double_buffer", ["--no-timing", "--double-buffer"])]
     return [
         ("host", [PY, "experiments/host_adam_bench.py", "--params", str(args.host_params), "--reps", "15", "--systems",
                   "megatrain_jax_fused_kernel_fp32,megatrain_jax_fused_kernel_with_bf16_copy,"
@@ -121,7 +126,10 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
                                          "--ds-set", "zero_optimization.offload_optimizer.ratio=0.8"]),
         ("13b_8k", bench + ["--configs", "13b_8k", "--steps", str(args.steps_8k)]),
         ("13b_8k", sf + ["--preset", "13b", "--rows", "4", "--config", "13b_8k"]),
-    ]
+    ] + [  # not in the default --only: SlideFormer's settings at 3.5B and 32K tokens, nothing resident
+        ("sf_settings", [PY, "experiments/peers/slideformer_bench.py", "--warmup", "2", "--steps", str(args.sf_steps),
+                         "--out", args.out, "--layers", "16", "--rows", "16", *flags,
+                         "--config", f"3p5b_32k_slideformer_{name}"]) for name, flags in sf_settings]
 
 
 def _run(config: str, system: str, runs: list[dict]) -> dict | None:
@@ -243,6 +251,9 @@ def main() -> None:
     ap.add_argument("--ds-steps", type=int, default=4)
     ap.add_argument("--sf-steps", type=int, default=6,
                     help="timed steps of SlideFormer (its 13B step varied 6.1-7.1 s over 4 timed steps on x2)")
+    ap.add_argument("--sf-flags", default="",
+                    help="SlideFormer's switches for every SlideFormer run of the comparison, as slideformer_bench.py "
+                         "takes them (e.g. '--no-timing --double-buffer': the best of the sf_settings stage)")
     ap.add_argument("--without", default="", help=f"comma-separated systems whose runs the stages leave out, from "
                                                   f"{sorted(SCRIPTS)} (e.g. zero3 where DeepSpeed is not installed)")
     ap.add_argument("--skip-missing-peers", action="store_true",

@@ -95,9 +95,19 @@ def test_side_by_side_checks_issue_51s_bars():
     # --without names each system by the script its stages run
     sbs = load_script("side_by_side")
     args = type("Args", (), dict(out="o", warmup=2, steps=6, steps_8k=10, steps_98k=4, ds_steps=4, sf_steps=4,
-                                 host_params=256))
-    run_scripts = {cmd[1] for _, cmd in sbs.stages(args, "t")}
+                                 host_params=256, sf_flags="--no-timing"))
+    all_stages = sbs.stages(args, "t")
+    run_scripts = {cmd[1] for _, cmd in all_stages}
     assert set(sbs.SCRIPTS.values()) <= run_scripts
+    # --sf-flags reach every SlideFormer run of the comparison; the sf_settings stage tries each switch on one shape
+    headline = [cmd for st, cmd in all_stages if cmd[1] == sbs.SCRIPTS["slideformer"] and st != "sf_settings"]
+    assert headline and all("--no-timing" in cmd for cmd in headline)
+    settings = [cmd for st, cmd in all_stages if st == "sf_settings"]
+    labels = [cmd[cmd.index("--config") + 1] for cmd in settings]
+    assert labels == [f"3p5b_32k_slideformer_{n}" for n in ("default", "no_timing", "double_buffer",
+                                                            "no_timing_double_buffer")]
+    assert ["--no-timing" in c for c in settings] == [False, True, False, True]
+    assert ["--double-buffer" in c for c in settings] == [False, False, True, True]
 
 
 def test_plain_torch_records_each_setting_and_what_stopped_it(tmp_path):
