@@ -385,6 +385,9 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
                    loss_first=timed_recs[0]["loss"], loss_last=timed_recs[-1]["loss"],
                    losses=[round(r["loss"], 4) for r in records], grad_norms=[round(r["grad_norm"], 4) for r in records],
                    step_times=[round(r["step_time_s"], 4) for r in records],
+                   # a skipped step (non-finite loss or norm) runs no update: a faster step that trains nothing,
+                   # so a comparison counts a run only without them (side_by_side.targets)
+                   skipped_steps=sum(1 for r in timed_recs if r.get("skipped")),
                    dispatch_s=round(statistics.median(r["dispatch_s"] for r in timed_recs), 4))
         if predicted is not None:  # the step-time model (plan.step_time) against the median measured step
             run["step_time_error"] = round((predicted.seconds - step_time) / step_time, 4)

@@ -194,7 +194,9 @@ def targets(result: dict) -> dict:
             ratio = ours["tokens_per_s"] / sf["tokens_per_s"]
             out[f"{config}_vs_slideformer"] = {
                 "ours_tokens_per_s": ours["tokens_per_s"], "slideformer_tokens_per_s": sf["tokens_per_s"],
-                "ratio": round(ratio, 3), "bar": bar, "met": ratio >= bar,
+                "ratio": round(ratio, 3), "bar": bar, "met": ratio >= bar and not ours.get("skipped_steps"),
+                **({"not_counted": f"{ours['skipped_steps']} of our timed steps were skipped (non-finite loss or "
+                                   f"gradient norm): they ran no update"} if ours.get("skipped_steps") else {}),
                 "ours_gpu_resident_param_share": (ours.get("predicted_step") or {}).get("resident_share"),
                 "slideformer_gpu_resident_param_share": sf.get("gpu_resident_param_share")}
     for config in ("3p5b_8k", "3p5b_32k"):

@@ -79,6 +79,9 @@ def test_side_by_side_checks_issue_51s_bars():
     v = targets({"runs": runs})
     sf = v["3p5b_8k_nothing_resident_vs_slideformer"]
     assert sf["ratio"] == 1.2 and sf["met"] and sf["ours_gpu_resident_param_share"] == 0.0
+    # a run of ours with skipped steps (no update ran in them) does not count, whatever its speed
+    skipped = targets({"runs": [dict(runs[0], skipped_steps=2), runs[1]]})["3p5b_8k_nothing_resident_vs_slideformer"]
+    assert skipped["ratio"] == 1.2 and not skipped["met"] and "2 of our timed steps were skipped" in skipped["not_counted"]
     plain = v["3p5b_8k_vs_plain_gpu"]
     assert plain["plain_gpu_remat_policy"] == "dots" and plain["ratio"] == 0.954 and plain["met"]
     assert not v["predicted_step_time"]["met"] and not v["all_met"]
