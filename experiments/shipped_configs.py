@@ -218,7 +218,10 @@ def read_run_folder(run_dir: Path, record: dict) -> None:
         # a step profiled with `--set train.profile_step=N` ran serialized, and the next one started from an idle
         # GPU: neither is timed; the profiled step's lanes are kept beside the plan's busy seconds per lane
         profiled = {r["step"] for r in rows if r.get("profiled")}
-        timed = [r for r in timed if r["step"] not in profiled and r["step"] - 1 not in profiled] or timed
+        unprofiled = [r for r in timed if r["step"] not in profiled and r["step"] - 1 not in profiled]
+        if profiled and not unprofiled:
+            record["timing_includes_profiled_step"] = True  # too few steps to leave it out
+        timed = unprofiled or timed
         record.update(steps_reported=len(rows), loss_first=rows[0]["loss"], loss_last=rows[-1]["loss"],
                       tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in timed), 1),
                       model_tflops=round(statistics.median(r["model_tflops"] for r in timed), 1),

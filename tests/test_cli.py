@@ -204,6 +204,8 @@ def test_train_profiles_the_step_it_is_asked_to(tmp_path, capsys):
     assert records[1]["profile_serialized_s"] > 0 and records[1]["profile_compute_s"] > 0
     assert main(["train", *TINY_RUN, "train.profile_step=-1", f"train.run_dir={tmp_path / 'x'}"]) == 2
     assert "profile_step must be >= 0" in capsys.readouterr().err
+    assert main(["train", *TINY_RUN, "train.steps=3", "train.profile_step=4", f"train.run_dir={tmp_path / 'y'}"]) == 2
+    assert "profile_step=4 is past the run's last step (steps=3)" in capsys.readouterr().err
 
 
 def test_the_profile_line_sets_each_lane_beside_the_plan():
@@ -235,14 +237,17 @@ def test_train_from_hf_checkpoint_and_export(tmp_path, monkeypatch):
                                rtol=1e-2, atol=1e-6)
 
 
-def test_checkpoint_and_resume(tmp_path):
+def test_checkpoint_and_resume(tmp_path, capsys):
     run = [*TINY_RUN, "train.checkpoint_every=2", f"train.run_dir={tmp_path}"]
     assert main(["train", *run, "train.steps=4"]) == 0
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
     assert main(["train", *run, "train.steps=6"]) == 2  # a fresh run refuses to overwrite checkpoints
-    assert main(["train", *run, "train.steps=6", "train.resume=true"]) == 0
+    capsys.readouterr()
+    # resumed past the step to profile: said, and nothing profiled
+    assert main(["train", *run, "train.steps=6", "train.resume=true", "train.profile_step=3"]) == 0
+    assert "train.profile_step=3 is not after this run's start (step 4): no step is profiled" in capsys.readouterr().out
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6] and not any(r.get("profiled") for r in records)
 
 
 @pytest.mark.parametrize("key", ["train.run_dir", "train.checkpoint_dir", "train.resume", "train.export_hf",

@@ -468,6 +468,19 @@ def test_a_profiled_step_trains_the_same_numbers_and_reports_its_lanes():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_profiled_step_does_not_count_the_step_before_it():
+    """The step before the profiled one may still have host updates queued (here each takes 0.2 s more); the
+    profiled step starts once they are done, so its weights' fetches do not count the wait for them."""
+    import time as time_
+    engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED(), EngineConfig(clip_norm=0.05))
+    engine.hold_updates(lambda part: time_.sleep(0.2))
+    metrics = list(engine.steps(make_batches(3), profile_step=3))
+    lanes = metrics[2]
+    assert lanes["profile_host_update_s"] >= 0.2 * 4 * 0.9  # its own four host parts' updates
+    assert lanes["profile_h2d_s"] < 0.2, lanes  # not the step before's
+    assert lanes["profile_serialized_s"] < lanes["profile_host_update_s"] + 0.6, lanes
+
+
 def test_split_update_second_half_failure_is_not_lost():
     """An error in a second half (a gate, the kernel) stops training instead of being dropped when the
     next step queues its own second halves."""

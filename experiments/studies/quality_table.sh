@@ -10,8 +10,9 @@
 #   PYTHONPATH=. bash experiments/studies/quality_table.sh poll
 # (carry build/corpus: `local_corpus.py --out build/corpus/corpus.bin --max-mb 80 --train-mb 32`, NOTES has its hash)
 # JOBS: mode:seed pairs, modes from convergence.py's MODES (float32, capacity, q8, q4); at most PER_GPU per GPU
-# (default 1). The 1B step is bound by the host update (the GPU works ~0.14 s of it), so several runs share one GPU
-# well: PER_GPU=k gives each run XLA_PYTHON_CLIENT_MEM_FRACTION=0.9/k of it and 1/(k x GPUs) of the cores. The
+# (default 1), spread round-robin. The 1B step is bound by the host update (the GPU works ~0.14 s of it), so several
+# runs share one GPU well: where a GPU gets k > 1 runs, each has XLA_PYTHON_CLIENT_MEM_FRACTION=0.9/k of it; every
+# run has its own slice of the cores. The
 # step-time model on one H200 of a 16-core host (2000 steps): float32 0.48 s a step alone, 0.72 s two to a GPU;
 # capacity 0.35 / 0.46 / 0.56 s alone, two and three to a GPU; 8-bit 0.41 / 0.55 / 0.68; 4-bit 0.52 / 0.72.
 # PREFIX names the machine in the files' names (default: h200, or h200xN with N GPUs).
@@ -30,14 +31,16 @@ case ${1:-poll} in
       echo "JOBS has $n runs for $gpus GPUs at PER_GPU=$per: give at most PER_GPU runs per GPU"; exit 2
     fi
     prefix=${PREFIX:-$([ "$gpus" -gt 1 ] && echo "h200x$gpus" || echo h200)}
-    fraction=$(awk -v k="$per" 'BEGIN { printf "%.3f", (k > 1 ? 0.9 / k : 0.75) }')
-    share=""; [ "$per" -gt 1 ] && share="XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction "
+    # round-robin over the GPUs; each run gets 0.9 of its GPU over the most runs any GPU gets
+    most=$(( (n + gpus - 1) / gpus ))
+    fraction=$(awk -v k="$most" 'BEGIN { printf "%.3f", 0.9 / k }')
+    share=""; [ "$most" -gt 1 ] && share="XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction "
     cores=$(nproc); slice=$(( cores / n )); i=0; script=""
     [ "$slice" -ge 1 ] || { echo "JOBS has $n runs for $cores cores: give at most one run per core"; exit 2; }
     for job in $JOBS; do
       mode=${job%%:*}; seed=${job##*:}
       first=$(( i * slice )); last=$(( first + slice - 1 ))
-      script+="${share}CUDA_VISIBLE_DEVICES=$(( i / per )) taskset -c $first-$last python experiments/studies/convergence.py \
+      script+="${share}CUDA_VISIBLE_DEVICES=$(( i % gpus )) taskset -c $first-$last python experiments/studies/convergence.py \
 --preset llama3.2-1b --data build/corpus/corpus.bin --rows 4 --seq-len 2048 --steps 2000 --modes $mode --seeds $seed \
 --eval-fraction 0.02 --eval-batches 32 --out $W/out/${prefix}_conv_1b_${mode}_${seed}_$TAG.json \
 > $W/out/${prefix}_conv_1b_${mode}_${seed}_$TAG.log 2>&1 & "

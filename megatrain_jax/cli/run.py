@@ -341,6 +341,9 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         in its first step (out of memory, killed) leaves them. A refused start (here, or later: the data or the
         checkpoint's tensors refused as the engine restores them), or one with nothing to train, leaves the folder
         as it was."""
+        if t.profile_step and step >= t.profile_step:
+            say(f"  note: train.profile_step={t.profile_step} is not after this run's start (step {step}): no step "
+                f"is profiled")
         if step < t.steps:
             files = {"memory_plan.json": plan_record, **({"data_stats.json": summary} if summary is not None else {})}
             for name, record in files.items():

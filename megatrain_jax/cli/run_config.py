@@ -139,6 +139,9 @@ class TrainSection(TrainConfig):
         check_path("export_hf", self.export_hf, "a folder (e.g. runs/my-run/hf), or leave it unset")
         if self.eval_every is not None and self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (0 = off), got {self.eval_every}")
+        if self.profile_step and self.profile_step > self.steps:
+            raise ValueError(f"profile_step={self.profile_step} is past the run's last step (steps={self.steps}): "
+                             f"give a step from 1 to {self.steps}, or 0 for none")
         self.for_fit()  # every TrainConfig check, with the run folder's checkpoint default
 
     def eval_interval(self, eval_fraction: float) -> int:

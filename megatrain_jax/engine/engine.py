@@ -255,7 +255,7 @@ class Engine:
                 try:
                     with reported_late():
                         if profile_step is not None and int(self.state.step) + 1 == profile_step:
-                            out, lanes = self._profiled_step(group)
+                            out, lanes = self._profiled_step(group, pending)
                             extra[out.step] = lanes
                         else:
                             out = self.step(group)
@@ -282,15 +282,19 @@ class Engine:
         finally:
             clock.close()
 
-    def _profiled_step(self, batches: Sequence[Batch]) -> tuple[StepOutput, dict[str, float]]:
-        """``step`` under a ``Profile``, waited for to its last host update: the output and its lanes."""
+    def _profiled_step(self, batches: Sequence[Batch], previous: StepOutput | None) -> tuple[StepOutput, dict[str, float]]:
+        """``step`` under a ``Profile``, started once the ``previous`` step's work is done (its host updates and
+        its GPU work: else the first fetches would count the wait for them) and waited for to its own last host
+        update: the output and its lanes."""
+        self.policy.drain()
+        jax.block_until_ready((None if previous is None else previous.loss, list(self._resident.values())))
         profile = Profile()
         self.observe(profile)
         t = time.perf_counter()
         try:
             out = self.step(batches)
-            jax.block_until_ready(out.loss)
-            self.sync()
+            jax.block_until_ready((out.loss, list(self._resident.values())))
+            self.policy.drain()  # not sync(): the resident parts' copy home is not the step's work
         finally:
             self.stop_observing(profile)
         lanes = {f"profile_{lane}_s": seconds for lane, seconds in profile.lanes(self.resident_parts).items()}
