@@ -138,3 +138,15 @@ def test_float32_passes_agree_across_builds_wherever_the_copy_starts(lib, portab
     np.testing.assert_array_equal(copies["vector", True], copies["vector", False])
     for a, b in zip(copies["vector", "state"], copies["portable", "state"]):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_the_kernel_cache_keys_on_the_cpus_features(monkeypatch, tmp_path):
+    """A cache shared by hosts of different CPUs (a home folder on a network disk) holds one build per kind of CPU:
+    ``-march=native`` builds for this one's features, which another host may lack."""
+    monkeypatch.setenv("MEGATRAIN_KERNEL_CACHE", str(tmp_path))
+    here = host_kernel.built_path("g++", host_kernel.COMPILE_FLAGS)
+    assert here.parent == tmp_path and here == host_kernel.built_path("g++", host_kernel.COMPILE_FLAGS)
+    if not host_kernel.cpu_features():
+        pytest.skip("no CPU feature flags readable on this machine (/proc/cpuinfo)")
+    monkeypatch.setattr(host_kernel, "cpu_features", lambda: "fpu sse sse2")
+    assert host_kernel.built_path("g++", host_kernel.COMPILE_FLAGS) != here

@@ -140,6 +140,21 @@ def adamw_sr_reference(p, m, v, g, *, lr, b1, b2, eps, wd, grad_scale, bc1, bc2,
                  for k, x in enumerate((pi, mi, vi)))
 
 
+def cpu_features() -> str:
+    """This machine's CPU feature flags (Linux's /proc/cpuinfo, sorted; empty where unreadable): part of the built
+    kernel's cache key, since ``-march=native`` builds for them. A cache shared by hosts of other CPUs (a home
+    folder on a network disk) then holds one build per kind of CPU, instead of handing one host's AVX-512 build to
+    another that would stop on its first instruction."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return ""
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("MEGATRAIN_KERNEL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatrain_jax")
@@ -154,17 +169,23 @@ COMPILE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-f
                  "-ffp-contract=off")
 
 
+def built_path(cxx: str, flags: tuple[str, ...]) -> Path:
+    """Where the kernel built by ``cxx`` with ``flags`` is cached: keyed by the source, the machine and its CPU's
+    features (``cpu_features``), the compiler and the flags."""
+    tag = hashlib.sha256(SOURCE.read_bytes() + os.uname().machine.encode() + cpu_features().encode() + cxx.encode()
+                         + " ".join(flags).encode())
+    return _cache_dir() / f"host_adamw_{tag.hexdigest()[:16]}.so"
+
+
 def build(verbose: bool = False, defines: tuple[str, ...] = ()) -> Path | None:
-    """Compile the kernel into the cache (keyed by source, flags, compiler and machine); None without a
-    compiler or when every build attempt fails. ``defines`` are preprocessor macros for the compiler (``-D``):
+    """Compile the kernel into the cache (``built_path``: keyed by source, flags, compiler, machine and CPU); None
+    without a compiler or when every build attempt fails. ``defines`` are preprocessor macros for the compiler (``-D``):
     ``("MEGATRAIN_NO_INTRINSICS",)`` builds the portable loops alone, as a machine without AVX2 runs them."""
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         return None
-    src = SOURCE.read_bytes()
     flags = (*COMPILE_FLAGS, *(f"-D{d}" for d in defines))
-    tag = hashlib.sha256(src + os.uname().machine.encode() + cxx.encode() + " ".join(flags).encode())
-    out = _cache_dir() / f"host_adamw_{tag.hexdigest()[:16]}.so"
+    out = built_path(cxx, flags)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
