@@ -79,7 +79,8 @@ def make_kernel_numpy(n: int):
     return lambda: adamw_numpy(p, m, v, g, None, **hp)
 
 
-def make_quantized_kernel(n: int, moment_dtype: str, g_bf16: bool = False, defines: tuple[str, ...] = ()):
+def make_quantized_kernel(n: int, moment_dtype: str, g_bf16: bool = False, defines: tuple[str, ...] = (),
+                          part: str = "whole"):
     """A quantized-moment kernel (``moment_formats.FORMATS``: 8-bit, 4-bit) on numpy arrays: bfloat16 p (uint16
     bits), uint8 codes of m and v with float32 scales per block, float32 (or bfloat16) g; n parameters as rows
     of 4096. ``defines``: the kernel built with those macros (``host_kernel.build``), e.g. without its AVX-512
@@ -97,7 +98,7 @@ def make_quantized_kernel(n: int, moment_dtype: str, g_bf16: bool = False, defin
     hp = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1=0.1, bc2=0.05)
     return lambda: fmt.inplace(lib, p.ctypes.data, m.ctypes.data, v.ctypes.data, m_absmax.ctypes.data,
                                v_absmax.ctypes.data, g.ctypes.data, shape[0], shape[1], block=fmt.block,
-                               g_bf16=g_bf16, seed=0, offset=0, **hp)
+                               g_bf16=g_bf16, seed=0, offset=0, part=part, **hp)
 
 
 def make_capacity_kernel(n: int):
@@ -130,6 +131,9 @@ SYSTEMS = {
     # the same kernel built without its AVX-512 passes (its AVX2 ones): the two in one run
     "megatrain_jax_q8_kernel_bf16_grad_avx2": lambda n: make_quantized_kernel(n, "q8", g_bf16=True,
                                                                               defines=("MEGATRAIN_NO_AVX512",)),
+    # one pass of the 8-bit update each (the stream pass writes p alone, the commit pass the codes alone)
+    "megatrain_jax_q8_kernel_bf16_grad_stream": lambda n: make_quantized_kernel(n, "q8", g_bf16=True, part="stream"),
+    "megatrain_jax_q8_kernel_bf16_grad_commit": lambda n: make_quantized_kernel(n, "q8", g_bf16=True, part="commit"),
     "megatrain_jax_q4_kernel": lambda n: make_quantized_kernel(n, "q4"),
     "megatrain_jax_q4_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "q4", g_bf16=True),
     "megatrain_jax_q4_kernel_bf16_grad_avx2": lambda n: make_quantized_kernel(n, "q4", g_bf16=True,

@@ -68,6 +68,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -560,7 +561,7 @@ struct Q4Codes {
 
 // The first pass on elements [0, n8) of the block (n8 a multiple of 8): p written, m and v to mb and vb, their
 // maxima into *am and *av (which start at 0, as the scalar loop's do). sm and sv multiply the decoded codes.
-template <class Codes, class G>
+template <class Codes, bool kP, class G>
 inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uint8_t* __restrict v,
                   const G* __restrict g, int64_t lo, int64_t n8, float sm_, float sv_, const Hyper& h,
                   const Keys& k, float* __restrict mb, float* __restrict vb, float* am_out, float* av_out) {
@@ -575,18 +576,20 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
   __m256 am = _mm256_setzero_ps(), av = _mm256_setzero_ps();
   for (int64_t i = 0; i < n8; i += 8) {
     const int64_t x = lo + i;
-    const __m256 p0 = load_f32(p + x);
     const __m256 gi = _mm256_mul_ps(load_f32(g + x), grad_scale);
     const __m256 m0 = _mm256_mul_ps(Codes::decode_m(Codes::load(m, x)), sm);
     const __m256 v0 = _mm256_mul_ps(Codes::decode_v(Codes::load(v, x)), sv);
     const __m256 mi = _mm256_add_ps(_mm256_mul_ps(b1, m0), _mm256_mul_ps(one_b1, gi));
     const __m256 vi = _mm256_add_ps(_mm256_mul_ps(b2, v0), _mm256_mul_ps(_mm256_mul_ps(one_b2, gi), gi));
-    const __m256 den = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vi, inv_bc2)), eps);
-    const __m256 u = _mm256_add_ps(_mm256_div_ps(_mm256_mul_ps(mi, inv_bc1), den), _mm256_mul_ps(wd, p0));
-    const __m256 pi = _mm256_sub_ps(p0, _mm256_mul_ps(lr, u));
-    const __m256i pb = to_bf16_sr(pi, mix32(_mm256_xor_si256(j, kp)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + x),
-                     _mm_packus_epi32(_mm256_castsi256_si128(pb), _mm256_extracti128_si256(pb, 1)));
+    if constexpr (kP) {
+      const __m256 p0 = load_f32(p + x);
+      const __m256 den = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vi, inv_bc2)), eps);
+      const __m256 u = _mm256_add_ps(_mm256_div_ps(_mm256_mul_ps(mi, inv_bc1), den), _mm256_mul_ps(wd, p0));
+      const __m256 pi = _mm256_sub_ps(p0, _mm256_mul_ps(lr, u));
+      const __m256i pb = to_bf16_sr(pi, mix32(_mm256_xor_si256(j, kp)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p + x),
+                       _mm_packus_epi32(_mm256_castsi256_si128(pb), _mm256_extracti128_si256(pb, 1)));
+    }
     _mm256_storeu_ps(mb + i, mi);
     _mm256_storeu_ps(vb + i, vi);
     // max_ps(a, b) is a > b ? a : b, the scalar loop's step (a NaN never replaces the running maximum)
@@ -769,7 +772,7 @@ struct Q4Codes {
 };
 
 // quant_avx2::pass1, 16 elements a vector, on elements [0, n16) of the block (n16 a multiple of 16).
-template <class Codes, class G>
+template <class Codes, bool kP, class G>
 inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uint8_t* __restrict v,
                   const G* __restrict g, int64_t lo, int64_t n16, float sm_, float sv_, const Hyper& h,
                   const Keys& k, float* __restrict mb, float* __restrict vb, float* am_out, float* av_out) {
@@ -785,17 +788,19 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
   __m512 am = _mm512_setzero_ps(), av = _mm512_setzero_ps();
   for (int64_t i = 0; i < n16; i += 16) {
     const int64_t x = lo + i;
-    const __m512 p0 = load_f32(p + x);
     const __m512 gi = _mm512_mul_ps(load_f32(g + x), grad_scale);
     const __m512 m0 = _mm512_mul_ps(Codes::decode_m(Codes::load(m, x)), sm);
     const __m512 v0 = _mm512_mul_ps(Codes::decode_v(Codes::load(v, x)), sv);
     const __m512 mi = _mm512_add_ps(_mm512_mul_ps(b1, m0), _mm512_mul_ps(one_b1, gi));
     const __m512 vi = _mm512_add_ps(_mm512_mul_ps(b2, v0), _mm512_mul_ps(_mm512_mul_ps(one_b2, gi), gi));
-    const __m512 den = _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi, inv_bc2)), eps);
-    const __m512 u = _mm512_add_ps(_mm512_div_ps(_mm512_mul_ps(mi, inv_bc1), den), _mm512_mul_ps(wd, p0));
-    const __m512 pi = _mm512_sub_ps(p0, _mm512_mul_ps(lr, u));
-    const __m512i pb = to_bf16_sr(pi, mix32(_mm512_xor_si512(j, kp)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + x), _mm512_cvtepi32_epi16(pb));
+    if constexpr (kP) {
+      const __m512 p0 = load_f32(p + x);
+      const __m512 den = _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi, inv_bc2)), eps);
+      const __m512 u = _mm512_add_ps(_mm512_div_ps(_mm512_mul_ps(mi, inv_bc1), den), _mm512_mul_ps(wd, p0));
+      const __m512 pi = _mm512_sub_ps(p0, _mm512_mul_ps(lr, u));
+      const __m512i pb = to_bf16_sr(pi, mix32(_mm512_xor_si512(j, kp)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + x), _mm512_cvtepi32_epi16(pb));
+    }
     _mm512_storeu_ps(mb + i, mi);
     _mm512_storeu_ps(vb + i, vi);
     am = _mm512_max_ps(as_ps(_mm512_and_si512(as_si(mi), abs_mask)), am);
@@ -846,16 +851,20 @@ inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int6
 // One element of a quantized-moment update from its old moments m0 and v0 (decoded and scaled): p written back
 // rounded stochastically, the new moments in *mb and *vb (the 8-bit and 4-bit kernels' shared math, in the
 // order of adamw_sr_block's).
-template <class G>
+// kP false: the new moments alone, p neither read nor written (a commit pass: the same moments as the stream
+// pass that wrote p computed, from the same old codes and gradient).
+template <bool kP, class G>
 static inline void quantized_element(uint16_t* __restrict p, const G* __restrict g, int64_t x, float m0, float v0,
                                      const Hyper& h, const Keys& k, float* __restrict mb, float* __restrict vb) {
-  const float p0 = from_bf16(p[x]);
   const float gi = grad_at(g, x) * h.grad_scale;
   const float mi = h.b1 * m0 + h.one_b1 * gi;
   const float vi = h.b2 * v0 + h.one_b2 * gi * gi;
-  const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p0;
-  const float pi = p0 - h.lr * u;
-  p[x] = to_bf16_sr(pi, mix32((k.offset + static_cast<uint32_t>(x)) ^ k.p));
+  if constexpr (kP) {
+    const float p0 = from_bf16(p[x]);
+    const float u = (mi * h.inv_bc1) / (std::sqrt(vi * h.inv_bc2) + h.eps) + h.wd * p0;
+    const float pi = p0 - h.lr * u;
+    p[x] = to_bf16_sr(pi, mix32((k.offset + static_cast<uint32_t>(x)) ^ k.p));
+  }
   *mb = mi;
   *vb = vi;
 }
@@ -933,7 +942,7 @@ struct Q4Format {
 
 // Elements [i0, n) of a block from flat index lo: dequantize the codes mc[i] and vc[i] (one a byte), update
 // (p written, the new m and v to mb and vb) and fold their maxima into *am and *av.
-template <class Fmt, class G>
+template <class Fmt, bool kP, class G>
 inline void quantized_update(uint16_t* __restrict p, const G* __restrict g, const uint8_t* __restrict mc,
                              const uint8_t* __restrict vc, int64_t lo, int64_t i0, int64_t n, float sm, float sv,
                              const Hyper& h, const Keys& k, float* __restrict mb, float* __restrict vb,
@@ -941,7 +950,7 @@ inline void quantized_update(uint16_t* __restrict p, const G* __restrict g, cons
   float am = *am_io, av = *av_io;
 #pragma omp simd reduction(max : am, av)
   for (int64_t i = i0; i < n; ++i) {
-    quantized_element(p, g, lo + i, Fmt::value_m(mc[i]) * sm, Fmt::value_v(vc[i]) * sv, h, k, mb + i, vb + i);
+    quantized_element<kP>(p, g, lo + i, Fmt::value_m(mc[i]) * sm, Fmt::value_v(vc[i]) * sv, h, k, mb + i, vb + i);
     const float mi = mb[i], vi = vb[i];
     const float a = std::fabs(mi);
     am = a > am ? a : am;
@@ -980,7 +989,12 @@ inline void quantized_encode(uint8_t* __restrict mc, uint8_t* __restrict vc, int
 // second encodes them with the new scales. *m_amax and *v_amax hold the block's old scale on entry and its
 // new one on return. With AVX2 the vector passes take the first n / 8 * 8 elements (the update) and n / 32 * 32
 // (the codes), the scalar loops the rest.
-template <class G>
+// The passes a quantized-moment update may run as (kPass): kWhole, the update; kStream, p alone (the moments'
+// codes and scales untouched); kCommit, the codes and scales alone (p untouched), from the same old codes and
+// gradient as the stream pass: kStream then kCommit leave exactly what kWhole does.
+constexpr int kWhole = 0, kStream = 1, kCommit = 2;
+
+template <int kPass, class G>
 inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
                            float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g, int64_t lo,
                            int64_t n, const Hyper& h, const Keys& k, float* __restrict mb,
@@ -988,14 +1002,16 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   const float sm = Q8Format::scale(*m_amax), sv = Q8Format::scale(*v_amax);
   float am = 0.0f, av = 0.0f;
   int64_t i0 = 0;
+  constexpr bool kP = kPass != kCommit;
 #if defined(MEGATRAIN_AVX512)
   i0 = n / 16 * 16;
-  quant_avx512::pass1<quant_avx512::Q8Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx512::pass1<quant_avx512::Q8Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #elif defined(MEGATRAIN_AVX2)
   i0 = n / 8 * 8;
-  quant_avx2::pass1<quant_avx2::Q8Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx2::pass1<quant_avx2::Q8Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #endif
-  quantized_update<Q8Format>(p, g, m + lo, v + lo, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
+  quantized_update<Q8Format, kP>(p, g, m + lo, v + lo, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
+  if constexpr (kPass == kStream) return;
   const float im = Q8Format::inverse_scale(am), iv = Q8Format::inverse_scale(av);
   i0 = 0;
 #if defined(MEGATRAIN_AVX512)
@@ -1014,7 +1030,7 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
 // read and write the packed bytes themselves; for the scalar loops the codes of the rest are unpacked one to a
 // byte (mc, vc) before the update and packed back after the encode (plain loops over contiguous buffers, which
 // the compiler vectorizes).
-template <class G>
+template <int kPass, class G>
 inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
                            float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g, int64_t lo,
                            int64_t n, const Hyper& h, const Keys& k, float* __restrict mb,
@@ -1023,12 +1039,13 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   const int64_t half = n / 2, b0 = lo / 2;
   float am = 0.0f, av = 0.0f;
   int64_t i0 = 0;
+  constexpr bool kP = kPass != kCommit;
 #if defined(MEGATRAIN_AVX512)
   i0 = n / 16 * 16;
-  quant_avx512::pass1<quant_avx512::Q4Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx512::pass1<quant_avx512::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #elif defined(MEGATRAIN_AVX2)
   i0 = n / 8 * 8;
-  quant_avx2::pass1<quant_avx2::Q4Codes>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx2::pass1<quant_avx2::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #endif
 #pragma omp simd
   for (int64_t j = i0 / 2; j < half; ++j) {
@@ -1038,7 +1055,8 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
     vc[2 * j] = b & 15u;
     vc[2 * j + 1] = b >> 4;
   }
-  quantized_update<Q4Format>(p, g, mc, vc, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
+  quantized_update<Q4Format, kP>(p, g, mc, vc, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
+  if constexpr (kPass == kStream) return;
   const float im = Q4Format::inverse_scale(am), iv = Q4Format::inverse_scale(av);
   i0 = 0;
 #if defined(MEGATRAIN_AVX512)
@@ -1085,20 +1103,32 @@ void quantized_parallel(int64_t rows, int64_t cols, int64_t block, BlockFn block
   }
 }
 
-template <class G>
+template <int kPass, class G>
 void adamw_q8_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const G* g,
                        int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
   quantized_parallel(rows, cols, block, [&](int64_t b, int64_t lo, int64_t n, BlockBuffers& buf) {
-    adamw_q8_block(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb);
+    adamw_q8_block<kPass>(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb);
   });
 }
 
-template <class G>
+template <int kPass, class G>
 void adamw_q4_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const G* g,
                        int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
   quantized_parallel(rows, cols, block, [&](int64_t b, int64_t lo, int64_t n, BlockBuffers& buf) {
-    adamw_q4_block(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb, buf.mc, buf.vc);
+    adamw_q4_block<kPass>(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb, buf.mc, buf.vc);
   });
+}
+
+// Runs fn with the pass as a compile-time constant (kWhole, kStream, kCommit; anything else: kWhole).
+template <class Fn>
+inline void with_pass(int pass, Fn fn) {
+  if (pass == kStream) {
+    fn(std::integral_constant<int, kStream>{});
+  } else if (pass == kCommit) {
+    fn(std::integral_constant<int, kCommit>{});
+  } else {
+    fn(std::integral_constant<int, kWhole>{});
+  }
 }
 
 // Calls fn with the gradient as what it is: bfloat16 bits (g_bf16) or float32.
@@ -1155,13 +1185,18 @@ extern "C" void megatrain_adamw_bf16_sr_g16(uint16_t* p, uint16_t* m, uint16_t* 
 // bits (g_bf16 == 1). Element i of the call uses counter offset + i, as megatrain_adamw_bf16_sr does.
 // Preconditions, checked by the Python wrapper: 0 < block <= 4096 (kQ8MaxBlock), rows, cols >= 0,
 // offset + rows * cols <= 2^32.
+// pass: 0 the whole update, 1 p alone (the stream pass), 2 the moments' codes and scales alone (the commit
+// pass, with the same old codes, scales and gradient as the stream pass): 1 then 2 leave what 0 does.
 extern "C" void megatrain_adamw_q8(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax,
                                    const void* g, int g_bf16, int64_t rows, int64_t cols, int64_t block,
                                    float lr, float b1, float b2, float eps, float wd, float grad_scale,
-                                   float bc1, float bc2, uint32_t seed, int64_t offset) {
+                                   float bc1, float bc2, uint32_t seed, int64_t offset, int pass) {
   with_gradient(g, g_bf16, [&](auto gt) {
-    adamw_q8_parallel(p, m, v, m_amax, v_amax, gt, rows, cols, block,
-                      make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2), make_keys(seed, offset));
+    with_pass(pass, [&](auto kp) {
+      adamw_q8_parallel<decltype(kp)::value>(p, m, v, m_amax, v_amax, gt, rows, cols, block,
+                                             make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2),
+                                             make_keys(seed, offset));
+    });
   });
 }
 
@@ -1171,10 +1206,13 @@ extern "C" void megatrain_adamw_q8(uint16_t* p, uint8_t* m, uint8_t* v, float* m
 extern "C" void megatrain_adamw_q4(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax,
                                    const void* g, int g_bf16, int64_t rows, int64_t cols, int64_t block,
                                    float lr, float b1, float b2, float eps, float wd, float grad_scale,
-                                   float bc1, float bc2, uint32_t seed, int64_t offset) {
+                                   float bc1, float bc2, uint32_t seed, int64_t offset, int pass) {
   with_gradient(g, g_bf16, [&](auto gt) {
-    adamw_q4_parallel(p, m, v, m_amax, v_amax, gt, rows, cols, block,
-                      make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2), make_keys(seed, offset));
+    with_pass(pass, [&](auto kp) {
+      adamw_q4_parallel<decltype(kp)::value>(p, m, v, m_amax, v_amax, gt, rows, cols, block,
+                                             make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2),
+                                             make_keys(seed, offset));
+    });
   });
 }
 

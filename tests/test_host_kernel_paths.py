@@ -150,3 +150,29 @@ def test_the_kernel_cache_keys_on_the_cpus_features(monkeypatch, tmp_path):
         pytest.skip("no CPU feature flags readable on this machine (/proc/cpuinfo)")
     monkeypatch.setattr(host_kernel, "cpu_features", lambda: "fpu sse sse2")
     assert host_kernel.built_path("g++", host_kernel.COMPILE_FLAGS) != here
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_the_stream_pass_then_the_commit_pass_leave_what_the_whole_update_does(lib, avx2_only, portable, fmt):
+    """A quantized update split in two: ``stream`` writes p alone (codes and scales untouched), ``commit`` then
+    writes the codes and scales alone (p untouched) from the same old codes and gradient; together, bit for bit
+    the whole update, in every build, on the cases above with both gradient types."""
+    for name, built in (("default", lib), ("avx2", avx2_only), ("portable", portable)):
+        for g_bf16 in (False, True):
+            for i, (rows, cols, block, offset) in enumerate(CASES):
+                state = _state(fmt, rows, cols, block, i, g_bf16)
+                hp = dict(HP, block=block, seed=500 + i, offset=offset)
+                whole = _run(fmt, built, state, **hp)
+                streamed = _run(fmt, built, state, part="stream", **hp)
+                what = f"{fmt}, {name} build, case {i}, g_bf16 {g_bf16}"
+                np.testing.assert_array_equal(streamed[0], whole[0], err_msg=f"{what}: p")
+                for a, b in zip(streamed[1:], state[1:5]):  # codes and scales as they were
+                    np.testing.assert_array_equal(a, b, err_msg=f"{what}: moments touched by the stream pass")
+                committed = _run(fmt, built, (streamed[0].view(BF16), *state[1:]), part="commit", **hp)
+                _assert_equal(committed, whole, what)
+
+
+def test_an_unknown_pass_is_refused(lib):
+    state = _state("q8", 2, 64, 32, 0, False)
+    with pytest.raises(ValueError, match="pass must be one of whole, stream, commit"):
+        _run("q8", lib, state, part="second", **dict(HP, block=32, seed=1, offset=0))

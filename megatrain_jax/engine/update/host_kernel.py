@@ -140,6 +140,19 @@ def adamw_sr_reference(p, m, v, g, *, lr, b1, b2, eps, wd, grad_scale, bc1, bc2,
                  for k, x in enumerate((pi, mi, vi)))
 
 
+# The passes a quantized-moment update may run as (the kernel's ``pass`` argument): the whole update; p alone
+# (``stream``: the copy the next forward fetches); the moments' codes and scales alone (``commit``, from the same
+# old codes and gradient as the stream pass). Stream then commit leave exactly what the whole update does.
+QUANTIZED_PASSES = {"whole": 0, "stream": 1, "commit": 2}
+
+
+def quantized_pass(name: str) -> int:
+    """The kernel's code of a quantized update's pass (``QUANTIZED_PASSES``); ValueError naming the choices."""
+    if name not in QUANTIZED_PASSES:
+        raise ValueError(f"pass must be one of {', '.join(QUANTIZED_PASSES)}, got {name!r}")
+    return QUANTIZED_PASSES[name]
+
+
 def cpu_features() -> str:
     """This machine's CPU feature flags (Linux's /proc/cpuinfo, sorted; empty where unreadable): part of the built
     kernel's cache key, since ``-march=native`` builds for them. A cache shared by hosts of other CPUs (a home
@@ -226,7 +239,7 @@ def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         fn.restype = None
     for fn in (lib.megatrain_adamw_q8, lib.megatrain_adamw_q4):
         fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_float] * 8
-                       + [ctypes.c_uint32, ctypes.c_int64])
+                       + [ctypes.c_uint32, ctypes.c_int64, ctypes.c_int])
         fn.restype = None
     lib.megatrain_omp_threads.restype = ctypes.c_int
     lib.megatrain_q8_vector_width.restype = ctypes.c_int

@@ -197,18 +197,21 @@ def adamw_q4_reference(p, m, v, m_absmax, v_absmax, g, *, block: int, lr, b1, b2
 
 def adamw_q4_inplace(lib: ctypes.CDLL, p: int, m: int, v: int, m_absmax: int, v_absmax: int, g: int, n_rows: int,
                      cols: int, *, block: int, g_bf16: bool, lr: float, b1: float, b2: float, eps: float,
-                     wd: float, grad_scale: float, bc1: float, bc2: float, seed: int, offset: int) -> None:
+                     wd: float, grad_scale: float, bc1: float, bc2: float, seed: int, offset: int,
+                     part: str = "whole") -> None:
     """4-bit moments on raw buffer addresses: ``n_rows`` rows of ``cols`` elements of bfloat16 p (in place),
     packed m and v codes (n_rows x cols / 2 bytes) and their float32 scales (n_rows x ceil(cols / block)),
     g float32 or, where ``g_bf16``, bfloat16. Whole rows of a bigger array: the addresses of its first row and
     ``offset`` = the flat index of its first element. ValueError unless cols and block are even, 0 < block <=
-    4096, 0 <= seed < 2^32 and 0 <= offset, offset + n <= 2^32."""
+    4096, 0 <= seed < 2^32 and 0 <= offset, offset + n <= 2^32. ``part``: the whole update, or one pass of it
+    (``host_kernel.QUANTIZED_PASSES``: "stream" writes p alone, "commit" then the codes and scales alone, from the
+    same old codes and gradient; the two leave what "whole" does)."""
     _check_block(block)
     if n_rows < 0 or cols < 0 or cols % 2:
         raise ValueError(f"need n_rows >= 0 and an even cols >= 0, got {n_rows}, {cols}")
     host_kernel.check_seed_offset(int(seed), int(offset), int(n_rows) * int(cols))
     lib.megatrain_adamw_q4(p, m, v, m_absmax, v_absmax, g, int(bool(g_bf16)), n_rows, cols, block, lr, b1, b2, eps,
-                           wd, grad_scale, bc1, bc2, seed, offset)
+                           wd, grad_scale, bc1, bc2, seed, offset, host_kernel.quantized_pass(part))
 
 
 def adamw_q4_numpy(p: np.ndarray, m: np.ndarray, v: np.ndarray, m_absmax: np.ndarray, v_absmax: np.ndarray,
