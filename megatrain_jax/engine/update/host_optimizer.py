@@ -281,7 +281,9 @@ class HostOptimizer:
         spec, state = self.spec, part.opt
         bc1, bc2 = spec.bias_corrections(float(t))
         lr = spec.lr_value(t - 1)  # on the host: no wait behind the GPU's queued work
-        jax.block_until_ready(grads)
+        # the kernel writes the masters and the stream copy by address: a copy into them still in flight (a part
+        # just brought home, whose device_put returns at once) must land first, as the gradients must
+        jax.block_until_ready((grads, part.params, stream))
         pieces = self.placement.pieces
         leaves = jax.tree.leaves(part.params)
         structure = jax.tree.structure(part.params)  # a QuantizedMoment is one moment leaf, not two
