@@ -132,12 +132,13 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
                          "--config", f"3p5b_32k_slideformer_{name}"]) for name, flags in sf_settings]
 
 
-def _uncounted(ours: dict) -> dict:
-    """What a ratio says where our run had skipped timed steps (they ran no update: faster steps that train
-    nothing), which then does not count: ``not_counted`` with the reason, else nothing."""
+def _verdict(ratio: float, bar: float, ours: dict) -> dict:
+    """A ratio's ``met``, and where our run had skipped timed steps (they ran no update: faster steps that train
+    nothing) ``not_counted`` with the reason: such a run does not count."""
     n = ours.get("skipped_steps")
-    return {"not_counted": f"{n} of our timed steps were skipped (non-finite loss or gradient norm): they ran no "
-                           f"update"} if n else {}
+    return {"met": ratio >= bar and not n,
+            **({"not_counted": f"{n} of our timed steps were skipped (non-finite loss or gradient norm): they ran "
+                               f"no update"} if n else {})}
 
 
 def _run(config: str, system: str, runs: list[dict]) -> dict | None:
@@ -166,8 +167,7 @@ def targets(result: dict) -> dict:
             ratio = ours["tokens_per_s"] / ds["tokens_per_s"]
             out[f"{config}_vs_zero3"] = {"ours_tokens_per_s": ours["tokens_per_s"],
                                          "zero3_tokens_per_s": ds["tokens_per_s"], "ratio": round(ratio, 3),
-                                         "bar": BARS[config], "met": ratio >= BARS[config] and not _uncounted(ours),
-                                         **_uncounted(ours)}
+                                         "bar": BARS[config], **_verdict(ratio, BARS[config], ours)}
     seven = _run("7b_32k", "megatrain_jax", runs)
     if seven and seven.get("model_tflops"):
         out["7b_32k_model_tflops"] = {"value": seven["model_tflops"], "bar": BARS["7b_tflops"],
@@ -203,7 +203,7 @@ def targets(result: dict) -> dict:
             ratio = ours["tokens_per_s"] / sf["tokens_per_s"]
             out[f"{config}_vs_slideformer"] = {
                 "ours_tokens_per_s": ours["tokens_per_s"], "slideformer_tokens_per_s": sf["tokens_per_s"],
-                "ratio": round(ratio, 3), "bar": bar, "met": ratio >= bar and not _uncounted(ours), **_uncounted(ours),
+                "ratio": round(ratio, 3), "bar": bar, **_verdict(ratio, bar, ours),
                 "ours_gpu_resident_param_share": (ours.get("predicted_step") or {}).get("resident_share"),
                 "slideformer_gpu_resident_param_share": sf.get("gpu_resident_param_share")}
     for config in ("3p5b_8k", "3p5b_32k"):
@@ -219,8 +219,7 @@ def targets(result: dict) -> dict:
                                              "plain_gpu_settings": best.get("remat_policy") or best.get("settings"),
                                              "plain_gpu_remat_policy": best.get("remat_policy"),
                                              "ratio": round(ratio, 3), "bar": PLAIN_GPU_BAR,
-                                             "met": ratio >= PLAIN_GPU_BAR and not _uncounted(ours),
-                                             **_uncounted(ours)}
+                                             **_verdict(ratio, PLAIN_GPU_BAR, ours)}
     ours, zero3 = _run("13b_32k", "megatrain_jax", runs), [r for r in runs if r.get("config") == "13b_32k"
                                                              and r.get("system") == "deepspeed_zero3"
                                                              and r.get("tokens_per_s")]
@@ -231,7 +230,7 @@ def targets(result: dict) -> dict:
                                         "zero3_tokens_per_s": best["tokens_per_s"],
                                         "zero3_settings": best.get("ds_overrides") or best.get("command"),
                                         "ratio": round(ratio, 3), "bar": ZERO3_13B_BAR,
-                                        "met": ratio >= ZERO3_13B_BAR and not _uncounted(ours), **_uncounted(ours)}
+                                        **_verdict(ratio, ZERO3_13B_BAR, ours)}
     stream = _run("host_stream", "stream", runs)
     if stream and stream.get("triad_gb_per_s"):
         moved = {r["config"]: r["breakdown"]["host_update"]["gb_per_s"] for r in runs

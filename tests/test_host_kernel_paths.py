@@ -43,21 +43,27 @@ def _run(fmt: str, lib, state, **hp):
     return kernel_on_copies(lib, state, run=FORMATS[fmt][1], **hp)
 
 
-@pytest.mark.parametrize("g_bf16", [False, True], ids=["g_f32", "g_bf16"])
-@pytest.mark.parametrize("fmt", ["q8", "q4"])
-def test_vector_and_portable_builds_agree_bit_for_bit(lib, portable, fmt, g_bf16):
-    """Three steps in a row per case, each build fed its own last result: every p bit, code and scale equal."""
+def _three_steps_agree(fmt: str, a, b, g_bf16: bool, what: str) -> None:
+    """Builds ``a`` and ``b`` over the cases, three steps in a row each, each build fed its own last result:
+    every p bit, code and scale equal, and p moved."""
     for i, (rows, cols, block, offset) in enumerate(CASES):
         state = _state(fmt, rows, cols, block, i, g_bf16)
         ours = theirs = state
         for step in range(3):
             hp = dict(HP, block=block, seed=1000 * i + step, offset=offset)
-            ours = (*_run(fmt, lib, ours, **hp), state[5])
-            theirs = (*_run(fmt, portable, theirs, **hp), state[5])
-            _assert_equal(ours[:5], theirs[:5], f"{fmt}, case {i}, step {step}")
+            ours = (*_run(fmt, a, ours, **hp), state[5])
+            theirs = (*_run(fmt, b, theirs, **hp), state[5])
+            _assert_equal(ours[:5], theirs[:5], f"{fmt}, {what}, case {i}, step {step}")
             ours = (ours[0].view(BF16), *ours[1:])
             theirs = (theirs[0].view(BF16), *theirs[1:])
         assert (ours[0].view(np.uint16) != state[0].view(np.uint16)).mean() > 0.3  # p moved
+
+
+@pytest.mark.parametrize("g_bf16", [False, True], ids=["g_f32", "g_bf16"])
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_vector_and_portable_builds_agree_bit_for_bit(lib, portable, fmt, g_bf16):
+    """Three steps in a row per case, each build fed its own last result: every p bit, code and scale equal."""
+    _three_steps_agree(fmt, lib, portable, g_bf16, "vector against portable")
 
 
 def test_vector_and_portable_builds_agree_on_millions_of_elements(lib, portable):
@@ -87,16 +93,7 @@ def test_avx512_and_avx2_builds_agree_bit_for_bit(lib, avx2_only, portable, fmt)
               portable.megatrain_q8_vector_width())
     assert widths[1:] in ((8, 1), (1, 1)) and widths[0] >= widths[1], widths
     for g_bf16 in (False, True):
-        for i, (rows, cols, block, offset) in enumerate(CASES):
-            state = _state(fmt, rows, cols, block, i, g_bf16)
-            ours = theirs = state
-            for step in range(3):
-                hp = dict(HP, block=block, seed=1000 * i + step, offset=offset)
-                ours = (*_run(fmt, lib, ours, **hp), state[5])
-                theirs = (*_run(fmt, avx2_only, theirs, **hp), state[5])
-                _assert_equal(ours[:5], theirs[:5], f"case {i}, step {step}, widths {widths}")
-                ours = (ours[0].view(BF16), *ours[1:])
-                theirs = (theirs[0].view(BF16), *theirs[1:])
+        _three_steps_agree(fmt, lib, avx2_only, g_bf16, f"widths {widths}")
     state = _state(fmt, 1000, 2048, 2048, 78, True)
     hp = dict(HP, block=2048, seed=6, offset=0)
     _assert_equal(_run(fmt, lib, state, **hp), _run(fmt, avx2_only, state, **hp), f"2M, widths {widths}")
