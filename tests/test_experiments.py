@@ -900,3 +900,25 @@ def test_long_run_runs_a_command_across_calls_and_copies_what_it_wrote(tmp_path)
     unset = subprocess.run(["bash", str(script), "poll"], env={k: v for k, v in env.items() if k != "W"},
                            capture_output=True, text=True)
     assert unset.returncode != 0 and "set W" in unset.stderr
+
+
+def test_plan_predictions_records_the_waiting_rows(tmp_path):
+    """studies/plan_predictions.py: the scale rows' picks and predicted steps, the capped 14B at 32 and 16 cores,
+    and every option plan offers the 8B on 24 GB + 64 GB, each fitting when applied."""
+    import json
+    spec = importlib.util.spec_from_file_location("plan_predictions",
+                                                  REPO / "experiments" / "studies" / "plan_predictions.py")
+    pp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pp)
+    out = tmp_path / "p.json"
+    record = pp.main(["--out", str(out)])
+    assert json.loads(out.read_text()) == record
+    assert record["command"].startswith("PYTHONPATH=. python experiments/studies/plan_predictions.py")
+    runs = {r["config"]: r for r in record["runs"]}
+    for name in ("qwen2.5-32b_q8_32k", "llama3-70b_q8_32k"):
+        assert runs[name]["predicted_step"]["model_tflops"] > 0 and isinstance(runs[name]["kept_layers"], int)
+    l40s = runs["l40s_sft_14b_capped_h200x2"]
+    assert l40s["predicted_step_32_cores"]["seconds"] < l40s["predicted_step_16_cores"]["seconds"]
+    rtx = runs["rtx4090_sft_8b_24gb_64gb"]
+    assert not rtx["fits_as_configured"] and rtx["options"] and all(o["fits"] for o in rtx["options"])
+    assert not rtx["modes_alone"]["q8"]["gpu_fits"] and rtx["modes_alone"]["q8"]["host_fits"]

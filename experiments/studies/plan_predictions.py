@@ -8,7 +8,8 @@
 - ``rtx4090_sft_8b`` on a 24 GB card with 64 GB of host: each option ``plan`` offers (``plan.levers.options``),
   its host and GPU totals, and its step on an RTX 4090 (rates from the card's specifications).
 
-    PYTHONPATH=. python experiments/studies/plan_predictions.py --out experiments/results/cpu_plan_predictions_<sha>.json
+    PYTHONPATH=. python experiments/studies/plan_predictions.py \
+        --out experiments/results/cpu_plan_predictions_<sha>.json
 
 Shipped configs that name a Hugging Face folder are planned with the preset of their ``# plan shape:`` line.
 """
@@ -106,7 +107,8 @@ def rtx4090_on_64() -> dict:
         q = p.applied(o.changes)
         row = {"overrides": o.overrides, "host_gib": round(q.host_total / GiB, 1),
                "gpu_gib": round(q.gpu_total / GiB, 1), "gpu_available_gib": round(q.gpu_available / GiB, 1),
-               "gpu_short_mib": max(0, math.ceil((q.gpu_total + GPU_FRAGMENTATION_MARGIN - q.gpu_available) / 2**20)),
+               "gpu_short_mib": max(0, math.ceil((q.gpu_total + GPU_FRAGMENTATION_MARGIN - q.gpu_available)
+                                                 / 2**20)),
                "fits": q.fits}
         if not any(k == "model.layers" for k, _ in o.changes):
             row["predicted_step_rtx4090"] = _step(cfg, q.engine_cfg, d.batch_size, s)
