@@ -20,9 +20,9 @@ In order, each in its own process (so each starts with the host memory to itself
    labelled with the same config;
 5. 3.5B at 98,304 tokens/step: ours and ZeRO-3 (``3p5b_98k``);
 6. 7B at 32,768 tokens/step (``7b_32k``): megatrain_jax alone (ZeRO-3 cannot hold 7B on a 125 GiB host);
-7. not in the default ``--only``: ``sf_settings``, SlideFormer at 3.5B and 32K tokens with its switches
-   (per-layer timers off, double buffering) alone and together, so that its best settings go into ``--sf-flags``
-   for the rows above; ``13b`` and ``13b_8k``, Llama-2-13B's shape on one H200 of a 251 GiB host
+7. not in the default ``--only``: ``sf_settings`` (run first where named), SlideFormer at 3.5B and 32K tokens
+   with its switches (per-layer timers off, double buffering) alone and together, so that its best settings go
+   into the other SlideFormer runs (``--sf-flags best`` takes them from the file); ``13b`` and ``13b_8k``, Llama-2-13B's shape on one H200 of a 251 GiB host
    (nvidia-h200-x2 with CUDA_VISIBLE_DEVICES=0), ours with the plan's layout against SlideFormer; ``13b_zero3``,
    ZeRO-3 at 13B and 32K tokens fully offloaded and with its parameters and a fifth of its optimizer state on
    the GPU (the faster is the bar).
@@ -71,6 +71,25 @@ IDLE_CONFIGS = ("3p5b_8k", "3p5b_32k", "3p5b_98k", "7b_32k")
 HOST_STREAM_BAR = 0.8  # the host update's bytes per second in the streamed runs, over the host's STREAM triad
 
 
+# SlideFormer's own switches, each alone and together (the sf_settings stage, at 3.5B and 32K tokens): the fastest
+# goes into the comparison's other SlideFormer runs with --sf-flags best
+SF_SETTINGS = {"default": [], "no_timing": ["--no-timing"], "double_buffer": ["--double-buffer"],
+               "no_timing_double_buffer": ["--no-timing", "--double-buffer"]}
+SF_SETTINGS_CONFIG = "3p5b_32k_slideformer_"
+SF_BEST = "@best"  # stands for the flags of the fastest sf_settings run until a SlideFormer run starts
+
+
+def best_sf_flags(runs: list[dict]) -> tuple[list[str], str] | None:
+    """The switches of the fastest sf_settings run in ``runs``, and its setting's name (None without one)."""
+    timed = [r for r in runs if r.get("system") == "slideformer" and r.get("tokens_per_s")
+             and str(r.get("config", "")).removeprefix(SF_SETTINGS_CONFIG) in SF_SETTINGS
+             and str(r.get("config", "")).startswith(SF_SETTINGS_CONFIG)]
+    if not timed:
+        return None
+    name = max(timed, key=lambda r: r["tokens_per_s"])["config"].removeprefix(SF_SETTINGS_CONFIG)
+    return SF_SETTINGS[name], name
+
+
 THIRTEEN_B = ["--layers", "40", "--hidden", "5120", "--ffn", "13824", "--heads", "40", "--kv-heads", "40",
               "--vocab", "32000"]  # Llama-2-13B's shape, as bench.py's llama2-13b preset
 
@@ -85,11 +104,11 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
     torch_plain = [PY, "experiments/peers/plain_torch.py", "--warmup", "2", "--steps", str(args.ds_steps),
                    "--liger-site", "/tmp/site_liger", "--out", args.out]  # the other plain bar: torch, fused AdamW
     sf = [PY, "experiments/peers/slideformer_bench.py", "--warmup", "2", "--steps", str(args.sf_steps),
-          "--out", args.out, *args.sf_flags.split()]
-    # SlideFormer's own switches, each alone and together, on one shape (the best goes into --sf-flags)
-    sf_settings = [("default", []), ("no_timing", ["--no-timing"]), ("double_buffer", ["--double-buffer"]),
-                   ("no_timing_double_buffer", ["--no-timing", "--double-buffer"])]
-    return [
+          "--out", args.out, *([SF_BEST] if args.sf_flags == "best" else args.sf_flags.split())]
+    return [  # first, not in the default --only: SlideFormer's settings at 3.5B and 32K tokens, nothing resident
+        ("sf_settings", [PY, "experiments/peers/slideformer_bench.py", "--warmup", "2", "--steps", str(args.sf_steps),
+                         "--out", args.out, "--layers", "16", "--rows", "16", *flags,
+                         "--config", f"{SF_SETTINGS_CONFIG}{name}"]) for name, flags in SF_SETTINGS.items()] + [
         ("host", [PY, "experiments/host_adam_bench.py", "--params", str(args.host_params), "--reps", "15", "--systems",
                   "megatrain_jax_fused_kernel_fp32,megatrain_jax_fused_kernel_with_bf16_copy,"
                   "megatrain_jax_fused_kernel_first_half,fused_kernel_on_numpy_fp32,torch_fused_cpu_adamw",
@@ -126,10 +145,7 @@ def stages(args, tmp_host: str) -> list[tuple[str, list[str]]]:
                                          "--ds-set", "zero_optimization.offload_optimizer.ratio=0.8"]),
         ("13b_8k", bench + ["--configs", "13b_8k", "--steps", str(args.steps_8k)]),
         ("13b_8k", sf + ["--preset", "13b", "--rows", "4", "--config", "13b_8k"]),
-    ] + [  # not in the default --only: SlideFormer's settings at 3.5B and 32K tokens, nothing resident
-        ("sf_settings", [PY, "experiments/peers/slideformer_bench.py", "--warmup", "2", "--steps", str(args.sf_steps),
-                         "--out", args.out, "--layers", "16", "--rows", "16", *flags,
-                         "--config", f"3p5b_32k_slideformer_{name}"]) for name, flags in sf_settings]
+    ]
 
 
 def _verdict(ratio: float, bar: float, ours: dict) -> dict:
@@ -263,7 +279,8 @@ def main() -> None:
                     help="timed steps of SlideFormer (its 13B step varied 6.1-7.1 s over 4 timed steps on x2)")
     ap.add_argument("--sf-flags", default="",
                     help="SlideFormer's switches for every SlideFormer run of the comparison, as slideformer_bench.py "
-                         "takes them (e.g. '--no-timing --double-buffer': the best of the sf_settings stage)")
+                         "takes them (e.g. '--no-timing --double-buffer'); 'best': those of the fastest sf_settings "
+                         "run in --out (that stage runs first, in this call or an earlier one with --resume)")
     ap.add_argument("--without", default="", help=f"comma-separated systems whose runs the stages leave out, from "
                                                   f"{sorted(SCRIPTS)} (e.g. zero3 where DeepSpeed is not installed)")
     ap.add_argument("--skip-missing-peers", action="store_true",
@@ -308,6 +325,15 @@ def main() -> None:
         if stage not in wanted or any(f"peers/{m}_bench.py" in cmd[1] for m in missing) or \
                 any(cmd[1] == SCRIPTS[w] for w in without):
             continue
+        if SF_BEST in cmd:
+            done = json.load(open(args.out)).get("runs", []) if os.path.exists(args.out) else []
+            best = best_sf_flags(done)
+            if best is None:
+                sys.exit(f"side_by_side: --sf-flags best needs the sf_settings stage's runs in {args.out}: run "
+                         f"--only sf_settings first (or with this stage), or give the flags")
+            cmd = [c for c in cmd if c != SF_BEST] + best[0]
+            print(f"== SlideFormer's fastest setting in sf_settings: {best[1]} {' '.join(best[0])}", file=log,
+                  flush=True)
         t = time.perf_counter()
         print(f"== [{time.perf_counter() - t_start:6.0f}s] {' '.join(cmd[1:])}", file=log, flush=True)
         proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -111,6 +111,19 @@ def test_side_by_side_checks_issue_51s_bars():
                                                             "no_timing_double_buffer")]
     assert ["--no-timing" in c for c in settings] == [False, True, False, True]
     assert ["--double-buffer" in c for c in settings] == [False, False, True, True]
+    # --sf-flags best: the sf_settings stage runs before any other, and the fastest of its runs gives the flags
+    args.sf_flags = "best"
+    ordered = sbs.stages(args, "t")
+    assert [st for st, _ in ordered[:4]] == ["sf_settings"] * 4
+    later = [cmd for st, cmd in ordered if cmd[1] == sbs.SCRIPTS["slideformer"] and st != "sf_settings"]
+    assert later and all(sbs.SF_BEST in cmd for cmd in later)
+    tried = [{"system": "slideformer", "config": f"3p5b_32k_slideformer_{n}", "tokens_per_s": t}
+             for n, t in (("default", 18000.0), ("no_timing", 18500.0), ("double_buffer", None),
+                          ("no_timing_double_buffer", 18400.0))]
+    other = [{"system": "slideformer", "config": "3p5b_32k_nothing_resident", "tokens_per_s": 99999.0},
+             {"system": "megatrain_jax", "config": "3p5b_32k_slideformer_default", "tokens_per_s": 99999.0}]
+    assert sbs.best_sf_flags(tried + other) == (["--no-timing"], "no_timing")
+    assert sbs.best_sf_flags(other) is None
 
 
 def test_plain_torch_records_each_setting_and_what_stopped_it(tmp_path):
