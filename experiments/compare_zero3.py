@@ -157,6 +157,10 @@ def write_run(path: str, header: dict, run: dict, slot: list) -> None:
     if result is None:
         result = {**header, "runs": []}
         slot.clear()
+    dev = header.get("device")
+    if isinstance(dev, dict) and dev.get("name") and isinstance(result.get("device"), dict) \
+            and not result["device"].get("name"):  # a file begun before the GPU was named (the first write)
+        result["device"] = dev
     if slot and slot[0] < len(result["runs"]) and result["runs"][slot[0]].get("run_id") == run["run_id"]:
         result["runs"][slot[0]] = run
     else:

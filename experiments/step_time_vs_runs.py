@@ -71,6 +71,9 @@ def runs(since: str = SINCE) -> list[dict]:
         date = str(d.get("date") or "")
         dev = d.get("device")
         name = dev.get("name") if isinstance(dev, dict) else dev
+        if not name:  # a header written before its GPU was named: the GPU its runs name, where they agree
+            named = {r.get("device") for r in d["runs"] if isinstance(r, dict) and isinstance(r.get("device"), str)}
+            name = named.pop() if len(named) == 1 else None
         kind = speeds_mod.kind_of(name if isinstance(name, str) else None)
         cores = dev.get("cpu_cores") if isinstance(dev, dict) else None
         for i, r in enumerate(d["runs"]):

@@ -440,6 +440,11 @@ def test_compare_zero3_adds_its_run_to_the_results_file_and_replaces_it_as_it_pr
     path.write_text("not json")
     cz.write_run(str(path), {"name": "peer"}, run, slot)
     assert json.loads(path.read_text()) == {"name": "peer", "runs": [run]}
+    # a file begun before the GPU was named (a peer's first write) takes the name once the header has it
+    fresh, slot = tmp_path / "fresh.json", []
+    cz.write_run(str(fresh), {"name": "peer", "device": {"cpu_cores": 32}}, run, slot)
+    cz.write_run(str(fresh), {"name": "peer", "device": {"name": "NVIDIA H200", "cpu_cores": 32}}, run, slot)
+    assert json.loads(fresh.read_text())["device"] == {"name": "NVIDIA H200", "cpu_cores": 32}
 
 
 # ---------------------------------------------------------------------------------------------------------

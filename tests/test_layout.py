@@ -7,7 +7,9 @@
   the GPU client's host memory and the pinned pool's measured overhead (2026-11-29): eight cases of the 60 GiB host
   changed, each to a leaner layout; and h200_7b_32k's, when it shipped with resident_layers and kept_layers
   "auto" (2026-11-29): with no GPU kind named here, the most resident blocks that fit and none kept; configs
-  shipped later are pinned as they resolved when they shipped; a config naming a Hugging Face checkpoint is planned
+  shipped later are pinned as they resolved when they shipped (h200x2_32b_32k: a 32B model, no block resident on
+  these machines; on the 125 GiB host it goes to 4-bit moments and the two-pass step, on the 96 and 60 GiB hosts
+  no precision mode fits and it keeps its 8-bit moments, for ``train`` to refuse); a config naming a Hugging Face checkpoint is planned
   with the preset of its ``# plan shape:`` line);
 - the GPUs a run spreads over are counted in one place (``run_gpus``);
 - the engine config is the judge of which candidates combine (``legal``).
@@ -115,6 +117,26 @@ EXPECTED = {
     ('h200_dpo_8b_generated', 'auto', 60, 80): {'resident_layers': 12},
     ('h200_dpo_8b_generated', 'auto', 250, 141): {'resident_layers': 20},
     ('h200_dpo_8b_generated', 'auto', 1000, 24): {'resident_layers': 0},
+    ('h200x2_32b_32k', '', 125, 80): {'resident_layers': 0, 'moment_dtype': 'q4', 'kept_layers': 0, 'norm_first': True},
+    ('h200x2_32b_32k', '', 96, 80): {'resident_layers': 0, 'kept_layers': 0},
+    ('h200x2_32b_32k', '', 60, 80): {'resident_layers': 0, 'kept_layers': 0},
+    ('h200x2_32b_32k', '', 250, 141): {'resident_layers': 0, 'kept_layers': 0},
+    ('h200x2_32b_32k', '', 1000, 24): {'resident_layers': 0, 'kept_layers': 0},
+    ('h200x2_32b_32k', 'auto', 125, 80): {'resident_layers': 0, 'moment_dtype': 'q4', 'kept_layers': 0, 'norm_first': True},
+    ('h200x2_32b_32k', 'auto', 96, 80): {'resident_layers': 0, 'kept_layers': 0},
+    ('h200x2_32b_32k', 'auto', 60, 80): {'resident_layers': 0, 'kept_layers': 0},
+    ('h200x2_32b_32k', 'auto', 250, 141): {'resident_layers': 0, 'kept_layers': 0},
+    ('h200x2_32b_32k', 'auto', 1000, 24): {'resident_layers': 0, 'kept_layers': 0},
+    ('h200x2_32b_32k', 'capacity', 125, 80): {'moment_dtype': 'q4', 'kept_layers': 0, 'norm_first': True},
+    ('h200x2_32b_32k', 'capacity', 96, 80): {'kept_layers': 0},
+    ('h200x2_32b_32k', 'capacity', 60, 80): {'kept_layers': 0},
+    ('h200x2_32b_32k', 'capacity', 250, 141): {'kept_layers': 0},
+    ('h200x2_32b_32k', 'capacity', 1000, 24): {'kept_layers': 0},
+    ('h200x2_32b_32k', 'long', 125, 80): {'resident_layers': 0, 'moment_dtype': 'q4', 'kept_layers': 0, 'norm_first': True},
+    ('h200x2_32b_32k', 'long', 96, 80): {'resident_layers': 0, 'kept_layers': 0},
+    ('h200x2_32b_32k', 'long', 60, 80): {'resident_layers': 0, 'kept_layers': 0},
+    ('h200x2_32b_32k', 'long', 250, 141): {'resident_layers': 0, 'kept_layers': 0},
+    ('h200x2_32b_32k', 'long', 1000, 24): {'resident_layers': 0, 'kept_layers': 0},
     ('l40s_sft_14b', 'auto', 125, 80): {'resident_layers': 7},
     ('l40s_sft_14b', 'auto', 96, 80): {'resident_layers': 7},
     ('l40s_sft_14b', 'auto', 60, 80): {'resident_layers': 7},

@@ -179,16 +179,31 @@ def test_an_engine_refuses_kept_layers_left_to_the_plan():
         EngineConfig(kept_layers="most")
 
 
-def test_the_host_update_scales_with_the_hosts_cores():
+def test_the_host_update_follows_the_measured_hosts_and_scales_with_cores_between_them(tmp_path):
+    """A host of the cores of one measured for the GPU kind takes that host's rates; another takes the nearest
+    measured host's, scaled by cores ** CORE_SCALING; a calibration file's rates are its own host's."""
     from megatrain_jax.plan.speeds import CORE_SCALING, for_gpu
     h200 = SPEEDS["H200"]
     assert h200.on_host(None) is h200 and h200.on_host(16) is h200
-    big = h200.on_host(32)
-    assert big.host_update["full"] == pytest.approx(h200.host_update["full"] * 2 ** CORE_SCALING)
-    assert big.host_cores == 32 and big.h2d_bytes == h200.h2d_bytes and "32 cores" in big.name
-    assert for_gpu("NVIDIA H200", host_cores=64).host_update["q8"] > for_gpu("NVIDIA H200").host_update["q8"]
+    x2 = h200.on_host(32)  # the 2-GPU machine's 32-core host, measured
+    assert x2.host_update == h200.hosts[32]["host_update"] and x2.host_cores == 32 and "measured" in x2.name
+    assert x2.first_half_share == h200.hosts[32]["first_half_share"] and x2.h2d_bytes == h200.h2d_bytes
+    assert x2.host_update["q8"] > 2 * h200.host_update["q8"]  # AVX-512 and the cores
+    between = h200.on_host(24)  # nearer 32 than 16 by their ratio
+    assert between.host_update["full"] == pytest.approx(x2.host_update["full"] * (24 / 32) ** CORE_SCALING)
+    assert between.host_cores == 24 and "scaled to 24 cores" in between.name
+    assert h200.on_host(20).host_update["full"] == pytest.approx(h200.host_update["full"] * (20 / 16) ** CORE_SCALING)
+    assert for_gpu("NVIDIA H200", host_cores=64).host_update["capacity"] == h200.hosts[64]["host_update"]["capacity"]
     e = EngineConfig()
-    assert predict(CFG, e, 2, 2048, big).busy["host"] < predict(CFG, e, 2, 2048, h200).busy["host"]
+    assert predict(CFG, e, 2, 2048, x2).busy["host"] < predict(CFG, e, 2, 2048, h200).busy["host"]
+    # a calibration file describes its own host: measured at 16 cores, on 32 it scales, whatever the records hold
+    f = tmp_path / "speeds.json"
+    f.write_text(json.dumps({"host_update": {"full": 1e9}, "host_cores": 16}))
+    mine = for_gpu("NVIDIA H200", f, 32)
+    assert mine.host_update["full"] == pytest.approx(1e9 * 2 ** CORE_SCALING) and not mine.hosts
+    f.write_text(json.dumps({"hosts": {}}))
+    with pytest.raises(ValueError, match="one host's rates"):
+        for_gpu("NVIDIA H200", f)
 
 
 def test_gradients_that_wait_on_the_gpu_come_home_with_their_update_unsplit():

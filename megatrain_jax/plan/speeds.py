@@ -38,8 +38,10 @@ class Speeds:
       precision mode (``engine.precision``'s names); ``first_half_share``: the part of it the split update's
       first half (the stream copy the next forward waits for) takes; ``one_pass_speedup``: how much faster
       than its two halves together a splitting mode's update runs in one pass (``split_update=false``).
-    - ``host_cores``: the cores of the host the host update rates were measured on; on a host with other
-      cores the rates scale by (cores / host_cores) ** ``CORE_SCALING`` (``on_host``).
+    - ``host_cores``: the cores of the host the host update rates were measured on; ``hosts``: the host fields
+      (``host_update``, ``first_half_share``, ``one_pass_speedup``, ``source``) measured on other hosts of this
+      GPU kind, by their cores. On a host with other cores the rates are the measured host's of those cores, else
+      the nearest measured host's scaled by (cores / its cores) ** ``CORE_SCALING`` (``on_host``).
     - ``disk_bytes``: the disk tier's read + write rate.
     - ``dispatch``: the main thread's own seconds per op kind (issuing a transfer, a compiled call).
     """
@@ -59,6 +61,7 @@ class Speeds:
     dispatch: dict[str, float]
     host_cores: int = 16
     source: str = ""
+    hosts: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # about 30 bytes per parameter in one pass against 46 in two; the fused kernel alone on the H200's 16-core
     # host: 4.58 G params/s in one pass (h200_host_update_profile_08c2422.json), 3.00 in two
     # (h200_measure_speeds_d5d7c51.json)
@@ -82,13 +85,22 @@ class Speeds:
         return dataclasses.replace(self, **changes)
 
     def on_host(self, cores: int | None) -> "Speeds":
-        """These rates on a host of ``cores`` usable cores (None or the same: unchanged): the host update's
-        rates scaled as the fused kernel's measured between a 16- and a 64-core H200 host."""
+        """These rates on a host of ``cores`` usable cores (None or the same: unchanged): a host of that many
+        cores measured for this GPU kind (``hosts``), else the nearest measured host's update rates scaled as
+        the fused kernel's measured between a 16- and a 64-core H200 host."""
         if cores is None or cores == self.host_cores:
             return self
-        f = (cores / self.host_cores) ** CORE_SCALING
-        return self.replace(host_update={k: v * f for k, v in self.host_update.items()}, host_cores=cores,
-                            name=f"{self.name}, host update scaled to {cores} cores")
+        near = min((self.host_cores, *self.hosts), key=lambda c: (abs(math.log(cores / c)), -c))
+        base = self
+        if near != self.host_cores:
+            measured = self.hosts[near]
+            base = self.replace(**measured, host_cores=near, hosts={},
+                                name=f"{self.name.split(',')[0]}, {near}-core host (measured)")
+            if near == cores:
+                return base
+        f = (cores / near) ** CORE_SCALING
+        return base.replace(host_update={k: v * f for k, v in base.host_update.items()}, host_cores=cores,
+                            name=f"{base.name}, host update scaled to {cores} cores")
 
 
 _DISPATCH = {"fetch": 0.004, "forward": 0.0008, "backward": 0.001, "send_grads": 0.0015, "release": 0.0002,
@@ -110,9 +122,25 @@ H100 = Speeds(
 # H100's rates had put 19-24% too slow: capacity mode (h200_capped_rtx4090_sft_8b_export_29f9356.json, 2.83 s
 # measured) and the lean mode (h200_dpo_8b_generated_d968773.json, 1.79 s).
 _H200_HOST = {"full": 2.6e9, "lean": 4.7e9, "capacity": 6.0e9, "q8": 4.55e9, "q4": 3.2e9}
+# The 32-core host of the 2-GPU H200 machine, measured (h200x2_measure_speeds_fcba712.json; the 8- and 4-bit
+# kernels with their AVX-512 passes): the kernels alone, taken as they run in a step. The 13B step's timeline at
+# 8K tokens on that host (h200x2_side_by_side_13b_8k_fcba712.json) ran its full-precision passes at 3.45 G
+# params/s, the kernel alone at 3.40; scaling the 16-core rates by cores had put full precision at 3.95 (the
+# host's memory, one NUMA node, not its cores, bounds it) and the 8-bit update at 6.9 against 12.2.
+_H200X2_HOST = {"host_update": {"full": 3.40e9, "lean": 5.89e9, "capacity": 9.83e9, "q8": 12.2e9, "q4": 10.3e9},
+                "first_half_share": 0.424, "one_pass_speedup": 1.49,
+                "source": "experiments/results/h200x2_measure_speeds_fcba712.json"}
+# The 64-core host of the 4-GPU machine: capacity mode's kernel measured at 11.15 G params/s (h200x4_host_adamw_q8
+# .json), 1.13x the 32-core host's 9.83 (memory, not cores, again); the other modes are the 32-core host's rates
+# times that 1.13, not measured there (the 8-bit kernel's AVX2 build ran 11.19 there, 1.24x its AVX2 build on the
+# 32-core host: consistent with 12.2 x 1.13 = 13.8 for the AVX-512 build).
+_H200X4_HOST = {"host_update": {**{k: v * 1.13 for k, v in _H200X2_HOST["host_update"].items()},
+                                "capacity": 11.15e9},
+                "first_half_share": 0.424, "one_pass_speedup": 1.49,
+                "source": "experiments/results/h200x4_host_adamw_q8.json (capacity); the rest from the 32-core host"}
 H200 = dataclasses.replace(
     H100, name="H200, 16-core host (defaults)", h2d_bytes=47.4e9, d2h_bytes=47.4e9, hbm_bytes=3.4e12,
-    host_update=_H200_HOST,
+    host_update=_H200_HOST, hosts={32: _H200X2_HOST, 64: _H200X4_HOST},
     source="experiments/results: h200_bench_before_after_*.json, h200_host_adamw.json, "
            "h200_host_update_profile.json, h200_measure_speeds_d5d7c51.json")
 # Workstation cards (issue 53): predicted from their specification sheets, not fitted to runs; a calibration file
@@ -165,9 +193,12 @@ def from_file(path: str | os.PathLike, base: Speeds) -> Speeds:
             if not isinstance(value, dict) or not all(_positive(v) for v in value.values()):
                 raise ValueError(f"{path}: {key} must map names to positive numbers")
             given[key] = {**getattr(base, key), **value}
+        elif key == "hosts":
+            raise ValueError(f"{path}: a calibration file holds one host's rates (its host_cores), not hosts")
         elif key not in ("name", "source") and not _positive(value):
             raise ValueError(f"{path}: {key} must be a positive number, got {value!r}")
-    return dataclasses.replace(base, **{"name": f"{base.name} with {Path(path).name}", **given})
+    # a file's rates are its own host's: other hosts' records do not apply to it
+    return dataclasses.replace(base, **{"name": f"{base.name} with {Path(path).name}", "hosts": {}, **given})
 
 
 def for_gpu(gpu_name: str | None, file: str | os.PathLike | None = None, host_cores: int | None = None
