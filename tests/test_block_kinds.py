@@ -138,9 +138,10 @@ def test_the_plan_counts_each_block_as_its_kind():
     # the dense block GPU-resident: its own size, not the average or the MoE block's
     big = dict(host_ram_bytes=2**40, gpu_bytes=2**40)
     resident = plan(DENSE_MOE, EngineConfig(resident_layers=1), 4, 16, **big)
-    assert resident.gpu["GPU-resident parts with their optimizer state (1 parts)"] == (12 + 4) * actual[0]
+    # (float32 masters and moments; the masters are what the block computes with here: no copy)
+    assert resident.gpu["GPU-resident parts with their optimizer state (1 parts)"] == 12 * actual[0]
     streamed = plan(DENSE_MOE, EngineConfig(), 4, 16, **big)
-    weights = next(v for k, v in streamed.gpu.items() if k.startswith("streamed weights of the io part and blocks"))
+    weights = next(v for k, v in streamed.gpu.items() if k.startswith("weights in use"))
     assert weights % 4 == 0 and weights >= 4 * actual[1]  # an MoE block's float32 weights, at least
 
 

@@ -414,6 +414,28 @@ def _trained(engine_cfg, steps=3, **batch_kw):
     return engine
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_resident_parts_without_their_compute_copy_train_bit_for_bit_as_with_it(micro_batches):
+    """``resident_copy=False``: a GPU-resident part keeps only its masters and moments on the device, and each fetch
+    casts the masters to the stream dtype (engine/update/resident.py). The same cast the update stored before, so
+    masters, moments, stream copies and losses are those of the copies kept, bit for bit; the host records come
+    home with their stream copy as before."""
+    layout = dict(micro_batches=micro_batches, clip_norm=0.05, resident_layers=2, resident_io=True)
+    kept, cast = _trained(EngineConfig(**layout)), _trained(EngineConfig(**layout, resident_copy=False))
+    assert kept.policy.device.keep_copy and not cast.policy.device.keep_copy
+    assert kept.resident_parts == cast.resident_parts == [IO, PartId.block(0), PartId.block(1)]
+    for a, b in zip(jax.tree.leaves(kept.state), jax.tree.leaves(cast.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    io = cast.state[IO]
+    for master, stream in zip(jax.tree.leaves(io.params), jax.tree.leaves(io.stream)):
+        np.testing.assert_array_equal(np.asarray(master.astype("bfloat16")), np.asarray(stream))
+    # float32 masters streamed as they are: nothing to cast, whatever the setting
+    f32 = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(resident_layers=1, resident_copy=True))
+    assert not f32.policy.device.keep_copy
+    with pytest.raises(ValueError, match="resident_copy must be true, false or 'auto'"):
+        EngineConfig(resident_copy="yes")
+
+
 def test_split_update_halves_are_bitwise_the_single_pass_update():
     """The fused update runs in two halves (the bf16 stream copy first, the fp32 masters and moments later):
     over several steps with real gradients they give exactly the one-pass update's part."""

@@ -124,7 +124,7 @@ def test_gpu_walks_the_engine_schedule():
     p = plan(cfg, EngineConfig(micro_batches=2), 16, 2048, **BIG)
     assert p.gpu_peak_at.startswith("backward(")
     depth_layers = max_resident_layers(step_ops(16, 2, 1))
-    streamed = p.gpu["streamed weights of the io part and blocks (3 buffers)"]
+    streamed = p.gpu["weights in use (streamed, or cast from resident masters) (3 buffers)"]
     assert streamed == (io_param_count(cfg) + depth_layers * layer_param_count(cfg)) * 2
     act = 8 * 2048 * 4096 * 2  # one micro-batch's boundary activation, bf16
     acts = next(v for k, v in p.gpu.items() if k.startswith("boundary activations"))
@@ -132,7 +132,8 @@ def test_gpu_walks_the_engine_schedule():
     # queued GPU work keeps the newest dropped weights and gradients alive
     queued = {k: v for k, v in p.gpu.items() if "still used by queued GPU work" in k}
     assert queued == {
-        f"streamed weights of the io part and blocks: dropped by the host, still used by queued GPU work "
+        f"weights in use (streamed, or cast from resident masters): dropped by the host, still used by queued GPU "
+        f"work "
         f"({QUEUED_BLOCKS} blocks)": QUEUED_BLOCKS * 2 * layer_param_count(cfg),
         f"gradient accumulators, float32: dropped by the host, still used by queued GPU work "
         f"({QUEUED_BLOCKS} blocks)": QUEUED_BLOCKS * 4 * layer_param_count(cfg)}
@@ -143,6 +144,16 @@ def test_gpu_walks_the_engine_schedule():
     # less the io part and blocks it no longer streams: between 12 and 18 B/param more in all (with the
     # allocator's slack around the resident parts, a quarter of their float32 gradients: 1 B/param)
     assert 12 * n < res.gpu_total - p.gpu_total < 18 * n and res.host_total <= p.host_total
+    # without their copies kept (resident_copy=false) 12 B/param, the copy cast at each fetch held as a streamed
+    # part's weights are (engine/update/resident.py): 2 B/param less at the peak, give or take a block's copy
+    cast = plan(cfg, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True, resident_copy=False), 16,
+                2048, **BIG)
+    assert cast.gpu["GPU-resident parts with their optimizer state (9 parts)"] == 12 * n
+    block = 2 * layer_param_count(cfg)
+    assert 2 * n - 4 * block <= res.gpu_total - cast.gpu_total <= 2 * n
+    assert plan(cfg, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True, stream_dtype="float32",
+                                  resident_copy=True), 16, 2048, **BIG).gpu[
+        "GPU-resident parts with their optimizer state (9 parts)"] == 12 * n  # float32 streaming: no copy
     slack = "the allocator's slack around GPU-resident parts and waiting gradients (measured)"
     assert slack not in p.gpu and res.gpu[slack] == int(RESIDENT_ALLOCATOR_SLACK * 4 * n)
     waits = plan(cfg, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True, grads_on_gpu=3),
@@ -161,7 +172,8 @@ def test_several_devices_hold_gradient_shards():
     assert two.gpu_peak_at.startswith("backward(")
     queued = {k: v for k, v in two.gpu.items() if "still used by queued GPU work" in k}
     assert queued == {
-        f"streamed weights of the io part and blocks: dropped by the host, still used by queued GPU work "
+        f"weights in use (streamed, or cast from resident masters): dropped by the host, still used by queued GPU "
+        f"work "
         f"({QUEUED_BLOCKS} blocks)": int(QUEUED_BLOCKS * 2 * layer_param_count(cfg) * 1.5),
         f"gradient accumulators, float32: dropped by the host, still used by queued GPU work "
         f"({QUEUED_BLOCKS} blocks)": QUEUED_BLOCKS * 4 * layer_param_count(cfg) // 2}
@@ -169,11 +181,15 @@ def test_several_devices_hold_gradient_shards():
     one_res = plan(cfg, EngineConfig(micro_batches=2, resident_layers=16, resident_io=True), 16, 2048, **BIG)
     two_res = plan(cfg, EngineConfig(micro_batches=2, resident_layers=16, resident_io=True), 16, 2048, devices=2,
                    **BIG)
-    grads = "gradients of GPU-resident parts, float32 (15 buffers)"  # blocks 1-15: block 0's is being made
-    # at both peaks (block 0's backward) every other part's gradient waits for the update
-    assert one_res.gpu_peak_at.startswith("backward(block_00000") and two_res.gpu_peak_at.startswith(
-        "backward(block_00000")
-    assert one_res.gpu[grads] > 0 and abs(two_res.gpu[grads] * 2 - one_res.gpu[grads]) <= 64
+    # both peaks are in the last blocks' backward, every later part's gradient waiting for the update: per
+    # block, two devices hold half of one's
+    assert one_res.gpu_peak_at.startswith("backward(block_0000") and two_res.gpu_peak_at.startswith(
+        "backward(block_0000")
+    per_block = []
+    for res in (one_res, two_res):
+        label, held = next((k, v) for k, v in res.gpu.items() if k.startswith("gradients of GPU-resident parts"))
+        per_block.append(held / int(label.split("(")[1].split()[0]))
+    assert per_block[0] > 0 and abs(per_block[1] * 2 - per_block[0]) <= 64
     assert two_res.gpu_total < 0.6 * one_res.gpu_total
 
 
@@ -344,7 +360,7 @@ def test_a_smaller_model_clips_the_counts_the_config_file_sets_past_it(tmp_path)
     with that override applied passes the config checks and plans as the option was planned."""
     given = EngineConfig(micro_batches=1, resident_layers=8, resident_io=True, kept_layers=20)
     planned = dataclasses.replace(given, kept_layers=0)
-    p = plan(preset("llama3-8b"), planned, 16, 2048, host_ram_bytes=125 * GiB, gpu_bytes=60 * GiB, detect=False)
+    p = plan(preset("llama3-8b"), planned, 16, 2048, host_ram_bytes=125 * GiB, gpu_bytes=56 * GiB, detect=False)
     assert not p.fits
     smaller = next(o for o in options(p, given) if "model.layers" in dict(o.changes))
     layers = dict(smaller.changes)["model.layers"]
@@ -352,7 +368,7 @@ def test_a_smaller_model_clips_the_counts_the_config_file_sets_past_it(tmp_path)
     assert "engine.kept_layers" not in dict(next(o for o in options(p) if "model.layers" in dict(o.changes)).changes)
     applied = dataclasses.replace(given, **{k.split(".")[1]: v for k, v in smaller.changes if k.startswith("engine.")})
     applied.check_layers(layers)  # the file as overridden: no refusal
-    assert plan(preset("llama3-8b", layers=layers), applied, 16, 2048, host_ram_bytes=125 * GiB, gpu_bytes=60 * GiB,
+    assert plan(preset("llama3-8b", layers=layers), applied, 16, 2048, host_ram_bytes=125 * GiB, gpu_bytes=56 * GiB,
                 detect=False).fits
 
 
@@ -921,5 +937,5 @@ def test_kept_layers_add_their_matrix_products_to_the_gpu_and_are_given_up_first
     # resident blocks picked around them: the kept blocks first, then as many resident as still fit
     auto = dataclasses.replace(asked, kept_layers=3, resident_layers="auto")
     picked, why = lean_engine(cfg, auto, 16, 2048, host_ram_bytes=10_000 * GiB, gpu_bytes=gpu)
-    assert picked.kept_layers == 3 and picked.resident_layers <= 8, (picked, why)
+    assert picked.kept_layers == 3 and picked.resident_layers <= 9, (picked, why)
     assert plan(cfg, picked, 16, 2048, host_ram_bytes=10_000 * GiB, gpu_bytes=gpu).gpu_fits

@@ -27,15 +27,19 @@ QUIET = H100.replace(dispatch={})  # no Python-thread cost: the hand counts belo
 
 
 def test_all_resident_step_is_the_gpu_work_in_a_row():
-    """Nothing streams and nothing updates on the host: a step is every compute op and every device update, one
-    after another on the GPU."""
-    e = EngineConfig(micro_batches=2, resident_layers=CFG.layers, resident_io=True)
-    n = lengths(CFG, e, 8, 2048, QUIET)
-    gpu = (2 * sum(n.forward.values()) + 2 * sum(n.backward.values()) + 2 * n.head + 4 * n.embed
-           + sum(n.device_update.values()))
-    p = predict(CFG, e, 8, 2048, QUIET)
-    assert p.bound == "gpu" and p.h2d_bytes == p.d2h_bytes == 0 and p.resident_share == 1.0
-    assert math.isclose(p.seconds, gpu, rel_tol=1e-9), (p.seconds, gpu)
+    """Nothing streams and nothing updates on the host: a step is every compute op and every device update (and,
+    where the resident parts keep no compute copy, its cast at each fetch), one after another on the GPU."""
+    for copy in (True, False):
+        e = EngineConfig(micro_batches=2, resident_layers=CFG.layers, resident_io=True, resident_copy=copy,
+                         stream_dtype="bfloat16")
+        n = lengths(CFG, e, 8, 2048, QUIET)
+        casts = sum(n.cast[op.part] for op in step_ops(CFG.layers, 2, e.prefetch_depth) if op.kind == "fetch")
+        assert casts == 0 if copy else n.cast[PartId.block(0)] == CFG.block_param_count(0) * 6 / QUIET.hbm_bytes
+        gpu = (2 * sum(n.forward.values()) + 2 * sum(n.backward.values()) + 2 * n.head + 4 * n.embed
+               + sum(n.device_update.values()) + casts)
+        p = predict(CFG, e, 8, 2048, QUIET)
+        assert p.bound == "gpu" and p.h2d_bytes == p.d2h_bytes == 0 and p.resident_share == 1.0
+        assert math.isclose(p.seconds, gpu, rel_tol=1e-9), (p.seconds, gpu)
 
 
 def test_streamed_bytes_are_the_schedules_fetches():
@@ -71,12 +75,14 @@ def test_a_slow_link_bounds_the_step_by_pcie():
 
 def test_resident_blocks_trade_transfers_for_their_update_on_the_gpu():
     """Each more GPU-resident block takes its weights off PCIe and puts its AdamW on the GPU: the bytes fall with
-    every block, and a step never slows by more than that block's update (all resident beats none here);
-    blocks keeping their products shorten the GPU's backward."""
+    every block, and a step never slows by more than that block's update and the casts of its compute copy at
+    its fetches (all resident beats none here); blocks keeping their products shorten the GPU's backward."""
     ps = [predict(CFG, EngineConfig(resident_layers=r, resident_io=True), 16, 2048, H100) for r in range(CFG.layers + 1)]
-    update = lengths(CFG, EngineConfig(resident_layers=CFG.layers, resident_io=True), 16, 2048, H100).device_update
+    n = lengths(CFG, EngineConfig(resident_layers=CFG.layers, resident_io=True), 16, 2048, H100)
+    fetches = sum(op.kind == "fetch" and op.part == PartId.block(0) for op in step_ops(CFG.layers, 1, 1))
+    most = n.device_update[PartId.block(0)] + fetches * n.cast[PartId.block(0)]
     assert all(a.h2d_bytes > b.h2d_bytes for a, b in zip(ps, ps[1:]))
-    assert all(b.seconds <= a.seconds + update[PartId.block(0)] + 1e-9 for a, b in zip(ps, ps[1:]))
+    assert all(b.seconds <= a.seconds + most + 1e-9 for a, b in zip(ps, ps[1:]))
     assert ps[-1].seconds < ps[0].seconds
     kept = predict(CFG, EngineConfig(resident_layers=0, kept_layers=4, keep_residuals=True), 16, 2048, H100)
     plain = predict(CFG, EngineConfig(resident_layers=0, keep_residuals=True), 16, 2048, H100)
@@ -322,3 +328,23 @@ def test_plan_on_a_24_gb_gpu_with_64_gb_of_ram_says_what_fits_and_what_does_not(
     assert modes["capacity mode with 8-bit moments"].endswith("fits")
     assert modes["capacity mode with 4-bit moments"].endswith("fits")
     assert "options that fit" in out and "engine.moment_dtype=q4" in out and "short by -" not in out
+
+
+def test_the_layout_search_casts_the_resident_copies_where_more_resident_blocks_are_faster():
+    """``resident_copy`` "auto" with the layout: 13B at 8K tokens on one H200 of a 32-core host is bound by the
+    host update, so the resident blocks' copies are cast at each fetch, which leaves room for more of them;
+    3.5B at 8K fits on the GPU with its copies, so they are kept (a cast at each fetch would only cost)."""
+    from megatrain_jax.plan.counts import GiB
+    from megatrain_jax.plan.layout import fastest
+    e = EngineConfig(micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True,
+                     keep_residuals=True, prefetch_depth=2, host_grad_dtype="bfloat16")
+    big, x2 = preset("llama2-13b"), SPEEDS["H200"].on_host(32)
+    kw = dict(host_ram_bytes=240 * GiB, gpu_bytes=int(126.4 * GiB))
+    cast, said = fastest(big, e, 4, 2048, x2, **kw)
+    kept, _ = fastest(big, dataclasses.replace(e, resident_copy=True), 4, 2048, x2, **kw)
+    assert cast.resident_copy is False and "cast at each fetch" in said, said
+    assert kept.resident_copy is True and cast.resident_layers > kept.resident_layers
+    assert predict(big, cast, 4, 2048, x2).seconds < predict(big, kept, 4, 2048, x2).seconds
+    small, said = fastest(preset("7b", layers=16), e, 4, 2048, SPEEDS["H200"], host_ram_bytes=125 * GiB,
+                          gpu_bytes=int(132.8 * GiB))
+    assert small.resident_copy is True and "copies kept" in said, said

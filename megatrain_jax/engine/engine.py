@@ -360,7 +360,7 @@ class Engine:
             return
         for part, on_device in self._resident.items():
             self.policy.pass_gates(part)
-            self.state[part] = self.policy.opt.home_into(self.state[part], on_device)
+            self.state[part] = self.policy.opt.home_into(self.state[part], self.policy.device.with_copy(on_device))
         self._home_at = self.state.step
 
     def close(self) -> None:

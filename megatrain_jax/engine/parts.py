@@ -104,7 +104,8 @@ class HostRoles:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Part:
-    """One part's persistent arrays. ``stream`` is None when the masters themselves are sent."""
+    """One part's persistent arrays. ``stream`` is None when the masters themselves are sent, and on a
+    GPU-resident part that keeps no compute copy (``EngineConfig.resident_copy``: it is cast at each use)."""
 
     params: Params
     opt: Any

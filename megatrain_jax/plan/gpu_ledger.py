@@ -128,7 +128,8 @@ def breakdown(live: dict[str, tuple[int, int]], held_now: list) -> dict[str, int
 
 
 # The ledger's categories.
-W, A, G = "streamed weights of the io part and blocks", "boundary activations", "gradient accumulators, float32"
+W = "weights in use (streamed, or cast from resident masters)"
+A, G = "boundary activations", "gradient accumulators, float32"
 K = "kept residuals: attention output and softmax statistics (keep_residuals), matrix products (kept_layers)"
 R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
 H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
@@ -177,9 +178,13 @@ class Walk:
         self.on_gpu |= {PartId.block(i) for i in range(e.resident_layers)}
         self.waiting = set(host_roles(c, e).grads_on_gpu)
         resident_params = blocks_param_count(c, range(e.resident_layers)) + (self.Pio if e.resident_io else 0)
-        # master + Adam moments in the mode's dtypes (engine/precision.py) + the compute copy
-        held = e.precision.master_bytes + e.precision.moment_bytes
-        self.resident = resident_params * (held + self.sb) // self.devices
+        # master + Adam moments in the mode's dtypes (engine/precision.py), and the compute copy where the stream
+        # dtype is not the masters' own: kept beside them, or cast at each fetch and held like streamed weights
+        # (engine/update/resident.py, EngineConfig.resident_copy)
+        copy = self.sb != e.precision.master_bytes
+        self.cast = copy and not e.keeps_resident_copy
+        kept = self.sb if copy and e.keeps_resident_copy else 0
+        self.resident = resident_params * (e.precision.master_bytes + e.precision.moment_bytes + kept) // self.devices
         waiting_params = sum(part_param_count(c, part) for part in self.waiting)
         self.slack = int(4 * (RESIDENT_ALLOCATOR_SLACK * resident_params + WAITING_ALLOCATOR_SLACK * waiting_params)
                          / self.devices)  # of their float32 gradients
@@ -266,19 +271,25 @@ class Walk:
 # ---------------------------------------------------------------------------------------------- the rules
 # One rule per op kind: what the op allocates while it runs (``Walk.peak``), then what the host holds after
 # it. A new op kind gets a rule here, a handler in ``passes.HANDLERS`` and a name in ``schedule.OpKind``.
+def _copied(w: Walk, op: Op) -> bool:
+    """Whether ``op``'s part has a compute copy on the GPU while in use: a streamed part's weights, or a resident
+    part's masters cast to the stream dtype at its fetch."""
+    return op.part not in w.on_gpu or w.cast
+
+
 def _fetch(w: Walk, op: Op) -> None:
-    kept = op.part in w.on_gpu
-    w.peak(op, out=0 if kept else w.weights(op))
+    copied = _copied(w, op)
+    w.peak(op, out=w.weights(op) if copied else 0)
     if op.part in w.waiting and op.part not in w.home:  # the forward's fetch waited for the update, which
         w.home.add(op.part)                              # took the step before's gradient home
         w.led.drop(H, w.summed(op))
-    if not kept:
+    if copied:
         w.led.add(W, w.weights(op))
 
 
 def _release(w: Walk, op: Op) -> None:
     w.peak(op)
-    if op.part not in w.on_gpu:
+    if _copied(w, op):
         w.led.drop(W, w.weights(op), block=w.here(op))
 
 

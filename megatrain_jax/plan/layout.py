@@ -291,10 +291,15 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     whose plan fits the GPU (each count of resident blocks the config takes, or the one it names; beside it the
     most blocks keeping their matrix products that fit, or the count it names), the one the step-time model
     (``step_time.predict``) finds fastest among those that fit the host too; the fewest resident blocks among
-    equals. Where none fits host and GPU as configured, or there is no GPU to plan for, the config comes back
+    equals. Where ``resident_copy`` is "auto" too and the resident parts have a compute copy to keep, each layout
+    is tried with the copies kept and cast at each fetch (which leaves room for more blocks); kept among equals.
+    Where none fits host and GPU as configured, or there is no GPU to plan for, the config comes back
     as given ("auto" fields and all) for the pickers after it (the most resident blocks, offload, the lean
     host layout). Returns the config and a sentence (None: as given)."""
     auto_r, auto_k = engine_cfg.resident_layers == AUTO, engine_cfg.kept_layers == AUTO
+    # the resident parts' compute copy, kept or cast at each fetch, where there is one to choose
+    auto_c = engine_cfg.resident_copy == AUTO and engine_cfg.precision.stream_copy and (
+        auto_r or engine_cfg.resident_layers or engine_cfg.resident_io)
     zero = dataclasses.replace(engine_cfg, **({"resident_layers": 0} if auto_r else {}),
                                **({"kept_layers": 0} if auto_k else {}))
     if plan_kw.get("gpu_bytes") is None:
@@ -304,30 +309,35 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     layers = model_cfg.layers
     most_kept_ = layers - offloaded_blocks(layers, engine_cfg.prefetch_depth, engine_cfg.offload_activations)
     tried: list[tuple[float, EngineConfig, MemoryPlan]] = []
-    for r in (range(_most_taken(model_cfg, engine_cfg)[0] + 1) if auto_r else [engine_cfg.resident_layers]):
-        base = dataclasses.replace(zero, resident_layers=r)
-        if not gpu_fits(base):
-            break  # more resident blocks take more GPU memory
-        if auto_k:
-            k = most_fitting(lambda k: gpu_fits(dataclasses.replace(base, kept_layers=k)), most_kept_)
-            base = dataclasses.replace(base, kept_layers=k)
-        p = planned(base)
-        if not p.fits:  # the host too (more resident blocks, less host memory)
-            continue
-        tried.append((predict(model_cfg, base, batch_rows, seq_len, speeds, devices=plan_kw.get("devices", 1)
-                              ).seconds, base, p))
+    for copy in ((True, False) if auto_c else (engine_cfg.resident_copy,)):
+        with_copy = dataclasses.replace(zero, resident_copy=copy)
+        for r in (range(_most_taken(model_cfg, engine_cfg)[0] + 1) if auto_r else [engine_cfg.resident_layers]):
+            base = dataclasses.replace(with_copy, resident_layers=r)
+            if not gpu_fits(base):
+                break  # more resident blocks take more GPU memory
+            if auto_k:
+                k = most_fitting(lambda k: gpu_fits(dataclasses.replace(base, kept_layers=k)), most_kept_)
+                base = dataclasses.replace(base, kept_layers=k)
+            p = planned(base)
+            if not p.fits:  # the host too (more resident blocks, less host memory)
+                continue
+            tried.append((predict(model_cfg, base, batch_rows, seq_len, speeds, devices=plan_kw.get("devices", 1)
+                                  ).seconds, base, p))
     if not tried:
         return engine_cfg, None
-    seconds, best, p = min(tried, key=lambda t: t[0])  # the first of equals: the fewest resident blocks
-    most = tried[-1]
-    asked = " and ".join(f"engine.{f}='auto'" for f, a in (("resident_layers", auto_r), ("kept_layers", auto_k)) if a)
+    seconds, best, p = min(tried, key=lambda t: t[0])  # the first of equals: copies kept, the fewest resident
+    most = max(tried, key=lambda t: (t[1].resident_layers, t[1].resident_copy is not False))
+    asked = " and ".join(f"engine.{f}='auto'" for f, a in (("resident_layers", auto_r), ("kept_layers", auto_k),
+                                                          ("resident_copy", auto_c)) if a)
     versus = ("" if most[1] == best or not auto_r else f"; the most resident blocks that fit, {most[1].resident_layers}"
               + (f" with {most[1].kept_layers} keeping products" if auto_k else "") + f", {most[0]:.2f} s")
     split = "every host update split" if best.split_parts == AUTO else f"split_parts={best.split_parts}"
-    return best, (f"{asked}: {best.resident_layers} of {layers} blocks GPU-resident, the last {best.kept_layers} "
-                  f"keeping their matrix products for the backward: the fastest of {len(tried)} layout"
-                  f"{'s' if len(tried) > 1 else ''} that fit by the step-time model ({seconds:.2f} s per step "
-                  f"with {split}, at {speeds.name}{versus}; GPU {p.gpu_total / GiB:.1f} GiB of "
+    copies = "" if not auto_c else (", their compute copies kept" if best.resident_copy else
+                                    ", their compute copies cast at each fetch (2 B/param less on the GPU)")
+    return best, (f"{asked}: {best.resident_layers} of {layers} blocks GPU-resident{copies}, the last "
+                  f"{best.kept_layers} keeping their matrix products for the backward: the fastest of "
+                  f"{len(tried)} layout{'s' if len(tried) > 1 else ''} that fit by the step-time model "
+                  f"({seconds:.2f} s per step with {split}, at {speeds.name}{versus}; GPU {p.gpu_total / GiB:.1f} GiB of "
                   f"{p.gpu_available / GiB:.1f})")
 
 

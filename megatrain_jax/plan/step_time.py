@@ -83,6 +83,7 @@ class _Lengths:
     head: float  # one micro-batch: final norm, logits, loss and their backward (the logits recomputed)
     embed: float
     fetch: dict[PartId, float]  # bytes to the GPU per visit (0 for GPU-resident parts)
+    cast: dict[PartId, float]  # a GPU-resident part's compute copy cast from its masters at each fetch (seconds)
     grads: dict[PartId, float]  # bytes of the part's gradient sent home at its send_grads (0 where it stays)
     home: dict[PartId, float]  # bytes of a gradient that waited on the GPU, copied home by its update
     acts: float  # bytes of one block's offloaded inputs (and kept residuals), each way
@@ -134,6 +135,10 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     parts = [IO] + [PartId.block(i) for i in range(cfg.layers)]
     count = {p: (io_param_count(cfg) if p.is_io else cfg.block_param_count(p.layer)) / devices for p in parts}
     fetch = {p: (count[p] * to_gpu if p in host_parts else 0.0) for p in parts}
+    # a resident part's masters read and its compute copy written at each fetch, where it keeps none
+    copy = to_gpu != mode.master_bytes and not e.keeps_resident_copy
+    cast = {p: (count[p] * (mode.master_bytes + to_gpu) / s.hbm_bytes if p not in host_parts and copy else 0.0)
+            for p in parts}
     grads = {p: (count[p] * DTYPE_BYTES[e.host_grad_dtype] if p in host_parts - waiting else 0.0) for p in parts}
     home = {p: count[p] * 4.0 for p in waiting}  # float32, copied home by the part's update task
     disk = set(roles.disk)
@@ -154,8 +159,8 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     acts = e.micro_batches * (micro_rows * seq_len * cfg.hidden * activation_bytes(cfg) + (
         kept_bytes(cfg, e, micro_rows, seq_len, assumes_flash(cfg)) if e.keep_residuals else 0))
     norm = {p: count[p] * 4.0 / s.hbm_bytes for p in parts}  # one read of the float32 gradient
-    return _Lengths(fwd, bwd, head, 2 * cfg.hidden * tokens / s.hbm_bytes, fetch, grads, home, acts, host_update,
-                    device_update, norm, s.dispatch)
+    return _Lengths(fwd, bwd, head, 2 * cfg.hidden * tokens / s.hbm_bytes, fetch, cast, grads, home, acts,
+                    host_update, device_update, norm, s.dispatch)
 
 
 def _update_bytes(mode: Precision, grads: str | None = None) -> float:
@@ -226,6 +231,8 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
                 if op.kind == "fetch":
                     t = max(t, ready_host.get(op.part, 0.0))  # the engine waits for the part's new weights
                     fetched[op.part] = move("h2d", t, n.fetch[op.part])
+                    if n.cast[op.part]:  # a resident part's compute copy, queued after its update
+                        fetched[op.part] = run("gpu", t, n.cast[op.part])
                 elif op.kind == "load_acts":
                     fetched[op.part] = max(fetched[op.part], move("h2d", t, n.acts))
                 elif op.kind in ("forward", "backward"):

@@ -133,7 +133,7 @@ class UpdatePolicy:
         precision = mode_of(config, jnp.dtype(stream_dtype).name)  # the mode's record: what the host keeps
         self.opt = HostOptimizer(tx, placement, stream_dtype, use_kernel=config.host_kernel, precision=precision)
         self.split = set(split)  # the parts whose update splits where the optimizer can (HostRoles.splitting)
-        self.device = DeviceUpdater(tx, placement, self.opt.stream_dtype)
+        self.device = DeviceUpdater(tx, placement, self.opt.stream_dtype, keep_copy=config.keeps_resident_copy)
         self.worker = HostUpdater(observers)
         self.max_nonfinite = config.max_nonfinite_steps
         self.skipped_steps = 0
@@ -171,6 +171,10 @@ class UpdatePolicy:
             raise NonFiniteError(f"{self._nonfinite_in_row} consecutive steps had a non-finite loss or "
                                  f"gradient norm (limit max_nonfinite_steps={self.max_nonfinite}); host state "
                                  f"is the last good step's. Lower the learning rate or check the data")
+
+    def resident_weights(self, part: Part) -> Params:
+        """A GPU-resident part's compute copy for its next use (cast from its masters at each fetch)."""
+        return self.device.weights(part)
 
     def update_device(self, part: Part, grads: Params, decision: StepDecision) -> Part:
         """A GPU-resident part's update, dispatched at once."""

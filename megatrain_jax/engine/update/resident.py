@@ -2,11 +2,18 @@
 
 With exact clipping no update can start before the whole backward has produced the gradient norm, and the
 next forward needs each layer updated before it runs. Keeping the io part and the first blocks resident
-(fp32 master, optimizer state and compute copy on the GPU, in the same ``Part`` record as host parts) lets
+(fp32 master and optimizer state on the GPU, in the same ``Part`` record as host parts) lets
 their update run on the GPU right after the norm, so the next forward starts at once while the host
 optimizer updates the later blocks ahead of the GPU. Their gradients never leave the device. Host memory
 stays the source of truth: the engine's ``sync`` refreshes the host copies (``HostOptimizer.home``) before
 anything reads host state.
+
+A resident part's compute-dtype copy (bfloat16 beside float32 masters) is kept on the GPU between its uses,
+written by the update (``EngineConfig.resident_copy`` true, the default), or not kept (false: ``Part.stream``
+is None on the device): then each fetch casts the masters (``DeviceUpdater.weights``), the same cast the update
+would have stored, so the numbers are the same and the GPU holds 2 bytes a parameter less of every resident part
+(12 instead of 14 in full precision: more blocks fit). The cast reads 4 and writes 2 bytes a parameter of GPU
+memory at each fetch, and its copy is dropped with the block's release, as a streamed block's weights are.
 """
 
 from __future__ import annotations
@@ -41,23 +48,38 @@ class DeviceUpdater:
     """Loads parts onto the device, updates them there (the same optimizer math as the host), and copies
     them back to host memory."""
 
-    def __init__(self, tx: optax.GradientTransformation, placement: Placement, stream_dtype: Any | None):
+    def __init__(self, tx: optax.GradientTransformation, placement: Placement, stream_dtype: Any | None,
+                 keep_copy: bool = True):
         self.tx = tx
         self.placement = placement
         self.stream_dtype = stream_dtype
+        self.keep_copy = keep_copy and stream_dtype is not None  # without a stream dtype the masters are used
         self._update = jax.jit(self._update_fn, donate_argnums=(0,))
         self._cast = jax.jit(lambda p: p if stream_dtype is None else stream_copy(p, stream_dtype))
 
     def load(self, part: Part) -> Part:
-        """A device copy of a host part; its ``stream`` is what the per-part functions consume."""
+        """A device copy of a host part: masters and optimizer state, and its compute copy where kept."""
         params, opt = self.placement.to_device((part.params, part.opt))
-        return Part(params, opt, self._cast(params))
+        return Part(params, opt, self._cast(params) if self.keep_copy else None)
+
+    def weights(self, part: Part) -> Params:
+        """What the per-part functions consume of a resident part: its kept compute copy, else its masters cast
+        to the stream dtype at this use (the masters themselves where no stream dtype is set)."""
+        if part.stream is not None:
+            return part.stream
+        return part.params if self.stream_dtype is None else self._cast(part.params)
+
+    def with_copy(self, part: Part) -> Part:
+        """``part`` with its compute copy, as a host part holds one (for the copy home, ``HostOptimizer.home``)."""
+        if part.stream is not None or self.stream_dtype is None:
+            return part
+        return Part(part.params, part.opt, self._cast(part.params))
 
     def _update_fn(self, part: Part, grads: Params, scale: jax.Array, ok: jax.Array) -> Part:
         params, opt = apply_scaled_update(self.tx, part.params, part.opt, grads, scale)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # a skipped step
         params, opt = keep(params, part.params), keep(opt, part.opt)
-        return Part(params, opt, params if self.stream_dtype is None else stream_copy(params, self.stream_dtype))
+        return Part(params, opt, stream_copy(params, self.stream_dtype) if self.keep_copy else None)
 
     def update(self, part: Part, grads: Params, scale: jax.Array, ok: jax.Array) -> Part:
         """The updated part; where ``ok`` is false (a skipped step) the old values."""
