@@ -152,10 +152,12 @@ def project(name: str, small: dict, big: dict, target: dict) -> dict:
                        "h2d_gb_s_assumed": bw}}
 
 
-def project_host(name: str, rows: int = ROWS, micro_batches: int | None = None) -> dict:
+def project_host(name: str, rows: int = ROWS, micro_batches: int | None = None, host_cores: int | None = None
+                 ) -> dict:
     """The full model's host RAM in each of ``HOST_MODES`` on an H200 with each of ``HOST_SIZES_GIB``: as
     configured, and as ``megatrain-jax train`` picks it (``lean_engine``, no disk tier); ``rows`` of ``SEQ``
-    tokens a step, in ``micro_batches`` (default: each mode's)."""
+    tokens a step, in ``micro_batches`` (default: each mode's); the step at the H200's rates on a host of
+    ``host_cores`` cores (``Speeds.on_host``; None: the 16-core host's)."""
     from megatrain_jax import preset
     from megatrain_jax.plan import gpu_fraction, lean_engine, plan
     from megatrain_jax.plan.speeds import SPEEDS
@@ -172,7 +174,7 @@ def project_host(name: str, rows: int = ROWS, micro_batches: int | None = None) 
             given = plan(full, engine, batch, SEQ, detect=False, **kw)
             picked, said = lean_engine(full, engine, batch, SEQ, **kw)
             p = plan(full, picked, batch, SEQ, detect=False, **kw)
-            step = predict(full, picked, batch, SEQ, SPEEDS["H200"]) if p.fits else None
+            step = predict(full, picked, batch, SEQ, SPEEDS["H200"].on_host(host_cores)) if p.fits else None
             rows[f"{host} GiB"] = {
                 "as_configured": {"host_gib": round(given.host_total / GiB, 1), "fits": given.fits},
                 "picked": {"host_gib": round(p.host_total / GiB, 1), "fits": p.fits, "said": said,
@@ -195,6 +197,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=200, help="seconds per run")
     ap.add_argument("--rows", type=int, default=ROWS, help=f"rows of {SEQ} tokens a step (--host-only)")
     ap.add_argument("--micro-batches", type=int, help="micro-batches of every host mode (--host-only; default 4)")
+    ap.add_argument("--host-cores", type=int,
+                    help="the host's cores for the predicted steps (--host-only; default: the H200's 16-core host; "
+                         "64: the 4-GPU machine's, whose host update rates are on record in plan.speeds)")
     ap.add_argument("--host-only", action="store_true",
                     help="only the host RAM of each mode on each host size, from the plan (no GPU)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -207,6 +212,8 @@ def main() -> None:
     if not args.out:
         ap.error("--out is required")
     import jax  # the version only; the children start the GPU
+
+    from megatrain_jax.plan import speeds
     commit = git_commit()
     result = {"name": os.path.splitext(os.path.basename(args.out))[0],
               "command": "PYTHONPATH=. python experiments/studies/scale_projection.py " + " ".join(sys.argv[1:]),
@@ -220,9 +227,11 @@ def main() -> None:
             json.dump(result, f, indent=1)
 
     result["host_projection"] = {"seq_len": SEQ, "rows": args.rows, "micro_batches": args.micro_batches or 4, "gpu": f"H200, {H200_GIB} GiB", "cited": CITED,
-                                 "step_rates": "the step-time model at the H200's default rates (16-core host): "
-                                               "a larger host's more cores and memory channels would update faster",
-                                 "models": {name: project_host(name, args.rows, args.micro_batches)
+                                 "step_rates": ("the step-time model at the H200's default rates (16-core host): "
+                                                "a larger host's more cores and memory channels would update faster"
+                                                if args.host_cores is None else "the step-time model at "
+                                                f"{speeds.SPEEDS['H200'].on_host(args.host_cores).name}"),
+                                 "models": {name: project_host(name, args.rows, args.micro_batches, args.host_cores)
                                             for name in args.models.split(",")}}
     save()
     for name, proj in result["host_projection"]["models"].items():
