@@ -418,8 +418,8 @@ def _trained(engine_cfg, steps=3, **batch_kw):
 def test_resident_parts_without_their_compute_copy_train_bit_for_bit_as_with_it(micro_batches):
     """``resident_copy=False``: a GPU-resident part keeps only its masters and moments on the device, and each fetch
     casts the masters to the stream dtype (engine/update/resident.py). The same cast the update stored before, so
-    masters, moments, stream copies and losses are those of the copies kept, bit for bit; the host records come
-    home with their stream copy as before."""
+    masters, moments and stream copies are those of the copies kept, bit for bit; the host records come home with
+    their stream copy as before."""
     layout = dict(micro_batches=micro_batches, clip_norm=0.05, resident_layers=2, resident_io=True)
     kept, cast = _trained(EngineConfig(**layout)), _trained(EngineConfig(**layout, resident_copy=False))
     assert kept.policy.device.keep_copy and not cast.policy.device.keep_copy
@@ -427,6 +427,7 @@ def test_resident_parts_without_their_compute_copy_train_bit_for_bit_as_with_it(
     for a, b in zip(jax.tree.leaves(kept.state), jax.tree.leaves(cast.state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     io = cast.state[IO]
+    assert io.stream is not None
     for master, stream in zip(jax.tree.leaves(io.params), jax.tree.leaves(io.stream)):
         np.testing.assert_array_equal(np.asarray(master.astype("bfloat16")), np.asarray(stream))
     # float32 masters streamed as they are: nothing to cast, whatever the setting

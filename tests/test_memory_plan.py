@@ -181,15 +181,20 @@ def test_several_devices_hold_gradient_shards():
     one_res = plan(cfg, EngineConfig(micro_batches=2, resident_layers=16, resident_io=True), 16, 2048, **BIG)
     two_res = plan(cfg, EngineConfig(micro_batches=2, resident_layers=16, resident_io=True), 16, 2048, devices=2,
                    **BIG)
-    # both peaks are in the last blocks' backward, every later part's gradient waiting for the update: per
-    # block, two devices hold half of one's
-    assert one_res.gpu_peak_at.startswith("backward(block_0000") and two_res.gpu_peak_at.startswith(
+    # both peaks are in the first blocks' backward (one device: block 0's), every later part's gradient waiting
+    # for the update: per block, two devices hold half of one's
+    assert one_res.gpu_peak_at.startswith("backward(block_00000") and two_res.gpu_peak_at.startswith(
         "backward(block_0000")
     per_block = []
     for res in (one_res, two_res):
         label, held = next((k, v) for k, v in res.gpu.items() if k.startswith("gradients of GPU-resident parts"))
         per_block.append(held / int(label.split("(")[1].split()[0]))
     assert per_block[0] > 0 and abs(per_block[1] * 2 - per_block[0]) <= 64
+    # a resident part in use keeps its copy on one device; over two it is gathered whole on each, from its fetch
+    # to its release (here the io part and two blocks, in bfloat16)
+    in_use = "weights in use (streamed, or cast from resident masters)"
+    assert not any(k.startswith(in_use) and "queued" not in k for k in one_res.gpu)
+    assert two_res.gpu[f"{in_use} (3 buffers)"] == 2 * (io_param_count(cfg) + 2 * layer_param_count(cfg))
     assert two_res.gpu_total < 0.6 * one_res.gpu_total
 
 

@@ -77,13 +77,17 @@ def test_resident_blocks_trade_transfers_for_their_update_on_the_gpu():
     """Each more GPU-resident block takes its weights off PCIe and puts its AdamW on the GPU: the bytes fall with
     every block, and a step never slows by more than that block's update and the casts of its compute copy at
     its fetches (all resident beats none here); blocks keeping their products shorten the GPU's backward."""
-    ps = [predict(CFG, EngineConfig(resident_layers=r, resident_io=True), 16, 2048, H100) for r in range(CFG.layers + 1)]
-    n = lengths(CFG, EngineConfig(resident_layers=CFG.layers, resident_io=True), 16, 2048, H100)
     fetches = sum(op.kind == "fetch" and op.part == PartId.block(0) for op in step_ops(CFG.layers, 1, 1))
-    most = n.device_update[PartId.block(0)] + fetches * n.cast[PartId.block(0)]
-    assert all(a.h2d_bytes > b.h2d_bytes for a, b in zip(ps, ps[1:]))
-    assert all(b.seconds <= a.seconds + most + 1e-9 for a, b in zip(ps, ps[1:]))
-    assert ps[-1].seconds < ps[0].seconds
+    for copy in (True, False):
+        e = lambda r: EngineConfig(resident_layers=r, resident_io=True, resident_copy=copy,  # noqa: E731
+                                   stream_dtype="bfloat16")
+        ps = [predict(CFG, e(r), 16, 2048, H100) for r in range(CFG.layers + 1)]
+        n = lengths(CFG, e(CFG.layers), 16, 2048, H100)
+        assert (n.cast[PartId.block(0)] > 0) is not copy
+        most = n.device_update[PartId.block(0)] + fetches * n.cast[PartId.block(0)]
+        assert all(a.h2d_bytes > b.h2d_bytes for a, b in zip(ps, ps[1:]))
+        assert all(b.seconds <= a.seconds + most + 1e-9 for a, b in zip(ps, ps[1:]))
+        assert ps[-1].seconds < ps[0].seconds
     kept = predict(CFG, EngineConfig(resident_layers=0, kept_layers=4, keep_residuals=True), 16, 2048, H100)
     plain = predict(CFG, EngineConfig(resident_layers=0, keep_residuals=True), 16, 2048, H100)
     assert kept.busy["gpu"] < plain.busy["gpu"]

@@ -102,8 +102,10 @@ class EngineConfig:
       for a cast of 6 bytes a parameter of GPU memory traffic at each fetch (about 0.35 ms for a 3.5B model's
       block on an H200). The same numbers either way. Where the masters are what the GPU computes with (float32
       streaming, capacity and quantized modes) there is no copy and it does not apply. "auto": ``megatrain-jax
-      train`` and ``plan`` pick it with the layout where the GPU's rates are known (``plan.layout.fastest``: the
-      faster that fits); an ``Engine`` given "auto", or a plan without the GPU's rates, keeps the copies.
+      train`` and ``plan`` pick it with the layout (where ``resident_layers`` or ``kept_layers`` is "auto" too) where
+      the GPU's rates are known (``plan.layout.fastest``: the faster that fits); an ``Engine`` given "auto", or a
+      plan without the GPU's rates, keeps the copies. Over several devices a resident part in use is gathered
+      whole on each (its copy, or its masters where it computes with them), either way.
     - ``norm_first`` (opt-in; where host RAM is short): each step runs two forward+backward passes over its
       batch. The first only takes the global gradient norm (no gradient leaves the GPU); the second computes
       the same gradients again, and each part updates as soon as its gradient is home, clipped by the first

@@ -25,12 +25,14 @@ class Observer(Protocol):
 class Profile:
     """Seconds per op category (``h2d``, ``compute``, ``d2h``, ``optimizer``), each op waited for before
     the next is dispatched: every category's own time, at the price of a serialized (slower) step. Also each
-    part's ``update`` seconds (``update_seconds``): a GPU-resident part's update is device work, a host part's
-    the host optimizer's."""
+    part's ``update`` and ``fetch`` seconds (``update_seconds``, ``fetch_seconds``): a GPU-resident part's update
+    is device work, a host part's the host optimizer's; a resident part's fetch is device work too (the cast of
+    its compute copy where it keeps none), a host part's a copy over PCIe."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.update_seconds: dict[Any, float] = {}
+        self.fetch_seconds: dict[Any, float] = {}
 
     def on_op(self, op: Op, start: float, end: float, out: Any) -> None:
         category = CATEGORY[op.kind]
@@ -39,18 +41,21 @@ class Profile:
         block_until_done(out)
         took = time.perf_counter() - start
         self.seconds[category] = self.seconds.get(category, 0.0) + took
-        if op.kind == "update":
-            self.update_seconds[op.part] = self.update_seconds.get(op.part, 0.0) + took
+        if op.kind in ("update", "fetch"):
+            per_part = self.update_seconds if op.kind == "update" else self.fetch_seconds
+            per_part[op.part] = per_part.get(op.part, 0.0) + took
 
     def on_task(self, key: Hashable, start: float, end: float) -> None:
         pass
 
     def lanes(self, resident_parts) -> dict[str, float]:
         """The serialized step's seconds per lane of the step-time model (``plan.step_time``'s busy queues):
-        ``compute`` (the GPU's programs), ``h2d`` and ``d2h`` (PCIe each way), ``host_update`` (the host-updated
+        ``compute`` (the GPU's programs, with the resident parts' casts), ``h2d`` and ``d2h`` (PCIe each way), ``host_update`` (the host-updated
         parts' update and commit) and ``device_update`` (the GPU-resident parts' update, device work)."""
         device_update = sum(self.update_seconds.get(part, 0.0) for part in resident_parts)
-        return {"compute": self.seconds.get("compute", 0.0), "h2d": self.seconds.get("h2d", 0.0),
+        casts = sum(self.fetch_seconds.get(part, 0.0) for part in resident_parts)
+        return {"compute": self.seconds.get("compute", 0.0) + casts,
+                "h2d": max(self.seconds.get("h2d", 0.0) - casts, 0.0),
                 "d2h": self.seconds.get("d2h", 0.0),
                 "host_update": max(self.seconds.get("optimizer", 0.0) - device_update, 0.0),
                 "device_update": device_update}

@@ -204,6 +204,15 @@ class Walk:
     def weights(self, op: Op) -> int:
         return int(self.params(op) * self.sb * self.fetched)
 
+    def in_use(self, op: Op) -> int:
+        """What a part holds on each GPU from its fetch to its release: a streamed part's weights (its shard and,
+        over several devices, the part gathered), and as much for a resident part's compute copy cast at the
+        fetch; a resident part that keeps its copy, or computes with its masters, is gathered whole over several
+        devices (its shard is counted with the resident parts), and on one device adds nothing."""
+        if op.part not in self.on_gpu or self.cast:
+            return self.weights(op)
+        return self.params(op) * self.sb if self.devices > 1 else 0
+
     def grad(self, op: Op) -> int:
         """A part's float32 gradient, whole: what a device accumulates over the micro-batches."""
         return self.params(op) * 4
@@ -271,26 +280,20 @@ class Walk:
 # ---------------------------------------------------------------------------------------------- the rules
 # One rule per op kind: what the op allocates while it runs (``Walk.peak``), then what the host holds after
 # it. A new op kind gets a rule here, a handler in ``passes.HANDLERS`` and a name in ``schedule.OpKind``.
-def _copied(w: Walk, op: Op) -> bool:
-    """Whether ``op``'s part has a compute copy on the GPU while in use: a streamed part's weights, or a resident
-    part's masters cast to the stream dtype at its fetch."""
-    return op.part not in w.on_gpu or w.cast
-
-
 def _fetch(w: Walk, op: Op) -> None:
-    copied = _copied(w, op)
-    w.peak(op, out=w.weights(op) if copied else 0)
+    held = w.in_use(op)
+    w.peak(op, out=held)
     if op.part in w.waiting and op.part not in w.home:  # the forward's fetch waited for the update, which
         w.home.add(op.part)                              # took the step before's gradient home
         w.led.drop(H, w.summed(op))
-    if copied:
-        w.led.add(W, w.weights(op))
+    if held:
+        w.led.add(W, held)
 
 
 def _release(w: Walk, op: Op) -> None:
     w.peak(op)
-    if _copied(w, op):
-        w.led.drop(W, w.weights(op), block=w.here(op))
+    if w.in_use(op):
+        w.led.drop(W, w.in_use(op), block=w.here(op))
 
 
 def _embed(w: Walk, op: Op) -> None:

@@ -298,7 +298,7 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     host layout). Returns the config and a sentence (None: as given)."""
     auto_r, auto_k = engine_cfg.resident_layers == AUTO, engine_cfg.kept_layers == AUTO
     # the resident parts' compute copy, kept or cast at each fetch, where there is one to choose
-    auto_c = engine_cfg.resident_copy == AUTO and engine_cfg.precision.stream_copy and (
+    auto_c = engine_cfg.resident_copy == AUTO and precision.mode_of(engine_cfg, model_cfg.dtype).stream_copy and (
         auto_r or engine_cfg.resident_layers or engine_cfg.resident_io)
     zero = dataclasses.replace(engine_cfg, **({"resident_layers": 0} if auto_r else {}),
                                **({"kept_layers": 0} if auto_k else {}))
