@@ -944,3 +944,20 @@ def test_kept_layers_add_their_matrix_products_to_the_gpu_and_are_given_up_first
     picked, why = lean_engine(cfg, auto, 16, 2048, host_ram_bytes=10_000 * GiB, gpu_bytes=gpu)
     assert picked.kept_layers == 3 and picked.resident_layers <= 9, (picked, why)
     assert plan(cfg, picked, 16, 2048, host_ram_bytes=10_000 * GiB, gpu_bytes=gpu).gpu_fits
+
+
+def test_a_gpu_short_by_less_than_the_resident_copies_is_offered_to_cast_them():
+    """Resident parts keeping their bfloat16 copies on a GPU a little short: the first option is to cast the copies
+    at each fetch instead (``engine.resident_copy=false``, 2 B/param of the resident parts less), re-planned to fit;
+    with no copy to drop (float32 streaming) it is not offered."""
+    cfg = preset("7b", layers=16)
+    e = EngineConfig(micro_batches=2, resident_layers=8, resident_io=True)
+    full = plan(cfg, e, 16, 2048, **BIG)
+    short = dict(host_ram_bytes=BIG["host_ram_bytes"], gpu_bytes=full.gpu_total + GPU_FRAGMENTATION_MARGIN - GiB)
+    p = plan(cfg, e, 16, 2048, **short)
+    assert p.host_fits and not p.gpu_fits
+    first = options(p)[0]
+    assert first.changes == (("engine.resident_copy", False),) and "cast" in first.why, first
+    assert p.applied(first.changes).fits
+    f32 = plan(cfg, dataclasses.replace(e, stream_dtype="float32"), 16, 2048, **short)
+    assert not any(dict(o.changes).get("engine.resident_copy") is False for o in options(f32))

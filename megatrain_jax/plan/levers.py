@@ -81,6 +81,11 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
         yield ("kept", [(("engine.kept_layers", k),) for k in range(e.kept_layers - 1, -1, -1)],
                lambda ch: (f"the last {ch[0][1]} blocks keep their matrix products for the backward instead of "
                            f"{e.kept_layers} (the others recompute them: slower)"))
+    if e.keeps_resident_copy and (e.resident_layers or e.resident_io) and p.mode.stream_copy:  # cheap: a cast
+        yield ("copy", takes([(("engine.resident_copy", False),)]),
+               lambda ch: ("the GPU-resident parts cast their bfloat16 compute copy from their masters at each fetch "
+                           "instead of keeping it (2 B/param less GPU memory; a cast of 6 B/param of GPU memory "
+                           "traffic at each fetch: slightly slower)"))
     resident = takes((("engine.resident_layers", r),) for r in range(c.layers, -1, -1) if r != e.resident_layers)
     yield ("resident", resident,
            lambda ch: (f"{ch[0][1]} GPU-resident blocks instead of {e.resident_layers}: " +
@@ -214,7 +219,7 @@ def options(p: MemoryPlan, given: EngineConfig | None = None) -> list[Option]:
 
 
 # The levers that lower the GPU's peak without touching the host's precision, in ``_levers``' order.
-GPU_LEVERS = ("keep", "offload", "micro", "prefetch")
+GPU_LEVERS = ("copy", "keep", "offload", "micro", "prefetch")
 
 
 def _with_gpu_lever(p: MemoryPlan, switch: Changes, words: Callable) -> Option | None:
