@@ -11,12 +11,12 @@ What it measures, each as the model reads it (``megatrain_jax.plan.speeds.Speeds
   update runs in one pass, ``split_update=false``), the lean mode (one pass, no copy), capacity
   mode and 8-bit moments; ``host_cores`` is the cores it ran on;
 - on a GPU: PCIe each way (pinned host memory to the GPU and back, 1 GiB, best of a few); and, recorded apart
-  as ceilings (``gpu_kernel_ceilings``, not written to the calibration file: the model's compute rates are a
+  as ceilings (``gpu_kernel_ceilings``, not read as calibration: the model's compute rates are a
   whole block's, fitted to runs, and below a lone kernel's), the GPU's bfloat16 matrix products at a block's
   shapes (``--hidden``/``--ffn``/``--tokens``) and causal flash attention's forward at ``--seq``.
 
-The results file (name, command, git_commit, device, date, runs) holds the rates under ``runs[0].speeds``;
-the same object is written alone beside it (``<out>.speeds.json``): that is the file to give ``--speeds``.
+The results file (name, command, git_commit, device, date, runs) holds the rates under ``runs[0].speeds``; it
+is the file to give ``--speeds`` (``plan.speeds.from_file`` reads them from it).
 """
 
 from __future__ import annotations
@@ -132,10 +132,6 @@ def main(argv: list[str] | None = None) -> dict:
                                                                            "tokens", "seq")}}]}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
-        f.write("\n")
-    alone = os.path.splitext(args.out)[0] + ".speeds.json"
-    with open(alone, "w") as f:
-        json.dump(speeds, f, indent=1)
         f.write("\n")
     print(json.dumps(speeds))
     return record

@@ -803,14 +803,15 @@ def test_plain_gpu_training_runs_every_remat_policy_and_marks_the_fastest(tmp_pa
 
 
 def test_measure_speeds_writes_a_calibration_file_the_plan_reads(tmp_path):
-    """experiments/measure_speeds.py on the CPU (the host update's rates only): the file beside the results
-    file is one ``--speeds`` takes, and its rates replace the record's."""
+    """experiments/measure_speeds.py on the CPU (the host update's rates only): its results file is one
+    ``--speeds`` takes, and its rates replace the record's."""
     from megatrain_jax.plan.speeds import H200, from_file
     record = load_script("measure_speeds").main(["--params", "8", "--reps", "1", "--out", str(tmp_path / "s.json")])
     speeds = record["runs"][0]["speeds"]
     assert set(speeds["host_update"]) == {"full", "lean", "capacity", "q8", "q4"}
     assert all(rate > 0 for rate in speeds["host_update"].values()) and 0 < speeds["first_half_share"] < 1
-    s = from_file(tmp_path / "s.speeds.json", H200)
+    assert not (tmp_path / "s.speeds.json").exists()  # one file: the results file
+    s = from_file(tmp_path / "s.json", H200)
     assert s.host_update == speeds["host_update"] and s.host_cores == speeds["host_cores"]
     assert s.matmul_flops == H200.matmul_flops  # no GPU here: the record's GPU rates stay
 

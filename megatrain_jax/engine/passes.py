@@ -170,7 +170,7 @@ class PassRunner:
     def fetch(self, p: Pass, op: Op):
         """A part onto the devices (each its shard, over its own PCIe link), then whole on each of them."""
         if op.part in self.resident:
-            shards = self.policy.resident_weights(self.resident[op.part])
+            shards = self.policy.device.weights(self.resident[op.part])  # its copy, or its masters cast now
         else:
             with reported_late():  # waits for the part's update: earlier device work's failure surfaces here
                 self.policy.ready(op.part)

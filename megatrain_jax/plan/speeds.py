@@ -177,11 +177,15 @@ def _positive(value: Any) -> bool:
 
 
 def from_file(path: str | os.PathLike, base: Speeds) -> Speeds:
-    """``base`` with the fields a calibration file gives (JSON object; unknown fields are refused)."""
+    """``base`` with the fields a calibration file gives (JSON object; unknown fields are refused): an object of
+    ``Speeds`` fields, or the results file ``experiments/measure_speeds.py`` writes (its ``runs[0].speeds``)."""
     try:
         given = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"cannot read the calibration file {path}: {err}") from None
+    runs = given.get("runs") if isinstance(given, dict) else None
+    if isinstance(runs, list) and runs and isinstance(runs[0], dict) and "speeds" in runs[0]:
+        given = runs[0]["speeds"]  # measure_speeds.py's results file
     if not isinstance(given, dict):
         raise ValueError(f"the calibration file {path} must hold a JSON object of Speeds fields")
     fields = {f.name for f in dataclasses.fields(Speeds)}

@@ -172,10 +172,6 @@ class UpdatePolicy:
                                  f"gradient norm (limit max_nonfinite_steps={self.max_nonfinite}); host state "
                                  f"is the last good step's. Lower the learning rate or check the data")
 
-    def resident_weights(self, part: Part) -> Params:
-        """A GPU-resident part's compute copy for its next use (cast from its masters at each fetch)."""
-        return self.device.weights(part)
-
     def update_device(self, part: Part, grads: Params, decision: StepDecision) -> Part:
         """A GPU-resident part's update, dispatched at once."""
         return self.device.update(part, grads, decision.scale, decision.ok)

@@ -55,7 +55,7 @@ class DeviceUpdater:
         self.stream_dtype = stream_dtype
         self.keep_copy = keep_copy and stream_dtype is not None  # without a stream dtype the masters are used
         self._update = jax.jit(self._update_fn, donate_argnums=(0,))
-        self._cast = jax.jit(lambda p: p if stream_dtype is None else stream_copy(p, stream_dtype))
+        self._cast = jax.jit(lambda p: stream_copy(p, stream_dtype))  # only where a stream dtype is set
 
     def load(self, part: Part) -> Part:
         """A device copy of a host part: masters and optimizer state, and its compute copy where kept."""
@@ -65,9 +65,7 @@ class DeviceUpdater:
     def weights(self, part: Part) -> Params:
         """What the per-part functions consume of a resident part: its kept compute copy, else its masters cast
         to the stream dtype at this use (the masters themselves where no stream dtype is set)."""
-        if part.stream is not None:
-            return part.stream
-        return part.params if self.stream_dtype is None else self._cast(part.params)
+        return part.streamed() if part.stream is not None or self.stream_dtype is None else self._cast(part.params)
 
     def with_copy(self, part: Part) -> Part:
         """``part`` with its compute copy, as a host part holds one (for the copy home, ``HostOptimizer.home``)."""
