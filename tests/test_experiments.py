@@ -941,3 +941,7 @@ def test_plan_predictions_records_the_waiting_rows(tmp_path):
     rtx = runs["rtx4090_sft_8b_24gb_64gb"]
     assert not rtx["fits_as_configured"] and rtx["options"] and all(o["fits"] for o in rtx["options"])
     assert not rtx["modes_alone"]["q8"]["gpu_fits"] and rtx["modes_alone"]["q8"]["host_fits"]
+    thirteen = runs["13b_8k_h200x2"]
+    assert thirteen["picked"]["resident_copy"] is False
+    assert thirteen["picked"]["resident_layers"] > thirteen["as_run"]["resident_layers"]
+    assert thirteen["picked"]["predicted_step"]["seconds"] < thirteen["as_run"]["predicted_step"]["seconds"]

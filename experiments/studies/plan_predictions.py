@@ -5,6 +5,8 @@
   (``plan.layout.fastest``): the step, what bounds it, each queue's busy seconds, model TFLOP/s;
 - ``l40s_sft_14b`` on one H200 of the 2-GPU host capped as its measured run was (45.6 GiB of GPU, 240 GiB of
   host), its step at the host update's rate scaled to 32 cores and at the 16-core host's own rate;
+- bench.py's ``13b_8k`` on one H200 of the 2-GPU host: the layout that ran and the search's pick (resident blocks'
+  compute copies kept or cast, ``engine.resident_copy``);
 - ``rtx4090_sft_8b`` on a 24 GB card with 64 GB of host: each option ``plan`` offers (``plan.levers.options``),
   its host and GPU totals, and its step on an RTX 4090 (rates from the card's specifications).
 
@@ -72,6 +74,25 @@ def scale_rows() -> list[dict]:
     return out
 
 
+def thirteen_b_8k_on_x2() -> dict:
+    """bench.py's ``13b_8k`` on one H200 of the 2-GPU host (its 32-core host's rates, the GPU memory XLA had in
+    the measured run, h200x2_side_by_side_13b_8k_fcba712.json): the layout that ran (20 resident with their
+    compute copies kept, the last 20 keeping products) and the search's pick with ``resident_copy`` "auto"."""
+    sys.path.insert(0, os.path.join(REPO, "experiments"))
+    from bench import CONFIGS  # noqa: E402
+    bench = CONFIGS["13b_8k"]
+    cfg, e, rows, s = preset(bench.preset), bench.engine, bench.rows, for_gpu("H200", None, 32)
+    kw = dict(host_ram_bytes=240 * GiB, gpu_bytes=int(126.4 * GiB))
+    ran = dataclasses.replace(e, resident_layers=20, kept_layers=20, resident_copy=True)
+    picked, said = fastest(cfg, e, rows, SEQ, s, **kw)
+    return {"system": "plan", "config": "13b_8k_h200x2", "gpu_gib": 126.4, "host_gib": 240, "host_cores": 32,
+            "as_run": {"resident_layers": 20, "kept_layers": 20, "resident_copy": True,
+                       "predicted_step": _step(cfg, ran, rows, s)},
+            "picked": {"resident_layers": picked.resident_layers, "kept_layers": picked.kept_layers,
+                       "resident_copy": picked.resident_copy, "said": said,
+                       "predicted_step": _step(cfg, picked, rows, s)}}
+
+
 def _shipped(name: str):
     """A shipped config's RunConfig, its HF folder replaced by the preset of its ``# plan shape:`` line."""
     path = os.path.join(REPO, "experiments", "configs", f"{name}.toml")
@@ -128,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    runs = scale_rows() + [l40s_on_x2(), rtx4090_on_64()]
+    runs = scale_rows() + [l40s_on_x2(), rtx4090_on_64(), thirteen_b_8k_on_x2()]
     record = {**results_header(args.out, __file__), "runs": runs,
               "note": "predictions of the plan and the step-time model, not measurements"}
     with open(args.out, "w") as f:
