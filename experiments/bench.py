@@ -276,7 +276,7 @@ def host_update_bytes(engine: Engine) -> int:
     per = engine.policy.opt.precision.bytes_per_param(e.host_grad_dtype)  # the mode the engine runs
     read = per["masters"] + per["moments"] + per["host_grads"]
     whole = read + per["masters"] + per["moments"] + per["stream_copy"]
-    roles = HostRoles.of(engine.lm.n_blocks, e.resident_layers, e.resident_io, e.grads_on_gpu, e.disk_parts)
+    roles = HostRoles.of_config(engine.lm.n_blocks, e)
     split = engine.policy.split if engine.policy.opt.splits else set()  # the engine's own choice
     total = 0.0
     for part in roles.host_updated:
@@ -307,8 +307,7 @@ def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
     from megatrain_jax.engine.parts import HostRoles
     from megatrain_jax.engine.precision import DTYPE_BYTES
     e = engine.cfg
-    waiting = set(HostRoles.of(engine.lm.n_blocks, e.resident_layers, e.resident_io, e.grads_on_gpu,
-                               e.disk_parts).grads_on_gpu)  # float32, copied home by their update
+    waiting = set(HostRoles.of_config(engine.lm.n_blocks, e).grads_on_gpu)  # float32, copied home by their update
     h2d = sum(shard_bytes(engine.state[op.part].streamed()) for op in ops
               if op.kind == "fetch" and op.part not in resident)
     d2h = sum(shard_bytes(engine.state[op.part].params, 4 if op.part in waiting else DTYPE_BYTES[e.host_grad_dtype])

@@ -437,6 +437,89 @@ def test_resident_parts_without_their_compute_copy_train_bit_for_bit_as_with_it(
         EngineConfig(resident_copy="yes")
 
 
+@pytest.mark.parametrize("engine_cfg", [
+    EngineConfig(micro_batches=2, clip_norm=0.05, gpu_updated_layers=3),  # every block
+    EngineConfig(accumulate_steps=2, resident_layers=1, gpu_updated_layers=1, grads_on_gpu=1),  # 0 resident, 1, 2 host
+    EngineConfig(clip_norm=0.05, gpu_updated_layers=2, prefetch_depth=2, stream_dtype="float32"),
+], ids=["clip-all", "accumulate-between-roles", "float32-streamed-depth2"])
+@pytest.mark.parametrize("tx", [FUSED, SGD], ids=["fused-adamw", "sgd"])
+def test_blocks_updated_on_the_gpu_equal_reference(tx, engine_cfg):
+    """``gpu_updated_layers``: streamed blocks whose update runs on the device at their next forward (their
+    gradient waits there, their masters and moments visit from host memory) train as the reference does, beside
+    GPU-resident and host-updated parts, with clipping, accumulation and either optimizer route."""
+    engine = run_both(TINY3, tx, engine_cfg, shared=True)
+    first = engine_cfg.resident_layers
+    assert engine.gpu_updated_parts == [PartId.block(i) for i in range(first, first + engine_cfg.gpu_updated_layers)]
+    assert not engine._runner.pending  # write_back synced: every update has run
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_blocks_updated_on_the_gpu_train_bit_for_bit_as_gpu_resident_ones(micro_batches):
+    """A block updated on the GPU at its visit runs the GPU-resident parts' update on the same numbers, so
+    masters, moments and stream copies are those of the same blocks kept resident, bit for bit; the visiting
+    blocks' host records come home with their stream copy."""
+    resident = _trained(EngineConfig(micro_batches=micro_batches, clip_norm=0.05, resident_layers=2))
+    visiting = _trained(EngineConfig(micro_batches=micro_batches, clip_norm=0.05, gpu_updated_layers=2))
+    assert visiting.gpu_updated_parts == [PartId.block(0), PartId.block(1)]
+    for part in visiting.gpu_updated_parts:
+        for a, b in zip(jax.tree.leaves(resident.state[part]), jax.tree.leaves(visiting.state[part])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_stream_copies_track_masters(visiting)
+
+
+def test_blocks_updated_on_the_gpu_complete_their_update_before_the_state_is_read():
+    """A step leaves the GPU-updated blocks' update pending (it runs at their next forward); whatever reads the
+    state first runs it (``sync``: parameters, evaluation, checkpoints), and the next step's forward then fetches
+    what came home. Evaluation between steps changes nothing: the state is the resident run's, bit for bit."""
+    batches = make_batches(3)
+    resident = _trained(EngineConfig(resident_layers=3), steps=2)
+    engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED(),
+                    EngineConfig(gpu_updated_layers=3))
+    engine.step(batches[0]).resolve()
+    assert set(engine._runner.pending) == {PartId.block(i) for i in range(3)}
+    before = np.asarray(jax.tree.leaves(engine.state[PartId.block(0)].params)[0]).copy()
+    nll, count = engine.eval_nll(batches[2:])  # syncs: the updates run first
+    assert not engine._runner.pending and np.isfinite(nll) and count > 0
+    assert not np.array_equal(before, np.asarray(jax.tree.leaves(engine.state[PartId.block(0)].params)[0]))
+    engine.step(batches[1]).resolve()
+    engine.sync()
+    for a, b in zip(jax.tree.leaves(resident.state), jax.tree.leaves(engine.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_nonfinite_step_skipped_on_blocks_updated_on_the_gpu_too():
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(gpu_updated_layers=2))
+    m, unchanged = poison_and_step(engine)
+    assert m["skipped"] and unchanged
+
+
+def test_blocks_updated_on_the_gpu_take_their_place_among_the_roles():
+    """After the resident blocks, before the host-updated ones: the gradients that wait on the GPU and the disk
+    tier's blocks are host parts'."""
+    from megatrain_jax.engine.parts import HostRoles
+    roles = HostRoles.of_config(4, EngineConfig(resident_layers=1, gpu_updated_layers=2, grads_on_gpu=1,
+                                                disk_parts=1, disk_dir="/tmp"))
+    assert roles.gpu_updated == (PartId.block(1), PartId.block(2))
+    assert roles.host_updated == (PartId.block(3), IO)
+    assert roles.grads_on_gpu == (PartId.block(3),) and roles.disk == (PartId.block(3),)
+    with pytest.raises(ValueError, match=re.escape("gpu_updated_layers=4 exceeds the 3 blocks that are not "
+                                                   "GPU-resident")):
+        HostRoles.of_config(3, EngineConfig(gpu_updated_layers=4))
+    with pytest.raises(ValueError, match=re.escape("grads_on_gpu=3 exceeds the 2 parts updated on the host")):
+        HostRoles.of_config(3, EngineConfig(resident_layers=1, gpu_updated_layers=1, grads_on_gpu=3))
+
+
+@pytest.mark.parametrize("settings,match", [
+    (dict(gpu_updated_layers=-1), "gpu_updated_layers must be an integer >= 0"),
+    (dict(gpu_updated_layers=True), "gpu_updated_layers must be an integer >= 0"),
+    (dict(gpu_updated_layers=1, norm_first=True), "set one of them"),
+    (dict(gpu_updated_layers=1, master_dtype="bfloat16"), "keeps float32 masters and moments"),
+])
+def test_blocks_updated_on_the_gpu_refuse_what_they_cannot_run(settings, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        EngineConfig(**settings)
+
+
 def test_split_update_halves_are_bitwise_the_single_pass_update():
     """The fused update runs in two halves (the bf16 stream copy first, the fp32 masters and moments later):
     over several steps with real gradients they give exactly the one-pass update's part."""

@@ -73,7 +73,22 @@ def test_every_op_kind_has_one_handler_a_category_and_one_ledger_rule():
     kinds = set(typing.get_args(OpKind))
     assert set(HANDLERS) == kinds and set(CATEGORY) == kinds and set(RULES) == kinds and set(PHASE) == kinds
     assert len(set(HANDLERS.values())) == len(kinds) and all(map(callable, RULES.values()))
-    assert {o.kind for o in step_ops(2, 2, 1, offload=1) + eval_ops(2, 2, 1) + norm_ops(2, 2, 1)} == kinds
+    ops = step_ops(2, 2, 1, offload=1) + eval_ops(2, 2, 1) + norm_ops(2, 2, 1) + step_ops(2, 1, 1, visited=[1])
+    assert {o.kind for o in ops} == kinds
+
+
+def test_gpu_updated_blocks_are_visited_in_the_forward_and_fetched_for_the_backward():
+    """``visited`` (``gpu_updated_layers``): right after the io part's fetch each such block's state is brought
+    over, in order; the forward's fetch of those blocks is a ``visit`` (their update of the step before runs
+    there), at the same place; the backward fetches them; their update op stays in order."""
+    plain, visited = step_ops(4, 2, 2), step_ops(4, 2, 2, visited=[2, 1])
+    assert visited[:3] == [Op("fetch", IO), Op("bring", B(1)), Op("bring", B(2))]
+    rest = visited[:1] + visited[3:]
+    assert len(plain) == len(rest)
+    changed = [(a, b) for a, b in zip(plain, rest) if a != b]
+    assert changed == [(Op("fetch", B(1)), Op("visit", B(1))), (Op("fetch", B(2)), Op("visit", B(2)))]
+    assert max_resident_layers(visited) == max_resident_layers(plain)
+    assert [o for o in visited if o.kind == "update"] == [Op("update", p) for p in [IO, B(0), B(1), B(2), B(3)]]
 
 
 def test_part_ids_name_themselves_and_order_like_updates():

@@ -108,8 +108,7 @@ class Engine:
                              f"(the last prefetch_depth blocks' inputs go straight to their backward)")
         config.check_layers(self.lm.n_blocks)
         check_partwise(optimizer)
-        roles = HostRoles.of(self.lm.n_blocks, config.resident_layers, config.resident_io, config.grads_on_gpu,
-                             config.disk_parts)  # checked before the state is built
+        roles = HostRoles.of_config(self.lm.n_blocks, config)  # checked before the state is built
         if placement is None:
             placement = Placement(mesh=devices) if isinstance(devices, Mesh) else Placement(devices)
         self.placement = placement
@@ -134,6 +133,7 @@ class Engine:
             self.policy.opt.route(self.state[part])  # decide each part's update route now, not mid-step
         self.resident_parts = ([IO] if config.resident_io else []) + [PartId.block(i) for i in range(config.resident_layers)]
         self.grads_on_gpu_parts = list(roles.grads_on_gpu)  # their gradients wait on the GPU
+        self.gpu_updated_parts = list(roles.gpu_updated)  # streamed, updated on the GPU at their next forward
         self.disk_tier = None
         if roles.disk:
             if not self.policy.opt.fused:
@@ -146,7 +146,8 @@ class Engine:
         self._resident: dict[PartId, Part] = {}
         self._load_resident()
         self._runner = PassRunner(self.fns, self.placement, self.state, self.policy, self._resident, self._observers,
-                                  grads_on_gpu=self.grads_on_gpu_parts, host_grad_dtype=config.host_grad_dtype)
+                                  grads_on_gpu=self.grads_on_gpu_parts, host_grad_dtype=config.host_grad_dtype,
+                                  gpu_updated=self.gpu_updated_parts)
         self.last_seq_len = 0
 
     # ------------------------------------------------------------------ training
@@ -211,7 +212,9 @@ class Engine:
                     second = new_pass(norm_known=True, decision=p.decision)
                     self._runner.run(second, step_ops(n, m, depth, offload=offload, norm_first=True))
                 else:
-                    self._runner.run(p, step_ops(n, m, depth, update=p.last, offload=offload))
+                    # the first pass's forward runs the GPU-updated parts' updates of the step before
+                    visited = [q.layer for q in self.gpu_updated_parts] if j == 0 else []
+                    self._runner.run(p, step_ops(n, m, depth, update=p.last, offload=offload, visited=visited))
                 losses.append(sum(p.losses))
                 auxes.append(p.aux)
                 pair_stats.append(p.pair_stats)
@@ -348,12 +351,14 @@ class Engine:
 
     # ------------------------------------------------------------------ reading and restoring state
     def sync(self) -> None:
-        """Wait for every pending host update (re-raising NonFiniteError) and copy GPU-resident parts back:
+        """Wait for every pending host update (re-raising NonFiniteError), run the GPU-updated parts' pending
+        updates (``gpu_updated_layers``: each at its next fetch otherwise) and copy GPU-resident parts back:
         host state is then current. Each resident part is written into its own host arrays, a leaf at a time
         (``HostOptimizer.home_into``), once the update gates let it (a checkpoint still writing it); a part
         already home since its last step is not copied again (``steps`` ends with a sync, and
         ``parameters`` syncs again)."""
         self.policy.drain()
+        self._runner.flush()
         if self.disk_tier is not None:
             self.disk_tier.flush()
         if self._home_at == self.state.step:
@@ -392,6 +397,7 @@ class Engine:
         recomputed from the masters. Numpy arrays given here become the engine's own (do not change them
         afterwards); each array is placed in pinned or pageable host memory (``HostOptimizer.home``)."""
         self.policy.drain()
+        self._runner.flush()  # a GPU-updated part's pending update is of the state being replaced
         self.state[part] = self.policy.opt.home(Part(params, opt, self.policy.opt.cast(params)), adopt=True)
         if self.disk_tier is not None and part in self.disk_tier.parts:
             self.state[part] = self.disk_tier.spill(part, self.state[part])

@@ -66,26 +66,40 @@ def part_ids(n_blocks: int) -> list[PartId]:
 
 @dataclasses.dataclass(frozen=True)
 class HostRoles:
-    """Where each part's gradient waits and where its moments live, from ``EngineConfig``'s counts: the
-    parts updated on the host are the blocks that are not GPU-resident, then the io part unless it is.
-    ``grads_on_gpu``: the first of them in that order keep their gradients on the GPU. ``disk``: the last
-    ``disk_parts`` blocks keep their Adam moments in the disk tier."""
+    """Where each part's gradient waits and where its moments live, from ``EngineConfig``'s counts. After the
+    GPU-resident blocks, the first ``gpu_updated`` blocks stream but update on the GPU (``gpu_updated_layers``:
+    their gradients wait there for the next forward). The parts updated on the host are the blocks after
+    those, then the io part unless it is resident. ``grads_on_gpu``: the first host parts in that order keep
+    their gradients on the GPU. ``disk``: the last ``disk_parts`` blocks keep their Adam moments in the disk
+    tier."""
 
     host_updated: tuple[PartId, ...]
     grads_on_gpu: tuple[PartId, ...]
     disk: tuple[PartId, ...]
+    gpu_updated: tuple[PartId, ...] = ()
 
     @classmethod
     def of(cls, n_blocks: int, resident_layers: int, resident_io: bool, grads_on_gpu: int = 0,
-           disk_parts: int = 0) -> "HostRoles":
-        blocks = [PartId.block(i) for i in range(resident_layers, n_blocks)]
+           disk_parts: int = 0, gpu_updated: int = 0) -> "HostRoles":
+        streamed = [PartId.block(i) for i in range(resident_layers, n_blocks)]
+        if gpu_updated > len(streamed):
+            raise ValueError(f"gpu_updated_layers={gpu_updated} exceeds the {len(streamed)} blocks that are not "
+                             f"GPU-resident (resident_layers={resident_layers} of {n_blocks})")
+        blocks = streamed[gpu_updated:]
         host = tuple(blocks + ([] if resident_io else [IO]))
         if grads_on_gpu > len(host):
             raise ValueError(f"grads_on_gpu={grads_on_gpu} exceeds the {len(host)} parts updated on the host (the "
-                             f"blocks that are not GPU-resident, and the io part unless it is)")
+                             f"blocks that are not GPU-resident or GPU-updated, and the io part unless it is)")
         if disk_parts > len(blocks):
             raise ValueError(f"disk_parts={disk_parts} exceeds the {len(blocks)} blocks updated on the host")
-        return cls(host, host[:grads_on_gpu], tuple(blocks[len(blocks) - disk_parts:]))
+        return cls(host, host[:grads_on_gpu], tuple(blocks[len(blocks) - disk_parts:]),
+                   tuple(streamed[:gpu_updated]))
+
+    @classmethod
+    def of_config(cls, n_blocks: int, e: Any, resident_layers: int | None = None) -> "HostRoles":
+        """``of`` with an ``EngineConfig``'s counts (``resident_layers`` in place of its own where given)."""
+        return cls.of(n_blocks, e.resident_layers if resident_layers is None else resident_layers, e.resident_io,
+                      e.grads_on_gpu, e.disk_parts, e.gpu_updated_layers)
 
     def splitting(self, split_parts: int | str) -> tuple[PartId, ...]:
         """The host parts whose update runs in two passes where the optimizer splits

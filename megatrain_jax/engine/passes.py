@@ -76,7 +76,7 @@ PHASE: dict[OpKind, str] = {
     "forward": "the forward", "head": "the head", "backward": "the backward", "send_grads": "the backward",
     "embed_backward": "the backward", "grad_norm": "the global norm", "update": "the update",
     "commit": "the update", "loss": "evaluation", "store_acts": "the forward", "load_acts": "the backward",
-    "norm": "the backward",
+    "norm": "the backward", "bring": "a transfer to the device", "visit": "a GPU-updated part's update at its fetch",
 }
 
 
@@ -85,10 +85,14 @@ class PassRunner:
 
     def __init__(self, fns: DeviceFns, placement: Placement, state: HostState, policy: UpdatePolicy,
                  resident: dict[PartId, Part], observers: Sequence, grads_on_gpu: Sequence[PartId] = (),
-                 host_grad_dtype: str = "float32"):
+                 host_grad_dtype: str = "float32", gpu_updated: Sequence[PartId] = ()):
         self.fns, self.placement, self.state, self.policy = fns, placement, state, policy
         self.resident = resident  # GPU-resident parts, updated on the device
         self.grads_on_gpu = set(grads_on_gpu)  # host-updated parts whose gradients wait on the device
+        self.gpu_updated = set(gpu_updated)  # streamed parts updated on the device at their next visit
+        # a GPU-updated part's update waiting for its visit: its gradient (on the device) and its step's decision
+        self.pending: dict[PartId, tuple[Any, StepDecision]] = {}
+        self.brought: dict[PartId, Any] = {}  # a pending part's masters and moments sent to the device ahead
         self.bfloat16_home = host_grad_dtype == "bfloat16"  # gradients sent home are rounded on the device first
         self.observers = observers
         self.n_blocks = len(state.parts) - 1
@@ -177,6 +181,36 @@ class PassRunner:
             shards = self.placement.to_device(self.state[op.part].streamed())
         p.params[op.part] = self.fns.fetched(shards)  # gathered by the first program that uses it
         return shards
+
+    def bring(self, p: Pass, op: Op):
+        """A GPU-updated part's masters and moments on their way to the device for its pending update (none
+        pending: nothing)."""
+        if op.part not in self.pending or op.part in self.brought:
+            return None
+        self.brought[op.part] = self.policy.device.bring(self.state[op.part])
+        return self.brought[op.part]
+
+    def visit(self, p: Pass, op: Op):
+        """A GPU-updated part's fetch for the forward: its pending update (the step before's) runs on the device
+        from the state ``bring`` sent, and the forward takes the new weights; with none pending, a fetch."""
+        if op.part not in self.pending:
+            return self.fetch(p, op)
+        weights = self._update_visiting(op.part)
+        p.params[op.part] = self.fns.fetched(weights)
+        return weights
+
+    def flush(self) -> None:
+        """Run every pending update of GPU-updated parts (``Engine.sync``): their host records are then the
+        step's."""
+        for part in sorted(self.pending, key=lambda q: q.index):
+            self._update_visiting(part)
+
+    def _update_visiting(self, part: PartId):
+        grads, decision = self.pending[part]
+        brought = self.brought.pop(part, None) or self.policy.device.bring(self.state[part])
+        weights = self.policy.update_visiting(self.state, part, brought, grads, decision)
+        del self.pending[part]
+        return weights
 
     def release(self, p: Pass, op: Op):
         del p.params[op.part]
@@ -293,7 +327,8 @@ class PassRunner:
         ``host_grad_dtype="bfloat16"`` a gradient sent home is rounded to bfloat16 on the device, and its norm
         is the rounded gradient's: the clipping is exact over what the update reads."""
         part = op.part
-        resident = part in self.resident or part in self.grads_on_gpu  # the gradient stays on the device
+        # the gradient stays on the device: a resident part's, and one whose update waits there or runs there
+        resident = part in self.resident or part in self.grads_on_gpu or part in self.gpu_updated
         grads = p.take_grads(part)
         if p.accumulate:
             earlier = self._grads[part]
@@ -326,6 +361,9 @@ class PassRunner:
         the host then waits for the update queued ``UPDATES_AHEAD`` host parts before: host memory holds
         at most that many more parts' gradients than the one just sent."""
         grads = self._grads.pop(op.part)
+        if op.part in self.gpu_updated:  # runs at the part's next visit, on the device
+            self.pending[op.part] = (grads, p.decision)
+            return grads
         if op.part in self.resident:
             self.resident[op.part] = self.policy.update_device(self.resident[op.part], grads, p.decision)
             return self.resident[op.part]
@@ -349,7 +387,7 @@ HANDLERS: dict[OpKind, Callable[[PassRunner, Pass, Op], Any]] = {
     "send_grads": PassRunner.send_grads, "embed_backward": PassRunner.embed_backward,
     "grad_norm": PassRunner.grad_norm, "update": PassRunner.update, "commit": PassRunner.commit,
     "loss": PassRunner.loss, "store_acts": PassRunner.store_acts, "load_acts": PassRunner.load_acts,
-    "norm": PassRunner.norm,
+    "norm": PassRunner.norm, "bring": PassRunner.bring, "visit": PassRunner.visit,
 }
 
 # The op kinds that run a block's (or the io part's) compute: the host paces these (``PassRunner.pace``).
@@ -360,7 +398,7 @@ CATEGORY: dict[OpKind, str] = {
     "fetch": "h2d", "release": "none", "embed": "compute", "forward": "compute", "head": "compute",
     "backward": "compute", "send_grads": "d2h", "embed_backward": "compute", "grad_norm": "compute",
     "update": "optimizer", "commit": "optimizer", "loss": "compute", "store_acts": "d2h", "load_acts": "h2d",
-    "norm": "compute",
+    "norm": "compute", "bring": "h2d", "visit": "compute",
 }
 
 

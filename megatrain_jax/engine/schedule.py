@@ -16,6 +16,14 @@ holds the table from op kind to handler). One training step is:
    order (io, block 0, block 1, ...), so the next step's forward can begin early;
 7. ``commit``: the second halves of split updates (see ``megatrain_jax.engine.update.policy``).
 
+Blocks updated on the GPU (``EngineConfig.gpu_updated_layers``; ``step_ops``' ``visited``) have their update of
+the step before pending (their gradient waited on the GPU; their ``update`` op only recorded it): right after
+the io part's fetch, ``bring`` queues the copy of each one's masters and moments to the GPU (the copy engine is
+idle there, and the forward's first blocks need no transfer when resident); the forward fetches each by
+``visit``, which runs its update on the GPU, sends masters, moments and compute copy home, and hands the forward
+the new weights. Where no update is pending (the first step, or after ``Engine.sync`` ran it) a bring does
+nothing and a visit is a fetch.
+
 With ``EngineConfig.norm_first`` a step is two passes over its batch: ``norm_ops`` (the same forward and
 backward, each part's gradient reduced to its squared norm on the device (``norm``) instead of sent home,
 then the global norm), and ``step_ops(..., norm_first=True)``, where each part's ``update`` follows its
@@ -27,7 +35,7 @@ Evaluation walks ``eval_ops``: the same forward, then the loss of each micro-bat
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, Sequence
 
 from megatrain_jax.engine.parts import IO, PartId
 
@@ -48,7 +56,7 @@ BLOCKS_AHEAD = 3
 UPDATES_AHEAD = 2
 
 OpKind = Literal["fetch", "release", "embed", "forward", "head", "backward", "send_grads", "embed_backward",
-                 "grad_norm", "update", "commit", "loss", "store_acts", "load_acts", "norm"]
+                 "grad_norm", "update", "commit", "loss", "store_acts", "load_acts", "norm", "bring", "visit"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,17 +77,19 @@ def _check(n_layers: int, n_micro: int, depth: int) -> None:
         raise ValueError(f"prefetch depth must be >= 1, got {depth}")
 
 
-def _forward(n_layers: int, n_micro: int, depth: int, keep: int, offload: int = 0) -> tuple[list[Op], set[int]]:
+def _forward(n_layers: int, n_micro: int, depth: int, keep: int, offload: int = 0,
+             visited: frozenset[int] = frozenset()) -> tuple[list[Op], set[int]]:
     """Fetch io, embed, then every block layer-major; the last ``keep`` blocks stay fetched, and the inputs
-    of the first ``offload`` released blocks go to host memory. Returns the ops and the blocks still on the
-    device."""
-    ops: list[Op] = [Op("fetch", IO)] + [Op("embed", micro=m) for m in range(n_micro)]
+    of the first ``offload`` released blocks go to host memory. The ``visited`` blocks' state is brought after
+    the io part's fetch, and they are fetched by ``visit``. Returns the ops and the blocks still on the device."""
+    ops: list[Op] = [Op("fetch", IO)] + [Op("bring", PartId.block(i)) for i in sorted(visited)]
+    ops += [Op("embed", micro=m) for m in range(n_micro)]
     resident: set[int] = set()
 
     def fetch(i: int) -> None:
         if 0 <= i < n_layers and i not in resident:
             resident.add(i)
-            ops.append(Op("fetch", PartId.block(i)))
+            ops.append(Op("visit" if i in visited else "fetch", PartId.block(i)))
 
     for i in range(depth):
         fetch(i)
@@ -97,16 +107,17 @@ def _forward(n_layers: int, n_micro: int, depth: int, keep: int, offload: int = 
 
 
 def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True, offload: int = 0,
-             norm_first: bool = False) -> list[Op]:
+             norm_first: bool = False, visited: Sequence[int] = ()) -> list[Op]:
     """The ops of one forward+backward pass (plus the optimizer update when ``update``). ``offload``: the
     inputs of the first this many blocks wait in host memory between their forward and backward (the last
     ``depth`` blocks' never leave: their backward follows at once). ``norm_first``: the step's second pass
-    (``norm_ops`` took the norm): each part's update follows its gradient's ``send_grads``."""
+    (``norm_ops`` took the norm): each part's update follows its gradient's ``send_grads``. ``visited``: the
+    blocks updated on the GPU (``gpu_updated_layers``), whose forward fetch is a ``visit``."""
     _check(n_layers, n_micro, depth)
     if offload < 0:
         raise ValueError(f"activation offload must be >= 0 blocks, got {offload}")
     offload = offloaded_blocks(n_layers, depth, offload)
-    ops, resident = _forward(n_layers, n_micro, depth, keep=depth, offload=offload)
+    ops, resident = _forward(n_layers, n_micro, depth, keep=depth, offload=offload, visited=frozenset(visited))
     ops += [Op("head", micro=m) for m in range(n_micro)]
     for i in reversed(range(n_layers)):
         for j in range(i, i - depth - 1, -1):  # keep `depth` blocks in flight ahead of the compute
@@ -154,7 +165,7 @@ def max_resident_layers(ops: list[Op]) -> int:
     """The most block parameter sets on the device at once under ``ops``."""
     live, peak = set(), 0
     for op in ops:
-        if op.kind == "fetch" and not op.part.is_io:
+        if op.kind in ("fetch", "visit") and not op.part.is_io:
             live.add(op.part)
         elif op.kind == "release":
             live.discard(op.part)

@@ -37,7 +37,7 @@ def blocks_param_count(cfg: DecoderConfig, blocks: Iterable[int]) -> int:
 
 def host_roles(cfg: DecoderConfig, e: EngineConfig) -> HostRoles:
     """Which parts update on the host, wait on the GPU, keep moments on disk (``parts.HostRoles``)."""
-    return HostRoles.of(cfg.layers, e.resident_layers, e.resident_io, e.grads_on_gpu, e.disk_parts)
+    return HostRoles.of_config(cfg.layers, e)
 
 
 def activation_bytes(cfg: DecoderConfig) -> int:

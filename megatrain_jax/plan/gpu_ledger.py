@@ -3,8 +3,9 @@ walked with a ledger of the device buffers each op creates and frees.
 
 What the ledger holds: the GPU-resident parts (fp32 master, Adam moments, compute copy), streamed weights
 between ``fetch`` and ``release``, the boundary activation of every layer and micro-batch until its
-backward, d(loss)/d(hidden) per micro-batch, the float32 gradient accumulator of the part in backward, and
-the gradients of GPU-resident parts until their update. Each op kind has one rule in ``RULES``, keyed like
+backward, d(loss)/d(hidden) per micro-batch, the float32 gradient accumulator of the part in backward, the
+gradients of GPU-resident parts until their update, and those of GPU-updated parts until the next forward's
+visit, where their update runs on the masters and moments brought over at the step's start. Each op kind has one rule in ``RULES``, keyed like
 ``passes.HANDLERS`` (a test checks that every ``OpKind`` has both). Two effects come on top of what the host
 program holds:
 
@@ -134,6 +135,8 @@ K = "kept residuals: attention output and softmax statistics (keep_residuals), m
 R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
 H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
 S = "gradients cast to bfloat16 for the copy home (host_grad_dtype)"
+V = "masters and moments visiting the GPU for their update, float32 (gpu_updated_layers)"
+U = "gradients waiting on the GPU for the next forward's update there, float32 (gpu_updated_layers)"
 
 
 @dataclasses.dataclass
@@ -176,7 +179,9 @@ class Walk:
         self.kept_from = c.layers - e.kept_layers  # blocks from here on keep their matrix products too
         self.on_gpu = {IO} if e.resident_io else set()
         self.on_gpu |= {PartId.block(i) for i in range(e.resident_layers)}
-        self.waiting = set(host_roles(c, e).grads_on_gpu)
+        roles = host_roles(c, e)
+        self.waiting = set(roles.grads_on_gpu)
+        self.visiting = set(roles.gpu_updated)  # their gradients wait for the next forward's update on the GPU
         resident_params = blocks_param_count(c, range(e.resident_layers)) + (self.Pio if e.resident_io else 0)
         # master + Adam moments in the mode's dtypes (engine/precision.py), and the compute copy where the stream
         # dtype is not the masters' own: kept beside them, or cast at each fetch and held like streamed weights
@@ -185,7 +190,7 @@ class Walk:
         self.cast = copy and not e.keeps_resident_copy
         kept = self.sb if copy and e.keeps_resident_copy else 0
         self.resident = resident_params * (e.precision.master_bytes + e.precision.moment_bytes + kept) // self.devices
-        waiting_params = sum(part_param_count(c, part) for part in self.waiting)
+        waiting_params = sum(part_param_count(c, part) for part in self.waiting | self.visiting)
         self.slack = int(4 * (RESIDENT_ALLOCATOR_SLACK * resident_params + WAITING_ALLOCATOR_SLACK * waiting_params)
                          / self.devices)  # of their float32 gradients
         self.batches = self.rows * self.seq_len * (BATCH_BYTES_PER_TOKEN + (0 if self.flash else 4))
@@ -290,6 +295,31 @@ def _fetch(w: Walk, op: Op) -> None:
         w.led.add(W, held)
 
 
+def _state(w: Walk, op: Op) -> int:
+    """A GPU-updated part's masters and moments, this GPU's shard."""
+    return w.params(op) * (w.e.precision.master_bytes + w.e.precision.moment_bytes) // w.devices
+
+
+def _bring(w: Walk, op: Op) -> None:
+    """A GPU-updated part's masters and moments copied over at the step's start, held until its visit's update
+    and copy home."""
+    w.peak(op, out=_state(w, op))
+    w.led.add(V, _state(w, op))
+
+
+def _visit(w: Walk, op: Op) -> None:
+    """A GPU-updated part's forward fetch, where its update of the step before runs (the first pass of a step:
+    later passes fetch): the update writes the brought masters and moments in place and the compute copy beside
+    them (the weights in use); the state is held until its copy home, which the ledger counts as done with the
+    block's queued work, and so is the gradient that waited for it. The update's transient: one float32 tree
+    (the step before it is applied)."""
+    held = w.in_use(op)
+    w.peak(op, out=held, temp=w.grad(op) // w.devices, why="the update's float32 step, before it is applied")
+    w.led.drop(U, w.summed(op), block=w.here(op))
+    w.led.add(W, held)
+    w.led.drop(V, _state(w, op), block=w.here(op))
+
+
 def _release(w: Walk, op: Op) -> None:
     w.peak(op)
     if w.in_use(op):
@@ -368,13 +398,13 @@ def _embed_backward(w: Walk, op: Op) -> None:
 def _send_grads(w: Walk, op: Op) -> None:
     """A gradient bound for host memory crosses in ``host_grad_dtype``: a bfloat16 one is a copy cast beside
     the float32 accumulator, and both are held until the copy home has read it."""
-    kept, waits = op.part in w.on_gpu, op.part in w.waiting
-    home = not (kept or waits)
+    kept, waits, visits = op.part in w.on_gpu, op.part in w.waiting, op.part in w.visiting
+    home = not (kept or waits or visits)
     sent = w.summed(op) * host_grad_bytes(w.e) // 4 if home else 0  # in the host's dtype
     cast = sent if home and host_grad_bytes(w.e) < 4 else 0  # the bfloat16 copy that is sent
     back = sent if w.accumulate else 0
     w.peak(op, out=cast, temp=back, why="the earlier passes' sum, back from host memory to be added")
-    w.led.drop(G, w.summed(op), block=None if kept or waits else w.here(op))
+    w.led.drop(G, w.summed(op), block=None if kept or waits or visits else w.here(op))
     if cast:
         w.led.add(S, cast)
         w.led.drop(S, cast, block=w.here(op))
@@ -382,6 +412,8 @@ def _send_grads(w: Walk, op: Op) -> None:
         w.led.add(R, w.summed(op))
     elif waits and not w.accumulate:
         w.led.add(H, w.summed(op))
+    elif visits and not w.accumulate:
+        w.led.add(U, w.summed(op))
 
 
 def _update(w: Walk, op: Op) -> None:
@@ -429,7 +461,7 @@ RULES: dict[OpKind, Callable[[Walk, Op], None]] = {
     "fetch": _fetch, "release": _release, "embed": _embed, "forward": _forward, "head": _head,
     "backward": _backward, "send_grads": _send_grads, "embed_backward": _embed_backward,
     "grad_norm": _nothing_held, "update": _update, "commit": _nothing_held, "loss": _nothing_held,
-    "store_acts": _store_acts, "load_acts": _load_acts, "norm": _norm,
+    "store_acts": _store_acts, "load_acts": _load_acts, "norm": _norm, "bring": _bring, "visit": _visit,
 }
 
 
@@ -459,11 +491,15 @@ def _walked(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int,
     w = Walk(c, e, rows // devices, seq_len, sb, flash, devices, packed, programs=programs)
     for part in w.waiting:  # the step before's, copied home by each part's update before its fetch
         w.led.add(H, part_param_count(c, part) * 4 // devices)
+    for part in w.visiting:  # the step before's, used by each part's update at its visit
+        w.led.add(U, part_param_count(c, part) * 4 // devices)
+    visited = tuple(p.layer for p in sorted(w.visiting))
     passes = min(e.accumulate_steps, 2)  # later accumulating passes repeat the second
     for j in range(passes):
         w.pass_index, w.accumulate, w.backward = j, j > 0, False
         w.led.add(B, w.batches)
-        for op in _step_ops(c.layers, w.M, e.prefetch_depth, j == passes - 1, e.offload_activations):
+        for op in _step_ops(c.layers, w.M, e.prefetch_depth, j == passes - 1, e.offload_activations, False,
+                            visited if j == 0 else ()):
             w.backward |= op.kind == "head"
             RULES[op.kind](w, op)
         w.led.drop(B, w.batches)

@@ -160,7 +160,7 @@ def legal(p: MemoryPlan, changes: Changes) -> bool:
     try:
         e = dataclasses.replace(p.engine_cfg, **engine)
         e.check_layers(layers)
-        HostRoles.of(layers, e.resident_layers, e.resident_io, e.grads_on_gpu, e.disk_parts)
+        HostRoles.of_config(layers, e)
     except ValueError:
         return False
     return True
@@ -278,7 +278,7 @@ def _most_taken(model_cfg: DecoderConfig, engine_cfg: EngineConfig) -> tuple[int
     while hi > 0:
         try:
             e = dataclasses.replace(engine_cfg, resident_layers=hi)
-            HostRoles.of(n, hi, e.resident_io, e.grads_on_gpu, e.disk_parts)
+            HostRoles.of_config(n, e)
             break
         except ValueError as err:
             refused, hi = err, hi - 1

@@ -82,7 +82,8 @@ class _Lengths:
     backward: dict[int, float]  # per block, one micro-batch (with or without recompute)
     head: float  # one micro-batch: final norm, logits, loss and their backward (the logits recomputed)
     embed: float
-    fetch: dict[PartId, float]  # bytes to the GPU per visit (0 for GPU-resident parts)
+    fetch: dict[PartId, float]  # bytes to the GPU per fetch (0 for GPU-resident parts)
+    visit: dict[PartId, tuple[float, float]]  # a GPU-updated part's state: bytes to the GPU, and home with its copy
     cast: dict[PartId, float]  # a GPU-resident part's compute copy cast from its masters at each fetch (seconds)
     grads: dict[PartId, float]  # bytes of the part's gradient sent home at its send_grads (0 where it stays)
     home: dict[PartId, float]  # bytes of a gradient that waited on the GPU, copied home by its update
@@ -115,7 +116,7 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     stream = stream_dtype or e.stream_dtype or cfg.dtype
     to_gpu = stream_bytes(mode.to_gpu_dtype(stream, cfg.dtype))
     roles = host_roles(cfg, e)
-    host_parts, waiting = set(roles.host_updated), set(roles.grads_on_gpu)
+    host_parts, waiting, visiting = set(roles.host_updated), set(roles.grads_on_gpu), set(roles.gpu_updated)
     splitting = set() if e.norm_first else set(roles.splitting(e.split_parts))  # norm_first never splits
     kept = set(range(cfg.layers - e.kept_layers, cfg.layers))
     fwd, bwd = {}, {}
@@ -134,10 +135,14 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     head = 8.0 * cfg.hidden * cfg.vocab_size * tokens / s.matmul_flops
     parts = [IO] + [PartId.block(i) for i in range(cfg.layers)]
     count = {p: (io_param_count(cfg) if p.is_io else cfg.block_param_count(p.layer)) / devices for p in parts}
-    fetch = {p: (count[p] * to_gpu if p in host_parts else 0.0) for p in parts}
+    streamed = host_parts | visiting
+    fetch = {p: (count[p] * to_gpu if p in streamed else 0.0) for p in parts}
+    state = mode.master_bytes + mode.moment_bytes
+    visit = {p: (count[p] * state, count[p] * (state + (to_gpu if to_gpu != mode.master_bytes else 0)))
+             for p in visiting}
     # a resident part's masters read and its compute copy written at each fetch, where it keeps none
     copy = to_gpu != mode.master_bytes and not e.keeps_resident_copy
-    cast = {p: (count[p] * (mode.master_bytes + to_gpu) / s.hbm_bytes if p not in host_parts and copy else 0.0)
+    cast = {p: (count[p] * (mode.master_bytes + to_gpu) / s.hbm_bytes if p not in streamed and copy else 0.0)
             for p in parts}
     grads = {p: (count[p] * DTYPE_BYTES[e.host_grad_dtype] if p in host_parts - waiting else 0.0) for p in parts}
     home = {p: count[p] * 4.0 for p in waiting}  # float32, copied home by the part's update task
@@ -159,7 +164,7 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     acts = e.micro_batches * (micro_rows * seq_len * cfg.hidden * activation_bytes(cfg) + (
         kept_bytes(cfg, e, micro_rows, seq_len, assumes_flash(cfg)) if e.keep_residuals else 0))
     norm = {p: count[p] * 4.0 / s.hbm_bytes for p in parts}  # one read of the float32 gradient
-    return _Lengths(fwd, bwd, head, 2 * cfg.hidden * tokens / s.hbm_bytes, fetch, cast, grads, home, acts,
+    return _Lengths(fwd, bwd, head, 2 * cfg.hidden * tokens / s.hbm_bytes, fetch, visit, cast, grads, home, acts,
                     host_update, device_update, norm, s.dispatch)
 
 
@@ -172,15 +177,16 @@ def _update_bytes(mode: Precision, grads: str | None = None) -> float:
 
 # ---------------------------------------------------------------------------------------------- the walk
 def _ops(cfg: DecoderConfig, e: EngineConfig) -> list[list[Op]]:
-    """One optimizer step's sub-steps: ``accumulate_steps`` passes, the last with the update; with
-    ``norm_first``, the norm's pass and the updating one."""
+    """One optimizer step's sub-steps: ``accumulate_steps`` passes, the last with the update, the first visiting
+    the GPU-updated blocks; with ``norm_first``, the norm's pass and the updating one."""
     if e.norm_first:
         return [norm_ops(cfg.layers, e.micro_batches, e.prefetch_depth, offload=e.offload_activations),
                 step_ops(cfg.layers, e.micro_batches, e.prefetch_depth, offload=e.offload_activations,
                          norm_first=True)]
     k = e.accumulate_steps
+    visited = [p.layer for p in host_roles(cfg, e).gpu_updated]
     return [step_ops(cfg.layers, e.micro_batches, e.prefetch_depth, update=(j == k - 1),
-                     offload=e.offload_activations) for j in range(k)]
+                     offload=e.offload_activations, visited=visited if j == 0 else ()) for j in range(k)]
 
 
 def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, s: Speeds,
@@ -199,6 +205,7 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     offload = offloaded_blocks(cfg.layers, e.prefetch_depth, e.offload_activations)
     roles = host_roles(cfg, e)
     host_parts = set(roles.host_updated)
+    streamed = host_parts | set(roles.gpu_updated)
 
     rates = {"h2d": s.h2d_bytes, "d2h": s.d2h_bytes}
 
@@ -218,6 +225,7 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
 
     for _ in range(_STEPS):
         fetched: dict[PartId, float] = {}
+        brought: dict[PartId, float] = {}  # when a GPU-updated part's state is on the GPU
         computed: dict[PartId, float] = {}
         visits: list[float] = []  # when each block visit's compute ends (pacing)
         step_busy, bytes_before = dict(busy), (h2d, d2h)
@@ -233,6 +241,11 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
                     fetched[op.part] = move("h2d", t, n.fetch[op.part])
                     if n.cast[op.part]:  # a resident part's compute copy, queued after its update
                         fetched[op.part] = run("gpu", t, n.cast[op.part])
+                elif op.kind == "bring":  # a GPU-updated part's state over, at the step's start
+                    brought[op.part] = move("h2d", t, n.visit[op.part][0])
+                elif op.kind == "visit":  # its update on the GPU, then the state home (the backward's fetch reads
+                    fetched[op.part] = run("gpu", max(t, brought[op.part]), n.device_update[op.part])  # its copy)
+                    ready_host[op.part] = move("d2h", fetched[op.part], n.visit[op.part][1])
                 elif op.kind == "load_acts":
                     fetched[op.part] = max(fetched[op.part], move("h2d", t, n.acts))
                 elif op.kind in ("forward", "backward"):
@@ -269,7 +282,7 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
                             updating.append(op.part)
                             if len(updating) > UPDATES_AHEAD:
                                 t = max(t, ready_host[updating.pop(0)])
-                    else:
+                    elif op.part not in n.visit:  # a GPU-updated part's update runs at its next visit
                         run("gpu", t, n.device_update[op.part])
                 elif op.kind == "commit":  # the second halves, last part first
                     for part in reversed([p for p in roles.host_updated if n.host_update[p][1]]):
@@ -282,7 +295,7 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     per_step = dict(last_busy)
     bound = max(("gpu", "h2d", "d2h", "host", "main"), key=lambda q: per_step[q])
     resident = 1 - sum(cfg.block_param_count(p.layer) if not p.is_io else io_param_count(cfg)
-                       for p in host_parts) / cfg.param_count()
+                       for p in streamed) / cfg.param_count()
     return StepTime(seconds, bound, per_step, round(step_bytes["h2d"]), round(step_bytes["d2h"]), resident, s.name)
 
 

@@ -6,10 +6,10 @@ Per optimizer step, on the main thread, in this order:
    the factor every part's gradient is scaled by (exact clipping and accumulation averaging), and whether
    the step applies (loss and norm finite). It queues the decision's *resolution* on the host worker.
 2. ``update(part, ...)`` for each part in forward order (io, block 0, block 1, ...): GPU-resident parts
-   update on the device at once (a skipped step keeps the old values there); host parts queue their
-   update. With the fused AdamW and a bfloat16 stream copy the update is split in two halves (the
-   parts ``EngineConfig.split_parts`` names): the first writes only the stream copy the next forward needs;
-   the second, the fp32 masters and moments.
+   update on the device at once (a skipped step keeps the old values there); GPU-updated parts at their next
+   fetch (``update_visiting``); host parts queue their update. With the fused AdamW and a bfloat16 stream copy
+   the update is split in two halves (the parts ``EngineConfig.split_parts`` names): the first writes only the
+   stream copy the next forward needs; the second, the fp32 masters and moments.
 3. ``commit()`` queues the second halves, last part first (the next backward sends that part's gradients
    first, and each gradient buffer is released once its part commits).
 
@@ -175,6 +175,16 @@ class UpdatePolicy:
     def update_device(self, part: Part, grads: Params, decision: StepDecision) -> Part:
         """A GPU-resident part's update, dispatched at once."""
         return self.device.update(part, grads, decision.scale, decision.ok)
+
+    def update_visiting(self, state: HostState, part: PartId, brought: tuple, grads: Params,
+                        decision: StepDecision) -> Params:
+        """A GPU-updated part's update (``EngineConfig.gpu_updated_layers``), run at its next fetch from the state
+        ``DeviceUpdater.bring`` copied over; the updated record replaces the host's once the update gates let it
+        (a checkpoint still writing the part). Returns the new weights on the device."""
+        home, weights = self.device.visit(brought, grads, decision.scale, decision.ok)
+        self.pass_gates(part)
+        state[part] = home
+        return weights
 
     def use_disk_tier(self, tier) -> None:
         """Updates of ``tier.parts`` take their moments from the disk tier and give them back."""

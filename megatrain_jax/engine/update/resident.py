@@ -1,4 +1,4 @@
-"""Parts kept on the GPU with their optimizer state, when GPU memory allows.
+"""Parts kept on the GPU with their optimizer state, when GPU memory allows, and streamed parts updated there.
 
 With exact clipping no update can start before the whole backward has produced the gradient norm, and the
 next forward needs each layer updated before it runs. Keeping the io part and the first blocks resident
@@ -18,6 +18,7 @@ memory at each fetch, and its copy is dropped with the block's release, as a str
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -55,6 +56,7 @@ class DeviceUpdater:
         self.stream_dtype = stream_dtype
         self.keep_copy = keep_copy and stream_dtype is not None  # without a stream dtype the masters are used
         self._update = jax.jit(self._update_fn, donate_argnums=(0,))
+        self._visit = jax.jit(functools.partial(self._update_fn, copy=True), donate_argnums=(0,))
         self._cast = jax.jit(lambda p: stream_copy(p, stream_dtype))  # only where a stream dtype is set
 
     def load(self, part: Part) -> Part:
@@ -73,11 +75,26 @@ class DeviceUpdater:
             return part
         return Part(part.params, part.opt, self._cast(part.params))
 
-    def _update_fn(self, part: Part, grads: Params, scale: jax.Array, ok: jax.Array) -> Part:
+    def _update_fn(self, part: Part, grads: Params, scale: jax.Array, ok: jax.Array, copy: bool | None = None) -> Part:
         params, opt = apply_scaled_update(self.tx, part.params, part.opt, grads, scale)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # a skipped step
         params, opt = keep(params, part.params), keep(opt, part.opt)
-        return Part(params, opt, stream_copy(params, self.stream_dtype) if self.keep_copy else None)
+        copy = self.keep_copy if copy is None else copy
+        return Part(params, opt, stream_copy(params, self.stream_dtype) if copy else None)
+
+    def bring(self, part: Part) -> tuple[Params, Any]:
+        """A streamed part's masters and moments copied to the device for its update there
+        (``EngineConfig.gpu_updated_layers``; queued, not waited for)."""
+        return self.placement.to_device((part.params, part.opt))
+
+    def visit(self, brought: tuple[Params, Any], grads: Params, scale: jax.Array, ok: jax.Array) -> tuple[Part, Params]:
+        """A streamed part updated here from its ``brought`` state, as a resident part is, and sent back.
+        Returns the updated record in pinned host memory (masters, moments, compute copy; the copies home are
+        queued, not waited for) and the part's new weights on the device, for the forward that asked for them."""
+        new = self._visit(Part(*brought, None), grads, scale, ok)
+        home = Part(*self.placement.to_host((new.params, new.opt)),
+                    None if new.stream is None else self.placement.to_host(new.stream))
+        return home, new.streamed()
 
     def update(self, part: Part, grads: Params, scale: jax.Array, ok: jax.Array) -> Part:
         """The updated part; where ``ok`` is false (a skipped step) the old values."""
