@@ -106,10 +106,10 @@ CONFIGS: dict[str, BenchConfig] = {
     # 2026-11-29; the plan's prediction on one H200 of a 32-core host: +1% at 32K, +2% at 8K).
     "13b_32k": BenchConfig("llama2-13b", None, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
-        prefetch_depth=2, host_grad_dtype="bfloat16")),
+        prefetch_depth=2, host_grad_dtype="bfloat16", gpu_updated_layers="auto")),
     "13b_8k": BenchConfig("llama2-13b", None, 2048, 4, EngineConfig(
         micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
-        prefetch_depth=2, host_grad_dtype="bfloat16")),
+        prefetch_depth=2, host_grad_dtype="bfloat16", gpu_updated_layers="auto")),
     # 3.5B with nothing resident (issue 51's streamed rows, against SlideFormer, which keeps no parameter on the GPU
     # between steps): every block and the embedding/head streamed each step, the kept blocks picked for speed.
     # Gradients come home in bfloat16, as SlideFormer's do: at one micro-batch on one device a block's is a
@@ -118,10 +118,21 @@ CONFIGS: dict[str, BenchConfig] = {
     # (results/h200_bf16_gradients_exact_252be46.json).
     "3p5b_8k_nothing_resident": BenchConfig("7b", 16, 2048, 4, EngineConfig(
         micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True,
-        host_grad_dtype="bfloat16")),
+        host_grad_dtype="bfloat16", gpu_updated_layers="auto")),
     "3p5b_32k_nothing_resident": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True,
+        host_grad_dtype="bfloat16", gpu_updated_layers="auto")),
+    # Since 2026-11-29 (issue 51) the rows above let the plan update some streamed blocks on the GPU
+    # (gpu_updated_layers "auto": their state crosses PCIe, no host update); the rows as they ran before:
+    "3p5b_8k_nothing_resident_host_updated": BenchConfig("7b", 16, 2048, 4, EngineConfig(
+        micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True,
         host_grad_dtype="bfloat16")),
+    "3p5b_32k_nothing_resident_host_updated": BenchConfig("7b", 16, 2048, 16, EngineConfig(
+        micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True,
+        host_grad_dtype="bfloat16")),
+    "13b_8k_host_updated": BenchConfig("llama2-13b", None, 2048, 4, EngineConfig(
+        micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
+        prefetch_depth=2, host_grad_dtype="bfloat16")),
     # A/B of the gradients' dtype home: the two rows above with float32 gradients (full precision's default).
     "3p5b_8k_nothing_resident_f32_grads": BenchConfig("7b", 16, 2048, 4, EngineConfig(
         micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True)),
@@ -288,10 +299,13 @@ def host_update_bytes(engine: Engine) -> int:
 def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
     """Bytes one GPU (the mesh's first) moves over PCIe in one optimizer step without accumulation: the
     weights fetched and the gradients sent home, in ``host_grad_dtype`` (float32 for those that wait on the
-    GPU; not offloaded activations, which no configuration here uses)."""
+    GPU; not offloaded activations, which no configuration here uses); blocks updated on the GPU
+    (``gpu_updated_layers``) bring their masters and moments over and send them home with their compute copy
+    instead of a gradient."""
     from megatrain_jax.engine.schedule import step_ops
 
-    ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth)
+    visited = [p.layer for p in engine.gpu_updated_parts]
+    ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth, visited=visited)
     resident = set(engine.resident_parts)
     placement = engine.placement
 
@@ -308,10 +322,14 @@ def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
     from megatrain_jax.engine.precision import DTYPE_BYTES
     e = engine.cfg
     waiting = set(HostRoles.of_config(engine.lm.n_blocks, e).grads_on_gpu)  # float32, copied home by their update
+    state = lambda part: shard_bytes((engine.state[part].params, engine.state[part].opt))  # noqa: E731
     h2d = sum(shard_bytes(engine.state[op.part].streamed()) for op in ops
               if op.kind == "fetch" and op.part not in resident)
+    h2d += sum(state(op.part) for op in ops if op.kind == "bring")
     d2h = sum(shard_bytes(engine.state[op.part].params, 4 if op.part in waiting else DTYPE_BYTES[e.host_grad_dtype])
-              for op in ops if op.kind == "send_grads" and op.part not in resident)
+              for op in ops if op.kind == "send_grads" and op.part not in resident
+              and op.part not in engine.gpu_updated_parts)
+    d2h += sum(state(op.part) + shard_bytes(engine.state[op.part].stream or ()) for op in ops if op.kind == "visit")
     return {"h2d_bytes": h2d, "d2h_bytes": d2h, "total_bytes": h2d + d2h}
 
 

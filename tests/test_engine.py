@@ -465,6 +465,9 @@ def test_blocks_updated_on_the_gpu_train_bit_for_bit_as_gpu_resident_ones(micro_
         for a, b in zip(jax.tree.leaves(resident.state[part]), jax.tree.leaves(visiting.state[part])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert_stream_copies_track_masters(visiting)
+    for part in visiting.gpu_updated_parts:  # they cross PCIe each step: pinned, from the start
+        assert all(visiting.placement.is_pinned(x) for x in jax.tree.leaves((visiting.state[part].params,
+                                                                              visiting.state[part].opt)))
 
 
 def test_blocks_updated_on_the_gpu_complete_their_update_before_the_state_is_read():

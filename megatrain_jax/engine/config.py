@@ -117,7 +117,10 @@ class EngineConfig:
       which a streamed step leaves mostly idle. The same numbers as the host's update where the resident
       parts' equal it. A step's updates of these blocks complete at their next use: ``Engine.sync`` (every read
       of the state, a checkpoint, evaluation) completes them first. Not with capacity or quantized modes (the
-      device update keeps float32 state) nor ``norm_first``.
+      device update keeps float32 state) nor ``norm_first``. GPU memory: their float32 gradients from the
+      backward to the next forward, and their masters and moments from the step's start to their visit.
+      "auto": ``megatrain-jax train`` and ``plan`` pick the count with the layout (``plan.layout.fastest``, where
+      the GPU's rates are known; else none); an ``Engine`` takes a number.
     - ``norm_first`` (opt-in; where host RAM is short): each step runs two forward+backward passes over its
       batch. The first only takes the global gradient norm (no gradient leaves the GPU); the second computes
       the same gradients again, and each part updates as soon as its gradient is home, clipped by the first
@@ -151,7 +154,7 @@ class EngineConfig:
     split_parts: int | Literal["auto"] = AUTO
     resident_copy: bool | Literal["auto"] = AUTO
     norm_first: bool = False
-    gpu_updated_layers: int = 0
+    gpu_updated_layers: int | Literal["auto"] = 0
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
@@ -190,17 +193,18 @@ class EngineConfig:
         if self.norm_first and self.grads_on_gpu:
             raise ValueError(f"norm_first updates each part as its gradient comes home, so no gradient waits for the "
                              f"norm: set grads_on_gpu = 0 (it is {self.grads_on_gpu})")
-        if (not isinstance(self.gpu_updated_layers, int) or isinstance(self.gpu_updated_layers, bool)
-                or self.gpu_updated_layers < 0):
-            raise ValueError(f"EngineConfig.gpu_updated_layers must be an integer >= 0, got {self.gpu_updated_layers!r}")
-        if self.gpu_updated_layers and self.norm_first:
+        if self.gpu_updated_layers != AUTO and (not isinstance(self.gpu_updated_layers, int)
+                                                or isinstance(self.gpu_updated_layers, bool) or self.gpu_updated_layers < 0):
+            raise ValueError(f"EngineConfig.gpu_updated_layers must be an integer >= 0 or 'auto', got "
+                             f"{self.gpu_updated_layers!r}")
+        if self.gpu_updated_layers not in (0, AUTO) and self.norm_first:
             raise ValueError(f"gpu_updated_layers = {self.gpu_updated_layers} updates those blocks on the GPU at "
                              f"their next forward, and norm_first updates each part as its gradient comes home: "
                              f"set one of them (gpu_updated_layers = 0, or norm_first = false)")
         if not isinstance(self.disk_parts, int) or self.disk_parts < 0:
             raise ValueError(f"EngineConfig.disk_parts must be an integer >= 0, got {self.disk_parts!r}")
         check_precision(self)  # the precision settings make one mode, which can run the rest (the table's rules)
-        if self.gpu_updated_layers and self.precision.stochastic:
+        if self.gpu_updated_layers not in (0, AUTO) and self.precision.stochastic:
             raise ValueError(f"gpu_updated_layers = {self.gpu_updated_layers}: the GPU's update keeps float32 "
                              f"masters and moments, and {self.precision.title} keeps them in 16 or fewer bits with "
                              f"stochastic rounding on the host; set gpu_updated_layers = 0 (or master_dtype = "

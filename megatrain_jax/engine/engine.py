@@ -93,7 +93,7 @@ class Engine:
                  devices: Sequence[jax.Device] | Mesh | None = None, placement: Placement | None = None,
                  init_from=None, objective: Objective = NextToken()):
         enable_compilation_cache()  # per-user persistent cache, unless configured otherwise (_environment)
-        for field in ("resident_layers", "kept_layers"):
+        for field in ("resident_layers", "kept_layers", "gpu_updated_layers"):
             if getattr(config, field) == AUTO:
                 raise ValueError(f"EngineConfig({field}='auto') is resolved by the plan, before the engine: "
                                  f"megatrain-jax train and plan do it (megatrain_jax.plan.resolve returns the "
@@ -143,6 +143,8 @@ class Engine:
             for part in self.disk_tier.parts:  # a fresh state's moments are zeros: files created empty
                 self.state[part] = self.disk_tier.spill(part, self.state[part], fresh=True)
             self.policy.use_disk_tier(self.disk_tier)
+        for part in self.gpu_updated_parts:  # their state crosses PCIe each step: pinned, as it comes home
+            self.state[part] = self._pinned(self.state[part])
         self._resident: dict[PartId, Part] = {}
         self._load_resident()
         self._runner = PassRunner(self.fns, self.placement, self.state, self.policy, self._resident, self._observers,
@@ -401,6 +403,13 @@ class Engine:
         self.state[part] = self.policy.opt.home(Part(params, opt, self.policy.opt.cast(params)), adopt=True)
         if self.disk_tier is not None and part in self.disk_tier.parts:
             self.state[part] = self.disk_tier.spill(part, self.state[part])
+        if part in self.gpu_updated_parts:
+            self.state[part] = self._pinned(self.state[part])
+
+    def _pinned(self, part: Part) -> Part:
+        """A GPU-updated part's record with its masters and moments in pinned host memory: they cross PCIe
+        each step (``gpu_updated_layers``), and come home pinned."""
+        return Part(self.placement.to_pinned(part.params), self.placement.to_pinned(part.opt), part.stream)
 
     def restored(self, step: int) -> None:
         """Finish a restore: the state is at optimizer step ``step``; GPU-resident parts reload from it."""

@@ -97,9 +97,11 @@ class HostRoles:
 
     @classmethod
     def of_config(cls, n_blocks: int, e: Any, resident_layers: int | None = None) -> "HostRoles":
-        """``of`` with an ``EngineConfig``'s counts (``resident_layers`` in place of its own where given)."""
+        """``of`` with an ``EngineConfig``'s counts (``resident_layers`` in place of its own where given); a
+        ``gpu_updated_layers`` still "auto" (not yet picked by the plan) counts as none."""
+        gpu_updated = e.gpu_updated_layers if isinstance(e.gpu_updated_layers, int) else 0
         return cls.of(n_blocks, e.resident_layers if resident_layers is None else resident_layers, e.resident_io,
-                      e.grads_on_gpu, e.disk_parts, e.gpu_updated_layers)
+                      e.grads_on_gpu, e.disk_parts, gpu_updated)
 
     def splitting(self, split_parts: int | str) -> tuple[PartId, ...]:
         """The host parts whose update runs in two passes where the optimizer splits

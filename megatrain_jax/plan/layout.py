@@ -67,7 +67,7 @@ def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     the end of the run: ``memory.end_of_run``). With several processes nothing is picked (each would pick from its own host), and
     ``resident_layers="auto"`` is refused. Reads nothing from JAX: it runs before JAX starts its GPU backend."""
     if machine.several_processes:
-        for field in ("resident_layers", "kept_layers"):
+        for field in ("resident_layers", "kept_layers", "gpu_updated_layers"):
             if getattr(engine_cfg, field) == AUTO:
                 raise ValueError(f"engine.{field}='auto' is picked from one host's memory plan; with several "
                                  f"processes set the number (megatrain-jax plan --config FILE prints the pick)")
@@ -124,8 +124,11 @@ def split_parts(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
 def _pick_layout(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,
                  speeds: Speeds | None = None) -> tuple[EngineConfig, str | None]:
     fast = None
-    if speeds is not None and AUTO in (engine_cfg.resident_layers, engine_cfg.kept_layers):
+    if speeds is not None and AUTO in (engine_cfg.resident_layers, engine_cfg.kept_layers,
+                                       engine_cfg.gpu_updated_layers):
         engine_cfg, fast = fastest(model_cfg, engine_cfg, batch_rows, seq_len, speeds, **kw)
+    if engine_cfg.gpu_updated_layers == AUTO:  # not picked above: none (nothing weighs what they would cost)
+        engine_cfg = dataclasses.replace(engine_cfg, gpu_updated_layers=0)
     if engine_cfg.kept_layers == AUTO:
         engine_cfg = dataclasses.replace(engine_cfg, kept_layers=0)
         fast = fast or ("engine.kept_layers='auto': 0 (" + (
@@ -160,6 +163,15 @@ def legal(p: MemoryPlan, changes: Changes) -> bool:
     try:
         e = dataclasses.replace(p.engine_cfg, **engine)
         e.check_layers(layers)
+        HostRoles.of_config(layers, e)
+    except ValueError:
+        return False
+    return True
+
+
+def _takes(layers: int, e: EngineConfig) -> bool:
+    """Whether the engine takes the roles ``e`` names for a model of ``layers`` blocks (``parts.HostRoles``)."""
+    try:
         HostRoles.of_config(layers, e)
     except ValueError:
         return False
@@ -293,15 +305,21 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     (``step_time.predict``) finds fastest among those that fit the host too; the fewest resident blocks among
     equals. Where ``resident_copy`` is "auto" too and the resident parts have a compute copy to keep, each layout
     is tried with the copies kept and cast at each fetch (which leaves room for more blocks); kept among equals.
+    Where ``gpu_updated_layers`` is "auto" (and the mode keeps float32 state), beside each count of resident
+    blocks each count of the blocks after them updated on the GPU is tried, from none up, until one does not fit
+    or two in a row are slower than the best of that count of resident blocks; the fewest among equals.
     Where none fits host and GPU as configured, or there is no GPU to plan for, the config comes back
     as given ("auto" fields and all) for the pickers after it (the most resident blocks, offload, the lean
     host layout). Returns the config and a sentence (None: as given)."""
     auto_r, auto_k = engine_cfg.resident_layers == AUTO, engine_cfg.kept_layers == AUTO
+    auto_g = engine_cfg.gpu_updated_layers == AUTO
+    mode = precision.mode_of(engine_cfg, model_cfg.dtype)
+    can_g = auto_g and not mode.stochastic and not engine_cfg.norm_first  # the GPU's update keeps float32 state
     # the resident parts' compute copy, kept or cast at each fetch, where there is one to choose
-    auto_c = engine_cfg.resident_copy == AUTO and precision.mode_of(engine_cfg, model_cfg.dtype).stream_copy and (
+    auto_c = engine_cfg.resident_copy == AUTO and mode.stream_copy and (
         auto_r or engine_cfg.resident_layers or engine_cfg.resident_io)
     zero = dataclasses.replace(engine_cfg, **({"resident_layers": 0} if auto_r else {}),
-                               **({"kept_layers": 0} if auto_k else {}))
+                               **({"kept_layers": 0} if auto_k else {}), **({"gpu_updated_layers": 0} if auto_g else {}))
     if plan_kw.get("gpu_bytes") is None:
         return engine_cfg, None
     planned = lambda e: plan(model_cfg, e, batch_rows, seq_len, detect=False, **plan_kw)  # noqa: E731
@@ -315,26 +333,37 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
             base = dataclasses.replace(with_copy, resident_layers=r)
             if not gpu_fits(base):
                 break  # more resident blocks take more GPU memory
-            if auto_k:
-                k = most_fitting(lambda k: gpu_fits(dataclasses.replace(base, kept_layers=k)), most_kept_)
-                base = dataclasses.replace(base, kept_layers=k)
-            p = planned(base)
-            if not p.fits:  # the host too (more resident blocks, less host memory)
-                continue
-            tried.append((predict(model_cfg, base, batch_rows, seq_len, speeds, devices=plan_kw.get("devices", 1)
-                                  ).seconds, base, p))
+            best_here, slower = None, 0
+            for g in (range(layers - r + 1) if can_g else [base.gpu_updated_layers]):
+                cand = dataclasses.replace(base, gpu_updated_layers=g)
+                if g and not (_takes(layers, cand) and gpu_fits(cand)):
+                    break  # more blocks updated on the GPU take more GPU memory
+                if auto_k:
+                    k = most_fitting(lambda k: gpu_fits(dataclasses.replace(cand, kept_layers=k)), most_kept_)
+                    cand = dataclasses.replace(cand, kept_layers=k)
+                p = planned(cand)
+                if not p.fits:  # the host too (more resident blocks, less host memory)
+                    continue
+                seconds = predict(model_cfg, cand, batch_rows, seq_len, speeds, devices=plan_kw.get("devices", 1)).seconds
+                tried.append((seconds, cand, p))
+                if best_here is None or seconds < best_here:
+                    best_here, slower = seconds, 0
+                elif (slower := slower + 1) >= 2:
+                    break
     if not tried:
         return engine_cfg, None
     seconds, best, p = min(tried, key=lambda t: t[0])  # the first of equals: copies kept, the fewest resident
     most = max(tried, key=lambda t: (t[1].resident_layers, t[1].resident_copy is not False))
     asked = " and ".join(f"engine.{f}='auto'" for f, a in (("resident_layers", auto_r), ("kept_layers", auto_k),
-                                                          ("resident_copy", auto_c)) if a)
+                                                          ("resident_copy", auto_c), ("gpu_updated_layers", can_g)) if a)
     versus = ("" if most[1] == best or not auto_r else f"; the most resident blocks that fit, {most[1].resident_layers}"
               + (f" with {most[1].kept_layers} keeping products" if auto_k else "") + f", {most[0]:.2f} s")
     split = "every host update split" if best.split_parts == AUTO else f"split_parts={best.split_parts}"
     copies = "" if not auto_c else (", their compute copies kept" if best.resident_copy else
                                     ", their compute copies cast at each fetch (2 B/param less on the GPU)")
-    return best, (f"{asked}: {best.resident_layers} of {layers} blocks GPU-resident{copies}, the last "
+    visiting = "" if not can_g else (f", the next {best.gpu_updated_layers} streamed but updated on the GPU"
+                                     if best.gpu_updated_layers else ", none updated on the GPU")
+    return best, (f"{asked}: {best.resident_layers} of {layers} blocks GPU-resident{copies}{visiting}, the last "
                   f"{best.kept_layers} keeping their matrix products for the backward: the fastest of "
                   f"{len(tried)} layout{'s' if len(tried) > 1 else ''} that fit by the step-time model "
                   f"({seconds:.2f} s per step with {split}, at {speeds.name}{versus}; GPU {p.gpu_total / GiB:.1f} GiB of "

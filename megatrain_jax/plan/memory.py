@@ -280,6 +280,8 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     P = c.param_count()
     on_host_grads = P - blocks_param_count(c, range(e.resident_layers)) - (io_param_count(c) if e.resident_io else 0)
     waiting = [part_param_count(c, part) for part in roles.grads_on_gpu]  # gradients kept on the GPU
+    visiting = [part_param_count(c, part) for part in roles.gpu_updated]  # updated on the GPU: no host gradient
+    on_host_grads -= sum(visiting)
 
     # The fused C++ AdamW (megatrain_jax.adamw, the CLI's optimizer) keeps what only it touches in pageable
     # memory; it runs with float32 or bfloat16 streaming, where a C++ compiler exists (else the engine warns).
@@ -300,9 +302,17 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         pinned[f"{masters}, streamed ({mode.master_bytes} B/param{tag})"] = mode.master_bytes * P
         pageable[moments] = in_ram
     else:  # only the fused kernel's own arrays are pageable: not the masters where they are streamed
+        kernel = sum(visiting) if fused else 0  # the GPU-updated parts' come home in pinned arrays
         (pageable if fused and mode.stream_copy else pinned)[f"{masters} ({mode.master_bytes} B/param)"] = (
-            mode.master_bytes * P)
-        (pageable if fused else pinned)[moments] = in_ram
+            mode.master_bytes * (P - (kernel if mode.stream_copy else 0)))
+        (pageable if fused else pinned)[moments] = in_ram - mb * kernel
+        if kernel:
+            pinned[f"masters and moments of the {len(visiting)} blocks updated on the GPU ({mode.master_bytes + mb} "
+                   f"B/param, brought over and sent home each step)"] = (
+                (mode.master_bytes if mode.stream_copy else 0) + mb) * kernel
+    if visiting:  # a visit's new record comes home beside the one it replaces (its copy to the GPU is done)
+        pinned["one GPU-updated block's record coming home beside the one it replaces"] = (
+            (mode.master_bytes + mb + (mode.to_gpu_bytes if mode.stream_copy else 0)) * max(visiting))
     if on_disk:  # the one updating, two read ahead, one being written behind
         pageable[f"disk tier: moments of up to {min(4, e.disk_parts)} blocks in memory (updating, read ahead, "
                  f"written behind)"] = mb * layer_param_count(c) * min(4, e.disk_parts)
