@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import jax
@@ -92,7 +93,12 @@ class PassRunner:
         self.gpu_updated = set(gpu_updated)  # streamed parts updated on the device at their next visit
         # a GPU-updated part's update waiting for its visit: its gradient (on the device) and its step's decision
         self.pending: dict[PartId, tuple[Any, StepDecision]] = {}
-        self.brought: dict[PartId, Any] = {}  # a pending part's masters and moments sent to the device ahead
+        # a pending part's masters and moments on their way to the device (the future of ``DeviceUpdater.bring``):
+        # a copy from pinned host memory holds its caller until it is done (about 75 ms for a 3.5B model's block's
+        # 2.4 GB on the H200, experiments/studies/NOTES.md), so they are issued on a thread of their own, in order,
+        # and the main thread goes on issuing the forward
+        self.brought: dict[PartId, Future] = {}
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-bring")
         self.bfloat16_home = host_grad_dtype == "bfloat16"  # gradients sent home are rounded on the device first
         self.observers = observers
         self.n_blocks = len(state.parts) - 1
@@ -187,7 +193,7 @@ class PassRunner:
         pending: nothing)."""
         if op.part not in self.pending or op.part in self.brought:
             return None
-        self.brought[op.part] = self.policy.device.bring(self.state[op.part])
+        self.brought[op.part] = self._copier.submit(self.policy.device.bring, self.state[op.part])
         return self.brought[op.part]
 
     def visit(self, p: Pass, op: Op):
@@ -207,7 +213,8 @@ class PassRunner:
 
     def _update_visiting(self, part: PartId):
         grads, decision = self.pending[part]
-        brought = self.brought.pop(part, None) or self.policy.device.bring(self.state[part])
+        on_the_way = self.brought.pop(part, None)
+        brought = self.policy.device.bring(self.state[part]) if on_the_way is None else on_the_way.result()
         weights = self.policy.update_visiting(self.state, part, brought, grads, decision)
         del self.pending[part]
         return weights
@@ -408,10 +415,10 @@ def device_batches(placement: Placement, batch: Batch, n_micro: int) -> list[Bat
 
 
 def block_until_done(out: Any) -> None:
-    """Wait for what a handler returned: device arrays, or futures of host-worker tasks."""
+    """Wait for what a handler returned: device arrays, or futures (of host-worker tasks, or of a ``bring``'s
+    copies, whose arrays are then waited for too)."""
     futures = out if isinstance(out, list) else [out]
     if futures and all(hasattr(f, "result") for f in futures):
-        for f in futures:
-            f.result()
+        jax.block_until_ready([f.result() for f in futures])
     elif out is not None:
         jax.block_until_ready(out)
