@@ -121,7 +121,7 @@ H100 = Speeds(
 # times 2.6 / 3.0, and 4-bit moments the 8-bit rate times the kernels' 3.66 / 5.19. Checked against steps the
 # H100's rates had put 19-24% too slow: capacity mode (h200_capped_rtx4090_sft_8b_export_29f9356.json, 2.83 s
 # measured) and the lean mode (h200_dpo_8b_generated_d968773.json, 1.79 s).
-_H200_HOST = {"full": 2.6e9, "lean": 4.7e9, "capacity": 6.0e9, "q8": 4.55e9, "q4": 3.2e9}
+_H200_HOST = {"full": 3.00e9, "lean": 4.7e9, "capacity": 6.0e9, "q8": 4.55e9, "q4": 3.2e9}
 # The 32-core host of the 2-GPU H200 machine, measured (h200x2_measure_speeds_fcba712.json; the 8- and 4-bit
 # kernels with their AVX-512 passes): the kernels alone, taken as they run in a step. The 13B step's timeline at
 # 8K tokens on that host (h200x2_side_by_side_13b_8k_fcba712.json) ran its full-precision passes at 3.45 G

@@ -25,7 +25,7 @@ import dataclasses
 import os
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
-from megatrain_jax.engine.precision import DTYPE_BYTES, Precision
+from megatrain_jax.engine.precision import DTYPE_BYTES, FULL, Precision
 from megatrain_jax.engine.schedule import BLOCKS_AHEAD, UPDATES_AHEAD, Op, norm_ops, offloaded_blocks, step_ops
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
@@ -67,9 +67,11 @@ class StepTime:
                 f"{self.resident_share:.0%} of the parameters stay on the GPU; rates: {self.speeds})")
 
 
-QUEUE_WORDS = {"gpu": "GPU", "h2d": "to the GPU", "d2h": "to the host", "host": "host update", "main": "issuing"}
+QUEUE_WORDS = {"gpu": "GPU", "h2d": "to the GPU", "d2h": "to the host", "host": "host update",
+               "memory": "host memory", "main": "issuing"}
 BOUND_WORDS = {"gpu": "GPU compute", "h2d": "PCIe to the GPU", "d2h": "PCIe to the host",
-               "host": "the host update", "main": "the Python thread issuing ops"}
+               "host": "the host update", "memory": "the host's memory (the host update and the transfers)",
+               "main": "the Python thread issuing ops"}
 
 
 # ---------------------------------------------------------------------------------------------- op lengths
@@ -90,6 +92,8 @@ class _Lengths:
     acts: float  # bytes of one block's offloaded inputs (and kept residuals), each way
     host_update: dict[PartId, tuple[float, float]]  # (first half, second half); (whole, 0) where it does not split
     device_update: dict[PartId, float]  # GPU-resident parts' update on the GPU
+    host_bytes: float  # bytes the host updates read and write in host memory in one step
+    host_memory: float  # the host memory's bytes per second as the update moves them (one GPU's share)
     norm: dict[PartId, float]  # a norm_first step's first pass: the part's gradient reduced to its squared norm
     dispatch: dict[str, float]  # the main thread's own seconds per op kind
 
@@ -147,7 +151,7 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     grads = {p: (count[p] * DTYPE_BYTES[e.host_grad_dtype] if p in host_parts - waiting else 0.0) for p in parts}
     home = {p: count[p] * 4.0 for p in waiting}  # float32, copied home by the part's update task
     disk = set(roles.disk)
-    host_update = {}
+    host_update, host_bytes = {}, 0.0
     for p in parts:
         if p in host_parts:
             # split where the engine splits: fused kernel, 16-bit stream copy, gradient home, moments in memory;
@@ -158,14 +162,21 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
             # the rates are the mode's with its default gradients: a bfloat16 one read instead moves fewer bytes
             rate *= _update_bytes(mode) / _update_bytes(mode, None if p in waiting else e.host_grad_dtype)
             whole = count[p] / rate + s.disk_seconds(p in disk, count[p] * devices, mode.moment_bytes)
+            per = mode.bytes_per_param(None if p in waiting else e.host_grad_dtype)
+            host_bytes += count[p] * (_update_bytes(mode, None if p in waiting else e.host_grad_dtype) + (
+                per["masters"] + per["moments"] + per["host_grads"] if split else 0))  # a split reads them twice
             host_update[p] = (whole * s.first_half_share, whole * (1 - s.first_half_share)) if split else (whole, 0.0)
     device_update = {p: count[p] * s.device_update_bytes_per_param / s.hbm_bytes for p in parts if p not in host_parts}
     micro_rows = rows // e.micro_batches
     acts = e.micro_batches * (micro_rows * seq_len * cfg.hidden * activation_bytes(cfg) + (
         kept_bytes(cfg, e, micro_rows, seq_len, assumes_flash(cfg)) if e.keep_residuals else 0))
     norm = {p: count[p] * 4.0 / s.hbm_bytes for p in parts}  # one read of the float32 gradient
+    # the memory's rate: full precision's split update moves 46 bytes a parameter at its measured rate
+    full = FULL.bytes_per_param()
+    memory = s.host_update_rate(FULL.name) / devices * (_update_bytes(FULL) + full["masters"] + full["moments"]
+                                                        + full["host_grads"])
     return _Lengths(fwd, bwd, head, 2 * cfg.hidden * tokens / s.hbm_bytes, fetch, visit, cast, grads, home, acts,
-                    host_update, device_update, norm, s.dispatch)
+                    host_update, device_update, host_bytes, memory, norm, s.dispatch)
 
 
 def _update_bytes(mode: Precision, grads: str | None = None) -> float:
@@ -293,7 +304,11 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
         step_bytes = {"h2d": h2d - bytes_before[0], "d2h": d2h - bytes_before[1]}
     seconds = ends[-1] - ends[-2]
     per_step = dict(last_busy)
-    bound = max(("gpu", "h2d", "d2h", "host", "main"), key=lambda q: per_step[q])
+    # the host's memory serves the host updates and both copy engines' transfers at once: a step moves no
+    # faster than their bytes at its rate
+    per_step["memory"] = (n.host_bytes + step_bytes["h2d"] + step_bytes["d2h"]) / n.host_memory
+    seconds = max(seconds, per_step["memory"])
+    bound = max(("gpu", "h2d", "d2h", "host", "memory", "main"), key=lambda q: per_step[q])
     resident = 1 - sum(cfg.block_param_count(p.layer) if not p.is_io else io_param_count(cfg)
                        for p in streamed) / cfg.param_count()
     return StepTime(seconds, bound, per_step, round(step_bytes["h2d"]), round(step_bytes["d2h"]), resident, s.name)
