@@ -5,8 +5,9 @@
   (``plan.layout.fastest``): the step, what bounds it, each queue's busy seconds, model TFLOP/s;
 - ``l40s_sft_14b`` on one H200 of the 2-GPU host capped as its measured run was (45.6 GiB of GPU, 240 GiB of
   host), its step at the host update's rate scaled to 32 cores and at the 16-core host's own rate;
-- bench.py's ``13b_8k`` on one H200 of the 2-GPU host: the layout that ran and the search's pick (resident blocks'
-  compute copies kept or cast, ``engine.resident_copy``);
+- bench.py's ``13b_8k`` on one H200 of the 2-GPU host: the layouts that ran and the search's pick (resident blocks'
+  compute copies kept or cast, ``engine.resident_copy``; blocks updated on the GPU, ``gpu_updated_layers``), and
+  its pick without blocks updated on the GPU;
 - ``rtx4090_sft_8b`` on a 24 GB card with 64 GB of host: each option ``plan`` offers (``plan.levers.options``),
   its host and GPU totals, and its step on an RTX 4090 (rates from the card's specifications).
 
@@ -83,14 +84,19 @@ def thirteen_b_8k_on_x2() -> dict:
     bench = CONFIGS["13b_8k"]
     cfg, e, rows, s = preset(bench.preset), bench.engine, bench.rows, for_gpu("H200", None, 32)
     kw = dict(host_ram_bytes=240 * GiB, gpu_bytes=int(126.4 * GiB))
-    ran = dataclasses.replace(e, resident_layers=20, kept_layers=20, resident_copy=True)
+    ran = dataclasses.replace(e, resident_layers=20, kept_layers=20, resident_copy=True, gpu_updated_layers=0)
+    # the run of h200x2_13b_8k_gpu_updated_a0efdd0.json: 21 resident (copies cast), 4 updated on the GPU, 31 kept
+    ran_g = dataclasses.replace(e, resident_layers=21, kept_layers=31, resident_copy=False, gpu_updated_layers=4)
     picked, said = fastest(cfg, e, rows, SEQ, s, **kw)
+    host, host_said = fastest(cfg, dataclasses.replace(e, gpu_updated_layers=0), rows, SEQ, s, **kw)
+    layout = lambda c: {"resident_layers": c.resident_layers, "kept_layers": c.kept_layers,  # noqa: E731
+                        "resident_copy": c.resident_copy, "gpu_updated_layers": c.gpu_updated_layers}
     return {"system": "plan", "config": "13b_8k_h200x2", "gpu_gib": 126.4, "host_gib": 240, "host_cores": 32,
-            "as_run": {"resident_layers": 20, "kept_layers": 20, "resident_copy": True,
-                       "predicted_step": _step(cfg, ran, rows, s)},
-            "picked": {"resident_layers": picked.resident_layers, "kept_layers": picked.kept_layers,
-                       "resident_copy": picked.resident_copy, "said": said,
-                       "predicted_step": _step(cfg, picked, rows, s)}}
+            "as_run_fcba712": {**layout(ran), "predicted_step": _step(cfg, ran, rows, s)},
+            "as_run_a0efdd0": {**layout(ran_g), "predicted_step": _step(cfg, ran_g, rows, s)},
+            "picked_without_gpu_updated": {**layout(host), "said": host_said,
+                                           "predicted_step": _step(cfg, host, rows, s)},
+            "picked": {**layout(picked), "said": said, "predicted_step": _step(cfg, picked, rows, s)}}
 
 
 def _shipped(name: str):
