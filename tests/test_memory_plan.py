@@ -524,6 +524,25 @@ def test_gradients_waiting_on_the_gpu_leave_host_memory_one_part_at_a_time():
         plan(EIGHT_B, dataclasses.replace(e, grads_on_gpu=34), 2, 2048, **BIG)
 
 
+def test_blocks_updated_on_the_gpu_hold_their_state_pinned_and_their_gradients_on_the_gpu():
+    """``gpu_updated_layers``: those blocks' masters and moments are pinned (they cross PCIe), with one block's
+    record coming home beside the one it replaces; their gradients never come home. On the GPU their gradients
+    wait from one backward to the next forward, and their masters and moments from the step's start (``bring``) to
+    their visit: more GPU memory than the same blocks streamed and host-updated, less than keeping them."""
+    e = EngineConfig(micro_batches=2)
+    Pl = layer_param_count(EIGHT_B)
+    base = plan(EIGHT_B, e, 2, 2048, **BIG)
+    visiting = plan(EIGHT_B, dataclasses.replace(e, gpu_updated_layers=4), 2, 2048, **BIG)
+    # pinned: + masters and moments of 4 blocks, + one block's record (masters, moments, copy), - 4 float32 gradients
+    assert visiting.host_pinned - base.host_pinned == 12 * 4 * Pl + 14 * Pl - 4 * 4 * Pl
+    pageable = lambda p: sum(v for k, v in p.host.items() if k.startswith("pageable:"))  # noqa: E731
+    assert pageable(base) - pageable(visiting) == 12 * 4 * Pl
+    kept = plan(EIGHT_B, dataclasses.replace(e, resident_layers=4), 2, 2048, **BIG)
+    assert base.gpu_total < visiting.gpu_total < kept.gpu_total + 4 * 12 * Pl
+    with pytest.raises(ValueError, match="gpu_updated_layers=33 exceeds the 32 blocks that are not GPU-resident"):
+        plan(EIGHT_B, dataclasses.replace(e, gpu_updated_layers=33), 2, 2048, **BIG)
+
+
 def test_lean_mode_is_picked_when_host_ram_is_short():
     """Llama-3-8B with float32 masters and moments on the H100 box (124 GiB available): the plan streams the
     float32 masters and keeps the fewest parts' gradients on the GPU that make the host fit."""

@@ -81,6 +81,22 @@ def test_the_hosts_memory_bounds_a_step_by_the_updates_and_the_transfers_bytes()
     assert p.busy["memory"] > p.busy["host"]  # the transfers' bytes on top of the update's
 
 
+def test_blocks_updated_on_the_gpu_move_their_state_instead_of_their_gradient_and_leave_the_host():
+    """``gpu_updated_layers``: each such block brings its float32 masters and moments over (12 B/param) instead of
+    its forward's weights (2), and sends them home with its copy (14) instead of its gradient (4); it has no host
+    update, and its update runs on the GPU. Where the host's memory bounds the step, that is faster."""
+    e = EngineConfig(micro_batches=1, stream_dtype="bfloat16")
+    g = dataclasses.replace(e, gpu_updated_layers=3)
+    a, b = predict(CFG, e, 2, 2048, QUIET), predict(CFG, g, 2, 2048, QUIET)
+    blocks = 3 * CFG.block_param_count(0)
+    assert b.h2d_bytes - a.h2d_bytes == (12 - 2) * blocks and b.d2h_bytes - a.d2h_bytes == (14 - 4) * blocks
+    n = lengths(CFG, g, 2, 2048, QUIET)
+    assert [p.layer for p in n.visit] == [0, 1, 2] and not any(p in n.host_update for p in n.visit)
+    assert b.busy["host"] < a.busy["host"] and b.resident_share == a.resident_share == 0.0
+    slow = QUIET.replace(host_update={**QUIET.host_update, "full": 5e8})
+    assert predict(CFG, g, 2, 2048, slow).seconds < predict(CFG, e, 2, 2048, slow).seconds
+
+
 def test_a_slow_link_bounds_the_step_by_pcie():
     e = EngineConfig(micro_batches=1)
     slow = QUIET.replace(h2d_bytes=1e9)

@@ -174,7 +174,8 @@ class MemoryPlan:
                  f"{c.vocab_size}); {self.batch_rows} x {self.seq_len} tokens per pass in {e.micro_batches} "
                  f"micro-batch(es); prefetch_depth {e.prefetch_depth}; weights streamed as {self.stream_dtype}; "
                  f"{e.resident_layers} blocks{' + io' if e.resident_io else ''} GPU-resident; gradients of {e.grads_on_gpu} "
-                 f"parts wait on the GPU"]
+                 f"parts wait on the GPU" + (f"; {e.gpu_updated_layers} streamed blocks updated on the GPU"
+                                            if e.gpu_updated_layers not in (0, "auto") else "")]
         source = ("programs' scratch memory from XLA's memory analysis" if self.gpu_exact else
                   "an estimate: programs' scratch memory from rules of thumb")
         gpu_name = f"GPU, at its peak (during {self.gpu_peak_at}, 1st step; {source})"
