@@ -72,11 +72,15 @@ def reference():
     return {"adamw": run(6), "sgd": run(6, optimizer=optax.sgd(0.1, momentum=0.9)),
             "accum": run(6, config=EngineConfig(micro_batches=2, accumulate_steps=2)),
             "bf16": run(6, config=EngineConfig(micro_batches=2, stream_dtype="bfloat16")),
-            "resident": run(6, config=RESIDENT), "capacity": run(6, config=CAPACITY), "q8": run(6, config=Q8)}
+            "resident": run(6, config=RESIDENT), "capacity": run(6, config=CAPACITY), "q8": run(6, config=Q8),
+            "gpu_updated": run(6, config=GPU_UPDATED)}
 
 
 # The io part and block 0 live on the device between saves: sync copies them to host, restore reloads them.
 RESIDENT = EngineConfig(micro_batches=2, resident_layers=1, resident_io=True)
+# Block 1 updated on the GPU (block 0 resident): each step's update of them runs at the next forward, so a save (a sync) runs it
+# first, and a resume starts with none pending.
+GPU_UPDATED = EngineConfig(micro_batches=2, resident_layers=1, gpu_updated_layers=1)
 # Capacity mode: bfloat16 masters and moments, stochastically rounded from bits keyed by the step (no RNG
 # state to save).
 CAPACITY = EngineConfig(micro_batches=2, master_dtype="bfloat16")
@@ -87,7 +91,7 @@ Q8 = EngineConfig(micro_batches=2, master_dtype="bfloat16", moment_dtype="q8", h
 
 # ---------------------------------------------------------------------------------------- exact resume
 @pytest.mark.parametrize("kind,prefetch", [("adamw", 0), ("adamw", 2), ("sgd", 0), ("accum", 2), ("bf16", 0),
-                                           ("resident", 0), ("capacity", 0), ("q8", 0)])
+                                           ("resident", 0), ("capacity", 0), ("q8", 0), ("gpu_updated", 0)])
 def test_resume_is_bit_exact(tmp_path, reference, kind, prefetch):
     """Stop at step 3, resume with a fresh model and data stream: every parameter and loss is identical.
     (``bf16``: the fused kernel's bfloat16 stream copies are not saved; the restore recomputes them.)"""
@@ -102,6 +106,8 @@ def test_resume_is_bit_exact(tmp_path, reference, kind, prefetch):
         kw["config"] = CAPACITY
     if kind == "q8":
         kw["config"] = Q8
+    if kind == "gpu_updated":
+        kw["config"] = GPU_UPDATED
     run(3, tmp_path, checkpoint_every=2, prefetch=prefetch, **kw)
     assert committed_steps(tmp_path) == [3, 2]
     params, h = run(6, tmp_path, resume=True, prefetch=prefetch, **kw)

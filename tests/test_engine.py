@@ -490,6 +490,24 @@ def test_blocks_updated_on_the_gpu_complete_their_update_before_the_state_is_rea
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_restored_part_drops_its_pending_gpu_update_and_close_runs_the_rest():
+    """``restore_part`` replaces a part's record: its pending update (of the record replaced) is dropped, not run on
+    the new one; ``close`` runs the other pending updates and stops the thread that brings state over."""
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(gpu_updated_layers=2))
+    engine.step(make_batches(1)[0]).resolve()
+    b0, b1 = PartId.block(0), PartId.block(1)
+    assert set(engine._runner.pending) == {b0, b1}
+    saved = jax.tree.map(np.array, (engine.state[b0].params, engine.state[b0].opt))
+    engine.restore_part(b0, *saved)
+    assert set(engine._runner.pending) == {b1}
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves((engine.state[b0].params, engine.state[b0].opt))):
+        np.testing.assert_array_equal(a, np.asarray(b))  # as restored: the dropped update did not run on it
+    before = np.asarray(jax.tree.leaves(engine.state[b1].params)[0]).copy()
+    engine.close()
+    assert not engine._runner.pending and engine._runner._copier._shutdown
+    assert not np.array_equal(before, np.asarray(jax.tree.leaves(engine.state[b1].params)[0]))
+
+
 def test_nonfinite_step_skipped_on_blocks_updated_on_the_gpu_too():
     engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(gpu_updated_layers=2))
     m, unchanged = poison_and_step(engine)

@@ -543,6 +543,25 @@ def test_blocks_updated_on_the_gpu_hold_their_state_pinned_and_their_gradients_o
         plan(EIGHT_B, dataclasses.replace(e, gpu_updated_layers=33), 2, 2048, **BIG)
 
 
+def test_blocks_updated_on_the_gpu_leave_the_other_modes_on_offer():
+    """A run with blocks updated on the GPU short of host RAM is still offered the capacity modes and the two-pass
+    step (each switching that lever off: the GPU's update keeps float32 state), and its bytes per parameter in each
+    mode are computed: the modes' settings bring ``gpu_updated_layers = 0`` with them."""
+    e = EngineConfig(micro_batches=2, gpu_updated_layers=2)
+    p = plan(EIGHT_B, e, 2, 2048, host_ram_bytes=90 * GiB, gpu_bytes=71 * GiB)
+    assert not p.host_fits
+    offered = [dict(o.changes) for o in options(p)]
+    capacity = [o for o in offered if o.get("engine.master_dtype") == "bfloat16"]
+    assert capacity and all(o["engine.gpu_updated_layers"] == 0 for o in capacity)
+    without = plan(EIGHT_B, dataclasses.replace(e, gpu_updated_layers=0), 2, 2048, host_ram_bytes=90 * GiB,
+                   gpu_bytes=71 * GiB)  # the same modes on offer as without the lever
+    modes = lambda opts: {o.get("engine.moment_dtype") for o in opts if "engine.master_dtype" in o}  # noqa: E731
+    assert modes(offered) == modes([dict(o.changes) for o in options(without)]) == {"q8", "q4"}
+    for option in options(p):
+        assert p.applied(option.changes).fits, option
+    assert len(p.host_bytes_per_param()) >= 4
+
+
 def test_lean_mode_is_picked_when_host_ram_is_short():
     """Llama-3-8B with float32 masters and moments on the H100 box (124 GiB available): the plan streams the
     float32 masters and keeps the fewest parts' gradients on the GPU that make the host fit."""

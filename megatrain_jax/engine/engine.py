@@ -374,6 +374,7 @@ class Engine:
         """Finish pending work and release what outlives a step: the disk tier's files are deleted (they are
         this engine's live state; checkpoints hold copies). The engine cannot train afterwards."""
         self.policy.drain()
+        self._runner.close()  # the GPU-updated parts' pending updates run; the thread bringing their state stops
         if self.disk_tier is not None:
             self.disk_tier.remove()
 
@@ -399,7 +400,7 @@ class Engine:
         recomputed from the masters. Numpy arrays given here become the engine's own (do not change them
         afterwards); each array is placed in pinned or pageable host memory (``HostOptimizer.home``)."""
         self.policy.drain()
-        self._runner.flush()  # a GPU-updated part's pending update is of the state being replaced
+        self._runner.forget(part)  # a GPU-updated part's pending update was of the record being replaced
         self.state[part] = self.policy.opt.home(Part(params, opt, self.policy.opt.cast(params)), adopt=True)
         if self.disk_tier is not None and part in self.disk_tier.parts:
             self.state[part] = self.disk_tier.spill(part, self.state[part])

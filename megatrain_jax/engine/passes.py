@@ -57,6 +57,11 @@ class Pass:
     per_row: bool = False  # evaluation: each row's summed NLL (``row_nll``) instead of the batch's sum
     stores: list = dataclasses.field(default_factory=list)  # offloaded activations whose copies may be queued
 
+    def drop(self) -> None:
+        """Let go of the pass's device values (a pass cut short: the exception's traceback would hold them)."""
+        self.params, self.acts, self.kept, self.dy, self.stores = {}, {}, {}, [], []
+        self.grads = self.io_grads = None
+
     def take_grads(self, part: PartId) -> Any:
         """The gradient the backward accumulated for ``part`` (the io part's, or the block's just run); the
         pass lets go of it."""
@@ -141,6 +146,7 @@ class PassRunner:
             self._seal()
         except Exception as err:
             self._ahead.clear()  # the fences of a step cut short may hold its failure
+            p.drop()  # its device buffers, before whatever runs next (a sync's pending updates) needs the room
             if op is None or not is_out_of_memory(err):
                 raise
             raise DeviceOutOfMemoryError.of(err, f"{op!r} ({PHASE[op.kind]})", op=repr(op), phase=PHASE[op.kind],
@@ -212,12 +218,26 @@ class PassRunner:
             self._update_visiting(part)
 
     def _update_visiting(self, part: PartId):
-        grads, decision = self.pending[part]
+        """A pending update, run once: taken off the list first, so that a failure is raised once (as a host
+        update's is), not by every later sync."""
+        grads, decision = self.pending.pop(part)
         on_the_way = self.brought.pop(part, None)
         brought = self.policy.device.bring(self.state[part]) if on_the_way is None else on_the_way.result()
-        weights = self.policy.update_visiting(self.state, part, brought, grads, decision)
-        del self.pending[part]
-        return weights
+        return self.policy.update_visiting(self.state, part, brought, grads, decision)
+
+    def forget(self, part: PartId) -> None:
+        """Drop ``part``'s pending update and its state on the way (its record is being replaced: a restore)."""
+        self.pending.pop(part, None)
+        on_the_way = self.brought.pop(part, None)
+        if on_the_way is not None:
+            on_the_way.cancel() or on_the_way.exception()  # waited for: nothing copies the old record afterwards
+
+    def close(self) -> None:
+        """Run the pending updates and stop the thread that brings state over."""
+        try:
+            self.flush()
+        finally:
+            self._copier.shutdown(wait=True)
 
     def release(self, p: Pass, op: Op):
         del p.params[op.part]

@@ -322,6 +322,8 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
                                **({"kept_layers": 0} if auto_k else {}), **({"gpu_updated_layers": 0} if auto_g else {}))
     if plan_kw.get("gpu_bytes") is None:
         return engine_cfg, None
+    if not (auto_r or auto_k or can_g):  # only gpu_updated_layers asked, and the mode cannot take it: none
+        return zero, None
     planned = lambda e: plan(model_cfg, e, batch_rows, seq_len, detect=False, **plan_kw)  # noqa: E731
     gpu_fits = lambda e: planned(e).gpu_fits  # noqa: E731
     layers = model_cfg.layers

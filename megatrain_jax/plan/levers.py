@@ -17,7 +17,7 @@ import dataclasses
 import math
 from typing import Callable, Iterator
 
-from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.config import AUTO, EngineConfig
 from megatrain_jax.engine.parts import part_ids
 from megatrain_jax.engine.schedule import UPDATES_AHEAD, offloaded_blocks
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
@@ -111,7 +111,8 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
                        f"in host memory ({host_grad_bytes(e)} B/param less host RAM for them, 4 B/param more GPU "
                        f"memory); each comes home when its update runs"))
     if not e.norm_first:
-        two_pass = (("engine.norm_first", True),) + ((("engine.grads_on_gpu", 0),) if e.grads_on_gpu else ())
+        two_pass = (("engine.norm_first", True),) + ((("engine.grads_on_gpu", 0),) if e.grads_on_gpu else ()) + (
+            (("engine.gpu_updated_layers", 0),) if e.gpu_updated_layers not in (0, AUTO) else ())
         yield ("norm_first", takes([two_pass]),
                lambda ch: (f"two forward+backward passes per step, the same numbers: the first takes the global "
                            f"norm on the GPU, the second updates each part as its gradient comes home, so host "

@@ -216,7 +216,7 @@ class MemoryPlan:
         """Host bytes per parameter of this run in each mode: full precision (float32 masters and moments,
         GPU-resident parts as configured), capacity mode (no GPU-resident parts) and capacity mode with 8-bit
         moments and bfloat16 gradients."""
-        e = dataclasses.replace(self.engine_cfg, grads_on_gpu=0, disk_parts=0)
+        e = dataclasses.replace(self.engine_cfg, grads_on_gpu=0, disk_parts=0, gpu_updated_layers=0)
         full, lean, capacity, q8 = (precision.in_mode(e, precision.MODES[name])
                                     for name in ("full", "lean", "capacity", "q8"))
         every = lambda cfg: len(host_roles(self.model_cfg, cfg).host_updated)  # noqa: E731
