@@ -942,6 +942,9 @@ def test_plan_predictions_records_the_waiting_rows(tmp_path):
     assert not rtx["fits_as_configured"] and rtx["options"] and all(o["fits"] for o in rtx["options"])
     assert not rtx["modes_alone"]["q8"]["gpu_fits"] and rtx["modes_alone"]["q8"]["host_fits"]
     thirteen = runs["13b_8k_h200x2"]
-    assert thirteen["picked"]["resident_copy"] is False
-    assert thirteen["picked"]["resident_layers"] > thirteen["as_run"]["resident_layers"]
-    assert thirteen["picked"]["predicted_step"]["seconds"] < thirteen["as_run"]["predicted_step"]["seconds"]
+    picked, without = thirteen["picked"], thirteen["picked_without_gpu_updated"]
+    assert picked["resident_copy"] is False and without["gpu_updated_layers"] == 0 < picked["gpu_updated_layers"]
+    assert without["resident_layers"] > thirteen["as_run_fcba712"]["resident_layers"]
+    seconds = lambda k: thirteen[k]["predicted_step"]["seconds"]  # noqa: E731
+    assert seconds("picked") <= seconds("as_run_a0efdd0") and seconds("picked") < seconds("picked_without_gpu_updated")
+    assert seconds("picked_without_gpu_updated") < seconds("as_run_fcba712")
