@@ -177,6 +177,7 @@ class Walk:
         self.act = self.rows // self.M * self.seq_len * c.hidden * activation_bytes(c)  # one micro-batch's
         self.res = kept_bytes(c, e, self.rows // self.M, self.seq_len, self.flash, self.packed)  # one block's
         self.kept_from = c.layers - e.kept_layers  # blocks from here on keep their matrix products too
+        self._kept: dict[int, int] = {}  # a kept block's bytes per micro-batch, by block (``kept``)
         self.on_gpu = {IO} if e.resident_io else set()
         self.on_gpu |= {PartId.block(i) for i in range(e.resident_layers)}
         roles = host_roles(c, e)
@@ -274,9 +275,11 @@ class Walk:
         (``keep_residuals``), and with ``kept_layers`` its matrix products and cuDNN's marked residuals."""
         if layer < self.kept_from:
             return self.res
-        marked = kept_bytes(self.c, dataclasses.replace(self.e, keep_residuals=True), self.rows // self.M,
-                            self.seq_len, self.flash, self.packed)
-        return marked + products_bytes(self.c, self.rows // self.M, self.seq_len, layer)
+        if layer not in self._kept:  # asked for at each of the block's forward and backward ops: counted once
+            marked = kept_bytes(self.c, dataclasses.replace(self.e, keep_residuals=True), self.rows // self.M,
+                                self.seq_len, self.flash, self.packed)
+            self._kept[layer] = marked + products_bytes(self.c, self.rows // self.M, self.seq_len, layer)
+        return self._kept[layer]
 
     def drop_acts(self, layer: int) -> None:
         self.led.drop(A, self.act * self.acts[layer], self.acts.pop(layer))

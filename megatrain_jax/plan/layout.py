@@ -331,17 +331,19 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     tried: list[tuple[float, EngineConfig, MemoryPlan]] = []
     for copy in ((True, False) if auto_c else (engine_cfg.resident_copy,)):
         with_copy = dataclasses.replace(zero, resident_copy=copy)
+        most_r = most_kept_  # the kept blocks that fit beside one more resident block: at most this count's
         for r in (range(_most_taken(model_cfg, engine_cfg)[0] + 1) if auto_r else [engine_cfg.resident_layers]):
             base = dataclasses.replace(with_copy, resident_layers=r)
             if not gpu_fits(base):
                 break  # more resident blocks take more GPU memory
-            best_here, slower = None, 0
+            best_here, slower, most_k = None, 0, most_r
             for g in (range(layers - r + 1) if can_g else [base.gpu_updated_layers]):
                 cand = dataclasses.replace(base, gpu_updated_layers=g)
                 if g and not (_takes(layers, cand) and gpu_fits(cand)):
                     break  # more blocks updated on the GPU take more GPU memory
-                if auto_k:
-                    k = most_fitting(lambda k: gpu_fits(dataclasses.replace(cand, kept_layers=k)), most_kept_)
+                if auto_k:  # more blocks updated on the GPU leave no more room: at most the last count's
+                    k = most_k = most_fitting(lambda k: gpu_fits(dataclasses.replace(cand, kept_layers=k)), most_k)
+                    most_r = k if g == 0 else most_r
                     cand = dataclasses.replace(cand, kept_layers=k)
                 p = planned(cand)
                 if not p.fits:  # the host too (more resident blocks, less host memory)
