@@ -948,3 +948,6 @@ def test_plan_predictions_records_the_waiting_rows(tmp_path):
     seconds = lambda k: thirteen[k]["predicted_step"]["seconds"]  # noqa: E731
     assert seconds("picked") <= seconds("as_run_a0efdd0") and seconds("picked") < seconds("picked_without_gpu_updated")
     assert seconds("picked_without_gpu_updated") < seconds("as_run_fcba712")
+    streamed = runs["3p5b_8k_nothing_resident_16_cores"]
+    assert streamed["picked"]["gpu_updated_layers"] > 0 == streamed["picked_without_gpu_updated"]["gpu_updated_layers"]
+    assert streamed["picked"]["predicted_step"]["seconds"] < streamed["picked_without_gpu_updated"]["predicted_step"]["seconds"]

@@ -8,6 +8,8 @@
 - bench.py's ``13b_8k`` on one H200 of the 2-GPU host: the layouts that ran and the search's pick (resident blocks'
   compute copies kept or cast, ``engine.resident_copy``; blocks updated on the GPU, ``gpu_updated_layers``), and
   its pick without blocks updated on the GPU;
+- bench.py's 3.5B rows with nothing resident on one H200 of the 16- and the 32-core host, with and without blocks
+  updated on the GPU;
 - ``rtx4090_sft_8b`` on a 24 GB card with 64 GB of host: each option ``plan`` offers (``plan.levers.options``),
   its host and GPU totals, and its step on an RTX 4090 (rates from the card's specifications).
 
@@ -99,6 +101,29 @@ def thirteen_b_8k_on_x2() -> dict:
             "picked": {**layout(picked), "said": said, "predicted_step": _step(cfg, picked, rows, s)}}
 
 
+def streamed_3p5b() -> list[dict]:
+    """bench.py's 3.5B rows with nothing resident (8K and 32K tokens) on one H200 of the 16-core host (125.9 GiB,
+    118 of it for the run) and of the 32-core one: the search's pick with blocks updated on the GPU
+    (``gpu_updated_layers`` "auto", as the rows run now) and without (``*_host_updated``)."""
+    sys.path.insert(0, os.path.join(REPO, "experiments"))
+    from bench import CONFIGS  # noqa: E402
+    out = []
+    for name in ("3p5b_8k_nothing_resident", "3p5b_32k_nothing_resident"):
+        bench = CONFIGS[name]
+        cfg = preset(bench.preset, layers=bench.layers)
+        for cores, host_gib in ((16, 118), (32, 240)):
+            s = for_gpu("H200", None, cores)
+            kw = dict(host_ram_bytes=host_gib * GiB, gpu_bytes=int(H200_GIB * XLA_SHARE * GiB))
+            run = {"system": "plan", "config": f"{name}_{cores}_cores", "host_gib": host_gib, "host_cores": cores}
+            for key, g in (("picked", "auto"), ("picked_without_gpu_updated", 0)):
+                e, said = fastest(cfg, dataclasses.replace(bench.engine, gpu_updated_layers=g), bench.rows, SEQ, s,
+                                  **kw)
+                run[key] = {"kept_layers": e.kept_layers, "gpu_updated_layers": e.gpu_updated_layers, "said": said,
+                            "predicted_step": _step(cfg, e, bench.rows, s)}
+            out.append(run)
+    return out
+
+
 def _shipped(name: str):
     """A shipped config's RunConfig, its HF folder replaced by the preset of its ``# plan shape:`` line."""
     path = os.path.join(REPO, "experiments", "configs", f"{name}.toml")
@@ -155,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    runs = scale_rows() + [l40s_on_x2(), rtx4090_on_64(), thirteen_b_8k_on_x2()]
+    runs = scale_rows() + [l40s_on_x2(), rtx4090_on_64(), thirteen_b_8k_on_x2()] + streamed_3p5b()
     record = {**results_header(args.out, __file__), "runs": runs,
               "note": "predictions of the plan and the step-time model, not measurements"}
     with open(args.out, "w") as f:
