@@ -595,6 +595,21 @@ def test_a_profiled_step_trains_the_same_numbers_and_reports_its_lanes():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_profiled_step_counts_the_visits_of_blocks_updated_on_the_gpu_as_device_updates():
+    """Nothing resident, blocks 0 and 1 updated on the GPU: the profiled step's ``device_update`` lane is their
+    visits' update (the step before's, run at this step's forward), not GPU compute; the numbers are unchanged."""
+    def run(profile_step):
+        engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED(),
+                        EngineConfig(clip_norm=0.05, gpu_updated_layers=2))
+        return engine, list(engine.steps(make_batches(3), profile_step=profile_step))
+    plain, plain_metrics = run(None)
+    profiled, metrics = run(2)
+    assert metrics[1]["profile_device_update_s"] > 0 and metrics[1]["profile_compute_s"] > 0
+    assert [m["loss"] for m in metrics] == [m["loss"] for m in plain_metrics]
+    for a, b in zip(jax.tree.leaves(plain.state), jax.tree.leaves(profiled.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_a_profiled_step_does_not_count_the_step_before_it():
     """The step before the profiled one may still have host updates queued (here each takes 0.2 s more); the
     profiled step starts once they are done, so its weights' fetches do not count the wait for them."""
