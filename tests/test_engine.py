@@ -573,15 +573,24 @@ def test_split_update_keeps_stream_copy_equal_to_masters(extra):
     assert counts == [3] * len(counts), counts
 
 
-def test_a_profiled_step_trains_the_same_numbers_and_reports_its_lanes():
-    """``Engine.steps(..., profile_step=2)``: step 2 runs serialized under a ``Profile``; its metrics carry its
-    seconds per lane and ``profiled``, no other step's do, and the state is bit for bit an unprofiled run's."""
+def _profiled_and_plain(engine_cfg):
+    """Three steps of ``engine_cfg`` with step 2 profiled and none: (profiled engine, its metrics), and the plain
+    run's; the losses and the states are checked equal here."""
     def run(profile_step):
-        engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED(),
-                        EngineConfig(clip_norm=0.05, resident_layers=1))
+        engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED(), engine_cfg)
         return engine, list(engine.steps(make_batches(3), profile_step=profile_step))
     plain, plain_metrics = run(None)
     profiled, metrics = run(2)
+    assert [m["loss"] for m in metrics] == [m["loss"] for m in plain_metrics]
+    for a, b in zip(jax.tree.leaves(plain.state), jax.tree.leaves(profiled.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return profiled, metrics
+
+
+def test_a_profiled_step_trains_the_same_numbers_and_reports_its_lanes():
+    """``Engine.steps(..., profile_step=2)``: step 2 runs serialized under a ``Profile``; its metrics carry its
+    seconds per lane and ``profiled``, no other step's do, and the state is bit for bit an unprofiled run's."""
+    _, metrics = _profiled_and_plain(EngineConfig(clip_norm=0.05, resident_layers=1))
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert ["profiled" in m for m in metrics] == [False, True, False]
     assert not any(k.startswith("profile_") for m in (metrics[0], metrics[2]) for k in m)
@@ -590,24 +599,13 @@ def test_a_profiled_step_trains_the_same_numbers_and_reports_its_lanes():
                                                        "device_update")}
     assert all(v > 0 for v in lanes.values()), lanes  # block 0 is resident: its update is device work
     assert sum(v for k, v in lanes.items() if k != "profile_serialized_s") <= lanes["profile_serialized_s"]
-    assert [m["loss"] for m in metrics] == [m["loss"] for m in plain_metrics]
-    for a, b in zip(jax.tree.leaves(plain.state), jax.tree.leaves(profiled.state)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_profiled_step_counts_the_visits_of_blocks_updated_on_the_gpu_as_device_updates():
     """Nothing resident, blocks 0 and 1 updated on the GPU: the profiled step's ``device_update`` lane is their
     visits' update (the step before's, run at this step's forward), not GPU compute; the numbers are unchanged."""
-    def run(profile_step):
-        engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED(),
-                        EngineConfig(clip_norm=0.05, gpu_updated_layers=2))
-        return engine, list(engine.steps(make_batches(3), profile_step=profile_step))
-    plain, plain_metrics = run(None)
-    profiled, metrics = run(2)
+    _, metrics = _profiled_and_plain(EngineConfig(clip_norm=0.05, gpu_updated_layers=2))
     assert metrics[1]["profile_device_update_s"] > 0 and metrics[1]["profile_compute_s"] > 0
-    assert [m["loss"] for m in metrics] == [m["loss"] for m in plain_metrics]
-    for a, b in zip(jax.tree.leaves(plain.state), jax.tree.leaves(profiled.state)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_profiled_step_does_not_count_the_step_before_it():
