@@ -108,10 +108,11 @@ class EngineConfig:
       whole on each (its copy, or its masters where it computes with them), either way.
     - ``gpu_updated_layers`` (full precision): this many blocks after the GPU-resident ones stream like the
       others but update on the GPU (``megatrain_jax.engine.update.resident.DeviceUpdater.visit``). Their gradient
-      waits on the GPU (float32) from the backward to the next forward, where each block's fetch brings its float32
-      masters and moments from pinned host memory (12 bytes a parameter), updates them on the GPU with the step's
-      clip scale, keeps the new compute copy for that forward, and sends masters, moments and copy home (14 bytes
-      a parameter): no host update and no gradient home, for 26 bytes a parameter over PCIe instead of 4. Where
+      waits on the GPU (float32) from the backward to the next step, at whose start their float32 masters and
+      moments cross from pinned host memory (12 bytes a parameter, ``bring``); each block's forward fetch
+      (``visit``) updates them on the GPU with the step's clip scale, keeps the new compute copy for that forward,
+      and sends masters, moments and copy home (14 bytes a parameter): no host update and no gradient home, for
+      26 bytes a parameter over PCIe instead of 4. Where
       the host update bounds the step (exact clipping makes every block's update wait for the whole backward)
       this moves work from the host's memory (about 46 bytes a parameter in two passes) to the PCIe lanes,
       which a streamed step leaves mostly idle. The same numbers as the host's update where the resident

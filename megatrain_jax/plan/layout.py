@@ -163,10 +163,9 @@ def legal(p: MemoryPlan, changes: Changes) -> bool:
     try:
         e = dataclasses.replace(p.engine_cfg, **engine)
         e.check_layers(layers)
-        HostRoles.of_config(layers, e)
     except ValueError:
         return False
-    return True
+    return _takes(layers, e)
 
 
 def _takes(layers: int, e: EngineConfig) -> bool:

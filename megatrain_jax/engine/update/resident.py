@@ -61,7 +61,7 @@ class DeviceUpdater:
 
     def load(self, part: Part) -> Part:
         """A device copy of a host part: masters and optimizer state, and its compute copy where kept."""
-        params, opt = self.placement.to_device((part.params, part.opt))
+        params, opt = self.bring(part)
         return Part(params, opt, self._cast(params) if self.keep_copy else None)
 
     def weights(self, part: Part) -> Params:
