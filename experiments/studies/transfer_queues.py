@@ -15,7 +15,9 @@ polls ``is_ready`` of every result on the calling thread (0.2 ms apart) and reco
 - ``compute_behind_h2d``: a program on the device that does not read an arriving block, queued after one that
   does: does the first wait for the copy? (``compute_behind_d2h``: the same behind a copy home);
 - ``h2d_under_host_load``: one block's state to the device while the host's cores copy memory (numpy, half the
-  cores): its GB/s against ``h2d``'s, and the host copy's own GB/s.
+  cores): its GB/s against ``h2d``'s, and the host copy's own GB/s;
+- ``torch_duplex`` (where torch with CUDA is importable): the same bytes with torch's pinned tensors and two CUDA
+  streams, each way alone and both at once: whether the link itself carries both directions at full rate.
 """
 
 from __future__ import annotations
@@ -175,6 +177,43 @@ def run(scale: float, load_threads: int) -> dict:
                                   "d2h_call_s": hcall, **rate("d2h_ready", state[1], rh.get("d2h")),
                                   "host_copy_gb_per_s": round(sum(moved) / 1e9, 1)}
     out["cases"] = res
+    out["torch_duplex"] = torch_duplex(nbytes(state[0]))
+    return out
+
+
+def torch_duplex(n: int) -> dict | None:
+    """``n`` bytes each way between pinned host memory and the GPU with torch, on two streams: alone and at once."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+    except ImportError:
+        return None
+    host_in = torch.ones(n // 4, dtype=torch.float32).pin_memory()
+    host_out = torch.empty(n // 4, dtype=torch.float32).pin_memory()
+    dev_in = torch.empty(n // 4, dtype=torch.float32, device="cuda")
+    dev_out = torch.ones(n // 4, dtype=torch.float32, device="cuda")
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def once(h2d: bool, d2h: bool) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if h2d:
+            with torch.cuda.stream(up):
+                dev_in.copy_(host_in, non_blocking=True)
+        if d2h:
+            with torch.cuda.stream(down):
+                host_out.copy_(dev_out, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    once(True, True)
+    cases = {"h2d": (True, False), "d2h": (False, True), "both": (True, True)}
+    out = {}
+    for name, (a, b) in cases.items():
+        t = min(once(a, b) for _ in range(3))
+        out[name + "_s"] = round(t, 4)
+        out[name + "_gb_per_s"] = round((a + b) * n / 1e9 / t, 2)
     return out
 
 
