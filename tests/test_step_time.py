@@ -104,6 +104,22 @@ def test_a_slow_link_bounds_the_step_by_pcie():
     assert p.bound == "h2d" and p.seconds >= p.h2d_bytes / 1e9
 
 
+def test_a_link_shared_by_both_directions_makes_each_copy_wait_for_those_before_it_either_way():
+    """``link_bytes``: copies each way share the link. Blocks updated on the GPU send their state home while the
+    next blocks' fetches come over: with a shared link the step is slower than with a full-duplex one, the
+    link's busy seconds are both directions' bytes at its rate, and a link as fast as both ways together
+    changes nothing."""
+    e = EngineConfig(micro_batches=1, stream_dtype="bfloat16", gpu_updated_layers=4)
+    full = predict(CFG, e, 2, 2048, QUIET)
+    rate = QUIET.h2d_bytes + QUIET.d2h_bytes
+    shared = predict(CFG, e, 2, 2048, QUIET.replace(link_bytes=0.6 * rate))
+    assert shared.seconds > full.seconds and full.busy["link"] == 0.0
+    assert shared.busy["link"] == pytest.approx((shared.h2d_bytes + shared.d2h_bytes) / (0.6 * rate), rel=1e-6)
+    wide = predict(CFG, e, 2, 2048, QUIET.replace(link_bytes=1e6 * rate))
+    assert wide.seconds == pytest.approx(full.seconds, rel=1e-6)
+    assert SPEEDS["H200"].link_bytes < SPEEDS["H200"].h2d_bytes + SPEEDS["H200"].d2h_bytes
+
+
 def test_resident_blocks_trade_transfers_for_their_update_on_the_gpu():
     """Each more GPU-resident block takes its weights off PCIe and puts its AdamW on the GPU: the bytes fall with
     every block, and a step never slows by more than that block's update and the casts of its compute copy at

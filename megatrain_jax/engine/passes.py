@@ -98,10 +98,10 @@ class PassRunner:
         self.gpu_updated = set(gpu_updated)  # streamed parts updated on the device at their next visit
         # a GPU-updated part's update waiting for its visit: its gradient (on the device) and its step's decision
         self.pending: dict[PartId, tuple[Any, StepDecision]] = {}
-        # a pending part's masters and moments on their way to the device (the future of ``DeviceUpdater.bring``):
-        # a copy from pinned host memory holds its caller until it is done (about 75 ms for a 3.5B model's block's
-        # 2.4 GB on the H200, experiments/studies/NOTES.md), so they are issued on a thread of their own, in order,
-        # and the main thread goes on issuing the forward
+        # a pending part's masters and moments on their way to the device (``_bring_landed``'s future), issued on a
+        # thread of their own one after another: copies in flight at once share the link and land together near
+        # the end, so the first visit would wait for all of them (h200x2_transfer_queues_2b81da0.json), and a
+        # program that reads a copy still in flight holds every later program on the GPU behind it
         self.brought: dict[PartId, Future] = {}
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-bring")
         self.bfloat16_home = host_grad_dtype == "bfloat16"  # gradients sent home are rounded on the device first
@@ -199,8 +199,13 @@ class PassRunner:
         pending: nothing)."""
         if op.part not in self.pending or op.part in self.brought:
             return None
-        self.brought[op.part] = self._copier.submit(self.policy.device.bring, self.state[op.part])
+        self.brought[op.part] = self._copier.submit(self._bring_landed, self.state[op.part])
         return self.brought[op.part]
+
+    def _bring_landed(self, record: Part):
+        """On the bring thread: a part's state copied to the device, returned once it is there (the next copy
+        starts then)."""
+        return jax.block_until_ready(self.policy.device.bring(record))
 
     def visit(self, p: Pass, op: Op):
         """A GPU-updated part's fetch for the forward: its pending update (the step before's) runs on the device

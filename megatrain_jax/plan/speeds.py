@@ -32,7 +32,9 @@ class Speeds:
       ``attention_backward``: attention's backward in units of its forward;
       ``kept_backward``: a block keeping its matrix products (``kept_layers``) runs its backward (no
       recompute) this much slower than the products' count says (it reads them back from GPU memory).
-    - ``h2d_bytes``, ``d2h_bytes``: PCIe as the engine moves weights and gradients, one copy at a time.
+    - ``h2d_bytes``, ``d2h_bytes``: PCIe as the engine moves weights and gradients, one copy at a time;
+      ``link_bytes``: both directions together while copies run each way at once (None: each way at its own
+      rate, the link full duplex).
     - ``hbm_bytes`` and ``device_update_bytes_per_param``: a GPU-resident part's AdamW is memory-bound.
     - ``host_update``: parameters per second of a host part's AdamW inside a step (beside the transfers), per
       precision mode (``engine.precision``'s names); ``first_half_share``: the part of it the split update's
@@ -61,6 +63,7 @@ class Speeds:
     dispatch: dict[str, float]
     host_cores: int = 16
     source: str = ""
+    link_bytes: float | None = None
     hosts: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     # about 30 bytes per parameter in one pass against 46 in two; the fused kernel alone on the H200's 16-core
     # host: 4.58 G params/s in one pass (h200_host_update_profile_08c2422.json), 3.00 in two
@@ -138,9 +141,14 @@ _H200X4_HOST = {"host_update": {**{k: v * 1.13 for k, v in _H200X2_HOST["host_up
                                 "capacity": 11.15e9},
                 "first_half_share": 0.424, "one_pass_speedup": 1.49,
                 "source": "experiments/results/h200x4_host_adamw_q8.json (capacity); the rest from the 32-core host"}
+# The engine's copies (jax.device_put between pinned host memory and the GPU) on one H200 of the 2-GPU machine
+# ran 54 GB/s each way alone but 56-63 GB/s for both directions together (a fetch issued behind copies home
+# shares the link with them, and copies in flight interleave rather than queue); torch's, on two streams, 84
+# (h200x2_transfer_queues_2b81da0.json).
+_H200_LINK = 60e9
 H200 = dataclasses.replace(
     H100, name="H200, 16-core host (defaults)", h2d_bytes=47.4e9, d2h_bytes=47.4e9, hbm_bytes=3.4e12,
-    host_update=_H200_HOST, hosts={32: _H200X2_HOST, 64: _H200X4_HOST},
+    link_bytes=_H200_LINK, host_update=_H200_HOST, hosts={32: _H200X2_HOST, 64: _H200X4_HOST},
     source="experiments/results: h200_bench_before_after_*.json, h200_host_adamw.json, "
            "h200_host_update_profile.json, h200_measure_speeds_d5d7c51.json")
 # Workstation cards (issue 53): predicted from their specification sheets, not fitted to runs; a calibration file

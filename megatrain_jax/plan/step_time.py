@@ -9,7 +9,10 @@ machine's rates (``speeds.Speeds``):
 - the **GPU** runs compute (forward, backward with or without recompute, head, embedding) and the updates of
   GPU-resident parts;
 - the **copy engines**, host to GPU (weights, offloaded activations back) and GPU to host (gradients,
-  offloaded activations out), one transfer at a time each;
+  offloaded activations out), one transfer at a time each, each at its direction's rate; where the link carries
+  less both ways at once than twice one way (``Speeds.link_bytes``: the H200's 60 GB/s against 54 each way), a
+  transfer also waits for the link to carry what was issued before it either way (the ``link`` queue), so a
+  fetch issued behind copies home waits for them;
 - the **host worker** runs each host part's AdamW (split in two halves where the update splits: the stream
   copy first, in forward order, then masters and moments, last part first: ``engine.update.policy``).
 
@@ -33,7 +36,7 @@ from megatrain_jax.plan.counts import activation_bytes, host_roles, io_param_cou
 from megatrain_jax.plan.machine import Machine
 from megatrain_jax.plan.speeds import SPEEDS_VAR, Speeds, for_gpu
 
-QUEUES = ("main", "gpu", "h2d", "d2h", "host")
+QUEUES = ("main", "gpu", "h2d", "d2h", "link", "host")
 _STEPS = 4  # simulated back to back; the last gap is the steady state (the first steps start from idle)
 
 
@@ -68,9 +71,10 @@ class StepTime:
 
 
 QUEUE_WORDS = {"gpu": "GPU", "h2d": "to the GPU", "d2h": "to the host", "host": "host update",
-               "memory": "host memory", "main": "issuing"}
+               "memory": "host memory", "link": "PCIe both ways", "main": "issuing"}
 BOUND_WORDS = {"gpu": "GPU compute", "h2d": "PCIe to the GPU", "d2h": "PCIe to the host",
                "host": "the host update", "memory": "the host's memory (the host update and the transfers)",
+               "link": "PCIe, both directions together",
                "main": "the Python thread issuing ops"}
 
 
@@ -226,7 +230,13 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
             h2d += nbytes
         else:
             d2h += nbytes
-        return run(queue, start, nbytes / rates[queue])
+        if not s.link_bytes:
+            return run(queue, start, nbytes / rates[queue])
+        # a link shared by both directions: a copy starts once the link has carried what was queued before it,
+        # either way, and takes its bytes at its own direction's rate
+        begin = max(start, free[queue], free["link"])
+        run("link", begin, nbytes / s.link_bytes)
+        return run(queue, begin, nbytes / rates[queue])
 
     def run(queue: str, start: float, seconds: float) -> float:
         begin = max(start, free[queue])
@@ -308,7 +318,7 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     # faster than their bytes at its rate
     per_step["memory"] = (n.host_bytes + step_bytes["h2d"] + step_bytes["d2h"]) / n.host_memory
     seconds = max(seconds, per_step["memory"])
-    bound = max(("gpu", "h2d", "d2h", "host", "memory", "main"), key=lambda q: per_step[q])
+    bound = max(("gpu", "h2d", "d2h", "host", "memory", "link", "main"), key=lambda q: per_step[q])
     resident = 1 - sum(cfg.block_param_count(p.layer) if not p.is_io else io_param_count(cfg)
                        for p in streamed) / cfg.param_count()
     return StepTime(seconds, bound, per_step, round(step_bytes["h2d"]), round(step_bytes["d2h"]), resident, s.name)
