@@ -45,6 +45,9 @@ FITTED = ("matmul_flops", "attention_flops", "attention_backward", "kept_backwar
 # The engine as it runs now: runs before this date ran an engine since made faster (pacing, split updates,
 # kept layers), which the model does not describe; they are reported apart ("older").
 SINCE = "2026-11-25"
+# Runs of engine code since taken back (experiments/studies/NOTES.md: the first form of blocks updated on the GPU,
+# 158a849 to b97e9c4, each block's record on the GPU from its update to its next forward): reported apart too.
+TAKEN_BACK = ("h200_side_by_side_gpu_updated_13c9b71.json", "h200_side_by_side_gpu_updated_b97e9c4.json")
 
 
 def _shape_preset(model: dict) -> str | None:
@@ -69,6 +72,7 @@ def runs(since: str = SINCE) -> list[dict]:
         if not isinstance(d, dict) or not isinstance(d.get("runs"), list):
             continue
         date = str(d.get("date") or "")
+        older = date < since or os.path.basename(path) in TAKEN_BACK
         dev = d.get("device")
         name = dev.get("name") if isinstance(dev, dict) else dev
         if not name:  # a header written before its GPU was named: the GPU its runs name, where they agree
@@ -79,7 +83,7 @@ def runs(since: str = SINCE) -> list[dict]:
         for i, r in enumerate(d["runs"]):
             shipped = _shipped_config_run(r) if kind is not None else None
             if shipped is not None:  # a `megatrain-jax train` run of a shipped config (shipped_configs.py)
-                out.append({"file": os.path.relpath(path, REPO), "date": date, "older": date < since,
+                out.append({"file": os.path.relpath(path, REPO), "date": date, "older": older,
                             "run": r["config"], "kind": kind, "host_cores": cores, **shipped})
                 continue
             if not (isinstance(r, dict) and r.get("system") == "megatrain_jax" and r.get("status") == "ok"
@@ -94,7 +98,7 @@ def runs(since: str = SINCE) -> list[dict]:
                 continue
             cfg = preset(shape, layers=r["model"]["layers"], vocab_size=r["model"]["vocab"])
             gpus = r.get("num_gpus") or 1
-            out.append({"file": os.path.relpath(path, REPO), "date": date, "older": date < since,
+            out.append({"file": os.path.relpath(path, REPO), "date": date, "older": older,
                         "run": r.get("config", str(i)), "kind": kind,
                         "gpus": gpus, "host_cores": cores, "cfg": cfg, "shape": shape, "engine": EngineConfig(**engine),
                         "rows": r["tokens_per_step"] // r["seq_len"], "seq_len": r["seq_len"],
