@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from types import SimpleNamespace
 
 import jax
@@ -16,6 +17,7 @@ from flax.nnx import traversals
 from megatrain_jax import Batch, Decoder, Engine, EngineConfig, NonFiniteError, ReferenceTrainer, adamw, preset
 from megatrain_jax.contract.layered import ContractError
 from megatrain_jax.engine.parts import IO, PartId
+from megatrain_jax.engine.schedule import Op
 
 TOL = 1e-5
 
@@ -506,6 +508,43 @@ def test_a_restored_part_drops_its_pending_gpu_update_and_close_runs_the_rest():
     engine.close()
     assert not engine._runner.pending and engine._runner._copier._shutdown
     assert not np.array_equal(before, np.asarray(jax.tree.leaves(engine.state[b1].params)[0]))
+
+
+def test_blocks_updated_on_the_gpu_are_brought_one_after_another():
+    """Copies in flight at once share the link and land together, so the first visit would wait for all of them:
+    the bring thread issues a block's state only once the block before it has landed."""
+    import threading
+
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(gpu_updated_layers=2))
+    engine.step(make_batches(1)[0]).resolve()
+    runner, b0, b1 = engine._runner, PartId.block(0), PartId.block(1)
+    land, issued = threading.Event(), []
+
+    class InFlight:  # a copy that lands when the test says so
+        def block_until_ready(self):
+            land.wait(10)
+            return self
+
+    real = runner.policy.device.bring
+
+    def bring(record):
+        issued.append(record)
+        return (InFlight(), real(record)) if len(issued) == 1 else real(record)
+
+    runner.policy.device.bring = bring
+    try:
+        first = runner.bring(None, Op("bring", b0))
+        second = runner.bring(None, Op("bring", b1))
+        time.sleep(0.2)
+        assert len(issued) == 1 and not first.done() and not second.done()  # b1 waits for b0 to land
+        land.set()
+        first.result(10), second.result(10)
+        assert issued == [engine.state[b0], engine.state[b1]]
+    finally:
+        land.set()
+        runner.policy.device.bring = real
+        runner.brought.clear()
+        engine.close()
 
 
 def test_nonfinite_step_skipped_on_blocks_updated_on_the_gpu_too():
