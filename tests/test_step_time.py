@@ -104,20 +104,24 @@ def test_a_slow_link_bounds_the_step_by_pcie():
     assert p.bound == "h2d" and p.seconds >= p.h2d_bytes / 1e9
 
 
-def test_a_link_shared_by_both_directions_makes_each_copy_wait_for_those_before_it_either_way():
+def test_a_link_shared_by_both_directions_slows_copies_that_meet_on_it_and_no_others():
     """``link_bytes``: copies each way share the link. Blocks updated on the GPU send their state home while the
-    next blocks' fetches come over: with a shared link the step is slower than with a full-duplex one, the
-    link's busy seconds are both directions' bytes at its rate, and a link as fast as both ways together
-    changes nothing."""
+    next blocks' fetches come over: with a shared link the step is slower than with a full-duplex one, and the
+    link's busy seconds are both directions' bytes at its rate. A link as fast as need be changes nothing, even
+    where a copy home waits for the GPU's work before it starts (a copy that has not started holds no link)."""
     e = EngineConfig(micro_batches=1, stream_dtype="bfloat16", gpu_updated_layers=4)
-    full = predict(CFG, e, 2, 2048, QUIET)
+    fast_host = QUIET.replace(host_update={k: 20 * v for k, v in QUIET.host_update.items()})  # not memory-bound
+    full = predict(CFG, e, 8, 2048, fast_host)
     rate = QUIET.h2d_bytes + QUIET.d2h_bytes
-    shared = predict(CFG, e, 2, 2048, QUIET.replace(link_bytes=0.6 * rate))
-    assert shared.seconds > full.seconds and full.busy["link"] == 0.0
+    shared = predict(CFG, e, 8, 2048, fast_host.replace(link_bytes=0.6 * rate))
+    assert full.seconds > full.busy["memory"] and full.busy["link"] == 0.0
+    assert shared.seconds > 1.05 * full.seconds
     assert shared.busy["link"] == pytest.approx((shared.h2d_bytes + shared.d2h_bytes) / (0.6 * rate), rel=1e-6)
-    wide = predict(CFG, e, 2, 2048, QUIET.replace(link_bytes=1e6 * rate))
-    assert wide.seconds == pytest.approx(full.seconds, rel=1e-6)
+    for g in (e, dataclasses.replace(e, accumulate_steps=2)):
+        wide = predict(CFG, g, 8, 2048, fast_host.replace(link_bytes=1e6 * rate))
+        assert wide.seconds == pytest.approx(predict(CFG, g, 8, 2048, fast_host).seconds, rel=1e-4)
     assert SPEEDS["H200"].link_bytes < SPEEDS["H200"].h2d_bytes + SPEEDS["H200"].d2h_bytes
+    assert SPEEDS["GH200"].link_bytes is None  # its host link is not the H200's PCIe
 
 
 def test_resident_blocks_trade_transfers_for_their_update_on_the_gpu():
@@ -167,6 +171,9 @@ def test_a_calibration_file_replaces_the_rates_it_names(tmp_path):
     f.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read the calibration file"):
         from_file(f, H100)
+    for given, link in ((5e10, 5e10), (None, None)):  # null: each way at its own rate, whatever the base says
+        f.write_text(json.dumps({"link_bytes": given}))
+        assert from_file(f, SPEEDS["H200"]).link_bytes == link
 
 
 def test_plan_prints_the_predicted_step_for_a_named_gpu(capsys):

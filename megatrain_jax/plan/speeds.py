@@ -166,7 +166,9 @@ L40S = dataclasses.replace(
     RTX_4090, name="L40S / RTX 6000 Ada (48 GB), 16-core desktop host: predicted from specifications",
     matmul_flops=260e12, attention_flops=190e12,  # 362 TFLOP/s bfloat16 dense on the sheet, held by its 350 W limit
     hbm_bytes=0.86e12)
-SPEEDS: dict[str, Speeds] = {"H100": H100, "H200": H200, "GH200": H200, "RTX 4090": RTX_4090, "L40S": L40S,
+# The GH200 reaches its host over NVLink-C2C, not PCIe: the H200's rates otherwise, its link's not measured
+GH200 = dataclasses.replace(H200, name="GH200: the H200's rates, its host link not measured", link_bytes=None)
+SPEEDS: dict[str, Speeds] = {"H100": H100, "H200": H200, "GH200": GH200, "RTX 4090": RTX_4090, "L40S": L40S,
                              "RTX 6000 ADA": L40S}
 
 
@@ -207,6 +209,8 @@ def from_file(path: str | os.PathLike, base: Speeds) -> Speeds:
             given[key] = {**getattr(base, key), **value}
         elif key == "hosts":
             raise ValueError(f"{path}: a calibration file holds one host's rates (its host_cores), not hosts")
+        elif key == "link_bytes" and value is None:
+            continue  # null: each way at its own rate (a full-duplex link)
         elif key not in ("name", "source") and not _positive(value):
             raise ValueError(f"{path}: {key} must be a positive number, got {value!r}")
     # a file's rates are its own host's: other hosts' records do not apply to it

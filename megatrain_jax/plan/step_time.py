@@ -11,8 +11,8 @@ machine's rates (``speeds.Speeds``):
 - the **copy engines**, host to GPU (weights, offloaded activations back) and GPU to host (gradients,
   offloaded activations out), one transfer at a time each, each at its direction's rate; where the link carries
   less both ways at once than twice one way (``Speeds.link_bytes``: the H200's 60 GB/s against 54 each way), a
-  transfer also waits for the link to carry what was issued before it either way (the ``link`` queue), so a
-  fetch issued behind copies home waits for them;
+  transfer also takes the link's time at that rate, in the first gap the link leaves it from when it can start
+  (the ``link`` lane), so a fetch issued while copies home are under way waits for them;
 - the **host worker** runs each host part's AdamW (split in two halves where the update splits: the stream
   copy first, in forward order, then masters and moments, last part first: ``engine.update.policy``).
 
@@ -223,6 +223,7 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     streamed = host_parts | set(roles.gpu_updated)
 
     rates = {"h2d": s.h2d_bytes, "d2h": s.d2h_bytes}
+    link: list[tuple[float, float]] = []  # the link's busy intervals, in time order (``Speeds.link_bytes``)
 
     def move(queue: str, start: float, nbytes: float) -> float:
         nonlocal h2d, d2h
@@ -232,10 +233,11 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
             d2h += nbytes
         if not s.link_bytes:
             return run(queue, start, nbytes / rates[queue])
-        # a link shared by both directions: a copy starts once the link has carried what was queued before it,
-        # either way, and takes its bytes at its own direction's rate
-        begin = max(start, free[queue], free["link"])
-        run("link", begin, nbytes / s.link_bytes)
+        # a link shared by both directions: a copy takes its bytes at its own direction's rate, in the first time
+        # from when it can start that the link has free for them at the link's rate (a copy still waiting for the
+        # work it copies holds nothing: a later one may go first)
+        begin = _place(link, max(start, free[queue]), nbytes / s.link_bytes)
+        busy["link"] += nbytes / s.link_bytes
         return run(queue, begin, nbytes / rates[queue])
 
     def run(queue: str, start: float, seconds: float) -> float:
@@ -264,8 +266,9 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
                         fetched[op.part] = run("gpu", t, n.cast[op.part])
                 elif op.kind == "bring":  # a GPU-updated part's state over, at the step's start
                     brought[op.part] = move("h2d", t, n.visit[op.part][0])
-                elif op.kind == "visit":  # its update on the GPU, then the state home (the backward's fetch reads
-                    fetched[op.part] = run("gpu", max(t, brought[op.part]), n.device_update[op.part])  # its copy)
+                elif op.kind == "visit":  # the engine waits for the state to land, runs the update on the GPU,
+                    t = max(t, brought[op.part])  # then sends the state home (the backward's fetch reads its copy)
+                    fetched[op.part] = run("gpu", t, n.device_update[op.part])
                     ready_host[op.part] = move("d2h", fetched[op.part], n.visit[op.part][1])
                 elif op.kind == "load_acts":
                     fetched[op.part] = max(fetched[op.part], move("h2d", t, n.acts))
@@ -322,6 +325,21 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     resident = 1 - sum(cfg.block_param_count(p.layer) if not p.is_io else io_param_count(cfg)
                        for p in streamed) / cfg.param_count()
     return StepTime(seconds, bound, per_step, round(step_bytes["h2d"]), round(step_bytes["d2h"]), resident, s.name)
+
+
+def _place(busy: list[tuple[float, float]], start: float, seconds: float) -> float:
+    """The first time from ``start`` at which ``busy`` (intervals in time order, not overlapping) leaves
+    ``seconds`` free; the interval is added to it."""
+    t, at = start, len(busy)
+    for i, (a, b) in enumerate(busy):
+        if b <= t:
+            continue
+        if a >= t + seconds:
+            at = i
+            break
+        t = b
+    busy.insert(at, (t, t + seconds))
+    return t
 
 
 def machine_speeds(machine: Machine, speeds_file: str | None = None) -> Speeds | None:
