@@ -547,6 +547,23 @@ def test_blocks_updated_on_the_gpu_are_brought_one_after_another():
         engine.close()
 
 
+def test_a_failed_close_lets_go_of_the_state_brought_for_the_other_blocks():
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(gpu_updated_layers=2))
+    engine.step(make_batches(1)[0]).resolve()
+    runner = engine._runner
+    for part in list(runner.pending):
+        runner.bring(None, Op("bring", part))
+    assert len(runner.brought) == 2
+
+    def fail(*args, **kw):
+        raise RuntimeError("update failed")
+
+    runner.policy.update_visiting = fail
+    with pytest.raises(RuntimeError, match="update failed"):
+        runner.close()
+    assert not runner.brought and runner._copier._shutdown
+
+
 def test_nonfinite_step_skipped_on_blocks_updated_on_the_gpu_too():
     engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(gpu_updated_layers=2))
     m, unchanged = poison_and_step(engine)

@@ -238,11 +238,13 @@ class PassRunner:
             on_the_way.cancel() or on_the_way.exception()  # waited for: nothing copies the old record afterwards
 
     def close(self) -> None:
-        """Run the pending updates and stop the thread that brings state over."""
+        """Run the pending updates and stop the thread that brings state over; where one fails, the state brought
+        for the others is let go (their device buffers with it) before the failure is raised."""
         try:
             self.flush()
         finally:
             self._copier.shutdown(wait=True)
+            self.brought.clear()
 
     def release(self, p: Pass, op: Op):
         del p.params[op.part]
