@@ -10,7 +10,8 @@ What it measures, each as the model reads it (``megatrain_jax.plan.speeds.Speeds
   ``first_half_share`` is the first pass's share of the two; ``one_pass_speedup``, how much faster the same
   update runs in one pass, ``split_update=false``), the lean mode (one pass, no copy), capacity
   mode and 8-bit moments; ``host_cores`` is the cores it ran on;
-- on a GPU: PCIe each way (pinned host memory to the GPU and back, 1 GiB, best of a few); and, recorded apart
+- on a GPU: PCIe each way (pinned host memory to the GPU and back, 1 GiB, best of a few) and both ways at once
+  (``link_bytes``: the two copies' bytes over the time both take together); and, recorded apart
   as ceilings (``gpu_kernel_ceilings``, not read as calibration: the model's compute rates are a
   whole block's, fitted to runs, and below a lone kernel's), the GPU's bfloat16 matrix products at a block's
   shapes (``--hidden``/``--ffn``/``--tokens``) and causal flash attention's forward at ``--seq``.
@@ -94,6 +95,7 @@ def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: in
     on_gpu = pl.to_device(host)
     h2d = best_seconds(lambda: jax.block_until_ready(pl.to_device(host)), reps)
     d2h = best_seconds(lambda: jax.block_until_ready(pl.copy_to_host(on_gpu)), reps)
+    both = best_seconds(lambda: jax.block_until_ready((pl.to_device(host), pl.copy_to_host(on_gpu))), reps)
     x = jnp.ones((tokens, hidden), jnp.bfloat16)
     w_up, w_down = jnp.ones((hidden, ffn), jnp.bfloat16), jnp.ones((ffn, hidden), jnp.bfloat16)
     mm = jax.jit(lambda x, a, b: (x @ a) @ b)
@@ -102,7 +104,8 @@ def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: in
     q = jnp.ones((rows, seq, heads, d), jnp.bfloat16)
     attn = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True))
     attn_s = best_seconds(lambda: jax.block_until_ready(attn(q)), reps)
-    return {"h2d_bytes": round(2 ** 30 / h2d, -6), "d2h_bytes": round(2 ** 30 / d2h, -6)}, {
+    return {"h2d_bytes": round(2 ** 30 / h2d, -6), "d2h_bytes": round(2 ** 30 / d2h, -6),
+            "link_bytes": round(2 ** 31 / both, -6)}, {
         "matmul_flops": round(4 * tokens * hidden * ffn / mm_s, -9),
         "attention_flops": round(2 * heads * d * seq * rows * seq / attn_s, -9)}
 
