@@ -58,7 +58,7 @@ def host_block(p: Placement, shp: list, dtype, copies: int) -> list:
     out = []
     for s in shp:
         for _ in range(copies):
-            out.append(jax.jit(lambda s=s: jnp.ones(s, dtype), out_shardings=p.host_for(np.zeros(s, np.int8)))())
+            out.append(jax.jit(lambda s=s: jnp.ones(s, dtype), out_shardings=p.host)())
     jax.block_until_ready(out)
     return out
 

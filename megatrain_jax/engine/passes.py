@@ -442,10 +442,11 @@ def device_batches(placement: Placement, batch: Batch, n_micro: int) -> list[Bat
 
 
 def block_until_done(out: Any) -> None:
-    """Wait for what a handler returned: device arrays, or futures (of host-worker tasks, or of a ``bring``'s
-    copies, whose arrays are then waited for too)."""
+    """Wait for what a handler returned: device arrays, or futures (of host-worker tasks, or of a ``bring``, done
+    once its copies have landed)."""
     futures = out if isinstance(out, list) else [out]
     if futures and all(hasattr(f, "result") for f in futures):
-        jax.block_until_ready([f.result() for f in futures])
+        for f in futures:
+            f.result()
     elif out is not None:
         jax.block_until_ready(out)

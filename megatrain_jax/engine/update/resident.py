@@ -92,8 +92,7 @@ class DeviceUpdater:
         Returns the updated record in pinned host memory (masters, moments, compute copy; the copies home are
         queued, not waited for) and the part's new weights on the device, for the forward that asked for them."""
         new = self._visit(Part(*brought, None), grads, scale, ok)
-        home = Part(*self.placement.to_host((new.params, new.opt)),
-                    None if new.stream is None else self.placement.to_host(new.stream))
+        home = Part(*self.placement.to_host((new.params, new.opt, new.stream)))  # one batched copy home
         return home, new.streamed()
 
     def update(self, part: Part, grads: Params, scale: jax.Array, ok: jax.Array) -> Part:
