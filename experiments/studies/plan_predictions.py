@@ -8,6 +8,7 @@
 - bench.py's ``13b_8k`` on one H200 of the 2-GPU host: the layouts that ran and the search's pick (resident blocks'
   compute copies kept or cast, ``engine.resident_copy``; blocks updated on the GPU, ``gpu_updated_layers``), and
   its pick without blocks updated on the GPU;
+- bench.py's ``13b_32k`` there: the layout that ran at d827385 and the search's pick;
 - bench.py's 3.5B rows with nothing resident on one H200 of the 16- and the 32-core host, with and without blocks
   updated on the GPU;
 - ``rtx4090_sft_8b`` on a 24 GB card with 64 GB of host: each option ``plan`` offers (``plan.levers.options``),
@@ -101,6 +102,23 @@ def thirteen_b_8k_on_x2() -> dict:
             "picked": {**layout(picked), "said": said, "predicted_step": _step(cfg, picked, rows, s)}}
 
 
+def thirteen_b_32k_on_x2() -> dict:
+    """bench.py's ``13b_32k`` on one H200 of the 2-GPU host (32-core rates, the 126.4 GiB XLA had there): the layout
+    that ran at d827385 (h200x2_side_by_side_13b_d827385.json: 5 resident, the last 21 keeping products) and the
+    search's pick as the config runs now."""
+    sys.path.insert(0, os.path.join(REPO, "experiments"))
+    from bench import CONFIGS  # noqa: E402
+    bench = CONFIGS["13b_32k"]
+    cfg, e, rows, s = preset(bench.preset), bench.engine, bench.rows, for_gpu("H200", None, 32)
+    ran = dataclasses.replace(e, resident_layers=5, kept_layers=21, gpu_updated_layers=0)
+    picked, said = fastest(cfg, e, rows, SEQ, s, host_ram_bytes=240 * GiB, gpu_bytes=int(126.4 * GiB))
+    layout = lambda c: {"resident_layers": c.resident_layers, "kept_layers": c.kept_layers,  # noqa: E731
+                        "resident_copy": c.resident_copy, "gpu_updated_layers": c.gpu_updated_layers}
+    return {"system": "plan", "config": "13b_32k_h200x2", "gpu_gib": 126.4, "host_gib": 240, "host_cores": 32,
+            "as_run_d827385": {**layout(ran), "predicted_step": _step(cfg, ran, rows, s)},
+            "picked": {**layout(picked), "said": said, "predicted_step": _step(cfg, picked, rows, s)}}
+
+
 def streamed_3p5b() -> list[dict]:
     """bench.py's 3.5B rows with nothing resident (8K and 32K tokens) on one H200 of the 16-core host (125.9 GiB,
     118 of it for the run) and of the 32-core one: the search's pick with blocks updated on the GPU
@@ -180,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    runs = scale_rows() + [l40s_on_x2(), rtx4090_on_64(), thirteen_b_8k_on_x2()] + streamed_3p5b()
+    runs = scale_rows() + [l40s_on_x2(), rtx4090_on_64(), thirteen_b_8k_on_x2(), thirteen_b_32k_on_x2()] + streamed_3p5b()
     record = {**results_header(args.out, __file__), "runs": runs,
               "note": "predictions of the plan and the step-time model, not measurements"}
     with open(args.out, "w") as f:
