@@ -526,15 +526,16 @@ def test_gradients_waiting_on_the_gpu_leave_host_memory_one_part_at_a_time():
 
 def test_blocks_updated_on_the_gpu_hold_their_state_pinned_and_their_gradients_on_the_gpu():
     """``gpu_updated_layers``: those blocks' masters and moments are pinned (they cross PCIe), with one block's
-    record coming home beside the one it replaces; their gradients never come home. On the GPU their gradients
+    record coming home beside the one it replaces (and room for two more); their gradients never come home. On the GPU their gradients
     wait from one backward to the next forward, and their masters and moments from the step's start (``bring``) to
     their visit: more GPU memory than the same blocks streamed and host-updated, less than keeping them."""
     e = EngineConfig(micro_batches=2)
     Pl = layer_param_count(EIGHT_B)
     base = plan(EIGHT_B, e, 2, 2048, **BIG)
     visiting = plan(EIGHT_B, dataclasses.replace(e, gpu_updated_layers=4), 2, 2048, **BIG)
-    # pinned: + masters and moments of 4 blocks, + one block's record (masters, moments, copy), - 4 float32 gradients
-    assert visiting.host_pinned - base.host_pinned == 12 * 4 * Pl + 14 * Pl - 4 * 4 * Pl
+    # pinned: + masters and moments of 4 blocks, + one block's record (masters, moments, copy) and room for two more
+    # (ROOM_FOR_RECORDS: a pool fitted without it ran out on the H200), - 4 float32 gradients
+    assert visiting.host_pinned - base.host_pinned == 12 * 4 * Pl + 3 * 14 * Pl - 4 * 4 * Pl
     pageable = lambda p: sum(v for k, v in p.host.items() if k.startswith("pageable:"))  # noqa: E731
     assert pageable(base) - pageable(visiting) == 12 * 4 * Pl
     kept = plan(EIGHT_B, dataclasses.replace(e, resident_layers=4), 2, 2048, **BIG)

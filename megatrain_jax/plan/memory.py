@@ -46,6 +46,9 @@ from megatrain_jax.plan.machine import (GPU_CLIENT_HOST_SHARE, GPU_FRAGMENTATION
                                         PINNED_RSS_OVERHEAD, available_disk_bytes, available_gpu_bytes,
                                         available_host_bytes, fitted_pool_limit, pinned_pool_bytes)
 
+# Room in XLA's pinned pool for GPU-updated blocks' records beyond the two a visit holds (``plan``), in records.
+ROOM_FOR_RECORDS = 2
+
 
 class MemoryPlanError(RuntimeError):
     """The run does not fit in host or GPU memory; the message lists the numbers and what would fit."""
@@ -312,8 +315,16 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
                    f"B/param, brought over and sent home each step)"] = (
                 (mode.master_bytes if mode.stream_copy else 0) + mb) * kernel
     if visiting:  # a visit's new record comes home beside the one it replaces (its copy to the GPU is done)
-        pinned["one GPU-updated block's record coming home beside the one it replaces"] = (
-            (mode.master_bytes + mb + (mode.to_gpu_bytes if mode.stream_copy else 0)) * max(visiting))
+        record = (mode.master_bytes + mb + (mode.to_gpu_bytes if mode.stream_copy else 0)) * max(visiting)
+        pinned["one GPU-updated block's record coming home beside the one it replaces"] = record
+        # Measured: 13B at 32K tokens with one such block ran out of a pool fitted to these arrays (53.2 GiB,
+        # capped at 63) at its first update on the GPU, and held with the cap at 80
+        # (experiments/results/h200x2_side_by_side_13b_abfe3c3.json, ..._13b_pool80_abfe3c3.json). Which of the
+        # pool's arrays outlive their count is not found; the records' float32 arrays (a 13B matrix 270 MiB)
+        # cannot take the holes the bfloat16 gradients leave. Two more records' room, so that the fitted cap
+        # holds them.
+        pinned[f"room for GPU-updated records beyond that (two more; a pool fitted without it ran out, "
+               f"measured)"] = ROOM_FOR_RECORDS * record
     if on_disk:  # the one updating, two read ahead, one being written behind
         pageable[f"disk tier: moments of up to {min(4, e.disk_parts)} blocks in memory (updating, read ahead, "
                  f"written behind)"] = mb * layer_param_count(c) * min(4, e.disk_parts)
