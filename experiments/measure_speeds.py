@@ -10,11 +10,13 @@ What it measures, each as the model reads it (``megatrain_jax.plan.speeds.Speeds
   ``first_half_share`` is the first pass's share of the two; ``one_pass_speedup``, how much faster the same
   update runs in one pass, ``split_update=false``), the lean mode (one pass, no copy), capacity
   mode and 8-bit moments; ``host_cores`` is the cores it ran on;
-- on a GPU: PCIe each way (pinned host memory to the GPU and back, 1 GiB, best of a few) and both ways at once
-  (``link_bytes``: the two copies' bytes over the time both take together); and, recorded apart
-  as ceilings (``gpu_kernel_ceilings``, not read as calibration: the model's compute rates are a
-  whole block's, fitted to runs, and below a lone kernel's), the GPU's bfloat16 matrix products at a block's
-  shapes (``--hidden``/``--ffn``/``--tokens``) and causal flash attention's forward at ``--seq``.
+- on a GPU: PCIe each way and both ways at once (``link_bytes``: the two copies' bytes over the time both take
+  together), each as the engine copies a block's state (its float32 masters and moments at ``--hidden``/``--ffn``,
+  21 arrays, through ``Placement``; best of a few); and, recorded apart (``gpu_kernel_ceilings``, not read as
+  calibration): both ways with one 1 GiB array each way (nearly full duplex where a block's arrays are not),
+  the GPU's bfloat16 matrix products at a block's shapes (``--hidden``/``--ffn``/``--tokens``; the model's
+  compute rates are a whole block's, fitted to runs, and below a lone kernel's) and causal flash attention's
+  forward at ``--seq``.
 
 The results file (name, command, git_commit, device, date, runs) holds the rates under ``runs[0].speeds``; it
 is the file to give ``--speeds`` (``plan.speeds.from_file`` reads them from it).
@@ -90,12 +92,23 @@ def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: in
         return {}, {}
     from megatrain_jax.engine.transfer import Placement, select_devices
     pl = Placement(select_devices(1))  # one GPU's own link (the model's rate is per GPU)
-    host = pl.to_host(jnp.zeros((1 << 29,), jnp.bfloat16))  # 1 GiB pinned
-    jax.block_until_ready(host)
-    on_gpu = pl.to_device(host)
-    h2d = best_seconds(lambda: jax.block_until_ready(pl.to_device(host)), reps)
-    d2h = best_seconds(lambda: jax.block_until_ready(pl.copy_to_host(on_gpu)), reps)
-    both = best_seconds(lambda: jax.block_until_ready((pl.to_device(host), pl.copy_to_host(on_gpu))), reps)
+    # The engine's copies as it makes them: a block's float32 masters and moments (its matrices at --hidden and
+    # --ffn, three arrays each), each way through Placement. One large array each way runs nearly twice one way
+    # both at once on the H200 (96 GB/s), where a block's arrays got 56-63 (experiments/studies/NOTES.md,
+    # 2026-11-30): the model takes the block's figures; the one array's are kept apart.
+    shapes = [(hidden, hidden)] * 4 + [(hidden, ffn)] * 2 + [(ffn, hidden)]
+    state = [pl.to_host(jnp.zeros(s, jnp.float32)) for s in shapes for _ in range(3)]
+    jax.block_until_ready(state)
+    on_gpu = pl.to_device(state)
+    jax.block_until_ready(on_gpu)
+    nbytes = sum(a.nbytes for a in state)
+    h2d = best_seconds(lambda: jax.block_until_ready(pl.to_device(state)), reps)
+    d2h = best_seconds(lambda: jax.block_until_ready(pl.to_host(on_gpu)), reps)
+    both = best_seconds(lambda: jax.block_until_ready((pl.to_device(state), pl.to_host(on_gpu))), reps)
+    one = pl.to_host(jnp.zeros((1 << 29,), jnp.bfloat16))  # 1 GiB pinned, one array
+    one_on_gpu = pl.to_device(one)
+    jax.block_until_ready((one, one_on_gpu))
+    one_both = best_seconds(lambda: jax.block_until_ready((pl.to_device(one), pl.to_host(one_on_gpu))), reps)
     x = jnp.ones((tokens, hidden), jnp.bfloat16)
     w_up, w_down = jnp.ones((hidden, ffn), jnp.bfloat16), jnp.ones((ffn, hidden), jnp.bfloat16)
     mm = jax.jit(lambda x, a, b: (x @ a) @ b)
@@ -104,8 +117,9 @@ def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: in
     q = jnp.ones((rows, seq, heads, d), jnp.bfloat16)
     attn = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True))
     attn_s = best_seconds(lambda: jax.block_until_ready(attn(q)), reps)
-    return {"h2d_bytes": round(2 ** 30 / h2d, -6), "d2h_bytes": round(2 ** 30 / d2h, -6),
-            "link_bytes": round(2 ** 31 / both, -6)}, {
+    return {"h2d_bytes": round(nbytes / h2d, -6), "d2h_bytes": round(nbytes / d2h, -6),
+            "link_bytes": round(2 * nbytes / both, -6)}, {
+        "one_array_link_bytes": round(2 ** 31 / one_both, -6),
         "matmul_flops": round(4 * tokens * hidden * ffn / mm_s, -9),
         "attention_flops": round(2 * heads * d * seq * rows * seq / attn_s, -9)}
 
