@@ -320,9 +320,9 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         # Measured: 13B at 32K tokens with one such block ran out of a pool fitted to these arrays (53.2 GiB,
         # capped at 63) at its first update on the GPU, and held with the cap at 80
         # (experiments/results/h200x2_side_by_side_13b_abfe3c3.json, ..._13b_pool80_abfe3c3.json). Which of the
-        # pool's arrays outlive their count is not found; the records' float32 arrays (a 13B matrix 270 MiB)
-        # cannot take the holes the bfloat16 gradients leave. Two more records' room, so that the fitted cap
-        # holds them.
+        # pool's arrays outlive their count is not found (perhaps the records' float32 arrays, a 13B matrix 270
+        # MiB, not fitting the holes the bfloat16 gradients leave). Two more records' room, so that the fitted
+        # cap holds them.
         pinned[f"room for GPU-updated records beyond that (two more; a pool fitted without it ran out, "
                f"measured)"] = ROOM_FOR_RECORDS * record
     if on_disk:  # the one updating, two read ahead, one being written behind
