@@ -852,6 +852,22 @@ def test_the_layer_compute_study_times_each_of_our_blocks_and_counts_its_flops(t
     assert len(peer) == 1 and (peer[0].get("status", "").startswith("not run") or peer[0]["forward_s"] > 0)
 
 
+def test_the_layer_compute_study_runs_our_half_once_per_xla_flags_variant(tmp_path):
+    """``--xla-flags "V1;V2"``: our half once per variant, each in its own process, its records marked with the
+    variant; a flag XLA does not know ends that variant's child, recorded as an error, and the others still run."""
+    out = tmp_path / "layer.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    subprocess.run([sys.executable, str(REPO / "experiments" / "studies" / "layer_compute.py"), "--preset", "tiny",
+                    "--rows", "2", "--seq", "16", "--steps", "1", "--halves", "ours",
+                    "--xla-flags", ";--xla_cpu_use_thunk_runtime=true;--xla_no_such_flag_here=1", "--out", str(out)],
+                   cwd=REPO, check=True, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True)
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["xla_flags"] for r in runs] == ["", "", "--xla_cpu_use_thunk_runtime=true",
+                                              "--xla_cpu_use_thunk_runtime=true", "--xla_no_such_flag_here=1"]
+    assert all(r["forward_s"] > 0 for r in runs[:4])
+    assert runs[4]["status"].startswith("error")
+
+
 def test_zero3s_best_settings_at_13b_are_the_bar_and_each_run_says_where_its_state_lives():
     cz = load_script("compare_zero3")
     full = {"zero_optimization": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}}

@@ -20,6 +20,11 @@ Hardware FLOPs count what each runs: the forward's matrix products (2 per weight
 forward (flash attention's backward), plus the recomputed forward where there is one (its attention too,
 unless the residuals are kept). ``--trace-dir``: one profiled step of each (jax.profiler, torch.profiler).
 Without a GPU the ``ours`` half still runs (small shapes: ``--preset tiny``), for the tests.
+
+``--xla-flags "V1;V2;..."`` runs our half once per variant of ``XLA_FLAGS`` (added to any set already; an empty
+variant is the baseline), each in its own process since XLA reads its flags once: which code-generation flags make
+the block faster (e.g. ``--xla_gpu_enable_triton_gemm=false``, ``--xla_gpu_enable_command_buffer=``). A flag this
+XLA does not know ends its child with an error, recorded as that variant's status.
 """
 
 from __future__ import annotations
@@ -188,6 +193,9 @@ def main() -> None:
                     help="SlideFormer's wheels (scripts/build_peer_wheels.sh), put first on the peer's sys.path")
     ap.add_argument("--half", default=None, help=argparse.SUPPRESS)  # the child process's half
     ap.add_argument("--out", default=None)
+    ap.add_argument("--xla-flags", default=None,
+                    help="';'-separated XLA_FLAGS variants: our half runs once per variant, each in its own process "
+                         "(an empty variant is the baseline), e.g. ';--xla_gpu_enable_triton_gemm=false'")
     args = ap.parse_args()
     if args.half:
         print(json.dumps({"runs": {"ours": ours, "slideformer": slideformer}[args.half](args)}))
@@ -195,11 +203,23 @@ def main() -> None:
     if not args.out:
         ap.error("--out is required")
     runs = []
+    variants = [v.strip() for v in args.xla_flags.split(";")] if args.xla_flags is not None else [None]
+    base = os.environ.get("XLA_FLAGS", "")
     for half in args.halves.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--half", half] + [
-            a for a in sys.argv[1:] if not a.startswith("--out") and a != args.out]
-        got = run_child(cmd, timeout=600, system=half)
-        runs += got.get("runs", [got])
+            a for a in sys.argv[1:] if not (a.startswith(("--out", "--xla-flags")) or a in (args.out, args.xla_flags))]
+        for flags in (variants if half == "ours" else [None]):  # XLA's flags are read once, at its start
+            if flags is not None:
+                os.environ["XLA_FLAGS"] = f"{base} {flags}".strip()
+            got = run_child(cmd, timeout=600, system=half, **({"xla_flags": flags} if flags is not None else {}))
+            os.environ["XLA_FLAGS"] = base
+            if not base:
+                del os.environ["XLA_FLAGS"]
+            got_runs = got.get("runs", [got])
+            if flags is not None:
+                for r in got_runs:
+                    r["xla_flags"] = flags
+            runs += got_runs
     f = block_flops(args.preset, args.rows, args.seq)
     record = {**results_header(args.out, __file__), "preset": args.preset, "rows": args.rows, "seq_len": args.seq,
               "block_flops": f, "runs": runs}
