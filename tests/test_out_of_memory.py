@@ -241,6 +241,28 @@ def test_a_full_pinned_host_pool_is_named_and_the_advice_is_its_cap(tmp_path, mo
     assert f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={cap + 4}" in err and "device memory" not in err
 
 
+def test_a_full_pinned_host_pool_says_what_is_live_in_pinned_memory():
+    """The error of a full pinned pool counts the live arrays in pinned host memory (total, and the largest
+    groups by dtype and shape), so that what outgrew the plan's count shows; a GPU memory error does not."""
+    from megatrain_jax.engine.out_of_memory import pinned_census
+    from megatrain_jax.engine.transfer import Placement, select_devices
+    pl = Placement(select_devices(1))
+    before = pinned_census()
+    total_before = float(re.search(r"([\d.]+) GiB in (\d+)", before).group(1))
+    held = [pl.to_host(jax.numpy.zeros((1024, 512), jax.numpy.float32)) for _ in range(3)]  # 3 x 2 MiB
+    jax.block_until_ready(held)
+    said = pinned_census()
+    total, count = re.search(r"([\d.]+) GiB in (\d+)", said).groups()
+    assert float(total) == pytest.approx(total_before + 3 * 2 / 1024, abs=0.01)
+    assert "3 x float32[1024, 512] 0.01 GiB" in said
+    err = DeviceOutOfMemoryError.of(RuntimeError(HOST_POOL_OOM), "visit(block_00003)", op="visit", phase="forward",
+                                    updated=False)
+    assert err.host_pool and "live pinned arrays:" in str(err) and "float32[1024, 512]" in str(err)
+    assert "live pinned arrays" not in str(DeviceOutOfMemoryError.of(RuntimeError(XLA_OOM), "backward", op="b",
+                                                                       phase="backward", updated=False))
+    del held
+
+
 def test_the_pinned_host_pool_advice_says_who_set_the_cap(monkeypatch):
     from megatrain_jax import _environment
     from megatrain_jax.cli.run import _out_of_memory_advice

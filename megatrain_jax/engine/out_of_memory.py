@@ -38,8 +38,9 @@ class DeviceOutOfMemoryError(RuntimeError):
         """XLA's allocation failure ``err`` in ``where``: which memory ran out and the bytes asked for, read
         from its message."""
         host = in_host_pool(err)
-        return cls(f"out of {'pinned host' if host else 'device'} memory in {where}: {err}", op=op, phase=phase,
-                   updated=updated, requested=requested_bytes(err), host_pool=host)
+        census = f" ({pinned_census()})" if host else ""
+        return cls(f"out of {'pinned host' if host else 'device'} memory in {where}: {err}{census}", op=op,
+                   phase=phase, updated=updated, requested=requested_bytes(err), host_pool=host)
 
     @property
     def memory(self) -> str:
@@ -58,6 +59,30 @@ def in_host_pool(err: BaseException) -> bool:
     ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``) rather than the GPU's."""
     text = str(err)
     return "xla_gpu_host_bfc" in text or "Out of host memory" in text
+
+
+def pinned_census(largest: int = 5) -> str:
+    """What this process holds in pinned host memory now, in words: the live jax arrays of memory kind
+    ``pinned_host``, their total and the largest groups by dtype and shape (global bytes: a replicated array
+    counts once). Said when XLA's pinned pool runs out, against the memory plan's count of pinned arrays: what
+    outgrew its count shows there. Arrays freed but not yet returned to the pool, and the pool's fragmentation,
+    do not show."""
+    groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+    total = count = 0
+    for x in jax.live_arrays():
+        try:
+            if getattr(x.sharding, "memory_kind", None) != "pinned_host" or x.is_deleted():
+                continue
+            key, nbytes = (str(x.dtype), tuple(x.shape)), int(x.nbytes)
+        except Exception:  # an array being deleted by another thread
+            continue
+        group = groups.setdefault(key, [0, 0])
+        group[0] += 1
+        group[1] += nbytes
+        total, count = total + nbytes, count + 1
+    top = sorted(groups.items(), key=lambda kv: -kv[1][1])[:largest]
+    words = ", ".join(f"{n} x {dtype}{list(shape)} {b / 2**30:.2f} GiB" for (dtype, shape), (n, b) in top)
+    return f"live pinned arrays: {total / 2**30:.2f} GiB in {count}" + (f"; the largest groups: {words}" if top else "")
 
 
 _UNITS = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
