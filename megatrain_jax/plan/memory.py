@@ -323,8 +323,8 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
         # pool's arrays outlive their count is not found (perhaps the records' float32 arrays, a 13B matrix 270
         # MiB, not fitting the holes the bfloat16 gradients leave). Two more records' room, so that the fitted
         # cap holds them.
-        pinned[f"room for GPU-updated records beyond that (two more; a pool fitted without it ran out, "
-               f"measured)"] = ROOM_FOR_RECORDS * record
+        pinned["room for GPU-updated records beyond that (two more; a pool fitted without it ran out, "
+               "measured)"] = ROOM_FOR_RECORDS * record
     if on_disk:  # the one updating, two read ahead, one being written behind
         pageable[f"disk tier: moments of up to {min(4, e.disk_parts)} blocks in memory (updating, read ahead, "
                  f"written behind)"] = mb * layer_param_count(c) * min(4, e.disk_parts)
