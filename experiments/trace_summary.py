@@ -12,7 +12,10 @@ home after the step, do not count):
 - ``collective_exposed_ms``: collective time during which no compute kernel runs;
 - ``idle_ms``: time with neither compute nor a collective running (copies alone count as idle: the compute
   engine is not working);
-- ``top_collectives``: the collective kernels taking most time.
+- ``top_collectives``: the collective kernels taking most time;
+- ``compute_kinds_ms``: compute kernels' time summed by kind (attention, matrix products, XLA's other fusions, the
+  rest; overlaps between streams counted twice), and ``top_kernels``: the compute kernels taking most time, with
+  their calls.
 """
 
 from __future__ import annotations
@@ -65,6 +68,22 @@ def classify(name: str) -> str:
     return "compute"
 
 
+KERNEL_KINDS = (("attention", ("fmha", "sdpa", "flash", "attention", "cudnn")),
+                ("matmul", ("gemm", "xmma", "cutlass", "cublas", "matmul", "sm90_", "nvjet", "triton_gemm")),
+                ("fusion", ("fusion", "triton")))
+
+
+def _kinds(by_name: collections.Counter) -> dict[str, float]:
+    """Compute kernel time by kind: attention (cuDNN's), matrix products (cuBLAS, CUTLASS, Triton GEMMs), XLA's
+    other fusions, and the rest; each kernel counted under the first kind whose words its name holds."""
+    out = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for name, us in by_name.items():
+        low = name.lower()
+        kind = next((k for k, words in KERNEL_KINDS if any(w in low for w in words)), "other")
+        out[kind] += us
+    return out
+
+
 def summarize(trace_dir: str | Path) -> dict:
     files = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
     if not files:
@@ -79,6 +98,8 @@ def summarize(trace_dir: str | Path) -> dict:
     for pid, gpu in sorted(gpus.items(), key=lambda kv: kv[1]):
         spans: dict[str, list] = collections.defaultdict(list)
         collectives: collections.Counter = collections.Counter()
+        kernels_by_name: collections.Counter = collections.Counter()
+        kernel_calls: collections.Counter = collections.Counter()
         lines = collections.Counter()
         for e in events:
             if e.get("pid") != pid or e.get("ph") != "X":
@@ -92,6 +113,9 @@ def summarize(trace_dir: str | Path) -> dict:
             spans[kind].append((start, end))
             if kind == "collective":
                 collectives[e["name"][:80]] += end - start
+            elif kind == "compute":
+                kernels_by_name[e["name"][:80]] += end - start
+                kernel_calls[e["name"][:80]] += 1
         kernels = spans["compute"] + spans["collective"]
         if not kernels:
             out["devices"][gpu] = {"lines": sorted(set(threads.get((pid, t), "") for (p, t) in threads if p == pid))}
@@ -108,6 +132,8 @@ def summarize(trace_dir: str | Path) -> dict:
             "idle_ms": ms(span - _length(busy)),
             "stream_lines_ms": {k: ms(v) for k, v in lines.most_common(8)},
             "top_collectives": {k: ms(v) for k, v in collectives.most_common(6)},
+            "compute_kinds_ms": {k: ms(v) for k, v in _kinds(kernels_by_name).items()},
+            "top_kernels": {k: {"ms": ms(v), "calls": kernel_calls[k]} for k, v in kernels_by_name.most_common(12)},
         }
     return out
 

@@ -339,6 +339,8 @@ def test_trace_summary_splits_each_gpus_time_into_compute_collectives_copies_and
     assert (gpu["span_ms"], gpu["compute_ms"], gpu["collective_ms"], gpu["copy_ms"]) == (200.0, 150.0, 40.0, 10.0)
     assert gpu["collective_exposed_ms"] == 20.0 and gpu["idle_ms"] == 30.0  # 100-120 nccl alone; 120-150 nothing
     assert gpu["top_collectives"] == {"ncclDevKernel_AllGather_RING": 40.0}
+    assert gpu["compute_kinds_ms"] == {"attention": 0.0, "matmul": 50.0, "fusion": 100.0, "other": 0.0}
+    assert gpu["top_kernels"] == {"fusion_1": {"ms": 100.0, "calls": 1}, "gemm": {"ms": 50.0, "calls": 1}}
     assert out["devices"]["/device:GPU:1"] == {"lines": ["XLA Ops"]}  # no stream kernels: its lines, no numbers
     cli = subprocess.run([sys.executable, str(REPO / "experiments" / "trace_summary.py"), str(tmp_path)],
                          capture_output=True, text=True, check=True)

@@ -18,7 +18,9 @@ item): seconds per block and hardware TFLOP/s, each in its own process (JAX take
 Hardware FLOPs count what each runs: the forward's matrix products (2 per weight per token) and attention
 (2 x query width x keys seen per token, causal); the backward twice the products and 2.5 times attention's
 forward (flash attention's backward), plus the recomputed forward where there is one (its attention too,
-unless the residuals are kept). ``--trace-dir``: one profiled step of each (jax.profiler, torch.profiler).
+unless the residuals are kept). ``--trace-dir``: one profiled step of each (jax.profiler, torch.profiler); ours
+is summarized into the results file too (``trace_summary.py``: compute time by kernel kind, the top kernels), since
+the profiler's folders are too deep to come back from the device.
 Without a GPU the ``ours`` half still runs (small shapes: ``--preset tiny``), for the tests.
 
 ``--xla-flags "V1;V2;..."`` runs our half once per variant of ``XLA_FLAGS`` (added to any set already; an empty
@@ -108,13 +110,18 @@ def ours(args) -> list[dict]:
             engine.step(batch()).resolve()
         engine.sync()
         engine.stop_observing(observer)
+        trace = {}
         if args.trace_dir:
-            with jax.profiler.trace(os.path.join(args.trace_dir, f"ours_kept{kept}"), create_perfetto_trace=True):
+            where = os.path.join(args.trace_dir, f"ours_kept{kept}")
+            with jax.profiler.trace(where, create_perfetto_trace=True):
                 engine.step(batch()).resolve()
                 engine.sync()
+            from trace_summary import summarize  # the kernels by kind and the top ones, into the results file
+            trace = {"trace": summarize(where)}
         runs.append(summary("megatrain_jax", times["forward"], times["backward"],
                             hardware_flops(f, recompute=kept == 0, keep_residuals=True),
-                            {"kept_layers": kept, "keep_residuals": True, "device": jax.devices()[0].device_kind}))
+                            {"kept_layers": kept, "keep_residuals": True, "device": jax.devices()[0].device_kind,
+                             **trace}))
         engine.close()
         del engine
     return runs
