@@ -105,6 +105,7 @@ def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: in
     h2d = best_seconds(lambda: jax.block_until_ready(pl.to_device(state)), reps)
     d2h = best_seconds(lambda: jax.block_until_ready(pl.to_host(on_gpu)), reps)
     both = best_seconds(lambda: jax.block_until_ready((pl.to_device(state), pl.to_host(on_gpu))), reps)
+    del state, on_gpu
     one = pl.to_host(jnp.zeros((1 << 29,), jnp.bfloat16))  # 1 GiB pinned, one array
     one_on_gpu = pl.to_device(one)
     jax.block_until_ready((one, one_on_gpu))

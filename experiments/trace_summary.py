@@ -69,13 +69,15 @@ def classify(name: str) -> str:
 
 
 KERNEL_KINDS = (("attention", ("fmha", "sdpa", "flash", "attention", "cudnn")),
-                ("matmul", ("gemm", "xmma", "cutlass", "cublas", "matmul", "sm90_", "nvjet", "triton_gemm")),
+                ("matmul", ("gemm", "xmma", "cutlass", "cublas", "matmul", "sm90_", "nvjet")),
                 ("fusion", ("fusion", "triton")))
 
 
 def _kinds(by_name: collections.Counter) -> dict[str, float]:
-    """Compute kernel time by kind: attention (cuDNN's), matrix products (cuBLAS, CUTLASS, Triton GEMMs), XLA's
-    other fusions, and the rest; each kernel counted under the first kind whose words its name holds."""
+    """Compute kernel time by kind: attention (every cuDNN kernel: the block's only cuDNN calls, unless a flag
+    gives cuDNN GEMM fusions too), matrix products (cuBLAS, CUTLASS, Triton GEMMs), XLA's other fusions, and the
+    rest (gemv, split-K reductions among them); each kernel counted under the first kind whose words its name
+    holds, names cut to 80 characters."""
     out = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
     for name, us in by_name.items():
         low = name.lower()

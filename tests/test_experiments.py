@@ -861,12 +861,15 @@ def test_the_layer_compute_study_runs_our_half_once_per_xla_flags_variant(tmp_pa
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     subprocess.run([sys.executable, str(REPO / "experiments" / "studies" / "layer_compute.py"), "--preset", "tiny",
                     "--rows", "2", "--seq", "16", "--steps", "1", "--halves", "ours",
-                    "--xla-flags", ";--xla_cpu_use_thunk_runtime=true;--xla_no_such_flag_here=1", "--out", str(out)],
+                    "--xla-flags=--xla_cpu_use_thunk_runtime=true;;--xla_no_such_flag_here=1", "--out", str(out)],
                    cwd=REPO, check=True, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True)
     runs = json.loads(out.read_text())["runs"]
-    assert [r["xla_flags"] for r in runs] == ["", "", "--xla_cpu_use_thunk_runtime=true",
-                                              "--xla_cpu_use_thunk_runtime=true", "--xla_no_such_flag_here=1"]
+    assert [r["xla_flags"] for r in runs] == ["--xla_cpu_use_thunk_runtime=true", "--xla_cpu_use_thunk_runtime=true",
+                                              "", "", "--xla_no_such_flag_here=1"]
     assert all(r["forward_s"] > 0 for r in runs[:4])
+    assert load_script("studies/layer_compute")._without(
+        ["--a", "1", "--out", "x", "--xla-flags=y", "--b", "--out=z", "--xla-flags", ""], "--out", "--xla-flags") == [
+            "--a", "1", "--b"]
     assert runs[4]["status"].startswith("error")
 
 

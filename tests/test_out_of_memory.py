@@ -263,6 +263,26 @@ def test_a_full_pinned_host_pool_says_what_is_live_in_pinned_memory():
     del held
 
 
+def test_the_census_counts_the_failed_passs_own_pinned_arrays(monkeypatch):
+    """Offloaded activations are the pass's own pinned arrays: the census is taken before the failed pass lets
+    go of them, so a pool that they filled shows them (here the inputs of blocks 0 and 1, [2, 512, 32] for each
+    micro-batch, still in host memory at the first backward)."""
+    monkeypatch.setitem(globals(), "XLA_OOM", HOST_POOL_OOM)
+    inject(monkeypatch, "backward", during_step=2)
+    cfg = CFG.replace(layers=4)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    engine = Engine(model, default_optimizer(1e-3), EngineConfig(micro_batches=2, offload_activations=3))
+    rng = np.random.default_rng(0)
+    batches = [Batch.from_windows(rng.integers(0, cfg.vocab_size, (4, 513))) for _ in range(2)]  # the largest group
+    engine.step(batches[0]).resolve()
+    with pytest.raises(DeviceOutOfMemoryError) as caught:
+        engine.step(batches[1]).resolve()
+    said = str(caught.value)
+    assert caught.value.host_pool and "live pinned arrays" in said
+    assert f"x {cfg.dtype}[2, 512, 32]" in said, said[-400:]
+    engine.close()
+
+
 def test_the_pinned_host_pool_advice_says_who_set_the_cap(monkeypatch):
     from megatrain_jax import _environment
     from megatrain_jax.cli.run import _out_of_memory_advice

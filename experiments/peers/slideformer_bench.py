@@ -219,14 +219,20 @@ def run_slideformer(args, run: dict, checkpoint) -> None:
     # sees it: torch's CPU random fills are serial, and two of them (nn.Linear's, then HF's _init_weights) took
     # most of the 456 s the 13B model's build took on the CPU. The step is untouched; only the setup is faster.
     init_device = "cuda" if args.init_on_gpu else "cpu"
-    with torch.device(init_device):
-        base_model = model_cls.from_config(hf_cfg, attn_implementation=args.attn, dtype=torch.bfloat16)
+    try:
+        with torch.device(init_device):
+            base_model = model_cls.from_config(hf_cfg, attn_implementation=args.attn, dtype=torch.bfloat16)
+    except torch.cuda.OutOfMemoryError:  # a model larger than the GPU: built on the CPU, as before
+        base_model, init_device = None, "cpu"
+        torch.cuda.empty_cache()
+        with torch.device("cpu"):
+            base_model = model_cls.from_config(hf_cfg, attn_implementation=args.attn, dtype=torch.bfloat16)
     if init_device == "cuda":
         base_model.to("cpu")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    run["init_device"] = init_device
+    run["init_device"] = init_device  # the random weights differ from a CPU build's with the same seed
     base_model.config.use_cache = False
     n_params = sum(p.numel() for p in base_model.parameters())
     run["model"]["params_counted"] = int(n_params)

@@ -23,7 +23,8 @@ is summarized into the results file too (``trace_summary.py``: compute time by k
 the profiler's folders are too deep to come back from the device.
 Without a GPU the ``ours`` half still runs (small shapes: ``--preset tiny``), for the tests.
 
-``--xla-flags "V1;V2;..."`` runs our half once per variant of ``XLA_FLAGS`` (added to any set already; an empty
+``--xla-flags="V1;V2;..."`` (with ``=``: a value starting ``--`` is otherwise taken for an option) runs our half
+once per variant of ``XLA_FLAGS`` (added to any set already; an empty
 variant is the baseline), each in its own process since XLA reads its flags once: which code-generation flags make
 the block faster (e.g. ``--xla_gpu_enable_triton_gemm=false``, ``--xla_gpu_enable_command_buffer=``). A flag this
 XLA does not know ends its child with an error, recorded as that variant's status.
@@ -187,6 +188,19 @@ def slideformer(args) -> list[dict]:
                      "torch": torch.__version__, "device": torch.cuda.get_device_name(0)})]
 
 
+def _without(argv: list[str], *options: str) -> list[str]:
+    """``argv`` less each of ``options`` and its value (``--opt VALUE`` or ``--opt=VALUE``), by position."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in options:
+            skip = True
+        elif not a.startswith(tuple(f"{o}=" for o in options)):
+            out.append(a)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama2-13b")
@@ -201,8 +215,9 @@ def main() -> None:
     ap.add_argument("--half", default=None, help=argparse.SUPPRESS)  # the child process's half
     ap.add_argument("--out", default=None)
     ap.add_argument("--xla-flags", default=None,
-                    help="';'-separated XLA_FLAGS variants: our half runs once per variant, each in its own process "
-                         "(an empty variant is the baseline), e.g. ';--xla_gpu_enable_triton_gemm=false'")
+                    help="';'-separated XLA_FLAGS variants, given with '=': our half runs once per variant, each in its "
+                         "own process (an empty variant is the baseline), e.g. "
+                         "--xla-flags=';--xla_gpu_enable_triton_gemm=false'")
     args = ap.parse_args()
     if args.half:
         print(json.dumps({"runs": {"ours": ours, "slideformer": slideformer}[args.half](args)}))
@@ -213,8 +228,7 @@ def main() -> None:
     variants = [v.strip() for v in args.xla_flags.split(";")] if args.xla_flags is not None else [None]
     base = os.environ.get("XLA_FLAGS", "")
     for half in args.halves.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--half", half] + [
-            a for a in sys.argv[1:] if not (a.startswith(("--out", "--xla-flags")) or a in (args.out, args.xla_flags))]
+        cmd = [sys.executable, os.path.abspath(__file__), "--half", half] + _without(sys.argv[1:], "--out", "--xla-flags")
         for flags in (variants if half == "ours" else [None]):  # XLA's flags are read once, at its start
             if flags is not None:
                 os.environ["XLA_FLAGS"] = f"{base} {flags}".strip()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
 
@@ -34,12 +34,16 @@ class DeviceOutOfMemoryError(RuntimeError):
         self.host_pool = host_pool
 
     @classmethod
-    def of(cls, err: BaseException, where: str, *, op: str, phase: str, updated: bool) -> DeviceOutOfMemoryError:
+    def of(cls, err: BaseException, where: str, *, op: str, phase: str, updated: bool,
+           census: str | None = None) -> DeviceOutOfMemoryError:
         """XLA's allocation failure ``err`` in ``where``: which memory ran out and the bytes asked for, read
-        from its message."""
+        from its message; for the pinned pool, what was live in pinned memory (``census``, taken now if not
+        given: the caller takes it before letting go of arrays of its own)."""
         host = in_host_pool(err)
-        census = f" ({pinned_census()})" if host else ""
-        return cls(f"out of {'pinned host' if host else 'device'} memory in {where}: {err}{census}", op=op,
+        if host and census is None:
+            census = pinned_census()
+        said = f" ({census})" if host and census else ""
+        return cls(f"out of {'pinned host' if host else 'device'} memory in {where}: {err}{said}", op=op,
                    phase=phase, updated=updated, requested=requested_bytes(err), host_pool=host)
 
     @property
@@ -63,26 +67,35 @@ def in_host_pool(err: BaseException) -> bool:
 
 def pinned_census(largest: int = 5) -> str:
     """What this process holds in pinned host memory now, in words: the live jax arrays of memory kind
-    ``pinned_host``, their total and the largest groups by dtype and shape (global bytes: a replicated array
-    counts once). Said when XLA's pinned pool runs out, against the memory plan's count of pinned arrays: what
-    outgrew its count shows there. Arrays freed but not yet returned to the pool, and the pool's fragmentation,
-    do not show."""
-    groups: dict[tuple[str, tuple[int, ...]], list[int]] = {}
-    total = count = 0
-    for x in jax.live_arrays():
-        try:
-            if getattr(x.sharding, "memory_kind", None) != "pinned_host" or x.is_deleted():
+    ``pinned_host``, per GPU's pool (XLA keeps one per device, each under the cap: a replicated array counts in
+    each), the largest pool's total and its largest groups by dtype and shape. Said when XLA's pinned pool runs
+    out, against the memory plan's count of pinned arrays: what outgrew its count shows there. Arrays freed but
+    not yet back in the pool, and the pool's fragmentation, do not show. Never raises: a census that fails says
+    so instead."""
+    try:
+        pools: dict[Any, dict[tuple[str, tuple[int, ...]], list[int]]] = {}
+        for x in jax.live_arrays():
+            try:
+                if getattr(x.sharding, "memory_kind", None) != "pinned_host" or x.is_deleted():
+                    continue
+                key = (str(x.dtype), tuple(x.shape))
+                for shard in x.addressable_shards:
+                    group = pools.setdefault(shard.device, {}).setdefault(key, [0, 0])
+                    group[0] += 1
+                    group[1] += int(shard.data.nbytes)
+            except Exception:  # an array being deleted by another thread
                 continue
-            key, nbytes = (str(x.dtype), tuple(x.shape)), int(x.nbytes)
-        except Exception:  # an array being deleted by another thread
-            continue
-        group = groups.setdefault(key, [0, 0])
-        group[0] += 1
-        group[1] += nbytes
-        total, count = total + nbytes, count + 1
-    top = sorted(groups.items(), key=lambda kv: -kv[1][1])[:largest]
+    except Exception as e:  # the out-of-memory error matters more than its census
+        return f"live pinned arrays not counted: {type(e).__name__}: {e}"
+    if not pools:
+        return "live pinned arrays: none"
+    totals = {d: sum(b for _, b in groups.values()) for d, groups in pools.items()}
+    device = max(totals, key=totals.get)
+    top = sorted(pools[device].items(), key=lambda kv: -kv[1][1])[:largest]
     words = ", ".join(f"{n} x {dtype}{list(shape)} {b / 2**30:.2f} GiB" for (dtype, shape), (n, b) in top)
-    return f"live pinned arrays: {total / 2**30:.2f} GiB in {count}" + (f"; the largest groups: {words}" if top else "")
+    where = "" if len(pools) == 1 else f" on {device}, the fullest of {len(pools)} devices' pools"
+    count = sum(n for n, _ in pools[device].values())
+    return f"live pinned arrays{where}: {totals[device] / 2**30:.2f} GiB in {count}; the largest groups: {words}"
 
 
 _UNITS = {"bytes": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}

@@ -22,7 +22,8 @@ import jax
 from megatrain_jax.batch import Batch
 from megatrain_jax.engine.device_fns import DeviceFns
 from megatrain_jax.engine.host_state import HostState
-from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, is_out_of_memory, reported_late
+from megatrain_jax.engine.out_of_memory import (DeviceOutOfMemoryError, in_host_pool, is_out_of_memory, pinned_census,
+                                               reported_late)
 from megatrain_jax.engine.parts import IO, Part, PartId
 from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, UPDATES_AHEAD, Op, OpKind
 from megatrain_jax.engine.transfer import Placement
@@ -146,11 +147,13 @@ class PassRunner:
             self._seal()
         except Exception as err:
             self._ahead.clear()  # the fences of a step cut short may hold its failure
+            # what fills the pinned pool, counted before the pass lets go of its own (offloaded activations)
+            census = pinned_census() if op is not None and is_out_of_memory(err) and in_host_pool(err) else None
             p.drop()  # its device buffers, before whatever runs next (a sync's pending updates) needs the room
             if op is None or not is_out_of_memory(err):
                 raise
             raise DeviceOutOfMemoryError.of(err, f"{op!r} ({PHASE[op.kind]})", op=repr(op), phase=PHASE[op.kind],
-                                            updated=self.updating) from err
+                                            updated=self.updating, census=census) from err
         finally:
             # A step cut short after some first halves were queued still queues their second halves, so
             # masters, moments and stream copies never disagree (and no stale task joins a later step).
