@@ -12,7 +12,7 @@ What it measures, each as the model reads it (``megatrain_jax.plan.speeds.Speeds
   mode and 8-bit moments; ``host_cores`` is the cores it ran on;
 - on a GPU: PCIe each way and both ways at once (``link_bytes``: the two copies' bytes over the time both take
   together), each as the engine copies a block's state (its float32 masters and moments at ``--hidden``/``--ffn``,
-  21 arrays, through ``Placement``; best of a few); and, recorded apart (``gpu_kernel_ceilings``, not read as
+  three arrays a leaf, through ``Placement``; best of a few); and, recorded apart (``gpu_kernel_ceilings``, not read as
   calibration): both ways with one 1 GiB array each way (nearly full duplex where a block's arrays are not),
   the GPU's bfloat16 matrix products at a block's shapes (``--hidden``/``--ffn``/``--tokens``; the model's
   compute rates are a whole block's, fitted to runs, and below a lone kernel's) and causal flash attention's
@@ -92,12 +92,15 @@ def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: in
         return {}, {}
     from megatrain_jax.engine.transfer import Placement, select_devices
     pl = Placement(select_devices(1))  # one GPU's own link (the model's rate is per GPU)
-    # The engine's copies as it makes them: a block's float32 masters and moments (its matrices at --hidden and
-    # --ffn, three arrays each), each way through Placement. One large array each way runs nearly twice one way
+    # The engine's copies as it makes them: a block's float32 masters and moments (its leaves at --hidden, --ffn
+    # and --heads, plan.counts.leaf_shapes, three arrays each), each way through Placement. One large array each way runs nearly twice one way
     # both at once on the H200 (96 GB/s), where a block's arrays got 56-63 (experiments/studies/NOTES.md,
     # 2026-11-30): the model takes the block's figures; the one array's are kept apart.
-    shapes = [(hidden, hidden)] * 4 + [(hidden, ffn)] * 2 + [(ffn, hidden)]
-    state = [pl.to_host(jnp.zeros(s, jnp.float32)) for s in shapes for _ in range(3)]
+    from megatrain_jax.engine.parts import PartId
+    from megatrain_jax.models import preset
+    from megatrain_jax.plan.counts import leaf_shapes
+    block = preset("llama2-13b", hidden=hidden, ffn=ffn, heads=heads, kv_heads=heads)
+    state = [pl.to_host(jnp.zeros(s, jnp.float32)) for s in leaf_shapes(block, PartId.block(0)) for _ in range(3)]
     jax.block_until_ready(state)
     on_gpu = pl.to_device(state)
     jax.block_until_ready(on_gpu)

@@ -78,6 +78,12 @@ def scale_rows() -> list[dict]:
     return out
 
 
+def _layout(c) -> dict:
+    """An engine config's layout counts, as the rows record them."""
+    return {"resident_layers": c.resident_layers, "kept_layers": c.kept_layers, "resident_copy": c.resident_copy,
+            "gpu_updated_layers": c.gpu_updated_layers}
+
+
 def thirteen_b_8k_on_x2() -> dict:
     """bench.py's ``13b_8k`` on one H200 of the 2-GPU host (its 32-core host's rates, the GPU memory XLA had in
     the measured run, h200x2_side_by_side_13b_8k_fcba712.json): the layout that ran (20 resident with their
@@ -92,14 +98,12 @@ def thirteen_b_8k_on_x2() -> dict:
     ran_g = dataclasses.replace(e, resident_layers=21, kept_layers=31, resident_copy=False, gpu_updated_layers=4)
     picked, said = fastest(cfg, e, rows, SEQ, s, **kw)
     host, host_said = fastest(cfg, dataclasses.replace(e, gpu_updated_layers=0), rows, SEQ, s, **kw)
-    layout = lambda c: {"resident_layers": c.resident_layers, "kept_layers": c.kept_layers,  # noqa: E731
-                        "resident_copy": c.resident_copy, "gpu_updated_layers": c.gpu_updated_layers}
     return {"system": "plan", "config": "13b_8k_h200x2", "gpu_gib": 126.4, "host_gib": 240, "host_cores": 32,
-            "as_run_fcba712": {**layout(ran), "predicted_step": _step(cfg, ran, rows, s)},
-            "as_run_a0efdd0": {**layout(ran_g), "predicted_step": _step(cfg, ran_g, rows, s)},
-            "picked_without_gpu_updated": {**layout(host), "said": host_said,
+            "as_run_fcba712": {**_layout(ran), "predicted_step": _step(cfg, ran, rows, s)},
+            "as_run_a0efdd0": {**_layout(ran_g), "predicted_step": _step(cfg, ran_g, rows, s)},
+            "picked_without_gpu_updated": {**_layout(host), "said": host_said,
                                            "predicted_step": _step(cfg, host, rows, s)},
-            "picked": {**layout(picked), "said": said, "predicted_step": _step(cfg, picked, rows, s)}}
+            "picked": {**_layout(picked), "said": said, "predicted_step": _step(cfg, picked, rows, s)}}
 
 
 def thirteen_b_32k_on_x2() -> dict:
@@ -112,11 +116,9 @@ def thirteen_b_32k_on_x2() -> dict:
     cfg, e, rows, s = preset(bench.preset), bench.engine, bench.rows, for_gpu("H200", None, 32)
     ran = dataclasses.replace(e, resident_layers=5, kept_layers=21, gpu_updated_layers=0)
     picked, said = fastest(cfg, e, rows, SEQ, s, host_ram_bytes=240 * GiB, gpu_bytes=int(126.4 * GiB))
-    layout = lambda c: {"resident_layers": c.resident_layers, "kept_layers": c.kept_layers,  # noqa: E731
-                        "resident_copy": c.resident_copy, "gpu_updated_layers": c.gpu_updated_layers}
     return {"system": "plan", "config": "13b_32k_h200x2", "gpu_gib": 126.4, "host_gib": 240, "host_cores": 32,
-            "as_run_d827385": {**layout(ran), "predicted_step": _step(cfg, ran, rows, s)},
-            "picked": {**layout(picked), "said": said, "predicted_step": _step(cfg, picked, rows, s)}}
+            "as_run_d827385": {**_layout(ran), "predicted_step": _step(cfg, ran, rows, s)},
+            "picked": {**_layout(picked), "said": said, "predicted_step": _step(cfg, picked, rows, s)}}
 
 
 def streamed_3p5b() -> list[dict]:
