@@ -12,9 +12,12 @@
 # JOBS: mode:seed pairs, modes from convergence.py's MODES (float32, capacity, q8, q4); at most PER_GPU per GPU
 # (default 1), spread round-robin. The 1B step is bound by the host update (the GPU works ~0.14 s of it), so several
 # runs share one GPU well: where a GPU gets k > 1 runs, each has XLA_PYTHON_CLIENT_MEM_FRACTION=0.9/k of it; every
-# run has its own slice of the cores. The
-# step-time model on one H200 of a 16-core host (2000 steps): float32 0.48 s a step alone, 0.72 s two to a GPU;
-# capacity 0.35 / 0.46 / 0.56 s alone, two and three to a GPU; 8-bit 0.41 / 0.55 / 0.68; 4-bit 0.52 / 0.72.
+# run has its own slice of the cores. Measured on one H200 of a 16-core host: three capacity runs to the GPU
+# 0.81 s a step each, 1,622-1,644 s for the 2,000 steps (h200_conv_1b_capacity_*_78ccf44.json; the step-time model
+# said 0.56 with each run's cores alone, 0.98 with the host's memory shared three ways). Runs sharing a host share
+# its memory, which bounds the float32 and capacity updates: plan a session's batch at about 0.83x the model's
+# shared figure (16 cores, k runs): float32 one run ~0.43 s, two ~0.66 s; capacity two ~0.55 s; 8-bit two ~0.65,
+# three ~0.96; 4-bit two ~0.84. A device session (1,800 s, ~60 s to start) holds ~2,000 steps at up to ~0.8 s.
 # PREFIX names the machine in the files' names (default: h200, or h200xN with N GPUs).
 set -u
 export W=${W:-/tmp/quality_table} PYTHONPATH=${PYTHONPATH:-.}
