@@ -32,7 +32,7 @@ case ${1:-poll} in
       timeout 480 python experiments/studies/layer_compute.py --halves ours --trace-dir /tmp/layer_traces_$TAG \
         --xla-flags='$FLAGS' --out \$O/h200_layer_compute_flags_$TAG.json > \$O/layer_compute.log 2>&1 \
         || fail=\$((fail + 1))
-      timeout 420 python experiments/side_by_side.py --only 32k --without zero3 \
+      timeout 420 python experiments/side_by_side.py --only 32k --without zero3 --steps 4 --ds-steps 3 \
         --out \$O/h200_fits_3p5b_32k_$TAG.json > \$O/side_by_side.log 2>&1 || fail=\$((fail + 1))
       exit \$fail" ;;
   poll) exec bash "$LONG" poll ;;
