@@ -22,18 +22,18 @@ FLAGS=";--xla_gpu_enable_triton_gemm=false;--xla_gpu_enable_command_buffer=;--xl
 case ${1:-poll} in
   start)
     exec bash "$LONG" start bash -c "
-      fail=0; O=\$JOB_OUT
+      fail=0; O=\$JOB_OUT  # at most 8 files come back: 4 results, stages.log, side_by_side's own log, job and mem logs
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_liger \
         .whl/slideformer/liger_kernel-*.whl 2>&1 | tail -n 2
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 150 python experiments/studies/transfer_queues.py \
-        --out \$O/h200_transfer_queues_$TAG.json > \$O/transfer_queues.log 2>&1 || fail=\$((fail + 1))
+        --out \$O/h200_transfer_queues_$TAG.json >> \$O/stages.log 2>&1 || fail=\$((fail + 1))
       timeout 240 python experiments/measure_speeds.py --out \$O/h200_measure_speeds_$TAG.json \
-        > \$O/measure_speeds.log 2>&1 || fail=\$((fail + 1))
+        >> \$O/stages.log 2>&1 || fail=\$((fail + 1))
       timeout 480 python experiments/studies/layer_compute.py --halves ours --trace-dir /tmp/layer_traces_$TAG \
-        --xla-flags='$FLAGS' --out \$O/h200_layer_compute_flags_$TAG.json > \$O/layer_compute.log 2>&1 \
+        --xla-flags='$FLAGS' --out \$O/h200_layer_compute_flags_$TAG.json >> \$O/stages.log 2>&1 \
         || fail=\$((fail + 1))
       timeout 420 python experiments/side_by_side.py --only 32k --without zero3 --steps 4 --ds-steps 3 \
-        --out \$O/h200_fits_3p5b_32k_$TAG.json > \$O/side_by_side.log 2>&1 || fail=\$((fail + 1))
+        --out \$O/h200_fits_3p5b_32k_$TAG.json >> \$O/stages.log 2>&1 || fail=\$((fail + 1))
       exit \$fail" ;;
   poll) exec bash "$LONG" poll ;;
   *) echo "usage: MEGATRAIN_GIT_COMMIT=<sha> bash $0 start|poll"; exit 2 ;;

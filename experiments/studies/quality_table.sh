@@ -1,9 +1,10 @@
 #!/bin/bash
 # Issue 52's quality table (the 1B on the local corpus, 2,000 steps, every precision mode through the host update,
 # 3 seeds, the held-out loss after the last step): the (mode, seed) runs in JOBS at once, one per visible GPU, each
-# on its own share of the host's cores, as one job of studies/long_run.sh (a run takes 12-17 minutes on one H200
-# of a 16-core host: longer than a device call). Each run writes its own results file; once the twelve are
-# committed, `convergence.py --merge` of them is the table.
+# on its own share of the host's cores, as one job of studies/long_run.sh (a batch takes 15-28 minutes on one H200
+# of a 16-core host: longer than a device call). Each run writes its own results file, and every run's output goes
+# to one log, its lines tagged mode:seed (the device brings back 8 files: at most 5 runs a batch); once the twelve
+# are committed, `convergence.py --merge` of them is the table.
 #
 #   JOBS="float32:0 capacity:0" MEGATRAIN_GIT_COMMIT=<sha> PYTHONPATH=. bash experiments/studies/quality_table.sh start
 #   JOBS="q8:0 q8:1 q8:2" PER_GPU=3 ... bash experiments/studies/quality_table.sh start    # three runs on one GPU
@@ -38,19 +39,22 @@ case ${1:-poll} in
     most=$(( (n + gpus - 1) / gpus ))
     fraction=$(awk -v k="$most" 'BEGIN { printf "%.3f", 0.9 / k }')
     share=""; [ "$most" -gt 1 ] && share="XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction "
+    # the device brings back at most 8 files: a results file per run, one log of them all, the job's and memory logs
+    [ "$n" -le 5 ] || { echo "JOBS has $n runs: at most 5 a batch (their results files and 3 logs come back)"; exit 2; }
     cores=$(nproc); slice=$(( cores / n )); i=0; script=""
     [ "$slice" -ge 1 ] || { echo "JOBS has $n runs for $cores cores: give at most one run per core"; exit 2; }
     for job in $JOBS; do
       mode=${job%%:*}; seed=${job##*:}
       first=$(( i * slice )); last=$(( first + slice - 1 ))
-      script+="${share}CUDA_VISIBLE_DEVICES=$(( i % gpus )) taskset -c $first-$last python experiments/studies/convergence.py \
+      script+="(set -o pipefail; ${share}CUDA_VISIBLE_DEVICES=$(( i % gpus )) taskset -c $first-$last python experiments/studies/convergence.py \
 --preset llama3.2-1b --data build/corpus/corpus.bin --rows 4 --seq-len 2048 --steps 2000 --modes $mode --seeds $seed \
---eval-fraction 0.02 --eval-batches 32 --out $W/out/${prefix}_conv_1b_${mode}_${seed}_$TAG.json \
-> $W/out/${prefix}_conv_1b_${mode}_${seed}_$TAG.log 2>&1 & "
+--eval-fraction 0.02 --eval-batches 32 --out $W/out/${prefix}_conv_1b_${mode}_${seed}_$TAG.json 2>&1 \
+| sed -u 's/^/[$mode:$seed] /' >> $W/out/${prefix}_conv_1b_runs_$TAG.log) & "
       i=$(( i + 1 ))
     done
-    # the job's exit status: 1 if any run failed (each run's log says why)
+    # the job's exit status: 1 if any run failed (the runs' log, each line tagged mode:seed, says why)
+    export WATCH=${WATCH:-$W/out/${prefix}_conv_1b_runs_$TAG.log}  # each poll prints its last lines
     exec bash "$LONG" start bash -c "${script}fail=0; for p in \$(jobs -p); do wait \$p || fail=1; done; exit \$fail" ;;
-  poll) exec bash "$LONG" poll ;;
+  poll) export WATCH=${WATCH:-$(ls "$W"/out/*_conv_1b_runs_*.log 2>/dev/null | head -n 1)}; exec bash "$LONG" poll ;;
   *) echo "usage: JOBS='mode:seed ...' bash $0 start|poll"; exit 2 ;;
 esac
