@@ -451,6 +451,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--timeline-steps", type=int, default=0,
                     help="after the breakdown, run this many steps with a Timeline and keep the last one's events")
+    ap.add_argument("--trace-dir", default=None,
+                    help="after the timed steps, one step under jax.profiler.trace into this folder (each config in "
+                         "its own subfolder) and its per-GPU summary in the record (trace_summary.py: the span, "
+                         "compute and idle time, compute by kernel kind, the top kernels): whether the engine's GPU "
+                         "idles or its kernels run slower than a block's alone")
     ap.add_argument("--lr-warmup", type=int, default=0, help="linear LR warm-up steps (0: constant 3e-4)")
     ap.add_argument("--name", default=None, help="results name (default: device + configs)")
     ap.add_argument("--out", required=True, help="path of the results JSON")
@@ -473,7 +478,8 @@ def main(argv: list[str] | None = None) -> None:
             result = json.load(f)
     for n in names:
         result["runs"].append(run_config(n, CONFIGS[n], args.warmup, args.steps, args.lr_warmup,
-                                         args.timeline_steps))
+                                         args.timeline_steps,
+                                         trace_dir=args.trace_dir and os.path.join(args.trace_dir, n)))
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     for r in result["runs"][-len(names):]:  # this invocation's runs (--append keeps earlier ones)

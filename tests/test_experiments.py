@@ -230,6 +230,21 @@ def test_bench_records_what_the_disk_tier_read_and_wrote(tmp_path):
     assert tier["read_gb_s_while_reading"] > 0 and tier["write_gb_s_while_writing"] > 0
 
 
+def test_bench_traces_one_step_per_config_from_its_command_line(tmp_path, monkeypatch):
+    """bench.py --trace-dir: one step under the profiler after the timed ones, in a folder per config, and the
+    trace's summary in the record (on the CPU it finds no GPU lane, but the trace file is written and read)."""
+    monkeypatch.syspath_prepend(str(REPO / "experiments"))  # as when run: child.py, trace_summary.py
+    bench = load_script("bench")
+    out = tmp_path / "bench.json"
+    bench.main(["--configs", "tiny_cpu", "--warmup", "1", "--steps", "1", "--trace-dir", str(tmp_path / "traces"),
+                "--out", str(out)])
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["status"] == "ok", run["status"]
+    assert run["trace"]["file"] == "perfetto_trace.json.gz" and "devices" in run["trace"], run["trace"]
+    assert list((tmp_path / "traces" / "tiny_cpu").rglob("perfetto_trace.json.gz"))
+    assert len(run["step_times"]) == 2  # the traced step is not among the timed ones
+
+
 def test_bench_breakdown_counts_the_gpu_resident_parts_update_as_device_work():
     """The synchronized step's update time splits by part: the GPU-resident parts' (device work, counted busy by
     gpu_idle_beyond_device_update_est) and the host parts'."""
