@@ -689,6 +689,21 @@ def test_convergence_takes_the_held_out_loss_after_the_last_step(tmp_path):
     assert run["eval_loss"] != run["losses"][-1]  # the held-out batches, not the last training batch
 
 
+def test_convergence_header_says_what_share_of_the_machine_the_run_had(monkeypatch):
+    """A quality-table run shares its machine (quality_table.sh: a slice of the cores, a share of a GPU): the
+    results file's device record says which, since the command line it records does not."""
+    spec = importlib.util.spec_from_file_location("convergence", REPO / "experiments" / "studies" / "convergence.py")
+    conv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conv)
+    from megatrain_jax import preset
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.300")
+    args = argparse.Namespace(out="x/run.json", preset=None, steps=2, rows=2, seq_len=32, lr=1e-3, data=None,
+                              eval_fraction=0.0, eval_batches=0, resident=False, jobs=1)
+    dev = conv.header(args, preset("tiny", dtype="bfloat16"))["device"]
+    assert dev["cores_used"] == len(os.sched_getaffinity(0)) >= 1 and dev["gpu_memory_fraction"] == "0.300"
+    assert "cuda_visible_devices" in dev and dev["host_cores"] == os.cpu_count()
+
+
 def test_convergence_progress_and_the_resident_reference(tmp_path):
     """convergence.py's progress file holds the losses so far every ``every`` steps (a run cut by a device call's
     limit still says how far it got); ``--resident`` keeps only float32 masters on the GPU."""

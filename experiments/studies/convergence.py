@@ -305,7 +305,12 @@ def header(args, cfg: DecoderConfig) -> dict:
             "command": "PYTHONPATH=. python experiments/studies/convergence.py " + " ".join(sys.argv[1:]),
             "git_commit": commit, "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
             "device": {"name": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
-                       "host_ram_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)},
+                       "host_ram_gib": round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1),
+                       # what this process had of the machine (quality_table.sh runs several at once, each on
+                       # its slice of the cores and share of a GPU): the command line above does not say
+                       "cores_used": len(os.sched_getaffinity(0)), "host_cores": os.cpu_count(),
+                       "gpu_memory_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+                       "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
             "model": {**{k: getattr(cfg, k) for k in ("vocab_size", "hidden", "ffn", "layers", "heads")},
                       "params": cfg.param_count(), "dtype": cfg.dtype, "preset": args.preset},
             "steps": args.steps, "tokens_per_step": args.rows * args.seq_len, "seq_len": args.seq_len,
