@@ -119,13 +119,17 @@ def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: in
     mm_s = best_seconds(lambda: jax.block_until_ready(mm(x, w_up, w_down)), reps)
     rows, d = max(1, tokens // seq), hidden // heads
     q = jnp.ones((rows, seq, heads, d), jnp.bfloat16)
-    attn = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True))
+    # the path the model's attention takes (cuDNN's flash attention on the GPU): XLA's default path materializes
+    # the scores and ran 45 TFLOP/s on the H200 (h200x2_measure_speeds_abfe3c3.json), not the engine's rate
+    from megatrain_jax.models.layers import attention_implementation
+    impl = attention_implementation(block, jnp.bfloat16)
+    attn = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation=impl))
     attn_s = best_seconds(lambda: jax.block_until_ready(attn(q)), reps)
     return {"h2d_bytes": round(nbytes / h2d, -6), "d2h_bytes": round(nbytes / d2h, -6),
             "link_bytes": round(2 * nbytes / both, -6)}, {
         "one_array_link_bytes": round(2 ** 31 / one_both, -6),
         "matmul_flops": round(4 * tokens * hidden * ffn / mm_s, -9),
-        "attention_flops": round(2 * heads * d * seq * rows * seq / attn_s, -9)}
+        "attention_flops": round(2 * heads * d * seq * rows * seq / attn_s, -9), "attention_implementation": impl}
 
 
 def main(argv: list[str] | None = None) -> dict:
