@@ -8,7 +8,8 @@
 #
 #   RUN=gpt_oss_120b MEGATRAIN_GIT_COMMIT=<sha> PYTHONPATH=. bash experiments/studies/h200x4_100b_training.sh start
 #   PYTHONPATH=. bash experiments/studies/h200x4_100b_training.sh poll
-# (carry build/corpus: the config's token file, from studies/local_corpus.py)
+# (carry the config's token file, from studies/local_corpus.py: build/corpus/corpus.bin, corpus.bin.json and
+# corpus.bin.idx.npy; the whole folder puts the call's tree near the device's 64 MiB)
 #
 # RUN (one per start):
 #   gpt_oss_120b   the config as shipped: 30 steps; train picks 4-bit moments and the two-pass step itself
