@@ -6,6 +6,7 @@ import functools
 import math
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -425,3 +426,57 @@ def test_chunked_mlp_keeps_only_chunk_sized_activations_for_the_backward():
             cfg.ffn in leaf.shape for leaf in res) else 0
     assert sizes[None] >= 256 * cfg.ffn  # the whole sequence's gate/up activations
     assert sizes[32] < 256 * cfg.ffn  # at most the weights and a chunk's worth
+
+
+def _dot_operand_dtypes(jaxpr) -> list[tuple[str, ...]]:
+    """The operand dtypes of every dot_general in a jaxpr, inner jaxprs (jit, scan, custom rules) included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _dot_operand_dtypes(sub)
+    return out
+
+
+def test_the_heads_backward_products_take_the_compute_dtype(make_cfg, build_model):
+    """The logits' float32 cotangent is cast to bfloat16 before the head's two backward products: left float32,
+    XLA widens the other operand and runs them as float32 (TF32 on a GPU, 279 TFLOP/s against ~670 for the
+    blocks' bfloat16 products in h200_layer_compute_flags_8d66b1b.json's trace)."""
+    cfg = make_cfg(dtype="bfloat16")
+    model = build_model(cfg)
+    io = model.io
+    h = jax.random.normal(jax.random.PRNGKey(1), (16, cfg.hidden), jnp.float32)
+    loss = lambda h_TD: jnp.sum(jax.nn.log_softmax(io.unembed(h_TD))[:, 0])  # noqa: E731
+    dots = _dot_operand_dtypes(jax.make_jaxpr(jax.grad(loss))(h).jaxpr)
+    assert len(dots) >= 2, dots  # the forward's product and the backward's
+    assert all(d == ("bfloat16", "bfloat16") for d in dots), dots
+    assert jax.grad(loss)(h).dtype == jnp.float32
+
+
+def test_the_heads_gradients_match_float32_within_bfloat16_rounding():
+    """The head's gradients with the cotangent rounded to bfloat16 equal the full float32 ones to bfloat16's
+    precision, and the logits are exactly those of bfloat16 operands summed in float32."""
+    from megatrain_jax.models.layers import logits_matmul
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    h = jax.random.normal(k[0], (4, 64, 64), jnp.float32)  # [B, T, D]: the plain loss's logits have rows
+    w = 0.1 * jax.random.normal(k[1], (64, 300), jnp.float32)
+    t = jax.random.randint(k[2], (4, 64), 0, 300)
+
+    def nll(logits_fn):
+        return lambda h, w: -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits_fn(h, w)), t[..., None], -1))
+
+    ours = nll(lambda h, w: logits_matmul(h, w, jnp.bfloat16))
+    full = nll(lambda h, w: jnp.matmul(h, w, precision=HI))
+    plain = jnp.matmul(h.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(logits_matmul(h, w, jnp.bfloat16)), np.asarray(plain))
+    for g, g_ref in zip(jax.grad(ours, (0, 1))(h, w), jax.grad(full, (0, 1))(h, w)):
+        assert g.dtype == jnp.float32
+        scale = float(jnp.max(jnp.abs(g_ref)))
+        assert float(jnp.max(jnp.abs(g - g_ref))) < 2e-2 * scale  # bfloat16 operands: ~2^-8 each
+        assert float(jnp.linalg.norm(g - g_ref)) < 1e-2 * float(jnp.linalg.norm(g_ref))
+    # in float32 the cast is nothing: the gradient is the plain one
+    f32 = nll(lambda h, w: logits_matmul(h, w, jnp.float32))
+    f32_plain = nll(lambda h, w: jnp.matmul(h, w, preferred_element_type=jnp.float32))
+    for g, g_ref in zip(jax.grad(f32, (0, 1))(h, w), jax.grad(f32_plain, (0, 1))(h, w)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-6, atol=1e-7)

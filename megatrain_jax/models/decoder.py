@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megatrain_jax.models.config import DecoderConfig
-from megatrain_jax.models.layers import MLP, Attention, MLAttention, RMSNorm, _init_normal
+from megatrain_jax.models.layers import MLP, Attention, MLAttention, RMSNorm, _init_normal, logits_matmul
 from megatrain_jax.models.moe import MoE, RouterStats, SwitchLoss
 
 
@@ -141,8 +141,7 @@ class InputOutput(nnx.Module):
 
     def unembed(self, h_TD: jax.Array) -> jax.Array:
         w_DV = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
-        dt = self.compute_dtype
-        logits_TV = jnp.matmul(h_TD.astype(dt), w_DV.astype(dt), preferred_element_type=jnp.float32)
+        logits_TV = logits_matmul(h_TD, w_DV, self.compute_dtype)
         cap = self.cfg.final_logit_softcap
         return logits_TV if cap is None else cap * jnp.tanh(logits_TV / cap)
 

@@ -34,6 +34,37 @@ class Linear(nnx.Module):
         return y
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def logits_matmul(h_D: jax.Array, w_DV: jax.Array, dtype) -> jax.Array:
+    """``h @ w`` (h [..., D]) with both cast to ``dtype`` (the compute dtype), the products summed into float32.
+
+    Its backward casts the float32 cotangent to ``dtype`` too, so both of its products take ``dtype`` operands
+    (accumulating in float32, the gradients returned in the inputs' dtypes). Differentiated as written, the
+    cotangent would stay float32, and XLA would widen the other operand to meet it: the head's two backward
+    products then run as float32 (TF32 on a GPU's tensor cores), at under half the bfloat16 rate. Rounding the
+    cotangent to ``dtype`` is what mixed precision does there (torch's autocast, Liger's fused cross-entropy)."""
+    return jnp.matmul(h_D.astype(dtype), w_DV.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _logits_matmul_fwd(h_D, w_DV, dtype):
+    h_c, w_c = h_D.astype(dtype), w_DV.astype(dtype)
+    # the inputs' dtypes ride along as empty arrays (residuals must be arrays)
+    return (jnp.matmul(h_c, w_c, preferred_element_type=jnp.float32),
+            (h_c, w_c, jnp.zeros((0,), h_D.dtype), jnp.zeros((0,), w_DV.dtype)))
+
+
+def _logits_matmul_bwd(dtype, res, g_V):
+    h_c, w_c, h_like, w_like = res
+    g_c = g_V.astype(dtype)
+    dh = jnp.matmul(g_c, w_c.T, preferred_element_type=jnp.float32).astype(h_like.dtype)
+    h_c, g_c = h_c.reshape(-1, h_c.shape[-1]), g_c.reshape(-1, g_c.shape[-1])  # the tokens of every row
+    dw = jnp.matmul(h_c.T, g_c, preferred_element_type=jnp.float32).astype(w_like.dtype)
+    return dh, dw
+
+
+logits_matmul.defvjp(_logits_matmul_fwd, _logits_matmul_bwd)
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm computed in float32; the output has the input's dtype (as in Hugging Face Llama). With
     ``unit_offset`` the weight is an offset from 1 (``y * (1 + w)``, w starting at 0: Gemma 3)."""
