@@ -1,0 +1,41 @@
+#!/bin/bash
+# One H200 of nvidia-h200-x2 (the 251 GiB, 32-core host), one long_run.sh job of ~26 minutes: issue 51's rows that
+# need the larger host, each writing its own results file (TAG: the commit, for the names; MEGATRAIN_GIT_COMMIT:
+# the full one). In order of what they decide:
+# 1. the 32B scale row through `megatrain-jax train` as shipped (experiments/configs/h200x2_32b_32k.toml; bar 500
+#    model TFLOP/s; 485.9 at beaff67);
+# 2. side_by_side.py --only 13b,13b_zero3: 13B at 32K, ours with the plan's layout against SlideFormer (its fastest
+#    switches) and DeepSpeed ZeRO-3 at two settings (everything offloaded; parameters on the GPU with 80% of the
+#    optimizer state offloaded), one script run: the 1.3x SlideFormer and 2x ZeRO-3 bars;
+# 3. bench.py --configs 13b_32k with a profiled step (--trace-dir): whether the ~0.5 s between the serialized
+#    step's compute and the overlapped step is the GPU idling or its kernels running slower beside the copies.
+#
+#   MEGATRAIN_GIT_COMMIT=<sha> bash experiments/studies/h200x2_scale_zero3_trace.sh start    # then, at once:
+#   bash experiments/studies/h200x2_scale_zero3_trace.sh poll
+# Carry .peers/slideformer and .whl (DeepSpeed's wheels from scripts/build_deepspeed_wheel.sh, liger-kernel's from
+# scripts/build_peer_wheels.sh). Each stage has its own timeout; the job's exit status is the number that failed.
+set -u
+export W=${W:-/tmp/h200x2_scale_zero3_trace} PYTHONPATH=/tmp/site:${PYTHONPATH:-.} CUDA_VISIBLE_DEVICES=0 \
+  NCCL_NVLS_ENABLE=0
+TAG=${TAG:-$(echo "${MEGATRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" | cut -c1-7)}
+LONG="$(dirname "$0")/long_run.sh"
+
+case ${1:-poll} in
+  start)
+    exec bash "$LONG" start bash -c "
+      fail=0; O=\$JOB_OUT  # at most 8 files come back: 3 results, their 2 logs, stages.log, job and mem logs
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl 2>&1 | tail -n 2
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_liger \
+        .whl/slideformer/liger_kernel-*.whl 2>&1 | tail -n 2
+      timeout 420 python experiments/shipped_configs.py --configs h200x2_32b_32k --steps 8 --timeout 400 \
+        --out \$O/h200x2_32b_32k_cli_$TAG.json >> \$O/stages.log 2>&1 || fail=\$((fail + 1))
+      timeout 840 python experiments/side_by_side.py --only 13b,13b_zero3 --sf-flags '--no-timing --double-buffer' \
+        --steps 4 --ds-steps 3 --out \$O/h200x2_side_by_side_13b_zero3_$TAG.json >> \$O/stages.log 2>&1 \
+        || fail=\$((fail + 1))
+      timeout 270 python experiments/bench.py --configs 13b_32k --warmup 2 --steps 3 --trace-dir /tmp/bench_trace \
+        --out \$O/h200x2_13b_32k_trace_$TAG.json >> \$O/stages.log 2>&1 || fail=\$((fail + 1))
+      exit \$fail" ;;
+  poll) exec bash "$LONG" poll ;;
+  *) echo "usage: MEGATRAIN_GIT_COMMIT=<sha> bash $0 start|poll"; exit 2 ;;
+esac
