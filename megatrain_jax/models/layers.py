@@ -43,7 +43,7 @@ def logits_matmul(h_D: jax.Array, w_DV: jax.Array, dtype) -> jax.Array:
     cotangent would stay float32, and XLA would widen the other operand to meet it: the head's two backward
     products then run as float32 (TF32 on a GPU's tensor cores), at under half the bfloat16 rate. Rounding the
     cotangent to ``dtype`` is what mixed precision does there (torch's autocast, Liger's fused cross-entropy)."""
-    return jnp.matmul(h_D.astype(dtype), w_DV.astype(dtype), preferred_element_type=jnp.float32)
+    return _logits_matmul_fwd(h_D, w_DV, dtype)[0]
 
 
 def _logits_matmul_fwd(h_D, w_DV, dtype):
