@@ -14,8 +14,9 @@
 #
 #   MEGATRAIN_GIT_COMMIT=<sha> bash experiments/studies/h200x2_scale_zero3_trace.sh start    # then, at once:
 #   bash experiments/studies/h200x2_scale_zero3_trace.sh poll
-# Carry .peers/slideformer and .whl (DeepSpeed's wheels from scripts/build_deepspeed_wheel.sh, liger-kernel's from
-# scripts/build_peer_wheels.sh). Each stage has its own timeout; the job's exit status is the number that failed.
+# Carry .peers/slideformer and .whl (DeepSpeed's wheels from scripts/build_deepspeed_wheel.sh; SlideFormer's pinned
+# transformers and liger-kernel from scripts/build_peer_wheels.sh, into /tmp/site_slideformer, where
+# experiments/peers/slideformer_bench.py looks first). Each stage has its own timeout; the job's exit status is the number that failed.
 set -u
 export W=${W:-/tmp/h200x2_scale_zero3_trace} PYTHONPATH=/tmp/site:${PYTHONPATH:-.} CUDA_VISIBLE_DEVICES=0 \
   NCCL_NVLS_ENABLE=0
@@ -28,8 +29,8 @@ case ${1:-poll} in
       fail=0; O=\$JOB_OUT  # at most 8 files come back: 3 results, their 2 logs, stages.log, job and mem logs
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl 2>&1 | tail -n 2
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_liger \
-        .whl/slideformer/liger_kernel-*.whl 2>&1 | tail -n 2
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site_slideformer .whl/slideformer/*.whl 2>&1 | tail -n 2
       timeout 420 python experiments/shipped_configs.py --configs h200x2_32b_32k --steps 8 --timeout 400 \
         --out \$O/h200x2_32b_32k_cli_$TAG.json >> \$O/stages.log 2>&1 || fail=\$((fail + 1))
       timeout 420 python experiments/side_by_side.py --only 13b --sf-flags '--no-timing --double-buffer' \
