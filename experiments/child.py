@@ -84,8 +84,10 @@ def results_header(out: str, script: str) -> dict:
     import jax
     dev = jax.devices()[0]
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    flags = os.environ.get("XLA_FLAGS")  # a variant set from outside (e.g. a flag's A/B) belongs with the command
     return {"name": os.path.splitext(os.path.basename(out))[0],
             "command": f"PYTHONPATH=. python {script_path(script)} " + shlex.join(sys.argv[1:]),
+            **({"xla_flags": flags} if flags else {}),
             "git_commit": git_commit(), "date": datetime.date.today().isoformat(), "jax_version": jax.__version__,
             "device": {"name": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
                        "host_ram_gib": round(pages / 2**30, 1), "cpu_cores": os.cpu_count()}}

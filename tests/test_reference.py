@@ -160,3 +160,65 @@ def test_chunked_nll_sum_equals_plain_sum(chunk):
     for g, wg in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, wg, rtol=1e-5, atol=1e-6)
     assert float(want) != pytest.approx(float(_plain(h, w, targets, jnp.ones(T))))  # the mask matters
+
+
+def _dots(jaxpr) -> int:
+    """The matrix products in a jaxpr, those inside a scan's body counted once per iteration."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "dot_general"
+        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        for v in eqn.params.values():
+            inner = getattr(v, "jaxpr", v)  # a closed jaxpr's, or a jaxpr
+            if hasattr(inner, "eqns"):
+                n += times * _dots(inner)
+    return n
+
+
+def test_chunked_nll_sum_makes_each_chunks_logits_once():
+    """Differentiated, the loss's head takes three products a chunk (the logits, then the hidden states' and the
+    weight's gradients), not four: the logits are not made again in the backward. Not differentiated, one."""
+    T, D, V, chunk = 12, 8, 11, 4
+    h, w = jnp.ones((T, D)), jnp.ones((D, V))
+    targets, mask = jnp.zeros(T, jnp.int32), jnp.ones(T)
+    loss = lambda h, w: chunked_nll_sum(lambda x: x @ w, h, targets, mask, chunk)  # noqa: E731
+    assert _dots(jax.make_jaxpr(loss)(h, w).jaxpr) == T // chunk
+    assert _dots(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(h, w).jaxpr) == 3 * T // chunk
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chunked_nll_sum_through_the_models_head_matches_the_checkpointed_scan(dtype):
+    """The fused gradient through the models' own head (``logits_matmul`` in the compute dtype, a final logit
+    softcap, the loss scaled as the engine scales it) against the chunks differentiated as written with their
+    logits recomputed (the form it replaced)."""
+    from megatrain_jax.loss import _chunked as chunks
+    from megatrain_jax.models.layers import logits_matmul
+
+    T, D, V, chunk, cap = 20, 16, 40, 8, 30.0
+    rng = np.random.default_rng(1)
+    h = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((D, V)) * 0.3, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, V, T), jnp.int32)
+    mask = jnp.asarray(rng.integers(0, 2, T), jnp.float32).at[0].set(1.0)
+
+    def head(w):
+        return lambda x: cap * jnp.tanh(logits_matmul(x, w, jnp.dtype(dtype)) / cap)
+
+    def fused(h, w):
+        return chunked_nll_sum(head(w), h, targets, mask, chunk) / 7.0
+
+    def checkpointed(h, w):
+        @jax.checkpoint
+        def one(total, xs):
+            hc, tc, mc = xs
+            return total + jnp.sum(token_nll(head(w)(hc), tc) * mc), None
+        total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), chunks(chunk, h, targets, mask))
+        return total / 7.0
+
+    got, got_g = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(h, w)
+    want, want_g = jax.jit(jax.value_and_grad(checkpointed, argnums=(0, 1)))(h, w)
+    assert float(got) == float(want)  # the same forward
+    tol = 1e-5 if dtype == "float32" else 1e-2  # bfloat16: the cotangent rounded before or after the 1/7
+    for g, wg in zip(got_g, want_g):
+        assert g.dtype == wg.dtype
+        np.testing.assert_allclose(g, wg, rtol=tol, atol=tol * float(jnp.max(jnp.abs(wg))))

@@ -17,20 +17,8 @@
 # Carry .peers/slideformer and .whl (DeepSpeed's wheels from scripts/build_deepspeed_wheel.sh; SlideFormer's pinned
 # transformers and liger-kernel from scripts/build_peer_wheels.sh, into /tmp/site_slideformer, where
 # experiments/peers/slideformer_bench.py looks first). Each stage has its own timeout; the job's exit status is the number that failed.
-set -u
-export W=${W:-/tmp/h200x2_scale_zero3_trace} PYTHONPATH=/tmp/site:${PYTHONPATH:-.} CUDA_VISIBLE_DEVICES=0 \
-  NCCL_NVLS_ENABLE=0
-TAG=${TAG:-$(echo "${MEGATRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" | cut -c1-7)}
-LONG="$(dirname "$0")/long_run.sh"
-
-case ${1:-poll} in
-  start)
-    exec bash "$LONG" start bash -c "
-      fail=0; O=\$JOB_OUT  # at most 8 files come back: 3 results, their 2 logs, stages.log, job and mem logs
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl 2>&1 | tail -n 2
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site_slideformer .whl/slideformer/*.whl 2>&1 | tail -n 2
+W=${W:-/tmp/h200x2_scale_zero3_trace}; . "$(dirname "$0")/x2_job.sh"
+x2_job "${1:-poll}" "
       timeout 420 python experiments/shipped_configs.py --configs h200x2_32b_32k --steps 8 --timeout 400 \
         --out \$O/h200x2_32b_32k_cli_$TAG.json >> \$O/stages.log 2>&1 || fail=\$((fail + 1))
       timeout 420 python experiments/side_by_side.py --only 13b --sf-flags '--no-timing --double-buffer' \
@@ -38,8 +26,4 @@ case ${1:-poll} in
       timeout 240 python experiments/bench.py --configs 13b_32k --warmup 2 --steps 3 --trace-dir /tmp/bench_trace \
         --out \$O/h200x2_13b_32k_trace_$TAG.json >> \$O/stages.log 2>&1 || fail=\$((fail + 1))
       timeout 420 python experiments/side_by_side.py --only 13b_zero3 --resume --ds-steps 3 \
-        --out \$O/h200x2_side_by_side_13b_zero3_$TAG.json >> \$O/stages.log 2>&1 || fail=\$((fail + 1))
-      exit \$fail" ;;
-  poll) exec bash "$LONG" poll ;;
-  *) echo "usage: MEGATRAIN_GIT_COMMIT=<sha> bash $0 start|poll"; exit 2 ;;
-esac
+        --out \$O/h200x2_side_by_side_13b_zero3_$TAG.json >> \$O/stages.log 2>&1 || fail=\$((fail + 1))"

@@ -86,7 +86,7 @@ class _Lengths:
 
     forward: dict[int, float]  # per block, one micro-batch
     backward: dict[int, float]  # per block, one micro-batch (with or without recompute)
-    head: float  # one micro-batch: final norm, logits, loss and their backward (the logits recomputed)
+    head: float  # one micro-batch: final norm, logits, loss and their backward (the logits made once)
     embed: float
     fetch: dict[PartId, float]  # bytes to the GPU per fetch (0 for GPU-resident parts)
     visit: dict[PartId, tuple[float, float]]  # a GPU-updated part's state: bytes to the GPU, and home with its copy
@@ -139,8 +139,10 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
         else:
             b += mm / s.matmul_flops + (0.0 if e.keep_residuals else attn / s.attention_flops)
         bwd[i] = b
-    # the head's logits are recomputed in its backward (the chunked loss is checkpointed): 4 products' worth
-    head = 8.0 * cfg.hidden * cfg.vocab_size * tokens / s.matmul_flops
+    # the head: the logits, and the hidden states' and the weight's gradients, taken together in the loss's
+    # forward (loss.chunked_nll_sum): 3 products. A pair objective's (DPO) recomputes the logits, a 4th, which
+    # the model leaves out: ~1.6% of an 8B step at 128K words, the predicted step that much short
+    head = 6.0 * cfg.hidden * cfg.vocab_size * tokens / s.matmul_flops
     parts = [IO] + [PartId.block(i) for i in range(cfg.layers)]
     count = {p: (io_param_count(cfg) if p.is_io else cfg.block_param_count(p.layer)) / devices for p in parts}
     streamed = host_parts | visiting
