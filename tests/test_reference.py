@@ -6,6 +6,7 @@ import functools
 import inspect
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -167,11 +168,8 @@ def _dots(jaxpr) -> int:
     n = 0
     for eqn in jaxpr.eqns:
         n += eqn.primitive.name == "dot_general"
-        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        for v in eqn.params.values():
-            inner = getattr(v, "jaxpr", v)  # a closed jaxpr's, or a jaxpr
-            if hasattr(inner, "eqns"):
-                n += times * _dots(inner)
+        times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+        n += times * sum(_dots(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
     return n
 
 

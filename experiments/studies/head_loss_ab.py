@@ -1,7 +1,7 @@
 """The head's loss and gradients, timed two ways on one device: the next-token loss as the package computes it
 (``loss.chunked_nll_sum``: each chunk's gradient taken with its logits, three products a chunk) against the chunks
 checkpointed and differentiated as written (their logits made again in the backward, four products: the form
-before 9e75482). Both through the models' own product (``models.layers.logits_matmul``, bfloat16 operands), with the
+before 9e75482, which ``loss.chunked_token_nll`` keeps for the per-token loss). Both through the models' own product (``models.layers.logits_matmul``, bfloat16 operands), with the
 loss scaled as the engine scales it, at a model's hidden size, vocabulary and tokens a step. Records each variant's
 median seconds over ``--reps`` calls (after a compiled warm-up), its hardware TFLOP/s (2 x tokens x hidden x vocab a
 product), the loss of each (they must agree) and the largest gap between their gradients.
@@ -36,7 +36,7 @@ def main() -> None:
     import jax.numpy as jnp
 
     from child import results_header
-    from megatrain_jax.loss import _chunked, chunked_nll_sum, token_nll
+    from megatrain_jax.loss import chunked_nll_sum, chunked_token_nll
     from megatrain_jax.models.layers import logits_matmul
 
     T, D, V, C = args.tokens, args.hidden, args.vocab, args.chunk
@@ -53,13 +53,8 @@ def main() -> None:
     def fused(h, w):
         return chunked_nll_sum(head(w), h, targets, mask, C) * scale
 
-    def checkpointed(h, w):
-        @jax.checkpoint
-        def one(total, xs):
-            hc, tc, mc = xs
-            return total + jnp.sum(token_nll(head(w)(hc), tc) * mc), None
-        total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), _chunked(C, h, targets, mask))
-        return total * scale
+    def checkpointed(h, w):  # the per-token loss's chunks (DPO's path) keep the checkpointed form
+        return jnp.sum(chunked_token_nll(head(w), h, targets, C) * mask) * scale
 
     runs, grads = [], {}
     for name, fn, products in (("fused", fused, 3), ("checkpointed", checkpointed, 4)):
