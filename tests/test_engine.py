@@ -856,3 +856,17 @@ def test_bfloat16_gradients_home_train_full_precision_bitwise_at_one_micro_batch
               for d in ("float32", "bfloat16")]
     assert any(not np.array_equal(np.asarray(a), np.asarray(b))
                for a, b in zip(jax.tree.leaves(summed[0].state), jax.tree.leaves(summed[1].state)))
+
+
+def test_programs_compile_products_on_cublas_unless_xla_flags_say(monkeypatch):
+    """The per-part programs ask XLA for cuBLAS products (Triton's emitter off); a setting of that flag in
+    XLA_FLAGS is left to win, and the latency-hiding scheduler is asked for only on several devices."""
+    from megatrain_jax.engine.device_fns import compiler_options
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert compiler_options(1) == {"xla_gpu_enable_triton_gemm": False}
+    assert compiler_options(2) == {"xla_gpu_enable_triton_gemm": False,
+                                   "xla_gpu_enable_latency_hiding_scheduler": True}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x")
+    assert compiler_options(1) == {}
+    assert compiler_options(2) == {"xla_gpu_enable_latency_hiding_scheduler": True}

@@ -32,6 +32,7 @@ values, stacked over the mesh like the gradients.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable
 
 import jax
@@ -54,6 +55,19 @@ STACKED = PartitionSpec(DATA)
 # XLA's latency-hiding scheduler (off by default on GPUs) is what moves a collective's start before, and its
 # end after, the compute that does not need it; without it the gathers and reduce-scatters run exposed.
 _OVERLAP = {"xla_gpu_enable_latency_hiding_scheduler": True}
+# The matrix products on cuBLAS rather than XLA's Triton emitter: the 32B row through `train` ran a 2.3% shorter
+# step so (12.96 against 13.26 s, one H200 of nvidia-h200-x2; experiments/results/
+# h200x2_32b_32k_cli_triton_off_fca06c7.json beside h200x2_32b_32k_cli_fca06c7.json), one 13B block +0.3% to
+# +2.1%. A setting of the same flag in XLA_FLAGS wins.
+_PRODUCTS_FLAG = "xla_gpu_enable_triton_gemm"
+
+
+def compiler_options(devices: int) -> dict:
+    """The XLA options the per-part programs compile with: the products on cuBLAS (unless ``XLA_FLAGS`` sets
+    the flag itself), and on several devices the latency-hiding scheduler. Keys are XLA's debug options, which
+    a backend other than the GPU's ignores."""
+    options = {} if _PRODUCTS_FLAG in os.environ.get("XLA_FLAGS", "") else {_PRODUCTS_FLAG: False}
+    return {**options, **(_OVERLAP if devices > 1 else {})}
 
 
 def _mask_sum(masks: list) -> jax.Array:
@@ -216,7 +230,7 @@ class DeviceFns:
         if kind is not None:
             body = functools.partial(body, kind=kind)
         if self.size == 1:
-            self._programs[key] = jax.jit(body, donate_argnums=donate)
+            self._programs[key] = jax.jit(body, donate_argnums=donate, compiler_options=compiler_options(1))
             return self._programs[key]
 
         def program(params, *args):
@@ -244,7 +258,7 @@ class DeviceFns:
             return jax.shard_map(per_device, mesh=self.mesh, in_specs=(pspecs if gather else WHOLE, *specs),
                                  out_specs=outs, check_vma=False)(params, *args)
 
-        self._programs[key] = jax.jit(program, donate_argnums=donate, compiler_options=_OVERLAP)
+        self._programs[key] = jax.jit(program, donate_argnums=donate, compiler_options=compiler_options(self.size))
         return self._programs[key]
 
     def _reduce(self, stacked: Params, specs: Params) -> Params:
