@@ -130,6 +130,12 @@ CONFIGS: dict[str, BenchConfig] = {
     "3p5b_32k_nothing_resident_host_updated": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True,
         host_grad_dtype="bfloat16")),
+    # The 8K row with more blocks updated on the GPU than the plan picks (5 with the link at 60 GB/s both ways; 7
+    # with the 81.7 measured by measure_speeds.py, h200x2_measure_speeds_e637172.json): the A/B that decides
+    # which figure the H200's record keeps.
+    **{f"3p5b_8k_nothing_resident_gpu_updated_{g}": BenchConfig("7b", 16, 2048, 4, EngineConfig(
+        micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True,
+        host_grad_dtype="bfloat16", gpu_updated_layers=g)) for g in (6, 7)},
     "13b_8k_host_updated": BenchConfig("llama2-13b", None, 2048, 4, EngineConfig(
         micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
         prefetch_depth=2, host_grad_dtype="bfloat16")),
