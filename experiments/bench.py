@@ -136,6 +136,12 @@ CONFIGS: dict[str, BenchConfig] = {
     **{f"3p5b_8k_nothing_resident_gpu_updated_{g}": BenchConfig("7b", 16, 2048, 4, EngineConfig(
         micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True,
         host_grad_dtype="bfloat16", gpu_updated_layers=g)) for g in (6, 7)},
+    # The rows with nothing resident fetching two blocks ahead (prefetch_depth 2): a copy to the GPU lands only
+    # after the compute queued before it was issued (XLA's allocator on the GPU is synchronized with the compute
+    # stream), so one block ahead each block's copy waits for the forward before it (NOTES, 2026-11-30).
+    **{f"3p5b_{k}k_nothing_resident_depth2": BenchConfig("7b", 16, 2048, rows, EngineConfig(
+        micro_batches=1, prefetch_depth=2, resident_layers=0, resident_io=False, kept_layers="auto",
+        keep_residuals=True, host_grad_dtype="bfloat16", gpu_updated_layers="auto")) for k, rows in ((8, 4), (32, 16))},
     "13b_8k_host_updated": BenchConfig("llama2-13b", None, 2048, 4, EngineConfig(
         micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
         prefetch_depth=2, host_grad_dtype="bfloat16")),
