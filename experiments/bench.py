@@ -130,18 +130,6 @@ CONFIGS: dict[str, BenchConfig] = {
     "3p5b_32k_nothing_resident_host_updated": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True,
         host_grad_dtype="bfloat16")),
-    # The 8K row with more blocks updated on the GPU than the plan picks (5 with the link at 60 GB/s both ways; 7
-    # with the 81.7 measured by measure_speeds.py, h200x2_measure_speeds_e637172.json): the A/B that decides
-    # which figure the H200's record keeps.
-    **{f"3p5b_8k_nothing_resident_gpu_updated_{g}": BenchConfig("7b", 16, 2048, 4, EngineConfig(
-        micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True,
-        host_grad_dtype="bfloat16", gpu_updated_layers=g)) for g in (6, 7)},
-    # The rows with nothing resident fetching two blocks ahead (prefetch_depth 2): a copy to the GPU lands only
-    # after the compute queued before it was issued (XLA's allocator on the GPU is synchronized with the compute
-    # stream), so one block ahead each block's copy waits for the forward before it (NOTES, 2026-11-30).
-    **{f"3p5b_{k}k_nothing_resident_depth2": BenchConfig("7b", 16, 2048, rows, EngineConfig(
-        micro_batches=1, prefetch_depth=2, resident_layers=0, resident_io=False, kept_layers="auto",
-        keep_residuals=True, host_grad_dtype="bfloat16", gpu_updated_layers="auto")) for k, rows in ((8, 4), (32, 16))},
     "13b_8k_host_updated": BenchConfig("llama2-13b", None, 2048, 4, EngineConfig(
         micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
         prefetch_depth=2, host_grad_dtype="bfloat16")),
@@ -212,6 +200,23 @@ for _n, _suffix in ((8, ""), (4, "4"), (2, "2")):
     CONFIGS[f"3p5b_98k_disk{_suffix}"] = BenchConfig("7b", 16, 2048, 48, EngineConfig(
         micro_batches=6, resident_layers=8, resident_io=True, disk_parts=_n,
         disk_dir=os.environ.get("MEGATRAIN_DISK_DIR", "/tmp/megatrain_disk_tier")))
+
+
+def _variant(name: str, **engine) -> BenchConfig:
+    """The config ``name`` with the engine fields ``engine`` changed (an A/B's other arm)."""
+    return dataclasses.replace(CONFIGS[name], engine=dataclasses.replace(CONFIGS[name].engine, **engine))
+
+
+# The 3.5B rows with nothing resident, one engine field changed each (NOTES, 2026-11-30): two blocks fetched ahead
+# (a copy to the GPU lands only after the compute queued before it was issued: XLA's allocator on the GPU is
+# synchronized with the compute stream, so one block ahead each block's copy waits for the forward before it);
+# and the 8K row with more blocks updated on the GPU than the plan picks (5 with the link at 60 GB/s both ways, 7
+# with the 81.7 measured by measure_speeds.py, h200x2_measure_speeds_e637172.json).
+for _k in (8, 32):
+    CONFIGS[f"3p5b_{_k}k_nothing_resident_depth2"] = _variant(f"3p5b_{_k}k_nothing_resident", prefetch_depth=2)
+for _g in (6, 7):
+    CONFIGS[f"3p5b_8k_nothing_resident_gpu_updated_{_g}"] = _variant("3p5b_8k_nothing_resident",
+                                                                      gpu_updated_layers=_g)
 
 
 def device_info() -> dict:

@@ -97,7 +97,8 @@ def _chunked(chunk: int, h_TD: jax.Array, *per_token: jax.Array) -> tuple[jax.Ar
 def chunked_token_nll(logits_fn: Callable[[jax.Array], jax.Array], h_TD: jax.Array, targets_T: jax.Array,
                       chunk: int) -> jax.Array:
     """Each token's NLL, float32 [T], computing logits ``chunk`` tokens at a time; each chunk's logits are
-    recomputed in the backward pass instead of stored (as ``chunked_nll_sum``)."""
+    recomputed in the backward pass instead of stored (a per-token loss's cotangent is not known in the forward,
+    so ``chunked_nll_sum``'s fused gradient does not apply)."""
     @jax.checkpoint
     def one(carry, xs):
         h, t = xs

@@ -189,7 +189,7 @@ def test_chunked_nll_sum_through_the_models_head_matches_the_checkpointed_scan(d
     """The fused gradient through the models' own head (``logits_matmul`` in the compute dtype, a final logit
     softcap, the loss scaled as the engine scales it) against the chunks differentiated as written with their
     logits recomputed (the form it replaced)."""
-    from megatrain_jax.loss import _chunked as chunks
+    from megatrain_jax.loss import chunked_token_nll
     from megatrain_jax.models.layers import logits_matmul
 
     T, D, V, chunk, cap = 20, 16, 40, 8, 30.0
@@ -206,12 +206,7 @@ def test_chunked_nll_sum_through_the_models_head_matches_the_checkpointed_scan(d
         return chunked_nll_sum(head(w), h, targets, mask, chunk) / 7.0
 
     def checkpointed(h, w):
-        @jax.checkpoint
-        def one(total, xs):
-            hc, tc, mc = xs
-            return total + jnp.sum(token_nll(head(w)(hc), tc) * mc), None
-        total, _ = jax.lax.scan(one, jnp.zeros((), jnp.float32), chunks(chunk, h, targets, mask))
-        return total / 7.0
+        return jnp.sum(chunked_token_nll(head(w), h, targets, chunk) * mask) / 7.0
 
     got, got_g = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(h, w)
     want, want_g = jax.jit(jax.value_and_grad(checkpointed, argnums=(0, 1)))(h, w)

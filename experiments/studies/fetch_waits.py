@@ -67,7 +67,8 @@ def summary(rows: list[dict]) -> dict:
     return {"forwards": len(rows), "median_gap_ms": median("gap_ms"),
             "median_landed_after_prev_ms": median("landed_after_prev_ms"),
             "copy_landed_after_prev_forward": sum(r["landed_after_prev_ms"] >= 0 for r in rows),
-            "host_update_ended_after_prev_forward": sum((r["update_after_prev_ms"] or -1) >= 0 for r in rows)}
+            "host_update_ended_after_prev_forward": sum(r["update_after_prev_ms"] is not None
+                                                        and r["update_after_prev_ms"] >= 0 for r in rows)}
 
 
 def main() -> None:
