@@ -40,8 +40,8 @@ from megatrain_jax.plan.step_time import predict  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
-FITTED = ("matmul_flops", "attention_flops", "attention_backward", "kept_backward", "h2d_bytes", "hbm_bytes",
-          "disk_bytes", "host_full", "host_lean", "host_capacity", "host_q8")
+FITTED = ("matmul_flops", "attention_flops", "attention_backward", "kept_backward", "h2d_bytes", "link_bytes",
+          "hbm_bytes", "disk_bytes", "host_full", "host_lean", "host_capacity", "host_q8")
 # The engine as it runs now: runs before this date ran an engine since made faster (pacing, split updates,
 # kept layers), which the model does not describe; they are reported apart ("older").
 SINCE = "2026-11-25"
@@ -163,6 +163,8 @@ def loss(errs: list[float]) -> float:
 def fit(rs: list[dict], s: speeds_mod.Speeds, rounds: int = 3) -> speeds_mod.Speeds:
     for _ in range(rounds):
         for key in FITTED:
+            if _get(s, key) is None:  # a rate the kind does not have (a link not measured): nothing to fit
+                continue
             best, best_loss = _get(s, key), loss(errors(rs, s))
             for f in (0.7, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.4):
                 trial = _with(s, key, _get(s, key) * f)
@@ -196,7 +198,7 @@ def main() -> None:
                                                                                     speeds_mod.SPEEDS[kind])
         if args.fit:
             s = fit(mine, s)
-            fitted[kind] = {k: _get(s, k) for k in FITTED}
+            fitted[kind] = {k: _get(s, k) for k in FITTED if _get(s, k) is not None}
             print(kind, json.dumps(fitted[kind]), flush=True)
         for r in [r for r in rs if r["kind"] == kind]:
             p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], s.on_host(r["host_cores"]), devices=r["gpus"])

@@ -20,7 +20,10 @@ class EngineConfig:
 
     - ``micro_batches`` bounds transient activation memory only: weights cross PCIe twice per step
       whatever it is.
-    - ``prefetch_depth``: layers fetched ahead of the one computing.
+    - ``prefetch_depth``: layers fetched ahead of the one computing. Two by default: on a GPU a copy into new
+      device memory starts only once the compute queued before it has run (XLA's allocator is synchronized with
+      the compute stream), so with one ahead each block's copy waits for the block before it and the forward
+      waits for the copy; one block more on the GPU hides it.
     - ``clip_norm``: exact global-norm clipping (the norm of the whole gradient); None turns it off.
     - ``accumulate_steps`` batches make one optimizer step.
     - ``stream_dtype`` is the dtype of the weights sent to the device (None: the model's compute dtype);
@@ -135,7 +138,7 @@ class EngineConfig:
     """
 
     micro_batches: int = 1
-    prefetch_depth: int = 1
+    prefetch_depth: int = 2
     clip_norm: float | None = 1.0
     accumulate_steps: int = 1
     stream_dtype: str | None = None

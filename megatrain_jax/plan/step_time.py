@@ -12,7 +12,10 @@ machine's rates (``speeds.Speeds``):
   offloaded activations out), one transfer at a time each, each at its direction's rate; where the link carries
   less both ways at once than twice one way (``Speeds.link_bytes``: the H200's 60 GB/s against 54 each way), a
   transfer also takes the link's time at that rate, in the first gap the link leaves it from when it can start
-  (the ``link`` lane), so a fetch issued while copies home are under way waits for them;
+  (the ``link`` lane), so a fetch issued while copies home are under way waits for them. A copy into new GPU
+  memory (a fetch, a GPU-updated part's state brought over, offloaded activations loaded back) starts no
+  earlier than the end of the GPU work issued before it: XLA's GPU allocator hands out memory synchronized with
+  the compute stream, so with ``prefetch_depth`` 1 a block's copy waits for the forward before it;
 - the **host worker** runs each host part's AdamW (split in two halves where the update splits: the stream
   copy first, in forward order, then masters and moments, last part first: ``engine.update.policy``).
 
@@ -263,17 +266,17 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
                 busy["main"] += n.dispatch.get(op.kind, 0.0)
                 if op.kind == "fetch":
                     t = max(t, ready_host.get(op.part, 0.0))  # the engine waits for the part's new weights
-                    fetched[op.part] = move("h2d", t, n.fetch[op.part])
+                    fetched[op.part] = move("h2d", max(t, free["gpu"]), n.fetch[op.part])
                     if n.cast[op.part]:  # a resident part's compute copy, queued after its update
                         fetched[op.part] = run("gpu", t, n.cast[op.part])
                 elif op.kind == "bring":  # a GPU-updated part's state over, at the step's start
-                    brought[op.part] = move("h2d", t, n.visit[op.part][0])
+                    brought[op.part] = move("h2d", max(t, free["gpu"]), n.visit[op.part][0])
                 elif op.kind == "visit":  # the engine waits for the state to land, runs the update on the GPU,
                     t = max(t, brought[op.part])  # then sends the state home (the backward's fetch reads its copy)
                     fetched[op.part] = run("gpu", t, n.device_update[op.part])
                     ready_host[op.part] = move("d2h", fetched[op.part], n.visit[op.part][1])
                 elif op.kind == "load_acts":
-                    fetched[op.part] = max(fetched[op.part], move("h2d", t, n.acts))
+                    fetched[op.part] = max(fetched[op.part], move("h2d", max(t, free["gpu"]), n.acts))
                 elif op.kind in ("forward", "backward"):
                     if op.micro == 0 and len(visits) >= BLOCKS_AHEAD:
                         t = max(t, visits[-BLOCKS_AHEAD])
