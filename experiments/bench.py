@@ -217,6 +217,13 @@ for _k in (8, 32):
 for _g in (6, 7):
     CONFIGS[f"3p5b_8k_nothing_resident_gpu_updated_{_g}"] = _variant("3p5b_8k_nothing_resident",
                                                                       gpu_updated_layers=_g)
+# The 32K row with its first blocks updated on the GPU (the plan picks none): at the step's start the forward waits
+# for the host's first passes of io and block 0 (~90 ms in h200x2_side_by_side_streamed_9f24487.json's timeline),
+# then runs at the first passes' pace (~25 ms a block against ~20 of compute); a block updated on the GPU needs no
+# first pass.
+for _g in (1, 2, 3):
+    CONFIGS[f"3p5b_32k_nothing_resident_gpu_updated_{_g}"] = _variant("3p5b_32k_nothing_resident",
+                                                                       gpu_updated_layers=_g)
 
 
 def device_info() -> dict:
