@@ -756,7 +756,8 @@ def test_offloaded_activations_wait_in_pinned_host_memory():
         def on_task(self, *a, **k):
             pass
 
-    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), ADAMW(), EngineConfig(micro_batches=2, offload_activations=2))
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), ADAMW(), EngineConfig(micro_batches=2, offload_activations=2,
+                                                                            prefetch_depth=1))
     engine.observe(Watch())
     engine.step(make_batches(1, vocab=TINY3.vocab_size)).resolve()
     assert seen == {"store_acts": ["pinned_host"] * 4, "load_acts": ["device"] * 4}  # 2 blocks x 2 micro-batches

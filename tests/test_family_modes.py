@@ -113,7 +113,8 @@ def test_sft_packed_kept_residuals_offloaded_equals_reference(family, sft, cudnn
     micro, offload = 2, 2
     watch = StoredActivations()
     engine = run_family(family, sft, EngineConfig(micro_batches=micro, accumulate_steps=ACCUMULATE, clip_norm=CLIP,
-                                                  keep_residuals=True, offload_activations=offload, kept_layers=1),
+                                                  keep_residuals=True, offload_activations=offload, kept_layers=1,
+                                                  prefetch_depth=1),
                         observers=[watch])
     # the last block keeps its matrix products too (``kept_layers``), the others what the model marks
     assert {name for name, *_ in engine.fns._programs} >= {"forward_keep", "backward_kept", "forward_products",

@@ -4,6 +4,7 @@ refusing with the numbers and options that were re-planned and fit."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -45,6 +46,10 @@ TOLERANCE = 0.15
 SEVEN_B = preset("7b")
 # room for anything, and a GPU none is larger than (the host plan counts the GPU client's share of it)
 BIG = dict(host_ram_bytes=10_000 * GiB, gpu_bytes=200 * GiB)
+
+
+# the engine as these tests' figures were worked out: one block fetched ahead (the default is two)
+ONE_AHEAD = functools.partial(EngineConfig, prefetch_depth=1)
 
 
 def test_host_holds_every_part_pinned_what_crosses_pcie():
@@ -121,7 +126,7 @@ def test_limit_host_pool_only_before_jax_starts_and_never_over_the_user(monkeypa
 
 def test_gpu_walks_the_engine_schedule():
     cfg = preset("7b", layers=16)
-    p = plan(cfg, EngineConfig(micro_batches=2), 16, 2048, **BIG)
+    p = plan(cfg, ONE_AHEAD(micro_batches=2), 16, 2048, **BIG)
     assert p.gpu_peak_at.startswith("backward(")
     depth_layers = max_resident_layers(step_ops(16, 2, 1))
     streamed = p.gpu["weights in use (streamed, or cast from resident masters) (3 buffers)"]
@@ -138,7 +143,7 @@ def test_gpu_walks_the_engine_schedule():
         f"gradient accumulators, float32: dropped by the host, still used by queued GPU work "
         f"({QUEUED_BLOCKS} blocks)": QUEUED_BLOCKS * 4 * layer_param_count(cfg)}
     # resident parts: fp32 master + moments + bf16 copy on the GPU, 14 B/param
-    res = plan(cfg, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True), 16, 2048, **BIG)
+    res = plan(cfg, ONE_AHEAD(micro_batches=2, resident_layers=8, resident_io=True), 16, 2048, **BIG)
     n = 8 * layer_param_count(cfg) + io_param_count(cfg)
     assert res.gpu["GPU-resident parts with their optimizer state (9 parts)"] == 14 * n
     # less the io part and blocks it no longer streams: between 12 and 18 B/param more in all (with the
@@ -146,17 +151,17 @@ def test_gpu_walks_the_engine_schedule():
     assert 12 * n < res.gpu_total - p.gpu_total < 18 * n and res.host_total <= p.host_total
     # without their copies kept (resident_copy=false) 12 B/param, the copy cast at each fetch held as a streamed
     # part's weights are (engine/update/resident.py): 2 B/param less at the peak, give or take a block's copy
-    cast = plan(cfg, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True, resident_copy=False), 16,
+    cast = plan(cfg, ONE_AHEAD(micro_batches=2, resident_layers=8, resident_io=True, resident_copy=False), 16,
                 2048, **BIG)
     assert cast.gpu["GPU-resident parts with their optimizer state (9 parts)"] == 12 * n
     block = 2 * layer_param_count(cfg)
     assert 2 * n - 4 * block <= res.gpu_total - cast.gpu_total <= 2 * n
-    assert plan(cfg, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True, stream_dtype="float32",
+    assert plan(cfg, ONE_AHEAD(micro_batches=2, resident_layers=8, resident_io=True, stream_dtype="float32",
                                   resident_copy=True), 16, 2048, **BIG).gpu[
         "GPU-resident parts with their optimizer state (9 parts)"] == 12 * n  # float32 streaming: no copy
     slack = "the allocator's slack around GPU-resident parts and waiting gradients (measured)"
     assert slack not in p.gpu and res.gpu[slack] == int(RESIDENT_ALLOCATOR_SLACK * 4 * n)
-    waits = plan(cfg, EngineConfig(micro_batches=2, resident_layers=8, resident_io=True, grads_on_gpu=3),
+    waits = plan(cfg, ONE_AHEAD(micro_batches=2, resident_layers=8, resident_io=True, grads_on_gpu=3),
                  16, 2048, **BIG)
     assert waits.gpu[slack] == int(RESIDENT_ALLOCATOR_SLACK * 4 * n + WAITING_ALLOCATOR_SLACK * 4 * 3
                                    * layer_param_count(cfg))
@@ -168,7 +173,7 @@ def test_several_devices_hold_gradient_shards():
     the copy home reads, held for queued work. The whole accumulator is free at once (only programs on the
     compute stream used it)."""
     cfg = preset("7b", layers=16)
-    two = plan(cfg, EngineConfig(micro_batches=2), 16, 2048, devices=2, **BIG)
+    two = plan(cfg, ONE_AHEAD(micro_batches=2), 16, 2048, devices=2, **BIG)
     assert two.gpu_peak_at.startswith("backward(")
     queued = {k: v for k, v in two.gpu.items() if "still used by queued GPU work" in k}
     assert queued == {
@@ -178,8 +183,8 @@ def test_several_devices_hold_gradient_shards():
         f"gradient accumulators, float32: dropped by the host, still used by queued GPU work "
         f"({QUEUED_BLOCKS} blocks)": QUEUED_BLOCKS * 4 * layer_param_count(cfg) // 2}
     # the GPU-resident parts' gradients are shards too: half of one device's, as the parts themselves
-    one_res = plan(cfg, EngineConfig(micro_batches=2, resident_layers=16, resident_io=True), 16, 2048, **BIG)
-    two_res = plan(cfg, EngineConfig(micro_batches=2, resident_layers=16, resident_io=True), 16, 2048, devices=2,
+    one_res = plan(cfg, ONE_AHEAD(micro_batches=2, resident_layers=16, resident_io=True), 16, 2048, **BIG)
+    two_res = plan(cfg, ONE_AHEAD(micro_batches=2, resident_layers=16, resident_io=True), 16, 2048, devices=2,
                    **BIG)
     # both peaks are in the first blocks' backward (one device: block 0's), every later part's gradient waiting
     # for the update: per block, two devices hold half of one's
@@ -503,7 +508,7 @@ EIGHT_B = preset("llama3-8b")
 def test_gradients_waiting_on_the_gpu_leave_host_memory_one_part_at_a_time():
     """Host: the waiting parts' gradients leave the pinned arrays, but for one part's (the largest), which
     comes home when its update runs. GPU: the step starts with the step before's waiting gradients."""
-    e = EngineConfig(micro_batches=2, stream_dtype="float32")
+    e = ONE_AHEAD(micro_batches=2, stream_dtype="float32")
     base = plan(EIGHT_B, e, 2, 2048, **BIG)
     Pl, Pio = layer_param_count(EIGHT_B), io_param_count(EIGHT_B)
     blocks = plan(EIGHT_B, dataclasses.replace(e, grads_on_gpu=5), 2, 2048, **BIG)
@@ -814,7 +819,7 @@ def test_activation_offload_moves_boundary_activations_to_the_host_and_is_picked
     with the block's own working set; offloading the first blocks' inputs does, at their size in host RAM."""
     from megatrain_jax.plan import lean_engine
     c = preset("llama3.2-3b", max_positions=524288, mlp_chunk_tokens=16384)
-    e = EngineConfig(stream_dtype="float32", grads_on_gpu=29)
+    e = ONE_AHEAD(stream_dtype="float32", grads_on_gpu=29)
     act = 524288 * c.hidden * 2
     base = plan(c, e, 1, 524288, host_ram_bytes=1000 * GiB, gpu_bytes=71 * GiB)
     assert not base.gpu_fits
@@ -942,7 +947,7 @@ def test_kept_layers_add_their_matrix_products_to_the_gpu_and_are_given_up_first
     from megatrain_jax.plan.activations import kept_bytes, products_bytes
     from megatrain_jax.plan.layout import most_kept
     cfg = preset("7b", layers=16)
-    base_cfg = EngineConfig(micro_batches=1, resident_layers=8, resident_io=True, keep_residuals=True)
+    base_cfg = ONE_AHEAD(micro_batches=1, resident_layers=8, resident_io=True, keep_residuals=True)
     kw = dict(host_ram_bytes=10_000 * GiB, gpu_bytes=200 * GiB)
     base = plan(cfg, base_cfg, 16, 2048, **kw)
     per_block = products_bytes(cfg, 16, 2048)
@@ -1000,3 +1005,24 @@ def test_a_gpu_short_by_less_than_the_resident_copies_is_offered_to_cast_them():
     assert p.applied(first.changes).fits
     f32 = plan(cfg, dataclasses.replace(e, stream_dtype="float32"), 16, 2048, **short)
     assert not any(dict(o.changes).get("engine.resident_copy") is False for o in options(f32))
+
+
+def test_a_short_gpu_fetches_fewer_blocks_ahead_before_offloading_activations():
+    """Two blocks fetched ahead (the default) hold one streamed block's weights more than one; where the GPU has
+    room for one ahead and not two, ``resolve`` fetches one ahead and says so, and offloads no activation; where
+    even one ahead does not fit, the depth stays and activations are offloaded as before."""
+    from megatrain_jax.plan import lean_engine
+    cfg = preset("7b", layers=16)
+    e = EngineConfig(micro_batches=2, stream_dtype="float32")
+    host = dict(host_ram_bytes=10_000 * GiB)
+    fits = lambda d, gpu: plan(cfg, dataclasses.replace(e, prefetch_depth=d), 16, 2048, gpu_bytes=gpu,  # noqa: E731
+                               **host).gpu_fits
+    gpu = next(g * GiB // 4 for g in range(40, 800) if fits(1, g * GiB // 4))  # the least that holds one ahead
+    assert not fits(2, gpu) and fits(2, gpu + GiB * 4)
+    picked, why = lean_engine(cfg, e, 16, 2048, gpu_bytes=gpu, **host)
+    assert picked.prefetch_depth == 1 and picked.offload_activations == 0
+    assert "GPU memory is short for 2 blocks fetched ahead: 1 (engine.prefetch_depth=1" in why
+    as_given, why = lean_engine(cfg, e, 16, 2048, gpu_bytes=gpu + GiB * 4, **host)
+    assert as_given.prefetch_depth == 2 and (why is None or "prefetch_depth" not in why)
+    short, why = lean_engine(cfg, e, 16, 2048, gpu_bytes=gpu - GiB, **host)
+    assert short.prefetch_depth == 2 and short.offload_activations > 0 and "GPU memory is short" in why

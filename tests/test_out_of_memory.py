@@ -271,7 +271,8 @@ def test_the_census_counts_the_failed_passs_own_pinned_arrays(monkeypatch):
     inject(monkeypatch, "backward", during_step=2)
     cfg = CFG.replace(layers=4)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    engine = Engine(model, default_optimizer(1e-3), EngineConfig(micro_batches=2, offload_activations=3))
+    engine = Engine(model, default_optimizer(1e-3), EngineConfig(micro_batches=2, offload_activations=3,
+                                                                 prefetch_depth=1))
     rng = np.random.default_rng(0)
     batches = [Batch.from_windows(rng.integers(0, cfg.vocab_size, (4, 513))) for _ in range(2)]  # the largest group
     engine.step(batches[0]).resolve()

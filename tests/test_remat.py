@@ -252,9 +252,11 @@ def test_kept_layers_that_meet_the_offloaded_blocks_or_exceed_the_model_are_refu
     with pytest.raises(ValueError, match="more than the model's 3 blocks"):
         EngineConfig(kept_layers=4).check_layers(3)
     with pytest.raises(ValueError, match="kept_layers <= 1"):
-        EngineConfig(kept_layers=2, offload_activations=2).check_layers(3)
-    EngineConfig(kept_layers=1, offload_activations=2).check_layers(3)
-    EngineConfig(kept_layers=1, offload_activations=3).check_layers(3)  # the last block's inputs stay on the GPU
+        EngineConfig(kept_layers=2, offload_activations=2, prefetch_depth=1).check_layers(3)
+    EngineConfig(kept_layers=1, offload_activations=2, prefetch_depth=1).check_layers(3)
+    # the last prefetch_depth blocks' inputs stay on the GPU
+    EngineConfig(kept_layers=1, offload_activations=3, prefetch_depth=1).check_layers(3)
+    EngineConfig(kept_layers=2, offload_activations=3).check_layers(3)  # two ahead: only block 0's are offloaded
 
 
 def test_kept_residuals_over_two_devices_equal_one_device_and_reference(cudnn_stand_in):
