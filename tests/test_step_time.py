@@ -407,26 +407,3 @@ def test_the_layout_search_casts_the_resident_copies_where_more_resident_blocks_
                           gpu_bytes=int(132.8 * GiB))
     assert small.resident_copy is True and "copies kept" in said, said
 
-
-def test_the_layout_search_weighs_each_fast_layout_with_its_own_split_count():
-    """The count of split host updates moves the host's memory traffic, so the layout fastest with every update
-    split need not be fastest with its best count: 3.5B at 8K with nothing resident on one H200 of a 32-core host
-    (blocks updated on the GPU "auto") is picked with each candidate's own count, as fast as the best of every
-    count of blocks updated on the GPU, each with its own count."""
-    from megatrain_jax.plan.counts import GiB
-    from megatrain_jax.plan.layout import fastest, split_parts
-    cfg, x2 = preset("7b", layers=16), SPEEDS["H200"].on_host(32)
-    e = EngineConfig(micro_batches=1, resident_layers=0, kept_layers="auto", keep_residuals=True,
-                     host_grad_dtype="bfloat16", gpu_updated_layers="auto")
-    kw = dict(host_ram_bytes=240 * GiB, gpu_bytes=int(126.4 * GiB))
-    picked, said = fastest(cfg, e, 4, 2048, x2, **kw)
-    picked, _ = split_parts(cfg, picked, 4, 2048, x2)
-    best_each = []
-    for g in range(6):
-        each, _ = split_parts(cfg, dataclasses.replace(picked, gpu_updated_layers=g, split_parts="auto"), 4, 2048, x2)
-        best_each.append(predict(cfg, each, 4, 2048, x2).seconds)
-    assert predict(cfg, picked, 4, 2048, x2).seconds == pytest.approx(min(best_each))
-    all_split = [predict(cfg, dataclasses.replace(picked, gpu_updated_layers=g, split_parts="auto"), 4, 2048,
-                         x2).seconds for g in range(6)]
-    assert all_split.index(min(all_split)) != picked.gpu_updated_layers  # the all-split pick would differ
-    assert f"{picked.split_parts} host updates split" in said, said

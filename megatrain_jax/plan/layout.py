@@ -317,13 +317,6 @@ def _most_taken(model_cfg: DecoderConfig, engine_cfg: EngineConfig) -> tuple[int
     return hi, refused
 
 
-# The layouts, fastest by the step-time model with every host update split, that ``fastest`` times again each with
-# its own split count where ``split_parts`` is "auto": the count moves the host's memory traffic, so the layout
-# fastest with every update split need not be fastest with its best count (3.5B at 8K with nothing resident on a
-# 32-core H200 host: 5 blocks updated on the GPU, 0.887 s, against 3 with 1 update split, 0.764 s).
-REFINED = 12
-
-
 def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int, speeds: Speeds,
             **plan_kw) -> tuple[EngineConfig, str | None]:
     """``resident_layers`` and ``kept_layers``, where either is "auto", for the GPU of ``speeds``: of the layouts
@@ -335,8 +328,6 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     Where ``gpu_updated_layers`` is "auto" (and the mode keeps float32 state), beside each count of resident
     blocks each count of the blocks after them updated on the GPU is tried, from none up, until one does not fit
     or two in a row are slower than the best of that count of resident blocks; the fewest among equals.
-    Where ``split_parts`` is "auto", the ``REFINED`` fastest of them with every host update split are timed again
-    with their own split count, and the fastest of all is picked (its count is ``split_parts``' to set after).
     Where none fits host and GPU as configured, or there is no GPU to plan for, the config comes back
     as given ("auto" fields and all) for the pickers after it (the most resident blocks, offload, the lean
     host layout). Returns the config and a sentence (None: as given)."""
@@ -385,24 +376,13 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
                     break
     if not tried:
         return engine_cfg, None
-    splits: dict[int, int] = {}  # a refined layout's place in ``tried``: its split count
-    if engine_cfg.split_parts == AUTO:  # each of the fastest few with its own split count (``split_parts``)
-        for i in sorted(range(len(tried)), key=lambda i: tried[i][0])[:REFINED]:
-            seconds, cand, p = tried[i]
-            picked, _ = split_parts(model_cfg, cand, batch_rows, seq_len, speeds, plan_kw.get("devices", 1))
-            if picked.split_parts != AUTO:
-                splits[i] = picked.split_parts
-                tried[i] = (predict(model_cfg, picked, batch_rows, seq_len, speeds,
-                                    devices=plan_kw.get("devices", 1)).seconds, cand, p)
-    at = min(range(len(tried)), key=lambda i: tried[i][0])  # the first of equals: copies kept, the fewest resident
-    (seconds, best, p), split_count = tried[at], splits.get(at)
+    seconds, best, p = min(tried, key=lambda t: t[0])  # the first of equals: copies kept, the fewest resident
     most = max(tried, key=lambda t: (t[1].resident_layers, t[1].resident_copy is not False))
     asked = " and ".join(f"engine.{f}='auto'" for f, a in (("resident_layers", auto_r), ("kept_layers", auto_k),
                                                           ("resident_copy", auto_c), ("gpu_updated_layers", can_g)) if a)
     versus = ("" if most[1] == best or not auto_r else f"; the most resident blocks that fit, {most[1].resident_layers}"
               + (f" with {most[1].kept_layers} keeping products" if auto_k else "") + f", {most[0]:.2f} s")
-    split = (f"split_parts={best.split_parts}" if best.split_parts != AUTO else "every host update split"
-             if split_count is None else f"{split_count} host updates split")
+    split = "every host update split" if best.split_parts == AUTO else f"split_parts={best.split_parts}"
     copies = "" if not auto_c else (", their compute copies kept" if best.resident_copy else
                                     ", their compute copies cast at each fetch (2 B/param less on the GPU)")
     visiting = "" if not can_g else (f", the next {best.gpu_updated_layers} streamed but updated on the GPU"
