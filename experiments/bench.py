@@ -224,6 +224,11 @@ for _g in (6, 7):
 for _g in (1, 2, 3):
     CONFIGS[f"3p5b_32k_nothing_resident_gpu_updated_{_g}"] = _variant("3p5b_32k_nothing_resident",
                                                                        gpu_updated_layers=_g)
+# The 8K row as the layout search picked it with its own split count at e9ffee6 (3 blocks updated on the GPU, 1
+# update split; 0.894 s against 0.764 predicted, h200x2_side_by_side_streamed_8k_e9ffee6.json), to be run with
+# --timeline-steps beside the plan's row: where the step-time model misprices the split count.
+CONFIGS["3p5b_8k_nothing_resident_gpu_updated_3_split_1"] = _variant("3p5b_8k_nothing_resident",
+                                                                     gpu_updated_layers=3, split_parts=1)
 
 
 def device_info() -> dict:
