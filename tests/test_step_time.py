@@ -406,4 +406,3 @@ def test_the_layout_search_casts_the_resident_copies_where_more_resident_blocks_
     small, said = fastest(preset("7b", layers=16), e, 4, 2048, SPEEDS["H200"], host_ram_bytes=125 * GiB,
                           gpu_bytes=int(132.8 * GiB))
     assert small.resident_copy is True and "copies kept" in said, said
-

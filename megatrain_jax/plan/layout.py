@@ -243,17 +243,18 @@ def fewer_fetched_ahead(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batc
     moves no byte more over PCIe, where offloading activations would). The config as given where it fits, where
     nothing is fetched ahead beyond one, or where even one ahead does not fit (offloading activations is then
     tried at the depth given). Returns the config and a sentence (None: as given)."""
-    if engine_cfg.prefetch_depth <= 1 or plan_kw.get("gpu_bytes") is None:
+    depth = engine_cfg.prefetch_depth
+    p = plan(model_cfg, engine_cfg, batch_rows, seq_len, detect=False, **plan_kw)
+    if depth <= 1 or p.gpu_fits or p.gpu_available is None:
         return engine_cfg, None
-    with_ = lambda d: dataclasses.replace(engine_cfg, prefetch_depth=d)  # noqa: E731
-    gpu_fits = lambda d: plan(model_cfg, with_(d), batch_rows, seq_len, detect=False, **plan_kw).gpu_fits  # noqa: E731
-    if gpu_fits(engine_cfg.prefetch_depth) or not gpu_fits(1):
+    changes = _first_fitting(p, "engine.prefetch_depth", list(range(depth - 1, 0, -1)), gpu=True)  # fewer: less
+    if changes is None:
         return engine_cfg, None
-    d = max(k for k in range(1, engine_cfg.prefetch_depth) if gpu_fits(k))
-    p = plan(model_cfg, with_(d), batch_rows, seq_len, detect=False, **plan_kw)
-    return with_(d), (f"GPU memory is short for {engine_cfg.prefetch_depth} blocks fetched ahead: {d} "
-                      f"(engine.prefetch_depth={d}; GPU {p.gpu_total / GiB:.1f} GiB of {p.gpu_available / GiB:.1f}; "
-                      f"each block's forward may then wait for its copy)")
+    d, after = changes[0][1], p.applied(changes)
+    return dataclasses.replace(engine_cfg, prefetch_depth=d), (
+        f"GPU memory is short for {depth} blocks fetched ahead: {d} (engine.prefetch_depth={d}; GPU "
+        f"{after.gpu_total / GiB:.1f} GiB of {after.gpu_available / GiB:.1f}; each block's forward may then wait "
+        f"for its copy)")
 
 
 def most_kept(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,

@@ -245,6 +245,10 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
         busy["link"] += nbytes / s.link_bytes
         return run(queue, begin, nbytes / rates[queue])
 
+    def to_gpu(start: float, nbytes: float) -> float:
+        # a copy into new GPU memory: XLA's allocator hands it out once the GPU work issued before it has run
+        return move("h2d", max(start, free["gpu"]), nbytes)
+
     def run(queue: str, start: float, seconds: float) -> float:
         begin = max(start, free[queue])
         free[queue] = begin + seconds
@@ -266,17 +270,17 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
                 busy["main"] += n.dispatch.get(op.kind, 0.0)
                 if op.kind == "fetch":
                     t = max(t, ready_host.get(op.part, 0.0))  # the engine waits for the part's new weights
-                    fetched[op.part] = move("h2d", max(t, free["gpu"]), n.fetch[op.part])
+                    fetched[op.part] = to_gpu(t, n.fetch[op.part])
                     if n.cast[op.part]:  # a resident part's compute copy, queued after its update
                         fetched[op.part] = run("gpu", t, n.cast[op.part])
                 elif op.kind == "bring":  # a GPU-updated part's state over, at the step's start
-                    brought[op.part] = move("h2d", max(t, free["gpu"]), n.visit[op.part][0])
+                    brought[op.part] = to_gpu(t, n.visit[op.part][0])
                 elif op.kind == "visit":  # the engine waits for the state to land, runs the update on the GPU,
                     t = max(t, brought[op.part])  # then sends the state home (the backward's fetch reads its copy)
                     fetched[op.part] = run("gpu", t, n.device_update[op.part])
                     ready_host[op.part] = move("d2h", fetched[op.part], n.visit[op.part][1])
                 elif op.kind == "load_acts":
-                    fetched[op.part] = max(fetched[op.part], move("h2d", max(t, free["gpu"]), n.acts))
+                    fetched[op.part] = max(fetched[op.part], to_gpu(t, n.acts))
                 elif op.kind in ("forward", "backward"):
                     if op.micro == 0 and len(visits) >= BLOCKS_AHEAD:
                         t = max(t, visits[-BLOCKS_AHEAD])
