@@ -118,10 +118,10 @@ CONFIGS: dict[str, BenchConfig] = {
     # (results/h200_bf16_gradients_exact_252be46.json).
     "3p5b_8k_nothing_resident": BenchConfig("7b", 16, 2048, 4, EngineConfig(
         micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True,
-        host_grad_dtype="bfloat16", gpu_updated_layers="auto")),
+        host_grad_dtype="bfloat16", gpu_updated_layers="auto", gpu_updated_io="auto")),
     "3p5b_32k_nothing_resident": BenchConfig("7b", 16, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers=0, resident_io=False, kept_layers="auto", keep_residuals=True,
-        host_grad_dtype="bfloat16", gpu_updated_layers="auto")),
+        host_grad_dtype="bfloat16", gpu_updated_layers="auto", gpu_updated_io="auto")),
     # Since 2026-11-29 (issue 51) the rows above let the plan update some streamed blocks on the GPU
     # (gpu_updated_layers "auto": their state crosses PCIe, no host update); the rows as they ran before:
     "3p5b_8k_nothing_resident_host_updated": BenchConfig("7b", 16, 2048, 4, EngineConfig(
@@ -224,6 +224,10 @@ for _g in (6, 7):
 for _g in (1, 2, 3):
     CONFIGS[f"3p5b_32k_nothing_resident_gpu_updated_{_g}"] = _variant("3p5b_32k_nothing_resident",
                                                                        gpu_updated_layers=_g)
+# The rows with the io part updated on the host, as the plan picked them before it could update it on the GPU
+# (gpu_updated_io, 2026-11-30): the A/B's other arm.
+for _k in (8, 32):
+    CONFIGS[f"3p5b_{_k}k_nothing_resident_io_on_host"] = _variant(f"3p5b_{_k}k_nothing_resident", gpu_updated_io=False)
 # The 8K row as the layout search picked it with its own split count at e9ffee6 (3 blocks updated on the GPU, 1
 # update split; 0.894 s against 0.764 predicted, h200x2_side_by_side_streamed_8k_e9ffee6.json), to be run with
 # --timeline-steps beside the plan's row: where the step-time model misprices the split count.

@@ -125,6 +125,15 @@ class EngineConfig:
       backward to the next forward, and their masters and moments from the step's start to their visit.
       "auto": ``megatrain-jax train`` and ``plan`` pick the count with the layout (``plan.layout.fastest``, where
       the GPU's rates are known; else none); an ``Engine`` takes a number.
+    - ``gpu_updated_io`` (full precision, the io part streamed: ``resident_io`` false): the io part (embeddings,
+      final norm, head) streams but updates on the GPU, as ``gpu_updated_layers``' blocks do, with one difference:
+      its masters and moments cross during the backward of the step that updates it (issued beside block 0's
+      fetch for that backward), since its visit is the next forward's first op. With exact clipping the next
+      forward otherwise waits at its start for the io part's host update (its first pass, ~30-47 ms at 3.5B on
+      an H200 host), and every block after it for theirs. GPU memory: its float32 gradient from the backward to
+      the next forward, and its masters and moments from the late backward to that visit. "auto": picked with
+      the layout where ``gpu_updated_layers`` is "auto" too (``plan.layout.fastest``); an ``Engine`` takes a
+      bool.
     - ``norm_first`` (opt-in; where host RAM is short): each step runs two forward+backward passes over its
       batch. The first only takes the global gradient norm (no gradient leaves the GPU); the second computes
       the same gradients again, and each part updates as soon as its gradient is home, clipped by the first
@@ -159,6 +168,7 @@ class EngineConfig:
     resident_copy: bool | Literal["auto"] = AUTO
     norm_first: bool = False
     gpu_updated_layers: int | Literal["auto"] = 0
+    gpu_updated_io: bool | Literal["auto"] = False
 
     def __post_init__(self) -> None:
         for name in ("micro_batches", "prefetch_depth", "accumulate_steps", "max_nonfinite_steps"):
@@ -205,6 +215,16 @@ class EngineConfig:
             raise ValueError(f"gpu_updated_layers = {self.gpu_updated_layers} updates those blocks on the GPU at "
                              f"their next forward, and norm_first updates each part as its gradient comes home: "
                              f"set one of them (gpu_updated_layers = 0, or norm_first = false)")
+        if self.gpu_updated_io != AUTO and not isinstance(self.gpu_updated_io, bool):
+            raise ValueError(f"EngineConfig.gpu_updated_io must be true, false or 'auto', got {self.gpu_updated_io!r}")
+        if self.gpu_updated_io is True and self.resident_io:
+            raise ValueError("gpu_updated_io = true streams the io part and updates it on the GPU, and resident_io = "
+                             "true keeps it there with its optimizer state (updated on the GPU already): set one of "
+                             "them")
+        if self.gpu_updated_io is True and self.norm_first:
+            raise ValueError("gpu_updated_io = true updates the io part on the GPU at the next forward, and "
+                             "norm_first updates each part as its gradient comes home: set one of them "
+                             "(gpu_updated_io = false, or norm_first = false)")
         if not isinstance(self.disk_parts, int) or self.disk_parts < 0:
             raise ValueError(f"EngineConfig.disk_parts must be an integer >= 0, got {self.disk_parts!r}")
         check_precision(self)  # the precision settings make one mode, which can run the rest (the table's rules)
@@ -213,6 +233,10 @@ class EngineConfig:
                              f"masters and moments, and {self.precision.title} keeps them in 16 or fewer bits with "
                              f"stochastic rounding on the host; set gpu_updated_layers = 0 (or master_dtype = "
                              f"'float32' without moment_dtype)")
+        if self.gpu_updated_io is True and self.precision.stochastic:
+            raise ValueError(f"gpu_updated_io = true: the GPU's update keeps float32 masters and moments, and "
+                             f"{self.precision.title} keeps them in 16 or fewer bits with stochastic rounding on the "
+                             f"host; set gpu_updated_io = false (or master_dtype = 'float32' without moment_dtype)")
         if self.disk_parts and not self.disk_dir:
             raise ValueError(f"disk_parts={self.disk_parts} keeps moments in files: set disk_dir to a folder on "
                              f"local disk (NVMe), with room for {self.precision.moment_bytes} bytes per "

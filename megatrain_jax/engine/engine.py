@@ -93,11 +93,11 @@ class Engine:
                  devices: Sequence[jax.Device] | Mesh | None = None, placement: Placement | None = None,
                  init_from=None, objective: Objective = NextToken()):
         enable_compilation_cache()  # per-user persistent cache, unless configured otherwise (_environment)
-        for field in ("resident_layers", "kept_layers", "gpu_updated_layers"):
+        for field in ("resident_layers", "kept_layers", "gpu_updated_layers", "gpu_updated_io"):
             if getattr(config, field) == AUTO:
                 raise ValueError(f"EngineConfig({field}='auto') is resolved by the plan, before the engine: "
                                  f"megatrain-jax train and plan do it (megatrain_jax.plan.resolve returns the "
-                                 f"config with the number); an Engine takes a number")
+                                 f"config with the value); an Engine takes a value")
         self.lm = layered(model)
         self.cfg = config
         if config.resident_layers > self.lm.n_blocks:
@@ -134,6 +134,7 @@ class Engine:
         self.resident_parts = ([IO] if config.resident_io else []) + [PartId.block(i) for i in range(config.resident_layers)]
         self.grads_on_gpu_parts = list(roles.grads_on_gpu)  # their gradients wait on the GPU
         self.gpu_updated_parts = list(roles.gpu_updated)  # streamed, updated on the GPU at their next forward
+        self._visited, self._io_visited = list(roles.visited_layers), roles.io_visited
         self.disk_tier = None
         if roles.disk:
             if not self.policy.opt.fused:
@@ -215,8 +216,11 @@ class Engine:
                     self._runner.run(second, step_ops(n, m, depth, offload=offload, norm_first=True))
                 else:
                     # the first pass's forward runs the GPU-updated parts' updates of the step before
-                    visited = [q.layer for q in self.gpu_updated_parts] if j == 0 else []
-                    self._runner.run(p, step_ops(n, m, depth, update=p.last, offload=offload, visited=visited))
+                    first = j == 0
+                    self._runner.run(p, step_ops(n, m, depth, update=p.last, offload=offload,
+                                                 visited=self._visited if first else [],
+                                                 visit_io=self._io_visited and first,
+                                                 bring_io=self._io_visited and p.last))
                 losses.append(sum(p.losses))
                 auxes.append(p.aux)
                 pair_stats.append(p.pair_stats)

@@ -68,8 +68,9 @@ def part_ids(n_blocks: int) -> list[PartId]:
 class HostRoles:
     """Where each part's gradient waits and where its moments live, from ``EngineConfig``'s counts. After the
     GPU-resident blocks, the first ``gpu_updated`` blocks stream but update on the GPU (``gpu_updated_layers``:
-    their gradients wait there for the next forward). The parts updated on the host are the blocks after
-    those, then the io part unless it is resident. ``grads_on_gpu``: the first host parts in that order keep
+    their gradients wait there for the next forward), and so does the io part where ``gpu_updated_io`` (it
+    comes first in ``gpu_updated``). The parts updated on the host are the blocks after those, then the io part
+    unless it is resident or updated on the GPU. ``grads_on_gpu``: the first host parts in that order keep
     their gradients on the GPU. ``disk``: the last ``disk_parts`` blocks keep their Adam moments in the disk
     tier."""
 
@@ -80,28 +81,40 @@ class HostRoles:
 
     @classmethod
     def of(cls, n_blocks: int, resident_layers: int, resident_io: bool, grads_on_gpu: int = 0,
-           disk_parts: int = 0, gpu_updated: int = 0) -> "HostRoles":
+           disk_parts: int = 0, gpu_updated: int = 0, gpu_updated_io: bool = False) -> "HostRoles":
         streamed = [PartId.block(i) for i in range(resident_layers, n_blocks)]
         if gpu_updated > len(streamed):
             raise ValueError(f"gpu_updated_layers={gpu_updated} exceeds the {len(streamed)} blocks that are not "
                              f"GPU-resident (resident_layers={resident_layers} of {n_blocks})")
+        if gpu_updated_io and resident_io:
+            raise ValueError("gpu_updated_io streams the io part, and resident_io keeps it on the GPU: set one of them")
         blocks = streamed[gpu_updated:]
-        host = tuple(blocks + ([] if resident_io else [IO]))
+        host = tuple(blocks + ([] if resident_io or gpu_updated_io else [IO]))
         if grads_on_gpu > len(host):
             raise ValueError(f"grads_on_gpu={grads_on_gpu} exceeds the {len(host)} parts updated on the host (the "
                              f"blocks that are not GPU-resident or GPU-updated, and the io part unless it is)")
         if disk_parts > len(blocks):
             raise ValueError(f"disk_parts={disk_parts} exceeds the {len(blocks)} blocks updated on the host")
         return cls(host, host[:grads_on_gpu], tuple(blocks[len(blocks) - disk_parts:]),
-                   tuple(streamed[:gpu_updated]))
+                   tuple(([IO] if gpu_updated_io else []) + streamed[:gpu_updated]))
 
     @classmethod
     def of_config(cls, n_blocks: int, e: Any, resident_layers: int | None = None) -> "HostRoles":
         """``of`` with an ``EngineConfig``'s counts (``resident_layers`` in place of its own where given); a
-        ``gpu_updated_layers`` still "auto" (not yet picked by the plan) counts as none."""
+        ``gpu_updated_layers`` or ``gpu_updated_io`` still "auto" (not yet picked by the plan) counts as none."""
         gpu_updated = e.gpu_updated_layers if isinstance(e.gpu_updated_layers, int) else 0
         return cls.of(n_blocks, e.resident_layers if resident_layers is None else resident_layers, e.resident_io,
-                      e.grads_on_gpu, e.disk_parts, gpu_updated)
+                      e.grads_on_gpu, e.disk_parts, gpu_updated, e.gpu_updated_io is True)
+
+    @property
+    def visited_layers(self) -> tuple[int, ...]:
+        """The blocks of ``gpu_updated`` (``schedule.step_ops``' ``visited``)."""
+        return tuple(p.layer for p in self.gpu_updated if not p.is_io)
+
+    @property
+    def io_visited(self) -> bool:
+        """Whether the io part is updated on the GPU (``gpu_updated_io``)."""
+        return any(p.is_io for p in self.gpu_updated)
 
     def splitting(self, split_parts: int | str) -> tuple[PartId, ...]:
         """The host parts whose update runs in two passes where the optimizer splits

@@ -198,9 +198,12 @@ class PassRunner:
         return shards
 
     def bring(self, p: Pass, op: Op):
-        """A GPU-updated part's masters and moments on their way to the device for its pending update (none
-        pending: nothing)."""
-        if op.part not in self.pending or op.part in self.brought:
+        """A GPU-updated part's masters and moments on their way to the device for its update: a block's at the
+        step's start for its pending update (none pending: nothing), the io part's during the backward of the pass
+        whose update it serves (``schedule.step_ops``' ``bring_io``; its visit is the next forward's first op).
+        What it brings is the part's record as it stands; only the part's visit (or a restore, ``forget``) changes
+        that record, and either lets go of what was brought."""
+        if op.part in self.brought or (op.part not in self.pending and not op.part.is_io):
             return None
         self.brought[op.part] = self._copier.submit(self._bring_landed, self.state[op.part])
         return self.brought[op.part]
@@ -214,6 +217,7 @@ class PassRunner:
         """A GPU-updated part's fetch for the forward: its pending update (the step before's) runs on the device
         from the state ``bring`` sent, and the forward takes the new weights; with none pending, a fetch."""
         if op.part not in self.pending:
+            self._drop_brought(op.part)  # no update to run on it (a step cut short before its update)
             return self.fetch(p, op)
         weights = self._update_visiting(op.part)
         p.params[op.part] = self.fns.fetched(weights)
@@ -236,6 +240,10 @@ class PassRunner:
     def forget(self, part: PartId) -> None:
         """Drop ``part``'s pending update and its state on the way (its record is being replaced: a restore)."""
         self.pending.pop(part, None)
+        self._drop_brought(part)
+
+    def _drop_brought(self, part: PartId) -> None:
+        """Let go of the state brought for ``part``, once its copy is done or cancelled."""
         on_the_way = self.brought.pop(part, None)
         if on_the_way is not None:
             on_the_way.cancel() or on_the_way.exception()  # waited for: nothing copies the old record afterwards

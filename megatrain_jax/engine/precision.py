@@ -148,7 +148,8 @@ CAPACITY = Precision(
     moments="bfloat16", stream_copy=False, host_grad_dtypes=("float32", "bfloat16"),
     host_only=True, needs_kernel=True, disk_tier=True,
     bundle=(("engine.master_dtype", "bfloat16"), ("engine.stream_dtype", "bfloat16"),
-            ("engine.resident_layers", 0), ("engine.resident_io", False), ("engine.gpu_updated_layers", 0)),
+            ("engine.resident_layers", 0), ("engine.resident_io", False), ("engine.gpu_updated_layers", 0),
+            ("engine.gpu_updated_io", False)),
     kernel="adamw_sr",
     summary="bfloat16 masters and Adam moments, stochastically rounded (no 16-bit copy)",
     checkpoint="bfloat16 masters and moments; 8-bit moments of a q8 checkpoint are dequantized on restore")

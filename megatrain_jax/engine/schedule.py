@@ -24,6 +24,11 @@ idle there, and the forward's first blocks need no transfer when resident); the 
 the new weights. Where no update is pending (the first step, or after ``Engine.sync`` ran it) a bring does
 nothing and a visit is a fetch.
 
+The io part updated on the GPU (``EngineConfig.gpu_updated_io``; ``step_ops``' ``visit_io`` and ``bring_io``) is
+the same, except that its visit is the forward's first op: its state is brought during the backward of the step
+that updates it (``bring_io``: beside block 0's fetch for that backward, or before the backward's first block
+where fewer blocks are fetched), and the next forward starts with ``visit(io)``.
+
 With ``EngineConfig.norm_first`` a step is two passes over its batch: ``norm_ops`` (the same forward and
 backward, each part's gradient reduced to its squared norm on the device (``norm``) instead of sent home,
 then the global norm), and ``step_ops(..., norm_first=True)``, where each part's ``update`` follows its
@@ -78,11 +83,12 @@ def _check(n_layers: int, n_micro: int, depth: int) -> None:
 
 
 def _forward(n_layers: int, n_micro: int, depth: int, keep: int, offload: int = 0,
-             visited: frozenset[int] = frozenset()) -> tuple[list[Op], set[int]]:
-    """Fetch io, embed, then every block layer-major; the last ``keep`` blocks stay fetched, and the inputs
-    of the first ``offload`` released blocks go to host memory. The ``visited`` blocks' state is brought after
-    the io part's fetch, and they are fetched by ``visit``. Returns the ops and the blocks still on the device."""
-    ops: list[Op] = [Op("fetch", IO)] + [Op("bring", PartId.block(i)) for i in sorted(visited)]
+             visited: frozenset[int] = frozenset(), visit_io: bool = False) -> tuple[list[Op], set[int]]:
+    """Fetch io (``visit_io``: visit it), embed, then every block layer-major; the last ``keep`` blocks stay
+    fetched, and the inputs of the first ``offload`` released blocks go to host memory. The ``visited`` blocks'
+    state is brought after the io part's fetch, and they are fetched by ``visit``. Returns the ops and the blocks
+    still on the device."""
+    ops: list[Op] = [Op("visit" if visit_io else "fetch", IO)] + [Op("bring", PartId.block(i)) for i in sorted(visited)]
     ops += [Op("embed", micro=m) for m in range(n_micro)]
     resident: set[int] = set()
 
@@ -107,18 +113,28 @@ def _forward(n_layers: int, n_micro: int, depth: int, keep: int, offload: int = 
 
 
 def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True, offload: int = 0,
-             norm_first: bool = False, visited: Sequence[int] = ()) -> list[Op]:
+             norm_first: bool = False, visited: Sequence[int] = (), visit_io: bool = False,
+             bring_io: bool = False) -> list[Op]:
     """The ops of one forward+backward pass (plus the optimizer update when ``update``). ``offload``: the
     inputs of the first this many blocks wait in host memory between their forward and backward (the last
     ``depth`` blocks' never leave: their backward follows at once). ``norm_first``: the step's second pass
     (``norm_ops`` took the norm): each part's update follows its gradient's ``send_grads``. ``visited``: the
-    blocks updated on the GPU (``gpu_updated_layers``), whose forward fetch is a ``visit``."""
+    blocks updated on the GPU (``gpu_updated_layers``), whose forward fetch is a ``visit``; ``visit_io``: the io
+    part's too (``gpu_updated_io``), and ``bring_io`` (a pass that updates): its state is brought during the
+    backward, with block 0's fetch (or before the backward's first block, where block 0 stayed from the
+    forward)."""
     _check(n_layers, n_micro, depth)
     if offload < 0:
         raise ValueError(f"activation offload must be >= 0 blocks, got {offload}")
+    if bring_io and (not update or norm_first):
+        raise ValueError("bring_io brings the io part's state for the update of this pass: it needs update and not "
+                         "norm_first")
     offload = offloaded_blocks(n_layers, depth, offload)
-    ops, resident = _forward(n_layers, n_micro, depth, keep=depth, offload=offload, visited=frozenset(visited))
+    ops, resident = _forward(n_layers, n_micro, depth, keep=depth, offload=offload, visited=frozenset(visited),
+                             visit_io=visit_io)
     ops += [Op("head", micro=m) for m in range(n_micro)]
+    if bring_io and 0 in resident:  # block 0 stays from the forward: no fetch of it to go with
+        ops.append(Op("bring", IO))
     for i in reversed(range(n_layers)):
         for j in range(i, i - depth - 1, -1):  # keep `depth` blocks in flight ahead of the compute
             if 0 <= j and j not in resident:
@@ -126,6 +142,8 @@ def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True, o
                 ops.append(Op("fetch", PartId.block(j)))
                 if j < offload:
                     ops.append(Op("load_acts", PartId.block(j)))
+                if j == 0 and bring_io:
+                    ops.append(Op("bring", IO))
         ops += [Op("backward", PartId.block(i), m) for m in range(n_micro)]
         ops += [Op("send_grads", PartId.block(i)), Op("release", PartId.block(i))]
         if norm_first:

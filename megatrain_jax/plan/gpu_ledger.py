@@ -5,7 +5,8 @@ What the ledger holds: the GPU-resident parts (fp32 master, Adam moments, comput
 between ``fetch`` and ``release``, the boundary activation of every layer and micro-batch until its
 backward, d(loss)/d(hidden) per micro-batch, the float32 gradient accumulator of the part in backward, the
 gradients of GPU-resident parts until their update, and those of GPU-updated parts until the next forward's
-visit, where their update runs on the masters and moments brought over at the step's start. Each op kind has one rule in ``RULES``, keyed like
+visit, where their update runs on the masters and moments brought over at the step's start (the io part's:
+during the backward before). Each op kind has one rule in ``RULES``, keyed like
 ``passes.HANDLERS`` (a test checks that every ``OpKind`` has both). Two effects come on top of what the host
 program holds:
 
@@ -304,8 +305,8 @@ def _state(w: Walk, op: Op) -> int:
 
 
 def _bring(w: Walk, op: Op) -> None:
-    """A GPU-updated part's masters and moments copied over at the step's start, held until its visit's update
-    and copy home."""
+    """A GPU-updated part's masters and moments copied over (a block's at the step's start, the io part's in the
+    backward before), held until its visit's update and copy home."""
     w.peak(op, out=_state(w, op))
     w.led.add(V, _state(w, op))
 
@@ -496,13 +497,16 @@ def _walked(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int,
         w.led.add(H, part_param_count(c, part) * 4 // devices)
     for part in w.visiting:  # the step before's, used by each part's update at its visit
         w.led.add(U, part_param_count(c, part) * 4 // devices)
-    visited = tuple(p.layer for p in sorted(w.visiting))
+    roles = host_roles(c, e)
+    if roles.io_visited:  # the io part's masters and moments, brought during the step before's backward
+        w.led.add(V, part_param_count(c, IO) * (e.precision.master_bytes + e.precision.moment_bytes) // devices)
     passes = min(e.accumulate_steps, 2)  # later accumulating passes repeat the second
     for j in range(passes):
         w.pass_index, w.accumulate, w.backward = j, j > 0, False
         w.led.add(B, w.batches)
         for op in _step_ops(c.layers, w.M, e.prefetch_depth, j == passes - 1, e.offload_activations, False,
-                            visited if j == 0 else ()):
+                            roles.visited_layers if j == 0 else (), roles.io_visited and j == 0,
+                            roles.io_visited and j == passes - 1):
             w.backward |= op.kind == "head"
             RULES[op.kind](w, op)
         w.led.drop(B, w.batches)

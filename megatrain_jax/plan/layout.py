@@ -68,7 +68,7 @@ def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     the end of the run: ``memory.end_of_run``). With several processes nothing is picked (each would pick from its own host), and
     ``resident_layers="auto"`` is refused. Reads nothing from JAX: it runs before JAX starts its GPU backend."""
     if machine.several_processes:
-        for field in ("resident_layers", "kept_layers", "gpu_updated_layers"):
+        for field in ("resident_layers", "kept_layers", "gpu_updated_layers", "gpu_updated_io"):
             if getattr(engine_cfg, field) == AUTO:
                 raise ValueError(f"engine.{field}='auto' is picked from one host's memory plan; with several "
                                  f"processes set the number (megatrain-jax plan --config FILE prints the pick)")
@@ -95,6 +95,32 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
 
 def _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,
           speeds: Speeds | None = None) -> tuple[EngineConfig, str | None]:
+    """The layout, then the split count; with ``gpu_updated_io`` "auto" the whole pick is made with the io part
+    updated on the host and on the GPU, and the faster by the step-time model taken (the host among equals, or
+    where the other does not fit)."""
+    if engine_cfg.gpu_updated_io != AUTO:
+        return _pick_one(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds)
+    host = _pick_one(model_cfg, dataclasses.replace(engine_cfg, gpu_updated_io=False), batch_rows, seq_len, disk_dir,
+                     kw, speeds)
+    mode = precision.mode_of(engine_cfg, model_cfg.dtype)
+    if speeds is None or engine_cfg.resident_io or mode.stochastic or engine_cfg.norm_first:
+        return host  # the io part cannot be updated on the GPU here, or nothing weighs it
+    gpu = _pick_one(model_cfg, dataclasses.replace(engine_cfg, gpu_updated_io=True), batch_rows, seq_len, disk_dir,
+                    kw, speeds)
+    if not plan(model_cfg, gpu[0], batch_rows, seq_len, detect=False, **kw).fits:
+        return host
+    devices = kw.get("devices", 1)
+    t_host, t_gpu = (predict(model_cfg, e, batch_rows, seq_len, speeds, devices=devices).seconds
+                     for e in (host[0], gpu[0]))
+    picked, said = gpu if t_gpu < t_host else host
+    where = "on the GPU" if picked is gpu[0] else "on the host"
+    return picked, "; ".join(w for w in (said, f"engine.gpu_updated_io='auto': the io part updated {where} "
+                                              f"({t_gpu:.2f} s per step on the GPU against {t_host:.2f} s on the "
+                                              f"host, by the step-time model at {speeds.name})") if w)
+
+
+def _pick_one(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,
+              speeds: Speeds | None = None) -> tuple[EngineConfig, str | None]:
     picked, said = _pick_layout(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds)
     picked, split = split_parts(model_cfg, picked, batch_rows, seq_len, speeds, kw.get("devices", 1))
     return picked, "; ".join(w for w in (said, split) if w) or None

@@ -112,7 +112,8 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
                        f"memory); each comes home when its update runs"))
     if not e.norm_first:
         two_pass = (("engine.norm_first", True),) + ((("engine.grads_on_gpu", 0),) if e.grads_on_gpu else ()) + (
-            (("engine.gpu_updated_layers", 0),) if e.gpu_updated_layers not in (0, AUTO) else ())
+            (("engine.gpu_updated_layers", 0),) if e.gpu_updated_layers not in (0, AUTO) else ()) + (
+            (("engine.gpu_updated_io", False),) if e.gpu_updated_io is True else ())
         yield ("norm_first", takes([two_pass]),
                lambda ch: (f"two forward+backward passes per step, the same numbers: the first takes the global "
                            f"norm on the GPU, the second updates each part as its gradient comes home, so host "

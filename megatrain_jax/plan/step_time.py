@@ -204,9 +204,11 @@ def _ops(cfg: DecoderConfig, e: EngineConfig) -> list[list[Op]]:
                 step_ops(cfg.layers, e.micro_batches, e.prefetch_depth, offload=e.offload_activations,
                          norm_first=True)]
     k = e.accumulate_steps
-    visited = [p.layer for p in host_roles(cfg, e).gpu_updated]
+    roles = host_roles(cfg, e)
     return [step_ops(cfg.layers, e.micro_batches, e.prefetch_depth, update=(j == k - 1),
-                     offload=e.offload_activations, visited=visited if j == 0 else ()) for j in range(k)]
+                     offload=e.offload_activations, visited=roles.visited_layers if j == 0 else (),
+                     visit_io=roles.io_visited and j == 0, bring_io=roles.io_visited and j == k - 1)
+            for j in range(k)]
 
 
 def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, s: Speeds,
@@ -255,9 +257,9 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
         busy[queue] += seconds
         return free[queue]
 
+    brought: dict[PartId, float] = {}  # when a GPU-updated part's state is on the GPU (io's: brought the step before)
     for _ in range(_STEPS):
         fetched: dict[PartId, float] = {}
-        brought: dict[PartId, float] = {}  # when a GPU-updated part's state is on the GPU
         computed: dict[PartId, float] = {}
         visits: list[float] = []  # when each block visit's compute ends (pacing)
         step_busy, bytes_before = dict(busy), (h2d, d2h)
@@ -273,10 +275,11 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
                     fetched[op.part] = to_gpu(t, n.fetch[op.part])
                     if n.cast[op.part]:  # a resident part's compute copy, queued after its update
                         fetched[op.part] = run("gpu", t, n.cast[op.part])
-                elif op.kind == "bring":  # a GPU-updated part's state over, at the step's start
-                    brought[op.part] = to_gpu(t, n.visit[op.part][0])
-                elif op.kind == "visit":  # the engine waits for the state to land, runs the update on the GPU,
-                    t = max(t, brought[op.part])  # then sends the state home (the backward's fetch reads its copy)
+                elif op.kind == "bring":  # a GPU-updated part's state over (a block's at the step's start, io's
+                    brought[op.part] = to_gpu(t, n.visit[op.part][0])  # in the backward before)
+                elif op.kind == "visit":  # the engine waits for the state to land (brought over now where it was
+                    # not: the first step), runs the update on the GPU, then sends the state home
+                    t = max(t, brought.pop(op.part) if op.part in brought else to_gpu(t, n.visit[op.part][0]))
                     fetched[op.part] = run("gpu", t, n.device_update[op.part])
                     ready_host[op.part] = move("d2h", fetched[op.part], n.visit[op.part][1])
                 elif op.kind == "load_acts":
