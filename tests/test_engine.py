@@ -597,6 +597,74 @@ def test_blocks_updated_on_the_gpu_refuse_what_they_cannot_run(settings, match):
         EngineConfig(**settings)
 
 
+@pytest.mark.parametrize("engine_cfg", [
+    EngineConfig(micro_batches=2, clip_norm=0.05, gpu_updated_io=True),
+    EngineConfig(clip_norm=0.05, gpu_updated_io=True, gpu_updated_layers=2, prefetch_depth=2),
+    EngineConfig(accumulate_steps=2, gpu_updated_io=True, gpu_updated_layers=1, grads_on_gpu=1),
+    EngineConfig(clip_norm=0.05, gpu_updated_io=True, prefetch_depth=3),  # block 0 stays from the forward
+], ids=["io-alone", "io-and-blocks-depth2", "accumulate-between-roles", "no-backward-fetch-of-block-0"])
+@pytest.mark.parametrize("tx", [FUSED, SGD], ids=["fused-adamw", "sgd"])
+def test_the_io_part_updated_on_the_gpu_equals_reference(tx, engine_cfg):
+    """``gpu_updated_io``: the io part streams but updates on the device at the next forward's first op, from the
+    state brought during the backward before; it trains as the reference does beside blocks updated on the GPU
+    and on the host, with clipping, accumulation and either optimizer route."""
+    engine = run_both(TINY3, tx, engine_cfg, shared=True)
+    assert engine.gpu_updated_parts[0] == IO and IO not in engine._runner.pending
+
+
+def test_the_io_part_updated_on_the_gpu_trains_bit_for_bit_as_the_resident_io_part():
+    """The io part's update at its visit is the resident parts' update on the same numbers: its masters, moments
+    and stream copy are those of the io part kept resident, bit for bit. Its state comes over during the backward
+    (before the step's update exists), and a read of the state (``sync``) runs the pending update on it."""
+    resident = _trained(EngineConfig(clip_norm=0.05, resident_io=True))
+    engine = Engine(Decoder(TINY3.replace(dtype="bfloat16"), rngs=nnx.Rngs(0)), FUSED(),
+                    EngineConfig(clip_norm=0.05, gpu_updated_io=True))
+    for batch in make_batches(3):
+        engine.step(batch).resolve()
+        assert IO in engine._runner.pending and IO in engine._runner.brought  # brought in the backward
+    engine.sync()
+    assert not engine._runner.pending and not engine._runner.brought
+    for a, b in zip(jax.tree.leaves(resident.state[IO]), jax.tree.leaves(engine.state[IO])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_stream_copies_track_masters(engine)
+    assert all(engine.placement.is_pinned(x) for x in jax.tree.leaves((engine.state[IO].params, engine.state[IO].opt)))
+
+
+def test_the_io_part_brought_for_a_step_cut_short_is_let_go_at_the_next_visit():
+    """A step cut short after the io part's state came over but before its update leaves nothing pending: the
+    next forward fetches the io part as it is at home and lets go of what was brought (it would otherwise stay
+    on the GPU through that step, beyond the plan's count), then brings it again in that step's backward."""
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(gpu_updated_io=True))
+    runner = engine._runner
+    runner.bring(None, Op("bring", IO))  # as the backward does, with no update pending yet
+    assert IO in runner.brought and IO not in runner.pending
+    engine.step(make_batches(1)[0]).resolve()  # its forward's visit finds no update: a fetch
+    assert IO in runner.pending and IO in runner.brought  # brought again in this step's backward
+    engine.close()
+    assert not runner.pending and not runner.brought
+
+
+def test_the_io_part_updated_on_the_gpu_takes_its_place_among_the_roles():
+    from megatrain_jax.engine.parts import HostRoles
+    roles = HostRoles.of_config(3, EngineConfig(gpu_updated_layers=1, gpu_updated_io=True))
+    assert roles.gpu_updated == (IO, PartId.block(0)) and roles.host_updated == (PartId.block(1), PartId.block(2))
+    assert roles.visited_layers == (0,) and roles.io_visited
+    assert not HostRoles.of_config(3, EngineConfig(gpu_updated_layers=1)).io_visited
+    with pytest.raises(ValueError, match="an Engine takes a value"):
+        Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(gpu_updated_io="auto"))
+
+
+@pytest.mark.parametrize("settings,match", [
+    (dict(gpu_updated_io=1), "gpu_updated_io must be true, false or 'auto'"),
+    (dict(gpu_updated_io=True, resident_io=True), "set one of them"),
+    (dict(gpu_updated_io=True, norm_first=True), "set one of them"),
+    (dict(gpu_updated_io=True, master_dtype="bfloat16"), "keeps float32 masters and moments"),
+])
+def test_the_io_part_updated_on_the_gpu_refuses_what_it_cannot_run(settings, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        EngineConfig(**settings)
+
+
 def test_split_update_halves_are_bitwise_the_single_pass_update():
     """The fused update runs in two halves (the bf16 stream copy first, the fp32 masters and moments later):
     over several steps with real gradients they give exactly the one-pass update's part."""

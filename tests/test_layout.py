@@ -261,3 +261,28 @@ def test_blocks_updated_on_the_gpu_are_picked_where_the_model_finds_them_faster(
     assert capacity.gpu_updated_layers == 0
     unknown = resolve(c, e, 4, 2048, dataclasses.replace(h200, gpu_name=None)).engine_cfg
     assert unknown.gpu_updated_layers == 0
+
+
+def test_the_io_part_is_updated_on_the_gpu_where_the_whole_pick_is_faster_so():
+    """``gpu_updated_io="auto"``: the whole pick (layout, then the split count) is made with the io part updated on
+    the host and on the GPU, and the faster taken, saying so. 3.5B with nothing resident on an H200 of a 32-core
+    host: at 32K tokens the forward's start waits for the io part's host update, so the GPU takes it; at 8K the
+    host-bound step keeps it on the host (the split count it allows is worth more). A resident io part, capacity
+    mode and a machine without rates never take it."""
+    from megatrain_jax.plan.speeds import for_gpu
+    from megatrain_jax.plan.step_time import predict
+    c = preset("7b", layers=16)
+    e = EngineConfig(micro_batches=1, resident_layers=0, kept_layers="auto", keep_residuals=True,
+                     host_grad_dtype="bfloat16", gpu_updated_layers="auto", gpu_updated_io="auto")
+    h200 = Machine(240 * GiB, int(126.4 * GiB), gpu_name="NVIDIA H200", host_cores=32)
+    s = for_gpu("H200", None, 32)
+    long = resolve(c, e, 16, 2048, h200)
+    assert long.engine_cfg.gpu_updated_io is True and "the io part updated on the GPU" in long.said
+    on_host = resolve(c, dataclasses.replace(e, gpu_updated_io=False), 16, 2048, h200).engine_cfg
+    assert predict(c, long.engine_cfg, 16, 2048, s).seconds < predict(c, on_host, 16, 2048, s).seconds
+    short = resolve(c, e, 4, 2048, h200)
+    assert short.engine_cfg.gpu_updated_io is False and "the io part updated on the host" in short.said
+    for other, machine in ((dataclasses.replace(e, resident_io=True), h200),
+                           (dataclasses.replace(e, master_dtype="bfloat16"), h200),
+                           (e, dataclasses.replace(h200, gpu_name=None))):
+        assert resolve(c, other, 16, 2048, machine).engine_cfg.gpu_updated_io is False

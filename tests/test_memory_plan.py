@@ -529,6 +529,21 @@ def test_gradients_waiting_on_the_gpu_leave_host_memory_one_part_at_a_time():
         plan(EIGHT_B, dataclasses.replace(e, grads_on_gpu=34), 2, 2048, **BIG)
 
 
+def test_the_io_part_updated_on_the_gpu_holds_its_state_pinned_and_on_the_gpu_from_the_backward():
+    """``gpu_updated_io``: the io part's masters and moments are pinned (they cross PCIe), and the records' room is
+    sized by the largest part updated on the GPU; its gradient never comes home. On the GPU its masters and
+    moments are held from the backward before (brought with block 0's backward fetch) to its visit, the next
+    forward's first op: the walk starts with them there."""
+    from megatrain_jax.plan.gpu_ledger import V
+    e = EngineConfig(micro_batches=2)
+    Pio = io_param_count(EIGHT_B)
+    base = plan(EIGHT_B, e, 2, 2048, **BIG)
+    io = plan(EIGHT_B, dataclasses.replace(e, gpu_updated_io=True), 2, 2048, **BIG)
+    assert io.host_pinned - base.host_pinned == 12 * Pio + 3 * 14 * Pio - 4 * Pio
+    # the peak is in the backward's end, where the state brought for the next forward is held (12 B/param)
+    assert V in io.gpu and 8 * Pio <= io.gpu_total - base.gpu_total <= 16 * Pio
+
+
 def test_blocks_updated_on_the_gpu_hold_their_state_pinned_and_their_gradients_on_the_gpu():
     """``gpu_updated_layers``: those blocks' masters and moments are pinned (they cross PCIe), with one block's
     record coming home beside the one it replaces (and room for two more); their gradients never come home. On the GPU their gradients

@@ -91,6 +91,22 @@ def test_gpu_updated_blocks_are_visited_in_the_forward_and_fetched_for_the_backw
     assert [o for o in visited if o.kind == "update"] == [Op("update", p) for p in [IO, B(0), B(1), B(2), B(3)]]
 
 
+def test_the_io_part_updated_on_the_gpu_is_visited_first_and_brought_with_block_0s_backward_fetch():
+    """``visit_io`` (``gpu_updated_io``): the forward's first op visits the io part; ``bring_io`` (the pass that
+    updates) brings its state right after block 0's fetch for the backward, or before the backward's first block
+    where block 0 stayed from the forward. Nothing else moves."""
+    plain, io = step_ops(4, 2, 2), step_ops(4, 2, 2, visit_io=True, bring_io=True)
+    assert io[0] == Op("visit", IO)
+    at = io.index(Op("fetch", B(0)), io.index(Op("head", micro=0)))  # the backward's fetch of block 0
+    assert io[at + 1] == Op("bring", IO) and io.count(Op("bring", IO)) == 1
+    assert [o for o in io[1:] if o != Op("bring", IO)] == plain[1:]
+    short = step_ops(2, 1, 2, bring_io=True)  # both blocks stay from the forward: no fetch of block 0
+    assert short[short.index(Op("head", micro=0)) + 1] == Op("bring", IO)
+    assert Op("bring", IO) not in step_ops(4, 2, 2, update=False, visit_io=True)
+    with pytest.raises(ValueError, match="bring_io brings the io part's state"):
+        step_ops(4, 2, 2, update=False, bring_io=True)
+
+
 def test_part_ids_name_themselves_and_order_like_updates():
     assert [str(p) for p in (IO, B(0), B(12))] == ["io", "block_00000", "block_00012"]
     assert PartId.from_name("block_00012") == B(12) and PartId.from_name("io") == IO

@@ -14,11 +14,12 @@ import pytest
 
 from megatrain_jax.cli.commands import main
 from megatrain_jax.engine.config import EngineConfig
-from megatrain_jax.engine.parts import PartId
+from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.schedule import step_ops
 from megatrain_jax.models import preset
 from megatrain_jax.plan import Machine, for_machine, predict
 from megatrain_jax.plan.speeds import H100, SPEEDS, from_file, kind_of
+from megatrain_jax.plan.counts import io_param_count
 from megatrain_jax.plan.step_time import lengths
 
 STUDY = Path(__file__).resolve().parents[1] / "experiments" / "step_time_vs_runs.py"
@@ -95,6 +96,21 @@ def test_blocks_updated_on_the_gpu_move_their_state_instead_of_their_gradient_an
     assert b.busy["host"] < a.busy["host"] and b.resident_share == a.resident_share == 0.0
     slow = QUIET.replace(host_update={**QUIET.host_update, "full": 5e8})
     assert predict(CFG, g, 2, 2048, slow).seconds < predict(CFG, e, 2, 2048, slow).seconds
+
+
+def test_the_io_part_updated_on_the_gpu_moves_its_state_during_the_backward_and_leaves_the_host():
+    """``gpu_updated_io``: the io part brings its float32 masters and moments over (12 B/param) instead of its
+    weights, during the backward before, and sends them home with its copy (14) instead of its gradient (4); it has
+    no host update. The next forward's first op then waits for no host update: where the host's first passes hold
+    the forward's start (exact clipping), the step is shorter."""
+    e = EngineConfig(micro_batches=1, stream_dtype="bfloat16")
+    io = dataclasses.replace(e, gpu_updated_io=True)
+    a, b = predict(CFG, e, 2, 2048, QUIET), predict(CFG, io, 2, 2048, QUIET)
+    n = io_param_count(CFG)
+    assert b.h2d_bytes - a.h2d_bytes == (12 - 2) * n and b.d2h_bytes - a.d2h_bytes == (14 - 4) * n
+    assert IO not in lengths(CFG, io, 2, 2048, QUIET).host_update and b.busy["host"] < a.busy["host"]
+    slow = QUIET.replace(host_update={**QUIET.host_update, "full": 5e8})
+    assert predict(CFG, io, 2, 2048, slow).seconds < predict(CFG, e, 2, 2048, slow).seconds
 
 
 def test_a_slow_link_bounds_the_step_by_pcie():

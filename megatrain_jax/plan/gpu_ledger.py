@@ -136,7 +136,7 @@ K = "kept residuals: attention output and softmax statistics (keep_residuals), m
 R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
 H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
 S = "gradients cast to bfloat16 for the copy home (host_grad_dtype)"
-V = "masters and moments visiting the GPU for their update, float32 (gpu_updated_layers)"
+V = "masters and moments visiting the GPU for their update, float32 (gpu_updated_layers, gpu_updated_io)"
 U = "gradients waiting on the GPU for the next forward's update there, float32 (gpu_updated_layers)"
 
 

@@ -311,12 +311,12 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
             mode.master_bytes * (P - (kernel if mode.stream_copy else 0)))
         (pageable if fused else pinned)[moments] = in_ram - mb * kernel
         if kernel:
-            pinned[f"masters and moments of the {len(visiting)} blocks updated on the GPU ({mode.master_bytes + mb} "
+            pinned[f"masters and moments of the {len(visiting)} parts updated on the GPU ({mode.master_bytes + mb} "
                    f"B/param, brought over and sent home each step)"] = (
                 (mode.master_bytes if mode.stream_copy else 0) + mb) * kernel
     if visiting:  # a visit's new record comes home beside the one it replaces (its copy to the GPU is done)
         record = (mode.master_bytes + mb + (mode.to_gpu_bytes if mode.stream_copy else 0)) * max(visiting)
-        pinned["one GPU-updated block's record coming home beside the one it replaces"] = record
+        pinned["one GPU-updated part's record coming home beside the one it replaces (the largest)"] = record
         # Measured: 13B at 32K tokens with one such block ran out of a pool fitted to these arrays (53.2 GiB,
         # capped at 63) at its first update on the GPU, and held with the cap at 80
         # (experiments/results/h200x2_side_by_side_13b_abfe3c3.json, ..._13b_pool80_abfe3c3.json). Which of the
