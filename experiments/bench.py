@@ -337,8 +337,9 @@ def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
     instead of a gradient."""
     from megatrain_jax.engine.schedule import step_ops
 
-    visited = [p.layer for p in engine.gpu_updated_parts]
-    ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth, visited=visited)
+    io = any(p.is_io for p in engine.gpu_updated_parts)  # gpu_updated_io: brought in the backward, visited first
+    ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth, visit_io=io, bring_io=io,
+                   visited=[p.layer for p in engine.gpu_updated_parts if not p.is_io])
     resident = set(engine.resident_parts)
     placement = engine.placement
 

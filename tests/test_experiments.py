@@ -24,6 +24,7 @@ from flax import nnx
 from megatrain_jax import Batch, Decoder, Engine, EngineConfig, adamw, preset
 from megatrain_jax.engine.parts import PartId
 from megatrain_jax.engine.timeline import Timeline
+from megatrain_jax.plan import io_param_count
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -243,6 +244,23 @@ def test_bench_traces_one_step_per_config_from_its_command_line(tmp_path, monkey
     assert run["trace"]["file"] == "perfetto_trace.json.gz" and "devices" in run["trace"], run["trace"]
     assert list((tmp_path / "traces" / "tiny_cpu").rglob("perfetto_trace.json.gz"))
     assert len(run["step_times"]) == 2  # the traced step is not among the timed ones
+
+
+def test_bench_counts_the_state_of_parts_updated_on_the_gpu_among_its_pcie_bytes():
+    """A run with the io part and a block updated on the GPU (``gpu_updated_io``, ``gpu_updated_layers``) records
+    their masters and moments crossing each way (12 B/param; this float32 model computes with its masters, so no
+    copy comes home beside them) instead of their weights and gradients (4 B/param each)."""
+    bench = load_script("bench")
+    base = EngineConfig(micro_batches=2, clip_norm=0.05)
+    runs = [bench.run_config(f"tiny_{i}", bench.BenchConfig("tiny", 3, 32, 4, e), warmup=1, timed=2, profile=False)
+            for i, e in enumerate((base, dataclasses.replace(base, gpu_updated_io=True, gpu_updated_layers=1)))]
+    assert all(r["status"] == "ok" for r in runs), [r["status"] for r in runs]
+    a, b = (r["pcie_per_gpu_per_step"] for r in runs)
+    cfg = preset("tiny", layers=3)
+    n = io_param_count(cfg) + cfg.block_param_count(0)
+    # (and each part's optimizer step count, a few bytes)
+    assert b["h2d_bytes"] - a["h2d_bytes"] == pytest.approx((12 - 4) * n, abs=32)
+    assert b["d2h_bytes"] - a["d2h_bytes"] == pytest.approx((12 - 4) * n, abs=32)
 
 
 def test_bench_breakdown_counts_the_gpu_resident_parts_update_as_device_work():
