@@ -78,9 +78,9 @@ def reference():
 
 # The io part and block 0 live on the device between saves: sync copies them to host, restore reloads them.
 RESIDENT = EngineConfig(micro_batches=2, resident_layers=1, resident_io=True)
-# Block 1 updated on the GPU (block 0 resident): each step's update of them runs at the next forward, so a save (a sync) runs it
-# first, and a resume starts with none pending.
-GPU_UPDATED = EngineConfig(micro_batches=2, resident_layers=1, gpu_updated_layers=1)
+# Block 1 and the io part updated on the GPU (block 0 resident): each step's update of them runs at the next forward,
+# so a save (a sync) runs it first, and a resume starts with none pending.
+GPU_UPDATED = EngineConfig(micro_batches=2, resident_layers=1, gpu_updated_layers=1, gpu_updated_io=True)
 # Capacity mode: bfloat16 masters and moments, stochastically rounded from bits keyed by the step (no RNG
 # state to save).
 CAPACITY = EngineConfig(micro_batches=2, master_dtype="bfloat16")

@@ -54,9 +54,10 @@ CASES = {
     "fused-f32": (TINY, EngineConfig(micro_batches=2), {}),
     "fused-bf16-stream": (TINY, EngineConfig(micro_batches=2, stream_dtype="bfloat16"), {}),
     "resident-accumulate": (TINY, EngineConfig(resident_io=True, resident_layers=1, accumulate_steps=2), {"mask": True}),
-    # a block updated on the GPU beside a resident one: its state visits each device's shard, gathered for the forward
-    "gpu-updated-accumulate": (TINY, EngineConfig(resident_layers=1, gpu_updated_layers=1, accumulate_steps=2),
-                               {"mask": True}),
+    # a block updated on the GPU beside a resident one, and the io part too: their state visits each device's shard,
+    # gathered for the forward
+    "gpu-updated-accumulate": (TINY, EngineConfig(resident_layers=1, gpu_updated_layers=1, gpu_updated_io=True,
+                                                  accumulate_steps=2), {"mask": True}),
     "odd-shapes-packed": (ODD, EngineConfig(micro_batches=1, clip_norm=0.5), {"packed": True}),
     # a mixture of experts with its load-balancing loss: the routers' statistics summed over the devices
     "moe-aux-loss": (preset("tiny-moe").replace(moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, aux_loss_coef=0.5)),
