@@ -640,6 +640,11 @@ def test_the_io_part_brought_for_a_step_cut_short_is_let_go_at_the_next_visit():
     assert IO in runner.brought and IO not in runner.pending
     engine.step(make_batches(1)[0]).resolve()  # its forward's visit finds no update: a fetch
     assert IO in runner.pending and IO in runner.brought  # brought again in this step's backward
+    engine.sync()
+    runner.bring(None, Op("bring", IO))  # a step cut short after its bring: a read of the state lets go of it too
+    assert IO in runner.brought and not runner.pending
+    engine.sync()
+    assert not runner.brought
     engine.close()
     assert not runner.pending and not runner.brought
 

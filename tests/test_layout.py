@@ -286,3 +286,21 @@ def test_the_io_part_is_updated_on_the_gpu_where_the_whole_pick_is_faster_so():
                            (dataclasses.replace(e, master_dtype="bfloat16"), h200),
                            (e, dataclasses.replace(h200, gpu_name=None))):
         assert resolve(c, other, 16, 2048, machine).engine_cfg.gpu_updated_io is False
+
+
+def test_the_io_part_on_the_gpu_is_taken_where_only_it_fits_and_left_where_the_counts_need_it_on_the_host():
+    """``gpu_updated_io="auto"`` compares picks that fit: where the io part on the host makes the run too big for
+    the host and on the GPU it fits (its gradient no longer held there), the GPU's is taken whatever the model
+    says of their speed. Where the config's own counts name every host part, io included (``grads_on_gpu``), the
+    io part stays on the host without an error."""
+    c = preset("7b", layers=16)
+    e = EngineConfig(micro_batches=1, resident_layers=0, kept_layers=0, gpu_updated_layers=2,
+                     host_grad_dtype="bfloat16", gpu_updated_io="auto")
+    short = Machine(int(62.5 * GiB), int(126.4 * GiB), gpu_name="NVIDIA H200", host_cores=32)
+    got = resolve(c, e, 16, 2048, short)
+    assert plan(c, got.engine_cfg, 16, 2048, host_ram_bytes=short.host_ram_bytes, gpu_bytes=short.gpu_bytes,
+                detect=False).fits
+    assert got.engine_cfg.gpu_updated_io is True and "on the host the run does not fit" in got.said
+    every = dataclasses.replace(e, gpu_updated_layers=0, grads_on_gpu=17)
+    big = Machine(240 * GiB, int(126.4 * GiB), gpu_name="NVIDIA H200", host_cores=32)
+    assert resolve(c, every, 16, 2048, big).engine_cfg.gpu_updated_io is False

@@ -335,3 +335,26 @@ def test_a_failure_reported_late_is_not_taken_for_a_whole_state(tmp_path, monkey
     params, h = run(6, tmp_path, resume=True)
     assert h["step"] == [3, 4, 5, 6] and h["loss"] == reference[1]["loss"][2:]
     assert_same(params, reference[0])
+
+
+def test_a_visit_that_fails_running_the_step_befores_update_says_the_update_began(monkeypatch):
+    """A part updated on the GPU (here the io part, ``gpu_updated_io``) runs the step before's update at the next
+    forward's visit: an allocation failure there leaves that part a step behind the others, so the error says the
+    update had begun (nothing is whole) instead of offering the state as the last step's. A visit with nothing
+    pending (the first step) fails as any fetch does: the state is whole."""
+    engine = retry_engine(EngineConfig(micro_batches=2, gpu_updated_io=True))
+    batches = retry_batches()
+
+    def fail(*args, **kw):
+        raise jax.errors.JaxRuntimeError(XLA_OOM)
+
+    first = inject(monkeypatch, "visit", during_step=1)
+    with pytest.raises(DeviceOutOfMemoryError) as info:
+        engine.step(batches[:1])
+    assert first and not info.value.updated
+    monkeypatch.setitem(passes.HANDLERS, "visit", passes.PassRunner.visit)
+    engine.step(batches[:1]).resolve()
+    monkeypatch.setattr(engine.policy, "update_visiting", fail)
+    with pytest.raises(DeviceOutOfMemoryError) as info:
+        engine.step(batches[1:2])
+    assert info.value.updated and "visit(io)" in str(info.value)

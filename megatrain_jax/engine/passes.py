@@ -130,9 +130,11 @@ class PassRunner:
         op = None
         self._passes += 1
         backward = False
+        lost = False  # a visit running the step before's update on the GPU: failing, it leaves that part behind
         try:
             for op in ops:
                 self.updating |= op.kind in ("update", "commit")
+                lost = op.kind == "visit" and op.part in self.pending
                 backward |= op.kind == "head"
                 compute = op.kind in COMPUTE
                 if compute:
@@ -153,7 +155,7 @@ class PassRunner:
             if op is None or not is_out_of_memory(err):
                 raise
             raise DeviceOutOfMemoryError.of(err, f"{op!r} ({PHASE[op.kind]})", op=repr(op), phase=PHASE[op.kind],
-                                            updated=self.updating, census=census) from err
+                                            updated=self.updating or lost, census=census) from err
         finally:
             # A step cut short after some first halves were queued still queues their second halves, so
             # masters, moments and stream copies never disagree (and no stale task joins a later step).
@@ -225,9 +227,11 @@ class PassRunner:
 
     def flush(self) -> None:
         """Run every pending update of GPU-updated parts (``Engine.sync``): their host records are then the
-        step's."""
+        step's. State brought for no pending update (a step cut short after the io part's bring) is let go."""
         for part in sorted(self.pending, key=lambda q: q.index):
             self._update_visiting(part)
+        for part in list(self.brought):
+            self._drop_brought(part)
 
     def _update_visiting(self, part: PartId):
         """A pending update, run once: taken off the list first, so that a failure is raised once (as a host

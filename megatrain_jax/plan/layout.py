@@ -96,8 +96,9 @@ def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
 def _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,
           speeds: Speeds | None = None) -> tuple[EngineConfig, str | None]:
     """The layout, then the split count; with ``gpu_updated_io`` "auto" the whole pick is made with the io part
-    updated on the host and on the GPU, and the faster by the step-time model taken (the host among equals, or
-    where the other does not fit)."""
+    updated on the host and on the GPU, and of the picks that fit the faster by the step-time model taken (the
+    host among equals; the host's where neither fits, or the GPU's cannot be made: the counts the config sets
+    name more host parts than there are without the io part)."""
     if engine_cfg.gpu_updated_io != AUTO:
         return _pick_one(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds)
     host = _pick_one(model_cfg, dataclasses.replace(engine_cfg, gpu_updated_io=False), batch_rows, seq_len, disk_dir,
@@ -105,18 +106,22 @@ def _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,
     mode = precision.mode_of(engine_cfg, model_cfg.dtype)
     if speeds is None or engine_cfg.resident_io or mode.stochastic or engine_cfg.norm_first:
         return host  # the io part cannot be updated on the GPU here, or nothing weighs it
-    gpu = _pick_one(model_cfg, dataclasses.replace(engine_cfg, gpu_updated_io=True), batch_rows, seq_len, disk_dir,
-                    kw, speeds)
-    if not plan(model_cfg, gpu[0], batch_rows, seq_len, detect=False, **kw).fits:
+    on_gpu = dataclasses.replace(engine_cfg, gpu_updated_io=True)
+    if not _takes(model_cfg.layers, on_gpu):
+        return host  # the config's counts name more host parts than there are without the io part
+    gpu = _pick_one(model_cfg, on_gpu, batch_rows, seq_len, disk_dir, kw, speeds)
+    host_fits, gpu_fits = (plan(model_cfg, arm[0], batch_rows, seq_len, detect=False, **kw).fits for arm in (host, gpu))
+    if not gpu_fits:
         return host
     devices = kw.get("devices", 1)
     t_host, t_gpu = (predict(model_cfg, e, batch_rows, seq_len, speeds, devices=devices).seconds
                      for e in (host[0], gpu[0]))
-    picked, said = gpu if t_gpu < t_host else host
+    picked, said = gpu if t_gpu < t_host or not host_fits else host
     where = "on the GPU" if picked is gpu[0] else "on the host"
-    return picked, "; ".join(w for w in (said, f"engine.gpu_updated_io='auto': the io part updated {where} "
-                                              f"({t_gpu:.2f} s per step on the GPU against {t_host:.2f} s on the "
-                                              f"host, by the step-time model at {speeds.name})") if w)
+    why = (f"{t_gpu:.2f} s per step on the GPU against {t_host:.2f} s on the host, by the step-time model at "
+           f"{speeds.name}" + ("; on the host the run does not fit" if not host_fits else ""))
+    return picked, "; ".join(w for w in (said, f"engine.gpu_updated_io='auto': the io part updated {where} ({why})")
+                             if w)
 
 
 def _pick_one(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw,

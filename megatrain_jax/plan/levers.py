@@ -259,7 +259,13 @@ def _smaller(p: MemoryPlan, layers: int, given: EngineConfig | None = None) -> C
                                     and getattr(given, name) > limit))
     if over("resident_layers", layers):
         changes += (("engine.resident_layers", min(e.resident_layers, layers)),)
-    n_updated = layers - min(e.resident_layers, layers) + (0 if e.resident_io else 1)
+    streamed = layers - min(e.resident_layers, layers)
+    g = e.gpu_updated_layers if isinstance(e.gpu_updated_layers, int) else 0  # "auto": none yet
+    if g and over("gpu_updated_layers", streamed):
+        changes += (("engine.gpu_updated_layers", min(g, streamed)),)
+    # the parts updated on the host: the streamed blocks not updated on the GPU, and the io part unless it is
+    # resident or updated on the GPU
+    n_updated = streamed - min(g, streamed) + (0 if e.resident_io or e.gpu_updated_io is True else 1)
     if over("grads_on_gpu", n_updated):
         changes += (("engine.grads_on_gpu", min(e.grads_on_gpu, n_updated)),)
     if over("disk_parts", layers - min(e.resident_layers, layers)):
