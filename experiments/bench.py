@@ -335,11 +335,11 @@ def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
     GPU; not offloaded activations, which no configuration here uses); blocks updated on the GPU
     (``gpu_updated_layers``) bring their masters and moments over and send them home with their compute copy
     instead of a gradient."""
-    from megatrain_jax.engine.schedule import step_ops
+    from megatrain_jax.engine.parts import HostRoles
+    from megatrain_jax.engine.schedule import step_ops, visits
 
-    io = any(p.is_io for p in engine.gpu_updated_parts)  # gpu_updated_io: brought in the backward, visited first
-    ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth, visit_io=io, bring_io=io,
-                   visited=[p.layer for p in engine.gpu_updated_parts if not p.is_io])
+    ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth,
+                   **visits(HostRoles.of_config(engine.lm.n_blocks, engine.cfg), first=True, last=True))
     resident = set(engine.resident_parts)
     placement = engine.placement
 

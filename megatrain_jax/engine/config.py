@@ -131,9 +131,10 @@ class EngineConfig:
       fetch for that backward), since its visit is the next forward's first op. With exact clipping the next
       forward otherwise waits at its start for the io part's host update (its first pass, ~30-47 ms at 3.5B on
       an H200 host), and every block after it for theirs. GPU memory: its float32 gradient from the backward to
-      the next forward, and its masters and moments from the late backward to that visit. "auto": picked with
-      the layout where ``gpu_updated_layers`` is "auto" too (``plan.layout.fastest``); an ``Engine`` takes a
-      bool.
+      the next forward, and its masters and moments from the late backward to that visit. "auto": ``megatrain-jax
+      train`` and ``plan`` make the whole pick (layout, then split count) with the io part on the host and on the
+      GPU and take the faster of those that fit (``plan.layout``), where the GPU's rates are known; else false. An
+      ``Engine`` takes a bool.
     - ``norm_first`` (opt-in; where host RAM is short): each step runs two forward+backward passes over its
       batch. The first only takes the global gradient norm (no gradient leaves the GPU); the second computes
       the same gradients again, and each part updates as soon as its gradient is home, clipped by the first

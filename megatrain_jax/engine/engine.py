@@ -33,7 +33,7 @@ from megatrain_jax.engine.parts import IO, HostRoles, Part, PartId
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, reported_late
 from megatrain_jax.engine.passes import Pass, PassRunner, device_batches
 from megatrain_jax.engine.precision import streamed_dtype
-from megatrain_jax.engine.schedule import eval_ops, norm_ops, step_ops
+from megatrain_jax.engine.schedule import eval_ops, norm_ops, step_ops, visits
 from megatrain_jax.engine.step_clock import StepClock
 from megatrain_jax.engine.transfer import Placement, local_rows, local_value
 from megatrain_jax.engine.update.disk_tier import DiskTier
@@ -134,7 +134,7 @@ class Engine:
         self.resident_parts = ([IO] if config.resident_io else []) + [PartId.block(i) for i in range(config.resident_layers)]
         self.grads_on_gpu_parts = list(roles.grads_on_gpu)  # their gradients wait on the GPU
         self.gpu_updated_parts = list(roles.gpu_updated)  # streamed, updated on the GPU at their next forward
-        self._visited, self._io_visited = list(roles.visited_layers), roles.io_visited
+        self._roles = roles
         self.disk_tier = None
         if roles.disk:
             if not self.policy.opt.fused:
@@ -216,11 +216,8 @@ class Engine:
                     self._runner.run(second, step_ops(n, m, depth, offload=offload, norm_first=True))
                 else:
                     # the first pass's forward runs the GPU-updated parts' updates of the step before
-                    first = j == 0
                     self._runner.run(p, step_ops(n, m, depth, update=p.last, offload=offload,
-                                                 visited=self._visited if first else [],
-                                                 visit_io=self._io_visited and first,
-                                                 bring_io=self._io_visited and p.last))
+                                                 **visits(self._roles, first=j == 0, last=p.last)))
                 losses.append(sum(p.losses))
                 auxes.append(p.aux)
                 pair_stats.append(p.pair_stats)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Sequence
 
-from megatrain_jax.engine.parts import IO, PartId
+from megatrain_jax.engine.parts import IO, HostRoles, PartId
 
 # Offloaded activations: the blocks whose copies to host memory may be queued at once; the host waits for
 # older ones (``passes.PassRunner.store_acts``), so the GPU never holds more blocks' inputs waiting to leave.
@@ -158,6 +158,14 @@ def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True, o
         ops += [Op("update", PartId(i)) for i in range(n_layers + 1)]
         ops.append(Op("commit"))
     return ops
+
+
+def visits(roles: HostRoles, first: bool, last: bool) -> dict:
+    """``step_ops``' arguments for the parts updated on the GPU (``roles.gpu_updated``) in one pass of an optimizer
+    step: the ``first`` pass visits them (their updates of the step before run there), and the ``last`` (the one
+    that updates) brings the io part's state for its next visit."""
+    io = roles.io_visited
+    return dict(visited=roles.visited_layers if first else (), visit_io=io and first, bring_io=io and last)
 
 
 def norm_ops(n_layers: int, n_micro: int, depth: int = 1, offload: int = 0) -> list[Op]:

@@ -37,7 +37,7 @@ from typing import Any, Callable
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.program_memory import ProgramMemory
-from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, Op, OpKind, step_ops
+from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, Op, OpKind, step_ops, visits
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.activations import kept_bytes, products_bytes, transient
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, blocks_param_count, host_grad_bytes,
@@ -505,8 +505,7 @@ def _walked(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int,
         w.pass_index, w.accumulate, w.backward = j, j > 0, False
         w.led.add(B, w.batches)
         for op in _step_ops(c.layers, w.M, e.prefetch_depth, j == passes - 1, e.offload_activations, False,
-                            roles.visited_layers if j == 0 else (), roles.io_visited and j == 0,
-                            roles.io_visited and j == passes - 1):
+                            **visits(roles, first=j == 0, last=j == passes - 1)):
             w.backward |= op.kind == "head"
             RULES[op.kind](w, op)
         w.led.drop(B, w.batches)

@@ -32,7 +32,8 @@ import os
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.precision import DTYPE_BYTES, FULL, Precision
-from megatrain_jax.engine.schedule import BLOCKS_AHEAD, UPDATES_AHEAD, Op, norm_ops, offloaded_blocks, step_ops
+from megatrain_jax.engine.schedule import (BLOCKS_AHEAD, UPDATES_AHEAD, Op, norm_ops, offloaded_blocks, step_ops,
+                                           visits)
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.plan.counts import activation_bytes, host_roles, io_param_count, stream_bytes
@@ -206,9 +207,7 @@ def _ops(cfg: DecoderConfig, e: EngineConfig) -> list[list[Op]]:
     k = e.accumulate_steps
     roles = host_roles(cfg, e)
     return [step_ops(cfg.layers, e.micro_batches, e.prefetch_depth, update=(j == k - 1),
-                     offload=e.offload_activations, visited=roles.visited_layers if j == 0 else (),
-                     visit_io=roles.io_visited and j == 0, bring_io=roles.io_visited and j == k - 1)
-            for j in range(k)]
+                     offload=e.offload_activations, **visits(roles, first=j == 0, last=j == k - 1)) for j in range(k)]
 
 
 def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, s: Speeds,
