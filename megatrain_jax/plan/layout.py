@@ -541,7 +541,7 @@ def _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, *, host_ram_bytes, gp
                  "gradients)")
     mode = leaner.mode
     if mode is not p.mode and mode.stochastic:
-        said = f"{mode.summary} ({said}; quality: docs/capacity.md)"
+        said = f"{mode.summary} ({said}; {mode.quality})"
     if leaner.engine_cfg.disk_parts:
         said += (f" (engine.disk_dir={leaner.engine_cfg.disk_dir}: {leaner.disk / GiB:.1f} GiB of Adam moments in "
                  f"files, read and written once per step)")

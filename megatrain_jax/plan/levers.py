@@ -126,7 +126,7 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
                lambda ch, lower=lower: (
                    f"{lower.title}: {lower.summary} (about {_stored_per_param(c, lower):.1f} B/param of masters "
                    f"and moments instead of {_stored_per_param(c, mode):.1f}, + "
-                   f"{lower.bytes_per_param()['host_grads']} B/param of gradients; quality: docs/capacity.md)"
+                   f"{lower.bytes_per_param()['host_grads']} B/param of gradients; {lower.quality})"
                    + on_host + ("; no disk tier" if e.disk_parts and not lower.disk_tier else "")))
     if e.keep_residuals and kept_bytes(c, e, 1, 1, assumes_flash(c)):
         yield ("keep", [(("engine.keep_residuals", False),)],
