@@ -92,14 +92,16 @@ def blockwise(grid, stochastic=True, floor=False):
 
 def rank1(grid, stochastic=False):
     """Li et al.'s (NeurIPS 2023) second moment: each element over the smaller of its row's and its column's
-    maximum, onto ``grid`` (no zero)."""
+    maximum, onto ``grid`` (no zero: a positive value below the grid's smallest takes it)."""
     grid = np.asarray(grid, np.float64)
 
     def fmt(x, kind, rng):
         r = x.astype(np.float64)
         scale = np.minimum(r.max(axis=1, keepdims=True), r.max(axis=0, keepdims=True))
         y = np.where(scale > 0, r / np.where(scale > 0, scale, 1), 0)
-        return (_round(y, grid, rng, stochastic) * scale).astype(np.float32)
+        q = _round(y, grid, rng, stochastic)
+        q = np.where((y > 0) & (q == 0), grid[grid > 0][0], q)
+        return (q * scale).astype(np.float32)
     return fmt
 
 
@@ -138,6 +140,7 @@ POW4_M = np.concatenate([[0.0], 4.0 ** np.arange(-6, 1)])
 E3M1_V = np.sort(np.concatenate([2.0 ** np.arange(-7, 1), 1.5 * 2.0 ** np.arange(-8, 0)]))
 E3M1_V = E3M1_V / E3M1_V.max()
 LINEAR_V = np.arange(1, 17) / 16  # Li et al.'s linear map without zero
+SQRT2_V = 2.0 ** (-np.arange(15, -1, -1) / 2)  # powers of sqrt(2): 2^-7.5 .. 1, half the shipped grid's steps
 # a signed "dynamic exponent" 4-bit map (Dettmers' shape: the leading zeros an exponent of ten, then a fraction)
 DE_M = np.array([0.0, 0.0033, 0.0167, 0.05, 0.1, 0.3, 0.55, 1.0])
 
@@ -166,7 +169,14 @@ FORMATS = {
                               "scaled by 1.2 (no scale stored), stochastic; v shipped"),
     "ratio_soft_f32_v": (ratio(SOFT_M, _float32), _float32, "m as m / sqrt(v), finer near 0, block scale, "
                          "stochastic; float32 v"),
+    "f32_m_rank1_sqrt2_v": (_float32, rank1(SQRT2_V, True), "float32 m; v over its rank-1 scale, powers of sqrt(2), "
+                            "stochastic"),
+    "ratio_soft_rank1_sqrt2_v": (ratio(SOFT_M, rank1(SQRT2_V, True)), rank1(SQRT2_V, True),
+                                 "m as m / sqrt(v_q), finer near 0, block scale, stochastic; v over its rank-1 "
+                                 "scale, powers of sqrt(2), stochastic"),
     "q8_m_q4_v": (_q8, _q4, "m in the shipped 8 bits, v in the shipped 4 (1.53 B/param for both)"),
+    "q8_m_rank1_sqrt2_v": (_q8, rank1(SQRT2_V, True), "m in the shipped 8 bits; v in 4 over its rank-1 scale, "
+                           "powers of sqrt(2), stochastic (~1.53 B/param for both)"),
     "q8_m_factored_v": (_q8, "factored", "m in the shipped 8 bits; v factored as Adafactor's (a row and a column "
                         "vector: ~0 B/param), the rest of AdamW unchanged"),
 }
