@@ -746,8 +746,9 @@ def test_eight_bit_moments_are_picked_only_where_capacity_mode_does_not_fit():
     picked, why = lean_engine(EIGHT_B, e, 16, 2048, **kw)
     assert picked == q8_cfg and plan(EIGHT_B, picked, 16, 2048, **kw).fits
     assert ("running capacity mode with 8-bit moments: bfloat16 masters, 8-bit Adam moments and bfloat16 gradients "
-            "in host memory, stochastically rounded (engine.moment_dtype=q8 engine.host_grad_dtype=bfloat16; a held-out loss "
-            "within 0.2% of float32's on a 1B model, the mean of three seeds (quality: docs/capacity.md))") in why
+            "in host memory, stochastically rounded (engine.moment_dtype=q8 engine.host_grad_dtype=bfloat16; a "
+            "held-out loss within 0.2% of float32's on a 1B model, the mean of three seeds (quality: "
+            "docs/capacity.md))") in why
     # with a disk folder, where the disk tier would fit too: 8-bit moments first (no disk traffic per step)
     with_disk = dataclasses.replace(e, disk_dir="/nonexistent/tier")
     picked, _ = lean_engine(EIGHT_B, with_disk, 16, 2048, disk_bytes=10_000 * GiB, **kw)

@@ -14,7 +14,8 @@ bias in the step's size), and the cosine. The shipped formats run through the pr
 (``q8_quantize``, ``q4_quantize``, ``host_kernel.stochastic_round_bf16``: bit for bit the kernel's codes); the
 candidate grids are simulated here.
 
-    PYTHONPATH=. python experiments/studies/q4_moment_grids.py --out experiments/results/cpu_q4_moment_grids_<commit>.json
+    PYTHONPATH=. python experiments/studies/q4_moment_grids.py \
+        --out experiments/results/cpu_q4_moment_grids_<commit>.json
 """
 
 from __future__ import annotations

@@ -53,6 +53,8 @@ class Precision:
       ``resumes`` says which modes' checkpoints this one resumes.
     - ``quality``: what training in it costs against float32 masters and moments, as measured (the quality
       table of docs/capacity.md: a 1B model's held-out loss); ``train`` says it where it picks the mode itself.
+      ``quality_met``: whether that is within the table's bar (1.5%); ``plan``'s table of modes marks those
+      that are not.
     """
 
     name: str
@@ -71,6 +73,7 @@ class Precision:
     summary: str
     checkpoint: str
     quality: str
+    quality_met: bool
 
     # ------------------------------------------------------------------ bytes
     @property
@@ -141,7 +144,7 @@ FULL = Precision(
     needs_kernel=False, disk_tier=True, bundle=(("engine.stream_dtype", "bfloat16"),), kernel="adamw",
     summary="float32 masters and Adam moments, a 16-bit copy of the weights streamed",
     checkpoint="float32 masters and moments; the 16-bit stream copy is remade from the masters on restore",
-    quality="the reference: the same numbers as an in-memory jax.grad and optax AdamW step")
+    quality="the reference: the same numbers as an in-memory jax.grad and optax AdamW step", quality_met=True)
 LEAN = dataclasses.replace(
     FULL, name="lean", title="the lean full-precision mode", stream_copy=False,
     bundle=(("engine.stream_dtype", "float32"),),
@@ -158,7 +161,7 @@ CAPACITY = Precision(
     summary="bfloat16 masters and Adam moments, stochastically rounded (no 16-bit copy)",
     checkpoint="bfloat16 masters and moments; 8-bit moments of a q8 checkpoint are dequantized on restore",
     quality=("a held-out loss within 0.1% of float32's on a 1B model, the mean of three seeds "
-             "(quality: docs/capacity.md)"))
+             "(quality: docs/capacity.md)"), quality_met=True)
 Q8 = dataclasses.replace(
     CAPACITY, name="q8", title="capacity mode with 8-bit moments", moment_dtype="q8",
     host_grad_dtypes=("bfloat16", "float32"), disk_tier=False,
@@ -180,7 +183,7 @@ Q4 = dataclasses.replace(
                "8-bit moments of another checkpoint are converted on restore",
     quality=("WARNING: a held-out loss 3.2% above float32's on a 1B model (one seed), over the 1.5% that the "
              "other lossy modes meet: the last resort, for a model that fits no other way "
-             "(quality: docs/capacity.md)"))
+             "(quality: docs/capacity.md)"), quality_met=False)
 
 MODES: dict[str, Precision] = {mode.name: mode for mode in (FULL, LEAN, CAPACITY, Q8, Q4)}
 MASTER_DTYPES = tuple(dict.fromkeys(mode.master_dtype for mode in MODES.values()))

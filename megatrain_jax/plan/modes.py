@@ -32,12 +32,13 @@ class InMode:
         return self.plan.host_total / self.plan.params
 
     def status(self) -> str:
-        """``fits``, or which memory is short and by how much."""
+        """``fits``, or which memory is short and by how much; a mode whose quality is under the quality table's
+        bar says so."""
         q = self.plan
         if q is None:
             return "not with this config (the engine refuses the combination)"
         if q.fits:
-            return "fits"
+            return "fits" + ("" if self.mode.quality_met else " (trains worse: over the quality bar, docs/capacity.md)")
         short = []
         if not q.host_fits:
             over = None if q.host_available is None else q.host_total - q.host_available
