@@ -1058,3 +1058,19 @@ def test_a_short_gpu_fetches_fewer_blocks_ahead_before_offloading_activations():
     assert as_given.prefetch_depth == 2 and (why is None or "prefetch_depth" not in why)
     short, why = lean_engine(cfg, e, 16, 2048, gpu_bytes=gpu - GiB, **host)
     assert short.prefetch_depth == 2 and short.offload_activations > 0 and "GPU memory is short" in why
+
+
+def test_advice_for_a_two_pass_run_offers_only_what_the_engine_takes():
+    """A run with the two-pass step (norm_first) that does not fit: the advice's levers and pairs leave out what
+    the engine refuses beside norm_first (gradients waiting on the GPU, accumulation sub-steps) instead of
+    raising on them; 4-bit moments come with their warning."""
+    from megatrain_jax import preset
+    from megatrain_jax.plan.levers import advice, options
+    e = EngineConfig(micro_batches=2, master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16",
+                     norm_first=True)
+    p = plan(preset("llama3-70b"), e, 8, 2048, host_ram_bytes=300 * GiB, gpu_bytes=int(141 * GiB * 0.95))
+    assert not p.fits
+    offered = options(p, e)
+    assert offered and all(p.applied(o.changes).fits for o in offered)
+    assert not any(k in ("engine.grads_on_gpu", "engine.accumulate_steps") for o in offered for k, _ in o.changes)
+    assert "engine.moment_dtype=q4" in advice(p, e) and "WARNING" in advice(p, e)

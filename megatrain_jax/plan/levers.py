@@ -106,7 +106,8 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
                        f"({gib(ch[0][1]):.1f} GiB, read and written once per step: slower unless the disk "
                        f"keeps up with the host optimizer)"))
     n_host = len(host_roles(c, e).host_updated)
-    yield ("grads_on_gpu", [(("engine.grads_on_gpu", n),) for n in range(1, n_host + 1) if n != e.grads_on_gpu],
+    yield ("grads_on_gpu",
+           takes((("engine.grads_on_gpu", n),) for n in range(1, n_host + 1) if n != e.grads_on_gpu),
            lambda ch: (f"the float32 gradients of {ch[0][1]} parts wait on the GPU for the global norm instead of "
                        f"in host memory ({host_grad_bytes(e)} B/param less host RAM for them, 4 B/param more GPU "
                        f"memory); each comes home when its update runs"))
@@ -152,7 +153,7 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
             m = max(d for d in _divisors(r) if d <= e.micro_batches)
             fewer.append((("data.batch_size", r), ("engine.accumulate_steps", e.accumulate_steps * k),
                           ("engine.micro_batches", m)))
-    yield ("rows", fewer,
+    yield ("rows", takes(fewer),
            lambda ch: (f"{ch[0][1]} rows per pass, {ch[1][1]} passes per optimizer step (the same tokens per "
                        f"step): fewer boundary activations; the weights cross PCIe twice per pass, "
                        f"{ch[1][1] // e.accumulate_steps}x the transfers per step"))
