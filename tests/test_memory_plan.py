@@ -1073,4 +1073,6 @@ def test_advice_for_a_two_pass_run_offers_only_what_the_engine_takes():
     offered = options(p, e)
     assert offered and all(p.applied(o.changes).fits for o in offered)
     assert not any(k in ("engine.grads_on_gpu", "engine.accumulate_steps") for o in offered for k, _ in o.changes)
-    assert "engine.moment_dtype=q4" in advice(p, e) and "WARNING" in advice(p, e)
+    said = advice(p, e)
+    assert "engine.moment_dtype=q4" in said and "WARNING" in said
+    assert "+ bfloat16 gradients of at most 3 parts (the two-pass step)" in said and "B/param of gradients" not in said

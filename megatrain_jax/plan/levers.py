@@ -126,8 +126,8 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
         yield (lower.name, takes([precision.switch(e, lower, p.stream_dtype)]),
                lambda ch, lower=lower: (
                    f"{lower.title}: {lower.summary} (about {_stored_per_param(c, lower):.1f} B/param of masters "
-                   f"and moments instead of {_stored_per_param(c, mode):.1f}, + "
-                   f"{lower.bytes_per_param()['host_grads']} B/param of gradients; {lower.quality})"
+                   f"and moments instead of {_stored_per_param(c, mode):.1f}, + " + _grads_words(e, lower)
+                   + f"; {lower.quality})"
                    + on_host + ("; no disk tier" if e.disk_parts and not lower.disk_tier else "")))
     if e.keep_residuals and kept_bytes(c, e, 1, 1, assumes_flash(c)):
         yield ("keep", [(("engine.keep_residuals", False),)],
@@ -219,6 +219,14 @@ def options(p: MemoryPlan, given: EngineConfig | None = None) -> list[Option]:
         out.append(("smaller", Option(_smaller(p, layers, given), f"a smaller model of {layers} layers (the rest as "
                                                              f"configured)")))
     return [option for _, option in out]
+
+
+def _grads_words(e: EngineConfig, mode: precision.Precision) -> str:
+    """What a leaner mode's gradients take in host memory: a step's, or with the two-pass step only the parts'
+    whose updates may be unfinished."""
+    if e.norm_first:
+        return f"{mode.host_grad_dtypes[0]} gradients of at most {UPDATES_AHEAD + 1} parts (the two-pass step)"
+    return f"{mode.bytes_per_param()['host_grads']} B/param of gradients"
 
 
 # The levers that lower the GPU's peak without touching the host's precision, in ``_levers``' order.
