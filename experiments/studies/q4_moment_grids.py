@@ -75,13 +75,13 @@ def _round(y, grid, rng, stochastic=True):
     return np.where(go_up, up, lo)
 
 
-def blockwise(grid, stochastic=True, floor=False):
-    """A format of a sign (m) and magnitudes on ``grid`` scaled by each block's absmax; ``floor``: a positive
-    value never rounds to 0 (v)."""
+def blockwise(grid, stochastic=True, floor=False, block=Q4_BLOCK):
+    """A format of a sign (m) and magnitudes on ``grid`` scaled by the absmax of each ``block`` elements of a row;
+    ``floor``: a positive value never rounds to 0 (v)."""
     grid = np.asarray(grid, np.float64)
 
     def fmt(x, kind, rng):
-        b = _blocks(x).astype(np.float64)
+        b = _blocks(x, block).astype(np.float64)
         scale = np.abs(b).max(axis=-1, keepdims=True)
         y = np.where(scale > 0, np.abs(b) / np.where(scale > 0, scale, 1), 0)
         q = _round(y, grid, rng, stochastic)
@@ -178,6 +178,12 @@ FORMATS = {
     "q8_m_q4_v": (_q8, _q4, "m in the shipped 8 bits, v in the shipped 4 (1.53 B/param for both)"),
     "q8_m_rank1_sqrt2_v": (_q8, rank1(SQRT2_V, True), "m in the shipped 8 bits; v in 4 over its rank-1 scale, "
                            "powers of sqrt(2), stochastic (~1.53 B/param for both)"),
+    "q8_m_pow2_v_block32": (_q8, blockwise(POW2_V, True, True, 32), "m in the shipped 8 bits; v on the shipped "
+                            "4-bit grid, a scale per 32 elements (~1.64 B/param for both)"),
+    "q8_m_sqrt2_v": (_q8, blockwise(SQRT2_V, True, True), "m in the shipped 8 bits; v in 4 on a sqrt(2) grid "
+                     "(2^-7.5 .. 1 of the block's largest), stochastic"),
+    "q8_m_sqrt2_v_block32": (_q8, blockwise(SQRT2_V, True, True, 32), "m in the shipped 8 bits; v in 4 on a sqrt(2) "
+                             "grid, a scale per 32 elements, stochastic (~1.64 B/param for both)"),
     "q8_m_factored_v": (_q8, "factored", "m in the shipped 8 bits; v factored as Adafactor's (a row and a column "
                         "vector: ~0 B/param), the rest of AdamW unchanged"),
 }
