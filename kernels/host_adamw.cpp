@@ -561,7 +561,7 @@ struct Q4Codes {
 
 // The first pass on elements [0, n8) of the block (n8 a multiple of 8): p written, m and v to mb and vb, their
 // maxima into *am and *av (which start at 0, as the scalar loop's do). sm and sv multiply the decoded codes.
-template <class Codes, bool kP, class G>
+template <class MC, class VC, bool kP, class G>
 inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uint8_t* __restrict v,
                   const G* __restrict g, int64_t lo, int64_t n8, float sm_, float sv_, const Hyper& h,
                   const Keys& k, float* __restrict mb, float* __restrict vb, float* am_out, float* av_out) {
@@ -577,8 +577,8 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
   for (int64_t i = 0; i < n8; i += 8) {
     const int64_t x = lo + i;
     const __m256 gi = _mm256_mul_ps(load_f32(g + x), grad_scale);
-    const __m256 m0 = _mm256_mul_ps(Codes::decode_m(Codes::load(m, x)), sm);
-    const __m256 v0 = _mm256_mul_ps(Codes::decode_v(Codes::load(v, x)), sv);
+    const __m256 m0 = _mm256_mul_ps(MC::decode_m(MC::load(m, x)), sm);
+    const __m256 v0 = _mm256_mul_ps(VC::decode_v(VC::load(v, x)), sv);
     const __m256 mi = _mm256_add_ps(_mm256_mul_ps(b1, m0), _mm256_mul_ps(one_b1, gi));
     const __m256 vi = _mm256_add_ps(_mm256_mul_ps(b2, v0), _mm256_mul_ps(_mm256_mul_ps(one_b2, gi), gi));
     if constexpr (kP) {
@@ -611,10 +611,11 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
 
 // The second pass on elements [0, n32) of the block (n32 a multiple of 32; lo even for 4-bit codes): the scalar
 // encode loop's codes of m and v (scaled by im and iv), stored from element lo on.
-template <class Codes>
+template <class MC, class VC>
 inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t n32, float im_, float iv_,
                   const Keys& k, const float* __restrict mb, const float* __restrict vb) {
-  const __m256 im = _mm256_set1_ps(im_), iv = _mm256_set1_ps(iv_), vmax = Codes::vmax();
+  const __m256 im = _mm256_set1_ps(im_), iv = _mm256_set1_ps(iv_);
+  const __m256 vmax_m = MC::vmax(), vmax_v = VC::vmax();
   const __m256 abs_mask = as_ps(set1(0x7fffffffu));
   // mix32(j ^ key) == mix32_tail((j ^ (j >> 16)) ^ (key ^ (key >> 16))): the shift distributes over xor
   const __m256i km = set1(k.m ^ (k.m >> 16)), kv = set1(k.v ^ (k.v >> 16));
@@ -625,17 +626,17 @@ inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int6
       const __m256i t = _mm256_xor_si256(j, _mm256_srli_epi32(j, 16));
       const __m256 mi = _mm256_loadu_ps(mb + i + 8 * q);
       // min_ps(a, b) is a < b ? a : b: the scalar clamp, NaN included
-      const __m256 ym = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(mi, abs_mask), im), vmax);
-      const __m256i c = Codes::code_m(ym, mix32_tail(_mm256_xor_si256(t, km)));
+      const __m256 ym = _mm256_min_ps(_mm256_mul_ps(_mm256_and_ps(mi, abs_mask), im), vmax_m);
+      const __m256i c = MC::code_m(ym, mix32_tail(_mm256_xor_si256(t, km)));
       // the sign bit, kept where the code is not 0
-      cm[q] = _mm256_or_si256(c, _mm256_andnot_si256(_mm256_cmpeq_epi32(c, _mm256_setzero_si256()), Codes::sign_m(mi)));
-      const __m256 yv = _mm256_min_ps(_mm256_mul_ps(_mm256_loadu_ps(vb + i + 8 * q), iv), vmax);
-      const __m256i c2 = Codes::code_v(yv, mix32_tail(_mm256_xor_si256(t, kv)));
+      cm[q] = _mm256_or_si256(c, _mm256_andnot_si256(_mm256_cmpeq_epi32(c, _mm256_setzero_si256()), MC::sign_m(mi)));
+      const __m256 yv = _mm256_min_ps(_mm256_mul_ps(_mm256_loadu_ps(vb + i + 8 * q), iv), vmax_v);
+      const __m256i c2 = VC::code_v(yv, mix32_tail(_mm256_xor_si256(t, kv)));
       cv[q] = _mm256_max_epu32(c2, _mm256_min_epu32(as_si(yv), set1(1u)));  // a positive v never to code 0
       j = _mm256_add_epi32(j, set1(8));
     }
-    Codes::store(m, lo + i, cm[0], cm[1], cm[2], cm[3]);
-    Codes::store(v, lo + i, cv[0], cv[1], cv[2], cv[3]);
+    MC::store(m, lo + i, cm[0], cm[1], cm[2], cm[3]);
+    VC::store(v, lo + i, cv[0], cv[1], cv[2], cv[3]);
   }
 }
 
@@ -772,7 +773,7 @@ struct Q4Codes {
 };
 
 // quant_avx2::pass1, 16 elements a vector, on elements [0, n16) of the block (n16 a multiple of 16).
-template <class Codes, bool kP, class G>
+template <class MC, class VC, bool kP, class G>
 inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uint8_t* __restrict v,
                   const G* __restrict g, int64_t lo, int64_t n16, float sm_, float sv_, const Hyper& h,
                   const Keys& k, float* __restrict mb, float* __restrict vb, float* am_out, float* av_out) {
@@ -789,8 +790,8 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
   for (int64_t i = 0; i < n16; i += 16) {
     const int64_t x = lo + i;
     const __m512 gi = _mm512_mul_ps(load_f32(g + x), grad_scale);
-    const __m512 m0 = _mm512_mul_ps(Codes::decode_m(Codes::load(m, x)), sm);
-    const __m512 v0 = _mm512_mul_ps(Codes::decode_v(Codes::load(v, x)), sv);
+    const __m512 m0 = _mm512_mul_ps(MC::decode_m(MC::load(m, x)), sm);
+    const __m512 v0 = _mm512_mul_ps(VC::decode_v(VC::load(v, x)), sv);
     const __m512 mi = _mm512_add_ps(_mm512_mul_ps(b1, m0), _mm512_mul_ps(one_b1, gi));
     const __m512 vi = _mm512_add_ps(_mm512_mul_ps(b2, v0), _mm512_mul_ps(_mm512_mul_ps(one_b2, gi), gi));
     if constexpr (kP) {
@@ -821,10 +822,11 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
 
 // quant_avx2::pass2, 16 elements a vector, on elements [0, n16) of the block (n16 a multiple of 16; lo even for
 // 4-bit codes).
-template <class Codes>
+template <class MC, class VC>
 inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t n16, float im_, float iv_,
                   const Keys& k, const float* __restrict mb, const float* __restrict vb) {
-  const __m512 im = _mm512_set1_ps(im_), iv = _mm512_set1_ps(iv_), vmax = Codes::vmax();
+  const __m512 im = _mm512_set1_ps(im_), iv = _mm512_set1_ps(iv_);
+  const __m512 vmax_m = MC::vmax(), vmax_v = VC::vmax();
   const __m512i abs_mask = set1(0x7fffffffu);
   const __m512i km = set1(k.m ^ (k.m >> 16)), kv = set1(k.v ^ (k.v >> 16));
   __m512i j = _mm512_add_epi32(set1(k.offset + static_cast<uint32_t>(lo)),
@@ -832,15 +834,15 @@ inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int6
   for (int64_t i = 0; i < n16; i += 16) {
     const __m512i t = _mm512_xor_si512(j, _mm512_srli_epi32(j, 16));
     const __m512 mi = _mm512_loadu_ps(mb + i);
-    const __m512 ym = _mm512_min_ps(_mm512_mul_ps(as_ps(_mm512_and_si512(as_si(mi), abs_mask)), im), vmax);
-    const __m512i c = Codes::code_m(ym, mix32_tail(_mm512_xor_si512(t, km)));
+    const __m512 ym = _mm512_min_ps(_mm512_mul_ps(as_ps(_mm512_and_si512(as_si(mi), abs_mask)), im), vmax_m);
+    const __m512i c = MC::code_m(ym, mix32_tail(_mm512_xor_si512(t, km)));
     // the sign bit, kept where the code is not 0
-    const __m512i cm = _mm512_mask_or_epi32(c, _mm512_test_epi32_mask(c, c), c, Codes::sign_m(mi));
-    const __m512 yv = _mm512_min_ps(_mm512_mul_ps(_mm512_loadu_ps(vb + i), iv), vmax);
-    const __m512i c2 = Codes::code_v(yv, mix32_tail(_mm512_xor_si512(t, kv)));
+    const __m512i cm = _mm512_mask_or_epi32(c, _mm512_test_epi32_mask(c, c), c, MC::sign_m(mi));
+    const __m512 yv = _mm512_min_ps(_mm512_mul_ps(_mm512_loadu_ps(vb + i), iv), vmax_v);
+    const __m512i c2 = VC::code_v(yv, mix32_tail(_mm512_xor_si512(t, kv)));
     const __m512i cv = _mm512_max_epu32(c2, _mm512_min_epu32(as_si(yv), set1(1u)));  // a positive v never code 0
-    Codes::store(m, lo + i, cm);
-    Codes::store(v, lo + i, cv);
+    MC::store(m, lo + i, cm);
+    VC::store(v, lo + i, cv);
     j = _mm512_add_epi32(j, set1(16));
   }
 }
@@ -919,7 +921,7 @@ static inline float q4_inverse_scale(float absmax) {
 // The scalar pieces of the two moment formats, as the blocks' scalar loops (quantized_update, quantized_encode)
 // read them: the scale of a block from its absmax, the value of a code, and a code from a value y in [0, kVmax].
 struct Q8Format {
-  static constexpr float kVmax = kQ8Max;
+  static constexpr float kVmaxM = kQ8Max, kVmaxV = kQ8Max;  // the largest scaled magnitude of m's and v's codes
   static constexpr uint32_t kMagnitude = 0x7fu, kSign = 0x80u, kV = 0xffu;  // the code's bits
   static float scale(float absmax) { return absmax / kQ8Max; }
   static float inverse_scale(float absmax) { return q8_inverse_scale(absmax); }
@@ -930,7 +932,7 @@ struct Q8Format {
 };
 
 struct Q4Format {
-  static constexpr float kVmax = 1.0f;
+  static constexpr float kVmaxM = 1.0f, kVmaxV = 1.0f;
   static constexpr uint32_t kMagnitude = 7u, kSign = 8u, kV = 15u;
   static float scale(float absmax) { return absmax; }
   static float inverse_scale(float absmax) { return q4_inverse_scale(absmax); }
@@ -938,6 +940,17 @@ struct Q4Format {
   static float value_v(uint32_t c) { return q4_decode<kQ4EminV>(c); }
   static uint32_t code_m(float y, uint32_t r) { return q4_encode<kQ4EminM>(y, r); }
   static uint32_t code_v(float y, uint32_t r) { return q4_encode<kQ4EminV>(y, r); }
+};
+
+// m8v4: m as the 8-bit format's m (a byte, scaled so that the block's largest is kQ8Max), v as the 4-bit
+// format's v (a nibble, scaled so that the block's largest is 1), one block size for both.
+struct M8V4Format {
+  static constexpr float kVmaxM = kQ8Max, kVmaxV = 1.0f;
+  static constexpr uint32_t kMagnitude = Q8Format::kMagnitude, kSign = Q8Format::kSign, kV = Q4Format::kV;
+  static float value_m(uint32_t c) { return Q8Format::value_m(c); }
+  static float value_v(uint32_t c) { return Q4Format::value_v(c); }
+  static uint32_t code_m(float y, uint32_t r) { return Q8Format::code_m(y, r); }
+  static uint32_t code_v(float y, uint32_t r) { return Q4Format::code_v(y, r); }
 };
 
 // Elements [i0, n) of a block from flat index lo: dequantize the codes mc[i] and vc[i] (one a byte), update
@@ -971,10 +984,10 @@ inline void quantized_encode(uint8_t* __restrict mc, uint8_t* __restrict vc, int
     const uint32_t j = k.offset + static_cast<uint32_t>(lo + i);
     const float mi = mb[i];
     const float ym = std::fabs(mi) * im, yv = vb[i] * iv;
-    const uint32_t mag = Fmt::code_m(ym < Fmt::kVmax ? ym : Fmt::kVmax, mix32(j ^ k.m)) & Fmt::kMagnitude;
+    const uint32_t mag = Fmt::code_m(ym < Fmt::kVmaxM ? ym : Fmt::kVmaxM, mix32(j ^ k.m)) & Fmt::kMagnitude;
     const uint32_t sign = std::signbit(mi) ? Fmt::kSign : 0u;
     mc[i] = static_cast<uint8_t>(mag | (mag != 0 ? sign : 0u));  // zero is always code 0, never -0
-    const float yvc = yv < Fmt::kVmax ? yv : Fmt::kVmax;
+    const float yvc = yv < Fmt::kVmaxV ? yv : Fmt::kVmaxV;
     const uint32_t cv = Fmt::code_v(yvc, mix32(j ^ k.v)) & Fmt::kV;
     // A positive v never becomes code 0: y >= 0, so min(bits of y, 1) is 1 exactly when y > 0 (integer min and
     // max, as a select of two conditions keeps GCC from vectorizing the loop).
@@ -1005,10 +1018,10 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   constexpr bool kP = kPass != kCommit;
 #if defined(MEGATRAIN_AVX512)
   i0 = n / 16 * 16;
-  quant_avx512::pass1<quant_avx512::Q8Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx512::pass1<quant_avx512::Q8Codes, quant_avx512::Q8Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #elif defined(MEGATRAIN_AVX2)
   i0 = n / 8 * 8;
-  quant_avx2::pass1<quant_avx2::Q8Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx2::pass1<quant_avx2::Q8Codes, quant_avx2::Q8Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #endif
   quantized_update<Q8Format, kP>(p, g, m + lo, v + lo, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
   if constexpr (kPass == kStream) return;
@@ -1016,10 +1029,10 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   i0 = 0;
 #if defined(MEGATRAIN_AVX512)
   i0 = n / 16 * 16;
-  quant_avx512::pass2<quant_avx512::Q8Codes>(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx512::pass2<quant_avx512::Q8Codes, quant_avx512::Q8Codes>(m, v, lo, i0, im, iv, k, mb, vb);
 #elif defined(MEGATRAIN_AVX2)
   i0 = n / 32 * 32;
-  quant_avx2::pass2<quant_avx2::Q8Codes>(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx2::pass2<quant_avx2::Q8Codes, quant_avx2::Q8Codes>(m, v, lo, i0, im, iv, k, mb, vb);
 #endif
   quantized_encode<Q8Format>(m + lo, v + lo, lo, i0, n, im, iv, k, mb, vb);
   *m_amax = am;
@@ -1042,10 +1055,10 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   constexpr bool kP = kPass != kCommit;
 #if defined(MEGATRAIN_AVX512)
   i0 = n / 16 * 16;
-  quant_avx512::pass1<quant_avx512::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx512::pass1<quant_avx512::Q4Codes, quant_avx512::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #elif defined(MEGATRAIN_AVX2)
   i0 = n / 8 * 8;
-  quant_avx2::pass1<quant_avx2::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx2::pass1<quant_avx2::Q4Codes, quant_avx2::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #endif
 #pragma omp simd
   for (int64_t j = i0 / 2; j < half; ++j) {
@@ -1061,10 +1074,10 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   i0 = 0;
 #if defined(MEGATRAIN_AVX512)
   i0 = n / 16 * 16;
-  quant_avx512::pass2<quant_avx512::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx512::pass2<quant_avx512::Q4Codes, quant_avx512::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
 #elif defined(MEGATRAIN_AVX2)
   i0 = n / 32 * 32;
-  quant_avx2::pass2<quant_avx2::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx2::pass2<quant_avx2::Q4Codes, quant_avx2::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
 #endif
   quantized_encode<Q4Format>(mc, vc, lo, i0, n, im, iv, k, mb, vb);
 #pragma omp simd
@@ -1072,6 +1085,52 @@ inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
     m[b0 + j] = static_cast<uint8_t>(mc[2 * j] | (mc[2 * j + 1] << 4));
     v[b0 + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
   }
+  *m_amax = am;
+  *v_amax = av;
+}
+
+// One block of n (even) elements from flat index lo (even) of the m8v4 format: m's codes a byte each (as
+// adamw_q8_block's, at m + lo), v's two to a byte (as adamw_q4_block's, at v + lo / 2, unpacked to vc for the
+// scalar loops and packed back after the encode); m's scale maps the block's largest |m| to kQ8Max, v's the
+// block's largest v to 1.
+template <int kPass, class G>
+inline void adamw_m8v4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
+                             float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g, int64_t lo,
+                             int64_t n, const Hyper& h, const Keys& k, float* __restrict mb,
+                             float* __restrict vb, uint8_t* __restrict vc) {
+  const float sm = Q8Format::scale(*m_amax), sv = Q4Format::scale(*v_amax);
+  const int64_t half = n / 2, b0 = lo / 2;
+  float am = 0.0f, av = 0.0f;
+  int64_t i0 = 0;
+  constexpr bool kP = kPass != kCommit;
+#if defined(MEGATRAIN_AVX512)
+  i0 = n / 16 * 16;
+  quant_avx512::pass1<quant_avx512::Q8Codes, quant_avx512::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am,
+                                                                        &av);
+#elif defined(MEGATRAIN_AVX2)
+  i0 = n / 8 * 8;
+  quant_avx2::pass1<quant_avx2::Q8Codes, quant_avx2::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+#endif
+#pragma omp simd
+  for (int64_t j = i0 / 2; j < half; ++j) {
+    const uint8_t b = v[b0 + j];
+    vc[2 * j] = b & 15u;
+    vc[2 * j + 1] = b >> 4;
+  }
+  quantized_update<M8V4Format, kP>(p, g, m + lo, vc, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
+  if constexpr (kPass == kStream) return;
+  const float im = Q8Format::inverse_scale(am), iv = Q4Format::inverse_scale(av);
+  i0 = 0;
+#if defined(MEGATRAIN_AVX512)
+  i0 = n / 16 * 16;
+  quant_avx512::pass2<quant_avx512::Q8Codes, quant_avx512::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
+#elif defined(MEGATRAIN_AVX2)
+  i0 = n / 32 * 32;
+  quant_avx2::pass2<quant_avx2::Q8Codes, quant_avx2::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
+#endif
+  quantized_encode<M8V4Format>(m + lo, vc, lo, i0, n, im, iv, k, mb, vb);
+#pragma omp simd
+  for (int64_t j = i0 / 2; j < half; ++j) v[b0 + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
   *m_amax = am;
   *v_amax = av;
 }
@@ -1116,6 +1175,14 @@ void adamw_q4_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float
                        int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
   quantized_parallel(rows, cols, block, [&](int64_t b, int64_t lo, int64_t n, BlockBuffers& buf) {
     adamw_q4_block<kPass>(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb, buf.mc, buf.vc);
+  });
+}
+
+template <int kPass, class G>
+void adamw_m8v4_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const G* g,
+                         int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
+  quantized_parallel(rows, cols, block, [&](int64_t b, int64_t lo, int64_t n, BlockBuffers& buf) {
+    adamw_m8v4_block<kPass>(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb, buf.vc);
   });
 }
 
@@ -1212,6 +1279,21 @@ extern "C" void megatrain_adamw_q4(uint16_t* p, uint8_t* m, uint8_t* v, float* m
       adamw_q4_parallel<decltype(kp)::value>(p, m, v, m_amax, v_amax, gt, rows, cols, block,
                                              make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2),
                                              make_keys(seed, offset));
+    });
+  });
+}
+
+// A seventh entry point: 8-bit m and 4-bit v (m8v4), the arguments as megatrain_adamw_q4's: m's codes one a
+// byte (rows x cols), v's two to a byte (rows x cols / 2), one block size (even) for both scales.
+extern "C" void megatrain_adamw_m8v4(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax,
+                                     const void* g, int g_bf16, int64_t rows, int64_t cols, int64_t block,
+                                     float lr, float b1, float b2, float eps, float wd, float grad_scale,
+                                     float bc1, float bc2, uint32_t seed, int64_t offset, int pass) {
+  with_gradient(g, g_bf16, [&](auto gt) {
+    with_pass(pass, [&](auto kp) {
+      adamw_m8v4_parallel<decltype(kp)::value>(p, m, v, m_amax, v_amax, gt, rows, cols, block,
+                                               make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2),
+                                               make_keys(seed, offset));
     });
   });
 }

@@ -1,9 +1,9 @@
-"""The host kernel's builds agree bit for bit: the AVX-512 and AVX2 passes of the 8-bit and 4-bit moment kernels
+"""The host kernel's builds agree bit for bit: the AVX-512 and AVX2 passes of the 8-bit, 4-bit and m8v4 moment kernels
 (used where the compiler targets them, as on the GPU machines' hosts; ``MEGATRAIN_NO_AVX512`` leaves the first out)
 against each other and against the portable loops alone
 (``MEGATRAIN_NO_INTRINSICS``, what a machine without AVX2 runs), on states whose magnitudes span the formats'
 ranges, blocks whose lengths are not multiples of the vectors' 8 and 32 elements, and counters near the end of
-their range; and the 4-bit kernel against its numpy reference on such a state."""
+their range; and the 4-bit and m8v4 kernels against their numpy references on such a state."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from megatrain_jax.engine.update import host_kernel
+from megatrain_jax.engine.update.m8v4 import adamw_m8v4_numpy, adamw_m8v4_reference, m8v4_quantize
 from megatrain_jax.engine.update.q4 import adamw_q4_numpy, adamw_q4_reference, q4_quantize
 from megatrain_jax.engine.update.q8 import adamw_q8_numpy, q8_quantize
 
@@ -20,7 +21,8 @@ from test_host_kernel_q8 import _kernel as kernel_on_copies
 from test_host_kernel_q8 import _state as wide_state
 
 BF16 = ml_dtypes.bfloat16
-FORMATS = {"q8": (q8_quantize, adamw_q8_numpy), "q4": (q4_quantize, adamw_q4_numpy)}
+FORMATS = {"q8": (q8_quantize, adamw_q8_numpy), "q4": (q4_quantize, adamw_q4_numpy),
+           "m8v4": (m8v4_quantize, adamw_m8v4_numpy)}
 # rows, cols, block, offset: a block of 16 (under one 32-element vector pass), blocks of 40 and 50 (tails of 8
 # and 18 after the vectors), a last block shorter than the others, counters that wrap past 2^32
 CASES = [(3, 1000, 256, 0), (7, 300, 128, 6), (13, 80, 16, 124), (5, 250, 50, 0), (9, 2 * 4096 + 40, 4096, 0),
@@ -60,7 +62,7 @@ def _three_steps_agree(fmt: str, a, b, g_bf16: bool, what: str) -> None:
 
 
 @pytest.mark.parametrize("g_bf16", [False, True], ids=["g_f32", "g_bf16"])
-@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("fmt", ["q8", "q4", "m8v4"])
 def test_vector_and_portable_builds_agree_bit_for_bit(lib, portable, fmt, g_bf16):
     """Three steps in a row per case, each build fed its own last result: every p bit, code and scale equal."""
     _three_steps_agree(fmt, lib, portable, g_bf16, "vector against portable")
@@ -84,7 +86,7 @@ def avx2_only():
     return built
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("fmt", ["q8", "q4", "m8v4"])
 def test_avx512_and_avx2_builds_agree_bit_for_bit(lib, avx2_only, portable, fmt):
     """The quantized-moment kernels' AVX-512 passes (16 elements a vector, where the compiler targets AVX-512)
     against their AVX2 passes, on the cases above (three steps each, both gradient types) and over 2M elements.
@@ -106,6 +108,19 @@ def test_q4_kernel_matches_reference_across_magnitudes(lib):
             state = _state("q4", rows, cols, block, i, g_bf16)
             hp = dict(HP, block=block, seed=31 + i, offset=offset)
             _assert_equal(_run("q4", lib, state, **hp), adamw_q4_reference(*state, **hp), f"case {i}")
+
+
+def test_m8v4_kernel_matches_reference_across_magnitudes(lib):
+    """The kernel of 8-bit m with 4-bit v against its numpy reference on the wide-ranging state (both gradient
+    types, every case, three steps in a row each fed its own last result)."""
+    for g_bf16 in (False, True):
+        for i, (rows, cols, block, offset) in enumerate(CASES):
+            state = _state("m8v4", rows, cols, block, i, g_bf16)
+            for step in range(3):
+                hp = dict(HP, block=block, seed=41 + 7 * i + step, offset=offset)
+                got = _run("m8v4", lib, state, **hp)
+                _assert_equal(got, adamw_m8v4_reference(*state, **hp), f"case {i}, step {step}")
+                state = (got[0].view(BF16), *got[1:], state[5])
 
 
 @pytest.mark.parametrize("start", [0, 1, 16], ids=["aligned", "odd_start", "half_line"])
@@ -149,7 +164,7 @@ def test_the_kernel_cache_keys_on_the_cpus_features(monkeypatch, tmp_path):
     assert host_kernel.built_path("g++", host_kernel.COMPILE_FLAGS) != here
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q4"])
+@pytest.mark.parametrize("fmt", ["q8", "q4", "m8v4"])
 def test_the_stream_pass_then_the_commit_pass_leave_what_the_whole_update_does(lib, avx2_only, portable, fmt):
     """A quantized update split in two: ``stream`` writes p alone (codes and scales untouched), ``commit`` then
     writes the codes and scales alone (p untouched) from the same old codes and gradient; together, bit for bit

@@ -246,16 +246,17 @@ def adamw_q8_numpy(p: np.ndarray, m: np.ndarray, v: np.ndarray, m_absmax: np.nda
 
 
 def check_kernel_arrays(p: np.ndarray, m: np.ndarray, v: np.ndarray, m_absmax: np.ndarray, v_absmax: np.ndarray,
-                        g: np.ndarray, *, codes_size: int, scale_shape: tuple[int, int], block: int) -> bool:
+                        g: np.ndarray, *, codes_size: int, scale_shape: tuple[int, int], block: int,
+                        v_codes_size: int | None = None) -> bool:
     """The numpy wrappers' checks of a quantized-moment kernel's arrays (8 or 4 bits): p contiguous bfloat16;
-    m and v contiguous uint8 of ``codes_size`` bytes; the scales contiguous float32 of ``scale_shape``; g
-    contiguous float32 or bfloat16 of p's size. TypeError or ValueError naming the array; returns whether g is
-    bfloat16."""
+    m and v contiguous uint8 of ``codes_size`` bytes (v of ``v_codes_size`` where it differs: 8-bit m with
+    4-bit v); the scales contiguous float32 of ``scale_shape``; g contiguous float32 or bfloat16 of p's size.
+    TypeError or ValueError naming the array; returns whether g is bfloat16."""
     if not (host_kernel.is_bf16(p) and p.flags.c_contiguous):
         raise TypeError(f"p must be a contiguous uint16/bfloat16 array, got {p.dtype}")
-    for name, a in (("m", m), ("v", v)):
-        if not (a.dtype == np.uint8 and a.flags.c_contiguous and a.size == codes_size):
-            raise TypeError(f"{name} must be a contiguous uint8 array of {codes_size} codes' bytes for p of size "
+    for name, a, size in (("m", m, codes_size), ("v", v, codes_size if v_codes_size is None else v_codes_size)):
+        if not (a.dtype == np.uint8 and a.flags.c_contiguous and a.size == size):
+            raise TypeError(f"{name} must be a contiguous uint8 array of {size} codes' bytes for p of size "
                             f"{p.size}, got {a.dtype} of size {a.size}")
     for name, a in (("m_absmax", m_absmax), ("v_absmax", v_absmax)):
         if not (a.dtype == np.float32 and a.flags.c_contiguous):
