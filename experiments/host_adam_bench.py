@@ -92,7 +92,7 @@ def make_quantized_kernel(n: int, moment_dtype: str, g_bf16: bool = False, defin
         raise RuntimeError(f"the kernel built with {defines} is not available")
     shape = (n // 4096, 4096)
     p = np.full(shape, 0x3F00, np.uint16)  # 0.5 in bfloat16
-    m, v = (np.zeros(fmt.codes_shape(shape), np.uint8) for _ in range(2))
+    m, v = (np.zeros(fmt.codes_shape(shape, kind), np.uint8) for kind in ("m", "v"))
     m_absmax, v_absmax = (np.zeros(fmt.scale_shape(shape), np.float32) for _ in range(2))
     g = np.full(shape, 0x3C24, np.uint16) if g_bf16 else np.full(shape, 0.01, np.float32)  # 0.01 (rounded to bfloat16)
     hp = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1=0.1, bc2=0.05)
@@ -135,6 +135,7 @@ SYSTEMS = {
     "megatrain_jax_q8_kernel_bf16_grad_stream": lambda n: make_quantized_kernel(n, "q8", g_bf16=True, part="stream"),
     "megatrain_jax_q8_kernel_bf16_grad_commit": lambda n: make_quantized_kernel(n, "q8", g_bf16=True, part="commit"),
     "megatrain_jax_q4_kernel": lambda n: make_quantized_kernel(n, "q4"),
+    "megatrain_jax_m8v4_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "m8v4", g_bf16=True),
     "megatrain_jax_q4_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "q4", g_bf16=True),
     "megatrain_jax_q4_kernel_bf16_grad_avx2": lambda n: make_quantized_kernel(n, "q4", g_bf16=True,
                                                                               defines=("MEGATRAIN_NO_AVX512",)),

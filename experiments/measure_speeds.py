@@ -70,7 +70,7 @@ def host_rates(n: int, reps: int) -> dict:
     gq = np.full(shape, 0x3C24, np.uint16)  # bfloat16 gradients, as the quantized modes send them
     for name, fmt in FORMATS.items():  # each quantized-moment mode (its precision record's name is the format's)
         pq = np.full(shape, 0x3F00, np.uint16)
-        mq, vq = (np.zeros(fmt.codes_shape(shape), np.uint8) for _ in range(2))
+        mq, vq = (np.zeros(fmt.codes_shape(shape, kind), np.uint8) for kind in ("m", "v"))
         ma, va = (np.zeros(fmt.scale_shape(shape), np.float32) for _ in range(2))
         rates[name] = pq.size / best_seconds(
             lambda: fmt.inplace(lib, pq.ctypes.data, mq.ctypes.data, vq.ctypes.data, ma.ctypes.data, va.ctypes.data,

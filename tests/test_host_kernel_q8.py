@@ -264,7 +264,7 @@ def test_quantized_adamw_trains_a_least_squares_problem_as_well_as_float32(lib, 
     b1, b2, steps, block = 0.9, 0.95, 400, 32
     p32, m32, v32 = w0.astype(np.float32), np.zeros((16, 64), np.float32), np.zeros((16, 64), np.float32)
     pq = w0.copy()
-    mq, vq = (np.zeros(fmt.codes_shape((16, 64)), np.uint8) for _ in range(2))
+    mq, vq = (np.zeros(fmt.codes_shape((16, 64), kind), np.uint8) for kind in ("m", "v"))
     ma, va = (np.zeros((16, -(-64 // block)), np.float32) for _ in range(2))
     for t in range(1, steps + 1):
         hp = dict(lr=3e-2 * (1 - t / steps) + 1e-4, b1=b1, b2=b2, eps=1e-8, wd=0.0, grad_scale=1.0,

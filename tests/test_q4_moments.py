@@ -23,14 +23,15 @@ HP = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=0.7, bc1=0.5, b
 Q4 = EngineConfig(master_dtype="bfloat16", moment_dtype="q4", host_grad_dtype="bfloat16")
 
 
-def _state(shape, seed, g_bf16=False, block=Q4_BLOCK):
+def _state(shape, seed, g_bf16=False, block=Q4_BLOCK, quantize=q4_quantize):
+    """bfloat16 p, m and v in a quantized format (``quantize``: 4-bit by default) with their scales, and g."""
     rng = np.random.default_rng(seed)
     p = rng.standard_normal(shape).astype(BF16)
     g = (rng.standard_normal(shape) * np.exp(2 * rng.standard_normal(shape))).astype(np.float32)
     if g_bf16:
         g = g.astype(BF16)
-    m, ma = q4_quantize(0.01 * rng.standard_normal(shape), block, "m", seed=seed + 1)
-    v, va = q4_quantize(1e-4 * np.abs(rng.standard_normal(shape)), block, "v", seed=seed + 2)
+    m, ma = quantize(0.01 * rng.standard_normal(shape), block, "m", seed=seed + 1)
+    v, va = quantize(1e-4 * np.abs(rng.standard_normal(shape)), block, "v", seed=seed + 2)
     return p, m, v, ma, va, g
 
 
@@ -46,20 +47,26 @@ def test_kernel_matches_reference_bit_for_bit(lib, g_bf16, shape, block):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-def test_rows_in_pieces_equal_the_whole(lib):
-    """A call on a run of whole rows with its flat offset writes what the whole call writes there (the engine
-    updates a leaf spread over devices piece by piece)."""
-    p, m, v, ma, va, g = _state((6, 512), 4)
+def pieces_equal_the_whole(run, lib, state) -> None:
+    """``run`` (a quantized kernel's numpy wrapper) on runs of whole rows of ``state`` (6 x 512), each with its
+    flat offset, writes what one call on the whole writes."""
+    p, m, v, ma, va, g = state
     whole = [x.copy() for x in (p, m, v, ma, va)]
-    adamw_q4_numpy(*whole, g, seed=9, lib=lib, **HP)
+    run(*whole, g, seed=9, lib=lib, **HP)
     pieces = [x.copy() for x in (p, m, v, ma, va)]
     for a, b in ((0, 2), (2, 6)):
         views = [np.ascontiguousarray(x[a:b]) for x in pieces]
-        adamw_q4_numpy(*views, np.ascontiguousarray(g[a:b]), seed=9, offset=a * 512, lib=lib, **HP)
+        run(*views, np.ascontiguousarray(g[a:b]), seed=9, offset=a * 512, lib=lib, **HP)
         for x, y in zip(pieces, views):
             x[a:b] = y
     for x, y in zip(whole, pieces):
         np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+def test_rows_in_pieces_equal_the_whole(lib):
+    """A call on a run of whole rows with its flat offset writes what the whole call writes there (the engine
+    updates a leaf spread over devices piece by piece)."""
+    pieces_equal_the_whole(adamw_q4_numpy, lib, _state((6, 512), 4))
 
 
 def test_codes_decode_to_documented_values():
@@ -100,26 +107,35 @@ def test_which_leaves_take_4_bit_moments_and_their_bytes():
         q4_quantize(np.zeros((4, 5)), Q4_BLOCK, "m", seed=0)
 
 
-def test_engine_holds_4_bit_moments_and_trains_as_capacity_mode_does(lib):
-    """Through the engine: the matrices' moments are 4-bit codes (half a byte per element) and scales, and on
-    one batch over 8 steps the losses follow capacity mode's within 2%."""
+def trains_as_capacity_mode_does(ec: EngineConfig, check_leaf) -> None:
+    """An engine in quantized mode ``ec`` and one in capacity mode, on one batch over 8 steps: the quantized one's
+    loss falls and follows capacity mode's within 2%; ``check_leaf(p, m, v)`` on every leaf of it after a sync."""
     cfg = TINY3.replace(dtype="bfloat16")
     batches = make_batches(1, vocab=cfg.vocab_size) * 8
     runs, engines = {}, {}
-    for name, ec in (("capacity", EngineConfig(master_dtype="bfloat16")), ("q4", Q4)):
-        engine = Engine(Decoder(cfg, rngs=nnx.Rngs(0)), adamw(3e-3), ec)
+    for name, e in (("capacity", EngineConfig(master_dtype="bfloat16")), ("quantized", ec)):
+        engine = Engine(Decoder(cfg, rngs=nnx.Rngs(0)), adamw(3e-3), e)
         runs[name] = [engine.step([b]).resolve()["loss"] for b in batches]
         engines[name] = engine
-    engine = engines["q4"]
+    engine = engines["quantized"]
     engine.sync()
     for part in engine.state.parts:
         structure = jax.tree.structure(part.params)
-        for p, m in zip(jax.tree.leaves(part.params), structure.flatten_up_to(part.opt.mu)):
-            assert isinstance(m, QuantizedMoment) == q4_leaf(p.shape)
-            if q4_leaf(p.shape):
-                assert m.codes.dtype == np.uint8 and 2 * m.codes.size == p.size
-                assert m.absmax.shape == q4_scale_shape(p.shape)
-    assert runs["q4"][-1] < runs["q4"][0] - 0.05
-    assert max(abs(a - b) / b for a, b in zip(runs["q4"], runs["capacity"])) < 0.02, runs
+        for p, m, v in zip(jax.tree.leaves(part.params), structure.flatten_up_to(part.opt.mu),
+                           structure.flatten_up_to(part.opt.nu)):
+            check_leaf(p, m, v)
+    assert runs["quantized"][-1] < runs["quantized"][0] - 0.05
+    assert max(abs(a - b) / b for a, b in zip(runs["quantized"], runs["capacity"])) < 0.02, runs
     for e in engines.values():
         e.close()
+
+
+def test_engine_holds_4_bit_moments_and_trains_as_capacity_mode_does(lib):
+    """Through the engine: the matrices' moments are 4-bit codes (half a byte per element) and scales, and on
+    one batch over 8 steps the losses follow capacity mode's within 2%."""
+    def check(p, m, v):
+        assert isinstance(m, QuantizedMoment) == isinstance(v, QuantizedMoment) == q4_leaf(p.shape)
+        if q4_leaf(p.shape):
+            assert m.codes.dtype == np.uint8 and 2 * m.codes.size == p.size
+            assert m.absmax.shape == q4_scale_shape(p.shape)
+    trains_as_capacity_mode_does(Q4, check)

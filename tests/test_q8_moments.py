@@ -2,7 +2,8 @@
 (``host_grad_dtype="bfloat16"``): a part's update equals the kernel's numpy reference bit for bit, on one
 device and spread over two; the engine equals a whole-model reference that applies that update to
 ``jax.grad``'s gradients, rounded to bfloat16 and clipped by their own norm; the mode trains as capacity mode
-does on a small problem. (The kernel itself: tests/test_host_kernel_q8.py; checkpoints: test_checkpoint.py.)"""
+does on a small problem. The same for 8-bit m with 4-bit v (``moment_dtype="m8v4"``) where marked. (The kernels
+themselves: tests/test_host_kernel_q8.py, test_m8v4_moments.py; checkpoints: test_checkpoint.py.)"""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from megatrain_jax import Decoder, Engine, EngineConfig, adamw
 from megatrain_jax.contract.layered import block_params, io_params
 from megatrain_jax.engine.transfer import Placement, local_value
 from megatrain_jax.engine import precision
-from megatrain_jax.engine.update import host_kernel, q8
-from megatrain_jax.engine.update.q8 import q8_leaf
+from megatrain_jax.engine.update import host_kernel, m8v4, q8
+from megatrain_jax.engine.update.moment_formats import FORMATS
 from megatrain_jax.engine.update.host_optimizer import HostOptimizer, QuantizedMoment, rounding_seed
 from megatrain_jax.optim import fused_spec
 from megatrain_jax.reference import model_loss
@@ -30,6 +31,8 @@ from test_engine import TINY3, make_batches
 pytestmark = pytest.mark.usefixtures("lib")  # the kernel must build: conftest.lib fails where it cannot
 
 Q8 = EngineConfig(master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16")
+# each quantized format these tests hold to its numpy reference: its kernel's reference
+REFERENCES = {"q8": q8.adamw_q8_reference, "m8v4": m8v4.adamw_m8v4_reference}
 TX = lambda: adamw(1e-3, eps=1e-6, weight_decay=0.1)  # noqa: E731
 
 
@@ -37,17 +40,17 @@ def _bits(x) -> np.ndarray:
     return np.array(jax.device_get(x), copy=True).view(np.uint16)  # a copy: the kernel writes in place
 
 
-def _reference_update(p, m, v, g, *, t: int, salt: int, leaf: int, decay: bool, scale: float):
-    """One leaf's update as the engine's kernel does it: 8-bit moments (``(codes, absmax)`` pairs) for a
-    matrix, bfloat16 ones otherwise. p, and bfloat16 moments, as uint16 bits; g float32 or bfloat16."""
+def _reference_update(p, m, v, g, *, t: int, salt: int, leaf: int, decay: bool, scale: float, fmt: str = "q8"):
+    """One leaf's update as the engine's kernel does it: quantized moments of format ``fmt`` (``(codes, absmax)``
+    pairs) for a matrix, bfloat16 ones otherwise. p, and bfloat16 moments, as uint16 bits; g float32 or
+    bfloat16."""
     spec = fused_spec(TX())
     bc1, bc2 = spec.bias_corrections(float(t))
     hyper = dict(lr=float(spec.lr_at(t - 1)), b1=spec.b1, b2=spec.b2, eps=spec.eps,
                  wd=spec.weight_decay if decay else 0.0, grad_scale=scale, bc1=bc1, bc2=bc2,
                  seed=rounding_seed(t, salt, leaf), offset=0)
     if isinstance(m, tuple):
-        p, mc, vc, ma, va = q8.adamw_q8_reference(p, m[0], v[0], m[1], v[1], g, block=q8.Q8_BLOCK,
-                                                           **hyper)
+        p, mc, vc, ma, va = REFERENCES[fmt](p, m[0], v[0], m[1], v[1], g, block=FORMATS[fmt].block, **hyper)
         return np.asarray(p).view(np.uint16), (mc, ma), (vc, va)
     p, m, v = host_kernel.adamw_sr_reference(p, m, v, jnp.asarray(g, jnp.float32), **hyper)
     return _bits(p), _bits(m), _bits(v)
@@ -70,17 +73,18 @@ def _assert_same(a, b) -> None:
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("fmt", ["q8", "m8v4"])
 @pytest.mark.parametrize("grad_dtype", [np.float32, jnp.bfloat16])
-def test_part_update_is_the_reference_bit_for_bit(grad_dtype):
-    """Every leaf of a block, over two steps: matrices through the 8-bit kernel, vectors through capacity
+def test_part_update_is_the_reference_bit_for_bit(grad_dtype, fmt):
+    """Every leaf of a block, over two steps: matrices through the quantized kernel, vectors through capacity
     mode's; float32 and bfloat16 gradients."""
     placement = Placement(jax.devices()[:1])
-    opt = HostOptimizer(TX(), placement, jnp.bfloat16, precision=precision.Q8)
+    opt = HostOptimizer(TX(), placement, jnp.bfloat16, precision=precision.MODES[fmt])
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), block_params(Decoder(TINY3, rngs=nnx.Rngs(0)))[1])
     part = opt.home(jax.jit(opt.fresh)(params))
     kinds = [isinstance(m, QuantizedMoment) for m in jax.tree.structure(params).flatten_up_to(part.opt.mu)]
     assert any(kinds) and not all(kinds)  # the matrices are 8-bit, the norm weights are not
-    assert all(q8_leaf(x.shape) == k for x, k in zip(jax.tree.leaves(params), kinds))
+    assert all(FORMATS[fmt].leaf(x.shape) == k for x, k in zip(jax.tree.leaves(params), kinds))
     rng = np.random.default_rng(0)
     decays = jax.tree.leaves(fused_spec(TX()).decays(params))
     for t in (1, 2):
@@ -90,14 +94,16 @@ def test_part_update_is_the_reference_bit_for_bit(grad_dtype):
         got = _state_of(part)
         for leaf, g in enumerate(jax.tree.leaves(grads)):
             want = _reference_update(ps[leaf], ms[leaf], vs[leaf], np.asarray(g), t=t, salt=2, leaf=leaf,
-                                     decay=decays[leaf], scale=0.5)
+                                     decay=decays[leaf], scale=0.5, fmt=fmt)
             for w, x in zip(want, (got[0][leaf], got[1][leaf], got[2][leaf])):
                 _assert_same(w, x)
     assert any(m[0].any() for m in _state_of(part)[1] if isinstance(m, tuple))  # codes were written
 
 
-def test_a_part_spread_over_two_devices_updates_as_on_one_bit_for_bit():
-    """Each device's rows of a matrix, with their rows of scales, get what one update of the whole writes."""
+@pytest.mark.parametrize("fmt", ["q8", "m8v4"])
+def test_a_part_spread_over_two_devices_updates_as_on_one_bit_for_bit(fmt):
+    """Each device's rows of a matrix, with their rows of codes and scales (m8v4: v's rows half m's bytes), get
+    what one update of the whole writes."""
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), io_params(Decoder(TINY3, rngs=nnx.Rngs(0))))
@@ -106,7 +112,7 @@ def test_a_part_spread_over_two_devices_updates_as_on_one_bit_for_bit():
     out = []
     for devices in (jax.devices()[:1], jax.devices()[:2]):
         placement = Placement(devices)
-        opt = HostOptimizer(TX(), placement, jnp.bfloat16, precision=precision.Q8)
+        opt = HostOptimizer(TX(), placement, jnp.bfloat16, precision=precision.MODES[fmt])
         part = opt.home(placement.jit_into(opt.fresh)(params))
         assert len(placement.pieces(jax.tree.leaves(part.params)[0])) == len(devices)  # rows spread
         for _ in range(2):
@@ -116,7 +122,7 @@ def test_a_part_spread_over_two_devices_updates_as_on_one_bit_for_bit():
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
-def _reference_run(cfg, batches, clip):
+def _reference_run(cfg, batches, clip, fmt: str = "q8"):
     """Whole-model training as the mode does it: ``jax.grad`` at the bfloat16 masters, each part's gradient
     rounded to bfloat16 (what is sent home), the global norm of the rounded gradients and its clip factor,
     then each leaf through ``_reference_update`` with the engine's seeds (salt = the part's index)."""
@@ -128,12 +134,13 @@ def _reference_run(cfg, batches, clip):
     structures = [jax.tree.structure(p) for p in split(model)]
     masters = [[_bits(jnp.asarray(x).astype(jnp.bfloat16)) for x in jax.tree.leaves(p)] for p in split(model)]
 
-    def zeros(x):
-        if q8_leaf(x.shape):
-            return (np.zeros(x.shape, np.uint8), np.zeros(q8.q8_scale_shape(x.shape), np.float32))
+    def zeros(x, kind):
+        if FORMATS[fmt].leaf(x.shape):
+            return (np.zeros(FORMATS[fmt].codes_shape(x.shape, kind), np.uint8),
+                    np.zeros(FORMATS[fmt].scale_shape(x.shape), np.float32))
         return np.zeros(x.shape, np.uint16)
 
-    moments = [[(zeros(x), zeros(x)) for x in jax.tree.leaves(p)] for p in split(model)]
+    moments = [[(zeros(x, "m"), zeros(x, "v")) for x in jax.tree.leaves(p)] for p in split(model)]
     decays = [jax.tree.leaves(spec.decays(p)) for p in split(model)]
     as_f32 = lambda bits: jnp.asarray(bits.view(jnp.bfloat16)).astype(jnp.float32)  # noqa: E731
     losses = []
@@ -150,27 +157,29 @@ def _reference_run(cfg, batches, clip):
         for index in range(len(masters)):
             for leaf, (g, decay) in enumerate(zip(grads[index], decays[index])):
                 (m, v), p = moments[index][leaf], masters[index][leaf]
-                p, m, v = _reference_update(p, m, v, g, t=t, salt=index, leaf=leaf, decay=decay, scale=scale)
+                p, m, v = _reference_update(p, m, v, g, t=t, salt=index, leaf=leaf, decay=decay, scale=scale,
+                                            fmt=fmt)
                 masters[index][leaf], moments[index][leaf] = p, (m, v)
     return losses, masters
 
 
 @functools.cache
-def _clipped_reference():
-    """``_reference_run`` of TINY3 on ``make_batches(3)`` with clip 0.05, once per process: the test below compares
-    both micro-batch counts with this one (deterministic) run."""
-    return _reference_run(TINY3, make_batches(3, vocab=TINY3.vocab_size), clip=0.05)
+def _clipped_reference(fmt: str = "q8"):
+    """``_reference_run`` of TINY3 on ``make_batches(3)`` with clip 0.05, once per process and format: the test
+    below compares both micro-batch counts with this one (deterministic) run."""
+    return _reference_run(TINY3, make_batches(3, vocab=TINY3.vocab_size), clip=0.05, fmt=fmt)
 
 
+@pytest.mark.parametrize("fmt", ["q8", "m8v4"])
 @pytest.mark.parametrize("micro", [1, 2])
-def test_engine_equals_the_whole_model_reference(micro):
+def test_engine_equals_the_whole_model_reference(micro, fmt):
     """Three steps with clipping: the same losses, and masters that mostly equal the reference's bit for bit
     (as in capacity mode, the gradients differ in float32 summation order, and Adam turns an element whose
     gradient is rounding noise into an update of random sign)."""
     batches = make_batches(3, vocab=TINY3.vocab_size)
-    ref_losses, ref_parts = _clipped_reference()  # _reference_run(TINY3, batches, clip=0.05)
+    ref_losses, ref_parts = _clipped_reference(fmt)  # _reference_run(TINY3, batches, clip=0.05, fmt=fmt)
     engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), TX(), EngineConfig(
-        master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16", clip_norm=0.05, micro_batches=micro))
+        master_dtype="bfloat16", moment_dtype=fmt, host_grad_dtype="bfloat16", clip_norm=0.05, micro_batches=micro))
     for s, batch in enumerate(batches):
         e = engine.step([batch]).resolve()
         assert abs(e["loss"] - ref_losses[s]) <= 1e-5 * ref_losses[s], (s, e, ref_losses)

@@ -166,12 +166,14 @@ def rebuild_part(state: HostState, part: PartId, restored: dict[str, Any]) -> tu
     return rebuild(current.params, "params"), rebuild(current.opt, "opt")
 
 
-def _format_of(codes: Any, absmax: Any, shape: tuple[int, ...]):
-    """The quantized format whose codes and scales for a leaf of ``shape`` have these shapes."""
+def _format_of(codes: Any, absmax: Any, shape: tuple[int, ...], kind: str):
+    """The quantized format whose codes and scales of moment ``kind`` for a leaf of ``shape`` have these shapes.
+    Where two formats share the shapes they share the moment's encoding too (m8v4's v is q4's; its m is q8's
+    where a row has one block), so either reads it."""
     from megatrain_jax.engine.update.moment_formats import FORMATS
     for fmt in FORMATS.values():
         if fmt.leaf(shape) and (tuple(np.shape(codes)), tuple(np.shape(absmax))) == (
-                tuple(fmt.codes_shape(shape)), tuple(fmt.scale_shape(shape))):
+                tuple(fmt.codes_shape(shape, kind)), tuple(fmt.scale_shape(shape))):
             return fmt
     raise ValueError(f"quantized moment codes of shape {np.shape(codes)} with scales of shape {np.shape(absmax)} "
                      f"match no moment format for a leaf of shape {shape}")
@@ -190,7 +192,8 @@ def quantized_formats(params: Any, opt: Any, flat: dict[str, Any], salt: int) ->
 
     def read_quantized(base: str, shape: tuple[int, ...]) -> np.ndarray:
         codes, absmax = flat.pop(base + ".codes"), flat.pop(base + ".absmax")
-        return _format_of(codes, absmax, shape).dequantize(codes, absmax, "m" if ".mu." in base else "v", shape)
+        kind = "m" if ".mu." in base else "v"
+        return _format_of(codes, absmax, shape, kind).dequantize(codes, absmax, kind, shape)
 
     for leaf, name in enumerate(leaves):
         kind = "m" if ".mu." in name else "v"
@@ -199,11 +202,12 @@ def quantized_formats(params: Any, opt: Any, flat: dict[str, Any], salt: int) ->
             shape = param_shape(base)
             if base in flat:  # bfloat16 written
                 x = np.asarray(flat.pop(base), np.float32)
-            elif np.shape(flat[name]) != np.shape(leaves[name]):  # another quantized format written
+            elif (np.shape(flat[name]), np.shape(flat[base + ".absmax"])) != (
+                    np.shape(leaves[name]), np.shape(leaves[base + ".absmax"])):  # another quantized format written
                 x = read_quantized(base, shape)
             else:
                 continue
-            fmt = _format_of(leaves[name], leaves[base + ".absmax"], shape)  # the engine's
+            fmt = _format_of(leaves[name], leaves[base + ".absmax"], shape, kind)  # the engine's
             flat[name], flat[base + ".absmax"] = fmt.quantize(x.reshape(shape), kind, rounding_seed(0, salt, leaf))
         elif name not in flat and name + ".codes" in flat and not name.endswith(QUANTIZED_PARTS):
             flat[name] = read_quantized(name, param_shape(name)).astype(leaves[name].dtype)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from megatrain_jax.engine.config import EngineConfig
 
-Kernel = Literal["adamw", "adamw_sr", "adamw_q8", "adamw_q4"]
+Kernel = Literal["adamw", "adamw_sr", "adamw_q8", "adamw_q4", "adamw_m8v4"]
 SIXTEEN_BITS = ("bfloat16", "float16")  # a stream dtype of these keeps a 16-bit copy beside float32 masters
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -31,7 +31,8 @@ class Precision:
     """One precision mode. Bytes are per parameter; a role a mode lacks is 0.
 
     - ``master_dtype``, ``moment_dtype``: the ``EngineConfig`` values that choose it (``mode_of``). A
-      ``moment_dtype`` names a quantized format of the matrices' moments (``QUANTIZED``: ``q8``, ``q4``).
+      ``moment_dtype`` names a quantized format of the matrices' moments (``QUANTIZED``: ``q8``, ``m8v4``,
+      ``q4``).
     - ``masters``: the masters' dtype on the host, which is also what streams unless ``stream_copy``.
     - ``moments``: the dtype of Adam's m and v where a leaf keeps them whole (``moment_bytes`` for both):
       every leaf, or those the quantized format leaves whole (``moments_of``).
@@ -47,14 +48,15 @@ class Precision:
       ``megatrain_adamw``, which also writes the stream copy), ``adamw_sr`` (``megatrain_adamw_bf16_sr``:
       16-bit masters and moments written with stochastic rounding, keyed by ``host_optimizer.rounding_seed``),
       ``adamw_q8`` (``megatrain_adamw_q8`` for the 8-bit matrices, ``adamw_sr`` for the rest), ``adamw_q4``
-      (``megatrain_adamw_q4`` for the 4-bit ones, ``adamw_sr`` for the rest).
+      (``megatrain_adamw_q4`` for the 4-bit ones, ``adamw_sr`` for the rest), ``adamw_m8v4``
+      (``megatrain_adamw_m8v4``: 8-bit m, 4-bit v).
     - ``summary``: what the mode keeps, in the words the plan's advice and ``train``'s sentences use.
     - ``checkpoint``: what a checkpoint holds (the stream copy never: a restore remakes it) and what converts;
       ``resumes`` says which modes' checkpoints this one resumes.
     - ``quality``: what training in it costs against float32 masters and moments, as measured (the quality
       table of docs/capacity.md: a 1B model's held-out loss); ``train`` says it where it picks the mode itself.
-      ``quality_met``: whether that is within the table's bar (1.5%); ``plan``'s table of modes marks those
-      that are not.
+      ``quality_met``: whether that is within the table's bar (1.5%), None where not yet measured; ``plan``'s
+      table of modes marks those that are not, and those not measured.
     """
 
     name: str
@@ -73,7 +75,7 @@ class Precision:
     summary: str
     checkpoint: str
     quality: str
-    quality_met: bool
+    quality_met: bool | None
 
     # ------------------------------------------------------------------ bytes
     @property
@@ -136,7 +138,7 @@ def _quantized_bytes(name: str):
 
 # Each quantized moment format (a ``moment_dtype``): the host bytes of both moments of a leaf of a shape, or
 # None where the leaf keeps them whole. The formats themselves: ``engine.update.moment_formats``.
-QUANTIZED = {"q8": _quantized_bytes("q8"), "q4": _quantized_bytes("q4")}
+QUANTIZED = {name: _quantized_bytes(name) for name in ("q8", "m8v4", "q4")}
 
 FULL = Precision(
     name="full", title="full precision", master_dtype="float32", moment_dtype=None, masters="float32",
@@ -174,6 +176,16 @@ Q8 = dataclasses.replace(
     quality=("a held-out loss within 0.2% of float32's on a 1B model, the mean of three seeds "
              "(quality: docs/capacity.md)"))
 
+M8V4 = dataclasses.replace(
+    Q8, name="m8v4", title="capacity mode with 8-bit m and 4-bit v", moment_dtype="m8v4",
+    bundle=tuple((key, "m8v4" if key == "engine.moment_dtype" else value) for key, value in Q8.bundle),
+    kernel="adamw_m8v4",
+    summary="bfloat16 masters, Adam's m in 8 bits and v in 4, bfloat16 gradients in host memory, stochastically "
+            "rounded",
+    checkpoint="bfloat16 masters, m's 8-bit and v's 4-bit codes and scales for matrices; bfloat16, 8-bit or "
+               "4-bit moments of another checkpoint are converted on restore",
+    quality=("not yet measured on the quality table: its step's error lies between the 8-bit moments' (which "
+             "pass) and the 4-bit ones' (which do not) (quality: docs/capacity.md)"), quality_met=None)
 Q4 = dataclasses.replace(
     Q8, name="q4", title="capacity mode with 4-bit moments", moment_dtype="q4",
     bundle=tuple((key, "q4" if key == "engine.moment_dtype" else value) for key, value in Q8.bundle),
@@ -185,7 +197,7 @@ Q4 = dataclasses.replace(
              "other lossy modes meet: the last resort, for a model that fits no other way "
              "(quality: docs/capacity.md)"), quality_met=False)
 
-MODES: dict[str, Precision] = {mode.name: mode for mode in (FULL, LEAN, CAPACITY, Q8, Q4)}
+MODES: dict[str, Precision] = {mode.name: mode for mode in (FULL, LEAN, CAPACITY, Q8, M8V4, Q4)}
 MASTER_DTYPES = tuple(dict.fromkeys(mode.master_dtype for mode in MODES.values()))
 MOMENT_DTYPES = tuple(dict.fromkeys(mode.moment_dtype for mode in MODES.values() if mode.moment_dtype))
 HOST_GRAD_DTYPES = tuple(dict.fromkeys(d for mode in MODES.values() for d in mode.host_grad_dtypes))

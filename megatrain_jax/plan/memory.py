@@ -296,8 +296,8 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     in_ram = sum(moment_bytes(c, e, part) for part in part_ids(c.layers) if part not in roles.disk)
     tag = "" if mode.masters == "float32" else f"; {mode.title}"
     moments = "Adam moments m and v, " + (
-        f"{mode.moment_dtype[1:]}-bit with a float32 scale per {FORMATS[mode.moment_dtype].block} elements of a "
-        f"row for matrices, {mode.moments} for vectors ({in_ram / P:.2f} B/param{tag})" if mode.quantized
+        f"{FORMATS[mode.moment_dtype].words} for matrices, {mode.moments} for vectors ({in_ram / P:.2f} "
+        f"B/param{tag})" if mode.quantized
         else f"{mode.moments} ({mb} B/param{tag})")
     if on_disk:
         moments += f" of the {(P - on_disk) / 1e9:.2f} B params not in the disk tier"

@@ -38,7 +38,7 @@ class InMode:
         if q is None:
             return "not with this config (the engine refuses the combination)"
         if q.fits:
-            return "fits" + ("" if self.mode.quality_met else " (trains worse: over the quality bar, docs/capacity.md)")
+            return "fits" + QUALITY_MARKS[self.mode.quality_met]
         short = []
         if not q.host_fits:
             over = None if q.host_available is None else q.host_total - q.host_available
@@ -50,6 +50,11 @@ class InMode:
         if not q.disk_fits:
             short.append("disk short")
         return "does not fit: " + ", ".join(short)
+
+
+# What ``plan``'s table of modes adds to a mode that fits, by its ``quality_met``.
+QUALITY_MARKS = {True: "", False: " (trains worse: over the quality bar, docs/capacity.md)",
+                 None: " (quality not yet measured, docs/capacity.md)"}
 
 
 def shortfall(nbytes: float) -> str:

@@ -25,7 +25,7 @@ random bits that depend only on the step, the part, the leaf and the element's i
 reproducible, a resume continues it bit for bit, and a part spread over several devices rounds as it
 would on one). The masters are pinned (they cross PCIe: no stream copy); the moments pageable.
 
-**Quantized moments** (``EngineConfig.moment_dtype`` "q8" or "q4", in capacity mode): each matrix's m and v
+**Quantized moments** (``EngineConfig.moment_dtype`` "q8", "m8v4" or "q4", in capacity mode): each matrix's m and v
 are ``QuantizedMoment``s, codes (a byte per element in 8 bits, two per byte in 4) and one float32 scale per
 block of a row, in the format of ``moment_formats.FORMATS``, updated by that format's kernel entry point with
 the masters' rounding bits; vectors and small leaves keep bfloat16 moments (the format's ``leaf``). The
@@ -62,26 +62,27 @@ Route = Literal["fused", "host", "device"]
 # A mode's fused entry point (``Precision.kernel``); a quantized moment's leaf (``QuantizedMoment``) runs its
 # format's own (``_run_quantized``).
 KERNELS: dict[Kernel, Any] = {"adamw": host_kernel.adamw_inplace, "adamw_sr": host_kernel.adamw_sr_inplace,
-                              "adamw_q8": host_kernel.adamw_sr_inplace, "adamw_q4": host_kernel.adamw_sr_inplace}
+                              "adamw_q8": host_kernel.adamw_sr_inplace, "adamw_q4": host_kernel.adamw_sr_inplace,
+                              "adamw_m8v4": host_kernel.adamw_sr_inplace}
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class QuantizedMoment:
     """One leaf's Adam moment in a quantized format (the engine's ``moment_dtype``, ``moment_formats.FORMATS``):
-    ``codes`` (uint8, the format's ``codes_shape``) and ``absmax`` (float32, one per block of a row: its
+    ``codes`` (uint8, the format's ``codes_shape`` of the moment) and ``absmax`` (float32, one per block of a row: its
     ``scale_shape``), both pageable."""
     codes: Any
     absmax: Any
 
 
-def quantized_zeros(fmt: MomentFormat, params: Params) -> Params:
-    """Zero moments for ``params`` in format ``fmt``: ``QuantizedMoment``s for the leaves it takes, bfloat16
-    arrays for the rest, all fresh pageable pages (``pageable_zeros``: nothing is touched until the first
-    update)."""
+def quantized_zeros(fmt: MomentFormat, params: Params, kind: str) -> Params:
+    """Zero moments ``kind`` ("m" or "v") for ``params`` in format ``fmt``: ``QuantizedMoment``s for the leaves
+    it takes, bfloat16 arrays for the rest, all fresh pageable pages (``pageable_zeros``: nothing is touched until
+    the first update)."""
     def zeros(x):
         if fmt.leaf(x.shape):
-            return QuantizedMoment(np.zeros(fmt.codes_shape(x.shape), np.uint8),
+            return QuantizedMoment(np.zeros(fmt.codes_shape(x.shape, kind), np.uint8),
                                    np.zeros(fmt.scale_shape(x.shape), np.float32))
         return np.zeros(x.shape, jnp.bfloat16)
     return jax.tree.map(zeros, params)
@@ -167,10 +168,10 @@ class HostOptimizer:
             return Part(pinned(part.params), pinned(part.opt), stream)
         opt = part.opt
         moments = jnp.dtype(self.precision.moments)
-        zeros = (lambda params: quantized_zeros(FORMATS[self.precision.moment_dtype], params)) if (
-            self.precision.quantized) else (lambda params: pageable_zeros(params, moments))
-        mu = zeros(part.params) if opt.mu is None else pageable(opt.mu)
-        nu = zeros(part.params) if opt.nu is None else pageable(opt.nu)
+        zeros = (lambda params, kind: quantized_zeros(FORMATS[self.precision.moment_dtype], params, kind)) if (
+            self.precision.quantized) else (lambda params, kind: pageable_zeros(params, moments))
+        mu = zeros(part.params, "m") if opt.mu is None else pageable(opt.mu)
+        nu = zeros(part.params, "v") if opt.nu is None else pageable(opt.nu)
         params = pinned(part.params) if stream is None else pageable(part.params)  # pinned if streamed
         return Part(params, AdamWState(pinned(opt.count), mu, nu), stream)
 
@@ -317,15 +318,15 @@ class HostOptimizer:
         call writes what one call on the whole leaf would."""
         fmt = FORMATS[self.precision.moment_dtype]
         cols = int(np.prod(p.shape[1:]))
-        row_bytes = m.codes.size // max(p.shape[0], 1)  # codes of one row: cols in 8 bits, cols / 2 in 4
+        m_row, v_row = (x.codes.size // max(p.shape[0], 1) for x in (m, v))  # a row's codes: cols in 8 bits, / 2 in 4
         blocks = m.absmax.shape[1]
         g_bf16 = g.dtype == jnp.bfloat16
         ps = self.placement.pieces(p)
         for key, g_at in self.placement.pieces(g).items():
             a, rows = key[0][0], key[0][1] - key[0][0]
-            codes, scales = a * row_bytes, a * blocks * 4  # byte offsets of the piece's first row
+            scales = a * blocks * 4  # byte offset of the piece's first row's scales (and codes: a * m_row, a * v_row)
             fmt.inplace(
-                self.kernel, ps[key][0], m.codes.ctypes.data + codes, v.codes.ctypes.data + codes,
+                self.kernel, ps[key][0], m.codes.ctypes.data + a * m_row, v.codes.ctypes.data + a * v_row,
                 m.absmax.ctypes.data + scales, v.absmax.ctypes.data + scales, g_at[0], rows, cols,
                 block=fmt.block, g_bf16=g_bf16, seed=rounding_seed(t, salt, leaf), offset=a * cols,
                 **hyper)

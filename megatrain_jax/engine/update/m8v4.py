@@ -2,7 +2,7 @@
 codes (``q8``: a sign and an "e4m3" magnitude a byte, scaled so that the block's largest |m| is 1.875), the second
 in the 4-bit format's (``q4``: powers of two 2^-14..1 of the block's largest, a nibble, two to a byte), one
 float32 scale per block of ``M8V4_BLOCK`` elements of a row for each; both rounded stochastically with the same
-random streams as those formats. 1.55 bytes a parameter for both moments, against 2.03 (8-bit) and 1.06 (4-bit).
+random streams as those formats. 1.56 bytes a parameter for both moments, against 2.03 (8-bit) and 1.06 (4-bit).
 
 Why this pair: m on a 4-bit grid scaled by its block's largest value puts noise as large as the step itself into
 every update (its small elements round to 0 or 1/64 of the block's largest at random), and the 4-bit moments'

@@ -1,7 +1,7 @@
 """The quantized Adam-moment formats, one record each (``FORMATS``, keyed by ``EngineConfig.moment_dtype``): which
 leaves take them, the shapes of a moment's codes and scales, the kernel entry point that updates a leaf, and
 the conversions to and from a float moment (a checkpoint in another format). The host optimizer, the
-checkpoint and the memory plan ask here; each format's math is its own module (``q8``, ``q4``).
+checkpoint and the memory plan ask here; each format's math is its own module (``q8``, ``q4``, ``m8v4``).
 """
 
 from __future__ import annotations
@@ -12,40 +12,52 @@ from typing import Callable
 
 import numpy as np
 
-from megatrain_jax.engine.update import q4, q8
+from megatrain_jax.engine.update import m8v4, q4, q8
 
 
 @dataclasses.dataclass(frozen=True)
 class MomentFormat:
     """One quantized moment format: ``leaf(shape)`` says whether a leaf takes it (the others keep bfloat16
-    moments); a moment is codes of ``codes_shape(shape)`` (uint8) and float32 scales of ``scale_shape(shape)``,
-    one per ``block`` elements of a row; ``inplace`` is the kernel's wrapper (``q8.adamw_q8_inplace``'s
-    arguments); ``quantize(x, kind, seed)`` and ``dequantize(codes, scales, kind, shape)`` convert a float
-    moment (``kind``: "m" or "v")."""
+    moments); a moment is codes of ``codes_shape(shape, kind)`` (uint8; ``kind`` "m" or "v": m8v4's differ)
+    and float32 scales of ``scale_shape(shape)``, one per ``block`` elements of a row; ``inplace`` is the
+    kernel's wrapper (``q8.adamw_q8_inplace``'s arguments); ``quantize(x, kind, seed)`` and
+    ``dequantize(codes, scales, kind, shape)`` convert a float moment; ``words``: the format in the memory
+    plan's words."""
 
     name: str
     block: int
     leaf: Callable[[tuple[int, ...]], bool]
-    codes_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+    codes_shape: Callable[[tuple[int, ...], str], tuple[int, ...]]
     scale_shape: Callable[[tuple[int, ...]], tuple[int, int]]
     inplace: Callable
     quantize: Callable[..., tuple[np.ndarray, np.ndarray]]
     dequantize: Callable[..., np.ndarray]
+    words: str
 
     def moment_bytes(self, shape: tuple[int, ...]) -> int | None:
         """Host bytes of both moments of a leaf of this shape, or None where the leaf keeps them whole."""
         if not self.leaf(shape):
             return None
-        return 2 * (math.prod(self.codes_shape(shape)) + 4 * math.prod(self.scale_shape(shape)))
+        return sum(math.prod(self.codes_shape(shape, kind)) for kind in ("m", "v")) + 8 * math.prod(
+            self.scale_shape(shape))
 
 
 FORMATS: dict[str, MomentFormat] = {
     "q8": MomentFormat(
-        "q8", q8.Q8_BLOCK, q8.q8_leaf, tuple, q8.q8_scale_shape, q8.adamw_q8_inplace,
+        "q8", q8.Q8_BLOCK, q8.q8_leaf, lambda shape, kind: tuple(shape), q8.q8_scale_shape, q8.adamw_q8_inplace,
         lambda x, kind, seed: q8.q8_quantize(x, q8.Q8_BLOCK, kind, seed=seed),
-        lambda codes, scales, kind, shape: q8.q8_dequantize(codes, scales, q8.Q8_BLOCK, kind).reshape(shape)),
+        lambda codes, scales, kind, shape: q8.q8_dequantize(codes, scales, q8.Q8_BLOCK, kind).reshape(shape),
+        f"8-bit with a float32 scale per {q8.Q8_BLOCK} elements of a row"),
     "q4": MomentFormat(
-        "q4", q4.Q4_BLOCK, q4.q4_leaf, q4.q4_codes_shape, q4.q4_scale_shape, q4.adamw_q4_inplace,
+        "q4", q4.Q4_BLOCK, q4.q4_leaf, lambda shape, kind: q4.q4_codes_shape(shape), q4.q4_scale_shape,
+        q4.adamw_q4_inplace,
         lambda x, kind, seed: q4.q4_quantize(x, q4.Q4_BLOCK, kind, seed=seed),
-        lambda codes, scales, kind, shape: q4.q4_dequantize(codes, scales, q4.Q4_BLOCK, kind, shape)),
+        lambda codes, scales, kind, shape: q4.q4_dequantize(codes, scales, q4.Q4_BLOCK, kind, shape),
+        f"4-bit with a float32 scale per {q4.Q4_BLOCK} elements of a row"),
+    "m8v4": MomentFormat(
+        "m8v4", m8v4.M8V4_BLOCK, m8v4.m8v4_leaf, m8v4.m8v4_codes_shape, m8v4.m8v4_scale_shape,
+        m8v4.adamw_m8v4_inplace,
+        lambda x, kind, seed: m8v4.m8v4_quantize(x, m8v4.M8V4_BLOCK, kind, seed=seed),
+        lambda codes, scales, kind, shape: m8v4.m8v4_dequantize(codes, scales, m8v4.M8V4_BLOCK, kind, shape),
+        f"m 8-bit and v 4-bit, each with a float32 scale per {m8v4.M8V4_BLOCK} elements of a row"),
 }
