@@ -387,7 +387,7 @@ static inline float q8_inverse_scale(float absmax) {
 
 
 #ifdef MEGATRAIN_AVX2
-// AVX2 versions of the passes of adamw_q8_block and adamw_q4_block, 8 elements a vector, operation for operation
+// AVX2 versions of the passes of adamw_q8_block and adamw_nibble_block, 8 elements a vector, operation for operation
 // the arithmetic of the scalar code (same float operations on the same operands, so the same roundings; the
 // integer steps rewritten into fewer instructions with equal results, as noted at each). GCC's vectorization of
 // the scalar loops spent about twice the instructions (byte packing, selects it would not turn into min/max,
@@ -1039,98 +1039,61 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   *v_amax = av;
 }
 
-// One block of n (even) elements from flat index lo (even): as adamw_q8_block, with nibbles. The vector passes
-// read and write the packed bytes themselves; for the scalar loops the codes of the rest are unpacked one to a
-// byte (mc, vc) before the update and packed back after the encode (plain loops over contiguous buffers, which
-// the compiler vectorizes).
-template <int kPass, class G>
-inline void adamw_q4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
-                           float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g, int64_t lo,
-                           int64_t n, const Hyper& h, const Keys& k, float* __restrict mb,
-                           float* __restrict vb, uint8_t* __restrict mc, uint8_t* __restrict vc) {
-  const float sm = Q4Format::scale(*m_amax), sv = Q4Format::scale(*v_amax);
+// One block of n (even) elements from flat index lo (even) whose v codes are nibbles, two to a byte: the 4-bit
+// format (kPackedM: m's too, Q4Format) or m8v4 (m's a byte each at m + lo, as adamw_q8_block's, with its scale
+// mapping the block's largest |m| to kQ8Max; M8V4Format). The vector passes read and write the packed bytes
+// themselves; for the scalar loops the nibbles of the rest are unpacked one to a byte (mc, vc) before the update
+// and packed back after the encode (plain loops over contiguous buffers, which the compiler vectorizes).
+template <int kPass, bool kPackedM, class G>
+inline void adamw_nibble_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
+                               float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g,
+                               int64_t lo, int64_t n, const Hyper& h, const Keys& k, float* __restrict mb,
+                               float* __restrict vb, uint8_t* __restrict mc, uint8_t* __restrict vc) {
+  using Fmt = std::conditional_t<kPackedM, Q4Format, M8V4Format>;
+  using MScale = std::conditional_t<kPackedM, Q4Format, Q8Format>;  // m's scale from its absmax
+  const float sm = MScale::scale(*m_amax), sv = Q4Format::scale(*v_amax);
   const int64_t half = n / 2, b0 = lo / 2;
+  uint8_t* m_codes = kPackedM ? mc : m + lo;  // what the scalar loops read and write
   float am = 0.0f, av = 0.0f;
   int64_t i0 = 0;
   constexpr bool kP = kPass != kCommit;
 #if defined(MEGATRAIN_AVX512)
+  using MC512 = std::conditional_t<kPackedM, quant_avx512::Q4Codes, quant_avx512::Q8Codes>;
   i0 = n / 16 * 16;
-  quant_avx512::pass1<quant_avx512::Q4Codes, quant_avx512::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx512::pass1<MC512, quant_avx512::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #elif defined(MEGATRAIN_AVX2)
+  using MC256 = std::conditional_t<kPackedM, quant_avx2::Q4Codes, quant_avx2::Q8Codes>;
   i0 = n / 8 * 8;
-  quant_avx2::pass1<quant_avx2::Q4Codes, quant_avx2::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx2::pass1<MC256, quant_avx2::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #endif
 #pragma omp simd
   for (int64_t j = i0 / 2; j < half; ++j) {
-    const uint8_t a = m[b0 + j], b = v[b0 + j];
-    mc[2 * j] = a & 15u;
-    mc[2 * j + 1] = a >> 4;
-    vc[2 * j] = b & 15u;
-    vc[2 * j + 1] = b >> 4;
-  }
-  quantized_update<Q4Format, kP>(p, g, mc, vc, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
-  if constexpr (kPass == kStream) return;
-  const float im = Q4Format::inverse_scale(am), iv = Q4Format::inverse_scale(av);
-  i0 = 0;
-#if defined(MEGATRAIN_AVX512)
-  i0 = n / 16 * 16;
-  quant_avx512::pass2<quant_avx512::Q4Codes, quant_avx512::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
-#elif defined(MEGATRAIN_AVX2)
-  i0 = n / 32 * 32;
-  quant_avx2::pass2<quant_avx2::Q4Codes, quant_avx2::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
-#endif
-  quantized_encode<Q4Format>(mc, vc, lo, i0, n, im, iv, k, mb, vb);
-#pragma omp simd
-  for (int64_t j = i0 / 2; j < half; ++j) {
-    m[b0 + j] = static_cast<uint8_t>(mc[2 * j] | (mc[2 * j + 1] << 4));
-    v[b0 + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
-  }
-  *m_amax = am;
-  *v_amax = av;
-}
-
-// One block of n (even) elements from flat index lo (even) of the m8v4 format: m's codes a byte each (as
-// adamw_q8_block's, at m + lo), v's two to a byte (as adamw_q4_block's, at v + lo / 2, unpacked to vc for the
-// scalar loops and packed back after the encode); m's scale maps the block's largest |m| to kQ8Max, v's the
-// block's largest v to 1.
-template <int kPass, class G>
-inline void adamw_m8v4_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
-                             float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g, int64_t lo,
-                             int64_t n, const Hyper& h, const Keys& k, float* __restrict mb,
-                             float* __restrict vb, uint8_t* __restrict vc) {
-  const float sm = Q8Format::scale(*m_amax), sv = Q4Format::scale(*v_amax);
-  const int64_t half = n / 2, b0 = lo / 2;
-  float am = 0.0f, av = 0.0f;
-  int64_t i0 = 0;
-  constexpr bool kP = kPass != kCommit;
-#if defined(MEGATRAIN_AVX512)
-  i0 = n / 16 * 16;
-  quant_avx512::pass1<quant_avx512::Q8Codes, quant_avx512::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am,
-                                                                        &av);
-#elif defined(MEGATRAIN_AVX2)
-  i0 = n / 8 * 8;
-  quant_avx2::pass1<quant_avx2::Q8Codes, quant_avx2::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
-#endif
-#pragma omp simd
-  for (int64_t j = i0 / 2; j < half; ++j) {
+    if constexpr (kPackedM) {
+      const uint8_t a = m[b0 + j];
+      mc[2 * j] = a & 15u;
+      mc[2 * j + 1] = a >> 4;
+    }
     const uint8_t b = v[b0 + j];
     vc[2 * j] = b & 15u;
     vc[2 * j + 1] = b >> 4;
   }
-  quantized_update<M8V4Format, kP>(p, g, m + lo, vc, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
+  quantized_update<Fmt, kP>(p, g, m_codes, vc, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
   if constexpr (kPass == kStream) return;
-  const float im = Q8Format::inverse_scale(am), iv = Q4Format::inverse_scale(av);
+  const float im = MScale::inverse_scale(am), iv = Q4Format::inverse_scale(av);
   i0 = 0;
 #if defined(MEGATRAIN_AVX512)
   i0 = n / 16 * 16;
-  quant_avx512::pass2<quant_avx512::Q8Codes, quant_avx512::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx512::pass2<MC512, quant_avx512::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
 #elif defined(MEGATRAIN_AVX2)
   i0 = n / 32 * 32;
-  quant_avx2::pass2<quant_avx2::Q8Codes, quant_avx2::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx2::pass2<MC256, quant_avx2::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
 #endif
-  quantized_encode<M8V4Format>(m + lo, vc, lo, i0, n, im, iv, k, mb, vb);
+  quantized_encode<Fmt>(m_codes, vc, lo, i0, n, im, iv, k, mb, vb);
 #pragma omp simd
-  for (int64_t j = i0 / 2; j < half; ++j) v[b0 + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
+  for (int64_t j = i0 / 2; j < half; ++j) {
+    if constexpr (kPackedM) m[b0 + j] = static_cast<uint8_t>(mc[2 * j] | (mc[2 * j + 1] << 4));
+    v[b0 + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
+  }
   *m_amax = am;
   *v_amax = av;
 }
@@ -1170,19 +1133,12 @@ void adamw_q8_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float
   });
 }
 
-template <int kPass, class G>
-void adamw_q4_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const G* g,
-                       int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
+template <int kPass, bool kPackedM, class G>
+void adamw_nibble_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const G* g,
+                           int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
   quantized_parallel(rows, cols, block, [&](int64_t b, int64_t lo, int64_t n, BlockBuffers& buf) {
-    adamw_q4_block<kPass>(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb, buf.mc, buf.vc);
-  });
-}
-
-template <int kPass, class G>
-void adamw_m8v4_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const G* g,
-                         int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
-  quantized_parallel(rows, cols, block, [&](int64_t b, int64_t lo, int64_t n, BlockBuffers& buf) {
-    adamw_m8v4_block<kPass>(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb, buf.vc);
+    adamw_nibble_block<kPass, kPackedM>(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb, buf.mc,
+                                        buf.vc);
   });
 }
 
@@ -1270,17 +1226,27 @@ extern "C" void megatrain_adamw_q8(uint16_t* p, uint8_t* m, uint8_t* v, float* m
 // 4-bit moments (see the header): as megatrain_adamw_q8, with m and v two codes to a byte (rows * cols / 2
 // bytes each). Preconditions, checked by the Python wrapper: cols and block even, 0 < block <= 4096,
 // rows >= 0, offset even, offset + rows * cols <= 2^32.
+// The entry points of the formats whose v codes are nibbles (adamw_nibble_block): the 4-bit moments (kPackedM)
+// and m8v4.
+template <bool kPackedM>
+void adamw_nibble(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const void* g, int g_bf16,
+                  int64_t rows, int64_t cols, int64_t block, float lr, float b1, float b2, float eps, float wd,
+                  float grad_scale, float bc1, float bc2, uint32_t seed, int64_t offset, int pass) {
+  with_gradient(g, g_bf16, [&](auto gt) {
+    with_pass(pass, [&](auto kp) {
+      adamw_nibble_parallel<decltype(kp)::value, kPackedM>(p, m, v, m_amax, v_amax, gt, rows, cols, block,
+                                                           make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2),
+                                                           make_keys(seed, offset));
+    });
+  });
+}
+
 extern "C" void megatrain_adamw_q4(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax,
                                    const void* g, int g_bf16, int64_t rows, int64_t cols, int64_t block,
                                    float lr, float b1, float b2, float eps, float wd, float grad_scale,
                                    float bc1, float bc2, uint32_t seed, int64_t offset, int pass) {
-  with_gradient(g, g_bf16, [&](auto gt) {
-    with_pass(pass, [&](auto kp) {
-      adamw_q4_parallel<decltype(kp)::value>(p, m, v, m_amax, v_amax, gt, rows, cols, block,
-                                             make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2),
-                                             make_keys(seed, offset));
-    });
-  });
+  adamw_nibble<true>(p, m, v, m_amax, v_amax, g, g_bf16, rows, cols, block, lr, b1, b2, eps, wd, grad_scale, bc1,
+                     bc2, seed, offset, pass);
 }
 
 // A seventh entry point: 8-bit m and 4-bit v (m8v4), the arguments as megatrain_adamw_q4's: m's codes one a
@@ -1289,13 +1255,8 @@ extern "C" void megatrain_adamw_m8v4(uint16_t* p, uint8_t* m, uint8_t* v, float*
                                      const void* g, int g_bf16, int64_t rows, int64_t cols, int64_t block,
                                      float lr, float b1, float b2, float eps, float wd, float grad_scale,
                                      float bc1, float bc2, uint32_t seed, int64_t offset, int pass) {
-  with_gradient(g, g_bf16, [&](auto gt) {
-    with_pass(pass, [&](auto kp) {
-      adamw_m8v4_parallel<decltype(kp)::value>(p, m, v, m_amax, v_amax, gt, rows, cols, block,
-                                               make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2),
-                                               make_keys(seed, offset));
-    });
-  });
+  adamw_nibble<false>(p, m, v, m_amax, v_amax, g, g_bf16, rows, cols, block, lr, b1, b2, eps, wd, grad_scale,
+                      bc1, bc2, seed, offset, pass);
 }
 
 // The quantized-moment kernels' vector width in elements: 16 (AVX-512), 8 (AVX2) or 1 (the portable loops).
