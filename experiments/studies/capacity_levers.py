@@ -13,6 +13,8 @@ XLA's 95% of 141 GiB), the host the plan counts (``plan.memory.plan``, every ite
   updates each part as its gradient arrives: no step's gradients held, ``UPDATES_AHEAD`` + 1 parts' in flight);
 - 4-bit moments (``moment_dtype="q4"``: two 4-bit moments and a float32 scale per 128 elements, 1.06 bytes per
   parameter where 8-bit takes 2.03), alone and with the two-pass step;
+- 8-bit m with 4-bit v (``moment_dtype="m8v4"``: 1.56 bytes per parameter for both), alone and with the two-pass
+  step;
 - what ``train`` picks by itself from capacity mode on this host (``plan.lean_engine``).
 
 Each row: host GiB, host bytes per parameter (the whole plan over the parameters), fits 512 GiB or not, and the
@@ -86,6 +88,12 @@ def main() -> None:
         two_pass = dataclasses.replace(base, norm_first=True)
         runs.append(row("8-bit moments and the exact two-pass step (norm_first)",
                         plan(cfg, two_pass, args.rows, args.seq, **kw).host_total, two_pass))
+        mixed = dataclasses.replace(base, moment_dtype="m8v4")
+        runs.append(row("8-bit m and 4-bit v (m8v4)", plan(cfg, mixed, args.rows, args.seq, **kw).host_total, mixed))
+        mixed_two_pass = dataclasses.replace(mixed, norm_first=True)
+        p = plan(cfg, mixed_two_pass, args.rows, args.seq, **kw)
+        runs.append(row("8-bit m, 4-bit v and the exact two-pass step", p.host_total, mixed_two_pass,
+                        gpu_fits=p.gpu_fits, host_items_gib={k: round(v / GiB, 2) for k, v in p.host.items()}))
         both = dataclasses.replace(four, norm_first=True)
         p = plan(cfg, both, args.rows, args.seq, **kw)
         runs.append(row("4-bit moments and the exact two-pass step", p.host_total, both, gpu_fits=p.gpu_fits,

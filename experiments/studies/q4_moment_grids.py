@@ -267,13 +267,16 @@ def main():
         commit = os.environ.get("MEGATRAIN_GIT_COMMIT", "unknown")
     t0 = time.perf_counter()
     result = measure(names, args)
+    host_ram_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
     record = {"name": os.path.splitext(os.path.basename(args.out))[0],
               "command": "PYTHONPATH=. python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
-              "git_commit": commit, "date": time.strftime("%Y-%m-%d"), "device": {"platform": "cpu"},
+              "git_commit": commit, "date": time.strftime("%Y-%m-%d"),
+              "device": {"name": "CPU (numpy; no GPU)", "cpu_cores": os.cpu_count(), "host_ram_gib": host_ram_gib},
               "setup": {"adamw": {"b1": B1, "b2": B2, "eps": EPS}, **{k: v for k, v in vars(args).items()
                                                                     if k not in ("out", "formats")},
                         "gradients": gradients.__doc__.split(":", 1)[1].strip()},
-              "formats": {n: {"what": FORMATS[n][2], **result[n]} for n in names},
+              # one entry per moment format, all on the same gradients in this process
+              "runs": [{"system": n, "what": FORMATS[n][2], "status": "ok", **result[n]} for n in names],
               "wall_s": round(time.perf_counter() - t0, 1)}
     for n in names:
         r = result[n]

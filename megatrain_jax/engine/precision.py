@@ -161,7 +161,7 @@ CAPACITY = Precision(
             ("engine.gpu_updated_io", False)),
     kernel="adamw_sr",
     summary="bfloat16 masters and Adam moments, stochastically rounded (no 16-bit copy)",
-    checkpoint="bfloat16 masters and moments; 8-bit moments of a q8 checkpoint are dequantized on restore",
+    checkpoint="bfloat16 masters and moments; quantized moments of another checkpoint are dequantized on restore",
     quality=("a held-out loss within 0.1% of float32's on a 1B model, the mean of three seeds "
              "(quality: docs/capacity.md)"), quality_met=True)
 Q8 = dataclasses.replace(
@@ -191,8 +191,8 @@ Q4 = dataclasses.replace(
     bundle=tuple((key, "q4" if key == "engine.moment_dtype" else value) for key, value in Q8.bundle),
     kernel="adamw_q4",
     summary="bfloat16 masters, 4-bit Adam moments and bfloat16 gradients in host memory, stochastically rounded",
-    checkpoint="bfloat16 masters, 4-bit moments (codes two to a byte, and scales) for matrices; bfloat16 or "
-               "8-bit moments of another checkpoint are converted on restore",
+    checkpoint="bfloat16 masters, 4-bit moments (codes two to a byte, and scales) for matrices; bfloat16, 8-bit "
+               "or m8v4 moments of another checkpoint are converted on restore",
     quality=("WARNING: a held-out loss 3.2% above float32's on a 1B model (one seed), over the 1.5% that the "
              "other lossy modes meet: the last resort, for a model that fits no other way "
              "(quality: docs/capacity.md)"), quality_met=False)
