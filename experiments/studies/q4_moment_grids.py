@@ -145,6 +145,20 @@ SQRT2_V = 2.0 ** (-np.arange(15, -1, -1) / 2)  # powers of sqrt(2): 2^-7.5 .. 1,
 # a signed "dynamic exponent" 4-bit map (Dettmers' shape: the leading zeros an exponent of ten, then a fraction)
 DE_M = np.array([0.0, 0.0033, 0.0167, 0.05, 0.1, 0.3, 0.55, 1.0])
 
+# Finer v grids at more bits, and m at 7 bits (12 bits an element for both, m8v4's bytes): after the quality
+# table's m8v4 row (+1.63%, conv_1b_quality_5dd390b.json), which v format would err as little as the 8-bit one's.
+def powers(step_bits: int, codes: int) -> np.ndarray:
+    """``codes`` magnitudes: 0 and 2^(-k / 2^step_bits) for k = 0 .. codes - 2 (steps of 2^(1/2^step_bits))."""
+    return np.concatenate([[0.0], 2.0 ** (-np.arange(codes - 2, -1, -1) / 2 ** step_bits)])
+
+
+V5_SQRT2 = powers(1, 32)  # 5 bits: steps of sqrt(2), 2^-15 .. 1 (the shipped 4-bit v's range, half its steps)
+V6_QUARTER = powers(2, 64)  # 6 bits: steps of 2^(1/4), 2^-15.5 .. 1
+V5_QUARTER = powers(2, 32)  # 5 bits: steps of 2^(1/4), 2^-7.5 .. 1
+M7_QUARTER = powers(2, 64)  # m in 7 bits: a sign and 63 magnitudes in steps of 2^(1/4), 2^-15.5 .. 1
+V4_QUARTER = powers(2, 16)[1:]  # rank-1's v in 4 bits: steps of 2^(1/4), 2^-3.75 .. 1, no zero
+V4_THIRD = 2.0 ** (-np.arange(15, -1, -1) / 3)  # rank-1's v in 4 bits: steps of 2^(1/3), 2^-5 .. 1
+
 # name: (m's format, v's format, what it is)
 FORMATS = {
     "float32": (_float32, _float32, "the reference"),
@@ -184,6 +198,19 @@ FORMATS = {
                      "(2^-7.5 .. 1 of the block's largest), stochastic"),
     "q8_m_sqrt2_v_block32": (_q8, blockwise(SQRT2_V, True, True, 32), "m in the shipped 8 bits; v in 4 on a sqrt(2) "
                              "grid, a scale per 32 elements, stochastic (~1.64 B/param for both)"),
+    "q8_m_v5_sqrt2": (_q8, blockwise(V5_SQRT2, True, True), "m in the shipped 8 bits; v in 5 on a sqrt(2) grid "
+                      "(2^-15 .. 1), a scale per 128, stochastic (~1.69 B/param for both)"),
+    "q8_m_v5_quarter": (_q8, blockwise(V5_QUARTER, True, True), "m in the shipped 8 bits; v in 5 on a 2^(1/4) grid "
+                        "(2^-7.5 .. 1), a scale per 128, stochastic (~1.69 B/param for both)"),
+    "q8_m_v6_quarter": (_q8, blockwise(V6_QUARTER, True, True), "m in the shipped 8 bits; v in 6 on a 2^(1/4) grid "
+                        "(2^-15.5 .. 1), a scale per 128, stochastic (~1.81 B/param for both)"),
+    "m7_v5_sqrt2": (blockwise(M7_QUARTER), blockwise(V5_SQRT2, True, True), "m in 7 bits (a sign, 2^(1/4) steps, "
+                    "2^-15.5 .. 1), v in 5 on a sqrt(2) grid, a scale per 128 each, stochastic (~1.56 B/param: "
+                    "m8v4's bytes)"),
+    "q8_m_rank1_quarter_v": (_q8, rank1(V4_QUARTER, True), "m in the shipped 8 bits; v in 4 over its rank-1 scale, "
+                             "steps of 2^(1/4) (2^-3.75 .. 1), stochastic (~1.53 B/param for both)"),
+    "q8_m_rank1_third_v": (_q8, rank1(V4_THIRD, True), "m in the shipped 8 bits; v in 4 over its rank-1 scale, "
+                           "steps of 2^(1/3) (2^-5 .. 1), stochastic (~1.53 B/param for both)"),
     "q8_m_factored_v": (_q8, "factored", "m in the shipped 8 bits; v factored as Adafactor's (a row and a column "
                         "vector: ~0 B/param), the rest of AdamW unchanged"),
 }
