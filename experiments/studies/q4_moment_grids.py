@@ -152,6 +152,20 @@ def powers(step_bits: int, codes: int) -> np.ndarray:
     return np.concatenate([[0.0], 2.0 ** (-np.arange(codes - 2, -1, -1) / 2 ** step_bits)])
 
 
+def small_float(e_bits: int, m_bits: int) -> np.ndarray:
+    """The magnitudes of an unsigned float of ``e_bits`` exponent bits (bias 2^e_bits - 1) and ``m_bits`` mantissa
+    bits with subnormals, as the 8-bit format builds its e4m3 and e5m3 (code 0 is 0), over the largest: the 8-bit
+    format's encoder with narrower fields."""
+    bias = 2 ** e_bits - 1
+    vals = {(f / 2 ** m_bits) * 2.0 ** (1 - bias) if e == 0 else (1 + f / 2 ** m_bits) * 2.0 ** (e - bias)
+            for e in range(2 ** e_bits) for f in range(2 ** m_bits)}
+    vals = np.array(sorted(vals))
+    return vals / vals.max()
+
+
+E4M1 = small_float(4, 1)  # 5 bits: steps of 1/2 and 1/3, 2^-15 .. 1 with subnormals
+E3M3 = small_float(3, 3)  # 6 magnitude bits (7 with m's sign): steps of 1/8 .. 1/15, 2^-6 .. 1, subnormals to 2^-9
+E4M2 = small_float(4, 2)
 V5_SQRT2 = powers(1, 32)  # 5 bits: steps of sqrt(2), 2^-15 .. 1 (the shipped 4-bit v's range, half its steps)
 V6_QUARTER = powers(2, 64)  # 6 bits: steps of 2^(1/4), 2^-15.5 .. 1
 V5_QUARTER = powers(2, 32)  # 5 bits: steps of 2^(1/4), 2^-7.5 .. 1
@@ -211,6 +225,12 @@ FORMATS = {
                              "steps of 2^(1/4) (2^-3.75 .. 1), stochastic (~1.53 B/param for both)"),
     "q8_m_rank1_third_v": (_q8, rank1(V4_THIRD, True), "m in the shipped 8 bits; v in 4 over its rank-1 scale, "
                            "steps of 2^(1/3) (2^-5 .. 1), stochastic (~1.53 B/param for both)"),
+    "q8_m_v5_e4m1": (_q8, blockwise(E4M1, True, True), "m in the shipped 8 bits; v in 5 as a small float e4m1 "
+                     "(2^-15 .. 1), a scale per 128, stochastic (~1.69 B/param for both)"),
+    "m7_e3m3_v5_e4m1": (blockwise(E3M3), blockwise(E4M1, True, True), "m in 7 bits (a sign and e3m3), v in 5 (e4m1), "
+                        "a scale per 128 each, stochastic (~1.56 B/param: m8v4's bytes)"),
+    "m6_e4m1_v6_e4m2": (blockwise(E4M1), blockwise(E4M2, True, True), "m in 6 bits (a sign and e4m1), v in 6 (e4m2), "
+                        "a scale per 128 each, stochastic (~1.56 B/param: m8v4's bytes)"),
     "q8_m_factored_v": (_q8, "factored", "m in the shipped 8 bits; v factored as Adafactor's (a row and a column "
                         "vector: ~0 B/param), the rest of AdamW unchanged"),
 }
