@@ -286,6 +286,23 @@ def test_the_host_update_follows_the_measured_hosts_and_scales_with_cores_betwee
         for_gpu("NVIDIA H200", f)
 
 
+def test_every_gpu_kind_and_measured_host_has_a_host_update_rate_for_every_precision_mode():
+    """The step-time model asks each record for the rate of the mode a run picks: none may be missing (a new mode
+    is one precision record and one rate per host), and 8-bit m with 4-bit v runs at its measured ratio to the
+    4-bit kernel where its own rate was not measured."""
+    from megatrain_jax.engine.precision import MODES
+    from megatrain_jax.plan.speeds import M8V4_OVER_Q4
+    for kind, speeds in SPEEDS.items():
+        for host in (None, *speeds.hosts):
+            rates = speeds.on_host(host)
+            for mode in MODES:
+                assert rates.host_update_rate(mode) > 0, (kind, host, mode)
+    h200 = SPEEDS["H200"]
+    assert h200.host_update["m8v4"] == pytest.approx(h200.host_update["q4"] * M8V4_OVER_Q4)
+    assert h200.on_host(32).host_update["m8v4"] == 11.06e9  # measured there
+    assert 1.0 < M8V4_OVER_Q4 < 1.2
+
+
 def test_gradients_that_wait_on_the_gpu_come_home_with_their_update_unsplit():
     """``grads_on_gpu`` parts send nothing at their backward; their update copies the float32 gradient home and
     runs whole (the engine never splits it): a step's bytes home are the same, its host work changes."""
