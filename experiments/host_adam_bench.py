@@ -136,6 +136,7 @@ SYSTEMS = {
     "megatrain_jax_q8_kernel_bf16_grad_commit": lambda n: make_quantized_kernel(n, "q8", g_bf16=True, part="commit"),
     "megatrain_jax_q4_kernel": lambda n: make_quantized_kernel(n, "q4"),
     "megatrain_jax_m8v4_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "m8v4", g_bf16=True),
+    "megatrain_jax_m7v5_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "m7v5", g_bf16=True),
     "megatrain_jax_q4_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "q4", g_bf16=True),
     "megatrain_jax_q4_kernel_bf16_grad_avx2": lambda n: make_quantized_kernel(n, "q4", g_bf16=True,
                                                                               defines=("MEGATRAIN_NO_AVX512",)),

@@ -75,6 +75,8 @@
 #if defined(__AVX2__) && !defined(MEGATRAIN_NO_INTRINSICS)
 #include <immintrin.h>
 #define MEGATRAIN_AVX2 1
+#elif defined(__BMI2__) && !defined(MEGATRAIN_NO_INTRINSICS)
+#include <immintrin.h>  // pdep and pext (the m7v5 codes' groups)
 #endif
 // The 8-bit and 4-bit kernels' passes in AVX-512 too (16 elements a vector), where the compiler targets it and
 // MEGATRAIN_NO_AVX512 does not leave them out (tests build that way to compare the two bit for bit).
@@ -321,19 +323,23 @@ constexpr float kQ8Max = 1.875f;       // VMAX of both formats: (1 + 7/8) * 2^0
 constexpr int kBiasM = 15, kBiasV = 31;
 constexpr int kQ4EminM = -6, kQ4EminV = -14;  // 4-bit grids: the smallest nonzero magnitude of each is 2^kEmin
 
-// The format with exponent bias kBias, 3 mantissa bits and subnormals: kSub = 2^(1 - kBias - 3) is the
-// subnormal step; 2^(1 - kBias), the smallest normal value, has float32 bits kMinNormalBits.
-template <int kBias>
+// The small float with exponent bias kBias, kMant mantissa bits (3 for the 8-bit format; 0 to 3) and
+// subnormals: kSub = 2^(1 - kBias - kMant) is the subnormal step; 2^(1 - kBias), the smallest normal value, has
+// float32 bits kMinNormalBits. Its largest value is (2 - 2^-kMant) 2^0, the code (kBias << kMant) | (2^kMant - 1).
+template <int kBias, int kMant = 3>
 struct Q8Grid {
-  static constexpr float kSub = 1.0f / static_cast<float>(uint64_t{1} << (kBias + 2));
+  static_assert(kMant >= 0 && kMant <= 3, "the encoder's 20 random bits reach the dropped mantissa bits' top");
+  static constexpr int kDrop = 23 - kMant;  // the float32 mantissa bits that rounding to kMant drops
+  static constexpr float kSub = 1.0f / static_cast<float>(uint64_t{1} << (kBias + kMant - 1));
   static constexpr uint32_t kMinNormalBits = (128u - kBias) << 23;
-  static constexpr float kFix = static_cast<float>(uint64_t{1} << (kBias + 22));  // 2^20 / kSub
+  static constexpr float kFix = static_cast<float>(uint64_t{1} << (kBias + 22));  // 2^kDrop / kSub
+  static constexpr float kVmax = 2.0f - 1.0f / static_cast<float>(1u << kMant);
 
-  // The exact value of magnitude code c (exponent c >> 3, mantissa c & 7): a normal one is its float32 bit
-  // pattern (exponent rebased, mantissa on top), a subnormal one f * kSub (f < 8, so exact). Branch-free.
+  // The exact value of magnitude code c (exponent c >> kMant, mantissa the low kMant bits): a normal one is its
+  // float32 bit pattern (exponent rebased, mantissa on top), a subnormal one f * kSub (exact). Branch-free.
   static inline float decode(uint32_t c) {
-    const uint32_t e = c >> 3, f = c & 7u;
-    const uint32_t bits = ((e + (127 - kBias)) << 23) | (f << 20);
+    const uint32_t e = c >> kMant, f = c & ((1u << kMant) - 1u);
+    const uint32_t bits = ((e + (127 - kBias)) << 23) | (f << kDrop);
     float normal;
     std::memcpy(&normal, &bits, 4);
     const float sub = static_cast<float>(static_cast<int32_t>(f)) * kSub;
@@ -349,14 +355,16 @@ struct Q8Grid {
   // 8, the smallest normal: right). So the mean over r is y exactly wherever y / kSub has no bits below 2^-20,
   // and within 2^-20 steps of y elsewhere. Integer operations only, which vectorize whatever the build flags
   // say about floating-point traps.
+  // With kMant < 3 the 20 random bits are the top of the kDrop dropped ones (shifted up by 3 - kMant), and the
+  // subnormal t is y / kSub in kDrop-bit fixed point: floor(y * 2^(kBias + 22)) for every kMant, the same shift.
   static inline uint32_t encode(float y, uint32_t r) {
     uint32_t u;
     std::memcpy(&u, &y, 4);
-    const uint32_t low = r & 0xfffffu;
-    const uint32_t normal = ((u + low) >> 20) - ((127u - kBias) << 3);
+    const uint32_t low = (r & 0xfffffu) << (3 - kMant);
+    const uint32_t normal = ((u + low) >> kDrop) - ((127u - kBias) << kMant);
     const uint32_t shift = 128u - kBias - (u >> 23);  // >= 1 below the smallest normal
     const uint32_t fixed = ((u & 0x7fffffu) | 0x800000u) >> (shift < 31u ? shift : 31u);
-    const uint32_t sub = (fixed + low) >> 20;
+    const uint32_t sub = (fixed + low) >> kDrop;
     return u >= kMinNormalBits ? normal : sub;
   }
 };
@@ -418,11 +426,11 @@ inline __m256 load_f32(const float* a) { return _mm256_loadu_ps(a); }
 // Q8Grid<kBias>::decode of 8 magnitude codes (int32 lanes in [0, 256)): the normal pattern
 // ((e + 127 - kBias) << 23) | (f << 20) is (c << 20) + ((127 - kBias) << 23); codes under 8 (e == 0) take
 // f * kSub, f == c there.
-template <int kBias>
+template <int kBias, int kMant = 3>
 inline __m256 decode(__m256i c) {
-  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(c, 20), set1((127u - kBias) << 23));
-  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(Q8Grid<kBias>::kSub));
-  return _mm256_blendv_ps(as_ps(normal), sub, as_ps(_mm256_cmpgt_epi32(set1(8), c)));
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(c, 23 - kMant), set1((127u - kBias) << 23));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(Q8Grid<kBias, kMant>::kSub));
+  return _mm256_blendv_ps(as_ps(normal), sub, as_ps(_mm256_cmpgt_epi32(set1(1u << kMant), c)));
 }
 
 // to_bf16_sr of 8 floats with random bits r, as 8 uint32 lanes (< 2^16). Lanes whose exponent is all ones
@@ -451,17 +459,18 @@ inline __m256i to_bf16_sr(__m256 x, __m256i r) {
 // changes nothing below the smallest normal and keeps other lanes' conversion defined (its result unused).
 // The branch test u >= kMinNormalBits is unsigned: a signed compare or'd with u's sign bit (blendv_ps reads
 // only the sign bit of each lane).
-template <int kBias>
+template <int kBias, int kMant = 3>
 inline __m256i encode(__m256 y, __m256i r) {
+  using Grid = Q8Grid<kBias, kMant>;
   const __m256i u = as_si(y);
-  const __m256i low = _mm256_and_si256(r, set1(0xfffffu));
+  const __m256i low = _mm256_slli_epi32(_mm256_and_si256(r, set1(0xfffffu)), 3 - kMant);
   const __m256i normal = _mm256_sub_epi32(u, set1((127u - kBias) << 23));
-  const __m256 t = _mm256_min_ps(_mm256_mul_ps(y, _mm256_set1_ps(Q8Grid<kBias>::kFix)),
+  const __m256 t = _mm256_min_ps(_mm256_mul_ps(y, _mm256_set1_ps(Grid::kFix)),
                                  _mm256_set1_ps(static_cast<float>(1u << 23)));
   const __m256i fixed = _mm256_cvttps_epi32(t);
-  const __m256i is_normal = _mm256_or_si256(_mm256_cmpgt_epi32(u, set1(Q8Grid<kBias>::kMinNormalBits - 1)), u);
+  const __m256i is_normal = _mm256_or_si256(_mm256_cmpgt_epi32(u, set1(Grid::kMinNormalBits - 1)), u);
   const __m256i x = as_si(_mm256_blendv_ps(as_ps(fixed), as_ps(normal), as_ps(is_normal)));
-  return _mm256_srli_epi32(_mm256_add_epi32(x, low), 20);
+  return _mm256_srli_epi32(_mm256_add_epi32(x, low), Grid::kDrop);
 }
 
 // 32 uint32 lanes (each < 256) as 32 bytes, in order.
@@ -559,11 +568,37 @@ struct Q4Codes {
   }
 };
 
+// The codes of a small float of kE exponent and kM mantissa bits (bias 2^kE - 1; Q8Grid<bias, kM>), one a byte
+// (a block's codes, unpacked from their groups to a buffer of its own, adamw_small_block): m's with its sign in
+// the bit above the magnitude (bit kE + kM).
+template <int kE, int kM>
+struct SmallCodes {
+  static constexpr int kBias = (1 << kE) - 1, kSignAt = kE + kM;
+  static constexpr uint32_t kMag = (1u << kSignAt) - 1u;
+  static inline __m256i load(const uint8_t* a, int64_t x) { return Q8Codes::load(a, x); }
+  static inline __m256 decode_m(__m256i c) {
+    const __m256 mag = decode<kBias, kM>(_mm256_and_si256(c, set1(kMag)));
+    return _mm256_or_ps(mag, as_ps(_mm256_slli_epi32(_mm256_and_si256(c, set1(1u << kSignAt)), 31 - kSignAt)));
+  }
+  static inline __m256 decode_v(__m256i c) { return decode<kBias, kM>(c); }
+  static inline __m256 vmax() { return _mm256_set1_ps(Q8Grid<kBias, kM>::kVmax); }
+  static inline __m256i code_m(__m256 y, __m256i r) { return encode<kBias, kM>(y, r); }
+  static inline __m256i sign_m(__m256 mi) {
+    return _mm256_and_si256(_mm256_srli_epi32(as_si(mi), 31 - kSignAt), set1(1u << kSignAt));
+  }
+  static inline __m256i code_v(__m256 y, __m256i r) { return _mm256_and_si256(encode<kBias, kM>(y, r), set1(kMag)); }
+  static inline void store(uint8_t* a, int64_t x, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+    store_bytes(a + x, c0, c1, c2, c3);
+  }
+};
+
 // The first pass on elements [0, n8) of the block (n8 a multiple of 8): p written, m and v to mb and vb, their
 // maxima into *am and *av (which start at 0, as the scalar loop's do). sm and sv multiply the decoded codes.
+// Element lo + i's codes are at index c0 + i of m and v (c0 = lo where they are the arrays' own; 0 where a
+// block's codes were unpacked to buffers of their own).
 template <class MC, class VC, bool kP, class G>
 inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uint8_t* __restrict v,
-                  const G* __restrict g, int64_t lo, int64_t n8, float sm_, float sv_, const Hyper& h,
+                  const G* __restrict g, int64_t lo, int64_t c0, int64_t n8, float sm_, float sv_, const Hyper& h,
                   const Keys& k, float* __restrict mb, float* __restrict vb, float* am_out, float* av_out) {
   const __m256 sm = _mm256_set1_ps(sm_), sv = _mm256_set1_ps(sv_);
   const __m256 grad_scale = _mm256_set1_ps(h.grad_scale), b1 = _mm256_set1_ps(h.b1), b2 = _mm256_set1_ps(h.b2);
@@ -577,8 +612,8 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
   for (int64_t i = 0; i < n8; i += 8) {
     const int64_t x = lo + i;
     const __m256 gi = _mm256_mul_ps(load_f32(g + x), grad_scale);
-    const __m256 m0 = _mm256_mul_ps(MC::decode_m(MC::load(m, x)), sm);
-    const __m256 v0 = _mm256_mul_ps(VC::decode_v(VC::load(v, x)), sv);
+    const __m256 m0 = _mm256_mul_ps(MC::decode_m(MC::load(m, c0 + i)), sm);
+    const __m256 v0 = _mm256_mul_ps(VC::decode_v(VC::load(v, c0 + i)), sv);
     const __m256 mi = _mm256_add_ps(_mm256_mul_ps(b1, m0), _mm256_mul_ps(one_b1, gi));
     const __m256 vi = _mm256_add_ps(_mm256_mul_ps(b2, v0), _mm256_mul_ps(_mm256_mul_ps(one_b2, gi), gi));
     if constexpr (kP) {
@@ -610,10 +645,10 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
 }
 
 // The second pass on elements [0, n32) of the block (n32 a multiple of 32; lo even for 4-bit codes): the scalar
-// encode loop's codes of m and v (scaled by im and iv), stored from element lo on.
+// encode loop's codes of m and v (scaled by im and iv), stored from code index c0 on (as pass1's).
 template <class MC, class VC>
-inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t n32, float im_, float iv_,
-                  const Keys& k, const float* __restrict mb, const float* __restrict vb) {
+inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t c0, int64_t n32, float im_,
+                  float iv_, const Keys& k, const float* __restrict mb, const float* __restrict vb) {
   const __m256 im = _mm256_set1_ps(im_), iv = _mm256_set1_ps(iv_);
   const __m256 vmax_m = MC::vmax(), vmax_v = VC::vmax();
   const __m256 abs_mask = as_ps(set1(0x7fffffffu));
@@ -635,8 +670,8 @@ inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int6
       cv[q] = _mm256_max_epu32(c2, _mm256_min_epu32(as_si(yv), set1(1u)));  // a positive v never to code 0
       j = _mm256_add_epi32(j, set1(8));
     }
-    MC::store(m, lo + i, cm[0], cm[1], cm[2], cm[3]);
-    VC::store(v, lo + i, cv[0], cv[1], cv[2], cv[3]);
+    MC::store(m, c0 + i, cm[0], cm[1], cm[2], cm[3]);
+    VC::store(v, c0 + i, cv[0], cv[1], cv[2], cv[3]);
   }
 }
 
@@ -670,11 +705,11 @@ inline __m512 load_f32(const uint16_t* a) {
 }
 inline __m512 load_f32(const float* a) { return _mm512_loadu_ps(a); }
 
-template <int kBias>
+template <int kBias, int kMant = 3>
 inline __m512 decode(__m512i c) {
-  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(c, 20), set1((127u - kBias) << 23));
-  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(Q8Grid<kBias>::kSub));
-  return _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(c, set1(8)), as_ps(normal), sub);
+  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(c, 23 - kMant), set1((127u - kBias) << 23));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(Q8Grid<kBias, kMant>::kSub));
+  return _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(c, set1(1u << kMant)), as_ps(normal), sub);
 }
 
 inline __m512i to_bf16_sr(__m512 x, __m512i r) {
@@ -691,17 +726,18 @@ inline __m512i to_bf16_sr(__m512 x, __m512i r) {
 }
 
 // quant_avx2::encode; its branch test (u >= kMinNormalBits, unsigned) is one unsigned compare here.
-template <int kBias>
+template <int kBias, int kMant = 3>
 inline __m512i encode(__m512 y, __m512i r) {
+  using Grid = Q8Grid<kBias, kMant>;
   const __m512i u = as_si(y);
-  const __m512i low = _mm512_and_si512(r, set1(0xfffffu));
+  const __m512i low = _mm512_slli_epi32(_mm512_and_si512(r, set1(0xfffffu)), 3 - kMant);
   const __m512i normal = _mm512_sub_epi32(u, set1((127u - kBias) << 23));
-  const __m512 t = _mm512_min_ps(_mm512_mul_ps(y, _mm512_set1_ps(Q8Grid<kBias>::kFix)),
+  const __m512 t = _mm512_min_ps(_mm512_mul_ps(y, _mm512_set1_ps(Grid::kFix)),
                                  _mm512_set1_ps(static_cast<float>(1u << 23)));
   const __m512i fixed = _mm512_cvttps_epi32(t);
-  const __mmask16 is_normal = _mm512_cmpge_epu32_mask(u, set1(Q8Grid<kBias>::kMinNormalBits));
+  const __mmask16 is_normal = _mm512_cmpge_epu32_mask(u, set1(Grid::kMinNormalBits));
   const __m512i x = _mm512_mask_blend_epi32(is_normal, fixed, normal);
-  return _mm512_srli_epi32(_mm512_add_epi32(x, low), 20);
+  return _mm512_srli_epi32(_mm512_add_epi32(x, low), Grid::kDrop);
 }
 
 // The codes of elements x .. x + 15 as int32 lanes, and back (quant_avx2's Q8Codes and Q4Codes, 16 lanes).
@@ -772,10 +808,30 @@ struct Q4Codes {
   }
 };
 
+// quant_avx2::SmallCodes, 16 lanes.
+template <int kE, int kM>
+struct SmallCodes {
+  static constexpr int kBias = (1 << kE) - 1, kSignAt = kE + kM;
+  static constexpr uint32_t kMag = (1u << kSignAt) - 1u;
+  static inline __m512i load(const uint8_t* a, int64_t x) { return Q8Codes::load(a, x); }
+  static inline __m512 decode_m(__m512i c) {
+    const __m512 mag = decode<kBias, kM>(_mm512_and_si512(c, set1(kMag)));
+    return as_ps(_mm512_or_si512(as_si(mag), _mm512_slli_epi32(_mm512_and_si512(c, set1(1u << kSignAt)), 31 - kSignAt)));
+  }
+  static inline __m512 decode_v(__m512i c) { return decode<kBias, kM>(c); }
+  static inline __m512 vmax() { return _mm512_set1_ps(Q8Grid<kBias, kM>::kVmax); }
+  static inline __m512i code_m(__m512 y, __m512i r) { return encode<kBias, kM>(y, r); }
+  static inline __m512i sign_m(__m512 mi) {
+    return _mm512_and_si512(_mm512_srli_epi32(as_si(mi), 31 - kSignAt), set1(1u << kSignAt));
+  }
+  static inline __m512i code_v(__m512 y, __m512i r) { return _mm512_and_si512(encode<kBias, kM>(y, r), set1(kMag)); }
+  static inline void store(uint8_t* a, int64_t x, __m512i c) { Q8Codes::store(a, x, c); }
+};
+
 // quant_avx2::pass1, 16 elements a vector, on elements [0, n16) of the block (n16 a multiple of 16).
 template <class MC, class VC, bool kP, class G>
 inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uint8_t* __restrict v,
-                  const G* __restrict g, int64_t lo, int64_t n16, float sm_, float sv_, const Hyper& h,
+                  const G* __restrict g, int64_t lo, int64_t c0, int64_t n16, float sm_, float sv_, const Hyper& h,
                   const Keys& k, float* __restrict mb, float* __restrict vb, float* am_out, float* av_out) {
   const __m512 sm = _mm512_set1_ps(sm_), sv = _mm512_set1_ps(sv_);
   const __m512 grad_scale = _mm512_set1_ps(h.grad_scale), b1 = _mm512_set1_ps(h.b1), b2 = _mm512_set1_ps(h.b2);
@@ -790,8 +846,8 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
   for (int64_t i = 0; i < n16; i += 16) {
     const int64_t x = lo + i;
     const __m512 gi = _mm512_mul_ps(load_f32(g + x), grad_scale);
-    const __m512 m0 = _mm512_mul_ps(MC::decode_m(MC::load(m, x)), sm);
-    const __m512 v0 = _mm512_mul_ps(VC::decode_v(VC::load(v, x)), sv);
+    const __m512 m0 = _mm512_mul_ps(MC::decode_m(MC::load(m, c0 + i)), sm);
+    const __m512 v0 = _mm512_mul_ps(VC::decode_v(VC::load(v, c0 + i)), sv);
     const __m512 mi = _mm512_add_ps(_mm512_mul_ps(b1, m0), _mm512_mul_ps(one_b1, gi));
     const __m512 vi = _mm512_add_ps(_mm512_mul_ps(b2, v0), _mm512_mul_ps(_mm512_mul_ps(one_b2, gi), gi));
     if constexpr (kP) {
@@ -823,8 +879,8 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
 // quant_avx2::pass2, 16 elements a vector, on elements [0, n16) of the block (n16 a multiple of 16; lo even for
 // 4-bit codes).
 template <class MC, class VC>
-inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t n16, float im_, float iv_,
-                  const Keys& k, const float* __restrict mb, const float* __restrict vb) {
+inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t c0, int64_t n16, float im_,
+                  float iv_, const Keys& k, const float* __restrict mb, const float* __restrict vb) {
   const __m512 im = _mm512_set1_ps(im_), iv = _mm512_set1_ps(iv_);
   const __m512 vmax_m = MC::vmax(), vmax_v = VC::vmax();
   const __m512i abs_mask = set1(0x7fffffffu);
@@ -841,8 +897,8 @@ inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int6
     const __m512 yv = _mm512_min_ps(_mm512_mul_ps(_mm512_loadu_ps(vb + i), iv), vmax_v);
     const __m512i c2 = VC::code_v(yv, mix32_tail(_mm512_xor_si512(t, kv)));
     const __m512i cv = _mm512_max_epu32(c2, _mm512_min_epu32(as_si(yv), set1(1u)));  // a positive v never code 0
-    MC::store(m, lo + i, cm);
-    VC::store(v, lo + i, cv);
+    MC::store(m, c0 + i, cm);
+    VC::store(v, c0 + i, cv);
     j = _mm512_add_epi32(j, set1(16));
   }
 }
@@ -953,6 +1009,83 @@ struct M8V4Format {
   static uint32_t code_v(float y, uint32_t r) { return Q4Format::code_v(y, r); }
 };
 
+// Small floats for both moments (kEM, kMM: m's exponent and mantissa bits, with a sign above them; kEV, kMV:
+// v's), each scaled so that the block's largest magnitude is its format's largest value, each code kBits bits,
+// 8 to a group of kBits bytes (adamw_small_block). m7v5: m e3m3 with a sign (7 bits), v e4m1 (5 bits).
+template <int kEM, int kMM, int kEV, int kMV>
+struct SmallFormat {
+  using GridSM = Q8Grid<(1 << kEM) - 1, kMM>;
+  using GridSV = Q8Grid<(1 << kEV) - 1, kMV>;
+  static constexpr int kBitsM = 1 + kEM + kMM, kBitsV = kEV + kMV;
+  static_assert(kBitsM <= 8 && kBitsV <= 8, "a code is at most a byte");
+  static constexpr float kVmaxM = GridSM::kVmax, kVmaxV = GridSV::kVmax;
+  static constexpr uint32_t kMagnitude = (1u << (kEM + kMM)) - 1u, kSign = 1u << (kEM + kMM);
+  static constexpr uint32_t kV = (1u << kBitsV) - 1u;
+  static float scale_m(float absmax) { return absmax / kVmaxM; }
+  static float scale_v(float absmax) { return absmax / kVmaxV; }
+  // kVmax / absmax, capped at FLT_MAX (a block of zeros maps 0 to 0), as q8_inverse_scale
+  static float inverse_scale(float vmax, float absmax) {
+    const float q = vmax / absmax;
+    constexpr float kBig = std::numeric_limits<float>::max();
+    return q < kBig ? q : kBig;
+  }
+  static float value_m(uint32_t c) {
+    const float mag = GridSM::decode(c & kMagnitude);
+    uint32_t bits;
+    std::memcpy(&bits, &mag, 4);
+    bits |= (c & kSign) << (31 - kEM - kMM);
+    float x;
+    std::memcpy(&x, &bits, 4);
+    return x;
+  }
+  static float value_v(uint32_t c) { return GridSV::decode(c); }
+  static uint32_t code_m(float y, uint32_t r) { return GridSM::encode(y, r); }
+  static uint32_t code_v(float y, uint32_t r) { return GridSV::encode(y, r); }
+};
+
+// Codes of kBits bits, 8 to a group of kBits bytes: element 8j + i of a group sits at bits kBits * i of the
+// group's little-endian word. n (a multiple of 8) codes from a, one a byte to out, and back.
+// With BMI2 one pdep spreads a group's word over 8 bytes (a byte per code) and one pext gathers them back. A
+// group's word is read and written as 8 bytes but the block's last group's (whose eighth byte may be the next
+// block's, another thread's, or past the array's end).
+template <int kBits>
+inline void unpack_groups(const uint8_t* __restrict a, int64_t n, uint8_t* __restrict out) {
+  for (int64_t j = 0; j < n / 8; ++j) {
+    uint64_t w = 0;
+    if (j + 1 < n / 8) {
+      std::memcpy(&w, a + j * kBits, 8);
+      w &= (uint64_t{1} << (8 * kBits)) - 1u;
+    } else {
+      std::memcpy(&w, a + j * kBits, kBits);
+    }
+#if defined(__BMI2__) && !defined(MEGATRAIN_NO_INTRINSICS)
+    const uint64_t bytes = _pdep_u64(w, 0x0101010101010101ull * ((1u << kBits) - 1u));
+    std::memcpy(out + 8 * j, &bytes, 8);
+#else
+    for (int i = 0; i < 8; ++i) out[8 * j + i] = static_cast<uint8_t>((w >> (kBits * i)) & ((1u << kBits) - 1u));
+#endif
+  }
+}
+
+template <int kBits>
+inline void pack_groups(const uint8_t* __restrict in, int64_t n, uint8_t* __restrict a) {
+  for (int64_t j = 0; j < n / 8; ++j) {
+#if defined(__BMI2__) && !defined(MEGATRAIN_NO_INTRINSICS)
+    uint64_t bytes;
+    std::memcpy(&bytes, in + 8 * j, 8);
+    const uint64_t w = _pext_u64(bytes, 0x0101010101010101ull * ((1u << kBits) - 1u));
+#else
+    uint64_t w = 0;
+    for (int i = 0; i < 8; ++i) w |= static_cast<uint64_t>(in[8 * j + i] & ((1u << kBits) - 1u)) << (kBits * i);
+#endif
+    if (j + 1 < n / 8) {  // the eighth byte is the next group's, written next
+      std::memcpy(a + j * kBits, &w, 8);
+    } else {
+      std::memcpy(a + j * kBits, &w, kBits);
+    }
+  }
+}
+
 // Elements [i0, n) of a block from flat index lo: dequantize the codes mc[i] and vc[i] (one a byte), update
 // (p written, the new m and v to mb and vb) and fold their maxima into *am and *av.
 template <class Fmt, bool kP, class G>
@@ -1018,10 +1151,10 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   constexpr bool kP = kPass != kCommit;
 #if defined(MEGATRAIN_AVX512)
   i0 = n / 16 * 16;
-  quant_avx512::pass1<quant_avx512::Q8Codes, quant_avx512::Q8Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx512::pass1<quant_avx512::Q8Codes, quant_avx512::Q8Codes, kP>(p, m, v, g, lo, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #elif defined(MEGATRAIN_AVX2)
   i0 = n / 8 * 8;
-  quant_avx2::pass1<quant_avx2::Q8Codes, quant_avx2::Q8Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx2::pass1<quant_avx2::Q8Codes, quant_avx2::Q8Codes, kP>(p, m, v, g, lo, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #endif
   quantized_update<Q8Format, kP>(p, g, m + lo, v + lo, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
   if constexpr (kPass == kStream) return;
@@ -1029,10 +1162,10 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   i0 = 0;
 #if defined(MEGATRAIN_AVX512)
   i0 = n / 16 * 16;
-  quant_avx512::pass2<quant_avx512::Q8Codes, quant_avx512::Q8Codes>(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx512::pass2<quant_avx512::Q8Codes, quant_avx512::Q8Codes>(m, v, lo, lo, i0, im, iv, k, mb, vb);
 #elif defined(MEGATRAIN_AVX2)
   i0 = n / 32 * 32;
-  quant_avx2::pass2<quant_avx2::Q8Codes, quant_avx2::Q8Codes>(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx2::pass2<quant_avx2::Q8Codes, quant_avx2::Q8Codes>(m, v, lo, lo, i0, im, iv, k, mb, vb);
 #endif
   quantized_encode<Q8Format>(m + lo, v + lo, lo, i0, n, im, iv, k, mb, vb);
   *m_amax = am;
@@ -1060,11 +1193,11 @@ inline void adamw_nibble_block(uint16_t* __restrict p, uint8_t* __restrict m, ui
 #if defined(MEGATRAIN_AVX512)
   using MC512 = std::conditional_t<kPackedM, quant_avx512::Q4Codes, quant_avx512::Q8Codes>;
   i0 = n / 16 * 16;
-  quant_avx512::pass1<MC512, quant_avx512::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx512::pass1<MC512, quant_avx512::Q4Codes, kP>(p, m, v, g, lo, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #elif defined(MEGATRAIN_AVX2)
   using MC256 = std::conditional_t<kPackedM, quant_avx2::Q4Codes, quant_avx2::Q8Codes>;
   i0 = n / 8 * 8;
-  quant_avx2::pass1<MC256, quant_avx2::Q4Codes, kP>(p, m, v, g, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quant_avx2::pass1<MC256, quant_avx2::Q4Codes, kP>(p, m, v, g, lo, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #endif
 #pragma omp simd
   for (int64_t j = i0 / 2; j < half; ++j) {
@@ -1083,10 +1216,10 @@ inline void adamw_nibble_block(uint16_t* __restrict p, uint8_t* __restrict m, ui
   i0 = 0;
 #if defined(MEGATRAIN_AVX512)
   i0 = n / 16 * 16;
-  quant_avx512::pass2<MC512, quant_avx512::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx512::pass2<MC512, quant_avx512::Q4Codes>(m, v, lo, lo, i0, im, iv, k, mb, vb);
 #elif defined(MEGATRAIN_AVX2)
   i0 = n / 32 * 32;
-  quant_avx2::pass2<MC256, quant_avx2::Q4Codes>(m, v, lo, i0, im, iv, k, mb, vb);
+  quant_avx2::pass2<MC256, quant_avx2::Q4Codes>(m, v, lo, lo, i0, im, iv, k, mb, vb);
 #endif
   quantized_encode<Fmt>(m_codes, vc, lo, i0, n, im, iv, k, mb, vb);
 #pragma omp simd
@@ -1094,6 +1227,53 @@ inline void adamw_nibble_block(uint16_t* __restrict p, uint8_t* __restrict m, ui
     if constexpr (kPackedM) m[b0 + j] = static_cast<uint8_t>(mc[2 * j] | (mc[2 * j + 1] << 4));
     v[b0 + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
   }
+  *m_amax = am;
+  *v_amax = av;
+}
+
+// One block of n elements (a multiple of 8) from flat index lo (a multiple of 8) of the small-float formats
+// (SmallFormat<kEM, kMM, kEV, kMV>): its codes unpacked from their groups to a byte each (mc, vc), updated as
+// adamw_q8_block updates bytes (the vector passes on the buffers, c0 = 0; the scalar loops on the rest), packed
+// back.
+template <int kPass, int kEM, int kMM, int kEV, int kMV, class G>
+inline void adamw_small_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
+                              float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g,
+                              int64_t lo, int64_t n, const Hyper& h, const Keys& k, float* __restrict mb,
+                              float* __restrict vb, uint8_t* __restrict mc, uint8_t* __restrict vc) {
+  using Fmt = SmallFormat<kEM, kMM, kEV, kMV>;
+  uint8_t* mg = m + lo / 8 * Fmt::kBitsM;
+  uint8_t* vg = v + lo / 8 * Fmt::kBitsV;
+  unpack_groups<Fmt::kBitsM>(mg, n, mc);
+  unpack_groups<Fmt::kBitsV>(vg, n, vc);
+  const float sm = Fmt::scale_m(*m_amax), sv = Fmt::scale_v(*v_amax);
+  float am = 0.0f, av = 0.0f;
+  int64_t i0 = 0;
+  constexpr bool kP = kPass != kCommit;
+#if defined(MEGATRAIN_AVX512)
+  using MC = quant_avx512::SmallCodes<kEM, kMM>;
+  using VC = quant_avx512::SmallCodes<kEV, kMV>;
+  i0 = n / 16 * 16;
+  quant_avx512::pass1<MC, VC, kP>(p, mc, vc, g, lo, 0, i0, sm, sv, h, k, mb, vb, &am, &av);
+#elif defined(MEGATRAIN_AVX2)
+  using MC = quant_avx2::SmallCodes<kEM, kMM>;
+  using VC = quant_avx2::SmallCodes<kEV, kMV>;
+  i0 = n / 8 * 8;
+  quant_avx2::pass1<MC, VC, kP>(p, mc, vc, g, lo, 0, i0, sm, sv, h, k, mb, vb, &am, &av);
+#endif
+  quantized_update<Fmt, kP>(p, g, mc, vc, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
+  if constexpr (kPass == kStream) return;
+  const float im = Fmt::inverse_scale(Fmt::kVmaxM, am), iv = Fmt::inverse_scale(Fmt::kVmaxV, av);
+  i0 = 0;
+#if defined(MEGATRAIN_AVX512)
+  i0 = n / 16 * 16;
+  quant_avx512::pass2<MC, VC>(mc, vc, lo, 0, i0, im, iv, k, mb, vb);
+#elif defined(MEGATRAIN_AVX2)
+  i0 = n / 32 * 32;
+  quant_avx2::pass2<MC, VC>(mc, vc, lo, 0, i0, im, iv, k, mb, vb);
+#endif
+  quantized_encode<Fmt>(mc, vc, lo, i0, n, im, iv, k, mb, vb);
+  pack_groups<Fmt::kBitsM>(mc, n, mg);
+  pack_groups<Fmt::kBitsV>(vc, n, vg);
   *m_amax = am;
   *v_amax = av;
 }
@@ -1139,6 +1319,15 @@ void adamw_nibble_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, f
   quantized_parallel(rows, cols, block, [&](int64_t b, int64_t lo, int64_t n, BlockBuffers& buf) {
     adamw_nibble_block<kPass, kPackedM>(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb, buf.mc,
                                         buf.vc);
+  });
+}
+
+template <int kPass, int kEM, int kMM, int kEV, int kMV, class G>
+void adamw_small_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const G* g,
+                          int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
+  quantized_parallel(rows, cols, block, [&](int64_t b, int64_t lo, int64_t n, BlockBuffers& buf) {
+    adamw_small_block<kPass, kEM, kMM, kEV, kMV>(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb,
+                                                 buf.mc, buf.vc);
   });
 }
 
@@ -1257,6 +1446,24 @@ extern "C" void megatrain_adamw_m8v4(uint16_t* p, uint8_t* m, uint8_t* v, float*
                                      float bc1, float bc2, uint32_t seed, int64_t offset, int pass) {
   adamw_nibble<false>(p, m, v, m_amax, v_amax, g, g_bf16, rows, cols, block, lr, b1, b2, eps, wd, grad_scale,
                       bc1, bc2, seed, offset, pass);
+}
+
+// An eighth entry point: 7-bit m (a sign and e3m3) and 5-bit v (e4m1), m7v5; the arguments as megatrain_adamw_q4's,
+// with m's codes 7 bits an element and v's 5, each 8 to a group of 7 and 5 bytes (rows x cols * 7 / 8 and
+// rows x cols * 5 / 8 bytes), one block size for both scales. Preconditions, checked by the Python wrapper: cols
+// and block multiples of 8 (no group is shared by two rows or blocks), 0 < block <= 4096, offset + rows * cols
+// <= 2^32.
+extern "C" void megatrain_adamw_m7v5(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax,
+                                     const void* g, int g_bf16, int64_t rows, int64_t cols, int64_t block,
+                                     float lr, float b1, float b2, float eps, float wd, float grad_scale,
+                                     float bc1, float bc2, uint32_t seed, int64_t offset, int pass) {
+  with_gradient(g, g_bf16, [&](auto gt) {
+    with_pass(pass, [&](auto kp) {
+      adamw_small_parallel<decltype(kp)::value, 3, 3, 4, 1>(p, m, v, m_amax, v_amax, gt, rows, cols, block,
+                                                            make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2),
+                                                            make_keys(seed, offset));
+    });
+  });
 }
 
 // The quantized-moment kernels' vector width in elements: 16 (AVX-512), 8 (AVX2) or 1 (the portable loops).

@@ -284,13 +284,16 @@ def test_resuming_a_full_precision_checkpoint_in_capacity_mode_says_why_it_canno
 
 @pytest.mark.parametrize("written,resumed", [("capacity", "q8"), ("q8", "capacity"), ("capacity", "q4"),
                                              ("q4", "capacity"), ("q8", "q4"), ("q4", "q8"), ("capacity", "m8v4"),
-                                             ("m8v4", "q8"), ("q8", "m8v4"), ("m8v4", "q4"), ("q4", "m8v4")])
+                                             ("m8v4", "q8"), ("q8", "m8v4"), ("m8v4", "q4"), ("q4", "m8v4"),
+                                             ("capacity", "m7v5"), ("m7v5", "capacity"), ("m7v5", "q8"),
+                                             ("m8v4", "m7v5"), ("m7v5", "q4")])
 def test_moments_convert_between_bfloat16_and_quantized_on_restore(tmp_path, written, resumed):
     """A capacity-mode run resumed where ``train`` picks quantized moments (a smaller host), and back, and
     between 8 and 4 bits: the moments are converted, with a warning, to what the written ones stand for
     (within a step of the coarser format: an eighth of the block's maximum in 8 bits, half of it in 4)."""
     configs = {"capacity": CAPACITY, "q8": Q8, "q4": dataclasses.replace(Q8, moment_dtype="q4"),
-               "m8v4": dataclasses.replace(Q8, moment_dtype="m8v4")}
+               "m8v4": dataclasses.replace(Q8, moment_dtype="m8v4"),
+               "m7v5": dataclasses.replace(Q8, moment_dtype="m7v5")}
     model = Decoder(CFG, rngs=nnx.Rngs(0))
     engine = Engine(model, default_optimizer(1e-3), configs[written])
     for batch in [next(iter(data()))] * 2:
@@ -315,8 +318,8 @@ def test_moments_convert_between_bfloat16_and_quantized_on_restore(tmp_path, wri
                                if isinstance(x, QuantizedMoment) else np.asarray(x, np.float32))
         return out
 
-    # of the largest value: a power of two (4-bit moments, m8v4's v), a 3-bit mantissa (8 bits)
-    step = 0.51 if {"q4", "m8v4"} & {written, resumed} else 0.13
+    # of the largest value: a power of two (4-bit moments, m8v4's v), a 1-bit mantissa (m7v5's v), a 3-bit one (8 bits)
+    step = 0.51 if {"q4", "m8v4", "m7v5"} & {written, resumed} else 0.13
     converted = False
     for a, b in zip(moments(engine), moments(other)):
         scale = np.abs(a).max() + 1e-30

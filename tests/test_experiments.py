@@ -858,7 +858,7 @@ def test_measure_speeds_writes_a_calibration_file_the_plan_reads(tmp_path):
     from megatrain_jax.plan.speeds import H200, from_file
     record = load_script("measure_speeds").main(["--params", "8", "--reps", "1", "--out", str(tmp_path / "s.json")])
     speeds = record["runs"][0]["speeds"]
-    assert set(speeds["host_update"]) == {"full", "lean", "capacity", "q8", "m8v4", "q4"}
+    assert set(speeds["host_update"]) == {"full", "lean", "capacity", "q8", "m7v5", "m8v4", "q4"}
     assert all(rate > 0 for rate in speeds["host_update"].values()) and 0 < speeds["first_half_share"] < 1
     assert not (tmp_path / "s.speeds.json").exists()  # one file: the results file
     s = from_file(tmp_path / "s.json", H200)

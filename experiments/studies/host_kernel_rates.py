@@ -1,6 +1,6 @@
 """The host kernel's rates on the machine that runs it, in one process, for two questions:
 
-1. **The quantized kernels' builds** (issue 52): the 8-bit, m8v4 and 4-bit moment kernels (bfloat16 gradients,
+1. **The quantized kernels' builds** (issue 52): the 8-bit, m7v5, m8v4 and 4-bit moment kernels (bfloat16 gradients,
    the engine's defaults: blocks of 256, 128 and 128) as built with AVX2 passes and as the portable loops alone
    (``MEGATRAIN_NO_INTRINSICS``), parameters/s over every usable core and over one.
 2. **The split update's first pass** (issue 51, the 32K row): the step's forward waits for
@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(EXPERIMENTS))  # the repository root: megatra
 from child import median_seconds, results_header  # noqa: E402
 
 from megatrain_jax.engine.update import host_kernel  # noqa: E402
+from megatrain_jax.engine.update.m7v5 import M7V5_BLOCK, adamw_m7v5_numpy, m7v5_quantize  # noqa: E402
 from megatrain_jax.engine.update.m8v4 import M8V4_BLOCK, adamw_m8v4_numpy, m8v4_quantize  # noqa: E402
 from megatrain_jax.engine.update.q4 import Q4_BLOCK, adamw_q4_numpy, q4_quantize  # noqa: E402
 from megatrain_jax.engine.update.q8 import Q8_BLOCK, adamw_q8_numpy, q8_quantize  # noqa: E402
@@ -145,7 +146,8 @@ def quantized(lib, fmt: str, n: int, reps: int) -> float:
     shape = (n // 4096, 4096)
     quantize, run, block = {"q8": (q8_quantize, adamw_q8_numpy, Q8_BLOCK),
                             "q4": (q4_quantize, adamw_q4_numpy, Q4_BLOCK),
-                            "m8v4": (m8v4_quantize, adamw_m8v4_numpy, M8V4_BLOCK)}[fmt]
+                            "m8v4": (m8v4_quantize, adamw_m8v4_numpy, M8V4_BLOCK),
+                            "m7v5": (m7v5_quantize, adamw_m7v5_numpy, M7V5_BLOCK)}[fmt]
     p = rng.standard_normal(shape, np.float32).astype(BF16)
     g = (1e-3 * rng.standard_normal(shape, np.float32)).astype(BF16)
     m, ma = quantize(1e-3 * rng.standard_normal(shape, np.float32), block, "m", seed=1)
@@ -168,7 +170,7 @@ def main() -> None:
     for build, lib in builds.items():
         for threads in (cores, 1):
             host_kernel.set_threads(threads, lib)
-            for fmt in ("q8", "m8v4", "q4"):
+            for fmt in ("q8", "m7v5", "m8v4", "q4"):
                 rate = quantized(lib, fmt, n if threads > 1 else n // 8, args.reps)
                 runs.append({"system": f"{fmt}_kernel_bf16_grad", "build": build, "threads": threads,
                              "params_per_s": round(rate, 1)})

@@ -1,7 +1,8 @@
 """The quantized Adam-moment formats, one record each (``FORMATS``, keyed by ``EngineConfig.moment_dtype``): which
 leaves take them, the shapes of a moment's codes and scales, the kernel entry point that updates a leaf, and
 the conversions to and from a float moment (a checkpoint in another format). The host optimizer, the
-checkpoint and the memory plan ask here; each format's math is its own module (``q8``, ``q4``, ``m8v4``).
+checkpoint and the memory plan ask here; each format's math is its own module (``q8``, ``q4``, ``m8v4``,
+``m7v5``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from megatrain_jax.engine.update import m8v4, q4, q8
+from megatrain_jax.engine.update import m7v5, m8v4, q4, q8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,4 +61,10 @@ FORMATS: dict[str, MomentFormat] = {
         lambda x, kind, seed: m8v4.m8v4_quantize(x, m8v4.M8V4_BLOCK, kind, seed=seed),
         lambda codes, scales, kind, shape: m8v4.m8v4_dequantize(codes, scales, m8v4.M8V4_BLOCK, kind, shape),
         f"m 8-bit and v 4-bit, each with a float32 scale per {m8v4.M8V4_BLOCK} elements of a row"),
+    "m7v5": MomentFormat(
+        "m7v5", m7v5.M7V5_BLOCK, m7v5.m7v5_leaf, m7v5.m7v5_codes_shape, m7v5.m7v5_scale_shape,
+        m7v5.adamw_m7v5_inplace,
+        lambda x, kind, seed: m7v5.m7v5_quantize(x, m7v5.M7V5_BLOCK, kind, seed=seed),
+        lambda codes, scales, kind, shape: m7v5.m7v5_dequantize(codes, scales, m7v5.M7V5_BLOCK, kind, shape),
+        f"m 7-bit and v 5-bit, each with a float32 scale per {m7v5.M7V5_BLOCK} elements of a row"),
 }
