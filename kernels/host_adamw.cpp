@@ -58,6 +58,15 @@
 // - v: a 4-bit c: 0 for c == 0, else 2^(c - 15): 2^-14 .. 1.
 // y = min(|x| / absmax, 1) is rounded stochastically to its two neighbours on the grid (q4_encode), so that
 // its mean is y; a positive v never gets code 0 (code 1 instead), as in 8 bits.
+// A seventh keeps m in 8 bits and v in 4 (m8v4, megatrain_adamw_m8v4): m's codes the 8-bit format's, a byte each,
+// v's the 4-bit format's nibbles, one block size for both scales.
+// An eighth keeps m in 7 bits and v in 5 (m7v5, megatrain_adamw_m7v5): small floats of the 8-bit format's kind
+// with narrower fields (Q8Grid<bias, mantissa bits>), scaled so that the block's largest magnitude is the format's
+// largest value:
+// - m: sign (bit 6) + "e3m3", bias 7: f * 2^-9 when e == 0, else (1 + f/8) * 2^(e-7); VMAX = 1.875;
+// - v: "e4m1", bias 15: f * 2^-15 when e == 0, else (1 + f/2) * 2^(e-15); VMAX = 1.5.
+// The codes are packed eight to a group of 7 (m) and 5 (v) bytes, element 8j + i at bits 7i (5i) of group j's
+// little-endian word (rows and blocks a multiple of 8 long, so no group is shared by two of them).
 // Random bits: stream 0 rounds p, 1 m, 2 v (the capacity kernel's keys and counters). Non-finite values are
 // not special-cased (the engine skips non-finite steps before updating): p follows to_bf16_sr, a NaN or inf
 // moment gets some code and the block's absmax may come out NaN or inf (its codes then mean nothing); nothing
