@@ -18,6 +18,9 @@
 #                  of 32,768 tokens
 #   refusal        GPT-OSS-120B with its Hugging Face export, then with checkpoints: each refused at start (no disk
 #                  here holds them), the reason and the bytes in the record; seconds
+# SETS: more config overrides for the gpt_oss_120b and dense_120b runs, e.g. SETS="engine.moment_dtype=m7v5
+# engine.norm_first=true" (once 7-bit m with 5-bit v passes the quality table: at 480 GiB train's own lean pick
+# keeps 7% of the host spare and stops at 4-bit moments, NOTES), with TAG=<commit>_m7v5 so that the files say so
 set -u
 export W=${W:-/tmp/h200x4_100b} WATCH=/tmp/shipped_configs/runs/h200x4_gpt_oss_120b/metrics.jsonl
 export PYTHONPATH=${PYTHONPATH:-.} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} NCCL_NVLS_ENABLE=0
@@ -40,6 +43,10 @@ case ${1:-poll} in
                     --out $W/out/h200x4_gpt_oss_120b_checkpoint_refused_$TAG.json") ;;
       *) echo "unknown RUN=$RUN (gpt_oss_120b, dense_120b, llama3_70b_32k, refusal)"; exit 2 ;;
     esac
+    if [ -n "${SETS:-}" ]; then
+      case $RUN in gpt_oss_120b|dense_120b) ;; *) echo "SETS applies to gpt_oss_120b and dense_120b"; exit 2 ;; esac
+      for s in $SETS; do cmd+=(--set "$s"); done
+    fi
     exec bash "$LONG" start "${cmd[@]}" ;;
   poll) exec bash "$LONG" poll ;;
   *) echo "usage: RUN=... bash $0 start|poll"; exit 2 ;;
