@@ -825,7 +825,8 @@ struct SmallCodes {
   static inline __m512i load(const uint8_t* a, int64_t x) { return Q8Codes::load(a, x); }
   static inline __m512 decode_m(__m512i c) {
     const __m512 mag = decode<kBias, kM>(_mm512_and_si512(c, set1(kMag)));
-    return as_ps(_mm512_or_si512(as_si(mag), _mm512_slli_epi32(_mm512_and_si512(c, set1(1u << kSignAt)), 31 - kSignAt)));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, set1(1u << kSignAt)), 31 - kSignAt);
+    return as_ps(_mm512_or_si512(as_si(mag), sign));
   }
   static inline __m512 decode_v(__m512i c) { return decode<kBias, kM>(c); }
   static inline __m512 vmax() { return _mm512_set1_ps(Q8Grid<kBias, kM>::kVmax); }
@@ -1160,10 +1161,12 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   constexpr bool kP = kPass != kCommit;
 #if defined(MEGATRAIN_AVX512)
   i0 = n / 16 * 16;
-  quant_avx512::pass1<quant_avx512::Q8Codes, quant_avx512::Q8Codes, kP>(p, m, v, g, lo, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  using MC512 = quant_avx512::Q8Codes;
+  quant_avx512::pass1<MC512, MC512, kP>(p, m, v, g, lo, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #elif defined(MEGATRAIN_AVX2)
   i0 = n / 8 * 8;
-  quant_avx2::pass1<quant_avx2::Q8Codes, quant_avx2::Q8Codes, kP>(p, m, v, g, lo, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
+  using MC256 = quant_avx2::Q8Codes;
+  quant_avx2::pass1<MC256, MC256, kP>(p, m, v, g, lo, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
 #endif
   quantized_update<Q8Format, kP>(p, g, m + lo, v + lo, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
   if constexpr (kPass == kStream) return;
