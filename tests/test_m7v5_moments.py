@@ -19,7 +19,7 @@ from megatrain_jax.engine.update.m7v5 import (BITS, M7V5_BLOCK, VMAX, adamw_m7v5
                                               unpack_groups)
 from megatrain_jax.engine.update.q8 import q8_decode_m
 
-from test_q4_moments import HP, pieces_equal_the_whole, trains_as_capacity_mode_does
+from test_q4_moments import pieces_equal_the_whole, steps_match_the_reference, trains_as_capacity_mode_does
 from test_q4_moments import _state as q4_state
 
 M7V5 = EngineConfig(master_dtype="bfloat16", moment_dtype="m7v5", host_grad_dtype="bfloat16")
@@ -34,13 +34,7 @@ def _state(shape, seed, g_bf16=False, block=M7V5_BLOCK):
 def test_kernel_matches_reference_bit_for_bit(lib, g_bf16, shape, block):
     """Rows of several blocks, a last block shorter than the others, a leaf of three dimensions; three steps in a
     row, each fed the last one's result."""
-    p, m, v, ma, va, g = _state(shape, 3, g_bf16, block)
-    got = [x.copy() for x in (p, m, v, ma, va)]
-    for step in range(3):
-        want = adamw_m7v5_reference(*got, g, block=block, seed=123 + step, offset=0, **HP)
-        adamw_m7v5_numpy(*got, g, block=block, seed=123 + step, lib=lib, **HP)
-        for name, a, b in zip(("p", "m", "v", "m scales", "v scales"), want, (got[0].view(np.uint16), *got[1:])):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name}, step {step}")
+    steps_match_the_reference(adamw_m7v5_numpy, adamw_m7v5_reference, lib, _state(shape, 3, g_bf16, block), block)
 
 
 def test_rows_in_pieces_equal_the_whole(lib):

@@ -17,7 +17,7 @@ from megatrain_jax.engine.update.m8v4 import (M8V4_BLOCK, adamw_m8v4_numpy, adam
 from megatrain_jax.engine.update.q4 import q4_dequantize, q4_quantize
 from megatrain_jax.engine.update.q8 import q8_dequantize, q8_quantize
 
-from test_q4_moments import HP, pieces_equal_the_whole, trains_as_capacity_mode_does
+from test_q4_moments import pieces_equal_the_whole, steps_match_the_reference, trains_as_capacity_mode_does
 from test_q4_moments import _state as q4_state
 
 M8V4 = EngineConfig(master_dtype="bfloat16", moment_dtype="m8v4", host_grad_dtype="bfloat16")
@@ -32,13 +32,7 @@ def _state(shape, seed, g_bf16=False, block=M8V4_BLOCK):
 def test_kernel_matches_reference_bit_for_bit(lib, g_bf16, shape, block):
     """Rows of several blocks, a last block shorter than the others, a leaf of three dimensions; three steps in a
     row, each fed the last one's result."""
-    p, m, v, ma, va, g = _state(shape, 3, g_bf16, block)
-    got = [x.copy() for x in (p, m, v, ma, va)]
-    for step in range(3):
-        want = adamw_m8v4_reference(*got, g, block=block, seed=123 + step, offset=0, **HP)
-        adamw_m8v4_numpy(*got, g, block=block, seed=123 + step, lib=lib, **HP)
-        for name, a, b in zip(("p", "m", "v", "m scales", "v scales"), want, (got[0].view(np.uint16), *got[1:])):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name}, step {step}")
+    steps_match_the_reference(adamw_m8v4_numpy, adamw_m8v4_reference, lib, _state(shape, 3, g_bf16, block), block)
 
 
 def test_rows_in_pieces_equal_the_whole(lib):

@@ -47,6 +47,17 @@ def test_kernel_matches_reference_bit_for_bit(lib, g_bf16, shape, block):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
+def steps_match_the_reference(run, reference, lib, state, block: int, steps: int = 3) -> None:
+    """``run`` (a quantized kernel's numpy wrapper) against its numpy ``reference``, ``steps`` steps in a row from
+    ``state`` (p, m, v, their scales, g), each fed the last one's result: every p bit, code and scale equal."""
+    *got, g = [x.copy() for x in state]
+    for step in range(steps):
+        want = reference(*got, g, block=block, seed=123 + step, offset=0, **HP)
+        run(*got, g, block=block, seed=123 + step, lib=lib, **HP)
+        for name, a, b in zip(("p", "m", "v", "m scales", "v scales"), want, (got[0].view(np.uint16), *got[1:])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name}, step {step}")
+
+
 def pieces_equal_the_whole(run, lib, state) -> None:
     """``run`` (a quantized kernel's numpy wrapper) on runs of whole rows of ``state`` (6 x 512), each with its
     flat offset, writes what one call on the whole writes."""

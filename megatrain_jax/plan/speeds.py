@@ -113,7 +113,7 @@ class Speeds:
 M8V4_OVER_Q4 = 11.06 / 10.37
 
 
-def _with_m8v4(rates: dict[str, float]) -> dict[str, float]:
+def _with_12_bit_modes(rates: dict[str, float]) -> dict[str, float]:
     """The rates with m8v4's, and m7v5's: not measured yet, planned at m8v4's (the same bytes a parameter; its
     codes are unpacked from their groups and packed back around the 8-bit kernel's passes)."""
     m8v4 = rates.get("m8v4", rates["q4"] * M8V4_OVER_Q4)
@@ -128,7 +128,7 @@ H100 = Speeds(
     kept_backward=1.2, h2d_bytes=47.6e9, d2h_bytes=47.8e9, hbm_bytes=2.6e12, device_update_bytes_per_param=30,
     # q4: the kernel alone on the H200's 16-core host ran 3.66 G params/s against the 8-bit one's 5.19, both
     # with AVX2 passes (h200_host_kernel_rates_846432b.json): the 8-bit rate here times that ratio
-    host_update=_with_m8v4({"full": 2.6e9, "lean": 2.9e9, "capacity": 4.0e9, "q8": 3.5e9, "q4": 2.5e9}),
+    host_update=_with_12_bit_modes({"full": 2.6e9, "lean": 2.9e9, "capacity": 4.0e9, "q8": 3.5e9, "q4": 2.5e9}),
     first_half_share=0.5,
     disk_bytes=3e9, dispatch=_DISPATCH,
     source="experiments/results: h100_side_by_side_v14.json, h100_kept_block.json, h100_host_adamw_v10.json, "
@@ -139,14 +139,14 @@ H100 = Speeds(
 # times 2.6 / 3.0, and 4-bit moments the 8-bit rate times the kernels' 3.66 / 5.19. Checked against steps the
 # H100's rates had put 19-24% too slow: capacity mode (h200_capped_rtx4090_sft_8b_export_29f9356.json, 2.83 s
 # measured) and the lean mode (h200_dpo_8b_generated_d968773.json, 1.79 s).
-_H200_HOST = _with_m8v4({"full": 3.00e9, "lean": 4.7e9, "capacity": 6.0e9, "q8": 4.55e9, "q4": 3.2e9})
+_H200_HOST = _with_12_bit_modes({"full": 3.00e9, "lean": 4.7e9, "capacity": 6.0e9, "q8": 4.55e9, "q4": 3.2e9})
 # The 32-core host of the 2-GPU H200 machine, measured (h200x2_measure_speeds_fcba712.json; the 8- and 4-bit
 # kernels with their AVX-512 passes): the kernels alone, taken as they run in a step. The 13B step's timeline at
 # 8K tokens on that host (h200x2_side_by_side_13b_8k_fcba712.json) ran its full-precision passes at 3.45 G
 # params/s, the kernel alone at 3.40; scaling the 16-core rates by cores had put full precision at 3.95 (the
 # host's memory, one NUMA node, not its cores, bounds it) and the 8-bit update at 6.9 against 12.2.
-_H200X2_HOST = {"host_update": _with_m8v4({"full": 3.40e9, "lean": 5.89e9, "capacity": 9.83e9, "q8": 12.2e9,
-                                           "q4": 10.3e9, "m8v4": 11.06e9}),
+_H200X2_HOST = {"host_update": _with_12_bit_modes({"full": 3.40e9, "lean": 5.89e9, "capacity": 9.83e9,
+                                                   "q8": 12.2e9, "q4": 10.3e9, "m8v4": 11.06e9}),
                 "first_half_share": 0.424, "one_pass_speedup": 1.49,
                 "source": "experiments/results/h200x2_measure_speeds_fcba712.json, "
                           "h200x2_host_kernel_rates_9a57166.json (m8v4)"}

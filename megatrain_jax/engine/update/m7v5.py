@@ -15,9 +15,9 @@ Why this pair: at m8v4's bytes its update errs less (``experiments/studies/q4_mo
 a third of itself at random each step, and a v of 5 bits halves that step; 7 bits of m keep most of the 8-bit m's
 precision (docs/capacity.md). Its quality on the 1B quality table is not yet measured.
 
-The encoder and decoder are the 8-bit format's (``Q8Grid`` in the kernel) with narrower fields; the numpy
-reference of the kernel's entry point ``megatrain_adamw_m7v5`` is ``adamw_m7v5_reference``, its wrappers
-``adamw_m7v5_inplace`` and ``adamw_m7v5_numpy``. Leaves: matrices of ``Q8_MIN_SIZE``+ elements whose rows
+The encoder and decoder are the 8-bit format's (``q8.grid_encode``, ``q8.grid_decode``; ``Q8Grid`` in the kernel)
+with narrower fields; the numpy reference of the kernel's entry point ``megatrain_adamw_m7v5`` is
+``adamw_m7v5_reference``, its wrappers ``adamw_m7v5_inplace`` and ``adamw_m7v5_numpy``. Leaves: matrices of ``Q8_MIN_SIZE``+ elements whose rows
 (``q8_rows``) are a multiple of 8 long (so that no group is shared by two rows); the rest keep bfloat16 moments.
 """
 
@@ -28,8 +28,8 @@ import ctypes
 import numpy as np
 
 from megatrain_jax.engine.update import host_kernel
-from megatrain_jax.engine.update.q8 import (Q8_MIN_SIZE, _block_sizes, check_kernel_arrays, q8_rows,
-                                            quantized_adamw_reference)
+from megatrain_jax.engine.update.q8 import (Q8_MIN_SIZE, _block_sizes, check_kernel_arrays, grid_decode, grid_encode,
+                                            q8_rows, quantized_adamw_reference)
 
 M7V5_BLOCK = 128  # elements of a row that share one scale, for both moments (a multiple of 8: whole groups)
 M7V5_MAX_BLOCK = 4096
@@ -71,39 +71,14 @@ def _check_block(block) -> None:
         raise ValueError(f"block must be a multiple of 8 in [8, {M7V5_MAX_BLOCK}], got {block!r}")
 
 
-def small_float_decode(c: np.ndarray, e_bits: int, m_bits: int) -> np.ndarray:
-    """Exact float32 values of magnitude codes c (uint32, exponent c >> m_bits): a normal code is its float32 bit
-    pattern (bias 2^e_bits - 1), a subnormal one f 2^(1 - bias - m_bits); the kernel's ``Q8Grid::decode``."""
-    bias = 2 ** e_bits - 1
-    c = np.asarray(c, np.uint32)
-    e, f = c >> np.uint32(m_bits), c & np.uint32(2 ** m_bits - 1)
-    normal = (((e + np.uint32(127 - bias)) << np.uint32(23)) | (f << np.uint32(23 - m_bits))).view(np.float32)
-    return np.where(e == 0, f.astype(np.float32) * np.float32(2.0 ** (1 - bias - m_bits)), normal)
-
-
-def small_float_encode(y: np.ndarray, r: np.ndarray, e_bits: int, m_bits: int) -> np.ndarray:
-    """Stochastic rounding of float32 y in [0, largest] to magnitude codes (uint32) with uint32 random bits r (low
-    20 used), as the kernel's ``Q8Grid::encode``: from the smallest normal up, the 20 random bits, shifted to the
-    top of the 23 - m_bits mantissa bits that rounding drops, carry into the kept ones with probability (dropped
-    bits) / 2^(23 - m_bits) (to 2^-20); below, y / 2^(1 - bias - m_bits) in fixed point rounds up with
-    probability of its fraction."""
-    bias, drop = 2 ** e_bits - 1, 23 - m_bits
-    u = np.ascontiguousarray(y, np.float32).view(np.uint32)
-    low = (np.asarray(r, np.uint32) & np.uint32(0xFFFFF)) << np.uint32(3 - m_bits)
-    normal = ((u + low) >> np.uint32(drop)) - np.uint32((127 - bias) << m_bits)
-    shift = np.uint32(128 - bias) - (u >> np.uint32(23))  # >= 1 below the smallest normal (wraps above: unused)
-    fixed = ((u & np.uint32(0x7FFFFF)) | np.uint32(0x800000)) >> np.minimum(shift, np.uint32(31))
-    return np.where(u >= np.uint32((128 - bias) << 23), normal, (fixed + low) >> np.uint32(drop))
-
-
 def m7v5_decode(codes, kind: str) -> np.ndarray:
     """Exact float32 values of codes (one per element, before scaling): m's sign in bit 6."""
     e_bits, m_bits, signed = GRIDS[_kind(kind)]
     c = np.asarray(codes).astype(np.uint32)
     if not signed:
-        return small_float_decode(c, e_bits, m_bits)
+        return grid_decode(c, 2 ** e_bits - 1, m_bits)
     sign_at = e_bits + m_bits
-    mag = small_float_decode(c & np.uint32(2 ** sign_at - 1), e_bits, m_bits)
+    mag = grid_decode(c & np.uint32(2 ** sign_at - 1), 2 ** e_bits - 1, m_bits)
     return (mag.view(np.uint32) | ((c & np.uint32(2 ** sign_at)) << np.uint32(31 - sign_at))).view(np.float32)
 
 
@@ -117,11 +92,11 @@ def m7v5_encode(x, r, kind: str) -> np.ndarray:
     if signed:
         sign_at = e_bits + m_bits
         ax = np.abs(x)
-        mag = small_float_encode(np.where(ax < top, ax, top), r, e_bits, m_bits) & np.uint32(2 ** sign_at - 1)
+        mag = grid_encode(np.where(ax < top, ax, top), r, 2 ** e_bits - 1, m_bits) & np.uint32(2 ** sign_at - 1)
         sign = np.where(np.signbit(x) & (mag != 0), np.uint32(2 ** sign_at), np.uint32(0))
         return (mag | sign).astype(np.uint8)
     yc = np.ascontiguousarray(np.where(x < top, x, top), np.float32)
-    c = small_float_encode(yc, r, e_bits, m_bits) & np.uint32(2 ** BITS[kind] - 1)
+    c = grid_encode(yc, r, 2 ** e_bits - 1, m_bits) & np.uint32(2 ** BITS[kind] - 1)
     return np.maximum(c, np.minimum(yc.view(np.uint32), np.uint32(1))).astype(np.uint8)
 
 

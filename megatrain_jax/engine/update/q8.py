@@ -60,59 +60,63 @@ def _check_block(block) -> None:
         raise ValueError(f"block must be an integer in [1, {Q8_MAX_BLOCK}], got {block!r}")
 
 
-def _grid_decode(c: np.ndarray, bias: int) -> np.ndarray:
-    """Exact float32 value of magnitude codes c (uint32, exponent c >> 3, mantissa c & 7): a normal code is its
-    float32 bit pattern, a subnormal one (exponent 0) f * 2^(1 - bias - 3)."""
-    e, f = c >> 3, c & np.uint32(7)
-    normal = (((e + np.uint32(127 - bias)) << 23) | (f << 20)).view(np.float32)
-    return np.where(e == 0, f.astype(np.float32) * np.float32(2.0 ** (-bias - 2)), normal)
+def grid_decode(c: np.ndarray, bias: int, mant: int = 3) -> np.ndarray:
+    """Exact float32 value of magnitude codes c (uint32, exponent c >> mant, mantissa the low ``mant`` bits; the
+    8-bit format's 3, m7v5's fewer): a normal code is its float32 bit pattern, a subnormal one (exponent 0)
+    f * 2^(1 - bias - mant). The kernel's ``Q8Grid<bias, mant>::decode``."""
+    c = np.asarray(c, np.uint32)
+    e, f = c >> np.uint32(mant), c & np.uint32(2 ** mant - 1)
+    normal = (((e + np.uint32(127 - bias)) << np.uint32(23)) | (f << np.uint32(23 - mant))).view(np.float32)
+    return np.where(e == 0, f.astype(np.float32) * np.float32(2.0 ** (1 - bias - mant)), normal)
 
 
-def _grid_encode(y: np.ndarray, r: np.ndarray, bias: int) -> np.ndarray:
-    """Stochastic rounding of float32 y in [0, 1.875] to magnitude codes (uint32) with uint32 random bits r (low
-    20 used), as the kernel's ``Q8Grid::encode``: from the smallest normal 2^(1 - bias) up, the 20 mantissa bits
-    that truncation to 3 drops plus r's carry into the kept ones with probability (dropped bits) / 2^20; below,
-    t = y / 2^(1 - bias - 3) in [0, 8) in 20-bit fixed point (exact when t has no bits below 2^-20) rounds up
-    with probability of its fraction. Mean over r: y (within 2^-20 steps where t has lower bits)."""
+def grid_encode(y: np.ndarray, r: np.ndarray, bias: int, mant: int = 3) -> np.ndarray:
+    """Stochastic rounding of float32 y in [0, largest] to magnitude codes (uint32) with uint32 random bits r (low
+    20 used), as the kernel's ``Q8Grid<bias, mant>::encode``: from the smallest normal 2^(1 - bias) up, the
+    random bits, at the top of the 23 - mant mantissa bits that truncation drops, carry into the kept ones with
+    probability (dropped bits) / 2^(23 - mant) (to 2^-20); below, t = y / 2^(1 - bias - mant) in fixed point
+    (exact when t has no bits below 2^-20) rounds up with probability of its fraction. Mean over r: y (within
+    2^-20 steps where t has lower bits)."""
+    drop = 23 - mant
     u = np.ascontiguousarray(y, np.float32).view(np.uint32)
-    low = np.asarray(r, np.uint32) & np.uint32(0xFFFFF)
-    normal = ((u + low) >> 20) - np.uint32((127 - bias) << 3)
+    low = (np.asarray(r, np.uint32) & np.uint32(0xFFFFF)) << np.uint32(3 - mant)
+    normal = ((u + low) >> np.uint32(drop)) - np.uint32((127 - bias) << mant)
     shift = np.uint32(128 - bias) - (u >> 23)  # >= 1 below the smallest normal (wraps above it: not used there)
     fixed = ((u & np.uint32(0x7FFFFF)) | np.uint32(0x800000)) >> np.minimum(shift, np.uint32(31))
-    return np.where(u >= np.uint32((128 - bias) << 23), normal, (fixed + low) >> 20)
+    return np.where(u >= np.uint32((128 - bias) << 23), normal, (fixed + low) >> np.uint32(drop))
 
 
 def q8_decode_m(codes) -> np.ndarray:
     """Exact float32 values of m codes (uint8, before scaling): bit 7 the sign, the low 7 an "e4m3" magnitude
     (bias 15, subnormals): (1 + f/8) 2^(e - 15) for exponent e > 0, f 2^-17 for e = 0; 0 to 1.875."""
     c = np.asarray(codes, np.uint8).astype(np.uint32)
-    mag = _grid_decode(c & np.uint32(0x7F), _Q8_BIAS["m"])
+    mag = grid_decode(c & np.uint32(0x7F), _Q8_BIAS["m"])
     return (mag.view(np.uint32) | ((c & np.uint32(0x80)) << 24)).view(np.float32)
 
 
 def q8_decode_v(codes) -> np.ndarray:
     """Exact float32 values of v codes (uint8, before scaling): an unsigned "e5m3" (bias 31, subnormals),
     (1 + f/8) 2^(e - 31) for exponent e > 0, f 2^-33 for e = 0; 0 to 1.875."""
-    return _grid_decode(np.asarray(codes, np.uint8).astype(np.uint32), _Q8_BIAS["v"])
+    return grid_decode(np.asarray(codes, np.uint8).astype(np.uint32), _Q8_BIAS["v"])
 
 
 def q8_encode_m(x, r) -> np.ndarray:
     """m codes (uint8) of scaled float32 values x (magnitudes clamped to 1.875, NaN to 1.875 too), rounded
-    stochastically with uint32 random bits r (see ``_grid_encode``); zero is always code 0, never -0."""
+    stochastically with uint32 random bits r (see ``grid_encode``); zero is always code 0, never -0."""
     x = np.asarray(x, np.float32)
     ax = np.abs(x)
-    mag = _grid_encode(np.where(ax < Q8_VMAX, ax, Q8_VMAX), r, _Q8_BIAS["m"]) & np.uint32(0x7F)
+    mag = grid_encode(np.where(ax < Q8_VMAX, ax, Q8_VMAX), r, _Q8_BIAS["m"]) & np.uint32(0x7F)
     sign = np.where(np.signbit(x), np.uint32(0x80), np.uint32(0))
     return (mag | np.where(mag != 0, sign, np.uint32(0))).astype(np.uint8)
 
 
 def q8_encode_v(y, r) -> np.ndarray:
     """v codes (uint8) of scaled float32 values y >= 0 (clamped to 1.875, NaN to 1.875 too), rounded
-    stochastically with uint32 random bits r (see ``_grid_encode``); a positive y never gets code 0 (code 1,
+    stochastically with uint32 random bits r (see ``grid_encode``); a positive y never gets code 0 (code 1,
     the smallest step, instead)."""
     y = np.asarray(y, np.float32)
     yc = np.ascontiguousarray(np.where(y < Q8_VMAX, y, Q8_VMAX), np.float32)
-    c = _grid_encode(yc, r, _Q8_BIAS["v"]) & np.uint32(0xFF)
+    c = grid_encode(yc, r, _Q8_BIAS["v"]) & np.uint32(0xFF)
     return np.maximum(c, np.minimum(yc.view(np.uint32), np.uint32(1))).astype(np.uint8)
 
 
