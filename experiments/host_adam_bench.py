@@ -81,7 +81,7 @@ def make_kernel_numpy(n: int):
 
 def make_quantized_kernel(n: int, moment_dtype: str, g_bf16: bool = False, defines: tuple[str, ...] = (),
                           part: str = "whole"):
-    """A quantized-moment kernel (``moment_formats.FORMATS``: 8-bit, 4-bit) on numpy arrays: bfloat16 p (uint16
+    """A quantized-moment kernel (``moment_formats.FORMATS``: 8-bit, m7v5) on numpy arrays: bfloat16 p (uint16
     bits), uint8 codes of m and v with float32 scales per block, float32 (or bfloat16) g; n parameters as rows
     of 4096. ``defines``: the kernel built with those macros (``host_kernel.build``), e.g. without its AVX-512
     passes."""
@@ -134,12 +134,9 @@ SYSTEMS = {
     # one pass of the 8-bit update each (the stream pass writes p alone, the commit pass the codes alone)
     "megatrain_jax_q8_kernel_bf16_grad_stream": lambda n: make_quantized_kernel(n, "q8", g_bf16=True, part="stream"),
     "megatrain_jax_q8_kernel_bf16_grad_commit": lambda n: make_quantized_kernel(n, "q8", g_bf16=True, part="commit"),
-    "megatrain_jax_q4_kernel": lambda n: make_quantized_kernel(n, "q4"),
-    "megatrain_jax_m8v4_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "m8v4", g_bf16=True),
     "megatrain_jax_m7v5_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "m7v5", g_bf16=True),
-    "megatrain_jax_q4_kernel_bf16_grad": lambda n: make_quantized_kernel(n, "q4", g_bf16=True),
-    "megatrain_jax_q4_kernel_bf16_grad_avx2": lambda n: make_quantized_kernel(n, "q4", g_bf16=True,
-                                                                              defines=("MEGATRAIN_NO_AVX512",)),
+    "megatrain_jax_m7v5_kernel_bf16_grad_avx2": lambda n: make_quantized_kernel(n, "m7v5", g_bf16=True,
+                                                                                defines=("MEGATRAIN_NO_AVX512",)),
     "megatrain_jax_host_fp32": lambda n: make_jax_host(n, False),
     "megatrain_jax_host_with_bf16_copy": lambda n: make_jax_host(n, True),
     "jax_cpu_backend": make_jax_cpu_backend,

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatrain_jax.cli import load_config  # noqa: E402
 from megatrain_jax.engine.config import EngineConfig  # noqa: E402
+from megatrain_jax.engine.precision import REMOVED_MOMENT_DTYPES  # noqa: E402
 from megatrain_jax.models import PRESETS, preset  # noqa: E402
 from megatrain_jax.plan import speeds as speeds_mod  # noqa: E402
 from megatrain_jax.plan.step_time import predict  # noqa: E402
@@ -56,6 +57,13 @@ REPEATS = ("h200x2_3p5b_8k_split_count_order_b439b4d.json",)
 # updated on the GPU compiles its update at the second step: h200x2_13b_32k_pool_abfe3c3.json, 8.2 s against
 # 5.0 steady): such runs are left out.
 MIN_TIMED = 2
+
+
+def _removed_mode(engine: dict, overrides: list[str] = ()) -> bool:
+    """Whether a run trained in a precision mode since removed (4-bit moments, m8v4: ``REMOVED_MOMENT_DTYPES``),
+    which no config takes now: such runs are left out."""
+    return engine.get("moment_dtype") in REMOVED_MOMENT_DTYPES or any(
+        o.split("=", 1) == ["engine.moment_dtype", d] for o in overrides for d in REMOVED_MOMENT_DTYPES)
 
 
 def _shape_preset(model: dict) -> str | None:
@@ -100,7 +108,7 @@ def runs(since: str = SINCE) -> list[dict]:
                     and r.get("steps_timed", MIN_TIMED) >= MIN_TIMED):
                 continue
             engine = {k: v for k, v in r["engine"].items() if k in ENGINE_FIELDS}
-            if not isinstance(engine.get("resident_layers", 0), int) or kind is None:
+            if not isinstance(engine.get("resident_layers", 0), int) or kind is None or _removed_mode(engine):
                 continue
             shape = _shape_preset(r["model"])
             if shape is None or r.get("model", {}).get("active_params"):
@@ -124,7 +132,7 @@ def _shipped_config_run(r) -> dict | None:
             and isinstance((r.get("planned") or {}).get("engine"), dict) and len(r.get("step_times_s") or []) >= 6):
         return None
     path = os.path.join(REPO, "experiments", "configs", f"{r['config']}.toml")
-    if not os.path.exists(path):
+    if not os.path.exists(path) or _removed_mode(r["planned"]["engine"], r["overrides"]):
         return None
     overrides = [o for o in r["overrides"] if not o.startswith(("model.hf_checkpoint=", "data.path=", "train."))]
     shape = re.search(r"^# plan shape: (\S+)$", open(path).read(), re.MULTILINE)

@@ -49,18 +49,7 @@
 //   VMAX) rounded stochastically to the grid (q8_encode_mag): unbiased, since an EMA step of v by (1 - b2) is
 //   under half a step of a 3-bit mantissa and round-to-nearest would never let v decay. One exception: a
 //   positive v never gets code 0 (code 1 instead), which keeps sqrt(v) away from 0 where m may be nonzero.
-// A sixth entry point keeps the moments in 4 bits: megatrain_adamw_q4. As megatrain_adamw_q8 (p bfloat16 bits,
-// g float32 or bfloat16, rows x cols cut into blocks of a row, one float32 absmax per block and moment), but
-// each code is a nibble, two to a byte (element x in byte x / 2: the low nibble for even x, the high for
-// odd; cols and block even, so no byte is shared by two blocks), on power-of-two grids scaled so that the
-// block's largest magnitude is 1:
-// - m: sign (bit 3) + a 3-bit magnitude c: 0 for c == 0, else 2^(c - 7): 2^-6 .. 1;
-// - v: a 4-bit c: 0 for c == 0, else 2^(c - 15): 2^-14 .. 1.
-// y = min(|x| / absmax, 1) is rounded stochastically to its two neighbours on the grid (q4_encode), so that
-// its mean is y; a positive v never gets code 0 (code 1 instead), as in 8 bits.
-// A seventh keeps m in 8 bits and v in 4 (m8v4, megatrain_adamw_m8v4): m's codes the 8-bit format's, a byte each,
-// v's the 4-bit format's nibbles, one block size for both scales.
-// An eighth keeps m in 7 bits and v in 5 (m7v5, megatrain_adamw_m7v5): small floats of the 8-bit format's kind
+// A sixth keeps m in 7 bits and v in 5 (m7v5, megatrain_adamw_m7v5): small floats of the 8-bit format's kind
 // with narrower fields (Q8Grid<bias, mantissa bits>), scaled so that the block's largest magnitude is the format's
 // largest value:
 // - m: sign (bit 6) + "e3m3", bias 7: f * 2^-9 when e == 0, else (1 + f/8) * 2^(e-7); VMAX = 1.875;
@@ -87,7 +76,7 @@
 #elif defined(__BMI2__) && !defined(MEGATRAIN_NO_INTRINSICS)
 #include <immintrin.h>  // pdep and pext (the m7v5 codes' groups)
 #endif
-// The 8-bit and 4-bit kernels' passes in AVX-512 too (16 elements a vector), where the compiler targets it and
+// The quantized kernels' passes in AVX-512 too (16 elements a vector), where the compiler targets it and
 // MEGATRAIN_NO_AVX512 does not leave them out (tests build that way to compare the two bit for bit).
 #if defined(MEGATRAIN_AVX2) && defined(__AVX512F__) && !defined(MEGATRAIN_NO_AVX512)
 #define MEGATRAIN_AVX512 1
@@ -330,7 +319,6 @@ void adamw_sr_parallel(uint16_t* p, uint16_t* m, uint16_t* v, const G* g, int64_
 constexpr int64_t kQ8MaxBlock = 4096;  // the largest quantization block: per-thread buffers are this long
 constexpr float kQ8Max = 1.875f;       // VMAX of both formats: (1 + 7/8) * 2^0
 constexpr int kBiasM = 15, kBiasV = 31;
-constexpr int kQ4EminM = -6, kQ4EminV = -14;  // 4-bit grids: the smallest nonzero magnitude of each is 2^kEmin
 
 // The small float with exponent bias kBias, kMant mantissa bits (3 for the 8-bit format; 0 to 3) and
 // subnormals: kSub = 2^(1 - kBias - kMant) is the subnormal step; 2^(1 - kBias), the smallest normal value, has
@@ -404,12 +392,11 @@ static inline float q8_inverse_scale(float absmax) {
 
 
 #ifdef MEGATRAIN_AVX2
-// AVX2 versions of the passes of adamw_q8_block and adamw_nibble_block, 8 elements a vector, operation for operation
+// AVX2 versions of the passes of adamw_q8_block and adamw_small_block, 8 elements a vector, operation for operation
 // the arithmetic of the scalar code (same float operations on the same operands, so the same roundings; the
 // integer steps rewritten into fewer instructions with equal results, as noted at each). GCC's vectorization of
 // the scalar loops spent about twice the instructions (byte packing, selects it would not turn into min/max,
-// spills); the 4-bit kernel's scalar loops, with their nibble unpacking and packing, ran at half the 8-bit
-// kernel's rate on a 16-core host (experiments/studies/NOTES.md).
+// spills; experiments/studies/NOTES.md).
 namespace quant_avx2 {
 
 inline __m256i set1(uint32_t x) { return _mm256_set1_epi32(static_cast<int32_t>(x)); }
@@ -511,72 +498,6 @@ struct Q8Codes {
   }
 };
 
-// q4_decode<kEmin> of 8 codes: 0 stays 0, c > 0 is (c - 1 + 127 + kEmin) << 23.
-template <int kEmin>
-inline __m256 q4_decode(__m256i c) {
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(c, set1(static_cast<uint32_t>(126 + kEmin))), 23);
-  return as_ps(_mm256_andnot_si256(_mm256_cmpeq_epi32(c, _mm256_setzero_si256()), bits));
-}
-
-// q4_encode<kEmin> of 8 values y in [0, 1] with random bits r. The normal branch as the scalar code's (e - (126 +
-// kEmin) is its e - (127 + kEmin) + 1); the subnormal one with a variable shift, which gives 0 for counts over
-// 31 as the scalar's shift by min(count, 31) does for a significand under 2^24. y is never negative here (a
-// magnitude, or v; NaN was clamped to 1 by the caller's min), so a signed compare picks the branch.
-template <int kEmin>
-inline __m256i q4_encode(__m256 y, __m256i r) {
-  const __m256i u = as_si(y);
-  const __m256i low = _mm256_and_si256(r, set1(0xfffffu));
-  const __m256i mant = _mm256_and_si256(u, set1(0x7fffffu));
-  const __m256i e = _mm256_srli_epi32(u, 23);
-  const __m256i normal = _mm256_add_epi32(_mm256_sub_epi32(e, set1(static_cast<uint32_t>(126 + kEmin))),
-                                          _mm256_srli_epi32(_mm256_add_epi32(_mm256_srli_epi32(mant, 3), low), 20));
-  const __m256i shift = _mm256_sub_epi32(set1(static_cast<uint32_t>(130 + kEmin)), e);
-  const __m256i fixed = _mm256_srlv_epi32(_mm256_or_si256(mant, set1(0x800000u)), shift);
-  const __m256i sub = _mm256_srli_epi32(_mm256_add_epi32(fixed, low), 20);
-  const __m256i is_normal = _mm256_cmpgt_epi32(u, set1((static_cast<uint32_t>(127 + kEmin) << 23) - 1u));
-  return _mm256_blendv_epi8(sub, normal, is_normal);
-}
-
-// 32 uint32 lanes (each < 16) as 16 bytes, two to a byte (element 2j in the low nibble of byte j): as bytes in
-// order (store_bytes' packing), then each 16-bit pair (c0 | c1 << 8) folded to c0 | c1 << 4, packed, and the two
-// halves' 8 bytes gathered.
-inline void store_nibbles(uint8_t* out, __m256i a0, __m256i a1, __m256i a2, __m256i a3) {
-  const __m256i b = _mm256_permutevar8x32_epi32(
-      _mm256_packus_epi16(_mm256_packus_epi32(a0, a1), _mm256_packus_epi32(a2, a3)),
-      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  const __m256i w = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi16(0x000f)),
-                                    _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x00f0)));
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);  // lanes' low halves: 0, 2
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
-}
-
-// The codes of elements x .. x + 7 (x even) as int32 lanes: nibbles, element x in byte x / 2 (low nibble for
-// even x). The four bytes are each doubled (bytes b0 b0 b1 b1 ...), widened, and shifted by 0 or 4.
-struct Q4Codes {
-  static inline __m256i load(const uint8_t* a, int64_t x) {
-    int32_t four;
-    std::memcpy(&four, a + x / 2, 4);
-    const __m128i twice = _mm_shuffle_epi8(_mm_cvtsi32_si128(four),
-                                           _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1));
-    const __m256i w = _mm256_cvtepu8_epi32(twice);
-    return _mm256_and_si256(_mm256_srlv_epi32(w, _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)), set1(15u));
-  }
-  // q4_decode_m without the scale: the magnitude (c & 7) with the sign bit (bit 3) moved to bit 31
-  static inline __m256 decode_m(__m256i c) {
-    const __m256 mag = q4_decode<kQ4EminM>(_mm256_and_si256(c, set1(7u)));
-    return _mm256_or_ps(mag, as_ps(_mm256_slli_epi32(_mm256_and_si256(c, set1(8u)), 28)));
-  }
-  static inline __m256 decode_v(__m256i c) { return q4_decode<kQ4EminV>(c); }
-  // The second pass's side, as Q8Codes' (x even: two codes to a byte).
-  static inline __m256 vmax() { return _mm256_set1_ps(1.0f); }
-  static inline __m256i code_m(__m256 y, __m256i r) { return _mm256_and_si256(q4_encode<kQ4EminM>(y, r), set1(7u)); }
-  static inline __m256i sign_m(__m256 mi) { return _mm256_and_si256(_mm256_srli_epi32(as_si(mi), 28), set1(8u)); }
-  static inline __m256i code_v(__m256 y, __m256i r) { return _mm256_and_si256(q4_encode<kQ4EminV>(y, r), set1(15u)); }
-  static inline void store(uint8_t* a, int64_t x, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
-    store_nibbles(a + x / 2, c0, c1, c2, c3);
-  }
-};
-
 // The codes of a small float of kE exponent and kM mantissa bits (bias 2^kE - 1; Q8Grid<bias, kM>), one a byte
 // (a block's codes, unpacked from their groups to a buffer of its own, adamw_small_block): m's with its sign in
 // the bit above the magnitude (bit kE + kM).
@@ -653,7 +574,7 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
   *av_out = va;
 }
 
-// The second pass on elements [0, n32) of the block (n32 a multiple of 32; lo even for 4-bit codes): the scalar
+// The second pass on elements [0, n32) of the block (n32 a multiple of 32): the scalar
 // encode loop's codes of m and v (scaled by im and iv), stored from code index c0 on (as pass1's).
 template <class MC, class VC>
 inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t c0, int64_t n32, float im_,
@@ -688,7 +609,7 @@ inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int6
 #endif
 
 #ifdef MEGATRAIN_AVX512
-// The 8-bit and 4-bit kernels' passes with 16 elements a vector: quant_avx2's operations lane for lane (the same float
+// The quantized kernels' passes with 16 elements a vector: quant_avx2's operations lane for lane (the same float
 // operations on the same operands; mask registers where AVX2 blends on a vector's sign bits; the narrowing
 // stores truncate where AVX2's saturate, equal for the codes and bfloat16 bits, which are under 2^8 and 2^16).
 // The 8-bit pass runs about half the memory rate of the other kernels on a 16-core H200 host (5.2 G params/s at
@@ -749,7 +670,7 @@ inline __m512i encode(__m512 y, __m512i r) {
   return _mm512_srli_epi32(_mm512_add_epi32(x, low), Grid::kDrop);
 }
 
-// The codes of elements x .. x + 15 as int32 lanes, and back (quant_avx2's Q8Codes and Q4Codes, 16 lanes).
+// The codes of elements x .. x + 15 as int32 lanes, and back (quant_avx2's Q8Codes, 16 lanes).
 struct Q8Codes {
   static inline __m512i load(const uint8_t* a, int64_t x) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + x)));
@@ -765,55 +686,6 @@ struct Q8Codes {
   static inline __m512i code_v(__m512 y, __m512i r) { return _mm512_and_si512(encode<kBiasV>(y, r), set1(0xffu)); }
   static inline void store(uint8_t* a, int64_t x, __m512i c) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(a + x), _mm512_cvtepi32_epi8(c));
-  }
-};
-
-template <int kEmin>
-inline __m512 q4_decode(__m512i c) {
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(c, set1(static_cast<uint32_t>(126 + kEmin))), 23);
-  return as_ps(_mm512_maskz_mov_epi32(_mm512_test_epi32_mask(c, c), bits));
-}
-
-template <int kEmin>
-inline __m512i q4_encode(__m512 y, __m512i r) {
-  const __m512i u = as_si(y);
-  const __m512i low = _mm512_and_si512(r, set1(0xfffffu));
-  const __m512i mant = _mm512_and_si512(u, set1(0x7fffffu));
-  const __m512i e = _mm512_srli_epi32(u, 23);
-  const __m512i normal = _mm512_add_epi32(_mm512_sub_epi32(e, set1(static_cast<uint32_t>(126 + kEmin))),
-                                          _mm512_srli_epi32(_mm512_add_epi32(_mm512_srli_epi32(mant, 3), low), 20));
-  const __m512i shift = _mm512_sub_epi32(set1(static_cast<uint32_t>(130 + kEmin)), e);
-  const __m512i fixed = _mm512_srlv_epi32(_mm512_or_si512(mant, set1(0x800000u)), shift);
-  const __m512i sub = _mm512_srli_epi32(_mm512_add_epi32(fixed, low), 20);
-  const __mmask16 is_normal = _mm512_cmpgt_epi32_mask(u, set1((static_cast<uint32_t>(127 + kEmin) << 23) - 1u));
-  return _mm512_mask_blend_epi32(is_normal, sub, normal);
-}
-
-// Nibbles, element x in byte x / 2 (x even; low nibble for even x): 8 bytes in, each doubled and widened to a
-// lane, shifted by 0 or 4; out, the 16 codes as bytes, each 16-bit pair (c0 | c1 << 8) folded to c0 | c1 << 4
-// and packed to 8 bytes.
-struct Q4Codes {
-  static inline __m512i load(const uint8_t* a, int64_t x) {
-    const __m128i twice = _mm_shuffle_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + x / 2)),
-                                           _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
-    const __m512i w = _mm512_cvtepu8_epi32(twice);
-    const __m512i by = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
-    return _mm512_and_si512(_mm512_srlv_epi32(w, by), set1(15u));
-  }
-  static inline __m512 decode_m(__m512i c) {
-    const __m512 mag = q4_decode<kQ4EminM>(_mm512_and_si512(c, set1(7u)));
-    return as_ps(_mm512_or_si512(as_si(mag), _mm512_slli_epi32(_mm512_and_si512(c, set1(8u)), 28)));
-  }
-  static inline __m512 decode_v(__m512i c) { return q4_decode<kQ4EminV>(c); }
-  static inline __m512 vmax() { return _mm512_set1_ps(1.0f); }
-  static inline __m512i code_m(__m512 y, __m512i r) { return _mm512_and_si512(q4_encode<kQ4EminM>(y, r), set1(7u)); }
-  static inline __m512i sign_m(__m512 mi) { return _mm512_and_si512(_mm512_srli_epi32(as_si(mi), 28), set1(8u)); }
-  static inline __m512i code_v(__m512 y, __m512i r) { return _mm512_and_si512(q4_encode<kQ4EminV>(y, r), set1(15u)); }
-  static inline void store(uint8_t* a, int64_t x, __m512i c) {
-    const __m128i b = _mm512_cvtepi32_epi8(c);
-    const __m128i w = _mm_or_si128(_mm_and_si128(b, _mm_set1_epi16(0x000f)),
-                                   _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi16(0x00f0)));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(a + x / 2), _mm_packus_epi16(w, w));
   }
 };
 
@@ -886,8 +758,7 @@ inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uin
   *av_out = va;
 }
 
-// quant_avx2::pass2, 16 elements a vector, on elements [0, n16) of the block (n16 a multiple of 16; lo even for
-// 4-bit codes).
+// quant_avx2::pass2, 16 elements a vector, on elements [0, n16) of the block (n16 a multiple of 16).
 template <class MC, class VC>
 inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int64_t c0, int64_t n16, float im_,
                   float iv_, const Keys& k, const float* __restrict mb, const float* __restrict vb) {
@@ -917,7 +788,7 @@ inline void pass2(uint8_t* __restrict m, uint8_t* __restrict v, int64_t lo, int6
 #endif
 
 // One element of a quantized-moment update from its old moments m0 and v0 (decoded and scaled): p written back
-// rounded stochastically, the new moments in *mb and *vb (the 8-bit and 4-bit kernels' shared math, in the
+// rounded stochastically, the new moments in *mb and *vb (the quantized kernels' shared math, in the
 // order of adamw_sr_block's).
 // kP false: the new moments alone, p neither read nor written (a commit pass: the same moments as the stream
 // pass that wrote p computed, from the same old codes and gradient).
@@ -937,53 +808,6 @@ static inline void quantized_element(uint16_t* __restrict p, const G* __restrict
   *vb = vi;
 }
 
-// ---- 4-bit moments (see the header for the formats) ----
-
-
-// Stochastic rounding of y in [0, 1] to a code of the power-of-two grid whose smallest nonzero value is
-// 2^kEmin, with random bits r (the low 20 used). At or above 2^kEmin, y = (1 + f) 2^e: code e - kEmin + 1,
-// plus one with probability f (its top 20 bits); below, y / 2^kEmin in [0, 1) as 20-bit fixed point (the
-// significand shifted right by the exponent's distance, at most 31), code 1 with probability of it. Integer
-// operations only, as Q8Grid::encode.
-template <int kEmin>
-static inline uint32_t q4_encode(float y, uint32_t r) {
-  uint32_t u;
-  std::memcpy(&u, &y, 4);
-  const uint32_t low = r & 0xfffffu;
-  const uint32_t e = u >> 23;
-  const uint32_t normal = e - static_cast<uint32_t>(127 + kEmin) + 1u + ((((u & 0x7fffffu) >> 3) + low) >> 20);
-  const uint32_t shift = static_cast<uint32_t>(130 + kEmin) - e;  // >= 4 below 2^kEmin
-  const uint32_t fixed = ((u & 0x7fffffu) | 0x800000u) >> (shift < 31u ? shift : 31u);
-  const uint32_t sub = (fixed + low) >> 20;
-  return u >= (static_cast<uint32_t>(127 + kEmin) << 23) ? normal : sub;
-}
-
-// The value of a nonzero-or-zero magnitude code: 0, or 2^(c - 1 + kEmin) as float32 bits.
-template <int kEmin>
-static inline float q4_decode(uint32_t c) {
-  const uint32_t bits = c == 0 ? 0u : (c - 1u + static_cast<uint32_t>(127 + kEmin)) << 23;
-  float x;
-  std::memcpy(&x, &bits, 4);
-  return x;
-}
-
-static inline float q4_decode_m(uint32_t c) {
-  const float mag = q4_decode<kQ4EminM>(c & 7u);
-  uint32_t bits;
-  std::memcpy(&bits, &mag, 4);
-  bits |= (c & 8u) << 28;
-  float x;
-  std::memcpy(&x, &bits, 4);
-  return x;
-}
-
-// 1 / absmax, capped at FLT_MAX (a block of zeros maps 0 to 0), as q8_inverse_scale.
-static inline float q4_inverse_scale(float absmax) {
-  const float q = 1.0f / absmax;
-  constexpr float kBig = std::numeric_limits<float>::max();
-  return q < kBig ? q : kBig;
-}
-
 // The scalar pieces of the two moment formats, as the blocks' scalar loops (quantized_update, quantized_encode)
 // read them: the scale of a block from its absmax, the value of a code, and a code from a value y in [0, kVmax].
 struct Q8Format {
@@ -995,28 +819,6 @@ struct Q8Format {
   static float value_v(uint32_t c) { return GridV::decode(c); }
   static uint32_t code_m(float y, uint32_t r) { return GridM::encode(y, r); }
   static uint32_t code_v(float y, uint32_t r) { return GridV::encode(y, r); }
-};
-
-struct Q4Format {
-  static constexpr float kVmaxM = 1.0f, kVmaxV = 1.0f;
-  static constexpr uint32_t kMagnitude = 7u, kSign = 8u, kV = 15u;
-  static float scale(float absmax) { return absmax; }
-  static float inverse_scale(float absmax) { return q4_inverse_scale(absmax); }
-  static float value_m(uint32_t c) { return q4_decode_m(c); }
-  static float value_v(uint32_t c) { return q4_decode<kQ4EminV>(c); }
-  static uint32_t code_m(float y, uint32_t r) { return q4_encode<kQ4EminM>(y, r); }
-  static uint32_t code_v(float y, uint32_t r) { return q4_encode<kQ4EminV>(y, r); }
-};
-
-// m8v4: m as the 8-bit format's m (a byte, scaled so that the block's largest is kQ8Max), v as the 4-bit
-// format's v (a nibble, scaled so that the block's largest is 1), one block size for both.
-struct M8V4Format {
-  static constexpr float kVmaxM = kQ8Max, kVmaxV = 1.0f;
-  static constexpr uint32_t kMagnitude = Q8Format::kMagnitude, kSign = Q8Format::kSign, kV = Q4Format::kV;
-  static float value_m(uint32_t c) { return Q8Format::value_m(c); }
-  static float value_v(uint32_t c) { return Q4Format::value_v(c); }
-  static uint32_t code_m(float y, uint32_t r) { return Q8Format::code_m(y, r); }
-  static uint32_t code_v(float y, uint32_t r) { return Q4Format::code_v(y, r); }
 };
 
 // Small floats for both moments (kEM, kMM: m's exponent and mantissa bits, with a sign above them; kEV, kMV:
@@ -1184,65 +986,6 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
   *v_amax = av;
 }
 
-// One block of n (even) elements from flat index lo (even) whose v codes are nibbles, two to a byte: the 4-bit
-// format (kPackedM: m's too, Q4Format) or m8v4 (m's a byte each at m + lo, as adamw_q8_block's, with its scale
-// mapping the block's largest |m| to kQ8Max; M8V4Format). The vector passes read and write the packed bytes
-// themselves; for the scalar loops the nibbles of the rest are unpacked one to a byte (mc, vc) before the update
-// and packed back after the encode (plain loops over contiguous buffers, which the compiler vectorizes).
-template <int kPass, bool kPackedM, class G>
-inline void adamw_nibble_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
-                               float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g,
-                               int64_t lo, int64_t n, const Hyper& h, const Keys& k, float* __restrict mb,
-                               float* __restrict vb, uint8_t* __restrict mc, uint8_t* __restrict vc) {
-  using Fmt = std::conditional_t<kPackedM, Q4Format, M8V4Format>;
-  using MScale = std::conditional_t<kPackedM, Q4Format, Q8Format>;  // m's scale from its absmax
-  const float sm = MScale::scale(*m_amax), sv = Q4Format::scale(*v_amax);
-  const int64_t half = n / 2, b0 = lo / 2;
-  uint8_t* m_codes = kPackedM ? mc : m + lo;  // what the scalar loops read and write
-  float am = 0.0f, av = 0.0f;
-  int64_t i0 = 0;
-  constexpr bool kP = kPass != kCommit;
-#if defined(MEGATRAIN_AVX512)
-  using MC512 = std::conditional_t<kPackedM, quant_avx512::Q4Codes, quant_avx512::Q8Codes>;
-  i0 = n / 16 * 16;
-  quant_avx512::pass1<MC512, quant_avx512::Q4Codes, kP>(p, m, v, g, lo, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
-#elif defined(MEGATRAIN_AVX2)
-  using MC256 = std::conditional_t<kPackedM, quant_avx2::Q4Codes, quant_avx2::Q8Codes>;
-  i0 = n / 8 * 8;
-  quant_avx2::pass1<MC256, quant_avx2::Q4Codes, kP>(p, m, v, g, lo, lo, i0, sm, sv, h, k, mb, vb, &am, &av);
-#endif
-#pragma omp simd
-  for (int64_t j = i0 / 2; j < half; ++j) {
-    if constexpr (kPackedM) {
-      const uint8_t a = m[b0 + j];
-      mc[2 * j] = a & 15u;
-      mc[2 * j + 1] = a >> 4;
-    }
-    const uint8_t b = v[b0 + j];
-    vc[2 * j] = b & 15u;
-    vc[2 * j + 1] = b >> 4;
-  }
-  quantized_update<Fmt, kP>(p, g, m_codes, vc, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
-  if constexpr (kPass == kStream) return;
-  const float im = MScale::inverse_scale(am), iv = Q4Format::inverse_scale(av);
-  i0 = 0;
-#if defined(MEGATRAIN_AVX512)
-  i0 = n / 16 * 16;
-  quant_avx512::pass2<MC512, quant_avx512::Q4Codes>(m, v, lo, lo, i0, im, iv, k, mb, vb);
-#elif defined(MEGATRAIN_AVX2)
-  i0 = n / 32 * 32;
-  quant_avx2::pass2<MC256, quant_avx2::Q4Codes>(m, v, lo, lo, i0, im, iv, k, mb, vb);
-#endif
-  quantized_encode<Fmt>(m_codes, vc, lo, i0, n, im, iv, k, mb, vb);
-#pragma omp simd
-  for (int64_t j = i0 / 2; j < half; ++j) {
-    if constexpr (kPackedM) m[b0 + j] = static_cast<uint8_t>(mc[2 * j] | (mc[2 * j + 1] << 4));
-    v[b0 + j] = static_cast<uint8_t>(vc[2 * j] | (vc[2 * j + 1] << 4));
-  }
-  *m_amax = am;
-  *v_amax = av;
-}
-
 // One block of n elements (a multiple of 8) from flat index lo (a multiple of 8) of the small-float formats
 // (SmallFormat<kEM, kMM, kEV, kMV>): its codes unpacked from their groups to a byte each (mc, vc), updated as
 // adamw_q8_block updates bytes (the vector passes on the buffers, c0 = 0; the scalar loops on the rest), packed
@@ -1292,7 +1035,7 @@ inline void adamw_small_block(uint16_t* __restrict p, uint8_t* __restrict m, uin
 
 // The blocks of a rows x cols array, in groups of consecutive blocks (about kChunk elements, fewer where that
 // would leave a thread without work) that threads take first come, first served; each thread has its own
-// buffers for a block's new moments (floats) and codes (one a byte, for the 4-bit format's packing).
+// buffers for a block's new moments (floats) and codes (one a byte, unpacked from m7v5's groups).
 struct BlockBuffers {
   alignas(64) float mb[kQ8MaxBlock];
   alignas(64) float vb[kQ8MaxBlock];
@@ -1322,15 +1065,6 @@ void adamw_q8_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float
                        int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
   quantized_parallel(rows, cols, block, [&](int64_t b, int64_t lo, int64_t n, BlockBuffers& buf) {
     adamw_q8_block<kPass>(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb);
-  });
-}
-
-template <int kPass, bool kPackedM, class G>
-void adamw_nibble_parallel(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const G* g,
-                           int64_t rows, int64_t cols, int64_t block, const Hyper h, const Keys k) {
-  quantized_parallel(rows, cols, block, [&](int64_t b, int64_t lo, int64_t n, BlockBuffers& buf) {
-    adamw_nibble_block<kPass, kPackedM>(p, m, v, m_amax + b, v_amax + b, g, lo, n, h, k, buf.mb, buf.vb, buf.mc,
-                                        buf.vc);
   });
 }
 
@@ -1424,43 +1158,7 @@ extern "C" void megatrain_adamw_q8(uint16_t* p, uint8_t* m, uint8_t* v, float* m
   });
 }
 
-// 4-bit moments (see the header): as megatrain_adamw_q8, with m and v two codes to a byte (rows * cols / 2
-// bytes each). Preconditions, checked by the Python wrapper: cols and block even, 0 < block <= 4096,
-// rows >= 0, offset even, offset + rows * cols <= 2^32.
-// The entry points of the formats whose v codes are nibbles (adamw_nibble_block): the 4-bit moments (kPackedM)
-// and m8v4.
-template <bool kPackedM>
-void adamw_nibble(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax, const void* g, int g_bf16,
-                  int64_t rows, int64_t cols, int64_t block, float lr, float b1, float b2, float eps, float wd,
-                  float grad_scale, float bc1, float bc2, uint32_t seed, int64_t offset, int pass) {
-  with_gradient(g, g_bf16, [&](auto gt) {
-    with_pass(pass, [&](auto kp) {
-      adamw_nibble_parallel<decltype(kp)::value, kPackedM>(p, m, v, m_amax, v_amax, gt, rows, cols, block,
-                                                           make_hyper(lr, b1, b2, eps, wd, grad_scale, bc1, bc2),
-                                                           make_keys(seed, offset));
-    });
-  });
-}
-
-extern "C" void megatrain_adamw_q4(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax,
-                                   const void* g, int g_bf16, int64_t rows, int64_t cols, int64_t block,
-                                   float lr, float b1, float b2, float eps, float wd, float grad_scale,
-                                   float bc1, float bc2, uint32_t seed, int64_t offset, int pass) {
-  adamw_nibble<true>(p, m, v, m_amax, v_amax, g, g_bf16, rows, cols, block, lr, b1, b2, eps, wd, grad_scale, bc1,
-                     bc2, seed, offset, pass);
-}
-
-// A seventh entry point: 8-bit m and 4-bit v (m8v4), the arguments as megatrain_adamw_q4's: m's codes one a
-// byte (rows x cols), v's two to a byte (rows x cols / 2), one block size (even) for both scales.
-extern "C" void megatrain_adamw_m8v4(uint16_t* p, uint8_t* m, uint8_t* v, float* m_amax, float* v_amax,
-                                     const void* g, int g_bf16, int64_t rows, int64_t cols, int64_t block,
-                                     float lr, float b1, float b2, float eps, float wd, float grad_scale,
-                                     float bc1, float bc2, uint32_t seed, int64_t offset, int pass) {
-  adamw_nibble<false>(p, m, v, m_amax, v_amax, g, g_bf16, rows, cols, block, lr, b1, b2, eps, wd, grad_scale,
-                      bc1, bc2, seed, offset, pass);
-}
-
-// An eighth entry point: 7-bit m (a sign and e3m3) and 5-bit v (e4m1), m7v5; the arguments as megatrain_adamw_q4's,
+// A sixth entry point: 7-bit m (a sign and e3m3) and 5-bit v (e4m1), m7v5; the arguments as megatrain_adamw_q8's,
 // with m's codes 7 bits an element and v's 5, each 8 to a group of 7 and 5 bytes (rows x cols * 7 / 8 and
 // rows x cols * 5 / 8 bytes), one block size for both scales. Preconditions, checked by the Python wrapper: cols
 // and block multiples of 8 (no group is shared by two rows or blocks), 0 < block <= 4096, offset + rows * cols

@@ -1,10 +1,8 @@
-"""The host kernel's builds agree bit for bit: the AVX-512 and AVX2 passes of the 8-bit, 4-bit, m8v4 and m7v5 moment
-kernels
-(used where the compiler targets them, as on the GPU machines' hosts; ``MEGATRAIN_NO_AVX512`` leaves the first out)
+"""The host kernel's builds agree bit for bit: the AVX-512 and AVX2 passes of the 8-bit and m7v5 moment kernels (used where the compiler targets them, as on the GPU machines' hosts; ``MEGATRAIN_NO_AVX512`` leaves the first out)
 against each other and against the portable loops alone
 (``MEGATRAIN_NO_INTRINSICS``, what a machine without AVX2 runs), on states whose magnitudes span the formats'
 ranges, blocks whose lengths are not multiples of the vectors' 8 and 32 elements, and counters near the end of
-their range; and the 4-bit, m8v4 and m7v5 kernels against their numpy references on such a state."""
+their range; and the m7v5 kernel against its numpy reference on such a state."""
 
 from __future__ import annotations
 
@@ -14,8 +12,6 @@ import pytest
 
 from megatrain_jax.engine.update import host_kernel
 from megatrain_jax.engine.update.m7v5 import adamw_m7v5_numpy, adamw_m7v5_reference, m7v5_quantize
-from megatrain_jax.engine.update.m8v4 import adamw_m8v4_numpy, adamw_m8v4_reference, m8v4_quantize
-from megatrain_jax.engine.update.q4 import adamw_q4_numpy, adamw_q4_reference, q4_quantize
 from megatrain_jax.engine.update.q8 import adamw_q8_numpy, q8_quantize
 
 from test_host_kernel_q8 import HP, _assert_equal
@@ -23,8 +19,7 @@ from test_host_kernel_q8 import _kernel as kernel_on_copies
 from test_host_kernel_q8 import _state as wide_state
 
 BF16 = ml_dtypes.bfloat16
-FORMATS = {"q8": (q8_quantize, adamw_q8_numpy), "q4": (q4_quantize, adamw_q4_numpy),
-           "m8v4": (m8v4_quantize, adamw_m8v4_numpy), "m7v5": (m7v5_quantize, adamw_m7v5_numpy)}
+FORMATS = {"q8": (q8_quantize, adamw_q8_numpy), "m7v5": (m7v5_quantize, adamw_m7v5_numpy)}
 # rows, cols, block, offset: a block of 16 (under one 32-element vector pass), blocks of 40 and 50 (tails of 8
 # and 18 after the vectors), a last block shorter than the others, counters that wrap past 2^32
 CASES = [(3, 1000, 256, 0), (7, 300, 128, 6), (13, 80, 16, 124), (5, 250, 50, 0), (9, 2 * 4096 + 40, 4096, 0),
@@ -72,7 +67,7 @@ def _three_steps_agree(fmt: str, a, b, g_bf16: bool, what: str) -> None:
 
 
 @pytest.mark.parametrize("g_bf16", [False, True], ids=["g_f32", "g_bf16"])
-@pytest.mark.parametrize("fmt", ["q8", "q4", "m8v4", "m7v5"])
+@pytest.mark.parametrize("fmt", ["q8", "m7v5"])
 def test_vector_and_portable_builds_agree_bit_for_bit(lib, portable, fmt, g_bf16):
     """Three steps in a row per case, each build fed its own last result: every p bit, code and scale equal."""
     _three_steps_agree(fmt, lib, portable, g_bf16, "vector against portable")
@@ -96,7 +91,7 @@ def avx2_only():
     return built
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q4", "m8v4", "m7v5"])
+@pytest.mark.parametrize("fmt", ["q8", "m7v5"])
 def test_avx512_and_avx2_builds_agree_bit_for_bit(lib, avx2_only, portable, fmt):
     """The quantized-moment kernels' AVX-512 passes (16 elements a vector, where the compiler targets AVX-512)
     against their AVX2 passes, on the cases above (three steps each, both gradient types) and over 2M elements.
@@ -111,19 +106,10 @@ def test_avx512_and_avx2_builds_agree_bit_for_bit(lib, avx2_only, portable, fmt)
     _assert_equal(_run(fmt, lib, state, **hp), _run(fmt, avx2_only, state, **hp), f"2M, widths {widths}")
 
 
-def test_q4_kernel_matches_reference_across_magnitudes(lib):
-    """The 4-bit kernel against its numpy reference on the wide-ranging state (both gradient types)."""
-    for g_bf16 in (False, True):
-        for i, (rows, cols, block, offset) in enumerate(CASES[:4]):
-            state = _state("q4", rows, cols, block, i, g_bf16)
-            hp = dict(HP, block=block, seed=31 + i, offset=offset)
-            _assert_equal(_run("q4", lib, state, **hp), adamw_q4_reference(*state, **hp), f"case {i}")
-
-
-@pytest.mark.parametrize("fmt,reference", [("m8v4", adamw_m8v4_reference), ("m7v5", adamw_m7v5_reference)])
-def test_mixed_kernels_match_their_references_across_magnitudes(lib, fmt, reference):
-    """The kernels of 8-bit m with 4-bit v and of 7-bit m with 5-bit v against their numpy references on the
-    wide-ranging state (both gradient types, every case, three steps in a row each fed its own last result)."""
+def test_m7v5_kernel_matches_its_reference_across_magnitudes(lib):
+    """The kernel of 7-bit m with 5-bit v against its numpy reference on the wide-ranging state (both gradient
+    types, every case, three steps in a row each fed its own last result)."""
+    fmt, reference = "m7v5", adamw_m7v5_reference
     for g_bf16 in (False, True):
         for i, (rows, cols, block, offset) in enumerate(cases(fmt)):
             state = _state(fmt, rows, cols, block, i, g_bf16)
@@ -175,7 +161,7 @@ def test_the_kernel_cache_keys_on_the_cpus_features(monkeypatch, tmp_path):
     assert host_kernel.built_path("g++", host_kernel.COMPILE_FLAGS) != here
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q4", "m8v4", "m7v5"])
+@pytest.mark.parametrize("fmt", ["q8", "m7v5"])
 def test_the_stream_pass_then_the_commit_pass_leave_what_the_whole_update_does(lib, avx2_only, portable, fmt):
     """A quantized update split in two: ``stream`` writes p alone (codes and scales untouched), ``commit`` then
     writes the codes and scales alone (p untouched) from the same old codes and gradient; together, bit for bit

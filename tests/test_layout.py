@@ -8,8 +8,9 @@
   changed, each to a leaner layout; and h200_7b_32k's, when it shipped with resident_layers and kept_layers
   "auto" (2026-11-29): with no GPU kind named here, the most resident blocks that fit and none kept; configs
   shipped later are pinned as they resolved when they shipped (h200x2_32b_32k: a 32B model, no block resident on
-  these machines; on the 125 GiB host it goes to 4-bit moments and the two-pass step, on the 96 and 60 GiB hosts
-  no precision mode fits and it keeps its 8-bit moments, for ``train`` to refuse); and recomputed once more when
+  these machines; on the 125, 96 and 60 GiB hosts no precision mode fits and it keeps its 8-bit moments, for
+  ``train`` to refuse: on the 125 GiB host it went to 4-bit moments and the two-pass step until that mode was
+  removed, 2026-11-30, for training worse than the quality table's bar); and recomputed once more when
   GPU-resident parts stopped counting a compute copy where the masters are what the GPU computes with (float32
   streaming, 2026-11-29: 12 instead of 16 bytes a parameter there; ``EngineConfig.resident_copy``): 1-4 more
   resident blocks in the "auto" cases of the float32-streaming configs, and where the host is short the lean
@@ -122,22 +123,22 @@ EXPECTED = {
     ('h200_sft_8b', 'capacity', 60, 80): {'moment_dtype': 'q8', 'host_grad_dtype': 'bfloat16'},
     ('h200_sft_8b', 'capacity', 1000, 24): {'offload_activations': 18},
     ('h200_sft_8b', 'long', 125, 80): {'stream_dtype': 'float32', 'grads_on_gpu': 4, 'offload_activations': 9},
-    ('h200x2_32b_32k', '', 125, 80): {'resident_layers': 0, 'moment_dtype': 'q4', 'kept_layers': 0, 'norm_first': True},
+    ('h200x2_32b_32k', '', 125, 80): {'resident_layers': 0, 'kept_layers': 0},
     ('h200x2_32b_32k', '', 96, 80): {'resident_layers': 0, 'kept_layers': 0},
     ('h200x2_32b_32k', '', 60, 80): {'resident_layers': 0, 'kept_layers': 0},
     ('h200x2_32b_32k', '', 250, 141): {'resident_layers': 0, 'kept_layers': 0},
     ('h200x2_32b_32k', '', 1000, 24): {'resident_layers': 0, 'kept_layers': 0},
-    ('h200x2_32b_32k', 'auto', 125, 80): {'resident_layers': 0, 'moment_dtype': 'q4', 'kept_layers': 0, 'norm_first': True},
+    ('h200x2_32b_32k', 'auto', 125, 80): {'resident_layers': 0, 'kept_layers': 0},
     ('h200x2_32b_32k', 'auto', 96, 80): {'resident_layers': 0, 'kept_layers': 0},
     ('h200x2_32b_32k', 'auto', 60, 80): {'resident_layers': 0, 'kept_layers': 0},
     ('h200x2_32b_32k', 'auto', 250, 141): {'resident_layers': 0, 'kept_layers': 0},
     ('h200x2_32b_32k', 'auto', 1000, 24): {'resident_layers': 0, 'kept_layers': 0},
-    ('h200x2_32b_32k', 'capacity', 125, 80): {'moment_dtype': 'q4', 'kept_layers': 0, 'norm_first': True},
+    ('h200x2_32b_32k', 'capacity', 125, 80): {'kept_layers': 0},
     ('h200x2_32b_32k', 'capacity', 96, 80): {'kept_layers': 0},
     ('h200x2_32b_32k', 'capacity', 60, 80): {'kept_layers': 0},
     ('h200x2_32b_32k', 'capacity', 250, 141): {'kept_layers': 0},
     ('h200x2_32b_32k', 'capacity', 1000, 24): {'kept_layers': 0},
-    ('h200x2_32b_32k', 'long', 125, 80): {'resident_layers': 0, 'moment_dtype': 'q4', 'kept_layers': 0, 'norm_first': True},
+    ('h200x2_32b_32k', 'long', 125, 80): {'resident_layers': 0, 'kept_layers': 0},
     ('h200x2_32b_32k', 'long', 96, 80): {'resident_layers': 0, 'kept_layers': 0},
     ('h200x2_32b_32k', 'long', 60, 80): {'resident_layers': 0, 'kept_layers': 0},
     ('h200x2_32b_32k', 'long', 250, 141): {'resident_layers': 0, 'kept_layers': 0},
@@ -196,11 +197,12 @@ def test_every_shipped_config_resolves_to_the_engine_picked_before(path):
 
 def test_the_100b_config_goes_lean_on_its_own_machine():
     """h200x4_gpt_oss_120b on one H200 with 480 GiB of host (MEGATRAIN_HOST_RAM_GIB on nvidia-h200-x4): capacity mode
-    needs 1,130 GiB, so the plan picks 4-bit moments, bfloat16 gradients and the two-pass step, and says so."""
+    needs 1,130 GiB, so the plan picks 7-bit m with 5-bit v, bfloat16 gradients and the two-pass step, and says
+    so."""
     given, got = _resolved(CONFIGS / "h200x4_gpt_oss_120b.toml", "", 480, 141)
     e = got.engine_cfg
-    assert (e.master_dtype, e.moment_dtype, e.host_grad_dtype, e.norm_first) == ("bfloat16", "q4", "bfloat16", True)
-    assert given.moment_dtype is None and "host RAM is short" in got.said and "4-bit" in got.said
+    assert (e.master_dtype, e.moment_dtype, e.host_grad_dtype, e.norm_first) == ("bfloat16", "m7v5", "bfloat16", True)
+    assert given.moment_dtype is None and "host RAM is short" in got.said and "7-bit m and 5-bit v" in got.said
 
 
 def test_gpus_are_counted_in_one_place(monkeypatch, capsys):

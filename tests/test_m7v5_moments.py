@@ -6,10 +6,13 @@ passes of a split update: ``test_host_kernel_paths.py``; the engine against the 
 
 from __future__ import annotations
 
+import jax
+import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
-from megatrain_jax import EngineConfig
+from megatrain_jax import Decoder, Engine, EngineConfig, adamw
 from megatrain_jax.engine import precision
 from megatrain_jax.engine.update import host_kernel
 from megatrain_jax.engine.update.host_optimizer import QuantizedMoment
@@ -19,14 +22,73 @@ from megatrain_jax.engine.update.m7v5 import (BITS, M7V5_BLOCK, VMAX, adamw_m7v5
                                               unpack_groups)
 from megatrain_jax.engine.update.q8 import q8_decode_m
 
-from test_q4_moments import pieces_equal_the_whole, steps_match_the_reference, trains_as_capacity_mode_does
-from test_q4_moments import _state as q4_state
+from test_engine import TINY3, make_batches
 
+BF16 = ml_dtypes.bfloat16
+HP = dict(lr=1e-3, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=0.7, bc1=0.5, bc2=0.3)
 M7V5 = EngineConfig(master_dtype="bfloat16", moment_dtype="m7v5", host_grad_dtype="bfloat16")
 
 
-def _state(shape, seed, g_bf16=False, block=M7V5_BLOCK):
-    return q4_state(shape, seed, g_bf16, block, quantize=m7v5_quantize)
+def _state(shape, seed, g_bf16=False, block=M7V5_BLOCK, quantize=m7v5_quantize):
+    """bfloat16 p, m and v in a quantized format (``quantize``: m7v5's by default) with their scales, and g."""
+    rng = np.random.default_rng(seed)
+    p = rng.standard_normal(shape).astype(BF16)
+    g = (rng.standard_normal(shape) * np.exp(2 * rng.standard_normal(shape))).astype(np.float32)
+    if g_bf16:
+        g = g.astype(BF16)
+    m, ma = quantize(0.01 * rng.standard_normal(shape), block, "m", seed=seed + 1)
+    v, va = quantize(1e-4 * np.abs(rng.standard_normal(shape)), block, "v", seed=seed + 2)
+    return p, m, v, ma, va, g
+
+
+def steps_match_the_reference(run, reference, lib, state, block: int, steps: int = 3) -> None:
+    """``run`` (a quantized kernel's numpy wrapper) against its numpy ``reference``, ``steps`` steps in a row from
+    ``state`` (p, m, v, their scales, g), each fed the last one's result: every p bit, code and scale equal."""
+    *got, g = [x.copy() for x in state]
+    for step in range(steps):
+        want = reference(*got, g, block=block, seed=123 + step, offset=0, **HP)
+        run(*got, g, block=block, seed=123 + step, lib=lib, **HP)
+        for name, a, b in zip(("p", "m", "v", "m scales", "v scales"), want, (got[0].view(np.uint16), *got[1:])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name}, step {step}")
+
+
+def pieces_equal_the_whole(run, lib, state) -> None:
+    """``run`` (a quantized kernel's numpy wrapper) on runs of whole rows of ``state`` (6 x 512), each with its
+    flat offset, writes what one call on the whole writes."""
+    p, m, v, ma, va, g = state
+    whole = [x.copy() for x in (p, m, v, ma, va)]
+    run(*whole, g, seed=9, lib=lib, **HP)
+    pieces = [x.copy() for x in (p, m, v, ma, va)]
+    for a, b in ((0, 2), (2, 6)):
+        views = [np.ascontiguousarray(x[a:b]) for x in pieces]
+        run(*views, np.ascontiguousarray(g[a:b]), seed=9, offset=a * 512, lib=lib, **HP)
+        for x, y in zip(pieces, views):
+            x[a:b] = y
+    for x, y in zip(whole, pieces):
+        np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+def trains_as_capacity_mode_does(ec: EngineConfig, check_leaf) -> None:
+    """An engine in quantized mode ``ec`` and one in capacity mode, on one batch over 8 steps: the quantized one's
+    loss falls and follows capacity mode's within 2%; ``check_leaf(p, m, v)`` on every leaf of it after a sync."""
+    cfg = TINY3.replace(dtype="bfloat16")
+    batches = make_batches(1, vocab=cfg.vocab_size) * 8
+    runs, engines = {}, {}
+    for name, e in (("capacity", EngineConfig(master_dtype="bfloat16")), ("quantized", ec)):
+        engine = Engine(Decoder(cfg, rngs=nnx.Rngs(0)), adamw(3e-3), e)
+        runs[name] = [engine.step([b]).resolve()["loss"] for b in batches]
+        engines[name] = engine
+    engine = engines["quantized"]
+    engine.sync()
+    for part in engine.state.parts:
+        structure = jax.tree.structure(part.params)
+        for p, m, v in zip(jax.tree.leaves(part.params), structure.flatten_up_to(part.opt.mu),
+                           structure.flatten_up_to(part.opt.nu)):
+            check_leaf(p, m, v)
+    assert runs["quantized"][-1] < runs["quantized"][0] - 0.05
+    assert max(abs(a - b) / b for a, b in zip(runs["quantized"], runs["capacity"])) < 0.02, runs
+    for e in engines.values():
+        e.close()
 
 
 @pytest.mark.parametrize("g_bf16", [False, True], ids=["g_f32", "g_bf16"])
@@ -75,13 +137,12 @@ def test_codes_pack_eight_to_a_group_of_their_bits():
 
 def test_which_leaves_take_m7v5_moments_and_their_bytes():
     """Matrices of 4,096+ elements whose rows are a multiple of 8 long; m 7 bits an element and v 5, a float32 scale
-    per 128 elements for each: 1.5625 bytes a parameter for both, m8v4's."""
+    per 128 elements for each: 1.5625 bytes a parameter for both."""
     assert m7v5_leaf((64, 64)) and not m7v5_leaf((4096,)) and not m7v5_leaf((64, 68)) and m7v5_leaf((4, 2, 512))
     assert m7v5_codes_shape((64, 256), "m") == (64, 224) and m7v5_codes_shape((64, 256), "v") == (64, 160)
     assert m7v5_scale_shape((64, 256)) == (64, 2) and BITS == {"m": 7, "v": 5}
     n = 4096 * 4096
     assert precision.MODES["m7v5"].moments_of((4096, 4096)) == n * 12 // 8 + 2 * 4 * 4096 * 32
-    assert precision.MODES["m7v5"].moments_of((4096, 4096)) == precision.MODES["m8v4"].moments_of((4096, 4096))
     with pytest.raises(ValueError, match="multiple of 8"):
         m7v5_quantize(np.zeros((4, 12), np.float32), M7V5_BLOCK, "m", seed=0)
     with pytest.raises(ValueError, match="block"):

@@ -406,20 +406,16 @@ def test_float32_stream_over_gpu_suggests_bf16_or_less_prefetch():
 
 def test_train_says_what_each_leaner_mode_costs_where_it_picks_it():
     """Llama-3-70B short of host RAM, each with the two-pass step: at 340 GiB 8-bit moments fit (``train`` says
-    they passed the quality table), at 320 GiB 7-bit m with 5-bit v (the bytes of 8-bit m with 4-bit v, which it
-    comes before: not yet measured, and it says so), at 290 GiB only 4-bit moments (which warn by how much they
-    missed the quality table's bar)."""
+    they passed the quality table), at 290 GiB 7-bit m with 5-bit v (which passed it too, and it says by how
+    much)."""
     from megatrain_jax import preset
     from megatrain_jax.plan import lean_engine
     e = EngineConfig(micro_batches=2, master_dtype="bfloat16")
     kw = dict(gpu_bytes=int(141 * GiB * 0.95))
     picked, why = lean_engine(preset("llama3-70b"), e, 8, 2048, host_ram_bytes=290 * GiB, **kw)
-    assert picked.moment_dtype == "q4" and picked.norm_first
-    assert "running capacity mode with 4-bit moments" in why
-    assert "WARNING: a held-out loss 3.2% above float32's" in why and "quality: docs/capacity.md" in why
-    picked, why = lean_engine(preset("llama3-70b"), e, 8, 2048, host_ram_bytes=320 * GiB, **kw)
     assert picked.moment_dtype == "m7v5" and picked.norm_first
-    assert "not yet measured on the quality table" in why and "WARNING" not in why
+    assert "running capacity mode with 7-bit m and 5-bit v" in why and "WARNING" not in why
+    assert "within 0.5% of float32's" in why and "quality: docs/capacity.md" in why
     picked, why = lean_engine(preset("llama3-70b"), e, 8, 2048, host_ram_bytes=340 * GiB, **kw)
     assert picked.moment_dtype == "q8" and "WARNING" not in why and "within 0.2% of float32's" in why
 
@@ -435,7 +431,7 @@ def test_a_leaner_mode_short_of_gpu_memory_is_offered_with_a_gpu_lever():
     tight = dataclasses.replace(base, gpu_available=base.applied(switch).gpu_total + GPU_FRAGMENTATION_MARGIN - 1)
     assert not tight.host_fits and tight.applied(switch).host_fits and not tight.applied(switch).gpu_fits
     offered = {o.changes[0][1]: dict(o.changes) for o in options(tight) if o.changes[0][0] == "engine.moment_dtype"}
-    assert set(offered) == {"q8", "m7v5", "m8v4", "q4"}, offered
+    assert set(offered) == {"q8", "m7v5"}, offered
     for changes in offered.values():
         assert set(changes) - {"engine.moment_dtype", "engine.host_grad_dtype"}, changes  # a GPU lever with it
         assert tight.applied(tuple(changes.items())).fits
@@ -597,7 +593,7 @@ def test_blocks_updated_on_the_gpu_leave_the_other_modes_on_offer():
     without = plan(EIGHT_B, dataclasses.replace(e, gpu_updated_layers=0), 2, 2048, host_ram_bytes=90 * GiB,
                    gpu_bytes=71 * GiB)  # the same modes on offer as without the lever
     modes = lambda opts: {o.get("engine.moment_dtype") for o in opts if "engine.master_dtype" in o}  # noqa: E731
-    assert modes(offered) == modes([dict(o.changes) for o in options(without)]) == {"q8", "m7v5", "m8v4", "q4"}
+    assert modes(offered) == modes([dict(o.changes) for o in options(without)]) == {"q8", "m7v5"}
     for option in options(p):
         assert p.applied(option.changes).fits, option
     assert len(p.host_bytes_per_param()) >= 4
@@ -1068,7 +1064,7 @@ def test_a_short_gpu_fetches_fewer_blocks_ahead_before_offloading_activations():
 def test_advice_for_a_two_pass_run_offers_only_what_the_engine_takes():
     """A run with the two-pass step (norm_first) that does not fit: the advice's levers and pairs leave out what
     the engine refuses beside norm_first (gradients waiting on the GPU, accumulation sub-steps) instead of
-    raising on them; 4-bit moments come with their warning."""
+    raising on them; m7v5 is offered with its quality."""
     from megatrain_jax import preset
     from megatrain_jax.plan.levers import advice, options
     e = EngineConfig(micro_batches=2, master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16",
@@ -1079,5 +1075,5 @@ def test_advice_for_a_two_pass_run_offers_only_what_the_engine_takes():
     assert offered and all(p.applied(o.changes).fits for o in offered)
     assert not any(k in ("engine.grads_on_gpu", "engine.accumulate_steps") for o in offered for k, _ in o.changes)
     said = advice(p, e)
-    assert "engine.moment_dtype=q4" in said and "WARNING" in said
+    assert "engine.moment_dtype=m7v5" in said and "WARNING" not in said
     assert "+ bfloat16 gradients of at most 3 parts (the two-pass step)" in said and "B/param of gradients" not in said

@@ -31,11 +31,10 @@ def test_plan_prints_every_precision_mode_with_bytes_per_param_and_whether_it_fi
     assert lines["q8"].rstrip().endswith("fits")
     q8 = float(lines["q8"].split("B/param")[0].split()[-1])
     assert 6.0 < q8 < 7.5
-    q4 = float(lines["q4"].split("B/param")[0].split()[-1])
-    assert q4 < q8 - 0.8  # 4-bit moments: about 1 B/param less, and it says that they train worse
-    for lossy in ("q4", "m8v4"):  # both missed the quality table's bar
-        assert lines[lossy].rstrip().endswith("fits (trains worse: over the quality bar, docs/capacity.md)")
-    assert "in capacity mode with 4-bit moments, the leanest precision mode" in out
+    m7v5 = float(lines["m7v5"].split("B/param")[0].split()[-1])
+    assert q8 - 0.6 < m7v5 < q8 - 0.3  # 12 bits of moments an element against 16: 0.44 B/param less
+    assert lines["m7v5"].rstrip().endswith("fits")  # within the quality table's bar: no mark
+    assert "in capacity mode with 7-bit m and 5-bit v, the leanest precision mode" in out
 
 
 def test_a_run_that_fits_nowhere_gets_each_modes_host_ram():
@@ -46,13 +45,14 @@ def test_a_run_that_fits_nowhere_gets_each_modes_host_ram():
     assert [m.mode for m in modes] == list(precision.MODES.values())
     assert not any(m.plan.fits for m in modes)
     need = {m.mode.name: m.host_gib for m in modes}
-    assert need["q4"] < need["q8"] < need["capacity"] < need["full"] and 400 < need["q8"] < 480
+    assert need["m7v5"] < need["q8"] < need["capacity"] < need["full"] and 400 < need["q8"] < 480
     assert all(m.plan.replace(host_ram_bytes=m.host_gib * GiB).host_fits for m in modes)
-    assert not modes[-1].plan.replace(host_ram_bytes=(need["q4"] - 1) * GiB).host_fits
+    assert not modes[-1].plan.replace(host_ram_bytes=(need["m7v5"] - 1) * GiB).host_fits
     table = modes_table(p, modes)
     assert all(f"{n:,d} GiB host" in table for n in need.values())
     assert table.count("does not fit") == len(precision.MODES)
-    assert f"capacity mode with 4-bit moments, the leanest precision mode, {need['q4']:,d} GiB" in machine_needed(p)
+    assert (f"capacity mode with 7-bit m and 5-bit v, the leanest precision mode, {need['m7v5']:,d} GiB"
+            in machine_needed(p))
 
 
 def test_longest_sequence_of_a_small_model_that_fits(capsys):

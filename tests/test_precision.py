@@ -29,8 +29,6 @@ CASES = {  # one engine config per mode, as a user would set it (gradients home 
     "capacity": EngineConfig(master_dtype="bfloat16"),
     "q8": EngineConfig(master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16"),
     "m7v5": EngineConfig(master_dtype="bfloat16", moment_dtype="m7v5", host_grad_dtype="bfloat16"),
-    "m8v4": EngineConfig(master_dtype="bfloat16", moment_dtype="m8v4", host_grad_dtype="bfloat16"),
-    "q4": EngineConfig(master_dtype="bfloat16", moment_dtype="q4", host_grad_dtype="bfloat16"),
 }
 
 

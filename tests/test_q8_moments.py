@@ -2,9 +2,8 @@
 (``host_grad_dtype="bfloat16"``): a part's update equals the kernel's numpy reference bit for bit, on one
 device and spread over two; the engine equals a whole-model reference that applies that update to
 ``jax.grad``'s gradients, rounded to bfloat16 and clipped by their own norm; the mode trains as capacity mode
-does on a small problem. The same for 8-bit m with 4-bit v (``moment_dtype="m8v4"``) and 7-bit m with 5-bit v
-(``"m7v5"``) where marked. (The kernels themselves: tests/test_host_kernel_q8.py, test_m8v4_moments.py,
-test_m7v5_moments.py; checkpoints: test_checkpoint.py.)"""
+does on a small problem. The same for 7-bit m with 5-bit v (``moment_dtype="m7v5"``) where marked. (The kernels
+themselves: tests/test_host_kernel_q8.py, test_m7v5_moments.py; checkpoints: test_checkpoint.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from megatrain_jax import Decoder, Engine, EngineConfig, adamw
 from megatrain_jax.contract.layered import block_params, io_params
 from megatrain_jax.engine.transfer import Placement, local_value
 from megatrain_jax.engine import precision
-from megatrain_jax.engine.update import host_kernel, m7v5, m8v4, q8
+from megatrain_jax.engine.update import host_kernel, m7v5, q8
 from megatrain_jax.engine.update.moment_formats import FORMATS
 from megatrain_jax.engine.update.host_optimizer import HostOptimizer, QuantizedMoment, rounding_seed
 from megatrain_jax.optim import fused_spec
@@ -33,8 +32,7 @@ pytestmark = pytest.mark.usefixtures("lib")  # the kernel must build: conftest.l
 
 Q8 = EngineConfig(master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16")
 # each quantized format these tests hold to its numpy reference: its kernel's reference
-REFERENCES = {"q8": q8.adamw_q8_reference, "m8v4": m8v4.adamw_m8v4_reference,
-              "m7v5": m7v5.adamw_m7v5_reference}
+REFERENCES = {"q8": q8.adamw_q8_reference, "m7v5": m7v5.adamw_m7v5_reference}
 TX = lambda: adamw(1e-3, eps=1e-6, weight_decay=0.1)  # noqa: E731
 
 
@@ -75,7 +73,7 @@ def _assert_same(a, b) -> None:
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("fmt", ["q8", "m8v4", "m7v5"])
+@pytest.mark.parametrize("fmt", ["q8", "m7v5"])
 @pytest.mark.parametrize("grad_dtype", [np.float32, jnp.bfloat16])
 def test_part_update_is_the_reference_bit_for_bit(grad_dtype, fmt):
     """Every leaf of a block, over two steps: matrices through the quantized kernel, vectors through capacity
@@ -102,9 +100,9 @@ def test_part_update_is_the_reference_bit_for_bit(grad_dtype, fmt):
     assert any(m[0].any() for m in _state_of(part)[1] if isinstance(m, tuple))  # codes were written
 
 
-@pytest.mark.parametrize("fmt", ["q8", "m8v4", "m7v5"])
+@pytest.mark.parametrize("fmt", ["q8", "m7v5"])
 def test_a_part_spread_over_two_devices_updates_as_on_one_bit_for_bit(fmt):
-    """Each device's rows of a matrix, with their rows of codes and scales (m8v4: v's rows half m's bytes), get
+    """Each device's rows of a matrix, with their rows of codes and scales (m7v5: v's rows 5/7 of m's bytes), get
     what one update of the whole writes."""
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
@@ -172,7 +170,7 @@ def _clipped_reference(fmt: str = "q8"):
     return _reference_run(TINY3, make_batches(3, vocab=TINY3.vocab_size), clip=0.05, fmt=fmt)
 
 
-@pytest.mark.parametrize("fmt", ["q8", "m8v4", "m7v5"])
+@pytest.mark.parametrize("fmt", ["q8", "m7v5"])
 @pytest.mark.parametrize("micro", [1, 2])
 def test_engine_equals_the_whole_model_reference(micro, fmt):
     """Three steps with clipping: the same losses, and masters that mostly equal the reference's bit for bit

@@ -6,8 +6,8 @@
 #
 #   MEGATRAIN_GIT_COMMIT=<sha> bash experiments/studies/h200_two_pass_step.sh tests   # the tests, then the two-pass run
 #   MEGATRAIN_GIT_COMMIT=<sha> bash experiments/studies/h200_two_pass_step.sh one_pass # the one-pass run
-#   MEGATRAIN_GIT_COMMIT=<sha> bash experiments/studies/h200_two_pass_step.sh q4       # 4-bit moments: tests, host
-#                                                   # kernels against 8 bits, the 21B run with 4-bit moments
+#   MEGATRAIN_GIT_COMMIT=<sha> bash experiments/studies/h200_two_pass_step.sh m7v5     # 7-bit m, 5-bit v: tests, host
+#                                                   # kernels against 8 bits, the 21B run with m7v5
 set -u
 export PYTHONPATH=.
 TAG=${MEGATRAIN_GIT_COMMIT:0:7}
@@ -24,13 +24,13 @@ case "${1:-tests}" in
   one_pass)
     timeout 560 python experiments/shipped_configs.py "${SHAPE[@]}" --timeout 540 \
       --out "$OUT/h200_21b_q8_one_pass_cli_$TAG.json" | tail -15 ;;
-  q4)
+  m7v5)
     XLA_FLAGS=--xla_gpu_deterministic_ops=true timeout 200 python -m pytest -q -p no:cacheprovider \
-      tests/test_engine.py tests/test_q4_moments.py tests/test_precision.py -k "norm_first or q4 or record" \
-      --junitxml="$OUT/h200_engine_q4_norm_first_deterministic_$TAG.xml" | tail -5
+      tests/test_engine.py tests/test_m7v5_moments.py tests/test_precision.py -k "norm_first or m7v5 or record" \
+      --junitxml="$OUT/h200_engine_m7v5_norm_first_deterministic_$TAG.xml" | tail -5
     timeout 120 python experiments/host_adam_bench.py --params 1024 --reps 3 \
-      --systems megatrain_jax_q8_kernel_bf16_grad,megatrain_jax_q4_kernel_bf16_grad,megatrain_jax_capacity_kernel \
-      --out "$OUT/h200_host_adamw_q4_$TAG.json" | tail -4
-    timeout 300 python experiments/shipped_configs.py "${SHAPE[@]}" --set engine.moment_dtype=q4 \
-      --set engine.norm_first=true --timeout 290 --out "$OUT/h200_21b_q4_two_pass_cli_$TAG.json" | tail -15 ;;
+      --systems megatrain_jax_q8_kernel_bf16_grad,megatrain_jax_m7v5_kernel_bf16_grad,megatrain_jax_capacity_kernel \
+      --out "$OUT/h200_host_adamw_m7v5_$TAG.json" | tail -4
+    timeout 300 python experiments/shipped_configs.py "${SHAPE[@]}" --set engine.moment_dtype=m7v5 \
+      --set engine.norm_first=true --timeout 290 --out "$OUT/h200_21b_m7v5_two_pass_cli_$TAG.json" | tail -15 ;;
 esac

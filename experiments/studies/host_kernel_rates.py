@@ -1,6 +1,6 @@
 """The host kernel's rates on the machine that runs it, in one process, for two questions:
 
-1. **The quantized kernels' builds** (issue 52): the 8-bit, m7v5, m8v4 and 4-bit moment kernels (bfloat16 gradients,
+1. **The quantized kernels' builds** (issue 52): the 8-bit and m7v5 moment kernels (bfloat16 gradients,
    the engine's defaults: blocks of 256, 128 and 128) as built with AVX2 passes and as the portable loops alone
    (``MEGATRAIN_NO_INTRINSICS``), parameters/s over every usable core and over one.
 2. **The split update's first pass** (issue 51, the 32K row): the step's forward waits for
@@ -33,8 +33,6 @@ from child import median_seconds, results_header  # noqa: E402
 
 from megatrain_jax.engine.update import host_kernel  # noqa: E402
 from megatrain_jax.engine.update.m7v5 import M7V5_BLOCK, adamw_m7v5_numpy, m7v5_quantize  # noqa: E402
-from megatrain_jax.engine.update.m8v4 import M8V4_BLOCK, adamw_m8v4_numpy, m8v4_quantize  # noqa: E402
-from megatrain_jax.engine.update.q4 import Q4_BLOCK, adamw_q4_numpy, q4_quantize  # noqa: E402
 from megatrain_jax.engine.update.q8 import Q8_BLOCK, adamw_q8_numpy, q8_quantize  # noqa: E402
 
 HP = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=0.5, bc1=0.1, bc2=0.05)
@@ -145,8 +143,6 @@ def quantized(lib, fmt: str, n: int, reps: int) -> float:
     rng = np.random.default_rng(0)
     shape = (n // 4096, 4096)
     quantize, run, block = {"q8": (q8_quantize, adamw_q8_numpy, Q8_BLOCK),
-                            "q4": (q4_quantize, adamw_q4_numpy, Q4_BLOCK),
-                            "m8v4": (m8v4_quantize, adamw_m8v4_numpy, M8V4_BLOCK),
                             "m7v5": (m7v5_quantize, adamw_m7v5_numpy, M7V5_BLOCK)}[fmt]
     p = rng.standard_normal(shape, np.float32).astype(BF16)
     g = (1e-3 * rng.standard_normal(shape, np.float32)).astype(BF16)
@@ -166,15 +162,20 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     runs = []
 
+    def record(run: dict) -> None:  # each measurement printed and the file rewritten: a cut run keeps what it measured
+        runs.append(run)
+        print(json.dumps(run), flush=True)
+        with open(args.out, "w") as f:
+            json.dump({**results_header(args.out, __file__), "runs": runs}, f, indent=1)
+
     builds = {"avx2_passes": host_kernel.load(), "portable": host_kernel.load(("MEGATRAIN_NO_INTRINSICS",))}
     for build, lib in builds.items():
         for threads in (cores, 1):
             host_kernel.set_threads(threads, lib)
-            for fmt in ("q8", "m7v5", "m8v4", "q4"):
+            for fmt in ("q8", "m7v5"):
                 rate = quantized(lib, fmt, n if threads > 1 else n // 8, args.reps)
-                runs.append({"system": f"{fmt}_kernel_bf16_grad", "build": build, "threads": threads,
-                             "params_per_s": round(rate, 1)})
-                print(json.dumps(runs[-1]), flush=True)
+                record({"system": f"{fmt}_kernel_bf16_grad", "build": build, "threads": threads,
+                        "params_per_s": round(rate, 1)})
             host_kernel.set_threads(0, lib)
 
     lib = builds["avx2_passes"]
@@ -199,26 +200,21 @@ def main() -> None:
              lambda: lib.megatrain_adamw(ptr(pc), ptr(mc), ptr(vc), ptr(g16), ptr(copy), n, *hp, 1), 14)):
         s = median_seconds(call, args.reps)
         read = 12 + (4 if grad == "float32" else 2)
-        runs.append({"system": system, "variant": "product_kernel", "gradient": grad, "threads": cores,
-                     "params_per_s": round(n / s, 1), "read_gb_per_s": round(read * n / s / 1e9, 2),
-                     "written_gb_per_s": round(written * n / s / 1e9, 2)})
-        print(json.dumps(runs[-1]), flush=True)
+        record({"system": system, "variant": "product_kernel", "gradient": grad, "threads": cores,
+                "params_per_s": round(n / s, 1), "read_gb_per_s": round(read * n / s / 1e9, 2),
+                "written_gb_per_s": round(written * n / s / 1e9, 2)})
     del pc, mc, vc, copy, copy16, g16
     with tempfile.TemporaryDirectory() as tmp:
         var = compile_variants(tmp)
         s = median_seconds(lambda: var.read4(ptr(p), ptr(m), ptr(v), ptr(g), n), args.reps)
-        runs.append({"system": "read_four_streams", "threads": cores, "elements_per_s": round(n / s, 1),
-                     "read_gb_per_s": round(16 * n / s / 1e9, 2)})
-        print(json.dumps(runs[-1]), flush=True)
+        record({"system": "read_four_streams", "threads": cores, "elements_per_s": round(n / s, 1),
+                "read_gb_per_s": round(16 * n / s / 1e9, 2)})
         for name in VARIANTS:
             out = np.zeros(n, np.uint16)
             fn = getattr(var, name)
             s = median_seconds(lambda: fn(ptr(p), ptr(m), ptr(v), ptr(g), ptr(out), n, *hp), args.reps)
-            runs.append({"system": "stream_pass", "variant": name, "threads": cores, "params_per_s": round(n / s, 1),
-                         "read_gb_per_s": round(16 * n / s / 1e9, 2), "equal_to_product": bool((out == ref).all())})
-            print(json.dumps(runs[-1]), flush=True)
-    with open(args.out, "w") as f:
-        json.dump({**results_header(args.out, __file__), "runs": runs}, f, indent=1)
+            record({"system": "stream_pass", "variant": name, "threads": cores, "params_per_s": round(n / s, 1),
+                    "read_gb_per_s": round(16 * n / s / 1e9, 2), "equal_to_product": bool((out == ref).all())})
 
 
 if __name__ == "__main__":

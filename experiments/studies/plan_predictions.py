@@ -187,7 +187,7 @@ def rtx4090_on_64() -> dict:
         offered.append(row)
     alone = {}
     for name, switch in (("q8", (("engine.moment_dtype", "q8"), ("engine.host_grad_dtype", "bfloat16"))),
-                         ("q4", (("engine.moment_dtype", "q4"), ("engine.host_grad_dtype", "bfloat16")))):
+                         ("m7v5", (("engine.moment_dtype", "m7v5"), ("engine.host_grad_dtype", "bfloat16")))):
         q = p.applied(switch)  # the mode alone, without a GPU lever
         alone[name] = {"host_gib": round(q.host_total / GiB, 1), "host_fits": q.host_fits, "gpu_fits": q.gpu_fits,
                        "gpu_short_mib": max(0, math.ceil((q.gpu_total + GPU_FRAGMENTATION_MARGIN - q.gpu_available)

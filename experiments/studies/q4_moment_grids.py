@@ -11,8 +11,8 @@ steps once with float32 moments and once per format, each format keeping its own
 host kernel does (the update from the moments just computed, the quantized ones stored). Each step's update is
 compared with float32's on the same gradients: the relative error ||u - u32|| / ||u32||, its part along u32 (a
 bias in the step's size), and the cosine. The shipped formats run through the product's own numpy references
-(``q8_quantize``, ``q4_quantize``, ``host_kernel.stochastic_round_bf16``: bit for bit the kernel's codes); the
-candidate grids are simulated here.
+(``q8_quantize``, ``host_kernel.stochastic_round_bf16``: bit for bit the kernel's codes); the 4-bit format (the
+product's until it was removed for missing the quality bar) and the candidate grids are simulated here.
 
     PYTHONPATH=. python experiments/studies/q4_moment_grids.py \
         --out experiments/results/cpu_q4_moment_grids_<commit>.json
@@ -32,7 +32,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatrain_jax.engine.update import host_kernel  # noqa: E402
-from megatrain_jax.engine.update.q4 import Q4_BLOCK, q4_dequantize, q4_quantize  # noqa: E402
 from megatrain_jax.engine.update.q8 import Q8_BLOCK, q8_dequantize, q8_quantize  # noqa: E402
 
 B1, B2, EPS = 0.9, 0.95, 1e-8  # the quality table's AdamW
@@ -54,12 +53,10 @@ def _q8(x, kind, rng):
     return q8_dequantize(codes, scale, Q8_BLOCK, kind)
 
 
-def _q4(x, kind, rng):
-    codes, scale = q4_quantize(x, Q4_BLOCK, kind, seed=int(rng.integers(0, 2 ** 31)))
-    return q4_dequantize(codes, scale, Q4_BLOCK, kind, x.shape)
-
-
 # ---------------------------------------------------------------------------------------------- candidate grids
+Q4_BLOCK = 128  # the 4-bit format's block (the product's until it was removed for missing the quality bar)
+
+
 def _blocks(x, block=Q4_BLOCK):
     return x.reshape(x.shape[0], -1, block)
 
@@ -89,6 +86,18 @@ def blockwise(grid, stochastic=True, floor=False, block=Q4_BLOCK):
             q = np.where((y > 0) & (q == 0), grid[grid > 0][0], q)
         return (np.sign(b) * q * scale).reshape(x.shape).astype(np.float32)
     return fmt
+
+
+# The 4-bit moments as the product shipped them until their removal (megatrain_adamw_q4): blocks of 128 of a row,
+# each scaled by its largest magnitude; m a sign and 0 or 2^-6 .. 1, v 0 or 2^-14 .. 1 (a positive v never 0), both
+# rounded stochastically between their two neighbours. Simulated here by ``blockwise``: the same grids and rounding
+# (its draws, not the kernel's random bits).
+_Q4_M = blockwise([0.0] + [2.0 ** (c - 7) for c in range(1, 8)])
+_Q4_V = blockwise([0.0] + [2.0 ** (c - 15) for c in range(1, 16)], floor=True)
+
+
+def _q4(x, kind, rng):
+    return (_Q4_M if kind == "m" else _Q4_V)(x, kind, rng)
 
 
 def rank1(grid, stochastic=False):

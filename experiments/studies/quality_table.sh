@@ -12,7 +12,7 @@
 # (made by `local_corpus.py --out build/corpus/corpus.bin --max-mb 80 --train-mb 32`, NOTES has its hash; carry
 # build/corpus/corpus.bin, corpus.bin.json and corpus.bin.idx.npy, not the whole folder: its tokenizer.json is not
 # read here, and the working tree with the corpus is near the device's 64 MiB a call)
-# JOBS: mode:seed pairs, modes from convergence.py's MODES (float32, capacity, q8, m7v5, m8v4, q4); at most PER_GPU per GPU
+# JOBS: mode:seed pairs, modes from convergence.py's MODES (float32, capacity, q8, m7v5); at most PER_GPU per GPU
 # (default 1), spread round-robin. The 1B step is bound by the host update (the GPU works ~0.14 s of it), so several
 # runs share one GPU well: where a GPU gets k > 1 runs, each has XLA_PYTHON_CLIENT_MEM_FRACTION=0.9/k of it; every
 # run has its own slice of the cores. Measured on one H200 of a 16-core host: three capacity runs to the GPU

@@ -1,5 +1,5 @@
 """Checkpoints at the size of the machine's disk, through ``megatrain-jax train`` (issue 52): on one GPU, with the
-lean mode's checkpoints (bfloat16 masters, 4-bit moments, the two-pass step), Qwen2.5-32B's shape cut to the
+lean mode's checkpoints (bfloat16 masters, 7-bit m and 5-bit v, the two-pass step), Qwen2.5-32B's shape cut to the
 most layers whose resumable run fits the disk of the checkpoint folder (two checkpoints with
 ``checkpoint_keep = 1``: the saved one and the one written at the end of the resumed run), in four stages, each
 a ``train`` in a child process (``shipped_configs.run_config``):
@@ -10,7 +10,7 @@ a ``train`` in a child process (``shipped_configs.run_config``):
 3. ``first``: the first ``--steps // 2`` steps, saving a checkpoint at the last;
 4. ``resumed``: ``train.resume = true`` on that folder, to ``--steps``: its losses must equal the reference's
    steps after the save, bit for bit (XLA's deterministic ops are set for every stage; the stochastic rounding
-   of the 4-bit moments and the bfloat16 masters is keyed by step and element, so the resumed steps draw what
+   of the quantized moments and the bfloat16 masters is keyed by step and element, so the resumed steps draw what
    the uninterrupted ones drew).
 
 The learning rate is constant, without warm-up, in every stage: ``train``'s schedule spans the run's own
@@ -42,7 +42,7 @@ from megatrain_jax.cli.disk_room import checkpoint_bytes  # noqa: E402
 from megatrain_jax.cli.run_config import load_config  # noqa: E402
 
 CONFIG = Path(CONFIGS) / "h200_7b_32k.toml"
-LEAN = ["model.preset=32b", "engine.master_dtype=bfloat16", "engine.moment_dtype=q4",
+LEAN = ["model.preset=32b", "engine.master_dtype=bfloat16", "engine.moment_dtype=m7v5",
         "engine.host_grad_dtype=bfloat16", "engine.norm_first=true", "engine.resident_layers=0",
         "engine.resident_io=false", "engine.micro_batches=2", "optimizer.warmup_steps=0", "optimizer.decay=constant"]
 GiB = 2 ** 30

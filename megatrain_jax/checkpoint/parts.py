@@ -85,14 +85,14 @@ QUANTIZED_PARTS = (".codes", ".absmax")  # a quantized moment's two leaves (``Qu
 
 
 class MomentFormatWarning(UserWarning):
-    """A checkpoint's Adam moments were converted on restore (bfloat16, 8-bit, 4-bit: ``moment_dtype``)."""
+    """A checkpoint's Adam moments were converted on restore (bfloat16, 8-bit, m7v5: ``moment_dtype``)."""
 
 
 def moment_formats(expected: dict[str, dict], found: dict[str, dict]) -> tuple[dict[str, dict], list[str]]:
     """The layout to read from a checkpoint whose Adam moments are in another format than this engine's
     (``EngineConfig.moment_dtype``): a bfloat16 moment where the engine holds a quantized one (``name.codes``
     and ``name.absmax``) is read as written, and the other way round, and so is a quantized one of another
-    format (codes and scales of other shapes: 8 bits against 4); ``rebuild_part`` converts them. Returns that
+    format (codes and scales of other shapes: 8 bits against m7v5's); ``rebuild_part`` converts them. Returns that
     layout (``expected`` where nothing differs) and the names converted."""
     read, converted = {}, []
     for part, e in expected.items():
@@ -168,15 +168,17 @@ def rebuild_part(state: HostState, part: PartId, restored: dict[str, Any]) -> tu
 
 def _format_of(codes: Any, absmax: Any, shape: tuple[int, ...], kind: str):
     """The quantized format whose codes and scales of moment ``kind`` for a leaf of ``shape`` have these shapes.
-    Where two formats share the shapes they share the moment's encoding too (m8v4's v is q4's; its m is q8's
-    where a row has one block), so either reads it."""
+    No two formats share a moment's shapes (m7v5's codes are 7/8 and 5/8 of q8's)."""
+    from megatrain_jax.engine.precision import CONVERT_REMOVED, REMOVED_MOMENT_DTYPES
     from megatrain_jax.engine.update.moment_formats import FORMATS
     for fmt in FORMATS.values():
         if fmt.leaf(shape) and (tuple(np.shape(codes)), tuple(np.shape(absmax))) == (
                 tuple(fmt.codes_shape(shape, kind)), tuple(fmt.scale_shape(shape))):
             return fmt
+    removed = " or ".join(REMOVED_MOMENT_DTYPES)
     raise ValueError(f"quantized moment codes of shape {np.shape(codes)} with scales of shape {np.shape(absmax)} "
-                     f"match no moment format for a leaf of shape {shape}")
+                     f"match no moment format for a leaf of shape {shape}. If the checkpoint was saved with "
+                     f"engine.moment_dtype {removed} (formats since removed), {CONVERT_REMOVED}")
 
 
 def quantized_formats(params: Any, opt: Any, flat: dict[str, Any], salt: int) -> None:

@@ -1,7 +1,7 @@
 """The precision modes, one record each (``MODES``): what a mode keeps in host memory and in which dtype, what
 crosses PCIe, what it needs and what it excludes, the settings it comes with, its host kernel and how its
 checkpoints convert. Every reader asks here (``mode_of``): the config's checks, the host optimizer, the passes,
-the memory plan, the checkpoint and the config file. A new mode (4-bit moments, say) is one record here, its
+the memory plan, the checkpoint and the config file. A new mode (6-bit moments, say) is one record here, its
 kernel entry point, and a line of ``tests/test_precision.py``; docs/contributing.md says how.
 
 A mode is chosen by ``EngineConfig.master_dtype`` and ``moment_dtype``; full precision has two host layouts,
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from megatrain_jax.engine.config import EngineConfig
 
-Kernel = Literal["adamw", "adamw_sr", "adamw_q8", "adamw_q4", "adamw_m8v4", "adamw_m7v5"]
+Kernel = Literal["adamw", "adamw_sr", "adamw_q8", "adamw_m7v5"]
 SIXTEEN_BITS = ("bfloat16", "float16")  # a stream dtype of these keeps a 16-bit copy beside float32 masters
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -31,8 +31,7 @@ class Precision:
     """One precision mode. Bytes are per parameter; a role a mode lacks is 0.
 
     - ``master_dtype``, ``moment_dtype``: the ``EngineConfig`` values that choose it (``mode_of``). A
-      ``moment_dtype`` names a quantized format of the matrices' moments (``QUANTIZED``: ``q8``, ``m7v5``,
-      ``m8v4``, ``q4``).
+      ``moment_dtype`` names a quantized format of the matrices' moments (``QUANTIZED``: ``q8``, ``m7v5``).
     - ``masters``: the masters' dtype on the host, which is also what streams unless ``stream_copy``.
     - ``moments``: the dtype of Adam's m and v where a leaf keeps them whole (``moment_bytes`` for both):
       every leaf, or those the quantized format leaves whole (``moments_of``).
@@ -47,9 +46,8 @@ class Precision:
     - ``kernel``: the fused host kernel's entry point (``host_optimizer.KERNELS``): ``adamw`` (C++
       ``megatrain_adamw``, which also writes the stream copy), ``adamw_sr`` (``megatrain_adamw_bf16_sr``:
       16-bit masters and moments written with stochastic rounding, keyed by ``host_optimizer.rounding_seed``),
-      ``adamw_q8`` (``megatrain_adamw_q8`` for the 8-bit matrices, ``adamw_sr`` for the rest), ``adamw_q4``
-      (``megatrain_adamw_q4`` for the 4-bit ones, ``adamw_sr`` for the rest), ``adamw_m8v4``
-      (``megatrain_adamw_m8v4``: 8-bit m, 4-bit v), ``adamw_m7v5`` (``megatrain_adamw_m7v5``: 7-bit m, 5-bit v).
+      ``adamw_q8`` (``megatrain_adamw_q8`` for the 8-bit matrices, ``adamw_sr`` for the rest), ``adamw_m7v5``
+      (``megatrain_adamw_m7v5``: 7-bit m, 5-bit v, ``adamw_sr`` for the rest).
     - ``summary``: what the mode keeps, in the words the plan's advice and ``train``'s sentences use.
     - ``checkpoint``: what a checkpoint holds (the stream copy never: a restore remakes it) and what converts;
       ``resumes`` says which modes' checkpoints this one resumes.
@@ -138,7 +136,7 @@ def _quantized_bytes(name: str):
 
 # Each quantized moment format (a ``moment_dtype``): the host bytes of both moments of a leaf of a shape, or
 # None where the leaf keeps them whole. The formats themselves: ``engine.update.moment_formats``.
-QUANTIZED = {name: _quantized_bytes(name) for name in ("q8", "m7v5", "m8v4", "q4")}
+QUANTIZED = {name: _quantized_bytes(name) for name in ("q8", "m7v5")}
 
 FULL = Precision(
     name="full", title="full precision", master_dtype="float32", moment_dtype=None, masters="float32",
@@ -182,33 +180,19 @@ M7V5 = dataclasses.replace(
     kernel="adamw_m7v5",
     summary="bfloat16 masters, Adam's m in 7 bits and v in 5, bfloat16 gradients in host memory, stochastically "
             "rounded",
-    checkpoint="bfloat16 masters, m's 7-bit and v's 5-bit codes and scales for matrices; bfloat16, 8-bit, m8v4 or "
-               "4-bit moments of another checkpoint are converted on restore",
+    checkpoint="bfloat16 masters, m's 7-bit and v's 5-bit codes and scales for matrices; bfloat16 or 8-bit moments "
+               "of another checkpoint are converted on restore",
     quality=("a held-out loss within 0.5% of float32's on a 1B model, the mean of three seeds "
              "(quality: docs/capacity.md)"), quality_met=True)
-M8V4 = dataclasses.replace(
-    Q8, name="m8v4", title="capacity mode with 8-bit m and 4-bit v", moment_dtype="m8v4",
-    bundle=tuple((key, "m8v4" if key == "engine.moment_dtype" else value) for key, value in Q8.bundle),
-    kernel="adamw_m8v4",
-    summary="bfloat16 masters, Adam's m in 8 bits and v in 4, bfloat16 gradients in host memory, stochastically "
-            "rounded",
-    checkpoint="bfloat16 masters, m's 8-bit and v's 4-bit codes and scales for matrices; bfloat16, 8-bit or "
-               "4-bit moments of another checkpoint are converted on restore",
-    quality=("WARNING: a held-out loss 1.6% above float32's on a 1B model, the mean of three seeds, over the 1.5% "
-             "that capacity mode and 8-bit moments meet; closer than 4-bit moments (quality: docs/capacity.md)"),
-    quality_met=False)
-Q4 = dataclasses.replace(
-    Q8, name="q4", title="capacity mode with 4-bit moments", moment_dtype="q4",
-    bundle=tuple((key, "q4" if key == "engine.moment_dtype" else value) for key, value in Q8.bundle),
-    kernel="adamw_q4",
-    summary="bfloat16 masters, 4-bit Adam moments and bfloat16 gradients in host memory, stochastically rounded",
-    checkpoint="bfloat16 masters, 4-bit moments (codes two to a byte, and scales) for matrices; bfloat16, 8-bit "
-               "or m8v4 moments of another checkpoint are converted on restore",
-    quality=("WARNING: a held-out loss 3.2% above float32's on a 1B model (one seed), over the 1.5% that the "
-             "other lossy modes meet: the last resort, for a model that fits no other way "
-             "(quality: docs/capacity.md)"), quality_met=False)
-
-MODES: dict[str, Precision] = {mode.name: mode for mode in (FULL, LEAN, CAPACITY, Q8, M7V5, M8V4, Q4)}
+MODES: dict[str, Precision] = {mode.name: mode for mode in (FULL, LEAN, CAPACITY, Q8, M7V5)}
+# Moment formats that are gone, and what to do with a config or checkpoint that names them: both trained worse
+# than the quality table's bar allows (docs/capacity.md), and m7v5 has m8v4's bytes.
+REMOVED_MOMENT_DTYPES = {
+    "q4": "4-bit moments were removed: their held-out loss was 3.2% above float32's on the 1B quality table",
+    "m8v4": "8-bit m with 4-bit v (m8v4) was removed: its held-out loss was 1.6% above float32's on the 1B "
+            "quality table, and m7v5 keeps the same bytes at 0.4% (docs/capacity.md)"}
+CONVERT_REMOVED = ("a checkpoint saved in it resumes with megatrain_jax at commit ebb2e98 in capacity mode "
+                   "(engine.moment_dtype unset); save there, and that checkpoint resumes here in any capacity mode")
 MASTER_DTYPES = tuple(dict.fromkeys(mode.master_dtype for mode in MODES.values()))
 MOMENT_DTYPES = tuple(dict.fromkeys(mode.moment_dtype for mode in MODES.values() if mode.moment_dtype))
 HOST_GRAD_DTYPES = tuple(dict.fromkeys(d for mode in MODES.values() for d in mode.host_grad_dtypes))
@@ -271,6 +255,9 @@ def check_precision(cfg: EngineConfig) -> None:
         modes = "; ".join(f"{d}: {title}" for d, title in reversed(first.items()))
         raise ValueError(f"EngineConfig.master_dtype must be {either(MASTER_DTYPES)} ({modes}), "
                          f"got {cfg.master_dtype!r}")
+    if cfg.moment_dtype in REMOVED_MOMENT_DTYPES:
+        raise ValueError(f"EngineConfig.moment_dtype={cfg.moment_dtype!r}: {REMOVED_MOMENT_DTYPES[cfg.moment_dtype]}. "
+                         f"Set it to 'm7v5' (the same bytes) or 'q8'; {CONVERT_REMOVED}")
     if cfg.moment_dtype is not None and cfg.moment_dtype not in MOMENT_DTYPES:
         raise ValueError(f"EngineConfig.moment_dtype must be unset (the masters' dtype) or {either(MOMENT_DTYPES)} "
                          f"({', '.join(m.title for m in MODES.values() if m.moment_dtype)}), got {cfg.moment_dtype!r}")

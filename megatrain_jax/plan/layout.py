@@ -506,11 +506,11 @@ def _leanest(p: MemoryPlan, disk: bool = True, two_pass: bool = True) -> Changes
 
 def _leanest_lower(p: MemoryPlan) -> Changes | None:
     """The first mode below ``p``'s that keeps its masters' dtype (capacity mode's: 8-bit moments and bfloat16
-    gradients in host memory, then 8-bit m with 4-bit v, then 4-bit moments) and fits with the leanest layout of
+    gradients in host memory, then 7-bit m with 5-bit v) and fits with the leanest layout of
     its own (``_leanest``: gradients on the GPU, the two-pass step, the disk tier where the mode has one); None
     where there is none (below full precision the masters change: opt-in), the config does not take one, or
     nothing fits."""
-    for mode in (m for m in precision.lower(p.mode) if m.masters == p.mode.masters):  # 8-bit, then 4-bit
+    for mode in (m for m in precision.lower(p.mode) if m.masters == p.mode.masters):  # 8-bit, then m7v5
         changes = precision.switch(p.engine_cfg, mode, p.stream_dtype)
         if not legal(p, changes):
             continue

@@ -3,7 +3,7 @@ the words that explain them, and what machine it needs as configured. What ``tra
 
 The levers are listed fastest first (``_levers``): kept blocks, GPU-resident blocks, resident io, the stream
 dtype, the disk tier, gradients waiting on the GPU, the two-pass step (``norm_first``), capacity mode, capacity
-mode with 8-bit (then m7v5's, m8v4's, 4-bit) moments and bfloat16 gradients, kept attention residuals, activation
+mode with 8-bit (then m7v5's) moments and bfloat16 gradients, kept attention residuals, activation
 offload, micro-batches, prefetch depth, fewer rows with more accumulation, shorter sequences, and last a smaller
 model. Each search re-plans with ``MemoryPlan.applied``; where memory is monotone in a lever's value, the search bisects. A lever offers only
 the values the engine config takes (``layout.legal``): the config is the judge of what combines. A leaner

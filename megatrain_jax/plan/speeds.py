@@ -106,18 +106,18 @@ class Speeds:
                             name=f"{base.name}, host update scaled to {cores} cores")
 
 
-# 8-bit m with 4-bit v: its kernel alone on the 32-core host of the 2-GPU H200 machine ran 11.06 G params/s over
-# every core, against the 4-bit kernel's 10.37 in the same process (h200x2_host_kernel_rates_9a57166.json: it moves
-# 1.56 bytes of moments a parameter each way against 1.06 and 2.03, and the 8-bit code is cheaper to encode than
-# the 4-bit one). Measured on that host alone: elsewhere the 4-bit rate times that ratio.
-M8V4_OVER_Q4 = 11.06 / 10.37
+# 7-bit m with 5-bit v: its kernel alone is not yet measured on an H200 host (the one try was cut by the end of a
+# device session). The quality table's runs give its rate against the 8-bit kernel's: three 1B runs at once on the
+# 2-GPU H200 machine, 10 cores each, stepped in 0.762 s (h200x2_conv_1b_m7v5_*_2ef8a80.json) against 0.514 s with
+# 8-bit moments (h200x2_conv_1b_q8_*_b439b4d.json); the GPU's ~0.14 s of each step taken out, the update ran at
+# 0.374 / 0.622 = 0.60 of the 8-bit one's rate. Planned at that ratio everywhere until the kernel is measured
+# (it may be pessimistic: m8v4's runs read 0.93 of the 8-bit rate that way, 1.07 as the kernel alone).
+M7V5_OVER_Q8 = 0.60
 
 
-def _with_12_bit_modes(rates: dict[str, float]) -> dict[str, float]:
-    """The rates with m8v4's, and m7v5's: not measured yet, planned at m8v4's (the same bytes a parameter; its
-    codes are unpacked from their groups and packed back around the 8-bit kernel's passes)."""
-    m8v4 = rates.get("m8v4", rates["q4"] * M8V4_OVER_Q4)
-    return {**rates, "m8v4": m8v4, "m7v5": m8v4}
+def _with_m7v5(rates: dict[str, float]) -> dict[str, float]:
+    """The rates with m7v5's: the 8-bit moments' times ``M7V5_OVER_Q8``."""
+    return {**rates, "m7v5": rates["q8"] * M7V5_OVER_Q8}
 
 
 _DISPATCH = {"fetch": 0.004, "forward": 0.0008, "backward": 0.001, "send_grads": 0.0015, "release": 0.0002,
@@ -126,9 +126,7 @@ _DISPATCH = {"fetch": 0.004, "forward": 0.0008, "backward": 0.001, "send_grads":
 H100 = Speeds(
     name="H100 80GB, 16-core host (defaults)", matmul_flops=650e12, attention_flops=480e12, attention_backward=2.5,
     kept_backward=1.2, h2d_bytes=47.6e9, d2h_bytes=47.8e9, hbm_bytes=2.6e12, device_update_bytes_per_param=30,
-    # q4: the kernel alone on the H200's 16-core host ran 3.66 G params/s against the 8-bit one's 5.19, both
-    # with AVX2 passes (h200_host_kernel_rates_846432b.json): the 8-bit rate here times that ratio
-    host_update=_with_12_bit_modes({"full": 2.6e9, "lean": 2.9e9, "capacity": 4.0e9, "q8": 3.5e9, "q4": 2.5e9}),
+    host_update=_with_m7v5({"full": 2.6e9, "lean": 2.9e9, "capacity": 4.0e9, "q8": 3.5e9}),
     first_half_share=0.5,
     disk_bytes=3e9, dispatch=_DISPATCH,
     source="experiments/results: h100_side_by_side_v14.json, h100_kept_block.json, h100_host_adamw_v10.json, "
@@ -136,20 +134,18 @@ H100 = Speeds(
 # The H200's 16-core host: the fused kernel alone (h200_measure_speeds_d5d7c51.json) ran full precision at 3.00 G
 # params/s, the lean mode at 5.45, capacity mode at 6.94 and 8-bit moments at 5.24; inside a step full precision
 # runs at 2.6 (the 3.5B streamed rows' steps within 2-4% of the model), so each mode here is its kernel's rate
-# times 2.6 / 3.0, and 4-bit moments the 8-bit rate times the kernels' 3.66 / 5.19. Checked against steps the
-# H100's rates had put 19-24% too slow: capacity mode (h200_capped_rtx4090_sft_8b_export_29f9356.json, 2.83 s
-# measured) and the lean mode (h200_dpo_8b_generated_d968773.json, 1.79 s).
-_H200_HOST = _with_12_bit_modes({"full": 3.00e9, "lean": 4.7e9, "capacity": 6.0e9, "q8": 4.55e9, "q4": 3.2e9})
-# The 32-core host of the 2-GPU H200 machine, measured (h200x2_measure_speeds_fcba712.json; the 8- and 4-bit
-# kernels with their AVX-512 passes): the kernels alone, taken as they run in a step. The 13B step's timeline at
+# times 2.6 / 3.0. Checked against steps the H100's rates had put 19-24% too slow: capacity mode
+# (h200_capped_rtx4090_sft_8b_export_29f9356.json, 2.83 s measured) and the lean mode
+# (h200_dpo_8b_generated_d968773.json, 1.79 s).
+_H200_HOST = _with_m7v5({"full": 3.00e9, "lean": 4.7e9, "capacity": 6.0e9, "q8": 4.55e9})
+# The 32-core host of the 2-GPU H200 machine, measured (h200x2_measure_speeds_fcba712.json; the 8-bit
+# kernel with its AVX-512 passes): the kernels alone, taken as they run in a step. The 13B step's timeline at
 # 8K tokens on that host (h200x2_side_by_side_13b_8k_fcba712.json) ran its full-precision passes at 3.45 G
 # params/s, the kernel alone at 3.40; scaling the 16-core rates by cores had put full precision at 3.95 (the
 # host's memory, one NUMA node, not its cores, bounds it) and the 8-bit update at 6.9 against 12.2.
-_H200X2_HOST = {"host_update": _with_12_bit_modes({"full": 3.40e9, "lean": 5.89e9, "capacity": 9.83e9,
-                                                   "q8": 12.2e9, "q4": 10.3e9, "m8v4": 11.06e9}),
+_H200X2_HOST = {"host_update": _with_m7v5({"full": 3.40e9, "lean": 5.89e9, "capacity": 9.83e9, "q8": 12.2e9}),
                 "first_half_share": 0.424, "one_pass_speedup": 1.49,
-                "source": "experiments/results/h200x2_measure_speeds_fcba712.json, "
-                          "h200x2_host_kernel_rates_9a57166.json (m8v4)"}
+                "source": "experiments/results/h200x2_measure_speeds_fcba712.json"}
 # The 64-core host of the 4-GPU machine: capacity mode's kernel measured at 11.15 G params/s (h200x4_host_adamw_q8
 # .json), 1.13x the 32-core host's 9.83 (memory, not cores, again); the other modes are the 32-core host's rates
 # times that 1.13, not measured there (the 8-bit kernel's AVX2 build ran 11.19 there, 1.24x its AVX2 build on the

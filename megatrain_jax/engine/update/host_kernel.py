@@ -14,9 +14,7 @@ a counter-based hash of (seed, stream, offset + element index), so an array upda
 start as ``offset``) gets the bits one whole call gets.
 
 8-bit moments (issue 35) have one more entry point, ``megatrain_adamw_q8``: its formats, numpy reference and
-wrappers are in ``megatrain_jax.engine.update.q8``; 4-bit moments another, ``megatrain_adamw_q4``, in
-``megatrain_jax.engine.update.q4``; 8-bit m with 4-bit v a third, ``megatrain_adamw_m8v4``, in
-``megatrain_jax.engine.update.m8v4``; 7-bit m with 5-bit v a fourth, ``megatrain_adamw_m7v5``, in
+wrappers are in ``megatrain_jax.engine.update.q8``; 7-bit m with 5-bit v another, ``megatrain_adamw_m7v5``, in
 ``megatrain_jax.engine.update.m7v5``.
 
 Build ahead of time (e.g. in an image): ``python -m megatrain_jax.engine.update.host_kernel``.
@@ -239,8 +237,7 @@ def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_float] * 8
                        + [ctypes.c_uint32, ctypes.c_int64])
         fn.restype = None
-    for fn in (lib.megatrain_adamw_q8, lib.megatrain_adamw_q4, lib.megatrain_adamw_m8v4,
-               lib.megatrain_adamw_m7v5):
+    for fn in (lib.megatrain_adamw_q8, lib.megatrain_adamw_m7v5):
         fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_float] * 8
                        + [ctypes.c_uint32, ctypes.c_int64, ctypes.c_int])
         fn.restype = None

@@ -25,10 +25,9 @@ random bits that depend only on the step, the part, the leaf and the element's i
 reproducible, a resume continues it bit for bit, and a part spread over several devices rounds as it
 would on one). The masters are pinned (they cross PCIe: no stream copy); the moments pageable.
 
-**Quantized moments** (``EngineConfig.moment_dtype`` "q8", "m7v5", "m8v4" or "q4", in capacity mode): each matrix's
-m and v are ``QuantizedMoment``s, codes (a byte per element in 8 bits, two per byte in 4, 7 and 5 bits packed
-eight to a group in m7v5) and one float32 scale per
-block of a row, in the format of ``moment_formats.FORMATS``, updated by that format's kernel entry point with
+**Quantized moments** (``EngineConfig.moment_dtype`` "q8" or "m7v5", in capacity mode): each matrix's m and v are
+``QuantizedMoment``s, codes (a byte per element in 8 bits; 7 and 5 bits packed eight to a group in m7v5) and one
+float32 scale per block of a row, in the format of ``moment_formats.FORMATS``, updated by that format's kernel entry point with
 the masters' rounding bits; vectors and small leaves keep bfloat16 moments (the format's ``leaf``). The
 gradient the kernel reads may be float32 or bfloat16 (``precision.home_grad_dtype``), in every mode.
 
@@ -63,8 +62,7 @@ Route = Literal["fused", "host", "device"]
 # A mode's fused entry point (``Precision.kernel``); a quantized moment's leaf (``QuantizedMoment``) runs its
 # format's own (``_run_quantized``).
 KERNELS: dict[Kernel, Any] = {"adamw": host_kernel.adamw_inplace, "adamw_sr": host_kernel.adamw_sr_inplace,
-                              "adamw_q8": host_kernel.adamw_sr_inplace, "adamw_q4": host_kernel.adamw_sr_inplace,
-                              "adamw_m8v4": host_kernel.adamw_sr_inplace, "adamw_m7v5": host_kernel.adamw_sr_inplace}
+                              "adamw_q8": host_kernel.adamw_sr_inplace, "adamw_m7v5": host_kernel.adamw_sr_inplace}
 
 
 @jax.tree_util.register_dataclass

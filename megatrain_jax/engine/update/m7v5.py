@@ -8,10 +8,11 @@ the format's largest value, rounded stochastically with the 8-bit format's rando
   A positive v never gets code 0 (code 1, the smallest step, instead).
 
 The codes are 7 and 5 bits, eight to a group of 7 and 5 bytes (element 8j + i at bits 7i or 5i of group j's
-little-endian word): 12 bits an element, 1.56 bytes a parameter for both moments with their scales, m8v4's bytes.
+little-endian word): 12 bits an element, 1.56 bytes a parameter for both moments with their scales.
 
-Why this pair: at m8v4's bytes its update errs less (``experiments/studies/q4_moment_grids.py``: 0.26 against
-0.37, 8-bit moments 0.095); m8v4's loss came from its 4-bit v, whose powers-of-two grid moves a stored v by up to
+Why this pair: at the bytes of the removed m8v4 (8-bit m, 4-bit v) its update errs less
+(``experiments/studies/q4_moment_grids.py``: 0.26 against 0.37, 8-bit moments 0.095); m8v4's loss (1.6% on the
+quality table) came from its 4-bit v, whose powers-of-two grid moves a stored v by up to
 a third of itself at random each step, and a v of 5 bits halves that step; 7 bits of m keep most of the 8-bit m's
 precision (docs/capacity.md). On the 1B quality table its held-out loss is 0.43% above float32's, the
 mean of three seeds (``conv_1b_quality_6291c89.json``; the bar is 1.5%).

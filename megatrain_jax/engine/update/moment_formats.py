@@ -1,8 +1,7 @@
 """The quantized Adam-moment formats, one record each (``FORMATS``, keyed by ``EngineConfig.moment_dtype``): which
 leaves take them, the shapes of a moment's codes and scales, the kernel entry point that updates a leaf, and
 the conversions to and from a float moment (a checkpoint in another format). The host optimizer, the
-checkpoint and the memory plan ask here; each format's math is its own module (``q8``, ``q4``, ``m8v4``,
-``m7v5``).
+checkpoint and the memory plan ask here; each format's math is its own module (``q8``, ``m7v5``).
 """
 
 from __future__ import annotations
@@ -13,13 +12,13 @@ from typing import Callable
 
 import numpy as np
 
-from megatrain_jax.engine.update import m7v5, m8v4, q4, q8
+from megatrain_jax.engine.update import m7v5, q8
 
 
 @dataclasses.dataclass(frozen=True)
 class MomentFormat:
     """One quantized moment format: ``leaf(shape)`` says whether a leaf takes it (the others keep bfloat16
-    moments); a moment is codes of ``codes_shape(shape, kind)`` (uint8; ``kind`` "m" or "v": m8v4's differ)
+    moments); a moment is codes of ``codes_shape(shape, kind)`` (uint8; ``kind`` "m" or "v": m7v5's differ)
     and float32 scales of ``scale_shape(shape)``, one per ``block`` elements of a row; ``inplace`` is the
     kernel's wrapper (``q8.adamw_q8_inplace``'s arguments); ``quantize(x, kind, seed)`` and
     ``dequantize(codes, scales, kind, shape)`` convert a float moment; ``words``: the format in the memory
@@ -49,18 +48,6 @@ FORMATS: dict[str, MomentFormat] = {
         lambda x, kind, seed: q8.q8_quantize(x, q8.Q8_BLOCK, kind, seed=seed),
         lambda codes, scales, kind, shape: q8.q8_dequantize(codes, scales, q8.Q8_BLOCK, kind).reshape(shape),
         f"8-bit with a float32 scale per {q8.Q8_BLOCK} elements of a row"),
-    "q4": MomentFormat(
-        "q4", q4.Q4_BLOCK, q4.q4_leaf, lambda shape, kind: q4.q4_codes_shape(shape), q4.q4_scale_shape,
-        q4.adamw_q4_inplace,
-        lambda x, kind, seed: q4.q4_quantize(x, q4.Q4_BLOCK, kind, seed=seed),
-        lambda codes, scales, kind, shape: q4.q4_dequantize(codes, scales, q4.Q4_BLOCK, kind, shape),
-        f"4-bit with a float32 scale per {q4.Q4_BLOCK} elements of a row"),
-    "m8v4": MomentFormat(
-        "m8v4", m8v4.M8V4_BLOCK, m8v4.m8v4_leaf, m8v4.m8v4_codes_shape, m8v4.m8v4_scale_shape,
-        m8v4.adamw_m8v4_inplace,
-        lambda x, kind, seed: m8v4.m8v4_quantize(x, m8v4.M8V4_BLOCK, kind, seed=seed),
-        lambda codes, scales, kind, shape: m8v4.m8v4_dequantize(codes, scales, m8v4.M8V4_BLOCK, kind, shape),
-        f"m 8-bit and v 4-bit, each with a float32 scale per {m8v4.M8V4_BLOCK} elements of a row"),
     "m7v5": MomentFormat(
         "m7v5", m7v5.M7V5_BLOCK, m7v5.m7v5_leaf, m7v5.m7v5_codes_shape, m7v5.m7v5_scale_shape,
         m7v5.adamw_m7v5_inplace,

@@ -195,7 +195,7 @@ def quantized_adamw_reference(p, m0, v0, g, quantize, *, lr, b1, b2, eps, wd, gr
                               offset: int = 0):
     """The AdamW step of the quantized kernels in numpy float32, from the moments already dequantized (``m0``,
     ``v0`` float32 of p's shape) to ``quantize(x, "m" | "v")`` of the new ones (codes, scales): the new (p as
-    uint16 bits, m codes, v codes, m scales, v scales). ``adamw_q8_reference`` and ``q4.adamw_q4_reference``."""
+    uint16 bits, m codes, v codes, m scales, v scales). ``adamw_q8_reference`` and ``m7v5.adamw_m7v5_reference``."""
     f32 = np.float32
     shape = np.shape(p)
     p0 = _bf16_bits_to_f32(p).reshape(shape)
@@ -252,9 +252,8 @@ def adamw_q8_numpy(p: np.ndarray, m: np.ndarray, v: np.ndarray, m_absmax: np.nda
 def check_kernel_arrays(p: np.ndarray, m: np.ndarray, v: np.ndarray, m_absmax: np.ndarray, v_absmax: np.ndarray,
                         g: np.ndarray, *, codes_size: int, scale_shape: tuple[int, int], block: int,
                         v_codes_size: int | None = None) -> bool:
-    """The numpy wrappers' checks of a quantized-moment kernel's arrays (8 or 4 bits): p contiguous bfloat16;
-    m and v contiguous uint8 of ``codes_size`` bytes (v of ``v_codes_size`` where it differs: 8-bit m with
-    4-bit v); the scales contiguous float32 of ``scale_shape``; g contiguous float32 or bfloat16 of p's size.
+    """The numpy wrappers' checks of a quantized-moment kernel's arrays (8 bits, m7v5): p contiguous bfloat16;
+    m and v contiguous uint8 of ``codes_size`` bytes (v of ``v_codes_size`` where it differs: m7v5); the scales contiguous float32 of ``scale_shape``; g contiguous float32 or bfloat16 of p's size.
     TypeError or ValueError naming the array; returns whether g is bfloat16."""
     if not (host_kernel.is_bf16(p) and p.flags.c_contiguous):
         raise TypeError(f"p must be a contiguous uint16/bfloat16 array, got {p.dtype}")
