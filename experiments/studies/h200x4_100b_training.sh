@@ -12,15 +12,14 @@
 # corpus.bin.idx.npy; the whole folder puts the call's tree near the device's 64 MiB)
 #
 # RUN (one per start):
-#   gpt_oss_120b   the config as shipped: 30 steps; train picks 4-bit moments and the two-pass step itself
+#   gpt_oss_120b   the config as shipped: 30 steps; train picks m7v5 and the two-pass step itself
 #   dense_120b     the same with model.preset=dense-120b (122.9B dense), 10 steps
 #   llama3_70b_32k the same with model.preset=llama3-70b, 8-bit moments and bfloat16 gradients in one pass, 30 steps
 #                  of 32,768 tokens
 #   refusal        GPT-OSS-120B with its Hugging Face export, then with checkpoints: each refused at start (no disk
 #                  here holds them), the reason and the bytes in the record; seconds
-# SETS: more config overrides for the gpt_oss_120b and dense_120b runs, e.g. SETS="engine.moment_dtype=m7v5
-# engine.norm_first=true" (once 7-bit m with 5-bit v passes the quality table: at 480 GiB train's own lean pick
-# keeps 7% of the host spare and stops at 4-bit moments, NOTES), with TAG=<commit>_m7v5 so that the files say so
+# SETS: more config overrides for the gpt_oss_120b and dense_120b runs (none needed: train's own pick at 480 GiB is
+# m7v5 with the two-pass step), with TAG=<commit>_<what> so that the files say so
 set -u
 export W=${W:-/tmp/h200x4_100b} WATCH=/tmp/shipped_configs/runs/h200x4_gpt_oss_120b/metrics.jsonl
 export PYTHONPATH=${PYTHONPATH:-.} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} NCCL_NVLS_ENABLE=0
