@@ -75,3 +75,16 @@ def test_a_shortfall_under_a_tenth_of_a_gib_reads_in_mib():
     GiB = 2**30
     assert shortfall(28.5 * GiB) == "28.5 GiB" and shortfall(0.06 * GiB) == "0.1 GiB"
     assert shortfall(0.03 * GiB) == "31 MiB" and shortfall(10) == "1 MiB"
+
+
+def test_a_mode_over_the_quality_bar_or_not_yet_measured_is_marked_where_it_fits():
+    """Every mode on the table today passes the quality bar, so none is marked; a new mode starts unmeasured
+    (``quality_met=None``), and one measured over the bar (``False``) would be marked as training worse."""
+    import dataclasses
+    from megatrain_jax.plan.modes import InMode
+    p = plan(preset("llama3-70b"), H200, 16, 2048, host_ram_bytes=2000 * GiB, gpu_bytes=int(141 * GiB * 0.95))
+    fits = [m for m in in_each_mode(p) if m.plan is not None and m.plan.fits]
+    assert fits and all(m.status() == "fits" for m in fits)
+    m = fits[-1]
+    for met, words in ((None, "fits (quality not yet measured"), (False, "fits (trains worse: over the quality bar")):
+        assert InMode(dataclasses.replace(m.mode, quality_met=met), m.plan, m.host_gib).status().startswith(words)
