@@ -73,7 +73,7 @@ def reference():
             "accum": run(6, config=EngineConfig(micro_batches=2, accumulate_steps=2)),
             "bf16": run(6, config=EngineConfig(micro_batches=2, stream_dtype="bfloat16")),
             "resident": run(6, config=RESIDENT), "capacity": run(6, config=CAPACITY), "q8": run(6, config=Q8),
-            "gpu_updated": run(6, config=GPU_UPDATED)}
+            "gpu_updated": run(6, config=GPU_UPDATED), "m7v5_two_pass": run(6, config=M7V5_TWO_PASS)}
 
 
 # The io part and block 0 live on the device between saves: sync copies them to host, restore reloads them.
@@ -87,11 +87,14 @@ CAPACITY = EngineConfig(micro_batches=2, master_dtype="bfloat16")
 # ... with 8-bit moments (codes and per-block scales; here the embedding and head, the leaves of 4,096+
 # elements) and bfloat16 gradients in host memory.
 Q8 = EngineConfig(micro_batches=2, master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16")
+# ... with 7-bit m and 5-bit v and the exact two-pass step: the layout train picks for 100B+ on a 512 GiB host.
+M7V5_TWO_PASS = dataclasses.replace(Q8, moment_dtype="m7v5", norm_first=True)
 
 
 # ---------------------------------------------------------------------------------------- exact resume
 @pytest.mark.parametrize("kind,prefetch", [("adamw", 0), ("adamw", 2), ("sgd", 0), ("accum", 2), ("bf16", 0),
-                                           ("resident", 0), ("capacity", 0), ("q8", 0), ("gpu_updated", 0)])
+                                           ("resident", 0), ("capacity", 0), ("q8", 0), ("gpu_updated", 0),
+                                           ("m7v5_two_pass", 0)])
 def test_resume_is_bit_exact(tmp_path, reference, kind, prefetch):
     """Stop at step 3, resume with a fresh model and data stream: every parameter and loss is identical.
     (``bf16``: the fused kernel's bfloat16 stream copies are not saved; the restore recomputes them.)"""
@@ -108,6 +111,8 @@ def test_resume_is_bit_exact(tmp_path, reference, kind, prefetch):
         kw["config"] = Q8
     if kind == "gpu_updated":
         kw["config"] = GPU_UPDATED
+    if kind == "m7v5_two_pass":
+        kw["config"] = M7V5_TWO_PASS
     run(3, tmp_path, checkpoint_every=2, prefetch=prefetch, **kw)
     assert committed_steps(tmp_path) == [3, 2]
     params, h = run(6, tmp_path, resume=True, prefetch=prefetch, **kw)
