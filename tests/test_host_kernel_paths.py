@@ -1,8 +1,9 @@
-"""The host kernel's builds agree bit for bit: the AVX-512 and AVX2 passes of the 8-bit and m7v5 moment kernels (used where the compiler targets them, as on the GPU machines' hosts; ``MEGATRAIN_NO_AVX512`` leaves the first out)
-against each other and against the portable loops alone
-(``MEGATRAIN_NO_INTRINSICS``, what a machine without AVX2 runs), on states whose magnitudes span the formats'
-ranges, blocks whose lengths are not multiples of the vectors' 8 and 32 elements, and counters near the end of
-their range; and the m7v5 kernel against its numpy reference on such a state."""
+"""The host kernel's builds agree bit for bit: the AVX-512 and AVX2 passes of the 8-bit and m7v5 moment kernels
+(used where the compiler targets them, as on the GPU machines' hosts; ``MEGATRAIN_NO_AVX512`` leaves the first out)
+against each other and against the portable loops alone (``MEGATRAIN_NO_INTRINSICS``, what a machine without AVX2
+runs), on states whose magnitudes span the formats' ranges, blocks whose lengths are not multiples of the vectors'
+8 and 32 elements, and counters near the end of their range; and the m7v5 kernel against its numpy reference on
+such a state."""
 
 from __future__ import annotations
 

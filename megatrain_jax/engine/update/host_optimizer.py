@@ -27,8 +27,8 @@ would on one). The masters are pinned (they cross PCIe: no stream copy); the mom
 
 **Quantized moments** (``EngineConfig.moment_dtype`` "q8" or "m7v5", in capacity mode): each matrix's m and v are
 ``QuantizedMoment``s, codes (a byte per element in 8 bits; 7 and 5 bits packed eight to a group in m7v5) and one
-float32 scale per block of a row, in the format of ``moment_formats.FORMATS``, updated by that format's kernel entry point with
-the masters' rounding bits; vectors and small leaves keep bfloat16 moments (the format's ``leaf``). The
+float32 scale per block of a row, in the format of ``moment_formats.FORMATS``, updated by that format's kernel entry
+point with the masters' rounding bits; vectors and small leaves keep bfloat16 moments (the format's ``leaf``). The
 gradient the kernel reads may be float32 or bfloat16 (``precision.home_grad_dtype``), in every mode.
 
 Transformations that look across parameters (``clip_by_global_norm``) are refused at engine build by

@@ -253,7 +253,8 @@ def check_kernel_arrays(p: np.ndarray, m: np.ndarray, v: np.ndarray, m_absmax: n
                         g: np.ndarray, *, codes_size: int, scale_shape: tuple[int, int], block: int,
                         v_codes_size: int | None = None) -> bool:
     """The numpy wrappers' checks of a quantized-moment kernel's arrays (8 bits, m7v5): p contiguous bfloat16;
-    m and v contiguous uint8 of ``codes_size`` bytes (v of ``v_codes_size`` where it differs: m7v5); the scales contiguous float32 of ``scale_shape``; g contiguous float32 or bfloat16 of p's size.
+    m and v contiguous uint8 of ``codes_size`` bytes (v of ``v_codes_size`` where it differs: m7v5); the scales
+    contiguous float32 of ``scale_shape``; g contiguous float32 or bfloat16 of p's size.
     TypeError or ValueError naming the array; returns whether g is bfloat16."""
     if not (host_kernel.is_bf16(p) and p.flags.c_contiguous):
         raise TypeError(f"p must be a contiguous uint16/bfloat16 array, got {p.dtype}")
