@@ -710,6 +710,34 @@ struct SmallCodes {
   static inline void store(uint8_t* a, int64_t x, __m512i c) { Q8Codes::store(a, x, c); }
 };
 
+#if defined(__BMI2__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// SmallCodes read from and written to their groups in place (kBits bits a code, 8 to a group of kBits bytes, as
+// unpack_groups and pack_groups lay them out): elements x .. x + 15 (x a multiple of 16) are the two groups from
+// byte x / 8 * kBits, spread to a byte a code with pdep and gathered back with pext, all in registers. Reading
+// codes a buffer's 8-byte stores had just written with one 16-byte load stalls where the CPU cannot forward two
+// stores to one load (the H200 hosts' Xeons). The masked load and store touch the two groups' bytes only.
+template <int kE, int kM, int kBits>
+struct PackedSmallCodes : SmallCodes<kE, kM> {
+  static constexpr uint64_t kSpread = 0x0101010101010101ull * ((1u << kBits) - 1u);
+  static constexpr __mmask16 kBytes = static_cast<__mmask16>((1u << (2 * kBits)) - 1u);
+  static inline __m512i load(const uint8_t* a, int64_t x) {
+    const __m128i b = _mm_maskz_loadu_epi8(kBytes, a + x / 8 * kBits);
+    const uint64_t w0 = _pdep_u64(static_cast<uint64_t>(_mm_cvtsi128_si64(b)), kSpread);
+    const uint64_t w1 = _pdep_u64(static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_bsrli_si128(b, kBits))), kSpread);
+    return _mm512_cvtepu8_epi32(_mm_set_epi64x(static_cast<int64_t>(w1), static_cast<int64_t>(w0)));
+  }
+  static inline void store(uint8_t* a, int64_t x, __m512i c) {
+    const __m128i b = _mm512_cvtepi32_epi8(c);
+    const uint64_t w0 = _pext_u64(static_cast<uint64_t>(_mm_cvtsi128_si64(b)), kSpread);
+    const uint64_t w1 = _pext_u64(static_cast<uint64_t>(_mm_extract_epi64(b, 1)), kSpread);
+    const __m128i t = _mm_or_si128(_mm_cvtsi64_si128(static_cast<int64_t>(w0)),
+                                   _mm_bslli_si128(_mm_cvtsi64_si128(static_cast<int64_t>(w1)), kBits));
+    _mm_mask_storeu_epi8(a + x / 8 * kBits, kBytes, t);
+  }
+};
+#define MEGATRAIN_PACKED_CODES 1
+#endif
+
 // quant_avx2::pass1, 16 elements a vector, on elements [0, n16) of the block (n16 a multiple of 16).
 template <class MC, class VC, bool kP, class G>
 inline void pass1(uint16_t* __restrict p, const uint8_t* __restrict m, const uint8_t* __restrict v,
@@ -998,12 +1026,29 @@ inline void adamw_small_block(uint16_t* __restrict p, uint8_t* __restrict m, uin
   using Fmt = SmallFormat<kEM, kMM, kEV, kMV>;
   uint8_t* mg = m + lo / 8 * Fmt::kBitsM;
   uint8_t* vg = v + lo / 8 * Fmt::kBitsV;
-  unpack_groups<Fmt::kBitsM>(mg, n, mc);
-  unpack_groups<Fmt::kBitsV>(vg, n, vc);
   const float sm = Fmt::scale_m(*m_amax), sv = Fmt::scale_v(*v_amax);
   float am = 0.0f, av = 0.0f;
-  int64_t i0 = 0;
   constexpr bool kP = kPass != kCommit;
+#if defined(MEGATRAIN_AVX512) && defined(MEGATRAIN_PACKED_CODES)
+  // The vector passes read and write the groups in place; the scalar loops take the last 8 elements where n is
+  // not a multiple of 16, from their group unpacked to the buffers (at the same index).
+  using MC = quant_avx512::PackedSmallCodes<kEM, kMM, Fmt::kBitsM>;
+  using VC = quant_avx512::PackedSmallCodes<kEV, kMV, Fmt::kBitsV>;
+  const int64_t i0 = n / 16 * 16;
+  unpack_groups<Fmt::kBitsM>(mg + i0 / 8 * Fmt::kBitsM, n - i0, mc + i0);
+  unpack_groups<Fmt::kBitsV>(vg + i0 / 8 * Fmt::kBitsV, n - i0, vc + i0);
+  quant_avx512::pass1<MC, VC, kP>(p, mg, vg, g, lo, 0, i0, sm, sv, h, k, mb, vb, &am, &av);
+  quantized_update<Fmt, kP>(p, g, mc, vc, lo, i0, n, sm, sv, h, k, mb, vb, &am, &av);
+  if constexpr (kPass == kStream) return;
+  const float im = Fmt::inverse_scale(Fmt::kVmaxM, am), iv = Fmt::inverse_scale(Fmt::kVmaxV, av);
+  quant_avx512::pass2<MC, VC>(mg, vg, lo, 0, i0, im, iv, k, mb, vb);
+  quantized_encode<Fmt>(mc, vc, lo, i0, n, im, iv, k, mb, vb);
+  pack_groups<Fmt::kBitsM>(mc + i0, n - i0, mg + i0 / 8 * Fmt::kBitsM);
+  pack_groups<Fmt::kBitsV>(vc + i0, n - i0, vg + i0 / 8 * Fmt::kBitsV);
+#else
+  unpack_groups<Fmt::kBitsM>(mg, n, mc);
+  unpack_groups<Fmt::kBitsV>(vg, n, vc);
+  int64_t i0 = 0;
 #if defined(MEGATRAIN_AVX512)
   using MC = quant_avx512::SmallCodes<kEM, kMM>;
   using VC = quant_avx512::SmallCodes<kEV, kMV>;
@@ -1029,6 +1074,7 @@ inline void adamw_small_block(uint16_t* __restrict p, uint8_t* __restrict m, uin
   quantized_encode<Fmt>(mc, vc, lo, i0, n, im, iv, k, mb, vb);
   pack_groups<Fmt::kBitsM>(mc, n, mg);
   pack_groups<Fmt::kBitsV>(vc, n, vg);
+#endif
   *m_amax = am;
   *v_amax = av;
 }
