@@ -106,13 +106,12 @@ class Speeds:
                             name=f"{base.name}, host update scaled to {cores} cores")
 
 
-# 7-bit m with 5-bit v: its kernel alone is not yet measured on an H200 host (the one try was cut by the end of a
-# device session). The quality table's runs give its rate against the 8-bit kernel's: three 1B runs at once on the
-# 2-GPU H200 machine, 10 cores each, stepped in 0.762 s (h200x2_conv_1b_m7v5_*_2ef8a80.json) against 0.514 s with
-# 8-bit moments (h200x2_conv_1b_q8_*_b439b4d.json); the GPU's ~0.14 s of each step taken out, the update ran at
-# 0.374 / 0.622 = 0.60 of the 8-bit one's rate. Planned at that ratio everywhere until the kernel is measured
-# (it may be pessimistic: m8v4's runs read 0.93 of the 8-bit rate that way, 1.07 as the kernel alone).
-M7V5_OVER_Q8 = 0.60
+# 7-bit m with 5-bit v: its kernel against the 8-bit one, both alone over every core of an H200 host, in one
+# process (host_kernel_ab.py): 4.31 against 5.59 G params/s on the 16-core host
+# (h200_host_kernel_ab_8645a2f.json), 8.60 against 11.01 on the 32-core one (h200x2_host_kernel_ab_8645a2f.json).
+# Before its passes read their codes' groups in place (22887c3) it ran 0.56 of the 8-bit rate (2.97 against
+# 5.27), as the quality table's steps had said (0.60, h200x2_conv_1b_m7v5_*_2ef8a80.json).
+M7V5_OVER_Q8 = 0.77
 
 
 def _with_m7v5(rates: dict[str, float]) -> dict[str, float]:
