@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import hashlib
 import re
 import time
@@ -842,12 +844,46 @@ def test_offloaded_activations_wait_in_pinned_host_memory():
     (SGD, EngineConfig(norm_first=True, clip_norm=0.05, micro_batches=2)),
     (FUSED, EngineConfig(norm_first=True, clip_norm=0.05, prefetch_depth=2)),
     (FUSED, EngineConfig(norm_first=True, resident_layers=1, resident_io=True, clip_norm=0.05)),
-], ids=["adamw-clip", "sgd-micro", "fused-depth2", "fused-resident"])
+    (FUSED, EngineConfig(norm_first=True, micro_batches=2, offload_activations=2, clip_norm=0.05)),
+    (ADAMW, EngineConfig(norm_first=True, kept_layers=2, keep_residuals=True, offload_activations=1,
+                         clip_norm=0.05)),
+], ids=["adamw-clip", "sgd-micro", "fused-depth2", "fused-resident", "fused-offload", "adamw-kept-offload"])
 def test_norm_first_equals_reference(tx, engine_cfg):
     """A first pass takes the global norm, a second sends each gradient home and updates its part at once:
-    the same training as the reference, whatever the optimizer route, micro-batches and resident parts."""
+    the same training as the reference, whatever the optimizer route, micro-batches and resident parts, and
+    with the second pass's backward reading the first's block inputs, kept residuals and products (offloaded
+    ones from host memory)."""
     engine = run_both(TINY3, tx, engine_cfg, shared=True)
     assert engine.policy.split == set()  # updates run whole as gradients come home
+
+
+class _Kinds:
+    """The ops a step runs, by kind."""
+
+    def __init__(self):
+        self.seen = collections.Counter()
+
+    def on_op(self, op, start, end, out):
+        self.seen[op.kind] += 1
+
+    def on_task(self, *a, **k):
+        pass
+
+
+def test_norm_first_runs_one_forward_and_two_backwards():
+    """The second pass takes the first's forward as it was: one forward a step, two heads and two backwards, the
+    offloaded blocks' inputs brought back for each backward, and every block fetched three times but the last,
+    which stays from the forward for the first backward."""
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(),
+                    EngineConfig(norm_first=True, micro_batches=2, offload_activations=1, prefetch_depth=1))
+    kinds = _Kinds()
+    engine.observe(kinds)
+    engine.step(make_batches(1, vocab=TINY3.vocab_size)).resolve()
+    n, m = TINY3.layers, 2
+    assert kinds.seen["forward"] == n * m and kinds.seen["embed"] == m
+    assert kinds.seen["head"] == kinds.seen["embed_backward"] == 2 * m and kinds.seen["backward"] == 2 * n * m
+    assert kinds.seen["store_acts"] == 1 and kinds.seen["load_acts"] == 2
+    assert kinds.seen["fetch"] == 3 * n - 1 + 2  # the blocks in the forward and both backwards, io in each pass
 
 
 @pytest.mark.parametrize("mode", [{}, dict(master_dtype="bfloat16", moment_dtype="q8", host_grad_dtype="bfloat16")],

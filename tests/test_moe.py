@@ -129,10 +129,12 @@ def test_moe_config_errors_say_what_to_do():
 
 
 ENGINE_CFGS = [EngineConfig(), EngineConfig(micro_batches=2, accumulate_steps=2, clip_norm=0.05),
-               EngineConfig(micro_batches=2, resident_layers=1, prefetch_depth=2)]
+               EngineConfig(micro_batches=2, resident_layers=1, prefetch_depth=2),
+               EngineConfig(micro_batches=2, norm_first=True, clip_norm=0.05)]
+IDS = ["plain", "micro-accum-clip", "resident-prefetch", "two-pass-clip"]
 
 
-@pytest.mark.parametrize("engine_cfg", ENGINE_CFGS, ids=["plain", "micro-accum-clip", "resident-prefetch"])
+@pytest.mark.parametrize("engine_cfg", ENGINE_CFGS, ids=IDS)
 def test_engine_equals_reference_on_the_tiny_moe_without_its_auxiliary_loss(engine_cfg):
     """Dropless routing is per token, so micro-batches route exactly as the whole batch does."""
     from test_engine import ADAMW, run_both
@@ -140,11 +142,12 @@ def test_engine_equals_reference_on_the_tiny_moe_without_its_auxiliary_loss(engi
     run_both(cfg, ADAMW, engine_cfg, shared=True)  # plain's and resident-prefetch's reference: one run
 
 
-@pytest.mark.parametrize("engine_cfg", ENGINE_CFGS, ids=["plain", "micro-accum-clip", "resident-prefetch"])
+@pytest.mark.parametrize("engine_cfg", ENGINE_CFGS, ids=IDS)
 def test_engine_equals_reference_with_the_load_balancing_loss(engine_cfg):
     """The auxiliary loss over the whole batch (its statistics summed over blocks and micro-batches, its
     gradient sent back into every block's backward) equals the reference's. A large coefficient, so that
-    the loss visibly moves the routers."""
+    the loss visibly moves the routers. The two-pass step's second backward takes the statistics of the first
+    pass's forward."""
     from test_engine import ADAMW, run_both
     cfg = preset("tiny-moe").replace(moe=MoEConfig(experts=4, top_k=2, expert_ffn=48, aux_loss_coef=0.5), layers=3)
     run_both(cfg, ADAMW, engine_cfg, shared=True)  # plain's and resident-prefetch's reference: one run

@@ -8,14 +8,15 @@ import pytest
 
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.passes import CATEGORY, HANDLERS, PHASE
-from megatrain_jax.engine.schedule import Op, OpKind, eval_ops, max_resident_layers, norm_ops, step_ops
+from megatrain_jax.engine.schedule import (Op, OpKind, eval_ops, max_resident_layers, norm_ops, second_pass_ops,
+                                          step_ops)
 from megatrain_jax.plan.gpu_ledger import RULES
 
 B = PartId.block
 
 
 @pytest.mark.parametrize("layers,micro,depth", [(1, 1, 1), (4, 2, 1), (5, 3, 2), (3, 1, 3)])
-@pytest.mark.parametrize("ops_of", [step_ops, eval_ops], ids=["step", "eval"])
+@pytest.mark.parametrize("ops_of", [step_ops, eval_ops, second_pass_ops], ids=["step", "eval", "second-pass"])
 def test_every_part_is_fetched_before_use_and_released_after(layers, micro, depth, ops_of):
     ops = ops_of(layers, micro, depth)
     live: set[PartId] = set()
@@ -149,11 +150,21 @@ def test_negative_offload_is_rejected():
 
 def test_a_norm_first_step_is_a_norm_pass_then_updates_as_gradients_come_home():
     """``norm_ops``: the one-pass forward and backward with each ``send_grads`` a ``norm``, then the global norm;
-    the second pass updates each part right after its gradient is sent (reverse order, io last), no norm."""
-    plain, first, second = step_ops(3, 2, 1, update=False), norm_ops(3, 2, 1), step_ops(3, 2, 1, norm_first=True)
+    ``second_pass_ops``: no embedding or forward, the io part and the last ``depth`` blocks fetched as the forward
+    leaves them, the heads, then the one-pass backward with each part's update right after its gradient is sent
+    (reverse order, io last), no norm; the offloaded blocks' inputs come back before their backward again."""
+    plain, first = step_ops(3, 2, 1, update=False), norm_ops(3, 2, 1)
     assert [o.kind for o in first[:-1]] == [("norm" if o.kind == "send_grads" else o.kind) for o in plain]
     assert first[-1] == Op("grad_norm") and not any(o.kind in ("send_grads", "update") for o in first)
-    sends = [i for i, o in enumerate(second) if o.kind == "send_grads"]
-    assert [second[i + 2] for i in sends] == [Op("update", B(2)), Op("update", B(1)), Op("update", B(0)),
-                                              Op("update", IO)]
-    assert not any(o.kind in ("grad_norm", "commit", "norm") for o in second)
+    for depth, offload in ((1, 0), (2, 0), (1, 2), (2, 5)):
+        second = second_pass_ops(4, 2, depth, offload)
+        one = step_ops(4, 2, depth, update=False, offload=offload)
+        back = one[one.index(Op("head", micro=0)):]
+        assert second[:1 + depth] == [Op("fetch", IO)] + [Op("fetch", B(i)) for i in range(3, 3 - depth, -1)]
+        assert not any(o.kind in ("embed", "forward", "store_acts", "grad_norm", "commit", "norm") for o in second)
+        assert [o for o in second[1 + depth:] if o.kind != "update"] == back  # the one-pass backward, as it was
+        sends = [i for i, o in enumerate(second) if o.kind == "send_grads"]
+        assert [second[i + 2] for i in sends] == [Op("update", B(i)) for i in (3, 2, 1, 0)] + [Op("update", IO)]
+        loads = [o.part.layer for o in second if o.kind == "load_acts"]
+        assert loads == sorted(range(min(offload, 4 - depth)), reverse=True)
+        assert max_resident_layers(second) == depth + 1

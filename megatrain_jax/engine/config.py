@@ -135,14 +135,16 @@ class EngineConfig:
       train`` and ``plan`` make the whole pick (layout, then split count) with the io part on the host and on the
       GPU and take the faster of those that fit (``plan.layout``), where the GPU's rates are known; else false. An
       ``Engine`` takes a bool.
-    - ``norm_first`` (opt-in; where host RAM is short): each step runs two forward+backward passes over its
-      batch. The first only takes the global gradient norm (no gradient leaves the GPU); the second computes
-      the same gradients again, and each part updates as soon as its gradient is home, clipped by the first
-      pass's norm. Host memory then holds no step's gradients, only those of the last ``UPDATES_AHEAD`` + 1
-      parts whose updates the host has not finished (``megatrain_jax.engine.schedule``), at the price of a
-      second forward and backward (and their weights' PCIe traffic). Exact: the same numbers as one pass where
-      the backward is deterministic (on GPUs, XLA's ``--xla_gpu_deterministic_ops``; otherwise the second
-      backward may differ from the first in the last bits, as two runs do). Needs ``accumulate_steps`` = 1
+    - ``norm_first`` (opt-in; where host RAM is short): each step runs a forward and two backwards over its
+      batch. The first backward only takes the global gradient norm (no gradient leaves the GPU); the second
+      computes the same gradients again from the forward's block inputs (held on the GPU through both
+      backwards, or in host memory for the ``offload_activations`` blocks), and each part updates as soon as
+      its gradient is home, clipped by the first backward's norm. Host memory then holds no step's gradients,
+      only those of the last ``UPDATES_AHEAD`` + 1 parts whose updates the host has not finished
+      (``megatrain_jax.engine.schedule``), at the price of a second head and backward (and their weights' PCIe
+      traffic). Exact: the same numbers as one pass where the backward is deterministic (on GPUs, XLA's
+      ``--xla_gpu_deterministic_ops``; otherwise the second backward may differ from the first in the last
+      bits, as two runs do). Needs ``accumulate_steps`` = 1
       (the norm of a sum over sub-steps needs that sum held) and ``grads_on_gpu`` = 0 (no gradient waits);
       updates never split (``split_parts`` does not apply).
     """

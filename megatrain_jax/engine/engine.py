@@ -33,7 +33,7 @@ from megatrain_jax.engine.parts import IO, HostRoles, Part, PartId
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, reported_late
 from megatrain_jax.engine.passes import Pass, PassRunner, device_batches
 from megatrain_jax.engine.precision import streamed_dtype
-from megatrain_jax.engine.schedule import eval_ops, norm_ops, step_ops, visits
+from megatrain_jax.engine.schedule import eval_ops, norm_ops, second_pass_ops, step_ops, visits
 from megatrain_jax.engine.step_clock import StepClock
 from megatrain_jax.engine.transfer import Placement, local_rows, local_value
 from megatrain_jax.engine.update.disk_tier import DiskTier
@@ -209,11 +209,11 @@ class Engine:
                     inv_pairs=jnp.float32(1.0 / pairs) if pairs else None,
                     last=j == len(batches) - 1, keep_residuals=self.cfg.keep_residuals,
                     kept_from=n - self.cfg.kept_layers if self.cfg.kept_layers else None)
-                p = new_pass()
+                p = new_pass(for_second=self.cfg.norm_first)
                 if self.cfg.norm_first:  # the norm first, then the same gradients again, each updating its part
-                    self._runner.run(p, norm_ops(n, m, depth, offload))
-                    second = new_pass(norm_known=True, decision=p.decision)
-                    self._runner.run(second, step_ops(n, m, depth, offload=offload, norm_first=True))
+                    self._runner.run(p, norm_ops(n, m, depth, offload))  # the second runs no forward: it takes
+                    second = new_pass(norm_known=True, decision=p.decision, **p.hand_on())  # the first's
+                    self._runner.run(second, second_pass_ops(n, m, depth, offload))
                 else:
                     # the first pass's forward runs the GPU-updated parts' updates of the step before
                     self._runner.run(p, step_ops(n, m, depth, update=p.last, offload=offload,

@@ -31,8 +31,10 @@ where fewer blocks are fetched), and the next forward starts with ``visit(io)``.
 
 With ``EngineConfig.norm_first`` a step is two passes over its batch: ``norm_ops`` (the same forward and
 backward, each part's gradient reduced to its squared norm on the device (``norm``) instead of sent home,
-then the global norm), and ``step_ops(..., norm_first=True)``, where each part's ``update`` follows its
-``send_grads`` at once and no norm is taken.
+then the global norm), and ``second_pass_ops``: no forward (the first pass's block inputs, kept residuals and
+products stay for it, on the device or, for the offloaded blocks, in host memory), the head again from the last
+block's output, then the backward again, where each part's ``update`` follows its ``send_grads`` at once and no
+norm is taken. The weights cross PCIe three times a step (the forward, two backwards) instead of four.
 
 Evaluation walks ``eval_ops``: the same forward, then the loss of each micro-batch.
 """
@@ -113,28 +115,33 @@ def _forward(n_layers: int, n_micro: int, depth: int, keep: int, offload: int = 
 
 
 def step_ops(n_layers: int, n_micro: int, depth: int = 1, update: bool = True, offload: int = 0,
-             norm_first: bool = False, visited: Sequence[int] = (), visit_io: bool = False,
-             bring_io: bool = False) -> list[Op]:
+             visited: Sequence[int] = (), visit_io: bool = False, bring_io: bool = False) -> list[Op]:
     """The ops of one forward+backward pass (plus the optimizer update when ``update``). ``offload``: the
     inputs of the first this many blocks wait in host memory between their forward and backward (the last
-    ``depth`` blocks' never leave: their backward follows at once). ``norm_first``: the step's second pass
-    (``norm_ops`` took the norm): each part's update follows its gradient's ``send_grads``. ``visited``: the
-    blocks updated on the GPU (``gpu_updated_layers``), whose forward fetch is a ``visit``; ``visit_io``: the io
-    part's too (``gpu_updated_io``), and ``bring_io`` (a pass that updates): its state is brought during the
-    backward, with block 0's fetch (or before the backward's first block, where block 0 stayed from the
-    forward)."""
+    ``depth`` blocks' never leave: their backward follows at once). ``visited``: the blocks updated on the GPU
+    (``gpu_updated_layers``), whose forward fetch is a ``visit``; ``visit_io``: the io part's too
+    (``gpu_updated_io``), and ``bring_io`` (a pass that updates): its state is brought during the backward, with
+    block 0's fetch (or before the backward's first block, where block 0 stayed from the forward)."""
     _check(n_layers, n_micro, depth)
     if offload < 0:
         raise ValueError(f"activation offload must be >= 0 blocks, got {offload}")
-    if bring_io and (not update or norm_first):
-        raise ValueError("bring_io brings the io part's state for the update of this pass: it needs update and not "
-                         "norm_first")
+    if bring_io and not update:
+        raise ValueError("bring_io brings the io part's state for the update of this pass: it needs update")
     offload = offloaded_blocks(n_layers, depth, offload)
     ops, resident = _forward(n_layers, n_micro, depth, keep=depth, offload=offload, visited=frozenset(visited),
                              visit_io=visit_io)
     ops += [Op("head", micro=m) for m in range(n_micro)]
     if bring_io and 0 in resident:  # block 0 stays from the forward: no fetch of it to go with
         ops.append(Op("bring", IO))
+    return ops + _backward(n_layers, n_micro, depth, offload, resident, bring_io=bring_io, update=update)
+
+
+def _backward(n_layers: int, n_micro: int, depth: int, offload: int, resident: set[int], bring_io: bool = False,
+              update: bool = True, norm_first: bool = False) -> list[Op]:
+    """The backward from the last block down, each block fetched ``depth`` ahead unless ``resident`` (on the
+    device already; the set is used up), then the embedding's; then the global norm and the updates in forward
+    order (``update``), or, with ``norm_first``, each part's update right after its gradient's ``send_grads``."""
+    ops: list[Op] = []
     for i in reversed(range(n_layers)):
         for j in range(i, i - depth - 1, -1):  # keep `depth` blocks in flight ahead of the compute
             if 0 <= j and j not in resident:
@@ -173,6 +180,23 @@ def norm_ops(n_layers: int, n_micro: int, depth: int = 1, offload: int = 0) -> l
     reduced to its squared norm where it would be sent home, then the global norm."""
     ops = step_ops(n_layers, n_micro, depth, update=False, offload=offload)
     return [Op("norm", op.part) if op.kind == "send_grads" else op for op in ops] + [Op("grad_norm")]
+
+
+def second_pass_ops(n_layers: int, n_micro: int, depth: int = 1, offload: int = 0) -> list[Op]:
+    """The second pass of a ``norm_first`` step, from the first pass's forward (``norm_ops``' block inputs,
+    kept residuals and products, still held): the io part and the last ``depth`` blocks fetched, the head of
+    every micro-batch again, then the backward, each part's update right after its gradient's ``send_grads``
+    (blocks in reverse, io last); no forward, no norm."""
+    _check(n_layers, n_micro, depth)
+    if offload < 0:
+        raise ValueError(f"activation offload must be >= 0 blocks, got {offload}")
+    offload = offloaded_blocks(n_layers, depth, offload)
+    ops, resident = [Op("fetch", IO)], set()
+    for i in range(n_layers - 1, max(n_layers - 1 - depth, -1), -1):  # as the forward leaves them (never offloaded)
+        resident.add(i)
+        ops.append(Op("fetch", PartId.block(i)))
+    ops += [Op("head", micro=m) for m in range(n_micro)]
+    return ops + _backward(n_layers, n_micro, depth, offload, resident, update=False, norm_first=True)
 
 
 def eval_ops(n_layers: int, n_micro: int, depth: int = 1) -> list[Op]:

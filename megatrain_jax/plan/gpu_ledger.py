@@ -37,7 +37,8 @@ from typing import Any, Callable
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.program_memory import ProgramMemory
-from megatrain_jax.engine.schedule import BLOCKS_AHEAD, STORES_AHEAD, Op, OpKind, step_ops, visits
+from megatrain_jax.engine.schedule import (BLOCKS_AHEAD, STORES_AHEAD, Op, OpKind, norm_ops, second_pass_ops, step_ops,
+                                           visits)
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.activations import kept_bytes, products_bytes, transient
 from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, blocks_param_count, host_grad_bytes,
@@ -158,6 +159,10 @@ class Walk:
     acts: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> micro-batch activations held
     keeps: dict[int, int] = dataclasses.field(default_factory=dict)  # block -> micro-batch kept residuals held
     away: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> activations in host memory
+    # a norm_first step's first pass (``for_second``) keeps its forward's values for the second: the offloaded
+    # blocks' host copies stay there while their device copies serve the first backward (layer -> micro-batches)
+    for_second: bool = False
+    back: dict[int, int] = dataclasses.field(default_factory=dict)
     home: set = dataclasses.field(default_factory=set)  # waiting gradients the step before's update took home
     best: tuple = (-1,)  # the peak: bytes, op, outputs, transient, why, the ledger's snapshot (``peak_items``)
     accumulate: bool = False  # this pass adds to an earlier pass's gradients
@@ -352,7 +357,7 @@ def _head(w: Walk, op: Op) -> None:
     if op.micro == 0:
         w.led.add(G, w.grad(op))
     w.led.add(DY, w.act)
-    if w.last_micro(op):
+    if w.last_micro(op) and not w.for_second:
         w.drop_acts(w.c.layers)
 
 
@@ -382,10 +387,15 @@ def _backward(w: Walk, op: Op) -> None:
     w.compute(op, out=w.act + _new_gradient(w, op, starts))
     _keep_gradient(w, op, starts)
     layer = op.part.layer
+    if w.for_second and layer not in w.back:  # held for the second pass's backward
+        return
     if w.last_micro(op) and layer in w.keeps:
         n = w.keeps.pop(layer)
         w.led.drop(K, w.kept(layer) * n, n)
-    if w.last_micro(op) and layer > 0:  # block 0's inputs are the embeddings, still needed by embed_backward
+    if w.last_micro(op) and w.for_second:  # an offloaded block's device copies go; its host copies stay
+        w.drop_acts(layer)
+        w.away[layer] = w.back.pop(layer)
+    elif w.last_micro(op) and layer > 0:  # block 0's inputs are the embeddings, still needed by embed_backward
         w.drop_acts(layer)
 
 
@@ -393,10 +403,11 @@ def _embed_backward(w: Walk, op: Op) -> None:
     w.compute(op, out=_new_gradient(w, op, starts=False))
     _keep_gradient(w, op, starts=False)
     if w.last_micro(op):
-        n = sum(w.acts.values())
-        w.led.drop(A, w.act * n, n)
         w.led.drop(DY, w.act * w.M, w.M)
-        w.acts.clear()
+        if not w.for_second:
+            n = sum(w.acts.values())
+            w.led.drop(A, w.act * n, n)
+            w.acts.clear()
 
 
 def _send_grads(w: Walk, op: Op) -> None:
@@ -443,6 +454,8 @@ def _load_acts(w: Walk, op: Op) -> None:
     w.peak(op, out=(w.act + w.res) * w.M)  # one copy per micro-batch (and one of its kept residuals)
     layer = op.part.layer
     w.acts[layer] = n = w.away.pop(layer)
+    if w.for_second:
+        w.back[layer] = n
     w.led.add(A, w.act * n, n)
     if w.res:
         w.keeps[layer] = n
@@ -451,7 +464,7 @@ def _load_acts(w: Walk, op: Op) -> None:
 
 def _norm(w: Walk, op: Op) -> None:
     """A ``norm_first`` step's first pass: the part's gradient reduced to a scalar on the device, and dropped
-    once its block's work has run (the plan walks the one-pass schedule, whose peak bounds this one's)."""
+    once its block's work has run."""
     w.peak(op)
     w.led.drop(G, w.summed(op), block=w.here(op))
 
@@ -470,6 +483,8 @@ RULES: dict[OpKind, Callable[[Walk, Op], None]] = {
 
 
 _step_ops = functools.lru_cache(maxsize=64)(step_ops)  # the plan's search walks the same schedules many times
+_norm_ops = functools.lru_cache(maxsize=64)(norm_ops)
+_second_pass_ops = functools.lru_cache(maxsize=64)(second_pass_ops)
 
 
 def gpu_peak(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int, flash: bool,
@@ -500,11 +515,21 @@ def _walked(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int,
     roles = host_roles(c, e)
     if roles.io_visited:  # the io part's masters and moments, brought during the step before's backward
         w.led.add(V, part_param_count(c, IO) * (e.precision.master_bytes + e.precision.moment_bytes) // devices)
+    if e.norm_first:  # the norm's pass, holding its forward's values for the second, which runs no forward
+        w.led.add(B, w.batches)
+        for j, ops in enumerate((_norm_ops(c.layers, w.M, e.prefetch_depth, e.offload_activations),
+                                 _second_pass_ops(c.layers, w.M, e.prefetch_depth, e.offload_activations))):
+            w.pass_index, w.for_second, w.backward = j, j == 0, False
+            for op in ops:
+                w.backward |= op.kind == "head"
+                RULES[op.kind](w, op)
+        w.led.drop(B, w.batches)
+        return w.peak_items()
     passes = min(e.accumulate_steps, 2)  # later accumulating passes repeat the second
     for j in range(passes):
         w.pass_index, w.accumulate, w.backward = j, j > 0, False
         w.led.add(B, w.batches)
-        for op in _step_ops(c.layers, w.M, e.prefetch_depth, j == passes - 1, e.offload_activations, False,
+        for op in _step_ops(c.layers, w.M, e.prefetch_depth, j == passes - 1, e.offload_activations,
                             **visits(roles, first=j == 0, last=j == passes - 1)):
             w.backward |= op.kind == "head"
             RULES[op.kind](w, op)

@@ -464,7 +464,7 @@ def lean(p: MemoryPlan) -> Changes | None:
     streamed (no 16-bit host copy), and if that is not enough, the fewest parts' gradients wait on the
     GPU (with ``LEAN_HOST_MARGIN`` of the host left over where possible, then without), and if that is not
     enough, the two-pass step (``norm_first``: a step's gradients never all in host memory, for a second
-    forward and backward). In capacity mode, where that does not fit even without the margin: 8-bit moments and bfloat16 gradients (``_leanest_lower``), so that the
+    backward; with the fewest blocks' inputs in host memory where the GPU needs it). In capacity mode, where that does not fit even without the margin: 8-bit moments and bfloat16 gradients (``_leanest_lower``), so that the
     lower precision is picked only where capacity mode's own does not fit. Then (with a ``disk_dir``) the
     fewest blocks' moments in the disk tier: last, because it reads and writes their moments every step
     (at 70B, hundreds of GB per step through the disk), where 8-bit moments cost no time. The changes, or
@@ -494,9 +494,17 @@ def _leanest(p: MemoryPlan, disk: bool = True, two_pass: bool = True) -> Changes
     grads = fewest(streamed, "engine.grads_on_gpu", list(range(1, n_host + 1)))
     if grads is not None:
         return stream + grads
-    # the two-pass step: exact; its second forward and backward cost time, not precision
-    if two_pass and not p.engine_cfg.norm_first and fits(streamed, (("engine.norm_first", True),)):
-        return stream + (("engine.norm_first", True),)
+    # the two-pass step: exact; its second backward costs time, not precision. Its first pass holds every block's
+    # inputs through both backwards: where the GPU is short of room for them, the fewest blocks' wait in host memory
+    if two_pass and not p.engine_cfg.norm_first:
+        two = (("engine.norm_first", True),)
+        if fits(streamed, two):
+            return stream + two
+        if legal(streamed, two) and streamed.applied(two).host_fits:
+            off = _first_fitting(streamed.applied(two), "engine.offload_activations",
+                                 offload_counts(streamed.applied(two)), gpu=True)
+            if off is not None and fits(streamed, two + off):
+                return stream + two + off
     if disk and not p.engine_cfg.disk_parts:  # the last blocks' moments on disk, where the config takes it
         blocks = p.model_cfg.layers - p.engine_cfg.resident_layers
         on_disk = fewest(streamed, "engine.disk_parts", list(range(1, blocks + 1)))
@@ -537,9 +545,12 @@ def _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, *, host_ram_bytes, gp
         leaner = leaner.replace(engine_cfg=dataclasses.replace(leaner.engine_cfg, disk_dir=given.disk_dir))
     said = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes)
     if leaner.engine_cfg.norm_first and not p.engine_cfg.norm_first:
-        said += (" (two forward and backward passes per step, the same numbers: the first takes the global norm, "
-                 "the second updates each part as its gradient comes home, so host memory holds no step's "
+        said += (" (a forward and two backwards per step, the same numbers: the first backward takes the global "
+                 "norm, the second updates each part as its gradient comes home, so host memory holds no step's "
                  "gradients)")
+    if leaner.engine_cfg.offload_activations > p.engine_cfg.offload_activations:
+        said += (f" (the inputs of the first {leaner.engine_cfg.offload_activations} blocks wait in host memory "
+                 f"between the forward and the backwards: the GPU holds the others' through both)")
     mode = leaner.mode
     if mode is not p.mode and mode.stochastic:
         said = f"{mode.summary} ({said}; {mode.quality})"

@@ -116,11 +116,12 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
             (("engine.gpu_updated_layers", 0),) if e.gpu_updated_layers not in (0, AUTO) else ()) + (
             (("engine.gpu_updated_io", False),) if e.gpu_updated_io is True else ())
         yield ("norm_first", takes([two_pass]),
-               lambda ch: (f"two forward+backward passes per step, the same numbers: the first takes the global "
-                           f"norm on the GPU, the second updates each part as its gradient comes home, so host "
+               lambda ch: (f"a forward and two backwards per step, the same numbers: the first backward takes the "
+                           f"global norm on the GPU, the second updates each part as its gradient comes home, so host "
                            f"memory holds {UPDATES_AHEAD + 1} parts' gradients instead of a step's "
-                           f"({(p.host_total - p.applied(ch).host_total) / GiB:.1f} GiB less); the second forward and "
-                           f"backward cost GPU time and PCIe (slower, least where the host update bounds the step)"))
+                           f"({(p.host_total - p.applied(ch).host_total) / GiB:.1f} GiB less); the second backward "
+                           f"costs GPU time and PCIe (slower, least where the host update bounds the step), and the "
+                           f"GPU holds every block's inputs through both backwards"))
     on_host = "; every part updates on the host" if e.resident_layers or e.resident_io else ""
     for lower in precision.lower(mode):  # the modes that store less, each with what comes with it
         yield (lower.name, takes([precision.switch(e, lower, p.stream_dtype)]),

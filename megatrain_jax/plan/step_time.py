@@ -32,8 +32,8 @@ import os
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.precision import DTYPE_BYTES, FULL, Precision
-from megatrain_jax.engine.schedule import (BLOCKS_AHEAD, UPDATES_AHEAD, Op, norm_ops, offloaded_blocks, step_ops,
-                                           visits)
+from megatrain_jax.engine.schedule import (BLOCKS_AHEAD, UPDATES_AHEAD, Op, norm_ops, offloaded_blocks,
+                                           second_pass_ops, step_ops, visits)
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.plan.counts import activation_bytes, host_roles, io_param_count, stream_bytes
@@ -199,11 +199,10 @@ def _update_bytes(mode: Precision, grads: str | None = None) -> float:
 # ---------------------------------------------------------------------------------------------- the walk
 def _ops(cfg: DecoderConfig, e: EngineConfig) -> list[list[Op]]:
     """One optimizer step's sub-steps: ``accumulate_steps`` passes, the last with the update, the first visiting
-    the GPU-updated blocks; with ``norm_first``, the norm's pass and the updating one."""
+    the GPU-updated blocks; with ``norm_first``, the norm's pass and the updating one (its backward alone)."""
     if e.norm_first:
         return [norm_ops(cfg.layers, e.micro_batches, e.prefetch_depth, offload=e.offload_activations),
-                step_ops(cfg.layers, e.micro_batches, e.prefetch_depth, offload=e.offload_activations,
-                         norm_first=True)]
+                second_pass_ops(cfg.layers, e.micro_batches, e.prefetch_depth, offload=e.offload_activations)]
     k = e.accumulate_steps
     roles = host_roles(cfg, e)
     return [step_ops(cfg.layers, e.micro_batches, e.prefetch_depth, update=(j == k - 1),
