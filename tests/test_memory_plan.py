@@ -646,8 +646,9 @@ def test_norm_first_holds_the_gradients_of_the_parts_whose_updates_may_be_unfini
 def test_lean_pick_takes_the_two_pass_step_where_gradients_on_the_gpu_do_not_fit():
     """Llama-3-8B with a 40 GiB GPU and 115 GiB of host: float32 streaming with the gradients waiting on the
     GPU does not fit, the two-pass step does (exact, so before capacity mode and the disk tier) with the fewest
-    blocks' inputs in host memory (its first pass holds them through both backwards), and ``train`` says so; with the GPU room for the gradients (118 GiB of host) those are picked, as before. The options of
-    a run that does not fit name it, with the host memory it saves."""
+    blocks' inputs in host memory (its first pass holds them through both backwards), and ``train`` says so;
+    with the GPU room for the gradients (118 GiB of host) those are picked, as before. The options of a run that
+    does not fit name it, with the host memory it saves."""
     from megatrain_jax.plan import lean_engine
     e = EngineConfig(micro_batches=2)
     picked, why = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=115 * GiB, gpu_bytes=40 * GiB)

@@ -464,7 +464,8 @@ def lean(p: MemoryPlan) -> Changes | None:
     streamed (no 16-bit host copy), and if that is not enough, the fewest parts' gradients wait on the
     GPU (with ``LEAN_HOST_MARGIN`` of the host left over where possible, then without), and if that is not
     enough, the two-pass step (``norm_first``: a step's gradients never all in host memory, for a second
-    backward; with the fewest blocks' inputs in host memory where the GPU needs it). In capacity mode, where that does not fit even without the margin: 8-bit moments and bfloat16 gradients (``_leanest_lower``), so that the
+    backward; with the fewest blocks' inputs in host memory where the GPU needs it). In capacity mode, where
+    that does not fit even without the margin: 8-bit moments and bfloat16 gradients (``_leanest_lower``), so that the
     lower precision is picked only where capacity mode's own does not fit. Then (with a ``disk_dir``) the
     fewest blocks' moments in the disk tier: last, because it reads and writes their moments every step
     (at 70B, hundreds of GB per step through the disk), where 8-bit moments cost no time. The changes, or
