@@ -1010,9 +1010,10 @@ inline void adamw_q8_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_
 }
 
 // One block of n elements (a multiple of 8) from flat index lo (a multiple of 8) of the small-float formats
-// (SmallFormat<kEM, kMM, kEV, kMV>): its codes unpacked from their groups to a byte each (mc, vc), updated as
-// adamw_q8_block updates bytes (the vector passes on the buffers, c0 = 0; the scalar loops on the rest), packed
-// back.
+// (SmallFormat<kEM, kMM, kEV, kMV>), updated as adamw_q8_block updates bytes. With AVX-512 (and BW, VL, BMI2) the
+// vector passes read and write the codes' groups in place (PackedSmallCodes) and only the scalar loops' last 8
+// elements go through the buffers mc and vc; otherwise the block's codes are unpacked to a byte each into the
+// buffers, updated there (the vector passes with c0 = 0, the scalar loops on the rest) and packed back.
 template <int kPass, int kEM, int kMM, int kEV, int kMV, class G>
 inline void adamw_small_block(uint16_t* __restrict p, uint8_t* __restrict m, uint8_t* __restrict v,
                               float* __restrict m_amax, float* __restrict v_amax, const G* __restrict g,
@@ -1076,7 +1077,8 @@ inline void adamw_small_block(uint16_t* __restrict p, uint8_t* __restrict m, uin
 
 // The blocks of a rows x cols array, in groups of consecutive blocks (about kChunk elements, fewer where that
 // would leave a thread without work) that threads take first come, first served; each thread has its own
-// buffers for a block's new moments (floats) and codes (one a byte, unpacked from m7v5's groups).
+// buffers for a block's new moments (floats) and codes (one a byte, unpacked from m7v5's groups where a pass
+// does not read them in place).
 struct BlockBuffers {
   alignas(64) float mb[kQ8MaxBlock];
   alignas(64) float vb[kQ8MaxBlock];

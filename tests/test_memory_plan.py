@@ -670,6 +670,12 @@ def test_lean_pick_takes_the_two_pass_step_where_gradients_on_the_gpu_do_not_fit
     two_pass = [o for o in options(short) if ("engine.norm_first", True) in o.changes]
     assert two_pass and all(short.applied(o.changes).fits for o in two_pass)
     assert "GiB less" in two_pass[0].why and "the same numbers" in two_pass[0].why
+    # on 40 GiB the options name it too, with the first blocks' inputs in host memory
+    tight = plan(EIGHT_B, e, 16, 2048, host_ram_bytes=115 * GiB, gpu_bytes=40 * GiB)
+    two_pass = [o for o in options(tight) if ("engine.norm_first", True) in o.changes]
+    assert two_pass and all(tight.applied(o.changes).fits for o in two_pass)
+    assert any(dict(o.changes).get("engine.offload_activations") for o in two_pass)
+    assert "blocks wait in host memory" in two_pass[0].why
 
 
 def test_capacity_mode_holds_six_bytes_per_parameter_plus_gradients():

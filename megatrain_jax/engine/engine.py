@@ -209,7 +209,7 @@ class Engine:
                     inv_pairs=jnp.float32(1.0 / pairs) if pairs else None,
                     last=j == len(batches) - 1, keep_residuals=self.cfg.keep_residuals,
                     kept_from=n - self.cfg.kept_layers if self.cfg.kept_layers else None)
-                p = new_pass(for_second=self.cfg.norm_first)
+                p = new_pass(keeps_forward=self.cfg.norm_first)
                 if self.cfg.norm_first:  # the norm first, then the same gradients again, each updating its part
                     self._runner.run(p, norm_ops(n, m, depth, offload))  # the second runs no forward: it takes
                     second = new_pass(norm_known=True, decision=p.decision, **p.hand_on())  # the first's

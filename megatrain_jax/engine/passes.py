@@ -39,7 +39,7 @@ class Pass:
     accumulate: bool = False  # add the gradients to those of earlier sub-steps
     last: bool = True  # the last sub-step of an optimizer step: norms and updates follow
     norm_known: bool = False  # a norm_first step's second pass: the decision is made, each update follows its send
-    for_second: bool = False  # a norm_first step's first pass: its forward's values stay for the second (``hand_on``)
+    keeps_forward: bool = False  # a norm_first step's first pass: its forward's values stay for the second
     keep_inputs: bool = True  # keep each block's inputs for the backward (False: evaluation)
     keep_residuals: bool = False  # and the residuals the model marked to keep (``megatrain_jax.contract.remat``)
     kept_from: int | None = None  # blocks from this one on keep every matrix product too (``kept_layers``)
@@ -58,7 +58,7 @@ class Pass:
     inv_pairs: Any = None  # a pair objective's 1 / the pairs of the whole batch (instead of ``inv_count``)
     per_row: bool = False  # evaluation: each row's summed NLL (``row_nll``) instead of the batch's sum
     stores: list = dataclasses.field(default_factory=list)  # offloaded activations whose copies may be queued
-    # ``for_second``: an offloaded block's inputs and kept residuals in host memory while their device copies
+    # ``keeps_forward``: an offloaded block's inputs and kept residuals in host memory while their device copies
     # serve its backward (block -> (inputs, kept residuals or None)), back in ``acts`` and ``kept`` after it
     away: dict[int, tuple] = dataclasses.field(default_factory=dict)
 
@@ -318,7 +318,7 @@ class PassRunner:
                                                                  p.inv_count, p.io_grads)
         p.losses.append(loss)
         p.dy.append(dx)
-        if op.micro == len(p.batches) - 1 and not p.for_second:
+        if op.micro == len(p.batches) - 1 and not p.keeps_forward:
             del p.acts[self.n_blocks]
         return dx
 
@@ -329,7 +329,7 @@ class PassRunner:
         (p.dy[op.micro], p.grads), p.params[op.part] = self.fns.backward(
             p.params[op.part], p.acts[layer][op.micro], b.positions, b.segment_ids, p.dy[op.micro], p.grads,
             p.d_stats, last=last, kept=kept, kind=self.kinds[layer], products=p.keeps_products(layer))
-        if p.for_second:  # all of it again in the second pass's backward; an offloaded block's from host memory
+        if p.keeps_forward:  # all of it again in the second pass's backward; an offloaded block's from host memory
             if last and layer in p.away:
                 p.acts[layer], kept_home = p.away.pop(layer)
                 if kept_home is not None:
@@ -362,7 +362,7 @@ class PassRunner:
         """An offloaded block's inputs and kept residuals back onto the devices, ahead of its backward."""
         layer = op.part.layer
         p.stores = [s for s in p.stores if s[0] is not p.acts[layer]]  # its host copies go with it
-        if p.for_second:  # unless the second pass needs them again
+        if p.keeps_forward:  # unless the second pass needs them again
             p.away[layer] = (p.acts[layer], p.kept.get(layer))
         p.acts[layer] = [self.placement.to_device(x) for x in p.acts[layer]]
         if layer in p.kept:
@@ -375,7 +375,7 @@ class PassRunner:
         p.io_grads, p.params[IO] = self.fns.embed_backward(p.params[IO], b.inputs, b.positions, b.segment_ids,
                                                            p.dy[op.micro], p.io_grads, last=last)
         if last:
-            if not p.for_second:
+            if not p.keeps_forward:
                 p.acts.clear()
                 p.kept.clear()
             p.dy = []

@@ -159,9 +159,9 @@ class Walk:
     acts: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> micro-batch activations held
     keeps: dict[int, int] = dataclasses.field(default_factory=dict)  # block -> micro-batch kept residuals held
     away: dict[int, int] = dataclasses.field(default_factory=dict)  # layer -> activations in host memory
-    # a norm_first step's first pass (``for_second``) keeps its forward's values for the second: the offloaded
+    # a norm_first step's first pass (``keeps_forward``) keeps its forward's values for the second: the offloaded
     # blocks' host copies stay there while their device copies serve the first backward (layer -> micro-batches)
-    for_second: bool = False
+    keeps_forward: bool = False
     back: dict[int, int] = dataclasses.field(default_factory=dict)
     home: set = dataclasses.field(default_factory=set)  # waiting gradients the step before's update took home
     best: tuple = (-1,)  # the peak: bytes, op, outputs, transient, why, the ledger's snapshot (``peak_items``)
@@ -357,7 +357,7 @@ def _head(w: Walk, op: Op) -> None:
     if op.micro == 0:
         w.led.add(G, w.grad(op))
     w.led.add(DY, w.act)
-    if w.last_micro(op) and not w.for_second:
+    if w.last_micro(op) and not w.keeps_forward:
         w.drop_acts(w.c.layers)
 
 
@@ -387,12 +387,12 @@ def _backward(w: Walk, op: Op) -> None:
     w.compute(op, out=w.act + _new_gradient(w, op, starts))
     _keep_gradient(w, op, starts)
     layer = op.part.layer
-    if w.for_second and layer not in w.back:  # held for the second pass's backward
+    if w.keeps_forward and layer not in w.back:  # held for the second pass's backward
         return
     if w.last_micro(op) and layer in w.keeps:
         n = w.keeps.pop(layer)
         w.led.drop(K, w.kept(layer) * n, n)
-    if w.last_micro(op) and w.for_second:  # an offloaded block's device copies go; its host copies stay
+    if w.last_micro(op) and w.keeps_forward:  # an offloaded block's device copies go; its host copies stay
         w.drop_acts(layer)
         w.away[layer] = w.back.pop(layer)
     elif w.last_micro(op) and layer > 0:  # block 0's inputs are the embeddings, still needed by embed_backward
@@ -404,7 +404,7 @@ def _embed_backward(w: Walk, op: Op) -> None:
     _keep_gradient(w, op, starts=False)
     if w.last_micro(op):
         w.led.drop(DY, w.act * w.M, w.M)
-        if not w.for_second:
+        if not w.keeps_forward:
             n = sum(w.acts.values())
             w.led.drop(A, w.act * n, n)
             w.acts.clear()
@@ -454,7 +454,7 @@ def _load_acts(w: Walk, op: Op) -> None:
     w.peak(op, out=(w.act + w.res) * w.M)  # one copy per micro-batch (and one of its kept residuals)
     layer = op.part.layer
     w.acts[layer] = n = w.away.pop(layer)
-    if w.for_second:
+    if w.keeps_forward:
         w.back[layer] = n
     w.led.add(A, w.act * n, n)
     if w.res:
@@ -519,7 +519,7 @@ def _walked(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int,
         w.led.add(B, w.batches)
         for j, ops in enumerate((_norm_ops(c.layers, w.M, e.prefetch_depth, e.offload_activations),
                                  _second_pass_ops(c.layers, w.M, e.prefetch_depth, e.offload_activations))):
-            w.pass_index, w.for_second, w.backward = j, j == 0, False
+            w.pass_index, w.keeps_forward, w.backward = j, j == 0, False
             for op in ops:
                 w.backward |= op.kind == "head"
                 RULES[op.kind](w, op)

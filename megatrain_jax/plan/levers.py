@@ -115,13 +115,18 @@ def _levers(p: MemoryPlan) -> Iterator[tuple[str, list[Changes], Callable]]:
         two_pass = (("engine.norm_first", True),) + ((("engine.grads_on_gpu", 0),) if e.grads_on_gpu else ()) + (
             (("engine.gpu_updated_layers", 0),) if e.gpu_updated_layers not in (0, AUTO) else ()) + (
             (("engine.gpu_updated_io", False),) if e.gpu_updated_io is True else ())
-        yield ("norm_first", takes([two_pass]),
+        # its first pass holds every block's inputs through both backwards: where the GPU is short of them, the
+        # first blocks' wait in host memory (fewest first)
+        offloaded = [two_pass + (("engine.offload_activations", n),) for n in offload_counts(p)]
+        yield ("norm_first", takes([two_pass, *offloaded]),
                lambda ch: (f"a forward and two backwards per step, the same numbers: the first backward takes the "
                            f"global norm on the GPU, the second updates each part as its gradient comes home, so host "
                            f"memory holds {UPDATES_AHEAD + 1} parts' gradients instead of a step's "
                            f"({(p.host_total - p.applied(ch).host_total) / GiB:.1f} GiB less); the second backward "
                            f"costs GPU time and PCIe (slower, least where the host update bounds the step), and the "
-                           f"GPU holds every block's inputs through both backwards"))
+                           f"GPU holds every block's inputs through both backwards" + (
+                               f" (those of the first {dict(ch)['engine.offload_activations']} blocks wait in host "
+                               f"memory)" if "engine.offload_activations" in dict(ch) else "")))
     on_host = "; every part updates on the host" if e.resident_layers or e.resident_io else ""
     for lower in precision.lower(mode):  # the modes that store less, each with what comes with it
         yield (lower.name, takes([precision.switch(e, lower, p.stream_dtype)]),
