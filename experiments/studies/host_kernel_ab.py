@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 
-import ml_dtypes
 import numpy as np
 
 EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,38 +27,18 @@ sys.path.insert(0, EXPERIMENTS)  # child.py
 sys.path.insert(0, REPO)  # the repository root: megatrain_jax
 from child import median_seconds, results_header  # noqa: E402
 
-from megatrain_jax.engine.update import host_kernel  # noqa: E402
-from megatrain_jax.engine.update.m7v5 import adamw_m7v5_numpy, m7v5_quantize  # noqa: E402
-from megatrain_jax.engine.update.q8 import adamw_q8_numpy, q8_quantize  # noqa: E402
+from host_kernel_rates import FORMATS, HP  # noqa: E402
+from host_kernel_rates import quantized_state as state  # noqa: E402
 
-HP = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=0.5, bc1=0.1, bc2=0.05)
-FORMATS = {"q8": (q8_quantize, adamw_q8_numpy), "m7v5": (m7v5_quantize, adamw_m7v5_numpy)}
+from megatrain_jax.engine.update import host_kernel  # noqa: E402
+
 CASES = [("q8", 256), ("q8", 128), ("m7v5", 128), ("m7v5", 256)]  # each format's own block first
 
 
-def compile_source(source: str, so: str) -> ctypes.CDLL:
+def compile_source(source: str, so: str):
     """The kernel built from ``source`` as ``host_kernel.build`` builds the product's, loaded with its argtypes."""
     subprocess.run(["g++", *host_kernel.COMPILE_FLAGS, "-march=native", "-fopenmp", source, "-o", so], check=True)
-    lib = ctypes.CDLL(so)
-    for fn in (lib.megatrain_adamw_q8, lib.megatrain_adamw_m7v5):
-        fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] + [ctypes.c_int64] * 3 + [ctypes.c_float] * 8
-                       + [ctypes.c_uint32, ctypes.c_int64, ctypes.c_int])
-        fn.restype = None
-    lib.megatrain_set_threads.argtypes = [ctypes.c_int]
-    lib.megatrain_set_threads.restype = None
-    return lib
-
-
-def state(fmt: str, n: int, block: int) -> tuple:
-    """Seeded arrays of one format's update on n parameters (rows of 4,096): p, m, v, their scales, g."""
-    rng = np.random.default_rng(0)
-    shape = (n // 4096, 4096)
-    quantize = FORMATS[fmt][0]
-    p = rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)
-    g = (1e-3 * rng.standard_normal(shape, np.float32)).astype(ml_dtypes.bfloat16)
-    m, ma = quantize(1e-3 * rng.standard_normal(shape, np.float32), block, "m", seed=1)
-    v, va = quantize(1e-6 * np.abs(rng.standard_normal(shape, np.float32)), block, "v", seed=2)
-    return p, m, v, ma, va, g
+    return host_kernel.declare(ctypes.CDLL(so))
 
 
 def main() -> None:

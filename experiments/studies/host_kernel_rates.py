@@ -138,18 +138,30 @@ def compile_variants(tmp: str) -> ctypes.CDLL:
     return lib
 
 
-def quantized(lib, fmt: str, n: int, reps: int) -> float:
-    """Parameters/s of one format's kernel on n parameters (rows of 4,096), bfloat16 gradients."""
+FORMATS = {"q8": (q8_quantize, adamw_q8_numpy, Q8_BLOCK), "m7v5": (m7v5_quantize, adamw_m7v5_numpy, M7V5_BLOCK)}
+
+
+def quantized_state(fmt: str, n: int, block: int) -> tuple:
+    """Seeded arrays of one format's update on n parameters (rows of 4,096) in blocks of ``block``: p, m, v,
+    their scales, and a bfloat16 gradient."""
     rng = np.random.default_rng(0)
     shape = (n // 4096, 4096)
-    quantize, run, block = {"q8": (q8_quantize, adamw_q8_numpy, Q8_BLOCK),
-                            "m7v5": (m7v5_quantize, adamw_m7v5_numpy, M7V5_BLOCK)}[fmt]
+    quantize = FORMATS[fmt][0]
     p = rng.standard_normal(shape, np.float32).astype(BF16)
     g = (1e-3 * rng.standard_normal(shape, np.float32)).astype(BF16)
     m, ma = quantize(1e-3 * rng.standard_normal(shape, np.float32), block, "m", seed=1)
     v, va = quantize(1e-6 * np.abs(rng.standard_normal(shape, np.float32)), block, "v", seed=2)
+    return p, m, v, ma, va, g
+
+
+def quantized(lib, fmt: str, n: int, reps: int, block: int | None = None) -> float:
+    """Parameters/s of one format's kernel on n parameters (rows of 4,096), bfloat16 gradients, in blocks of
+    ``block`` (None: the format's own)."""
+    _, run, own = FORMATS[fmt]
+    block = block or own
+    arrays = quantized_state(fmt, n, block)
     step = iter(range(10 ** 6))
-    return n / median_seconds(lambda: run(p, m, v, ma, va, g, block=block, seed=next(step), lib=lib, **HP), reps)
+    return n / median_seconds(lambda: run(*arrays, block=block, seed=next(step), lib=lib, **HP), reps)
 
 
 def main() -> None:

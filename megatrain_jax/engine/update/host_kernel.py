@@ -230,6 +230,11 @@ def load(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     except OSError as e:
         warnings.warn(f"could not load {path}: {e}; using the JAX host optimizer")
         return None
+    return declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (a build of the kernel's source) with its entry points' argument and result types set."""
     for fn in (lib.megatrain_adamw, lib.megatrain_adamw_stream):
         fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 8 + [ctypes.c_int]
         fn.restype = None
