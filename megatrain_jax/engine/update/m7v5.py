@@ -14,8 +14,8 @@ Why this pair: at the bytes of the removed m8v4 (8-bit m, 4-bit v) its update er
 (``experiments/studies/q4_moment_grids.py``: 0.26 against 0.37, 8-bit moments 0.095); m8v4's loss (1.6% on the
 quality table) came from its 4-bit v, whose powers-of-two grid moves a stored v by up to
 a third of itself at random each step, and a v of 5 bits halves that step; 7 bits of m keep most of the 8-bit m's
-precision (docs/capacity.md). On the 1B quality table its held-out loss is 0.43% above float32's, the
-mean of three seeds (``conv_1b_quality_6291c89.json``; the bar is 1.5%).
+precision (docs/capacity.md). On the 1B quality table its held-out loss is 0.41% above float32's, the
+mean of three seeds (``conv_1b_quality_3d07913.json``; the bar is 1.5%).
 
 The encoder and decoder are the 8-bit format's (``q8.grid_encode``, ``q8.grid_decode``; ``Q8Grid`` in the kernel)
 with narrower fields; the numpy reference of the kernel's entry point ``megatrain_adamw_m7v5`` is
