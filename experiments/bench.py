@@ -329,17 +329,21 @@ def host_update_bytes(engine: Engine) -> int:
     return int(total)
 
 
-def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
-    """Bytes one GPU (the mesh's first) moves over PCIe in one optimizer step without accumulation: the
-    weights fetched and the gradients sent home, in ``host_grad_dtype`` (float32 for those that wait on the
-    GPU; not offloaded activations, which no configuration here uses); blocks updated on the GPU
+def pcie_bytes_per_gpu(engine) -> dict:
+    """Bytes one GPU (the mesh's first) moves over PCIe in one optimizer step, every pass of it
+    (``schedule.step_passes``: a ``norm_first`` step fetches the weights for its second backward too, and sends
+    its gradients home only from that one): the weights fetched and the gradients sent home, in
+    ``host_grad_dtype`` (float32 for those that wait on the GPU; not offloaded activations, which no
+    configuration here uses, nor an accumulating pass's earlier sum brought back); blocks updated on the GPU
     (``gpu_updated_layers``) bring their masters and moments over and send them home with their compute copy
     instead of a gradient."""
     from megatrain_jax.engine.parts import HostRoles
-    from megatrain_jax.engine.schedule import step_ops, visits
+    from megatrain_jax.engine.precision import DTYPE_BYTES
+    from megatrain_jax.engine.schedule import step_passes
 
-    ops = step_ops(engine.lm.n_blocks, micro_batches, engine.cfg.prefetch_depth,
-                   **visits(HostRoles.of_config(engine.lm.n_blocks, engine.cfg), first=True, last=True))
+    e = engine.cfg
+    roles = HostRoles.of_config(engine.lm.n_blocks, e)
+    ops = [op for ops in step_passes(engine.lm.n_blocks, e, roles) for op in ops]
     resident = set(engine.resident_parts)
     placement = engine.placement
 
@@ -352,10 +356,7 @@ def pcie_bytes_per_gpu(engine, micro_batches: int) -> dict:
             total += int(np.prod(shape)) * (itemsize or np.dtype(x.dtype).itemsize)
         return total
 
-    from megatrain_jax.engine.parts import HostRoles
-    from megatrain_jax.engine.precision import DTYPE_BYTES
-    e = engine.cfg
-    waiting = set(HostRoles.of_config(engine.lm.n_blocks, e).grads_on_gpu)  # float32, copied home by their update
+    waiting = set(roles.grads_on_gpu)  # float32, copied home by their update
     state = lambda part: shard_bytes((engine.state[part].params, engine.state[part].opt))  # noqa: E731
     h2d = sum(shard_bytes(engine.state[op.part].streamed()) for op in ops
               if op.kind == "fetch" and op.part not in resident)
@@ -407,7 +408,7 @@ def run_config(name: str, bc: BenchConfig, warmup: int, timed: int, lr_warmup: i
         jax.block_until_ready(engine.state)
         run["init_s"] = round(time.perf_counter() - t0, 2)
         run["num_gpus"] = engine.placement.size
-        run["pcie_per_gpu_per_step"] = pcie_bytes_per_gpu(engine, bc.engine.micro_batches)
+        run["pcie_per_gpu_per_step"] = pcie_bytes_per_gpu(engine)
         predicted = predicted_step(bc, cfg, engine.placement.size)
         run["predicted_step"] = None if predicted is None else predicted.as_dict()
         run["host_optimizer"] = {"fused": "fused C++ AdamW kernel", "host": "JAX host computation",

@@ -263,6 +263,23 @@ def test_bench_counts_the_state_of_parts_updated_on_the_gpu_among_its_pcie_bytes
     assert b["d2h_bytes"] - a["d2h_bytes"] == pytest.approx((12 - 4) * n, abs=32)
 
 
+def test_bench_counts_both_passes_of_a_two_pass_step_among_its_pcie_bytes():
+    """A ``norm_first`` step fetches its streamed weights for the forward, the first backward and the second one
+    (less the blocks the forward leaves on the GPU for the backward, and the io part once more for the second
+    head), and sends its gradients home once: bench.py counts every pass of the step, not only the first."""
+    bench = load_script("bench")
+    base = EngineConfig(micro_batches=2, clip_norm=0.05)
+    runs = [bench.run_config(f"tiny_{i}", bench.BenchConfig("tiny", 3, 32, 4, e), warmup=1, timed=1, profile=False)
+            for i, e in enumerate((base, dataclasses.replace(base, norm_first=True)))]
+    assert all(r["status"] == "ok" for r in runs), [r["status"] for r in runs]
+    one, two = (r["pcie_per_gpu_per_step"] for r in runs)
+    cfg = preset("tiny", layers=3)
+    # the second pass fetches the io part and the last block (one ahead: prefetch_depth 1) for its head, then
+    # blocks 1 and 0 for its backward: the weights of the whole model once more (float32 weights: 4 B/param)
+    assert two["h2d_bytes"] - one["h2d_bytes"] == 4 * cfg.param_count()
+    assert two["d2h_bytes"] == one["d2h_bytes"]
+
+
 def test_bench_breakdown_counts_the_gpu_resident_parts_update_as_device_work():
     """The synchronized step's update time splits by part: the GPU-resident parts' (device work, counted busy by
     gpu_idle_beyond_device_update_est) and the host parts'."""

@@ -6,10 +6,11 @@ import typing
 
 import pytest
 
-from megatrain_jax.engine.parts import IO, PartId
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.parts import IO, HostRoles, PartId
 from megatrain_jax.engine.passes import CATEGORY, HANDLERS, PHASE
 from megatrain_jax.engine.schedule import (Op, OpKind, eval_ops, max_resident_layers, norm_ops, second_pass_ops,
-                                          step_ops)
+                                          step_ops, step_passes)
 from megatrain_jax.plan.gpu_ledger import RULES
 
 B = PartId.block
@@ -168,3 +169,17 @@ def test_a_norm_first_step_is_a_norm_pass_then_updates_as_gradients_come_home():
         loads = [o.part.layer for o in second if o.kind == "load_acts"]
         assert loads == sorted(range(min(offload, 4 - depth)), reverse=True)
         assert max_resident_layers(second) == depth + 1
+
+
+def test_an_optimizer_step_is_its_passes_as_the_engine_runs_them():
+    """``step_passes``: accumulating passes, the first visiting the GPU-updated blocks and the last updating; a
+    norm_first step's two passes."""
+    e = EngineConfig(micro_batches=2, accumulate_steps=3, gpu_updated_layers=1, prefetch_depth=2)
+    roles = HostRoles.of_config(4, e)
+    passes = step_passes(4, e, roles)
+    assert [sum(op.kind == "update" for op in ops) > 0 for ops in passes] == [False, False, True]
+    assert [sum(op.kind == "visit" for op in ops) for ops in passes] == [1, 0, 0]
+    assert passes[0] == step_ops(4, 2, 2, update=False, visited=(0,))
+    two = EngineConfig(micro_batches=2, norm_first=True, offload_activations=1, prefetch_depth=1)
+    assert step_passes(4, two, HostRoles.of_config(4, two)) == [norm_ops(4, 2, 1, offload=1),
+                                                               second_pass_ops(4, 2, 1, offload=1)]

@@ -99,15 +99,10 @@ def measure(name: str, layers: int, warmup: int, steps: int) -> dict:
     from bench import device_info, run_config
     run = run_config(f"{name}_{layers}l", bc, warmup, steps, profile=True)
     run["device"] = device_info()
-    from megatrain_jax.plan import part_param_count
-    from megatrain_jax.engine.schedule import step_ops
-    sb = 2 if p.stream_dtype == "bfloat16" else 4
-    # What the schedule fetches (io once; a block twice unless it stays from the forward to the backward),
-    # and each part's float32 gradient once, unless it waits on the GPU (then it comes home with its update).
-    fetched = sum(part_param_count(cfg, op.part) for op in step_ops(layers, engine.micro_batches, engine.prefetch_depth)
-                  if op.kind == "fetch")
+    # what crosses PCIe a step as bench.py counts it from the engine's schedule, every pass of the step
+    pcie = run.get("pcie_per_gpu_per_step", {})
     run.update(preset=name, layers=layers, lean_mode=lean, master_dtype=engine.master_dtype,
-               h2d_bytes_per_step=sb * fetched, d2h_bytes_per_step=4 * cfg.param_count(),
+               h2d_bytes_per_step=pcie.get("h2d_bytes"), d2h_bytes_per_step=pcie.get("d2h_bytes"),
                plan_host_gib=round(p.host_total / GiB, 2), plan_gpu_gib=round(p.gpu_total / GiB, 2))
     return run
 

@@ -42,9 +42,12 @@ Evaluation walks ``eval_ops``: the same forward, then the loss of each micro-bat
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 from megatrain_jax.engine.parts import IO, HostRoles, PartId
+
+if TYPE_CHECKING:
+    from megatrain_jax.engine.config import EngineConfig
 
 # Offloaded activations: the blocks whose copies to host memory may be queued at once; the host waits for
 # older ones (``passes.PassRunner.store_acts``), so the GPU never holds more blocks' inputs waiting to leave.
@@ -197,6 +200,20 @@ def second_pass_ops(n_layers: int, n_micro: int, depth: int = 1, offload: int = 
         ops.append(Op("fetch", PartId.block(i)))
     ops += [Op("head", micro=m) for m in range(n_micro)]
     return ops + _backward(n_layers, n_micro, depth, offload, resident, update=False, norm_first=True)
+
+
+def step_passes(n_layers: int, e: EngineConfig, roles: HostRoles) -> list[list[Op]]:
+    """The ops of one optimizer step under ``e``, pass by pass, as the engine runs them: ``accumulate_steps``
+    passes of ``step_ops`` (the first visiting the GPU-updated parts, the last updating), or with ``norm_first``
+    the norm's pass and the updating one (``norm_ops``, ``second_pass_ops``). ``roles``: ``HostRoles.of_config``
+    of ``e``. What a step moves and runs is counted from these (the step-time model, the benches' PCIe bytes)."""
+    m, depth, offload = e.micro_batches, e.prefetch_depth, e.offload_activations
+    if e.norm_first:
+        return [norm_ops(n_layers, m, depth, offload), second_pass_ops(n_layers, m, depth, offload)]
+    k = e.accumulate_steps
+    return [step_ops(n_layers, m, depth, update=j == k - 1, offload=offload, **visits(roles, first=j == 0,
+                                                                                      last=j == k - 1))
+            for j in range(k)]
 
 
 def eval_ops(n_layers: int, n_micro: int, depth: int = 1) -> list[Op]:

@@ -1,4 +1,4 @@
-"""How long a step takes: the step-time model. It walks the engine's own op list (``engine.schedule.step_ops``)
+"""How long a step takes: the step-time model. It walks the engine's own op list (``engine.schedule.step_passes``)
 over four queues that run at once, each in the order the engine issues to it, with each op's length from the
 machine's rates (``speeds.Speeds``):
 
@@ -32,8 +32,7 @@ import os
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.precision import DTYPE_BYTES, FULL, Precision
-from megatrain_jax.engine.schedule import (BLOCKS_AHEAD, UPDATES_AHEAD, Op, norm_ops, offloaded_blocks,
-                                           second_pass_ops, step_ops, visits)
+from megatrain_jax.engine.schedule import BLOCKS_AHEAD, UPDATES_AHEAD, Op, offloaded_blocks, step_passes
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.plan.counts import activation_bytes, host_roles, io_param_count, stream_bytes
@@ -198,15 +197,8 @@ def _update_bytes(mode: Precision, grads: str | None = None) -> float:
 
 # ---------------------------------------------------------------------------------------------- the walk
 def _ops(cfg: DecoderConfig, e: EngineConfig) -> list[list[Op]]:
-    """One optimizer step's sub-steps: ``accumulate_steps`` passes, the last with the update, the first visiting
-    the GPU-updated blocks; with ``norm_first``, the norm's pass and the updating one (its backward alone)."""
-    if e.norm_first:
-        return [norm_ops(cfg.layers, e.micro_batches, e.prefetch_depth, offload=e.offload_activations),
-                second_pass_ops(cfg.layers, e.micro_batches, e.prefetch_depth, offload=e.offload_activations)]
-    k = e.accumulate_steps
-    roles = host_roles(cfg, e)
-    return [step_ops(cfg.layers, e.micro_batches, e.prefetch_depth, update=(j == k - 1),
-                     offload=e.offload_activations, **visits(roles, first=j == 0, last=j == k - 1)) for j in range(k)]
+    """One optimizer step's sub-steps (``schedule.step_passes``)."""
+    return step_passes(cfg.layers, e, host_roles(cfg, e))
 
 
 def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, s: Speeds,
