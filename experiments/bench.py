@@ -103,13 +103,15 @@ CONFIGS: dict[str, BenchConfig] = {
     # Where the model does not fit on the GPU (issue 51): Llama-2-13B's shape on one H200 (251 GiB host), the
     # layout the plan picks for speed (resident blocks and blocks keeping their products, both "auto"). The streamed
     # blocks' gradients come home in bfloat16, as SlideFormer's do and as in the 3.5B streamed rows below (since
-    # 2026-11-29; the plan's prediction on one H200 of a 32-core host: +1% at 32K, +2% at 8K).
+    # 2026-11-29; the plan's prediction on one H200 of a 32-core host: +1% at 32K, +2% at 8K); since 2026-11-30 those
+    # updated on the GPU wait there in bfloat16 too (device_grad_dtype: every gradient rounded once, as
+    # SlideFormer's; at 8K the GPU memory it frees holds 2-3 more resident blocks, predicted -7%).
     "13b_32k": BenchConfig("llama2-13b", None, 2048, 16, EngineConfig(
         micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
-        prefetch_depth=2, host_grad_dtype="bfloat16", gpu_updated_layers="auto")),
+        prefetch_depth=2, host_grad_dtype="bfloat16", device_grad_dtype="bfloat16", gpu_updated_layers="auto")),
     "13b_8k": BenchConfig("llama2-13b", None, 2048, 4, EngineConfig(
         micro_batches=1, resident_layers="auto", kept_layers="auto", resident_io=True, keep_residuals=True,
-        prefetch_depth=2, host_grad_dtype="bfloat16", gpu_updated_layers="auto")),
+        prefetch_depth=2, host_grad_dtype="bfloat16", device_grad_dtype="bfloat16", gpu_updated_layers="auto")),
     # 3.5B with nothing resident (issue 51's streamed rows, against SlideFormer, which keeps no parameter on the GPU
     # between steps): every block and the embedding/head streamed each step, the kept blocks picked for speed.
     # Gradients come home in bfloat16, as SlideFormer's do: at one micro-batch on one device a block's is a
@@ -228,6 +230,10 @@ for _g in (1, 2, 3):
 # (gpu_updated_io, 2026-11-30): the A/B's other arm.
 for _k in (8, 32):
     CONFIGS[f"3p5b_{_k}k_nothing_resident_io_on_host"] = _variant(f"3p5b_{_k}k_nothing_resident", gpu_updated_io=False)
+# The 13B rows with the gradients of the parts updated on the GPU in float32 there, as before 2026-11-30 (the A/B's
+# other arm of device_grad_dtype).
+for _k in (8, 32):
+    CONFIGS[f"13b_{_k}k_float32_device_grads"] = _variant(f"13b_{_k}k", device_grad_dtype="float32")
 # The 8K row as the layout search picked it with its own split count at e9ffee6 (3 blocks updated on the GPU, 1
 # update split; 0.894 s against 0.764 predicted, h200x2_side_by_side_streamed_8k_e9ffee6.json), to be run with
 # --timeline-steps beside the plan's row: where the step-time model misprices the split count.

@@ -968,6 +968,32 @@ def test_bfloat16_gradients_home_train_full_precision_bitwise_at_one_micro_batch
                for a, b in zip(jax.tree.leaves(summed[0].state), jax.tree.leaves(summed[1].state)))
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("layout", [dict(resident_layers=1, resident_io=True, gpu_updated_layers=1),
+                                    dict(resident_layers=2, resident_io=True, norm_first=True)],
+                         ids=["resident_and_visiting", "two_pass"])
+def test_gradients_updated_on_the_device_in_bfloat16_train_as_those_sent_home(micro_batches, layout):
+    """``device_grad_dtype="bfloat16"``: the gradients of the parts updated on the GPU (resident, or at their
+    visit) are rounded once the step's sum is complete, as ``host_grad_dtype="bfloat16"`` rounds those sent
+    home, and the norm is the rounded gradients': with both set, the run is bit for bit the run that streams
+    every part and sends every gradient home in bfloat16 (the JAX update on both sides), with one micro-batch
+    and with two, whose sum the rounding changes (against float32 gradients on the device)."""
+    both = dict(clip_norm=0.05, micro_batches=micro_batches, host_kernel=False, host_grad_dtype="bfloat16")
+    streamed = _trained(EngineConfig(**both))
+    device = _trained(EngineConfig(**both, **layout, device_grad_dtype="bfloat16"))
+    for a, b in zip(jax.tree.leaves(streamed.state), jax.tree.leaves(device.state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if micro_batches > 1:
+        wide = _trained(EngineConfig(**both, **layout))
+        assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+                   for a, b in zip(jax.tree.leaves(wide.state), jax.tree.leaves(device.state)))
+
+
+def test_device_grad_dtype_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="device_grad_dtype must be 'float32' or 'bfloat16'"):
+        EngineConfig(device_grad_dtype="float16")
+
+
 def test_programs_compile_products_on_cublas_unless_xla_flags_say(monkeypatch):
     """The per-part programs ask XLA for cuBLAS products (Triton's emitter off); a setting of that flag in
     XLA_FLAGS is left to win, and the latency-hiding scheduler is asked for only on several devices."""

@@ -22,7 +22,8 @@ from megatrain_jax.cli.run_config import load_config
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax import _environment
 from megatrain_jax.plan import (LEAN_HOST_MARGIN, GiB, MemoryPlanError, advice, fitted_pool_limit, io_param_count,
-                                layer_param_count, lean, longest_seq_len, offload, options, plan, require_fit)
+                                layer_param_count, lean, lean_engine, longest_seq_len, offload, options, plan,
+                                require_fit)
 from megatrain_jax.plan.gpu_ledger import QUEUED_BLOCKS, RESIDENT_ALLOCATOR_SLACK, WAITING_ALLOCATOR_SLACK
 from megatrain_jax.plan.machine import GPU_FRAGMENTATION_MARGIN, pinned_pool_bytes
 from megatrain_jax.models import Decoder
@@ -201,6 +202,29 @@ def test_several_devices_hold_gradient_shards():
     assert not any(k.startswith(in_use) and "queued" not in k for k in one_res.gpu)
     assert two_res.gpu[f"{in_use} (3 buffers)"] == 2 * (io_param_count(cfg) + 2 * layer_param_count(cfg))
     assert two_res.gpu_total < 0.6 * one_res.gpu_total
+
+
+def test_gradients_kept_for_an_update_on_the_gpu_in_bfloat16_hold_half_the_bytes():
+    """``device_grad_dtype="bfloat16"``: the GPU-resident parts' gradients (every part but the first's at the
+    backward's end) and the allocator's slack around them take half the GPU memory, so the plan fits more
+    resident blocks; with accumulate_steps > 1 the float32 sum of the sub-steps is held until the last, as
+    before."""
+    cfg = preset("7b", layers=16)
+    layout = dict(micro_batches=2, resident_layers=16, resident_io=True)
+    wide, half = (plan(cfg, ONE_AHEAD(**layout, device_grad_dtype=d), 16, 2048, **BIG)
+                  for d in ("float32", "bfloat16"))
+    grads = lambda p: next(v for k, v in p.gpu.items() if k.startswith("gradients of GPU-resident parts"))  # noqa
+    slack = "the allocator's slack around GPU-resident parts and waiting gradients (measured)"
+    assert wide.gpu_peak_at == half.gpu_peak_at and grads(half) * 2 == grads(wide) > 0
+    assert half.gpu[slack] * 2 == pytest.approx(wide.gpu[slack], abs=2)
+    assert wide.gpu_total - half.gpu_total >= grads(half)
+    accumulating = [plan(cfg, ONE_AHEAD(**layout, accumulate_steps=2, device_grad_dtype=d), 16, 2048, **BIG)
+                    for d in ("float32", "bfloat16")]
+    assert accumulating[0].gpu_total == accumulating[1].gpu_total
+    picks = [lean_engine(cfg, ONE_AHEAD(micro_batches=2, resident_layers="auto", resident_io=True,
+                                        device_grad_dtype=d), 16, 2048, host_ram_bytes=10_000 * GiB,
+                         gpu_bytes=55 * GiB)[0].resident_layers for d in ("float32", "bfloat16")]
+    assert picks == [12, 14], picks  # the resident blocks "auto" fits on a 55 GiB GPU
 
 
 def test_more_micro_batches_less_gpu_memory_same_host():

@@ -52,7 +52,14 @@ class EngineConfig:
       of float32). The global norm, and so the clipping, is computed from the rounded gradients, exactly over
       what was sent; it differs from the float32 gradient's norm by the rounding (relative error under 2^-9
       per element). With ``accumulate_steps`` > 1 each sub-step's sum is rounded again. Gradients that wait on
-      the GPU (``grads_on_gpu``) and those of GPU-resident parts stay float32.
+      the GPU (``grads_on_gpu``) stay float32; those updated on the GPU follow ``device_grad_dtype``.
+    - ``device_grad_dtype="bfloat16"`` (opt-in): the gradients of the parts updated on the GPU (GPU-resident
+      parts, ``gpu_updated_layers``, ``gpu_updated_io``), which wait there for the global norm or for the next
+      forward's visit, are kept in bfloat16 once the optimizer step's sum is complete: half their GPU memory
+      (2 bytes a parameter of every resident part at the backward's end), which the plan gives to more resident
+      blocks. The norm is the rounded gradients', as for ``host_grad_dtype``; with one micro-batch on one device
+      a block's gradient is a bfloat16 cotangent, which the rounding leaves as it is. Set both to bfloat16 to
+      round every gradient once before its update, wherever it waits.
     - ``disk_parts``: the Adam moments of this many blocks (the last ones that are not GPU-resident) live in
       files under ``disk_dir`` on local disk (``megatrain_jax.engine.update.disk_tier``), read ahead of each block's
       update and written behind it: their moments' bytes (``Precision.moment_bytes``) less host RAM,
@@ -162,6 +169,7 @@ class EngineConfig:
     master_dtype: str = "float32"
     moment_dtype: str | None = None
     host_grad_dtype: str = "float32"
+    device_grad_dtype: str = "float32"
     disk_parts: int = 0
     disk_dir: str | None = None
     offload_activations: int = 0
@@ -184,6 +192,9 @@ class EngineConfig:
         if self.resident_layers != AUTO and (not isinstance(self.resident_layers, int) or self.resident_layers < 0):
             raise ValueError(f"EngineConfig.resident_layers must be an integer >= 0 or 'auto', got "
                              f"{self.resident_layers!r}")
+        if self.device_grad_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"EngineConfig.device_grad_dtype must be 'float32' or 'bfloat16', got "
+                             f"{self.device_grad_dtype!r}")
         if self.stream_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"EngineConfig.stream_dtype must be None, 'float32' or 'bfloat16', "
                              f"got {self.stream_dtype!r}")

@@ -150,7 +150,7 @@ class Engine:
         self._load_resident()
         self._runner = PassRunner(self.fns, self.placement, self.state, self.policy, self._resident, self._observers,
                                   grads_on_gpu=self.grads_on_gpu_parts, host_grad_dtype=config.host_grad_dtype,
-                                  gpu_updated=self.gpu_updated_parts)
+                                  gpu_updated=self.gpu_updated_parts, device_grad_dtype=config.device_grad_dtype)
         self.last_seq_len = 0
 
     # ------------------------------------------------------------------ training

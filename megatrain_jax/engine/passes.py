@@ -105,7 +105,8 @@ class PassRunner:
 
     def __init__(self, fns: DeviceFns, placement: Placement, state: HostState, policy: UpdatePolicy,
                  resident: dict[PartId, Part], observers: Sequence, grads_on_gpu: Sequence[PartId] = (),
-                 host_grad_dtype: str = "float32", gpu_updated: Sequence[PartId] = ()):
+                 host_grad_dtype: str = "float32", gpu_updated: Sequence[PartId] = (),
+                 device_grad_dtype: str = "float32"):
         self.fns, self.placement, self.state, self.policy = fns, placement, state, policy
         self.resident = resident  # GPU-resident parts, updated on the device
         self.grads_on_gpu = set(grads_on_gpu)  # host-updated parts whose gradients wait on the device
@@ -119,6 +120,7 @@ class PassRunner:
         self.brought: dict[PartId, Future] = {}
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-bring")
         self.bfloat16_home = host_grad_dtype == "bfloat16"  # gradients sent home are rounded on the device first
+        self.bfloat16_device = device_grad_dtype == "bfloat16"  # and those updated on the device, once summed
         self.observers = observers
         self.n_blocks = len(state.parts) - 1
         self.kinds = fns.lm.block_kinds  # each block's kind: which template its programs run
@@ -396,7 +398,9 @@ class PassRunner:
         last backward program has summed it over the devices: each device holds its shard. The parts of
         ``grads_on_gpu`` keep it on the device too, until their update copies it home. With
         ``host_grad_dtype="bfloat16"`` a gradient sent home is rounded to bfloat16 on the device, and its norm
-        is the rounded gradient's: the clipping is exact over what the update reads."""
+        is the rounded gradient's: the clipping is exact over what the update reads. With
+        ``device_grad_dtype="bfloat16"`` so is the gradient of a part updated on the device, once the step's
+        sum is complete (the earlier sub-steps' sum stays float32)."""
         part = op.part
         # the gradient stays on the device: a resident part's, and one whose update waits there or runs there
         resident = part in self.resident or part in self.grads_on_gpu or part in self.gpu_updated
@@ -404,20 +408,28 @@ class PassRunner:
         if p.accumulate:
             earlier = self._grads[part]
             grads = self.fns.add(grads, earlier if resident else self.placement.to_device(earlier))
-        if self.bfloat16_home and not resident:
+        if self._rounds(part) and (p.last or not resident):
             grads = self.fns.to_bfloat16(grads)
         if p.last and not p.norm_known:
             self._sq_norms[part] = self.fns.sq_norm(grads)
         self._grads[part] = grads if resident else self.placement.to_host(grads)
         return self._grads[part]
 
+    def _rounds(self, part: PartId) -> bool:
+        """Whether ``part``'s gradient is rounded to bfloat16 before its update: one sent home, by
+        ``host_grad_dtype``; one updated on the device (resident, or at its visit), by ``device_grad_dtype``;
+        one that waits on the device for a host update (``grads_on_gpu``) stays float32."""
+        if part in self.resident or part in self.gpu_updated:
+            return self.bfloat16_device
+        return self.bfloat16_home and part not in self.grads_on_gpu
+
     def norm(self, p: Pass, op: Op):
         """A ``norm_first`` step's first pass: the part's gradient (summed over the devices, each its shard)
         reduced to its squared norm on the device, then dropped: none goes home. A gradient that the second
-        pass sends home in bfloat16 (``send_grads``) is rounded first, so that the norm is that of what the
+        pass rounds to bfloat16 (``send_grads``) is rounded first, so that the norm is that of what the
         update reads, as in one pass."""
         grads = p.take_grads(op.part)
-        if self.bfloat16_home and op.part not in self.resident:
+        if self._rounds(op.part):
             grads = self.fns.to_bfloat16(grads)
         self._sq_norms[op.part] = self.fns.sq_norm(grads)
         return self._sq_norms[op.part]

@@ -98,3 +98,9 @@ def host_grad_bytes(e: EngineConfig) -> int:
     """Bytes per parameter of a gradient that comes home to host memory for its update
     (``host_grad_dtype``; those that wait on the GPU come home in float32)."""
     return DTYPE_BYTES[e.host_grad_dtype]
+
+
+def device_grad_bytes(e: EngineConfig) -> int:
+    """Bytes per parameter of a gradient that waits on the GPU for an update there, once summed: a GPU-resident
+    part's, or a GPU-updated part's until its visit (``device_grad_dtype``)."""
+    return DTYPE_BYTES[e.device_grad_dtype]

@@ -41,8 +41,9 @@ from megatrain_jax.engine.schedule import (BLOCKS_AHEAD, STORES_AHEAD, Op, OpKin
                                            visits)
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.activations import kept_bytes, products_bytes, transient
-from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, blocks_param_count, host_grad_bytes,
-                                       host_roles, io_param_count, part_param_count)
+from megatrain_jax.plan.counts import (BATCH_BYTES_PER_TOKEN, activation_bytes, blocks_param_count,
+                                       device_grad_bytes, host_grad_bytes, host_roles, io_param_count,
+                                       part_param_count)
 
 QUEUED_BLOCKS = BLOCKS_AHEAD  # blocks of work the GPU may trail the host by (the engine waits for older ones)
 
@@ -134,11 +135,13 @@ def breakdown(live: dict[str, tuple[int, int]], held_now: list) -> dict[str, int
 W = "weights in use (streamed, or cast from resident masters)"
 A, G = "boundary activations", "gradient accumulators, float32"
 K = "kept residuals: attention output and softmax statistics (keep_residuals), matrix products (kept_layers)"
-R, DY, B = "gradients of GPU-resident parts, float32", "d(loss)/d(hidden) per micro-batch", "token batches"
+R, DY, B = ("gradients of GPU-resident parts, float32 or device_grad_dtype", "d(loss)/d(hidden) per micro-batch",
+           "token batches")
 H = "gradients waiting on the GPU for their host update, float32 (grads_on_gpu)"
 S = "gradients cast to bfloat16 for the copy home (host_grad_dtype)"
 V = "masters and moments visiting the GPU for their update, float32 (gpu_updated_layers, gpu_updated_io)"
-U = "gradients waiting on the GPU for the next forward's update there, float32 (gpu_updated_layers)"
+U = ("gradients waiting on the GPU for the next forward's update there, float32 or device_grad_dtype "
+     "(gpu_updated_layers)")
 
 
 @dataclasses.dataclass
@@ -197,9 +200,13 @@ class Walk:
         self.cast = copy and not e.keeps_resident_copy
         kept = self.sb if copy and e.keeps_resident_copy else 0
         self.resident = resident_params * (e.precision.master_bytes + e.precision.moment_bytes + kept) // self.devices
-        waiting_params = sum(part_param_count(c, part) for part in self.waiting | self.visiting)
-        self.slack = int(4 * (RESIDENT_ALLOCATOR_SLACK * resident_params + WAITING_ALLOCATOR_SLACK * waiting_params)
-                         / self.devices)  # of their float32 gradients
+        waiting_params = sum(part_param_count(c, part) for part in self.waiting)
+        visiting_params = sum(part_param_count(c, part) for part in self.visiting)
+        # bytes a parameter of a gradient kept for an update on the GPU: rounded once summed, so accumulating steps
+        # hold the float32 sum of their sub-steps until the last
+        self.dgb = device_grad_bytes(e) if e.accumulate_steps == 1 else 4
+        self.slack = int((RESIDENT_ALLOCATOR_SLACK * self.dgb * resident_params + WAITING_ALLOCATOR_SLACK
+                          * (4 * waiting_params + self.dgb * visiting_params)) / self.devices)  # of their gradients
         self.batches = self.rows * self.seq_len * (BATCH_BYTES_PER_TOKEN + (0 if self.flash else 4))
 
     # ------------------------------------------------------------------ what an op touches
@@ -232,6 +239,11 @@ class Walk:
     def summed(self, op: Op) -> int:
         """The part's gradient once summed over the devices: each device's shard (the whole on one device)."""
         return self.grad(op) // self.devices
+
+    def kept_grad(self, op: Op) -> int:
+        """A gradient kept on the GPU for an update there (a resident part's, a GPU-updated part's until its
+        visit), in ``device_grad_dtype``: each device's shard."""
+        return self.summed(op) * self.dgb // 4
 
     def last_micro(self, op: Op) -> bool:
         return op.micro == self.M - 1
@@ -324,7 +336,7 @@ def _visit(w: Walk, op: Op) -> None:
     (the step before it is applied)."""
     held = w.in_use(op)
     w.peak(op, out=held, temp=w.grad(op) // w.devices, why="the update's float32 step, before it is applied")
-    w.led.drop(U, w.summed(op), block=w.here(op))
+    w.led.drop(U, w.kept_grad(op), block=w.here(op))
     w.led.add(W, held)
     w.led.drop(V, _state(w, op), block=w.here(op))
 
@@ -417,24 +429,26 @@ def _send_grads(w: Walk, op: Op) -> None:
     home = not (kept or waits or visits)
     sent = w.summed(op) * host_grad_bytes(w.e) // 4 if home else 0  # in the host's dtype
     cast = sent if home and host_grad_bytes(w.e) < 4 else 0  # the bfloat16 copy that is sent
+    if (kept or visits) and w.dgb < 4:  # a gradient updated on the GPU, rounded once the step's sum is complete
+        cast = w.kept_grad(op)
     back = sent if w.accumulate else 0
     w.peak(op, out=cast, temp=back, why="the earlier passes' sum, back from host memory to be added")
     w.led.drop(G, w.summed(op), block=None if kept or waits or visits else w.here(op))
-    if cast:
+    if cast and home:
         w.led.add(S, cast)
         w.led.drop(S, cast, block=w.here(op))
     if kept and not w.accumulate:
-        w.led.add(R, w.summed(op))
+        w.led.add(R, w.kept_grad(op))
     elif waits and not w.accumulate:
         w.led.add(H, w.summed(op))
     elif visits and not w.accumulate:
-        w.led.add(U, w.summed(op))
+        w.led.add(U, w.kept_grad(op))
 
 
 def _update(w: Walk, op: Op) -> None:
     w.peak(op)
     if op.part in w.on_gpu:
-        w.led.drop(R, w.summed(op))
+        w.led.drop(R, w.kept_grad(op))
 
 
 def _store_acts(w: Walk, op: Op) -> None:
@@ -511,7 +525,7 @@ def _walked(c: DecoderConfig, e: EngineConfig, rows: int, seq_len: int, sb: int,
     for part in w.waiting:  # the step before's, copied home by each part's update before its fetch
         w.led.add(H, part_param_count(c, part) * 4 // devices)
     for part in w.visiting:  # the step before's, used by each part's update at its visit
-        w.led.add(U, part_param_count(c, part) * 4 // devices)
+        w.led.add(U, part_param_count(c, part) * w.dgb // devices)
     roles = host_roles(c, e)
     if roles.io_visited:  # the io part's masters and moments, brought during the step before's backward
         w.led.add(V, part_param_count(c, IO) * (e.precision.master_bytes + e.precision.moment_bytes) // devices)
