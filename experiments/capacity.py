@@ -26,7 +26,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import BenchConfig  # noqa: E402  (sets XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 by default)
+from bench import BenchConfig  # noqa: E402  (the GPU's memory fraction as megatrain_jax sets it: 0.95)
 from child import git_commit, pick_configs, run_configs  # noqa: E402
 
 from megatrain_jax import EngineConfig  # noqa: E402
