@@ -22,7 +22,7 @@ import time
 
 # This process is the GPU's only user: XLA takes the share of its memory that megatrain_jax gives it when imported
 # (_environment.ENGINE_GPU_FRACTION, 0.95), as `megatrain-jax train` runs, unless the environment says otherwise.
-# Until 2026-11-30 bench.py set 0.9 here: its rows ran with ~7 GiB less of an H200 than a user's run has.
+# Until 2026-11-30 bench.py set 0.9 here: its rows ran with ~6.4 GiB less of an H200 than a user's run has.
 import megatrain_jax  # noqa: E402,F401  (first: the GPU memory fraction and the pinned pool, as the product sets them)
 import jax  # noqa: E402
 import numpy as np

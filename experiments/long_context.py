@@ -59,7 +59,8 @@ CONFIGS = {
 
 
 def measure(name: str, lc: LongConfig) -> dict:
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    # XLA's share of the GPU: megatrain_jax's (0.95, set when plan_check.py, imported above, imported bench.py),
+    # unless the environment says otherwise; the committed runs before 2026-11-30 used 0.9, set here then
     from megatrain_jax import EngineConfig, preset
     from megatrain_jax._environment import physical_ram_bytes
     from megatrain_jax.plan import GiB, fit_host_pool, gpu_bytes_before_jax, lean_engine, longest_seq_len, plan

@@ -148,7 +148,6 @@ def run_process(config: str, cache_dir: str, cache: str, timeout: float) -> dict
     """``measure(config)`` in a fresh process on ``cache_dir``; the run's record, failures included."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # ours, not the user's
     env.update(MEGATRAIN_COMPILATION_CACHE=cache_dir, PYTHONUNBUFFERED="1")
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # as bench.py: 7b_32k keeps 14 blocks on the GPU
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_path = f.name
     spawned_at = time.time()

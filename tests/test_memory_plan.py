@@ -206,9 +206,9 @@ def test_several_devices_hold_gradient_shards():
 
 def test_gradients_kept_for_an_update_on_the_gpu_in_bfloat16_hold_half_the_bytes():
     """``device_grad_dtype="bfloat16"``: the GPU-resident parts' gradients (every part but the first's at the
-    backward's end) and the allocator's slack around them take half the GPU memory, so the plan fits more
-    resident blocks; with accumulate_steps > 1 the float32 sum of the sub-steps is held until the last, as
-    before."""
+    backward's end) and the allocator's slack around them take half the GPU memory, less the float32 sums that
+    queued casts still read, so the plan fits more resident blocks; with accumulate_steps > 1 the float32 sum of
+    the sub-steps is held until the last, and the cast there comes on top."""
     cfg = preset("7b", layers=16)
     layout = dict(micro_batches=2, resident_layers=16, resident_io=True)
     wide, half = (plan(cfg, ONE_AHEAD(**layout, device_grad_dtype=d), 16, 2048, **BIG)
@@ -217,10 +217,11 @@ def test_gradients_kept_for_an_update_on_the_gpu_in_bfloat16_hold_half_the_bytes
     slack = "the allocator's slack around GPU-resident parts and waiting gradients (measured)"
     assert wide.gpu_peak_at == half.gpu_peak_at and grads(half) * 2 == grads(wide) > 0
     assert half.gpu[slack] * 2 == pytest.approx(wide.gpu[slack], abs=2)
-    assert wide.gpu_total - half.gpu_total >= grads(half)
+    # the float32 sums of the newest blocks stay allocated until their queued casts have run
+    assert wide.gpu_total - half.gpu_total >= grads(half) - QUEUED_BLOCKS * 4 * layer_param_count(cfg) > 0
     accumulating = [plan(cfg, ONE_AHEAD(**layout, accumulate_steps=2, device_grad_dtype=d), 16, 2048, **BIG)
                     for d in ("float32", "bfloat16")]
-    assert accumulating[0].gpu_total == accumulating[1].gpu_total
+    assert accumulating[1].gpu_total >= accumulating[0].gpu_total  # no saving: the last pass casts beside the sum
     picks = [lean_engine(cfg, ONE_AHEAD(micro_batches=2, resident_layers="auto", resident_io=True,
                                         device_grad_dtype=d), 16, 2048, host_ram_bytes=10_000 * GiB,
                          gpu_bytes=55 * GiB)[0].resident_layers for d in ("float32", "bfloat16")]

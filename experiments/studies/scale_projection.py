@@ -34,7 +34,7 @@ EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # chi
 sys.path.insert(0, EXPERIMENTS)
 sys.path.insert(0, os.path.dirname(EXPERIMENTS))  # the repository root: megatrain_jax
 
-from bench import BenchConfig  # noqa: E402  (sets XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 by default)
+from bench import BenchConfig  # noqa: E402  (the GPU memory fraction as megatrain_jax sets it: 0.95)
 from child import git_commit, run_child  # noqa: E402
 
 from megatrain_jax import EngineConfig  # noqa: E402

@@ -201,6 +201,7 @@ CHOICES.update({
     (EngineConfig, "master_dtype"): precision.MASTER_DTYPES,  # the precision modes' (engine/precision.py)
     (EngineConfig, "moment_dtype"): precision.MOMENT_DTYPES,
     (EngineConfig, "host_grad_dtype"): precision.HOST_GRAD_DTYPES,
+    (EngineConfig, "device_grad_dtype"): ("float32", "bfloat16"),
     (DecoderConfig, "dtype"): DTYPES,
     (DecoderConfig, "attention_impl"): ATTENTION_IMPLS,
     (RopeScaling, "kind"): ROPE_KINDS,

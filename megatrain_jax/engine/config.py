@@ -57,9 +57,12 @@ class EngineConfig:
       parts, ``gpu_updated_layers``, ``gpu_updated_io``), which wait there for the global norm or for the next
       forward's visit, are kept in bfloat16 once the optimizer step's sum is complete: half their GPU memory
       (2 bytes a parameter of every resident part at the backward's end), which the plan gives to more resident
-      blocks. The norm is the rounded gradients', as for ``host_grad_dtype``; with one micro-batch on one device
-      a block's gradient is a bfloat16 cotangent, which the rounding leaves as it is. Set both to bfloat16 to
-      round every gradient once before its update, wherever it waits.
+      blocks. The norm is the rounded gradients', as for ``host_grad_dtype``. With ``accumulate_steps`` > 1 the
+      sub-steps' sum stays float32 until the last, then is rounded (no GPU memory saved). Set both to bfloat16 to
+      round every gradient once before its update (``grads_on_gpu``'s stay float32; with ``accumulate_steps`` > 1
+      those sent home are rounded at each sub-step). On the CPU, with one micro-batch on one device, a block's
+      gradient is a bfloat16 cotangent, which the rounding leaves as it is; on a GPU it is not (see
+      ``host_grad_dtype``).
     - ``disk_parts``: the Adam moments of this many blocks (the last ones that are not GPU-resident) live in
       files under ``disk_dir`` on local disk (``megatrain_jax.engine.update.disk_tier``), read ahead of each block's
       update and written behind it: their moments' bytes (``Precision.moment_bytes``) less host RAM,

@@ -33,7 +33,7 @@ from megatrain_jax.engine.parts import IO, HostRoles, Part, PartId
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError, reported_late
 from megatrain_jax.engine.passes import Pass, PassRunner, device_batches
 from megatrain_jax.engine.precision import streamed_dtype
-from megatrain_jax.engine.schedule import eval_ops, norm_ops, second_pass_ops, step_ops, visits
+from megatrain_jax.engine.schedule import eval_ops, step_passes
 from megatrain_jax.engine.step_clock import StepClock
 from megatrain_jax.engine.transfer import Placement, local_rows, local_value
 from megatrain_jax.engine.update.disk_tier import DiskTier
@@ -198,26 +198,24 @@ class Engine:
         t0 = time.perf_counter()
         losses, auxes, pair_stats = [], [], []
         self._runner.begin_step()
+        passes = step_passes(self.lm.n_blocks, self.cfg, self._roles)  # the step's op lists, pass by pass
         try:
             for j, batch in enumerate(batches):
                 micro = device_batches(self.placement, batch.filled(), self.cfg.micro_batches)
-                n, m, depth, offload = (self.lm.n_blocks, self.cfg.micro_batches, self.cfg.prefetch_depth,
-                                        self.cfg.offload_activations)
                 pairs = sum(b.inputs.shape[0] for b in micro) // 2 if self.objective.pairs else 0
                 new_pass = functools.partial(
                     Pass, micro, self.fns.inv_count([b.loss_mask for b in micro]), accumulate=j > 0,
                     inv_pairs=jnp.float32(1.0 / pairs) if pairs else None,
                     last=j == len(batches) - 1, keep_residuals=self.cfg.keep_residuals,
-                    kept_from=n - self.cfg.kept_layers if self.cfg.kept_layers else None)
+                    kept_from=self.lm.n_blocks - self.cfg.kept_layers if self.cfg.kept_layers else None)
                 p = new_pass(keeps_forward=self.cfg.norm_first)
                 if self.cfg.norm_first:  # the norm first, then the same gradients again, each updating its part
-                    self._runner.run(p, norm_ops(n, m, depth, offload))  # the second runs no forward: it takes
-                    second = new_pass(norm_known=True, decision=p.decision, **p.hand_on())  # the first's
-                    self._runner.run(second, second_pass_ops(n, m, depth, offload))
+                    self._runner.run(p, passes[0])  # the second runs no forward: it takes the first's
+                    second = new_pass(norm_known=True, decision=p.decision, **p.hand_on())
+                    self._runner.run(second, passes[1])
                 else:
                     # the first pass's forward runs the GPU-updated parts' updates of the step before
-                    self._runner.run(p, step_ops(n, m, depth, update=p.last, offload=offload,
-                                                 **visits(self._roles, first=j == 0, last=p.last)))
+                    self._runner.run(p, passes[j])
                 losses.append(sum(p.losses))
                 auxes.append(p.aux)
                 pair_stats.append(p.pair_stats)

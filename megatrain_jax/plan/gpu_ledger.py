@@ -57,7 +57,9 @@ QUEUED_BLOCKS = BLOCKS_AHEAD  # blocks of work the GPU may trail the host by (th
 # line (experiments/studies/NOTES.md, issue 31; since 2026-11-25, commit a6ea108): resident parts 0.19-0.26 GiB
 # per part over the plan without it (3.5B, 7B, 8B SFT), waiting gradients 0.068-0.083 of their bytes (Qwen2.5-14B
 # capacity, 8B SFT).
-RESIDENT_ALLOCATOR_SLACK = 0.25  # of the GPU-resident parts' float32 gradient bytes
+# With ``device_grad_dtype="bfloat16"`` the shares are taken of the gradients' bfloat16 bytes: a hypothesis (the
+# allocator's slack around smaller buffers), not fitted; the runs so far peaked before most of those gradients existed.
+RESIDENT_ALLOCATOR_SLACK = 0.25  # of the GPU-resident parts' gradient bytes (fitted on float32 ones)
 WAITING_ALLOCATOR_SLACK = 0.075  # of the bytes of the gradients that wait on the GPU (grads_on_gpu)
 
 
@@ -429,11 +431,14 @@ def _send_grads(w: Walk, op: Op) -> None:
     home = not (kept or waits or visits)
     sent = w.summed(op) * host_grad_bytes(w.e) // 4 if home else 0  # in the host's dtype
     cast = sent if home and host_grad_bytes(w.e) < 4 else 0  # the bfloat16 copy that is sent
-    if (kept or visits) and w.dgb < 4:  # a gradient updated on the GPU, rounded once the step's sum is complete
-        cast = w.kept_grad(op)
+    # a gradient updated on the GPU is rounded once the step's sum is complete (``device_grad_dtype``): at the last
+    # pass, which the walk's second stands for when it accumulates; the queued cast reads the float32 sum
+    rounded = (kept or visits) and device_grad_bytes(w.e) < 4 and (w.e.accumulate_steps == 1 or w.accumulate)
+    if rounded:
+        cast = w.summed(op) * device_grad_bytes(w.e) // 4
     back = sent if w.accumulate else 0
     w.peak(op, out=cast, temp=back, why="the earlier passes' sum, back from host memory to be added")
-    w.led.drop(G, w.summed(op), block=None if kept or waits or visits else w.here(op))
+    w.led.drop(G, w.summed(op), block=w.here(op) if home or rounded else None)
     if cast and home:
         w.led.add(S, cast)
         w.led.drop(S, cast, block=w.here(op))
