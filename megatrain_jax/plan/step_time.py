@@ -32,7 +32,7 @@ import os
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.precision import DTYPE_BYTES, FULL, Precision
-from megatrain_jax.engine.schedule import BLOCKS_AHEAD, UPDATES_AHEAD, Op, offloaded_blocks, step_passes
+from megatrain_jax.engine.schedule import BLOCKS_AHEAD, UPDATES_AHEAD, offloaded_blocks, step_passes
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.plan.counts import activation_bytes, host_roles, io_param_count, stream_bytes
@@ -196,11 +196,6 @@ def _update_bytes(mode: Precision, grads: str | None = None) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- the walk
-def _ops(cfg: DecoderConfig, e: EngineConfig) -> list[list[Op]]:
-    """One optimizer step's sub-steps (``schedule.step_passes``)."""
-    return step_passes(cfg.layers, e, host_roles(cfg, e))
-
-
 def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, s: Speeds,
             stream_dtype: str | None = None, devices: int = 1) -> StepTime:
     """The steady-state seconds of one optimizer step of ``cfg`` under ``e`` (``resident_layers`` a number)
@@ -255,7 +250,7 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
         step_busy, bytes_before = dict(busy), (h2d, d2h)
         sent: dict[PartId, float] = {}  # when each part's gradient is home (norm_first: its update waits)
         updating: list[PartId] = []  # norm_first: host parts whose updates were queued, oldest first
-        for j, sub in enumerate(_ops(cfg, e)):
+        for j, sub in enumerate(step_passes(cfg.layers, e, host_roles(cfg, e))):  # the step's passes
             accumulating = j > 0 and not e.norm_first
             for op in sub:
                 t = free["main"] + n.dispatch.get(op.kind, 0.0)
