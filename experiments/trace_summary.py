@@ -15,7 +15,10 @@ home after the step, do not count):
 - ``top_collectives``: the collective kernels taking most time;
 - ``compute_kinds_ms``: compute kernels' time summed by kind (attention, matrix products, XLA's other fusions, the
   rest; overlaps between streams counted twice), and ``top_kernels``: the compute kernels taking most time, with
-  their calls.
+  their calls;
+- ``top_fusions``: the compute kernels that are neither matrix products nor attention (XLA's fusions, reductions,
+  copies in kernels) taking most time, each named with its HLO module where the trace says (``name @ module``):
+  where a block's time goes beside its products.
 """
 
 from __future__ import annotations
@@ -73,16 +76,19 @@ KERNEL_KINDS = (("attention", ("fmha", "sdpa", "flash", "attention", "cudnn")),
                 ("fusion", ("fusion", "triton")))
 
 
+def kernel_kind(name: str) -> str:
+    """A compute kernel's kind: attention (every cuDNN kernel: the block's only cuDNN calls, unless a flag gives
+    cuDNN GEMM fusions too), matrix products (cuBLAS, CUTLASS, Triton GEMMs), XLA's other fusions, and the rest
+    (gemv, split-K reductions among them): the first kind whose words the name holds."""
+    low = name.lower()
+    return next((k for k, words in KERNEL_KINDS if any(w in low for w in words)), "other")
+
+
 def _kinds(by_name: collections.Counter) -> dict[str, float]:
-    """Compute kernel time by kind: attention (every cuDNN kernel: the block's only cuDNN calls, unless a flag
-    gives cuDNN GEMM fusions too), matrix products (cuBLAS, CUTLASS, Triton GEMMs), XLA's other fusions, and the
-    rest (gemv, split-K reductions among them); each kernel counted under the first kind whose words its name
-    holds, names cut to 80 characters."""
+    """Compute kernel time by kind (``kernel_kind``), names cut to 80 characters."""
     out = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
     for name, us in by_name.items():
-        low = name.lower()
-        kind = next((k for k, words in KERNEL_KINDS if any(w in low for w in words)), "other")
-        out[kind] += us
+        out[kernel_kind(name)] += us
     return out
 
 
@@ -102,6 +108,8 @@ def summarize(trace_dir: str | Path) -> dict:
         collectives: collections.Counter = collections.Counter()
         kernels_by_name: collections.Counter = collections.Counter()
         kernel_calls: collections.Counter = collections.Counter()
+        fusions: collections.Counter = collections.Counter()
+        fusion_calls: collections.Counter = collections.Counter()
         lines = collections.Counter()
         for e in events:
             if e.get("pid") != pid or e.get("ph") != "X":
@@ -118,6 +126,11 @@ def summarize(trace_dir: str | Path) -> dict:
             elif kind == "compute":
                 kernels_by_name[e["name"][:80]] += end - start
                 kernel_calls[e["name"][:80]] += 1
+                if kernel_kind(e["name"]) in ("fusion", "other"):
+                    module = (e.get("args") or {}).get("hlo_module")
+                    key = e["name"][:80] + (f" @ {module}" if module else "")
+                    fusions[key] += end - start
+                    fusion_calls[key] += 1
         kernels = spans["compute"] + spans["collective"]
         if not kernels:
             out["devices"][gpu] = {"lines": sorted(set(threads.get((pid, t), "") for (p, t) in threads if p == pid))}
@@ -136,6 +149,7 @@ def summarize(trace_dir: str | Path) -> dict:
             "top_collectives": {k: ms(v) for k, v in collectives.most_common(6)},
             "compute_kinds_ms": {k: ms(v) for k, v in _kinds(kernels_by_name).items()},
             "top_kernels": {k: {"ms": ms(v), "calls": kernel_calls[k]} for k, v in kernels_by_name.most_common(12)},
+            "top_fusions": {k: {"ms": ms(v), "calls": fusion_calls[k]} for k, v in fusions.most_common(24)},
         }
     return out
 

@@ -368,7 +368,8 @@ def _trace(path: Path) -> None:
               meta(3, 0, "process_name", "/host:CPU"),
               meta(1, 10, "thread_name", "Stream #13(Compute)"), meta(1, 11, "thread_name", "Stream #14(Nccl)"),
               meta(1, 12, "thread_name", "XLA Ops"), meta(2, 20, "thread_name", "XLA Ops"),
-              x(10, "fusion_1", 0, 100_000), x(10, "gemm", 150_000, 50_000),  # compute: 150 ms
+              x(10, "fusion_1", 0, 60_000), x(10, "gemm", 150_000, 50_000),  # compute: 150 ms
+              {**x(10, "fusion_1", 60_000, 40_000), "args": {"hlo_module": "jit_backward"}},
               x(11, "ncclDevKernel_AllGather_RING", 80_000, 40_000),  # 20 ms of it under no compute
               x(10, "MemcpyD2D", 120_000, 10_000),  # a copy inside the span: idle for compute
               x(11, "MemcpyD2H", 300_000, 20_000),  # after the last kernel: outside the span
@@ -390,7 +391,9 @@ def test_trace_summary_splits_each_gpus_time_into_compute_collectives_copies_and
     assert gpu["collective_exposed_ms"] == 20.0 and gpu["idle_ms"] == 30.0  # 100-120 nccl alone; 120-150 nothing
     assert gpu["top_collectives"] == {"ncclDevKernel_AllGather_RING": 40.0}
     assert gpu["compute_kinds_ms"] == {"attention": 0.0, "matmul": 50.0, "fusion": 100.0, "other": 0.0}
-    assert gpu["top_kernels"] == {"fusion_1": {"ms": 100.0, "calls": 1}, "gemm": {"ms": 50.0, "calls": 1}}
+    assert gpu["top_kernels"] == {"fusion_1": {"ms": 100.0, "calls": 2}, "gemm": {"ms": 50.0, "calls": 1}}
+    assert gpu["top_fusions"] == {"fusion_1": {"ms": 60.0, "calls": 1},  # the products are not listed
+                                  "fusion_1 @ jit_backward": {"ms": 40.0, "calls": 1}}
     assert out["devices"]["/device:GPU:1"] == {"lines": ["XLA Ops"]}  # no stream kernels: its lines, no numbers
     cli = subprocess.run([sys.executable, str(REPO / "experiments" / "trace_summary.py"), str(tmp_path)],
                          capture_output=True, text=True, check=True)
