@@ -1,0 +1,158 @@
+"""A/B runs of schedule changes that are not in the engine, made by patching it in a child process (issue 51):
+measure a change before building it.
+
+    PYTHONPATH=. python experiments/studies/engine_patch_ab.py --out $OUT/ab.json \
+        --arms 3p5b_32k_nothing_resident,3p5b_32k_nothing_resident_gpu_updated_1+blocks_brought_in_backward \
+        [--rounds 1] [--steps 10]
+
+Each arm is one of bench.py's configs, optionally ``+PATCH`` (several: ``+A+B``); each runs in its own process
+(bench.py's record: the step time, two instrumented steps' timeline), rounds alternating the arms' order. The
+patches (``PATCHES``) change when bytes move, never the numbers: a CPU check of each against the engine as it is
+(the same masters and moments, bit for bit) belongs with the test that builds it.
+
+- ``io_home_at_head``: a GPU-updated part's visit sends only its compute copy home and keeps its updated masters
+  and moments on the GPU until the pass's first head op, which sends them (the forward's host passes then run
+  without that copy beside them).
+- ``blocks_brought_in_backward``: the blocks updated on the GPU (``gpu_updated_layers``) have their masters and
+  moments brought during the backward of the pass that updates them, each right after that block's fetch for
+  the backward (as the io part's are), instead of at the next step's start, where the forward waits for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXPERIMENTS = os.path.dirname(HERE)
+sys.path.insert(0, EXPERIMENTS)  # child.py, bench.py
+sys.path.insert(0, os.path.dirname(EXPERIMENTS))
+
+
+def io_home_at_head() -> None:
+    import jax
+
+    from megatrain_jax.engine import passes
+    from megatrain_jax.engine.parts import Part
+    from megatrain_jax.engine.update.resident import DeviceUpdater
+
+    def visit(self, brought, grads, scale, ok):
+        new = self._visit(Part(*brought, None), grads, scale, ok)
+        copy = None if new.stream is None else self.placement.to_host(new.stream)
+        return Part(new.params, new.opt, copy), new.streamed()
+
+    head = passes.PassRunner.head
+
+    def head_sending_home(self, p, op):
+        if op.micro == 0:
+            for part in self.gpu_updated:
+                record = self.state[part]
+                if jax.tree.leaves(record.params)[0].sharding.memory_kind != "pinned_host":  # held since its visit
+                    self.state[part] = Part(*self.placement.to_host((record.params, record.opt)), record.stream)
+        return head(self, p, op)
+
+    DeviceUpdater.visit = visit
+    passes.PassRunner.head = head_sending_home
+    passes.HANDLERS["head"] = head_sending_home
+
+
+def blocks_brought_in_backward() -> None:
+    from megatrain_jax.engine import passes, schedule
+    from megatrain_jax.engine.parts import PartId
+
+    step_ops = schedule.step_ops
+
+    def moved(n_layers, n_micro, depth=1, update=True, offload=0, visited=(), visit_io=False, bring_io=False):
+        ops = step_ops(n_layers, n_micro, depth, update, offload, visited, visit_io, bring_io)
+        blocks = {PartId.block(i) for i in visited}
+        ops = [op for op in ops if not (op.kind == "bring" and op.part in blocks)]  # not at the step's start
+        if not update or not blocks:
+            return ops
+        out, head_seen, placed = [], False, set()
+        for op in ops:
+            out.append(op)
+            if op.kind == "head" and op.micro == n_micro - 1:
+                head_seen = True  # blocks still on the GPU from the forward: brought before the backward starts
+                stay = [b for b in sorted(blocks, key=lambda q: q.index) if b.layer >= n_layers - depth]
+                out += [schedule.Op("bring", b) for b in stay]
+                placed |= set(stay)
+            elif head_seen and op.kind == "fetch" and op.part in blocks and op.part not in placed:
+                out.append(schedule.Op("bring", op.part))
+                placed.add(op.part)
+        return out
+
+    bring = passes.PassRunner.bring
+
+    def bring_any(self, p, op):
+        if not op.part.is_io and op.part not in self.brought:  # brought for the next visit, pending or not
+            self.brought[op.part] = self._copier.submit(self._bring_landed, self.state[op.part])
+            return self.brought[op.part]
+        return bring(self, p, op)
+
+    schedule.step_ops = moved
+    passes.PassRunner.bring = bring_any
+    passes.HANDLERS["bring"] = bring_any
+
+
+PATCHES = {"io_home_at_head": io_home_at_head, "blocks_brought_in_backward": blocks_brought_in_backward}
+
+
+def run_arms(arms: list[str], rounds: int, steps: int, out: str, script: str, name_of=lambda arm: arm) -> dict:
+    """Each arm in its own process (``script --arm ARM``), rounds alternating the order; their bench records."""
+    runs = []
+    for r in range(rounds):
+        for arm in (arms if r % 2 == 0 else list(reversed(arms))):
+            part = f"{out}.{name_of(arm)}{r}.json"
+            proc = subprocess.run([sys.executable, script, "--arm", arm, "--steps", str(steps), "--out", part],
+                                  capture_output=True, text=True)
+            print(proc.stdout[-2000:], proc.stderr[-3000:] if proc.returncode else "", flush=True)
+            if proc.returncode or not os.path.exists(part):
+                runs.append({"arm": name_of(arm), "round": r,
+                             "status": f"error: exit {proc.returncode}: {proc.stderr[-800:]}"})
+                continue
+            with open(part) as f:
+                rec = json.load(f)["runs"][0]
+            os.remove(part)
+            runs.append({"arm": name_of(arm), "round": r, **rec})
+    return {"step_time_s": {name_of(a): [x["step_time_s"] for x in runs if x["arm"] == name_of(a) and x.get("step_time_s")]
+                            for a in arms}, "runs": runs}
+
+
+def run_arm(arm: str, steps: int, out: str) -> None:
+    """In the child: apply the arm's patches, then bench.py's run of its config."""
+    config, *patches = arm.split("+")
+    for name in patches:
+        PATCHES[name]()
+    import bench
+    bench.main(["--configs", config, "--steps", str(steps), "--timeline-steps", "2", "--out", out])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arms", default=None, help="comma-separated bench configs, each with +PATCH names")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # a child's arm
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if args.arm:
+        run_arm(args.arm, args.steps, args.out)
+        return
+    if not args.arms:
+        ap.error("--arms is required")
+    arms = args.arms.split(",")
+    unknown = [p for a in arms for p in a.split("+")[1:] if p not in PATCHES]
+    if unknown:
+        ap.error(f"unknown patch(es) {unknown}; choose from {sorted(PATCHES)}")
+    from child import results_header
+    got = run_arms(arms, args.rounds, args.steps, args.out, os.path.abspath(__file__))
+    with open(args.out, "w") as f:
+        json.dump({**results_header(args.out, __file__), **got}, f, indent=1)
+    print(json.dumps(got["step_time_s"]))
+
+
+if __name__ == "__main__":
+    main()
