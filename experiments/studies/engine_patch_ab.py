@@ -16,6 +16,9 @@ patches (``PATCHES``) change when bytes move, never the numbers: a CPU check of 
 - ``blocks_brought_in_backward``: the blocks updated on the GPU (``gpu_updated_layers``) have their masters and
   moments brought during the backward of the pass that updates them, each right after that block's fetch for
   the backward (as the io part's are), instead of at the next step's start, where the forward waits for them.
+- ``blocks_brought_after_head``: the same, each brought right after the pass's last head op (the backward's
+  start), so that they land long before the backward's end (the first blocks' fetches for the backward come
+  last, and so would their brings).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def io_home_at_head() -> None:
     passes.HANDLERS["head"] = head_sending_home
 
 
-def blocks_brought_in_backward() -> None:
+def blocks_brought_in_backward(after_head: bool = False) -> None:
     from megatrain_jax.engine import passes, schedule
     from megatrain_jax.engine.parts import PartId
 
@@ -76,7 +79,7 @@ def blocks_brought_in_backward() -> None:
             out.append(op)
             if op.kind == "head" and op.micro == n_micro - 1:
                 head_seen = True  # blocks still on the GPU from the forward: brought before the backward starts
-                stay = [b for b in sorted(blocks, key=lambda q: q.index) if b.layer >= n_layers - depth]
+                stay = [b for b in sorted(blocks, key=lambda q: q.index) if after_head or b.layer >= n_layers - depth]
                 out += [schedule.Op("bring", b) for b in stay]
                 placed |= set(stay)
             elif head_seen and op.kind == "fetch" and op.part in blocks and op.part not in placed:
@@ -97,7 +100,8 @@ def blocks_brought_in_backward() -> None:
     passes.HANDLERS["bring"] = bring_any
 
 
-PATCHES = {"io_home_at_head": io_home_at_head, "blocks_brought_in_backward": blocks_brought_in_backward}
+PATCHES = {"io_home_at_head": io_home_at_head, "blocks_brought_in_backward": blocks_brought_in_backward,
+           "blocks_brought_after_head": lambda: blocks_brought_in_backward(after_head=True)}
 
 
 def run_arms(arms: list[str], rounds: int, steps: int, out: str, script: str, name_of=lambda arm: arm) -> dict:
