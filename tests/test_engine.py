@@ -335,6 +335,22 @@ def test_nonfinite_step_skipped_on_resident_parts_too():
     assert m["skipped"] and unchanged
 
 
+def test_a_step_decision_starts_its_scale_and_verdict_home_when_it_is_made(monkeypatch):
+    """The host reads the decision later, on the worker; its copies home are issued when the decision is made,
+    before the next forward queues its own copies home (a GPU-updated part's state), which would otherwise run
+    first. The host's readings are the device's values."""
+    from megatrain_jax.engine.update.policy import StepDecision
+    started = []
+    array_type = type(jax.numpy.zeros(()))
+    copy = array_type.copy_to_host_async
+    monkeypatch.setattr(array_type, "copy_to_host_async", lambda self: started.append(self) or copy(self))
+    norm, scale, ok = jax.numpy.float32(3.0), jax.numpy.float32(0.25), jax.numpy.bool_(True)
+    decision = StepDecision(norm, scale, ok)
+    assert len(started) == 2 and {float(np.asarray(a)) for a in started} == {0.25, 1.0}
+    assert decision.resolve() and decision.applies and decision.scale_value == 0.25
+    assert not StepDecision(norm, scale, jax.numpy.bool_(False)).resolve()
+
+
 @pytest.mark.parametrize("engine_cfg", [
     EngineConfig(micro_batches=2, clip_norm=0.05, grads_on_gpu=2),
     EngineConfig(accumulate_steps=2, grads_on_gpu=4),  # every part: the 3 blocks and io

@@ -200,12 +200,16 @@ class Placement:
         return out
 
 
+def local_array(x: Any) -> Any:
+    """This process's copy of a replicated array (its first device's), as an array of its own: with several
+    processes a global array cannot be read whole, but each process holds a replicated one entirely. Anything
+    else as it is."""
+    return x.addressable_shards[0].data if isinstance(x, jax.Array) else x
+
+
 def local_value(x: Any) -> np.ndarray:
-    """A replicated array's (or numpy or Python value's) value, read from this process's copy: with several
-    processes a global array cannot be read whole, but each process holds a replicated one entirely."""
-    if isinstance(x, jax.Array):
-        x = x.addressable_shards[0].data
-    return np.asarray(jax.device_get(x))
+    """A replicated array's (or numpy or Python value's) value, read from this process's copy (``local_array``)."""
+    return np.asarray(jax.device_get(local_array(x)))
 
 
 def local_rows(x: jax.Array) -> np.ndarray:

@@ -235,9 +235,11 @@ class HostOptimizer:
         params, opt_state = apply_scaled_update(self.tx, params, opt_state, grads, scale)
         return params, opt_state, stream_copy(params, self.stream_dtype)
 
-    def update(self, part: Part, grads: Params, scale: jax.Array, salt: int = 0) -> Part:
+    def update(self, part: Part, grads: Params, scale: float, salt: int = 0) -> Part:
         """The whole update: the new part, all in host memory. The fused route writes the masters, the
-        moments and the stream copy in place. ``salt`` (the part's index) keys stochastic rounding's bits."""
+        moments and the stream copy in place. ``scale``: the factor the gradient is scaled by, a float32 value
+        read on the host (``StepDecision.scale_value``). ``salt`` (the part's index) keys stochastic rounding's
+        bits."""
         route = self.route(part)
         if route == "fused":
             t = self._next_count(part.opt)
@@ -248,9 +250,9 @@ class HostOptimizer:
                 self._run_kernel(kernel, part, grads, part.stream, float(scale), t)
             return Part(part.params, self._counted(part.opt, t), part.stream)
         update = self._host_update if route == "host" else self._device_update
-        return Part(*update(part.params, part.opt, grads, self.placement.to_host(scale)))
+        return Part(*update(part.params, part.opt, grads, self.placement.to_host(np.float32(scale))))
 
-    def update_stream(self, part: Part, grads: Params, scale: jax.Array) -> int:
+    def update_stream(self, part: Part, grads: Params, scale: float) -> int:
         """First half of a split update: only the stream copy of the new parameters (2 of the 14 bytes per
         parameter an update writes), the part the next forward needs. Returns the step count for ``commit``."""
         assert self.splits, "split updates need the fused kernel and a bfloat16 stream copy"
@@ -258,7 +260,7 @@ class HostOptimizer:
         self._run_kernel(host_kernel.adamw_stream_inplace, part, grads, part.stream, float(scale), t)
         return t
 
-    def commit(self, part: Part, grads: Params, scale: jax.Array, t: int) -> Part:
+    def commit(self, part: Part, grads: Params, scale: float, t: int) -> Part:
         """Second half: the master parameters and moments, in place, bit for bit what ``update`` writes (the
         stream copy ``update_stream`` wrote already holds their bfloat16 rounding)."""
         self._run_kernel(host_kernel.adamw_inplace, part, grads, None, float(scale), t)

@@ -4,7 +4,8 @@ Per optimizer step, on the main thread, in this order:
 
 1. ``decide(sq_norms, loss)`` makes the step's ``StepDecision`` from the whole gradient: the global norm,
    the factor every part's gradient is scaled by (exact clipping and accumulation averaging), and whether
-   the step applies (loss and norm finite). It queues the decision's *resolution* on the host worker.
+   the step applies (loss and norm finite). Their copies to host memory start at once (``StepDecision``), and
+   the decision's *resolution* (the host's reading) is queued on the host worker.
 2. ``update(part, ...)`` for each part in forward order (io, block 0, block 1, ...): GPU-resident parts
    update on the device at once (a skipped step keeps the old values there); GPU-updated parts at their next
    fetch (``update_visiting``); host parts queue their update. With the fused AdamW and a bfloat16 stream copy
@@ -39,6 +40,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from megatrain_jax.contract.layered import Params
@@ -46,7 +48,7 @@ from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.host_state import HostState
 from megatrain_jax.engine.parts import Part, PartId
 from megatrain_jax.engine.precision import mode_of
-from megatrain_jax.engine.transfer import Placement, local_value
+from megatrain_jax.engine.transfer import Placement, local_array
 from megatrain_jax.engine.update.host_optimizer import HostOptimizer
 from megatrain_jax.engine.update.resident import DeviceUpdater
 from megatrain_jax.engine.update.worker import HostUpdater
@@ -83,10 +85,22 @@ def clip_scale(sq_norms: Sequence[jax.Array], clip_norm: float | None, accumulat
 class StepDecision:
     """One optimizer step's decision, made once from the whole gradient. ``norm``, ``scale`` and ``ok`` are
     device scalars (GPU-resident parts use them without a host sync); ``applies`` is the host's reading of
-    ``ok``, set by ``resolve`` on the worker."""
+    ``ok``, set by ``resolve`` on the worker, and ``scale_value`` the host's reading of ``scale`` (what the host
+    updates use).
+
+    Both start home when the decision is made (the main thread, right after the backward): the copies from the
+    device to host memory run one after another in the order they were issued, and read later (the worker
+    resolves a decision when it gets to it) they would wait behind whatever the next forward has sent home
+    meanwhile, a GPU-updated part's masters and moments (gigabytes): every host update, which the next forward
+    waits for, would wait with them."""
 
     def __init__(self, norm: jax.Array, scale: jax.Array, ok: jax.Array):
         self.norm, self.scale, self.ok = norm, scale, ok
+        self._host = tuple(local_array(x) for x in (scale, ok))  # this process's copies, on their way home
+        for x in self._host:
+            if isinstance(x, jax.Array):
+                x.copy_to_host_async()
+        self._scale: float | None = None
         self._applies: bool | None = None
         self._failed: BaseException | None = None  # the device work behind ``ok`` failed (out of memory, say)
         self._lock = threading.Lock()
@@ -99,11 +113,18 @@ class StepDecision:
                 raise self._failed
             if self._applies is None:
                 try:
-                    self._applies = bool(local_value(self.ok))
+                    self._applies = bool(np.asarray(self._host[1]))
                 except Exception as err:
                     self._failed = err
                     raise
             return self._applies
+
+    @property
+    def scale_value(self) -> float:
+        """The factor the host updates scale the gradient by, read on the host (after ``resolve``)."""
+        if self._scale is None:
+            self._scale = float(np.asarray(self._host[0]))
+        return self._scale
 
     @property
     def applies(self) -> bool:
@@ -204,11 +225,11 @@ class UpdatePolicy:
             if not decision.applies:
                 return None
             if split:
-                return self.opt.update_stream(state[part], grads, decision.scale)
+                return self.opt.update_stream(state[part], grads, decision.scale_value)
             self.pass_gates(part)
             home = self.placement.to_host(grads) if on_device else grads
             record = self.disk_tier.load(part, state[part]) if on_disk else state[part]
-            record = self.opt.update(record, home, decision.scale, salt=part.index)
+            record = self.opt.update(record, home, decision.scale_value, salt=part.index)
             state[part] = self.disk_tier.store(part, record) if on_disk else record
             return None
 
@@ -228,7 +249,7 @@ class UpdatePolicy:
                 if half.done.exception() is not None or half.done.result() is None:
                     return  # the first half failed (reported under its own key) or the step was skipped
                 self.pass_gates(half.part)
-                state[half.part] = self.opt.commit(state[half.part], half.grads, half.decision.scale,
+                state[half.part] = self.opt.commit(state[half.part], half.grads, half.decision.scale_value,
                                                    half.done.result())
             futures.append(self.worker.submit(Task("commit", half.part), second))
         self._first_halves = []
