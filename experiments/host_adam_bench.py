@@ -40,7 +40,7 @@ def make_jax_host(n: int, stream: bool, fused: bool = False, first_half: bool = 
     # the part's record as the engine builds it: fresh optimizer state, then each array where it lives
     state = {"part": opt.home(opt.fresh([jnp.full(s, 0.5, jnp.float32) for s in shapes]))}
     grads = pl.copy_to_host([jnp.full(s, 0.01, jnp.float32) for s in shapes])
-    scale = pl.to_host(jnp.float32(1.0))
+    scale = 1.0  # the clip scale as the engine passes it: read on the host (StepDecision.scale_value)
 
     def step():
         if first_half:  # what the next forward waits on: the stream copy of the split update

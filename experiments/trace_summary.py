@@ -126,7 +126,7 @@ def summarize(trace_dir: str | Path) -> dict:
             elif kind == "compute":
                 kernels_by_name[e["name"][:80]] += end - start
                 kernel_calls[e["name"][:80]] += 1
-                if kernel_kind(e["name"]) in ("fusion", "other"):
+                if kernel_kind(e["name"][:80]) in ("fusion", "other"):
                     module = (e.get("args") or {}).get("hlo_module")
                     key = e["name"][:80] + (f" @ {module}" if module else "")
                     fusions[key] += end - start

@@ -316,15 +316,20 @@ def test_a_failure_reported_late_is_not_taken_for_a_whole_state(tmp_path, monkey
     decision, read by the update worker): which step failed is unknown, so nothing is saved over the last
     checkpoint and the error says so."""
     from megatrain_jax.engine.update import policy
-    real, seen = policy.local_value, []
+    real, seen = policy.local_array, []
 
-    def local_value(x):  # the host's read of the third step's decision finds its device work failed
-        seen.append(x)
-        if len(seen) == 3:
+    class Failed:  # the host's copy of a verdict whose device work failed: reading it raises
+        def __array__(self, *args, **kwargs):
             raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.39GiB "
                                              "with allocator GPU_0_bfc on device 0. [executable_name='jit__lambda']")
+
+    def local_array(x):  # the third step's verdict (``ok``, the decision's boolean) is such a copy
+        if np.dtype(x.dtype) == np.bool_:
+            seen.append(x)
+            if len(seen) == 3:
+                return Failed()
         return real(x)
-    monkeypatch.setattr(policy, "local_value", local_value)
+    monkeypatch.setattr(policy, "local_array", local_array)
     with pytest.raises(DeviceOutOfMemoryError) as info:
         run(6, tmp_path)
     err = info.value

@@ -14,7 +14,8 @@ patches (``PATCHES``) change when bytes move, never the numbers: a CPU check of 
   and moments on the GPU until the pass's first head op, which sends them (the forward's host passes then run
   without that copy beside them).
 - ``blocks_brought_in_backward``: the blocks updated on the GPU (``gpu_updated_layers``) have their masters and
-  moments brought during the backward of the pass that updates them, each right after that block's fetch for
+  moments brought during the backward of the pass that updates them (one pass a step: with ``accumulate_steps``
+  > 1 the passes stay as they are), each right after that block's fetch for
   the backward (as the io part's are), instead of at the next step's start, where the forward waits for them.
 - ``blocks_brought_after_head``: the same, each brought right after the pass's last head op (the backward's
   start), so that they land long before the backward's end (the first blocks' fetches for the backward come
@@ -71,9 +72,9 @@ def blocks_brought_in_backward(after_head: bool = False) -> None:
     def moved(n_layers, n_micro, depth=1, update=True, offload=0, visited=(), visit_io=False, bring_io=False):
         ops = step_ops(n_layers, n_micro, depth, update, offload, visited, visit_io, bring_io)
         blocks = {PartId.block(i) for i in visited}
-        ops = [op for op in ops if not (op.kind == "bring" and op.part in blocks)]  # not at the step's start
-        if not update or not blocks:
+        if not update or not blocks:  # accumulate_steps > 1: the passes as they are (brought at the step's start)
             return ops
+        ops = [op for op in ops if not (op.kind == "bring" and op.part in blocks)]  # not at the step's start
         out, head_seen, placed = [], False, set()
         for op in ops:
             out.append(op)

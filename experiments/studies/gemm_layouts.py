@@ -19,7 +19,7 @@ GPU:
   gradient ``dy.t() @ x``), CUDA events, as its autograd calls them.
 
 Each row gives milliseconds per product and TFLOP/s (2 x tokens x in x out). Without a GPU the JAX half still
-runs at ``--tokens 256`` on the CPU (for the tests); its rates mean nothing there.
+runs, at ``--tokens 256`` on the CPU; its rates mean nothing there.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 #
 #   MEGATRAIN_GIT_COMMIT=<sha> bash experiments/studies/h200_block_kernels.sh
 # Files back: the results file and one tarball (the HLO text after optimization; the kept step's Perfetto trace
-# where the tarball stays under 15 MiB with it).
+# where the tarball stays under 15 MB with it).
 set -u
 export PYTHONPATH=${PYTHONPATH:-.} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 TAG=$(echo "${MEGATRAIN_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" | cut -c1-7)

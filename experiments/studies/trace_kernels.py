@@ -14,10 +14,12 @@ began the module's first call runs again (calls of one program dispatched back t
 from __future__ import annotations
 
 import argparse
+import datetime
 import gzip
 import io
 import json
 import os
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -64,9 +66,12 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     name, events = load_events(args.trace)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
     out = {"name": os.path.splitext(os.path.basename(args.out or "trace_kernels.json"))[0],
            "command": "python experiments/studies/trace_kernels.py " + " ".join(sys.argv[1:]),
-           "trace": f"{os.path.basename(args.trace)}: {name}",
+           "git_commit": commit, "date": datetime.date.today().isoformat(),
+           "trace": f"{os.path.basename(args.trace)}: {name} (the device, the commit and the date the trace was "
+                    f"taken on: the results file beside it with the same commit in its name)",
            "modules": {m: calls(events, m, args.calls) for m in args.modules.split(",")}}
     text = json.dumps(out, indent=1)
     if args.out:

@@ -88,18 +88,20 @@ class StepDecision:
     ``ok``, set by ``resolve`` on the worker, and ``scale_value`` the host's reading of ``scale`` (what the host
     updates use).
 
-    Both start home when the decision is made (the main thread, right after the backward): the copies from the
-    device to host memory run one after another in the order they were issued, and read later (the worker
-    resolves a decision when it gets to it) they would wait behind whatever the next forward has sent home
-    meanwhile, a GPU-updated part's masters and moments (gigabytes): every host update, which the next forward
-    waits for, would wait with them."""
+    Both start home when the decision is made (the main thread, right after the backward): a copy from the
+    device to host memory issued later (the worker resolves a decision when it gets to it) may queue behind
+    whatever the next forward has sent home meanwhile, a GPU-updated part's masters and moments (gigabytes), and
+    every host update, which the next forward waits for, would wait with it."""
 
     def __init__(self, norm: jax.Array, scale: jax.Array, ok: jax.Array):
         self.norm, self.scale, self.ok = norm, scale, ok
         self._host = tuple(local_array(x) for x in (scale, ok))  # this process's copies, on their way home
         for x in self._host:
             if isinstance(x, jax.Array):
-                x.copy_to_host_async()
+                try:
+                    x.copy_to_host_async()
+                except Exception:  # noqa: BLE001 - the device work behind it failed: ``resolve`` reads and raises it
+                    pass
         self._scale: float | None = None
         self._applies: bool | None = None
         self._failed: BaseException | None = None  # the device work behind ``ok`` failed (out of memory, say)
@@ -121,7 +123,9 @@ class StepDecision:
 
     @property
     def scale_value(self) -> float:
-        """The factor the host updates scale the gradient by, read on the host (after ``resolve``)."""
+        """The factor the host updates scale the gradient by, read on the host; only once the decision is
+        resolved (``applies`` raises before that, or where the device work failed)."""
+        self.applies  # noqa: B018 - raises where the decision is unresolved or failed
         if self._scale is None:
             self._scale = float(np.asarray(self._host[0]))
         return self._scale
