@@ -1040,3 +1040,50 @@ def test_plan_predictions_records_the_waiting_rows(tmp_path):
     streamed = runs["3p5b_8k_nothing_resident_16_cores"]
     assert streamed["picked"]["gpu_updated_layers"] > 0 == streamed["picked_without_gpu_updated"]["gpu_updated_layers"]
     assert streamed["picked"]["predicted_step"]["seconds"] < streamed["picked_without_gpu_updated"]["predicted_step"]["seconds"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# studies/engine_patch_ab.py: its patches move bytes at other times, never the numbers. Each arm runs in a process
+# of its own (the patches replace engine functions for the whole process).
+PATCH_RUN = """
+import sys
+import numpy as np, jax
+from flax import nnx
+sys.path[:0] = ["tests", "experiments/studies", "experiments"]
+from megatrain_jax import Decoder, Engine, EngineConfig, adamw, preset
+from test_engine import make_batches
+import engine_patch_ab
+for name in sys.argv[2:]:
+    engine_patch_ab.PATCHES[name]()
+out = {}
+for i, cfg in enumerate([EngineConfig(clip_norm=0.05, gpu_updated_layers=2, gpu_updated_io=True, prefetch_depth=2),
+                         EngineConfig(clip_norm=0.05, micro_batches=2, resident_layers=1, gpu_updated_layers=1),
+                         EngineConfig(accumulate_steps=2, gpu_updated_layers=1)]):
+    engine = Engine(Decoder(preset("tiny", layers=3).replace(dtype="bfloat16"), rngs=nnx.Rngs(0)),
+                    adamw(1e-3, eps=1e-6, weight_decay=0.1), cfg)
+    batches = make_batches(6)
+    for j in range(0, 6, cfg.accumulate_steps):
+        engine.step(batches[j:j + cfg.accumulate_steps] if cfg.accumulate_steps > 1 else batches[j]).resolve()
+    engine.sync()
+    for k, leaf in enumerate(jax.tree.leaves(engine.state.parts)):
+        out[f"{i}_{k}"] = np.atleast_1d(np.asarray(leaf)).view(np.uint8)
+    engine.close()
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_engine_patch_ab_patches_change_when_bytes_move_not_the_numbers(tmp_path):
+    """Every patch of ``engine_patch_ab.py`` trains bit for bit as the engine does: GPU-updated blocks and the
+    io part, two micro-batches beside a resident block, and accumulation (where the patches leave the passes)."""
+    arms = {"as_is": [], "held_and_after_head": ["io_home_at_head", "blocks_brought_after_head"],
+            "in_backward": ["blocks_brought_in_backward"]}
+    runs = {}
+    for arm, patches in arms.items():
+        subprocess.run([sys.executable, "-c", PATCH_RUN, str(tmp_path / f"{arm}.npz"), *patches], cwd=REPO,
+                       check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        runs[arm] = np.load(tmp_path / f"{arm}.npz")
+    assert runs["as_is"].files
+    for arm in ("held_and_after_head", "in_backward"):
+        assert sorted(runs[arm].files) == sorted(runs["as_is"].files)
+        for name in runs["as_is"].files:
+            np.testing.assert_array_equal(runs["as_is"][name], runs[arm][name], err_msg=f"{arm}: {name}")
