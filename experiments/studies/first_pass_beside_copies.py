@@ -112,7 +112,7 @@ def main() -> None:
     if args.out:
         res = {**results_header(args.out, __file__), "params": n, "copy_gb": args.copy_gb,
                "cpu_governor": governor(), "kernel_threads": os.environ.get("OMP_NUM_THREADS", "all cores"),
-               "rows": rows}
+               "runs": rows}
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
 

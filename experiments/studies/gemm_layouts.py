@@ -30,13 +30,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # child.py
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-from child import results_header  # noqa: E402
+from child import median_seconds, results_header  # noqa: E402
 
 SHAPES = {"attention": (5120, 5120), "ffn_in": (5120, 13824), "ffn_out": (13824, 5120)}  # (in, out), Llama-2-13B
 COPIES = 4  # independent products per timed call
@@ -51,13 +50,7 @@ def jax_half(tokens: int, reps: int) -> list[dict]:
     import jax.numpy as jnp
 
     def timed(fn, *args) -> float:
-        jax.block_until_ready(fn(*args))
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        return median_seconds(lambda: jax.block_until_ready(fn(*args)), reps)
 
     def each(op):  # COPIES independent products in one program: a = tuple of first operands
         return jax.jit(lambda a, b: tuple(op(x, b) for x in a))
@@ -158,7 +151,7 @@ def main() -> None:
     for r in rows:
         print(json.dumps(r), flush=True)
     if args.out:
-        out = {**results_header(args.out, __file__), "tokens": tokens, "copies_per_call": COPIES, "rows": rows}
+        out = {**results_header(args.out, __file__), "tokens": tokens, "copies_per_call": COPIES, "runs": rows}
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
 

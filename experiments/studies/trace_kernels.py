@@ -2,19 +2,19 @@
 long inside one call of a program (trace_summary.py sums them by name instead).
 
     python experiments/studies/trace_kernels.py TRACE.tar.gz|TRACE_DIR --modules jit__forward_keep,jit__backward_kept \
-        [--calls 1] --out experiments/results/<name>.json
+        --measured experiments/results/<the run's results>.json [--calls 1] --out experiments/results/<name>.json
 
 Reads the newest ``perfetto_trace.json.gz`` under the directory (or in the tarball, e.g. the one
 ``h200_block_kernels.sh`` packs). For each module it lists the kernels of its first ``--calls`` calls: each
 kernel's name (80 characters), its start within the call and its duration, in milliseconds; memsets are left
-out. A call starts at a gap of more than 1 ms, or where the kernel that
-began the module's first call runs again (calls of one program dispatched back to back).
+out. A call starts at a gap of more than 1 ms, or where the kernel that began the module's first call runs again
+(calls of one program dispatched back to back). The file's commit, date and device are the measured run's
+(``--measured``); each entry of ``runs`` is one call of one program.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gzip
 import io
 import json
@@ -63,16 +63,24 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--modules", required=True)
     ap.add_argument("--calls", type=int, default=1)
+    ap.add_argument("--measured", required=True,
+                    help="the results file of the run the trace comes from (h200_block_kernels.sh writes both): "
+                         "its commit, date and device are this file's")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     name, events = load_events(args.trace)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    with open(args.measured) as f:
+        measured = json.load(f)
+    runs = [{"system": "megatrain_jax", "program": m, "call": i, "kernels": kernels,
+             "kernels_ms": round(sum(k["ms"] for k in kernels), 3)}
+            for m in args.modules.split(",") for i, kernels in enumerate(calls(events, m, args.calls))]
     out = {"name": os.path.splitext(os.path.basename(args.out or "trace_kernels.json"))[0],
            "command": "python experiments/studies/trace_kernels.py " + " ".join(sys.argv[1:]),
-           "git_commit": commit, "date": datetime.date.today().isoformat(),
-           "trace": f"{os.path.basename(args.trace)}: {name} (the device, the commit and the date the trace was "
-                    f"taken on: the results file beside it with the same commit in its name)",
-           "modules": {m: calls(events, m, args.calls) for m in args.modules.split(",")}}
+           "git_commit": measured["git_commit"], "date": measured["date"], "device": measured["device"],
+           "read_at_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                            text=True).stdout.strip() or None,
+           "trace": f"{os.path.basename(args.trace)}: {name}", "measured": os.path.basename(args.measured),
+           "runs": runs}
     text = json.dumps(out, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
