@@ -20,6 +20,9 @@ patches (``PATCHES``) change when bytes move, never the numbers: a CPU check of 
 - ``blocks_brought_after_head``: the same, each brought right after the pass's last head op (the backward's
   start), so that they land long before the backward's end (the first blocks' fetches for the backward come
   last, and so would their brings).
+- ``decision_copies_late``: the engine before d1b0b87, for an A/B of that change: a step decision's clip scale
+  and verdict are copied home only when the host worker reads them (its first update of the step), not when the
+  decision is made, so the copies may queue behind what the next forward has sent home meanwhile.
 """
 
 from __future__ import annotations
@@ -101,8 +104,23 @@ def blocks_brought_in_backward(after_head: bool = False) -> None:
     passes.HANDLERS["bring"] = bring_any
 
 
+def decision_copies_late() -> None:
+    import threading
+
+    from megatrain_jax.engine.update import policy
+
+    def made(self, norm, scale, ok):  # StepDecision.__init__ without starting the two copies home
+        self.norm, self.scale, self.ok = norm, scale, ok
+        self._host = tuple(policy.local_array(x) for x in (scale, ok))  # read (copied) by the worker
+        self._scale = self._applies = self._failed = None
+        self._lock = threading.Lock()
+
+    policy.StepDecision.__init__ = made
+
+
 PATCHES = {"io_home_at_head": io_home_at_head, "blocks_brought_in_backward": blocks_brought_in_backward,
-           "blocks_brought_after_head": lambda: blocks_brought_in_backward(after_head=True)}
+           "blocks_brought_after_head": lambda: blocks_brought_in_backward(after_head=True),
+           "decision_copies_late": decision_copies_late}
 
 
 def run_arms(arms: list[str], rounds: int, steps: int, out: str, script: str, name_of=lambda arm: arm) -> dict:

@@ -10,8 +10,8 @@
 # Carry .peers/slideformer and .whl (SlideFormer's pinned transformers and liger-kernel from
 # scripts/build_peer_wheels.sh). The job's exit status is the number of stages that failed. Files back: 2 results,
 # stages.log, job and mem logs.
-W=${W:-/tmp/h200x2_device_grads_13b_8k}; . "$(dirname "$0")/x2_job.sh"
-x2_job "${1:-poll}" "
+W=${W:-/tmp/h200x2_device_grads_13b_8k}; . "$(dirname "$0")/one_gpu_job.sh"
+one_gpu_job "${1:-poll}" "
       timeout 480 python experiments/side_by_side.py --only 13b_8k --sf-flags '--no-timing --double-buffer' \
         --out \$O/h200x2_side_by_side_13b_8k_$TAG.json >> \$O/stages.log 2>&1 || fail=\$((fail + 1))
       timeout 300 python experiments/bench.py --configs 13b_8k_float32_device_grads --steps 10 \

@@ -15,8 +15,8 @@
 # Afterwards, on the CPU: studies/fetch_waits.py on the bench file says what paced each forward.
 # Carry nothing beyond the tree. Each stage has its own timeout; the job's exit status is the number that failed.
 # Files back: 3 results, stages.log, job and mem logs.
-W=${W:-/tmp/h200x2_prefetch_link_ab}; . "$(dirname "$0")/x2_job.sh"
-x2_job "${1:-poll}" "
+W=${W:-/tmp/h200x2_prefetch_link_ab}; . "$(dirname "$0")/one_gpu_job.sh"
+one_gpu_job "${1:-poll}" "
       timeout 480 python experiments/bench.py --configs 3p5b_32k_nothing_resident,3p5b_32k_nothing_resident_depth2,\
 3p5b_8k_nothing_resident,3p5b_8k_nothing_resident_depth2,3p5b_8k_nothing_resident_gpu_updated_6,\
 3p5b_8k_nothing_resident_gpu_updated_7 --timeline-steps 2 --out \$O/h200x2_3p5b_prefetch_link_ab_$TAG.json >> \$O/stages.log 2>&1 \

@@ -17,8 +17,8 @@
 # Carry .peers/slideformer and .whl (DeepSpeed's wheels from scripts/build_deepspeed_wheel.sh; SlideFormer's pinned
 # transformers and liger-kernel from scripts/build_peer_wheels.sh, into /tmp/site_slideformer, where
 # experiments/peers/slideformer_bench.py looks first). Each stage has its own timeout; the job's exit status is the number that failed.
-W=${W:-/tmp/h200x2_scale_zero3_trace}; . "$(dirname "$0")/x2_job.sh"
-x2_job "${1:-poll}" "
+W=${W:-/tmp/h200x2_scale_zero3_trace}; . "$(dirname "$0")/one_gpu_job.sh"
+one_gpu_job "${1:-poll}" "
       timeout 420 python experiments/shipped_configs.py --configs h200x2_32b_32k --steps 8 --timeout 400 \
         --out \$O/h200x2_32b_32k_cli_$TAG.json >> \$O/stages.log 2>&1 || fail=\$((fail + 1))
       timeout 420 python experiments/side_by_side.py --only 13b --sf-flags '--no-timing --double-buffer' \

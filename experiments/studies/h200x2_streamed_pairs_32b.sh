@@ -12,8 +12,8 @@
 # Carry .peers/slideformer and .whl (SlideFormer's pinned transformers and liger-kernel from
 # scripts/build_peer_wheels.sh). The job's exit status is the number of stages that failed. Files back: 2 results,
 # the side-by-side log, stages.log, job and mem logs.
-W=${W:-/tmp/h200x2_streamed_pairs_32b}; . "$(dirname "$0")/x2_job.sh"
-x2_job "${1:-poll}" "
+W=${W:-/tmp/h200x2_streamed_pairs_32b}; . "$(dirname "$0")/one_gpu_job.sh"
+one_gpu_job "${1:-poll}" "
       timeout 480 python experiments/side_by_side.py --only streamed_8k,streamed_32k \
         --sf-flags '--no-timing --double-buffer' --steps 4 \
         --out \$O/h200x2_side_by_side_streamed_$TAG.json >> \$O/stages.log 2>&1 || fail=\$((fail + 1))

@@ -19,8 +19,8 @@
 # transformers and liger-kernel from scripts/build_peer_wheels.sh, into /tmp/site_slideformer, where
 # experiments/peers/slideformer_bench.py looks first). Each stage has its own timeout; the job's exit status is
 # the number that failed. At most 8 files come back: 4 results, the side-by-side log, stages.log, job and mem logs.
-W=${W:-/tmp/h200x2_zero3_best_32b_head}; . "$(dirname "$0")/x2_job.sh"
-x2_job "${1:-poll}" "
+W=${W:-/tmp/h200x2_zero3_best_32b_head}; . "$(dirname "$0")/one_gpu_job.sh"
+one_gpu_job "${1:-poll}" "
       timeout 240 python experiments/studies/head_loss_ab.py --hidden 5120 --vocab 152064 --tokens 32768 \
         --out \$O/h200x2_head_loss_ab_32b_$TAG.json >> \$O/stages.log 2>&1 || fail=\$((fail + 1))
       timeout 840 python experiments/side_by_side.py --only 13b,13b_zero3 --sf-flags '--no-timing --double-buffer' \
