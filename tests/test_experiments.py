@@ -1087,3 +1087,34 @@ def test_engine_patch_ab_patches_change_when_bytes_move_not_the_numbers(tmp_path
         assert sorted(runs[arm].files) == sorted(runs["as_is"].files)
         for name in runs["as_is"].files:
             np.testing.assert_array_equal(runs["as_is"][name], runs[arm][name], err_msg=f"{arm}: {name}")
+
+
+def test_step_start_copies_reads_the_gpu_streams_copies_and_idle():
+    """``step_start_copies.summarize``: copies on the GPU's stream lines with their sizes, the small copies home with
+    what ran beside them and before them on their stream, and the compute engine's idle windows; host lines
+    ignored."""
+    spec = importlib.util.spec_from_file_location("step_start_copies",
+                                                  REPO / "experiments" / "studies" / "step_start_copies.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 14, "args": {"name": "Stream #14(Compute,Memset)"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 16, "args": {"name": "Stream #16(MemcpyD2H)"}},
+            {"ph": "M", "name": "thread_name", "pid": 7, "tid": 3, "args": {"name": "pjrt_async_work_runner"}}]
+
+    def ev(pid, tid, name, ts_ms, dur_ms, size=None):
+        args = {} if size is None else {"memcpy_details": f"kind_src:unknown kind_dst:unknown size:{size} async:1"}
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts_ms * 1e3, "dur": dur_ms * 1e3, "args": args}
+
+    trace = {"traceEvents": meta + [
+        ev(1, 14, "fusion_1", 0.0, 10.0), ev(1, 14, "gemm_2", 10.5, 5.0), ev(1, 14, "fusion_3", 40.0, 5.0),
+        ev(1, 16, "MemcpyD2H", 16.0, 40.0, size=2 << 30), ev(1, 16, "MemcpyD2H", 57.0, 0.01, size=4),
+        ev(1, 14, "MemsetD32Async", 20.0, 1.0), ev(7, 3, "MemcpyD2H", 30.0, 1.0, size=4)]}
+    out = module.summarize(trace)
+    assert out["span_ms"] == 45.0
+    assert [c["bytes"] for c in out["copies_1mb_or_more"]] == [2 << 30]
+    (small,) = out["small_copies_home"]  # the host line's copy is not the GPU's
+    assert small["start_ms"] == 57.0 and small["running_then"] == [] and small["its_stream_before"][0]["ms"] == 40.0
+    assert out["compute_idle_over_2ms"] == [{"from_ms": 15.5, "ms": 24.5}]
+    assert module.summarize({"traceEvents": meta[1:2]}) == {"error": "no events on the GPU's stream lines"}
