@@ -335,20 +335,19 @@ def test_nonfinite_step_skipped_on_resident_parts_too():
     assert m["skipped"] and unchanged
 
 
-def test_a_step_decision_starts_its_scale_and_verdict_home_when_it_is_made(monkeypatch):
-    """The host reads the decision later, on the worker; its copies home are issued when the decision is made,
-    before the next forward queues its own copies home (a GPU-updated part's state), which would otherwise run
-    first. The host's readings are the device's values."""
-    from megatrain_jax.engine.update.policy import StepDecision
-    started = []
-    array_type = type(jax.numpy.zeros(()))
-    copy = array_type.copy_to_host_async
-    monkeypatch.setattr(array_type, "copy_to_host_async", lambda self: started.append(self) or copy(self))
-    norm, scale, ok = jax.numpy.float32(3.0), jax.numpy.float32(0.25), jax.numpy.bool_(True)
-    decision = StepDecision(norm, scale, ok)
-    assert len(started) == 2 and {float(np.asarray(a)) for a in started} == {0.25, 1.0}
-    assert decision.resolve() and decision.applies and decision.scale_value == 0.25
-    assert not StepDecision(norm, scale, jax.numpy.bool_(False)).resolve()
+def test_a_step_decision_is_written_home_by_the_program_that_makes_it():
+    """The host reads the decision later, on the worker; the program that makes it writes its scale and verdict
+    to host memory too, so that no copy issued later (behind the next forward's copies home) is waited for. The
+    host's readings are the device's values; a step whose loss is not finite does not apply."""
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(clip_norm=0.05))
+    sq = [jax.numpy.float32(4.0), jax.numpy.float32(5.0)]  # norm 3: clipped to 0.05
+    decision = engine.policy.decide(sq, jax.numpy.float32(1.0))
+    assert {x.sharding.memory_kind for x in (decision.scale, decision.ok)} == {"device"}
+    assert {x.sharding.memory_kind for x in decision._host} == {"pinned_host"}
+    assert decision.resolve() and decision.applies
+    assert decision.scale_value == float(np.asarray(decision.scale)) == np.float32(0.05) / np.float32(3.0)
+    assert not engine.policy.decide(sq, jax.numpy.float32(np.nan)).resolve()
+    engine.close()
 
 
 @pytest.mark.parametrize("engine_cfg", [

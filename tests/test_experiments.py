@@ -1076,14 +1076,15 @@ def test_engine_patch_ab_patches_change_when_bytes_move_not_the_numbers(tmp_path
     """Every patch of ``engine_patch_ab.py`` trains bit for bit as the engine does: GPU-updated blocks and the
     io part, two micro-batches beside a resident block, and accumulation (where the patches leave the passes)."""
     arms = {"as_is": [], "held_and_after_head": ["io_home_at_head", "blocks_brought_after_head"],
-            "in_backward": ["blocks_brought_in_backward"], "decision_copies_late": ["decision_copies_late"]}
+            "in_backward": ["blocks_brought_in_backward"], "decision_copies_late": ["decision_copies_late"],
+            "decision_copies_started": ["decision_copies_started"]}
     runs = {}
     for arm, patches in arms.items():
         subprocess.run([sys.executable, "-c", PATCH_RUN, str(tmp_path / f"{arm}.npz"), *patches], cwd=REPO,
                        check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         runs[arm] = np.load(tmp_path / f"{arm}.npz")
     assert runs["as_is"].files
-    for arm in ("held_and_after_head", "in_backward", "decision_copies_late"):
+    for arm in ("held_and_after_head", "in_backward", "decision_copies_late", "decision_copies_started"):
         assert sorted(runs[arm].files) == sorted(runs["as_is"].files)
         for name in runs["as_is"].files:
             np.testing.assert_array_equal(runs["as_is"][name], runs[arm][name], err_msg=f"{arm}: {name}")

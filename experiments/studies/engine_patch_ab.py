@@ -20,9 +20,11 @@ patches (``PATCHES``) change when bytes move, never the numbers: a CPU check of 
 - ``blocks_brought_after_head``: the same, each brought right after the pass's last head op (the backward's
   start), so that they land long before the backward's end (the first blocks' fetches for the backward come
   last, and so would their brings).
-- ``decision_copies_late``: the engine before d1b0b87, for an A/B of that change: a step decision's clip scale
-  and verdict are copied home only when the host worker reads them (its first update of the step), not when the
-  decision is made, so the copies may queue behind what the next forward has sent home meanwhile.
+- ``decision_copies_late``: the step decision as the engine made it before d1b0b87: its clip scale and verdict
+  on the device only, copied home when the host worker reads them (its first update of the step), so the
+  copies may queue behind what the next forward has sent home meanwhile;
+- ``decision_copies_started``: as from d1b0b87 until its program wrote them home: those copies started when the
+  decision is made.
 """
 
 from __future__ import annotations
@@ -104,23 +106,37 @@ def blocks_brought_in_backward(after_head: bool = False) -> None:
     passes.HANDLERS["bring"] = bring_any
 
 
-def decision_copies_late() -> None:
-    import threading
+def decision_on_device(start_home: bool = False) -> None:
+    """The step decision as the engine made it before its program wrote the scale and verdict home: every output
+    on the device, copied home when the worker reads it; ``start_home`` starts those copies when the decision is
+    made (d1b0b87)."""
+    import jax
 
     from megatrain_jax.engine.update import policy
 
-    def made(self, norm, scale, ok):  # StepDecision.__init__ without starting the two copies home
-        self.norm, self.scale, self.ok = norm, scale, ok
-        self._host = tuple(policy.local_array(x) for x in (scale, ok))  # read (copied) by the worker
-        self._scale = self._applies = self._failed = None
-        self._lock = threading.Lock()
+    init = policy.UpdatePolicy.__init__
 
-    policy.StepDecision.__init__ = made
+    def made_on_device(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        decide = self._decide
+        self._decide = jax.jit(lambda sq, loss: decide.__wrapped__(sq, loss))  # its outputs where XLA puts them
+
+    policy.UpdatePolicy.__init__ = made_on_device
+    if start_home:
+        decision_init = policy.StepDecision.__init__
+
+        def started(self, *args):
+            decision_init(self, *args)
+            for x in self._host:
+                x.copy_to_host_async()
+
+        policy.StepDecision.__init__ = started
 
 
 PATCHES = {"io_home_at_head": io_home_at_head, "blocks_brought_in_backward": blocks_brought_in_backward,
            "blocks_brought_after_head": lambda: blocks_brought_in_backward(after_head=True),
-           "decision_copies_late": decision_copies_late}
+           "decision_copies_late": decision_on_device,
+           "decision_copies_started": lambda: decision_on_device(start_home=True)}
 
 
 def run_arms(arms: list[str], rounds: int, steps: int, out: str, script: str, name_of=lambda arm: arm) -> dict:

@@ -4,8 +4,8 @@ Per optimizer step, on the main thread, in this order:
 
 1. ``decide(sq_norms, loss)`` makes the step's ``StepDecision`` from the whole gradient: the global norm,
    the factor every part's gradient is scaled by (exact clipping and accumulation averaging), and whether
-   the step applies (loss and norm finite). Their copies to host memory start at once (``StepDecision``), and
-   the decision's *resolution* (the host's reading) is queued on the host worker.
+   the step applies (loss and norm finite). The same program writes the scale and the verdict to host memory
+   (``StepDecision``), and the decision's *resolution* (the host's reading) is queued on the host worker.
 2. ``update(part, ...)`` for each part in forward order (io, block 0, block 1, ...): GPU-resident parts
    update on the device at once (a skipped step keeps the old values there); GPU-updated parts at their next
    fetch (``update_visiting``); host parts queue their update. With the fused AdamW and a bfloat16 stream copy
@@ -84,24 +84,21 @@ def clip_scale(sq_norms: Sequence[jax.Array], clip_norm: float | None, accumulat
 
 class StepDecision:
     """One optimizer step's decision, made once from the whole gradient. ``norm``, ``scale`` and ``ok`` are
-    device scalars (GPU-resident parts use them without a host sync); ``applies`` is the host's reading of
+    device scalars (GPU-resident parts use them without a host sync); ``home`` holds the same ``scale`` and
+    ``ok`` in host memory, written by the program that made the decision. ``applies`` is the host's reading of
     ``ok``, set by ``resolve`` on the worker, and ``scale_value`` the host's reading of ``scale`` (what the host
     updates use).
 
-    Both start home when the decision is made (the main thread, right after the backward): a copy from the
-    device to host memory issued later (the worker resolves a decision when it gets to it) may queue behind
-    whatever the next forward has sent home meanwhile, a GPU-updated part's masters and moments (gigabytes), and
-    every host update, which the next forward waits for, would wait with it."""
+    The decision's program writes them home itself because a copy from the device issued afterwards, even one
+    started right away, runs behind whatever copies home the next forward had already queued (a GPU-updated part's
+    masters and moments, gigabytes): the runtime issues such a copy only once its source is ready, and on this GPU
+    the copy engines run it after the copies issued before it, whatever their stream
+    (experiments/studies/NOTES.md, 2026-12-01). Every host update, which the next forward waits for, would wait
+    with it."""
 
-    def __init__(self, norm: jax.Array, scale: jax.Array, ok: jax.Array):
+    def __init__(self, norm: jax.Array, scale: jax.Array, ok: jax.Array, home: tuple[jax.Array, jax.Array]):
         self.norm, self.scale, self.ok = norm, scale, ok
-        self._host = tuple(local_array(x) for x in (scale, ok))  # this process's copies, on their way home
-        for x in self._host:
-            if isinstance(x, jax.Array):
-                try:
-                    x.copy_to_host_async()
-                except Exception:  # noqa: BLE001 - the device work behind it failed: ``resolve`` reads and raises it
-                    pass
+        self._host = tuple(local_array(x) for x in home)  # this process's copies in host memory
         self._scale: float | None = None
         self._applies: bool | None = None
         self._failed: BaseException | None = None  # the device work behind ``ok`` failed (out of memory, say)
@@ -167,8 +164,13 @@ class UpdatePolicy:
         self.disk_tier = None  # megatrain_jax.engine.update.disk_tier.DiskTier, when some parts' moments live on disk
         self._first_halves: list[_FirstHalf] = []
         clip, accumulate = config.clip_norm, config.accumulate_steps
-        self._decide = jax.jit(lambda sq, loss: clip_scale(sq, clip, accumulate)
-                               + (jnp.isfinite(loss) & jnp.isfinite(jnp.sqrt(sum(sq))),))
+
+        def decide(sq, loss):  # the scale and verdict twice: on the device, and written home (``StepDecision``)
+            norm, scale = clip_scale(sq, clip, accumulate)
+            ok = jnp.isfinite(loss) & jnp.isfinite(jnp.sqrt(sum(sq)))
+            return norm, scale, ok, (scale, ok)
+        device, host = placement.device, placement.host
+        self._decide = jax.jit(decide, out_shardings=(device, device, device, (host, host)))
 
     @property
     def nonfinite_in_row(self) -> int:
