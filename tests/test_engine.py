@@ -343,7 +343,7 @@ def test_a_step_decision_is_written_home_by_the_program_that_makes_it():
     sq = [jax.numpy.float32(4.0), jax.numpy.float32(5.0)]  # norm 3: clipped to 0.05
     decision = engine.policy.decide(sq, jax.numpy.float32(1.0))
     assert {x.sharding.memory_kind for x in (decision.scale, decision.ok)} == {"device"}
-    assert {x.sharding.memory_kind for x in decision._host} == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in decision.home} == {"pinned_host"}
     assert decision.resolve() and decision.applies
     assert decision.scale_value == float(np.asarray(decision.scale)) == np.float32(0.05) / np.float32(3.0)
     assert not engine.policy.decide(sq, jax.numpy.float32(np.nan)).resolve()

@@ -127,7 +127,7 @@ def decision_on_device(start_home: bool = False) -> None:
 
         def started(self, *args):
             decision_init(self, *args)
-            for x in self._host:
+            for x in self.home:
                 x.copy_to_host_async()
 
         policy.StepDecision.__init__ = started

@@ -84,7 +84,7 @@ def clip_scale(sq_norms: Sequence[jax.Array], clip_norm: float | None, accumulat
 
 class StepDecision:
     """One optimizer step's decision, made once from the whole gradient. ``norm``, ``scale`` and ``ok`` are
-    device scalars (GPU-resident parts use them without a host sync); ``home`` holds the same ``scale`` and
+    device scalars (GPU-resident parts use them without a host sync); ``home`` holds this process's ``scale`` and
     ``ok`` in host memory, written by the program that made the decision. ``applies`` is the host's reading of
     ``ok``, set by ``resolve`` on the worker, and ``scale_value`` the host's reading of ``scale`` (what the host
     updates use).
@@ -98,7 +98,7 @@ class StepDecision:
 
     def __init__(self, norm: jax.Array, scale: jax.Array, ok: jax.Array, home: tuple[jax.Array, jax.Array]):
         self.norm, self.scale, self.ok = norm, scale, ok
-        self._host = tuple(local_array(x) for x in home)  # this process's copies in host memory
+        self.home = tuple(local_array(x) for x in home)  # this process's copies in host memory: (scale, ok)
         self._scale: float | None = None
         self._applies: bool | None = None
         self._failed: BaseException | None = None  # the device work behind ``ok`` failed (out of memory, say)
@@ -112,7 +112,7 @@ class StepDecision:
                 raise self._failed
             if self._applies is None:
                 try:
-                    self._applies = bool(np.asarray(self._host[1]))
+                    self._applies = bool(np.asarray(self.home[1]))
                 except Exception as err:
                     self._failed = err
                     raise
@@ -124,7 +124,7 @@ class StepDecision:
         resolved (``applies`` raises before that, or where the device work failed)."""
         self.applies  # noqa: B018 - raises where the decision is unresolved or failed
         if self._scale is None:
-            self._scale = float(np.asarray(self._host[0]))
+            self._scale = float(np.asarray(self.home[0]))
         return self._scale
 
     @property
