@@ -31,6 +31,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXPERIMENTS = os.path.dirname(HERE)
 sys.path[:0] = [HERE, EXPERIMENTS, os.path.dirname(EXPERIMENTS)]
 
+from trace_summary import classify  # noqa: E402  (copy: memcpy and memset; collective; compute)
+
 SIZE = re.compile(r"size:(\d+)")
 BIG, SMALL = 1 << 20, 64
 
@@ -56,13 +58,14 @@ def summarize(trace: dict) -> dict:
     for e in events:
         name = e["name"]
         start, dur = (e["ts"] - t0) / 1e3, e.get("dur", 0) / 1e3
-        if "memcpy" in name.lower():
+        kind = classify(name)
+        if kind == "copy" and "memcpy" in name.lower():
             m = SIZE.search(json.dumps(e.get("args", {})))
             size = int(m.group(1)) if m else None
             kind = "d2h" if "D2H" in name or "DtoH" in name else "h2d" if "H2D" in name or "HtoD" in name else name
             copies.append({"kind": kind, "stream": lines[(e["pid"], e["tid"])], "start_ms": round(start, 3),
                            "ms": round(dur, 3), "bytes": size})
-        elif "memset" not in name.lower():
+        elif kind == "compute":
             compute.append((start, start + dur))
     copies.sort(key=lambda c: c["start_ms"])
     compute.sort()

@@ -112,7 +112,7 @@ class StepDecision:
                 raise self._failed
             if self._applies is None:
                 try:
-                    self._applies = bool(np.asarray(self.home[1]))
+                    self._scale, self._applies = float(np.asarray(self.home[0])), bool(np.asarray(self.home[1]))
                 except Exception as err:
                     self._failed = err
                     raise
@@ -120,11 +120,9 @@ class StepDecision:
 
     @property
     def scale_value(self) -> float:
-        """The factor the host updates scale the gradient by, read on the host; only once the decision is
-        resolved (``applies`` raises before that, or where the device work failed)."""
+        """The factor the host updates scale the gradient by, read on the host with the verdict (``resolve``);
+        ``applies`` raises before that, or where the device work failed."""
         self.applies  # noqa: B018 - raises where the decision is unresolved or failed
-        if self._scale is None:
-            self._scale = float(np.asarray(self.home[0]))
         return self._scale
 
     @property
