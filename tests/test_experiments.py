@@ -1090,7 +1090,7 @@ def test_engine_patch_ab_patches_change_when_bytes_move_not_the_numbers(tmp_path
             np.testing.assert_array_equal(runs["as_is"][name], runs[arm][name], err_msg=f"{arm}: {name}")
 
 
-def test_step_start_copies_reads_the_gpu_streams_copies_and_idle():
+def test_step_start_copies_reads_the_gpu_streams_copies_and_idle(tmp_path):
     """``step_start_copies.summarize``: copies on the GPU's stream lines with their sizes, the small copies home with
     what ran beside them and before them on their stream, and the compute engine's idle windows; host lines
     ignored."""
@@ -1104,18 +1104,35 @@ def test_step_start_copies_reads_the_gpu_streams_copies_and_idle():
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": 16, "args": {"name": "Stream #16(MemcpyD2H)"}},
             {"ph": "M", "name": "thread_name", "pid": 7, "tid": 3, "args": {"name": "pjrt_async_work_runner"}}]
 
-    def ev(pid, tid, name, ts_ms, dur_ms, size=None):
+    def ev(pid, tid, name, ts_ms, dur_ms, size=None, cid=None):
         args = {} if size is None else {"memcpy_details": f"kind_src:unknown kind_dst:unknown size:{size} async:1"}
+        args.update({} if cid is None else {"correlation_id": cid})
         return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts_ms * 1e3, "dur": dur_ms * 1e3, "args": args}
 
     trace = {"traceEvents": meta + [
         ev(1, 14, "fusion_1", 0.0, 10.0), ev(1, 14, "gemm_2", 10.5, 5.0), ev(1, 14, "fusion_3", 40.0, 5.0),
-        ev(1, 16, "MemcpyD2H", 16.0, 40.0, size=2 << 30), ev(1, 16, "MemcpyD2H", 57.0, 0.01, size=4),
-        ev(1, 14, "MemsetD32Async", 20.0, 1.0), ev(7, 3, "MemcpyD2H", 30.0, 1.0, size=4)]}
+        ev(1, 16, "MemcpyD2H", 16.0, 40.0, size=2 << 30), ev(1, 16, "MemcpyD2H", 57.0, 0.01, size=4, cid="9"),
+        ev(1, 16, "MemcpyD2H", 60.0, 0.01, size=1),  # no correlation id: when it was issued is unknown
+        ev(1, 14, "MemsetD32Async", 20.0, 1.0), ev(7, 3, "MemcpyD2H", 30.0, 1.0, size=4, cid="9"),
+        ev(7, 3, "MemcpyD2H", 31.0, 1.0, size=8)]}
     out = module.summarize(trace)
     assert out["span_ms"] == 45.0
     assert [c["bytes"] for c in out["copies_1mb_or_more"]] == [2 << 30]
-    (small,) = out["small_copies_home"]  # the host line's copy is not the GPU's
+    small, unmatched = out["small_copies_home"]  # the host line's copies are not the GPU's
     assert small["start_ms"] == 57.0 and small["running_then"] == [] and small["its_stream_before"][0]["ms"] == 40.0
+    assert small["issued_ms"] == 30.0 and unmatched["issued_ms"] is None  # queued by the host 27 ms before it ran
+    # --read: the packed traces summarized again under the measured run's commit, date, device and arm names
+    import tarfile
+    raw = tmp_path / "perfetto_trace.json.gz"
+    raw.write_bytes(gzip.compress(json.dumps(trace).encode()))
+    with tarfile.open(tmp_path / "traces.tar.gz", "w:gz") as tar:
+        tar.add(raw, arcname="arm0/perfetto_trace.json.gz")
+    measured = {"git_commit": "abc", "date": "2026-12-01", "device": {"name": "NVIDIA H200"},
+                "runs": [{"arm": "3p5b_32k_nothing_resident", "traced_step_times": [1.2]}]}
+    (tmp_path / "measured.json").write_text(json.dumps(measured))
+    module.read_traces(str(tmp_path / "traces.tar.gz"), str(tmp_path / "measured.json"), str(tmp_path / "out.json"))
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert {k: got[k] for k in ("git_commit", "date", "device")} == {k: measured[k] for k in ("git_commit", "date", "device")}
+    assert got["runs"][0]["arm"] == "3p5b_32k_nothing_resident" and got["runs"][0]["small_copies_home"] == out["small_copies_home"]
     assert out["compute_idle_over_2ms"] == [{"from_ms": 15.5, "ms": 24.5}]
     assert module.summarize({"traceEvents": meta[1:2]}) == {"error": "no events on the GPU's stream lines"}

@@ -10,9 +10,13 @@ and may carry ``engine_patch_ab.py``'s patches (``CONFIG+PATCH``).
 For each arm: the GPU's copies (``MemcpyD2H``/``H2D`` on its stream lines) of at least 1 MB and every copy home
 of at most 64 bytes (a step decision's scale and verdict, the loss), each with its stream, start and duration in
 milliseconds from the traced window's first GPU event, and size; the windows where no compute kernel runs on the
-GPU for more than 2 ms; and, for each small copy home, the copies of at least 1 MB that were running on any stream
-when it started or that its stream ran in the 300 ms before it. The traces (``perfetto_trace.json.gz``, one per
-arm) go into ``--tar`` to be read again on the CPU (``summarize``).
+GPU for more than 2 ms; and, for each small copy home, when the host issued it (``issued_ms``: the runtime's call
+that queued it, matched by its correlation id; None where the trace has none), and the copies of at least 1 MB
+that were running on any stream when it started or that its stream ran in the 300 ms before it. The traces
+(``perfetto_trace.json.gz``, one per arm) go into ``--tar``; ``--read`` summarizes such a tarball again on the CPU
+into a results file whose commit, date and device are the measured run's (``--measured``):
+
+    python experiments/studies/step_start_copies.py --read TRACES.tar.gz --measured RESULTS.json --out OUT.json
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ def summarize(trace: dict) -> dict:
     if not events:
         return {"error": "no events on the GPU's stream lines"}
     t0 = min(e["ts"] for e in events)
+    issued = {e["args"]["correlation_id"]: (e["ts"] - t0) / 1e3 for e in trace["traceEvents"]
+              if e.get("ph") == "X" and "memcpy" in e.get("name", "").lower() and (e["pid"], e.get("tid")) not in lines
+              and (e.get("args") or {}).get("correlation_id") is not None}  # the host's calls that queued copies
     copies, compute = [], []
     for e in events:
         name = e["name"]
@@ -64,7 +71,8 @@ def summarize(trace: dict) -> dict:
             size = int(m.group(1)) if m else None
             kind = "d2h" if "D2H" in name or "DtoH" in name else "h2d" if "H2D" in name or "HtoD" in name else name
             copies.append({"kind": kind, "stream": lines[(e["pid"], e["tid"])], "start_ms": round(start, 3),
-                           "ms": round(dur, 3), "bytes": size})
+                           "ms": round(dur, 3), "bytes": size,
+                           "correlation_id": (e.get("args") or {}).get("correlation_id")})
         elif kind == "compute":
             compute.append((start, start + dur))
     copies.sort(key=lambda c: c["start_ms"])
@@ -77,7 +85,8 @@ def summarize(trace: dict) -> dict:
     big = [c for c in copies if c["bytes"] is not None and c["bytes"] >= BIG]
     small = [c for c in copies if c["kind"] == "d2h" and c["bytes"] is not None and c["bytes"] <= SMALL]
     for c in small:
-        t = c["start_ms"]
+        t, when = c["start_ms"], issued.get(c["correlation_id"])
+        c["issued_ms"] = None if when is None else round(when, 3)
         c["running_then"] = [b for b in big if b["start_ms"] <= t < b["start_ms"] + b["ms"]]
         c["its_stream_before"] = [b for b in big if b["stream"] == c["stream"] and t - 300 <= b["start_ms"] < t]
     return {"span_ms": round(max(b for _, b in compute) - compute[0][0], 3), "streams": sorted(set(lines.values())),
@@ -116,6 +125,27 @@ def run_arm(arm: str, warmup: int, steps: int, trace_dir: str, out: str) -> None
                    "traced_step_times": [round(t, 4) for t in traced], "trace": str(path), **summary}, f)
 
 
+def read_traces(tarball: str, measured_path: str, out: str) -> None:
+    """``--read``: each arm's trace in the tarball summarized again, under the measured run's commit, date and
+    device, its arms named as that run named them."""
+    with open(measured_path) as f:
+        measured = json.load(f)
+    runs = []
+    with tarfile.open(tarball) as tar:
+        for m in sorted((m for m in tar.getmembers() if m.name.endswith("perfetto_trace.json.gz")),
+                        key=lambda m: m.name):
+            i = int(m.name.split("/")[0].removeprefix("arm"))
+            trace = json.load(gzip.open(tar.extractfile(m)))
+            arm = measured["runs"][i]
+            runs.append({"arm": arm["arm"], "traced_step_times": arm.get("traced_step_times"), **summarize(trace)})
+    result = {"name": Path(out).stem, "command": "python experiments/studies/step_start_copies.py " + " ".join(sys.argv[1:]),
+              "git_commit": measured["git_commit"], "date": measured["date"], "device": measured["device"],
+              "read_at_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                               text=True).stdout.strip() or None,
+              "trace": os.path.basename(tarball), "measured": os.path.basename(measured_path), "runs": runs}
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arms", default=None, help="comma-separated bench configs, each with +PATCH names")
@@ -123,9 +153,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps traced back to back")
     ap.add_argument("--trace-dir", default="/tmp/step_start_copies")
     ap.add_argument("--tar", default=None, help="pack the arms' traces here")
+    ap.add_argument("--read", default=None, metavar="TARBALL", help="summarize the traces --tar packed, no run")
+    ap.add_argument("--measured", default=None, help="with --read: the results file of the run they come from")
     ap.add_argument("--arm", default=None, help=argparse.SUPPRESS)  # a child's arm
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.read:
+        if not args.measured:
+            ap.error("--read needs --measured (the results file of the run the traces come from)")
+        read_traces(args.read, args.measured, args.out)
+        return
     if args.arm:
         run_arm(args.arm, args.warmup, args.steps, args.trace_dir, args.out)
         return
