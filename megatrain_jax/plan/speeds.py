@@ -158,8 +158,15 @@ _H200X4_HOST = {"host_update": {**{k: v * 1.13 for k, v in _H200X2_HOST["host_up
 # shares the link with them, and copies in flight interleave rather than queue); torch's, on two streams, 84
 # (h200x2_transfer_queues_2b81da0.json).
 _H200_LINK = 60e9
+# A block's products on the H200: 662-740 TFLOP/s one at a time in every operand layout, torch's 669-770
+# (h200_gemm_layouts_ebe68f5.json), and a 13B block's backward in a step 674-727 (h200_block_kernel_calls_e1148dc
+# .json). At the H100's 650 the model put the step 4-12% over the runs the GPU bounds (the 16-core host's
+# h200_7b_32k and h200_sft_8b, the 3.5B 32K rows); at 670, 111 of the 123 H200 runs since 2026-11-25 are within
+# 10% against 106 at 650 (cpu_step_time_vs_runs_*.json; 680 and 700 move the 32-core host's runs under).
+_H200_MATMUL = 670e12
 H200 = dataclasses.replace(
-    H100, name="H200, 16-core host (defaults)", h2d_bytes=47.4e9, d2h_bytes=47.4e9, hbm_bytes=3.4e12,
+    H100, name="H200, 16-core host (defaults)", matmul_flops=_H200_MATMUL, h2d_bytes=47.4e9, d2h_bytes=47.4e9,
+    hbm_bytes=3.4e12,
     link_bytes=_H200_LINK, host_update=_H200_HOST, hosts={32: _H200X2_HOST, 64: _H200X4_HOST},
     source="experiments/results: h200_bench_before_after_*.json, h200_host_adamw.json, "
            "h200_host_update_profile.json, h200_measure_speeds_d5d7c51.json")
