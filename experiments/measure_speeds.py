@@ -53,13 +53,8 @@ def best_seconds(fn, reps: int) -> float:
 def host_rates(n: int, reps: int) -> dict:
     """Parameters per second of each mode's host update (one leaf of ``n`` parameters)."""
     lib = host_kernel.require(host_kernel.load())
-    p, m, v, g = (np.full(n, x, np.float32) for x in (0.5, 0.0, 0.0, 0.01))
-    copy = np.zeros(n, np.uint16)
-    first = best_seconds(lambda: host_kernel.adamw_numpy(p, m, v, g, copy, stream_only=True, lib=lib, **HP), reps)
-    commit = best_seconds(lambda: host_kernel.adamw_numpy(p, m, v, g, None, lib=lib, **HP), reps)
-    whole = best_seconds(lambda: host_kernel.adamw_numpy(p, m, v, g, copy, lib=lib, **HP), reps)  # one pass
-    rates = {"full": n / (first + commit), "lean": n / commit}
-    del p, m, v, g, copy
+    split = host_kernel.full_precision_rates(n, reps, lib)  # what `train` times at its start (Machine.here)
+    rates = {"full": split["full"], "lean": split["lean"]}
     pb, mb, vb = (np.full(n, x, np.uint16) for x in (0x3F00, 0, 0))
     g = np.full(n, 0.01, np.float32)
     rates["capacity"] = n / best_seconds(lambda: host_kernel.adamw_sr_numpy(pb, mb, vb, g, seed=0, lib=lib, **HP),
@@ -77,8 +72,8 @@ def host_rates(n: int, reps: int) -> dict:
                                 gq.ctypes.data, shape[0], shape[1], block=fmt.block, g_bf16=True, seed=0, offset=0,
                                 **HP), reps)
     return {"host_update": {k: round(v, -6) for k, v in rates.items()},
-            "first_half_share": round(first / (first + commit), 3),
-            "one_pass_speedup": round((first + commit) / whole, 3), "host_cores": len(os.sched_getaffinity(0))}
+            "first_half_share": round(split["first_half_share"], 3),
+            "one_pass_speedup": round(split["one_pass_speedup"], 3), "host_cores": len(os.sched_getaffinity(0))}
 
 
 def gpu_rates(hidden: int, ffn: int, tokens: int, seq: int, heads: int, reps: int) -> tuple[dict, dict]:

@@ -286,6 +286,53 @@ def test_the_host_update_follows_the_measured_hosts_and_scales_with_cores_betwee
         for_gpu("NVIDIA H200", f)
 
 
+def test_the_host_update_timed_on_the_host_at_hand_replaces_the_records_unless_a_calibration_file_is_given(
+        tmp_path, lib):
+    """The kernel timed here (``host_kernel.full_precision_rates``, as the engine splits it) gives positive rates;
+    ``Speeds.measured_here`` scales every mode's rate by the measured full-precision rate over the record's and
+    takes the split's share and one-pass speedup as measured; ``for_gpu`` takes it over the kind's record (after
+    the host's cores) but not over a calibration file, which the user chose; the model then predicts a
+    host-bound step from it, faster on a faster host."""
+    from megatrain_jax.engine.update.host_kernel import full_precision_rates
+    from megatrain_jax.plan.speeds import for_gpu
+    timed = full_precision_rates(1 << 20, reps=2, lib=lib)
+    assert timed["lean"] > timed["full"] > 0 and 0 < timed["first_half_share"] < 1 and timed["one_pass_speedup"] > 0
+    h200 = SPEEDS["H200"]
+    fast = {"full": 2 * h200.host_update["full"], "lean": 9e9, "first_half_share": 0.4, "one_pass_speedup": 1.3}
+    here = for_gpu("NVIDIA H200", None, 16, fast)
+    assert here.host_update == pytest.approx({k: 2 * v for k, v in h200.host_update.items()})
+    assert (here.first_half_share, here.one_pass_speedup, here.host_cores) == (0.4, 1.3, 16)
+    assert "measured here at" in here.name and here.h2d_bytes == h200.h2d_bytes
+    x2 = for_gpu("NVIDIA H200", None, 32, fast)  # the 32-core record's mode ratios, scaled to the measured rate
+    ratio = h200.hosts[32]["host_update"]["q8"] / h200.hosts[32]["host_update"]["full"]
+    assert x2.host_update["q8"] == pytest.approx(ratio * fast["full"]) and x2.host_cores == 32
+    f = tmp_path / "speeds.json"
+    f.write_text(json.dumps({"host_update": {"full": 1e9}, "host_cores": 16}))
+    assert for_gpu("NVIDIA H200", f, 16, fast).host_update["full"] == pytest.approx(1e9)  # the file wins
+    e = EngineConfig(resident_layers=0)
+    slow_host = dataclasses.replace(Machine(None, None, gpu_name="NVIDIA H200", host_cores=16),
+                                    host_measured={**fast, "full": h200.host_update["full"] / 2})
+    fast_host = dataclasses.replace(slow_host, host_measured=fast)
+    assert for_machine(CFG, e, 2, 2048, fast_host).busy["host"] < for_machine(CFG, e, 2, 2048, slow_host).busy["host"]
+    assert for_machine(CFG, e, 2, 2048, Machine(None, None, gpu_name="NVIDIA H200", host_cores=16)).busy["host"] == \
+        pytest.approx(predict(CFG, e, 2, 2048, h200).busy["host"])  # not measured: the record's
+
+
+def test_machine_here_times_the_host_update_only_where_a_gpu_is_and_the_host_is_its_processs_own(monkeypatch):
+    """``Machine.here`` times the host update where a GPU is (the plan is then for this host) and one process
+    holds the host; with no GPU (``plan --gpu`` planning for another machine) or several processes, it does not."""
+    from megatrain_jax.plan import machine as machine_mod
+    timed = {"full": 3.3e9, "lean": 6e9, "first_half_share": 0.43, "one_pass_speedup": 1.5}
+    calls = []
+    monkeypatch.setattr(machine_mod, "measured_host_update", lambda: calls.append(1) or timed)
+    monkeypatch.setattr(machine_mod, "gpu_name_before_jax", lambda: None)
+    assert Machine.here(host_ram_bytes=1, gpu_bytes=1).host_measured is None and not calls
+    monkeypatch.setattr(machine_mod, "gpu_name_before_jax", lambda: "NVIDIA H200")
+    assert Machine.here(host_ram_bytes=1, gpu_bytes=1).host_measured == timed and calls == [1]
+    assert Machine.here(host_ram_bytes=1, gpu_bytes=1, several_processes=True).host_measured is None
+    assert calls == [1]
+
+
 def test_every_gpu_kind_and_measured_host_has_a_host_update_rate_for_every_precision_mode():
     """The step-time model asks each record for the rate of the mode a run picks: none may be missing (a new mode
     is one precision record and one rate per host), and m7v5 runs at its ratio to the 8-bit kernel, as the two

@@ -8,6 +8,7 @@ has the data path they belong to."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import subprocess
@@ -102,6 +103,16 @@ def gpu_name_before_jax() -> str | None:
         return None
 
 
+@functools.lru_cache(maxsize=1)
+def measured_host_update() -> dict[str, float] | None:
+    """The fused kernel's full-precision host update timed on this host (``host_kernel.full_precision_rates``:
+    about half a second, 512 MiB of state freed after), once a process; None where the kernel cannot be built or
+    loaded (the engine then updates through JAX, which no record describes)."""
+    from megatrain_jax.engine.update import host_kernel
+    lib = host_kernel.load()
+    return None if lib is None else host_kernel.full_precision_rates(lib=lib)
+
+
 def gpu_fraction() -> float:
     """The share of GPU memory XLA may allocate in this environment: ``XLA_PYTHON_CLIENT_MEM_FRACTION``, which
     importing megatrain_jax sets to ``ENGINE_GPU_FRACTION`` unless the user chose (``_environment``)."""
@@ -149,9 +160,11 @@ class Machine:
     ``gpu_bytes`` of each GPU's allocator (None: not known; with no GPU, nothing is picked for one),
     ``gpus`` GPUs, ``disk_bytes`` free where the disk tier would go (None: read from the folder),
     ``several_processes`` (each holds its own host: no layout is picked for them), ``gpu_name`` (the
-    driver's name of the GPU, which says whose rates the step-time model takes; None: no GPU, or not known)
-    and ``host_cores`` (the cores this process may use, which scale the host update's rate; None: not known,
-    the rates' own host)."""
+    driver's name of the GPU, which says whose rates the step-time model takes; None: no GPU, or not known),
+    ``host_cores`` (the cores this process may use, which scale the host update's rate; None: not known,
+    the rates' own host) and ``host_measured`` (the host update's rates timed on this host,
+    ``host_kernel.full_precision_rates``, which the step-time model takes over its record's: ``Speeds.measured_here``;
+    None: not measured)."""
 
     host_ram_bytes: int | None
     gpu_bytes: int | None
@@ -160,13 +173,18 @@ class Machine:
     several_processes: bool = False
     gpu_name: str | None = None
     host_cores: int | None = None
+    host_measured: dict[str, float] | None = None
 
     @classmethod
     def here(cls, devices: int | None = None, *, host_ram_bytes: int | None = None, gpu_bytes: int | None = None,
              several_processes: bool = False) -> "Machine":
         """This machine, read before JAX starts its GPU backend: MemAvailable (``available_host_bytes``), what
         XLA's allocator will get on a GPU (``gpu_bytes_before_jax``) and ``run_gpus(devices)``; the figures
-        given win (``megatrain-jax plan --host-gib/--gpu-gib``)."""
-        return cls(available_host_bytes() if host_ram_bytes is None else host_ram_bytes,
-                   gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes, run_gpus(devices), None,
-                   several_processes, gpu_name_before_jax(), len(os.sched_getaffinity(0)))
+        given win (``megatrain-jax plan --host-gib/--gpu-gib``). Where a GPU is, and this process is the host's
+        only one, the host update is timed here too (``measured_host_update``): the model then predicts for the
+        host lent, not the record's."""
+        host = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
+        gpu_name = gpu_name_before_jax()
+        measured = None if gpu_name is None or several_processes else measured_host_update()
+        return cls(host, gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes, run_gpus(devices), None,
+                   several_processes, gpu_name, len(os.sched_getaffinity(0)), measured)

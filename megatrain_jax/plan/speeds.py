@@ -87,6 +87,19 @@ class Speeds:
     def replace(self, **changes: Any) -> "Speeds":
         return dataclasses.replace(self, **changes)
 
+    def measured_here(self, rates: dict[str, float], cores: int | None) -> "Speeds":
+        """These rates with the host update timed on the host at hand (``host_kernel.full_precision_rates``, which
+        ``Machine.here`` runs where a GPU is): every precision mode's rate scaled by the measured full-precision
+        rate over this record's (the modes keep the record's ratios to it), the split's first-pass share and the
+        one-pass speedup as measured. The hosts lent as one kind differ: the H200's 16-core host ran the kernel at
+        3.00, 3.33 and 3.44 G params/s on three days, the 32-core one at 3.40, 3.75 and 4.50, and the steps the
+        host bounds follow it (experiments/studies/NOTES.md, 2026-12-01)."""
+        f = rates["full"] / self.host_update["full"]
+        return self.replace(host_update={k: v * f for k, v in self.host_update.items()},
+                            first_half_share=rates["first_half_share"], one_pass_speedup=rates["one_pass_speedup"],
+                            host_cores=cores or self.host_cores, hosts={},
+                            name=f"{self.name}, host update measured here at {rates['full'] / 1e9:.2f} G params/s")
+
     def on_host(self, cores: int | None) -> "Speeds":
         """These rates on a host of ``cores`` usable cores (None or the same: unchanged): a host of that many
         cores measured for this GPU kind (``hosts``), else the nearest measured host's update rates scaled as
@@ -236,14 +249,19 @@ def from_file(path: str | os.PathLike, base: Speeds) -> Speeds:
     return dataclasses.replace(base, **{"name": f"{base.name} with {Path(path).name}", "hosts": {}, **given})
 
 
-def for_gpu(gpu_name: str | None, file: str | os.PathLike | None = None, host_cores: int | None = None
-            ) -> Speeds | None:
+def for_gpu(gpu_name: str | None, file: str | os.PathLike | None = None, host_cores: int | None = None,
+            host_measured: dict[str, float] | None = None) -> Speeds | None:
     """The rates for a GPU of this name: its kind's record (an unknown kind starts from the H100's), on a host
-    of ``host_cores`` cores (None: the record's host; ``Speeds.on_host``), with a calibration file's fields
-    (``file``, else ``$MEGATRAIN_SPEEDS``) on top; None for a GPU kind without a record and no file."""
+    of ``host_cores`` cores (None: the record's host; ``Speeds.on_host``), with the host update as measured on
+    this host (``host_measured``: ``Speeds.measured_here``) or a calibration file's fields (``file``, else
+    ``$MEGATRAIN_SPEEDS``) on top: a file, which the user chose, wins over the measurement. None for a GPU kind
+    without a record and no file."""
     file = file or os.environ.get(SPEEDS_VAR) or None
     kind = kind_of(gpu_name)
     if kind is None and file is None:
         return None
     base = SPEEDS.get(kind or "H100")
-    return (from_file(file, base) if file else base).on_host(host_cores)  # a file's host rates are its host's
+    if file:
+        return from_file(file, base).on_host(host_cores)  # a file's host rates are its host's
+    s = base.on_host(host_cores)
+    return s if host_measured is None else s.measured_here(host_measured, host_cores)

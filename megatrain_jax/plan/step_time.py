@@ -340,12 +340,12 @@ def _place(busy: list[tuple[float, float]], start: float, seconds: float) -> flo
 
 
 def machine_speeds(machine: Machine, speeds_file: str | None = None) -> Speeds | None:
-    """The rates for ``machine``: its GPU kind's, on its host's cores, with a calibration file's fields on top
-    (``speeds_file``, else ``$MEGATRAIN_SPEEDS``; ``speeds.for_gpu``); None where neither a known GPU nor a
-    file gives them."""
+    """The rates for ``machine``: its GPU kind's, on its host's cores, with its host update as measured there
+    (``Machine.host_measured``) or a calibration file's fields on top (``speeds_file``, else
+    ``$MEGATRAIN_SPEEDS``; ``speeds.for_gpu``); None where neither a known GPU nor a file gives them."""
     if machine.gpu_name is None and not (speeds_file or os.environ.get(SPEEDS_VAR)):
         return None
-    return for_gpu(machine.gpu_name, speeds_file, machine.host_cores)
+    return for_gpu(machine.gpu_name, speeds_file, machine.host_cores, machine.host_measured)
 
 
 def for_machine(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, machine: Machine,
