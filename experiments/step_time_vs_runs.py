@@ -13,7 +13,9 @@ and their overrides with the engine ``train`` ran, where they timed at least 3 s
 is the preset of the same block shape (hidden, ffn, heads, kv heads; MoE runs are
 left out: their records lack the experts). ``--fit`` searches the rates that bring the median error closest to
 0 and the spread down (coordinate search on a log scale), per GPU kind, and prints them: the values
-``speeds.SPEEDS`` holds came from it.
+``speeds.SPEEDS`` holds came from it. A run that timed the host update at its start (``predicted_step.host_measured``,
+since 117fbab) is predicted with those rates, as ``train`` predicted it (``Speeds.measured_here``), unless a
+calibration file is given.
 """
 
 from __future__ import annotations
@@ -100,7 +102,9 @@ def runs(since: str = SINCE) -> list[dict]:
             shipped = _shipped_config_run(r) if kind is not None else None
             if shipped is not None:  # a `megatrain-jax train` run of a shipped config (shipped_configs.py)
                 out.append({"file": os.path.relpath(path, REPO), "date": date, "older": older,
-                            "run": r["config"], "kind": kind, "host_cores": cores, **shipped})
+                            "run": r["config"], "kind": kind, "host_cores": cores,
+                            "host_measured": _host_measured((r.get("planned") or {}).get("predicted_step")),
+                            **shipped})
                 continue
             if not (isinstance(r, dict) and r.get("system") == "megatrain_jax" and r.get("status") == "ok"
                     and isinstance(r.get("engine"), dict) and isinstance(r.get("model"), dict)
@@ -119,8 +123,23 @@ def runs(since: str = SINCE) -> list[dict]:
                         "run": r.get("config", str(i)), "kind": kind,
                         "gpus": gpus, "host_cores": cores, "cfg": cfg, "shape": shape, "engine": EngineConfig(**engine),
                         "rows": r["tokens_per_step"] // r["seq_len"], "seq_len": r["seq_len"],
-                        "measured_s": r["step_time_s"]})
+                        "measured_s": r["step_time_s"], "host_measured": _host_measured(r.get("predicted_step"))})
     return out
+
+
+def _host_measured(predicted) -> dict | None:
+    """The host update a run timed on its host at its start (its record's ``predicted_step.host_measured``, since
+    117fbab), which the model is given again; None for runs before it."""
+    got = predicted.get("host_measured") if isinstance(predicted, dict) else None
+    return got if isinstance(got, dict) else None
+
+
+def _speeds_for(r: dict, s: speeds_mod.Speeds, measured: bool = True) -> speeds_mod.Speeds:
+    """``s`` on the run's host: its cores (``Speeds.on_host``), then the host update it timed at its start where
+    it did (``Speeds.measured_here``, as ``train`` predicts), unless ``measured`` is off (a calibration file given,
+    which wins there too)."""
+    h = s.on_host(r["host_cores"])
+    return h.measured_here(r["host_measured"], r["host_cores"]) if measured and r.get("host_measured") else h
 
 
 def _shipped_config_run(r) -> dict | None:
@@ -159,10 +178,10 @@ def _get(s: speeds_mod.Speeds, key: str) -> float:
     return s.host_update[key[5:]] if key.startswith("host_") else getattr(s, key)
 
 
-def errors(rs: list[dict], s: speeds_mod.Speeds) -> list[float]:
+def errors(rs: list[dict], s: speeds_mod.Speeds, measured: bool = True) -> list[float]:
     out = []
     for r in rs:
-        p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], s.on_host(r["host_cores"]), devices=r["gpus"])
+        p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], _speeds_for(r, s, measured), devices=r["gpus"])
         out.append((p.seconds - r["measured_s"]) / r["measured_s"])
     return out
 
@@ -213,7 +232,8 @@ def main() -> None:
             fitted[kind] = {k: _get(s, k) for k in FITTED if _get(s, k) is not None}
             print(kind, json.dumps(fitted[kind]), flush=True)
         for r in [r for r in rs if r["kind"] == kind]:
-            p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], s.on_host(r["host_cores"]), devices=r["gpus"])
+            p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], _speeds_for(r, s, args.speeds is None),
+                        devices=r["gpus"])
             e = r["engine"]
             rows.append({"file": r["file"], "date": r["date"], "older": r["older"], "run": r["run"], "kind": kind,
                          "gpus": r["gpus"], "host_cores": r["host_cores"], "model": r["shape"],
@@ -222,6 +242,7 @@ def main() -> None:
                                     "kept_layers": e.kept_layers, "micro_batches": e.micro_batches,
                                     "offload_activations": e.offload_activations, "mode": e.precision.name,
                                     "grads_on_gpu": e.grads_on_gpu, "disk_parts": e.disk_parts},
+                         "host_measured": r["host_measured"],
                          "measured_s": r["measured_s"], "predicted_s": round(p.seconds, 4),
                          "error": round((p.seconds - r["measured_s"]) / r["measured_s"], 4), "bound": p.bound,
                          "busy_s": p.busy})

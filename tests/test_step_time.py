@@ -316,6 +316,17 @@ def test_the_host_update_timed_on_the_host_at_hand_replaces_the_records_unless_a
     assert for_machine(CFG, e, 2, 2048, fast_host).busy["host"] < for_machine(CFG, e, 2, 2048, slow_host).busy["host"]
     assert for_machine(CFG, e, 2, 2048, Machine(None, None, gpu_name="NVIDIA H200", host_cores=16)).busy["host"] == \
         pytest.approx(predict(CFG, e, 2, 2048, h200).busy["host"])  # not measured: the record's
+    # the record of the prediction keeps the timed rates, and the study predicts the run again from them
+    record = for_machine(CFG, e, 2, 2048, fast_host).as_dict()
+    assert record["host_measured"]["full"] == pytest.approx(fast["full"], rel=1e-3)
+    assert "host_measured" not in predict(CFG, e, 2, 2048, h200).as_dict()
+    spec = importlib.util.spec_from_file_location("step_time_vs_runs", STUDY)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    run = {"host_cores": 16, "host_measured": study._host_measured(record)}
+    assert study._speeds_for(run, h200).host_update["full"] == pytest.approx(fast["full"], rel=1e-3)
+    assert study._speeds_for(run, h200, measured=False) is h200
+    assert study._host_measured(predict(CFG, e, 2, 2048, h200).as_dict()) is None
 
 
 def test_machine_here_times_the_host_update_only_where_a_gpu_is_and_the_host_is_its_processs_own(monkeypatch):

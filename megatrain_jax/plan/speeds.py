@@ -65,6 +65,9 @@ class Speeds:
     source: str = ""
     link_bytes: float | None = None
     hosts: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    # the host update timed on the host at hand (``host_kernel.full_precision_rates``) that ``measured_here``
+    # scaled these host rates to; None: the record's, or a calibration file's
+    host_measured: dict[str, float] | None = None
     # about 30 bytes per parameter in one pass against 46 in two; the fused kernel alone on the H200's 16-core
     # host: 4.58 G params/s in one pass (h200_host_update_profile_08c2422.json), 3.00 in two
     # (h200_measure_speeds_d5d7c51.json)
@@ -97,7 +100,7 @@ class Speeds:
         f = rates["full"] / self.host_update["full"]
         return self.replace(host_update={k: v * f for k, v in self.host_update.items()},
                             first_half_share=rates["first_half_share"], one_pass_speedup=rates["one_pass_speedup"],
-                            host_cores=cores or self.host_cores, hosts={},
+                            host_cores=cores or self.host_cores, hosts={}, host_measured=dict(rates),
                             name=f"{self.name}, host update measured here at {rates['full'] / 1e9:.2f} G params/s")
 
     def on_host(self, cores: int | None) -> "Speeds":

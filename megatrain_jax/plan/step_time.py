@@ -47,7 +47,8 @@ _STEPS = 4  # simulated back to back; the last gap is the steady state (the firs
 class StepTime:
     """A predicted step: ``seconds``, the busiest queue (``bound``), each queue's busy seconds per step, the
     bytes each way over PCIe per step (one GPU's), the share of the parameters that stay on the GPU (resident
-    parts), and the rates it was predicted with (``speeds.name``)."""
+    parts), the rates it was predicted with (``speeds.name``) and the host update timed on the host at hand that
+    they were scaled to (``Speeds.host_measured``; None: not timed)."""
 
     seconds: float
     bound: str
@@ -56,12 +57,17 @@ class StepTime:
     d2h_bytes: int
     resident_share: float
     speeds: str
+    host_measured: dict[str, float] | None = None
 
     def as_dict(self) -> dict:
-        """For a results file or ``memory_plan.json``: seconds and shares to 4 decimals."""
-        return {"seconds": round(self.seconds, 4), "bound": self.bound,
-                "busy": {q: round(v, 4) for q, v in self.busy.items()}, "h2d_bytes": self.h2d_bytes,
-                "d2h_bytes": self.d2h_bytes, "resident_share": round(self.resident_share, 4), "speeds": self.speeds}
+        """For a results file or ``memory_plan.json``: seconds and shares to 4 decimals; the host's timed rates
+        where there are any, so that the prediction can be made again (``experiments/step_time_vs_runs.py``)."""
+        out = {"seconds": round(self.seconds, 4), "bound": self.bound,
+               "busy": {q: round(v, 4) for q, v in self.busy.items()}, "h2d_bytes": self.h2d_bytes,
+               "d2h_bytes": self.d2h_bytes, "resident_share": round(self.resident_share, 4), "speeds": self.speeds}
+        if self.host_measured is not None:
+            out["host_measured"] = {k: float(f"{v:.4g}") for k, v in self.host_measured.items()}
+        return out
 
     def tokens_per_s(self, tokens_per_step: int) -> float:
         return tokens_per_step / self.seconds
@@ -321,7 +327,8 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     bound = max(("gpu", "h2d", "d2h", "host", "memory", "link", "main"), key=lambda q: per_step[q])
     resident = 1 - sum(cfg.block_param_count(p.layer) if not p.is_io else io_param_count(cfg)
                        for p in streamed) / cfg.param_count()
-    return StepTime(seconds, bound, per_step, round(step_bytes["h2d"]), round(step_bytes["d2h"]), resident, s.name)
+    return StepTime(seconds, bound, per_step, round(step_bytes["h2d"]), round(step_bytes["d2h"]), resident, s.name,
+                    s.host_measured)
 
 
 def _place(busy: list[tuple[float, float]], start: float, seconds: float) -> float:
