@@ -13,8 +13,8 @@ and their overrides with the engine ``train`` ran, where they timed at least 3 s
 is the preset of the same block shape (hidden, ffn, heads, kv heads; MoE runs are
 left out: their records lack the experts). ``--fit`` searches the rates that bring the median error closest to
 0 and the spread down (coordinate search on a log scale), per GPU kind, and prints them: the values
-``speeds.SPEEDS`` holds came from it. A run that timed the host update at its start (``predicted_step.host_measured``,
-since 117fbab) is predicted with those rates, as ``train`` predicted it (``Speeds.measured_here``), unless a
+``speeds.SPEEDS`` holds came from it. A run that timed the host update at its start and recorded it
+(``predicted_step.host_measured``, since 249dd3f; the runs at 117fbab name the rate only in ``speeds``) is predicted with those rates, as ``train`` predicted it (``Speeds.measured_here``), unless a
 calibration file is given.
 """
 
@@ -129,7 +129,7 @@ def runs(since: str = SINCE) -> list[dict]:
 
 def _host_measured(predicted) -> dict | None:
     """The host update a run timed on its host at its start (its record's ``predicted_step.host_measured``, since
-    117fbab), which the model is given again; None for runs before it."""
+    249dd3f), which the model is given again; None for runs before it."""
     got = predicted.get("host_measured") if isinstance(predicted, dict) else None
     return got if isinstance(got, dict) else None
 
@@ -191,15 +191,17 @@ def loss(errs: list[float]) -> float:
     return statistics.fmean(abs(math.log1p(e)) for e in errs)
 
 
-def fit(rs: list[dict], s: speeds_mod.Speeds, rounds: int = 3) -> speeds_mod.Speeds:
+def fit(rs: list[dict], s: speeds_mod.Speeds, rounds: int = 3, measured: bool = True) -> speeds_mod.Speeds:
+    """The rates searched one at a time for the lowest ``loss``; ``measured``: runs that timed their host are
+    predicted at those rates (``_speeds_for``), so the host fields are fitted to the others."""
     for _ in range(rounds):
         for key in FITTED:
             if _get(s, key) is None:  # a rate the kind does not have (a link not measured): nothing to fit
                 continue
-            best, best_loss = _get(s, key), loss(errors(rs, s))
+            best, best_loss = _get(s, key), loss(errors(rs, s, measured))
             for f in (0.7, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.4):
                 trial = _with(s, key, _get(s, key) * f)
-                trial_loss = loss(errors(rs, trial))
+                trial_loss = loss(errors(rs, trial, measured))
                 if trial_loss < best_loss - 1e-4:
                     best, best_loss = _get(trial, key), trial_loss
             s = _with(s, key, best)
@@ -228,7 +230,7 @@ def main() -> None:
         s = speeds_mod.SPEEDS[kind] if args.speeds is None else speeds_mod.from_file(args.speeds,
                                                                                     speeds_mod.SPEEDS[kind])
         if args.fit:
-            s = fit(mine, s)
+            s = fit(mine, s, measured=args.speeds is None)
             fitted[kind] = {k: _get(s, k) for k in FITTED if _get(s, k) is not None}
             print(kind, json.dumps(fitted[kind]), flush=True)
         for r in [r for r in rs if r["kind"] == kind]:

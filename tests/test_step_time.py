@@ -329,9 +329,12 @@ def test_the_host_update_timed_on_the_host_at_hand_replaces_the_records_unless_a
     assert study._host_measured(predict(CFG, e, 2, 2048, h200).as_dict()) is None
 
 
-def test_machine_here_times_the_host_update_only_where_a_gpu_is_and_the_host_is_its_processs_own(monkeypatch):
-    """``Machine.here`` times the host update where a GPU is (the plan is then for this host) and one process
-    holds the host; with no GPU (``plan --gpu`` planning for another machine) or several processes, it does not."""
+def test_machine_here_times_the_host_update_only_where_the_plan_is_for_this_host_and_no_file_wins(monkeypatch,
+                                                                                                  tmp_path, capsys):
+    """``Machine.here`` times the host update where a GPU is (the plan is then for this host); not with no GPU,
+    with the distributed runtime (several processes on one host), with ``time_host`` off (``plan --gpu``: another
+    machine's plan) or with a calibration file (it wins); ``plan --gpu`` on a machine with a GPU predicts with
+    that GPU's record, not with this host's timing."""
     from megatrain_jax.plan import machine as machine_mod
     timed = {"full": 3.3e9, "lean": 6e9, "first_half_share": 0.43, "one_pass_speedup": 1.5}
     calls = []
@@ -341,7 +344,16 @@ def test_machine_here_times_the_host_update_only_where_a_gpu_is_and_the_host_is_
     monkeypatch.setattr(machine_mod, "gpu_name_before_jax", lambda: "NVIDIA H200")
     assert Machine.here(host_ram_bytes=1, gpu_bytes=1).host_measured == timed and calls == [1]
     assert Machine.here(host_ram_bytes=1, gpu_bytes=1, several_processes=True).host_measured is None
+    assert Machine.here(host_ram_bytes=1, gpu_bytes=1, time_host=False).host_measured is None
+    monkeypatch.setenv("MEGATRAIN_SPEEDS", str(tmp_path / "speeds.json"))
+    assert Machine.here(host_ram_bytes=1, gpu_bytes=1).host_measured is None
     assert calls == [1]
+    monkeypatch.delenv("MEGATRAIN_SPEEDS")
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\npreset = "tiny"\n')
+    assert main(["plan", "--config", str(config), "--host-gib", "64", "--gpu-gib", "80", "--gpu", "H100"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step: " in out and "measured here" not in out and calls == [1], out
 
 
 def test_every_gpu_kind_and_measured_host_has_a_host_update_rate_for_every_precision_mode():

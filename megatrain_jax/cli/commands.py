@@ -148,14 +148,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError(f"{what}: train would refuse every batch; shorten data.seq_len or raise "
                               f"model.max_positions")
         print(f"note: {what}: train refuses any example longer than max_positions")
-    machine = Machine.here(cfg.train.devices, host_ram_bytes=host, gpu_bytes=gpu)
     if args.speeds is not None:  # as MEGATRAIN_SPEEDS: the layout's pick reads the same rates as the prediction
         os.environ[SPEEDS_VAR] = args.speeds
+    # another GPU's plan is for its host, not this one: this host's update is not timed for it
+    machine = Machine.here(cfg.train.devices, host_ram_bytes=host, gpu_bytes=gpu, time_host=args.gpu is None)
     if args.gpu is not None:
         if kind_of(args.gpu) is None and args.speeds is None:
             raise ConfigError(f"--gpu {args.gpu!r}: no rates for that GPU; give one of {', '.join(SPEEDS)}, or "
                               f"--speeds FILE with its rates")
-        machine = dataclasses.replace(machine, gpu_name=args.gpu, host_cores=None)  # that GPU's host, not this one
+        machine = dataclasses.replace(machine, gpu_name=args.gpu, host_cores=None,  # that GPU's host, not this one
+                                      host_measured=None)
     if machine.gpus > 1:
         print(f"per GPU of {machine.gpus}: each takes 1/{machine.gpus} of every batch and holds a shard of the state")
     packed, disk_dir = d.mode == "packed", str(Path(cfg.train.run_dir) / "disk_tier")

@@ -16,6 +16,7 @@ import subprocess
 from megatrain_jax._environment import (ENGINE_GPU_FRACTION, GPU_FRACTION_VAR, host_ram_override, user_host_pool_limit,
                                         visible_gpus)
 from megatrain_jax.plan.counts import GiB, MiB
+from megatrain_jax.plan.speeds import SPEEDS_VAR
 
 # Python, JAX/XLA, CUDA libraries, compiled programs, glibc's heap: the anonymous memory of a run beyond the arrays
 # the plan counts and the GPU client's share below: 2.56 GiB in the 8B SFT run on one H200 (16 cores; 6.71 GiB
@@ -106,8 +107,9 @@ def gpu_name_before_jax() -> str | None:
 @functools.lru_cache(maxsize=1)
 def measured_host_update() -> dict[str, float] | None:
     """The fused kernel's full-precision host update timed on this host (``host_kernel.full_precision_rates``:
-    about half a second, 512 MiB of state freed after), once a process; None where the kernel cannot be built or
-    loaded (the engine then updates through JAX, which no record describes)."""
+    about half a second, 576 MiB of arrays freed after; the kernel built first where it is not yet), once a
+    process; None where the kernel cannot be built or loaded (the engine then updates through JAX, which no record
+    describes)."""
     from megatrain_jax.engine.update import host_kernel
     lib = host_kernel.load()
     return None if lib is None else host_kernel.full_precision_rates(lib=lib)
@@ -177,14 +179,18 @@ class Machine:
 
     @classmethod
     def here(cls, devices: int | None = None, *, host_ram_bytes: int | None = None, gpu_bytes: int | None = None,
-             several_processes: bool = False) -> "Machine":
+             several_processes: bool = False, time_host: bool = True) -> "Machine":
         """This machine, read before JAX starts its GPU backend: MemAvailable (``available_host_bytes``), what
         XLA's allocator will get on a GPU (``gpu_bytes_before_jax``) and ``run_gpus(devices)``; the figures
-        given win (``megatrain-jax plan --host-gib/--gpu-gib``). Where a GPU is, and this process is the host's
-        only one, the host update is timed here too (``measured_host_update``): the model then predicts for the
-        host lent, not the record's."""
+        given win (``megatrain-jax plan --host-gib/--gpu-gib``). Where a GPU is, the host update is timed here
+        too (``measured_host_update``), and the model predicts for the host lent, not the record's; not where
+        ``time_host`` is off (``plan --gpu`` planning for another machine), where a calibration file is given
+        (``$MEGATRAIN_SPEEDS``: it wins), or where the distributed runtime is requested (``several_processes``:
+        the host's processes would time it at once). Separate runs sharing one host each time it while the
+        others may be running: their timings, and the layouts picked from them, then come out low."""
         host = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
         gpu_name = gpu_name_before_jax()
-        measured = None if gpu_name is None or several_processes else measured_host_update()
+        timed = time_host and gpu_name is not None and not several_processes and not os.environ.get(SPEEDS_VAR)
+        measured = measured_host_update() if timed else None
         return cls(host, gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes, run_gpus(devices), None,
                    several_processes, gpu_name, len(os.sched_getaffinity(0)), measured)

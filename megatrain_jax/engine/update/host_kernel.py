@@ -339,10 +339,10 @@ def adamw_sr_numpy(p: np.ndarray, m: np.ndarray, v: np.ndarray, g: np.ndarray, *
 
 
 # Hyperparameters of a timing run (any finite values: the kernel's time does not depend on them)
-_TIMING_HP = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1=0.1, bc2=0.05)
+TIMING_HP = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1=0.1, bc2=0.05)
 
 
-def _best_seconds(fn, reps: int) -> float:
+def best_seconds(fn, reps: int) -> float:
     """The fastest of ``reps`` timed calls of ``fn``, after one untimed (first touch)."""
     import time
     fn()
@@ -360,13 +360,14 @@ def full_precision_rates(n: int = 1 << 25, reps: int = 5, lib: ctypes.CDLL | Non
     split in two passes (the bfloat16 stream copy, then masters and moments); ``lean``: the second pass alone
     (one pass, no copy); ``first_half_share``: the first pass's share of the two; ``one_pass_speedup``: how much
     faster the update runs whole in one pass. The step-time model's host fields (``plan.speeds``); at the default
-    ``n`` (512 MiB of state, beyond any cache) it takes about 0.5 s on an H200's 16-core host."""
+    ``n`` (576 MiB of arrays, beyond the caches; the engine's leaves run to ~45M parameters) it takes about 0.5 s
+    on an H200's 16-core host."""
     lib = require(lib)
     p, m, v, g = (np.full(n, x, np.float32) for x in (0.5, 0.0, 0.0, 0.01))
     copy = np.zeros(n, np.uint16)
-    first = _best_seconds(lambda: adamw_numpy(p, m, v, g, copy, stream_only=True, lib=lib, **_TIMING_HP), reps)
-    commit = _best_seconds(lambda: adamw_numpy(p, m, v, g, None, lib=lib, **_TIMING_HP), reps)
-    whole = _best_seconds(lambda: adamw_numpy(p, m, v, g, copy, lib=lib, **_TIMING_HP), reps)
+    first = best_seconds(lambda: adamw_numpy(p, m, v, g, copy, stream_only=True, lib=lib, **TIMING_HP), reps)
+    commit = best_seconds(lambda: adamw_numpy(p, m, v, g, None, lib=lib, **TIMING_HP), reps)
+    whole = best_seconds(lambda: adamw_numpy(p, m, v, g, copy, lib=lib, **TIMING_HP), reps)
     return {"full": n / (first + commit), "lean": n / commit, "first_half_share": first / (first + commit),
             "one_pass_speedup": (first + commit) / whole}
 
