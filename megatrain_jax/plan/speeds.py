@@ -94,9 +94,10 @@ class Speeds:
         """These rates with the host update timed on the host at hand (``host_kernel.full_precision_rates``, which
         ``Machine.here`` runs where a GPU is): every precision mode's rate scaled by the measured full-precision
         rate over this record's (the modes keep the record's ratios to it, the lean mode's too: the timed ``lean``
-        is recorded, not used), the split's first-pass share and the one-pass speedup as measured. The hosts lent as one kind differ: the H200's 16-core host ran the kernel at
-        3.00, 3.33 and 3.44 G params/s on three days, the 32-core one at 3.40, 3.75 and 4.50, and the steps the
-        host bounds follow it (experiments/studies/NOTES.md, 2026-12-01)."""
+        is recorded, not used), the split's first-pass share and the one-pass speedup as measured. The hosts lent
+        as one kind differ: the H200's 16-core host ran the kernel at 3.00, 3.33 and 3.44 G params/s on three
+        days, the 32-core one at 3.40, 3.75 and 4.50, and the steps the host bounds follow it
+        (experiments/studies/NOTES.md, 2026-12-01)."""
         f = rates["full"] / self.host_update["full"]
         return self.replace(host_update={k: v * f for k, v in self.host_update.items()},
                             first_half_share=rates["first_half_share"], one_pass_speedup=rates["one_pass_speedup"],
