@@ -14,8 +14,9 @@ is the preset of the same block shape (hidden, ffn, heads, kv heads; MoE runs ar
 left out: their records lack the experts). ``--fit`` searches the rates that bring the median error closest to
 0 and the spread down (coordinate search on a log scale), per GPU kind, and prints them: the values
 ``speeds.SPEEDS`` holds came from it. A run that timed the host update at its start and recorded it
-(``predicted_step.host_measured``, since 249dd3f; the runs at 117fbab name the rate only in ``speeds``) is predicted with those rates, as ``train`` predicted it (``Speeds.measured_here``), unless a
-calibration file is given.
+(``predicted_step.host_measured``, since 249dd3f; the runs at 117fbab name the rate only in ``speeds``) is
+predicted with those rates, as ``train`` predicted it (``Speeds.measured_here``), unless a calibration file is
+given.
 """
 
 from __future__ import annotations
