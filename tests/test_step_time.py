@@ -522,3 +522,22 @@ def test_the_layout_search_casts_the_resident_copies_where_more_resident_blocks_
     small, said = fastest(preset("7b", layers=16), e, 4, 2048, SPEEDS["H200"], host_ram_bytes=125 * GiB,
                           gpu_bytes=int(132.8 * GiB))
     assert small.resident_copy is True and "copies kept" in said, said
+
+
+def test_the_rate_sweep_counts_what_the_study_counts(tmp_path, monkeypatch):
+    """studies/step_time_rate_sweep.py: its base row is the study's own count of H200 runs within 10% at the
+    record's rates, and each swept value changes only its field."""
+    monkeypatch.syspath_prepend(str(STUDY.parent))  # child.py, step_time_vs_runs.py
+    spec = importlib.util.spec_from_file_location("step_time_rate_sweep", STUDY.parent / "studies" /
+                                                  "step_time_rate_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    monkeypatch.setattr(sweep, "SWEEPS", [("matmul_flops", [SPEEDS["H200"].matmul_flops, 1e14])])
+    record = sweep.main(["--out", str(tmp_path / "sweep.json")])
+    base, same, slow = record["runs"]
+    rs = [r for r in sweep.study.runs() if r["kind"] == "H200" and not r["older"]]
+    errs = sweep.study.errors(rs, SPEEDS["H200"])
+    assert base["all"]["within_10pct"] == sum(abs(e) <= 0.10 for e in errs) and base["all"]["runs"] == len(rs)
+    assert same["all"] == base["all"] and slow["all"]["within_10pct"] < base["all"]["within_10pct"]
+    assert json.loads((tmp_path / "sweep.json").read_text())["command"].startswith(
+        "PYTHONPATH=. python experiments/studies/step_time_rate_sweep.py")

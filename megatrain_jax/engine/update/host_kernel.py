@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from importlib import resources
 from pathlib import Path
@@ -344,7 +345,6 @@ TIMING_HP = dict(lr=1e-4, b1=0.9, b2=0.95, eps=1e-8, wd=0.1, grad_scale=1.0, bc1
 
 def best_seconds(fn, reps: int) -> float:
     """The fastest of ``reps`` timed calls of ``fn``, after one untimed (first touch)."""
-    import time
     fn()
     best = math.inf
     for _ in range(reps):
