@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import pickle
@@ -185,6 +186,22 @@ def test_packing_masks_and_segments():
     assert sorted(seen) == want
 
 
+def test_document_len_is_the_packed_documents_length_as_their_tokens_see_it():
+    """``document_len``: sum(n**2) / sum(n) over the pieces a pass of packed rows holds (n each piece's input
+    tokens, counted from the batches' segment ids), so one attention within each piece costs what one causal
+    sequence of that length per token would; None where rows are windows or one document each."""
+    ds = TokenDataset(docs_file(), seq_len=8, mode="packed")
+    sizes = []
+    for b in ds.batches(2, seed=3, shuffle=True, loop=False):
+        for seg in b.segment_ids:
+            sizes += [int((seg == k).sum()) for k in range(1, seg.max() + 1)]
+    n = np.array(sizes, float)
+    assert ds.document_len() == pytest.approx((n * n).sum() / n.sum())
+    assert 1 < ds.document_len() <= 8
+    assert TokenDataset(docs_file(), seq_len=8, mode="padded").document_len() is None
+    assert TokenDataset(docs_file(), seq_len=8).document_len() is None
+
+
 def test_segment_mask_keeps_attention_inside_documents():
     ds = TokenDataset(docs_file(), seq_len=16, mode="packed")
     b = next(ds.batches(4, seed=0))
@@ -298,6 +315,8 @@ def test_data_config_build_and_resume(tmp_path):
     with pytest.raises(ValueError, match="vocab"):
         cfg.build(model_vocab=100)
     assert next(DataConfig(batch_size=2, seq_len=8, demo_tokens=5000).build(256)).shape == (2, 8)
+    assert cfg.document_len(256) == cfg.dataset("train", 256).document_len() <= 32
+    assert dataclasses.replace(cfg, mode="windows").document_len() is None
 
 
 # --- prepare_data ------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from megatrain_jax.models import preset
 from megatrain_jax.plan import Machine, for_machine, predict
 from megatrain_jax.plan.speeds import H100, SPEEDS, from_file, kind_of
 from megatrain_jax.plan.counts import io_param_count
+from megatrain_jax.plan import step_time
 from megatrain_jax.plan.step_time import lengths
 
 STUDY = Path(__file__).resolve().parents[1] / "experiments" / "step_time_vs_runs.py"
@@ -444,14 +445,51 @@ def test_an_update_in_one_pass_runs_at_its_own_rate():
     assert [p for p, (a, b) in n.host_update.items() if b > 0] == [PartId.block(i) for i in (5, 6, 7)]
 
 
-def test_kept_layers_auto_says_why_none_was_timed_when_nothing_fits_as_configured():
-    """With the GPU's rates known but a host too small for the layout as configured, "auto" keeps no products
-    and says that nothing fit (not that rates are missing)."""
-    from megatrain_jax.plan import resolve
+def test_auto_layout_is_timed_with_the_lean_host_layout_when_nothing_fits_as_configured():
+    """With the GPU's rates known but a host too small for any layout as configured, the host's lean layout is
+    made first and the "auto" fields are then picked by the step-time model with it: the pick is ``fastest``'s
+    over the lean config, it fits, and the sentence says both; where even the lean layout leaves nothing to time,
+    "auto" keeps no products and says that nothing fit (not that rates are missing)."""
+    from megatrain_jax.plan import plan, resolve
+    from megatrain_jax.plan.layout import fastest
     cfg = preset("7b", layers=32, vocab_size=32000)
     e = EngineConfig(micro_batches=1, resident_layers=0, kept_layers="auto")
-    said = resolve(cfg, e, 4, 2048, Machine(125 * 2**30, 133 * 2**30, gpu_name="NVIDIA H200")).said
-    assert "no layout fits host and GPU as configured" in said and "no rates" not in said, said
+    machine = Machine(125 * 2**30, 133 * 2**30, gpu_name="NVIDIA H200")
+    kw = dict(host_ram_bytes=machine.host_ram_bytes, gpu_bytes=machine.gpu_bytes)
+    assert fastest(cfg, e, 4, 2048, SPEEDS["H200"], **kw)[1] is None  # nothing fits as configured
+    picked = resolve(cfg, e, 4, 2048, machine)
+    lean = picked.engine_cfg
+    assert lean.stream_dtype == "float32" and "host RAM is short" in picked.said, picked.said
+    again = dataclasses.replace(lean, kept_layers="auto", split_parts="auto")
+    best, said = fastest(cfg, again, 4, 2048, SPEEDS["H200"], **kw)
+    assert said is not None and lean.kept_layers == best.kept_layers > 0, (lean, best)
+    assert said.split(" (")[0] in picked.said and "no layout fits" not in picked.said
+    assert plan(cfg, lean, 4, 2048, detect=False, **kw).fits
+    short = resolve(cfg, e, 4, 2048, Machine(40 * 2**30, 133 * 2**30, gpu_name="NVIDIA H200")).said
+    assert "no layout fits host and GPU as configured" in short and "no rates" not in short, short
+
+
+def test_packed_documents_cost_their_own_attention_in_the_step_time_model():
+    """Packed rows attend within each document: at a document length of 512 tokens the blocks' attention is
+    512/4096 of whole rows' (the products unchanged), the step shorter by that, and the prediction says so;
+    a document longer than the row counts as the row; a sliding window counts within each document."""
+    cfg = preset("7b", layers=4, vocab_size=32000)
+    e = EngineConfig(micro_batches=1, resident_layers=4, kept_layers=0)
+    whole = lengths(cfg, e, 8, 4096, SPEEDS["H200"])
+    packed = lengths(cfg, e, 8, 4096, SPEEDS["H200"], document_len=512)
+    mm, attn = step_time._block_flops(cfg, 0, 8 * 4096, 4096)
+    mm_p, attn_p = step_time._block_flops(cfg, 0, 8 * 4096, 4096, 512)
+    assert mm_p == mm and math.isclose(attn_p, attn * 512 / 4096)
+    saved = (attn - attn_p) / SPEEDS["H200"].attention_flops
+    assert math.isclose(whole.forward[0] - packed.forward[0], saved)
+    assert step_time._block_flops(cfg, 0, 8 * 4096, 4096, 10**6) == (mm, attn)
+    windowed = dataclasses.replace(cfg, sliding_window=256, layer_types=("sliding_attention",) * 4)
+    assert math.isclose(step_time._block_flops(windowed, 0, 4096, 4096, 1024)[1],
+                        2.0 * cfg.heads * cfg.dim_per_head * (2 * 256 - 256 * 256 / 1024) * 4096)
+    a, b = (predict(cfg, e, 8, 4096, SPEEDS["H200"], document_len=d) for d in (None, 512))
+    assert b.seconds < a.seconds and a.document_len is None and b.document_len == 512
+    assert b.as_dict()["document_len"] == 512 and "document_len" not in a.as_dict()
+    assert "packed documents of 512 tokens" in b.describe()
 
 
 def test_a_norm_first_step_runs_two_passes_and_updates_beside_the_second_backward():

@@ -293,7 +293,9 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         cfg = dataclasses.replace(cfg, train=t)
 
     model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(t.seed)))
-    engine_cfg, memory, estimate, repicked, machine = _layout(cfg, model_cfg, model, say)
+    # packed rows: their documents' length, which the step-time model counts attention over (the data read once)
+    documents = d.document_len(model_cfg.vocab_size) if d.format != "preference" else None
+    engine_cfg, memory, estimate, repicked, machine = _layout(cfg, model_cfg, model, say, documents)
     check_disk_room(t, model_cfg, engine_cfg)  # before anything is written: a save or export that cannot fit
     cfg, given = dataclasses.replace(cfg, engine=engine_cfg), cfg.engine
     say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
@@ -302,7 +304,8 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     if repicked:
         say(f"megatrain_jax: {repicked}")
     say(_memory_line(memory, estimate))
-    step = for_machine(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine) if gpu_at_hand() else None
+    step = (for_machine(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, document_len=documents)
+            if gpu_at_hand() else None)
     if step is not None or gpu_at_hand():
         say(step_line(step, d.batch_size * d.seq_len * cfg.engine.accumulate_steps, machine))  # an optimizer step
     prepare_run_folder(cfg)
@@ -454,18 +457,19 @@ def _preference_data(cfg: RunConfig, model_cfg, say) -> tuple[Callable, dict, DP
     return stream, summary, cfg.dpo, None if held is None else measure
 
 
-def _layout(cfg: RunConfig, model_cfg, model: nnx.Module,
-            say) -> tuple[EngineConfig, MemoryPlan, MemoryPlan, str | None, Machine]:
+def _layout(cfg: RunConfig, model_cfg, model: nnx.Module, say,
+            document_len: float | None = None) -> tuple[EngineConfig, MemoryPlan, MemoryPlan, str | None, Machine]:
     """The engine config the run runs with (``plan.resolve`` on this machine, then, on a GPU, with XLA's figures
     for the compiled programs: ``plan.exact_plan``), said where it differs from the config; its plan, the
     estimate from rules of thumb, and what XLA's figures changed (said after the start line). Refuses a run
-    that does not fit unless ``train.memory_check`` is off. Also returns the machine as read."""
+    that does not fit unless ``train.memory_check`` is off. Also returns the machine as read. ``document_len``:
+    packed rows' documents' length (``DataConfig.document_len``), for the step-time model's "auto" picks."""
     t, d, run_dir = cfg.train, cfg.data, Path(cfg.train.run_dir)
     machine = Machine.here(t.devices, several_processes=distributed.requested())
     packed, disk_dir = d.mode == "packed", str(run_dir / "disk_tier")
     end = dict(export=bool(t.export_hf), checkpoints=t.for_fit().checkpointing)  # the plan counts the run's end
     given, resolved = cfg.engine, resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed,
-                                          disk_dir=disk_dir, **end)
+                                          disk_dir=disk_dir, document_len=document_len, **end)
     if resolved.said is not None:  # memory is short, or the config asked for a pick: the sentence says what ran
         say(f"megatrain_jax: {resolved.said}")
     cfg = dataclasses.replace(cfg, engine=resolved.engine_cfg)
@@ -475,7 +479,8 @@ def _layout(cfg: RunConfig, model_cfg, model: nnx.Module,
     estimate, repicked = memory, None
     if gpu_at_hand() and not machine.several_processes:
         memory, repicked = exact_plan(model, memory, given=given, devices=t.devices, disk_dir=disk_dir,
-                                      check=t.memory_check, speeds=machine_speeds(machine))
+                                      check=t.memory_check, speeds=machine_speeds(machine),
+                                      document_len=document_len)
         cfg = dataclasses.replace(cfg, engine=memory.engine_cfg)
     if t.memory_check:
         require_fit(memory, given)

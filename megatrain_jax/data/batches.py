@@ -114,6 +114,18 @@ class TokenDataset:
     def __len__(self) -> int:
         return len(self.starts)
 
+    def document_len(self) -> float | None:
+        """Packed rows: the length of a token's document (piece), averaged over the split's tokens, ``sum(n**2) /
+        sum(n)`` over its pieces of ``n`` input tokens. Attention runs within each document
+        (``models.layers.packed_attention``): a row's causal attention costs ``sum(n**2) / 2`` query-key pairs
+        where one sequence of ``seq_len`` would cost ``seq_len**2 / 2``, so this is the length the step-time model
+        counts attention over (``plan.step_time.predict``; each row's padding, its own run, is left out). None in
+        the other modes: each row is one causal sequence of ``seq_len``."""
+        if self.mode != "packed":
+            return None
+        n = (self.lengths - 1).astype(np.float64)
+        return float((n * n).sum() / n.sum())
+
     def batches(self, batch_size: int, *, seed: int = 0, shuffle: bool | None = None, loop: bool | None = None,
                 state: dict | None = None, process: tuple[int, int] = (0, 1)) -> "TokenBatches":
         """Batches of this split; by default the train split shuffles and loops, eval runs once in order.

@@ -131,6 +131,12 @@ class DataConfig:
         return TokenDataset(self.open(model_vocab), self.seq_len, mode=self.mode, split=split,
                             eval_fraction=self.eval_fraction, max_pieces=max_pieces)
 
+    def document_len(self, model_vocab: int | None = None) -> float | None:
+        """``mode = 'packed'``: the training split's documents' length as their tokens see it
+        (``TokenDataset.document_len``), what the step-time model counts attention over; None in the other modes.
+        Reads (and, for instruction data, tokenizes once) the data."""
+        return self.dataset("train", model_vocab).document_len() if self.mode == "packed" else None
+
     def build(self, model_vocab: int | None = None, state: dict | None = None,
               max_pieces: int | None = None) -> Prefetcher | TokenBatches:
         """The endless, shuffled training stream (prefetched when ``prefetch > 0``), resumed from ``state``."""
