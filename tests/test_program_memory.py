@@ -173,7 +173,7 @@ def test_the_gpu_verdict_keeps_the_fragmentation_margin(pm):
 
 
 # ------------------------------------------------------------------------------------------ exact_plan
-def test_exact_plan_picks_the_layout_again(tmp_path):
+def test_exact_plan_picks_the_layout_again(tmp_path, monkeypatch):
     # Six blocks, 8 x 256 tokens in one micro-batch: the activations outweigh the tiny model's weights, so
     # offloading the first block's input lowers the GPU peak.
     cfg, engine, rows, seq = preset("tiny", layers=6), EngineConfig(), 8, 256
@@ -199,6 +199,15 @@ def test_exact_plan_picks_the_layout_again(tmp_path):
     assert picked.engine_cfg == dataclasses.replace(engine, offload_activations=picked.engine_cfg.offload_activations)
     assert said is not None and "picked again" in said
     assert f"engine.offload_activations={picked.engine_cfg.offload_activations}" in said
+    # the layout picked again counts the run's end as the estimate did (a Hugging Face export, checkpoints)
+    import megatrain_jax.plan.layout as layout
+    seen = {}
+    real = layout.lean_engine
+    monkeypatch.setattr(layout, "lean_engine", lambda *a, **k: seen.update(k) or real(*a, **k))
+    ending = plan(cfg, engine, rows, seq, host_ram_bytes=100 * GiB, gpu_bytes=gpu, detect=False, export=True,
+                  checkpoints=True)
+    again, _ = exact_plan(model, ending, **kw)
+    assert seen["export"] is True and seen["checkpoints"] is True and again.export and again.checkpoints
     # check=False: XLA's figures for the layout as given, whether it fits or not
     unchecked, said = exact_plan(model, estimate, check=False, **kw)
     assert said is None and unchecked.engine_cfg == engine and unchecked.gpu_exact and not unchecked.fits

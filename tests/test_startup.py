@@ -160,6 +160,28 @@ def test_home_copies_numpy_unless_adopted_and_keeps_pinned_arrays(source):
     assert part.opt.count.sharding == placement.host
 
 
+def test_to_device_stages_pageable_leaves_one_at_a_time_on_a_gpu(monkeypatch):
+    """On a GPU a part's numpy leaves go to the device through pinned memory one leaf at a time: each is staged,
+    then moved, before the next is staged (the pinned pool's headroom holds one leaf, not a part's moments:
+    7.8 GiB for 8B's io part); device leaves are moved together after; the values arrive unchanged."""
+    import megatrain_jax.engine.transfer as transfer
+    placement = Placement()
+    monkeypatch.setattr(Placement, "on_gpu", property(lambda self: True))
+    events = []
+    copy, put = placement.copy_to_host, transfer._put
+    monkeypatch.setattr(placement, "copy_to_host", lambda x: events.append(("stage", x.shape)) or copy(x))
+    monkeypatch.setattr(transfer, "_put", lambda leaves, sh: events.append(("move", len(leaves))) or put(leaves, sh))
+    w = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+    tree = {"m": w, "v": w + 1, "kept": jnp.ones(4), "n": np.full(2, 7, np.int32)}
+    moved = placement.to_device(tree)
+    assert [e[0] for e in events] == ["stage", "move"] * 3 + ["move"], events
+    assert all(n == 1 for kind, n in events[:6] if kind == "move") and events[-1] == ("move", 1)
+    np.testing.assert_array_equal(np.asarray(jax.device_get(moved["v"])), w + 1)
+    np.testing.assert_array_equal(np.asarray(jax.device_get(moved["kept"])), np.ones(4))
+    np.testing.assert_array_equal(np.asarray(jax.device_get(moved["n"])), [7, 7])
+    assert all(moved[k].sharding == placement.device_for(tree[k]) for k in tree)
+
+
 # ---------------------------------------------------------------- the persistent compilation cache
 @pytest.fixture
 def no_cache_configured(monkeypatch):

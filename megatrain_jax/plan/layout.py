@@ -622,7 +622,8 @@ def exact_plan(model, estimate: MemoryPlan, *, given: EngineConfig, devices: int
         return exact, None
     engine_cfg, said = lean_engine(e.model_cfg, given, e.batch_rows, e.seq_len, host_ram_bytes=e.host_available,
                                    gpu_bytes=e.gpu_available, disk_dir=disk_dir, packed=e.packed, devices=e.devices,
-                                   programs=exact.programs, speeds=speeds, document_len=document_len)
+                                   programs=exact.programs, speeds=speeds, document_len=document_len,
+                                   export=e.export, checkpoints=e.checkpoints)  # the run's end, as the plan counts it
     if engine_cfg == e.engine_cfg:
         return exact, None
     again = e.replace(engine_cfg=engine_cfg, programs=exact.programs)
