@@ -72,11 +72,24 @@ def hf_inputs(path: Path, work: Path) -> list[str]:
         return []
     folder = work / shape.group(1)
     if not (folder / "checkpoint" / "config.json").exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        for stage in ("data", "checkpoint"):
-            subprocess.run([sys.executable, str(Path(REPO) / "experiments/studies/sft_run.py"), "--work", str(folder),
-                            "--preset", shape.group(1), "--examples", "4000", "--stage", stage], cwd=REPO, check=True)
+        generated_chats(folder, shape.group(1), fresh=True)
+        _sft_stage(folder, shape.group(1), "checkpoint")
     return [f"model.hf_checkpoint={folder / 'checkpoint'}", f"data.path={folder / 'chat.jsonl'}"]
+
+
+def generated_chats(folder: Path, shape: str, fresh: bool = False) -> tuple[Path, Path]:
+    """The chats an HF-checkpoint config trains on here (``studies/sft_run.py``'s data stage: 4,000 generated
+    conversations and the tokenizer trained on them), made in ``folder`` unless there (or ``fresh``): the JSONL
+    file and the tokenizer's folder."""
+    if fresh or not (folder / "checkpoint" / "tokenizer.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        _sft_stage(folder, shape, "data")
+    return folder / "chat.jsonl", folder / "checkpoint"
+
+
+def _sft_stage(folder: Path, shape: str, stage: str) -> None:
+    subprocess.run([sys.executable, str(Path(REPO) / "experiments/studies/sft_run.py"), "--work", str(folder),
+                    "--preset", shape, "--examples", "4000", "--stage", stage], cwd=REPO, check=True)
 
 
 class Cut(Exception):

@@ -16,7 +16,9 @@ left out: their records lack the experts). ``--fit`` searches the rates that bri
 ``speeds.SPEEDS`` holds came from it. A run that timed the host update at its start and recorded it
 (``predicted_step.host_measured``, since 249dd3f; the runs at 117fbab name the rate only in ``speeds``) is
 predicted with those rates, as ``train`` predicted it (``Speeds.measured_here``), unless a calibration file is
-given.
+given. Packed rows attend within their documents: a run is predicted at the documents' length its record gives
+(``predicted_step.document_len``, since e20d02d); a shipped config's run before it, on the chats generated here
+(``shipped_configs.generated_chats``, made once under ``--work``), at theirs, read as ``train`` reads them.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ import re
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatrain_jax.cli import load_config  # noqa: E402
 from megatrain_jax.engine.config import EngineConfig  # noqa: E402
@@ -41,6 +45,8 @@ from megatrain_jax.engine.precision import REMOVED_MOMENT_DTYPES  # noqa: E402
 from megatrain_jax.models import PRESETS, preset  # noqa: E402
 from megatrain_jax.plan import speeds as speeds_mod  # noqa: E402
 from megatrain_jax.plan.step_time import predict  # noqa: E402
+
+import shipped_configs  # noqa: E402  (experiments/: the chats a shipped config's run trained on)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -60,6 +66,8 @@ REPEATS = ("h200x2_3p5b_8k_split_count_order_b439b4d.json",)
 # updated on the GPU compiles its update at the second step: h200x2_13b_32k_pool_abfe3c3.json, 8.2 s against
 # 5.0 steady): such runs are left out.
 MIN_TIMED = 2
+WORK = os.path.join(REPO, "build", "step_time_vs_runs")  # the generated chats, made once (--work)
+_CHATS: dict[str, float] = {}  # their documents' length, per shape
 
 
 def _removed_mode(engine: dict, overrides: list[str] = ()) -> bool:
@@ -105,7 +113,8 @@ def runs(since: str = SINCE) -> list[dict]:
                 out.append({"file": os.path.relpath(path, REPO), "date": date, "older": older,
                             "run": r["config"], "kind": kind, "host_cores": cores,
                             "host_measured": _host_measured((r.get("planned") or {}).get("predicted_step")),
-                            **shipped})
+                            **shipped, "document_len": _document_len(
+                                (r.get("planned") or {}).get("predicted_step"), shipped.pop("generated", None))})
                 continue
             if not (isinstance(r, dict) and r.get("system") == "megatrain_jax" and r.get("status") == "ok"
                     and isinstance(r.get("engine"), dict) and isinstance(r.get("model"), dict)
@@ -124,8 +133,17 @@ def runs(since: str = SINCE) -> list[dict]:
                         "run": r.get("config", str(i)), "kind": kind,
                         "gpus": gpus, "host_cores": cores, "cfg": cfg, "shape": shape, "engine": EngineConfig(**engine),
                         "rows": r["tokens_per_step"] // r["seq_len"], "seq_len": r["seq_len"],
-                        "measured_s": r["step_time_s"], "host_measured": _host_measured(r.get("predicted_step"))})
+                        "measured_s": r["step_time_s"], "host_measured": _host_measured(r.get("predicted_step")),
+                        "document_len": _document_len(r.get("predicted_step"))})
     return out
+
+
+def _document_len(predicted, generated=None) -> float | None:
+    """Packed rows' documents' length as the run's prediction counted it (its record's
+    ``predicted_step.document_len``), else as ``generated`` (a thunk reading the chats a shipped config's run
+    trained on) gives it; None: whole rows."""
+    got = predicted.get("document_len") if isinstance(predicted, dict) else None
+    return float(got) if got is not None else (generated() if generated is not None else None)
 
 
 def _host_measured(predicted) -> dict | None:
@@ -163,8 +181,17 @@ def _shipped_config_run(r) -> dict | None:
     engine = EngineConfig(**{k: v for k, v in r["planned"]["engine"].items() if k in ENGINE_FIELDS})
     if model.moe is not None or not isinstance(engine.resident_layers, int):
         return None
+    generated = None
+    if shape and cfg.data.mode == "packed" and cfg.data.format == "chat":  # the chats shipped_configs.py made
+        def generated(shape=shape.group(1), d=cfg.data):
+            if shape not in _CHATS:
+                chats, tokenizer = shipped_configs.generated_chats(Path(WORK) / shape, shape)
+                _CHATS[shape] = dataclasses.replace(d, path=str(chats), tokenizer=str(tokenizer),
+                                                    cache_dir=str(Path(WORK) / "cache")).document_len()
+            return _CHATS[shape]
     return {"gpus": cfg.train.devices or 1, "cfg": model, "shape": r["config"], "engine": engine,
-            "rows": cfg.data.batch_size, "seq_len": cfg.data.seq_len, "measured_s": r["step_time_s"]}
+            "rows": cfg.data.batch_size, "seq_len": cfg.data.seq_len, "measured_s": r["step_time_s"],
+            "generated": generated}
 
 
 def _with(s: speeds_mod.Speeds, key: str, value: float) -> speeds_mod.Speeds:
@@ -182,7 +209,8 @@ def _get(s: speeds_mod.Speeds, key: str) -> float:
 def errors(rs: list[dict], s: speeds_mod.Speeds, measured: bool = True) -> list[float]:
     out = []
     for r in rs:
-        p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], _speeds_for(r, s, measured), devices=r["gpus"])
+        p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], _speeds_for(r, s, measured), devices=r["gpus"],
+                    document_len=r["document_len"])
         out.append((p.seconds - r["measured_s"]) / r["measured_s"])
     return out
 
@@ -218,12 +246,15 @@ def _summary(errs: list[float], rows: list[dict], s: speeds_mod.Speeds) -> dict:
 
 
 def main() -> None:
+    global WORK
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--speeds", default=None, help="a calibration file (JSON of Speeds fields) for every kind")
     ap.add_argument("--fit", action="store_true", help="search the rates per GPU kind and print them")
     ap.add_argument("--since", default=SINCE, help="runs before this date (YYYY-MM-DD) are reported apart")
+    ap.add_argument("--work", default=WORK, help="where the chats shipped configs trained on are generated, once")
     args = ap.parse_args()
+    WORK = args.work
     rs = runs(args.since)
     rows, summary, fitted = [], {}, {}
     for kind in sorted({r["kind"] for r in rs}):
@@ -236,7 +267,7 @@ def main() -> None:
             print(kind, json.dumps(fitted[kind]), flush=True)
         for r in [r for r in rs if r["kind"] == kind]:
             p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], _speeds_for(r, s, args.speeds is None),
-                        devices=r["gpus"])
+                        devices=r["gpus"], document_len=r["document_len"])
             e = r["engine"]
             rows.append({"file": r["file"], "date": r["date"], "older": r["older"], "run": r["run"], "kind": kind,
                          "gpus": r["gpus"], "host_cores": r["host_cores"], "model": r["shape"],
@@ -245,7 +276,7 @@ def main() -> None:
                                     "kept_layers": e.kept_layers, "micro_batches": e.micro_batches,
                                     "offload_activations": e.offload_activations, "mode": e.precision.name,
                                     "grads_on_gpu": e.grads_on_gpu, "disk_parts": e.disk_parts},
-                         "host_measured": r["host_measured"],
+                         "host_measured": r["host_measured"], "document_len": r["document_len"],
                          "measured_s": r["measured_s"], "predicted_s": round(p.seconds, 4),
                          "error": round((p.seconds - r["measured_s"]) / r["measured_s"], 4), "bound": p.bound,
                          "busy_s": p.busy})

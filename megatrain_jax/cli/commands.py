@@ -141,7 +141,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if gpu is not None:
         print(f"GPU of {args.gpu_gib:g} GiB: XLA may allocate {gpu_fraction():.0%} of it, {gpu / GiB:.2f} GiB "
               f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
-    model_cfg, d = cfg.model.build(), cfg.data
+    model_cfg, d = cfg.model.build(), cfg.with_tokenizer().data
     if d.seq_len > model_cfg.max_positions:  # as train refuses the first batch that reaches past it
         what = (f"data.seq_len={d.seq_len} is longer than the model's max_positions={model_cfg.max_positions}")
         if d.mode == "windows":  # every row's positions reach seq_len

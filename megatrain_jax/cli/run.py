@@ -279,10 +279,8 @@ def checkpoint_for_export(t: TrainSection, several_processes: bool) -> tuple[Tra
 
 
 def _train(cfg: RunConfig, out: TextIO, say) -> History:
+    cfg = cfg.with_tokenizer()  # the checkpoint's own tokenizer where [data] names none
     t, d = cfg.train, cfg.data
-    if d.format in ("chat", "preference") and d.tokenizer is None and cfg.model.hf_checkpoint is not None:
-        d = dataclasses.replace(d, tokenizer=cfg.model.hf_checkpoint)  # the checkpoint's own tokenizer
-        cfg = dataclasses.replace(cfg, data=d)
     run_dir = Path(t.run_dir)
     model_cfg = cfg.model.build()
     if t.export_hf:  # before training, not after: the model must be one transformers can hold, and the

@@ -187,6 +187,14 @@ class RunConfig:
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
     dpo: DPO = dataclasses.field(default_factory=DPO)  # read with [data] format = "preference"
 
+    def with_tokenizer(self) -> "RunConfig":
+        """Instruction and preference data tokenized by the model's own Hugging Face folder where ``[data]
+        tokenizer`` is unset, as ``train`` reads them (and ``plan``, which reads the data for the step time)."""
+        d = self.data
+        if d.format in ("chat", "preference") and d.tokenizer is None and self.model.hf_checkpoint is not None:
+            return dataclasses.replace(self, data=dataclasses.replace(d, tokenizer=self.model.hf_checkpoint))
+        return self
+
 
 SECTIONS: dict[str, type] = typing.get_type_hints(RunConfig)  # section name -> its dataclass
 _MODEL_KEYS = ("preset", "hf_checkpoint")

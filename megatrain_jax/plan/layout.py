@@ -199,8 +199,9 @@ def _fastest_when_lean(model_cfg, asked: EngineConfig, picked: EngineConfig, bat
                        speeds: Speeds | None, document_len: float | None) -> tuple[EngineConfig, str] | None:
     """Where ``fastest`` timed nothing because no layout fit the host as configured, and the host's lean layout
     (``_fit_engine``: float32 streamed, gradients waiting on the GPU, ...) was then made for the most resident
-    blocks: ``fastest`` again with that lean host layout and the "auto" fields as asked, so that the layout is
-    the fastest that fits rather than the one with the most resident blocks. None where there is nothing to pick
+    blocks: ``fastest`` again with that lean host layout and the "auto" fields as asked, on the host less
+    ``LEAN_HOST_MARGIN``, so that the layout is the fastest that fits with the lean pick's margin rather than the
+    one with the most resident blocks. None where there is nothing to pick
     again (no "auto" field, no rates, the host layout unchanged) or no layout fits so (activations offloaded, say):
     the pick stands."""
     autos = {f: getattr(asked, f) for f in ("resident_layers", "kept_layers", "gpu_updated_layers")
@@ -213,7 +214,11 @@ def _fastest_when_lean(model_cfg, asked: EngineConfig, picked: EngineConfig, bat
         return None
     retry = dataclasses.replace(picked, **autos, offload_activations=asked.offload_activations,
                                 resident_copy=asked.resident_copy)
-    best, said = fastest(model_cfg, retry, batch_rows, seq_len, speeds, document_len, **kw)
+    # timed against the host less the lean pick's margin, as the lean layout itself was picked where it could be:
+    # a layout that fills the host to the last GiB is not one a run should end in (LEAN_HOST_MARGIN)
+    room = dict(kw, host_ram_bytes=int(kw["host_ram_bytes"] * (1 - LEAN_HOST_MARGIN))) if kw.get(
+        "host_ram_bytes") is not None else kw
+    best, said = fastest(model_cfg, retry, batch_rows, seq_len, speeds, document_len, **room)
     if said is None or AUTO in (best.resident_layers, best.kept_layers, best.gpu_updated_layers):
         return None
     return best, said
