@@ -16,9 +16,12 @@ left out: their records lack the experts). ``--fit`` searches the rates that bri
 ``speeds.SPEEDS`` holds came from it. A run that timed the host update at its start and recorded it
 (``predicted_step.host_measured``, since 249dd3f; the runs at 117fbab name the rate only in ``speeds``) is
 predicted with those rates, as ``train`` predicted it (``Speeds.measured_here``), unless a calibration file is
-given. Packed rows attend within their documents: a run is predicted at the documents' length its record gives
-(``predicted_step.document_len``, since e20d02d); a shipped config's run before it, on the chats generated here
-(``shipped_configs.generated_chats``, made once under ``--work``), at theirs, read as ``train`` reads them.
+given. Packed rows attend within their runs (documents, and each row's padding): a run is predicted at the span
+its record gives (``predicted_step.attention_span``); with ``--work`` (the study's own command: the file it writes),
+a shipped config's run recorded before that, on the chats ``shipped_configs.py`` generated
+(``shipped_configs.generated_chats``, made once in that folder), at theirs, as ``train`` packs them; without it
+(the tests), at whole rows. (The ``document_len`` of the runs at e20d02d and 803ad8b left the padding out: it
+is not read.)
 """
 
 from __future__ import annotations
@@ -66,8 +69,7 @@ REPEATS = ("h200x2_3p5b_8k_split_count_order_b439b4d.json",)
 # updated on the GPU compiles its update at the second step: h200x2_13b_32k_pool_abfe3c3.json, 8.2 s against
 # 5.0 steady): such runs are left out.
 MIN_TIMED = 2
-WORK = os.path.join(REPO, "build", "step_time_vs_runs")  # the generated chats, made once (--work)
-_CHATS: dict[str, float] = {}  # their documents' length, per shape
+WORK = os.path.join(REPO, "build", "step_time_vs_runs")  # --work's default: the generated chats, made once
 
 
 def _removed_mode(engine: dict, overrides: list[str] = ()) -> bool:
@@ -86,7 +88,7 @@ def _shape_preset(model: dict) -> str | None:
     return None
 
 
-def runs(since: str = SINCE) -> list[dict]:
+def runs(since: str = SINCE, work: str | None = None) -> list[dict]:
     """The qualifying runs: file, run, GPU kind, model config, engine config, rows, seq_len, measured seconds."""
     out = []
     files = sorted(glob.glob(f"{REPO}/experiments/results/*.json")) + \
@@ -110,11 +112,12 @@ def runs(since: str = SINCE) -> list[dict]:
         for i, r in enumerate(d["runs"]):
             shipped = _shipped_config_run(r) if kind is not None else None
             if shipped is not None:  # a `megatrain-jax train` run of a shipped config (shipped_configs.py)
+                generated = shipped.pop("generated")
                 out.append({"file": os.path.relpath(path, REPO), "date": date, "older": older,
                             "run": r["config"], "kind": kind, "host_cores": cores,
                             "host_measured": _host_measured((r.get("planned") or {}).get("predicted_step")),
-                            **shipped, "document_len": _document_len(
-                                (r.get("planned") or {}).get("predicted_step"), shipped.pop("generated", None))})
+                            **shipped, "attention_span": _attention_span(
+                                (r.get("planned") or {}).get("predicted_step"), generated, work)})
                 continue
             if not (isinstance(r, dict) and r.get("system") == "megatrain_jax" and r.get("status") == "ok"
                     and isinstance(r.get("engine"), dict) and isinstance(r.get("model"), dict)
@@ -134,16 +137,26 @@ def runs(since: str = SINCE) -> list[dict]:
                         "gpus": gpus, "host_cores": cores, "cfg": cfg, "shape": shape, "engine": EngineConfig(**engine),
                         "rows": r["tokens_per_step"] // r["seq_len"], "seq_len": r["seq_len"],
                         "measured_s": r["step_time_s"], "host_measured": _host_measured(r.get("predicted_step")),
-                        "document_len": _document_len(r.get("predicted_step"))})
+                        "attention_span": _attention_span(r.get("predicted_step"))})
     return out
 
 
-def _document_len(predicted, generated=None) -> float | None:
+def _attention_span(predicted, generated: tuple | None = None, work: str | None = None,
+                    _spans: dict = {}) -> float | None:  # noqa: B006 (the spans of the chats made, per shape)
     """Packed rows' documents' length as the run's prediction counted it (its record's
-    ``predicted_step.document_len``), else as ``generated`` (a thunk reading the chats a shipped config's run
+    ``predicted_step.attention_span``), else as ``generated`` (a thunk reading the chats a shipped config's run
     trained on) gives it; None: whole rows."""
-    got = predicted.get("document_len") if isinstance(predicted, dict) else None
-    return float(got) if got is not None else (generated() if generated is not None else None)
+    got = predicted.get("attention_span") if isinstance(predicted, dict) else None
+    if got is not None or generated is None or work is None:
+        return None if got is None else float(got)
+    shape, data, model = generated
+    pieces = model.segments_per_row(data.seq_len) - 1
+    key = (work, shape, data.seq_len, data.too_long, data.eval_fraction, data.seed, pieces)
+    if key not in _spans:
+        chats, tokenizer = shipped_configs.generated_chats(Path(work) / shape, shape)
+        read = dataclasses.replace(data, path=str(chats), tokenizer=str(tokenizer), cache_dir=str(Path(work) / "cache"))
+        _spans[key] = read.attention_span(model.vocab_size, pieces)
+    return _spans[key]
 
 
 def _host_measured(predicted) -> dict | None:
@@ -181,14 +194,9 @@ def _shipped_config_run(r) -> dict | None:
     engine = EngineConfig(**{k: v for k, v in r["planned"]["engine"].items() if k in ENGINE_FIELDS})
     if model.moe is not None or not isinstance(engine.resident_layers, int):
         return None
-    generated = None
-    if shape and cfg.data.mode == "packed" and cfg.data.format == "chat":  # the chats shipped_configs.py made
-        def generated(shape=shape.group(1), d=cfg.data):
-            if shape not in _CHATS:
-                chats, tokenizer = shipped_configs.generated_chats(Path(WORK) / shape, shape)
-                _CHATS[shape] = dataclasses.replace(d, path=str(chats), tokenizer=str(tokenizer),
-                                                    cache_dir=str(Path(WORK) / "cache")).document_len()
-            return _CHATS[shape]
+    # the chats shipped_configs.py made for a packed chat config: (their shape, the data section, the model)
+    generated = ((shape.group(1), cfg.data, model) if shape and cfg.data.mode == "packed"
+                 and cfg.data.format == "chat" else None)
     return {"gpus": cfg.train.devices or 1, "cfg": model, "shape": r["config"], "engine": engine,
             "rows": cfg.data.batch_size, "seq_len": cfg.data.seq_len, "measured_s": r["step_time_s"],
             "generated": generated}
@@ -210,7 +218,7 @@ def errors(rs: list[dict], s: speeds_mod.Speeds, measured: bool = True) -> list[
     out = []
     for r in rs:
         p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], _speeds_for(r, s, measured), devices=r["gpus"],
-                    document_len=r["document_len"])
+                    attention_span=r["attention_span"])
         out.append((p.seconds - r["measured_s"]) / r["measured_s"])
     return out
 
@@ -246,16 +254,15 @@ def _summary(errs: list[float], rows: list[dict], s: speeds_mod.Speeds) -> dict:
 
 
 def main() -> None:
-    global WORK
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--speeds", default=None, help="a calibration file (JSON of Speeds fields) for every kind")
     ap.add_argument("--fit", action="store_true", help="search the rates per GPU kind and print them")
     ap.add_argument("--since", default=SINCE, help="runs before this date (YYYY-MM-DD) are reported apart")
-    ap.add_argument("--work", default=WORK, help="where the chats shipped configs trained on are generated, once")
+    ap.add_argument("--work", default=WORK, help="where the chats shipped configs trained on are generated, once, "
+                                                 "to read their packed rows' span ('none': whole rows)")
     args = ap.parse_args()
-    WORK = args.work
-    rs = runs(args.since)
+    rs = runs(args.since, None if args.work == "none" else args.work)
     rows, summary, fitted = [], {}, {}
     for kind in sorted({r["kind"] for r in rs}):
         mine = [r for r in rs if r["kind"] == kind and not r["older"]]
@@ -267,7 +274,7 @@ def main() -> None:
             print(kind, json.dumps(fitted[kind]), flush=True)
         for r in [r for r in rs if r["kind"] == kind]:
             p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], _speeds_for(r, s, args.speeds is None),
-                        devices=r["gpus"], document_len=r["document_len"])
+                        devices=r["gpus"], attention_span=r["attention_span"])
             e = r["engine"]
             rows.append({"file": r["file"], "date": r["date"], "older": r["older"], "run": r["run"], "kind": kind,
                          "gpus": r["gpus"], "host_cores": r["host_cores"], "model": r["shape"],
@@ -276,7 +283,7 @@ def main() -> None:
                                     "kept_layers": e.kept_layers, "micro_batches": e.micro_batches,
                                     "offload_activations": e.offload_activations, "mode": e.precision.name,
                                     "grads_on_gpu": e.grads_on_gpu, "disk_parts": e.disk_parts},
-                         "host_measured": r["host_measured"], "document_len": r["document_len"],
+                         "host_measured": r["host_measured"], "attention_span": r["attention_span"],
                          "measured_s": r["measured_s"], "predicted_s": round(p.seconds, 4),
                          "error": round((p.seconds - r["measured_s"]) / r["measured_s"], 4), "bound": p.bound,
                          "busy_s": p.busy})

@@ -186,20 +186,24 @@ def test_packing_masks_and_segments():
     assert sorted(seen) == want
 
 
-def test_document_len_is_the_packed_documents_length_as_their_tokens_see_it():
-    """``document_len``: sum(n**2) / sum(n) over the pieces a pass of packed rows holds (n each piece's input
-    tokens, counted from the batches' segment ids), so one attention within each piece costs what one causal
-    sequence of that length per token would; None where rows are windows or one document each."""
-    ds = TokenDataset(docs_file(), seq_len=8, mode="packed")
-    sizes = []
-    for b in ds.batches(2, seed=3, shuffle=True, loop=False):
-        for seg in b.segment_ids:
-            sizes += [int((seg == k).sum()) for k in range(1, seg.max() + 1)]
-    n = np.array(sizes, float)
-    assert ds.document_len() == pytest.approx((n * n).sum() / n.sum())
-    assert 1 < ds.document_len() <= 8
-    assert TokenDataset(docs_file(), seq_len=8, mode="padded").document_len() is None
-    assert TokenDataset(docs_file(), seq_len=8).document_len() is None
+def test_attention_span_counts_each_packed_rows_runs_padding_included():
+    """``attention_span``: over the rows as the batches pack them (epoch 0's order, at most ``max_pieces`` a row),
+    the sum of each row's runs' lengths squared (pieces, and the padding as one run: cuDNN's packed layout runs it)
+    over rows x seq_len, read back from the batches' segment ids; None where rows are windows or one document
+    each."""
+    for pieces in (None, 2):
+        ds = TokenDataset(docs_file(), seq_len=8, mode="packed", max_pieces=pieces)
+        pairs = rows = 0
+        for b in ds.batches(1, seed=3, shuffle=True, loop=False):
+            seg = b.segment_ids[0]
+            runs = [int((seg == k).sum()) for k in range(seg.max() + 1)]  # 0: the padding
+            pairs, rows = pairs + sum(n * n for n in runs), rows + 1
+        assert ds.attention_span(seed=3) == pytest.approx(pairs / (rows * 8))
+        assert ds.attention_span(seed=3, rows=2) != ds.attention_span(seed=3)  # the first rows only
+    full = TokenDataset(docs_file((9,) * 6), seq_len=8, mode="packed")  # one piece fills each row
+    assert full.attention_span() == 8
+    assert TokenDataset(docs_file(), seq_len=8, mode="padded").attention_span() is None
+    assert TokenDataset(docs_file(), seq_len=8).attention_span() is None
 
 
 def test_segment_mask_keeps_attention_inside_documents():
@@ -315,8 +319,8 @@ def test_data_config_build_and_resume(tmp_path):
     with pytest.raises(ValueError, match="vocab"):
         cfg.build(model_vocab=100)
     assert next(DataConfig(batch_size=2, seq_len=8, demo_tokens=5000).build(256)).shape == (2, 8)
-    assert cfg.document_len(256) == cfg.dataset("train", 256).document_len() <= 32
-    assert dataclasses.replace(cfg, mode="windows").document_len() is None
+    assert cfg.attention_span(256, 3) == cfg.dataset("train", 256, 3).attention_span(cfg.seed) <= 32
+    assert dataclasses.replace(cfg, mode="windows").attention_span() is None
 
 
 # --- prepare_data ------------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def test_home_copies_numpy_unless_adopted_and_keeps_pinned_arrays(source):
 
 def test_to_device_stages_pageable_leaves_one_at_a_time_on_a_gpu(monkeypatch):
     """On a GPU a part's numpy leaves go to the device through pinned memory one leaf at a time: each is staged,
-    then moved, before the next is staged (the pinned pool's headroom holds one leaf, not a part's moments:
+    moved and waited for before the next is staged (the pinned pool's headroom holds one leaf, not a part's moments:
     7.8 GiB for 8B's io part); device leaves are moved together after; the values arrive unchanged."""
     import megatrain_jax.engine.transfer as transfer
     placement = Placement()
@@ -171,11 +171,13 @@ def test_to_device_stages_pageable_leaves_one_at_a_time_on_a_gpu(monkeypatch):
     copy, put = placement.copy_to_host, transfer._put
     monkeypatch.setattr(placement, "copy_to_host", lambda x: events.append(("stage", x.shape)) or copy(x))
     monkeypatch.setattr(transfer, "_put", lambda leaves, sh: events.append(("move", len(leaves))) or put(leaves, sh))
+    wait = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: events.append(("wait", 1)) or wait(x))
     w = np.arange(6.0, dtype=np.float32).reshape(2, 3)
     tree = {"m": w, "v": w + 1, "kept": jnp.ones(4), "n": np.full(2, 7, np.int32)}
     moved = placement.to_device(tree)
-    assert [e[0] for e in events] == ["stage", "move"] * 3 + ["move"], events
-    assert all(n == 1 for kind, n in events[:6] if kind == "move") and events[-1] == ("move", 1)
+    assert [e[0] for e in events] == ["stage", "move", "wait"] * 3 + ["move"], events
+    assert all(n == 1 for kind, n in events[:9] if kind == "move") and events[-1] == ("move", 1)
     np.testing.assert_array_equal(np.asarray(jax.device_get(moved["v"])), w + 1)
     np.testing.assert_array_equal(np.asarray(jax.device_get(moved["kept"])), np.ones(4))
     np.testing.assert_array_equal(np.asarray(jax.device_get(moved["n"])), [7, 7])

@@ -448,8 +448,9 @@ def test_an_update_in_one_pass_runs_at_its_own_rate():
 def test_auto_layout_is_timed_with_the_lean_host_layout_when_nothing_fits_as_configured():
     """With the GPU's rates known but a host too small for any layout as configured, the host's lean layout is
     made first and the "auto" fields are then picked by the step-time model with it: the pick is ``fastest``'s
-    over the lean config on the host less the lean pick's margin, it fits there, and the sentence says both; where even the lean layout leaves nothing to time,
-    "auto" keeps no products and says that nothing fit (not that rates are missing)."""
+    over the lean config on the host less the lean pick's margin, it fits there, and the sentence says both; where
+    even the lean layout leaves nothing to time, "auto" keeps no products and says that nothing fit (not that
+    rates are missing)."""
     from megatrain_jax.plan import plan, resolve
     from megatrain_jax.plan.layout import LEAN_HOST_MARGIN, fastest
     cfg = preset("7b", layers=32, vocab_size=32000)
@@ -470,27 +471,28 @@ def test_auto_layout_is_timed_with_the_lean_host_layout_when_nothing_fits_as_con
     assert "no layout fits host and GPU as configured" in short and "no rates" not in short, short
 
 
-def test_packed_documents_cost_their_own_attention_in_the_step_time_model():
-    """Packed rows attend within each document: at a document length of 512 tokens the blocks' attention is
-    512/4096 of whole rows' (the products unchanged), the step shorter by that, and the prediction says so;
-    a document longer than the row counts as the row; a sliding window counts within each document."""
+def test_packed_rows_cost_their_runs_attention_where_cudnn_packs_them():
+    """Packed rows attend within each run (documents, and the padding as one more): at a span of 512 keys a token
+    the blocks' attention is 512/4096 of whole rows' (the products unchanged), the step shorter by that, and the
+    prediction says so; a span past the row counts as the row. On a GPU without cuDNN's packed layout (Ada: XLA's
+    masked attention), or for a model cuDNN does not take (float32), whole rows are counted."""
     cfg = preset("7b", layers=4, vocab_size=32000)
     e = EngineConfig(micro_batches=1, resident_layers=4, kept_layers=0)
-    whole = lengths(cfg, e, 8, 4096, SPEEDS["H200"])
-    packed = lengths(cfg, e, 8, 4096, SPEEDS["H200"], document_len=512)
-    mm, attn = step_time._block_flops(cfg, 0, 8 * 4096, 4096)
-    mm_p, attn_p = step_time._block_flops(cfg, 0, 8 * 4096, 4096, 512)
-    assert mm_p == mm and math.isclose(attn_p, attn * 512 / 4096)
-    saved = (attn - attn_p) / SPEEDS["H200"].attention_flops
-    assert math.isclose(whole.forward[0] - packed.forward[0], saved)
-    assert step_time._block_flops(cfg, 0, 8 * 4096, 4096, 10**6) == (mm, attn)
-    windowed = dataclasses.replace(cfg, sliding_window=256, layer_types=("sliding_attention",) * 4)
-    assert math.isclose(step_time._block_flops(windowed, 0, 4096, 4096, 1024)[1],
-                        2.0 * cfg.heads * cfg.dim_per_head * (2 * 256 - 256 * 256 / 1024) * 4096)
-    a, b = (predict(cfg, e, 8, 4096, SPEEDS["H200"], document_len=d) for d in (None, 512))
-    assert b.seconds < a.seconds and a.document_len is None and b.document_len == 512
-    assert b.as_dict()["document_len"] == 512 and "document_len" not in a.as_dict()
-    assert "packed documents of 512 tokens" in b.describe()
+    h200 = SPEEDS["H200"]
+    whole, packed = (lengths(cfg, e, 8, 4096, h200, attention_span=a) for a in (None, 512))
+    attn = 2.0 * cfg.heads * cfg.dim_per_head * 4096 * 8 * 4096  # whole rows, one block's forward
+    assert math.isclose(whole.forward[0] - packed.forward[0], attn * (1 - 512 / 4096) / h200.attention_flops)
+    assert lengths(cfg, e, 8, 4096, h200, attention_span=10**6).forward == whole.forward
+    for no_packing in (lengths(cfg, e, 8, 4096, SPEEDS["RTX 4090"], attention_span=512),
+                       lengths(dataclasses.replace(cfg, dtype="float32"), e, 8, 4096, h200, attention_span=512)):
+        assert no_packing.attention_span is None
+    assert SPEEDS["L40S"].packed_flash is False and SPEEDS["H100"].packed_flash and SPEEDS["GH200"].packed_flash
+    a, b = (predict(cfg, e, 8, 4096, h200, attention_span=x) for x in (None, 512))
+    assert b.seconds < a.seconds and a.attention_span is None and b.attention_span == 512
+    assert b.as_dict()["attention_span"] == 512 and "attention_span" not in a.as_dict()
+    assert "packed rows' attention within their runs, 512 keys a token" in b.describe()
+    rtx = predict(cfg, e, 8, 4096, SPEEDS["RTX 4090"], attention_span=512)
+    assert rtx.attention_span is None and "packed rows" not in rtx.describe()
 
 
 def test_a_norm_first_step_runs_two_passes_and_updates_beside_the_second_backward():
@@ -572,7 +574,7 @@ def test_the_rate_sweep_counts_what_the_study_counts(tmp_path, monkeypatch):
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
     monkeypatch.setattr(sweep, "SWEEPS", [("matmul_flops", [SPEEDS["H200"].matmul_flops, 1e14])])
-    record = sweep.main(["--out", str(tmp_path / "sweep.json")])
+    record = sweep.main(["--out", str(tmp_path / "sweep.json"), "--work", "none"])  # packed runs at whole rows
     base, same, slow = record["runs"]
     rs = [r for r in sweep.study.runs() if r["kind"] == "H200" and not r["older"]]
     errs = sweep.study.errors(rs, SPEEDS["H200"])

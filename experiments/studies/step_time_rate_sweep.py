@@ -47,8 +47,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--fit", action="store_true", help="also run step_time_vs_runs' search over every field")
+    ap.add_argument("--work", default=study.WORK, help="as step_time_vs_runs.py's --work: the generated chats, "
+                                                       "for the packed runs' span ('none': whole rows)")
     args = ap.parse_args(argv)
-    rs = [r for r in study.runs() if r["kind"] == "H200" and not r["older"]]
+    rs = [r for r in study.runs(work=None if args.work == "none" else args.work)
+          if r["kind"] == "H200" and not r["older"]]
     base = SPEEDS["H200"]
     rows = [{"field": "base", "value": None, **counts(rs, base)}]
     for field, values in SWEEPS:

@@ -162,9 +162,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"per GPU of {machine.gpus}: each takes 1/{machine.gpus} of every batch and holds a shard of the state")
     packed, disk_dir = d.mode == "packed", str(Path(cfg.train.run_dir) / "disk_tier")
     end = dict(export=bool(cfg.train.export_hf), checkpoints=cfg.train.for_fit().checkpointing)
-    documents = _document_len(d, model_cfg.vocab_size)
+    documents = _attention_span(d, model_cfg)
     resolved = resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed, disk_dir=disk_dir,
-                       document_len=documents, **end)
+                       attention_span=documents, **end)
     if resolved.said is not None:
         print(f"as `megatrain-jax train` would: {resolved.said}")
     p = plan(model_cfg, resolved.engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu,
@@ -175,7 +175,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megatrain_jax.cli.disk_room import disk_lines
     for line in disk_lines(cfg.train, model_cfg, p.engine_cfg):  # checkpoints and export, against this disk
         print(line)
-    step = for_machine(model_cfg, p.engine_cfg, d.batch_size, d.seq_len, machine, args.speeds, document_len=documents)
+    step = for_machine(model_cfg, p.engine_cfg, d.batch_size, d.seq_len, machine, args.speeds, attention_span=documents)
     print(step_line(step, d.batch_size * d.seq_len * p.engine_cfg.accumulate_steps, machine))  # an optimizer step
     modes = in_each_mode(p)
     print(modes_table(p, modes))
@@ -189,21 +189,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _document_len(d, vocab_size: int) -> float | None:
-    """Packed rows' documents' length (``DataConfig.document_len``) for the step-time model, where the data can be
-    read here; None where the rows are not packed, or (said) where the data cannot be read: attention is then
-    counted over whole rows, which over-counts packed documents."""
-    if d.mode != "packed" or d.format == "preference":
+def _attention_span(d, model_cfg) -> float | None:
+    """Packed rows' span (``DataConfig.attention_span``, the rows packed as ``train`` packs them) for the step-time
+    model, where the data can be read here; None where the rows are not packed, or (said) where the data cannot be
+    read: attention is then counted over whole rows, which over-counts packed rows."""
+    from megatrain_jax.cli.run import packed_pieces
+    if d.mode != "packed":
         return None
+    if d.path is not None and d.format == "chat":
+        print(f"reading {d.path} for its packed rows' attention span (tokenized once into the cache)")
     try:
-        return d.document_len(vocab_size)
+        return d.attention_span(model_cfg.vocab_size, packed_pieces(model_cfg, d))
     except (OSError, ValueError) as e:
         print(f"note: the data cannot be read here ({e}); the predicted step counts attention over whole rows of "
-              f"{d.seq_len:,} tokens, more than packed documents cost")
+              f"{d.seq_len:,} tokens, more than packed rows cost")
         return None
 
 
-def _exact(estimate, cfg, model_cfg, disk_dir: str, speeds=None, document_len: float | None = None):
+def _exact(estimate, cfg, model_cfg, disk_dir: str, speeds=None, attention_span: float | None = None):
     """``plan --exact``: the plan with XLA's figures for the run's programs compiled on this GPU, and what that
     changed, printed."""
     from flax import nnx
@@ -216,7 +219,7 @@ def _exact(estimate, cfg, model_cfg, disk_dir: str, speeds=None, document_len: f
                           "without --exact the plan's GPU side is the estimate")
     model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
     p, again = exact_plan(model, estimate, given=cfg.engine, devices=cfg.train.devices, disk_dir=disk_dir,
-                          speeds=speeds, document_len=document_len)
+                          speeds=speeds, attention_span=attention_span)
     print(again or f"with XLA's figures for the compiled programs: GPU {p.gpu_total / GiB:.2f} GiB (the "
                    f"estimate: {estimate.gpu_total / GiB:.2f})")
     return p

@@ -291,8 +291,10 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         cfg = dataclasses.replace(cfg, train=t)
 
     model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(t.seed)))
-    # packed rows: their documents' length, which the step-time model counts attention over (the data read once)
-    documents = d.document_len(model_cfg.vocab_size) if d.format != "preference" else None
+    pieces = packed_pieces(model_cfg, d)
+    # packed rows: the keys a token's attention sees as the rows are packed, which the step-time model counts
+    # (instruction data is tokenized here, once, into its cache)
+    documents = d.attention_span(model_cfg.vocab_size, pieces)
     engine_cfg, memory, estimate, repicked, machine = _layout(cfg, model_cfg, model, say, documents)
     check_disk_room(t, model_cfg, engine_cfg)  # before anything is written: a save or export that cannot fit
     cfg, given = dataclasses.replace(cfg, engine=engine_cfg), cfg.engine
@@ -302,7 +304,7 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     if repicked:
         say(f"megatrain_jax: {repicked}")
     say(_memory_line(memory, estimate))
-    step = (for_machine(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, document_len=documents)
+    step = (for_machine(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, attention_span=documents)
             if gpu_at_hand() else None)
     if step is not None or gpu_at_hand():
         say(step_line(step, d.batch_size * d.seq_len * cfg.engine.accumulate_steps, machine))  # an optimizer step
@@ -317,11 +319,6 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         say(f"  loading weights from {cfg.model.hf_checkpoint}")
         init_from = HFParts(cfg.model.hf_checkpoint, model_cfg)
     optimizer, _ = cfg.optimizer.build(t.steps)
-    # a packed row's documents plus its padding stay within what the model's attention takes per row
-    pieces = model_cfg.segments_per_row(d.seq_len) - 1 if d.mode == "packed" else None
-    if pieces is not None and pieces < 1:
-        raise ValueError(f"data.mode = 'packed' needs model.max_segments >= 2 (a row's padding counts as one "
-                         f"segment), got {model_cfg.max_segments}")
     objective, held_out = NextToken(), None
     if d.format == "preference":  # DPO: the reference pass on the initial weights, once the engine holds them
         data, summary, objective, held_out = _preference_data(cfg, model_cfg, say)
@@ -455,19 +452,31 @@ def _preference_data(cfg: RunConfig, model_cfg, say) -> tuple[Callable, dict, DP
     return stream, summary, cfg.dpo, None if held is None else measure
 
 
+def packed_pieces(model_cfg, d) -> int | None:
+    """The most documents a packed row of ``d`` (a ``DataConfig``) may hold: what the model's attention takes per
+    row less the row's padding (``DecoderConfig.segments_per_row``); None where rows are not packed."""
+    if d.mode != "packed":
+        return None
+    pieces = model_cfg.segments_per_row(d.seq_len) - 1
+    if pieces < 1:
+        raise ValueError(f"data.mode = 'packed' needs model.max_segments >= 2 (a row's padding counts as one "
+                         f"segment), got {model_cfg.max_segments}")
+    return pieces
+
+
 def _layout(cfg: RunConfig, model_cfg, model: nnx.Module, say,
-            document_len: float | None = None) -> tuple[EngineConfig, MemoryPlan, MemoryPlan, str | None, Machine]:
+            attention_span: float | None = None) -> tuple[EngineConfig, MemoryPlan, MemoryPlan, str | None, Machine]:
     """The engine config the run runs with (``plan.resolve`` on this machine, then, on a GPU, with XLA's figures
     for the compiled programs: ``plan.exact_plan``), said where it differs from the config; its plan, the
     estimate from rules of thumb, and what XLA's figures changed (said after the start line). Refuses a run
-    that does not fit unless ``train.memory_check`` is off. Also returns the machine as read. ``document_len``:
-    packed rows' documents' length (``DataConfig.document_len``), for the step-time model's "auto" picks."""
+    that does not fit unless ``train.memory_check`` is off. Also returns the machine as read. ``attention_span``:
+    packed rows' span (``DataConfig.attention_span``), for the step-time model's "auto" picks."""
     t, d, run_dir = cfg.train, cfg.data, Path(cfg.train.run_dir)
     machine = Machine.here(t.devices, several_processes=distributed.requested())
     packed, disk_dir = d.mode == "packed", str(run_dir / "disk_tier")
     end = dict(export=bool(t.export_hf), checkpoints=t.for_fit().checkpointing)  # the plan counts the run's end
     given, resolved = cfg.engine, resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed,
-                                          disk_dir=disk_dir, document_len=document_len, **end)
+                                          disk_dir=disk_dir, attention_span=attention_span, **end)
     if resolved.said is not None:  # memory is short, or the config asked for a pick: the sentence says what ran
         say(f"megatrain_jax: {resolved.said}")
     cfg = dataclasses.replace(cfg, engine=resolved.engine_cfg)
@@ -478,7 +487,7 @@ def _layout(cfg: RunConfig, model_cfg, model: nnx.Module, say,
     if gpu_at_hand() and not machine.several_processes:
         memory, repicked = exact_plan(model, memory, given=given, devices=t.devices, disk_dir=disk_dir,
                                       check=t.memory_check, speeds=machine_speeds(machine),
-                                      document_len=document_len)
+                                      attention_span=attention_span)
         cfg = dataclasses.replace(cfg, engine=memory.engine_cfg)
     if t.memory_check:
         require_fit(memory, given)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -114,17 +114,21 @@ class TokenDataset:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def document_len(self) -> float | None:
-        """Packed rows: the length of a token's document (piece), averaged over the split's tokens, ``sum(n**2) /
-        sum(n)`` over its pieces of ``n`` input tokens. Attention runs within each document
-        (``models.layers.packed_attention``): a row's causal attention costs ``sum(n**2) / 2`` query-key pairs
-        where one sequence of ``seq_len`` would cost ``seq_len**2 / 2``, so this is the length the step-time model
-        counts attention over (``plan.step_time.predict``; each row's padding, its own run, is left out). None in
-        the other modes: each row is one causal sequence of ``seq_len``."""
+    def attention_span(self, seed: int = 0, rows: int = 4096) -> float | None:
+        """Packed rows: the keys a token's causal attention sees, doubled, over the rows' tokens as the rows are
+        packed (next-fit, at most ``max_pieces`` pieces a row, in epoch 0's order for ``seed``; the first ``rows``
+        rows): the sum over each row's runs of their length squared, over rows x seq_len. The runs are its pieces
+        and its padding, which cuDNN's packed layout runs as one run more (``models.layers.segment_layout``): a
+        row of short documents with a long padding tail costs that tail's own attention. A row of one piece of
+        seq_len gives seq_len. This is what the step-time model counts attention over
+        (``plan.step_time.predict``). None in the other modes: each row is one causal sequence of ``seq_len``."""
         if self.mode != "packed":
             return None
-        n = (self.lengths - 1).astype(np.float64)
-        return float((n * n).sum() / n.sum())
+        pairs, seen, T = 0.0, 0, self.seq_len
+        for units in TokenBatches(self, 1, seed=seed, shuffle=True, loop=False).packed_rows(rows):
+            n = self.lengths[units].astype(np.float64) - 1
+            pairs, seen = pairs + (n * n).sum() + (T - n.sum()) ** 2, seen + 1
+        return pairs / (seen * T)
 
     def batches(self, batch_size: int, *, seed: int = 0, shuffle: bool | None = None, loop: bool | None = None,
                 state: dict | None = None, process: tuple[int, int] = (0, 1)) -> "TokenBatches":
@@ -217,10 +221,20 @@ class TokenBatches:
         raise ValueError(f"one epoch of the {self.dataset.split} split packs into fewer than batch_size="
                          f"{self.batch_size} rows; use more data or a smaller batch")
 
-    def _take(self, order: np.ndarray, cursor: int) -> tuple[list[list[int]], int]:
-        """Unit indices for each row of the next batch (fewer rows when the epoch runs out)."""
-        d, rows = self.dataset, []
-        while len(rows) < self.batch_size and cursor < len(order):
+    def packed_rows(self, rows: int) -> Iterator[list[int]]:
+        """The unit indices of each of the first ``rows`` rows of epoch 0, as ``__next__`` packs them (the state is
+        left as it was)."""
+        order, cursor, done = self.order(0), 0, 0
+        while done < rows and cursor < len(order):
+            units, cursor = self._take(order, cursor, 1)
+            yield units[0]
+            done += 1
+
+    def _take(self, order: np.ndarray, cursor: int, batch_size: int | None = None) -> tuple[list[list[int]], int]:
+        """Unit indices for each row of the next batch (``batch_size`` rows, default the batch's; fewer when the epoch
+        runs out)."""
+        d, rows, size = self.dataset, [], batch_size or self.batch_size
+        while len(rows) < size and cursor < len(order):
             if d.mode in ("windows", "padded"):
                 rows.append([int(order[cursor])])
                 cursor += 1

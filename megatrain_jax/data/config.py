@@ -131,11 +131,14 @@ class DataConfig:
         return TokenDataset(self.open(model_vocab), self.seq_len, mode=self.mode, split=split,
                             eval_fraction=self.eval_fraction, max_pieces=max_pieces)
 
-    def document_len(self, model_vocab: int | None = None) -> float | None:
-        """``mode = 'packed'``: the training split's documents' length as their tokens see it
-        (``TokenDataset.document_len``), what the step-time model counts attention over; None in the other modes.
-        Reads (and, for instruction data, tokenizes once) the data."""
-        return self.dataset("train", model_vocab).document_len() if self.mode == "packed" else None
+    def attention_span(self, model_vocab: int | None = None, max_pieces: int | None = None) -> float | None:
+        """``mode = 'packed'``: the keys a token's attention sees in the training split's rows as they are packed
+        with at most ``max_pieces`` documents a row (``TokenDataset.attention_span``), what the step-time model
+        counts attention over; None in the other modes (preference data is padded: None). Reads (and, for
+        instruction data, tokenizes once into the cache) the data."""
+        if self.mode != "packed":
+            return None
+        return self.dataset("train", model_vocab, max_pieces).attention_span(self.seed)
 
     def build(self, model_vocab: int | None = None, state: dict | None = None,
               max_pieces: int | None = None) -> Prefetcher | TokenBatches:

@@ -126,10 +126,11 @@ class Placement:
 
     # ------------------------------------------------------------------ moving
     def to_device(self, tree: Any) -> Any:
-        """Asynchronous copy to the accelerators, each leaf spread by ``spec`` (returns at once; users of the
-        result wait on it). On a GPU, numpy (pageable) leaves go through pinned memory first, a leaf at a time
-        and each waited for: XLA would otherwise stage them through pinned buffers of its own, outside the pool's
-        cap, and keep those (15 GiB when 7B's GPU-resident parts loaded, experiments/studies/NOTES.md)."""
+        """Copy to the accelerators, each leaf spread by ``spec``: asynchronous for device and pinned leaves
+        (returns at once; users of the result wait on it). On a GPU, numpy (pageable) leaves go through pinned
+        memory first, a leaf at a time and each copy waited for (this call blocks for them): XLA would otherwise
+        stage them through pinned buffers of its own, outside the pool's cap, and keep those (15 GiB when 7B's
+        GPU-resident parts loaded, experiments/studies/NOTES.md)."""
         leaves, treedef = jax.tree.flatten(tree)
         out = list(leaves)
         staged = {i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)} if (
@@ -138,8 +139,7 @@ class Placement:
         # pageable state (8B's io part's moments, 7.8 GiB) never sits in the pinned pool whole, only its largest
         # leaf, which the pool's headroom holds (plan.machine.fitted_pool_limit)
         for i in sorted(staged):
-            out[i] = _put([self.copy_to_host(leaves[i])], [self.device_for(leaves[i])])[0]
-            out[i].block_until_ready()
+            out[i] = jax.block_until_ready(_put([self.copy_to_host(leaves[i])], [self.device_for(leaves[i])])[0])
         rest = [i for i in range(len(leaves)) if i not in staged]
         for i, moved in zip(rest, _put([leaves[i] for i in rest], [self.device_for(leaves[i]) for i in rest])):
             out[i] = moved

@@ -45,6 +45,9 @@ class Speeds:
       GPU kind, by their cores. On a host with other cores the rates are the measured host's of those cores, else
       the nearest measured host's scaled by (cores / its cores) ** ``CORE_SCALING`` (``on_host``).
     - ``disk_bytes``: the disk tier's read + write rate.
+    - ``packed_flash``: packed rows take cuDNN's packed layout here, attention within each run of a row (a
+      Hopper GPU or later: ``models.layers.attention_implementation``); False: XLA's masked attention over whole
+      rows (Ada and older).
     - ``dispatch``: the main thread's own seconds per op kind (issuing a transfer, a compiled call).
     """
 
@@ -68,6 +71,7 @@ class Speeds:
     # the host update timed on the host at hand (``host_kernel.full_precision_rates``) that ``measured_here``
     # scaled these host rates to; None: the record's, or a calibration file's
     host_measured: dict[str, float] | None = None
+    packed_flash: bool = True
     # about 30 bytes per parameter in one pass against 46 in two; the fused kernel alone on the H200's 16-core
     # host: 4.58 G params/s in one pass (h200_host_update_profile_08c2422.json), 3.00 in two
     # (h200_measure_speeds_d5d7c51.json)
@@ -197,6 +201,7 @@ RTX_4090 = dataclasses.replace(
     H100, name="RTX 4090 (24 GB), 16-core desktop host: predicted from specifications",
     matmul_flops=150e12, attention_flops=110e12,  # 165 TFLOP/s bfloat16 with float32 accumulation, dense
     h2d_bytes=25e9, d2h_bytes=25e9, hbm_bytes=1.0e12, host_update=_DESKTOP_HOST, disk_bytes=2e9,
+    packed_flash=False,  # Ada (compute capability 8.9): packed rows take XLA's masked attention
     source="specifications (NVIDIA Ada GPU architecture whitepaper; PCIe Gen4 x16), not measured")
 L40S = dataclasses.replace(
     RTX_4090, name="L40S / RTX 6000 Ada (48 GB), 16-core desktop host: predicted from specifications",
@@ -247,6 +252,9 @@ def from_file(path: str | os.PathLike, base: Speeds) -> Speeds:
             raise ValueError(f"{path}: a calibration file holds one host's rates (its host_cores), not hosts")
         elif key == "link_bytes" and value is None:
             continue  # null: each way at its own rate (a full-duplex link)
+        elif key == "packed_flash":
+            if not isinstance(value, bool):
+                raise ValueError(f"{path}: packed_flash must be true or false, got {value!r}")
         elif key not in ("name", "source") and not _positive(value):
             raise ValueError(f"{path}: {key} must be a positive number, got {value!r}")
     # a file's rates are its own host's: other hosts' records do not apply to it

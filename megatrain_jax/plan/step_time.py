@@ -48,8 +48,8 @@ class StepTime:
     """A predicted step: ``seconds``, the busiest queue (``bound``), each queue's busy seconds per step, the
     bytes each way over PCIe per step (one GPU's), the share of the parameters that stay on the GPU (resident
     parts), the rates it was predicted with (``speeds.name``), the host update timed on the host at hand that
-    they were scaled to (``Speeds.host_measured``; None: not timed) and, for packed rows, the documents' length
-    attention was counted over (``document_len``; None: whole rows)."""
+    they were scaled to (``Speeds.host_measured``; None: not timed) and, for packed rows, the span of their runs
+    attention was counted over (``attention_span``; None: whole rows)."""
 
     seconds: float
     bound: str
@@ -59,7 +59,7 @@ class StepTime:
     resident_share: float
     speeds: str
     host_measured: dict[str, float] | None = None
-    document_len: float | None = None  # packed rows: their documents' length as attention was counted (predict)
+    attention_span: float | None = None  # packed rows: their runs' span as attention was counted over (predict)
 
     def as_dict(self) -> dict:
         """For a results file or ``memory_plan.json``: seconds and shares to 4 decimals; the host's timed rates
@@ -69,8 +69,8 @@ class StepTime:
                "d2h_bytes": self.d2h_bytes, "resident_share": round(self.resident_share, 4), "speeds": self.speeds}
         if self.host_measured is not None:
             out["host_measured"] = {k: float(f"{v:.4g}") for k, v in self.host_measured.items()}
-        if self.document_len is not None:
-            out["document_len"] = round(self.document_len, 1)
+        if self.attention_span is not None:
+            out["attention_span"] = round(self.attention_span, 1)
         return out
 
     def tokens_per_s(self, tokens_per_step: int) -> float:
@@ -78,8 +78,8 @@ class StepTime:
 
     def describe(self) -> str:
         parts = ", ".join(f"{QUEUE_WORDS[q]} {s:.2f} s" for q, s in self.busy.items() if s > 0 and q != "main")
-        docs = ("" if self.document_len is None else
-                f"; attention within packed documents of {self.document_len:,.0f} tokens as their tokens see them")
+        docs = ("" if self.attention_span is None else
+                f"; packed rows' attention within their runs, {self.attention_span:,.0f} keys a token")
         return (f"{self.seconds:.2f} s per step, bound by {BOUND_WORDS[self.bound]} (busy per step: {parts}; "
                 f"PCIe {self.h2d_bytes / 1e9:.1f} GB to the GPU and {self.d2h_bytes / 1e9:.1f} GB back; "
                 f"{self.resident_share:.0%} of the parameters stay on the GPU{docs}; rates: {self.speeds})")
@@ -115,29 +115,36 @@ class _Lengths:
     host_memory: float  # the host memory's bytes per second as the update moves them (one GPU's share)
     norm: dict[PartId, float]  # a norm_first step's first pass: the part's gradient reduced to its squared norm
     dispatch: dict[str, float]  # the main thread's own seconds per op kind
+    attention_span: float | None  # packed rows' runs as attention was counted over them (None: whole rows)
 
 
 def _block_flops(cfg: DecoderConfig, layer: int, tokens: int, seq_len: int,
-                 document_len: float | None = None) -> tuple[float, float]:
+                 attention_span: float | None = None) -> tuple[float, float]:
     """(matrix-product FLOPs, attention FLOPs) of one block's forward over ``tokens`` tokens in rows of
     ``seq_len``: 2 per active weight per token; causal attention 2 x (query width) x (keys seen) per token,
-    a sliding window seeing at most its width. ``document_len``: packed rows' documents' length as their tokens
-    see it (``TokenDataset.document_len``): attention runs within each document (``layers.packed_attention``),
-    so a token sees keys of its own document only; None: each row is one sequence of ``seq_len``."""
+    a sliding window seeing at most its width. ``attention_span``: packed rows' causal runs (documents, and each
+    row's padding as one run more) as their tokens see them, sum(n**2) / tokens (``TokenDataset.attention_span``):
+    cuDNN's packed layout runs attention within each run (``layers.packed_attention``); None: each row one run of
+    ``seq_len``. A sliding window is counted against the mean span, not run by run (over where runs of mixed
+    lengths straddle it)."""
     weights = cfg.block_active_param_count(layer)
     width = cfg.heads * cfg.dim_per_head
     w = cfg.sliding_window if cfg.layer_type(layer) != "full_attention" else None
-    span = seq_len if document_len is None else min(float(document_len), seq_len)
+    span = seq_len if attention_span is None else min(float(attention_span), seq_len)
     # keys a sequence's queries see, summed and doubled (causal: span**2 / 2 pairs); a window of w: w*L - w**2/2
     keys = span if w is None or w >= span else 2 * w - w * w / span
     return 2.0 * weights * tokens, 2.0 * width * keys * tokens
 
 
 def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, s: Speeds,
-            stream_dtype: str | None = None, devices: int = 1, document_len: float | None = None) -> _Lengths:
+            stream_dtype: str | None = None, devices: int = 1, attention_span: float | None = None) -> _Lengths:
     """Each op's seconds for ``cfg`` under ``e`` with ``batch_rows`` rows per step on ``devices`` GPUs (one
-    GPU's share) at rates ``s``; ``document_len``: packed rows' documents' length (``_block_flops``)."""
+    GPU's share) at rates ``s``; ``attention_span``: packed rows' runs (``_block_flops``), counted where cuDNN's
+    packed layout runs them (``Speeds.packed_flash`` and a model it takes: ``activations.assumes_flash``), else
+    whole rows (XLA's masked attention)."""
     rows = batch_rows // devices
+    if not (s.packed_flash and assumes_flash(cfg)):
+        attention_span = None
     tokens = rows * seq_len // e.micro_batches  # one micro-batch on one GPU
     mode = e.precision
     stream = stream_dtype or e.stream_dtype or cfg.dtype
@@ -148,7 +155,7 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     kept = set(range(cfg.layers - e.kept_layers, cfg.layers))
     fwd, bwd = {}, {}
     for i in range(cfg.layers):
-        mm, attn = _block_flops(cfg, i, tokens, seq_len, document_len)
+        mm, attn = _block_flops(cfg, i, tokens, seq_len, attention_span)
         f = mm / s.matmul_flops + attn / s.attention_flops
         fwd[i] = f
         # backward: twice the forward's products, attention's backward; then what is recomputed
@@ -201,7 +208,8 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     memory = s.host_update_rate(FULL.name) / devices * (_update_bytes(FULL) + full["masters"] + full["moments"]
                                                         + full["host_grads"])
     return _Lengths(fwd, bwd, head, 2 * cfg.hidden * tokens / s.hbm_bytes, fetch, visit, cast, grads, home, acts,
-                    host_update, device_update, host_bytes, memory, norm, s.dispatch)
+                    host_update, device_update, host_bytes, memory, norm, s.dispatch,
+                    None if attention_span is None else min(float(attention_span), seq_len))
 
 
 def _update_bytes(mode: Precision, grads: str | None = None) -> float:
@@ -213,15 +221,15 @@ def _update_bytes(mode: Precision, grads: str | None = None) -> float:
 
 # ---------------------------------------------------------------------------------------------- the walk
 def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, s: Speeds,
-            stream_dtype: str | None = None, devices: int = 1, document_len: float | None = None) -> StepTime:
+            stream_dtype: str | None = None, devices: int = 1, attention_span: float | None = None) -> StepTime:
     """The steady-state seconds of one optimizer step of ``cfg`` under ``e`` (``resident_layers`` a number)
     with ``batch_rows`` rows of ``seq_len`` tokens, on ``devices`` GPUs of a machine with rates ``s``.
-    ``document_len``: the rows pack documents of this length as their tokens see it (``TokenDataset.document_len``),
-    and attention runs within each; None: each row is one sequence."""
+    ``attention_span``: packed rows' causal runs as their tokens see them (``TokenDataset.attention_span``), which
+    attention runs within where cuDNN's packed layout runs (``lengths``); None: each row is one sequence."""
     if not isinstance(e.resident_layers, int) or not isinstance(e.kept_layers, int):
         raise ValueError("predict needs resident_layers and kept_layers as numbers: resolve 'auto' first "
                          "(plan.resolve)")
-    n = lengths(cfg, e, batch_rows, seq_len, s, stream_dtype, devices, document_len)
+    n = lengths(cfg, e, batch_rows, seq_len, s, stream_dtype, devices, attention_span)
     free = dict.fromkeys(QUEUES, 0.0)
     busy = dict.fromkeys(QUEUES, 0.0)
     ready_host: dict[PartId, float] = {}  # when a part's weights are written for the next forward (first half)
@@ -340,7 +348,7 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     resident = 1 - sum(cfg.block_param_count(p.layer) if not p.is_io else io_param_count(cfg)
                        for p in streamed) / cfg.param_count()
     return StepTime(seconds, bound, per_step, round(step_bytes["h2d"]), round(step_bytes["d2h"]), resident, s.name,
-                    s.host_measured, None if document_len is None else min(float(document_len), seq_len))
+                    s.host_measured, n.attention_span)
 
 
 def _place(busy: list[tuple[float, float]], start: float, seconds: float) -> float:
@@ -369,10 +377,10 @@ def machine_speeds(machine: Machine, speeds_file: str | None = None) -> Speeds |
 
 def for_machine(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, machine: Machine,
                 speeds_file: str | None = None, stream_dtype: str | None = None,
-                document_len: float | None = None) -> StepTime | None:
+                attention_span: float | None = None) -> StepTime | None:
     """``predict`` on ``machine`` at ``machine_speeds``; None where there are no rates for it."""
     s = machine_speeds(machine, speeds_file)
-    return None if s is None else predict(cfg, e, batch_rows, seq_len, s, stream_dtype, machine.gpus, document_len)
+    return None if s is None else predict(cfg, e, batch_rows, seq_len, s, stream_dtype, machine.gpus, attention_span)
 
 
 def step_line(p: StepTime | None, tokens_per_step: int, machine: Machine) -> str:

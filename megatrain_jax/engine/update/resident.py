@@ -84,7 +84,8 @@ class DeviceUpdater:
 
     def bring(self, part: Part) -> tuple[Params, Any]:
         """A streamed part's masters and moments copied to the device for its update there
-        (``EngineConfig.gpu_updated_layers``; queued, not waited for)."""
+        (``EngineConfig.gpu_updated_layers``; queued, not waited for, except pageable leaves, each copied through
+        pinned memory and waited for: ``Placement.to_device``)."""
         return self.placement.to_device((part.params, part.opt))
 
     def visit(self, brought: tuple[Params, Any], grads: Params, scale: jax.Array, ok: jax.Array) -> tuple[Part, Params]:
