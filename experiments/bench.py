@@ -54,6 +54,19 @@ class BenchConfig:
         return preset(self.preset, **({"layers": self.layers} if self.layers else {}),
                       **({"vocab_size": self.vocab} if self.vocab else {}))
 
+    def attention_span(self, batches: int = 4) -> float | None:
+        """Packed rows (``packed_docs``): the keys a token's attention sees, as ``TokenDataset.attention_span``
+        counts them, over the first ``batches`` batches ``pack_rows`` cuts (its seeds 0, 1, ...); None: whole
+        rows."""
+        if not self.packed_docs:
+            return None
+        zeros = np.zeros((self.rows, self.seq_len), np.int32)
+        pairs = 0.0
+        for seed in range(batches):
+            seg = pack_rows(Batch(zeros, zeros, zeros.astype(np.float32)), self.packed_docs, seed).segment_ids
+            pairs += sum(float(np.bincount(row) @ np.bincount(row)) for row in seg)
+        return pairs / (batches * self.rows * self.seq_len)
+
 
 def pack_rows(batch: Batch, docs: int, seed: int) -> Batch:
     """``batch`` with each row cut into ``docs`` documents of random lengths (seeded): segment ids 1..docs
@@ -379,7 +392,7 @@ def predicted_step(bc: BenchConfig, cfg, gpus: int):
     """The step-time model's prediction for this layout on this machine's GPU kind (None: no rates for it)."""
     from megatrain_jax.plan import Machine, for_machine
     machine = dataclasses.replace(Machine.here(), gpus=gpus)
-    return for_machine(cfg, bc.engine, bc.rows, bc.seq_len, machine)
+    return for_machine(cfg, bc.engine, bc.rows, bc.seq_len, machine, attention_span=bc.attention_span())
 
 
 def resolve_layout(bc: BenchConfig) -> tuple[BenchConfig, str | None]:
@@ -388,7 +401,8 @@ def resolve_layout(bc: BenchConfig) -> tuple[BenchConfig, str | None]:
     ``resident_layers="auto"`` made a number, and where memory is short what train would change; with the
     sentence saying what was changed (None: as named)."""
     from megatrain_jax.plan import Machine, resolve
-    resolved = resolve(bc.model(), bc.engine, bc.rows, bc.seq_len, Machine.here(), packed=bc.packed_docs > 0)
+    resolved = resolve(bc.model(), bc.engine, bc.rows, bc.seq_len, Machine.here(), packed=bc.packed_docs > 0,
+                       attention_span=bc.attention_span())
     return dataclasses.replace(bc, engine=resolved.engine_cfg), resolved.said
 
 

@@ -20,7 +20,7 @@ given. Packed rows attend within their runs (documents, and each row's padding):
 its record gives (``predicted_step.attention_span``); with ``--work`` (the study's own command: the file it writes),
 a shipped config's run recorded before that, on the chats ``shipped_configs.py`` generated
 (``shipped_configs.generated_chats``, made once in that folder), at theirs, as ``train`` packs them; without it
-(the tests), at whole rows. (The ``document_len`` of the runs at e20d02d and 803ad8b left the padding out: it
+(the tests), at whole rows. A bench.py run of packed rows is predicted at ``BenchConfig.attention_span``. (The ``document_len`` of the runs at e20d02d and 803ad8b left the padding out: it
 is not read.)
 """
 
@@ -49,6 +49,7 @@ from megatrain_jax.models import PRESETS, preset  # noqa: E402
 from megatrain_jax.plan import speeds as speeds_mod  # noqa: E402
 from megatrain_jax.plan.step_time import predict  # noqa: E402
 
+import bench  # noqa: E402  (experiments/: its packed rows)
 import shipped_configs  # noqa: E402  (experiments/: the chats a shipped config's run trained on)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,8 +138,18 @@ def runs(since: str = SINCE, work: str | None = None) -> list[dict]:
                         "gpus": gpus, "host_cores": cores, "cfg": cfg, "shape": shape, "engine": EngineConfig(**engine),
                         "rows": r["tokens_per_step"] // r["seq_len"], "seq_len": r["seq_len"],
                         "measured_s": r["step_time_s"], "host_measured": _host_measured(r.get("predicted_step")),
-                        "attention_span": _attention_span(r.get("predicted_step"))})
+                        "attention_span": _attention_span(r.get("predicted_step")) or _bench_span(r, shape)})
     return out
+
+
+def _bench_span(r: dict, shape: str) -> float | None:
+    """A bench.py run of packed rows (``packed_docs_per_row`` documents cut at random in each): their span as
+    ``BenchConfig.attention_span`` counts it; None for whole rows."""
+    docs = r.get("packed_docs_per_row")
+    if not docs:
+        return None
+    return bench.BenchConfig(shape, r["model"]["layers"], r["seq_len"], r["tokens_per_step"] // r["seq_len"],
+                             EngineConfig(), packed_docs=docs).attention_span()
 
 
 def _attention_span(predicted, generated: tuple | None = None, work: str | None = None,
