@@ -20,8 +20,8 @@ given. Packed rows attend within their runs (documents, and each row's padding):
 its record gives (``predicted_step.attention_span``); with ``--work`` (the study's own command: the file it writes),
 a shipped config's run recorded before that, on the chats ``shipped_configs.py`` generated
 (``shipped_configs.generated_chats``, made once in that folder), at theirs, as ``train`` packs them; without it
-(the tests), at whole rows. A bench.py run of packed rows is predicted at ``BenchConfig.attention_span``. (The ``document_len`` of the runs at e20d02d and 803ad8b left the padding out: it
-is not read.)
+(the tests), at whole rows. A bench.py run of packed rows is predicted at ``BenchConfig.attention_span``. (The
+``document_len`` of the runs at e20d02d and 803ad8b left the padding out: it is not read.)
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ REPEATS = ("h200x2_3p5b_8k_split_count_order_b439b4d.json",)
 # 5.0 steady): such runs are left out.
 MIN_TIMED = 2
 WORK = os.path.join(REPO, "build", "step_time_vs_runs")  # --work's default: the generated chats, made once
+_SPANS: dict[tuple, float] = {}  # the generated chats' span, per (folder, shape, data settings), read once
 
 
 def _removed_mode(engine: dict, overrides: list[str] = ()) -> bool:
@@ -152,22 +153,21 @@ def _bench_span(r: dict, shape: str) -> float | None:
                              EngineConfig(), packed_docs=docs).attention_span()
 
 
-def _attention_span(predicted, generated: tuple | None = None, work: str | None = None,
-                    _spans: dict = {}) -> float | None:  # noqa: B006 (the spans of the chats made, per shape)
-    """Packed rows' documents' length as the run's prediction counted it (its record's
-    ``predicted_step.attention_span``), else as ``generated`` (a thunk reading the chats a shipped config's run
-    trained on) gives it; None: whole rows."""
+def _attention_span(predicted, generated: tuple | None = None, work: str | None = None) -> float | None:
+    """Packed rows' span as the run's prediction counted it (its record's ``predicted_step.attention_span``), else,
+    with ``work``, that of the chats a shipped config's run trained on (``generated``: their shape, the data
+    section and the model; made in ``work`` and read as ``train`` packs them); None: whole rows."""
     got = predicted.get("attention_span") if isinstance(predicted, dict) else None
     if got is not None or generated is None or work is None:
         return None if got is None else float(got)
     shape, data, model = generated
     pieces = model.segments_per_row(data.seq_len) - 1
     key = (work, shape, data.seq_len, data.too_long, data.eval_fraction, data.seed, pieces)
-    if key not in _spans:
+    if key not in _SPANS:
         chats, tokenizer = shipped_configs.generated_chats(Path(work) / shape, shape)
         read = dataclasses.replace(data, path=str(chats), tokenizer=str(tokenizer), cache_dir=str(Path(work) / "cache"))
-        _spans[key] = read.attention_span(model.vocab_size, pieces)
-    return _spans[key]
+        _SPANS[key] = read.attention_span(model.vocab_size, pieces)
+    return _SPANS[key]
 
 
 def _host_measured(predicted) -> dict | None:

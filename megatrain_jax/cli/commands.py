@@ -162,20 +162,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"per GPU of {machine.gpus}: each takes 1/{machine.gpus} of every batch and holds a shard of the state")
     packed, disk_dir = d.mode == "packed", str(Path(cfg.train.run_dir) / "disk_tier")
     end = dict(export=bool(cfg.train.export_hf), checkpoints=cfg.train.for_fit().checkpointing)
-    documents = _attention_span(d, model_cfg)
+    span = _attention_span(d, model_cfg)
     resolved = resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed, disk_dir=disk_dir,
-                       attention_span=documents, **end)
+                       attention_span=span, **end)
     if resolved.said is not None:
         print(f"as `megatrain-jax train` would: {resolved.said}")
     p = plan(model_cfg, resolved.engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu,
              packed=packed, devices=machine.gpus, **end)
     if args.exact:
-        p = _exact(p, cfg, model_cfg, disk_dir, machine_speeds(machine, args.speeds), documents)
+        p = _exact(p, cfg, model_cfg, disk_dir, machine_speeds(machine, args.speeds), span)
     print(p.table())
     from megatrain_jax.cli.disk_room import disk_lines
     for line in disk_lines(cfg.train, model_cfg, p.engine_cfg):  # checkpoints and export, against this disk
         print(line)
-    step = for_machine(model_cfg, p.engine_cfg, d.batch_size, d.seq_len, machine, args.speeds, attention_span=documents)
+    step = for_machine(model_cfg, p.engine_cfg, d.batch_size, d.seq_len, machine, args.speeds, attention_span=span)
     print(step_line(step, d.batch_size * d.seq_len * p.engine_cfg.accumulate_steps, machine))  # an optimizer step
     modes = in_each_mode(p)
     print(modes_table(p, modes))

@@ -294,8 +294,8 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     pieces = packed_pieces(model_cfg, d)
     # packed rows: the keys a token's attention sees as the rows are packed, which the step-time model counts
     # (instruction data is tokenized here, once, into its cache)
-    documents = d.attention_span(model_cfg.vocab_size, pieces)
-    engine_cfg, memory, estimate, repicked, machine = _layout(cfg, model_cfg, model, say, documents)
+    span = d.attention_span(model_cfg.vocab_size, pieces)
+    engine_cfg, memory, estimate, repicked, machine = _layout(cfg, model_cfg, model, say, span)
     check_disk_room(t, model_cfg, engine_cfg)  # before anything is written: a save or export that cannot fit
     cfg, given = dataclasses.replace(cfg, engine=engine_cfg), cfg.engine
     say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
@@ -304,7 +304,7 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     if repicked:
         say(f"megatrain_jax: {repicked}")
     say(_memory_line(memory, estimate))
-    step = (for_machine(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, attention_span=documents)
+    step = (for_machine(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, attention_span=span)
             if gpu_at_hand() else None)
     if step is not None or gpu_at_hand():
         say(step_line(step, d.batch_size * d.seq_len * cfg.engine.accumulate_steps, machine))  # an optimizer step

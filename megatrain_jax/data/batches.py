@@ -226,15 +226,14 @@ class TokenBatches:
         left as it was)."""
         order, cursor, done = self.order(0), 0, 0
         while done < rows and cursor < len(order):
-            units, cursor = self._take(order, cursor, 1)
-            yield units[0]
-            done += 1
+            batch, cursor = self._take(order, cursor)
+            yield from batch
+            done += len(batch)
 
-    def _take(self, order: np.ndarray, cursor: int, batch_size: int | None = None) -> tuple[list[list[int]], int]:
-        """Unit indices for each row of the next batch (``batch_size`` rows, default the batch's; fewer when the epoch
-        runs out)."""
-        d, rows, size = self.dataset, [], batch_size or self.batch_size
-        while len(rows) < size and cursor < len(order):
+    def _take(self, order: np.ndarray, cursor: int) -> tuple[list[list[int]], int]:
+        """Unit indices for each row of the next batch (fewer rows when the epoch runs out)."""
+        d, rows = self.dataset, []
+        while len(rows) < self.batch_size and cursor < len(order):
             if d.mode in ("windows", "padded"):
                 rows.append([int(order[cursor])])
                 cursor += 1

@@ -204,9 +204,8 @@ def _fastest_when_lean(model_cfg, asked: EngineConfig, picked: EngineConfig, bat
     (``_fit_engine``: float32 streamed, gradients waiting on the GPU, ...) was then made for the most resident
     blocks: ``fastest`` again with that lean host layout and the "auto" fields as asked, on the host less
     ``LEAN_HOST_MARGIN``, so that the layout is the fastest that fits with the lean pick's margin rather than the
-    one with the most resident blocks. None where there is nothing to pick
-    again (no "auto" field, no rates, the host layout unchanged) or no layout fits so (activations offloaded, say):
-    the pick stands."""
+    one with the most resident blocks. None where there is nothing to pick again (no "auto" field, no rates, the
+    host layout unchanged) or no layout fits so (activations offloaded, say): the pick stands."""
     autos = {f: getattr(asked, f) for f in ("resident_layers", "kept_layers", "gpu_updated_layers")
              if getattr(asked, f) == AUTO}
     layout = ("resident_layers", "kept_layers", "gpu_updated_layers", "offload_activations", "resident_copy",
