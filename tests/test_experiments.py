@@ -922,6 +922,31 @@ def test_the_layer_compute_study_times_each_of_our_blocks_and_counts_its_flops(t
     assert len(peer) == 1 and (peer[0].get("status", "").startswith("not run") or peer[0]["forward_s"] > 0)
 
 
+def test_the_layer_compute_study_packs_rows_as_train_packs_short_chats(tmp_path):
+    """``--packed 3x4`` at 16 tokens: three 4-token documents then the padding as one run more, out of the loss;
+    attention counted within the runs (4 keys a token, doubled: 4 runs of 4 over 16 tokens), the products as
+    whole rows; with SlideFormer's half it is refused (its layer takes whole rows)."""
+    lc = load_script("studies/layer_compute")
+    seg, pos, mask = lc.packed_row("3x4", 16)
+    assert seg.tolist() == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    assert pos.tolist() == list(range(4)) * 4 and mask.tolist() == [1.0] * 12 + [0.0] * 4
+    assert lc.attention_span("3x4", 16) == 4.0 and lc.attention_span(None, 16) == 16.0
+    out = tmp_path / "layer.json"
+    cmd = [sys.executable, str(REPO / "experiments" / "studies" / "layer_compute.py"), "--preset", "tiny", "--rows",
+           "2", "--seq", "16", "--steps", "1", "--packed", "3x4", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    refused = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--halves ours" in refused.stderr and not out.exists()
+    subprocess.run(cmd + ["--halves", "ours"], cwd=REPO, check=True, env=env, capture_output=True)
+    record = json.loads(out.read_text())
+    cfg = preset("tiny")
+    assert record["packed"] == "3x4" and record["attention_span"] == 4.0
+    assert record["block_flops"]["attention"] == 2.0 * cfg.heads * cfg.dim_per_head * 4 * 32
+    assert all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in record["runs"])
+    with pytest.raises(SystemExit, match="do not fit"):
+        lc.packed_row("5x4", 16)
+
+
 def test_the_layer_compute_study_runs_our_half_once_per_xla_flags_variant(tmp_path):
     """``--xla-flags "V1;V2"``: our half once per variant, each in its own process, its records marked with the
     variant; a flag XLA does not know ends that variant's child, recorded as an error, and the others still run."""

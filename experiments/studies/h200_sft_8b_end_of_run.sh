@@ -18,10 +18,11 @@ R=$W/runs/h200_sft_8b
   done ) > $OUT/mem.log 2>&1 &
 S=$!
 timeout 400 python experiments/shipped_configs.py --configs h200_sft_8b --steps 12 --timeout 380 \
-  --set train.export_hf=$R/hf --out $OUT/h200_shipped_configs_${TAG}_h200_sft_8b_end.json 2>&1 | tail -n 2 | cut -c1-300
+  --set train.export_hf=$R/hf $(for s in $SETS; do printf -- '--set %s ' "$s"; done) \
+  --out $OUT/h200_shipped_configs_${TAG}_h200_sft_8b_${NAME}.json 2>&1 | tail -n 2 | cut -c1-300
 kill $S
 ls -la $R/hf 2>&1 | head -12
-timeout 150 python experiments/studies/hf_export_loads.py $R/hf --out $OUT/h200_shipped_configs_${TAG}_h200_sft_8b_export_loads.json 2>&1 | tail -n 1
+timeout 150 python experiments/studies/hf_export_loads.py $R/hf --out $OUT/h200_shipped_configs_${TAG}_h200_sft_8b_${NAME}_export_loads.json 2>&1 | tail -n 1
 dmesg 2>&1 | tail -4
 echo "peak VmHWM (kB): $(grep -o 'VmHWM: [0-9]*' $OUT/mem.log | awk '{print $2}' | sort -n | tail -1)"
 echo "least MemAvailable (kB): $(grep -o 'MemAvailable: [0-9]*' $OUT/mem.log | awk '{print $2}' | sort -n | head -1)"

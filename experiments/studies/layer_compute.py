@@ -33,12 +33,15 @@ XLA does not know ends its child with an error, recorded as that variant's statu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # child.py
@@ -47,13 +50,42 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 from child import results_header, run_child  # noqa: E402
 
 
-def block_flops(preset_name: str, rows: int, seq: int) -> dict:
-    """A block's forward matrix-product and attention FLOPs over ``rows`` x ``seq`` tokens."""
+def packed_row(packed: str, seq: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``--packed DOCSxLEN``: one row's segment ids, positions and loss mask as ``train`` packs short chats: DOCS
+    documents of LEN tokens, then the row's padding as one run more (its own id, positions from 0, out of the
+    loss), which cuDNN's packed layout computes like a document."""
+    try:
+        docs, n = (int(x) for x in packed.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--packed takes DOCSxLEN, e.g. 15x30, got {packed!r}") from None
+    if docs < 1 or n < 1 or docs * n > seq:
+        raise SystemExit(f"--packed {packed}: {docs} documents of {n} tokens do not fit a row of {seq}")
+    seg = np.repeat(np.arange(1, docs + 1, dtype=np.int32), n)
+    pos = np.tile(np.arange(n, dtype=np.int32), docs)
+    pad = seq - docs * n
+    seg = np.concatenate([seg, np.full(pad, docs + 1, np.int32)])
+    pos = np.concatenate([pos, np.arange(pad, dtype=np.int32)])
+    return seg, pos, (np.arange(seq) < docs * n).astype(np.float32)
+
+
+def attention_span(packed: str | None, seq: int) -> float:
+    """Keys a token's causal attention sees, doubled (sum of each run's length squared over the row's tokens):
+    ``seq`` for whole rows."""
+    if not packed:
+        return float(seq)
+    seg, _, _ = packed_row(packed, seq)
+    runs = np.bincount(seg)
+    return float(runs @ runs) / seq
+
+
+def block_flops(preset_name: str, rows: int, seq: int, packed: str | None = None) -> dict:
+    """A block's forward matrix-product and attention FLOPs over ``rows`` x ``seq`` tokens (attention within each
+    run of a ``--packed`` row)."""
     from megatrain_jax.models import preset
     cfg = preset(preset_name)
     tokens = rows * seq
     return {"matmul": 2.0 * cfg.block_active_param_count(0) * tokens,
-            "attention": 2.0 * cfg.heads * cfg.dim_per_head * seq * tokens}
+            "attention": 2.0 * cfg.heads * cfg.dim_per_head * attention_span(packed, seq) * tokens}
 
 
 def hardware_flops(f: dict, recompute: bool, keep_residuals: bool) -> tuple[float, float]:
@@ -77,14 +109,13 @@ def summary(name: str, fwd: list[float], bwd: list[float], flops: tuple[float, f
 
 def ours(args) -> list[dict]:
     import jax
-    import numpy as np
     from flax import nnx
 
     from megatrain_jax import Batch, Decoder, Engine, EngineConfig, adamw, preset
     from megatrain_jax.engine.passes import block_until_done
     cfg = preset(args.preset, layers=args.layers)
     rng = np.random.default_rng(0)
-    f = block_flops(args.preset, args.rows, args.seq)
+    f = block_flops(args.preset, args.rows, args.seq, args.packed)
     runs = []
     for kept in (0, args.layers):
         e = EngineConfig(micro_batches=1, resident_layers=args.layers, resident_io=True, keep_residuals=True,
@@ -101,7 +132,13 @@ def ours(args) -> list[dict]:
             def on_task(self, key, start, end):
                 pass
 
-        batch = lambda: Batch.from_windows(rng.integers(0, cfg.vocab_size, (args.rows, args.seq + 1)))  # noqa: E731
+        def batch() -> Batch:
+            b = Batch.from_windows(rng.integers(0, cfg.vocab_size, (args.rows, args.seq + 1)))
+            if not args.packed:
+                return b
+            seg, pos, mask = packed_row(args.packed, args.seq)
+            return dataclasses.replace(b, segment_ids=np.tile(seg, (args.rows, 1)),
+                                       positions=np.tile(pos, (args.rows, 1)), loss_mask=np.tile(mask, (args.rows, 1)))
         for _ in range(2):  # compile and warm up
             engine.step(batch()).resolve()
         engine.sync()
@@ -208,6 +245,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5, help="timed steps (ours: each times every block once)")
+    ap.add_argument("--packed", default=None, metavar="DOCSxLEN",
+                    help="our half only: rows packed as train packs short chats, DOCS documents of LEN tokens then "
+                         "the padding as one run (e.g. 15x30: h200_sft_8b's generated chats)")
     ap.add_argument("--halves", default="ours,slideformer")
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--site", default="/tmp/site_slideformer",
@@ -224,6 +264,8 @@ def main() -> None:
         return
     if not args.out:
         ap.error("--out is required")
+    if args.packed and "slideformer" in args.halves.split(","):
+        ap.error("--packed runs our half only (SlideFormer's layer takes whole rows): add --halves ours")
     runs = []
     variants = [v.strip() for v in args.xla_flags.split(";")] if args.xla_flags is not None else [None]
     base = os.environ.get("XLA_FLAGS", "")
@@ -241,9 +283,10 @@ def main() -> None:
                 for r in got_runs:
                     r["xla_flags"] = flags
             runs += got_runs
-    f = block_flops(args.preset, args.rows, args.seq)
+    f = block_flops(args.preset, args.rows, args.seq, args.packed)
     record = {**results_header(args.out, __file__), "preset": args.preset, "rows": args.rows, "seq_len": args.seq,
-              "block_flops": f, "runs": runs}
+              "packed": args.packed, "attention_span": attention_span(args.packed, args.seq), "block_flops": f,
+              "runs": runs}
     with open(args.out, "w") as fh:
         json.dump(record, fh, indent=1)
         fh.write("\n")
