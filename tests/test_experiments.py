@@ -947,6 +947,23 @@ def test_the_layer_compute_study_packs_rows_as_train_packs_short_chats(tmp_path)
         lc.packed_row("5x4", 16)
 
 
+def test_the_layer_compute_study_takes_whole_rows_with_part_of_each_out_of_the_loss(tmp_path):
+    """``--loss-tokens N``: whole rows (attention over all 16 tokens) with only the first N in the loss; outside
+    1..seq, or beside ``--packed``, refused before anything runs."""
+    out = tmp_path / "layer.json"
+    cmd = [sys.executable, str(REPO / "experiments" / "studies" / "layer_compute.py"), "--preset", "tiny", "--rows",
+           "2", "--seq", "16", "--steps", "1", "--halves", "ours", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for bad, says in ((["--loss-tokens", "17"], "between 1 and --seq"),
+                      (["--loss-tokens", "4", "--packed", "3x4"], "for whole rows")):
+        refused = subprocess.run(cmd + bad, cwd=REPO, env=env, capture_output=True, text=True)
+        assert refused.returncode == 2 and says in refused.stderr and not out.exists()
+    subprocess.run(cmd + ["--loss-tokens", "4"], cwd=REPO, check=True, env=env, capture_output=True)
+    record = json.loads(out.read_text())
+    assert record["loss_tokens"] == 4 and record["attention_span"] == 16.0
+    assert all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in record["runs"])
+
+
 def test_the_layer_compute_study_runs_our_half_once_per_xla_flags_variant(tmp_path):
     """``--xla-flags "V1;V2"``: our half once per variant, each in its own process, its records marked with the
     variant; a flag XLA does not know ends that variant's child, recorded as an error, and the others still run."""

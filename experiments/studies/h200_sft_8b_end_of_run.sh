@@ -3,8 +3,11 @@
 # turns the export off unless --set turns it back on), 12 steps, with the train process's resident memory (VmRSS,
 # VmHWM: its peak) and the host's MemAvailable logged every second through training, the end-of-run sync and the
 # export; then the export folder and the kernel's log. Checks the 2026-11-28 prediction in studies/NOTES.md
-# (writes $OUT/h200_shipped_configs_${TAG}_h200_sft_8b_end.json and $OUT/mem.log).
+# (writes $OUT/h200_shipped_configs_${TAG}_h200_sft_8b_${NAME}.json, NAME "end" unless set, its export's load check
+# and $OUT/mem.log). SETS: more `--set` overrides, space-separated (e.g. "engine.resident_layers=auto").
 TAG=${TAG:-$(git rev-parse --short HEAD 2>/dev/null || date +%F)}
+NAME=${NAME:-end}
+SETS=${SETS:-}
 set -u
 export PYTHONPATH=.
 free -g | sed 's/^/free: /'

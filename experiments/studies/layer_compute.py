@@ -134,6 +134,9 @@ def ours(args) -> list[dict]:
 
         def batch() -> Batch:
             b = Batch.from_windows(rng.integers(0, cfg.vocab_size, (args.rows, args.seq + 1)))
+            if args.loss_tokens is not None:  # the rest of each row out of the loss: its gradients are zeros
+                b = dataclasses.replace(b, loss_mask=np.tile((np.arange(args.seq) < args.loss_tokens).astype(
+                    np.float32), (args.rows, 1)))
             if not args.packed:
                 return b
             seg, pos, mask = packed_row(args.packed, args.seq)
@@ -249,6 +252,9 @@ def main() -> None:
                     help="our half only: rows packed as train packs short chats, DOCS documents of LEN tokens then "
                          "the padding as one run (e.g. 15x30: h200_sft_8b's generated chats)")
     ap.add_argument("--halves", default="ours,slideformer")
+    ap.add_argument("--loss-tokens", type=int, default=None, metavar="N",
+                    help="our half, whole rows: only each row's first N tokens count in the loss (the backward's "
+                         "gradients are zeros on the rest, as on a packed row's padding), the attention unchanged")
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--site", default="/tmp/site_slideformer",
                     help="SlideFormer's wheels (scripts/build_peer_wheels.sh), put first on the peer's sys.path")
@@ -264,8 +270,13 @@ def main() -> None:
         return
     if not args.out:
         ap.error("--out is required")
-    if args.packed and "slideformer" in args.halves.split(","):
-        ap.error("--packed runs our half only (SlideFormer's layer takes whole rows): add --halves ours")
+    if (args.packed or args.loss_tokens is not None) and "slideformer" in args.halves.split(","):
+        ap.error("--packed and --loss-tokens run our half only (SlideFormer's layer takes whole rows, all in its "
+                 "loss): add --halves ours")
+    if args.packed and args.loss_tokens is not None:
+        ap.error("--loss-tokens is for whole rows (a --packed row's padding is out of the loss already)")
+    if args.loss_tokens is not None and not 1 <= args.loss_tokens <= args.seq:
+        ap.error(f"--loss-tokens must be between 1 and --seq ({args.seq}), got {args.loss_tokens}")
     runs = []
     variants = [v.strip() for v in args.xla_flags.split(";")] if args.xla_flags is not None else [None]
     base = os.environ.get("XLA_FLAGS", "")
@@ -285,7 +296,7 @@ def main() -> None:
             runs += got_runs
     f = block_flops(args.preset, args.rows, args.seq, args.packed)
     record = {**results_header(args.out, __file__), "preset": args.preset, "rows": args.rows, "seq_len": args.seq,
-              "packed": args.packed, "attention_span": attention_span(args.packed, args.seq), "block_flops": f,
+              "packed": args.packed, "loss_tokens": args.loss_tokens, "attention_span": attention_span(args.packed, args.seq), "block_flops": f,
               "runs": runs}
     with open(args.out, "w") as fh:
         json.dump(record, fh, indent=1)
