@@ -32,6 +32,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatrain_jax import Batch, Decoder, Engine, EngineConfig, default_optimizer, preset  # noqa: E402
+from megatrain_jax.batch import RowMix  # noqa: E402
 from megatrain_jax.data import TokenDataset, TokenFile  # noqa: E402
 from megatrain_jax.data.demo import demo_tokens  # noqa: E402
 from megatrain_jax.engine.observers import Profile  # noqa: E402
@@ -54,10 +55,10 @@ class BenchConfig:
         return preset(self.preset, **({"layers": self.layers} if self.layers else {}),
                       **({"vocab_size": self.vocab} if self.vocab else {}))
 
-    def attention_span(self, batches: int = 4) -> float | None:
-        """Packed rows (``packed_docs``): the keys a token's attention sees, as ``TokenDataset.attention_span``
-        counts them, over the first ``batches`` batches ``pack_rows`` cuts (its seeds 0, 1, ...); None: whole
-        rows."""
+    def row_mix(self, batches: int = 4) -> RowMix | None:
+        """Packed rows (``packed_docs``): the keys a token's attention sees, as ``TokenDataset.row_mix`` counts
+        them, over the first ``batches`` batches ``pack_rows`` cuts (its seeds 0, 1, ...), every token in the loss;
+        None: whole rows."""
         if not self.packed_docs:
             return None
         zeros = np.zeros((self.rows, self.seq_len), np.int32)
@@ -65,7 +66,7 @@ class BenchConfig:
         for seed in range(batches):
             seg = pack_rows(Batch(zeros, zeros, zeros.astype(np.float32)), self.packed_docs, seed).segment_ids
             pairs += sum(float(np.bincount(row) @ np.bincount(row)) for row in seg)
-        return pairs / (batches * self.rows * self.seq_len)
+        return RowMix(pairs / (batches * self.rows * self.seq_len))
 
 
 def pack_rows(batch: Batch, docs: int, seed: int) -> Batch:
@@ -392,7 +393,7 @@ def predicted_step(bc: BenchConfig, cfg, gpus: int):
     """The step-time model's prediction for this layout on this machine's GPU kind (None: no rates for it)."""
     from megatrain_jax.plan import Machine, for_machine
     machine = dataclasses.replace(Machine.here(), gpus=gpus)
-    return for_machine(cfg, bc.engine, bc.rows, bc.seq_len, machine, attention_span=bc.attention_span())
+    return for_machine(cfg, bc.engine, bc.rows, bc.seq_len, machine, mix=bc.row_mix())
 
 
 def resolve_layout(bc: BenchConfig) -> tuple[BenchConfig, str | None]:
@@ -402,7 +403,7 @@ def resolve_layout(bc: BenchConfig) -> tuple[BenchConfig, str | None]:
     sentence saying what was changed (None: as named)."""
     from megatrain_jax.plan import Machine, resolve
     resolved = resolve(bc.model(), bc.engine, bc.rows, bc.seq_len, Machine.here(), packed=bc.packed_docs > 0,
-                       attention_span=bc.attention_span())
+                       mix=bc.row_mix())
     return dataclasses.replace(bc, engine=resolved.engine_cfg), resolved.said
 
 

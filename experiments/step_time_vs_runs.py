@@ -16,12 +16,13 @@ left out: their records lack the experts). ``--fit`` searches the rates that bri
 ``speeds.SPEEDS`` holds came from it. A run that timed the host update at its start and recorded it
 (``predicted_step.host_measured``, since 249dd3f; the runs at 117fbab name the rate only in ``speeds``) is
 predicted with those rates, as ``train`` predicted it (``Speeds.measured_here``), unless a calibration file is
-given. Packed rows attend within their runs (documents, and each row's padding): a run is predicted at the span
-its record gives (``predicted_step.attention_span``); with ``--work`` (the study's own command: the file it writes),
-a shipped config's run recorded before that, on the chats ``shipped_configs.py`` generated
-(``shipped_configs.generated_chats``, made once in that folder), at theirs, as ``train`` packs them; without it
-(the tests), at whole rows. A bench.py run of packed rows is predicted at ``BenchConfig.attention_span``. (The
-``document_len`` of the runs at e20d02d and 803ad8b left the padding out: it is not read.)
+given. What the rows held (``RowMix``: packed rows attend within their runs, documents and each row's padding;
+the backward over tokens out of the loss runs faster): a run is predicted with what its record gives
+(``predicted_step.attention_span`` and ``out_of_loss``); with ``--work`` (the study's own command: the file it
+writes), a shipped config's run on the chats ``shipped_configs.py`` generated (``shipped_configs.generated_chats``,
+made once in that folder) with theirs, read as ``train`` makes the rows; without it (the tests), as recorded. A
+bench.py run of packed rows is predicted at ``BenchConfig.row_mix``. (The ``document_len`` of the runs at e20d02d
+and 803ad8b left the padding out: it is not read.)
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from megatrain_jax.batch import RowMix  # noqa: E402
 from megatrain_jax.cli import load_config  # noqa: E402
 from megatrain_jax.engine.config import EngineConfig  # noqa: E402
 from megatrain_jax.engine.precision import REMOVED_MOMENT_DTYPES  # noqa: E402
@@ -71,7 +73,7 @@ REPEATS = ("h200x2_3p5b_8k_split_count_order_b439b4d.json",)
 # 5.0 steady): such runs are left out.
 MIN_TIMED = 2
 WORK = os.path.join(REPO, "build", "step_time_vs_runs")  # --work's default: the generated chats, made once
-_SPANS: dict[tuple, float] = {}  # the generated chats' span, per (folder, shape, data settings), read once
+_MIXES: dict[tuple, RowMix | None] = {}  # the generated chats' rows, per (folder, shape, data settings), read once
 
 
 def _removed_mode(engine: dict, overrides: list[str] = ()) -> bool:
@@ -118,8 +120,8 @@ def runs(since: str = SINCE, work: str | None = None) -> list[dict]:
                 out.append({"file": os.path.relpath(path, REPO), "date": date, "older": older,
                             "run": r["config"], "kind": kind, "host_cores": cores,
                             "host_measured": _host_measured((r.get("planned") or {}).get("predicted_step")),
-                            **shipped, "attention_span": _attention_span(
-                                (r.get("planned") or {}).get("predicted_step"), generated, work)})
+                            **shipped, "mix": _row_mix((r.get("planned") or {}).get("predicted_step"), generated,
+                                                       work)})
                 continue
             if not (isinstance(r, dict) and r.get("system") == "megatrain_jax" and r.get("status") == "ok"
                     and isinstance(r.get("engine"), dict) and isinstance(r.get("model"), dict)
@@ -139,35 +141,39 @@ def runs(since: str = SINCE, work: str | None = None) -> list[dict]:
                         "gpus": gpus, "host_cores": cores, "cfg": cfg, "shape": shape, "engine": EngineConfig(**engine),
                         "rows": r["tokens_per_step"] // r["seq_len"], "seq_len": r["seq_len"],
                         "measured_s": r["step_time_s"], "host_measured": _host_measured(r.get("predicted_step")),
-                        "attention_span": _attention_span(r.get("predicted_step")) or _bench_span(r, shape)})
+                        "mix": _row_mix(r.get("predicted_step")) or _bench_mix(r, shape)})
     return out
 
 
-def _bench_span(r: dict, shape: str) -> float | None:
+def _bench_mix(r: dict, shape: str) -> RowMix | None:
     """A bench.py run of packed rows (``packed_docs_per_row`` documents cut at random in each): their span as
-    ``BenchConfig.attention_span`` counts it; None for whole rows."""
+    ``BenchConfig.row_mix`` counts it, every token in the loss; None for whole rows."""
     docs = r.get("packed_docs_per_row")
     if not docs:
         return None
     return bench.BenchConfig(shape, r["model"]["layers"], r["seq_len"], r["tokens_per_step"] // r["seq_len"],
-                             EngineConfig(), packed_docs=docs).attention_span()
+                             EngineConfig(), packed_docs=docs).row_mix()
 
 
-def _attention_span(predicted, generated: tuple | None = None, work: str | None = None) -> float | None:
-    """Packed rows' span as the run's prediction counted it (its record's ``predicted_step.attention_span``), else,
-    with ``work``, that of the chats a shipped config's run trained on (``generated``: their shape, the data
-    section and the model; made in ``work`` and read as ``train`` packs them); None: whole rows."""
-    got = predicted.get("attention_span") if isinstance(predicted, dict) else None
-    if got is not None or generated is None or work is None:
-        return None if got is None else float(got)
-    shape, data, model = generated
-    pieces = model.segments_per_row(data.seq_len) - 1
-    key = (work, shape, data.seq_len, data.too_long, data.eval_fraction, data.seed, pieces)
-    if key not in _SPANS:
-        chats, tokenizer = shipped_configs.generated_chats(Path(work) / shape, shape)
-        read = dataclasses.replace(data, path=str(chats), tokenizer=str(tokenizer), cache_dir=str(Path(work) / "cache"))
-        _SPANS[key] = read.attention_span(model.vocab_size, pieces)
-    return _SPANS[key]
+def _row_mix(predicted, generated: tuple | None = None, work: str | None = None) -> RowMix | None:
+    """What the rows held: with ``work``, the chats a shipped config's run trained on, read as ``train`` makes the
+    rows (``generated``: their shape, the data section and the model; made in ``work``); else as the run's
+    prediction counted it (its record's ``predicted_step.attention_span`` and ``out_of_loss``, each recorded where
+    it applied); None: whole rows, every token in the loss."""
+    if generated is not None and work is not None:
+        shape, data, model = generated
+        pieces = model.segments_per_row(data.seq_len) - 1 if data.mode == "packed" else None
+        key = (work, shape, data.mode, data.seq_len, data.too_long, data.eval_fraction, data.seed, pieces)
+        if key not in _MIXES:
+            chats, tokenizer = shipped_configs.generated_chats(Path(work) / shape, shape)
+            read = dataclasses.replace(data, path=str(chats), tokenizer=str(tokenizer),
+                                       cache_dir=str(Path(work) / "cache"))
+            _MIXES[key] = read.row_mix(model.vocab_size, pieces)
+        return _MIXES[key]
+    if not isinstance(predicted, dict) or not (predicted.get("attention_span") or predicted.get("out_of_loss")):
+        return None
+    span = predicted.get("attention_span")
+    return RowMix(None if span is None else float(span), float(predicted.get("out_of_loss") or 0.0))
 
 
 def _host_measured(predicted) -> dict | None:
@@ -229,7 +235,7 @@ def errors(rs: list[dict], s: speeds_mod.Speeds, measured: bool = True) -> list[
     out = []
     for r in rs:
         p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], _speeds_for(r, s, measured), devices=r["gpus"],
-                    attention_span=r["attention_span"])
+                    mix=r["mix"])
         out.append((p.seconds - r["measured_s"]) / r["measured_s"])
     return out
 
@@ -285,7 +291,7 @@ def main() -> None:
             print(kind, json.dumps(fitted[kind]), flush=True)
         for r in [r for r in rs if r["kind"] == kind]:
             p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], _speeds_for(r, s, args.speeds is None),
-                        devices=r["gpus"], attention_span=r["attention_span"])
+                        devices=r["gpus"], mix=r["mix"])
             e = r["engine"]
             rows.append({"file": r["file"], "date": r["date"], "older": r["older"], "run": r["run"], "kind": kind,
                          "gpus": r["gpus"], "host_cores": r["host_cores"], "model": r["shape"],
@@ -294,7 +300,9 @@ def main() -> None:
                                     "kept_layers": e.kept_layers, "micro_batches": e.micro_batches,
                                     "offload_activations": e.offload_activations, "mode": e.precision.name,
                                     "grads_on_gpu": e.grads_on_gpu, "disk_parts": e.disk_parts},
-                         "host_measured": r["host_measured"], "attention_span": r["attention_span"],
+                         "host_measured": r["host_measured"],
+                         "attention_span": None if r["mix"] is None else r["mix"].attention_span,
+                         "out_of_loss": None if r["mix"] is None else round(r["mix"].out_of_loss, 4),
                          "measured_s": r["measured_s"], "predicted_s": round(p.seconds, 4),
                          "error": round((p.seconds - r["measured_s"]) / r["measured_s"], 4), "bound": p.bound,
                          "busy_s": p.busy})

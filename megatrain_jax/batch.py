@@ -9,6 +9,25 @@ import jax
 import numpy as np
 
 
+@dataclasses.dataclass(frozen=True)
+class RowMix:
+    """What a run's rows hold beside their shape, as the step-time model reads it (``plan.step_time.predict``):
+
+    - ``attention_span``: packed rows, the keys a token's causal attention sees, doubled: the sum over each row's
+      runs (its documents, and its padding as one run more) of their length squared, over the rows' tokens
+      (``data.TokenDataset.row_mix``); None: each row is one causal sequence.
+    - ``out_of_loss``: the share of the rows' tokens out of the loss (padding, prompts): the backward's gradients
+      are zeros there.
+    """
+
+    attention_span: float | None = None
+    out_of_loss: float = 0.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.out_of_loss <= 1.0:
+            raise ValueError(f"out_of_loss is a share of the rows' tokens, between 0 and 1: got {self.out_of_loss}")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Batch:

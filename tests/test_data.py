@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatrain_jax.batch import check_batch
+from megatrain_jax.batch import RowMix, check_batch
 from megatrain_jax.data import (DataConfig, TokenDataset, TokenFile, demo_dataset, demo_tokens, prefetch,
                                 write_tokens)
 
@@ -186,24 +186,36 @@ def test_packing_masks_and_segments():
     assert sorted(seen) == want
 
 
-def test_attention_span_counts_each_packed_rows_runs_padding_included():
-    """``attention_span``: over the rows as the batches pack them (epoch 0's order, at most ``max_pieces`` a row),
-    the sum of each row's runs' lengths squared (pieces, and the padding as one run: cuDNN's packed layout runs it)
-    over rows x seq_len, read back from the batches' segment ids; None where rows are windows or one document
-    each."""
-    for pieces in (None, 2):
-        ds = TokenDataset(docs_file(), seq_len=8, mode="packed", max_pieces=pieces)
-        pairs = rows = 0
-        for b in ds.batches(1, seed=3, shuffle=True, loop=False):
-            seg = b.segment_ids[0]
-            runs = [int((seg == k).sum()) for k in range(seg.max() + 1)]  # 0: the padding
-            pairs, rows = pairs + sum(n * n for n in runs), rows + 1
-        assert ds.attention_span(seed=3) == pytest.approx(pairs / (rows * 8))
-        assert ds.attention_span(seed=3, rows=2) != ds.attention_span(seed=3)  # the first rows only
+def test_row_mix_counts_packed_rows_runs_and_the_tokens_out_of_the_loss_as_the_batches_make_them():
+    """``row_mix`` over the rows as the batches make them (epoch 0's order, at most ``max_pieces`` a packed row):
+    ``attention_span``, the sum of each packed row's runs' lengths squared (pieces, and the padding as one run:
+    cuDNN's packed layout runs it) over rows x seq_len, read back from the batches' segment ids (None where rows are
+    windows or one document each); ``out_of_loss``, the share of the rows' tokens whose loss mask is 0 (padding, and
+    what a file's loss flags leave out), read back from the batches' masks, in every mode."""
+    flags = np.random.default_rng(1).integers(0, 2, sum((5, 1, 9, 30, 3, 12, 17, 2, 8, 26, 4, 11))).astype(np.uint8)
+    for file in (docs_file(), dataclasses.replace(docs_file(), loss=flags)):
+        for mode, pieces in (("packed", None), ("packed", 2), ("padded", None), ("windows", None)):
+            ds = TokenDataset(file, seq_len=8, mode=mode, max_pieces=pieces)
+            pairs = rows = out = 0
+            for b in ds.batches(1, seed=3, shuffle=True, loop=False):
+                out += float((b.loss_mask[0] == 0).sum())
+                if b.segment_ids is not None:
+                    seg = b.segment_ids[0]
+                    runs = [int((seg == k).sum()) for k in range(seg.max() + 1)]  # 0: the padding
+                    pairs += sum(n * n for n in runs)
+                rows += 1
+            mix = ds.row_mix(seed=3)
+            assert mix.out_of_loss == pytest.approx(out / (rows * 8)), (mode, pieces, file.loss is not None)
+            if mode == "packed":
+                assert mix.attention_span == pytest.approx(pairs / (rows * 8))
+                assert ds.row_mix(seed=3, rows=2) != mix  # the first rows only
+            else:
+                assert mix.attention_span is None
     full = TokenDataset(docs_file((9,) * 6), seq_len=8, mode="packed")  # one piece fills each row
-    assert full.attention_span() == 8
-    assert TokenDataset(docs_file(), seq_len=8, mode="padded").attention_span() is None
-    assert TokenDataset(docs_file(), seq_len=8).attention_span() is None
+    assert full.row_mix() == RowMix(8.0, 0.0)
+    assert TokenDataset(docs_file(), seq_len=8).row_mix() == RowMix(None, 0.0)  # windows, every token in the loss
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        RowMix(None, 1.5)
 
 
 def test_segment_mask_keeps_attention_inside_documents():
@@ -319,8 +331,9 @@ def test_data_config_build_and_resume(tmp_path):
     with pytest.raises(ValueError, match="vocab"):
         cfg.build(model_vocab=100)
     assert next(DataConfig(batch_size=2, seq_len=8, demo_tokens=5000).build(256)).shape == (2, 8)
-    assert cfg.attention_span(256, 3) == cfg.dataset("train", 256, 3).attention_span(cfg.seed) <= 32
-    assert dataclasses.replace(cfg, mode="windows").attention_span() is None
+    assert cfg.row_mix(256, 3) == cfg.dataset("train", 256, 3).row_mix(cfg.seed)
+    assert cfg.row_mix(256, 3).attention_span <= 32
+    assert dataclasses.replace(cfg, mode="windows").row_mix(256).attention_span is None
 
 
 # --- prepare_data ------------------------------------------------------------------------------------

@@ -162,20 +162,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"per GPU of {machine.gpus}: each takes 1/{machine.gpus} of every batch and holds a shard of the state")
     packed, disk_dir = d.mode == "packed", str(Path(cfg.train.run_dir) / "disk_tier")
     end = dict(export=bool(cfg.train.export_hf), checkpoints=cfg.train.for_fit().checkpointing)
-    span = _attention_span(d, model_cfg)
+    mix = _row_mix(d, model_cfg)
     resolved = resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed, disk_dir=disk_dir,
-                       attention_span=span, **end)
+                       mix=mix, **end)
     if resolved.said is not None:
         print(f"as `megatrain-jax train` would: {resolved.said}")
     p = plan(model_cfg, resolved.engine_cfg, d.batch_size, d.seq_len, host_ram_bytes=host, gpu_bytes=gpu,
              packed=packed, devices=machine.gpus, **end)
     if args.exact:
-        p = _exact(p, cfg, model_cfg, disk_dir, machine_speeds(machine, args.speeds), span)
+        p = _exact(p, cfg, model_cfg, disk_dir, machine_speeds(machine, args.speeds), mix)
     print(p.table())
     from megatrain_jax.cli.disk_room import disk_lines
     for line in disk_lines(cfg.train, model_cfg, p.engine_cfg):  # checkpoints and export, against this disk
         print(line)
-    step = for_machine(model_cfg, p.engine_cfg, d.batch_size, d.seq_len, machine, args.speeds, attention_span=span)
+    step = for_machine(model_cfg, p.engine_cfg, d.batch_size, d.seq_len, machine, args.speeds, mix=mix)
     print(step_line(step, d.batch_size * d.seq_len * p.engine_cfg.accumulate_steps, machine))  # an optimizer step
     modes = in_each_mode(p)
     print(modes_table(p, modes))
@@ -189,24 +189,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _attention_span(d, model_cfg) -> float | None:
-    """Packed rows' span (``DataConfig.attention_span``, the rows packed as ``train`` packs them) for the step-time
-    model, where the data can be read here; None where the rows are not packed, or (said) where the data cannot be
-    read: attention is then counted over whole rows, which over-counts packed rows."""
+def _row_mix(d, model_cfg):
+    """What the rows hold (``DataConfig.row_mix``, the rows made as ``train`` makes them: packed rows' span, the
+    share out of the loss) for the step-time model, where the data can be read here; else (said) None: whole rows,
+    every token in the loss, which over-counts packed rows' attention and short instruction data's backward."""
     from megatrain_jax.cli.run import packed_pieces
-    if d.mode != "packed":
+    if d.format == "preference":
         return None
     if d.path is not None and d.format == "chat":
-        print(f"reading {d.path} for its packed rows' attention span (tokenized once into the cache)")
+        print(f"reading {d.path} for what its rows hold (tokenized once into the cache)")
     try:
-        return d.attention_span(model_cfg.vocab_size, packed_pieces(model_cfg, d))
+        return d.row_mix(model_cfg.vocab_size, packed_pieces(model_cfg, d))
     except (OSError, ValueError) as e:
-        print(f"note: the data cannot be read here ({e}); the predicted step counts attention over whole rows of "
-              f"{d.seq_len:,} tokens, more than packed rows cost")
+        print(f"note: the data cannot be read here ({e}); the predicted step takes whole rows of {d.seq_len:,} "
+              f"tokens, every one in the loss")
         return None
 
 
-def _exact(estimate, cfg, model_cfg, disk_dir: str, speeds=None, attention_span: float | None = None):
+def _exact(estimate, cfg, model_cfg, disk_dir: str, speeds=None, mix=None):
     """``plan --exact``: the plan with XLA's figures for the run's programs compiled on this GPU, and what that
     changed, printed."""
     from flax import nnx
@@ -219,7 +219,7 @@ def _exact(estimate, cfg, model_cfg, disk_dir: str, speeds=None, attention_span:
                           "without --exact the plan's GPU side is the estimate")
     model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
     p, again = exact_plan(model, estimate, given=cfg.engine, devices=cfg.train.devices, disk_dir=disk_dir,
-                          speeds=speeds, attention_span=attention_span)
+                          speeds=speeds, mix=mix)
     print(again or f"with XLA's figures for the compiled programs: GPU {p.gpu_total / GiB:.2f} GiB (the "
                    f"estimate: {estimate.gpu_total / GiB:.2f})")
     return p

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from megatrain_jax import distributed
+from megatrain_jax.batch import RowMix
 from megatrain_jax._environment import gpu_fraction_source, host_pool_limit, user_host_pool_limit
 from megatrain_jax.checkpoint import CorruptCheckpointError, committed_steps
 from megatrain_jax.cli.disk_room import check_disk_room
@@ -292,10 +293,10 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
 
     model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(t.seed)))
     pieces = packed_pieces(model_cfg, d)
-    # packed rows: the keys a token's attention sees as the rows are packed, which the step-time model counts
+    # what the rows hold (packed rows' span, the share out of the loss), which the step-time model counts
     # (instruction data is tokenized here, once, into its cache)
-    span = d.attention_span(model_cfg.vocab_size, pieces)
-    engine_cfg, memory, estimate, repicked, machine = _layout(cfg, model_cfg, model, say, span)
+    mix = d.row_mix(model_cfg.vocab_size, pieces)
+    engine_cfg, memory, estimate, repicked, machine = _layout(cfg, model_cfg, model, say, mix)
     check_disk_room(t, model_cfg, engine_cfg)  # before anything is written: a save or export that cannot fit
     cfg, given = dataclasses.replace(cfg, engine=engine_cfg), cfg.engine
     say(f"megatrain_jax: {model_cfg.param_count() / 1e6:,.1f} M params ({model_cfg.layers} layers, hidden "
@@ -304,7 +305,7 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     if repicked:
         say(f"megatrain_jax: {repicked}")
     say(_memory_line(memory, estimate))
-    step = (for_machine(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, attention_span=span)
+    step = (for_machine(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, mix=mix)
             if gpu_at_hand() else None)
     if step is not None or gpu_at_hand():
         say(step_line(step, d.batch_size * d.seq_len * cfg.engine.accumulate_steps, machine))  # an optimizer step
@@ -465,18 +466,18 @@ def packed_pieces(model_cfg, d) -> int | None:
 
 
 def _layout(cfg: RunConfig, model_cfg, model: nnx.Module, say,
-            attention_span: float | None = None) -> tuple[EngineConfig, MemoryPlan, MemoryPlan, str | None, Machine]:
+            mix: RowMix | None = None) -> tuple[EngineConfig, MemoryPlan, MemoryPlan, str | None, Machine]:
     """The engine config the run runs with (``plan.resolve`` on this machine, then, on a GPU, with XLA's figures
     for the compiled programs: ``plan.exact_plan``), said where it differs from the config; its plan, the
     estimate from rules of thumb, and what XLA's figures changed (said after the start line). Refuses a run
-    that does not fit unless ``train.memory_check`` is off. Also returns the machine as read. ``attention_span``:
-    packed rows' span (``DataConfig.attention_span``), for the step-time model's "auto" picks."""
+    that does not fit unless ``train.memory_check`` is off. Also returns the machine as read. ``mix``: what the
+    rows hold (``DataConfig.row_mix``), for the step-time model's "auto" picks."""
     t, d, run_dir = cfg.train, cfg.data, Path(cfg.train.run_dir)
     machine = Machine.here(t.devices, several_processes=distributed.requested())
     packed, disk_dir = d.mode == "packed", str(run_dir / "disk_tier")
     end = dict(export=bool(t.export_hf), checkpoints=t.for_fit().checkpointing)  # the plan counts the run's end
     given, resolved = cfg.engine, resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed,
-                                          disk_dir=disk_dir, attention_span=attention_span, **end)
+                                          disk_dir=disk_dir, mix=mix, **end)
     if resolved.said is not None:  # memory is short, or the config asked for a pick: the sentence says what ran
         say(f"megatrain_jax: {resolved.said}")
     cfg = dataclasses.replace(cfg, engine=resolved.engine_cfg)
@@ -487,7 +488,7 @@ def _layout(cfg: RunConfig, model_cfg, model: nnx.Module, say,
     if gpu_at_hand() and not machine.several_processes:
         memory, repicked = exact_plan(model, memory, given=given, devices=t.devices, disk_dir=disk_dir,
                                       check=t.memory_check, speeds=machine_speeds(machine),
-                                      attention_span=attention_span)
+                                      mix=mix)
         cfg = dataclasses.replace(cfg, engine=memory.engine_cfg)
     if t.memory_check:
         require_fit(memory, given)

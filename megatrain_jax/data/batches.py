@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from megatrain_jax.batch import Batch
+from megatrain_jax.batch import Batch, RowMix
 from megatrain_jax.data.tokens import TokenFile
 
 MODES = ("windows", "packed", "padded")  # padded: one document per row, the rest masked out
@@ -114,21 +114,28 @@ class TokenDataset:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def attention_span(self, seed: int = 0, rows: int = 4096) -> float | None:
-        """Packed rows: the keys a token's causal attention sees, doubled, over the rows' tokens as the rows are
-        packed (next-fit, at most ``max_pieces`` pieces a row, in epoch 0's order for ``seed``; the first ``rows``
-        rows): the sum over each row's runs of their length squared, over rows x seq_len. The runs are its pieces
-        and its padding, which cuDNN's packed layout runs as one run more (``models.layers.segment_layout``): a
-        row of short documents with a long padding tail costs that tail's own attention. A row of one piece of
-        seq_len gives seq_len. This is what the step-time model counts attention over
-        (``plan.step_time.predict``). None in the other modes: each row is one causal sequence of ``seq_len``."""
-        if self.mode != "packed":
-            return None
-        pairs, seen, T = 0.0, 0, self.seq_len
+    def row_mix(self, seed: int = 0, rows: int = 4096) -> RowMix:
+        """What the rows hold as ``TokenBatches`` makes them (in epoch 0's order for ``seed``; the first ``rows``
+        rows), for the step-time model (``plan.step_time.predict``):
+
+        - ``attention_span`` (packed rows; None in the other modes, where each row is one causal sequence): the keys
+          a token's causal attention sees, doubled: the sum over each row's runs of their length squared, over rows
+          x seq_len. The runs are its pieces and its padding, which cuDNN's packed layout runs as one run more
+          (``models.layers.segment_layout``): a row of short documents with a long padding tail costs that tail's
+          own attention. A row of one piece of seq_len gives seq_len.
+        - ``out_of_loss``: the share of the rows' tokens out of the loss (padding, and the tokens a file's loss
+          flags leave out: instruction data's prompts)."""
+        pairs, in_loss, seen, T = 0.0, 0.0, 0, self.seq_len
+        loss = self.file.loss
         for units in TokenBatches(self, 1, seed=seed, shuffle=True, loop=False).packed_rows(rows):
-            n = self.lengths[units].astype(np.float64) - 1
+            n = np.minimum(self.lengths[units].astype(np.float64) - 1, T)  # a window's pairs: seq_len
             pairs, seen = pairs + (n * n).sum() + (T - n.sum()) ** 2, seen + 1
-        return pairs / (seen * T)
+            in_loss += n.sum() if loss is None else sum(
+                float(np.count_nonzero(loss[int(self.starts[u]) + 1:int(self.starts[u]) + 1 + int(k)]))
+                for u, k in zip(units, n))
+        if not seen:
+            return RowMix(None if self.mode != "packed" else float(T))
+        return RowMix(pairs / (seen * T) if self.mode == "packed" else None, 1.0 - in_loss / (seen * T))
 
     def batches(self, batch_size: int, *, seed: int = 0, shuffle: bool | None = None, loop: bool | None = None,
                 state: dict | None = None, process: tuple[int, int] = (0, 1)) -> "TokenBatches":

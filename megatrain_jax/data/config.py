@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from megatrain_jax.batch import RowMix
 from megatrain_jax.data.batches import MODES, TokenBatches, TokenDataset, check_choice
 from megatrain_jax.data.demo import demo_dataset
 from megatrain_jax.data.prefetch import Prefetcher, prefetch
@@ -131,14 +132,14 @@ class DataConfig:
         return TokenDataset(self.open(model_vocab), self.seq_len, mode=self.mode, split=split,
                             eval_fraction=self.eval_fraction, max_pieces=max_pieces)
 
-    def attention_span(self, model_vocab: int | None = None, max_pieces: int | None = None) -> float | None:
-        """``mode = 'packed'``: the keys a token's attention sees in the training split's rows as they are packed
-        with at most ``max_pieces`` documents a row (``TokenDataset.attention_span``), what the step-time model
-        counts attention over; None in the other modes (preference data is padded: None). Reads (and, for
-        instruction data, tokenizes once into the cache) the data."""
-        if self.mode != "packed":
+    def row_mix(self, model_vocab: int | None = None, max_pieces: int | None = None) -> RowMix | None:
+        """What the training split's rows hold as ``train`` makes them, with at most ``max_pieces`` documents a
+        packed row (``TokenDataset.row_mix``: packed rows' span, the share of tokens out of the loss), what the
+        step-time model counts; None for preference data (its pairs' rows are not counted: whole rows). Reads
+        (and, for instruction data, tokenizes once into the cache) the data."""
+        if self.format == "preference":
             return None
-        return self.dataset("train", model_vocab, max_pieces).attention_span(self.seed)
+        return self.dataset("train", model_vocab, max_pieces).row_mix(self.seed)
 
     def build(self, model_vocab: int | None = None, state: dict | None = None,
               max_pieces: int | None = None) -> Prefetcher | TokenBatches:

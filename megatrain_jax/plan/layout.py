@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from megatrain_jax.batch import RowMix
 from megatrain_jax.engine import precision
 from megatrain_jax.engine.config import AUTO, EngineConfig
 from megatrain_jax.engine.parts import HostRoles
@@ -61,12 +62,12 @@ class Resolved:
 
 def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int, machine: Machine,
             *, packed: bool = False, disk_dir: str | None = None, export: bool = False,
-            checkpoints: bool = False, attention_span: float | None = None) -> Resolved:
+            checkpoints: bool = False, mix: RowMix | None = None) -> Resolved:
     """The engine config that runs ``engine_cfg`` on ``machine`` (module docstring), and the sentence saying
     what was changed. ``disk_dir`` (where the config sets none) is where the disk tier may go when nothing else
     fits. ``export``, ``checkpoints``: the run ends with a Hugging Face export, saves checkpoints (the plan counts
-    the end of the run: ``memory.end_of_run``). ``attention_span``: packed rows' span, the keys a token's
-    attention sees, their padding included (``TokenDataset.attention_span``), for the step-time model (None: whole
+    the end of the run: ``memory.end_of_run``). ``mix``: what the rows hold (``batch.RowMix``: packed rows'
+    span, the share of tokens out of the loss; ``TokenDataset.row_mix``), for the step-time model (None: whole
     rows). With several processes nothing is picked (each would pick from its own host), and
     ``resident_layers="auto"`` is refused. Reads nothing from JAX: it runs before JAX starts its GPU backend."""
     if machine.several_processes:
@@ -80,46 +81,46 @@ def resolve(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     if machine.disk_bytes is not None:
         kw["disk_bytes"] = machine.disk_bytes
     return Resolved(*_pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, machine_speeds(machine),
-                           attention_span))
+                           mix))
 
 
 def lean_engine(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
                 host_ram_bytes: int | None = None, disk_dir: str | None = None, gpu_bytes: int | None = None,
-                speeds: Speeds | None = None, attention_span: float | None = None,
+                speeds: Speeds | None = None, mix: RowMix | None = None,
                 **plan_kw) -> tuple[EngineConfig, str | None]:
     """``resolve`` with the machine's figures as keywords (``host_ram_bytes`` default: this machine's
     MemAvailable; ``gpu_bytes``: ``gpu_bytes_before_jax()``; ``speeds``: the GPU's rates, for the "auto"
-    fields' fastest pick, with packed rows' ``attention_span``; ``plan_kw``: ``plan``'s ``devices``, ``packed``,
+    fields' fastest pick, with what the rows hold (``mix``); ``plan_kw``: ``plan``'s ``devices``, ``packed``,
     ``disk_bytes``, ``programs``): the config and the sentence (None: as given)."""
     host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
     gpu_bytes = gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes
     return _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir,
-                 dict(host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes, **plan_kw), speeds, attention_span)
+                 dict(host_ram_bytes=host_ram_bytes, gpu_bytes=gpu_bytes, **plan_kw), speeds, mix)
 
 
 def _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds: Speeds | None = None,
-          attention_span: float | None = None) -> tuple[EngineConfig, str | None]:
+          mix: RowMix | None = None) -> tuple[EngineConfig, str | None]:
     """The layout, then the split count; with ``gpu_updated_io`` "auto" the whole pick is made with the io part
     updated on the host and on the GPU, and of the picks that fit the faster by the step-time model taken (the
     host among equals; the host's where neither fits, or the GPU's cannot be made: the counts the config sets
     name more host parts than there are without the io part)."""
     if engine_cfg.gpu_updated_io != AUTO:
-        return _pick_one(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds, attention_span)
+        return _pick_one(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds, mix)
     host = _pick_one(model_cfg, dataclasses.replace(engine_cfg, gpu_updated_io=False), batch_rows, seq_len, disk_dir,
-                     kw, speeds, attention_span)
+                     kw, speeds, mix)
     mode = precision.mode_of(engine_cfg, model_cfg.dtype)
     if speeds is None or engine_cfg.resident_io or mode.stochastic or engine_cfg.norm_first:
         return host  # the io part cannot be updated on the GPU here, or nothing weighs it
     on_gpu = dataclasses.replace(engine_cfg, gpu_updated_io=True)
     if not _takes(model_cfg.layers, on_gpu):
         return host  # the config's counts name more host parts than there are without the io part
-    gpu = _pick_one(model_cfg, on_gpu, batch_rows, seq_len, disk_dir, kw, speeds, attention_span)
+    gpu = _pick_one(model_cfg, on_gpu, batch_rows, seq_len, disk_dir, kw, speeds, mix)
     host_fits, gpu_fits = (plan(model_cfg, arm[0], batch_rows, seq_len, detect=False, **kw).fits for arm in (host, gpu))
     if not gpu_fits:
         return host
     devices = kw.get("devices", 1)
     t_host, t_gpu = (predict(model_cfg, e, batch_rows, seq_len, speeds, devices=devices,
-                             attention_span=attention_span).seconds
+                             mix=mix).seconds
                      for e in (host[0], gpu[0]))
     picked, said = gpu if t_gpu < t_host or not host_fits else host
     where = "on the GPU" if picked is gpu[0] else "on the host"
@@ -130,15 +131,15 @@ def _pick(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds: Spee
 
 
 def _pick_one(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds: Speeds | None = None,
-              attention_span: float | None = None) -> tuple[EngineConfig, str | None]:
-    picked, said = _pick_layout(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds, attention_span)
-    picked, split = split_parts(model_cfg, picked, batch_rows, seq_len, speeds, kw.get("devices", 1), attention_span)
+              mix: RowMix | None = None) -> tuple[EngineConfig, str | None]:
+    picked, said = _pick_layout(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds, mix)
+    picked, split = split_parts(model_cfg, picked, batch_rows, seq_len, speeds, kw.get("devices", 1), mix)
     return picked, "; ".join(w for w in (said, split) if w) or None
 
 
 def split_parts(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int,
                 speeds: Speeds | None, devices: int = 1,
-                attention_span: float | None = None) -> tuple[EngineConfig, str | None]:
+                mix: RowMix | None = None) -> tuple[EngineConfig, str | None]:
     """``split_parts`` where it is "auto" and ``speeds`` are known: the count the step-time model finds fastest
     (the most among equals: the engine's own choice). Returns the config and, where fewer than every part
     split, a sentence."""
@@ -148,7 +149,7 @@ def split_parts(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
     if n == 0 or not engine_cfg.precision.stream_copy or not engine_cfg.host_kernel or engine_cfg.norm_first:
         return engine_cfg, None  # nothing could split: nothing to pick
     times = {k: predict(model_cfg, dataclasses.replace(engine_cfg, split_parts=k), batch_rows, seq_len, speeds,
-                        devices=devices, attention_span=attention_span).seconds for k in range(n + 1)}
+                        devices=devices, mix=mix).seconds for k in range(n + 1)}
     best = min(sorted(times, reverse=True), key=lambda k: times[k])
     picked = dataclasses.replace(engine_cfg, split_parts=best)
     if best == n:
@@ -160,11 +161,11 @@ def split_parts(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: 
 
 
 def _pick_layout(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speeds: Speeds | None = None,
-                 attention_span: float | None = None) -> tuple[EngineConfig, str | None]:
+                 mix: RowMix | None = None) -> tuple[EngineConfig, str | None]:
     fast, asked = None, engine_cfg
     if speeds is not None and AUTO in (engine_cfg.resident_layers, engine_cfg.kept_layers,
                                        engine_cfg.gpu_updated_layers):
-        engine_cfg, fast = fastest(model_cfg, engine_cfg, batch_rows, seq_len, speeds, attention_span, **kw)
+        engine_cfg, fast = fastest(model_cfg, engine_cfg, batch_rows, seq_len, speeds, mix, **kw)
     timed = fast is not None  # fastest picked the "auto" fields (else nothing fit as configured, or no rates)
     if engine_cfg.gpu_updated_layers == AUTO:  # not picked above: none (nothing weighs what they would cost)
         engine_cfg = dataclasses.replace(engine_cfg, gpu_updated_layers=0)
@@ -180,7 +181,7 @@ def _pick_layout(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speed
     engine_cfg, auto = most_resident(model_cfg, engine_cfg, batch_rows, seq_len, **kw)
     picked, said = _fit_engine(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw)
     again = None if timed else _fastest_when_lean(model_cfg, asked, picked, batch_rows, seq_len, kw, speeds,
-                                                 attention_span)
+                                                 mix)
     if again is not None:  # the host's lean layout made room for layouts to time: the fastest of them
         picked, fast = again
         said = [fast] + [w for w in said if not w.startswith("GPU memory is short")]
@@ -199,7 +200,7 @@ def _pick_layout(model_cfg, engine_cfg, batch_rows, seq_len, disk_dir, kw, speed
 
 
 def _fastest_when_lean(model_cfg, asked: EngineConfig, picked: EngineConfig, batch_rows, seq_len, kw,
-                       speeds: Speeds | None, attention_span: float | None) -> tuple[EngineConfig, str] | None:
+                       speeds: Speeds | None, mix: RowMix | None) -> tuple[EngineConfig, str] | None:
     """Where ``fastest`` timed nothing because no layout fit the host as configured, and the host's lean layout
     (``_fit_engine``: float32 streamed, gradients waiting on the GPU, ...) was then made for the most resident
     blocks: ``fastest`` again with that lean host layout and the "auto" fields as asked, on the host less
@@ -220,7 +221,7 @@ def _fastest_when_lean(model_cfg, asked: EngineConfig, picked: EngineConfig, bat
     # a layout that fills the host to the last GiB is not one a run should end in (LEAN_HOST_MARGIN)
     room = dict(kw, host_ram_bytes=int(kw["host_ram_bytes"] * (1 - LEAN_HOST_MARGIN))) if kw.get(
         "host_ram_bytes") is not None else kw
-    best, said = fastest(model_cfg, retry, batch_rows, seq_len, speeds, attention_span, **room)
+    best, said = fastest(model_cfg, retry, batch_rows, seq_len, speeds, mix, **room)
     if said is None or AUTO in (best.resident_layers, best.kept_layers, best.gpu_updated_layers):
         return None
     return best, said
@@ -391,7 +392,7 @@ def _most_taken(model_cfg: DecoderConfig, engine_cfg: EngineConfig) -> tuple[int
 
 
 def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, seq_len: int, speeds: Speeds,
-            attention_span: float | None = None, **plan_kw) -> tuple[EngineConfig, str | None]:
+            mix: RowMix | None = None, **plan_kw) -> tuple[EngineConfig, str | None]:
     """``resident_layers`` and ``kept_layers``, where either is "auto", for the GPU of ``speeds``: of the layouts
     whose plan fits the GPU (each count of resident blocks the config takes, or the one it names; beside it the
     most blocks keeping their matrix products that fit, or the count it names), the one the step-time model
@@ -403,7 +404,7 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
     or two in a row are slower than the best of that count of resident blocks; the fewest among equals.
     Where none fits host and GPU as configured, or there is no GPU to plan for, the config comes back
     as given ("auto" fields and all) for the pickers after it (the most resident blocks, offload, the lean
-    host layout). ``attention_span``: packed rows' span, for the step-time model (``step_time.predict``).
+    host layout). ``mix``: what the rows hold, for the step-time model (``step_time.predict``).
     Returns the config and a sentence (None: as given)."""
     auto_r, auto_k = engine_cfg.resident_layers == AUTO, engine_cfg.kept_layers == AUTO
     auto_g = engine_cfg.gpu_updated_layers == AUTO
@@ -443,7 +444,7 @@ def fastest(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int,
                 if not p.fits:  # the host too (more resident blocks, less host memory)
                     continue
                 seconds = predict(model_cfg, cand, batch_rows, seq_len, speeds, devices=plan_kw.get("devices", 1),
-                                  attention_span=attention_span).seconds
+                                  mix=mix).seconds
                 tried.append((seconds, cand, p))
                 if best_here is None or seconds < best_here:
                     best_here, slower = seconds, 0
@@ -610,13 +611,13 @@ def _lean_host(model_cfg, engine_cfg, batch_rows, seq_len, *, host_ram_bytes, gp
 # ---------------------------------------------------------------------------------------------- XLA's figures
 def exact_plan(model, estimate: MemoryPlan, *, given: EngineConfig, devices: int | None, disk_dir: str,
                check: bool = True, speeds: Speeds | None = None,
-               attention_span: float | None = None) -> tuple[MemoryPlan, str | None]:
+               mix: RowMix | None = None) -> tuple[MemoryPlan, str | None]:
     """The plan with XLA's memory analysis of the run's compiled programs in place of the rules of thumb
     (``megatrain_jax.engine.program_memory``; the first step then finds them compiled; ``model``: the abstract
     model). Where that does not fit and ``check``, the layout is picked again from the ``given`` config with
     XLA's figures (activations offloaded, gradients moved) and those programs planned; returns the plan and
     what was picked again (None: the layout stands; ``speeds``: the GPU's rates, as ``resolve`` had them, so
-    that "auto" fields are picked again for speed, with packed rows' ``attention_span``). Whether the result fits
+    that "auto" fields are picked again for speed, with what the rows hold, ``mix``). Whether the result fits
     is the caller's to check. Needs the GPU at hand."""
     from megatrain_jax.engine.program_memory import program_memory
     from megatrain_jax.engine.transfer import Placement, select_devices
@@ -629,7 +630,7 @@ def exact_plan(model, estimate: MemoryPlan, *, given: EngineConfig, devices: int
         return exact, None
     engine_cfg, said = lean_engine(e.model_cfg, given, e.batch_rows, e.seq_len, host_ram_bytes=e.host_available,
                                    gpu_bytes=e.gpu_available, disk_dir=disk_dir, packed=e.packed, devices=e.devices,
-                                   programs=exact.programs, speeds=speeds, attention_span=attention_span,
+                                   programs=exact.programs, speeds=speeds, mix=mix,
                                    export=e.export, checkpoints=e.checkpoints)  # the run's end, as the plan counts it
     if engine_cfg == e.engine_cfg:
         return exact, None

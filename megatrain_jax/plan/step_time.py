@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from megatrain_jax.batch import RowMix
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.parts import IO, PartId
 from megatrain_jax.engine.precision import DTYPE_BYTES, FULL, Precision
@@ -48,8 +49,8 @@ class StepTime:
     """A predicted step: ``seconds``, the busiest queue (``bound``), each queue's busy seconds per step, the
     bytes each way over PCIe per step (one GPU's), the share of the parameters that stay on the GPU (resident
     parts), the rates it was predicted with (``speeds.name``), the host update timed on the host at hand that
-    they were scaled to (``Speeds.host_measured``; None: not timed) and, for packed rows, the span of their runs
-    attention was counted over (``attention_span``; None: whole rows)."""
+    they were scaled to (``Speeds.host_measured``; None: not timed) and what the rows hold as it was counted
+    (``mix``: packed rows' span, the share out of the loss; None: whole rows, every token in the loss)."""
 
     seconds: float
     bound: str
@@ -59,7 +60,7 @@ class StepTime:
     resident_share: float
     speeds: str
     host_measured: dict[str, float] | None = None
-    attention_span: float | None = None  # packed rows: their runs' span as attention was counted over (predict)
+    mix: RowMix | None = None  # the rows as predict counted them (None: whole rows, all in the loss)
 
     def as_dict(self) -> dict:
         """For a results file or ``memory_plan.json``: seconds and shares to 4 decimals; the host's timed rates
@@ -69,8 +70,10 @@ class StepTime:
                "d2h_bytes": self.d2h_bytes, "resident_share": round(self.resident_share, 4), "speeds": self.speeds}
         if self.host_measured is not None:
             out["host_measured"] = {k: float(f"{v:.4g}") for k, v in self.host_measured.items()}
-        if self.attention_span is not None:
-            out["attention_span"] = round(self.attention_span, 1)
+        if self.mix is not None and self.mix.attention_span is not None:
+            out["attention_span"] = round(self.mix.attention_span, 1)
+        if self.mix is not None and self.mix.out_of_loss:
+            out["out_of_loss"] = round(self.mix.out_of_loss, 4)
         return out
 
     def tokens_per_s(self, tokens_per_step: int) -> float:
@@ -78,8 +81,10 @@ class StepTime:
 
     def describe(self) -> str:
         parts = ", ".join(f"{QUEUE_WORDS[q]} {s:.2f} s" for q, s in self.busy.items() if s > 0 and q != "main")
-        docs = ("" if self.attention_span is None else
-                f"; packed rows' attention within their runs, {self.attention_span:,.0f} keys a token")
+        mix = self.mix or RowMix()
+        docs = ("" if mix.attention_span is None else
+                f"; packed rows' attention within their runs, {mix.attention_span:,.0f} keys a token") + (
+            f"; {mix.out_of_loss:.0%} of the rows' tokens out of the loss" if mix.out_of_loss else "")
         return (f"{self.seconds:.2f} s per step, bound by {BOUND_WORDS[self.bound]} (busy per step: {parts}; "
                 f"PCIe {self.h2d_bytes / 1e9:.1f} GB to the GPU and {self.d2h_bytes / 1e9:.1f} GB back; "
                 f"{self.resident_share:.0%} of the parameters stay on the GPU{docs}; rates: {self.speeds})")
@@ -115,7 +120,7 @@ class _Lengths:
     host_memory: float  # the host memory's bytes per second as the update moves them (one GPU's share)
     norm: dict[PartId, float]  # a norm_first step's first pass: the part's gradient reduced to its squared norm
     dispatch: dict[str, float]  # the main thread's own seconds per op kind
-    attention_span: float | None  # packed rows' runs as attention was counted over them (None: whole rows)
+    mix: RowMix | None  # the rows as counted: packed rows' span where cuDNN runs it, the share out of the loss
 
 
 def _block_flops(cfg: DecoderConfig, layer: int, tokens: int, seq_len: int,
@@ -123,7 +128,7 @@ def _block_flops(cfg: DecoderConfig, layer: int, tokens: int, seq_len: int,
     """(matrix-product FLOPs, attention FLOPs) of one block's forward over ``tokens`` tokens in rows of
     ``seq_len``: 2 per active weight per token; causal attention 2 x (query width) x (keys seen) per token,
     a sliding window seeing at most its width. ``attention_span``: packed rows' causal runs (documents, and each
-    row's padding as one run more) as their tokens see them, sum(n**2) / tokens (``TokenDataset.attention_span``):
+    row's padding as one run more) as their tokens see them, sum(n**2) / tokens (``RowMix.attention_span``):
     cuDNN's packed layout runs attention within each run (``layers.packed_attention``); None: each row one run of
     ``seq_len``. A sliding window is counted against the mean span, not run by run (over where runs of mixed
     lengths straddle it)."""
@@ -137,14 +142,21 @@ def _block_flops(cfg: DecoderConfig, layer: int, tokens: int, seq_len: int,
 
 
 def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, s: Speeds,
-            stream_dtype: str | None = None, devices: int = 1, attention_span: float | None = None) -> _Lengths:
+            stream_dtype: str | None = None, devices: int = 1, mix: RowMix | None = None) -> _Lengths:
     """Each op's seconds for ``cfg`` under ``e`` with ``batch_rows`` rows per step on ``devices`` GPUs (one
-    GPU's share) at rates ``s``; ``attention_span``: packed rows' runs (``_block_flops``), counted where cuDNN's
-    packed layout runs them (``Speeds.packed_flash`` and a model it takes: ``activations.assumes_flash``), else
-    whole rows (XLA's masked attention)."""
+    GPU's share) at rates ``s``; ``mix``: what the rows hold (None: whole rows, every token in the loss). Packed
+    rows' attention is counted over their runs (``_block_flops``) where cuDNN's packed layout runs them
+    (``Speeds.packed_flash`` and a model it takes: ``activations.assumes_flash``), else over whole rows (XLA's
+    masked attention); the blocks' backward is shortened by the share out of the loss
+    (``Speeds.out_of_loss_backward``)."""
     rows = batch_rows // devices
-    if not (s.packed_flash and assumes_flash(cfg)):
-        attention_span = None
+    mix = mix or RowMix()
+    if mix.attention_span is not None and not (s.packed_flash and assumes_flash(cfg)):
+        mix = dataclasses.replace(mix, attention_span=None)
+    attention_span = None if mix.attention_span is None else min(float(mix.attention_span), seq_len)
+    # a block's backward over gradients that are zeros where tokens are out of the loss runs faster
+    # (``Speeds.out_of_loss_backward``)
+    zeros = 1.0 - s.out_of_loss_backward * mix.out_of_loss
     tokens = rows * seq_len // e.micro_batches  # one micro-batch on one GPU
     mode = e.precision
     stream = stream_dtype or e.stream_dtype or cfg.dtype
@@ -164,7 +176,7 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
             b *= s.kept_backward
         else:
             b += mm / s.matmul_flops + (0.0 if e.keep_residuals else attn / s.attention_flops)
-        bwd[i] = b
+        bwd[i] = b * zeros
     # the head: the logits, and the hidden states' and the weight's gradients, taken together in the loss's
     # forward (loss.chunked_nll_sum): 3 products. A pair objective's (DPO) recomputes the logits, a 4th, which
     # the model leaves out: ~1.6% of an 8B step at 128K words, the predicted step that much short
@@ -209,7 +221,7 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
                                                         + full["host_grads"])
     return _Lengths(fwd, bwd, head, 2 * cfg.hidden * tokens / s.hbm_bytes, fetch, visit, cast, grads, home, acts,
                     host_update, device_update, host_bytes, memory, norm, s.dispatch,
-                    None if attention_span is None else min(float(attention_span), seq_len))
+                    None if mix == RowMix() else dataclasses.replace(mix, attention_span=attention_span))
 
 
 def _update_bytes(mode: Precision, grads: str | None = None) -> float:
@@ -221,15 +233,16 @@ def _update_bytes(mode: Precision, grads: str | None = None) -> float:
 
 # ---------------------------------------------------------------------------------------------- the walk
 def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, s: Speeds,
-            stream_dtype: str | None = None, devices: int = 1, attention_span: float | None = None) -> StepTime:
+            stream_dtype: str | None = None, devices: int = 1, mix: RowMix | None = None) -> StepTime:
     """The steady-state seconds of one optimizer step of ``cfg`` under ``e`` (``resident_layers`` a number)
     with ``batch_rows`` rows of ``seq_len`` tokens, on ``devices`` GPUs of a machine with rates ``s``.
-    ``attention_span``: packed rows' causal runs as their tokens see them (``TokenDataset.attention_span``), which
-    attention runs within where cuDNN's packed layout runs (``lengths``); None: each row is one sequence."""
+    ``mix``: what the rows hold (``RowMix``: packed rows' span, which attention runs within where cuDNN's packed
+    layout runs, and the share of tokens out of the loss; ``lengths``); None: each row is one sequence, every
+    token in the loss."""
     if not isinstance(e.resident_layers, int) or not isinstance(e.kept_layers, int):
         raise ValueError("predict needs resident_layers and kept_layers as numbers: resolve 'auto' first "
                          "(plan.resolve)")
-    n = lengths(cfg, e, batch_rows, seq_len, s, stream_dtype, devices, attention_span)
+    n = lengths(cfg, e, batch_rows, seq_len, s, stream_dtype, devices, mix)
     free = dict.fromkeys(QUEUES, 0.0)
     busy = dict.fromkeys(QUEUES, 0.0)
     ready_host: dict[PartId, float] = {}  # when a part's weights are written for the next forward (first half)
@@ -348,7 +361,7 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     resident = 1 - sum(cfg.block_param_count(p.layer) if not p.is_io else io_param_count(cfg)
                        for p in streamed) / cfg.param_count()
     return StepTime(seconds, bound, per_step, round(step_bytes["h2d"]), round(step_bytes["d2h"]), resident, s.name,
-                    s.host_measured, n.attention_span)
+                    s.host_measured, n.mix)
 
 
 def _place(busy: list[tuple[float, float]], start: float, seconds: float) -> float:
@@ -377,10 +390,10 @@ def machine_speeds(machine: Machine, speeds_file: str | None = None) -> Speeds |
 
 def for_machine(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, machine: Machine,
                 speeds_file: str | None = None, stream_dtype: str | None = None,
-                attention_span: float | None = None) -> StepTime | None:
+                mix: RowMix | None = None) -> StepTime | None:
     """``predict`` on ``machine`` at ``machine_speeds``; None where there are no rates for it."""
     s = machine_speeds(machine, speeds_file)
-    return None if s is None else predict(cfg, e, batch_rows, seq_len, s, stream_dtype, machine.gpus, attention_span)
+    return None if s is None else predict(cfg, e, batch_rows, seq_len, s, stream_dtype, machine.gpus, mix)
 
 
 def step_line(p: StepTime | None, tokens_per_step: int, machine: Machine) -> str:
