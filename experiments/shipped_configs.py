@@ -245,6 +245,8 @@ def read_run_folder(run_dir: Path, record: dict) -> None:
                       host_file_max_gib=max((r.get("host_rss_file_gib") or 0) for r in rows) or None,
                       losses=[round(r["loss"], 5) for r in rows],
                       step_times_s=[round(r["step_time_s"], 3) for r in rows if "step_time_s" in r])
+        if all("loss_tokens_per_s" in r for r in timed):  # the tokens in the loss (padding, prompts left out)
+            record["loss_tokens_per_s"] = round(statistics.median(r["loss_tokens_per_s"] for r in timed), 1)
         if "lm_loss" in rows[0]:  # a routed model: the next-token and load-balancing terms of each loss
             record.update(lm_losses=[round(r["lm_loss"], 5) for r in rows],
                           aux_losses=[round(r["aux_loss"], 5) for r in rows])

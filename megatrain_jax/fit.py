@@ -156,8 +156,11 @@ def print_logger(every: int = 10, stream=None) -> Hook:
     def log(m: dict, info: StepInfo) -> None:
         lr = f" lr {m['lr']:.2e}" if "lr" in m else ""
         aux = f" (aux {m['aux_loss']:.4f})" if "aux_loss" in m else ""
+        # where tokens are out of the loss (padding, prompts), how many a second the model learns from
+        in_loss = (f" ({m['loss_tokens_per_s']:,.0f} in the loss)"
+                   if m.get("loss_tokens", m["tokens"]) < m["tokens"] and "loss_tokens_per_s" in m else "")
         print(f"step {m['step']:>6d}  loss {m['loss']:.4f}{aux}  grad_norm {m['grad_norm']:.3f}{lr}  "
-              f"{m['tokens_per_s']:,.0f} tok/s  {format_flops(m['model_tflops'])}  {m['step_time_s']:.3f} s",
+              f"{m['tokens_per_s']:,.0f} tok/s{in_loss}  {format_flops(m['model_tflops'])}  {m['step_time_s']:.3f} s",
               file=stream or sys.stdout, flush=True)
     return Hook(log, every=every, at_end=True)
 

@@ -747,6 +747,26 @@ def test_a_profiled_step_trains_the_same_numbers_and_reports_its_lanes():
     assert sum(v for k, v in lanes.items() if k != "profile_serialized_s") <= lanes["profile_serialized_s"]
 
 
+def test_each_step_counts_the_tokens_in_its_loss_beside_its_tokens(capsys):
+    """``loss_tokens``: a step's tokens whose loss mask is not 0 (padding and prompts left out), and
+    ``loss_tokens_per_s``; with every token in the loss they equal ``tokens``; the printed line names the rate in
+    the loss only where some tokens are out of it."""
+    from megatrain_jax.fit import StepInfo, print_logger
+    engine = Engine(Decoder(TINY3, rngs=nnx.Rngs(0)), FUSED(), EngineConfig(clip_norm=0.05))
+    masked, whole = make_batches(2, mask=True), make_batches(1)
+    metrics = list(engine.steps(masked + whole))
+    for m, b in zip(metrics, masked + whole):
+        assert m["tokens"] == b.tokens and m["loss_tokens"] == int(np.count_nonzero(b.filled().loss_mask))
+        assert m["loss_tokens_per_s"] == pytest.approx(m["loss_tokens"] / m["step_time_s"])
+    assert metrics[0]["loss_tokens"] < metrics[0]["tokens"] and metrics[2]["loss_tokens"] == metrics[2]["tokens"]
+    log = print_logger(every=1).fn
+    for m in (metrics[0], metrics[2]):
+        log({**m, "model_tflops": 0.0}, StepInfo(m["step"], m["step"], engine))
+    first, last = capsys.readouterr().out.splitlines()
+    assert f"({metrics[0]['loss_tokens_per_s']:,.0f} in the loss)" in first and "in the loss" not in last
+    engine.close()
+
+
 def test_a_profiled_step_counts_the_visits_of_blocks_updated_on_the_gpu_as_device_updates():
     """Nothing resident, blocks 0 and 1 updated on the GPU: the profiled step's ``device_update`` lane is their
     visits' update (the step before's, run at this step's forward), not GPU compute; the numbers are unchanged."""

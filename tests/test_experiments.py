@@ -628,6 +628,12 @@ def test_shipped_configs_keeps_a_profiled_step_out_of_the_timing_and_records_its
     assert record["step_time_s"] == 4.0 and record["step_time_error"] == 0.0  # steps 3, 6 and 7
     assert record["profile"] == {"step": 4, "serialized_s": 9.0, "compute_s": 3.5, "h2d_s": 2.5, "d2h_s": 1.0,
                                  "host_update_s": 1.5, "device_update_s": 0.0, "plan_busy": busy}
+    assert "loss_tokens_per_s" not in record  # an older run's metrics: not counted
+    for r in rows:
+        r["loss_tokens_per_s"] = 10 / r["step_time_s"]  # a tenth of the tokens in the loss
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shipped.read_run_folder(tmp_path, record)
+    assert record["loss_tokens_per_s"] == 2.5 and record["tokens_per_s"] == 25.0  # the timed steps' medians
 
 
 def test_shipped_configs_reaps_a_child_that_ends_as_the_cut_comes(monkeypatch):

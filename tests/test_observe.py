@@ -165,6 +165,15 @@ def test_progress_lines_when_not_a_terminal():
     assert lines[-1].startswith("eval      4  eval_loss 2.0000  ppl 7.39")
 
 
+def test_progress_lines_name_the_rate_in_the_loss_where_tokens_are_out_of_it():
+    """A step with tokens out of the loss (padding, prompts: ``loss_tokens`` < ``tokens``) prints the rate of those
+    in it beside tok/s, at the median rate's share; a step with all of them in the loss does not."""
+    p = Progress(total=2, mode="lines", stream=io.StringIO())
+    p(metrics(1, loss_tokens=512))
+    assert f"({p.tokens_per_s() * 512 / 2048:,.0f} in the loss)" in p.line(metrics(1, loss_tokens=512))
+    assert "in the loss" not in p.line(metrics(1, loss_tokens=2048)) and "in the loss" not in p.line(metrics(1))
+
+
 def test_progress_bar_on_a_terminal():
     out = FakeTTY()
     p = Progress(total=4, log_every=100, mode="auto", stream=out)

@@ -55,6 +55,9 @@ class StepOutput:
     dispatch_s: float  # host time spent issuing the step's work
     aux_loss: jax.Array | None = None  # a routed model's load-balancing loss, included in ``loss``
     pair_stats: jax.Array | None = None  # a pair objective's summed statistics (``megatrain_jax.loss.DPO.stats``)
+    # the tokens whose loss counts (their loss mask not 0; ``tokens`` counts padding and prompts too); None with
+    # several processes, each of which sees its own rows only
+    loss_tokens: int | None = None
 
     def resolve(self) -> dict[str, float]:
         """The step's metrics as numbers; a routed model's also give ``aux_loss`` (the load-balancing term of
@@ -63,6 +66,8 @@ class StepOutput:
         loss, norm = float(local_value(self.loss)), float(local_value(self.grad_norm))
         out = {"step": self.step, "loss": loss, "grad_norm": norm, "tokens": self.tokens,
                "dispatch_s": self.dispatch_s, "skipped": not (math.isfinite(loss) and math.isfinite(norm))}
+        if self.loss_tokens is not None:
+            out["loss_tokens"] = self.loss_tokens
         if self.aux_loss is not None:
             aux = float(local_value(self.aux_loss))
             out.update(aux_loss=aux, lm_loss=loss - aux)
@@ -227,10 +232,12 @@ class Engine:
             raise
         self.state.step += 1
         tokens = sum(b.tokens for b in batches) * self.placement.processes  # each process feeds its own rows
+        in_loss = (sum(b.tokens if b.loss_mask is None else int(np.count_nonzero(b.loss_mask)) for b in batches)
+                   if self.placement.processes == 1 else None)
         aux = None if auxes[0] is None else sum(auxes) / len(auxes)
         stats = None if pair_stats[0] is None else sum(pair_stats)
         return StepOutput(self.state.step, sum(losses) / len(losses), self._runner.decision.norm, tokens,
-                          time.perf_counter() - t0, aux, stats)
+                          time.perf_counter() - t0, aux, stats, in_loss)
 
     def steps(self, data: Iterable[Batch], profile_step: int | None = None) -> Iterator[dict[str, float]]:
         """Run a step per ``accumulate_steps`` batches of ``data``; yield metrics one step late. A step's
@@ -442,4 +449,6 @@ def _metrics(out: StepOutput, clock: StepClock) -> dict[str, float]:
     m = out.resolve()
     m["step_time_s"] = clock.seconds(out.step)
     m["tokens_per_s"] = m["tokens"] / m["step_time_s"]
+    if "loss_tokens" in m:
+        m["loss_tokens_per_s"] = m["loss_tokens"] / m["step_time_s"]
     return m

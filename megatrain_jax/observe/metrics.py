@@ -2,7 +2,8 @@
 (host: the peak resident set, and the resident set now by kind: ``host_rss_anon_gib`` for the process's
 own arrays, ``host_rss_file_gib`` for mapped files such as a checkpoint being read).
 
-Every key of the step's metrics dict is written (loss, grad_norm, lr, tokens_per_s, model_tflops, mfu,
+Every key of the step's metrics dict is written (loss, grad_norm, lr, tokens_per_s and loss_tokens_per_s (the
+tokens whose loss counts, a second: padding and prompts left out; one process only), model_tflops, mfu,
 step_time_s, any transfer rates the engine reports, eval_loss / eval_ppl on evaluation steps), plus
 ``time`` (Unix seconds) and ``elapsed_s`` since the first record.
 """

@@ -66,6 +66,8 @@ class Progress:
             parts.append(f"lr {m['lr']:.2e}")
         tps = self.tokens_per_s()
         parts.append(f"{tps:,.0f} tok/s")
+        if m.get("tokens") and m.get("loss_tokens", m["tokens"]) < m["tokens"]:  # padding, prompts: out of the loss
+            parts.append(f"({tps * m['loss_tokens'] / m['tokens']:,.0f} in the loss)")
         per_token = m["model_tflops"] / m["tokens_per_s"] if m.get("tokens_per_s") and "model_tflops" in m else None
         if per_token is not None:  # FLOP/s and MFU at the median rate, like tok/s
             parts.append(format_flops(tps * per_token))

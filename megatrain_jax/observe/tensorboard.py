@@ -12,10 +12,10 @@ from pathlib import Path
 from megatrain_jax.fit import Hook
 
 # metric -> TensorBoard tag; anything else numeric goes under train/
-_GROUPS = {"tokens_per_s": "perf", "model_tflops": "perf", "mfu": "perf", "step_time_s": "perf",
-           "dispatch_s": "perf", "host_peak_rss_gib": "memory", "gpu_peak_gib": "memory",
+_GROUPS = {"tokens_per_s": "perf", "loss_tokens_per_s": "perf", "model_tflops": "perf", "mfu": "perf",
+           "step_time_s": "perf", "dispatch_s": "perf", "host_peak_rss_gib": "memory", "gpu_peak_gib": "memory",
            "gpu_in_use_gib": "memory"}
-_SKIP = {"step", "tokens", "time", "elapsed_s", "eval_tokens"}
+_SKIP = {"step", "tokens", "loss_tokens", "time", "elapsed_s", "eval_tokens"}
 
 
 def tag(key: str) -> str:
