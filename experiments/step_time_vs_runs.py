@@ -17,12 +17,12 @@ left out: their records lack the experts). ``--fit`` searches the rates that bri
 (``predicted_step.host_measured``, since 249dd3f; the runs at 117fbab name the rate only in ``speeds``) is
 predicted with those rates, as ``train`` predicted it (``Speeds.measured_here``), unless a calibration file is
 given. What the rows held (``RowMix``: packed rows attend within their runs, documents and each row's padding;
-the backward over tokens out of the loss runs faster): a run is predicted with what its record gives
-(``predicted_step.attention_span`` and ``out_of_loss``); with ``--work`` (the study's own command: the file it
+the backward over tokens no loss reaches runs faster): a run is predicted with what its record gives
+(``predicted_step.attention_span`` and ``no_gradient``); with ``--work`` (the study's own command: the file it
 writes), a shipped config's run on the chats ``shipped_configs.py`` generated (``shipped_configs.generated_chats``,
 made once in that folder) with theirs, read as ``train`` makes the rows; without it (the tests), as recorded. A
 bench.py run of packed rows is predicted at ``BenchConfig.row_mix``. (The ``document_len`` of the runs at e20d02d
-and 803ad8b left the padding out: it is not read.)
+and 803ad8b left the padding out, and ec4ee5c's ``out_of_loss`` counted the prompts: neither is read.)
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def _bench_mix(r: dict, shape: str) -> RowMix | None:
 def _row_mix(predicted, generated: tuple | None = None, work: str | None = None) -> RowMix | None:
     """What the rows held: with ``work``, the chats a shipped config's run trained on, read as ``train`` makes the
     rows (``generated``: their shape, the data section and the model; made in ``work``); else as the run's
-    prediction counted it (its record's ``predicted_step.attention_span`` and ``out_of_loss``, each recorded where
+    prediction counted it (its record's ``predicted_step.attention_span`` and ``no_gradient``, each recorded where
     it applied); None: whole rows, every token in the loss."""
     if generated is not None and work is not None:
         shape, data, model = generated
@@ -170,10 +170,10 @@ def _row_mix(predicted, generated: tuple | None = None, work: str | None = None)
                                        cache_dir=str(Path(work) / "cache"))
             _MIXES[key] = read.row_mix(model.vocab_size, pieces)
         return _MIXES[key]
-    if not isinstance(predicted, dict) or not (predicted.get("attention_span") or predicted.get("out_of_loss")):
+    if not isinstance(predicted, dict) or not (predicted.get("attention_span") or predicted.get("no_gradient")):
         return None
     span = predicted.get("attention_span")
-    return RowMix(None if span is None else float(span), float(predicted.get("out_of_loss") or 0.0))
+    return RowMix(None if span is None else float(span), float(predicted.get("no_gradient") or 0.0))
 
 
 def _host_measured(predicted) -> dict | None:
@@ -302,7 +302,7 @@ def main() -> None:
                                     "grads_on_gpu": e.grads_on_gpu, "disk_parts": e.disk_parts},
                          "host_measured": r["host_measured"],
                          "attention_span": None if r["mix"] is None else r["mix"].attention_span,
-                         "out_of_loss": None if r["mix"] is None else round(r["mix"].out_of_loss, 4),
+                         "no_gradient": None if r["mix"] is None else round(r["mix"].no_gradient, 4),
                          "measured_s": r["measured_s"], "predicted_s": round(p.seconds, 4),
                          "error": round((p.seconds - r["measured_s"]) / r["measured_s"], 4), "bound": p.bound,
                          "busy_s": p.busy})

@@ -16,16 +16,17 @@ class RowMix:
     - ``attention_span``: packed rows, the keys a token's causal attention sees, doubled: the sum over each row's
       runs (its documents, and its padding as one run more) of their length squared, over the rows' tokens
       (``data.TokenDataset.row_mix``); None: each row is one causal sequence.
-    - ``out_of_loss``: the share of the rows' tokens out of the loss (padding, prompts): the backward's gradients
-      are zeros there.
+    - ``no_gradient``: the share of the rows' tokens no loss reaches, whose gradients are zeros in every block's
+      backward: the padding, and each document's tokens after its last one in the loss. A prompt before its answer
+      is not among them: the answer attends to it, so its gradient is not zero below the top block.
     """
 
     attention_span: float | None = None
-    out_of_loss: float = 0.0
+    no_gradient: float = 0.0
 
     def __post_init__(self):
-        if not 0.0 <= self.out_of_loss <= 1.0:
-            raise ValueError(f"out_of_loss is a share of the rows' tokens, between 0 and 1: got {self.out_of_loss}")
+        if not 0.0 <= self.no_gradient <= 1.0:
+            raise ValueError(f"no_gradient is a share of the rows' tokens, between 0 and 1: got {self.no_gradient}")
 
 
 @jax.tree_util.register_dataclass

@@ -186,34 +186,52 @@ def test_packing_masks_and_segments():
     assert sorted(seen) == want
 
 
-def test_row_mix_counts_packed_rows_runs_and_the_tokens_out_of_the_loss_as_the_batches_make_them():
+def _no_gradient_tokens(b) -> int:
+    """A batch row's tokens no loss reaches, read from the batch alone: in each causal run (a packed row's segments,
+    its padding one of them; else the whole row), the tokens after the run's last one whose loss counts."""
+    runs = b.segment_ids[0] if b.segment_ids is not None else np.zeros(b.shape[1], np.int32)
+    dead = 0
+    for k in np.unique(runs):
+        mask = b.loss_mask[0][runs == k]
+        live = np.flatnonzero(mask)
+        dead += len(mask) - (int(live[-1]) + 1 if live.size else 0)
+    return dead
+
+
+def test_row_mix_counts_packed_rows_runs_and_the_tokens_no_loss_reaches_as_the_batches_make_them():
     """``row_mix`` over the rows as the batches make them (epoch 0's order, at most ``max_pieces`` a packed row):
     ``attention_span``, the sum of each packed row's runs' lengths squared (pieces, and the padding as one run:
-    cuDNN's packed layout runs it) over rows x seq_len, read back from the batches' segment ids (None where rows are
-    windows or one document each); ``out_of_loss``, the share of the rows' tokens whose loss mask is 0 (padding, and
-    what a file's loss flags leave out), read back from the batches' masks, in every mode."""
+    cuDNN's packed layout runs it) over rows x seq_len, read back from the batches' segment ids (None where each row
+    is one document); ``no_gradient``, the share of the rows' tokens no loss reaches (the padding, each piece's
+    tokens after its last one in the loss), read back from the batches' masks and runs. Windows and preference
+    data are not read (None)."""
     flags = np.random.default_rng(1).integers(0, 2, sum((5, 1, 9, 30, 3, 12, 17, 2, 8, 26, 4, 11))).astype(np.uint8)
     for file in (docs_file(), dataclasses.replace(docs_file(), loss=flags)):
         for mode, pieces in (("packed", None), ("packed", 2), ("padded", None), ("windows", None)):
             ds = TokenDataset(file, seq_len=8, mode=mode, max_pieces=pieces)
-            pairs = rows = out = 0
+            pairs = rows = dead = 0
             for b in ds.batches(1, seed=3, shuffle=True, loop=False):
-                out += float((b.loss_mask[0] == 0).sum())
+                dead += _no_gradient_tokens(b)
                 if b.segment_ids is not None:
                     seg = b.segment_ids[0]
                     runs = [int((seg == k).sum()) for k in range(seg.max() + 1)]  # 0: the padding
                     pairs += sum(n * n for n in runs)
                 rows += 1
             mix = ds.row_mix(seed=3)
-            assert mix.out_of_loss == pytest.approx(out / (rows * 8)), (mode, pieces, file.loss is not None)
+            assert mix.no_gradient == pytest.approx(dead / (rows * 8)), (mode, pieces, file.loss is not None)
             if mode == "packed":
                 assert mix.attention_span == pytest.approx(pairs / (rows * 8))
                 assert ds.row_mix(seed=3, rows=2) != mix  # the first rows only
             else:
                 assert mix.attention_span is None
+    # a prompt before its answer is out of the loss but the answer's loss reaches it; a tail after it is not
+    prompt_first = dataclasses.replace(docs_file((9,)), loss=np.array([0, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8))
+    assert TokenDataset(prompt_first, seq_len=8, mode="packed").row_mix() == RowMix(8.0, 0.0)
+    tail_after = dataclasses.replace(docs_file((9,)), loss=np.array([0, 1, 1, 1, 0, 0, 0, 0, 0], np.uint8))
+    assert TokenDataset(tail_after, seq_len=8, mode="packed").row_mix() == RowMix(8.0, 5 / 8)
     full = TokenDataset(docs_file((9,) * 6), seq_len=8, mode="packed")  # one piece fills each row
     assert full.row_mix() == RowMix(8.0, 0.0)
-    assert TokenDataset(docs_file(), seq_len=8).row_mix() == RowMix(None, 0.0)  # windows, every token in the loss
+    assert TokenDataset(docs_file((5,)), seq_len=8, mode="padded").row_mix() == RowMix(None, 4 / 8)  # its padding
     with pytest.raises(ValueError, match="between 0 and 1"):
         RowMix(None, 1.5)
 
@@ -331,9 +349,9 @@ def test_data_config_build_and_resume(tmp_path):
     with pytest.raises(ValueError, match="vocab"):
         cfg.build(model_vocab=100)
     assert next(DataConfig(batch_size=2, seq_len=8, demo_tokens=5000).build(256)).shape == (2, 8)
-    assert cfg.row_mix(256, 3) == cfg.dataset("train", 256, 3).row_mix(cfg.seed)
-    assert cfg.row_mix(256, 3).attention_span <= 32
-    assert dataclasses.replace(cfg, mode="windows").row_mix(256).attention_span is None
+    mix = cfg.row_mix(256, 3)  # the demo's documents, at most 3 a row of 32: padding at the rows' ends
+    assert 0 < mix.no_gradient < 1 and 0 < mix.attention_span <= 32
+    assert dataclasses.replace(cfg, mode="windows", path="/no/such/file").row_mix(256) is None  # not read
 
 
 # --- prepare_data ------------------------------------------------------------------------------------

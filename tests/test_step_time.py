@@ -183,16 +183,16 @@ def test_a_calibration_file_replaces_the_rates_it_names(tmp_path):
     assert s.matmul_flops == H100.matmul_flops and "speeds.json" in s.name
     for bad, words in (({"h2d": 1}, "unknown fields"), ({"h2d_bytes": -1}, "positive number"),
                        ({"host_update": {"full": "fast"}}, "positive numbers"), ([1, 2], "JSON object"),
-                       ({"out_of_loss_backward": 1.0}, "up to \\(not including\\) 1"),
-                       ({"out_of_loss_backward": True}, "from 0")):
+                       ({"no_gradient_backward": 1.0}, "up to \\(not including\\) 1"),
+                       ({"no_gradient_backward": True}, "from 0")):
         f.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=words):
             from_file(f, H100)
     f.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read the calibration file"):
         from_file(f, H100)
-    f.write_text(json.dumps({"out_of_loss_backward": 0}))  # 0: not measured, allowed
-    assert from_file(f, SPEEDS["H200"]).out_of_loss_backward == 0
+    f.write_text(json.dumps({"no_gradient_backward": 0}))  # 0: not measured, allowed
+    assert from_file(f, SPEEDS["H200"]).no_gradient_backward == 0
     for given, link in ((5e10, 5e10), (None, None)):  # null: each way at its own rate, whatever the base says
         f.write_text(json.dumps({"link_bytes": given}))
         assert from_file(f, SPEEDS["H200"]).link_bytes == link
@@ -210,6 +210,24 @@ def test_plan_prints_the_predicted_step_for_a_named_gpu(capsys):
     assert "no rates for that GPU" in capsys.readouterr().err
 
 
+def test_plan_predicts_with_what_the_data_rows_hold(tmp_path, capsys):
+    """``plan`` reads the data's rows as ``train`` makes them (``DataConfig.row_mix``) and predicts with them:
+    short documents packed with padding at the rows' ends count their runs' attention and the padding no loss
+    reaches; the same data in windows mode is not read (whole rows, every token in the loss)."""
+    from megatrain_jax.data import demo_tokens, write_tokens
+    tokens, starts = demo_tokens(256, 40000)
+    path = write_tokens(tmp_path / "d.bin", tokens, 256, starts)
+    args = ["plan", "model.preset=7b", "model.layers=4", "model.vocab_size=256", f"data.path={path}",
+            "data.seq_len=2048", "data.batch_size=8", "model.max_segments=4"]
+    flags = ["--host-gib", "125", "--gpu-gib", "141", "--gpu", "H200"]
+    main(args + ["data.mode=packed"] + flags)
+    out = capsys.readouterr().out
+    assert "packed rows' attention within their runs" in out and "reached by no loss" in out, out
+    main(args + ["data.mode=windows"] + flags)
+    out = capsys.readouterr().out
+    assert "predicted step: " in out and "packed rows" not in out and "no loss" not in out, out
+
+
 def test_the_committed_runs_are_predicted_within_ten_percent(tmp_path):
     """The rates in ``speeds.SPEEDS`` against every committed run of the engine as it runs now (the study's
     ``runs``, the shipped configs' runs with the rows of the chats they trained on, generated in ``tmp_path``):
@@ -218,7 +236,7 @@ def test_the_committed_runs_are_predicted_within_ten_percent(tmp_path):
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
     rs = [r for r in study.runs(work=str(tmp_path)) if not r["older"]]
-    assert any(r["mix"] is not None and r["mix"].out_of_loss > 0.5 for r in rs)  # the chats' rows were read
+    assert any(r["mix"] is not None and r["mix"].no_gradient > 0.5 for r in rs)  # the chats' rows were read
     assert len(rs) >= 40
     errs = []
     for kind in {r["kind"] for r in rs}:
@@ -502,26 +520,26 @@ def test_packed_rows_cost_their_runs_attention_where_cudnn_packs_them():
     assert rtx.mix is None and "packed rows" not in rtx.describe()
 
 
-def test_tokens_out_of_the_loss_shorten_the_blocks_backward_by_the_gpus_measured_share():
-    """A share of the rows' tokens out of the loss (their gradients zeros) shortens every block's backward, kept
-    or recomputing, by ``Speeds.out_of_loss_backward`` times that share, and nothing else (forward, head,
+def test_tokens_no_loss_reaches_shorten_the_blocks_backward_by_the_gpus_measured_share():
+    """A share of the rows' tokens no loss reaches (their gradients zeros) shortens every block's backward, kept
+    or recomputing, by ``Speeds.no_gradient_backward`` times that share, and nothing else (forward, head,
     transfers); the prediction records and says it. A GPU without a measured share (0: the H100's record, the
-    workstation cards) predicts as for rows all in the loss; a calibration file may set it, from 0 up to 1."""
+    workstation cards) predicts, records and says nothing of it; a calibration file may set it, from 0 up to 1."""
     cfg = preset("7b", layers=4, vocab_size=32000)
     e = EngineConfig(micro_batches=1, resident_layers=4, kept_layers=2)
     h200 = SPEEDS["H200"]
-    assert h200.out_of_loss_backward == 0.12 and SPEEDS["H100"].out_of_loss_backward == 0.0
+    assert h200.no_gradient_backward == 0.12 and SPEEDS["H100"].no_gradient_backward == 0.0
     all_in, most_out = (lengths(cfg, e, 8, 4096, h200, mix=m) for m in (None, RowMix(None, 0.89)))
     for i in range(cfg.layers):
         assert math.isclose(most_out.backward[i], all_in.backward[i] * (1 - 0.12 * 0.89))
         assert most_out.forward[i] == all_in.forward[i]
     assert most_out.head == all_in.head and most_out.fetch == all_in.fetch
     a, b = (predict(cfg, e, 8, 4096, h200, mix=m) for m in (None, RowMix(None, 0.89)))
-    assert b.seconds < a.seconds and b.as_dict()["out_of_loss"] == 0.89 and "out_of_loss" not in a.as_dict()
-    assert "89% of the rows' tokens out of the loss" in b.describe()
+    assert b.seconds < a.seconds and b.as_dict()["no_gradient"] == 0.89 and "no_gradient" not in a.as_dict()
+    assert "89% of the rows' tokens reached by no loss" in b.describe()
     h100 = SPEEDS["H100"]
-    assert predict(cfg, e, 8, 4096, h100, mix=RowMix(None, 0.89)).seconds == predict(cfg, e, 8, 4096, h100).seconds
-
+    c = predict(cfg, e, 8, 4096, h100, mix=RowMix(None, 0.89))
+    assert c.seconds == predict(cfg, e, 8, 4096, h100).seconds and c.mix is None and "no loss" not in c.describe()
 
 def test_a_norm_first_step_runs_two_passes_and_updates_beside_the_second_backward():
     """The two-pass step: the weights cross PCIe once more for the second backward (every part), the gradients

@@ -51,9 +51,10 @@ from child import results_header, run_child  # noqa: E402
 
 
 def packed_row(packed: str, seq: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``--packed DOCSxLEN``: one row's segment ids, positions and loss mask as ``train`` packs short chats: DOCS
-    documents of LEN tokens, then the row's padding as one run more (its own id, positions from 0, out of the
-    loss), which cuDNN's packed layout computes like a document."""
+    """``--packed DOCSxLEN``: one row's segment ids, positions and loss mask shaped as ``train`` packs short chats:
+    DOCS documents of LEN tokens, then the row's padding as one run more, out of the loss, which cuDNN's packed
+    layout computes like a document (``train`` gives the padding id 0 and position 0; here its own id and positions
+    from 0: the same runs, the same work)."""
     try:
         docs, n = (int(x) for x in packed.lower().split("x"))
     except ValueError:

@@ -123,19 +123,21 @@ class TokenDataset:
           x seq_len. The runs are its pieces and its padding, which cuDNN's packed layout runs as one run more
           (``models.layers.segment_layout``): a row of short documents with a long padding tail costs that tail's
           own attention. A row of one piece of seq_len gives seq_len.
-        - ``out_of_loss``: the share of the rows' tokens out of the loss (padding, and the tokens a file's loss
-          flags leave out: instruction data's prompts)."""
-        pairs, in_loss, seen, T = 0.0, 0.0, 0, self.seq_len
+        - ``no_gradient``: the share of the rows' tokens no loss reaches: the padding, and each piece's tokens after
+          its last target in the loss (a file's loss flags: instruction data's prompts are out of the loss, but an
+          answer after them attends to them, so their gradients are not zeros)."""
+        pairs, dead, seen, T = 0.0, 0.0, 0, self.seq_len
         loss = self.file.loss
         for units in TokenBatches(self, 1, seed=seed, shuffle=True, loop=False).packed_rows(rows):
             n = np.minimum(self.lengths[units].astype(np.float64) - 1, T)  # a window's pairs: seq_len
-            pairs, seen = pairs + (n * n).sum() + (T - n.sum()) ** 2, seen + 1
-            in_loss += n.sum() if loss is None else sum(
-                float(np.count_nonzero(loss[int(self.starts[u]) + 1:int(self.starts[u]) + 1 + int(k)]))
-                for u, k in zip(units, n))
+            pairs, dead, seen = pairs + (n * n).sum() + (T - n.sum()) ** 2, dead + T - n.sum(), seen + 1
+            if loss is not None:  # each piece's targets after its last one in the loss
+                for u, k in zip(units, n.astype(np.int64)):
+                    flags = np.flatnonzero(loss[int(self.starts[u]) + 1:int(self.starts[u]) + 1 + int(k)])
+                    dead += int(k) - (int(flags[-1]) + 1 if flags.size else 0)
         if not seen:
-            return RowMix(None if self.mode != "packed" else float(T))
-        return RowMix(pairs / (seen * T) if self.mode == "packed" else None, 1.0 - in_loss / (seen * T))
+            return RowMix(float(T) if self.mode == "packed" else None)
+        return RowMix(float(pairs / (seen * T)) if self.mode == "packed" else None, float(dead / (seen * T)))
 
     def batches(self, batch_size: int, *, seed: int = 0, shuffle: bool | None = None, loop: bool | None = None,
                 state: dict | None = None, process: tuple[int, int] = (0, 1)) -> "TokenBatches":

@@ -134,10 +134,11 @@ class DataConfig:
 
     def row_mix(self, model_vocab: int | None = None, max_pieces: int | None = None) -> RowMix | None:
         """What the training split's rows hold as ``train`` makes them, with at most ``max_pieces`` documents a
-        packed row (``TokenDataset.row_mix``: packed rows' span, the share of tokens out of the loss), what the
-        step-time model counts; None for preference data (its pairs' rows are not counted: whole rows). Reads
-        (and, for instruction data, tokenizes once into the cache) the data."""
-        if self.format == "preference":
+        packed row (``TokenDataset.row_mix``: packed rows' span, the share of tokens no loss reaches), what the
+        step-time model counts. None, without reading the data, for windows (whole rows, every token in the loss:
+        a token file's loss flags are not counted there) and preference data (its pairs' rows are not counted).
+        Reads (and, for instruction data, tokenizes once into the cache) the data."""
+        if self.format == "preference" or self.mode == "windows":
             return None
         return self.dataset("train", model_vocab, max_pieces).row_mix(self.seed)
 

@@ -200,6 +200,8 @@ class Engine:
             self.policy.check()  # a too-long run of non-finite steps stops training here
         self.last_seq_len = batches[0].shape[1]
         self._home_at = None  # the resident parts change on the device from here on
+        in_loss = (sum(b.tokens if b.loss_mask is None else int(np.count_nonzero(b.loss_mask)) for b in batches)
+                   if self.placement.processes == 1 else None)  # each process sees its own rows only
         t0 = time.perf_counter()
         losses, auxes, pair_stats = [], [], []
         self._runner.begin_step()
@@ -232,8 +234,6 @@ class Engine:
             raise
         self.state.step += 1
         tokens = sum(b.tokens for b in batches) * self.placement.processes  # each process feeds its own rows
-        in_loss = (sum(b.tokens if b.loss_mask is None else int(np.count_nonzero(b.loss_mask)) for b in batches)
-                   if self.placement.processes == 1 else None)
         aux = None if auxes[0] is None else sum(auxes) / len(auxes)
         stats = None if pair_stats[0] is None else sum(pair_stats)
         return StepOutput(self.state.step, sum(losses) / len(losses), self._runner.decision.norm, tokens,

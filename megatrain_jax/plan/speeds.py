@@ -49,9 +49,9 @@ class Speeds:
       Hopper GPU or later: ``models.layers.attention_implementation``); False: XLA's masked attention over whole
       rows (Ada and older).
     - ``dispatch``: the main thread's own seconds per op kind (issuing a transfer, a compiled call).
-    - ``out_of_loss_backward``: a block's backward runs (1 - this x the share of the rows' tokens out of the loss)
-      of its time: its gradients are zeros there, and the GPU runs products over zeros faster (they draw less
-      power, so its clock stays higher). 0: not measured on this GPU.
+    - ``no_gradient_backward``: a block's backward runs (1 - this x the share of the rows' tokens no loss reaches,
+      ``RowMix.no_gradient``) of its time: its gradients are zeros there, and the GPU runs products over zeros
+      faster (they draw less power, so its clock stays higher). 0: not measured on this GPU (not counted).
     """
 
     name: str
@@ -79,7 +79,7 @@ class Speeds:
     # host: 4.58 G params/s in one pass (h200_host_update_profile_08c2422.json), 3.00 in two
     # (h200_measure_speeds_d5d7c51.json)
     one_pass_speedup: float = 1.5
-    out_of_loss_backward: float = 0.0
+    no_gradient_backward: float = 0.0
 
     def host_update_rate(self, mode: str, one_pass: bool = False) -> float:
         """Parameters per second of ``mode``'s host update; ``one_pass``: a splitting mode's update run
@@ -189,14 +189,15 @@ _H200_LINK = 60e9
 # h200_7b_32k and h200_sft_8b, the 3.5B 32K rows); at 670, 111 of the 123 H200 runs since 2026-11-25 are within
 # 10% against 106 at 650 (cpu_step_time_vs_runs_*.json; 680 and 700 move the 32-core host's runs under).
 _H200_MATMUL = 670e12
-# A block's backward with part of each row out of the loss (layer_compute.py --loss-tokens, whole rows, the same
-# attention): at the 8B shape 50% out ran it 5.8% faster, 75% 9.6%, 89% 10.9% (recomputing; 9-10% keeping its
-# products), at the 13B shape 89% out 11.2% (h200_block_kernels_8b_loss*_c75ab97.json, _42c233b.json,
-# h200_block_kernels_13b_loss*_42c233b.json): the traced products ran 4-8% faster with the rest. 0.12 per share.
-_H200_OUT_OF_LOSS = 0.12
+# A block's backward with each row's tail out of the loss, no loss reaching it (layer_compute.py --loss-tokens,
+# whole rows, the same attention): at the 8B shape 50% of the row ran it 5.8% faster, 75% 9.6%, 89% 10.9%
+# (recomputing; 9-10% keeping its products), at the 13B shape 89% 11.2% (h200_block_kernels_8b_loss*_c75ab97.json,
+# _42c233b.json, h200_block_kernels_13b_loss*_42c233b.json): the traced products ran 4-8% faster with the rest.
+# 0.12 per share. The GH200 (the same GPU) takes it too.
+_H200_NO_GRADIENT = 0.12
 H200 = dataclasses.replace(
     H100, name="H200, 16-core host (defaults)", matmul_flops=_H200_MATMUL, h2d_bytes=47.4e9, d2h_bytes=47.4e9,
-    hbm_bytes=3.4e12, out_of_loss_backward=_H200_OUT_OF_LOSS,
+    hbm_bytes=3.4e12, no_gradient_backward=_H200_NO_GRADIENT,
     link_bytes=_H200_LINK, host_update=_H200_HOST, hosts={32: _H200X2_HOST, 64: _H200X4_HOST},
     source="experiments/results: h200_bench_before_after_*.json, h200_host_adamw.json, "
            "h200_host_update_profile.json, h200_measure_speeds_d5d7c51.json")
@@ -264,9 +265,9 @@ def from_file(path: str | os.PathLike, base: Speeds) -> Speeds:
         elif key == "packed_flash":
             if not isinstance(value, bool):
                 raise ValueError(f"{path}: packed_flash must be true or false, got {value!r}")
-        elif key == "out_of_loss_backward":
+        elif key == "no_gradient_backward":
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise ValueError(f"{path}: out_of_loss_backward must be a number from 0 up to (not including) 1, "
+                raise ValueError(f"{path}: no_gradient_backward must be a number from 0 up to (not including) 1, "
                                  f"got {value!r}")
         elif key not in ("name", "source") and not _positive(value):
             raise ValueError(f"{path}: {key} must be a positive number, got {value!r}")

@@ -50,7 +50,7 @@ class StepTime:
     bytes each way over PCIe per step (one GPU's), the share of the parameters that stay on the GPU (resident
     parts), the rates it was predicted with (``speeds.name``), the host update timed on the host at hand that
     they were scaled to (``Speeds.host_measured``; None: not timed) and what the rows hold as it was counted
-    (``mix``: packed rows' span, the share out of the loss; None: whole rows, every token in the loss)."""
+    (``mix``: packed rows' span, the share no loss reaches; None: whole rows, every token in the loss)."""
 
     seconds: float
     bound: str
@@ -72,8 +72,8 @@ class StepTime:
             out["host_measured"] = {k: float(f"{v:.4g}") for k, v in self.host_measured.items()}
         if self.mix is not None and self.mix.attention_span is not None:
             out["attention_span"] = round(self.mix.attention_span, 1)
-        if self.mix is not None and self.mix.out_of_loss:
-            out["out_of_loss"] = round(self.mix.out_of_loss, 4)
+        if self.mix is not None and self.mix.no_gradient:
+            out["no_gradient"] = round(self.mix.no_gradient, 4)
         return out
 
     def tokens_per_s(self, tokens_per_step: int) -> float:
@@ -84,7 +84,7 @@ class StepTime:
         mix = self.mix or RowMix()
         docs = ("" if mix.attention_span is None else
                 f"; packed rows' attention within their runs, {mix.attention_span:,.0f} keys a token") + (
-            f"; {mix.out_of_loss:.0%} of the rows' tokens out of the loss" if mix.out_of_loss else "")
+            f"; {mix.no_gradient:.0%} of the rows' tokens reached by no loss" if mix.no_gradient else "")
         return (f"{self.seconds:.2f} s per step, bound by {BOUND_WORDS[self.bound]} (busy per step: {parts}; "
                 f"PCIe {self.h2d_bytes / 1e9:.1f} GB to the GPU and {self.d2h_bytes / 1e9:.1f} GB back; "
                 f"{self.resident_share:.0%} of the parameters stay on the GPU{docs}; rates: {self.speeds})")
@@ -120,7 +120,7 @@ class _Lengths:
     host_memory: float  # the host memory's bytes per second as the update moves them (one GPU's share)
     norm: dict[PartId, float]  # a norm_first step's first pass: the part's gradient reduced to its squared norm
     dispatch: dict[str, float]  # the main thread's own seconds per op kind
-    mix: RowMix | None  # the rows as counted: packed rows' span where cuDNN runs it, the share out of the loss
+    mix: RowMix | None  # the rows as counted: packed rows' span where cuDNN runs it, the share no loss reaches
 
 
 def _block_flops(cfg: DecoderConfig, layer: int, tokens: int, seq_len: int,
@@ -147,16 +147,18 @@ def lengths(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     GPU's share) at rates ``s``; ``mix``: what the rows hold (None: whole rows, every token in the loss). Packed
     rows' attention is counted over their runs (``_block_flops``) where cuDNN's packed layout runs them
     (``Speeds.packed_flash`` and a model it takes: ``activations.assumes_flash``), else over whole rows (XLA's
-    masked attention); the blocks' backward is shortened by the share out of the loss
-    (``Speeds.out_of_loss_backward``)."""
+    masked attention); the blocks' backward is shortened by the share no loss reaches
+    (``Speeds.no_gradient_backward``)."""
     rows = batch_rows // devices
     mix = mix or RowMix()
     if mix.attention_span is not None and not (s.packed_flash and assumes_flash(cfg)):
         mix = dataclasses.replace(mix, attention_span=None)
+    if not s.no_gradient_backward:  # not measured on this GPU: not counted
+        mix = dataclasses.replace(mix, no_gradient=0.0)
     attention_span = None if mix.attention_span is None else min(float(mix.attention_span), seq_len)
-    # a block's backward over gradients that are zeros where tokens are out of the loss runs faster
-    # (``Speeds.out_of_loss_backward``)
-    zeros = 1.0 - s.out_of_loss_backward * mix.out_of_loss
+    # a block's backward over gradients that are zeros where no loss reaches runs faster
+    # (``Speeds.no_gradient_backward``)
+    zeros = 1.0 - s.no_gradient_backward * mix.no_gradient
     tokens = rows * seq_len // e.micro_batches  # one micro-batch on one GPU
     mode = e.precision
     stream = stream_dtype or e.stream_dtype or cfg.dtype
@@ -237,7 +239,7 @@ def predict(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: int, 
     """The steady-state seconds of one optimizer step of ``cfg`` under ``e`` (``resident_layers`` a number)
     with ``batch_rows`` rows of ``seq_len`` tokens, on ``devices`` GPUs of a machine with rates ``s``.
     ``mix``: what the rows hold (``RowMix``: packed rows' span, which attention runs within where cuDNN's packed
-    layout runs, and the share of tokens out of the loss; ``lengths``); None: each row is one sequence, every
+    layout runs, and the share of tokens no loss reaches; ``lengths``); None: each row is one sequence, every
     token in the loss."""
     if not isinstance(e.resident_layers, int) or not isinstance(e.kept_layers, int):
         raise ValueError("predict needs resident_layers and kept_layers as numbers: resolve 'auto' first "
