@@ -29,38 +29,19 @@ import json
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # child.py
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatrain_jax.engine.update import host_kernel  # noqa: E402
 
-HP = host_kernel.TIMING_HP
 best_seconds = host_kernel.best_seconds  # the fastest of reps timed calls, after one untimed (first touch)
 
 
 def host_rates(n: int, reps: int) -> dict:
-    """Parameters per second of each mode's host update (one leaf of ``n`` parameters)."""
-    lib = host_kernel.require(host_kernel.load())
-    split = host_kernel.full_precision_rates(n, reps, lib)  # what `train` times at its start (Machine.here)
-    rates = {"full": split["full"], "lean": split["lean"]}
-    pb, mb, vb = (np.full(n, x, np.uint16) for x in (0x3F00, 0, 0))
-    g = np.full(n, 0.01, np.float32)
-    rates["capacity"] = n / best_seconds(lambda: host_kernel.adamw_sr_numpy(pb, mb, vb, g, seed=0, lib=lib, **HP),
-                                         reps)
-    del pb, mb, vb, g
-    from megatrain_jax.engine.update.moment_formats import FORMATS
-    shape = (n // 4096, 4096)
-    gq = np.full(shape, 0x3C24, np.uint16)  # bfloat16 gradients, as the quantized modes send them
-    for name, fmt in FORMATS.items():  # each quantized-moment mode (its precision record's name is the format's)
-        pq = np.full(shape, 0x3F00, np.uint16)
-        mq, vq = (np.zeros(fmt.codes_shape(shape, kind), np.uint8) for kind in ("m", "v"))
-        ma, va = (np.zeros(fmt.scale_shape(shape), np.float32) for _ in range(2))
-        rates[name] = pq.size / best_seconds(
-            lambda: fmt.inplace(lib, pq.ctypes.data, mq.ctypes.data, vq.ctypes.data, ma.ctypes.data, va.ctypes.data,
-                                gq.ctypes.data, shape[0], shape[1], block=fmt.block, g_bf16=True, seed=0, offset=0,
-                                **HP), reps)
+    """Parameters per second of each mode's host update (one leaf of ``n`` parameters), as ``train`` times them
+    at its start (``host_kernel.mode_rates``)."""
+    rates = host_kernel.mode_rates(n, reps)
+    split = {k: rates.pop(k) for k in ("first_half_share", "one_pass_speedup")}
     return {"host_update": {k: round(v, -6) for k, v in rates.items()},
             "first_half_share": round(split["first_half_share"], 3),
             "one_pass_speedup": round(split["one_pass_speedup"], 3), "host_cores": len(os.sched_getaffinity(0))}

@@ -314,19 +314,29 @@ def test_the_host_update_follows_the_measured_hosts_and_scales_with_cores_betwee
 
 def test_the_host_update_timed_on_the_host_at_hand_replaces_the_records_unless_a_calibration_file_is_given(
         tmp_path, lib):
-    """The kernel timed here (``host_kernel.full_precision_rates``, as the engine splits it) gives positive rates;
-    ``Speeds.measured_here`` scales every mode's rate by the measured full-precision rate over the record's and
-    takes the split's share and one-pass speedup as measured; ``for_gpu`` takes it over the kind's record (after
-    the host's cores) but not over a calibration file, which the user chose; the model then predicts a
-    host-bound step from it, faster on a faster host."""
-    from megatrain_jax.engine.update.host_kernel import full_precision_rates
+    """The kernel timed here (``host_kernel.mode_rates``: full precision as the engine splits it, then each other
+    mode) gives positive rates for every mode; ``Speeds.measured_here`` gives a timed mode its kernel's rate times
+    the record's ``host_in_step``, scales a mode not timed (and the lean mode) by the measured full-precision rate
+    over the record's, and takes the split's share and one-pass speedup as measured; ``for_gpu`` takes it over the
+    kind's record (after the host's cores) but not over a calibration file, which the user chose; the model then
+    predicts a host-bound step from it, faster on a faster host."""
+    from megatrain_jax.engine.update.host_kernel import mode_rates
     from megatrain_jax.plan.speeds import for_gpu
-    timed = full_precision_rates(1 << 20, reps=2, lib=lib)
+    timed = mode_rates(1 << 20, reps=2, lib=lib)
     assert timed["lean"] > timed["full"] > 0 and 0 < timed["first_half_share"] < 1 and timed["one_pass_speedup"] > 0
+    assert set(SPEEDS["H200"].host_update) <= set(timed) and all(v > 0 for v in timed.values())
     h200 = SPEEDS["H200"]
     fast = {"full": 2 * h200.host_update["full"], "lean": 9e9, "first_half_share": 0.4, "one_pass_speedup": 1.3}
-    here = for_gpu("NVIDIA H200", None, 16, fast)
+    here = for_gpu("NVIDIA H200", None, 16, fast)  # full precision timed alone (the runs before every mode was)
     assert here.host_update == pytest.approx({k: 2 * v for k, v in h200.host_update.items()})
+    # capacity mode's kernel timed no faster than the record's although full precision's doubled: its own rate
+    every = {**fast, "capacity": 6.94e9, "q8": 5.24e9, "m7v5": 4.0e9}
+    step_rates = for_gpu("NVIDIA H200", None, 16, every).host_update
+    assert step_rates["capacity"] == pytest.approx(6.94e9 * h200.host_in_step["capacity"])
+    assert step_rates["m7v5"] == pytest.approx(4.0e9 * h200.host_in_step["m7v5"])
+    assert step_rates["full"] == pytest.approx(fast["full"])
+    assert step_rates["lean"] == pytest.approx(here.host_update["lean"])
+    assert for_gpu("NVIDIA H200", None, 32, every).host_update["capacity"] == pytest.approx(6.94e9)  # its kernel's
     assert (here.first_half_share, here.one_pass_speedup, here.host_cores) == (0.4, 1.3, 16)
     assert "measured here at" in here.name and here.h2d_bytes == h200.h2d_bytes
     x2 = for_gpu("NVIDIA H200", None, 32, fast)  # the 32-core record's mode ratios, scaled to the measured rate

@@ -106,13 +106,13 @@ def gpu_name_before_jax() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def measured_host_update() -> dict[str, float] | None:
-    """The fused kernel's full-precision host update timed on this host (``host_kernel.full_precision_rates``:
-    about half a second, 576 MiB of arrays freed after; the kernel built first where it is not yet), once a
+    """The fused kernel's host update timed on this host for every precision mode (``host_kernel.mode_rates``:
+    under a second, 576 MiB of arrays at most, freed after; the kernel built first where it is not yet), once a
     process; None where the kernel cannot be built or loaded (the engine then updates through JAX, which no record
     describes)."""
     from megatrain_jax.engine.update import host_kernel
     lib = host_kernel.load()
-    return None if lib is None else host_kernel.full_precision_rates(lib=lib)
+    return None if lib is None else host_kernel.mode_rates(lib=lib)
 
 
 def gpu_fraction() -> float:
@@ -165,7 +165,7 @@ class Machine:
     driver's name of the GPU, which says whose rates the step-time model takes; None: no GPU, or not known),
     ``host_cores`` (the cores this process may use, which scale the host update's rate; None: not known,
     the rates' own host) and ``host_measured`` (the host update's rates timed on this host,
-    ``host_kernel.full_precision_rates``, which the step-time model takes over its record's: ``Speeds.measured_here``;
+    ``host_kernel.mode_rates``, which the step-time model takes over its record's: ``Speeds.measured_here``;
     None: not measured)."""
 
     host_ram_bytes: int | None

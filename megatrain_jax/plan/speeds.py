@@ -40,10 +40,14 @@ class Speeds:
       precision mode (``engine.precision``'s names); ``first_half_share``: the part of it the split update's
       first half (the stream copy the next forward waits for) takes; ``one_pass_speedup``: how much faster
       than its two halves together a splitting mode's update runs in one pass (``split_update=false``).
+    - ``host_in_step``: per precision mode, its ``host_update`` rate over its kernel's rate alone on the same host
+      (missing: 1, the kernel's rate as it is), which carries a mode's rate timed on another host
+      (``measured_here``) into a step.
     - ``host_cores``: the cores of the host the host update rates were measured on; ``hosts``: the host fields
-      (``host_update``, ``first_half_share``, ``one_pass_speedup``, ``source``) measured on other hosts of this
-      GPU kind, by their cores. On a host with other cores the rates are the measured host's of those cores, else
-      the nearest measured host's scaled by (cores / its cores) ** ``CORE_SCALING`` (``on_host``).
+      (``host_update``, ``host_in_step``, ``first_half_share``, ``one_pass_speedup``, ``source``) measured on
+      other hosts of this GPU kind, by their cores. On a host with other cores the rates are the measured host's of
+      those cores, else the nearest measured host's scaled by (cores / its cores) ** ``CORE_SCALING``
+      (``on_host``).
     - ``disk_bytes``: the disk tier's read + write rate.
     - ``packed_flash``: packed rows take cuDNN's packed layout here, attention within each run of a row (a
       Hopper GPU or later: ``models.layers.attention_implementation``); False: XLA's masked attention over whole
@@ -80,6 +84,7 @@ class Speeds:
     # (h200_measure_speeds_d5d7c51.json)
     one_pass_speedup: float = 1.5
     no_gradient_backward: float = 0.0
+    host_in_step: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def host_update_rate(self, mode: str, one_pass: bool = False) -> float:
         """Parameters per second of ``mode``'s host update; ``one_pass``: a splitting mode's update run
@@ -99,15 +104,20 @@ class Speeds:
         return dataclasses.replace(self, **changes)
 
     def measured_here(self, rates: dict[str, float], cores: int | None) -> "Speeds":
-        """These rates with the host update timed on the host at hand (``host_kernel.full_precision_rates``, which
-        ``Machine.here`` runs where a GPU is): every precision mode's rate scaled by the measured full-precision
-        rate over this record's (the modes keep the record's ratios to it, the lean mode's too: the timed ``lean``
-        is recorded, not used), the split's first-pass share and the one-pass speedup as measured. The hosts lent
-        as one kind differ: the H200's 16-core host ran the kernel at 3.00, 3.33 and 3.44 G params/s on three
-        days, the 32-core one at 3.40, 3.75 and 4.50, and the steps the host bounds follow it
+        """These rates with the host update timed on the host at hand (``host_kernel.mode_rates``, which
+        ``Machine.here`` runs where a GPU is): each precision mode timed there takes its kernel's timed rate times
+        its ``host_in_step``; a mode not timed (the runs that timed full precision alone, before every mode was
+        timed) keeps its record's ratio to full precision, scaled by the measured full-precision rate over this
+        record's; the split's first-pass share and the one-pass speedup as measured. The lean mode keeps the
+        record's ratio too (the timed ``lean`` is the split update's second pass, recorded, not used). The hosts
+        lent as one kind differ: the H200's 16-core host ran the full-precision kernel at 3.00, 3.33, 3.44 and 3.73
+        G params/s on four days, the 32-core one at 3.40, 3.75 and 4.50, and the steps the host bounds follow it;
+        capacity mode's kernel, bound by the cores rather than the memory, does not follow full precision's
         (experiments/studies/NOTES.md, 2026-12-01)."""
         f = rates["full"] / self.host_update["full"]
-        return self.replace(host_update={k: v * f for k, v in self.host_update.items()},
+        update = {k: (rates[k] * self.host_in_step.get(k, 1.0) if k in rates and k != "lean" else v * f)
+                  for k, v in self.host_update.items()}
+        return self.replace(host_update=update,
                             first_half_share=rates["first_half_share"], one_pass_speedup=rates["one_pass_speedup"],
                             host_cores=cores or self.host_cores, hosts={}, host_measured=dict(rates),
                             name=f"{self.name}, host update measured here at {rates['full'] / 1e9:.2f} G params/s")
@@ -122,7 +132,7 @@ class Speeds:
         base = self
         if near != self.host_cores:
             measured = self.hosts[near]
-            base = self.replace(**measured, host_cores=near, hosts={},
+            base = self.replace(**{"host_in_step": {}, **measured}, host_cores=near, hosts={},
                                 name=f"{self.name.split(',')[0]}, {near}-core host (measured)")
             if near == cores:
                 return base
@@ -162,6 +172,10 @@ H100 = Speeds(
 # (h200_capped_rtx4090_sft_8b_export_29f9356.json, 2.83 s measured) and the lean mode
 # (h200_dpo_8b_generated_d968773.json, 1.79 s).
 _H200_HOST = _with_m7v5({"full": 3.00e9, "lean": 4.7e9, "capacity": 6.0e9, "q8": 4.55e9})
+# So on that host a mode's rate in a step is 2.6 / 3.0 of its kernel's alone (full precision's is the kernel's:
+# the memory lane counts what the transfers take from it), which carries a kernel timed on the host lent into the
+# step (``Speeds.measured_here``).
+_H200_IN_STEP = {mode: 2.6 / 3.0 for mode in ("capacity", "q8", "m7v5")}
 # The 32-core host of the 2-GPU H200 machine, measured (h200x2_measure_speeds_fcba712.json; the 8-bit
 # kernel with its AVX-512 passes): the kernels alone, taken as they run in a step. The 13B step's timeline at
 # 8K tokens on that host (h200x2_side_by_side_13b_8k_fcba712.json) ran its full-precision passes at 3.45 G
@@ -198,7 +212,8 @@ _H200_NO_GRADIENT = 0.12
 H200 = dataclasses.replace(
     H100, name="H200, 16-core host (defaults)", matmul_flops=_H200_MATMUL, h2d_bytes=47.4e9, d2h_bytes=47.4e9,
     hbm_bytes=3.4e12, no_gradient_backward=_H200_NO_GRADIENT,
-    link_bytes=_H200_LINK, host_update=_H200_HOST, hosts={32: _H200X2_HOST, 64: _H200X4_HOST},
+    link_bytes=_H200_LINK, host_update=_H200_HOST, host_in_step=_H200_IN_STEP,
+    hosts={32: _H200X2_HOST, 64: _H200X4_HOST},
     source="experiments/results: h200_bench_before_after_*.json, h200_host_adamw.json, "
            "h200_host_update_profile.json, h200_measure_speeds_d5d7c51.json")
 # Workstation cards (issue 53): predicted from their specification sheets, not fitted to runs; a calibration file
@@ -210,7 +225,8 @@ _DESKTOP_HOST = {k: v * 0.55 for k, v in H200.host_update.items()}
 RTX_4090 = dataclasses.replace(
     H100, name="RTX 4090 (24 GB), 16-core desktop host: predicted from specifications",
     matmul_flops=150e12, attention_flops=110e12,  # 165 TFLOP/s bfloat16 with float32 accumulation, dense
-    h2d_bytes=25e9, d2h_bytes=25e9, hbm_bytes=1.0e12, host_update=_DESKTOP_HOST, disk_bytes=2e9,
+    h2d_bytes=25e9, d2h_bytes=25e9, hbm_bytes=1.0e12, host_update=_DESKTOP_HOST, host_in_step=_H200_IN_STEP,
+    disk_bytes=2e9,
     packed_flash=False,  # Ada (compute capability 8.9): packed rows take XLA's masked attention
     source="specifications (NVIDIA Ada GPU architecture whitepaper; PCIe Gen4 x16), not measured")
 L40S = dataclasses.replace(
@@ -254,7 +270,7 @@ def from_file(path: str | os.PathLike, base: Speeds) -> Speeds:
     if unknown:
         raise ValueError(f"the calibration file {path} has unknown fields {unknown}; known: {sorted(fields)}")
     for key, value in given.items():
-        if key in ("host_update", "dispatch"):
+        if key in ("host_update", "dispatch", "host_in_step"):
             if not isinstance(value, dict) or not all(_positive(v) for v in value.values()):
                 raise ValueError(f"{path}: {key} must map names to positive numbers")
             given[key] = {**getattr(base, key), **value}

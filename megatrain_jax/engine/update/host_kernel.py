@@ -372,6 +372,36 @@ def full_precision_rates(n: int = 1 << 25, reps: int = 5, lib: ctypes.CDLL | Non
             "one_pass_speedup": (first + commit) / whole}
 
 
+def mode_rates(n: int = 1 << 25, reps: int = 5, lib: ctypes.CDLL | None = None) -> dict[str, float]:
+    """The fused kernel timed on this host for every precision mode, each alone over every core it may use:
+    ``full_precision_rates`` (``full``, ``lean``, ``first_half_share``, ``one_pass_speedup``), then parameters per
+    second of capacity mode (``capacity``: bfloat16 masters and moments rounded stochastically, float32 gradient)
+    and of each quantized-moment mode under its format's name (``q8``, ``m7v5``: bfloat16 gradient, as those modes
+    send it). The modes do not follow one another from host to host: full precision is bound by the host's memory,
+    the others by its cores (the 16-core H200 host timed full precision at 3.0 to 3.7 G params/s on different days,
+    capacity mode ran at 5.5 in a step on the 3.7 day). About 0.3 s more than ``full_precision_rates`` on an
+    H200's 16-core host; the arrays are freed after."""
+    from megatrain_jax.engine.update.moment_formats import FORMATS  # above this module: its kernels call here
+    lib = require(lib)
+    rates = dict(full_precision_rates(n, reps, lib))
+    pb, mb, vb = (np.full(n, x, np.uint16) for x in (0x3F00, 0, 0))
+    g = np.full(n, 0.01, np.float32)
+    rates["capacity"] = n / best_seconds(lambda: adamw_sr_numpy(pb, mb, vb, g, seed=0, lib=lib, **TIMING_HP), reps)
+    del pb, mb, vb, g
+    shape = (max(n // 4096, 1), 4096)
+    gq = np.full(shape, 0x3C24, np.uint16)  # bfloat16 gradients
+    for name, fmt in FORMATS.items():
+        pq = np.full(shape, 0x3F00, np.uint16)
+        mq, vq = (np.zeros(fmt.codes_shape(shape, kind), np.uint8) for kind in ("m", "v"))
+        ma, va = (np.zeros(fmt.scale_shape(shape), np.float32) for _ in range(2))
+        rates[name] = pq.size / best_seconds(
+            lambda: fmt.inplace(lib, pq.ctypes.data, mq.ctypes.data, vq.ctypes.data, ma.ctypes.data, va.ctypes.data,
+                                gq.ctypes.data, shape[0], shape[1], block=fmt.block, g_bf16=True, seed=0, offset=0,
+                                **TIMING_HP), reps)
+        del pq, mq, vq, ma, va
+    return rates
+
+
 if __name__ == "__main__":
     path = build(verbose=True)
     print(path or "no C++ compiler (or the build failed): the JAX host optimizer will be used")
