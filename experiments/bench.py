@@ -212,10 +212,10 @@ CONFIGS: dict[str, BenchConfig] = {
     "1b_8k_f32": BenchConfig("llama3.2-1b", None, 2048, 4, EngineConfig(micro_batches=1), vocab=32000),
     # The shipped rtx4090_sft_8b's layout as `train` planned it under a 24 GB card's cap
     # (XLA_PYTHON_CLIENT_MEM_FRACTION=0.163 on an H200): capacity mode, nothing resident, 17 blocks' inputs sent
-    # home, 8 x 2,048 tokens of packed short documents (the generated chats run ~30 tokens each).
+    # home, 8 x 2,048 tokens of packed documents, 32 a row (the most a row may hold: the model's max_segments).
     "8b_sft_capacity_capped": BenchConfig("llama3.1-8b", None, 2048, 8, EngineConfig(
         micro_batches=2, prefetch_depth=1, master_dtype="bfloat16", stream_dtype="bfloat16", resident_layers=0,
-        resident_io=False, offload_activations=17), packed_docs=64),
+        resident_io=False, offload_activations=17), packed_docs=32),
 }
 # 3p5b_98k with the Adam moments of its last N host-updated blocks (of 8) in the disk tier (issue 15), in
 # $MEGATRAIN_DISK_DIR (default /tmp/megatrain_disk_tier): N x 1.62 GB read and written per step.
