@@ -22,7 +22,10 @@ the backward over tokens no loss reaches runs faster): a run is predicted with w
 writes), a shipped config's run on the chats ``shipped_configs.py`` generated (``shipped_configs.generated_chats``,
 made once in that folder) with theirs, read as ``train`` makes the rows; without it (the tests), as recorded. A
 bench.py run of packed rows is predicted at ``BenchConfig.row_mix``. (The ``document_len`` of the runs at e20d02d
-and 803ad8b left the padding out, and ec4ee5c's ``out_of_loss`` counted the prompts: neither is read.)
+and 803ad8b left the padding out, and ec4ee5c's ``out_of_loss`` counted the prompts: neither is read.) Reported
+apart with the runs before ``SINCE`` ("older"): runs of engine code since taken back or replaced (``TAKEN_BACK``), a
+study of repeats (``REPEATS``), and runs whose host timed its update under ``SLOW_HOST`` of its kind's record
+(``slow_host``: another process was using the host, and ``train`` says so beside its prediction).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from megatrain_jax.engine.config import EngineConfig  # noqa: E402
 from megatrain_jax.engine.precision import REMOVED_MOMENT_DTYPES  # noqa: E402
 from megatrain_jax.models import PRESETS, preset  # noqa: E402
 from megatrain_jax.plan import speeds as speeds_mod  # noqa: E402
-from megatrain_jax.plan.step_time import predict  # noqa: E402
+from megatrain_jax.plan.step_time import SLOW_HOST, predict  # noqa: E402
 
 import bench  # noqa: E402  (experiments/: its packed rows)
 import shipped_configs  # noqa: E402  (experiments/: the chats a shipped config's run trained on)
@@ -63,7 +66,10 @@ FITTED = ("matmul_flops", "attention_flops", "attention_backward", "kept_backwar
 SINCE = "2026-11-25"
 # Runs of engine code since taken back (experiments/studies/NOTES.md: the first form of blocks updated on the GPU,
 # 158a849 to b97e9c4, each block's record on the GPU from its update to its next forward): reported apart too.
-TAKEN_BACK = ("h200_side_by_side_gpu_updated_13c9b71.json", "h200_side_by_side_gpu_updated_b97e9c4.json")
+# So is the two-pass step's first form, with two forwards a step (8a19123), since run with one forward (d61709d;
+# NOTES, "The two-pass step with one forward": the same config at 1e2781e is h200_21b_*_two_pass_cli_1e2781e.json).
+TAKEN_BACK = ("h200_side_by_side_gpu_updated_13c9b71.json", "h200_side_by_side_gpu_updated_b97e9c4.json",
+              "h200_21b_q8_two_pass_cli_8a19123.json")
 # A study of the spread between repeats, reported apart too (with the "older" runs): two rows alternated twice in
 # one process (experiments/studies/NOTES.md, 2026-11-30), the first after the process's start ran 1.131 s against
 # 0.964 s for the same row later in the same process; it measured the machine's spread, not a step.
@@ -142,7 +148,21 @@ def runs(since: str = SINCE, work: str | None = None) -> list[dict]:
                         "rows": r["tokens_per_step"] // r["seq_len"], "seq_len": r["seq_len"],
                         "measured_s": r["step_time_s"], "host_measured": _host_measured(r.get("predicted_step")),
                         "mix": _row_mix(r.get("predicted_step")) or _bench_mix(r, shape)})
+    for r in out:  # a run whose host timed itself far under its kind's record is reported apart, as `train` notes it
+        if _slow_host(r):
+            r["older"] = r["slow_host"] = True
     return out
+
+
+def _slow_host(r: dict) -> bool:
+    """Whether the run timed its host's full-precision update under ``step_time.SLOW_HOST`` of its GPU kind's
+    record for its cores (the note ``train`` prints: something else was using the host; experiments/studies/
+    NOTES.md, 2026-12-01: one H200 loan timed 1.61 G params/s against the record's 3.00)."""
+    timed = r.get("host_measured") or {}
+    if "full" not in timed:
+        return False
+    record = speeds_mod.SPEEDS[r["kind"]].on_host(r["host_cores"])
+    return timed["full"] < SLOW_HOST * record.host_update["full"]
 
 
 def _bench_mix(r: dict, shape: str) -> RowMix | None:
@@ -293,7 +313,8 @@ def main() -> None:
             p = predict(r["cfg"], r["engine"], r["rows"], r["seq_len"], _speeds_for(r, s, args.speeds is None),
                         devices=r["gpus"], mix=r["mix"])
             e = r["engine"]
-            rows.append({"file": r["file"], "date": r["date"], "older": r["older"], "run": r["run"], "kind": kind,
+            rows.append({"file": r["file"], "date": r["date"], "older": r["older"],
+                         "slow_host": r.get("slow_host", False), "run": r["run"], "kind": kind,
                          "gpus": r["gpus"], "host_cores": r["host_cores"], "model": r["shape"],
                          "layers": r["cfg"].layers, "rows": r["rows"], "seq_len": r["seq_len"],
                          "layout": {"resident_layers": e.resident_layers, "resident_io": e.resident_io,

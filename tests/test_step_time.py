@@ -638,3 +638,18 @@ def test_the_rate_sweep_counts_what_the_study_counts(tmp_path, monkeypatch):
     assert same["all"] == base["all"] and slow["all"]["within_10pct"] < base["all"]["within_10pct"]
     assert json.loads((tmp_path / "sweep.json").read_text())["command"].startswith(
         "PYTHONPATH=. python experiments/studies/step_time_rate_sweep.py")
+
+
+def test_train_says_so_where_the_host_timed_itself_far_under_its_kinds_record():
+    """A host that times its update under ``SLOW_HOST`` of its kind's record (another process using its cores, as
+    on one loan of an H200: 1.61 G params/s against 3.00) gets a note beside the predicted step, with both rates;
+    a host at its record's pace, or one not timed, gets none."""
+    e = EngineConfig(resident_layers=0)
+    rates = {"full": 3.3e9, "lean": 5.5e9, "first_half_share": 0.43, "one_pass_speedup": 1.5}
+    quiet = Machine(None, None, gpu_name="NVIDIA H200", host_cores=16, host_measured=rates)
+    busy = dataclasses.replace(quiet, host_measured={**rates, "full": 1.61e9})
+    assert "note" not in step_time.step_line(for_machine(CFG, e, 2, 2048, quiet), 4096, quiet)
+    line = step_time.step_line(for_machine(CFG, e, 2, 2048, busy), 4096, busy)
+    assert "note: the host update timed at 1.61 G params/s" in line and "3.00 measured" in line
+    untimed = dataclasses.replace(quiet, host_measured=None)
+    assert "note" not in step_time.step_line(for_machine(CFG, e, 2, 2048, untimed), 4096, untimed)
