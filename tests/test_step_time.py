@@ -653,3 +653,17 @@ def test_train_says_so_where_the_host_timed_itself_far_under_its_kinds_record():
     assert "note: the host update timed at 1.61 G params/s" in line and "3.00 measured" in line
     untimed = dataclasses.replace(quiet, host_measured=None)
     assert "note" not in step_time.step_line(for_machine(CFG, e, 2, 2048, untimed), 4096, untimed)
+
+
+def test_a_sustained_timing_is_the_mean_over_at_least_the_calls_and_the_window_asked():
+    """``host_kernel.sustained_seconds``: one untimed call first, then back-to-back calls until both the count and
+    the window are reached; the mean a call (a long run of updates' rate, not the fastest short call's)."""
+    import time
+    from megatrain_jax.engine.update.host_kernel import sustained_seconds
+    calls = []
+    took = sustained_seconds(lambda: calls.append(time.sleep(0.002)), calls=3, window=0.02)
+    assert len(calls) >= 1 + 3 and took * (len(calls) - 1) >= 0.02  # the timed calls filled the window
+    assert 0.002 <= took < 0.02
+    calls.clear()
+    sustained_seconds(lambda: calls.append(None), calls=7, window=0.0)
+    assert len(calls) == 8  # the untimed call and the seven asked

@@ -398,6 +398,12 @@ def for_machine(cfg: DecoderConfig, e: EngineConfig, batch_rows: int, seq_len: i
     return None if s is None else predict(cfg, e, batch_rows, seq_len, s, stream_dtype, machine.gpus, mix)
 
 
+# Under this share of its kind's record, the host's timed rate is reported: the H200's 16-core hosts timed full
+# precision at 2.99-3.73 G params/s on quiet loans, 1.61-2.59 on one whose host ran other work in bursts
+# (experiments/studies/NOTES.md, 2026-12-01)
+SLOW_HOST = 0.7
+
+
 def step_line(p: StepTime | None, tokens_per_step: int, machine: Machine) -> str:
     """The sentence ``train`` and ``plan`` print: the predicted step time and tokens/s (``p``, what
     ``for_machine`` gave; ``tokens_per_step``: an optimizer step's, every accumulated batch's), or why there is
@@ -414,9 +420,3 @@ def step_line(p: StepTime | None, tokens_per_step: int, machine: Machine) -> str
                  f"kind with {record.host_cores} cores: something else may be using this host's cores or memory "
                  f"(the prediction takes the rate timed; a step the host bounds runs at the host's pace)")
     return line
-
-
-# Under this share of its kind's record, the host's timed rate is reported: the H200's 16-core hosts timed full
-# precision at 2.99-3.73 G params/s on quiet loans, 1.61-2.59 on one whose host ran other work in bursts
-# (experiments/studies/NOTES.md, 2026-12-01)
-SLOW_HOST = 0.7
