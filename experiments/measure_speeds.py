@@ -39,7 +39,10 @@ best_seconds = host_kernel.best_seconds  # the fastest of reps timed calls, afte
 
 def host_rates(n: int, reps: int) -> dict:
     """Parameters per second of each mode's host update (one leaf of ``n`` parameters), as ``train`` times them
-    at its start (``host_kernel.mode_rates``)."""
+    at its start (``host_kernel.mode_rates``): each kernel alone. The plan reads a file's ``host_update`` as the
+    rates a step runs at; on the H200's 16-core host a step ran capacity mode and the quantized modes ~13% under
+    their kernels' rates alone (``Speeds.host_in_step``, which ``train``'s own timing applies and a file's does
+    not)."""
     rates = host_kernel.mode_rates(n, reps)
     split = {k: rates.pop(k) for k in ("first_half_share", "one_pass_speedup")}
     return {"host_update": {k: round(v, -6) for k, v in rates.items()},

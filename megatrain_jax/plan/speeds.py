@@ -42,7 +42,9 @@ class Speeds:
       than its two halves together a splitting mode's update runs in one pass (``split_update=false``).
     - ``host_in_step``: per precision mode, its ``host_update`` rate over its kernel's rate alone on the same host
       (missing: 1, the kernel's rate as it is), which carries a mode's rate timed on another host
-      (``measured_here``) into a step.
+      (``measured_here``) into a step. A host between two measured ones takes the share of the nearest in cores
+      (``on_host``): the H200's 16-core host's 2.6 / 3.0 up to 22 cores, 1 (its kernels as they are) from 23.
+    - ``from_specifications``: the record's rates come from specification sheets, not from runs.
     - ``host_cores``: the cores of the host the host update rates were measured on; ``hosts``: the host fields
       (``host_update``, ``host_in_step``, ``first_half_share``, ``one_pass_speedup``, ``source``) measured on
       other hosts of this GPU kind, by their cores. On a host with other cores the rates are the measured host's of
@@ -75,8 +77,8 @@ class Speeds:
     source: str = ""
     link_bytes: float | None = None
     hosts: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    # the host update timed on the host at hand (``host_kernel.full_precision_rates``) that ``measured_here``
-    # scaled these host rates to; None: the record's, or a calibration file's
+    # the host update timed on the host at hand (``host_kernel.mode_rates``) that ``measured_here`` took these host
+    # rates from; None: the record's, or a calibration file's
     host_measured: dict[str, float] | None = None
     packed_flash: bool = True
     # about 30 bytes per parameter in one pass against 46 in two; the fused kernel alone on the H200's 16-core
@@ -85,6 +87,8 @@ class Speeds:
     one_pass_speedup: float = 1.5
     no_gradient_backward: float = 0.0
     host_in_step: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the rates come from a GPU's and a host's specification sheets, not from runs (the workstation cards)
+    from_specifications: bool = False
 
     def host_update_rate(self, mode: str, one_pass: bool = False) -> float:
         """Parameters per second of ``mode``'s host update; ``one_pass``: a splitting mode's update run
@@ -122,13 +126,28 @@ class Speeds:
                             host_cores=cores or self.host_cores, hosts={}, host_measured=dict(rates),
                             name=f"{self.name}, host update measured here at {rates['full'] / 1e9:.2f} G params/s")
 
+    def measured_full_rate(self, cores: int | None) -> float | None:
+        """The full-precision host update's rate measured on the host of this record nearest ``cores`` (None: the
+        record's own), not scaled by cores: what a host of this kind timed itself at where nothing else ran on it
+        (``step_time.step_line``'s note); None for a record from specification sheets."""
+        if self.from_specifications:
+            return None
+        near = self._nearest_host(cores)
+        return self.host_update["full"] if near == self.host_cores else self.hosts[near]["host_update"]["full"]
+
+    def _nearest_host(self, cores: int | None) -> int:
+        """The cores of the measured host nearest ``cores`` (this record's own, or one of ``hosts``)."""
+        if cores is None:
+            return self.host_cores
+        return min((self.host_cores, *self.hosts), key=lambda c: (abs(math.log(cores / c)), -c))
+
     def on_host(self, cores: int | None) -> "Speeds":
         """These rates on a host of ``cores`` usable cores (None or the same: unchanged): a host of that many
         cores measured for this GPU kind (``hosts``), else the nearest measured host's update rates scaled as
         the fused kernel's measured between a 16- and a 64-core H200 host."""
         if cores is None or cores == self.host_cores:
             return self
-        near = min((self.host_cores, *self.hosts), key=lambda c: (abs(math.log(cores / c)), -c))
+        near = self._nearest_host(cores)
         base = self
         if near != self.host_cores:
             measured = self.hosts[near]
@@ -228,6 +247,7 @@ RTX_4090 = dataclasses.replace(
     h2d_bytes=25e9, d2h_bytes=25e9, hbm_bytes=1.0e12, host_update=_DESKTOP_HOST, host_in_step=_H200_IN_STEP,
     disk_bytes=2e9,
     packed_flash=False,  # Ada (compute capability 8.9): packed rows take XLA's masked attention
+    from_specifications=True,
     source="specifications (NVIDIA Ada GPU architecture whitepaper; PCIe Gen4 x16), not measured")
 L40S = dataclasses.replace(
     RTX_4090, name="L40S / RTX 6000 Ada (48 GB), 16-core desktop host: predicted from specifications",
@@ -270,12 +290,17 @@ def from_file(path: str | os.PathLike, base: Speeds) -> Speeds:
     if unknown:
         raise ValueError(f"the calibration file {path} has unknown fields {unknown}; known: {sorted(fields)}")
     for key, value in given.items():
-        if key in ("host_update", "dispatch", "host_in_step"):
+        if key in ("host_update", "dispatch"):
             if not isinstance(value, dict) or not all(_positive(v) for v in value.values()):
                 raise ValueError(f"{path}: {key} must map names to positive numbers")
             given[key] = {**getattr(base, key), **value}
         elif key == "hosts":
             raise ValueError(f"{path}: a calibration file holds one host's rates (its host_cores), not hosts")
+        elif key in ("host_in_step", "from_specifications", "host_measured"):
+            raise ValueError(f"{path}: {key} is not a calibration field: a file's host_update holds the rates a "
+                             f"step runs at, taken as they are (experiments/measure_speeds.py writes each kernel's "
+                             f"rate alone, which on the H200's 16-core host is ~13% above a step's for capacity "
+                             f"mode and the quantized modes)")
         elif key == "link_bytes" and value is None:
             continue  # null: each way at its own rate (a full-duplex link)
         elif key == "packed_flash":

@@ -38,7 +38,7 @@ from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.plan.counts import activation_bytes, host_roles, io_param_count, stream_bytes
 from megatrain_jax.plan.machine import Machine
-from megatrain_jax.plan.speeds import SPEEDS_VAR, Speeds, for_gpu
+from megatrain_jax.plan.speeds import SPEEDS, SPEEDS_VAR, Speeds, for_gpu, kind_of
 
 QUEUES = ("main", "gpu", "h2d", "d2h", "link", "host")
 _STEPS = 4  # simulated back to back; the last gap is the steady state (the first steps start from idle)
@@ -413,10 +413,20 @@ def step_line(p: StepTime | None, tokens_per_step: int, machine: Machine) -> str
         return (f"  predicted step: none ({why}; megatrain-jax plan --gpu H200 or --speeds FILE predicts for a "
                 f"GPU: docs/performance.md)")
     line = f"  predicted step: {p.tokens_per_s(tokens_per_step):,.0f} tokens/s, {p.describe()}"
-    record = for_gpu(machine.gpu_name, None, machine.host_cores) if p.host_measured else None
-    if record is not None and p.host_measured["full"] < SLOW_HOST * record.host_update["full"]:
+    usual = slow_host(machine.gpu_name, machine.host_cores, p.host_measured)
+    if usual is not None:
         line += (f"\n  note: the host update timed at {p.host_measured['full'] / 1e9:.2f} G params/s here, under "
-                 f"{SLOW_HOST:.0%} of the {record.host_update['full'] / 1e9:.2f} measured on other hosts of this "
-                 f"kind with {record.host_cores} cores: something else may be using this host's cores or memory "
-                 f"(the prediction takes the rate timed; a step the host bounds runs at the host's pace)")
+                 f"{SLOW_HOST:.0%} of the {usual / 1e9:.2f} measured on a host of this kind: something else may be "
+                 f"using this host's cores or memory (the prediction takes the rate timed; a step the host bounds "
+                 f"runs at the host's pace)")
     return line
+
+
+def slow_host(gpu_name: str | None, cores: int | None, timed: dict[str, float] | None) -> float | None:
+    """The full-precision rate a host of this GPU kind timed itself at with nothing else on it
+    (``Speeds.measured_full_rate``, the measured host nearest in cores) where ``timed`` (the host update timed here,
+    ``Machine.host_measured``) is under ``SLOW_HOST`` of it; None where it is not, where nothing was timed, or
+    where the kind's record is not from runs."""
+    kind = kind_of(gpu_name)
+    usual = None if kind is None or not timed or "full" not in timed else SPEEDS[kind].measured_full_rate(cores)
+    return usual if usual is not None and timed["full"] < SLOW_HOST * usual else None

@@ -359,6 +359,8 @@ def sustained_seconds(fn, calls: int, window: float = 0.1) -> float:
     seconds in all, after one untimed call (first touch): the rate a step's long run of updates sustains, where
     the fastest of a few short calls reads high (a few milliseconds each over 32M parameters, a few percent to 11%
     above the update's rate in a step on the 16-core H200 host)."""
+    if calls < 1:
+        raise ValueError(f"sustained_seconds needs at least one timed call, got calls={calls}")
     fn()
     done, t = 0, time.perf_counter()
     while done < calls or time.perf_counter() - t < window:
@@ -385,6 +387,9 @@ def full_precision_rates(n: int = 1 << 25, reps: int = 5, lib: ctypes.CDLL | Non
             "one_pass_speedup": (first + commit) / whole}
 
 
+SUSTAINED_CALLS = 2  # the fewest timed calls of a mode's sustained timing (its window is a tenth of a second)
+
+
 def mode_rates(n: int = 1 << 25, reps: int = 5, lib: ctypes.CDLL | None = None) -> dict[str, float]:
     """The fused kernel timed on this host for every precision mode, each alone over every core it may use:
     ``full_precision_rates`` (``full``, ``lean``, ``first_half_share``, ``one_pass_speedup``), then parameters per
@@ -401,7 +406,7 @@ def mode_rates(n: int = 1 << 25, reps: int = 5, lib: ctypes.CDLL | None = None) 
     pb, mb, vb = (np.full(n, x, np.uint16) for x in (0x3F00, 0, 0))
     g = np.full(n, 0.01, np.float32)
     rates["capacity"] = n / sustained_seconds(lambda: adamw_sr_numpy(pb, mb, vb, g, seed=0, lib=lib, **TIMING_HP),
-                                              reps)
+                                              SUSTAINED_CALLS)
     del pb, mb, vb, g
     shape = (max(n // 4096, 1), 4096)
     gq = np.full(shape, 0x3C24, np.uint16)  # bfloat16 gradients
@@ -412,7 +417,7 @@ def mode_rates(n: int = 1 << 25, reps: int = 5, lib: ctypes.CDLL | None = None) 
         rates[name] = pq.size / sustained_seconds(
             lambda: fmt.inplace(lib, pq.ctypes.data, mq.ctypes.data, vq.ctypes.data, ma.ctypes.data, va.ctypes.data,
                                 gq.ctypes.data, shape[0], shape[1], block=fmt.block, g_bf16=True, seed=0, offset=0,
-                                **TIMING_HP), reps)
+                                **TIMING_HP), SUSTAINED_CALLS)
         del pq, mq, vq, ma, va
     return rates
 
