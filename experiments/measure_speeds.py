@@ -9,7 +9,9 @@ What it measures, each as the model reads it (``megatrain_jax.plan.speeds.Speeds
   precision as the engine runs it (split in two passes: the bfloat16 stream copy, then masters and moments;
   ``first_half_share`` is the first pass's share of the two; ``one_pass_speedup``, how much faster the same
   update runs in one pass, ``split_update=false``), the lean mode (one pass, no copy), capacity
-  mode and 8-bit moments; ``host_cores`` is the cores it ran on;
+  mode and the quantized-moment modes, each kernel alone (``host_kernels_alone``) and, as the file gives them, times
+  its share in a step on this GPU kind's measured host nearest in cores (``Speeds.host_in_step``: what ``train``
+  does with its own timing); ``host_cores`` is the cores it ran on;
 - on a GPU: PCIe each way and both ways at once (``link_bytes``: the two copies' bytes over the time both take
   together), each as the engine copies a block's state (its float32 masters and moments at ``--hidden``/``--ffn``,
   three arrays a leaf, through ``Placement``; best of a few); and, recorded apart (``gpu_kernel_ceilings``, not read as
@@ -33,16 +35,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # child.py
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatrain_jax.engine.update import host_kernel  # noqa: E402
+from megatrain_jax.plan import speeds as speeds_mod  # noqa: E402
 
 best_seconds = host_kernel.best_seconds  # the fastest of reps timed calls, after one untimed (first touch)
 
 
 def host_rates(n: int, reps: int) -> dict:
-    """Parameters per second of each mode's host update (one leaf of ``n`` parameters), as ``train`` times them
-    at its start (``host_kernel.mode_rates``): each kernel alone. The plan reads a file's ``host_update`` as the
-    rates a step runs at; on the H200's 16-core host a step ran capacity mode and the quantized modes ~13% under
-    their kernels' rates alone (``Speeds.host_in_step``, which ``train``'s own timing applies and a file's does
-    not)."""
+    """Parameters per second of each mode's kernel alone (one leaf of ``n`` parameters), as ``train`` times them
+    at its start (``host_kernel.mode_rates``)."""
     rates = host_kernel.mode_rates(n, reps)
     split = {k: rates.pop(k) for k in ("first_half_share", "one_pass_speedup")}
     return {"host_update": {k: round(v, -6) for k, v in rates.items()},
@@ -117,9 +117,17 @@ def main(argv: list[str] | None = None) -> dict:
     pcie, ceilings = gpu_rates(args.hidden, args.ffn, args.tokens, args.seq, args.heads, args.reps)
     speeds.update(pcie)
     import jax
+    # The plan reads a file's host_update as the rates a step runs at: each kernel's rate times its share in a step
+    # on this GPU kind's measured host nearest in cores (Speeds.host_in_step, as train applies to its own timing;
+    # none known: the kernel's rate as it is); the kernels' rates alone are kept beside.
+    kernels = dict(speeds["host_update"])
+    record_here = speeds_mod.SPEEDS.get(speeds_mod.kind_of(jax.devices()[0].device_kind))
+    share = {} if record_here is None else record_here.on_host(speeds["host_cores"]).host_in_step
+    speeds["host_update"] = {k: round(v * share.get(k, 1.0), -6) for k, v in kernels.items()}
     speeds["name"] = f"{jax.devices()[0].device_kind}, {speeds['host_cores']}-core host (measured)"
     speeds["source"] = os.path.basename(args.out)
     record = {**results_header(args.out, __file__), "runs": [{"system": "measure_speeds", "speeds": speeds,
+                                                               "host_kernels_alone": kernels,
                                                                "gpu_kernel_ceilings": ceilings,
                                                                "shapes": {k: getattr(args, k) for k in
                                                                           ("params", "hidden", "ffn", "heads",

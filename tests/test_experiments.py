@@ -885,6 +885,8 @@ def test_measure_speeds_writes_a_calibration_file_the_plan_reads(tmp_path):
     record = load_script("measure_speeds").main(["--params", "8", "--reps", "1", "--out", str(tmp_path / "s.json")])
     speeds = record["runs"][0]["speeds"]
     assert set(speeds["host_update"]) == {"full", "lean", "capacity", "q8", "m7v5"}
+    # no GPU kind here: each mode's rate in a step is its kernel's as it is
+    assert speeds["host_update"] == {k: round(v, -6) for k, v in record["runs"][0]["host_kernels_alone"].items()}
     assert all(rate > 0 for rate in speeds["host_update"].values()) and 0 < speeds["first_half_share"] < 1
     assert not (tmp_path / "s.speeds.json").exists()  # one file: the results file
     s = from_file(tmp_path / "s.json", H200)

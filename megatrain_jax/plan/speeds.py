@@ -299,8 +299,7 @@ def from_file(path: str | os.PathLike, base: Speeds) -> Speeds:
         elif key in ("host_in_step", "from_specifications", "host_measured"):
             raise ValueError(f"{path}: {key} is not a calibration field: a file's host_update holds the rates a "
                              f"step runs at, taken as they are (experiments/measure_speeds.py writes each kernel's "
-                             f"rate alone, which on the H200's 16-core host is ~13% above a step's for capacity "
-                             f"mode and the quantized modes)")
+                             f"rate times its share in a step)")
         elif key == "link_bytes" and value is None:
             continue  # null: each way at its own rate (a full-duplex link)
         elif key == "packed_flash":
