@@ -24,8 +24,8 @@ made once in that folder) with theirs, read as ``train`` makes the rows; without
 bench.py run of packed rows is predicted at ``BenchConfig.row_mix``. (The ``document_len`` of the runs at e20d02d
 and 803ad8b left the padding out, and ec4ee5c's ``out_of_loss`` counted the prompts: neither is read.) Reported
 apart with the runs before ``SINCE`` ("older"): runs of engine code since taken back or replaced (``TAKEN_BACK``), a
-study of repeats (``REPEATS``), and runs whose host timed its update under ``SLOW_HOST`` of its kind's record
-(``slow_host``: another process was using the host, and ``train`` says so beside its prediction). The runs at
+study of repeats (``REPEATS``), and runs whose host timed its update under ``SLOW_HOST`` of what the measured host
+of its kind nearest in cores timed (``slow_host``: another process was using the host, and ``train`` says so beside its prediction). The runs at
 a6e8da5 to d93059a timed capacity mode and the quantized modes as the fastest of five short calls, which reads
 ~16% above the sustained timing since e6a0fc5 (NOTES, 2026-12-01); they are predicted with the same in-step share.
 """
@@ -151,17 +151,11 @@ def runs(since: str = SINCE, work: str | None = None) -> list[dict]:
                         "rows": r["tokens_per_step"] // r["seq_len"], "seq_len": r["seq_len"],
                         "measured_s": r["step_time_s"], "host_measured": _host_measured(r.get("predicted_step")),
                         "mix": _row_mix(r.get("predicted_step")) or _bench_mix(r, shape)})
-    for r in out:  # a run whose host timed itself far under its kind's record is reported apart, as `train` notes it
-        if _slow_host(r):
+    for r in out:  # a run whose host timed itself far under its kind's usual rate is reported apart, as `train`
+        # notes it (step_time.slow_host; NOTES, 2026-12-01: one H200 loan timed 1.61 G params/s against 3.00)
+        if step_time.slow_host(r["kind"], r["host_cores"], r.get("host_measured")) is not None:
             r["older"] = r["slow_host"] = True
     return out
-
-
-def _slow_host(r: dict) -> bool:
-    """Whether the run timed its host's full-precision update under ``step_time.SLOW_HOST`` of what a host of its
-    kind timed with nothing else on it (``step_time.slow_host``: the note ``train`` prints; experiments/studies/
-    NOTES.md, 2026-12-01: one H200 loan timed 1.61 G params/s against the record's 3.00)."""
-    return step_time.slow_host(r["kind"], r["host_cores"], r.get("host_measured")) is not None
 
 
 def _bench_mix(r: dict, shape: str) -> RowMix | None:
