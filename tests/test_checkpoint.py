@@ -268,7 +268,9 @@ def test_auto_resume_skips_a_corrupt_newest_checkpoint(tmp_path, reference):
     assert (tmp_path / "4.corrupt").is_dir() and committed_steps(tmp_path) == [6, 4, 2]
 
 
-def test_unfinished_save_is_warned_about_and_removed(tmp_path):
+def test_unfinished_save_is_warned_about_and_removed_by_the_first_save(tmp_path):
+    """A killed save's temporary folder is said when a writer opens the directory, and removed by its first save:
+    a run refused before it saves (a resume that does not go ahead) leaves the directory as it was."""
     run(2, tmp_path, checkpoint_every=2)
     leftover = tmp_path / "3.orbax-checkpoint-tmp-1234567"
     (leftover / "state" / "io").mkdir(parents=True)
@@ -276,7 +278,10 @@ def test_unfinished_save_is_warned_about_and_removed(tmp_path):
         ckpt = Checkpointer(tmp_path)
     assert ckpt.latest_complete() == 2
     ckpt.close()
-    assert not leftover.exists()
+    assert leftover.exists()
+    with pytest.warns(CheckpointWarning, match=f"incomplete checkpoint {leftover}"):
+        run(4, tmp_path, resume=True, checkpoint_every=2)
+    assert not leftover.exists() and committed_steps(tmp_path) == [4, 2]
 
 
 def test_resuming_a_full_precision_checkpoint_in_capacity_mode_says_why_it_cannot(tmp_path):
@@ -497,6 +502,7 @@ def test_a_refused_checkpoint_session_closes_its_manager(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(session_module, "Checkpointer", Manager)
     monkeypatch.setattr(session_module, "committed_steps", lambda root: [3, 5])
+    (tmp_path / "3").mkdir()
     with pytest.raises(ValueError, match="already holds checkpoints" if resume is None else "newer checkpoints"):
         session_module.CheckpointSession(tmp_path, resume=None if resume is None else tmp_path / "3")
     assert closed == [tmp_path]

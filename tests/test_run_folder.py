@@ -19,7 +19,7 @@ import pytest
 
 from megatrain_jax.checkpoint import CheckpointWarning, committed_steps
 from megatrain_jax.cli import main
-from megatrain_jax.cli.run import run_files
+from megatrain_jax.cli.run_folder import run_files
 from megatrain_jax.observe import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def copy_of(saved_run: Path, tmp_path: Path) -> tuple[Path, list[str]]:
 
 
 def test_a_second_train_into_a_run_folder_is_refused_and_changes_nothing(tmp_path, capsys):
-    assert main(["train", *TINY_RUN, "train.steps=2", f"train.run_dir={tmp_path}"]) == 0
+    assert main(["train", *TINY_RUN, "train.steps=2", "train.checkpoint_every=2", f"train.run_dir={tmp_path}"]) == 0
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     capsys.readouterr()
     assert main(["train", *TINY_RUN, "train.steps=3", f"train.run_dir={tmp_path}"]) == 2
@@ -64,11 +64,75 @@ def test_a_second_train_into_a_run_folder_is_refused_and_changes_nothing(tmp_pat
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
 
 
-def test_resuming_without_a_checkpoint_keeps_the_earlier_metrics(tmp_path):
+def test_resuming_without_a_checkpoint_keeps_the_earlier_metrics(tmp_path, capsys):
+    """A run that saved no checkpoint cannot be continued: a second start is told so (not to resume); resume=true
+    (a job script's every start) starts over, saying it, and keeps the earlier metrics."""
     assert main(["train", *TINY_RUN, "train.steps=2", f"train.run_dir={tmp_path}"]) == 0
+    capsys.readouterr()
+    assert main(["train", *TINY_RUN, "train.steps=3", f"train.run_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "It saved no checkpoint" in err and "cannot be continued" in err and "train.resume=true" not in err
     assert main(["train", *TINY_RUN, "train.steps=3", "train.resume=true", f"train.run_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert f"the run in {tmp_path} trained 2 step(s) but left no checkpoint" in out and "starts from step 0" in out
     assert steps_in(tmp_path) == [1, 2, 3]
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.1.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_resume_true_finds_no_checkpoint_where_the_run_saved_elsewhere_and_says_where(tmp_path, capsys):
+    """The run saved its checkpoints to a train.checkpoint_dir that the resuming command does not name: refused,
+    naming the folder the run's config.toml records, not started over."""
+    elsewhere = tmp_path / "ck"
+    run = [*TINY_RUN, "train.checkpoint_every=2", f"train.run_dir={tmp_path / 'run'}"]
+    assert main(["train", *run, "train.steps=2", f"train.checkpoint_dir={elsewhere}"]) == 0
+    before = files_of(tmp_path)
+    capsys.readouterr()
+    assert main(["train", *run, "train.steps=4", "train.resume=true"]) == 2
+    err = capsys.readouterr().err
+    assert f"saved its checkpoints to {elsewhere} (steps [2])" in err and f"train.checkpoint_dir={elsewhere}" in err
+    assert files_of(tmp_path) == before
+    assert main(["train", *run, "train.steps=3", "train.resume=true", f"train.checkpoint_dir={elsewhere}"]) == 0
+    assert steps_in(tmp_path / "run") == [1, 2, 3]
+
+
+def test_a_resume_from_another_folder_into_one_holding_checkpoints_is_refused(saved_run, tmp_path, capsys):
+    """Resuming from another run's checkpoint into a checkpoint folder that holds checkpoints would mix the two runs'
+    steps there and let the keep rule delete the other run's: refused at start, nothing changed."""
+    run_dir, resume = copy_of(saved_run, tmp_path)
+    source = tmp_path / "source"
+    shutil.copytree(saved_run / "checkpoints", source)
+    before = files_of(run_dir)
+    capsys.readouterr()
+    assert main(["train", *resume[:-2], f"train.run_dir={run_dir}", "train.steps=4",
+                 f"train.resume={source / '2'}"]) == 2
+    err = capsys.readouterr().err
+    assert "which holds another run's checkpoints (steps [2])" in err and "Nothing was changed" in err
+    assert files_of(run_dir) == before
+
+
+def test_a_resume_from_a_missing_path_or_a_file_says_what_it_is(saved_run, tmp_path, capsys):
+    run_dir, resume = copy_of(saved_run, tmp_path)
+    for given, said in ((tmp_path / "nowhere", "does not exist"), (run_dir / "config.toml", "is a file, not a "
+                                                                                           "checkpoint folder")):
+        capsys.readouterr()
+        assert main(["train", *resume[:-2], f"train.run_dir={run_dir}", "train.steps=4",
+                     f"train.resume={given}"]) == 2
+        err = capsys.readouterr().err
+        assert f"train.resume={given}" in err and said in err and "WARNING:absl" not in err
+
+
+def test_a_resume_with_another_learning_rate_or_length_says_so(saved_run, tmp_path, capsys):
+    """Changing the optimizer or the schedule's length on resume is allowed (a lower rate after a spike, a longer
+    run) and said, with both values."""
+    run_dir, resume = copy_of(saved_run, tmp_path)
+    capsys.readouterr()
+    assert main(["train", *resume, "train.steps=3", "optimizer.lr=1e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming with another optimizer or schedule" in out
+    assert "optimizer.lr 0.0003 then, 0.0001 now" in out and "train.steps 2 then, 3 now" in out
+    assert main(["train", *resume, "train.steps=4", "optimizer.lr=1e-4"]) == 0  # compared with the last start's
+    out = capsys.readouterr().out
+    assert "train.steps 3 then, 4 now" in out and "optimizer.lr" not in out
 
 
 def test_a_changed_config_on_resume_is_written_next_to_the_first(tmp_path):
@@ -267,10 +331,13 @@ def test_every_checkpoint_corrupt_stops_with_a_list(tmp_path, capsys):
 
 def test_a_resume_refused_by_the_model_check_leaves_a_corrupt_newest_checkpoint_in_place(tmp_path, capsys):
     """The newest checkpoint is broken and the run resumes from the one before: it is set aside (``N.corrupt``) only
-    once the resume goes ahead, so a refused one (here a changed model) leaves the folder byte for byte."""
+    once the resume goes ahead, and a killed save's leftover removed only by the first save, so a refused one (here a
+    changed model) leaves the folder byte for byte."""
     run = [*TINY_RUN, "train.checkpoint_every=2", f"train.run_dir={tmp_path}"]
     assert main(["train", *run, "train.steps=4"]) == 0
     (tmp_path / "checkpoints" / "4" / "state" / "MANIFEST.json").unlink()
+    (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1234" / "state").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1234" / "state" / "x").write_text("")
     before = files_of(tmp_path)
     capsys.readouterr()
     assert main(["train", *run, "train.steps=5", "train.resume=true", "model.rope_theta=2e4"]) == 2
@@ -279,6 +346,7 @@ def test_a_resume_refused_by_the_model_check_leaves_a_corrupt_newest_checkpoint_
     with pytest.warns(CheckpointWarning, match="moved aside to 4.corrupt"):
         assert main(["train", *run, "train.steps=5", "train.resume=true"]) == 0
     assert (tmp_path / "checkpoints" / "4.corrupt").is_dir() and committed_steps(tmp_path / "checkpoints") == [5, 4, 2]
+    assert not (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1234").exists()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])

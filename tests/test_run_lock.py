@@ -116,7 +116,20 @@ def test_a_checkpoint_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
         status = main(["train", "model.layers=1", "data.seq_len=32", "data.batch_size=4", "data.demo_tokens=20000",
                        "train.steps=1", "log.progress=lines", "log.tensorboard=false",
                        f"train.run_dir={tmp_path / 'b'}", f"train.checkpoint_dir={shared}"])
+        assert [p.name for p in shared.iterdir()] == [".lock"]  # the refused run wrote nothing there
     assert status == 2
     err = capsys.readouterr().err
     assert f"checkpoint folder {shared} is in use by pid {os.getpid()}" in err and "train.checkpoint_dir" in err
-    assert [p.name for p in shared.iterdir()] == [".lock"] and not (tmp_path / "b" / "metrics.jsonl").exists()
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()
+    assert not shared.exists()  # the holder made the folder and left it empty: its lock took it away
+
+
+def test_a_lock_leaves_a_folder_it_did_not_make_and_one_written_to(tmp_path):
+    made, there = tmp_path / "made", tmp_path / "there"
+    there.mkdir()
+    with RunLock(there):
+        pass
+    assert [p.name for p in there.iterdir()] == [".lock"]
+    with RunLock(made):
+        (made / "metrics.jsonl").write_text("")
+    assert sorted(p.name for p in made.iterdir()) == [".lock", "metrics.jsonl"]

@@ -114,14 +114,13 @@ class Checkpointer:
         self.known_good: int | None = None
         self.last_committed: int | None = None  # the step of the last save committed by this Checkpointer
         self._probe_name = f".megatrain-write-probe-{jax.process_index()}"
+        # what a killed save left behind: said now, removed by this writer's first save (``save``), so that a run
+        # refused before it saves (a resume that does not go ahead) leaves the directory as it was
         try:
-            if not read_only:  # a writer owns the directory: what a killed save left behind goes
-                for tmp in unfinished_saves(self.root):
-                    warnings.warn(f"skipping incomplete checkpoint {tmp} (its save never finished); removing it",
-                                  CheckpointWarning, stacklevel=2)
-                    if jax.process_index() == 0:
-                        shutil.rmtree(tmp)
-                barrier("megatrain_cleaned")
+            self._unfinished = [] if read_only else unfinished_saves(self.root)
+            for tmp in self._unfinished:
+                warnings.warn(f"skipping incomplete checkpoint {tmp} (its save never finished); it is removed when "
+                              f"this run saves its first checkpoint", CheckpointWarning, stacklevel=2)
             options = ocp.CheckpointManagerOptions(  # keep-N is ours (``prune``): it spares the last good step
                 max_to_keep=None, create=not read_only, read_only=read_only,
                 save_interval_steps=0 if read_only else 1,
@@ -154,6 +153,7 @@ class Checkpointer:
         step = int(engine.state.step)
         try:
             probe_writable(self.root, self._probe_name)
+            self._remove_unfinished()
         except OSError as err:
             raise write_error(err, self.root / str(step), self.root, self.last_good()) from err
         engine.sync()  # the step's host updates run on a worker thread: let them land first
@@ -182,6 +182,17 @@ class Checkpointer:
         if wait:
             self.wait()
         return snapshot.step
+
+    def _remove_unfinished(self) -> None:
+        """Remove the killed saves' temporary directories found when this writer was made; once."""
+        if self._unfinished is None:
+            return
+        if jax.process_index() == 0:
+            for tmp in self._unfinished:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+        barrier("megatrain_cleaned")
+        self._unfinished = None
 
     def _watch(self, snapshot: Snapshot) -> None:
         """On a thread of its own: wait for Orbax to end the save, keep its outcome, and release the snapshot

@@ -148,6 +148,33 @@ def check_same_model(saved: dict | None, now: dict | None, where: Path) -> None:
         f"train.run_dir")
 
 
+def check_resume_source(resume: str | Path) -> None:
+    """Refuse a checkpoint to resume from (``train.resume=PATH``) that is not a folder: a missing path or a file."""
+    path = Path(resume)
+    if not path.exists():
+        raise FileNotFoundError(f"train.resume={resume}: {path.absolute()} does not exist. Give a checkpoint folder "
+                                f"(a run's checkpoints/, or one step of it: checkpoints/N), or train.resume=true for "
+                                f"the newest in this run's checkpoint directory")
+    if not path.is_dir():
+        raise ValueError(f"train.resume={resume}: {path.absolute()} is a file, not a checkpoint folder. Give a run's "
+                         f"checkpoints/ folder, or one step of it (checkpoints/N)")
+
+
+@contextlib.contextmanager
+def quiet_orbax() -> Iterator[None]:
+    """Orbax's warnings through absl's logger held back (a read-only manager says "Given directory is read only"
+    at every resume from another folder, which is how it is meant to be read)."""
+    import logging
+
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def position_data(data: Iterable, meta: dict) -> Iterable:
     """``data`` continuing right after the last batch the checkpointed run consumed: through its
     ``restore(state)`` when it has one, else by skipping the ``batches`` already consumed."""
@@ -200,10 +227,19 @@ class CheckpointSession:
             raise ValueError(f"checkpoint directory {self.ckpt.root} already holds checkpoints (steps "
                              f"{committed_steps(self.ckpt.root)}); resume to continue that run (TrainConfig(resume="
                              f"True), or train.resume=true in a run config), or use another directory")
+        if resume not in (None, "auto"):
+            check_resume_source(resume)
         if self.ckpt is not None and resume not in (None, "auto"):
             root, step = split_step_dir(resume)
-            newer = [n for n in committed_steps(self.ckpt.root) if step is not None and n > step]
-            if newer and root.resolve() == Path(self.ckpt.root).resolve():
+            held = committed_steps(self.ckpt.root)
+            if held and root.resolve() != Path(self.ckpt.root).resolve():
+                raise ValueError(f"resuming from {resume} into checkpoint directory {self.ckpt.root}, which holds "
+                                 f"another run's checkpoints (steps {held}): this run's would be mixed with them, and "
+                                 f"the keep rule would delete theirs. Nothing was changed. To go on from the newest of "
+                                 f"those (this run's own, resumed before), use train.resume=true; to start a branch "
+                                 f"from {resume}, set train.run_dir (or train.checkpoint_dir) to a new folder")
+            newer = [n for n in held if step is not None and n > step]
+            if newer:
                 raise ValueError(f"resuming from step {step} of {root}, which also holds newer checkpoints (steps "
                                  f"{sorted(newer)}): this run would save over them. Nothing was changed. Move "
                                  f"those aside, resume from the newest (train.resume=true), or set "
@@ -241,7 +277,8 @@ class CheckpointSession:
         try:
             if step_dir is not None:
                 own = self.ckpt is not None and step_dir.parent == self.ckpt.root
-                reader = self.ckpt if own else Checkpointer(step_dir.parent, read_only=True)
+                with quiet_orbax():
+                    reader = self.ckpt if own else Checkpointer(step_dir.parent, read_only=True)
                 try:
                     meta, _ = reader.restore(engine, int(step_dir.name), verified=verified)
                 finally:
@@ -288,7 +325,8 @@ class CheckpointSession:
         root, step = split_step_dir(self.resume)
         if step is not None:
             return root / str(step), False, []
-        other = Checkpointer(root, read_only=True)
+        with quiet_orbax():
+            other = Checkpointer(root, read_only=True)
         step = other.latest_complete()
         other.close()
         if step is None:

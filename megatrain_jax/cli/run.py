@@ -12,7 +12,6 @@ import itertools
 import json
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Callable, Iterable, TextIO
 
@@ -23,11 +22,12 @@ from flax import nnx
 from megatrain_jax import distributed
 from megatrain_jax.batch import RowMix
 from megatrain_jax._environment import gpu_fraction_source, host_pool_limit, user_host_pool_limit
-from megatrain_jax.checkpoint import CorruptCheckpointError, committed_steps
+from megatrain_jax.checkpoint import CorruptCheckpointError
 from megatrain_jax.cli.disk_room import check_disk_room
 from megatrain_jax.cli.export_guard import guarded_export
 from megatrain_jax.cli.output_paths import check_output_paths
-from megatrain_jax.cli.run_config import RunConfig, TrainSection, parse_config, to_dict, to_toml
+from megatrain_jax.cli.run_config import RunConfig, TrainSection, to_dict
+from megatrain_jax.cli.run_folder import prepare_run_folder, run_files, write_config  # noqa: F401 (run_files: the demo's)
 from megatrain_jax.cli.run_lock import RunLock
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
@@ -37,7 +37,6 @@ from megatrain_jax.loss import DPO, NextToken
 from megatrain_jax.hf.export_folder import check_target, tokenizer_files
 from megatrain_jax.models import Decoder
 from megatrain_jax.observe import JsonlWriter, Progress, TensorBoardWriter, WandbLogger, memory_hook
-from megatrain_jax.observe.metrics import free_name, read_metrics
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.plan import (GiB, Machine, MemoryPlan, exact_plan, fit_host_pool, fitted_pool_limit, gpu_fraction,
                                 options, plan, require_fit, resolve)
@@ -96,77 +95,6 @@ def _first_step(fn: Callable[[], None]) -> Hook:
 # What refuses a start after fit's checks passed (the data's state, the checkpoint's tensors, a first batch the
 # model cannot take): the command line's bad-input failures (exit status 2)
 REFUSALS = (ValueError, FileNotFoundError, FileExistsError, CorruptCheckpointError)
-
-
-class RunFolderError(FileExistsError):
-    """The run folder (or its checkpoint directory) already holds a run that this one would overwrite."""
-
-
-def run_files(run_dir: Path, ckpt_dir: Path | None = None) -> list[str]:
-    """What in ``run_dir`` belongs to a run: ``metrics.jsonl``, ``config.toml``, and the committed checkpoints
-    of ``ckpt_dir`` (default ``run_dir/checkpoints``). Empty when the folder holds no run."""
-    ckpt_dir = run_dir / "checkpoints" if ckpt_dir is None else ckpt_dir
-    steps = committed_steps(ckpt_dir) if ckpt_dir.is_dir() else []
-    held = [name for name in ("metrics.jsonl", "config.toml") if (run_dir / name).exists()]
-    return held + ([f"checkpoints of steps {steps} in {ckpt_dir}"] if steps else [])
-
-
-def prepare_run_folder(cfg: RunConfig) -> None:
-    """Refuse to start a fresh run where one exists; when resuming, refuse a folder whose files the run would
-    fail to go on writing. Creates the folder, and changes nothing in it: a refused start leaves it as it was.
-
-    A folder holds a run when it has ``metrics.jsonl``, ``config.toml`` or committed checkpoints. Without
-    ``train.resume`` that is an error naming both ways on. A resumed run keeps what the earlier ones wrote,
-    once it has started: records of ``metrics.jsonl`` it would write anew are kept in ``metrics.N.jsonl``
-    (``JsonlWriter``), a changed configuration is written as ``config.N.toml`` (``_write_config``)."""
-    t = cfg.train
-    run_dir, ckpt_dir = Path(t.run_dir), t.checkpoint_folder()
-    held = run_files(run_dir, ckpt_dir)
-    if held and not t.resume:
-        raise RunFolderError(
-            f"run folder {run_dir} already holds a run ({', '.join(held)}); nothing was changed. To continue "
-            f"it, add train.resume=true; to start a new run, set train.run_dir to a new folder")
-    if t.resume:  # what the run goes on writing must be readable before it trains, not after
-        _check_readable(run_dir / "config.toml", lambda path: tomllib.loads(path.read_text()))
-        _check_readable(run_dir / "metrics.jsonl", read_metrics)
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-
-def _check_readable(path: Path, read) -> None:
-    """Refuse to resume into a run folder whose ``path`` exists but ``read(path)`` fails: the run would train, then
-    fail when it writes there."""
-    if not path.exists():
-        return
-    try:
-        read(path)
-    except (ValueError, UnicodeDecodeError) as e:  # tomllib.TOMLDecodeError and read_metrics' errors are ValueErrors
-        raise RunFolderError(f"cannot resume in {path.parent}: {path} is damaged ({e}); nothing was changed. Fix "
-                             f"it or move it aside, then run the same command again") from None
-
-
-def _write_config(cfg: RunConfig, run_dir: Path) -> None:
-    """``config.toml``, or ``config.N.toml`` next to it when a resumed run's configuration differs."""
-    path, text = run_dir / "config.toml", to_toml(cfg)
-    if path.exists() and _resolved(path.read_text()) != _without_resume(tomllib.loads(text)):
-        path = free_name(path)
-    if not path.exists():
-        path.write_text(text)
-
-
-def _resolved(text: str) -> dict | None:
-    """A saved ``config.toml`` read back with today's defaults, as ``to_toml`` writes it: a file written before a
-    section or key existed (``[dpo]``, say) is the same run as long as its values are; None where it no longer
-    reads (a key since removed), which counts as a change."""
-    try:
-        return _without_resume(tomllib.loads(to_toml(parse_config(_without_resume(tomllib.loads(text)),
-                                                                   "the run folder's config.toml"))))
-    except (ValueError, OSError):  # ConfigError and TOMLDecodeError are ValueErrors
-        return None
-
-
-def _without_resume(raw: dict) -> dict:
-    raw.get("train", {}).pop("resume", None)  # resuming is how the run goes on, not a change of the run
-    return raw
 
 
 def gpu_at_hand() -> bool:
@@ -309,16 +237,13 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
             if gpu_at_hand() else None)
     if step is not None or gpu_at_hand():
         say(step_line(step, d.batch_size * d.seq_len * cfg.engine.accumulate_steps, machine))  # an optimizer step
-    prepare_run_folder(cfg)
+    note = prepare_run_folder(cfg)
+    if note:
+        say(note)
     plan_record = {**memory.as_dict(),
                    "estimate_gpu_total": estimate.gpu_total if estimate.engine_cfg == memory.engine_cfg else None,
                    "predicted_step": None if step is None else step.as_dict()}
 
-    init_from = None
-    if cfg.model.hf_checkpoint is not None:  # read part by part into the engine's state: no model copy
-        from megatrain_jax.hf import HFParts
-        say(f"  loading weights from {cfg.model.hf_checkpoint}")
-        init_from = HFParts(cfg.model.hf_checkpoint, model_cfg)
     optimizer, _ = cfg.optimizer.build(t.steps)
     objective, held_out = NextToken(), None
     if d.format == "preference":  # DPO: the reference pass on the initial weights, once the engine holds them
@@ -331,6 +256,11 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
             f"{summary['truncated']:,} truncated to seq_len + 1 = {d.seq_len + 1} tokens, "
             f"{summary['skipped_too_long']:,} skipped as too long, {summary['skipped_no_loss']:,} skipped with no "
             f"answer token left (data.too_long = {d.too_long!r}); in {run_dir / 'data_stats.json'}")
+    init_from = None  # after the data is read: bad data is refused before the weights are opened
+    if cfg.model.hf_checkpoint is not None:  # read part by part into the engine's state: no model copy
+        from megatrain_jax.hf import HFParts
+        say(f"  loading weights from {cfg.model.hf_checkpoint}")
+        init_from = HFParts(cfg.model.hf_checkpoint, model_cfg)
 
     before: dict[Path, bytes | None] = {}  # what started() replaced, put back when the start is refused after all
 
@@ -352,7 +282,7 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
 
     # config.toml with the first step's metrics: a folder holds a run once a step trained (run_files), and a start
     # that died before that can be run again as it was
-    hooks, writers = [_first_step(lambda: _write_config(cfg, run_dir))], []
+    hooks, writers = [_first_step(lambda: write_config(cfg, run_dir))], []
     every = t.eval_interval(d.eval_fraction)
     if every:
         if t.eval_every is None:

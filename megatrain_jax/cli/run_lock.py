@@ -32,11 +32,13 @@ class RunLock:
         self.path = self.run_dir / (".lock" if process == 0 else f".lock.process-{process}")
         self.what, self.key = what, key  # what the folder is to the run, and the setting that picks another
         self._fd: int | None = None
+        self._made = False
 
     def acquire(self) -> str | None:
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise FileExistsError(f"{self.what} {self.run_dir} is a file, not a folder; nothing was changed. Set "
                                   f"{self.key} to a folder (a new one for a new run), or move the file away")
+        self._made = not self.run_dir.exists()  # a folder this lock made, removed on release if the run left it empty
         self.run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -60,6 +62,13 @@ class RunLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+            if self._made and [p.name for p in self.run_dir.iterdir()] == [self.path.name]:
+                # a start refused before it wrote anything leaves no folder behind
+                self.path.unlink(missing_ok=True)
+                try:
+                    self.run_dir.rmdir()
+                except OSError:  # something was written there meanwhile: it stays
+                    pass
 
     def __enter__(self) -> "RunLock":
         self.acquire()
