@@ -574,15 +574,15 @@ def test_held_out_share_is_a_fraction():
 
 def test_a_run_whose_checkpoints_or_export_cannot_fit_its_disk_is_refused_before_it_trains(tmp_path, monkeypatch,
                                                                                             capsys):
-    """train counts what it will write on each disk (checkpoint_keep + 1 checkpoints of masters and moments, the
-    bfloat16 export) against that disk's free space:
+    """train counts what it will write on each disk (the checkpoints the keep-N rule holds at once, of masters and
+    moments: disk_room.peak_checkpoints; the bfloat16 export) against that disk's free space:
     short, it refuses at start, saying the bytes, before it writes anything but its locks."""
     from megatrain_jax.cli import disk_room
     cfg = load_config(None, [*TINY_RUN, "train.checkpoint_every=2", "train.steps=10", f"train.run_dir={tmp_path}"])
     model = cfg.model.build()
     size = disk_room.checkpoint_bytes(model, cfg.engine)
     assert size == model.param_count() * 12  # float32 masters and two float32 moments
-    (folder, total, what), = disk_room.writes(cfg.train, model, cfg.engine)
+    (folder, total, what, _), = disk_room.writes(cfg.train, model, cfg.engine)
     assert total == 4 * size and "4 checkpoints" in what  # checkpoint_keep 3, and the next before the oldest goes
     export = dataclasses.replace(cfg.train, checkpoint_every=0, export_hf=str(tmp_path / "hf"))
     assert [w[1] for w in disk_room.writes(export, model, cfg.engine)] == [2 * model.param_count()]
@@ -593,7 +593,7 @@ def test_a_run_whose_checkpoints_or_export_cannot_fit_its_disk_is_refused_before
     assert "not enough disk for this run: 4 checkpoints of about" in err and "train.checkpoint_keep" in err, err
     assert {p.name for p in run.rglob("*")} <= {".lock", "checkpoints"}  # the run locks only
     assert main(["train", *TINY_RUN, "train.checkpoint_every=2", "train.checkpoint_keep=1", "train.steps=2",
-                 f"train.run_dir={run}"]) == 2  # two checkpoints (one kept, the next) still do not fit
+                 f"train.run_dir={run}"]) == 2  # two checkpoints (no more than the run saves) do not fit
     assert main(["plan", *TINY_RUN, "train.checkpoint_every=2", "train.steps=10", f"train.run_dir={run}"]) == 0
     assert "disk: 4 checkpoints of about" in capsys.readouterr().out  # plan says what train would refuse
     monkeypatch.setattr(disk_room, "free_space", lambda folder: None)  # the system does not say: not checked

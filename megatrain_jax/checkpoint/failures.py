@@ -65,9 +65,11 @@ def os_error_behind(err: BaseException | None) -> OSError | None:
     return None
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+def format_size(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps a figure of at least 1 (``512 B``, ``1.5 KiB``, ``3.0 GiB``):
+    a small size never reads as ``0.0 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return ""
@@ -75,12 +77,14 @@ def _size(n: float) -> str:
 
 def free_space(folder: Path) -> tuple[int, int] | None:
     """(free bytes for this user, file system id) where ``folder`` is or would be (its nearest existing parent);
-    None when the system does not say."""
+    None when the system does not say: an error, or a file system that reports no size at all (0 blocks: /proc,
+    /sys, some FUSE mounts), whose 0 bytes free mean nothing about room."""
     folder = Path(folder).absolute()
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     try:
-        return shutil.disk_usage(folder).free, os.stat(folder).st_dev
+        usage = shutil.disk_usage(folder)
+        return (usage.free, os.stat(folder).st_dev) if usage.total else None
     except OSError:
         return None
 
@@ -100,8 +104,8 @@ def write_error(err: BaseException, target: Path, root: Path, last_good: Path | 
     if cause.errno in (errno.ENOSPC, errno.EDQUOT):
         space = free_space(root)
         free = None if space is None else space[0]
-        space = ([f"the checkpoint takes about {_size(needed)}"] if needed else []) + (
-            [f"{_size(free)} free there now"] if free is not None else [])
+        space = ([f"the checkpoint takes about {format_size(needed)}"] if needed else []) + (
+            [f"{format_size(free)} free there now"] if free is not None else [])
         what += f" ({'; '.join(space)})" if space else ""
     kept = (f"the checkpoints committed before are untouched (the newest: {last_good})" if last_good is not None
             else "no checkpoint had been committed")
@@ -124,5 +128,5 @@ def probe_writable(root: Path, name: str) -> None:
     probe.rmdir()
 
 
-__all__ = ["CheckpointWriteError", "WRITE_ADVICE", "free_space", "os_error_behind", "probe_writable",
+__all__ = ["CheckpointWriteError", "WRITE_ADVICE", "format_size", "free_space", "os_error_behind", "probe_writable",
            "tensorstore_os_error", "write_error"]

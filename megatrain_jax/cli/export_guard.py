@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from megatrain_jax.checkpoint import committed_steps, save_params
-from megatrain_jax.checkpoint.failures import WRITE_ADVICE, free_space, os_error_behind
+from megatrain_jax.checkpoint.failures import WRITE_ADVICE, format_size, free_space, os_error_behind
 from megatrain_jax.engine.engine import Engine, NonFiniteError
 from megatrain_jax.engine.transfer import host_view
 from megatrain_jax.hf import save_hf
@@ -68,8 +68,8 @@ def _room_for_copy(engine: Engine, run_dir: Path, target: str) -> tuple[bool, st
     need = copy + (export if there is not None and there[1] == here[1] else 0)
     if here[0] >= 1.1 * need:  # a tenth to spare: the export must not be the write that fills the disk
         return True, ""
-    return False, (f"{run_dir}'s disk has {here[0] / 2**30:.1f} GiB free, less than the copy "
-                   f"({copy / 2**30:.1f} GiB) and the export need together ({need / 2**30:.1f} GiB)")
+    return False, (f"{run_dir}'s disk has {format_size(here[0])} free, less than the copy "
+                   f"({format_size(copy)}) and the export need together ({format_size(need)})")
 
 
 def _kept_state(engine: Engine, checkpoint_folder: Path | None, run_dir: Path, model_cfg, target: str,

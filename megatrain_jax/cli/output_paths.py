@@ -1,9 +1,12 @@
 """Every path ``megatrain-jax train`` writes, checked before the run starts: a run must never train for hours and
-then find that its export folder's parent is a file or its metrics file cannot be written."""
+then find that its export folder's parent is a file or its metrics file cannot be written. A refusal says why: no
+permission, a read-only file system, a special one such as /proc; never a full disk that is not one."""
 
 from __future__ import annotations
 
+import errno
 import os
+import tempfile
 from pathlib import Path
 
 from megatrain_jax.cli.run_config import TrainSection
@@ -11,6 +14,41 @@ from megatrain_jax.cli.run_config import TrainSection
 
 class OutputPathError(ValueError):
     """A path the run would write cannot be written; the message names the path and its config field."""
+
+
+# Why a path cannot be written, and what to do ({key}: its config field). A read-only mount and a special file
+# system (no blocks: /proc, /sys) are told by the file system itself (``os.statvfs``), whatever errno its refusal
+# carries (/proc says ENOENT, /sys EPERM); the rest by the errno.
+READ_ONLY = ("read-only file system", "Set {key} to a folder on a writable disk, or remount that one read-write")
+SPECIAL = ("a special file system such as /proc or /sys, not a disk", "Set {key} to a folder on a disk")
+NO_PERMISSION = ("no permission", "Make it writable, or set {key} to another path")
+NO_SPACE = ("no space or inodes left on its disk", "Free space there, or set {key} to a folder on another disk")
+BY_ERRNO = {errno.EROFS: READ_ONLY, errno.EACCES: NO_PERMISSION, errno.EPERM: NO_PERMISSION, errno.ENOSPC: NO_SPACE,
+            errno.EDQUOT: ("its disk quota is used up", NO_SPACE[1])}
+
+
+def _cause(path: Path, err: OSError) -> tuple[str, str]:
+    """(why, what to do) for ``err``, met writing at ``path``."""
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        fs = None
+    if err.errno == errno.EROFS or (fs is not None and fs.f_flag & os.ST_RDONLY):
+        return READ_ONLY
+    if fs is not None and fs.f_blocks == 0:
+        return SPECIAL
+    return BY_ERRNO.get(err.errno, (err.strerror or str(err), "Set {key} to another path"))
+
+
+def write_problem(folder: Path) -> tuple[str, str] | None:
+    """Why nothing can be created in the existing folder ``folder``, and what to do (``{key}`` left to fill in);
+    None when it can. The kernel is asked: a folder is created there and removed at once, so nothing is left, and
+    every cause (a read-only mount, /proc, permissions, ACLs, no inodes) is met as a save would meet it."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".megatrain-path-probe-", dir=folder))
+    except OSError as err:
+        return _cause(folder, err)
+    return None
 
 
 def output_paths(t: TrainSection) -> list[tuple[str, Path, bool]]:
@@ -28,8 +66,9 @@ def output_paths(t: TrainSection) -> list[tuple[str, Path, bool]]:
 
 def check_output_path(field: str, path: Path, is_folder: bool) -> None:
     """Refuse ``path`` (``field``'s) when the run could not write it: it exists as the wrong kind (a file where a
-    folder goes, or the other way round) or without write permission, or the nearest part of it that exists is a
-    file or cannot be written into."""
+    folder goes, or the other way round) or cannot be written (no permission, a read-only file system), or the
+    nearest part of it that exists is a file or cannot be written into (``write_problem``: also a special file
+    system such as /proc). Each refusal says which, never a lack of space that is not one."""
     path, key = path.absolute(), field.split()[0]
     if path.exists():
         if path.is_dir() != is_folder:
@@ -37,17 +76,20 @@ def check_output_path(field: str, path: Path, is_folder: bool) -> None:
             raise OutputPathError(f"{field} = {path}: {path} is a {wrong}, not a {kind}; nothing was changed. "
                                   + (f"Set {key} to a folder, or move the file away" if is_folder else
                                      f"Move the folder away, or set {key} to another folder"))
-        if not os.access(path, os.W_OK):
-            raise OutputPathError(f"{field} = {path}: it cannot be written (no permission); nothing was changed. "
-                                  f"Make it writable, or set {key} to another path")
+        problem = write_problem(path) if is_folder else (
+            None if os.access(path, os.W_OK) else _cause(path, PermissionError(errno.EACCES, "no permission")))
+        if problem is not None:
+            raise OutputPathError(f"{field} = {path}: it cannot be written ({problem[0]}); nothing was changed. "
+                                  f"{problem[1].format(key=key)}")
         return
     parent = next(p for p in path.parents if p.exists())
     if not parent.is_dir():
         raise OutputPathError(f"{field} = {path}: its parent {parent} is a file, not a folder, so it cannot be "
                               f"created; nothing was changed. Set {key} to another path, or move the file away")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise OutputPathError(f"{field} = {path}: it would be created in {parent}, which cannot be written (no "
-                              f"permission); nothing was changed. Make it writable, or set {key} to another path")
+    problem = write_problem(parent)
+    if problem is not None:
+        raise OutputPathError(f"{field} = {path}: it cannot be created in {parent} ({problem[0]}); nothing was "
+                              f"changed. {problem[1].format(key=key)}")
 
 
 def check_output_paths(t: TrainSection) -> None:

@@ -69,6 +69,8 @@ def available_disk_bytes(folder: str | os.PathLike | None) -> int | None:
         st = os.statvfs(path)
     except OSError:
         return None
+    if st.f_blocks == 0:  # a special file system (/proc, /sys): no size to compare with (disk_room says what it is)
+        return None
     return st.f_bavail * st.f_frsize
 
 

@@ -51,6 +51,13 @@ CHUNK_BYTES = 64 * 2**20  # rows per zarr chunk: about this many bytes
 IO_CONTEXT = {"file_io_mode": {"mode": "direct"}, "file_io_sync": False}
 
 
+def chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
+    """Rows of a leaf of ``shape`` per zarr chunk: whole rows, about ``CHUNK_BYTES`` (the last chunk is stored
+    whole)."""
+    row = int(np.prod(shape[1:], dtype=np.int64)) * itemsize if len(shape) > 1 else itemsize
+    return max(1, min(shape[0], CHUNK_BYTES // max(row, 1))) if shape else 1
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class OnDisk:
     """A leaf of the host state kept in a file of the disk tier. ``np.asarray`` reads it (after its pending
@@ -226,8 +233,7 @@ class DiskTier:
 
     def _open(self, key: str, shape: tuple[int, ...], dtype: np.dtype) -> None:
         """Create the array ``key`` (replacing any earlier one): uncompressed, in chunks of whole rows."""
-        row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if len(shape) > 1 else dtype.itemsize
-        rows = max(1, min(shape[0], CHUNK_BYTES // max(row, 1))) if shape else 1
+        rows = chunk_rows(shape, dtype.itemsize)
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(self.root / key)},
                 "metadata": {"shape": list(shape), "data_type": dtype.name,
                              "chunk_grid": {"name": "regular",
