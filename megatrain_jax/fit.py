@@ -86,7 +86,12 @@ class Feed:
     ``limit`` batches, each passed through ``check`` (bad token ids are the data's failure, found before
     the engine starts the step), ending at the next step boundary once ``stop(reason)`` is called. ``state()`` is
     the data's own state (when it has one) at the last step boundary, which is what a checkpoint of the
-    engine's state must record, even when a failure interrupts the data in the middle of a step."""
+    engine's state must record, even when a failure interrupts the data in the middle of a step.
+
+    When the data (or a batch's check) raises, the stream ends there and the exception is kept in ``error``
+    for ``fit`` to raise: the engine reports its metrics one step late, and ending the stream is what makes it
+    report the last step it trained (the step a checkpoint saved after the failure holds). An interrupt
+    (``KeyboardInterrupt``, ``SystemExit``) is kept and raised at once."""
 
     def __init__(self, data: Iterable[Batch], accumulate: int = 1, limit: int | None = None,
                  check: Callable[[Batch], None] = lambda batch: None):
@@ -94,7 +99,7 @@ class Feed:
         self.accumulate, self.limit = accumulate, limit
         self.batches = 0
         self.stopped: str | None = None
-        self.failed = False  # the data (or a batch's check) raised: the failure is the data's
+        self.error: BaseException | None = None  # what the data (or a batch's check) raised
         self._boundary = self._previous = self._data_state()
 
     def _data_state(self) -> Any:
@@ -119,8 +124,11 @@ class Feed:
             self._check(batch)
         except StopIteration:
             raise
-        except BaseException:
-            self.failed = True
+        except Exception as err:
+            self.error = err
+            raise StopIteration from None
+        except BaseException as err:
+            self.error = err
             raise
         self.batches += 1
         if self.batches % self.accumulate == 0:
@@ -198,7 +206,8 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
     step 1), and a resumed run ends where the uninterrupted one would, bit for bit.
 
     A hook ends training early with ``info.stop(reason)``. If anything raises, the exception carries the
-    history (``err.history``); when the failure came from a hook or the data (the engine's state is then
+    history (``err.history``); when the data fails, the step trained before it is reported first (its metrics
+    reach the hooks, as every step's do). When the failure came from a hook or the data (the engine's state is then
     whole), the trained parameters are written back and, with checkpoints, saved first (not when a hook's write
     failed, an OSError: a checkpoint past the metrics it wrote would leave a hole in a resumed run's history; nor
     when no step trained); a note on the exception says what was kept. A checkpoint is never saved from a skipped
@@ -274,6 +283,8 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
                 for m in eng.steps(feed, profile_step=train.profile_step or None):
                     report(m)
                     phase, last = "engine", m
+                if feed.error is not None:  # the data failed: the steps trained before it are reported
+                    raise feed.error
             except DeviceOutOfMemoryError as err:
                 if not err.updated:
                     try:  # what the host holds is read back in full: a failure found now means it is not whole
@@ -301,7 +312,10 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
             if session:
                 session.finish(eng)  # after a signal: raises CheckpointedExit once the save is committed
         except BaseException as err:
-            _keep_what_was_trained(err, "data" if feed.failed else phase, history, model, write_back, session)
+            if feed.error is not None and err is not feed.error:  # reporting the last step failed in turn
+                err.add_note(f"this came while reporting the last step after the data failed: "
+                             f"{type(feed.error).__name__}: {feed.error}")
+            _keep_what_was_trained(err, "data" if err is feed.error else phase, history, model, write_back, session)
             raise
         finally:
             if step_log is not None:
@@ -325,7 +339,13 @@ def _keep_what_was_trained(err: BaseException, phase: str, history: History, mod
         if write_back and not is_abstract(model):
             eng.write_back(model)
         return
-    notes = [f"fit: {trained} step(s) reported before the failure; their metrics are in err.history"]
+    if trained:
+        steps = (f"step {history.records[0]['step']}" if trained == 1 else
+                 f"steps {history.records[0]['step']} to {history.records[-1]['step']}")
+        notes = [f"fit: the metrics of {steps} were reported before the failure (megatrain-jax train writes "
+                 f"them to metrics.jsonl in the run folder; from Python they are in err.history)"]
+    else:
+        notes = ["fit: no step was reported before the failure"]
     if phase == "engine":
         notes.append("the failure came from inside a training step, so the host state may be half-updated: "
                      "nothing was written back or saved; resume from the last committed checkpoint")
@@ -345,7 +365,10 @@ def _keep_what_was_trained(err: BaseException, phase: str, history: History, mod
                              f"checkpoint is {committed or 'none'}" + (": resume from it" if committed else ""))
             elif session is not None and phase != "checkpoint":
                 path = session.rescue(eng)
-                if path is not None:
+                if path is not None and phase == "data":  # a resumed run reads the same batches again
+                    notes.append(f"the state after step {eng.state.step} was saved to {path}; fix the data first, "
+                                 f"then resume from it: a resumed run reads the same batch again")
+                elif path is not None:
                     notes.append(f"the state after step {eng.state.step} was saved to {path}; resume from it")
                 elif eng.state.step == session.start_step:
                     notes.append("no step was trained, so no checkpoint was saved: the same command, corrected, "

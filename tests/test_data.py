@@ -460,20 +460,36 @@ def test_npy_ids_out_of_range_name_the_file_and_the_first_position(tmp_path, bad
         DataConfig(path=str(path), seq_len=16, batch_size=2).build(256)
 
 
-def test_bin_ids_beyond_its_sidecar_vocab_are_caught_when_read(tmp_path):
-    """A .bin is not scanned when opened (its sidecar says its vocabulary); a corrupt id is caught in the
-    batch that reads it, naming the file and its position."""
+def test_bin_ids_beyond_its_sidecar_vocab_are_found_at_open(tmp_path, monkeypatch):
+    """A .bin is scanned in full when opened for a model, as a .npy is (chunk by chunk: the bad id here is in
+    the third chunk), so a corrupt id stops the run before it starts, not hours in; opened without a model, the
+    batch that reads it still catches it."""
+    monkeypatch.setattr("megatrain_jax.data.tokens._SCAN_CHUNK", 64)
     tokens = np.arange(200) % 100
     path = write_tokens(tmp_path / "t.bin", tokens, 100)
     raw = np.fromfile(path, np.uint16)
     raw[150] = 4000
     raw.tofile(path)
-    batches = DataConfig(path=str(path), seq_len=10, batch_size=2, prefetch=0).dataset("train", 256).batches(
-        2, shuffle=False)
-    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: token id 4000 at position 150 .*outside "
-                                         r"\[0, 100\) \(the vocab_size in its sidecar is 100\)"):
-        for _ in range(10):
-            next(batches)
+    message = (rf"^{re.escape(str(path))}: token id 4000 at position 150 .*outside \[0, 100\) \(the vocab_size in its "
+               rf"sidecar is 100; the largest id in the file is 4000\); the file is corrupt or its sidecar "
+               rf"{re.escape(str(path))}\.json is stale: re-create both")
+    with pytest.raises(ValueError, match=message):
+        DataConfig(path=str(path), seq_len=10, batch_size=2, prefetch=0).dataset("train", 256)
+    batches = TokenDataset(path, 10).batches(2, shuffle=False)
+    with pytest.raises(ValueError, match=rf"token id 4000 at position 150 .*outside \[0, 100\) \(the vocab_size in "
+                                         r"its sidecar is 100\)"):
+        take(batches, 10)
+
+
+def test_an_eos_id_outside_the_vocabulary_is_refused(tmp_path):
+    path = write_tokens(tmp_path / "t.bin", np.arange(10), 10, eos_id=9)
+    sidecar = tmp_path / "t.bin.json"
+    sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "eos_id": 10}))
+    with pytest.raises(ValueError, match=rf"sidecar {re.escape(str(sidecar))}: eos_id 10 is outside the vocabulary "
+                                         r"\[0, 10\).*re-run scripts/prepare_data\.py"):
+        TokenFile.open(path)
+    with pytest.raises(ValueError, match=r"eos_id 12 is outside the vocabulary \[0, 10\)"):
+        write_tokens(tmp_path / "u.bin", np.arange(10), 10, eos_id=12)
 
 
 def test_in_memory_negative_ids_are_caught_when_read():

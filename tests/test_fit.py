@@ -5,6 +5,7 @@ schedule, and evaluation is public."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import optax
@@ -148,23 +149,45 @@ def test_a_data_failure_mid_step_saves_the_last_whole_step(tmp_path, reference):
     acc = EngineConfig(micro_batches=2, accumulate_steps=2)
     with pytest.raises(OSError) as err:
         train(4, stream=Failing(data(), fail_at=5), engine=acc, checkpoint_dir=str(tmp_path))
-    assert err.value.history["step"] == [1]  # step 2 ran, but its metrics were due after step 3's launch
+    assert err.value.history["step"] == [1, 2]  # step 2's metrics, due after step 3's launch, are reported first
     assert committed_steps(tmp_path) == [2]
     resumed, h = train(4, engine=acc, checkpoint_dir=str(tmp_path), resume=True)
     assert_same(params_of(resumed), reference["acc"])
     assert h["loss"] == reference["acc_loss"][2:]
 
 
-def test_bad_tokens_are_the_datas_failure(tmp_path):
+def test_bad_tokens_are_the_datas_failure(tmp_path, reference):
     """Out-of-range token ids: a clear error, found before the engine starts the step; what was trained
-    is saved."""
+    is saved, and every step saved has reached the hooks (its metrics row) first: step 2's metrics, which come
+    one step late, are reported before the error is raised. The notes say where the metrics are for a command
+    line user, and to fix the data before resuming."""
     good = list(itertools.islice(data(), 3))
     bad = good[2].__class__(np.full_like(good[2].inputs, CFG.vocab_size + 5), good[2].targets)
-    model = Decoder(CFG, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=f"token id {CFG.vocab_size + 5} in batch inputs is outside"):
+    model, seen = Decoder(CFG, rngs=nnx.Rngs(0)), []
+    with pytest.raises(ValueError, match=f"token id {CFG.vocab_size + 5} in batch inputs is outside") as err:
         fit(model, good[:2] + [bad], default_optimizer(1e-3), engine=ENGINE,
+            hooks=[Hook(lambda m, info: seen.append(m["step"]))],
             train=TrainConfig(steps=3, log_every=0, checkpoint_dir=str(tmp_path)))
     assert committed_steps(tmp_path) == [2]
+    assert seen == [1, 2] and err.value.history["loss"] == reference["loss"][:2]
+    assert [json.loads(x)["step"] for x in (tmp_path / "fit_history.jsonl").read_text().splitlines()] == [1, 2]
+    notes = "\n".join(err.value.__notes__)
+    assert "the metrics of steps 1 to 2 were reported before the failure" in notes
+    assert "metrics.jsonl" in notes and "from Python they are in err.history" in notes
+    assert f"saved to {tmp_path / '2'}; fix the data first, then resume from it" in notes
+
+
+def test_a_hook_failing_on_the_last_step_after_the_data_failed_names_both(tmp_path):
+    """The data fails at the 3rd batch; reporting step 2 then fails in a hook: that failure is raised (its own
+    rules decide what is kept), with the data's error in a note."""
+    def fail(m, info):
+        if m["step"] == 2:
+            raise Boom("the hook broke")
+    with pytest.raises(Boom) as err:
+        train(5, stream=Failing(data(), fail_at=2), hooks=[Hook(fail)], checkpoint_dir=str(tmp_path))
+    notes = "\n".join(err.value.__notes__)
+    assert "after the data failed: OSError: disk read error in the middle of a step" in notes
+    assert err.value.history["step"] == [1, 2] and committed_steps(tmp_path) == [2]
 
 
 def test_a_failure_inside_the_engine_writes_nothing_back(monkeypatch):
@@ -205,6 +228,15 @@ def test_feed_stops_only_at_step_boundaries():
     got.append(next(feed))  # the step in progress is completed
     assert got == [0, 1, 2] and list(feed) == [] and feed.stopped == "signal"
     assert list(Feed(iter(range(100)), accumulate=2, limit=6)) == list(range(6))
+
+
+def test_feed_ends_where_the_data_fails_and_keeps_the_error():
+    """So that the engine reports the step it trained last (its metrics come one step late) before fit raises."""
+    def failing():
+        yield from range(3)
+        raise OSError("disk read error")
+    feed = Feed(failing(), accumulate=2)
+    assert list(feed) == [0, 1, 2] and isinstance(feed.error, OSError) and feed.state() is None
 
 
 # ------------------------------------------------------------------------------------------ learning rate

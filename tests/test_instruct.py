@@ -133,6 +133,26 @@ def test_a_line_that_is_not_utf8_is_named(chatml, tmp_path):
         read_examples(path, chatml, seq_len=512)
 
 
+@pytest.mark.parametrize("name", ["tokens.bin", "tokens.npy", "bare.bin"])
+def test_a_token_file_given_as_instruction_data_says_to_set_the_tokens_format(chatml, tmp_path, name):
+    """A .bin with its sidecar, a .npy, or a .bin without a sidecar: not 'not UTF-8 text', but what it is."""
+    from megatrain_jax.data import write_tokens
+    from megatrain_jax.data.instruct import prepare
+    path = tmp_path / name
+    tokens = np.arange(300) % 256
+    if name == "tokens.bin":
+        write_tokens(path, tokens, 256)
+    elif name == "tokens.npy":
+        np.save(path, tokens)
+    else:
+        tokens.astype(np.uint16).tofile(path)
+    match = rf"{name} looks like a token file \(.*\), not JSON lines: .*set data.format = 'tokens'"
+    with pytest.raises(InstructDataError, match=match):
+        read_examples(path, chatml, seq_len=512)
+    with pytest.raises(InstructDataError, match=match):  # before the tokenizer or the file's hash
+        prepare(path, tmp_path / "no_tokenizer", 64, cache_dir=tmp_path / "cache")
+
+
 def test_jsonl_given_as_token_data_says_to_set_the_chat_format(tmp_path):
     from megatrain_jax.data import TokenFile
     path = write_jsonl(tmp_path / "chat.jsonl", [CONVERSATION])

@@ -311,7 +311,8 @@ def read_tokenized(path: str | os.PathLike, encode: Callable[[str, str], list[tu
 
 def read_lines(path: Path) -> Iterator[tuple[int, str]]:
     """The non-blank lines of a UTF-8 text file with their numbers (from 1); InstructDataError naming the line
-    for bytes that are not UTF-8."""
+    for bytes that are not UTF-8, and saying so for a token file given as JSON lines."""
+    refuse_token_file(path)
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             try:
@@ -321,6 +322,31 @@ def read_lines(path: Path) -> Iterator[tuple[int, str]]:
                                         f"{e.start + 1}); save the file as UTF-8") from None
             if text.strip():
                 yield line_no, text
+
+
+def refuse_token_file(path: str | os.PathLike) -> None:
+    """Raise InstructDataError when ``path`` looks like a token file (``data.tokens``: token ids, not JSON lines):
+    it has a token file's sidecar, holds a .npy array, or is named .bin or .npy and holds NUL bytes (which JSON
+    lines never do)."""
+    from megatrain_jax.data.tokens import NPY_MAGIC, sidecar_path
+    path = Path(path)
+    side = sidecar_path(path)
+    if not path.is_file():
+        return
+    if side.exists():
+        sign = f"it has a token file's sidecar {side}"
+    else:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+        if head.startswith(NPY_MAGIC):
+            sign = "it holds a .npy array"
+        elif path.suffix in (".bin", ".npy") and b"\0" in head:
+            sign = "it holds binary data, not text"
+        else:
+            return
+    raise InstructDataError(f"{path} looks like a token file ({sign}), not JSON lines: to train on its token ids "
+                            f"set data.format = 'tokens'; format = 'chat' and 'preference' read JSONL "
+                            f"(docs/fine_tuning.md)")
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -355,6 +381,7 @@ def prepare(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, seq_len: 
     one document per example, in ``cache_dir`` under a key of everything it depends on (``cache_key``).
     A later call with the same inputs reads the cached file. Returns the token file and the stats."""
     from megatrain_jax.data.tokens import TokenFile, TokenWriter, index_path, loss_path, sidecar_path
+    refuse_token_file(path)  # before its bytes are hashed for the cache key: a token file may be many GB
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     out = cache / f"{cache_key(path, tokenizer_dir, seq_len, too_long)}.bin"
     stats_file = Path(f"{out}.stats.json")

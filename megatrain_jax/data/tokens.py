@@ -136,16 +136,17 @@ class TokenFile:
 
     def first_bad_id(self, vocab_size: int | None, lo: int = 0, hi: int | None = None) -> tuple[int, int] | None:
         """``(position, id)`` of the first token in ``[lo, hi)`` outside ``[0, vocab_size)`` (outside the
-        int32 range of a batch when ``vocab_size`` is None), or None. Scans in chunks: a memory-mapped
-        file is never loaded whole."""
+        int32 range of a batch when ``vocab_size`` is None), or None. Scans in chunks, each one min and one max
+        (the chunk is searched only when they fall outside): a memory-mapped file is never loaded whole."""
         limit = _INT32_LIMIT if vocab_size is None else min(vocab_size, _INT32_LIMIT)
         hi = len(self) if hi is None else hi
+        signed = not np.issubdtype(self.tokens.dtype, np.unsignedinteger)
         for start in range(lo, hi, _SCAN_CHUNK):
             chunk = self.tokens[start:min(hi, start + _SCAN_CHUNK)]
-            bad = (chunk < 0) | (chunk >= limit)
-            if bad.any():
-                at = int(np.argmax(bad))
-                return start + at, int(chunk[at])
+            if chunk.max() < limit and not (signed and chunk.min() < 0):
+                continue
+            at = int(np.argmax((chunk < 0) | (chunk >= limit)))
+            return start + at, int(chunk[at])
         return None
 
     def bad_id_error(self, position: int, token: int, vocab_size: int | None, why: str) -> ValueError:
@@ -156,25 +157,31 @@ class TokenFile:
                               f"re-create it")
         if vocab_size is None:
             vocab_size, why = _INT32_LIMIT, "a batch holds int32 token ids"
-        return ValueError(f"{where} is outside [0, {vocab_size}) ({why}); tokenize with the model's own "
-                          f"tokenizer, pick a model with a larger vocab_size, or re-create the file if it is corrupt")
+        if self.path is not None and vocab_size == self.vocab_size:  # the file disagrees with its own sidecar
+            fix = (f"the file is corrupt or its sidecar {sidecar_path(self.path)} is stale: re-create both with "
+                   f"scripts/prepare_data.py (or write_tokens) and the tokenizer that made the ids")
+        else:
+            fix = ("tokenize with the model's own tokenizer, pick a model with a larger vocab_size, or re-create "
+                   "the file if it is corrupt")
+        return ValueError(f"{where} is outside [0, {vocab_size}) ({why}); {fix}")
 
     def check_vocab(self, model_vocab: int) -> None:
-        """Raise if any token id could fall outside a model with ``model_vocab`` embeddings. A bare ``.npy``
-        (no recorded vocabulary) is scanned; a ``.bin``'s sidecar vocab_size is compared, and its ids are
-        checked batch by batch as they are read (``TokenBatches``)."""
+        """Raise if any token id falls outside a model with ``model_vocab`` embeddings, before training starts
+        (not hours in, at the batch that reads it). A ``.bin``'s sidecar vocab_size is compared with it, then
+        every id is scanned, ``.bin`` and ``.npy`` alike, against the sidecar's vocab_size (the model's for a
+        file without one), in chunks: a corpus of many GB is never loaded whole."""
         where = self.path or "in-memory tokens"
-        if self.vocab_size is None:
-            bad = self.first_bad_id(model_vocab)
-            if bad is not None:
-                top = max(int(self.tokens[i:i + _SCAN_CHUNK].max()) for i in range(0, len(self), _SCAN_CHUNK))
-                raise self.bad_id_error(*bad, model_vocab, f"the model's vocab_size is {model_vocab}; the largest "
-                                                           f"id in the file is {top}")
-            return
-        if self.vocab_size > model_vocab:
+        if self.vocab_size is not None and self.vocab_size > model_vocab:
             raise ValueError(f"{where} was tokenized with a vocabulary of {self.vocab_size} but the model's "
                              f"vocab_size is {model_vocab}; tokenize with the model's own tokenizer or pick "
                              f"a model whose vocab_size is at least {self.vocab_size}")
+        vocab = model_vocab if self.vocab_size is None else self.vocab_size
+        bad = self.first_bad_id(vocab)
+        if bad is not None:
+            top = max(int(self.tokens[i:i + _SCAN_CHUNK].max()) for i in range(0, len(self), _SCAN_CHUNK))
+            why = (f"the model's vocab_size is {model_vocab}" if self.vocab_size is None else
+                   f"the vocab_size in its sidecar is {vocab}" if self.path is not None else f"vocab_size is {vocab}")
+            raise self.bad_id_error(*bad, vocab, f"{why}; the largest id in the file is {top}")
 
 
 def _read_sidecar(path: Path) -> dict:
@@ -204,7 +211,16 @@ def _read_sidecar(path: Path) -> dict:
     if meta["vocab_size"] > limit:
         raise ValueError(f"sidecar {side}: dtype {meta['dtype']} holds ids below {limit} but vocab_size is "
                          f"{meta['vocab_size']}; write the tokens as {dtype_for_vocab(meta['vocab_size'])}")
+    _check_eos(meta.get("eos_id"), meta["vocab_size"], f"sidecar {side}",
+               "the sidecar is stale or was edited by hand: re-run scripts/prepare_data.py")
     return meta
+
+
+def _check_eos(eos_id: int | None, vocab_size: int, where: str, fix: str) -> None:
+    """Raise unless ``eos_id`` (None: none) is an id of the vocabulary ``[0, vocab_size)``."""
+    if eos_id is not None and not 0 <= eos_id < vocab_size:
+        raise ValueError(f"{where}: eos_id {eos_id} is outside the vocabulary [0, {vocab_size}) that vocab_size "
+                         f"says; {fix}")
 
 
 def _read_index(path: Path, num_tokens: int, num_docs: int | None) -> np.ndarray | None:
@@ -259,6 +275,8 @@ class TokenWriter:
         if self.dtype not in DTYPES or self.vocab_size > np.iinfo(DTYPES[self.dtype]).max + 1:
             raise ValueError(f"dtype {self.dtype!r} cannot hold vocab_size {self.vocab_size}; "
                              f"use {dtype_for_vocab(self.vocab_size)}")
+        _check_eos(eos_id, self.vocab_size, f"token file {self.path}",
+                   "give the end-of-document id of the tokenizer that made the ids")
         self.eos_id, self.tokenizer, self.track_docs = eos_id, tokenizer, track_docs
         self.num_tokens, self.doc_starts = 0, []
         self.path.parent.mkdir(parents=True, exist_ok=True)
