@@ -222,7 +222,8 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
     lr_schedule = learning_rate_of(optimizer)
     session = _session(model, train, engine, optimizer_name) if train.checkpointing else None
     try:  # every refusal before the model loads: a start refused after an hour of loading is an hour lost
-        start_step = session.check() if session is not None else 0
+        stream = None if callable(data) and not hasattr(data, "__iter__") else data  # a function of the engine: later
+        start_step = session.check(stream) if session is not None else 0
         if on_start is not None:
             on_start(start_step)
         eng = Engine(model, optimizer, engine, seed=train.seed,

@@ -169,13 +169,22 @@ def test_a_metrics_file_that_cannot_be_written_leaves_no_checkpoint_ahead_of_it(
 
 
 def test_a_resume_refused_by_its_data_leaves_the_run_folder_byte_for_byte(saved_run, tmp_path, capsys):
-    """Refused as the engine restores (the data's state differs), after the memory plan of the new batch size was
-    written: the folder goes back as it was."""
+    """Refused before the model loads (the data's saved position does not fit another batch size and seed), each
+    setting named with both values, and before a broken newer checkpoint is moved aside: the folder stays as it
+    was."""
     run_dir, resume = copy_of(saved_run, tmp_path)
     before = files_of(run_dir)
+    capsys.readouterr()
     assert main(["train", *resume, "train.steps=4", "data.batch_size=8", "data.seed=7"]) == 2
-    assert "data state does not match" in capsys.readouterr().err
-    assert files_of(run_dir) == before
+    err = capsys.readouterr().err
+    assert f"cannot resume from {run_dir / 'checkpoints' / '2'}: the data differs from the run's" in err
+    assert "data.batch_size: 4 saved, 8 now; data.seed: 0 saved, 7 now" in err and "Nothing was changed" in err
+    assert "loading" not in err and files_of(run_dir) == before
+    shutil.copytree(run_dir / "checkpoints" / "2", run_dir / "checkpoints" / "3")  # a newer one, broken
+    (run_dir / "checkpoints" / "3" / "state" / "MANIFEST.json").unlink()
+    before = files_of(run_dir)
+    assert main(["train", *resume, "train.steps=4", "data.batch_size=8"]) == 2
+    assert files_of(run_dir) == before and not (run_dir / "checkpoints" / "3.corrupt").exists()
 
 
 def test_a_start_that_fails_at_its_first_batch_blocks_no_corrected_command(tmp_path, capsys):

@@ -175,6 +175,29 @@ def quiet_orbax() -> Iterator[None]:
         log.setLevel(level)
 
 
+def check_same_data(state: dict | None, data: Iterable | None, where: Path) -> None:
+    """Refuse to resume from the checkpoint ``where`` when ``data`` (a stream with ``resume_problem``, as
+    ``TokenBatches``) cannot go on from the position ``state`` it saved: another batch size, length, file or seed
+    would read other batches than the run's."""
+    check = getattr(data, "resume_problem", None)
+    problem = check(state) if state is not None and callable(check) else None
+    if problem:
+        raise ValueError(
+            f"cannot resume from {where}: the data differs from the run's, and the position saved with the checkpoint "
+            f"would not fit it: {problem}. Nothing was changed. To resume, give the data settings their saved values. "
+            f"To train on other data from these weights (the optimizer starting afresh), start a new run from them: "
+            f"megatrain-jax convert {where} NEW_DIR --to hf --dtype float32, then train with model.hf_checkpoint=NEW_DIR "
+            f"and a new train.run_dir")
+
+
+def _read_json(path: Path) -> dict:
+    """A checkpoint's JSON item; {} where it cannot be read (the restore says what is wrong with it)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def position_data(data: Iterable, meta: dict) -> Iterable:
     """``data`` continuing right after the last batch the checkpointed run consumed: through its
     ``restore(state)`` when it has one, else by skipping the ``batches`` already consumed."""
@@ -246,20 +269,19 @@ class CheckpointSession:
                                  f"train.checkpoint_dir to another folder")
 
     # ------------------------------------------------------------------ resume
-    def check(self) -> int:
-        """Pick the checkpoint to resume from and refuse one whose model differs (``check_same_model``), before
-        anything is loaded; returns the step training starts from (0: a fresh start). ``fit`` calls it before
-        it builds the engine, so that every refusal comes before the model loads; ``start`` calls it when it
-        was not called."""
+    def check(self, data: Iterable | None = None) -> int:
+        """Pick the checkpoint to resume from and refuse one whose model differs (``check_same_model``), or whose
+        data position ``data`` cannot go on from (its ``resume_problem(state)``, where it has one), before anything
+        is loaded or moved; returns the step training starts from (0: a fresh start). ``fit`` calls it before it
+        builds the engine, so that every refusal comes before the model loads; ``start`` calls it when it was not
+        called."""
         if self._resume_from is None:
             try:
                 step_dir, verified, found = self._resume_dir()
                 if step_dir is not None:
-                    try:  # a broken file fails the restore, which says what is wrong with it
-                        saved = json.loads((step_dir / "config" / "config.json").read_text())
-                    except (OSError, ValueError):
-                        saved = {}
+                    saved, meta = (_read_json(step_dir / item / f"{item}.json") for item in ("config", "meta"))
                     check_same_model(saved.get("model"), self.config.get("model"), step_dir)
+                    check_same_data(meta.get("data"), data, step_dir)
                 if found:  # the resume goes ahead: newer broken steps are set aside, so they can be written again
                     self.ckpt.latest_complete(quarantine=True, found=found)
             except BaseException:
@@ -272,7 +294,7 @@ class CheckpointSession:
     def start(self, engine, data: Iterable) -> Iterable:
         """Restore the engine and position ``data`` when resuming (``check`` first); returns the data to train on."""
         self.data = data
-        self.check()
+        self.check(data)
         step_dir, verified = self._resume_from
         try:
             if step_dir is not None:

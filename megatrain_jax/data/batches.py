@@ -148,6 +148,13 @@ class TokenDataset:
                             loop=train if loop is None else loop, state=state, process=process)
 
 
+# What each of the stream's settings is, said to someone who set it in a run's [data] table
+_SETTING = {"mode": "data.mode", "split": "the split (data.eval_fraction held out)", "seq_len": "data.seq_len",
+            "batch_size": "data.batch_size", "seed": "data.seed", "shuffle": "shuffling", "loop": "looping",
+            "num_units": "the number of units in the split (another data.path, data.eval_fraction, seq_len or "
+                         "tokenizer)"}
+
+
 class TokenBatches:
     """Iterator of numpy ``Batch``es (int32 tokens, explicit float32 ``loss_mask`` and int32 ``positions``).
 
@@ -195,12 +202,18 @@ class TokenBatches:
         return {**self._settings(), "max_pieces": self.dataset.max_pieces, "epoch": self.epoch,
                 "cursor": self.cursor, "batches": self.batches_done}
 
+    def resume_problem(self, state: dict[str, Any]) -> str | None:
+        """What keeps this stream from going on from ``state`` (the ``state()`` of the stream a checkpoint saved),
+        each setting as saved and as now; None where ``restore`` can take it."""
+        changed = {k: (state.get(k), v) for k, v in self._settings().items() if state.get(k) != v}
+        return "; ".join(f"{_SETTING.get(k, k)}: {a} saved, {b} now" for k, (a, b) in changed.items()) or None
+
     def restore(self, state: dict[str, Any]) -> None:
         """Continue exactly after the batch at which ``state`` was taken."""
-        changed = {k: (state.get(k), v) for k, v in self._settings().items() if state.get(k) != v}
-        if changed:
-            raise ValueError(f"data state does not match this data pipeline (saved, now): {changed}; resume "
-                             f"with the same data file, mode, seq_len, batch_size, seed and eval_fraction")
+        problem = self.resume_problem(state)
+        if problem:
+            raise ValueError(f"the data differs from the stream this position was saved from: {problem}. Resume "
+                             f"with the same data (file, mode, seq_len, batch_size, seed and eval_fraction)")
         self.epoch, self.cursor, self.batches_done = int(state["epoch"]), int(state["cursor"]), int(state["batches"])
 
     def order(self, epoch: int) -> np.ndarray:

@@ -49,6 +49,11 @@ class Prefetcher:
         """Whether ``restore`` works: the wrapped iterator has ``restore(state)``."""
         return callable(getattr(self._source, "restore", None))
 
+    def resume_problem(self, state: dict) -> str | None:
+        """The wrapped stream's ``resume_problem(state)``; None where it has none."""
+        check = getattr(self._source, "resume_problem", None)
+        return check(state) if callable(check) else None
+
     def restore(self, state: dict) -> None:
         """Continue from ``state`` (a ``state()`` of this stream): the read-ahead is dropped, the wrapped
         iterator restored, and production restarts from there."""
