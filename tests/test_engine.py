@@ -983,6 +983,20 @@ def test_norm_first_refuses_what_it_cannot_run(settings, match):
         EngineConfig(**settings)
 
 
+def test_a_bfloat16_gradients_squared_norm_is_its_float32_widenings_bit_for_bit():
+    """XLA sums a bfloat16 array converted inside the reduction in another order than a float32 one (on AVX-512
+    CPUs): the engine's norm widens first, so that the clipping of rounded gradients is their widening's."""
+    import jax.numpy as jnp
+
+    from megatrain_jax.engine.device_fns import _sq_norm
+    sq_norm = jax.jit(_sq_norm)
+    rng = np.random.default_rng(0)
+    for n in (128 * 128, 128 * 512, 12288, 1000):
+        for _ in range(4):
+            g = jnp.asarray(rng.standard_normal(n, dtype=np.float32) * 0.01).astype(jnp.bfloat16)
+            assert sq_norm({"w": g}) == sq_norm({"w": g.astype(jnp.float32)})
+
+
 @pytest.mark.parametrize("kernel", [True, False], ids=["fused", "jax"])
 def test_bfloat16_gradients_home_train_full_precision_bitwise_at_one_micro_batch(kernel):
     """Full precision with ``host_grad_dtype="bfloat16"``: with one micro-batch on one device each gradient is

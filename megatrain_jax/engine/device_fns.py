@@ -75,7 +75,10 @@ def _mask_sum(masks: list) -> jax.Array:
 
 
 def _sq_norm(tree: Params) -> jax.Array:
-    return sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(tree))
+    # Each leaf is widened to float32 behind a barrier before it is summed: XLA sums a bfloat16 array converted inside
+    # the reduction in another order than a float32 one (so on AVX-512 CPUs), and the norm of a bfloat16 gradient must
+    # be its float32 widening's bit for bit (host_grad_dtype, device_grad_dtype: the clipping is the same).
+    return sum(jnp.sum(jnp.square(jax.lax.optimization_barrier(g.astype(jnp.float32)))) for g in jax.tree.leaves(tree))
 
 
 class Shards:
