@@ -19,7 +19,7 @@ from flax import nnx
 from megatrain_jax import Decoder, EngineConfig, NonFiniteError, TrainConfig, default_optimizer, fit
 from megatrain_jax.checkpoint import committed_steps, load_params
 from megatrain_jax.cli import main
-from megatrain_jax.cli.run import run_files
+from megatrain_jax.cli.run_folder import run_files
 from megatrain_jax.hf import load_hf
 from megatrain_jax.observe import metrics as metrics_module
 from tests.test_faults import CFG, data
@@ -187,9 +187,15 @@ def test_a_resume_refused_by_its_data_leaves_the_run_folder_byte_for_byte(saved_
     assert files_of(run_dir) == before and not (run_dir / "checkpoints" / "3.corrupt").exists()
 
 
-def test_a_start_that_fails_at_its_first_batch_blocks_no_corrected_command(tmp_path, capsys):
+def test_a_start_that_fails_at_its_first_batch_blocks_no_corrected_command(tmp_path, monkeypatch, capsys):
+    from megatrain_jax.engine.engine import Engine
+
+    def refuse(self, batch):
+        raise ValueError("this batch is refused")
     run = [*TINY_RUN, "train.steps=2", "train.checkpoint_every=1", f"train.run_dir={tmp_path}"]
-    assert main(["train", *run, "model.max_positions=16"]) == 2  # rows of 32 tokens
+    with monkeypatch.context() as m:
+        m.setattr(Engine, "check_batch", refuse)
+        assert main(["train", *run]) == 2
     assert "no step was trained, so no checkpoint was saved" in capsys.readouterr().err
     assert not run_files(tmp_path, tmp_path / "checkpoints") and committed_steps(tmp_path / "checkpoints") == []
     assert not (tmp_path / "memory_plan.json").exists()

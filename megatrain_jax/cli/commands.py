@@ -1,6 +1,7 @@
 """The ``megatrain-jax`` command line. It only parses arguments and calls the library.
 
     megatrain-jax                                   # the demo: tiny model, demo data, ~1 minute on a CPU
+    megatrain-jax demo [section.key=value ...]      # the demo with overrides (e.g. train.steps=50)
     megatrain-jax train --config FILE.toml [section.key=value ...]
     megatrain-jax plan --config FILE.toml [section.key=value ...] [--host-gib N] [--gpu-gib N] [--exact]
                        [--gpu NAME] [--speeds FILE]
@@ -22,9 +23,11 @@ that made no progress for 60 s (the message names the last complete checkpoint).
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import math
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -33,7 +36,7 @@ from megatrain_jax import distributed
 from megatrain_jax.checkpoint.failures import CheckpointWriteError
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError
 from megatrain_jax.checkpoint.session import CheckpointedExit
-from megatrain_jax.cli.run_config import load_config, parse_config
+from megatrain_jax.cli.run_config import check_positions, load_config, parse_config
 from megatrain_jax.cli.toml_dataclass import ConfigError
 from megatrain_jax.contract.layered import ContractError
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
@@ -115,7 +118,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from megatrain_jax.cli.run import DEMO, run_files, train
+    from megatrain_jax.cli.run import DEMO, train
+    from megatrain_jax.cli.run_folder import run_files
     overrides = list(args.overrides)
     if not any(o.strip().startswith("train.run_dir=") for o in overrides):  # run again: a new folder, not an error
         base, n = DEMO["train"]["run_dir"], 1
@@ -142,12 +146,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"GPU of {args.gpu_gib:g} GiB: XLA may allocate {gpu_fraction():.0%} of it, {gpu / GiB:.2f} GiB "
               f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
     model_cfg, d = cfg.model.build(), cfg.with_tokenizer().data
-    if d.seq_len > model_cfg.max_positions:  # as train refuses the first batch that reaches past it
-        what = (f"data.seq_len={d.seq_len} is longer than the model's max_positions={model_cfg.max_positions}")
-        if d.mode == "windows":  # every row's positions reach seq_len
-            raise ConfigError(f"{what}: train would refuse every batch; shorten data.seq_len or raise "
-                              f"model.max_positions")
-        print(f"note: {what}: train refuses any example longer than max_positions")
+    note = check_positions(d, model_cfg)  # windows past max_positions were refused as the config was read
+    if note is not None:
+        print(f"note: {note}")
     if args.speeds is not None:  # as MEGATRAIN_SPEEDS: the layout's pick reads the same rates as the prediction
         os.environ[SPEEDS_VAR] = args.speeds
     # another GPU's plan is for its host, not this one: this host's update is not timed for it
@@ -191,19 +192,39 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _row_mix(d, model_cfg):
     """What the rows hold (``DataConfig.row_mix``, the rows made as ``train`` makes them: packed rows' span, the
-    share out of the loss) for the step-time model, where the data can be read here; else (said) None: whole rows,
-    every token in the loss, which over-counts packed rows' attention and short instruction data's backward."""
+    share out of the loss) for the step-time model; None for windows and preference pairs (whole rows, every token in
+    the loss). The data is read as ``train`` reads it at start, so that data here which ``train`` would refuse (a bad
+    line of a JSONL file, token ids outside the vocabulary, a broken token file) is refused here too (ValueError:
+    exit status 2). Data that is not on this machine (the file or the tokenizer folder missing: the plan may be for
+    another machine) is said, and planned as whole rows with every token in the loss, which over-counts packed rows'
+    attention and short instruction data's backward."""
     from megatrain_jax.cli.run import packed_pieces
-    if d.format == "preference":
+    pieces = packed_pieces(model_cfg, d)  # a packed row of one segment: refused as train refuses it, data or not
+    used = (d.path,) if d.format == "tokens" else (d.path, d.tokenizer)
+    absent = [f"{path} does not exist" for path in used if path is not None and not Path(path).exists()]
+    whole = ("" if d.mode == "windows" or d.format == "preference" else  # whole rows, read or not
+             f"; the predicted step takes whole rows of {d.seq_len:,} tokens, every one in the loss")
+    if absent:
+        print(f"note: the data cannot be read here ({'; '.join(absent)}){whole}")
         return None
-    if d.path is not None and d.format == "chat":
+    if d.format == "chat":
         print(f"reading {d.path} for what its rows hold (tokenized once into the cache)")
+    elif d.format == "preference":
+        print(f"reading {d.path} to check its pairs as train does at start (tokenized, not cached)")
     try:
-        return d.row_mix(model_cfg.vocab_size, packed_pieces(model_cfg, d))
-    except (OSError, ValueError) as e:
-        print(f"note: the data cannot be read here ({e}); the predicted step takes whole rows of {d.seq_len:,} "
-              f"tokens, every one in the loss")
+        if d.format == "preference":  # what train reads at start; the step-time model counts whole rows
+            d.preference_pairs(model_cfg.vocab_size)[0].split(d.eval_fraction)
+            return None
+        if d.mode == "windows":  # whole rows: nothing to count, but the file is opened and checked as train does
+            if d.path is not None:
+                d.open(model_cfg.vocab_size)
+            return None
+        return d.row_mix(model_cfg.vocab_size, pieces)
+    except ImportError as e:  # a package this machine lacks (tokenizers, jinja2): the plan may be for another
+        print(f"note: the data cannot be read here ({e}){whole}")
         return None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"train would refuse this data: {e}") from None
 
 
 def _exact(estimate, cfg, model_cfg, disk_dir: str, speeds=None, mix=None):
@@ -248,6 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a stop signal, ends the process at once (``_end_now``)."""
     as_program = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
+    hint = meant(argv)
+    if hint is not None:  # before argparse, whose "invalid choice" would not say what was meant
+        print(f"megatrain-jax: error: {hint}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     args = build_parser().parse_args(argv)
     if args.command is None:
         args.command, args.overrides = "demo", []
@@ -276,6 +301,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nmegatrain-jax {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def meant(argv: Sequence[str]) -> str | None:
+    """What a command line that argparse would refuse with a bare "invalid choice" or "unrecognized arguments" was
+    meant to be: overrides or a config file given without a command (with none, the demo runs, which takes
+    overrides only after ``demo``), a config file given to the demo (which runs its built-in config), or a
+    misspelt command. None for any other command line, which argparse parses."""
+    first = argv[0] if argv else None
+    if first is None or first in ("-h", "--help") or (first in COMMANDS and first != "demo"):
+        return None
+    word = first not in COMMANDS and not first.startswith("-") and "=" not in first and not first.endswith(".toml")
+    if word:  # a command, misspelt
+        close = difflib.get_close_matches(first, list(COMMANDS), n=1, cutoff=0.6)
+        return (f"unknown command {first!r}; did you mean: megatrain-jax {shlex.join([close[0], *argv[1:]])} "
+                f"(commands: {', '.join(COMMANDS)})") if close else None
+    config, rest = _config_file(argv[1:] if first == "demo" else argv)
+    if config is not None:
+        run = shlex.join(["--config", config, *rest])
+        what = ("the demo runs its built-in config and reads no config file" if first == "demo" else
+                "a config file is read by a command, after --config")
+        return f"{what}: did you mean: megatrain-jax train {run} (or megatrain-jax plan {run})"
+    if first != "demo" and "=" in first and not first.startswith("-"):
+        return (f"{first!r} is not a command: overrides for the demo: megatrain-jax demo {shlex.join(argv)}; "
+                f"to train from a config file: megatrain-jax train --config FILE.toml {shlex.join(argv)}")
+    return None
+
+
+def _config_file(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """The config file among ``args`` (``--config FILE``, ``-c FILE``, ``--config=FILE``, or a bare ``*.toml``),
+    and the other arguments; ``(None, args)`` without one."""
+    config, rest, i = None, [], 0
+    while i < len(args):
+        a = args[i]
+        if a in ("--config", "-c") and i + 1 < len(args):
+            config, i = args[i + 1], i + 2
+            continue
+        if a.startswith("--config="):
+            config = a.split("=", 1)[1]
+        elif a.endswith(".toml") and "=" not in a and not a.startswith("-") and config is None:
+            config = a
+        else:
+            rest.append(a)
+        i += 1
+    return config, rest
 
 
 _PATH_ERRNOS = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",

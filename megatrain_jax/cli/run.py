@@ -26,8 +26,8 @@ from megatrain_jax.checkpoint import CorruptCheckpointError
 from megatrain_jax.cli.disk_room import check_disk_room
 from megatrain_jax.cli.export_guard import guarded_export
 from megatrain_jax.cli.output_paths import check_output_paths
-from megatrain_jax.cli.run_config import RunConfig, TrainSection, to_dict
-from megatrain_jax.cli.run_folder import prepare_run_folder, run_files, write_config  # noqa: F401 (run_files: the demo's)
+from megatrain_jax.cli.run_config import RunConfig, TrainSection, check_positions, to_dict
+from megatrain_jax.cli.run_folder import prepare_run_folder, write_config
 from megatrain_jax.cli.run_lock import RunLock
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
@@ -212,6 +212,9 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     t, d = cfg.train, cfg.data
     run_dir = Path(t.run_dir)
     model_cfg = cfg.model.build()
+    positions = check_positions(d, model_cfg)  # windows past max_positions raise (parse_config refuses them first)
+    if positions is not None:
+        say(f"  note: {positions}")
     if t.export_hf:  # before training, not after: the model must be one transformers can hold, and the
         from megatrain_jax.hf.config import check_exportable  # folder free of another model unless replaced
         check_exportable(model_cfg)

@@ -11,9 +11,11 @@ Sections and the dataclass each fills:
 - ``[log]``: ``LogConfig`` (progress display, TensorBoard, Weights & Biases).
 
 Every key is checked against the field's type hint; an unknown key or section, or a value outside a
-field's few allowed ones, is an error naming the closest valid one. An error names the file for a value
-the file set, and the command-line override for a value an override set. TOML has no null: write
-``"none"`` for a field that may be None (``clip_norm = "none"``). Those rules are the schema-free
+field's few allowed ones, is an error naming the closest valid one, and a key of another section is named as that
+section's (``train.seq_len=64``: "'seq_len' is a [data] key: data.seq_len=64"). A ``data.seq_len`` whose windows
+reach past the model's ``max_positions`` is refused here too (``check_positions``), before anything loads. An error
+names the file for a value the file set, and the command-line override for a value an override set. TOML has no
+null: write ``"none"`` for a field that may be None (``clip_norm = "none"``). Those rules are the schema-free
 ``megatrain_jax.cli.toml_dataclass``'s; this module holds the schema.
 """
 
@@ -30,7 +32,7 @@ import optax
 
 from megatrain_jax.cli.toml_dataclass import (CHOICES, ConfigError, Where, _check_keys, _closest, _fields,
                                               _override_paths, _paths, _table_type, _toml_value, apply_overrides,
-                                              build_dataclass, coerce)
+                                              build_dataclass, coerce, key_home)
 from megatrain_jax.data import DataConfig
 from megatrain_jax.data.batches import MODES
 from megatrain_jax.data.config import FORMATS
@@ -215,11 +217,17 @@ CHOICES.update({
     (RopeScaling, "kind"): ROPE_KINDS,
 })
 
+# Each section's keys, so that a key written in the wrong section is named as its own section's
+# (``train.seq_len=64``: "'seq_len' is a [data] key: data.seq_len=64"), not as a near miss in the wrong one.
+SECTION_KEYS: dict[str, tuple[str, ...]] = {
+    name: _MODEL_KEYS + tuple(_fields(DecoderConfig)) if cls is ModelSection else tuple(_fields(cls))
+    for name, cls in SECTIONS.items()}
+
 
 # ---------------------------------------------------------------------------------------------- parsing
 def _model(table: dict, where: Where) -> ModelSection:
     fields = _fields(DecoderConfig)
-    _check_keys(table, list(_MODEL_KEYS) + list(fields), where)
+    _check_keys(table, list(_MODEL_KEYS) + list(fields), where, SECTION_KEYS)
     hf_checkpoint = coerce(table.get("hf_checkpoint"), str | None, where.key("hf_checkpoint"))
     name = coerce(table.get("preset", "tiny"), str, where.key("preset"))
     overrides = {}
@@ -254,6 +262,11 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
     for name, table in raw.items():
         if name not in SECTIONS:
             blame = dataclasses.replace(root, path=(name,)).in_table(table) if isinstance(table, dict) else source
+            homes = [s for s, keys in SECTION_KEYS.items() if name in keys]
+            if homes:  # a key written before any table of the file ([model.rope_scaling] as [rope_scaling])
+                items = [item for path, item in root.overrides.items() if path[0] == name]
+                raise ConfigError(f"{blame}: {name!r} is outside any section; "
+                                  f"{key_home(name, homes, items, table=isinstance(table, dict))}")
             raise ConfigError(f"{blame}: unknown section [{name}]; {_closest(name, list(SECTIONS))}"
                               f"valid sections: {', '.join(f'[{s}]' for s in SECTIONS)}")
         if not isinstance(table, dict):
@@ -262,7 +275,8 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
     for name, cls in SECTIONS.items():
         where = dataclasses.replace(root, text=f"{source} [{name}]", path=(name,))
         table = raw.get(name, {})
-        parts[name] = _model(table, where) if cls is ModelSection else build_dataclass(cls, table, where)
+        parts[name] = (_model(table, where) if cls is ModelSection else
+                       build_dataclass(cls, table, where, SECTION_KEYS))
     cfg = RunConfig(**parts)
     if cfg.data.format != "preference" and cfg.dpo != DPO():
         blame = root.blame([("dpo", "beta"), ("dpo", "label_smoothing"), ("data", "format")])
@@ -277,7 +291,26 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
     except ValueError as err:
         blame = root.blame([("data", "batch_size"), ("engine", "micro_batches")])
         raise ConfigError(f"{blame}: [data] batch_size: {err}") from None
+    try:  # the model's shape is known here, a Hugging Face checkpoint's from its config.json (_model built it)
+        check_positions(cfg.data, cfg.model.build())
+    except ValueError as err:
+        blame = root.blame([("data", "seq_len"), ("data", "mode"), ("model", "max_positions"), ("model", "preset"),
+                            ("model", "hf_checkpoint")])
+        raise ConfigError(f"{blame}: {err}") from None
     return cfg
+
+
+def check_positions(data: DataConfig, model_cfg: DecoderConfig) -> str | None:
+    """Raise ValueError where every batch would reach past the model's ``max_positions`` (windows of a ``seq_len``
+    longer than it: each row's positions run to seq_len), as the engine refuses the first batch that does. For
+    rows whose positions restart at each document (packed, padded), the note to print (only a document that long is
+    refused); None where seq_len is within max_positions. ``parse_config`` refuses, ``plan`` prints the note."""
+    if data.seq_len <= model_cfg.max_positions:
+        return None
+    what = f"data.seq_len={data.seq_len} is longer than the model's max_positions={model_cfg.max_positions}"
+    if data.mode == "windows":
+        raise ValueError(f"{what}: train would refuse every batch; shorten data.seq_len or raise model.max_positions")
+    return f"{what}: train refuses any example longer than max_positions"
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:

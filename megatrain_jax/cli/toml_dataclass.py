@@ -1,7 +1,8 @@
 """A TOML table -> a typed dataclass, and back; knows no schema (the run's is ``megatrain_jax.cli.run_config``).
 
-``build_dataclass`` checks every key against the class's fields and ``coerce``s every value to its type
-hint (bool, int, float, str, Literal, unions with None written ``"none"``, a dataclass as a table).
+``build_dataclass`` checks every key against the class's fields (a key of another of the schema's sections, when
+it is given them, is named as that section's) and ``coerce``s every value to its type hint (bool, int, float, str,
+Literal, unions with None written ``"none"``, a dataclass as a table).
 ``Where`` keeps where a value came from, the file or a ``section.key=value`` command-line override
 (``apply_overrides``), so that an error names it. ``CHOICES`` reads plain-string fields that take one of a
 few values as Literals; a schema registers its own there.
@@ -157,20 +158,47 @@ def _fields(cls: type) -> dict[str, Any]:
     return fields
 
 
-def _check_keys(table: dict, valid: Sequence[str], where: Where) -> None:
+def _check_keys(table: dict, valid: Sequence[str], where: Where,
+                sections: Mapping[str, Sequence[str]] | None = None) -> None:
+    """Refuse a key of ``table`` (at ``where``) that is not in ``valid``, naming the command-line overrides that
+    set it, else the file. A key of another of the schema's ``sections`` (section name -> its keys) is named as
+    that section's, with where to write it; any other gets the closest valid key."""
     for key in table:
-        if key not in valid:
-            item = where.key(key).override()
-            place = where.text if item is None else f"command-line override {item}"
+        if key in valid:
+            continue
+        under = where.path + (key,)  # the overrides that set this key, a value in a table under it, or a table over it
+        items = [item for path, item in where.overrides.items() if path[:len(under)] == under]
+        items = items or [item for item in [where.key(key).override()] if item is not None]
+        place = f"command-line override{'s' if len(items) > 1 else ''} {', '.join(items)}" if items else where.text
+        homes = [name for name, keys in (sections or {}).items() if key in keys and (name,) != where.path[:1]]
+        if not homes:
             raise ConfigError(f"unknown key {key!r} in {place}; {_closest(key, valid)}"
                               f"valid keys: {', '.join(sorted(valid))}")
+        rests = [item.split(".", 1)[1] for item in items]  # "train.seq_len=64" -> "seq_len=64"
+        raise ConfigError(f"unknown key {key!r} in {place}: "
+                          f"{key_home(key, homes, rests, table=isinstance(table[key], dict))}")
 
 
-def build_dataclass(cls: type, table: dict, where: str | Where) -> Any:
-    """``cls(**table)`` with every key checked and every value coerced to its field's type."""
+def key_home(key: str, homes: Sequence[str], overrides: Sequence[str] = (), table: bool = False) -> str:
+    """Where ``key``, written outside its section, belongs: in ``homes`` (its sections). Said as the command-line
+    ``overrides`` that set it (``key=value``, ``key.sub=value``: without the wrong section) put in each of them, or,
+    for a file, as the table to move it under (``[home.key]`` for a ``table`` of its own)."""
+    if len(homes) == 1:
+        what = f"{key!r} is {'an' if homes[0][0] in 'aeiou' else 'a'} [{homes[0]}] key"
+    else:
+        what = f"{key!r} is a key of {' and '.join(f'[{h}]' for h in homes)}"
+    if overrides:
+        return f"{what}: " + " or ".join(" ".join(f"{h}.{rest.strip()}" for rest in overrides) for h in homes)
+    return f"{what}: move it " + " or ".join(f"to [{h}.{key}]" if table else f"under [{h}]" for h in homes)
+
+
+def build_dataclass(cls: type, table: dict, where: str | Where,
+                    sections: Mapping[str, Sequence[str]] | None = None) -> Any:
+    """``cls(**table)`` with every key checked and every value coerced to its field's type. ``sections``: the
+    schema's sections and their keys, to name the section of a key written in the wrong one (``_check_keys``)."""
     where = where if isinstance(where, Where) else Where(where)
     fields = _fields(cls)
-    _check_keys(table, list(fields), where)
+    _check_keys(table, list(fields), where, sections)
     kwargs = {k: coerce(v, fields[k], where.key(k)) for k, v in table.items()}
     try:
         return cls(**kwargs)
