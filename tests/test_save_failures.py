@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -245,3 +246,30 @@ def test_sigterm_ends_a_save_that_cannot_finish_and_names_the_last_checkpoint(tm
     with pytest.warns(CheckpointWarning, match="incomplete checkpoint"):  # the abandoned save's folder goes
         assert main(["train", *run, "train.steps=5", "train.resume=true"]) == 0
     assert committed_steps(ck)[0] == 5
+
+
+def test_the_command_line_holds_back_orbaxs_own_reports_of_a_failed_save():
+    """A failed save's story is the command line's one message (CheckpointWriteError); what Orbax prints of it (absl
+    ERROR records from its files, TensorStore callbacks' "Event loop is closed" into its closed loop: hundreds of lines
+    for a full disk) is held back, and nothing else is."""
+    code = textwrap.dedent("""
+        import asyncio, logging, sys
+        from megatrain_jax.cli.commands import _quiet_orbax_failures
+        _quiet_orbax_failures()
+        log = logging.getLogger("absl")
+        log.handle(log.makeRecord("absl", logging.ERROR, "/site-packages/orbax/checkpoint/x.py", 1, "ORBAX-ERROR", (), None))
+        log.handle(log.makeRecord("absl", logging.ERROR, "/site-packages/other/y.py", 1, "OTHER-ERROR", (), None))
+        loop = asyncio.new_event_loop(); loop.close()
+        class Callback:
+            def __del__(self):
+                loop.call_soon_threadsafe(print)
+        Callback()
+        class Other:
+            def __del__(self):
+                raise RuntimeError("OTHER-UNRAISABLE")
+        Other()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert "ORBAX-ERROR" not in out.stderr and "Event loop is closed" not in out.stderr, out.stderr
+    assert "OTHER-ERROR" in out.stderr and "OTHER-UNRAISABLE" in out.stderr, out.stderr

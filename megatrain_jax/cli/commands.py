@@ -276,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command is None:
         args.command, args.overrides = "demo", []
+    if as_program and not os.environ.get("MEGATRAIN_DEBUG"):
+        _quiet_orbax_failures()
     try:
         if args.command == "train" and distributed.requested():  # several processes: before JAX starts
             distributed.initialize()
@@ -301,6 +303,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\nmegatrain-jax {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _quiet_orbax_failures() -> None:
+    """Hold back what Orbax prints of a save that failed, which the command line says in a line of its own
+    (``CheckpointWriteError``: what failed, the newest good checkpoint, what to do): its ERROR log records (absl's
+    logger), and the tracebacks of TensorStore's callbacks into the event loop Orbax has closed by then ("Event loop
+    is closed"), hundreds of lines for a full disk. ``MEGATRAIN_DEBUG=1`` shows them."""
+    import logging
+
+    class OrbaxErrors(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+    logging.getLogger("absl").addFilter(OrbaxErrors())
+    unraisable = sys.unraisablehook
+
+    def unraisable_hook(u):
+        if not (u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed"):
+            unraisable(u)
+
+    sys.unraisablehook = unraisable_hook
 
 
 def meant(argv: Sequence[str]) -> str | None:
