@@ -150,3 +150,12 @@ def test_windows_longer_than_the_model_allows_are_refused_as_the_config_is_read(
            in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"data\.seq_len=256 is longer than the model's max_positions=128"):
         load_config(None, [f"model.hf_checkpoint={HF_LLAMA}", "data.seq_len=256"])
+
+
+def test_a_warm_up_as_long_as_the_run_is_said(tmp_path, capsys):
+    """The schedule fits a warm-up of train.steps or more into the run (the rate reaches optimizer.lr at the last
+    step): trained, and said."""
+    assert main(["train", "--config", str(DEMO_TOML), "train.steps=3", "optimizer.warmup_steps=1000",
+                 "train.eval_every=0", "log.progress=lines", f"train.run_dir={tmp_path / 'run'}"]) == 0
+    out = capsys.readouterr().out
+    assert "note: optimizer.warmup_steps=1000 is not under train.steps=3: the rate warms up over the first 2 steps" in out

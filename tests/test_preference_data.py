@@ -113,6 +113,18 @@ def test_long_pairs_are_cut_or_skipped_and_counted(chatml, tmp_path):
         read_pairs(write_jsonl(tmp_path / "q.jsonl", [long]), chatml, seq_len=24, too_long="skip")
 
 
+def test_pairs_whose_sides_are_the_same_are_skipped_and_counted(chatml, tmp_path):
+    """A pair whose chosen and rejected sides are the same teaches nothing (its loss is log 2 whatever the weights):
+    left out and counted, as written or once both are cut to seq_len + 1 tokens; a file of nothing else is refused."""
+    same = dict(PLAIN, rejected=PLAIN["chosen"])
+    tail = "the quick brown fox jumps over the lazy dog " * 8
+    past = dict(PLAIN, chosen=tail + "one", rejected=tail + "two")  # they differ only past the cut
+    pairs, stats = read_pairs(write_jsonl(tmp_path / "p.jsonl", [PLAIN, same, past]), chatml, seq_len=24)
+    assert [p.line for p in pairs] == [1] and stats.kept == 1 and stats.skipped_identical == 2
+    with pytest.raises(InstructDataError, match="no usable pair .* 1 with both sides the same"):
+        read_pairs(write_jsonl(tmp_path / "q.jsonl", [same]), chatml, seq_len=24)
+
+
 def test_a_preference_file_trains_through_the_reference_pass(chatml, tmp_path):
     """JSONL to tokens, the reference pass on the untrained model (one log-probability per side, the padded
     last batch's extra rows dropped), then DPO steps on the engine: the first at log 2, the loss falling."""

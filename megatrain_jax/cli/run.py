@@ -248,6 +248,9 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
                    "predicted_step": None if step is None else step.as_dict()}
 
     optimizer, _ = cfg.optimizer.build(t.steps)
+    if cfg.optimizer.warmup_steps >= t.steps > 1:  # the schedule fits the warm-up into the run
+        say(f"  note: optimizer.warmup_steps={cfg.optimizer.warmup_steps} is not under train.steps={t.steps}: the rate "
+            f"warms up over the first {t.steps - 1} steps and reaches optimizer.lr only at the last")
     objective, held_out = NextToken(), None
     if d.format == "preference":  # DPO: the reference pass on the initial weights, once the engine holds them
         data, summary, objective, held_out = _preference_data(cfg, model_cfg, say)
@@ -358,7 +361,7 @@ def _preference_data(cfg: RunConfig, model_cfg, say) -> tuple[Callable, dict, DP
     say(f"  data: {len(pairs):,} preference pairs from {d.path}" + ("" if held is None else
         f" and {len(held):,} held out") + f"; {stats.truncated:,} truncated to seq_len + 1 = {d.seq_len + 1} tokens, "
         f"{stats.skipped_too_long:,} skipped as too long, {stats.skipped_no_loss:,} skipped with no response token "
-        f"left (data.too_long = {d.too_long!r}); DPO beta {cfg.dpo.beta:g}, label smoothing {cfg.dpo.label_smoothing:g}")
+        f"left (data.too_long = {d.too_long!r}), {stats.skipped_identical:,} skipped with both sides the same; DPO beta {cfg.dpo.beta:g}, label smoothing {cfg.dpo.label_smoothing:g}")
     saved = run_dir / "dpo_reference.npy"
     sets = [pairs] + ([held] if held is not None else [])
     n = sum(len(x) for x in sets)

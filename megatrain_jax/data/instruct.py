@@ -59,12 +59,14 @@ class Example:
 @dataclasses.dataclass
 class Stats:
     """What tokenizing a file did: examples kept, truncated to ``seq_len + 1`` tokens, skipped as too long,
-    skipped for having no token to learn after truncation."""
+    skipped for having no token to learn after truncation, and (preference pairs) skipped for having two sides the
+    same after truncation (a pair that teaches nothing: its DPO loss is log 2 whatever the weights)."""
 
     kept: int = 0
     truncated: int = 0
     skipped_too_long: int = 0
     skipped_no_loss: int = 0
+    skipped_identical: int = 0
 
 
 def _special(value: Any) -> str | None:
@@ -300,12 +302,18 @@ def read_tokenized(path: str | os.PathLike, encode: Callable[[str, str], list[tu
         if not all(mask.any() for _, mask in sequences):
             stats.skipped_no_loss += 1
             continue
+        if len(sequences) == 2 and all(np.array_equal(a, b) for a, b in zip(*sequences)):
+            stats.skipped_identical += 1  # a pair's sides the same (as written, or once cut to seq_len + 1)
+            continue
         out.append((line_no, sequences))
         stats.kept += 1
     if not out:
         raise InstructDataError(f"{path}: no usable {what} (lines read: {stats.skipped_too_long} too long and "
-                                f"skipped, {stats.skipped_no_loss} with no {learned} left after truncation)"
-                                if stats.skipped_too_long or stats.skipped_no_loss else f"{path} has no {what}s")
+                                f"skipped, {stats.skipped_no_loss} with no {learned} left after truncation"
+                                + (f", {stats.skipped_identical} with both sides the same" if stats.skipped_identical
+                                   else "") + ")"
+                                if stats.skipped_too_long or stats.skipped_no_loss or stats.skipped_identical
+                                else f"{path} has no {what}s")
     return out, stats
 
 
