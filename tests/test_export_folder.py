@@ -140,3 +140,49 @@ def test_convert_never_overwrites_an_npz_unless_forced(tmp_path, capsys):
     assert main(["convert", str(src), str(tmp_path / "plain"), "--to", "npz"]) == 0
     assert f"wrote {tmp_path / 'plain.npz'}" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.npz", "plain.npz"]  # no partial file left
+
+
+def test_a_re_export_without_a_tokenizer_keeps_the_same_models_and_drops_anothers_saying_so(tmp_path):
+    """The same model written again (another dtype, say) with no tokenizer keeps the folder's tokenizer: a folder
+    transformers loads whole. A model of another vocabulary size takes the old tokenizer away. Both say so."""
+    cfg = preset("tiny", layers=1)
+    folder = tmp_path / "m"
+    save_hf(folder, cfg, *params(cfg, 0), dtype="float32")
+    (folder / "tokenizer.json").write_text('{"mine": 1}')
+    (folder / "tokenizer_config.json").write_text("{}")
+    with pytest.warns(UserWarning, match="kept the one the folder held .*tokenizer.json"):
+        save_hf(folder, cfg, *params(cfg, 1), overwrite=True)
+    assert (folder / "tokenizer.json").read_text() == '{"mine": 1}' and (folder / "tokenizer_config.json").exists()
+    other = preset("tiny", layers=1, vocab_size=cfg.vocab_size * 2)
+    with pytest.warns(UserWarning, match="removed the tokenizer of the model it held"):
+        save_hf(folder, other, *params(other, 0), overwrite=True)
+    assert not (folder / "tokenizer.json").exists()
+
+
+def test_a_tokenizer_named_for_an_export_must_be_one(tmp_path, capsys):
+    """to_hf(tokenizer=...) and convert --tokenizer: a path that is missing, a file, or a folder without
+    tokenizer.json is refused before anything is written; a training checkpoint converted with --tokenizer gets it,
+    and without one the output says it has none."""
+    from megatrain_jax import to_hf
+    from megatrain_jax.hf import from_hf
+    src = TESTS / "fixtures" / "hf" / "llama"
+    model = from_hf(src)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for bad, match in ((tmp_path / "nowhere", "does not exist"), (src / "config.json", "is a file"),
+                       (empty, "has no tokenizer.json")):
+        with pytest.raises((FileNotFoundError, ValueError), match=match):
+            to_hf(model, tmp_path / "out", tokenizer=bad)
+        assert not (tmp_path / "out").exists()
+    npz = tmp_path / "m.npz"
+    assert main(["convert", str(src), str(npz)]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(npz), str(tmp_path / "bare")]) == 0
+    assert "has no tokenizer" in capsys.readouterr().out and not (tmp_path / "bare" / "tokenizer.json").exists()
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    assert main(["convert", str(npz), str(tmp_path / "whole"), "--tokenizer", str(tok)]) == 0
+    assert (tmp_path / "whole" / "tokenizer.json").exists() and "has no tokenizer" not in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -403,6 +403,8 @@ def test_config_round_trip(name):
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(attention_bias=True), "attention_bias=True"),
     (dict(mlp_bias=True), "mlp_bias=True"),
+    (dict(quantization_config={"quant_method": "fp8"}), r"quant_method 'fp8'\): a quantized checkpoint .* bfloat16"),
+    (dict(quantization_config={"quant_method": "awq", "bits": 4}), r"quant_method 'awq'"),
     (dict(attention_dropout=0.1), r"attention_dropout=0.1 .*set it to 0.0 in config.json"),
     (dict(hidden_size=None), "hidden_size"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported for model_type 'llama'"),

@@ -124,3 +124,13 @@ def test_nested_and_list_values_are_checked_too(fixture, key, value, match):
     config = json.loads((FIXTURES / fixture / "config.json").read_text())
     with pytest.raises(UnsupportedConfig, match=match):
         config_from_hf(dict(config, **{key: value}))
+
+
+def test_a_file_or_a_hub_cache_folder_given_as_the_model_says_what_to_give(tmp_path):
+    src = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama"
+    with pytest.raises(FileNotFoundError, match="config.json is a file: give the folder"):
+        read_config(src / "config.json")
+    cache = tmp_path / "models--org--tiny"
+    (cache / "snapshots" / "abc123").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"a Hugging Face cache folder.*snapshots/<revision> \(here: \['abc123'\]\)"):
+        read_config(cache)

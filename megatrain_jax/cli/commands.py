@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor dtype of a Hugging Face output (default bfloat16)")
     p.add_argument("--force", action="store_true",
                    help="replace a model already in the Hugging Face output folder (as a whole)")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="a folder whose tokenizer and generation files go with a Hugging Face output (the model the "
+                        "weights were trained from, say; default: those of a Hugging Face source)")
     p = sub.add_parser("plot", help="PNG of loss, eval loss and throughput of a run")
     p.add_argument("run_dir", help="a run folder (train.run_dir), or a metrics .jsonl file in one")
     p.add_argument("--out", help="PNG path (default RUN_DIR/metrics.png)")
@@ -248,8 +251,11 @@ def _exact(estimate, cfg, model_cfg, disk_dir: str, speeds=None, mix=None):
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from megatrain_jax.cli.convert import convert
-    out = convert(args.src, args.dst, args.to, args.dtype, force=args.force)
+    out = convert(args.src, args.dst, args.to, args.dtype, force=args.force, tokenizer=args.tokenizer)
     print(f"wrote {out}")
+    if out.is_dir() and (out / "config.json").exists() and not (out / "tokenizer.json").exists():
+        print(f"note: {out} has no tokenizer: transformers loads the model but not its tokenizer from it. Add "
+              f"--tokenizer DIR (the folder of the model it was trained from) to write one beside the weights")
     return 0
 
 

@@ -38,6 +38,9 @@ def detect_format(path: str | os.PathLike) -> str:
         return "hf"
     if p.is_dir() and any(p.iterdir()):
         return "orbax"
+    if not p.exists():
+        raise FileNotFoundError(f"{path} does not exist: give a Hugging Face folder (with config.json), a .npz file "
+                                f"or an Orbax checkpoint directory")
     raise ValueError(f"cannot tell the format of {path}: expected a Hugging Face folder (with config.json), "
                      f"a .npz file or an Orbax checkpoint directory")
 
@@ -101,17 +104,22 @@ def load_npz(path: str | os.PathLike) -> tuple[DecoderConfig, dict, list[dict]]:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None,
-            dtype: str = "bfloat16", force: bool = False) -> Path:
+            dtype: str = "bfloat16", force: bool = False, tokenizer: str | os.PathLike | None = None) -> Path:
     """Convert ``src`` to ``dst`` (format ``to``, else from ``dst``'s suffix: ``.npz`` or an HF folder).
     ``dtype`` is the tensor dtype of an HF output. An HF folder that holds a model, or an existing .npz file, is
-    replaced only with ``force`` (as a whole: ``save_hf``; the .npz by one rename)."""
+    replaced only with ``force`` (as a whole: ``save_hf``; the .npz by one rename). An HF output takes the tokenizer
+    and generation files of ``tokenizer`` (a folder), else of an HF ``src``."""
     src_fmt = detect_format(src)
     to = to or ("npz" if str(dst).endswith(".npz") else "hf")
     if to not in FORMATS:
         raise ValueError(f"unknown output format {to!r}; choose from {FORMATS}")
+    if tokenizer is not None and to != "hf":
+        raise ValueError(f"--tokenizer goes with a Hugging Face output (--to hf), not {to}")
     if to == "hf":  # before reading the source: a refusal costs nothing
-        from megatrain_jax.hf.export_folder import check_target
+        from megatrain_jax.hf.export_folder import check_target, tokenizer_files
         check_target(dst, force, "add --force")
+        extra = tokenizer_files(tokenizer, given=True) if tokenizer is not None else (
+            tokenizer_files(src) if src_fmt == "hf" else [])
     if to == "npz" and npz_path(dst).exists() and not force:
         from megatrain_jax.hf.export_folder import ExportExistsError
         raise ExportExistsError(f"{npz_path(dst)} already exists; nothing was written. To replace it, add --force; "
@@ -130,9 +138,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
                          f"Python with megatrain_jax.checkpoint.load_model(path, model) instead")
     if to == "hf":  # from an HF folder its tokenizer and generation settings come along
         from megatrain_jax.hf import save_hf
-        from megatrain_jax.hf.export_folder import tokenizer_files
-        save_hf(dst, cfg, io, blocks, dtype=dtype, overwrite=force,
-                extra_files=tokenizer_files(src) if src_fmt == "hf" else ())
+        save_hf(dst, cfg, io, blocks, dtype=dtype, overwrite=force, extra_files=extra)
         return Path(dst)
     if to == "npz":
         return save_npz(dst, cfg, io, blocks)

@@ -67,6 +67,13 @@ def family_of(c: dict[str, Any]) -> Family:
 
 
 def _refuse_common(c: dict[str, Any], family: Family) -> None:
+    q = c.get("quantization_config")
+    if q and not family.mxfp4_experts:  # a family that reads its own quantized release says so in its refuse hook
+        method = q.get("quant_method") if isinstance(q, dict) else None
+        raise UnsupportedConfig(f"quantization_config (quant_method {method!r}): a quantized checkpoint (FP8, AWQ, GPTQ, "
+                                f"bitsandbytes, ...) is not read: training updates full-precision weights. Use the "
+                                f"model's bfloat16 release, or dequantize it to bfloat16 and drop quantization_config "
+                                f"from config.json")
     if c.get("mlp_bias", False):
         raise UnsupportedConfig("mlp_bias=True is not supported (the MLP has no biases)")
     for key in ("attention_dropout", "resid_pdrop", "embd_pdrop"):  # the last two: Phi-3's

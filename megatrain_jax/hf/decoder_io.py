@@ -57,4 +57,4 @@ def to_hf(model: Any, model_dir: str | os.PathLike, dtype: str = "bfloat16", *, 
         io, blocks = nnx.state(model.io, nnx.Param), [nnx.state(b, nnx.Param) for b in model.blocks]
     kw = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
     return save_hf(model_dir, model.cfg, io, blocks, dtype=dtype, overwrite=overwrite,
-                   extra_files=tokenizer_files(tokenizer), **kw)
+                   extra_files=tokenizer_files(tokenizer, given=True), **kw)

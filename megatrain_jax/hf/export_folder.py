@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 from megatrain_jax.hf.safetensors_io import stale_files
@@ -37,12 +39,22 @@ class ExportExistsError(FileExistsError):
     """The export's target folder already holds a model."""
 
 
-def tokenizer_files(source: str | os.PathLike | None) -> list[Path]:
+def tokenizer_files(source: str | os.PathLike | None, given: bool = False) -> list[Path]:
     """The tokenizer and generation files of ``source`` (a model or tokenizer folder), to go next to exported
-    weights: transformers then loads model, tokenizer and generation settings from one folder."""
+    weights: transformers then loads model, tokenizer and generation settings from one folder. ``given``: the user
+    named ``source`` as the tokenizer to export with, so a path that is missing, a file, or a folder without
+    ``tokenizer.json`` is an error rather than an export without one."""
     if source is None:
         return []
-    return [Path(source) / name for name in TOKENIZER_FILES if (Path(source) / name).is_file()]
+    source = Path(source)
+    if given and not source.is_dir():
+        raise (FileNotFoundError if not source.exists() else ValueError)(
+            f"tokenizer {source} {'does not exist' if not source.exists() else 'is a file'}: give the folder that "
+            f"holds tokenizer.json (the Hugging Face model the weights came from, say)")
+    if given and not (source / "tokenizer.json").is_file():
+        raise ValueError(f"tokenizer folder {source} has no tokenizer.json (it holds "
+                         f"{sorted(p.name for p in source.iterdir())[:8]}): give the folder that holds it")
+    return [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
 
 
 def model_files(folder: Path) -> list[Path]:
@@ -99,10 +111,39 @@ def publish(staged: Path, folder: str | os.PathLike) -> None:
     # A model's files come from the new export, never from the folder's past; but a folder that held no model
     # (no config.json, no weights: e.g. only a tokenizer) held only the user's own files, and all of them stay.
     keep = set(model_files(old)) if holds_model(old) else set()
+    keep -= set(_tokenizer_kept(old, folder))
     for entry in old.iterdir():  # the user's own files go on living in the folder
         if entry not in keep and not (folder / entry.name).exists():
             os.rename(entry, folder / entry.name)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _tokenizer_kept(old: Path, new: Path) -> list[Path]:
+    """The replaced model's tokenizer files that stay beside an export that brings no tokenizer: where both models
+    have one vocabulary size (the same model written again, say in another dtype), with a warning naming them; where
+    the sizes differ, none (the tokenizer was the other model's), with a warning naming what goes."""
+    if (new / "tokenizer.json").exists():
+        return []
+    tokenizer = [p for p in tokenizer_files(old) if p.name != GENERATION_CONFIG]
+    if not tokenizer:
+        return []
+    names = ", ".join(p.name for p in tokenizer)
+    if _vocab_size(old) is not None and _vocab_size(old) == _vocab_size(new):
+        warnings.warn(f"{new}: the export brings no tokenizer; kept the one the folder held ({names}), of a model "
+                      f"with the same vocabulary size. Export with a tokenizer (tokenizer=, --tokenizer) to replace it",
+                      stacklevel=3)
+        return tokenizer
+    warnings.warn(f"{new}: removed the tokenizer of the model it held ({names}): the export brings none and its "
+                  f"vocabulary size differs. Export with a tokenizer (tokenizer=, --tokenizer) for a folder "
+                  f"transformers loads whole", stacklevel=3)
+    return []
+
+
+def _vocab_size(folder: Path) -> int | None:
+    try:
+        return json.loads((folder / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -118,7 +118,15 @@ def _stacked(tree: Any, stack=np.stack) -> Any:
 def read_config(model_dir: str | os.PathLike, **overrides) -> DecoderConfig:
     """The DecoderConfig of an HF folder's ``config.json``; special token ids it lacks are taken from its
     ``generation_config.json``, where there is one."""
-    path = Path(model_dir) / "config.json"
+    folder = Path(model_dir)
+    path = folder / "config.json"
+    if folder.is_file():
+        raise FileNotFoundError(f"{model_dir} is a file: give the folder that holds the model's config.json and "
+                                f"weights ({folder.parent}, if it is that folder's)")
+    if not path.exists() and (folder / "snapshots").is_dir():  # the Hugging Face hub cache's folder of a repository
+        revisions = sorted(p.name for p in (folder / "snapshots").iterdir())
+        raise FileNotFoundError(f"{model_dir} is a Hugging Face cache folder, not a model folder: give one of its "
+                                f"revisions, {folder / 'snapshots'}/<revision> (here: {revisions[:4]})")
     if not path.exists():
         raise FileNotFoundError(f"no config.json in {model_dir}")
     config_json = read_json_object(path)
