@@ -883,6 +883,9 @@ def test_longest_sequence_that_fits_is_the_boundary():
     assert longest_seq_len(capped) == 131072
     assert longest_seq_len(plan(three_b, EngineConfig(), 1, 8192, host_ram_bytes=125 * GiB,
                                 gpu_bytes=1 * GiB)) is None
+    tiny = preset("tiny")  # packed rows past the positions fit: no sequence is longer than the positions reach
+    assert longest_seq_len(plan(tiny, EngineConfig(), 2, 4 * tiny.max_positions, packed=True,
+                                host_ram_bytes=125 * GiB, gpu_bytes=80 * GiB)) == tiny.max_positions
 
 
 def test_activation_offload_moves_boundary_activations_to_the_host_and_is_picked_when_the_gpu_is_short():

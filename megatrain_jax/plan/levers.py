@@ -310,7 +310,8 @@ def longest_seq_len(p: MemoryPlan, multiple: int = 1024) -> int | None:
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid * multiple) else (lo, mid - 1)
-    return max(lo * multiple, p.seq_len if p.fits else 0)
+    return max(lo * multiple, min(p.seq_len, p.model_cfg.max_positions) if p.fits else 0)  # a row past the
+    # positions (packed documents) holds no sequence longer than they reach
 
 
 def machine_needed(p: MemoryPlan, modes: list[InMode] | None = None) -> str:
