@@ -368,6 +368,25 @@ def test_the_host_update_timed_on_the_host_at_hand_replaces_the_records_unless_a
     assert study._host_measured(predict(CFG, e, 2, 2048, h200).as_dict()) is None
 
 
+def test_a_slow_timing_is_taken_again_and_the_faster_kept(monkeypatch):
+    """A start's timing under SLOW_HOST of the kind's measured host is taken again after a pause, and the faster of
+    the two kept: one low reading came and went on a host whose steps ran at the usual pace; a host that times slow
+    twice is slow (its note stays)."""
+    from megatrain_jax.plan import machine as machine_mod
+    from megatrain_jax.plan.step_time import slow_host
+    usual = {"full": 3.6e9, "lean": 6.5e9, "first_half_share": 0.45, "one_pass_speedup": 1.6}
+    low = dict(usual, full=2.0e9)
+    monkeypatch.setattr(machine_mod, "gpu_name_before_jax", lambda: "NVIDIA H200")
+    monkeypatch.setattr(machine_mod.time, "sleep", lambda s: None)
+    assert slow_host("NVIDIA H200", 16, low) is not None and slow_host("NVIDIA H200", 16, usual) is None
+    for readings, kept, calls in (([usual], usual, 1), ([low, usual], usual, 2), ([low, dict(low, full=1.9e9)], low, 2)):
+        queue = list(readings)
+        monkeypatch.setattr(machine_mod, "measured_host_update", lambda: queue.pop(0))
+        monkeypatch.setattr(machine_mod.os, "sched_getaffinity", lambda pid: set(range(16)))
+        assert Machine.here(host_ram_bytes=1, gpu_bytes=1).host_measured == kept
+        assert len(readings) - len(queue) == calls
+
+
 def test_machine_here_times_the_host_update_only_where_the_plan_is_for_this_host_and_no_file_wins(monkeypatch,
                                                                                                   tmp_path, capsys):
     """``Machine.here`` times the host update where a GPU is (the plan is then for this host); not with no GPU,
