@@ -170,10 +170,12 @@ def test_a_tokenizer_named_for_an_export_must_be_one(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     for bad, match in ((tmp_path / "nowhere", "does not exist"), (src / "config.json", "is a file"),
-                       (empty, "has no tokenizer.json")):
+                       (empty, "holds none of tokenizer.json")):
         with pytest.raises((FileNotFoundError, ValueError), match=match):
             to_hf(model, tmp_path / "out", tokenizer=bad)
         assert not (tmp_path / "out").exists()
+    with pytest.warns(UserWarning, match="has no tokenizer.json: the export gets its generation_config.json only"):
+        to_hf(model, tmp_path / "generation_only", tokenizer=src)  # a model folder without a tokenizer
     npz = tmp_path / "m.npz"
     assert main(["convert", str(src), str(npz)]) == 0
     capsys.readouterr()

@@ -42,8 +42,9 @@ class ExportExistsError(FileExistsError):
 def tokenizer_files(source: str | os.PathLike | None, given: bool = False) -> list[Path]:
     """The tokenizer and generation files of ``source`` (a model or tokenizer folder), to go next to exported
     weights: transformers then loads model, tokenizer and generation settings from one folder. ``given``: the user
-    named ``source`` as the tokenizer to export with, so a path that is missing, a file, or a folder without
-    ``tokenizer.json`` is an error rather than an export without one."""
+    named ``source`` as the tokenizer to export with, so a path that is missing, a file, or a folder with none of
+    these files is an error rather than an export without them, and a folder without ``tokenizer.json`` (its
+    generation settings only, say) is warned about."""
     if source is None:
         return []
     source = Path(source)
@@ -51,10 +52,15 @@ def tokenizer_files(source: str | os.PathLike | None, given: bool = False) -> li
         raise (FileNotFoundError if not source.exists() else ValueError)(
             f"tokenizer {source} {'does not exist' if not source.exists() else 'is a file'}: give the folder that "
             f"holds tokenizer.json (the Hugging Face model the weights came from, say)")
+    found = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+    if given and not found:
+        raise ValueError(f"tokenizer folder {source} holds none of {', '.join(TOKENIZER_FILES)} (it holds "
+                         f"{sorted(p.name for p in source.iterdir())[:8]}): give the folder that holds tokenizer.json")
     if given and not (source / "tokenizer.json").is_file():
-        raise ValueError(f"tokenizer folder {source} has no tokenizer.json (it holds "
-                         f"{sorted(p.name for p in source.iterdir())[:8]}): give the folder that holds it")
-    return [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+        warnings.warn(f"tokenizer folder {source} has no tokenizer.json: the export gets its "
+                      f"{', '.join(p.name for p in found)} only, and transformers loads no tokenizer from it",
+                      stacklevel=3)
+    return found
 
 
 def model_files(folder: Path) -> list[Path]:
