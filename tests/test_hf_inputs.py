@@ -134,3 +134,13 @@ def test_a_file_or_a_hub_cache_folder_given_as_the_model_says_what_to_give(tmp_p
     (cache / "snapshots" / "abc123").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match=r"a Hugging Face cache folder.*snapshots/<revision> \(here: \['abc123'\]\)"):
         read_config(cache)
+
+
+def test_a_special_token_id_outside_the_vocabulary_is_warned_about(tmp_path):
+    src = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama"
+    folder = tmp_path / "m"
+    shutil.copytree(src, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(config, eos_token_id=config["vocab_size"] + 5)))
+    with pytest.warns(UserWarning, match=f"eos_token_id={config['vocab_size'] + 5} outside the vocabulary"):
+        read_config(folder)

@@ -9,6 +9,7 @@ our decoder cannot reproduce exactly is an error naming the offending value, nev
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 from megatrain_jax.families import FAMILIES, FEATURES, EITHER, Family, UnsupportedConfig, by_model_type
@@ -126,11 +127,25 @@ def config_from_hf(config_json: dict[str, Any], **overrides) -> DecoderConfig:
         fields.update(rope_fields(c, family, max_pos))
     fields.update(overrides)
     try:
-        return DecoderConfig(**_configs(fields))
+        cfg = DecoderConfig(**_configs(fields))
     except UnsupportedConfig:
         raise
     except ValueError as e:  # DecoderConfig's own rules (heads divide hidden, ...), in its names
         raise UnsupportedConfig(f"{e}{_in_hf_names(str(e))}") from None
+    _warn_ids_past_vocab(cfg)
+    return cfg
+
+
+def _warn_ids_past_vocab(cfg: DecoderConfig) -> None:
+    """A special token id at or past ``vocab_size`` names no row of the embedding: the model can never emit it (an
+    ``eos_token_id`` there: generation never stops on it). Loaded as it is, with a warning: some published configs
+    carry such a pad id, and training does not read the ids."""
+    past = {name: value for name in TOKEN_ID_FIELDS if (value := getattr(cfg, name)) is not None
+            and any(i >= cfg.vocab_size or i < 0 for i in (value if isinstance(value, tuple) else (value,)))}
+    if past:
+        warnings.warn(f"config.json: {', '.join(f'{k}={v}' for k, v in past.items())} outside the vocabulary "
+                      f"(vocab_size {cfg.vocab_size}): no row of the embedding is that token, so the model never "
+                      f"emits it; an export keeps the value as it is", UserWarning, stacklevel=3)
 
 
 # config.json's names of DecoderConfig's fields, where they differ (for DecoderConfig's errors)
