@@ -984,8 +984,9 @@ def test_norm_first_refuses_what_it_cannot_run(settings, match):
 
 
 def test_a_bfloat16_gradients_squared_norm_is_its_float32_widenings_bit_for_bit():
-    """XLA sums a bfloat16 array converted inside the reduction in another order than a float32 one (on AVX-512
-    CPUs): the engine's norm widens first, so that the clipping of rounded gradients is their widening's."""
+    """XLA's CPU code sums a bfloat16 array converted inside the reduction in another order than a float32 one (on
+    AVX-512 hosts): the engine's norm widens first there, so that the clipping of rounded gradients is their
+    widening's."""
     import jax.numpy as jnp
 
     from megatrain_jax.engine.device_fns import _sq_norm

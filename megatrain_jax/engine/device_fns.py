@@ -75,10 +75,14 @@ def _mask_sum(masks: list) -> jax.Array:
 
 
 def _sq_norm(tree: Params) -> jax.Array:
-    # Each leaf is widened to float32 behind a barrier before it is summed: XLA sums a bfloat16 array converted inside
-    # the reduction in another order than a float32 one (so on AVX-512 CPUs), and the norm of a bfloat16 gradient must
-    # be its float32 widening's bit for bit (host_grad_dtype, device_grad_dtype: the clipping is the same).
-    return sum(jnp.sum(jnp.square(jax.lax.optimization_barrier(g.astype(jnp.float32)))) for g in jax.tree.leaves(tree))
+    # On the CPU each leaf is widened to float32 behind a barrier before it is summed: XLA's CPU code sums a bfloat16
+    # array converted inside the reduction in another order than a float32 one (on AVX-512 hosts), and there the
+    # norm of a bfloat16 gradient is its float32 widening's, bit for bit, as engine_options.md says of
+    # host_grad_dtype and device_grad_dtype. Not on a GPU: the barrier would hold a float32 copy of a part's gradient
+    # (twice its bfloat16 bytes, 13 GB for a GPT-OSS-120B block) that the memory plan does not count.
+    widen = (lambda g: jax.lax.optimization_barrier(g.astype(jnp.float32))) if jax.default_backend() == "cpu" else (
+        lambda g: g.astype(jnp.float32))
+    return sum(jnp.sum(jnp.square(widen(g))) for g in jax.tree.leaves(tree))
 
 
 class Shards:
