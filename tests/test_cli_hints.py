@@ -159,3 +159,24 @@ def test_a_warm_up_as_long_as_the_run_is_said(tmp_path, capsys):
                  "train.eval_every=0", "log.progress=lines", f"train.run_dir={tmp_path / 'run'}"]) == 0
     out = capsys.readouterr().out
     assert "note: optimizer.warmup_steps=1000 is not under train.steps=3: the rate warms up over the first 2 steps" in out
+
+
+def test_plan_checks_the_checkpoints_weights_as_train_does(tmp_path, capsys):
+    """plan reads the weights' headers as train's start does: a truncated file is refused (exit 2), a folder with its
+    config.json only (the plan before the download) is a note, a whole one plans."""
+    import shutil
+    good = tmp_path / "good"
+    shutil.copytree(HF_LLAMA, good)
+    assert main(["plan", f"model.hf_checkpoint={good}", "log.progress=lines"]) == 0
+    capsys.readouterr()
+    cut = tmp_path / "cut"
+    shutil.copytree(HF_LLAMA, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert main(["plan", f"model.hf_checkpoint={cut}"]) == 2
+    assert "train would refuse these weights" in capsys.readouterr().err
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(HF_LLAMA / "config.json", bare / "config.json")
+    assert main(["plan", f"model.hf_checkpoint={bare}"]) == 0
+    assert "holds no weights here (config.json only)" in capsys.readouterr().out

@@ -152,6 +152,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     note = check_positions(d, model_cfg)  # windows past max_positions were refused as the config was read
     if note is not None:
         print(f"note: {note}")
+    if cfg.model.hf_checkpoint is not None:
+        _check_weights(cfg.model.hf_checkpoint, model_cfg)
     if args.speeds is not None:  # as MEGATRAIN_SPEEDS: the layout's pick reads the same rates as the prediction
         os.environ[SPEEDS_VAR] = args.speeds
     # another GPU's plan is for its host, not this one: this host's update is not timed for it
@@ -191,6 +193,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"does not fit.\n{advice(p, cfg.engine, modes)}")
         return 1
     return 0
+
+
+def _check_weights(folder: str, model_cfg) -> None:
+    """The Hugging Face checkpoint's weights checked as ``train`` checks them at start, from the files' headers (no
+    tensor is read): weights ``train`` would refuse (a missing shard, a truncated file, a tensor of the wrong shape or
+    dtype) are refused here too (ValueError: exit status 2). A folder with its config.json but no weights yet (the
+    plan before the download) is a note."""
+    from megatrain_jax.hf import HFParts
+    from megatrain_jax.hf.safetensors_io import stale_files
+    if not any(stale_files(Path(folder))):
+        print(f"note: {folder} holds no weights here (config.json only): they are checked when train starts")
+        return
+    try:
+        HFParts(folder, model_cfg).release()
+    except ValueError as e:  # CheckpointMismatch, SafetensorsError, UnsupportedConfig
+        raise ValueError(f"train would refuse these weights: {e}") from None
 
 
 def _row_mix(d, model_cfg):
