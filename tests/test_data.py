@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import pickle
 import re
 from pathlib import Path
@@ -479,6 +480,24 @@ def test_bin_ids_beyond_its_sidecar_vocab_are_found_at_open(tmp_path, monkeypatc
     with pytest.raises(ValueError, match=rf"token id 4000 at position 150 .*outside \[0, 100\) \(the vocab_size in "
                                          r"its sidecar is 100\)"):
         take(batches, 10)
+
+
+def test_a_token_file_is_scanned_once_a_process_until_it_changes(tmp_path, monkeypatch):
+    """train opens its corpus up to three times at start (what the rows hold, training, evaluation): a file found
+    clean is not scanned again while its size and modification time stay; rewritten, it is, and a bad id refused."""
+    path = write_tokens(tmp_path / "t.bin", np.arange(200) % 100, 100)
+    scans = []
+    scan = TokenFile.first_bad_id
+    monkeypatch.setattr(TokenFile, "first_bad_id", lambda self, *a, **k: scans.append(1) or scan(self, *a, **k))
+    for _ in range(3):
+        DataConfig(path=str(path), seq_len=10, batch_size=2, prefetch=0).dataset("train", 256)
+    assert len(scans) == 1
+    raw = np.fromfile(path, np.uint16)
+    raw[150] = 4000
+    raw.tofile(path)
+    os.utime(path, ns=(1, 1))  # another modification time, whatever the clock's resolution
+    with pytest.raises(ValueError, match="token id 4000 at position 150"):
+        DataConfig(path=str(path), seq_len=10, batch_size=2, prefetch=0).dataset("train", 256)
 
 
 def test_an_eos_id_outside_the_vocabulary_is_refused(tmp_path):

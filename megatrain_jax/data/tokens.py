@@ -176,12 +176,32 @@ class TokenFile:
                              f"vocab_size is {model_vocab}; tokenize with the model's own tokenizer or pick "
                              f"a model whose vocab_size is at least {self.vocab_size}")
         vocab = model_vocab if self.vocab_size is None else self.vocab_size
+        seen = _file_key(self.path, vocab)
+        if seen is not None and seen in _SCANNED:  # this process scanned the file as it is: train opens it up to 3 times
+            return
         bad = self.first_bad_id(vocab)
+        if bad is None and seen is not None:
+            _SCANNED.add(seen)
         if bad is not None:
             top = max(int(self.tokens[i:i + _SCAN_CHUNK].max()) for i in range(0, len(self), _SCAN_CHUNK))
             why = (f"the model's vocab_size is {model_vocab}" if self.vocab_size is None else
                    f"the vocab_size in its sidecar is {vocab}" if self.path is not None else f"vocab_size is {vocab}")
             raise self.bad_id_error(*bad, vocab, f"{why}; the largest id in the file is {top}")
+
+
+# Token files found clean in this process, by (path, inode, size, modification time, vocab_size): a file changed or
+# replaced since is scanned again
+_SCANNED: set[tuple] = set()
+
+
+def _file_key(path: str | os.PathLike | None, vocab: int) -> tuple | None:
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, vocab
 
 
 def _read_sidecar(path: Path) -> dict:
