@@ -381,10 +381,14 @@ def test_a_slow_timing_is_taken_again_and_the_faster_kept(monkeypatch):
     assert slow_host("NVIDIA H200", 16, low) is not None and slow_host("NVIDIA H200", 16, usual) is None
     for readings, kept, calls in (([usual], usual, 1), ([low, usual], usual, 2), ([low, dict(low, full=1.9e9)], low, 2)):
         queue = list(readings)
-        monkeypatch.setattr(machine_mod, "measured_host_update", lambda: queue.pop(0))
+        monkeypatch.setattr(machine_mod, "kernel_rates", lambda: queue.pop(0))
         monkeypatch.setattr(machine_mod.os, "sched_getaffinity", lambda pid: set(range(16)))
+        machine_mod.measured_host_update.cache_clear()
         assert Machine.here(host_ram_bytes=1, gpu_bytes=1).host_measured == kept
         assert len(readings) - len(queue) == calls
+        assert Machine.here(host_ram_bytes=1, gpu_bytes=1).host_measured == kept  # once a process
+        assert len(readings) - len(queue) == calls
+    machine_mod.measured_host_update.cache_clear()
 
 
 def test_machine_here_times_the_host_update_only_where_the_plan_is_for_this_host_and_no_file_wins(monkeypatch,
@@ -396,7 +400,7 @@ def test_machine_here_times_the_host_update_only_where_the_plan_is_for_this_host
     from megatrain_jax.plan import machine as machine_mod
     timed = {"full": 3.3e9, "lean": 6e9, "first_half_share": 0.43, "one_pass_speedup": 1.5}
     calls = []
-    monkeypatch.setattr(machine_mod, "measured_host_update", lambda: calls.append(1) or timed)
+    monkeypatch.setattr(machine_mod, "measured_host_update", lambda *args: calls.append(1) or timed)
     monkeypatch.setattr(machine_mod, "gpu_name_before_jax", lambda: None)
     assert Machine.here(host_ram_bytes=1, gpu_bytes=1).host_measured is None and not calls
     monkeypatch.setattr(machine_mod, "gpu_name_before_jax", lambda: "NVIDIA H200")

@@ -107,31 +107,32 @@ def gpu_name_before_jax() -> str | None:
         return None
 
 
-@functools.lru_cache(maxsize=1)
-def measured_host_update() -> dict[str, float] | None:
-    """The fused kernel's host update timed on this host for every precision mode (``host_kernel.mode_rates``:
-    under a second, 576 MiB of arrays at most, freed after; the kernel built first where it is not yet), once a
-    process; None where the kernel cannot be built or loaded (the engine then updates through JAX, which no record
-    describes)."""
-    from megatrain_jax.engine.update import host_kernel
-    lib = host_kernel.load()
-    return None if lib is None else host_kernel.mode_rates(lib=lib)
-
-
 SLOW_TIMING_PAUSE_S = 1.0  # the pause before a slow timing is taken again
 
 
-def timed_again(gpu_name: str | None, cores: int, measured: dict[str, float] | None) -> dict[str, float] | None:
-    """``measured`` (``measured_host_update``), or where its full-precision rate is under ``step_time.SLOW_HOST`` of
-    the GPU kind's measured host (``step_time.slow_host``), the faster of it and a second timing taken after
-    ``SLOW_TIMING_PAUSE_S``: a start's timing read 56% of the record on a host whose steps ran at the usual pace
-    (experiments/studies/NOTES.md, 2026-12-02), so a slow host is one that times slow twice."""
+@functools.lru_cache(maxsize=1)
+def measured_host_update(gpu_name: str | None, cores: int) -> dict[str, float] | None:
+    """The fused kernel's host update timed on this host for every precision mode (``kernel_rates``), once a
+    process; None where the kernel cannot be built or loaded (the engine then updates through JAX, which no record
+    describes). A timing whose full-precision rate is under ``step_time.SLOW_HOST`` of the GPU kind's measured host
+    (``step_time.slow_host``) is taken again after ``SLOW_TIMING_PAUSE_S`` and the faster kept: a start's timing read
+    56% of the record on a host whose steps ran at the usual pace (experiments/studies/NOTES.md, 2026-12-02), so a
+    slow host is one that times slow twice."""
     from megatrain_jax.plan.step_time import slow_host
+    measured = kernel_rates()
     if slow_host(gpu_name, cores, measured) is None:
         return measured
     time.sleep(SLOW_TIMING_PAUSE_S)
-    again = measured_host_update()
+    again = kernel_rates()
     return again if again is not None and again["full"] > measured["full"] else measured
+
+
+def kernel_rates() -> dict[str, float] | None:
+    """One timing of the fused kernel in every precision mode (``host_kernel.mode_rates``: under a second, 576 MiB
+    of arrays at most, freed after; the kernel built first where it is not yet); None where it cannot be loaded."""
+    from megatrain_jax.engine.update import host_kernel
+    lib = host_kernel.load()
+    return None if lib is None else host_kernel.mode_rates(lib=lib)
 
 
 def gpu_fraction() -> float:
@@ -208,11 +209,12 @@ class Machine:
         the host's processes would time it at once). Separate runs sharing one host each time it while the
         others may be running: their timings, and the layouts picked from them, then come out low. A timing under
         ``step_time.SLOW_HOST`` of the kind's measured host is taken again after a pause and the faster kept
-        (``timed_again``): one reading that low came and went on a host that ran its steps at the usual pace."""
+        (``measured_host_update``): one reading that low came and went on a host that ran its steps at the usual
+        pace."""
         host = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
         gpu_name = gpu_name_before_jax()
         cores = len(os.sched_getaffinity(0))
         timed = time_host and gpu_name is not None and not several_processes and not os.environ.get(SPEEDS_VAR)
-        measured = timed_again(gpu_name, cores, measured_host_update()) if timed else None
+        measured = measured_host_update(gpu_name, cores) if timed else None
         return cls(host, gpu_bytes_before_jax() if gpu_bytes is None else gpu_bytes, run_gpus(devices), None,
                    several_processes, gpu_name, cores, measured)
