@@ -108,6 +108,7 @@ def gpu_name_before_jax() -> str | None:
 
 
 SLOW_TIMING_PAUSE_S = 1.0  # the pause before a slow timing is taken again
+SLOW_TIMING_RETAKES = 3  # the most times a slow timing is taken again
 
 
 @functools.lru_cache(maxsize=1)
@@ -115,16 +116,20 @@ def measured_host_update(gpu_name: str | None, cores: int) -> dict[str, float] |
     """The fused kernel's host update timed on this host for every precision mode (``kernel_rates``), once a
     process; None where the kernel cannot be built or loaded (the engine then updates through JAX, which no record
     describes). A timing whose full-precision rate is under ``step_time.SLOW_HOST`` of the GPU kind's measured host
-    (``step_time.slow_host``) is taken again after ``SLOW_TIMING_PAUSE_S`` and the faster kept: a start's timing read
-    56% of the record on a host whose steps ran at the usual pace (experiments/studies/NOTES.md, 2026-12-02), so a
-    slow host is one that times slow twice."""
+    (``step_time.slow_host``) is taken again after ``SLOW_TIMING_PAUSE_S``, up to ``SLOW_TIMING_RETAKES`` times
+    until one is not slow, and the fastest kept: on the 16-core H200 host timings a second or two apart went
+    2.2-2.4, 3.3-3.4, 2.4, 3.3 G params/s on one loan, and every start that read that low ran its steps at the
+    usual pace (experiments/studies/NOTES.md, 2026-12-02), so a slow host is one that times slow every time."""
     from megatrain_jax.plan.step_time import slow_host
-    measured = kernel_rates()
-    if slow_host(gpu_name, cores, measured) is None:
-        return measured
-    time.sleep(SLOW_TIMING_PAUSE_S)
-    again = kernel_rates()
-    return again if again is not None and again["full"] > measured["full"] else measured
+    best = kernel_rates()
+    for _ in range(SLOW_TIMING_RETAKES):
+        if best is None or slow_host(gpu_name, cores, best) is None:
+            break
+        time.sleep(SLOW_TIMING_PAUSE_S)
+        again = kernel_rates()
+        if again is not None and again["full"] > best["full"]:
+            best = again
+    return best
 
 
 def kernel_rates() -> dict[str, float] | None:
