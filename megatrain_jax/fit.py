@@ -58,6 +58,16 @@ class Hook:
 
 
 @dataclasses.dataclass
+class FailedHook:
+    """A hook that raised: the step whose metrics it failed on, the last step it took before (None: none in this
+    call) and what it raised. It is given no more steps; the other hooks go on taking them."""
+
+    step: int
+    took: int | None
+    error: Exception
+
+
+@dataclasses.dataclass
 class History:
     """Per-step metrics, in order: ``records``, one per step trained by this call (``len``). ``history['loss']``
     is the list of losses. ``stopped`` is the reason a hook or a signal gave for ending early (None when the run
@@ -207,12 +217,16 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
 
     A hook ends training early with ``info.stop(reason)``. If anything raises, the exception carries the
     history (``err.history``); when the data fails, the step trained before it is reported first (its metrics
-    reach the hooks, as every step's do). When the failure came from a hook or the data (the engine's state is then
-    whole), the trained parameters are written back and, with checkpoints, saved first (not when a hook's write
+    reach the hooks, as every step's do). When a hook (or the checkpoint session's) raises, the other hooks still
+    take that step's metrics, and the step trained meanwhile (metrics come one step late) is reported to every hook
+    but the failed one before the first error is raised: no step kept (written back or saved) lacks its metrics row
+    unless the metrics writer is what failed. When the failure came from a hook or the data (the engine's state is
+    then whole), the trained parameters are written back and, with checkpoints, saved first (not when a hook's write
     failed, an OSError: a checkpoint past the metrics it wrote would leave a hole in a resumed run's history; nor
-    when no step trained); a note on the exception says what was kept. A checkpoint is never saved from a skipped
-    step (a non-finite loss or gradient norm). SIGTERM/SIGINT/SIGHUP with checkpoints: the step in flight finishes
-    and is reported, the checkpoint is saved, and ``CheckpointedExit`` (exit status 128 + the signal) is raised.
+    when no step trained); a note on the exception says what was kept (and the last step a failed write holds). A
+    checkpoint is never saved from a skipped step (a non-finite loss or gradient norm). SIGTERM/SIGINT/SIGHUP with
+    checkpoints: the step in flight finishes and is reported, the checkpoint is saved, and ``CheckpointedExit``
+    (exit status 128 + the signal) is raised.
     """
     if train.steps is None and endless(data):
         raise ValueError(f"{type(data).__name__} never ends, so fit would never return: give the run a "
@@ -257,9 +271,31 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
     active = getattr(cfg, "active_param_count", None)
     params = active() if callable(active) else sum(x.size for x in jax.tree.leaves(eng.state.params()))
     phase = "engine"
+    took: dict[int, int] = {}  # hook (its index) -> the last step whose metrics it took
+    failed: dict[int, FailedHook] = {}  # hook (its index) -> how it failed; it takes no more steps
 
-    def report(m: dict) -> None:
-        """One step's metrics to the history, the hooks and the checkpoint session."""
+    def call_hooks(m: dict, info: StepInfo, due: Callable[[Hook], bool]) -> None:
+        """``m`` to each due hook that has not failed. One that raises does not keep the step from the others
+        (the metrics writer's row among them): the first error is raised once they all had it."""
+        first: Exception | None = None
+        for i, hook in enumerate(hooks):
+            if i in failed or not due(hook):
+                continue
+            try:
+                hook.fn(m, info)
+                took[i] = m["step"]
+            except Exception as err:
+                failed[i] = FailedHook(m["step"], took.get(i), err)
+                if first is None:
+                    first = err
+                else:
+                    first.add_note(f"another hook failed on step {m['step']}'s metrics too: "
+                                   f"{type(err).__name__}: {err}")
+        if first is not None:
+            raise first
+
+    def report(m: dict, save: bool = True) -> None:
+        """One step's metrics to the history, the hooks and (``save``) the checkpoint session."""
         nonlocal phase
         fpt = model_flops_per_token(params, getattr(cfg, "layers", 0), getattr(cfg, "hidden", 0), eng.last_seq_len)
         m["model_tflops"] = m["tokens_per_s"] * fpt / 1e12
@@ -270,18 +306,37 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
         history.records.append(m)
         info = StepInfo(m["step"], int(eng.state.step), eng, feed.stop)
         phase = "hook"
-        for hook in hooks:
-            if m["step"] % hook.every == 0:
-                hook.fn(m, info)
+        call_hooks(m, info, lambda hook: m["step"] % hook.every == 0)
         phase = "checkpoint"
-        if session:
+        if session and save:
             session.after_step(m, info)
+
+    def report_in_flight(err: Exception) -> str:
+        """After a hook (or the checkpoint session's) failed: the data is stopped, and the step the engine trained
+        meanwhile is reported to the hooks (not to the session: nothing is saved yet) before its state is written
+        back or saved. The phase the failure is then kept under: ``engine`` when finishing that step failed."""
+        nonlocal phase
+        feed.stop("a hook failed")
+        failed_in = phase
+        try:
+            phase = "engine"
+            for m in steps:
+                report(m, save=False)
+                phase = "engine"
+        except Exception as late:  # noqa: BLE001 - the first failure is raised, with this one noted
+            if phase == "engine":
+                err.add_note(f"finishing the step in flight failed too ({type(late).__name__}: {late}), so the "
+                             f"state may not be whole")
+                return "engine"
+            err.add_note(f"reporting the step in flight failed too: {type(late).__name__}: {late}")
+        return failed_in
 
     with session.running() if session else contextlib.nullcontext():  # waits for the save in flight on exit
         try:
             last: dict | None = None
+            steps = eng.steps(feed, profile_step=train.profile_step or None)
             try:
-                for m in eng.steps(feed, profile_step=train.profile_step or None):
+                for m in steps:
                     report(m)
                     phase, last = "engine", m
                 if feed.error is not None:  # the data failed: the steps trained before it are reported
@@ -305,18 +360,19 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
             phase = "hook"
             if last is not None:
                 info = StepInfo(last["step"], int(eng.state.step), eng, feed.stop)
-                for hook in hooks:
-                    if hook.at_end and last["step"] % hook.every:
-                        hook.fn(last, info)
+                call_hooks(last, info, lambda hook: hook.at_end and last["step"] % hook.every)
             history.stopped = feed.stopped
             phase = "checkpoint"
             if session:
                 session.finish(eng)  # after a signal: raises CheckpointedExit once the save is committed
         except BaseException as err:
+            if isinstance(err, Exception) and phase in ("hook", "checkpoint"):
+                phase = report_in_flight(err)
             if feed.error is not None and err is not feed.error:  # reporting the last step failed in turn
                 err.add_note(f"this came while reporting the last step after the data failed: "
                              f"{type(feed.error).__name__}: {feed.error}")
-            _keep_what_was_trained(err, "data" if err is feed.error else phase, history, model, write_back, session)
+            _keep_what_was_trained(err, "data" if err is feed.error else phase, history, model, write_back, session,
+                                   list(failed.values()))
             raise
         finally:
             if step_log is not None:
@@ -327,10 +383,10 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
 
 
 def _keep_what_was_trained(err: BaseException, phase: str, history: History, model: nnx.Module, write_back: bool,
-                           session: CheckpointSession | None) -> None:
+                           session: CheckpointSession | None, failed: Sequence[FailedHook] = ()) -> None:
     """On the way out of a failed ``fit``: attach the history and, when the engine's state is whole (the
     failure came from a hook, the data or the checkpoint writer, or is a checkpointed stop), write the
-    parameters back and save them; say on the exception what was kept."""
+    parameters back and save them; say on the exception what was kept. ``failed``: the hooks that raised."""
     eng, trained = history.engine, len(history)
     try:
         err.history = history
@@ -343,10 +399,18 @@ def _keep_what_was_trained(err: BaseException, phase: str, history: History, mod
     if trained:
         steps = (f"step {history.records[0]['step']}" if trained == 1 else
                  f"steps {history.records[0]['step']} to {history.records[-1]['step']}")
-        notes = [f"fit: the metrics of {steps} were reported before the failure (megatrain-jax train writes "
-                 f"them to metrics.jsonl in the run folder; from Python they are in err.history)"]
+        if failed:  # metrics.jsonl is written by a hook: it has them only if its writer is not the one that failed
+            failures = "; ".join(f"a hook failed on step {f.step}'s metrics and took none after "
+                                 + (f"step {f.took}'s" if f.took is not None else "this run's start") for f in failed)
+            notes = [f"fit: the metrics of {steps} were reported before the failure (from Python they are in "
+                     f"err.history); {failures}; every other hook took them all (megatrain-jax train's metrics.jsonl "
+                     f"in the run folder among them, unless its writer is a hook that failed)"]
+        else:
+            notes = [f"fit: the metrics of {steps} were reported before the failure (megatrain-jax train writes "
+                     f"them to metrics.jsonl in the run folder; from Python they are in err.history)"]
     else:
         notes = ["fit: no step was reported before the failure"]
+    wrote = next((f for f in failed if isinstance(f.error, OSError)), None)  # a hook whose write failed
     if phase == "engine":
         notes.append("the failure came from inside a training step, so the host state may be half-updated: "
                      "nothing was written back or saved; resume from the last committed checkpoint")
@@ -358,19 +422,22 @@ def _keep_what_was_trained(err: BaseException, phase: str, history: History, mod
             if write_back and not is_abstract(model):
                 eng.write_back(model)
                 notes.append(f"the parameters after step {eng.state.step} were written back to the model")
-            if session is not None and phase == "hook" and isinstance(err, OSError):
+            if session is not None and wrote is not None:
                 # a hook's write failed (metrics.jsonl, TensorBoard): a checkpoint now would be ahead of what it
-                # wrote, and a resumed run's history would have a hole; the last one saved is in step with it
-                committed = session.last_good()
-                notes.append(f"a hook's write failed, so nothing was saved past what it wrote; the last committed "
-                             f"checkpoint is {committed or 'none'}" + (": resume from it" if committed else ""))
+                # wrote, and a resumed run's history would have a hole
+                notes.append(_write_failed(wrote, session))
             elif session is not None and phase != "checkpoint":
                 path = session.rescue(eng)
-                if path is not None and phase == "data":  # a resumed run reads the same batches again
-                    notes.append(f"the state after step {eng.state.step} was saved to {path}; fix the data first, "
-                                 f"then resume from it: a resumed run reads the same batch again")
+                reported = history.records[-1]["step"] if trained else session.start_step
+                unreported = (f"; its metrics were never reported (the failure came first), so a run resumed "
+                              f"from it has no metrics of step {eng.state.step}" if eng.state.step > reported else "")
+                if path is not None and phase == "data" and isinstance(err, Exception):  # not an interrupt:
+                    # the data's own failure, and a resumed run reads the same batches again
+                    notes.append(f"the state after step {eng.state.step} was saved to {path}{unreported}; fix the "
+                                 f"data first, then resume from it: a resumed run reads the same batch again")
                 elif path is not None:
-                    notes.append(f"the state after step {eng.state.step} was saved to {path}; resume from it")
+                    notes.append(f"the state after step {eng.state.step} was saved to {path}{unreported}; resume "
+                                 f"from it")
                 elif eng.state.step == session.start_step:
                     notes.append("no step was trained, so no checkpoint was saved: the same command, corrected, "
                                  "starts as this one did")
@@ -378,3 +445,22 @@ def _keep_what_was_trained(err: BaseException, phase: str, history: History, mod
             notes.append(f"keeping the trained state failed too: {type(again).__name__}: {again}")
     for note in notes:
         err.add_note(note)
+
+
+def _write_failed(wrote: FailedHook, session: CheckpointSession) -> str:
+    """What a hook's failed write (``wrote``) left: the last step it holds, and the last checkpoint beside it
+    (saved before the failure; one step ahead of the metrics when it was saved as the failed step's came in)."""
+    held = wrote.took if wrote.took is not None else session.start_step
+    where = f" ({wrote.error.filename})" if getattr(wrote.error, "filename", None) else ""
+    said = (f"a hook's write failed{where} on step {wrote.step}'s metrics: it holds none after step {held}'s"
+            if held else f"a hook's write failed{where} on step {wrote.step}'s metrics: it holds none")
+    saved = session.last_committed()  # this run's last save, committed on the way out if still in flight
+    at = int(saved.name) if saved is not None else session.start_step
+    saved = saved or session.last_good()
+    if saved is None:
+        return f"{said}; there is no checkpoint to resume from"
+    if at <= held:
+        return f"{said}, and nothing was saved past what it wrote: the last checkpoint is {saved}: resume from it"
+    missing = f"step {at}" if at == held + 1 else f"steps {held + 1} to {at}"
+    return (f"{said}; the last checkpoint, {saved}, was saved before it failed (nothing was saved after it): resume "
+            f"from it, and the resumed run's metrics have no row of {missing}")

@@ -13,6 +13,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -155,7 +156,28 @@ def test_tied_checkpoint_with_redundant_lm_head_is_accepted(fixture_copy):
     tensors = {k: np.array(v) for k, v in read_safetensors(folder / "model.safetensors").items()}
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     write_safetensors(folder / "model.safetensors", tensors)
-    cfg, io, blocks = load_hf(folder, dtype="float32")
+    with warnings.catch_warnings():  # a copy of the embedding is dropped without a word
+        warnings.simplefilter("error")
+        cfg, io, blocks = load_hf(folder, dtype="float32")
+    assert rel_err(logits_of(model_from(cfg, io, blocks), folder), np.load(folder / "logits.npy")) < 1e-4
+
+
+def test_tied_checkpoint_with_a_head_of_its_own_is_loaded_tied_and_said(fixture_copy):
+    """tie_word_embeddings = true and an lm_head.weight unlike the embedding: loaded tied, as transformers loads it,
+    and the warning names both tensors and the way to the untied head."""
+    folder = fixture_copy("qwen3")
+    tensors = {k: np.array(v) for k, v in read_safetensors(folder / "model.safetensors").items()}
+    head = tensors["model.embed_tokens.weight"].copy()
+    head[-1] += 1.0  # one row of the last token: the rows compared include the first and the last
+    tensors["lm_head.weight"] = head
+    write_safetensors(folder / "model.safetensors", tensors)
+    with pytest.warns(UserWarning) as said:
+        cfg, io, blocks = load_hf(folder, dtype="float32")
+    message = " ".join(str(w.message) for w in said)
+    assert ("tie_word_embeddings = true, but the checkpoint also holds lm_head.weight" in message
+            and "differs from model.embed_tokens.weight: the model is loaded tied" in message
+            and f'"tie_word_embeddings": false in {folder / "config.json"}' in message)
+    assert cfg.tie_embeddings and "lm_head" not in io  # tied: the head is the embedding, the tensor ignored
     assert rel_err(logits_of(model_from(cfg, io, blocks), folder), np.load(folder / "logits.npy")) < 1e-4
 
 

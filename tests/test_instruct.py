@@ -381,3 +381,68 @@ def test_a_template_that_does_not_render_prefixes_names_its_file(tmp_path):
     with pytest.raises(InstructDataError, match=r"d.jsonl:1: the chat template \(.*tokenizer_config.json "
                                                 r"'chat_template'\) does not render a conversation's beginning"):
         read_examples(write_jsonl(tmp_path / "d.jsonl", [CONVERSATION]), tok, seq_len=512)
+
+
+# ---------------------------------------------------------------------------------------------- learning to stop
+def test_answers_without_the_end_of_sequence_token_are_noted(tmp_path):
+    """ChatML ends the assistant's turn with <|im_end|>; a tokenizer whose eos_token is </s> then teaches a model
+    that never emits the token generation stops at: a note says so, names the first line and says what to do. A
+    template that puts the eos_token after the answer (STRICT) has no note, and an example that loses its
+    eos_token to truncation is not counted (the template is not at fault)."""
+    chatml = ChatTokenizer.from_folder(make_tokenizer_folder(tmp_path / "chatml"))
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi ", "completion": "four."}, CONVERSATION, CONVERSATION])
+    _, stats = read_examples(data, chatml, seq_len=512)
+    (note,) = stats.notes
+    assert note.startswith(f"2 of 3 examples have answers without an end-of-sequence token (the first: {data}:2, "
+                           f"whose answer ends")
+    assert "<|im_end|>" in note and "generation stops at '</s>'" in note
+    assert "Use a template that ends the assistant's turn with it ({{ eos_token }} after the content)" in note
+    assert f"or set eos_token in {tmp_path / 'chatml' / 'tokenizer_config.json'} to the token" in note
+    strict = ChatTokenizer.from_folder(make_tokenizer_folder(tmp_path / "strict", STRICT))
+    assert read_examples(data, strict, seq_len=512)[1].notes == []
+    long = {"messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "the quick brown fox " * 20}]}
+    cut, stats = read_examples(write_jsonl(tmp_path / "e.jsonl", [long]), strict, seq_len=32)
+    assert stats.truncated == 1 and not np.isin(cut[0].ids, strict.stop_ids).any() and stats.notes == []
+
+
+def test_the_end_of_sequence_ids_of_generation_config_count(tmp_path):
+    """generation_config.json's eos_token_id (an id or a list: Gemma's <end_of_turn>, Llama 3's <|eot_id|>) is
+    where generation stops too: ChatML answers ending in <|im_end|> then need no note."""
+    folder = make_tokenizer_folder(tmp_path / "tok")
+    data = write_jsonl(tmp_path / "d.jsonl", [CONVERSATION])
+    im_end = ChatTokenizer.from_folder(folder).tokenizer.token_to_id("<|im_end|>")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, im_end]}))
+    tok = ChatTokenizer.from_folder(folder)
+    assert im_end in tok.stop_ids and read_examples(data, tok, seq_len=512)[1].notes == []
+
+
+def test_a_tokenizer_without_an_eos_token_is_noted(tmp_path):
+    """No eos_token: prompt/completion lines end with nothing, chat lines with the template's marker; the note
+    says to set eos_token."""
+    folder = make_tokenizer_folder(tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["eos_token"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi ", "completion": "four."}])
+    (note,) = read_examples(data, ChatTokenizer.from_folder(folder), seq_len=512)[1].notes
+    assert note.startswith(f"1 of 1 examples have answers without an end-of-sequence token (the first: {data}:1")
+    assert f"{folder / 'tokenizer_config.json'} has no eos_token. Set eos_token there" in note
+
+
+def test_the_note_is_kept_with_the_cached_tokenization_and_in_the_data_summary(tmp_path, monkeypatch):
+    """The note is said on every run (the summary a run prints and writes to data_stats.json), not only the one
+    that tokenized the data; a generation_config.json added later is another cache entry."""
+    from megatrain_jax.data import DataConfig, instruct
+    folder = make_tokenizer_folder(tmp_path / "tok")
+    data = write_jsonl(tmp_path / "d.jsonl", [CONVERSATION])
+    _, stats = instruct.prepare(data, folder, seq_len=64, cache_dir=tmp_path / "cache")
+    assert len(stats.notes) == 1
+    monkeypatch.setattr(instruct, "read_examples", lambda *a, **k: pytest.fail("tokenized again"))
+    cfg = DataConfig(path=str(data), format="chat", mode="packed", tokenizer=str(folder), seq_len=64,
+                     cache_dir=str(tmp_path / "cache"))
+    assert cfg.chat_summary()["notes"] == stats.notes
+    monkeypatch.undo()
+    im_end = ChatTokenizer.from_folder(folder).tokenizer.token_to_id("<|im_end|>")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": im_end}))
+    assert cfg.chat_summary()["notes"] == []

@@ -125,6 +125,57 @@ def test_pairs_whose_sides_are_the_same_are_skipped_and_counted(chatml, tmp_path
         read_pairs(write_jsonl(tmp_path / "q.jsonl", [same]), chatml, seq_len=24)
 
 
+def test_preference_pairs_are_tokenized_once_into_the_cache(chatml, tmp_path, monkeypatch, capsys):
+    """``DataConfig.preference_pairs`` (what ``plan`` and then ``train`` read) tokenizes a file once into
+    ``data.cache_dir``; a later read with the same file, tokenizer, seq_len and too_long gets the same pairs back
+    without tokenizing; a change of any of them, or a damaged entry, tokenizes again. The tokenizer's vocabulary is
+    checked against the model's either way."""
+    import dataclasses
+    import shutil
+
+    from megatrain_jax.data import DataConfig
+    from megatrain_jax.data import preference
+    tokenizer = tmp_path / "tok"
+    shutil.copytree(chatml.where, tokenizer)
+    path = write_jsonl(tmp_path / "p.jsonl", [PLAIN, CHAT, IMPLICIT, MULTI_TURN])
+    d = DataConfig(path=str(path), format="preference", mode="padded", batch_size=4, seq_len=48,
+                   tokenizer=str(tokenizer), cache_dir=str(tmp_path / "cache"))
+    first, stats = d.preference_pairs(512)
+    tokenized = []
+    read = preference.read_pairs
+    monkeypatch.setattr(preference, "read_pairs", lambda *a, **k: tokenized.append(a[0]) or read(*a, **k))
+    again, stats_again = d.preference_pairs(512)
+    assert tokenized == [] and stats_again == stats and len(again) == len(first) == 4
+    for a, b in zip(first.pairs, again.pairs):
+        assert a.line == b.line
+        for (ids_a, mask_a), (ids_b, mask_b) in ((a.chosen, b.chosen), (a.rejected, b.rejected)):
+            assert ids_b.dtype == ids_a.dtype and mask_b.dtype == mask_a.dtype
+            np.testing.assert_array_equal(ids_b, ids_a)
+            np.testing.assert_array_equal(mask_b, mask_a)
+    with pytest.raises(ValueError, match="has .* tokens, more than the model's vocab_size = 100"):
+        d.preference_pairs(100)  # from the cache too
+    assert tokenized == []
+    for changed in (dataclasses.replace(d, seq_len=24), dataclasses.replace(d, too_long="skip", seq_len=24)):
+        changed.preference_pairs(512)
+    assert len(tokenized) == 2
+    write_jsonl(path, [PLAIN, CHAT, IMPLICIT])  # the file changed
+    assert len(d.preference_pairs(512)[0]) == 3 and len(tokenized) == 3
+    config = tokenizer / "tokenizer_config.json"  # the tokenizer (its template, say) changed
+    config.write_text(config.read_text().replace("{", '{"model_max_length": 4096, ', 1))
+    d.preference_pairs(512)
+    assert len(tokenized) == 4
+    d.preference_pairs(512)
+    assert len(tokenized) == 4
+    for entry in (tmp_path / "cache").iterdir():
+        entry.write_bytes(b"not what was written")
+    assert len(d.preference_pairs(512)[0]) == 3 and len(tokenized) == 5
+    assert "is damaged" in capsys.readouterr().err
+    blocked = tmp_path / "a_file"  # a cache folder that cannot be made: said, and the pairs read all the same
+    blocked.write_text("")
+    assert len(dataclasses.replace(d, cache_dir=str(blocked / "cache")).preference_pairs(512)[0]) == 3
+    assert "set data.cache_dir to a writable folder" in capsys.readouterr().err
+
+
 def test_a_preference_file_trains_through_the_reference_pass(chatml, tmp_path):
     """JSONL to tokens, the reference pass on the untrained model (one log-probability per side, the padded
     last batch's extra rows dropped), then DPO steps on the engine: the first at log 2, the loss falling."""
@@ -165,7 +216,8 @@ def test_train_runs_dpo_from_a_preference_file_and_resumes(tmp_path, capsys):
     prefs = write_jsonl(tmp_path / "prefs.jsonl", lines)
     common = ["--config", str(tmp_path / "tiny" / "sft.toml"), "data.format=preference", f"data.path={prefs}",
               "data.mode=padded", "data.eval_fraction=0.25", "train.eval_every=2", "log.tensorboard=false",
-              "dpo.beta=0.5", "optimizer.warmup_steps=0", "optimizer.decay=constant"]
+              "dpo.beta=0.5", "optimizer.warmup_steps=0", "optimizer.decay=constant",
+              f"data.cache_dir={tmp_path / 'cache'}"]
 
     def run(name, steps, *extra):
         status = main(["train", *common, f"train.run_dir={tmp_path / name}", f"train.steps={steps}",

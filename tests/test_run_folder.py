@@ -23,6 +23,7 @@ from megatrain_jax.cli.run_folder import run_files
 from megatrain_jax.observe import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
+HF_LLAMA = REPO / "tests" / "fixtures" / "hf" / "llama"
 TINY_RUN = ["model.layers=2", "data.seq_len=32", "data.batch_size=4", "data.demo_tokens=20000",
             "log.progress=lines", "log.tensorboard=false"]
 
@@ -165,6 +166,43 @@ def test_a_config_saved_before_a_section_existed_is_the_same_run_on_resume(tmp_p
     (tmp_path / "config.toml").write_text(older.replace("[engine]", "[engine]\nretired_key = 1"))
     assert main(["train", *run, "train.steps=6", "train.resume=true"]) == 0
     assert "retired_key" not in (tmp_path / "config.1.toml").read_text()
+
+
+def test_a_run_whose_hugging_face_folder_moved_resumes_comparing_its_config(tmp_path, capsys):
+    """The run's model came from a Hugging Face folder that has since moved: its config.toml still reads for what a
+    resume compares (the optimizer, the schedule's length, where the checkpoints went), which needs no model folder.
+    The resume is not taken for a start over, says what changed, and says the old folder is gone."""
+    hf, moved, elsewhere = tmp_path / "hf", tmp_path / "hf_moved", tmp_path / "ck"
+    shutil.copytree(HF_LLAMA, hf)
+    run = [*TINY_RUN[1:], "model.dtype=float32", "train.checkpoint_every=2", f"train.run_dir={tmp_path / 'run'}"]
+    assert main(["train", f"model.hf_checkpoint={hf}", *run, "train.steps=2", f"train.checkpoint_dir={elsewhere}"]) == 0
+    hf.rename(moved)
+    capsys.readouterr()
+    # resume=true without the run's checkpoint_dir: refused naming where the run saved, not started over from step 0
+    assert main(["train", f"model.hf_checkpoint={moved}", *run, "train.steps=4", "train.resume=true"]) == 2
+    err = capsys.readouterr().err
+    assert f"saved its checkpoints to {elsewhere} (steps [2])" in err
+    assert main(["train", f"model.hf_checkpoint={moved}", *run, "train.steps=3", "train.resume=true",
+                 f"train.checkpoint_dir={elsewhere}", "optimizer.lr=1e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer.lr 0.0003 then, 0.0001 now" in out and "train.steps 2 then, 3 now" in out
+    assert f"model.hf_checkpoint {hf} no longer exists" in out
+    assert steps_in(tmp_path / "run") == [1, 2, 3]
+
+
+def test_a_saved_config_reads_without_its_hugging_face_folder(tmp_path):
+    """``last_config`` reads a run's config.toml whose model folder was deleted: the values as saved, not None."""
+    from megatrain_jax.cli.run_config import load_config, to_toml
+    from megatrain_jax.cli.run_folder import last_config, schedule_changes
+    hf = tmp_path / "hf"
+    shutil.copytree(HF_LLAMA, hf)
+    cfg = load_config(None, [f"model.hf_checkpoint={hf}", "data.seq_len=32", "optimizer.lr=1e-3", "train.steps=5"])
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
+    shutil.rmtree(hf)
+    recorded = last_config(tmp_path)
+    assert recorded is not None and recorded["model"]["hf_checkpoint"] == str(hf)
+    assert recorded["optimizer"]["lr"] == 1e-3 and recorded["train"]["steps"] == 5
+    assert schedule_changes(recorded, cfg) == {}
 
 
 @pytest.mark.parametrize("damaged", ["config.toml", "metrics.jsonl"])

@@ -197,7 +197,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _check_weights(folder: str, model_cfg) -> None:
     """The Hugging Face checkpoint's weights checked as ``train`` checks them at start, from the files' headers (no
-    tensor is read): weights ``train`` would refuse (a missing shard, a truncated file, a tensor of the wrong shape or
+    tensor is read but a few rows of a tied model's spare ``lm_head.weight``): weights ``train`` would refuse (a missing shard, a truncated file, a tensor of the wrong shape or
     dtype) are refused here too (ValueError: exit status 2). A folder with its config.json but no weights yet (the
     plan before the download) is a note."""
     from megatrain_jax.hf import HFParts
@@ -231,9 +231,9 @@ def _row_mix(d, model_cfg):
     if d.format == "chat":
         print(f"reading {d.path} for what its rows hold (tokenized once into the cache)")
     elif d.format == "preference":
-        print(f"reading {d.path} to check its pairs as train does at start (tokenized, not cached)")
+        print(f"reading {d.path} to check its pairs as train does at start (tokenized once into the cache)")
     try:
-        if d.format == "preference":  # what train reads at start; the step-time model counts whole rows
+        if d.format == "preference":  # what train reads at start, from the cache; the step time counts whole rows
             d.preference_pairs(model_cfg.vocab_size)[0].split(d.eval_fraction)
             return None
         if d.mode == "windows":  # whole rows: nothing to count, but the file is opened and checked as train does

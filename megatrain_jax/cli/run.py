@@ -262,6 +262,8 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
             f"{summary['truncated']:,} truncated to seq_len + 1 = {d.seq_len + 1} tokens, "
             f"{summary['skipped_too_long']:,} skipped as too long, {summary['skipped_no_loss']:,} skipped with no "
             f"answer token left (data.too_long = {d.too_long!r}); in {run_dir / 'data_stats.json'}")
+        for note in summary.get("notes", ()):  # allowed but likely unmeant (answers that never teach to stop)
+            say(f"  note: {note}")
     init_from = None  # after the data is read: bad data is refused before the weights are opened
     if cfg.model.hf_checkpoint is not None:  # read part by part into the engine's state: no model copy
         from megatrain_jax.hf import HFParts

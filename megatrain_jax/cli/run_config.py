@@ -225,7 +225,9 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
 
 
 # ---------------------------------------------------------------------------------------------- parsing
-def _model(table: dict, where: Where) -> ModelSection:
+def _model(table: dict, where: Where, hf_folder: bool = True) -> ModelSection:
+    """The ``[model]`` section, checked by building its DecoderConfig; ``hf_folder=False`` leaves a Hugging Face
+    folder's unread (``parse_config``)."""
     fields = _fields(DecoderConfig)
     _check_keys(table, list(_MODEL_KEYS) + list(fields), where, SECTION_KEYS)
     hf_checkpoint = coerce(table.get("hf_checkpoint"), str | None, where.key("hf_checkpoint"))
@@ -243,7 +245,8 @@ def _model(table: dict, where: Where) -> ModelSection:
             overrides[k] = coerce(v, fields[k], where.key(k))
     try:
         section = ModelSection(preset=name, hf_checkpoint=hf_checkpoint, overrides=overrides)
-        section.build()  # every DecoderConfig check, now rather than after data is loaded
+        if hf_folder or hf_checkpoint is None:
+            section.build()  # every DecoderConfig check, now rather than after data is loaded
     except FileNotFoundError as e:  # no checkpoint there (yet): say how to plan the shape before the download
         raise ConfigError(f"{where.in_table(table)}: {e}: download the checkpoint there, or point hf_checkpoint "
                           f"at it; to plan the run before downloading, give a preset of the same shape instead "
@@ -253,10 +256,15 @@ def _model(table: dict, where: Where) -> ModelSection:
     return section
 
 
-def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = ()) -> RunConfig:
+def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (),
+                 hf_folder: bool = True) -> RunConfig:
     """A RunConfig from a dict shaped like the TOML file (sections of keys) read from ``source``, with
     the command-line ``overrides`` (``section.key=value``) applied. An error names the file for a value
-    from ``raw`` and the override for a value an override set."""
+    from ``raw`` and the override for a value an override set.
+
+    ``hf_folder=False`` does not read a ``model.hf_checkpoint`` folder, whose config.json checks the model's
+    overrides and ``data.seq_len`` against the model: for a config saved by a run (``run_folder.last_config``),
+    whose folder may have moved since and whose values were checked when it ran."""
     root = Where(source, (), _override_paths(overrides), frozenset(_paths(raw)))
     raw = apply_overrides(raw, overrides)
     for name, table in raw.items():
@@ -275,7 +283,7 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
     for name, cls in SECTIONS.items():
         where = dataclasses.replace(root, text=f"{source} [{name}]", path=(name,))
         table = raw.get(name, {})
-        parts[name] = (_model(table, where) if cls is ModelSection else
+        parts[name] = (_model(table, where, hf_folder) if cls is ModelSection else
                        build_dataclass(cls, table, where, SECTION_KEYS))
     cfg = RunConfig(**parts)
     if cfg.data.format != "preference" and cfg.dpo != DPO():
@@ -292,7 +300,8 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
         blame = root.blame([("data", "batch_size"), ("engine", "micro_batches")])
         raise ConfigError(f"{blame}: [data] batch_size: {err}") from None
     try:  # the model's shape is known here, a Hugging Face checkpoint's from its config.json (_model built it)
-        check_positions(cfg.data, cfg.model.build())
+        if hf_folder or cfg.model.hf_checkpoint is None:
+            check_positions(cfg.data, cfg.model.build())
     except ValueError as err:
         blame = root.blame([("data", "seq_len"), ("data", "mode"), ("model", "max_positions"), ("model", "preset"),
                             ("model", "hf_checkpoint")])

@@ -74,6 +74,11 @@ def prepare_run_folder(cfg: RunConfig) -> str | None:
                          f"(train.checkpoint_every unset, or stopped before its first save): this run starts from "
                          f"step 0; the earlier metrics are kept in a metrics.N.jsonl beside metrics.jsonl")
     if recorded is not None:
+        then = recorded.get("model", {}).get("hf_checkpoint")
+        if then and then != cfg.model.hf_checkpoint and not Path(then).exists():
+            now = cfg.model.hf_checkpoint or f"the preset {cfg.model.preset!r}"
+            notes.append(f"the run's model.hf_checkpoint {then} no longer exists (moved or deleted since it started); "
+                         f"this run's model is {now}, whose shapes the checkpoint's weights are checked against")
         changed = schedule_changes(recorded, cfg)
         if changed:
             notes.append("resuming with another optimizer or schedule than the run had (the moments go on; the "
@@ -147,10 +152,12 @@ def write_config(cfg: RunConfig, run_dir: Path) -> None:
 def _resolved(text: str) -> dict | None:
     """A saved ``config.toml`` read back with today's defaults, as ``to_toml`` writes it: a file written before a
     section or key existed (``[dpo]``, say) is the same run as long as its values are; None where it no longer
-    reads (a key since removed), which counts as a change."""
+    reads (a key since removed), which counts as a change. A ``model.hf_checkpoint`` folder is not read (what is
+    saved of the model is its path and overrides, compared as written): one moved or deleted since the run
+    started leaves the rest of its config to compare."""
     try:
         return _without_resume(tomllib.loads(to_toml(parse_config(_without_resume(tomllib.loads(text)),
-                                                                   "the run folder's config.toml"))))
+                                                                   "the run folder's config.toml", hf_folder=False))))
     except (ValueError, OSError):  # ConfigError and TOMLDecodeError are ValueErrors
         return None
 

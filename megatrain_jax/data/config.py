@@ -26,7 +26,10 @@ class DataConfig:
     ``tokenizer`` (``megatrain-jax train`` uses the model's ``hf_checkpoint``), the loss on the assistant's
     tokens; examples longer than ``seq_len`` are truncated or skipped (``too_long``). It is tokenized once
     into ``cache_dir`` (default ``~/.cache/megatrain_jax/instruct``) and batched in ``mode`` ``packed``
-    (several examples per row, attention within each) or ``padded`` (one per row)."""
+    (several examples per row, attention within each) or ``padded`` (one per row).
+
+    ``format="preference"``: ``path`` is preference pairs for DPO (``megatrain_jax.data.preference``), tokenized
+    likewise (once, into ``cache_dir``) and batched ``padded``, each pair's two sides in adjacent rows."""
 
     path: str | None = None
     seq_len: int = 128
@@ -74,20 +77,17 @@ class DataConfig:
 
     def preference_pairs(self, model_vocab: int | None = None):
         """``format='preference'``: the file's pairs tokenized with ``tokenizer`` (``data.preference``), as
-        ``(PreferenceData, Stats)``, checked against the model's vocabulary when given."""
-        from megatrain_jax.data.instruct import ChatTokenizer
-        from megatrain_jax.data.preference import PreferenceData, read_pairs
+        ``(PreferenceData, Stats)``, checked against the model's vocabulary when given. Tokenized once into
+        ``cache_dir`` (``preference.cached_pairs``): ``plan``, then ``train``, then a resumed run read the same
+        pairs."""
+        from megatrain_jax.data.preference import PreferenceData, cached_pairs
         if self.format != "preference":
             raise ValueError(f"preference_pairs reads format='preference' data, not {self.format!r}")
         if self.tokenizer is None:
             raise ValueError("format='preference' needs the tokenizer folder (tokenizer.json, tokenizer_config.json): "
                              "set [data] tokenizer, or [model] hf_checkpoint")
-        tokenizer = ChatTokenizer.from_folder(self.tokenizer)
-        vocab = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
-        if model_vocab is not None and vocab > model_vocab:
-            raise ValueError(f"the tokenizer {Path(self.tokenizer) / 'tokenizer.json'} has {vocab} tokens, more than "
-                             f"the model's vocab_size = {model_vocab}: use the model's own tokenizer")
-        pairs, stats = read_pairs(self.path, tokenizer, self.seq_len, self.too_long)
+        pairs, stats = cached_pairs(self.path, self.tokenizer, self.seq_len, self.too_long, self.cache_dir,
+                                    model_vocab)
         return PreferenceData(pairs, self.seq_len), stats
 
     def open(self, model_vocab: int | None = None) -> TokenFile:

@@ -19,6 +19,11 @@ of the turn (where it ends). Tokens whose characters fall inside such a span car
 words and the template's end-of-turn marker, so the model learns to stop. A template that does not render
 a conversation's prefixes as prefixes of the whole cannot be split this way and is refused.
 
+The model learns to stop only where the learned tokens hold an end-of-sequence token: ``eos_token`` of
+``tokenizer_config.json``, or an ``eos_token_id`` of the folder's ``generation_config.json`` or ``config.json``
+(where generation stops). Examples whose learned tokens hold none (a template that ends the assistant's turn
+with another marker, a tokenizer without an ``eos_token``) are counted and said in the stats' notes.
+
 Every problem names the file and line: malformed JSON, a missing or mistyped field, an unknown role, a
 template error, an example longer than ``seq_len`` (truncated or skipped, as configured, and counted), an
 example left without a token to learn, and a file with no examples.
@@ -60,13 +65,16 @@ class Example:
 class Stats:
     """What tokenizing a file did: examples kept, truncated to ``seq_len + 1`` tokens, skipped as too long,
     skipped for having no token to learn after truncation, and (preference pairs) skipped for having two sides the
-    same after truncation (a pair that teaches nothing: its DPO loss is log 2 whatever the weights)."""
+    same after truncation (a pair that teaches nothing: its DPO loss is log 2 whatever the weights). ``notes``:
+    what the data does that is allowed but likely unmeant, each a sentence saying what to do (instruction data:
+    answers without an end-of-sequence token, ``read_examples``)."""
 
     kept: int = 0
     truncated: int = 0
     skipped_too_long: int = 0
     skipped_no_loss: int = 0
     skipped_identical: int = 0
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def _special(value: Any) -> str | None:
@@ -76,15 +84,31 @@ def _special(value: Any) -> str | None:
     return value
 
 
+def _eos_ids_of(folder: Path) -> tuple[int, ...]:
+    """The ``eos_token_id`` (an id or a list) of the folder's ``generation_config.json`` and ``config.json``, where
+    they are: generation stops there too (Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``)."""
+    ids = []
+    for name in ("generation_config.json", "config.json"):
+        if (folder / name).exists():
+            value = read_json_object(folder / name, InstructDataError).get("eos_token_id")
+            values = value if isinstance(value, list) else [value]
+            ids += [i for i in values if isinstance(i, int) and not isinstance(i, bool)]
+    return tuple(ids)
+
+
 class ChatTokenizer:
     """A checkpoint's tokenizer (``tokenizers``) and chat template (jinja2), from its folder."""
 
     def __init__(self, tokenizer, template: str | None, special: dict[str, str | None], where: str = "tokenizer",
-                 template_file: str | None = None):
+                 template_file: str | None = None, stop_ids: tuple[int, ...] = ()):
+        """``stop_ids``: end-of-sequence ids besides ``special['eos_token']``'s (``generation_config.json``'s)."""
         self.tokenizer = tokenizer
         self.template_source = template
         self.special = special
         self.where = where
+        eos_id = None if special.get("eos_token") is None else tokenizer.token_to_id(special["eos_token"])
+        # the ids where generation stops: what an answer must hold for the model to learn to stop
+        self.stop_ids = tuple(dict.fromkeys(([] if eos_id is None else [eos_id]) + list(stop_ids)))
         # where the template came from, for errors: tokenizer_config.json's 'chat_template' or chat_template.jinja
         self.template_file = template_file or f"the chat template of {where}"
         self._template = None if template is None else _compile(template, self.template_file)
@@ -121,7 +145,8 @@ class ChatTokenizer:
         if template is None and jinja_file.exists():
             template, template_file = jinja_file.read_text(), str(jinja_file)
         special = {k: _special(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        return cls(tokenizer, template, special, where=str(folder), template_file=template_file)
+        return cls(tokenizer, template, special, where=str(folder), template_file=template_file,
+                   stop_ids=_eos_ids_of(folder))
 
     # ------------------------------------------------------------------ rendering
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
@@ -269,9 +294,40 @@ def read_examples(path: str | os.PathLike, tokenizer: ChatTokenizer, seq_len: in
     that length (``truncate``) or left out (``skip``); either way they are counted in the stats, as are
     examples left without a token to learn. Raises InstructDataError naming the line for anything else,
     and when no example is left."""
-    lines, stats = read_tokenized(path, lambda text, where: [tokenizer.encode(parse_line(text, where))], seq_len,
-                                  too_long, "example", "assistant token")
+    unstopped: dict[str, np.ndarray] = {}  # 'file:line' -> learned ids, where they hold no stop id (before any cut)
+
+    def encode(text: str, where: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        ids, mask = tokenizer.encode(parse_line(text, where))
+        learned = ids[1:][mask > 0]
+        if not np.isin(learned, tokenizer.stop_ids).any():
+            unstopped[where] = learned
+        return [(ids, mask)]
+
+    lines, stats = read_tokenized(path, encode, seq_len, too_long, "example", "assistant token")
+    kept_unstopped = [w for w in (f"{Path(path)}:{line}" for line, _ in lines) if w in unstopped]
+    if kept_unstopped:
+        stats.notes.append(_no_stop_note(tokenizer, kept_unstopped[0], unstopped[kept_unstopped[0]],
+                                         len(kept_unstopped), stats.kept))
     return [Example(ids, mask, line) for line, [(ids, mask)] in lines], stats
+
+
+def _no_stop_note(tokenizer: ChatTokenizer, first: str, learned: np.ndarray, count: int, kept: int) -> str:
+    """What to say of ``count`` of ``kept`` examples whose learned tokens hold no end-of-sequence token, ``first``
+    (``file:line``) the first of them, ``learned`` its learned ids."""
+    ending = tokenizer.tokenizer.decode([int(i) for i in learned[-3:]], skip_special_tokens=False)
+    said = (f"{count:,} of {kept:,} examples have answers without an end-of-sequence token (the first: {first}, "
+            f"whose answer ends {ending!r}), so the fine-tuned model does not learn to stop and generation runs on "
+            f"past its answer")
+    config = Path(tokenizer.where) / "tokenizer_config.json"
+    eos = tokenizer.special.get("eos_token")
+    if eos is None or tokenizer.tokenizer.token_to_id(eos) is None:  # prompt/completion lines end with it too
+        has = "no eos_token" if eos is None else f"the eos_token {eos!r}, which is not a token of tokenizer.json"
+        return (f"{said}: {config} has {has}. Set eos_token there to the model's end-of-sequence token (for chat "
+                f"lines, the token the chat template ends the assistant's turn with)")
+    names = ", ".join(repr(tokenizer.tokenizer.id_to_token(i) or i) for i in tokenizer.stop_ids)
+    return (f"{said}: generation stops at {names}, which the chat template ({tokenizer.template_file}) does not put "
+            f"in the assistant's turn. Use a template that ends the assistant's turn with it ({{{{ eos_token }}}} "
+            f"after the content), or set eos_token in {config} to the token the template ends the turn with")
 
 
 def read_tokenized(path: str | os.PathLike, encode: Callable[[str, str], list[tuple[np.ndarray, np.ndarray]]],
@@ -358,7 +414,7 @@ def refuse_token_file(path: str | os.PathLike) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- cache
-FORMAT_VERSION = 1  # bump when what prepare() writes changes
+FORMAT_VERSION = 2  # bump when what prepare() writes changes (2: the stats' notes)
 
 
 def default_cache_dir() -> Path:
@@ -367,12 +423,14 @@ def default_cache_dir() -> Path:
 
 
 def cache_key(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, seq_len: int, too_long: str) -> str:
-    """A digest of everything the tokenized data depends on: the data file's bytes, the tokenizer's files,
+    """A digest of everything the tokenized data depends on: the data file's bytes, the tokenizer's files (with
+    the end-of-sequence ids of ``generation_config.json`` and ``config.json``, which the stats' notes read),
     ``seq_len``, ``too_long`` and this module's format version."""
     import hashlib
     h = hashlib.sha256(f"v{FORMAT_VERSION}|{seq_len}|{too_long}|".encode())
     files = [Path(path)] + [Path(tokenizer_dir) / n for n in ("tokenizer.json", "tokenizer_config.json",
-                                                              "chat_template.jinja")]
+                                                              "chat_template.jinja", "generation_config.json",
+                                                              "config.json")]
     for f in files:
         h.update(f.name.encode() + b"|")
         if f.exists():

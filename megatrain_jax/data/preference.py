@@ -15,19 +15,26 @@ Line formats, one JSON object per line (TRL's preference formats):
 Every problem names the file and line. A pair longer than ``seq_len + 1`` tokens on either side is cut to that
 length on both (``truncate``) or left out (``skip``), and counted; a pair left without a response token on
 either side is left out and counted.
+
+A file is tokenized once (``cached_pairs``): ``megatrain-jax plan`` and then ``train`` (and a resumed run) read the
+same pairs back from the cache, as instruction data's token file is (``instruct.prepare``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import sys
+import zipfile
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
 from megatrain_jax.batch import Batch
-from megatrain_jax.data.instruct import (ChatTokenizer, InstructDataError, Stats, TooLong, check_messages, json_object,
-                                        read_tokenized)
+from megatrain_jax.data.instruct import (ChatTokenizer, InstructDataError, Stats, TooLong, cache_key, check_messages,
+                                        default_cache_dir, json_object, read_tokenized, refuse_token_file)
 
 SIDES = ("chosen", "rejected")
 
@@ -84,6 +91,84 @@ def read_pairs(path: str | os.PathLike, tokenizer: ChatTokenizer, seq_len: int,
         return [tokenizer.encode_completion(example["prompt"], example[k]) for k in SIDES]
     lines, stats = read_tokenized(path, encode, seq_len, too_long, "pair", "response token")
     return [Pair(chosen, rejected, line) for line, (chosen, rejected) in lines], stats
+
+
+# ---------------------------------------------------------------------------------------------- cache
+PAIRS_VERSION = 1  # bump when what cached_pairs writes changes
+
+
+def cached_pairs(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, seq_len: int,
+                 too_long: TooLong = "truncate", cache_dir: str | os.PathLike | None = None,
+                 model_vocab: int | None = None) -> tuple[list[Pair], Stats]:
+    """``read_pairs`` of ``path`` with the tokenizer in ``tokenizer_dir``, done once: the pairs, their stats and the
+    tokenizer's vocabulary size are kept in ``cache_dir`` (default ``instruct.default_cache_dir()``, beside
+    instruction data's) under a key of everything they depend on (``instruct.cache_key``: the file's bytes, the
+    tokenizer's files, ``seq_len`` and ``too_long``). A later call with the same inputs reads them back; a damaged
+    entry is tokenized again. Refuses a tokenizer with more tokens than ``model_vocab`` (when given), before it
+    tokenizes anything."""
+    refuse_token_file(path)  # before its bytes are hashed for the key: a token file may be many GB
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    entry = cache / f"{cache_key(path, tokenizer_dir, seq_len, too_long)}.pairs{PAIRS_VERSION}.npz"
+    if entry.exists():
+        try:  # the cache is derived data: a damaged entry is made again, never trusted or left to the user
+            pairs, stats, vocab = _read_entry(entry)
+        except (ValueError, KeyError, TypeError, OSError, zipfile.BadZipFile) as e:
+            print(f"the cached tokenization {entry} of {path} is damaged ({e}); tokenizing again", file=sys.stderr)
+            entry.unlink(missing_ok=True)
+        else:
+            _check_vocab(vocab, model_vocab, tokenizer_dir)
+            return pairs, stats
+    tokenizer = ChatTokenizer.from_folder(tokenizer_dir)
+    vocab = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
+    _check_vocab(vocab, model_vocab, tokenizer_dir)
+    pairs, stats = read_pairs(path, tokenizer, seq_len, too_long)
+    try:
+        _write_entry(entry, pairs, stats, vocab)
+    except OSError as e:  # the pairs are read: a cache that cannot be written costs the next read its time, no more
+        print(f"note: the tokenized pairs of {path} cannot be kept in {cache} ({e}), so the next read tokenizes them "
+              f"again: set data.cache_dir to a writable folder", file=sys.stderr)
+    return pairs, stats
+
+
+def _check_vocab(vocab: int, model_vocab: int | None, tokenizer_dir: str | os.PathLike) -> None:
+    if model_vocab is not None and vocab > model_vocab:
+        raise ValueError(f"the tokenizer {Path(tokenizer_dir) / 'tokenizer.json'} has {vocab} tokens, more "
+                         f"than the model's vocab_size = {model_vocab}: use the model's own tokenizer")
+
+
+def _write_entry(entry: Path, pairs: list[Pair], stats: Stats, vocab: int) -> None:
+    """The pairs as flat arrays in one ``.npz``: every side's ids one after another (chosen then rejected, pair by
+    pair), their lengths [pairs, 2], their loss masks likewise (0/1), the pairs' lines, the stats and the
+    vocabulary size. Written under a temporary name and renamed: a reader never sees half an entry."""
+    sides = [side for pair in pairs for side in (pair.chosen, pair.rejected)]
+    lengths = np.asarray([len(ids) for ids, _ in sides], np.int64).reshape(-1, 2)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.parent / f".{entry.name}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, ids=np.concatenate([ids for ids, _ in sides]).astype(np.int32), lengths=lengths,
+                     masks=np.concatenate([mask for _, mask in sides]).astype(np.uint8),
+                     lines=np.asarray([pair.line for pair in pairs], np.int64),
+                     stats=np.asarray(json.dumps(dataclasses.asdict(stats))), vocab=np.asarray(vocab, np.int64))
+        os.replace(tmp, entry)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_entry(entry: Path) -> tuple[list[Pair], Stats, int]:
+    """What ``_write_entry`` wrote; ValueError where its arrays do not agree with each other."""
+    with np.load(entry) as z:
+        ids, lengths, masks, lines = z["ids"], z["lengths"], z["masks"], z["lines"]
+        stats, vocab = Stats(**json.loads(str(z["stats"]))), int(z["vocab"])
+    n = lengths.reshape(-1)
+    if (lengths.shape != (len(lines), 2) or len(lines) != stats.kept or (n < 2).any() or n.sum() != len(ids)
+            or (n - 1).sum() != len(masks)):
+        raise ValueError(f"its arrays do not agree: {len(lines)} pairs, {stats.kept} kept, lengths of shape "
+                         f"{lengths.shape}, {len(ids)} ids, {len(masks)} loss flags")
+    id_ends, mask_ends = np.cumsum(n), np.cumsum(n - 1)
+    sides = [(ids[end - k:end], masks[m_end - k + 1:m_end].astype(np.float32))
+             for k, end, m_end in zip(n.tolist(), id_ends.tolist(), mask_ends.tolist())]
+    return [Pair(sides[2 * i], sides[2 * i + 1], int(line)) for i, line in enumerate(lines)], stats, vocab
 
 
 class PreferenceData:

@@ -149,7 +149,8 @@ def _in_file(path: Path, e: Exception) -> str:
 
 
 def open_checkpoint(model_dir: str | os.PathLike, cfg: DecoderConfig) -> Checkpoint | DequantizedCheckpoint:
-    """Open and check the checkpoint's headers against ``cfg``; no tensor data is read yet. A GPT-OSS checkpoint
+    """Open and check the checkpoint's headers against ``cfg``; no tensor data is read yet, but a few rows of a tied
+    model's spare ``lm_head.weight`` and of its embedding (``_warn_if_head_differs``). A GPT-OSS checkpoint
     with MXFP4 experts (the released ones) reads them dequantized, each as it is read (``hf/mxfp4.py``)."""
     ckpt = Checkpoint(model_dir)
     if FAMILIES[cfg.family].mxfp4_experts and packed_names(ckpt):
@@ -158,7 +159,30 @@ def open_checkpoint(model_dir: str | os.PathLike, cfg: DecoderConfig) -> Checkpo
                       f"dequantized to bfloat16 as transformers does when its layer is read (exact; float32 masters "
                       f"from there)", stacklevel=2)
     check_checkpoint(ckpt, cfg)
+    if cfg.tie_embeddings and "lm_head.weight" in ckpt:
+        _warn_if_head_differs(ckpt, cfg, model_dir)
     return ckpt
+
+
+HEAD_ROWS_COMPARED = 64  # rows spread over the vocabulary: a head trained apart differs in every row
+
+
+def _warn_if_head_differs(ckpt: Checkpoint | DequantizedCheckpoint, cfg: DecoderConfig,
+                          model_dir: str | os.PathLike) -> None:
+    """A tied model whose checkpoint also holds an ``lm_head.weight``: transformers ties the head to the embedding
+    and drops that tensor, and so do we; a copy of the embedding (some tied saves keep one) is dropped silently, a
+    head of its own is said. A few rows spread over the vocabulary are compared, not the whole head (gigabytes,
+    read for nothing else)."""
+    embed = next(s.hf_name for s in io_specs(cfg) if s.path == ("embedding",))
+    head_VD, embed_VD = ckpt.get("lm_head.weight"), ckpt.get(embed)
+    rows = np.unique(np.linspace(0, len(embed_VD) - 1, HEAD_ROWS_COMPARED).astype(np.int64))
+    if np.array_equal(np.asarray(head_VD[rows], np.float32), np.asarray(embed_VD[rows], np.float32), equal_nan=True):
+        return
+    warnings.warn(f"{model_dir}: config.json sets tie_word_embeddings = true, but the checkpoint also holds "
+                  f"lm_head.weight (in {ckpt.file_of('lm_head.weight')}), which differs from {embed}: the model is "
+                  f"loaded tied, as transformers loads it (its output head is {embed}; lm_head.weight is ignored, "
+                  f"neither trained nor exported). If the checkpoint's own head was meant, set "
+                  f"\"tie_word_embeddings\": false in {Path(model_dir) / 'config.json'}", stacklevel=3)
 
 
 def read_io(ckpt: Checkpoint, cfg: DecoderConfig) -> PureTree:
