@@ -8,8 +8,9 @@
 #
 #   RUN=gpt_oss_120b MEGATRAIN_GIT_COMMIT=<sha> PYTHONPATH=. bash experiments/studies/h200x4_100b_training.sh start
 #   PYTHONPATH=. bash experiments/studies/h200x4_100b_training.sh poll
-# (carry the config's token file, from studies/local_corpus.py: build/corpus/corpus.bin, corpus.bin.json and
-# corpus.bin.idx.npy; the whole folder puts the call's tree near the device's 64 MiB)
+# The config's token file (build/corpus/corpus.bin) is made on the device by `start` where it is not there
+# (studies/local_corpus.py: the machine's own Python sources and documents, ~1 minute): with the 45 MB file carried,
+# the call's tree (~30 MB tracked) is over the device's 64 MiB, and the config says the text is made on the machine.
 #
 # RUN (one per start):
 #   gpt_oss_120b   the config as shipped: 30 steps; train picks m7v5 and the two-pass step itself
@@ -42,6 +43,9 @@ case ${1:-poll} in
                     --out $W/out/h200x4_gpt_oss_120b_checkpoint_refused_$TAG.json") ;;
       *) echo "unknown RUN=$RUN (gpt_oss_120b, dense_120b, llama3_70b_32k, refusal)"; exit 2 ;;
     esac
+    if [ ! -f build/corpus/corpus.bin ]; then
+      python experiments/studies/local_corpus.py --out build/corpus/corpus.bin --max-mb 80 --train-mb 32 | tail -n 1
+    fi
     if [ -n "${SETS:-}" ]; then
       case $RUN in gpt_oss_120b|dense_120b) ;; *) echo "SETS applies to gpt_oss_120b and dense_120b"; exit 2 ;; esac
       for s in $SETS; do cmd+=(--set "$s"); done
