@@ -618,6 +618,28 @@ def test_workstation_gpus_have_rates_predicted_from_their_specifications(capsys)
     assert "predicted step: " in out and "RTX 4090 (24 GB)" in out and "fits" in out, out
 
 
+def test_plan_for_a_named_gpu_plans_its_memory_unless_told(capsys, monkeypatch):
+    """``plan --gpu NAME`` without ``--gpu-gib`` plans the GPU side for that card's memory (not this machine's GPU,
+    nor none): an 8B model with 20 blocks resident fits an H200's 140 GiB and not a 24 GB RTX 4090; ``--gpu-gib``
+    still wins, and on a machine with that GPU its own reading is kept."""
+    from megatrain_jax.plan import machine as machine_mod
+    monkeypatch.setattr(machine_mod, "gpu_name_before_jax", lambda: None)
+    run = ["plan", "model.preset=llama3.1-8b", "data.seq_len=2048", "data.batch_size=8", "engine.resident_layers=20",
+           "--host-gib", "256"]
+    assert main(run + ["--gpu", "RTX 4090"]) == 1
+    out = capsys.readouterr().out
+    assert "GPU of 24 GiB (the RTX 4090's; --gpu-gib for another)" in out and "no limit known" not in out, out
+    assert main(run + ["--gpu", "H200"]) == 0
+    assert "GPU of 140.4 GiB (the H200's" in capsys.readouterr().out
+    assert main(run + ["--gpu", "RTX 4090", "--gpu-gib", "140"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU of 140 GiB:" in out and "the RTX 4090's" not in out
+    monkeypatch.setattr(machine_mod, "gpu_name_before_jax", lambda: "NVIDIA H200")
+    monkeypatch.setattr(machine_mod, "measured_host_update", lambda *args: None)
+    main(run + ["--gpu", "H200"])
+    assert "GPU of" not in capsys.readouterr().out  # this machine's own H200: its reading (Machine.here's)
+
+
 def test_plan_on_a_24_gb_gpu_with_64_gb_of_ram_says_what_fits_and_what_does_not(capsys):
     """An 8B model on a 24 GB card with 64 GB of RAM: the plan says the run as configured does not fit, how much
     each precision mode needs (the leanest's host RAM within 64 GiB), and never a negative shortfall."""

@@ -85,11 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the host and GPU memory plan of a config")
     _add_config_args(p)
     p.add_argument("--host-gib", type=gib, help="host RAM to plan for (default: this machine's MemAvailable)")
-    p.add_argument("--gpu-gib", type=gib, help="GPU memory to plan for (default: this GPU's, if any)")
+    p.add_argument("--gpu-gib", type=gib, help="GPU memory to plan for (default: the --gpu card's, else this "
+                                               "GPU's, if any)")
     p.add_argument("--exact", action="store_true",
                    help="compile the run's programs on this machine's GPU and plan with XLA's figures for their "
                         "scratch memory, as train does (without it the GPU side is an estimate)")
-    p.add_argument("--gpu", metavar="NAME", help="the GPU whose rates predict the step time (H100, H200, GH200; "
+    p.add_argument("--gpu", metavar="NAME", help="the GPU to plan for: its rates predict the step time, and its "
+                                                 "memory is the GPU side's unless --gpu-gib says (H100, H200, GH200; "
                                                  "RTX 4090, L40S, RTX 6000 Ada: predicted from specifications; "
                                                  "default: this machine's)")
     p.add_argument("--speeds", metavar="FILE", help="a calibration file of rates for the step-time model (JSON; "
@@ -140,13 +142,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from megatrain_jax.plan import (Machine, advice, gpu_fraction, in_each_mode, longest_seq_len, modes_table, plan,
                                     resolve)
-    from megatrain_jax.plan.speeds import SPEEDS, SPEEDS_VAR, kind_of
+    from megatrain_jax.plan.machine import gpu_name_before_jax
+    from megatrain_jax.plan.speeds import MEMORY_GIB, SPEEDS, SPEEDS_VAR, kind_of
     from megatrain_jax.plan.step_time import for_machine, machine_speeds, step_line
     cfg = load_config(args.config, args.overrides)
     host = None if args.host_gib is None else int(args.host_gib * GiB)
-    gpu = None if args.gpu_gib is None else int(args.gpu_gib * GiB * gpu_fraction())
+    gpu_gib, whose = args.gpu_gib, ""
+    named = None if args.gpu is None else kind_of(args.gpu)
+    if gpu_gib is None and named in MEMORY_GIB and kind_of(gpu_name_before_jax()) != named:
+        gpu_gib, whose = MEMORY_GIB[named], f" (the {named}'s; --gpu-gib for another)"  # that GPU's, not this one's
+    gpu = None if gpu_gib is None else int(gpu_gib * GiB * gpu_fraction())
     if gpu is not None:
-        print(f"GPU of {args.gpu_gib:g} GiB: XLA may allocate {gpu_fraction():.0%} of it, {gpu / GiB:.2f} GiB "
+        print(f"GPU of {gpu_gib:g} GiB{whose}: XLA may allocate {gpu_fraction():.0%} of it, {gpu / GiB:.2f} GiB "
               f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
     model_cfg, d = cfg.model.build(), cfg.with_tokenizer().data
     note = check_positions(d, model_cfg)  # windows past max_positions were refused as the config was read

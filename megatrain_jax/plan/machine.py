@@ -213,9 +213,9 @@ class Machine:
         (``$MEGATRAIN_SPEEDS``: it wins), or where the distributed runtime is requested (``several_processes``:
         the host's processes would time it at once). Separate runs sharing one host each time it while the
         others may be running: their timings, and the layouts picked from them, then come out low. A timing under
-        ``step_time.SLOW_HOST`` of the kind's measured host is taken again after a pause and the faster kept
-        (``measured_host_update``): one reading that low came and went on a host that ran its steps at the usual
-        pace."""
+        ``step_time.SLOW_HOST`` of the kind's measured host is taken again after a pause, up to three times, and the
+        fastest kept (``measured_host_update``): readings that low came and went on hosts that ran their steps at the
+        usual pace."""
         host = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
         gpu_name = gpu_name_before_jax()
         cores = len(os.sched_getaffinity(0))

@@ -257,6 +257,11 @@ L40S = dataclasses.replace(
 GH200 = dataclasses.replace(H200, name="GH200: the H200's rates, its host link not measured", link_bytes=None)
 SPEEDS: dict[str, Speeds] = {"H100": H100, "H200": H200, "GH200": GH200, "RTX 4090": RTX_4090, "L40S": L40S,
                              "RTX 6000 ADA": L40S}
+# Each kind's memory in GiB as its driver reports it (nvidia-smi's MiB / 1024: the H200's 143,771 MiB, the H100 80GB's
+# 81,559, the GH200's 96 GB part 97,871, the RTX 4090's 24,564, the L40S's 46,068, the RTX 6000 Ada's 49,140): what
+# `plan --gpu NAME` plans the GPU side for when --gpu-gib is not given (the 144 GB GH200: --gpu-gib 140).
+MEMORY_GIB: dict[str, float] = {"H100": 79.6, "H200": 140.4, "GH200": 95.6, "RTX 4090": 24.0, "L40S": 45.0,
+                                "RTX 6000 ADA": 48.0}
 
 
 def kind_of(gpu_name: str | None) -> str | None:
