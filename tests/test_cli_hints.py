@@ -105,8 +105,8 @@ def test_plan_refuses_a_token_file_here_that_train_would_refuse_and_notes_one_th
     assert main(["plan", "--config", str(DEMO_TOML), f"data.path={tmp_path / 'absent.npy'}"]) == 0
     out = capsys.readouterr().out
     assert f"note: the data cannot be read here ({tmp_path / 'absent.npy'} does not exist)" in out
-    good = tmp_path / "good.npy"
-    np.save(good, np.arange(4096, dtype=np.int32) % 256)
+    good = tmp_path / "good.npy"  # the demo config's 2% held out takes one window of 129 tokens: 164 of 8192
+    np.save(good, np.arange(8192, dtype=np.int32) % 256)
     assert main(["plan", "--config", str(DEMO_TOML), f"data.path={good}"]) == 0
     assert "cannot be read" not in capsys.readouterr().out
 
@@ -126,7 +126,7 @@ def test_plan_refuses_instruction_and_preference_data_with_a_bad_line(fmt, tmp_p
     assert main(args) == 2
     err = capsys.readouterr().err
     assert f"train would refuse this data: {path}:2: not valid JSON" in err, err
-    path.write_text(json.dumps(line) + "\n")
+    path.write_text((json.dumps(line) + "\n") * 4)  # a batch of 4 rows: 4 examples, one a row
     assert main(args) == 0, capsys.readouterr().err
     assert main([*args[:-3], f"data.tokenizer={tmp_path / 'not-downloaded'}", *args[-2:]]) == 0
     assert "the data cannot be read here" in capsys.readouterr().out

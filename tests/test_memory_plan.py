@@ -828,6 +828,29 @@ def test_disk_tier_moves_moments_from_host_to_disk():
         plan(EIGHT_B, dataclasses.replace(e, disk_parts=33, disk_dir="/x"), 16, 2048, **BIG)
 
 
+def test_the_disk_tier_plan_counts_a_stopped_runs_own_files_as_room_and_names_the_disk_when_short(tmp_path,
+                                                                                                   monkeypatch):
+    """A resume replaces the tier files its stopped run left (``disk_tier.held_bytes``), so the plan counts them as
+    free room, as the start's disk check does; a run the disk cannot hold is refused naming the disk, not an empty
+    "does not fit in ."."""
+    from megatrain_jax.plan import memory as memory_mod
+    from megatrain_jax.plan import require_fit
+    Pl = layer_param_count(EIGHT_B)
+    e = EngineConfig(micro_batches=2, stream_dtype="float32", disk_parts=10, disk_dir=str(tmp_path / "tier"))
+    need = 8 * Pl * 10
+    monkeypatch.setattr(memory_mod, "available_disk_bytes", lambda folder: need // 2)
+    short = plan(EIGHT_B, e, 16, 2048, host_ram_bytes=1000 * GiB, gpu_bytes=1000 * GiB)
+    assert short.disk_available == need // 2 and not short.disk_fits
+    with pytest.raises(MemoryPlanError, match=r"does not fit in the disk of engine.disk_dir \(.*tier\)\.\n"):
+        require_fit(short)
+    left = tmp_path / "tier" / "block_00031"
+    left.mkdir(parents=True)
+    (left / "mu_000").write_bytes(b"\0" * (need // 2))  # the stopped run's files for one of the tier's blocks
+    (tmp_path / "tier" / "elsewhere").write_bytes(b"\0" * need)  # not the tier's: not counted
+    resumed = plan(EIGHT_B, e, 16, 2048, host_ram_bytes=1000 * GiB, gpu_bytes=1000 * GiB)
+    assert resumed.disk_available == need // 2 + need // 2 and resumed.disk_fits
+
+
 def test_lean_pick_uses_the_disk_tier_when_gradients_on_the_gpu_are_not_enough():
     """The 8B shape at 44 layers with io GPU-resident needs 190 GiB: float32 streaming and gradients on the
     GPU do not fit 125 GiB and a 71 GiB GPU together; the moments of the fewest last blocks on disk do."""

@@ -321,11 +321,12 @@ def test_the_demo_runs_as_the_readme_says(tmp_path, monkeypatch, capsys):
 
 
 # What the test puts in place of the paths a user would have, and the overrides appended to shrink a run
-# (the last value of a key is the one applied).
+# (the last value of a key is the one applied; the tiny fixture's max_positions is 128, and the plan's packed rows of
+# the demo corpus hold documents of up to 257 tokens).
 CHAT_LINES = 60
 SMALLER = {"train": ["data.seq_len=48", "data.batch_size=2", "train.steps=3", "data.prefetch=0",
                      "log.progress=lines", "log.tensorboard=false"],
-           "plan": []}
+           "plan": ["data.seq_len=48"]}
 
 
 @pytest.fixture

@@ -40,6 +40,7 @@ from megatrain_jax.cli.run_config import check_positions, load_config, parse_con
 from megatrain_jax.cli.toml_dataclass import ConfigError
 from megatrain_jax.contract.layered import ContractError
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
+from megatrain_jax.engine.update.disk_tier import DiskTierError
 from megatrain_jax.engine.update.policy import NonFiniteError
 from megatrain_jax.plan import GiB, MemoryPlanError
 
@@ -175,7 +176,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"per GPU of {machine.gpus}: each takes 1/{machine.gpus} of every batch and holds a shard of the state")
     packed, disk_dir = d.mode == "packed", str(Path(cfg.train.run_dir) / "disk_tier")
     end = dict(export=bool(cfg.train.export_hf), checkpoints=cfg.train.for_fit().checkpointing)
-    mix = _row_mix(d, model_cfg)
+    mix = _row_mix(d, model_cfg, evaluate=bool(cfg.train.eval_interval(d.eval_fraction)))
     resolved = resolve(model_cfg, cfg.engine, d.batch_size, d.seq_len, machine, packed=packed, disk_dir=disk_dir,
                        mix=mix, **end)
     if resolved.said is not None:
@@ -218,11 +219,12 @@ def _check_weights(folder: str, model_cfg) -> None:
         raise ValueError(f"train would refuse these weights: {e}") from None
 
 
-def _row_mix(d, model_cfg):
+def _row_mix(d, model_cfg, evaluate: bool = False):
     """What the rows hold (``DataConfig.row_mix``, the rows made as ``train`` makes them: packed rows' span, the
     share out of the loss) for the step-time model; None for windows and preference pairs (whole rows, every token in
-    the loss). The data is read as ``train`` reads it at start, so that data here which ``train`` would refuse (a bad
-    line of a JSONL file, token ids outside the vocabulary, a broken token file) is refused here too (ValueError:
+    the loss). The data is read and checked as ``train`` reads it at start (``DataConfig.check``; the held-out split
+    too where the run evaluates), so that data here which ``train`` would refuse (a bad line of a JSONL file, token ids
+    outside the vocabulary, a broken token file, a split without a whole batch) is refused here too (ValueError:
     exit status 2). Data that is not on this machine (the file or the tokenizer folder missing: the plan may be for
     another machine) is said, and planned as whole rows with every token in the loss, which over-counts packed rows'
     attention and short instruction data's backward."""
@@ -243,9 +245,8 @@ def _row_mix(d, model_cfg):
         if d.format == "preference":  # what train reads at start, from the cache; the step time counts whole rows
             d.preference_pairs(model_cfg.vocab_size)[0].split(d.eval_fraction)
             return None
-        if d.mode == "windows":  # whole rows: nothing to count, but the file is opened and checked as train does
-            if d.path is not None:
-                d.open(model_cfg.vocab_size)
+        d.check(model_cfg.vocab_size, pieces, model_cfg.max_positions, evaluate)
+        if d.mode == "windows":  # whole rows: nothing to count
             return None
         return d.row_mix(model_cfg.vocab_size, pieces)
     except ImportError as e:  # a package this machine lacks (tokenizers, jinja2): the plan may be for another
@@ -313,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train" and distributed.requested():  # several processes: before JAX starts
             distributed.initialize()
         return COMMANDS[args.command](args)
-    except CheckpointWriteError as e:
+    except (CheckpointWriteError, DiskTierError) as e:  # a disk's state: said in a line, no traceback
         return _end_now(_failed(args.command, e, EXIT_BAD_INPUT), as_program)
     except CheckpointedExit as e:
         if e.abandoned:

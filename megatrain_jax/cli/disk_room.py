@@ -8,13 +8,14 @@ What is counted, per file system (the free space of each, once):
   moments as the precision mode keeps them (``Precision.bytes_per_param``); as many as can be on disk at once
   (``peak_checkpoints``), less those already there, and no more than the run will save;
 - the disk tier (``engine.disk_parts``): its blocks' Adam moments in files under ``engine.disk_dir``, as they are
-  laid out there (``disk_tier_bytes``);
+  laid out there (``disk_tier_bytes``), less those files already there (a stopped run's, which a resume replaces
+  array by array: ``disk_tier.held_bytes``);
 - the Hugging Face export (``train.export_hf``): bfloat16 weights, 2 bytes per parameter. (Not the float32 copy
   of the weights ``export_guard`` keeps in the run folder before an export without a checkpoint of the last
   step: it writes that only where there is room, and says so.)
 
-A folder that cannot be written at all (a read-only file system, /proc) is said as that, not as a full disk
-(``output_paths.write_problem``).
+A folder that cannot be written at all (a read-only file system, /proc, a file on the way) is said as that, not as
+a full disk (``output_paths.write_problem``).
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ def writes(t: TrainSection, model_cfg: DecoderConfig, engine_cfg: EngineConfig) 
     tier = disk_tier_bytes(model_cfg, engine_cfg)
     if tier:
         n = engine_cfg.disk_parts
-        what = f"the disk tier's files (the Adam moments of {n} block{'s' if n > 1 else ''}, engine.disk_parts)"
-        out.append(Write(Path(engine_cfg.disk_dir), tier, what, "engine.disk_dir"))
+        there = disk_tier.held_bytes(engine_cfg.disk_dir, host_roles(model_cfg, engine_cfg).disk)
+        what = f"the disk tier's files (the Adam moments of {n} block{'s' if n > 1 else ''}, engine.disk_parts" + (
+            f": {format_size(tier)}, {format_size(there)} of it already there, which it replaces)" if there else ")")
+        out.append(Write(Path(engine_cfg.disk_dir), max(0, tier - there), what, "engine.disk_dir"))
     if t.export_hf:
         params = model_cfg.param_count()
         out.append(Write(Path(t.export_hf).parent, 2 * params, "the Hugging Face export (bfloat16)",
@@ -111,9 +114,11 @@ def writes(t: TrainSection, model_cfg: DecoderConfig, engine_cfg: EngineConfig) 
 
 def _write_problem(folder: Path) -> tuple[Path, tuple[str, str]] | None:
     """(the folder that cannot be written, why and what to do) where nothing can be created in ``folder``, or in
-    its nearest parent that exists when it does not (a file on the way is ``check_output_paths``'s to say)."""
+    its nearest parent that exists when it does not: a file there too (``check_output_paths`` says it first for
+    the train section's paths; engine.disk_dir is said here)."""
     at = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
-    problem = write_problem(at) if at.is_dir() else None
+    problem = (write_problem(at) if at.is_dir() else
+               ("a file, not a folder", "Set {key} to a folder, or move the file away"))
     return None if problem is None else (at, problem)
 
 
@@ -133,7 +138,7 @@ def disk_lines(t: TrainSection, model_cfg: DecoderConfig, engine_cfg: EngineConf
 def check_disk_room(t: TrainSection, model_cfg: DecoderConfig, engine_cfg: EngineConfig) -> None:
     """Raise ValueError, saying the bytes and what to change, where a disk this run writes to has less free space
     than what it will write there (``OutputPathError`` where a folder cannot be written at all: a read-only file
-    system, /proc); the space is not checked where the system does not say it."""
+    system, /proc, a file on the way); the space is not checked where the system does not say it."""
     need: dict[int, list] = {}
     for folder, size, what, key in writes(t, model_cfg, engine_cfg):
         problem = _write_problem(folder)

@@ -224,6 +224,8 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
 
     model = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(t.seed)))
     pieces = packed_pieces(model_cfg, d)
+    # data that build, build_eval or a batch would refuse, refused before anything is written or loaded (as plan does)
+    epoch = d.check(model_cfg.vocab_size, pieces, model_cfg.max_positions, bool(t.eval_interval(d.eval_fraction)))
     # what the rows hold (packed rows' span, the share out of the loss), which the step-time model counts
     # (instruction data is tokenized here, once, into its cache)
     mix = d.row_mix(model_cfg.vocab_size, pieces)
@@ -264,6 +266,11 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
             f"answer token left (data.too_long = {d.too_long!r}); in {run_dir / 'data_stats.json'}")
         for note in summary.get("notes", ()):  # allowed but likely unmeant (answers that never teach to stop)
             say(f"  note: {note}")
+    rows = 2 * summary["pairs"] if d.format == "preference" else None if epoch is None else epoch * d.batch_size
+    if rows is not None and t.steps * d.batch_size > rows:  # the steps outrun the data: it is gone over again
+        say(f"  note: train.steps={t.steps} batches of {d.batch_size} rows go over the training split's {rows:,} rows "
+            f"{t.steps * d.batch_size / rows:.1f} times, reshuffled each time"
+            + (": a batch holds some pairs more than once" if rows < d.batch_size else ""))
     init_from = None  # after the data is read: bad data is refused before the weights are opened
     if cfg.model.hf_checkpoint is not None:  # read part by part into the engine's state: no model copy
         from megatrain_jax.hf import HFParts

@@ -13,10 +13,10 @@ Sections and the dataclass each fills:
 Every key is checked against the field's type hint; an unknown key or section, or a value outside a
 field's few allowed ones, is an error naming the closest valid one, and a key of another section is named as that
 section's (``train.seq_len=64``: "'seq_len' is a [data] key: data.seq_len=64"). A ``data.seq_len`` whose windows
-reach past the model's ``max_positions`` is refused here too (``check_positions``), before anything loads. An error
-names the file for a value the file set, and the command-line override for a value an override set. TOML has no
-null: write ``"none"`` for a field that may be None (``clip_norm = "none"``). Those rules are the schema-free
-``megatrain_jax.cli.toml_dataclass``'s; this module holds the schema.
+(or padded rows) reach past the model's ``max_positions`` is refused here too (``check_positions``), before anything
+loads. An error names the file for a value the file set, and the command-line override for a value an override
+set. TOML has no null: write ``"none"`` for a field that may be None (``clip_norm = "none"``). Those rules are the
+schema-free ``megatrain_jax.cli.toml_dataclass``'s; this module holds the schema.
 """
 
 from __future__ import annotations
@@ -310,15 +310,18 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
 
 
 def check_positions(data: DataConfig, model_cfg: DecoderConfig) -> str | None:
-    """Raise ValueError where every batch would reach past the model's ``max_positions`` (windows of a ``seq_len``
-    longer than it: each row's positions run to seq_len), as the engine refuses the first batch that does. For
-    rows whose positions restart at each document (packed, padded), the note to print (only a document that long is
-    refused); None where seq_len is within max_positions. ``parse_config`` refuses, ``plan`` prints the note."""
+    """Raise ValueError where every batch would reach past the model's ``max_positions`` (windows and padded rows of
+    a ``seq_len`` longer than it: each row's positions run to seq_len), as the engine refuses the first batch that
+    does. For packed rows, whose positions restart at each document, the note to print (a document that long is
+    refused before the model loads: ``DataConfig.check``); None where seq_len is within max_positions.
+    ``parse_config`` refuses, ``plan`` prints the note."""
     if data.seq_len <= model_cfg.max_positions:
         return None
     what = f"data.seq_len={data.seq_len} is longer than the model's max_positions={model_cfg.max_positions}"
-    if data.mode == "windows":
-        raise ValueError(f"{what}: train would refuse every batch; shorten data.seq_len or raise model.max_positions")
+    if data.mode != "packed":
+        raise ValueError(f"{what}: train would refuse every batch" + (" (a padded row's positions run to seq_len, its "
+                         "padding's too)" if data.mode == "padded" else "") + "; shorten data.seq_len or raise "
+                         "model.max_positions")
     return f"{what}: train refuses any example longer than max_positions"
 
 

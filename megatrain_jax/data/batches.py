@@ -61,7 +61,9 @@ class TokenDataset:
     """One split of a token stream, as units: token offsets ``starts`` and lengths ``lengths`` (>= 2)."""
 
     def __init__(self, source: TokenFile | str | os.PathLike, seq_len: int, *, mode: str = "windows",
-                 split: str = "train", eval_fraction: float = 0.0, max_pieces: int | None = None):
+                 split: str = "train", eval_fraction: float = 0.0, max_pieces: int | None = None,
+                 name: str | None = None):
+        """``name``: what messages call the data (default: the file's path; instruction data: its JSONL file)."""
         check_choice("mode", mode, MODES)
         if max_pieces is not None and max_pieces < 1:
             raise ValueError(f"max_pieces must be >= 1 or None, got {max_pieces}")
@@ -70,7 +72,8 @@ class TokenDataset:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.file = source if isinstance(source, TokenFile) else TokenFile.open(source)
-        self.seq_len, self.mode, self.split = int(seq_len), mode, split
+        self.seq_len, self.mode, self.split, self.eval_fraction = int(seq_len), mode, split, eval_fraction
+        self.name = name or str(self.file.path or "the tokens")
         n, T = len(self.file), self.seq_len
         if mode == "windows":
             cut = split_point(n, eval_fraction)
@@ -100,7 +103,7 @@ class TokenDataset:
         """Why this split holds no unit, and what to change: the held-out share grows the eval split and
         shrinks the train split."""
         T, windows = self.seq_len, self.mode == "windows"
-        what = (f"the {self.split} split of {self.file.path or 'the tokens'} ({n} tokens, eval_fraction="
+        what = (f"the {self.split} split of {self.name} ({n} tokens, eval_fraction="
                 f"{eval_fraction:g}) holds no " + (f"window of seq_len={T} (a window takes {T + 1} tokens)"
                                                   if windows else "document of 2 tokens or more"))
         if self.split == "train":
@@ -110,6 +113,28 @@ class TokenDataset:
             ways = [f"an eval_fraction of at least {least:g}" if least is not None and least < 0.5
                     else "a larger eval_fraction", "more data"] + ["a shorter seq_len"] * windows
         return f"{what}; use {', '.join(ways[:-1])} or {ways[-1]}" if len(ways) > 1 else f"{what}; use {ways[0]}"
+
+    def too_few_rows(self, rows: int, batch_size: int) -> str:
+        """Why this split cannot fill one batch of ``batch_size`` rows (it makes ``rows``), and what to change."""
+        T = self.seq_len
+        if self.mode == "windows":
+            what = (f"holds {rows} window(s) of seq_len={T}, fewer than data.batch_size={batch_size} (a batch of "
+                    f"{batch_size} windows takes {batch_size * T + 1} tokens)")
+        elif self.mode == "packed":
+            what = (f"holds {len(self)} document(s), {int((self.lengths - 1).sum())} (input, target) pairs, which pack "
+                    f"into {rows} row(s) of seq_len={T}, fewer than data.batch_size={batch_size}")
+        else:
+            what = f"holds {rows} document(s), one a row, fewer than data.batch_size={batch_size}"
+        ways = ["more data", "a smaller data.batch_size"] + ["a shorter data.seq_len"] * (self.mode == "windows")
+        ways += ["a smaller data.eval_fraction"] * (self.split == "train" and self.eval_fraction > 0)
+        held = f", eval_fraction={self.eval_fraction:g}" if self.eval_fraction > 0 else ""
+        return (f"the {self.split} split of {self.name} ({len(self.file)} tokens{held}) {what}; use "
+                f"{', '.join(ways[:-1])} or {ways[-1]}")
+
+    def longest_positions(self) -> int:
+        """The most positions a row of this split takes: ``seq_len`` for windows and padded rows (a 0..seq_len-1
+        ramp), the longest piece's (input, target) pairs for packed rows (positions restart at each piece)."""
+        return int(self.lengths.max()) - 1 if self.mode == "packed" and len(self) else self.seq_len
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -175,13 +200,14 @@ class TokenBatches:
             raise ValueError(f"batch_size={batch_size} must split evenly over {count} processes (process "
                              f"{index}): use a batch size divisible by the number of processes")
         self.process = (int(index), int(count))
-        if loop and len(dataset) < batch_size:
-            raise ValueError(f"the {dataset.split} split has {len(dataset)} units, fewer than batch_size="
-                             f"{batch_size}; use more data or a smaller batch")
         self.dataset, self.batch_size, self.seed = dataset, int(batch_size), int(seed)
         self.shuffle, self.loop = bool(shuffle), bool(loop)
         self.epoch = self.cursor = self.batches_done = 0
         self._order_epoch, self._order = -1, np.zeros(0, np.int64)
+        if loop:  # at least one whole batch an epoch: said now, not at the first batch, after the model has loaded
+            rows = sum(1 for _ in self.packed_rows(batch_size)) if dataset.mode == "packed" else len(dataset)
+            if rows < batch_size:
+                raise ValueError(dataset.too_few_rows(rows, batch_size))
         if state is not None:
             self.restore(state)
 
@@ -242,6 +268,15 @@ class TokenBatches:
             self.epoch, self.cursor = self.epoch + 1, 0  # drop the incomplete tail, reshuffle
         raise ValueError(f"one epoch of the {self.dataset.split} split packs into fewer than batch_size="
                          f"{self.batch_size} rows; use more data or a smaller batch")
+
+    def epoch_batches(self, most_rows: int = 1 << 15) -> int | None:
+        """The whole batches of epoch 0: what a looping stream takes before it reshuffles and starts over (another
+        epoch's packed rows may number a few more or fewer). None where packed rows, counted one by one, number
+        more than ``most_rows``."""
+        if self.dataset.mode != "packed":
+            return len(self.dataset) // self.batch_size
+        rows = sum(1 for _ in self.packed_rows(most_rows + 1))
+        return None if rows > most_rows else rows // self.batch_size
 
     def packed_rows(self, rows: int) -> Iterator[list[int]]:
         """The unit indices of each of the first ``rows`` rows of epoch 0, as ``__next__`` packs them (the state is

@@ -130,7 +130,30 @@ class DataConfig:
                 max_pieces: int | None = None) -> TokenDataset:
         """``max_pieces``: at most this many documents per packed row (``TokenDataset``)."""
         return TokenDataset(self.open(model_vocab), self.seq_len, mode=self.mode, split=split,
-                            eval_fraction=self.eval_fraction, max_pieces=max_pieces)
+                            eval_fraction=self.eval_fraction, max_pieces=max_pieces,
+                            name=self.path if self.format == "chat" else None)  # the user's file, not the cache's
+
+    def check(self, model_vocab: int | None = None, max_pieces: int | None = None, max_positions: int | None = None,
+              evaluate: bool = False) -> int | None:
+        """Raise ValueError for data that ``build`` (and ``build_eval``, when ``evaluate``) would refuse, or whose rows
+        the model would refuse at a batch: a split without a unit, a training split without one whole batch, a
+        packed piece with more positions than ``max_positions``. ``plan`` and ``train`` ask it before any model
+        loads. Returns the batches an epoch of the training split holds (``TokenBatches.epoch_batches``; None where
+        not counted). Preference pairs are checked as they are read (``preference_pairs``): None."""
+        if self.format == "preference":
+            return None
+        epoch = None
+        for split in ("train", "eval") if evaluate else ("train",):
+            data = self.dataset(split, model_vocab, max_pieces)
+            if split == "train":  # one whole batch an epoch, or the stream refuses
+                epoch = data.batches(self.batch_size, seed=self.seed).epoch_batches()
+            if max_positions is not None and data.longest_positions() > max_positions:
+                raise ValueError(f"the {split} split of {data.name} holds a document piece of "
+                                 f"{data.longest_positions()} positions, more than the model's max_positions="
+                                 f"{max_positions} (the batch holding it would be refused); use a data.seq_len of at "
+                                 f"most {max_positions} (longer documents are cut into pieces of seq_len + 1 tokens), "
+                                 f"or raise model.max_positions")
+        return epoch
 
     def row_mix(self, model_vocab: int | None = None, max_pieces: int | None = None) -> RowMix | None:
         """What the training split's rows hold as ``train`` makes them, with at most ``max_pieces`` documents a

@@ -294,13 +294,15 @@ def read_examples(path: str | os.PathLike, tokenizer: ChatTokenizer, seq_len: in
     that length (``truncate``) or left out (``skip``); either way they are counted in the stats, as are
     examples left without a token to learn. Raises InstructDataError naming the line for anything else,
     and when no example is left."""
-    unstopped: dict[str, np.ndarray] = {}  # 'file:line' -> learned ids, where they hold no stop id (before any cut)
+    # 'file:line' -> the last learned ids (what the note shows), where they hold no stop id (before any cut): a
+    # few ids an example, not its whole answer, however large the file
+    unstopped: dict[str, np.ndarray] = {}
 
     def encode(text: str, where: str) -> list[tuple[np.ndarray, np.ndarray]]:
         ids, mask = tokenizer.encode(parse_line(text, where))
         learned = ids[1:][mask > 0]
         if not np.isin(learned, tokenizer.stop_ids).any():
-            unstopped[where] = learned
+            unstopped[where] = learned[-3:].copy()
         return [(ids, mask)]
 
     lines, stats = read_tokenized(path, encode, seq_len, too_long, "example", "assistant token")
@@ -343,20 +345,25 @@ def read_tokenized(path: str | os.PathLike, encode: Callable[[str, str], list[tu
     if not path.exists():
         raise InstructDataError(f"{path} does not exist")
     out, stats = [], Stats()
+    least: list[int] = []  # the seq_len that would have kept each line left out as too long, or for want of loss
     for line_no, text in read_lines(path):
         where = f"{path}:{line_no}"
         try:
             sequences = encode(text, where)
         except InstructDataError as e:
             raise InstructDataError(e.args[0] if e.args[0].startswith(where) else f"{where}: {e}") from None
+        whole = sequences
         if max(len(ids) for ids, _ in sequences) > seq_len + 1:
             if too_long == "skip":
                 stats.skipped_too_long += 1
+                least.append(max(len(ids) for ids, _ in sequences) - 1)
                 continue
             sequences = [(ids[:seq_len + 1], mask[:seq_len]) for ids, mask in sequences]
             stats.truncated += 1
         if not all(mask.any() for _, mask in sequences):
             stats.skipped_no_loss += 1
+            if all(mask.any() for _, mask in whole):  # each sequence's first learned token, kept
+                least.append(max(int(np.argmax(mask > 0)) + 1 for _, mask in whole))
             continue
         if len(sequences) == 2 and all(np.array_equal(a, b) for a, b in zip(*sequences)):
             stats.skipped_identical += 1  # a pair's sides the same (as written, or once cut to seq_len + 1)
@@ -364,10 +371,12 @@ def read_tokenized(path: str | os.PathLike, encode: Callable[[str, str], list[tu
         out.append((line_no, sequences))
         stats.kept += 1
     if not out:
+        ways = ([f"a data.seq_len of at least {min(least)} keeps one"] if least else []) + (
+            ["data.too_long = 'truncate' cuts them to seq_len + 1 tokens"] if stats.skipped_too_long else [])
         raise InstructDataError(f"{path}: no usable {what} (lines read: {stats.skipped_too_long} too long and "
                                 f"skipped, {stats.skipped_no_loss} with no {learned} left after truncation"
                                 + (f", {stats.skipped_identical} with both sides the same" if stats.skipped_identical
-                                   else "") + ")"
+                                   else "") + ")" + (f"; {', or '.join(ways)}" if ways else "")
                                 if stats.skipped_too_long or stats.skipped_no_loss or stats.skipped_identical
                                 else f"{path} has no {what}s")
     return out, stats

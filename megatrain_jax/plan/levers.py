@@ -347,7 +347,9 @@ def require_fit(p: MemoryPlan, given: EngineConfig | None = None) -> None:
     ``options``)."""
     if p.fits:
         return
-    where = " and ".join(n for n, ok in (("host RAM", p.host_fits), ("GPU memory", p.gpu_fits)) if not ok)
+    where = " and ".join(n for n, ok in (("host RAM", p.host_fits), ("GPU memory", p.gpu_fits),
+                                         (f"the disk of engine.disk_dir ({p.engine_cfg.disk_dir})", p.disk_fits))
+                         if not ok)
     modes = in_each_mode(p)
     raise MemoryPlanError(f"this run does not fit in {where}.\n{p.table()}\n{modes_table(p, modes)}\n"
                           f"{advice(p, given, modes)}\n"

@@ -34,6 +34,7 @@ from megatrain_jax.engine import precision
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.program_memory import ProgramMemory
 from megatrain_jax.engine.schedule import UPDATES_AHEAD, offloaded_blocks
+from megatrain_jax.engine.update import disk_tier
 from megatrain_jax.engine.update.moment_formats import FORMATS
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.engine.parts import IO, PartId, part_ids
@@ -273,11 +274,13 @@ def plan(model_cfg: DecoderConfig, engine_cfg: EngineConfig, batch_rows: int, se
     if e.offload_activations > c.layers:
         raise ValueError(f"offload_activations={e.offload_activations} exceeds the model's {c.layers} blocks")
     e.check_layers(c.layers)
+    roles = host_roles(c, e)  # raises where grads_on_gpu or disk_parts ask for more parts than there are
     if detect:
         host_ram_bytes = available_host_bytes() if host_ram_bytes is None else host_ram_bytes
         gpu_bytes = available_gpu_bytes() if gpu_bytes is None else gpu_bytes
-        disk_bytes = available_disk_bytes(e.disk_dir) if disk_bytes is None else disk_bytes
-    roles = host_roles(c, e)  # raises where grads_on_gpu or disk_parts ask for more parts than there are
+        if disk_bytes is None and e.disk_parts:  # a stopped run's own tier files are room: its resume replaces them
+            free = available_disk_bytes(e.disk_dir)
+            disk_bytes = None if free is None else free + disk_tier.held_bytes(e.disk_dir, roles.disk)
     mode = precision.mode_of(e, c.dtype, stream_dtype)  # what the host keeps, in which dtype (engine/precision.py)
     stream_dtype = mode.to_gpu_dtype(stream_dtype or e.stream_dtype, c.dtype)
     sb = stream_bytes(stream_dtype)

@@ -17,14 +17,19 @@ parts' updates and the GPU's work.
 The files are the live state, rewritten every step. A checkpoint copies them (``np.asarray`` of an
 ``OnDisk`` reads it, after its pending write), so a run killed mid-step resumes from its last committed
 checkpoint with nothing committed lost. A new engine, and a restore, write the files anew. A fresh state's
-moments are zero: its arrays are created empty (tensorstore reads unwritten chunks as the fill value, 0),
-so nothing is written before the first update.
+moments are zero: its arrays are created empty and read as zeros until their first write, so nothing is
+written before the first update.
+
+Once written, an array is read strictly: a chunk missing (the folder cleaned up under a running engine) or
+short (truncated) raises ``DiskTierError``, as a failed write does, rather than reading as zeros, which the next
+update, and a checkpoint, would take for the moments. Chunks equal to the fill value are stored for that.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import threading
 import time
@@ -49,6 +54,14 @@ CHUNK_BYTES = 64 * 2**20  # rows per zarr chunk: about this many bytes
 # from (a checkpoint copies them, and a restore writes them anew), so durability at each write buys nothing
 # and an fsync per chunk cost 4x the write rate on the development machine.
 IO_CONTEXT = {"file_io_mode": {"mode": "direct"}, "file_io_sync": False}
+LOST = ("the disk tier's files no longer hold the moments this run wrote there (deleted, truncated or replaced "
+        "while it ran?), so training stops here. Keep clean-ups and other programs away from {root} while a run "
+        "uses it, then resume from the last checkpoint (a resume writes the files anew)")
+
+
+def _said(error: BaseException) -> str:
+    """``error`` for a message: its type and text, without the spec JSON tensorstore appends to some."""
+    return f"{type(error).__name__}: " + re.sub(r"\s*\[tensorstore_spec='.*?'\]", "", str(error))
 
 
 def chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
@@ -56,6 +69,19 @@ def chunk_rows(shape: tuple[int, ...], itemsize: int) -> int:
     whole)."""
     row = int(np.prod(shape[1:], dtype=np.int64)) * itemsize if len(shape) > 1 else itemsize
     return max(1, min(shape[0], CHUNK_BYTES // max(row, 1))) if shape else 1
+
+
+def held_bytes(root: str | os.PathLike, parts: Sequence[PartId]) -> int:
+    """Bytes the files of ``parts``' moments already take under ``root`` (a stopped run's, left for its resume): a
+    new tier deletes each array before it writes it again, so they are room for it (``cli/disk_room.py``)."""
+    total = 0
+    for part in parts:
+        for path in (Path(root) / part.name).rglob("*"):
+            try:
+                total += path.stat().st_size if path.is_file() else 0
+            except OSError:  # gone meanwhile
+                pass
+    return total
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -108,6 +134,7 @@ class DiskTier:
         self.bytes_read = self.bytes_written = 0  # totals since the tier was made
         self.read_s = self.write_s = 0.0  # seconds the I/O thread spent reading and writing
         self._failed: dict[str, BaseException] = {}  # key -> the first failed write: its file is stale
+        self._fresh: set[str] = set()  # arrays created empty and never written since: they read as zeros
         weakref.finalize(self, _release, self._io, self._lock_file)
 
     # ------------------------------------------------------------------ moving a part's moments
@@ -126,7 +153,10 @@ class DiskTier:
                 self.wait_written(key)
                 dtype = np.dtype(leaf.dtype)
                 self._open(key, tuple(leaf.shape), dtype)
-                if not fresh:  # written before the next part arrives: a restore holds one part at a time
+                if fresh:
+                    with self._lock:
+                        self._fresh.add(key)
+                else:  # written before the next part arrives: a restore holds one part at a time
                     self._write([key], [np.asarray(leaf)])
                     self.wait_written(key)
                 on_disk.append(OnDisk(self, key, tuple(leaf.shape), dtype))
@@ -177,9 +207,10 @@ class DiskTier:
 
     def _read_now(self, leaf: OnDisk) -> np.ndarray:
         start = time.perf_counter()
-        out = self._stores[leaf.key].read().result()
+        unwritten = self._unwritten([leaf])
+        out = self._finish_reads([leaf], self._start_reads([leaf], unwritten))[0]
         with self._lock:
-            self.bytes_read += out.nbytes
+            self.bytes_read += 0 if unwritten else out.nbytes
             self.read_s += time.perf_counter() - start
         return out
 
@@ -198,6 +229,30 @@ class DiskTier:
             f.result()
         self._raise_if_failed(list(self._failed))
 
+    def _unwritten(self, leaves: Sequence[OnDisk]) -> set[str]:
+        """The keys of ``leaves`` never written so far (created empty): asked when their read is queued, which
+        runs before any write queued after it."""
+        with self._lock:
+            return {leaf.key for leaf in leaves if leaf.key in self._fresh}
+
+    def _start_reads(self, leaves: Sequence[OnDisk], unwritten: set[str]) -> list:
+        """Start reading ``leaves``: a tensorstore read each, or None for an array never written (zeros)."""
+        return [None if leaf.key in unwritten else self._stores[leaf.key].read() for leaf in leaves]
+
+    def _finish_reads(self, leaves: Sequence[OnDisk], reads: list) -> list[np.ndarray]:
+        """The arrays of ``_start_reads``; a read that fails (a file missing or short) raises ``DiskTierError``."""
+        out = []
+        for leaf, read in zip(leaves, reads):
+            if read is None:
+                out.append(np.zeros(leaf.shape, leaf.dtype))
+                continue
+            try:
+                out.append(read.result())
+            except Exception as error:
+                raise DiskTierError(f"reading {self.root / leaf.key} failed ({_said(error)}); "
+                                    + LOST.format(root=self.root)) from error
+        return out
+
     def _raise_if_failed(self, keys: Sequence[str]) -> None:
         """A failed write leaves its file older than the state: training cannot go on from it (a later
         write of the same array replacing the failure in ``_writes`` must not hide it)."""
@@ -205,7 +260,7 @@ class DiskTier:
             failed = [(k, self._failed[k]) for k in keys if k in self._failed]
         if failed:
             key, error = failed[0]
-            raise DiskTierError(f"writing {self.root / key} failed ({type(error).__name__}: {error}); the disk tier's "
+            raise DiskTierError(f"writing {self.root / key} failed ({_said(error)}); the disk tier's "
                                 f"copy of those moments is stale, so training stops here. Free space or fix the "
                                 f"disk under {self.root}, then resume from the last checkpoint") from error
 
@@ -221,9 +276,16 @@ class DiskTier:
             _release(self._io, self._lock_file)
 
     def remove(self) -> None:
-        """Delete the tier's files (they are the live state of this engine only)."""
+        """Delete the tier's files (they are the live state of this engine only), and its folder where nothing
+        else is in it: a ``disk_dir`` that holds other files keeps them."""
         self.close()
-        shutil.rmtree(self.root, ignore_errors=True)
+        for part in self.parts:
+            shutil.rmtree(self.root / part.name, ignore_errors=True)
+        (self.root / ".lock").unlink(missing_ok=True)
+        try:
+            self.root.rmdir()
+        except OSError:  # not empty: the rest is not the tier's
+            pass
 
     # ------------------------------------------------------------------ internals
     def _check(self, record: Part) -> None:
@@ -240,8 +302,15 @@ class DiskTier:
                                             "configuration": {"chunk_shape": [rows, *shape[1:]] if shape else []}},
                              "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
                              "fill_value": 0},
+                # a missing chunk is lost data, not zeros (``_fresh`` arrays are not read), so every chunk is stored
+                "fill_missing_data_reads": False, "store_data_equal_to_fill_value": True,
                 "context": IO_CONTEXT}
-        self._stores[key] = ts.open(spec, create=True, delete_existing=True).result()
+        try:
+            self._stores[key] = ts.open(spec, create=True, delete_existing=True).result()
+        except Exception as error:
+            raise DiskTierError(f"creating {self.root / key} failed ({_said(error)}); the disk tier "
+                                f"cannot keep its files in {self.root}. Fix what the error names there (free space, "
+                                f"move away what is in the way), or set engine.disk_dir to another folder") from error
 
     def _write(self, keys: list[str], arrays: list[np.ndarray]) -> None:
         """Write ``arrays`` to the arrays ``keys``, all at once (tensorstore spreads the chunks over its
@@ -265,20 +334,21 @@ class DiskTier:
         with self._lock:
             task = self._io.submit(run)
             self._writes.update({key: task for key in keys})
+            self._fresh.difference_update(keys)  # reads queued from now on run after this write
 
     def _read_part(self, part: PartId) -> Future:
         """The part's moments, every array read at once, after its writes in flight (queued before this on
         the one I/O thread)."""
         markers = self._markers[part]
+        leaves = jax.tree.leaves(markers)
+        unwritten = self._unwritten(leaves)
 
         def run() -> tuple[Any, Any]:
             start = time.perf_counter()
-            leaves = jax.tree.leaves(markers)
             self._raise_if_failed([m.key for m in leaves])
-            reads = [self._stores[m.key].read() for m in leaves]
-            arrays = [r.result() for r in reads]
+            arrays = self._finish_reads(leaves, self._start_reads(leaves, unwritten))
             with self._lock:
-                self.bytes_read += sum(a.nbytes for a in arrays)
+                self.bytes_read += sum(a.nbytes for m, a in zip(leaves, arrays) if m.key not in unwritten)
                 self.read_s += time.perf_counter() - start
             return jax.tree.unflatten(jax.tree.structure(markers), arrays)
 
@@ -286,7 +356,8 @@ class DiskTier:
 
 
 class DiskTierError(RuntimeError):
-    """A read or write of the disk tier failed: its files no longer hold the state."""
+    """A read or write of the disk tier failed: its files no longer hold the state. The message names the file
+    and says what to do (resume from the last checkpoint)."""
 
 
 def _claim(root: Path):
@@ -294,8 +365,15 @@ def _claim(root: Path):
     closed or collected): two engines on one folder would overwrite each other's live state."""
     import fcntl
     import gc
-    root.mkdir(parents=True, exist_ok=True)
-    f = open(root / ".lock", "a+")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        f = open(root / ".lock", "a+")
+    except OSError as error:
+        on_way = next((p for p in (root, *root.parents) if p.exists()), None)
+        why = (f"{on_way} is a file, not a folder" if on_way is not None and not on_way.is_dir() else
+               f"{type(error).__name__}: {error}")
+        raise ValueError(f"the disk tier's files cannot be kept in {root} (engine.disk_dir): {why}. Set "
+                         f"engine.disk_dir to a folder on a local disk that this user can write") from error
     for attempt in range(2):
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
