@@ -154,6 +154,25 @@ def test_example_configs_parse_and_demo_file_matches_the_builtin_demo():
     assert load_config(CONFIGS / "demo_tiny.toml") == parse_config(DEMO)
 
 
+def test_shipped_configs_on_the_demo_corpus_pass_the_data_check_train_runs_at_start():
+    """Every shipped config that trains on the built-in demo corpus (no data.path) has data ``train`` accepts as
+    written: its training split fills a batch and, where it evaluates, its held-out share holds a whole window
+    (five configs held out 0.001 of the demo's 1M tokens, no window of 2,048, so ``train`` refused them at start)."""
+    from megatrain_jax.cli.run import packed_pieces
+    checked = []
+    for path in sorted(CONFIGS.glob("*.toml")):
+        if "hf_checkpoint" in path.read_text():
+            continue
+        cfg = load_config(path)
+        if cfg.data.path is not None:
+            continue
+        model = cfg.model.build()
+        cfg.data.check(model.vocab_size, packed_pieces(model, cfg.data), model.max_positions,
+                       evaluate=bool(cfg.train.eval_interval(cfg.data.eval_fraction)))
+        checked.append(path.name)
+    assert {"h200_7b_32k.toml", "h100_7b_32k.toml", "h100_3p5b_98k.toml", "demo_tiny.toml"} <= set(checked)
+
+
 def test_defaults_without_a_file():
     assert load_config(None) == RunConfig()
     assert apply_overrides({}, ["a.b.c=1"]) == {"a": {"b": {"c": 1}}}
