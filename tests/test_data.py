@@ -540,3 +540,15 @@ def test_each_process_gets_its_own_rows_and_they_make_the_global_batch():
     assert parts[0].state() == parts[1].state() == whole.state()  # a global position: resumable under any layout
     with pytest.raises(ValueError, match="divisible by the number of processes"):
         ds.batches(6, process=(0, 4))
+
+
+def test_the_demo_corpus_is_made_once_a_process_and_read_only():
+    """A start reads the demo corpus several times (the data check, the row mix, both splits): it is made once, and
+    no reader can change what the others read."""
+    from megatrain_jax.data.demo import _corpus, demo_dataset
+    _corpus.cache_clear()
+    a, b = demo_dataset(256, 4096), demo_dataset(256, 4096)
+    assert _corpus.cache_info().misses == 1 and _corpus.cache_info().hits == 1
+    assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    with pytest.raises(ValueError, match="read-only"):
+        np.asarray(a.tokens)[0] = 1

@@ -13,6 +13,8 @@ Everything derives from ``seed`` through numpy's PCG64, so the corpus is identic
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from megatrain_jax.data.tokens import TokenFile
@@ -52,7 +54,16 @@ def demo_tokens(vocab_size: int = 256, num_tokens: int = 1 << 20, seed: int = 0,
     return np.concatenate(docs)[:num_tokens].astype(dtype), starts[starts < num_tokens]
 
 
+@functools.lru_cache(maxsize=4)
+def _corpus(vocab_size: int, num_tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``demo_tokens`` made once a process (a start reads the corpus for its check, its row mix, its training and
+    held-out splits: ~0.1 s each at 1M tokens), read-only so that no caller changes another's copy."""
+    tokens, starts = demo_tokens(vocab_size, num_tokens, seed)
+    tokens.flags.writeable = starts.flags.writeable = False
+    return tokens, starts
+
+
 def demo_dataset(vocab_size: int = 256, num_tokens: int = 1 << 20, seed: int = 0) -> TokenFile:
     """The demo corpus as an in-memory ``TokenFile`` (with document boundaries, so packing works too)."""
-    tokens, starts = demo_tokens(vocab_size, num_tokens, seed)
+    tokens, starts = _corpus(int(vocab_size), int(num_tokens), int(seed))
     return TokenFile.from_array(tokens, vocab_size, starts, eos_id=EOS_ID)
