@@ -300,14 +300,18 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     hooks, writers = [_first_step(lambda: write_config(cfg, run_dir))], []
     every = t.eval_interval(d.eval_fraction)
     if every:
-        if t.eval_every is None:
-            say(f"  evaluating the held-out {d.eval_fraction:g} of the data every {every} steps ({t.eval_batches} "
-                f"batches; set train.eval_every to change it, 0 for none)")
+        batches = t.eval_batches
         if held_out is not None:  # preference pairs: the objective itself on the held-out pairs
             hooks.append(eval_hook(None, every, t.steps, measure=held_out))
         else:
             eval_batches = list(itertools.islice(d.build_eval(model_cfg.vocab_size, pieces), t.eval_batches))
             hooks.append(eval_hook(eval_batches, every, t.steps))
+            batches = len(eval_batches)  # what the held-out part holds, up to train.eval_batches
+        if t.eval_every is None:
+            held = ("" if batches == t.eval_batches else
+                    f", all the held-out part holds of train.eval_batches={t.eval_batches}")
+            say(f"  evaluating the held-out {d.eval_fraction:g} of the data every {every} steps ({batches} "
+                f"batch{'es' if batches != 1 else ''}{held}; set train.eval_every to change it, 0 for none)")
     hooks.append(memory_hook())
     if t.profile_step:
         predicted = step  # the plan's StepTime (None where the step-time model does not know this GPU)
