@@ -509,7 +509,8 @@ def test_held_out_data_is_evaluated_unless_eval_every_says_otherwise(tmp_path, c
     rows = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
     assert not any("eval_loss" in r for r in rows)
     capsys.readouterr()
-    assert main(["train", *run, "train.steps=2", "train.eval_batches=100000", f"train.run_dir={tmp_path / 'many'}"]) == 0
+    many = ["train.steps=2", "train.eval_batches=100000", f"train.run_dir={tmp_path / 'many'}"]
+    assert main(["train", *run, *many]) == 0
     said = re.search(r"every 1 steps \((\d+) batch(?:es)?, all the held-out part holds of train.eval_batches=100000;",
                      capsys.readouterr().out)
     assert said and 0 < int(said.group(1)) < 100000  # what it evaluates, not what was asked

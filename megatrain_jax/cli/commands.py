@@ -205,9 +205,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _check_weights(folder: str, model_cfg) -> None:
     """The Hugging Face checkpoint's weights checked as ``train`` checks them at start, from the files' headers (no
-    tensor is read but a few rows of a tied model's spare ``lm_head.weight``): weights ``train`` would refuse (a missing shard, a truncated file, a tensor of the wrong shape or
-    dtype) are refused here too (ValueError: exit status 2). A folder with its config.json but no weights yet (the
-    plan before the download) is a note."""
+    tensor is read but a few rows of a tied model's spare ``lm_head.weight``): weights ``train`` would refuse (a
+    missing shard, a truncated file, a tensor of the wrong shape or dtype) are refused here too (ValueError: exit
+    status 2). A folder with its config.json but no weights yet (the plan before the download) is a note."""
     from megatrain_jax.hf import HFParts
     from megatrain_jax.hf.safetensors_io import stale_files
     if not any(stale_files(Path(folder))):
