@@ -425,7 +425,10 @@ def test_errors_name_the_override_or_the_file_the_value_came_from(tmp_path):
         # a check across keys that the file and an override both fed
         (["data.batch_size=3"], f"{path} with command-line override data.batch_size=3: [data] batch_size: a batch of "
                                 f"3 rows cannot be split into micro_batches = 2"),
-        (["model.preset=llama9"], f"{path} [model] with command-line override model.preset=llama9: unknown preset"),
+        (["model.preset=llama9"], "command-line override model.preset=llama9: unknown preset"),
+        # a value refused by its section's own check: the override the message names, not every one of the section
+        (["data.seq_len=64", "data.eval_fraction=1.5"],
+         "command-line override data.eval_fraction=1.5: [data] eval_fraction must lie in [0, 1)"),
     ]
     for overrides, start in cases:
         with pytest.raises(ConfigError) as err:

@@ -213,6 +213,22 @@ def test_a_full_disk_is_one_line_from_the_command_line(tmp_path, monkeypatch, ca
     assert "resume from the last checkpoint" in err and "Traceback" not in err, err
 
 
+def test_a_finished_command_line_run_deletes_its_tier_files_and_keeps_the_rest(tmp_path):
+    """``megatrain-jax train`` that ends well removes the tier's files (its checkpoints hold what was trained); a
+    file of the user's in engine.disk_dir stays, and so does the folder holding it."""
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    (tier / "notes.txt").write_text("mine")
+    status = main(["train", *TINY_RUN, "train.steps=2", "train.eval_every=0", f"train.run_dir={tmp_path / 'run'}",
+                   "engine.disk_parts=1", f"engine.disk_dir={tier}"])
+    assert status == 0
+    assert sorted(p.name for p in tier.iterdir()) == ["notes.txt"]
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
+    status = main(["train", *TINY_RUN, "train.steps=2", "train.eval_every=0", f"train.run_dir={tmp_path / 'run2'}",
+                   "engine.disk_parts=1", f"engine.disk_dir={tmp_path / 'made'}"])
+    assert status == 0 and not (tmp_path / "made").exists()  # a folder the tier made goes with its files
+
+
 # ---------------------------------------------------------------------- a resume beside its own files
 def test_a_resume_counts_the_tiers_own_files_as_room(tmp_path, monkeypatch):
     """A run stopped with its tier files left in engine.disk_dir resumes there: a new tier replaces those files

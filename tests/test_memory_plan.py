@@ -820,8 +820,9 @@ def test_disk_tier_moves_moments_from_host_to_disk():
     assert base.host_total - tier.host_total == 8 * Pl * (10 - 4)
     assert tier.disk == 8 * Pl * 10 and tier.fits and tier.gpu_total == base.gpu_total
     assert "disk tier (10 blocks' Adam moments in /nonexistent/tier)" in tier.table()
+    assert "disk tier (10 blocks' Adam moments in /nonexistent/tier): 16.3 GiB of 1000.0 GiB free: fits" in tier.table()
     full_disk = tier.replace(disk_bytes=8 * Pl * 10 - 1)
-    assert not full_disk.fits and "OVER by" in full_disk.table()
+    assert not full_disk.fits and "OVER by 1 B" in full_disk.table()  # a small size reads as itself, not 0.00 GiB
     capacity = plan(EIGHT_B, EngineConfig(master_dtype="bfloat16", disk_parts=10, disk_dir="/x"), 16, 2048, **BIG)
     assert capacity.disk == 4 * Pl * 10  # bfloat16 moments
     with pytest.raises(ValueError, match="disk_parts=33 exceeds the 32 blocks"):
@@ -845,10 +846,16 @@ def test_the_disk_tier_plan_counts_a_stopped_runs_own_files_as_room_and_names_th
         require_fit(short)
     left = tmp_path / "tier" / "block_00031"
     left.mkdir(parents=True)
-    (left / "mu_000").write_bytes(b"\0" * (need // 2))  # the stopped run's files for one of the tier's blocks
-    (tmp_path / "tier" / "elsewhere").write_bytes(b"\0" * need)  # not the tier's: not counted
+    # sparse files of those sizes (8.7 and 17.4 GB written out would take a minute and the disk)
+    os.truncate(_touch(left / "mu_000"), need // 2)  # the stopped run's files for one of the tier's blocks
+    os.truncate(_touch(tmp_path / "tier" / "elsewhere"), need)  # not the tier's: not counted
     resumed = plan(EIGHT_B, e, 16, 2048, host_ram_bytes=1000 * GiB, gpu_bytes=1000 * GiB)
     assert resumed.disk_available == need // 2 + need // 2 and resumed.disk_fits
+
+
+def _touch(path):
+    path.touch()
+    return path
 
 
 def test_lean_pick_uses_the_disk_tier_when_gradients_on_the_gpu_are_not_enough():

@@ -119,7 +119,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.config is None and not args.overrides:
         raise ConfigError("train needs --config FILE.toml (or section.key=value overrides of the defaults); "
                           "see experiments/configs/, or run the demo with no arguments")
-    train(load_config(args.config, args.overrides))
+    finished(train(load_config(args.config, args.overrides)))
     return 0
 
 
@@ -134,8 +134,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
             n += 1
             run_dir = f"{base}-{n}"
         overrides.append(f"train.run_dir={run_dir}")
-    train(parse_config(DEMO, "the built-in demo config", overrides))
+    finished(train(parse_config(DEMO, "the built-in demo config", overrides)))
     return 0
+
+
+def finished(history) -> None:
+    """A run that ended well releases what outlives its steps: the disk tier's files (engine.disk_parts) are
+    deleted, since checkpoints and the export hold what was trained. A run that failed keeps them: its resume
+    reuses their room (``disk_tier.held_bytes``)."""
+    history.engine.close()
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

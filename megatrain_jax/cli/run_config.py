@@ -252,7 +252,7 @@ def _model(table: dict, where: Where, hf_folder: bool = True) -> ModelSection:
                           f"at it; to plan the run before downloading, give a preset of the same shape instead "
                           f"(model.hf_checkpoint=none model.preset=NAME; the presets: docs/models.md)") from None
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"{where.in_table(table)}: {e}") from None
+        raise ConfigError(f"{where.in_table(table, e)}: {e}") from None
     return section
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import tomllib
 import types
 import typing
@@ -68,9 +69,11 @@ class Where:
         from_base = any(p in self.base for p in paths if self.override(p) is None)
         return f"{self.text} with {named}" if from_base else named
 
-    def in_table(self, table: Mapping) -> str:
-        """``blame`` for the keys of ``table``, which sits at this place."""
-        return self.blame(self.path + (k,) for k in table)
+    def in_table(self, table: Mapping, error: object = "") -> str:
+        """``blame`` for the keys of ``table``, which sits at this place; with ``error`` (what the table's values
+        were refused with), for the keys it names where it names any."""
+        named = [k for k in table if re.search(rf"\b{re.escape(str(k))}\b", str(error))]
+        return self.blame(self.path + (k,) for k in (named or table))
 
 
 # ---------------------------------------------------------------------------------------------- parsing
@@ -203,7 +206,7 @@ def build_dataclass(cls: type, table: dict, where: str | Where,
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"{where.in_table(table)}: {e}") from None
+        raise ConfigError(f"{where.in_table(table, e)}: {e}") from None
 
 
 def _table_type(hint: Any) -> type | None:

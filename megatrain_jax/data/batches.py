@@ -180,10 +180,14 @@ _SETTING = {"mode": "data.mode", "split": "the split (data.eval_fraction held ou
                          "tokenizer)"}
 
 
+SHORT_EPOCHS_PASSED = 8  # reshuffled epochs in a row that may pack short of a batch before the stream gives up
+
+
 class TokenBatches:
     """Iterator of numpy ``Batch``es (int32 tokens, explicit float32 ``loss_mask`` and int32 ``positions``).
 
-    Looping iterators drop an epoch's last incomplete batch; a one-pass iterator pads it with rows whose
+    Looping iterators drop an epoch's last incomplete batch (and a reshuffled epoch of packed rows that holds
+    fewer than a batch, ``SHORT_EPOCHS_PASSED`` in a row at most); a one-pass iterator pads it with rows whose
     ``loss_mask`` is 0, so evaluation sees every unit with a fixed batch shape.
 
     ``process=(index, count)``: with several processes (``jax.distributed``) each yields only its own
@@ -255,7 +259,9 @@ class TokenBatches:
         return self
 
     def __next__(self) -> Batch:
-        for attempt in range(2):
+        # the epoch's incomplete tail is dropped; so is a reshuffled epoch that packs into fewer rows than a batch
+        # (packing depends on the order: epoch 0's count, checked at start, can differ by a row or two)
+        for attempt in range(1 + SHORT_EPOCHS_PASSED):
             rows, cursor = self._take(self.order(self.epoch), self.cursor)
             if len(rows) == self.batch_size or (not self.loop and rows):
                 self.cursor = cursor
@@ -266,8 +272,9 @@ class TokenBatches:
             if not self.loop:
                 raise StopIteration
             self.epoch, self.cursor = self.epoch + 1, 0  # drop the incomplete tail, reshuffle
-        raise ValueError(f"one epoch of the {self.dataset.split} split packs into fewer than batch_size="
-                         f"{self.batch_size} rows; use more data or a smaller batch")
+        raise ValueError(f"{SHORT_EPOCHS_PASSED} epochs in a row of the {self.dataset.split} split (from epoch "
+                         f"{self.epoch - SHORT_EPOCHS_PASSED}, shuffled by data.seed) each pack into fewer than "
+                         f"data.batch_size={self.batch_size} rows; use more data or a smaller data.batch_size")
 
     def epoch_batches(self, most_rows: int = 1 << 15) -> int | None:
         """The whole batches of epoch 0: what a looping stream takes before it reshuffles and starts over (another

@@ -30,6 +30,7 @@ import math
 from typing import Any
 
 from megatrain_jax._environment import limit_host_pool, physical_ram_bytes, visible_gpus
+from megatrain_jax.checkpoint.failures import format_size
 from megatrain_jax.engine import precision
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.program_memory import ProgramMemory
@@ -207,10 +208,10 @@ class MemoryPlan:
             lines += [f"    {f.program + ' (' + f.variant + ')':<78s} {f.temp / GiB:8.2f} {f.argument / GiB:8.2f} "
                       f"{f.output / GiB:8.2f} {f.alias / GiB:8.2f}" for f in self.programs.figures]
         if self.disk:
-            where = "" if self.disk_available is None else f" of {self.disk_available / GiB:.2f} free: " + (
-                "fits" if self.disk_fits else f"OVER by {(self.disk - self.disk_available) / GiB:.2f} GiB")
+            where = "" if self.disk_available is None else f" of {format_size(self.disk_available)} free: " + (
+                "fits" if self.disk_fits else f"OVER by {format_size(self.disk - self.disk_available)}")
             lines.append(f"  disk tier ({self.engine_cfg.disk_parts} blocks' Adam moments in {self.engine_cfg.disk_dir}): "
-                         f"{self.disk / GiB:.2f} GiB{where}; each step reads and writes it once")
+                         f"{format_size(self.disk)}{where}; each step reads and writes it once")
         lines.append(f"  host bytes per parameter: {self.host_pinned / self.params:.1f} in pinned arrays, "
                      f"{self.host_total / self.params:.1f} in all (each precision mode's: plan.modes)")
         return "\n".join(lines)
