@@ -190,6 +190,21 @@ def test_a_run_whose_hugging_face_folder_moved_resumes_comparing_its_config(tmp_
     assert steps_in(tmp_path / "run") == [1, 2, 3]
 
 
+def test_a_relative_hugging_face_folder_resumed_from_elsewhere_is_not_called_gone(tmp_path, capsys, monkeypatch):
+    """The run named its model folder by a relative path; its resume runs from another working directory, naming the
+    same folder by another path. The old path is not found from here, but nothing says the folder moved."""
+    shutil.copytree(HF_LLAMA, tmp_path / "hf")
+    (tmp_path / "sub").mkdir()
+    run = [*TINY_RUN[1:], "model.dtype=float32", "train.checkpoint_every=2", f"train.run_dir={tmp_path / 'run'}"]
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "model.hf_checkpoint=hf", *run, "train.steps=2"]) == 0
+    monkeypatch.chdir(tmp_path / "sub")
+    capsys.readouterr()
+    assert main(["train", "model.hf_checkpoint=../hf", *run, "train.steps=3", "train.resume=true"]) == 0
+    out = capsys.readouterr().out
+    assert "model.hf_checkpoint hf is not found from this working directory" in out and "no longer exists" not in out
+
+
 def test_a_saved_config_reads_without_its_hugging_face_folder(tmp_path):
     """``last_config`` reads a run's config.toml whose model folder was deleted: the values as saved, not None."""
     from megatrain_jax.cli.run_config import load_config, to_toml

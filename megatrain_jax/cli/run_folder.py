@@ -77,8 +77,10 @@ def prepare_run_folder(cfg: RunConfig) -> str | None:
         then = recorded.get("model", {}).get("hf_checkpoint")
         if then and then != cfg.model.hf_checkpoint and not Path(then).exists():
             now = cfg.model.hf_checkpoint or f"the preset {cfg.model.preset!r}"
-            notes.append(f"the run's model.hf_checkpoint {then} no longer exists (moved or deleted since it started); "
-                         f"this run's model is {now}, whose shapes the checkpoint's weights are checked against")
+            gone = ("is not found from this working directory (a relative path, read from where the run started)"
+                    if not Path(then).is_absolute() else "no longer exists (moved or deleted since it started)")
+            notes.append(f"the run's model.hf_checkpoint {then} {gone}; this run's model is {now}, whose shapes the "
+                         f"checkpoint's weights are checked against")
         changed = schedule_changes(recorded, cfg)
         if changed:
             notes.append("resuming with another optimizer or schedule than the run had (the moments go on; the "
