@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ import numpy as np
 
 from megatrain_jax.cli.toml_dataclass import build_dataclass
 from megatrain_jax.models.config import DecoderConfig
+from megatrain_jax.checkpoint.failures import format_size, free_space
 from megatrain_jax.checkpoint.parts import nest
 
 FORMATS = ("hf", "npz", "orbax")
@@ -94,21 +97,32 @@ def load_npz(path: str | os.PathLike) -> tuple[DecoderConfig, dict, list[dict]]:
         raise ValueError(f"{path} is not a .npz archive (a zip of named arrays, as np.savez writes): it may be cut "
                          f"short or another kind of file. convert reads the .npz that megatrain-jax convert writes "
                          f"(megatrain-jax convert HF_DIR {Path(path).name}); make it again that way")
+    again = f"make it again (megatrain-jax convert HF_DIR {Path(path).name})"
     with np.load(path) as z:
         if CONFIG_KEY not in z:
             raise ValueError(f"{path} has no {CONFIG_KEY}: not written by megatrain-jax convert")
         cfg = build_dataclass(DecoderConfig, json.loads(str(z[CONFIG_KEY])), f"{path} {CONFIG_KEY}")
-        tree = _unflatten({k: z[k] for k in z.files if k != CONFIG_KEY})
-    blocks = [tree["blocks"][str(i)] for i in range(cfg.layers)]
-    return cfg, tree["io"], blocks
+        try:  # each array's bytes are checked against the zip's CRC as they are read
+            tree = _unflatten({k: z[k] for k in z.files if k != CONFIG_KEY})
+        except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+            raise ValueError(f"{path} is damaged ({e}): changed after it was written (a bad copy, a failing "
+                             f"disk); {again}") from None
+    missing = [] if "io" in tree else ["io (embedding, final norm, head)"]
+    missing += [f"block {i}" for i in range(cfg.layers) if str(i) not in tree.get("blocks", {})]
+    if missing:  # the parameters of each part are checked leaf by leaf where they are used (save_hf)
+        raise ValueError(f"{path} has no parameters of {', '.join(missing)} (its config has {cfg.layers} layers): "
+                         f"not a whole model; {again}")
+    return cfg, tree["io"], [tree["blocks"][str(i)] for i in range(cfg.layers)]
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = None,
             dtype: str = "bfloat16", force: bool = False, tokenizer: str | os.PathLike | None = None) -> Path:
     """Convert ``src`` to ``dst`` (format ``to``, else from ``dst``'s suffix: ``.npz`` or an HF folder).
     ``dtype`` is the tensor dtype of an HF output. An HF folder that holds a model, or an existing .npz file, is
-    replaced only with ``force`` (as a whole: ``save_hf``; the .npz by one rename). An HF output takes the tokenizer
-    and generation files of ``tokenizer`` (a folder), else of an HF ``src``."""
+    replaced only with ``force`` (as a whole: ``save_hf``; the .npz by one rename); an Orbax output goes to a new
+    folder, written beside it and put in place whole. An output its disk has no room for is refused before anything
+    is written. An HF output takes the tokenizer and generation files of ``tokenizer`` (a folder), else of an HF
+    ``src``."""
     src_fmt = detect_format(src)
     to = to or ("npz" if str(dst).endswith(".npz") else "hf")
     if to not in FORMATS:
@@ -120,13 +134,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
         check_target(dst, force, "add --force")
         extra = tokenizer_files(tokenizer, given=True) if tokenizer is not None else (
             tokenizer_files(src) if src_fmt == "hf" else [])
-    if to == "npz" and npz_path(dst).exists() and not force:
-        from megatrain_jax.hf.export_folder import ExportExistsError
-        raise ExportExistsError(f"{npz_path(dst)} already exists; nothing was written. To replace it, add --force; "
-                                f"or write to another file")
+    if to == "npz":
+        _check_npz_target(npz_path(dst), force)
+    if to == "orbax":
+        _check_new_folder(Path(dst))
     if src_fmt == "orbax":
-        from megatrain_jax.checkpoint import load_params
-        cfg, io, blocks = load_params(src)
+        cfg, io, blocks = _load_checkpoint(Path(src), dst)
     elif src_fmt == "hf":
         from megatrain_jax.hf import load_hf
         cfg, io, blocks = load_hf(src, dtype=dtype)
@@ -136,6 +149,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
         raise ValueError(f"{src} holds the parameters of a model that is not megatrain_jax's Decoder (its config: "
                          f"{cfg!r:.200}); Hugging Face and npz output need the Decoder's config. Read them in "
                          f"Python with megatrain_jax.checkpoint.load_model(path, model) instead")
+    _check_room(npz_path(dst) if to == "npz" else Path(dst), dtype if to == "hf" else "float32", io, blocks)
     if to == "hf":  # from an HF folder its tokenizer and generation settings come along
         from megatrain_jax.hf import save_hf
         save_hf(dst, cfg, io, blocks, dtype=dtype, overwrite=force, extra_files=extra)
@@ -143,5 +157,94 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
     if to == "npz":
         return save_npz(dst, cfg, io, blocks)
     from megatrain_jax.checkpoint import save_params
-    save_params(dst, cfg, io, blocks)
+    from megatrain_jax.hf.export_folder import publish, staging
+    out = staging(dst)
+    try:  # written whole beside dst, then put in place in one step: a failed write leaves nothing to clear away
+        save_params(out, cfg, io, blocks)
+        publish(out, dst)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     return Path(dst)
+
+
+def _check_npz_target(path: Path, force: bool) -> None:
+    """Refuse, before the source is read, a .npz output that is a folder, or an existing file without ``force``."""
+    from megatrain_jax.hf.export_folder import ExportExistsError
+    if path.is_dir():  # --force would not help: a file never replaces a folder
+        raise ExportExistsError(f"{path} is a folder, not a .npz file; nothing was written. Give the path of a file "
+                                f"to write, or --to hf to write a Hugging Face folder")
+    if path.exists() and not force:
+        raise ExportExistsError(f"{path} already exists; nothing was written. To replace it, add --force; "
+                                f"or write to another file")
+
+
+def _check_new_folder(folder: Path) -> None:
+    """Refuse, before the source is read, an Orbax output that is a file or a folder with something in it:
+    ``save_params`` writes only into a new (or empty) folder, and never replaces one."""
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"{folder} is a file, not a folder; nothing was written. Give a new folder for the "
+                              f"Orbax checkpoint")
+    if folder.is_dir() and any(folder.iterdir()):
+        raise FileExistsError(f"{folder} is not empty; nothing was written. Give a new folder for the Orbax "
+                              f"checkpoint (it never replaces one)")
+
+
+def _load_checkpoint(src: Path, dst: str | os.PathLike) -> tuple[Any, dict, list[dict]]:
+    """``load_params(src)``; a folder that holds no checkpoint (a run folder, Hugging Face weights without their
+    config.json, saves cut short) or none that is whole is refused saying what it holds and what to give."""
+    from megatrain_jax.checkpoint import check_step, committed_steps, load_params
+    from megatrain_jax.checkpoint.params import MARKER
+    if (src / MARKER).exists() or (src / "state").is_dir():
+        return load_params(src)
+    steps = committed_steps(src)
+    if not steps:
+        raise FileNotFoundError(_no_checkpoint(src, dst))
+    try:
+        return load_params(src)
+    except FileNotFoundError:  # every step failed its check
+        problems = "; ".join(f"step {n}: {check_step(src / str(n))}" for n in steps)
+        raise FileNotFoundError(f"{src} holds no whole checkpoint, and nothing was read from it ({problems}). "
+                                f"Give a checkpoint folder with a whole step") from None
+
+
+def _no_checkpoint(src: Path, dst: str | os.PathLike) -> str:
+    """What ``src``, a folder with no checkpoint in it, holds instead, and what to give."""
+    from megatrain_jax.checkpoint.manager import unfinished_saves
+    from megatrain_jax.hf.safetensors_io import stale_files
+    run_checkpoints = src / "checkpoints"
+    if run_checkpoints.is_dir():
+        return (f"{src} is a run folder, not a checkpoint: its checkpoints are in {run_checkpoints}: "
+                f"megatrain-jax convert {run_checkpoints} {dst}")
+    if (src / "metrics.jsonl").exists():
+        return (f"{src} is a run folder, not a checkpoint, and its checkpoints are not in it: give the folder its "
+                f"train.checkpoint_dir names (see its config.toml)")
+    weights = sorted(p.name for p in stale_files(src))
+    if weights:
+        return (f"{src} holds Hugging Face weights ({', '.join(weights[:3])}) but no config.json, which says what "
+                f"model they are: put the model's config.json beside them (from where the weights came from, e.g. "
+                f"the Hugging Face Hub)")
+    cut = unfinished_saves(src)
+    if cut:
+        return (f"{src} holds only saves that never finished ({', '.join(p.name for p in cut[:3])}): the run "
+                f"stopped while saving, and there is nothing whole to convert. Give a checkpoint folder with a "
+                f"committed step (a folder named by its step number)")
+    return (f"{src} holds no checkpoint that convert reads (it holds {sorted(p.name for p in src.iterdir())[:8]}): "
+            f"give a Hugging Face folder (config.json + safetensors), a .npz file, or a checkpoint folder of "
+            f"megatrain-jax (a training run's, or one convert --to orbax wrote)")
+
+
+def _check_room(dst: Path, dtype: str, io: Any, blocks: list[Any]) -> None:
+    """Refuse, before anything is written, an output that the free space of ``dst``'s disk cannot hold: the
+    parameters in ``dtype`` (a model replaced in ``dst`` is removed only once the new one is whole)."""
+    params = _count(_pure_dict(io)) + sum(_count(_pure_dict(b)) for b in blocks)
+    per = np.dtype(np.float32).itemsize if dtype == "float32" else 2
+    room = free_space(dst)
+    if room is not None and params * per > room[0]:
+        raise ValueError(f"{dst} needs about {format_size(params * per)} ({params:,} parameters in {dtype}, {per} "
+                         f"bytes each) but its disk has {format_size(room[0])} free; nothing was written. Free space "
+                         f"there, or write to another disk")
+
+
+def _count(tree: Any) -> int:
+    return sum(_count(v) for v in tree.values()) if isinstance(tree, dict) else int(np.size(tree))

@@ -89,8 +89,9 @@ def check_target(folder: str | os.PathLike, overwrite: bool, how: str) -> None:
 
 
 def staging(folder: str | os.PathLike) -> Path:
-    """An empty sibling folder of ``folder`` to write the export into."""
-    folder = Path(folder).absolute()
+    """An empty sibling folder of ``folder`` to write the export into (of the folder a symlink ``folder`` leads
+    to: that folder is the one replaced, and the link stays as it is)."""
+    folder = Path(folder).resolve()
     staged = folder.parent / f".{folder.name}.partial-{os.getpid()}"
     shutil.rmtree(staged, ignore_errors=True)
     staged.mkdir(parents=True)
@@ -98,8 +99,9 @@ def staging(folder: str | os.PathLike) -> Path:
 
 
 def publish(staged: Path, folder: str | os.PathLike) -> None:
-    """Put the finished export ``staged`` at ``folder`` in one step (see the module docstring)."""
-    folder = Path(folder).absolute()
+    """Put the finished export ``staged`` at ``folder`` in one step (see the module docstring): at the folder a
+    symlink ``folder`` leads to, as ``staging`` put ``staged`` beside it."""
+    folder = Path(folder).resolve()
     if not folder.exists():
         os.rename(staged, folder)
         return
