@@ -79,9 +79,16 @@ def check_step(step_dir: Path, checksum: bool = True) -> str | None:
     for item, filename in _ITEMS.items():
         path = step_dir / item / filename
         try:
-            json.loads(path.read_text())
+            record = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             return f"unreadable {path}: {e}"
+        # JSON of another shape would fail the resume later, after the model has loaded (``meta``'s step is what
+        # the engine's state is set to)
+        if not isinstance(record, dict):
+            return f"{path} holds a JSON {type(record).__name__}, not an object"
+        step = record.get("step")
+        if item == "meta" and (type(step) is not int or step_dir.name.isdigit() and step != int(step_dir.name)):
+            return f"{path} says step {step!r}, not {step_dir.name} (its folder's name)"
     return None
 
 

@@ -56,17 +56,18 @@ def verify_manifest(directory: Path, checksum: bool = True) -> str | None:
     path = directory / MANIFEST
     if not path.is_file():
         return f"no {MANIFEST} in {directory} (the save did not finish)"
-    try:
-        files = json.loads(path.read_text())["files"]
-    except (ValueError, KeyError) as e:
-        return f"unreadable {path}: {e}"
-    for rel, want in files.items():
+    try:  # JSON of another shape (a list, an entry without its size) is as unreadable as broken JSON
+        listed = json.loads(path.read_text())["files"]
+        files = {rel: (int(want["size"]), want.get("crc32")) for rel, want in listed.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"unreadable {path}: {type(e).__name__}: {e}"
+    for rel, (want, crc) in files.items():
         f = directory / rel
         if not f.is_file():
             return f"missing file {f}"
         size = f.stat().st_size
-        if size != want["size"]:
-            return f"{f} has {size} bytes, the manifest says {want['size']} (truncated or overwritten)"
-        if checksum and "crc32" in want and crc32_file(f) != want["crc32"]:
+        if size != want:
+            return f"{f} has {size} bytes, the manifest says {want} (truncated or overwritten)"
+        if checksum and crc is not None and crc32_file(f) != crc:
             return f"{f} fails its CRC-32 check (corrupted)"
     return None

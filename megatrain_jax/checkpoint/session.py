@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from megatrain_jax.models.config import EFFECTIVE_FIELDS, DecoderConfig
-from megatrain_jax.checkpoint.manager import (Checkpointer, CorruptCheckpointError, committed_steps,
+from megatrain_jax.checkpoint.manager import (Checkpointer, CorruptCheckpointError, check_step, committed_steps,
                                               split_step_dir)
 
 # SIGHUP too: a closed terminal or ssh session ends the run as a scheduler's SIGTERM does, checkpoint saved
@@ -148,6 +148,19 @@ def check_same_model(saved: dict | None, now: dict | None, where: Path) -> None:
         f"train.run_dir")
 
 
+def check_same_masters(saved: dict | None, now: dict | None, where: Path) -> None:
+    """Refuse to resume from the checkpoint ``where`` when its master weights (``engine.master_dtype`` in ``saved``,
+    the JSON of its engine config) are of another dtype than this run's (``now``): the moments convert between
+    formats on restore, the masters do not (``Precision.resumes``), and the restore would refuse every tensor, only
+    after the model has loaded."""
+    before, after = (e.get("master_dtype") if isinstance(e, dict) else None for e in (saved, now))
+    if before and after and before != after:
+        raise ValueError(f"cannot resume from {where}: it holds {before} master weights (engine.master_dtype="
+                         f"{before}), and this run keeps {after} ones. Nothing was changed. To resume, set "
+                         f"engine.master_dtype={before} (with the settings its precision mode needs; megatrain-jax "
+                         f"plan shows the modes)")
+
+
 def check_resume_source(resume: str | Path) -> None:
     """Refuse a checkpoint to resume from (``train.resume=PATH``) that is not a folder: a missing path or a file."""
     path = Path(resume)
@@ -255,6 +268,10 @@ class CheckpointSession:
         if self.ckpt is not None and resume not in (None, "auto"):
             root, step = split_step_dir(resume)
             held = committed_steps(self.ckpt.root)
+            if step is None and held and (root / "checkpoints").resolve() == Path(self.ckpt.root).resolve():
+                raise ValueError(f"train.resume={resume} is this run's folder, not a checkpoint folder: its checkpoints "
+                                 f"are in {self.ckpt.root}. Nothing was changed. To go on from the newest of them, "
+                                 f"use train.resume=true")
             if held and root.resolve() != Path(self.ckpt.root).resolve():
                 raise ValueError(f"resuming from {resume} into checkpoint directory {self.ckpt.root}, which holds "
                                  f"another run's checkpoints (steps {held}): this run's would be mixed with them, and "
@@ -281,6 +298,7 @@ class CheckpointSession:
                 if step_dir is not None:
                     saved, meta = (_read_json(step_dir / item / f"{item}.json") for item in ("config", "meta"))
                     check_same_model(saved.get("model"), self.config.get("model"), step_dir)
+                    check_same_masters(saved.get("engine"), self.config.get("engine"), step_dir)
                     check_same_data(meta.get("data"), data, step_dir)
                 if found:  # the resume goes ahead: newer broken steps are set aside, so they can be written again
                     self.ckpt.latest_complete(quarantine=True, found=found)
@@ -327,33 +345,50 @@ class CheckpointSession:
 
     def _resume_dir(self) -> tuple[Path | None, bool, list[tuple[int, str | None]]]:
         """The step directory to resume from (None: a fresh start), whether it was just verified, and the scan
-        of this run's checkpoint directory that found it (empty where none was made): nothing is moved yet."""
+        of this run's checkpoint directory that found it (empty where none was made): nothing is moved yet.
+        Every step is verified here, before the model loads."""
         if self.resume is None:
             return None, False, []
-        if self.resume == "auto":
+        root, step = (None, None) if self.resume == "auto" else split_step_dir(self.resume)
+        if self.ckpt is not None and step is None and (root is None or root.resolve() == self.ckpt.root.resolve()):
+            # this run's own checkpoints ("auto", or their folder named): as for "auto", newer broken steps are
+            # set aside once the resume goes ahead, since this run saves those steps again (a step that exists
+            # cannot be saved: the steps trained since the resume would be lost at the first save)
             found = self.ckpt.scan()
             step = next((n for n, problem in found if problem is None), None)
-            if step is None:
-                if found:  # checkpoints exist but none can be used: never silently start over
-                    self.ckpt.latest_complete(found=found)  # a warning for each (none is moved: none is good)
-                    raise CorruptCheckpointError(
-                        f"no usable checkpoint in {self.ckpt.root}: every one is incomplete or corrupt:\n"
-                        + "\n".join(f"  {self.ckpt.root / str(n)}: {problem}" for n, problem in found)
-                        + f"\nNothing was changed. To start from scratch, move {self.ckpt.root} aside (its "
-                          f"checkpoints stay there), or use another checkpoint directory")
+            if step is not None:
+                return self.ckpt.root / str(step), True, found
+            if found:  # checkpoints exist but none can be used: never silently start over
+                self.ckpt.latest_complete(found=found)  # a warning for each (none is moved: none is good)
+                raise CorruptCheckpointError(
+                    f"no usable checkpoint in {self.ckpt.root}: every one is incomplete or corrupt:\n"
+                    + "\n".join(f"  {self.ckpt.root / str(n)}: {problem}" for n, problem in found)
+                    + f"\nNothing was changed. To start from scratch, move {self.ckpt.root} aside (its "
+                      f"checkpoints stay there), or use another checkpoint directory")
+            if root is None:
                 print(f"no checkpoint in {self.ckpt.root} yet: starting from scratch", file=sys.stderr)
                 return None, False, []
-            return self.ckpt.root / str(step), True, found
-        root, step = split_step_dir(self.resume)
-        if step is not None:
-            return root / str(step), False, []
-        with quiet_orbax():
-            other = Checkpointer(root, read_only=True)
-        step = other.latest_complete()
-        other.close()
-        if step is None:
-            raise FileNotFoundError(f"no complete checkpoint in {root}")
-        return root / str(step), True, []
+            root = self.ckpt.root
+        elif step is not None:  # verified now: a broken one is refused before the model loads, not after
+            problem = check_step(root / str(step))
+            if problem:
+                raise CorruptCheckpointError(
+                    f"cannot resume from {root / str(step)}: {problem}. Nothing was changed. Give another step of "
+                    f"{root}, or the folder itself (train.resume={root}) for its newest complete one")
+            return root / str(step), True, []
+        else:
+            with quiet_orbax():
+                other = Checkpointer(root, read_only=True)
+            step = other.latest_complete()
+            other.close()
+            if step is not None:
+                return root / str(step), True, []
+        inner = root / "checkpoints"
+        if committed_steps(inner):  # a run folder named in place of its checkpoint folder
+            raise FileNotFoundError(f"no checkpoint in {root}: it is a run folder, whose checkpoints are in {inner}; "
+                                    f"give that folder: train.resume={inner}")
+        raise FileNotFoundError(f"no complete checkpoint in {root}. Give a folder that holds some: a run's "
+                                f"checkpoints/ folder, or one step of it (checkpoints/N)")
 
     # ------------------------------------------------------------------ saving
     def follow(self, data_state: Callable[[], Any], stop: Callable[[str], None]) -> None:
