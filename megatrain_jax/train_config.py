@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 
 def check_path(name: str, value: object, give: str) -> None:
@@ -19,7 +20,8 @@ class TrainConfig:
 
     - ``steps``: optimizer steps, counted from step 0 (a resumed run ends where the uninterrupted one
       would); None trains until the data ends.
-    - ``seed`` initializes an abstract model (``nnx.eval_shape``).
+    - ``seed`` initializes an abstract model (``nnx.eval_shape``): from 0 to 2**32 - 1, what JAX's random keys
+      hold (a larger or negative seed would repeat another's initialization, or fail).
     - ``log_every``: print a line every so many steps (0: no printing).
     - ``peak_tflops`` (the accelerator's dense bf16 peak, e.g. 989 for an H100 SXM) adds an ``mfu`` metric.
     - Checkpoints: with ``checkpoint_dir``, the whole host state, the data position and the run config are
@@ -49,6 +51,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be >= 1 (or None: until the data ends), got {self.steps}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an integer from 0 to {2**32 - 1} (JAX's random keys hold 32 bits: "
+                             f"another would repeat a seed in that range, or fail), got {self.seed!r}")
         for name in ("log_every", "checkpoint_every", "profile_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")

@@ -14,15 +14,17 @@ Every key is checked against the field's type hint; an unknown key or section, o
 field's few allowed ones, is an error naming the closest valid one, and a key of another section is named as that
 section's (``train.seq_len=64``: "'seq_len' is a [data] key: data.seq_len=64"). A ``data.seq_len`` whose windows
 (or padded rows) reach past the model's ``max_positions`` is refused here too (``check_positions``), before anything
-loads. An error names the file for a value the file set, and the command-line override for a value an override
-set. TOML has no null: write ``"none"`` for a field that may be None (``clip_norm = "none"``). Those rules are the
-schema-free ``megatrain_jax.cli.toml_dataclass``'s; this module holds the schema.
+loads, and so are engine counts past the model's blocks (``check_blocks``). An error names the file for a value the
+file set, and the command-line override for a value an override set. TOML has no null: write ``"none"`` for a field
+that may be None (``clip_norm = "none"``). Those rules are the schema-free ``megatrain_jax.cli.toml_dataclass``'s;
+this module holds the schema.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -37,7 +39,7 @@ from megatrain_jax.data import DataConfig
 from megatrain_jax.data.batches import MODES
 from megatrain_jax.data.config import FORMATS
 from megatrain_jax.engine import precision
-from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.config import AUTO, EngineConfig
 from megatrain_jax.loss import DPO
 from megatrain_jax.models.config import ATTENTION_IMPLS, DTYPES, DecoderConfig, RopeScaling
 from megatrain_jax.models.presets import preset
@@ -136,7 +138,8 @@ class TrainSection(TrainConfig):
     def __post_init__(self) -> None:
         for name in ("steps", "log_every", "eval_batches"):
             if getattr(self, name) is None or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                off = " (steps between progress lines; log.progress = 'off' prints none)" if name == "log_every" else ""
+                raise ValueError(f"{name} must be >= 1{off}, got {getattr(self, name)}")
         check_path("run_dir", self.run_dir, "a folder (e.g. runs/my-run)")
         check_path("export_hf", self.export_hf, "a folder (e.g. runs/my-run/hf), or leave it unset")
         if self.eval_every is not None and self.eval_every < 0:
@@ -299,14 +302,37 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
     except ValueError as err:
         blame = root.blame([("data", "batch_size"), ("engine", "micro_batches")])
         raise ConfigError(f"{blame}: [data] batch_size: {err}") from None
-    try:  # the model's shape is known here, a Hugging Face checkpoint's from its config.json (_model built it)
-        if hf_folder or cfg.model.hf_checkpoint is None:
-            check_positions(cfg.data, cfg.model.build())
+    if not (hf_folder or cfg.model.hf_checkpoint is None):
+        return cfg
+    model_cfg = cfg.model.build()  # the model's shape, a Hugging Face checkpoint's from its config.json
+    model_paths = [("model", "layers"), ("model", "preset"), ("model", "hf_checkpoint")]
+    try:
+        check_positions(cfg.data, model_cfg)
     except ValueError as err:
-        blame = root.blame([("data", "seq_len"), ("data", "mode"), ("model", "max_positions"), ("model", "preset"),
-                            ("model", "hf_checkpoint")])
+        blame = root.blame([("data", "seq_len"), ("data", "mode"), ("model", "max_positions"), *model_paths])
         raise ConfigError(f"{blame}: {err}") from None
+    try:
+        check_blocks(cfg.engine, model_cfg.layers)
+    except ValueError as err:
+        named = [("engine", k) for k in raw.get("engine", {}) if re.search(rf"\b{re.escape(k)}\b", str(err))]
+        raise ConfigError(f"{root.blame(named + model_paths)}: {err}") from None
     return cfg
+
+
+def check_blocks(engine_cfg: EngineConfig, n_blocks: int) -> None:
+    """Raise ValueError where the engine's counts ask for more blocks than a model of ``n_blocks`` has
+    (``resident_layers``, ``offload_activations``), or for more parts in a role than there are (``parts.HostRoles``:
+    blocks updated on the GPU, gradients waiting there, moments on disk), as the plan and the engine would, but
+    before the data is read. A ``resident_layers`` still "auto" counts as none, which leaves the most blocks to the
+    other roles: what is refused here is refused whatever the plan picks. (``kept_layers`` is the plan's to check,
+    ``EngineConfig.check_layers``.)"""
+    from megatrain_jax.engine.parts import HostRoles
+    for name in ("resident_layers", "offload_activations"):
+        count = getattr(engine_cfg, name)
+        if count != AUTO and count > n_blocks:
+            raise ValueError(f"engine.{name} = {count} is more than the model's {n_blocks} blocks: set at most "
+                             f"{n_blocks}")
+    HostRoles.of_config(n_blocks, engine_cfg, resident_layers=0 if engine_cfg.resident_layers == AUTO else None)
 
 
 def check_positions(data: DataConfig, model_cfg: DecoderConfig) -> str | None:

@@ -176,15 +176,23 @@ def _write_whole(path: Path, text: str) -> None:
 
 def _lines_and_records(path: Path, text: str) -> list[tuple[str, dict]]:
     """``(line, record)`` for each line of ``text`` (``path``'s) that holds a record, the line ending with a
-    newline. Only the last line may be cut short (a run still writing, or killed mid-line): it is left out."""
+    newline. Only the last line may be cut short (a run still writing, or killed mid-line): it is left out. A
+    line of valid JSON that is not a record (an object with an integer ``step``, as ``JsonlWriter`` writes) is
+    refused, naming the line: the file is not a run's metrics, or was edited."""
     lines, out = text.splitlines(keepends=True), []
     for n, line in enumerate(lines, start=1):
         if line.strip():
             try:
-                out.append((line if line.endswith("\n") else line + "\n", json.loads(line)))
+                record = json.loads(line)
             except json.JSONDecodeError:
                 if n < len(lines):
                     raise ValueError(f"{path}:{n} is not valid JSON") from None
+                continue
+            step = record.get("step") if isinstance(record, dict) else None
+            if isinstance(step, bool) or not isinstance(step, int):
+                raise ValueError(f"{path}:{n} is not a metrics record (a JSON object with an integer step, one per "
+                                 f"line, as a training run writes run_dir/metrics.jsonl): {line.strip()[:60]}")
+            out.append((line if line.endswith("\n") else line + "\n", record))
     return out
 
 
