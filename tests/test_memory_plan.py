@@ -339,8 +339,8 @@ def test_plan_against_the_shipped_configs_runs(case):
     capacity mode on one H200, Gemma-3-12B, a DeepSeek-V3 cut and 6 layers of GPT-OSS-20B on the H100 box,
     Qwen2.5-32B): the host plan within 3% of each measured peak (the host
     is what decides the largest model a machine trains), and the GPU plan never more than 15% under its peak
-    (it is up to 22% over at 70B and on the DeepSeek cut, where the GPU trails the host by fewer of these large
-    blocks than the plan assumes)."""
+    (it is up to 22% over on the DeepSeek cut, where the GPU trails the host by fewer of these large blocks than
+    the plan assumes)."""
     _, config, overrides, engine, host_gib, host_peak, gpu_peak = case
     cfg = load_config(config, [o for o in overrides if not o.startswith("train.")])
     p = plan(cfg.model.build(), _recorded_engine(engine), cfg.data.batch_size, cfg.data.seq_len,
@@ -669,23 +669,23 @@ def test_norm_first_holds_the_gradients_of_the_parts_whose_updates_may_be_unfini
 
 
 def test_lean_pick_takes_the_two_pass_step_where_gradients_on_the_gpu_do_not_fit():
-    """Llama-3-8B with a 40 GiB GPU and 115 GiB of host: float32 streaming with the gradients waiting on the
+    """Llama-3-8B with a 36 GiB GPU and 115 GiB of host: float32 streaming with the gradients waiting on the
     GPU does not fit, the two-pass step does (exact, so before capacity mode and the disk tier) with the fewest
     blocks' inputs in host memory (its first pass holds them through both backwards), and ``train`` says so;
-    with the GPU room for the gradients (118 GiB of host) those are picked, as before. The options of a run that
-    does not fit name it, with the host memory it saves."""
+    with room for the gradients (118 GiB of host, a 40 GiB GPU) those are picked, as before. The options of a run
+    that does not fit name it, with the host memory it saves."""
     from megatrain_jax.plan import lean_engine
     e = EngineConfig(micro_batches=2)
-    picked, why = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=115 * GiB, gpu_bytes=40 * GiB)
-    # the first pass holds every block's inputs through both backwards: on 40 GiB the first few wait in host memory
+    picked, why = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=115 * GiB, gpu_bytes=36 * GiB)
+    # the first pass holds every block's inputs through both backwards: on 36 GiB the first few wait in host memory
     assert picked == dataclasses.replace(e, stream_dtype="float32", norm_first=True,
                                          offload_activations=picked.offload_activations)
     assert 0 < picked.offload_activations < EIGHT_B.layers // 2
     assert not plan(EIGHT_B, dataclasses.replace(picked, offload_activations=picked.offload_activations - 1), 16,
-                    2048, host_ram_bytes=115 * GiB, gpu_bytes=40 * GiB).fits
+                    2048, host_ram_bytes=115 * GiB, gpu_bytes=36 * GiB).fits
     assert "engine.norm_first=true" in why and "a forward and two backwards per step" in why
     assert f"the inputs of the first {picked.offload_activations} blocks wait in host memory" in why
-    assert plan(EIGHT_B, picked, 16, 2048, host_ram_bytes=115 * GiB, gpu_bytes=40 * GiB).fits
+    assert plan(EIGHT_B, picked, 16, 2048, host_ram_bytes=115 * GiB, gpu_bytes=36 * GiB).fits
     roomy, _ = lean_engine(EIGHT_B, e, 16, 2048, host_ram_bytes=118 * GiB, gpu_bytes=40 * GiB)
     assert roomy.grads_on_gpu > 0 and not roomy.norm_first
     # the user's own choices are kept: accumulation (which the two-pass step cannot take) leaves it out
@@ -695,8 +695,8 @@ def test_lean_pick_takes_the_two_pass_step_where_gradients_on_the_gpu_do_not_fit
     two_pass = [o for o in options(short) if ("engine.norm_first", True) in o.changes]
     assert two_pass and all(short.applied(o.changes).fits for o in two_pass)
     assert "GiB less" in two_pass[0].why and "the same numbers" in two_pass[0].why
-    # on 40 GiB the options name it too, with the first blocks' inputs in host memory
-    tight = plan(EIGHT_B, e, 16, 2048, host_ram_bytes=115 * GiB, gpu_bytes=40 * GiB)
+    # on 36 GiB the options name it too, with the first blocks' inputs in host memory
+    tight = plan(EIGHT_B, e, 16, 2048, host_ram_bytes=115 * GiB, gpu_bytes=36 * GiB)
     two_pass = [o for o in options(tight) if ("engine.norm_first", True) in o.changes]
     assert two_pass and all(tight.applied(o.changes).fits for o in two_pass)
     assert any(dict(o.changes).get("engine.offload_activations") for o in two_pass)
@@ -754,9 +754,10 @@ def test_eight_bit_moments_and_bfloat16_gradients_in_host_memory(cfg):
     assert q8.host["pinned: master weights, bfloat16, streamed (2 B/param; capacity mode with 8-bit moments)"] == 2 * P
     grads = q8.host[f"pinned: gradients of one step, bfloat16 (2 B/param of the {P / 1e9:.2f} B host-updated params)"]
     assert grads == 2 * P and q8.host_pinned == 4 * P
-    # the GPU holds a bfloat16 copy of each gradient sent home until the copy has read it
+    # the GPU holds a bfloat16 copy of each gradient sent home until the copy has read it, where a float32 copy home
+    # holds the float32 sum itself (the sum a cast reads is free at once): the two differ by at most those copies
     largest = max(layer_param_count(cfg), io_param_count(cfg))
-    assert 0 <= q8.gpu_total - capacity.gpu_total <= 2 * largest * (QUEUED_BLOCKS + 1)
+    assert abs(q8.gpu_total - capacity.gpu_total) <= 2 * largest * (QUEUED_BLOCKS + 1)
     modes = q8.host_bytes_per_param()
     assert modes["capacity mode, 8-bit moments, bfloat16 gradients in host memory"] == pytest.approx(
         q8.host_total / P)

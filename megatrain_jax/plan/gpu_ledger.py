@@ -19,7 +19,14 @@ program holds:
   before the host issues a block's compute it waits for all but the newest ``schedule.BLOCKS_AHEAD`` blocks
   (``passes.PassRunner.pace``). The ledger counts what the host dropped for its newest ``QUEUED_BLOCKS``
   (that bound) blocks as still allocated (experiments/studies/plan_queue_sensitivity.py has the error
-  against every measured run for other depths);
+  against every measured run for other depths). Not all of it: PJRT orders the GPU's allocations on its compute
+  stream, so a buffer whose last reader is a program on that stream is free for the programs queued after it as
+  soon as the host drops it; what a copy reads (on a copy stream: a gradient going home, an activation offloaded)
+  is held until the copy has run. The ledger holds the float32 gradient sums that are read only by programs (cast
+  to bfloat16 for the copy home, or reduced to the norm by a ``norm_first`` step's first pass) for no block:
+  measured on one H200 (the x4 job's rehearsals, experiments/studies/NOTES.md, 2026-12-02) the GPU peaks of three
+  streamed layouts with bfloat16 gradients were 31-68% under a walk that held them for ``QUEUED_BLOCKS`` blocks,
+  and 0.5-15% under one that does not;
 - *transients*: the scratch memory of the compiled function that is running (block forward, recompute +
   VJP, head, the embedding's VJP): XLA's memory analysis of the compiled program where the GPU is at hand,
   else a rule of thumb (``activations.transient``).
@@ -438,7 +445,9 @@ def _send_grads(w: Walk, op: Op) -> None:
         cast = w.summed(op) * device_grad_bytes(w.e) // 4
     back = sent if w.accumulate else 0
     w.peak(op, out=cast, temp=back, why="the earlier passes' sum, back from host memory to be added")
-    w.led.drop(G, w.summed(op), block=w.here(op) if home or rounded else None)
+    # the float32 sum is held for queued work where a copy home reads it; a cast read it instead, on the compute
+    # stream, whose later programs may take its memory at once (the module docstring)
+    w.led.drop(G, w.summed(op), block=w.here(op) if (home and not cast) or rounded else None)
     if cast and home:
         w.led.add(S, cast)
         w.led.drop(S, cast, block=w.here(op))
@@ -482,10 +491,10 @@ def _load_acts(w: Walk, op: Op) -> None:
 
 
 def _norm(w: Walk, op: Op) -> None:
-    """A ``norm_first`` step's first pass: the part's gradient reduced to a scalar on the device, and dropped
-    once its block's work has run."""
+    """A ``norm_first`` step's first pass: the part's gradient reduced to a scalar on the device, and dropped: only
+    programs on the compute stream read it, so the programs queued after them may take its memory at once."""
     w.peak(op)
-    w.led.drop(G, w.summed(op), block=w.here(op))
+    w.led.drop(G, w.summed(op))
 
 
 def _nothing_held(w: Walk, op: Op) -> None:
