@@ -27,6 +27,7 @@ TINY_RUN = ["model.layers=2", "data.seq_len=32", "data.batch_size=4", "data.demo
     (["engine.grads_on_gpu=4"], r"engine\.grads_on_gpu=4.*: grads_on_gpu=4 exceeds the 3 parts updated on the host"),
     (["engine.disk_parts=3", "engine.disk_dir=/tmp/nowhere"], r"engine\.disk_parts=3.*: disk_parts=3 exceeds the 2 "
                                                               r"blocks updated on the host"),
+    (["engine.kept_layers=3"], r"engine\.kept_layers=3.*: engine\.kept_layers = 3 is more than the model's 2 blocks"),
 ])
 def test_per_block_counts_past_the_model_are_refused_as_the_config_is_read(overrides, expected):
     with pytest.raises(ConfigError, match=expected):

@@ -324,8 +324,8 @@ def check_blocks(engine_cfg: EngineConfig, n_blocks: int) -> None:
     (``resident_layers``, ``offload_activations``), or for more parts in a role than there are (``parts.HostRoles``:
     blocks updated on the GPU, gradients waiting there, moments on disk), as the plan and the engine would, but
     before the data is read. A ``resident_layers`` still "auto" counts as none, which leaves the most blocks to the
-    other roles: what is refused here is refused whatever the plan picks. (``kept_layers`` is the plan's to check,
-    ``EngineConfig.check_layers``.)"""
+    other roles: what is refused here is refused whatever the plan picks. ``kept_layers`` and its overlap with
+    ``offload_activations``: ``EngineConfig.check_layers``."""
     from megatrain_jax.engine.parts import HostRoles
     for name in ("resident_layers", "offload_activations"):
         count = getattr(engine_cfg, name)
@@ -333,6 +333,7 @@ def check_blocks(engine_cfg: EngineConfig, n_blocks: int) -> None:
             raise ValueError(f"engine.{name} = {count} is more than the model's {n_blocks} blocks: set at most "
                              f"{n_blocks}")
     HostRoles.of_config(n_blocks, engine_cfg, resident_layers=0 if engine_cfg.resident_layers == AUTO else None)
+    engine_cfg.check_layers(n_blocks)
 
 
 def check_positions(data: DataConfig, model_cfg: DecoderConfig) -> str | None:
