@@ -568,6 +568,14 @@ def test_a_path_the_machine_refuses_is_a_clear_error_not_a_traceback(monkeypatch
     err = capsys.readouterr().err
     assert "/runs/r1/.lock" in err and advice in err and "Traceback" not in err
 
+    def full(args):  # no file named (a write deep in a library): the command's own outputs are named instead
+        raise OSError(28, os.strerror(28))
+    monkeypatch.setitem(commands.COMMANDS, "convert", full)
+    assert commands.main(["convert", "/in", "/out"]) == 2
+    err = capsys.readouterr().err
+    assert "a path megatrain-jax convert writes: the disk is full; free space there or choose another folder (the " \
+           "output given to convert)" in err and "train.run_dir" not in err, err
+
     def fail(args):
         raise OSError(5, os.strerror(5), "/dev/sda")
     monkeypatch.setitem(commands.COMMANDS, "plot", fail)

@@ -139,3 +139,12 @@ def test_an_output_its_disk_cannot_hold_is_refused_before_it_is_written(tmp_path
     err = capsys.readouterr().err
     assert f"{tmp_path / dst} needs about" in err and f"parameters in {size} each)" in err and "1000 B free" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_npz_output_with_a_trailing_slash_is_refused_saying_which_was_meant(tmp_path, capsys):
+    """``convert SRC out.npz/`` would write a Hugging Face folder named out.npz: asked which was meant instead."""
+    out = tmp_path / "out.npz"
+    assert main(["convert", str(HF_LLAMA), f"{out}/"]) == 2
+    err = capsys.readouterr().err
+    assert f"give {out} for a .npz file, or add --to hf" in err and "Traceback" not in err, err
+    assert not out.exists()

@@ -333,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # a folder or file the user named cannot be used: their machine's state, not a bug
         if e.errno not in _PATH_ERRNOS:
             raise
-        e.add_note(_path_advice(e))
+        e.add_note(_path_advice(e, args.command))
         return _failed(args.command, e, EXIT_BAD_INPUT)
     except NonFiniteError as e:
         return _failed(args.command, e, EXIT_DIVERGED)
@@ -414,12 +414,14 @@ _PATH_ERRNOS = {errno.EROFS: "the file system is read-only", errno.EACCES: "perm
                 errno.ENOTDIR: "a part of the path is a file, not a folder", errno.EISDIR: "it is a folder, not a file"}
 
 
-def _path_advice(e: OSError) -> str:
-    """What is wrong with the path ``e`` names, and what to do."""
-    todo = ("free space there or choose another folder" if e.errno in (errno.ENOSPC, errno.EDQUOT) else
+def _path_advice(e: OSError, command: str) -> str:
+    """What is wrong with the path ``e`` names, and what to do (``command``: the one that wrote there)."""
+    folders = {"train": " (train.run_dir, train.checkpoint_dir, train.export_hf)", "demo": " (train.run_dir)",
+               "convert": " (the output given to convert)"}.get(command, "")
+    todo = (f"free space there or choose another folder{folders}" if e.errno in (errno.ENOSPC, errno.EDQUOT) else
             "check the path you gave" if e.errno in (errno.ENOTDIR, errno.EISDIR) else
-            "make it writable or choose another folder (train.run_dir, train.checkpoint_dir)")
-    return f"{e.filename or 'a path of this run'}: {_PATH_ERRNOS[e.errno]}; {todo}"
+            f"make it writable or choose another folder{folders}")
+    return f"{e.filename or f'a path megatrain-jax {command} writes'}: {_PATH_ERRNOS[e.errno]}; {todo}"
 
 
 def _end_now(status: int, as_program: bool) -> int:

@@ -124,6 +124,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
     is written. An HF output takes the tokenizer and generation files of ``tokenizer`` (a folder), else of an HF
     ``src``."""
     src_fmt = detect_format(src)
+    if to is None and str(dst).rstrip("/" + os.sep) != str(dst) and Path(dst).suffix == ".npz":
+        raise ValueError(f"{dst} names a .npz file with a folder's trailing slash: give {str(dst).rstrip('/' + os.sep)} "
+                         f"for a .npz file, or add --to hf to write a Hugging Face folder there")
     to = to or ("npz" if str(dst).endswith(".npz") else "hf")
     if to not in FORMATS:
         raise ValueError(f"unknown output format {to!r}; choose from {FORMATS}")
