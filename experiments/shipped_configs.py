@@ -235,6 +235,9 @@ def read_run_folder(run_dir: Path, record: dict) -> None:
         if profiled and not unprofiled:
             record["timing_includes_profiled_step"] = True  # too few steps to leave it out
         timed = unprofiled or timed
+        # the evaluation after a step (train.eval_every) runs before the next step starts: that step is not timed
+        evaluated = {r["step"] for r in rows if "eval_loss" in r}
+        timed = [r for r in timed if r["step"] - 1 not in evaluated] or timed
         record.update(steps_reported=len(rows), loss_first=rows[0]["loss"], loss_last=rows[-1]["loss"],
                       tokens_per_s=round(statistics.median(r["tokens_per_s"] for r in timed), 1),
                       model_tflops=round(statistics.median(r["model_tflops"] for r in timed), 1),
@@ -247,6 +250,8 @@ def read_run_folder(run_dir: Path, record: dict) -> None:
                       step_times_s=[round(r["step_time_s"], 3) for r in rows if "step_time_s" in r])
         if all("loss_tokens_per_s" in r for r in timed):  # the tokens in the loss (padding, prompts left out)
             record["loss_tokens_per_s"] = round(statistics.median(r["loss_tokens_per_s"] for r in timed), 1)
+        if evaluated:  # the held-out loss after each evaluated step
+            record["eval_losses"] = {str(r["step"]): round(r["eval_loss"], 5) for r in rows if "eval_loss" in r}
         if "lm_loss" in rows[0]:  # a routed model: the next-token and load-balancing terms of each loss
             record.update(lm_losses=[round(r["lm_loss"], 5) for r in rows],
                           aux_losses=[round(r["aux_loss"], 5) for r in rows])

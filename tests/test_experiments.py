@@ -636,6 +636,22 @@ def test_shipped_configs_keeps_a_profiled_step_out_of_the_timing_and_records_its
     assert record["loss_tokens_per_s"] == 2.5 and record["tokens_per_s"] == 25.0  # the timed steps' medians
 
 
+def test_shipped_configs_records_the_held_out_losses_and_times_no_step_after_an_evaluation(tmp_path):
+    """``--set train.eval_every=N``: each evaluated step's held-out loss is recorded, and the step after it, which
+    waited for the evaluation, is not in the median step."""
+    import json
+    shipped = load_script("shipped_configs")
+    times = {1: 30.0, 2: 20.0, 3: 4.0, 4: 4.0, 5: 30.0, 6: 6.0, 7: 6.0, 8: 9.0}
+    rows = [{"step": k, "loss": 1.0, "tokens_per_s": 100 / t, "model_tflops": 1.0, "step_time_s": t}
+            for k, t in times.items()]
+    rows[3]["eval_loss"], rows[7]["eval_loss"] = 2.5, 2.25
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = {}
+    shipped.read_run_folder(tmp_path, record)
+    assert record["eval_losses"] == {"4": 2.5, "8": 2.25}
+    assert record["tokens_per_s"] == 20.8  # the median of steps 3, 4, 6 and 7 (16.7 with step 5)
+
+
 def test_shipped_configs_reaps_a_child_that_ends_as_the_cut_comes(monkeypatch):
     """SIGTERM through ``timeout`` reaches the train child too, which may be gone before this script kills it: the
     cut is still recorded (no ECHILD from reaping twice), and the environment's caps read as train reads them."""
