@@ -1,9 +1,14 @@
 """Tokenize a local text corpus into a megatrain_jax token file (``.bin`` + ``.bin.json`` + ``.bin.idx.npy``).
 
 Inputs, by extension:
-- ``.jsonl``: one JSON object per line; the document is the string under ``--text-field`` (default "text");
+- ``.jsonl`` or ``.json`` (JSON lines, as ``datasets``' ``to_json`` writes them): one JSON object per line; the
+  document is the string under ``--text-field`` (default "text"); blank lines are skipped;
 - anything else is plain text: documents are separated by one or more blank lines (a file with no blank
   line is a single document). Lines inside a document keep their newlines.
+
+Inputs are UTF-8 (a leading byte-order mark is dropped). A bad input (a line that is not JSON or not UTF-8, a
+record without the text field, inputs that hold no document) stops the run with the file and line, and the
+output is only replaced once every input is read: a token file already at ``--out`` is kept until then.
 
 Each document is encoded with a local Hugging Face ``tokenizer.json`` (the ``tokenizers`` library; nothing
 is ever fetched from a hub) and followed by the end-of-document token when there is one: ``--eos`` names it,
@@ -27,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from megatrain_jax.data import demo_tokens, write_tokens  # noqa: E402
 from megatrain_jax.data.demo import EOS_ID  # noqa: E402
-from megatrain_jax.data.tokens import TokenWriter  # noqa: E402
+from megatrain_jax.data.tokens import TokenWriter, index_path, sidecar_path  # noqa: E402
 
 COMMON_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
 
@@ -41,7 +46,11 @@ def load_tokenizer(path: Path):
                          "(or pip install tokenizers)") from e
     if not path.is_file():
         raise SystemExit(f"tokenizer file {path} not found; pass the tokenizer.json of the model you will train")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library's own error names no file
+        raise SystemExit(f"{path} is not a tokenizer file the tokenizers library can read ({e}); pass the "
+                         f"tokenizer.json of the model you will train") from None
 
 
 def find_eos(tokenizer, tokenizer_path: Path, name: str | None) -> int | None:
@@ -60,28 +69,64 @@ def find_eos(tokenizer, tokenizer_path: Path, name: str | None) -> int | None:
     return next((tokenizer.token_to_id(t) for t in COMMON_EOS if tokenizer.token_to_id(t) is not None), None)
 
 
+def read_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The lines of a UTF-8 text file with their numbers (from 1), newlines as ``\\n`` whatever the file's, a
+    leading byte-order mark dropped; SystemExit naming the line for bytes that are not UTF-8 (read as lone
+    surrogates, so that the error can say where they are)."""
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise SystemExit(f"{path}:{n} is not UTF-8 text (byte {ord(line[e.start]) - 0xDC00:#04x} at "
+                                 f"column {e.start + 1}); save the file as UTF-8") from None
+            yield n, line
+
+
 def read_documents(path: Path, text_field: str) -> Iterator[str]:
-    """Documents of one input file (jsonl records, or blank-line-separated plain-text paragraphs)."""
-    with open(path, encoding="utf-8") as f:
-        if path.suffix == ".jsonl":
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
+    """Documents of one input file (JSON lines records, or blank-line-separated plain-text paragraphs)."""
+    if path.suffix.lower() in (".jsonl", ".json"):
+        for n, line in read_lines(path):
+            if not line.strip():
+                continue
+            try:
                 record = json.loads(line)
-                if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                    raise SystemExit(f"{path}:{n}: expected a JSON object with a string field {text_field!r}; "
-                                     f"set --text-field")
-                yield record[text_field]
-            return
-        lines: list[str] = []
-        for line in f:
-            if line.strip():
-                lines.append(line)
-            elif lines:
-                yield "".join(lines).rstrip("\n")
-                lines = []
-        if lines:
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}:{n}: not valid JSON (column {e.colno}: {e.msg.removesuffix(' at')}); each "
+                                 f"line must hold one JSON object (JSON lines)") from None
+            if not isinstance(record, dict):
+                raise SystemExit(f"{path}:{n}: expected one JSON object per line (JSON lines), found a JSON "
+                                 f"{type(record).__name__}; write one {{{text_field!r}: ...}} object per line")
+            if not isinstance(record.get(text_field), str):
+                raise SystemExit(f"{path}:{n}: expected a JSON object with a string field {text_field!r} (found keys "
+                                 f"{sorted(record)}); set --text-field")
+            yield record[text_field]
+        return
+    lines: list[str] = []
+    for _, line in read_lines(path):
+        if line.strip():
+            lines.append(line)
+        elif lines:
             yield "".join(lines).rstrip("\n")
+            lines = []
+    if lines:
+        yield "".join(lines).rstrip("\n")
+
+
+def check_paths(inputs: list[Path], out: Path) -> None:
+    """SystemExit, before anything is read or written, for an input that is missing or a folder, or that the output
+    (the token file, its sidecar or its index) would overwrite."""
+    if out.is_dir():
+        raise SystemExit(f"--out {out} is a folder: give the token file to write, e.g. {out / 'train.bin'}")
+    written = {p.resolve() for p in (out, sidecar_path(out), index_path(out))}
+    for path in inputs:
+        if not path.exists():
+            raise SystemExit(f"input file {path} not found")
+        if not path.is_file():
+            raise SystemExit(f"input {path} is a folder, not a file: give the .jsonl or text files in it")
+        if path.resolve() in written:
+            raise SystemExit(f"input {path} is what --out {out} would write over: give the token file a name of "
+                             f"its own, e.g. --out {path.with_suffix('.tokens.bin')}")
 
 
 def chunks(docs: Iterator[str], size: int) -> Iterator[list[str]]:
@@ -97,9 +142,10 @@ def chunks(docs: Iterator[str], size: int) -> Iterator[list[str]]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="*", type=Path, help=".jsonl or plain-text files to tokenize, in order")
+    p.add_argument("inputs", nargs="*", type=Path, help=".jsonl (.json) or plain-text files to tokenize, in order")
     p.add_argument("--out", type=Path, required=True, help="output token file, e.g. data/train.bin")
-    p.add_argument("--tokenizer", type=Path, help="local tokenizer.json (Hugging Face tokenizers format)")
+    p.add_argument("--tokenizer", type=Path,
+                   help="local tokenizer.json (Hugging Face tokenizers format), or the model's folder holding it")
     p.add_argument("--text-field", default="text", help="jsonl field holding the document text (default: text)")
     p.add_argument("--eos", help="token appended after every document (default: detected from the tokenizer)")
     p.add_argument("--no-eos", action="store_true", help="append no end-of-document token")
@@ -126,22 +172,37 @@ def main(argv: list[str] | None = None) -> Path:
         out = write_tokens(args.out, tokens, vocab, starts, eos_id=EOS_ID)
         print(f"wrote {len(tokens)} demo tokens in {len(starts)} documents to {out}")
         return out
+    check_paths(args.inputs, args.out)
+    if args.tokenizer.is_dir():  # the model's folder: the tokenizer.json in it
+        args.tokenizer = args.tokenizer / "tokenizer.json"
     tokenizer = load_tokenizer(args.tokenizer)
     eos = None if args.no_eos else find_eos(tokenizer, args.tokenizer, args.eos)
-    vocab = args.vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
+    own = tokenizer.get_vocab_size(with_added_tokens=True)
+    if args.vocab_size is not None and args.vocab_size < own:
+        raise SystemExit(f"--vocab-size {args.vocab_size} is smaller than the {own} tokens of {args.tokenizer} "
+                         f"(added tokens included), so its ids would not fit: --vocab-size is for a model whose "
+                         f"embedding table is padded larger; leave it out, or tokenize with the model's own tokenizer")
+    vocab = args.vocab_size or own
     with TokenWriter(args.out, vocab, eos_id=eos, tokenizer=str(args.tokenizer)) as writer:
         for path in args.inputs:
-            if not path.is_file():
-                raise SystemExit(f"input file {path} not found")
             for batch in chunks(read_documents(path, args.text_field), args.batch_docs):
                 for enc in tokenizer.encode_batch(batch, add_special_tokens=not args.no_special_tokens):
                     ids = list(enc.ids)
                     if ids:
                         writer.append(ids + ([eos] if eos is not None else []))
+        if not writer.num_tokens:  # nothing to train on: the writer is abandoned, a file already at --out kept
+            raise SystemExit(f"{', '.join(map(str, args.inputs))}: no document (the input is empty, or blank, or its "
+                             f"texts are empty); {args.out} was not written")
     print(f"wrote {writer.num_tokens} tokens in {len(writer.doc_starts)} documents to {args.out} "
           f"(vocab_size {vocab}, eos {'none' if eos is None else eos})")
     return Path(args.out)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as e:  # a refusal of the input: said in one line, with argparse's exit status for bad input
+        if not isinstance(e.code, str):
+            raise
+        print(f"prepare_data.py: error: {e.code}", file=sys.stderr)
+        raise SystemExit(2) from None

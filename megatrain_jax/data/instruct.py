@@ -121,6 +121,10 @@ class ChatTokenizer:
             raise InstructDataError("instruction data needs the tokenizers package: pip install "
                                     "'megatrain-jax[sft]'") from e
         folder = Path(folder)
+        if folder.is_file():  # the tokenizer.json (or another file) itself: the folder holds what is read besides
+            raise InstructDataError(f"{folder} is a file: the tokenizer is read from a checkpoint's folder (its "
+                                    f"tokenizer.json, tokenizer_config.json with the chat template): give the folder, "
+                                    f"e.g. {folder.parent}")
         path = folder / "tokenizer.json"
         if not path.exists():
             raise InstructDataError(f"{path} does not exist: the checkpoint folder needs its tokenizer.json "
@@ -383,13 +387,14 @@ def read_tokenized(path: str | os.PathLike, encode: Callable[[str, str], list[tu
 
 
 def read_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """The non-blank lines of a UTF-8 text file with their numbers (from 1); InstructDataError naming the line
-    for bytes that are not UTF-8, and saying so for a token file given as JSON lines."""
+    """The non-blank lines of a UTF-8 text file with their numbers (from 1), a leading byte-order mark dropped (as
+    editors on Windows write one); InstructDataError naming the line for bytes that are not UTF-8, and saying so
+    for a token file given as JSON lines."""
     refuse_token_file(path)
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             try:
-                text = raw.decode("utf-8")
+                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise InstructDataError(f"{path}:{line_no} is not UTF-8 text (byte {raw[e.start]:#04x} at column "
                                         f"{e.start + 1}); save the file as UTF-8") from None
@@ -398,11 +403,14 @@ def read_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def refuse_token_file(path: str | os.PathLike) -> None:
-    """Raise InstructDataError when ``path`` looks like a token file (``data.tokens``: token ids, not JSON lines):
-    it has a token file's sidecar, holds a .npy array, or is named .bin or .npy and holds NUL bytes (which JSON
-    lines never do)."""
+    """Raise InstructDataError when ``path`` is a folder, or looks like a token file (``data.tokens``: token ids,
+    not JSON lines): it has a token file's sidecar, holds a .npy array, or is named .bin or .npy and holds NUL
+    bytes (which JSON lines never do)."""
     from megatrain_jax.data.tokens import NPY_MAGIC, sidecar_path
     path = Path(path)
+    if path.is_dir():
+        raise InstructDataError(f"{path} is a folder, not a file of JSON lines: set data.path to the .jsonl file "
+                                f"itself (docs/fine_tuning.md)")
     side = sidecar_path(path)
     if not path.is_file():
         return

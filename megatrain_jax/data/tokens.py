@@ -89,6 +89,14 @@ class TokenFile:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"token file {path} does not exist; " + HOW_TO_CREATE.format(path=path))
+        if path.is_dir():  # a folder of prepared data: which of its files is meant cannot be told
+            inside = sorted(str(p) for p in path.iterdir() if p.is_file() and (
+                sidecar_path(p).exists() or (p.suffix == ".npy" and not p.name.endswith(".idx.npy"))))
+            raise ValueError(f"{path} is a folder, not a token file: give the token file itself (a .bin with its "
+                             f".bin.json sidecar, or a .npy)" + (f"; the folder holds {', '.join(inside[:5])}"
+                                                                 + (", ..." if len(inside) > 5 else "") if inside else
+                                                                 "; the folder holds none: " +
+                                                                 HOW_TO_CREATE.format(path=path / "train.bin")))
         if path.suffix == ".npz":  # a zip of arrays: which one holds the tokens cannot be told
             raise ValueError(f"{path} is a .npz archive, not a token file: token files are a .npy holding one 1-D "
                              f"integer array (np.save(path, tokens)) or a .bin with its JSON sidecar; "
@@ -209,6 +217,11 @@ def _read_sidecar(path: Path) -> dict:
     if not side.exists() and Path(path).suffix in (".jsonl", ".json"):
         raise FileNotFoundError(f"{path} looks like JSON lines, not a token file: for instruction data set "
                                 f"data.format='chat' and data.tokenizer (docs/fine_tuning.md)")
+    if not side.exists() and Path(path).suffix != ".bin" and b"\0" not in _head(path):
+        raise FileNotFoundError(f"{path} looks like text, not a token file (it has no sidecar {side} and holds no "
+                                f"binary data): tokenize it into a token file of its own and give that one: `python "
+                                f"scripts/prepare_data.py --tokenizer tokenizer.json --out "
+                                f"{Path(path).with_suffix('.bin')} {path}`")
     if not side.exists():
         raise FileNotFoundError(f"token file {path} has no sidecar {side} (it says the dtype, vocab_size "
                                 f"and num_tokens); " + HOW_TO_CREATE.format(path=path))
@@ -234,6 +247,12 @@ def _read_sidecar(path: Path) -> dict:
     _check_eos(meta.get("eos_id"), meta["vocab_size"], f"sidecar {side}",
                "the sidecar is stale or was edited by hand: re-run scripts/prepare_data.py")
     return meta
+
+
+def _head(path: Path, size: int = 1 << 16) -> bytes:
+    """The first ``size`` bytes of ``path``."""
+    with open(path, "rb") as f:
+        return f.read(size)
 
 
 def _check_eos(eos_id: int | None, vocab_size: int, where: str, fix: str) -> None:
@@ -284,8 +303,10 @@ def _check_starts(starts: np.ndarray, num_tokens: int, where: str) -> None:
 
 
 class TokenWriter:
-    """Streams documents into ``path`` (+ sidecar, + index); the sidecar is written last, on ``close``,
-    so an interrupted run leaves a file that ``TokenFile.open`` refuses instead of a silently short one."""
+    """Streams documents into ``path`` (+ sidecar, + index, + loss flags). They are written under temporary names
+    beside ``path`` and moved into place on ``close``, the sidecar last: until then a token file already at ``path``
+    stays whole (a run reading it keeps its data; a re-run that fails on a bad input line loses nothing), and an
+    interrupted or failed write leaves no file that ``TokenFile.open`` would take for a whole one."""
 
     def __init__(self, path: str | os.PathLike, vocab_size: int, *, dtype: str | None = None,
                  eos_id: int | None = None, tokenizer: str | None = None, track_docs: bool = True,
@@ -300,9 +321,9 @@ class TokenWriter:
         self.eos_id, self.tokenizer, self.track_docs = eos_id, tokenizer, track_docs
         self.num_tokens, self.doc_starts = 0, []
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        sidecar_path(self.path).unlink(missing_ok=True)
-        self._f = open(self.path, "wb")
-        self._loss = open(loss_path(self.path), "wb") if track_loss else None
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self._f = open(self._tmp, "wb")
+        self._loss = open(loss_path(self._tmp), "wb") if track_loss else None
 
     def append(self, tokens: np.ndarray | Iterable[int], loss: np.ndarray | None = None) -> None:
         """Append one document (empty documents are skipped); with ``track_loss``, its per-token loss
@@ -322,23 +343,42 @@ class TokenWriter:
         self.num_tokens += int(arr.size)
 
     def close(self) -> Path:
+        """Finish the file and move it into place over any file at ``path``: the old sidecar goes first, the new
+        one comes last, so a reader never pairs one file's tokens with another's sidecar."""
+        try:
+            self._f.close()
+            if self._loss is not None:
+                self._loss.close()
+            meta = {"dtype": self.dtype, "vocab_size": self.vocab_size, "num_tokens": self.num_tokens}
+            if self.track_docs:
+                np.save(index_path(self._tmp), np.asarray(self.doc_starts, np.int64))
+                meta["num_docs"] = len(self.doc_starts)
+            if self.eos_id is not None:
+                meta["eos_id"] = int(self.eos_id)
+            if self.tokenizer is not None:
+                meta["tokenizer"] = self.tokenizer
+            if self._loss is not None:
+                meta["loss"] = True
+            sidecar_path(self._tmp).write_text(json.dumps(meta, indent=1) + "\n")
+            sidecar_path(self.path).unlink(missing_ok=True)
+            for name in (index_path, loss_path, Path):  # an old file's index or loss flags this one lacks go too
+                if name(self._tmp).exists():
+                    os.replace(name(self._tmp), name(self.path))
+                elif name is not Path:
+                    name(self.path).unlink(missing_ok=True)
+            os.replace(sidecar_path(self._tmp), sidecar_path(self.path))
+        except BaseException:
+            self.discard()
+            raise
+        return self.path
+
+    def discard(self) -> None:
+        """Abandon the write: the temporary files go, and any file already at ``path`` is left as it was."""
         self._f.close()
         if self._loss is not None:
             self._loss.close()
-        meta = {"dtype": self.dtype, "vocab_size": self.vocab_size, "num_tokens": self.num_tokens}
-        if self.track_docs:
-            np.save(index_path(self.path), np.asarray(self.doc_starts, np.int64))
-            meta["num_docs"] = len(self.doc_starts)
-        else:
-            index_path(self.path).unlink(missing_ok=True)
-        if self.eos_id is not None:
-            meta["eos_id"] = int(self.eos_id)
-        if self.tokenizer is not None:
-            meta["tokenizer"] = self.tokenizer
-        if self._loss is not None:
-            meta["loss"] = True
-        sidecar_path(self.path).write_text(json.dumps(meta, indent=1) + "\n")
-        return self.path
+        for name in (sidecar_path, index_path, loss_path, Path):
+            name(self._tmp).unlink(missing_ok=True)
 
     def __enter__(self) -> "TokenWriter":
         return self
@@ -347,9 +387,7 @@ class TokenWriter:
         if exc[0] is None:
             self.close()
         else:
-            self._f.close()
-            if self._loss is not None:
-                self._loss.close()
+            self.discard()
 
 
 def write_tokens(path: str | os.PathLike, tokens: np.ndarray, vocab_size: int,
