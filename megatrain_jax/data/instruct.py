@@ -248,7 +248,7 @@ def json_object(text: str, where: str) -> dict[str, Any]:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise InstructDataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        raise InstructDataError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise InstructDataError(f"{where}: each line must be a JSON object, got {type(obj).__name__}")
     return obj
