@@ -161,6 +161,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.demo == bool(args.inputs) or (not args.demo and args.tokenizer is None):
         p.error("give input files and --tokenizer, or --demo")
+    if args.batch_docs < 1:
+        p.error(f"--batch-docs must be at least 1 (documents encoded per tokenizer call), got {args.batch_docs}")
     return args
 
 

@@ -265,3 +265,11 @@ def test_a_control_character_in_a_chat_line_is_said_once():
     with pytest.raises(InstructDataError, match=r"^f\.jsonl:3: not valid JSON \(Invalid control character at column "
                                                 r"\d+\)$"):
         json_object('{"a": "x\ty"}', "f.jsonl:3")
+
+
+@pytest.mark.parametrize("n", [0, -5])
+def test_batch_docs_below_one_is_refused(tmp_path, n):
+    """``--batch-docs 0`` would hand the whole corpus to the tokenizer in one call: refused, saying the range."""
+    with pytest.raises(SystemExit):
+        _prepare_data().parse_args(["--tokenizer", "t.json", "--out", str(tmp_path / "o.bin"), "--batch-docs", str(n),
+                                    "a.txt"])
