@@ -268,8 +268,9 @@ def test_a_control_character_in_a_chat_line_is_said_once():
 
 
 @pytest.mark.parametrize("n", [0, -5])
-def test_batch_docs_below_one_is_refused(tmp_path, n):
+def test_batch_docs_below_one_is_refused(tmp_path, n, capsys):
     """``--batch-docs 0`` would hand the whole corpus to the tokenizer in one call: refused, saying the range."""
     with pytest.raises(SystemExit):
         _prepare_data().parse_args(["--tokenizer", "t.json", "--out", str(tmp_path / "o.bin"), "--batch-docs", str(n),
                                     "a.txt"])
+    assert f"--batch-docs must be at least 1 (documents encoded per tokenizer call), got {n}" in capsys.readouterr().err
