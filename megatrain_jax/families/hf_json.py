@@ -70,7 +70,8 @@ KINDS: dict[str, Kind] = {
     "original_max_position_embeddings": UNSET_OR_POSITIVE, "tie_word_embeddings": FLAG,
     "sliding_window": Kind("int", 0, nullable=True), "use_sliding_window": FLAG,
     "max_window_layers": Kind("int", 0, nullable=True),
-    "sliding_window_pattern": POSITIVE, "attention_bias": FLAG, "mlp_bias": FLAG, "use_qk_norm": FLAG,
+    "sliding_window_pattern": POSITIVE, "attention_bias": FLAG, "mlp_bias": FLAG, "qkv_bias": FLAG,
+    "use_qk_norm": FLAG,
     "attention_dropout": UNSET_OR_NUMBER, "resid_pdrop": UNSET_OR_NUMBER, "embd_pdrop": UNSET_OR_NUMBER,
     "query_pre_attn_scalar": POSITIVE_NUMBER, "final_logit_softcapping": Kind("number", 0, above=True, nullable=True),
     "num_experts": POSITIVE, "num_local_experts": POSITIVE, "n_routed_experts": POSITIVE,
@@ -147,8 +148,14 @@ def rope_fields(c: dict[str, Any], family: Family, max_pos: int) -> Fields:
     if "original_max_position_embeddings" in family.hf_defaults:  # the config class's own field wins (Phi-3)
         original = int(c.get("original_max_position_embeddings") or family.hf_defaults["original_max_position_embeddings"])
     else:
-        original = int(params.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
-                       or max_pos)
+        inner, outer = params.get("original_max_position_embeddings"), c.get("original_max_position_embeddings")
+        if inner and outer and int(inner) != int(outer):  # transformers 5 takes the top-level one, 4.x the inner one
+            where = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+            raise UnsupportedConfig(f"original_max_position_embeddings={outer} beside {where}."
+                                    f"original_max_position_embeddings={inner}: transformers 5 scales RoPE by the "
+                                    f"first, 4.x by the second; keep one of them (the length the model was "
+                                    f"pre-trained at) in config.json")
+        original = int(inner or outer or max_pos)
     factor = params.get("factor")
     if factor is None and kind in ("yarn", "longrope"):  # transformers: the ratio of the two lengths
         factor = max_pos / original
@@ -198,15 +205,18 @@ def layer_types(c: dict[str, Any], layers: int, pattern: int) -> tuple[str, ...]
     return tuple(types)
 
 
-def qwen_sliding_window(c: dict[str, Any], layers: int) -> int | None:
-    """Qwen2/3 (and their MoE): a window only when ``use_sliding_window``, and then only on layers >=
-    ``max_window_layers``; our blocks take all-full or all-sliding."""
+def qwen_sliding_window(c: dict[str, Any], layers: int, every_other_below: bool = False) -> int | None:
+    """Qwen2/3 and Qwen2-MoE (``c`` with the config class's defaults filled in): a window only when
+    ``use_sliding_window``, on the layers ``layer_types`` names, or where a config omits it on those its config class
+    picks by ``max_window_layers``: Qwen2Config's and Qwen3Config's layers >= it, Qwen2MoeConfig's
+    (``every_other_below``) every other layer below it (the first, the third, ...). Our blocks take all-full or
+    all-sliding. (Qwen3-MoE reads neither key: ``qwen3_moe.read``.)"""
     window = c.get("sliding_window") if c.get("use_sliding_window", False) else None
     types = c.get("layer_types")
     if types is None:
         mwl = c.get("max_window_layers", 28)
-        types = ["sliding_attention" if window is not None and i >= mwl else "full_attention"
-                 for i in range(layers)]
+        slides = (lambda i: i % 2 == 0 and i < mwl) if every_other_below else (lambda i: i >= mwl)
+        types = ["sliding_attention" if window is not None and slides(i) else "full_attention" for i in range(layers)]
     kinds = set(types)
     if kinds == {"full_attention"}:
         return None

@@ -64,4 +64,4 @@ def problems(cfg: Any) -> list[str]:
 
 
 FAMILY = Family(name="llama", title="Llama", model_type="llama", hf_class="LlamaForCausalLM", presets=PRESETS,
-                refuse=refuse, write=write, problems=problems)
+                hf_defaults=dict(max_position_embeddings=2048), refuse=refuse, write=write, problems=problems)

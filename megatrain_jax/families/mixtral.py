@@ -56,4 +56,5 @@ def blocks(cfg: Any, i: int) -> list[Spec]:
 
 
 FAMILY = Family(name="mixtral", title="Mixtral", model_type="mixtral", hf_class="MixtralForCausalLM", presets=PRESETS,
-                moe=True, read=read, refuse=refuse, write=write, problems=problems, blocks=blocks)
+                moe=True, hf_defaults=dict(rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=131072),
+                read=read, refuse=refuse, write=write, problems=problems, blocks=blocks)

@@ -29,6 +29,6 @@ def problems(cfg: Any) -> list[str]:
 
 
 FAMILY = Family(name="olmo2", title="OLMo 2", model_type="olmo2", hf_class="Olmo2ForCausalLM", presets=PRESETS,
-                hf_defaults=dict(rms_norm_eps=1e-5),
+                hf_defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=2048),
                 features=dict(qk_norm=True, qk_norm_width="all_heads", norm_placement="post"),
                 refuse=refuse, write=write, problems=problems)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatrain_jax.families import hf_json
-from megatrain_jax.families.family import Family
+from megatrain_jax.families.family import Family, UnsupportedConfig
 
 PRESETS = {"qwen2-57b-a14b": dict(
     family="qwen2_moe", vocab_size=151936, hidden=3584, ffn=18944, layers=28, heads=28, kv_heads=4,
@@ -16,7 +16,15 @@ PRESETS = {"qwen2-57b-a14b": dict(
 
 
 def read(c: dict[str, Any], layers: int) -> dict[str, Any]:
-    return dict(sliding_window=hf_json.qwen_sliding_window(c, layers), moe=hf_json.qwen_moe(c, shared=True))
+    return dict(sliding_window=hf_json.qwen_sliding_window(c, layers, every_other_below=True),
+                moe=hf_json.qwen_moe(c, shared=True))
+
+
+def refuse(c: dict[str, Any]) -> None:
+    hf_json.refuse_silu(c)
+    if not c.get("qkv_bias", True):  # Qwen2MoeAttention: biases on q, k and v only where qkv_bias (the default)
+        raise UnsupportedConfig("qkv_bias=False for model_type 'qwen2_moe' is not supported (a Qwen2-MoE model's q, k "
+                                "and v projections have biases here, Qwen2MoeConfig's default)")
 
 
 def write(cfg: Any, out: dict[str, Any]) -> None:
@@ -34,5 +42,6 @@ def problems(cfg: Any) -> list[str]:
 
 
 FAMILY = Family(name="qwen2_moe", title="Qwen2-MoE", model_type="qwen2_moe", hf_class="Qwen2MoeForCausalLM",
-                presets=PRESETS, moe=True, features=dict(qkv_bias=True), read=read, refuse=hf_json.refuse_silu,
+                presets=PRESETS, moe=True, hf_defaults=dict(max_position_embeddings=32768, sliding_window=4096),
+                features=dict(qkv_bias=True), read=read, refuse=refuse,
                 write=write, problems=problems)

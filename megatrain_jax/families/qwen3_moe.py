@@ -18,9 +18,11 @@ PRESETS = {
 
 
 def read(c: dict[str, Any], layers: int) -> dict[str, Any]:
-    """Qwen's sliding window (all layers or none), and the experts (``num_experts``, ``moe_intermediate_size``,
-    ``norm_topk_prob``: Qwen3MoeConfig's default False)."""
-    return dict(sliding_window=hf_json.qwen_sliding_window(c, layers), moe=hf_json.qwen_moe(c, shared=False))
+    """The sliding window, and the experts (``num_experts``, ``moe_intermediate_size``, ``norm_topk_prob``:
+    Qwen3MoeConfig's default False). Qwen3MoeConfig keeps ``sliding_window`` only with ``use_sliding_window``, and
+    then every layer slides: unlike Qwen2/3, it reads neither ``max_window_layers`` nor ``layer_types``."""
+    window = c.get("sliding_window") if c.get("use_sliding_window", False) else None
+    return dict(sliding_window=window, moe=hf_json.qwen_moe(c, shared=False))
 
 
 def refuse(c: dict[str, Any]) -> None:
@@ -42,5 +44,7 @@ def problems(cfg: Any) -> list[str]:
 
 
 FAMILY = Family(name="qwen3_moe", title="Qwen3-MoE", model_type="qwen3_moe", hf_class="Qwen3MoeForCausalLM",
-                presets=PRESETS, moe=True, hf_defaults=dict(head_dim=128), features=dict(qk_norm=True),
+                # no head_dim: Qwen3MoeConfig has none, and its attention takes hidden_size / num_attention_heads
+                presets=PRESETS, moe=True, hf_defaults=dict(max_position_embeddings=32768, sliding_window=4096),
+                features=dict(qk_norm=True),
                 read=read, refuse=refuse, write=write, problems=problems)
