@@ -62,7 +62,19 @@ def test_a_second_train_into_a_run_folder_is_refused_and_changes_nothing(tmp_pat
     err = capsys.readouterr().err
     assert f"run folder {tmp_path} already holds a run" in err
     assert "train.resume=true" in err and "train.run_dir" in err and "resume='auto'" not in err
+    assert "train.checkpoint_dir" not in err  # its checkpoints are where a resume looks: no folder to add
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_a_second_train_into_a_relative_run_folder_names_no_checkpoint_folder(tmp_path, capsys, monkeypatch):
+    """The first run's config.toml holds its unset checkpoint_dir as "none", and its run folder was given relative:
+    the refusal says to add train.resume=true only, not a checkpoint folder named "none" or the same one again."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *TINY_RUN, "train.steps=2", "train.checkpoint_every=2", "train.run_dir=runs/a"]) == 0
+    capsys.readouterr()
+    assert main(["train", *TINY_RUN, "train.steps=3", "train.run_dir=runs/a"]) == 2
+    err = capsys.readouterr().err
+    assert "To continue it, add train.resume=true; to start a new run" in err and "none" not in err, err
 
 
 def test_resuming_without_a_checkpoint_keeps_the_earlier_metrics(tmp_path, capsys):

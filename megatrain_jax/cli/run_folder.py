@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
+from typing import Any
 
 from megatrain_jax.checkpoint import committed_steps
 from megatrain_jax.cli.run_config import RunConfig, parse_config, to_toml
@@ -48,7 +49,8 @@ def prepare_run_folder(cfg: RunConfig) -> str | None:
     saved_to = _checkpoint_folder(recorded, run_dir)
     if held and not t.resume:
         if committed_steps(saved_to) or committed_steps(ckpt_dir):
-            how = "add train.resume=true" + (f" train.checkpoint_dir={saved_to}" if saved_to != ckpt_dir else "")
+            how = "add train.resume=true" + (f" train.checkpoint_dir={saved_to}" if saved_to != ckpt_dir.absolute()
+                                             else "")
             on = f"To continue it, {how}; to start a new run"
         else:
             on = ("It saved no checkpoint (train.checkpoint_every was not set), so it cannot be continued. To train "
@@ -74,7 +76,7 @@ def prepare_run_folder(cfg: RunConfig) -> str | None:
                          f"(train.checkpoint_every unset, or stopped before its first save): this run starts from "
                          f"step 0; the earlier metrics are kept in a metrics.N.jsonl beside metrics.jsonl")
     if recorded is not None:
-        then = recorded.get("model", {}).get("hf_checkpoint")
+        then = saved_value(recorded, "model", "hf_checkpoint")
         if then and then != cfg.model.hf_checkpoint and not Path(then).exists():
             now = cfg.model.hf_checkpoint or f"the preset {cfg.model.preset!r}"
             gone = ("is not found from this working directory (a relative path, read from where the run started)"
@@ -119,8 +121,15 @@ def schedule_changes(recorded: dict, cfg: RunConfig) -> dict[str, tuple]:
 def _checkpoint_folder(recorded: dict | None, run_dir: Path) -> Path:
     """Where the run ``recorded`` (``last_config``) saved its checkpoints: its ``checkpoint_dir``, else
     ``run_dir/checkpoints``."""
-    where = (recorded or {}).get("train", {}).get("checkpoint_dir")
+    where = saved_value(recorded, "train", "checkpoint_dir")
     return Path(where or run_dir / "checkpoints").absolute()
+
+
+def saved_value(recorded: dict | None, section: str, key: str) -> Any:
+    """``[section] key`` of ``recorded`` (a saved config.toml as ``last_config`` reads it), None where it is unset:
+    TOML has no null, and ``to_toml`` writes an unset value as "none"."""
+    value = (recorded or {}).get(section, {}).get(key)
+    return None if value == "none" else value
 
 
 def _steps_trained(run_dir: Path) -> int:
