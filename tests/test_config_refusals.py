@@ -91,3 +91,12 @@ def test_plot_leaves_out_a_last_line_cut_short(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(_record(1) + _record(2) + '{"step": 3, "lo')  # a run killed mid-write
     assert main(["plot", str(tmp_path)]) == 0
     assert (tmp_path / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("name", ["q4", "m8v4"])
+def test_a_removed_moment_format_says_why_and_what_to_set(name):
+    """A config naming a moment format that is gone is told why and what to set, as EngineConfig tells Python, not
+    only that it is not one of the values left."""
+    with pytest.raises(ConfigError, match=rf"command-line override engine\.moment_dtype={name}: \[engine\] "
+                                          rf"moment_dtype: .*removed: .*Set it to 'm7v5' \(the same bytes\) or 'q8'"):
+        parse_config({}, "config", [f"engine.moment_dtype={name}"])

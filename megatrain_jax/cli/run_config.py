@@ -286,6 +286,9 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
     for name, cls in SECTIONS.items():
         where = dataclasses.replace(root, text=f"{source} [{name}]", path=(name,))
         table = raw.get(name, {})
+        removed = table.get("moment_dtype") if cls is EngineConfig else None
+        if isinstance(removed, str) and removed in precision.REMOVED_MOMENT_DTYPES:  # why, before "must be one of"
+            raise ConfigError(f"{where.key('moment_dtype')}: {precision.removed_moments(removed)}")
         parts[name] = (_model(table, where, hf_folder) if cls is ModelSection else
                        build_dataclass(cls, table, where, SECTION_KEYS))
     cfg = RunConfig(**parts)

@@ -193,6 +193,13 @@ REMOVED_MOMENT_DTYPES = {
             "quality table, and m7v5 keeps the same bytes at 0.4% (docs/capacity.md)"}
 CONVERT_REMOVED = ("a checkpoint saved in it resumes with megatrain_jax at commit ebb2e98 in capacity mode "
                    "(engine.moment_dtype unset); save there, and that checkpoint resumes here in any capacity mode")
+
+
+def removed_moments(name: str) -> str:
+    """Why the moment format ``name`` (of ``REMOVED_MOMENT_DTYPES``) is gone, and what to set instead."""
+    return f"{REMOVED_MOMENT_DTYPES[name]}. Set it to 'm7v5' (the same bytes) or 'q8'; {CONVERT_REMOVED}"
+
+
 MASTER_DTYPES = tuple(dict.fromkeys(mode.master_dtype for mode in MODES.values()))
 MOMENT_DTYPES = tuple(dict.fromkeys(mode.moment_dtype for mode in MODES.values() if mode.moment_dtype))
 HOST_GRAD_DTYPES = tuple(dict.fromkeys(d for mode in MODES.values() for d in mode.host_grad_dtypes))
@@ -256,8 +263,7 @@ def check_precision(cfg: EngineConfig) -> None:
         raise ValueError(f"EngineConfig.master_dtype must be {either(MASTER_DTYPES)} ({modes}), "
                          f"got {cfg.master_dtype!r}")
     if cfg.moment_dtype in REMOVED_MOMENT_DTYPES:
-        raise ValueError(f"EngineConfig.moment_dtype={cfg.moment_dtype!r}: {REMOVED_MOMENT_DTYPES[cfg.moment_dtype]}. "
-                         f"Set it to 'm7v5' (the same bytes) or 'q8'; {CONVERT_REMOVED}")
+        raise ValueError(f"EngineConfig.moment_dtype={cfg.moment_dtype!r}: {removed_moments(cfg.moment_dtype)}")
     if cfg.moment_dtype is not None and cfg.moment_dtype not in MOMENT_DTYPES:
         raise ValueError(f"EngineConfig.moment_dtype must be unset (the masters' dtype) or {either(MOMENT_DTYPES)} "
                          f"({', '.join(m.title for m in MODES.values() if m.moment_dtype)}), got {cfg.moment_dtype!r}")
