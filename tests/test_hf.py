@@ -334,6 +334,20 @@ def test_renamed_and_removed_tensors_are_listed(fixture_copy):
     assert "unexpected: model.layers.1.mlp.up_proj.weight_renamed (shape [80, 64])" in msg
 
 
+def test_hundreds_of_extra_tensors_are_counted_by_prefix_not_listed(fixture_copy):
+    """A multimodal checkpoint's vision tower in the files: the first tensors are named, the rest counted under their
+    prefix, so that the message says what the extra part is in a few lines."""
+    folder = fixture_copy("llama")
+    def edit(t):
+        t.update({f"model.vision_tower.blocks.{i}.weight": np.zeros((2, 2), np.float32) for i in range(300)})
+    _rewrite(folder, edit)
+    with pytest.raises(CheckpointMismatch) as e:
+        load_hf(folder)
+    lines = str(e.value).splitlines()
+    assert len(lines) == 1 + 12 + 1, lines
+    assert lines[-1] == "  unexpected: 288 more (model.vision_tower.*: 288)"
+
+
 def test_wrong_shapes_are_listed(fixture_copy):
     folder = fixture_copy("qwen2")
     config = json.loads((folder / "config.json").read_text())

@@ -12,10 +12,11 @@ Loading goes tensor by tensor from memory-mapped files, so peak extra memory is 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,12 +83,27 @@ def check_checkpoint(ckpt: Checkpoint, cfg: DecoderConfig) -> None:
         return
     lines = [f"checkpoint {ckpt.dir} does not match its config ({cfg.family}, {cfg.layers} layers, hidden "
              f"{cfg.hidden}, vocab {cfg.vocab_size}, tied={cfg.tie_embeddings}):"]
-    lines += [f"  missing: {n} (expected shape {list(expected[n])})" for n in missing]
-    lines += [f"  unexpected: {n} (shape {list(found[n])})" for n in unexpected]
-    lines += [f"  shape mismatch: {n}: expected {list(expected[n])}, found {list(found[n])}" for n in wrong]
-    lines += [f"  dtype: {n} in {ckpt.file_of(n)} is {dtypes[n]}; a weight is floating point "
-              f"({', '.join(WEIGHT_DTYPES)}): convert the checkpoint's weights, or take them again" for n in not_float]
+    lines += _listed("missing", missing, lambda n: f"{n} (expected shape {list(expected[n])})")
+    lines += _listed("unexpected", unexpected, lambda n: f"{n} (shape {list(found[n])})")
+    lines += _listed("shape mismatch", wrong, lambda n: f"{n}: expected {list(expected[n])}, found {list(found[n])}")
+    lines += _listed("dtype", not_float, lambda n: f"{n} in {ckpt.file_of(n)} is {dtypes[n]}; a weight is floating "
+                     f"point ({', '.join(WEIGHT_DTYPES)}): convert the checkpoint's weights, or take them again")
     raise CheckpointMismatch("\n".join(lines))
+
+
+MOST_LISTED = 12  # tensors named per kind of mismatch; the rest are counted by where they sit
+
+
+def _listed(kind: str, names: list[str], say: Callable[[str], str]) -> list[str]:
+    """A mismatch's lines: the first ``MOST_LISTED`` tensors of ``names``, then how many more under each prefix (a
+    multimodal checkpoint's vision tower is hundreds of tensors under one)."""
+    lines = [f"  {kind}: {say(n)}" for n in names[:MOST_LISTED]]
+    rest = names[MOST_LISTED:]
+    if rest:
+        under = collections.Counter(".".join(n.split(".")[:2]) for n in rest)
+        lines.append(f"  {kind}: {len(rest)} more (" + ", ".join(f"{k}.*: {v}" for k, v in under.most_common(6))
+                     + (", ..." if len(under) > 6 else "") + ")")
+    return lines
 
 
 def _mtp_layer(cfg: DecoderConfig, name: str) -> bool:
