@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import tomllib
 import typing
 from pathlib import Path
@@ -32,9 +31,9 @@ from typing import Any, Literal, Sequence
 
 import optax
 
-from megatrain_jax.cli.toml_dataclass import (CHOICES, ConfigError, Where, _check_keys, _closest, _fields,
+from megatrain_jax.cli.toml_dataclass import (CHOICES, RETIRED, ConfigError, Where, _check_keys, _closest, _fields,
                                               _override_paths, _paths, _table_type, _toml_value, apply_overrides,
-                                              build_dataclass, coerce, key_home)
+                                              build_dataclass, coerce, key_home, keys_named)
 from megatrain_jax.data import DataConfig
 from megatrain_jax.data.batches import MODES
 from megatrain_jax.data.config import FORMATS
@@ -219,6 +218,8 @@ CHOICES.update({
     (DecoderConfig, "attention_impl"): ATTENTION_IMPLS,
     (RopeScaling, "kind"): ROPE_KINDS,
 })
+RETIRED.update({(EngineConfig, "moment_dtype"): {name: precision.removed_moments(name)
+                                                 for name in precision.REMOVED_MOMENT_DTYPES}})
 
 # Each section's keys, so that a key written in the wrong section is named as its own section's
 # (``train.seq_len=64``: "'seq_len' is a [data] key: data.seq_len=64"), not as a near miss in the wrong one.
@@ -286,9 +287,6 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
     for name, cls in SECTIONS.items():
         where = dataclasses.replace(root, text=f"{source} [{name}]", path=(name,))
         table = raw.get(name, {})
-        removed = table.get("moment_dtype") if cls is EngineConfig else None
-        if isinstance(removed, str) and removed in precision.REMOVED_MOMENT_DTYPES:  # why, before "must be one of"
-            raise ConfigError(f"{where.key('moment_dtype')}: {precision.removed_moments(removed)}")
         parts[name] = (_model(table, where, hf_folder) if cls is ModelSection else
                        build_dataclass(cls, table, where, SECTION_KEYS))
     cfg = RunConfig(**parts)
@@ -317,7 +315,7 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
     try:
         check_blocks(cfg.engine, model_cfg.layers)
     except ValueError as err:
-        named = [("engine", k) for k in raw.get("engine", {}) if re.search(rf"\b{re.escape(k)}\b", str(err))]
+        named = [("engine", k) for k in keys_named(raw.get("engine", {}), err)]
         raise ConfigError(f"{root.blame(named + model_paths)}: {err}") from None
     return cfg
 

@@ -30,6 +30,9 @@ class ConfigError(ValueError):
 # them as Literal fields, so a typo gets the same "did you mean" as any Literal. Empty here: a schema adds
 # its own (``run_config.CHOICES``, on import).
 CHOICES: dict[tuple[type, str], tuple[str, ...]] = {}
+# Values such a field no longer takes, keyed as CHOICES, each with why and what to set instead: said in place of
+# the allowed values' list (``run_config.RETIRED``).
+RETIRED: dict[tuple[type, str], Mapping[str, str]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +75,12 @@ class Where:
     def in_table(self, table: Mapping, error: object = "") -> str:
         """``blame`` for the keys of ``table``, which sits at this place; with ``error`` (what the table's values
         were refused with), for the keys it names where it names any."""
-        named = [k for k in table if re.search(rf"\b{re.escape(str(k))}\b", str(error))]
-        return self.blame(self.path + (k,) for k in (named or table))
+        return self.blame(self.path + (k,) for k in (keys_named(table, error) or table))
+
+
+def keys_named(keys: Iterable[str], error: object) -> list[str]:
+    """The ``keys`` that the message of ``error`` names, each as a whole word."""
+    return [k for k in keys if re.search(rf"\b{re.escape(str(k))}\b", str(error))]
 
 
 # ---------------------------------------------------------------------------------------------- parsing
@@ -202,6 +209,10 @@ def build_dataclass(cls: type, table: dict, where: str | Where,
     where = where if isinstance(where, Where) else Where(where)
     fields = _fields(cls)
     _check_keys(table, list(fields), where, sections)
+    for k, v in table.items():
+        why = RETIRED.get((cls, k), {}).get(v) if isinstance(v, str) else None
+        if why is not None:
+            raise ConfigError(f"{where.key(k)}: {why}")
     kwargs = {k: coerce(v, fields[k], where.key(k)) for k, v in table.items()}
     try:
         return cls(**kwargs)
