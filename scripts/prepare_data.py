@@ -30,7 +30,7 @@ from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from megatrain_jax.data import demo_tokens, write_tokens  # noqa: E402
+from megatrain_jax.data import demo_tokens, instruct, write_tokens  # noqa: E402
 from megatrain_jax.data.demo import EOS_ID  # noqa: E402
 from megatrain_jax.data.tokens import TokenWriter, index_path, sidecar_path  # noqa: E402
 
@@ -69,10 +69,10 @@ def find_eos(tokenizer, tokenizer_path: Path, name: str | None) -> int | None:
     return next((tokenizer.token_to_id(t) for t in COMMON_EOS if tokenizer.token_to_id(t) is not None), None)
 
 
-def read_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """The lines of a UTF-8 text file with their numbers (from 1), newlines as ``\\n`` whatever the file's, a
-    leading byte-order mark dropped; SystemExit naming the line for bytes that are not UTF-8 (read as lone
-    surrogates, so that the error can say where they are)."""
+def text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The lines of a UTF-8 plain-text file with their numbers (from 1), blank ones too (they part documents),
+    newlines as ``\\n`` whatever the file's, a leading byte-order mark dropped; SystemExit naming the line for bytes
+    that are not UTF-8 (read as lone surrogates, so that the error can say where they are)."""
     with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         for n, line in enumerate(f, 1):
             try:
@@ -85,25 +85,19 @@ def read_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 def read_documents(path: Path, text_field: str) -> Iterator[str]:
     """Documents of one input file (JSON lines records, or blank-line-separated plain-text paragraphs)."""
-    if path.suffix.lower() in (".jsonl", ".json"):
-        for n, line in read_lines(path):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"{path}:{n}: not valid JSON (column {e.colno}: {e.msg.removesuffix(' at')}); each "
-                                 f"line must hold one JSON object (JSON lines)") from None
-            if not isinstance(record, dict):
-                raise SystemExit(f"{path}:{n}: expected one JSON object per line (JSON lines), found a JSON "
-                                 f"{type(record).__name__}; write one {{{text_field!r}: ...}} object per line")
-            if not isinstance(record.get(text_field), str):
-                raise SystemExit(f"{path}:{n}: expected a JSON object with a string field {text_field!r} (found keys "
-                                 f"{sorted(record)}); set --text-field")
-            yield record[text_field]
+    if path.suffix.lower() in (".jsonl", ".json"):  # read as chat data's lines are (instruct: UTF-8, BOM, objects)
+        try:
+            for n, line in instruct.read_lines(path):
+                record = instruct.json_object(line, f"{path}:{n}")
+                if not isinstance(record.get(text_field), str):
+                    raise SystemExit(f"{path}:{n}: expected a JSON object with a string field {text_field!r} (found "
+                                     f"keys {sorted(record)}); set --text-field")
+                yield record[text_field]
+        except instruct.InstructDataError as e:
+            raise SystemExit(str(e)) from None
         return
     lines: list[str] = []
-    for _, line in read_lines(path):
+    for _, line in text_lines(path):
         if line.strip():
             lines.append(line)
         elif lines:

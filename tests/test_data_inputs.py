@@ -71,9 +71,9 @@ def _ids(text: str) -> list[int]:
 # --- prepare_data.py: every bad line is named -------------------------------------------------------------------
 
 @pytest.mark.parametrize("second,match", [
-    (b'{"text": the cat}', r"b\.jsonl:2: not valid JSON \(column 10: Expecting value\)"),
+    (b'{"text": the cat}', r"b\.jsonl:2: not valid JSON \(Expecting value at column 10\)"),
     (b'{"text": "the \xff cat"}', r"b\.jsonl:2 is not UTF-8 text \(byte 0xff at column 15\); save the file as UTF-8"),
-    (b'["the cat"]', r"b\.jsonl:2: expected one JSON object per line \(JSON lines\), found a JSON list"),
+    (b'["the cat"]', r"b\.jsonl:2: each line must be a JSON object, got list"),
     (b'{"body": "the cat"}', r"b\.jsonl:2: expected a JSON object with a string field 'text' \(found keys "
                              r"\['body'\]\); set --text-field"),
 ], ids=["not_json", "not_utf8", "not_an_object", "misnamed_field"])
