@@ -27,7 +27,7 @@ sys.path.insert(0, EXPERIMENTS)
 sys.path.insert(0, os.path.dirname(EXPERIMENTS))  # the repository root: megatrain_jax
 
 from child import drop_page_cache, git_commit  # noqa: E402
-from megatrain_jax.engine.update.disk_tier import IO_CONTEXT, DiskTier, OnDisk  # noqa: E402
+from megatrain_jax.engine.update.disk_tier import IO_CONTEXT, DiskTier  # noqa: E402
 from megatrain_jax.optim import AdamWState  # noqa: E402
 from megatrain_jax.engine.parts import Part, PartId  # noqa: E402
 
@@ -64,6 +64,29 @@ def raw_direct(folder: str, total: int, block: int = 64 * 2**20) -> dict:
             "status": "ok"}
 
 
+def tier_round(folder: str, n: int, data: np.ndarray, drop_cache: bool) -> dict:
+    """``n`` parts' moments (mu and nu, each ``data``) written through a new ``DiskTier`` in ``folder`` and read back,
+    its files created empty first and removed after: the seconds each way. Reads are not started ahead (the tier's
+    ``read_ahead`` would start them behind the last write, before the timed loads)."""
+    parts = [PartId.block(i) for i in range(n)]
+    tier = DiskTier(folder, parts, read_ahead=0)
+    empty = Part({}, AdamWState(np.int32(0), np.zeros_like(data), np.zeros_like(data)), None)
+    records = {part: tier.spill(part, empty, fresh=True) for part in parts}
+    t = time.perf_counter()
+    for part in parts:
+        tier.store(part, Part({}, AdamWState(np.int32(0), data, data), None))
+    tier.flush()
+    write_s = time.perf_counter() - t
+    dropped = drop_page_cache() if drop_cache else False
+    t = time.perf_counter()
+    loaded = [tier.load(part, records[part]) for part in parts]
+    read_s = time.perf_counter() - t
+    same = all(np.array_equal(x.opt.mu, data) and np.array_equal(x.opt.nu, data) for x in loaded)
+    del loaded
+    tier.remove()
+    return {"write_s": write_s, "read_s": read_s, "page_cache_dropped": dropped, "read_back_equal": same}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", required=True, help="a folder on the disk to measure (removed afterwards)")
@@ -74,29 +97,14 @@ def main() -> None:
     shape = (11008, 4096)  # a 7B MLP matrix: 172 MiB per moment array
     per = int(np.prod(shape)) * 4
     n = max(1, int(args.gib * 2**30 // (2 * per)))  # parts of (mu, nu)
-    parts = [PartId.block(i) for i in range(n)]
-    tier = DiskTier(args.dir, parts)
-    rng = np.random.default_rng(0)
-    data = rng.random(shape, dtype=np.float32)
-    records = {}
-    for part in parts:  # create the files empty, then time the writes of their contents
-        empty = Part({}, AdamWState(np.int32(0), np.zeros(shape, np.float32), np.zeros(shape, np.float32)), None)
-        records[part] = tier.spill(part, empty, fresh=True)
-    t = time.perf_counter()
-    for part in parts:
-        tier.store(part, Part({}, AdamWState(np.int32(0), data, data), None))
-    tier.flush()
-    write_s = time.perf_counter() - t
-    if args.drop_cache and not drop_page_cache():
-        print("could not drop the page cache (not root?); reads may come from memory", file=sys.stderr)
-    t = time.perf_counter()
-    loaded = [tier.load(part, records[part]) for part in parts]
-    read_s = time.perf_counter() - t
-    assert all(np.array_equal(x.opt.mu, data) for x in loaded)
-    del loaded
-    total = 2 * n * per
+    data = np.random.default_rng(0).random(shape, dtype=np.float32)
+    os.makedirs(args.dir, exist_ok=True)
     free = shutil.disk_usage(args.dir).free
-    tier.remove()
+    timed = tier_round(args.dir, n, data, args.drop_cache)
+    if args.drop_cache and not timed["page_cache_dropped"]:
+        print("could not drop the page cache (not root?); reads may come from memory", file=sys.stderr)
+    assert timed["read_back_equal"]
+    write_s, read_s, total = timed["write_s"], timed["read_s"], 2 * n * per
     dev = subprocess.run(["df", "--output=source", args.dir if os.path.exists(args.dir) else "/"],
                          capture_output=True, text=True).stdout.split()[-1:]
     run = {"system": "megatrain_jax.engine.update.disk_tier", "config": f"{n} parts of two {shape} float32 arrays",
@@ -104,8 +112,8 @@ def main() -> None:
            "write_s": round(write_s, 3), "read_s": round(read_s, 3), "write_gb_s": round(total / write_s / 1e9, 3),
            "read_gb_s": round(total / read_s / 1e9, 3), "page_cache_dropped": args.drop_cache,
            "tensorstore_context": IO_CONTEXT, "status": "ok",
-           "note": "one I/O thread (the tier's), tensorstore's own parallelism within each array; without "
-                   "--drop-cache the reads may come from the page cache"}
+           "note": "one I/O thread (the tier's), tensorstore's own parallelism within each array, no read ahead; "
+                   "without --drop-cache the reads may come from the page cache"}
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     result = {"name": os.path.splitext(os.path.basename(args.out))[0],
               "command": "PYTHONPATH=. python experiments/studies/disk_bench.py " + " ".join(sys.argv[1:]),

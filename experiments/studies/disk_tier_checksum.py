@@ -20,15 +20,16 @@ import json
 import os
 import shutil
 import sys
-import time
 
 import numpy as np
 
 EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # child.py
 sys.path.insert(0, EXPERIMENTS)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # disk_bench.py
 sys.path.insert(0, os.path.dirname(EXPERIMENTS))  # the repository root: megatrain_jax
 
 from child import drop_page_cache, git_commit  # noqa: E402
+from disk_bench import tier_round  # noqa: E402
 from megatrain_jax.engine.parts import Part, PartId  # noqa: E402
 from megatrain_jax.engine.update import disk_tier  # noqa: E402
 from megatrain_jax.optim import AdamWState  # noqa: E402
@@ -55,30 +56,15 @@ def checksummed(on: bool):
 
 
 def one_round(folder: str, n: int, data: np.ndarray, checksum: bool) -> dict:
-    """``n`` parts' (mu, nu) written through a fresh tier and read back: seconds and GB/s each way."""
-    parts = [PartId.block(i) for i in range(n)]
+    """``n`` parts' (mu, nu) written through a fresh tier and read back (``disk_bench.tier_round``, the page cache
+    dropped before the reads): seconds and GB/s each way."""
     with checksummed(checksum):
-        tier = disk_tier.DiskTier(folder, parts, read_ahead=0)  # each read where it is timed, not ahead
-        records = {}
-        for part in parts:  # created empty, then the writes of their contents are timed
-            empty = Part({}, AdamWState(np.int32(0), np.zeros(SHAPE, np.float32), np.zeros(SHAPE, np.float32)), None)
-            records[part] = tier.spill(part, empty, fresh=True)
-        t = time.perf_counter()
-        for part in parts:
-            tier.store(part, Part({}, AdamWState(np.int32(0), data, data), None))
-        tier.flush()
-        write_s = time.perf_counter() - t
-        dropped = drop_page_cache()
-        t = time.perf_counter()
-        loaded = [tier.load(part, records[part]) for part in parts]
-        read_s = time.perf_counter() - t
-        same = all(np.array_equal(x.opt.mu, data) and np.array_equal(x.opt.nu, data) for x in loaded)
-        del loaded
-        total = 2 * n * data.nbytes
-        tier.remove()
-    return {"checksum": checksum, "bytes": total, "write_s": round(write_s, 3), "read_s": round(read_s, 3),
-            "write_gb_s": round(total / write_s / 1e9, 3), "read_gb_s": round(total / read_s / 1e9, 3),
-            "page_cache_dropped": dropped, "read_back_equal": same}
+        timed = tier_round(folder, n, data, drop_cache=True)
+    total = 2 * n * data.nbytes
+    return {"checksum": checksum, "bytes": total, "write_s": round(timed["write_s"], 3),
+            "read_s": round(timed["read_s"], 3), "write_gb_s": round(total / timed["write_s"] / 1e9, 3),
+            "read_gb_s": round(total / timed["read_s"] / 1e9, 3), "page_cache_dropped": timed["page_cache_dropped"],
+            "read_back_equal": timed["read_back_equal"]}
 
 
 def corruption(folder: str, data: np.ndarray, checksum: bool) -> dict:
