@@ -152,7 +152,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str | None = Non
         raise ValueError(f"{src} holds the parameters of a model that is not megatrain_jax's Decoder (its config: "
                          f"{cfg!r:.200}); Hugging Face and npz output need the Decoder's config. Read them in "
                          f"Python with megatrain_jax.checkpoint.load_model(path, model) instead")
-    _check_room(npz_path(dst) if to == "npz" else Path(dst), dtype if to == "hf" else "float32", io, blocks)
+    _check_room(npz_path(dst) if to == "npz" else Path(dst), dtype if to == "hf" else "float32", cfg.param_count())
     if to == "hf":  # from an HF folder its tokenizer and generation settings come along
         from megatrain_jax.hf import save_hf
         save_hf(dst, cfg, io, blocks, dtype=dtype, overwrite=force, extra_files=extra)
@@ -214,12 +214,13 @@ def _load_checkpoint(src: Path, dst: str | os.PathLike) -> tuple[Any, dict, list
 def _no_checkpoint(src: Path, dst: str | os.PathLike) -> str:
     """What ``src``, a folder with no checkpoint in it, holds instead, and what to give."""
     from megatrain_jax.checkpoint.manager import unfinished_saves
+    from megatrain_jax.cli.run_folder import run_files
     from megatrain_jax.hf.safetensors_io import stale_files
     run_checkpoints = src / "checkpoints"
     if run_checkpoints.is_dir():
         return (f"{src} is a run folder, not a checkpoint: its checkpoints are in {run_checkpoints}: "
                 f"megatrain-jax convert {run_checkpoints} {dst}")
-    if (src / "metrics.jsonl").exists():
+    if run_files(src):  # its metrics or config: a run whose train.checkpoint_dir was elsewhere
         return (f"{src} is a run folder, not a checkpoint, and its checkpoints are not in it: give the folder its "
                 f"train.checkpoint_dir names (see its config.toml)")
     weights = sorted(p.name for p in stale_files(src))
@@ -237,10 +238,9 @@ def _no_checkpoint(src: Path, dst: str | os.PathLike) -> str:
             f"megatrain-jax (a training run's, or one convert --to orbax wrote)")
 
 
-def _check_room(dst: Path, dtype: str, io: Any, blocks: list[Any]) -> None:
-    """Refuse, before anything is written, an output that the free space of ``dst``'s disk cannot hold: the
+def _check_room(dst: Path, dtype: str, params: int) -> None:
+    """Refuse, before anything is written, an output that the free space of ``dst``'s disk cannot hold: ``params``
     parameters in ``dtype`` (a model replaced in ``dst`` is removed only once the new one is whole)."""
-    params = _count(_pure_dict(io)) + sum(_count(_pure_dict(b)) for b in blocks)
     per = np.dtype(np.float32).itemsize if dtype == "float32" else 2
     room = free_space(dst)
     if room is not None and params * per > room[0]:
@@ -248,6 +248,3 @@ def _check_room(dst: Path, dtype: str, io: Any, blocks: list[Any]) -> None:
                          f"bytes each) but its disk has {format_size(room[0])} free; nothing was written. Free space "
                          f"there, or write to another disk")
 
-
-def _count(tree: Any) -> int:
-    return sum(_count(v) for v in tree.values()) if isinstance(tree, dict) else int(np.size(tree))
