@@ -49,6 +49,20 @@ def test_omitted_keys_take_the_config_class_defaults(name, drop, want):
     assert {k: getattr(cfg, k) for k in want} == want
 
 
+@pytest.mark.parametrize("name, kv_heads", [
+    ("mistral", 8), ("mixtral", 8), ("qwen2", 32), ("qwen3", 32), ("qwen2_moe", 16), ("qwen3_moe", 4),
+    ("gemma3_text", 4), ("glm4_moe", 8), ("gpt_oss", 8),
+    # LlamaConfig, Phi3Config and Olmo2Config default to None: as many key-value heads as query heads
+    ("llama", 32), ("phi3", 32), ("olmo2", 32),
+])
+def test_omitted_kv_heads_take_the_config_class_default(name, kv_heads):
+    """num_key_value_heads omitted: the config class's own default (MistralConfig's 8, Qwen3MoeConfig's 4, ...), not
+    one key-value head per query head; written as null, one per query head, as transformers reads it."""
+    c = fixture_config(name, ("num_key_value_heads",), num_attention_heads=32)
+    assert config_from_hf(c).kv_heads == kv_heads
+    assert config_from_hf(dict(c, num_key_value_heads=None)).kv_heads == 32
+
+
 def test_qwen_sliding_window_omitted_is_the_config_class_default():
     """Qwen2Config: ``use_sliding_window`` without ``sliding_window`` slides by 4,096 tokens."""
     c = fixture_config("qwen2", ("layer_types", "sliding_window"), use_sliding_window=True, max_window_layers=0)

@@ -102,7 +102,8 @@ def problems(cfg: Any) -> list[str]:
 
 FAMILY = Family(name="gemma3", title="Gemma 3", model_type="gemma3_text", hf_class="Gemma3ForCausalLM",
                 presets=PRESETS, other_model_types={"gemma3": MULTIMODAL},
-                hf_defaults=dict(head_dim=256, tie_word_embeddings=True, max_position_embeddings=131072),
+                hf_defaults=dict(head_dim=256, num_key_value_heads=4, tie_word_embeddings=True,
+                                 max_position_embeddings=131072),
                 features=dict(qk_norm=True, norm_placement="sandwich", norm_unit_offset=True, scale_embeddings=True,
                               mlp_activation="gelu_tanh", query_pre_attn_scalar=EITHER, sliding_rope_theta=EITHER,
                               final_logit_softcap=EITHER),

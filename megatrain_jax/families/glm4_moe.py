@@ -37,7 +37,8 @@ def write(cfg: Any, out: dict[str, Any]) -> None:
 
 
 FAMILY = Family(name="glm4_moe", title="GLM-4.5", model_type="glm4_moe", hf_class="Glm4MoeForCausalLM",
-                presets=PRESETS, moe=True, hf_defaults=dict(rms_norm_eps=1e-5, partial_rotary_factor=0.5,
+                presets=PRESETS, moe=True, hf_defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5,
+                                                               partial_rotary_factor=0.5,
                                                                max_position_embeddings=131072),
                 features={"qkv_bias": EITHER, "qk_norm": EITHER, "moe.scoring": "sigmoid"}, dense_layers=True, mtp_layers=True,
                 read=read, refuse=refuse, write=write,

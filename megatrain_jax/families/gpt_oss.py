@@ -30,8 +30,8 @@ PRESETS = {"gpt-oss-20b": gpt_oss(layers=24, experts=32), "gpt-oss-120b": gpt_os
 # GptOssConfig's defaults (GPT-OSS-120B's shape, its YaRN and RoPE base) where config.json omits a field
 ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 4096}
-DEFAULTS = dict(num_local_experts=128, num_experts_per_tok=4, intermediate_size=2880, head_dim=64, sliding_window=128,
-                max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True, rope_theta=150000.0,
+DEFAULTS = dict(num_key_value_heads=8, num_local_experts=128, num_experts_per_tok=4, intermediate_size=2880, head_dim=64,
+                sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True, rope_theta=150000.0,
                 swiglu_alpha=1.702, swiglu_limit=7.0, router_aux_loss_coef=0.001)
 
 

@@ -25,5 +25,5 @@ def write(cfg: Any, out: dict[str, Any]) -> None:
 
 
 FAMILY = Family(name="mistral", title="Mistral", model_type="mistral", hf_class="MistralForCausalLM", presets=PRESETS,
-                hf_defaults=dict(max_position_embeddings=131072, sliding_window=4096), read=read, refuse=refuse,
-                write=write)
+                hf_defaults=dict(num_key_value_heads=8, max_position_embeddings=131072, sliding_window=4096),
+                read=read, refuse=refuse, write=write)

@@ -56,5 +56,6 @@ def blocks(cfg: Any, i: int) -> list[Spec]:
 
 
 FAMILY = Family(name="mixtral", title="Mixtral", model_type="mixtral", hf_class="MixtralForCausalLM", presets=PRESETS,
-                moe=True, hf_defaults=dict(rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=131072),
+                moe=True, hf_defaults=dict(num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1000000.0,
+                                           max_position_embeddings=131072),
                 read=read, refuse=refuse, write=write, problems=problems, blocks=blocks)

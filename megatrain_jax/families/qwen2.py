@@ -18,6 +18,7 @@ def read(c: dict[str, Any], layers: int) -> dict[str, Any]:
 
 
 FAMILY = Family(name="qwen2", title="Qwen2", model_type="qwen2", hf_class="Qwen2ForCausalLM", presets=PRESETS,
-                hf_defaults=dict(max_position_embeddings=32768, sliding_window=4096), features=dict(qkv_bias=True),
+                hf_defaults=dict(num_key_value_heads=32, max_position_embeddings=32768, sliding_window=4096),
+                features=dict(qkv_bias=True),
                 read=read, refuse=hf_json.refuse_silu,
                 write=hf_json.write_qwen_sliding_window)

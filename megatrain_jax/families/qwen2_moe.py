@@ -42,6 +42,7 @@ def problems(cfg: Any) -> list[str]:
 
 
 FAMILY = Family(name="qwen2_moe", title="Qwen2-MoE", model_type="qwen2_moe", hf_class="Qwen2MoeForCausalLM",
-                presets=PRESETS, moe=True, hf_defaults=dict(max_position_embeddings=32768, sliding_window=4096),
+                presets=PRESETS, moe=True,
+                hf_defaults=dict(num_key_value_heads=16, max_position_embeddings=32768, sliding_window=4096),
                 features=dict(qkv_bias=True), read=read, refuse=refuse,
                 write=write, problems=problems)

@@ -27,5 +27,6 @@ def write(cfg: Any, out: dict[str, Any]) -> None:
 
 
 FAMILY = Family(name="qwen3", title="Qwen3", model_type="qwen3", hf_class="Qwen3ForCausalLM", presets=PRESETS,
-                hf_defaults=dict(head_dim=128, max_position_embeddings=32768, sliding_window=4096),
+                hf_defaults=dict(head_dim=128, num_key_value_heads=32, max_position_embeddings=32768,
+                                 sliding_window=4096),
                 features=dict(qk_norm=True), read=read, refuse=refuse, write=write)

@@ -45,6 +45,7 @@ def problems(cfg: Any) -> list[str]:
 
 FAMILY = Family(name="qwen3_moe", title="Qwen3-MoE", model_type="qwen3_moe", hf_class="Qwen3MoeForCausalLM",
                 # no head_dim: Qwen3MoeConfig has none, and its attention takes hidden_size / num_attention_heads
-                presets=PRESETS, moe=True, hf_defaults=dict(max_position_embeddings=32768, sliding_window=4096),
+                presets=PRESETS, moe=True,
+                hf_defaults=dict(num_key_value_heads=4, max_position_embeddings=32768, sliding_window=4096),
                 features=dict(qk_norm=True),
                 read=read, refuse=refuse, write=write, problems=problems)
