@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import numbers
 from typing import Callable, ClassVar
 
 import jax
@@ -133,10 +135,9 @@ class DPO:
     pairs: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.beta, bool) or not (isinstance(self.beta, (int, float)) and self.beta > 0):
-            raise ValueError(f"DPO beta must be a number > 0 (0.1 is usual), got {self.beta!r}")
-        if isinstance(self.label_smoothing, bool) or not (
-                isinstance(self.label_smoothing, (int, float)) and 0.0 <= self.label_smoothing < 0.5):
+        if not (_real(self.beta) and 0 < self.beta < math.inf):
+            raise ValueError(f"DPO beta must be a finite number > 0 (0.1 is usual), got {self.beta!r}")
+        if not (_real(self.label_smoothing) and 0.0 <= self.label_smoothing < 0.5):
             raise ValueError(f"DPO label_smoothing must lie in [0, 0.5) (the assumed share of flipped preference "
                              f"labels; 0 is plain DPO), got {self.label_smoothing!r}")
 
@@ -157,6 +158,11 @@ class DPO:
         return jnp.stack([jnp.sum(chosen_rewards), jnp.sum(rejected_rewards),
                           jnp.sum((chosen_rewards > rejected_rewards).astype(jnp.float32)),
                           jnp.float32(chosen_rewards.shape[0])])
+
+
+def _real(x) -> bool:
+    """A real number (a Python or NumPy int or float), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 def pair_metrics(stats) -> dict[str, float]:

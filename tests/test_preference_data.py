@@ -240,6 +240,13 @@ def test_train_runs_dpo_from_a_preference_file_and_resumes(tmp_path, capsys):
     assert "reference log-probabilities of 4 pairs read from" in said.out + said.err  # not taken again
     np.testing.assert_array_equal(ref2, ref)
     assert [r["loss"] for r in resumed[-2:]] == pytest.approx([r["loss"] for r in whole[-2:]], rel=1e-6)
+    # the data edited since (as many pairs, one answer changed): the reference values are of other pairs, refused
+    lines[0] = dict(lines[0], rejected=[{"role": "assistant", "content": "No idea at all, sorry."}])
+    write_jsonl(prefs, lines)
+    assert main(["train", *common, f"train.run_dir={tmp_path / 'first'}", "train.steps=6", ckpt,
+                 "train.checkpoint_every=2", "train.resume=true"]) != 0
+    assert "of other pairs" in capsys.readouterr().err
+    np.testing.assert_array_equal(np.load(tmp_path / "first" / "dpo_reference.npy"), ref)  # nothing lost
 
 
 def test_dpo_settings_without_preference_data_and_an_endless_stream_without_steps_are_refused(chatml, tmp_path):

@@ -299,7 +299,7 @@ def parse_config(raw: dict, source: str = "config", overrides: Sequence[str] = (
         raise ConfigError(f"{blame}: [train] eval_every = {cfg.train.eval_every} needs held-out data: set "
                           f"[data] eval_fraction > 0 (e.g. 0.01), or eval_every = 0")
     try:  # the GPUs' share is checked when the engine knows how many it runs on
-        cfg.engine.check_rows(cfg.data.batch_size)
+        cfg.engine.check_rows(cfg.data.batch_size, pairs=cfg.data.format == "preference")
     except ValueError as err:
         blame = root.blame([("data", "batch_size"), ("engine", "micro_batches")])
         raise ConfigError(f"{blame}: [data] batch_size: {err}") from None

@@ -52,8 +52,8 @@ class DataConfig:
         if isinstance(self.eval_fraction, bool) or not 0.0 <= self.eval_fraction < 1.0:  # nan too
             raise ValueError(f"[data] eval_fraction must lie in [0, 1) (the share of the data held out), got "
                              f"{self.eval_fraction!r}")
-        for name, what in (("path", "the token file (with format = 'chat', the JSONL file), or leave it unset for "
-                                    "the demo corpus"),
+        for name, what in (("path", "the token file (with format = 'chat' or 'preference', the JSONL file), or leave "
+                                    "it unset for the demo corpus"),
                            ("tokenizer", "the tokenizer's folder, or leave it unset for the model's hf_checkpoint"),
                            ("cache_dir", "a folder, or leave it unset for ~/.cache/megatrain_jax/instruct")):
             check_path(f"[data] {name}", getattr(self, name), what)
@@ -139,8 +139,11 @@ class DataConfig:
         the model would refuse at a batch: a split without a unit, a training split without one whole batch, a
         packed piece with more positions than ``max_positions``. ``plan`` and ``train`` ask it before any model
         loads. Returns the batches an epoch of the training split holds (``TokenBatches.epoch_batches``; None where
-        not counted). Preference pairs are checked as they are read (``preference_pairs``): None."""
+        not counted). Preference pairs are read (``preference_pairs``, tokenized once into the cache) and split as
+        ``train`` reads them, so a bad line, a tokenizer too large for the model or a split without a pair to train
+        on is refused here too: None."""
         if self.format == "preference":
+            self.preference_pairs(model_vocab)[0].split(self.eval_fraction)
             return None
         epoch = None
         for split in ("train", "eval") if evaluate else ("train",):

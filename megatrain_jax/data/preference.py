@@ -10,11 +10,16 @@ Line formats, one JSON object per line (TRL's preference formats):
 - ``{"prompt": [messages], "chosen": [messages], "rejected": [messages]}``: a conversation and each
   response's turns (ending with an assistant turn), rendered with the chat template as one conversation;
 - ``{"chosen": [messages], "rejected": [messages]}``: two whole conversations; their common first messages
-  are the prompt (the implicit prompt), the rest each response.
+  are the prompt (the implicit prompt), the rest each response, each keeping at least its last message (as TRL's
+  ``extract_prompt``: two conversations the same are a pair whose sides are the same).
 
 Every problem names the file and line. A pair longer than ``seq_len + 1`` tokens on either side is cut to that
 length on both (``truncate``) or left out (``skip``), and counted; a pair left without a response token on
-either side is left out and counted.
+either side, or with both sides the same, is left out and counted. A pair with an empty response is kept (the side
+still learns the end of the answer) and said in the stats' notes, as most likely a gap in the data.
+
+The reference pass's values are kept with a digest of the pairs they belong to (``write_reference``), so that a
+resumed run whose data changed is refused rather than trained against other pairs' values (``read_reference``).
 
 A file is tokenized once (``cached_pairs``): ``megatrain-jax plan`` and then ``train`` (and a resumed run) read the
 same pairs back from the cache, as instruction data's token file is (``instruct.prepare``).
@@ -23,6 +28,7 @@ same pairs back from the cache, as instruction data's token file is (``instruct.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -61,15 +67,17 @@ def parse_preference_line(text: str, where: str) -> dict[str, Any]:
     if "prompt" not in obj and all(isinstance(obj.get(k), str) for k in SIDES):
         raise InstructDataError(f"{where}: plain-text 'chosen' and 'rejected' need a 'prompt' string (only message "
                                 f"lists may leave the prompt implicit, as their common first messages)")
-    if any(isinstance(obj.get(k), str) for k in ("prompt", *SIDES)):
+    if any(isinstance(obj.get(k), str) for k in ("prompt", *SIDES)) or any(
+            not isinstance(obj[k], list) for k in obj.keys() & {"prompt", *SIDES}):
+        kinds = ", ".join(f"{k!r} is {_kind(obj[k])}" for k in ("prompt", *SIDES) if k in obj)
         raise InstructDataError(f"{where}: 'prompt', 'chosen' and 'rejected' must all be strings (plain text) or all "
-                                f"message lists (a conversation), not a mix")
+                                f"message lists (a conversation), not a mix: here {kinds}")
     chosen, rejected = (check_messages(obj[k], where, k) for k in SIDES)
     if "prompt" in obj:
         prompt = check_messages(obj["prompt"], where, "prompt")
-    else:  # the implicit prompt: the messages both conversations begin with
+    else:  # the implicit prompt: the messages both conversations begin with, each keeping at least its last (TRL's)
         n = 0
-        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
             n += 1
         prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
         if not prompt:
@@ -82,19 +90,56 @@ def parse_preference_line(text: str, where: str) -> dict[str, Any]:
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
+def _kind(value: Any) -> str:
+    """What a JSON value is, in words, for errors: ``null``, ``a number``, ``a string``, ``a list``, ``an object``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "a number")
+
+
 def read_pairs(path: str | os.PathLike, tokenizer: ChatTokenizer, seq_len: int,
                too_long: TooLong = "truncate") -> tuple[list[Pair], Stats]:
     """Every line of ``path`` checked and tokenized (see the module's docstring); raises InstructDataError naming
     the line, and when no pair is left."""
+    empty: dict[str, list[str]] = {k: [] for k in SIDES}  # side -> the 'file:line' of its empty responses
+
     def encode(text: str, where: str) -> list[tuple[np.ndarray, np.ndarray]]:
         example = parse_preference_line(text, where)
+        for k in SIDES:
+            if _is_empty(example[k]):
+                empty[k].append(where)
         return [tokenizer.encode_completion(example["prompt"], example[k]) for k in SIDES]
     lines, stats = read_tokenized(path, encode, seq_len, too_long, "pair", "response token")
+    kept = {f"{Path(path)}:{line}" for line, _ in lines}
+    note = _empty_note({k: [w for w in empty[k] if w in kept] for k in SIDES}, stats.kept)
+    if note:
+        stats.notes.append(note)
     return [Pair(chosen, rejected, line) for line, (chosen, rejected) in lines], stats
 
 
+def _is_empty(response: str | list[dict[str, str]]) -> bool:
+    """Whether a response (plain text, or messages) says nothing: blank text, or assistant turns all blank."""
+    if isinstance(response, str):
+        return not response.strip()
+    return all(not m["content"].strip() for m in response if m["role"] == "assistant")
+
+
+def _empty_note(empty: dict[str, list[str]], kept: int) -> str | None:
+    """What to say of kept pairs with an empty response (``empty``: side -> their ``file:line``), or None."""
+    said = [f"{len(where):,} of {kept:,} pairs {'has' if len(where) == 1 else 'have'} an empty {side} response (the "
+            f"first: {where[0]})" for side, where in empty.items() if where]
+    if not said:
+        return None
+    return (f"{'; '.join(said)}: such a side's row learns only the end of the answer (the end-of-sequence token, or "
+            f"the chat template's end of turn), so DPO teaches the model to prefer saying nothing (an empty chosen "
+            f"response) or merely saying something (an empty rejected one). Where a tool left the field blank, fill "
+            f"it in or remove those lines")
+
+
 # ---------------------------------------------------------------------------------------------- cache
-PAIRS_VERSION = 1  # bump when what cached_pairs writes changes
+PAIRS_VERSION = 2  # bump when what cached_pairs writes changes (2: the implicit prompt as TRL's, notes)
 
 
 def cached_pairs(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, seq_len: int,
@@ -196,8 +241,9 @@ class PreferenceData:
             return self, None
         held = max(1, int(round(eval_fraction * len(self.pairs))))
         if held >= len(self.pairs):
-            raise ValueError(f"eval_fraction={eval_fraction} of {len(self.pairs)} pairs leaves none to train on: use a "
-                             f"smaller eval_fraction or more data")
+            raise ValueError(f"data.eval_fraction={eval_fraction} holds out {held} of the {len(self.pairs)} pairs "
+                             f"read, leaving none to train on: use a smaller data.eval_fraction (0 holds none out) or "
+                             f"more pairs")
         cut = len(self.pairs) - held
         return (PreferenceData(self.pairs[:cut], self.seq_len, self.pad_id),
                 PreferenceData(self.pairs[cut:], self.seq_len, self.pad_id))
@@ -270,6 +316,55 @@ def pair_logps(engine, data: PreferenceData, batch_rows: int) -> np.ndarray:
     reference pass, ``Batch.ref_logps``)."""
     rows = engine.row_logps(data.ordered(batch_rows))
     return rows[:2 * len(data)].reshape(len(data), 2)
+
+
+def pairs_digest(sets: list[PreferenceData]) -> str:
+    """A digest of the pairs of ``sets``, in order: each side's token ids and loss mask. Reference values taken on
+    pairs of one digest belong to no others (another file, tokenizer, ``seq_len``, ``too_long`` or split)."""
+    h = hashlib.sha256()
+    for data in sets:
+        h.update(np.int64(len(data)).tobytes())
+        for pair in data.pairs:
+            for ids, mask in (pair.chosen, pair.rejected):
+                h.update(np.int64(len(ids)).tobytes() + np.asarray(ids, np.int64).tobytes()
+                         + (np.asarray(mask) > 0).tobytes())
+    return h.hexdigest()
+
+
+def write_reference(path: str | os.PathLike, values: np.ndarray, sets: list[PreferenceData]) -> None:
+    """The reference log-probabilities ``values`` [pairs, 2] of the pairs of ``sets`` (``pair_logps`` of each, one
+    after another) to ``path`` (``.npy``), and the pairs' digest beside it (``<path>.json``: ``read_reference``)."""
+    path = Path(path)
+    side = Path(f"{path}.json")
+    side.unlink(missing_ok=True)  # a file without its digest is read by shape only, never with another run's digest
+    np.save(path, np.asarray(values, np.float32))
+    side.write_text(json.dumps({"pairs": int(sum(len(x) for x in sets)), "digest": pairs_digest(sets)}))
+
+
+def read_reference(path: str | os.PathLike, sets: list[PreferenceData]) -> np.ndarray:
+    """What ``write_reference`` wrote to ``path``, refused (ValueError, saying what to do) where it is not of the
+    pairs of ``sets``: another count, another digest (where the file has one), or values that are not finite."""
+    path = Path(path)
+    side, n = Path(f"{path}.json"), sum(len(x) for x in sets)
+    retake = (f"delete {path} and resume: the run takes the reference pass again with its initial weights before "
+              f"the checkpoint is restored")
+    try:
+        values = np.load(path)
+        recorded = json.loads(side.read_text()) if side.exists() else None
+        if recorded is not None and not isinstance(recorded, dict):
+            raise ValueError(f"{side} holds {_kind(recorded)}, not the pairs' digest")
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path} cannot be read ({e}): {retake}") from None
+    if values.shape != (n, 2) or (recorded is not None and recorded.get("digest") != pairs_digest(sets)):
+        got = f"of shape {values.shape}" if values.shape != (n, 2) else f"of other pairs ({side} records them)"
+        raise ValueError(f"{path} holds reference log-probabilities {got}, not of this run's {n:,} pairs: the data "
+                         f"(its file, the tokenizer, data.seq_len, data.too_long, data.eval_fraction or "
+                         f"train.eval_batches) changed since the run started. Resume with the settings it started "
+                         f"with; or, to go on with the data as it is now, {retake}")
+    if not np.all(np.isfinite(values)):
+        raise ValueError(f"{path} holds {int(np.sum(~np.isfinite(values)))} reference log-probabilities that are not "
+                         f"finite: {retake}")
+    return values
 
 
 def evaluate_pairs(engine, data: PreferenceData, ref_logps: np.ndarray, batch_rows: int) -> dict[str, float]:

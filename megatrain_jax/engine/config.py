@@ -278,18 +278,25 @@ class EngineConfig:
                              f"first {offloaded} blocks wait in host memory) overlap in a model of {n_blocks} "
                              f"blocks: set kept_layers <= {n_blocks - offloaded}")
 
-    def splits(self, rows: int, devices: int = 1) -> bool:
+    def splits(self, rows: int, devices: int = 1, pairs: bool = False) -> bool:
         """Whether a batch of ``rows`` rows splits into ``micro_batches`` equal micro-batches on each of
-        ``devices`` GPUs (every micro-batch spreads its rows over the GPUs)."""
-        return rows >= 1 and devices >= 1 and rows % (self.micro_batches * devices) == 0
+        ``devices`` GPUs (every micro-batch spreads its rows over the GPUs); with ``pairs`` (a pair objective:
+        ``DPO``), each of them holding whole (chosen, rejected) pairs."""
+        return rows >= 1 and devices >= 1 and rows % (self.micro_batches * devices * (2 if pairs else 1)) == 0
 
-    def check_rows(self, rows: int, devices: int = 1) -> None:
+    def check_rows(self, rows: int, devices: int = 1, pairs: bool = False) -> None:
         """Raise ValueError saying what to use unless a batch of ``rows`` rows ``splits``. The one place of
         the rule: the engine, the memory plan and the command line's config check all call it."""
-        if not self.splits(rows, devices):
-            per = f" on each of {devices} devices" if devices > 1 else ""
-            raise ValueError(f"a batch of {rows} rows cannot be split into micro_batches = {self.micro_batches}"
-                             f"{per}; use a batch size divisible by {self.micro_batches * max(devices, 1)}")
+        if self.splits(rows, devices, pairs):
+            return
+        unit = self.micro_batches * max(devices, 1)
+        per = f" on each of {devices} devices" if devices > 1 else ""
+        if pairs and self.splits(rows, devices):
+            raise ValueError(f"preference training takes rows in (chosen, rejected) pairs, and each of the "
+                             f"{self.micro_batches} micro-batch(es){per} must hold whole pairs: {rows} rows give "
+                             f"{rows // unit} per micro-batch; use a batch size divisible by {2 * unit}")
+        raise ValueError(f"a batch of {rows} rows cannot be split into micro_batches = {self.micro_batches}"
+                         f"{per}; use a batch size divisible by {unit * (2 if pairs else 1)}")
 
     @property
     def precision(self) -> Precision:

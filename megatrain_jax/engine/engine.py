@@ -177,13 +177,7 @@ class Engine:
     def check_pairs(self, batch: Batch) -> None:
         """A pair objective's batch (``DPO``): each micro-batch of each device holds whole (chosen, rejected)
         pairs, each row has its reference log-probability, and each has response tokens to score."""
-        devices = len(self.placement.local_devices)
-        per = batch.shape[0] // (self.cfg.micro_batches * devices)
-        if per % 2:
-            raise ValueError(f"preference training takes rows in (chosen, rejected) pairs, and each of the "
-                             f"{self.cfg.micro_batches} micro-batch(es) on each of {devices} device(s) must hold "
-                             f"whole pairs: {batch.shape[0]} rows give {per} per micro-batch; use a batch size "
-                             f"divisible by {2 * self.cfg.micro_batches * devices}")
+        self.cfg.check_rows(batch.shape[0], len(self.placement.local_devices), pairs=True)
         if batch.ref_logps is None:
             raise ValueError("preference training needs each row's reference log-probability (Batch.ref_logps): "
                              "compute them once before training with Engine.row_logps on the untrained model")
