@@ -221,3 +221,18 @@ def test_a_read_only_checkpoint_folder_is_refused_at_start_as_read_only(tmp_path
     out, err = capsys.readouterr()
     assert "read-only file system" in err and "not enough disk" not in err and "no permission" not in err, err
     assert not run.exists()
+
+
+@pytest.mark.parametrize("where", ["run", "checkpoints"])
+def test_an_export_into_the_run_folder_or_its_checkpoint_folder_is_refused(tmp_path, where):
+    """The export's config.json and weights among the run's own files (``convert`` of the checkpoint folder would
+    then read the export): refused before anything is written, naming a folder of its own."""
+    from megatrain_jax.cli.output_paths import check_output_paths
+    from megatrain_jax.cli.run_config import TrainSection
+    run = tmp_path / "run"
+    folder = run if where == "run" else run / "checkpoints"
+    t = TrainSection(run_dir=str(run), checkpoint_every=2, export_hf=str(folder))
+    with pytest.raises(OutputPathError, match=f"is the folder of train.run_dir.*such as {folder / 'hf'}"):
+        check_output_paths(t)
+    check_output_paths(TrainSection(run_dir=str(run), checkpoint_every=2, export_hf=str(run / "hf")))
+    assert not run.exists()

@@ -56,3 +56,20 @@ def test_the_tiny_hf_folder_fine_tunes_on_a_cpu(tmp_path, capsys):
                  "model.dtype=bfloat16", "--gpu", "H200", "--host-gib", "64", "--gpu-gib", "80"]) == 0
     plan_out = capsys.readouterr().out
     assert "packed rows' attention within their runs" in plan_out and "cannot be read" not in plan_out, plan_out
+
+
+def test_an_export_onto_the_model_it_fine_tunes_is_refused_at_start(tmp_path, capsys):
+    """``train.export_hf`` naming ``model.hf_checkpoint`` (overwrite or not) would replace the base model with the
+    fine-tune: refused before anything loads, the base model untouched."""
+    from megatrain_jax.cli import main
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main([str(tmp_path / "tiny"), "--examples", "8", "--steps", "2"]) == 0
+    model = tmp_path / "tiny" / "model"
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    capsys.readouterr()
+    status = main(["train", "--config", str(tmp_path / "tiny" / "sft.toml"), f"data.cache_dir={tmp_path / 'cache'}",
+                   "log.tensorboard=false", f"train.export_hf={model}", "train.export_overwrite=true"])
+    assert status != 0 and "is the folder the model was loaded from" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before

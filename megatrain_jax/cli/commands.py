@@ -284,9 +284,10 @@ def _exact(estimate, cfg, model_cfg, disk_dir: str, speeds=None, mix=None):
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from megatrain_jax.cli.convert import convert
+    from megatrain_jax.hf.export_folder import VOCAB_FILES
     out = convert(args.src, args.dst, args.to, args.dtype, force=args.force, tokenizer=args.tokenizer)
     print(f"wrote {out}")
-    if out.is_dir() and (out / "config.json").exists() and not (out / "tokenizer.json").exists():
+    if out.is_dir() and (out / "config.json").exists() and not any((out / n).exists() for n in VOCAB_FILES):
         print(f"note: {out} has no tokenizer: transformers loads the model but not its tokenizer from it. Add "
               f"--tokenizer DIR (the folder of the model it was trained from) to write one beside the weights")
     return 0

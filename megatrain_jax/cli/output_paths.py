@@ -92,7 +92,21 @@ def check_output_path(field: str, path: Path, is_folder: bool) -> None:
                               f"changed. {problem[1].format(key=key)}")
 
 
+def check_export_apart(t: TrainSection) -> None:
+    """Refuse an export folder that is the run's folder or its checkpoint folder: the model's ``config.json`` and
+    weights would lie among the run's own files, and ``convert`` of that folder would read the export."""
+    if not t.export_hf:
+        return
+    export = Path(t.export_hf).resolve()
+    for field, folder, is_folder in output_paths(t):
+        if is_folder and field != "train.export_hf" and export == folder.resolve():
+            raise OutputPathError(f"train.export_hf = {t.export_hf} is the folder of {field}: the exported model "
+                                  f"would lie among the run's own files; nothing was changed. Set train.export_hf "
+                                  f"to a folder of its own, such as {folder / 'hf'}")
+
+
 def check_output_paths(t: TrainSection) -> None:
-    """``check_output_path`` for each of ``output_paths(t)``."""
+    """``check_export_apart``, then ``check_output_path`` for each of ``output_paths(t)``."""
+    check_export_apart(t)
     for field, path, is_folder in output_paths(t):
         check_output_path(field, path, is_folder)

@@ -218,7 +218,8 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
     if t.export_hf:  # before training, not after: the model must be one transformers can hold, and the
         from megatrain_jax.hf.config import check_exportable  # folder free of another model unless replaced
         check_exportable(model_cfg)
-        check_target(t.export_hf, t.export_overwrite, "set train.export_overwrite=true")
+        check_target(t.export_hf, t.export_overwrite, "set train.export_overwrite=true",
+                     source=cfg.model.hf_checkpoint)
         t = dataclasses.replace(t, export_hf=str(Path(t.export_hf).absolute()))  # config.toml says where
         cfg = dataclasses.replace(cfg, train=t)
 
@@ -359,22 +360,28 @@ def _preference_data(cfg: RunConfig, model_cfg, say) -> tuple[Callable, dict, DP
     weights (the model before training) and writes them to ``dpo_reference.npy`` in the run folder (the held-out
     pairs' after the training pairs'); a resumed run reads them back (or, where the file is missing, takes them
     again before its checkpoint is restored). The last item evaluates the held-out pairs (None without any)."""
-    from megatrain_jax.data.preference import evaluate_pairs, pair_logps
+    from megatrain_jax.data.preference import evaluate_pairs, pair_logps, read_reference, write_reference
     d, t, run_dir = cfg.data, cfg.train, Path(cfg.train.run_dir)
     if jax.process_count() > 1:
         raise ValueError(f"preference data (format = 'preference') runs in one process: this run has "
                          f"{jax.process_count()} (jax.distributed); each would feed every pair. Use one process "
                          f"(several GPUs of one host are fine)")
     everything, stats = d.preference_pairs(model_cfg.vocab_size)
-    pairs, held = everything.split(d.eval_fraction)
-    if held is not None:
-        held = held.first(t.eval_batches * d.batch_size // 2)
+    pairs, held_out = everything.split(d.eval_fraction)
+    held = None if held_out is None else held_out.first(t.eval_batches * d.batch_size // 2)
     summary = {"file": str(d.path), "tokenizer": str(d.tokenizer), "seq_len": d.seq_len, "too_long": d.too_long,
-               **dataclasses.asdict(stats), "pairs": len(pairs), "held_out_pairs": 0 if held is None else len(held)}
+               **dataclasses.asdict(stats), "pairs": len(pairs), "held_out_pairs": 0 if held is None else len(held),
+               "held_out_unused": 0 if held is None else len(held_out) - len(held)}
+    unused = "" if not summary["held_out_unused"] else (
+        f" ({len(held):,} of them evaluated, train.eval_batches={t.eval_batches} batches' worth: the other "
+        f"{summary['held_out_unused']:,} neither train nor evaluate; a smaller data.eval_fraction trains on them)")
     say(f"  data: {len(pairs):,} preference pairs from {d.path}" + ("" if held is None else
-        f" and {len(held):,} held out") + f"; {stats.truncated:,} truncated to seq_len + 1 = {d.seq_len + 1} tokens, "
-        f"{stats.skipped_too_long:,} skipped as too long, {stats.skipped_no_loss:,} skipped with no response token "
-        f"left (data.too_long = {d.too_long!r}), {stats.skipped_identical:,} skipped with both sides the same; DPO beta {cfg.dpo.beta:g}, label smoothing {cfg.dpo.label_smoothing:g}")
+        f" and {len(held_out):,} held out{unused}") + f"; {stats.truncated:,} truncated to seq_len + 1 = "
+        f"{d.seq_len + 1} tokens, {stats.skipped_too_long:,} skipped as too long, {stats.skipped_no_loss:,} skipped "
+        f"with no response token left (data.too_long = {d.too_long!r}), {stats.skipped_identical:,} skipped with "
+        f"both sides the same; DPO beta {cfg.dpo.beta:g}, label smoothing {cfg.dpo.label_smoothing:g}")
+    for note in stats.notes:  # allowed but likely unmeant (an empty response)
+        say(f"  note: {note}")
     saved = run_dir / "dpo_reference.npy"
     sets = [pairs] + ([held] if held is not None else [])
     n = sum(len(x) for x in sets)
@@ -382,16 +389,12 @@ def _preference_data(cfg: RunConfig, model_cfg, say) -> tuple[Callable, dict, DP
 
     def stream(engine) -> Iterable[Batch]:
         if t.resume and saved.exists():  # the values the run started with, not a recomputation
-            values = np.load(saved)
-            if values.shape != (n, 2) or not np.all(np.isfinite(values)):
-                raise ValueError(f"{saved} holds reference log-probabilities of shape {values.shape}, not this "
-                                 f"data's ({n}, 2): the data changed since the run started; resume with the same "
-                                 f"data, or start a new run")
+            values = read_reference(saved, sets)
             say(f"  reference log-probabilities of {n:,} pairs read from {saved}")
         else:
             t0 = time.perf_counter()
             values = np.concatenate([pair_logps(engine, x, d.batch_size) for x in sets])
-            np.save(saved, values)
+            write_reference(saved, values, sets)
             say(f"  reference pass: {n:,} pairs' log-probabilities under the initial weights in "
                 f"{time.perf_counter() - t0:.1f} s, in {saved}")
         ref["train"], ref["held_out"] = values[:len(pairs)], values[len(pairs):]

@@ -3,6 +3,7 @@ safetensors shards that transformers loads, written beside the folder and put in
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from megatrain_jax.checkpoint.failures import format_size, free_space
 from megatrain_jax.engine.transfer import host_view
 from megatrain_jax.families import FAMILIES
 from megatrain_jax.families.tensors import io_specs
@@ -56,8 +58,7 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
     A folder that already holds a model is refused (``ExportExistsError``) unless ``overwrite``; then its
     model files are replaced as a set and its other files kept. Returns the files."""
     check_target(model_dir, overwrite, "pass overwrite=True")
-    if dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"dtype {dtype!r} not supported for export; use 'bfloat16' or 'float32'")
+    dtype = export_dtype(dtype)
     if len(block_params) != cfg.layers:
         raise CheckpointMismatch(f"{len(block_params)} block parameter trees for a {cfg.layers}-layer config")
     hf_config = config_to_hf(cfg, dtype)
@@ -84,10 +85,12 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
     if wrong:
         raise CheckpointMismatch("parameters do not match the config:\n" + "\n".join(wrong))
 
+    itemsize = np.dtype(np.float32).itemsize if dtype == "float32" else 2
+    sizes = {n: math.prod(e[1]) * itemsize for n, e in entries.items()}
+    check_room(model_dir, sum(sizes.values()), dtype)
     out = staging(model_dir)
     try:
-        itemsize = np.dtype(np.float32).itemsize if dtype == "float32" else 2
-        shards = plan_shards(((n, math.prod(e[1]) * itemsize) for n, e in entries.items()), max_shard_bytes)
+        shards = plan_shards(sizes.items(), max_shard_bytes)
         files = [out / name for name in shard_names(len(shards))]
         np_dtype = _np_dtype(dtype)
         total = sum(write_entries(f, [entries[n] for n in names], np_dtype) for f, names in zip(files, shards))
@@ -105,11 +108,46 @@ def save_hf(model_dir: str | os.PathLike, cfg: DecoderConfig, io_params: Any, bl
         for extra in extra_files:
             shutil.copy2(extra, out / Path(extra).name)
         names += [Path(e).name for e in extra_files]
-        publish(out, model_dir)
+        _sync(out)
     except BaseException:  # a failed export leaves nothing beside the folder (a killed one: the .partial folder)
         shutil.rmtree(out, ignore_errors=True)
         raise
+    publish(out, model_dir)  # from here the staging folder may hold the replaced folder's files: publish's to clear
     return [Path(model_dir) / name for name in names]
+
+
+def _sync(folder: Path) -> None:
+    """Flush every file of ``folder`` and the folder itself to the disk before it is put in place: a power cut or a
+    crash of the machine after the rename must not leave a folder that looks whole with shards the disk never got."""
+    for path in [*folder.iterdir(), folder]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def export_dtype(dtype: Any) -> str:
+    """``'bfloat16'`` or ``'float32'``, the dtype an export writes, from its name or a numpy / JAX dtype
+    (``np.float32``, ``jnp.bfloat16``); any other is refused before anything is written."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = str(dtype)
+    if name not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype {dtype!r} not supported for export; use 'bfloat16' or 'float32'")
+    return name
+
+
+def check_room(model_dir: str | os.PathLike, data_bytes: int, dtype: str) -> None:
+    """Refuse, before anything is written, an export of ``data_bytes`` of tensors that the free space of
+    ``model_dir``'s disk cannot hold (a model it replaces is removed only once the new one is whole)."""
+    room = free_space(Path(model_dir))
+    need = data_bytes + 1024**2  # the headers, config.json and the tokenizer's files: a MiB to spare
+    if room is not None and need > room[0]:
+        raise OSError(errno.ENOSPC, f"{model_dir} needs about {format_size(need)} (its tensors in {dtype}) but its "
+                      f"disk has {format_size(room[0])} free; nothing was written. Free space there, or export to "
+                      f"another disk")
 
 
 def peak_bytes(cfg: DecoderConfig, dtype: str = "bfloat16") -> int:
