@@ -113,6 +113,10 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, keep: int | None = 3, checksum: bool = True,
                  read_only: bool = False):
+        if keep is not None and not read_only and keep < 1:
+            raise ValueError(f"keep={keep!r}: a Checkpointer keeps the newest keep >= 1 checkpoints (and the last "
+                             f"known good), or every one with keep=None; with {keep!r} each save would delete itself "
+                             f"once committed")
         self.root = Path(directory).absolute()
         self.checksum = checksum
         self.keep = None if read_only else keep

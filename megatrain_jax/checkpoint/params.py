@@ -8,6 +8,9 @@ follows the layered contract (docs/model_contract.md), not only the built-in ``D
   ``Checkpointer`` root, whose newest complete step is used, or one step directory), part by part.
 - ``save_model(dir, model)`` and ``load_model(dir, model)`` do the same from and into a model object,
   checking every shape.
+- ``check_params(cfg, io, blocks, where)``: what ``load_params`` (and ``convert``'s .npz reader) refuses before
+  anything is written from the parameters: a leaf missing, extra, of another shape or not floating point
+  against what a ``DecoderConfig`` describes, and a NaN or an infinity.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from flax import nnx
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError, check_step, committed_steps
 from megatrain_jax.checkpoint.parts import ShapeMismatchError, named_leaves
 from megatrain_jax.checkpoint.session import jsonable
+from megatrain_jax.checkpoint.store import non_finite
 from megatrain_jax.contract.layered import block_params, io_params
 from megatrain_jax.engine.parts import IO
 from megatrain_jax.engine.transfer import host_view
 from megatrain_jax.models.config import DecoderConfig
+from megatrain_jax.models.decoder import Decoder
 
 MARKER = "megatrain_params.json"
 
@@ -63,6 +68,8 @@ def _pure(tree: Any) -> Any:
 def save_params(path: str | Path, cfg: Any, io: Any, blocks: list[Any]) -> Path:
     """Write parameters (``cfg``: the model's config, a dataclass or None) to a new directory ``path``."""
     path = Path(path).absolute()
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} is a file, not a folder; choose a new directory (nothing was written)")
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} is not empty; choose a new directory (nothing was written)")
     tree = {"io": _numpy(io), "blocks": {str(i): _numpy(b) for i, b in enumerate(blocks)}}
@@ -107,22 +114,120 @@ def _config(record: Any) -> Any:
 
 def load_params(path: str | Path) -> tuple[Any, dict, list[dict]]:
     """``(cfg, io_params, [block_params])`` as float32 numpy pure dicts; ``cfg`` is a ``DecoderConfig`` for
-    the built-in decoder, else the stored config as a dict (None when none was stored)."""
+    the built-in decoder, else the stored config as a dict (None when none was stored). Parameters that do not
+    fit their config, or hold a NaN or an infinity, are refused (``check_params``)."""
     path = Path(path).absolute()
     if (path / MARKER).exists():
+        cfg, io, blocks = _load_saved_params(path)
+    else:
+        step_dir = _training_step_dir(path)
+        config = json.loads((step_dir / "config" / "config.json").read_text())
+        meta = json.loads((step_dir / "meta" / "meta.json").read_text())
+        names = [n for n in meta.get("parts", []) if n != IO.name] or sorted(
+            p.name for p in (step_dir / "state").iterdir() if p.is_dir() and p.name.startswith("block_"))
+        io = _pure(_restore_numpy(step_dir / "state" / IO.name)["params"])
+        blocks = [_pure(_restore_numpy(step_dir / "state" / name)["params"]) for name in names]
+        cfg, path = _config(config.get("model")), step_dir
+    check_params(cfg, io, blocks, path)
+    return cfg, io, blocks
+
+
+def _load_saved_params(path: Path) -> tuple[Any, dict, list[dict]]:
+    """``save_params``'s folder, its marker and its blocks checked against each other."""
+    again = ("write it again from the model or checkpoint it came from (save_model, or megatrain-jax convert SRC DIR "
+             "--to orbax)")
+    try:
         record = json.loads((path / MARKER).read_text())
-        cfg = _config(record.get("model"))
-        tree = _restore_numpy(path / "params")
-        n = record.get("blocks", len(tree["blocks"]))
-        return cfg, tree["io"], [tree["blocks"][str(i)] for i in range(n)]
-    step_dir = _training_step_dir(path)
-    config = json.loads((step_dir / "config" / "config.json").read_text())
-    meta = json.loads((step_dir / "meta" / "meta.json").read_text())
-    names = [n for n in meta.get("parts", []) if n != IO.name] or sorted(
-        p.name for p in (step_dir / "state").iterdir() if p.is_dir() and p.name.startswith("block_"))
-    io = _pure(_restore_numpy(step_dir / "state" / IO.name)["params"])
-    blocks = [_pure(_restore_numpy(step_dir / "state" / name)["params"]) for name in names]
-    return _config(config.get("model")), io, blocks
+        if not isinstance(record, dict):
+            raise TypeError(f"a JSON {type(record).__name__}, not an object")
+        if type(record.get("blocks", 0)) is not int:
+            raise TypeError(f"its block count is {record['blocks']!r}, not a number")
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path / MARKER} cannot be read as what save_params writes ({type(e).__name__}: {e}): cut "
+                         f"short or changed after it was written; nothing was read. To use these parameters, "
+                         f"{again}") from None
+    tree = _restore_numpy(path / "params")
+    held = sorted(tree.get("blocks", {}), key=lambda k: (len(k), k))
+    n = record.get("blocks", len(held))
+    if "io" not in tree or held != [str(i) for i in range(n)]:
+        raise ValueError(f"{path} holds the parameters of {'io and ' if 'io' in tree else ''}blocks {held}, and "
+                         f"{MARKER} says {n} blocks (0 to {n - 1}) and the io part: not a whole model. To use "
+                         f"these parameters, {again}")
+    return _config(record.get("model")), tree["io"], [tree["blocks"][str(i)] for i in range(n)]
+
+
+def _leaves(tree: Any, prefix: str) -> dict[str, Any]:
+    """``{"blocks/1/attn/q/kernel": leaf}``: a pure dict's leaves named as convert's .npz names them."""
+    if hasattr(tree, "to_pure_dict"):
+        tree = tree.to_pure_dict()
+    out = {}
+    for key, value in (tree.items() if isinstance(tree, dict) else ()):
+        out.update(_leaves(value, f"{prefix}/{key}") if isinstance(value, dict) else {f"{prefix}/{key}": value})
+    return out
+
+
+def expected_params(cfg: DecoderConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    """Every parameter ``cfg``'s ``Decoder`` has, by its name in a .npz (``io/embedding``, ``blocks/0/...``), with
+    its shape (from the abstract model: no array is made)."""
+    model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    out = _leaves(nnx.to_pure_dict(io_params(model)), "io")
+    for i, block in enumerate(block_params(model)):
+        out.update(_leaves(nnx.to_pure_dict(block), f"blocks/{i}"))
+    return out
+
+
+def check_params(cfg: Any, io: Any, blocks: list[Any] | dict[str, Any], where: str | Path) -> None:
+    """Refuse parameters read from ``where`` before anything is made of them: with a ``DecoderConfig``, every leaf
+    missing, extra, of another shape or not floating point (``ShapeMismatchError``, naming each); with any config,
+    a NaN or an infinity (``ValueError`` naming the leaves: a diverged run's weights, which no export may write).
+    ``blocks``: a list, or every block a file holds by its key (``{"0": ..., "7": ...}``: a block past the
+    config's last is named too)."""
+    got = _leaves(io, "io")
+    for i, block in (blocks.items() if isinstance(blocks, dict) else enumerate(blocks)):
+        got.update(_leaves(block, f"blocks/{i}"))
+    if isinstance(cfg, DecoderConfig):
+        problems = _differences(expected_params(cfg), got)
+        if problems:
+            raise ShapeMismatchError(
+                f"{where} does not hold the parameters its config describes ({cfg.family}, {cfg.layers} layers, "
+                f"hidden {cfg.hidden}, vocab {cfg.vocab_size}): {len(problems)} difference(s), and nothing was "
+                f"written from it:\n" + "\n".join(f"  {p}" for p in problems[:MOST_LISTED])
+                + (f"\n  ... and {len(problems) - MOST_LISTED} more" if len(problems) > MOST_LISTED else "")
+                + "\nIt was changed after it was written, or written for another config: write it again from the "
+                  "model or checkpoint it came from")
+    bad = non_finite({name: host_view(leaf) for name, leaf in got.items()})
+    if bad:
+        raise ValueError(f"{where} holds NaN or infinite weights in {len(bad)} parameter(s) ({', '.join(bad[:5])}"
+                         f"{', ...' if len(bad) > 5 else ''}): the weights of a run that diverged, and nothing was "
+                         f"written from them. Use an earlier checkpoint of the run (its step folder, "
+                         f"RUN/checkpoints/<step>)")
+
+
+MOST_LISTED = 20  # differences named in a refusal; the rest are counted
+
+
+def _floating(leaf: Any) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _differences(want: dict[str, Any], got: dict[str, Any]) -> list[str]:
+    """Each leaf of ``got`` that is not what ``want`` describes, as ``name: what is wrong``."""
+    out = [f"{k}: missing (expected shape {tuple(want[k].shape)})" for k in want if k not in got]
+    out += [f"{k}: not a parameter of this model (shape {tuple(np.shape(got[k]))})" for k in got if k not in want]
+    for k in want.keys() & got.keys():
+        if tuple(np.shape(got[k])) != tuple(want[k].shape):
+            out.append(f"{k}: expected shape {tuple(want[k].shape)}, found {tuple(np.shape(got[k]))}")
+        elif not _floating(got[k]):
+            out.append(f"{k}: {getattr(got[k], 'dtype', type(got[k]).__name__)}, not floating point "
+                       f"(a weight is float32, bfloat16 or float16)")
+    return sorted(out, key=_in_model_order)
+
+
+def _in_model_order(line: str) -> tuple:
+    """io first, then blocks by number (``blocks/10`` after ``blocks/9``)."""
+    name = line.split(":", 1)[0].split("/")
+    return (name[0] != "io", int(name[1]) if len(name) > 1 and name[1].isdigit() else -1, line)
 
 
 def save_model(path: str | Path, model: nnx.Module) -> Path:

@@ -147,7 +147,10 @@ def check_layout(expected: dict[str, dict], found: dict[str, dict], where: str) 
             hint = (f"\n({clash[0].masters} against {clash[1].masters} state: the checkpoint was written with another "
                     f"engine.master_dtype ({clash[1].title}); resume with the one it was written with)")
         raise ShapeMismatchError(f"checkpoint {where} does not fit this model and optimizer "
-                                 f"({len(problems)} mismatches):\n  " + "\n  ".join(problems) + hint)
+                                 f"({len(problems)} mismatches):\n  " + "\n  ".join(problems) + hint
+                                 + "\nNothing was loaded. To resume it, use the model, optimizer and engine settings "
+                                   "it was saved with (its step's config/config.json holds them); to train this model "
+                                   "afresh, give it a checkpoint folder of its own")
 
 
 def rebuild_part(state: HostState, part: PartId, restored: dict[str, Any]) -> tuple[Any, Any]:

@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
+import os
 import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -219,6 +221,14 @@ class PartsHandler(ocp.AsyncCheckpointHandler):
                                  for k, (_, dtype) in layout.items()})
             tree = self._tree.restore(epath.Path(directory / name),
                                       args=ocp.args.PyTreeRestore(restore_args=restore_args))
+            bad = non_finite(flatten_nested(tree))
+            if bad:
+                raise NonFiniteCheckpointError(
+                    f"checkpoint {directory.parent} holds NaN or infinite values in {name}/{bad[0]}"
+                    f"{f' and {len(bad) - 1} more of its tensors' if len(bad) > 1 else ''}: the state of a run that "
+                    f"diverged, which would train on without a word (a weight no token reaches keeps its NaN) and "
+                    f"never export. Nothing was trained from it. Resume from an earlier checkpoint: give its step "
+                    f"folder (train.resume={directory.parent.parent}/<step>)")
             args.sink(name, tree)
             del tree
 
@@ -270,6 +280,36 @@ class _NoCopyNumpyHandler(ocp.type_handlers.NumpyHandler):
                                                                  name="np_type_handler")]
 
 
+class NonFiniteCheckpointError(ValueError):
+    """A checkpoint's master weights or optimizer state hold a NaN or an infinity."""
+
+
+_CHECK_CHUNK = 4 << 20  # elements checked at once: a small temporary, never one the size of an embedding
+_check_pool: concurrent.futures.ThreadPoolExecutor | None = None  # numpy's tests release the GIL: chunks in parallel
+
+
+def non_finite(leaves: dict[str, Any]) -> list[str]:
+    """The names of the floating-point leaves that hold a NaN or an infinity (codes of quantized moments are
+    integers: never). One pass, its chunks on up to 8 threads (bfloat16 by its exponent bits: numpy has no fast
+    test for it)."""
+    return [name for name, leaf in leaves.items() if not _finite(np.asarray(leaf).reshape(-1))]
+
+
+def _finite(flat: np.ndarray) -> bool:
+    if flat.dtype.name == "bfloat16":  # an all-ones exponent is an infinity or a NaN
+        return not any(_chunks(flat.view(np.uint16), lambda bits: bool(((bits & 0x7F80) == 0x7F80).any())))
+    if not np.issubdtype(flat.dtype, np.floating):
+        return True
+    return not any(_chunks(flat, lambda x: not np.isfinite(x).all()))
+
+
+def _chunks(flat: np.ndarray, test: Callable[[np.ndarray], bool]) -> Iterator[bool]:
+    global _check_pool
+    if _check_pool is None:
+        _check_pool = concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1), "megatrain-finite")
+    return _check_pool.map(test, (flat[i:i + _CHECK_CHUNK] for i in range(0, flat.size, _CHECK_CHUNK)))
+
+
 ocp.args.register_with_handler(PartsHandler, for_save=True)(PartsSave)
 ocp.args.register_with_handler(PartsHandler, for_restore=True)(PartsRestore)
 
@@ -279,5 +319,5 @@ def verify_state_item(step_dir: Path, checksum: bool = True) -> str | None:
     return verify_manifest(step_dir / "state", checksum)
 
 
-__all__ = ["PartsHandler", "PartsRestore", "PartsSave", "SaveAbandoned", "ShapeMismatchError", "Snapshot",
-           "verify_state_item"]
+__all__ = ["NonFiniteCheckpointError", "PartsHandler", "PartsRestore", "PartsSave", "SaveAbandoned",
+           "ShapeMismatchError", "Snapshot", "non_finite", "verify_state_item"]

@@ -28,6 +28,7 @@ from megatrain_jax.cli.toml_dataclass import build_dataclass
 from megatrain_jax.models.config import DecoderConfig
 from megatrain_jax.checkpoint.failures import format_size, free_space
 from megatrain_jax.checkpoint.parts import nest
+from megatrain_jax.checkpoint.params import check_params
 
 FORMATS = ("hf", "npz", "orbax")
 CONFIG_KEY = "__config__"
@@ -109,9 +110,10 @@ def load_npz(path: str | os.PathLike) -> tuple[DecoderConfig, dict, list[dict]]:
                              f"disk); {again}") from None
     missing = [] if "io" in tree else ["io (embedding, final norm, head)"]
     missing += [f"block {i}" for i in range(cfg.layers) if str(i) not in tree.get("blocks", {})]
-    if missing:  # the parameters of each part are checked leaf by leaf where they are used (save_hf)
+    if missing:
         raise ValueError(f"{path} has no parameters of {', '.join(missing)} (its config has {cfg.layers} layers): "
                          f"not a whole model; {again}")
+    check_params(cfg, tree["io"], tree["blocks"], path)  # every leaf against the config, and finite
     return cfg, tree["io"], [tree["blocks"][str(i)] for i in range(cfg.layers)]
 
 
