@@ -49,11 +49,11 @@ class Batch:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.inputs.shape)
+        return tuple(np.shape(self.inputs))  # np.shape: inputs given as nested lists have a shape too
 
     @property
     def tokens(self) -> int:
-        return int(np.prod(self.inputs.shape))
+        return int(np.prod(self.shape))
 
     @classmethod
     def from_windows(cls, windows_BT1: np.ndarray) -> "Batch":
@@ -94,17 +94,19 @@ def check_batch(batch: Batch, vocab_size: int, max_positions: int | None = None,
     inputs, targets = np.asarray(batch.inputs), np.asarray(batch.targets)
     if inputs.ndim != 2:
         raise ValueError(f"batch inputs must be [batch, seq_len], got shape {inputs.shape}")
+    if inputs.size == 0:
+        raise ValueError(f"batch inputs of shape {inputs.shape} hold no token: a batch needs at least one row "
+                         f"of at least one token")
     for name in ("targets", "loss_mask", "positions", "segment_ids"):
         arr = getattr(batch, name)
         if arr is not None and np.shape(arr) != inputs.shape:
             raise ValueError(f"batch {name} has shape {np.shape(arr)} but inputs have {inputs.shape}")
     for name, arr in (("inputs", inputs), ("targets", targets)):
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"batch {name} must hold integer token ids, got dtype {arr.dtype}")
-        if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
-            bad = int(arr.max()) if arr.max() >= vocab_size else int(arr.min())
-            raise ValueError(f"token id {bad} in batch {name} is outside the model's vocabulary "
-                             f"[0, {vocab_size}); check the tokenizer matches the model's vocab_size")
+        check_token_ids(name, arr, vocab_size)
+    if batch.loss_mask is not None:
+        check_loss_mask(np.asarray(batch.loss_mask))
+    if batch.positions is not None:
+        check_positions(np.asarray(batch.positions))
     if max_positions is not None:
         top = int(np.max(batch.positions)) + 1 if batch.positions is not None else inputs.shape[1]
         if top > max_positions:
@@ -121,6 +123,61 @@ def check_batch(batch: Batch, vocab_size: int, max_positions: int | None = None,
     if batch.segment_ids is not None:
         seg = np.asarray(batch.segment_ids)
         check_segments(seg, None if segments_per_row is None else segments_per_row(seg.shape[1]))
+
+
+def _first(bad_BT: np.ndarray) -> str:
+    """Where the first True of ``bad_BT`` is, and how many there are, in words."""
+    r, t = (int(i) for i in np.argwhere(bad_BT)[0])
+    n = int(np.count_nonzero(bad_BT))
+    return f"row {r}, column {t}" + (f"; {n} such values in the batch" if n > 1 else "")
+
+
+def check_token_ids(name: str, ids_BT: np.ndarray, vocab_size: int) -> None:
+    """Token ids are integers in ``[0, vocab_size)``: anything else is refused, naming the first offender and
+    where it is (never wrapped or clamped into range)."""
+    if not np.issubdtype(ids_BT.dtype, np.integer):
+        raise ValueError(f"batch {name} must hold integer token ids, got dtype {ids_BT.dtype}; give the tokenizer's "
+                         f"ids as integers (e.g. np.asarray(ids, np.int32))")
+    if ids_BT.min() < 0 or ids_BT.max() >= vocab_size:
+        bad_BT = (ids_BT < 0) | (ids_BT >= vocab_size)
+        first = ids_BT[tuple(np.argwhere(bad_BT)[0])]
+        raise ValueError(f"token id {int(first)} in batch {name} is outside the model's vocabulary [0, {vocab_size}) "
+                         f"({_first(bad_BT)}); check the tokenizer matches the model's vocab_size")
+
+
+def check_loss_mask(mask_BT: np.ndarray) -> None:
+    """A loss mask weighs each token's loss: 1 counts, 0 does not. A negative weight would climb the loss, and
+    a NaN or infinite one poisons it."""
+    try:
+        mask_BT = np.asarray(mask_BT, np.float32)  # as the engine reads it (bool, integers, bfloat16 are fine)
+    except (TypeError, ValueError):
+        raise ValueError(f"batch loss_mask must hold numbers (1 = in the loss, 0 = not), got dtype "
+                         f"{mask_BT.dtype}") from None
+    bad_BT = ~np.isfinite(mask_BT) | (mask_BT < 0)
+    if bad_BT.any():
+        value = mask_BT[tuple(np.argwhere(bad_BT)[0])]
+        raise ValueError(f"batch loss_mask holds {value} ({_first(bad_BT)}): a token's weight in the loss must be a "
+                         f"finite number >= 0 (1 = in the loss, 0 = not)")
+
+
+def check_positions(positions_BT: np.ndarray) -> None:
+    """Positions are whole numbers from 0 (each packed document restarts at 0)."""
+    if not np.issubdtype(positions_BT.dtype, np.integer):
+        raise ValueError(f"batch positions must be integers (0, 1, 2, ... along each row or packed document), got "
+                         f"dtype {positions_BT.dtype}")
+    if positions_BT.min() < 0:
+        bad_BT = positions_BT < 0
+        raise ValueError(f"batch positions hold {int(positions_BT[tuple(np.argwhere(bad_BT)[0])])} "
+                         f"({_first(bad_BT)}): positions count from 0 (each packed document restarts at 0)")
+
+
+def check_loss_tokens(batch: Batch) -> None:
+    """A training batch has at least one token in its loss: one whose ``loss_mask`` is all zero would train on
+    nothing (its loss reads 0) while the optimizer still steps."""
+    if batch.loss_mask is not None and not np.any(np.asarray(batch.loss_mask)):
+        raise ValueError(f"a batch of shape {batch.shape} has no token in its loss (its loss_mask is all zero), so "
+                         f"a step on it would learn nothing: check the data's masking (e.g. a prompt that fills the "
+                         f"whole row leaves no answer token), or leave such rows out")
 
 
 def check_segments(segment_ids_BT: np.ndarray, max_segments: int | None) -> None:

@@ -137,6 +137,8 @@ def check_model(model: nnx.Module, optimizer: optax.GradientTransformation | Non
         seq_len = min(seq_len, int(max_positions))
     if seq_len < 2:
         raise ValueError(f"check_model needs seq_len >= 2 (a packed row holds two documents), got {seq_len}")
+    if rows < 1:
+        raise ValueError(f"check_model needs rows >= 1 (the rows of each batch it trains on), got {rows}")
     compute_dtype = str(jnp.dtype(getattr(cfg, "dtype", None) or "float32"))
     if tol is None:
         tol = 1e-4 if compute_dtype == "float32" else 3e-2

@@ -13,20 +13,32 @@ import math
 import time
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
+
 from megatrain_jax.batch import Batch
 from megatrain_jax.engine.engine import Engine
 from megatrain_jax.fit import Hook, StepInfo
 
 
-def evaluate(engine: Engine, batches: Iterable[Batch]) -> dict[str, float]:
+def evaluate(engine: Engine, batches: Iterable[Batch] | Batch) -> dict[str, float]:
     """Mean next-token loss (over tokens whose ``loss_mask`` is 1) and perplexity of the engine's current
-    parameters on ``batches``: ``{'eval_loss', 'eval_ppl', 'eval_tokens'}``."""
-    batches = list(batches)
-    if not batches:
-        raise ValueError("evaluate() got no batches; is the held-out split empty?")
+    parameters on ``batches`` (or one ``Batch``): ``{'eval_loss', 'eval_ppl', 'eval_tokens'}``."""
+    batches = held_out(batches)
     nll, count = engine.eval_nll(batches)
     loss = nll / max(count, 1.0)
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(count)}
+
+
+def held_out(batches: Iterable[Batch] | Batch) -> list[Batch]:
+    """The evaluation batches as a list, refused when they hold no token in the loss: their loss would read 0
+    and their perplexity 1, a perfect score from nothing."""
+    batches = [batches] if isinstance(batches, Batch) else list(batches)
+    if not batches:
+        raise ValueError("evaluation got no batches; is the held-out split empty (smaller than one batch)?")
+    if all(isinstance(b, Batch) and b.loss_mask is not None and not np.any(np.asarray(b.loss_mask)) for b in batches):
+        raise ValueError(f"the {len(batches)} evaluation batch(es) hold no token in the loss (every loss_mask is all "
+                         f"zero): their loss would read 0; check the held-out data's masking")
+    return batches
 
 
 def eval_hook(batches: Sequence[Batch] | None, every: int, total_steps: int | None = None,
@@ -42,7 +54,7 @@ def eval_hook(batches: Sequence[Batch] | None, every: int, total_steps: int | No
     hook before them.
     """
     if measure is None:
-        batches = list(batches)
+        batches = held_out(batches)
         measure = lambda engine: evaluate(engine, batches)  # noqa: E731
     if every < 1:
         raise ValueError(f"eval every must be >= 1, got {every}")

@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import numbers
 import operator
 import sys
+import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -16,13 +18,14 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from megatrain_jax import fit_history
-from megatrain_jax.batch import Batch
+from megatrain_jax.batch import Batch, check_loss_tokens
 from megatrain_jax.checkpoint.session import CheckpointSession, jsonable
 from megatrain_jax.contract.layered import is_abstract
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.engine import Engine
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
 from megatrain_jax.engine.transfer import select_devices
+from megatrain_jax.fit_checks import check_arguments, check_learning_rate, where_the_data_ended
 from megatrain_jax.fit_failure import FailedHook, keep_what_was_trained
 from megatrain_jax.flops import format_flops, model_flops_per_token
 from megatrain_jax.loss import NextToken, Objective
@@ -56,6 +59,12 @@ class Hook:
     fn: Callable[[dict, StepInfo], None]
     every: int = 1
     at_end: bool = False
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"Hook takes a function fn(metrics, info), got {type(self.fn).__name__}")
+        if isinstance(self.every, bool) or not isinstance(self.every, numbers.Integral) or self.every < 1:
+            raise ValueError(f"Hook every must be a whole number of steps >= 1 (1: every step), got {self.every!r}")
 
 
 @dataclasses.dataclass
@@ -206,6 +215,10 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
     step is a multiple of ``checkpoint_every`` (the engine runs one step ahead of the metrics, so never at
     step 1), and a resumed run ends where the uninterrupted one would, bit for bit.
 
+    Arguments of the wrong kind, and a learning rate below 0 or not a number at a step of the run, are refused
+    before anything loads; each batch is checked before its step (``batch.check_batch``, and at least one token in
+    its loss). Data that runs out before ``train.steps`` (or in the middle of a step) ends the run with a warning.
+
     A hook ends training early with ``info.stop(reason)``. If anything raises, the exception carries the
     history (``err.history``); when the data fails, the step trained before it is reported first (its metrics
     reach the hooks, as every step's do). When a hook (or the checkpoint session's) raises, the other hooks still
@@ -219,12 +232,24 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
     checkpoints: the step in flight finishes and is reported, the checkpoint is saved, and ``CheckpointedExit``
     (exit status 128 + the signal) is raised.
     """
+    if isinstance(hooks, Hook):
+        raise TypeError("fit's hooks= takes a list of hooks: hooks=[hook]")
+    hooks = list(hooks)
+    check_arguments(data, optimizer, train, engine)
+    for hook in hooks:
+        if not isinstance(hook, Hook):
+            raise TypeError(f"each of fit's hooks must be a megatrain_jax.Hook, got {type(hook).__name__}: wrap a "
+                            f"function as Hook(fn, every=1), where fn(metrics, info) is called with each step's "
+                            f"metrics")
     if train.steps is None and endless(data):
         raise ValueError(f"{type(data).__name__} never ends, so fit would never return: give the run a "
                          f"length (TrainConfig(steps=N))")
     optimizer_name = "default_optimizer" if optimizer is None else type(optimizer).__name__
     optimizer = optimizer if optimizer is not None else default_optimizer()
     lr_schedule = learning_rate_of(optimizer)
+    rising = check_learning_rate(lr_schedule, train.steps)
+    if rising is not None:
+        warnings.warn(rising, stacklevel=2)
     session = _session(model, train, engine, optimizer_name) if train.checkpointing else None
     try:  # every refusal before the model loads: a start refused after an hour of loading is an hour lost
         stream = None if callable(data) and not hasattr(data, "__iter__") else data  # a function of the engine: later
@@ -244,17 +269,22 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
             session.close()
         raise
     history = History(engine=eng)
-    hooks = list(hooks) + ([print_logger(train.log_every)] if train.log_every else [])
+    hooks = hooks + ([print_logger(train.log_every)] if train.log_every else [])
     step_log = None
     if session is not None:
         data = session.start(eng, data)
         if session.resumed_from is not None:
             history.resumed = fit_history.step_record(session.resumed_from.parent, session.start_step)
-        if train.checkpoint_dir is not None:  # each step's metrics beside the checkpoints, for a later resume
-            step_log = fit_history.StepLog(train.checkpoint_dir, session.start_step)
-            hooks.insert(0, Hook(lambda m, info: step_log.write(m)))
+        if train.checkpoint_dir is not None:  # each step's metrics beside the checkpoints, for a later resume:
+            step_log = fit_history.StepLog(train.checkpoint_dir, session.start_step)  # last, so that it keeps
+            hooks.append(Hook(lambda m, info: step_log.write(m)))  # what the hooks added (eval_hook's eval_loss)
     limit = None if train.steps is None else max(0, train.steps - eng.state.step) * engine.accumulate_steps
-    feed = Feed(data, engine.accumulate_steps, limit, eng.check_batch)
+    def check(batch: Batch) -> None:  # each batch before its step: the model's refusals, and one with no loss
+        eng.check_batch(batch)
+        if jax.process_count() == 1:  # a process holds its own rows: another's may hold the loss's tokens
+            check_loss_tokens(batch)
+
+    feed = Feed(data, engine.accumulate_steps, limit, check)
     if session is not None:
         session.follow(feed.state, feed.stop)
     cfg = model.cfg
@@ -332,6 +362,10 @@ def fit(model: nnx.Module, data: Iterable[Batch] | Callable[[Engine], Iterable[B
                     phase, last = "engine", m
                 if feed.error is not None:  # the data failed: the steps trained before it are reported
                     raise feed.error
+                if feed.stopped is None:
+                    for said in where_the_data_ended(feed.batches, feed.accumulate, train.steps,
+                                                      int(eng.state.step)):
+                        warnings.warn(said, stacklevel=2)
             except DeviceOutOfMemoryError as err:
                 if not err.updated:
                     try:  # what the host holds is read back in full: a failure found now means it is not whole

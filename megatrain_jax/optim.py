@@ -124,12 +124,14 @@ def learning_rate_of(tx: optax.GradientTransformation) -> Schedule | None:
     Found in what builds it: ``megatrain_jax.adamw``'s spec; the ``learning_rate`` optax's
     ``scale_by_learning_rate`` wraps (every optax optimizer given a schedule: ``adamw``, ``sgd``, ``lion``,
     ``adafactor``, ... in chains too); the ``learning_rate`` hyperparameter of ``optax.inject_hyperparams``;
-    a constant rate as the single negative ``optax.scale`` of the chain, or in ``inject_hyperparams``' state."""
+    a constant rate as the single negative ``optax.scale`` of the chain, or in ``inject_hyperparams``' state. A chain
+    whose one ``optax.scale`` is positive or not a number (``optax.adamw(-1e-3)``, ``optax.sgd(nan)``) reads as that
+    rate negated, so that ``fit`` refuses it rather than climb the loss."""
     spec = fused_spec(tx)
     if spec is not None:
         lr = spec.learning_rate
         return lr if callable(lr) else (lambda _: lr)
-    scales = []
+    scales, other = [], []
     for fn in _update_fns(tx.update):
         cells = dict(zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), fn.__closure__ or ()))
         value = _cell(cells.get("learning_rate"))
@@ -142,10 +144,11 @@ def learning_rate_of(tx: optax.GradientTransformation) -> Schedule | None:
                 lr = getattr(lr, "schedule_fn", lr)  # optax wraps schedules to read the count from its state
                 return lr if callable(lr) else (lambda _: lr)
         step = _cell(cells.get("step_size"))
-        if getattr(fn, "__qualname__", "").startswith("scale.") and isinstance(step, (int, float)) and step < 0:
-            scales.append(-float(step))
-    if len(scales) == 1:
-        return lambda _: scales[0]
+        if getattr(fn, "__qualname__", "").startswith("scale.") and isinstance(step, (int, float)):
+            (scales if step < 0 else other).append(-float(step))
+    if len(scales) == 1 or (not scales and len(other) == 1):
+        rate = (scales or other)[0]
+        return lambda _: rate
     try:  # inject_hyperparams keeps a numeric rate in its state
         hps = getattr(tx.init({"probe": jnp.zeros((1,), jnp.float32)}), "hyperparams", {})
     except Exception:  # noqa: BLE001 - a transformation that cannot init on the probe has no rate to show

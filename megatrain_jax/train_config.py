@@ -14,6 +14,11 @@ def check_path(name: str, value: object, give: str) -> None:
         raise ValueError(f"{name} is an empty path, which would mean the current directory: give {give}")
 
 
+def _whole(value: object) -> bool:
+    """An integer, not a bool (``True`` is an int to Python, never a count of steps)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The run.
@@ -49,6 +54,11 @@ class TrainConfig:
     profile_step: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("steps", "log_every", "checkpoint_every", "checkpoint_keep", "profile_step"):
+            value = getattr(self, name)
+            if (value is not None or name != "steps") and not _whole(value):
+                write = f" (write {int(value)})" if isinstance(value, float) and value.is_integer() else ""
+                raise ValueError(f"{name} must be a whole number, got {value!r}{write}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be >= 1 (or None: until the data ends), got {self.steps}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < 2**32:
@@ -59,9 +69,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
         if self.checkpoint_keep < 1:
             raise ValueError(f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
+        if self.peak_tflops is not None and not (isinstance(self.peak_tflops, numbers.Real) and self.peak_tflops > 0):
             raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
-        if self.devices is not None and (not isinstance(self.devices, int) or self.devices < 1):
+        if self.devices is not None and (not _whole(self.devices) or self.devices < 1):
             raise ValueError(f"devices must be an integer >= 1 (or None: every GPU), got {self.devices!r}")
         check_path("checkpoint_dir", self.checkpoint_dir, "a folder (e.g. runs/x/checkpoints), or leave it unset")
         check_path("resume", self.resume, "true, false, or the path of a checkpoint")
