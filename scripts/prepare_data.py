@@ -30,7 +30,7 @@ from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from megatrain_jax.data import demo_tokens, instruct, write_tokens  # noqa: E402
+from megatrain_jax.data import chat_lines, demo_tokens, write_tokens  # noqa: E402
 from megatrain_jax.data.demo import EOS_ID  # noqa: E402
 from megatrain_jax.data.tokens import TokenWriter, index_path, sidecar_path  # noqa: E402
 
@@ -85,15 +85,15 @@ def text_lines(path: Path) -> Iterator[tuple[int, str]]:
 
 def read_documents(path: Path, text_field: str) -> Iterator[str]:
     """Documents of one input file (JSON lines records, or blank-line-separated plain-text paragraphs)."""
-    if path.suffix.lower() in (".jsonl", ".json"):  # read as chat data's lines are (instruct: UTF-8, BOM, objects)
+    if path.suffix.lower() in (".jsonl", ".json"):  # read as chat data's lines are (chat_lines: UTF-8, BOM, objects)
         try:
-            for n, line in instruct.read_lines(path):
-                record = instruct.json_object(line, f"{path}:{n}")
+            for n, line in chat_lines.read_lines(path):
+                record = chat_lines.json_object(line, f"{path}:{n}")
                 if not isinstance(record.get(text_field), str):
                     raise SystemExit(f"{path}:{n}: expected a JSON object with a string field {text_field!r} (found "
                                      f"keys {sorted(record)}); set --text-field")
                 yield record[text_field]
-        except instruct.InstructDataError as e:
+        except chat_lines.InstructDataError as e:
             raise SystemExit(str(e)) from None
         return
     lines: list[str] = []

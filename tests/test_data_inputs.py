@@ -261,7 +261,7 @@ def test_a_folder_as_jsonl_path_and_a_file_as_tokenizer_are_named(tmp_path, caps
 
 def test_a_control_character_in_a_chat_line_is_said_once():
     """json's message for a raw control character ends in "at", before the column this adds: said once."""
-    from megatrain_jax.data.instruct import InstructDataError, json_object
+    from megatrain_jax.data.chat_lines import InstructDataError, json_object
     with pytest.raises(InstructDataError, match=r"^f\.jsonl:3: not valid JSON \(Invalid control character at column "
                                                 r"\d+\)$"):
         json_object('{"a": "x\ty"}', "f.jsonl:3")

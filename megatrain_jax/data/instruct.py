@@ -7,17 +7,22 @@ Two line formats, one JSON object per line:
 - ``{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}``: rendered with the
   chat template from ``tokenizer_config.json`` (or ``chat_template.jinja``), as transformers'
   ``apply_chat_template`` renders it (jinja2, sandboxed, ``trim_blocks`` and ``lstrip_blocks``, the
-  special tokens as variables, ``raise_exception``, ``tojson`` and ``strftime_now``);
+  special tokens as variables, ``raise_exception``, ``tojson`` and ``strftime_now``). The roles ``developer``,
+  ``tool``, ``function`` and ``ipython`` are rendered too, never learned; a message's ``name``, ``tool_calls`` and
+  ``tool_call_id`` go to the template with it; a content may be OpenAI's list of text parts (joined by newlines,
+  as vLLM joins them), or null beside ``tool_calls``;
 - ``{"prompt": "...", "completion": "..."}``: the prompt then the completion and the end-of-sequence
-  token, without a template.
+  token, without a template; or both message lists (TRL's conversational form), rendered as one conversation
+  whose completion's assistant turns alone are learned (a way to train only a conversation's last answer).
 
 A line holds one form: one with ``messages`` and ``prompt`` or ``completion`` is refused.
 
 Which tokens carry loss is found from text offsets. For each assistant turn, the template renders the
 conversation up to the turn with the generation prompt (where the turn's text starts) and up to the end
 of the turn (where it ends). Tokens whose characters fall inside such a span carry loss: the assistant's
-words and the template's end-of-turn marker, so the model learns to stop. A template that does not render
-a conversation's prefixes as prefixes of the whole cannot be split this way and is refused.
+words and the template's end-of-turn marker, so the model learns to stop. Where the generation prompt holds
+more than the rendered turn repeats (DeepSeek-R1's ``<think>``), the turn starts where the two part. A template
+that does not render a conversation's prefixes as prefixes of the whole cannot be split this way and is refused.
 
 The model learns to stop only where the learned tokens hold an end-of-sequence token: ``eos_token`` of
 ``tokenizer_config.json``, or an ``eos_token_id`` of the folder's ``generation_config.json`` or ``config.json``
@@ -37,18 +42,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 
+from megatrain_jax.data.chat_lines import InstructDataError, nothing_in, parse_line, read_lines, refuse_token_file
 from megatrain_jax.hf.json_files import read_json_object
 
-ROLES = ("system", "user", "assistant")
 TooLong = Literal["truncate", "skip"]
-
-
-class InstructDataError(ValueError):
-    """Instruction data or a tokenizer folder that cannot be used; the message names the file and line."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +64,11 @@ class Example:
 
 @dataclasses.dataclass
 class Stats:
-    """What tokenizing a file did: examples kept, truncated to ``seq_len + 1`` tokens, skipped as too long,
-    skipped for having no token to learn after truncation, and (preference pairs) skipped for having two sides the
-    same after truncation (a pair that teaches nothing: its DPO loss is log 2 whatever the weights). ``notes``:
-    what the data does that is allowed but likely unmeant, each a sentence saying what to do (instruction data:
-    answers without an end-of-sequence token, ``read_examples``)."""
+    """What tokenizing a file did: examples kept, of them those truncated to ``seq_len + 1`` tokens, skipped as too
+    long, skipped for having no token to learn after truncation (not counted as truncated too), and (preference
+    pairs) skipped for having two sides the same after truncation (a pair that teaches nothing: its DPO loss is
+    log 2 whatever the weights). ``notes``: what the data does that is allowed but likely unmeant, each a sentence
+    saying what to do (instruction data: answers without an end-of-sequence token, ``read_examples``)."""
 
     kept: int = 0
     truncated: int = 0
@@ -201,11 +202,21 @@ class ChatTokenizer:
                 continue
             start = self.render(messages[:i], add_generation_prompt=True)
             end = self.render(messages[:i + 1])
-            if not (full.startswith(end) and end.startswith(start)):
-                raise InstructDataError(f"the chat template ({self.template_file}) does not render a conversation's "
-                                        f"beginning as the beginning of the whole, so the assistant's turns cannot be "
-                                        f"found; use prompt/completion lines or another template")
-            spans.append((len(start), len(end)))
+            begins = len(start)
+            if not end.startswith(start):  # a generation prompt the turn does not repeat (R1's '<think>\n'): the
+                before = self.render(messages[:i])  # turn begins where the two part, after what came before it
+                begins = max(len(os.path.commonprefix([start, end])), len(before)) if end.startswith(before) else -1
+            if begins < 0 or not full.startswith(end):
+                raise InstructDataError(
+                    f"the chat template ({self.template_file}) does not render a conversation's beginning as the "
+                    f"beginning of the whole, so the assistant's turns cannot be found; to train the last answer "
+                    f'only, give the line as {{"prompt": [the messages before it], "completion": [the last assistant '
+                    f'message]}}, or use another template')
+            if begins >= len(end) and message["content"].strip():  # an answer the template leaves out
+                raise InstructDataError(f"the chat template ({self.template_file}) renders nothing of message {i} (an "
+                                        f"assistant turn), so there is nothing to learn from it; use the model's own "
+                                        f"template, one that renders the assistant's turns")
+            spans.append((begins, len(end)))
         return full, spans
 
 
@@ -243,55 +254,6 @@ def _compile(source: str, template_file: str):
 
 
 # ---------------------------------------------------------------------------------------------- files
-def json_object(text: str, where: str) -> dict[str, Any]:
-    """One JSONL line's object; InstructDataError naming ``where`` (``file:line``) for anything else."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InstructDataError(f"{where}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise InstructDataError(f"{where}: each line must be a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-def check_messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
-    """A line's ``key``: a non-empty list of messages of known roles with string contents, returned as plain
-    ``{role, content}`` dicts; InstructDataError naming ``where`` and the message otherwise."""
-    if not isinstance(value, list) or not value:
-        raise InstructDataError(f"{where}: {key!r} must be a non-empty list of {{role, content}} objects")
-    for k, m in enumerate(value):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise InstructDataError(f"{where}: {key}[{k}] needs a 'role' and a 'content'")
-        if m["role"] not in ROLES:
-            raise InstructDataError(f"{where}: {key}[{k}] has the unknown role {m['role']!r}; roles are {list(ROLES)}")
-        if not isinstance(m["content"], str):
-            raise InstructDataError(f"{where}: {key}[{k}].content must be a string")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
-def parse_line(text: str, where: str) -> dict[str, Any]:
-    """One JSONL line checked: a ``messages`` list of known roles with string contents and at least one
-    assistant turn, or a ``prompt`` and a ``completion`` string. ``where`` is ``file:line`` for errors."""
-    obj = json_object(text, where)
-    both = sorted({"prompt", "completion"} & obj.keys())
-    if "messages" in obj and both:  # which one the author meant cannot be told
-        raise InstructDataError(f"{where}: the line has both 'messages' and {' and '.join(map(repr, both))}; keep one "
-                                f"form: 'messages' (a conversation, rendered with the chat template) or 'prompt' and "
-                                f"'completion' (no template), and remove the other's keys")
-    if "messages" in obj:
-        messages = check_messages(obj["messages"], where, "messages")
-        if not any(m["role"] == "assistant" for m in messages):
-            raise InstructDataError(f"{where}: the conversation has no assistant turn, so nothing to learn")
-        return {"messages": messages}
-    if "prompt" in obj or "completion" in obj:
-        for key in ("prompt", "completion"):
-            if not isinstance(obj.get(key), str):
-                raise InstructDataError(f"{where}: a prompt/completion line needs a string {key!r}")
-        return {"prompt": obj["prompt"], "completion": obj["completion"]}
-    raise InstructDataError(f"{where}: a line needs 'messages' (a conversation) or 'prompt' and 'completion'; "
-                            f"found keys {sorted(obj)}")
-
-
 def read_examples(path: str | os.PathLike, tokenizer: ChatTokenizer, seq_len: int,
                   too_long: TooLong = "truncate") -> tuple[list[Example], Stats]:
     """Every line of ``path`` checked and tokenized. Examples longer than ``seq_len + 1`` tokens are cut to
@@ -356,14 +318,13 @@ def read_tokenized(path: str | os.PathLike, encode: Callable[[str, str], list[tu
             sequences = encode(text, where)
         except InstructDataError as e:
             raise InstructDataError(e.args[0] if e.args[0].startswith(where) else f"{where}: {e}") from None
-        whole = sequences
-        if max(len(ids) for ids, _ in sequences) > seq_len + 1:
+        whole, cut = sequences, max(len(ids) for ids, _ in sequences) > seq_len + 1
+        if cut:
             if too_long == "skip":
                 stats.skipped_too_long += 1
                 least.append(max(len(ids) for ids, _ in sequences) - 1)
                 continue
             sequences = [(ids[:seq_len + 1], mask[:seq_len]) for ids, mask in sequences]
-            stats.truncated += 1
         if not all(mask.any() for _, mask in sequences):
             stats.skipped_no_loss += 1
             if all(mask.any() for _, mask in whole):  # each sequence's first learned token, kept
@@ -374,6 +335,7 @@ def read_tokenized(path: str | os.PathLike, encode: Callable[[str, str], list[tu
             continue
         out.append((line_no, sequences))
         stats.kept += 1
+        stats.truncated += cut  # kept and cut: one left out after its cut is counted as left out only
     if not out:
         ways = ([f"a data.seq_len of at least {min(least)} keeps one"] if least else []) + (
             ["data.too_long = 'truncate' cuts them to seq_len + 1 tokens"] if stats.skipped_too_long else [])
@@ -382,56 +344,12 @@ def read_tokenized(path: str | os.PathLike, encode: Callable[[str, str], list[tu
                                 + (f", {stats.skipped_identical} with both sides the same" if stats.skipped_identical
                                    else "") + ")" + (f"; {', or '.join(ways)}" if ways else "")
                                 if stats.skipped_too_long or stats.skipped_no_loss or stats.skipped_identical
-                                else f"{path} has no {what}s")
+                                else nothing_in(path, what))
     return out, stats
 
 
-def read_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """The non-blank lines of a UTF-8 text file with their numbers (from 1), a leading byte-order mark dropped (as
-    editors on Windows write one); InstructDataError naming the line for bytes that are not UTF-8, and saying so
-    for a token file given as JSON lines."""
-    refuse_token_file(path)
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            try:
-                text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise InstructDataError(f"{path}:{line_no} is not UTF-8 text (byte {raw[e.start]:#04x} at column "
-                                        f"{e.start + 1}); save the file as UTF-8") from None
-            if text.strip():
-                yield line_no, text
-
-
-def refuse_token_file(path: str | os.PathLike) -> None:
-    """Raise InstructDataError when ``path`` is a folder, or looks like a token file (``data.tokens``: token ids,
-    not JSON lines): it has a token file's sidecar, holds a .npy array, or is named .bin or .npy and holds NUL
-    bytes (which JSON lines never do)."""
-    from megatrain_jax.data.tokens import NPY_MAGIC, sidecar_path
-    path = Path(path)
-    if path.is_dir():
-        raise InstructDataError(f"{path} is a folder, not a file of JSON lines: set data.path to the .jsonl file "
-                                f"itself (docs/fine_tuning.md)")
-    side = sidecar_path(path)
-    if not path.is_file():
-        return
-    if side.exists():
-        sign = f"it has a token file's sidecar {side}"
-    else:
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)
-        if head.startswith(NPY_MAGIC):
-            sign = "it holds a .npy array"
-        elif path.suffix in (".bin", ".npy") and b"\0" in head:
-            sign = "it holds binary data, not text"
-        else:
-            return
-    raise InstructDataError(f"{path} looks like a token file ({sign}), not JSON lines: to train on its token ids "
-                            f"set data.format = 'tokens'; format = 'chat' and 'preference' read JSONL "
-                            f"(docs/fine_tuning.md)")
-
-
 # ---------------------------------------------------------------------------------------------- cache
-FORMAT_VERSION = 2  # bump when what prepare() writes changes (2: the stats' notes)
+FORMAT_VERSION = 3  # bump when what prepare() writes changes (2: the stats' notes; 3: truncated counts kept ones)
 
 
 def default_cache_dir() -> Path:
@@ -463,7 +381,7 @@ def prepare(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, seq_len: 
     """Tokenize ``path`` once: its examples as a token file (``data.tokens``) with per-token loss flags and
     one document per example, in ``cache_dir`` under a key of everything it depends on (``cache_key``).
     A later call with the same inputs reads the cached file. Returns the token file and the stats."""
-    from megatrain_jax.data.tokens import TokenFile, TokenWriter, index_path, loss_path, sidecar_path
+    from megatrain_jax.data.tokens import TokenFile, index_path, loss_path, sidecar_path
     refuse_token_file(path)  # before its bytes are hashed for the cache key: a token file may be many GB
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     out = cache / f"{cache_key(path, tokenizer_dir, seq_len, too_long)}.bin"
@@ -478,13 +396,24 @@ def prepare(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, seq_len: 
                 Path(name(out)).unlink(missing_ok=True)
     tokenizer = ChatTokenizer.from_folder(tokenizer_dir)
     examples, stats = read_examples(path, tokenizer, seq_len, too_long)
+    try:
+        _write_entry(out, examples, stats, tokenizer)
+    except OSError as e:  # the token file is what training reads: without it there is no run
+        raise InstructDataError(f"the tokenized data of {path} cannot be written to the cache folder {cache} "
+                                f"({e.strerror or e}{f': {e.filename}' if e.filename else ''}); training reads it "
+                                f"from there: set data.cache_dir to a writable folder with room for it") from None
+    return out, stats
+
+
+def _write_entry(out: Path, examples: list[Example], stats: Stats, tokenizer: ChatTokenizer) -> None:
+    """``examples`` as the token file ``out`` (one document each, per-token loss flags), with ``stats`` beside it."""
+    from megatrain_jax.data.tokens import TokenWriter, index_path, loss_path, sidecar_path
     vocab = tokenizer.tokenizer.get_vocab_size(with_added_tokens=True)
-    tmp = cache / f".{out.name}.{os.getpid()}.tmp"
-    with TokenWriter(tmp, vocab, track_loss=True, tokenizer=str(tokenizer_dir)) as w:
+    tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
+    with TokenWriter(tmp, vocab, track_loss=True, tokenizer=tokenizer.where) as w:
         for ex in examples:  # the first token is never a target
             w.append(ex.ids, loss=np.concatenate([[0], ex.loss_mask]).astype(np.uint8))
     for name in (index_path, loss_path, lambda p: Path(p)):  # the sidecar last: until then the file is refused
         os.replace(name(tmp), name(out))
-    stats_file.write_text(json.dumps(dataclasses.asdict(stats)))
+    Path(f"{out}.stats.json").write_text(json.dumps(dataclasses.asdict(stats)))
     os.replace(sidecar_path(tmp), sidecar_path(out))
-    return out, stats

@@ -39,8 +39,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from megatrain_jax.batch import Batch
-from megatrain_jax.data.instruct import (ChatTokenizer, InstructDataError, Stats, TooLong, cache_key, check_messages,
-                                        default_cache_dir, json_object, read_tokenized, refuse_token_file)
+from megatrain_jax.data.chat_lines import (InstructDataError, check_messages, json_kind, json_object,
+                                          refuse_token_file)
+from megatrain_jax.data.instruct import ChatTokenizer, Stats, TooLong, cache_key, default_cache_dir, read_tokenized
 
 SIDES = ("chosen", "rejected")
 
@@ -69,7 +70,7 @@ def parse_preference_line(text: str, where: str) -> dict[str, Any]:
                                 f"lists may leave the prompt implicit, as their common first messages)")
     if any(isinstance(obj.get(k), str) for k in ("prompt", *SIDES)) or any(
             not isinstance(obj[k], list) for k in obj.keys() & {"prompt", *SIDES}):
-        kinds = ", ".join(f"{k!r} is {_kind(obj[k])}" for k in ("prompt", *SIDES) if k in obj)
+        kinds = ", ".join(f"{k!r} is {json_kind(obj[k])}" for k in ("prompt", *SIDES) if k in obj)
         raise InstructDataError(f"{where}: 'prompt', 'chosen' and 'rejected' must all be strings (plain text) or all "
                                 f"message lists (a conversation), not a mix: here {kinds}")
     chosen, rejected = (check_messages(obj[k], where, k) for k in SIDES)
@@ -88,15 +89,6 @@ def parse_preference_line(text: str, where: str) -> dict[str, Any]:
             raise InstructDataError(f"{where}: the {key} response must end with an assistant message (after the "
                                     f"prompt); it has {[m['role'] for m in side] or 'no message'}")
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
-
-
-def _kind(value: Any) -> str:
-    """What a JSON value is, in words, for errors: ``null``, ``a number``, ``a string``, ``a list``, ``an object``."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "a number")
 
 
 def read_pairs(path: str | os.PathLike, tokenizer: ChatTokenizer, seq_len: int,
@@ -123,7 +115,7 @@ def _is_empty(response: str | list[dict[str, str]]) -> bool:
     """Whether a response (plain text, or messages) says nothing: blank text, or assistant turns all blank."""
     if isinstance(response, str):
         return not response.strip()
-    return all(not m["content"].strip() for m in response if m["role"] == "assistant")
+    return all(not m["content"].strip() and not m.get("tool_calls") for m in response if m["role"] == "assistant")
 
 
 def _empty_note(empty: dict[str, list[str]], kept: int) -> str | None:
@@ -352,7 +344,7 @@ def read_reference(path: str | os.PathLike, sets: list[PreferenceData]) -> np.nd
         values = np.load(path)
         recorded = json.loads(side.read_text()) if side.exists() else None
         if recorded is not None and not isinstance(recorded, dict):
-            raise ValueError(f"{side} holds {_kind(recorded)}, not the pairs' digest")
+            raise ValueError(f"{side} holds {json_kind(recorded)}, not the pairs' digest")
     except (ValueError, OSError) as e:
         raise ValueError(f"{path} cannot be read ({e}): {retake}") from None
     if values.shape != (n, 2) or (recorded is not None and recorded.get("digest") != pairs_digest(sets)):
