@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import resource
 import sys
@@ -76,16 +77,47 @@ def memory_hook(every: int = 1) -> Hook:
     return Hook(lambda m, info: m.update(system_stats()), every=every)
 
 
+def _scalar(value: Any) -> Any:
+    """A numpy or JAX 0-d value as its Python scalar (``np.bool_`` -> bool, ``np.float32`` -> float); else ``value``."""
+    if hasattr(value, "shape") and np.shape(value) == ():
+        return np.asarray(value).item()
+    return value
+
+
 def _plain(value: Any) -> Any:
     """A JSON-ready scalar; None for what JSON cannot hold."""
+    value = _scalar(value)
     if isinstance(value, (bool, str)) or value is None:
         return value
-    if isinstance(value, (int, np.integer)):
+    if isinstance(value, numbers.Integral):
         return int(value)
-    if isinstance(value, (float, np.floating)) or (hasattr(value, "shape") and np.shape(value) == ()):
+    if isinstance(value, numbers.Real):
         v = float(value)
         return v if math.isfinite(v) else str(v)  # "nan" / "inf": still visible, still valid JSON
     return None
+
+
+def number(value: Any) -> float | None:
+    """``value`` as a float where it is a number (Python, numpy or a 0-d array; NaN and inf included), None for
+    anything else (flags, text): what TensorBoard and W&B take."""
+    value = _scalar(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def writes_here() -> bool:
+    """Whether this process writes the run's records: process 0 only under ``jax.distributed`` (every process
+    reports the same steps; several writing one run folder's files would interleave them, or, at a fresh start,
+    write over each other's lines). Asked at the first record: asking earlier would start JAX's backends."""
+    return jax.process_index() == 0
+
+
+def say_logging_stopped(what: str, step: int | None, err: BaseException) -> None:
+    """The one line a writer that failed (TensorBoard, W&B) says: it logs no more, and the run goes on."""
+    at = f"at step {step}" if step is not None else "as the run ended"
+    print(f"note: {what} logging stopped {at} ({type(err).__name__}: {err}); the run goes on, and metrics.jsonl "
+          f"still gets every step", file=sys.stderr, flush=True)
 
 
 def free_name(path: Path) -> Path:
@@ -107,7 +139,7 @@ class JsonlWriter:
     ``metrics.1.jsonl``, ...), then ``metrics.jsonl`` is replaced by its earlier records. Each file is whole at
     every moment (written under a temporary name, then renamed), so a crash in between loses nothing.
     ``moved_aside`` names the copy, and a line on stderr says so. The file is touched only at the first record:
-    a run that fails to start leaves it as it was.
+    a run that fails to start leaves it as it was. Under ``jax.distributed`` only process 0 writes (``writes_here``).
     """
 
     def __init__(self, path: str | os.PathLike, append: bool = False):
@@ -115,6 +147,7 @@ class JsonlWriter:
         self.append = append
         self.moved_aside: Path | None = None
         self._f = None
+        self._here: bool | None = None  # whether this process writes: known at the first record
         self._t0: float | None = None
 
     def _open(self, first_step: int) -> None:
@@ -122,12 +155,15 @@ class JsonlWriter:
         if not (self.append and self.path.exists()):
             self._f = open(self.path, "w")
             return
-        text = self.path.read_text()
+        text = _read_text(self.path)
         records = _lines_and_records(self.path, text)
-        kept = [line for line, r in records if r.get("step", 0) < first_step]
-        why = (f"it holds records of step {first_step} or later, which this run writes anew" if len(kept) < len(records)
-               else "its last line was cut short" if text and not text.endswith("\n") else None)
-        last = max((r.get("step", 0) for _, r in records), default=None)
+        earlier = [line for line, r in records if r["step"] < first_step]
+        kept = [line for line, r in _latest_per_step(records) if r["step"] < first_step]
+        why = (f"it holds records of step {first_step} or later, which this run writes anew"
+               if len(earlier) < len(records) else
+               "it holds a step more than once, or out of order: each step's last record is kept, in step order"
+               if kept != earlier else "its last line was cut short" if text and not text.endswith("\n") else None)
+        last = max((r["step"] for _, r in records), default=None)
         if last is not None and last < first_step - 1:  # never in silence: the history has a hole from here
             gap = f"step {last + 1}" if last + 1 == first_step - 1 else f"steps {last + 1} to {first_step - 1}"
             print(f"{self.path}: no records of {gap} (the run that saved the checkpoint "
@@ -142,6 +178,10 @@ class JsonlWriter:
         self._f = open(self.path, "a")
 
     def write(self, metrics: dict) -> None:
+        if self._here is None:
+            self._here = writes_here()
+        if not self._here:
+            return
         if self._f is None:
             self._open(int(metrics["step"]))
         now = time.time()
@@ -186,7 +226,7 @@ def _lines_and_records(path: Path, text: str) -> list[tuple[str, dict]]:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 if n < len(lines):
-                    raise ValueError(f"{path}:{n} is not valid JSON") from None
+                    raise ValueError(f"{path}:{n} is not valid JSON (a damaged line: fix it or remove it)") from None
                 continue
             step = record.get("step") if isinstance(record, dict) else None
             if isinstance(step, bool) or not isinstance(step, int):
@@ -196,11 +236,32 @@ def _lines_and_records(path: Path, text: str) -> list[tuple[str, dict]]:
     return out
 
 
+def _latest_per_step(records: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """Each step's last ``(line, record)``, in step order: a step written more than once (histories joined by
+    hand, or by an older version that appended a resumed run's steps) counts once, as last written."""
+    by_step = {r["step"]: (line, r) for line, r in records}
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a metrics file: it is not text (a training run writes run_dir/metrics.jsonl, "
+                         f"one JSON object a line)") from None
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The records of a metrics.jsonl (or of ``path/metrics.jsonl`` for a run folder)."""
+    """The records of a metrics.jsonl (or of ``path/metrics.jsonl`` for a run folder): each step's last record, in
+    step order (a step written more than once counts once, as last written; a last line cut short is left out)."""
     path = Path(path)
     if path.is_dir():
+        if not (path / "metrics.jsonl").exists():
+            raise FileNotFoundError(f"no metrics file in {path} ({path / 'metrics.jsonl'}): it is not a run folder, "
+                                    f"or its run has not finished a step yet; a training run writes "
+                                    f"run_dir/metrics.jsonl from its first step")
         path = path / "metrics.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"no metrics file at {path}; a training run writes run_dir/metrics.jsonl")
-    return [record for _, record in _lines_and_records(path, path.read_text())]
+        raise FileNotFoundError(f"{path} does not exist: give a run folder (the train.run_dir that holds "
+                                f"metrics.jsonl) or a metrics .jsonl file")
+    return [record for _, record in _latest_per_step(_lines_and_records(path, _read_text(path)))]

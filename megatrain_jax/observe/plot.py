@@ -57,11 +57,48 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
                          f"holds metrics.jsonl (megatrain-jax plot {source.parent}), or a metrics .jsonl file")
     run_dir = source.parent if source.is_file() else source
     records = read_metrics(source)
+    where = source / "metrics.jsonl" if source.is_dir() else source
     if not records:
-        raise ValueError(f"{source / 'metrics.jsonl' if source.is_dir() else source} holds no records yet")
-    out = Path(out) if out is not None else source.with_suffix(".png") if source.is_file() else run_dir / "metrics.png"
+        raise ValueError(f"{where} holds no records yet: a run writes one at the end of each step; plot it once the "
+                         f"first step has trained")
+    if not any(len(_numeric(records, key)[0]) for key in ("loss", "eval_loss", "tokens_per_s")):
+        raise ValueError(f"{where} holds nothing to plot: none of its {len(records)} records has a finite loss, "
+                         f"eval_loss or tokens_per_s (a run that diverged writes \"nan\" for them)")
+    out = _png_path(out, source, run_dir)
+    fig = plt.figure(figsize=(9, 7))
+    try:
+        _draw(fig, records, run_dir.name, matplotlib.ticker)
+        try:
+            fig.savefig(out, dpi=110)
+        except OSError as err:
+            raise OSError(err.errno, f"{err.strerror or err}: the plot cannot be written there; give another path "
+                          f"(megatrain-jax plot RUN_DIR --out PATH)", str(out)) from err
+    finally:
+        plt.close(fig)  # also when drawing or writing failed: a caller that goes on keeps no open figure
+    return out
 
-    fig, (ax_loss, ax_tps) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=[3, 2])
+
+def _png_path(out: str | os.PathLike | None, source: Path, run_dir: Path) -> Path:
+    """Where the plot goes: ``out`` (``.png`` added where it names no format, as matplotlib does; a folder: the
+    default name in it), else beside the metrics. Its folder must exist."""
+    default = source.with_suffix(".png").name if source.is_file() else "metrics.png"
+    if out is None:
+        return run_dir / default
+    out = Path(out)
+    if out.is_dir():
+        return out / default
+    if not out.suffix:
+        out = out.with_name(out.name + ".png")
+    if not out.parent.is_dir():
+        wrong = "is a file" if out.parent.exists() else "does not exist"
+        raise FileNotFoundError(f"cannot write the plot to {out}: its folder {out.parent} {wrong}; create the folder "
+                                f"or give another path")
+    return out
+
+
+def _draw(fig, records: list[dict], name: str, ticker) -> None:
+    """Loss and eval loss (top), throughput (bottom), against the step."""
+    ax_loss, ax_tps = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     steps, loss = _numeric(records, "loss")
     if len(loss):
         window = max(1, len(loss) // 50)
@@ -74,9 +111,10 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     if len(e_loss):
         ax_loss.plot(e_steps, e_loss, "o-", color="tab:orange", lw=2, ms=5, label="eval loss")
     ax_loss.set_ylabel("loss (nats per token)")
-    ax_loss.set_title(f"{run_dir.name}: loss and throughput")
+    ax_loss.set_title(f"{name}: loss and throughput")
     ax_loss.grid(alpha=0.3)
-    ax_loss.legend(loc="upper right")
+    if len(loss) or len(e_loss):
+        ax_loss.legend(loc="upper right")
 
     t_steps, tps = _numeric(records, "tokens_per_s")
     if len(tps):
@@ -86,16 +124,13 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
         if window > 1:
             ax_tps.plot(t_steps, _rolling_median(tps, window), color="tab:green", lw=2,
                         label=f"tokens / s ({window}-step median)")
-        ax_tps.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(_si))
+        ax_tps.yaxis.set_major_formatter(ticker.FuncFormatter(_si))
         # the first step (compilation) and the last (read as the loop drains) are outliers: scale to the bulk
         top = min(np.percentile(tps, 95), 3 * np.median(tps))
         ax_tps.set_ylim(0, 1.3 * top if top > 0 else 1.0)
         ax_tps.legend(loc="lower right")
     ax_tps.set_ylabel("throughput (tokens / s)")
     ax_tps.set_xlabel("step")
-    ax_tps.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax_tps.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
     ax_tps.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out

@@ -1,8 +1,9 @@
 """What a person watching the run sees: a progress bar on a terminal, plain lines otherwise.
 
 On a terminal the bar (step/total, loss, tokens/s, ETA) is redrawn in place with ``\\r`` at most ten
-times a second, and a permanent line is printed every ``log_every`` steps and on evaluation steps, so the
-loss history stays on screen. Anywhere else (a log file, CI) only the lines are written.
+times a second, and a permanent line is printed for the first step the run trains (step 1, or the first of a
+resumed run), every ``log_every`` steps, on evaluation steps and on skipped steps (a non-finite loss or gradient
+norm), so the loss history stays on screen. Anywhere else (a log file, CI) only the lines are written.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class Progress:
             parts.append(f"(aux {m['aux_loss']:.4f})")
         if "grad_norm" in m:
             parts.append(f"grad_norm {m['grad_norm']:.3f}")
+        if m.get("skipped"):
+            parts.append("SKIPPED (loss or gradient norm not finite: no update)")
         if "lr" in m:
             parts.append(f"lr {m['lr']:.2e}")
         tps = self.tokens_per_s()
@@ -87,7 +90,8 @@ class Progress:
             return (f"eval {m['step']:>6d}  eval_loss {m['eval_loss']:.4f}  reward accuracy "
                     f"{m['eval_rewards_accuracy']:.3f}  margin {m['eval_rewards_margin']:.3f}  "
                     f"({m['eval_pairs']:,} pairs, {m.get('eval_s', 0.0):.1f} s)")
-        return (f"eval {m['step']:>6d}  eval_loss {m['eval_loss']:.4f}  ppl {m['eval_ppl']:.2f}  "
+        ppl = f"  ppl {m['eval_ppl']:.2f}" if "eval_ppl" in m else ""  # a hook of one's own may add eval_loss alone
+        return (f"eval {m['step']:>6d}  eval_loss {m['eval_loss']:.4f}{ppl}  "
                 f"({m.get('eval_tokens', 0):,} tokens, {m.get('eval_s', 0.0):.1f} s)")
 
     def bar(self, m: dict) -> str:
@@ -120,12 +124,13 @@ class Progress:
 
     def __call__(self, m: dict, info=None) -> None:
         now = time.perf_counter()
-        if self._start is None:
+        first = self._start is None  # step 1, or the first of a resumed run: a line at once, after compilation
+        if first:
             self._start = (now, m["step"])
         if "tokens_per_s" in m:
             self._tps.append(m["tokens_per_s"])
         last = self.total is not None and m["step"] >= self.total
-        if self.show_lines and (m["step"] % self.log_every == 0 or m["step"] == 1 or last):
+        if self.show_lines and (m["step"] % self.log_every == 0 or first or last or m.get("skipped")):
             self.print(self.line(m))
         if self.show_lines and "eval_loss" in m:
             self.print(self.eval_line(m))

@@ -1,6 +1,6 @@
 """TensorBoard event files, through tensorboardX or else the ``tensorboard`` package's own event writer
 (neither TensorFlow nor torch is needed). Without either, ``TensorBoardWriter.available()`` is False and
-the run goes on with metrics.jsonl alone."""
+the run goes on with metrics.jsonl alone; so it does when writing them fails (a line on stderr says so, once)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from megatrain_jax.fit import Hook
+from megatrain_jax.observe.metrics import number, say_logging_stopped, writes_here
 
 # metric -> TensorBoard tag; anything else numeric goes under train/
 _GROUPS = {"tokens_per_s": "perf", "loss_tokens_per_s": "perf", "model_tflops": "perf", "mfu": "perf",
@@ -56,7 +57,11 @@ class TensorBoardWriter:
 
     The event file is created at the first record, marked as a restart at that step (``purge_step``): TensorBoard
     then hides what earlier event files in ``logdir`` hold for that step and later, so that a resumed run (or a
-    branch) shows one line, as ``metrics.jsonl`` does; the hidden records stay in their files."""
+    branch) shows one line, as ``metrics.jsonl`` does; the hidden records stay in their files.
+
+    Under ``jax.distributed`` only process 0 writes. A failure (the backend's import, e.g. a protobuf it cannot
+    use; a write) never ends the run: it is said once on stderr and nothing more is logged to TensorBoard
+    (``failed`` holds it)."""
 
     def __init__(self, logdir: str | os.PathLike, flush_every: int = 50):
         self.logdir = Path(logdir)
@@ -67,6 +72,8 @@ class TensorBoardWriter:
         else:
             raise ImportError("TensorBoard logging needs tensorboardX or tensorboard: pip install tensorboardX")
         self.flush_every = flush_every
+        self.failed: Exception | None = None
+        self._here: bool | None = None  # whether this process writes (``writes_here``): known at the first record
         self._n = 0
         self._writer = None  # the event file is created at the first record: a run refused at start writes none
 
@@ -82,21 +89,46 @@ class TensorBoardWriter:
         return any(importlib.util.find_spec(m) is not None for m in ("tensorboardX", "tensorboard"))
 
     def write(self, metrics: dict) -> None:
+        if self._here is None:
+            self._here = writes_here()
+        if self.failed is not None or not self._here:
+            return
+        try:
+            self._write(metrics)
+        except Exception as err:  # noqa: BLE001 - TensorBoard is a view of the run, never a reason to end it
+            self._stop(int(metrics["step"]), err)
+
+    def _write(self, metrics: dict) -> None:
         step = int(metrics["step"])
         if self._writer is None:
             self._writer = self._open(step)
         for key, value in metrics.items():
-            if key in _SKIP or isinstance(value, (bool, str)) or not isinstance(value, (int, float)):
-                continue
-            self._writer.add_scalar(tag(key), float(value), step)
+            if key not in _SKIP and (value := number(value)) is not None:
+                self._writer.add_scalar(tag(key), value, step)
         self._n += 1
         if self._n % self.flush_every == 0 or "eval_loss" in metrics:
             self._writer.flush()
+
+    def _stop(self, step: int | None, err: Exception) -> None:
+        self.failed = err
+        say_logging_stopped(f"TensorBoard ({self.logdir})", step, err)
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception:  # noqa: BLE001 - already failed and said
+                pass
 
     def hook(self) -> Hook:
         return Hook(lambda m, info: self.write(m), every=1)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-            self._writer.close()
+        if self._writer is None:
+            return
+        writer, self._writer = self._writer, None
+        try:
+            writer.flush()
+            writer.close()
+        except Exception as err:  # noqa: BLE001 - closed in the run's finally: never hides how the run ended
+            self.failed = err
+            say_logging_stopped(f"TensorBoard ({self.logdir})", None, err)
