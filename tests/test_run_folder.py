@@ -459,3 +459,28 @@ def test_the_demo_run_again_goes_to_a_new_folder(tmp_path, monkeypatch, capsys):
     small = ["train.steps=2", "train.eval_every=0", "model.layers=1", "data.batch_size=2", "log.progress=off"]
     assert main(["demo", *small]) == 0 and main(["demo", *small]) == 0
     assert steps_in(tmp_path / "runs" / "demo") == [1, 2] and steps_in(tmp_path / "runs" / "demo-2") == [1, 2]
+
+
+def test_a_run_folder_deleted_beside_kept_checkpoints_gets_its_metrics_back_on_resume(tmp_path, capsys):
+    """The run folder lost (deleted, a new machine), the checkpoint folder elsewhere kept: the resumed run's
+    metrics.jsonl holds steps 1 to 4 again, the first two rebuilt from the steps' log beside the checkpoints."""
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    common = [*TINY_RUN, "train.checkpoint_every=2", f"train.checkpoint_dir={ckpt}", f"train.run_dir={run_dir}"]
+    assert main(["train", *common, "train.steps=2"]) == 0
+    first = read_metrics(run_dir)
+    shutil.rmtree(run_dir)
+    capsys.readouterr()
+    assert main(["train", *common, "train.steps=4", "train.resume=true"]) == 0
+    assert "metrics.jsonl was missing: its records of steps 1 to 2 were rebuilt" in capsys.readouterr().out
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows[:2]] == [r["loss"] for r in first]
+
+
+def test_checkpoints_in_the_run_folder_itself_train_and_resume(tmp_path):
+    """``train.checkpoint_dir`` = ``train.run_dir``: one folder, locked once (it was refused as in use by the run's
+    own process)."""
+    common = [*TINY_RUN, "train.checkpoint_every=2", f"train.checkpoint_dir={tmp_path}", f"train.run_dir={tmp_path}"]
+    assert main(["train", *common, "train.steps=2"]) == 0
+    assert main(["train", *common, "train.steps=4", "train.resume=true"]) == 0
+    assert steps_in(tmp_path) == [1, 2, 3, 4] and committed_steps(tmp_path)[0] == 4

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import jax
 import orbax.checkpoint as ocp
 
+from megatrain_jax.checkpoint.folder_lock import CheckpointFolderBusyError, lock_folder, unlock_folder
 from megatrain_jax.checkpoint.failures import probe_writable, write_error
 from megatrain_jax.checkpoint.parts import expected_layout, rebuild_part
 from megatrain_jax.engine.parts import PartId
@@ -124,10 +125,19 @@ class Checkpointer:
         # taken as good. ``prune`` never deletes it, nor a newer step not yet known either way.
         self.known_good: int | None = None
         self.last_committed: int | None = None  # the step of the last save committed by this Checkpointer
+        # The steps of this writer's run, the only ones ``prune`` deletes: those it saved, and those of the run it
+        # continues up to the step it resumed from (``continues``). Another run's steps in the folder are left alone.
+        self._saved_steps: set[int] = set()
+        self._continued: int | None = None
+        self._not_deleted: list[str] = []  # old steps ``prune`` failed to delete, said by ``check``
         self._probe_name = f".megatrain-write-probe-{jax.process_index()}"
+        self._lock: Path | None = None
         # what a killed save left behind: said now, removed by this writer's first save (``save``), so that a run
         # refused before it saves (a resume that does not go ahead) leaves the directory as it was
         try:
+            if not read_only:  # before the folder is looked at: a live writer's unfinished save is not a dead one's
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._lock = lock_folder(self.root)
             self._unfinished = [] if read_only else unfinished_saves(self.root)
             for tmp in self._unfinished:
                 warnings.warn(f"skipping incomplete checkpoint {tmp} (its save never finished); it is removed when "
@@ -141,7 +151,8 @@ class Checkpointer:
             if not read_only:  # a folder that cannot be written is said now, not at the first save
                 probe_writable(self.root, self._probe_name)
         except OSError as err:  # the directory cannot be created or written, a killed save's files removed
-            if read_only:
+            unlock_folder(self._lock)
+            if read_only or isinstance(err, CheckpointFolderBusyError):
                 raise
             raise write_error(err, self.root, self.root, self.last_good()) or err
         self._snapshot: Snapshot | None = None
@@ -164,9 +175,12 @@ class Checkpointer:
         step = int(engine.state.step)
         try:
             probe_writable(self.root, self._probe_name)
+            first = self._unfinished is not None
             self._remove_unfinished()
         except OSError as err:
             raise write_error(err, self.root / str(step), self.root, self.last_good()) from err
+        if first:
+            self._say_others()
         engine.sync()  # the step's host updates run on a worker thread: let them land first
         # With several processes each holds only its devices' rows of the pageable arrays: Orbax writes
         # global arrays, each process its own pieces (see store.Snapshot).
@@ -188,6 +202,7 @@ class Checkpointer:
             snapshot.release_all()
             raise write_error(err, self.root / str(snapshot.step), self.root, self.last_good(), snapshot.nbytes) or err
         self.last_step = snapshot.step
+        self._saved_steps.add(snapshot.step)
         self._watcher = threading.Thread(target=self._watch, args=(snapshot,), name="megatrain-save-end", daemon=True)
         self._watcher.start()
         if wait:
@@ -204,6 +219,23 @@ class Checkpointer:
                     shutil.rmtree(tmp)
         barrier("megatrain_cleaned")
         self._unfinished = None
+
+    def continues(self, step: int) -> None:
+        """This writer goes on with the run whose checkpoint ``step`` of its folder it resumed from: that run's steps
+        up to ``step`` are its own, which the keep-N rule prunes (``restore`` says so itself)."""
+        self._continued = step if self._continued is None else max(self._continued, step)
+
+    def _own(self, step: int) -> bool:
+        return step in self._saved_steps or (self._continued is not None and step <= self._continued)
+
+    def _say_others(self) -> None:
+        """At the first save: the steps in the folder that are not this writer's run's, which it never deletes."""
+        others = [step for step in committed_steps(self.root) if not self._own(step)]
+        if others and self.keep is not None:
+            warnings.warn(f"{self.root} holds steps {others} that this Checkpointer neither saved nor resumed from "
+                          f"(another run's): keep={self.keep} applies to this run's own checkpoints and never deletes "
+                          f"those. To continue that run instead, restore its step with this Checkpointer first; to "
+                          f"keep the runs apart, give this one its own folder", CheckpointWarning, stacklevel=3)
 
     def _watch(self, snapshot: Snapshot) -> None:
         """On a thread of its own: wait for Orbax to end the save, keep its outcome, and release the snapshot
@@ -232,20 +264,36 @@ class Checkpointer:
         """Raise the error of the last save, once, if it failed; never blocks. A failed write is raised as
         ``CheckpointWriteError``; an abandoned save raises nothing (``abandoned`` says so)."""
         failure, self._failure = self._failure, None
+        notes, self._not_deleted = self._not_deleted, []
+        for note in notes:
+            warnings.warn(note, CheckpointWarning, stacklevel=2)
         if failure is not None and not self.abandoned:
             step_dir = self.root / str(self._snapshot.step)
             raise write_error(failure, step_dir, self.root, self.last_good(), self._snapshot.nbytes) or failure
 
     def prune(self) -> None:
-        """Delete the committed steps older than the newest ``keep``, except ``known_good`` and any newer step (not
-        yet known good or bad): a diverging run's last checkpoints never push its last good one out. Runs after each
-        save commits, when no save is in flight."""
+        """Delete this run's committed steps older than its newest ``keep``, except ``known_good`` and any newer step
+        (not yet known good or bad): a diverging run's last checkpoints never push its last good one out. Another
+        run's steps in the folder are never deleted (``_own``). Runs after each save commits, when no save is in
+        flight. A step that cannot be deleted is said by the next ``check`` (a warning): the save is committed,
+        and the run goes on."""
         if self.keep is None:
             return
-        steps = committed_steps(self.root)
+        steps = [step for step in committed_steps(self.root) if self._own(step)]
         for step in steps[self.keep:]:
             if self.known_good is None or step < self.known_good:
-                self._manager.delete(step)
+                self._delete(step)
+
+    def _delete(self, step: int) -> None:
+        try:
+            self._manager.delete(step)
+        except OSError as err:
+            last = self.last_committed
+            saved = "" if last is None else f"checkpoint {self.root / str(last)} was saved; "
+            self._not_deleted.append(
+                f"could not delete the old checkpoint {self.root / str(step)} (keep={self.keep}): {err}. Nothing else "
+                f"is affected: {saved}the run goes on, and the next save tries again. Its space stays used until "
+                f"then: where it cannot be deleted, free it by hand (rm -r {self.root / str(step)})")
 
     def limit_stall(self, stall_s: float) -> None:
         """From now on, abandon a save (the one in flight, and later ones) that makes no progress for
@@ -283,6 +331,8 @@ class Checkpointer:
         finally:
             if not self.abandoned and not self._failed:  # Orbax would raise a failed save's error again
                 self._manager.close()
+            unlock_folder(self._lock)
+            self._lock = None
 
     # ------------------------------------------------------------------ finding
     def scan(self) -> list[tuple[int, str | None]]:
@@ -339,6 +389,7 @@ class Checkpointer:
             state=PartsRestore(expected_layout(state), sink), meta=ocp.args.JsonRestore(),
             config=ocp.args.JsonRestore()))
         engine.restored(int(out.meta["step"]))  # GPU-resident parts reload from the restored host arrays
+        self.continues(step)
         return dict(out.meta), dict(out.config)
 
 

@@ -16,6 +16,7 @@ follows the layered contract (docs/model_contract.md), not only the built-in ``D
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +78,25 @@ def save_params(path: str | Path, cfg: Any, io: Any, blocks: list[Any]) -> Path:
         ckptr.save(path / "params", tree)
     record = {"format": 1, "model": jsonable(cfg), "model_class": type(cfg).__name__ if cfg is not None else None,
               "blocks": len(blocks)}
-    (path / MARKER).write_text(json.dumps(record, indent=1))
+    _write_marker(path, json.dumps(record, indent=1))
     return path
+
+
+def _write_marker(path: Path, text: str) -> None:
+    """The marker, last: written whole under a temporary name, flushed to the disk and renamed, so that a kill or a
+    full disk never leaves a marker cut short (a folder without one holds no parameters, and says so)."""
+    tmp = path / f".{MARKER}.tmp"
+    try:
+        tmp.write_text(text)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path / MARKER)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _training_step_dir(path: Path) -> Path:

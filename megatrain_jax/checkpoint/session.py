@@ -324,6 +324,8 @@ class CheckpointSession:
                 finally:
                     if not own:
                         reader.close()
+                if self.ckpt is not None and step_dir.parent.resolve() == self.ckpt.root.resolve():
+                    self.ckpt.continues(int(step_dir.name))  # its steps up to here are this run's: keep-N prunes them
                 self.data = position_data(data, meta)
                 self.resumed_from = step_dir
                 print(f"resumed from {step_dir} at step {engine.state.step}", file=sys.stderr, flush=True)
@@ -439,6 +441,7 @@ class CheckpointSession:
             if self.ckpt.last_committed == step:  # the run's last step, not skipped: its end is taken as good
                 self.ckpt.known_good = step
                 self.ckpt.prune()
+                self.ckpt.check()  # an old step it could not delete is said
         if self.stop_signal is not None and self.ckpt is not None and self.ckpt.abandoned:
             good = self.last_good()
             print(f"{self.stop_signal}: the save of step {self._last_saved()} made no progress for "

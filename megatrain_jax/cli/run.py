@@ -27,7 +27,7 @@ from megatrain_jax.cli.disk_room import check_disk_room
 from megatrain_jax.cli.export_guard import guarded_export
 from megatrain_jax.cli.output_paths import check_output_paths
 from megatrain_jax.cli.run_config import RunConfig, TrainSection, check_positions, to_dict
-from megatrain_jax.cli.run_folder import prepare_run_folder, write_config
+from megatrain_jax.cli.run_folder import prepare_run_folder, rebuild_metrics, write_config
 from megatrain_jax.cli.run_lock import RunLock
 from megatrain_jax.evaluate import eval_hook
 from megatrain_jax.engine.out_of_memory import DeviceOutOfMemoryError
@@ -177,7 +177,8 @@ def train(cfg: RunConfig, stream: TextIO | None = None) -> History:
         say(f"megatrain_jax: {why}")
     check_output_paths(t)  # every folder and file the run writes, before anything is created or loaded
     locks = [RunLock(Path(t.run_dir), distributed.process_id())]
-    if t.for_fit().checkpoint_dir is not None:  # the run saves checkpoints there
+    # the checkpoint folder where the run saves, locked once where it is the run folder itself
+    if t.for_fit().checkpoint_dir is not None and t.checkpoint_folder().resolve() != Path(t.run_dir).resolve():
         locks.append(RunLock(t.checkpoint_folder(), distributed.process_id(), what="checkpoint folder",
                              key="train.checkpoint_dir"))
     held = []
@@ -279,6 +280,7 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         init_from = HFParts(cfg.model.hf_checkpoint, model_cfg)
 
     before: dict[Path, bytes | None] = {}  # what started() replaced, put back when the start is refused after all
+    first_process = distributed.process_id() == 0  # with several processes, the first writes the run's records
 
     def started(step: int) -> None:
         """Every check has passed (fit's too: the checkpoint and its model) and the model is about to load: the
@@ -289,16 +291,21 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
         if t.profile_step and step >= t.profile_step:
             say(f"  note: train.profile_step={t.profile_step} is not after this run's start (step {step}): no step "
                 f"is profiled")
-        if step < t.steps:
+        if step < t.steps and first_process:  # one writer of the run folder's records
             files = {"memory_plan.json": plan_record, **({"data_stats.json": summary} if summary is not None else {})}
             for name, record in files.items():
                 path = run_dir / name
                 before[path] = path.read_bytes() if path.exists() else None
                 path.write_text(json.dumps(record, indent=1))
+            if t.resume and not (run_dir / "metrics.jsonl").exists():
+                rebuilt = rebuild_metrics(run_dir, t.checkpoint_folder(), step)  # the run folder lost them
+                if rebuilt:
+                    before[run_dir / "metrics.jsonl"] = None  # a refused start takes them away again
+                    say(f"  note: {rebuilt}")
 
     # config.toml with the first step's metrics: a folder holds a run once a step trained (run_files), and a start
     # that died before that can be run again as it was
-    hooks, writers = [_first_step(lambda: write_config(cfg, run_dir))], []
+    hooks, writers = [_first_step(lambda: write_config(cfg, run_dir))] if first_process else [], []
     every = t.eval_interval(d.eval_fraction)
     if every:
         batches = t.eval_batches
@@ -325,7 +332,7 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
             writers.append(WandbLogger(cfg.log.wandb_project, cfg.log.wandb_name, to_dict(cfg), run_dir))
         else:
             say("  note: [log] wandb = true but wandb is not installed (pip install wandb); not logging to W&B")
-    progress = Progress(t.steps, t.log_every, cfg.log.progress, out)
+    progress = Progress(t.steps, t.log_every, cfg.log.progress if first_process else "off", out)
     writers.append(progress)
     hooks += [w.hook() for w in writers]
 

@@ -1,14 +1,18 @@
 """The run folder of ``megatrain-jax train``: what in it belongs to a run, the refusal of a fresh start where one is,
-what a resume goes on from (said before it trains), and ``config.toml`` (``config.N.toml`` beside it when a resumed
+what a resume goes on from (said before it trains), ``metrics.jsonl`` rebuilt where a resumed run lost it
+(``rebuild_metrics``), and ``config.toml`` (``config.N.toml`` beside it when a resumed
 run's configuration changed)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import tomllib
 from pathlib import Path
 from typing import Any
 
+from megatrain_jax import fit_history
 from megatrain_jax.checkpoint import committed_steps
 from megatrain_jax.cli.run_config import RunConfig, parse_config, to_toml
 from megatrain_jax.observe.metrics import free_name, read_metrics
@@ -92,6 +96,28 @@ def prepare_run_folder(cfg: RunConfig) -> str | None:
                             if "train.steps" in changed else ""))
     run_dir.mkdir(parents=True, exist_ok=True)
     return "\n".join(f"  note: {n}" for n in notes) or None
+
+
+def rebuild_metrics(run_dir: Path, ckpt_dir: Path, step: int) -> str | None:
+    """A resumed run's ``metrics.jsonl`` where its run folder has none (deleted, or made anew beside a checkpoint
+    folder that was kept): the records of steps 1 to ``step``, the step it resumes from, out of the steps' log kept
+    beside the checkpoints (``fit_history``, cut back to the resumed line at every start, so no step of a line
+    given up comes back), so that it goes on holding the line of training being continued. Those rows have no
+    ``time`` and ``elapsed_s`` (``metrics.jsonl``'s own). Written whole (a temporary name, then renamed); returns
+    the sentence to say, None where nothing was written (a file there, a fresh start, no log)."""
+    path = run_dir / "metrics.jsonl"
+    if step <= 0 or path.exists():
+        return None
+    by_step = {r["step"]: r for r in fit_history.read(ckpt_dir) if type(r.get("step")) is int and 0 < r["step"] <= step}
+    if not by_step:
+        return None
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(by_step[n]) + "\n" for n in sorted(by_step)))
+    os.replace(tmp, path)
+    held = f"steps {min(by_step)} to {max(by_step)}" if len(by_step) == max(by_step) - min(by_step) + 1 else \
+        f"{len(by_step)} steps of 1 to {step}"
+    return (f"{path} was missing: its records of {held} were rebuilt from {ckpt_dir / fit_history.FILE} (without "
+            f"their time and elapsed_s)")
 
 
 def last_config(run_dir: Path) -> dict | None:

@@ -25,7 +25,8 @@ class RunFolderBusyError(FileExistsError):
 
 
 class RunLock:
-    """The run folder's lock; ``acquire()`` returns a note when it took over a dead run's lock (else None)."""
+    """The run folder's lock; ``acquire()`` returns a note when it took over a dead run's lock, or when the folder's
+    file system cannot lock (the run goes on unlocked), else None."""
 
     def __init__(self, run_dir: Path, process: int = 0, what: str = "run folder", key: str = "train.run_dir"):
         self.run_dir = Path(run_dir)
@@ -49,6 +50,11 @@ class RunLock:
             raise RunFolderBusyError(
                 f"{self.what} {self.run_dir} is in use by {holder} ({self.path}); nothing was changed. Wait for "
                 f"that run to end, or set {self.key} to another folder") from None
+        except OSError as err:  # a file system without locks (some network and FUSE mounts): ENOLCK, EOPNOTSUPP
+            os.close(fd)
+            return (f"{self.what} {self.run_dir} cannot be locked ({err.strerror or err}: its file system does not "
+                    f"support locks), so a second run into it would not be refused: make sure no other run uses it "
+                    f"while this one runs")
         before = _read(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started "
@@ -62,13 +68,14 @@ class RunLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
-            if self._made and [p.name for p in self.run_dir.iterdir()] == [self.path.name]:
-                # a start refused before it wrote anything leaves no folder behind
-                self.path.unlink(missing_ok=True)
-                try:
-                    self.run_dir.rmdir()
-                except OSError:  # something was written there meanwhile: it stays
-                    pass
+        if self._made and [p.name for p in self.run_dir.iterdir()] == [self.path.name]:
+            # a start refused before it wrote anything leaves no folder behind
+            self.path.unlink(missing_ok=True)
+            try:
+                self.run_dir.rmdir()
+            except OSError:  # something was written there meanwhile: it stays
+                pass
+        self._made = False
 
     def __enter__(self) -> "RunLock":
         self.acquire()
