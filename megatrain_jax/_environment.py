@@ -25,7 +25,15 @@ HOST_LIMIT_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 # allows less than the host's RAM, or a virtual machine whose RAM is added as it is touched and reports less
 # than its limit. It replaces both the physical RAM and MemAvailable everywhere.
 HOST_RAM_VAR = "MEGATRAIN_HOST_RAM_GIB"
+# The most host RAM a figure may give, in GiB: 128 TiB, all a process can address on x86-64 (47 bits of user
+# space). A larger one is a typo or bytes (or MiB) written for GiB, not a machine.
+MOST_HOST_GIB = 2**17
 GPU_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+# JAX's own name for the share now (jaxlib's xla_client, which reads GPU_FRACTION_VAR as its deprecated name and
+# refuses to start its GPU client where both are set).
+JAX_FRACTION_VAR = "XLA_CLIENT_MEM_FRACTION"
+# What XLA takes of each GPU where no fraction is set (the user chose the preallocation or the allocator).
+JAX_GPU_FRACTION = 0.75
 # The share of each GPU's memory XLA's allocator takes when megatrain_jax sets it (JAX's own default is
 # 0.75). The engine owns the GPU; the rest is for the CUDA context, cuDNN and cuBLAS handles and NCCL's
 # buffers, outside XLA's pool. Measured on the H100 box: the 8B SFT example (packed cuDNN attention, 58.7 GiB
@@ -37,8 +45,8 @@ _OFF = ("0", "off", "false", "no", "")
 
 
 def host_ram_override() -> int | None:
-    """``MEGATRAIN_HOST_RAM_GIB`` in bytes, None where it is unset or empty. A value that is not a positive
-    number is refused with what to write instead."""
+    """``MEGATRAIN_HOST_RAM_GIB`` in bytes, None where it is unset or empty. A value that is not a number of GiB
+    from 1 to ``MOST_HOST_GIB`` is refused with what to write instead."""
     raw = os.environ.get(HOST_RAM_VAR, "").strip()
     if not raw:
         return None
@@ -46,10 +54,20 @@ def host_ram_override() -> int | None:
         gib = float(raw)
     except ValueError:
         gib = float("nan")
-    if not 1 <= gib < float("inf"):
-        raise ValueError(f"{HOST_RAM_VAR}={raw!r}: give the host RAM this run may use in GiB, at least 1 (e.g. "
-                         f"{HOST_RAM_VAR}=500), or unset it to read /proc/meminfo")
+    if not 1 <= gib <= MOST_HOST_GIB:
+        raise ValueError(f"{HOST_RAM_VAR}={raw!r}: give the host RAM this run may use in GiB, at least 1 and at most "
+                         f"{MOST_HOST_GIB:,} (e.g. {HOST_RAM_VAR}=500), or unset it to read /proc/meminfo"
+                         f"{not_gib(gib, MOST_HOST_GIB)}")
     return int(gib * 2**30)
+
+
+def not_gib(value: float, most: float) -> str:
+    """What a figure past ``most`` GiB would be if it were bytes or MiB (what ``free -b`` and nvidia-smi print), as
+    a clause to add to the refusal; "" where it is neither."""
+    for unit, scale in (("bytes", 2**30), ("MiB", 2**10)):
+        if most < value < float("inf") and 1 <= value / scale <= most:
+            return f" ({value:.0f} {unit} is {f'{value / scale:,.1f}'.removesuffix('.0')} GiB)"
+    return ""
 
 
 def physical_ram_bytes() -> int:
@@ -83,32 +101,86 @@ def set_host_memory_limit(fraction: float = 0.9) -> None:
 
 
 _OURS_FRACTION_VAR = "MEGATRAIN_GPU_FRACTION_SET"
-_USER_FRACTION = os.environ.get(GPU_FRACTION_VAR)
-if _USER_FRACTION is not None and _USER_FRACTION == os.environ.get(_OURS_FRACTION_VAR):
+_USER_FRACTION = os.environ.get(JAX_FRACTION_VAR) or os.environ.get(GPU_FRACTION_VAR)
+if _USER_FRACTION is not None and _USER_FRACTION == os.environ.get(_OURS_FRACTION_VAR) \
+        and JAX_FRACTION_VAR not in os.environ:
     _USER_FRACTION = None
 
 
 def set_gpu_memory_fraction(fraction: float = ENGINE_GPU_FRACTION) -> None:
     """Let XLA take ``fraction`` of each GPU's memory instead of JAX's 75%, unless the user chose how JAX
-    allocates (``XLA_PYTHON_CLIENT_MEM_FRACTION``, ``XLA_PYTHON_CLIENT_PREALLOCATE`` or
-    ``XLA_PYTHON_CLIENT_ALLOCATOR``). Read by JAX when its GPU backend starts: importing megatrain_jax does it."""
-    chosen = _USER_FRACTION is not None or "XLA_PYTHON_CLIENT_PREALLOCATE" in os.environ \
-        or "XLA_PYTHON_CLIENT_ALLOCATOR" in os.environ
-    if not chosen:
+    allocates (``XLA_CLIENT_MEM_FRACTION`` or ``XLA_PYTHON_CLIENT_MEM_FRACTION``, ``XLA_PYTHON_CLIENT_PREALLOCATE``
+    or ``XLA_PYTHON_CLIENT_ALLOCATOR``). Read by JAX when its GPU backend starts: importing megatrain_jax does it."""
+    ours = os.environ.get(_OURS_FRACTION_VAR)
+    if os.environ.get(JAX_FRACTION_VAR) and ours is not None and os.environ.get(GPU_FRACTION_VAR) == ours:
+        del os.environ[GPU_FRACTION_VAR]  # ours, inherited from a parent: JAX refuses both names at once
+    if not _allocation_chosen():
         os.environ[GPU_FRACTION_VAR] = os.environ[_OURS_FRACTION_VAR] = f"{fraction:g}"
 
 
+def _allocation_chosen() -> bool:
+    return _USER_FRACTION is not None or "XLA_PYTHON_CLIENT_PREALLOCATE" in os.environ \
+        or "XLA_PYTHON_CLIENT_ALLOCATOR" in os.environ
+
+
+def gpu_fraction_in_force() -> float:
+    """The share of each GPU's memory XLA's allocator will take, as JAX reads it when its GPU client starts:
+    ``XLA_CLIENT_MEM_FRACTION``, else ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (which importing megatrain_jax sets to
+    ``ENGINE_GPU_FRACTION`` unless the user chose), else JAX's 75%. A value that is not a number above 0 and at
+    most 1 is refused naming the variable (JAX would fail on it as its GPU client starts, or plan past the card)."""
+    if os.environ.get(JAX_FRACTION_VAR) and os.environ.get(GPU_FRACTION_VAR):
+        raise ValueError(f"{JAX_FRACTION_VAR} and {GPU_FRACTION_VAR} are both set, which JAX refuses as its GPU client "
+                         f"starts: unset {GPU_FRACTION_VAR} (JAX's deprecated name)")
+    name = JAX_FRACTION_VAR if os.environ.get(JAX_FRACTION_VAR) else GPU_FRACTION_VAR
+    raw = os.environ.get(name, "")
+    if not raw:
+        return JAX_GPU_FRACTION
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise ValueError(f"{name}={raw!r}: give the share of each GPU's memory XLA may take, a number above 0 and at "
+                         f"most 1 (e.g. {name}=0.9), or unset it (megatrain_jax then sets {ENGINE_GPU_FRACTION:g})")
+    return value
+
+
+def preallocation_note() -> str | None:
+    """What JAX makes of an ``XLA_PYTHON_CLIENT_PREALLOCATE`` that is not one of its words (it turns preallocation
+    off only for ``false``, ``False`` and ``0``; any other value keeps it on); None for those words and where unset."""
+    raw = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
+    if raw in (None, "", "false", "False", "0", "true", "True", "1"):
+        return None
+    return (f"XLA_PYTHON_CLIENT_PREALLOCATE={raw!r}: JAX turns preallocation off only for false, False or 0, so it "
+            f"preallocates; write XLA_PYTHON_CLIENT_PREALLOCATE=false to turn it off")
+
+
+def gpu_fraction_var() -> str:
+    """The variable the GPU memory fraction in force is read from: JAX's newer name where it is set, else the one
+    megatrain_jax sets."""
+    return JAX_FRACTION_VAR if os.environ.get(JAX_FRACTION_VAR) else GPU_FRACTION_VAR
+
+
 def gpu_fraction_source() -> str:
-    """Who set the GPU memory fraction in force: ``"the user"`` or ``"megatrain_jax"``."""
-    return "the user" if _USER_FRACTION is not None else "megatrain_jax"
+    """Who set the GPU memory fraction in force: ``"the user"``, ``"megatrain_jax"``, or ``"JAX's default"`` (the
+    user chose the preallocation or the allocator and no fraction, so megatrain_jax set none)."""
+    if _USER_FRACTION is not None:
+        return "the user"
+    return "JAX's default" if _allocation_chosen() else "megatrain_jax"
 
 
 def user_host_pool_limit() -> int | None:
-    """The pinned pool's cap in bytes if the user set ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, else None."""
-    try:
-        return None if _USER_LIMIT is None else int(float(_USER_LIMIT) * 2**30)
-    except ValueError:
+    """The pinned pool's cap in bytes if the user set ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, else None. XLA reads a
+    whole number of GiB there: any other value is refused with what to write (XLA takes its 64 GB in place of
+    ``abc`` or ``1.5``, with an error in its log, and a pool of ``0`` or ``-5`` GiB holds nothing)."""
+    if _USER_LIMIT is None:
         return None
+    raw = _USER_LIMIT.strip()
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{HOST_LIMIT_VAR}={_USER_LIMIT!r}: XLA caps its pinned host pool at a whole number of GiB, "
+                         f"at least 1 (e.g. {HOST_LIMIT_VAR}=200); or unset it, and megatrain-jax train caps the pool "
+                         f"at what the run pins")
+    return int(raw) * 2**30
 
 
 def host_pool_limit() -> int | None:
@@ -132,12 +204,33 @@ def limit_host_pool(nbytes: int | None) -> bool:
     return True
 
 
+def listed_gpus() -> int | None:
+    """How many GPUs ``CUDA_VISIBLE_DEVICES`` lets CUDA see, as CUDA reads it: its entries before the first that
+    names no device (an index, or a ``GPU-``/``MIG-`` UUID), so that ``""`` and ``-1`` hide every GPU and ``0,-1,1``
+    shows one; None where it is unset."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return None
+    count = 0
+    for entry in listed.split(","):
+        entry = entry.strip()
+        if not (entry.isdigit() or entry.upper().startswith(("GPU-", "MIG-"))):
+            break
+        count += 1
+    return count
+
+
+def gpus_hidden() -> bool:
+    """Whether ``CUDA_VISIBLE_DEVICES`` hides every GPU from this process (JAX then runs on the CPU)."""
+    return listed_gpus() == 0
+
+
 def visible_gpus() -> int:
     """How many GPUs this process will see, read without starting JAX (``CUDA_VISIBLE_DEVICES``, else the
-    NVIDIA driver's list); 1 where neither says."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    NVIDIA driver's list); 1 where neither says (or where none is: the CPU is one device)."""
+    listed = listed_gpus()
     if listed is not None:
-        return max(1, len([d for d in listed.split(",") if d.strip() and d.strip() != "-1"]))
+        return max(1, listed)
     try:
         return max(1, len(os.listdir("/proc/driver/nvidia/gpus")))
     except OSError:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import errno
-import math
 import os
 import shlex
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatrain_jax import distributed
+from megatrain_jax.cli.plan_inputs import environment_notes, gib, gpu_gib, gpu_kind
 from megatrain_jax.checkpoint.failures import CheckpointWriteError
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError
 from megatrain_jax.checkpoint.session import CheckpointedExit
@@ -56,18 +56,6 @@ EXAMPLES = """examples:
 """
 
 
-def gib(text: str) -> float:
-    """An argparse type: a size in GiB, a positive finite number (``inf``, ``nan``, ``0`` and ``-3`` are
-    refused by argparse with this message, as bad input)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GiB: give a positive, finite number (e.g. 80)")
-    return value
-
-
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", help="a TOML run config (see experiments/configs/)")
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
@@ -86,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the host and GPU memory plan of a config")
     _add_config_args(p)
     p.add_argument("--host-gib", type=gib, help="host RAM to plan for (default: this machine's MemAvailable)")
-    p.add_argument("--gpu-gib", type=gib, help="GPU memory to plan for (default: the --gpu card's, else this "
+    p.add_argument("--gpu-gib", type=gpu_gib, help="GPU memory to plan for (default: the --gpu card's, else this "
                                                "GPU's, if any)")
     p.add_argument("--exact", action="store_true",
                    help="compile the run's programs on this machine's GPU and plan with XLA's figures for their "
@@ -151,12 +139,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megatrain_jax.plan import (Machine, advice, gpu_fraction, in_each_mode, longest_seq_len, modes_table, plan,
                                     resolve)
     from megatrain_jax.plan.machine import gpu_name_before_jax
-    from megatrain_jax.plan.speeds import MEMORY_GIB, SPEEDS, SPEEDS_VAR, kind_of
+    from megatrain_jax.plan.speeds import MEMORY_GIB, SPEEDS_VAR, kind_of
     from megatrain_jax.plan.step_time import for_machine, machine_speeds, step_line
+    named = gpu_kind(args.gpu, args.speeds)  # a misspelt name refused before anything is read
     cfg = load_config(args.config, args.overrides)
     host = None if args.host_gib is None else int(args.host_gib * GiB)
     gpu_gib, whose = args.gpu_gib, ""
-    named = None if args.gpu is None else kind_of(args.gpu)
     if gpu_gib is None and named in MEMORY_GIB and kind_of(gpu_name_before_jax()) != named:
         gpu_gib, whose = MEMORY_GIB[named], f" (the {named}'s; --gpu-gib for another)"  # that GPU's, not this one's
     gpu = None if gpu_gib is None else int(gpu_gib * GiB * gpu_fraction())
@@ -173,10 +161,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         os.environ[SPEEDS_VAR] = args.speeds
     # another GPU's plan is for its host, not this one: this host's update is not timed for it
     machine = Machine.here(cfg.train.devices, host_ram_bytes=host, gpu_bytes=gpu, time_host=args.gpu is None)
+    for note in environment_notes(gpu is None):
+        print(f"note: {note}")
     if args.gpu is not None:
-        if kind_of(args.gpu) is None and args.speeds is None:
-            raise ConfigError(f"--gpu {args.gpu!r}: no rates for that GPU; give one of {', '.join(SPEEDS)}, or "
-                              f"--speeds FILE with its rates")
         machine = dataclasses.replace(machine, gpu_name=args.gpu, host_cores=None,  # that GPU's host, not this one
                                       host_measured=None)
     if machine.gpus > 1:

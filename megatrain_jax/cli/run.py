@@ -21,7 +21,7 @@ from flax import nnx
 
 from megatrain_jax import distributed
 from megatrain_jax.batch import RowMix
-from megatrain_jax._environment import gpu_fraction_source, host_pool_limit, user_host_pool_limit
+from megatrain_jax._environment import gpu_fraction_source, gpu_fraction_var, host_pool_limit, user_host_pool_limit
 from megatrain_jax.checkpoint import CorruptCheckpointError
 from megatrain_jax.cli.disk_room import check_disk_room
 from megatrain_jax.cli.export_guard import guarded_export
@@ -112,9 +112,11 @@ def _memory_line(memory: MemoryPlan, estimate: MemoryPlan | None = None) -> str:
         how = "with XLA's memory analysis of the compiled programs"
         if estimate is not None and estimate.engine_cfg == memory.engine_cfg:
             how += f"; the estimate was {estimate.gpu_total / 2**30:.1f} GiB"
+    source = gpu_fraction_source()
+    share = (f"{gpu_fraction():.0%} of the GPU, JAX's default" if source == "JAX's default" else
+             f"{gpu_fraction():.0%} of the GPU: {gpu_fraction_var()}={gpu_fraction():g}, set by {source}")
     return (f"  planned memory: host {memory.host_total / 2**30:.1f} GiB, GPU {memory.gpu_total / 2**30:.1f} GiB{of} "
-            f"({how}; {gpu_fraction():.0%} of the GPU: XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_fraction():g}, set by "
-            f"{gpu_fraction_source()}; megatrain-jax plan shows the breakdown)")
+            f"({how}; {share}; megatrain-jax plan shows the breakdown)")
 
 
 def _out_of_memory_advice(memory: MemoryPlan, err: DeviceOutOfMemoryError, checkpoints: bool = True,

@@ -313,12 +313,13 @@ def validate(cfg: DecoderConfig) -> None:
     for name in ("vocab_size", "hidden", "ffn", "layers", "heads", "kv_heads", "max_positions",
                  "loss_chunk_tokens"):
         value = getattr(cfg, name)
-        if not isinstance(value, int) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if cfg.max_segments is not None and (not isinstance(cfg.max_segments, int) or cfg.max_segments <= 0):
-        raise ValueError(f"max_segments must be a positive integer or None, got {cfg.max_segments!r}")
-    if cfg.mlp_chunk_tokens is not None and (not isinstance(cfg.mlp_chunk_tokens, int) or cfg.mlp_chunk_tokens <= 0):
-        raise ValueError(f"mlp_chunk_tokens must be a positive integer or None, got {cfg.mlp_chunk_tokens!r}")
+    for name in ("head_dim", "max_segments", "mlp_chunk_tokens", "sliding_window"):
+        value = getattr(cfg, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            default = " (unset: hidden // heads)" if name == "head_dim" else ""
+            raise ValueError(f"{name} must be a positive integer or None{default}, got {value!r}")
     if cfg.head_dim is None and cfg.hidden % cfg.heads and cfg.mla is None:
         raise ValueError(f"heads={cfg.heads} does not divide hidden={cfg.hidden}; choose heads dividing "
                          f"hidden or set head_dim explicitly")
@@ -354,8 +355,6 @@ def validate(cfg: DecoderConfig) -> None:
         if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise ValueError(f"{name} must be an integer token id{' or a list of them' if name == 'eos_token_id' else ''}"
                              f" or None, got {value!r}")
-    if cfg.sliding_window is not None and cfg.sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive or None, got {cfg.sliding_window}")
     if cfg.layer_types is not None:
         if len(cfg.layer_types) != cfg.layers or not set(cfg.layer_types) <= set(LAYER_TYPES):
             raise ValueError(f"layer_types must give each of the {cfg.layers} layers one of {list(LAYER_TYPES)}, got "

@@ -17,7 +17,16 @@ PRESETS: dict[str, DecoderConfig] = {name: DecoderConfig.from_dict(fields) for f
 def preset(name: str, **overrides) -> DecoderConfig:
     """A named preset, optionally with fields replaced (e.g. ``preset('7b', layers=16)``)."""
     if name not in PRESETS:
-        close = difflib.get_close_matches(name, PRESETS, n=3)
-        hint = f" Did you mean {close}?" if close else ""
-        raise ValueError(f"unknown preset {name!r}.{hint} Available: {sorted(PRESETS)}")
+        raise ValueError(f"unknown preset {name!r}.{_meant(name)} Available: {sorted(PRESETS)}")
     return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
+
+
+def _meant(name: str) -> str:
+    """The presets ``name`` may have meant, as a sentence: spelt in another case (``7B``, ``Llama3-8B``) or close to
+    one; a Hugging Face model (``meta-llama/Meta-Llama-3-8B``, a folder) is read from its folder, not named."""
+    if "/" in str(name):
+        return (" A Hugging Face model is read from its downloaded folder: set model.hf_checkpoint to it (in Python: "
+                "megatrain_jax.from_hf); a preset is one of the named shapes below.")
+    lower = {p.lower(): p for p in PRESETS}
+    close = [lower[p] for p in difflib.get_close_matches(str(name).lower(), lower, n=3)]
+    return f" Did you mean {close}?" if close else ""

@@ -24,6 +24,7 @@ from megatrain_jax.plan.activations import assumes_flash, kept_bytes
 from megatrain_jax.engine import precision
 from megatrain_jax.plan.counts import (GiB, activation_bytes, host_grad_bytes, host_roles, layer_param_count,
                                       mode_moment_bytes)
+from megatrain_jax._environment import gpu_fraction_var
 from megatrain_jax.plan.machine import gpu_fraction
 from megatrain_jax.plan.memory import MemoryPlan, MemoryPlanError
 from megatrain_jax.plan.layout import Changes, fewest, fits, legal, offload_counts
@@ -324,7 +325,7 @@ def machine_needed(p: MemoryPlan, modes: list[InMode] | None = None) -> str:
         f"({lean.bytes_per_param:.1f} B/param)" + ("" if lean.plan.gpu_fits else
                                                     f" and {math.ceil(lean.plan.gpu_total / GiB)} GiB of GPU"))
     return (f"a machine with at least {ram:,d} GiB of host RAM and a GPU whose allocator may use {gpu} GiB "
-            f"({math.ceil(gpu / gpu_fraction())} GiB at XLA_PYTHON_CLIENT_MEM_FRACTION={gpu_fraction():g})"
+            f"({math.ceil(gpu / gpu_fraction())} GiB at {gpu_fraction_var()}={gpu_fraction():g})"
             + other)
 
 

@@ -14,7 +14,7 @@ import os
 import subprocess
 import time
 
-from megatrain_jax._environment import (ENGINE_GPU_FRACTION, GPU_FRACTION_VAR, host_ram_override, user_host_pool_limit,
+from megatrain_jax._environment import (gpu_fraction_in_force, gpus_hidden, host_ram_override, user_host_pool_limit,
                                         visible_gpus)
 from megatrain_jax.plan.counts import GiB, MiB
 from megatrain_jax.plan.speeds import SPEEDS_VAR
@@ -87,18 +87,25 @@ def available_gpu_bytes() -> int | None:
 
 def gpu_bytes_before_jax() -> int | None:
     """What XLA's allocator will get on the first GPU, read without starting JAX: ``nvidia-smi``'s total
-    memory times ``gpu_fraction()``; None without nvidia-smi (a CPU machine)."""
+    memory times ``gpu_fraction()``; None without nvidia-smi (a CPU machine) or where ``CUDA_VISIBLE_DEVICES``
+    hides every GPU (nvidia-smi lists them all the same; JAX runs on the CPU). A GPU fraction JAX cannot take is
+    refused here (ValueError), before JAX would fail on it."""
+    if gpus_hidden():
+        return None
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, check=True, timeout=30).stdout.split()
-        return int(int(out[0]) * MiB * gpu_fraction())
+        total = int(out[0]) * MiB
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
+    return int(total * gpu_fraction())
 
 
 def gpu_name_before_jax() -> str | None:
     """The first GPU's name as the driver gives it (``NVIDIA H200``), read without starting JAX; None without
-    nvidia-smi."""
+    nvidia-smi or where ``CUDA_VISIBLE_DEVICES`` hides every GPU."""
+    if gpus_hidden():
+        return None
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                              text=True, check=True, timeout=30).stdout.splitlines()
@@ -141,9 +148,10 @@ def kernel_rates() -> dict[str, float] | None:
 
 
 def gpu_fraction() -> float:
-    """The share of GPU memory XLA may allocate in this environment: ``XLA_PYTHON_CLIENT_MEM_FRACTION``, which
-    importing megatrain_jax sets to ``ENGINE_GPU_FRACTION`` unless the user chose (``_environment``)."""
-    return float(os.environ.get(GPU_FRACTION_VAR, ENGINE_GPU_FRACTION))
+    """The share of GPU memory XLA may allocate in this environment: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` (or JAX's
+    newer ``XLA_CLIENT_MEM_FRACTION``), which importing megatrain_jax sets to ``ENGINE_GPU_FRACTION`` unless the user
+    chose; JAX's 75% where none is set. A value JAX cannot take is refused (``_environment.gpu_fraction_in_force``)."""
+    return gpu_fraction_in_force()
 
 
 def fitted_pool_limit(pinned: int, host_ram_bytes: int | None, devices: int = 1) -> int | None:
