@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from megatrain_jax.batch import RowMix, check_batch
-from megatrain_jax.data import (DataConfig, TokenDataset, TokenFile, demo_dataset, demo_tokens, prefetch,
-                                write_tokens)
+from megatrain_jax.data import (DataConfig, Prefetcher, TokenDataset, TokenFile, demo_dataset, demo_tokens,
+                                prefetch, write_tokens)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -316,6 +316,46 @@ def test_prefetch_same_sequence_and_state():
     assert state["batches"] == 5
     assert all(same(x, y) for x, y in zip(plain[5:], take(ds.batches(2, seed=4, state=state), 7)))
     assert list(prefetch(iter(range(5)), 2)) == list(range(5))
+
+
+class _Gated:
+    """0, 1, 2, ... with a ``state``/``restore`` position; reading an item past ``hold`` waits for ``gate`` after
+    taking its position (as a batch read from a slow disk does)."""
+
+    def __init__(self, hold: int, gate):
+        self.pos, self.hold, self.gate = 0, hold, gate
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        at = self.pos
+        if at >= self.hold:
+            self.gate.wait()
+        self.pos = at + 1
+        return at
+
+    def state(self) -> dict:
+        return {"pos": self.pos}
+
+    def restore(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+def test_a_restore_while_a_slow_batch_is_read_hands_out_the_restored_stream_only(monkeypatch):
+    """The read-ahead thread inside a batch that outlasts ``close``'s wait: before, ``restore`` went on beside it, the
+    stream was restored under it, and its item landed in the new queue (a batch from before the restore, twice)."""
+    import threading
+    monkeypatch.setattr(Prefetcher, "JOIN_S", 0.1, raising=False)
+    gate = threading.Event()
+    source = _Gated(hold=2, gate=gate)
+    it = prefetch(source, 1)
+    assert next(it) == 0
+    state = it.state()  # after item 0; the thread holds item 1 in its queue and waits inside item 2
+    threading.Timer(0.5, gate.set).start()
+    it.restore(state)
+    assert [next(it) for _ in range(4)] == [1, 2, 3, 4]
+    it.close()
 
 
 def test_prefetch_propagates_exception_and_closes():

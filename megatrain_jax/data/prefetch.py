@@ -18,6 +18,7 @@ class Prefetcher:
     """
 
     _END = object()
+    JOIN_S = 5.0  # how long ``close`` waits for the thread (a batch being read may take longer: ``restore`` waits on)
 
     def __init__(self, iterator: Iterator, n: int = 2):
         if n < 1:
@@ -27,11 +28,12 @@ class Prefetcher:
         self._start()
 
     def _start(self) -> None:
-        self._it = iter(self._source)
         self._state = self._source.state() if self._has_state else None
         self._queue: queue.Queue = queue.Queue(maxsize=self._depth)
         self._stop, self._done = threading.Event(), False
-        self._thread = threading.Thread(target=self._produce, name="megatrain-data-prefetch", daemon=True)
+        # the thread gets its own queue and stop event: one left from before a restore never feeds the new queue
+        self._thread = threading.Thread(target=self._produce, args=(iter(self._source), self._queue, self._stop),
+                                        name="megatrain-data-prefetch", daemon=True)
         self._thread.start()
 
     @property
@@ -60,22 +62,24 @@ class Prefetcher:
         if not self.restorable:
             raise TypeError(f"{type(self._source).__name__} has no restore(state): this stream cannot be resumed")
         self.close()
+        self._thread.join()  # however long the batch it is reading takes: the stream is not restored under it
         self._source.restore(state)
         self._start()
 
-    def _produce(self) -> None:
+    def _produce(self, it: Iterator, out: queue.Queue, stop: threading.Event) -> None:
         try:
-            for item in self._it:
-                if not self._put((item, self._source.state() if self._has_state else None)):
+            for item in it:
+                if not self._put((item, self._source.state() if self._has_state else None), out, stop):
                     return
-            self._put(self._END)
+            self._put(self._END, out, stop)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, who decides
-            self._put(e)
+            self._put(e, out, stop)
 
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
+    @staticmethod
+    def _put(item: Any, out: queue.Queue, stop: threading.Event) -> bool:
+        while not stop.is_set():
             try:
-                self._queue.put(item, timeout=0.05)
+                out.put(item, timeout=0.05)
                 return True
             except queue.Full:
                 pass
@@ -112,7 +116,7 @@ class Prefetcher:
         self._stop.set()
         while not self._queue.empty():
             self._queue.get_nowait()
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=self.JOIN_S)
 
     def __enter__(self) -> "Prefetcher":
         return self
