@@ -199,3 +199,21 @@ def test_a_template_that_leaves_the_answers_out_says_so(tmp_path):
                                                 r"'chat_template'\) renders nothing of message 1 \(an assistant "
                                                 r"turn\), so there is nothing to learn from it"):
         _one(tok, tmp_path, {"messages": USER_ASKS + [ANSWER]})
+
+
+def test_the_data_file_is_read_once_for_its_key_and_again_when_it_changes(tmp_path, monkeypatch):
+    """A start asks for the data's cache key several times; a data file of gigabytes was read whole each time."""
+    import time
+
+    from megatrain_jax.data import instruct
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"prompt": "a", "completion": "b"}\n')
+    reads = []
+    real_open = open
+    monkeypatch.setattr(instruct, "open", lambda f, *a, **k: reads.append(Path(f).name) or real_open(f, *a, **k),
+                        raising=False)
+    first = instruct.cache_key(data, tmp_path, 64, "truncate")
+    assert instruct.cache_key(data, tmp_path, 64, "truncate") == first and reads.count("chat.jsonl") == 1
+    time.sleep(0.01)
+    data.write_text('{"prompt": "a", "completion": "c"}\n')  # the same size, other bytes
+    assert instruct.cache_key(data, tmp_path, 64, "truncate") != first and reads.count("chat.jsonl") == 2

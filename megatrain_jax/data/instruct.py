@@ -367,13 +367,31 @@ def cache_key(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, seq_len
                                                               "chat_template.jinja", "generation_config.json",
                                                               "config.json")]
     for f in files:
-        h.update(f.name.encode() + b"|")
-        if f.exists():
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 24), b""):
-                    h.update(block)
-        h.update(b"|")
+        h.update(f.name.encode() + b"|" + (_file_digest(f) or b"") + b"|")
     return h.hexdigest()[:32]
+
+
+# Digests of files read in this process, by (path, inode, size, modification time): a start asks for the data's key
+# several times (the config check, the row mix, the batches, the stats, the held-out split), and a data file of
+# gigabytes is read once; a file changed or replaced since is read again
+_DIGESTS: dict[tuple, bytes] = {}
+
+
+def _file_digest(f: Path) -> bytes | None:
+    """The sha256 of ``f``'s bytes, None where it does not exist."""
+    try:
+        st = os.stat(f)
+    except OSError:
+        return None
+    key = (os.path.realpath(f), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        import hashlib
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                h.update(block)
+        _DIGESTS[key] = h.digest()
+    return _DIGESTS[key]
 
 
 def prepare(path: str | os.PathLike, tokenizer_dir: str | os.PathLike, seq_len: int, too_long: TooLong = "truncate",
