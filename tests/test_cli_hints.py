@@ -180,3 +180,13 @@ def test_plan_checks_the_checkpoints_weights_as_train_does(tmp_path, capsys):
     shutil.copy(HF_LLAMA / "config.json", bare / "config.json")
     assert main(["plan", f"model.hf_checkpoint={bare}"]) == 0
     assert "holds no weights here (config.json only)" in capsys.readouterr().out
+
+
+def test_data_held_out_and_never_evaluated_is_said(tmp_path, capsys):
+    """``data.eval_fraction > 0`` with ``train.eval_every = 0``: the held-out share neither trains nor evaluates."""
+    from megatrain_jax.cli import main
+    assert main(["train", "model.layers=2", "data.seq_len=32", "data.batch_size=4", "data.demo_tokens=20000",
+                 "log.tensorboard=false", "train.steps=1", "data.eval_fraction=0.1", "train.eval_every=0",
+                 f"train.run_dir={tmp_path / 'run'}"]) == 0
+    assert "note: data.eval_fraction=0.1 holds out that share of the data, which train.eval_every=0 never " \
+           "evaluates" in capsys.readouterr().out

@@ -322,6 +322,10 @@ def _train(cfg: RunConfig, out: TextIO, say) -> History:
                     f", all the held-out part holds of train.eval_batches={t.eval_batches}")
             say(f"  evaluating the held-out {d.eval_fraction:g} of the data every {every} steps ({batches} "
                 f"batch{'es' if batches != 1 else ''}{held}; set train.eval_every to change it, 0 for none)")
+    elif d.eval_fraction > 0:  # held out, and never looked at
+        say(f"  note: data.eval_fraction={d.eval_fraction:g} holds out that share of the data, which "
+            f"train.eval_every=0 never evaluates and the run does not train on; set data.eval_fraction=0 to train "
+            f"on all of it")
     hooks.append(memory_hook())
     if t.profile_step:
         predicted = step  # the plan's StepTime (None where the step-time model does not know this GPU)
