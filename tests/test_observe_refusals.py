@@ -331,3 +331,17 @@ def test_only_process_0_writes_the_run_records(tmp_path, monkeypatch):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     assert "dispatch_s" not in (tmp_path / "metrics.jsonl").read_text()
     assert not (tmp_path / "tb").exists() and not inits
+
+
+def test_plot_out_with_a_trailing_slash_is_a_folder(tmp_path, capsys):
+    """``--out nope/`` wrote ./nope.png; a trailing slash names a folder: refused where it does not exist, and the
+    default name in it where it does."""
+    from megatrain_jax.cli.commands import main
+    pytest.importorskip("matplotlib")
+    write_records(tmp_path / "metrics.jsonl", [row(s) for s in (1, 2, 3)])
+    assert main(["plot", str(tmp_path), "--out", f"{tmp_path / 'nope'}/"]) == 2
+    assert f"its folder {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "nope.png").exists()
+    (tmp_path / "figs").mkdir()
+    assert main(["plot", str(tmp_path), "--out", f"{tmp_path / 'figs'}/"]) == 0
+    assert (tmp_path / "figs" / "metrics.png").exists()

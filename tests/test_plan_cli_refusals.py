@@ -188,3 +188,12 @@ def test_a_size_past_any_machine_is_refused(flag, value, hint, capsys):
         main(["plan", flag, value])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and f"argument {flag}: {value!r} is more than" in err and hint in err, err
+
+
+def test_plan_names_the_fraction_variable_in_force(monkeypatch, capsys):
+    """With JAX's newer ``XLA_CLIENT_MEM_FRACTION``, plan named XLA_PYTHON_CLIENT_MEM_FRACTION all the same."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")
+    assert main(["plan", "--gpu", "H200"]) == 0
+    out = capsys.readouterr().out
+    assert "XLA may allocate 90% of it" in out and "(XLA_CLIENT_MEM_FRACTION, set by" in out, out

@@ -245,7 +245,8 @@ def test_train_runs_dpo_from_a_preference_file_and_resumes(tmp_path, capsys):
     write_jsonl(prefs, lines)
     assert main(["train", *common, f"train.run_dir={tmp_path / 'first'}", "train.steps=6", ckpt,
                  "train.checkpoint_every=2", "train.resume=true"]) != 0
-    assert "of other pairs" in capsys.readouterr().err
+    said = capsys.readouterr()
+    assert "of other pairs" in said.err and "loading weights" not in said.out  # refused before the weights load
     np.testing.assert_array_equal(np.load(tmp_path / "first" / "dpo_reference.npy"), ref)  # nothing lost
 
 

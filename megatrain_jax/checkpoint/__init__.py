@@ -5,12 +5,14 @@ and save-then-exit on SIGTERM/SIGINT/SIGHUP. ``Checkpointer`` saves and restores
 ``CheckpointWriteError`` (``failures``); no save can hang a run (docs/checkpoints_faults.md)."""
 
 from megatrain_jax.checkpoint.failures import CheckpointWriteError
+from megatrain_jax.checkpoint.folder_lock import CheckpointFolderBusyError
 from megatrain_jax.checkpoint.manager import (Checkpointer, CheckpointWarning, CorruptCheckpointError,
                                               check_step, committed_steps)
 from megatrain_jax.checkpoint.parts import ShapeMismatchError
 from megatrain_jax.checkpoint.session import CheckpointedExit, CheckpointSession
+from megatrain_jax.checkpoint.store import NonFiniteCheckpointError
 
-__all__ = ["CheckpointSession", "CheckpointWarning", "CheckpointWriteError", "CheckpointedExit", "Checkpointer",
-           "CorruptCheckpointError", "ShapeMismatchError", "check_step", "committed_steps", "load_model", "load_params",
+__all__ = ["CheckpointFolderBusyError", "CheckpointSession", "CheckpointWarning", "CheckpointWriteError",
+           "CheckpointedExit", "Checkpointer", "CorruptCheckpointError", "NonFiniteCheckpointError", "ShapeMismatchError", "check_step", "committed_steps", "load_model", "load_params",
            "save_model", "save_params"]
 from megatrain_jax.checkpoint.params import load_model, load_params, save_model, save_params  # noqa: E402

@@ -274,8 +274,8 @@ class CheckpointSession:
                                  f"use train.resume=true")
             if held and root.resolve() != Path(self.ckpt.root).resolve():
                 raise ValueError(f"resuming from {resume} into checkpoint directory {self.ckpt.root}, which holds "
-                                 f"another run's checkpoints (steps {held}): this run's would be mixed with them, and "
-                                 f"the keep rule would delete theirs. Nothing was changed. To go on from the newest of "
+                                 f"another run's checkpoints (steps {held}): this run's would be mixed with them (and a "
+                                 f"later resume=true would adopt and prune theirs). Nothing was changed. To go on from the newest of "
                                  f"those (this run's own, resumed before), use train.resume=true; to start a branch "
                                  f"from {resume}, set train.run_dir (or train.checkpoint_dir) to a new folder")
             newer = [n for n in held if step is not None and n > step]

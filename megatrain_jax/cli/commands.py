@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatrain_jax import distributed
+from megatrain_jax._environment import gpu_fraction_source, gpu_fraction_var
 from megatrain_jax.cli.plan_inputs import environment_notes, gib, gpu_gib, gpu_kind
 from megatrain_jax.checkpoint.failures import CheckpointWriteError
 from megatrain_jax.checkpoint.manager import CorruptCheckpointError
@@ -149,8 +150,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         gpu_gib, whose = MEMORY_GIB[named], f" (the {named}'s; --gpu-gib for another)"  # that GPU's, not this one's
     gpu = None if gpu_gib is None else int(gpu_gib * GiB * gpu_fraction())
     if gpu is not None:
+        set_by = ("JAX's default" if gpu_fraction_source() == "JAX's default" else
+                  f"{gpu_fraction_var()}, set by {gpu_fraction_source()}")
         print(f"GPU of {gpu_gib:g} GiB{whose}: XLA may allocate {gpu_fraction():.0%} of it, {gpu / GiB:.2f} GiB "
-              f"(XLA_PYTHON_CLIENT_MEM_FRACTION)")
+              f"({set_by})")
     model_cfg, d = cfg.model.build(), cfg.with_tokenizer().data
     note = check_positions(d, model_cfg)  # windows past max_positions were refused as the config was read
     if note is not None:

@@ -400,9 +400,13 @@ def _preference_data(cfg: RunConfig, model_cfg, say) -> tuple[Callable, dict, DP
     n = sum(len(x) for x in sets)
     ref: dict[str, np.ndarray] = {}
 
+    # a resume's values are the ones the run started with, not a recomputation: read (and refused, where they are
+    # of other pairs) now, before the weights load
+    kept = read_reference(saved, sets) if t.resume and saved.exists() else None
+
     def stream(engine) -> Iterable[Batch]:
-        if t.resume and saved.exists():  # the values the run started with, not a recomputation
-            values = read_reference(saved, sets)
+        if kept is not None:
+            values = kept
             say(f"  reference log-probabilities of {n:,} pairs read from {saved}")
         else:
             t0 = time.perf_counter()

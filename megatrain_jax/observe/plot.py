@@ -84,10 +84,11 @@ def _png_path(out: str | os.PathLike | None, source: Path, run_dir: Path) -> Pat
     default = source.with_suffix(".png").name if source.is_file() else "metrics.png"
     if out is None:
         return run_dir / default
+    folder = str(out).endswith(("/", os.sep))  # a trailing slash names a folder, even one not made yet
     out = Path(out)
-    if out.is_dir():
-        return out / default
-    if not out.suffix:
+    if out.is_dir() or folder:
+        out = out / default
+    elif not out.suffix:
         out = out.with_name(out.name + ".png")
     if not out.parent.is_dir():
         wrong = "is a file" if out.parent.exists() else "does not exist"
