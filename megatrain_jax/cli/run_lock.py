@@ -13,11 +13,9 @@ host only (NFS may not implement it at all); give runs on different hosts differ
 
 from __future__ import annotations
 
-import datetime
-import fcntl
-import os
-import socket
 from pathlib import Path
+
+from megatrain_jax.checkpoint.folder_lock import HeldElsewhere, hold, let_go
 
 
 class RunFolderBusyError(FileExistsError):
@@ -41,32 +39,22 @@ class RunLock:
                                   f"{self.key} to a folder (a new one for a new run), or move the file away")
         self._made = not self.run_dir.exists()  # a folder this lock made, removed on release if the run left it empty
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read(fd) or "another process (it wrote no details yet)"
-            os.close(fd)
+            self._fd, before = hold(self.path)
+        except HeldElsewhere as held:
             raise RunFolderBusyError(
-                f"{self.what} {self.run_dir} is in use by {holder} ({self.path}); nothing was changed. Wait for "
-                f"that run to end, or set {self.key} to another folder") from None
+                f"{self.what} {self.run_dir} is in use by {held.holder or 'another process (it wrote no details yet)'}"
+                f" ({self.path}); nothing was changed. Wait for that run to end, or set {self.key} to another "
+                f"folder") from None
         except OSError as err:  # a file system without locks (some network and FUSE mounts): ENOLCK, EOPNOTSUPP
-            os.close(fd)
             return (f"{self.what} {self.run_dir} cannot be locked ({err.strerror or err}: its file system does not "
                     f"support locks), so a second run into it would not be refused: make sure no other run uses it "
                     f"while this one runs")
-        before = _read(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}, started "
-                      f"{datetime.datetime.now().isoformat(timespec='seconds')}\n".encode(), 0)
-        self._fd = fd
         return None if not before else f"took over the lock of a run that is no longer running ({before})"
 
     def release(self) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)  # unlocked and empty: nobody holds it
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+            let_go(self._fd)  # unlocked and empty: nobody holds it
             self._fd = None
         if self._made and [p.name for p in self.run_dir.iterdir()] == [self.path.name]:
             # a start refused before it wrote anything leaves no folder behind
@@ -83,7 +71,3 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-def _read(fd: int) -> str:
-    return os.pread(fd, 4096, 0).decode(errors="replace").strip()
