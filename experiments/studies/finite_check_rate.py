@@ -1,6 +1,6 @@
 """What the restore's NaN/infinity check costs: ``checkpoint.store.non_finite`` (the check every restored part goes
 through, its chunks on up to 8 threads) over float32 and bfloat16 arrays of a block's size, against the same chunks
-tested on one thread, and a plain copy of the same bytes (numpy, one thread) for the host's memory.
+tested on one thread (the median of ``--rounds`` calls each), and a plain copy of the same bytes (numpy, one thread) for the host's memory.
 
     PYTHONPATH=. python experiments/studies/finite_check_rate.py --gib 4 --out $OUT/h200_finite_check_rate.json
 """
@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -19,20 +18,10 @@ EXPERIMENTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # chi
 sys.path.insert(0, EXPERIMENTS)
 sys.path.insert(0, os.path.dirname(EXPERIMENTS))  # the repository root: megatrain_jax
 
-from child import results_header  # noqa: E402
+from child import median_seconds, results_header  # noqa: E402
 from megatrain_jax.checkpoint import store  # noqa: E402
 
 LEAF = 45 << 20  # elements of one leaf: about the widest block matrix of a 13B model
-
-
-def best(fn, rounds: int) -> float:
-    """The fastest of ``rounds`` timed calls of ``fn``, in seconds."""
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def one_thread(leaves: dict[str, np.ndarray]) -> list[str]:
@@ -59,7 +48,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import ml_dtypes
-    rows = []
+    runs = []
     rng = np.random.default_rng(0)
     for dtype in (np.float32, ml_dtypes.bfloat16):
         size = np.dtype(dtype).itemsize
@@ -71,17 +60,16 @@ def main() -> None:
         poisoned["bad"][-3] = np.nan
         found = store.non_finite(poisoned) == ["bad"]
         out = np.empty_like(leaves["leaf_0"])
-        pooled = best(lambda: store.non_finite(leaves), args.rounds)
-        single = best(lambda: one_thread(leaves), args.rounds)
-        copy = best(lambda: [np.copyto(out, x) for x in leaves.values()], args.rounds)
-        rows.append({"dtype": np.dtype(dtype).name, "gib": round(nbytes / 2**30, 2), "leaves": n,
+        pooled = median_seconds(lambda: store.non_finite(leaves), args.rounds)
+        single = median_seconds(lambda: one_thread(leaves), args.rounds)
+        copy = median_seconds(lambda: [np.copyto(out, x) for x in leaves.values()], args.rounds)
+        runs.append({"dtype": np.dtype(dtype).name, "gib": round(nbytes / 2**30, 2), "leaves": n,
                      "nan_found": found, "threads": min(8, os.cpu_count() or 1),
                      "pooled_gb_s": round(nbytes / pooled / 1e9, 2), "one_thread_gb_s": round(nbytes / single / 1e9, 2),
                      "copy_one_thread_gb_s": round(2 * nbytes / copy / 1e9, 2)})
-        print(json.dumps(rows[-1]), flush=True)
-        del leaves, poisoned
+        print(json.dumps(runs[-1]), flush=True)
     with open(args.out, "w") as f:
-        json.dump({**results_header(args.out, __file__), "rows": rows}, f, indent=1)
+        json.dump({**results_header(args.out, __file__), "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ run's configuration changed)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import tomllib
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 from megatrain_jax import fit_history
 from megatrain_jax.checkpoint import committed_steps
 from megatrain_jax.cli.run_config import RunConfig, parse_config, to_toml
-from megatrain_jax.observe.metrics import free_name, read_metrics
+from megatrain_jax.observe.metrics import free_name, read_metrics, write_whole
 
 # What a resume compares with the run it continues and says where it differs: the optimizer and the schedule's
 # length (the learning-rate schedule is laid out over train.steps), and the clipping threshold. Changing them is
@@ -111,9 +110,7 @@ def rebuild_metrics(run_dir: Path, ckpt_dir: Path, step: int) -> str | None:
     by_step = {r["step"]: r for r in fit_history.read(ckpt_dir) if type(r.get("step")) is int and 0 < r["step"] <= step}
     if not by_step:
         return None
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(by_step[n]) + "\n" for n in sorted(by_step)))
-    os.replace(tmp, path)
+    write_whole(path, "".join(json.dumps(by_step[n]) + "\n" for n in sorted(by_step)))
     held = f"steps {min(by_step)} to {max(by_step)}" if len(by_step) == max(by_step) - min(by_step) + 1 else \
         f"{len(by_step)} steps of 1 to {step}"
     return (f"{path} was missing: its records of {held} were rebuilt from {ckpt_dir / fit_history.FILE} (without "

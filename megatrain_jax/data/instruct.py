@@ -47,6 +47,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 
 from megatrain_jax.data.chat_lines import InstructDataError, nothing_in, parse_line, read_lines, refuse_token_file
+from megatrain_jax.data.tokens import file_identity
 from megatrain_jax.hf.json_files import read_json_object
 
 TooLong = Literal["truncate", "skip"]
@@ -379,11 +380,9 @@ _DIGESTS: dict[tuple, bytes] = {}
 
 def _file_digest(f: Path) -> bytes | None:
     """The sha256 of ``f``'s bytes, None where it does not exist."""
-    try:
-        st = os.stat(f)
-    except OSError:
+    key = file_identity(f)
+    if key is None:
         return None
-    key = (os.path.realpath(f), st.st_ino, st.st_size, st.st_mtime_ns)
     if key not in _DIGESTS:
         import hashlib
         h = hashlib.sha256()

@@ -203,13 +203,20 @@ _SCANNED: set[tuple] = set()
 
 
 def _file_key(path: str | os.PathLike | None, vocab: int) -> tuple | None:
+    seen = file_identity(path)
+    return None if seen is None else (*seen, vocab)
+
+
+def file_identity(path: str | os.PathLike | None) -> tuple | None:
+    """A file as it is now: (real path, inode, size, modification time); another once it is changed or replaced.
+    None where there is no such file."""
     if path is None:
         return None
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns, vocab
+    return os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _read_sidecar(path: Path) -> dict:

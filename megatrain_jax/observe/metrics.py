@@ -171,8 +171,8 @@ class JsonlWriter:
                   file=sys.stderr, flush=True)
         if why is not None:
             self.moved_aside = free_name(self.path)
-            _write_whole(self.moved_aside, text)
-            _write_whole(self.path, "".join(kept))
+            write_whole(self.moved_aside, text)
+            write_whole(self.path, "".join(kept))
             print(f"{self.path}: kept whole as {self.moved_aside} ({why}); {self.path.name} goes on from its "
                   f"{len(kept)} records before step {first_step}", file=sys.stderr, flush=True)
         self._f = open(self.path, "a")
@@ -204,7 +204,7 @@ class JsonlWriter:
             self._f.close()
 
 
-def _write_whole(path: Path, text: str) -> None:
+def write_whole(path: Path, text: str) -> None:
     """``path`` holding ``text``, never half written: written and synced under a temporary name, then renamed."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
